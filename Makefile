@@ -1,0 +1,47 @@
+# The README's commands. `make serve` serves the default model; `make test` runs the whole suite.
+# Both start from a fresh machine: they create .venv, fetch the model and build llama-server.
+
+PYTHON      ?= python3
+VENV        := .venv
+BIN         := $(VENV)/bin
+MODEL       := models/SmolLM2-135M-Instruct.Q4_1.gguf
+FORK        := $(MODEL).FORK.json
+LISTEN      ?= 127.0.0.1:18093
+UPSTREAM    ?= 127.0.0.1:18092
+
+.PHONY: serve test bench venv test-deps model llama-server clean
+
+$(BIN)/bankml: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# compat mode puts the repository on sys.path, so twistd finds twisted/plugins/bankml_plugin.py
+	$(BIN)/pip install -q -e . --config-settings editable_mode=compat
+	touch $@
+
+venv: $(BIN)/bankml
+
+$(VENV)/.test-deps: $(BIN)/bankml setup.cfg
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	touch $@
+
+test-deps: $(VENV)/.test-deps
+
+model: $(BIN)/bankml
+	PYTHON=$(BIN)/python scripts/fetch-model.sh
+
+llama-server:
+	scripts/build-llama-server.sh
+
+serve: venv model
+	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --spawn "$$(scripts/build-llama-server.sh)" \
+	    --listen $(LISTEN) --upstream $(UPSTREAM)
+
+test: test-deps model
+	BANKML_LLAMA_SERVER="$$(scripts/build-llama-server.sh)" BANKML_MODEL=$(MODEL) \
+	    $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: venv model
+	$(BIN)/python bench/gateway.py --llama-server "$$(scripts/build-llama-server.sh)" --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

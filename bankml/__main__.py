@@ -1,0 +1,3 @@
+from bankml.cli import main
+
+raise SystemExit(main())

