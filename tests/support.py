@@ -1,0 +1,110 @@
+"""Shared test helpers: where the reference parts are, free ports, a real llama-server process.
+
+Tests use the real llama-server built by scripts/build-llama-server.sh and the default model
+fetched by scripts/fetch-model.sh. `make test` passes both in the environment; run alone, the
+helpers find them the same way (the build script answers at once when its cache is in place).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_FORK = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf.FORK.json"
+DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def llama_server_binary() -> Path:
+    """The reference llama-server: $BANKML_LLAMA_SERVER, else the build script's cached binary."""
+    env = os.environ.get("BANKML_LLAMA_SERVER")
+    if env:
+        return Path(env)
+    out = subprocess.run(
+        [str(ROOT / "scripts" / "build-llama-server.sh")], check=True, capture_output=True, text=True
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def default_model() -> Path:
+    env = os.environ.get("BANKML_MODEL")
+    if env:
+        return Path(env).resolve()
+    subprocess.run([str(ROOT / "scripts" / "fetch-model.sh")], check=True, capture_output=True)
+    return DEFAULT_MODEL
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
+    """A blocking JSON request for test set-up (not for the code under test)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            return err.code, json.loads(raw)
+        except ValueError:
+            return err.code, {"raw": raw.decode("utf-8", "replace")}
+
+
+@dataclass
+class LlamaServer:
+    """A real llama-server on a free loopback port, for oracle and gateway tests."""
+
+    model: Path
+    args: list[str] = field(default_factory=list)
+    binary: Path = field(default_factory=llama_server_binary)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120) -> "LlamaServer":
+        cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", "2", "-c", "2048", "-np", "1", "--jinja", "--no-webui", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {cmd}")
+            try:
+                if http_json(self.url + "/health", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("llama-server did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
