@@ -178,10 +178,9 @@ class _TensorInfo:
 class _Reader:
     """Bounds-checked little-endian reads over the prefix; every read checks before it unpacks."""
 
-    def __init__(self, buf: bytes | memoryview, file_size: int | None) -> None:
+    def __init__(self, buf: bytes | memoryview) -> None:
         self.buf = buf
         self.avail = len(buf)
-        self.file_size = file_size
         self.pos = 0
 
     def need(self, n: int) -> int:
@@ -200,28 +199,31 @@ class _Reader:
     def unpack(self, fmt: struct.Struct) -> Any:
         return fmt.unpack_from(self.buf, self.need(fmt.size))[0]
 
-    def length(self, what: str, cap: int | None = None) -> int:
-        """A u64 length that must fit in the file (and under cap) before anything is read."""
+    def length(self, what: str, cap: int) -> int:
+        """A u64 length, refused at once above cap; a length that merely runs past the prefix
+        (or past the end of a truncated file) is need_more, like any other read."""
         at = self.pos
         n = self.unpack(_U64)
-        if cap is not None and n > cap:
+        if n > cap:
             raise _Refuse(f"{what} at offset {at} is {n} bytes, more than the {cap} allowed")
-        if self.file_size is not None and n > self.file_size:
-            raise _Refuse(f"{what} at offset {at} is {n} bytes, longer than the file ({self.file_size} bytes)")
         return n
 
-    def string(self, what: str, cap: int | None = None) -> str:
+    def string(self, what: str, cap: int = MAX_HEADER_BYTES) -> str:
         n = self.length(what, cap)
         start = self.need(n)
         return bytes(self.buf[start : start + n]).decode("utf-8", "replace")
 
     def count_fits(self, count: int, min_bytes: int, what: str) -> None:
-        """Refuse a count whose smallest encoding cannot fit in what is left of the file."""
-        if self.file_size is not None and count * min_bytes > self.file_size - self.pos:
+        """Judge a count by its smallest encoding before looping over it: past the header cap is
+        refused, past the prefix is need_more, so no loop ever runs on an impossible count."""
+        least = count * min_bytes
+        if self.pos + least > MAX_HEADER_BYTES:
             raise _Refuse(
-                f"{what} at offset {self.pos} claims {count} elements, at least {count * min_bytes} bytes, "
-                f"more than the {max(self.file_size - self.pos, 0)} left in the file"
+                f"{what} at offset {self.pos} claims {count} elements, at least {least} bytes, "
+                f"more than the {MAX_HEADER_BYTES} a header may take"
             )
+        if self.pos + least > self.avail:
+            self.need_more(self.pos + least)
 
 
 def _value_type(r: _Reader) -> int:
@@ -233,15 +235,15 @@ def _value_type(r: _Reader) -> int:
 
 def _skip_strings(r: _Reader, count: int) -> None:
     """Walk `count` strings by their lengths without decoding them (a tokenizer's vocabulary)."""
-    buf, avail, file_size, pos = r.buf, r.avail, r.file_size, r.pos
+    buf, avail, pos = r.buf, r.avail, r.pos
     unpack_u64 = _U64.unpack_from
     for _ in range(count):
         if pos + 8 > avail:
             r.pos = pos
             r.need_more(pos + 8)
         (n,) = unpack_u64(buf, pos)
-        if file_size is not None and n > file_size:
-            raise _Refuse(f"string at offset {pos} is {n} bytes, longer than the file ({file_size} bytes)")
+        if n > MAX_HEADER_BYTES:
+            raise _Refuse(f"string at offset {pos} is {n} bytes, more than the {MAX_HEADER_BYTES} allowed")
         pos += 8 + n
     r.pos = pos
     if pos > avail:
@@ -298,11 +300,8 @@ def _read_counts(r: _Reader) -> tuple[int, int, int]:
     if n_tensors > MAX_TENSORS:
         raise _Refuse(f"header claims {n_tensors} tensors, more than the {MAX_TENSORS} allowed")
     least = HEADER_FIXED_BYTES + n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES
-    if r.file_size is not None and least > r.file_size:
-        raise _Refuse(
-            f"header claims {n_tensors} tensors and {n_kv} metadata keys, at least {least} bytes, "
-            f"more than the file's {r.file_size}"
-        )
+    if least > r.avail:  # no loop over counts the bytes at hand cannot hold
+        r.need_more(least)
     return version, n_tensors, n_kv
 
 
@@ -326,7 +325,7 @@ def _alignment(kv: dict[str, Any]) -> int:
 
 
 def _read_tensor(r: _Reader, faults: dict[str, list[str]]) -> _TensorInfo:
-    name = r.string("tensor name")
+    name = r.string("tensor name", MAX_KEY_BYTES)
     n_dims = r.unpack(_U32)
     if n_dims > GGML_MAX_DIMS:
         raise _Refuse(f"tensor {name!r} has {n_dims} dimensions, ggml allows at most {GGML_MAX_DIMS}")
@@ -338,8 +337,10 @@ def _read_tensor(r: _Reader, faults: dict[str, list[str]]) -> _TensorInfo:
         nelements *= d
     if any(d > INT64_MAX for d in dims):
         faults["negative dimension"].append(name)
+        nelements = 0  # its size is meaningless: one reason, not a cascade of extent faults
     elif nelements > INT64_MAX:
         faults["element count overflow"].append(name)
+        nelements = 0
     return _TensorInfo(name, dims, type_id, offset, nelements)
 
 
@@ -498,12 +499,13 @@ def guard_bytes(prefix: bytes | bytearray | memoryview, file_size: int | None, f
                 engine: str = "mainline") -> GuardResult:
     """Judge a GGUF header from the first bytes of a file.
 
-    `file_size` (when known) bounds every count and length and lets the tensor extents be
-    checked; `filename` is the basename, used by the Bonsai label check. `engine` "prism" turns
+    A read past the prefix gives need_more with the offset it needs; counts and lengths beyond
+    the caps (MAX_KV, MAX_TENSORS, MAX_HEADER_BYTES ...) are refused at once. `file_size` (when
+    known) lets the tensor extents be checked against the file; `filename` is the basename, used by the Bonsai label check. `engine` "prism" turns
     off the mainline-only checks; any other value means mainline.
     """
     engine = "prism" if engine == "prism" else "mainline"
-    r = _Reader(memoryview(prefix), file_size)
+    r = _Reader(memoryview(prefix))
     try:
         version, kv, tensors, alignment, data_start, faults = _parse(r)
     except _NeedMore as more:
