@@ -1,0 +1,524 @@
+"""serve.md's loopback rules, each over a raw socket against a real LoopbackSite on 127.0.0.1.
+
+The reactor runs (pytest-twisted); every blocking socket call runs in a thread through
+deferToThread, so the server keeps answering while the client waits.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+from bankml.site import (
+    MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
+    LoopbackSite,
+    NotLoopbackError,
+    is_loopback_host,
+    listen_loopback,
+    parse_listen,
+)
+
+BIG_ANSWER = 16 * 1024 * 1024  # larger than the loopback socket buffers can hold
+CLIENT_TIMEOUT = 20.0  # a hang guard only; no test depends on how fast anything is
+
+
+class TinyRoot(Resource):
+    """GET / -> "ok"; GET /big -> BIG_ANSWER bytes; POST /echo -> the body's length."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def render_GET(self, request: Request) -> bytes | int:
+        self.calls += 1
+        if request.path == b"/big":
+            request.setHeader(b"content-length", b"%d" % BIG_ANSWER)
+            request.write(b"x" * BIG_ANSWER)
+            request.finish()
+            return NOT_DONE_YET
+        return b"ok"
+
+    def render_POST(self, request: Request) -> bytes:
+        self.calls += 1
+        return b"%d" % len(request.content.read())
+
+
+@dataclass
+class Front:
+    site: LoopbackSite
+    root: TinyRoot
+    port: int
+
+
+@pytest.fixture
+def front() -> Iterator[Front]:
+    root = TinyRoot()
+    site = LoopbackSite(root)
+    site.drain_timeout = 0.5  # unknown-length drains end quickly; known lengths end when read
+    listening = listen_loopback(site, "127.0.0.1:0")
+    yield Front(site, root, listening.getHost().port)
+    pytest_twisted.blockon(listening.stopListening())
+
+
+# --- a raw HTTP/1.1 client, run in threads ------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    end: str  # "eof" (clean close), "reset", or "open" (not read to the end)
+
+
+def connect(port: int, host: str = "127.0.0.1", rcvbuf: int | None = None) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(CLIENT_TIMEOUT)
+    sock.connect((host, port))
+    return sock
+
+
+def read_to_end(sock: socket.socket) -> tuple[int, str]:
+    """Read until the server closes: (bytes read, "eof" or "reset")."""
+    total = 0
+    try:
+        while chunk := sock.recv(1 << 20):
+            total += len(chunk)
+    except ConnectionResetError:
+        return total, "reset"
+    return total, "eof"
+
+
+def read_reply(sock: socket.socket, until_eof: bool = False) -> Reply:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed before a complete answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = sock.recv(1 << 20)
+        assert chunk, "the server closed in the middle of the body"
+        body += chunk
+    end = read_to_end(sock)[1] if until_eof else "open"
+    return Reply(int(status_line.split()[1]), headers, body[:length], end)
+
+
+def exchange(port: int, data: bytes, until_eof: bool = True, host: str = "127.0.0.1") -> Reply:
+    with connect(port, host) as sock:
+        sock.sendall(data)
+        return read_reply(sock, until_eof)
+
+
+def request(
+    method: str = "GET",
+    path: str = "/",
+    host: str | None = "127.0.0.1",
+    headers: tuple[str, ...] = (),
+    body: bytes = b"",
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1"]
+    if host is not None:
+        lines.append(f"Host: {host}")
+    lines += headers
+    if body:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+async def in_thread(fn: Callable, *args, **kwargs):
+    return await deferToThread(fn, *args, **kwargs)
+
+
+async def wait_until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(int(CLIENT_TIMEOUT / 0.01)):
+        if condition():
+            return
+        await deferLater(reactor, 0.01, lambda: None)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def assert_refused(reply: Reply, status: int) -> None:
+    assert reply.status == status, reply
+    assert reply.headers["connection"] == "close"
+    assert reply.headers["content-type"].startswith("text/plain")
+    assert reply.body.strip(), "a refusal says why"
+    assert reply.end in ("eof", "open"), "the client got the answer, not a reset"
+
+
+# --- Host -------------------------------------------------------------------------------------
+
+
+LOOPBACK_HOSTS = [
+    "127.0.0.1",
+    "127.0.0.1:18093",
+    "localhost",
+    "localhost:80",
+    "LocalHost:1",
+    "[::1]",
+    "[::1]:18093",
+]
+FOREIGN_HOSTS = [
+    "example.com",
+    "evil.example:18093",
+    "127.0.0.2",
+    "localhost.evil.com",
+    "127.0.0.1.nip.io",
+    "[::2]",
+    "::1",
+    "localhost:",
+    "localhost:http",
+    "0.0.0.0",
+]
+
+
+@pytest.mark.parametrize("host", LOOPBACK_HOSTS)
+@pytest_twisted.ensureDeferred
+async def test_loopback_host_is_served(front: Front, host: str) -> None:
+    reply = await in_thread(exchange, front.port, request(host=host, headers=("Connection: close",)))
+    assert (reply.status, reply.body) == (200, b"ok")
+    assert front.root.calls == 1
+
+
+@pytest.mark.parametrize("host", FOREIGN_HOSTS)
+@pytest_twisted.ensureDeferred
+async def test_foreign_host_is_403(front: Front, host: str) -> None:
+    reply = await in_thread(exchange, front.port, request(host=host))
+    assert_refused(reply, 403)
+    assert front.root.calls == 0, "a refused request never reaches the resource"
+
+
+@pytest_twisted.ensureDeferred
+async def test_missing_or_repeated_host_is_403(front: Front) -> None:
+    missing = await in_thread(exchange, front.port, b"GET / HTTP/1.0\r\n\r\n")
+    assert_refused(missing, 403)
+    repeated = request(headers=("Host: 127.0.0.1",))
+    assert_refused(await in_thread(exchange, front.port, repeated), 403)
+    assert front.root.calls == 0
+
+
+def test_is_loopback_host_rules() -> None:
+    assert all(is_loopback_host(h.encode()) for h in LOOPBACK_HOSTS)
+    assert not any(is_loopback_host(h.encode()) for h in FOREIGN_HOSTS)
+
+
+# --- Transfer-Encoding, body size, media type ---------------------------------------------------
+
+
+@pytest.mark.parametrize("coding", ["chunked", "gzip, chunked", "identity"])
+@pytest_twisted.ensureDeferred
+async def test_transfer_encoding_is_400_send_content_length(front: Front, coding: str) -> None:
+    data = request("POST", "/echo", headers=("Content-Type: application/json", f"Transfer-Encoding: {coding}"))
+    reply = await in_thread(exchange, front.port, data + b"2\r\n{}\r\n0\r\n\r\n")
+    assert_refused(reply, 400)
+    assert reply.body == b"send Content-Length\n"
+    assert front.root.calls == 0
+
+
+def send_head_and_part(port: int, head: bytes, part: int) -> Reply:
+    """Send a head and only `part` bytes of its body, then read the answer to the end."""
+    with connect(port) as sock:
+        sock.sendall(head + b"{" * part)
+        return read_reply(sock, until_eof=True)
+
+
+@pytest_twisted.ensureDeferred
+async def test_body_over_16_mib_is_413_from_the_header(front: Front) -> None:
+    head = request(
+        "POST", "/echo", headers=("Content-Type: application/json", f"Content-Length: {MAX_BODY_BYTES + 1}")
+    )
+    reply = await in_thread(send_head_and_part, front.port, head, 1 << 20)
+    assert_refused(reply, 413)
+    assert reply.end == "eof", "the server closes cleanly once the drain times out"
+    assert front.root.calls == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_body_of_16_mib_is_accepted(front: Front) -> None:
+    body = b" " * (MAX_BODY_BYTES - 2) + b"{}"
+    data = request("POST", "/echo", headers=("Content-Type: application/json",), body=body)
+    reply = await in_thread(exchange, front.port, data, False)
+    assert (reply.status, reply.body) == (200, b"%d" % MAX_BODY_BYTES)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "application/x-www-form-urlencoded", "text/plain", "application/jsonx", "application/json-seq"],
+)
+@pytest_twisted.ensureDeferred
+async def test_post_without_json_type_is_415(front: Front, content_type: str | None) -> None:
+    headers = () if content_type is None else (f"Content-Type: {content_type}",)
+    reply = await in_thread(exchange, front.port, request("POST", "/echo", headers=headers, body=b"a=1"))
+    assert_refused(reply, 415)
+    assert front.root.calls == 0
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
+@pytest_twisted.ensureDeferred
+async def test_post_with_json_type_is_served(front: Front, content_type: str) -> None:
+    data = request("POST", "/echo", headers=(f"Content-Type: {content_type}",), body=b'{"a": 1}')
+    reply = await in_thread(exchange, front.port, data, False)
+    assert (reply.status, reply.body) == (200, b"8")
+
+
+# --- line and header limits --------------------------------------------------------------------
+
+
+def padded_path(line_length: int) -> str:
+    """A path that makes the request line exactly `line_length` bytes long."""
+    return "/" + "a" * (line_length - len("GET / HTTP/1.1"))
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_line_over_16_kib_is_400(front: Front) -> None:
+    reply = await in_thread(exchange, front.port, request(path=padded_path(16 * 1024 + 1)))
+    assert_refused(reply, 400)
+    at_limit = await in_thread(exchange, front.port, request(path=padded_path(16 * 1024)), False)
+    assert at_limit.status == 200, "a line of exactly 16 KiB is allowed"
+
+
+@pytest_twisted.ensureDeferred
+async def test_header_line_over_16_kib_is_400(front: Front) -> None:
+    def header(length: int) -> str:
+        return "X-Long: " + "b" * (length - len("X-Long: "))
+
+    reply = await in_thread(exchange, front.port, request(headers=(header(16 * 1024 + 1),)))
+    assert_refused(reply, 400)
+    at_limit = await in_thread(exchange, front.port, request(headers=(header(16 * 1024),)), False)
+    assert at_limit.status == 200
+    assert front.root.calls == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_line_over_16_kib_without_end_is_400(front: Front) -> None:
+    # No CRLF at all: the line is refused as soon as it passes the limit, not when it ends.
+    with_no_end = b"GET /" + b"c" * (20 * 1024)
+    reply = await in_thread(exchange, front.port, with_no_end)
+    assert_refused(reply, 400)
+
+
+@pytest_twisted.ensureDeferred
+async def test_more_than_100_header_lines_is_400(front: Front) -> None:
+    extra = tuple(f"X-H{i}: {i}" for i in range(100))  # with Host, 101 header lines
+    reply = await in_thread(exchange, front.port, request(headers=extra))
+    assert_refused(reply, 400)
+    at_limit = await in_thread(exchange, front.port, request(headers=extra[:99]), False)
+    assert at_limit.status == 200, "exactly 100 header lines are allowed"
+    assert front.root.calls == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_malformed_request_is_a_clean_400(front: Front) -> None:
+    reply = await in_thread(exchange, front.port, b"NOT AN HTTP REQUEST AT ALL\r\n\r\n")
+    assert_refused(reply, 400)
+    bad_length = request(headers=("Content-Length: 12abc",))
+    assert_refused(await in_thread(exchange, front.port, bad_length), 400)
+    assert front.root.calls == 0
+
+
+# --- a refusal drains the body ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content_type, body_size, status",
+    [("application/x-www-form-urlencoded", 4 << 20, 415), ("application/json", MAX_BODY_BYTES + 1, 413)],
+)
+@pytest_twisted.ensureDeferred
+async def test_refusal_drains_the_body_before_closing(
+    front: Front, content_type: str, body_size: int, status: int
+) -> None:
+    # Like most clients, send the whole body before reading. Without the drain the server
+    # would close with unread data and the client would get a reset, not the status.
+    front.site.drain_timeout = CLIENT_TIMEOUT * 2  # so the close can only come from the drain
+    data = request("POST", "/echo", headers=(f"Content-Type: {content_type}",), body=b"z" * body_size)
+    reply = await in_thread(exchange, front.port, data)
+    assert_refused(reply, status)
+    assert reply.end == "eof", "closed once the declared body was read, without a reset"
+    assert front.root.calls == 0
+
+
+# --- the connection limit ----------------------------------------------------------------------
+
+
+def open_idle(port: int, count: int) -> list[socket.socket]:
+    return [connect(port) for _ in range(count)]
+
+
+def ask_each(socks: list[socket.socket]) -> list[Reply]:
+    replies = []
+    for sock in socks:
+        sock.sendall(request())
+        replies.append(read_reply(sock))
+    return replies
+
+
+def close_all(socks: list[socket.socket]) -> None:
+    for sock in socks:
+        sock.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_33rd_connection_gets_503_and_the_32_keep_working(front: Front) -> None:
+    site = front.site
+    first = await in_thread(open_idle, front.port, MAX_CONNECTIONS)
+    try:
+        await wait_until(lambda: site.open_connections == MAX_CONNECTIONS, "32 open connections")
+        # The 33rd says nothing: the server answers on its own after the drain window.
+        with_nothing = await in_thread(lambda: read_reply(connect(front.port), until_eof=True))
+        assert_refused(with_nothing, 503)
+        assert with_nothing.headers["retry-after"] == "1"
+        # A 33rd that sends a request is answered the same way.
+        asking = await in_thread(exchange, front.port, request())
+        assert_refused(asking, 503)
+        assert site.open_connections == MAX_CONNECTIONS
+        replies = await in_thread(ask_each, first)
+        assert [(r.status, r.body) for r in replies] == [(200, b"ok")] * MAX_CONNECTIONS
+        # One closes: a new connection is served again.
+        await in_thread(first.pop().close)
+        await wait_until(lambda: site.open_connections == MAX_CONNECTIONS - 1, "one connection to close")
+        again = await in_thread(exchange, front.port, request(headers=("Connection: close",)))
+        assert (again.status, again.body) == (200, b"ok")
+    finally:
+        await in_thread(close_all, first)
+    await wait_until(lambda: site.open_connections == 0, "every connection to close")
+    assert site._busy == 0
+
+
+# --- timeouts ----------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_read_timeout_answers_408_to_an_unfinished_request(front: Front) -> None:
+    front.site.read_timeout = 0.5
+
+    def unfinished() -> Reply:
+        with connect(front.port) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head never ends
+            return read_reply(sock, until_eof=True)
+
+    reply = await in_thread(unfinished)
+    assert_refused(reply, 408)
+    assert reply.end == "eof"
+    assert front.root.calls == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_read_timeout_closes_an_idle_connection(front: Front) -> None:
+    front.site.read_timeout = 0.5
+
+    def idle_after_one_request() -> tuple[Reply, tuple[int, str]]:
+        with connect(front.port) as sock:
+            sock.sendall(request())
+            first = read_reply(sock)  # keep-alive: the connection stays open, then idles
+            return first, read_to_end(sock)
+
+    first, (extra, end) = await in_thread(idle_after_one_request)
+    assert (first.status, first.body) == (200, b"ok")
+    assert (extra, end) == (0, "eof"), "an idle connection is closed without an answer"
+
+
+@pytest_twisted.ensureDeferred
+async def test_write_timeout_drops_a_client_that_does_not_read(front: Front) -> None:
+    front.site.write_timeout = 0.5
+    sock = await in_thread(connect, front.port, "127.0.0.1", 4096)
+    try:
+        await in_thread(sock.sendall, request(path="/big"))
+        await wait_until(lambda: front.root.calls == 1, "the big answer to start")
+        # The client reads nothing; the server must drop it on its own.
+        await wait_until(lambda: front.site.open_connections == 0, "the server to drop the client")
+        received, _ = await in_thread(read_to_end, sock)
+        assert received < BIG_ANSWER, "the client was dropped before the answer was sent"
+    finally:
+        sock.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reading_client_gets_the_whole_big_answer(front: Front) -> None:
+    data = request(path="/big", headers=("Connection: close",))
+    reply = await in_thread(exchange, front.port, data)
+    assert reply.status == 200
+    assert len(reply.body) == BIG_ANSWER and reply.end == "eof"
+
+
+# --- listening ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["0.0.0.0:18093", "192.168.1.2:18093", "example.com:18093", "[::]:18093", "[::ffff:127.0.0.1]:1",
+     "10.0.0.1:80", "127.0.0.1", "127.0.0.1:65536", "127.0.0.1:http", "::1:18093", ":18093"],
+)
+def test_listen_refuses_what_is_not_loopback(address: str) -> None:
+    with pytest.raises(NotLoopbackError):
+        listen_loopback(LoopbackSite(TinyRoot()), address)
+    assert issubclass(NotLoopbackError, ValueError)
+
+
+def test_parse_listen_forms() -> None:
+    assert parse_listen("127.0.0.1:18093") == ("127.0.0.1", 18093)
+    assert parse_listen("localhost:18093") == ("127.0.0.1", 18093)
+    assert parse_listen("LOCALHOST:1") == ("127.0.0.1", 1)
+    assert parse_listen("[::1]:18093") == ("::1", 18093)
+    assert parse_listen("127.1.2.3:0") == ("127.1.2.3", 0)
+
+
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:0", "localhost:0", "[::1]:0"])
+@pytest_twisted.ensureDeferred
+async def test_listen_accepts_loopback_and_serves(address: str) -> None:
+    if address.startswith("[") and not has_ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback")
+    listening = listen_loopback(LoopbackSite(TinyRoot()), address)
+    try:
+        host = listening.getHost()
+        reply = await in_thread(exchange, host.port, request(headers=("Connection: close",)), True, host.host)
+        assert (reply.status, reply.body) == (200, b"ok")
+    finally:
+        await listening.stopListening()
+
+
+def test_busy_answer_is_scheduled_off_the_accept_path() -> None:
+    """With a fake clock: nothing is written when the 33rd connection is accepted; the 503
+    leaves exactly when the 200 ms drain window ends, and what arrived meanwhile is discarded."""
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.task import Clock
+    from twisted.internet.testing import StringTransport
+
+    clock = Clock()
+    site = LoopbackSite(TinyRoot(), reactor=clock, max_connections=0)
+    busy = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    transport = StringTransport()
+    busy.makeConnection(transport)
+    assert transport.value() == b"" and not transport.disconnecting
+    busy.dataReceived(request())
+    clock.advance(0.199)
+    assert transport.value() == b""
+    clock.advance(0.001)
+    assert transport.value().startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert transport.disconnecting
