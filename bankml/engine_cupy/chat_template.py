@@ -1,0 +1,523 @@
+"""A GGUF's chat template, rendered as llama-server's ``/apply-template`` renders it.
+
+The template runs in Jinja2's ``ImmutableSandboxedEnvironment`` with the options and the
+variables of llama.cpp's own Jinja engine (common/jinja, common/chat.cpp):
+
+* ``trim_blocks`` and ``lstrip_blocks`` on, undefined values chainable and rendered empty;
+* ``messages`` normalised as llama-server does (content null -> "", content parts joined or kept
+  per what the template reads, ``developer`` -> ``system``, empty ``reasoning_content`` dropped);
+* ``bos_token``/``eos_token`` (the tokens' texts), ``add_generation_prompt`` (defined only when
+  true), ``tools`` (only when given), ``enable_thinking``, ``datetime``/``date_string``,
+  ``raise_exception``, ``strftime_now``, ``namespace``, ``dict``, ``range`` and any
+  ``chat_template_kwargs``;
+* ``tojson`` as llama.cpp writes JSON (insertion order, ", "/": " separators, no ASCII escaping);
+* a trailing assistant message is continued (prefilled), not closed;
+* the rendered BOS text is dropped from the front when the tokenizer adds BOS itself.
+
+A template that names a Python internal (an attribute or key starting with ``_``) is refused
+when it is loaded, before anything runs; the sandbox stops any other unsafe access at run time.
+A GGUF without a template gets llama.cpp's ChatML fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import jinja2
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+# llama.cpp common/chat.cpp CHATML_TEMPLATE_SRC: what a model without a template gets.
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "  {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\n' -}}\n"
+    "{%- endif -%}"
+)
+
+
+class TemplateError(ValueError):
+    """The template or the messages cannot be rendered; the text says why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's JSON writer (jinja value_to_json) and value printing
+# ---------------------------------------------------------------------------------------------
+
+def _json_float(value: float) -> str:
+    if math.isnan(value) or math.isinf(value):
+        return "null"
+    return f"{value:g}"          # std::ostream's default: 6 significant digits
+
+
+def llama_json(value: Any, indent: int | None = None, item_sep: str | None = None, key_sep: str = ": ",
+               level: int = 0) -> str:
+    """JSON as llama.cpp's Jinja ``tojson`` writes it: key order kept, non-ASCII kept."""
+    width = -1 if indent is None else indent
+    sep = item_sep if item_sep is not None else (", " if width < 0 else ",")
+    newline = "\n" if width >= 0 else ""
+    pad_outer = " " * (level * width) if width > 0 else ""
+    pad_inner = pad_outer + (" " * width if width > 0 else "")
+    if value is None or isinstance(value, jinja2.Undefined):
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _json_float(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, Mapping):
+        if not value:
+            return "{}"
+        items = [pad_inner + json.dumps(str(k), ensure_ascii=False) + key_sep
+                 + llama_json(v, indent, item_sep, key_sep, level + 1) for k, v in value.items()]
+        return "{" + newline + (sep + newline).join(items) + newline + pad_outer + "}"
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "[]"
+        items = [pad_inner + llama_json(v, indent, item_sep, key_sep, level + 1) for v in value]
+        return "[" + newline + (sep + newline).join(items) + newline + pad_outer + "]"
+    return "null"
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Sequence[str] | None = None, sort_keys: bool = False) -> str:
+    if sort_keys:
+        raise TemplateError("tojson sort_keys=true not implemented")
+    item_sep = separators[0] if separators else None
+    key_sep = separators[1] if separators and len(separators) > 1 else ": "
+    text = llama_json(value, indent, item_sep, key_sep)
+    if ensure_ascii:
+        text = text.encode("ascii", "backslashreplace").decode("ascii")
+    return text
+
+
+def _finalize(value: Any) -> Any:
+    """Print values as llama.cpp does: None as "None", floats with 6 significant digits."""
+    if isinstance(value, float) and not isinstance(value, bool):
+        text = f"{value:f}".rstrip("0")
+        return text + "0" if text.endswith(".") else text
+    return value
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"Jinja Exception: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return time.strftime(fmt, time.localtime())
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------------
+
+class _Environment(ImmutableSandboxedEnvironment):
+    """The sandbox, refusing every underscore name, with llama.cpp's globals only."""
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        return not attr.startswith("_") and super().is_safe_attribute(obj, attr, value)
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        # Jinja2 would hand back an Undefined that prints empty; a template doing this is refused.
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} is not allowed")
+
+
+def _make_environment(env_class: type[ImmutableSandboxedEnvironment] = _Environment) -> ImmutableSandboxedEnvironment:
+    env = env_class(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False,
+                    undefined=jinja2.ChainableUndefined, finalize=_finalize, autoescape=False)
+    env.globals = {"raise_exception": _raise_exception, "strftime_now": _strftime_now,
+                   "namespace": env.globals["namespace"], "dict": dict, "range": range}
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def _refuse_internals(ast: nodes.Template) -> None:
+    """Refuse, before anything runs, a template naming a Python internal (``x.__class__``,
+    ``x['__globals__']``, ``x._private``): no chat template needs one."""
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem, nodes.Name, nodes.Filter)):
+        if isinstance(node, nodes.Getattr):
+            name = node.attr
+        elif isinstance(node, nodes.Getitem):
+            name = node.arg.value if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str) else ""
+        elif isinstance(node, nodes.Filter):
+            first = node.args[0] if node.name == "attr" and node.args else None
+            name = first.value if isinstance(first, nodes.Const) and isinstance(first.value, str) else ""
+        else:
+            name = node.name if node.name.startswith("__") else ""
+        if name.startswith("_"):
+            raise TemplateError(f"chat template refused: it reaches for the Python internal {name!r} "
+                                f"(line {node.lineno})")
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """Parse and check a template; TemplateError on a syntax error or a reach for internals."""
+    env = _make_environment()
+    try:
+        _refuse_internals(env.parse(source))
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as err:
+        raise TemplateError(f"chat template syntax error on line {err.lineno}: {err.message}") from err
+
+
+# ---------------------------------------------------------------------------------------------
+# Capability probes (llama.cpp common/jinja/caps.cpp), judged from what the template reads
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Caps:
+    supports_string_content: bool = True
+    supports_typed_content: bool = False
+    supports_tools: bool = True
+    supports_tool_calls: bool = True
+    supports_system_role: bool = True
+    supports_object_arguments: bool = False
+
+
+class _Marker(str):
+    """The probe's string content: iterating it is an array access that fails, as in llama.cpp."""
+
+    def __iter__(self):  # type: ignore[override]
+        _Probe.current.ops.add((id(self), "array_access"))
+        raise TypeError("Expected iterable or object type in for loop: got String")
+
+
+class _MarkerList(list):
+    def __iter__(self):  # type: ignore[override]
+        _Probe.current.ops.add((id(self), "array_access"))
+        return super().__iter__()
+
+
+class _Probe(ImmutableSandboxedEnvironment):
+    """Records which values the template reads: (id(container), key) and (id(value), op)."""
+
+    current: "_Probe"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ops: set[tuple[int, str]] = set()
+        _Probe.current = self
+
+    def _note(self, obj: Any, key: Any) -> None:
+        self.ops.add((id(obj), f"key:{key}"))
+        if isinstance(key, int) and not isinstance(key, bool):
+            self.ops.add((id(obj), "array_access"))
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self._note(obj, argument)
+        return super().getitem(obj, argument)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self._note(obj, attribute)
+        return super().getattr(obj, attribute)
+
+
+def _probe_render(template_source: str, variables: dict[str, Any]) -> tuple[_Probe, bool, str]:
+    env = _make_environment(_Probe)  # type: ignore[arg-type]
+    assert isinstance(env, _Probe)
+    probe = env
+    string_test = env.tests["string"]
+    env.tests["string"] = lambda value: (probe.ops.add((id(value), "test_is_string")), string_test(value))[1]
+    selectattr = env.filters["selectattr"]
+
+    def tracked_selectattr(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1:
+            probe.ops.add((id(args[1]), "selectattr"))
+        return selectattr(*args, **kwargs)
+
+    tracked_selectattr.jinja_pass_arg = getattr(selectattr, "jinja_pass_arg", None)  # type: ignore[attr-defined]
+    env.filters["selectattr"] = tracked_selectattr
+    base = {"bos_token": "", "eos_token": "", "add_generation_prompt": True, "tools": []}
+    try:
+        text = env.from_string(template_source).render({**base, **variables})
+        return probe, True, text
+    except Exception:  # noqa: BLE001 - a failing probe is an answer, as in caps.cpp
+        return probe, False, ""
+
+
+def _has(probe: _Probe, obj: Any, op: str) -> bool:
+    return (id(obj), op) in probe.ops
+
+
+def detect_caps(source: str) -> Caps:
+    caps = Caps()
+    content = _Marker("STRING_MARKER")
+    probe, ok, text = _probe_render(source, {"messages": [{"role": "user", "content": content}]})
+    checks_string = _has(probe, content, "test_is_string")
+    as_array = _has(probe, content, "selectattr") or _has(probe, content, "array_access")
+    caps.supports_typed_content = as_array
+    if not ok or (as_array and "STRING_MARKER" not in text):
+        caps.supports_string_content = False
+    if checks_string:
+        parts = _MarkerList()
+        probe, ok, _ = _probe_render(source, {"messages": [{"role": "user", "content": parts}]})
+        if ok and (_has(probe, parts, "selectattr") or _has(probe, parts, "array_access")):
+            caps.supports_typed_content = True
+
+    system = {"role": "system", "content": "System message"}
+    probe, _, _ = _probe_render(source, {"messages": [system, {"role": "user", "content": "User message"}]})
+    caps.supports_system_role = _has(probe, system, "key:content")
+
+    for arguments in ({"arg": "value"}, '{"arg": "value"}'):
+        call = {"id": "call00001", "type": "function", "function": {"name": "tool1", "arguments": arguments}}
+        assistant = {"role": "assistant", "content": "", "tool_calls": [call]}
+        tool = {"name": "tool1", "description": "Tool description",
+                "parameters": {"type": "object", "properties": {"arg": {"type": "string",
+                                                                        "description": "Arg description"}},
+                               "required": ["arg"]}}
+        tools = [{"name": "tool", "type": "function", "function": tool}]
+        messages = [{"role": "user", "content": "User message"}, assistant,
+                    {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
+                    {"role": "assistant", "content": "The tool response was 'tool response'"},
+                    {"role": "user", "content": "User message"}]
+        probe, ok, text = _probe_render(source, {"messages": messages, "tools": tools})
+        if not ok:
+            if isinstance(arguments, str):
+                caps.supports_tool_calls = caps.supports_tools = False
+            continue
+        if not (_has(probe, tool, "key:name") or "tool1" in text):
+            caps.supports_tools = False
+        if not _has(probe, assistant, "key:tool_calls"):
+            caps.supports_tool_calls = False
+            break
+        if isinstance(arguments, dict):
+            if _has(probe, arguments, "key:arg") or '"arg"' in text:
+                caps.supports_object_arguments = True
+                break
+    return caps
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages, as llama-server parses and normalises them
+# ---------------------------------------------------------------------------------------------
+
+def _dump(value: Any) -> str:
+    """JSON as nlohmann's dump() writes it in llama-server's error messages."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TemplateError(f"Failed to parse messages: {what} must be a string")
+    return value
+
+
+def _parse_message(message: Any) -> dict[str, Any]:
+    """common_chat_msgs_parse_oaicompat + common_chat_msg::to_json_oaicompat for one message."""
+    if not isinstance(message, dict):
+        raise TemplateError(f"Failed to parse messages: Expected 'message' to be an object, got {_dump(message)}")
+    if "role" not in message:
+        raise TemplateError(f"Failed to parse messages: Missing 'role' in message: {_dump(message)}")
+    role = _text(message["role"], "'role'")
+    if role != "assistant" and "content" not in message:
+        raise TemplateError("All non-assistant messages must contain 'content'")
+    if role == "assistant" and "content" not in message and "tool_calls" not in message:
+        raise TemplateError("Assistant message must contain either 'content' or 'tool_calls'!")
+    out: dict[str, Any] = {"role": role}
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or "type" not in part:
+                raise TemplateError(f"Failed to parse messages: Missing content part type: {_dump(part)}")
+            if part["type"] not in ("text", "media_marker"):
+                raise TemplateError(f"Failed to parse messages: Unsupported content part type: "
+                                    f"{_dump(part['type'])}")
+            parts.append({"type": part["type"], "text": _text(part.get("text"), "a content part's text")})
+        out["content"] = parts if parts else ""
+    elif content is None or isinstance(content, str):
+        out["content"] = content or ""
+    else:
+        raise TemplateError("Expected 'content' to be a string or an array")
+    for key, name in (("reasoning_content", "reasoning_content"), ("name", "name"), ("tool_call_id", "tool_call_id")):
+        if message.get(key):
+            out[name] = _text(message[key], f"'{key}'")
+    calls = message.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [_parse_tool_call(call) for call in calls]
+    return out
+
+
+def _parse_tool_call(call: Any) -> dict[str, Any]:
+    if not isinstance(call, dict) or "type" not in call:
+        raise TemplateError(f"Failed to parse messages: Missing tool call type: {_dump(call)}")
+    if call["type"] != "function":
+        raise TemplateError(f"Failed to parse messages: Unsupported tool call type: {_dump(call)}")
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise TemplateError(f"Failed to parse messages: Missing tool call function: {_dump(call)}")
+    if "name" not in function:
+        raise TemplateError(f"Failed to parse messages: Missing tool call name: {_dump(call)}")
+    arguments = function.get("arguments")
+    arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False,
+                                                                       separators=(",", ":"))
+    out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if call.get("id"):
+        out["id"] = call["id"]
+    return out
+
+
+def _join_parts(parts: list[dict[str, Any]]) -> str:
+    """messages_inp_normalizer::concat_content_parts: newline-joined, none around media markers."""
+    text, after_media = "", False
+    for part in parts:
+        if part["type"] == "text":
+            if not after_media and text:
+                text += "\n"
+            after_media = False
+        else:
+            after_media = True
+        text += part["text"]
+    return text
+
+
+def _render_content(message: dict[str, Any]) -> str:
+    content = message.get("content", "")
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in content if p["type"] == "text")
+
+
+def normalize_messages(messages: Any, caps: Caps, object_arguments: bool | None = None) -> list[dict[str, Any]]:
+    """llama-server's messages as the template sees them (without the trailing-prefill split)."""
+    if not isinstance(messages, list):
+        raise TemplateError("Expected 'messages' to be an array")
+    parsed = [_parse_message(m) for m in messages]
+    only_string = caps.supports_string_content and not caps.supports_typed_content
+    only_typed = caps.supports_typed_content and not caps.supports_string_content
+    for message in parsed:
+        content = message["content"]
+        if only_string and isinstance(content, list):
+            message["content"] = _join_parts(content)
+        elif only_typed and isinstance(content, str):
+            message["content"] = [{"type": "text", "text": content}]
+        if message["role"] == "developer":
+            message["role"] = "system"
+    if not caps.supports_system_role and parsed and parsed[0]["role"] == "system":
+        first = parsed.pop(0)
+        if parsed:
+            parsed[0]["content"] = _render_content(first) + "\n" + _render_content(parsed[0])
+    if caps.supports_object_arguments if object_arguments is None else object_arguments:
+        for message in parsed:
+            for call in message.get("tool_calls", []):
+                try:
+                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                except ValueError as err:
+                    raise TemplateError(f"Failed to parse tool call arguments as JSON: {err}") from err
+    return parsed
+
+
+def _normalize_tools(tools: Any) -> list[dict[str, Any]]:
+    """common_chat_tools_parse_oaicompat + common_chat_tools_to_json_oaicompat."""
+    if not isinstance(tools, list):
+        raise TemplateError("Expected 'tools' to be an array")
+    out = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or "name" not in function:
+            raise TemplateError(f"Unsupported tool type: {_dump(tool)}")
+        parameters = function.get("parameters", {})
+        out.append({"type": "function", "function": {
+            "name": function["name"], "description": function.get("description", ""),
+            "parameters": parameters if not isinstance(parameters, str) else json.loads(parameters)}})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The template
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ChatTemplate:
+    """A chat template with the tokens and flags llama-server renders it with."""
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+    add_bos: bool = False
+    add_eos: bool = False
+    caps: Caps = field(default_factory=Caps)
+
+    def __post_init__(self) -> None:
+        self._template = compile_template(self.source)
+        self.caps = detect_caps(self.source)
+
+    @classmethod
+    def from_gguf(cls, source: "str | os.PathLike[str] | object", tokenizer: Any = None) -> "ChatTemplate":
+        """The GGUF's ``tokenizer.chat_template`` (ChatML when it has none), with its BOS/EOS texts."""
+        from bankml.engine_cupy.tokenizer import Tokenizer, _read_fields
+
+        values = _read_fields(source, ["tokenizer.chat_template", "tokenizer.chat_template.tool_use"])
+        text = values.get("tokenizer.chat_template") or values.get("tokenizer.chat_template.tool_use")
+        if not text or text == "chatml":
+            text = CHATML_TEMPLATE
+        tok = tokenizer if tokenizer is not None else Tokenizer.from_gguf(source)
+
+        def token_text(token_id: int | None) -> str:
+            return "" if token_id is None else tok.token_to_piece(token_id, True).decode("utf-8", "replace")
+
+        return cls(source=str(text), bos_token=token_text(tok.bos_id), eos_token=token_text(tok.eos_id),
+                   add_bos=tok.add_bos, add_eos=tok.add_eos)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None, **chat_template_kwargs: Any) -> str:
+        """The prompt llama-server's /apply-template returns for these messages."""
+        parsed = normalize_messages(list(messages), self.caps)
+        tool_list = _normalize_tools(list(tools)) if tools else None
+        enable_thinking = chat_template_kwargs.get("enable_thinking", True)
+        if not isinstance(enable_thinking, bool):
+            raise TemplateError('invalid type for "enable_thinking" (expected boolean, got string)')
+        context: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                                   "enable_thinking": enable_thinking}
+        if tool_list:
+            context["tools"] = tool_list
+        context["datetime"] = time.strftime("%b %d %Y")
+        context["date_string"] = time.strftime("%d %b %Y")
+        context.update(chat_template_kwargs)
+        if parsed and parsed[-1]["role"] == "assistant":
+            return self._continue_last(parsed, context, add_generation_prompt)
+        return self._apply(parsed, context, add_generation_prompt)
+
+    def _continue_last(self, parsed: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool
+                       ) -> str:
+        """A trailing assistant message is prefilled: the conversation before it, the generation
+        prompt, then its content (common_chat_templates_apply_jinja with continue_final_message)."""
+        if len(parsed) >= 2 and parsed[-2]["role"] == "assistant":
+            raise TemplateError("Cannot have 2 or more assistant messages at the end of the list.")
+        last, before = parsed[-1], parsed[:-1]
+        if last.get("tool_calls"):
+            raise TemplateError("Cannot continue an assistant message that contains tool calls.")
+        without = self._apply(before, context, False)
+        with_prompt = self._apply(before, context, True)
+        common = os.path.commonprefix([without, with_prompt])
+        return without + with_prompt[len(common):] + _render_content(last)
+
+    def _apply(self, messages: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool) -> str:
+        variables = {**context, "messages": messages}
+        if add_generation_prompt:
+            variables["add_generation_prompt"] = True
+        try:
+            text = self._template.render(variables)
+        except TemplateError:
+            raise
+        except SecurityError as err:
+            raise TemplateError(f"chat template refused: {err}") from err
+        except jinja2.TemplateError as err:
+            raise TemplateError(f"chat template error: {err}") from err
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+            raise TemplateError(f"chat template error: {err}") from err
+        if self.add_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        if self.add_eos and self.eos_token and text.endswith(self.eos_token):
+            text = text[:-len(self.eos_token)]
+        return text
+
