@@ -16,8 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pin": ("bankml.verify_cli:pin_command", "write or update a file's pin in FORK.json"),
     "verify": ("bankml.verify_cli:verify_command", "the guard, then the sha256 pin"),
     "serve": ("bankml.tap:serve_command", "serve a verified model on loopback, with receipts"),
-    "tokenize": ("bankml.engine_cli:tokenize_command", "tokenize stdin with a GGUF's vocabulary"),
-    "chat-template": ("bankml.engine_cli:chat_template_command", "render a GGUF's chat template"),
+    "tokenize": ("bankml.text_cli:tokenize_command", "tokenize stdin with a GGUF's vocabulary"),
+    "chat-template": ("bankml.text_cli:chat_template_command", "render a GGUF's chat template"),
     "generate": ("bankml.engine_cli:generate_command", "answer with the native engine"),
 }
 
