@@ -234,7 +234,10 @@ def pin(path: str | os.PathLike[str], fork_path: str | os.PathLike[str]) -> str:
     fork = os.fspath(fork_path)
     name = os.path.basename(os.fspath(path))
     doc = _load_fork_for_update(fork)
-    before = _ident(os.fspath(path))
+    try:
+        before = FileIdent.of(path)
+    except OSError as err:
+        raise Refused(f"cannot hash {name}: {_os_error(err)}") from None
     sha = _hash_unchanged(os.fspath(path), name, before)
     files: list[Any] = doc["files"]
     mine = [i for i, e in enumerate(files) if isinstance(e, dict) and e.get("path") == name]
