@@ -22,7 +22,7 @@ the last byte                                             (idle keep-alive conne
 A refusal writes its answer at once, then reads and discards the body it was sent (up to its
 ``Content-Length``, at most ``drain_max_bytes``, for at most ``drain_timeout`` seconds) before
 closing, so the client reads the status instead of losing it to a connection reset.
-A client that leaves the transport's send buffer full for ``write_timeout`` (120 s) is dropped.
+A client that reads nothing of a pending answer for ``write_timeout`` (120 s) is dropped.
 
 Nothing here buffers responses: resources write straight to the transport, so streamed answers
 (server-sent events) leave as they are produced.
@@ -159,6 +159,8 @@ class LoopbackChannel(http.HTTPChannel):
     _drainLeft = 0
     _drainCall: IDelayedCall | None = None
     _writeCall: IDelayedCall | None = None
+    _sentAtClockStart: int | None = None
+    _bytesQueued = 0
 
     # -- connection bookkeeping
 
@@ -235,7 +237,7 @@ class LoopbackChannel(http.HTTPChannel):
         self.setTimeout(None)  # the drain has its own clock
         self.setRawMode()  # whatever follows in this read is body, not headers
         _log.debug("refused {status} to {peer}: {text}", status=status, peer=self._peer(), text=text)
-        self.transport.write(plain_response(status, text))
+        self.write(plain_response(status, text))
         limit = self.site.drain_max_bytes
         self._drainLeft = limit if body_bytes is None else min(body_bytes, limit)
         if self._drainLeft <= 0:
@@ -290,12 +292,48 @@ class LoopbackChannel(http.HTTPChannel):
         super().loseConnection()
         self._startWriteClock()
 
+    def write(self, data: bytes) -> None:
+        self._bytesQueued += len(data)
+        super().write(data)
+
+    def writeSequence(self, iovec: Any) -> None:
+        iovec = list(iovec)
+        self._bytesQueued += sum(map(len, iovec))
+        super().writeSequence(iovec)
+
+    def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
+        # Twisted writes the head straight to the transport; count it by what it added there.
+        before = self._pendingBytes()
+        super().writeHeaders(version, code, reason, headers)
+        after = self._pendingBytes()
+        if before is not None and after is not None:
+            self._bytesQueued += after - before
+
+    def _pendingBytes(self) -> int | None:
+        """Bytes still in the transport's send buffer, where the transport says (TCP does;
+        its writes only queue, the reactor sends later)."""
+        transport = self.transport
+        try:
+            return len(transport.dataBuffer) - transport.offset + transport._tempDataLen
+        except AttributeError:
+            return None
+
+    def _bytesSent(self) -> int | None:
+        """Bytes this connection has handed to the kernel so far: what the client has taken."""
+        pending = self._pendingBytes()
+        return None if pending is None else self._bytesQueued - pending
+
     def _startWriteClock(self) -> None:
         if self._writeCall is None and self.transport is not None:
+            self._sentAtClockStart = self._bytesSent()
             self._writeCall = self.site.reactor.callLater(self.site.write_timeout, self._writeTimedOut)
 
     def _writeTimedOut(self) -> None:
         self._writeCall = None
+        before, now = self._sentAtClockStart, self._bytesSent()
+        if before is not None and now is not None and now > before:
+            self._startWriteClock()  # the client read some: slow, not stalled
+            return
         _log.info(
             "dropping {peer}: it read nothing of the answer for {seconds:g} s",
             peer=self._peer(),

@@ -7,6 +7,7 @@ deferToThread, so the server keeps answering while the client waits.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -33,13 +34,15 @@ CLIENT_TIMEOUT = 20.0  # a hang guard only; no test depends on how fast anything
 
 
 class TinyRoot(Resource):
-    """GET / -> "ok"; GET /big -> BIG_ANSWER bytes; POST /echo -> the body's length."""
+    """GET / -> "ok"; GET /big -> BIG_ANSWER bytes; GET /stream -> one event, then whatever the
+    test writes; POST /echo -> the body's length."""
 
     isLeaf = True
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.streams: list[Request] = []
 
     def render_GET(self, request: Request) -> bytes | int:
         self.calls += 1
@@ -47,6 +50,11 @@ class TinyRoot(Resource):
             request.setHeader(b"content-length", b"%d" % BIG_ANSWER)
             request.write(b"x" * BIG_ANSWER)
             request.finish()
+            return NOT_DONE_YET
+        if request.path == b"/stream":
+            request.setHeader(b"content-type", b"text/event-stream")
+            request.write(b"data: 1\n\n")
+            self.streams.append(request)
             return NOT_DONE_YET
         return b"ok"
 
@@ -451,11 +459,58 @@ async def test_write_timeout_drops_a_client_that_does_not_read(front: Front) -> 
 
 
 @pytest_twisted.ensureDeferred
+async def test_write_timeout_spares_a_slow_client_that_keeps_reading(front: Front) -> None:
+    # 512 KiB every 0.1 s: the send buffer stays full for seconds, several write timeouts long,
+    # but the client takes some of it in every window, so it is not dropped.
+    front.site.write_timeout = 1.0
+
+    def slow_reader() -> int:
+        with connect(front.port) as sock:
+            sock.sendall(request(path="/big", headers=("Connection: close",)))
+            total = 0
+            while chunk := sock.recv(512 * 1024):
+                total += len(chunk)
+                time.sleep(0.1)
+            return total
+
+    received = await in_thread(slow_reader)
+    head = len(b"HTTP/1.1 200 OK\r\n")
+    assert received > BIG_ANSWER + head, "the whole answer arrived"
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_reading_client_gets_the_whole_big_answer(front: Front) -> None:
     data = request(path="/big", headers=("Connection: close",))
     reply = await in_thread(exchange, front.port, data)
     assert reply.status == 200
     assert len(reply.body) == BIG_ANSWER and reply.end == "eof"
+
+
+# --- streaming --------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_streamed_answer_leaves_as_it_is_written(front: Front) -> None:
+    def read_until(sock: socket.socket, marker: bytes) -> bytes:
+        data = b""
+        while marker not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed before {marker!r}: {data!r}"
+            data += chunk
+        return data
+
+    sock = await in_thread(connect, front.port)
+    try:
+        await in_thread(sock.sendall, request(path="/stream"))
+        first = await in_thread(read_until, sock, b"data: 1\n\n")
+        stream = front.root.streams[0]
+        assert not stream.finished, "the first event reached the client while the answer is open"
+        stream.write(b"data: 2\n\n")
+        stream.finish()
+        rest = await in_thread(read_until, sock, b"0\r\n\r\n")  # the chunked answer's end
+        assert b"200 OK" in first and b"data: 2\n\n" in rest
+    finally:
+        sock.close()
 
 
 # --- listening ----------------------------------------------------------------------------------
