@@ -21,7 +21,7 @@ from typing import Any
 from bankml.fileident import FileIdent
 from bankml.guard import GuardResult, guard_file
 
-HASH_BLOCK_BYTES = 8 * 1024 * 1024
+HASH_BLOCK_BYTES = 1024 * 1024  # measured: 1 MiB stays in L2 and beats 4-16 MiB by ~10% (docs)
 PROGRESS_MIN_BYTES = 256 * 1024 * 1024  # smaller files hash in well under a second
 MAX_FORK_BYTES = 16 * 1024 * 1024  # a pin file is a few hundred bytes; never load a huge one
 SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
@@ -74,7 +74,7 @@ def _os_error(err: OSError) -> str:
 
 
 def sha256_file(path: str | os.PathLike[str], progress: bool | None = None) -> str:
-    """Hex sha256 of a whole file, read in 8 MiB blocks into one reusable buffer.
+    """Hex sha256 of a whole file, read in 1 MiB blocks into one reusable buffer.
 
     progress None shows a tqdm bar only when stderr is a terminal and the file is large.
     Raises OSError when the file cannot be read.
