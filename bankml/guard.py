@@ -551,4 +551,4 @@ def guard_file(path: str | os.PathLike[str], engine: str = "mainline") -> GuardR
             more = f.read(want - len(buf))
             if not more:  # the file shrank under us: what we have is all there is
                 return result
-            buf += more
+            buf = buf + more  # a new buffer: never resize one a memoryview may still export
