@@ -33,6 +33,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from twisted.application import internet, service
 from twisted.internet.interfaces import IDelayedCall, IListeningPort
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
@@ -48,6 +49,7 @@ __all__ = [
     "check_request_head",
     "is_loopback_host",
     "listen_loopback",
+    "loopback_service",
     "parse_listen",
 ]
 
@@ -236,6 +238,7 @@ class LoopbackChannel(http.HTTPChannel):
         self._refusing = True
         self.setTimeout(None)  # the drain has its own clock
         self.setRawMode()  # whatever follows in this read is body, not headers
+        self._networkProducer.resumeProducing()  # keep reading: the drain needs the body
         _log.debug("refused {status} to {peer}: {text}", status=status, peer=self._peer(), text=text)
         self.write(plain_response(status, text))
         limit = self.site.drain_max_bytes
@@ -506,3 +509,10 @@ def listen_loopback(site: server.Site, address: str, reactor: Any = None) -> ILi
     listening: IListeningPort = reactor.listenTCP(port, site, interface=interface)
     _log.info("listening on {address}", address=listening.getHost())
     return listening
+
+
+def loopback_service(site: server.Site, address: str) -> service.IService:
+    """The same as listen_loopback for twistd: a TCPServer service, refused (NotLoopbackError)
+    when it is built, so a bad --listen fails before anything starts."""
+    interface, port = parse_listen(address)
+    return internet.TCPServer(port, site, interface=interface)

@@ -19,6 +19,7 @@ from twisted.internet.threads import deferToThread
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
+from tests import support
 from bankml.site import (
     MAX_BODY_BYTES,
     MAX_CONNECTIONS,
@@ -26,6 +27,7 @@ from bankml.site import (
     NotLoopbackError,
     is_loopback_host,
     listen_loopback,
+    loopback_service,
     parse_listen,
 )
 
@@ -577,3 +579,17 @@ def test_busy_answer_is_scheduled_off_the_accept_path() -> None:
     clock.advance(0.001)
     assert transport.value().startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
     assert transport.disconnecting
+
+
+@pytest_twisted.ensureDeferred
+async def test_loopback_service_for_twistd() -> None:
+    with pytest.raises(NotLoopbackError):
+        loopback_service(LoopbackSite(TinyRoot()), "0.0.0.0:18093")
+    port = support.free_port()
+    tcp = loopback_service(LoopbackSite(TinyRoot()), f"127.0.0.1:{port}")
+    tcp.startService()
+    try:
+        reply = await in_thread(exchange, port, request(headers=("Connection: close",)))
+        assert (reply.status, reply.body) == (200, b"ok")
+    finally:
+        await tcp.stopService()
