@@ -292,7 +292,9 @@ def _read_counts(r: _Reader) -> tuple[int, int, int]:
     r.need(4)  # the magic; a prefix that only starts it needs more
     version = r.unpack(_U32)
     if version not in (2, 3):
-        raise _Refuse(f"gguf version {version} is not supported (2 and 3 are)")
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        hint = ": a big-endian GGUF, which ggml on this machine cannot read" if swapped in (2, 3) else ""
+        raise _Refuse(f"gguf version {version} is not supported (2 and 3 are){hint}")
     n_tensors = r.unpack(_U64)
     n_kv = r.unpack(_U64)
     if n_kv > MAX_KV:

@@ -251,6 +251,13 @@ def test_bad_version(version: int) -> None:
     refused_with(build(LLAMA_KVS, version=version), f"gguf version {version} is not supported")
 
 
+def test_big_endian_file_is_named() -> None:
+    data = b"GGUF" + struct.pack(">IQQ", 3, 0, 0)
+    assert judge(data).reasons == (
+        "gguf version 50331648 is not supported (2 and 3 are): a big-endian GGUF, which ggml on this machine "
+        "cannot read",)
+
+
 def test_version_2_plays() -> None:
     assert judge(build(LLAMA_KVS, version=2)).verdict == "play"
 
