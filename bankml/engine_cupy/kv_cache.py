@@ -1,0 +1,162 @@
+"""The KV cache: per layer, the keys and values of every position computed so far.
+
+Two types, as llama-server's ``--cache-type-k/v``:
+
+- ``f16`` (default): K and V are rounded to f16 on store, as ggml's f16 cache does. On the CPU
+  the rounded values are kept in float32 arrays, because NumPy converts f16 to f32 slowly and
+  attention would pay that conversion for every cell at every step; the values are the same
+  bits as an f16 cache (``nbytes`` reports what is really held: 4 bytes per value).
+- ``q8_0``: 32 int8 values and one f16 scale per block (34 bytes per 32 values), as ggml's
+  ``quantize_row_q8_0``. Like llama.cpp, when the head size is a multiple of 64, K (and Q) are
+  first turned by an orthonormal Walsh-Hadamard rotation in blocks of ``rot_k`` (64, doubled
+  while it divides the head) and V in blocks of 64; attention's output is turned back.
+
+Attention reads ``keys(layer, end)``/``values(layer, end)`` as float32 [n_head_kv, end, head_dim]
+and asks ``query(q)`` for Q as the kernel sees it (f16-rounded, or rotated and q8_0-rounded).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy
+
+from bankml.engine_cupy.weights import quantize_activation
+
+CACHE_TYPES = ("f16", "q8_0")
+
+
+def resolve_cache_type(cache_type: str | None, head_dim: int) -> str:
+    """The cache type asked for (None: $BANKML_CACHE_TYPE, else f16), checked as the reference."""
+    if cache_type is None:
+        cache_type = os.environ.get("BANKML_CACHE_TYPE") or "f16"
+    if cache_type not in CACHE_TYPES:
+        raise ValueError(f'cache type "{cache_type}": bankML keeps f16 or q8_0')
+    if cache_type == "q8_0" and head_dim % 32:
+        raise ValueError("a q8_0 cache needs a head size that is a multiple of 32; "
+                         f"this model's is {head_dim}")
+    return cache_type
+
+
+def hadamard(n: int) -> numpy.ndarray:
+    """The orthonormal Sylvester Walsh-Hadamard matrix of size n (a power of two); H @ H = I."""
+    h = numpy.ones((1, 1), numpy.float32)
+    while h.shape[0] < n:
+        h = numpy.block([[h, h], [h, -h]])
+    return (h / numpy.sqrt(numpy.float32(n))).astype(numpy.float32)
+
+
+def rotation_sizes(head_dim: int) -> tuple[int, int]:
+    """(rot_k, rot_v) as llama_kv_cache: none (0) unless the head is a multiple of 64."""
+    if head_dim % 64:
+        return 0, 0
+    rot_k = 64
+    while head_dim % (2 * rot_k) == 0:
+        rot_k *= 2
+    return rot_k, 64
+
+
+class KVCache:
+    """Keys and values of positions 0..n_tokens-1 for every layer of one sequence."""
+
+    def __init__(self, xp: ModuleType, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
+                 cache_type: str | None = None):
+        self.xp = xp
+        self.n_ctx = int(n_ctx)
+        if self.n_ctx < 1:
+            raise ValueError(f"n_ctx must be positive, not {n_ctx}")
+        self.cache_type = resolve_cache_type(cache_type, head_dim)
+        self.n_tokens = 0
+        self.n_head_kv, self.head_dim = n_head_kv, head_dim
+        shape = (n_head_kv, self.n_ctx, head_dim)
+        if self.cache_type == "f16":
+            self._k = [xp.zeros(shape, xp.float32) for _ in range(n_layer)]
+            self._v = [xp.zeros(shape, xp.float32) for _ in range(n_layer)]
+            self._rot = (None, None)
+        else:
+            blocks = (n_head_kv, self.n_ctx, head_dim // 32)
+            self._k = [(xp.zeros(shape, xp.int8), xp.zeros(blocks, xp.float16)) for _ in range(n_layer)]
+            self._v = [(xp.zeros(shape, xp.int8), xp.zeros(blocks, xp.float16)) for _ in range(n_layer)]
+            rot_k, rot_v = rotation_sizes(head_dim)
+            self._rot = (xp.asarray(hadamard(rot_k)) if rot_k else None,
+                         xp.asarray(hadamard(rot_v)) if rot_v else None)
+
+    @property
+    def nbytes(self) -> int:
+        def size(entry: Any) -> int:
+            return sum(a.nbytes for a in entry) if isinstance(entry, tuple) else entry.nbytes
+        return sum(size(e) for e in self._k) + sum(size(e) for e in self._v)
+
+    def truncate(self, n: int) -> None:
+        """Forget positions n.. (kept cells are overwritten by the next forward)."""
+        if not 0 <= n <= self.n_tokens:
+            raise ValueError(f"cannot truncate a cache of {self.n_tokens} tokens to {n}")
+        self.n_tokens = int(n)
+
+    # --- used by the forward pass -------------------------------------------------------------
+
+    def _rotate(self, x: Any, rot: Any | None) -> Any:
+        """x [..., head_dim] turned by the Hadamard matrix in blocks of its size."""
+        if rot is None:
+            return x
+        n = rot.shape[0]
+        shape = x.shape
+        return (x.reshape(-1, n) @ rot).reshape(shape)
+
+    def _q8(self, x: Any) -> tuple[Any, Any]:
+        """x [..., head_dim] as q8_0 blocks: int8 values and f16 scales (quantize_row_q8_0)."""
+        xp = self.xp
+        blocks = x.reshape(*x.shape[:-1], -1, 32)
+        amax = xp.abs(blocks).max(axis=-1)
+        d = (amax / numpy.float32(127)).astype(xp.float16)
+        inv = numpy.float32(127) / xp.where(amax > 0, amax, numpy.float32(1))
+        q = xp.rint(blocks * inv[..., None]).astype(xp.int8)
+        return q.reshape(x.shape), d
+
+    def _dq8(self, q: Any, d: Any) -> Any:
+        xp = self.xp
+        blocks = q.reshape(*q.shape[:-1], -1, 32).astype(xp.float32)
+        return (blocks * d.astype(xp.float32)[..., None]).reshape(q.shape)
+
+    def store(self, layer: int, start: int, k: Any, v: Any) -> None:
+        """k, v [n, n_head_kv, head_dim] f32 for positions start..start+n-1."""
+        xp = self.xp
+        end = start + k.shape[0]
+        if end > self.n_ctx:
+            raise ValueError(f"the cache holds {self.n_ctx} positions; {end} asked")
+        kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        if self.cache_type == "f16":
+            self._k[layer][:, start:end] = kt.astype(xp.float16)
+            self._v[layer][:, start:end] = vt.astype(xp.float16)
+            return
+        for entry, x, rot in ((self._k[layer], kt, self._rot[0]), (self._v[layer], vt, self._rot[1])):
+            q, d = self._q8(self._rotate(x, rot))
+            entry[0][:, start:end] = q
+            entry[1][:, start:end] = d
+
+    def keys(self, layer: int, end: int) -> Any:
+        if self.cache_type == "f16":
+            return self._k[layer][:, :end]
+        q, d = self._k[layer]
+        return self._dq8(q[:, :end], d[:, :end])
+
+    def values(self, layer: int, end: int) -> Any:
+        if self.cache_type == "f16":
+            return self._v[layer][:, :end]
+        q, d = self._v[layer]
+        return self._dq8(q[:, :end], d[:, :end])
+
+    def query(self, q: Any) -> Any:
+        """q [..., head_dim] as the attention kernel takes it: K's vec_dot type, rotated like K."""
+        xp = self.xp
+        if self.cache_type == "f16":
+            return q.astype(xp.float16).astype(xp.float32)
+        rotated = self._rotate(q, self._rot[0])
+        flat = rotated.reshape(-1, self.head_dim)
+        return quantize_activation(xp, flat, "q8_0").reshape(q.shape)
+
+    def output(self, o: Any) -> Any:
+        """Attention output [..., head_dim] back from V's rotation."""
+        return self._rotate(o, self._rot[1])

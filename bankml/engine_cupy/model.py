@@ -1,0 +1,249 @@
+"""The generic transformer forward pass (llama, qwen2, qwen3, gemma3) and the ``Model`` API.
+
+Written once against ``xp`` (NumPy or CuPy). One call of ``forward`` runs one micro-batch: the
+tokens' K/V are appended to the cache at positions ``cache.n_tokens..`` and the float32 logits of
+the last token (or of every token) come back as a host NumPy array.
+
+Where it matters for agreeing with llama-server, the arithmetic follows ggml's CPU kernels:
+RMSNorm sums squares in double; RoPE angles are built by repeated f32 multiplication as
+ggml_rope_cache_init; each matrix product sees the activation rounded to the weight type's
+vec_dot_type (weights.quantize_activation); K/V go through the cache's rounding and Q is rounded
+to K's type; GeGLU looks GELU up in ggml's f16 table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+from typing import Any, Sequence
+
+import numpy
+
+from bankml.engine_cupy import backend
+from bankml.engine_cupy.kv_cache import KVCache
+from bankml.engine_cupy.weights import (HParams, Layer, UnsupportedModel, Weights, apply_all,
+                                        check_memory, load_weights, open_reader, read_hparams,
+                                        total_tensor_bytes)
+
+__all__ = ["Model", "KVCache", "UnsupportedModel"]
+
+F32 = numpy.float32
+
+
+def rms_norm(xp: ModuleType, x: Any, weight: Any, eps: float) -> Any:
+    """ggml_rms_norm then ggml_mul: squares summed in double, scale 1/sqrtf(mean + eps) in f32."""
+    mean = (xp.square(x).astype(xp.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(F32)
+    return (x * (F32(1) / xp.sqrt(mean + F32(eps)))) * weight
+
+
+def silu(xp: ModuleType, x: Any) -> Any:
+    return x / (F32(1) + xp.exp(-x))
+
+
+def _gelu_f16_table() -> numpy.ndarray:
+    """ggml_table_gelu_f16: tanh-approximated GELU of every f16 value, stored as f16."""
+    x = numpy.arange(1 << 16, dtype=numpy.uint32).astype(numpy.uint16).view(numpy.float16).astype(F32)
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        y = F32(0.5) * x * (F32(1) + numpy.tanh(F32(0.7978845608028654) * x
+                                                * (F32(1) + F32(0.044715) * x * x)))
+    return y.astype(numpy.float16).astype(F32)
+
+
+def rope_angles(xp: ModuleType, positions: Any, head_dim: int, base: float, freq_scale: float,
+                freq_factors: Any | None) -> tuple[Any, Any]:
+    """cos, sin [n, head_dim/2] as ggml_rope_cache_init: theta = pos, then theta *= base^(-2/d)."""
+    half = head_dim // 2
+    theta_scale = F32(numpy.power(F32(base), F32(-2.0) / F32(head_dim)))
+    steps = xp.full((positions.shape[0], half), theta_scale, dtype=F32)
+    steps[:, 0] = positions.astype(F32)
+    theta = xp.cumprod(steps, axis=1)  # sequential f32 products, as the C loop
+    if freq_factors is not None:
+        theta = theta / freq_factors
+    theta = F32(freq_scale) * theta
+    return xp.cos(theta), xp.sin(theta)
+
+
+def apply_rope(x: Any, cos: Any, sin: Any, neox: bool) -> Any:
+    """x [n, heads, head_dim] rotated; NEOX pairs (i, i + d/2), NORM pairs (2i, 2i + 1)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = x.copy()
+    if neox:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        out[..., :half] = a * c - b * s
+        out[..., half:] = a * s + b * c
+    else:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2] = a * c - b * s
+        out[..., 1::2] = a * s + b * c
+    return out
+
+
+class Model:
+    """A GGUF model ready to run forward passes on one device."""
+
+    def __init__(self, hp: HParams, weights: Weights, xp: ModuleType, path: str, reader: Any):
+        self.hp = hp
+        self.weights = weights
+        self.xp = xp
+        self.path = path
+        self.reader = reader  # the header, reusable by the tokenizer and template code
+        self.arch = hp.arch
+        self.n_vocab = hp.n_vocab
+        self.n_embd = hp.n_embd
+        self.n_layer = hp.n_layer
+        self.n_ctx_train = hp.n_ctx_train
+        self._gelu = xp.asarray(_gelu_f16_table()) if hp.spec.ffn_activation == "gelu" else None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: str = "auto",
+             progress: bool | None = None) -> "Model":
+        """Read the header, refuse what is not played, then dequantize the weights (tqdm bar)."""
+        xp = backend.get_xp(device)
+        reader = open_reader(path)
+        hp = read_hparams(reader)
+        if xp is numpy:
+            check_memory(reader)
+        if progress is None:
+            progress = sys.stderr.isatty()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total_tensor_bytes(reader), unit="B", unit_scale=True,
+                       desc=f"loading {os.path.basename(os.fspath(path))}", leave=False)
+        try:
+            weights = load_weights(reader, hp, xp, tick=bar.update if bar else lambda n: None)
+        finally:
+            if bar is not None:
+                bar.close()
+        return cls(hp, weights, xp, os.fspath(path), reader)
+
+    def new_cache(self, n_ctx: int, cache_type: str | None = None) -> KVCache:
+        return KVCache(self.xp, self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, n_ctx,
+                       cache_type)
+
+    # --- the forward pass ----------------------------------------------------------------------
+
+    def forward(self, tokens: Sequence[int], cache: KVCache, all_logits: bool = False) -> numpy.ndarray:
+        """Append ``tokens`` to ``cache`` and return the logits of the last (or every) token."""
+        xp, hp = self.xp, self.hp
+        n = len(tokens)
+        start = cache.n_tokens
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if start + n > cache.n_ctx:
+            raise ValueError(f"{start + n} positions do not fit a cache of {cache.n_ctx}")
+        ids = numpy.asarray(tokens, dtype=numpy.int64)
+        if ids.min() < 0 or ids.max() >= hp.n_vocab:
+            raise ValueError(f"token id out of range 0..{hp.n_vocab - 1}")
+        x = self.weights.token_embd[xp.asarray(ids)]
+        if hp.embd_scale != 1.0:
+            x = x * F32(hp.embd_scale)
+        positions = xp.arange(start, start + n)
+        ropes = self._ropes(positions)
+        for il, layer in enumerate(self.weights.layers):
+            last = il == hp.n_layer - 1 and not all_logits
+            x = self._block(il, layer, x, positions, ropes, cache, only_last=last)
+        cache.n_tokens = start + n
+        x = rms_norm(xp, x, self.weights.output_norm, hp.rms_eps)
+        logits = self.weights.output(xp, x)["logits"]
+        if hp.final_softcap:
+            cap = F32(hp.final_softcap)
+            logits = xp.tanh(logits / cap) * cap
+        out = backend.to_host(logits)
+        return numpy.ascontiguousarray(out[-1] if not all_logits else out, dtype=F32)
+
+    def _ropes(self, positions: Any) -> dict[bool, tuple[Any, Any]]:
+        """cos/sin per layer kind: global (False) and, for gemma3, local sliding-window (True)."""
+        hp = self.hp
+        ropes = {False: rope_angles(self.xp, positions, hp.head_dim, hp.rope_base,
+                                    hp.rope_freq_scale, self.weights.rope_freqs)}
+        if any(hp.swa_layers):
+            ropes[True] = rope_angles(self.xp, positions, hp.head_dim, hp.rope_base_swa, 1.0, None)
+        return ropes
+
+    def _block(self, il: int, layer: Layer, x: Any, positions: Any,
+               ropes: dict[bool, tuple[Any, Any]], cache: KVCache, only_last: bool) -> Any:
+        xp, hp = self.xp, self.hp
+        h = rms_norm(xp, x, layer.attn_norm, hp.rms_eps)
+        attn = self._attention(il, layer, h, positions, ropes[hp.swa_layers[il]], cache)
+        if only_last:  # llama.cpp keeps only the output row(s) from the last layer's attention on
+            attn, x = attn[-1:], x[-1:]
+        out = layer.wo(xp, attn)["o"]
+        if layer.post_attn_norm is not None:
+            out = rms_norm(xp, out, layer.post_attn_norm, hp.rms_eps)
+        x = x + out
+        h = rms_norm(xp, x, layer.ffn_norm, hp.rms_eps)
+        gu = apply_all(xp, layer.gate_up, h)
+        act = self._gelu_lookup(gu["gate"]) if self._gelu is not None else silu(xp, gu["gate"])
+        out = layer.down(xp, act * gu["up"])["down"]
+        if layer.post_ffw_norm is not None:
+            out = rms_norm(xp, out, layer.post_ffw_norm, hp.rms_eps)
+        return x + out
+
+    def _gelu_lookup(self, x: Any) -> Any:
+        """ggml_vec_geglu_f32: 0 below -10, x above 10, else the f16 table at f16(x)."""
+        xp = self.xp
+        idx = x.astype(xp.float16).view(xp.uint16)
+        y = self._gelu[idx.astype(xp.int32)]
+        y = xp.where(x <= F32(-10), F32(0), y)
+        return xp.where(x >= F32(10), x, y)
+
+    def _qkv(self, layer: Layer, h: Any) -> tuple[Any, Any, Any]:
+        hp = self.hp
+        parts = apply_all(self.xp, layer.qkv, h)
+        if "qkv" in parts:
+            fused = parts["qkv"]
+            nq, nk = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+            parts = {"q": fused[:, :nq], "k": fused[:, nq:nq + nk], "v": fused[:, nq + nk:]}
+        n = h.shape[0]
+        return (parts["q"].reshape(n, hp.n_head, hp.head_dim),
+                parts["k"].reshape(n, hp.n_head_kv, hp.head_dim),
+                parts["v"].reshape(n, hp.n_head_kv, hp.head_dim))
+
+    def _attention(self, il: int, layer: Layer, h: Any, positions: Any, rope: tuple[Any, Any],
+                   cache: KVCache) -> Any:
+        """Causal GQA attention over the cache (with this batch stored first); [n, n_head*hd]."""
+        xp, hp = self.xp, self.hp
+        q, k, v = self._qkv(layer, h)
+        if layer.q_norm is not None:
+            q = rms_norm(xp, q, layer.q_norm, hp.rms_eps)
+            k = rms_norm(xp, k, layer.k_norm, hp.rms_eps)
+        neox = hp.spec.rope_neox
+        q = apply_rope(q, rope[0], rope[1], neox)
+        k = apply_rope(k, rope[0], rope[1], neox)
+        if hp.arch == "gemma3":  # gemma3 scales Q before attention and attends with scale 1
+            q = q * F32(hp.attn_scale)
+            scale = F32(1)
+        else:
+            scale = F32(hp.attn_scale)
+        start = int(positions[0])
+        n = q.shape[0]
+        end = start + n
+        cache.store(il, start, k, v)
+        keys, values = cache.keys(il, end), cache.values(il, end)  # [kv, T, hd]
+        group = hp.n_head // hp.n_head_kv
+        # heads h = kv * group + j share KV head kv (ggml broadcasts head h to h // group)
+        qg = cache.query(q).reshape(n, hp.n_head_kv, group, hp.head_dim).transpose(1, 2, 0, 3)
+        qg = qg.reshape(hp.n_head_kv, group * n, hp.head_dim)
+        scores = (qg @ keys.transpose(0, 2, 1)) * scale  # [kv, group*n, T]
+        scores = scores.reshape(hp.n_head_kv, group, n, end)
+        scores = scores + self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        probs = xp.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = probs.reshape(hp.n_head_kv, group * n, end) @ values  # [kv, group*n, hd]
+        out = cache.output(out).reshape(hp.n_head_kv, group, n, hp.head_dim)
+        return out.transpose(2, 0, 1, 3).reshape(n, hp.n_head * hp.head_dim)
+
+    def _mask(self, positions: Any, end: int, window: int) -> Any:
+        """[n, T] additive mask: key position > query position, or (window) too far back."""
+        xp = self.xp
+        kpos = xp.arange(end)[None, :]
+        qpos = positions[:, None]
+        hidden = kpos > qpos
+        if window:
+            hidden = hidden | (qpos - kpos >= window)
+        return xp.where(hidden, F32(-xp.inf), F32(0))

@@ -1,0 +1,501 @@
+"""GGUF weights: the header decides the architecture, then every matrix is dequantized once.
+
+The file is opened memory-mapped with ``gguf.GGUFReader``. ``read_hparams`` looks only at the
+header (keys and tensor descriptions) and refuses, with the reason, any architecture, key or
+tensor the forward pass does not play, before a single weight byte is read. ``load_weights`` then
+dequantizes each matrix with ``gguf.quants.dequantize`` into float32, rows = output features,
+in the array module of the chosen device. Q/K/V and gate/up are fused into one matrix each
+where they share an activation type, so a decode step makes four matrix products per layer.
+
+Memory budget: 4 bytes per weight (the f32 matrices), a tied embedding held once. The load
+refuses a model whose f32 weights would not fit in 90 % of the memory available.
+
+``quantize_activation`` reproduces what ggml does to the activation before a quantized matrix
+product: it rounds the row to the weight type's ``vec_dot_type`` (q8_0, q8_1, q8_K, f16, bf16).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Iterable
+
+import numpy
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf import quants
+
+from bankml.engine_cupy.arch import (ARCHITECTURES, BASE_LAYER_TENSORS, FUSED_QKV, SPLIT_QKV,
+                                     ArchSpec, supported_names)
+
+MEMORY_SHARE = 0.9  # the share of available memory the f32 weights may take
+
+
+class UnsupportedModel(ValueError):
+    """The file is not one the forward pass plays; the message names the key, tensor or type."""
+
+
+# ggml's vec_dot_type per weight type (ggml-cpu.c type_traits_cpu): how the activation is
+# rounded before the product. Types not listed here cannot be dequantized by gguf either.
+VEC_DOT_KIND: dict[T, str] = {
+    T.F32: "f32", T.F16: "f16", T.BF16: "bf16",
+    T.Q4_0: "q8_0", T.Q5_0: "q8_0", T.Q8_0: "q8_0", T.IQ4_NL: "q8_0",
+    T.MXFP4: "q8_0", T.NVFP4: "q8_0",
+    T.Q4_1: "q8_1", T.Q5_1: "q8_1",
+    T.Q2_K: "q8_K", T.Q3_K: "q8_K", T.Q4_K: "q8_K", T.Q5_K: "q8_K", T.Q6_K: "q8_K",
+    T.IQ2_XXS: "q8_K", T.IQ2_XS: "q8_K", T.IQ2_S: "q8_K", T.IQ3_XXS: "q8_K", T.IQ3_S: "q8_K",
+    T.IQ1_S: "q8_K", T.IQ1_M: "q8_K", T.IQ4_XS: "q8_K", T.TQ1_0: "q8_K", T.TQ2_0: "q8_K",
+}
+
+
+def dequantizable_types() -> set[T]:
+    """The ggml types gguf.quants can turn into float32 (and so the ones accepted)."""
+    known = {T.F32, T.F16} | set(getattr(quants, "_type_traits", {}).keys())
+    return {t for t in known if t in VEC_DOT_KIND}
+
+
+# ---------------------------------------------------------------------------------------------
+# Header: hyper-parameters and the architecture decision
+
+
+@dataclass(frozen=True)
+class HParams:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    rope_freq_scale: float
+    attn_scale: float  # multiplies Q·K
+    embd_scale: float  # multiplies the token embeddings (1 except gemma3)
+    final_softcap: float  # 0: none
+    tied_output: bool
+    swa_window: int  # 0: no sliding-window layers
+    swa_layers: tuple[bool, ...]  # per layer: is it a sliding-window (local) layer
+    rope_base_swa: float
+    spec: ArchSpec = field(compare=False)
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _scalar(reader: GGUFReader, key: str, default: Any = None, required: bool = False) -> Any:
+    value = _field(reader, key, default)
+    if value is None and required:
+        raise UnsupportedModel(f"no {key} in the header")
+    if isinstance(value, list):
+        raise UnsupportedModel(f"{key} is per-layer ({len(value)} values): not reproduced")
+    return value
+
+
+def _tensor_infos(reader: GGUFReader) -> dict[str, Any]:
+    return {t.name: t for t in reader.tensors}
+
+
+def _check_tensor_names(spec: ArchSpec, names: set[str], n_layer: int) -> bool:
+    """Every tensor must be part of the graph; every required one present. Returns tied."""
+    allowed = {"token_embd.weight", "output_norm.weight", "output.weight", *spec.optional_global}
+    fused = "blk.0.attn_qkv.weight" in names
+    per_layer = list(BASE_LAYER_TENSORS) + list(spec.required_layer)
+    per_layer += list(FUSED_QKV) if fused else list(SPLIT_QKV)
+    optional = list(spec.optional_layer) + (["attn_qkv.bias"] if fused else [])
+    if fused:  # biases of a fused projection come fused too
+        per_layer = [n for n in per_layer if n not in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
+    for il in range(n_layer):
+        for suffix in per_layer:
+            name = f"blk.{il}.{suffix}"
+            if name not in names:
+                raise UnsupportedModel(f"tensor {name} is missing: the {spec.name} graph needs it")
+            allowed.add(name)
+        allowed.update(f"blk.{il}.{suffix}" for suffix in optional)
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in names:
+            raise UnsupportedModel(f"tensor {name} is missing")
+    for name in sorted(names - allowed):
+        raise UnsupportedModel(
+            f"tensor {name}: not part of the {spec.name} graph this forward pass reproduces")
+    return "output.weight" not in names
+
+
+def _check_tensor_types(infos: dict[str, Any]) -> None:
+    accepted = dequantizable_types()
+    for name, info in infos.items():
+        if info.tensor_type not in accepted:
+            raise UnsupportedModel(
+                f"tensor {name} has type {info.tensor_type.name}, which gguf.quants cannot "
+                "dequantize: the forward pass refuses it")
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> float:
+    kind = _scalar(reader, f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return 1.0
+    if kind == "linear":
+        factor = float(_scalar(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        return 1.0 / factor
+    raise UnsupportedModel(f"RoPE scaling {kind!r} on {arch}: not reproduced (none, linear and "
+                           "Llama 3 frequency factors are)")
+
+
+def _swa_layers(reader: GGUFReader, arch: str, n_layer: int) -> tuple[int, tuple[bool, ...]]:
+    """gemma3: local layers except every n-th (llama_hparams::set_swa_pattern, n = 6)."""
+    window = int(_scalar(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    if window <= 0:
+        return 0, (False,) * n_layer
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # an explicit per-layer list of booleans
+        if len(pattern) != n_layer:
+            raise UnsupportedModel("attention.sliding_window_pattern does not list every layer")
+        return window, tuple(bool(p) for p in pattern)
+    n = int(pattern)
+    return window, tuple(n == 0 or (il % n < n - 1) for il in range(n_layer))
+
+
+def read_hparams(reader: GGUFReader) -> HParams:
+    """The architecture and its numbers from the header alone; refuses what is not played."""
+    arch = _scalar(reader, "general.architecture")
+    if arch is None:
+        raise UnsupportedModel("no general.architecture in the header")
+    spec = ARCHITECTURES.get(arch)
+    if spec is None:
+        raise UnsupportedModel(
+            f"architecture {arch}: the forward pass plays {supported_names()}")
+    if int(_scalar(reader, f"{arch}.expert_count", 0) or 0) > 0:
+        raise UnsupportedModel(f"a mixture-of-experts {arch} (expert_count > 0): not reproduced")
+
+    infos = _tensor_infos(reader)
+    _check_tensor_types(infos)
+    n_layer = int(_scalar(reader, f"{arch}.block_count", required=True))
+    tied = _check_tensor_names(spec, set(infos), n_layer)
+
+    n_embd = int(_scalar(reader, f"{arch}.embedding_length", required=True))
+    n_head = int(_scalar(reader, f"{arch}.attention.head_count", required=True))
+    n_head_kv = int(_scalar(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(_scalar(reader, f"{arch}.attention.key_length", n_embd // n_head))
+    value_dim = int(_scalar(reader, f"{arch}.attention.value_length", head_dim))
+    n_rot = int(_scalar(reader, f"{arch}.rope.dimension_count", head_dim))
+    if value_dim != head_dim or n_rot != head_dim:
+        raise UnsupportedModel("partial RoPE or a value head of another width: not reproduced")
+    if n_head % n_head_kv:
+        raise UnsupportedModel(f"{n_head} query heads do not group over {n_head_kv} KV heads")
+    embd_shape = [int(x) for x in infos["token_embd.weight"].shape]  # ggml order: [n_embd, n_vocab]
+    if embd_shape[0] != n_embd:
+        raise UnsupportedModel(f"token_embd.weight is {embd_shape}, not {n_embd} wide")
+
+    if arch == "gemma3":
+        # llama_model_gemma3::load_arch_hparams: the 27B scales by n_embd/n_head, others by head_dim.
+        attn_scale = 1.0 / math.sqrt(n_embd / n_head if n_layer == 62 else head_dim)
+        window, swa = _swa_layers(reader, arch, n_layer)
+    else:
+        attn_scale = 1.0 / math.sqrt(head_dim)
+        window, swa = 0, (False,) * n_layer
+        if _field(reader, f"{arch}.attention.scale") is not None:
+            raise UnsupportedModel(f"a {arch} variant with attention.scale: not reproduced")
+    return HParams(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim=head_dim, n_ff=int(_scalar(reader, f"{arch}.feed_forward_length", required=True)),
+        n_vocab=embd_shape[1],
+        n_ctx_train=int(_scalar(reader, f"{arch}.context_length", 2048)),
+        rms_eps=float(_scalar(reader, f"{arch}.attention.layer_norm_rms_epsilon", required=True)),
+        rope_base=float(_scalar(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_freq_scale=_rope_scaling(reader, arch),
+        attn_scale=attn_scale,
+        embd_scale=math.sqrt(n_embd) if spec.scale_embeddings else 1.0,
+        final_softcap=float(_scalar(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+        tied_output=tied, swa_window=window, swa_layers=swa,
+        rope_base_swa=float(_scalar(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+        spec=spec,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation rounding before a matrix product (ggml's from_float for the vec_dot_type)
+
+
+def _q8_blocks(xp: ModuleType, x: Any, block: int, f16_scale: bool) -> Any:
+    """Round rows of x to 8-bit blocks as ggml's AVX2 quantize_row_q8_0/q8_1 and dequantize."""
+    n, k = x.shape
+    xb = x.reshape(n, k // block, block)
+    amax = xp.abs(xb).max(axis=-1, keepdims=True)
+    d = amax / numpy.float32(127)
+    if f16_scale:
+        d = d.astype(xp.float16).astype(xp.float32)
+    inv = numpy.float32(127) / xp.where(amax > 0, amax, numpy.float32(1))
+    q = xp.rint(xb * inv)  # _mm256_round_ps nearest: ties to even
+    return (q * d).reshape(n, k)
+
+
+def _q8_k(xp: ModuleType, x: Any) -> Any:
+    """ggml's quantize_row_q8_K_ref: 256-blocks, scale from the signed largest value, f32 d."""
+    n, k = x.shape
+    xb = x.reshape(n, k // 256, 256)
+    idx = xp.abs(xb).argmax(axis=-1)[..., None]  # first largest, as the C loop's strict '>'
+    mx = xp.take_along_axis(xb, idx, axis=-1)
+    safe = xp.where(mx != 0, mx, numpy.float32(1))
+    iscale = numpy.float32(-127) / safe
+    q = xp.minimum(xp.rint(xb * iscale), numpy.float32(127))
+    d = xp.where(mx != 0, numpy.float32(1) / iscale, numpy.float32(0))
+    return (q * d).reshape(n, k)
+
+
+def _bf16(xp: ModuleType, x: Any) -> Any:
+    """Round to bfloat16 (nearest even), as ggml_fp32_to_bf16."""
+    u = xp.ascontiguousarray(x).view(xp.uint32)
+    rounded = (u + xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1))) & xp.uint32(0xFFFF0000)
+    return rounded.view(xp.float32)
+
+
+def quantize_activation(xp: ModuleType, x: Any, kind: str) -> Any:
+    """x [n, k] f32 as ggml sees it in a product with a weight of this vec_dot kind."""
+    if kind == "f32":
+        return x
+    if kind == "f16":
+        return x.astype(xp.float16).astype(xp.float32)
+    if kind == "bf16":
+        return _bf16(xp, x)
+    if kind == "q8_0" or kind == "q8_1":
+        return _q8_blocks(xp, x, 32, f16_scale=True)
+    if kind == "q8_K":
+        return _q8_k(xp, x)
+    raise ValueError(f"unknown activation kind {kind}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Matrices
+
+
+@dataclass
+class Linear:
+    """y = round(x) @ W.T + b, with W [out, in] float32 and the outputs named in order."""
+
+    weight: Any
+    bias: Any | None
+    kind: str  # the vec_dot kind of the weight type
+    parts: tuple[tuple[str, int], ...]  # (name, width) of the fused outputs
+
+    def __call__(self, xp: ModuleType, x: Any) -> dict[str, Any]:
+        y = quantize_activation(xp, x, self.kind) @ self.weight.T
+        if self.bias is not None:
+            y += self.bias
+        out, start = {}, 0
+        for name, width in self.parts:
+            out[name] = y[:, start:start + width]
+            start += width
+        return out
+
+
+def apply_all(xp: ModuleType, linears: Iterable[Linear], x: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for linear in linears:
+        out.update(linear(xp, x))
+    return out
+
+
+@dataclass
+class Layer:
+    attn_norm: Any
+    qkv: list[Linear]
+    wo: Linear
+    ffn_norm: Any
+    gate_up: list[Linear]
+    down: Linear
+    q_norm: Any | None = None
+    k_norm: Any | None = None
+    post_attn_norm: Any | None = None
+    post_ffw_norm: Any | None = None
+
+
+@dataclass
+class Weights:
+    token_embd: Any  # [n_vocab, n_embd] f32, rows looked up by token id
+    output_norm: Any
+    output: Linear  # the tied embedding when the file has no output.weight
+    layers: list[Layer]
+    rope_freqs: Any | None  # Llama 3 per-frequency divisors
+    nbytes: int
+
+
+class _Loader:
+    """Dequantizes tensors from the memory-mapped file into xp arrays, ticking progress."""
+
+    def __init__(self, reader: GGUFReader, xp: ModuleType, tick: Callable[[int], None]):
+        self.infos = _tensor_infos(reader)
+        self.xp = xp
+        self.tick = tick
+        self.nbytes = 0
+
+    def has(self, name: str) -> bool:
+        return name in self.infos
+
+    def kind(self, name: str) -> str:
+        return VEC_DOT_KIND[self.infos[name].tensor_type]
+
+    def host(self, name: str) -> numpy.ndarray:
+        info = self.infos[name]
+        array = dequantize(info.data, info.tensor_type)
+        self.tick(int(info.n_bytes))
+        shape = tuple(int(s) for s in reversed([int(x) for x in info.shape]))
+        return numpy.ascontiguousarray(array.reshape(shape), dtype=numpy.float32)
+
+    def array(self, name: str) -> Any:
+        out = self.xp.asarray(self.host(name))
+        self.nbytes += out.nbytes
+        return out
+
+    def optional(self, name: str) -> Any | None:
+        return self.array(name) if self.has(name) else None
+
+    def fused(self, names: list[tuple[str, str]]) -> list[Linear]:
+        """One Linear per run of consecutive weights sharing a vec_dot kind (name, output name)."""
+        groups: list[list[tuple[str, str]]] = []
+        for item in names:
+            if groups and self.kind(groups[-1][-1][0]) == self.kind(item[0]):
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        return [self._linear(group) for group in groups]
+
+    def _linear(self, group: list[tuple[str, str]]) -> Linear:
+        mats = [self.host(w) for w, _ in group]
+        biases = [self.host(w[: -len("weight")] + "bias") if self.has(w[: -len("weight")] + "bias")
+                  else None for w, _ in group]
+        weight = self.xp.asarray(numpy.concatenate(mats, axis=0) if len(mats) > 1 else mats[0])
+        bias = None
+        if any(b is not None for b in biases):
+            bias = self.xp.asarray(numpy.concatenate(
+                [b if b is not None else numpy.zeros(m.shape[0], numpy.float32)
+                 for b, m in zip(biases, mats)]))
+            self.nbytes += bias.nbytes
+        self.nbytes += weight.nbytes
+        parts = tuple((out, m.shape[0]) for (_, out), m in zip(group, mats))
+        return Linear(weight, bias, self.kind(group[0][0]), parts)
+
+
+def dequantize(data: numpy.ndarray, qtype: T) -> numpy.ndarray:
+    """gguf.quants' dequantization, fed about 1 MiB of rows at a time.
+
+    gguf.quants.dequantize works through groups of 16 rows, and its per-group overhead made the
+    default model's load take seconds more; its public per-type dequantize_rows does the work.
+    """
+    if qtype in (T.F32, T.F16):
+        return quants.dequantize(data, qtype)
+    qclass = quants._type_traits[qtype]
+    qclass.init_grid()
+    rows = data.reshape(-1, data.shape[-1])
+    step = max(1, (1 << 20) // rows.shape[1])
+    chunks = [qclass.dequantize_rows(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
+    return numpy.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+
+
+def f32_bytes(reader: GGUFReader) -> int:
+    """What the dequantized weights take: 4 bytes per element of every tensor."""
+    return sum(int(t.n_elements) * 4 for t in reader.tensors)
+
+
+def check_memory(reader: GGUFReader, available: int | None = None) -> None:
+    need = f32_bytes(reader)
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    if need > MEMORY_SHARE * available:
+        raise UnsupportedModel(
+            f"the f32 weights take {need / 2**30:.2f} GiB, more than {MEMORY_SHARE:.0%} of the "
+            f"{available / 2**30:.2f} GiB of memory available")
+
+
+def _layer(ld: _Loader, hp: HParams, il: int) -> Layer:
+    p = f"blk.{il}."
+    if ld.has(p + "attn_qkv.weight"):
+        qkv = [ld._linear([(p + "attn_qkv.weight", "qkv")])]
+    else:
+        qkv = ld.fused([(p + "attn_q.weight", "q"), (p + "attn_k.weight", "k"),
+                        (p + "attn_v.weight", "v")])
+    layer = Layer(
+        attn_norm=ld.array(p + "attn_norm.weight"),
+        qkv=qkv,
+        wo=ld._linear([(p + "attn_output.weight", "o")]),
+        ffn_norm=ld.array(p + "ffn_norm.weight"),
+        gate_up=ld.fused([(p + "ffn_gate.weight", "gate"), (p + "ffn_up.weight", "up")]),
+        down=ld._linear([(p + "ffn_down.weight", "down")]),
+    )
+    if hp.spec.qk_norm:
+        layer.q_norm = ld.array(p + "attn_q_norm.weight")
+        layer.k_norm = ld.array(p + "attn_k_norm.weight")
+    if hp.spec.post_norms:
+        layer.post_attn_norm = ld.array(p + "post_attention_norm.weight")
+        layer.post_ffw_norm = ld.array(p + "post_ffw_norm.weight")
+    return layer
+
+
+def load_weights(reader: GGUFReader, hp: HParams, xp: ModuleType,
+                 tick: Callable[[int], None] = lambda n: None) -> Weights:
+    """Every tensor dequantized to float32 on the device, matrices fused for decoding."""
+    ld = _Loader(reader, xp, tick)
+    token_embd = ld.array("token_embd.weight")
+    kind = ld.kind("token_embd.weight")
+    if hp.tied_output:
+        output = Linear(token_embd, None, kind, (("logits", hp.n_vocab),))
+    else:
+        output = ld._linear([("output.weight", "logits")])
+    layers = [_layer(ld, hp, il) for il in range(hp.n_layer)]
+    return Weights(
+        token_embd=token_embd,
+        output_norm=ld.array("output_norm.weight"),
+        output=output,
+        layers=layers,
+        rope_freqs=ld.optional("rope_freqs.weight"),
+        nbytes=ld.nbytes,
+    )
+
+
+def total_tensor_bytes(reader: GGUFReader) -> int:
+    return sum(int(t.n_bytes) for t in reader.tensors)
+
+
+class _PlainReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map.
+
+    The reader slices its map once per header item (~250,000 times for a 49k-token vocabulary);
+    each slice of a numpy.memmap pays memmap's Python-level __array_finalize__, which made the
+    header parse take many seconds. A plain view of the same mapping reads the same bytes.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> numpy.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: numpy.ndarray) -> None:
+        self._plain = value.view(numpy.ndarray)
+
+    _dtypes: dict[Any, numpy.dtype] = {}
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        """GGUFReader._get without its per-call dtype probing (native byte order only)."""
+        if override_order is not None or self.byte_order != "I":
+            return super()._get(offset, dtype, count, override_order)
+        dt = self._dtypes.get(dtype)
+        if dt is None:
+            dt = self._dtypes.setdefault(dtype, numpy.dtype(dtype))
+        count = int(count)
+        return self._plain[offset:offset + dt.itemsize * count].view(dt)
+
+
+def open_reader(path: str | os.PathLike) -> GGUFReader:
+    try:
+        return _PlainReader(os.fspath(path), "r")
+    except ValueError as err:  # a missing file stays FileNotFoundError
+        raise UnsupportedModel(f"{os.fspath(path)}: not a readable GGUF file ({err})") from err

@@ -1,0 +1,177 @@
+"""Tiny random GGUF models of each architecture the native engine plays, for oracle tests.
+
+``write_tiny_model`` writes a 2-4 layer model with ``gguf.GGUFWriter`` that llama-server loads:
+random weights in the chosen ggml type and the default model's GPT-2 vocabulary (tokens, types,
+merges), which llama.cpp accepts for any architecture. The weights are scaled so the logits are
+peaked (a standard deviation near 8), so greedy choices are not coin flips between near-ties.
+
+K-quant types (Q4_K, Q6_K) have no quantizer in gguf.quants, so their blocks are random bytes
+with the f16 scales set to keep the weights at the intended size; both engines dequantize the
+same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter, quants
+
+from bankml.engine_cupy.weights import dequantize, open_reader
+
+N_EMBD = 256  # a multiple of 256, as K-quant rows need
+N_FF = 512
+N_HEAD = 4
+N_HEAD_KV = 2
+HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str
+    wtype: T  # the type of every matrix
+    n_layer: int = 2
+    tied: bool = True
+    llama3_rope: bool = False  # a rope_freqs.weight tensor (Llama 3 frequency factors)
+    out_type: T | None = None  # the untied output's type (default: wtype)
+
+    @property
+    def name(self) -> str:
+        extra = ("-untied" if not self.tied else "") + ("-rope3" if self.llama3_rope else "")
+        return f"{self.arch}-{self.wtype.name}{extra}"
+
+
+# The set the oracle tests run: every architecture, several weight types each.
+TINY_SPECS = (
+    TinySpec("llama", T.Q4_K, tied=False, llama3_rope=True, out_type=T.Q6_K),
+    TinySpec("llama", T.F16),
+    TinySpec("qwen2", T.Q8_0),
+    TinySpec("qwen2", T.Q4_1, tied=False),
+    TinySpec("qwen3", T.Q4_0),
+    TinySpec("qwen3", T.F32),
+    TinySpec("gemma3", T.Q6_K, n_layer=4),
+    TinySpec("gemma3", T.Q5_0, n_layer=4),
+)
+
+
+@functools.lru_cache(maxsize=2)
+def _vocab(vocab_model: Path) -> tuple[list[str], list[int], list[str]]:
+    reader = open_reader(vocab_model)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    return tokens, types, merges
+
+
+def _kquant_bytes(rng: numpy.random.Generator, rows: int, cols: int, qtype: T) -> numpy.ndarray:
+    """Random K-quant blocks with unit-sized f16 scale fields, then rescaled (see module doc)."""
+    block, size = quants.GGML_QUANT_SIZES[qtype]
+    nblk = rows * cols // block
+    raw = rng.integers(0, 256, size=(nblk, size), dtype=numpy.uint8)
+    if qtype == T.Q4_K:  # d, dmin (f16) first, then 12 bytes of 6-bit scales/mins
+        raw[:, 0:4] = numpy.array([1.0, 0.5], numpy.float16).view(numpy.uint8)
+    elif qtype == T.Q6_K:  # int8 scales at 192..207, d (f16) last
+        raw[:, 192:208] = rng.integers(-16, 17, size=(nblk, 16)).astype(numpy.int8).view(numpy.uint8)
+        raw[:, 208:210] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
+    else:
+        raise ValueError(f"no random-byte recipe for {qtype.name}")
+    return raw.reshape(rows, cols // block * size)
+
+
+def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndarray:
+    block, size = quants.GGML_QUANT_SIZES[qtype]
+    std = float(dequantize(raw, qtype).std())
+    blocks = raw.reshape(-1, size)
+    spots = (slice(0, 4),) if qtype == T.Q4_K else (slice(208, 210),)
+    for spot in spots:
+        halves = blocks[:, spot].copy().view(numpy.float16).astype(numpy.float32)
+        blocks[:, spot] = (halves * (target_std / std)).astype(numpy.float16).view(numpy.uint8)
+    return raw
+
+
+def _matrix(rng: numpy.random.Generator, rows: int, cols: int, qtype: T, std: float):
+    """(data to write, raw_dtype) for an [rows, cols] matrix of the given type."""
+    if qtype in (T.Q4_K, T.Q6_K):
+        return _scale_kquant(_kquant_bytes(rng, rows, cols, qtype), qtype, std), qtype
+    w = rng.normal(0.0, std, size=(rows, cols)).astype(numpy.float32)
+    if qtype == T.F32:
+        return w, None
+    if qtype == T.F16:
+        return w.astype(numpy.float16), None
+    return quants.quantize(w, qtype), qtype
+
+
+def write_tiny_model(path: Path, spec: TinySpec, vocab_model: Path, seed: int = 0) -> Path:
+    rng = numpy.random.default_rng(seed)
+    tokens, types, merges = _vocab(vocab_model)
+    n_vocab = len(tokens)
+    w = GGUFWriter(str(path), spec.arch)
+    w.add_name(f"tiny {spec.name}")
+    w.add_block_count(spec.n_layer)
+    w.add_context_length(4096)
+    w.add_embedding_length(N_EMBD)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD_KV)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0 if spec.arch == "llama" else 1e6)
+    if spec.arch == "gemma3":
+        w.add_sliding_window(8)  # small, so 40-token prompts cross it
+        w.add_sliding_window_pattern(2)  # layers 1 and 3 global
+        w.add_rope_freq_base_swa(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+    def matrix(name: str, rows: int, cols: int, qtype: T, std: float) -> None:
+        data, raw = _matrix(rng, rows, cols, qtype, std)
+        w.add_tensor(name, data, raw_dtype=raw)
+
+    def vector(name: str, values: numpy.ndarray) -> None:
+        w.add_tensor(name, values.astype(numpy.float32))
+
+    # Embedding rows at 0.25 and an output norm of 2 give logits with a std near 8.
+    matrix("token_embd.weight", n_vocab, N_EMBD, spec.wtype, 0.25)
+    vector("output_norm.weight", numpy.full(N_EMBD, 2.0))
+    if not spec.tied:
+        matrix("output.weight", n_vocab, N_EMBD, spec.out_type or spec.wtype, 0.25)
+    if spec.llama3_rope:
+        vector("rope_freqs.weight", numpy.linspace(1.0, 8.0, HEAD_DIM // 2))
+    nq, nkv = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        norm = lambda: 1.0 + 0.1 * rng.standard_normal(N_EMBD)  # noqa: E731
+        vector(p + "attn_norm.weight", norm())
+        vector(p + "ffn_norm.weight", norm())
+        matrix(p + "attn_q.weight", nq, N_EMBD, spec.wtype, N_EMBD ** -0.5)
+        matrix(p + "attn_k.weight", nkv, N_EMBD, spec.wtype, N_EMBD ** -0.5)
+        matrix(p + "attn_v.weight", nkv, N_EMBD, spec.wtype, N_EMBD ** -0.5)
+        matrix(p + "attn_output.weight", N_EMBD, nq, spec.wtype, nq ** -0.5)
+        matrix(p + "ffn_gate.weight", N_FF, N_EMBD, spec.wtype, N_EMBD ** -0.5)
+        matrix(p + "ffn_up.weight", N_FF, N_EMBD, spec.wtype, N_EMBD ** -0.5)
+        matrix(p + "ffn_down.weight", N_EMBD, N_FF, spec.wtype, N_FF ** -0.5)
+        if spec.arch == "qwen2":
+            for part, width in (("q", nq), ("k", nkv), ("v", nkv)):
+                vector(p + f"attn_{part}.bias", 0.1 * rng.standard_normal(width))
+        if spec.arch in ("qwen3", "gemma3"):
+            vector(p + "attn_q_norm.weight", 1.0 + 0.1 * rng.standard_normal(HEAD_DIM))
+            vector(p + "attn_k_norm.weight", 1.0 + 0.1 * rng.standard_normal(HEAD_DIM))
+        if spec.arch == "gemma3":
+            vector(p + "post_attention_norm.weight", norm())
+            vector(p + "post_ffw_norm.weight", norm())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
