@@ -471,7 +471,7 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, **chat_template_kwargs: Any) -> str:
         """The prompt llama-server's /apply-template returns for these messages."""
-        parsed = normalize_messages(list(messages), self.caps)
+        parsed = normalize_messages(list(messages) if isinstance(messages, tuple) else messages, self.caps)
         tool_list = _normalize_tools(list(tools)) if tools else None
         enable_thinking = chat_template_kwargs.get("enable_thinking", True)
         if not isinstance(enable_thinking, bool):
