@@ -281,7 +281,7 @@ class LoopbackChannel(http.HTTPChannel):
             self.loseConnection()
 
     def pauseProducing(self) -> None:
-        # The transport's send buffer is full: the client is not reading. Start the clock.
+        # The transport's send buffer is full: the client is behind. Start the clock.
         super().pauseProducing()
         self._startWriteClock()
 

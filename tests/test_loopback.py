@@ -19,7 +19,6 @@ from twisted.internet.threads import deferToThread
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from tests import support
 from bankml.site import (
     MAX_BODY_BYTES,
     MAX_CONNECTIONS,
@@ -30,6 +29,7 @@ from bankml.site import (
     loopback_service,
     parse_listen,
 )
+from tests import support
 
 BIG_ANSWER = 16 * 1024 * 1024  # larger than the loopback socket buffers can hold
 CLIENT_TIMEOUT = 20.0  # a hang guard only; no test depends on how fast anything is
