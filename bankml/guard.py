@@ -63,7 +63,6 @@ MIN_VALUE_BYTES = {t: s.size for t, s in SCALAR_FORMATS.items()} | {T_STRING: 8,
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_HEADER = struct.Struct("<4sIQQ")
 
 # -- ggml tensor types --------------------------------------------------------------------------
 
