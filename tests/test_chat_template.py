@@ -31,6 +31,22 @@ CONTENTS = [
     "", "x" * 300, "Answer: 42.", "Sure, here is some code:\n```python\nprint('hi')\n```", "¿Qué tal?",
 ]
 SYSTEMS = ["You are a helpful assistant.", "Réponds en français.", "", "Be brief.\nUse lists."]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+
+
+def tool_exchange(rng: random.Random) -> list[dict[str, Any]]:
+    """An assistant tool call (arguments as a JSON string or an object), its result, a user follow-up."""
+    arguments: Any = {"city": rng.choice(["Paris", "東京"]), "days": rng.randint(1, 5)}
+    if rng.random() < 0.5:
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    call = {"id": f"call_{rng.randint(0, 999):03d}", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21°C"},
+            {"role": "user", "content": "Thanks! And tomorrow?"}]
 
 
 def conversation(rng: random.Random) -> dict[str, Any]:
@@ -51,6 +67,9 @@ def conversation(rng: random.Random) -> dict[str, Any]:
     if messages[-1]["role"] == "assistant" and (messages[-1]["content"] is None or rng.random() < 0.7):
         messages.pop()          # most conversations end with the user; some are prefills
     body: dict[str, Any] = {"messages": messages}
+    if rng.random() < 0.15 and messages[-1]["role"] == "user":
+        messages.extend(tool_exchange(rng))
+        body["tools"] = [WEATHER_TOOL]
     if rng.random() < 0.15:
         body["add_generation_prompt"] = False
     if rng.random() < 0.15:
@@ -60,7 +79,7 @@ def conversation(rng: random.Random) -> dict[str, Any]:
 
 def render(template: ChatTemplate, body: dict[str, Any]) -> str:
     return template.render(body["messages"], add_generation_prompt=body.get("add_generation_prompt", True),
-                           **body.get("chat_template_kwargs", {}))
+                           tools=body.get("tools"), **body.get("chat_template_kwargs", {}))
 
 
 class Oracle:

@@ -418,17 +418,23 @@ def normalize_messages(messages: Any, caps: Caps, object_arguments: bool | None 
 
 def _normalize_tools(tools: Any) -> list[dict[str, Any]]:
     """common_chat_tools_parse_oaicompat + common_chat_tools_to_json_oaicompat."""
+    def refuse(reason: str) -> TemplateError:
+        return TemplateError(f"Failed to parse tools: {reason}; tools = {json.dumps(tools, indent=2)}")
+
     if not isinstance(tools, list):
-        raise TemplateError("Expected 'tools' to be an array")
+        raise refuse(f"Expected 'tools' to be an array, got {_dump(tools)}")
     out = []
     for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(tool, dict) or "type" not in tool:
+            raise refuse(f"Missing tool type: {_dump(tool)}")
+        if tool["type"] != "function":
+            raise refuse(f"Unsupported tool type: {_dump(tool)}")
+        function = tool.get("function")
         if not isinstance(function, dict) or "name" not in function:
-            raise TemplateError(f"Unsupported tool type: {_dump(tool)}")
-        parameters = function.get("parameters", {})
+            raise refuse(f"Missing tool function: {_dump(tool)}")
         out.append({"type": "function", "function": {
             "name": function["name"], "description": function.get("description", ""),
-            "parameters": parameters if not isinstance(parameters, str) else json.loads(parameters)}})
+            "parameters": function.get("parameters", {})}})
     return out
 
 
