@@ -505,6 +505,7 @@ class Tokenizer:
     add_eos: bool = False
     add_space_prefix: bool = False
     clean_spaces: bool = False
+    ignore_merges: bool = False     # llama3: a word that is a token is taken whole
 
     def __post_init__(self) -> None:
         self._build_vocab()
@@ -559,11 +560,10 @@ class Tokenizer:
         add_eos = bool(flag) if flag is not None else False
         flag = values.get(prefix + "add_space_prefix")
         add_space_prefix = bool(flag) if flag is not None else add_space_prefix
-        tok = cls(model=model, tokens=tokens, token_types=token_types[:n_vocab], scores=scores[:n_vocab],
+        return cls(model=model, tokens=tokens, token_types=token_types[:n_vocab], scores=scores[:n_vocab],
                   merges=merges, pre=pre.kind, special=special, add_bos=add_bos, add_eos=add_eos,
-                  add_space_prefix=add_space_prefix, clean_spaces=clean_spaces)
-        tok._ignore_merges = pre.ignore_merges
-        return tok
+                  add_space_prefix=add_space_prefix, clean_spaces=clean_spaces,
+                  ignore_merges=pre.ignore_merges)
 
     def _build_vocab(self) -> None:
         self.tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(self.tokens)]
@@ -576,7 +576,6 @@ class Tokenizer:
             cut = merge.find(" ", 1)
             left, right = (merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", "")
             self._ranks.setdefault((left, right), rank)   # std::map::emplace keeps the first
-        self._ignore_merges = False
         self._find_special_by_text()
         self._special_cache = sorted(
             (i for i, a in enumerate(self._attrs) if a & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)),
@@ -697,7 +696,7 @@ class Tokenizer:
         if cached is not None:
             return cached
         vocab = self._token_to_id
-        if self._ignore_merges and word in vocab:
+        if self.ignore_merges and word in vocab:
             ids: tuple[int, ...] = (vocab[word],)
         else:
             ranks = self._ranks
