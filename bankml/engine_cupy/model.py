@@ -177,7 +177,10 @@ class Model:
         x = x + out
         h = rms_norm(xp, x, layer.ffn_norm, hp.rms_eps)
         gu = apply_all(xp, layer.gate_up, h)
-        act = self._gelu_lookup(gu["gate"]) if self._gelu is not None else silu(xp, gu["gate"])
+        # contiguous, so NumPy's exp takes its SIMD path whatever the batch size (a strided view
+        # takes another path whose last bit can differ, and q8 rounding would magnify it)
+        gate = xp.ascontiguousarray(gu["gate"])
+        act = self._gelu_lookup(gate) if self._gelu is not None else silu(xp, gate)
         out = layer.down(xp, act * gu["up"])["down"]
         if layer.post_ffw_norm is not None:
             out = rms_norm(xp, out, layer.post_ffw_norm, hp.rms_eps)

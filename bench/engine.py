@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Prefill and decode speed of the native engine against llama-server, same model and threads.
+
+    bench/engine.py [--llama-server BIN] [--model FILE] [--threads 2] [--prompt-tokens 256]
+                    [--decode-tokens 64] [--rounds 3]
+
+Both run the same token ids (from llama-server's /tokenize), alternating round by round in one
+run so that a busy machine slows both alike. llama-server's figures are its own
+``timings.prompt_per_second`` and ``predicted_per_second`` (``cache_prompt: false``); the
+engine's are wall-clock over ``Model.forward`` (prefill in 512-token micro-batches, greedy
+decode). The BLAS thread count is set to --threads with threadpoolctl when it is installed.
+Prints a line per round, the median ratios, and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bankml.engine_cupy.model import Model  # noqa: E402
+from tests import support  # noqa: E402
+
+TEXT = ("The history of computing is a story of people who wanted to calculate faster than they "
+        "could by hand. From the abacus to mechanical calculators, from punched cards to "
+        "transistors, every step made arithmetic cheaper and more reliable. ")
+
+
+def limit_blas_threads(threads: int) -> str:
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return "BLAS threads: default (threadpoolctl not installed)"
+    threadpool_limits(threads)
+    return f"BLAS threads: {threads}"
+
+
+def prompt_ids(server: support.LlamaServer, n: int) -> list[int]:
+    _, body = support.http_json(server.url + "/tokenize", {"content": TEXT * 40})
+    ids = body["tokens"]
+    return ids[:n]
+
+
+def server_round(server: support.LlamaServer, ids: list[int], n_decode: int) -> tuple[float, float]:
+    _, body = support.http_json(server.url + "/completion", {
+        "prompt": ids, "n_predict": n_decode, "temperature": 0, "cache_prompt": False,
+        "ignore_eos": True}, timeout=600)
+    t = body["timings"]
+    return t["prompt_per_second"], t["predicted_per_second"]
+
+
+def engine_round(model: Model, ids: list[int], n_decode: int) -> tuple[float, float]:
+    cache = model.new_cache(len(ids) + n_decode + 1)
+    start = time.perf_counter()
+    for i in range(0, len(ids), 512):
+        logits = model.forward(ids[i:i + 512], cache)
+    prefill = len(ids) / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(n_decode):
+        logits = model.forward([int(numpy.argmax(logits))], cache)
+    decode = n_decode / (time.perf_counter() - start)
+    return prefill, decode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", type=Path, default=None)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    binary = args.llama_server or support.llama_server_binary()
+    model_path = args.model or support.default_model()
+    print(limit_blas_threads(args.threads))
+    start = time.perf_counter()
+    model = Model.load(model_path, device="cpu")
+    print(f"engine load {time.perf_counter() - start:.1f} s, weights "
+          f"{model.weights.nbytes / 2**20:.0f} MiB")
+    rows = []
+    with support.LlamaServer(model_path, binary=binary, args=["-t", str(args.threads)]) as server:
+        ids = prompt_ids(server, args.prompt_tokens)
+        server_round(server, ids[:32], 4)  # warm both once
+        engine_round(model, ids[:32], 4)
+        for r in range(args.rounds):
+            sp, sd = server_round(server, ids, args.decode_tokens)
+            ep, ed = engine_round(model, ids, args.decode_tokens)
+            rows.append((sp, sd, ep, ed))
+            print(f"round {r + 1}: prefill engine {ep:7.1f} vs llama-server {sp:7.1f} tok/s "
+                  f"({ep / sp:.2f}x); decode engine {ed:6.1f} vs {sd:6.1f} tok/s ({ed / sd:.2f}x)")
+    result = {
+        "model": Path(model_path).name, "threads": args.threads, "prompt_tokens": len(ids),
+        "decode_tokens": args.decode_tokens, "rounds": args.rounds,
+        "prefill_engine": round(statistics.median(r[2] for r in rows), 1),
+        "prefill_llama_server": round(statistics.median(r[0] for r in rows), 1),
+        "decode_engine": round(statistics.median(r[3] for r in rows), 1),
+        "decode_llama_server": round(statistics.median(r[1] for r in rows), 1),
+        "prefill_ratio": round(statistics.median(r[2] / r[0] for r in rows), 3),
+        "decode_ratio": round(statistics.median(r[3] / r[1] for r in rows), 3),
+    }
+    print(f"median ratios: prefill {result['prefill_ratio']}x, decode {result['decode_ratio']}x "
+          "(targets 1.5x and 0.5x)")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

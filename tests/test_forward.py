@@ -1,0 +1,254 @@
+"""The native forward pass against the real llama-server: next-token log-probabilities and greedy
+answers on the default model, on the q8_0 KV cache, and on tiny models of every architecture.
+
+Token ids come from llama-server's /tokenize, so these tests do not depend on bankml's tokenizer.
+Each oracle test prints its figure (largest log-probability difference, identical answers) and
+asserts it; the thresholds are the measured figures with a margin (docs/modules/model.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy
+import pytest
+
+from bankml.engine_cupy.model import Model
+from tests import support
+from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):\n    ",
+    "List three colours: red,",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+    "In 1969, the first person to walk on the Moon was",
+    "import numpy as np\nx = np.",
+    "Translate to French: good morning ->",
+    "The sum of 17 and 25 is",
+    "<|im_start|>user\nWhat is the largest planet?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    "Write a haiku about rain.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nGive me a recipe for pancakes.<|im_end|>\n<|im_start|>assistant\n",
+    "Photosynthesis is the process by which",
+    "SELECT name FROM users WHERE",
+    "A haiku:\n",
+    "Dear diary, today I",
+    "The three laws of robotics are",
+    "1, 2, 3, 4, 5,",
+    "Bonjour, je m'appelle",
+    "<|im_start|>user\nExplain recursion in one sentence.<|im_end|>\n<|im_start|>assistant\n",
+    "The most important thing about machine learning is",
+    "Emoji test: 🙂 🚀 and then",
+    "   indented text with    many spaces   and",
+]
+GREEDY_TOKENS = 48
+EOG = {0, 2}  # <|endoftext|> and <|im_end|> of the SmolLM2 vocabulary (also the tiny models')
+
+
+def tokenize(server: support.LlamaServer, text: str) -> list[int]:
+    status, body = support.http_json(server.url + "/tokenize", {"content": text, "parse_special": True})
+    assert status == 200, body
+    return body["tokens"]
+
+
+def server_next_token(server: support.LlamaServer, ids: list[int]) -> dict[int, float]:
+    """llama-server's top-10 log-probabilities of the next token (raw logits, greedy)."""
+    status, body = support.http_json(server.url + "/completion", {
+        "prompt": ids, "n_predict": 1, "n_probs": 10, "temperature": 0, "cache_prompt": False,
+        "post_sampling_probs": False})
+    assert status == 200, body
+    top = body["completion_probabilities"][0]["top_logprobs"]
+    return {entry["id"]: entry["logprob"] for entry in top}
+
+
+def server_greedy(server: support.LlamaServer, ids: list[int], n: int) -> list[int]:
+    status, body = support.http_json(server.url + "/completion", {
+        "prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
+        "return_tokens": True})
+    assert status == 200, body
+    return body["tokens"]
+
+
+def log_softmax(logits: numpy.ndarray) -> numpy.ndarray:
+    z = logits.astype(numpy.float64)
+    z -= z.max()
+    return z - numpy.log(numpy.exp(z).sum())
+
+
+def engine_greedy(model: Model, ids: list[int], n: int, cache_type: str | None = None) -> list[int]:
+    """Argmax decoding, stopping at an end-of-generation token as llama-server does."""
+    cache = model.new_cache(len(ids) + n + 1, cache_type)
+    logits = model.forward(ids, cache)
+    out: list[int] = []
+    for _ in range(n):
+        token = int(numpy.argmax(logits))
+        if token in EOG:
+            break
+        out.append(token)
+        if len(out) < n:
+            logits = model.forward([token], cache)
+    return out
+
+
+def compare_next_token(model: Model, server: support.LlamaServer, prompts: list[list[int]],
+                       cache_type: str | None = None) -> tuple[float, int]:
+    """(largest |logprob difference| over the server's top 10, prompts with the same top-1)."""
+    worst, same_top1 = 0.0, 0
+    for ids in prompts:
+        theirs = server_next_token(server, ids)
+        ours = log_softmax(model.forward(ids, model.new_cache(len(ids) + 1, cache_type)))
+        worst = max(worst, max(abs(float(ours[t]) - lp) for t, lp in theirs.items()))
+        top1 = max(theirs, key=theirs.get)
+        same_top1 += int(numpy.argmax(ours)) == top1
+    return worst, same_top1
+
+
+def compare_greedy(model: Model, server: support.LlamaServer, prompts: list[list[int]], n: int,
+                   cache_type: str | None = None) -> tuple[int, list[str]]:
+    same, notes = 0, []
+    for ids in prompts:
+        theirs = server_greedy(server, ids, n)
+        ours = engine_greedy(model, ids, n, cache_type)
+        if ours == theirs:
+            same += 1
+        else:
+            split = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                         min(len(ours), len(theirs)))
+            notes.append(f"prompt of {len(ids)} tokens differs at token {split}")
+    return same, notes
+
+
+@pytest.fixture(scope="module")
+def default_engine(default_model: Path) -> Model:
+    return Model.load(default_model, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(reference_server: support.LlamaServer) -> list[list[int]]:
+    return [tokenize(reference_server, text) for text in PROMPTS]
+
+
+@pytest.mark.llama_server
+def test_default_next_token_logprobs(default_engine: Model, reference_server, prompt_ids) -> None:
+    worst, same_top1 = compare_next_token(default_engine, reference_server, prompt_ids)
+    print(f"\ndefault model, {len(prompt_ids)} prompts: largest top-10 logprob difference "
+          f"{worst:.5f}, same top-1 {same_top1}/{len(prompt_ids)}")
+    assert same_top1 == len(prompt_ids)
+    assert worst < 0.05
+
+
+@pytest.mark.llama_server
+@pytest.mark.slow
+def test_default_greedy_answers(default_engine: Model, reference_server, prompt_ids) -> None:
+    prompts = prompt_ids[:20]
+    same, notes = compare_greedy(default_engine, reference_server, prompts, GREEDY_TOKENS)
+    print(f"\ndefault model greedy {GREEDY_TOKENS} tokens: {same}/{len(prompts)} identical; {notes}")
+    assert same >= 0.9 * len(prompts)
+
+
+@pytest.mark.llama_server
+@pytest.mark.slow
+def test_q8_0_cache_against_llama_server(default_engine: Model, default_model: Path,
+                                         llama_server_bin: Path, prompt_ids) -> None:
+    prompts = prompt_ids[:8]
+    with support.LlamaServer(default_model, binary=llama_server_bin,
+                             args=["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]) as server:
+        worst, same_top1 = compare_next_token(default_engine, server, prompts, "q8_0")
+        same, notes = compare_greedy(default_engine, server, prompts[:5], 24, "q8_0")
+    print(f"\nq8_0 cache: largest top-10 logprob difference {worst:.5f}, same top-1 "
+          f"{same_top1}/{len(prompts)}; greedy 24 tokens {same}/5 identical {notes}")
+    assert same_top1 == len(prompts)
+    assert worst < 0.05
+    assert same >= 4
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+TINY_PROMPTS = PROMPTS[:6]
+
+
+@pytest.mark.llama_server
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", TINY_SPECS, ids=lambda s: s.name)
+def test_tiny_architecture(spec: TinySpec, tiny_dir: Path, default_model: Path,
+                           llama_server_bin: Path) -> None:
+    path = write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model)
+    model = Model.load(path, device="cpu", progress=False)
+    with support.LlamaServer(path, binary=llama_server_bin) as server:
+        prompts = [tokenize(server, text) for text in TINY_PROMPTS]
+        worst, same_top1 = compare_next_token(model, server, prompts)
+        same, notes = compare_greedy(model, server, prompts, 32)
+    print(f"\n{spec.name}: largest top-10 logprob difference {worst:.5f}, same top-1 "
+          f"{same_top1}/{len(prompts)}, greedy 32 tokens {same}/{len(prompts)} identical {notes}")
+    assert same_top1 == len(prompts)
+    assert worst < 0.1
+    assert same >= len(prompts) - 1
+
+
+# --- properties of the forward pass that need no llama-server --------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_dir: Path, default_model: Path) -> Model:
+    spec = TinySpec("qwen3", TINY_SPECS[5].wtype)  # F32: no q8 rounding to magnify last bits
+    return Model.load(write_tiny_model(tiny_dir / "local-qwen3.gguf", spec, default_model),
+                      device="cpu", progress=False)
+
+
+def test_micro_batches_equal_one_batch(tiny_llama: Model) -> None:
+    """Prefill split into micro-batches gives the logits of one batch (same cache contents)."""
+    ids = list(range(300, 340))
+    whole = tiny_llama.forward(ids, tiny_llama.new_cache(64), all_logits=True)
+    cache = tiny_llama.new_cache(64)
+    parts = [tiny_llama.forward(ids[i:i + 7], cache, all_logits=True) for i in range(0, 40, 7)]
+    split = numpy.concatenate(parts)
+    assert cache.n_tokens == 40
+    diff = float(numpy.abs(whole - split).max())
+    print(f"\nlargest logit difference, 40 tokens in one batch vs batches of 7: {diff:.2e}")
+    assert diff < 0.02  # measured 0.004 on logits with a std of 8
+    last_only = tiny_llama.forward(ids, tiny_llama.new_cache(64))
+    assert numpy.abs(whole[-1] - last_only).max() < 1e-3
+
+
+def test_truncate_then_recompute(tiny_llama: Model) -> None:
+    cache = tiny_llama.new_cache(32)
+    first = tiny_llama.forward([5, 6, 7, 8], cache)
+    tiny_llama.forward([9, 10], cache)
+    cache.truncate(3)
+    assert cache.n_tokens == 3
+    again = tiny_llama.forward([8], cache)
+    assert numpy.abs(first - again).max() < 0.02
+    with pytest.raises(ValueError):
+        cache.truncate(5)
+
+
+def test_context_and_token_limits(tiny_llama: Model) -> None:
+    cache = tiny_llama.new_cache(4)
+    with pytest.raises(ValueError, match="do not fit"):
+        tiny_llama.forward([1, 2, 3, 4, 5], cache)
+    assert cache.n_tokens == 0
+    with pytest.raises(ValueError, match="out of range"):
+        tiny_llama.forward([tiny_llama.n_vocab], cache)
+    with pytest.raises(ValueError):
+        tiny_llama.forward([], cache)
+
+
+def test_cache_types(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BANKML_CACHE_TYPE", raising=False)
+    f16 = tiny_llama.new_cache(16)
+    assert f16.cache_type == "f16"
+    monkeypatch.setenv("BANKML_CACHE_TYPE", "q8_0")
+    q8 = tiny_llama.new_cache(16)
+    assert q8.cache_type == "q8_0"
+    assert q8.nbytes < f16.nbytes / 2  # 34 bytes per 32 values against f32-held f16 values
+    with pytest.raises(ValueError, match='cache type "q4_0": bankML keeps f16 or q8_0'):
+        tiny_llama.new_cache(16, "q4_0")
+    a = tiny_llama.forward([11, 12, 13], f16)
+    b = tiny_llama.forward([11, 12, 13], q8)
+    assert int(numpy.argmax(a)) == int(numpy.argmax(b))
