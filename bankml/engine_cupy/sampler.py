@@ -1,0 +1,846 @@
+"""llama-server's sampler: request parameters, the default chain, mirostat, seeded RNG, logprobs.
+
+What llama.cpp does (src/llama-sampler.cpp, common/sampling.cpp, tools/server/server-schema.cpp)
+is followed step by step, including its float32 arithmetic where it decides which token is drawn:
+softmax sums in float, the draw's cumulative sum in double, ``std::mt19937`` seeded with the
+request's seed and ``std::uniform_real_distribution<double>`` built from two 32-bit draws as
+libstdc++ does. NumPy's ``RandomState(seed)`` is the same Mersenne Twister with the same
+``init_genrand`` seeding, so its raw 32-bit stream is used (tests check it against std::mt19937).
+
+Candidates are kept as parallel NumPy arrays (ids, logits) with llama.cpp's ``sorted`` flag.
+Sorting is stable (ties keep vocabulary order) where libstdc++'s ``partial_sort`` and
+``std::sort`` leave ties in an order this module does not reproduce.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+F32 = np.float32
+INT32_MAX = 2_147_483_647
+DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
+DEFAULT_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+DRY_MAX_BREAKER_BYTES = 40
+DRY_MAX_TAIL_TOKENS = 20
+
+
+class SamplerError(ValueError):
+    """A request's sampling parameters are invalid; the message is llama-server's (HTTP 400)."""
+
+
+# --- request parameters ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplerParams:
+    """common_params_sampling as llama-server fills it from a request."""
+
+    temperature: float = 0.8
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    top_n_sigma: float = -1.0
+    repeat_last_n: int = 64
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    seed: int = DEFAULT_SEED
+    n_probs: int = 0
+    min_keep: int = 0
+    samplers: tuple[str, ...] = DEFAULT_ORDER
+
+    @classmethod
+    def from_request(cls, body: Mapping[str, Any], defaults: "SamplerParams | None" = None) -> "SamplerParams":
+        """Read the sampling fields of a /completion-style body (after the OpenAI fields are mapped).
+
+        Raises SamplerError with llama-server's message for the values it refuses.
+        """
+        base = defaults or cls()
+        values: dict[str, Any] = {}
+        for spec in _FIELDS:
+            spec.read(body, values, base)
+        params = replace(base, **values)
+        params.check()
+        return params
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "SamplerParams":
+        """The GGUF's ``general.sampling.*`` keys over llama.cpp's defaults (common_init_from_params)."""
+        values: dict[str, Any] = {}
+        for key, name, kind in _GGUF_KEYS:
+            value = metadata.get("general.sampling." + key)
+            if value is None:
+                continue
+            try:
+                values[name] = kind(value)
+            except (TypeError, ValueError):
+                continue
+        return replace(cls(), **values)
+
+    def check(self) -> None:
+        """common_sampler_init's checks, reported as 'Failed to initialize samplers: ...'."""
+        rp = self.repeat_penalty
+        if not math.isfinite(rp) or rp <= 0.0 or not math.isfinite(float(F32(1.0) / F32(rp))):
+            raise SamplerError("Failed to initialize samplers: penalty_repeat must be finite and greater than 0")
+        if not math.isfinite(self.frequency_penalty):
+            raise SamplerError("Failed to initialize samplers: penalty_freq must be finite")
+        if not math.isfinite(self.presence_penalty):
+            raise SamplerError("Failed to initialize samplers: penalty_present must be finite")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
+        out["samplers"] = list(self.samplers)
+        return out
+
+
+def _json_type(value: Any) -> str:
+    """nlohmann::json's type_name()."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _get_number(name: str, value: Any) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplerError(f"Field '{name}': [json.exception.type_error.302] type must be number, "
+                           f"but is {_json_type(value)}")
+    return value
+
+
+def _as_float32(value: float | int) -> float:
+    """A JSON number read as a C float (get<float>())."""
+    with np.errstate(over="ignore"):
+        return float(F32(value))
+
+
+def _as_int32(value: float | int) -> int:
+    """A JSON number read as int32_t (get<int32_t>(): a float is truncated)."""
+    v = int(value) if not isinstance(value, float) or math.isfinite(value) else 0
+    return ((v + 2**31) % 2**32) - 2**31
+
+
+@dataclass(frozen=True)
+class _Field:
+    """One field_num of server-schema.cpp: names, C type, clamping or hard limits."""
+
+    attr: str
+    names: tuple[str, ...]
+    kind: str  # "f32" | "i32" | "u32"
+    lo: float | None = None
+    hi: float | None = None
+    hard: bool = False
+    handler: Callable[[Any, "SamplerParams"], Any] | None = None
+
+    def read(self, body: Mapping[str, Any], out: dict[str, Any], base: SamplerParams) -> None:
+        for name in self.names:
+            if name in body and body[name] is not None:
+                out[self.attr] = self.convert(name, body[name], base)
+                return
+
+    def convert(self, name: str, raw: Any, base: SamplerParams) -> Any:
+        if self.handler is not None:
+            return self.handler(raw, base)
+        number = _get_number(name, raw)
+        if self.kind == "f32":
+            value: float | int = _as_float32(number)
+        elif self.kind == "u32":
+            value = int(number) % 2**32 if not isinstance(number, float) or math.isfinite(number) else 0
+        else:
+            value = _as_int32(number)
+        if self.hard:
+            if value < self.lo or value > self.hi:  # type: ignore[operator]
+                raise SamplerError(f"Field '{name}': Value must be between {self.lo} <= value <= {self.hi}, "
+                                   f"but got {value}")
+            return value
+        if self.lo is not None:
+            value = max(self.lo, value)  # type: ignore[assignment]
+        if self.hi is not None:
+            value = min(self.hi, value)  # type: ignore[assignment]
+        return value
+
+
+def _dry_base(raw: Any, base: SamplerParams) -> float:
+    value = _as_float32(_get_number("dry_base", raw))
+    return base.dry_base if value < 1.0 else value
+
+
+def _breakers(raw: Any, base: SamplerParams) -> tuple[str, ...]:
+    # json_value(..., vector<string>()) yields an empty vector for anything but an array of strings
+    ok = isinstance(raw, list) and all(isinstance(b, str) for b in raw)
+    if not ok or not raw:
+        raise SamplerError("Field 'dry_sequence_breakers': Error: dry_sequence_breakers must be a non-empty "
+                           "array of strings")
+    return tuple(raw)
+
+
+_NAME_ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+_CANONICAL = {"dry", "top_k", "top_p", "top_n_sigma", "typ_p", "min_p", "temperature", "xtc", "infill",
+              "penalties", "adaptive_p"}
+for _c in list(_CANONICAL):
+    if "_" in _c:
+        _NAME_ALIASES[_c.replace("_", "-")] = _c
+        _NAME_ALIASES[_c.replace("_", "")] = _c
+_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+          "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+
+
+def _samplers(raw: Any, base: SamplerParams) -> tuple[str, ...]:
+    """common_sampler_types_from_names / _from_chars: unknown names are skipped, as llama.cpp does."""
+    if isinstance(raw, str):
+        names = [_CHARS[c] for c in raw if c in _CHARS]
+    elif isinstance(raw, list):
+        if not all(isinstance(n, str) for n in raw):
+            bad = next(n for n in raw if not isinstance(n, str))
+            raise SamplerError(f"Field 'samplers': [json.exception.type_error.302] type must be string, "
+                               f"but is {_json_type(bad)}")
+        names = []
+        for n in raw:
+            low = n.lower()
+            name = low if low in _CANONICAL else _NAME_ALIASES.get(low)
+            if name is not None:
+                names.append(name)
+    else:
+        return base.samplers
+    unsupported = sorted({n for n in names if n in ("infill", "adaptive_p")})
+    if unsupported:
+        raise SamplerError(f"samplers: {', '.join(unsupported)} is not implemented by bankml's sampler")
+    return tuple(names)
+
+
+_FIELDS: tuple[_Field, ...] = (
+    _Field("top_k", ("top_k",), "i32", 0, INT32_MAX),
+    _Field("top_p", ("top_p",), "f32", 0.0, 1.0),
+    _Field("min_p", ("min_p",), "f32", 0.0, 1.0),
+    _Field("top_n_sigma", ("top_n_sigma",), "f32"),
+    _Field("xtc_probability", ("xtc_probability",), "f32", 0.0, 1.0),
+    _Field("xtc_threshold", ("xtc_threshold",), "f32", 0.0, 1.0),
+    _Field("typical_p", ("typical_p",), "f32"),
+    _Field("temperature", ("temperature",), "f32", 0.0, math.inf),
+    _Field("dynatemp_range", ("dynatemp_range",), "f32"),
+    _Field("dynatemp_exponent", ("dynatemp_exponent",), "f32"),
+    _Field("repeat_last_n", ("repeat_last_n",), "i32", 0, INT32_MAX, hard=True),
+    _Field("repeat_penalty", ("repeat_penalty",), "f32"),
+    _Field("frequency_penalty", ("frequency_penalty",), "f32"),
+    _Field("presence_penalty", ("presence_penalty",), "f32"),
+    _Field("dry_multiplier", ("dry_multiplier",), "f32"),
+    _Field("dry_base", ("dry_base",), "f32", handler=_dry_base),
+    _Field("dry_allowed_length", ("dry_allowed_length",), "i32", 0, INT32_MAX, hard=True),
+    _Field("dry_penalty_last_n", ("dry_penalty_last_n",), "i32", 0, INT32_MAX, hard=True),
+    _Field("mirostat", ("mirostat",), "i32", 0, 2),
+    _Field("mirostat_tau", ("mirostat_tau",), "f32"),
+    _Field("mirostat_eta", ("mirostat_eta",), "f32"),
+    _Field("seed", ("seed",), "u32"),
+    _Field("n_probs", ("n_probs", "logprobs"), "i32"),
+    _Field("min_keep", ("min_keep",), "i32", 0, INT32_MAX, hard=True),
+    _Field("dry_sequence_breakers", ("dry_sequence_breakers",), "json", handler=_breakers),
+    _Field("samplers", ("samplers",), "json", handler=_samplers),
+)
+
+_GGUF_KEYS = (
+    ("top_k", "top_k", int), ("top_p", "top_p", float), ("min_p", "min_p", float),
+    ("xtc_probability", "xtc_probability", float), ("xtc_threshold", "xtc_threshold", float),
+    ("temp", "temperature", float), ("penalty_last_n", "repeat_last_n", int),
+    ("penalty_repeat", "repeat_penalty", float), ("mirostat", "mirostat", int),
+    ("mirostat_tau", "mirostat_tau", float), ("mirostat_eta", "mirostat_eta", float),
+)
+
+
+# --- random numbers ---------------------------------------------------------------------------------
+
+
+def resolve_seed(seed: int) -> int:
+    """get_rng_seed: LLAMA_DEFAULT_SEED means a fresh seed from the system."""
+    if seed == DEFAULT_SEED:
+        return int.from_bytes(os.urandom(4), "little") ^ (time.time_ns() & 0xFFFFFFFF)
+    return seed & 0xFFFFFFFF
+
+
+class MT19937:
+    """std::mt19937 (seeded as its constructor does) and the libstdc++ distributions llama.cpp uses."""
+
+    def __init__(self, seed: int):
+        self._state = np.random.RandomState(seed & 0xFFFFFFFF)  # init_genrand(seed): same as std::mt19937
+
+    def next_u32(self) -> int:
+        return int(self._state.randint(0, 2**32, dtype=np.uint64))
+
+    def raw(self, n: int) -> list[int]:
+        return [int(v) for v in self._state.randint(0, 2**32, size=n, dtype=np.uint64)]
+
+    def uniform_double(self) -> float:
+        """uniform_real_distribution<double>(0, 1): generate_canonical<double, 53> from two draws."""
+        a = float(self.next_u32())
+        b = float(self.next_u32())
+        r = (a + b * 4294967296.0) / 18446744073709551616.0
+        return r if r < 1.0 else math.nextafter(1.0, 0.0)
+
+    def uniform_float(self) -> float:
+        """uniform_real_distribution<float>(0, 1): one draw, rounded to float first."""
+        r = F32(F32(self.next_u32()) / F32(4294967296.0))
+        return float(r) if r < 1.0 else float(np.nextafter(F32(1.0), F32(0.0)))
+
+
+# --- candidates and the chain's stages --------------------------------------------------------------
+
+
+def _expf(x: np.ndarray) -> np.ndarray:
+    """expf correctly rounded (computed in double), as glibc's expf is."""
+    with np.errstate(over="ignore", under="ignore"):
+        return np.exp(x.astype(np.float64)).astype(F32)
+
+
+def _logf(x: np.ndarray | float) -> Any:
+    with np.errstate(divide="ignore"):
+        return np.log(np.asarray(x, dtype=np.float64)).astype(F32)
+
+
+def _fsum(x: np.ndarray) -> F32:
+    """A float accumulator added to in order (``float s = 0; for ... s += x``)."""
+    return np.cumsum(x, dtype=F32)[-1] if len(x) else F32(0)
+
+
+@dataclass
+class Candidates:
+    """llama_token_data_array: ids, logits, probabilities, the sorted flag and the selection."""
+
+    ids: np.ndarray
+    logits: np.ndarray
+    p: np.ndarray
+    sorted: bool = False
+    selected: int = -1
+
+    @classmethod
+    def from_logits(cls, logits: np.ndarray) -> "Candidates":
+        n = len(logits)
+        return cls(np.arange(n, dtype=np.int32), np.array(logits, dtype=F32), np.zeros(n, dtype=F32))
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    def take(self, index: np.ndarray | slice) -> None:
+        self.ids, self.logits, self.p = self.ids[index], self.logits[index], self.p[index]
+
+    def sort_desc(self) -> None:
+        """partial_sort of the whole set by logit, descending (ties keep their current order)."""
+        if not self.sorted:
+            self.take(np.argsort(-self.logits, kind="stable"))
+            self.sorted = True
+
+    def softmax(self, do_sort: bool) -> None:
+        """llama_sampler_softmax_impl: float expf and a float running sum."""
+        if do_sort:
+            self.sort_desc()
+        max_l = self.logits[0] if self.sorted else self.logits.max()
+        p = _expf(self.logits - max_l)
+        self.p = (p / _fsum(p)).astype(F32)
+
+
+def apply_temperature(c: Candidates, temp: float) -> None:
+    """llama_sampler_temp_impl: divide, or at temp <= 0 keep only the first maximum."""
+    if c.size == 0:
+        return
+    if temp <= 0.0:
+        first_max = int(np.argmax(c.logits))
+        keep = c.logits[first_max]
+        c.logits = np.full(c.size, -np.inf, dtype=F32)
+        c.logits[first_max] = keep
+        return
+    c.logits = (c.logits / F32(temp)).astype(F32)
+
+
+def apply_top_k(c: Candidates, k: int) -> None:
+    if k <= 0:
+        return
+    k = min(k, c.size)
+    if not c.sorted:
+        order = np.argsort(-c.logits, kind="stable")[:k]
+        c.take(order)
+        c.sorted = True
+    else:
+        c.take(slice(0, k))
+
+
+def apply_top_p(c: Candidates, p: float, min_keep: int) -> None:
+    if p >= 1.0:
+        return
+    c.softmax(False)
+    c.sort_desc()
+    cum = np.cumsum(c.p, dtype=F32)
+    ok = (cum >= F32(p)) & (np.arange(1, c.size + 1) >= min_keep)
+    hits = np.flatnonzero(ok)
+    last = int(hits[0]) + 1 if len(hits) else c.size
+    c.take(slice(0, last))
+
+
+def apply_min_p(c: Candidates, p: float, min_keep: int) -> None:
+    if p <= 0.0 or c.size == 0:
+        return
+    log_p = _logf(F32(p))
+    if not c.sorted:
+        min_logit = F32(c.logits.max() + log_p)
+        keep = c.logits >= min_logit
+        n_keep = int(keep.sum())
+        if n_keep > 0 and n_keep >= min_keep:
+            c.take(np.flatnonzero(keep))
+            return
+    c.sort_desc()
+    min_logit = F32(c.logits[0] + log_p)
+    i = 1
+    below = np.flatnonzero((c.logits[1:] < min_logit) & (np.arange(1, c.size) >= min_keep))
+    i = int(below[0]) + 1 if len(below) else c.size
+    c.take(slice(0, i))
+
+
+def apply_typical(c: Candidates, p: float, min_keep: int) -> None:
+    if p >= 1.0:
+        return
+    c.softmax(True)
+    log_p = _logf(c.p)
+    entropy = _fsum((-c.p * log_p).astype(F32))
+    shifted = np.abs(-log_p - entropy).astype(F32)
+    order = np.argsort(shifted, kind="stable")
+    cum = np.cumsum(c.p[order], dtype=F32)
+    idx = np.arange(len(order))
+    ok = (cum > F32(p)) & ((min_keep == 0) | (idx >= min_keep - 1))
+    hits = np.flatnonzero(ok)
+    last = int(hits[0]) + 1 if len(hits) else len(order)
+    c.take(order[:last])
+    c.sorted = False
+
+
+def apply_top_n_sigma(c: Candidates, n: float) -> None:
+    if n <= 0.0 or c.size <= 1:
+        return
+    finite = c.logits != -np.inf
+    valid = c.logits[finite]
+    if len(valid) == 0:
+        return
+    top = max(F32(c.logits[0]), valid.max())
+    mean = F32(_fsum(valid) / F32(len(valid)))
+    std = F32(math.sqrt(float(np.sum((valid.astype(np.float64) - float(mean)) ** 2)) / len(valid)))
+    c.logits = np.where(c.logits < F32(top - F32(n) * std), F32(-np.inf), c.logits).astype(F32)
+
+
+def apply_penalties(c: Candidates, counts: Mapping[int, int], repeat: float, freq: float, present: float) -> None:
+    if not counts:
+        c.sorted = False
+        return
+    seen = np.fromiter(counts.keys(), dtype=np.int64)
+    n = np.fromiter(counts.values(), dtype=np.int64)
+    table = np.zeros(int(max(seen.max(), c.ids.max())) + 1, dtype=np.int64)
+    table[seen] = n
+    count = table[c.ids]
+    hit = count > 0
+    l = c.logits[hit]
+    l = np.where(l <= 0, l * F32(repeat), l / F32(repeat)).astype(F32)
+    l = (l - (count[hit].astype(F32) * F32(freq) + F32(present))).astype(F32)
+    c.logits = c.logits.copy()
+    c.logits[hit] = l
+    c.sorted = False
+
+
+def apply_xtc(c: Candidates, probability: float, threshold: float, min_keep: int, rng: MT19937) -> None:
+    if c.size < 2:
+        return
+    if rng.uniform_float() > probability:
+        return
+    c.softmax(True)
+    above = c.p >= F32(threshold)
+    pos_last = 0
+    if above[0]:
+        drops = np.flatnonzero(~above)
+        pos_last = (int(drops[0]) if len(drops) else c.size) - 1
+    if c.size - pos_last >= min_keep and pos_last > 0:
+        c.take(slice(pos_last, None))
+
+
+def apply_dynamic_temperature(c: Candidates, temp: float, delta: float, exponent: float) -> None:
+    """llama_sampler_temp_ext with a range: temperature from the normalized entropy."""
+    if c.size <= 1:
+        return
+    min_t = max(F32(0.0), F32(F32(temp) - F32(delta)))
+    max_t = F32(F32(temp) + F32(delta))
+    max_entropy = -_logf(F32(1.0) / F32(c.size))
+    c.softmax(True)
+    pos = c.p[c.p > 0]
+    entropy = -_fsum((pos * _logf(pos)).astype(F32))
+    normalized = F32(entropy / max_entropy)
+    dyn = F32(min_t + (max_t - min_t) * F32(math.pow(float(normalized), float(F32(exponent)))))
+    apply_temperature(c, float(dyn))
+    with np.errstate(over="ignore", under="ignore"):
+        e = np.exp(c.logits.astype(np.float64) - float(c.logits[0]))
+    c.p = (e / np.cumsum(e)[-1]).astype(F32)
+
+
+def sample_dist(c: Candidates, rng: MT19937) -> None:
+    """llama_sampler_dist: float expf, double running sum, one double draw; a single candidate
+    still consumes the draw."""
+    if c.size == 0:
+        c.selected = -1
+        return
+    c.selected = 0
+    rnd = rng.uniform_double()
+    if c.size == 1:
+        c.p = np.ones(1, dtype=F32)
+        return
+    max_l = c.logits[0] if c.sorted else c.logits.max()
+    p = _expf(c.logits - max_l)
+    cum = np.cumsum(p.astype(np.float64))
+    total = cum[-1]
+    hit = int(np.searchsorted(cum, total * rnd, side="left"))
+    c.selected = min(hit, c.size - 1)
+    c.p = (p / total).astype(F32)
+
+
+def discrete_distribution(p: np.ndarray, rng: MT19937) -> int:
+    """std::discrete_distribution<int> over p (libstdc++): fewer than 2 weights draw nothing."""
+    if len(p) < 2:
+        return 0
+    w = p.astype(np.float64)
+    cp = np.cumsum(w / np.cumsum(w)[-1])
+    cp[-1] = 1.0
+    return int(np.searchsorted(cp, rng.uniform_double(), side="left"))
+
+
+# --- penalty and DRY windows ---------------------------------------------------------------------------
+
+
+class PenaltyWindow:
+    """The last ``n`` accepted tokens and their counts (llama_sampler_penalties)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.window: deque[int] = deque()
+        self.counts: Counter[int] = Counter()
+
+    def accept(self, token: int) -> None:
+        if self.n == 0:
+            return
+        self.counts[token] += 1
+        if len(self.window) >= self.n:
+            old = self.window.popleft()
+            self.counts[old] -= 1
+            if self.counts[old] == 0:
+                del self.counts[old]
+        self.window.append(token)
+
+
+def dry_breaker_sequences(breakers: Sequence[str], pieces: Sequence[bytes],
+                          tokenize: Callable[[str], list[int]]) -> dict[int, list[tuple[int, ...]]]:
+    """get_overlapping_token_sequences for each breaker: head token -> tails (empty = single token)."""
+    table: dict[int, list[tuple[int, ...]]] = {}
+    for breaker in breakers:
+        raw = breaker.encode("utf-8")[:DRY_MAX_BREAKER_BYTES]
+        if not raw:
+            continue
+        for token_id, word in enumerate(pieces):
+            if raw in word:
+                table.setdefault(token_id, []).append(())
+                continue
+            pos = word.find(raw[:1])
+            while pos != -1:
+                matched = min(len(raw), len(word) - pos)
+                if word[pos:pos + matched] == raw[:matched]:
+                    tail_bytes = raw[matched:]
+                    try:
+                        tail_text = tail_bytes.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise SamplerError(f"dry_sequence_breakers: {breaker!r} splits a character where a "
+                                           f"token ends; bankml tokenizes only whole characters") from None
+                    tail = tuple(tokenize(tail_text)[:DRY_MAX_TAIL_TOKENS])
+                    tails = table.setdefault(token_id, [])
+                    if tail not in tails:
+                        tails.append(tail)
+                pos = word.find(raw[:1], pos + 1)
+    return table
+
+
+class DryPenalty:
+    """llama_sampler_dry: repeats found with a reverse Z-algorithm, capped by sequence breakers."""
+
+    def __init__(self, params: SamplerParams, breakers: dict[int, list[tuple[int, ...]]]):
+        self.mult = params.dry_multiplier
+        self.base = params.dry_base
+        self.allowed = params.dry_allowed_length
+        self.last_n = max(params.dry_penalty_last_n, 0)
+        self.breakers = breakers
+        self.tokens: deque[int] = deque(maxlen=self.last_n if self.last_n > 0 else 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mult != 0.0 and self.base >= 1.0 and self.last_n != 0
+
+    def accept(self, token: int) -> None:
+        if self.enabled:
+            self.tokens.append(token)
+
+    def _rat(self, i: int) -> int:
+        return self.tokens[len(self.tokens) - 1 - i]
+
+    def _rep_limit(self, n: int) -> int:
+        for i in range(n):
+            tails = self.breakers.get(self._rat(i))
+            if tails is None:
+                continue
+            longest = -1
+            for tail in tails:
+                if longest < len(tail) <= i and all(tail[o] == self._rat(i - o - 1) for o in range(len(tail))):
+                    longest = len(tail)
+            if longest >= 0:
+                return i - longest
+        return n
+
+    def _repeat_counts(self, n: int, rep_limit: int) -> list[int]:
+        counts = [0] * n
+        last = n - 1
+        lt = rt = 0
+        for k in range(1, n):
+            if k > rt:
+                m = 0
+                while m + k < n and self._rat(m) == self._rat(m + k):
+                    m += 1
+                counts[last - k] = min(m, rep_limit)
+                if m > 0:
+                    lt, rt = k, k + m - 1
+            else:
+                p = k - lt
+                right = rt - k + 1
+                if counts[last - p] < right:
+                    counts[last - k] = min(counts[last - p], rep_limit)
+                else:
+                    i = rt + 1
+                    while i < n and self._rat(i) == self._rat(i - k):
+                        i += 1
+                    counts[last - k] = min(i - k, rep_limit)
+                    lt, rt = k, i - 1
+        return counts
+
+    def apply(self, c: Candidates) -> None:
+        if not self.enabled:
+            return
+        n = min(len(self.tokens), self.last_n)
+        if n <= self.allowed:
+            return
+        rep_limit = self._rep_limit(n)
+        if rep_limit < self.allowed:
+            return
+        counts = self._repeat_counts(n, rep_limit)
+        max_repeat: dict[int, int] = {}
+        for i in range(n - 1):
+            if counts[i] >= self.allowed:
+                token = self._rat(n - 2 - i)
+                if max_repeat.get(token, -1) < counts[i]:
+                    max_repeat[token] = counts[i]
+        max_exponent = int(F32(88.7228391) / F32(math.log(self.base))) if self.base > 1.000001 else 0
+        penalty_by_token: dict[int, float] = {}
+        for token, length in max_repeat.items():
+            if () in self.breakers.get(token, ()):
+                continue  # single-token breakers are never penalised
+            exp = length - self.allowed
+            if max_exponent > 0 and exp > max_exponent:
+                exp = max_exponent
+            penalty_by_token[token] = float(F32(F32(self.mult) * F32(math.pow(float(F32(self.base)), exp))))
+        if penalty_by_token:
+            logits = c.logits.copy()
+            for pos in np.flatnonzero(np.isin(c.ids, list(penalty_by_token))):
+                logits[pos] = F32(logits[pos] - F32(penalty_by_token[int(c.ids[pos])]))
+            c.logits = logits
+        c.sorted = False
+
+
+# --- the sampler --------------------------------------------------------------------------------------
+
+
+@dataclass
+class VocabInfo:
+    """What the sampler needs from the tokenizer: pieces (special=true) for DRY and a tokenizer."""
+
+    pieces: Sequence[bytes]
+    tokenize: Callable[[str], list[int]]
+
+
+class Sampler:
+    """common_sampler without grammar: the chain (or mirostat), its RNGs and its windows."""
+
+    def __init__(self, params: SamplerParams, vocab: VocabInfo | None, n_vocab: int):
+        self.params = params
+        self.n_vocab = n_vocab
+        self.seed = resolve_seed(params.seed)
+        self.rng = MT19937(self.seed)       # dist / mirostat
+        self.xtc_rng = MT19937(self.seed)   # XTC has its own generator, same seed
+        self.penalties = PenaltyWindow(params.repeat_last_n)
+        breakers: dict[int, list[tuple[int, ...]]] = {}
+        dry_on = params.dry_multiplier != 0.0 and params.dry_base >= 1.0 and params.dry_penalty_last_n != 0
+        if dry_on and vocab is not None and "dry" in params.samplers:
+            breakers = dry_breaker_sequences(params.dry_sequence_breakers, vocab.pieces, vocab.tokenize)
+        self.dry = DryPenalty(params, breakers)
+        self.mu = 2.0 * params.mirostat_tau
+
+    def accept(self, token: int) -> None:
+        """Record a prompt or drawn token in the penalty and DRY windows."""
+        if self.params.mirostat == 0:
+            self.penalties.accept(token)
+            self.dry.accept(token)
+
+    def sample(self, logits: np.ndarray, allowed: Callable[[int], bool] | None = None,
+               mask: Callable[[], np.ndarray] | None = None) -> int:
+        """common_sampler_sample: the chain on raw logits; if a grammar rejects the token, the chain
+        again on the grammar-masked logits (a second draw, as llama.cpp does)."""
+        c = self._run_chain(Candidates.from_logits(logits))
+        token = int(c.ids[c.selected])
+        if allowed is None or allowed(token):
+            return token
+        masked = np.array(logits, dtype=F32)
+        masked[~mask()] = -np.inf  # type: ignore[misc]
+        c = self._run_chain(Candidates.from_logits(masked))
+        return int(c.ids[c.selected])
+
+    def _run_chain(self, c: Candidates) -> Candidates:
+        p = self.params
+        if p.mirostat == 1:
+            self._temp(c, p.temperature)
+            self._mirostat_v1(c)
+            return c
+        if p.mirostat == 2:
+            self._temp(c, p.temperature)
+            self._mirostat_v2(c)
+            return c
+        for name in p.samplers:
+            self._stage(name, c)
+        sample_dist(c, self.rng)
+        return c
+
+    @staticmethod
+    def _temp(c: Candidates, temp: float) -> None:
+        if temp != 1.0:
+            apply_temperature(c, temp)
+
+    def _stage(self, name: str, c: Candidates) -> None:
+        p = self.params
+        if name == "penalties":
+            if p.repeat_last_n != 0 and not (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0
+                                             and p.presence_penalty == 0.0):
+                apply_penalties(c, self.penalties.counts, p.repeat_penalty, p.frequency_penalty,
+                                p.presence_penalty)
+        elif name == "dry":
+            self.dry.apply(c)
+        elif name == "top_n_sigma":
+            apply_top_n_sigma(c, p.top_n_sigma)
+        elif name == "top_k":
+            apply_top_k(c, p.top_k)
+        elif name == "typ_p":
+            apply_typical(c, p.typical_p, p.min_keep)
+        elif name == "top_p":
+            apply_top_p(c, p.top_p, p.min_keep)
+        elif name == "min_p":
+            apply_min_p(c, p.min_p, p.min_keep)
+        elif name == "xtc":
+            if p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5:
+                apply_xtc(c, p.xtc_probability, p.xtc_threshold, p.min_keep, self.xtc_rng)
+        elif name == "temperature":
+            if p.dynatemp_range > 0:
+                apply_dynamic_temperature(c, p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+            elif p.temperature != 1.0:
+                apply_temperature(c, p.temperature)
+
+    def _update_mu(self, prob: float) -> None:
+        surprise = -float(np.log2(np.float64(prob)).astype(F32)) if prob > 0 else math.inf
+        self.mu = float(F32(F32(self.mu) - F32(self.params.mirostat_eta) * F32(surprise - self.params.mirostat_tau)))
+
+    def _mirostat_v1(self, c: Candidates, m: int = 100) -> None:
+        c.softmax(True)
+        sum_ti_bi = F32(0.0)
+        sum_ti_sq = F32(0.0)
+        for i in range(min(m - 1, c.size - 1)):
+            t_i = _logf(F32(i + 2) / F32(i + 1))
+            b_i = _logf(F32(c.p[i] / c.p[i + 1]))
+            sum_ti_bi = F32(sum_ti_bi + t_i * b_i)
+            sum_ti_sq = F32(sum_ti_sq + t_i * t_i)
+        with np.errstate(all="ignore"):
+            s_hat = F32(sum_ti_bi / sum_ti_sq)
+            eps = F32(s_hat - 1)
+            k = F32(np.power(F32(eps * F32(2.0 ** float(F32(self.mu)))) / F32(1 - F32(float(self.n_vocab) ** -float(eps))),
+                             F32(1) / s_hat))
+        k_int = int(k) if math.isfinite(float(k)) else 1
+        apply_top_k(c, max(k_int, 1))
+        c.softmax(True)
+        c.selected = discrete_distribution(c.p, self.rng)
+        self._update_mu(float(c.p[c.selected]))
+
+    def _mirostat_v2(self, c: Candidates) -> None:
+        c.softmax(True)
+        with np.errstate(divide="ignore"):
+            surprise = -np.log2(c.p.astype(np.float64)).astype(F32)
+        over = np.flatnonzero(surprise > F32(self.mu))
+        c.take(slice(0, max(int(over[0]) if len(over) else c.size, 1)))
+        c.softmax(True)
+        c.selected = discrete_distribution(c.p, self.rng)
+        self._update_mu(float(c.p[c.selected]))
+
+
+# --- log-probabilities ----------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenProbs:
+    """get_token_probabilities: the top ``n`` (id, p) from raw logits and the drawn token's p."""
+
+    top: list[tuple[int, float]]
+    p_token: float
+
+
+def token_probs(logits: np.ndarray, token: int, n_probs: int) -> TokenProbs:
+    """Softmax of the raw logits as llama-server reports them: partial sort for the top n, expf of
+    (logit - max), summed in float (top n first, the rest in vocabulary order), each divided."""
+    logits = np.asarray(logits, dtype=F32)
+    n = min(max(n_probs, 0), len(logits))
+    order = np.argsort(-logits, kind="stable")[:n]
+    max_l = logits[order[0]] if n else logits.max()
+    p = _expf(logits - max_l)
+    rest = np.ones(len(logits), dtype=bool)
+    rest[order] = False
+    total = _fsum(np.concatenate([p[order], p[rest]]))
+    probs = (p / total).astype(F32)
+    return TokenProbs([(int(i), float(probs[i])) for i in order], float(probs[token]))
+
+
+def logarithm(p: float) -> float:
+    """completion_token_output::logarithm: ln p in float, float's lowest for p = 0."""
+    return float(np.finfo(F32).min) if p == 0.0 else float(np.log(F32(p)))
+
+
+def accept_all(sampler: Sampler, tokens: Iterable[int]) -> None:
+    for t in tokens:
+        sampler.accept(t)
