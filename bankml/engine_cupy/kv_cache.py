@@ -26,6 +26,7 @@ import numpy
 from bankml.engine_cupy.weights import quantize_activation
 
 CACHE_TYPES = ("f16", "q8_0")
+FA_TILE_Q = 64  # GGML_FA_TILE_Q: from this many rows ggml's CPU flash attention is tiled
 
 
 def resolve_cache_type(cache_type: str | None, head_dim: int) -> str:
@@ -149,9 +150,16 @@ class KVCache:
         return self._dq8(q[:, :end], d[:, :end])
 
     def query(self, q: Any) -> Any:
-        """q [..., head_dim] as the attention kernel takes it: K's vec_dot type, rotated like K."""
+        """q [n, heads, head_dim] as ggml's flash attention takes it.
+
+        f16 cache: batches of 64 rows or more go to the tiled kernel, which keeps Q in f32;
+        smaller ones to the one-row kernel, which rounds Q to f16 (K's vec_dot type).
+        q8_0 cache: rotated like K, then rounded to q8_0.
+        """
         xp = self.xp
         if self.cache_type == "f16":
+            if q.shape[0] >= FA_TILE_Q:
+                return q
             return q.astype(xp.float16).astype(xp.float32)
         rotated = self._rotate(q, self._rot[0])
         flat = rotated.reshape(-1, self.head_dim)

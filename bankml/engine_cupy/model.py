@@ -95,6 +95,7 @@ class Model:
         self.n_layer = hp.n_layer
         self.n_ctx_train = hp.n_ctx_train
         self._gelu = xp.asarray(_gelu_f16_table()) if hp.spec.ffn_activation == "gelu" else None
+        self._masks: dict[int, Any] = {}
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str = "auto",
@@ -142,6 +143,7 @@ class Model:
         if hp.embd_scale != 1.0:
             x = x * F32(hp.embd_scale)
         positions = xp.arange(start, start + n)
+        self._masks = {}  # masks depend on the positions: built afresh per call
         ropes = self._ropes(positions)
         for il, layer in enumerate(self.weights.layers):
             last = il == hp.n_layer - 1 and not all_logits
@@ -233,7 +235,9 @@ class Model:
         qg = qg.reshape(hp.n_head_kv, group * n, hp.head_dim)
         scores = (qg @ keys.transpose(0, 2, 1)) * scale  # [kv, group*n, T]
         scores = scores.reshape(hp.n_head_kv, group, n, end)
-        scores = scores + self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
+        mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
+        if mask is not None:
+            scores = scores + mask
         scores = scores - scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -241,8 +245,20 @@ class Model:
         out = cache.output(out).reshape(hp.n_head_kv, group, n, hp.head_dim)
         return out.transpose(2, 0, 1, 3).reshape(n, hp.n_head * hp.head_dim)
 
-    def _mask(self, positions: Any, end: int, window: int) -> Any:
-        """[n, T] additive mask: key position > query position, or (window) too far back."""
+    def _mask(self, positions: Any, end: int, window: int) -> Any | None:
+        """[n, T] additive mask: key position > query position, or (window) too far back.
+
+        None when nothing is hidden (one new token and no window reaching back), which spares
+        decoding an addition per layer. The mask of a forward is built once per window size.
+        """
+        n = positions.shape[0]
+        if n == 1 and (not window or end <= window):
+            return None
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(positions, end, window)
+        return self._masks[window]
+
+    def _build_mask(self, positions: Any, end: int, window: int) -> Any:
         xp = self.xp
         kpos = xp.arange(end)[None, :]
         qpos = positions[:, None]
