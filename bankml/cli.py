@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("bankml.tap:serve_command", "serve a verified model on loopback, with receipts"),
     "tokenize": ("bankml.text_cli:tokenize_command", "tokenize stdin with a GGUF's vocabulary"),
     "chat-template": ("bankml.text_cli:chat_template_command", "render a GGUF's chat template"),
-    "generate": ("bankml.engine_cli:generate_command", "answer with the native engine"),
+    "generate": ("bankml.generate_cli:generate_command", "answer with the native engine"),
 }
 
 

@@ -325,6 +325,19 @@ def _logf(x: np.ndarray | float) -> Any:
         return np.log(np.asarray(x, dtype=np.float64)).astype(F32)
 
 
+def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest logits, descending, ties in index order (a stable partial sort)."""
+    n = len(logits)
+    if k >= n or n <= 256:
+        return np.argsort(-logits, kind="stable")[:k]
+    kth = np.partition(logits, n - k)[n - k]
+    above = np.flatnonzero(logits > kth)
+    ties = np.flatnonzero(logits == kth)[:k - len(above)]
+    chosen = np.concatenate([above, ties])
+    chosen.sort()
+    return chosen[np.argsort(-logits[chosen], kind="stable")]
+
+
 def _fsum(x: np.ndarray) -> F32:
     """A float accumulator added to in order (``float s = 0; for ... s += x``)."""
     return np.cumsum(x, dtype=F32)[-1] if len(x) else F32(0)
@@ -385,8 +398,7 @@ def apply_top_k(c: Candidates, k: int) -> None:
         return
     k = min(k, c.size)
     if not c.sorted:
-        order = np.argsort(-c.logits, kind="stable")[:k]
-        c.take(order)
+        c.take(top_k_order(c.logits, k))
         c.sorted = True
     else:
         c.take(slice(0, k))
@@ -826,7 +838,7 @@ def token_probs(logits: np.ndarray, token: int, n_probs: int) -> TokenProbs:
     (logit - max), summed in float (top n first, the rest in vocabulary order), each divided."""
     logits = np.asarray(logits, dtype=F32)
     n = min(max(n_probs, 0), len(logits))
-    order = np.argsort(-logits, kind="stable")[:n]
+    order = top_k_order(logits, n) if n else np.zeros(0, dtype=np.int64)
     max_l = logits[order[0]] if n else logits.max()
     p = _expf(logits - max_l)
     rest = np.ones(len(logits), dtype=bool)
