@@ -8,7 +8,8 @@ Both run the same token ids (from llama-server's /tokenize), alternating round b
 run so that a busy machine slows both alike. llama-server's figures are its own
 ``timings.prompt_per_second`` and ``predicted_per_second`` (``cache_prompt: false``); the
 engine's are wall-clock over ``Model.forward`` (prefill in 512-token micro-batches, greedy
-decode). The BLAS thread count is set to --threads with threadpoolctl when it is installed.
+decode). The engine's BLAS uses --threads for prefill and --decode-threads (default 1, see
+backend.BlasThreads) for one-token steps, through threadpoolctl when it is installed.
 Prints a line per round, the median ratios, and ends with one JSON line.
 """
 
@@ -32,15 +33,6 @@ from tests import support  # noqa: E402
 TEXT = ("The history of computing is a story of people who wanted to calculate faster than they "
         "could by hand. From the abacus to mechanical calculators, from punched cards to "
         "transistors, every step made arithmetic cheaper and more reliable. ")
-
-
-def limit_blas_threads(threads: int) -> str:
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return "BLAS threads: default (threadpoolctl not installed)"
-    threadpool_limits(threads)
-    return f"BLAS threads: {threads}"
 
 
 def prompt_ids(server: support.LlamaServer, n: int) -> list[int]:
@@ -77,13 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--decode-threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     binary = args.llama_server or support.llama_server_binary()
     model_path = args.model or support.default_model()
-    print(limit_blas_threads(args.threads))
     start = time.perf_counter()
     model = Model.load(model_path, device="cpu")
+    model.threads, model.decode_threads = args.threads, args.decode_threads
     print(f"engine load {time.perf_counter() - start:.1f} s, weights "
           f"{model.weights.nbytes / 2**20:.0f} MiB")
     rows = []
@@ -98,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}: prefill engine {ep:7.1f} vs llama-server {sp:7.1f} tok/s "
                   f"({ep / sp:.2f}x); decode engine {ed:6.1f} vs {sd:6.1f} tok/s ({ed / sd:.2f}x)")
     result = {
-        "model": Path(model_path).name, "threads": args.threads, "prompt_tokens": len(ids),
+        "model": Path(model_path).name, "threads": args.threads,
+        "decode_threads": args.decode_threads, "prompt_tokens": len(ids),
         "decode_tokens": args.decode_tokens, "rounds": args.rounds,
         "prefill_engine": round(statistics.median(r[2] for r in rows), 1),
         "prefill_llama_server": round(statistics.median(r[0] for r in rows), 1),

@@ -96,6 +96,11 @@ class Model:
         self.n_ctx_train = hp.n_ctx_train
         self._gelu = xp.asarray(_gelu_f16_table()) if hp.spec.ffn_activation == "gelu" else None
         self._masks: dict[int, Any] = {}
+        # BLAS threads: `threads` for batches (None: BLAS's default, one per core), and
+        # `decode_threads` for one-token steps (backend.BlasThreads says why 1)
+        self.threads: int | None = None
+        self.decode_threads: int | None = 1
+        self._blas = backend.BlasThreads(xp)
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str = "auto",
@@ -142,6 +147,7 @@ class Model:
         x = self.weights.token_embd[xp.asarray(ids)]
         if hp.embd_scale != 1.0:
             x = x * F32(hp.embd_scale)
+        self._blas.set(self.decode_threads if n == 1 else self.threads)
         positions = xp.arange(start, start + n)
         self._masks = {}  # masks depend on the positions: built afresh per call
         ropes = self._ropes(positions)
