@@ -359,7 +359,7 @@ def test_json_schema_answers_are_valid(engine: Engine) -> None:
 GRAMMARS = [
     'root ::= "The answer is " ("yes" | "no") "."',
     'root ::= [0-9]{1,3} ("," [0-9]{1,3}){2}',
-    'root ::= item (", " item)*\nitem ::= "apple" | "pear" | "plum"',
+    'root ::= item (", " item){0,2}\nitem ::= "apple" | "pear" | "plum"',
 ]
 
 
