@@ -1,0 +1,222 @@
+"""What every P0 resource shares: the verified model, the upstream engine and its state.
+
+One `Gateway` is built by tap.makeService after `verify` passed. The resources read it to decide
+whether they may answer (the engine is up, the file is still the one that was hashed, the engine
+still serves that path); `EngineProcess` (process_protocol.py) writes the engine's state into it.
+
+The checks before every answer (serve.md "before every answer"):
+
+- `identity_problem()`: `FileIdent.of(verified.path) == verified.ident` (one `stat`, microseconds);
+- `engine_path_problem(props)`: the engine's `/props` `model_path`, canonicalised, is
+  `verified.path`. Chat answers fetch `/props` for this before they are forwarded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.logger import Logger
+from twisted.web.client import Agent, HTTPConnectionPool
+
+import treq
+from treq.client import HTTPClient
+
+from bankml import __version__
+from bankml.fileident import FileIdent
+from bankml.verify import Verified
+
+_log = Logger(namespace="bankml.gateway")
+
+MAX_UPSTREAM_BYTES = 64 * 1024 * 1024  # serve.md: an upstream body or chunk over 64 MiB is refused
+PROPS_TIMEOUT_S = 10.0
+FILE_CHANGED = ("the model file changed since bankml verified it; "
+                "restart bankml serve to verify it again")
+
+# engine states, as /bankml shows them
+STARTING, READY, DOWN, REFUSED, STOPPED = "starting", "ready", "down", "refused", "stopped"
+
+
+class UpstreamTooLarge(Exception):
+    """An upstream body or SSE line over MAX_UPSTREAM_BYTES: refused before it is held."""
+
+    def __init__(self, what: str) -> None:
+        limit = MAX_UPSTREAM_BYTES
+        size = f"{limit // (1024 * 1024)} MiB" if limit >= 1024 * 1024 else f"{limit} bytes"
+        super().__init__(f"llama-server sent {what} over {size}: refused")
+
+
+def parse_upstream(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ValueError with the reason."""
+    host, sep, port_text = address.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"upstream address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:18092")
+    return host, int(port_text)
+
+
+def make_http_client(reactor: Any) -> HTTPClient:
+    """treq over one persistent connection pool, so /health and chat reuse open connections."""
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    pool.maxPersistentPerHost = 8
+    pool.cachedConnectionTimeout = 60
+    return HTTPClient(Agent(reactor, pool=pool, connectTimeout=5))
+
+
+def check_length(response: Any, limit: int) -> None:
+    """Refuse a body whose declared length (Content-Length, which Twisted's client turns into
+    `response.length`) is over the limit, before reading it."""
+    length = getattr(response, "length", None)
+    if isinstance(length, int) and length > limit:
+        raise UpstreamTooLarge("a body")
+
+
+def bounded_collect(response: Any, limit: int | None = None) -> "Deferred[bytes]":
+    """The whole body of a response, refused (UpstreamTooLarge) once it passes `limit` bytes
+    (default MAX_UPSTREAM_BYTES)."""
+    limit = MAX_UPSTREAM_BYTES if limit is None else limit
+    parts: list[bytes] = []
+    size = [0]
+
+    def collector(data: bytes) -> None:
+        check_length(response, limit)  # raising here makes treq close the connection
+        size[0] += len(data)
+        if size[0] > limit:
+            raise UpstreamTooLarge("a body")
+        parts.append(data)
+
+    d = treq.collect(response, collector)
+    d.addCallback(lambda _: b"".join(parts))
+    return d
+
+
+def canonical(path: str) -> str:
+    return os.path.realpath(path)
+
+
+@dataclass
+class Gateway:
+    """The verified model, the upstream address and the engine's state, shared by the resources."""
+
+    verified: Verified
+    upstream: tuple[str, int]
+    mode: str  # "spawn" or "upstream"
+    http: HTTPClient
+    reactor: Any
+    state: str = STARTING
+    state_reason: str = "starting"
+    state_since: float = field(default_factory=time.time)
+    pid: int | None = None
+    engine_build: str | None = None
+    retry_after_s: int = 1
+    restarts: int = 0
+
+    @property
+    def upstream_url(self) -> str:
+        host, port = self.upstream
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    @property
+    def upstream_text(self) -> str:
+        host, port = self.upstream
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @property
+    def engine_name(self) -> str:
+        return f"llama-server {self.engine_build}" if self.engine_build else "llama-server"
+
+    def set_state(self, state: str, reason: str, pid: int | None = None) -> None:
+        self.state, self.state_reason, self.state_since = state, reason, time.time()
+        self.pid = pid
+        _log.info("engine {state}: {reason}", state=state, reason=reason)
+
+    # --- the checks before every answer -------------------------------------------------------
+
+    def identity_problem(self) -> str | None:
+        """None while the file is the one that was hashed (same device, inode, size, mtime)."""
+        try:
+            now = FileIdent.of(self.verified.path)
+        except OSError as err:
+            return f"{FILE_CHANGED} ({err.strerror or err})"
+        return None if now == self.verified.ident else FILE_CHANGED
+
+    def availability_problem(self) -> tuple[str, int | None] | None:
+        """(message, Retry-After seconds or None) when no answer may be given now, else None."""
+        if self.state == READY:
+            problem = self.identity_problem()
+            return None if problem is None else (problem, None)
+        if self.state in (STARTING, DOWN):
+            return (f"llama-server is {self.state}: {self.state_reason}", self.retry_after_s)
+        return (f"llama-server is {self.state}: {self.state_reason}", None)
+
+    def engine_path_problem(self, props: Any) -> str | None:
+        """None when /props says the engine serves the verified canonical path."""
+        served = props.get("model_path") if isinstance(props, dict) else None
+        if not isinstance(served, str):
+            return f"upstream {self.upstream_text} /props has no model_path: refused"
+        if canonical(served) != self.verified.path:
+            return (f"upstream {self.upstream_text} serves {served}, "
+                    f"not the verified {self.verified.path}: refused")
+        return None
+
+    @inlineCallbacks
+    def fetch_props(self) -> Any:
+        """The engine's /props as JSON (its build is noted for receipts)."""
+        response = yield self.http.get(self.upstream_url + "/props", unbuffered=True,
+                                       timeout=PROPS_TIMEOUT_S)
+        body = yield bounded_collect(response)
+        if response.code != 200:
+            raise ValueError(f"upstream /props answered {response.code}")
+        props = json.loads(body)
+        build = props.get("build_info") if isinstance(props, dict) else None
+        if isinstance(build, str) and build:
+            self.engine_build = build
+        return props
+
+    @inlineCallbacks
+    def check_engine_path(self) -> Any:
+        """None when the engine still serves the verified path, else the reason (a string).
+        A /props that cannot be fetched raises (the caller answers 503 or 502)."""
+        props = yield self.fetch_props()
+        return self.engine_path_problem(props)
+
+    def close(self) -> Any:
+        """Close the pooled upstream connections (tests; the process exit does it otherwise)."""
+        pool = getattr(getattr(self.http, "_agent", None), "_pool", None)
+        return pool.closeCachedConnections() if pool is not None else None
+
+    # --- GET /bankml -------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        v = self.verified
+        return {
+            "bankml": __version__,
+            "mode": self.mode,
+            "verified": v.as_dict(),
+            "guard_result": v.guard.as_dict(),
+            "model": v.path,
+            "model_sha256": v.sha256,
+            "fork": v.fork_path,
+            "hashed_at": _iso_utc(v.verified_at),
+            "hashed_at_unix": v.verified_at,
+            "upstream": self.upstream_text,
+            "engine": {
+                "name": self.engine_name,
+                "state": self.state,
+                "reason": self.state_reason,
+                "since": _iso_utc(self.state_since),
+                "pid": self.pid,
+                "restarts": self.restarts,
+                "spawned": self.mode == "spawn",
+            },
+            "file_unchanged": self.identity_problem() is None,
+        }
+
+
+def _iso_utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

@@ -1,0 +1,298 @@
+"""P0 `--spawn`: launching llama-server on the verified path and supervising it.
+
+`EngineProcess` is a twisted Service:
+
+- `start()` (called by tap's service once the reactor runs) refuses if something already answers
+  on the upstream address, launches llama-server with serve.md's arguments, waits up to 900 s for
+  `/health` (polling), and fails at once if the process exits first. Then it requires `/props`
+  `model_path` to be the verified canonical path, as `--upstream` does.
+- llama-server's stdout and stderr go to twisted.logger, line by line (namespace
+  ``bankml.llama-server``).
+- An unexpected exit: the engine goes `down` (answers are 503 with Retry-After), the file is
+  verified again (the whole sha256, in a thread: `deferToThread(verify, ...)`), and llama-server
+  is started again after a backoff of 1 s doubling to 60 s; the backoff returns to 1 s once the
+  engine has stayed healthy for 60 s. A file that no longer verifies leaves the engine `refused`
+  (503 without Retry-After) and is not restarted. Every event is logged.
+- `stopService()` (reactor shutdown: SIGTERM, SIGINT, SIGHUP, or twistd's stop) sends SIGTERM
+  to llama-server, waits up to 10 s, then SIGKILL, and returns a Deferred that fires only when
+  the process is gone: twistd waits for it before the reactor stops.
+- On Linux the child is started through a tiny exec shim that sets PR_SET_DEATHSIG (SIGTERM)
+  before exec'ing llama-server, so even a SIGKILL of bankml itself (which runs no shutdown
+  trigger) leaves no llama-server behind. spawnProcess has no preexec_fn; the shim is
+  `python -I -S -c SHIM parent_pid llama-server args...`, costing ~30 ms once per start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+from twisted.application import service
+from twisted.internet import error, protocol, task
+from twisted.internet.defer import Deferred, inlineCallbacks, succeed
+from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from bankml import gateway as gw
+from bankml.gateway import Gateway
+from bankml.verify import Refused, Verified, verify
+
+_log = Logger(namespace="bankml.engine")
+_engine_log = Logger(namespace="bankml.llama-server")
+
+HEALTH_TIMEOUT_S = 900.0
+HEALTH_POLL_S = 0.1
+STOP_GRACE_S = 10.0
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+HEALTHY_RESETS_BACKOFF_S = 60.0
+MAX_LOG_LINE = 16 * 1024
+
+# Sets the parent-death signal, checks the parent did not die before that, then becomes llama-server.
+DEATHSIG_SHIM = (
+    "import ctypes,os,sys\n"
+    "ctypes.CDLL(None,use_errno=True).prctl(1,15,0,0,0)\n"  # PR_SET_DEATHSIG, SIGTERM
+    "os.getppid()==int(sys.argv[1]) or os._exit(70)\n"
+    "os.execv(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+class EngineFailed(Exception):
+    """llama-server could not be brought up (the message says why)."""
+
+
+def llama_server_args(binary: str, verified_path: str, host: str, port: int, threads: int,
+                      ctx: int, slot_dir: str | None = None, spec_ngram: bool = False) -> list[str]:
+    """serve.md's command line (all of it accepted by the pinned build 11434, checked with --help)."""
+    args = [binary, "-m", verified_path, "--host", host, "--port", str(port), "-t", str(threads),
+            "-c", str(ctx), "-np", "1", "--jinja", "--reasoning", "off", "--no-webui"]
+    if spec_ngram:
+        args += ["--spec-type", "ngram-simple"]
+    if slot_dir:
+        args += ["--slot-save-path", slot_dir]
+    return args
+
+
+def with_deathsig(args: list[str]) -> tuple[str, list[str]]:
+    """(executable, argv) that run `args` with PR_SET_DEATHSIG set, on Linux; else unchanged."""
+    if not sys.platform.startswith("linux"):
+        return args[0], args
+    return sys.executable, [sys.executable, "-I", "-S", "-c", DEATHSIG_SHIM, str(os.getpid()), *args]
+
+
+class _EngineProtocol(protocol.ProcessProtocol):
+    """Logs the engine's output by line and reports its end to the supervisor."""
+
+    def __init__(self, on_end: Callable[["_EngineProtocol", Failure], None]) -> None:
+        self.on_end = on_end
+        self.partial = {1: b"", 2: b""}
+        self.ended: Deferred[None] = Deferred()
+
+    def childDataReceived(self, fd: int, data: bytes) -> None:
+        buf = self.partial.get(fd, b"") + data
+        *lines, rest = buf.split(b"\n")
+        for line in lines:
+            _engine_log.info("{line}", line=line[:MAX_LOG_LINE].decode("utf-8", "replace").rstrip())
+        self.partial[fd] = rest[-MAX_LOG_LINE:]
+
+    def processEnded(self, reason: Failure) -> None:
+        for fd, rest in self.partial.items():
+            if rest:
+                _engine_log.info("{line}", line=rest.decode("utf-8", "replace"))
+        self.on_end(self, reason)
+        self.ended.callback(None)
+
+
+def exit_text(reason: Failure) -> str:
+    value = reason.value
+    if isinstance(value, (error.ProcessDone, error.ProcessTerminated)):
+        if getattr(value, "signal", None):
+            return f"killed by signal {value.signal}"
+        return f"exit status {value.exitCode}"
+    return reason.getErrorMessage()
+
+
+class EngineProcess(service.Service):
+    """llama-server, launched on the verified file and kept up until bankml stops."""
+
+    name = "engine"
+
+    def __init__(self, gateway: Gateway, binary: str, *, threads: int, ctx: int,
+                 slot_dir: str | None = None, spec_ngram: bool = False,
+                 health_timeout: float = HEALTH_TIMEOUT_S,
+                 reverify: Callable[[str, str], Verified] = verify) -> None:
+        self.gateway = gateway
+        self.binary = binary
+        self.threads, self.ctx = threads, ctx
+        self.slot_dir, self.spec_ngram = slot_dir, spec_ngram
+        self.health_timeout = health_timeout
+        self.reverify = reverify
+        self.reactor = gateway.reactor
+        self.proto: _EngineProtocol | None = None
+        self.transport: Any = None
+        self.stopping = False
+        self.backoff = BACKOFF_FIRST_S
+        self.ready_at: float | None = None
+        self.restart_call: Any = None
+        self.starts = 0
+
+    # --- starting ----------------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        host, port = self.gateway.upstream
+        return llama_server_args(self.binary, self.gateway.verified.path, host, port,
+                                 self.threads, self.ctx, self.slot_dir, self.spec_ngram)
+
+    @inlineCallbacks
+    def start(self) -> Any:
+        """Bring llama-server up; EngineFailed when it cannot be (the first start is fatal)."""
+        if (yield self._answers_health()):
+            raise EngineFailed(f"something already answers on {self.gateway.upstream_text}: "
+                               "refusing to spawn a second engine there")
+        self._spawn()
+        yield self._wait_healthy()
+        props = yield self.gateway.fetch_props()
+        problem = self.gateway.engine_path_problem(props)
+        if problem is not None:
+            raise EngineFailed(problem)
+        self.ready_at = time.monotonic()
+        self.gateway.set_state(gw.READY, f"healthy on {self.gateway.upstream_text}",
+                               self.transport.pid if self.transport else None)
+
+    @inlineCallbacks
+    def _answers_health(self) -> Any:
+        try:
+            response = yield self.gateway.http.get(self.gateway.upstream_url + "/health",
+                                                   unbuffered=True, timeout=2)
+            yield gw.bounded_collect(response, 1024 * 1024)
+        except Exception:
+            return False
+        return True
+
+    def _spawn(self) -> None:
+        args = self.command()
+        executable, argv = with_deathsig(args)
+        self.starts += 1
+        self.proto = _EngineProtocol(self._ended)
+        self.transport = self.reactor.spawnProcess(self.proto, executable, argv, env=os.environ)
+        self.gateway.set_state(gw.STARTING, "launched: " + " ".join(args), self.transport.pid)
+
+    @inlineCallbacks
+    def _wait_healthy(self) -> Any:
+        """Poll /health until 200; fail at once if the process ends, or after health_timeout."""
+        proto = self.proto
+        deadline = self.reactor.seconds() + self.health_timeout
+        while True:
+            if proto is None or proto.ended.called or self.stopping:
+                raise EngineFailed(f"llama-server exited before it was healthy "
+                                   f"({self.gateway.state_reason})")
+            try:
+                response = yield self.gateway.http.get(self.gateway.upstream_url + "/health",
+                                                       unbuffered=True, timeout=5)
+                yield gw.bounded_collect(response, 1024 * 1024)
+                if response.code == 200:
+                    return
+            except Exception:
+                pass  # not listening yet
+            if self.reactor.seconds() > deadline:
+                self._signal(signal.SIGKILL)
+                raise EngineFailed(f"llama-server was not healthy within {self.health_timeout:.0f} s")
+            yield task.deferLater(self.reactor, HEALTH_POLL_S, lambda: None)
+
+    # --- supervising -------------------------------------------------------------------------
+
+    def _ended(self, proto: _EngineProtocol, reason: Failure) -> None:
+        pid = self.transport.pid if self.transport is not None else None
+        how = exit_text(reason)
+        if proto is self.proto:
+            self.transport = None
+        if self.stopping:
+            self.gateway.set_state(gw.STOPPED, f"llama-server (pid {pid}) stopped: {how}")
+            return
+        was_ready = self.gateway.state == gw.READY
+        self.gateway.set_state(gw.DOWN, f"llama-server (pid {pid}) exited unexpectedly: {how}")
+        if was_ready:
+            self._schedule_restart()
+
+    def _schedule_restart(self) -> None:
+        if self.ready_at is not None and time.monotonic() - self.ready_at >= HEALTHY_RESETS_BACKOFF_S:
+            self.backoff = BACKOFF_FIRST_S
+        delay, self.backoff = self.backoff, min(self.backoff * 2, BACKOFF_MAX_S)
+        self.gateway.retry_after_s = max(1, round(delay))
+        _log.warn("restarting llama-server in {delay:.0f} s after verifying the file again", delay=delay)
+        self.restart_call = self.reactor.callLater(delay, self._restart)
+
+    @inlineCallbacks
+    def _restart(self) -> Any:
+        self.restart_call = None
+        if self.stopping:
+            return
+        v = self.gateway.verified
+        try:
+            again = yield deferToThread(self.reverify, v.path, v.fork_path)
+        except Refused as err:
+            self.gateway.set_state(gw.REFUSED, f"the file no longer verifies: {err.reason}")
+            return
+        if again.sha256 != v.sha256 or again.path != v.path:
+            self.gateway.set_state(gw.REFUSED, f"the file verifies as {again.sha256} at {again.path}, "
+                                               f"not {v.sha256} at {v.path}: not restarting")
+            return
+        self.gateway.verified = again  # the same pinned bytes, hashed again just now
+        _log.info("verified again: {path} sha256 {sha}", path=again.path, sha=again.sha256)
+        self.gateway.restarts += 1
+        try:
+            yield self.start()
+        except Exception as err:
+            if self.stopping:
+                return
+            _log.error("restart failed: {err}", err=err)
+            self._kill_quietly()
+            self.gateway.set_state(gw.DOWN, f"restart failed: {err}")
+            self._schedule_restart()
+
+    # --- stopping ----------------------------------------------------------------------------
+
+    def _signal(self, sig: int) -> None:
+        if self.transport is not None:
+            try:
+                self.transport.signalProcess(sig)
+            except error.ProcessExitedAlready:
+                pass
+
+    def _kill_quietly(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def stopService(self) -> "Deferred[None] | None":
+        super().stopService()
+        return self.stop()
+
+    def stop(self, grace: float = STOP_GRACE_S) -> "Deferred[None]":
+        """SIGTERM, then SIGKILL after `grace` seconds; fires when llama-server is gone."""
+        self.stopping = True
+        if self.restart_call is not None and self.restart_call.active():
+            self.restart_call.cancel()
+        proto = self.proto
+        if self.transport is None or proto is None or proto.ended.called:
+            return succeed(None)
+        pid = self.transport.pid
+        _log.info("stopping llama-server (pid {pid}): SIGTERM", pid=pid)
+        self._signal(signal.SIGTERM)
+
+        def kill() -> None:
+            _log.warn("llama-server (pid {pid}) still running after {g:.0f} s: SIGKILL", pid=pid, g=grace)
+            self._signal(signal.SIGKILL)
+
+        killer = self.reactor.callLater(grace, kill)
+        done: Deferred[None] = Deferred()
+
+        def ended(_: Any) -> None:
+            if killer.active():
+                killer.cancel()
+            done.callback(None)
+
+        proto.ended.addBoth(ended)
+        return done

@@ -1,0 +1,503 @@
+"""P0: forwarding to llama-server, with a receipt on every chat answer.
+
+- ``ProxyGet(gateway, path)``: ``GET /health``, ``/props``, ``/v1/models`` passed through (status,
+  content type and body), after the cheap checks (engine state, file identity).
+- ``ChatProxy(gateway)``: ``POST /v1/chat/completions``. Before forwarding: the engine state,
+  the file identity, and the engine's ``/props`` ``model_path``. Then:
+
+  * not streamed: the upstream JSON with a top-level ``bankml_receipt`` added;
+  * streamed (``"stream": true``): every upstream SSE event written to the client as soon as it
+    is complete (one ``request.write`` per event, bytes unchanged), the content deltas and the
+    usage collected on the way, and one ``data: {"bankml_receipt": ...}`` event written before
+    ``data: [DONE]``;
+  * an upstream error status: passed through with its body, no receipt;
+  * an upstream body, or one SSE line, over 64 MiB: refused before it is held (502, or an SSE
+    error event when the stream has started);
+  * the client going away: the upstream connection is closed, so llama-server stops generating;
+  * the upstream going away mid-stream: one ``data: {"error": ...}`` event, then the end.
+
+Upstream bodies are read with a small ``Protocol`` of our own (``_BodyReader``) rather than
+``treq.collect``: it holds the upstream transport, so a client disconnect can close the upstream
+connection at once, even while llama-server is still silent (prompt processing).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
+from twisted.internet.error import ConnectError, ConnectionClosed
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import http
+from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
+from twisted.web.http import PotentialDataLoss
+from twisted.web.resource import Resource
+from twisted.web.error import UnsupportedMethod
+from twisted.web.server import NOT_DONE_YET, Request
+
+from bankml import gateway as gw
+from bankml.gateway import Gateway, UpstreamTooLarge, check_length
+from bankml.receipt import Tally, receipt
+
+_log = Logger(namespace="bankml.proxy")
+
+JSON = b"application/json; charset=utf-8"
+FORWARDED_REQUEST_HEADERS = (b"content-type", b"authorization", b"accept")
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               500: "server_error", 502: "server_error", 503: "unavailable_error"}
+
+
+# --- small answers -------------------------------------------------------------------------------
+
+
+def error_body(status: int, message: str) -> bytes:
+    """llama-server's error shape: {"error": {"code", "message", "type"}}."""
+    return json.dumps({"error": {"code": status, "message": message,
+                                 "type": ERROR_TYPES.get(status, "server_error")}}).encode()
+
+
+def write_json(request: Request, status: int, body: bytes,
+               extra: dict[bytes, bytes] | None = None) -> None:
+    """One whole JSON answer, with its Content-Length (so no chunked encoding)."""
+    if request.finished or getattr(request, "_disconnected", False):
+        return
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", JSON)
+    request.setHeader(b"content-length", str(len(body)).encode())
+    for name, value in (extra or {}).items():
+        request.setHeader(name, value)
+    request.write(body)
+    request.finish()
+
+
+def write_error(request: Request, status: int, message: str, retry_after: int | None = None) -> None:
+    extra = {b"retry-after": str(retry_after).encode()} if retry_after is not None else None
+    write_json(request, status, error_body(status, message), extra)
+
+
+def refuse_unavailable(gateway: Gateway, request: Request) -> bool:
+    """Answer 503 (with Retry-After while the engine is starting or restarting) when no answer
+    may be given now; True when it did."""
+    problem = gateway.availability_problem()
+    if problem is None:
+        return False
+    message, retry_after = problem
+    write_error(request, 503, message, retry_after)
+    return True
+
+
+def upstream_failure_message(failure: Failure) -> tuple[int, str]:
+    """The status and message for an upstream request that failed before any answer."""
+    if failure.check(UpstreamTooLarge):
+        return 502, str(failure.value)
+    if failure.check(ValueError):
+        return 502, f"llama-server answered something unreadable: {failure.getErrorMessage()}"
+    if failure.check(ConnectError):
+        return 503, f"llama-server is unreachable: {failure.getErrorMessage()}"
+    if failure.check(ResponseFailed, ResponseNeverReceived, ConnectionClosed):
+        return 503, "llama-server closed the connection before answering"
+    if failure.check(CancelledError):
+        return 503, "llama-server did not answer in time"
+    return 502, f"llama-server failed: {failure.getErrorMessage()}"
+
+
+def forwarded_headers(request: Request) -> dict[bytes, list[bytes]]:
+    out: dict[bytes, list[bytes]] = {}
+    for name in FORWARDED_REQUEST_HEADERS:
+        values = request.requestHeaders.getRawHeaders(name)
+        if values:
+            out[name] = values
+    return out
+
+
+class _BodyReader(Protocol):
+    """Reads an upstream body into `on_data`, bounded by nothing itself (the callers bound what
+    they keep); `done` fires with None at the end, or errbacks when the connection broke."""
+
+    def __init__(self, on_data: Callable[[bytes], None]) -> None:
+        self.on_data = on_data
+        self.done: Deferred[None] = Deferred()
+        self.closed_by_us = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.closed_by_us:
+            return
+        try:
+            self.on_data(data)
+        except Exception:
+            self.abort()
+            if not self.done.called:
+                self.done.errback(Failure())
+
+    def abort(self) -> None:
+        """Close the upstream connection (the client left, or the body was refused)."""
+        if not self.closed_by_us and self.transport is not None:
+            self.closed_by_us = True
+            self.transport.stopProducing()
+
+    def connectionLost(self, reason: Failure) -> None:
+        if self.done.called:
+            return
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self.done.callback(None)
+        else:
+            self.done.errback(reason)
+
+
+def read_bounded(response: Any, limit: int | None = None) -> tuple[_BodyReader, "Deferred[bytes]"]:
+    """The reader (to abort it) and the Deferred of the whole body, refused past `limit`
+    (default gateway.MAX_UPSTREAM_BYTES, read at call time)."""
+    limit = gw.MAX_UPSTREAM_BYTES if limit is None else limit
+    parts: list[bytes] = []
+    size = [0]
+
+    def keep(data: bytes) -> None:
+        size[0] += len(data)
+        if size[0] > limit:
+            raise UpstreamTooLarge("a body")
+        parts.append(data)
+
+    reader = _BodyReader(keep)
+    response.deliverBody(reader)
+    try:
+        check_length(response, limit)
+    except UpstreamTooLarge:
+        reader.abort()  # not one byte of it is read
+        reader.done.errback(Failure())
+    return reader, reader.done.addCallback(lambda _: b"".join(parts))
+
+
+class JsonResource(Resource):
+    """A Resource whose method refusal is JSON (405 with Allow), like every other bankml answer."""
+
+    def render(self, request: Request) -> Any:
+        try:
+            return super().render(request)
+        except UnsupportedMethod as err:
+            allowed = b", ".join(err.allowedMethods)
+            write_json(request, 405, error_body(405, f"method {request.method.decode('latin-1')} "
+                                                     f"not allowed; use {allowed.decode()}"),
+                       {b"allow": allowed})
+            return NOT_DONE_YET
+
+
+def not_found(request: Request) -> None:
+    write_error(request, 404, "File Not Found")
+
+
+# --- GET pass-through ----------------------------------------------------------------------------
+
+
+class ProxyGet(JsonResource):
+    """A GET passed through to the same path on llama-server."""
+
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway, path: str) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self.path = path
+
+    def render_GET(self, request: Request) -> Any:
+        if refuse_unavailable(self.gateway, request):
+            return NOT_DONE_YET
+        self._forward(request)
+        return NOT_DONE_YET
+
+    @inlineCallbacks
+    def _forward(self, request: Request) -> Any:
+        query = request.uri.partition(b"?")[2]
+        url = self.gateway.upstream_url + self.path + ("?" + query.decode("latin-1") if query else "")
+        reader = None
+        try:
+            response = yield self.gateway.http.request("GET", url, headers=forwarded_headers(request),
+                                                       unbuffered=True)
+            reader, body_d = read_bounded(response)
+            request.notifyFinish().addErrback(lambda _: reader.abort())
+            body = yield body_d
+        except Exception:
+            status, message = upstream_failure_message(Failure())
+            write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
+            return
+        if request.finished or getattr(request, "_disconnected", False):
+            return
+        request.setResponseCode(response.code)
+        for name in (b"content-type",):
+            for value in response.headers.getRawHeaders(name, []):
+                request.setHeader(name, value)
+        request.setHeader(b"content-length", str(len(body)).encode())
+        request.write(body)
+        request.finish()
+
+
+# --- POST /v1/chat/completions -------------------------------------------------------------------
+
+
+def wants_stream(body: bytes) -> bool:
+    """Whether the request asks for SSE; a body that is not JSON is forwarded as it is, so
+    llama-server's own 400 message reaches the client."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("stream") is True
+
+
+def first_choice(obj: Any) -> dict[str, Any] | None:
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list):
+        return None
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return None
+
+
+def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
+    """Token counts from `usage`, else from llama-server's `timings` (a stream sends usage only
+    when asked with stream_options.include_usage, and timings always)."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        tally.set_counts(usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    timings = obj.get("timings")
+    if isinstance(timings, dict):
+        if tally.prompt_tokens is None:
+            tally.set_counts(timings.get("prompt_n"), None)
+        if tally.completion_tokens is None:
+            tally.set_counts(None, timings.get("predicted_n"))
+
+
+def tally_logprobs(tally: Tally, choice: dict[str, Any]) -> None:
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+        tally.add_logprobs(logprobs["content"])
+
+
+class ChatProxy(JsonResource):
+    """POST /v1/chat/completions through to llama-server, with the receipt added."""
+
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+
+    def render_POST(self, request: Request) -> Any:
+        body = request.content.read()
+        tally = Tally(request_body=body)
+        if not refuse_unavailable(self.gateway, request):
+            self._answer(request, body, tally).addErrback(self._unexpected, request)
+        return NOT_DONE_YET
+
+    def _unexpected(self, failure: Failure, request: Request) -> None:
+        _log.failure("chat proxy failed", failure)
+        if not request.startedWriting:
+            write_error(request, 502, f"bankml gateway error: {failure.getErrorMessage()}")
+        elif not request.finished:
+            request.finish()
+
+    @inlineCallbacks
+    def _answer(self, request: Request, body: bytes, tally: Tally) -> Any:
+        gone = [False]
+        request.notifyFinish().addErrback(lambda _: gone.__setitem__(0, True))
+        try:
+            problem = yield self.gateway.check_engine_path()
+        except Exception:
+            problem = None
+            status, message = upstream_failure_message(Failure())
+            write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
+            return
+        if gone[0]:
+            return
+        if problem is not None:
+            write_error(request, 503, problem)
+            return
+        pending = self.gateway.http.request("POST", self.gateway.upstream_url + "/v1/chat/completions",
+                                            data=body, headers=forwarded_headers(request),
+                                            unbuffered=True)
+        request.notifyFinish().addErrback(lambda _: pending.cancel())
+        try:
+            response = yield pending
+        except CancelledError:
+            return
+        except Exception:
+            status, message = upstream_failure_message(Failure())
+            write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
+            return
+        if response.code == 200 and wants_stream(body):
+            yield self._stream(request, response, tally)
+        else:
+            yield self._whole(request, response, tally)
+
+    @inlineCallbacks
+    def _whole(self, request: Request, response: Any, tally: Tally) -> Any:
+        reader, body_d = read_bounded(response)
+        request.notifyFinish().addErrback(lambda _: reader.abort())
+        try:
+            raw = yield body_d
+        except Exception:
+            status, message = upstream_failure_message(Failure())
+            write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
+            return
+        content_type = (response.headers.getRawHeaders(b"content-type") or [JSON])[-1]
+        if response.code != 200:
+            self._pass_through(request, response.code, content_type, raw)
+            return
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            write_error(request, 502, "llama-server answered 200 with a body that is not JSON")
+            return
+        choice = first_choice(answer)
+        if choice is None or not isinstance(answer, dict):
+            self._pass_through(request, 200, content_type, raw)  # not a chat completion: no receipt
+            return
+        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        content = message.get("content")
+        tally.add_text(content if isinstance(content, str) else "")
+        tally_logprobs(tally, choice)
+        tally_counts(tally, answer)
+        problem = self.gateway.identity_problem()
+        if problem is not None:
+            write_error(request, 503, problem)
+            return
+        answer["bankml_receipt"] = receipt(tally, engine=self.gateway.engine_name,
+                                           model_sha256=self.gateway.verified.sha256,
+                                           guard=self.gateway.verified.guard.verdict,
+                                           ttft_measured=False)
+        write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
+
+    @staticmethod
+    def _pass_through(request: Request, status: int, content_type: bytes, raw: bytes) -> None:
+        if request.finished or getattr(request, "_disconnected", False):
+            return
+        request.setResponseCode(status)
+        request.setHeader(b"content-type", content_type)
+        request.setHeader(b"content-length", str(len(raw)).encode())
+        request.write(raw)
+        request.finish()
+
+    def _stream(self, request: Request, response: Any, tally: Tally) -> "Deferred[None]":
+        relay = SSERelay(self.gateway, request, tally)
+        reader = _BodyReader(relay.feed)
+        response.deliverBody(reader)
+        request.notifyFinish().addErrback(lambda _: reader.abort())
+        return reader.done.addCallbacks(lambda _: relay.upstream_ended(None), relay.upstream_ended)
+
+
+class SSERelay:
+    """Forwards llama-server's SSE events one by one and inserts the receipt before [DONE]."""
+
+    def __init__(self, gateway: Gateway, request: Request, tally: Tally) -> None:
+        self.gateway = gateway
+        self.request = request
+        self.tally = tally
+        self.buffer = bytearray()
+        self.event: list[bytes] = []
+        self.event_size = 0
+        self.done = False  # [DONE] seen and written
+        self.errored = False  # an error event passed: no receipt
+        self.ended = False
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"cache-control", b"no-cache")
+
+    # upstream bytes -> lines -> events
+    def feed(self, data: bytes) -> None:
+        if self.ended:
+            return
+        self.buffer += data
+        start = 0
+        while True:
+            end = self.buffer.find(b"\n", start)
+            if end < 0:
+                break
+            self._line(bytes(self.buffer[start:end + 1]))
+            start = end + 1
+        del self.buffer[:start]
+        if len(self.buffer) + self.event_size > gw.MAX_UPSTREAM_BYTES:
+            raise UpstreamTooLarge("an SSE event")
+
+    def _line(self, line: bytes) -> None:
+        self.event.append(line)
+        self.event_size += len(line)
+        if line.strip(b"\r\n"):
+            return
+        event, self.event, self.event_size = b"".join(self.event), [], 0
+        self._event(event)
+
+    def _event(self, event: bytes) -> None:
+        payloads = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+        if payloads == [b"[DONE]"]:
+            self._finish_with_receipt(event)
+            return
+        for payload in payloads:
+            self._collect(payload)
+        self._write(event)
+
+    def _collect(self, payload: bytes) -> None:
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return
+        if not isinstance(obj, dict):
+            return
+        if "error" in obj:
+            self.errored = True
+            return
+        choice = first_choice(obj)
+        if choice is not None:
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                self.tally.add_text(delta["content"])
+            tally_logprobs(self.tally, choice)
+        tally_counts(self.tally, obj)
+
+    def _finish_with_receipt(self, done_event: bytes) -> None:
+        problem = self.gateway.identity_problem()
+        if problem is not None:
+            self._error_event(problem)
+            return
+        if not self.errored:
+            r = receipt(self.tally, engine=self.gateway.engine_name,
+                        model_sha256=self.gateway.verified.sha256,
+                        guard=self.gateway.verified.guard.verdict)
+            self._write(b"data: " + json.dumps({"bankml_receipt": r}).encode() + b"\n\n")
+        self._write(done_event)
+        self.done = True
+
+    def _write(self, data: bytes) -> None:
+        if not self.request.finished and not getattr(self.request, "_disconnected", False):
+            self.request.write(data)
+
+    def _error_event(self, message: str) -> None:
+        self._write(b"data: " + json.dumps({"error": {"code": 502, "message": message,
+                                                       "type": "server_error"}}).encode() + b"\n\n")
+        self.errored = True
+
+    def upstream_ended(self, failure: Failure | None) -> None:
+        """The upstream body ended: cleanly after [DONE], or not (died, refused, cut)."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.request.finished or getattr(self.request, "_disconnected", False):
+            return
+        if failure is not None and failure.check(UpstreamTooLarge) and not self.request.startedWriting:
+            write_error(self.request, 502, str(failure.value))
+            return
+        if not self.done:
+            if failure is not None and failure.check(UpstreamTooLarge):
+                reason = str(failure.value)
+            else:
+                reason = "llama-server ended the stream before [DONE]"
+                if failure is not None and failure.check(ResponseFailed, ConnectionClosed):
+                    reason += " (connection lost)"
+                elif failure is not None:
+                    reason += f" ({failure.getErrorMessage()})"
+            _log.warn("stream cut: {reason}", reason=reason)
+            if not self.errored:
+                self._error_event(reason)
+        self.request.finish()

@@ -1,0 +1,115 @@
+"""Receipts: what bankml vouches for on every chat answer.
+
+A `Tally` collects one answer as it passes through (the request body, the answer's text pieces in
+order, token counts, timings, logprobs) and `receipt()` turns it into serve.md's `bankml_receipt`
+object, with its fields in the reference's order:
+
+``bankml, engine, model_sha256, guard, prompt_tokens, completion_tokens, ttft_ms, wall_ms,
+response_sha256, request_sha256[, logprobs_sha256], signed``
+
+How a client checks one by hand is in docs/receipts.md. Pure Python, no Twisted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from bankml import __version__
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_logprobs(entries: list[Any]) -> bytes:
+    """The bytes `logprobs_sha256` hashes: the logprobs `content` entries (one list, in order, the
+    streamed chunks' lists joined), written as compact JSON with non-ASCII kept as UTF-8 and keys
+    in the order received. That is ``json.dumps(entries, separators=(",", ":"),
+    ensure_ascii=False).encode()`` after ``json.loads`` of the answer, in any language."""
+    return json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+@dataclass
+class Tally:
+    """One answer, collected as it passes through the gateway."""
+
+    request_body: bytes
+    clock: Callable[[], float] = time.monotonic
+    started: float = 0.0
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_piece_at: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.started:
+            self.started = self.clock()
+
+    def add_text(self, piece: str) -> None:
+        """One piece of the answer's content, in the order produced (empty pieces are kept out
+        of the TTFT: an empty role delta is not a token)."""
+        if piece and self.first_piece_at is None:
+            self.first_piece_at = self.clock()
+        self.pieces.append(piece)
+
+    def add_logprobs(self, entries: list[Any]) -> None:
+        if self.logprobs is None:
+            self.logprobs = []
+        self.logprobs.extend(entries)
+
+    def set_counts(self, prompt_tokens: Any, completion_tokens: Any) -> None:
+        """Token counts as the engine reported them (an unusable value leaves the count unknown)."""
+        if _is_count(prompt_tokens):
+            self.prompt_tokens = prompt_tokens
+        if _is_count(completion_tokens):
+            self.completion_tokens = completion_tokens
+
+    def finish(self) -> None:
+        if self.finished_at is None:
+            self.finished_at = self.clock()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def ttft_ms(self) -> int | None:
+        if self.first_piece_at is None:
+            return None
+        return round((self.first_piece_at - self.started) * 1000)
+
+    def wall_ms(self) -> int:
+        end = self.finished_at if self.finished_at is not None else self.clock()
+        return round((end - self.started) * 1000)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def receipt(tally: Tally, *, engine: str, model_sha256: str, guard: str = "play",
+            ttft_measured: bool = True) -> dict[str, Any]:
+    """serve.md's receipt for a finished tally. `ttft_measured=False` (a non-streamed P0 answer,
+    where the gateway sees the whole text at once) gives ``ttft_ms: null``."""
+    tally.finish()
+    out: dict[str, Any] = {
+        "bankml": __version__,
+        "engine": engine,
+        "model_sha256": model_sha256,
+        "guard": guard,
+        "prompt_tokens": tally.prompt_tokens,
+        "completion_tokens": tally.completion_tokens,
+        "ttft_ms": tally.ttft_ms() if ttft_measured else None,
+        "wall_ms": tally.wall_ms(),
+        "response_sha256": sha256_hex(tally.text.encode("utf-8", "surrogatepass")),
+        "request_sha256": sha256_hex(tally.request_body),
+    }
+    if tally.logprobs is not None:
+        out["logprobs_sha256"] = sha256_hex(canonical_logprobs(tally.logprobs))
+    out["signed"] = False
+    return out

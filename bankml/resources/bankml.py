@@ -1,0 +1,85 @@
+"""`GET /bankml`, `/bankml/usage`, `/bankml/metrics`: what bankml verified, what it costs, and
+the engine's per-completion records.
+
+- `/bankml`: the Gateway's description (what was verified, when, the upstream, the mode, the
+  engine's state and pid, bankml's version).
+- `/bankml/usage`: one shared `UsageSampler` sample (at most once a second, see usage.py).
+- `/bankml/metrics`: the metrics ring. In P0 the tokens come from llama-server, which bankml
+  does not measure, so the ring is empty: `{"source", "kept": 0, "keep": 256, ..., "records": []}`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from twisted.web.server import NOT_DONE_YET, Request
+
+from bankml.gateway import Gateway
+from bankml.proxy_resource import JsonResource, not_found, write_error, write_json
+from bankml.usage import UsageSampler
+
+METRICS_KEEP = 256
+
+
+def empty_metrics(source: str) -> dict[str, Any]:
+    """The metrics document with no records (reference section 6's shape)."""
+    return {"source": source, "kept": 0, "keep": METRICS_KEEP, "prompt_tokens": 0,
+            "completion_tokens": 0, "energy_j": None, "joules_per_token": None, "records": []}
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, indent=1).encode("utf-8")
+
+
+class UsageResource(JsonResource):
+    isLeaf = True
+
+    def __init__(self, sampler: UsageSampler) -> None:
+        super().__init__()
+        self.sampler = sampler
+
+    def render_GET(self, request: Request) -> Any:
+        d = self.sampler.sample()
+        d.addCallback(lambda sample: write_json(request, 200, _json(sample)))
+        d.addErrback(lambda f: write_error(request, 500, f"usage sample failed: {f.getErrorMessage()}"))
+        return NOT_DONE_YET
+
+
+class MetricsResource(JsonResource):
+    isLeaf = True
+
+    def __init__(self, metrics: Callable[[], dict[str, Any]]) -> None:
+        super().__init__()
+        self.metrics = metrics
+
+    def render_GET(self, request: Request) -> Any:
+        write_json(request, 200, _json(self.metrics()))
+        return NOT_DONE_YET
+
+
+class BankmlResource(JsonResource):
+    """`/bankml` itself, with `usage` and `metrics` below it."""
+
+    def __init__(self, gateway: Gateway, sampler: UsageSampler,
+                 metrics: Callable[[], dict[str, Any]] | None = None) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self.putChild(b"usage", UsageResource(sampler))
+        self.putChild(b"metrics", MetricsResource(
+            metrics or (lambda: empty_metrics("bankml P0: llama-server's completions are not measured"))))
+
+    def getChild(self, path: bytes, request: Request) -> Any:
+        return _NotFound()
+
+    def render_GET(self, request: Request) -> Any:
+        write_json(request, 200, _json(self.gateway.describe()))
+        return NOT_DONE_YET
+
+
+class _NotFound(JsonResource):
+    isLeaf = True
+
+    def render(self, request: Request) -> Any:
+        not_found(request)
+        return NOT_DONE_YET

@@ -1,0 +1,45 @@
+"""The P0 resource tree: bankml's own endpoints, and llama-server's behind the checks.
+
+```
+/bankml, /bankml/usage, /bankml/metrics   resources/bankml.py
+/health, /props, /v1/models               ProxyGet (passed through)
+/v1/chat/completions                      ChatProxy (receipt added)
+anything else                             404 {"error": {"code": 404, "message": "File Not Found", ...}}
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.web.resource import Resource
+from twisted.web.server import Request
+
+from bankml.gateway import Gateway
+from bankml.proxy_resource import ChatProxy, JsonResource, ProxyGet
+from bankml.resources.bankml import BankmlResource, _NotFound
+from bankml.usage import UsageSampler
+
+
+class _Branch(JsonResource):
+    """A path segment with children only; anything else under it is a JSON 404."""
+
+    def getChild(self, path: bytes, request: Request) -> Any:
+        return _NotFound()
+
+    def render(self, request: Request) -> Any:
+        return _NotFound().render(request)
+
+
+def p0_root(gateway: Gateway, sampler: UsageSampler) -> Resource:
+    root = _Branch()
+    root.putChild(b"bankml", BankmlResource(gateway, sampler))
+    for name in (b"health", b"props"):
+        root.putChild(name, ProxyGet(gateway, "/" + name.decode()))
+    v1 = _Branch()
+    root.putChild(b"v1", v1)
+    v1.putChild(b"models", ProxyGet(gateway, "/v1/models"))
+    chat = _Branch()
+    v1.putChild(b"chat", chat)
+    chat.putChild(b"completions", ChatProxy(gateway))
+    return root

@@ -1,0 +1,362 @@
+"""The P0 gateway's resources against the Twisted mock llama-server, over real loopback HTTP.
+
+Fast cases, and the ones a real llama-server cannot be made to produce on demand (an error
+status, a body over the limit, a connection dropped mid-stream). tests/test_serve_p0.py repeats
+the main paths against the real llama-server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_twisted
+import treq
+from twisted.internet import defer, reactor, task
+
+from bankml import __version__
+from bankml import gateway as gw
+from bankml.fileident import FileIdent
+from bankml.gateway import Gateway, make_http_client
+from bankml.guard import GuardResult
+from bankml.receipt import canonical_logprobs
+from bankml.resources.p0 import p0_root
+from bankml.site import LoopbackSite, listen_loopback
+from bankml.usage import UsageSampler
+from bankml.verify import Verified
+from tests.mock_llama import PIECES, MockLlama, listen
+
+CHAT = {"messages": [{"role": "user", "content": "Who knows?"}], "max_tokens": 8}
+RECEIPT_FIELDS = ["bankml", "engine", "model_sha256", "guard", "prompt_tokens", "completion_tokens",
+                  "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed"]
+
+
+def sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+@dataclass
+class Front:
+    mock: MockLlama
+    gateway: Gateway
+    sampler: UsageSampler
+    url: str
+    model: Path
+
+
+@pytest.fixture
+def front(tmp_path: Path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF not really a model, the mock never reads it")
+    mock = MockLlama(model_path=str(model))
+    mock_port = listen(mock)
+    verified = Verified(str(model.resolve()), sha(model.read_bytes()), GuardResult("play"),
+                        FileIdent.of(model), time.time(), str(tmp_path / "FORK.json"))
+    gateway = Gateway(verified, ("127.0.0.1", mock_port.getHost().port), "upstream",
+                      make_http_client(reactor), reactor, state=gw.READY)
+    sampler = UsageSampler(reactor, lambda: [("bankml serve", os.getpid())])
+    port = listen_loopback(LoopbackSite(p0_root(gateway, sampler)), "127.0.0.1:0", reactor)
+    yield Front(mock, gateway, sampler, f"http://127.0.0.1:{port.getHost().port}", model)
+    pytest_twisted.blockon(defer.gatherResults([
+        defer.maybeDeferred(port.stopListening), defer.maybeDeferred(mock_port.stopListening),
+        defer.maybeDeferred(gateway.close)]))
+
+
+async def post(url: str, body: bytes, **kw: Any) -> Any:
+    return await treq.post(url, data=body, headers={"Content-Type": "application/json"}, **kw)
+
+
+async def chat(front: Front, obj: dict[str, Any]) -> tuple[Any, bytes, bytes]:
+    body = json.dumps(obj).encode()
+    response = await post(front.url + "/v1/chat/completions", body)
+    return response, await response.content(), body
+
+
+def events_of(raw: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in raw.split(b"\n\n") if e]
+
+
+# --- receipts ------------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_non_streamed_answer_gets_a_receipt_of_its_text_and_request(front: Front) -> None:
+    response, raw, body = await chat(front, CHAT)
+    assert response.code == 200
+    answer = json.loads(raw)
+    r = answer["bankml_receipt"]
+    assert list(r) == RECEIPT_FIELDS
+    assert r["response_sha256"] == sha("".join(PIECES)) == sha(answer["choices"][0]["message"]["content"])
+    assert r["request_sha256"] == sha(body) == sha(front.mock.requests[-1])
+    assert (r["prompt_tokens"], r["completion_tokens"]) == (7, 2)
+    assert r["model_sha256"] == front.gateway.verified.sha256
+    assert (r["bankml"], r["engine"], r["guard"], r["signed"]) == (__version__, "llama-server b0-mock",
+                                                                    "play", False)
+    assert r["ttft_ms"] is None and r["wall_ms"] >= 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_streamed_events_pass_unchanged_and_the_receipt_precedes_done(front: Front) -> None:
+    front.mock.pieces = ["Sav", "ante ", "knows", ". ✓"]
+    response, raw, body = await chat(front, {**CHAT, "stream": True})
+    assert response.code == 200
+    assert response.headers.getRawHeaders(b"content-type") == [b"text/event-stream"]
+    events = events_of(raw)
+    assert events[-1] == b"data: [DONE]\n\n"
+    receipt_event = json.loads(events[-2][len(b"data: "):])
+    r = receipt_event["bankml_receipt"]
+    assert list(r) == RECEIPT_FIELDS
+    deltas = [json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events[:-2]]
+    assert r["response_sha256"] == sha("".join(deltas)) == sha("Savante knows. ✓")
+    assert r["request_sha256"] == sha(body)
+    assert (r["prompt_tokens"], r["completion_tokens"]) == (7, 4)  # from timings: no usage asked
+    assert isinstance(r["ttft_ms"], int)
+    # every upstream event reaches the client byte for byte
+    assert b"".join(events[:-2]) + events[-1] == b"".join(
+        e for e in events if b"bankml_receipt" not in e)
+
+
+@pytest_twisted.ensureDeferred
+async def test_usage_chunk_counts_are_used_when_present(front: Front) -> None:
+    front.mock.include_usage, front.mock.prompt_tokens = True, 11
+    _, raw, _ = await chat(front, {**CHAT, "stream": True})
+    r = json.loads(events_of(raw)[-2][6:])["bankml_receipt"]
+    assert (r["prompt_tokens"], r["completion_tokens"]) == (11, 2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest_twisted.ensureDeferred
+async def test_logprobs_hash_covers_the_entries_in_order(front: Front, stream: bool) -> None:
+    _, raw, _ = await chat(front, {**CHAT, "stream": stream, "logprobs": True})
+    if stream:
+        events = [json.loads(e[6:]) for e in events_of(raw)[:-1]]
+        entries = [x for e in events if "choices" in e and e["choices"]
+                   for x in (e["choices"][0].get("logprobs") or {}).get("content", [])]
+        r = events[-1]["bankml_receipt"]
+    else:
+        answer = json.loads(raw)
+        entries, r = answer["choices"][0]["logprobs"]["content"], answer["bankml_receipt"]
+    assert len(entries) == len(PIECES)
+    assert r["logprobs_sha256"] == sha(canonical_logprobs(entries))
+    assert list(r)[-2:] == ["logprobs_sha256", "signed"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_logprobs_there_is_no_logprobs_hash(front: Front) -> None:
+    _, raw, _ = await chat(front, CHAT)
+    assert "logprobs_sha256" not in json.loads(raw)["bankml_receipt"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_stream_is_forwarded_as_it_arrives(front: Front) -> None:
+    front.mock.pieces, front.mock.piece_delay = ["a", "b", "c", "d"], 0.3
+    response = await post(front.url + "/v1/chat/completions",
+                          json.dumps({**CHAT, "stream": True}).encode(), unbuffered=True)
+    first = defer.Deferred()
+    seen: list[bytes] = []
+
+    def collect(data: bytes) -> None:
+        seen.append(data)
+        if not first.called and b"\n\n" in b"".join(seen):
+            first.callback(len(front.mock.requests))
+
+    done = treq.collect(response, collect)
+    await first
+    assert b'"content": "a"' in b"".join(seen)
+    assert not done.called, "the first event arrived before the upstream stream ended"
+    await done
+    assert b"bankml_receipt" in b"".join(seen)
+
+
+# --- errors passed through, refused, cut -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [400, 500, 503])
+@pytest_twisted.ensureDeferred
+async def test_upstream_error_status_passes_through_without_receipt(front: Front, status: int) -> None:
+    front.mock.error_status = status
+    for stream in (False, True):
+        response, raw, _ = await chat(front, {**CHAT, "stream": stream})
+        assert response.code == status
+        assert json.loads(raw) == {"error": {"code": status, "message": "mock error", "type": "server_error"}}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_body_that_is_not_json_gets_the_engines_own_400(front: Front) -> None:
+    response = await post(front.url + "/v1/chat/completions", b"{not json")
+    assert response.code == 400
+    assert json.loads(await response.content())["error"]["message"] == "Failed to parse JSON"
+    assert front.mock.requests == [b"{not json"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_body_declared_over_the_limit_is_refused_with_502(front: Front, monkeypatch) -> None:
+    monkeypatch.setattr(gw, "MAX_UPSTREAM_BYTES", 1024)
+    front.mock.declared_length = 1025
+    response, raw, _ = await chat(front, CHAT)
+    assert response.code == 502
+    assert json.loads(raw)["error"]["message"] == "llama-server sent a body over 1024 bytes: refused"
+
+
+@pytest_twisted.ensureDeferred
+async def test_sse_line_over_the_limit_is_refused_before_it_is_held(front: Front, monkeypatch) -> None:
+    monkeypatch.setattr(gw, "MAX_UPSTREAM_BYTES", 1024)
+    front.mock.long_line_bytes = 4096
+    response, raw, _ = await chat(front, {**CHAT, "stream": True})
+    assert response.code == 502
+    assert "an SSE event over 1024 bytes" in json.loads(raw)["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_upstream_dying_mid_stream_ends_the_client_stream_with_an_error(front: Front) -> None:
+    front.mock.pieces, front.mock.die_after = ["one ", "two ", "three"], 1
+    response, raw, _ = await chat(front, {**CHAT, "stream": True})
+    events = events_of(raw)
+    assert json.loads(events[0][6:])["choices"][0]["delta"]["content"] == "one "
+    last = json.loads(events[-1][6:])
+    assert "before [DONE]" in last["error"]["message"]
+    assert b"bankml_receipt" not in raw and b"data: [DONE]" not in raw
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_going_away_closes_the_upstream_stream(front: Front) -> None:
+    front.mock.pieces, front.mock.piece_delay = ["x"] * 50, 0.2
+    response = await post(front.url + "/v1/chat/completions",
+                          json.dumps({**CHAT, "stream": True}).encode(), unbuffered=True)
+
+    class Leave(Exception):
+        pass
+
+    def leave(data: bytes) -> None:
+        raise Leave()  # treq closes the connection when the collector raises
+
+    with pytest.raises(Leave):
+        await treq.collect(response, leave)
+    for _ in range(50):
+        if front.mock.cancelled:
+            break
+        await task.deferLater(reactor, 0.1, lambda: None)
+    assert front.mock.cancelled == 1
+
+
+# --- the checks before every answer ------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_model_file_replaced_answers_503_without_receipt(front: Front) -> None:
+    copy = front.model.with_suffix(".copy")
+    shutil.copyfile(front.model, copy)
+    os.replace(copy, front.model)  # same bytes, another inode
+    for stream in (False, True):
+        response, raw, _ = await chat(front, {**CHAT, "stream": stream})
+        assert response.code == 503
+        assert json.loads(raw)["error"]["message"] == gw.FILE_CHANGED
+        assert b"bankml_receipt" not in raw
+    health = await treq.get(front.url + "/health")
+    assert health.code == 503
+    assert front.mock.requests == [], "nothing reached the engine"
+
+
+@pytest_twisted.ensureDeferred
+async def test_engine_serving_another_path_answers_503(front: Front) -> None:
+    front.mock.model_path = "/elsewhere/other.gguf"
+    response, raw, _ = await chat(front, CHAT)
+    assert response.code == 503
+    assert "serves /elsewhere/other.gguf, not the verified" in json.loads(raw)["error"]["message"]
+    assert front.mock.requests == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_props_is_checked_before_every_chat_answer(front: Front) -> None:
+    for _ in range(3):
+        await chat(front, CHAT)
+    assert front.mock.props_requests == 3
+
+
+@pytest.mark.parametrize("state", [gw.DOWN, gw.STARTING])
+@pytest_twisted.ensureDeferred
+async def test_engine_down_answers_503_with_retry_after(front: Front, state: str) -> None:
+    front.gateway.set_state(state, "restarting for the test")
+    front.gateway.retry_after_s = 4
+    for path in ("/health", "/v1/models"):
+        response = await treq.get(front.url + path)
+        assert response.code == 503
+        assert response.headers.getRawHeaders(b"retry-after") == [b"4"]
+    response, raw, _ = await chat(front, CHAT)
+    assert response.code == 503 and response.headers.getRawHeaders(b"retry-after") == [b"4"]
+    assert "restarting for the test" in json.loads(raw)["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_unreachable_engine_answers_503_with_retry_after(front: Front) -> None:
+    from tests.support import free_port
+
+    front.gateway.upstream = ("127.0.0.1", free_port())
+    for response in (await treq.get(front.url + "/health"), (await chat(front, CHAT))[0]):
+        assert response.code == 503
+        assert response.headers.getRawHeaders(b"retry-after") == [b"1"]
+        assert "unreachable" in json.loads(await response.content())["error"]["message"]
+
+
+# --- pass-through GETs, /bankml, 404 and 405 -----------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_gets_are_passed_through(front: Front) -> None:
+    for path, want in (("/health", {"status": "ok"}),
+                       ("/props", {"model_path": str(front.model), "build_info": "b0-mock"})):
+        response = await treq.get(front.url + path)
+        assert (response.code, json.loads(await response.content())) == (200, want)
+    models = json.loads(await (await treq.get(front.url + "/v1/models")).content())
+    assert models["data"][0]["id"] == "model.gguf"
+
+
+@pytest_twisted.ensureDeferred
+async def test_unknown_paths_and_methods_are_json_errors(front: Front) -> None:
+    response = await treq.get(front.url + "/nope")
+    assert response.code == 404
+    assert json.loads(await response.content())["error"]["type"] == "not_found_error"
+    response = await post(front.url + "/health", b"{}")
+    assert response.code == 405 and response.headers.getRawHeaders(b"allow") == [b"HEAD, GET"]
+    response = await treq.get(front.url + "/v1/chat/completions")
+    assert response.code == 405 and json.loads(await response.content())["error"]["code"] == 405
+
+
+@pytest_twisted.ensureDeferred
+async def test_bankml_says_what_was_verified(front: Front) -> None:
+    info = json.loads(await (await treq.get(front.url + "/bankml")).content())
+    v = front.gateway.verified
+    assert info["verified"]["sha256"] == info["model_sha256"] == v.sha256
+    assert info["model"] == v.path and info["fork"] == v.fork_path
+    assert info["upstream"] == front.gateway.upstream_text and info["mode"] == "upstream"
+    assert info["engine"]["state"] == "ready" and info["bankml"] == __version__
+    assert info["hashed_at"] == time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(v.verified_at))
+    assert info["file_unchanged"] is True
+
+
+@pytest_twisted.ensureDeferred
+async def test_metrics_ring_is_empty_in_p0(front: Front) -> None:
+    metrics = json.loads(await (await treq.get(front.url + "/bankml/metrics")).content())
+    assert (metrics["kept"], metrics["keep"], metrics["records"]) == (0, 256, [])
+    assert (metrics["prompt_tokens"], metrics["completion_tokens"]) == (0, 0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_usage_is_sampled_once_for_concurrent_pollers(front: Front) -> None:
+    responses = await defer.gatherResults([treq.get(front.url + "/bankml/usage") for _ in range(5)])
+    bodies = [json.loads(await r.content()) for r in responses]
+    assert front.sampler.samples_taken == 1
+    assert len({b["sampled_at"] for b in bodies}) == 1
+    again = json.loads(await (await treq.get(front.url + "/bankml/usage")).content())
+    assert again["sampled_at"] == bodies[0]["sampled_at"], "kept for a second"
+    sample = bodies[0]
+    assert sample["processes"][0]["pid"] == os.getpid() and sample["rss_bytes"] > 0
+    assert 200 <= sample["interval_ms"] < 1000
+    assert sample["mem_total_bytes"] > 0 and "gpus" in sample and "package_watts" in sample
