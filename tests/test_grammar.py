@@ -1,0 +1,119 @@
+"""Constraints: llama-server's resolution order and messages, compile errors before compute, and the
+token masks over the real SmolLM2 vocabulary (EOG only where the grammar is complete)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bankml.engine_cupy.grammar import (Constraint, ConstraintError, ConstraintSpec, build_llg_tokenizer,
+                                        resolve_constraint, validate_text)
+from bankml.engine_cupy.tokenizer import Tokenizer
+from tests import support
+
+
+@pytest.fixture(scope="module")
+def vocab(default_model: Path):
+    tok = Tokenizer.from_gguf(default_model)
+    special = [i for i in range(tok.n_vocab) if tok.is_control(i)]
+    llg = build_llg_tokenizer(tok.vocab_bytes(), special, tok.eog_ids, tok.bos_id, lambda s: tok.tokenize(s))
+    return tok, llg
+
+
+def constraint(vocab, body: dict, kind: str = "completion") -> Constraint:
+    tok, llg = vocab
+    spec = resolve_constraint(body, kind)
+    assert spec is not None
+    return Constraint(spec, llg, tok.n_vocab, tok.eog_ids)
+
+
+# --- resolution ---------------------------------------------------------------------------------------------
+
+
+def test_resolution_order() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert resolve_constraint({}, "chat") is None
+    assert resolve_constraint({"response_format": {"type": "text"}}, "chat") is None
+    assert resolve_constraint({"response_format": {"type": "json_object"}}, "chat").kind == "json_object"
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    assert resolve_constraint({"response_format": fmt}, "chat").kind == "json_schema"
+    assert resolve_constraint({"json_schema": {}}, "completion") == ConstraintSpec("json_object", '{"type": "object"}')
+    assert resolve_constraint({"grammar": 'root ::= "a"'}, "completion").kind == "gbnf"
+    # /completion: json_schema wins only without a grammar key; an empty grammar is none
+    assert resolve_constraint({"grammar": ""}, "completion") is None
+    assert resolve_constraint({"json_schema": schema, "grammar": 'root ::= "a"'}, "completion").kind == "gbnf"
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "Cannot use both json_schema and grammar"),
+    ({"response_format": {"type": "yaml"}},
+     'response_format type must be one of "text" or "json_object", but got: yaml'),
+])
+def test_chat_resolution_refusals_match_llama_server(reference_server: support.LlamaServer, body: dict,
+                                                     message: str) -> None:
+    request = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **body}
+    status, answer = support.http_json(reference_server.url + "/v1/chat/completions", request)
+    assert status == 400 and answer["error"]["message"] == message
+    with pytest.raises(ConstraintError) as err:
+        resolve_constraint(request, "chat")
+    assert str(err.value) == message
+
+
+def test_grammar_must_be_a_string() -> None:
+    with pytest.raises(ConstraintError, match="grammar must be a string"):
+        resolve_constraint({"grammar": 5}, "completion")
+
+
+# --- compilation --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grammar", ['root ::= missing', 'other ::= "a"', 'root ::= "a', 'root ::= [a-',
+                                     'root ::= ("a"'])
+def test_invalid_gbnf_is_refused(vocab, grammar: str) -> None:
+    with pytest.raises(ConstraintError) as err:
+        constraint(vocab, {"grammar": grammar})
+    assert str(err.value).startswith("failed to parse grammar")
+
+
+def test_invalid_schema_is_refused(vocab) -> None:
+    with pytest.raises(ConstraintError):
+        constraint(vocab, {"json_schema": "a string"})
+    with pytest.raises(ConstraintError):
+        constraint(vocab, {"json_schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}})
+
+
+@pytest.mark.parametrize("body", [{"grammar": 'root ::= "x" | missing'}, {"json_schema": []}])
+def test_invalid_constraints_are_400_on_llama_server_too(reference_server: support.LlamaServer, vocab,
+                                                         body: dict) -> None:
+    status, answer = support.http_json(reference_server.url + "/completion", {"prompt": "Hi", "n_predict": 1, **body})
+    print(f"\nllama-server: {status} {answer}")
+    assert status == 400
+    with pytest.raises(ConstraintError):
+        constraint(vocab, body)
+
+
+# --- masks ----------------------------------------------------------------------------------------------------
+
+
+def test_mask_and_eog_only_when_complete(vocab) -> None:
+    tok, _ = vocab
+    c = constraint(vocab, {"grammar": 'root ::= "yes" | "yes!"'})
+    mask = c.mask()
+    allowed = {tok.token_to_piece(int(i), True) for i in mask.nonzero()[0]}
+    assert allowed and all(b"yes!".startswith(p) for p in allowed)
+    assert not any(mask[e] for e in tok.eog_ids) and not c.allows(min(tok.eog_ids))
+    yes = tok.tokenize("yes")
+    assert len(yes) == 1 and c.allows(yes[0])
+    c.accept(yes[0])
+    assert c.is_complete() and all(c.mask()[e] for e in tok.eog_ids) and c.allows(min(tok.eog_ids))
+    assert c.mask()[tok.tokenize("!")[0]]
+
+
+def test_validate_text(vocab) -> None:
+    tok, llg = vocab
+    spec = resolve_constraint({"json_schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                               "required": ["n"]}}, "completion")
+    assert validate_text(spec, llg, tok.tokenize('{"n": 12}'))
+    assert not validate_text(spec, llg, tok.tokenize('{"n": "x"}'))
+    assert not validate_text(spec, llg, tok.tokenize('{"n": 1'))  # incomplete: EOG would be refused
