@@ -176,3 +176,32 @@ class _Stream:
 def listen(mock: MockLlama) -> Any:
     """The mock on a free loopback port; returns the listening port (getHost().port)."""
     return mock.reactor.listenTCP(0, server.Site(mock.root()), interface="127.0.0.1")
+
+
+def main(argv: list[str]) -> None:
+    """Run the mock as a process with llama-server's arguments (`-m PATH --host H --port P`,
+    the rest ignored), for supervision tests: `python tests/mock_llama.py -m M --port P ...`.
+    `--ignore-sigterm` makes it a process that only SIGKILL stops."""
+    import signal
+
+    from twisted.internet import reactor
+
+    model, host, port = "", "127.0.0.1", 8080
+    for flag, value in zip(argv, argv[1:] + [""]):
+        if flag == "-m":
+            model = value
+        elif flag == "--host":
+            host = value
+        elif flag == "--port":
+            port = int(value)
+    if "--ignore-sigterm" in argv:
+        reactor.callWhenRunning(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+    print(f"mock llama-server: {model} on {host}:{port}", flush=True)
+    reactor.listenTCP(port, server.Site(MockLlama(model_path=model).root()), interface=host)
+    reactor.run()
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -1,0 +1,186 @@
+"""process_protocol.py: launching, supervising and stopping the engine.
+
+The engine here is tests/mock_llama.py run as a real process with llama-server's arguments
+(fast and controllable); tests/test_serve_p0.py does the same with the real llama-server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import pytest_twisted
+from twisted.internet import defer, reactor, task
+
+from bankml import gateway as gw
+from bankml.fileident import FileIdent
+from bankml.gateway import Gateway, make_http_client
+from bankml.guard import GuardResult
+from bankml.process_protocol import EngineFailed, EngineProcess, llama_server_args, with_deathsig
+from bankml.verify import Refused, Verified
+from tests.mock_llama import MockLlama, listen
+from tests.support import ROOT, free_port
+
+
+def test_llama_server_arguments_are_serve_md_s() -> None:
+    base = ["BIN", "-m", "/m.gguf", "--host", "127.0.0.1", "--port", "18092", "-t", "3", "-c", "4096",
+            "-np", "1", "--jinja", "--reasoning", "off", "--no-webui"]
+    assert llama_server_args("BIN", "/m.gguf", "127.0.0.1", 18092, 3, 4096) == base
+    assert llama_server_args("BIN", "/m.gguf", "127.0.0.1", 18092, 3, 4096, "/slots", True) == base + [
+        "--spec-type", "ngram-simple", "--slot-save-path", "/slots"]
+
+
+def test_the_death_signal_shim_wraps_the_command() -> None:
+    exe, argv = with_deathsig(["/bin/true", "x"])
+    assert exe == sys.executable and argv[-2:] == ["/bin/true", "x"]
+    assert argv[argv.index("-c") + 2] == str(os.getpid())
+
+
+def test_a_sigkilled_parent_takes_its_engine_with_it() -> None:
+    """PR_SET_DEATHSIG: even a SIGKILL of bankml, which runs no shutdown code, leaves no engine."""
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess,sys,time\n"
+        "from bankml.process_protocol import with_deathsig\n"
+        "exe, argv = with_deathsig(['/bin/sleep', '60'])\n"
+        "child = subprocess.Popen(argv, executable=exe)\n"
+        "print(child.pid, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child_pid = int(parent.stdout.readline())
+    deadline = time.monotonic() + 10
+    while psutil.Process(child_pid).name() != "sleep" and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the shim has exec'd
+    parent.kill()
+    parent.wait()
+    assert _gone(child_pid, 5), "the engine outlived its SIGKILLed parent"
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def fake_engine(tmp_path: Path) -> Path:
+    """An executable that runs the mock llama-server with whatever arguments it is given."""
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'mock_llama.py'} \"$@\"\n")
+    script.chmod(0o755)
+    return script
+
+
+@pytest.fixture
+def gateway(tmp_path: Path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF mock")
+    verified = Verified(str(model.resolve()), hashlib.sha256(b"GGUF mock").hexdigest(),
+                        GuardResult("play"), FileIdent.of(model), time.time(), str(tmp_path / "F.json"))
+    g = Gateway(verified, ("127.0.0.1", free_port()), "spawn", make_http_client(reactor), reactor)
+    yield g
+    pytest_twisted.blockon(defer.maybeDeferred(g.close))
+
+
+async def until(predicate: Any, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await task.deferLater(reactor, 0.05, lambda: None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_spawn_waits_for_health_and_stop_leaves_no_process(gateway: Gateway, fake_engine: Path) -> None:
+    engine = EngineProcess(gateway, str(fake_engine), threads=1, ctx=256)
+    await engine.start()
+    assert gateway.state == gw.READY and gateway.engine_build == "b0-mock"
+    pid = gateway.pid
+    assert psutil.Process(pid).is_running()
+    await engine.stop()
+    assert gateway.state == gw.STOPPED and _gone(pid, 1)
+
+
+@pytest_twisted.ensureDeferred
+async def test_spawn_refuses_when_something_answers_on_the_address(gateway: Gateway, fake_engine: Path) -> None:
+    squatter = listen(MockLlama(model_path="/other.gguf"))
+    gateway.upstream = ("127.0.0.1", squatter.getHost().port)
+    engine = EngineProcess(gateway, str(fake_engine), threads=1, ctx=256)
+    try:
+        with pytest.raises(EngineFailed, match="something already answers on 127.0.0.1:"):
+            await engine.start()
+        assert engine.starts == 0
+    finally:
+        await squatter.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_engine_that_exits_while_starting_fails_at_once(gateway: Gateway, tmp_path: Path) -> None:
+    failing = tmp_path / "llama-server"
+    failing.write_text("#!/bin/sh\necho 'error: bad model' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    engine = EngineProcess(gateway, str(failing), threads=1, ctx=256)
+    started = time.monotonic()
+    with pytest.raises(EngineFailed, match="exited before it was healthy .*exit status 3"):
+        await engine.start()
+    assert time.monotonic() - started < 10, "noticed the exit, did not wait for the health timeout"
+
+
+@pytest_twisted.ensureDeferred
+async def test_unexpected_death_reverifies_and_restarts(gateway: Gateway, fake_engine: Path) -> None:
+    calls: list[tuple[str, str]] = []
+
+    def reverify(path: str, fork: str) -> Verified:
+        calls.append((path, fork))
+        v = gateway.verified
+        return Verified(v.path, v.sha256, v.guard, FileIdent.of(v.path), time.time(), v.fork_path)
+
+    engine = EngineProcess(gateway, str(fake_engine), threads=1, ctx=256, reverify=reverify)
+    await engine.start()
+    first = gateway.pid
+    os.kill(first, signal.SIGKILL)
+    await until(lambda: gateway.state == gw.DOWN)
+    assert gateway.retry_after_s == 1 and "killed by signal 9" in gateway.state_reason
+    await until(lambda: gateway.state == gw.READY)
+    assert gateway.pid != first and gateway.restarts == 1
+    assert calls == [(gateway.verified.path, gateway.verified.fork_path)]
+    assert engine.backoff == 2, "the next restart would wait twice as long"
+    await engine.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_file_that_no_longer_verifies_is_not_restarted(gateway: Gateway, fake_engine: Path) -> None:
+    def reverify(path: str, fork: str) -> Verified:
+        raise Refused("model.gguf sha256 00 != pinned 11: refused")
+
+    engine = EngineProcess(gateway, str(fake_engine), threads=1, ctx=256, reverify=reverify)
+    await engine.start()
+    os.kill(gateway.pid, signal.SIGKILL)
+    await until(lambda: gateway.state == gw.REFUSED)
+    assert "no longer verifies" in gateway.state_reason and engine.starts == 1
+    assert gateway.availability_problem()[1] is None, "no Retry-After: it will not come back"
+    await engine.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_engine_ignoring_sigterm_is_killed_after_the_grace(gateway: Gateway, tmp_path: Path) -> None:
+    stubborn = tmp_path / "llama-server"
+    stubborn.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'mock_llama.py'} "
+                        "\"$@\" --ignore-sigterm\n")
+    stubborn.chmod(0o755)
+    engine = EngineProcess(gateway, str(stubborn), threads=1, ctx=256)
+    await engine.start()
+    pid = gateway.pid
+    started = time.monotonic()
+    await engine.stop(grace=0.5)
+    assert _gone(pid, 1) and time.monotonic() - started >= 0.5
