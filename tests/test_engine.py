@@ -257,6 +257,8 @@ BAD_REQUESTS = [
     {"min_keep": -1},
     {"n_predict": -2},
     {"max_tokens": -7},
+    {"stop": ["ok", 3]},
+    {"n_predict": "ten"},
 ]
 
 

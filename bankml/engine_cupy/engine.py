@@ -84,7 +84,7 @@ def _int_field(body: Mapping[str, Any], names: Sequence[str], default: int, lo: 
         value = body.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not isinstance(value, (int, float)):  # a boolean converts, as nlohmann's get<int> does
             raise RequestError(f"Field '{name}': [json.exception.type_error.302] type must be number, "
                                f"but is {_json_type(value)}")
         v = int(value)
@@ -100,17 +100,22 @@ def _json_type(value: Any) -> str:
 
 
 def parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
-    """The ``stop`` handler: a string or an array of strings; empty strings are ignored."""
+    """The ``stop`` handler: a string or an array of strings (empty ones skipped); any other type is
+    ignored, and a non-string item is nlohmann's conversion error, as in llama-server."""
     stop = body.get("stop")
-    if stop is None:
-        return ()
     if isinstance(stop, str):
         return (stop,) if stop else ()
-    if isinstance(stop, list):
-        if not all(isinstance(s, str) for s in stop):
-            raise RequestError("stop must be a string or an array of strings")
-        return tuple(s for s in stop if s)
-    raise RequestError("stop must be a string or an array of strings")
+    if not isinstance(stop, list):
+        return ()
+    words = []
+    for word in stop:
+        if word is None or word == "" or word == [] or word == {}:
+            continue  # json::empty() is true for null and empty strings, arrays and objects
+        if not isinstance(word, str):
+            raise RequestError(f"Field 'stop': [json.exception.type_error.302] type must be string, "
+                               f"but is {_json_type(word)}")
+        words.append(word)
+    return tuple(words)
 
 
 def chat_logprobs(body: dict[str, Any]) -> None:

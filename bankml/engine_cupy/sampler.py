@@ -132,7 +132,10 @@ def _json_type(value: Any) -> str:
 
 
 def _get_number(name: str, value: Any) -> float | int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """get<float>() / get<int>(): numbers, and booleans as 0/1 (nlohmann converts them)."""
+    if isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, (int, float)):
         raise SamplerError(f"Field '{name}': [json.exception.type_error.302] type must be number, "
                            f"but is {_json_type(value)}")
     return value
