@@ -1,0 +1,394 @@
+"""The one place where the reactor meets the engine.
+
+The engine (``bankml.engine_cupy``) is plain blocking Python: ``run_steps(request, cancelled)``
+yields Chunks as tokens are computed. Twisted must never run it on the reactor thread, and the
+engine must never touch Twisted. ``EngineBridge`` joins the two:
+
+- **One engine thread.** Every engine job (a run, a tokenize, a slot save) goes into one FIFO
+  queue served by a single dedicated thread, so requests that arrive while the engine is busy
+  wait in arrival order and each runs alone, as llama-server's single slot does.
+- **Chunks come back with ``reactor.callFromThread``**, in order, followed by the run's result
+  (the generator's return value) on the run's Deferred.
+- **Back-pressure.** A ``RunControl`` is an ``IPushProducer`` registered on the HTTP request:
+  when the client's transport is full, Twisted pauses it and the engine thread blocks before
+  producing its next chunk. At most ``window`` chunks are ever in flight between the engine
+  thread and the reactor, so a slow client costs a bounded amount of memory, not a growing queue.
+- **Cancellation.** A client that goes away (``notifyFinish`` errback, or ``stopProducing``)
+  sets the run's cancel flag. The engine reads it through the ``cancelled`` callable before each
+  token and each prefill micro-batch; the bridge stops delivering at once and never blocks a
+  cancelled run. A job still waiting in the queue when its client leaves is skipped.
+
+Parsing a request (tokenizing a long prompt, compiling a grammar) is CPU work too, but it must
+not wait behind a long generation: llama-server refuses a bad request at once even while busy.
+So ``EngineBridge`` has a second single-thread FIFO, ``prepare``, for that work; being one
+thread, it keeps arrival order, and its results reach the engine queue in the same order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+__all__ = ["EngineBridge", "RunControl", "ClientGone", "Cancelled"]
+
+_log = Logger(namespace="bankml.bridge")
+
+T = TypeVar("T")
+Cancelled = Callable[[], bool]
+
+DEFAULT_WINDOW = 4  # chunks computed but not yet written: bounds memory per slow client
+WAIT_SLICE_S = 0.5  # a blocked engine thread re-checks its flags this often (a safety net only)
+
+
+class ClientGone(CancelledError):
+    """The client left before its job ran: the job was skipped."""
+
+
+@implementer(IPushProducer)
+class RunControl:
+    """The flags shared by one run's engine side and its reactor side.
+
+    The reactor side (``pauseProducing``/``resumeProducing``/``stopProducing``, ``cancel``,
+    ``delivered``) and the engine side (``cancelled``, ``wait_for_room``) meet under one
+    condition variable. ``steps`` counts the items the engine produced and ``steps_at_cancel``
+    what it had produced when the cancel came, so a test can see how far a run went on.
+    """
+
+    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self.window = window
+        self._cond = threading.Condition()
+        self._cancelled = False
+        self._paused = False
+        self._in_flight = 0
+        self.steps = 0
+        self.steps_at_cancel: int | None = None
+        self.paused_count = 0  # how often the transport pushed back (for tests and docs)
+
+    # --- reactor side -----------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        with self._cond:
+            if not self._cancelled:
+                self._cancelled = True
+                self.steps_at_cancel = self.steps
+            self._cond.notify_all()
+
+    def pauseProducing(self) -> None:
+        with self._cond:
+            self._paused = True
+            self.paused_count += 1
+
+    def resumeProducing(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def stopProducing(self) -> None:
+        self.cancel()
+
+    def delivered(self) -> None:
+        """One chunk has been handed to the transport: room for another."""
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def attach(self, request: Any) -> None:
+        """Register on a twisted.web request: its transport's pauses reach the engine, and its
+        connection closing cancels the run."""
+        request.registerProducer(self, True)
+        request.notifyFinish().addErrback(lambda _: self.cancel())
+
+    # --- engine side --------------------------------------------------------------------------
+
+    def cancelled(self) -> bool:
+        return self._cancelled  # a bool read is atomic; the engine polls it per token
+
+    def wait_for_room(self) -> bool:
+        """Block while the client is paused or ``window`` chunks are in flight. True when a
+        chunk may be sent, False once the run is cancelled (then nothing more is sent)."""
+        with self._cond:
+            while not self._cancelled and (self._paused or self._in_flight >= self.window):
+                self._cond.wait(WAIT_SLICE_S)
+            if self._cancelled:
+                return False
+            self._in_flight += 1
+            return True
+
+
+@dataclass
+class _Job(Generic[T]):
+    work: Callable[[], Any]
+    deferred: Deferred
+    control: RunControl | None = None
+    label: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Worker:
+    """One daemon thread serving a FIFO of jobs; results go back with callFromThread."""
+
+    _STOP = object()
+
+    def __init__(self, reactor: Any, name: str) -> None:
+        self.reactor = reactor
+        self.name = name
+        self.jobs: "queue.Queue[Any]" = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.current: _Job | None = None
+        self.done = 0
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+            self.thread.start()
+
+    def submit(self, job: _Job) -> None:
+        self.start()
+        self.jobs.put(job)
+
+    def stop(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.jobs.put(self._STOP)
+            self.thread.join(timeout)
+            self.thread = None
+
+    @property
+    def pending(self) -> int:
+        return self.jobs.qsize()
+
+    def _serve(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is self._STOP:
+                return
+            self.current = job
+            try:
+                if job.control is not None and job.control.cancelled():
+                    outcome: Any = Failure(ClientGone("the client left before its turn"))
+                else:
+                    outcome = job.work()
+            except BaseException:  # the job's own error goes to its Deferred, never kills the thread
+                outcome = Failure()
+            finally:
+                self.current = None
+                self.done += 1
+            self._resolve(job.deferred, outcome)
+
+    def _resolve(self, d: Deferred, outcome: Any) -> None:
+        if isinstance(outcome, Failure):
+            self.reactor.callFromThread(d.errback, outcome)
+        else:
+            self.reactor.callFromThread(d.callback, outcome)
+
+
+class EngineBridge:
+    """The engine thread and the prepare thread, with one FIFO each.
+
+    ``call(fn, ...)``: any engine operation, in turn with the runs (a slot save never sees a
+    half-written KV cache). ``prepare(fn, ...)``: request parsing, kept off the engine's queue.
+    ``stream(steps, deliver, control)``: one run; ``steps(cancelled)`` returns an iterator whose
+    items are passed to ``deliver`` on the reactor thread; the Deferred fires with the
+    iterator's return value (``StopIteration.value``) after the last item was delivered.
+    """
+
+    def __init__(self, reactor: Any = None, window: int = DEFAULT_WINDOW) -> None:
+        if reactor is None:
+            from twisted.internet import reactor as default_reactor
+
+            reactor = default_reactor
+        self.reactor = reactor
+        self.window = window
+        self.engine = _Worker(reactor, "bankml-engine")
+        self.preparer = _Worker(reactor, "bankml-prepare")
+        self._shutdown_trigger: Any = reactor.addSystemEventTrigger("before", "shutdown", self.stop)
+        self.runs_started = 0
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "Deferred[T]":
+        d: Deferred = Deferred()
+        self.engine.submit(_Job(lambda: fn(*args, **kwargs), d))
+        return d
+
+    def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "Deferred[T]":
+        d: Deferred = Deferred()
+        self.preparer.submit(_Job(lambda: fn(*args, **kwargs), d))
+        return d
+
+    def new_control(self) -> RunControl:
+        return RunControl(self.window)
+
+    def stream(self, steps: Callable[[Cancelled], Iterator[T]], deliver: Callable[[T], None],
+               control: RunControl | None = None) -> "Deferred[Any]":
+        control = control or self.new_control()
+        d: Deferred = Deferred()
+        self.engine.submit(_Job(lambda: self._run(steps, deliver, control), d, control))
+        return d
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.current is not None
+
+    @property
+    def queued(self) -> int:
+        return self.engine.pending
+
+    def stop(self) -> None:
+        """Cancel the running job, let it end, and stop both threads (reactor shutdown)."""
+        if self._shutdown_trigger is not None:
+            try:
+                self.reactor.removeSystemEventTrigger(self._shutdown_trigger)
+            except (ValueError, KeyError):
+                pass  # already firing: this is the trigger
+            self._shutdown_trigger = None
+        current = self.engine.current
+        if current is not None and current.control is not None:
+            current.control.cancel()
+        self.preparer.stop(timeout=5)
+        self.engine.stop(timeout=30)
+
+    # --- on the engine thread ---------------------------------------------------------------
+
+    def _run(self, steps: Callable[[Cancelled], Iterator[T]], deliver: Callable[[T], None],
+             control: RunControl) -> Any:
+        self.runs_started += 1
+        iterator = steps(control.cancelled)
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration as end:
+                return end.value
+            control.steps += 1
+            # The engine keeps pulling while cancelled (it stops itself before its next token, so
+            # its cache stays consistent); only the delivery stops.
+            if control.wait_for_room():
+                self.reactor.callFromThread(self._deliver, deliver, item, control)
+
+    @staticmethod
+    def _deliver(deliver: Callable[[T], None], item: T, control: RunControl) -> None:
+        try:
+            if not control.cancelled():
+                deliver(item)
+        except Exception:  # a writer that fails ends the run rather than feeding a dead sink
+            _log.failure("delivering a chunk failed; cancelling the run")
+            control.cancel()
+        finally:
+            control.delivered()
+
+
+# --- what every native resource shares ----------------------------------------------------------
+
+
+class NativeEngine:
+    """The resident engine, its bridge, what was verified, and the per-completion records.
+
+    Built once by native_service after verify passed and the engine opened; every native resource
+    (openai.py, llama.py, bankml.py's /bankml) and api.py read it. ``engine`` is
+    ``bankml.engine_cupy.engine.Engine`` (or a test double with the same methods).
+    """
+
+    METRICS_KEEP = 256
+
+    def __init__(self, engine: Any, bridge: "EngineBridge | None", verified: Any, *,
+                 slot_dir: str | None = None, n_ctx: int | None = None, device: str = "cpu",
+                 reactor: Any = None) -> None:
+        import os
+        import time
+
+        from bankml import __version__
+
+        self.engine = engine
+        self.bridge = bridge
+        self.verified = verified
+        self.slot_dir = slot_dir
+        self.n_ctx = int(n_ctx if n_ctx is not None else getattr(engine, "n_ctx", 0))
+        self.device = device
+        self.reactor = reactor
+        self.model_id = os.path.basename(verified.path)
+        self.build_info = f"bankml {__version__} native"
+        self.engine_name = f"bankml {__version__} native ({device})"
+        self.started = time.time()
+        self.records: "list[dict[str, Any]]" = []
+        self.totals = {"requests": 0, "prompt_tokens": 0, "prompt_seconds": 0.0,
+                       "tokens_predicted": 0, "predicted_seconds": 0.0, "decode_calls": 0,
+                       "n_tokens_max": 0}
+        self._lock = threading.Lock()
+
+    # --- checks ----------------------------------------------------------------------------
+
+    def identity_problem(self) -> str | None:
+        """None while the file is the one that was hashed (FileIdent: device, inode, size, mtime)."""
+        from bankml.fileident import FileIdent
+        from bankml.gateway import FILE_CHANGED
+
+        try:
+            now = FileIdent.of(self.verified.path)
+        except OSError as err:
+            return f"{FILE_CHANGED} ({err.strerror or err})"
+        return None if now == self.verified.ident else FILE_CHANGED
+
+    # --- records --------------------------------------------------------------------------
+
+    def record(self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str) -> None:
+        """One finished completion into the ring and the totals (/bankml/metrics, /metrics)."""
+        t = dict(getattr(summary, "timings", {}) or {})
+        rec = {
+            "at": __import__("time").time(), "kind": kind,
+            "finish_reason": getattr(summary, "finish_reason", None),
+            "prompt_tokens": getattr(summary, "prompt_tokens", 0),
+            "completion_tokens": getattr(summary, "completion_tokens", 0),
+            "cache_n": t.get("cache_n"), "ttft_ms": ttft_ms, "wall_ms": wall_ms,
+            "prompt_per_second": t.get("prompt_per_second"),
+            "predicted_per_second": t.get("predicted_per_second"),
+            "grammar_ms": None, "energy_j": None,
+        }
+        with self._lock:
+            self.records.append(rec)
+            del self.records[:-self.METRICS_KEEP]
+            tot = self.totals
+            tot["requests"] += 1
+            tot["prompt_tokens"] += int(t.get("prompt_n") or 0)
+            tot["prompt_seconds"] += float(t.get("prompt_ms") or 0.0) / 1e3
+            tot["tokens_predicted"] += int(t.get("predicted_n") or 0)
+            tot["predicted_seconds"] += float(t.get("predicted_ms") or 0.0) / 1e3
+            tot["decode_calls"] += int(t.get("predicted_n") or 0) + (1 if t.get("prompt_n") else 0)
+            tot["n_tokens_max"] = max(tot["n_tokens_max"], rec["prompt_tokens"] + rec["completion_tokens"])
+
+    def metrics(self) -> dict[str, Any]:
+        """/bankml/metrics: the ring of the last 256 completions with totals."""
+        with self._lock:
+            records = list(self.records)
+        return {"source": self.engine_name, "kept": len(records), "keep": self.METRICS_KEEP,
+                "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),
+                "completion_tokens": sum(r["completion_tokens"] or 0 for r in records),
+                "energy_j": None, "joules_per_token": None, "records": records}
+
+    # --- GET /bankml ------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        from bankml import __version__
+
+        v = self.verified
+        resident = {"model": self.model_id, "path": v.path, "sha256": v.sha256, "n_ctx": self.n_ctx,
+                    "device": self.device, "since": self.started,
+                    "slot_tokens": len(getattr(self.engine, "slot_tokens", []) or [])}
+        return {
+            "bankml": __version__, "mode": "native", "verified": v.as_dict(),
+            "guard_result": v.guard.as_dict(), "model": v.path, "model_sha256": v.sha256,
+            "fork": v.fork_path, "hashed_at_unix": v.verified_at,
+            "engine": {"name": self.engine_name, "state": "ready",
+                       "busy": bool(self.bridge and self.bridge.busy),
+                       "queued": self.bridge.queued if self.bridge else 0},
+            "resident": resident, "models": [self.model_id],
+            "file_unchanged": self.identity_problem() is None,
+        }
