@@ -27,6 +27,7 @@ same way.
 from __future__ import annotations
 
 import atexit
+import getopt
 import os
 import signal
 import sys
@@ -70,6 +71,21 @@ class Options(usage.Options):
         ["spec-ngram", None, "with --spawn: llama-server --spec-type ngram-simple"],
         ["native", None, "answer with bankml's own engine (not yet implemented)"],
     ]
+
+    def parseOptions(self, options: list[str] | None = None) -> None:
+        """serve.md writes FILE first (`bankml serve FILE --fork F`); Twisted's parser stops at
+        the first positional, so options are moved ahead of it (GNU getopt order) first."""
+        args = sys.argv[1:] if options is None else list(options)
+        try:
+            opts, positional = getopt.gnu_getopt(args, self.shortOpt, self.longOpt)
+        except getopt.GetoptError as err:
+            raise usage.UsageError(str(err))
+        takes_value = {"--" + name[:-1] for name in self.longOpt if name.endswith("=")}
+        takes_value |= {"-" + c for c, nxt in zip(self.shortOpt, self.shortOpt[1:] + " ") if nxt == ":"}
+        ordered: list[str] = []
+        for flag, value in opts:
+            ordered += [flag, value] if flag in takes_value else [flag]
+        super().parseOptions(ordered + ["--"] + positional)
 
     def parseArgs(self, file: str) -> None:
         self["file"] = file

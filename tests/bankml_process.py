@@ -1,0 +1,200 @@
+"""`bankml serve` / `twistd -n bankml` as a real subprocess, for the end-to-end tests.
+
+Ready means: GET /bankml answers on the listen address (bankml listens only after the file has
+passed verify and the engine is up). The process's log goes to a file, read on failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.support import ROOT, free_port
+
+BIN = ROOT / ".venv" / "bin"
+
+
+def sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+@dataclass
+class BankmlProcess:
+    model: Path
+    fork: Path
+    engine_args: list[str]  # ["--spawn", BIN, "--upstream", ADDR] or ["--upstream", ADDR]
+    log: Path
+    launcher: str = "serve"  # or "twistd"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        args = [str(self.model), "--fork", str(self.fork), *self.engine_args,
+                "--listen", f"127.0.0.1:{self.port}", "--threads", "2", "--ctx", "2048"]
+        if self.launcher == "twistd":
+            pidfile = self.log.with_suffix(".pid")
+            return [str(BIN / "twistd"), "-n", "--pidfile", str(pidfile), "bankml", *args]
+        return [str(BIN / "bankml"), "serve", *args]
+
+    def launch(self) -> "BankmlProcess":
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        return self
+
+    def wait_ready(self, timeout: float = 180) -> "BankmlProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bankml exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if self.get("/bankml")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"bankml was not ready in {timeout} s:\n{self.output()}")
+
+    def start(self) -> "BankmlProcess":
+        return self.launch().wait_ready()
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> "BankmlProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- HTTP, plain and blocking --------------------------------------------------------------
+
+    def connection(self, timeout: float = 120) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def get(self, path: str) -> tuple[int, Any, dict[str, str]]:
+        conn = self.connection(10)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            raw = resp.read()
+            return resp.status, json.loads(raw or b"null"), dict(resp.getheaders())
+        finally:
+            conn.close()
+
+    def post(self, body: bytes) -> tuple[int, bytes, dict[str, str]]:
+        conn = self.connection()
+        try:
+            conn.request("POST", "/v1/chat/completions", body=body,
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read(), dict(resp.getheaders())
+        finally:
+            conn.close()
+
+    def engine_pid(self) -> int | None:
+        return self.get("/bankml")[1]["engine"]["pid"]
+
+
+def chat_body(stream: bool, content: str = "Say hello.", max_tokens: int = 12, **extra: Any) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": stream, **extra}).encode()
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e.strip()]
+
+
+def check_streamed_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[str, Any]:
+    """The receipt of a streamed answer, its hashes recomputed from the events."""
+    events = sse_events(raw)
+    assert events[-1] == b"data: [DONE]"
+    receipt = json.loads(events[-2][len(b"data: "):])["bankml_receipt"]
+    text = ""
+    for event in events[:-2]:
+        obj = json.loads(event[len(b"data: "):])
+        for choice in obj.get("choices", []):
+            text += choice.get("delta", {}).get("content") or ""
+    assert receipt["response_sha256"] == sha(text.encode("utf-8"))
+    assert receipt["request_sha256"] == sha(body)
+    assert receipt["model_sha256"] == model_sha256 and receipt["guard"] == "play"
+    assert receipt["engine"].startswith("llama-server b") and receipt["signed"] is False
+    assert isinstance(receipt["ttft_ms"], int) and receipt["wall_ms"] >= receipt["ttft_ms"]
+    assert receipt["completion_tokens"] >= 1 and receipt["prompt_tokens"] >= 1
+    return receipt
+
+
+def check_whole_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[str, Any]:
+    answer = json.loads(raw)
+    receipt = answer["bankml_receipt"]
+    content = answer["choices"][0]["message"]["content"]
+    assert receipt["response_sha256"] == sha(content.encode("utf-8"))
+    assert receipt["request_sha256"] == sha(body)
+    assert receipt["model_sha256"] == model_sha256 and receipt["guard"] == "play"
+    assert (receipt["prompt_tokens"], receipt["completion_tokens"]) == (
+        answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"])
+    assert receipt["engine"].startswith("llama-server b") and receipt["signed"] is False
+    return receipt
+
+
+def process_gone(pid: int, within: float = 15) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def copy_and_pin(model: Path, directory: Path, name: str = "copy.gguf") -> tuple[Path, Path]:
+    """A copy of `model` under another path, pinned in its own FORK.json (the real pin untouched)."""
+    import shutil
+
+    from bankml.verify import pin
+
+    directory.mkdir(parents=True, exist_ok=True)
+    copy = directory / name
+    shutil.copyfile(model, copy)
+    fork = directory / (name + ".FORK.json")
+    pin(copy, fork)
+    return copy, fork
+
+
+def env_pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,229 @@
+"""`bankml serve` and `twistd bankml` end to end, in front of the real llama-server and model.
+
+Every bankml here is a subprocess (`.venv/bin/bankml serve` or `.venv/bin/twistd -n bankml`).
+The spawn-mode gateway works on a copy of the default model pinned in a temporary FORK.json, so
+the tests that replace the file or kill the engine never touch the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bankml import gateway as gw
+from tests import support
+from tests.bankml_process import (BIN, BankmlProcess, chat_body, check_streamed_receipt,
+                                  check_whole_receipt, copy_and_pin, process_gone, sse_events)
+
+pytestmark = pytest.mark.llama_server
+
+
+@pytest.fixture(scope="module")
+def model_copy(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> tuple[Path, Path]:
+    return copy_and_pin(default_model, tmp_path_factory.mktemp("p0"))
+
+
+@pytest.fixture(scope="module")
+def spawned(model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One `bankml serve --spawn` on the copy, shared by the tests that only ask it questions."""
+    model, fork = model_copy
+    log = tmp_path_factory.mktemp("log") / "spawned.log"
+    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{support.free_port()}"]
+    with BankmlProcess(model, fork, engine, log) as bankml:
+        yield bankml
+
+
+@pytest.fixture(scope="module")
+def upstream(reference_server: support.LlamaServer, default_model: Path, default_fork: Path,
+             tmp_path_factory: pytest.TempPathFactory):
+    """One `bankml serve --upstream` in front of the shared reference llama-server."""
+    log = tmp_path_factory.mktemp("log") / "upstream.log"
+    with BankmlProcess(default_model, default_fork, ["--upstream", f"127.0.0.1:{reference_server.port}"],
+                       log) as bankml:
+        yield bankml
+
+
+# --- receipts the test recomputes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_spawned_answers_carry_receipts(spawned: BankmlProcess, stream: bool) -> None:
+    body = chat_body(stream)
+    status, raw, headers = spawned.post(body)
+    assert status == 200, raw
+    if stream:
+        assert headers["Content-Type"] == "text/event-stream"
+        check_streamed_receipt(raw, body, support.DEFAULT_SHA256)
+    else:
+        check_whole_receipt(raw, body, support.DEFAULT_SHA256)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_answers_carry_receipts(upstream: BankmlProcess, stream: bool) -> None:
+    body = chat_body(stream, content="Name a colour.")
+    status, raw, _ = upstream.post(body)
+    assert status == 200, raw
+    check = check_streamed_receipt if stream else check_whole_receipt
+    check(raw, body, support.DEFAULT_SHA256)
+
+
+def test_streamed_and_whole_answers_hash_the_same_text(upstream: BankmlProcess) -> None:
+    """At temperature 0 the same request gives the same text streamed or not: so the same hash."""
+    whole = json.loads(upstream.post(chat_body(False, max_tokens=16))[1])["bankml_receipt"]
+    streamed = sse_events(upstream.post(chat_body(True, max_tokens=16))[1])
+    receipt = json.loads(streamed[-2][len(b"data: "):])["bankml_receipt"]
+    assert receipt["response_sha256"] == whole["response_sha256"]
+
+
+def test_bankml_endpoints_in_spawn_mode(spawned: BankmlProcess, model_copy: tuple[Path, Path]) -> None:
+    status, info, _ = spawned.get("/bankml")
+    assert status == 200 and info["mode"] == "spawn" and info["engine"]["state"] == "ready"
+    assert info["model"] == os.path.realpath(model_copy[0]) and info["model_sha256"] == support.DEFAULT_SHA256
+    assert psutil.Process(info["engine"]["pid"]).is_running()
+    props = spawned.get("/props")[1]
+    assert os.path.realpath(props["model_path"]) == info["model"]
+    assert spawned.get("/health")[:2] == (200, {"status": "ok"})
+    assert spawned.get("/v1/models")[1]["data"][0]["id"]
+    usage = spawned.get("/bankml/usage")[1]
+    names = {p["name"]: p for p in usage["processes"]}
+    assert names["llama-server"]["pid"] == info["engine"]["pid"] and names["llama-server"]["rss_bytes"] > 0
+    assert names["bankml serve"]["pid"] == spawned.proc.pid
+    assert spawned.get("/bankml/metrics")[1]["records"] == []
+
+
+# --- refusals at start ---------------------------------------------------------------------------
+
+
+def test_upstream_serving_another_file_is_refused_at_start(
+        reference_server: support.LlamaServer, default_model: Path, tmp_path: Path) -> None:
+    copy, fork = copy_and_pin(default_model, tmp_path)  # the same bytes, but another file
+    bankml = BankmlProcess(copy, fork, ["--upstream", f"127.0.0.1:{reference_server.port}"],
+                           tmp_path / "log").launch()
+    assert bankml.wait_exit() == 2
+    out = bankml.output()
+    assert f"refuse: upstream 127.0.0.1:{reference_server.port} serves {default_model}, not the verified {copy}: refused" in out
+
+
+def test_an_unpinned_file_is_refused_before_anything_listens(default_model: Path, tmp_path: Path) -> None:
+    fork = tmp_path / "FORK.json"
+    fork.write_text(json.dumps({"files": [{"path": default_model.name, "bytes": 1, "sha256": "0" * 64}]}))
+    bankml = BankmlProcess(default_model, fork, ["--upstream", "127.0.0.1:9"], tmp_path / "log").launch()
+    assert bankml.wait_exit() == 2
+    assert "refuse: " in bankml.output() and "!= pinned" in bankml.output()
+    with pytest.raises(OSError):
+        bankml.get("/bankml")
+
+
+def test_spawn_refuses_an_address_already_answering(
+        reference_server: support.LlamaServer, default_model: Path, default_fork: Path,
+        llama_server_bin: Path, tmp_path: Path) -> None:
+    bankml = BankmlProcess(default_model, default_fork, ["--spawn", str(llama_server_bin), "--upstream",
+                                                         f"127.0.0.1:{reference_server.port}"],
+                           tmp_path / "log").launch()
+    assert bankml.wait_exit() == 2
+    assert "something already answers" in bankml.output()
+
+
+# --- the file replaced, the engine killed, bankml stopped ------------------------------------------
+
+
+def test_model_file_replaced_answers_503_until_restored(spawned: BankmlProcess,
+                                                        model_copy: tuple[Path, Path]) -> None:
+    model = model_copy[0]
+    original = model.with_name("original-inode.gguf")
+    os.link(model, original)  # keeps the verified inode to put back afterwards
+    replacement = model.with_name("replacement.gguf")
+    shutil.copyfile(model, replacement)
+    os.replace(replacement, model)  # same bytes, another inode: not the file that was hashed
+    try:
+        for stream in (False, True):
+            status, raw, _ = spawned.post(chat_body(stream))
+            assert status == 503 and b"bankml_receipt" not in raw
+            assert json.loads(raw)["error"]["message"] == gw.FILE_CHANGED
+    finally:
+        os.replace(original, model)
+    status, raw, _ = spawned.post(chat_body(False))
+    assert status == 200 and b"bankml_receipt" in raw
+
+
+def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(spawned: BankmlProcess) -> None:
+    first_pid = spawned.engine_pid()
+    conn = spawned.connection()
+    conn.request("POST", "/v1/chat/completions",
+                 body=chat_body(True, content="Count from one to one hundred.", max_tokens=400),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: ")
+    os.kill(first_pid, signal.SIGKILL)
+    rest = resp.read()  # ends: neither hangs nor resets
+    conn.close()
+    events = sse_events(first + rest)
+    assert json.loads(events[-1][len(b"data: "):])["error"]["message"].startswith(
+        "llama-server ended the stream before [DONE]")
+    assert b"bankml_receipt" not in rest and b"data: [DONE]" not in rest
+    # meanwhile: 503 with Retry-After (the restart waits 1 s, verifies the file, loads the model)
+    status, body, headers = spawned.get("/health")
+    assert status == 503 and int(headers["Retry-After"]) >= 1, body
+    deadline = time.monotonic() + 120
+    while spawned.get("/health")[0] != 200:
+        assert time.monotonic() < deadline, "llama-server did not come back"
+        time.sleep(0.2)
+    info = spawned.get("/bankml")[1]
+    assert info["engine"]["pid"] != first_pid and info["engine"]["restarts"] == 1
+    assert process_gone(first_pid)
+    body = chat_body(False)
+    status, raw, _ = spawned.post(body)
+    assert status == 200
+    check_whole_receipt(raw, body, support.DEFAULT_SHA256)
+
+
+@pytest.mark.parametrize("launcher,sig", [("serve", signal.SIGTERM), ("serve", signal.SIGINT),
+                                          ("twistd", signal.SIGHUP), ("twistd", signal.SIGTERM)])
+def test_a_signal_stops_bankml_and_leaves_no_llama_server(
+        model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path, launcher: str, sig: int) -> None:
+    model, fork = model_copy
+    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{support.free_port()}"]
+    bankml = BankmlProcess(model, fork, engine, tmp_path / "log", launcher=launcher).start()
+    pid = bankml.engine_pid()
+    assert psutil.Process(pid).ppid() == bankml.proc.pid
+    code = bankml.stop(sig)
+    assert code == (128 + sig if launcher == "serve" else -sig), bankml.output()
+    assert process_gone(pid, 1), "llama-server outlived bankml"
+    assert "stopping llama-server" in bankml.output()
+
+
+def test_twistd_daemon_starts_and_stops_with_its_pidfile(model_copy: tuple[Path, Path],
+                                                         llama_server_bin: Path, tmp_path: Path) -> None:
+    model, fork = model_copy
+    pidfile, logfile, port = tmp_path / "bankml.pid", tmp_path / "bankml.log", support.free_port()
+    bankml = BankmlProcess(model, fork, ["--spawn", str(llama_server_bin), "--upstream",
+                                         f"127.0.0.1:{support.free_port()}"], tmp_path / "out", port=port)
+    cmd = [str(BIN / "twistd"), "--pidfile", str(pidfile), "--logfile", str(logfile), "bankml",
+           *bankml.command()[2:]]
+    assert subprocess.run(cmd, cwd=support.ROOT, timeout=60).returncode == 0  # the parent returns
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if bankml.get("/bankml")[0] == 200:
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, logfile.read_text()
+        time.sleep(0.2)
+    daemon = int(pidfile.read_text())
+    engine_pid = bankml.engine_pid()
+    assert psutil.Process(engine_pid).ppid() == daemon
+    os.kill(daemon, signal.SIGTERM)
+    assert process_gone(daemon) and process_gone(engine_pid, 1)
+    assert not pidfile.exists()
+    assert "verified" in logfile.read_text() and "stopping llama-server" in logfile.read_text()
