@@ -70,7 +70,8 @@ def generate_command(argv: list[str]) -> int:
         request = engine.parse_request(body, kind)
     except RequestError as err:
         message = err.body if isinstance(err.body, str) else json.dumps(err.body)
-        print(f"bankml generate: {message}", file=sys.stderr)
+        reason = f" ({err.reason})" if err.reason else ""
+        print(f"bankml generate: {message}{reason}", file=sys.stderr)
         return 2
     steps = engine.run_steps(request)
     for chunk in steps:

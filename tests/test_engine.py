@@ -218,28 +218,50 @@ SAMPLING_CASES = [
 ]
 
 
+OTHER_SAMPLERS = [
+    {"temperature": 1.0, "dry_multiplier": 0.8, "dry_allowed_length": 1, "top_k": 40},
+    {"temperature": 1.0, "xtc_probability": 0.5, "xtc_threshold": 0.1, "top_k": 40},
+    {"temperature": 1.0, "typical_p": 0.8, "top_k": 40},
+    {"temperature": 1.0, "top_n_sigma": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
+    {"temperature": 0.9, "dynatemp_range": 0.5, "dynatemp_exponent": 1.5},
+    {"temperature": 0.8, "mirostat": 1, "mirostat_tau": 4.0},
+    {"temperature": 0.8, "mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.2},
+    {"temperature": 0.8, "samplers": ["min_p", "temperature", "top_k"]},
+]
+
+
+def compare_seeded(engine: Engine, server: support.LlamaServer, cases: list[tuple[str, dict]], what: str) -> float:
+    same = 0
+    for prompt, params in cases:
+        ids = engine.tokenize(prompt, add_special=True, parse_special=True)
+        body = {"prompt": ids, "n_predict": 10, "cache_prompt": False, "return_tokens": True, **params}
+        status, ref = completion(server, body)
+        assert status == 200, ref
+        steps = engine.run_steps(engine.parse_request(body, "completion"))
+        for _ in steps:
+            pass
+        ok = steps.summary.tokens == ref["tokens"]
+        same += ok
+        print(f"  {'same' if ok else 'DIFF'} {params}")
+    share = same / len(cases)
+    print(f"{what}: {same}/{len(cases)} identical token sequences ({share:.0%})")
+    return share
+
+
+def test_other_samplers_match_llama_server(engine: Engine, reference_server: support.LlamaServer) -> None:
+    cases = [(PROMPTS[i % len(PROMPTS)], {**p, "seed": 77 + i}) for i, p in enumerate(OTHER_SAMPLERS)]
+    print()
+    share = compare_seeded(engine, reference_server, cases, "DRY, XTC, typical, top-n-sigma, dynatemp, mirostat, order")
+    assert share >= 0.75
+
+
 def test_seeded_sampling_matches_llama_server(engine: Engine, reference_server: support.LlamaServer) -> None:
     cases = []
     for i, params in enumerate(SAMPLING_CASES):
         for j, prompt in enumerate(PROMPTS):
             cases.append((prompt, {**params, "seed": 1000 + 10 * i + j}))
-    same = 0
-    report = []
-    for prompt, params in cases:
-        ids = engine.tokenize(prompt, add_special=True, parse_special=True)
-        body = {"prompt": ids, "n_predict": 10, "cache_prompt": False, "return_tokens": True, **params}
-        status, ref = completion(reference_server, body)
-        assert status == 200, ref
-        steps = engine.run_steps(engine.parse_request(body, "completion"))
-        for _ in steps:
-            pass
-        ours = steps.summary.tokens
-        same += ours == ref["tokens"]
-        report.append((params, ours == ref["tokens"], len(ours)))
-    share = same / len(cases)
-    print(f"\nseeded sampling: {same}/{len(cases)} identical token sequences ({share:.0%})")
-    for params, ok, n in report:
-        print(f"  {'same' if ok else 'DIFF'} {n:2d} tokens {params}")
+    print()
+    share = compare_seeded(engine, reference_server, cases, "seeded sampling")
     assert len(cases) >= 20
     assert share >= 0.8
 

@@ -32,10 +32,11 @@ INT32_MAX = 2_147_483_647
 class RequestError(ValueError):
     """A refused request: HTTP ``status`` with ``body`` (a message string or llama-server's JSON)."""
 
-    def __init__(self, message: str, status: int = 400, body: dict | None = None):
+    def __init__(self, message: str, status: int = 400, body: dict | None = None, reason: str = ""):
         super().__init__(message)
         self.status = status
         self.body = body if body is not None else message
+        self.reason = reason  # what bankml found wrong, where llama-server's message says less
 
 
 @dataclass
@@ -100,17 +101,17 @@ def _json_type(value: Any) -> str:
 
 
 def parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
-    """The ``stop`` handler: a string or an array of strings (empty ones skipped); any other type is
-    ignored, and a non-string item is nlohmann's conversion error, as in llama-server."""
+    """The ``stop`` handler: a string or an array of strings; any other type is ignored, and a
+    non-string item is nlohmann's conversion error, as in llama-server."""
     stop = body.get("stop")
     if isinstance(stop, str):
-        return (stop,) if stop else ()
+        return (stop,)
     if not isinstance(stop, list):
         return ()
     words = []
     for word in stop:
-        if word is None or word == "" or word == [] or word == {}:
-            continue  # json::empty() is true for null and empty strings, arrays and objects
+        if word is None or word == [] or word == {}:
+            continue  # json::empty(): null and empty arrays/objects; an empty string is kept (and stops at once)
         if not isinstance(word, str):
             raise RequestError(f"Field 'stop': [json.exception.type_error.302] type must be string, "
                                f"but is {_json_type(word)}")
@@ -275,6 +276,7 @@ class Engine:
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         self._llg: Any = None
+        self._vocab_info = VocabInfo(self._pieces, lambda s: self.tokenize(s))
 
     @classmethod
     def open(cls, path: str | os.PathLike, n_ctx: int = 4096, device: str = "auto",
@@ -327,8 +329,10 @@ class Engine:
                 Constraint(constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
             if params.dry_multiplier != 0.0:
                 self._new_sampler(params)  # breaker tokenization can refuse
-        except (SamplerError, ConstraintError, TemplateError) as err:
+        except (SamplerError, TemplateError) as err:
             raise RequestError(str(err)) from None
+        except ConstraintError as err:
+            raise RequestError(str(err), reason=err.reason) from None
         cache_prompt = body.get("cache_prompt", True)
         if not isinstance(cache_prompt, bool):
             raise RequestError(f"Field 'cache_prompt': [json.exception.type_error.302] type must be boolean, "
@@ -351,7 +355,7 @@ class Engine:
     def _completion_prompt(self, body: Mapping[str, Any]) -> tuple[str | None, list[int]]:
         """tokenize_input_prompts: a string (BOS per the vocabulary, special tokens parsed) or ids."""
         if "prompt" not in body:
-            raise RequestError("\"prompt\" must be provided")
+            raise RequestError("[json.exception.out_of_range.403] key 'prompt' not found")
         prompt = body["prompt"]
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt, add_special=True, parse_special=True)
@@ -390,8 +394,7 @@ class Engine:
     # --- running --------------------------------------------------------------------------------------------
 
     def _new_sampler(self, params: SamplerParams) -> Sampler:
-        vocab = VocabInfo(self._pieces, lambda s: self.tokenize(s))
-        return Sampler(params, vocab, self.n_vocab)
+        return Sampler(params, self._vocab_info, self.n_vocab)
 
     def run_steps(self, request: Request, cancelled: Callable[[], bool] = lambda: False) -> Steps:
         """Prefill then generate; iterate for Chunks, then read ``.summary``."""

@@ -29,8 +29,19 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"(?: |\n{1,2}[ \t]{0,20})?"}
 
 
+SCHEMA_FAILED = "Field 'json_schema': \"json_schema\": JSON schema conversion failed"
+GRAMMAR_FAILED = "Failed to initialize samplers: failed to parse grammar"
+SCHEMA_NOT_OBJECT = ("Field 'json_schema': \"json_schema\": JSON schema conversion failed:\n"
+                     "JSON schema error at #: schema must be an object")
+
+
 class ConstraintError(ValueError):
-    """An invalid grammar, schema or response_format (HTTP 400 with this message)."""
+    """An invalid grammar, schema or response_format: HTTP 400 with llama-server's message;
+    ``reason`` says what llguidance found wrong (llama-server only logs its reason)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -44,11 +55,11 @@ class ConstraintSpec:
 # --- resolution ---------------------------------------------------------------------------------------
 
 
-def _schema_spec(schema: Any, field: str) -> ConstraintSpec:
-    if schema is None or (isinstance(schema, dict) and not schema):
+def _schema_spec(schema: Any) -> ConstraintSpec:
+    if isinstance(schema, dict) and not schema:
         schema = {"type": "object"}
     if not isinstance(schema, dict):
-        raise ConstraintError(f"{field}: JSON schema conversion failed: schema must be an object")
+        raise ConstraintError(SCHEMA_NOT_OBJECT, "the schema is not a JSON object")
     kind = "json_object" if schema == {"type": "object"} else "json_schema"
     return ConstraintSpec(kind, json.dumps(schema))
 
@@ -57,36 +68,42 @@ def resolve_constraint(body: Mapping[str, Any], kind: str) -> ConstraintSpec | N
     """The constraint of a request, in llama-server's order.
 
     /v1/chat/completions (oaicompat_chat_params_parse): top-level ``json_schema`` and ``grammar``
-    (not both), then ``response_format`` (json_object / json_schema / text). /completion: a
-    ``json_schema`` (without ``grammar``) wins, else a non-empty ``grammar`` string.
+    (not both), then ``response_format`` (json_object / json_schema / text); a top-level schema
+    that is not an object is refused, a non-object schema inside response_format leaves the answer
+    unconstrained. /completion: a ``json_schema`` (without a ``grammar`` key) wins, else a
+    non-empty ``grammar`` string. A grammar that is not a string is ignored, as json_value does.
     """
     json_schema = body.get("json_schema")
     grammar = body.get("grammar")
-    if grammar is not None and not isinstance(grammar, str):
-        raise ConstraintError("grammar must be a string (GBNF)")
+    grammar = grammar if isinstance(grammar, str) else ""
     if kind == "chat":
         if json_schema is not None and grammar:
             raise ConstraintError("Cannot use both json_schema and grammar")
+        if json_schema is not None:
+            return _schema_spec(json_schema)
         fmt = body.get("response_format")
         if fmt is not None:
-            if not isinstance(fmt, dict):
-                fmt = {}
-            rtype = fmt.get("type") if isinstance(fmt.get("type"), str) else ""
-            if rtype == "json_object":
-                if "schema" in fmt or not json_schema:
-                    json_schema = fmt.get("schema") if fmt.get("schema") is not None else {}
-            elif rtype == "json_schema":
-                wrapper = fmt.get("json_schema") if isinstance(fmt.get("json_schema"), dict) else {}
-                json_schema = wrapper.get("schema") if wrapper.get("schema") is not None else {}
-            elif rtype and rtype != "text":
-                raise ConstraintError('response_format type must be one of "text" or "json_object", '
-                                      f"but got: {rtype}")
-        if json_schema is not None:
-            return _schema_spec(json_schema, '"json_schema"')
-    elif "json_schema" in body and body["json_schema"] is not None and "grammar" not in body:
-        return _schema_spec(json_schema, '"json_schema"')
+            schema = _response_format_schema(fmt)
+            return _schema_spec(schema) if isinstance(schema, dict) else None
+    elif "json_schema" in body and json_schema is not None and "grammar" not in body:
+        return _schema_spec(json_schema)
     if grammar:
         return ConstraintSpec("gbnf", grammar)
+    return None
+
+
+def _response_format_schema(fmt: Any) -> Any:
+    """The schema a response_format asks for ({} for plain JSON mode), or None for text."""
+    if not isinstance(fmt, dict):
+        fmt = {}
+    rtype = fmt.get("type") if isinstance(fmt.get("type"), str) else ""
+    if rtype == "json_object":
+        return fmt.get("schema") if fmt.get("schema") is not None else {}
+    if rtype == "json_schema":
+        wrapper = fmt.get("json_schema") if isinstance(fmt.get("json_schema"), dict) else {}
+        return wrapper.get("schema") if wrapper.get("schema") is not None else {}
+    if rtype and rtype != "text":
+        raise ConstraintError(f'response_format type must be one of "text" or "json_object", but got: {rtype}')
     return None
 
 
@@ -124,19 +141,19 @@ def compile_grammar(spec: ConstraintSpec) -> str:
         try:
             lark = gbnf_to_lark(spec.source)
         except Exception as err:  # the converter raises plain Exception for unknown rules
-            raise ConstraintError(f"failed to parse grammar: {err}") from None
+            raise ConstraintError(GRAMMAR_FAILED, str(err)) from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(spec.source, overrides=JSON_OPTIONS)
     except ValueError as err:
-        raise ConstraintError(f'"json_schema": JSON schema conversion failed: {err}') from None
+        raise ConstraintError(SCHEMA_FAILED, str(err)) from None
 
 
 def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None, kind: str) -> None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if is_error:
-        prefix = "failed to parse grammar" if kind == "gbnf" else '"json_schema": JSON schema conversion failed'
-        raise ConstraintError(f"{prefix}: {messages[0] if messages else 'invalid'}")
+        reason = messages[0] if messages else "invalid"
+        raise ConstraintError(GRAMMAR_FAILED if kind == "gbnf" else f"{SCHEMA_FAILED}: {reason}", reason)
 
 
 # --- the matcher at generation time ------------------------------------------------------------------------
@@ -155,7 +172,7 @@ class Constraint:
         self._eog = np.fromiter(sorted(eog_ids), dtype=np.int64)
         self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
-            raise ConstraintError(f"failed to parse grammar: {self.matcher.get_error()}")
+            raise ConstraintError(GRAMMAR_FAILED, self.matcher.get_error())
 
     def is_complete(self) -> bool:
         return self.matcher.is_accepting()

@@ -704,6 +704,14 @@ class VocabInfo:
 
     pieces: Sequence[bytes]
     tokenize: Callable[[str], list[int]]
+    breaker_cache: dict[tuple[str, ...], dict[int, list[tuple[int, ...]]]] = field(default_factory=dict)
+
+    def dry_breakers(self, breakers: Sequence[str]) -> dict[int, list[tuple[int, ...]]]:
+        """The breaker table for these strings (a scan of the whole vocabulary, so kept)."""
+        key = tuple(breakers)
+        if key not in self.breaker_cache:
+            self.breaker_cache[key] = dry_breaker_sequences(key, self.pieces, self.tokenize)
+        return self.breaker_cache[key]
 
 
 class Sampler:
@@ -719,7 +727,7 @@ class Sampler:
         breakers: dict[int, list[tuple[int, ...]]] = {}
         dry_on = params.dry_multiplier != 0.0 and params.dry_base >= 1.0 and params.dry_penalty_last_n != 0
         if dry_on and vocab is not None and "dry" in params.samplers:
-            breakers = dry_breaker_sequences(params.dry_sequence_breakers, vocab.pieces, vocab.tokenize)
+            breakers = vocab.dry_breakers(params.dry_sequence_breakers)
         self.dry = DryPenalty(params, breakers)
         self.mu = 2.0 * params.mirostat_tau
 
