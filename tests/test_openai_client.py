@@ -50,5 +50,7 @@ def test_openai_client_streamed(client: openai.OpenAI) -> None:
 
 
 def test_openai_client_sees_an_engine_error_as_an_api_error(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="x", messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=4, n=2)
+    assert refused.value.status_code == 400
+    assert refused.value.body["message"] == "Field 'n': Value must be between 1 <= value <= 1, but got 2"
