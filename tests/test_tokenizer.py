@@ -130,7 +130,7 @@ def _mixed(rng: random.Random, pools: list[list[str]]) -> str:
     return rng.choice(["", " ", "\n", "  "]).join(rng.choice(rng.choice(pools)) for _ in range(rng.randint(2, 5)))
 
 
-def corpus(seed: int = 1234, n_random: int = 800) -> list[str]:
+def corpus(seed: int = 1234, n_random: int = 900) -> list[str]:
     """The fixed strings plus seeded random ones: ASCII soup, Unicode soup, mixtures, long texts."""
     rng = random.Random(seed)
     fixed = ASCII + WHITESPACE + DIGITS + SCRIPTS + EMOJI + SPECIAL_TEXT
