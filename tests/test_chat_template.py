@@ -202,8 +202,12 @@ TEMPLATE_FILES = ["Qwen-Qwen3-0.6B.jinja", "Qwen-Qwen2.5-7B-Instruct.jinja", "me
 
 
 def _templates_dir(llama_server_bin: Path) -> Path:
-    # scripts/build-llama-server.sh keeps the source next to the build: <cache>/src/llama.cpp
-    return llama_server_bin.resolve().parents[2] / "src" / "llama.cpp" / "models" / "templates"
+    """scripts/build-llama-server.sh keeps the source beside the binary: <cache>/<version>/src/llama.cpp."""
+    for parent in llama_server_bin.resolve().parents:
+        candidate = parent / "src" / "llama.cpp" / "models" / "templates"
+        if candidate.is_dir():
+            return candidate
+    return Path("/nonexistent")
 
 
 @pytest.mark.parametrize("name", TEMPLATE_FILES)

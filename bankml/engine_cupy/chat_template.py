@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jinja2
 from jinja2 import nodes
@@ -297,6 +298,93 @@ def detect_caps(source: str) -> Caps:
 
 
 # ---------------------------------------------------------------------------------------------
+# Reasoning markers (llama.cpp common/chat-diff-analyzer.cpp, the parts that shape a prompt)
+# ---------------------------------------------------------------------------------------------
+
+_PROBE_USER = "U_USER_MSG Hello END_U"
+_PROBE_ASSISTANT = "A_ASST_MSG I can help END_A"
+_PROBE_THINKING = "REASON_PART I am thinking END_R"
+_MARKER = r"(?:<[^>]*>|\[[^\]]*\])"
+
+
+@dataclass
+class Reasoning:
+    """The reasoning block's opening and closing markers; both empty when the template has none."""
+
+    start: str = ""
+    end: str = ""
+
+    @property
+    def supported(self) -> bool:
+        return bool(self.start or self.end)
+
+
+def _markers(text: str) -> list[str]:
+    """segmentize_markers + prune_whitespace_segments: markers and non-blank text pieces."""
+    pieces = re.split(f"({_MARKER})", text)
+    return [p for p in pieces if p.strip()]
+
+
+def detect_reasoning(render: "Callable[[list[dict[str, Any]], bool, bool], str | None]", source: str) -> Reasoning:
+    """Where the template puts reasoning: from an assistant turn rendered with and without
+    ``reasoning_content``, then from ``enable_thinking`` true against false, and llama.cpp's
+    fixed answers for the old Qwen/DeepSeek and Granite 3.3 templates."""
+    found = Reasoning()
+    user = {"role": "user", "content": _PROBE_USER}
+    plain = render([user, {"role": "assistant", "content": _PROBE_ASSISTANT}], False, True)
+    with_thinking = render([user, {"role": "assistant", "content": _PROBE_ASSISTANT,
+                                   "reasoning_content": _PROBE_THINKING}], False, True)
+    if plain is not None and with_thinking is not None and _PROBE_THINKING in with_thinking \
+            and _PROBE_THINKING not in plain:
+        thought = re.escape(_PROBE_THINKING)
+        wrapped = re.search(f"({_MARKER}\\s*){thought}(\\s*{_MARKER}\\s*)", with_thinking)
+        if wrapped:
+            found = Reasoning(wrapped.group(1), wrapped.group(2))
+        else:
+            closing = re.search(f"{thought}\\s*({_MARKER}\\s*)", with_thinking)
+            if closing:
+                found = Reasoning("", closing.group(1))
+    off = render([user], True, False)
+    on = render([user], True, True)
+    if off is not None and on is not None and off != on:
+        found = _thinking_switch(found, off, on)
+    if "content.split('</think>')" in source and "reasoning_content" not in source \
+            and "<SPECIAL_12>" not in source and not found.supported:
+        found = Reasoning("<think>", "</think>")
+    if "Write your thoughts between <think></think> and write your response between <response></response>" in source:
+        found = Reasoning("<think>", "</think>")
+    return found
+
+
+def _thinking_switch(found: Reasoning, off: str, on: str) -> Reasoning:
+    """compare_thinking_enabled: the text that enable_thinking adds or removes at the end."""
+    prefix = len(os.path.commonprefix([off, on]))
+    suffix = len(os.path.commonprefix([off[prefix:][::-1], on[prefix:][::-1]]))
+    left, right = off[prefix:len(off) - suffix], on[prefix:len(on) - suffix]
+    start, end = found.start, found.end
+    if not left.strip() and right:
+        if right.strip() and on.endswith(right.strip()) and not start:
+            start = right
+    elif not right.strip() and left:
+        if left.strip() and off.endswith(left.strip()) and not end:
+            pieces = _markers(off)
+            if len(pieces) >= 2 and pieces[-1] == left.strip() and re.fullmatch(_MARKER, pieces[-2]):
+                start = pieces[-2]
+            end = left
+    elif left.strip() and right.strip():
+        for base, extended in ((on, off), (off, on)):
+            anchor = base[-64:]
+            at = extended.rfind(anchor)
+            if at < 0 or at + len(anchor) >= len(extended):
+                continue
+            extra = _markers(extended[at + len(anchor):].strip())
+            if len(extra) == 2 and all(re.fullmatch(_MARKER, piece) for piece in extra):
+                start, end = start or extra[0], end or extra[1]
+                break
+    return Reasoning(start, end)
+
+
+# ---------------------------------------------------------------------------------------------
 # Messages, as llama-server parses and normalises them
 # ---------------------------------------------------------------------------------------------
 
@@ -452,10 +540,20 @@ class ChatTemplate:
     add_bos: bool = False
     add_eos: bool = False
     caps: Caps = field(default_factory=Caps)
+    reasoning: Reasoning = field(default_factory=Reasoning)
 
     def __post_init__(self) -> None:
         self._template = compile_template(self.source)
         self.caps = detect_caps(self.source)
+        self.reasoning = detect_reasoning(self._probe, self.source)
+
+    def _probe(self, messages: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool) -> str | None:
+        try:
+            return self._apply(normalize_messages(messages, self.caps),
+                               {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                                "enable_thinking": enable_thinking}, add_generation_prompt)
+        except TemplateError:
+            return None
 
     @classmethod
     def from_gguf(cls, source: "str | os.PathLike[str] | object", tokenizer: Any = None) -> "ChatTemplate":
@@ -479,7 +577,8 @@ class ChatTemplate:
         """The prompt llama-server's /apply-template returns for these messages."""
         parsed = normalize_messages(list(messages) if isinstance(messages, tuple) else messages, self.caps)
         tool_list = _normalize_tools(list(tools)) if tools else None
-        enable_thinking = chat_template_kwargs.get("enable_thinking", True)
+        # llama-server turns thinking on by default where the template has a reasoning block
+        enable_thinking = chat_template_kwargs.get("enable_thinking", self.reasoning.supported)
         if not isinstance(enable_thinking, bool):
             raise TemplateError('invalid type for "enable_thinking" (expected boolean, got string)')
         context: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token,
@@ -503,9 +602,22 @@ class ChatTemplate:
         if last.get("tool_calls"):
             raise TemplateError("Cannot continue an assistant message that contains tool calls.")
         without = self._apply(before, context, False)
+        if not any(last.get(key) for key in ("content", "reasoning_content", "tool_calls", "name", "tool_call_id")):
+            return without          # an empty assistant message continues nothing (common_chat_msg::empty)
         with_prompt = self._apply(before, context, True)
-        common = os.path.commonprefix([without, with_prompt])
-        return without + with_prompt[len(common):] + _render_content(last)
+        generation_prompt = with_prompt[len(os.path.commonprefix([without, with_prompt])):]
+        content = _render_content(last)
+        continue_reasoning = bool(last.get("reasoning_content")) and not content
+        if self.reasoning.start:
+            # re-open the reasoning block: its text so far, closed unless that is what continues
+            cut = generation_prompt.find(self.reasoning.start)
+            generation_prompt = generation_prompt[:cut] if cut >= 0 else generation_prompt
+            generation_prompt += self.reasoning.start + last.get("reasoning_content", "")
+            if not continue_reasoning:
+                generation_prompt += self.reasoning.end
+        if not continue_reasoning:
+            generation_prompt += content
+        return without + generation_prompt
 
     def _apply(self, messages: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool) -> str:
         variables = {**context, "messages": messages}
