@@ -212,6 +212,7 @@ class EngineBridge:
         self.preparer = _Worker(reactor, "bankml-prepare")
         self._shutdown_trigger: Any = reactor.addSystemEventTrigger("before", "shutdown", self.stop)
         self.runs_started = 0
+        self.last_run: RunControl | None = None  # the latest run's control (tests, /bankml)
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -262,6 +263,7 @@ class EngineBridge:
     def _run(self, steps: Callable[[Cancelled], Iterator[T]], deliver: Callable[[T], None],
              control: RunControl) -> Any:
         self.runs_started += 1
+        self.last_run = control
         iterator = steps(control.cancelled)
         while True:
             try:
@@ -321,7 +323,7 @@ class NativeEngine:
         self.records: "list[dict[str, Any]]" = []
         self.totals = {"requests": 0, "prompt_tokens": 0, "prompt_seconds": 0.0,
                        "tokens_predicted": 0, "predicted_seconds": 0.0, "decode_calls": 0,
-                       "n_tokens_max": 0}
+                       "n_tokens_max": 0, "prompt_tokens_cached": 0}
         self._lock = threading.Lock()
 
     # --- checks ----------------------------------------------------------------------------
@@ -358,6 +360,7 @@ class NativeEngine:
             tot = self.totals
             tot["requests"] += 1
             tot["prompt_tokens"] += int(t.get("prompt_n") or 0)
+            tot["prompt_tokens_cached"] += int(t.get("cache_n") or 0)
             tot["prompt_seconds"] += float(t.get("prompt_ms") or 0.0) / 1e3
             tot["tokens_predicted"] += int(t.get("predicted_n") or 0)
             tot["predicted_seconds"] += float(t.get("predicted_ms") or 0.0) / 1e3

@@ -1,0 +1,217 @@
+"""Slot files: the engine's one slot (its tokens and KV cache) saved to and restored from disk.
+
+The format is the reference's (shared/reference/native-engine.md section 6), little-endian::
+
+    b"bankML slot v1\\n"
+    model sha256, 64 ASCII characters (right-padded with "0")
+    u64 n_ctx, u64 n_tokens, u64 n_layers
+    per layer: u64 width (n_head_kv * head_dim; bit 63 set for a q8_0 cache), then
+        K then V for positions 0..n_tokens-1, each position's heads in order:
+        f16: n_tokens * width u16 values;  q8_0: n_tokens * width / 32 blocks of 34 bytes
+        (f16 scale, then 32 int8 values), as ggml's block_q8_0
+    tokens, u32 each
+    sha256 (32 bytes) of everything before it
+
+A save writes ``<name>.tmp`` and renames it, so a crash never leaves half a file under the name.
+A restore checks, in this order, and names the first failure: not a slot file, damaged (sha256),
+another model, another context size, too many tokens, another layer count, another cache type,
+another cache shape, truncated, trailing data, a token outside the vocabulary. Any failure
+leaves the slot empty (as llama-server's ``prompt_clear``). No Twisted here: the bridge runs
+these on the engine thread, between runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"bankML slot v1\n"
+Q8_FLAG = 1 << 63
+U64 = struct.Struct("<Q")
+BLOCK = 32
+Q8_BLOCK_BYTES = 34
+
+
+class SlotError(Exception):
+    """A slot file that cannot be restored; the message is the reason llama-server would add
+    after ``Unable to restore slot: ``."""
+
+
+@dataclass
+class SlotResult:
+    n_tokens: int
+    n_bytes: int
+    ms: float
+
+
+def _sha_field(sha256: str) -> bytes:
+    return sha256.encode("ascii", "replace")[:64].ljust(64, b"0")
+
+
+def _geometry(cache: Any) -> tuple[int, int, str]:
+    """(n_layers, width, cache_type) of a KVCache."""
+    return len(cache._k), cache.n_head_kv * cache.head_dim, cache.cache_type
+
+
+def _layer_bytes(cache: Any, store: Any, n: int) -> bytes:
+    """One layer's K or V for positions 0..n-1, position-major, in the file's encoding."""
+    if cache.cache_type == "f16":
+        values = store[:, :n].transpose(1, 0, 2)  # [n, kv, hd]
+        return np.ascontiguousarray(_to_host(values).astype("<f2")).tobytes()
+    q, d = store
+    qs = _to_host(q[:, :n]).transpose(1, 0, 2)  # [n, kv, hd] int8
+    ds = _to_host(d[:, :n]).transpose(1, 0, 2)  # [n, kv, hd/32] f16
+    blocks = np.empty(qs.shape[:2] + (qs.shape[2] // BLOCK, Q8_BLOCK_BYTES), np.uint8)
+    blocks[..., :2] = np.ascontiguousarray(ds.astype("<f2")).view(np.uint8).reshape(ds.shape + (2,))
+    blocks[..., 2:] = qs.reshape(qs.shape[:2] + (-1, BLOCK)).view(np.uint8)
+    return blocks.tobytes()
+
+
+def _to_host(a: Any) -> np.ndarray:
+    get = getattr(a, "get", None)  # CuPy arrays copy to the host with .get()
+    return get() if callable(get) and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def save_slot(engine: Any, path: str, model_sha256: str) -> SlotResult:
+    """Write the engine's slot to ``path`` (through ``path.tmp``); the bytes written."""
+    t0 = time.perf_counter()
+    cache = engine.cache
+    n = len(engine.slot_tokens)
+    n_layers, width, cache_type = _geometry(cache)
+    h = hashlib.sha256()
+    tmp = path + ".tmp"
+    written = 0
+    with open(tmp, "wb") as f:
+        def put(data: bytes) -> None:
+            nonlocal written
+            h.update(data)
+            f.write(data)
+            written += len(data)
+
+        put(MAGIC + _sha_field(model_sha256) + U64.pack(cache.n_ctx) + U64.pack(n) + U64.pack(n_layers))
+        for layer in range(n_layers):
+            put(U64.pack(width | (Q8_FLAG if cache_type == "q8_0" else 0)))
+            put(_layer_bytes(cache, cache._k[layer], n))
+            put(_layer_bytes(cache, cache._v[layer], n))
+        put(np.asarray(engine.slot_tokens[:n], dtype="<u4").tobytes())
+        digest = h.digest()
+        f.write(digest)
+        written += len(digest)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return SlotResult(n, written, (time.perf_counter() - t0) * 1e3)
+
+
+def erase_slot(engine: Any) -> int:
+    """Empty the slot; the number of tokens it held."""
+    n = len(engine.slot_tokens)
+    engine.slot_tokens = []
+    engine.cache.truncate(0)
+    return n
+
+
+def restore_slot(engine: Any, path: str, model_sha256: str) -> SlotResult:
+    """Load ``path`` into the engine's slot, or raise SlotError (the slot is then empty)."""
+    t0 = time.perf_counter()
+    try:
+        n, size = _restore(engine, path, model_sha256)
+    except SlotError:
+        erase_slot(engine)
+        raise
+    return SlotResult(n, size, (time.perf_counter() - t0) * 1e3)
+
+
+def _max_file_bytes(cache: Any) -> int:
+    n_layers, width, cache_type = _geometry(cache)
+    per_pos = width * 2 if cache_type == "f16" else width // BLOCK * Q8_BLOCK_BYTES
+    header = len(MAGIC) + 64 + 3 * 8
+    return header + n_layers * (8 + 2 * cache.n_ctx * per_pos) + 4 * cache.n_ctx + 32
+
+
+def _read_bounded(path: str, limit: int) -> bytes:
+    """The file, refused as 'trailing data' past what any slot of this engine can hold (so a
+    huge file is never read whole); a missing file is llama-server's load failure."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as err:
+        raise SlotError(f"cannot read {os.path.basename(path)}: {err.strerror or err}") from None
+    if len(data) > limit:
+        if not data.startswith(MAGIC):
+            raise SlotError("not a bankML slot file")
+        raise SlotError("the slot file has trailing data")
+    return data
+
+
+def _restore(engine: Any, path: str, model_sha256: str) -> tuple[int, int]:
+    cache = engine.cache
+    data = _read_bounded(path, _max_file_bytes(cache))
+    if not data.startswith(MAGIC):
+        raise SlotError("not a bankML slot file")
+    if len(data) < len(MAGIC) + 64 + 24 + 32 or hashlib.sha256(data[:-32]).digest() != data[-32:]:
+        raise SlotError("the slot file is damaged (its sha256 does not match)")
+    body = memoryview(data)[:-32]
+    pos = len(MAGIC)
+    if bytes(body[pos:pos + 64]) != _sha_field(model_sha256):
+        raise SlotError("the slot was saved for another model")
+    pos += 64
+    n_ctx, n, n_layers = (U64.unpack_from(body, pos + 8 * i)[0] for i in range(3))
+    pos += 24
+    if n_ctx != cache.n_ctx:
+        raise SlotError(f"the slot was saved with a {n_ctx}-token context, this engine has {cache.n_ctx}")
+    if n > cache.n_ctx:
+        raise SlotError("Restored prompt does not fit in the slot context")
+    my_layers, width, cache_type = _geometry(cache)
+    if n_layers != my_layers:
+        raise SlotError("the slot's layers do not match this model")
+    layers = []
+    for _ in range(n_layers):
+        if pos + 8 > len(body):
+            raise SlotError("truncated")
+        word = U64.unpack_from(body, pos)[0]
+        pos += 8
+        saved_type = "q8_0" if word & Q8_FLAG else "f16"
+        if saved_type != cache_type:
+            raise SlotError(f"the slot was saved with a {saved_type} cache, this engine keeps {cache_type}")
+        if word & ~Q8_FLAG != width:
+            raise SlotError("the slot's cache shape does not match this model")
+        per = n * (width * 2 if cache_type == "f16" else width // BLOCK * Q8_BLOCK_BYTES)
+        if pos + 2 * per > len(body):
+            raise SlotError("truncated")
+        layers.append((body[pos:pos + per], body[pos + per:pos + 2 * per]))
+        pos += 2 * per
+    if pos + 4 * n > len(body):
+        raise SlotError("truncated")
+    tokens = np.frombuffer(body[pos:pos + 4 * n], dtype="<u4").astype(np.int64)
+    pos += 4 * n
+    if pos != len(body):
+        raise SlotError("the slot file has trailing data")
+    if n and int(tokens.max()) >= engine.n_vocab:
+        raise SlotError("Invalid tokens in slot save file")
+    for layer, (k, v) in enumerate(layers):
+        _load_layer(cache, cache._k, layer, k, n)
+        _load_layer(cache, cache._v, layer, v, n)
+    cache.n_tokens = n
+    engine.slot_tokens = [int(t) for t in tokens]
+    return n, len(data)
+
+
+def _load_layer(cache: Any, stores: list[Any], layer: int, raw: memoryview, n: int) -> None:
+    xp = cache.xp
+    kv, hd = cache.n_head_kv, cache.head_dim
+    if cache.cache_type == "f16":
+        values = np.frombuffer(raw, dtype="<f2").reshape(n, kv, hd).transpose(1, 0, 2)
+        stores[layer][:, :n] = xp.asarray(values.astype(np.float32))
+        return
+    blocks = np.frombuffer(raw, dtype=np.uint8).reshape(n, kv, hd // BLOCK, Q8_BLOCK_BYTES)
+    d = np.ascontiguousarray(blocks[..., :2]).view("<f2").reshape(n, kv, hd // BLOCK)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, kv, hd)
+    stores[layer][0][:, :n] = xp.asarray(q.transpose(1, 0, 2))
+    stores[layer][1][:, :n] = xp.asarray(d.transpose(1, 0, 2).astype(np.float16))

@@ -1,0 +1,176 @@
+"""`bankml serve FILE --fork F --native`: verify, load the engine, then listen on two addresses.
+
+Order of events (nothing listens until the file is verified and the engine is open):
+
+1. ``make_native_service(options)`` runs ``verify`` (guard, then the sha256 pin) before the
+   reactor starts; a refusal exits with verify's code, as P0 does (tap.verify_or_exit).
+2. When the reactor runs, ``NativeService`` opens the engine off the reactor thread
+   (``Engine.open`` reads and dequantizes the weights, seconds), so a slow load never stalls it.
+   A model the engine refuses prints ``refuse: <reason>`` and bankml exits 2.
+3. It binds ``--listen`` (bankml's own address: ``/bankml``, the OpenAI endpoints and
+   llama-server's) and the engine address ``--upstream`` (llama-server's endpoints, with
+   ``/slots``), both through ``listen_loopback``.
+
+``build_native_roots(native)`` gives the two resource trees, for tests and for tap.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Any, Mapping
+
+from twisted.application import service
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
+from twisted.web.resource import Resource
+
+from bankml.bridge import EngineBridge, NativeEngine
+
+_log = Logger(namespace="bankml.native")
+
+DEFAULT_LISTEN = "127.0.0.1:18093"
+DEFAULT_UPSTREAM = "127.0.0.1:18092"
+DEFAULT_CTX = 4096
+EXIT_REFUSED = 2
+
+
+def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> None:
+    """llama-server's endpoints and the OpenAI ones, on one tree."""
+    from bankml.resources import llama
+    from bankml.resources.openai import CHAT, LLAMA_COMPLETION, OAI_COMPLETION, ModelsResource, NativeChat
+    from bankml.resources.p0 import _Branch
+
+    root.putChild(b"health", llama.Health(native))
+    root.putChild(b"props", llama.Props(native))
+    root.putChild(b"metrics", llama.Metrics(native))
+    root.putChild(b"tokenize", llama.Tokenize(native))
+    root.putChild(b"detokenize", llama.Detokenize(native))
+    root.putChild(b"apply-template", llama.ApplyTemplate(native))
+    root.putChild(b"completion", NativeChat(native, LLAMA_COMPLETION))
+    if slots:
+        root.putChild(b"slots", llama.Slots(native))
+    v1 = _Branch()
+    root.putChild(b"v1", v1)
+    v1.putChild(b"models", ModelsResource(native))
+    v1.putChild(b"completions", NativeChat(native, OAI_COMPLETION))
+    chat = _Branch()
+    v1.putChild(b"chat", chat)
+    chat.putChild(b"completions", NativeChat(native, CHAT))
+    root.putChild(b"models", ModelsResource(native))  # llama-server answers /models too
+
+
+def build_native_roots(native: NativeEngine, sampler: Any = None) -> tuple[Resource, Resource]:
+    """(listen_root, engine_root): bankml's address with /bankml, and the engine address with
+    /slots; both answer the OpenAI and llama-server endpoints."""
+    from bankml.resources.bankml import BankmlResource
+    from bankml.resources.p0 import _Branch
+
+    if sampler is None:
+        from bankml.usage import UsageSampler
+
+        sampler = UsageSampler(native.reactor or _reactor(), lambda: [("bankml serve", os.getpid())])
+    listen_root = _Branch()
+    listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))  # type: ignore[arg-type]
+    _put_llama_endpoints(listen_root, native, slots=False)
+    engine_root = _Branch()
+    _put_llama_endpoints(engine_root, native, slots=True)
+    return listen_root, engine_root
+
+
+def _reactor() -> Any:
+    from twisted.internet import reactor
+
+    return reactor
+
+
+def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> NativeEngine:
+    """Open the engine on the verified path (blocking: call it off the reactor thread)."""
+    from bankml.engine_cupy import backend
+    from bankml.engine_cupy.engine import Engine
+
+    engine = Engine.open(verified.path, n_ctx=int(options.get("ctx") or DEFAULT_CTX),
+                         device=options.get("device") or "auto", cache_type=options.get("cache_type"))
+    device = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
+    bridge = EngineBridge(reactor)
+    return NativeEngine(engine, bridge, verified, slot_dir=options.get("slot-dir") or options.get("slot_dir"),
+                        n_ctx=engine.n_ctx, device=device, reactor=reactor)
+
+
+class NativeService(service.MultiService):
+    """Opens the engine when the reactor runs, then listens on both addresses."""
+
+    def __init__(self, options: Mapping[str, Any], verified: Any, reactor: Any = None) -> None:
+        super().__init__()
+        self.options = dict(options)
+        self.verified = verified
+        self.reactor = reactor or _reactor()
+        self.native: NativeEngine | None = None
+        self.ports: list[Any] = []
+        self.exit_code = 0
+        self.exit_at_interpreter_end = True  # under twistd; serve_command reads exit_code itself
+        self.ready: Any = None  # the Deferred of the bring-up, for tests
+
+    def startService(self) -> None:
+        super().startService()
+        self.ready = self._bring_up()
+
+    @inlineCallbacks
+    def _bring_up(self) -> Any:
+        from bankml.site import LoopbackSite, listen_loopback
+
+        try:
+            self.native = yield deferToThread(open_native, self.verified, self.options, self.reactor)
+        except Exception as err:
+            name = os.path.basename(self.verified.path)
+            self._fatal(f"{name}: bankml's native engine does not play it: {err}")
+            return
+        if not self.running:
+            return
+        listen_root, engine_root = build_native_roots(self.native)
+        try:
+            for address, root in ((self.options.get("listen") or DEFAULT_LISTEN, listen_root),
+                                  (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root)):
+                self.ports.append(listen_loopback(LoopbackSite(root), address, self.reactor))
+        except Exception as err:
+            self._fatal(f"cannot listen: {err}")
+            return
+        v = self.verified
+        _log.info("bankml native serving {path} (sha256 {sha}) on {listen}, engine address {up}, "
+                  "{device}, n_ctx {ctx}", path=v.path, sha=v.sha256, listen=self.options.get("listen"),
+                  up=self.options.get("upstream"), device=self.native.device, ctx=self.native.n_ctx)
+
+    def _fatal(self, reason: str, code: int = EXIT_REFUSED) -> None:
+        _log.error("refuse: {reason}", reason=reason)
+        print(f"refuse: {reason}", file=sys.stderr, flush=True)
+        self.exit_code = code
+        if self.exit_at_interpreter_end:
+            atexit.register(os._exit, code)
+        if self.reactor.running:
+            self.reactor.stop()
+
+    def stopService(self) -> Any:
+        for port in self.ports:
+            port.stopListening()
+        self.ports = []
+        if self.native is not None and self.native.bridge is not None:
+            self.native.bridge.stop()
+        return super().stopService()
+
+    def port_of(self, index: int) -> int:
+        """The bound port of --listen (0) or the engine address (1); for tests that bind port 0."""
+        return self.ports[index].getHost().port
+
+
+def make_native_service(options: Mapping[str, Any]) -> service.IService:
+    """What tap's makeService calls for ``--native``: verify now (a refusal exits with verify's
+    code before anything listens), then a NativeService. ``options`` keys: file, fork, listen,
+    upstream, ctx, device, slot-dir (and optionally cache_type)."""
+    from bankml.tap import verify_or_exit
+
+    verified = verify_or_exit(options)  # type: ignore[arg-type]
+    _log.info("verified {path}: sha256 {sha} pinned in {fork}", path=verified.path,
+              sha=verified.sha256, fork=verified.fork_path)
+    return NativeService(options, verified)

@@ -1,0 +1,452 @@
+"""`--native` end to end: the real Engine on the default model, real HTTP on loopback, and the real
+llama-server (``reference_server``, same model, ``-c 2048``) side by side.
+
+One engine is opened for the module (n_ctx 2048, as the reference server) and served on two
+loopback ports exactly as NativeService binds them: bankml's address and the engine address.
+Clients run in threads (``deferToThread``) so the reactor keeps serving while they wait.
+Answers are greedy (temperature 0) and short, so the module stays well under a minute of compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+
+from bankml.bridge import EngineBridge, NativeEngine
+from bankml.native_service import build_native_roots
+from bankml.site import LoopbackSite, listen_loopback
+from bankml.verify import verify
+from tests import support
+
+N_CTX = 2048  # the reference server's -c
+HANG_GUARD_S = 120.0
+
+
+@dataclass
+class Served:
+    native: NativeEngine
+    url: str  # bankml's own address (--listen)
+    engine_url: str  # the engine address (--upstream), with /slots
+    slot_dir: Path
+
+
+@pytest.fixture(scope="module")
+def served(default_model: Path, default_fork: Path) -> Iterator[Served]:
+    from bankml.engine_cupy.engine import Engine
+
+    verified = verify(str(default_model), str(default_fork))
+    engine = Engine.open(verified.path, n_ctx=N_CTX, device="cpu")
+    slot_dir = Path(tempfile.mkdtemp(prefix="bankml-slots-"))
+    native = NativeEngine(engine, EngineBridge(reactor), verified, slot_dir=str(slot_dir), n_ctx=N_CTX,
+                          reactor=reactor)
+    listen_root, engine_root = build_native_roots(native)
+    ports = [listen_loopback(LoopbackSite(root), "127.0.0.1:0") for root in (listen_root, engine_root)]
+    urls = [f"http://127.0.0.1:{p.getHost().port}" for p in ports]
+    yield Served(native, urls[0], urls[1], slot_dir)
+    for p in ports:
+        pytest_twisted.blockon(p.stopListening())
+    native.bridge.stop()
+    for f in slot_dir.iterdir():
+        f.unlink()
+    slot_dir.rmdir()
+
+
+def post(url: str, body: Any, raw: bytes | None = None) -> tuple[int, str, bytes]:
+    """(status, content type, body) of a POST; blocking (run it in a thread)."""
+    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
+    path = "/" + url.removeprefix("http://").split("/", 1)[1]
+    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD_S)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.status, resp.getheader("content-type") or "", resp.read()
+    conn.close()
+    return out
+
+
+def get(url: str) -> tuple[int, str, bytes]:
+    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
+    path = "/" + url.removeprefix("http://").split("/", 1)[1]
+    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD_S)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    out = resp.status, resp.getheader("content-type") or "", resp.read()
+    conn.close()
+    return out
+
+
+async def apost(url: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
+    status, ctype, data = await deferToThread(post, url, body, raw)
+    try:
+        return status, json.loads(data)
+    except ValueError:
+        return status, data.decode("utf-8", "replace")
+
+
+def sse_events(data: bytes) -> list[Any]:
+    events = []
+    for block in data.decode("utf-8").split("\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def sha(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 6, **extra}
+
+
+# --- /v1/chat/completions -------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_chat_answer_with_timings_and_receipt(served: Served, reference_server: Any) -> None:
+    body = chat("Name a colour.")
+    raw = json.dumps(body).encode()
+    status, answer = await apost(served.url + "/v1/chat/completions", None, raw)
+    assert status == 200, answer
+    ref_status, ref = await apost(reference_server.url + "/v1/chat/completions", body)
+    assert ref_status == 200
+    assert set(answer) - {"bankml_receipt"} == set(ref)  # the same keys as llama-server
+    choice = answer["choices"][0]
+    assert set(choice) == set(ref["choices"][0]) and set(choice["message"]) >= {"role", "content"}
+    assert set(answer["timings"]) >= {"cache_n", "prompt_n", "prompt_ms", "prompt_per_second",
+                                      "predicted_n", "predicted_ms", "predicted_per_second"}
+    assert answer["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]  # same template + tokens
+    assert answer["usage"]["completion_tokens"] == 6 == answer["timings"]["predicted_n"]
+    assert choice["finish_reason"] == "length"
+    r = answer["bankml_receipt"]
+    assert r["response_sha256"] == sha(choice["message"]["content"])
+    assert r["request_sha256"] == sha(raw)
+    assert r["model_sha256"] == support.DEFAULT_SHA256 and r["signed"] is False
+    assert r["prompt_tokens"] == answer["usage"]["prompt_tokens"] and isinstance(r["ttft_ms"], int)
+    print("native:", repr(choice["message"]["content"]), "llama-server:", repr(ref["choices"][0]["message"]["content"]))
+
+
+@pytest_twisted.ensureDeferred
+async def test_streamed_chat_ends_with_usage_receipt_and_done(served: Served) -> None:
+    body = chat("Name a colour.", stream=True)
+    raw = json.dumps(body).encode()
+    status, ctype, data = await deferToThread(post, served.url + "/v1/chat/completions", None, raw)
+    assert status == 200 and ctype.startswith("text/event-stream")
+    events = sse_events(data)
+    assert events[-1] == "[DONE]"
+    receipt = events[-2]["bankml_receipt"]
+    last = events[-3]
+    assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["delta"] == {}
+    assert last["usage"]["completion_tokens"] == 6 and "cache_n" in last["timings"]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-3])
+    assert receipt["response_sha256"] == sha(text) and receipt["request_sha256"] == sha(raw)
+    # The same request not streamed gives the same text (greedy) and, from the slot, cache_n > 0.
+    status, whole = await apost(served.url + "/v1/chat/completions", chat("Name a colour."))
+    assert whole["choices"][0]["message"]["content"] == text
+    assert whole["timings"]["cache_n"] > 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_logprobs_ride_on_the_answer_and_in_the_receipt(served: Served) -> None:
+    status, answer = await apost(served.url + "/v1/chat/completions",
+                                 chat("Say yes.", logprobs=True, top_logprobs=2, max_tokens=3))
+    assert status == 200
+    entries = answer["choices"][0]["logprobs"]["content"]
+    assert len(entries) == 3 and all(len(e["top_logprobs"]) == 2 for e in entries)
+    assert set(entries[0]) == {"id", "token", "bytes", "logprob", "top_logprobs"}
+    canon = json.dumps(entries, separators=(",", ":"), ensure_ascii=False)
+    assert answer["bankml_receipt"]["logprobs_sha256"] == sha(canon)
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ({"top_logprobs": 2}, "top_logprobs requires logprobs to be set to true"),
+    ({"repeat_last_n": -1}, "Field 'repeat_last_n': Value must be between 0 <= value <= 2147483647, but got -1"),
+    ({"stop": [5]}, "Field 'stop': [json.exception.type_error.302] type must be string, but is number"),
+    ({"temperature": "x"}, None),
+])
+@pytest_twisted.ensureDeferred
+async def test_refusals_match_llama_server(served: Served, reference_server: Any, extra: dict,
+                                           expect: str | None) -> None:
+    body = chat("hi", **extra)
+    status, answer = await apost(served.url + "/v1/chat/completions", body)
+    ref_status, ref = await apost(reference_server.url + "/v1/chat/completions", body)
+    assert status == ref_status == 400
+    assert answer["error"]["type"] == "invalid_request_error"
+    if expect is not None:
+        assert answer["error"]["message"] == ref["error"]["message"] == expect
+
+
+@pytest_twisted.ensureDeferred
+async def test_context_limit_is_llama_servers_body(served: Served, reference_server: Any) -> None:
+    body = chat("word " * (N_CTX + 50))
+    status, answer = await apost(served.url + "/v1/chat/completions", body)
+    ref_status, ref = await apost(reference_server.url + "/v1/chat/completions", body)
+    assert status == ref_status == 400
+    assert answer == ref  # type, message, n_prompt_tokens, n_ctx
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_json_is_400_not_500(served: Served) -> None:
+    for raw in (b"{not json", b"[1, 2]", b"\"text\""):
+        status, answer = await apost(served.url + "/v1/chat/completions", None, raw)
+        assert status == 400 and answer["error"]["code"] == 400
+
+
+# --- llama-server's endpoints, side by side ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"content": "Hello <|im_start|> wörld 123"}),
+    ("/tokenize", {"content": "Hello <|im_start|>", "parse_special": False}),
+    ("/tokenize", {"content": "héllo", "with_pieces": True}),
+    ("/tokenize", {"content": ["a b", 42, "c"]}),
+    ("/detokenize", {"tokens": [19556, 665, 28, 1, 2]}),
+    ("/apply-template", {"messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Hi"}]}),
+    ("/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+@pytest_twisted.ensureDeferred
+async def test_text_endpoints_equal_llama_servers(served: Served, reference_server: Any, path: str,
+                                                  body: dict) -> None:
+    ours = await apost(served.engine_url + path, body)
+    ref = await apost(reference_server.url + path, body)
+    assert ours == ref
+
+
+@pytest.mark.parametrize("path", ["/health", "/props", "/v1/models", "/models"])
+@pytest_twisted.ensureDeferred
+async def test_state_endpoints_have_llama_servers_keys(served: Served, reference_server: Any, path: str) -> None:
+    status, ctype, data = await deferToThread(get, served.engine_url + path)
+    ref_status, _, ref_data = await deferToThread(get, reference_server.url + path)
+    assert status == ref_status == 200 and ctype.startswith("application/json")
+    ours, ref = json.loads(data), json.loads(ref_data)
+    assert set(ours) >= set(ref), set(ref) - set(ours)
+    if path == "/props":
+        assert ours["model_path"] == served.native.verified.path
+        assert ours["default_generation_settings"]["n_ctx"] == N_CTX
+        assert set(ours["default_generation_settings"]["params"]) >= {"temperature", "top_k", "top_p", "min_p"}
+    if path in ("/v1/models", "/models"):
+        # llama-server names the model by its -m argument; bankml by the file's name (reference §3)
+        assert ours["data"][0]["id"] == Path(ref["data"][0]["id"]).name == support.DEFAULT_MODEL.name
+        assert set(ours["data"][0]) >= set(ref["data"][0]) - {"aliases", "tags", "architecture"}
+
+
+# --- the bridge on the real engine: disconnects, simultaneous clients, prefix reuse ------------------
+
+
+def _stream_then_leave(url: str, body: dict) -> bytes:
+    """Send a streamed request, read until the first content delta, then close the socket."""
+    host, port = url.removeprefix("http://").split(":")
+    raw = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=HANG_GUARD_S)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+    seen = b""
+    while b'"content":"' not in seen:
+        data = s.recv(4096)
+        if not data:
+            break
+        seen += data
+    s.close()
+    return seen
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_leaving_mid_stream_stops_the_engine_within_one_token(served: Served) -> None:
+    bridge = served.native.bridge
+    before = served.native.totals["requests"]
+    body = chat("Write a long story about a lighthouse.", stream=True, max_tokens=400)
+    seen = await deferToThread(_stream_then_leave, served.url, body)
+    assert b'"content":"' in seen
+    deadline = time.monotonic() + HANG_GUARD_S
+    while bridge.busy and time.monotonic() < deadline:
+        await deferLater(reactor, 0.05, lambda: None)
+    control = bridge.last_run
+    assert control is not None and control.steps_at_cancel is not None
+    # The engine's own count of tokens it yielded after the cancel: at most the one under way.
+    assert control.steps - control.steps_at_cancel <= 1, (control.steps, control.steps_at_cancel)
+    assert control.steps < 100  # far short of the 400 asked for
+    assert served.native.totals["requests"] == before  # a cancelled run records nothing
+    # The engine is free and answers the next request.
+    status, answer = await apost(served.url + "/v1/chat/completions", chat("Say hi.", max_tokens=2))
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_five_simultaneous_clients_get_their_own_answers(served: Served) -> None:
+    # Short raw prompts on /completion keep the prefills cheap; cache_prompt false runs each from an
+    # empty slot, so an answer cannot depend on which request the queue served before it (the
+    # threads below arrive in no fixed order).
+    prompts = ["Apples are", "The sea is", "Dogs like", "One, two,", "Mars is"]
+
+    def body(p: str) -> dict:
+        return {"prompt": p, "n_predict": 3, "temperature": 0, "cache_prompt": False}
+
+    alone = []
+    for p in prompts:  # each asked alone first
+        status, answer = await apost(served.url + "/completion", body(p))
+        alone.append(answer["content"])
+    together = await DeferredList([Deferred.fromCoroutine(apost(served.url + "/completion", body(p)))
+                                   for p in prompts], consumeErrors=True)
+    got = [result[1]["content"] if ok else repr(result) for ok, result in together]
+    assert got == alone
+    assert len(set(alone)) > 1  # the prompts really gave different answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_second_turn_reuses_the_first_turns_prefix(served: Served) -> None:
+    first = [{"role": "user", "content": "My name is Ada. Remember it."}]
+    status, a1 = await apost(served.url + "/v1/chat/completions",
+                             {"messages": first, "temperature": 0, "max_tokens": 5})
+    turn2 = first + [{"role": "assistant", "content": a1["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "What is my name?"}]
+    status, a2 = await apost(served.url + "/v1/chat/completions",
+                             {"messages": turn2, "temperature": 0, "max_tokens": 5})
+    assert status == 200 and a2["timings"]["cache_n"] > 0
+    assert a2["timings"]["cache_n"] + a2["timings"]["prompt_n"] == a2["usage"]["prompt_tokens"]
+
+
+# --- slots ---------------------------------------------------------------------------------------------
+
+
+async def slot(served: Served, sid: str, action: str, body: dict | None = None,
+               url: str | None = None) -> tuple[int, Any]:
+    return await apost(f"{url or served.engine_url}/slots/{sid}?action={action}", body or {})
+
+
+@pytest_twisted.ensureDeferred
+async def test_save_erase_restore_answers_as_an_empty_slot(served: Served) -> None:
+    body = chat("Tell me about the sea.", max_tokens=5)
+    status, first = await apost(served.url + "/v1/chat/completions", body)
+    status, saved = await slot(served, "0", "save", {"filename": "sea.bin"})
+    assert status == 200, saved
+    assert saved["n_saved"] == first["usage"]["prompt_tokens"] + 5 - 1
+    assert saved["n_written"] == (served.slot_dir / "sea.bin").stat().st_size
+    status, erased = await slot(served, "0", "erase")
+    assert status == 200 and erased == {"id_slot": 0, "n_erased": saved["n_saved"]}
+    status, empty = await apost(served.url + "/v1/chat/completions", body)  # from an empty slot
+    assert empty["timings"]["cache_n"] == 0
+    await slot(served, "0", "erase")
+    status, restored = await slot(served, "0", "restore", {"filename": "sea.bin"})
+    assert status == 200 and restored["n_restored"] == saved["n_saved"]
+    assert restored["n_read"] == saved["n_written"]
+    status, again = await apost(served.url + "/v1/chat/completions", body)
+    assert again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1  # the restored prefix
+    assert again["choices"][0]["message"]["content"] == empty["choices"][0]["message"]["content"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_damaged_and_foreign_slot_files_are_refused_and_leave_an_empty_slot(served: Served) -> None:
+    await apost(served.url + "/v1/chat/completions", chat("Hello.", max_tokens=2))
+    status, saved = await slot(served, "0", "save", {"filename": "good.bin"})
+    data = (served.slot_dir / "good.bin").read_bytes()
+    cases = {
+        "junk.bin": (b"not a slot at all", "not a bankML slot file"),
+        "flip.bin": (data[:200] + bytes([data[200] ^ 1]) + data[201:], "the slot file is damaged (its sha256 does not match)"),
+    }
+    other = bytearray(data[:-32])
+    other[15:79] = b"f" * 64
+    cases["other.bin"] = (bytes(other) + hashlib.sha256(bytes(other)).digest(), "the slot was saved for another model")
+    for name, (content, reason) in cases.items():
+        (served.slot_dir / name).write_bytes(content)
+        status, answer = await slot(served, "0", "restore", {"filename": name})
+        assert status == 400 and answer["error"]["message"] == f"Unable to restore slot: {reason}"
+        assert served.native.engine.slot_tokens == []  # left empty
+    status, answer = await slot(served, "0", "restore", {"filename": "missing.bin"})
+    assert status == 400 and answer["error"]["message"].startswith("Unable to restore slot: ")
+
+
+@pytest.mark.parametrize("sid, action, body, message", [
+    ("0", "bogus", {}, "Invalid action"),
+    ("x", "save", {"filename": "a.bin"}, "Invalid slot ID"),
+    ("1", "save", {"filename": "a.bin"}, "Invalid slot ID"),
+    ("0", "save", {"filename": "../a.bin"}, "Invalid filename"),
+    ("0", "save", {"filename": "a:b"}, "Invalid filename"),
+    ("0", "save", {"filename": " a"}, "Invalid filename"),
+    ("0", "save", {"filename": "a."}, "Invalid filename"),
+    ("0", "save", {"filename": "a\u2215b"}, "Invalid filename"),
+    ("0", "save", {"filename": "x" * 256}, "Invalid filename"),
+    ("0", "save", {}, "[json.exception.out_of_range.403] key 'filename' not found"),
+])
+@pytest_twisted.ensureDeferred
+async def test_slot_refusals_are_llama_servers(served: Served, sid: str, action: str, body: dict,
+                                               message: str) -> None:
+    status, answer = await slot(served, sid, action, body)
+    assert status == 400
+    assert answer == {"error": {"code": 400, "message": message, "type": "invalid_request_error"}}
+
+
+@pytest_twisted.ensureDeferred
+async def test_slots_without_a_slot_dir_are_501(served: Served) -> None:
+    bare = NativeEngine(served.native.engine, served.native.bridge, served.native.verified, slot_dir=None,
+                        n_ctx=N_CTX, reactor=reactor)
+    _, engine_root = build_native_roots(bare)
+    port = listen_loopback(LoopbackSite(engine_root), "127.0.0.1:0")
+    try:
+        status, answer = await slot(served, "0", "save", {"filename": "a.bin"},
+                                    url=f"http://127.0.0.1:{port.getHost().port}")
+    finally:
+        await port.stopListening()
+    assert status == 501 and answer["error"] == {
+        "code": 501, "type": "not_supported_error",
+        "message": "This server does not support slots action. Start it with `--slot-save-path`"}
+
+
+# --- /metrics, /completion, /v1/completions, /bankml ---------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_prometheus_metrics_count_the_tokens(served: Served) -> None:
+    await apost(served.url + "/v1/chat/completions", chat("One more.", max_tokens=3))
+    status, ctype, data = await deferToThread(get, served.engine_url + "/metrics")
+    assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
+    text = data.decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["llamacpp:tokens_predicted_total"] >= 3
+    assert values["llamacpp:prompt_tokens_total"] > 0
+    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_seconds_total",
+                 "n_decode_total", "n_tokens_max", "prompt_tokens_seconds", "predicted_tokens_seconds",
+                 "requests_processing", "requests_deferred"):
+        assert f"# TYPE llamacpp:{name} " in text
+
+
+@pytest_twisted.ensureDeferred
+async def test_completion_endpoints_have_llama_servers_keys(served: Served, reference_server: Any) -> None:
+    for path in ("/completion", "/v1/completions"):
+        body = {"prompt": "The capital of France is", "n_predict": 3, "temperature": 0}
+        status, ours = await apost(served.engine_url + path, body)
+        ref_status, ref = await apost(reference_server.url + path, body)
+        assert status == ref_status == 200
+        assert set(ours) - {"bankml_receipt"} >= set(ref) - {"generation_settings"}, set(ref) - set(ours)
+        text = ours["content"] if path == "/completion" else ours["choices"][0]["text"]
+        assert ours["bankml_receipt"]["response_sha256"] == sha(text)
+
+
+@pytest_twisted.ensureDeferred
+async def test_bankml_describes_the_resident_model(served: Served) -> None:
+    status, _, data = await deferToThread(get, served.url + "/bankml")
+    info = json.loads(data)
+    assert status == 200 and info["mode"] == "native"
+    assert info["resident"]["sha256"] == support.DEFAULT_SHA256 and info["models"] == [support.DEFAULT_MODEL.name]
+    status, _, data = await deferToThread(get, served.url + "/bankml/metrics")
+    metrics = json.loads(data)
+    assert status == 200 and metrics["kept"] >= 1 and metrics["records"][-1]["completion_tokens"] >= 1
