@@ -301,3 +301,15 @@ def test_sentencepiece_matches_llama_server(add_space_prefix: bool, tmp_path: Pa
     print(f"  /detokenize {detok}/{len(id_lists)} identical")
     assert identical == total
     assert detok == len(id_lists)
+
+
+def test_open_gguf_reader_gives_the_same_tokenizer(tmp_path: Path) -> None:
+    """The engine passes its open gguf.GGUFReader; the result equals reading the path."""
+    import gguf
+
+    path = write_spm_model(tmp_path / "spm.gguf", add_space_prefix=True)
+    from_path, from_reader = Tokenizer.from_gguf(path), Tokenizer.from_gguf(gguf.GGUFReader(path))
+    assert from_reader.tokens == from_path.tokens and from_reader.scores == from_path.scores
+    assert (from_reader.add_bos, from_reader.eog_ids) == (from_path.add_bos, from_path.eog_ids)
+    for text in corpus(seed=3, n_random=50):
+        assert from_reader.tokenize(text, True, True) == from_path.tokenize(text, True, True)
