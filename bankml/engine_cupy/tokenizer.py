@@ -495,12 +495,12 @@ class Tokenizer:
     """llama.cpp's tokenizer for one GGUF vocabulary (BPE or SentencePiece)."""
 
     model: str                      # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
-    tokens: list[str]
-    token_types: list[int]
-    scores: list[float]
-    merges: list[str]
+    tokens: list[str] = field(repr=False)
+    token_types: list[int] = field(repr=False)
+    scores: list[float] = field(repr=False)
+    merges: list[str] = field(repr=False)
     pre: str = "default"
-    special: dict[str, int | None] = field(default_factory=dict)
+    special: dict[str, int | None] = field(default_factory=dict, repr=False)
     add_bos: bool = False
     add_eos: bool = False
     add_space_prefix: bool = False
