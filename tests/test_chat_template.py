@@ -224,3 +224,19 @@ def test_known_templates_match_llama_server(name: str, tiny_bpe: Path, llama_ser
     with support.LlamaServer(tiny_bpe, args=["--chat-template-file", str(path)], binary=llama_server_bin) as server:
         identical, compared = compare(template, server.url, bodies, name)
     assert identical == compared
+
+
+def test_template_bos_is_dropped_when_the_model_adds_bos(tmp_path: Path, llama_server_bin: Path) -> None:
+    """A Gemma-style template printing {{ bos_token }} on a vocabulary that adds BOS itself:
+    llama-server drops the rendered BOS text, so must bankml."""
+    from tests.spm_vocab import write_spm_model
+
+    path = write_spm_model(tmp_path / "spm.gguf", add_space_prefix=False)
+    template = ChatTemplate.from_gguf(path)
+    assert template.add_bos and template.bos_token == "<s>" and "bos_token" in template.source
+    assert not template.render([{"role": "user", "content": "hi"}]).startswith("<s>")
+    rng = random.Random(11)
+    bodies = [conversation(rng) for _ in range(30)]
+    with support.LlamaServer(path, binary=llama_server_bin) as server:
+        identical, compared = compare(template, server.url, bodies, "SentencePiece model, BOS-adding")
+    assert identical == compared
