@@ -315,3 +315,17 @@ def test_open_gguf_reader_gives_the_same_tokenizer(tmp_path: Path) -> None:
     assert (from_reader.add_bos, from_reader.eog_ids) == (from_path.add_bos, from_path.eog_ids)
     for text in corpus(seed=3, n_random=50):
         assert from_reader.tokenize(text, True, True) == from_path.tokenize(text, True, True)
+
+
+def test_llama_detokenize_space_cleanup(tmp_path: Path, smollm_metadata: dict[str, object]) -> None:
+    """llama_detokenize's clean-up (gpt-2 vocabularies): " ?" " !" " ." " ," lose the space,
+    " ' " closes up, " 's" " 'm" " 're" " 've" attach while " 't" " 'd" " 'll" keep their space."""
+    from bankml.engine_cupy.tokenizer import _clean_spaces
+
+    assert _clean_spaces(b"a , b . c ' d it 's you 're I 'd ok ?") == b"a, b. c'd it's you're I 'd ok?"
+    assert _clean_spaces(b"x ' ' y") == b"x'' y"          # the blanked byte stops a second match
+    tokenizer = Tokenizer.from_gguf(write_bpe_variant(tmp_path / "g.gguf", smollm_metadata, "gpt-2"))
+    assert tokenizer.clean_spaces
+    ids = tokenizer.tokenize("Hello , world ! It 's")
+    assert tokenizer.detokenize(ids) == "Hello, world! It's"
+    assert tokenizer.pieces_bytes(ids) == b"Hello , world ! It 's"
