@@ -22,14 +22,13 @@ from typing import Any, Iterator
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 
 from bankml.bridge import EngineBridge, NativeEngine
-from bankml.native_service import build_native_roots
+from bankml.native_service import build_native_roots, make_native_service
 from bankml.site import LoopbackSite, listen_loopback
-from bankml.verify import verify
 from tests import support
 
 N_CTX = 2048  # the reference server's -c
@@ -46,23 +45,30 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(default_model: Path, default_fork: Path) -> Iterator[Served]:
-    from bankml.engine_cupy.engine import Engine
-
-    verified = verify(str(default_model), str(default_fork))
-    engine = Engine.open(verified.path, n_ctx=N_CTX, device="cpu")
+    """The NativeService tap starts for --native, on ports 0: verify, open the engine off the
+    reactor, then bind both addresses."""
     slot_dir = Path(tempfile.mkdtemp(prefix="bankml-slots-"))
-    native = NativeEngine(engine, EngineBridge(reactor), verified, slot_dir=str(slot_dir), n_ctx=N_CTX,
-                          reactor=reactor)
-    listen_root, engine_root = build_native_roots(native)
-    ports = [listen_loopback(LoopbackSite(root), "127.0.0.1:0") for root in (listen_root, engine_root)]
-    urls = [f"http://127.0.0.1:{p.getHost().port}" for p in ports]
-    yield Served(native, urls[0], urls[1], slot_dir)
-    for p in ports:
-        pytest_twisted.blockon(p.stopListening())
-    native.bridge.stop()
+    svc = make_native_service({"file": str(default_model), "fork": str(default_fork), "ctx": N_CTX,
+                               "device": "cpu", "listen": "127.0.0.1:0", "upstream": "127.0.0.1:0",
+                               "slot-dir": str(slot_dir)})
+    svc.exit_at_interpreter_end = False
+    svc.startService()
+    pytest_twisted.blockon(svc.ready)
+    assert svc.native is not None and len(svc.ports) == 2, "the native service did not come up"
+    urls = [f"http://127.0.0.1:{svc.port_of(i)}" for i in (0, 1)]
+    yield Served(svc.native, urls[0], urls[1], slot_dir)
+    pytest_twisted.blockon(maybeDeferred(svc.stopService))
     for f in slot_dir.iterdir():
         f.unlink()
     slot_dir.rmdir()
+
+
+def test_a_wrongly_pinned_file_is_refused_before_anything_listens(tmp_path: Path, default_model: Path) -> None:
+    fork = tmp_path / "FORK.json"
+    fork.write_text(json.dumps({"files": [{"path": default_model.name, "sha256": "0" * 64}]}))
+    with pytest.raises(SystemExit) as exit_:
+        make_native_service({"file": str(default_model), "fork": str(fork)})
+    assert exit_.value.code == 2
 
 
 def post(url: str, body: Any, raw: bytes | None = None) -> tuple[int, str, bytes]:
@@ -146,7 +152,7 @@ async def test_chat_answer_with_timings_and_receipt(served: Served, reference_se
 
 @pytest_twisted.ensureDeferred
 async def test_streamed_chat_ends_with_usage_receipt_and_done(served: Served) -> None:
-    body = chat("Name a colour.", stream=True)
+    body = chat("Name a colour.", stream=True, cache_prompt=False)
     raw = json.dumps(body).encode()
     status, ctype, data = await deferToThread(post, served.url + "/v1/chat/completions", None, raw)
     assert status == 200 and ctype.startswith("text/event-stream")
@@ -159,10 +165,10 @@ async def test_streamed_chat_ends_with_usage_receipt_and_done(served: Served) ->
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-3])
     assert receipt["response_sha256"] == sha(text) and receipt["request_sha256"] == sha(raw)
-    # The same request not streamed gives the same text (greedy) and, from the slot, cache_n > 0.
-    status, whole = await apost(served.url + "/v1/chat/completions", chat("Name a colour."))
+    # The same request not streamed, also from an empty slot, gives the same text (greedy).
+    status, whole = await apost(served.url + "/v1/chat/completions", chat("Name a colour.", cache_prompt=False))
     assert whole["choices"][0]["message"]["content"] == text
-    assert whole["timings"]["cache_n"] > 0
+    assert whole["timings"]["cache_n"] == 0
 
 
 @pytest_twisted.ensureDeferred
@@ -334,24 +340,29 @@ async def slot(served: Served, sid: str, action: str, body: dict | None = None,
 
 
 @pytest_twisted.ensureDeferred
-async def test_save_erase_restore_answers_as_an_empty_slot(served: Served) -> None:
+async def test_save_erase_restore_gives_back_the_same_slot(served: Served) -> None:
+    url = served.url + "/v1/chat/completions"
     body = chat("Tell me about the sea.", max_tokens=5)
-    status, first = await apost(served.url + "/v1/chat/completions", body)
+    await slot(served, "0", "erase")
+    status, first = await apost(url, body)  # from an empty slot
     status, saved = await slot(served, "0", "save", {"filename": "sea.bin"})
     assert status == 200, saved
-    assert saved["n_saved"] == first["usage"]["prompt_tokens"] + 5 - 1
+    assert saved["n_saved"] == first["usage"]["prompt_tokens"] + 5 - 1  # the last token is never decoded
     assert saved["n_written"] == (served.slot_dir / "sea.bin").stat().st_size
+    status, warm = await apost(url, body)  # the same question on the slot as it was saved
     status, erased = await slot(served, "0", "erase")
-    assert status == 200 and erased == {"id_slot": 0, "n_erased": saved["n_saved"]}
-    status, empty = await apost(served.url + "/v1/chat/completions", body)  # from an empty slot
+    assert status == 200 and erased["id_slot"] == 0 and erased["n_erased"] > 0
+    status, empty = await apost(url, body)
     assert empty["timings"]["cache_n"] == 0
+    assert empty["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     await slot(served, "0", "erase")
     status, restored = await slot(served, "0", "restore", {"filename": "sea.bin"})
     assert status == 200 and restored["n_restored"] == saved["n_saved"]
     assert restored["n_read"] == saved["n_written"]
-    status, again = await apost(served.url + "/v1/chat/completions", body)
+    status, again = await apost(url, body)
     assert again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1  # the restored prefix
-    assert again["choices"][0]["message"]["content"] == empty["choices"][0]["message"]["content"]
+    assert again["choices"][0]["message"]["content"] == warm["choices"][0]["message"]["content"]
+    assert again["timings"]["cache_n"] == warm["timings"]["cache_n"]
 
 
 @pytest_twisted.ensureDeferred

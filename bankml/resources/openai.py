@@ -83,12 +83,12 @@ class Answer:
     """One answer's objects and events, built from Chunks and the summary; holds its Tally."""
 
     def __init__(self, native: NativeEngine, kind: str, body: bytes, request: dict[str, Any],
-                 parsed: Any, clock: Callable[[], float] = time.monotonic) -> None:
+                 parsed: Any, clock: Callable[[], float] = time.monotonic, stream: bool | None = None) -> None:
         self.native = native
         self.kind = kind
         self.request = request
         self.parsed = parsed
-        self.stream = request.get("stream") is True
+        self.stream = request.get("stream") is True if stream is None else stream
         self.tally = Tally(request_body=body, clock=clock)
         self.model = request["model"] if isinstance(request.get("model"), str) else native.model_id
         self.id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
