@@ -461,3 +461,40 @@ async def test_bankml_describes_the_resident_model(served: Served) -> None:
     status, _, data = await deferToThread(get, served.url + "/bankml/metrics")
     metrics = json.loads(data)
     assert status == 200 and metrics["kept"] >= 1 and metrics["records"][-1]["completion_tokens"] >= 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_streamed_logprobs_ride_on_their_deltas(served: Served, reference_server: Any) -> None:
+    body = chat("Say yes.", stream=True, logprobs=True, top_logprobs=1, max_tokens=3)
+    status, _, data = await deferToThread(post, served.url + "/v1/chat/completions", body)
+    events = sse_events(data)
+    sent = [e["choices"][0]["logprobs"]["content"][0] for e in events[:-2]
+            if e.get("choices") and e["choices"][0].get("logprobs")]
+    assert 1 <= len(sent) <= 3 and all(len(e["top_logprobs"]) == 1 for e in sent)
+    canon = json.dumps(sent, separators=(",", ":"), ensure_ascii=False)
+    assert events[-2]["bankml_receipt"]["logprobs_sha256"] == sha(canon)
+    # llama-server's chunks carry the same keys
+    _, _, ref_data = await deferToThread(post, reference_server.url + "/v1/chat/completions", body)
+    ref_events = sse_events(ref_data)
+    assert set(events[0]) == set(ref_events[0]) and events[0]["object"] == "chat.completion.chunk"
+    assert ref_events[0]["choices"][0]["delta"] == events[0]["choices"][0]["delta"]  # the role delta
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_changed_model_file_answers_503_without_a_receipt(served: Served) -> None:
+    import dataclasses
+
+    from bankml.fileident import FileIdent
+
+    v = served.native.verified
+    moved = dataclasses.replace(v, ident=dataclasses.replace(v.ident, size=v.ident.size + 1))
+    changed = NativeEngine(served.native.engine, served.native.bridge, moved, n_ctx=N_CTX, reactor=reactor)
+    listen_root, _ = build_native_roots(changed)
+    port = listen_loopback(LoopbackSite(listen_root), "127.0.0.1:0")
+    try:
+        status, answer = await apost(f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions", chat("hi"))
+    finally:
+        await port.stopListening()
+    assert isinstance(v.ident, FileIdent)
+    assert status == 503 and "bankml_receipt" not in answer
+    assert "changed since bankml verified it" in answer["error"]["message"]
