@@ -257,6 +257,20 @@ def _bf16(xp: ModuleType, x: Any) -> Any:
     return rounded.view(xp.float32)
 
 
+def quantize_q8_1(xp: ModuleType, x: Any) -> tuple[Any, Any]:
+    """x [n, k] as q8_1 blocks (dequantized) and, per block, f16(d·Σq) − d16·Σq [n, k/32]."""
+    n, k = x.shape
+    xb = x.reshape(n, k // 32, 32)
+    amax = xp.abs(xb).max(axis=-1)
+    d = amax / numpy.float32(127)
+    d16 = d.astype(xp.float16).astype(xp.float32)
+    inv = numpy.float32(127) / xp.where(amax > 0, amax, numpy.float32(1))
+    q = xp.rint(xb * inv[..., None])
+    qsum = q.sum(axis=-1)
+    s16 = (d * qsum).astype(xp.float16).astype(xp.float32)
+    return (q * d16[..., None]).reshape(n, k), s16 - d16 * qsum
+
+
 def quantize_activation(xp: ModuleType, x: Any, kind: str) -> Any:
     """x [n, k] f32 as ggml sees it in a product with a weight of this vec_dot kind."""
     if kind == "f32":
@@ -284,9 +298,19 @@ class Linear:
     bias: Any | None
     kind: str  # the vec_dot kind of the weight type
     parts: tuple[tuple[str, int], ...]  # (name, width) of the fused outputs
+    block_mins: Any | None = None  # [out, in/32] f32: Q4_1/Q5_1 block minimums (see below)
 
     def __call__(self, xp: ModuleType, x: Any) -> dict[str, Any]:
-        y = quantize_activation(xp, x, self.kind) @ self.weight.T
+        if self.block_mins is None:
+            y = quantize_activation(xp, x, self.kind) @ self.weight.T
+        else:
+            # ggml's Q4_1/Q5_1 dot adds min·s per block with s = f16(d·Σq) from q8_1; the
+            # dequantized product has min·d16·Σq instead: add the difference. The rounding of s
+            # is 2^-11 of a term as large as the product itself, and downstream q8 rounding
+            # magnifies it, so it is worth its 1/32-sized extra product.
+            xq, sum_error = quantize_q8_1(xp, x)
+            y = xq @ self.weight.T
+            y += sum_error @ self.block_mins.T
         if self.bias is not None:
             y += self.bias
         out, start = {}, 0
@@ -380,7 +404,18 @@ class _Loader:
             self.nbytes += bias.nbytes
         self.nbytes += weight.nbytes
         parts = tuple((out, m.shape[0]) for (_, out), m in zip(group, mats))
-        return Linear(weight, bias, self.kind(group[0][0]), parts)
+        mins = None
+        if self.infos[group[0][0]].tensor_type in (T.Q4_1, T.Q5_1):
+            mins = self.xp.asarray(numpy.concatenate([self.block_mins(w) for w, _ in group]))
+            self.nbytes += mins.nbytes
+        return Linear(weight, bias, self.kind(group[0][0]), parts, mins)
+
+    def block_mins(self, name: str) -> numpy.ndarray:
+        """The f16 minimum 'm' of each Q4_1/Q5_1 block (bytes 2..3 of the block), [out, in/32]."""
+        info = self.infos[name]
+        _, size = quants.GGML_QUANT_SIZES[info.tensor_type]
+        rows = info.data.reshape(info.data.shape[0], -1, size)
+        return numpy.ascontiguousarray(rows[:, :, 2:4]).view(numpy.float16)[..., 0].astype(numpy.float32)
 
 
 def dequantize(data: numpy.ndarray, qtype: T) -> numpy.ndarray:
