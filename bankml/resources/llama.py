@@ -193,7 +193,7 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         "default_generation_settings": {"params": generation_settings(_Defaults, native), "n_ctx": native.n_ctx},
         "total_slots": 1,
         "model_alias": native.model_id,
-        "model_ftype": getattr(native.verified.guard, "engine", None) or "",
+        "model_ftype": main_weight_type(native.verified.guard),
         "model_path": native.verified.path,
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": "<__media__>",
@@ -211,6 +211,13 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         "cors_proxy_enabled": False,
         "n_ctx": native.n_ctx,
     }
+
+
+def main_weight_type(guard: Any) -> str:
+    """The file's weight type as llama-server's model_ftype names it: the commonest tensor type
+    other than F32 (the norms), e.g. "Q4_1"."""
+    types = {k: v for k, v in dict(getattr(guard, "types", {}) or {}).items() if k != "F32"}
+    return max(types, key=types.get) if types else "F32"
 
 
 class Props(_Native):
