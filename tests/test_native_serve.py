@@ -498,3 +498,85 @@ async def test_a_changed_model_file_answers_503_without_a_receipt(served: Served
     assert isinstance(v.ident, FileIdent)
     assert status == 503 and "bankml_receipt" not in answer
     assert "changed since bankml verified it" in answer["error"]["message"]
+
+
+# --- failures inside a run (a scripted engine: the real one does not fail on demand) -------------------
+
+
+class _FailingEngine:
+    """parse_request accepts anything; run_steps yields one chunk then raises."""
+
+    n_ctx = N_CTX
+    slot_tokens: list[int] = []
+
+    def parse_request(self, body: dict, kind: str) -> Any:
+        from bankml.engine_cupy.engine import Request
+        from bankml.engine_cupy.sampler import SamplerParams
+
+        return Request(kind, [1, 2, 3], SamplerParams())
+
+    def run_steps(self, request: Any, cancelled: Any) -> Any:
+        from bankml.engine_cupy.engine import Chunk
+
+        yield Chunk("partial", None, True, 7)
+        raise RuntimeError("the forward pass broke")
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_engine_failure_is_an_sse_error_event_or_a_500(served: Served) -> None:
+    broken = NativeEngine(_FailingEngine(), EngineBridge(reactor), served.native.verified, n_ctx=N_CTX,
+                          reactor=reactor)
+    listen_root, _ = build_native_roots(broken)
+    port = listen_loopback(LoopbackSite(listen_root), "127.0.0.1:0")
+    url = f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions"
+    try:
+        status, _, data = await deferToThread(post, url, chat("hi", stream=True))
+        whole_status, whole = await apost(url, chat("hi"))
+    finally:
+        await port.stopListening()
+        broken.bridge.stop()
+    events = sse_events(data)
+    assert status == 200 and events[-1]["error"]["message"] == "the engine failed: the forward pass broke"
+    assert "[DONE]" not in events and not any("bankml_receipt" in e for e in events if isinstance(e, dict))
+    assert whole_status == 500 and whole["error"]["type"] == "server_error"
+
+
+# --- a slot across a restart ------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: Served) -> None:
+    from bankml.engine_cupy import slots
+    from bankml.engine_cupy.engine import Engine
+    from bankml.resources.openai import summary_steps
+
+    url = served.url + "/v1/chat/completions"
+    body = chat("What is a harbour?", max_tokens=4)
+    await slot(served, "0", "erase")
+    await apost(url, body)
+    status, saved = await slot(served, "0", "save", {"filename": "restart.bin"})
+    status, warm = await apost(url, body)  # the next answer on the slot as saved
+    # "Restart": a second Engine opened from the file, as a new bankml process would.
+    fresh = await deferToThread(Engine.open, served.native.verified.path, n_ctx=N_CTX, device="cpu")
+    done = await deferToThread(slots.restore_slot, fresh, str(served.slot_dir / "restart.bin"),
+                               served.native.verified.sha256)
+    assert done.n_tokens == saved["n_saved"] and fresh.slot_tokens == served.native.engine.slot_tokens[:done.n_tokens]
+
+    def answer() -> tuple[str, int]:
+        parsed = fresh.parse_request(body, "chat")
+        steps = summary_steps(fresh, parsed)(lambda: False)
+        try:
+            while True:
+                next(steps)
+        except StopIteration as end:
+            return end.value.text, end.value.timings["cache_n"]
+
+    text, cache_n = await deferToThread(answer)
+    assert (text, cache_n) == (warm["choices"][0]["message"]["content"], warm["timings"]["cache_n"])
+    # A slot from another context size is refused with the reason, and leaves the slot empty.
+    data = bytearray((served.slot_dir / "restart.bin").read_bytes()[:-32])
+    data[79:87] = (1024).to_bytes(8, "little")  # n_ctx, after the magic and the model sha256
+    (served.slot_dir / "ctx.bin").write_bytes(bytes(data) + hashlib.sha256(bytes(data)).digest())
+    with pytest.raises(slots.SlotError, match="saved with a 1024-token context, this engine has 2048"):
+        slots.restore_slot(fresh, str(served.slot_dir / "ctx.bin"), served.native.verified.sha256)
+    assert fresh.slot_tokens == [] and fresh.cache.n_tokens == 0
