@@ -580,3 +580,20 @@ async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: 
     with pytest.raises(slots.SlotError, match="saved with a 1024-token context, this engine has 2048"):
         slots.restore_slot(fresh, str(served.slot_dir / "ctx.bin"), served.native.verified.sha256)
     assert fresh.slot_tokens == [] and fresh.cache.n_tokens == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_streamed_completion_endpoints_end_as_llama_server_ends_them(served: Served,
+                                                                            reference_server: Any) -> None:
+    body = {"prompt": "Once upon a time", "n_predict": 3, "temperature": 0, "stream": True}
+    for path, done in (("/completion", False), ("/v1/completions", True)):
+        _, _, data = await deferToThread(post, served.engine_url + path, body)
+        _, _, ref_data = await deferToThread(post, reference_server.url + path, body)
+        events, ref_events = sse_events(data), sse_events(ref_data)
+        assert (events[-1] == "[DONE]") == (ref_events[-1] == "[DONE]") == done
+        ours = [e for e in events if isinstance(e, dict) and "bankml_receipt" not in e]
+        refs = [e for e in ref_events if isinstance(e, dict)]
+        assert set(ours[0]) >= set(refs[0]) - {"timings", "prompt_progress"}, set(refs[0]) - set(ours[0])
+        text = "".join(e["content"] if path == "/completion" else e["choices"][0]["text"] for e in ours)
+        receipt = next(e["bankml_receipt"] for e in events if isinstance(e, dict) and "bankml_receipt" in e)
+        assert receipt["response_sha256"] == sha(text)

@@ -94,6 +94,7 @@ class Answer:
         self.id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.entries: list[dict[str, Any]] = []  # every logprob entry the engine gave, in order
+        self.n_tokens = 0  # tokens generated so far
         self.first_seen = False
         self.wants_logprobs = int(getattr(parsed, "n_probs", 0) or 0) > 0
 
@@ -101,6 +102,7 @@ class Answer:
 
     def on_chunk(self, chunk: Any) -> list[dict[str, Any]]:
         """Note one Chunk; return the streamed events it makes (none when not streaming)."""
+        self.n_tokens += 1
         if chunk.text and self.tally.first_piece_at is None:
             self.tally.first_piece_at = self.tally.clock()  # TTFT, streamed or not
         if chunk.entry is not None:
@@ -153,7 +155,7 @@ class Answer:
         self.tally.add_text(chunk.text)
         event: dict[str, Any] = {"index": 0, "content": chunk.text,
                                  "tokens": [chunk.token] if chunk.token is not None else [],
-                                 "stop": False, "id_slot": 0, "tokens_predicted": None,
+                                 "stop": False, "id_slot": 0, "tokens_predicted": self.n_tokens,
                                  "tokens_evaluated": len(self.parsed.prompt_tokens)}
         if chunk.entry is not None:
             event["completion_probabilities"] = [chunk.entry]
@@ -372,12 +374,15 @@ class _Writer:
         native = self.answer.native
         problem = native.identity_problem()
         if problem is not None:  # the file changed during the run: no receipt
-            self.error(problem, 503) if self.answer.stream else (
-                self._release(), write_json(self.request, 503, error_body(503, problem)))
+            if self.answer.stream:
+                self.error(problem, 503)
+            else:
+                write_json(self.request, 503, error_body(503, problem))
             return
         if self.answer.stream:
             self._write(self.answer.final_events(summary))
-            self._finish(b"data: [DONE]\n\n")
+            # llama-server ends its own /completion stream without [DONE]; the OpenAI ones with it
+            self._finish(b"" if self.answer.kind == LLAMA_COMPLETION else b"data: [DONE]\n\n")
         else:
             self._release()
             write_json(self.request, 200, dumps(self.answer.whole(summary)))
@@ -395,7 +400,8 @@ class _Writer:
     def _finish(self, last: bytes) -> None:
         self._release()
         if not gone(self.request):
-            self.request.write(last)
+            if last:
+                self.request.write(last)
             self.request.finish()
 
 
@@ -426,4 +432,4 @@ def models_object(native: NativeEngine) -> dict[str, Any]:
                                     "parameter_size": "", "quantization_level": ""}}],
             "object": "list",
             "data": [{"id": native.model_id, "object": "model", "created": int(native.started),
-                      "owned_by": "llamacpp", "meta": meta}]}
+                      "owned_by": "bankML", "meta": meta}]}
