@@ -122,6 +122,15 @@ def test_an_unpinned_file_is_refused_before_anything_listens(default_model: Path
         bankml.get("/bankml")
 
 
+def test_an_upstream_that_never_answers_is_refused_after_10_s(default_model: Path, default_fork: Path,
+                                                               tmp_path: Path) -> None:
+    port = support.free_port()
+    bankml = BankmlProcess(default_model, default_fork, ["--upstream", f"127.0.0.1:{port}"],
+                           tmp_path / "log").launch()
+    assert bankml.wait_exit() == 2
+    assert f"refuse: upstream 127.0.0.1:{port} not healthy within 10 s" in bankml.output()
+
+
 def test_spawn_refuses_an_address_already_answering(
         reference_server: support.LlamaServer, default_model: Path, default_fork: Path,
         llama_server_bin: Path, tmp_path: Path) -> None:
