@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy
 
 from bankml.engine_cupy import backend
-from bankml.engine_cupy.kv_cache import KVCache
+from bankml.engine_cupy.kv_cache import FA_TILE_Q, KVCache
 from bankml.engine_cupy.weights import (HParams, Layer, UnsupportedModel, Weights, apply_all,
                                         check_memory, load_weights, open_reader, read_hparams,
                                         total_tensor_bytes)
@@ -80,6 +80,65 @@ def apply_rope(x: Any, cos: Any, sin: Any, neox: bool) -> Any:
     return out
 
 
+KV_PAD = 256  # llama.cpp pads the attended cells to a multiple of 256
+
+
+def softmax_product(xp: ModuleType, scores: Any, values: Any) -> Any:
+    """softmax(scores) @ values in f32: scores [kv, rows, T] (−inf hidden), values [kv, T, hd]."""
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = xp.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return probs @ values
+
+
+def online_softmax_f16(xp: ModuleType, scores: Any, values: Any) -> tuple[Any, Any, Any]:
+    """One chunk of ggml_compute_forward_flash_attn_ext_f16_one_chunk with f16 V.
+
+    Per row: M = running max, and at each cell t, if s > M the accumulator is scaled by
+    exp(M_old − s) (rounded to f16), then acc = f16(acc + v_t·exp(s_t − M)). The running max and
+    the weights are vectorised; only the f16-rounded accumulation walks the cells.
+    Returns (M [kv, rows], S [kv, rows], acc [kv, rows, hd] f32).
+    """
+    kv, rows, cells = scores.shape
+    running = xp.maximum.accumulate(scores, axis=-1)
+    before = xp.concatenate([xp.full((kv, rows, 1), -xp.inf, F32), running[..., :-1]], axis=-1)
+    hidden = scores == -xp.inf
+    with numpy.errstate(invalid="ignore"):
+        rescale = xp.where(running == before, F32(1), xp.exp(before - running))
+        weight = xp.where(hidden, F32(0), xp.exp(scores - running))
+    contrib = (values[:, None, :, :] * weight[..., None]).astype(F32)  # [kv, rows, T, hd]
+    acc = xp.zeros((kv, rows, values.shape[-1]), xp.float16)
+    rescaled = backend.to_host((rescale != 1).any(axis=(0, 1))).tolist()
+    for t in range(cells):
+        if rescaled[t]:
+            xp.multiply(acc, rescale[:, :, t, None], out=acc, casting="same_kind")
+        xp.add(acc, contrib[:, :, t], out=acc, casting="same_kind")  # f32 sum, rounded to f16
+    top = running[..., -1]
+    with numpy.errstate(invalid="ignore"):
+        total = xp.where(hidden, F32(0), xp.exp(scores - top[..., None])).sum(axis=-1)
+    return top, total.astype(F32), acc.astype(F32)
+
+
+def finish_partial(part: tuple[Any, Any, Any]) -> Any:
+    _, total, acc = part
+    return acc / total[..., None]
+
+
+def merge_partials(xp: ModuleType, parts: list[tuple[Any, Any, Any]]) -> Any:
+    """ggml_flash_attn_ext_reduce_partials: chunks rescaled to the common max, summed in f32."""
+    top = parts[0][0]
+    for m, _, _ in parts[1:]:
+        top = xp.maximum(top, m)
+    total = xp.zeros_like(parts[0][1])
+    acc = xp.zeros_like(parts[0][2])
+    for m, s, a in parts:
+        with numpy.errstate(invalid="ignore"):
+            factor = xp.where(m == -xp.inf, F32(0), xp.exp(m - top))
+        total = total + s * factor
+        acc = acc + a * factor[..., None]
+    return acc / total[..., None]
+
+
 class Model:
     """A GGUF model ready to run forward passes on one device."""
 
@@ -100,6 +159,8 @@ class Model:
         # `decode_threads` for one-token steps (backend.BlasThreads says why 1)
         self.threads: int | None = None
         self.decode_threads: int | None = 1
+        # llama-server's -t, on which the split of a long one-row attention depends
+        self.ggml_threads = 2
         self._blas = backend.BlasThreads(xp)
 
     @classmethod
@@ -244,12 +305,30 @@ class Model:
         mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
         if mask is not None:
             scores = scores + mask
-        scores = scores - scores.max(axis=-1, keepdims=True)
-        probs = xp.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out = probs.reshape(hp.n_head_kv, group * n, end) @ values  # [kv, group*n, hd]
+        scores = scores.reshape(hp.n_head_kv, group * n, end)
+        if cache.cache_type == "f16" and n < FA_TILE_Q:
+            out = self._attend_f16_accumulator(scores, values, n)
+        else:
+            out = softmax_product(xp, scores, values)  # [kv, group*n, hd]
         out = cache.output(out).reshape(hp.n_head_kv, group, n, hp.head_dim)
         return out.transpose(2, 0, 1, 3).reshape(n, hp.n_head * hp.head_dim)
+
+    def _attend_f16_accumulator(self, scores: Any, values: Any, n: int) -> Any:
+        """ggml's one-row flash-attention kernel with an f16 cache (fewer than 64 rows).
+
+        It walks the cells in order with an online softmax and keeps V·p in an **f16**
+        accumulator, rounded at every cell; the rounding is 2^-11 of the output, which the next
+        product's q8 rounding magnifies, so it is reproduced. A one-row step over 512 padded
+        cells or more is split across llama.cpp's threads, each chunk with its own accumulator.
+        """
+        end = scores.shape[-1]
+        padded = -(-end // KV_PAD) * KV_PAD
+        if n == 1 and padded >= 512:
+            chunk = -(-padded // self.ggml_threads)
+            parts = [online_softmax_f16(self.xp, scores[..., c:c + chunk], values[:, c:c + chunk])
+                     for c in range(0, end, chunk)]
+            return merge_partials(self.xp, parts)
+        return finish_partial(online_softmax_f16(self.xp, scores, values))
 
     def _mask(self, positions: Any, end: int, window: int) -> Any | None:
         """[n, T] additive mask: key position > query position, or (window) too far back.
