@@ -115,6 +115,10 @@ class NativeService(service.MultiService):
 
     def startService(self) -> None:
         super().startService()
+        from bankml.tap import BankmlService
+
+        # SIGHUP stops bankml like SIGTERM, exactly as in P0 (tap's handler, reused as it is)
+        BankmlService._handle_sighup(self)  # type: ignore[arg-type]
         self.ready = self._bring_up()
 
     @inlineCallbacks

@@ -99,7 +99,7 @@ async def test_engine_calls_wait_their_turn_behind_a_run(bridge: EngineBridge) -
 
 @pytest_twisted.ensureDeferred
 async def test_a_paused_client_blocks_the_engine_after_window_chunks(bridge: EngineBridge) -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(delay=0.002)  # 1,000 chunks take at least 2 s: a pause lands mid-run
     control = bridge.new_control()
     control.pauseProducing()  # the transport is full before the first chunk
     got: list[bytes] = []
@@ -108,7 +108,8 @@ async def test_a_paused_client_blocks_the_engine_after_window_chunks(bridge: Eng
     # The engine is blocked: it produced at most one chunk past the paused gate, none delivered.
     assert engine.computed <= 1 and got == []
     control.resumeProducing()
-    await deferLater(reactor, 0.05, lambda: None)
+    while len(got) < 5:
+        await deferLater(reactor, 0.01, lambda: None)
     control.pauseProducing()
     await deferLater(reactor, 0.2, lambda: None)
     held = engine.computed
