@@ -260,9 +260,9 @@ def test_grammar_rejection_redraws_on_masked_logits() -> None:
     assert s.sample(logits, lambda t: bool(allowed[t]), lambda: allowed) == 2
 
 
-def test_token_probs_from_raw_logits() -> None:
+def test_token_logprobs_from_raw_logits() -> None:
     logits = np.log(np.array([0.1, 0.2, 0.3, 0.4])).astype(np.float32)
-    probs = S.token_probs(logits, 0, 2)
+    probs = S.token_logprobs(logits, 2, 0)
     assert [t for t, _ in probs.top] == [3, 2]
     assert probs.top[0][1] == pytest.approx(0.4, abs=1e-6)
     assert probs.p_token == pytest.approx(0.1, abs=1e-6)

@@ -22,7 +22,7 @@ from bankml.engine_cupy.grammar import (ConstraintError, ConstraintSpec, Constra
                                         resolve_constraint)
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.sampler import (SamplerError, SamplerParams, Sampler, VocabInfo, logarithm,
-                                        token_probs)
+                                        token_logprobs)
 from bankml.engine_cupy.tokenizer import Tokenizer
 
 MICRO_BATCH = 512
@@ -490,7 +490,7 @@ class Engine:
 
     def _entry(self, logits: np.ndarray, token: int, released: bytes, n_probs: int) -> dict:
         """A logprob entry in llama-server's shape, from the raw logits."""
-        probs = token_probs(logits, token, n_probs)
+        probs = token_logprobs(logits, n_probs, token)
         top = []
         for tid, p in probs.top:
             piece = self._text_pieces[tid]

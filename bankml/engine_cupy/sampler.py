@@ -844,7 +844,7 @@ class TokenProbs:
     p_token: float
 
 
-def token_probs(logits: np.ndarray, token: int, n_probs: int) -> TokenProbs:
+def token_logprobs(logits: np.ndarray, n_probs: int, token: int) -> TokenProbs:
     """Softmax of the raw logits as llama-server reports them: partial sort for the top n, expf of
     (logit - max), summed in float (top n first, the rest in vocabulary order), each divided."""
     logits = np.asarray(logits, dtype=F32)
