@@ -166,8 +166,7 @@ class EngineProcess(service.Service):
     @inlineCallbacks
     def _answers_health(self) -> Any:
         try:
-            response = yield self.gateway.http.get(self.gateway.upstream_url + "/health",
-                                                   unbuffered=True, timeout=2)
+            response = yield self.gateway.request(b"GET", "/health", timeout=2)
             yield gw.bounded_collect(response, 1024 * 1024)
         except Exception:
             return False
@@ -191,8 +190,7 @@ class EngineProcess(service.Service):
                 raise EngineFailed(f"llama-server exited before it was healthy "
                                    f"({self.gateway.state_reason})")
             try:
-                response = yield self.gateway.http.get(self.gateway.upstream_url + "/health",
-                                                       unbuffered=True, timeout=5)
+                response = yield self.gateway.request(b"GET", "/health", timeout=5)
                 yield gw.bounded_collect(response, 1024 * 1024)
                 if response.code == 200:
                     return

@@ -31,7 +31,6 @@ from twisted.internet.error import ConnectError, ConnectionClosed
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web import http
 from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
 from twisted.web.http import PotentialDataLoss
 from twisted.web.resource import Resource
@@ -210,11 +209,9 @@ class ProxyGet(JsonResource):
     @inlineCallbacks
     def _forward(self, request: Request) -> Any:
         query = request.uri.partition(b"?")[2]
-        url = self.gateway.upstream_url + self.path + ("?" + query.decode("latin-1") if query else "")
-        reader = None
+        path = self.path + ("?" + query.decode("ascii", "replace") if query else "")
         try:
-            response = yield self.gateway.http.request("GET", url, headers=forwarded_headers(request),
-                                                       unbuffered=True)
+            response = yield self.gateway.request(b"GET", path, headers=forwarded_headers(request))
             reader, body_d = read_bounded(response)
             request.notifyFinish().addErrback(lambda _: reader.abort())
             body = yield body_d
@@ -306,7 +303,6 @@ class ChatProxy(JsonResource):
         try:
             problem = yield self.gateway.check_engine_path()
         except Exception:
-            problem = None
             status, message = upstream_failure_message(Failure())
             write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
             return
@@ -315,9 +311,8 @@ class ChatProxy(JsonResource):
         if problem is not None:
             write_error(request, 503, problem)
             return
-        pending = self.gateway.http.request("POST", self.gateway.upstream_url + "/v1/chat/completions",
-                                            data=body, headers=forwarded_headers(request),
-                                            unbuffered=True)
+        pending = self.gateway.request(b"POST", "/v1/chat/completions", body=body,
+                                       headers=forwarded_headers(request))
         request.notifyFinish().addErrback(lambda _: pending.cancel())
         try:
             response = yield pending

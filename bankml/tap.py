@@ -204,7 +204,7 @@ class BankmlService(service.MultiService):
         last = "no answer"
         while True:
             try:
-                response = yield g.http.get(g.upstream_url + "/health", unbuffered=True, timeout=2)
+                response = yield g.request(b"GET", "/health", timeout=2)
                 yield gw.bounded_collect(response, 1024 * 1024)
                 if response.code == 200:
                     break
@@ -246,7 +246,7 @@ def makeService(options: Options) -> BankmlService:
     """Verify (before anything listens), then the gateway, the engine and the site."""
     from twisted.internet import reactor
 
-    from bankml.gateway import Gateway, make_http_client
+    from bankml.gateway import Gateway, make_agent
     from bankml.process_protocol import EngineProcess
     from bankml.resources.p0 import p0_root
     from bankml.site import LoopbackSite
@@ -256,7 +256,7 @@ def makeService(options: Options) -> BankmlService:
     _log.info("verified {path}: sha256 {sha} pinned in {fork}", path=verified.path,
               sha=verified.sha256, fork=verified.fork_path)
     gateway = Gateway(verified=verified, upstream=options["upstream_addr"], mode=options["mode"],
-                      http=make_http_client(reactor), reactor=reactor)
+                      agent=make_agent(reactor), reactor=reactor)
     engine = None
     if options["mode"] == "spawn":
         engine = EngineProcess(gateway, options["spawn"], threads=options["threads"],

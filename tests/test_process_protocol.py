@@ -22,7 +22,7 @@ from twisted.internet import defer, reactor, task
 
 from bankml import gateway as gw
 from bankml.fileident import FileIdent
-from bankml.gateway import Gateway, make_http_client
+from bankml.gateway import Gateway, make_agent
 from bankml.guard import GuardResult
 from bankml.process_protocol import EngineFailed, EngineProcess, llama_server_args, with_deathsig
 from bankml.verify import Refused, Verified
@@ -88,7 +88,7 @@ def gateway(tmp_path: Path):
     model.write_bytes(b"GGUF mock")
     verified = Verified(str(model.resolve()), hashlib.sha256(b"GGUF mock").hexdigest(),
                         GuardResult("play"), FileIdent.of(model), time.time(), str(tmp_path / "F.json"))
-    g = Gateway(verified, ("127.0.0.1", free_port()), "spawn", make_http_client(reactor), reactor)
+    g = Gateway(verified, ("127.0.0.1", free_port()), "spawn", make_agent(reactor), reactor)
     yield g
     pytest_twisted.blockon(defer.maybeDeferred(g.close))
 

@@ -24,7 +24,7 @@ from twisted.internet import defer, reactor, task
 from bankml import __version__
 from bankml import gateway as gw
 from bankml.fileident import FileIdent
-from bankml.gateway import Gateway, make_http_client
+from bankml.gateway import Gateway, make_agent
 from bankml.guard import GuardResult
 from bankml.receipt import canonical_logprobs
 from bankml.resources.p0 import p0_root
@@ -60,7 +60,7 @@ def front(tmp_path: Path):
     verified = Verified(str(model.resolve()), sha(model.read_bytes()), GuardResult("play"),
                         FileIdent.of(model), time.time(), str(tmp_path / "FORK.json"))
     gateway = Gateway(verified, ("127.0.0.1", mock_port.getHost().port), "upstream",
-                      make_http_client(reactor), reactor, state=gw.READY)
+                      make_agent(reactor), reactor, state=gw.READY)
     sampler = UsageSampler(reactor, lambda: [("bankml serve", os.getpid())])
     port = listen_loopback(LoopbackSite(p0_root(gateway, sampler)), "127.0.0.1:0", reactor)
     yield Front(mock, gateway, sampler, f"http://127.0.0.1:{port.getHost().port}", model)
