@@ -18,7 +18,9 @@ so the same dict sent over HTTP with ``json.dumps`` gets the same receipt.
 
 The model: pass ``native=`` (a ``NativeEngine`` from ``open_native``), or let the first call open
 ``$BANKML_MODEL`` pinned in ``$BANKML_FORK`` (default ``<model>.FORK.json``), verified first.
-Calls on one NativeEngine are serialised by a lock: the engine has one slot.
+Every call computes on one thread per NativeEngine, in turn: the server's engine thread when the
+NativeEngine is being served (so API and HTTP requests queue together), else the NativeEngine's
+own single thread. Calling from the reactor thread itself is not supported (it would block it).
 A refusal raises ``ApiError`` with llama-server's status and error object.
 """
 
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from bankml.bridge import NativeEngine
@@ -35,7 +39,7 @@ __all__ = ["chat", "chat_stream", "open_native", "ApiError"]
 
 _default: NativeEngine | None = None
 _default_lock = threading.Lock()
-_locks: dict[int, threading.Lock] = {}
+_executors: dict[int, ThreadPoolExecutor] = {}
 
 
 class ApiError(Exception):
@@ -94,9 +98,27 @@ def _body(request: dict[str, Any] | bytes) -> tuple[bytes, dict[str, Any]]:
     return raw, obj
 
 
-def _lock_for(native: NativeEngine) -> threading.Lock:
+def _on_engine_thread(native: NativeEngine, fn: Any) -> Any:
+    """Run ``fn`` where the engine runs: on the server's engine thread when this NativeEngine is
+    being served (the reactor runs and we are not on it), else on this NativeEngine's own single
+    thread. Either way one thread computes, in turn with every other job, so an answer never
+    depends on the calling thread (the CPU BLAS thread setting is per thread)."""
+    bridge = native.bridge
+    if bridge is not None and bridge.reactor.running:
+        from twisted.internet.threads import blockingCallFromThread
+        from twisted.python.threadable import isInIOThread
+
+        if not isInIOThread():
+            return blockingCallFromThread(bridge.reactor, bridge.call, fn)
+    return _executor(native).submit(fn).result()
+
+
+def _executor(native: NativeEngine) -> ThreadPoolExecutor:
     with _default_lock:
-        return _locks.setdefault(id(native), threading.Lock())
+        pool = _executors.get(id(native))
+        if pool is None:
+            pool = _executors[id(native)] = ThreadPoolExecutor(1, thread_name_prefix="bankml-api-engine")
+        return pool
 
 
 def _prepare(native: NativeEngine, request: dict[str, Any] | bytes, stream: bool) -> Any:
@@ -119,13 +141,20 @@ def chat(request: dict[str, Any] | bytes, *, native: NativeEngine | None = None)
     """The non-streamed answer to a /v1/chat/completions request, receipt included."""
     native = native or _default_native()
     answer, parsed = _prepare(native, request, stream=False)
-    with _lock_for(native):
+
+    def work() -> dict[str, Any]:
         run = native.engine.run_steps(parsed)
         for chunk in run:
             answer.on_chunk(chunk)
-    out = answer.whole(run.summary)
-    native.record(run.summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api")
+        return answer.whole(run.summary), run.summary
+
+    out, summary = _on_engine_thread(native, work)
+    native.record(summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api")
     return out
+
+
+_END = object()
+STREAM_WINDOW = 8  # events computed ahead of the reader: a slow reader holds the engine
 
 
 def chat_stream(request: dict[str, Any] | bytes, *, native: NativeEngine | None = None
@@ -133,17 +162,41 @@ def chat_stream(request: dict[str, Any] | bytes, *, native: NativeEngine | None 
     """The streamed answer's event objects, ending with ``{"bankml_receipt": ...}``."""
     native = native or _default_native()
     answer, parsed = _prepare(native, request, stream=True)
+    events: "queue.Queue[Any]" = queue.Queue(STREAM_WINDOW)
     stop = threading.Event()
-    with _lock_for(native):
-        run = native.engine.run_steps(parsed, stop.is_set)
+
+    def put(item: Any) -> None:
+        while not stop.is_set():
+            try:
+                events.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def work() -> None:
         try:
+            run = native.engine.run_steps(parsed, stop.is_set)
             for chunk in run:
-                yield from answer.on_chunk(chunk)
+                for event in answer.on_chunk(chunk):
+                    put(event)
+            if not run.summary.cancelled:
+                for event in answer.final_events(run.summary):
+                    put(event)
+                native.record(run.summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api")
+        except BaseException as err:  # handed to the reader, raised there
+            put(err)
         finally:
-            stop.set()  # closed early: the engine stops before its next token
-            for _ in run:  # let the engine finish its cancelled run cleanly
-                pass
-    if run.summary.cancelled:
-        return
-    yield from answer.final_events(run.summary)
-    native.record(run.summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api")
+            put(_END)
+
+    threading.Thread(target=_on_engine_thread, args=(native, work), daemon=True,
+                     name="bankml-api-stream").start()
+    try:
+        while True:
+            item = events.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()  # closed early: the engine stops before its next token

@@ -210,7 +210,7 @@ class EngineBridge:
         self.window = window
         self.engine = _Worker(reactor, "bankml-engine")
         self.preparer = _Worker(reactor, "bankml-prepare")
-        self._shutdown_trigger: Any = reactor.addSystemEventTrigger("before", "shutdown", self.stop)
+        self._shutdown_trigger: Any = reactor.addSystemEventTrigger("before", "shutdown", self._on_shutdown)
         self.runs_started = 0
         self.last_run: RunControl | None = None  # the latest run's control (tests, /bankml)
 
@@ -244,13 +244,14 @@ class EngineBridge:
     def queued(self) -> int:
         return self.engine.pending
 
+    def _on_shutdown(self) -> None:
+        self._shutdown_trigger = None  # firing now: nothing to remove
+        self.stop()
+
     def stop(self) -> None:
         """Cancel the running job, let it end, and stop both threads (reactor shutdown)."""
         if self._shutdown_trigger is not None:
-            try:
-                self.reactor.removeSystemEventTrigger(self._shutdown_trigger)
-            except (ValueError, KeyError):
-                pass  # already firing: this is the trigger
+            self.reactor.removeSystemEventTrigger(self._shutdown_trigger)
             self._shutdown_trigger = None
         current = self.engine.current
         if current is not None and current.control is not None:

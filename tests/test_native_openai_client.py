@@ -13,11 +13,20 @@ import jsonschema
 import pytest_twisted
 from twisted.internet.threads import deferToThread
 
+from pathlib import Path
+
+import pytest
+
 from bankml import api
-from tests.test_native_serve import Served, post, served  # noqa: F401  (the module's fixture)
+from tests.test_native_serve import Served, post, shared_served
 
 
-def client(served: "Served") -> Any:
+@pytest.fixture
+def served(default_model: Path, default_fork: Path) -> Served:
+    return shared_served(default_model, default_fork)  # one engine for both native test modules
+
+
+def client(served: Served) -> Any:
     import openai
 
     return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -27,7 +36,7 @@ MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest_twisted.ensureDeferred
-async def test_openai_chat_streamed_and_not_agree(served: "Served") -> None:
+async def test_openai_chat_streamed_and_not_agree(served: Served) -> None:
     def run() -> tuple[Any, str, list[Any]]:
         c = client(served)
         # cache_prompt false: both from an empty slot (a reused prefix may change the greedy token)
@@ -48,7 +57,7 @@ async def test_openai_chat_streamed_and_not_agree(served: "Served") -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_openai_logprobs(served: "Served") -> None:
+async def test_openai_logprobs(served: Served) -> None:
     def run() -> Any:
         return client(served).chat.completions.create(model="x", messages=MESSAGES, max_tokens=3, temperature=0,
                                                       logprobs=True, top_logprobs=3)
@@ -61,7 +70,7 @@ async def test_openai_logprobs(served: "Served") -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_openai_json_schema_answer_follows_the_schema(served: "Served") -> None:
+async def test_openai_json_schema_answer_follows_the_schema(served: Served) -> None:
     schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
               "required": ["colour"], "additionalProperties": False}
 
@@ -76,7 +85,7 @@ async def test_openai_json_schema_answer_follows_the_schema(served: "Served") ->
 
 
 @pytest_twisted.ensureDeferred
-async def test_openai_completions(served: "Served") -> None:
+async def test_openai_completions(served: Served) -> None:
     def run() -> Any:
         return client(served).completions.create(model="x", prompt="The capital of France is", max_tokens=3,
                                                  temperature=0)
@@ -88,7 +97,7 @@ async def test_openai_completions(served: "Served") -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_openai_client_sees_a_refusal_as_bad_request(served: "Served") -> None:
+async def test_openai_client_sees_a_refusal_as_bad_request(served: Served) -> None:
     import openai
 
     def run() -> Any:
@@ -106,7 +115,7 @@ async def test_openai_client_sees_a_refusal_as_bad_request(served: "Served") -> 
 
 
 @pytest_twisted.ensureDeferred
-async def test_api_chat_equals_the_http_answer(served: "Served") -> None:
+async def test_api_chat_equals_the_http_answer(served: Served) -> None:
     body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "cache_prompt": False}
     raw = json.dumps(body).encode()
     status, _, data = await deferToThread(post, served.url + "/v1/chat/completions", None, raw)
@@ -121,7 +130,7 @@ async def test_api_chat_equals_the_http_answer(served: "Served") -> None:
     assert events[-1]["bankml_receipt"]["response_sha256"] == direct["bankml_receipt"]["response_sha256"]
 
 
-def test_api_refusal_is_an_api_error(served: "Served") -> None:
+def test_api_refusal_is_an_api_error(served: Served) -> None:
     try:
         api.chat({"messages": MESSAGES, "top_logprobs": 1}, native=served.native)
     except api.ApiError as err:

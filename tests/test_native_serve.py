@@ -9,20 +9,22 @@ Answers are greedy (temperature 0) and short, so the module stays well under a m
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import http.client
 import json
+import shutil
 import socket
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, DeferredList, maybeDeferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 
@@ -43,24 +45,32 @@ class Served:
     slot_dir: Path
 
 
-@pytest.fixture(scope="module")
-def served(default_model: Path, default_fork: Path) -> Iterator[Served]:
+_SHARED: list[Served] = []
+
+
+def shared_served(model: Path, fork: Path) -> Served:
     """The NativeService tap starts for --native, on ports 0: verify, open the engine off the
-    reactor, then bind both addresses."""
-    slot_dir = Path(tempfile.mkdtemp(prefix="bankml-slots-"))
-    svc = make_native_service({"file": str(default_model), "fork": str(default_fork), "ctx": N_CTX,
-                               "device": "cpu", "listen": "127.0.0.1:0", "upstream": "127.0.0.1:0",
-                               "slot-dir": str(slot_dir)})
-    svc.exit_at_interpreter_end = False
-    svc.startService()
-    pytest_twisted.blockon(svc.ready)
-    assert svc.native is not None and len(svc.ports) == 2, "the native service did not come up"
-    urls = [f"http://127.0.0.1:{svc.port_of(i)}" for i in (0, 1)]
-    yield Served(svc.native, urls[0], urls[1], slot_dir)
-    pytest_twisted.blockon(maybeDeferred(svc.stopService))
-    for f in slot_dir.iterdir():
-        f.unlink()
-    slot_dir.rmdir()
+    reactor, then bind both addresses. Started once per test process and shared by the native
+    test modules (opening the engine is most of its cost); the reactor's shutdown closes it."""
+    if not _SHARED:
+        slot_dir = Path(tempfile.mkdtemp(prefix="bankml-slots-"))
+        atexit.register(shutil.rmtree, slot_dir, True)
+        svc = make_native_service({"file": str(model), "fork": str(fork), "ctx": N_CTX, "device": "cpu",
+                                   "listen": "127.0.0.1:0", "upstream": "127.0.0.1:0",
+                                   "slot-dir": str(slot_dir)})
+        svc.exit_at_interpreter_end = False
+        svc.startService()
+        pytest_twisted.blockon(svc.ready)
+        assert svc.native is not None and len(svc.ports) == 2, "the native service did not come up"
+        reactor.addSystemEventTrigger("before", "shutdown", svc.stopService)
+        urls = [f"http://127.0.0.1:{svc.port_of(i)}" for i in (0, 1)]
+        _SHARED.append(Served(svc.native, urls[0], urls[1], slot_dir))
+    return _SHARED[0]
+
+
+@pytest.fixture
+def served(default_model: Path, default_fork: Path) -> Served:
+    return shared_served(default_model, default_fork)
 
 
 def test_a_wrongly_pinned_file_is_refused_before_anything_listens(tmp_path: Path, default_model: Path) -> None:

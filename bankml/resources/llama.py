@@ -14,7 +14,6 @@ thread, so it never meets a half-finished run.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Callable
