@@ -7,8 +7,10 @@ helpers find them the same way (the build script answers at once when its cache 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -40,6 +42,14 @@ def default_model() -> Path:
         return Path(env).resolve()
     subprocess.run([str(ROOT / "scripts" / "fetch-model.sh")], check=True, capture_output=True)
     return DEFAULT_MODEL
+
+
+def _die_with_parent() -> None:
+    """PR_SET_DEATHSIG: a test run that is killed leaves no llama-server behind (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    except (AttributeError, OSError):
+        pass
 
 
 def free_port() -> int:
@@ -80,7 +90,8 @@ class LlamaServer:
     def start(self, timeout: float = 120) -> "LlamaServer":
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                "-t", "2", "-c", "2048", "-np", "1", "--jinja", "--no-webui", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
