@@ -19,7 +19,7 @@ import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -432,7 +432,6 @@ def apply_min_p(c: Candidates, p: float, min_keep: int) -> None:
             return
     c.sort_desc()
     min_logit = F32(c.logits[0] + log_p)
-    i = 1
     below = np.flatnonzero((c.logits[1:] < min_logit) & (np.arange(1, c.size) >= min_keep))
     i = int(below[0]) + 1 if len(below) else c.size
     c.take(slice(0, i))
@@ -862,8 +861,3 @@ def token_logprobs(logits: np.ndarray, n_probs: int, token: int) -> TokenProbs:
 def logarithm(p: float) -> float:
     """completion_token_output::logarithm: ln p in float, float's lowest for p = 0."""
     return float(np.finfo(F32).min) if p == 0.0 else float(np.log(F32(p)))
-
-
-def accept_all(sampler: Sampler, tokens: Iterable[int]) -> None:
-    for t in tokens:
-        sampler.accept(t)
