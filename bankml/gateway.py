@@ -21,7 +21,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.logger import Logger
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import Agent, HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
@@ -62,6 +62,13 @@ def parse_upstream(address: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+class _QuietClientFactory(_HTTP11ClientFactory):
+    """The pool's connection factory without a "Starting/Stopping factory" log line per
+    connection (HTTPConnectionPool's documented way to customise it is `_factory`)."""
+
+    noisy = False
+
+
 def make_agent(reactor: Any) -> Agent:
     """An Agent over one persistent connection pool, so /health and chat reuse open connections.
 
@@ -72,6 +79,7 @@ def make_agent(reactor: Any) -> Agent:
     machine, against a 1 ms budget for the whole gateway. Bodies are still read with
     treq.collect (bounded_collect) or proxy_resource's reader."""
     pool = HTTPConnectionPool(reactor, persistent=True)
+    pool._factory = _QuietClientFactory
     pool.maxPersistentPerHost = 8
     pool.cachedConnectionTimeout = 60
     return Agent(reactor, pool=pool, connectTimeout=5)

@@ -139,6 +139,7 @@ class EngineProcess(service.Service):
         self.ready_at: float | None = None
         self.restart_call: Any = None
         self.starts = 0
+        self.pid: int | None = None
 
     # --- starting ----------------------------------------------------------------------------
 
@@ -160,8 +161,7 @@ class EngineProcess(service.Service):
         if problem is not None:
             raise EngineFailed(problem)
         self.ready_at = time.monotonic()
-        self.gateway.set_state(gw.READY, f"healthy on {self.gateway.upstream_text}",
-                               self.transport.pid if self.transport else None)
+        self.gateway.set_state(gw.READY, f"healthy on {self.gateway.upstream_text}", self.pid)
 
     @inlineCallbacks
     def _answers_health(self) -> Any:
@@ -178,7 +178,8 @@ class EngineProcess(service.Service):
         self.starts += 1
         self.proto = _EngineProtocol(self._ended)
         self.transport = self.reactor.spawnProcess(self.proto, executable, argv, env=os.environ)
-        self.gateway.set_state(gw.STARTING, "launched: " + " ".join(args), self.transport.pid)
+        self.pid = self.transport.pid  # kept: Twisted clears transport.pid once the process is reaped
+        self.gateway.set_state(gw.STARTING, "launched: " + " ".join(args), self.pid)
 
     @inlineCallbacks
     def _wait_healthy(self) -> Any:
@@ -204,7 +205,7 @@ class EngineProcess(service.Service):
     # --- supervising -------------------------------------------------------------------------
 
     def _ended(self, proto: _EngineProtocol, reason: Failure) -> None:
-        pid = self.transport.pid if self.transport is not None else None
+        pid = self.pid
         how = exit_text(reason)
         if proto is self.proto:
             self.transport = None
@@ -276,7 +277,7 @@ class EngineProcess(service.Service):
         proto = self.proto
         if self.transport is None or proto is None or proto.ended.called:
             return succeed(None)
-        pid = self.transport.pid
+        pid = self.pid
         _log.info("stopping llama-server (pid {pid}): SIGTERM", pid=pid)
         self._signal(signal.SIGTERM)
 

@@ -222,6 +222,9 @@ class BankmlService(service.MultiService):
         g.set_state(gw.READY, f"upstream {g.upstream_text} serves the verified file")
 
     def _fatal(self, reason: str, code: int = EXIT_REFUSED) -> None:
+        if not self.running:  # stopping already (a signal during start-up): not a refusal
+            _log.info("start-up interrupted: {reason}", reason=reason)
+            return
         _log.error("refuse: {reason}", reason=reason)
         print(f"refuse: {reason}", file=sys.stderr, flush=True)
         self.exit_code = code
