@@ -211,6 +211,22 @@ def test_a_signal_stops_bankml_and_leaves_no_llama_server(
     assert "stopping llama-server" in bankml.output()
 
 
+def test_sigterm_while_the_engine_is_starting_leaves_no_llama_server(
+        model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path) -> None:
+    model, fork = model_copy
+    port = support.free_port()
+    bankml = BankmlProcess(model, fork, ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{port}"],
+                           tmp_path / "log").launch()
+    deadline = time.monotonic() + 60
+    while "engine starting: launched" not in bankml.output():
+        assert time.monotonic() < deadline and bankml.proc.poll() is None, bankml.output()
+        time.sleep(0.02)
+    engines = [p for p in psutil.Process(bankml.proc.pid).children() if str(port) in " ".join(p.cmdline())]
+    assert len(engines) == 1
+    assert bankml.stop(signal.SIGTERM) == 128 + signal.SIGTERM, bankml.output()
+    assert process_gone(engines[0].pid, 1) and "refuse:" not in bankml.output()
+
+
 def test_twistd_daemon_starts_and_stops_with_its_pidfile(model_copy: tuple[Path, Path],
                                                          llama_server_bin: Path, tmp_path: Path) -> None:
     model, fork = model_copy
