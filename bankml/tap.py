@@ -65,11 +65,12 @@ class Options(usage.Options):
         ["threads", None, 3, "llama-server threads (-t) with --spawn", int],
         ["ctx", None, 4096, "llama-server context size (-c) with --spawn", int],
         ["slot-dir", None, None, "with --spawn: llama-server's --slot-save-path (a directory)"],
-        ["device", None, None, "native engine device (not yet implemented)"],
+        ["device", None, None, "with --native: the engine's device (cpu, cuda, rocm; default auto)"],
     ]
     optFlags = [
         ["spec-ngram", None, "with --spawn: llama-server --spec-type ngram-simple"],
-        ["native", None, "answer with bankml's own engine (not yet implemented)"],
+        ["native", None, "answer with bankml's own engine (bankml/native_service.py), also on the "
+                         "--upstream address"],
     ]
 
     def parseOptions(self, options: list[str] | None = None) -> None:
@@ -93,9 +94,11 @@ class Options(usage.Options):
     def postOptions(self) -> None:
         if not self["fork"]:
             raise usage.UsageError("--fork FORK.json is required: bankml serves only a pinned file")
-        if self["native"] or self["device"]:
-            raise usage.UsageError("--native/--device: the native engine is not yet implemented "
-                                   "in this version; use --spawn or --upstream")
+        if self["device"] and not self["native"]:
+            raise usage.UsageError("--device chooses the native engine's device: it needs --native")
+        if self["native"] and (self["spawn"] or self["spec-ngram"]):
+            raise usage.UsageError("--native answers with bankml's own engine: "
+                                   "--spawn and --spec-ngram are for llama-server")
         from bankml.site import NotLoopbackError, parse_listen
 
         try:
@@ -110,10 +113,10 @@ class Options(usage.Options):
             raise usage.UsageError(f"--spawn {spawn}: not an executable file")
         if self["slot-dir"] and not os.path.isdir(self["slot-dir"]):
             raise usage.UsageError(f"--slot-dir {self['slot-dir']}: not a directory")
-        if not spawn and (self["slot-dir"] or self["spec-ngram"]):
+        if not (spawn or self["native"]) and (self["slot-dir"] or self["spec-ngram"]):
             raise usage.UsageError("--slot-dir and --spec-ngram are llama-server arguments: "
-                                   "they need --spawn")
-        self["mode"] = "spawn" if spawn else "upstream"
+                                   "they need --spawn (--slot-dir also works with --native)")
+        self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
 
 
 def refuse(reason: str, code: int = EXIT_REFUSED) -> "SystemExit":
@@ -245,9 +248,15 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def makeService(options: Options) -> BankmlService:
-    """Verify (before anything listens), then the gateway, the engine and the site."""
+def makeService(options: Options) -> service.IService:
+    """Verify (before anything listens), then the gateway, the engine and the site.
+    `--native` is bankml/native_service.py's service (it verifies the same way)."""
     from twisted.internet import reactor
+
+    if options["mode"] == "native":
+        from bankml.native_service import make_native_service
+
+        return make_native_service(options)
 
     from bankml.gateway import Gateway, make_agent
     from bankml.process_protocol import EngineProcess
