@@ -262,7 +262,7 @@ def makeService(options: Options) -> service.IService:
     from bankml.process_protocol import EngineProcess
     from bankml.resources.p0 import p0_root
     from bankml.site import LoopbackSite
-    from bankml.usage import UsageSampler
+    from bankml.usage import EngineFinder, UsageSampler
 
     verified = verify_or_exit(options)
     _log.info("verified {path}: sha256 {sha} pinned in {fork}", path=verified.path,
@@ -275,13 +275,7 @@ def makeService(options: Options) -> service.IService:
                                ctx=options["ctx"], slot_dir=options["slot-dir"],
                                spec_ngram=bool(options["spec-ngram"]))
 
-    def processes() -> list[tuple[str, int]]:
-        named = [("bankml serve", os.getpid())]
-        if gateway.pid:
-            named.append(("llama-server", gateway.pid))
-        return named
-
-    sampler = UsageSampler(reactor, processes)
+    sampler = UsageSampler(reactor, EngineFinder(gateway))
     site = LoopbackSite(p0_root(gateway, sampler))
     return BankmlService(options, gateway, site, engine)
 

@@ -120,6 +120,40 @@ def amdgpu_sysfs() -> list[dict[str, Any]]:
     return gpus
 
 
+def listener_pid(host: str, port: int) -> int | None:
+    """The pid listening on host:port (the `--upstream` llama-server bankml did not start), or
+    None. One scan of the system's TCP sockets (~15 ms): callers keep the answer while the pid
+    lives."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid \
+                and c.laddr.ip in (host, "0.0.0.0", "::"):
+            return c.pid
+    return None
+
+
+class EngineFinder:
+    """(name, pid) pairs for the sampler: bankml itself and the engine, spawned or upstream."""
+
+    def __init__(self, gateway: Any) -> None:
+        self.gateway = gateway
+        self.upstream_pid: int | None = None
+
+    def __call__(self) -> Named:
+        named = [("bankml serve", os.getpid())]
+        pid = self.gateway.pid
+        if pid is None and self.gateway.mode == "upstream":
+            if self.upstream_pid is None or not psutil.pid_exists(self.upstream_pid):
+                self.upstream_pid = listener_pid(*self.gateway.upstream)
+            pid = self.upstream_pid
+        if pid:
+            named.append(("llama-server", pid))
+        return named
+
+
 class UsageSampler:
     """Samples at most once per `keep` seconds; concurrent callers share one sample."""
 

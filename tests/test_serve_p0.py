@@ -75,6 +75,13 @@ def test_upstream_answers_carry_receipts(upstream: BankmlProcess, stream: bool) 
     check(raw, body, support.DEFAULT_SHA256)
 
 
+def test_usage_in_upstream_mode_finds_the_engine_by_its_port(upstream: BankmlProcess,
+                                                             reference_server: support.LlamaServer) -> None:
+    processes = {p["name"]: p for p in upstream.get("/bankml/usage")[1]["processes"]}
+    assert processes["llama-server"]["pid"] == reference_server.proc.pid
+    assert processes["bankml serve"]["pid"] == upstream.proc.pid
+
+
 def test_streamed_and_whole_answers_hash_the_same_text(upstream: BankmlProcess) -> None:
     """At temperature 0 the same request gives the same text streamed or not: so the same hash."""
     whole = json.loads(upstream.post(chat_body(False, max_tokens=16))[1])["bankml_receipt"]
