@@ -71,12 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fast-attention", action="store_true",
+                        help="accumulate attention in f32 instead of ggml's f16 accumulator")
     args = parser.parse_args(argv)
     binary = args.llama_server or support.llama_server_binary()
     model_path = args.model or support.default_model()
     start = time.perf_counter()
     model = Model.load(model_path, device="cpu")
     model.threads, model.decode_threads = args.threads, args.decode_threads
+    if args.fast_attention:
+        model.exact_attention_cells = 0
     print(f"engine load {time.perf_counter() - start:.1f} s, weights "
           f"{model.weights.nbytes / 2**20:.0f} MiB")
     rows = []
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({ep / sp:.2f}x); decode engine {ed:6.1f} vs {sd:6.1f} tok/s ({ed / sd:.2f}x)")
     result = {
         "model": Path(model_path).name, "threads": args.threads,
-        "decode_threads": args.decode_threads, "prompt_tokens": len(ids),
+        "decode_threads": args.decode_threads, "fast_attention": args.fast_attention,
+        "prompt_tokens": len(ids),
         "decode_tokens": args.decode_tokens, "rounds": args.rounds,
         "prefill_engine": round(statistics.median(r[2] for r in rows), 1),
         "prefill_llama_server": round(statistics.median(r[0] for r in rows), 1),

@@ -161,6 +161,9 @@ class Model:
         self.decode_threads: int | None = 1
         # llama-server's -t, on which the split of a long one-row attention depends
         self.ggml_threads = 2
+        # Up to this many cells, attention reproduces ggml's f16 accumulator (a Python loop
+        # over the cells, ~7 µs each per layer); beyond, or at 0, it accumulates in f32
+        self.exact_attention_cells = 1024
         self._blas = backend.BlasThreads(xp)
 
     @classmethod
@@ -306,7 +309,7 @@ class Model:
         if mask is not None:
             scores = scores + mask
         scores = scores.reshape(hp.n_head_kv, group * n, end)
-        if cache.cache_type == "f16" and n < FA_TILE_Q:
+        if cache.cache_type == "f16" and n < FA_TILE_Q and end <= self.exact_attention_cells:
             out = self._attend_f16_accumulator(scores, values, n)
         else:
             out = softmax_product(xp, scores, values)  # [kv, group*n, hd]
