@@ -9,7 +9,7 @@ FORK        := $(MODEL).FORK.json
 LISTEN      ?= 127.0.0.1:18093
 UPSTREAM    ?= 127.0.0.1:18092
 
-.PHONY: serve test bench venv test-deps model llama-server clean
+.PHONY: serve serve-native test bench venv test-deps model llama-server clean
 
 $(BIN)/bankml: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ llama-server:
 serve: venv model
 	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --spawn "$$(scripts/build-llama-server.sh)" \
 	    --listen $(LISTEN) --upstream $(UPSTREAM)
+
+serve-native: venv model
+	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --native --listen $(LISTEN) --upstream $(UPSTREAM)
 
 test: test-deps model
 	BANKML_LLAMA_SERVER="$$(scripts/build-llama-server.sh)" BANKML_MODEL=$(MODEL) \
