@@ -41,7 +41,7 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
     """llama-server's endpoints and the OpenAI ones, on one tree."""
     from bankml.resources import llama
     from bankml.resources.openai import CHAT, LLAMA_COMPLETION, OAI_COMPLETION, ModelsResource, NativeChat
-    from bankml.resources.p0 import _Branch
+    from bankml.resources.p0 import Branch
 
     root.putChild(b"health", llama.Health(native))
     root.putChild(b"props", llama.Props(native))
@@ -52,11 +52,11 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
     root.putChild(b"completion", NativeChat(native, LLAMA_COMPLETION))
     if slots:
         root.putChild(b"slots", llama.Slots(native))
-    v1 = _Branch()
+    v1 = Branch()
     root.putChild(b"v1", v1)
     v1.putChild(b"models", ModelsResource(native))
     v1.putChild(b"completions", NativeChat(native, OAI_COMPLETION))
-    chat = _Branch()
+    chat = Branch()
     v1.putChild(b"chat", chat)
     chat.putChild(b"completions", NativeChat(native, CHAT))
     root.putChild(b"models", ModelsResource(native))  # llama-server answers /models too
@@ -66,16 +66,16 @@ def build_native_roots(native: NativeEngine, sampler: Any = None) -> tuple[Resou
     """(listen_root, engine_root): bankml's address with /bankml, and the engine address with
     /slots; both answer the OpenAI and llama-server endpoints."""
     from bankml.resources.bankml import BankmlResource
-    from bankml.resources.p0 import _Branch
+    from bankml.resources.p0 import Branch
 
     if sampler is None:
         from bankml.usage import UsageSampler
 
         sampler = UsageSampler(native.reactor or _reactor(), lambda: [("bankml serve", os.getpid())])
-    listen_root = _Branch()
+    listen_root = Branch()
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))  # type: ignore[arg-type]
     _put_llama_endpoints(listen_root, native, slots=False)
-    engine_root = _Branch()
+    engine_root = Branch()
     _put_llama_endpoints(engine_root, native, slots=True)
     return listen_root, engine_root
 
@@ -115,10 +115,9 @@ class NativeService(service.MultiService):
 
     def startService(self) -> None:
         super().startService()
-        from bankml.tap import BankmlService
+        from bankml.tap import stop_on_sighup
 
-        # SIGHUP stops bankml like SIGTERM, exactly as in P0 (tap's handler, reused as it is)
-        BankmlService._handle_sighup(self)  # type: ignore[arg-type]
+        stop_on_sighup(self.reactor)  # SIGHUP stops bankml like SIGTERM, exactly as in P0
         self.ready = self._bring_up()
 
     @inlineCallbacks

@@ -134,6 +134,18 @@ def verify_or_exit(options: Options) -> Any:
         raise refuse(err.reason, err.exit_code)
 
 
+def stop_on_sighup(reactor: Any) -> None:
+    """SIGHUP stops bankml like SIGTERM (Twisted installs no SIGHUP handler; the default
+    action would kill bankml without its shutdown triggers, leaving llama-server behind)."""
+
+    def on_hup(signum: int, frame: Any) -> None:
+        _log.info("Received SIGHUP, shutting down.")
+        reactor._exitSignal = signum  # ISupportsExitSignalCapturing: exit by the signal
+        reactor.callFromThread(reactor.stop)
+
+    signal.signal(signal.SIGHUP, on_hup)
+
+
 class BankmlService(service.MultiService):
     """Brings the engine up, then listens; stops both on shutdown."""
 
@@ -151,23 +163,12 @@ class BankmlService(service.MultiService):
 
     def startService(self) -> None:
         super().startService()
-        self._handle_sighup()
+        stop_on_sighup(self.reactor)
         self.reactor.callWhenRunning(self._bring_up)
 
     @property
     def reactor(self) -> Any:
         return self.gateway.reactor
-
-    def _handle_sighup(self) -> None:
-        """SIGHUP stops bankml like SIGTERM (Twisted installs no SIGHUP handler; the default
-        action would kill bankml without its shutdown triggers, leaving llama-server behind)."""
-
-        def on_hup(signum: int, frame: Any) -> None:
-            _log.info("Received SIGHUP, shutting down.")
-            self.reactor._exitSignal = signum  # ISupportsExitSignalCapturing: exit by the signal
-            self.reactor.callFromThread(self.reactor.stop)
-
-        signal.signal(signal.SIGHUP, on_hup)
 
     @inlineCallbacks
     def _bring_up(self) -> Any:

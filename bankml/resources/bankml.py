@@ -70,14 +70,14 @@ class BankmlResource(JsonResource):
             metrics or (lambda: empty_metrics("bankml P0: llama-server's completions are not measured"))))
 
     def getChild(self, path: bytes, request: Request) -> Any:
-        return _NotFound()
+        return NotFound()
 
     def render_GET(self, request: Request) -> Any:
         write_json(request, 200, _json(self.gateway.describe()))
         return NOT_DONE_YET
 
 
-class _NotFound(JsonResource):
+class NotFound(JsonResource):
     isLeaf = True
 
     def render(self, request: Request) -> Any:

@@ -17,29 +17,29 @@ from twisted.web.server import Request
 
 from bankml.gateway import Gateway
 from bankml.proxy_resource import ChatProxy, JsonResource, ProxyGet
-from bankml.resources.bankml import BankmlResource, _NotFound
+from bankml.resources.bankml import BankmlResource, NotFound
 from bankml.usage import UsageSampler
 
 
-class _Branch(JsonResource):
+class Branch(JsonResource):
     """A path segment with children only; anything else under it is a JSON 404."""
 
     def getChild(self, path: bytes, request: Request) -> Any:
-        return _NotFound()
+        return NotFound()
 
     def render(self, request: Request) -> Any:
-        return _NotFound().render(request)
+        return NotFound().render(request)
 
 
 def p0_root(gateway: Gateway, sampler: UsageSampler) -> Resource:
-    root = _Branch()
+    root = Branch()
     root.putChild(b"bankml", BankmlResource(gateway, sampler))
     for name in (b"health", b"props"):
         root.putChild(name, ProxyGet(gateway, "/" + name.decode()))
-    v1 = _Branch()
+    v1 = Branch()
     root.putChild(b"v1", v1)
     v1.putChild(b"models", ProxyGet(gateway, "/v1/models"))
-    chat = _Branch()
+    chat = Branch()
     v1.putChild(b"chat", chat)
     chat.putChild(b"completions", ChatProxy(gateway))
     return root
