@@ -331,14 +331,9 @@ class NativeEngine:
 
     def identity_problem(self) -> str | None:
         """None while the file is the one that was hashed (FileIdent: device, inode, size, mtime)."""
-        from bankml.fileident import FileIdent
-        from bankml.gateway import FILE_CHANGED
+        from bankml.gateway import identity_problem
 
-        try:
-            now = FileIdent.of(self.verified.path)
-        except OSError as err:
-            return f"{FILE_CHANGED} ({err.strerror or err})"
-        return None if now == self.verified.ident else FILE_CHANGED
+        return identity_problem(self.verified)
 
     # --- records --------------------------------------------------------------------------
 

@@ -139,6 +139,15 @@ def canonical(path: str) -> str:
 
 
 @dataclass
+def identity_problem(verified: Verified) -> str | None:
+    """None while the file is the one that was hashed (same device, inode, size, mtime)."""
+    try:
+        now = FileIdent.of(verified.path)
+    except OSError as err:
+        return f"{FILE_CHANGED} ({err.strerror or err})"
+    return None if now == verified.ident else FILE_CHANGED
+
+
 class Gateway:
     """The verified model, the upstream address and the engine's state, shared by the resources."""
 
@@ -177,12 +186,7 @@ class Gateway:
     # --- the checks before every answer -------------------------------------------------------
 
     def identity_problem(self) -> str | None:
-        """None while the file is the one that was hashed (same device, inode, size, mtime)."""
-        try:
-            now = FileIdent.of(self.verified.path)
-        except OSError as err:
-            return f"{FILE_CHANGED} ({err.strerror or err})"
-        return None if now == self.verified.ident else FILE_CHANGED
+        return identity_problem(self.verified)
 
     def availability_problem(self) -> tuple[str, int | None] | None:
         """(message, Retry-After seconds or None) when no answer may be given now, else None."""
