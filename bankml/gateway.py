@@ -138,7 +138,6 @@ def canonical(path: str) -> str:
     return os.path.realpath(path)
 
 
-@dataclass
 def identity_problem(verified: Verified) -> str | None:
     """None while the file is the one that was hashed (same device, inode, size, mtime)."""
     try:
@@ -148,6 +147,7 @@ def identity_problem(verified: Verified) -> str | None:
     return None if now == verified.ident else FILE_CHANGED
 
 
+@dataclass
 class Gateway:
     """The verified model, the upstream address and the engine's state, shared by the resources."""
 
