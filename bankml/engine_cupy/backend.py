@@ -87,3 +87,62 @@ class BlasThreads:
             for controller in self._controllers:
                 controller.set_num_threads(wanted)
             self._current = wanted
+
+
+class F16Accumulator:
+    """An f16 accumulator updated in place, as ggml's ``ggml_vec_scale_f16``/``ggml_vec_mad_f16``:
+    each update is computed in f32 and rounded to f16.
+
+    NumPy converts f32 to f16 one element at a time (about 7 ns each, ten times an f32 add), so
+    on the CPU the accumulator is an f32 array kept on the f16 grid by ``_round_to_f16``, five
+    f32/uint32 operations without a conversion. CuPy converts in one kernel, so there it is an
+    f16 array updated by mixed-type ufuncs (one kernel per update).
+    """
+
+    # exponent bits of an f32, and what turns 2^e into 1.5 * 2^(e+13): added to x, the f32 sum's
+    # last bit is 2^(e-10), the spacing of f16 in x's binade
+    _EXPONENT = numpy.uint32(0x7F800000)
+    _MAGIC_OFFSET = numpy.uint32((13 << 23) | 0x400000)
+    # below 2^-14 f16 is subnormal with spacing 2^-24: the magic number stops at 1.5 * 2^-1
+    _SUBNORMAL_MAGIC = numpy.float32(0.75).view(numpy.uint32)
+
+    def __init__(self, xp: ModuleType, shape: tuple[int, ...]):
+        self.xp = xp
+        self._native = xp is numpy
+        if self._native:
+            self.acc = numpy.zeros(shape, numpy.float32)
+            self._bits = self.acc.view(numpy.uint32)
+            self._magic_bits = numpy.empty(shape, numpy.uint32)
+            self._magic = self._magic_bits.view(numpy.float32)
+        else:
+            self.acc = xp.zeros(shape, xp.float16)
+
+    def _round_to_f16(self) -> None:
+        """acc := f16(acc), ties to even, subnormals included; exact below f16's largest value
+        (where ggml's would become inf, this keeps rounding on the grid)."""
+        m = self._magic_bits
+        numpy.bitwise_and(self._bits, self._EXPONENT, out=m)
+        numpy.add(m, self._MAGIC_OFFSET, out=m)
+        numpy.maximum(m, self._SUBNORMAL_MAGIC, out=m)
+        numpy.add(self.acc, self._magic, out=self.acc)
+        numpy.subtract(self.acc, self._magic, out=self.acc)
+
+    def scale(self, factor: Any) -> None:
+        """acc = f16(acc * factor)."""
+        if self._native:
+            numpy.multiply(self.acc, factor, out=self.acc)
+            self._round_to_f16()
+        else:
+            self.xp.multiply(self.acc, factor, out=self.acc, casting="same_kind")
+
+    def add(self, term: Any) -> None:
+        """acc = f16(acc + term), the sum in f32."""
+        if self._native:
+            numpy.add(self.acc, term, out=self.acc)
+            self._round_to_f16()
+        else:
+            self.xp.add(self.acc, term, out=self.acc, casting="same_kind")
+
+    def value(self) -> Any:
+        """The accumulator as float32."""
+        return self.acc if self._native else self.acc.astype(self.xp.float32)

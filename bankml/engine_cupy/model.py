@@ -99,24 +99,52 @@ def online_softmax_f16(xp: ModuleType, scores: Any, values: Any) -> tuple[Any, A
     the weights are vectorised; only the f16-rounded accumulation walks the cells.
     Returns (M [kv, rows], S [kv, rows], acc [kv, rows, hd] f32).
     """
+    return online_softmax_f16_chunks(xp, scores, values, scores.shape[-1])[0]
+
+
+def online_softmax_f16_chunks(xp: ModuleType, scores: Any, values: Any,
+                              chunk: int) -> list[tuple[Any, Any, Any]]:
+    """``online_softmax_f16`` of each ``chunk`` cells of scores [kv, rows, T] / values [kv, T, hd].
+
+    The chunks (ggml's threads) are independent, so they run side by side as extra rows: the
+    walk over the cells, one Python step per cell, is as long as one chunk, not all of T. The
+    last chunk is padded with hidden cells, which leave its accumulator as it is.
+    """
     kv, rows, cells = scores.shape
-    running = xp.maximum.accumulate(scores, axis=-1)
-    before = xp.concatenate([xp.full((kv, rows, 1), -xp.inf, F32), running[..., :-1]], axis=-1)
-    hidden = scores == -xp.inf
+    hd = values.shape[-1]
+    k = -(-cells // chunk)
+    pad = k * chunk - cells
+    if pad:
+        scores = xp.concatenate([scores, xp.full((kv, rows, pad), -xp.inf, F32)], axis=-1)
+        values = xp.concatenate([values, xp.zeros((kv, pad, hd), F32)], axis=1)
+    s = scores.reshape(kv, rows, k, chunk)
+    running = xp.maximum.accumulate(s, axis=-1)
+    before = xp.concatenate([xp.full((kv, rows, k, 1), -xp.inf, F32), running[..., :-1]], axis=-1)
+    hidden = s == -xp.inf
     with numpy.errstate(invalid="ignore"):
         rescale = xp.where(running == before, F32(1), xp.exp(before - running))
-        weight = xp.where(hidden, F32(0), xp.exp(scores - running))
-    contrib = (values[:, None, :, :] * weight[..., None]).astype(F32)  # [kv, rows, T, hd]
-    acc = xp.zeros((kv, rows, values.shape[-1]), xp.float16)
-    rescaled = backend.to_host((rescale != 1).any(axis=(0, 1))).tolist()
-    for t in range(cells):
+        weight = xp.where(hidden, F32(0), xp.exp(s - running))
+    # cell-major, so that each step reads one contiguous slice: [chunk, kv, rows, k, hd]
+    v = values.reshape(kv, k, chunk, hd).transpose(2, 0, 1, 3)[:, :, None]
+    contrib = (weight.transpose(3, 0, 1, 2)[..., None] * v).astype(F32)
+    rescale = rescale.transpose(3, 0, 1, 2)[..., None]  # [chunk, kv, rows, k, 1]
+    rescaled = backend.to_host((rescale != 1).any(axis=(1, 2, 3, 4))).tolist()
+    acc = backend.F16Accumulator(xp, (kv, rows, k, hd))
+    for t in range(chunk):
         if rescaled[t]:
-            xp.multiply(acc, rescale[:, :, t, None], out=acc, casting="same_kind")
-        xp.add(acc, contrib[:, :, t], out=acc, casting="same_kind")  # f32 sum, rounded to f16
+            acc.scale(rescale[t])
+        acc.add(contrib[t])
     top = running[..., -1]
+    out = acc.value()
+    return [(top[:, :, i], _exp_total(xp, scores[..., i * chunk:min((i + 1) * chunk, cells)],
+                                      top[:, :, i]), out[:, :, i]) for i in range(k)]
+
+
+def _exp_total(xp: ModuleType, scores: Any, top: Any) -> Any:
+    """Σ exp(s − M) over the (unpadded) cells of a chunk, summed as NumPy sums that length."""
     with numpy.errstate(invalid="ignore"):
-        total = xp.where(hidden, F32(0), xp.exp(scores - top[..., None])).sum(axis=-1)
-    return top, total.astype(F32), acc.astype(F32)
+        return xp.where(scores == -xp.inf, F32(0), xp.exp(scores - top[..., None])).sum(
+            axis=-1).astype(F32)
 
 
 def finish_partial(part: tuple[Any, Any, Any]) -> Any:
@@ -328,9 +356,8 @@ class Model:
         padded = -(-end // KV_PAD) * KV_PAD
         if n == 1 and padded >= 512:
             chunk = -(-padded // self.ggml_threads)
-            parts = [online_softmax_f16(self.xp, scores[..., c:c + chunk], values[:, c:c + chunk])
-                     for c in range(0, end, chunk)]
-            return merge_partials(self.xp, parts)
+            return merge_partials(self.xp, online_softmax_f16_chunks(self.xp, scores, values,
+                                                                     min(chunk, end)))
         return finish_partial(online_softmax_f16(self.xp, scores, values))
 
     def _mask(self, positions: Any, end: int, window: int) -> Any | None:
