@@ -127,21 +127,37 @@ class F16Accumulator:
         numpy.add(self.acc, self._magic, out=self.acc)
         numpy.subtract(self.acc, self._magic, out=self.acc)
 
-    def scale(self, factor: Any) -> None:
-        """acc = f16(acc * factor)."""
-        if self._native:
-            numpy.multiply(self.acc, factor, out=self.acc)
-            self._round_to_f16()
-        else:
-            self.xp.multiply(self.acc, factor, out=self.acc, casting="same_kind")
+    def walk(self, terms: Any, factors: Any, scaled: list[bool]) -> None:
+        """For each step t: acc = f16(acc * factors[t]) where scaled[t], then acc = f16(acc + terms[t]).
 
-    def add(self, term: Any) -> None:
-        """acc = f16(acc + term), the sum in f32."""
-        if self._native:
-            numpy.add(self.acc, term, out=self.acc)
-            self._round_to_f16()
-        else:
-            self.xp.add(self.acc, term, out=self.acc, casting="same_kind")
+        The loop of a decoding step (one pass per attended cell and layer), so on NumPy it is
+        written out with local names: a method call per update cost a fifth of the time.
+        """
+        acc, xp = self.acc, self.xp
+        if not self._native:
+            for t in range(len(scaled)):
+                if scaled[t]:
+                    xp.multiply(acc, factors[t], out=acc, casting="same_kind")
+                xp.add(acc, terms[t], out=acc, casting="same_kind")
+            return
+        bits, magic_bits, magic = self._bits, self._magic_bits, self._magic
+        exponent, offset, low = self._EXPONENT, self._MAGIC_OFFSET, self._SUBNORMAL_MAGIC
+        add, sub, mul, band, top = (numpy.add, numpy.subtract, numpy.multiply, numpy.bitwise_and,
+                                    numpy.maximum)
+        for t, rescaled in enumerate(scaled):
+            if rescaled:
+                mul(acc, factors[t], out=acc)
+                band(bits, exponent, out=magic_bits)  # _round_to_f16, inlined
+                add(magic_bits, offset, out=magic_bits)
+                top(magic_bits, low, out=magic_bits)
+                add(acc, magic, out=acc)
+                sub(acc, magic, out=acc)
+            add(acc, terms[t], out=acc)
+            band(bits, exponent, out=magic_bits)
+            add(magic_bits, offset, out=magic_bits)
+            top(magic_bits, low, out=magic_bits)
+            add(acc, magic, out=acc)
+            sub(acc, magic, out=acc)
 
     def value(self) -> Any:
         """The accumulator as float32."""

@@ -126,14 +126,12 @@ def online_softmax_f16_chunks(xp: ModuleType, scores: Any, values: Any,
         weight = xp.where(hidden, F32(0), xp.exp(s - running))
     # cell-major, so that each step reads one contiguous slice: [chunk, kv, rows, k, hd]
     v = values.reshape(kv, k, chunk, hd).transpose(2, 0, 1, 3)[:, :, None]
-    contrib = (weight.transpose(3, 0, 1, 2)[..., None] * v).astype(F32)
+    contrib = xp.multiply(weight.transpose(3, 0, 1, 2)[..., None], v,
+                          out=xp.empty((chunk, kv, rows, k, hd), F32))
     rescale = rescale.transpose(3, 0, 1, 2)[..., None]  # [chunk, kv, rows, k, 1]
     rescaled = backend.to_host((rescale != 1).any(axis=(1, 2, 3, 4))).tolist()
     acc = backend.F16Accumulator(xp, (kv, rows, k, hd))
-    for t in range(chunk):
-        if rescaled[t]:
-            acc.scale(rescale[t])
-        acc.add(contrib[t])
+    acc.walk(contrib, rescale, rescaled)
     top = running[..., -1]
     out = acc.value()
     return [(top[:, :, i], _exp_total(xp, scores[..., i * chunk:min((i + 1) * chunk, cells)],
