@@ -94,8 +94,11 @@ class F16Accumulator:
     each update is computed in f32 and rounded to f16.
 
     NumPy converts f32 to f16 one element at a time (about 7 ns each, ten times an f32 add), so
-    on the CPU the accumulator is an f32 array kept on the f16 grid by ``_round_to_f16``, five
-    f32/uint32 operations without a conversion. CuPy converts in one kernel, so there it is an
+    on the CPU the accumulator is an f32 array kept on the f16 grid by five f32/uint32
+    operations without a conversion: x + M − M, where M = 1.5·2^(e+13) for x's binade 2^e
+    (at least 1.5·2^-1, f16's subnormal spacing), rounds x to f16's spacing there, ties to
+    even. That is exact below f16's largest value, 65504; past it ggml's accumulator would
+    become inf and this one keeps rounding on the grid. CuPy converts in one kernel, so there it is an
     f16 array updated by mixed-type ufuncs (one kernel per update).
     """
 
@@ -117,16 +120,6 @@ class F16Accumulator:
         else:
             self.acc = xp.zeros(shape, xp.float16)
 
-    def _round_to_f16(self) -> None:
-        """acc := f16(acc), ties to even, subnormals included; exact below f16's largest value
-        (where ggml's would become inf, this keeps rounding on the grid)."""
-        m = self._magic_bits
-        numpy.bitwise_and(self._bits, self._EXPONENT, out=m)
-        numpy.add(m, self._MAGIC_OFFSET, out=m)
-        numpy.maximum(m, self._SUBNORMAL_MAGIC, out=m)
-        numpy.add(self.acc, self._magic, out=self.acc)
-        numpy.subtract(self.acc, self._magic, out=self.acc)
-
     def walk(self, terms: Any, factors: Any, scaled: list[bool]) -> None:
         """For each step t: acc = f16(acc * factors[t]) where scaled[t], then acc = f16(acc + terms[t]).
 
@@ -141,19 +134,22 @@ class F16Accumulator:
                 xp.add(acc, terms[t], out=acc, casting="same_kind")
             return
         bits, magic_bits, magic = self._bits, self._magic_bits, self._magic
-        exponent, offset, low = self._EXPONENT, self._MAGIC_OFFSET, self._SUBNORMAL_MAGIC
+        # the constants as lane-shaped arrays: a ufunc call converting a NumPy scalar took a
+        # third longer than the work on a few hundred lanes
+        exponent, offset, low = (numpy.full(acc.shape, c, numpy.uint32) for c in (
+            self._EXPONENT, self._MAGIC_OFFSET, self._SUBNORMAL_MAGIC))
         add, sub, mul, band, top = (numpy.add, numpy.subtract, numpy.multiply, numpy.bitwise_and,
                                     numpy.maximum)
         for t, rescaled in enumerate(scaled):
             if rescaled:
                 mul(acc, factors[t], out=acc)
-                band(bits, exponent, out=magic_bits)  # _round_to_f16, inlined
+                band(bits, exponent, out=magic_bits)  # round to f16 (see the class)
                 add(magic_bits, offset, out=magic_bits)
                 top(magic_bits, low, out=magic_bits)
                 add(acc, magic, out=acc)
                 sub(acc, magic, out=acc)
             add(acc, terms[t], out=acc)
-            band(bits, exponent, out=magic_bits)
+            band(bits, exponent, out=magic_bits)  # round to f16 again
             add(magic_bits, offset, out=magic_bits)
             top(magic_bits, low, out=magic_bits)
             add(acc, magic, out=acc)
