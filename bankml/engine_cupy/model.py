@@ -188,7 +188,7 @@ class Model:
         # llama-server's -t, on which the split of a long one-row attention depends
         self.ggml_threads = 2
         # Up to this many cells, attention reproduces ggml's f16 accumulator (a Python loop
-        # over the cells, ~7 µs each per layer); beyond, or at 0, it accumulates in f32
+        # over the cells, ~4 µs each per layer); beyond, or at 0, it accumulates in f32
         self.exact_attention_cells = 1024
         self._blas = backend.BlasThreads(xp)
 
