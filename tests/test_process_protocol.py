@@ -26,6 +26,7 @@ from bankml.gateway import Gateway, make_agent
 from bankml.guard import GuardResult
 from bankml.process_protocol import EngineFailed, EngineProcess, llama_server_args, with_deathsig
 from bankml.verify import Refused, Verified
+from tests.bankml_process import process_gone
 from tests.mock_llama import MockLlama, listen
 from tests.support import ROOT, free_port
 
@@ -58,19 +59,9 @@ def test_a_sigkilled_parent_takes_its_engine_with_it() -> None:
         time.sleep(0.05)  # until the shim has exec'd
     parent.kill()
     parent.wait()
-    assert _gone(child_pid, 5), "the engine outlived its SIGKILLed parent"
+    assert process_gone(child_pid, 5), "the engine outlived its SIGKILLed parent"
 
 
-def _gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -108,7 +99,7 @@ async def test_spawn_waits_for_health_and_stop_leaves_no_process(gateway: Gatewa
     pid = gateway.pid
     assert psutil.Process(pid).is_running()
     await engine.stop()
-    assert gateway.state == gw.STOPPED and _gone(pid, 1)
+    assert gateway.state == gw.STOPPED and process_gone(pid, 1)
 
 
 @pytest_twisted.ensureDeferred
@@ -183,4 +174,4 @@ async def test_an_engine_ignoring_sigterm_is_killed_after_the_grace(gateway: Gat
     pid = gateway.pid
     started = time.monotonic()
     await engine.stop(grace=0.5)
-    assert _gone(pid, 1) and time.monotonic() - started >= 0.5
+    assert process_gone(pid, 1) and time.monotonic() - started >= 0.5
