@@ -32,6 +32,7 @@ from bankml.bridge import EngineBridge, NativeEngine
 from bankml.native_service import build_native_roots, make_native_service
 from bankml.site import LoopbackSite, listen_loopback
 from tests import support
+from tests.bankml_process import sha
 
 N_CTX = 2048  # the reference server's -c
 HANG_GUARD_S = 120.0
@@ -123,10 +124,6 @@ def sse_events(data: bytes) -> list[Any]:
         payload = block[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
-
-
-def sha(text: str | bytes) -> str:
-    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:

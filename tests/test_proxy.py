@@ -7,7 +7,6 @@ the main paths against the real llama-server.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -32,14 +31,13 @@ from bankml.site import LoopbackSite, listen_loopback
 from bankml.usage import UsageSampler
 from bankml.verify import Verified
 from tests.mock_llama import PIECES, MockLlama, listen
+from tests.bankml_process import sha
 
 CHAT = {"messages": [{"role": "user", "content": "Who knows?"}], "max_tokens": 8}
 RECEIPT_FIELDS = ["bankml", "engine", "model_sha256", "guard", "prompt_tokens", "completion_tokens",
                   "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed"]
 
 
-def sha(data: bytes | str) -> str:
-    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
 @dataclass

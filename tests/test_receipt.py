@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 from bankml import __version__
 from bankml.receipt import Tally, canonical_logprobs, receipt
+from tests.bankml_process import sha
 
 
 class Clock:
@@ -17,8 +17,6 @@ class Clock:
         return self.now
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def test_receipt_fields_in_the_reference_order_and_hashes() -> None:
