@@ -21,6 +21,7 @@ from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.grammar import (ConstraintError, ConstraintSpec, Constraint, build_llg_tokenizer,
                                         resolve_constraint)
 from bankml.engine_cupy.model import Model
+from bankml.engine_cupy.prompt_cache import HostPromptCache, limit_from_env, longest_common_prefix
 from bankml.engine_cupy.sampler import (SamplerError, SamplerParams, Sampler, VocabInfo, logarithm,
                                         token_logprobs)
 from bankml.engine_cupy.tokenizer import Tokenizer
@@ -151,14 +152,6 @@ def check_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
-
-
 # --- text release: UTF-8 and stop strings ------------------------------------------------------------
 
 
@@ -272,6 +265,7 @@ class Engine:
         self.n_vocab = int(model.n_vocab)
         self.cache = model.new_cache(n_ctx, cache_type)
         self.slot_tokens: list[int] = []
+        self.host_cache = HostPromptCache(limit_from_env())  # BANKML_CACHE_RAM, read at open
         self.defaults = sampling_defaults or SamplerParams()
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
@@ -405,6 +399,8 @@ class Engine:
         """Reuse the slot's common prefix (re-evaluating the last prompt token when all of it is
         cached), then evaluate the rest in micro-batches. Returns (cache_n, last logits or None if
         cancelled)."""
+        if cache_prompt:
+            self._use_host_cache(tokens)
         n_past = longest_common_prefix(self.slot_tokens, tokens) if cache_prompt else 0
         if n_past == len(tokens):
             n_past -= 1
@@ -418,6 +414,16 @@ class Engine:
             logits = self.model.forward(batch, self.cache)
             self.slot_tokens += batch
         return n_past, logits
+
+    def _use_host_cache(self, prompt: list[int]) -> None:
+        """llama-server's --cache-ram: keep the slot's context for later, bring back a better one."""
+        if not self.host_cache.should_run(self.slot_tokens, prompt):
+            return
+        self.host_cache.save(self.slot_tokens, self.cache)
+        entry = self.host_cache.take_better(self.slot_tokens, prompt)
+        if entry is not None:
+            self.cache.restore(entry.kv, len(entry.tokens))
+            self.slot_tokens = list(entry.tokens)
 
     def _run(self, req: Request, cancelled: Callable[[], bool], summary: Summary) -> Iterator[Chunk]:
         clock = Clock(t_start=time.perf_counter())

@@ -96,6 +96,33 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.n_tokens} tokens to {n}")
         self.n_tokens = int(n)
 
+    def snapshot(self) -> list[Any]:
+        """Copies of positions 0..n_tokens-1 of every layer's K and V (the host prompt cache)."""
+        n = self.n_tokens
+
+        def cut(entry: Any) -> Any:
+            if isinstance(entry, tuple):
+                return tuple(a[:, :n].copy() for a in entry)
+            return entry[:, :n].copy()
+
+        return [cut(e) for e in self._k] + [cut(e) for e in self._v]
+
+    def restore(self, snapshot: list[Any], n_tokens: int) -> None:
+        """Put back what ``snapshot`` copied: positions 0..n_tokens-1."""
+        layers = len(self._k)
+
+        def put(entry: Any, saved: Any) -> None:
+            if isinstance(entry, tuple):
+                for a, b in zip(entry, saved):
+                    a[:, :n_tokens] = b
+            else:
+                entry[:, :n_tokens] = saved
+
+        for i in range(layers):
+            put(self._k[i], snapshot[i])
+            put(self._v[i], snapshot[layers + i])
+        self.n_tokens = int(n_tokens)
+
     # --- used by the forward pass -------------------------------------------------------------
 
     def _rotate(self, x: Any, rot: Any | None) -> Any:

@@ -1,0 +1,122 @@
+"""The host prompt cache: llama-server's ``--cache-ram``, so interleaved conversations keep context.
+
+The engine has one slot. When a request's prompt shares little with what the slot holds, the
+slot's tokens and KV are copied to host memory before the slot is reused, and an earlier entry
+that shares more with the prompt is moved back in. The rules are llama-server's
+(tools/server/server-context.cpp, ``server_prompt_cache``), as the reference notes them:
+
+- the cache runs when similarity = LCP(slot, prompt) / len(prompt) is at most 0.1 (an empty slot
+  counts) or the LCP is less than half of the slot;
+- save: skip an empty slot or one an entry already holds whole; drop entries the slot holds whole;
+  evict the oldest until the new entry fits; an entry larger than the limit is not kept;
+- load: among entries that keep at least a quarter of themselves for this prompt, the one with the
+  largest kept fraction moves in, if both its kept fraction and its similarity beat the slot's.
+
+``BANKML_CACHE_RAM`` (MiB): unset → min(8192, a quarter of the memory available when the engine
+opens), at least 1; ``0`` turns the cache off; negative means no limit. Entries count the bytes of
+their KV copies. Twisted-free; the engine calls it on its own thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MIB = 1 << 20
+
+
+def longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
+def limit_from_env(value: str | None = None) -> int | None:
+    """The byte limit from ``BANKML_CACHE_RAM``: 0 off, None unlimited."""
+    raw = os.environ.get("BANKML_CACHE_RAM") if value is None else value
+    if raw is None or raw.strip() == "":
+        try:
+            import psutil
+
+            available = psutil.virtual_memory().available
+        except Exception:  # psutil missing or unreadable: a modest default
+            available = 4096 * MIB
+        return max(1, min(8192, available // 4 // MIB)) * MIB
+    try:
+        mib = int(raw)
+    except ValueError:
+        raise ValueError(f"BANKML_CACHE_RAM={raw!r}: expected a number of MiB") from None
+    return None if mib < 0 else mib * MIB
+
+
+@dataclass
+class Entry:
+    tokens: list[int]
+    kv: list[Any]
+    nbytes: int
+
+
+def _kv_bytes(kv: list[Any]) -> int:
+    return sum(sum(a.nbytes for a in e) if isinstance(e, tuple) else e.nbytes for e in kv)
+
+
+class HostPromptCache:
+    """Entries of (tokens, KV copy), oldest first, under a byte limit."""
+
+    def __init__(self, limit_bytes: int | None):
+        self.limit = limit_bytes
+        self.entries: list[Entry] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit != 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def should_run(self, slot: Sequence[int], prompt: Sequence[int]) -> bool:
+        lcp = longest_common_prefix(slot, prompt)
+        similarity = lcp / len(prompt) if prompt else 1.0
+        return self.enabled and (not slot or similarity <= 0.1 or lcp < len(slot) / 2)
+
+    def save(self, slot: Sequence[int], cache: Any) -> None:
+        """Copy the slot in, as llama-server's prompt save does."""
+        tokens = list(slot)
+        if not tokens or any(_holds_whole(e.tokens, tokens) for e in self.entries):
+            return
+        self.entries = [e for e in self.entries if not _holds_whole(tokens, e.tokens)]
+        kv = cache.snapshot()
+        entry = Entry(tokens, kv, _kv_bytes(kv))
+        if self.limit is not None and entry.nbytes > self.limit:
+            return
+        while self.entries and self.limit is not None and self.nbytes + entry.nbytes > self.limit:
+            self.entries.pop(0)
+        self.entries.append(entry)
+
+    def take_better(self, slot: Sequence[int], prompt: Sequence[int]) -> Entry | None:
+        """The entry that serves ``prompt`` better than the slot, removed from the cache."""
+        slot_lcp = longest_common_prefix(slot, prompt)
+        best_f_keep = slot_lcp / len(slot) if slot else 0.0
+        best_sim = slot_lcp / len(prompt) if prompt else 0.0
+        best: Entry | None = None
+        for entry in self.entries:
+            lcp = longest_common_prefix(entry.tokens, prompt)
+            f_keep = lcp / len(entry.tokens)
+            sim = lcp / len(prompt) if prompt else 0.0
+            if f_keep >= 0.25 and f_keep > best_f_keep and sim > best_sim:
+                best, best_f_keep, best_sim = entry, f_keep, sim
+        if best is not None:
+            self.entries.remove(best)
+        return best
+
+
+def _holds_whole(holder: Sequence[int], tokens: Sequence[int]) -> bool:
+    """True when ``tokens`` is a prefix of ``holder``."""
+    return len(holder) >= len(tokens) and longest_common_prefix(holder, tokens) == len(tokens)

@@ -1,0 +1,136 @@
+"""The host prompt cache: interleaved conversations keep their context, as llama-server's --cache-ram.
+
+Side by side with the real llama-server (its --cache-ram is on by default): conversations A and B
+interleaved through one slot (A1, B1, A2, B2); on the second turns both servers report how many
+prompt tokens they reused (`timings.cache_n`). Without the host cache the slot would hold the
+other conversation and only the shared system prompt could be reused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bankml.engine_cupy.engine import Engine
+from bankml.engine_cupy.prompt_cache import HostPromptCache, limit_from_env
+from tests import support
+
+MAX = 8
+
+
+@pytest.fixture(scope="module")
+def engine(default_model) -> Engine:
+    return Engine.open(default_model, n_ctx=2048, device="cpu")
+
+
+def _turn(messages: list[dict[str, str]], answer: str) -> list[dict[str, str]]:
+    return messages + [{"role": "assistant", "content": answer}]
+
+
+def _engine_chat(engine: Engine, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+    req = engine.parse_request({"messages": messages, "max_tokens": MAX, "temperature": 0}, "chat")
+    steps = engine.run_steps(req)
+    text = "".join(chunk.text for chunk in steps)
+    return text, steps.summary.timings["cache_n"], steps.summary.prompt_tokens
+
+
+def _server_chat(url: str, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+    status, body = support.http_json(url + "/v1/chat/completions",
+                                     {"messages": messages, "max_tokens": MAX, "temperature": 0})
+    assert status == 200, body
+    return (body["choices"][0]["message"]["content"], body["timings"]["cache_n"],
+            body["usage"]["prompt_tokens"])
+
+
+def _interleave(chat: Any) -> list[tuple[int, int]]:
+    """A1, B1, A2, B2: (cache_n, prompt_tokens) of each turn."""
+    a = [{"role": "system", "content": "Poet."}, {"role": "user", "content": "Name three colours of the rainbow."}]
+    b = [{"role": "system", "content": "Geographer."},
+         {"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    out = []
+    a_answer, *rest = chat(a); out.append(tuple(rest))
+    b_answer, *rest = chat(b); out.append(tuple(rest))
+    a2 = _turn(a, a_answer) + [{"role": "user", "content": "And two more?"}]
+    b2 = _turn(b, b_answer) + [{"role": "user", "content": "And of Italy?"}]
+    out.append(tuple(chat(a2)[1:]))
+    out.append(tuple(chat(b2)[1:]))
+    return out
+
+
+def test_interleaved_conversations_reuse_their_own_context(engine: Engine, reference_server) -> None:
+    engine.host_cache = HostPromptCache(limit_from_env("256"))
+    ours = _interleave(lambda m: _engine_chat(engine, m))
+    theirs = _interleave(lambda m: _server_chat(reference_server.url, m))
+    print(f"\ncache_n, prompt_tokens per turn (A1 B1 A2 B2): bankml {ours}, llama-server {theirs}")
+    (_, a1_prompt), (_, b1_prompt), (a2_cache, _), (b2_cache, _) = ours
+    # the second turns reuse at least their whole first-turn prompt, not only the system prompt
+    assert a2_cache >= a1_prompt and b2_cache >= b1_prompt
+    assert len(engine.host_cache.entries) >= 1
+    # llama-server decides the same, turn by turn (answers are MAX tokens long on both sides)
+    assert ours == theirs
+
+
+def test_a_shared_system_prompt_keeps_the_slot_as_llama_server_does(engine: Engine, reference_server) -> None:
+    """Conversations sharing SmolLM2's default system prompt share half the slot: the host cache
+    does not run (LCP ≥ half the slot), exactly as llama-server decides."""
+    engine.host_cache = HostPromptCache(limit_from_env("256"))
+
+    def plain(chat: Any) -> list[tuple[int, int]]:
+        a = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        b = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        a_answer, *first = chat(a)
+        b_answer, *second = chat(b)
+        third = chat(_turn(a, a_answer) + [{"role": "user", "content": "And two more?"}])[1:]
+        return [tuple(first), tuple(second), tuple(third)]
+
+    ours = plain(lambda m: _engine_chat(engine, m))
+    theirs = plain(lambda m: _server_chat(reference_server.url, m))
+    print(f"\nshared system prompt, cache_n per turn: bankml {ours}, llama-server {theirs}")
+    assert [c for c, _ in ours] == [c for c, _ in theirs]
+
+
+def test_without_the_host_cache_only_the_shared_prefix_is_reused(engine: Engine) -> None:
+    engine.host_cache = HostPromptCache(0)
+    ours = _interleave(lambda m: _engine_chat(engine, m))
+    (_, a1_prompt), _, (a2_cache, _), _ = ours
+    assert a2_cache < a1_prompt  # the slot held B: the host cache is what made the difference
+
+
+def test_a_restored_entry_answers_as_a_fresh_prefill(engine: Engine) -> None:
+    """The KV moved back from the host equals the KV a fresh prefill computes: same logits."""
+    engine.host_cache = HostPromptCache(limit_from_env("256"))
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    _engine_chat(engine, messages)
+    _engine_chat(engine, [{"role": "user", "content": "Count from one to five."}])
+    entry_tokens = list(engine.host_cache.entries[-1].tokens)
+    engine.slot_tokens, engine.cache.n_tokens = [], 0
+    fresh = engine.model.forward(entry_tokens, engine.cache)
+    engine.host_cache.save([], engine.cache)  # an empty slot is never saved
+    entry = engine.host_cache.take_better([], entry_tokens + [1])
+    assert entry is not None and entry.tokens == entry_tokens
+    engine.cache.restore(entry.kv, len(entry.tokens))
+    engine.cache.truncate(len(entry_tokens) - 1)
+    again = engine.model.forward(entry_tokens[-1:], engine.cache)
+    engine.cache.truncate(len(entry_tokens) - 1)
+    reference = engine.model.forward(entry_tokens[-1:], engine.cache)
+    assert np.array_equal(again, reference)
+    assert int(np.argmax(fresh)) == int(np.argmax(again))
+
+
+def test_limits_from_the_environment() -> None:
+    assert limit_from_env("0") == 0
+    assert limit_from_env("-1") is None
+    assert limit_from_env("3") == 3 << 20
+    assert 1 << 20 <= limit_from_env("") <= 8192 << 20
+    with pytest.raises(ValueError):
+        limit_from_env("lots")
+
+
+def test_an_entry_larger_than_the_limit_is_not_kept(engine: Engine) -> None:
+    cache = HostPromptCache(1)  # one byte
+    engine.slot_tokens, engine.cache.n_tokens = [], 0
+    engine.model.forward([1, 2, 3], engine.cache)
+    cache.save([1, 2, 3], engine.cache)
+    assert cache.entries == []
