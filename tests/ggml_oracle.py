@@ -1,0 +1,169 @@
+"""ggml's own kernels as a test oracle: one ggml op on the CPU backend of the reference build.
+
+``tests/oracle/ggml_op.c`` is compiled once against the static ggml libraries that
+``scripts/build-llama-server.sh`` leaves in its build folder, so every figure compares with the
+arithmetic of the very llama-server binary the end-to-end tests use. Arrays go in and come out in
+NumPy order, the reverse of ggml's ``ne`` (a ggml tensor ``ne = [K, N]`` is a NumPy ``[N, K]``).
+
+    mul_mat(raw, qtype, n_out, n_in, x)          weights as GGUF block bytes, x f32 [m, n_in]
+    quantize_rows(x, qtype)                      ggml's from_float of each row (the activation rounding)
+    flash_attn_ext(q, k, v, mask, scale)         q [n_head, n_q, hd] f32, k/v [n_kv_head, n_kv, hd] f16
+    rope_ext(x, positions, n_dims, mode, ...)    x [n, n_head, hd]
+    unary(op, x) / binary(op, a, b) / rms_norm(x, eps) / get_rows(raw, qtype, n_rows, k, ids) / cpy(x, qtype)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "oracle" / "ggml_op.c"
+REPO = HERE.parent
+I32 = 26  # GGML_TYPE_I32
+NONE = -1
+
+
+@lru_cache(maxsize=1)
+def llama_root() -> Path:
+    """The cache folder of the reference build (bin/, build/, src/llama.cpp)."""
+    binary = os.environ.get("BANKML_LLAMA_SERVER") or subprocess.run(
+        [str(REPO / "scripts" / "build-llama-server.sh")], check=True, capture_output=True,
+        text=True).stdout.strip()
+    return Path(binary).resolve().parent.parent
+
+
+@lru_cache(maxsize=1)
+def oracle_binary() -> Path:
+    """Compile ggml_op.c once per source and library version; later calls reuse it."""
+    root = llama_root()
+    libs = [root / "build" / "ggml" / "src" / name
+            for name in ("libggml.a", "libggml-cpu.a", "libggml-base.a")]
+    missing = [str(p) for p in libs if not p.exists()]
+    if missing:
+        raise RuntimeError(f"the reference build has no {missing}: run scripts/build-llama-server.sh")
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for lib in libs:
+        digest.update(str(lib.stat().st_mtime_ns).encode())
+    out = root / "ggml-op" / digest.hexdigest()[:16] / "ggml-op"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        subprocess.run(["gcc", "-O2", "-o", str(tmp), str(SOURCE),
+                        f"-I{root / 'src' / 'llama.cpp' / 'ggml' / 'include'}", *map(str, libs),
+                        "-lstdc++", "-lm", "-fopenmp", "-lpthread"], check=True)
+        tmp.replace(out)
+    return out
+
+
+def _input(qtype: int, ne: Sequence[int], data: bytes | None) -> bytes:
+    ne4 = list(ne) + [1] * (4 - len(ne))
+    if data is None:
+        return struct.pack("<i4qq", NONE, 1, 1, 1, 1, 0)
+    return struct.pack("<i4qq", qtype, *ne4, len(data)) + data
+
+
+def _array_input(a: np.ndarray | None, qtype: int | None = None) -> bytes:
+    if a is None:
+        return _input(NONE, (), None)
+    kinds = {np.dtype(np.float32): T.F32, np.dtype(np.float16): T.F16, np.dtype(np.int32): I32}
+    qt = int(kinds[a.dtype] if qtype is None else qtype)
+    return _input(qt, a.shape[::-1], np.ascontiguousarray(a).tobytes())
+
+
+def run(op: str, inputs: Sequence[bytes], fp: Sequence[float] = (), ip: Sequence[int] = (),
+        threads: int = 2) -> np.ndarray:
+    """Run one op; the result as a NumPy array (f32/f16 by its type, raw uint8 rows otherwise)."""
+    fp8 = list(fp) + [0.0] * (8 - len(fp))
+    ip8 = list(ip) + [0] * (8 - len(ip))
+    request = (op.encode().ljust(32, b"\0") + struct.pack("<i8f8ii", threads, *fp8, *ip8, len(inputs))
+               + b"".join(inputs))
+    done = subprocess.run([str(oracle_binary())], input=request, capture_output=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.decode(errors="replace").strip() or f"ggml-op exit {done.returncode}")
+    head = struct.calcsize("<i4qq")
+    qtype, n0, n1, n2, n3, nbytes = struct.unpack("<i4qq", done.stdout[:head])
+    body = done.stdout[head:head + nbytes]
+    shape = [n for n in (n3, n2, n1, n0)]
+    if qtype == T.F32:
+        return np.frombuffer(body, np.float32).reshape(shape).copy()
+    if qtype == T.F16:
+        return np.frombuffer(body, np.float16).reshape(shape).copy()
+    rows = n1 * n2 * n3
+    return np.frombuffer(body, np.uint8).reshape(rows, -1).copy()
+
+
+def mul_mat(raw: np.ndarray, qtype: int, n_out: int, n_in: int, x: np.ndarray,
+            threads: int = 2) -> np.ndarray:
+    """ggml_mul_mat(W, x): W as GGUF block bytes [n_out rows of n_in], x f32 [m, n_in] -> [m, n_out]."""
+    w = _input(int(qtype), (n_in, n_out), np.ascontiguousarray(raw).tobytes())
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    return run("mul_mat", [w, _array_input(x)], threads=threads).reshape(x.shape[0], n_out)
+
+
+def quantize_rows(x: np.ndarray, qtype: int) -> np.ndarray:
+    """ggml's CPU from_float for each row of x (f32 [rows, k]) -> uint8 [rows, row bytes]."""
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    return run("quantize", [_array_input(x)], ip=[int(qtype)])
+
+
+def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                   scale: float, max_bias: float = 0.0, softcap: float = 0.0,
+                   threads: int = 2) -> np.ndarray:
+    """q f32 [n_head, n_q, hd]; k, v f16 [n_kv_head, n_kv, hd]; mask f16 [n_q(padded), n_kv].
+
+    Returns ggml's permuted result as NumPy [n_q, n_head, hd]."""
+    return run("flash_attn_ext", [_array_input(np.asarray(q, np.float32)), _array_input(k),
+                                  _array_input(v), _array_input(mask)],
+               fp=[scale, max_bias, softcap], threads=threads).reshape(q.shape[1], q.shape[0], -1)
+
+
+def rope_ext(x: np.ndarray, positions: np.ndarray, n_dims: int, mode: int, freq_base: float,
+             freq_scale: float = 1.0, freq_factors: np.ndarray | None = None, n_ctx_orig: int = 0,
+             ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+             beta_slow: float = 1.0, threads: int = 2) -> np.ndarray:
+    """x f32 [n, n_head, hd], positions int32 [n]; mode 0 (NORM) or 2 (NEOX)."""
+    return run("rope_ext", [_array_input(np.asarray(x, np.float32)),
+                            _array_input(np.asarray(positions, np.int32)),
+                            _array_input(None if freq_factors is None else np.asarray(freq_factors, np.float32))],
+               fp=[freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow],
+               ip=[n_dims, mode, n_ctx_orig], threads=threads).reshape(np.shape(x))
+
+
+def unary(op: str, x: np.ndarray, threads: int = 2) -> np.ndarray:
+    """silu, gelu, tanh of f32 x."""
+    return run(op, [_array_input(np.asarray(x, np.float32))], threads=threads).reshape(np.shape(x))
+
+
+def binary(op: str, a: np.ndarray, b: np.ndarray, threads: int = 2) -> np.ndarray:
+    """swiglu(gate, up), geglu(gate, up), mul, add (b broadcast over a's rows as ggml does)."""
+    return run(op, [_array_input(np.asarray(a, np.float32)), _array_input(np.asarray(b, np.float32))],
+               threads=threads).reshape(np.shape(a))
+
+
+def rms_norm(x: np.ndarray, eps: float, threads: int = 2) -> np.ndarray:
+    return run("rms_norm", [_array_input(np.asarray(x, np.float32))], fp=[eps], threads=threads).reshape(np.shape(x))
+
+
+def scale(x: np.ndarray, s: float, threads: int = 2) -> np.ndarray:
+    return run("scale", [_array_input(np.asarray(x, np.float32))], fp=[s], threads=threads).reshape(np.shape(x))
+
+
+def get_rows(raw: np.ndarray, qtype: int, n_rows: int, k: int, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` of a [n_rows, k] table in GGUF block bytes, as f32 [len(ids), k]."""
+    table = _input(int(qtype), (k, n_rows), np.ascontiguousarray(raw).tobytes())
+    return run("get_rows", [table, _array_input(np.asarray(ids, np.int32))]).reshape(len(ids), k)
+
+
+def cpy(x: np.ndarray, qtype: int) -> np.ndarray:
+    """x f32 converted to ``qtype`` by ggml_cpy (how K and V enter the cache)."""
+    out = run("cpy", [_array_input(np.asarray(x, np.float32))], ip=[int(qtype)])
+    return out.reshape(np.shape(x)) if out.dtype != np.uint8 else out
