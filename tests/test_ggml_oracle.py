@@ -4,7 +4,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-import ggml_oracle as go
+from tests import ggml_oracle as go
 
 
 def test_f32_product_matches_float64_within_rounding() -> None:
