@@ -1,5 +1,7 @@
 """ggml's own kernels as a test oracle: one ggml op on the CPU backend of the reference build.
 
+Import it as ``from tests import ggml_oracle as go`` (see tests/test_ggml_oracle.py).
+
 ``tests/oracle/ggml_op.c`` is compiled once against the static ggml libraries that
 ``scripts/build-llama-server.sh`` leaves in its build folder, so every figure compares with the
 arithmetic of the very llama-server binary the end-to-end tests use. Arrays go in and come out in
