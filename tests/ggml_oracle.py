@@ -11,7 +11,7 @@ NumPy order, the reverse of ggml's ``ne`` (a ggml tensor ``ne = [K, N]`` is a Nu
     quantize_rows(x, qtype)                      ggml's from_float of each row (the activation rounding)
     flash_attn_ext(q, k, v, mask, scale)         q [n_head, n_q, hd] f32, k/v [n_kv_head, n_kv, hd] f16
     rope_ext(x, positions, n_dims, mode, ...)    x [n, n_head, hd]
-    unary(op, x) / binary(op, a, b) / rms_norm(x, eps) / get_rows(raw, qtype, n_rows, k, ids) / cpy(x, qtype)
+    unary(op, x) / binary(op, a, b) / rms_norm(x, eps) / rms_norm_mul(x, w, eps) / get_rows(raw, qtype, n_rows, k, ids) / cpy(x, qtype)
 """
 
 from __future__ import annotations
@@ -153,6 +153,13 @@ def binary(op: str, a: np.ndarray, b: np.ndarray, threads: int = 2) -> np.ndarra
 
 def rms_norm(x: np.ndarray, eps: float, threads: int = 2) -> np.ndarray:
     return run("rms_norm", [_array_input(np.asarray(x, np.float32))], fp=[eps], threads=threads).reshape(np.shape(x))
+
+
+def rms_norm_mul(x: np.ndarray, weight: np.ndarray, eps: float, threads: int = 2) -> np.ndarray:
+    """rms_norm(x) * weight, which ggml's CPU backend computes fused (as in every llama layer)."""
+    return run("rms_norm_mul", [_array_input(np.asarray(x, np.float32)),
+                                _array_input(np.asarray(weight, np.float32))],
+               fp=[eps], threads=threads).reshape(np.shape(x))
 
 
 def scale(x: np.ndarray, s: float, threads: int = 2) -> np.ndarray:

@@ -38,3 +38,10 @@ def test_an_unknown_op_is_an_error() -> None:
         assert "unknown op" in str(e)
     else:
         raise AssertionError("no error")
+
+
+def test_fused_rms_norm_mul_is_the_norm_times_the_weight() -> None:
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    w = rng.standard_normal(32).astype(np.float32)
+    assert np.abs(go.rms_norm_mul(x, w, 1e-5) - go.rms_norm(x, 1e-5) * w).max() < 1e-5

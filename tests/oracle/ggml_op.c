@@ -55,6 +55,8 @@ static struct ggml_tensor *build(struct ggml_context *ctx, const char *op, struc
     if (!strcmp(op, "silu")) return ggml_silu(ctx, t[0]);
     if (!strcmp(op, "gelu")) return ggml_gelu(ctx, t[0]);
     if (!strcmp(op, "rms_norm")) return ggml_rms_norm(ctx, t[0], fp[0]);
+    /* rms_norm then mul by a weight row: the CPU backend fuses the pair, as in every llama layer */
+    if (!strcmp(op, "rms_norm_mul")) return ggml_mul(ctx, ggml_rms_norm(ctx, t[0], fp[0]), t[1]);
     if (!strcmp(op, "mul")) return ggml_mul(ctx, t[0], t[1]);
     if (!strcmp(op, "add")) return ggml_add(ctx, t[0], t[1]);
     if (!strcmp(op, "scale")) return ggml_scale(ctx, t[0], fp[0]);
