@@ -1,0 +1,367 @@
+"""Quantized matrix products that round exactly as ggml's AVX2 CPU kernels in llama-server.
+
+ggml multiplies a quantized weight by an f32 activation in two steps (ggml-cpu.c,
+``ggml_compute_forward_mul_mat``): the activation rows are rounded to the weight type's
+``vec_dot_type`` (q8_0 or q8_1 blocks of 32, ``quantize_row_q8_0/q8_1``, arch/x86/quants.c), then
+every output element is one block-by-block dot product. With one activation row that dot product
+is ``ggml_vec_dot_<w>_<x>``; with two or more, Q8_0/Q4_0/Q5_0 go through llamafile's
+``tinyBLAS_Q0_AVX`` (sgemm.cpp), whose per-element arithmetic is the same. Both compute, per
+block ``b``, eight exact integer lanes (lane ``j`` = the products of elements 4j..4j+3, from
+``maddubs`` + ``madd``), then ``acc[j] = fma(d_w·d_x, lane_j, acc[j])`` in float32 over the
+blocks in order, and finally ``hsum_float_8``: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)). Q4_1 and
+Q5_1 add ``summs``, a scalar ``fma(m_w, s_x, summs)`` chain over the blocks (GCC contracts the
+C ``summs += m*s`` into vfmadd231ss: checked in the build's object code), after the sum.
+
+The weights stay in their GGUF block bytes (read straight from the memory-mapped file); the f16
+block scales are read through a 65536-entry table, as ggml does. The kernels are Numba loops
+parallel over output rows; the split does not change any element's arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy
+from gguf import GGMLQuantizationType as T
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from bankml.engine_cupy.jit import fma32, njit
+
+__all__ = ["QuantMatrix", "supported", "quantize_q8_0", "quantize_q8_1", "f32_to_f16_bits"]
+
+QK = 32  # elements per block for every type handled here
+ROWS_PER_TASK = 16  # output rows per parallel task (scratch is allocated once per task)
+
+# f16 bit pattern -> f32 value (exact), the lookup ggml's x86 build also uses
+F16_TABLE = numpy.arange(65536, dtype=numpy.uint16).view(numpy.float16).astype(numpy.float32)
+
+# kernel codes for the weight types
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 0, 1, 2, 3, 4
+# weight type -> (kernel code, bytes per block, activation is q8_1)
+_LAYOUT: dict[T, tuple[int, int, bool]] = {
+    T.Q4_0: (_Q4_0, 18, False), T.Q5_0: (_Q5_0, 22, False), T.Q8_0: (_Q8_0, 34, False),
+    T.Q4_1: (_Q4_1, 20, True), T.Q5_1: (_Q5_1, 24, True),
+}
+
+
+def supported(qtype: T | int) -> bool:
+    """Whether QuantMatrix reproduces ggml's product for this weight type."""
+    try:
+        return T(qtype) in _LAYOUT
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation rounding: ggml's AVX2 quantize_row_q8_0 / quantize_row_q8_1
+
+
+@njit
+def f32_to_f16_bits(f):  # pragma: no cover - compiled
+    """float32 -> IEEE half bits, round to nearest even (F16C's _cvtss_sh(x, 0))."""
+    bits = numpy.float32(f).view(numpy.uint32)
+    sign = numpy.uint16((bits >> numpy.uint32(16)) & numpy.uint32(0x8000))
+    mag = bits & numpy.uint32(0x7FFFFFFF)
+    if mag > numpy.uint32(0x7F800000):  # NaN: quiet, payload's top bits kept
+        return sign | numpy.uint16(0x7E00) | numpy.uint16((mag >> numpy.uint32(13)) & numpy.uint32(0x3FF))
+    if mag >= numpy.uint32(0x477FF000):  # rounds to or beyond 65520: infinity
+        return sign | numpy.uint16(0x7C00)
+    if mag < numpy.uint32(0x38800000):  # below 2^-14: a half subnormal, units of 2^-24
+        scaled = numpy.rint(abs(numpy.float32(f)) * numpy.float32(16777216.0))  # exact scaling
+        return sign | numpy.uint16(scaled)
+    rounded = mag + numpy.uint32(0xFFF) + ((mag >> numpy.uint32(13)) & numpy.uint32(1))
+    return sign | numpy.uint16((rounded - numpy.uint32(0x38000000)) >> numpy.uint32(13))
+
+
+@njit
+def _quantize_block(x, t, b, q, d16, s16):  # pragma: no cover - compiled
+    """One block of 32 as the AVX2 code: amax, d = amax/127, 127/amax, rint, Σq."""
+    base = b * QK
+    amax = numpy.float32(0.0)
+    for k in range(QK):
+        a = abs(x[t, base + k])
+        if a > amax:
+            amax = a
+    dd = amax / numpy.float32(127.0)
+    inv = numpy.float32(127.0) / amax if amax != numpy.float32(0.0) else numpy.float32(0.0)
+    total = 0
+    for k in range(QK):
+        v = numpy.int32(numpy.rint(x[t, base + k] * inv))  # _mm256_round_ps: ties to even
+        q[t, base + k] = v
+        total += v
+    d16[t, b] = f32_to_f16_bits(dd)
+    s16[t, b] = f32_to_f16_bits(dd * numpy.float32(total))
+
+
+@njit
+def _quantize_serial(x, q, d16, s16):  # pragma: no cover - compiled
+    """x [m, n] f32 -> q [m, n] int8, d16 and s16 [m, n/32] (f16 bits of d and of d·Σq)."""
+    for t in range(x.shape[0]):
+        for b in range(x.shape[1] // QK):
+            _quantize_block(x, t, b, q, d16, s16)
+
+
+@njit(parallel=True)
+def _quantize_parallel(x, q, d16, s16):  # pragma: no cover - compiled
+    for t in prange(x.shape[0]):
+        for b in range(x.shape[1] // QK):
+            _quantize_block(x, t, b, q, d16, s16)
+
+
+PARALLEL_MIN_ELEMENTS = 1 << 16  # activations smaller than this are rounded on one thread
+
+
+class Activation:
+    """Activation rows rounded to q8 blocks: int8 quants, f32 block scales (and d·Σq for q8_1)."""
+
+    def __init__(self, x: numpy.ndarray):
+        x = numpy.ascontiguousarray(x, dtype=numpy.float32)
+        if x.ndim != 2 or x.shape[1] % QK:
+            raise ValueError(f"activation must be [m, k] with k a multiple of {QK}, got {x.shape}")
+        m, n = x.shape
+        self.q = numpy.empty((m, n), numpy.int8)
+        self.d16 = numpy.empty((m, n // QK), numpy.uint16)
+        self.s16 = numpy.empty((m, n // QK), numpy.uint16)
+        quantize = _quantize_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_serial
+        quantize(x, self.q, self.d16, self.s16)
+        self.d = F16_TABLE[self.d16]
+        self.s = F16_TABLE[self.s16]
+
+    def blocks(self, with_sum: bool) -> numpy.ndarray:
+        """ggml's block_q8_0 (d, qs[32]) or block_q8_1 (d, s, qs[32]) bytes, [m, n/32 * size]."""
+        m, n = self.q.shape
+        nb = n // QK
+        head = [self.d16, self.s16] if with_sum else [self.d16]
+        scales = numpy.stack(head, axis=-1).view(numpy.uint8).reshape(m, nb, 2 * len(head))
+        quants = self.q.view(numpy.uint8).reshape(m, nb, QK)
+        return numpy.concatenate([scales, quants], axis=-1).reshape(m, -1)
+
+
+def quantize_q8_0(x: numpy.ndarray) -> numpy.ndarray:
+    """f32 rows [m, k] -> ggml block_q8_0 bytes [m, k/32*34], as the AVX2 quantize_row_q8_0."""
+    return Activation(numpy.atleast_2d(x)).blocks(with_sum=False)
+
+
+def quantize_q8_1(x: numpy.ndarray) -> numpy.ndarray:
+    """f32 rows [m, k] -> ggml block_q8_1 bytes [m, k/32*36], as the AVX2 quantize_row_q8_1."""
+    return Activation(numpy.atleast_2d(x)).blocks(with_sum=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dot product of one weight row with one activation row, as LLVM IR (AVX2)
+#
+# Numba does not vectorise the lane-wise fma chain by itself (it stays scalar, ~10x slower), so
+# the dot is emitted as IR with the very operations ggml's AVX2 code uses: psign/pmaddubsw/
+# pmaddwd for the integer lanes, a <8 x float> fma per block, then the fixed-order horizontal sum.
+
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_V32I8, _V16I8 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
+_V16I16, _V8I32, _V8F = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
+
+
+def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list) -> ir.Value:
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _byte_ptr(context, builder, aty, arr) -> ir.Value:
+    """The array's data as an i8*."""
+    return builder.bitcast(context.make_array(aty)(context, builder, arr).data, _I8.as_pointer())
+
+
+def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
+    return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=align)
+
+
+def _half(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
+    """An f16 stored at base+offset, widened exactly to f32 (vcvtph2ps)."""
+    return builder.fpext(builder.bitcast(_load(builder, base, offset, _I16), ir.HalfType()), _F32)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType) -> ir.Value:
+    first = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
+    mask = ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count)
+    return builder.shuffle_vector(first, ir.Constant(vty, ir.Undefined), mask)
+
+
+def _nibbles(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
+    """16 bytes of packed 4-bit values -> 32 bytes: low nibbles (elements 0..15), then high."""
+    raw = _load(builder, base, offset, _V16I8)
+    low = builder.and_(raw, ir.Constant(_V16I8, [15] * 16))
+    high = builder.lshr(raw, ir.Constant(_V16I8, [4] * 16))
+    return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+
+
+def _fifth_bits(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
+    """qh (little-endian uint32): bit k -> 16 in byte k, else 0."""
+    qh = _splat(builder, _load(builder, base, offset, _I32), ir.VectorType(_I32, 32))
+    shifted = builder.lshr(qh, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    bit = builder.and_(shifted, ir.Constant(ir.VectorType(_I32, 32), [1] * 32))
+    return builder.shl(builder.trunc(bit, _V32I8), ir.Constant(_V32I8, [4] * 32))
+
+
+def _weight_bytes(builder: ir.IRBuilder, code: int, base: ir.Value, blk: ir.Value) -> ir.Value:
+    """The 32 signed weight values of the block at base+blk, as ggml's byte lanes hold them."""
+    def at(k: int) -> ir.Value:
+        return builder.add(blk, ir.Constant(blk.type, k))
+    if code == _Q8_0:
+        return _load(builder, base, at(2), _V32I8)
+    if code in (_Q4_0, _Q4_1):
+        q = _nibbles(builder, base, at(2 if code == _Q4_0 else 4))
+        return builder.sub(q, ir.Constant(_V32I8, [8] * 32)) if code == _Q4_0 else q
+    hoff = 2 if code == _Q5_0 else 4
+    q = builder.or_(_nibbles(builder, base, at(hoff + 4)), _fifth_bits(builder, base, at(hoff)))
+    return builder.sub(q, ir.Constant(_V32I8, [16] * 32)) if code == _Q5_0 else q
+
+
+def _int_lanes(builder: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
+    """Eight f32 lanes, lane j = Σ w[4j..4j+3]·x[4j..4j+3] exactly (ggml's mul_sum_i8_pairs)."""
+    ax = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [w, w])
+    sy = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [x, w])
+    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [ax, sy])
+    quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, ir.Constant(_V16I16, [1] * 16)])
+    return builder.sitofp(quads, _V8F)
+
+
+def _hsum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
+    """hsum_float_8: hi128 + lo128, then + movehl, then + movehdup."""
+    a = [builder.extract_element(acc, ir.Constant(_I32, i)) for i in range(8)]
+    low = builder.fadd(builder.fadd(a[0], a[4]), builder.fadd(a[2], a[6]))
+    high = builder.fadd(builder.fadd(a[1], a[5]), builder.fadd(a[3], a[7]))
+    return builder.fadd(low, high)
+
+
+def _make_dot(code: int, block_bytes: int, has_min: bool):
+    """An intrinsic dot(w, w_off, xq, x_off, xd, xs, s_off, nb) -> f32 for one weight type:
+    weight row at byte w_off of w (uint8), activation quants at x_off of xq (int8), its block
+    scales (and q8_1 sums) at s_off of xd (and xs), nb blocks."""
+
+    @intrinsic
+    def dot(typingctx, w, w_off, xq, x_off, xd, xs, s_off, nb):
+        sig = types.float32(w, w_off, xq, x_off, xd, xs, s_off, nb)
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            wbase = _byte_ptr(context, builder, aty[0], args[0])
+            xbase = _byte_ptr(context, builder, aty[2], args[2])
+            dbase = context.make_array(aty[4])(context, builder, args[4]).data
+            sbase = context.make_array(aty[5])(context, builder, args[5]).data
+            w_off, x_off, s_off, nblocks = args[1], args[3], args[6], args[7]
+            acc = cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8))
+            summs = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                blk = builder.add(w_off, builder.mul(b, ir.Constant(b.type, block_bytes)))
+                d_w = _half(builder, wbase, blk)
+                d_x = builder.load(builder.gep(dbase, [builder.add(s_off, b)]))
+                scale = builder.fmul(d_w, d_x)
+                wv = _weight_bytes(builder, code, wbase, blk)
+                xv = _load(builder, xbase, builder.add(x_off, builder.mul(b, ir.Constant(b.type, QK))), _V32I8)
+                lanes = _int_lanes(builder, wv, xv)
+                new = _call(builder, "llvm.fma.v8f32", _V8F, [_splat(builder, scale, _V8F), lanes, builder.load(acc)])
+                builder.store(new, acc)
+                if has_min:
+                    m_w = _half(builder, wbase, builder.add(blk, ir.Constant(blk.type, 2)))
+                    s_x = builder.load(builder.gep(sbase, [builder.add(s_off, b)]))
+                    builder.store(_call(builder, "llvm.fma.f32", _F32, [m_w, s_x, builder.load(summs)]), summs)
+            total = _hsum(builder, builder.load(acc))
+            return builder.fadd(total, builder.load(summs)) if has_min else total
+
+        return sig, codegen
+
+    return dot
+
+
+_dot_q4_0 = _make_dot(_Q4_0, 18, False)
+_dot_q4_1 = _make_dot(_Q4_1, 20, True)
+_dot_q5_0 = _make_dot(_Q5_0, 22, False)
+_dot_q5_1 = _make_dot(_Q5_1, 24, True)
+_dot_q8_0 = _make_dot(_Q8_0, 34, False)
+
+
+@njit
+def _dot(code, raw, w_off, xq, x_off, xd, xs, s_off, nb):  # pragma: no cover - compiled
+    """ggml's vec_dot for the weight type ``code`` (one well-predicted branch per row)."""
+    if code == _Q4_1:
+        return _dot_q4_1(raw, w_off, xq, x_off, xd, xs, s_off, nb)
+    if code == _Q8_0:
+        return _dot_q8_0(raw, w_off, xq, x_off, xd, xs, s_off, nb)
+    if code == _Q4_0:
+        return _dot_q4_0(raw, w_off, xq, x_off, xd, xs, s_off, nb)
+    if code == _Q5_0:
+        return _dot_q5_0(raw, w_off, xq, x_off, xd, xs, s_off, nb)
+    return _dot_q5_1(raw, w_off, xq, x_off, xd, xs, s_off, nb)
+
+
+@njit
+def _rows(code, raw, row_bytes, r0, r1, xq, xd, xs, out):  # pragma: no cover - compiled
+    """out[:, r0:r1]; each activation row stays in cache while the weight rows pass."""
+    m, n_in = xq.shape
+    nb = n_in // QK
+    for t in range(m):
+        for r in range(r0, r1):
+            out[t, r] = _dot(code, raw, r * row_bytes, xq, t * n_in, xd, xs, t * nb, nb)
+
+
+@njit
+def _matmul_serial(code, raw, row_bytes, n_out, xq, xd, xs, out):  # pragma: no cover - compiled
+    for r0 in range(0, n_out, ROWS_PER_TASK):
+        _rows(code, raw, row_bytes, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, xs, out)
+
+
+@njit(parallel=True)
+def _matmul_parallel(code, raw, row_bytes, n_out, xq, xd, xs, out):  # pragma: no cover - compiled
+    for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        r0 = task * ROWS_PER_TASK
+        _rows(code, raw, row_bytes, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, xs, out)
+
+
+PARALLEL_MIN_MACS = 1 << 18  # below this many multiply-adds one thread is faster
+
+
+class QuantMatrix:
+    """A GGUF weight matrix [n_out, n_in] kept in its block bytes; ``matmul`` is ggml's mul_mat.
+
+    ``raw`` is the tensor's data as gguf's ReaderTensor gives it (uint8 [n_out, row_bytes], or
+    any shape with that many bytes); it is used without a copy when already contiguous uint8.
+    """
+
+    def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int):
+        qtype = T(qtype)
+        if not supported(qtype):
+            raise ValueError(f"no exact kernel for {qtype.name}")
+        if n_in % QK:
+            raise ValueError(f"n_in={n_in} is not a multiple of {QK}")
+        kind, block_bytes, q8_1 = _LAYOUT[qtype]
+        row_bytes = n_in // QK * block_bytes
+        data = numpy.ascontiguousarray(raw).view(numpy.uint8)
+        if data.size != n_out * row_bytes:
+            raise ValueError(f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}")
+        self.raw = data.reshape(n_out, row_bytes)
+        self.qtype, self.n_out, self.n_in = qtype, n_out, n_in
+        self._kind, self._has_min = kind, q8_1
+
+    @classmethod
+    def concat(cls, parts: list["QuantMatrix"]) -> "QuantMatrix":
+        """Rows of several matrices of one type and width stacked (one product for Q/K/V)."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.n_in != first.n_in for p in parts):
+            raise ValueError("concatenated matrices must share type and input width")
+        raw = numpy.concatenate([p.raw for p in parts])
+        return cls(raw, first.qtype, raw.shape[0], first.n_in)
+
+    def quantize(self, x: numpy.ndarray) -> Activation:
+        """The activation rounded as ggml rounds it for this weight (reusable across matrices)."""
+        return Activation(x)
+
+    def matmul(self, x: numpy.ndarray | Activation) -> numpy.ndarray:
+        """x [m, n_in] f32 (or its Activation) -> [m, n_out] f32, bit-identical to ggml."""
+        act = x if isinstance(x, Activation) else Activation(numpy.atleast_2d(x))
+        if act.q.shape[1] != self.n_in:
+            raise ValueError(f"activation width {act.q.shape[1]} != n_in {self.n_in}")
+        m = act.q.shape[0]
+        out = numpy.empty((m, self.n_out), numpy.float32)
+        kernel = _matmul_parallel if m * self.n_out * self.n_in >= PARALLEL_MIN_MACS else _matmul_serial
+        kernel(self._kind, self.raw, self.raw.shape[1], self.n_out, act.q, act.d, act.s, out)
+        return out
