@@ -330,9 +330,8 @@ def _norm_fused_pairs(pairs: int) -> int:
 def apply_rope(x: Any, cos: numpy.ndarray, sin: numpy.ndarray, neox: bool) -> numpy.ndarray:
     """x [n, heads, head_dim] rotated as ggml_rope_ext (rotate_pairs) with ``rope_cos_sin``'s table.
 
-    NEOX pairs (i, i + n_dims/2), NORM pairs (2i, 2i + 1). The NORM form assumes ggml's source
-    and destination do not overlap (the rope of a reshaped matmul result, as in llama.cpp's
-    llama graph); an in-place NORM rope takes an all-unfused path instead.
+    NEOX pairs (i, i + n_dims/2), NORM pairs (2i, 2i + 1). Checked both with ggml's source and
+    destination apart and in place (ggml_rope_ext_inplace): both take the same fused path.
     """
     a = numpy.ascontiguousarray(x, dtype=F32)
     if a.ndim != 3 or cos.shape != sin.shape or cos.shape[0] != a.shape[0] \
