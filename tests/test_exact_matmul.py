@@ -1,0 +1,165 @@
+"""exact_matmul against ggml's own CPU mul_mat and from_float (tests/ggml_oracle.py), bit for bit.
+
+Each product test also counts how many outputs the previous f32 path gets wrong on the same data
+(the activation rounded by weights.quantize_activation, times the dequantized matrix, in NumPy)
+and asserts that it does miss some, so a pass is not a pass by luck of the data. ``pytest -s``
+prints both figures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, quants
+
+from bankml.engine_cupy import exact_matmul as em
+from bankml.engine_cupy import weights
+from tests import ggml_oracle as go
+
+F32 = np.float32
+TYPES = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)
+ROWS = (1, 3, 17, 64, 512)
+
+
+def differing(a: np.ndarray, b: np.ndarray) -> int:
+    """Elements whose bits differ (so -0 vs +0 counts)."""
+    a, b = np.ascontiguousarray(a, F32), np.ascontiguousarray(b, F32)
+    assert a.shape == b.shape
+    return int(np.count_nonzero(a.view(np.uint32) != b.view(np.uint32)))
+
+
+def naive_product(raw: np.ndarray, qtype: T, n_out: int, n_in: int, x: np.ndarray) -> np.ndarray:
+    """The f32 path the engine used before: rounded activation @ dequantized weights."""
+    w = weights.dequantize(raw, qtype).reshape(n_out, n_in)
+    return weights.quantize_activation(np, x, weights.VEC_DOT_KIND[qtype]) @ w.T
+
+
+def activations(rng: np.random.Generator, m: int, n: int) -> np.ndarray:
+    """Hidden-state-like rows: N(0, 1) with some rows 30x wider and some 100x narrower."""
+    scale = rng.choice(np.array([1, 30, 0.01], F32), size=(m, 1))
+    return (rng.standard_normal((m, n)) * scale).astype(F32)
+
+
+def check_product(name: str, raw: np.ndarray, qtype: T, n_out: int, n_in: int, x: np.ndarray) -> int:
+    ggml = go.mul_mat(raw, qtype, n_out, n_in, x)
+    ours = em.QuantMatrix(raw, qtype, n_out, n_in).matmul(x)
+    mine, naive = differing(ours, ggml), differing(naive_product(raw, qtype, n_out, n_in, x), ggml)
+    print(f"\n{name}: exact_matmul differs in {mine}, the f32 path in {naive} of {ggml.size}")
+    assert mine == 0
+    return naive
+
+
+# --- activation rounding --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype, ours", [(T.Q8_0, em.quantize_q8_0), (T.Q8_1, em.quantize_q8_1)])
+def test_activation_blocks_match_ggml_from_float(qtype: T, ours) -> None:
+    rng = np.random.default_rng(1)
+    x = activations(rng, 40, 256)
+    x[0, :32] = 0                                   # an all-zero block: d = 0, quants 0
+    x[1] = rng.standard_normal(256).astype(F32) * F32(1e-6)   # d below f16's normal range
+    x[2, :32] = np.arange(32, dtype=F32) - F32(15.5)          # many .5 products: ties to even
+    x[3, :32] = F32(-3.0)                                     # one value: quants all -127
+    assert np.array_equal(ours(x), go.quantize_rows(x, qtype))
+
+
+def test_f16_rounding_matches_numpy_over_all_exponents() -> None:
+    rng = np.random.default_rng(2)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    values = bits.view(F32)
+    values = values[~np.isnan(values)]
+    ours = np.array([em.f32_to_f16_bits(v) for v in values[:20_000]], np.uint16)
+    near = (rng.standard_normal(20_000) * 1e-5).astype(F32)   # the subnormal-f16 range
+    ours_near = np.array([em.f32_to_f16_bits(v) for v in near], np.uint16)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(ours, values[:20_000].astype(np.float16).view(np.uint16))
+        assert np.array_equal(ours_near, near.astype(np.float16).view(np.uint16))
+
+
+# --- products on random weights ----------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_random_weights_match_ggml_mul_mat(qtype: T) -> None:
+    rng = np.random.default_rng(3)
+    n_out, n_in = 72, 320
+    w = (rng.standard_normal((n_out, n_in)) * 0.05).astype(F32)
+    raw = quants.quantize(w, qtype)
+    naive_misses = 0
+    for m in ROWS:
+        naive_misses += check_product(f"{qtype.name} [{m}, {n_in}] x [{n_out}, {n_in}]",
+                                      raw, qtype, n_out, n_in, activations(rng, m, n_in))
+    assert naive_misses > 0
+
+
+def test_parallel_and_serial_kernels_agree_with_ggml() -> None:
+    """A product big enough for the threaded kernel, with a row count that leaves a short task."""
+    rng = np.random.default_rng(4)
+    n_out, n_in = 1000, 512
+    raw = quants.quantize((rng.standard_normal((n_out, n_in)) * 0.05).astype(F32), T.Q4_1)
+    x = activations(rng, 2, n_in)
+    assert 2 * n_out * n_in >= em.PARALLEL_MIN_MACS
+    check_product("Q4_1 [2, 512] x [1000, 512] (threaded)", raw, T.Q4_1, n_out, n_in, x)
+
+
+# --- products on the default model's matrices --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_tensors(default_model: Path) -> dict[str, object]:
+    reader = GGUFReader(default_model)
+    return {t.name: t for t in reader.tensors}
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.attn_k.weight",
+                                  "blk.29.ffn_down.weight", "blk.13.ffn_gate.weight"])
+def test_default_model_layer_matrices_match_ggml(default_tensors: dict, name: str) -> None:
+    tensor = default_tensors[name]
+    n_in, n_out = int(tensor.shape[0]), int(tensor.shape[1])
+    rng = np.random.default_rng(5)
+    for m in (1, 17):
+        check_product(f"{name} {tensor.tensor_type.name} m={m}", tensor.data, tensor.tensor_type,
+                      n_out, n_in, activations(rng, m, n_in))
+
+
+def test_default_model_output_matrix_matches_ggml(default_tensors: dict) -> None:
+    """The tied output (token_embd, Q8_0 [49152, 576]): vec_dot for one row, tinyBLAS for two."""
+    tensor = default_tensors["token_embd.weight"]
+    assert tensor.tensor_type == T.Q8_0
+    rng = np.random.default_rng(6)
+    for m in (1, 2):
+        check_product(f"token_embd m={m}", tensor.data, T.Q8_0, 49152, 576, activations(rng, m, 576))
+
+
+# --- API ---------------------------------------------------------------------------------------
+
+def test_concat_is_the_products_side_by_side() -> None:
+    rng = np.random.default_rng(7)
+    parts = [em.QuantMatrix(quants.quantize(rng.standard_normal((n, 64)).astype(F32), T.Q4_1), T.Q4_1, n, 64)
+             for n in (32, 8, 8)]
+    x = activations(rng, 3, 64)
+    together = em.QuantMatrix.concat(parts).matmul(x)
+    assert np.array_equal(together, np.concatenate([p.matmul(x) for p in parts], axis=1))
+    act = parts[0].quantize(x)   # one rounding reused for several matrices
+    assert np.array_equal(parts[1].matmul(act), parts[1].matmul(x))
+
+
+def test_zero_copy_on_gguf_tensor_data(default_tensors: dict) -> None:
+    tensor = default_tensors["blk.0.attn_v.weight"]
+    matrix = em.QuantMatrix(tensor.data, tensor.tensor_type, int(tensor.shape[1]), int(tensor.shape[0]))
+    assert np.shares_memory(matrix.raw, tensor.data)
+
+
+def test_refusals_say_why() -> None:
+    assert em.supported(T.Q4_1) and em.supported(T.Q8_0)
+    assert not em.supported(T.Q6_K) and not em.supported(T.F32)
+    raw = np.zeros(20 * 2 * 4, np.uint8)
+    with pytest.raises(ValueError, match="no exact kernel for Q6_K"):
+        em.QuantMatrix(raw, T.Q6_K, 4, 64)
+    with pytest.raises(ValueError, match="needs 200 bytes"):
+        em.QuantMatrix(raw, T.Q4_1, 5, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        em.QuantMatrix(raw, T.Q4_1, 4, 48)
+    matrix = em.QuantMatrix(raw, T.Q4_1, 4, 64)
+    with pytest.raises(ValueError, match="activation width 32"):
+        matrix.matmul(np.zeros((1, 32), F32))
