@@ -101,7 +101,8 @@ def naive_rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarra
 @pytest.mark.parametrize("width", [64, 576, 2048])
 def test_rms_norm_with_and_without_weight(width: int) -> None:
     rng = np.random.default_rng(width)
-    x = (rng.standard_normal((16, width)) * rng.choice(np.array([0.01, 1, 30], F32), (16, 1))).astype(F32)
+    spread = rng.choice(np.array([0.01, 1, 30], F32), (16, 1))
+    x = (rng.standard_normal((16, width)) * spread).astype(F32)
     w = rng.normal(1, 0.3, width).astype(F32)
     report(f"rms_norm*w [16, {width}]", eo.rms_norm(x, w, 1e-5), naive_rms_norm(x, w, 1e-5),
            go.rms_norm_mul(x, w, 1e-5))
@@ -217,7 +218,8 @@ def naive_gelu_table() -> np.ndarray:
     """The table as NumPy computed it: no FMA in 1 + 0.044715x², NumPy's tanh."""
     x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
     with np.errstate(invalid="ignore", over="ignore"):
-        y = F32(0.5) * x * (F32(1) + np.tanh(F32(0.7978845608028654) * x * (F32(1) + F32(0.044715) * x * x)))
+        inner = F32(0.7978845608028654) * x * (F32(1) + F32(0.044715) * x * x)
+        y = F32(0.5) * x * (F32(1) + np.tanh(inner))
         return y.astype(np.float16).astype(F32)
 
 

@@ -35,14 +35,14 @@ from numba.extending import intrinsic
 
 from bankml.engine_cupy.jit import fma32, njit
 
-__all__ = ["swiglu", "silu", "rms_norm", "rope_cos_sin", "apply_rope", "gelu_f16_table", "geglu",
-           "attn_scale", "theta_scale", "expf", "NEOX", "NORM"]
+__all__ = ["swiglu", "silu", "ggml_v_expf", "rms_norm", "rope_cos_sin", "apply_rope",
+           "gelu_f16_table", "geglu", "attn_scale", "theta_scale", "expf", "NEOX", "NORM"]
 
 F32 = numpy.float32
 NORM, NEOX = 0, 2  # ggml's rope modes (GGML_ROPE_TYPE_NORMAL / GGML_ROPE_TYPE_NEOX)
 
 
-# --- libm by symbol, and float bits ---------------------------------------------------------------
+# --- libm by symbol, and float bits -------------------------------------------------------------
 
 def _libm_f32(name: str) -> Any:
     """An intrinsic calling glibc's float ``name(float)``."""
@@ -85,7 +85,8 @@ def _sincosf(typingctx: Any, x: Any) -> Any:
         s = cgutils.alloca_once(builder, f32)
         c = cgutils.alloca_once(builder, f32)
         builder.call(fn, [args[0], s, c])
-        return context.make_tuple(builder, signature.return_type, [builder.load(s), builder.load(c)])
+        pair = [builder.load(s), builder.load(c)]
+        return context.make_tuple(builder, signature.return_type, pair)
 
     return types.UniTuple(types.float32, 2)(types.float32), codegen
 
@@ -118,7 +119,7 @@ def _f16_bits(typingctx: Any, x: Any) -> Any:
     return types.int64(types.float32), codegen
 
 
-# --- SiLU / SwiGLU ----------------------------------------------------------------------------------
+# --- SiLU / SwiGLU ------------------------------------------------------------------------------
 
 _R = F32(float.fromhex("0x1.8p23"))
 _LOG2E = F32(float.fromhex("0x1.715476p+0"))
@@ -134,7 +135,7 @@ _ZERO = F32(0.0)
 
 
 @njit
-def _v_expf(x: float) -> float:
+def ggml_v_expf(x: float) -> float:
     """One lane of ggml_v_expf (vec.h, the AVX2+FMA branch).
 
     The C tests whether any of the 8 lanes has |n| > 126 before blending, but a lane's value
@@ -155,7 +156,7 @@ def _v_expf(x: float) -> float:
 @njit
 def _v_silu(x: float) -> float:
     """One lane of ggml_v_silu: x / (1 + ggml_v_expf(0 - x))."""
-    return x / (_ONE + _v_expf(_ZERO - x))
+    return x / (_ONE + ggml_v_expf(_ZERO - x))
 
 
 @njit
@@ -210,7 +211,7 @@ def silu(x: Any) -> numpy.ndarray:
     return out.reshape(numpy.shape(x))
 
 
-# --- RMSNorm ---------------------------------------------------------------------------------------
+# --- RMSNorm ------------------------------------------------------------------------------------
 
 @njit
 def _rms_norm_rows(x: numpy.ndarray, w: numpy.ndarray, eps: float, out: numpy.ndarray) -> None:
@@ -247,7 +248,7 @@ def rms_norm(x: Any, weight: Any | None, eps: float) -> numpy.ndarray:
     return out.reshape(numpy.shape(x))
 
 
-# --- RoPE ------------------------------------------------------------------------------------------
+# --- RoPE ---------------------------------------------------------------------------------------
 
 @njit
 def _theta_scale(base: float, n_dims: int) -> float:
@@ -345,7 +346,7 @@ def apply_rope(x: Any, cos: numpy.ndarray, sin: numpy.ndarray, neox: bool) -> nu
     return out
 
 
-# --- GELU (GeGLU) ----------------------------------------------------------------------------------
+# --- GELU (GeGLU) -------------------------------------------------------------------------------
 
 _GELU_COEF_A = F32(0.044715)
 _SQRT_2_OVER_PI = F32(0.79788456080286535587989211986876)
@@ -354,7 +355,8 @@ _HALF = F32(0.5)
 
 @njit
 def _gelu_f32(x: numpy.ndarray, out: numpy.ndarray) -> None:
-    """ggml_gelu_f32 as GCC compiles it in ggml-cpu.c: (0.5x)·(1 + tanhf((√(2/π)x)·fma(0.044715x, x, 1)))."""
+    """ggml_gelu_f32 as GCC compiles it in ggml-cpu.c:
+    (0.5x)·(1 + tanhf((√(2/π)x)·fma(0.044715x, x, 1)))."""
     for i in range(x.shape[0]):
         v = x[i]
         inner = (_SQRT_2_OVER_PI * v) * fma32(_GELU_COEF_A * v, v, _ONE)
@@ -363,7 +365,8 @@ def _gelu_f32(x: numpy.ndarray, out: numpy.ndarray) -> None:
 
 def gelu_f16_table() -> numpy.ndarray:
     """ggml_table_gelu_f16 as float32 [65536]: GELU of every f16 bit pattern, rounded to f16."""
-    x = numpy.arange(1 << 16, dtype=numpy.uint32).astype(numpy.uint16).view(numpy.float16).astype(F32)
+    bits = numpy.arange(1 << 16, dtype=numpy.uint32).astype(numpy.uint16)
+    x = bits.view(numpy.float16).astype(F32)
     y = numpy.empty_like(x)
     _gelu_f32(x, y)
     with numpy.errstate(over="ignore", invalid="ignore"):
@@ -395,7 +398,7 @@ def geglu(gate: Any, up: Any, table: numpy.ndarray) -> numpy.ndarray:
     return out.reshape(numpy.shape(gate))
 
 
-# --- libm's expf over arrays -------------------------------------------------------------------------
+# --- libm's expf over arrays --------------------------------------------------------------------
 
 @njit
 def _expf_flat(x: numpy.ndarray, out: numpy.ndarray) -> None:
@@ -413,7 +416,7 @@ def expf(x: Any) -> numpy.ndarray:
     return out
 
 
-# --- scalars ----------------------------------------------------------------------------------------
+# --- scalars ------------------------------------------------------------------------------------
 
 def attn_scale(d: int) -> numpy.float32:
     """1.0f/sqrtf(float(d)), as llama.cpp builds kq_scale (two float roundings, not one)."""
