@@ -31,8 +31,10 @@ import math
 from typing import Any
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from bankml.engine_cupy.jit import fma32, njit
@@ -75,13 +77,12 @@ def _from_bits(typingctx: Any, u: Any) -> Any:
     return sig, codegen
 
 
-@njit(inline="always")
-def f16_round(x: float) -> float:
-    """x (float32) rounded to the nearest f16 value, ties to even (F16C's _mm256_cvtps_ph(x, 0)).
+def _f16_round_bits(x: float) -> float:
+    """x (float32) rounded to the nearest f16 value, ties to even, on the integer bits.
 
-    Branch-free so the accumulator loops vectorise: normal numbers round their 23-bit mantissa
-    to 10 bits on the integer bits, f16 subnormals (|x| < 2^-14) round to a multiple of 2^-24 by
-    adding and subtracting 0.5, beyond 65504 (after rounding) is infinity; NaN stays NaN.
+    The fallback for CPUs without F16C: normal numbers round their 23-bit mantissa to 10 bits,
+    f16 subnormals (|x| < 2^-14) round to a multiple of 2^-24 by adding and subtracting 0.5,
+    beyond 65504 (after rounding) is infinity; NaN stays NaN.
     """
     u = _bits(x)
     sign = u & np.uint32(0x80000000)
@@ -92,6 +93,25 @@ def f16_round(x: float) -> float:
     out = small if a < np.uint32(0x38800000) else normal
     out = a if a > np.uint32(0x7F800000) else out  # NaN
     return _from_bits(out | sign)
+
+
+@intrinsic
+def _f16_round_f16c(typingctx: Any, x: Any) -> Any:
+    """x (float32) through f16 and back: LLVM's fptrunc/fpext, F16C's vcvtps2ph/vcvtph2ps.
+
+    Round to nearest even, as ggml's _mm256_cvtps_ph(x, 0); vectorises to 8 lanes an
+    instruction, some twenty times faster than the integer version in the accumulator loop.
+    """
+    sig = types.float32(types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+HAS_F16C = bool(llvm.get_host_cpu_features().get("f16c", False))
+f16_round = _f16_round_f16c if HAS_F16C else njit(inline="always")(_f16_round_bits)
 
 
 _EXP_R = F32(float.fromhex("0x1.8p23"))
@@ -119,48 +139,84 @@ def ggml_v_expf(x: float) -> float:
     k = _from_bits(e + np.uint32(0x3F800000))
     u = b * b
     j = fma32(fma32(fma32(_EXP_C5, b, _EXP_C4), u, fma32(_EXP_C3, b, _EXP_C2)), u, _EXP_C1 * b)
-    if not abs(n) > F32(126.0):
-        return fma32(j, k, k)
+    # the far-range lanes, computed always and selected, so that loops of this vectorise
     g = np.uint32(0x82000000) if n <= _ZERO else np.uint32(0)
     s1 = _from_bits(g + np.uint32(0x7F000000))
-    if abs(n) > F32(192.0):
-        return s1 * s1
     s2 = _from_bits(e - g)
-    return fma32(s2, j, s2) * s1
+    far = s1 * s1 if abs(n) > F32(192.0) else fma32(s2, j, s2) * s1
+    return far if abs(n) > F32(126.0) else fma32(j, k, k)
 
 
 # --- the one-row kernel (fewer than 64 rows, and the chunks of a split decode) -------------------
 
-@njit(inline="always")
-def _dot_f16(k: Any, kvh: int, ic: int, q16: Any, hd: int, lanes: Any) -> float:
-    """ggml_vec_dot_f16 (AVX2 + F16C) of cell ``ic``'s key with the f16-rounded query.
+@intrinsic
+def _dot_f16_body(typingctx: Any, arr: Any, offset: Any, q: Any, n: Any) -> Any:
+    """Σ arr.flat[offset + i] * q[i], i < n (a multiple of 32), as ggml_vec_dot_f16's SIMD part.
 
-    Four 8-float accumulators over steps of 32 (every product of two f16 values is exact in
-    f32, so the fma is one rounding of the sum); reduced as GGML_F32x8_REDUCE does
-    ((a0 + a2) + (a1 + a3), then the two 128-bit halves, then two hadds); the leftover
-    elements are added in double, and the double rounded to float.
+    Written as LLVM vector code (four <8 x float> fma accumulators over steps of 32, then
+    GGML_F32x8_REDUCE: (a0 + a2) + (a1 + a3), the two 128-bit halves added, then
+    (t0 + t1) + (t2 + t3) as the two hadds) because Numba's scalar loops of the same order
+    do not vectorise; arr and q must be C-contiguous float32.
     """
+    sig = types.float32(arr, types.intp, q, types.intp)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f32 = ir.FloatType()
+        v8 = ir.VectorType(f32, 8)
+        keys = context.make_array(signature.args[0])(context, builder, args[0])
+        query = context.make_array(signature.args[2])(context, builder, args[2])
+        offset, n = args[1], args[3]
+        base = builder.gep(keys.data, [offset])
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3),
+                                             "llvm.fma.v8f32")
+        zero = ir.Constant(v8, [0.0] * 8)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+        step = ir.Constant(n.type, 32)
+        with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), n, step) as (i, _):
+            for j, acc in enumerate(accs):
+                at = builder.add(i, ir.Constant(n.type, 8 * j))
+                kv = builder.load(builder.bitcast(builder.gep(base, [at]), v8.as_pointer()), align=4)
+                qv = builder.load(builder.bitcast(builder.gep(query.data, [at]), v8.as_pointer()),
+                                  align=4)
+                builder.store(builder.call(fma, [kv, qv, builder.load(acc)]), acc)
+        a = [builder.load(acc) for acc in accs]
+        x = builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3]))
+        i4 = ir.VectorType(ir.IntType(32), 4)
+        lo = builder.shuffle_vector(x, x, ir.Constant(i4, [0, 1, 2, 3]))
+        hi = builder.shuffle_vector(x, x, ir.Constant(i4, [4, 5, 6, 7]))
+        t = builder.fadd(lo, hi)
+        e = [builder.extract_element(t, ir.Constant(ir.IntType(32), m)) for m in range(4)]
+        return builder.fadd(builder.fadd(e[0], e[1]), builder.fadd(e[2], e[3]))
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _dot_f16(k: Any, kvh: int, ic: int, q16: Any) -> float:
+    """ggml_vec_dot_f16 (AVX2 + F16C) of the key k[kvh, ic] with the f16-rounded query.
+
+    Products of two f16 values are exact in f32, so each fma is one rounding of a sum and
+    only the order matters: the SIMD part (_dot_f16_body), then the leftover elements added
+    in double, and the double rounded to float.
+    """
+    hd = q16.shape[0]
     body = hd & ~31
-    for lane in range(32):
-        lanes[lane] = _ZERO
-    for i in range(0, body, 32):
-        for lane in range(32):
-            lanes[lane] = fma32(k[kvh, ic, i + lane], q16[i + lane], lanes[lane])
-    for lane in range(8):
-        lanes[lane] = (lanes[lane] + lanes[lane + 16]) + (lanes[lane + 8] + lanes[lane + 24])
-    t0 = lanes[0] + lanes[4]
-    t1 = lanes[1] + lanes[5]
-    t2 = lanes[2] + lanes[6]
-    t3 = lanes[3] + lanes[7]
-    total = np.float64((t0 + t1) + (t2 + t3))
+    total = np.float64(_dot_f16_body(k, (kvh * k.shape[1] + ic) * hd, q16, body))
     for i in range(body, hd):
         total += np.float64(k[kvh, ic, i] * q16[i])
     return F32(total)
 
 
 @njit(inline="always")
+def _mad_f16(acc: Any, v: Any, kvh: int, ic: int, w: float) -> None:
+    """ggml_vec_mad_f16: acc = f16(v[kvh, ic] * w + acc), one fma rounding then the f16 one."""
+    for d in range(acc.shape[0]):
+        acc[d] = f16_round(fma32(v[kvh, ic, d], w, acc[d]))
+
+
+@njit(inline="always")
 def _walk_f16(q16: Any, k: Any, v: Any, kvh: int, mask: Any, row: int, has_mask: bool,
-              c0: int, c1: int, scale: float, acc: Any, lanes: Any) -> tuple[float, float]:
+              c0: int, c1: int, scale: float, acc: Any) -> tuple[float, float]:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk for one (row, head) over cells c0..c1.
 
     ``acc`` (float32 holding f16 values) ends as the unnormalised V·softmax; returns (M, S).
@@ -178,7 +234,7 @@ def _walk_f16(q16: Any, k: Any, v: Any, kvh: int, mask: Any, row: int, has_mask:
             mv = mask[row, ic]
             if mv == _NEG_INF:
                 continue
-        s = _dot_f16(k, kvh, ic, q16, hd, lanes) * scale
+        s = _dot_f16(k, kvh, ic, q16) * scale
         s = s + mv
         ms = _ONE
         vs = _ONE
@@ -190,8 +246,7 @@ def _walk_f16(q16: Any, k: Any, v: Any, kvh: int, mask: Any, row: int, has_mask:
                 acc[d] = f16_round(acc[d] * ms)
         else:
             vs = F32(math.exp(s - big_m))
-        for d in range(hd):
-            acc[d] = f16_round(fma32(v[kvh, ic, d], vs, acc[d]))
+        _mad_f16(acc, v, kvh, ic, vs)
         big_s = fma32(big_s, ms, vs) if FUSE_SUM else big_s * ms + vs
     return big_m, big_s
 
@@ -212,9 +267,8 @@ def _one_chunk(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float, 
         for d in range(hd):
             q16[d] = f16_round(q[row, h, d])
         acc = np.empty(hd, np.float32)
-        lanes = np.empty(32, np.float32)
         _, big_s = _walk_f16(q16, k, v, h // group, mask, row, has_mask, 0, k.shape[1], scale,
-                             acc, lanes)
+                             acc)
         s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
         for d in range(hd):
             out[row, h, d] = acc[d] * s_inv
@@ -240,9 +294,8 @@ def _split_decode(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: floa
         q16 = np.empty(hd, np.float32)
         for d in range(hd):
             q16[d] = f16_round(q[0, h, d])
-        lanes = np.empty(32, np.float32)
         m, s = _walk_f16(q16, k, v, h // group, mask, 0, has_mask, c0, min(c0 + chunk, n_kv),
-                         scale, part_acc[h, c], lanes)
+                         scale, part_acc[h, c])
         part_m[h, c] = m
         part_s[h, c] = s
     for h in range(n_head):
@@ -289,6 +342,63 @@ def _merge(a: float, sa: float, b: float, sb: float) -> float:
 
 # --- the tiled kernel (64 rows or more) ----------------------------------------------------------
 
+def _fma_chains(n_vectors: int) -> Any:
+    """An intrinsic: out.flat[out_at + i] = fma(a.flat[a_at + t*a_step + i], b.flat[b_at + t], .)
+    over t < n, for i < 8 * n_vectors.
+
+    Each lane is a sequential f32 fma chain started from out's value: the column blocks of
+    ggml's simd_gemm (its GGML_F32_VEC_FMA accumulators). Written as LLVM vector code with the
+    ``n_vectors`` <8 x float> accumulators in registers and advanced together, so the chains
+    overlap instead of waiting on each fma's latency (Numba's loops would spill them).
+    """
+    @intrinsic
+    def fma_chains(typingctx: Any, out: Any, out_at: Any, a: Any, a_at: Any, a_step: Any,
+                   b: Any, b_at: Any, n: Any) -> Any:
+        sig = types.void(out, types.intp, a, types.intp, types.intp, b, types.intp, types.intp)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            v8 = ir.VectorType(ir.FloatType(), 8)
+            dst = context.make_array(signature.args[0])(context, builder, args[0])
+            rows = context.make_array(signature.args[2])(context, builder, args[2])
+            coef = context.make_array(signature.args[5])(context, builder, args[5])
+            out_at, a_at, a_step, b_at, n = args[1], args[3], args[4], args[6], args[7]
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3),
+                                                 "llvm.fma.v8f32")
+            intp = out_at.type
+            out_ps, accs = [], []
+            for m in range(n_vectors):
+                at = builder.add(out_at, ir.Constant(intp, 8 * m))
+                out_p = builder.bitcast(builder.gep(dst.data, [at]), v8.as_pointer())
+                acc = cgutils.alloca_once(builder, v8)
+                builder.store(builder.load(out_p, align=4), acc)
+                out_ps.append(out_p)
+                accs.append(acc)
+            undef = ir.Constant(v8, ir.Undefined)
+            zeros = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+            with cgutils.for_range(builder, n) as loop:
+                t = loop.index
+                row = builder.add(a_at, builder.mul(t, a_step))
+                c = builder.load(builder.gep(coef.data, [builder.add(b_at, t)]))
+                cv = builder.insert_element(undef, c, ir.Constant(ir.IntType(32), 0))
+                cv = builder.shuffle_vector(cv, undef, zeros)
+                for m, acc in enumerate(accs):
+                    at = builder.add(row, ir.Constant(intp, 8 * m))
+                    x = builder.load(builder.bitcast(builder.gep(rows.data, [at]), v8.as_pointer()),
+                                     align=4)
+                    builder.store(builder.call(fma, [x, cv, builder.load(acc)]), acc)
+            for acc, out_p in zip(accs, out_ps):
+                builder.store(builder.load(acc), out_p, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return fma_chains
+
+
+_fma_chain8 = _fma_chains(1)
+_fma_chain64 = _fma_chains(8)
+
+
 @njit(inline="always")
 def _tile_weights(kq: Any, n: int, big_m: float) -> float:
     """ggml_vec_soft_max_f32 (AVX2) of one tile row: kq[j] = ggml_v_expf(kq[j] - M) in place.
@@ -296,17 +406,54 @@ def _tile_weights(kq: Any, n: int, big_m: float) -> float:
     Returns the sum as ggml takes it: each group of 8 summed in float ((hi4 + lo4), then
     (0+2, 1+3), then the two), the groups added into a double. Hidden cells (-inf) weigh 0.
     """
+    for j in range(n - n % 8):
+        x = kq[j]
+        kq[j] = _ZERO if x == _NEG_INF else ggml_v_expf(x - big_m)
     total = 0.0
     for g in range(0, n - n % 8, 8):
-        for j in range(g, g + 8):
-            x = kq[j]
-            kq[j] = _ZERO if x == _NEG_INF else ggml_v_expf(x - big_m)
         a0 = kq[g + 4] + kq[g + 0]
         a1 = kq[g + 5] + kq[g + 1]
         a2 = kq[g + 6] + kq[g + 2]
         a3 = kq[g + 7] + kq[g + 3]
         total += np.float64((a0 + a2) + (a1 + a3))
     return total
+
+
+@njit(inline="always")
+def _any_visible(mask: Any, row: int, c0: int, width: int) -> bool:
+    for j in range(c0, c0 + width):
+        if mask[row, j] != _NEG_INF:
+            return True
+    return False
+
+
+@njit(inline="always")
+def _tile_scores(kq: Any, k_tiles: Any, kvh: int, t: int, q: Any, q_at: int) -> None:
+    """kq[j] = the f32 fma chain over d of K[j, d] * q[d], from 0 (simd_gemm of Q by K_f32)."""
+    hd = k_tiles.shape[2]
+    base = (kvh * k_tiles.shape[1] + t) * hd * FA_TILE_KV
+    for j in range(FA_TILE_KV):
+        kq[j] = _ZERO
+    _fma_chain64(kq, 0, k_tiles, base, FA_TILE_KV, q, q_at, hd)
+
+
+@njit(inline="always")
+def _tile_values(acc: Any, weights: Any, v: Any, kvh: int, c0: int, width: int) -> None:
+    """acc[d] = the fma chain over the tile's cells of weight[j] * V[j, d] (simd_gemm by V32).
+
+    Cells past ``width`` weigh 0 in ggml and fma(0, v, acc) == acc, so they are left out.
+    """
+    hd = acc.shape[0]
+    wide = hd & ~63
+    body = hd & ~7
+    base = (kvh * v.shape[1] + c0) * hd
+    for d in range(0, wide, 64):
+        _fma_chain64(acc, d, v, base + d, hd, weights, 0, width)
+    for d in range(wide, body, 8):
+        _fma_chain8(acc, d, v, base + d, hd, weights, 0, width)
+    for d in range(body, hd):
+        for j in range(width):
+            acc[d] = fma32(weights[j], v[kvh, c0 + j, d], acc[d])
 
 
 @njit(parallel=True)
@@ -328,16 +475,13 @@ def _tiled(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float
         acc = np.zeros(hd, np.float32)
         big_s = _ZERO
         big_m = _NEG_INF
+        q_at = (row * n_head + h) * hd
         for t in range(n_tiles):
             c0 = t * FA_TILE_KV
             width = min(FA_TILE_KV, n_cells - c0)
-            visible = False
-            for j in range(FA_TILE_KV):
-                kq[j] = _ZERO
-            for d in range(hd):
-                qd = q[row, h, d]
-                for j in range(FA_TILE_KV):
-                    kq[j] = fma32(k_tiles[kvh, t, d, j], qd, kq[j])
+            if has_mask and not _any_visible(mask, row, c0, width):
+                continue  # ggml skips a tile whose cells are all hidden
+            _tile_scores(kq, k_tiles, kvh, t, q, q_at)
             tile_max = _NEG_INF
             for j in range(FA_TILE_KV):
                 s = kq[j] * scale
@@ -346,12 +490,7 @@ def _tiled(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float
                 elif has_mask:
                     s = s + mask[row, c0 + j]
                 kq[j] = s
-                if s > tile_max:
-                    tile_max = s
-                if s != _NEG_INF:
-                    visible = True
-            if not visible:
-                continue
+                tile_max = max(tile_max, s)
             m_new = max(big_m, tile_max)
             if m_new > big_m:
                 ms = F32(math.exp(big_m - m_new))
@@ -360,12 +499,7 @@ def _tiled(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float
                 big_s = big_s * ms
             big_m = m_new
             big_s = F32(np.float64(big_s) + _tile_weights(kq, FA_TILE_KV, m_new))
-            for j in range(width):
-                p = kq[j]
-                if p == _ZERO:
-                    continue  # fma(0, v, acc) == acc: hidden cells change nothing
-                for d in range(hd):
-                    acc[d] = fma32(p, v[kvh, c0 + j, d], acc[d])
+            _tile_values(acc, kq, v, kvh, c0, width)
         s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
         for d in range(hd):
             out[row, h, d] = acc[d] * s_inv
