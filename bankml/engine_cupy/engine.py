@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -22,12 +22,14 @@ from bankml.engine_cupy.grammar import (ConstraintError, ConstraintSpec, Constra
                                         resolve_constraint)
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, limit_from_env, longest_common_prefix
-from bankml.engine_cupy.sampler import (SamplerError, SamplerParams, Sampler, VocabInfo, logarithm,
-                                        token_logprobs)
+from bankml.engine_cupy.sampler import (LogitBias, SamplerError, SamplerParams, Sampler, TokenProbs, VocabInfo,
+                                        logarithm, parse_logit_bias, post_sampling_probs, token_logprobs)
 from bankml.engine_cupy.tokenizer import Tokenizer
 
 MICRO_BATCH = 512
 INT32_MAX = 2_147_483_647
+INT64_MAX = 2**63 - 1
+N_SLOTS = 1  # llama-server's n_parallel: the upper limit of n_cmpl
 
 
 class RequestError(ValueError):
@@ -53,6 +55,10 @@ class Request:
     n_probs: int = 0
     cache_prompt: bool = True
     prompt_text: str | None = None
+    post_sampling_probs: bool = False  # entries carry "prob"/"top_probs" from the chain's candidates
+    n_indent: int = 0                  # stop when a later line is indented less (code completion)
+    t_max_predict_ms: int = -1         # stop at a newline once generation took this long
+    options: dict[str, Any] = field(default_factory=dict)  # accepted fields the answer reports back
 
 
 @dataclass
@@ -80,6 +86,52 @@ class Summary:
 # --- request parsing helpers ---------------------------------------------------------------------------
 
 
+def _bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A field_bool: null keeps the default; anything but true/false is nlohmann's type error."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"Field '{name}': [json.exception.type_error.302] type must be boolean, "
+                           f"but is {_json_type(value)}")
+    return value
+
+
+# field_bool and field_num of llama-server's completion schema that run before the sampling
+# fields, in its order (the first refusal wins, as there). Each is (name, aliases, kind, lo, hi, default).
+_TASK_FIELDS: tuple[tuple[str, tuple[str, ...], str, int, int, Any], ...] = (
+    ("verbose", (), "bool", 0, 0, False),
+    ("timings_per_token", (), "bool", 0, 0, False),
+    ("stream", (), "bool", 0, 0, False),
+    ("cache_prompt", (), "bool", 0, 0, True),
+    ("return_tokens", (), "bool", 0, 0, False),
+    ("return_progress", (), "bool", 0, 0, False),
+    ("sse_ping_interval", (), "int", -1, INT32_MAX, -1),
+    ("n_predict", ("max_completion_tokens", "max_tokens"), "int", -1, INT32_MAX, -1),
+    ("n_indent", (), "int", 0, INT32_MAX, 0),
+    ("n_keep", (), "int", -1, INT32_MAX, 0),
+    ("n_discard", (), "int", 0, INT32_MAX, 0),
+    ("n_cmpl", ("n",), "int", 1, N_SLOTS, 1),
+    ("n_cache_reuse", (), "int", 0, INT32_MAX, 0),
+    ("t_max_predict_ms", (), "int", -1, INT64_MAX, -1),
+)
+
+
+def parse_task_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema's task fields, checked as llama-server checks them; returns every value."""
+    out: dict[str, Any] = {}
+    for name, aliases, kind, lo, hi, default in _TASK_FIELDS:
+        if kind == "bool":
+            out[name] = _bool_field(body, name, default)
+        else:
+            out[name] = _int_field(body, (name, *aliases), default, lo, hi)
+    fields_ = body.get("response_fields")
+    # json_value(..., vector<string>()): anything but an array of strings reads as "all fields"
+    ok = isinstance(fields_, list) and all(isinstance(f, str) for f in fields_)
+    out["response_fields"] = list(fields_) if ok else []
+    return out
+
+
 def _int_field(body: Mapping[str, Any], names: Sequence[str], default: int, lo: int, hi: int) -> int:
     """A hard-limited integer field_num (n_predict and its aliases)."""
     for name in names:
@@ -94,6 +146,28 @@ def _int_field(body: Mapping[str, Any], names: Sequence[str], default: int, lo: 
             raise RequestError(f"Field '{name}': Value must be between {lo} <= value <= {hi}, but got {v}")
         return v
     return default
+
+
+def _is_integer(value: Any) -> bool:
+    """nlohmann's is_number_integer()."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_mixed(value: Any) -> bool:
+    """json_is_array_of_mixed_numbers_strings: an array with both a string and an integer."""
+    return (isinstance(value, list) and any(isinstance(v, str) for v in value)
+            and any(_is_integer(v) for v in value))
+
+
+def _lora_field(body: Mapping[str, Any]) -> list[Any]:
+    """``lora``: an array, as llama-server requires; bankml loads no adapters, so, like
+    llama-server without adapters, the entries change nothing."""
+    lora = body.get("lora")
+    if lora is None:
+        return []
+    if not isinstance(lora, list):
+        raise RequestError("Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields")
+    return lora
 
 
 def _json_type(value: Any) -> str:
@@ -215,6 +289,41 @@ def utf8_prefix_text(raw: bytes) -> str:
     return raw[:incomplete_utf8_at(raw)].decode("utf-8", "replace")
 
 
+class LineLimits:
+    """process_token's line rules: ``n_indent`` (once a newline was sent, a later line indented by
+    fewer spaces/tabs ends the answer, cut after that line's indentation) and ``t_max_predict_ms``
+    (a newline sent after that long since the first token ends it). Both stop with "limit"."""
+
+    def __init__(self, n_indent: int, t_max_predict_ms: int):
+        self.n_indent = n_indent
+        self.t_max = t_max_predict_ms
+        self.has_new_line = False
+        self.last_nl_pos = 0
+
+    def stops(self, release: TextRelease, sent: bytes, gen_ms: float) -> bool:
+        stop = self.has_new_line and self.n_indent > 0 and self._indent_stop(release)
+        if b"\n" in sent:
+            self.has_new_line = True
+            if self.t_max > 0 and gen_ms > self.t_max:
+                stop = True
+        return stop
+
+    def _indent_stop(self, release: TextRelease) -> bool:
+        text = release.text
+        stop = False
+        if self.last_nl_pos > 0:
+            pos = self.last_nl_pos
+            while pos < len(text) and text[pos:pos + 1] in (b" ", b"\t"):
+                pos += 1
+            if pos < len(text) and pos - self.last_nl_pos < self.n_indent:
+                release.text = text[:pos]  # the short line is cut, its indentation kept
+                stop = True
+        nl = text.find(b"\n", self.last_nl_pos)
+        if nl != -1:
+            self.last_nl_pos = nl + 1
+        return stop
+
+
 # --- timings ---------------------------------------------------------------------------------------------
 
 
@@ -304,36 +413,62 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------------------
 
     def parse_request(self, request: Mapping[str, Any], kind: str) -> Request:
-        """Validate a request body completely; raises RequestError (status 400) before any compute."""
+        """Validate a one-prompt request body completely; raises RequestError (status 400) before any
+        compute. A /completion body with several prompts is ``parse_batch``'s."""
+        requests = self.parse_batch(request, kind)
+        if len(requests) > 1:
+            raise RequestError("several prompts in one request are answered on /completion (llama-server's "
+                               "array of results); send them there or one per request")
+        return requests[0]
+
+    def parse_batch(self, request: Mapping[str, Any], kind: str) -> list[Request]:
+        """Validate a body into one Request per prompt (llama-server's tasks of one request: the same
+        parameters, each prompt answered as if alone). Fields are read in llama-server's schema order,
+        so the first refusal is the one it gives."""
         if not isinstance(request, Mapping):
             raise RequestError("request body must be a JSON object")
         body = dict(request)
         try:
             if kind == "chat":
-                prompt_text, tokens = self._chat_prompt(body)
+                prompts = [self._chat_prompt(body)]
             elif kind == "completion":
-                prompt_text, tokens = self._completion_prompt(body)
+                prompts = self._completion_prompts(body)
             else:
                 raise ValueError(f"unknown request kind {kind!r}")
-            stop = parse_stop(body)
-            n_predict = _int_field(body, ("n_predict", "max_completion_tokens", "max_tokens"), -1, -1, INT32_MAX)
+            task = parse_task_fields(body)
             params = SamplerParams.from_request(body, self.defaults)
+            task["backend_sampling"] = _bool_field(body, "backend_sampling", False)  # no backend here: no effect
+            post_sampling = _bool_field(body, "post_sampling_probs", False)
+            task["lora"] = _lora_field(body)
             constraint = resolve_constraint(body, kind)
             if constraint is not None:
                 Constraint(constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
+            params = self._with_biases(body, params)
+            stop = parse_stop(body)
             if params.dry_multiplier != 0.0:
                 self._new_sampler(params)  # breaker tokenization can refuse
         except (SamplerError, TemplateError) as err:
             raise RequestError(str(err)) from None
         except ConstraintError as err:
             raise RequestError(str(err), reason=err.reason) from None
-        cache_prompt = body.get("cache_prompt", True)
-        if not isinstance(cache_prompt, bool):
-            raise RequestError(f"Field 'cache_prompt': [json.exception.type_error.302] type must be boolean, "
-                               f"but is {_json_type(cache_prompt)}")
-        self._check_context(tokens)
-        return Request(kind, tokens, params, constraint, n_predict, stop, max(params.n_probs, 0), cache_prompt,
-                       prompt_text)
+        out = []
+        for prompt_text, tokens in prompts:
+            self._check_context(tokens)
+            out.append(Request(kind, tokens, params, constraint, task["n_predict"], stop, max(params.n_probs, 0),
+                               task["cache_prompt"], prompt_text, post_sampling, task["n_indent"],
+                               task["t_max_predict_ms"], task))
+        return out
+
+    def _with_biases(self, body: Mapping[str, Any], params: SamplerParams) -> SamplerParams:
+        """logit_bias, then ignore_eos's -inf on every end-of-generation token (appended, as
+        llama-server appends its logit_bias_eog)."""
+        biases: tuple[LogitBias, ...] = params.logit_bias
+        if body.get("logit_bias") is not None:
+            biases = parse_logit_bias(body["logit_bias"], self.n_vocab, lambda text: self.tokenize(text))
+        ignore_eos = _bool_field(body, "ignore_eos", params.ignore_eos)
+        if ignore_eos and body.get("ignore_eos") is not None:
+            biases += tuple(LogitBias(-float("inf"), t) for t in sorted(self.tokenizer.eog_ids))
+        return replace(params, logit_bias=biases, ignore_eos=ignore_eos)
 
     def _chat_prompt(self, body: dict[str, Any]) -> tuple[str, list[int]]:
         messages = check_chat_messages(body)
@@ -346,35 +481,53 @@ class Engine:
                                    **kwargs)
         return text, self.tokenize(text, add_special=True, parse_special=True)
 
-    def _completion_prompt(self, body: Mapping[str, Any]) -> tuple[str | None, list[int]]:
-        """tokenize_input_prompts: a string (BOS per the vocabulary, special tokens parsed) or ids."""
+    def _completion_prompts(self, body: Mapping[str, Any]) -> list[tuple[str, list[int]]]:
+        """tokenize_input_prompts: an array without integers is several prompts, anything else one.
+        Each prompt's text is its tokens detokenized with special tokens, as /completion reports it."""
         if "prompt" not in body:
             raise RequestError("[json.exception.out_of_range.403] key 'prompt' not found")
         prompt = body["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.tokenize(prompt, add_special=True, parse_special=True)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if any(t < 0 or t >= self.n_vocab for t in prompt):
-                raise RequestError("Prompt contains invalid tokens")
-            return None, list(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, (int, str)) and not isinstance(t, bool) for t in prompt):
-            if any(isinstance(t, str) for t in prompt) and any(isinstance(t, int) for t in prompt):
-                tokens = self._mixed_prompt(prompt)
-                return None, tokens
-            raise RequestError("bankml serves one prompt per request (send several requests)")
+        if isinstance(prompt, list) and not any(_is_integer(p) for p in prompt):
+            if not prompt:
+                raise RequestError("\"prompt\" must not be empty")
+            parts = [self._subprompt(p) for p in prompt]
+        else:
+            parts = [self._subprompt(prompt)]
+        return [(self.tokenizer.detokenize(tokens, unparse_special=True), tokens) for tokens in parts]
+
+    def _subprompt(self, prompt: Any) -> list[int]:
+        """tokenize_input_subprompt: a string, ids, ids mixed with strings, or {"prompt_string": ...}."""
+        if isinstance(prompt, str) or _is_mixed(prompt):
+            return self._mixed_prompt(prompt)
+        if isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
+            return self._valid_ids(prompt)
+        if isinstance(prompt, dict) and "prompt_string" in prompt:
+            if "multimodal_data" in prompt:
+                raise RequestError("Multimodal data provided, but model does not support multimodal requests.")
+            return self._mixed_prompt(prompt["prompt_string"])
         raise RequestError("\"prompt\" elements must be a string, a list of tokens, a JSON object containing a "
                            "prompt string, or a list of mixed strings & tokens.")
 
-    def _mixed_prompt(self, parts: list[int | str]) -> list[int]:
-        """tokenize_mixed: strings tokenized (BOS only before the first), ids kept."""
+    def _valid_ids(self, ids: Sequence[int]) -> list[int]:
+        if any(t < 0 or t >= self.n_vocab for t in ids):
+            raise RequestError("Prompt contains invalid tokens")
+        return list(ids)
+
+    def _mixed_prompt(self, prompt: Any) -> list[int]:
+        """tokenize_mixed: a string, or strings and ids (special tokens parsed; BOS per the vocabulary
+        only before a leading string)."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt, add_special=True, parse_special=True)
+        if not isinstance(prompt, list):
+            raise RequestError(f"[json.exception.type_error.302] type must be string, but is {_json_type(prompt)}")
         out: list[int] = []
-        for i, part in enumerate(parts):
+        for i, part in enumerate(prompt):
             if isinstance(part, str):
                 out += self.tokenize(part, add_special=i == 0, parse_special=True)
+            elif isinstance(part, (int, float)) and not isinstance(part, bool):
+                out += self._valid_ids([int(part)])  # get<llama_token>() truncates a float
             else:
-                if part < 0 or part >= self.n_vocab:
-                    raise RequestError("Prompt contains invalid tokens")
-                out.append(part)
+                raise RequestError(f"[json.exception.type_error.302] type must be number, but is {_json_type(part)}")
         return out
 
     def _check_context(self, tokens: Sequence[int]) -> None:
@@ -443,6 +596,7 @@ class Engine:
         for t in tokens:
             sampler.accept(t)
         release = TextRelease(req.stop)
+        lines = LineLimits(req.n_indent, req.t_max_predict_ms)
         eog = self.tokenizer.eog_ids
         n_gen = 0
         raw = b""
@@ -465,9 +619,14 @@ class Engine:
             released, hit_stop = release.push(piece, token in eog)
             entry = None
             if released is not None and req.n_probs > 0:
-                entry = self._entry(logits, token, released, req.n_probs)
+                probs = (post_sampling_probs(sampler.last, req.n_probs, token) if req.post_sampling_probs
+                         and sampler.last is not None else token_logprobs(logits, req.n_probs, token))
+                entry = self._entry(probs, token, released, req.post_sampling_probs)
             yield Chunk(released.decode("utf-8", "replace") if released else "", entry, n_gen == 1, token)
             finish = self._finish(req, token, n_gen, hit_stop, eog)
+            # n_indent / t_max_predict_ms come after the limits and before EOG in process_token
+            if lines.stops(release, piece if released is None else released, (now - clock.t_prompt) * 1e3):
+                finish = "stop" if token in eog else "length"
             if finish:
                 summary.finish_reason = finish
                 break
@@ -494,15 +653,17 @@ class Engine:
             finish = "stop"
         return finish
 
-    def _entry(self, logits: np.ndarray, token: int, released: bytes, n_probs: int) -> dict:
-        """A logprob entry in llama-server's shape, from the raw logits."""
-        probs = token_logprobs(logits, n_probs, token)
+    def _entry(self, probs: TokenProbs, token: int, released: bytes, post_sampling: bool) -> dict:
+        """A probabilities entry in llama-server's shape: ``logprob``/``top_logprobs`` from the raw
+        logits, or with post_sampling_probs ``prob``/``top_probs`` from the chain's candidates."""
+        key, top_key = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
+        value: Callable[[float], float] = (lambda p: p) if post_sampling else logarithm
         top = []
         for tid, p in probs.top:
             piece = self._text_pieces[tid]
-            top.append({"id": tid, "token": utf8_prefix_text(piece), "bytes": list(piece), "logprob": logarithm(p)})
+            top.append({"id": tid, "token": utf8_prefix_text(piece), "bytes": list(piece), key: value(p)})
         return {"id": token, "token": utf8_prefix_text(released), "bytes": list(released),
-                "logprob": logarithm(probs.p_token), "top_logprobs": top}
+                key: value(probs.p_token), top_key: top}
 
 
 def _gguf_sampling_defaults(reader: Any) -> SamplerParams:

@@ -68,6 +68,10 @@ class SamplerParams:
     n_probs: int = 0
     min_keep: int = 0
     samplers: tuple[str, ...] = DEFAULT_ORDER
+    adaptive_target: float = -1.0   # only read by the adaptive-p sampler, which bankml refuses
+    adaptive_decay: float = 0.9
+    ignore_eos: bool = False
+    logit_bias: tuple["LogitBias", ...] = ()  # in the order llama-server applies them (EOG last)
 
     @classmethod
     def from_request(cls, body: Mapping[str, Any], defaults: "SamplerParams | None" = None) -> "SamplerParams":
@@ -183,14 +187,19 @@ class _Field:
             value = _as_int32(number)
         if self.hard:
             if value < self.lo or value > self.hi:  # type: ignore[operator]
-                raise SamplerError(f"Field '{name}': Value must be between {self.lo} <= value <= {self.hi}, "
-                                   f"but got {value}")
+                lo, hi, got = (_to_string(v, self.kind) for v in (self.lo, self.hi, value))
+                raise SamplerError(f"Field '{name}': Value must be between {lo} <= value <= {hi}, but got {got}")
             return value
         if self.lo is not None:
             value = max(self.lo, value)  # type: ignore[assignment]
         if self.hi is not None:
             value = min(self.hi, value)  # type: ignore[assignment]
         return value
+
+
+def _to_string(value: Any, kind: str) -> str:
+    """std::to_string: "%f" for a float field, the integer for the others."""
+    return f"{float(value):f}" if kind == "f32" else str(int(value))
 
 
 def _dry_base(raw: Any, base: SamplerParams) -> float:
@@ -266,6 +275,8 @@ _FIELDS: tuple[_Field, ...] = (
     _Field("seed", ("seed",), "u32"),
     _Field("n_probs", ("n_probs", "logprobs"), "i32"),
     _Field("min_keep", ("min_keep",), "i32", 0, INT32_MAX, hard=True),
+    _Field("adaptive_target", ("adaptive_target",), "f32", -float(np.finfo(F32).max), 1.0),
+    _Field("adaptive_decay", ("adaptive_decay",), "f32", 0.0, float(F32(0.99)), hard=True),
     _Field("dry_sequence_breakers", ("dry_sequence_breakers",), "json", handler=_breakers),
     _Field("samplers", ("samplers",), "json", handler=_samplers),
 )
@@ -277,6 +288,91 @@ _GGUF_KEYS = (
     ("penalty_repeat", "repeat_penalty", float), ("mirostat", "mirostat", int),
     ("mirostat_tau", "mirostat_tau", float), ("mirostat_eta", "mirostat_eta", float),
 )
+
+
+# --- logit bias -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """llama_logit_bias: added to one token's logit before any other stage (-inf bans it)."""
+
+    bias: float
+    token: int
+
+
+_C_SPACE = " \t\n\v\f\r"
+
+
+def _strtol_whole(key: str) -> int | None:
+    """``strtol(key, &end, 10)`` cast to llama_token, or None unless ``*end == 0``.
+
+    No digits leaves ``end`` at the start, so "" reads as 0; an overflow saturates at LONG_MIN/MAX
+    before the int32 cast, as in C."""
+    text = key.lstrip(_C_SPACE)
+    sign = -1 if text[:1] == "-" else 1
+    body = text[1:] if text[:1] in "+-" else text
+    digits = len(body) - len(body.lstrip("0123456789"))
+    if digits == 0:
+        return 0 if key == "" else None
+    if body[digits:]:
+        return None
+    value = max(-2**63, min(2**63 - 1, sign * int(body[:digits])))
+    return ((value + 2**31) % 2**32) - 2**31
+
+
+def _bias_value(raw: Any) -> float | None:
+    """parse_bias: a number as a float, ``false`` as -inf; anything else skips the entry."""
+    if raw is False:
+        return -math.inf
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return None
+    return _as_float32(raw)
+
+
+def parse_logit_bias(raw: Any, n_vocab: int, tokenize: Callable[[str], list[int]]) -> tuple[LogitBias, ...]:
+    """llama-server's ``logit_bias`` handler: ``[[id|text, bias], ...]`` or ``{"id"|"text": bias}``.
+
+    It never refuses: malformed entries, ids outside the vocabulary and other JSON types are
+    skipped silently, as llama-server skips them. Text is tokenized without special tokens and
+    every one of its tokens gets the bias."""
+    out: list[LogitBias] = []
+
+    def add(key: Any, value: Any, key_is_text: bool) -> None:
+        bias = _bias_value(value)
+        if bias is None:
+            return
+        if key_is_text:
+            out.extend(LogitBias(bias, t) for t in tokenize(key))
+        elif 0 <= key < n_vocab:
+            out.append(LogitBias(bias, key))
+
+    if isinstance(raw, list):
+        for el in raw:
+            if not isinstance(el, list) or len(el) != 2:
+                continue
+            key = el[0]
+            if isinstance(key, int) and not isinstance(key, bool):
+                add(_as_int32(key), el[1], False)
+            elif isinstance(key, str):
+                add(key, el[1], True)
+    elif isinstance(raw, dict):
+        for key, value in raw.items():
+            token = _strtol_whole(key)
+            add(key if token is None else token, value, token is None)
+    return tuple(out)
+
+
+def apply_logit_bias(c: "Candidates", biases: Sequence[LogitBias]) -> None:
+    """llama_sampler_logit_bias on the full, unshuffled vocabulary (index == id): each entry
+    added in turn in float32, so a token listed twice gets both."""
+    if not biases:
+        return
+    logits = c.logits.copy()
+    with np.errstate(invalid="ignore"):
+        np.add.at(logits, np.array([b.token for b in biases], dtype=np.int64),
+                  np.array([b.bias for b in biases], dtype=F32))
+    c.logits = logits
 
 
 # --- random numbers ---------------------------------------------------------------------------------
@@ -729,6 +825,7 @@ class Sampler:
             breakers = vocab.dry_breakers(params.dry_sequence_breakers)
         self.dry = DryPenalty(params, breakers)
         self.mu = 2.0 * params.mirostat_tau
+        self.last: Candidates | None = None  # the candidates the last draw chose from
 
     def accept(self, token: int) -> None:
         """Record a prompt or drawn token in the penalty and DRY windows."""
@@ -751,6 +848,8 @@ class Sampler:
 
     def _run_chain(self, c: Candidates) -> Candidates:
         p = self.params
+        apply_logit_bias(c, p.logit_bias)  # common_sampler_init puts it first, mirostat or not
+        self.last = c
         if p.mirostat == 1:
             self._temp(c, p.temperature)
             self._mirostat_v1(c)
@@ -856,6 +955,22 @@ def token_logprobs(logits: np.ndarray, n_probs: int, token: int) -> TokenProbs:
     total = _fsum(np.concatenate([p[order], p[rest]]))
     probs = (p / total).astype(F32)
     return TokenProbs([(int(i), float(probs[i])) for i in order], float(probs[token]))
+
+
+def post_sampling_probs(c: Candidates, n_probs: int, token: int) -> TokenProbs:
+    """populate_token_probs(post_sampling=true): the chain's final candidates sorted by p
+    (common_sampler_get_candidates), the top ``n`` up to the first p of 0, and the drawn token's p
+    (1.0 when it is not among them, llama-server's initial value)."""
+    order = np.arange(c.size) if c.sorted else np.argsort(-c.p, kind="stable")
+    ids, p = c.ids[order], c.p[order]
+    hit = np.flatnonzero(ids == token)
+    p_token = float(p[hit[0]]) if len(hit) else 1.0
+    top = []
+    for i in range(min(max(n_probs, 0), len(ids))):
+        if p[i] == 0.0:
+            break
+        top.append((int(ids[i]), float(p[i])))
+    return TokenProbs(top, p_token)
 
 
 def logarithm(p: float) -> float:

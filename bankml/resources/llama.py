@@ -1,7 +1,7 @@
 """llama-server's own endpoints, answered by the native engine (the engine address in --native).
 
-``POST /tokenize``, ``/detokenize``, ``/apply-template``, ``/completion`` (NativeChat's
-llama_completion kind), ``GET /health``, ``/props``, ``/metrics`` (Prometheus text as
+``POST /tokenize``, ``/detokenize``, ``/apply-template``, ``/completion`` (``Completion``: one
+prompt or several, llama-server's array of results), ``GET /health``, ``/props``, ``/metrics`` (Prometheus text as
 llama-server's ``--metrics``), and ``POST /slots/{id}?action=save|restore|erase`` with
 llama-server's checks in its order: no slot dir (501), an id ``std::stoi`` cannot read
 ("Invalid slot ID"), the action ("Invalid action"), the filename (llama.cpp's
@@ -14,6 +14,7 @@ thread, so it never meets a half-finished run.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any, Callable
@@ -21,9 +22,10 @@ from typing import Any, Callable
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.bridge import NativeEngine
+from bankml.bridge import NativeEngine, RunControl
 from bankml.proxy_resource import JsonResource, error_body, write_json
-from bankml.resources.openai import dumps, generation_settings, read_json_object
+from bankml.resources.openai import (LLAMA_COMPLETION, SSE, Answer, NativeChat, dumps, generation_settings, gone,
+                                     read_json_object, sse)
 
 NOT_SUPPORTED_SLOTS = "This server does not support slots action. Start it with `--slot-save-path`"
 FORBIDDEN_CODEPOINTS = set(':*?"<>|/\\') | {"\ufffd", "\ufeff", "\uff0e", "\u2215", "\u2216"}
@@ -385,3 +387,206 @@ def slot_job(native: NativeEngine, action: str, filename: str) -> tuple[int, dic
     return 200, {"id_slot": 0, "filename": filename, "n_restored": done.n_tokens, "n_read": done.n_bytes,
                  "timings": {"restore_ms": round(done.ms, 3)}}
 
+
+
+# --- /completion ---------------------------------------------------------------------------------
+
+
+def bias_entries(biases: Any) -> list[dict[str, Any]]:
+    """format_logit_bias: ``{"bias", "token"}`` objects, a ban (-inf) written as null, as nlohmann
+    writes any non-finite number."""
+    return [{"bias": b.bias if math.isfinite(b.bias) else None, "token": b.token} for b in biases]
+
+
+def nested_values(paths: list[str], obj: dict[str, Any]) -> dict[str, Any]:
+    """json_get_nested_values: each ``a/b`` path looked up, kept under the path as its key;
+    a path that is not there is left out."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        current: Any = obj
+        for key in path.split("/"):
+            if not isinstance(current, dict) or key not in current:
+                break
+            current = current[key]
+        else:
+            out[path] = current
+    return out
+
+
+class CompletionAnswer(Answer):
+    """One prompt's answer on /completion: its ``index`` in the request, ``tokens`` when
+    ``return_tokens``, llama-server's ``logit_bias`` form and the task fields it reports."""
+
+    def __init__(self, native: NativeEngine, body: bytes, request: dict[str, Any], parsed: Any,
+                 index: int) -> None:
+        super().__init__(native, LLAMA_COMPLETION, body, request, parsed)
+        self.index = index
+
+    def _llama_pieces(self, chunk: Any) -> list[dict[str, Any]]:
+        events = super()._llama_pieces(chunk)
+        for event in events:
+            event["index"] = self.index
+        return events
+
+    def _llama_final(self, summary: Any, text: str) -> dict[str, Any]:
+        out = super()._llama_final(summary, text)
+        options = getattr(self.parsed, "options", {}) or {}
+        out["index"] = self.index
+        if options.get("return_tokens") and not self.stream:
+            out["tokens"] = list(summary.tokens)
+        settings = out["generation_settings"]
+        settings["logit_bias"] = bias_entries(self.parsed.sampler.logit_bias)
+        settings["max_tokens"] = settings.get("n_predict", -1)
+        for key in ("n_keep", "n_discard", "stream", "timings_per_token", "backend_sampling", "lora"):
+            if key in options:
+                settings[key] = options[key]
+        settings["post_sampling_probs"] = bool(getattr(self.parsed, "post_sampling_probs", False))
+        return out
+
+    def whole(self, summary: Any) -> dict[str, Any]:
+        return self._only_fields(super().whole(summary))
+
+    def final_events(self, summary: Any) -> list[dict[str, Any]]:
+        events = super().final_events(summary)
+        return [self._only_fields(e) if "bankml_receipt" not in e else e for e in events]
+
+    def _only_fields(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """``response_fields``: only those (the receipt stays, it is bankml's)."""
+        paths = (getattr(self.parsed, "options", {}) or {}).get("response_fields") or []
+        if not paths:
+            return obj
+        out = nested_values(paths, obj)
+        if "bankml_receipt" in obj:
+            out["bankml_receipt"] = obj["bankml_receipt"]
+        return out
+
+
+def batch_steps(engine: Any, parsed: list[Any]) -> Callable[[Callable[[], bool]], Any]:
+    """The bridge's ``steps`` for a request's prompts, one after the other on the engine thread:
+    ``(index, Chunk)`` items, then ``(index, Summary)`` when that prompt is done."""
+
+    def steps(cancelled: Callable[[], bool]) -> Any:
+        for index, request in enumerate(parsed):
+            run = engine.run_steps(request, cancelled)
+            for chunk in run:
+                yield index, chunk
+            yield index, run.summary
+            if run.summary.cancelled:
+                return None
+        return None
+
+    return steps
+
+
+class Completion(NativeChat):
+    """``POST /completion``: every prompt of the request (a string, ids, ids mixed with strings,
+    or an array of those) answered as if alone, in order. One prompt: one object; several: the
+    array of objects (streamed: each prompt's events in turn with its ``index``, and llama-server's
+    ``data: null`` before each prompt after the first)."""
+
+    def __init__(self, native: NativeEngine) -> None:
+        super().__init__(native, LLAMA_COMPLETION)
+
+    def render_POST(self, request: Request) -> Any:
+        raw, obj, refusal = read_json_object(request)
+        if refusal is not None:
+            write_json(request, 400, refusal)
+            return NOT_DONE_YET
+        problem = self.native.identity_problem()
+        if problem is not None:
+            write_json(request, 503, error_body(503, problem))
+            return NOT_DONE_YET
+        control = self.native.bridge.new_control()
+        request.notifyFinish().addErrback(lambda _: control.cancel())
+        d = self.native.bridge.prepare(self.native.engine.parse_batch, obj, "completion")
+        d.addCallback(self._run_batch, request, raw, obj, control)
+        d.addErrback(self._failed, request, control, None)
+        return NOT_DONE_YET
+
+    def _run_batch(self, parsed: list[Any], request: Request, raw: bytes, obj: dict[str, Any],
+                   control: RunControl) -> Any:
+        if gone(request):
+            return None
+        answers = [CompletionAnswer(self.native, raw, obj, p, i) for i, p in enumerate(parsed)]
+        writer = _BatchWriter(request, answers, control)
+        d = self.native.bridge.stream(batch_steps(self.native.engine, parsed), writer.item, control)
+        d.addCallback(lambda _: writer.done())
+        d.addErrback(self._failed, request, control, writer)
+        return d
+
+
+class _BatchWriter:
+    """Writes a /completion answer: SSE events as items arrive, or the object(s) at the end."""
+
+    def __init__(self, request: Request, answers: list[CompletionAnswer], control: RunControl) -> None:
+        from bankml.engine_cupy.engine import Summary
+
+        self._summary_type = Summary
+        self.request = request
+        self.answers = answers
+        self.stream = answers[0].stream
+        self.started = False
+        self.results: list[dict[str, Any]] = []
+        self.cancelled = False
+        if self.stream:
+            request.registerProducer(control, True)
+
+    def _write(self, events: list[Any]) -> None:
+        if not events or gone(self.request):
+            return
+        if not self.started:
+            self.started = True
+            self.request.setResponseCode(200)
+            self.request.setHeader(b"content-type", SSE)
+            self.request.setHeader(b"cache-control", b"no-cache")
+        self.request.write(b"".join(sse(e) for e in events))
+
+    def item(self, item: tuple[int, Any]) -> None:
+        index, value = item
+        answer = self.answers[index]
+        if not isinstance(value, self._summary_type):
+            events = answer.on_chunk(value)
+            if index > 0 and answer.n_tokens == 1 and self.stream:
+                events = [None, *events]  # llama-server's begin event of a later task, written as null
+            self._write(events)
+            return
+        if value.cancelled or gone(self.request):
+            self.cancelled = True
+            return
+        if answer.n_tokens == 0 and index > 0 and self.stream:
+            self._write([None])
+        native = answer.native
+        if self.stream:
+            self._write(answer.final_events(value))
+        else:
+            self.results.append(answer.whole(value))
+        native.record(value, answer.tally.ttft_ms(), answer.tally.wall_ms(), answer.kind)
+
+    def done(self) -> None:
+        if self.stream and self.request.producer is not None:
+            self.request.unregisterProducer()
+        if self.cancelled or gone(self.request):
+            return
+        problem = self.answers[0].native.identity_problem()
+        if problem is not None:  # the file changed during the run: no receipt
+            if self.stream:
+                self.error(problem, 503)
+            else:
+                write_json(self.request, 503, error_body(503, problem))
+            return
+        if self.stream:
+            self.request.finish()  # llama-server ends its own /completion stream without [DONE]
+        else:
+            write_json(self.request, 200, dumps(self.results[0] if len(self.results) == 1 else self.results))
+
+    def error(self, message: str, status: int = 500) -> None:
+        """An engine failure after the stream began (NativeChat._failed's call)."""
+        if self.stream and self.request.producer is not None:
+            self.request.unregisterProducer()
+        if gone(self.request):
+            return
+        if not self.started:
+            write_json(self.request, status, error_body(status, message))
+            return
+        self.request.write(sse({"error": {"code": status, "message": message, "type": "server_error"}}))
+        self.request.finish()
