@@ -95,18 +95,38 @@ def _quantize_block(x, t, b, q, d16, s16):  # pragma: no cover - compiled
 
 
 @njit
-def _quantize_serial(x, q, d16, s16):  # pragma: no cover - compiled
-    """x [m, n] f32 -> q [m, n] int8, d16 and s16 [m, n/32] (f16 bits of d and of d·Σq)."""
-    for t in range(x.shape[0]):
-        for b in range(x.shape[1] // QK):
+def _quantize_serial(x, table):  # pragma: no cover - compiled
+    """x [m, n] f32 -> (q int8 [m, n], d16, s16 f16 bits [m, n/32], d, s their f32 values)."""
+    m, n = x.shape
+    q = numpy.empty((m, n), numpy.int8)
+    d16 = numpy.empty((m, n // QK), numpy.uint16)
+    s16 = numpy.empty((m, n // QK), numpy.uint16)
+    for t in range(m):
+        for b in range(n // QK):
             _quantize_block(x, t, b, q, d16, s16)
+    return q, d16, s16, _widen(d16, table), _widen(s16, table)
 
 
 @njit(parallel=True)
-def _quantize_parallel(x, q, d16, s16):  # pragma: no cover - compiled
-    for t in prange(x.shape[0]):
-        for b in range(x.shape[1] // QK):
+def _quantize_parallel(x, table):  # pragma: no cover - compiled
+    m, n = x.shape
+    q = numpy.empty((m, n), numpy.int8)
+    d16 = numpy.empty((m, n // QK), numpy.uint16)
+    s16 = numpy.empty((m, n // QK), numpy.uint16)
+    for t in prange(m):
+        for b in range(n // QK):
             _quantize_block(x, t, b, q, d16, s16)
+    return q, d16, s16, _widen(d16, table), _widen(s16, table)
+
+
+@njit
+def _widen(h, table):  # pragma: no cover - compiled
+    """f16 bits -> f32 values (exact)."""
+    out = numpy.empty(h.shape, numpy.float32)
+    for t in range(h.shape[0]):
+        for b in range(h.shape[1]):
+            out[t, b] = table[h[t, b]]
+    return out
 
 
 PARALLEL_MIN_ELEMENTS = 1 << 16  # activations smaller than this are rounded on one thread
@@ -119,14 +139,8 @@ class Activation:
         x = numpy.ascontiguousarray(x, dtype=numpy.float32)
         if x.ndim != 2 or x.shape[1] % QK:
             raise ValueError(f"activation must be [m, k] with k a multiple of {QK}, got {x.shape}")
-        m, n = x.shape
-        self.q = numpy.empty((m, n), numpy.int8)
-        self.d16 = numpy.empty((m, n // QK), numpy.uint16)
-        self.s16 = numpy.empty((m, n // QK), numpy.uint16)
         quantize = _quantize_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_serial
-        quantize(x, self.q, self.d16, self.s16)
-        self.d = F16_TABLE[self.d16]
-        self.s = F16_TABLE[self.s16]
+        self.q, self.d16, self.s16, self.d, self.s = quantize(x, F16_TABLE)
 
     def blocks(self, with_sum: bool) -> numpy.ndarray:
         """ggml's block_q8_0 (d, qs[32]) or block_q8_1 (d, s, qs[32]) bytes, [m, n/32 * size]."""
@@ -232,76 +246,168 @@ def _hsum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
     return builder.fadd(low, high)
 
 
-def _make_dot(code: int, block_bytes: int, has_min: bool):
-    """An intrinsic dot(w, w_off, xq, x_off, xd, xs, s_off, nb) -> f32 for one weight type:
-    weight row at byte w_off of w (uint8), activation quants at x_off of xq (int8), its block
-    scales (and q8_1 sums) at s_off of xd (and xs), nb blocks."""
+def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int):
+    """An intrinsic computing an rm x rn tile of outputs: weight rows r..r+rm-1 against
+    activation rows t..t+rn-1, each element exactly ggml's vec_dot. The tile shares each unpacked
+    weight block and each activation block among its dots, and its rm*rn independent fma chains
+    keep the FMA unit busy where one chain would wait on its own latency.
+
+    tile(w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out): weight row
+    i at byte w_off + i*row_bytes of w (uint8), activation row j's quants at x_off + j*n_in of xq
+    (int8) and its block scales (and q8_1 sums) at s_off + j*nb of xd (and xs); the result of
+    (i, j) goes to out.flat[o_off + j*n_out + i]."""
 
     @intrinsic
-    def dot(typingctx, w, w_off, xq, x_off, xd, xs, s_off, nb):
-        sig = types.float32(w, w_off, xq, x_off, xd, xs, s_off, nb)
+    def tile(typingctx, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):
+        sig = types.void(w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
 
         def codegen(context, builder, signature, args):
             aty = signature.args
+            (_, w_off, row_bytes, _, x_off, n_in, _, _, s_off, nblocks, _, o_off, n_out) = args
             wbase = _byte_ptr(context, builder, aty[0], args[0])
-            xbase = _byte_ptr(context, builder, aty[2], args[2])
-            dbase = context.make_array(aty[4])(context, builder, args[4]).data
-            sbase = context.make_array(aty[5])(context, builder, args[5]).data
-            w_off, x_off, s_off, nblocks = args[1], args[3], args[6], args[7]
-            acc = cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8))
-            summs = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+            xbase = _byte_ptr(context, builder, aty[3], args[3])
+            dbase = context.make_array(aty[6])(context, builder, args[6]).data
+            sbase = context.make_array(aty[7])(context, builder, args[7]).data
+            obase = context.make_array(aty[10])(context, builder, args[10]).data
+            ity = w_off.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(rn)]
+                   for _ in range(rm)]
+            summs = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(rn)]
+                     for _ in range(rm)]
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
-                blk = builder.add(w_off, builder.mul(b, ir.Constant(b.type, block_bytes)))
-                d_w = _half(builder, wbase, blk)
-                d_x = builder.load(builder.gep(dbase, [builder.add(s_off, b)]))
-                scale = builder.fmul(d_w, d_x)
-                wv = _weight_bytes(builder, code, wbase, blk)
-                xv = _load(builder, xbase, builder.add(x_off, builder.mul(b, ir.Constant(b.type, QK))), _V32I8)
-                lanes = _int_lanes(builder, wv, xv)
-                new = _call(builder, "llvm.fma.v8f32", _V8F, [_splat(builder, scale, _V8F), lanes, builder.load(acc)])
-                builder.store(new, acc)
-                if has_min:
-                    m_w = _half(builder, wbase, builder.add(blk, ir.Constant(blk.type, 2)))
-                    s_x = builder.load(builder.gep(sbase, [builder.add(s_off, b)]))
-                    builder.store(_call(builder, "llvm.fma.f32", _F32, [m_w, s_x, builder.load(summs)]), summs)
-            total = _hsum(builder, builder.load(acc))
-            return builder.fadd(total, builder.load(summs)) if has_min else total
+                rows = []
+                for i in range(rm):
+                    blk = builder.add(builder.add(w_off, builder.mul(const(i), row_bytes)),
+                                      builder.mul(b, const(block_bytes)))
+                    wv = _weight_bytes(builder, code, wbase, blk)
+                    m_w = _half(builder, wbase, builder.add(blk, const(2))) if has_min else None
+                    # signed weights: |w| for maddubs, the sign moves onto x (mul_sum_i8_pairs)
+                    aw = wv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wv, wv])
+                    rows.append((wv, aw, _half(builder, wbase, blk), m_w))
+                for j in range(rn):
+                    xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK)))
+                    xv = _load(builder, xbase, xo, _V32I8)
+                    so = builder.add(builder.add(s_off, builder.mul(const(j), nblocks)), b)
+                    d_x = builder.load(builder.gep(dbase, [so]))
+                    s_x = builder.load(builder.gep(sbase, [so])) if has_min else None
+                    for i, (wv, aw, d_w, m_w) in enumerate(rows):
+                        sx = xv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wv])
+                        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [aw, sx])
+                        quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32,
+                                      [pairs, ir.Constant(_V16I16, [1] * 16)])
+                        lanes = builder.sitofp(quads, _V8F)
+                        scale = _splat(builder, builder.fmul(d_w, d_x), _V8F)
+                        builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
+                                            [scale, lanes, builder.load(acc[i][j])]), acc[i][j])
+                        if has_min:
+                            builder.store(_call(builder, "llvm.fma.f32", _F32,
+                                                [m_w, s_x, builder.load(summs[i][j])]), summs[i][j])
+            for i in range(rm):
+                for j in range(rn):
+                    total = _hsum(builder, builder.load(acc[i][j]))
+                    if has_min:
+                        total = builder.fadd(total, builder.load(summs[i][j]))
+                    index = builder.add(builder.add(o_off, builder.mul(const(j), n_out)), const(i))
+                    builder.store(total, builder.gep(obase, [index]))
+            return context.get_dummy_value()
 
         return sig, codegen
 
-    return dot
+    return tile
 
 
-_dot_q4_0 = _make_dot(_Q4_0, 18, False)
-_dot_q4_1 = _make_dot(_Q4_1, 20, True)
-_dot_q5_0 = _make_dot(_Q5_0, 22, False)
-_dot_q5_1 = _make_dot(_Q5_1, 24, True)
-_dot_q8_0 = _make_dot(_Q8_0, 34, False)
+_tile11_q4_1 = _make_tile(_Q4_1, 20, True, 1, 1)
+_tile11_q8_0 = _make_tile(_Q8_0, 34, False, 1, 1)
+_tile11_q4_0 = _make_tile(_Q4_0, 18, False, 1, 1)
+_tile11_q5_0 = _make_tile(_Q5_0, 22, False, 1, 1)
+_tile11_q5_1 = _make_tile(_Q5_1, 24, True, 1, 1)
+_tile41_q4_1 = _make_tile(_Q4_1, 20, True, 4, 1)
+_tile41_q8_0 = _make_tile(_Q8_0, 34, False, 4, 1)
+_tile41_q4_0 = _make_tile(_Q4_0, 18, False, 4, 1)
+_tile41_q5_0 = _make_tile(_Q5_0, 22, False, 4, 1)
+_tile41_q5_1 = _make_tile(_Q5_1, 24, True, 4, 1)
+_tile22_q4_1 = _make_tile(_Q4_1, 20, True, 2, 2)
+_tile22_q8_0 = _make_tile(_Q8_0, 34, False, 2, 2)
+_tile22_q4_0 = _make_tile(_Q4_0, 18, False, 2, 2)
+_tile22_q5_0 = _make_tile(_Q5_0, 22, False, 2, 2)
+_tile22_q5_1 = _make_tile(_Q5_1, 24, True, 2, 2)
 
 
 @njit
-def _dot(code, raw, w_off, xq, x_off, xd, xs, s_off, nb):  # pragma: no cover - compiled
-    """ggml's vec_dot for the weight type ``code`` (one well-predicted branch per row)."""
+def _tile11(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):  # pragma: no cover - compiled
+    """The 1x1 tile for the weight type ``code`` (one well-predicted branch)."""
     if code == _Q4_1:
-        return _dot_q4_1(raw, w_off, xq, x_off, xd, xs, s_off, nb)
-    if code == _Q8_0:
-        return _dot_q8_0(raw, w_off, xq, x_off, xd, xs, s_off, nb)
-    if code == _Q4_0:
-        return _dot_q4_0(raw, w_off, xq, x_off, xd, xs, s_off, nb)
-    if code == _Q5_0:
-        return _dot_q5_0(raw, w_off, xq, x_off, xd, xs, s_off, nb)
-    return _dot_q5_1(raw, w_off, xq, x_off, xd, xs, s_off, nb)
+        _tile11_q4_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q8_0:
+        _tile11_q8_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q4_0:
+        _tile11_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q5_0:
+        _tile11_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    else:
+        _tile11_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+
+
+@njit
+def _tile41(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):  # pragma: no cover - compiled
+    """The 4x1 tile for the weight type ``code`` (one well-predicted branch)."""
+    if code == _Q4_1:
+        _tile41_q4_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q8_0:
+        _tile41_q8_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q4_0:
+        _tile41_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q5_0:
+        _tile41_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    else:
+        _tile41_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+
+
+@njit
+def _tile22(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):  # pragma: no cover - compiled
+    """The 2x2 tile for the weight type ``code`` (one well-predicted branch)."""
+    if code == _Q4_1:
+        _tile22_q4_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q8_0:
+        _tile22_q8_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q4_0:
+        _tile22_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    elif code == _Q5_0:
+        _tile22_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    else:
+        _tile22_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
 
 
 @njit
 def _rows(code, raw, row_bytes, r0, r1, xq, xd, xs, out):  # pragma: no cover - compiled
-    """out[:, r0:r1]; each activation row stays in cache while the weight rows pass."""
+    """out[:, r0:r1]: 2x2 tiles (two weight rows by two activation rows) where the activation
+    has two rows left, else 4x1 tiles; single dots at the edges."""
     m, n_in = xq.shape
+    n_out = out.shape[1]
     nb = n_in // QK
-    for t in range(m):
-        for r in range(r0, r1):
-            out[t, r] = _dot(code, raw, r * row_bytes, xq, t * n_in, xd, xs, t * nb, nb)
+    t = 0
+    while t + 2 <= m:
+        r = r0
+        while r + 2 <= r1:
+            _tile22(code, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out, t * n_out + r, n_out)
+            r += 2
+        if r < r1:
+            _tile11(code, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out, t * n_out + r, n_out)
+            _tile11(code, raw, r * row_bytes, row_bytes, xq, (t + 1) * n_in, n_in, xd, xs, (t + 1) * nb, nb, out, (t + 1) * n_out + r, n_out)
+        t += 2
+    if t < m:
+        r = r0
+        while r + 4 <= r1:
+            _tile41(code, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out, t * n_out + r, n_out)
+            r += 4
+        while r < r1:
+            _tile11(code, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out, t * n_out + r, n_out)
+            r += 1
 
 
 @njit
