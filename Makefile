@@ -1,5 +1,6 @@
-# The README's commands. `make serve` serves the default model; `make test` runs the whole suite.
-# Both start from a fresh machine: they create .venv, fetch the model and build llama-server.
+# The README's commands. `make serve` serves the default model from bankml's own engine
+# (--native); `make test` runs the whole suite. Both start from a fresh machine: they create .venv
+# and fetch the model; `make test` (and `make serve-p0`) also build the reference llama-server.
 
 PYTHON      ?= python3
 VENV        := .venv
@@ -9,7 +10,7 @@ FORK        := $(MODEL).FORK.json
 LISTEN      ?= 127.0.0.1:18093
 UPSTREAM    ?= 127.0.0.1:18092
 
-.PHONY: serve serve-native test bench venv test-deps model llama-server clean
+.PHONY: serve serve-p0 test bench venv test-deps model llama-server clean
 
 $(BIN)/bankml: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,12 +33,15 @@ model: $(BIN)/bankml
 llama-server:
 	scripts/build-llama-server.sh
 
+# Native: no llama-server needed. SLOT_DIR=D enables /slots on the engine address.
 serve: venv model
+	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --native --listen $(LISTEN) --upstream $(UPSTREAM) \
+	    $(if $(SLOT_DIR),--slot-dir $(SLOT_DIR))
+
+# P0: bankml in front of the reference llama-server it launches and supervises.
+serve-p0: venv model
 	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --spawn "$$(scripts/build-llama-server.sh)" \
 	    --listen $(LISTEN) --upstream $(UPSTREAM)
-
-serve-native: venv model
-	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --native --listen $(LISTEN) --upstream $(UPSTREAM)
 
 test: test-deps model
 	BANKML_LLAMA_SERVER="$$(scripts/build-llama-server.sh)" BANKML_MODEL=$(MODEL) \

@@ -326,6 +326,17 @@ class NativeEngine:
                        "tokens_predicted": 0, "predicted_seconds": 0.0, "decode_calls": 0,
                        "n_tokens_max": 0, "prompt_tokens_cached": 0}
         self._lock = threading.Lock()
+        self._tensor_totals: tuple[int | None, int | None] | None = None
+
+    def tensor_totals(self) -> tuple[int | None, int | None]:
+        """(parameters, tensor bytes) of the resident model, from its GGUF header (what
+        llama-server's /v1/models calls n_params and size); None without a header to read."""
+        if self._tensor_totals is None:
+            reader = getattr(getattr(self.engine, "model", None), "reader", None)
+            tensors = list(getattr(reader, "tensors", None) or [])
+            self._tensor_totals = ((sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors))
+                                   if tensors else (None, None))
+        return self._tensor_totals
 
     # --- checks ----------------------------------------------------------------------------
 

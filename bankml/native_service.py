@@ -37,29 +37,83 @@ DEFAULT_CTX = 4096
 EXIT_REFUSED = 2
 
 
+NOT_SUPPORTED_PROPS = "This server does not support changing global properties. Start it with `--props`"
+NOT_SUPPORTED_SLOTS_LIST = "This server does not support slots endpoint. Start it with `--slots`"
+
+
+class LlamaRoute(Resource):
+    """One llama-server route around its endpoint resource.
+
+    llama-server dispatches on method and exact path, so a method the endpoint does not answer,
+    or anything after its path, is its 404 ``File Not Found`` rather than HTTP's 405 (a client
+    written for llama-server sees the same answer). ``refusals`` holds the methods llama-server
+    routes but refuses as started here: ``POST /props`` (no ``--props``) and ``GET /slots`` (no
+    ``--slots``: bankml has no slot monitor), each ``(status, message, type)``."""
+
+    def __init__(self, endpoint: Resource, refusals: Mapping[str, tuple[int, str, str]] | None = None) -> None:
+        super().__init__()
+        self.endpoint = endpoint
+        self.refusals = dict(refusals or {})
+        self.isLeaf = endpoint.isLeaf
+
+    def getChildWithDefault(self, path: bytes, request: Any) -> Resource:
+        return LlamaRoute(self.endpoint.getChildWithDefault(path, request))
+
+    def render(self, request: Any) -> Any:
+        from twisted.web.server import NOT_DONE_YET
+
+        from bankml.proxy_resource import not_found, write_json
+        from bankml.resources.openai import dumps
+
+        method = request.method.decode("latin-1")
+        if method in self.refusals:
+            status, message, kind = self.refusals[method]
+            write_json(request, status, dumps({"error": {"code": status, "message": message, "type": kind}}))
+            return NOT_DONE_YET
+        if (self.isLeaf and request.postpath) or not self._answers(method):
+            not_found(request)
+            return NOT_DONE_YET
+        return self.endpoint.render(request)
+
+    def _answers(self, method: str) -> bool:
+        if hasattr(self.endpoint, f"render_{method}"):
+            return True
+        return method == "HEAD" and hasattr(self.endpoint, "render_GET")  # httplib answers HEAD as GET
+
+
 def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> None:
-    """llama-server's endpoints and the OpenAI ones, on one tree."""
+    """llama-server's endpoints and the OpenAI ones, on one tree, under llama-server's paths
+    (its aliases included: /v1/health, /completions, /chat/completions, /models)."""
     from bankml.resources import llama
     from bankml.resources.openai import CHAT, LLAMA_COMPLETION, OAI_COMPLETION, ModelsResource, NativeChat
     from bankml.resources.p0 import Branch
 
-    root.putChild(b"health", llama.Health(native))
-    root.putChild(b"props", llama.Props(native))
-    root.putChild(b"metrics", llama.Metrics(native))
-    root.putChild(b"tokenize", llama.Tokenize(native))
-    root.putChild(b"detokenize", llama.Detokenize(native))
-    root.putChild(b"apply-template", llama.ApplyTemplate(native))
-    root.putChild(b"completion", NativeChat(native, LLAMA_COMPLETION))
-    if slots:
-        root.putChild(b"slots", llama.Slots(native))
+    def put(parent: Resource, name: bytes, endpoint: Resource, **refusals: tuple[int, str, str]) -> None:
+        parent.putChild(name, LlamaRoute(endpoint, refusals))
+
     v1 = Branch()
     root.putChild(b"v1", v1)
-    v1.putChild(b"models", ModelsResource(native))
-    v1.putChild(b"completions", NativeChat(native, OAI_COMPLETION))
     chat = Branch()
     v1.putChild(b"chat", chat)
-    chat.putChild(b"completions", NativeChat(native, CHAT))
-    root.putChild(b"models", ModelsResource(native))  # llama-server answers /models too
+    for parent in (root, v1):
+        put(parent, b"health", llama.Health(native))
+        put(parent, b"models", ModelsResource(native))
+    put(root, b"props", llama.Props(native), POST=(501, NOT_SUPPORTED_PROPS, "not_supported_error"))
+    put(root, b"metrics", llama.Metrics(native))
+    put(root, b"tokenize", llama.Tokenize(native))
+    put(root, b"detokenize", llama.Detokenize(native))
+    put(root, b"apply-template", llama.ApplyTemplate(native))
+    for name in (b"completion", b"completions"):
+        put(root, name, NativeChat(native, LLAMA_COMPLETION))
+    put(v1, b"completions", NativeChat(native, OAI_COMPLETION))
+    root_chat = Branch()
+    root.putChild(b"chat", root_chat)
+    for parent in (chat, root_chat):
+        put(parent, b"completions", NativeChat(native, CHAT))
+    if slots:
+        # POST /slots/{id} only: /slots itself is llama-server's slot monitor (GET), not here
+        put(root, b"slots", llama.Slots(native), GET=(501, NOT_SUPPORTED_SLOTS_LIST, "not_supported_error"),
+            POST=(404, "File Not Found", "not_found_error"))
 
 
 def build_native_roots(native: NativeEngine, sampler: Any = None) -> tuple[Resource, Resource]:

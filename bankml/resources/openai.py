@@ -21,6 +21,8 @@ so ``bankml.api.chat`` answers the same request with the same objects and the sa
 from __future__ import annotations
 
 import json
+import math
+import struct
 import time
 import uuid
 from typing import Any, Callable, Iterator
@@ -62,6 +64,33 @@ def refusal_of(err: Exception) -> tuple[int, bytes]:
     if isinstance(body, dict):
         return status, dumps(body)
     return status, error_body(status, str(body if isinstance(body, str) else err))
+
+
+def include_usage(request: dict[str, Any]) -> bool:
+    """``stream_options.include_usage`` (checked by ``check_stream_options``)."""
+    options = request.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def check_stream_options(request: dict[str, Any]) -> None:
+    """llama-server's schema reads ``stream_options`` as a nested object (anything else is
+    ignored) whose ``include_usage`` must be a boolean or null; its refusal, word for word."""
+    from bankml.engine_cupy.engine import RequestError
+
+    options = request.get("stream_options")
+    if not isinstance(options, dict):
+        return
+    value = options.get("include_usage")
+    if value is not None and not isinstance(value, bool):
+        kind = {str: "string", list: "array", dict: "object"}.get(type(value), "number")
+        raise RequestError(f"Field 'include_usage': [json.exception.type_error.302] type must be boolean, "
+                           f"but is {kind}")
+
+
+def parse_checked(engine: Any, request: dict[str, Any], kind: str) -> Any:
+    """On the prepare thread: the request's stream options, then the engine's own validation."""
+    check_stream_options(request)
+    return engine.parse_request(request, kind)
 
 
 def summary_steps(engine: Any, parsed: Any) -> Callable[[Callable[[], bool]], Iterator[Any]]:
@@ -155,7 +184,8 @@ class Answer:
         self.tally.add_text(chunk.text)
         event: dict[str, Any] = {"index": 0, "content": chunk.text,
                                  "tokens": [chunk.token] if chunk.token is not None else [],
-                                 "stop": False, "id_slot": 0, "tokens_predicted": self.n_tokens,
+                                 # llama-server's partial results carry id_slot -1, its final one the slot
+                                 "stop": False, "id_slot": -1, "tokens_predicted": self.n_tokens,
                                  "tokens_evaluated": len(self.parsed.prompt_tokens)}
         if chunk.entry is not None:
             event["completion_probabilities"] = [chunk.entry]
@@ -203,7 +233,7 @@ class Answer:
             out = self._llama_final(summary, text)
             if entries:
                 out["completion_probabilities"] = entries
-        out["timings"] = summary.timings
+        out["timings"] = llama_timings(summary.timings)
         out["bankml_receipt"] = self.receipt()
         return out
 
@@ -221,25 +251,31 @@ class Answer:
                 if summary.completion_tokens else timings.get("cache_n", 0)}
 
     def final_events(self, summary: Any) -> list[dict[str, Any]]:
-        """Streamed: the last chunk (finish reason, usage, timings), then the receipt event."""
+        """Streamed: the last chunk (finish reason, usage, timings), then the receipt event.
+
+        A chat asked with ``stream_options.include_usage`` ends as llama-server (and OpenAI) end
+        it: the finish chunk alone, then a chunk with no choices carrying usage and timings.
+        Without it llama-server's finish chunk carries timings only; bankml adds usage there (the
+        issue's "the last chunk carries usage and timings")."""
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
+        events: list[dict[str, Any]] = []
+        timings = llama_timings(summary.timings)
         if self.kind == CHAT:
             if not self.first_seen:
                 self.first_seen = True
-                events = [self._chat_event({"role": "assistant", "content": None})]
-            else:
-                events = []
+                events.append(self._chat_event({"role": "assistant", "content": None}))
             last = self._chat_event({}, summary.finish_reason)
+            if include_usage(self.request):
+                events.append(last)
+                last = {**self._chat_event({}), "choices": []}
         elif self.kind == OAI_COMPLETION:
-            events = []
             last = {"choices": [{"text": "", "index": 0, "logprobs": None,
                                  "finish_reason": summary.finish_reason}], **self._base("text_completion")}
         else:
-            events = []
             last = self._llama_final(summary, "")
         if self.kind != LLAMA_COMPLETION:
             last["usage"] = self.usage(summary)
-        last["timings"] = summary.timings
+        last["timings"] = timings
         events.append(last)
         events.append({"bankml_receipt": self.receipt()})
         return events
@@ -250,18 +286,104 @@ class Answer:
                        guard=v.guard.verdict)
 
 
-def generation_settings(parsed: Any, native: NativeEngine) -> dict[str, Any]:
-    """/completion's ``generation_settings``: the sampler parameters the run used."""
-    import dataclasses
+# llama-server's task_params::to_json, in its key order. Each entry is (key, the SamplerParams
+# field it reads, whether llama.cpp holds it as a C float). The keys marked "full" only appear in
+# /completion's generation_settings; /props' default_generation_settings.params leaves them out
+# (to_json(only_metrics=true)).
+_SAMPLING_HEAD = (("seed", "seed", False), ("temperature", "temperature", True),
+                  ("dynatemp_range", "dynatemp_range", True), ("dynatemp_exponent", "dynatemp_exponent", True),
+                  ("top_k", "top_k", False), ("top_p", "top_p", True), ("min_p", "min_p", True),
+                  ("top_n_sigma", "top_n_sigma", True), ("xtc_probability", "xtc_probability", True),
+                  ("xtc_threshold", "xtc_threshold", True), ("typical_p", "typical_p", True),
+                  ("repeat_last_n", "repeat_last_n", False), ("repeat_penalty", "repeat_penalty", True),
+                  ("presence_penalty", "presence_penalty", True), ("frequency_penalty", "frequency_penalty", True),
+                  ("dry_multiplier", "dry_multiplier", True), ("dry_base", "dry_base", True),
+                  ("dry_allowed_length", "dry_allowed_length", False),
+                  ("dry_penalty_last_n", "dry_penalty_last_n", False))
+_MIROSTAT = (("mirostat", "mirostat", False), ("mirostat_tau", "mirostat_tau", True),
+             ("mirostat_eta", "mirostat_eta", True), ("adaptive_target", "adaptive_target", True),
+             ("adaptive_decay", "adaptive_decay", True))
 
-    params = getattr(parsed, "sampler", None)
-    out: dict[str, Any] = {"n_predict": getattr(parsed, "n_predict", -1)}
-    if params is not None and dataclasses.is_dataclass(params):
-        for key, value in dataclasses.asdict(params).items():
-            out[key] = list(value) if isinstance(value, tuple) else value
-    out["stop"] = list(getattr(parsed, "stop", ()))
-    out["n_probs"] = getattr(parsed, "n_probs", 0)
-    out["cache_prompt"] = getattr(parsed, "cache_prompt", True)
+
+def c_float(value: Any) -> Any:
+    """A C ``float`` as nlohmann writes it: widened to double (0.8 -> 0.800000011920929);
+    infinities and NaN are null in JSON."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return value
+    widened = struct.unpack("<f", struct.pack("<f", float(value)))[0]
+    return widened if math.isfinite(widened) else None
+
+
+def _sampling_values(params: Any, table: tuple[tuple[str, str, bool], ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, attr, is_float in table:
+        value = getattr(params, attr)
+        out[key] = c_float(value) if is_float else value
+    return out
+
+
+def logit_bias_entries(biases: Any) -> list[dict[str, Any]]:
+    """format_logit_bias: ``{"bias", "token"}`` objects, -inf (a banned token) written as null."""
+    return [{"bias": c_float(b.bias), "token": b.token} for b in biases]
+
+
+def generation_settings(parsed: Any, native: NativeEngine, only_metrics: bool = False) -> dict[str, Any]:
+    """llama-server's ``task_params::to_json``: /completion's ``generation_settings`` (the
+    parameters the run used), or with ``only_metrics`` /props' ``default_generation_settings.params``
+    (the defaults, without stop, logit_bias and the grammar fields). Same keys, same order, floats
+    as llama.cpp's C floats print."""
+    params = parsed.sampler
+    options = getattr(parsed, "options", None) or {}
+    n_predict = getattr(parsed, "n_predict", -1)
+    out = _sampling_values(params, _SAMPLING_HEAD)
+    if not only_metrics:
+        out["dry_sequence_breakers"] = list(params.dry_sequence_breakers)
+    out.update(_sampling_values(params, _MIROSTAT))
+    if not only_metrics:
+        out["stop"] = list(getattr(parsed, "stop", ()))
+    out.update({"max_tokens": n_predict, "n_predict": n_predict, "n_keep": options.get("n_keep", 0),
+                "n_discard": options.get("n_discard", 0), "ignore_eos": bool(getattr(params, "ignore_eos", False)),
+                "stream": bool(options.get("stream", False))})
+    if not only_metrics:
+        out["logit_bias"] = logit_bias_entries(getattr(params, "logit_bias", ()))
+    out.update({"n_probs": getattr(parsed, "n_probs", 0), "min_keep": params.min_keep})
+    if not only_metrics:
+        constraint = getattr(parsed, "constraint", None)
+        # llama-server shows its GBNF; a JSON schema it converts to GBNF first, which bankml does
+        # not (llguidance takes the schema itself), so only a GBNF grammar is shown
+        out.update({"grammar": constraint.source if constraint is not None and constraint.kind == "gbnf" else "",
+                    "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": []})
+    out.update({"chat_format": "Content-only",
+                # the server's --reasoning-format (default auto, shown as deepseek) reaches a task,
+                # not the defaults /props shows
+                "reasoning_format": "none" if only_metrics else "deepseek",
+                "reasoning_in_content": False, "generation_prompt": "", "samplers": list(params.samplers),
+                "speculative.types": "none", "timings_per_token": bool(options.get("timings_per_token", False)),
+                "post_sampling_probs": bool(getattr(parsed, "post_sampling_probs", False)),
+                "backend_sampling": bool(options.get("backend_sampling", False)), "lora": []})
+    return out
+
+
+def llama_timings(timings: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The engine's timings with llama-server's per-token times added, in its key order
+    (server_slot_stats::to_json). A per-token time is null where its count or time is 0, as the
+    rates are (llama-server writes 0.0 there)."""
+    if timings is None:
+        return None
+    t = dict(timings)
+
+    def per_token(ms: Any, n: Any) -> float | None:
+        return ms / n if n and ms else None
+
+    out = {"cache_n": t.pop("cache_n", 0), "prompt_n": t.get("prompt_n", 0), "prompt_ms": t.get("prompt_ms", 0.0),
+           "prompt_per_token_ms": per_token(t.get("prompt_ms"), t.get("prompt_n")),
+           "prompt_per_second": t.get("prompt_per_second"), "predicted_n": t.get("predicted_n", 0),
+           "predicted_ms": t.get("predicted_ms", 0.0),
+           "predicted_per_token_ms": per_token(t.get("predicted_ms"), t.get("predicted_n")),
+           "predicted_per_second": t.get("predicted_per_second")}
+    for key in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second"):
+        t.pop(key, None)
+    out.update(t)  # anything else the engine reports (draft counts) stays, after llama-server's keys
     return out
 
 
@@ -307,7 +429,7 @@ class NativeChat(JsonResource):
             return NOT_DONE_YET
         control = self.native.bridge.new_control()
         request.notifyFinish().addErrback(lambda _: control.cancel())
-        d = self.native.bridge.prepare(self.native.engine.parse_request, obj, ENGINE_KIND[self.kind])
+        d = self.native.bridge.prepare(parse_checked, self.native.engine, obj, ENGINE_KIND[self.kind])
         d.addCallback(self._run, request, raw, obj, control)
         d.addErrback(self._failed, request, control, None)
         return NOT_DONE_YET
@@ -419,17 +541,35 @@ class ModelsResource(JsonResource):
         return NOT_DONE_YET
 
 
-def models_object(native: NativeEngine) -> dict[str, Any]:
+VOCAB_TYPES = {"llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv": 5}  # llama_vocab_type
+
+
+def model_info(native: NativeEngine) -> dict[str, Any]:
+    """One model as llama-server's get_res_model_info lists it. The id is the file's name
+    (llama-server uses its -m argument as given); the sizes are the tensors' (llama_model_size,
+    llama_model_n_params), not the file's."""
+    from bankml.resources.llama import main_weight_type
+
     engine = native.engine
-    meta = {"vocab_type": 2, "n_vocab": getattr(engine, "n_vocab", None),
-            "n_ctx_train": getattr(getattr(getattr(engine, "model", None), "hp", None), "n_ctx_train", None),
-            "n_embd": getattr(getattr(getattr(engine, "model", None), "hp", None), "n_embd", None),
-            "size": __import__("os").path.getsize(native.verified.path)}
+    hp = getattr(getattr(engine, "model", None), "hp", None)
+    tokenizer = getattr(engine, "tokenizer", None)
+    n_params, size = native.tensor_totals()
+    return {"id": native.model_id, "aliases": [native.model_id], "tags": [], "object": "model",
+            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+            "created": int(time.time()), "owned_by": "bankML",
+            "meta": {"vocab_type": VOCAB_TYPES.get(getattr(tokenizer, "model", ""), 0),
+                     "n_vocab": getattr(engine, "n_vocab", None), "n_ctx": native.n_ctx,
+                     "n_ctx_train": getattr(hp, "n_ctx_train", None), "n_embd": getattr(hp, "n_embd", None),
+                     "n_params": n_params, "size": size, "ftype": main_weight_type(native.verified.guard)}}
+
+
+def models_object(native: NativeEngine) -> dict[str, Any]:
+    """``GET /v1/models`` (and ``/models``): llama-server's get_res_models, the Ollama-style
+    ``models`` list and OpenAI's ``data``."""
     return {"models": [{"name": native.model_id, "model": native.model_id, "modified_at": "",
                         "size": "", "digest": "", "type": "model", "description": "", "tags": [""],
                         "capabilities": ["completion"], "parameters": "",
                         "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
                                     "parameter_size": "", "quantization_level": ""}}],
             "object": "list",
-            "data": [{"id": native.model_id, "object": "model", "created": int(native.started),
-                      "owned_by": "bankML", "meta": meta}]}
+            "data": [model_info(native)]}
