@@ -163,3 +163,34 @@ def test_refusals_say_why() -> None:
     matrix = em.QuantMatrix(raw, T.Q4_1, 4, 64)
     with pytest.raises(ValueError, match="activation width 32"):
         matrix.matmul(np.zeros((1, 32), F32))
+
+
+# --- llama-server's repacked Q4_0 ----------------------------------------------------------------
+
+def test_repack_rule_follows_llama_server() -> None:
+    assert em.repacked_by_llama_server(T.Q4_0, 576)
+    assert not em.repacked_by_llama_server(T.Q4_0, 572)                  # rows not a multiple of 8
+    assert not em.repacked_by_llama_server(T.Q4_0, 49152, token_embd=True)
+    assert not em.repacked_by_llama_server(T.Q4_1, 576)
+    with pytest.raises(ValueError, match="does not repack Q8_0"):
+        em.QuantMatrix(np.zeros(34 * 8, np.uint8), T.Q8_0, 8, 32, repacked=True)
+
+
+def test_repacked_q4_0_matches_ggml_cpu_repack_buffer() -> None:
+    """ggml's q4_0_8x8 gemv/gemm (the weight in the CPU_REPACK buffer, as llama-server loads it)."""
+    if not hasattr(go, "mul_mat_repacked"):
+        pytest.skip("tests/ggml_oracle.py has no mul_mat_repacked (weight in the CPU_REPACK buffer) yet")
+    rng = np.random.default_rng(8)
+    n_out, n_in = 72, 320
+    raw = quants.quantize((rng.standard_normal((n_out, n_in)) * 0.05).astype(F32), T.Q4_0)
+    plain_misses = 0
+    for m in (1, 3, 4, 17, 64):
+        x = activations(rng, m, n_in)
+        ggml = go.mul_mat_repacked(raw, T.Q4_0, n_out, n_in, x)
+        ours = em.QuantMatrix(raw, T.Q4_0, n_out, n_in, repacked=True).matmul(x)
+        plain = em.QuantMatrix(raw, T.Q4_0, n_out, n_in).matmul(x)
+        mine, plain_diff = differing(ours, ggml), differing(plain, ggml)
+        print(f"\nrepacked Q4_0 m={m}: exact_matmul differs in {mine}, the unrepacked kernel in {plain_diff} of {ggml.size}")
+        assert mine == 0
+        plain_misses += plain_diff
+    assert plain_misses > 0

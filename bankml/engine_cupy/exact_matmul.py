@@ -37,12 +37,24 @@ ROWS_PER_TASK = 16  # output rows per parallel task (scratch is allocated once p
 F16_TABLE = numpy.arange(65536, dtype=numpy.uint16).view(numpy.float16).astype(numpy.float32)
 
 # kernel codes for the weight types
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 0, 1, 2, 3, 4
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_0R = 0, 1, 2, 3, 4, 5  # _Q4_0R: repacked Q4_0
 # weight type -> (kernel code, bytes per block, activation is q8_1)
 _LAYOUT: dict[T, tuple[int, int, bool]] = {
     T.Q4_0: (_Q4_0, 18, False), T.Q5_0: (_Q5_0, 22, False), T.Q8_0: (_Q8_0, 34, False),
     T.Q4_1: (_Q4_1, 20, True), T.Q5_1: (_Q5_1, 24, True),
 }
+
+
+# ggml-cpu/repack.cpp (ggml_repack_get_optimal_repack_type) on an AVX2 build: Q4_0 -> q4_0_8x8
+# when the row count is a multiple of 8 (IQ4_NL and Q4_K too, which are not handled here)
+REPACKED_TYPES = {T.Q4_0}
+
+
+def repacked_by_llama_server(qtype: T | int, n_out: int, token_embd: bool = False) -> bool:
+    """Whether llama-server's CPU backend (GGML_CPU_REPACK=ON, AVX2) repacks this matrix, which
+    changes its product's rounding. The token embedding table never is: its first use is
+    GET_ROWS, which the repack buffer does not take, so a tied output keeps the plain kernels."""
+    return T(qtype) in REPACKED_TYPES and n_out % 8 == 0 and not token_embd
 
 
 def supported(qtype: T | int) -> bool:
@@ -246,7 +258,7 @@ def _hsum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
     return builder.fadd(low, high)
 
 
-def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int):
+def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int, whole_block: bool = False):
     """An intrinsic computing an rm x rn tile of outputs: weight rows r..r+rm-1 against
     activation rows t..t+rn-1, each element exactly ggml's vec_dot. The tile shares each unpacked
     weight block and each activation block among its dots, and its rm*rn independent fma chains
@@ -255,7 +267,11 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int):
     tile(w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out): weight row
     i at byte w_off + i*row_bytes of w (uint8), activation row j's quants at x_off + j*n_in of xq
     (int8) and its block scales (and q8_1 sums) at s_off + j*nb of xd (and xs); the result of
-    (i, j) goes to out.flat[o_off + j*n_out + i]."""
+    (i, j) goes to out.flat[o_off + j*n_out + i].
+
+    ``whole_block``: the arithmetic of llama-server's repacked Q4_0 (q4_0_8x8 gemv/gemm,
+    arch/x86/repack.cpp): the block's 32 products summed as one integer, then a scalar
+    ``acc = fma(Σ, d_w·d_x, acc)`` per block and no horizontal sum."""
 
     @intrinsic
     def tile(typingctx, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):
@@ -274,7 +290,8 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int):
             def const(v: int) -> ir.Value:
                 return ir.Constant(ity, v)
 
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(rn)]
+            acc_zero = ir.Constant(_F32, 0.0) if whole_block else ir.Constant(_V8F, [0.0] * 8)
+            acc = [[cgutils.alloca_once_value(builder, acc_zero) for _ in range(rn)]
                    for _ in range(rm)]
             summs = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(rn)]
                      for _ in range(rm)]
@@ -300,16 +317,22 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int):
                         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [aw, sx])
                         quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32,
                                       [pairs, ir.Constant(_V16I16, [1] * 16)])
-                        lanes = builder.sitofp(quads, _V8F)
-                        scale = _splat(builder, builder.fmul(d_w, d_x), _V8F)
-                        builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
-                                            [scale, lanes, builder.load(acc[i][j])]), acc[i][j])
+                        if whole_block:
+                            block_sum = _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [quads])
+                            builder.store(_call(builder, "llvm.fma.f32", _F32,
+                                                [builder.sitofp(block_sum, _F32), builder.fmul(d_w, d_x),
+                                                 builder.load(acc[i][j])]), acc[i][j])
+                        else:
+                            lanes = builder.sitofp(quads, _V8F)
+                            scale = _splat(builder, builder.fmul(d_w, d_x), _V8F)
+                            builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
+                                                [scale, lanes, builder.load(acc[i][j])]), acc[i][j])
                         if has_min:
                             builder.store(_call(builder, "llvm.fma.f32", _F32,
                                                 [m_w, s_x, builder.load(summs[i][j])]), summs[i][j])
             for i in range(rm):
                 for j in range(rn):
-                    total = _hsum(builder, builder.load(acc[i][j]))
+                    total = builder.load(acc[i][j]) if whole_block else _hsum(builder, builder.load(acc[i][j]))
                     if has_min:
                         total = builder.fadd(total, builder.load(summs[i][j]))
                     index = builder.add(builder.add(o_off, builder.mul(const(j), n_out)), const(i))
@@ -326,16 +349,19 @@ _tile11_q8_0 = _make_tile(_Q8_0, 34, False, 1, 1)
 _tile11_q4_0 = _make_tile(_Q4_0, 18, False, 1, 1)
 _tile11_q5_0 = _make_tile(_Q5_0, 22, False, 1, 1)
 _tile11_q5_1 = _make_tile(_Q5_1, 24, True, 1, 1)
+_tile11_q4_0r = _make_tile(_Q4_0, 18, False, 1, 1, whole_block=True)
 _tile41_q4_1 = _make_tile(_Q4_1, 20, True, 4, 1)
 _tile41_q8_0 = _make_tile(_Q8_0, 34, False, 4, 1)
 _tile41_q4_0 = _make_tile(_Q4_0, 18, False, 4, 1)
 _tile41_q5_0 = _make_tile(_Q5_0, 22, False, 4, 1)
 _tile41_q5_1 = _make_tile(_Q5_1, 24, True, 4, 1)
+_tile41_q4_0r = _make_tile(_Q4_0, 18, False, 4, 1, whole_block=True)
 _tile22_q4_1 = _make_tile(_Q4_1, 20, True, 2, 2)
 _tile22_q8_0 = _make_tile(_Q8_0, 34, False, 2, 2)
 _tile22_q4_0 = _make_tile(_Q4_0, 18, False, 2, 2)
 _tile22_q5_0 = _make_tile(_Q5_0, 22, False, 2, 2)
 _tile22_q5_1 = _make_tile(_Q5_1, 24, True, 2, 2)
+_tile22_q4_0r = _make_tile(_Q4_0, 18, False, 2, 2, whole_block=True)
 
 
 @njit
@@ -349,8 +375,10 @@ def _tile11(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out
         _tile11_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
     elif code == _Q5_0:
         _tile11_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    else:
+    elif code == _Q5_1:
         _tile11_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    else:
+        _tile11_q4_0r(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
 
 
 @njit
@@ -364,8 +392,10 @@ def _tile41(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out
         _tile41_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
     elif code == _Q5_0:
         _tile41_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    else:
+    elif code == _Q5_1:
         _tile41_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    else:
+        _tile41_q4_0r(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
 
 
 @njit
@@ -379,8 +409,10 @@ def _tile22(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out
         _tile22_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
     elif code == _Q5_0:
         _tile22_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    else:
+    elif code == _Q5_1:
         _tile22_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+    else:
+        _tile22_q4_0r(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
 
 
 @njit
@@ -431,12 +463,16 @@ class QuantMatrix:
 
     ``raw`` is the tensor's data as gguf's ReaderTensor gives it (uint8 [n_out, row_bytes], or
     any shape with that many bytes); it is used without a copy when already contiguous uint8.
+    ``repacked``: compute as llama-server does after its CPU_REPACK buffer interleaved the
+    matrix (see ``repacked_by_llama_server``); the bytes stay in GGUF order here.
     """
 
-    def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int):
+    def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
         qtype = T(qtype)
         if not supported(qtype):
             raise ValueError(f"no exact kernel for {qtype.name}")
+        if repacked and qtype not in REPACKED_TYPES:
+            raise ValueError(f"llama-server does not repack {qtype.name} on AVX2")
         if n_in % QK:
             raise ValueError(f"n_in={n_in} is not a multiple of {QK}")
         kind, block_bytes, q8_1 = _LAYOUT[qtype]
@@ -445,17 +481,17 @@ class QuantMatrix:
         if data.size != n_out * row_bytes:
             raise ValueError(f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}")
         self.raw = data.reshape(n_out, row_bytes)
-        self.qtype, self.n_out, self.n_in = qtype, n_out, n_in
-        self._kind, self._has_min = kind, q8_1
+        self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
+        self._kind = _Q4_0R if repacked else kind
 
     @classmethod
     def concat(cls, parts: list["QuantMatrix"]) -> "QuantMatrix":
         """Rows of several matrices of one type and width stacked (one product for Q/K/V)."""
         first = parts[0]
-        if any(p.qtype != first.qtype or p.n_in != first.n_in for p in parts):
-            raise ValueError("concatenated matrices must share type and input width")
+        if any((p.qtype, p.n_in, p.repacked) != (first.qtype, first.n_in, first.repacked) for p in parts):
+            raise ValueError("concatenated matrices must share type, input width and layout")
         raw = numpy.concatenate([p.raw for p in parts])
-        return cls(raw, first.qtype, raw.shape[0], first.n_in)
+        return cls(raw, first.qtype, raw.shape[0], first.n_in, first.repacked)
 
     def quantize(self, x: numpy.ndarray) -> Activation:
         """The activation rounded as ggml rounds it for this weight (reusable across matrices)."""
