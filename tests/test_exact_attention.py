@@ -1,0 +1,189 @@
+"""bankml.engine_cupy.exact_attention against ggml's own flash attention, bit for bit.
+
+Every case runs ``ggml_flash_attn_ext`` of the reference build (tests/ggml_oracle.py: the CPU
+backend, 2 threads unless said) on the very inputs given to ``flash_attn_f16``, with K, V and the
+mask padded to the cells ggml sees as llama.cpp pads them, and asserts equal float32 bits. The
+cases cover the three kernels ggml picks (one_chunk below 64 rows, the split of one row over 512
+cells or more, the tiled kernel from 64 rows), random data and Q/K/V captured from the default
+model, GQA shapes, head sizes with leftover elements, sliding windows and the thread count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bankml.engine_cupy.exact_attention import (FA_TILE_Q, SPLIT_MIN_CELLS, attention_mask,
+                                                flash_attn_f16, kv_length)
+from tests import ggml_oracle
+
+CACHE_CELLS = 2048  # llama-server -c 2048 -np 1: the cache size that caps the padded length
+
+
+def ggml_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float,
+                   n_kv: int, threads: int = 2) -> np.ndarray:
+    """ggml_flash_attn_ext on q [n, head, hd], k/v [kv_head, T, hd] padded to n_kv cells."""
+    n_head_kv, n_cells, hd = k.shape
+    kp = np.zeros((n_head_kv, n_kv, hd), np.float16)
+    vp = np.zeros((n_head_kv, n_kv, hd), np.float16)
+    kp[:, :n_cells], vp[:, :n_cells] = k, v
+    mp = np.full((q.shape[0], n_kv), -np.inf, np.float16)
+    mp[:, :n_cells] = mask
+    out = ggml_oracle.flash_attn_ext(np.ascontiguousarray(q.transpose(1, 0, 2)), kp, vp, mp, scale,
+                                     threads=threads)
+    return out.reshape(q.shape)
+
+
+def random_case(rng: np.random.Generator, n_rows: int, n_cells: int, n_head: int = 9,
+                n_head_kv: int = 3, hd: int = 64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q/K/V in the ranges of a small model's attention, with a strong first key (a 'sink')."""
+    q = rng.normal(0, 2.5, (n_rows, n_head, hd)).astype(np.float32)
+    k = rng.normal(0, 2.0, (n_head_kv, n_cells, hd))
+    k[:, 0] *= 4  # the first cell draws much of the attention, as BOS does in real models
+    v = rng.normal(0, 0.7, (n_head_kv, n_cells, hd))
+    return q, k.astype(np.float16), v.astype(np.float16)
+
+
+def assert_bitwise(n_rows: int, n_cells: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   scale: float = 0.125, window: int = 0, threads: int = 2,
+                   start: int | None = None) -> None:
+    """A causal batch of n_rows ending at cell n_cells - 1 (or starting at ``start``)."""
+    start = n_cells - n_rows if start is None else start
+    mask = attention_mask(np.arange(start, start + n_rows), np.arange(n_cells), window)
+    n_kv = kv_length(n_cells, CACHE_CELLS)
+    got = flash_attn_f16(q, k, v, mask, scale, n_kv=n_kv, n_threads=threads)
+    want = ggml_reference(q, k, v, mask, scale, n_kv, threads)
+    differ = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
+    print(f"rows={n_rows} T={n_cells} n_kv={n_kv} window={window} threads={threads}: "
+          f"{differ} of {got.size} values differ")
+    assert differ == 0
+
+
+@pytest.mark.parametrize("n_cells", [1, 2, 31, 100, 255, 256])
+def test_decode_one_chunk(n_cells: int) -> None:
+    """One row over fewer than 512 padded cells: the one_chunk kernel with its f16 accumulator."""
+    q, k, v = random_case(np.random.default_rng(n_cells), 1, n_cells)
+    assert kv_length(n_cells, CACHE_CELLS) < SPLIT_MIN_CELLS
+    assert_bitwise(1, n_cells, q, k, v)
+
+
+@pytest.mark.parametrize("n_cells", [257, 300, 511, 512, 513, 1000, 1500, 2048])
+def test_decode_split_and_merged(n_cells: int) -> None:
+    """One row over 512 cells or more: per-thread chunks merged by reduce_partials."""
+    q, k, v = random_case(np.random.default_rng(n_cells), 1, n_cells)
+    assert kv_length(n_cells, CACHE_CELLS) >= SPLIT_MIN_CELLS
+    assert_bitwise(1, n_cells, q, k, v)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_decode_split_follows_thread_count(threads: int) -> None:
+    """The chunks are ceil(n_kv / threads) cells: each -t gives ggml's own rounding."""
+    q, k, v = random_case(np.random.default_rng(threads), 1, 900)
+    assert_bitwise(1, 900, q, k, v, threads=threads)
+
+
+def test_thread_count_changes_the_split_result() -> None:
+    """The split really changes the arithmetic, so modelling the thread count is needed."""
+    q, k, v = random_case(np.random.default_rng(5), 1, 1200)
+    n_kv = kv_length(1200, CACHE_CELLS)
+    two = flash_attn_f16(q, k, v, None, 0.125, n_kv=n_kv, n_threads=2)
+    three = flash_attn_f16(q, k, v, None, 0.125, n_kv=n_kv, n_threads=3)
+    assert not np.array_equal(two, three)
+
+
+@pytest.mark.parametrize("n_rows,n_cells", [(2, 2), (7, 40), (33, 300), (63, 63), (63, 700)])
+def test_small_batches(n_rows: int, n_cells: int) -> None:
+    """2..63 rows (the causal mask hides later cells): every row through one_chunk."""
+    q, k, v = random_case(np.random.default_rng(n_rows * 1000 + n_cells), n_rows, n_cells)
+    assert n_rows < FA_TILE_Q
+    assert_bitwise(n_rows, n_cells, q, k, v)
+
+
+@pytest.mark.parametrize("n_rows,n_cells", [(64, 64), (100, 100), (100, 530), (512, 512),
+                                            (200, 1024)])
+def test_tiled_batches(n_rows: int, n_cells: int) -> None:
+    """64 rows or more: the tiled kernel (f32 Q, ggml_v_expf, f32 fma chains)."""
+    q, k, v = random_case(np.random.default_rng(n_rows * 1000 + n_cells), n_rows, n_cells)
+    assert_bitwise(n_rows, n_cells, q, k, v)
+
+
+@pytest.mark.parametrize("n_rows,n_cells", [(1, 700), (20, 300), (128, 600)])
+def test_sliding_window(n_rows: int, n_cells: int) -> None:
+    """gemma3's local layers: cells a window or more back are hidden too."""
+    q, k, v = random_case(np.random.default_rng(n_rows), n_rows, n_cells)
+    assert_bitwise(n_rows, n_cells, q, k, v, window=128)
+
+
+@pytest.mark.parametrize("n_head,n_head_kv,hd", [(8, 8, 128), (4, 2, 80), (6, 1, 36)])
+@pytest.mark.parametrize("n_rows,n_cells", [(1, 40), (1, 600), (5, 90), (70, 150)])
+def test_other_shapes(n_head: int, n_head_kv: int, hd: int, n_rows: int, n_cells: int) -> None:
+    """No GQA, GQA 2 and 6; head sizes with elements past the 32-wide (and 64-wide) blocks."""
+    q, k, v = random_case(np.random.default_rng(hd + n_rows), n_rows, n_cells, n_head, n_head_kv, hd)
+    assert_bitwise(n_rows, n_cells, q, k, v, scale=float(1 / np.sqrt(hd)))
+
+
+def test_no_mask_means_every_cell_visible() -> None:
+    """mask=None attends over all T cells, as a zero mask does."""
+    q, k, v = random_case(np.random.default_rng(9), 3, 120)
+    zero = np.zeros((3, 120), np.float32)
+    assert np.array_equal(flash_attn_f16(q, k, v, None, 0.125), flash_attn_f16(q, k, v, zero, 0.125))
+
+
+def test_bad_shapes_are_refused() -> None:
+    q, k, v = random_case(np.random.default_rng(0), 2, 10)
+    with pytest.raises(ValueError, match="mask"):
+        flash_attn_f16(q, k, v, np.zeros((2, 9), np.float32), 0.125)
+    with pytest.raises(ValueError, match="do not fit"):
+        flash_attn_f16(q, k[:, :, :32], v, None, 0.125)
+    with pytest.raises(ValueError, match="n_kv"):
+        flash_attn_f16(q, k, v, None, 0.125, n_kv=5)
+
+
+def test_kv_length_pads_as_llama_cpp() -> None:
+    assert [kv_length(n, 2048) for n in (1, 256, 257, 2000)] == [256, 256, 512, 2048]
+    assert kv_length(100, 200) == 200  # never past the cache
+
+
+# --- Q/K/V of the default model --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_attention(default_model: Path) -> dict[str, object]:
+    """Q (after RoPE) and the cache's K/V of three layers, from a 300-token forward.
+
+    Q is taken where the forward pass rotates it (model.apply_rope's first call of a layer).
+    """
+    from bankml.engine_cupy import model as model_module
+
+    engine = model_module.Model.load(default_model, device="cpu", progress=False)
+    hp = engine.hp
+    rotated: list[np.ndarray] = []
+    original = model_module.apply_rope
+
+    def recording_rope(x, cos, sin, neox):
+        out = original(x, cos, sin, neox)
+        rotated.append(np.array(out))
+        return out
+
+    model_module.apply_rope = recording_rope
+    try:
+        ids = [int(t) for t in np.random.default_rng(7).integers(100, hp.n_vocab - 100, 300)]
+        cache = engine.new_cache(CACHE_CELLS, "f16")
+        engine.forward(ids, cache)
+    finally:
+        model_module.apply_rope = original
+    queries = rotated[0::2]  # per layer: Q, then K
+    assert len(queries) == hp.n_layer and queries[0].shape == (300, hp.n_head, hp.head_dim)
+    layers = (0, hp.n_layer // 2, hp.n_layer - 1)
+    return {"scale": float(hp.attn_scale),
+            "layers": [(queries[il], np.asarray(cache.keys(il, 300), np.float16),
+                        np.asarray(cache.values(il, 300), np.float16)) for il in layers]}
+
+
+@pytest.mark.parametrize("n_rows,n_cells", [(1, 20), (1, 300), (40, 300), (300, 300), (100, 100)])
+def test_default_model_attention(model_attention: dict, n_rows: int, n_cells: int) -> None:
+    """Real Q/K/V (SmolLM2: 9 heads on 3 KV heads of 64): the last n_rows queries up to cell T."""
+    for q, k, v in model_attention["layers"]:
+        assert_bitwise(n_rows, n_cells, q[n_cells - n_rows:n_cells], k[:, :n_cells], v[:, :n_cells],
+                       scale=model_attention["scale"])
