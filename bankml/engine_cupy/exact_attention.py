@@ -47,6 +47,8 @@ FA_TILE_Q = 64  # GGML_FA_TILE_Q: from this many query rows the tiled kernel run
 FA_TILE_KV = 64  # GGML_FA_TILE_KV: cells per tile in the tiled kernel
 SPLIT_MIN_CELLS = 512  # one query row over this many cells is split across the threads
 KV_PAD = 256  # llama_kv_cache::get_n_kv pads the attended cells to a multiple of 256
+# below this many (row, head, cell) visits (~30 ns each) one thread beats waking Numba's pool
+PARALLEL_MIN_WORK = 4096
 
 _NEG_INF = F32(-np.inf)
 _ZERO = F32(0.0)
@@ -255,50 +257,80 @@ def _walk_f16(q16: Any, k: Any, v: Any, kvh: int, mask: Any, row: int, has_mask:
 FUSE_SUM = True
 
 
-@njit(parallel=True)
-def _one_chunk(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float, group: int,
-               out: Any) -> None:
-    """Every (row, head) over all cells, normalised by 1/S (the path for 1..63 rows)."""
-    n_rows, n_head, hd = q.shape
-    for task in prange(n_rows * n_head):
-        row = task // n_head
-        h = task % n_head
-        q16 = np.empty(hd, np.float32)
-        for d in range(hd):
-            q16[d] = f16_round(q[row, h, d])
-        acc = np.empty(hd, np.float32)
-        _, big_s = _walk_f16(q16, k, v, h // group, mask, row, has_mask, 0, k.shape[1], scale,
-                             acc)
-        s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
-        for d in range(hd):
-            out[row, h, d] = acc[d] * s_inv
+@njit(inline="always")
+def _one_chunk_task(task: int, q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float,
+                    group: int, out: Any) -> None:
+    """One (row, head) over all cells, normalised by 1/S (the path for 1..63 rows)."""
+    n_head, hd = q.shape[1], q.shape[2]
+    row = task // n_head
+    h = task % n_head
+    q16 = np.empty(hd, np.float32)
+    for d in range(hd):
+        q16[d] = f16_round(q[row, h, d])
+    acc = np.empty(hd, np.float32)
+    _, big_s = _walk_f16(q16, k, v, h // group, mask, row, has_mask, 0, k.shape[1], scale, acc)
+    s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
+    for d in range(hd):
+        out[row, h, d] = acc[d] * s_inv
+
+
+@njit
+def _one_chunk_serial(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float,
+                      group: int, out: Any) -> None:
+    for task in range(q.shape[0] * q.shape[1]):
+        _one_chunk_task(task, q, k, v, mask, has_mask, scale, group, out)
 
 
 @njit(parallel=True)
-def _split_decode(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float, group: int,
-                  n_kv: int, n_threads: int, out: Any) -> None:
-    """One query row over n_kv >= 512 cells: per-thread chunks, then reduce_partials."""
-    _, n_head, hd = q.shape
-    chunk = (n_kv + n_threads - 1) // n_threads
-    part_m = np.empty((n_head, n_threads), np.float32)
-    part_s = np.empty((n_head, n_threads), np.float32)
-    part_acc = np.empty((n_head, n_threads, hd), np.float32)
-    for task in prange(n_head * n_threads):
-        h = task // n_threads
-        c = task % n_threads
-        c0 = c * chunk
-        if c0 >= n_kv:
-            part_m[h, c] = _NEG_INF
-            part_s[h, c] = _ZERO
-            continue
-        q16 = np.empty(hd, np.float32)
-        for d in range(hd):
-            q16[d] = f16_round(q[0, h, d])
-        m, s = _walk_f16(q16, k, v, h // group, mask, 0, has_mask, c0, min(c0 + chunk, n_kv),
-                         scale, part_acc[h, c])
-        part_m[h, c] = m
-        part_s[h, c] = s
-    for h in range(n_head):
+def _one_chunk_parallel(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float,
+                        group: int, out: Any) -> None:
+    for task in prange(q.shape[0] * q.shape[1]):
+        _one_chunk_task(task, q, k, v, mask, has_mask, scale, group, out)
+
+
+@njit(inline="always")
+def _split_task(task: int, q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float,
+                group: int, n_kv: int, chunk: int, part_m: Any, part_s: Any,
+                part_acc: Any) -> None:
+    """Thread c's chunk of cells for head h: its partial (M, S, acc), as ggml writes it."""
+    n_threads = part_m.shape[1]
+    hd = q.shape[2]
+    h = task // n_threads
+    c = task % n_threads
+    c0 = c * chunk
+    if c0 >= n_kv:
+        part_m[h, c] = _NEG_INF
+        part_s[h, c] = _ZERO
+        return
+    q16 = np.empty(hd, np.float32)
+    for d in range(hd):
+        q16[d] = f16_round(q[0, h, d])
+    m, s = _walk_f16(q16, k, v, h // group, mask, 0, has_mask, c0, min(c0 + chunk, n_kv), scale,
+                     part_acc[h, c])
+    part_m[h, c] = m
+    part_s[h, c] = s
+
+
+@njit
+def _split_serial(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float, group: int,
+                  n_kv: int, chunk: int, part_m: Any, part_s: Any, part_acc: Any) -> None:
+    for task in range(part_m.size):
+        _split_task(task, q, k, v, mask, has_mask, scale, group, n_kv, chunk, part_m, part_s,
+                    part_acc)
+
+
+@njit(parallel=True)
+def _split_parallel(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float, group: int,
+                    n_kv: int, chunk: int, part_m: Any, part_s: Any, part_acc: Any) -> None:
+    for task in prange(part_m.size):
+        _split_task(task, q, k, v, mask, has_mask, scale, group, n_kv, chunk, part_m, part_s,
+                    part_acc)
+
+
+@njit
+def _reduce_all(part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: int,
+                out: Any) -> None:
+    for h in range(part_m.shape[0]):
         _reduce_partials(part_m[h], part_s[h], part_acc[h], chunk, n_kv, out[0, h])
 
 
@@ -456,32 +488,37 @@ def _tile_values(acc: Any, weights: Any, v: Any, kvh: int, c0: int, width: int) 
             acc[d] = fma32(weights[j], v[kvh, c0 + j, d], acc[d])
 
 
-@njit(parallel=True)
-def _tiled(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float, group: int,
-           out: Any) -> None:
-    """ggml_compute_forward_flash_attn_ext_tiled, one (row, head) per task.
+ROW_BLOCK = 16  # query rows per tiled task: their (row, head)s share each K and V tile in cache
 
-    ``k_tiles`` [kv_head, tile, hd, 64] holds K transposed per tile (as ggml packs K_f32), so the
-    scores of a tile are 64-wide fma chains over the head dimension.
+
+@njit(inline="always")
+def _tiled_task(task: int, q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float,
+                group: int, out: Any) -> None:
+    """ggml_compute_forward_flash_attn_ext_tiled for ROW_BLOCK rows and the heads of one KV head.
+
+    Every (row, head) keeps its own running (M, S, acc), exactly as ggml's tile rows do; the
+    tiles are the outer loop so that each K and V tile is read from memory once per task.
+    ``k_tiles`` [kv_head, tile, hd, 64] holds K transposed per tile, as ggml packs K_f32.
     """
     n_rows, n_head, hd = q.shape
+    n_blocks = (n_rows + ROW_BLOCK - 1) // ROW_BLOCK
+    kvh = task // n_blocks
+    r0 = (task % n_blocks) * ROW_BLOCK
+    n_pairs = (min(r0 + ROW_BLOCK, n_rows) - r0) * group
+    acc = np.zeros((n_pairs, hd), np.float32)
+    big_m = np.full(n_pairs, _NEG_INF, np.float32)
+    big_s = np.zeros(n_pairs, np.float32)
+    kq = np.empty(FA_TILE_KV, np.float32)
     n_cells = v.shape[1]
-    n_tiles = k_tiles.shape[1]
-    for task in prange(n_rows * n_head):
-        row = task // n_head
-        h = task % n_head
-        kvh = h // group
-        kq = np.empty(FA_TILE_KV, np.float32)
-        acc = np.zeros(hd, np.float32)
-        big_s = _ZERO
-        big_m = _NEG_INF
-        q_at = (row * n_head + h) * hd
-        for t in range(n_tiles):
-            c0 = t * FA_TILE_KV
-            width = min(FA_TILE_KV, n_cells - c0)
+    for t in range(k_tiles.shape[1]):
+        c0 = t * FA_TILE_KV
+        width = min(FA_TILE_KV, n_cells - c0)
+        for i in range(n_pairs):
+            row = r0 + i // group
+            h = kvh * group + i % group
             if has_mask and not _any_visible(mask, row, c0, width):
                 continue  # ggml skips a tile whose cells are all hidden
-            _tile_scores(kq, k_tiles, kvh, t, q, q_at)
+            _tile_scores(kq, k_tiles, kvh, t, q, (row * n_head + h) * hd)
             tile_max = _NEG_INF
             for j in range(FA_TILE_KV):
                 s = kq[j] * scale
@@ -491,18 +528,36 @@ def _tiled(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float
                     s = s + mask[row, c0 + j]
                 kq[j] = s
                 tile_max = max(tile_max, s)
-            m_new = max(big_m, tile_max)
-            if m_new > big_m:
-                ms = F32(math.exp(big_m - m_new))
+            m_old = big_m[i]
+            m_new = max(m_old, tile_max)
+            if m_new > m_old:
+                ms = F32(math.exp(m_old - m_new))
                 for d in range(hd):
-                    acc[d] = acc[d] * ms
-                big_s = big_s * ms
-            big_m = m_new
-            big_s = F32(np.float64(big_s) + _tile_weights(kq, FA_TILE_KV, m_new))
-            _tile_values(acc, kq, v, kvh, c0, width)
-        s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
+                    acc[i, d] = acc[i, d] * ms
+                big_s[i] = big_s[i] * ms
+            big_m[i] = m_new
+            big_s[i] = F32(np.float64(big_s[i]) + _tile_weights(kq, FA_TILE_KV, m_new))
+            _tile_values(acc[i], kq, v, kvh, c0, width)
+    for i in range(n_pairs):
+        s_inv = _ZERO if big_s[i] == _ZERO else _ONE / big_s[i]
         for d in range(hd):
-            out[row, h, d] = acc[d] * s_inv
+            out[r0 + i // group, kvh * group + i % group, d] = acc[i, d] * s_inv
+
+
+@njit
+def _tiled_serial(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float,
+                  group: int, out: Any) -> None:
+    n_tasks = k_tiles.shape[0] * ((q.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK)
+    for task in range(n_tasks):
+        _tiled_task(task, q, k_tiles, v, mask, has_mask, scale, group, out)
+
+
+@njit(parallel=True)
+def _tiled_parallel(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float,
+                    group: int, out: Any) -> None:
+    n_tasks = k_tiles.shape[0] * ((q.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK)
+    for task in prange(n_tasks):
+        _tiled_task(task, q, k_tiles, v, mask, has_mask, scale, group, out)
 
 
 def _k_tiles(k: np.ndarray) -> np.ndarray:
@@ -537,7 +592,8 @@ def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int = 0) -> np.
 
 
 def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                   scale: float, n_kv: int | None = None, n_threads: int = 2) -> np.ndarray:
+                   scale: float, n_kv: int | None = None, n_threads: int = 2,
+                   parallel: bool | None = None) -> np.ndarray:
     """ggml_flash_attn_ext with an f16 K/V cache, as llama-server's CPU backend computes it.
 
     q: f32 [n_rows, n_head, hd] (after RoPE); k, v: [n_head_kv, T, hd] f16 values (float16, or
@@ -545,7 +601,9 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     n_head_kv). mask: [n_rows, T] additive, 0 / -inf (rounded to f16 as ggml stores it), or
     None when every one of the T cells is visible. n_kv: the cells ggml sees (:func:`kv_length`,
     default T); cells T..n_kv-1 are hidden padding, and n_kv decides the decode split.
-    Returns f32 [n_rows, n_head, hd].
+    n_threads: llama-server's -t, on which the decode split depends. parallel: spread the
+    (row, head) tasks over Numba's threads (None: when there are PARALLEL_MIN_WORK cell visits
+    or more); the result is the same either way. Returns f32 [n_rows, n_head, hd].
     """
     q = np.ascontiguousarray(q, np.float32)
     k = np.ascontiguousarray(k, np.float32)
@@ -570,10 +628,21 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     if n_rows == 0 or n_cells == 0:
         out[:] = 0
         return out
+    parallel = parallel if parallel is not None else n_rows * n_head * n_cells >= PARALLEL_MIN_WORK
+    scale = F32(scale)
     if n_rows >= FA_TILE_Q:
-        _tiled(q, _k_tiles(k), v, mask, has_mask, F32(scale), group, out)
+        tiled = _tiled_parallel if parallel else _tiled_serial
+        tiled(q, _k_tiles(k), v, mask, has_mask, scale, group, out)
     elif n_rows == 1 and n_kv >= SPLIT_MIN_CELLS:
-        _split_decode(q, k, v, mask, has_mask, F32(scale), group, n_kv, max(1, int(n_threads)), out)
+        n_threads = max(1, int(n_threads))
+        chunk = -(-n_kv // n_threads)
+        part_m = np.empty((n_head, n_threads), np.float32)
+        part_s = np.empty((n_head, n_threads), np.float32)
+        part_acc = np.empty((n_head, n_threads, hd), np.float32)
+        split = _split_parallel if parallel else _split_serial
+        split(q, k, v, mask, has_mask, scale, group, n_kv, chunk, part_m, part_s, part_acc)
+        _reduce_all(part_m, part_s, part_acc, chunk, n_kv, out)
     else:
-        _one_chunk(q, k, v, mask, has_mask, F32(scale), group, out)
+        one_chunk = _one_chunk_parallel if parallel else _one_chunk_serial
+        one_chunk(q, k, v, mask, has_mask, scale, group, out)
     return out
