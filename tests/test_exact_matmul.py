@@ -103,6 +103,28 @@ def test_parallel_and_serial_kernels_agree_with_ggml() -> None:
     check_product("Q4_1 [2, 512] x [1000, 512] (threaded)", raw, T.Q4_1, n_out, n_in, x)
 
 
+@pytest.mark.parametrize("qtype", (T.F16, T.F32), ids=lambda t: t.name)
+def test_float_weights_match_ggml_on_both_paths(qtype: T) -> None:
+    """n_out = 64: tinyBLAS from two activation rows on; n_out = 70 (not a multiple of 4): vec_dot."""
+    rng = np.random.default_rng(9)
+    wrong_path_misses = 0
+    for n_out in (64, 70):
+        w = (rng.standard_normal((n_out, 256)) * 0.05).astype(F32)
+        raw = (w.astype(np.float16) if qtype == T.F16 else w).view(np.uint8)
+        for m in (1, 2, 17):
+            x = activations(rng, m, 256)
+            naive = check_product(f"{qtype.name} [{m}, 256] x [{n_out}, 256]", raw, qtype, n_out, 256, x)
+            # the other accumulation order (vec_dot's four accumulators vs tinyBLAS's one) must miss
+            matrix = em.QuantMatrix(raw, qtype, n_out, 256)
+            xr = x.astype(np.float16).astype(F32) if qtype == T.F16 else x
+            other = np.empty((m, n_out), F32)
+            split = m == 1 or n_out % 4 != 0
+            em._float_serial(matrix._kind, not split, matrix.raw, 256, n_out, xr, other)
+            wrong_path_misses += differing(other, go.mul_mat(raw, qtype, n_out, 256, x))
+    print(f"\n{qtype.name}: the other path's order misses {wrong_path_misses}")
+    assert wrong_path_misses > 0
+
+
 # --- products on the default model's matrices --------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -152,7 +174,8 @@ def test_zero_copy_on_gguf_tensor_data(default_tensors: dict) -> None:
 
 def test_refusals_say_why() -> None:
     assert em.supported(T.Q4_1) and em.supported(T.Q8_0)
-    assert not em.supported(T.Q6_K) and not em.supported(T.F32)
+    assert em.supported(T.F16) and em.supported(T.F32)
+    assert not em.supported(T.Q6_K) and not em.supported(T.BF16) and not em.supported(999)
     raw = np.zeros(20 * 2 * 4, np.uint8)
     with pytest.raises(ValueError, match="no exact kernel for Q6_K"):
         em.QuantMatrix(raw, T.Q6_K, 4, 64)

@@ -19,8 +19,10 @@ parallel over output rows; the split does not change any element's arithmetic.
 
 from __future__ import annotations
 
+import numba
 import numpy
 from gguf import GGMLQuantizationType as T
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
@@ -42,7 +44,9 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_0R = 0, 1, 2, 3, 4, 5  # _Q4_0R: repacked
 _LAYOUT: dict[T, tuple[int, int, bool]] = {
     T.Q4_0: (_Q4_0, 18, False), T.Q5_0: (_Q5_0, 22, False), T.Q8_0: (_Q8_0, 34, False),
     T.Q4_1: (_Q4_1, 20, True), T.Q5_1: (_Q5_1, 24, True),
+    T.F16: (6, 64, False), T.F32: (7, 128, False),  # bytes per 32 values
 }
+_FLOAT_TYPES = {T.F16, T.F32}
 
 
 # ggml-cpu/repack.cpp (ggml_repack_get_optimal_repack_type) on an AVX2 build: Q4_0 -> q4_0_8x8
@@ -57,10 +61,21 @@ def repacked_by_llama_server(qtype: T | int, n_out: int, token_embd: bool = Fals
     return T(qtype) in REPACKED_TYPES and n_out % 8 == 0 and not token_embd
 
 
+def _host_has_avx2() -> bool:
+    """The kernels are AVX2+FMA+F16C code: the host Numba compiles for must have them."""
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False  # a generic/portable Numba target cannot take the x86 intrinsics
+    features = llvm_binding.get_host_cpu_features()
+    return all(features.get(f, False) for f in ("avx2", "fma", "f16c"))
+
+
+HOST_HAS_AVX2 = _host_has_avx2()
+
+
 def supported(qtype: T | int) -> bool:
-    """Whether QuantMatrix reproduces ggml's product for this weight type."""
+    """Whether QuantMatrix reproduces ggml's product for this weight type on this host."""
     try:
-        return T(qtype) in _LAYOUT
+        return HOST_HAS_AVX2 and T(qtype) in _LAYOUT
     except ValueError:
         return False
 
@@ -458,6 +473,153 @@ def _matmul_parallel(code, raw, row_bytes, n_out, xq, xd, xs, out):  # pragma: n
 PARALLEL_MIN_MACS = 1 << 18  # below this many multiply-adds one thread is faster
 
 
+# ---------------------------------------------------------------------------------------------
+# F16 and F32 weights: no integer part, the f32 fma chains and their reduction differ by path
+#
+# One activation row (or a row count not a multiple of 4): ggml_vec_dot_f16/f32 (vec.cpp), four
+# <8 x float> accumulators taking the 8-element steps in turn, reduced by GGML_F32x8_REDUCE:
+# (x0+x2)+(x1+x3), then t = lo128 + hi128, then (t0+t1)+(t2+t3). Two or more activation rows:
+# llamafile's tinyBLAS (sgemm.cpp), one accumulator over all steps and hsum. For F16 weights the
+# activation is first rounded to f16 (vec_dot_type F16, round to nearest even).
+
+
+def _f32x8_reduce(builder: ir.IRBuilder, accs: list) -> ir.Value:
+    """GGML_F32x8_REDUCE of four accumulators (AVX)."""
+    y = builder.fadd(builder.fadd(accs[0], accs[2]), builder.fadd(accs[1], accs[3]))
+    a = [builder.extract_element(y, ir.Constant(_I32, i)) for i in range(8)]
+    t = [builder.fadd(a[i], a[i + 4]) for i in range(4)]
+    return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
+
+
+def _make_float_tile(half: bool, rm: int, rn: int, split: bool):
+    """tile(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out): weight row i at element
+    w_off + i*row_elems of w (raw bytes of f16 or f32 values), activation row j at x_off + j*n_in
+    of x (f32, already rounded to f16 values for F16 weights); (i, j) to out.flat[o_off + j*n_out + i].
+    ``split``: vec_dot's four accumulators; else tinyBLAS's one."""
+    n_acc = 4 if split else 1
+    wty = ir.HalfType() if half else _F32
+
+    @intrinsic
+    def tile(typingctx, w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out):
+        sig = types.void(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            (_, w_off, row_elems, _, x_off, n_in, _, o_off, n_out) = args
+            wbase = builder.bitcast(context.make_array(aty[0])(context, builder, args[0]).data, wty.as_pointer())
+            xbase = context.make_array(aty[3])(context, builder, args[3]).data
+            obase = context.make_array(aty[6])(context, builder, args[6]).data
+            ity = w_off.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+
+            def load8(base: ir.Value, index: ir.Value, elem: ir.Type) -> ir.Value:
+                vec = builder.load(builder.bitcast(builder.gep(base, [index]), ir.VectorType(elem, 8).as_pointer()), align=1)
+                return builder.fpext(vec, _V8F) if elem is not _F32 else vec
+
+            zero = ir.Constant(_V8F, [0.0] * 8)
+            acc = [[[cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)] for _ in range(rn)]
+                   for _ in range(rm)]
+            with cgutils.for_range(builder, builder.udiv(n_in, const(32))) as loop:
+                base = builder.mul(loop.index, const(32))
+                for k in range(4):
+                    step = builder.add(base, const(8 * k))
+                    wv = [load8(wbase, builder.add(builder.add(w_off, builder.mul(const(i), row_elems)), step), wty)
+                          for i in range(rm)]
+                    xv = [load8(xbase, builder.add(builder.add(x_off, builder.mul(const(j), n_in)), step), _F32)
+                          for j in range(rn)]
+                    for i in range(rm):
+                        for j in range(rn):
+                            slot = acc[i][j][k % n_acc]
+                            builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [wv[i], xv[j], builder.load(slot)]), slot)
+            for i in range(rm):
+                for j in range(rn):
+                    sums = [builder.load(a) for a in acc[i][j]]
+                    total = _f32x8_reduce(builder, sums) if split else _hsum(builder, sums[0])
+                    index = builder.add(builder.add(o_off, builder.mul(const(j), n_out)), const(i))
+                    builder.store(total, builder.gep(obase, [index]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_F16, _F32_CODE = 6, 7
+_vd11_f16, _vd21_f16 = _make_float_tile(True, 1, 1, True), _make_float_tile(True, 2, 1, True)
+_vd11_f32, _vd21_f32 = _make_float_tile(False, 1, 1, True), _make_float_tile(False, 2, 1, True)
+_tb11_f16, _tb22_f16 = _make_float_tile(True, 1, 1, False), _make_float_tile(True, 2, 2, False)
+_tb11_f32, _tb22_f32 = _make_float_tile(False, 1, 1, False), _make_float_tile(False, 2, 2, False)
+
+
+@njit
+def _float_tile(code, split, rm, rn, w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out):  # pragma: no cover
+    """Dispatch to the (type, path, shape) tile; the branches are the same for a whole product."""
+    if code == _F16:
+        if split:
+            if rm == 2:
+                _vd21_f16(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+            else:
+                _vd11_f16(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+        elif rm == 2:
+            _tb22_f16(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+        else:
+            _tb11_f16(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+    else:
+        if split:
+            if rm == 2:
+                _vd21_f32(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+            else:
+                _vd11_f32(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+        elif rm == 2:
+            _tb22_f32(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+        else:
+            _tb11_f32(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+
+
+@njit
+def _float_rows(code, split, raw, row_elems, r0, r1, x, out):  # pragma: no cover - compiled
+    """out[:, r0:r1] for F16/F32 weights: vec_dot pairs of rows, or tinyBLAS 2x2 tiles."""
+    m, n_in = x.shape
+    n_out = out.shape[1]
+    if split:
+        for t in range(m):
+            r = r0
+            while r < r1:
+                rm = 2 if r + 2 <= r1 else 1
+                _float_tile(code, True, rm, 1, raw, r * row_elems, row_elems, x, t * n_in, n_in, out, t * n_out + r, n_out)
+                r += rm
+        return
+    t = 0
+    while t < m:
+        rn = 2 if t + 2 <= m else 1
+        r = r0
+        while r < r1:
+            if rn == 2 and r + 2 <= r1:
+                _float_tile(code, False, 2, 2, raw, r * row_elems, row_elems, x, t * n_in, n_in, out, t * n_out + r, n_out)
+                r += 2
+            else:
+                for j in range(rn):
+                    _float_tile(code, False, 1, 1, raw, r * row_elems, row_elems, x, (t + j) * n_in, n_in,
+                                out, (t + j) * n_out + r, n_out)
+                r += 1
+        t += rn
+
+
+@njit
+def _float_serial(code, split, raw, row_elems, n_out, x, out):  # pragma: no cover - compiled
+    for r0 in range(0, n_out, ROWS_PER_TASK):
+        _float_rows(code, split, raw, row_elems, r0, min(r0 + ROWS_PER_TASK, n_out), x, out)
+
+
+@njit(parallel=True)
+def _float_parallel(code, split, raw, row_elems, n_out, x, out):  # pragma: no cover - compiled
+    for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        r0 = task * ROWS_PER_TASK
+        _float_rows(code, split, raw, row_elems, r0, min(r0 + ROWS_PER_TASK, n_out), x, out)
+
+
 class QuantMatrix:
     """A GGUF weight matrix [n_out, n_in] kept in its block bytes; ``matmul`` is ggml's mul_mat.
 
@@ -495,10 +657,14 @@ class QuantMatrix:
 
     def quantize(self, x: numpy.ndarray) -> Activation:
         """The activation rounded as ggml rounds it for this weight (reusable across matrices)."""
+        if self.qtype in _FLOAT_TYPES:
+            raise ValueError(f"{self.qtype.name} weights take the f32 activation itself")
         return Activation(x)
 
     def matmul(self, x: numpy.ndarray | Activation) -> numpy.ndarray:
         """x [m, n_in] f32 (or its Activation) -> [m, n_out] f32, bit-identical to ggml."""
+        if self.qtype in _FLOAT_TYPES:
+            return self._float_matmul(x)
         act = x if isinstance(x, Activation) else Activation(numpy.atleast_2d(x))
         if act.q.shape[1] != self.n_in:
             raise ValueError(f"activation width {act.q.shape[1]} != n_in {self.n_in}")
@@ -506,4 +672,18 @@ class QuantMatrix:
         out = numpy.empty((m, self.n_out), numpy.float32)
         kernel = _matmul_parallel if m * self.n_out * self.n_in >= PARALLEL_MIN_MACS else _matmul_serial
         kernel(self._kind, self.raw, self.raw.shape[1], self.n_out, act.q, act.d, act.s, out)
+        return out
+
+    def _float_matmul(self, x: numpy.ndarray) -> numpy.ndarray:
+        x = numpy.ascontiguousarray(numpy.atleast_2d(x), dtype=numpy.float32)
+        if x.ndim != 2 or x.shape[1] != self.n_in:
+            raise ValueError(f"activation width {x.shape[-1]} != n_in {self.n_in}")
+        if self.qtype == T.F16:  # vec_dot_type F16: ggml_cpu_fp32_to_fp16, nearest even
+            x = x.astype(numpy.float16).astype(numpy.float32)
+        m = x.shape[0]
+        # tinyBLAS takes two or more activation rows when the weight rows come in fours
+        split = m == 1 or self.n_out % 4 != 0
+        out = numpy.empty((m, self.n_out), numpy.float32)
+        kernel = _float_parallel if m * self.n_out * self.n_in >= PARALLEL_MIN_MACS else _float_serial
+        kernel(self._kind, split, self.raw, self.n_in, self.n_out, x, out)
         return out
