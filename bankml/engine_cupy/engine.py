@@ -69,6 +69,7 @@ class Chunk:
     entry: dict | None
     first: bool
     token: int | None
+    timings: dict[str, Any] | None = None  # the run's timings so far (llama-server's timings_per_token)
 
 
 @dataclass
@@ -622,7 +623,8 @@ class Engine:
                 probs = (post_sampling_probs(sampler.last, req.n_probs, token) if req.post_sampling_probs
                          and sampler.last is not None else token_logprobs(logits, req.n_probs, token))
                 entry = self._entry(probs, token, released, req.post_sampling_probs)
-            yield Chunk(released.decode("utf-8", "replace") if released else "", entry, n_gen == 1, token)
+            yield Chunk(released.decode("utf-8", "replace") if released else "", entry, n_gen == 1, token,
+                        clock.timings(cache_n, prompt_n, n_gen))
             finish = self._finish(req, token, n_gen, hit_stop, eog)
             # n_indent / t_max_predict_ms come after the limits and before EOG in process_token
             if lines.stops(release, piece if released is None else released, (now - clock.t_prompt) * 1e3):

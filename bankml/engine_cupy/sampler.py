@@ -475,8 +475,9 @@ class Candidates:
         if do_sort:
             self.sort_desc()
         max_l = self.logits[0] if self.sorted else self.logits.max()
-        p = _expf(self.logits - max_l)
-        self.p = (p / _fsum(p)).astype(F32)
+        with np.errstate(invalid="ignore"):  # an infinite bias gives NaN, as in C
+            p = _expf(self.logits - max_l)
+            self.p = (p / _fsum(p)).astype(F32)
 
 
 def apply_temperature(c: Candidates, temp: float) -> None:
@@ -626,7 +627,8 @@ def sample_dist(c: Candidates, rng: MT19937) -> None:
         c.p = np.ones(1, dtype=F32)
         return
     max_l = c.logits[0] if c.sorted else c.logits.max()
-    p = _expf(c.logits - max_l)
+    with np.errstate(invalid="ignore"):  # an infinite bias gives NaN, as in C
+        p = _expf(c.logits - max_l)
     cum = np.cumsum(p.astype(np.float64))
     total = cum[-1]
     hit = int(np.searchsorted(cum, total * rnd, side="left"))

@@ -24,8 +24,8 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.bridge import NativeEngine, RunControl
 from bankml.proxy_resource import JsonResource, error_body, write_json
-from bankml.resources.openai import (LLAMA_COMPLETION, SSE, Answer, NativeChat, dumps, generation_settings, gone,
-                                     read_json_object, sse)
+from bankml.resources.openai import (LLAMA_COMPLETION, OAI_COMPLETION, SSE, Answer, NativeChat, dumps,
+                                     generation_settings, gone, read_json_object, sse)
 
 NOT_SUPPORTED_SLOTS = "This server does not support slots action. Start it with `--slot-save-path`"
 FORBIDDEN_CODEPOINTS = set(':*?"<>|/\\') | {"\ufffd", "\ufeff", "\uff0e", "\u2215", "\u2216"}
@@ -414,51 +414,77 @@ def nested_values(paths: list[str], obj: dict[str, Any]) -> dict[str, Any]:
 
 
 class CompletionAnswer(Answer):
-    """One prompt's answer on /completion: its ``index`` in the request, ``tokens`` when
-    ``return_tokens``, llama-server's ``logit_bias`` form and the task fields it reports."""
+    """One prompt's answer on /completion or /v1/completions: its ``index`` in the request, and on
+    /completion ``tokens`` when ``return_tokens``, per-token ``timings`` with ``timings_per_token``,
+    llama-server's ``logit_bias`` form and the task fields it reports, ``response_fields``."""
 
-    def __init__(self, native: NativeEngine, body: bytes, request: dict[str, Any], parsed: Any,
+    def __init__(self, native: NativeEngine, kind: str, body: bytes, request: dict[str, Any], parsed: Any,
                  index: int) -> None:
-        super().__init__(native, LLAMA_COMPLETION, body, request, parsed)
+        super().__init__(native, kind, body, request, parsed)
         self.index = index
+        self.options: dict[str, Any] = getattr(parsed, "options", {}) or {}
 
     def _llama_pieces(self, chunk: Any) -> list[dict[str, Any]]:
         events = super()._llama_pieces(chunk)
         for event in events:
             event["index"] = self.index
+            if self.options.get("timings_per_token") and getattr(chunk, "timings", None):
+                event["timings"] = chunk.timings
         return events
+
+    def _completion_pieces(self, chunk: Any) -> list[dict[str, Any]]:
+        return [self._indexed(e) for e in super()._completion_pieces(chunk)]
+
+    def _indexed(self, obj: dict[str, Any]) -> dict[str, Any]:
+        for choice in obj.get("choices", ()):
+            choice["index"] = self.index
+        return obj
 
     def _llama_final(self, summary: Any, text: str) -> dict[str, Any]:
         out = super()._llama_final(summary, text)
-        options = getattr(self.parsed, "options", {}) or {}
         out["index"] = self.index
-        if options.get("return_tokens") and not self.stream:
+        if self.options.get("return_tokens") and not self.stream:
             out["tokens"] = list(summary.tokens)
         settings = out["generation_settings"]
         settings["logit_bias"] = bias_entries(self.parsed.sampler.logit_bias)
         settings["max_tokens"] = settings.get("n_predict", -1)
         for key in ("n_keep", "n_discard", "stream", "timings_per_token", "backend_sampling", "lora"):
-            if key in options:
-                settings[key] = options[key]
+            if key in self.options:
+                settings[key] = self.options[key]
         settings["post_sampling_probs"] = bool(getattr(self.parsed, "post_sampling_probs", False))
         return out
 
     def whole(self, summary: Any) -> dict[str, Any]:
-        return self._only_fields(super().whole(summary))
+        return self._only_fields(self._indexed(super().whole(summary)))
 
     def final_events(self, summary: Any) -> list[dict[str, Any]]:
         events = super().final_events(summary)
-        return [self._only_fields(e) if "bankml_receipt" not in e else e for e in events]
+        return [e if "bankml_receipt" in e else self._only_fields(self._indexed(e)) for e in events]
 
     def _only_fields(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """``response_fields``: only those (the receipt stays, it is bankml's)."""
-        paths = (getattr(self.parsed, "options", {}) or {}).get("response_fields") or []
-        if not paths:
+        """``response_fields`` (llama-server's own format only): those paths (the receipt stays,
+        it is bankml's)."""
+        paths = self.options.get("response_fields") or []
+        if not paths or self.kind != LLAMA_COMPLETION:
             return obj
         out = nested_values(paths, obj)
         if "bankml_receipt" in obj:
             out["bankml_receipt"] = obj["bankml_receipt"]
         return out
+
+
+def merged(kind: str, results: list[dict[str, Any]]) -> Any:
+    """The non-streamed answer to several prompts: llama-server's array on /completion; on
+    /v1/completions the first object with every prompt's choice (its usage is the first prompt's,
+    as llama-server's) and ``bankml_receipt`` the list of each choice's receipt."""
+    if len(results) == 1:
+        return results[0]
+    if kind == LLAMA_COMPLETION:
+        return results
+    out = dict(results[0])
+    out["choices"] = [r["choices"][0] for r in results]
+    out["bankml_receipt"] = [r["bankml_receipt"] for r in results]
+    return out
 
 
 def batch_steps(engine: Any, parsed: list[Any]) -> Callable[[Callable[[], bool]], Any]:
@@ -479,13 +505,15 @@ def batch_steps(engine: Any, parsed: list[Any]) -> Callable[[Callable[[], bool]]
 
 
 class Completion(NativeChat):
-    """``POST /completion``: every prompt of the request (a string, ids, ids mixed with strings,
-    or an array of those) answered as if alone, in order. One prompt: one object; several: the
-    array of objects (streamed: each prompt's events in turn with its ``index``, and llama-server's
-    ``data: null`` before each prompt after the first)."""
+    """``POST /completion`` (and ``/v1/completions`` with ``kind=OAI_COMPLETION``): every prompt of
+    the request (a string, ids, ids mixed with strings, or an array of those) answered as if alone,
+    in order. One prompt: one object; several: ``merged`` (streamed: each prompt's events in turn
+    with its index, and llama-server's ``data: null`` before each prompt after the first)."""
 
-    def __init__(self, native: NativeEngine) -> None:
-        super().__init__(native, LLAMA_COMPLETION)
+    def __init__(self, native: NativeEngine, kind: str = LLAMA_COMPLETION) -> None:
+        if kind not in (LLAMA_COMPLETION, OAI_COMPLETION):
+            raise ValueError(f"Completion serves the completion kinds, not {kind!r}")
+        super().__init__(native, kind)
 
     def render_POST(self, request: Request) -> Any:
         raw, obj, refusal = read_json_object(request)
@@ -507,7 +535,7 @@ class Completion(NativeChat):
                    control: RunControl) -> Any:
         if gone(request):
             return None
-        answers = [CompletionAnswer(self.native, raw, obj, p, i) for i, p in enumerate(parsed)]
+        answers = [CompletionAnswer(self.native, self.kind, raw, obj, p, i) for i, p in enumerate(parsed)]
         writer = _BatchWriter(request, answers, control)
         d = self.native.bridge.stream(batch_steps(self.native.engine, parsed), writer.item, control)
         d.addCallback(lambda _: writer.done())
@@ -575,9 +603,11 @@ class _BatchWriter:
                 write_json(self.request, 503, error_body(503, problem))
             return
         if self.stream:
-            self.request.finish()  # llama-server ends its own /completion stream without [DONE]
+            if self.answers[0].kind == OAI_COMPLETION:
+                self.request.write(b"data: [DONE]\n\n")  # llama-server ends only its own /completion without it
+            self.request.finish()
         else:
-            write_json(self.request, 200, dumps(self.results[0] if len(self.results) == 1 else self.results))
+            write_json(self.request, 200, dumps(merged(self.answers[0].kind, self.results)))
 
     def error(self, message: str, status: int = 500) -> None:
         """An engine failure after the stream began (NativeChat._failed's call)."""
