@@ -1,4 +1,4 @@
-"""Quantized matrix products that round exactly as ggml's AVX2 CPU kernels in llama-server.
+"""Matrix products that round exactly as ggml's AVX2 CPU kernels in llama-server.
 
 ggml multiplies a quantized weight by an f32 activation in two steps (ggml-cpu.c,
 ``ggml_compute_forward_mul_mat``): the activation rows are rounded to the weight type's
@@ -12,9 +12,17 @@ blocks in order, and finally ``hsum_float_8``: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+
 Q5_1 add ``summs``, a scalar ``fma(m_w, s_x, summs)`` chain over the blocks (GCC contracts the
 C ``summs += m*s`` into vfmadd231ss: checked in the build's object code), after the sum.
 
-The weights stay in their GGUF block bytes (read straight from the memory-mapped file); the f16
-block scales are read through a 65536-entry table, as ggml does. The kernels are Numba loops
-parallel over output rows; the split does not change any element's arithmetic.
+Two other arithmetics: llama-server repacks Q4_0 layer matrices (CPU_REPACK buffer, q4_0_8x8
+kernels: one integer sum per block, a scalar fma chain, no horizontal sum), and F16/F32 weights
+use f32 fma chains whose accumulator layout depends on the path (vec_dot or tinyBLAS).
+
+The weights stay in their GGUF block bytes (read straight from the memory-mapped file). Numba
+does not vectorise the lane-wise fma chains by itself, so each dot product is LLVM IR emitted
+through ``numba.extending.intrinsic`` with the very AVX2 operations ggml uses (psign, pmaddubsw,
+pmaddwd, cvtdq2ps, vfmadd, vcvtph2ps for the f16 scales); hence ``supported`` is False on a
+host without AVX2/FMA/F16C. Tiles of 4x1 (decode) or 2x2 (batches) outputs share the unpacked
+blocks and keep several independent fma chains in flight; the products are parallel over tasks
+of 16 output rows (Numba prange), which changes no element's arithmetic.
 """
 
 from __future__ import annotations
@@ -28,14 +36,15 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.jit import fma32, njit
+from bankml.engine_cupy.jit import njit
 
-__all__ = ["QuantMatrix", "supported", "quantize_q8_0", "quantize_q8_1", "f32_to_f16_bits"]
+__all__ = ["QuantMatrix", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
+           "quantize_q8_1", "f32_to_f16_bits"]
 
 QK = 32  # elements per block for every type handled here
-ROWS_PER_TASK = 16  # output rows per parallel task (scratch is allocated once per task)
+ROWS_PER_TASK = 16  # output rows per parallel task; its weight rows stay in L1 across the batch
 
-# f16 bit pattern -> f32 value (exact), the lookup ggml's x86 build also uses
+# f16 bit pattern -> f32 value (exact): the activation's block scales as the kernels read them
 F16_TABLE = numpy.arange(65536, dtype=numpy.uint16).view(numpy.float16).astype(numpy.float32)
 
 # kernel codes for the weight types
@@ -254,15 +263,6 @@ def _weight_bytes(builder: ir.IRBuilder, code: int, base: ir.Value, blk: ir.Valu
     hoff = 2 if code == _Q5_0 else 4
     q = builder.or_(_nibbles(builder, base, at(hoff + 4)), _fifth_bits(builder, base, at(hoff)))
     return builder.sub(q, ir.Constant(_V32I8, [16] * 32)) if code == _Q5_0 else q
-
-
-def _int_lanes(builder: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
-    """Eight f32 lanes, lane j = Σ w[4j..4j+3]·x[4j..4j+3] exactly (ggml's mul_sum_i8_pairs)."""
-    ax = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [w, w])
-    sy = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [x, w])
-    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [ax, sy])
-    quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, ir.Constant(_V16I16, [1] * 16)])
-    return builder.sitofp(quads, _V8F)
 
 
 def _hsum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
