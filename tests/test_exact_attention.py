@@ -187,3 +187,52 @@ def test_default_model_attention(model_attention: dict, n_rows: int, n_cells: in
     for q, k, v in model_attention["layers"]:
         assert_bitwise(n_rows, n_cells, q[n_cells - n_rows:n_cells], k[:, :n_cells], v[:, :n_cells],
                        scale=model_attention["scale"])
+
+
+# --- the scalar pieces ------------------------------------------------------------------------
+
+def test_f16_rounding_both_ways_equal_numpy() -> None:
+    """The F16C rounding and the integer fallback equal NumPy's f32->f16 on spread bit patterns."""
+    from bankml.engine_cupy import exact_attention as ea
+    from bankml.engine_cupy.jit import njit
+
+    bits_round = njit(cache=False)(ea._f16_round_bits)
+
+    @njit(cache=False)
+    def both(x, a, b):
+        for i in range(x.shape[0]):
+            a[i] = ea._f16_round_f16c(x[i])
+            b[i] = bits_round(x[i])
+
+    x = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    a, b = np.empty_like(x), np.empty_like(x)
+    both(x, a, b)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    numbers = ~np.isnan(want)
+    assert np.array_equal(a.view(np.uint32)[numbers], want.view(np.uint32)[numbers])
+    assert np.array_equal(b.view(np.uint32)[numbers], want.view(np.uint32)[numbers])
+    assert np.isnan(a[~numbers]).all() and np.isnan(b[~numbers]).all()
+
+
+def test_numba_exp_is_libm_expf() -> None:
+    """ggml's scalar expf is glibc's; Numba's float32 math.exp must call the same function."""
+    import ctypes
+    import ctypes.util
+    import math
+
+    from bankml.engine_cupy.jit import njit
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+
+    @njit(cache=False)
+    def exps(x, out):
+        for i in range(x.shape[0]):
+            out[i] = math.exp(x[i])
+
+    x = -np.abs(np.random.default_rng(1).normal(0, 12, 20000)).astype(np.float32)
+    got = np.empty_like(x)
+    exps(x, got)
+    want = np.array([libm.expf(float(t)) for t in x], np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
