@@ -502,3 +502,42 @@ async def test_slots_without_a_slot_dir_are_llama_servers_501(served: Served, re
             assert ours[0] == 501 and ours == ref
     finally:
         await port.stopListening()
+
+
+# --- the official openai client: n > 1 and stream_options.include_usage -----------------------------------
+
+
+def openai_client_view(base_url: str) -> dict[str, Any]:
+    """What the openai client makes of n=2 (chat and completions) and of include_usage; blocking."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S)
+    seen: dict[str, Any] = {}
+    messages = [{"role": "user", "content": "Name a colour."}]
+    for name, create in (("chat_n", lambda: client.chat.completions.create(
+            model="x", messages=messages, max_tokens=2, n=2)),
+                         ("completions_n", lambda: client.completions.create(
+            model="x", prompt="The capital of France is", max_tokens=2, n=2))):
+        try:
+            create()
+            seen[name] = "answered"
+        except openai.BadRequestError as err:
+            seen[name] = (err.status_code, err.body)
+    chunks = list(client.chat.completions.create(model="x", messages=messages, max_tokens=2, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    seen["usage_chunks"] = [(ch.choices, ch.usage.completion_tokens, ch.usage.prompt_tokens)
+                            for ch in chunks if ch.usage is not None]
+    return seen
+
+
+@pytest_twisted.ensureDeferred
+async def test_openai_client_sees_n_and_include_usage_as_with_llama_server(served: Served,
+                                                                         reference_server: Any) -> None:
+    ours = await deferToThread(openai_client_view, served.url)
+    ref = await deferToThread(openai_client_view, reference_server.url)
+    message = "Field 'n': Value must be between 1 <= value <= 1, but got 2"
+    for name in ("chat_n", "completions_n"):
+        assert ours[name] == ref[name]
+        assert ours[name][0] == 400 and message in json.dumps(ours[name][1])
+    assert ours["usage_chunks"] == ref["usage_chunks"]  # one chunk, no choices, the same counts
+    assert len(ours["usage_chunks"]) == 1 and ours["usage_chunks"][0][:2] == ([], 2)
