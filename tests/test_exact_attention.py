@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bankml.engine_cupy.exact_attention import (FA_TILE_Q, SPLIT_MIN_CELLS, attention_mask,
-                                                flash_attn_f16, kv_length)
+                                                flash_attn_f16, flash_attn_q8_0, kv_length)
 from tests import ggml_oracle
 
 CACHE_CELLS = 2048  # llama-server -c 2048 -np 1: the cache size that caps the padded length
@@ -144,6 +144,53 @@ def test_bad_shapes_are_refused() -> None:
 def test_kv_length_pads_as_llama_cpp() -> None:
     assert [kv_length(n, 2048) for n in (1, 256, 257, 2000)] == [256, 256, 512, 2048]
     assert kv_length(100, 200) == 200  # never past the cache
+
+
+# --- the q8_0 cache ---------------------------------------------------------------------------
+
+Q8_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # block_q8_0: f16 scale, 32 int8
+
+
+def ggml_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x f32 [..., hd] quantized by ggml's own quantize_row_q8_0: (int8 [..., hd], f16 [..., hd/32])."""
+    raw = ggml_oracle.quantize_rows(x.reshape(-1, x.shape[-1]), 8)  # GGML_TYPE_Q8_0
+    blocks = raw.view(Q8_BLOCK).reshape(*x.shape[:-1], -1)
+    return np.ascontiguousarray(blocks["qs"]).reshape(x.shape), np.ascontiguousarray(blocks["d"])
+
+
+def q8_0_bytes(qs: np.ndarray, d: np.ndarray) -> bytes:
+    blocks = np.zeros(d.shape, Q8_BLOCK)
+    blocks["d"], blocks["qs"] = d, qs.reshape(*d.shape, 32)
+    return blocks.tobytes()
+
+
+@pytest.mark.parametrize("n_rows,n_cells", [(1, 1), (1, 200), (1, 700), (9, 300), (100, 300),
+                                            (300, 300)])
+@pytest.mark.parametrize("n_head,n_head_kv,hd", [(9, 3, 64), (4, 4, 128)])
+def test_q8_0_cache(n_rows: int, n_cells: int, n_head: int, n_head_kv: int, hd: int) -> None:
+    """q8_0 K/V: ggml's one-row kernel for every batch (q8_0 dot, f32 accumulator)."""
+    rng = np.random.default_rng(n_rows * 7 + n_cells + hd)
+    q = rng.normal(0, 2.5, (n_rows, n_head, hd)).astype(np.float32)
+    (kq, kd), (vq, vd) = (ggml_q8_0(rng.normal(0, s, (n_head_kv, n_cells, hd)).astype(np.float32))
+                          for s in (2.0, 0.7))
+    mask = attention_mask(np.arange(n_cells - n_rows, n_cells), np.arange(n_cells))
+    n_kv = kv_length(n_cells, CACHE_CELLS)
+    pad = n_kv - n_cells
+
+    def padded(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a, np.zeros((a.shape[0], pad) + a.shape[2:], a.dtype)], axis=1)
+
+    mp = np.full((n_rows, n_kv), -np.inf, np.float16)
+    mp[:, :n_cells] = mask
+    want = ggml_oracle.run("flash_attn_ext", [
+        ggml_oracle._array_input(np.ascontiguousarray(q.transpose(1, 0, 2))),
+        ggml_oracle._input(8, (hd, n_kv, n_head_kv), q8_0_bytes(padded(kq), padded(kd))),
+        ggml_oracle._input(8, (hd, n_kv, n_head_kv), q8_0_bytes(padded(vq), padded(vd))),
+        ggml_oracle._array_input(mp)], fp=[float(1 / np.sqrt(hd)), 0.0, 0.0]).reshape(q.shape)
+    got = flash_attn_q8_0(q, kq, kd, vq, vd, mask, float(1 / np.sqrt(hd)))
+    differ = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
+    print(f"q8_0 rows={n_rows} T={n_cells} heads={n_head}/{n_head_kv} hd={hd}: {differ} differ")
+    assert differ == 0
 
 
 # --- Q/K/V of the default model --------------------------------------------------------------

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from bankml.engine_cupy.jit import fma32, njit
 
-__all__ = ["flash_attn_f16", "attention_mask", "kv_length", "FA_TILE_Q", "FA_TILE_KV",
+__all__ = ["flash_attn_f16", "flash_attn_q8_0", "attention_mask", "kv_length", "FA_TILE_Q", "FA_TILE_KV",
            "SPLIT_MIN_CELLS", "KV_PAD"]
 
 F32 = np.float32
@@ -570,6 +570,100 @@ def _k_tiles(k: np.ndarray) -> np.ndarray:
         padded.reshape(n_head_kv, n_tiles, FA_TILE_KV, hd).transpose(0, 1, 3, 2))
 
 
+# --- the q8_0 cache (one_chunk for every batch: ggml tiles and splits only f16/f32 K/V) --------
+
+@njit(inline="always")
+def _quantize_q8_0(x: Any, row: int, h: int, qs: Any, ds: Any) -> None:
+    """quantize_row_q8_0 (AVX2) of q[row, h]: per 32 values d = amax/127 (stored as f16),
+    q = round-half-even(x * (127/amax)), the query rounded to K's vec_dot type."""
+    hd = qs.shape[0]
+    for b in range(hd // 32):
+        amax = _ZERO
+        for j in range(32 * b, 32 * b + 32):
+            amax = max(amax, abs(x[row, h, j]))
+        ds[b] = f16_round(amax / F32(127.0))
+        inv = F32(127.0) / amax if amax != _ZERO else _ZERO
+        for j in range(32 * b, 32 * b + 32):
+            qs[j] = np.int32(np.rint(x[row, h, j] * inv))
+
+
+@njit(inline="always")
+def _dot_q8_0(kq: Any, kd: Any, kvh: int, ic: int, qs: Any, ds: Any, lanes: Any) -> float:
+    """ggml_vec_dot_q8_0_q8_0 (AVX2): per block, 8 lanes of 4 exact int8 products summed as
+    float, fma'd with d_k * d_q into 8 accumulators; hsum_float_8 = (r0 + r2) + (r1 + r3) with
+    r_i = a_i + a_(i+4)."""
+    for lane in range(8):
+        lanes[lane] = _ZERO
+    for b in range(qs.shape[0] // 32):
+        d = kd[kvh, ic, b] * ds[b]
+        for lane in range(8):
+            at = 32 * b + 4 * lane
+            isum = (np.int32(kq[kvh, ic, at]) * qs[at] + np.int32(kq[kvh, ic, at + 1]) * qs[at + 1]
+                    + np.int32(kq[kvh, ic, at + 2]) * qs[at + 2]
+                    + np.int32(kq[kvh, ic, at + 3]) * qs[at + 3])
+            lanes[lane] = fma32(d, F32(isum), lanes[lane])
+    r0 = lanes[0] + lanes[4]
+    r1 = lanes[1] + lanes[5]
+    r2 = lanes[2] + lanes[6]
+    r3 = lanes[3] + lanes[7]
+    return (r0 + r2) + (r1 + r3)
+
+
+@njit(inline="always")
+def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, mask: Any, has_mask: bool,
+               scale: float, group: int, out: Any) -> None:
+    """one_chunk with q8_0 K/V for one (row, head): the f32 V accumulator of ggml's non-f16
+    branch (V dequantized exactly, ggml_vec_mad_f32's fma, ggml_vec_scale_f32 at a new max)."""
+    n_head, hd = q.shape[1], q.shape[2]
+    row = task // n_head
+    h = task % n_head
+    kvh = h // group
+    qs = np.empty(hd, np.int32)
+    ds = np.empty(hd // 32, np.float32)
+    _quantize_q8_0(q, row, h, qs, ds)
+    lanes = np.empty(8, np.float32)
+    acc = np.zeros(hd, np.float32)
+    big_s = _ZERO
+    big_m = _NEG_INF
+    for ic in range(kq.shape[1]):
+        mv = _ZERO
+        if has_mask:
+            mv = mask[row, ic]
+            if mv == _NEG_INF:
+                continue
+        s = _dot_q8_0(kq, kd, kvh, ic, qs, ds, lanes) * scale + mv
+        ms = _ONE
+        vs = _ONE
+        if s > big_m:
+            m_old = big_m
+            big_m = s
+            ms = F32(math.exp(m_old - big_m))
+            for d in range(hd):
+                acc[d] = acc[d] * ms
+        else:
+            vs = F32(math.exp(s - big_m))
+        for d in range(hd):
+            acc[d] = fma32(F32(vq[kvh, ic, d]) * vd[kvh, ic, d // 32], vs, acc[d])
+        big_s = fma32(big_s, ms, vs) if FUSE_SUM else big_s * ms + vs
+    s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
+    for d in range(hd):
+        out[row, h, d] = acc[d] * s_inv
+
+
+@njit
+def _q8_0_serial(q: Any, kq: Any, kd: Any, vq: Any, vd: Any, mask: Any, has_mask: bool,
+                 scale: float, group: int, out: Any) -> None:
+    for task in range(q.shape[0] * q.shape[1]):
+        _q8_0_task(task, q, kq, kd, vq, vd, mask, has_mask, scale, group, out)
+
+
+@njit(parallel=True)
+def _q8_0_parallel(q: Any, kq: Any, kd: Any, vq: Any, vd: Any, mask: Any, has_mask: bool,
+                   scale: float, group: int, out: Any) -> None:
+    for task in prange(q.shape[0] * q.shape[1]):
+        _q8_0_task(task, q, kq, kd, vq, vd, mask, has_mask, scale, group, out)
+
+
 # --- the API -------------------------------------------------------------------------------------
 
 def kv_length(n_used: int, cache_size: int, pad: int = KV_PAD) -> int:
@@ -589,6 +683,16 @@ def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int = 0) -> np.
     if window:
         hidden |= qp - kp >= window
     return np.where(hidden, F32(-np.inf), F32(0))
+
+
+def _prepare_mask(mask: np.ndarray | None, n_rows: int, n_cells: int) -> tuple[bool, np.ndarray]:
+    """(has_mask, the mask as f32 holding f16 values, as ggml reads its f16 mask)."""
+    if mask is None:
+        return False, np.zeros((1, 1), np.float32)
+    mask = np.asarray(mask)
+    if mask.shape != (n_rows, n_cells):
+        raise ValueError(f"mask {mask.shape} is not [n_rows, T] = {(n_rows, n_cells)}")
+    return True, np.ascontiguousarray(mask.astype(np.float16).astype(np.float32))
 
 
 def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
@@ -615,14 +719,7 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     n_kv = n_cells if n_kv is None else int(n_kv)
     if n_kv < n_cells:
         raise ValueError(f"n_kv {n_kv} is shorter than the {n_cells} cells given")
-    has_mask = mask is not None
-    if has_mask:
-        mask = np.asarray(mask)
-        if mask.shape != (n_rows, n_cells):
-            raise ValueError(f"mask {mask.shape} is not [n_rows, T] = {(n_rows, n_cells)}")
-        mask = np.ascontiguousarray(mask.astype(np.float16).astype(np.float32))
-    else:
-        mask = np.zeros((1, 1), np.float32)
+    has_mask, mask = _prepare_mask(mask, n_rows, n_cells)
     group = n_head // n_head_kv
     out = np.empty((n_rows, n_head, hd), np.float32)
     if n_rows == 0 or n_cells == 0:
@@ -645,4 +742,35 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     else:
         one_chunk = _one_chunk_parallel if parallel else _one_chunk_serial
         one_chunk(q, k, v, mask, has_mask, scale, group, out)
+    return out
+
+
+def flash_attn_q8_0(q: np.ndarray, k_q: np.ndarray, k_d: np.ndarray, v_q: np.ndarray,
+                    v_d: np.ndarray, mask: np.ndarray | None, scale: float,
+                    parallel: bool | None = None) -> np.ndarray:
+    """ggml_flash_attn_ext with a q8_0 K/V cache (llama-server --cache-type-k/v q8_0).
+
+    q: f32 [n_rows, n_head, hd] as ggml receives it (with the cache's Hadamard rotation already
+    applied: the kernel rounds it to q8_0 itself); k_q, v_q: int8 [n_head_kv, T, hd]; k_d, v_d:
+    their f16 scales [n_head_kv, T, hd/32] (kv_cache's layout). ggml runs its one-row kernel
+    for every batch size here (no tiles, no decode split), so there is no n_kv or n_threads.
+    Returns f32 [n_rows, n_head, hd] (still rotated by V's rotation, as ggml's output).
+    """
+    q = np.ascontiguousarray(q, np.float32)
+    n_rows, n_head, hd = q.shape
+    n_head_kv, n_cells, _ = k_q.shape
+    blocks = (n_head_kv, n_cells, hd // 32)
+    if (hd % 32 or k_q.shape != (n_head_kv, n_cells, hd) or v_q.shape != k_q.shape
+            or k_d.shape != blocks or v_d.shape != blocks or n_head % n_head_kv):
+        raise ValueError(f"q {q.shape}, k {k_q.shape}/{k_d.shape}, v {v_q.shape}/{v_d.shape} "
+                         "do not fit together as q8_0 blocks")
+    has_mask, mask = _prepare_mask(mask, n_rows, n_cells)
+    out = np.zeros((n_rows, n_head, hd), np.float32)
+    if n_rows == 0 or n_cells == 0:
+        return out
+    parallel = parallel if parallel is not None else n_rows * n_head * n_cells >= PARALLEL_MIN_WORK
+    kernel = _q8_0_parallel if parallel else _q8_0_serial
+    kernel(q, np.ascontiguousarray(k_q, np.int8), np.ascontiguousarray(k_d, np.float32),
+           np.ascontiguousarray(v_q, np.int8), np.ascontiguousarray(v_d, np.float32), mask,
+           has_mask, F32(scale), n_head // n_head_kv, out)
     return out
