@@ -27,16 +27,24 @@ of 16 output rows (Numba prange), which changes no element's arithmetic.
 
 from __future__ import annotations
 
-import numba
-import numpy
-from gguf import GGMLQuantizationType as T
-from llvmlite import binding as llvm_binding
-from llvmlite import ir
-from numba import prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+import os
 
-from bankml.engine_cupy.jit import njit
+# Numba's OpenMP workers otherwise spin after each parallel region; on 2 cores shared with
+# llama-server or other jobs a spinning worker starves the thread it waits for (a decode step's
+# 210 products took 1.8 s instead of 60 ms at load 9). Passive workers sleep at once. This only
+# takes effect if set before the first parallel region of the process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402
+import numpy  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from llvmlite import binding as llvm_binding  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import prange, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from bankml.engine_cupy.jit import njit  # noqa: E402
 
 __all__ = ["QuantMatrix", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
            "quantize_q8_1", "f32_to_f16_bits"]
