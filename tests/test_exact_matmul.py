@@ -93,6 +93,22 @@ def test_random_weights_match_ggml_mul_mat(qtype: T) -> None:
     assert naive_misses > 0
 
 
+def test_edge_shapes_match_ggml() -> None:
+    """Row counts that leave partial tiles (4x1, 2x2) and tinyBLAS tails on both sides."""
+    rng = np.random.default_rng(12)
+    for qtype in TYPES + (T.F16, T.F32):
+        for n_out in (1, 5, 9):
+            w = rng.standard_normal((n_out, 64)).astype(F32)
+            raw = (quants.quantize(w, qtype) if qtype not in (T.F16, T.F32)
+                   else (w.astype(np.float16) if qtype == T.F16 else w).view(np.uint8))
+            for m in (1, 3, 5):
+                x = activations(rng, m, 64)
+                ours = em.QuantMatrix(raw, qtype, n_out, 64).matmul(x)
+                assert differing(ours, go.mul_mat(raw, qtype, n_out, 64, x)) == 0, (qtype.name, n_out, m)
+    empty = em.QuantMatrix(raw, T.F32, 9, 64).matmul(np.zeros((0, 64), F32))
+    assert empty.shape == (0, 9)
+
+
 def test_parallel_and_serial_kernels_agree_with_ggml() -> None:
     """A product big enough for the threaded kernel, with a row count that leaves a short task."""
     rng = np.random.default_rng(4)
