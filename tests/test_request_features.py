@@ -63,13 +63,15 @@ async def test_logit_bias_list_is_llama_servers_after_parsing(native_url: str, r
     false as a ban, malformed entries skipped), then ignore_eos's EOG bans: the same list back."""
     odd = {"12": -1, "hello": False, "": 3, " 7": 2, "x9": 1, "-1": 5, "99999999": 1, "5": True, "6": None}
     pairs = [[7042, 2.5], [" Paris", False], [-3, 1], [49152, 1], [1.5, 2], ["a", "b"], [1], "bad", [3, 1e39]]
+    parsed = 0
     for logit_bias in (odd, pairs):
         body = greedy("The capital of France is", 1, logit_bias=logit_bias, ignore_eos=True)
         (status, ours), (ref_status, ref) = await both(native_url, reference_server, "/completion", body)
         assert status == ref_status == 200
         assert ours["generation_settings"]["logit_bias"] == ref["generation_settings"]["logit_bias"]
         assert ours["generation_settings"]["ignore_eos"] is ref["generation_settings"]["ignore_eos"] is True
-    print(f"logit_bias parsed: {len(ref['generation_settings']['logit_bias'])} entries identical")
+        parsed += len(ref["generation_settings"]["logit_bias"])
+    print(f"logit_bias: 18 request entries parsed into {parsed} biases, identical to llama-server's")
 
 
 @pytest.mark.parametrize("logit_bias", [
@@ -291,6 +293,16 @@ REFUSED = [
     {"return_tokens": 3}, {"timings_per_token": "no"}, {"stream": 1}, {"backend_sampling": []},
     {"adaptive_decay": 1}, {"adaptive_decay": -0.5}, {"lora": 5}, {"min_keep": -1},
 ]
+
+
+@pytest_twisted.ensureDeferred
+async def test_chat_logprobs_with_tools_and_stream_is_refused(native_url: str, reference_server: Any) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logprobs": True, "stream": True,
+            "tools": [tool]}
+    (status, ours), (ref_status, ref) = await both(native_url, reference_server, "/v1/chat/completions", body)
+    assert status == ref_status == 400
+    assert ours["error"]["message"] == ref["error"]["message"]
 
 
 @pytest.mark.parametrize("extra", REFUSED, ids=lambda e: json.dumps(e))

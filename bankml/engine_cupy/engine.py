@@ -199,6 +199,9 @@ def chat_logprobs(body: dict[str, Any]) -> None:
     """oaicompat_chat_params_parse's logprobs mapping: logprobs -> n_probs (top_logprobs or 20)."""
     logprobs = body.get("logprobs")
     if logprobs is True:
+        tools = body.get("tools")
+        if isinstance(tools, list) and tools and body.get("stream") is True:
+            raise RequestError("logprobs is not supported with tools + stream")
         top = body.get("top_logprobs")
         body["n_probs"] = 20 if top is None else top
     elif body.get("top_logprobs") is not None:
