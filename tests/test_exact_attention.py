@@ -120,7 +120,8 @@ def test_sliding_window(n_rows: int, n_cells: int) -> None:
 @pytest.mark.parametrize("n_rows,n_cells", [(1, 40), (1, 600), (5, 90), (70, 150)])
 def test_other_shapes(n_head: int, n_head_kv: int, hd: int, n_rows: int, n_cells: int) -> None:
     """No GQA, GQA 2 and 6; head sizes with elements past the 32-wide (and 64-wide) blocks."""
-    q, k, v = random_case(np.random.default_rng(hd + n_rows), n_rows, n_cells, n_head, n_head_kv, hd)
+    rng = np.random.default_rng(hd + n_rows)
+    q, k, v = random_case(rng, n_rows, n_cells, n_head, n_head_kv, hd)
     assert_bitwise(n_rows, n_cells, q, k, v, scale=float(1 / np.sqrt(hd)))
 
 
@@ -128,7 +129,8 @@ def test_no_mask_means_every_cell_visible() -> None:
     """mask=None attends over all T cells, as a zero mask does."""
     q, k, v = random_case(np.random.default_rng(9), 3, 120)
     zero = np.zeros((3, 120), np.float32)
-    assert np.array_equal(flash_attn_f16(q, k, v, None, 0.125), flash_attn_f16(q, k, v, zero, 0.125))
+    assert np.array_equal(flash_attn_f16(q, k, v, None, 0.125),
+                          flash_attn_f16(q, k, v, zero, 0.125))
 
 
 def test_bad_shapes_are_refused() -> None:
@@ -152,7 +154,7 @@ Q8_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # block_q8_0: f16 scale, 
 
 
 def ggml_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x f32 [..., hd] quantized by ggml's own quantize_row_q8_0: (int8 [..., hd], f16 [..., hd/32])."""
+    """x f32 [..., hd] through ggml's own quantize_row_q8_0: int8 [..., hd], f16 [..., hd/32]."""
     raw = ggml_oracle.quantize_rows(x.reshape(-1, x.shape[-1]), 8)  # GGML_TYPE_Q8_0
     blocks = raw.view(Q8_BLOCK).reshape(*x.shape[:-1], -1)
     return np.ascontiguousarray(blocks["qs"]).reshape(x.shape), np.ascontiguousarray(blocks["d"])
@@ -196,44 +198,66 @@ def test_q8_0_cache(n_rows: int, n_cells: int, n_head: int, n_head_kv: int, hd: 
 # --- Q/K/V of the default model --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model_attention(default_model: Path) -> dict[str, object]:
-    """Q (after RoPE) and the cache's K/V of three layers, from a 300-token forward.
+def engine_calls(default_model: Path) -> dict[str, object]:
+    """The engine's own flash_attn_f16 calls on the default model (layers 0, 15 and 29).
 
-    Q is taken where the forward pass rotates it (model.apply_rope's first call of a layer).
+    A 300-token prompt (the tiled kernel), then one decoded token over 301 cells (the split).
+    Recorded by wrapping this module's function, which the forward pass calls on the CPU.
     """
-    from bankml.engine_cupy import model as model_module
+    from bankml.engine_cupy import exact_attention
+    from bankml.engine_cupy.model import Model
 
-    engine = model_module.Model.load(default_model, device="cpu", progress=False)
-    hp = engine.hp
-    rotated: list[np.ndarray] = []
-    original = model_module.apply_rope
+    engine = Model.load(default_model, device="cpu", progress=False)
+    calls: list[tuple] = []
+    original = exact_attention.flash_attn_f16
 
-    def recording_rope(x, cos, sin, neox):
-        out = original(x, cos, sin, neox)
-        rotated.append(np.array(out))
-        return out
+    def recording(q, k, v, mask, scale, n_kv=None, n_threads=2, parallel=None):
+        calls.append((np.array(q), np.array(k), np.array(v),
+                      None if mask is None else np.array(mask), float(scale), n_kv, n_threads))
+        return original(q, k, v, mask, scale, n_kv=n_kv, n_threads=n_threads, parallel=parallel)
 
-    model_module.apply_rope = recording_rope
+    exact_attention.flash_attn_f16 = recording
     try:
-        ids = [int(t) for t in np.random.default_rng(7).integers(100, hp.n_vocab - 100, 300)]
+        ids = [int(t) for t in np.random.default_rng(7).integers(100, engine.n_vocab - 100, 300)]
         cache = engine.new_cache(CACHE_CELLS, "f16")
-        engine.forward(ids, cache)
+        logits = engine.forward(ids, cache)
+        engine.forward([int(np.argmax(logits))], cache)
     finally:
-        model_module.apply_rope = original
-    queries = rotated[0::2]  # per layer: Q, then K
-    assert len(queries) == hp.n_layer and queries[0].shape == (300, hp.n_head, hp.head_dim)
-    layers = (0, hp.n_layer // 2, hp.n_layer - 1)
-    return {"scale": float(hp.attn_scale),
-            "layers": [(queries[il], np.asarray(cache.keys(il, 300), np.float16),
-                        np.asarray(cache.values(il, 300), np.float16)) for il in layers]}
+        exact_attention.flash_attn_f16 = original
+    n_layer = engine.hp.n_layer
+    assert len(calls) == 2 * n_layer, "the CPU forward pass no longer calls flash_attn_f16"
+    layers = (0, n_layer // 2, n_layer - 1)
+    return {"prefill": [calls[il] for il in layers],
+            "decode": [calls[n_layer + il] for il in layers]}
 
 
-@pytest.mark.parametrize("n_rows,n_cells", [(1, 20), (1, 300), (40, 300), (300, 300), (100, 100)])
-def test_default_model_attention(model_attention: dict, n_rows: int, n_cells: int) -> None:
-    """Real Q/K/V (SmolLM2: 9 heads on 3 KV heads of 64): the last n_rows queries up to cell T."""
-    for q, k, v in model_attention["layers"]:
-        assert_bitwise(n_rows, n_cells, q[n_cells - n_rows:n_cells], k[:, :n_cells], v[:, :n_cells],
-                       scale=model_attention["scale"])
+def replay(call: tuple) -> None:
+    q, k, v, mask, scale, n_kv, threads = call
+    n_rows, n_cells = q.shape[0], k.shape[1]
+    if mask is None:
+        mask = np.zeros((n_rows, n_cells), np.float32)
+    n_kv = n_cells if n_kv is None else n_kv
+    got = flash_attn_f16(q, k, v, mask, scale, n_kv=n_kv, n_threads=threads)
+    want = ggml_reference(q, k.astype(np.float16), v.astype(np.float16), mask, scale, n_kv, threads)
+    differ = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
+    print(f"engine call rows={n_rows} T={n_cells} n_kv={n_kv}: {differ} of {got.size} differ")
+    assert differ == 0
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_engine_calls_on_the_default_model(engine_calls: dict, kind: str) -> None:
+    """The forward pass's calls, replayed on ggml (SmolLM2: 9 heads on 3 KV heads of 64)."""
+    for call in engine_calls[kind]:
+        replay(call)
+
+
+@pytest.mark.parametrize("n_rows,n_cells", [(1, 20), (1, 300), (40, 300), (100, 100), (64, 200)])
+def test_default_model_attention(engine_calls: dict, n_rows: int, n_cells: int) -> None:
+    """Real Q/K/V on every kernel: the prompt's queries n_cells - n_rows .. n_cells - 1."""
+    for q, k, v, _, scale, _, _ in engine_calls["prefill"]:
+        assert_bitwise(n_rows, n_cells, q[n_cells - n_rows:n_cells],
+                       k[:, :n_cells].astype(np.float16), v[:, :n_cells].astype(np.float16),
+                       scale=scale)
 
 
 # --- the scalar pieces ------------------------------------------------------------------------
