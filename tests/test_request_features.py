@@ -176,6 +176,23 @@ async def test_chat_post_sampling_probs(native_url: str, reference_server: Any) 
 # --- several prompts --------------------------------------------------------------------------------
 
 
+@pytest_twisted.ensureDeferred
+async def test_one_prompt_answers_one_object(native_url: str, reference_server: Any) -> None:
+    """``Completion`` with one prompt answers as NativeChat did: one object, llama-server's keys,
+    streamed without [DONE]; ``tokens`` empty unless return_tokens."""
+    body = greedy("The capital of France is", 3)
+    (_, ours), (_, ref) = await both(native_url, reference_server, "/completion", body)
+    assert isinstance(ours, dict) and set(ours) - {"bankml_receipt"} == set(ref)
+    assert ours["tokens"] == ref["tokens"] == [] and ours["index"] == 0
+    assert set(ours["generation_settings"]) >= set(ref["generation_settings"]) - {
+        "chat_format", "reasoning_format", "reasoning_in_content", "generation_prompt", "speculative.types",
+        "grammar", "grammar_lazy", "grammar_triggers", "preserved_tokens"}
+    _, _, data = await deferToThread(post, native_url + "/completion", {**body, "stream": True})
+    events = sse_events(data)
+    assert "[DONE]" not in events and None not in events
+    assert events[-2]["stop"] is True and "bankml_receipt" in events[-1]
+
+
 MULTI = ["Hi", "The sky is", [1, 2, 3], ["A", 7, "b"], {"prompt_string": "The capital of France is"}]
 
 
