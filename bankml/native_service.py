@@ -103,9 +103,9 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
     put(root, b"tokenize", llama.Tokenize(native))
     put(root, b"detokenize", llama.Detokenize(native))
     put(root, b"apply-template", llama.ApplyTemplate(native))
-    for name in (b"completion", b"completions"):
-        put(root, name, NativeChat(native, LLAMA_COMPLETION))
-    put(v1, b"completions", NativeChat(native, OAI_COMPLETION))
+    for name in (b"completion", b"completions"):  # one prompt or several (llama-server's array)
+        put(root, name, llama.Completion(native, LLAMA_COMPLETION))
+    put(v1, b"completions", llama.Completion(native, OAI_COMPLETION))
     root_chat = Branch()
     root.putChild(b"chat", root_chat)
     for parent in (chat, root_chat):

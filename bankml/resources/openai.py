@@ -88,7 +88,9 @@ def check_stream_options(request: dict[str, Any]) -> None:
 
 
 def parse_checked(engine: Any, request: dict[str, Any], kind: str) -> Any:
-    """On the prepare thread: the request's stream options, then the engine's own validation."""
+    """On the prepare thread: the request's stream options, then the engine's own validation.
+    (Served for chat; the completion endpoints are llama.Completion's, which reads the engine's
+    parse_batch: the check belongs in the engine's schema, in llama-server's order.)"""
     check_stream_options(request)
     return engine.parse_request(request, kind)
 
