@@ -69,7 +69,9 @@ def server_greedy(server: support.LlamaServer, ids: list[int], n: int) -> list[i
         "prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
         "return_tokens": True})
     assert status == 200, body
-    return body["tokens"]
+    tokens = body["tokens"]
+    # llama-server lists the end-of-generation token it stopped on; engine_greedy stops before it
+    return tokens[:-1] if tokens and tokens[-1] in EOG else tokens
 
 
 def log_softmax(logits: numpy.ndarray) -> numpy.ndarray:

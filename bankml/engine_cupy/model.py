@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy
 
-from bankml.engine_cupy import backend
+from bankml.engine_cupy import backend, exact_attention, exact_ops
 from bankml.engine_cupy.kv_cache import FA_TILE_Q, KVCache
 from bankml.engine_cupy.weights import (HParams, Layer, UnsupportedModel, Weights, apply_all,
                                         check_memory, load_weights, open_reader, read_hparams,
@@ -180,6 +180,7 @@ class Model:
         self.n_layer = hp.n_layer
         self.n_ctx_train = hp.n_ctx_train
         self._gelu = xp.asarray(_gelu_f16_table()) if hp.spec.ffn_activation == "gelu" else None
+        self._gelu_exact = exact_ops.gelu_f16_table() if self._gelu is not None else None
         self._masks: dict[int, Any] = {}
         # BLAS threads: `threads` for batches (None: BLAS's default, one per core), and
         # `decode_threads` for one-token steps (backend.BlasThreads says why 1)
@@ -191,6 +192,9 @@ class Model:
         # over the cells, ~4 µs each per layer); beyond, or at 0, it accumulates in f32
         self.exact_attention_cells = 1024
         self._blas = backend.BlasThreads(xp)
+        # On the CPU, every op rounds as ggml's kernels do (exact_matmul/ops/attention); the
+        # array-module path (CuPy) keeps the vectorised approximations below.
+        self.exact = xp is numpy
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str = "auto",
@@ -245,7 +249,7 @@ class Model:
             last = il == hp.n_layer - 1 and not all_logits
             x = self._block(il, layer, x, positions, ropes, cache, only_last=last)
         cache.n_tokens = start + n
-        x = rms_norm(xp, x, self.weights.output_norm, hp.rms_eps)
+        x = self._norm(x, self.weights.output_norm)
         logits = self.weights.output(xp, x)["logits"]
         if hp.final_softcap:
             cap = F32(hp.final_softcap)
@@ -256,6 +260,12 @@ class Model:
     def _ropes(self, positions: Any) -> dict[bool, tuple[Any, Any]]:
         """cos/sin per layer kind: global (False) and, for gemma3, local sliding-window (True)."""
         hp = self.hp
+        if self.exact:
+            ropes = {False: exact_ops.rope_cos_sin(positions, hp.head_dim, hp.rope_base,
+                                                   hp.rope_freq_scale, self.weights.rope_freqs)}
+            if any(hp.swa_layers):
+                ropes[True] = exact_ops.rope_cos_sin(positions, hp.head_dim, hp.rope_base_swa)
+            return ropes
         ropes = {False: rope_angles(self.xp, positions, hp.head_dim, hp.rope_base,
                                     hp.rope_freq_scale, self.weights.rope_freqs)}
         if any(hp.swa_layers):
@@ -265,24 +275,37 @@ class Model:
     def _block(self, il: int, layer: Layer, x: Any, positions: Any,
                ropes: dict[bool, tuple[Any, Any]], cache: KVCache, only_last: bool) -> Any:
         xp, hp = self.xp, self.hp
-        h = rms_norm(xp, x, layer.attn_norm, hp.rms_eps)
+        h = self._norm(x, layer.attn_norm)
         attn = self._attention(il, layer, h, positions, ropes[hp.swa_layers[il]], cache)
         if only_last:  # llama.cpp keeps only the output row(s) from the last layer's attention on
             attn, x = attn[-1:], x[-1:]
         out = layer.wo(xp, attn)["o"]
         if layer.post_attn_norm is not None:
-            out = rms_norm(xp, out, layer.post_attn_norm, hp.rms_eps)
+            out = self._norm(out, layer.post_attn_norm)
         x = x + out
-        h = rms_norm(xp, x, layer.ffn_norm, hp.rms_eps)
+        h = self._norm(x, layer.ffn_norm)
         gu = apply_all(xp, layer.gate_up, h)
+        out = layer.down(xp, self._gated(gu["gate"], gu["up"]))["down"]
+        if layer.post_ffw_norm is not None:
+            out = self._norm(out, layer.post_ffw_norm)
+        return x + out
+
+    def _norm(self, x: Any, weight: Any) -> Any:
+        if self.exact:
+            return exact_ops.rms_norm(x, weight, self.hp.rms_eps)
+        return rms_norm(self.xp, x, weight, self.hp.rms_eps)
+
+    def _gated(self, gate: Any, up: Any) -> Any:
+        """SwiGLU or GeGLU of the gate and up projections."""
+        if self.exact:
+            if self._gelu is not None:
+                return exact_ops.geglu(gate, up, self._gelu_exact)
+            return exact_ops.swiglu(gate, up)
         # contiguous, so NumPy's exp takes its SIMD path whatever the batch size (a strided view
         # takes another path whose last bit can differ, and q8 rounding would magnify it)
-        gate = xp.ascontiguousarray(gu["gate"])
-        act = self._gelu_lookup(gate) if self._gelu is not None else silu(xp, gate)
-        out = layer.down(xp, act * gu["up"])["down"]
-        if layer.post_ffw_norm is not None:
-            out = rms_norm(xp, out, layer.post_ffw_norm, hp.rms_eps)
-        return x + out
+        gate = self.xp.ascontiguousarray(gate)
+        act = self._gelu_lookup(gate) if self._gelu is not None else silu(self.xp, gate)
+        return act * up
 
     def _gelu_lookup(self, x: Any) -> Any:
         """ggml_vec_geglu_f32: 0 below -10, x above 10, else the f16 table at f16(x)."""
@@ -310,11 +333,12 @@ class Model:
         xp, hp = self.xp, self.hp
         q, k, v = self._qkv(layer, h)
         if layer.q_norm is not None:
-            q = rms_norm(xp, q, layer.q_norm, hp.rms_eps)
-            k = rms_norm(xp, k, layer.k_norm, hp.rms_eps)
+            q = self._norm(q, layer.q_norm)
+            k = self._norm(k, layer.k_norm)
         neox = hp.spec.rope_neox
-        q = apply_rope(q, rope[0], rope[1], neox)
-        k = apply_rope(k, rope[0], rope[1], neox)
+        rotate = exact_ops.apply_rope if self.exact else apply_rope
+        q = rotate(q, rope[0], rope[1], neox)
+        k = rotate(k, rope[0], rope[1], neox)
         if hp.arch == "gemma3":  # gemma3 scales Q before attention and attends with scale 1
             q = q * F32(hp.attn_scale)
             scale = F32(1)
@@ -324,6 +348,8 @@ class Model:
         n = q.shape[0]
         end = start + n
         cache.store(il, start, k, v)
+        if self.exact and cache.cache_type == "f16":
+            return self._attend_exact(il, q, positions, cache, end, scale)
         keys, values = cache.keys(il, end), cache.values(il, end)  # [kv, T, hd]
         group = hp.n_head // hp.n_head_kv
         # heads h = kv * group + j share KV head kv (ggml broadcasts head h to h // group)
@@ -341,6 +367,16 @@ class Model:
             out = softmax_product(xp, scores, values)  # [kv, group*n, hd]
         out = cache.output(out).reshape(hp.n_head_kv, group, n, hp.head_dim)
         return out.transpose(2, 0, 1, 3).reshape(n, hp.n_head * hp.head_dim)
+
+    def _attend_exact(self, il: int, q: Any, positions: Any, cache: KVCache, end: int,
+                      scale: Any) -> Any:
+        """ggml's flash attention over the f16 cache, bit for bit (exact_attention)."""
+        hp = self.hp
+        mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
+        out = exact_attention.flash_attn_f16(
+            q, cache.keys(il, end), cache.values(il, end), mask, scale,
+            n_kv=exact_attention.kv_length(end, cache.n_ctx), n_threads=self.ggml_threads)
+        return out.reshape(q.shape[0], hp.n_head * hp.head_dim)
 
     def _attend_f16_accumulator(self, scores: Any, values: Any, n: int) -> Any:
         """ggml's one-row flash-attention kernel with an f16 cache (fewer than 64 rows).

@@ -27,6 +27,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants
 
+from bankml.engine_cupy.exact_matmul import QuantMatrix
+from bankml.engine_cupy.exact_matmul import supported as exact_supported
 from bankml.engine_cupy.arch import (ARCHITECTURES, BASE_LAYER_TENSORS, FUSED_QKV, SPLIT_QKV,
                                      ArchSpec, supported_names)
 
@@ -196,10 +198,13 @@ def read_hparams(reader: GGUFReader) -> HParams:
 
     if arch == "gemma3":
         # llama_model_gemma3::load_arch_hparams: the 27B scales by n_embd/n_head, others by head_dim.
-        attn_scale = 1.0 / math.sqrt(n_embd / n_head if n_layer == 62 else head_dim)
+        # 1.0f/sqrtf(float(d)) as llama.cpp builds it (two float roundings)
+        d = n_embd // n_head if n_layer == 62 else head_dim
+        attn_scale = float(numpy.float32(1) / numpy.sqrt(numpy.float32(d)))
         window, swa = _swa_layers(reader, arch, n_layer)
     else:
-        attn_scale = 1.0 / math.sqrt(head_dim)
+        # llama.cpp's kq_scale = 1.0f/sqrtf(float(head_dim)): two float roundings
+        attn_scale = float(numpy.float32(1) / numpy.sqrt(numpy.float32(head_dim)))
         window, swa = 0, (False,) * n_layer
         if _field(reader, f"{arch}.attention.scale") is not None:
             raise UnsupportedModel(f"a {arch} variant with attention.scale: not reproduced")
@@ -292,16 +297,23 @@ def quantize_activation(xp: ModuleType, x: Any, kind: str) -> Any:
 
 @dataclass
 class Linear:
-    """y = round(x) @ W.T + b, with W [out, in] float32 and the outputs named in order."""
+    """y = round(x) @ W.T + b, with W [out, in] float32 and the outputs named in order.
+
+    With ``exact`` (the CPU path, for the types exact_matmul plays) the weight stays in its GGUF
+    blocks and the product is ggml's own arithmetic; ``weight`` is then None.
+    """
 
     weight: Any
     bias: Any | None
     kind: str  # the vec_dot kind of the weight type
     parts: tuple[tuple[str, int], ...]  # (name, width) of the fused outputs
     block_mins: Any | None = None  # [out, in/32] f32: Q4_1/Q5_1 block minimums (see below)
+    exact: QuantMatrix | None = None
 
     def __call__(self, xp: ModuleType, x: Any) -> dict[str, Any]:
-        if self.block_mins is None:
+        if self.exact is not None:
+            y = self.exact.matmul(x)
+        elif self.block_mins is None:
             y = quantize_activation(xp, x, self.kind) @ self.weight.T
         else:
             # ggml's Q4_1/Q5_1 dot adds min·s per block with s = f16(d·Σq) from q8_1; the
@@ -343,12 +355,29 @@ class Layer:
 
 @dataclass
 class Weights:
-    token_embd: Any  # [n_vocab, n_embd] f32, rows looked up by token id
+    token_embd: Any  # [n_vocab, n_embd] f32 (or EmbeddingRows), rows looked up by token id
     output_norm: Any
     output: Linear  # the tied embedding when the file has no output.weight
     layers: list[Layer]
     rope_freqs: Any | None  # Llama 3 per-frequency divisors
     nbytes: int
+
+
+class EmbeddingRows:
+    """A token embedding left in its GGUF blocks; ``rows[ids]`` dequantizes just those rows.
+
+    ggml's get_rows dequantizes the same way (d·q in f32 per block), so nothing changes but the
+    memory: the default model's 49,152 × 576 table stays 30 MiB of Q8_0 instead of 113 MiB.
+    """
+
+    def __init__(self, info: Any):
+        self.raw = info.data
+        self.qtype = info.tensor_type
+        self.width = int(info.shape[0])
+
+    def __getitem__(self, ids: Any) -> numpy.ndarray:
+        rows = self.raw[numpy.asarray(ids, dtype=numpy.int64)]
+        return dequantize(rows, self.qtype).reshape(len(rows), self.width).astype(numpy.float32)
 
 
 class _Loader:
@@ -391,17 +420,47 @@ class _Loader:
                 groups.append([item])
         return [self._linear(group) for group in groups]
 
+    def exact_matrix(self, name: str) -> QuantMatrix | None:
+        """The weight kept in its blocks for ggml's exact product (CPU only, types it plays)."""
+        info = self.infos[name]
+        if not self.exact_matrix_possible(name):
+            return None
+        n_in, n_out = (int(d) for d in info.shape)
+        self.tick(int(info.n_bytes))
+        self.nbytes += int(info.n_bytes)
+        return QuantMatrix(info.data, info.tensor_type, n_out, n_in)
+
+    def _exact_linear(self, group: list[tuple[str, str]]) -> Linear | None:
+        if not all(self.exact_matrix_possible(w) for w, _ in group):
+            return None
+        mats = [self.exact_matrix(w) for w, _ in group]
+        parts = tuple((out, m.n_out) for (_, out), m in zip(group, mats))
+        exact = QuantMatrix.concat(mats) if len(mats) > 1 else mats[0]
+        return Linear(None, self._bias(group, [m.n_out for m in mats]), self.kind(group[0][0]),
+                      parts, exact=exact)
+
+    def exact_matrix_possible(self, name: str) -> bool:
+        info = self.infos[name]
+        return self.xp is numpy and exact_supported(info.tensor_type) and len(info.shape) == 2
+
+    def _bias(self, group: list[tuple[str, str]], widths: list[int]) -> Any | None:
+        """The group's biases side by side (zeros for a member without one), or None."""
+        names = [w[: -len("weight")] + "bias" for w, _ in group]
+        if not any(self.has(b) for b in names):
+            return None
+        bias = self.xp.asarray(numpy.concatenate(
+            [self.host(b) if self.has(b) else numpy.zeros(n, numpy.float32)
+             for b, n in zip(names, widths)]))
+        self.nbytes += bias.nbytes
+        return bias
+
     def _linear(self, group: list[tuple[str, str]]) -> Linear:
+        exact = self._exact_linear(group)
+        if exact is not None:
+            return exact
         mats = [self.host(w) for w, _ in group]
-        biases = [self.host(w[: -len("weight")] + "bias") if self.has(w[: -len("weight")] + "bias")
-                  else None for w, _ in group]
         weight = self.xp.asarray(numpy.concatenate(mats, axis=0) if len(mats) > 1 else mats[0])
-        bias = None
-        if any(b is not None for b in biases):
-            bias = self.xp.asarray(numpy.concatenate(
-                [b if b is not None else numpy.zeros(m.shape[0], numpy.float32)
-                 for b, m in zip(biases, mats)]))
-            self.nbytes += bias.nbytes
+        bias = self._bias(group, [m.shape[0] for m in mats])
         self.nbytes += weight.nbytes
         parts = tuple((out, m.shape[0]) for (_, out), m in zip(group, mats))
         mins = None
@@ -479,9 +538,12 @@ def load_weights(reader: GGUFReader, hp: HParams, xp: ModuleType,
                  tick: Callable[[int], None] = lambda n: None) -> Weights:
     """Every tensor dequantized to float32 on the device, matrices fused for decoding."""
     ld = _Loader(reader, xp, tick)
-    token_embd = ld.array("token_embd.weight")
+    exact_embd = ld.exact_matrix_possible("token_embd.weight")
+    token_embd = EmbeddingRows(ld.infos["token_embd.weight"]) if exact_embd else ld.array("token_embd.weight")
     kind = ld.kind("token_embd.weight")
-    if hp.tied_output:
+    if hp.tied_output and exact_embd:
+        output = ld._linear([("token_embd.weight", "logits")])
+    elif hp.tied_output:
         output = Linear(token_embd, None, kind, (("logits", hp.n_vocab),))
     else:
         output = ld._linear([("output.weight", "logits")])
