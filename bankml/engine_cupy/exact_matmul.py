@@ -330,7 +330,8 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int, who
                     aw = wv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wv, wv])
                     rows.append((wv, aw, _half(builder, wbase, blk), m_w))
                 for j in range(rn):
-                    xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK)))
+                    xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)),
+                                     builder.mul(b, const(QK)))
                     xv = _load(builder, xbase, xo, _V32I8)
                     so = builder.add(builder.add(s_off, builder.mul(const(j), nblocks)), b)
                     d_x = builder.load(builder.gep(dbase, [so]))
@@ -355,7 +356,9 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int, who
                                                 [m_w, s_x, builder.load(summs[i][j])]), summs[i][j])
             for i in range(rm):
                 for j in range(rn):
-                    total = builder.load(acc[i][j]) if whole_block else _hsum(builder, builder.load(acc[i][j]))
+                    total = builder.load(acc[i][j])
+                    if not whole_block:
+                        total = _hsum(builder, total)
                     if has_min:
                         total = builder.fadd(total, builder.load(summs[i][j]))
                     index = builder.add(builder.add(o_off, builder.mul(const(j), n_out)), const(i))
@@ -367,6 +370,7 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int, who
     return tile
 
 
+# (shape, code) -> tile intrinsic, shape = 10 * rows + activation rows
 _tile11_q4_1 = _make_tile(_Q4_1, 20, True, 1, 1)
 _tile11_q8_0 = _make_tile(_Q8_0, 34, False, 1, 1)
 _tile11_q4_0 = _make_tile(_Q4_0, 18, False, 1, 1)
@@ -388,80 +392,72 @@ _tile22_q4_0r = _make_tile(_Q4_0, 18, False, 2, 2, whole_block=True)
 
 
 @njit
-def _tile11(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):  # pragma: no cover - compiled
-    """The 1x1 tile for the weight type ``code`` (one well-predicted branch)."""
-    if code == _Q4_1:
-        _tile11_q4_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q8_0:
-        _tile11_q8_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q4_0:
-        _tile11_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q5_0:
-        _tile11_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q5_1:
-        _tile11_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    else:
-        _tile11_q4_0r(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-
-
-@njit
-def _tile41(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):  # pragma: no cover - compiled
-    """The 4x1 tile for the weight type ``code`` (one well-predicted branch)."""
-    if code == _Q4_1:
-        _tile41_q4_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q8_0:
-        _tile41_q8_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q4_0:
-        _tile41_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q5_0:
-        _tile41_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q5_1:
-        _tile41_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    else:
-        _tile41_q4_0r(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-
-
-@njit
-def _tile22(code, raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):  # pragma: no cover - compiled
-    """The 2x2 tile for the weight type ``code`` (one well-predicted branch)."""
-    if code == _Q4_1:
-        _tile22_q4_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q8_0:
-        _tile22_q8_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q4_0:
-        _tile22_q4_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q5_0:
-        _tile22_q5_0(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    elif code == _Q5_1:
-        _tile22_q5_1(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
-    else:
-        _tile22_q4_0r(raw, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out)
+def _tile(code, shape, raw, row_bytes, r, xq, t, xd, xs, out):  # pragma: no cover - compiled
+    """Outputs (t.., r..) of one tile; the branches take the same way for a whole product."""
+    n_in = xq.shape[1]
+    nb = n_in // QK
+    n_out = out.shape[1]
+    w, x, s, o = r * row_bytes, t * n_in, t * nb, t * n_out + r
+    if shape == 11 and code == _Q4_1:
+        _tile11_q4_1(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 11 and code == _Q8_0:
+        _tile11_q8_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 11 and code == _Q4_0:
+        _tile11_q4_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 11 and code == _Q5_0:
+        _tile11_q5_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 11 and code == _Q5_1:
+        _tile11_q5_1(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 11 and code == _Q4_0R:
+        _tile11_q4_0r(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 41 and code == _Q4_1:
+        _tile41_q4_1(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 41 and code == _Q8_0:
+        _tile41_q8_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 41 and code == _Q4_0:
+        _tile41_q4_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 41 and code == _Q5_0:
+        _tile41_q5_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 41 and code == _Q5_1:
+        _tile41_q5_1(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 41 and code == _Q4_0R:
+        _tile41_q4_0r(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 22 and code == _Q4_1:
+        _tile22_q4_1(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 22 and code == _Q8_0:
+        _tile22_q8_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 22 and code == _Q4_0:
+        _tile22_q4_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 22 and code == _Q5_0:
+        _tile22_q5_0(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 22 and code == _Q5_1:
+        _tile22_q5_1(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
+    elif shape == 22 and code == _Q4_0R:
+        _tile22_q4_0r(raw, w, row_bytes, xq, x, n_in, xd, xs, s, nb, out, o, n_out)
 
 
 @njit
 def _rows(code, raw, row_bytes, r0, r1, xq, xd, xs, out):  # pragma: no cover - compiled
-    """out[:, r0:r1]: 2x2 tiles (two weight rows by two activation rows) where the activation
-    has two rows left, else 4x1 tiles; single dots at the edges."""
-    m, n_in = xq.shape
-    n_out = out.shape[1]
-    nb = n_in // QK
+    """out[:, r0:r1]: 2x2 tiles (two weight rows by two activation rows) while two activation
+    rows are left, then 4x1 tiles; single dots at the edges."""
+    m = xq.shape[0]
     t = 0
     while t + 2 <= m:
         r = r0
         while r + 2 <= r1:
-            _tile22(code, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out, t * n_out + r, n_out)
+            _tile(code, 22, raw, row_bytes, r, xq, t, xd, xs, out)
             r += 2
         if r < r1:
-            _tile11(code, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out, t * n_out + r, n_out)
-            _tile11(code, raw, r * row_bytes, row_bytes, xq, (t + 1) * n_in, n_in, xd, xs, (t + 1) * nb, nb, out, (t + 1) * n_out + r, n_out)
+            _tile(code, 11, raw, row_bytes, r, xq, t, xd, xs, out)
+            _tile(code, 11, raw, row_bytes, r, xq, t + 1, xd, xs, out)
         t += 2
     if t < m:
         r = r0
         while r + 4 <= r1:
-            _tile41(code, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out, t * n_out + r, n_out)
+            _tile(code, 41, raw, row_bytes, r, xq, t, xd, xs, out)
             r += 4
         while r < r1:
-            _tile11(code, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out, t * n_out + r, n_out)
+            _tile(code, 11, raw, row_bytes, r, xq, t, xd, xs, out)
             r += 1
 
 
@@ -514,7 +510,8 @@ def _make_float_tile(half: bool, rm: int, rn: int, split: bool):
         def codegen(context, builder, signature, args):
             aty = signature.args
             (_, w_off, row_elems, _, x_off, n_in, _, o_off, n_out) = args
-            wbase = builder.bitcast(context.make_array(aty[0])(context, builder, args[0]).data, wty.as_pointer())
+            wdata = context.make_array(aty[0])(context, builder, args[0]).data
+            wbase = builder.bitcast(wdata, wty.as_pointer())
             xbase = context.make_array(aty[3])(context, builder, args[3]).data
             obase = context.make_array(aty[6])(context, builder, args[6]).data
             ity = w_off.type
@@ -523,7 +520,8 @@ def _make_float_tile(half: bool, rm: int, rn: int, split: bool):
                 return ir.Constant(ity, v)
 
             def load8(base: ir.Value, index: ir.Value, elem: ir.Type) -> ir.Value:
-                vec = builder.load(builder.bitcast(builder.gep(base, [index]), ir.VectorType(elem, 8).as_pointer()), align=1)
+                ptr = builder.bitcast(builder.gep(base, [index]), ir.VectorType(elem, 8).as_pointer())
+                vec = builder.load(ptr, align=1)
                 return builder.fpext(vec, _V8F) if elem is not _F32 else vec
 
             zero = ir.Constant(_V8F, [0.0] * 8)
@@ -533,14 +531,15 @@ def _make_float_tile(half: bool, rm: int, rn: int, split: bool):
                 base = builder.mul(loop.index, const(32))
                 for k in range(4):
                     step = builder.add(base, const(8 * k))
-                    wv = [load8(wbase, builder.add(builder.add(w_off, builder.mul(const(i), row_elems)), step), wty)
-                          for i in range(rm)]
-                    xv = [load8(xbase, builder.add(builder.add(x_off, builder.mul(const(j), n_in)), step), _F32)
-                          for j in range(rn)]
+                    wv = [load8(wbase, builder.add(builder.add(w_off, builder.mul(const(i), row_elems)), step),
+                                wty) for i in range(rm)]
+                    xv = [load8(xbase, builder.add(builder.add(x_off, builder.mul(const(j), n_in)), step),
+                                _F32) for j in range(rn)]
                     for i in range(rm):
                         for j in range(rn):
                             slot = acc[i][j][k % n_acc]
-                            builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [wv[i], xv[j], builder.load(slot)]), slot)
+                            fma = _call(builder, "llvm.fma.v8f32", _V8F, [wv[i], xv[j], builder.load(slot)])
+                            builder.store(fma, slot)
             for i in range(rm):
                 for j in range(rn):
                     sums = [builder.load(a) for a in acc[i][j]]
@@ -562,42 +561,41 @@ _tb11_f32, _tb22_f32 = _make_float_tile(False, 1, 1, False), _make_float_tile(Fa
 
 
 @njit
-def _float_tile(code, split, rm, rn, w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out):  # pragma: no cover
-    """Dispatch to the (type, path, shape) tile; the branches are the same for a whole product."""
+def _float_tile(code, split, shape, raw, row_elems, r, x, t, out):  # pragma: no cover - compiled
+    """Outputs (t.., r..) of one F16/F32 tile (vec_dot's or tinyBLAS's order by ``split``)."""
+    n_in = x.shape[1]
+    n_out = out.shape[1]
+    w, xo, o = r * row_elems, t * n_in, t * n_out + r
     if code == _F16:
-        if split:
-            if rm == 2:
-                _vd21_f16(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
-            else:
-                _vd11_f16(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
-        elif rm == 2:
-            _tb22_f16(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+        if split and shape == 21:
+            _vd21_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+        elif split:
+            _vd11_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+        elif shape == 22:
+            _tb22_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
         else:
-            _tb11_f16(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+            _tb11_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+    elif split and shape == 21:
+        _vd21_f32(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+    elif split:
+        _vd11_f32(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+    elif shape == 22:
+        _tb22_f32(raw, w, row_elems, x, xo, n_in, out, o, n_out)
     else:
-        if split:
-            if rm == 2:
-                _vd21_f32(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
-            else:
-                _vd11_f32(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
-        elif rm == 2:
-            _tb22_f32(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
-        else:
-            _tb11_f32(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+        _tb11_f32(raw, w, row_elems, x, xo, n_in, out, o, n_out)
 
 
 @njit
 def _float_rows(code, split, raw, row_elems, r0, r1, x, out):  # pragma: no cover - compiled
     """out[:, r0:r1] for F16/F32 weights: vec_dot pairs of rows, or tinyBLAS 2x2 tiles."""
-    m, n_in = x.shape
-    n_out = out.shape[1]
+    m = x.shape[0]
     if split:
         for t in range(m):
             r = r0
             while r < r1:
-                rm = 2 if r + 2 <= r1 else 1
-                _float_tile(code, True, rm, 1, raw, r * row_elems, row_elems, x, t * n_in, n_in, out, t * n_out + r, n_out)
-                r += rm
+                pair = r + 2 <= r1
+                _float_tile(code, True, 21 if pair else 11, raw, row_elems, r, x, t, out)
+                r += 2 if pair else 1
         return
     t = 0
     while t < m:
@@ -605,12 +603,11 @@ def _float_rows(code, split, raw, row_elems, r0, r1, x, out):  # pragma: no cove
         r = r0
         while r < r1:
             if rn == 2 and r + 2 <= r1:
-                _float_tile(code, False, 2, 2, raw, r * row_elems, row_elems, x, t * n_in, n_in, out, t * n_out + r, n_out)
+                _float_tile(code, False, 22, raw, row_elems, r, x, t, out)
                 r += 2
             else:
                 for j in range(rn):
-                    _float_tile(code, False, 1, 1, raw, r * row_elems, row_elems, x, (t + j) * n_in, n_in,
-                                out, (t + j) * n_out + r, n_out)
+                    _float_tile(code, False, 11, raw, row_elems, r, x, t + j, out)
                 r += 1
         t += rn
 
