@@ -133,6 +133,20 @@ def test_no_mask_means_every_cell_visible() -> None:
                           flash_attn_f16(q, k, v, zero, 0.125))
 
 
+@pytest.mark.parametrize("n_rows", [1, 5, 70])
+def test_cache_views_read_in_place(n_rows: int) -> None:
+    """K/V given as [:, :T] views of a longer f32 cache (as kv_cache returns them) and as
+    float16 copies give the same bits, on each kernel (the views are read without a copy)."""
+    q, k, v = random_case(np.random.default_rng(n_rows), n_rows, 600)
+    k_cache = np.zeros((3, 2048, 64), np.float32)
+    v_cache = np.zeros((3, 2048, 64), np.float32)
+    k_cache[:, :600], v_cache[:, :600] = k, v
+    mask = attention_mask(np.arange(600 - n_rows, 600), np.arange(600))
+    from_views = flash_attn_f16(q, k_cache[:, :600], v_cache[:, :600], mask, 0.125, n_kv=768)
+    from_copies = flash_attn_f16(q, k, v, mask, 0.125, n_kv=768)
+    assert np.array_equal(from_views.view(np.uint32), from_copies.view(np.uint32))
+
+
 def test_bad_shapes_are_refused() -> None:
     q, k, v = random_case(np.random.default_rng(0), 2, 10)
     with pytest.raises(ValueError, match="mask"):

@@ -218,15 +218,16 @@ def _mad_f16(acc: Any, v: Any, kvh: int, ic: int, w: float) -> None:
 
 
 @njit(inline="always")
-def _walk_f16(q16: Any, k: Any, v: Any, kvh: int, mask: Any, row: int, has_mask: bool,
-              c0: int, c1: int, scale: float, acc: Any) -> tuple[float, float]:
+def _walk_f16(q16: Any, k: Any, v: Any, n_cells: int, kvh: int, mask: Any, row: int,
+              has_mask: bool, c0: int, c1: int, scale: float, acc: Any) -> tuple[float, float]:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk for one (row, head) over cells c0..c1.
 
     ``acc`` (float32 holding f16 values) ends as the unnormalised V·softmax; returns (M, S).
-    Cells at or past ``k.shape[1]`` are llama.cpp's padding, hidden by its mask.
+    Cells at or past ``n_cells`` are llama.cpp's padding, hidden by its mask (k and v may be
+    longer: the whole cache buffer, of which the first n_cells cells are attended).
     """
     hd = acc.shape[0]
-    end = min(c1, k.shape[1])
+    end = min(c1, n_cells)
     # the scores first: they do not depend on the running state, and a tight loop of dot
     # products pipelines better than one interleaved with the accumulator (17 vs 25 ns a cell)
     scores = np.empty(max(end - c0, 0), np.float32)
@@ -262,8 +263,8 @@ FUSE_SUM = True
 
 
 @njit(inline="always")
-def _one_chunk_task(task: int, q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float,
-                    group: int, out: Any) -> None:
+def _one_chunk_task(task: int, q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
+                    scale: float, group: int, out: Any) -> None:
     """One (row, head) over all cells, normalised by 1/S (the path for 1..63 rows)."""
     n_head, hd = q.shape[1], q.shape[2]
     row = task // n_head
@@ -272,29 +273,30 @@ def _one_chunk_task(task: int, q: Any, k: Any, v: Any, mask: Any, has_mask: bool
     for d in range(hd):
         q16[d] = f16_round(q[row, h, d])
     acc = np.empty(hd, np.float32)
-    _, big_s = _walk_f16(q16, k, v, h // group, mask, row, has_mask, 0, k.shape[1], scale, acc)
+    _, big_s = _walk_f16(q16, k, v, n_cells, h // group, mask, row, has_mask, 0, n_cells, scale,
+                         acc)
     s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
     for d in range(hd):
         out[row, h, d] = acc[d] * s_inv
 
 
 @njit
-def _one_chunk_serial(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float,
-                      group: int, out: Any) -> None:
+def _one_chunk_serial(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
+                      scale: float, group: int, out: Any) -> None:
     for task in range(q.shape[0] * q.shape[1]):
-        _one_chunk_task(task, q, k, v, mask, has_mask, scale, group, out)
+        _one_chunk_task(task, q, k, v, n_cells, mask, has_mask, scale, group, out)
 
 
 @njit(parallel=True)
-def _one_chunk_parallel(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float,
-                        group: int, out: Any) -> None:
+def _one_chunk_parallel(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
+                        scale: float, group: int, out: Any) -> None:
     for task in prange(q.shape[0] * q.shape[1]):
-        _one_chunk_task(task, q, k, v, mask, has_mask, scale, group, out)
+        _one_chunk_task(task, q, k, v, n_cells, mask, has_mask, scale, group, out)
 
 
 @njit(inline="always")
-def _split_task(task: int, q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float,
-                group: int, n_kv: int, chunk: int, part_m: Any, part_s: Any,
+def _split_task(task: int, q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
+                scale: float, group: int, n_kv: int, chunk: int, part_m: Any, part_s: Any,
                 part_acc: Any) -> None:
     """Thread c's chunk of cells for head h: its partial (M, S, acc), as ggml writes it."""
     n_threads = part_m.shape[1]
@@ -309,26 +311,28 @@ def _split_task(task: int, q: Any, k: Any, v: Any, mask: Any, has_mask: bool, sc
     q16 = np.empty(hd, np.float32)
     for d in range(hd):
         q16[d] = f16_round(q[0, h, d])
-    m, s = _walk_f16(q16, k, v, h // group, mask, 0, has_mask, c0, min(c0 + chunk, n_kv), scale,
-                     part_acc[h, c])
+    m, s = _walk_f16(q16, k, v, n_cells, h // group, mask, 0, has_mask, c0, min(c0 + chunk, n_kv),
+                     scale, part_acc[h, c])
     part_m[h, c] = m
     part_s[h, c] = s
 
 
 @njit
-def _split_serial(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float, group: int,
-                  n_kv: int, chunk: int, part_m: Any, part_s: Any, part_acc: Any) -> None:
+def _split_serial(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool, scale: float,
+                  group: int, n_kv: int, chunk: int, part_m: Any, part_s: Any,
+                  part_acc: Any) -> None:
     for task in range(part_m.size):
-        _split_task(task, q, k, v, mask, has_mask, scale, group, n_kv, chunk, part_m, part_s,
-                    part_acc)
+        _split_task(task, q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
+                    part_s, part_acc)
 
 
 @njit(parallel=True)
-def _split_parallel(q: Any, k: Any, v: Any, mask: Any, has_mask: bool, scale: float, group: int,
-                    n_kv: int, chunk: int, part_m: Any, part_s: Any, part_acc: Any) -> None:
+def _split_parallel(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool, scale: float,
+                    group: int, n_kv: int, chunk: int, part_m: Any, part_s: Any,
+                    part_acc: Any) -> None:
     for task in prange(part_m.size):
-        _split_task(task, q, k, v, mask, has_mask, scale, group, n_kv, chunk, part_m, part_s,
-                    part_acc)
+        _split_task(task, q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
+                    part_s, part_acc)
 
 
 @njit
@@ -496,8 +500,8 @@ ROW_BLOCK = 16  # query rows per tiled task: their (row, head)s share each K and
 
 
 @njit(inline="always")
-def _tiled_task(task: int, q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float,
-                group: int, out: Any) -> None:
+def _tiled_task(task: int, q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any,
+                has_mask: bool, scale: float, group: int, out: Any) -> None:
     """ggml_compute_forward_flash_attn_ext_tiled for ROW_BLOCK rows and the heads of one KV head.
 
     Every (row, head) keeps its own running (M, S, acc), exactly as ggml's tile rows do; the
@@ -513,7 +517,6 @@ def _tiled_task(task: int, q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bo
     big_m = np.full(n_pairs, _NEG_INF, np.float32)
     big_s = np.zeros(n_pairs, np.float32)
     kq = np.empty(FA_TILE_KV, np.float32)
-    n_cells = v.shape[1]
     for t in range(k_tiles.shape[1]):
         c0 = t * FA_TILE_KV
         width = min(FA_TILE_KV, n_cells - c0)
@@ -549,19 +552,19 @@ def _tiled_task(task: int, q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bo
 
 
 @njit
-def _tiled_serial(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float,
-                  group: int, out: Any) -> None:
+def _tiled_serial(q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
+                  scale: float, group: int, out: Any) -> None:
     n_tasks = k_tiles.shape[0] * ((q.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK)
     for task in range(n_tasks):
-        _tiled_task(task, q, k_tiles, v, mask, has_mask, scale, group, out)
+        _tiled_task(task, q, k_tiles, v, n_cells, mask, has_mask, scale, group, out)
 
 
 @njit(parallel=True)
-def _tiled_parallel(q: Any, k_tiles: Any, v: Any, mask: Any, has_mask: bool, scale: float,
-                    group: int, out: Any) -> None:
+def _tiled_parallel(q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
+                    scale: float, group: int, out: Any) -> None:
     n_tasks = k_tiles.shape[0] * ((q.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK)
     for task in prange(n_tasks):
-        _tiled_task(task, q, k_tiles, v, mask, has_mask, scale, group, out)
+        _tiled_task(task, q, k_tiles, v, n_cells, mask, has_mask, scale, group, out)
 
 
 def _k_tiles(k: np.ndarray) -> np.ndarray:
@@ -614,8 +617,8 @@ def _dot_q8_0(kq: Any, kd: Any, kvh: int, ic: int, qs: Any, ds: Any, lanes: Any)
 
 
 @njit(inline="always")
-def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, mask: Any, has_mask: bool,
-               scale: float, group: int, out: Any) -> None:
+def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: int, mask: Any,
+               has_mask: bool, scale: float, group: int, out: Any) -> None:
     """one_chunk with q8_0 K/V for one (row, head): the f32 V accumulator of ggml's non-f16
     branch (V dequantized exactly, ggml_vec_mad_f32's fma, ggml_vec_scale_f32 at a new max)."""
     n_head, hd = q.shape[1], q.shape[2]
@@ -629,7 +632,7 @@ def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, mask: Any,
     acc = np.zeros(hd, np.float32)
     big_s = _ZERO
     big_m = _NEG_INF
-    for ic in range(kq.shape[1]):
+    for ic in range(n_cells):
         mv = _ZERO
         if has_mask:
             mv = mask[row, ic]
@@ -655,17 +658,17 @@ def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, mask: Any,
 
 
 @njit
-def _q8_0_serial(q: Any, kq: Any, kd: Any, vq: Any, vd: Any, mask: Any, has_mask: bool,
-                 scale: float, group: int, out: Any) -> None:
+def _q8_0_serial(q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: int, mask: Any,
+                 has_mask: bool, scale: float, group: int, out: Any) -> None:
     for task in range(q.shape[0] * q.shape[1]):
-        _q8_0_task(task, q, kq, kd, vq, vd, mask, has_mask, scale, group, out)
+        _q8_0_task(task, q, kq, kd, vq, vd, n_cells, mask, has_mask, scale, group, out)
 
 
 @njit(parallel=True)
-def _q8_0_parallel(q: Any, kq: Any, kd: Any, vq: Any, vd: Any, mask: Any, has_mask: bool,
-                   scale: float, group: int, out: Any) -> None:
+def _q8_0_parallel(q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: int, mask: Any,
+                   has_mask: bool, scale: float, group: int, out: Any) -> None:
     for task in prange(q.shape[0] * q.shape[1]):
-        _q8_0_task(task, q, kq, kd, vq, vd, mask, has_mask, scale, group, out)
+        _q8_0_task(task, q, kq, kd, vq, vd, n_cells, mask, has_mask, scale, group, out)
 
 
 # --- the API -------------------------------------------------------------------------------------
@@ -687,6 +690,21 @@ def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int = 0) -> np.
     if window:
         hidden |= qp - kp >= window
     return np.where(hidden, F32(-np.inf), F32(0))
+
+
+def _cell_buffer(x: np.ndarray, dtype: type) -> np.ndarray:
+    """A C-contiguous [kv_head, cells, ...] array whose first cells are x's, without a copy
+    where x is the [:, :T] prefix of one (kv_cache.keys/values returns such views of the
+    whole cache: copying them would cost more than the attention itself)."""
+    if x.dtype == dtype and x.flags.c_contiguous:
+        return x
+    base = x.base
+    if (isinstance(base, np.ndarray) and base.dtype == dtype and base.flags.c_contiguous
+            and base.ndim == x.ndim and base.shape[0] == x.shape[0]
+            and base.shape[2:] == x.shape[2:] and base.strides == x.strides
+            and base.ctypes.data == x.ctypes.data):
+        return base
+    return np.ascontiguousarray(x, dtype)
 
 
 def _prepare_mask(mask: np.ndarray | None, n_rows: int, n_cells: int) -> tuple[bool, np.ndarray]:
@@ -714,12 +732,11 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     or more); the result is the same either way. Returns f32 [n_rows, n_head, hd].
     """
     q = np.ascontiguousarray(q, np.float32)
-    k = np.ascontiguousarray(k, np.float32)
-    v = np.ascontiguousarray(v, np.float32)
     n_rows, n_head, hd = q.shape
     n_head_kv, n_cells, _ = k.shape
     if k.shape != v.shape or k.shape[2] != hd or n_head % n_head_kv:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} do not fit together")
+    k_buf, v_buf = _cell_buffer(k, np.float32), _cell_buffer(v, np.float32)
     n_kv = n_cells if n_kv is None else int(n_kv)
     if n_kv < n_cells:
         raise ValueError(f"n_kv {n_kv} is shorter than the {n_cells} cells given")
@@ -733,7 +750,7 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     scale = F32(scale)
     if n_rows >= FA_TILE_Q:
         tiled = _tiled_parallel if parallel else _tiled_serial
-        tiled(q, _k_tiles(k), v, mask, has_mask, scale, group, out)
+        tiled(q, _k_tiles(k), v_buf, n_cells, mask, has_mask, scale, group, out)
     elif n_rows == 1 and n_kv >= SPLIT_MIN_CELLS:
         n_threads = max(1, int(n_threads))
         chunk = -(-n_kv // n_threads)
@@ -741,11 +758,12 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
         part_s = np.empty((n_head, n_threads), np.float32)
         part_acc = np.empty((n_head, n_threads, hd), np.float32)
         split = _split_parallel if parallel else _split_serial
-        split(q, k, v, mask, has_mask, scale, group, n_kv, chunk, part_m, part_s, part_acc)
+        split(q, k_buf, v_buf, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
+              part_s, part_acc)
         _reduce_all(part_m, part_s, part_acc, chunk, n_kv, out)
     else:
         one_chunk = _one_chunk_parallel if parallel else _one_chunk_serial
-        one_chunk(q, k, v, mask, has_mask, scale, group, out)
+        one_chunk(q, k_buf, v_buf, n_cells, mask, has_mask, scale, group, out)
     return out
 
 
@@ -774,7 +792,7 @@ def flash_attn_q8_0(q: np.ndarray, k_q: np.ndarray, k_d: np.ndarray, v_q: np.nda
         return out
     parallel = parallel if parallel is not None else n_rows * n_head * n_cells >= PARALLEL_MIN_WORK
     kernel = _q8_0_parallel if parallel else _q8_0_serial
-    kernel(q, np.ascontiguousarray(k_q, np.int8), np.ascontiguousarray(k_d, np.float32),
-           np.ascontiguousarray(v_q, np.int8), np.ascontiguousarray(v_d, np.float32), mask,
-           has_mask, F32(scale), n_head // n_head_kv, out)
+    kernel(q, _cell_buffer(k_q, np.int8), _cell_buffer(k_d, np.float32), _cell_buffer(v_q, np.int8),
+           _cell_buffer(v_d, np.float32), n_cells, mask, has_mask, F32(scale), n_head // n_head_kv,
+           out)
     return out
