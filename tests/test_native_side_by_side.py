@@ -161,6 +161,19 @@ async def test_props_give_llama_servers_template_and_defaults(served: Served, re
         assert json.dumps(params.get(key)) == json.dumps(ref_params[key]), key  # (C floats widened)
 
 
+@pytest.mark.parametrize("value", [0.8, 0.1, 0.95, -1.0, 1e-45, 3.4e38, 1e39, -1e39, float("inf"), float("nan"), 7])
+def test_c_float_is_a_float32_widened_and_json_null_when_not_finite(value: float) -> None:
+    import math
+
+    import numpy as np
+
+    from bankml.resources.openai import c_float
+
+    with np.errstate(over="ignore"):
+        as_c = float(np.float32(value))  # a double assigned to a C float, read back as a double
+    assert c_float(value) == (as_c if math.isfinite(as_c) else None)
+
+
 @pytest.mark.xfail(strict=True, reason="bankml/resources/llama.py props_object: top-level n_ctx is extra, "
                    "chat_template_caps lacks three caps, and params must come from "
                    "generation_settings(..., only_metrics=True)")

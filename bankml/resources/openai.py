@@ -288,40 +288,34 @@ class Answer:
                        guard=v.guard.verdict)
 
 
-# llama-server's task_params::to_json, in its key order. Each entry is (key, the SamplerParams
-# field it reads, whether llama.cpp holds it as a C float). The keys marked "full" only appear in
-# /completion's generation_settings; /props' default_generation_settings.params leaves them out
-# (to_json(only_metrics=true)).
-_SAMPLING_HEAD = (("seed", "seed", False), ("temperature", "temperature", True),
-                  ("dynatemp_range", "dynatemp_range", True), ("dynatemp_exponent", "dynatemp_exponent", True),
-                  ("top_k", "top_k", False), ("top_p", "top_p", True), ("min_p", "min_p", True),
-                  ("top_n_sigma", "top_n_sigma", True), ("xtc_probability", "xtc_probability", True),
-                  ("xtc_threshold", "xtc_threshold", True), ("typical_p", "typical_p", True),
-                  ("repeat_last_n", "repeat_last_n", False), ("repeat_penalty", "repeat_penalty", True),
-                  ("presence_penalty", "presence_penalty", True), ("frequency_penalty", "frequency_penalty", True),
-                  ("dry_multiplier", "dry_multiplier", True), ("dry_base", "dry_base", True),
-                  ("dry_allowed_length", "dry_allowed_length", False),
-                  ("dry_penalty_last_n", "dry_penalty_last_n", False))
-_MIROSTAT = (("mirostat", "mirostat", False), ("mirostat_tau", "mirostat_tau", True),
-             ("mirostat_eta", "mirostat_eta", True), ("adaptive_target", "adaptive_target", True),
-             ("adaptive_decay", "adaptive_decay", True))
+# llama-server's task_params::to_json, in its key order: (key, whether llama.cpp holds it as a C
+# float). The SamplerParams fields carry the same names. /props' default_generation_settings.params
+# (to_json(only_metrics=true)) leaves out dry_sequence_breakers, stop, logit_bias and the grammar
+# fields, which generation_settings adds between these runs for a task.
+_SAMPLING_HEAD = (("seed", False), ("temperature", True), ("dynatemp_range", True), ("dynatemp_exponent", True),
+                  ("top_k", False), ("top_p", True), ("min_p", True), ("top_n_sigma", True),
+                  ("xtc_probability", True), ("xtc_threshold", True), ("typical_p", True), ("repeat_last_n", False),
+                  ("repeat_penalty", True), ("presence_penalty", True), ("frequency_penalty", True),
+                  ("dry_multiplier", True), ("dry_base", True), ("dry_allowed_length", False),
+                  ("dry_penalty_last_n", False))
+_MIROSTAT = (("mirostat", False), ("mirostat_tau", True), ("mirostat_eta", True), ("adaptive_target", True),
+             ("adaptive_decay", True))
 
 
 def c_float(value: Any) -> Any:
     """A C ``float`` as nlohmann writes it: widened to double (0.8 -> 0.800000011920929);
-    infinities and NaN are null in JSON."""
+    infinities and NaN (and doubles beyond a float's range, which become infinities) are null."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return value
-    widened = struct.unpack("<f", struct.pack("<f", float(value)))[0]
+    try:
+        widened = struct.unpack("<f", struct.pack("<f", float(value)))[0]
+    except OverflowError:
+        return None
     return widened if math.isfinite(widened) else None
 
 
-def _sampling_values(params: Any, table: tuple[tuple[str, str, bool], ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, attr, is_float in table:
-        value = getattr(params, attr)
-        out[key] = c_float(value) if is_float else value
-    return out
+def _sampling_values(params: Any, table: tuple[tuple[str, bool], ...]) -> dict[str, Any]:
+    return {key: c_float(getattr(params, key)) if is_float else getattr(params, key) for key, is_float in table}
 
 
 def logit_bias_entries(biases: Any) -> list[dict[str, Any]]:
