@@ -47,8 +47,10 @@ FA_TILE_Q = 64  # GGML_FA_TILE_Q: from this many query rows the tiled kernel run
 FA_TILE_KV = 64  # GGML_FA_TILE_KV: cells per tile in the tiled kernel
 SPLIT_MIN_CELLS = 512  # one query row over this many cells is split across the threads
 KV_PAD = 256  # llama_kv_cache::get_n_kv pads the attended cells to a multiple of 256
-# below this many (row, head, cell) visits (~30 ns each) one thread beats waking Numba's pool
-PARALLEL_MIN_WORK = 4096
+# From this many (row, head, cell) visits (~20 ns each) the tasks are spread over Numba's
+# threads. Decoding stays on one thread: waking the pool saves ~0.1 ms at T = 1000, but when
+# the cores are busy a parallel region can wait a whole scheduler slice for a thread (~10 ms).
+PARALLEL_MIN_WORK = 65536
 
 _NEG_INF = F32(-np.inf)
 _ZERO = F32(0.0)
