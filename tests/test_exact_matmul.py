@@ -180,6 +180,17 @@ def test_concat_is_the_products_side_by_side() -> None:
     assert np.array_equal(together, np.concatenate([p.matmul(x) for p in parts], axis=1))
     act = parts[0].quantize(x)   # one rounding reused for several matrices
     assert np.array_equal(parts[1].matmul(act), parts[1].matmul(x))
+    # mixed types (a Q4_0 file with a Q8_0 attn_v, an F16 part): a stack, same products
+    mixed = [parts[0],
+             em.QuantMatrix(quants.quantize(rng.standard_normal((8, 64)).astype(F32), T.Q8_0), T.Q8_0, 8, 64),
+             em.QuantMatrix(rng.standard_normal((8, 64)).astype(np.float16).view(np.uint8), T.F16, 8, 64),
+             em.QuantMatrix(quants.quantize(rng.standard_normal((8, 64)).astype(F32), T.Q4_0), T.Q4_0, 8, 64,
+                            repacked=True)]
+    stack = em.QuantMatrix.concat(mixed)
+    assert isinstance(stack, em.MatrixStack) and stack.n_out == 56
+    assert np.array_equal(stack.matmul(x), np.concatenate([p.matmul(x) for p in mixed], axis=1))
+    with pytest.raises(ValueError, match="input width"):
+        em.QuantMatrix.concat([parts[0], em.QuantMatrix(np.zeros(20 * 8 * 4, np.uint8), T.Q4_1, 8, 128)])
 
 
 def test_zero_copy_on_gguf_tensor_data(default_tensors: dict) -> None:

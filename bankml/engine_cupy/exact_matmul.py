@@ -46,7 +46,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from bankml.engine_cupy.jit import njit  # noqa: E402
 
-__all__ = ["QuantMatrix", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
+__all__ = ["QuantMatrix", "MatrixStack", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
            "quantize_q8_1", "f32_to_f16_bits"]
 
 QK = 32  # elements per block for every type handled here
@@ -652,11 +652,15 @@ class QuantMatrix:
         self._kind = _Q4_0R if repacked else kind
 
     @classmethod
-    def concat(cls, parts: list["QuantMatrix"]) -> "QuantMatrix":
-        """Rows of several matrices of one type and width stacked (one product for Q/K/V)."""
+    def concat(cls, parts: list["QuantMatrix"]) -> "QuantMatrix | MatrixStack":
+        """Rows of several matrices of one input width stacked (Q/K/V, gate/up): the products
+        side by side. Same type and layout: one matrix (the bytes copied once). Otherwise a
+        MatrixStack that rounds the activation once and runs each part's own kernel."""
         first = parts[0]
-        if any((p.qtype, p.n_in, p.repacked) != (first.qtype, first.n_in, first.repacked) for p in parts):
-            raise ValueError("concatenated matrices must share type, input width and layout")
+        if any(p.n_in != first.n_in for p in parts):
+            raise ValueError("concatenated matrices must share the input width")
+        if any((p.qtype, p.repacked) != (first.qtype, first.repacked) for p in parts):
+            return MatrixStack(parts)
         raw = numpy.concatenate([p.raw for p in parts])
         return cls(raw, first.qtype, raw.shape[0], first.n_in, first.repacked)
 
@@ -692,3 +696,20 @@ class QuantMatrix:
         kernel = _float_parallel if m * self.n_out * self.n_in >= PARALLEL_MIN_MACS else _float_serial
         kernel(self._kind, split, self.raw, self.n_in, self.n_out, x, out)
         return out
+
+
+class MatrixStack:
+    """Matrices of different types (or layouts) over one input, used as one: ``matmul`` gives
+    their outputs side by side, rounding the activation once for all the quantized parts."""
+
+    def __init__(self, parts: list[QuantMatrix]):
+        self.parts = list(parts)
+        self.n_in = parts[0].n_in
+        self.n_out = sum(p.n_out for p in parts)
+
+    def matmul(self, x: numpy.ndarray) -> numpy.ndarray:
+        x = numpy.atleast_2d(numpy.asarray(x, dtype=numpy.float32))
+        quantized = [p for p in self.parts if p.qtype not in _FLOAT_TYPES]
+        act = Activation(x) if quantized else None
+        return numpy.concatenate(
+            [p.matmul(x if p.qtype in _FLOAT_TYPES else act) for p in self.parts], axis=1)
