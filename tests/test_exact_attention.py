@@ -48,12 +48,12 @@ def random_case(rng: np.random.Generator, n_rows: int, n_cells: int, n_head: int
 
 def assert_bitwise(n_rows: int, n_cells: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                    scale: float = 0.125, window: int = 0, threads: int = 2,
-                   start: int | None = None) -> None:
-    """A causal batch of n_rows ending at cell n_cells - 1 (or starting at ``start``)."""
-    start = n_cells - n_rows if start is None else start
+                   parallel: bool | None = None) -> None:
+    """A causal batch of n_rows ending at cell n_cells - 1."""
+    start = n_cells - n_rows
     mask = attention_mask(np.arange(start, start + n_rows), np.arange(n_cells), window)
     n_kv = kv_length(n_cells, CACHE_CELLS)
-    got = flash_attn_f16(q, k, v, mask, scale, n_kv=n_kv, n_threads=threads)
+    got = flash_attn_f16(q, k, v, mask, scale, n_kv=n_kv, n_threads=threads, parallel=parallel)
     want = ggml_reference(q, k, v, mask, scale, n_kv, threads)
     differ = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
     print(f"rows={n_rows} T={n_cells} n_kv={n_kv} window={window} threads={threads}: "
@@ -123,6 +123,14 @@ def test_other_shapes(n_head: int, n_head_kv: int, hd: int, n_rows: int, n_cells
     rng = np.random.default_rng(hd + n_rows)
     q, k, v = random_case(rng, n_rows, n_cells, n_head, n_head_kv, hd)
     assert_bitwise(n_rows, n_cells, q, k, v, scale=float(1 / np.sqrt(hd)))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("n_rows,n_cells", [(1, 100), (1, 900), (6, 200), (80, 150)])
+def test_serial_and_parallel_drivers(parallel: bool, n_rows: int, n_cells: int) -> None:
+    """Each kernel on one thread and spread over Numba's threads: the same ggml bits."""
+    q, k, v = random_case(np.random.default_rng(n_cells), n_rows, n_cells)
+    assert_bitwise(n_rows, n_cells, q, k, v, parallel=parallel)
 
 
 def test_no_mask_means_every_cell_visible() -> None:
@@ -203,7 +211,7 @@ def test_q8_0_cache(n_rows: int, n_cells: int, n_head: int, n_head_kv: int, hd: 
         ggml_oracle._input(8, (hd, n_kv, n_head_kv), q8_0_bytes(padded(kq), padded(kd))),
         ggml_oracle._input(8, (hd, n_kv, n_head_kv), q8_0_bytes(padded(vq), padded(vd))),
         ggml_oracle._array_input(mp)], fp=[float(1 / np.sqrt(hd)), 0.0, 0.0]).reshape(q.shape)
-    got = flash_attn_q8_0(q, kq, kd, vq, vd, mask, float(1 / np.sqrt(hd)))
+    got = flash_attn_q8_0(q, kq, kd, vq, vd, mask, float(1 / np.sqrt(hd)), parallel=n_rows > 50)
     differ = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
     print(f"q8_0 rows={n_rows} T={n_cells} heads={n_head}/{n_head_kv} hd={hd}: {differ} differ")
     assert differ == 0
