@@ -8,6 +8,7 @@ arithmetic of the very llama-server binary the end-to-end tests use. Arrays go i
 NumPy order, the reverse of ggml's ``ne`` (a ggml tensor ``ne = [K, N]`` is a NumPy ``[N, K]``).
 
     mul_mat(raw, qtype, n_out, n_in, x)          weights as GGUF block bytes, x f32 [m, n_in]
+    mul_mat_repacked(raw, qtype, n_out, n_in, x) the same with W in the CPU_REPACK buffer (llama-server's layers)
     quantize_rows(x, qtype)                      ggml's from_float of each row (the activation rounding)
     flash_attn_ext(q, k, v, mask, scale)         q [n_head, n_q, hd] f32, k/v [n_kv_head, n_kv, hd] f16
     rope_ext(x, positions, n_dims, mode, ...)    x [n, n_head, hd]
@@ -109,6 +110,18 @@ def mul_mat(raw: np.ndarray, qtype: int, n_out: int, n_in: int, x: np.ndarray,
     w = _input(int(qtype), (n_in, n_out), np.ascontiguousarray(raw).tobytes())
     x = np.atleast_2d(np.asarray(x, np.float32))
     return run("mul_mat", [w, _array_input(x)], threads=threads).reshape(x.shape[0], n_out)
+
+
+def mul_mat_repacked(raw: np.ndarray, qtype: int, n_out: int, n_in: int, x: np.ndarray,
+                     threads: int = 2) -> np.ndarray:
+    """mul_mat with W in the CPU_REPACK buffer, as llama-server loads layer weights (Q4_0 ->
+    q4_0_8x8 on AVX2 when n_out % 8 == 0): ggml's repacked gemv/gemm kernels. Only for the
+    types the AVX2 build repacks (ggml's repack buffer crashes on the others)."""
+    if T(qtype) not in (T.Q4_0, T.IQ4_NL, T.Q4_K) or n_out % 8:
+        raise ValueError(f"the AVX2 build does not repack {T(qtype).name} [{n_out}, {n_in}]")
+    w = _input(int(qtype), (n_in, n_out), np.ascontiguousarray(raw).tobytes())
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    return run("mul_mat_repacked", [w, _array_input(x)], threads=threads).reshape(x.shape[0], n_out)
 
 
 def quantize_rows(x: np.ndarray, qtype: int) -> np.ndarray:

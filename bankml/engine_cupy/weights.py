@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants
 
-from bankml.engine_cupy.exact_matmul import QuantMatrix
+from bankml.engine_cupy.exact_matmul import QuantMatrix, repacked_by_llama_server
 from bankml.engine_cupy.exact_matmul import supported as exact_supported
 from bankml.engine_cupy.arch import (ARCHITECTURES, BASE_LAYER_TENSORS, FUSED_QKV, SPLIT_QKV,
                                      ArchSpec, supported_names)
@@ -428,7 +428,9 @@ class _Loader:
         n_in, n_out = (int(d) for d in info.shape)
         self.tick(int(info.n_bytes))
         self.nbytes += int(info.n_bytes)
-        return QuantMatrix(info.data, info.tensor_type, n_out, n_in)
+        # llama-server repacks some layer matrices (Q4_0 on AVX2): another kernel, other roundings
+        repacked = repacked_by_llama_server(info.tensor_type, n_out, token_embd=name == "token_embd.weight")
+        return QuantMatrix(info.data, info.tensor_type, n_out, n_in, repacked=repacked)
 
     def _exact_linear(self, group: list[tuple[str, str]]) -> Linear | None:
         if not all(self.exact_matrix_possible(w) for w, _ in group):

@@ -15,6 +15,8 @@
 #include <string.h>
 
 #include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 
 #define MAX_INPUTS 8
@@ -90,6 +92,49 @@ static void quantize(const struct input *in, int32_t type) {
     free(out);
 }
 
+/* mul_mat with the weight in the CPU backend's first extra buffer (CPU_REPACK), as llama-server
+ * loads its layer weights: ggml_backend_tensor_set repacks it (e.g. Q4_0 -> q4_0_8x8) and the CPU
+ * backend then computes the product with the repacked kernels. */
+static void mul_mat_repacked(const struct input *in, int32_t n_threads) {
+    ggml_backend_t backend = ggml_backend_cpu_init();
+    ggml_backend_cpu_set_n_threads(backend, n_threads);
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    typedef ggml_backend_buffer_type_t *(*extra_bufts_t)(ggml_backend_dev_t);
+    extra_bufts_t get_extra = (extra_bufts_t)ggml_backend_reg_get_proc_address(
+        ggml_backend_dev_backend_reg(dev), "ggml_backend_dev_get_extra_bufts");
+    ggml_backend_buffer_type_t *extra = get_extra ? get_extra(dev) : NULL;
+    if (!extra || !extra[0]) die("no CPU extra buffer type");
+    struct ggml_init_params ip = {.mem_size = 8 * ggml_tensor_overhead() + ggml_graph_overhead(),
+                                  .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context *cw = ggml_init(ip), *cx = ggml_init(ip);
+    struct ggml_tensor *w = ggml_new_tensor_2d(cw, (enum ggml_type)in[0].type, in[0].ne[0], in[0].ne[1]);
+    struct ggml_tensor *x = ggml_new_tensor_2d(cx, GGML_TYPE_F32, in[1].ne[0], in[1].ne[1]);
+    if ((int64_t)ggml_nbytes(w) != in[0].nbytes || (int64_t)ggml_nbytes(x) != in[1].nbytes)
+        die("input size does not match its type and shape");
+    struct ggml_tensor *y = ggml_mul_mat(cx, w, x);
+    ggml_backend_buffer_t bw = ggml_backend_alloc_ctx_tensors_from_buft(cw, extra[0]);
+    ggml_backend_buffer_set_usage(bw, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_buffer_t bx = ggml_backend_alloc_ctx_tensors(cx, backend);
+    ggml_backend_tensor_set(w, in[0].data, 0, (size_t)in[0].nbytes);
+    ggml_backend_tensor_set(x, in[1].data, 0, (size_t)in[1].nbytes);
+    if (!ggml_backend_supports_op(backend, y)) die("the CPU backend does not take this product");
+    struct ggml_cgraph *gf = ggml_new_graph(cx);
+    ggml_build_forward_expand(gf, y);
+    if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) die("compute failed");
+    int32_t type = y->type;
+    int64_t nbytes = (int64_t)ggml_nbytes(y);
+    char *out = malloc((size_t)nbytes);
+    ggml_backend_tensor_get(y, out, 0, (size_t)nbytes);
+    fwrite(&type, 4, 1, stdout);
+    fwrite(y->ne, 8, 4, stdout);
+    fwrite(&nbytes, 8, 1, stdout);
+    fwrite(out, 1, (size_t)nbytes, stdout);
+    free(out);
+    ggml_backend_buffer_free(bw);
+    ggml_backend_buffer_free(bx);
+    ggml_backend_free(backend);
+}
+
 int main(void) {
     char op[33] = {0};
     int32_t n_threads, ip[8], n_inputs;
@@ -113,6 +158,10 @@ int main(void) {
     ggml_cpu_init();
     if (!strcmp(op, "quantize")) {
         quantize(&in[0], ip[0]);
+        return 0;
+    }
+    if (!strcmp(op, "mul_mat_repacked")) {
+        mul_mat_repacked(in, n_threads);
         return 0;
     }
     struct ggml_init_params params = {.mem_size = total * 4 + ((size_t)256 << 20), .mem_buffer = NULL,
