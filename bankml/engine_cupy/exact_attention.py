@@ -593,29 +593,111 @@ def _quantize_q8_0(x: Any, row: int, h: int, qs: Any, ds: Any) -> None:
         ds[b] = f16_round(amax / F32(127.0))
         inv = F32(127.0) / amax if amax != _ZERO else _ZERO
         for j in range(32 * b, 32 * b + 32):
-            qs[j] = np.int32(np.rint(x[row, h, j] * inv))
+            qs[j] = np.int8(np.rint(x[row, h, j] * inv))
+
+
+@intrinsic
+def _dot_q8_0_body(typingctx: Any, kq: Any, k_at: Any, qs: Any, kd: Any, d_at: Any, ds: Any,
+                   n_blocks: Any) -> Any:
+    """ggml_vec_dot_q8_0_q8_0 (AVX2) of the key at kq.flat[k_at:] (scales kd.flat[d_at:]) with
+    the q8_0 query (qs int8, ds f32), as LLVM vector code.
+
+    Per block: 32 int8 products, summed by pairs in int16 and again in int32 (maddubs, madd:
+    exact, as |q| <= 127) into 8 lanes of 4 consecutive products, converted to float and
+    fma'd with d_k * d_q into 8 accumulators; then hsum_float_8: r_i = a_i + a_(i+4),
+    (r0 + r2) + (r1 + r3).
+    """
+    sig = types.float32(kq, types.intp, qs, kd, types.intp, ds, types.intp)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        v8f, v8i = ir.VectorType(ir.FloatType(), 8), ir.VectorType(i32, 8)
+        keys = context.make_array(signature.args[0])(context, builder, args[0])
+        query = context.make_array(signature.args[2])(context, builder, args[2])
+        kscale = context.make_array(signature.args[3])(context, builder, args[3])
+        qscale = context.make_array(signature.args[5])(context, builder, args[5])
+        k_at, d_at, n_blocks = args[1], args[4], args[6]
+        intp = k_at.type
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3),
+                                             "llvm.fma.v8f32")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8))
+        bytes32 = ir.VectorType(ir.IntType(8), 32).as_pointer()
+
+        def pick(vec: Any, n: int, start: int) -> Any:
+            return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, n),
+                                                                list(range(start, 2 * n, 2))))
+
+        with cgutils.for_range(builder, n_blocks) as loop:
+            blk = loop.index
+            at = builder.mul(blk, ir.Constant(intp, 32))
+            kv = builder.load(builder.bitcast(builder.gep(keys.data, [builder.add(k_at, at)]),
+                                              bytes32), align=1)
+            qv = builder.load(builder.bitcast(builder.gep(query.data, [at]), bytes32), align=1)
+            i16x32 = ir.VectorType(ir.IntType(16), 32)
+            prod = builder.mul(builder.sext(kv, i16x32), builder.sext(qv, i16x32))
+            pairs = builder.add(pick(prod, 16, 0), pick(prod, 16, 1))
+            wide = builder.sext(pairs, ir.VectorType(i32, 16))
+            quads = builder.add(pick(wide, 8, 0), pick(wide, 8, 1))
+            d = builder.fmul(builder.load(builder.gep(kscale.data, [builder.add(d_at, blk)])),
+                             builder.load(builder.gep(qscale.data, [blk])))
+            dv = builder.insert_element(ir.Constant(v8f, ir.Undefined), d, ir.Constant(i32, 0))
+            dv = builder.shuffle_vector(dv, dv, ir.Constant(v8i, [0] * 8))
+            builder.store(builder.call(fma, [dv, builder.sitofp(quads, v8f), builder.load(acc)]),
+                          acc)
+        a = builder.load(acc)
+        r = [builder.fadd(builder.extract_element(a, ir.Constant(i32, m)),
+                          builder.extract_element(a, ir.Constant(i32, m + 4))) for m in range(4)]
+        return builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
+
+    return sig, codegen
+
+
+@intrinsic
+def _mad_q8_0_body(typingctx: Any, acc: Any, vq: Any, v_at: Any, vd: Any, d_at: Any, w: Any,
+                   n_blocks: Any) -> Any:
+    """acc[i] = fma(float(vq.flat[v_at + i]) * vd.flat[d_at + i // 32], w, acc[i]).
+
+    dequantize_row_q8_0 (an exact product) then ggml_vec_mad_f32's fma, 32 values a block as
+    LLVM vector code (Numba's loop over int8 values does not vectorise).
+    """
+    sig = types.void(acc, vq, types.intp, vd, types.intp, types.float32, types.intp)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        v32f = ir.VectorType(ir.FloatType(), 32)
+        out = context.make_array(signature.args[0])(context, builder, args[0])
+        values = context.make_array(signature.args[1])(context, builder, args[1])
+        scales = context.make_array(signature.args[3])(context, builder, args[3])
+        v_at, d_at, w, n_blocks = args[2], args[4], args[5], args[6]
+        intp = v_at.type
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32f, [v32f] * 3),
+                                             "llvm.fma.v32f32")
+        zeros = ir.Constant(ir.VectorType(i32, 32), [0] * 32)
+
+        def splat(x: Any) -> Any:
+            one = builder.insert_element(ir.Constant(v32f, ir.Undefined), x, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, one, zeros)
+
+        wv = splat(w)
+        with cgutils.for_range(builder, n_blocks) as loop:
+            blk = loop.index
+            at = builder.mul(blk, ir.Constant(intp, 32))
+            src = builder.bitcast(builder.gep(values.data, [builder.add(v_at, at)]),
+                                  ir.VectorType(ir.IntType(8), 32).as_pointer())
+            dv = splat(builder.load(builder.gep(scales.data, [builder.add(d_at, blk)])))
+            x = builder.fmul(builder.sitofp(builder.load(src, align=1), v32f), dv)
+            dst = builder.bitcast(builder.gep(out.data, [at]), v32f.as_pointer())
+            builder.store(builder.call(fma, [x, wv, builder.load(dst, align=4)]), dst, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(inline="always")
-def _dot_q8_0(kq: Any, kd: Any, kvh: int, ic: int, qs: Any, ds: Any, lanes: Any) -> float:
-    """ggml_vec_dot_q8_0_q8_0 (AVX2): per block, 8 lanes of 4 exact int8 products summed as
-    float, fma'd with d_k * d_q into 8 accumulators; hsum_float_8 = (r0 + r2) + (r1 + r3) with
-    r_i = a_i + a_(i+4)."""
-    for lane in range(8):
-        lanes[lane] = _ZERO
-    for b in range(qs.shape[0] // 32):
-        d = kd[kvh, ic, b] * ds[b]
-        for lane in range(8):
-            at = 32 * b + 4 * lane
-            isum = (np.int32(kq[kvh, ic, at]) * qs[at] + np.int32(kq[kvh, ic, at + 1]) * qs[at + 1]
-                    + np.int32(kq[kvh, ic, at + 2]) * qs[at + 2]
-                    + np.int32(kq[kvh, ic, at + 3]) * qs[at + 3])
-            lanes[lane] = fma32(d, F32(isum), lanes[lane])
-    r0 = lanes[0] + lanes[4]
-    r1 = lanes[1] + lanes[5]
-    r2 = lanes[2] + lanes[6]
-    r3 = lanes[3] + lanes[7]
-    return (r0 + r2) + (r1 + r3)
+def _dot_q8_0(kq: Any, kd: Any, kvh: int, ic: int, qs: Any, ds: Any) -> float:
+    n_blocks = ds.shape[0]
+    return _dot_q8_0_body(kq, (kvh * kq.shape[1] + ic) * kq.shape[2], qs, kd,
+                          (kvh * kd.shape[1] + ic) * n_blocks, ds, n_blocks)
 
 
 @njit(inline="always")
@@ -627,20 +709,21 @@ def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: i
     row = task // n_head
     h = task % n_head
     kvh = h // group
-    qs = np.empty(hd, np.int32)
+    qs = np.empty(hd, np.int8)
     ds = np.empty(hd // 32, np.float32)
     _quantize_q8_0(q, row, h, qs, ds)
-    lanes = np.empty(8, np.float32)
+    scores = np.empty(n_cells, np.float32)  # first, as in _walk_f16
+    for ic in range(n_cells):
+        mv = mask[row, ic] if has_mask else _ZERO
+        if mv != _NEG_INF:
+            scores[ic] = _dot_q8_0(kq, kd, kvh, ic, qs, ds) * scale + mv
     acc = np.zeros(hd, np.float32)
     big_s = _ZERO
     big_m = _NEG_INF
     for ic in range(n_cells):
-        mv = _ZERO
-        if has_mask:
-            mv = mask[row, ic]
-            if mv == _NEG_INF:
-                continue
-        s = _dot_q8_0(kq, kd, kvh, ic, qs, ds, lanes) * scale + mv
+        if has_mask and mask[row, ic] == _NEG_INF:
+            continue
+        s = scores[ic]
         ms = _ONE
         vs = _ONE
         if s > big_m:
@@ -651,8 +734,9 @@ def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: i
                 acc[d] = acc[d] * ms
         else:
             vs = F32(math.exp(s - big_m))
-        for d in range(hd):
-            acc[d] = fma32(F32(vq[kvh, ic, d]) * vd[kvh, ic, d // 32], vs, acc[d])
+        n_blocks = hd // 32
+        _mad_q8_0_body(acc, vq, (kvh * vq.shape[1] + ic) * hd, vd,
+                       (kvh * vd.shape[1] + ic) * n_blocks, vs, n_blocks)
         big_s = fma32(big_s, ms, vs) if FUSE_SUM else big_s * ms + vs
     s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
     for d in range(hd):
