@@ -77,11 +77,12 @@ def test_decode_split_and_merged(n_cells: int) -> None:
     assert_bitwise(1, n_cells, q, k, v)
 
 
-@pytest.mark.parametrize("threads", [1, 3, 4])
-def test_decode_split_follows_thread_count(threads: int) -> None:
-    """The chunks are ceil(n_kv / threads) cells: each -t gives ggml's own rounding."""
-    q, k, v = random_case(np.random.default_rng(threads), 1, 900)
-    assert_bitwise(1, 900, q, k, v, threads=threads)
+@pytest.mark.parametrize("threads,n_cells", [(1, 900), (3, 900), (4, 900), (4, 257), (8, 520)])
+def test_decode_split_follows_thread_count(threads: int, n_cells: int) -> None:
+    """The chunks are ceil(n_kv / threads) cells: each -t gives ggml's own rounding, including
+    chunks made only of padding (T = 257 over 4 chunks of 128, of which two are empty)."""
+    q, k, v = random_case(np.random.default_rng(threads), 1, n_cells)
+    assert_bitwise(1, n_cells, q, k, v, threads=threads)
 
 
 def test_thread_count_changes_the_split_result() -> None:
