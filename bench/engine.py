@@ -8,8 +8,8 @@ Both run the same token ids (from llama-server's /tokenize), alternating round b
 run so that a busy machine slows both alike. llama-server's figures are its own
 ``timings.prompt_per_second`` and ``predicted_per_second`` (``cache_prompt: false``); the
 engine's are wall-clock over ``Model.forward`` (prefill in 512-token micro-batches, greedy
-decode). The engine's BLAS uses --threads for prefill and --decode-threads (default 1, see
-backend.BlasThreads) for one-token steps, through threadpoolctl when it is installed.
+decode). On the CPU the engine's exact kernels run on --threads Numba threads (llama-server's -t
+is the same number); --decode-threads only sets BLAS for the non-exact types' products.
 Prints a line per round, the median ratios, and ends with one JSON line.
 """
 
@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,16 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--fast-attention", action="store_true",
-                        help="accumulate attention in f32 instead of ggml's f16 accumulator")
     args = parser.parse_args(argv)
     binary = args.llama_server or support.llama_server_binary()
     model_path = args.model or support.default_model()
     start = time.perf_counter()
     model = Model.load(model_path, device="cpu")
     model.threads, model.decode_threads = args.threads, args.decode_threads
-    if args.fast_attention:
-        model.exact_attention_cells = 0
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))  # the exact kernels
     print(f"engine load {time.perf_counter() - start:.1f} s, weights "
           f"{model.weights.nbytes / 2**20:.0f} MiB")
     rows = []
@@ -96,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({ep / sp:.2f}x); decode engine {ed:6.1f} vs {sd:6.1f} tok/s ({ed / sd:.2f}x)")
     result = {
         "model": Path(model_path).name, "threads": args.threads,
-        "decode_threads": args.decode_threads, "fast_attention": args.fast_attention,
+        "decode_threads": args.decode_threads,
         "prompt_tokens": len(ids),
         "decode_tokens": args.decode_tokens, "rounds": args.rounds,
         "prefill_engine": round(statistics.median(r[2] for r in rows), 1),

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy
 
 from bankml.engine_cupy import backend, exact_attention, exact_ops
-from bankml.engine_cupy.kv_cache import FA_TILE_Q, KVCache
+from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.weights import (HParams, Layer, UnsupportedModel, Weights, apply_all,
                                         check_memory, load_weights, open_reader, read_hparams,
                                         total_tensor_bytes)
@@ -80,89 +80,12 @@ def apply_rope(x: Any, cos: Any, sin: Any, neox: bool) -> Any:
     return out
 
 
-KV_PAD = 256  # llama.cpp pads the attended cells to a multiple of 256
-
-
 def softmax_product(xp: ModuleType, scores: Any, values: Any) -> Any:
     """softmax(scores) @ values in f32: scores [kv, rows, T] (−inf hidden), values [kv, T, hd]."""
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = xp.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
     return probs @ values
-
-
-def online_softmax_f16(xp: ModuleType, scores: Any, values: Any) -> tuple[Any, Any, Any]:
-    """One chunk of ggml_compute_forward_flash_attn_ext_f16_one_chunk with f16 V.
-
-    Per row: M = running max, and at each cell t, if s > M the accumulator is scaled by
-    exp(M_old − s) (rounded to f16), then acc = f16(acc + v_t·exp(s_t − M)). The running max and
-    the weights are vectorised; only the f16-rounded accumulation walks the cells.
-    Returns (M [kv, rows], S [kv, rows], acc [kv, rows, hd] f32).
-    """
-    return online_softmax_f16_chunks(xp, scores, values, scores.shape[-1])[0]
-
-
-def online_softmax_f16_chunks(xp: ModuleType, scores: Any, values: Any,
-                              chunk: int) -> list[tuple[Any, Any, Any]]:
-    """``online_softmax_f16`` of each ``chunk`` cells of scores [kv, rows, T] / values [kv, T, hd].
-
-    The chunks (ggml's threads) are independent, so they run side by side as extra rows: the
-    walk over the cells, one Python step per cell, is as long as one chunk, not all of T. The
-    last chunk is padded with hidden cells, which leave its accumulator as it is.
-    """
-    kv, rows, cells = scores.shape
-    hd = values.shape[-1]
-    k = -(-cells // chunk)
-    pad = k * chunk - cells
-    if pad:
-        scores = xp.concatenate([scores, xp.full((kv, rows, pad), -xp.inf, F32)], axis=-1)
-        values = xp.concatenate([values, xp.zeros((kv, pad, hd), F32)], axis=1)
-    s = scores.reshape(kv, rows, k, chunk)
-    running = xp.maximum.accumulate(s, axis=-1)
-    before = xp.concatenate([xp.full((kv, rows, k, 1), -xp.inf, F32), running[..., :-1]], axis=-1)
-    hidden = s == -xp.inf
-    with numpy.errstate(invalid="ignore"):
-        rescale = xp.where(running == before, F32(1), xp.exp(before - running))
-        weight = xp.where(hidden, F32(0), xp.exp(s - running))
-    # cell-major, so that each step reads one contiguous slice: [chunk, kv, rows, k, hd]
-    v = values.reshape(kv, k, chunk, hd).transpose(2, 0, 1, 3)[:, :, None]
-    contrib = xp.multiply(weight.transpose(3, 0, 1, 2)[..., None], v,
-                          out=xp.empty((chunk, kv, rows, k, hd), F32))
-    rescale = rescale.transpose(3, 0, 1, 2)[..., None]  # [chunk, kv, rows, k, 1]
-    rescaled = backend.to_host((rescale != 1).any(axis=(1, 2, 3, 4))).tolist()
-    acc = backend.F16Accumulator(xp, (kv, rows, k, hd))
-    acc.walk(contrib, rescale, rescaled)
-    top = running[..., -1]
-    out = acc.value()
-    return [(top[:, :, i], _exp_total(xp, scores[..., i * chunk:min((i + 1) * chunk, cells)],
-                                      top[:, :, i]), out[:, :, i]) for i in range(k)]
-
-
-def _exp_total(xp: ModuleType, scores: Any, top: Any) -> Any:
-    """Σ exp(s − M) over the (unpadded) cells of a chunk, summed as NumPy sums that length."""
-    with numpy.errstate(invalid="ignore"):
-        return xp.where(scores == -xp.inf, F32(0), xp.exp(scores - top[..., None])).sum(
-            axis=-1).astype(F32)
-
-
-def finish_partial(part: tuple[Any, Any, Any]) -> Any:
-    _, total, acc = part
-    return acc / total[..., None]
-
-
-def merge_partials(xp: ModuleType, parts: list[tuple[Any, Any, Any]]) -> Any:
-    """ggml_flash_attn_ext_reduce_partials: chunks rescaled to the common max, summed in f32."""
-    top = parts[0][0]
-    for m, _, _ in parts[1:]:
-        top = xp.maximum(top, m)
-    total = xp.zeros_like(parts[0][1])
-    acc = xp.zeros_like(parts[0][2])
-    for m, s, a in parts:
-        with numpy.errstate(invalid="ignore"):
-            factor = xp.where(m == -xp.inf, F32(0), xp.exp(m - top))
-        total = total + s * factor
-        acc = acc + a * factor[..., None]
-    return acc / total[..., None]
 
 
 class Model:
@@ -188,9 +111,6 @@ class Model:
         self.decode_threads: int | None = 1
         # llama-server's -t, on which the split of a long one-row attention depends
         self.ggml_threads = 2
-        # Up to this many cells, attention reproduces ggml's f16 accumulator (a Python loop
-        # over the cells, ~4 µs each per layer); beyond, or at 0, it accumulates in f32
-        self.exact_attention_cells = 1024
         self._blas = backend.BlasThreads(xp)
         # On the CPU, every op rounds as ggml's kernels do (exact_matmul/ops/attention); the
         # array-module path (CuPy) keeps the vectorised approximations below.
@@ -361,10 +281,7 @@ class Model:
         if mask is not None:
             scores = scores + mask
         scores = scores.reshape(hp.n_head_kv, group * n, end)
-        if cache.cache_type == "f16" and n < FA_TILE_Q and end <= self.exact_attention_cells:
-            out = self._attend_f16_accumulator(scores, values, n)
-        else:
-            out = softmax_product(xp, scores, values)  # [kv, group*n, hd]
+        out = softmax_product(xp, scores, values)  # [kv, group*n, hd]
         out = cache.output(out).reshape(hp.n_head_kv, group, n, hp.head_dim)
         return out.transpose(2, 0, 1, 3).reshape(n, hp.n_head * hp.head_dim)
 
@@ -377,22 +294,6 @@ class Model:
             q, cache.keys(il, end), cache.values(il, end), mask, scale,
             n_kv=exact_attention.kv_length(end, cache.n_ctx), n_threads=self.ggml_threads)
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim)
-
-    def _attend_f16_accumulator(self, scores: Any, values: Any, n: int) -> Any:
-        """ggml's one-row flash-attention kernel with an f16 cache (fewer than 64 rows).
-
-        It walks the cells in order with an online softmax and keeps V·p in an **f16**
-        accumulator, rounded at every cell; the rounding is 2^-11 of the output, which the next
-        product's q8 rounding magnifies, so it is reproduced. A one-row step over 512 padded
-        cells or more is split across llama.cpp's threads, each chunk with its own accumulator.
-        """
-        end = scores.shape[-1]
-        padded = -(-end // KV_PAD) * KV_PAD
-        if n == 1 and padded >= 512:
-            chunk = -(-padded // self.ggml_threads)
-            return merge_partials(self.xp, online_softmax_f16_chunks(self.xp, scores, values,
-                                                                     min(chunk, end)))
-        return finish_partial(online_softmax_f16(self.xp, scores, values))
 
     def _mask(self, positions: Any, end: int, window: int) -> Any | None:
         """[n, T] additive mask: key position > query position, or (window) too far back.
