@@ -462,11 +462,20 @@ def _tile_weights(kq: Any, n: int, big_m: float) -> float:
 
 
 @njit(inline="always")
-def _any_visible(mask: Any, row: int, c0: int, width: int) -> bool:
-    for j in range(c0, c0 + width):
-        if mask[row, j] != _NEG_INF:
-            return True
-    return False
+def _visible_spans(mask: Any, has_mask: bool, r0: int, n: int, n_cells: int) -> tuple[Any, Any]:
+    """The first and last visible cell of rows r0..r0+n-1 (a row with none: first > last).
+
+    A tile outside a row's span is all hidden, which ggml skips; one inside that is still all
+    hidden (a hole in the mask) is caught by its -inf maximum.
+    """
+    first = np.full(n, n_cells, np.int64)
+    last = np.full(n, -1, np.int64)
+    for i in range(n):
+        for j in range(n_cells):
+            if not has_mask or mask[r0 + i, j] != _NEG_INF:
+                first[i] = min(first[i], j)
+                last[i] = j
+    return first, last
 
 
 @njit(inline="always")
@@ -519,24 +528,28 @@ def _tiled_task(task: int, q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any
     big_m = np.full(n_pairs, _NEG_INF, np.float32)
     big_s = np.zeros(n_pairs, np.float32)
     kq = np.empty(FA_TILE_KV, np.float32)
+    first, last = _visible_spans(mask, has_mask, r0, n_pairs // group, n_cells)
     for t in range(k_tiles.shape[1]):
         c0 = t * FA_TILE_KV
         width = min(FA_TILE_KV, n_cells - c0)
         for i in range(n_pairs):
             row = r0 + i // group
             h = kvh * group + i % group
-            if has_mask and not _any_visible(mask, row, c0, width):
+            if c0 > last[i // group] or c0 + width <= first[i // group]:
                 continue  # ggml skips a tile whose cells are all hidden
             _tile_scores(kq, k_tiles, kvh, t, q, (row * n_head + h) * hd)
+            for j in range(width):
+                kq[j] = kq[j] * scale
+            if has_mask:
+                for j in range(width):
+                    kq[j] = kq[j] + mask[row, c0 + j]
+            for j in range(width, FA_TILE_KV):
+                kq[j] = _NEG_INF
             tile_max = _NEG_INF
             for j in range(FA_TILE_KV):
-                s = kq[j] * scale
-                if j >= width:
-                    s = _NEG_INF
-                elif has_mask:
-                    s = s + mask[row, c0 + j]
-                kq[j] = s
-                tile_max = max(tile_max, s)
+                tile_max = max(tile_max, kq[j])
+            if tile_max == _NEG_INF:
+                continue  # every cell hidden (a hole in the mask): ggml's skip[tq]
             m_old = big_m[i]
             m_new = max(m_old, tile_max)
             if m_new > m_old:
