@@ -117,6 +117,23 @@ def test_sliding_window(n_rows: int, n_cells: int) -> None:
     assert_bitwise(n_rows, n_cells, q, k, v, window=128)
 
 
+@pytest.mark.parametrize("n_rows", [1, 10, 100])
+def test_masks_with_holes(n_rows: int) -> None:
+    """Hidden cells anywhere (a whole tile in the middle, scattered cells, one row all hidden
+    but one cell): tiles that are all hidden inside a row's span are skipped as ggml does."""
+    rng = np.random.default_rng(n_rows + 50)
+    q, k, v = random_case(rng, n_rows, 300)
+    mask = attention_mask(np.arange(300 - n_rows, 300), np.arange(300))
+    mask[:, 64:128] = -np.inf
+    mask[rng.random(mask.shape) < 0.3] = -np.inf
+    mask[0, :] = -np.inf
+    mask[0, 200] = 0
+    n_kv = kv_length(300, CACHE_CELLS)
+    got = flash_attn_f16(q, k, v, mask, 0.125, n_kv=n_kv)
+    want = ggml_reference(q, k, v, mask, 0.125, n_kv)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("n_head,n_head_kv,hd", [(8, 8, 128), (4, 2, 80), (6, 1, 36)])
 @pytest.mark.parametrize("n_rows,n_cells", [(1, 40), (1, 600), (5, 90), (70, 150)])
 def test_other_shapes(n_head: int, n_head_kv: int, hd: int, n_rows: int, n_cells: int) -> None:
