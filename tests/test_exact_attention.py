@@ -119,8 +119,8 @@ def test_sliding_window(n_rows: int, n_cells: int) -> None:
 
 @pytest.mark.parametrize("n_rows", [1, 10, 100])
 def test_masks_with_holes(n_rows: int) -> None:
-    """Hidden cells anywhere (a whole tile in the middle, scattered cells, one row all hidden
-    but one cell): tiles that are all hidden inside a row's span are skipped as ggml does."""
+    """Hidden cells anywhere (a whole tile in the middle, scattered cells, a row with one
+    visible cell, a row with none): all-hidden tiles inside a row's span are skipped as ggml."""
     rng = np.random.default_rng(n_rows + 50)
     q, k, v = random_case(rng, n_rows, 300)
     mask = attention_mask(np.arange(300 - n_rows, 300), np.arange(300))
@@ -128,6 +128,7 @@ def test_masks_with_holes(n_rows: int) -> None:
     mask[rng.random(mask.shape) < 0.3] = -np.inf
     mask[0, :] = -np.inf
     mask[0, 200] = 0
+    mask[1:2, :] = -np.inf  # a row that sees nothing: ggml writes zeros (S = 0)
     n_kv = kv_length(300, CACHE_CELLS)
     got = flash_attn_f16(q, k, v, mask, 0.125, n_kv=n_kv)
     want = ggml_reference(q, k, v, mask, 0.125, n_kv)
