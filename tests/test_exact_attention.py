@@ -348,3 +348,22 @@ def test_numba_exp_is_libm_expf() -> None:
     exps(x, got)
     want = np.array([libm.expf(float(t)) for t in x], np.float32)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_warm_up_compiles_what_the_engine_calls() -> None:
+    """After warm_up, each driver has the one compiled signature an engine-shaped call uses."""
+    from bankml.engine_cupy import exact_attention as ea
+
+    ea.warm_up(q8_0=True)
+    drivers = [ea._one_chunk_serial, ea._one_chunk_parallel, ea._split_serial, ea._split_parallel,
+               ea._tiled_serial, ea._tiled_parallel, ea._q8_0_serial, ea._q8_0_parallel]
+    before = [len(d.signatures) for d in drivers]
+    assert all(n >= 1 for n in before)
+    cache = np.zeros((3, 2048, 64), np.float32)
+    for n_rows in (1, 5, 70):
+        q = np.ones((n_rows, 9, 64), np.float32)
+        mask = attention_mask(np.arange(700 - n_rows, 700), np.arange(700))
+        for parallel in (False, True):
+            flash_attn_f16(q, cache[:, :700], cache[:, :700], mask if n_rows > 1 else None, 0.125,
+                           n_kv=768, parallel=parallel)
+    assert [len(d.signatures) for d in drivers] == before

@@ -39,8 +39,8 @@ from numba.extending import intrinsic
 
 from bankml.engine_cupy.jit import fma32, njit
 
-__all__ = ["flash_attn_f16", "flash_attn_q8_0", "attention_mask", "kv_length", "FA_TILE_Q",
-           "FA_TILE_KV", "SPLIT_MIN_CELLS", "KV_PAD"]
+__all__ = ["flash_attn_f16", "flash_attn_q8_0", "attention_mask", "kv_length", "warm_up",
+           "FA_TILE_Q", "FA_TILE_KV", "SPLIT_MIN_CELLS", "KV_PAD"]
 
 F32 = np.float32
 FA_TILE_Q = 64  # GGML_FA_TILE_Q: from this many query rows the tiled kernel runs
@@ -895,3 +895,21 @@ def flash_attn_q8_0(q: np.ndarray, k_q: np.ndarray, k_d: np.ndarray, v_q: np.nda
            _cell_buffer(v_d, np.float32), n_cells, mask, has_mask, F32(scale), n_head // n_head_kv,
            out)
     return out
+
+
+def warm_up(q8_0: bool = False) -> None:
+    """Compile (or load from Numba's cache) every kernel a forward pass can reach, on tiny
+    inputs, so that the first request does not pay it: one-row, split, tiled, serial and
+    parallel (and the q8_0 kernels when asked)."""
+    rng = np.random.default_rng(0)
+    for n_rows, n_cells, n_kv in ((1, 4, 4), (1, 4, SPLIT_MIN_CELLS), (2, 4, 4), (FA_TILE_Q, 4, 4)):
+        q = rng.standard_normal((n_rows, 2, 32)).astype(np.float32)
+        k = rng.standard_normal((1, n_cells, 32)).astype(np.float16).astype(np.float32)
+        mask = attention_mask(np.arange(n_cells - n_rows, n_cells), np.arange(n_cells))
+        for parallel in (False, True):
+            flash_attn_f16(q, k, k, mask if n_rows > 1 else None, 0.125, n_kv=n_kv,
+                           parallel=parallel)
+            if q8_0:
+                kq = np.zeros((1, n_cells, 32), np.int8)
+                kd = np.ones((1, n_cells, 1), np.float16)
+                flash_attn_q8_0(q, kq, kd, kq, kd, mask, 0.125, parallel=parallel)
