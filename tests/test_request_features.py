@@ -265,6 +265,15 @@ async def test_bad_prompts_are_refused_like_llama_server(native_url: str, refere
     assert ours["error"]["message"] == ref["error"]["message"]
 
 
+@pytest_twisted.ensureDeferred
+async def test_an_empty_prompt_answers_nothing(native_url: str, reference_server: Any) -> None:
+    for prompt in ("", [[]]):
+        (status, ours), (ref_status, ref) = await both(native_url, reference_server, "/completion", greedy(prompt, 2))
+        assert status == ref_status == 200
+        for key in ("content", "tokens_predicted", "tokens_evaluated", "stop_type"):
+            assert ours[key] == ref[key], key
+
+
 # --- the other task fields ----------------------------------------------------------------------------
 
 

@@ -443,6 +443,8 @@ class CompletionAnswer(Answer):
     def _llama_final(self, summary: Any, text: str) -> dict[str, Any]:
         out = super()._llama_final(summary, text)
         out["index"] = self.index
+        if summary.completion_tokens == 0:
+            out["stop_type"] = "none"  # nothing generated (an empty prompt): llama-server's STOP_TYPE_NONE
         if self.options.get("return_tokens") and not self.stream:
             out["tokens"] = list(summary.tokens)
         settings = out["generation_settings"]
