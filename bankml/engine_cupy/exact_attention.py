@@ -256,12 +256,8 @@ def _walk_f16(q16: Any, k: Any, v: Any, n_cells: int, kvh: int, mask: Any, row: 
         else:
             vs = F32(math.exp(s - big_m))
         _mad_f16(acc, v, kvh, ic, vs)
-        big_s = fma32(big_s, ms, vs) if FUSE_SUM else big_s * ms + vs
+        big_s = fma32(big_s, ms, vs)  # S = S*ms + vs: GCC fuses it (see the docs)
     return big_m, big_s
-
-
-# S = S*ms + vs in one_chunk: GCC fuses it (settled against ggml, see the docs)
-FUSE_SUM = True
 
 
 @njit(inline="always")
@@ -344,10 +340,6 @@ def _reduce_all(part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: int,
         _reduce_partials(part_m[h], part_s[h], part_acc[h], chunk, n_kv, out[0, h])
 
 
-# reduce_partials: a*so + b*sn, GCC fuses the first product (settled against ggml, see the docs)
-FUSE_MERGE = 1
-
-
 @njit(inline="always")
 def _reduce_partials(part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: int,
                      out: Any) -> None:
@@ -375,11 +367,8 @@ def _reduce_partials(part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: 
 
 @njit(inline="always")
 def _merge(a: float, sa: float, b: float, sb: float) -> float:
-    if FUSE_MERGE == 1:
-        return fma32(a, sa, b * sb)
-    if FUSE_MERGE == 2:
-        return fma32(b, sb, a * sa)
-    return a * sa + b * sb
+    """reduce_partials' a*scale_old + b*scale_new: GCC fuses the first product (see the docs)."""
+    return fma32(a, sa, b * sb)
 
 
 # --- the tiled kernel (64 rows or more) ----------------------------------------------------------
@@ -750,7 +739,7 @@ def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: i
         n_blocks = hd // 32
         _mad_q8_0_body(acc, vq, (kvh * vq.shape[1] + ic) * hd, vd,
                        (kvh * vd.shape[1] + ic) * n_blocks, vs, n_blocks)
-        big_s = fma32(big_s, ms, vs) if FUSE_SUM else big_s * ms + vs
+        big_s = fma32(big_s, ms, vs)  # S = S*ms + vs: GCC fuses it (see the docs)
     s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
     for d in range(hd):
         out[row, h, d] = acc[d] * s_inv
