@@ -13,14 +13,17 @@ elsewhere the structure and the first token's candidates.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.threads import deferToThread
 
+from bankml.engine_cupy.sampler import Candidates, LogitBias, Sampler, SamplerParams, apply_logit_bias
 from bankml.native_service import build_native_roots
 from bankml.resources.llama import Completion
 from bankml.resources.openai import OAI_COMPLETION
@@ -55,6 +58,21 @@ def greedy(prompt: Any, n_predict: int = 4, **extra: Any) -> dict[str, Any]:
 
 
 # --- logit_bias and ignore_eos -----------------------------------------------------------------------
+
+
+def test_biases_are_added_in_turn_in_float32_before_every_stage() -> None:
+    """The bias stage alone: a token listed twice gets both, in order, in float32; a ban is -inf;
+    it runs before top-k and before mirostat, so a banned maximum is never drawn."""
+    logits = np.array([1.0, 5.0, 2.0, 0.5], dtype=np.float32)
+    c = Candidates.from_logits(logits)
+    apply_logit_bias(c, [LogitBias(0.1, 2), LogitBias(1e-8, 2), LogitBias(-math.inf, 1)])
+    assert c.logits[2] == np.float32(np.float32(2.0) + np.float32(0.1)) + np.float32(1e-8)
+    assert c.logits[1] == -np.inf and c.logits[0] == 1.0
+    ban = (LogitBias(-math.inf, 1),)
+    assert Sampler(SamplerParams(temperature=0.0, logit_bias=ban), None, 4).sample(logits) == 2
+    drawn = {Sampler(SamplerParams(mirostat=2, temperature=1.0, seed=seed, logit_bias=ban), None, 4).sample(logits)
+             for seed in range(40)}
+    assert 1 not in drawn and 2 in drawn
 
 
 @pytest_twisted.ensureDeferred
@@ -218,7 +236,7 @@ async def test_several_prompts_stream_in_turn(native_url: str, reference_server:
     ref = sse_events(ref_data)
 
     def shape(events: list) -> list:
-        return [None if e is None else (e["index"], e["content"], e["stop"]) for e in events]
+        return [None if e is None else (e["index"], e["content"], e["stop"], e["id_slot"]) for e in events]
 
     assert shape(ours) == shape(ref)
 

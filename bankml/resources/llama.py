@@ -428,6 +428,7 @@ class CompletionAnswer(Answer):
         events = super()._llama_pieces(chunk)
         for event in events:
             event["index"] = self.index
+            event["id_slot"] = -1  # llama-server's partial results carry the task's id_slot, -1 unless asked
             if self.options.get("timings_per_token") and getattr(chunk, "timings", None):
                 event["timings"] = chunk.timings
         return events
