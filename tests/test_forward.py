@@ -152,7 +152,9 @@ def test_default_next_token_logprobs(default_engine: Model, reference_server, pr
     print(f"\ndefault model, {len(prompt_ids)} prompts: largest top-10 logprob difference "
           f"{worst:.5f}, same top-1 {same_top1}/{len(prompt_ids)}")
     assert same_top1 == len(prompt_ids)
-    assert worst < 0.5  # measured 0.289 (model.md says why it is not smaller)
+    # measured 0.00001: the logits are ggml's; what is left is the order in which llama-server
+    # sums the 49,152 exponentials after its partial sort (sampler.token_logprobs)
+    assert worst < 1e-4
 
 
 @pytest.mark.llama_server
@@ -161,9 +163,8 @@ def test_default_greedy_answers(default_engine: Model, reference_server, prompt_
     prompts = prompt_ids[:20]
     same, notes = compare_greedy(default_engine, reference_server, prompts, GREEDY_TOKENS)
     print(f"\ndefault model greedy {GREEDY_TOKENS} tokens: {same}/{len(prompts)} identical; {notes}")
-    # measured 7/20 (the others part after 4-20 identical tokens): the issue's 90 % needs ggml's
-    # exact float order, which this NumPy engine does not have (docs/modules/model.md)
-    assert same >= 5
+    # measured 20/20 with the exact kernels (7/20 before them); the issue asks for 90 %
+    assert same >= 18
 
 
 @pytest.mark.llama_server

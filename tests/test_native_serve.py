@@ -370,6 +370,9 @@ async def test_save_erase_restore_gives_back_the_same_slot(served: Served) -> No
     assert again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1  # the restored prefix
     assert again["choices"][0]["message"]["content"] == warm["choices"][0]["message"]["content"]
     assert again["timings"]["cache_n"] == warm["timings"]["cache_n"]
+    # and equal to an empty slot's: below 64 rows ggml's attention is the per-row kernel, so
+    # re-evaluating the last prompt token alone computes the bits the whole prompt did
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 
 @pytest_twisted.ensureDeferred
@@ -563,6 +566,8 @@ async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: 
     await apost(url, body)
     status, saved = await slot(served, "0", "save", {"filename": "restart.bin"})
     status, warm = await apost(url, body)  # the next answer on the slot as saved
+    await slot(served, "0", "erase")
+    status, empty = await apost(url, body)  # the answer from an empty slot
     # "Restart": a second Engine opened from the file, as a new bankml process would.
     fresh = await deferToThread(Engine.open, served.native.verified.path, n_ctx=N_CTX, device="cpu")
     done = await deferToThread(slots.restore_slot, fresh, str(served.slot_dir / "restart.bin"),
@@ -580,6 +585,7 @@ async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: 
 
     text, cache_n = await deferToThread(answer)
     assert (text, cache_n) == (warm["choices"][0]["message"]["content"], warm["timings"]["cache_n"])
+    assert text == empty["choices"][0]["message"]["content"]  # the test: as an empty slot
     # A slot from another context size is refused with the reason, and leaves the slot empty.
     data = bytearray((served.slot_dir / "restart.bin").read_bytes()[:-32])
     data[79:87] = (1024).to_bytes(8, "little")  # n_ctx, after the magic and the model sha256
