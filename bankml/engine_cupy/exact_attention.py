@@ -795,10 +795,13 @@ def _cell_buffer(x: np.ndarray, dtype: type) -> np.ndarray:
     return np.ascontiguousarray(x, dtype)
 
 
+_NO_MASK = np.zeros((1, 1), np.float32)  # a placeholder the kernels never read
+
+
 def _prepare_mask(mask: np.ndarray | None, n_rows: int, n_cells: int) -> tuple[bool, np.ndarray]:
     """(has_mask, the mask as f32 holding f16 values, as ggml reads its f16 mask)."""
     if mask is None:
-        return False, np.zeros((1, 1), np.float32)
+        return False, _NO_MASK
     mask = np.asarray(mask)
     if mask.shape != (n_rows, n_cells):
         raise ValueError(f"mask {mask.shape} is not [n_rows, T] = {(n_rows, n_cells)}")
