@@ -174,13 +174,12 @@ def test_c_float_is_a_float32_widened_and_json_null_when_not_finite(value: float
     assert c_float(value) == (as_c if math.isfinite(as_c) else None)
 
 
-@pytest.mark.xfail(strict=True, reason="bankml/resources/llama.py props_object: top-level n_ctx is extra, "
-                   "chat_template_caps lacks three caps, and params must come from "
-                   "generation_settings(..., only_metrics=True)")
 @pytest_twisted.ensureDeferred
 async def test_props_have_llama_servers_keys(served: Served, reference_server: Any) -> None:
     (_, _, ours), (_, _, ref) = await both(served.engine_url, reference_server, "GET", "/props")
     assert_same_keys(ours, ref)
+    assert ours["chat_template_caps"] == ref["chat_template_caps"]  # the same caps, in std::map's order
+    assert list(ours["chat_template_caps"]) == list(ref["chat_template_caps"])
     reasoning = ours["default_generation_settings"]["params"]["reasoning_format"]
     assert reasoning == ref["default_generation_settings"]["params"]["reasoning_format"] == "none"
 

@@ -189,9 +189,9 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
     class _Defaults:  # generation_settings reads a parsed request's fields
         sampler, n_predict, stop, n_probs, cache_prompt = defaults, -1, (), 0, True
 
-    caps = getattr(template, "caps", None)
     return {
-        "default_generation_settings": {"params": generation_settings(_Defaults, native), "n_ctx": native.n_ctx},
+        "default_generation_settings": {"params": generation_settings(_Defaults, native, only_metrics=True),
+                                        "n_ctx": native.n_ctx},
         "total_slots": 1,
         "model_alias": native.model_id,
         "model_ftype": main_weight_type(native.verified.guard),
@@ -204,14 +204,27 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         "ui": False,
         "ui_settings": {},
         "chat_template": getattr(template, "source", ""),
-        "chat_template_caps": dict(vars(caps)) if caps is not None else {},
+        "chat_template_caps": template_caps(getattr(template, "caps", None)),
         "bos_token": getattr(template, "bos_token", ""),
         "eos_token": getattr(template, "eos_token", ""),
         "build_info": native.build_info,
         "is_sleeping": False,
         "cors_proxy_enabled": False,
-        "n_ctx": native.n_ctx,
     }
+
+
+def template_caps(caps: Any) -> dict[str, bool]:
+    """llama.cpp's ``caps::to_map``: the template's capabilities, sorted by name as its std::map
+    is. The three caps chat_template.Caps does not probe take llama.cpp's result for a template
+    without them: parallel tool calls only where tool calls work (its probe fails otherwise),
+    no preserved reasoning and no reasoning effort (neither probe finds the variable used)."""
+    if caps is None:
+        return {}
+    out = dict(vars(caps))
+    out.setdefault("supports_parallel_tool_calls", bool(out.get("supports_tool_calls", False)))
+    out.setdefault("supports_preserve_reasoning", False)
+    out.setdefault("supports_reasoning_effort", False)
+    return dict(sorted(out.items()))
 
 
 def main_weight_type(guard: Any) -> str:
