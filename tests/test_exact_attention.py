@@ -356,7 +356,8 @@ def test_warm_up_compiles_what_the_engine_calls() -> None:
 
     ea.warm_up(q8_0=True)
     drivers = [ea._one_chunk_serial, ea._one_chunk_parallel, ea._split_serial, ea._split_parallel,
-               ea._tiled_serial, ea._tiled_parallel, ea._q8_0_serial, ea._q8_0_parallel]
+               ea._tiled_serial, ea._tiled_parallel, ea._q8_0_serial, ea._q8_0_parallel,
+               ea._pack_k_tiles, ea._reduce_all]
     before = [len(d.signatures) for d in drivers]
     assert all(n >= 1 for n in before)
     cache = np.zeros((3, 2048, 64), np.float32)

@@ -571,14 +571,23 @@ def _tiled_parallel(q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any, has_m
         _tiled_task(task, q, k_tiles, v, n_cells, mask, has_mask, scale, group, out)
 
 
-def _k_tiles(k: np.ndarray) -> np.ndarray:
-    """K [kv_head, T, hd] as [kv_head, tile, hd, 64], zero-padded (ggml's packed K_f32)."""
-    n_head_kv, n_cells, hd = k.shape
+@njit
+def _pack_k_tiles(k: Any, n_cells: int, out: Any) -> None:
+    """out[kvh, t, d, j] = K[kvh, 64 t + j, d], 0 past n_cells (ggml's packed K_f32 tiles)."""
+    for kvh in range(out.shape[0]):
+        for t in range(out.shape[1]):
+            for j in range(FA_TILE_KV):
+                c = t * FA_TILE_KV + j
+                for d in range(out.shape[2]):
+                    out[kvh, t, d, j] = k[kvh, c, d] if c < n_cells else _ZERO
+
+
+def _k_tiles(k: np.ndarray, n_cells: int) -> np.ndarray:
+    """K [kv_head, cells, hd] (the first n_cells of the buffer) as [kv_head, tile, hd, 64]."""
     n_tiles = -(-n_cells // FA_TILE_KV)
-    padded = np.zeros((n_head_kv, n_tiles * FA_TILE_KV, hd), np.float32)
-    padded[:, :n_cells] = k
-    return np.ascontiguousarray(
-        padded.reshape(n_head_kv, n_tiles, FA_TILE_KV, hd).transpose(0, 1, 3, 2))
+    out = np.empty((k.shape[0], n_tiles, k.shape[2], FA_TILE_KV), np.float32)
+    _pack_k_tiles(k, n_cells, out)
+    return out
 
 
 # --- the q8_0 cache (one_chunk for every batch: ggml tiles and splits only f16/f32 K/V) --------
@@ -841,7 +850,7 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     scale = F32(scale)
     if n_rows >= FA_TILE_Q:
         tiled = _tiled_parallel if parallel else _tiled_serial
-        tiled(q, _k_tiles(k), v_buf, n_cells, mask, has_mask, scale, group, out)
+        tiled(q, _k_tiles(k_buf, n_cells), v_buf, n_cells, mask, has_mask, scale, group, out)
     elif n_rows == 1 and n_kv >= SPLIT_MIN_CELLS:
         n_threads = max(1, int(n_threads))
         chunk = -(-n_kv // n_threads)
