@@ -199,8 +199,6 @@ async def test_metrics_are_llama_servers_names_and_types(served: Served, full_re
     assert [line for line in theirs if line in mine] == mine  # in llama-server's order
 
 
-@pytest.mark.xfail(strict=True, reason="bankml/resources/llama.py prometheus_text lacks llama-server's three "
-                   "llamacpp:spec_decode_* counters (0 without speculative decoding)")
 @pytest_twisted.ensureDeferred
 async def test_metrics_list_every_llama_server_metric(served: Served, full_reference: Any) -> None:
     (_, _, ours), (_, _, ref) = await both(served.engine_url, full_reference, "GET", "/metrics")

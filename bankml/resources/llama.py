@@ -256,6 +256,10 @@ def prometheus_text(native: NativeEngine) -> str:
         ("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding and "
          "multimodal decoding", t["decode_calls"]),
         ("n_tokens_max", "Largest observed sequence length (prompt + generation)", t["n_tokens_max"]),
+        # bankml has no speculative decoding: llama-server's counters, always 0 here as there without a draft
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
+        ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
+        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
     ]
     prompt_rate = (t["prompt_tokens"] / t["prompt_seconds"]) if t["prompt_seconds"] > 0 else 0.0
     predicted_rate = (t["tokens_predicted"] / t["predicted_seconds"]) if t["predicted_seconds"] > 0 else 0.0
