@@ -212,7 +212,10 @@ async def test_metrics_list_every_llama_server_metric(served: Served, full_refer
     ("/tokenize", {"content": "Hello <|im_start|> wörld", "with_pieces": True}),
     ("/tokenize", {"content": "Hello", "add_special": True, "parse_special": False}),
     ("/tokenize", {}),
+    ("/tokenize", {"content": [1, "Hello", 2.9, True, 4294967301, 1e30], "add_special": True}),  # C++'s int casts
+    ("/tokenize", {"content": "Hello", "add_special": 1, "with_pieces": "x"}),  # not booleans: the defaults
     ("/detokenize", {"tokens": [19556, 905, 1, 2]}),
+    ("/detokenize", {"tokens": [True, 2.5, 4294967301]}),
     ("/detokenize", {}),
     ("/apply-template", {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}),
     ("/apply-template", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False}),
@@ -253,9 +256,11 @@ async def test_a_message_without_a_role_is_400_with_llama_servers_message(served
     assert (ours["error"]["type"], ref["error"]["type"]) == ("invalid_request_error", "server_error")
 
 
-@pytest.mark.xfail(strict=True, reason="bankml/resources/llama.py tokenize_answer/detokenize_answer: nlohmann's "
-                   "type messages for a non-string content and a non-array tokens")
-@pytest.mark.parametrize("path, body", [("/tokenize", {"content": 5}), ("/detokenize", {"tokens": "abc"})])
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"content": 5}), ("/tokenize", {"content": None}), ("/tokenize", {"content": [1, None]}),
+    ("/tokenize", {"content": ["a", {}]}), ("/detokenize", {"tokens": "abc"}), ("/detokenize", {"tokens": None}),
+    ("/detokenize", {"tokens": [1, "a"]}), ("/detokenize", {"tokens": [[1]]}),
+])
 @pytest_twisted.ensureDeferred
 async def test_text_endpoint_type_refusals_are_llama_servers(served: Served, reference_server: Any, path: str,
                                                              body: dict) -> None:

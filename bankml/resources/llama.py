@@ -25,7 +25,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 from bankml.bridge import NativeEngine, RunControl
 from bankml.proxy_resource import JsonResource, error_body, write_json
 from bankml.resources.openai import (LLAMA_COMPLETION, OAI_COMPLETION, SSE, Answer, NativeChat, dumps,
-                                     generation_settings, gone, read_json_object, sse)
+                                     generation_settings, gone, json_type, read_json_object, sse)
 
 NOT_SUPPORTED_SLOTS = "This server does not support slots action. Start it with `--slot-save-path`"
 FORBIDDEN_CODEPOINTS = set(':*?"<>|/\\') | {"\ufffd", "\ufeff", "\uff0e", "\u2215", "\u2216"}
@@ -74,31 +74,42 @@ class _Native(JsonResource):
 
 
 def tokenize_mixed(engine: Any, content: Any, add_special: bool, parse_special: bool) -> list[int]:
-    """llama-server's tokenize_mixed: a string, or an array of strings and token ids."""
-    if isinstance(content, str):
-        return engine.tokenize(content, add_special=add_special, parse_special=parse_special)
-    if isinstance(content, list):
-        out: list[int] = []
-        first = True
-        for part in content:
-            if isinstance(part, str):
-                out += engine.tokenize(part, add_special=add_special and first, parse_special=parse_special)
-                first = False
-            elif isinstance(part, int) and not isinstance(part, bool):
-                out.append(part)
-            else:
-                raise ValueError("content must be a string or an array of strings and token ids")
-        return out
-    raise ValueError("content must be a string or an array of strings and token ids")
+    """llama-server's tokenize_mixed: a string, or an array of strings and token ids (the first
+    item, string or id, is the only one that may take the special tokens)."""
+    if not isinstance(content, list):
+        return engine.tokenize(_json_string(content), add_special=add_special, parse_special=parse_special)
+    out: list[int] = []
+    for index, part in enumerate(content):
+        if isinstance(part, str):
+            out += engine.tokenize(part, add_special=add_special and index == 0, parse_special=parse_special)
+        else:
+            out.append(c_int(part))
+    return out
+
+
+def _json_string(value: Any) -> str:
+    """nlohmann's get<std::string>."""
+    if not isinstance(value, str):
+        raise ValueError(f"[json.exception.type_error.302] type must be string, but is {json_type(value)}")
+    return value
+
+
+def c_int(value: Any) -> int:
+    """nlohmann's get<int> (a llama_token): any number converts as C++ converts it, a boolean
+    to 0/1, an integer wrapping to 32 bits, a double truncated (x86's INT_MIN where it does not
+    fit); anything else is its type error."""
+    if isinstance(value, bool) or isinstance(value, int) and -2 ** 63 <= value < 2 ** 64:
+        return (int(value) - INT_MIN) % 2 ** 32 + INT_MIN
+    if isinstance(value, (int, float)):  # an integer beyond 64 bits is a double to nlohmann
+        fits = math.isfinite(value) and INT_MIN <= math.trunc(value) <= INT_MAX
+        return math.trunc(value) if fits else INT_MIN
+    raise ValueError(f"[json.exception.type_error.302] type must be number, but is {json_type(value)}")
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValueError(f"[json.exception.type_error.302] type must be boolean, but is {type(value).__name__}")
-    return value
+    """json_value(body, name, default): anything but a boolean reads as the default."""
+    value = body.get(name)
+    return value if isinstance(value, bool) else default
 
 
 def tokenize_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -122,11 +133,12 @@ def tokenize_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
 def detokenize_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
     """tokens_to_str: every token's piece with special tokens as text."""
     tokens = body.get("tokens", [])
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ValueError("[json.exception.type_error.302] tokens must be an array of integers")
-    if any(t < 0 or t >= engine.n_vocab for t in tokens):
+    if not isinstance(tokens, list):
+        raise ValueError(f"[json.exception.type_error.302] type must be array, but is {json_type(tokens)}")
+    ids = [c_int(t) for t in tokens]
+    if any(t < 0 or t >= engine.n_vocab for t in ids):
         raise ValueError("Invalid token id")  # llama-server would read out of bounds
-    raw = b"".join(engine.tokenizer.token_to_piece(t, True) for t in tokens)
+    raw = b"".join(engine.tokenizer.token_to_piece(t, True) for t in ids)
     return {"content": raw.decode("utf-8", "replace")}
 
 

@@ -47,6 +47,12 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
+def json_type(value: Any) -> str:
+    """nlohmann's type_name() of a parsed JSON value, as its type errors print it."""
+    return {bool: "boolean", str: "string", list: "array", dict: "object", type(None): "null"}.get(
+        type(value), "number")
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
@@ -82,9 +88,8 @@ def check_stream_options(request: dict[str, Any]) -> None:
         return
     value = options.get("include_usage")
     if value is not None and not isinstance(value, bool):
-        kind = {str: "string", list: "array", dict: "object"}.get(type(value), "number")
         raise RequestError(f"Field 'include_usage': [json.exception.type_error.302] type must be boolean, "
-                           f"but is {kind}")
+                           f"but is {json_type(value)}")
 
 
 def parse_checked(engine: Any, request: dict[str, Any], kind: str) -> Any:
