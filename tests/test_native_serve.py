@@ -399,7 +399,7 @@ async def test_damaged_and_foreign_slot_files_are_refused_and_leave_an_empty_slo
 @pytest.mark.parametrize("sid, action, body, message", [
     ("0", "bogus", {}, "Invalid action"),
     ("x", "save", {"filename": "a.bin"}, "Invalid slot ID"),
-    ("1", "save", {"filename": "a.bin"}, "Invalid slot ID"),
+    ("2147483648", "save", {"filename": "a.bin"}, "Invalid slot ID"),  # beyond std::stoi's int
     ("0", "save", {"filename": "../a.bin"}, "Invalid filename"),
     ("0", "save", {"filename": "a:b"}, "Invalid filename"),
     ("0", "save", {"filename": " a"}, "Invalid filename"),
@@ -407,6 +407,8 @@ async def test_damaged_and_foreign_slot_files_are_refused_and_leave_an_empty_slo
     ("0", "save", {"filename": "a\u2215b"}, "Invalid filename"),
     ("0", "save", {"filename": "x" * 256}, "Invalid filename"),
     ("0", "save", {}, "[json.exception.out_of_range.403] key 'filename' not found"),
+    ("0", "save", {"filename": 5}, "[json.exception.type_error.302] type must be string, but is number"),
+    ("0", "restore", {"filename": None}, "[json.exception.type_error.302] type must be string, but is null"),
 ])
 @pytest_twisted.ensureDeferred
 async def test_slot_refusals_are_llama_servers(served: Served, sid: str, action: str, body: dict,

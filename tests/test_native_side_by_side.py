@@ -479,7 +479,8 @@ async def test_slot_save_erase_restore_answer_as_llama_server(served: Served, fu
 @pytest.mark.parametrize("sid, action, body", [
     ("0", "bogus", {}), ("0", "", {}), ("x", "save", {"filename": "a.bin"}), ("0", "save", {}),
     ("0", "save", {"filename": "../a.bin"}), ("0", "restore", {"filename": "/tmp/a.bin"}),
-    ("0", "save", {"filename": "a:b"}),
+    ("0", "save", {"filename": "a:b"}), ("0", "save", {"filename": 5}), ("0", "restore", {"filename": None}),
+    ("2147483648", "erase", {}),
 ])
 @pytest_twisted.ensureDeferred
 async def test_slot_refusals_are_llama_servers_word_for_word(served: Served, full_reference: Any, sid: str,
@@ -504,13 +505,13 @@ async def test_slot_paths_route_as_llama_servers(served: Served, full_reference:
         assert ours == ref and ours[0] == 404
 
 
-@pytest.mark.xfail(strict=True, reason="bankml/resources/llama.py SlotAction: llama-server takes any slot id "
-                   "modulo its slot count (id 1 is slot 0 with -np 1) and echoes the id; bankml refuses it")
+@pytest.mark.parametrize("sid, echoed", [("1", 1), ("-7", -7), ("%205x", 5)])
 @pytest_twisted.ensureDeferred
-async def test_slot_ids_wrap_as_llama_servers(served: Served, full_reference: Any) -> None:
-    ours = await slot_action(served.engine_url, "1", "erase")
-    ref = await slot_action(full_reference.url, "1", "erase")
-    assert ours[0] == ref[0] == 200 and ours[2]["id_slot"] == ref[2]["id_slot"] == 1
+async def test_slot_ids_wrap_as_llama_servers(served: Served, full_reference: Any, sid: str, echoed: int) -> None:
+    """Any id std::stoi reads is slot id % n_slots (one slot: slot 0), echoed back as asked."""
+    ours = await slot_action(served.engine_url, sid, "erase")
+    ref = await slot_action(full_reference.url, sid, "erase")
+    assert ours[0] == ref[0] == 200 and ours[2]["id_slot"] == ref[2]["id_slot"] == echoed
 
 
 @pytest_twisted.ensureDeferred

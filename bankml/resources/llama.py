@@ -5,8 +5,8 @@ prompt or several, llama-server's array of results), ``GET /health``, ``/props``
 llama-server's ``--metrics``), and ``POST /slots/{id}?action=save|restore|erase`` with
 llama-server's checks in its order: no slot dir (501), an id ``std::stoi`` cannot read
 ("Invalid slot ID"), the action ("Invalid action"), the filename (llama.cpp's
-``fs_validate_filename``, "Invalid filename"), then the slot itself ("Invalid slot ID" for any id
-but 0). A failed restore is 400 ``Unable to restore slot: <reason>``, a failed save 500.
+``fs_validate_filename``, "Invalid filename"); any id then wraps onto the one slot and is echoed
+back. A failed restore is 400 ``Unable to restore slot: <reason>``, a failed save 500.
 
 Text work (tokenizing, templating) runs on the bridge's prepare thread; slot work on the engine
 thread, so it never meets a half-finished run.
@@ -375,30 +375,33 @@ class SlotAction(_Native):
             if refusal is not None:
                 write_json(request, 400, refusal)
                 return NOT_DONE_YET
-            filename = body.get("filename")
+            if "filename" not in body:
+                _error(request, 400, "[json.exception.out_of_range.403] key 'filename' not found")
+                return NOT_DONE_YET
+            filename = body["filename"]
             if not isinstance(filename, str):
-                _error(request, 400, "[json.exception.out_of_range.403] key 'filename' not found"
-                       if filename is None else "[json.exception.type_error.302] type must be string")
+                _error(request, 400,
+                       f"[json.exception.type_error.302] type must be string, but is {json_type(filename)}")
                 return NOT_DONE_YET
             if not filename_ok(filename):
                 _error(request, 400, "Invalid filename")
                 return NOT_DONE_YET
-        if id_slot != 0:
-            _error(request, 400, "Invalid slot ID")
-            return NOT_DONE_YET
-        d = native.bridge.call(slot_job, native, action, filename)
+        # get_slot_by_id: any id wraps onto a slot (id % n_slots, the id read as size_t), so with
+        # bankml's one slot every id is slot 0; the answer echoes the id asked for, as llama-server's
+        d = native.bridge.call(slot_job, native, action, filename, id_slot)
         d.addCallback(lambda out: write_json(request, out[0], dumps(out[1])))
         d.addErrback(_on_failure(request))
         return NOT_DONE_YET
 
 
-def slot_job(native: NativeEngine, action: str, filename: str) -> tuple[int, dict[str, Any]]:
-    """On the engine thread: (status, body) of one slot action."""
+def slot_job(native: NativeEngine, action: str, filename: str, id_slot: int = 0) -> tuple[int, dict[str, Any]]:
+    """On the engine thread: (status, body) of one slot action on the one slot; ``id_slot`` is
+    the id the request named (llama-server echoes it)."""
     from bankml.engine_cupy import slots
 
     engine = native.engine
     if action == "erase":
-        return 200, {"id_slot": 0, "n_erased": slots.erase_slot(engine)}
+        return 200, {"id_slot": id_slot, "n_erased": slots.erase_slot(engine)}
     path = os.path.join(native.slot_dir, filename)
     if action == "save":
         try:
@@ -406,14 +409,14 @@ def slot_job(native: NativeEngine, action: str, filename: str) -> tuple[int, dic
         except OSError as err:
             return 500, {"error": {"code": 500, "message": f"Unable to save slot: {err.strerror or err}",
                                    "type": "server_error"}}
-        return 200, {"id_slot": 0, "filename": filename, "n_saved": done.n_tokens, "n_written": done.n_bytes,
+        return 200, {"id_slot": id_slot, "filename": filename, "n_saved": done.n_tokens, "n_written": done.n_bytes,
                      "timings": {"save_ms": round(done.ms, 3)}}
     try:
         done = slots.restore_slot(engine, path, native.verified.sha256)
     except slots.SlotError as err:
         return 400, {"error": {"code": 400, "message": f"Unable to restore slot: {err}",
                                "type": "invalid_request_error"}}
-    return 200, {"id_slot": 0, "filename": filename, "n_restored": done.n_tokens, "n_read": done.n_bytes,
+    return 200, {"id_slot": id_slot, "filename": filename, "n_restored": done.n_tokens, "n_read": done.n_bytes,
                  "timings": {"restore_ms": round(done.ms, 3)}}
 
 
