@@ -270,3 +270,21 @@ def test_cache_types(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None
     a = tiny_llama.forward([11, 12, 13], f16)
     b = tiny_llama.forward([11, 12, 13], q8)
     assert int(numpy.argmax(a)) == int(numpy.argmax(b))
+
+
+def test_array_module_path_on_the_cpu(default_engine: Model, default_model: Path) -> None:
+    """The vectorised xp path (the one CuPy runs; CI has no GPU) computes the same model: f32
+    products and softmax instead of ggml's kernels, so close to the exact path, not equal."""
+    plain = Model.load(default_model, device="cpu", progress=False, exact=False)
+    assert plain.exact is False and default_engine.exact is True
+    assert plain.weights.output.weight is not None and default_engine.weights.output.exact is not None
+    worst, same_top1 = 0.0, 0
+    for text_ids in ([1, 504, 3458, 282, 4649, 314], [28, 11, 2029, 9, 1213, 30, 87, 59, 1030]):
+        exact = log_softmax(default_engine.forward(text_ids, default_engine.new_cache(16)))
+        approx = log_softmax(plain.forward(text_ids, plain.new_cache(16)))
+        top = numpy.argsort(-exact)[:10]
+        worst = max(worst, float(numpy.abs(exact[top] - approx[top]).max()))
+        same_top1 += int(numpy.argmax(exact) == numpy.argmax(approx))
+    print(f"\narray path vs exact path: largest top-10 logprob difference {worst:.4f}, top-1 {same_top1}/2")
+    assert same_top1 == 2
+    assert 0 < worst < 0.5  # not the same bits (f32 products), the same model

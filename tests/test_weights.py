@@ -119,9 +119,9 @@ def test_refuses_from_the_header_before_reading_weights(tmp_path: Path,
 
 def test_memory_budget_refusal(tmp_path: Path) -> None:
     reader = weights.open_reader(write_header_only(tmp_path / "m.gguf", "llama", llama_tensors()))
-    need = weights.f32_bytes(reader)
+    need = weights.weight_bytes(reader)
     weights.check_memory(reader, available=need * 2)
-    with pytest.raises(UnsupportedModel, match="the f32 weights take"):
+    with pytest.raises(UnsupportedModel, match="the weights take"):
         weights.check_memory(reader, available=need)
 
 

@@ -91,7 +91,8 @@ def softmax_product(xp: ModuleType, scores: Any, values: Any) -> Any:
 class Model:
     """A GGUF model ready to run forward passes on one device."""
 
-    def __init__(self, hp: HParams, weights: Weights, xp: ModuleType, path: str, reader: Any):
+    def __init__(self, hp: HParams, weights: Weights, xp: ModuleType, path: str, reader: Any,
+                 exact: bool = True):
         self.hp = hp
         self.weights = weights
         self.xp = xp
@@ -114,17 +115,21 @@ class Model:
         self._blas = backend.BlasThreads(xp)
         # On the CPU, every op rounds as ggml's kernels do (exact_matmul/ops/attention); the
         # array-module path (CuPy) keeps the vectorised approximations below.
-        self.exact = xp is numpy
+        self.exact = exact and xp is numpy
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str = "auto",
-             progress: bool | None = None) -> "Model":
-        """Read the header, refuse what is not played, then dequantize the weights (tqdm bar)."""
+             progress: bool | None = None, exact: bool = True) -> "Model":
+        """Read the header, refuse what is not played, then load the weights (tqdm bar).
+
+        ``exact=False`` runs the array-module path (the one CuPy takes) on the CPU too, so that
+        path is tested on machines without a GPU."""
         xp = backend.get_xp(device)
         reader = open_reader(path)
         hp = read_hparams(reader)
+        exact = exact and xp is numpy
         if xp is numpy:
-            check_memory(reader)
+            check_memory(reader, exact=exact)
         if progress is None:
             progress = sys.stderr.isatty()
         bar = None
@@ -134,11 +139,12 @@ class Model:
             bar = tqdm(total=total_tensor_bytes(reader), unit="B", unit_scale=True,
                        desc=f"loading {os.path.basename(os.fspath(path))}", leave=False)
         try:
-            weights = load_weights(reader, hp, xp, tick=bar.update if bar else lambda n: None)
+            weights = load_weights(reader, hp, xp, tick=bar.update if bar else lambda n: None,
+                                   exact=exact)
         finally:
             if bar is not None:
                 bar.close()
-        return cls(hp, weights, xp, os.fspath(path), reader)
+        return cls(hp, weights, xp, os.fspath(path), reader, exact)
 
     def new_cache(self, n_ctx: int, cache_type: str | None = None) -> KVCache:
         return KVCache(self.xp, self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, n_ctx,

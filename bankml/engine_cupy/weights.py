@@ -383,10 +383,12 @@ class EmbeddingRows:
 class _Loader:
     """Dequantizes tensors from the memory-mapped file into xp arrays, ticking progress."""
 
-    def __init__(self, reader: GGUFReader, xp: ModuleType, tick: Callable[[int], None]):
+    def __init__(self, reader: GGUFReader, xp: ModuleType, tick: Callable[[int], None],
+                 exact: bool = True):
         self.infos = _tensor_infos(reader)
         self.xp = xp
         self.tick = tick
+        self.exact = exact  # keep matrices in their blocks for exact_matmul (CPU only)
         self.nbytes = 0
 
     def has(self, name: str) -> bool:
@@ -443,7 +445,8 @@ class _Loader:
 
     def exact_matrix_possible(self, name: str) -> bool:
         info = self.infos[name]
-        return self.xp is numpy and exact_supported(info.tensor_type) and len(info.shape) == 2
+        return (self.exact and self.xp is numpy and exact_supported(info.tensor_type)
+                and len(info.shape) == 2)
 
     def _bias(self, group: list[tuple[str, str]], widths: list[int]) -> Any | None:
         """The group's biases side by side (zeros for a member without one), or None."""
@@ -495,20 +498,25 @@ def dequantize(data: numpy.ndarray, qtype: T) -> numpy.ndarray:
     return numpy.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 
-def f32_bytes(reader: GGUFReader) -> int:
-    """What the dequantized weights take: 4 bytes per element of every tensor."""
-    return sum(int(t.n_elements) * 4 for t in reader.tensors)
+def weight_bytes(reader: GGUFReader, exact: bool = False) -> int:
+    """What the loaded weights take: 4 bytes per element, or (``exact``) the GGUF bytes of the
+    matrices exact_matmul multiplies in their blocks."""
+    def size(t: Any) -> int:
+        if exact and exact_supported(t.tensor_type) and len(t.shape) == 2:
+            return int(t.n_bytes)
+        return int(t.n_elements) * 4
+    return sum(size(t) for t in reader.tensors)
 
 
-def check_memory(reader: GGUFReader, available: int | None = None) -> None:
-    need = f32_bytes(reader)
+def check_memory(reader: GGUFReader, available: int | None = None, exact: bool = False) -> None:
+    need = weight_bytes(reader, exact)
     if available is None:
         import psutil
 
         available = psutil.virtual_memory().available
     if need > MEMORY_SHARE * available:
         raise UnsupportedModel(
-            f"the f32 weights take {need / 2**30:.2f} GiB, more than {MEMORY_SHARE:.0%} of the "
+            f"the weights take {need / 2**30:.2f} GiB, more than {MEMORY_SHARE:.0%} of the "
             f"{available / 2**30:.2f} GiB of memory available")
 
 
@@ -537,9 +545,9 @@ def _layer(ld: _Loader, hp: HParams, il: int) -> Layer:
 
 
 def load_weights(reader: GGUFReader, hp: HParams, xp: ModuleType,
-                 tick: Callable[[int], None] = lambda n: None) -> Weights:
+                 tick: Callable[[int], None] = lambda n: None, exact: bool = True) -> Weights:
     """Every tensor dequantized to float32 on the device, matrices fused for decoding."""
-    ld = _Loader(reader, xp, tick)
+    ld = _Loader(reader, xp, tick, exact)
     exact_embd = ld.exact_matrix_possible("token_embd.weight")
     token_embd = EmbeddingRows(ld.infos["token_embd.weight"]) if exact_embd else ld.array("token_embd.weight")
     kind = ld.kind("token_embd.weight")
