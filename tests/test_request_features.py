@@ -77,10 +77,12 @@ def test_biases_are_added_in_turn_in_float32_before_every_stage() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_logit_bias_list_is_llama_servers_after_parsing(native_url: str, reference_server: Any) -> None:
-    """Every form and odd key llama-server reads (ids, text, "" as 0, " 7", ids out of range,
-    false as a ban, malformed entries skipped), then ignore_eos's EOG bans: the same list back."""
-    odd = {"12": -1, "hello": False, "": 3, " 7": 2, "x9": 1, "-1": 5, "99999999": 1, "5": True, "6": None}
-    pairs = [[7042, 2.5], [" Paris", False], [-3, 1], [49152, 1], [1.5, 2], ["a", "b"], [1], "bad", [3, 1e39]]
+    """Every form and odd key llama-server reads (ids, text, a bias as a C float, "" as 0, " 7",
+    ids out of range, false as a ban, malformed entries skipped), then ignore_eos's EOG bans: the
+    same list back."""
+    odd = {"12": -1, "13": 0.1, "14": -0.3, "hello": False, "": 3, " 7": 2, "x9": 1, "-1": 5, "99999999": 1,
+           "5": True, "6": None}
+    pairs = [[7042, 2.5], [8, 0.1], [" Paris", False], [-3, 1], [49152, 1], [1.5, 2], ["a", "b"], [1], "bad", [3, 1e39]]
     parsed = 0
     for logit_bias in (odd, pairs):
         body = greedy("The capital of France is", 1, logit_bias=logit_bias, ignore_eos=True)
@@ -89,7 +91,7 @@ async def test_logit_bias_list_is_llama_servers_after_parsing(native_url: str, r
         assert ours["generation_settings"]["logit_bias"] == ref["generation_settings"]["logit_bias"]
         assert ours["generation_settings"]["ignore_eos"] is ref["generation_settings"]["ignore_eos"] is True
         parsed += len(ref["generation_settings"]["logit_bias"])
-    print(f"logit_bias: 18 request entries parsed into {parsed} biases, identical to llama-server's")
+    print(f"logit_bias: 21 request entries parsed into {parsed} biases, identical to llama-server's")
 
 
 @pytest.mark.parametrize("logit_bias", [

@@ -25,7 +25,8 @@ from twisted.web.server import NOT_DONE_YET, Request
 from bankml.bridge import NativeEngine, RunControl
 from bankml.proxy_resource import JsonResource, error_body, write_json
 from bankml.resources.openai import (LLAMA_COMPLETION, OAI_COMPLETION, SSE, Answer, NativeChat, dumps,
-                                     generation_settings, gone, json_type, read_json_object, sse)
+                                     generation_settings, gone, json_type, logit_bias_entries,
+                                     read_json_object, sse)
 
 NOT_SUPPORTED_SLOTS = "This server does not support slots action. Start it with `--slot-save-path`"
 FORBIDDEN_CODEPOINTS = set(':*?"<>|/\\') | {"\ufffd", "\ufeff", "\uff0e", "\u2215", "\u2216"}
@@ -424,12 +425,6 @@ def slot_job(native: NativeEngine, action: str, filename: str, id_slot: int = 0)
 # --- /completion ---------------------------------------------------------------------------------
 
 
-def bias_entries(biases: Any) -> list[dict[str, Any]]:
-    """format_logit_bias: ``{"bias", "token"}`` objects, a ban (-inf) written as null, as nlohmann
-    writes any non-finite number."""
-    return [{"bias": b.bias if math.isfinite(b.bias) else None, "token": b.token} for b in biases]
-
-
 def nested_values(paths: list[str], obj: dict[str, Any]) -> dict[str, Any]:
     """json_get_nested_values: each ``a/b`` path looked up, kept under the path as its key;
     a path that is not there is left out."""
@@ -481,7 +476,7 @@ class CompletionAnswer(Answer):
         if self.options.get("return_tokens") and not self.stream:
             out["tokens"] = list(summary.tokens)
         settings = out["generation_settings"]
-        settings["logit_bias"] = bias_entries(self.parsed.sampler.logit_bias)
+        settings["logit_bias"] = logit_bias_entries(self.parsed.sampler.logit_bias)
         settings["max_tokens"] = settings.get("n_predict", -1)
         for key in ("n_keep", "n_discard", "stream", "timings_per_token", "backend_sampling", "lora"):
             if key in self.options:
