@@ -147,6 +147,7 @@ def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> Nati
 
     engine = Engine.open(verified.path, n_ctx=int(options.get("ctx") or DEFAULT_CTX),
                          device=options.get("device") or "auto", cache_type=options.get("cache_type"))
+    engine.model.warm_up()  # compile or load the kernels now, not on the first request
     device = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
     bridge = EngineBridge(reactor)
     return NativeEngine(engine, bridge, verified, slot_dir=options.get("slot-dir") or options.get("slot_dir"),

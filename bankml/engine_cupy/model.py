@@ -146,6 +146,18 @@ class Model:
                 bar.close()
         return cls(hp, weights, xp, os.fspath(path), reader, exact)
 
+    def warm_up(self) -> None:
+        """Run every kernel a request can reach once, on a scratch cache: Numba compiles them (or
+        loads its on-disk cache) here rather than during the first answer. A no-op on CuPy."""
+        if not self.exact:
+            return
+        exact_attention.warm_up()
+        n = exact_attention.FA_TILE_Q + 1  # the tiled attention kernel, then the one-row one
+        cache = self.new_cache(n + 3)
+        self.forward([0] * n, cache)
+        self.forward([0], cache)
+        self.forward([0, 0], cache)
+
     def new_cache(self, n_ctx: int, cache_type: str | None = None) -> KVCache:
         return KVCache(self.xp, self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, n_ctx,
                        cache_type)
