@@ -375,24 +375,37 @@ async def test_refusals_are_llama_servers_word_for_word(served: Served, referenc
     assert ours[0] == 400 and ours == ref
 
 
-@pytest.mark.xfail(strict=True, reason="bankml/engine_cupy/engine.py: stream_options.include_usage belongs in "
-                   "_TASK_FIELDS after stream (llama-server's schema order); llama.Completion calls parse_batch, "
-                   "which does not check it (openai.parse_checked does, for chat only)")
+@pytest.mark.parametrize("body", [completion(stream_options={"include_usage": 1}),
+                                  completion(stream=True, stream_options={"include_usage": "yes"})])
 @pytest_twisted.ensureDeferred
-async def test_completions_check_include_usage_as_llama_server(served: Served, reference_server: Any) -> None:
-    ours, ref = await both(served.engine_url, reference_server, "POST", "/v1/completions",
-                           completion(stream_options={"include_usage": 1}))
+async def test_completions_check_include_usage_as_llama_server(served: Served, reference_server: Any,
+                                                               body: dict) -> None:
+    ours, ref = await both(served.engine_url, reference_server, "POST", "/v1/completions", body)
     assert ours[0] == 400 and ours == ref
 
 
-@pytest.mark.xfail(strict=True, reason="bankml/engine_cupy/engine.py chat_logprobs: llama-server refuses a "
-                   "non-number logprobs and reads a numeric-string top_logprobs")
-@pytest.mark.parametrize("extra", [{"logprobs": "x"}, {"logprobs": True, "top_logprobs": "2"}])
+def top_logprobs_seen(answer: tuple[int, str, Any]) -> Any:
+    """A chat answer's status and its first token's number of top_logprobs (None without logprobs),
+    or the refusal."""
+    status, _, body = answer
+    if status != 200:
+        return status, body
+    logprobs = body["choices"][0].get("logprobs")
+    return status, len(logprobs["content"][0]["top_logprobs"]) if logprobs else None
+
+
+@pytest.mark.parametrize("extra", [
+    {"logprobs": "x"}, {"logprobs": True, "top_logprobs": "2"}, {"logprobs": 1}, {"logprobs": 0},
+    {"logprobs": False}, {"logprobs": 3, "n_probs": 1}, {"logprobs": False, "top_logprobs": 2},
+    {"logprobs": True, "top_logprobs": 2.5}, {"logprobs": True, "top_logprobs": None},
+    {"logprobs": True, "top_logprobs": 2, "n_probs": 5},
+], ids=json.dumps)
 @pytest_twisted.ensureDeferred
 async def test_chat_logprobs_types_as_llama_server(served: Served, reference_server: Any, extra: dict) -> None:
-    (status, _, _), (ref_status, _, _) = await both(served.engine_url, reference_server, "POST",
-                                                    "/v1/chat/completions", chat(**extra))
-    assert status == ref_status
+    """logprobs true: n_probs = top_logprobs (20 when not a number); any other logprobs is n_probs'
+    alias (a string its type error)."""
+    ours, ref = await both(served.engine_url, reference_server, "POST", "/v1/chat/completions", chat(**extra))
+    assert top_logprobs_seen(ours) == top_logprobs_seen(ref)
 
 
 @pytest.mark.parametrize("method, path, body", [

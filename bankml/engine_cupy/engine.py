@@ -104,6 +104,7 @@ _TASK_FIELDS: tuple[tuple[str, tuple[str, ...], str, int, int, Any], ...] = (
     ("verbose", (), "bool", 0, 0, False),
     ("timings_per_token", (), "bool", 0, 0, False),
     ("stream", (), "bool", 0, 0, False),
+    ("include_usage", (), "stream_options", 0, 0, False),  # field_nested("stream_options")'s one subfield
     ("cache_prompt", (), "bool", 0, 0, True),
     ("return_tokens", (), "bool", 0, 0, False),
     ("return_progress", (), "bool", 0, 0, False),
@@ -124,6 +125,8 @@ def parse_task_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     for name, aliases, kind, lo, hi, default in _TASK_FIELDS:
         if kind == "bool":
             out[name] = _bool_field(body, name, default)
+        elif kind == "stream_options":
+            out[name] = _include_usage(body, default)
         else:
             out[name] = _int_field(body, (name, *aliases), default, lo, hi)
     fields_ = body.get("response_fields")
@@ -131,6 +134,13 @@ def parse_task_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     ok = isinstance(fields_, list) and all(isinstance(f, str) for f in fields_)
     out["response_fields"] = list(fields_) if ok else []
     return out
+
+
+def _include_usage(body: Mapping[str, Any], default: bool) -> bool:
+    """``stream_options.include_usage``: the schema reads ``stream_options`` only as an object
+    (anything else is ignored) and its ``include_usage`` as a field_bool."""
+    options = body.get("stream_options")
+    return _bool_field(options, "include_usage", default) if isinstance(options, Mapping) else default
 
 
 def _int_field(body: Mapping[str, Any], names: Sequence[str], default: int, lo: int, hi: int) -> int:
@@ -196,17 +206,18 @@ def parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def chat_logprobs(body: dict[str, Any]) -> None:
-    """oaicompat_chat_params_parse's logprobs mapping: logprobs -> n_probs (top_logprobs or 20)."""
-    logprobs = body.get("logprobs")
-    if logprobs is True:
+    """oaicompat_chat_params_parse's logprobs mapping. ``logprobs: true`` sets n_probs to
+    ``top_logprobs`` (json_value: 20 when it is not a number); any other ``logprobs`` stays in the
+    body, where the schema reads it as n_probs' alias (a number counts, a string is its type
+    error), as llama-server copies the remaining properties."""
+    if body.get("logprobs") is True:  # json_value(body, "logprobs", false): only a boolean true
         tools = body.get("tools")
         if isinstance(tools, list) and tools and body.get("stream") is True:
             raise RequestError("logprobs is not supported with tools + stream")
         top = body.get("top_logprobs")
-        body["n_probs"] = 20 if top is None else top
+        body["n_probs"] = int(top) if isinstance(top, (int, float)) else 20  # get<int>; a boolean converts
     elif body.get("top_logprobs") is not None:
         raise RequestError("top_logprobs requires logprobs to be set to true")
-    body.pop("logprobs", None)  # not n_probs' alias on the chat endpoint
 
 
 def check_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -73,31 +73,9 @@ def refusal_of(err: Exception) -> tuple[int, bytes]:
 
 
 def include_usage(request: dict[str, Any]) -> bool:
-    """``stream_options.include_usage`` (checked by ``check_stream_options``)."""
+    """``stream_options.include_usage`` (checked by the engine's parse, in llama-server's schema order)."""
     options = request.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
-
-
-def check_stream_options(request: dict[str, Any]) -> None:
-    """llama-server's schema reads ``stream_options`` as a nested object (anything else is
-    ignored) whose ``include_usage`` must be a boolean or null; its refusal, word for word."""
-    from bankml.engine_cupy.engine import RequestError
-
-    options = request.get("stream_options")
-    if not isinstance(options, dict):
-        return
-    value = options.get("include_usage")
-    if value is not None and not isinstance(value, bool):
-        raise RequestError(f"Field 'include_usage': [json.exception.type_error.302] type must be boolean, "
-                           f"but is {json_type(value)}")
-
-
-def parse_checked(engine: Any, request: dict[str, Any], kind: str) -> Any:
-    """On the prepare thread: the request's stream options, then the engine's own validation.
-    (Served for chat; the completion endpoints are llama.Completion's, which reads the engine's
-    parse_batch: the check belongs in the engine's schema, in llama-server's order.)"""
-    check_stream_options(request)
-    return engine.parse_request(request, kind)
 
 
 def summary_steps(engine: Any, parsed: Any) -> Callable[[Callable[[], bool]], Iterator[Any]]:
@@ -391,11 +369,16 @@ def llama_timings(timings: dict[str, Any] | None) -> dict[str, Any] | None:
 # --- the resource --------------------------------------------------------------------------------
 
 
+def _not_json(name: str) -> Any:
+    """Python reads NaN, Infinity and -Infinity; JSON (and nlohmann) has no such values."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def read_json_object(request: Request) -> tuple[bytes, dict[str, Any] | None, bytes | None]:
     """(raw body, the object, None) or (raw, None, the 400 error body)."""
     raw = request.content.read()
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=_not_json)
     except ValueError as err:
         return raw, None, error_body(400, f"the request body is not JSON: {err}")
     if not isinstance(obj, dict):
@@ -430,7 +413,7 @@ class NativeChat(JsonResource):
             return NOT_DONE_YET
         control = self.native.bridge.new_control()
         request.notifyFinish().addErrback(lambda _: control.cancel())
-        d = self.native.bridge.prepare(parse_checked, self.native.engine, obj, ENGINE_KIND[self.kind])
+        d = self.native.bridge.prepare(self.native.engine.parse_request, obj, ENGINE_KIND[self.kind])
         d.addCallback(self._run, request, raw, obj, control)
         d.addErrback(self._failed, request, control, None)
         return NOT_DONE_YET
