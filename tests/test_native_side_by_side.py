@@ -425,12 +425,13 @@ async def test_wrong_methods_and_paths_are_llama_servers_answers(served: Served,
 
 @pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/apply-template", "/completion", "/v1/completions",
                                   "/v1/chat/completions", "/slots/0?action=save"])
+@pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x", "n_predict": NaN, "content": [Infinity]}'])
 @pytest_twisted.ensureDeferred
-async def test_bad_json_is_400_everywhere(served: Served, full_reference: Any, path: str) -> None:
-    """Not JSON: the same 400 and error type; the message is Python's parser's, not nlohmann's
-    (a client cannot act on either beyond "fix the JSON")."""
+async def test_bad_json_is_400_everywhere(served: Served, full_reference: Any, path: str, raw: bytes) -> None:
+    """Not JSON (also Python's NaN and Infinity, which JSON lacks): the same 400 and error type;
+    the message is Python's parser's, not nlohmann's (a client cannot act on either beyond "fix the JSON")."""
     (status, _, ours), (ref_status, _, ref) = await both(served.engine_url, full_reference, "POST", path,
-                                                         raw=b"{not json")
+                                                         raw=raw)
     assert status == ref_status == 400
     assert_same_keys(ours, ref)
     assert ours["error"]["type"] == ref["error"]["type"] == "invalid_request_error"
