@@ -83,15 +83,19 @@ def _default_native() -> NativeEngine:
 
 
 def _body(request: dict[str, Any] | bytes) -> tuple[bytes, dict[str, Any]]:
-    if isinstance(request, (bytes, bytearray)):
-        raw = bytes(request)
-        try:
-            obj = json.loads(raw)
-        except ValueError as err:
-            raise ApiError(400, {"error": {"code": 400, "message": f"the request body is not JSON: {err}",
-                                           "type": "invalid_request_error"}}) from None
-    else:
-        obj, raw = request, json.dumps(request).encode("utf-8")
+    """(raw bytes, object), read as the HTTP resource reads a body: strict JSON (a dict holding
+    NaN or an infinity is not JSON either)."""
+    from bankml.resources.openai import loads_json
+
+    try:
+        if isinstance(request, (bytes, bytearray)):
+            raw = bytes(request)
+            obj = loads_json(raw)
+        else:
+            obj, raw = request, json.dumps(request, allow_nan=False).encode("utf-8")
+    except ValueError as err:
+        raise ApiError(400, {"error": {"code": 400, "message": f"the request body is not JSON: {err}",
+                                       "type": "invalid_request_error"}}) from None
     if not isinstance(obj, dict):
         raise ApiError(400, {"error": {"code": 400, "message": "the request body must be a JSON object",
                                        "type": "invalid_request_error"}})

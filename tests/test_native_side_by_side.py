@@ -580,3 +580,41 @@ async def test_openai_client_sees_n_and_include_usage_as_with_llama_server(serve
         assert ours[name][0] == 400 and message in json.dumps(ours[name][1])
     assert ours["usage_chunks"] == ref["usage_chunks"]  # one chunk, no choices, the same counts
     assert len(ours["usage_chunks"]) == 1 and ours["usage_chunks"][0][:2] == ([], 2)
+
+
+# --- bankml.chat: the same checks as HTTP -------------------------------------------------------------
+
+
+def api_refusal(native: NativeEngine, request: Any, stream: bool) -> tuple[int, Any]:
+    """(status, error object) of bankml.chat (or chat_stream) refusing ``request``; blocking."""
+    from bankml import api
+
+    try:
+        if stream:
+            list(api.chat_stream(request, native=native))
+        else:
+            api.chat(request, native=native)
+    except api.ApiError as err:
+        return err.status, err.body
+    raise AssertionError("answered")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("request_", [
+    chat(stream_options={"include_usage": "yes"}), chat(stream=True, stream_options={"include_usage": 1}),
+    chat(logprobs="x"),
+], ids=json.dumps)
+@pytest_twisted.ensureDeferred
+async def test_api_refuses_as_llama_server(served: Served, reference_server: Any, request_: dict,
+                                           stream: bool) -> None:
+    """bankml.chat and chat_stream read a request by the engine's own checks, as HTTP does:
+    llama-server's status and error object."""
+    ours = await deferToThread(api_refusal, served.native, request_, stream)
+    ref_status, _, ref = await deferToThread(call, reference_server.url, "POST", "/v1/chat/completions", request_)
+    assert ours == (ref_status, ref) and ref_status == 400
+
+
+@pytest.mark.parametrize("request_", [chat(max_tokens=float("nan")), json.dumps(chat()).replace("0", "NaN").encode()])
+def test_api_refuses_nan_as_not_json(served: Served, request_: Any) -> None:
+    status, body = api_refusal(served.native, request_, stream=False)
+    assert status == 400 and body["error"]["message"].startswith("the request body is not JSON: ")

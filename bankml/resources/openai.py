@@ -374,11 +374,16 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def loads_json(raw: bytes) -> Any:
+    """A request body as JSON (strict: no NaN or Infinity); ValueError when it is not JSON."""
+    return json.loads(raw, parse_constant=_not_json)
+
+
 def read_json_object(request: Request) -> tuple[bytes, dict[str, Any] | None, bytes | None]:
     """(raw body, the object, None) or (raw, None, the 400 error body)."""
     raw = request.content.read()
     try:
-        obj = json.loads(raw, parse_constant=_not_json)
+        obj = loads_json(raw)
     except ValueError as err:
         return raw, None, error_body(400, f"the request body is not JSON: {err}")
     if not isinstance(obj, dict):
