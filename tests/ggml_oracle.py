@@ -12,6 +12,8 @@ NumPy order, the reverse of ggml's ``ne`` (a ggml tensor ``ne = [K, N]`` is a Nu
     quantize_rows(x, qtype)                      ggml's from_float of each row (the activation rounding)
     flash_attn_ext(q, k, v, mask, scale)         q [n_head, n_q, hd] f32, k/v [n_kv_head, n_kv, hd] f16
     rope_ext(x, positions, n_dims, mode, ...)    x [n, n_head, hd]
+    fwht(x, n)                                   x [..., n*k] f32 turned in blocks of n (the KV cache's Hadamard rotation)
+    set_rows(x, rows, n_rows, qtype)             x f32 [m, k] stored at ``rows`` of a zeroed [n_rows, k] cache of qtype
     unary(op, x) / binary(op, a, b) / rms_norm(x, eps) / rms_norm_mul(x, w, eps) / get_rows(raw, qtype, n_rows, k, ids) / cpy(x, qtype)
 """
 
@@ -189,3 +191,30 @@ def cpy(x: np.ndarray, qtype: int) -> np.ndarray:
     """x f32 converted to ``qtype`` by ggml_cpy (how K and V enter the cache)."""
     out = run("cpy", [_array_input(np.asarray(x, np.float32))], ip=[int(qtype)])
     return out.reshape(np.shape(x)) if out.dtype != np.uint8 else out
+
+
+def hadamard(n: int) -> np.ndarray:
+    """llama.cpp's ggml_gen_hadamard: the orthonormal Sylvester matrix of size n (a power of two)."""
+    h = np.full((1, 1), 1.0 / np.sqrt(np.float32(n)), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def fwht(x: np.ndarray, n: int, threads: int = 2) -> np.ndarray:
+    """llama_mul_mat_hadamard(x, H_n): ggml_mul_mat by the n x n Hadamard matrix with the hint
+    GGML_HINT_SRC0_IS_HADAMARD, which the CPU backend computes as a fast Walsh-Hadamard transform
+    of every n consecutive values of x (f32 or f16, [..., a multiple of n])."""
+    x = np.asarray(x)
+    rows = x.reshape(-1, n)
+    out = run("fwht", [_array_input(hadamard(n)), _array_input(rows)], threads=threads)
+    return out.reshape(x.shape)
+
+
+def set_rows(x: np.ndarray, rows: np.ndarray, n_rows: int, qtype: int, threads: int = 2) -> np.ndarray:
+    """ggml_set_rows of x (f32 [m, k]) at ``rows`` (m indices) of a zeroed cache [n_rows, k] of
+    ``qtype``: the cache afterwards, as raw row bytes (uint8 [n_rows, row size]) or f16/f32."""
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    out = run("set_rows", [_array_input(x), _array_input(np.asarray(rows, np.int32))],
+              ip=[int(qtype), int(n_rows)], threads=threads)
+    return out.reshape(n_rows, -1)

@@ -291,3 +291,31 @@ def test_expf_is_libm() -> None:
     misses = differing(np.exp(x), want)
     print(f"\nexpf: exact_ops differs in {differing(got, want)}, NumPy in {misses} of {x.size}")
     assert differing(got, want) == 0
+
+
+# --- the KV cache's Hadamard rotation (llama_mul_mat_hadamard) -----------------------------------
+
+@pytest.mark.parametrize("n", [64, 128, 256])
+def test_fwht_matches_ggml_and_not_a_matrix_product(n: int) -> None:
+    """Rows of 3 blocks, magnitudes from 1e-3 to 1e3, a zero row and a subnormal one: the fast
+    transform's bits, which a product by the Hadamard matrix misses on most values."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((40, 3 * n)) * 10.0 ** rng.uniform(-3, 3, (40, 1))).astype(F32)
+    x[0] = 0
+    x[1] = rng.standard_normal(3 * n).astype(F32) * F32(1e-39)
+    want = go.fwht(x, n)
+    naive = (x.reshape(-1, n) @ go.hadamard(n)).reshape(x.shape)
+    assert report(f"fwht {n}", eo.fwht(x, n), naive, want) > x.size // 4
+
+
+def test_fwht_of_heads_and_its_refusals() -> None:
+    """[tokens, heads, hd] turned per head, as the cache turns Q/K/V; one row; bad sizes refused."""
+    rng = np.random.default_rng(18)
+    q = rng.standard_normal((5, 9, 64)).astype(F32)
+    assert differing(eo.fwht(q, 64), go.fwht(q, 64)) == 0
+    assert eo.fwht(q, 64).shape == q.shape
+    assert differing(eo.fwht(q[0, 0], 64), go.fwht(q[0, 0], 64)) == 0
+    with pytest.raises(ValueError, match="power of two"):
+        eo.fwht(q, 48)
+    with pytest.raises(ValueError, match="blocks of 128"):
+        eo.fwht(q, 128)

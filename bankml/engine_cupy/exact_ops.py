@@ -14,6 +14,8 @@ last bit of several ops depends on code generation that NumPy cannot follow:
   (NumPy sums pairwise), then ``1.0f/sqrtf(mean + eps)``, ``(x*scale)*w``.
 - The GELU table behind GeGLU (``ggml_cpu_init``): ``1 + 0.044715*x*x`` is one FMA and tanh is
   libm's ``tanhf``, before rounding to f16.
+- The quantized KV cache's Hadamard rotation (``llama_mul_mat_hadamard``): not a matrix product
+  but ggml's fast Walsh-Hadamard transform (``ggml_compute_forward_fwht``), scaled first.
 
 Each op is a Numba loop (``jit.njit``: IEEE, no fast-math) over float32 C-contiguous arrays whose
 last axis is ggml's row. libm is called by symbol (``expf32``, ``sincosf32``, ``tanhf32``,
@@ -36,7 +38,7 @@ from numba.extending import intrinsic
 from bankml.engine_cupy.jit import fma32, njit
 
 __all__ = ["swiglu", "silu", "ggml_v_expf", "rms_norm", "rope_cos_sin", "apply_rope",
-           "gelu_f16_table", "geglu", "attn_scale", "theta_scale", "expf", "NEOX", "NORM"]
+           "gelu_f16_table", "geglu", "attn_scale", "theta_scale", "expf", "fwht", "NEOX", "NORM"]
 
 F32 = numpy.float32
 NORM, NEOX = 0, 2  # ggml's rope modes (GGML_ROPE_TYPE_NORMAL / GGML_ROPE_TYPE_NEOX)
@@ -421,3 +423,42 @@ def expf(x: Any) -> numpy.ndarray:
 def attn_scale(d: int) -> numpy.float32:
     """1.0f/sqrtf(float(d)), as llama.cpp builds kq_scale (two float roundings, not one)."""
     return F32(1) / numpy.sqrt(F32(d))
+
+
+# --- the KV cache's Hadamard rotation -------------------------------------------------------------
+
+@njit
+def _fwht_rows(x: numpy.ndarray, scale: float, out: numpy.ndarray) -> None:
+    """ggml_compute_forward_fwht on each row of x [rows, n]: scale first, then the butterflies
+    from stride 1 up. Its AVX2 passes (strides >= 8) write u - v as fma(v, -1, u), which rounds
+    exactly as u - v, so one scalar loop gives the same bits."""
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        for j in range(n):
+            out[r, j] = x[r, j] * scale
+        length = 1
+        while length < n:
+            for i in range(0, n, 2 * length):
+                for j in range(i, i + length):
+                    u = out[r, j]
+                    v = out[r, j + length]
+                    out[r, j] = u + v
+                    out[r, j + length] = u - v
+            length *= 2
+
+
+def fwht(x: Any, n: int) -> numpy.ndarray:
+    """``llama_mul_mat_hadamard(x, H_n)`` as llama-server's CPU backend computes it: every n
+    consecutive values of x (n a power of two dividing its last axis) times the orthonormal
+    n x n Walsh-Hadamard matrix. The product carries GGML_HINT_SRC0_IS_HADAMARD, so ggml runs a
+    fast transform (``ggml_compute_forward_fwht``: x * (1/sqrtf(n)), then log2(n) add/subtract
+    stages) whose rounding differs from a matrix product's. The transform is its own inverse up
+    to rounding (H @ H = I)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"the Hadamard size must be a power of two, not {n}")
+    a = numpy.ascontiguousarray(x, dtype=F32)
+    if a.ndim == 0 or a.shape[-1] % n:
+        raise ValueError(f"rows of {a.shape[-1] if a.ndim else 0} values do not split in blocks of {n}")
+    out = numpy.empty_like(a)
+    _fwht_rows(a.reshape(-1, n), F32(1) / numpy.sqrt(F32(n)), out.reshape(-1, n))
+    return out

@@ -65,6 +65,20 @@ static struct ggml_tensor *build(struct ggml_context *ctx, const char *op, struc
     if (!strcmp(op, "get_rows")) return ggml_get_rows(ctx, t[0], t[1]);
     if (!strcmp(op, "soft_max_ext")) return ggml_soft_max_ext(ctx, t[0], t[1], fp[0], fp[1]);
     if (!strcmp(op, "tanh")) return ggml_tanh(ctx, t[0]);
+    /* a product by a Walsh-Hadamard matrix hinted as llama_mul_mat_hadamard does (the KV cache's
+     * rotation): the CPU backend runs its fast transform, ggml_compute_forward_fwht */
+    if (!strcmp(op, "fwht")) {
+        struct ggml_tensor *res = ggml_mul_mat(ctx, t[0], t[1]);
+        ggml_mul_mat_set_hint(res, GGML_HINT_SRC0_IS_HADAMARD);
+        return res;
+    }
+    /* rows of t[0] (f32) stored at rows t[1] (i32) of a zeroed [ip[1] rows] tensor of type ip[0]:
+     * ggml_set_rows, how llama.cpp writes K and V into its cache */
+    if (!strcmp(op, "set_rows")) {
+        struct ggml_tensor *dst = ggml_new_tensor_2d(ctx, (enum ggml_type)ip[0], t[0]->ne[0], ip[1]);
+        memset(dst->data, 0, ggml_nbytes(dst));
+        return ggml_set_rows(ctx, dst, t[0], t[1]);
+    }
     if (!strcmp(op, "cpy")) {  /* convert t[0] to the type ip[0], as a cache store does */
         struct ggml_tensor *dst = ggml_new_tensor(ctx, (enum ggml_type)ip[0], 4, t[0]->ne);
         return ggml_cpy(ctx, t[0], dst);
