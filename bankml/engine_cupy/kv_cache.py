@@ -11,8 +11,16 @@ Two types, as llama-server's ``--cache-type-k/v``:
   first turned by an orthonormal Walsh-Hadamard rotation in blocks of ``rot_k`` (64, doubled
   while it divides the head) and V in blocks of 64; attention's output is turned back.
 
-Attention reads ``keys(layer, end)``/``values(layer, end)`` as float32 [n_head_kv, end, head_dim]
-and asks ``query(q)`` for Q as the kernel sees it (f16-rounded, or rotated and q8_0-rounded).
+On the CPU (xp is NumPy) both steps round as llama-server's: the rotation is ggml's fast
+Walsh-Hadamard transform (``exact_ops.fwht``, what ``llama_mul_mat_hadamard`` runs), the store
+is the AVX2 ``quantize_row_q8_0`` (``exact_matmul``'s). ggml's exact q8_0 attention
+(``exact_attention.flash_attn_q8_0``) then takes ``rotate_k(q)`` and the ``quantized`` blocks,
+and its output goes through ``output``. On CuPy the same steps are vectorised (a product by the
+Hadamard matrix, a NumPy-style rounding), close but not bit-identical.
+
+The vectorised attention reads ``keys(layer, end)``/``values(layer, end)`` as float32
+[n_head_kv, end, head_dim] and asks ``query(q)`` for Q as the kernel sees it (f16-rounded, or
+rotated and q8_0-rounded).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 
 import numpy
 
+from bankml.engine_cupy import exact_matmul, exact_ops
 from bankml.engine_cupy.weights import quantize_activation
 
 CACHE_TYPES = ("f16", "q8_0")
@@ -85,6 +94,11 @@ class KVCache:
                          xp.asarray(hadamard(rot_v)) if rot_v else None)
 
     @property
+    def exact(self) -> bool:
+        """Whether rotation and store round as llama-server's CPU backend (NumPy arrays)."""
+        return self.xp is numpy
+
+    @property
     def nbytes(self) -> int:
         def size(entry: Any) -> int:
             return sum(a.nbytes for a in entry) if isinstance(entry, tuple) else entry.nbytes
@@ -126,16 +140,33 @@ class KVCache:
     # --- used by the forward pass -------------------------------------------------------------
 
     def _rotate(self, x: Any, rot: Any | None) -> Any:
-        """x [..., head_dim] turned by the Hadamard matrix in blocks of its size."""
+        """x [..., head_dim] turned by the Hadamard matrix in blocks of its size: ggml's fast
+        transform on the CPU, a matrix product on CuPy."""
         if rot is None:
             return x
         n = rot.shape[0]
+        if self.exact:
+            return exact_ops.fwht(x, n)
         shape = x.shape
         return (x.reshape(-1, n) @ rot).reshape(shape)
+
+    def rotate_k(self, x: Any) -> Any:
+        """Q or K [..., head_dim] as llama.cpp turns them before the cache and attention (x
+        itself when the cache is not rotated: f16, or a head size not a multiple of 64)."""
+        return self._rotate(x, self._rot[0])
+
+    def rotate_v(self, x: Any) -> Any:
+        """V [..., head_dim] as llama.cpp turns it before the cache; the same turn brings the
+        attention output back (``output``)."""
+        return self._rotate(x, self._rot[1])
 
     def _q8(self, x: Any) -> tuple[Any, Any]:
         """x [..., head_dim] as q8_0 blocks: int8 values and f16 scales (quantize_row_q8_0)."""
         xp = self.xp
+        if self.exact:  # the AVX2 rounding, shared with the matrix products' activations
+            rows = exact_matmul.Activation(x.reshape(-1, x.shape[-1]))
+            return (rows.q.reshape(x.shape),
+                    rows.d16.view(numpy.float16).reshape(*x.shape[:-1], -1))
         blocks = x.reshape(*x.shape[:-1], -1, 32)
         amax = xp.abs(blocks).max(axis=-1)
         d = (amax / numpy.float32(127)).astype(xp.float16)
@@ -154,15 +185,23 @@ class KVCache:
         end = start + k.shape[0]
         if end > self.n_ctx:
             raise ValueError(f"the cache holds {self.n_ctx} positions; {end} asked")
-        kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
         if self.cache_type == "f16":
-            self._k[layer][:, start:end] = kt.astype(xp.float16)
-            self._v[layer][:, start:end] = vt.astype(xp.float16)
+            self._k[layer][:, start:end] = k.transpose(1, 0, 2).astype(xp.float16)
+            self._v[layer][:, start:end] = v.transpose(1, 0, 2).astype(xp.float16)
             return
-        for entry, x, rot in ((self._k[layer], kt, self._rot[0]), (self._v[layer], vt, self._rot[1])):
-            q, d = self._q8(self._rotate(x, rot))
-            entry[0][:, start:end] = q
-            entry[1][:, start:end] = d
+        for entry, x in ((self._k[layer], self.rotate_k(k)), (self._v[layer], self.rotate_v(v))):
+            q, d = self._q8(x)  # rounded per row of head_dim, in the batch's own layout
+            entry[0][:, start:end] = q.transpose(1, 0, 2)
+            entry[1][:, start:end] = d.transpose(1, 0, 2)
+
+    def quantized(self, layer: int, end: int) -> tuple[Any, Any, Any, Any]:
+        """(k_q, k_d, v_q, v_d) of positions 0..end-1: views of the q8_0 cache, int8
+        [n_head_kv, end, head_dim] and f16 scales [n_head_kv, end, head_dim/32], K and V rotated
+        (what exact_attention.flash_attn_q8_0 takes, read in place)."""
+        if self.cache_type != "q8_0":
+            raise ValueError(f"a {self.cache_type} cache holds no q8_0 blocks")
+        (kq, kd), (vq, vd) = self._k[layer], self._v[layer]
+        return kq[:, :end], kd[:, :end], vq[:, :end], vd[:, :end]
 
     def keys(self, layer: int, end: int) -> Any:
         if self.cache_type == "f16":
@@ -188,10 +227,11 @@ class KVCache:
             if q.shape[0] >= FA_TILE_Q:
                 return q
             return q.astype(xp.float16).astype(xp.float32)
-        rotated = self._rotate(q, self._rot[0])
+        rotated = self.rotate_k(q)
         flat = rotated.reshape(-1, self.head_dim)
         return quantize_activation(xp, flat, "q8_0").reshape(q.shape)
 
     def output(self, o: Any) -> Any:
-        """Attention output [..., head_dim] back from V's rotation."""
-        return self._rotate(o, self._rot[1])
+        """Attention output [..., head_dim] back from V's rotation (llama.cpp turns ``cur`` by
+        the same Hadamard matrix right after flash attention, H @ H = I)."""
+        return self.rotate_v(o)
