@@ -161,6 +161,33 @@ async def test_props_give_llama_servers_template_and_defaults(served: Served, re
         assert json.dumps(params.get(key)) == json.dumps(ref_params[key]), key  # (C floats widened)
 
 
+@pytest.mark.parametrize("obj, text", [
+    ({"logprob": float("-inf"), "top": [float("inf"), float("nan"), 1.5, -0.0]},
+     '{"logprob":null,"top":[null,null,1.5,-0.0]}'),
+    ({"a": "é", "b": (1, 2.5)}, '{"a":"é","b":[1,2.5]}'),
+])
+def test_dumps_writes_valid_json_with_non_finite_numbers_as_null(obj: Any, text: str) -> None:
+    """nlohmann writes NaN and infinities as null; Python's NaN/Infinity would not be JSON."""
+    from bankml.resources.openai import dumps
+
+    assert dumps(obj) == text.encode()
+    json.loads(dumps(obj), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/chat/completions", "/tokenize"])
+@pytest_twisted.ensureDeferred
+async def test_a_number_beyond_a_double_is_refused_as_llama_server(served: Served, reference_server: Any,
+                                                                   path: str) -> None:
+    """1e400 is nlohmann's parse error (out_of_range.406), never an infinity read and echoed."""
+    body = json.dumps({"prompt": "x", "content": "x", "messages": [{"role": "user", "content": "x"}],
+                       "lora": [{"id": 0, "scale": 1}], "n_predict": 1}).replace('"scale": 1', '"scale": 1e400')
+    (status, _, ours), (ref_status, _, ref) = await both(served.engine_url, reference_server, "POST", path,
+                                                         raw=body.encode())
+    assert status == ref_status == 400
+    assert ref["error"]["message"] == "[json.exception.out_of_range.406] number overflow parsing '1e400'"
+    assert ours["error"]["message"] == "the request body is not JSON: number overflow parsing '1e400'"
+
+
 @pytest.mark.parametrize("value", [0.8, 0.1, 0.95, -1.0, 1e-45, 3.4e38, 1e39, -1e39, float("inf"), float("nan"), 7])
 def test_c_float_is_a_float32_widened_and_json_null_when_not_finite(value: float) -> None:
     import math

@@ -43,8 +43,24 @@ SSE = b"text/event-stream"
 
 
 def dumps(obj: Any) -> bytes:
-    """JSON as llama-server (nlohmann) writes it: compact, UTF-8 kept as it is."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    """JSON as llama-server (nlohmann) writes it: compact, UTF-8 kept as it is, and a NaN or
+    infinity written as null (never Python's NaN/Infinity, which are not JSON)."""
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # rare: a non-finite float somewhere; walk the object only then
+        text = json.dumps(finite_or_null(obj), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.encode("utf-8", "surrogatepass")
+
+
+def finite_or_null(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None, as nlohmann's dump writes it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
 
 
 def json_type(value: Any) -> str:
@@ -374,9 +390,19 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent; one beyond a double's range is nlohmann's
+    parse error (Python would read it as an infinity)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number overflow parsing '{text}'")
+    return value
+
+
 def loads_json(raw: bytes) -> Any:
-    """A request body as JSON (strict: no NaN or Infinity); ValueError when it is not JSON."""
-    return json.loads(raw, parse_constant=_not_json)
+    """A request body as JSON, as strictly as nlohmann reads it (no NaN or Infinity, no number
+    beyond a double); ValueError when it is not JSON."""
+    return json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
 
 
 def read_json_object(request: Request) -> tuple[bytes, dict[str, Any] | None, bytes | None]:
