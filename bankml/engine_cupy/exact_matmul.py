@@ -462,16 +462,54 @@ def _rows(code, raw, row_bytes, r0, r1, xq, xd, xs, out):  # pragma: no cover - 
 
 
 @njit
-def _matmul_serial(code, raw, row_bytes, n_out, xq, xd, xs, out):  # pragma: no cover - compiled
+def _serial_for(code, raw, row_bytes, n_out, xq, xd, xs, out):  # pragma: no cover - compiled
     for r0 in range(0, n_out, ROWS_PER_TASK):
         _rows(code, raw, row_bytes, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, xs, out)
 
 
 @njit(parallel=True)
-def _matmul_parallel(code, raw, row_bytes, n_out, xq, xd, xs, out):  # pragma: no cover - compiled
+def _parallel_for(code, raw, row_bytes, n_out, xq, xd, xs, out):  # pragma: no cover - compiled
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
         _rows(code, raw, row_bytes, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, xs, out)
+
+
+@njit
+def _matmul(code, parallel, raw, row_bytes, n_out, xq, xd, xs, out):  # pragma: no cover - compiled
+    """One product. Each branch passes its type's code as a constant, so Numba compiles the
+    loops once per weight type (the code typed as a literal) and the tile dispatch in _tile
+    folds away: with the code a runtime value every tile was a call through all the branches,
+    about 30 % of a batch product's time."""
+    if code == _Q4_1:
+        if parallel:
+            _parallel_for(_Q4_1, raw, row_bytes, n_out, xq, xd, xs, out)
+        else:
+            _serial_for(_Q4_1, raw, row_bytes, n_out, xq, xd, xs, out)
+    elif code == _Q8_0:
+        if parallel:
+            _parallel_for(_Q8_0, raw, row_bytes, n_out, xq, xd, xs, out)
+        else:
+            _serial_for(_Q8_0, raw, row_bytes, n_out, xq, xd, xs, out)
+    elif code == _Q4_0:
+        if parallel:
+            _parallel_for(_Q4_0, raw, row_bytes, n_out, xq, xd, xs, out)
+        else:
+            _serial_for(_Q4_0, raw, row_bytes, n_out, xq, xd, xs, out)
+    elif code == _Q5_0:
+        if parallel:
+            _parallel_for(_Q5_0, raw, row_bytes, n_out, xq, xd, xs, out)
+        else:
+            _serial_for(_Q5_0, raw, row_bytes, n_out, xq, xd, xs, out)
+    elif code == _Q5_1:
+        if parallel:
+            _parallel_for(_Q5_1, raw, row_bytes, n_out, xq, xd, xs, out)
+        else:
+            _serial_for(_Q5_1, raw, row_bytes, n_out, xq, xd, xs, out)
+    elif code == _Q4_0R:
+        if parallel:
+            _parallel_for(_Q4_0R, raw, row_bytes, n_out, xq, xd, xs, out)
+        else:
+            _serial_for(_Q4_0R, raw, row_bytes, n_out, xq, xd, xs, out)
 
 
 PARALLEL_MIN_MACS = 1 << 18  # below this many multiply-adds one thread is faster
@@ -679,8 +717,8 @@ class QuantMatrix:
             raise ValueError(f"activation width {act.q.shape[1]} != n_in {self.n_in}")
         m = act.q.shape[0]
         out = numpy.empty((m, self.n_out), numpy.float32)
-        kernel = _matmul_parallel if m * self.n_out * self.n_in >= PARALLEL_MIN_MACS else _matmul_serial
-        kernel(self._kind, self.raw, self.raw.shape[1], self.n_out, act.q, act.d, act.s, out)
+        parallel = m * self.n_out * self.n_in >= PARALLEL_MIN_MACS
+        _matmul(self._kind, parallel, self.raw, self.raw.shape[1], self.n_out, act.q, act.d, act.s, out)
         return out
 
     def _float_matmul(self, x: numpy.ndarray) -> numpy.ndarray:
