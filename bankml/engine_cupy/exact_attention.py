@@ -31,13 +31,13 @@ import math
 from typing import Any
 
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.jit import fma32, njit
+from bankml.engine_cupy.exact_ops import ggml_v_expf
+from bankml.engine_cupy.jit import f16_round, fma32, njit
 
 __all__ = ["flash_attn_f16", "flash_attn_q8_0", "attention_mask", "kv_length", "warm_up",
            "FA_TILE_Q", "FA_TILE_KV", "SPLIT_MIN_CELLS", "KV_PAD"]
@@ -55,100 +55,6 @@ PARALLEL_MIN_WORK = 65536
 _NEG_INF = F32(-np.inf)
 _ZERO = F32(0.0)
 _ONE = F32(1.0)
-
-
-# --- float32 bit access (no NumPy view for scalars inside Numba) ---------------------------------
-
-@intrinsic
-def _bits(typingctx: Any, x: Any) -> Any:
-    """The IEEE bits of a float32 as uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _from_bits(typingctx: Any, u: Any) -> Any:
-    """The float32 whose IEEE bits are the uint32 u."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-def _f16_round_bits(x: float) -> float:
-    """x (float32) rounded to the nearest f16 value, ties to even, on the integer bits.
-
-    The fallback for CPUs without F16C: normal numbers round their 23-bit mantissa to 10 bits,
-    f16 subnormals (|x| < 2^-14) round to a multiple of 2^-24 by adding and subtracting 0.5,
-    beyond 65504 (after rounding) is infinity; NaN stays NaN.
-    """
-    u = _bits(x)
-    sign = u & np.uint32(0x80000000)
-    a = u & np.uint32(0x7FFFFFFF)
-    rounded = (a + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
-    normal = np.uint32(0x7F800000) if rounded >= np.uint32(0x47800000) else rounded
-    small = _bits((_from_bits(a) + F32(0.5)) - F32(0.5))
-    out = small if a < np.uint32(0x38800000) else normal
-    out = a if a > np.uint32(0x7F800000) else out  # NaN
-    return _from_bits(out | sign)
-
-
-@intrinsic
-def _f16_round_f16c(typingctx: Any, x: Any) -> Any:
-    """x (float32) through f16 and back: LLVM's fptrunc/fpext, F16C's vcvtps2ph/vcvtph2ps.
-
-    Round to nearest even, as ggml's _mm256_cvtps_ph(x, 0); vectorises to 8 lanes an
-    instruction, some twenty times faster than the integer version in the accumulator loop.
-    """
-    sig = types.float32(types.float32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-HAS_F16C = bool(llvm.get_host_cpu_features().get("f16c", False))
-f16_round = _f16_round_f16c if HAS_F16C else njit(inline="always")(_f16_round_bits)
-
-
-_EXP_R = F32(float.fromhex("0x1.8p23"))
-_EXP_LOG2E = F32(float.fromhex("0x1.715476p+0"))
-_EXP_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
-_EXP_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
-_EXP_C5 = F32(float.fromhex("0x1.0e4020p-7"))
-_EXP_C4 = F32(float.fromhex("0x1.573e2ep-5"))
-_EXP_C3 = F32(float.fromhex("0x1.555e66p-3"))
-_EXP_C2 = F32(float.fromhex("0x1.fffdb6p-2"))
-_EXP_C1 = F32(float.fromhex("0x1.ffffecp-1"))
-
-
-@njit(inline="always")
-def ggml_v_expf(x: float) -> float:
-    """One lane of ggml's AVX2 ``ggml_v_expf`` (vec.h): exp(x) by a degree-5 polynomial.
-
-    Every lane is independent (the vector's early return gives the same per-lane value as the
-    blended slow path), so a scalar port is exact.
-    """
-    z = fma32(x, _EXP_LOG2E, _EXP_R)
-    n = z - _EXP_R
-    b = fma32(-n, _EXP_LN2_LO, fma32(-n, _EXP_LN2_HI, x))
-    e = _bits(z) << np.uint32(23)
-    k = _from_bits(e + np.uint32(0x3F800000))
-    u = b * b
-    j = fma32(fma32(fma32(_EXP_C5, b, _EXP_C4), u, fma32(_EXP_C3, b, _EXP_C2)), u, _EXP_C1 * b)
-    # the far-range lanes, computed always and selected, so that loops of this vectorise
-    g = np.uint32(0x82000000) if n <= _ZERO else np.uint32(0)
-    s1 = _from_bits(g + np.uint32(0x7F000000))
-    s2 = _from_bits(e - g)
-    far = s1 * s1 if abs(n) > F32(192.0) else fma32(s2, j, s2) * s1
-    return far if abs(n) > F32(126.0) else fma32(j, k, k)
 
 
 # --- the one-row kernel (fewer than 64 rows, and the chunks of a split decode) -------------------

@@ -35,7 +35,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.jit import fma32, njit
+from bankml.engine_cupy.jit import f16_bits, fma32, njit
 
 __all__ = ["swiglu", "silu", "ggml_v_expf", "rms_norm", "rope_cos_sin", "apply_rope",
            "gelu_f16_table", "geglu", "attn_scale", "theta_scale", "expf", "fwht", "NEOX", "NORM"]
@@ -109,16 +109,6 @@ def _exp_scales(typingctx: Any, z: Any, n: Any) -> Any:
         return context.make_tuple(builder, signature.return_type, [k, s1, s2])
 
     return types.UniTuple(types.float32, 3)(types.float32, types.float32), codegen
-
-
-@intrinsic
-def _f16_bits(typingctx: Any, x: Any) -> Any:
-    """The bits of float32 x rounded to f16 (nearest even), as GGML_CPU_FP32_TO_FP16."""
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        h = builder.fptrunc(args[0], ir.HalfType())
-        return builder.zext(builder.bitcast(h, ir.IntType(16)), ir.IntType(64))
-
-    return types.int64(types.float32), codegen
 
 
 # --- SiLU / SwiGLU ------------------------------------------------------------------------------
@@ -387,7 +377,7 @@ def _geglu_rows(gate: numpy.ndarray, up: numpy.ndarray, table: numpy.ndarray,
             elif v >= F32(10.0):
                 out[r, i] = v * up[r, i]
             else:
-                out[r, i] = table[_f16_bits(v)] * up[r, i]
+                out[r, i] = table[f16_bits(v)] * up[r, i]
 
 
 def geglu(gate: Any, up: Any, table: numpy.ndarray) -> numpy.ndarray:

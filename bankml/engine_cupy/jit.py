@@ -19,7 +19,7 @@ from numba import njit as _numba_njit
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["njit", "fma32"]
+__all__ = ["njit", "fma32", "f16_round", "f16_bits"]
 
 
 def njit(*args: Any, **kwargs: Any) -> Callable:
@@ -42,3 +42,25 @@ def fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
         return builder.call(fn, args)
 
     return sig, codegen
+
+
+@intrinsic
+def f16_round(typingctx: Any, x: Any) -> Any:
+    """float32 x through f16 and back, round to nearest even: ggml's GGML_CPU_FP32_TO_FP16 then
+    FP16_TO_FP32 (F16C's vcvtps2ph/vcvtph2ps where present, LLVM's exact soft conversion else)."""
+    sig = types.float32(types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_bits(typingctx: Any, x: Any) -> Any:
+    """The bits of float32 x rounded to f16 (nearest even), as an int64 table index."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        h = builder.fptrunc(args[0], ir.HalfType())
+        return builder.zext(builder.bitcast(h, ir.IntType(16)), ir.IntType(64))
+
+    return types.int64(types.float32), codegen
