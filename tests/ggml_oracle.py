@@ -194,7 +194,7 @@ def cpy(x: np.ndarray, qtype: int) -> np.ndarray:
 
 
 def hadamard(n: int) -> np.ndarray:
-    """llama.cpp's ggml_gen_hadamard: the orthonormal Sylvester matrix of size n (a power of two)."""
+    """llama.cpp's ggml_gen_hadamard: the orthonormal Sylvester matrix of size n (a power of 2)."""
     h = np.full((1, 1), 1.0 / np.sqrt(np.float32(n)), np.float32)
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
@@ -211,7 +211,8 @@ def fwht(x: np.ndarray, n: int, threads: int = 2) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-def set_rows(x: np.ndarray, rows: np.ndarray, n_rows: int, qtype: int, threads: int = 2) -> np.ndarray:
+def set_rows(x: np.ndarray, rows: np.ndarray, n_rows: int, qtype: int,
+             threads: int = 2) -> np.ndarray:
     """ggml_set_rows of x (f32 [m, k]) at ``rows`` (m indices) of a zeroed cache [n_rows, k] of
     ``qtype``: the cache afterwards, as raw row bytes (uint8 [n_rows, row size]) or f16/f32."""
     x = np.atleast_2d(np.asarray(x, np.float32))

@@ -38,7 +38,8 @@ def heads(rng: np.random.Generator, n: int, n_head: int, hd: int) -> np.ndarray:
     return x.astype(F32)
 
 
-def ggml_cache(x: np.ndarray, start: int, n_ctx: int, n: int | None) -> tuple[np.ndarray, np.ndarray]:
+def ggml_cache(x: np.ndarray, start: int, n_ctx: int,
+               n: int | None) -> tuple[np.ndarray, np.ndarray]:
     """What llama.cpp's cache holds after storing x [n_tok, n_head_kv, hd] at start..: x turned
     by the hinted Hadamard product (n None: not turned), then ggml_set_rows into a q8_0 cache of
     n_ctx rows; read back as (int8 [n_head_kv, n_ctx, hd], f16 [n_head_kv, n_ctx, hd/32])."""

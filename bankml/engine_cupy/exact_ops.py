@@ -422,7 +422,8 @@ def _first_three_stages(x: numpy.ndarray, r: int, i: int, scale: float, out: num
     """Scale x[r, i:i+8] and run the butterflies of strides 1, 2 and 4 on it in registers: the
     same operations on the same values as stage by stage, twice as fast as three passes."""
     a0, a1, a2, a3 = x[r, i] * scale, x[r, i + 1] * scale, x[r, i + 2] * scale, x[r, i + 3] * scale
-    a4, a5, a6, a7 = x[r, i + 4] * scale, x[r, i + 5] * scale, x[r, i + 6] * scale, x[r, i + 7] * scale
+    a4, a5 = x[r, i + 4] * scale, x[r, i + 5] * scale
+    a6, a7 = x[r, i + 6] * scale, x[r, i + 7] * scale
     b0, b1, b2, b3 = a0 + a1, a0 - a1, a2 + a3, a2 - a3
     b4, b5, b6, b7 = a4 + a5, a4 - a5, a6 + a7, a6 - a7
     c0, c1, c2, c3 = b0 + b2, b1 + b3, b0 - b2, b1 - b3
@@ -467,7 +468,8 @@ def fwht(x: Any, n: int) -> numpy.ndarray:
         raise ValueError(f"the Hadamard size must be a power of two, not {n}")
     a = numpy.ascontiguousarray(x, dtype=F32)
     if a.ndim == 0 or a.shape[-1] % n:
-        raise ValueError(f"rows of {a.shape[-1] if a.ndim else 0} values do not split in blocks of {n}")
+        width = a.shape[-1] if a.ndim else 0
+        raise ValueError(f"rows of {width} values do not split in blocks of {n}")
     out = numpy.empty_like(a)
     _fwht_rows(a.reshape(-1, n), F32(1) / numpy.sqrt(F32(n)), out.reshape(-1, n))
     return out
