@@ -545,11 +545,11 @@ class Completion(NativeChat):
             raise ValueError(f"Completion serves the completion kinds, not {kind!r}")
         super().__init__(native, kind)
 
-    def render_POST(self, request: Request) -> Any:
-        raw, obj, refusal = read_json_object(request)
-        if refusal is not None:
-            write_json(request, 400, refusal)
-            return NOT_DONE_YET
+    def _parse(self, obj: dict) -> Any:
+        return self.native.engine.parse_batch(obj, "completion")
+
+    def _answer(self, parsed: Any, request: Request, raw: bytes, obj: dict, control: Any) -> Any:
+        return self._run_batch(parsed, request, raw, obj, control)
         problem = self.native.identity_problem()
         if problem is not None:
             write_json(request, 503, error_body(503, problem))

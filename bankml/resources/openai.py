@@ -444,10 +444,17 @@ class NativeChat(JsonResource):
             return NOT_DONE_YET
         control = self.native.bridge.new_control()
         request.notifyFinish().addErrback(lambda _: control.cancel())
-        d = self.native.bridge.prepare(self.native.engine.parse_request, obj, ENGINE_KIND[self.kind])
-        d.addCallback(self._run, request, raw, obj, control)
+        d = self.native.bridge.prepare(self._parse, obj)
+        d.addCallback(self._answer, request, raw, obj, control)
         d.addErrback(self._failed, request, control, None)
         return NOT_DONE_YET
+
+    def _parse(self, obj: dict) -> Any:
+        """The engine's validation of the body (on the engine thread); refusals raise."""
+        return self.native.engine.parse_request(obj, ENGINE_KIND[self.kind])
+
+    def _answer(self, parsed: Any, request: Request, raw: bytes, obj: dict, control: Any) -> Any:
+        return self._run(parsed, request, raw, obj, control)
 
     def _run(self, parsed: Any, request: Request, raw: bytes, obj: dict[str, Any],
              control: RunControl) -> Any:
