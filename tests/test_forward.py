@@ -178,9 +178,11 @@ def test_q8_0_cache_against_llama_server(default_engine: Model, default_model: P
         same, notes = compare_greedy(default_engine, server, prompts[:5], 24, "q8_0")
     print(f"\nq8_0 cache: largest top-10 logprob difference {worst:.5f}, same top-1 "
           f"{same_top1}/{len(prompts)}; greedy 24 tokens {same}/5 identical {notes}")
-    assert same_top1 >= len(prompts) - 1  # measured 7/8
-    assert worst < 0.8  # measured 0.551
-    assert same >= 1  # measured 1/5
+    # measured 0.00001, 8/8, 5/5 since the q8_0 path is ggml's (FWHT rotations, q8_0 store,
+    # flash attention on the q8_0 blocks); 0.551, 7/8, 1/5 before
+    assert same_top1 == len(prompts)
+    assert worst < 1e-4
+    assert same >= 4
 
 
 @pytest.fixture(scope="module")

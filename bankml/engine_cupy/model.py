@@ -151,9 +151,9 @@ class Model:
         loads its on-disk cache) here rather than during the first answer. A no-op on CuPy."""
         if not self.exact:
             return
-        exact_attention.warm_up()
         n = exact_attention.FA_TILE_Q + 1  # the tiled attention kernel, then the one-row one
-        cache = self.new_cache(n + 3)
+        cache = self.new_cache(n + 3)  # of the configured type ($BANKML_CACHE_TYPE)
+        exact_attention.warm_up(q8_0=cache.cache_type == "q8_0")
         self.forward([0] * n, cache)
         self.forward([0], cache)
         self.forward([0, 0], cache)
@@ -286,7 +286,7 @@ class Model:
         n = q.shape[0]
         end = start + n
         cache.store(il, start, k, v)
-        if self.exact and cache.cache_type == "f16":
+        if self.exact:
             return self._attend_exact(il, q, positions, cache, end, scale)
         keys, values = cache.keys(il, end), cache.values(il, end)  # [kv, T, hd]
         group = hp.n_head // hp.n_head_kv
@@ -305,12 +305,16 @@ class Model:
 
     def _attend_exact(self, il: int, q: Any, positions: Any, cache: KVCache, end: int,
                       scale: Any) -> Any:
-        """ggml's flash attention over the f16 cache, bit for bit (exact_attention)."""
+        """ggml's flash attention over the f16 or q8_0 cache, bit for bit (exact_attention)."""
         hp = self.hp
         mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
-        out = exact_attention.flash_attn_f16(
-            q, cache.keys(il, end), cache.values(il, end), mask, scale,
-            n_kv=exact_attention.kv_length(end, cache.n_ctx), n_threads=self.ggml_threads)
+        if cache.cache_type == "q8_0":  # Q turned like K; the output back from V's turn
+            out = cache.output(exact_attention.flash_attn_q8_0(
+                cache.rotate_k(q), *cache.quantized(il, end), mask, scale))
+        else:
+            out = exact_attention.flash_attn_f16(
+                q, cache.keys(il, end), cache.values(il, end), mask, scale,
+                n_kv=exact_attention.kv_length(end, cache.n_ctx), n_threads=self.ggml_threads)
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim)
 
     def _mask(self, positions: Any, end: int, window: int) -> Any | None:
