@@ -24,12 +24,13 @@ weights stay in their GGUF block bytes and are unpacked one super-block at a tim
 
 from __future__ import annotations
 
-import numba
 import numpy
 from gguf import GGMLQuantizationType as T
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import HOST_HAS_AVX2, PARALLEL_MIN_MACS
+from bankml.engine_cupy.exact_matmul import HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _load, _splat
 from bankml.engine_cupy.jit import fma32, njit
 
 __all__ = ["KQuantMatrix", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
@@ -147,59 +148,118 @@ def quantize_q8_K(x: numpy.ndarray) -> numpy.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weight unpacking: one super-block of one row -> 256 weighted quants and the block constants
+# The integer core: one weight super-block against one activation block, as LLVM IR (AVX2)
+#
+# Numba's own loops ran at about 1 GMAC/s; the core is therefore emitted with the instructions
+# ggml uses: the unsigned quants unpacked from the block bytes (and/shift/or on byte vectors),
+# pmaddubsw against the int8 activation (no saturation: q <= 63), pmaddwd by the sub-block
+# scales. Its result is exact, so any grouping of the sums that ggml's differs from is harmless.
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V32I8, _V16I16, _V8I32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+
+
+def _bytes(v: int) -> ir.Constant:
+    return ir.Constant(_V32I8, [v] * 32)
+
+
+def _q4_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
+    """The 8 chunks of 32 unsigned 4-bit quants of a block_q4_K (qs at +16): chunk 2g is the low
+    nibbles of qs[32g:32g+32], chunk 2g+1 their high nibbles."""
+    chunks = []
+    for g in range(4):
+        raw = _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 16 + 32 * g)), _V32I8)
+        chunks += [builder.and_(raw, _bytes(15)), builder.lshr(raw, _bytes(4))]
+    return chunks
+
+
+def _q6_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
+    """The 8 chunks of 32 unsigned 6-bit quants of a block_q6_K (ql[128], qh[64]): per half j,
+    ql[64j:64j+32] and ql[64j+32:64j+64] give the low nibbles (chunks 4j, 4j+1) and high nibbles
+    (4j+2, 4j+3); qh[32j:32j+32] gives bits 4-5 at shifts 0, 2, 4, 6."""
+    def at(k: int) -> ir.Value:
+        return _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, k)), _V32I8)
+    chunks = []
+    for j in range(2):
+        b1, b2, h = at(64 * j), at(64 * j + 32), at(128 + 32 * j)
+        highs = [builder.shl(builder.and_(builder.lshr(h, _bytes(s)), _bytes(3)), _bytes(4)) for s in (0, 2, 4, 6)]
+        lows = [builder.and_(b1, _bytes(15)), builder.and_(b2, _bytes(15)),
+                builder.lshr(b1, _bytes(4)), builder.lshr(b2, _bytes(4))]
+        chunks += [builder.or_(lo, hi) for lo, hi in zip(lows, highs)]
+    return chunks
+
+
+def _make_core(six: bool):
+    """core(w, w_off, xq, x_off, scl, out): out[8g + L] (int32, g = 64-value group, L = lane)
+    = Σ over the two 32-value chunks of group g of scale(e)·q(e)·x(e) for the elements
+    e = 4L..4L+3 of the chunk; q unsigned (Q6_K's -32 is applied by the caller through the
+    bsums, as ggml's vec_dot does), scale(e) = scl[e // 16] (int16)."""
+
+    @intrinsic
+    def core(typingctx, w, w_off, xq, x_off, scl, out):
+        sig = types.void(w, w_off, xq, x_off, scl, out)
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            wbase = _byte_ptr(context, builder, aty[0], args[0])
+            xbase = _byte_ptr(context, builder, aty[2], args[2])
+            sbase = builder.bitcast(context.make_array(aty[4])(context, builder, args[4]).data, _I16.as_pointer())
+            obase = builder.bitcast(context.make_array(aty[5])(context, builder, args[5]).data, _V8I32.as_pointer())
+            w_off, x_off = args[1], args[3]
+            chunks = (_q6_k_chunks if six else _q4_k_chunks)(builder, wbase, w_off)
+            for g in range(4):
+                total = None
+                for c in (2 * g, 2 * g + 1):
+                    x = _load(builder, xbase, builder.add(x_off, ir.Constant(x_off.type, 32 * c)), _V32I8)
+                    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [chunks[c], x])
+                    lo = builder.load(builder.gep(sbase, [ir.Constant(_I32, 2 * c)]))
+                    hi = builder.load(builder.gep(sbase, [ir.Constant(_I32, 2 * c + 1)]))
+                    scale = builder.shuffle_vector(_splat(builder, lo, ir.VectorType(_I16, 8)),
+                                                   _splat(builder, hi, ir.VectorType(_I16, 8)),
+                                                   ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+                    quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, scale])
+                    total = quads if total is None else builder.add(total, quads)
+                builder.store(total, builder.gep(obase, [ir.Constant(_I32, g)]), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return core
+
+
+_core_q4_k = _make_core(False)
+_core_q6_k = _make_core(True)
 
 
 @njit
-def _unpack_q6_k(raw, r, b, signed, w2, sc):  # pragma: no cover - compiled
-    """block_q6_K (ql[128], qh[64], scales[16] int8, d f16): w2[e] = scale(e//16)·q(e), with
-    q in 0..63 (vec_dot) or q - 32 (tiled, ``signed``). Returns d as f16 bits."""
+def _half_bits(raw, r, o):  # pragma: no cover - compiled
+    return numpy.uint16(raw[r, o]) | (numpy.uint16(raw[r, o + 1]) << numpy.uint16(8))
+
+
+@njit
+def _scales_q6_k(raw, r, b, scl):  # pragma: no cover - compiled
+    """block_q6_K's 16 int8 scales (at +192) into scl; returns d (f16 bits, at +208)."""
     o = b * 210
     for s in range(16):
-        sc[s] = numpy.int32(numpy.int8(raw[r, o + 192 + s]))
-    off = 32 if signed else 0
-    for half in range(2):
-        for l in range(32):
-            lo0 = numpy.int32(raw[r, o + 64 * half + l])
-            lo1 = numpy.int32(raw[r, o + 64 * half + 32 + l])
-            h = numpy.int32(raw[r, o + 128 + 32 * half + l])
-            e = 128 * half + l
-            w2[e] = sc[e >> 4] * (((lo0 & 15) | ((h & 3) << 4)) - off)
-            w2[e + 32] = sc[(e + 32) >> 4] * (((lo1 & 15) | (((h >> 2) & 3) << 4)) - off)
-            w2[e + 64] = sc[(e + 64) >> 4] * (((lo0 >> 4) | (((h >> 4) & 3) << 4)) - off)
-            w2[e + 96] = sc[(e + 96) >> 4] * (((lo1 >> 4) | (((h >> 6) & 3) << 4)) - off)
-    return numpy.uint16(raw[r, o + 208]) | (numpy.uint16(raw[r, o + 209]) << numpy.uint16(8))
+        scl[s] = numpy.int16(numpy.int8(raw[r, o + 192 + s]))
+    return _half_bits(raw, r, o + 208)
 
 
 @njit
-def _unpack_q4_k(raw, r, b, w2, sc, mn):  # pragma: no cover - compiled
-    """block_q4_K (d, dmin f16, scales[12] 6-bit packed, qs[128]): w2[e] = scale(e//32)·q(e),
-    q in 0..15, the 8 mins into mn. Returns (d, dmin) as f16 bits."""
+def _scales_q4_k(raw, r, b, scl, mn):  # pragma: no cover - compiled
+    """block_q4_K's 6-bit scales and mins (get_scale_min_k4): scale s covers values 32s..32s+31,
+    so scl (per 16 values) holds each twice. Returns (d, dmin) as f16 bits."""
     o = b * 144
-    for j in range(4):
-        sc[j] = numpy.int32(raw[r, o + 4 + j]) & 63
-        mn[j] = numpy.int32(raw[r, o + 8 + j]) & 63
-    for j in range(4, 8):
-        sc[j] = (numpy.int32(raw[r, o + 8 + j]) & 15) | ((numpy.int32(raw[r, o + j]) >> 6) << 4)
-        mn[j] = (numpy.int32(raw[r, o + 8 + j]) >> 4) | ((numpy.int32(raw[r, o + 4 + j]) >> 6) << 4)
-    for c in range(4):
-        for l in range(32):
-            v = numpy.int32(raw[r, o + 16 + 32 * c + l])
-            w2[64 * c + l] = sc[2 * c] * (v & 15)
-            w2[64 * c + 32 + l] = sc[2 * c + 1] * (v >> 4)
-    d = numpy.uint16(raw[r, o]) | (numpy.uint16(raw[r, o + 1]) << numpy.uint16(8))
-    dmin = numpy.uint16(raw[r, o + 2]) | (numpy.uint16(raw[r, o + 3]) << numpy.uint16(8))
-    return d, dmin
-
-
-@njit
-def _partial_sums(w2, xq, t, base, part):  # pragma: no cover - compiled
-    """part[g, i] = Σ over the two 32-value chunks of 64-value group g of w2·x at offset i:
-    every ggml grouping (lanes 4L..4L+3, 64-value steps, whole blocks) is a sum of these."""
-    for g in range(4):
-        for i in range(32):
-            e = 64 * g + i
-            part[g, i] = w2[e] * numpy.int32(xq[t, base + e]) + w2[e + 32] * numpy.int32(xq[t, base + e + 32])
+    for j in range(8):
+        if j < 4:
+            s = numpy.int16(raw[r, o + 4 + j] & 63)
+            mn[j] = numpy.int32(raw[r, o + 8 + j] & 63)
+        else:
+            s = numpy.int16((raw[r, o + 8 + j] & 15) | ((raw[r, o + j] >> 6) << 4))
+            mn[j] = numpy.int32((raw[r, o + 8 + j] >> 4) | ((raw[r, o + 4 + j] >> 6) << 4))
+        scl[2 * j] = s
+        scl[2 * j + 1] = s
+    return _half_bits(raw, r, o), _half_bits(raw, r, o + 2)
 
 
 @njit
@@ -213,35 +273,38 @@ def _row(code, raw, r, xq, xd, bsums, table, out):  # pragma: no cover - compile
     """out[:, r] for weight row r against every activation row, in the arithmetic ``code``."""
     m, n = xq.shape
     nb = n // QK_K
-    w2 = numpy.empty(QK_K, numpy.int32)
-    sc = numpy.empty(16, numpy.int32)
-    mn = numpy.empty(8, numpy.int32)
-    part = numpy.empty((4, 32), numpy.int32)
+    row_bytes = raw.shape[1]
+    six = code == _VD6 or code == _T6
+    scl = numpy.empty(16, numpy.int16)
+    mn = numpy.zeros(8, numpy.int32)
+    part = numpy.empty(32, numpy.int32)
     acc = numpy.zeros((m, 8), numpy.float32)
     accm = numpy.zeros((m, 4), numpy.float32)
     for b in range(nb):
-        if code == _VD6 or code == _T6:
-            d_w = table[_unpack_q6_k(raw, r, b, code == _T6, w2, sc)]
+        if six:
+            d_w = table[_scales_q6_k(raw, r, b, scl)]
             dmin_w = numpy.float32(0.0)
         else:
-            h, hm = _unpack_q4_k(raw, r, b, w2, sc, mn)
+            h, hm = _scales_q4_k(raw, r, b, scl, mn)
             d_w, dmin_w = table[h], table[hm]
-        base = b * QK_K
+        w_off = r * row_bytes + b * (210 if six else 144)
         for t in range(m):
-            _partial_sums(w2, xq, t, base, part)
+            x_off = t * n + b * QK_K
+            if six:
+                _core_q6_k(raw, w_off, xq, x_off, scl, part)
+            else:
+                _core_q4_k(raw, w_off, xq, x_off, scl, part)
             d_x = xd[t, b]
             bs = b * 16
             if code == _VD6 or code == _VD4:
                 d = d_x * d_w
                 for lane in range(8):
-                    s = 0
-                    for g in range(4):
-                        for k in range(4):
-                            s += part[g, 4 * lane + k]
-                    if code == _VD6:
-                        s -= 32 * (bsums[t, bs + 2 * lane] * sc[2 * lane] + bsums[t, bs + 2 * lane + 1] * sc[2 * lane + 1])
+                    s = part[lane] + part[8 + lane] + part[16 + lane] + part[24 + lane]
+                    if six:  # the -32 of Q6_K's quants, per lane as ggml's q8sclsub
+                        s -= 32 * (bsums[t, bs + 2 * lane] * numpy.int32(scl[2 * lane])
+                                   + bsums[t, bs + 2 * lane + 1] * numpy.int32(scl[2 * lane + 1]))
                     acc[t, lane] = fma32(d, numpy.float32(s), acc[t, lane])
-                if code == _VD4:
+                if not six:
                     dmn = -d_x * dmin_w
                     for i in range(4):
                         q8s0 = bsums[t, bs + 4 * i] + bsums[t, bs + 4 * i + 1]
@@ -250,24 +313,26 @@ def _row(code, raw, r, xq, xd, bsums, table, out):  # pragma: no cover - compile
                         accm[t, i] = fma32(dmn, numpy.float32(p), accm[t, i])
                 continue
             # the other arithmetics need only group totals and the mins' sums
-            gsum = numpy.zeros(4, numpy.int32)
-            gmin = numpy.zeros(4, numpy.int32)
-            for g in range(4):
-                s = 0
-                for i in range(32):
-                    s += part[g, i]
-                gsum[g] = s
-                if code != _T6:
-                    gmin[g] = (mn[2 * g] * (bsums[t, bs + 4 * g] + bsums[t, bs + 4 * g + 1])
-                               + mn[2 * g + 1] * (bsums[t, bs + 4 * g + 2] + bsums[t, bs + 4 * g + 3]))
             if code == _GM4:
                 scale, mscale = d_w * d_x, dmin_w * d_x
                 for g in range(4):
-                    acc[t, 0] = fma32(numpy.float32(gsum[g]), scale, acc[t, 0])
-                    accm[t, 0] = fma32(numpy.float32(gmin[g]), mscale, accm[t, 0])
+                    s = 0
+                    for lane in range(8):
+                        s += part[8 * g + lane]
+                    gmin = (mn[2 * g] * (bsums[t, bs + 4 * g] + bsums[t, bs + 4 * g + 1])
+                            + mn[2 * g + 1] * (bsums[t, bs + 4 * g + 2] + bsums[t, bs + 4 * g + 3]))
+                    acc[t, 0] = fma32(numpy.float32(s), scale, acc[t, 0])
+                    accm[t, 0] = fma32(numpy.float32(gmin), mscale, accm[t, 0])
                 continue
-            s1 = gsum[0] + gsum[1] + gsum[2] + gsum[3]
-            s2 = gmin[0] + gmin[1] + gmin[2] + gmin[3]
+            s1 = 0
+            for i in range(32):
+                s1 += part[i]
+            s2 = 0
+            for j in range(16):
+                if six:  # Q6_K's -32 again, for the block total
+                    s1 -= 32 * numpy.int32(scl[j]) * bsums[t, bs + j]
+                else:
+                    s2 += mn[j >> 1] * bsums[t, bs + j]
             if code == _GV4:
                 acc[t, 0] = fma32(numpy.float32(s1), d_w * d_x, acc[t, 0])
                 accm[t, 0] = fma32(numpy.float32(s2), dmin_w * d_x, accm[t, 0])
