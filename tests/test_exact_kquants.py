@@ -1,0 +1,184 @@
+"""exact_kquants against ggml's own CPU mul_mat, repacked mul_mat and from_float (tests/ggml_oracle.py).
+
+Every product is compared bit for bit. Each test also computes the same product in the other
+arithmetics ggml has for these types (vec_dot, tiled, repacked gemv/gemm) and in f32 from the
+dequantized operands, and asserts that they miss some outputs on the same data, so a pass shows
+that the right arithmetic was picked, not that the data cannot tell them apart. ``pytest -s``
+prints the figures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from bankml.engine_cupy import exact_kquants as ek
+from bankml.engine_cupy import weights
+from tests import ggml_oracle as go
+
+F32 = np.float32
+ALL_CODES = {"vec_dot Q6_K": ek._VD6, "vec_dot Q4_K": ek._VD4, "tiled Q6_K": ek._T6, "tiled Q4_K": ek._T4,
+             "repacked gemv": ek._GV4, "repacked gemm": ek._GM4}
+
+
+def differing(a: np.ndarray, b: np.ndarray) -> int:
+    """Elements whose bits differ (so -0 vs +0 counts)."""
+    a, b = np.ascontiguousarray(a, F32), np.ascontiguousarray(b, F32)
+    assert a.shape == b.shape
+    return int(np.count_nonzero(a.view(np.uint32) != b.view(np.uint32)))
+
+
+def random_blocks(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> np.ndarray:
+    """Valid K-quant rows (gguf cannot quantize to K types): random quants and packed scales,
+    small positive f16 super-block scales (and mins for Q4_K), as real weights have."""
+    nb = n_in // ek.QK_K
+    raw = rng.integers(0, 256, (n_out, nb, ek._BLOCK_BYTES[qtype]), dtype=np.uint8)
+
+    def halves(scale: float) -> np.ndarray:
+        return (rng.random((n_out, nb)) * scale + 1e-5).astype(np.float16).view(np.uint8).reshape(n_out, nb, 2)
+    if qtype == T.Q6_K:
+        raw[:, :, 208:210] = halves(0.004)
+    else:
+        raw[:, :, 0:2], raw[:, :, 2:4] = halves(0.01), halves(0.01)
+    return raw.reshape(n_out, -1)
+
+
+def activations(rng: np.random.Generator, m: int, n: int) -> np.ndarray:
+    """Hidden-state-like rows: N(0, 1) with some rows 30x wider and some 100x narrower."""
+    scale = rng.choice(np.array([1, 30, 0.01], F32), size=(m, 1))
+    return (rng.standard_normal((m, n)) * scale).astype(F32)
+
+
+def f32_product(raw: np.ndarray, qtype: T, n_out: int, n_in: int, act: ek.KActivation) -> np.ndarray:
+    """The same operands multiplied in f32 (dequantized weight, dequantized q8_K activation)."""
+    w = weights.dequantize(raw, qtype).reshape(n_out, n_in)
+    x = act.q.astype(F32) * np.repeat(act.d, ek.QK_K, axis=1)
+    return x @ w.T
+
+
+def other_arithmetics(matrix: ek.KQuantMatrix, x: np.ndarray, ggml: np.ndarray, used: set[int]) -> dict[str, int]:
+    """Differing outputs of every other arithmetic for this weight type on the same data."""
+    six = matrix.qtype == T.Q6_K
+    codes = {k: c for k, c in ALL_CODES.items() if ("Q6_K" in k) == six and c not in used}
+    act = ek.KActivation(x)
+    found = {}
+    for name, code in codes.items():
+        out = np.empty_like(ggml)
+        ek._run(code, matrix.raw, act, slice(0, x.shape[0]), out)
+        found[name] = differing(out, ggml)
+    found["f32"] = differing(f32_product(matrix.raw, matrix.qtype, matrix.n_out, matrix.n_in, act), ggml)
+    return found
+
+
+def check(name: str, qtype: T, n_out: int, n_in: int, m: int, seed: int, repacked: bool = False) -> None:
+    rng = np.random.default_rng(seed)
+    raw, x = random_blocks(rng, qtype, n_out, n_in), activations(rng, m, n_in)
+    matrix = ek.KQuantMatrix(raw, qtype, n_out, n_in, repacked=repacked)
+    oracle = go.mul_mat_repacked if repacked else go.mul_mat
+    ggml = oracle(raw, qtype, n_out, n_in, x)
+    mine = differing(matrix.matmul(x), ggml)
+    if repacked:
+        used = {ek._GM4} if m % 4 == 0 else {ek._GV4} if m < 4 else set()
+    else:
+        used = {(ek._VD6 if qtype == T.Q6_K else ek._VD4) if m < 8 else (ek._T6 if qtype == T.Q6_K else ek._T4)}
+    others = other_arithmetics(matrix, x, ggml, used)
+    print(f"\n{name} {qtype.name} [{n_out}, {n_in}] m={m}: exact_kquants differs in {mine} of {ggml.size}; "
+          + ", ".join(f"{k} {v}" for k, v in others.items()))
+    assert mine == 0
+    assert others["f32"] > 0
+    assert any(v > 0 for k, v in others.items() if k != "f32")
+
+
+# --- activation rounding --------------------------------------------------------------------------
+
+def test_q8_k_rounding_matches_ggml_from_float() -> None:
+    rng = np.random.default_rng(1)
+    x = activations(rng, 12, 512)
+    x[0, :256] = 0.0  # a zero block: d = 0, quants 0
+    x[1, :256] = 0.5  # constant block
+    x[2, 7] = -np.abs(x[2, :256]).max() * 2  # the largest value negative: the scale's sign flips
+    x[3, :256] = np.linspace(-2.5, 2.5, 256, dtype=F32)  # ties of the rounding
+    ours, ggml = ek.quantize_q8_K(x), go.quantize_rows(x, T.Q8_K)
+    assert ours.shape == ggml.shape
+    assert np.array_equal(ours, ggml)
+
+
+# --- products -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 3, 4, 17, 64])
+def test_q6_k_matches_ggml(m: int) -> None:
+    """m < 8: ggml_vec_dot_q6_K_q8_K; m >= 8: the tiled kernel."""
+    check("plain", T.Q6_K, 576, 1536, m, seed=10 + m)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+def test_q4_k_unrepacked_matches_ggml(m: int) -> None:
+    """Row counts not a multiple of 8 (and the token embedding) keep Q4_K unrepacked."""
+    check("plain", T.Q4_K, 100, 1536, m, seed=20 + m)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 64])
+def test_q4_k_repacked_matches_ggml_cpu_repack_buffer(m: int) -> None:
+    """q4_K_8x8: gemm for rows in fours (4x8-packed rounding), gemv for the m % 4 others."""
+    check("repacked", T.Q4_K, 576, 1536, m, seed=30 + m, repacked=True)
+
+
+def test_wide_slice_of_a_2048x8192_matrix() -> None:
+    """A long row (32 super-blocks), as ffn_down of a 2048-wide model: decode and a batch."""
+    for qtype, repacked in ((T.Q6_K, False), (T.Q4_K, True)):
+        for m in (1, 9):
+            check("wide", qtype, 64, 8192, m, seed=40 + m, repacked=repacked)
+
+
+def test_repacked_rounding_sign_rule_for_packed_rows() -> None:
+    """A block whose largest magnitude occurs as -a first and +a later: quantize_row_q8_K takes
+    the first (scale > 0), the 4-row packing takes +a (scale < 0). Rows 0-3 of a repacked
+    product see the packing's rule, row 4 the row rule."""
+    rng = np.random.default_rng(5)
+    n_out, n_in = 16, 256
+    raw = random_blocks(rng, T.Q4_K, n_out, n_in)
+    x = activations(rng, 5, n_in)
+    a = np.abs(x).max() * 1.5
+    x[:, 3], x[:, 200] = -a, a
+    x[:, 100] = a / 3  # a third of the maximum: the ±127/a scale rounds it differently by sign
+    matrix = ek.KQuantMatrix(raw, T.Q4_K, n_out, n_in, repacked=True)
+    assert differing(matrix.matmul(x), go.mul_mat_repacked(raw, T.Q4_K, n_out, n_in, x)) == 0
+    packed, plain = matrix.quantize(x), ek.KActivation(x)
+    assert np.all(np.sign(packed.d[:4]) != np.sign(plain.d[:4]))
+    assert packed.d[4, 0] == plain.d[4, 0]
+
+
+def test_concat_equals_separate_products() -> None:
+    rng = np.random.default_rng(7)
+    parts = [ek.KQuantMatrix(random_blocks(rng, T.Q4_K, n, 512), T.Q4_K, n, 512, repacked=True) for n in (16, 8, 24)]
+    x = activations(rng, 6, 512)
+    joined = ek.KQuantMatrix.concat(parts)
+    assert (joined.n_out, joined.n_in, joined.qtype, joined.repacked) == (48, 512, T.Q4_K, True)
+    assert differing(joined.matmul(x), np.concatenate([p.matmul(x) for p in parts], axis=1)) == 0
+
+
+def test_zero_copy_and_shape_checks() -> None:
+    rng = np.random.default_rng(8)
+    raw = random_blocks(rng, T.Q6_K, 8, 256)
+    matrix = ek.KQuantMatrix(raw, T.Q6_K, 8, 256)
+    assert np.shares_memory(matrix.raw, raw)
+    with pytest.raises(ValueError, match="needs"):
+        ek.KQuantMatrix(raw[:4], T.Q6_K, 8, 256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ek.KQuantMatrix(raw, T.Q6_K, 16, 128)
+    with pytest.raises(ValueError, match="does not repack"):
+        ek.KQuantMatrix(raw, T.Q6_K, 8, 256, repacked=True)
+    with pytest.raises(ValueError, match="width"):
+        matrix.matmul(np.zeros((1, 512), F32))
+    with pytest.raises(ValueError, match="no exact"):
+        ek.KQuantMatrix(raw, T.Q3_K, 8, 256)
+
+
+def test_supported_and_repack_rule() -> None:
+    assert ek.supported(T.Q4_K) and ek.supported(T.Q6_K)
+    assert not ek.supported(T.Q4_0) and not ek.supported(T.Q2_K) and not ek.supported(9999)
+    assert ek.repacked_by_llama_server(T.Q4_K, 576)
+    assert not ek.repacked_by_llama_server(T.Q4_K, 100)
+    assert not ek.repacked_by_llama_server(T.Q4_K, 576, token_embd=True)
+    assert not ek.repacked_by_llama_server(T.Q6_K, 576)
