@@ -18,8 +18,9 @@ from bankml.engine_cupy import weights
 from tests import ggml_oracle as go
 
 F32 = np.float32
-ALL_CODES = {"vec_dot Q6_K": ek._VD6, "vec_dot Q4_K": ek._VD4, "tiled Q6_K": ek._T6, "tiled Q4_K": ek._T4,
-             "repacked gemv": ek._GV4, "repacked gemm": ek._GM4}
+# every arithmetic ggml has for a weight type
+CODES = {T.Q6_K: {"vec_dot": ek._VD6, "tiled": ek._T6}, T.Q5_K: {"vec_dot": ek._VD5, "tiled": ek._T5},
+         T.Q4_K: {"vec_dot": ek._VD4, "tiled": ek._T4, "repacked gemv": ek._GV4, "repacked gemm": ek._GM4}}
 
 
 def differing(a: np.ndarray, b: np.ndarray) -> int:
@@ -39,6 +40,8 @@ def random_blocks(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> 
         return (rng.random((n_out, nb)) * scale + 1e-5).astype(np.float16).view(np.uint8).reshape(n_out, nb, 2)
     if qtype == T.Q6_K:
         raw[:, :, 208:210] = halves(0.004)
+    elif qtype == T.Q5_K:
+        raw[:, :, 0:2], raw[:, :, 2:4] = halves(0.005), halves(0.005)
     else:
         raw[:, :, 0:2], raw[:, :, 2:4] = halves(0.01), halves(0.01)
     return raw.reshape(n_out, -1)
@@ -59,8 +62,7 @@ def f32_product(raw: np.ndarray, qtype: T, n_out: int, n_in: int, act: ek.KActiv
 
 def other_arithmetics(matrix: ek.KQuantMatrix, x: np.ndarray, ggml: np.ndarray, used: set[int]) -> dict[str, int]:
     """Differing outputs of every other arithmetic for this weight type on the same data."""
-    six = matrix.qtype == T.Q6_K
-    codes = {k: c for k, c in ALL_CODES.items() if ("Q6_K" in k) == six and c not in used}
+    codes = {k: c for k, c in CODES[matrix.qtype].items() if c not in used}
     act = ek.KActivation(x)
     found = {}
     for name, code in codes.items():
@@ -81,7 +83,7 @@ def check(name: str, qtype: T, n_out: int, n_in: int, m: int, seed: int, repacke
     if repacked:
         used = {ek._GM4} if m % 4 == 0 else {ek._GV4} if m < 4 else set()
     else:
-        used = {(ek._VD6 if qtype == T.Q6_K else ek._VD4) if m < 8 else (ek._T6 if qtype == T.Q6_K else ek._T4)}
+        used = {CODES[qtype]["vec_dot" if m < 8 else "tiled"]}
     others = other_arithmetics(matrix, x, ggml, used)
     print(f"\n{name} {qtype.name} [{n_out}, {n_in}] m={m}: exact_kquants differs in {mine} of {ggml.size}; "
           + ", ".join(f"{k} {v}" for k, v in others.items()))
@@ -122,6 +124,12 @@ def test_q4_k_unrepacked_matches_ggml(m: int) -> None:
 def test_q4_k_repacked_matches_ggml_cpu_repack_buffer(m: int) -> None:
     """q4_K_8x8: gemm for rows in fours (4x8-packed rounding), gemv for the m % 4 others."""
     check("repacked", T.Q4_K, 576, 1536, m, seed=30 + m, repacked=True)
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 17])
+def test_q5_k_matches_ggml(m: int) -> None:
+    """Q5_K is never repacked on AVX2: vec_dot (scalar min chain) below 8 rows, tiled above."""
+    check("plain", T.Q5_K, 256, 1024, m, seed=50 + m)
 
 
 def test_wide_slice_of_a_2048x8192_matrix() -> None:
@@ -176,9 +184,10 @@ def test_zero_copy_and_shape_checks() -> None:
 
 
 def test_supported_and_repack_rule() -> None:
-    assert ek.supported(T.Q4_K) and ek.supported(T.Q6_K)
+    assert ek.supported(T.Q4_K) and ek.supported(T.Q5_K) and ek.supported(T.Q6_K)
     assert not ek.supported(T.Q4_0) and not ek.supported(T.Q2_K) and not ek.supported(9999)
     assert ek.repacked_by_llama_server(T.Q4_K, 576)
     assert not ek.repacked_by_llama_server(T.Q4_K, 100)
     assert not ek.repacked_by_llama_server(T.Q4_K, 576, token_embd=True)
     assert not ek.repacked_by_llama_server(T.Q6_K, 576)
+    assert not ek.repacked_by_llama_server(T.Q5_K, 576)

@@ -1,16 +1,17 @@
-"""K-quant matrix products (Q4_K, Q6_K) that round exactly as llama-server's AVX2 CPU backend.
+"""K-quant matrix products (Q4_K, Q5_K, Q6_K) that round exactly as llama-server's AVX2 CPU backend.
 
 ggml rounds the activation to q8_K blocks (256 values, an f32 scale, 16 sums of 16 quants) and
 then takes one of four arithmetics, depending on the weight type, whether llama-server repacked
 the matrix (CPU_REPACK buffer) and the number of activation rows ``m``:
 
-- ``vec_dot`` (arch/x86/quants.c, ``ggml_vec_dot_q{4,6}_K_q8_K``, m < 8, not repacked): eight
+- ``vec_dot`` (arch/x86/quants.c, ``ggml_vec_dot_q{4,5,6}_K_q8_K``, m < 8, not repacked): eight
   exact integer lanes per super-block (lane L = the products of elements 4L..4L+3 of every 32,
   each weighted by its sub-block scale), ``acc[L] = fma(d_x·d_w, lane, acc[L])``, then
   ``hsum_float_8``. Q6_K subtracts ``32·(bsums·scales)`` per lane (its quants are stored
-  unsigned); Q4_K keeps a 4-lane min chain ``fma(-d_x·dmin, Σ m·bsum, acc_m)`` added at the end.
+  unsigned); Q4_K keeps a 4-lane min chain ``fma(-d_x·dmin, Σ m·bsum, acc_m)`` added at the end,
+  Q5_K a scalar one (GCC fuses its ``summs += dmin * Σ`` into vfmadd231ss).
 - ``tiled`` (tiled/tiled-kernel.cpp, m >= 8, not repacked, new in this build): one exact integer
-  per super-block, ``res = d_w·s1`` (Q4_K: ``res = fma(-dmin, s2, res)``) and
+  per super-block, ``res = d_w·s1`` (Q4_K, Q5_K: ``res = fma(-dmin, s2, res)``) and
   ``out = fma(res, d_x, out)``. llamafile's sgemm takes no K-quant.
 - repacked Q4_K (arch/x86/repack.cpp, ``q4_K_8x8``, ``n_out % 8 == 0``): the activation rows in
   groups of four are rounded by ``ggml_quantize_mat_q8_K_4x8`` and go through ``gemm`` (one fma
@@ -36,12 +37,15 @@ from bankml.engine_cupy.jit import fma32, njit
 __all__ = ["KQuantMatrix", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
 
 QK_K = 256
-_BLOCK_BYTES = {T.Q4_K: 144, T.Q6_K: 210}
+_BLOCK_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: the tiled kernel takes batches of 8 rows or more
 ROWS_PER_TASK = 16
 
 # arithmetic codes
-_VD6, _VD4, _T6, _T4, _GV4, _GM4 = 0, 1, 2, 3, 4, 5
+_VD6, _VD4, _T6, _T4, _GV4, _GM4, _VD5, _T5 = 0, 1, 2, 3, 4, 5, 6, 7
+
+# weight type -> (tiled code, vec_dot code) for matrices llama-server does not repack
+_PLAIN_CODES = {T.Q4_K: (_T4, _VD4), T.Q5_K: (_T5, _VD5), T.Q6_K: (_T6, _VD6)}
 
 F16_TABLE = numpy.arange(65536, dtype=numpy.uint16).view(numpy.float16).astype(numpy.float32)
 
@@ -173,6 +177,19 @@ def _q4_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
     return chunks
 
 
+def _q5_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
+    """The 8 chunks of 32 unsigned 5-bit quants of a block_q5_K (qh[32] at +16, qs[128] at +48):
+    as Q4_K's nibbles, with bit c of qh[l] as bit 4 of value l of chunk c."""
+    h = _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 16)), _V32I8)
+    chunks = []
+    for g in range(4):
+        raw = _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 48 + 32 * g)), _V32I8)
+        for c, low in ((2 * g, builder.and_(raw, _bytes(15))), (2 * g + 1, builder.lshr(raw, _bytes(4)))):
+            fifth = builder.shl(builder.and_(builder.lshr(h, _bytes(c)), _bytes(1)), _bytes(4))
+            chunks.append(builder.or_(low, fifth))
+    return chunks
+
+
 def _q6_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
     """The 8 chunks of 32 unsigned 6-bit quants of a block_q6_K (ql[128], qh[64]): per half j,
     ql[64j:64j+32] and ql[64j+32:64j+64] give the low nibbles (chunks 4j, 4j+1) and high nibbles
@@ -189,7 +206,7 @@ def _q6_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
     return chunks
 
 
-def _make_core(six: bool):
+def _make_core(unpack):
     """core(w, w_off, xq, x_off, scl, out): out[8g + L] (int32, g = 64-value group, L = lane)
     = Σ over the two 32-value chunks of group g of scale(e)·q(e)·x(e) for the elements
     e = 4L..4L+3 of the chunk; q unsigned (Q6_K's -32 is applied by the caller through the
@@ -206,7 +223,7 @@ def _make_core(six: bool):
             sbase = builder.bitcast(context.make_array(aty[4])(context, builder, args[4]).data, _I16.as_pointer())
             obase = builder.bitcast(context.make_array(aty[5])(context, builder, args[5]).data, _V8I32.as_pointer())
             w_off, x_off = args[1], args[3]
-            chunks = (_q6_k_chunks if six else _q4_k_chunks)(builder, wbase, w_off)
+            chunks = unpack(builder, wbase, w_off)
             for g in range(4):
                 total = None
                 for c in (2 * g, 2 * g + 1):
@@ -227,8 +244,9 @@ def _make_core(six: bool):
     return core
 
 
-_core_q4_k = _make_core(False)
-_core_q6_k = _make_core(True)
+_core_q4_k = _make_core(_q4_k_chunks)
+_core_q5_k = _make_core(_q5_k_chunks)
+_core_q6_k = _make_core(_q6_k_chunks)
 
 
 @njit
@@ -246,10 +264,11 @@ def _scales_q6_k(raw, r, b, scl):  # pragma: no cover - compiled
 
 
 @njit
-def _scales_q4_k(raw, r, b, scl, mn):  # pragma: no cover - compiled
-    """block_q4_K's 6-bit scales and mins (get_scale_min_k4): scale s covers values 32s..32s+31,
-    so scl (per 16 values) holds each twice. Returns (d, dmin) as f16 bits."""
-    o = b * 144
+def _scales_q4_k(raw, r, b, block_bytes, scl, mn):  # pragma: no cover - compiled
+    """block_q4_K's (and block_q5_K's: same head) 6-bit scales and mins (get_scale_min_k4):
+    scale s covers values 32s..32s+31, so scl (per 16 values) holds each twice. Returns (d, dmin)
+    as f16 bits."""
+    o = b * block_bytes
     for j in range(8):
         if j < 4:
             s = numpy.int16(raw[r, o + 4 + j] & 63)
@@ -275,6 +294,8 @@ def _row(code, raw, r, xq, xd, bsums, table, out):  # pragma: no cover - compile
     nb = n // QK_K
     row_bytes = raw.shape[1]
     six = code == _VD6 or code == _T6
+    five = code == _VD5 or code == _T5
+    block_bytes = 210 if six else 176 if five else 144
     scl = numpy.empty(16, numpy.int16)
     mn = numpy.zeros(8, numpy.int32)
     part = numpy.empty(32, numpy.int32)
@@ -285,18 +306,20 @@ def _row(code, raw, r, xq, xd, bsums, table, out):  # pragma: no cover - compile
             d_w = table[_scales_q6_k(raw, r, b, scl)]
             dmin_w = numpy.float32(0.0)
         else:
-            h, hm = _scales_q4_k(raw, r, b, scl, mn)
+            h, hm = _scales_q4_k(raw, r, b, block_bytes, scl, mn)
             d_w, dmin_w = table[h], table[hm]
-        w_off = r * row_bytes + b * (210 if six else 144)
+        w_off = r * row_bytes + b * block_bytes
         for t in range(m):
             x_off = t * n + b * QK_K
             if six:
                 _core_q6_k(raw, w_off, xq, x_off, scl, part)
+            elif five:
+                _core_q5_k(raw, w_off, xq, x_off, scl, part)
             else:
                 _core_q4_k(raw, w_off, xq, x_off, scl, part)
             d_x = xd[t, b]
             bs = b * 16
-            if code == _VD6 or code == _VD4:
+            if code == _VD6 or code == _VD4 or code == _VD5:
                 d = d_x * d_w
                 for lane in range(8):
                     s = part[lane] + part[8 + lane] + part[16 + lane] + part[24 + lane]
@@ -304,7 +327,12 @@ def _row(code, raw, r, xq, xd, bsums, table, out):  # pragma: no cover - compile
                         s -= 32 * (bsums[t, bs + 2 * lane] * numpy.int32(scl[2 * lane])
                                    + bsums[t, bs + 2 * lane + 1] * numpy.int32(scl[2 * lane + 1]))
                     acc[t, lane] = fma32(d, numpy.float32(s), acc[t, lane])
-                if not six:
+                if code == _VD5:  # one scalar min chain: summs = fma(-d_x·dmin, Σ m·bsums, summs)
+                    p = 0
+                    for j in range(16):
+                        p += mn[j >> 1] * bsums[t, bs + j]
+                    accm[t, 0] = fma32(-d_x * dmin_w, numpy.float32(p), accm[t, 0])
+                elif not six:
                     dmn = -d_x * dmin_w
                     for i in range(4):
                         q8s0 = bsums[t, bs + 4 * i] + bsums[t, bs + 4 * i + 1]
@@ -338,7 +366,7 @@ def _row(code, raw, r, xq, xd, bsums, table, out):  # pragma: no cover - compile
                 accm[t, 0] = fma32(numpy.float32(s2), dmin_w * d_x, accm[t, 0])
             else:  # tiled: res = d_w·s1 (- dmin·s2 fused), out = fma(res, d_x, out)
                 res = d_w * numpy.float32(s1)
-                if code == _T4:
+                if code == _T4 or code == _T5:
                     res = fma32(-dmin_w, numpy.float32(s2), res)
                 acc[t, 0] = fma32(res, d_x, acc[t, 0])
     for t in range(m):
@@ -346,6 +374,8 @@ def _row(code, raw, r, xq, xd, bsums, table, out):  # pragma: no cover - compile
             out[t, r] = _hsum8(acc[t])
         elif code == _VD4:
             out[t, r] = _hsum8(acc[t]) + ((accm[t, 0] + accm[t, 2]) + (accm[t, 1] + accm[t, 3]))
+        elif code == _VD5:
+            out[t, r] = _hsum8(acc[t]) + accm[t, 0]
         elif code == _GV4 or code == _GM4:
             out[t, r] = acc[t, 0] - accm[t, 0]
         else:
@@ -427,9 +457,6 @@ class KQuantMatrix:
             return out
         if act.packed_rows:
             raise ValueError("activation was rounded for a repacked matrix")
-        six = self.qtype == T.Q6_K
-        if m >= TILED_MIN_ROWS:
-            _run(_T6 if six else _T4, self.raw, act, slice(0, m), out)
-        else:
-            _run(_VD6 if six else _VD4, self.raw, act, slice(0, m), out)
+        tiled, vec_dot = _PLAIN_CODES[self.qtype]
+        _run(tiled if m >= TILED_MIN_ROWS else vec_dot, self.raw, act, slice(0, m), out)
         return out
