@@ -29,9 +29,10 @@ import numpy
 from gguf import GGMLQuantizationType as T
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _load, _splat
+from bankml.engine_cupy.exact_matmul import HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _hsum, _load, _splat
 from bankml.engine_cupy.jit import fma32, njit
 
 __all__ = ["KQuantMatrix", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
@@ -117,7 +118,7 @@ def _quantize(x, groups_of_four):  # pragma: no cover - compiled
     nb = n // QK_K
     q = numpy.empty((m, n), numpy.int8)
     d = numpy.empty((m, nb), numpy.float32)
-    bsums = numpy.empty((m, nb * 16), numpy.int32)
+    bsums = numpy.empty((m, nb * 16), numpy.int16)
     for t in range(m):
         for b in range(nb):
             _quantize_block(x, t, b, t < groups_of_four, q, d, bsums)
@@ -159,7 +160,7 @@ def quantize_q8_K(x: numpy.ndarray) -> numpy.ndarray:
 # pmaddubsw against the int8 activation (no saturation: q <= 63), pmaddwd by the sub-block
 # scales. Its result is exact, so any grouping of the sums that ggml's differs from is harmless.
 
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V32I8, _V16I16, _V8I32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
 
 
@@ -206,47 +207,124 @@ def _q6_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
     return chunks
 
 
-def _make_core(unpack):
-    """core(w, w_off, xq, x_off, scl, out): out[8g + L] (int32, g = 64-value group, L = lane)
-    = Σ over the two 32-value chunks of group g of scale(e)·q(e)·x(e) for the elements
-    e = 4L..4L+3 of the chunk; q unsigned (Q6_K's -32 is applied by the caller through the
-    bsums, as ggml's vec_dot does), scale(e) = scl[e // 16] (int16)."""
+def _vec(builder: ir.IRBuilder, ptr: ir.Value, index: ir.Value, vty: ir.Type) -> ir.Value:
+    """A vector loaded from ptr[index] (ptr typed by its elements), unaligned."""
+    return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=1)
+
+
+def _reduce(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """Σ of an integer vector (exact)."""
+    return _call(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", _I32, [v])
+
+
+def _make_dot(code: int):
+    """dot(w, w_off, xq, x_off, xd, bsums, s_off, scl, mins, dw, dmin, nb) -> f32: one output of
+    arithmetic ``code`` (see the module docstring): weight row at byte w_off of w, activation row
+    at x_off of xq (int8), its block scales at s_off of xd and its sums at 16·s_off of bsums
+    (int16); the row's decoded block constants in scl/mins (int16, 16 per block: the scale and
+    the min of every 16 values) and dw/dmin (f32, one per block)."""
+    unpack = {_VD6: _q6_k_chunks, _T6: _q6_k_chunks, _VD5: _q5_k_chunks, _T5: _q5_k_chunks}.get(code, _q4_k_chunks)
+    block_bytes = 210 if code in (_VD6, _T6) else 176 if code in (_VD5, _T5) else 144
+    v8f, v4f, v4i = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
+    vector_acc = code in (_VD6, _VD4, _VD5)
 
     @intrinsic
-    def core(typingctx, w, w_off, xq, x_off, scl, out):
-        sig = types.void(w, w_off, xq, x_off, scl, out)
+    def dot(typingctx, w, w_off, xq, x_off, xd, bsums, s_off, scl, mins, dw, dmin, nb):
+        sig = types.float32(w, w_off, xq, x_off, xd, bsums, s_off, scl, mins, dw, dmin, nb)
 
         def codegen(context, builder, signature, args):
             aty = signature.args
-            wbase = _byte_ptr(context, builder, aty[0], args[0])
-            xbase = _byte_ptr(context, builder, aty[2], args[2])
-            sbase = builder.bitcast(context.make_array(aty[4])(context, builder, args[4]).data, _I16.as_pointer())
-            obase = builder.bitcast(context.make_array(aty[5])(context, builder, args[5]).data, _V8I32.as_pointer())
-            w_off, x_off = args[1], args[3]
-            chunks = unpack(builder, wbase, w_off)
-            for g in range(4):
-                total = None
-                for c in (2 * g, 2 * g + 1):
-                    x = _load(builder, xbase, builder.add(x_off, ir.Constant(x_off.type, 32 * c)), _V32I8)
-                    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [chunks[c], x])
-                    lo = builder.load(builder.gep(sbase, [ir.Constant(_I32, 2 * c)]))
-                    hi = builder.load(builder.gep(sbase, [ir.Constant(_I32, 2 * c + 1)]))
-                    scale = builder.shuffle_vector(_splat(builder, lo, ir.VectorType(_I16, 8)),
-                                                   _splat(builder, hi, ir.VectorType(_I16, 8)),
-                                                   ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
-                    quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, scale])
-                    total = quads if total is None else builder.add(total, quads)
-                builder.store(total, builder.gep(obase, [ir.Constant(_I32, g)]), align=4)
-            return context.get_dummy_value()
+            (_, w_off, _, x_off, _, _, s_off, _, _, _, _, nblocks) = args
+
+            def data(i: int) -> ir.Value:
+                return context.make_array(aty[i])(context, builder, args[i]).data
+            wbase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[2], args[2])
+            xdp, bsp, sclp, minp, dwp, dmp = data(4), data(5), data(7), data(8), data(9), data(10)
+            ity = w_off.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0))
+            accm = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0))
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
+                xo = builder.add(x_off, builder.mul(b, const(QK_K)))
+                d_x = builder.load(builder.gep(xdp, [builder.add(s_off, b)]))
+                d_w = builder.load(builder.gep(dwp, [b]))
+                dm_w = builder.load(builder.gep(dmp, [b]))
+                sums = _vec(builder, bsp, builder.mul(builder.add(s_off, b), const(16)), _V16I16)
+                scales = _vec(builder, sclp, builder.mul(b, const(16)), _V16I16)
+                chunks = unpack(builder, wbase, blk)
+                groups = []
+                for g in range(4):
+                    total = None
+                    for c in (2 * g, 2 * g + 1):
+                        x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
+                        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [chunks[c], x])
+                        scale = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_I32, 16), [2 * c] * 8 + [2 * c + 1] * 8))
+                        quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, scale])
+                        total = quads if total is None else builder.add(total, quads)
+                    groups.append(total)
+                lanes = builder.add(builder.add(groups[0], groups[1]), builder.add(groups[2], groups[3]))
+                if code in (_VD6, _T6):  # Q6_K's -32 per quant, through the sums (ggml's q8sclsub)
+                    corr = builder.shl(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, scales]), ir.Constant(_V8I32, [5] * 8))
+                    lanes = builder.sub(lanes, corr)
+                    min_pairs = None
+                else:  # pair p = min·(bsums[2p] + bsums[2p+1])
+                    min_pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, _vec(builder, minp, builder.mul(b, const(16)), _V16I16)])
+                if vector_acc:
+                    scale = _splat(builder, builder.fmul(d_x, d_w), v8f)
+                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [scale, builder.sitofp(lanes, v8f), builder.load(acc)]), acc)
+                    neg = builder.fneg(builder.fmul(d_x, dm_w))
+                    if code == _VD4:  # four lanes: m[2i]·q8s[2i] + m[2i+1]·q8s[2i+1]
+                        even = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [0, 2, 4, 6]))
+                        odd = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [1, 3, 5, 7]))
+                        prod = builder.sitofp(builder.add(even, odd), v4f)
+                        builder.store(_call(builder, "llvm.fma.v4f32", v4f, [_splat(builder, neg, v4f), prod, builder.load(accm)]), accm)
+                    elif code == _VD5:
+                        total = builder.sitofp(_reduce(builder, min_pairs), _F32)
+                        builder.store(_call(builder, "llvm.fma.f32", _F32, [neg, total, builder.load(accm)]), accm)
+                elif code == _GM4:  # one fma pair per 64 values
+                    scale, mscale = builder.fmul(d_w, d_x), builder.fmul(dm_w, d_x)
+                    for g in range(4):
+                        s = builder.sitofp(_reduce(builder, groups[g]), _F32)
+                        mg = builder.add(builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g)),
+                                         builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g + 1)))
+                        builder.store(_call(builder, "llvm.fma.f32", _F32, [s, scale, builder.load(acc)]), acc)
+                        builder.store(_call(builder, "llvm.fma.f32", _F32, [builder.sitofp(mg, _F32), mscale, builder.load(accm)]), accm)
+                else:
+                    s1 = builder.sitofp(_reduce(builder, lanes), _F32)
+                    if code == _GV4:
+                        s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
+                        builder.store(_call(builder, "llvm.fma.f32", _F32, [s1, builder.fmul(d_w, d_x), builder.load(acc)]), acc)
+                        builder.store(_call(builder, "llvm.fma.f32", _F32, [s2, builder.fmul(dm_w, d_x), builder.load(accm)]), accm)
+                    else:  # tiled: res = d_w·s1 (- dmin·s2 fused), out = fma(res, d_x, out)
+                        res = builder.fmul(d_w, s1)
+                        if code != _T6:
+                            s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
+                            res = _call(builder, "llvm.fma.f32", _F32, [builder.fneg(dm_w), s2, res])
+                        builder.store(_call(builder, "llvm.fma.f32", _F32, [res, d_x, builder.load(acc)]), acc)
+            total = builder.load(acc)
+            if vector_acc:
+                total = _hsum(builder, total)
+                if code == _VD4:
+                    a = [builder.extract_element(builder.load(accm), ir.Constant(_I32, i)) for i in range(4)]
+                    total = builder.fadd(total, builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3])))
+                elif code == _VD5:
+                    total = builder.fadd(total, builder.load(accm))
+            elif code in (_GV4, _GM4):
+                total = builder.fsub(total, builder.load(accm))
+            return total
 
         return sig, codegen
 
-    return core
+    return dot
 
 
-_core_q4_k = _make_core(_q4_k_chunks)
-_core_q5_k = _make_core(_q5_k_chunks)
-_core_q6_k = _make_core(_q6_k_chunks)
+_dot_vd6, _dot_vd4, _dot_vd5 = _make_dot(_VD6), _make_dot(_VD4), _make_dot(_VD5)
+_dot_t6, _dot_t4, _dot_t5 = _make_dot(_T6), _make_dot(_T4), _make_dot(_T5)
+_dot_gv4, _dot_gm4 = _make_dot(_GV4), _make_dot(_GM4)
 
 
 @njit
@@ -255,145 +333,76 @@ def _half_bits(raw, r, o):  # pragma: no cover - compiled
 
 
 @njit
-def _scales_q6_k(raw, r, b, scl):  # pragma: no cover - compiled
-    """block_q6_K's 16 int8 scales (at +192) into scl; returns d (f16 bits, at +208)."""
-    o = b * 210
-    for s in range(16):
-        scl[s] = numpy.int16(numpy.int8(raw[r, o + 192 + s]))
-    return _half_bits(raw, r, o + 208)
+def _decode_row(six, raw, r, block_bytes, scl, mins, dw, dmin, table):  # pragma: no cover - compiled
+    """A weight row's block constants: 16 int16 scales (and mins) per block, one per 16 values
+    (Q4_K/Q5_K's 6-bit scale and min of 32 values appear twice: get_scale_min_k4), d and dmin."""
+    for b in range(dw.shape[0]):
+        o = b * block_bytes
+        if six:
+            for s in range(16):
+                scl[b * 16 + s] = numpy.int16(numpy.int8(raw[r, o + 192 + s]))
+            dw[b] = table[_half_bits(raw, r, o + 208)]
+            continue
+        for j in range(8):
+            if j < 4:
+                s = numpy.int16(raw[r, o + 4 + j] & 63)
+                mn = numpy.int16(raw[r, o + 8 + j] & 63)
+            else:
+                s = numpy.int16((raw[r, o + 8 + j] & 15) | ((raw[r, o + j] >> 6) << 4))
+                mn = numpy.int16((raw[r, o + 8 + j] >> 4) | ((raw[r, o + 4 + j] >> 6) << 4))
+            scl[b * 16 + 2 * j], scl[b * 16 + 2 * j + 1] = s, s
+            mins[b * 16 + 2 * j], mins[b * 16 + 2 * j + 1] = mn, mn
+        dw[b], dmin[b] = table[_half_bits(raw, r, o)], table[_half_bits(raw, r, o + 2)]
 
 
 @njit
-def _scales_q4_k(raw, r, b, block_bytes, scl, mn):  # pragma: no cover - compiled
-    """block_q4_K's (and block_q5_K's: same head) 6-bit scales and mins (get_scale_min_k4):
-    scale s covers values 32s..32s+31, so scl (per 16 values) holds each twice. Returns (d, dmin)
-    as f16 bits."""
-    o = b * block_bytes
-    for j in range(8):
-        if j < 4:
-            s = numpy.int16(raw[r, o + 4 + j] & 63)
-            mn[j] = numpy.int32(raw[r, o + 8 + j] & 63)
-        else:
-            s = numpy.int16((raw[r, o + 8 + j] & 15) | ((raw[r, o + j] >> 6) << 4))
-            mn[j] = numpy.int32((raw[r, o + 8 + j] >> 4) | ((raw[r, o + 4 + j] >> 6) << 4))
-        scl[2 * j] = s
-        scl[2 * j + 1] = s
-    return _half_bits(raw, r, o), _half_bits(raw, r, o + 2)
-
-
-@njit
-def _hsum8(a):  # pragma: no cover - compiled
-    """hsum_float_8: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
-
-
-@njit
-def _row(code, raw, r, xq, xd, bsums, table, out):  # pragma: no cover - compiled
-    """out[:, r] for weight row r against every activation row, in the arithmetic ``code``."""
+def _rows(code, raw, r0, r1, xq, xd, bsums, table, out):  # pragma: no cover - compiled
+    """out[:, r0:r1] in the arithmetic ``code``; each row's constants decoded once for all
+    activation rows."""
     m, n = xq.shape
     nb = n // QK_K
     row_bytes = raw.shape[1]
+    block_bytes = row_bytes // nb
     six = code == _VD6 or code == _T6
-    five = code == _VD5 or code == _T5
-    block_bytes = 210 if six else 176 if five else 144
-    scl = numpy.empty(16, numpy.int16)
-    mn = numpy.zeros(8, numpy.int32)
-    part = numpy.empty(32, numpy.int32)
-    acc = numpy.zeros((m, 8), numpy.float32)
-    accm = numpy.zeros((m, 4), numpy.float32)
-    for b in range(nb):
-        if six:
-            d_w = table[_scales_q6_k(raw, r, b, scl)]
-            dmin_w = numpy.float32(0.0)
-        else:
-            h, hm = _scales_q4_k(raw, r, b, block_bytes, scl, mn)
-            d_w, dmin_w = table[h], table[hm]
-        w_off = r * row_bytes + b * block_bytes
+    scl = numpy.empty(nb * 16, numpy.int16)
+    mins = numpy.zeros(nb * 16, numpy.int16)
+    dw = numpy.empty(nb, numpy.float32)
+    dmin = numpy.zeros(nb, numpy.float32)
+    for r in range(r0, r1):
+        _decode_row(six, raw, r, block_bytes, scl, mins, dw, dmin, table)
+        w = r * row_bytes
         for t in range(m):
-            x_off = t * n + b * QK_K
-            if six:
-                _core_q6_k(raw, w_off, xq, x_off, scl, part)
-            elif five:
-                _core_q5_k(raw, w_off, xq, x_off, scl, part)
+            x, s = t * n, t * nb
+            if code == _VD6:
+                v = _dot_vd6(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+            elif code == _VD4:
+                v = _dot_vd4(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+            elif code == _VD5:
+                v = _dot_vd5(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+            elif code == _T6:
+                v = _dot_t6(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+            elif code == _T4:
+                v = _dot_t4(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+            elif code == _T5:
+                v = _dot_t5(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+            elif code == _GV4:
+                v = _dot_gv4(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
             else:
-                _core_q4_k(raw, w_off, xq, x_off, scl, part)
-            d_x = xd[t, b]
-            bs = b * 16
-            if code == _VD6 or code == _VD4 or code == _VD5:
-                d = d_x * d_w
-                for lane in range(8):
-                    s = part[lane] + part[8 + lane] + part[16 + lane] + part[24 + lane]
-                    if six:  # the -32 of Q6_K's quants, per lane as ggml's q8sclsub
-                        s -= 32 * (bsums[t, bs + 2 * lane] * numpy.int32(scl[2 * lane])
-                                   + bsums[t, bs + 2 * lane + 1] * numpy.int32(scl[2 * lane + 1]))
-                    acc[t, lane] = fma32(d, numpy.float32(s), acc[t, lane])
-                if code == _VD5:  # one scalar min chain: summs = fma(-d_x·dmin, Σ m·bsums, summs)
-                    p = 0
-                    for j in range(16):
-                        p += mn[j >> 1] * bsums[t, bs + j]
-                    accm[t, 0] = fma32(-d_x * dmin_w, numpy.float32(p), accm[t, 0])
-                elif not six:
-                    dmn = -d_x * dmin_w
-                    for i in range(4):
-                        q8s0 = bsums[t, bs + 4 * i] + bsums[t, bs + 4 * i + 1]
-                        q8s1 = bsums[t, bs + 4 * i + 2] + bsums[t, bs + 4 * i + 3]
-                        p = mn[2 * i] * q8s0 + mn[2 * i + 1] * q8s1
-                        accm[t, i] = fma32(dmn, numpy.float32(p), accm[t, i])
-                continue
-            # the other arithmetics need only group totals and the mins' sums
-            if code == _GM4:
-                scale, mscale = d_w * d_x, dmin_w * d_x
-                for g in range(4):
-                    s = 0
-                    for lane in range(8):
-                        s += part[8 * g + lane]
-                    gmin = (mn[2 * g] * (bsums[t, bs + 4 * g] + bsums[t, bs + 4 * g + 1])
-                            + mn[2 * g + 1] * (bsums[t, bs + 4 * g + 2] + bsums[t, bs + 4 * g + 3]))
-                    acc[t, 0] = fma32(numpy.float32(s), scale, acc[t, 0])
-                    accm[t, 0] = fma32(numpy.float32(gmin), mscale, accm[t, 0])
-                continue
-            s1 = 0
-            for i in range(32):
-                s1 += part[i]
-            s2 = 0
-            for j in range(16):
-                if six:  # Q6_K's -32 again, for the block total
-                    s1 -= 32 * numpy.int32(scl[j]) * bsums[t, bs + j]
-                else:
-                    s2 += mn[j >> 1] * bsums[t, bs + j]
-            if code == _GV4:
-                acc[t, 0] = fma32(numpy.float32(s1), d_w * d_x, acc[t, 0])
-                accm[t, 0] = fma32(numpy.float32(s2), dmin_w * d_x, accm[t, 0])
-            else:  # tiled: res = d_w·s1 (- dmin·s2 fused), out = fma(res, d_x, out)
-                res = d_w * numpy.float32(s1)
-                if code == _T4 or code == _T5:
-                    res = fma32(-dmin_w, numpy.float32(s2), res)
-                acc[t, 0] = fma32(res, d_x, acc[t, 0])
-    for t in range(m):
-        if code == _VD6:
-            out[t, r] = _hsum8(acc[t])
-        elif code == _VD4:
-            out[t, r] = _hsum8(acc[t]) + ((accm[t, 0] + accm[t, 2]) + (accm[t, 1] + accm[t, 3]))
-        elif code == _VD5:
-            out[t, r] = _hsum8(acc[t]) + accm[t, 0]
-        elif code == _GV4 or code == _GM4:
-            out[t, r] = acc[t, 0] - accm[t, 0]
-        else:
-            out[t, r] = acc[t, 0]
+                v = _dot_gm4(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+            out[t, r] = v
 
 
 @njit
 def _serial(code, raw, xq, xd, bsums, table, out):  # pragma: no cover - compiled
-    for r in range(raw.shape[0]):
-        _row(code, raw, r, xq, xd, bsums, table, out)
+    _rows(code, raw, 0, raw.shape[0], xq, xd, bsums, table, out)
 
 
 @njit(parallel=True)
 def _parallel(code, raw, xq, xd, bsums, table, out):  # pragma: no cover - compiled
     n_out = raw.shape[0]
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for r in range(task * ROWS_PER_TASK, min(task * ROWS_PER_TASK + ROWS_PER_TASK, n_out)):
-            _row(code, raw, r, xq, xd, bsums, table, out)
+        r0 = task * ROWS_PER_TASK
+        _rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, bsums, table, out)
 
 
 def _run(code: int, raw: numpy.ndarray, act: KActivation, rows: slice, out: numpy.ndarray) -> None:
