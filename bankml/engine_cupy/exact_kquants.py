@@ -32,8 +32,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _hsum, _load, _splat
-from bankml.engine_cupy.jit import fma32, njit
+from bankml.engine_cupy.exact_matmul import HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _half, _hsum, _load, _splat
+from bankml.engine_cupy.jit import njit
 
 __all__ = ["KQuantMatrix", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
 
@@ -47,8 +47,6 @@ _VD6, _VD4, _T6, _T4, _GV4, _GM4, _VD5, _T5 = 0, 1, 2, 3, 4, 5, 6, 7
 
 # weight type -> (tiled code, vec_dot code) for matrices llama-server does not repack
 _PLAIN_CODES = {T.Q4_K: (_T4, _VD4), T.Q5_K: (_T5, _VD5), T.Q6_K: (_T6, _VD6)}
-
-F16_TABLE = numpy.arange(65536, dtype=numpy.uint16).view(numpy.float16).astype(numpy.float32)
 
 
 def supported(qtype: T | int) -> bool:
@@ -217,29 +215,46 @@ def _reduce(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return _call(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", _I32, [v])
 
 
+def _scales_and_mins(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> ir.Value:
+    """block_q4_K/q5_K's 12 bytes of packed 6-bit scales and mins (at +4) -> <16 x i16>: the 8
+    scales, then the 8 mins, by ggml's utmp/kmask unpacking (get_scale_min_k4)."""
+    u = [_load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 4 + 4 * i)), _I32) for i in range(3)]
+
+    def k(v: int) -> ir.Constant:
+        return ir.Constant(_I32, v)
+    m1, m2, m3 = k(0x3F3F3F3F), k(0x0F0F0F0F), k(0x03030303)
+    u3 = builder.or_(builder.and_(builder.lshr(u[2], k(4)), m2), builder.shl(builder.and_(builder.lshr(u[1], k(6)), m3), k(4)))
+    u1 = builder.or_(builder.and_(u[2], m2), builder.shl(builder.and_(builder.lshr(u[0], k(6)), m3), k(4)))
+    words = [builder.and_(u[0], m1), u1, builder.and_(u[1], m1), u3]
+    vec = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
+    for i, word in enumerate(words):
+        vec = builder.insert_element(vec, word, ir.Constant(_I32, i))
+    return builder.zext(builder.bitcast(vec, ir.VectorType(_I8, 16)), _V16I16)
+
+
 def _make_dot(code: int):
-    """dot(w, w_off, xq, x_off, xd, bsums, s_off, scl, mins, dw, dmin, nb) -> f32: one output of
-    arithmetic ``code`` (see the module docstring): weight row at byte w_off of w, activation row
-    at x_off of xq (int8), its block scales at s_off of xd and its sums at 16·s_off of bsums
-    (int16); the row's decoded block constants in scl/mins (int16, 16 per block: the scale and
-    the min of every 16 values) and dw/dmin (f32, one per block)."""
+    """dot(w, w_off, xq, x_off, xd, bsums, s_off, nb) -> f32: one output of arithmetic ``code``
+    (see the module docstring) over nb super-blocks: the weight row at byte w_off of w (its
+    scales, mins and d read from the blocks), the activation row at x_off of xq (int8), its
+    block scales at s_off of xd and its sums at 16·s_off of bsums (int16)."""
     unpack = {_VD6: _q6_k_chunks, _T6: _q6_k_chunks, _VD5: _q5_k_chunks, _T5: _q5_k_chunks}.get(code, _q4_k_chunks)
     block_bytes = 210 if code in (_VD6, _T6) else 176 if code in (_VD5, _T5) else 144
     v8f, v4f, v4i = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
     vector_acc = code in (_VD6, _VD4, _VD5)
+    six = code in (_VD6, _T6)
 
     @intrinsic
-    def dot(typingctx, w, w_off, xq, x_off, xd, bsums, s_off, scl, mins, dw, dmin, nb):
-        sig = types.float32(w, w_off, xq, x_off, xd, bsums, s_off, scl, mins, dw, dmin, nb)
+    def dot(typingctx, w, w_off, xq, x_off, xd, bsums, s_off, nb):
+        sig = types.float32(w, w_off, xq, x_off, xd, bsums, s_off, nb)
 
         def codegen(context, builder, signature, args):
             aty = signature.args
-            (_, w_off, _, x_off, _, _, s_off, _, _, _, _, nblocks) = args
+            (_, w_off, _, x_off, _, _, s_off, nblocks) = args
 
             def data(i: int) -> ir.Value:
                 return context.make_array(aty[i])(context, builder, args[i]).data
             wbase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[2], args[2])
-            xdp, bsp, sclp, minp, dwp, dmp = data(4), data(5), data(7), data(8), data(9), data(10)
+            xdp, bsp = data(4), data(5)
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
@@ -251,10 +266,14 @@ def _make_dot(code: int):
                 blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
                 xo = builder.add(x_off, builder.mul(b, const(QK_K)))
                 d_x = builder.load(builder.gep(xdp, [builder.add(s_off, b)]))
-                d_w = builder.load(builder.gep(dwp, [b]))
-                dm_w = builder.load(builder.gep(dmp, [b]))
                 sums = _vec(builder, bsp, builder.mul(builder.add(s_off, b), const(16)), _V16I16)
-                scales = _vec(builder, sclp, builder.mul(b, const(16)), _V16I16)
+                if six:  # int8 scales at +192, d at +208: read straight from the block
+                    scales = builder.sext(_load(builder, wbase, builder.add(blk, const(192)), ir.VectorType(_I8, 16)), _V16I16)
+                    d_w, dm_w = _half(builder, wbase, builder.add(blk, const(208))), None
+                else:  # the 6-bit scales and mins, as lanes 0-7 and 8-15
+                    d_w = _half(builder, wbase, blk)
+                    dm_w = _half(builder, wbase, builder.add(blk, const(2)))
+                    scales = _scales_and_mins(builder, wbase, blk)
                 chunks = unpack(builder, wbase, blk)
                 groups = []
                 for g in range(4):
@@ -262,7 +281,8 @@ def _make_dot(code: int):
                     for c in (2 * g, 2 * g + 1):
                         x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
                         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [chunks[c], x])
-                        scale = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_I32, 16), [2 * c] * 8 + [2 * c + 1] * 8))
+                        pick = [2 * c] * 8 + [2 * c + 1] * 8 if six else [c] * 16
+                        scale = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_I32, 16), pick))
                         quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, scale])
                         total = quads if total is None else builder.add(total, quads)
                     groups.append(total)
@@ -272,18 +292,20 @@ def _make_dot(code: int):
                     lanes = builder.sub(lanes, corr)
                     min_pairs = None
                 else:  # pair p = min·(bsums[2p] + bsums[2p+1])
-                    min_pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, _vec(builder, minp, builder.mul(b, const(16)), _V16I16)])
+                    mins16 = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_I32, 16), [8 + j // 2 for j in range(16)]))
+                    min_pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, mins16])
                 if vector_acc:
                     scale = _splat(builder, builder.fmul(d_x, d_w), v8f)
                     builder.store(_call(builder, "llvm.fma.v8f32", v8f, [scale, builder.sitofp(lanes, v8f), builder.load(acc)]), acc)
-                    neg = builder.fneg(builder.fmul(d_x, dm_w))
                     if code == _VD4:  # four lanes: m[2i]·q8s[2i] + m[2i+1]·q8s[2i+1]
                         even = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [0, 2, 4, 6]))
                         odd = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [1, 3, 5, 7]))
                         prod = builder.sitofp(builder.add(even, odd), v4f)
+                        neg = builder.fneg(builder.fmul(d_x, dm_w))
                         builder.store(_call(builder, "llvm.fma.v4f32", v4f, [_splat(builder, neg, v4f), prod, builder.load(accm)]), accm)
                     elif code == _VD5:
                         total = builder.sitofp(_reduce(builder, min_pairs), _F32)
+                        neg = builder.fneg(builder.fmul(d_x, dm_w))
                         builder.store(_call(builder, "llvm.fma.f32", _F32, [neg, total, builder.load(accm)]), accm)
                 elif code == _GM4:  # one fma pair per 64 values
                     scale, mscale = builder.fmul(d_w, d_x), builder.fmul(dm_w, d_x)
@@ -328,81 +350,45 @@ _dot_gv4, _dot_gm4 = _make_dot(_GV4), _make_dot(_GM4)
 
 
 @njit
-def _half_bits(raw, r, o):  # pragma: no cover - compiled
-    return numpy.uint16(raw[r, o]) | (numpy.uint16(raw[r, o + 1]) << numpy.uint16(8))
-
-
-@njit
-def _decode_row(six, raw, r, block_bytes, scl, mins, dw, dmin, table):  # pragma: no cover - compiled
-    """A weight row's block constants: 16 int16 scales (and mins) per block, one per 16 values
-    (Q4_K/Q5_K's 6-bit scale and min of 32 values appear twice: get_scale_min_k4), d and dmin."""
-    for b in range(dw.shape[0]):
-        o = b * block_bytes
-        if six:
-            for s in range(16):
-                scl[b * 16 + s] = numpy.int16(numpy.int8(raw[r, o + 192 + s]))
-            dw[b] = table[_half_bits(raw, r, o + 208)]
-            continue
-        for j in range(8):
-            if j < 4:
-                s = numpy.int16(raw[r, o + 4 + j] & 63)
-                mn = numpy.int16(raw[r, o + 8 + j] & 63)
-            else:
-                s = numpy.int16((raw[r, o + 8 + j] & 15) | ((raw[r, o + j] >> 6) << 4))
-                mn = numpy.int16((raw[r, o + 8 + j] >> 4) | ((raw[r, o + 4 + j] >> 6) << 4))
-            scl[b * 16 + 2 * j], scl[b * 16 + 2 * j + 1] = s, s
-            mins[b * 16 + 2 * j], mins[b * 16 + 2 * j + 1] = mn, mn
-        dw[b], dmin[b] = table[_half_bits(raw, r, o)], table[_half_bits(raw, r, o + 2)]
-
-
-@njit
-def _rows(code, raw, r0, r1, xq, xd, bsums, table, out):  # pragma: no cover - compiled
-    """out[:, r0:r1] in the arithmetic ``code``; each row's constants decoded once for all
-    activation rows."""
+def _rows(code, raw, r0, r1, xq, xd, bsums, out):  # pragma: no cover - compiled
+    """out[:, r0:r1] in the arithmetic ``code`` (a weight row stays in L1 across the batch)."""
     m, n = xq.shape
     nb = n // QK_K
     row_bytes = raw.shape[1]
-    block_bytes = row_bytes // nb
-    six = code == _VD6 or code == _T6
-    scl = numpy.empty(nb * 16, numpy.int16)
-    mins = numpy.zeros(nb * 16, numpy.int16)
-    dw = numpy.empty(nb, numpy.float32)
-    dmin = numpy.zeros(nb, numpy.float32)
     for r in range(r0, r1):
-        _decode_row(six, raw, r, block_bytes, scl, mins, dw, dmin, table)
         w = r * row_bytes
         for t in range(m):
             x, s = t * n, t * nb
             if code == _VD6:
-                v = _dot_vd6(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+                v = _dot_vd6(raw, w, xq, x, xd, bsums, s, nb)
             elif code == _VD4:
-                v = _dot_vd4(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+                v = _dot_vd4(raw, w, xq, x, xd, bsums, s, nb)
             elif code == _VD5:
-                v = _dot_vd5(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+                v = _dot_vd5(raw, w, xq, x, xd, bsums, s, nb)
             elif code == _T6:
-                v = _dot_t6(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+                v = _dot_t6(raw, w, xq, x, xd, bsums, s, nb)
             elif code == _T4:
-                v = _dot_t4(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+                v = _dot_t4(raw, w, xq, x, xd, bsums, s, nb)
             elif code == _T5:
-                v = _dot_t5(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+                v = _dot_t5(raw, w, xq, x, xd, bsums, s, nb)
             elif code == _GV4:
-                v = _dot_gv4(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+                v = _dot_gv4(raw, w, xq, x, xd, bsums, s, nb)
             else:
-                v = _dot_gm4(raw, w, xq, x, xd, bsums, s, scl, mins, dw, dmin, nb)
+                v = _dot_gm4(raw, w, xq, x, xd, bsums, s, nb)
             out[t, r] = v
 
 
 @njit
-def _serial(code, raw, xq, xd, bsums, table, out):  # pragma: no cover - compiled
-    _rows(code, raw, 0, raw.shape[0], xq, xd, bsums, table, out)
+def _serial(code, raw, xq, xd, bsums, out):  # pragma: no cover - compiled
+    _rows(code, raw, 0, raw.shape[0], xq, xd, bsums, out)
 
 
 @njit(parallel=True)
-def _parallel(code, raw, xq, xd, bsums, table, out):  # pragma: no cover - compiled
+def _parallel(code, raw, xq, xd, bsums, out):  # pragma: no cover - compiled
     n_out = raw.shape[0]
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
-        _rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, bsums, table, out)
+        _rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, bsums, out)
 
 
 def _run(code: int, raw: numpy.ndarray, act: KActivation, rows: slice, out: numpy.ndarray) -> None:
@@ -411,7 +397,7 @@ def _run(code: int, raw: numpy.ndarray, act: KActivation, rows: slice, out: nump
         return
     part = numpy.empty((xq.shape[0], out.shape[1]), numpy.float32)
     macs = xq.shape[0] * raw.shape[0] * xq.shape[1]
-    (_parallel if macs >= PARALLEL_MIN_MACS else _serial)(code, raw, xq, xd, bs, F16_TABLE, part)
+    (_parallel if macs >= PARALLEL_MIN_MACS else _serial)(code, raw, xq, xd, bs, part)
     out[rows] = part
 
 
