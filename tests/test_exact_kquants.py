@@ -166,6 +166,21 @@ def test_concat_equals_separate_products() -> None:
     assert differing(joined.matmul(x), np.concatenate([p.matmul(x) for p in parts], axis=1)) == 0
 
 
+def test_concat_of_mixed_types_is_a_stack_of_each_kernel() -> None:
+    """A Q4_K_M layer's Q (Q4_K, repacked), K (Q4_K, 36 rows: not repacked) and V (Q6_K)."""
+    rng = np.random.default_rng(9)
+    specs = [(T.Q4_K, 64, True), (T.Q4_K, 36, False), (T.Q6_K, 40, False)]
+    raws = [random_blocks(rng, q, n, 512) for q, n, _ in specs]
+    parts = [ek.KQuantMatrix(raw, q, n, 512, repacked=rep) for raw, (q, n, rep) in zip(raws, specs)]
+    stack = ek.KQuantMatrix.concat(parts)
+    assert isinstance(stack, ek.KMatrixStack) and (stack.n_out, stack.n_in) == (140, 512)
+    for m in (1, 9):
+        x = activations(rng, m, 512)
+        want = np.concatenate([(go.mul_mat_repacked if rep else go.mul_mat)(raw, q, n, 512, x)
+                               for raw, (q, n, rep) in zip(raws, specs)], axis=1)
+        assert differing(stack.matmul(x), want) == 0
+
+
 def test_zero_copy_and_shape_checks() -> None:
     rng = np.random.default_rng(8)
     raw = random_blocks(rng, T.Q6_K, 8, 256)

@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 from bankml.engine_cupy.exact_matmul import HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _half, _hsum, _load, _splat
 from bankml.engine_cupy.jit import njit
 
-__all__ = ["KQuantMatrix", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
+__all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
 
 QK_K = 256
 _BLOCK_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
@@ -422,12 +422,16 @@ class KQuantMatrix:
         self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
 
     @classmethod
-    def concat(cls, parts: list["KQuantMatrix"]) -> "KQuantMatrix":
-        """Rows of same-type, same-layout matrices of one input width stacked (Q/K/V, gate/up).
-        Stacking repacked matrices keeps every row count a multiple of 8, so they stay repacked."""
+    def concat(cls, parts: list["KQuantMatrix"]) -> "KQuantMatrix | KMatrixStack":
+        """Rows of several matrices of one input width stacked (Q/K/V, gate/up): the products
+        side by side. Same type and layout: one matrix (the bytes copied once; repacked parts
+        keep row counts that are multiples of 8, so the whole stays repacked). Otherwise (a
+        Q4_K_M layer mixes Q4_K and Q6_K) a KMatrixStack running each part's own kernel."""
         first = parts[0]
-        if any((p.qtype, p.n_in, p.repacked) != (first.qtype, first.n_in, first.repacked) for p in parts):
-            raise ValueError("concatenated K-quant matrices must share type, input width and layout")
+        if any(p.n_in != first.n_in for p in parts):
+            raise ValueError("concatenated matrices must share the input width")
+        if any((p.qtype, p.repacked) != (first.qtype, first.repacked) for p in parts):
+            return KMatrixStack(parts)
         raw = numpy.concatenate([p.raw for p in parts])
         return cls(raw, first.qtype, raw.shape[0], first.n_in, first.repacked)
 
@@ -455,3 +459,24 @@ class KQuantMatrix:
         tiled, vec_dot = _PLAIN_CODES[self.qtype]
         _run(tiled if m >= TILED_MIN_ROWS else vec_dot, self.raw, act, slice(0, m), out)
         return out
+
+
+class KMatrixStack:
+    """K-quant matrices of different types or layouts over one input, used as one: ``matmul``
+    gives their outputs side by side, rounding the activation once per rounding rule (plain, or
+    4-row packed for repacked parts) rather than once per part."""
+
+    def __init__(self, parts: list[KQuantMatrix]):
+        self.parts = list(parts)
+        self.n_in = parts[0].n_in
+        self.n_out = sum(p.n_out for p in parts)
+
+    def matmul(self, x: numpy.ndarray) -> numpy.ndarray:
+        x = numpy.atleast_2d(numpy.asarray(x, dtype=numpy.float32))
+        rounded: dict[bool, KActivation] = {}
+        outs = []
+        for part in self.parts:
+            if part.repacked not in rounded:
+                rounded[part.repacked] = part.quantize(x)
+            outs.append(part.matmul(rounded[part.repacked]))
+        return numpy.concatenate(outs, axis=1)
