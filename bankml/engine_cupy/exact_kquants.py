@@ -232,150 +232,216 @@ def _scales_and_mins(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> i
     return builder.zext(builder.bitcast(vec, ir.VectorType(_I8, 16)), _V16I16)
 
 
-def _make_dot(code: int):
-    """dot(w, w_off, xq, x_off, xd, bsums, s_off, nb) -> f32: one output of arithmetic ``code``
-    (see the module docstring) over nb super-blocks: the weight row at byte w_off of w (its
-    scales, mins and d read from the blocks), the activation row at x_off of xq (int8), its
-    block scales at s_off of xd and its sums at 16·s_off of bsums (int16)."""
+def _make_dot(code: int, rn: int):
+    """dot(w, w_off, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out): rn outputs of
+    arithmetic ``code`` (see the module docstring) over nb super-blocks, one weight row against
+    rn activation rows. The weight row is at byte w_off of w (its scales, mins and d read from
+    the blocks), unpacked once per block for all rn rows; activation row j is at
+    x_off + j·n_in of xq (int8), its block scales at s_off + j·nb of xd and its sums at 16 times
+    that of bsums (int16); its output goes to out.flat[o_off + j·n_out]."""
     unpack = {_VD6: _q6_k_chunks, _T6: _q6_k_chunks, _VD5: _q5_k_chunks, _T5: _q5_k_chunks}.get(code, _q4_k_chunks)
     block_bytes = 210 if code in (_VD6, _T6) else 176 if code in (_VD5, _T5) else 144
     v8f, v4f, v4i = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
+    v16i = ir.VectorType(_I32, 16)
     vector_acc = code in (_VD6, _VD4, _VD5)
     six = code in (_VD6, _T6)
 
     @intrinsic
-    def dot(typingctx, w, w_off, xq, x_off, xd, bsums, s_off, nb):
-        sig = types.float32(w, w_off, xq, x_off, xd, bsums, s_off, nb)
+    def dot(typingctx, w, w_off, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out):
+        sig = types.void(w, w_off, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out)
 
         def codegen(context, builder, signature, args):
             aty = signature.args
-            (_, w_off, _, x_off, _, _, s_off, nblocks) = args
+            (_, w_off, _, x_off, n_in, _, _, s_off, nblocks, _, o_off, n_out) = args
 
             def data(i: int) -> ir.Value:
                 return context.make_array(aty[i])(context, builder, args[i]).data
             wbase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[2], args[2])
-            xdp, bsp = data(4), data(5)
+            xdp, bsp, obase = data(5), data(6), data(9)
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
                 return ir.Constant(ity, v)
-            acc = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0))
-            accm = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0))
+            zero = ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0)
+            zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
+            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
+            accm = [cgutils.alloca_once_value(builder, zero_m) for _ in range(rn)]
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
-                xo = builder.add(x_off, builder.mul(b, const(QK_K)))
-                d_x = builder.load(builder.gep(xdp, [builder.add(s_off, b)]))
-                sums = _vec(builder, bsp, builder.mul(builder.add(s_off, b), const(16)), _V16I16)
                 if six:  # int8 scales at +192, d at +208: read straight from the block
                     scales = builder.sext(_load(builder, wbase, builder.add(blk, const(192)), ir.VectorType(_I8, 16)), _V16I16)
-                    d_w, dm_w = _half(builder, wbase, builder.add(blk, const(208))), None
+                    d_w, dm_w, mins16 = _half(builder, wbase, builder.add(blk, const(208))), None, None
                 else:  # the 6-bit scales and mins, as lanes 0-7 and 8-15
                     d_w = _half(builder, wbase, blk)
                     dm_w = _half(builder, wbase, builder.add(blk, const(2)))
                     scales = _scales_and_mins(builder, wbase, blk)
+                    mins16 = builder.shuffle_vector(scales, scales, ir.Constant(v16i, [8 + j // 2 for j in range(16)]))
                 chunks = unpack(builder, wbase, blk)
-                groups = []
-                for g in range(4):
-                    total = None
-                    for c in (2 * g, 2 * g + 1):
-                        x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
-                        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [chunks[c], x])
-                        pick = [2 * c] * 8 + [2 * c + 1] * 8 if six else [c] * 16
-                        scale = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_I32, 16), pick))
-                        quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, scale])
-                        total = quads if total is None else builder.add(total, quads)
-                    groups.append(total)
-                lanes = builder.add(builder.add(groups[0], groups[1]), builder.add(groups[2], groups[3]))
-                if code in (_VD6, _T6):  # Q6_K's -32 per quant, through the sums (ggml's q8sclsub)
-                    corr = builder.shl(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, scales]), ir.Constant(_V8I32, [5] * 8))
-                    lanes = builder.sub(lanes, corr)
-                    min_pairs = None
-                else:  # pair p = min·(bsums[2p] + bsums[2p+1])
-                    mins16 = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_I32, 16), [8 + j // 2 for j in range(16)]))
-                    min_pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, mins16])
-                if vector_acc:
-                    scale = _splat(builder, builder.fmul(d_x, d_w), v8f)
-                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [scale, builder.sitofp(lanes, v8f), builder.load(acc)]), acc)
-                    if code == _VD4:  # four lanes: m[2i]·q8s[2i] + m[2i+1]·q8s[2i+1]
-                        even = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [0, 2, 4, 6]))
-                        odd = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [1, 3, 5, 7]))
-                        prod = builder.sitofp(builder.add(even, odd), v4f)
-                        neg = builder.fneg(builder.fmul(d_x, dm_w))
-                        builder.store(_call(builder, "llvm.fma.v4f32", v4f, [_splat(builder, neg, v4f), prod, builder.load(accm)]), accm)
-                    elif code == _VD5:
-                        total = builder.sitofp(_reduce(builder, min_pairs), _F32)
-                        neg = builder.fneg(builder.fmul(d_x, dm_w))
-                        builder.store(_call(builder, "llvm.fma.f32", _F32, [neg, total, builder.load(accm)]), accm)
-                elif code == _GM4:  # one fma pair per 64 values
-                    scale, mscale = builder.fmul(d_w, d_x), builder.fmul(dm_w, d_x)
+                chunk_scales = [builder.shuffle_vector(scales, scales, ir.Constant(
+                    v16i, [2 * c] * 8 + [2 * c + 1] * 8 if six else [c] * 16)) for c in range(8)]
+                for j in range(rn):
+                    row = builder.add(s_off, builder.mul(const(j), nblocks))
+                    xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK_K)))
+                    d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
+                    sums = _vec(builder, bsp, builder.mul(builder.add(row, b), const(16)), _V16I16)
+                    groups = []
                     for g in range(4):
-                        s = builder.sitofp(_reduce(builder, groups[g]), _F32)
-                        mg = builder.add(builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g)),
-                                         builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g + 1)))
-                        builder.store(_call(builder, "llvm.fma.f32", _F32, [s, scale, builder.load(acc)]), acc)
-                        builder.store(_call(builder, "llvm.fma.f32", _F32, [builder.sitofp(mg, _F32), mscale, builder.load(accm)]), accm)
-                else:
-                    s1 = builder.sitofp(_reduce(builder, lanes), _F32)
-                    if code == _GV4:
-                        s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
-                        builder.store(_call(builder, "llvm.fma.f32", _F32, [s1, builder.fmul(d_w, d_x), builder.load(acc)]), acc)
-                        builder.store(_call(builder, "llvm.fma.f32", _F32, [s2, builder.fmul(dm_w, d_x), builder.load(accm)]), accm)
-                    else:  # tiled: res = d_w·s1 (- dmin·s2 fused), out = fma(res, d_x, out)
-                        res = builder.fmul(d_w, s1)
-                        if code != _T6:
-                            s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
-                            res = _call(builder, "llvm.fma.f32", _F32, [builder.fneg(dm_w), s2, res])
-                        builder.store(_call(builder, "llvm.fma.f32", _F32, [res, d_x, builder.load(acc)]), acc)
-            total = builder.load(acc)
-            if vector_acc:
-                total = _hsum(builder, total)
-                if code == _VD4:
-                    a = [builder.extract_element(builder.load(accm), ir.Constant(_I32, i)) for i in range(4)]
-                    total = builder.fadd(total, builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3])))
-                elif code == _VD5:
-                    total = builder.fadd(total, builder.load(accm))
-            elif code in (_GV4, _GM4):
-                total = builder.fsub(total, builder.load(accm))
-            return total
+                        total = None
+                        for c in (2 * g, 2 * g + 1):
+                            x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
+                            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [chunks[c], x])
+                            quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, chunk_scales[c]])
+                            total = quads if total is None else builder.add(total, quads)
+                        groups.append(total)
+                    _block_step(builder, code, groups, sums, scales, mins16, d_x, d_w, dm_w, acc[j], accm[j])
+            for j in range(rn):
+                index = builder.add(o_off, builder.mul(const(j), n_out))
+                builder.store(_finish(builder, code, acc[j], accm[j]), builder.gep(obase, [index]))
+            return context.get_dummy_value()
 
         return sig, codegen
 
     return dot
 
 
-_dot_vd6, _dot_vd4, _dot_vd5 = _make_dot(_VD6), _make_dot(_VD4), _make_dot(_VD5)
-_dot_t6, _dot_t4, _dot_t5 = _make_dot(_T6), _make_dot(_T4), _make_dot(_T5)
-_dot_gv4, _dot_gm4 = _make_dot(_GV4), _make_dot(_GM4)
+def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, scales: ir.Value,
+                mins16: ir.Value | None, d_x: ir.Value, d_w: ir.Value, dm_w: ir.Value | None,
+                acc: ir.Value, accm: ir.Value) -> None:
+    """One super-block's float operations for one output, from its exact integer groups (4 x 8
+    lanes), the activation block's sums and scale and the weight block's scale(s)."""
+    v8f, v4f, v4i = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
+
+    def fma(name: str, ty: ir.Type, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+        return _call(builder, name, ty, [a, b, c])
+    lanes = builder.add(builder.add(groups[0], groups[1]), builder.add(groups[2], groups[3]))
+    if code in (_VD6, _T6):  # Q6_K's -32 per quant, through the sums (ggml's q8sclsub)
+        corr = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, scales])
+        lanes = builder.sub(lanes, builder.shl(corr, ir.Constant(_V8I32, [5] * 8)))
+        min_pairs = None
+    else:  # pair p = min·(bsums[2p] + bsums[2p+1])
+        min_pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, mins16])
+    if code in (_VD6, _VD4, _VD5):
+        scale = _splat(builder, builder.fmul(d_x, d_w), v8f)
+        builder.store(fma("llvm.fma.v8f32", v8f, scale, builder.sitofp(lanes, v8f), builder.load(acc)), acc)
+        if code == _VD4:  # four lanes: m[2i]·q8s[2i] + m[2i+1]·q8s[2i+1]
+            even = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [0, 2, 4, 6]))
+            odd = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [1, 3, 5, 7]))
+            neg = _splat(builder, builder.fneg(builder.fmul(d_x, dm_w)), v4f)
+            builder.store(fma("llvm.fma.v4f32", v4f, neg, builder.sitofp(builder.add(even, odd), v4f), builder.load(accm)), accm)
+        elif code == _VD5:  # one scalar chain
+            total = builder.sitofp(_reduce(builder, min_pairs), _F32)
+            builder.store(fma("llvm.fma.f32", _F32, builder.fneg(builder.fmul(d_x, dm_w)), total, builder.load(accm)), accm)
+    elif code == _GM4:  # one fma pair per 64 values
+        scale, mscale = builder.fmul(d_w, d_x), builder.fmul(dm_w, d_x)
+        for g in range(4):
+            s = builder.sitofp(_reduce(builder, groups[g]), _F32)
+            mg = builder.add(builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g)),
+                             builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g + 1)))
+            builder.store(fma("llvm.fma.f32", _F32, s, scale, builder.load(acc)), acc)
+            builder.store(fma("llvm.fma.f32", _F32, builder.sitofp(mg, _F32), mscale, builder.load(accm)), accm)
+    elif code == _GV4:  # one fma pair per super-block
+        s1 = builder.sitofp(_reduce(builder, lanes), _F32)
+        s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
+        builder.store(fma("llvm.fma.f32", _F32, s1, builder.fmul(d_w, d_x), builder.load(acc)), acc)
+        builder.store(fma("llvm.fma.f32", _F32, s2, builder.fmul(dm_w, d_x), builder.load(accm)), accm)
+    else:  # tiled: res = d_w·s1 (- dmin·s2 fused), out = fma(res, d_x, out)
+        res = builder.fmul(d_w, builder.sitofp(_reduce(builder, lanes), _F32))
+        if code != _T6:
+            s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
+            res = fma("llvm.fma.f32", _F32, builder.fneg(dm_w), s2, res)
+        builder.store(fma("llvm.fma.f32", _F32, res, d_x, builder.load(acc)), acc)
+
+
+def _finish(builder: ir.IRBuilder, code: int, acc: ir.Value, accm: ir.Value) -> ir.Value:
+    """The output from the accumulators: hsum_float_8 (+ the min chain) for vec_dot, acc - accm
+    for the repacked kernels, the accumulator itself for tiled."""
+    total = builder.load(acc)
+    if code in (_VD6, _VD4, _VD5):
+        total = _hsum(builder, total)
+        if code == _VD4:
+            a = [builder.extract_element(builder.load(accm), ir.Constant(_I32, i)) for i in range(4)]
+            total = builder.fadd(total, builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3])))
+        elif code == _VD5:
+            total = builder.fadd(total, builder.load(accm))
+    elif code in (_GV4, _GM4):
+        total = builder.fsub(total, builder.load(accm))
+    return total
+
+
+# [code] -> (one activation row, four activation rows)
+_DOTS = {code: (_make_dot(code, 1), _make_dot(code, 4)) for code in (_VD6, _VD4, _VD5, _T6, _T4, _T5, _GV4, _GM4)}
+_dot1_vd6, _dot4_vd6 = _DOTS[_VD6]
+_dot1_vd4, _dot4_vd4 = _DOTS[_VD4]
+_dot1_vd5, _dot4_vd5 = _DOTS[_VD5]
+_dot1_t6, _dot4_t6 = _DOTS[_T6]
+_dot1_t4, _dot4_t4 = _DOTS[_T4]
+_dot1_t5, _dot4_t5 = _DOTS[_T5]
+_dot1_gv4, _dot4_gv4 = _DOTS[_GV4]
+_dot1_gm4, _dot4_gm4 = _DOTS[_GM4]
+
+
+@njit
+def _dot(code, rn, raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out):  # pragma: no cover - compiled
+    """One weight row by rn (1 or 4) activation rows; the branches fold for a constant code."""
+    if code == _VD6:
+        if rn == 4:
+            _dot4_vd6(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_vd6(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _VD4:
+        if rn == 4:
+            _dot4_vd4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_vd4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _VD5:
+        if rn == 4:
+            _dot4_vd5(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_vd5(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _T6:
+        if rn == 4:
+            _dot4_t6(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_t6(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _T4:
+        if rn == 4:
+            _dot4_t4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_t4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _T5:
+        if rn == 4:
+            _dot4_t5(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_t5(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _GV4:
+        if rn == 4:
+            _dot4_gv4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_gv4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif rn == 4:
+        _dot4_gm4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    else:
+        _dot1_gm4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
 
 
 @njit
 def _rows(code, raw, r0, r1, xq, xd, bsums, out):  # pragma: no cover - compiled
-    """out[:, r0:r1] in the arithmetic ``code`` (a weight row stays in L1 across the batch)."""
+    """out[:, r0:r1] in the arithmetic ``code``: each weight row against the activation rows
+    four at a time (its blocks unpacked once per four), then one at a time."""
     m, n = xq.shape
     nb = n // QK_K
+    n_out = out.shape[1]
     row_bytes = raw.shape[1]
     for r in range(r0, r1):
         w = r * row_bytes
-        for t in range(m):
-            x, s = t * n, t * nb
-            if code == _VD6:
-                v = _dot_vd6(raw, w, xq, x, xd, bsums, s, nb)
-            elif code == _VD4:
-                v = _dot_vd4(raw, w, xq, x, xd, bsums, s, nb)
-            elif code == _VD5:
-                v = _dot_vd5(raw, w, xq, x, xd, bsums, s, nb)
-            elif code == _T6:
-                v = _dot_t6(raw, w, xq, x, xd, bsums, s, nb)
-            elif code == _T4:
-                v = _dot_t4(raw, w, xq, x, xd, bsums, s, nb)
-            elif code == _T5:
-                v = _dot_t5(raw, w, xq, x, xd, bsums, s, nb)
-            elif code == _GV4:
-                v = _dot_gv4(raw, w, xq, x, xd, bsums, s, nb)
-            else:
-                v = _dot_gm4(raw, w, xq, x, xd, bsums, s, nb)
-            out[t, r] = v
+        t = 0
+        while t + 4 <= m:
+            _dot(code, 4, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, t * n_out + r, n_out)
+            t += 4
+        while t < m:
+            _dot(code, 1, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, t * n_out + r, n_out)
+            t += 1
 
 
 @njit
