@@ -194,6 +194,10 @@ def test_zero_copy_and_shape_checks() -> None:
         ek.KQuantMatrix(raw, T.Q6_K, 8, 256, repacked=True)
     with pytest.raises(ValueError, match="width"):
         matrix.matmul(np.zeros((1, 512), F32))
+    assert matrix.matmul(np.zeros((0, 256), F32)).shape == (0, 8)
+    repacked = ek.KQuantMatrix(random_blocks(rng, T.Q4_K, 8, 256), T.Q4_K, 8, 256, repacked=True)
+    with pytest.raises(ValueError, match="repacked"):
+        repacked.matmul(ek.KActivation(np.ones((4, 256), F32)))
     with pytest.raises(ValueError, match="no exact"):
         ek.KQuantMatrix(raw, T.Q3_K, 8, 256)
 

@@ -458,13 +458,12 @@ def _parallel(code, raw, xq, xd, bsums, out):  # pragma: no cover - compiled
 
 
 def _run(code: int, raw: numpy.ndarray, act: KActivation, rows: slice, out: numpy.ndarray) -> None:
+    """out[rows] = the product of these activation rows in the arithmetic ``code``."""
     xq, xd, bs = act.q[rows], act.d[rows], act.bsums[rows]
     if xq.shape[0] == 0:
         return
-    part = numpy.empty((xq.shape[0], out.shape[1]), numpy.float32)
     macs = xq.shape[0] * raw.shape[0] * xq.shape[1]
-    (_parallel if macs >= PARALLEL_MIN_MACS else _serial)(code, raw, xq, xd, bs, part)
-    out[rows] = part
+    (_parallel if macs >= PARALLEL_MIN_MACS else _serial)(code, raw, xq, xd, bs, out[rows])
 
 
 class KQuantMatrix:
