@@ -9,9 +9,12 @@ prints the figures.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
 
 from bankml.engine_cupy import exact_kquants as ek
 from bankml.engine_cupy import weights
@@ -155,6 +158,34 @@ def test_repacked_rounding_sign_rule_for_packed_rows() -> None:
     packed, plain = matrix.quantize(x), ek.KActivation(x)
     assert np.all(np.sign(packed.d[:4]) != np.sign(plain.d[:4]))
     assert packed.d[4, 0] == plain.d[4, 0]
+
+
+@pytest.fixture(scope="module")
+def ffn_down_f32(default_model: Path) -> np.ndarray:
+    """The default model's blk.0.ffn_down (Q4_1, [576, 1536]) as f32 (reading the GGUF's tensor
+    list takes seconds: once per module)."""
+    tensor = next(t for t in GGUFReader(default_model).tensors if t.name == "blk.0.ffn_down.weight")
+    n_in, n_out = (int(v) for v in tensor.shape)
+    return weights.dequantize(tensor.data, tensor.tensor_type).reshape(n_out, n_in)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K])
+def test_default_model_ffn_down_requantized_by_ggml(ffn_down_f32: np.ndarray, qtype: T) -> None:
+    """Real weights with real K-quant statistics: the default model's blk.0.ffn_down (Q4_1,
+    [576, 1536]) dequantized, then quantized to the K type by ggml's own from_float (ggml_cpy),
+    as a Q4_K_M file's quantizer would; products for decode and a batch, as llama-server would
+    load it (Q4_K: 576 rows, so repacked)."""
+    n_out, n_in = ffn_down_f32.shape
+    raw = go.cpy(ffn_down_f32, qtype)
+    repacked = ek.repacked_by_llama_server(qtype, n_out)
+    matrix = ek.KQuantMatrix(raw, qtype, n_out, n_in, repacked=repacked)
+    x = activations(np.random.default_rng(60), 9, n_in)
+    for m in (1, 9):
+        ggml = (go.mul_mat_repacked if repacked else go.mul_mat)(raw, qtype, n_out, n_in, x[:m])
+        naive = differing(f32_product(raw, qtype, n_out, n_in, matrix.quantize(x[:m])), ggml)
+        mine = differing(matrix.matmul(x[:m]), ggml)
+        print(f"\nblk.0.ffn_down as {qtype.name}, m={m}: exact_kquants differs in {mine}, f32 in {naive} of {ggml.size}")
+        assert mine == 0 and naive > 0
 
 
 def test_concat_equals_separate_products() -> None:
