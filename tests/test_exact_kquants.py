@@ -184,7 +184,8 @@ def test_default_model_ffn_down_requantized_by_ggml(ffn_down_f32: np.ndarray, qt
         ggml = (go.mul_mat_repacked if repacked else go.mul_mat)(raw, qtype, n_out, n_in, x[:m])
         naive = differing(f32_product(raw, qtype, n_out, n_in, matrix.quantize(x[:m])), ggml)
         mine = differing(matrix.matmul(x[:m]), ggml)
-        print(f"\nblk.0.ffn_down as {qtype.name}, m={m}: exact_kquants differs in {mine}, f32 in {naive} of {ggml.size}")
+        print(f"\nblk.0.ffn_down as {qtype.name}, m={m}: exact_kquants differs in {mine}, "
+              f"f32 in {naive} of {ggml.size}")
         assert mine == 0 and naive > 0
 
 

@@ -32,7 +32,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _half, _hsum, _load, _splat
+from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _half, _hsum,
+                                             _load, _splat)
 from bankml.engine_cupy.jit import njit
 
 __all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
@@ -223,7 +224,8 @@ def _scales_and_mins(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> i
     def k(v: int) -> ir.Constant:
         return ir.Constant(_I32, v)
     m1, m2, m3 = k(0x3F3F3F3F), k(0x0F0F0F0F), k(0x03030303)
-    u3 = builder.or_(builder.and_(builder.lshr(u[2], k(4)), m2), builder.shl(builder.and_(builder.lshr(u[1], k(6)), m3), k(4)))
+    u3 = builder.or_(builder.and_(builder.lshr(u[2], k(4)), m2),
+                     builder.shl(builder.and_(builder.lshr(u[1], k(6)), m3), k(4)))
     u1 = builder.or_(builder.and_(u[2], m2), builder.shl(builder.and_(builder.lshr(u[0], k(6)), m3), k(4)))
     words = [builder.and_(u[0], m1), u1, builder.and_(u[1], m1), u3]
     vec = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
@@ -270,7 +272,8 @@ def _make_dot(code: int, rn: int):
                 b = loop.index
                 blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
                 if six:  # int8 scales at +192, d at +208: read straight from the block
-                    scales = builder.sext(_load(builder, wbase, builder.add(blk, const(192)), ir.VectorType(_I8, 16)), _V16I16)
+                    raw_scales = _load(builder, wbase, builder.add(blk, const(192)), ir.VectorType(_I8, 16))
+                    scales = builder.sext(raw_scales, _V16I16)
                     d_w, dm_w, mins16 = _half(builder, wbase, builder.add(blk, const(208))), None, None
                 else:  # the 6-bit scales and mins, as lanes 0-7 and 8-15
                     d_w = _half(builder, wbase, blk)
@@ -328,10 +331,12 @@ def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, 
             even = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [0, 2, 4, 6]))
             odd = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [1, 3, 5, 7]))
             neg = _splat(builder, builder.fneg(builder.fmul(d_x, dm_w)), v4f)
-            builder.store(fma("llvm.fma.v4f32", v4f, neg, builder.sitofp(builder.add(even, odd), v4f), builder.load(accm)), accm)
+            prod = builder.sitofp(builder.add(even, odd), v4f)
+            builder.store(fma("llvm.fma.v4f32", v4f, neg, prod, builder.load(accm)), accm)
         elif code == _VD5:  # one scalar chain
             total = builder.sitofp(_reduce(builder, min_pairs), _F32)
-            builder.store(fma("llvm.fma.f32", _F32, builder.fneg(builder.fmul(d_x, dm_w)), total, builder.load(accm)), accm)
+            neg = builder.fneg(builder.fmul(d_x, dm_w))
+            builder.store(fma("llvm.fma.f32", _F32, neg, total, builder.load(accm)), accm)
     elif code == _GM4:  # one fma pair per 64 values
         scale, mscale = builder.fmul(d_w, d_x), builder.fmul(dm_w, d_x)
         for g in range(4):
