@@ -247,6 +247,7 @@ def _make_dot(code: int, rn: int):
     v16i = ir.VectorType(_I32, 16)
     vector_acc = code in (_VD6, _VD4, _VD5)
     six = code in (_VD6, _T6)
+    across = rn == 4 and not vector_acc  # scalar chains: four rows' in one vector
 
     @intrinsic
     def dot(typingctx, w, w_off, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out):
@@ -268,6 +269,9 @@ def _make_dot(code: int, rn: int):
             zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
             acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
             accm = [cgutils.alloca_once_value(builder, zero_m) for _ in range(rn)]
+            # scalar chains of four rows side by side in one <4 x float> (lane j: row j)
+            acc4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
+            accm4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
@@ -283,6 +287,7 @@ def _make_dot(code: int, rn: int):
                 chunks = unpack(builder, wbase, blk)
                 chunk_scales = [builder.shuffle_vector(scales, scales, ir.Constant(
                     v16i, [2 * c] * 8 + [2 * c + 1] * 8 if six else [c] * 16)) for c in range(8)]
+                rows = []
                 for j in range(rn):
                     row = builder.add(s_off, builder.mul(const(j), nblocks))
                     xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK_K)))
@@ -297,10 +302,22 @@ def _make_dot(code: int, rn: int):
                             quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, chunk_scales[c]])
                             total = quads if total is None else builder.add(total, quads)
                         groups.append(total)
-                    _block_step(builder, code, groups, sums, scales, mins16, d_x, d_w, dm_w, acc[j], accm[j])
+                    if across:
+                        rows.append((groups, sums, d_x))
+                    else:
+                        _block_step(builder, code, groups, sums, scales, mins16, d_x, d_w, dm_w, acc[j], accm[j])
+                if across:
+                    _block_step_rows(builder, code, rows, scales, mins16, d_w, dm_w, acc4, accm4)
             for j in range(rn):
                 index = builder.add(o_off, builder.mul(const(j), n_out))
-                builder.store(_finish(builder, code, acc[j], accm[j]), builder.gep(obase, [index]))
+                if across:
+                    total = builder.load(acc4)
+                    if code in (_GV4, _GM4):
+                        total = builder.fsub(total, builder.load(accm4))
+                    value = builder.extract_element(total, ir.Constant(_I32, j))
+                else:
+                    value = _finish(builder, code, acc[j], accm[j])
+                builder.store(value, builder.gep(obase, [index]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -356,6 +373,72 @@ def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, 
             s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
             res = fma("llvm.fma.f32", _F32, builder.fneg(dm_w), s2, res)
         builder.store(fma("llvm.fma.f32", _F32, res, d_x, builder.load(acc)), acc)
+
+
+def _sum_rows(builder: ir.IRBuilder, vecs: list) -> ir.Value:
+    """The totals of four <8 x i32> as one <4 x i32> (three phaddd and one add: the sums are
+    exact, so their grouping is free)."""
+    def hadd(a: ir.Value, b: ir.Value) -> ir.Value:
+        return _call(builder, "llvm.x86.avx2.phadd.d", _V8I32, [a, b])
+    s = hadd(hadd(vecs[0], vecs[1]), hadd(vecs[2], vecs[3]))
+    v4i = ir.VectorType(_I32, 4)
+    low = builder.shuffle_vector(s, s, ir.Constant(v4i, [0, 1, 2, 3]))
+    high = builder.shuffle_vector(s, s, ir.Constant(v4i, [4, 5, 6, 7]))
+    return builder.add(low, high)
+
+
+def _block_step_rows(builder: ir.IRBuilder, code: int, rows: list, scales: ir.Value, mins16: ir.Value | None,
+                     d_w: ir.Value, dm_w: ir.Value | None, acc4: ir.Value, accm4: ir.Value) -> None:
+    """_block_step for four activation rows of a scalar-chain arithmetic (tiled, repacked gemv
+    and gemm): lane j of every vector is row j, and each lane's operations are the scalar ones."""
+    v4f, v4i = ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
+
+    def fma(a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+        return _call(builder, "llvm.fma.v4f32", v4f, [a, b, c])
+
+    def gather(values: list) -> ir.Value:
+        vec = ir.Constant(v4f, ir.Undefined)
+        for j, v in enumerate(values):
+            vec = builder.insert_element(vec, v, ir.Constant(_I32, j))
+        return vec
+    d_x = gather([d for _, _, d in rows])
+    lanes, min_pairs = [], []
+    for groups, sums, _ in rows:
+        total = builder.add(builder.add(groups[0], groups[1]), builder.add(groups[2], groups[3]))
+        if code == _T6:  # Q6_K's -32 per quant, through the sums
+            corr = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, scales])
+            total = builder.sub(total, builder.shl(corr, ir.Constant(_V8I32, [5] * 8)))
+        else:
+            min_pairs.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, mins16]))
+        lanes.append(total)
+    if code == _GM4:  # one fma pair per 64 values
+        scale, mscale = builder.fmul(_splat(builder, d_w, v4f), d_x), builder.fmul(_splat(builder, dm_w, v4f), d_x)
+        # per row, the 4 groups' min sums (pairs 2g, 2g+1), then transposed to per group, by row
+        q = [builder.add(builder.shuffle_vector(p, p, ir.Constant(v4i, [0, 2, 4, 6])),
+                         builder.shuffle_vector(p, p, ir.Constant(v4i, [1, 3, 5, 7]))) for p in min_pairs]
+        t = [builder.shuffle_vector(q[0], q[1], ir.Constant(v4i, [0, 4, 1, 5])),
+             builder.shuffle_vector(q[2], q[3], ir.Constant(v4i, [0, 4, 1, 5])),
+             builder.shuffle_vector(q[0], q[1], ir.Constant(v4i, [2, 6, 3, 7])),
+             builder.shuffle_vector(q[2], q[3], ir.Constant(v4i, [2, 6, 3, 7]))]
+        mins_by_group = [builder.shuffle_vector(t[0], t[1], ir.Constant(v4i, [0, 1, 4, 5])),
+                         builder.shuffle_vector(t[0], t[1], ir.Constant(v4i, [2, 3, 6, 7])),
+                         builder.shuffle_vector(t[2], t[3], ir.Constant(v4i, [0, 1, 4, 5])),
+                         builder.shuffle_vector(t[2], t[3], ir.Constant(v4i, [2, 3, 6, 7]))]
+        for g in range(4):
+            s = builder.sitofp(_sum_rows(builder, [groups[g] for groups, _, _ in rows]), v4f)
+            builder.store(fma(s, scale, builder.load(acc4)), acc4)
+            builder.store(fma(builder.sitofp(mins_by_group[g], v4f), mscale, builder.load(accm4)), accm4)
+        return
+    s1 = builder.sitofp(_sum_rows(builder, lanes), v4f)
+    s2 = builder.sitofp(_sum_rows(builder, min_pairs), v4f) if min_pairs else None
+    if code == _GV4:
+        builder.store(fma(s1, builder.fmul(_splat(builder, d_w, v4f), d_x), builder.load(acc4)), acc4)
+        builder.store(fma(s2, builder.fmul(_splat(builder, dm_w, v4f), d_x), builder.load(accm4)), accm4)
+        return
+    res = builder.fmul(_splat(builder, d_w, v4f), s1)  # tiled
+    if s2 is not None:
+        res = fma(_splat(builder, builder.fneg(dm_w), v4f), s2, res)
+    builder.store(fma(res, d_x, builder.load(acc4)), acc4)
 
 
 def _finish(builder: ir.IRBuilder, code: int, acc: ir.Value, accm: ir.Value) -> ir.Value:
