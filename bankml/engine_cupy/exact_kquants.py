@@ -152,12 +152,14 @@ def quantize_q8_K(x: numpy.ndarray) -> numpy.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# The integer core: one weight super-block against one activation block, as LLVM IR (AVX2)
+# Dot products as LLVM IR (AVX2)
 #
-# Numba's own loops ran at about 1 GMAC/s; the core is therefore emitted with the instructions
-# ggml uses: the unsigned quants unpacked from the block bytes (and/shift/or on byte vectors),
-# pmaddubsw against the int8 activation (no saturation: q <= 63), pmaddwd by the sub-block
-# scales. Its result is exact, so any grouping of the sums that ggml's differs from is harmless.
+# Numba's own loops ran at about 1 GMAC/s; each dot is therefore emitted with the instructions
+# ggml uses, looping over the super-blocks with its accumulators in registers: the unsigned
+# quants unpacked from the block bytes (and/shift/or on byte vectors), pmaddubsw against the
+# int8 activation (no saturation: q <= 63), pmaddwd by the sub-block scales. The integer sums
+# are exact, so only the float operations (_block_step, _block_step_rows, _finish) keep ggml's
+# order.
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V32I8, _V16I16, _V8I32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
