@@ -20,9 +20,9 @@ The weights stay in their GGUF block bytes (read straight from the memory-mapped
 does not vectorise the lane-wise fma chains by itself, so each dot product is LLVM IR emitted
 through ``numba.extending.intrinsic`` with the very AVX2 operations ggml uses (psign, pmaddubsw,
 pmaddwd, cvtdq2ps, vfmadd, vcvtph2ps for the f16 scales); hence ``supported`` is False on a
-host without AVX2/FMA/F16C. Tiles of 4x1 (decode) or 2x2 (batches) outputs share the unpacked
-blocks and keep several independent fma chains in flight; the products are parallel over tasks
-of 16 output rows (Numba prange), which changes no element's arithmetic.
+host without AVX2/FMA/F16C. Tiles of 4x1 (decode) or 1x8, 1x4, 2x2 (batches) outputs share the
+unpacked blocks and keep several independent fma chains in flight; the products are parallel
+over tasks of 16 output rows (Numba prange), which changes no element's arithmetic.
 """
 
 from __future__ import annotations
@@ -549,24 +549,25 @@ def _rows(code, raw, row_bytes, r0, r1, xq, xd, xs, xd_by_block, xs_by_block, ou
 
 
 @njit
-def _serial_for(code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, out):  # pragma: no cover - compiled
+def _serial_for(code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, out):  # pragma: no cover
     for r0 in range(0, n_out, ROWS_PER_TASK):
         _rows(code, raw, row_bytes, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, xs, xd_by_block, xs_by_block, out)
 
 
 @njit(parallel=True)
-def _parallel_for(code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, out):  # pragma: no cover - compiled
+def _parallel_for(code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, out):  # pragma: no cover
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
         _rows(code, raw, row_bytes, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, xs, xd_by_block, xs_by_block, out)
 
 
 @njit
-def _matmul(code, parallel, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, out):  # pragma: no cover - compiled
+def _matmul(code, parallel, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block,
+            out):  # pragma: no cover - compiled
     """One product. Each branch passes its type's code as a constant, so Numba compiles the
-    loops once per weight type (the code typed as a literal) and the tile dispatch in _tile
-    folds away: with the code a runtime value every tile was a call through all the branches,
-    about 30 % of a batch product's time."""
+    loops once per weight type (the code typed as a literal) and _tile_at/_wide_at inline that
+    type's tiles: with the code a runtime value every tile was a call to a jitted dispatcher
+    through all the branches, about 30 % of a batch product's time."""
     if code == _Q4_1:
         if parallel:
             _parallel_for(_Q4_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, out)
