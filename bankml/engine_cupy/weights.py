@@ -27,8 +27,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants
 
-from bankml.engine_cupy.exact_matmul import QuantMatrix, repacked_by_llama_server
-from bankml.engine_cupy.exact_matmul import supported as exact_supported
+from bankml.engine_cupy import exact_kquants, exact_matmul
 from bankml.engine_cupy.arch import (ARCHITECTURES, BASE_LAYER_TENSORS, FUSED_QKV, SPLIT_QKV,
                                      ArchSpec, supported_names)
 
@@ -308,7 +307,7 @@ class Linear:
     kind: str  # the vec_dot kind of the weight type
     parts: tuple[tuple[str, int], ...]  # (name, width) of the fused outputs
     block_mins: Any | None = None  # [out, in/32] f32: Q4_1/Q5_1 block minimums (see below)
-    exact: QuantMatrix | None = None
+    exact: Any | None = None  # exact_matmul.QuantMatrix / exact_kquants.KQuantMatrix (or stacks)
 
     def __call__(self, xp: ModuleType, x: Any) -> dict[str, Any]:
         if self.exact is not None:
@@ -361,6 +360,14 @@ class Weights:
     layers: list[Layer]
     rope_freqs: Any | None  # Llama 3 per-frequency divisors
     nbytes: int
+
+
+def exact_family(qtype: T) -> ModuleType | None:
+    """The module whose kernels multiply this weight type exactly as ggml (None: none does)."""
+    for family in (exact_matmul, exact_kquants):
+        if family.supported(qtype):
+            return family
+    return None
 
 
 class EmbeddingRows:
@@ -422,7 +429,7 @@ class _Loader:
                 groups.append([item])
         return [self._linear(group) for group in groups]
 
-    def exact_matrix(self, name: str) -> QuantMatrix | None:
+    def exact_matrix(self, name: str) -> Any | None:
         """The weight kept in its blocks for ggml's exact product (CPU only, types it plays)."""
         info = self.infos[name]
         if not self.exact_matrix_possible(name):
@@ -430,22 +437,26 @@ class _Loader:
         n_in, n_out = (int(d) for d in info.shape)
         self.tick(int(info.n_bytes))
         self.nbytes += int(info.n_bytes)
-        # llama-server repacks some layer matrices (Q4_0 on AVX2): another kernel, other roundings
-        repacked = repacked_by_llama_server(info.tensor_type, n_out, token_embd=name == "token_embd.weight")
-        return QuantMatrix(info.data, info.tensor_type, n_out, n_in, repacked=repacked)
+        family = exact_family(info.tensor_type)
+        # llama-server repacks some layer matrices (Q4_0, Q4_K on AVX2): other kernels, other roundings
+        repacked = family.repacked_by_llama_server(info.tensor_type, n_out,
+                                                   token_embd=name == "token_embd.weight")
+        matrix_class = exact_kquants.KQuantMatrix if family is exact_kquants else exact_matmul.QuantMatrix
+        return matrix_class(info.data, info.tensor_type, n_out, n_in, repacked=repacked)
 
     def _exact_linear(self, group: list[tuple[str, str]]) -> Linear | None:
         if not all(self.exact_matrix_possible(w) for w, _ in group):
             return None
         mats = [self.exact_matrix(w) for w, _ in group]
         parts = tuple((out, m.n_out) for (_, out), m in zip(group, mats))
-        exact = QuantMatrix.concat(mats) if len(mats) > 1 else mats[0]
+        # one vec_dot kind per group (fused), so one family: its concat stacks rows or products
+        exact = type(mats[0]).concat(mats) if len(mats) > 1 else mats[0]
         return Linear(None, self._bias(group, [m.n_out for m in mats]), self.kind(group[0][0]),
                       parts, exact=exact)
 
     def exact_matrix_possible(self, name: str) -> bool:
         info = self.infos[name]
-        return (self.exact and self.xp is numpy and exact_supported(info.tensor_type)
+        return (self.exact and self.xp is numpy and exact_family(info.tensor_type) is not None
                 and len(info.shape) == 2)
 
     def _bias(self, group: list[tuple[str, str]], widths: list[int]) -> Any | None:
@@ -502,7 +513,7 @@ def weight_bytes(reader: GGUFReader, exact: bool = False) -> int:
     """What the loaded weights take: 4 bytes per element, or (``exact``) the GGUF bytes of the
     matrices exact_matmul multiplies in their blocks."""
     def size(t: Any) -> int:
-        if exact and exact_supported(t.tensor_type) and len(t.shape) == 2:
+        if exact and exact_family(t.tensor_type) is not None and len(t.shape) == 2:
             return int(t.n_bytes)
         return int(t.n_elements) * 4
     return sum(size(t) for t in reader.tensors)
