@@ -374,10 +374,11 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int, who
 
 def _make_wide_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int):
     """Like _make_tile, for batches: an rm x rn tile whose activation scales are read from the
-    block-major copies (``Activation.d_by_block``/``s_by_block``, [nb, m]), so the rn scales of a
-    block are one vector load. Per weight row and block, one vector multiply gives all rn
-    ``d_w·d_x`` and one vector fma advances all rn ``summs`` chains; each lane is the same float
-    operation as ggml's scalar one, so the bits do not change, with fewer instructions per dot.
+    block-major copies (``Activation.d_by_block``/``s_by_block``, [nb, m]): the rn ``s_x`` of a
+    block are one vector load, so per weight row and block one vector fma advances all rn
+    ``summs`` chains, and each ``d_w·d_x`` is a multiply of two broadcasts (the d_x one straight
+    from memory). Each lane is the same float operation as ggml's scalar one, so the bits do not
+    change, with fewer instructions per dot.
 
     tile(w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out): as
     _make_tile's, except that the scales of activation row t+j, block b are at
@@ -410,7 +411,6 @@ def _make_wide_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 so = builder.add(s_off, builder.mul(b, m))
-                d_x = load_scales(dbase, so)
                 s_x = load_scales(sbase, so) if has_min else None
                 rows = []
                 for i in range(rm):
@@ -418,23 +418,25 @@ def _make_wide_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int
                                       builder.mul(b, const(block_bytes)))
                     wv = _weight_bytes(builder, code, wbase, blk)
                     aw = wv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wv, wv])
-                    scales = builder.fmul(_splat(builder, _half(builder, wbase, blk), vrn), d_x)
+                    d_w = _splat(builder, _half(builder, wbase, blk), _V8F)
                     if has_min:
                         m_w = _splat(builder, _half(builder, wbase, builder.add(blk, const(2))), vrn)
                         builder.store(_call(builder, f"llvm.fma.v{rn}f32", vrn,
                                             [m_w, s_x, builder.load(summs[i])]), summs[i])
-                    rows.append((wv, aw, scales))
+                    rows.append((wv, aw, d_w))
                 for j in range(rn):
                     xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)),
                                      builder.mul(b, const(QK)))
                     xv = _load(builder, xbase, xo, _V32I8)
-                    lane = ir.Constant(ir.VectorType(_I32, 8), [j] * 8)
-                    for i, (wv, aw, scales) in enumerate(rows):
+                    # d_x broadcast from memory, times the splat d_w: one multiply per dot, where
+                    # taking lane j of a vector of products cost two shuffles
+                    d_x = _splat(builder, builder.load(builder.gep(dbase, [builder.add(so, const(j))])), _V8F)
+                    for i, (wv, aw, d_w) in enumerate(rows):
                         sx = xv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wv])
                         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [aw, sx])
                         quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32,
                                       [pairs, ir.Constant(_V16I16, [1] * 16)])
-                        scale = builder.shuffle_vector(scales, ir.Constant(vrn, ir.Undefined), lane)
+                        scale = builder.fmul(d_w, d_x)
                         builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
                                             [scale, builder.sitofp(quads, _V8F), builder.load(acc[i][j])]),
                                       acc[i][j])
