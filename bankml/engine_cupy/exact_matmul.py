@@ -27,14 +27,6 @@ over tasks of 16 output rows (Numba prange), which changes no element's arithmet
 
 from __future__ import annotations
 
-import os
-
-# Numba's OpenMP workers otherwise spin after each parallel region; on 2 cores shared with
-# llama-server or other jobs a spinning worker starves the thread it waits for (a decode step's
-# 210 products took 1.8 s instead of 60 ms at load 9). Passive workers sleep at once. This only
-# takes effect if set before the first parallel region of the process.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import numba  # noqa: E402
 import numpy  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402

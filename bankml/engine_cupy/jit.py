@@ -12,14 +12,46 @@ ggml's AVX2 kernels use (``_mm256_fmadd_ps``) and Python 3.11's ``math`` lacks.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
+import numba
 from llvmlite import ir
 from numba import njit as _numba_njit
 from numba import types
 from numba.extending import intrinsic
 
 __all__ = ["njit", "fma32", "f16_round", "f16_bits"]
+
+
+# libgomp's wait: spin this many iterations (a few microseconds) after a parallel region, then
+# sleep. Measured on a decode step of the default model, 2 idle cores: 14.5 ms with 10,000,
+# 16.0 ms spinning (ACTIVE, libgomp's default here), 31.7 ms sleeping at once (PASSIVE), whose
+# wake-up costs tens of microseconds for each of a step's ~120 parallel products.
+SPIN_COUNT = "10000"
+
+
+def start_worker_threads() -> None:
+    """Start Numba's OpenMP workers with a short spin, for this process only.
+
+    libgomp reads GOMP_SPINCOUNT once, when Numba's threading layer loads it, so the variable is
+    set for that moment only and then put back (unless the user set it or OMP_WAIT_POLICY):
+    a llama-server started later by this process (P0 --spawn, the tests, the benchmarks) keeps
+    its own defaults, on which its speed depends (with a passive policy inherited it decoded
+    20-25 tok/s instead of 90-100 here). A long spin would starve a thread the workers wait for
+    on a loaded 2-core machine; a short one costs little there.
+    """
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        numba.get_num_threads()
+        return
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    try:
+        numba.get_num_threads()  # loads the threading layer and starts its workers
+    finally:
+        del os.environ["GOMP_SPINCOUNT"]
+
+
+start_worker_threads()
 
 
 def njit(*args: Any, **kwargs: Any) -> Callable:
