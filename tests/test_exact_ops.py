@@ -321,3 +321,15 @@ def test_fwht_of_heads_and_its_refusals() -> None:
         eo.fwht(q, 48)
     with pytest.raises(ValueError, match="blocks of 128"):
         eo.fwht(q, 128)
+
+
+def test_swiglu_of_fused_halves_and_in_parallel_is_the_same_bits() -> None:
+    """The gate/up halves of a fused product are read in place (no copy), and batches large
+    enough for the parallel loop give the bits of the serial one."""
+    rng = np.random.default_rng(11)
+    fused = (rng.standard_normal((64, 2 * 1536)) * 4).astype(np.float32)
+    gate, up = fused[:, :1536], fused[:, 1536:]
+    assert not gate.flags.c_contiguous and gate.size >= eo.PARALLEL_MIN_ELEMENTS
+    whole = eo.swiglu(gate, up)
+    rows = np.concatenate([eo.swiglu(gate[i:i + 1].copy(), up[i:i + 1].copy()) for i in range(64)])
+    assert np.array_equal(whole.view(np.uint32), rows.view(np.uint32))

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy
 from llvmlite import ir
-from numba import types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -157,15 +157,31 @@ def _silu_f32(x: float) -> float:
     return x / (_ONE + _expf(-x))
 
 
+def _swiglu_row_loop(gate: numpy.ndarray, up: numpy.ndarray, out: numpy.ndarray, r: int) -> None:
+    n = gate.shape[1]
+    vec = n - n % 8  # ggml_vec_swiglu_f32: 8-lane blocks from the row's start, then scalar
+    for i in range(vec):
+        out[r, i] = _v_silu(gate[r, i]) * up[r, i]
+    for i in range(vec, n):
+        out[r, i] = _silu_f32(gate[r, i]) * up[r, i]
+
+
+_swiglu_row = njit(inline="always")(_swiglu_row_loop)
+
+
 @njit
 def _swiglu_rows(gate: numpy.ndarray, up: numpy.ndarray, out: numpy.ndarray) -> None:
-    rows, n = gate.shape
-    vec = n - n % 8  # ggml_vec_swiglu_f32: 8-lane blocks from the row's start, then scalar
-    for r in range(rows):
-        for i in range(vec):
-            out[r, i] = _v_silu(gate[r, i]) * up[r, i]
-        for i in range(vec, n):
-            out[r, i] = _silu_f32(gate[r, i]) * up[r, i]
+    for r in range(gate.shape[0]):
+        _swiglu_row(gate, up, out, r)
+
+
+@njit(parallel=True)
+def _swiglu_rows_parallel(gate: numpy.ndarray, up: numpy.ndarray, out: numpy.ndarray) -> None:
+    for r in prange(gate.shape[0]):  # rows are independent: the same bits on any thread
+        _swiglu_row(gate, up, out, r)
+
+
+PARALLEL_MIN_ELEMENTS = 1 << 16  # below this a parallel region costs more than it saves
 
 
 @njit
@@ -180,7 +196,11 @@ def _silu_rows(x: numpy.ndarray, out: numpy.ndarray) -> None:
 
 
 def _rows(x: Any) -> numpy.ndarray:
-    """x as a C-contiguous float32 [rows, last axis] view (a copy only when it must be)."""
+    """x as a float32 [rows, last axis] array, a copy only when it must be: a 2-D view with a
+    contiguous last axis (the gate and up halves of a fused product) is used as it is, which
+    spared a 256-token prefill ~0.1 s of copies."""
+    if isinstance(x, numpy.ndarray) and x.dtype == F32 and x.ndim == 2 and x.strides[1] == 4:
+        return x
     a = numpy.ascontiguousarray(x, dtype=F32)
     return a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
 
@@ -191,7 +211,8 @@ def swiglu(gate: Any, up: Any) -> numpy.ndarray:
     if g.shape != u.shape:
         raise ValueError(f"swiglu: gate {numpy.shape(gate)} and up {numpy.shape(up)} differ")
     out = numpy.empty_like(g)
-    _swiglu_rows(g, u, out)
+    kernel = _swiglu_rows_parallel if g.size >= PARALLEL_MIN_ELEMENTS else _swiglu_rows
+    kernel(g, u, out)
     return out.reshape(numpy.shape(gate))
 
 
