@@ -103,6 +103,16 @@ def _dot_f16_body(typingctx: Any, arr: Any, offset: Any, q: Any, n: Any) -> Any:
 
 
 @njit(inline="always")
+def _online_softmax_step(s: float, big_m: float) -> tuple[float, float, float, bool]:
+    """One cell of ggml's online softmax (one_chunk): (new max M, scale ms of what was
+    accumulated, weight vs of this cell, whether M moved). A new maximum scales the old sum and
+    accumulator by expf(M_old - s) and weighs the cell 1; otherwise the cell weighs expf(s - M)."""
+    if s > big_m:
+        return s, F32(math.exp(big_m - s)), _ONE, True
+    return big_m, _ONE, F32(math.exp(s - big_m)), False
+
+
+@njit(inline="always")
 def _dot_f16(k: Any, kvh: int, ic: int, q16: Any) -> float:
     """ggml_vec_dot_f16 (AVX2 + F16C) of the key k[kvh, ic] with the f16-rounded query.
 
@@ -150,17 +160,10 @@ def _walk_f16(q16: Any, k: Any, v: Any, n_cells: int, kvh: int, mask: Any, row: 
     for ic in range(c0, end):
         if has_mask and mask[row, ic] == _NEG_INF:
             continue  # ggml skips hidden cells before any arithmetic
-        s = scores[ic - c0]
-        ms = _ONE
-        vs = _ONE
-        if s > big_m:
-            m_old = big_m
-            big_m = s
-            ms = F32(math.exp(m_old - big_m))
+        big_m, ms, vs, new_max = _online_softmax_step(scores[ic - c0], big_m)
+        if new_max:
             for d in range(hd):
                 acc[d] = f16_round(acc[d] * ms)
-        else:
-            vs = F32(math.exp(s - big_m))
         _mad_f16(acc, v, kvh, ic, vs)
         big_s = fma32(big_s, ms, vs)  # S = S*ms + vs: GCC fuses it (see the docs)
     return big_m, big_s
@@ -640,17 +643,10 @@ def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: i
     for ic in range(n_cells):
         if has_mask and mask[row, ic] == _NEG_INF:
             continue
-        s = scores[ic]
-        ms = _ONE
-        vs = _ONE
-        if s > big_m:
-            m_old = big_m
-            big_m = s
-            ms = F32(math.exp(m_old - big_m))
+        big_m, ms, vs, new_max = _online_softmax_step(scores[ic], big_m)
+        if new_max:
             for d in range(hd):
                 acc[d] = acc[d] * ms
-        else:
-            vs = F32(math.exp(s - big_m))
         n_blocks = hd // 32
         _mad_q8_0_body(acc, vq, (kvh * vq.shape[1] + ic) * hd, vd,
                        (kvh * vd.shape[1] + ic) * n_blocks, vs, n_blocks)

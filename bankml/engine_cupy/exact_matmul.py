@@ -36,7 +36,7 @@ from numba import prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from bankml.engine_cupy.jit import njit  # noqa: E402
+from bankml.engine_cupy.jit import f16_bits, njit  # noqa: E402
 
 __all__ = ["QuantMatrix", "MatrixStack", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
            "quantize_q8_1", "f32_to_f16_bits"]
@@ -96,18 +96,7 @@ def supported(qtype: T | int) -> bool:
 @njit
 def f32_to_f16_bits(f):  # pragma: no cover - compiled
     """float32 -> IEEE half bits, round to nearest even (F16C's _cvtss_sh(x, 0))."""
-    bits = numpy.float32(f).view(numpy.uint32)
-    sign = numpy.uint16((bits >> numpy.uint32(16)) & numpy.uint32(0x8000))
-    mag = bits & numpy.uint32(0x7FFFFFFF)
-    if mag > numpy.uint32(0x7F800000):  # NaN: quiet, payload's top bits kept
-        return sign | numpy.uint16(0x7E00) | numpy.uint16((mag >> numpy.uint32(13)) & numpy.uint32(0x3FF))
-    if mag >= numpy.uint32(0x477FF000):  # rounds to or beyond 65520: infinity
-        return sign | numpy.uint16(0x7C00)
-    if mag < numpy.uint32(0x38800000):  # below 2^-14: a half subnormal, units of 2^-24
-        scaled = numpy.rint(abs(numpy.float32(f)) * numpy.float32(16777216.0))  # exact scaling
-        return sign | numpy.uint16(scaled)
-    rounded = mag + numpy.uint32(0xFFF) + ((mag >> numpy.uint32(13)) & numpy.uint32(1))
-    return sign | numpy.uint16((rounded - numpy.uint32(0x38000000)) >> numpy.uint32(13))
+    return numpy.uint16(f16_bits(numpy.float32(f)))
 
 
 @njit

@@ -41,15 +41,6 @@ def silu(xp: ModuleType, x: Any) -> Any:
     return x / (F32(1) + xp.exp(-x))
 
 
-def _gelu_f16_table() -> numpy.ndarray:
-    """ggml_table_gelu_f16: tanh-approximated GELU of every f16 value, stored as f16."""
-    x = numpy.arange(1 << 16, dtype=numpy.uint32).astype(numpy.uint16).view(numpy.float16).astype(F32)
-    with numpy.errstate(invalid="ignore", over="ignore"):
-        y = F32(0.5) * x * (F32(1) + numpy.tanh(F32(0.7978845608028654) * x
-                                                * (F32(1) + F32(0.044715) * x * x)))
-    return y.astype(numpy.float16).astype(F32)
-
-
 def rope_angles(xp: ModuleType, positions: Any, head_dim: int, base: float, freq_scale: float,
                 freq_factors: Any | None) -> tuple[Any, Any]:
     """cos, sin [n, head_dim/2] as ggml_rope_cache_init: theta = pos, then theta *= base^(-2/d)."""
@@ -103,8 +94,9 @@ class Model:
         self.n_embd = hp.n_embd
         self.n_layer = hp.n_layer
         self.n_ctx_train = hp.n_ctx_train
-        self._gelu = xp.asarray(_gelu_f16_table()) if hp.spec.ffn_activation == "gelu" else None
-        self._gelu_exact = exact_ops.gelu_f16_table() if self._gelu is not None else None
+        # ggml's f16 GELU table, one for both paths (built on the host, moved to the device)
+        self._gelu = (xp.asarray(exact_ops.gelu_f16_table()) if hp.spec.ffn_activation == "gelu"
+                      else None)
         self._masks: dict[int, Any] = {}
         # BLAS threads: `threads` for batches (None: BLAS's default, one per core), and
         # `decode_threads` for one-token steps (backend.BlasThreads says why 1)
@@ -237,7 +229,7 @@ class Model:
         """SwiGLU or GeGLU of the gate and up projections."""
         if self.exact:
             if self._gelu is not None:
-                return exact_ops.geglu(gate, up, self._gelu_exact)
+                return exact_ops.geglu(gate, up, self._gelu)
             return exact_ops.swiglu(gate, up)
         # contiguous, so NumPy's exp takes its SIMD path whatever the batch size (a strided view
         # takes another path whose last bit can differ, and q8 rounding would magnify it)

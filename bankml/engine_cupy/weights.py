@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants
 
-from bankml.engine_cupy import exact_kquants, exact_matmul
+from bankml.engine_cupy import exact_kquants, exact_matmul, exact_ops
 from bankml.engine_cupy.arch import (ARCHITECTURES, BASE_LAYER_TENSORS, FUSED_QKV, SPLIT_QKV,
                                      ArchSpec, supported_names)
 
@@ -197,13 +197,10 @@ def read_hparams(reader: GGUFReader) -> HParams:
 
     if arch == "gemma3":
         # llama_model_gemma3::load_arch_hparams: the 27B scales by n_embd/n_head, others by head_dim.
-        # 1.0f/sqrtf(float(d)) as llama.cpp builds it (two float roundings)
-        d = n_embd // n_head if n_layer == 62 else head_dim
-        attn_scale = float(numpy.float32(1) / numpy.sqrt(numpy.float32(d)))
+        attn_scale = float(exact_ops.attn_scale(n_embd // n_head if n_layer == 62 else head_dim))
         window, swa = _swa_layers(reader, arch, n_layer)
     else:
-        # llama.cpp's kq_scale = 1.0f/sqrtf(float(head_dim)): two float roundings
-        attn_scale = float(numpy.float32(1) / numpy.sqrt(numpy.float32(head_dim)))
+        attn_scale = float(exact_ops.attn_scale(head_dim))  # llama.cpp's kq_scale
         window, swa = 0, (False,) * n_layer
         if _field(reader, f"{arch}.attention.scale") is not None:
             raise UnsupportedModel(f"a {arch} variant with attention.scale: not reproduced")
@@ -370,6 +367,11 @@ def exact_family(qtype: T) -> ModuleType | None:
     return None
 
 
+# each family's matrix class (GGUF blocks -> ggml's product)
+_MATRIX_CLASS: dict[ModuleType, type] = {exact_matmul: exact_matmul.QuantMatrix,
+                                         exact_kquants: exact_kquants.KQuantMatrix}
+
+
 class EmbeddingRows:
     """A token embedding left in its GGUF blocks; ``rows[ids]`` dequantizes just those rows.
 
@@ -388,7 +390,8 @@ class EmbeddingRows:
 
 
 class _Loader:
-    """Dequantizes tensors from the memory-mapped file into xp arrays, ticking progress."""
+    """Turns tensors of the memory-mapped file into exact block matrices or dequantized xp
+    arrays, ticking progress."""
 
     def __init__(self, reader: GGUFReader, xp: ModuleType, tick: Callable[[int], None],
                  exact: bool = True):
@@ -429,11 +432,9 @@ class _Loader:
                 groups.append([item])
         return [self._linear(group) for group in groups]
 
-    def exact_matrix(self, name: str) -> Any | None:
-        """The weight kept in its blocks for ggml's exact product (CPU only, types it plays)."""
+    def exact_matrix(self, name: str) -> Any:
+        """The weight kept in its blocks for ggml's exact product (``exact_matrix_possible``)."""
         info = self.infos[name]
-        if not self.exact_matrix_possible(name):
-            return None
         n_in, n_out = (int(d) for d in info.shape)
         self.tick(int(info.n_bytes))
         self.nbytes += int(info.n_bytes)
@@ -441,8 +442,7 @@ class _Loader:
         # llama-server repacks some layer matrices (Q4_0, Q4_K on AVX2): other kernels, other roundings
         repacked = family.repacked_by_llama_server(info.tensor_type, n_out,
                                                    token_embd=name == "token_embd.weight")
-        matrix_class = exact_kquants.KQuantMatrix if family is exact_kquants else exact_matmul.QuantMatrix
-        return matrix_class(info.data, info.tensor_type, n_out, n_in, repacked=repacked)
+        return _MATRIX_CLASS[family](info.data, info.tensor_type, n_out, n_in, repacked=repacked)
 
     def _exact_linear(self, group: list[tuple[str, str]]) -> Linear | None:
         if not all(self.exact_matrix_possible(w) for w, _ in group):
@@ -511,7 +511,7 @@ def dequantize(data: numpy.ndarray, qtype: T) -> numpy.ndarray:
 
 def weight_bytes(reader: GGUFReader, exact: bool = False) -> int:
     """What the loaded weights take: 4 bytes per element, or (``exact``) the GGUF bytes of the
-    matrices exact_matmul multiplies in their blocks."""
+    matrices an exact family multiplies in their blocks."""
     def size(t: Any) -> int:
         if exact and exact_family(t.tensor_type) is not None and len(t.shape) == 2:
             return int(t.n_bytes)
@@ -557,7 +557,8 @@ def _layer(ld: _Loader, hp: HParams, il: int) -> Layer:
 
 def load_weights(reader: GGUFReader, hp: HParams, xp: ModuleType,
                  tick: Callable[[int], None] = lambda n: None, exact: bool = True) -> Weights:
-    """Every tensor dequantized to float32 on the device, matrices fused for decoding."""
+    """Every tensor loaded (exact block matrices on the CPU, else float32 on the device),
+    matrices fused for decoding."""
     ld = _Loader(reader, xp, tick, exact)
     exact_embd = ld.exact_matrix_possible("token_embd.weight")
     token_embd = EmbeddingRows(ld.infos["token_embd.weight"]) if exact_embd else ld.array("token_embd.weight")
