@@ -32,8 +32,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, _byte_ptr, _call, _half, _hsum,
-                                             _load, _splat)
+from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, BlockRows, _byte_ptr, _call, _half,
+                                             _hsum, _load, _splat)
 from bankml.engine_cupy.jit import njit
 
 __all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
@@ -556,7 +556,7 @@ def _run(code: int, raw: numpy.ndarray, act: KActivation, rows: slice, out: nump
     (_parallel if macs >= PARALLEL_MIN_MACS else _serial)(code, raw, xq, xd, bs, out[rows])
 
 
-class KQuantMatrix:
+class KQuantMatrix(BlockRows):
     """A GGUF K-quant weight matrix [n_out, n_in] kept in its block bytes; ``matmul`` is
     llama-server's mul_mat (``repacked``: as after its CPU_REPACK buffer took the matrix, see
     ``repacked_by_llama_server``; the bytes stay in GGUF order here)."""
@@ -575,20 +575,6 @@ class KQuantMatrix:
             raise ValueError(f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}")
         self.raw = data.reshape(n_out, row_bytes)
         self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
-
-    @classmethod
-    def concat(cls, parts: list["KQuantMatrix"]) -> "KQuantMatrix | KMatrixStack":
-        """Rows of several matrices of one input width stacked (Q/K/V, gate/up): the products
-        side by side. Same type and layout: one matrix (the bytes copied once; repacked parts
-        keep row counts that are multiples of 8, so the whole stays repacked). Otherwise (a
-        Q4_K_M layer mixes Q4_K and Q6_K) a KMatrixStack running each part's own kernel."""
-        first = parts[0]
-        if any(p.n_in != first.n_in for p in parts):
-            raise ValueError("concatenated matrices must share the input width")
-        if any((p.qtype, p.repacked) != (first.qtype, first.repacked) for p in parts):
-            return KMatrixStack(parts)
-        raw = numpy.concatenate([p.raw for p in parts])
-        return cls(raw, first.qtype, raw.shape[0], first.n_in, first.repacked)
 
     def quantize(self, x: numpy.ndarray) -> KActivation:
         """The activation rounded as llama-server rounds it for this matrix."""
@@ -635,3 +621,6 @@ class KMatrixStack:
                 rounded[part.repacked] = part.quantize(x)
             outs.append(part.matmul(rounded[part.repacked]))
         return numpy.concatenate(outs, axis=1)
+
+
+KQuantMatrix.stack = KMatrixStack

@@ -38,7 +38,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from bankml.engine_cupy.jit import f16_bits, njit  # noqa: E402
 
-__all__ = ["QuantMatrix", "MatrixStack", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
+__all__ = ["BlockRows", "QuantMatrix", "MatrixStack", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
            "quantize_q8_1", "f32_to_f16_bits"]
 
 QK = 32  # elements per block for every type handled here
@@ -734,7 +734,34 @@ def _float_parallel(code, split, raw, row_elems, n_out, x, out):  # pragma: no c
         _float_rows(code, split, raw, row_elems, r0, min(r0 + ROWS_PER_TASK, n_out), x, out)
 
 
-class QuantMatrix:
+class BlockRows:
+    """What the exact matrix classes share: a [n_out, n_in] weight in GGUF block rows, with
+    ``qtype``, ``repacked`` and ``raw`` (uint8 [n_out, row bytes]); ``stack`` is the class that
+    runs parts of different types or layouts side by side."""
+
+    qtype: T
+    repacked: bool
+    raw: numpy.ndarray
+    n_out: int
+    n_in: int
+    stack: type
+
+    @classmethod
+    def concat(cls, parts: list) -> object:
+        """Rows of several matrices of one input width stacked (Q/K/V, gate/up): the products
+        side by side. Same type and layout: one matrix (the bytes copied once; repacked parts
+        keep row counts that are multiples of 8, so the whole stays repacked). Otherwise the
+        class's ``stack``, which runs each part's own kernel."""
+        first = parts[0]
+        if any(p.n_in != first.n_in for p in parts):
+            raise ValueError("concatenated matrices must share the input width")
+        if any((p.qtype, p.repacked) != (first.qtype, first.repacked) for p in parts):
+            return cls.stack(parts)
+        raw = numpy.concatenate([p.raw for p in parts])
+        return cls(raw, first.qtype, raw.shape[0], first.n_in, first.repacked)
+
+
+class QuantMatrix(BlockRows):
     """A GGUF weight matrix [n_out, n_in] kept in its block bytes; ``matmul`` is ggml's mul_mat.
 
     ``raw`` is the tensor's data as gguf's ReaderTensor gives it (uint8 [n_out, row_bytes], or
@@ -759,19 +786,6 @@ class QuantMatrix:
         self.raw = data.reshape(n_out, row_bytes)
         self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
         self._kind = _Q4_0R if repacked else kind
-
-    @classmethod
-    def concat(cls, parts: list["QuantMatrix"]) -> "QuantMatrix | MatrixStack":
-        """Rows of several matrices of one input width stacked (Q/K/V, gate/up): the products
-        side by side. Same type and layout: one matrix (the bytes copied once). Otherwise a
-        MatrixStack that rounds the activation once and runs each part's own kernel."""
-        first = parts[0]
-        if any(p.n_in != first.n_in for p in parts):
-            raise ValueError("concatenated matrices must share the input width")
-        if any((p.qtype, p.repacked) != (first.qtype, first.repacked) for p in parts):
-            return MatrixStack(parts)
-        raw = numpy.concatenate([p.raw for p in parts])
-        return cls(raw, first.qtype, raw.shape[0], first.n_in, first.repacked)
 
     def quantize(self, x: numpy.ndarray) -> Activation:
         """The activation rounded as ggml rounds it for this weight (reusable across matrices)."""
@@ -823,3 +837,6 @@ class MatrixStack:
         act = Activation(x) if quantized else None
         return numpy.concatenate(
             [p.matmul(x if p.qtype in _FLOAT_TYPES else act) for p in self.parts], axis=1)
+
+
+QuantMatrix.stack = MatrixStack
