@@ -23,7 +23,8 @@ from tests import ggml_oracle as go
 F32 = np.float32
 # every arithmetic ggml has for a weight type
 CODES = {T.Q6_K: {"vec_dot": ek._VD6, "tiled": ek._T6}, T.Q5_K: {"vec_dot": ek._VD5, "tiled": ek._T5},
-         T.Q4_K: {"vec_dot": ek._VD4, "tiled": ek._T4, "repacked gemv": ek._GV4, "repacked gemm": ek._GM4}}
+         T.Q4_K: {"vec_dot": ek._VD4, "tiled": ek._T4, "repacked gemv": ek._GV4, "repacked gemm": ek._GM4},
+         T.Q3_K: {"vec_dot": ek._VD3, "tiled": ek._T3}, T.Q2_K: {"vec_dot": ek._VD2, "tiled": ek._T2}}
 
 
 def differing(a: np.ndarray, b: np.ndarray) -> int:
@@ -43,6 +44,10 @@ def random_blocks(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> 
         return (rng.random((n_out, nb)) * scale + 1e-5).astype(np.float16).view(np.uint8).reshape(n_out, nb, 2)
     if qtype == T.Q6_K:
         raw[:, :, 208:210] = halves(0.004)
+    elif qtype == T.Q3_K:  # hmask, qs, 12 bytes of 6-bit scales, then d
+        raw[:, :, 108:110] = halves(0.004)
+    elif qtype == T.Q2_K:  # 16 scale|min bytes, qs, then d and dmin
+        raw[:, :, 80:82], raw[:, :, 82:84] = halves(0.01), halves(0.01)
     elif qtype == T.Q5_K:
         raw[:, :, 0:2], raw[:, :, 2:4] = halves(0.005), halves(0.005)
     else:
@@ -135,9 +140,30 @@ def test_q5_k_matches_ggml(m: int) -> None:
     check("plain", T.Q5_K, 256, 1024, m, seed=50 + m)
 
 
+# Q2_K and Q3_K: every batch size up to the tiled threshold and past it, weight row counts
+# that are and are not multiples of 8 and 16 (the task size), widths of 2 to 6 super-blocks
+SMALL_K_CASES = [(1, 576, 1536), (2, 101, 512), (3, 576, 1536), (4, 333, 1024), (5, 101, 512),
+                 (6, 576, 1536), (7, 333, 1024), (8, 576, 1536), (9, 101, 512), (17, 333, 1024),
+                 (64, 576, 1536)]
+
+
+@pytest.mark.parametrize("m, n_out, n_in", SMALL_K_CASES)
+def test_q3_k_matches_ggml(m: int, n_out: int, n_in: int) -> None:
+    """Never repacked: ggml_vec_dot_q3_K_q8_K (q3l·x - q3h·x per pair) below 8 rows, tiled
+    (act-bias, no min) from 8."""
+    check("plain", T.Q3_K, n_out, n_in, m, seed=70 + m)
+
+
+@pytest.mark.parametrize("m, n_out, n_in", SMALL_K_CASES)
+def test_q2_k_matches_ggml(m: int, n_out: int, n_in: int) -> None:
+    """Repacked only on AVX512 (q2_K_8x8): ggml_vec_dot_q2_K_q8_K (the min lanes and the scale
+    lanes fused into one accumulator, min first) below 8 rows, tiled (fnmadd by dmin) from 8."""
+    check("plain", T.Q2_K, n_out, n_in, m, seed=80 + m)
+
+
 def test_wide_slice_of_a_2048x8192_matrix() -> None:
     """A long row (32 super-blocks), as ffn_down of a 2048-wide model: decode and a batch."""
-    for qtype, repacked in ((T.Q6_K, False), (T.Q4_K, True)):
+    for qtype, repacked in ((T.Q6_K, False), (T.Q4_K, True), (T.Q3_K, False), (T.Q2_K, False)):
         for m in (1, 9):
             check("wide", qtype, 64, 8192, m, seed=40 + m, repacked=repacked)
 
@@ -169,7 +195,7 @@ def ffn_down_f32(default_model: Path) -> np.ndarray:
     return weights.dequantize(tensor.data, tensor.tensor_type).reshape(n_out, n_in)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_default_model_ffn_down_requantized_by_ggml(ffn_down_f32: np.ndarray, qtype: T) -> None:
     """Real weights with real K-quant statistics: the default model's blk.0.ffn_down (Q4_1,
     [576, 1536]) dequantized, then quantized to the K type by ggml's own from_float (ggml_cpy),
@@ -199,13 +225,15 @@ def test_concat_equals_separate_products() -> None:
 
 
 def test_concat_of_mixed_types_is_a_stack_of_each_kernel() -> None:
-    """A Q4_K_M layer's Q (Q4_K, repacked), K (Q4_K, 36 rows: not repacked) and V (Q6_K)."""
+    """A Q4_K_M layer's Q (Q4_K, repacked), K (Q4_K, 36 rows: not repacked) and V (Q6_K), and
+    a Q3_K_M/Q2_K file's Q3_K and Q2_K parts."""
     rng = np.random.default_rng(9)
-    specs = [(T.Q4_K, 64, True), (T.Q4_K, 36, False), (T.Q6_K, 40, False)]
+    specs = [(T.Q4_K, 64, True), (T.Q4_K, 36, False), (T.Q6_K, 40, False), (T.Q3_K, 24, False),
+             (T.Q2_K, 16, False)]
     raws = [random_blocks(rng, q, n, 512) for q, n, _ in specs]
     parts = [ek.KQuantMatrix(raw, q, n, 512, repacked=rep) for raw, (q, n, rep) in zip(raws, specs)]
     stack = ek.KQuantMatrix.concat(parts)
-    assert isinstance(stack, ek.KMatrixStack) and (stack.n_out, stack.n_in) == (140, 512)
+    assert isinstance(stack, ek.KMatrixStack) and (stack.n_out, stack.n_in) == (180, 512)
     for m in (1, 9):
         x = activations(rng, m, 512)
         want = np.concatenate([(go.mul_mat_repacked if rep else go.mul_mat)(raw, q, n, 512, x)
@@ -231,14 +259,18 @@ def test_zero_copy_and_shape_checks() -> None:
     with pytest.raises(ValueError, match="repacked"):
         repacked.matmul(ek.KActivation(np.ones((4, 256), F32)))
     with pytest.raises(ValueError, match="no exact"):
-        ek.KQuantMatrix(raw, T.Q3_K, 8, 256)
+        ek.KQuantMatrix(raw, T.IQ4_XS, 8, 256)
 
 
 def test_supported_and_repack_rule() -> None:
-    assert ek.supported(T.Q4_K) and ek.supported(T.Q5_K) and ek.supported(T.Q6_K)
-    assert not ek.supported(T.Q4_0) and not ek.supported(T.Q2_K) and not ek.supported(9999)
+    assert all(ek.supported(q) for q in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
+    assert not ek.supported(T.Q4_0) and not ek.supported(T.IQ4_XS) and not ek.supported(9999)
     assert ek.repacked_by_llama_server(T.Q4_K, 576)
     assert not ek.repacked_by_llama_server(T.Q4_K, 100)
     assert not ek.repacked_by_llama_server(T.Q4_K, 576, token_embd=True)
     assert not ek.repacked_by_llama_server(T.Q6_K, 576)
     assert not ek.repacked_by_llama_server(T.Q5_K, 576)
+    # q2_K_8x8 needs AVX512 (ggml_repack_get_optimal_repack_type); Q3_K has no repacked layout
+    assert not ek.repacked_by_llama_server(T.Q2_K, 576)
+    assert not ek.repacked_by_llama_server(T.Q3_K, 576)
+    assert weights.exact_family(T.Q2_K) is ek and weights.exact_family(T.Q3_K) is ek

@@ -39,15 +39,20 @@ from bankml.engine_cupy.jit import njit
 __all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
 
 QK_K = 256
-_BLOCK_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+_BLOCK_BYTES = {T.Q2_K: 84, T.Q3_K: 110, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: the tiled kernel takes batches of 8 rows or more
 ROWS_PER_TASK = 16
 
 # arithmetic codes
-_VD6, _VD4, _T6, _T4, _GV4, _GM4, _VD5, _T5 = 0, 1, 2, 3, 4, 5, 6, 7
+_VD6, _VD4, _T6, _T4, _GV4, _GM4, _VD5, _T5, _VD3, _T3, _VD2, _T2 = range(12)
 
 # weight type -> (tiled code, vec_dot code) for matrices llama-server does not repack
-_PLAIN_CODES = {T.Q4_K: (_T4, _VD4), T.Q5_K: (_T5, _VD5), T.Q6_K: (_T6, _VD6)}
+_PLAIN_CODES = {T.Q2_K: (_T2, _VD2), T.Q3_K: (_T3, _VD3), T.Q4_K: (_T4, _VD4), T.Q5_K: (_T5, _VD5),
+                T.Q6_K: (_T6, _VD6)}
+# code -> weight type (the block layout it unpacks)
+_CODE_TYPE = {code: qtype for qtype, codes in _PLAIN_CODES.items() for code in codes} | {_GV4: T.Q4_K, _GM4: T.Q4_K}
+_VECTOR_CODES = {_VD6, _VD4, _VD5, _VD3, _VD2}  # vec_dot: eight float lanes, hsum_float_8 at the end
+_MIN_CODES = {_VD4, _T4, _GV4, _GM4, _VD5, _T5, _VD2, _T2}  # types with mins (Q2_K, Q4_K, Q5_K)
 
 
 def supported(qtype: T | int) -> bool:
@@ -208,6 +213,31 @@ def _q6_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
     return chunks
 
 
+def _q2_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
+    """The 8 chunks of 32 unsigned 2-bit quants of a block_q2_K (qs[64] at +16): chunk 4j+k is
+    (qs[32j:32j+32] >> 2k) & 3."""
+    chunks = []
+    for j in range(2):
+        raw = _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 16 + 32 * j)), _V32I8)
+        chunks += [builder.and_(builder.lshr(raw, _bytes(2 * k)), _bytes(3)) for k in range(4)]
+    return chunks
+
+
+def _q3_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
+    """The 8 chunks of 32 signed 3-bit quants of a block_q3_K (hmask[32] at +0, qs[64] at +32),
+    each as ggml's pair (q3l, q3h) whose difference is the quant: for chunk c = 4j+k,
+    q3l = (qs[32j:32j+32] >> 2k) & 3 and q3h = 4 where bit c of hmask is clear, else 0."""
+    clear = builder.xor(_load(builder, wbase, blk, _V32I8), _bytes(-1))
+    chunks = []
+    for j in range(2):
+        raw = _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 32 + 32 * j)), _V32I8)
+        for k in range(4):
+            c = 4 * j + k
+            high = builder.shl(builder.and_(builder.lshr(clear, _bytes(c)), _bytes(1)), _bytes(2))
+            chunks.append((builder.and_(builder.lshr(raw, _bytes(2 * k)), _bytes(3)), high))
+    return chunks
+
+
 def _vec(builder: ir.IRBuilder, ptr: ir.Value, index: ir.Value, vty: ir.Type) -> ir.Value:
     """A vector loaded from ptr[index] (ptr typed by its elements), unaligned."""
     return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=1)
@@ -230,10 +260,53 @@ def _scales_and_mins(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> i
                      builder.shl(builder.and_(builder.lshr(u[1], k(6)), m3), k(4)))
     u1 = builder.or_(builder.and_(u[2], m2), builder.shl(builder.and_(builder.lshr(u[0], k(6)), m3), k(4)))
     words = [builder.and_(u[0], m1), u1, builder.and_(u[1], m1), u3]
+    return builder.zext(_word_bytes(builder, words), _V16I16)
+
+
+def _q3_k_scales(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> ir.Value:
+    """block_q3_K's 12 bytes of packed 6-bit scales (at +96) -> <16 x i16> of the 16 signed
+    scales (value - 32), by ggml's aux/kmask word unpacking."""
+    u = [_load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 96 + 4 * i)), _I32) for i in range(3)]
+
+    def k(v: int) -> ir.Constant:
+        return ir.Constant(_I32, v)
+
+    def word(low: ir.Value, shift_low: int, shift_high: int) -> ir.Value:
+        nibbles = builder.and_(builder.lshr(low, k(shift_low)), k(0x0F0F0F0F))
+        tops = builder.and_(builder.lshr(u[2], k(shift_high)), k(0x03030303))
+        return builder.or_(nibbles, builder.shl(tops, k(4)))
+    words = [word(u[0], 0, 0), word(u[1], 0, 2), word(u[0], 4, 4), word(u[1], 4, 6)]
+    biased = builder.sub(_word_bytes(builder, words), ir.Constant(ir.VectorType(_I8, 16), [32] * 16))
+    return builder.sext(biased, _V16I16)
+
+
+def _word_bytes(builder: ir.IRBuilder, words: list) -> ir.Value:
+    """Four i32 words as the <16 x i8> of their bytes (little-endian, as ggml's memcpy)."""
     vec = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
     for i, word in enumerate(words):
         vec = builder.insert_element(vec, word, ir.Constant(_I32, i))
-    return builder.zext(builder.bitcast(vec, ir.VectorType(_I8, 16)), _V16I16)
+    return builder.bitcast(vec, ir.VectorType(_I8, 16))
+
+
+def _block_scales(builder: ir.IRBuilder, qtype: T, wbase: ir.Value, blk: ir.Value) -> tuple:
+    """A weight block's (scales, mins, d, dmin), read straight from its bytes: scales and mins as
+    <16 x i16> per 16 values (Q2_K, Q3_K, Q6_K: 16 sub-blocks) or per 32 (Q4_K, Q5_K: the 8
+    scales then the 8 mins); mins and dmin are None for the types without them."""
+    def at(k: int) -> ir.Value:
+        return builder.add(blk, ir.Constant(blk.type, k))
+    if qtype == T.Q6_K:  # int8 scales at +192, d at +208
+        scales = builder.sext(_load(builder, wbase, at(192), ir.VectorType(_I8, 16)), _V16I16)
+        return scales, None, _half(builder, wbase, at(208)), None
+    if qtype == T.Q3_K:  # d at +108
+        return _q3_k_scales(builder, wbase, blk), None, _half(builder, wbase, at(108)), None
+    if qtype == T.Q2_K:  # a byte per 16 values (scale | min << 4) at +0, d and dmin at +80
+        raw = _load(builder, wbase, blk, ir.VectorType(_I8, 16))
+        scales = builder.zext(builder.and_(raw, ir.Constant(raw.type, [15] * 16)), _V16I16)
+        mins = builder.zext(builder.lshr(raw, ir.Constant(raw.type, [4] * 16)), _V16I16)
+        return scales, mins, _half(builder, wbase, at(80)), _half(builder, wbase, at(82))
+    packed = _scales_and_mins(builder, wbase, blk)  # Q4_K, Q5_K: d, dmin at +0
+    mins = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(_I32, 16), [8 + j // 2 for j in range(16)]))
+    return packed, mins, _half(builder, wbase, blk), _half(builder, wbase, at(2))
 
 
 def _make_dot(code: int, rn: int):
@@ -243,12 +316,14 @@ def _make_dot(code: int, rn: int):
     the blocks), unpacked once per block for all rn rows; activation row j is at
     x_off + j·n_in of xq (int8), its block scales at s_off + j·nb of xd and its sums at 16 times
     that of bsums (int16); its output goes to out.flat[o_off + j·n_out]."""
-    unpack = {_VD6: _q6_k_chunks, _T6: _q6_k_chunks, _VD5: _q5_k_chunks, _T5: _q5_k_chunks}.get(code, _q4_k_chunks)
-    block_bytes = 210 if code in (_VD6, _T6) else 176 if code in (_VD5, _T5) else 144
-    v8f, v4f, v4i = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
+    qtype = _CODE_TYPE[code]
+    unpack = {T.Q2_K: _q2_k_chunks, T.Q3_K: _q3_k_chunks, T.Q4_K: _q4_k_chunks, T.Q5_K: _q5_k_chunks,
+              T.Q6_K: _q6_k_chunks}[qtype]
+    block_bytes = _BLOCK_BYTES[qtype]
+    v8f, v4f = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4)
     v16i = ir.VectorType(_I32, 16)
-    vector_acc = code in (_VD6, _VD4, _VD5)
-    six = code in (_VD6, _T6)
+    vector_acc = code in _VECTOR_CODES
+    per16 = qtype in (T.Q2_K, T.Q3_K, T.Q6_K)  # a scale per 16 values, not per 32
     across = rn == 4 and not vector_acc  # scalar chains: four rows' in one vector
 
     @intrinsic
@@ -277,18 +352,10 @@ def _make_dot(code: int, rn: int):
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
-                if six:  # int8 scales at +192, d at +208: read straight from the block
-                    raw_scales = _load(builder, wbase, builder.add(blk, const(192)), ir.VectorType(_I8, 16))
-                    scales = builder.sext(raw_scales, _V16I16)
-                    d_w, dm_w, mins16 = _half(builder, wbase, builder.add(blk, const(208))), None, None
-                else:  # the 6-bit scales and mins, as lanes 0-7 and 8-15
-                    d_w = _half(builder, wbase, blk)
-                    dm_w = _half(builder, wbase, builder.add(blk, const(2)))
-                    scales = _scales_and_mins(builder, wbase, blk)
-                    mins16 = builder.shuffle_vector(scales, scales, ir.Constant(v16i, [8 + j // 2 for j in range(16)]))
+                scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
                 chunks = unpack(builder, wbase, blk)
                 chunk_scales = [builder.shuffle_vector(scales, scales, ir.Constant(
-                    v16i, [2 * c] * 8 + [2 * c + 1] * 8 if six else [c] * 16)) for c in range(8)]
+                    v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16)) for c in range(8)]
                 rows = []
                 for j in range(rn):
                     row = builder.add(s_off, builder.mul(const(j), nblocks))
@@ -300,7 +367,7 @@ def _make_dot(code: int, rn: int):
                         total = None
                         for c in (2 * g, 2 * g + 1):
                             x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
-                            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [chunks[c], x])
+                            pairs = _pairs(builder, chunks[c], x)
                             quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, chunk_scales[c]])
                             total = quads if total is None else builder.add(total, quads)
                         groups.append(total)
@@ -327,6 +394,16 @@ def _make_dot(code: int, rn: int):
     return dot
 
 
+def _pairs(builder: ir.IRBuilder, chunk: ir.Value | tuple, x: ir.Value) -> ir.Value:
+    """pmaddubsw of a chunk's unsigned quants by 32 int8 activations (no saturation reachable);
+    Q3_K's (q3l, q3h) chunks give q3l·x - q3h·x, as ggml subtracts them (exact in int16)."""
+    def madd(q: ir.Value) -> ir.Value:
+        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [q, x])
+    if isinstance(chunk, tuple):
+        return builder.sub(madd(chunk[0]), madd(chunk[1]))
+    return madd(chunk)
+
+
 def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, scales: ir.Value,
                 mins16: ir.Value | None, d_x: ir.Value, d_w: ir.Value, dm_w: ir.Value | None,
                 acc: ir.Value, accm: ir.Value) -> None:
@@ -337,13 +414,16 @@ def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, 
     def fma(name: str, ty: ir.Type, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
         return _call(builder, name, ty, [a, b, c])
     lanes = builder.add(builder.add(groups[0], groups[1]), builder.add(groups[2], groups[3]))
+    min_pairs = None
     if code in (_VD6, _T6):  # Q6_K's -32 per quant, through the sums (ggml's q8sclsub)
         corr = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, scales])
         lanes = builder.sub(lanes, builder.shl(corr, ir.Constant(_V8I32, [5] * 8)))
-        min_pairs = None
-    else:  # pair p = min·(bsums[2p] + bsums[2p+1])
+    elif code in _MIN_CODES:  # pair p = Σ min·bsums over 32 values (Q4_K/Q5_K: one min, Q2_K: two)
         min_pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, mins16])
-    if code in (_VD6, _VD4, _VD5):
+    if code in _VECTOR_CODES:
+        if code == _VD2:  # Q2_K's min lanes go into the same accumulator, before the scales
+            neg = _splat(builder, builder.fneg(builder.fmul(d_x, dm_w)), v8f)
+            builder.store(fma("llvm.fma.v8f32", v8f, neg, builder.sitofp(min_pairs, v8f), builder.load(acc)), acc)
         scale = _splat(builder, builder.fmul(d_x, d_w), v8f)
         builder.store(fma("llvm.fma.v8f32", v8f, scale, builder.sitofp(lanes, v8f), builder.load(acc)), acc)
         if code == _VD4:  # four lanes: m[2i]·q8s[2i] + m[2i+1]·q8s[2i+1]
@@ -371,7 +451,7 @@ def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, 
         builder.store(fma("llvm.fma.f32", _F32, s2, builder.fmul(dm_w, d_x), builder.load(accm)), accm)
     else:  # tiled: res = d_w·s1 (- dmin·s2 fused), out = fma(res, d_x, out)
         res = builder.fmul(d_w, builder.sitofp(_reduce(builder, lanes), _F32))
-        if code != _T6:
+        if min_pairs is not None:
             s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
             res = fma("llvm.fma.f32", _F32, builder.fneg(dm_w), s2, res)
         builder.store(fma("llvm.fma.f32", _F32, res, d_x, builder.load(acc)), acc)
@@ -410,7 +490,7 @@ def _block_step_rows(builder: ir.IRBuilder, code: int, rows: list, scales: ir.Va
         if code == _T6:  # Q6_K's -32 per quant, through the sums
             corr = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, scales])
             total = builder.sub(total, builder.shl(corr, ir.Constant(_V8I32, [5] * 8)))
-        else:
+        elif code in _MIN_CODES:
             min_pairs.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, mins16]))
         lanes.append(total)
     if code == _GM4:  # one fma pair per 64 values
@@ -447,7 +527,7 @@ def _finish(builder: ir.IRBuilder, code: int, acc: ir.Value, accm: ir.Value) -> 
     """The output from the accumulators: hsum_float_8 (+ the min chain) for vec_dot, acc - accm
     for the repacked kernels, the accumulator itself for tiled."""
     total = builder.load(acc)
-    if code in (_VD6, _VD4, _VD5):
+    if code in _VECTOR_CODES:
         total = _hsum(builder, total)
         if code == _VD4:
             a = [builder.extract_element(builder.load(accm), ir.Constant(_I32, i)) for i in range(4)]
@@ -460,7 +540,7 @@ def _finish(builder: ir.IRBuilder, code: int, acc: ir.Value, accm: ir.Value) -> 
 
 
 # [code] -> (one activation row, four activation rows)
-_DOTS = {code: (_make_dot(code, 1), _make_dot(code, 4)) for code in (_VD6, _VD4, _VD5, _T6, _T4, _T5, _GV4, _GM4)}
+_DOTS = {code: (_make_dot(code, 1), _make_dot(code, 4)) for code in _CODE_TYPE}
 _dot1_vd6, _dot4_vd6 = _DOTS[_VD6]
 _dot1_vd4, _dot4_vd4 = _DOTS[_VD4]
 _dot1_vd5, _dot4_vd5 = _DOTS[_VD5]
@@ -469,6 +549,10 @@ _dot1_t4, _dot4_t4 = _DOTS[_T4]
 _dot1_t5, _dot4_t5 = _DOTS[_T5]
 _dot1_gv4, _dot4_gv4 = _DOTS[_GV4]
 _dot1_gm4, _dot4_gm4 = _DOTS[_GM4]
+_dot1_vd3, _dot4_vd3 = _DOTS[_VD3]
+_dot1_t3, _dot4_t3 = _DOTS[_T3]
+_dot1_vd2, _dot4_vd2 = _DOTS[_VD2]
+_dot1_t2, _dot4_t2 = _DOTS[_T2]
 
 
 @njit
@@ -509,6 +593,26 @@ def _dot(code, rn, raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out):  # pragma
             _dot4_gv4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
             _dot1_gv4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _VD3:
+        if rn == 4:
+            _dot4_vd3(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_vd3(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _T3:
+        if rn == 4:
+            _dot4_t3(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_t3(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _VD2:
+        if rn == 4:
+            _dot4_vd2(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_vd2(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+    elif code == _T2:
+        if rn == 4:
+            _dot4_t2(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        else:
+            _dot1_t2(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif rn == 4:
         _dot4_gm4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     else:
