@@ -62,6 +62,7 @@ def test_activation_blocks_match_ggml_from_float(qtype: T, ours) -> None:
     x[1] = rng.standard_normal(256).astype(F32) * F32(1e-6)   # d below f16's normal range
     x[2, :32] = np.arange(32, dtype=F32) - F32(15.5)          # many .5 products: ties to even
     x[3, :32] = F32(-3.0)                                     # one value: quants all -127
+    x[4, 5] = F32(np.inf)                                     # inf: NaN quants saturate as ggml's packs
     assert np.array_equal(ours(x), go.quantize_rows(x, qtype))
 
 

@@ -707,6 +707,7 @@ def _cell_buffer(x: np.ndarray, dtype: type) -> np.ndarray:
 
 
 _NO_MASK = np.zeros((1, 1), np.float32)  # a placeholder the kernels never read
+_LAST_MASK: tuple[np.ndarray, np.ndarray] | None = None  # (mask, rounded) of the last call
 
 
 def _prepare_mask(mask: np.ndarray | None, n_rows: int, n_cells: int) -> tuple[bool, np.ndarray]:
@@ -716,7 +717,12 @@ def _prepare_mask(mask: np.ndarray | None, n_rows: int, n_cells: int) -> tuple[b
     mask = np.asarray(mask)
     if mask.shape != (n_rows, n_cells):
         raise ValueError(f"mask {mask.shape} is not [n_rows, T] = {(n_rows, n_cells)}")
-    return True, np.ascontiguousarray(mask.astype(np.float16).astype(np.float32))
+    last = _LAST_MASK  # the forward pass hands every layer the same mask: round it once
+    if last is not None and last[0] is mask:
+        return True, last[1]
+    prepared = np.ascontiguousarray(mask.astype(np.float16).astype(np.float32))
+    globals()["_LAST_MASK"] = (mask, prepared)
+    return True, prepared
 
 
 def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,

@@ -32,6 +32,7 @@ from typing import Any
 import numpy
 
 from bankml.engine_cupy import exact_matmul, exact_ops
+from bankml.engine_cupy.jit import f16_round, njit
 from bankml.engine_cupy.weights import quantize_activation
 
 CACHE_TYPES = ("f16", "q8_0")
@@ -48,6 +49,17 @@ def resolve_cache_type(cache_type: str | None, head_dim: int) -> str:
         raise ValueError("a q8_0 cache needs a head size that is a multiple of 32; "
                          f"this model's is {head_dim}")
     return cache_type
+
+
+@njit
+def _store_f16(cells: numpy.ndarray, start: int, x: numpy.ndarray) -> None:  # pragma: no cover
+    """cells[h, start + i, :] = x[i, h, :] rounded to f16 values: one pass, where NumPy's
+    transpose, f16 cast and f32 write-back took three (~20 ms of a 256-token prefill)."""
+    n, heads, dim = x.shape
+    for i in range(n):
+        for h in range(heads):
+            for d in range(dim):
+                cells[h, start + i, d] = f16_round(x[i, h, d])
 
 
 def hadamard(n: int) -> numpy.ndarray:
@@ -185,6 +197,10 @@ class KVCache:
         end = start + k.shape[0]
         if end > self.n_ctx:
             raise ValueError(f"the cache holds {self.n_ctx} positions; {end} asked")
+        if self.cache_type == "f16" and xp is numpy:
+            _store_f16(self._k[layer], start, numpy.ascontiguousarray(k, numpy.float32))
+            _store_f16(self._v[layer], start, numpy.ascontiguousarray(v, numpy.float32))
+            return
         if self.cache_type == "f16":
             self._k[layer][:, start:end] = k.transpose(1, 0, 2).astype(xp.float16)
             self._v[layer][:, start:end] = v.transpose(1, 0, 2).astype(xp.float16)
