@@ -1,23 +1,26 @@
-"""K-quant matrix products (Q4_K, Q5_K, Q6_K) that round exactly as llama-server's AVX2 CPU backend.
+"""K-quant matrix products (Q2_K to Q6_K) that round exactly as llama-server's AVX2 CPU backend.
 
 ggml rounds the activation to q8_K blocks (256 values, an f32 scale, 16 sums of 16 quants) and
 then takes one of four arithmetics, depending on the weight type, whether llama-server repacked
 the matrix (CPU_REPACK buffer) and the number of activation rows ``m``:
 
-- ``vec_dot`` (arch/x86/quants.c, ``ggml_vec_dot_q{4,5,6}_K_q8_K``, m < 8, not repacked): eight
-  exact integer lanes per super-block (lane L = the products of elements 4L..4L+3 of every 32,
-  each weighted by its sub-block scale), ``acc[L] = fma(d_x·d_w, lane, acc[L])``, then
+- ``vec_dot`` (arch/x86/quants.c, ``ggml_vec_dot_q{2,3,4,5,6}_K_q8_K``, m < 8, not repacked):
+  eight exact integer lanes per super-block (lane L = the products of elements 4L..4L+3 of every
+  32, each weighted by its sub-block scale), ``acc[L] = fma(d_x·d_w, lane, acc[L])``, then
   ``hsum_float_8``. Q6_K subtracts ``32·(bsums·scales)`` per lane (its quants are stored
-  unsigned); Q4_K keeps a 4-lane min chain ``fma(-d_x·dmin, Σ m·bsum, acc_m)`` added at the end,
-  Q5_K a scalar one (GCC fuses its ``summs += dmin * Σ`` into vfmadd231ss).
+  unsigned), Q3_K takes ``q3l·x - q3h·x`` per pair (exact); Q4_K keeps a 4-lane min chain
+  ``fma(-d_x·dmin, Σ m·bsum, acc_m)`` added at the end, Q5_K a scalar one (GCC fuses its
+  ``summs += dmin * Σ`` into vfmadd231ss); Q2_K fuses its 8 min lanes (min per 16 values ·
+  bsums) into ``acc`` itself, ``acc = fma(-d_x·dmin, mins, acc)`` *before* the scale lanes.
 - ``tiled`` (tiled/tiled-kernel.cpp, m >= 8, not repacked, new in this build): one exact integer
-  per super-block, ``res = d_w·s1`` (Q4_K, Q5_K: ``res = fma(-dmin, s2, res)``) and
+  per super-block, ``res = d_w·s1`` (Q2_K, Q4_K, Q5_K: ``res = fma(-dmin, s2, res)``) and
   ``out = fma(res, d_x, out)``. llamafile's sgemm takes no K-quant.
 - repacked Q4_K (arch/x86/repack.cpp, ``q4_K_8x8``, ``n_out % 8 == 0``): the activation rows in
   groups of four are rounded by ``ggml_quantize_mat_q8_K_4x8`` and go through ``gemm`` (one fma
   per 64 values: ``acc = fma(Σ, d_w·d_x, acc)``, ``accm = fma(Σm·bsum, dmin·d_x, accm)``,
   ``out = acc - accm``); the ``m % 4`` leftover rows are rounded by ``quantize_row_q8_K`` and go
-  through ``gemv`` (the same with one fma per super-block).
+  through ``gemv`` (the same with one fma per super-block). Q2_K is repacked (``q2_K_8x8``) only
+  by AVX512 builds, Q3_K never.
 
 Every integer sum is exact in any order, so only the float chains above need to be kept; the
 weights stay in their GGUF block bytes and are unpacked one super-block at a time.
@@ -65,8 +68,9 @@ def supported(qtype: T | int) -> bool:
 
 def repacked_by_llama_server(qtype: T | int, n_out: int, token_embd: bool = False) -> bool:
     """ggml_repack_get_optimal_repack_type on AVX2: Q4_K -> q4_K_8x8 when the row count is a
-    multiple of 8; Q5_K and Q6_K are repacked only on ARM. The token embedding never is (its
-    first use is GET_ROWS, which the repack buffer does not take)."""
+    multiple of 8; Q5_K and Q6_K are repacked only on ARM, Q2_K only with AVX512, Q3_K never.
+    The token embedding never is (its first use is GET_ROWS, which the repack buffer does not
+    take)."""
     return T(qtype) == T.Q4_K and n_out % 8 == 0 and not token_embd
 
 
