@@ -96,14 +96,15 @@ def test_random_weights_match_ggml_mul_mat(qtype: T) -> None:
 
 def test_edge_shapes_match_ggml() -> None:
     """Row counts that leave partial tiles (4x1, 2x2) and tinyBLAS tails on both sides; 15
-    activation rows take every batch tile in turn (1x8, 1x4, 2x2, 4x1)."""
+    activation rows take every batch tile in turn (1x8, 1x4, 2x2, 4x1), 31 the 16-row lane
+    tile first."""
     rng = np.random.default_rng(12)
     for qtype in TYPES + (T.F16, T.F32):
         for n_out in (1, 5, 9):
             w = rng.standard_normal((n_out, 64)).astype(F32)
             raw = (quants.quantize(w, qtype) if qtype not in (T.F16, T.F32)
                    else (w.astype(np.float16) if qtype == T.F16 else w).view(np.uint8))
-            for m in (1, 3, 5, 15):
+            for m in (1, 3, 5, 15, 31):
                 x = activations(rng, m, 64)
                 ours = em.QuantMatrix(raw, qtype, n_out, 64).matmul(x)
                 assert differing(ours, go.mul_mat(raw, qtype, n_out, 64, x)) == 0, (qtype.name, n_out, m)

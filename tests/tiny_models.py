@@ -5,7 +5,7 @@ random weights in the chosen ggml type and the default model's GPT-2 vocabulary 
 merges), which llama.cpp accepts for any architecture. The weights are scaled so the logits are
 peaked (a standard deviation near 8), so greedy choices are not coin flips between near-ties.
 
-K-quant types (Q4_K, Q6_K) have no quantizer in gguf.quants, so their blocks are random bytes
+K-quant types (Q2_K, Q3_K, Q4_K, Q6_K) have no quantizer in gguf.quants, so their blocks are random bytes
 with the f16 scales set to keep the weights at the intended size; both engines dequantize the
 same bytes.
 """
@@ -54,6 +54,8 @@ TINY_SPECS = (
     TinySpec("qwen3", T.F32),
     TinySpec("gemma3", T.Q6_K, n_layer=4),
     TinySpec("gemma3", T.Q5_0, n_layer=4),
+    TinySpec("llama", T.Q3_K, tied=False, out_type=T.Q2_K),
+    TinySpec("qwen2", T.Q2_K),
 )
 
 
@@ -76,6 +78,10 @@ def _kquant_bytes(rng: numpy.random.Generator, rows: int, cols: int, qtype: T) -
     elif qtype == T.Q6_K:  # int8 scales at 192..207, d (f16) last
         raw[:, 192:208] = rng.integers(-16, 17, size=(nblk, 16)).astype(numpy.int8).view(numpy.uint8)
         raw[:, 208:210] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
+    elif qtype == T.Q3_K:  # hmask, qs, 12 bytes of 6-bit scales, d (f16) last
+        raw[:, 108:110] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
+    elif qtype == T.Q2_K:  # 16 bytes of 4-bit scales and mins, qs, then d and dmin (f16)
+        raw[:, 80:84] = numpy.array([1.0, 1.5], numpy.float16).view(numpy.uint8)  # mean near 0
     else:
         raise ValueError(f"no random-byte recipe for {qtype.name}")
     return raw.reshape(rows, cols // block * size)
@@ -85,16 +91,16 @@ def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndar
     block, size = quants.GGML_QUANT_SIZES[qtype]
     std = float(dequantize(raw, qtype).std())
     blocks = raw.reshape(-1, size)
-    spots = (slice(0, 4),) if qtype == T.Q4_K else (slice(208, 210),)
-    for spot in spots:
-        halves = blocks[:, spot].copy().view(numpy.float16).astype(numpy.float32)
-        blocks[:, spot] = (halves * (target_std / std)).astype(numpy.float16).view(numpy.uint8)
+    # the f16 d (and dmin) of each block
+    spots = {T.Q2_K: slice(80, 84), T.Q3_K: slice(108, 110), T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210)}[qtype]
+    halves = blocks[:, spots].copy().view(numpy.float16).astype(numpy.float32)
+    blocks[:, spots] = (halves * (target_std / std)).astype(numpy.float16).view(numpy.uint8)
     return raw
 
 
 def _matrix(rng: numpy.random.Generator, rows: int, cols: int, qtype: T, std: float):
     """(data to write, raw_dtype) for an [rows, cols] matrix of the given type."""
-    if qtype in (T.Q4_K, T.Q6_K):
+    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K):
         return _scale_kquant(_kquant_bytes(rng, rows, cols, qtype), qtype, std), qtype
     w = rng.normal(0.0, std, size=(rows, cols)).astype(numpy.float32)
     if qtype == T.F32:
