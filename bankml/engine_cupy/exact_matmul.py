@@ -213,12 +213,23 @@ def _interleave_lanes(q: numpy.ndarray) -> numpy.ndarray:
     [group, block, lane L, row j, 4 bytes] = row 8·group+j's elements 32·block+4L..+3."""
     m, n = q.shape
     groups = m // 8
-    lanes = q[:groups * 8].reshape(groups, 8, n // QK, 8, 4).transpose(0, 2, 3, 1, 4)
-    out = numpy.empty(lanes.size + 64, numpy.int8)  # 64-byte aligned: no load splits a cache line
-    start = -out.ctypes.data % 64
-    out = out[start:start + lanes.size]
-    out.reshape(lanes.shape)[...] = lanes
+    out = numpy.empty(groups * 8 * n + 64, numpy.int8)
+    start = -out.ctypes.data % 64  # 64-byte aligned: no lane load splits a cache line
+    out = out[start:start + groups * 8 * n]
+    # moved as int32 words (one lane of one row): a quarter of the elements to shuffle
+    _interleave_words(q[:groups * 8].view(numpy.int32), out.view(numpy.int32))
     return out
+
+
+@njit
+def _interleave_words(words, out):  # pragma: no cover - compiled
+    rows, n_words = words.shape
+    at = 0
+    for g in range(rows // 8):
+        for w in range(n_words):
+            for j in range(8):
+                out[at] = words[8 * g + j, w]
+                at += 1
 
 
 class Activation:
