@@ -717,11 +717,14 @@ def _prepare_mask(mask: np.ndarray | None, n_rows: int, n_cells: int) -> tuple[b
     mask = np.asarray(mask)
     if mask.shape != (n_rows, n_cells):
         raise ValueError(f"mask {mask.shape} is not [n_rows, T] = {(n_rows, n_cells)}")
-    last = _LAST_MASK  # the forward pass hands every layer the same mask: round it once
-    if last is not None and last[0] is mask:
+    global _LAST_MASK
+    # the forward pass hands every layer the same read-only mask: round it once (a writable
+    # one could have changed in place since, so it is rounded afresh)
+    last = _LAST_MASK
+    if last is not None and last[0] is mask and not mask.flags.writeable:
         return True, last[1]
     prepared = np.ascontiguousarray(mask.astype(np.float16).astype(np.float32))
-    globals()["_LAST_MASK"] = (mask, prepared)
+    _LAST_MASK = (mask, prepared)  # one tuple, swapped whole: safe across engine threads
     return True, prepared
 
 

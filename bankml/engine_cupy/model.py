@@ -319,7 +319,10 @@ class Model:
         if n == 1 and (not window or end <= window):
             return None
         if window not in self._masks:
-            self._masks[window] = self._build_mask(positions, end, window)
+            mask = self._build_mask(positions, end, window)
+            if self.exact:  # read-only: exact_attention rounds it once for all the layers
+                mask.flags.writeable = False
+            self._masks[window] = mask
         return self._masks[window]
 
     def _build_mask(self, positions: Any, end: int, window: int) -> Any:
