@@ -58,9 +58,10 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_0R = 0, 1, 2, 3, 4, 5  # _Q4_0R: repacked
 _LAYOUT: dict[T, tuple[int, int, bool]] = {
     T.Q4_0: (_Q4_0, 18, False), T.Q5_0: (_Q5_0, 22, False), T.Q8_0: (_Q8_0, 34, False),
     T.Q4_1: (_Q4_1, 20, True), T.Q5_1: (_Q5_1, 24, True),
-    T.F16: (6, 64, False), T.F32: (7, 128, False),  # bytes per 32 values
+    T.F16: (6, 64, False), T.F32: (7, 128, False), T.BF16: (8, 64, False),  # bytes per 32 values
 }
-_FLOAT_TYPES = {T.F16, T.F32}
+_FLOAT_TYPES = {T.F16, T.F32, T.BF16}
+_ANY_WIDTH = {T.BF16}  # rows of any length (the kernels take ggml's tails), not only multiples of 32
 
 
 # ggml-cpu/repack.cpp (ggml_repack_get_optimal_repack_type) on an AVX2 build: Q4_0 -> q4_0_8x8
@@ -916,13 +917,168 @@ _tb11_f16, _tb22_f16 = _make_float_tile(True, 1, 1, False), _make_float_tile(Tru
 _tb11_f32, _tb22_f32 = _make_float_tile(False, 1, 1, False), _make_float_tile(False, 2, 2, False)
 
 
+# BF16 weights (vec_dot_type BF16). The activation is rounded to bf16 (ggml_cpu_fp32_to_bf16: a
+# scalar loop of ggml_compute_fp32_to_bf16, nearest even, NaN kept quiet); bf16 widens exactly to
+# f32 (the 16 bits shifted up), so both operands are f32 values with 8-bit significands and each
+# product is exact short of underflow. One activation row (or n_out not a multiple of 4):
+# ggml_vec_dot_bf16's AVX2 branch, four <8 x float> accumulators over steps of 32 (GCC contracts
+# its add(mul(..), c) into vfmadd231ps: checked in vec.cpp.o), (c1+c3)+(c2+c4), then hi128+lo128,
+# movehl, movehdup: hsum_float_8's order, not GGML_F32x8_REDUCE's. That f32 goes into a double
+# sum (``ggml_float sumf``) that adds each tail element's f32 product, and the double is rounded
+# to f32 at the end. Two or more rows: tinyBLAS<8, __m256, __m256, ggml_bf16_t, ggml_bf16_t>,
+# one accumulator over steps of 8, a last partial step on zero-padded vectors (load_partial),
+# then hsum.
+
+
+def bf16_round(x: numpy.ndarray) -> numpy.ndarray:
+    """f32 -> bf16 (ggml_compute_fp32_to_bf16) -> f32 again, exactly: the values the kernels read."""
+    u = numpy.ascontiguousarray(x, dtype=numpy.float32).view(numpy.uint32)
+    nan = (u & numpy.uint32(0x7FFFFFFF)) > numpy.uint32(0x7F800000)
+    rounded = u + (numpy.uint32(0x7FFF) + ((u >> numpy.uint32(16)) & numpy.uint32(1)))  # nearest even
+    bits = numpy.where(nan, u | numpy.uint32(0x00400000), rounded) & numpy.uint32(0xFFFF0000)  # NaN: quiet
+    return bits.view(numpy.float32)
+
+
+def _bf16_widen(builder: ir.IRBuilder, halves: ir.Value) -> ir.Value:
+    """<8 x i16> bf16 -> <8 x float>: vpmovzxwd then vpslld 16 (exact)."""
+    wide = builder.shl(builder.zext(halves, _V8I32), ir.Constant(_V8I32, [16] * 8))
+    return builder.bitcast(wide, _V8F)
+
+
+def _make_bf16_tile(rm: int, rn: int, split: bool):
+    """tile(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out) as ``_make_float_tile``, for
+    BF16 weights (raw bytes, offsets in bf16 elements) and an activation already rounded to
+    bf16 values; any n_in. ``split``: ggml_vec_dot_bf16's arithmetic; else tinyBLAS's."""
+    step = 32 if split else 8  # elements per loop iteration
+    n_acc = 4 if split else 1
+    v8i16 = ir.VectorType(_I16, 8)
+
+    @intrinsic
+    def tile(typingctx, w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out):
+        sig = types.void(w, w_off, row_elems, x, x_off, n_in, out, o_off, n_out)
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            (_, w_off, row_elems, _, x_off, n_in, _, o_off, n_out) = args
+            wdata = context.make_array(aty[0])(context, builder, args[0]).data
+            wbase = builder.bitcast(wdata, _I16.as_pointer())
+            xbase = context.make_array(aty[3])(context, builder, args[3]).data
+            obase = context.make_array(aty[6])(context, builder, args[6]).data
+            ity = w_off.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+
+            w_rows = [builder.add(w_off, builder.mul(const(i), row_elems)) for i in range(rm)]
+            x_rows = [builder.add(x_off, builder.mul(const(j), n_in)) for j in range(rn)]
+
+            def w_vec(i: int, at: ir.Value) -> ir.Value:
+                return _bf16_widen(builder, _load(builder, wbase, builder.add(w_rows[i], at), v8i16))
+
+            def x_vec(j: int, at: ir.Value) -> ir.Value:
+                return _load(builder, xbase, builder.add(x_rows[j], at), _V8F)
+
+            zero = ir.Constant(_V8F, [0.0] * 8)
+            acc = [[[cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)] for _ in range(rn)]
+                   for _ in range(rm)]
+
+            def madd(i: int, j: int, k: int, wv: ir.Value, xv: ir.Value) -> None:
+                slot = acc[i][j][k]
+                builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [wv, xv, builder.load(slot)]), slot)
+
+            whole = builder.udiv(n_in, const(step))
+            with cgutils.for_range(builder, whole) as loop:
+                base = builder.mul(loop.index, const(step))
+                for k in range(step // 8):
+                    at = builder.add(base, const(8 * k))
+                    wv, xv = [w_vec(i, at) for i in range(rm)], [x_vec(j, at) for j in range(rn)]
+                    for i in range(rm):
+                        for j in range(rn):
+                            madd(i, j, k, wv[i], xv[j])
+            done = builder.mul(whole, const(step))
+            if split:
+                totals = _vec_dot_tails(builder, wbase, xbase, w_rows, x_rows, done, n_in, acc)
+            else:
+                _tinyblas_partial_step(builder, wbase, xbase, w_rows, x_rows, done, n_in, madd)
+                totals = [[_hsum(builder, builder.load(acc[i][j][0])) for j in range(rn)] for i in range(rm)]
+            for i in range(rm):
+                for j in range(rn):
+                    index = builder.add(builder.add(o_off, builder.mul(const(j), n_out)), const(i))
+                    builder.store(totals[i][j], builder.gep(obase, [index]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+def _vec_dot_tails(builder: ir.IRBuilder, wbase: ir.Value, xbase: ir.Value, w_rows: list,
+                   x_rows: list, done: ir.Value, n_in: ir.Value, acc: list) -> list:
+    """ggml_vec_dot_bf16 after its vector loop: ``sumf = 0.0 + (double)reduce(c1..c4)``, then
+    ``sumf += (double)(x[i]*y[i])`` (an f32 product) per tail element, ``*s = (float)sumf``."""
+    f64 = ir.DoubleType()
+    sums = [[cgutils.alloca_once_value(builder, builder.fadd(ir.Constant(f64, 0.0), builder.fpext(
+        _hsum(builder, _pair_sum(builder, [builder.load(a) for a in acc[i][j]])), f64)))
+        for j in range(len(x_rows))] for i in range(len(w_rows))]
+    with cgutils.for_range_slice(builder, done, n_in, ir.Constant(n_in.type, 1)) as (at, _):
+        ws = [builder.bitcast(builder.shl(builder.zext(builder.load(builder.gep(wbase, [builder.add(r, at)])), _I32),
+                                          ir.Constant(_I32, 16)), _F32) for r in w_rows]
+        xs = [builder.load(builder.gep(xbase, [builder.add(r, at)])) for r in x_rows]
+        for i, wi in enumerate(ws):
+            for j, xj in enumerate(xs):
+                slot = sums[i][j]
+                builder.store(builder.fadd(builder.load(slot), builder.fpext(builder.fmul(wi, xj), f64)), slot)
+    return [[builder.fptrunc(builder.load(s), _F32) for s in row] for row in sums]
+
+
+def _pair_sum(builder: ir.IRBuilder, c: list) -> ir.Value:
+    """ggml_vec_dot_bf16's (c1 + c3) + (c2 + c4) of its four accumulators."""
+    return builder.fadd(builder.fadd(c[0], c[2]), builder.fadd(c[1], c[3]))
+
+
+def _tinyblas_partial_step(builder: ir.IRBuilder, wbase: ir.Value, xbase: ir.Value, w_rows: list,
+                           x_rows: list, done: ir.Value, n_in: ir.Value, madd) -> None:
+    """tinyBLAS's last step when n_in % 8 != 0: load_partial gives vectors whose missing lanes
+    are zero, and every accumulator still takes the fma (fma(0, 0, -0) is +0, as in ggml)."""
+    rem = builder.sub(n_in, done)
+    with builder.if_then(builder.icmp_unsigned("!=", rem, ir.Constant(rem.type, 0))):
+        def padded(base: ir.Value, row: ir.Value, elem: ir.Type) -> ir.Value:
+            slot = cgutils.alloca_once(builder, ir.VectorType(elem, 8))
+            builder.store(ir.Constant(slot.type.pointee, [0] * 8 if elem is _I16 else [0.0] * 8), slot)
+            lanes = builder.bitcast(slot, elem.as_pointer())
+            with cgutils.for_range(builder, rem) as lane:
+                value = builder.load(builder.gep(base, [builder.add(builder.add(row, done), lane.index)]))
+                builder.store(value, builder.gep(lanes, [lane.index]))
+            return builder.load(slot)
+
+        wv = [_bf16_widen(builder, padded(wbase, r, _I16)) for r in w_rows]
+        xv = [padded(xbase, r, _F32) for r in x_rows]
+        for i in range(len(w_rows)):
+            for j in range(len(x_rows)):
+                madd(i, j, 0, wv[i], xv[j])
+
+
+_BF16 = 8
+_vd11_bf16, _vd21_bf16 = _make_bf16_tile(1, 1, True), _make_bf16_tile(2, 1, True)
+_tb11_bf16, _tb22_bf16 = _make_bf16_tile(1, 1, False), _make_bf16_tile(2, 2, False)
+
+
 @njit
 def _float_tile(code, split, shape, raw, row_elems, r, x, t, out):  # pragma: no cover - compiled
     """Outputs (t.., r..) of one F16/F32 tile (vec_dot's or tinyBLAS's order by ``split``)."""
     n_in = x.shape[1]
     n_out = out.shape[1]
     w, xo, o = r * row_elems, t * n_in, t * n_out + r
-    if code == _F16:
+    if code == _BF16:
+        if split and shape == 21:
+            _vd21_bf16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+        elif split:
+            _vd11_bf16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+        elif shape == 22:
+            _tb22_bf16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+        else:
+            _tb11_bf16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+    elif code == _F16:
         if split and shape == 21:
             _vd21_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
         elif split:
@@ -1023,10 +1179,10 @@ class QuantMatrix(BlockRows):
             raise ValueError(f"no exact kernel for {qtype.name}")
         if repacked and qtype not in REPACKED_TYPES:
             raise ValueError(f"llama-server does not repack {qtype.name} on AVX2")
-        if n_in % QK:
+        if n_in % QK and qtype not in _ANY_WIDTH:
             raise ValueError(f"n_in={n_in} is not a multiple of {QK}")
         kind, block_bytes, q8_1 = _LAYOUT[qtype]
-        row_bytes = n_in // QK * block_bytes
+        row_bytes = n_in * block_bytes // QK
         data = numpy.ascontiguousarray(raw).view(numpy.uint8)
         if data.size != n_out * row_bytes:
             raise ValueError(f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}")
@@ -1060,6 +1216,8 @@ class QuantMatrix(BlockRows):
             raise ValueError(f"activation width {x.shape[-1]} != n_in {self.n_in}")
         if self.qtype == T.F16:  # vec_dot_type F16: ggml_cpu_fp32_to_fp16, nearest even
             x = x.astype(numpy.float16).astype(numpy.float32)
+        elif self.qtype == T.BF16:  # vec_dot_type BF16: ggml_cpu_fp32_to_bf16
+            x = bf16_round(x)
         m = x.shape[0]
         # tinyBLAS takes two or more activation rows when the weight rows come in fours
         split = m == 1 or self.n_out % 4 != 0
