@@ -9,6 +9,7 @@ prints both figures.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -99,7 +100,7 @@ def test_edge_shapes_match_ggml() -> None:
     activation rows take every batch tile in turn (1x8, 1x4, 2x2, 4x1), 31 the 16-row lane
     tile first."""
     rng = np.random.default_rng(12)
-    for qtype in TYPES + (T.F16, T.F32):
+    for qtype in TYPES + (T.BF16, T.F16, T.F32):
         for n_out in (1, 5, 9):
             w = rng.standard_normal((n_out, 64)).astype(F32)
             raw = (quants.quantize(w, qtype) if qtype not in (T.F16, T.F32)
@@ -142,6 +143,83 @@ def test_float_weights_match_ggml_on_both_paths(qtype: T) -> None:
             wrong_path_misses += differing(other, go.mul_mat(raw, qtype, n_out, 256, x))
     print(f"\n{qtype.name}: the other path's order misses {wrong_path_misses}")
     assert wrong_path_misses > 0
+
+
+# --- BF16 weights --------------------------------------------------------------------------------
+
+def test_bf16_rounding_matches_ggml_from_float() -> None:
+    """ggml_cpu_fp32_to_bf16 on random bit patterns: every exponent, infinities, NaNs (quieted)."""
+    rng = np.random.default_rng(13)
+    x = rng.integers(0, 2**32, 40_000, dtype=np.uint64).astype(np.uint32).view(F32).reshape(40, 1000)
+    x[0, :4] = [np.inf, -np.inf, F32(3.4e38), F32(-0.0)]       # 3.4e38 rounds up to inf
+    assert np.isnan(x).sum() > 50
+    ggml = go.quantize_rows(x, T.BF16).view(np.uint16)
+    assert np.array_equal((em.bf16_round(x).view(np.uint32) >> 16).astype(np.uint16), ggml)
+
+
+def bf16_weights(rng: np.random.Generator, n_out: int, n_in: int) -> np.ndarray:
+    """GGUF BF16 bytes [n_out, 2*n_in] of random weights (gguf's ggml_compute_fp32_to_bf16)."""
+    return quants.quantize((rng.standard_normal((n_out, n_in)) * 0.05).astype(F32), T.BF16)
+
+
+@pytest.mark.parametrize("n_out, n_in", [(64, 256), (70, 256), (64, 75), (6, 40)])
+def test_bf16_weights_match_ggml_on_both_paths(n_out: int, n_in: int) -> None:
+    """vec_dot_bf16 (one row, or n_out not a multiple of 4) and tinyBLAS (two rows or more with
+    n_out % 4 == 0); n_in = 75 and 40 leave tails (vec_dot's double sum, tinyBLAS's partial step).
+    The other path's order and the f32 product must both miss, so agreement is not luck."""
+    rng = np.random.default_rng(14)
+    raw = bf16_weights(rng, n_out, n_in)
+    matrix = em.QuantMatrix(raw, T.BF16, n_out, n_in)
+    naive_misses = wrong_path_misses = 0
+    for m in (1, 2, 3, 4, 5, 8, 17, 64):
+        x = activations(rng, m, n_in)
+        naive_misses += check_product(f"BF16 [{m}, {n_in}] x [{n_out}, {n_in}]", raw, T.BF16, n_out, n_in, x)
+        other = np.empty((m, n_out), F32)
+        split = m == 1 or n_out % 4 != 0
+        em._float_serial(matrix._kind, not split, matrix.raw, n_in, n_out, em.bf16_round(x), other)
+        wrong_path_misses += differing(other, go.mul_mat(raw, T.BF16, n_out, n_in, x))
+    print(f"\nBF16 [{n_out}, {n_in}]: the other path's order misses {wrong_path_misses}")
+    assert naive_misses > 0 and wrong_path_misses > 0
+
+
+def test_bf16_special_values_match_ggml() -> None:
+    """inf and NaN weights, products below f32's normal range (where a separate multiply would
+    round before the add: ggml's vfmadd does not), -0 activations, and a tail."""
+    rng = np.random.default_rng(15)
+    n_out, n_in = 8, 72
+    w = (rng.standard_normal((n_out, n_in)) * 0.05).astype(F32)
+    w[0, 3], w[2, 5], w[3] = np.inf, np.nan, F32(-0.0)
+    w[1] = rng.standard_normal(n_in).astype(F32) * F32(1e-30)
+    raw = quants.quantize(w, T.BF16)
+    for m in (1, 2):
+        x = activations(rng, m, n_in)
+        x[:, 7], x[:, 70] = F32(1e-12), F32(-1e-13)
+        x[0, 0] = F32(-0.0)
+        assert differing(em.QuantMatrix(raw, T.BF16, n_out, n_in).matmul(x),
+                         go.mul_mat(raw, T.BF16, n_out, n_in, x)) == 0
+
+
+def test_bf16_threaded_products_match_ggml() -> None:
+    """Big enough for the parallel kernels, on both paths, with a short last task."""
+    rng = np.random.default_rng(16)
+    n_out, n_in = 1000, 520
+    raw = bf16_weights(rng, n_out, n_in)
+    for m in (1, 2):
+        assert m * n_out * n_in >= em.PARALLEL_MIN_MACS
+        check_product(f"BF16 [{m}, {n_in}] x [{n_out}, {n_in}] (threaded)", raw, T.BF16, n_out, n_in,
+                      activations(rng, m, n_in))
+
+
+def test_bf16_token_embedding_rows_and_routing_match_ggml() -> None:
+    """A BF16 token embedding: the loader's rows are ggml's get_rows (the exact widening), and
+    BF16 matrices go to exact_matmul."""
+    rng = np.random.default_rng(17)
+    raw = bf16_weights(rng, 300, 40)
+    info = SimpleNamespace(data=raw, tensor_type=T.BF16, shape=(40, 300))
+    ids = np.array([0, 299, 17, 17, 123])
+    rows = weights.EmbeddingRows(info)[ids]
+    assert differing(rows, go.get_rows(raw, T.BF16, 300, 40, ids)) == 0
+    assert weights.exact_family(T.BF16) is em
 
 
 # --- products on the default model's matrices --------------------------------------------------
@@ -205,7 +283,8 @@ def test_zero_copy_on_gguf_tensor_data(default_tensors: dict) -> None:
 def test_refusals_say_why() -> None:
     assert em.supported(T.Q4_1) and em.supported(T.Q8_0)
     assert em.supported(T.F16) and em.supported(T.F32)
-    assert not em.supported(T.Q6_K) and not em.supported(T.BF16) and not em.supported(999)
+    assert em.supported(T.BF16)
+    assert not em.supported(T.Q6_K) and not em.supported(999)
     raw = np.zeros(20 * 2 * 4, np.uint8)
     with pytest.raises(ValueError, match="no exact kernel for Q6_K"):
         em.QuantMatrix(raw, T.Q6_K, 4, 64)
@@ -213,6 +292,9 @@ def test_refusals_say_why() -> None:
         em.QuantMatrix(raw, T.Q4_1, 5, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         em.QuantMatrix(raw, T.Q4_1, 4, 48)
+    assert em.QuantMatrix(np.zeros(2 * 4 * 7, np.uint8), T.BF16, 4, 7).n_in == 7   # bf16 rows: any length
+    with pytest.raises(ValueError, match="BF16 \\[4, 7\\] needs 56 bytes, got 50"):
+        em.QuantMatrix(np.zeros(50, np.uint8), T.BF16, 4, 7)
     matrix = em.QuantMatrix(raw, T.Q4_1, 4, 64)
     with pytest.raises(ValueError, match="activation width 32"):
         matrix.matmul(np.zeros((1, 32), F32))
