@@ -17,8 +17,9 @@ activation rows instead of over ggml's eight lanes: each output is still the sam
 float operations, ~40 % faster.
 
 Two other arithmetics: llama-server repacks Q4_0 layer matrices (CPU_REPACK buffer, q4_0_8x8
-kernels: one integer sum per block, a scalar fma chain, no horizontal sum), and F16/F32 weights
-use f32 fma chains whose accumulator layout depends on the path (vec_dot or tinyBLAS).
+kernels: one integer sum per block, a scalar fma chain, no horizontal sum), and F16/F32/BF16
+weights use f32 fma chains whose accumulator layout depends on the path (vec_dot or tinyBLAS);
+BF16 rows may have any length (ggml's tails are reproduced), the others are multiples of 32.
 
 The weights stay in their GGUF block bytes (read straight from the memory-mapped file). Numba
 does not vectorise the lane-wise fma chains by itself, so each dot product is LLVM IR emitted
