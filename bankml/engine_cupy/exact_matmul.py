@@ -44,7 +44,7 @@ from numba.extending import intrinsic  # noqa: E402
 from bankml.engine_cupy.jit import f16_bits, njit  # noqa: E402
 
 __all__ = ["BlockRows", "QuantMatrix", "MatrixStack", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
-           "quantize_q8_1", "f32_to_f16_bits"]
+           "quantize_q8_1", "f32_to_f16_bits", "bf16_round"]
 
 QK = 32  # elements per block for every type handled here
 ROWS_PER_TASK = 16  # output rows per parallel task; its weight rows stay in L1 across the batch
