@@ -1,0 +1,495 @@
+#!/usr/bin/env python3
+"""The engine's array path (CuPy with --device cuda) against its exact CPU path, on synthetic models.
+
+    bench/device_check.py [--device cuda|cpu] [--quick] [--out DIR] [--vocab FILE]
+                          [--llama-server BIN|none] [--jobs N] [--threads N] [--budget-s S]
+    bench/device_check.py --write-vocab FILE     (the vocabulary-only GGUF that travels)
+
+Made for one prepared run on a lent GPU machine (docs/device-check.md, scripts/device-check.sh),
+where the default model cannot travel: every model is built there with the tests' own builder
+(tests/tiny_models.py) from a 1.7 MB vocabulary-only GGUF. For each tiny model (every
+architecture and weight type of ``TINY_SPECS``) and one synthetic llama of the default model's
+shape in Q4_1, it loads the model twice, ``Model.load(device=DEVICE, exact=False)`` (the array
+path: CuPy on ``cuda``, NumPy on ``cpu``) and ``Model.load(device="cpu")`` (the exact path), and
+reports (a) the largest top-10 log-probability difference and the same top-1 over the prompts,
+(b) identical greedy answers, (c) with a llama-server that runs there, both paths against it,
+(d) prefill and decode tokens/s of both paths (and llama-server) on the big model, (e) every
+exception with its traceback. A model that fails is reported and the others go on.
+
+Tiny models run in worker processes side by side (``--jobs``; Numba compiles each weight type's
+kernels once there, cold on a fresh machine); the speed figures are taken afterwards, alone.
+Results are written to DIR/device_check.json after each phase (a run cut short keeps what it
+had) and end stdout as one JSON line. The exit status is 0 when the run completed, whatever the
+agreement: the figures are for the issue's notes, not a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy
+from gguf import GGMLQuantizationType as T
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bankml.engine_cupy.model import Model  # noqa: E402
+from bankml.engine_cupy.tokenizer import Tokenizer  # noqa: E402
+from bench import engine as bench_engine  # noqa: E402
+from tests import support  # noqa: E402
+from tests import tiny_models  # noqa: E402
+from tests.test_forward import (PROMPTS, compare_greedy, compare_next_token, engine_greedy,  # noqa: E402
+                                log_softmax)
+from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model  # noqa: E402
+
+# Quick mode (the CPU test): two small models in Q4_1, the default model's type, whose kernels
+# the engine tests have usually compiled already.
+QUICK_SPECS = (TinySpec("llama", T.Q4_1), TINY_SPECS[3])
+# The default model's shape (SmolLM2-135M), random Q4_1 weights: for the speed figures.
+BIG_SHAPE = {"N_EMBD": 576, "N_FF": 1536, "N_HEAD": 9, "N_HEAD_KV": 3, "HEAD_DIM": 64}
+BIG_SPEC = TinySpec("llama", T.Q4_1, n_layer=30)
+BIG_NAME = "big-llama-Q4_1"
+RESULT_FILE = "device_check.json"
+
+
+# --- building the models -----------------------------------------------------------------------
+
+
+def write_vocab(target: Path, source: Path) -> Path:
+    """A GGUF holding only the default model's GPT-2 vocabulary (tokens, types, merges): what
+    tiny_models reads from its vocab_model, small enough to travel (the model itself does not)."""
+    from gguf import GGUFWriter
+
+    tokens, types, merges = tiny_models._vocab(source)
+    writer = GGUFWriter(str(target), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@contextlib.contextmanager
+def tiny_shape(shape: dict[str, int]) -> Iterator[None]:
+    """tiny_models' module-level sizes set to ``shape`` for the duration (its builder reads them
+    at call time; TinySpec has no size fields)."""
+    saved = {name: getattr(tiny_models, name) for name in shape}
+    for name, value in shape.items():
+        setattr(tiny_models, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tiny_models, name, value)
+
+
+def write_big_model(path: Path, vocab: Path) -> Path:
+    with tiny_shape(BIG_SHAPE):
+        return write_tiny_model(path, BIG_SPEC, vocab, seed=1)
+
+
+def spec_by_name(name: str) -> TinySpec:
+    for spec in (*TINY_SPECS, *QUICK_SPECS):
+        if spec.name == name:
+            return spec
+    raise SystemExit(f"unknown model {name!r}")
+
+
+# --- the comparisons ---------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = fn()
+    return value, round(time.perf_counter() - start, 2)
+
+
+def array_vs_exact(array_model: Model, exact_model: Model, prompts: list[list[int]],
+                   greedy_n: int) -> dict[str, Any]:
+    """(a) the largest |log-prob difference| over the exact path's top 10 and the same top-1,
+    (b) identical greedy answers (and where the others part)."""
+    worst, same_top1 = 0.0, 0
+    for ids in prompts:
+        ref = log_softmax(exact_model.forward(ids, exact_model.new_cache(len(ids) + 1)))
+        got = log_softmax(array_model.forward(ids, array_model.new_cache(len(ids) + 1)))
+        top = numpy.argsort(-ref)[:10]
+        worst = max(worst, float(numpy.abs(ref[top] - got[top]).max()))
+        same_top1 += int(numpy.argmax(ref) == numpy.argmax(got))
+    same_greedy, splits = 0, []
+    for ids in prompts:
+        ref_ids = engine_greedy(exact_model, ids, greedy_n)
+        got_ids = engine_greedy(array_model, ids, greedy_n)
+        if ref_ids == got_ids:
+            same_greedy += 1
+        else:
+            splits.append(next((i for i, (a, b) in enumerate(zip(ref_ids, got_ids)) if a != b),
+                               min(len(ref_ids), len(got_ids))))
+    return {"max_top10_logprob_diff": round(worst, 6), "same_top1": same_top1,
+            "greedy_identical": same_greedy, "greedy_split_at": splits}
+
+
+def against_server(models: dict[str, Model], path: Path, binary: Path, prompts: list[list[int]],
+                   greedy_n: int, threads: int | None = None) -> dict[str, Any]:
+    """(c) each loaded path against llama-server on the same file (tests/test_forward's helpers)."""
+    args = ["-t", str(threads)] if threads else []
+    out: dict[str, Any] = {}
+    with support.LlamaServer(path, binary=binary, args=args) as server:
+        for side, model in models.items():
+            worst, same_top1 = compare_next_token(model, server, prompts)
+            same, notes = compare_greedy(model, server, prompts, greedy_n)
+            out[side] = {"max_top10_logprob_diff": round(worst, 6), "same_top1": same_top1,
+                         "greedy_identical": same, "greedy_notes": notes}
+    return out
+
+
+def load_pair(path: Path, device: str) -> tuple[Model, Model, dict[str, float]]:
+    array_model, array_s = timed(lambda: Model.load(path, device=device, progress=False, exact=False))
+    exact_model, exact_s = timed(lambda: Model.load(path, device="cpu", progress=False))
+    # Numba compiles (or loads from its cache) the exact kernels here, not inside the figures
+    _, warm_s = timed(exact_model.warm_up)
+    return array_model, exact_model, {"load_array_s": array_s, "load_exact_s": exact_s,
+                                      "warm_up_exact_s": warm_s}
+
+
+def prompt_ids(model: Model, count: int) -> list[list[int]]:
+    """The oracle tests' prompts, tokenized by bankml's tokenizer (identical to llama-server's
+    /tokenize on this vocabulary: tests/test_tokenizer.py), special tokens parsed."""
+    tokenizer = Tokenizer.from_gguf(model.reader)
+    return [tokenizer.tokenize(text, parse_special=True) for text in PROMPTS[:count]]
+
+
+def check_model(path: Path, device: str, n_prompts: int, greedy_n: int,
+                server: Path | None, threads: int | None = None) -> dict[str, Any]:
+    """(a), (b) and (c) for one model file; each part's exception is kept, not raised."""
+    result: dict[str, Any] = {"model": path.stem, "prompts": n_prompts, "greedy_tokens": greedy_n}
+    try:
+        array_model, exact_model, result["times"] = load_pair(path, device)
+        result["array_device"] = "cuda" if array_model.xp is not numpy else "cpu"
+        prompts = prompt_ids(exact_model, n_prompts)
+        result["array_vs_exact"], result["times"]["compare_s"] = timed(
+            lambda: array_vs_exact(array_model, exact_model, prompts, greedy_n))
+    except Exception:
+        result["error"] = traceback.format_exc()
+        return result
+    if server is not None:
+        try:
+            result["vs_llama_server"], result["times"]["server_s"] = timed(lambda: against_server(
+                {"array": array_model, "exact": exact_model}, path, server, prompts, greedy_n, threads))
+        except Exception:
+            result["server_error"] = traceback.format_exc()
+    return result
+
+
+# --- speed -------------------------------------------------------------------------------------
+
+
+def median_round(run: Callable[[], tuple[float, float]], rounds: int) -> dict[str, float]:
+    figures = [run() for _ in range(rounds)]
+    return {"prefill_tok_s": round(statistics.median(f[0] for f in figures), 1),
+            "decode_tok_s": round(statistics.median(f[1] for f in figures), 1)}
+
+
+def speed(array_model: Model, exact_model: Model, ids: list[int], n_decode: int, rounds: int,
+          server: Path | None, path: Path, threads: int) -> dict[str, Any]:
+    """(d) prefill and decode tokens/s of both paths (bench/engine.py's rounds), and llama-server's
+    at the same thread count as the exact path when it runs."""
+    out: dict[str, Any] = {"prompt_tokens": len(ids), "decode_tokens": n_decode, "rounds": rounds,
+                           "cpu_threads": threads}
+    for side, model in (("array", array_model), ("exact", exact_model)):
+        bench_engine.engine_round(model, ids[:32], 4)  # first-use costs (CuPy kernels, caches)
+        out[side] = median_round(lambda: bench_engine.engine_round(model, ids, n_decode), rounds)
+    if server is not None:
+        try:
+            with support.LlamaServer(path, binary=server, args=["-t", str(threads)]) as srv:
+                bench_engine.server_round(srv, ids[:32], 4)
+                out["llama_server"] = median_round(
+                    lambda: bench_engine.server_round(srv, ids, n_decode), rounds)
+        except Exception:
+            out["llama_server_error"] = traceback.format_exc()
+    return out
+
+
+def big_model_checks(path: Path, args: argparse.Namespace, server: Path | None) -> dict[str, Any]:
+    import numba
+
+    threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)
+    result: dict[str, Any] = {"model": BIG_NAME}
+    try:
+        array_model, exact_model, result["times"] = load_pair(path, args.device)
+        result["array_device"] = "cuda" if array_model.xp is not numpy else "cpu"
+        exact_model.threads = threads  # as bench/engine.py: Numba threads for the exact kernels
+        prompts = prompt_ids(exact_model, args.big_prompts)
+        result["array_vs_exact"], result["times"]["compare_s"] = timed(
+            lambda: array_vs_exact(array_model, exact_model, prompts, args.greedy))
+        ids = Tokenizer.from_gguf(exact_model.reader).tokenize(bench_engine.TEXT * 40)[:args.prefill]
+        result["speed"], result["times"]["speed_s"] = timed(lambda: speed(
+            array_model, exact_model, ids, args.decode, args.rounds, server, path, threads))
+    except Exception:
+        result["error"] = traceback.format_exc()
+    return result
+
+
+# --- orchestration -----------------------------------------------------------------------------
+
+
+def environment(device: str, server: Path | None) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    import numba
+
+    env: dict[str, Any] = {"python": platform.python_version(), "numpy": numpy.__version__,
+                           "numba": numba.__version__, "gguf": version("gguf"),
+                           "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+    if device == "cuda":
+        try:
+            import cupy
+
+            props = cupy.cuda.runtime.getDeviceProperties(0)
+            env.update(cupy=cupy.__version__, gpu=props["name"].decode(),
+                       cuda_runtime=cupy.cuda.runtime.runtimeGetVersion())
+        except Exception as err:
+            env["cupy_error"] = f"{type(err).__name__}: {err}"
+    if server is not None:
+        env["llama_server"] = str(server)
+    return env
+
+
+def find_server(choice: str | None) -> tuple[Path | None, str]:
+    """The llama-server to compare with, if it runs here: --llama-server, $BANKML_LLAMA_SERVER,
+    else the build script's cached binary (support.llama_server_binary). 'none': no server."""
+    if choice == "none":
+        return None, "not asked for"
+    try:
+        binary = Path(choice) if choice else support.llama_server_binary()
+        run = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}"
+    said = (run.stderr + run.stdout).strip()
+    if run.returncode != 0:
+        return None, f"exit {run.returncode}: {said[-400:]}"
+    return binary, said.splitlines()[0] if said else "ok"
+
+
+def worker_command(args: argparse.Namespace, name: str, result: Path, workdir: Path,
+                   server: Path | None) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--result", str(result),
+            "--workdir", str(workdir), "--vocab", str(args.vocab), "--device", args.device,
+            "--prompts", str(args.prompts), "--greedy", str(args.greedy),
+            "--llama-server", str(server) if server else "none"]
+
+
+def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int,
+                deadline: float) -> dict[str, dict[str, Any]]:
+    """Worker processes, ``parallel`` at a time; one that crashes or outlives the deadline is
+    reported with the end of its output, and the others go on."""
+    pending, running, results = list(jobs), [], {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, cmd, result = pending.pop(0)
+            if time.monotonic() > deadline:
+                results[name] = {"model": name, "error": "skipped: the time budget was spent"}
+                continue
+            log = tempfile.TemporaryFile()
+            env = dict(os.environ, NUMBA_NUM_THREADS=os.environ.get("DEVICE_CHECK_WORKER_THREADS", "2"))
+            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                            result, log))
+        time.sleep(0.2)
+        for item in list(running):
+            name, proc, result, log = item
+            late = time.monotonic() > deadline
+            if proc.poll() is None and not late:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            running.remove(item)
+            log.seek(0)
+            tail = log.read().decode("utf-8", "replace")[-3000:]
+            log.close()
+            if result.exists():
+                results[name] = json.loads(result.read_text())
+            else:
+                why = "past the time budget" if late else f"exit status {proc.returncode}"
+                results[name] = {"model": name, "error": f"worker ended without a result ({why}):\n{tail}"}
+    return results
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One model in its own process; the result (or the traceback) goes to --result as JSON."""
+    workdir = Path(args.workdir)
+    try:
+        if args.worker == BIG_NAME:
+            path, seconds = timed(lambda: write_big_model(workdir / f"{BIG_NAME}.gguf", Path(args.vocab)))
+            result = {"model": BIG_NAME, "path": str(path), "write_s": seconds}
+        else:
+            spec = spec_by_name(args.worker)
+            path, seconds = timed(lambda: write_tiny_model(workdir / f"{spec.name}.gguf", spec, Path(args.vocab)))
+            server = None if args.llama_server in (None, "none") else Path(args.llama_server)
+            result = check_model(path, args.device, args.prompts, args.greedy, server)
+            result["times"] = {"write_s": seconds, **result.get("times", {})}
+    except Exception:
+        result = {"model": args.worker, "error": traceback.format_exc()}
+    Path(args.result).write_text(json.dumps(result))
+    return 0
+
+
+def fmt(value: Any, total: int | None = None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.5f}"
+    return f"{value}/{total}" if total is not None else str(value)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\narray path on {report['device']} vs exact CPU path (and each vs llama-server)")
+    print(f"{'model':28} {'top10 diff':>10} {'top1':>6} {'greedy':>7} | {'arr-srv':>8} {'greedy':>7}"
+          f" | {'exa-srv':>8} {'greedy':>7}")
+    for m in report["models"]:
+        if "array_vs_exact" not in m:
+            print(f"{m['model']:28} ERROR (see the JSON's 'error')")
+            continue
+        n = m["prompts"]
+        a = m["array_vs_exact"]
+        srv = m.get("vs_llama_server", {})
+        sa, se = srv.get("array", {}), srv.get("exact", {})
+        print(f"{m['model']:28} {fmt(a['max_top10_logprob_diff']):>10} {fmt(a['same_top1'], n):>6} "
+              f"{fmt(a['greedy_identical'], n):>7} | {fmt(sa.get('max_top10_logprob_diff')):>8} "
+              f"{fmt(sa.get('greedy_identical'), n if sa else None):>7} | "
+              f"{fmt(se.get('max_top10_logprob_diff')):>8} {fmt(se.get('greedy_identical'), n if se else None):>7}"
+              + ("  (server error)" if "server_error" in m else ""))
+    big = report.get("big")
+    if big and "speed" in big:
+        s = big["speed"]
+        print(f"\n{BIG_NAME}: {s['prompt_tokens']}-token prefill, {s['decode_tokens']}-token decode, "
+              f"median of {s['rounds']} (CPU paths on {s['cpu_threads']} threads)")
+        for side in ("array", "exact", "llama_server"):
+            if side in s:
+                label = {"array": f"array ({big['array_device']})", "exact": "exact (cpu)",
+                         "llama_server": "llama-server (cpu)"}[side]
+                print(f"  {label:22} prefill {s[side]['prefill_tok_s']:8.1f} tok/s   "
+                      f"decode {s[side]['decode_tok_s']:7.1f} tok/s")
+    elif big:
+        print(f"\n{BIG_NAME}: no speed figures ({'error' if 'error' in big else 'skipped'})")
+
+
+def save(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULT_FILE).write_text(json.dumps(report, indent=1))
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    deadline = started + args.budget_s
+    server, server_note = find_server(args.llama_server)
+    out = Path(args.out)
+    report: dict[str, Any] = {"device": args.device, "quick": args.quick,
+                              "environment": environment(args.device, server),
+                              "llama_server": server_note if server is None else "ran: " + server_note,
+                              "models": [], "big": None}
+    save(report, out)
+    specs = QUICK_SPECS if args.quick else TINY_SPECS
+    with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        jobs = [(s.name, worker_command(args, s.name, workdir / f"{s.name}.json", workdir, server),
+                 workdir / f"{s.name}.json") for s in specs]
+        if not args.quick:  # the big model is written meanwhile, by one more worker
+            jobs.insert(0, (BIG_NAME, worker_command(args, BIG_NAME, workdir / "big.json", workdir, None),
+                            workdir / "big.json"))
+        results = run_workers(jobs, args.jobs, deadline)
+        report["models"] = [results[s.name] for s in specs]
+        if not args.quick:
+            built = results[BIG_NAME]
+            if "path" not in built:
+                report["big"] = built
+            elif time.monotonic() > deadline - 60:
+                report["big"] = {"model": BIG_NAME, "error": "skipped: the time budget is spent"}
+            else:
+                save(report, out)
+                report["big"] = big_model_checks(Path(built["path"]), args, server)
+                report["big"]["times"]["write_s"] = built["write_s"]
+    report["errors"] = sum(1 for m in [*report["models"], report["big"] or {}]
+                           if "error" in m or "server_error" in m)
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    save(report, out)
+    print_table(report)
+    print(f"\n{report['errors']} model(s) with an error; {report['elapsed_s']} s; "
+          f"full report in {out / RESULT_FILE}")
+    print(json.dumps(report))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="where the array path runs (the exact path is always the CPU)")
+    parser.add_argument("--quick", action="store_true",
+                        help="two tiny Q4_1 models, 3 prompts, 16 greedy tokens, no big model")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "out"),
+                        help=f"folder for {RESULT_FILE} (default $OUT, else bench/out)")
+    parser.add_argument("--vocab", type=Path, default=None,
+                        help="vocabulary GGUF (default .device/vocab.gguf, else the default model)")
+    parser.add_argument("--llama-server", default=None, help="binary, or 'none' (default: the reference build)")
+    parser.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
+                        help="models checked at once (each on 2 Numba threads; default: all "
+                             "eleven on the GPU machine's 16 cores, one on 2 cores)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="Numba threads (and llama-server -t) for the big model's CPU figures")
+    parser.add_argument("--budget-s", type=float, default=900.0,
+                        help="stop starting work after this many seconds (the JSON is written anyway)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per tiny model (10; quick 3)")
+    parser.add_argument("--greedy", type=int, default=None, help="greedy tokens (32; quick 16)")
+    parser.add_argument("--big-prompts", type=int, default=4)
+    parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--write-vocab", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.prompts is None:
+        args.prompts = 3 if args.quick else 10
+    if args.greedy is None:
+        args.greedy = 16 if args.quick else 32
+    if args.vocab is None:
+        carried = ROOT / ".device" / "vocab.gguf"
+        args.vocab = carried if carried.exists() else support.DEFAULT_MODEL
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.write_vocab:
+        write_vocab(args.write_vocab, support.default_model())
+        print(args.write_vocab)
+        return 0
+    if args.worker:
+        return worker(args)
+    if not Path(args.vocab).exists():
+        print(f"no vocabulary GGUF at {args.vocab}: run scripts/device-check.sh --prepare", file=sys.stderr)
+        return 2
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
