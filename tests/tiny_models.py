@@ -56,6 +56,7 @@ TINY_SPECS = (
     TinySpec("gemma3", T.Q5_0, n_layer=4),
     TinySpec("llama", T.Q3_K, tied=False, out_type=T.Q2_K),
     TinySpec("qwen2", T.Q2_K),
+    TinySpec("llama", T.BF16),
 )
 
 
