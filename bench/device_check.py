@@ -3,6 +3,7 @@
 
     bench/device_check.py [--device cuda|cpu] [--quick] [--out DIR] [--vocab FILE]
                           [--llama-server BIN|none] [--jobs N] [--threads N] [--budget-s S]
+                          [--models NAME,...] [--prompts N] [--greedy N]
     bench/device_check.py --write-vocab FILE     (the vocabulary-only GGUF that travels)
 
 Made for one prepared run on a lent GPU machine (docs/device-check.md, scripts/device-check.sh),
@@ -109,7 +110,8 @@ def spec_by_name(name: str) -> TinySpec:
     for spec in (*TINY_SPECS, *QUICK_SPECS):
         if spec.name == name:
             return spec
-    raise SystemExit(f"unknown model {name!r}")
+    known = ", ".join(s.name for s in (*TINY_SPECS, *QUICK_SPECS))
+    raise SystemExit(f"unknown model {name!r}; known: {known}, {BIG_NAME}")
 
 
 # --- the comparisons ---------------------------------------------------------------------------
@@ -231,7 +233,7 @@ def big_model_checks(path: Path, args: argparse.Namespace, server: Path | None) 
 
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
-    result: dict[str, Any] = {"model": BIG_NAME}
+    result: dict[str, Any] = {"model": BIG_NAME, "prompts": args.big_prompts, "greedy_tokens": args.greedy}
     try:
         array_model, exact_model, result["times"] = load_pair(path, args.device)
         result["array_device"] = "cuda" if array_model.xp is not numpy else "cpu"
@@ -296,10 +298,12 @@ def worker_command(args: argparse.Namespace, name: str, result: Path, workdir: P
             "--llama-server", str(server) if server else "none"]
 
 
-def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int,
-                deadline: float) -> dict[str, dict[str, Any]]:
+def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int, deadline: float,
+                on_result: Callable[[dict[str, dict[str, Any]]], None] = lambda r: None
+                ) -> dict[str, dict[str, Any]]:
     """Worker processes, ``parallel`` at a time; one that crashes or outlives the deadline is
-    reported with the end of its output, and the others go on."""
+    reported with the end of its output, and the others go on. ``on_result`` sees the results
+    so far each time one comes in (the report is saved then: a run killed keeps them)."""
     pending, running, results = list(jobs), [], {}
     while pending or running:
         while pending and len(running) < parallel:
@@ -329,6 +333,7 @@ def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int,
             else:
                 why = "past the time budget" if late else f"exit status {proc.returncode}"
                 results[name] = {"model": name, "error": f"worker ended without a result ({why}):\n{tail}"}
+            on_result(results)
     return results
 
 
@@ -363,7 +368,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\narray path on {report['device']} vs exact CPU path (and each vs llama-server)")
     print(f"{'model':28} {'top10 diff':>10} {'top1':>6} {'greedy':>7} | {'arr-srv':>8} {'greedy':>7}"
           f" | {'exa-srv':>8} {'greedy':>7}")
-    for m in report["models"]:
+    big = report.get("big")
+    for m in [*report["models"], *([big] if big else [])]:
         if "array_vs_exact" not in m:
             print(f"{m['model']:28} ERROR (see the JSON's 'error')")
             continue
@@ -376,7 +382,6 @@ def print_table(report: dict[str, Any]) -> None:
               f"{fmt(sa.get('greedy_identical'), n if sa else None):>7} | "
               f"{fmt(se.get('max_top10_logprob_diff')):>8} {fmt(se.get('greedy_identical'), n if se else None):>7}"
               + ("  (server error)" if "server_error" in m else ""))
-    big = report.get("big")
     if big and "speed" in big:
         s = big["speed"]
         print(f"\n{BIG_NAME}: {s['prompt_tokens']}-token prefill, {s['decode_tokens']}-token decode, "
@@ -396,6 +401,15 @@ def save(report: dict[str, Any], out: Path) -> None:
     (out / RESULT_FILE).write_text(json.dumps(report, indent=1))
 
 
+def chosen_models(args: argparse.Namespace) -> tuple[list[TinySpec], bool]:
+    """The tiny specs to check and whether the big model is one (``--models``, else all; quick:
+    the two Q4_1 ones, no big model)."""
+    if args.models:
+        names = [n.strip() for n in args.models.split(",") if n.strip()]
+        return [spec_by_name(n) for n in names if n != BIG_NAME], BIG_NAME in names
+    return list(QUICK_SPECS if args.quick else TINY_SPECS), not args.quick
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     deadline = started + args.budget_s
@@ -406,27 +420,33 @@ def orchestrate(args: argparse.Namespace) -> int:
                               "llama_server": server_note if server is None else "ran: " + server_note,
                               "models": [], "big": None}
     save(report, out)
-    specs = QUICK_SPECS if args.quick else TINY_SPECS
+    specs, with_big = chosen_models(args)
     with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         jobs = [(s.name, worker_command(args, s.name, workdir / f"{s.name}.json", workdir, server),
                  workdir / f"{s.name}.json") for s in specs]
-        if not args.quick:  # the big model is written meanwhile, by one more worker
+        if with_big:  # the big model is written meanwhile, by one more worker
             jobs.insert(0, (BIG_NAME, worker_command(args, BIG_NAME, workdir / "big.json", workdir, None),
                             workdir / "big.json"))
-        results = run_workers(jobs, args.jobs, deadline)
+
+        def keep(results: dict[str, dict[str, Any]]) -> None:
+            report["models"] = [results[s.name] for s in specs if s.name in results]
+            save(report, out)
+            print(f"[{time.monotonic() - started:5.0f} s] {len(results)}/{len(jobs)} workers done",
+                  flush=True)
+
+        results = run_workers(jobs, args.jobs, deadline, keep)
         report["models"] = [results[s.name] for s in specs]
-        if not args.quick:
+        if with_big:
             built = results[BIG_NAME]
             if "path" not in built:
                 report["big"] = built
             elif time.monotonic() > deadline - 60:
                 report["big"] = {"model": BIG_NAME, "error": "skipped: the time budget is spent"}
             else:
-                save(report, out)
                 report["big"] = big_model_checks(Path(built["path"]), args, server)
-                report["big"]["times"]["write_s"] = built["write_s"]
+                report["big"].setdefault("times", {})["write_s"] = built["write_s"]
     report["errors"] = sum(1 for m in [*report["models"], report["big"] or {}]
                            if "error" in m or "server_error" in m)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
@@ -456,6 +476,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="Numba threads (and llama-server -t) for the big model's CPU figures")
     parser.add_argument("--budget-s", type=float, default=900.0,
                         help="stop starting work after this many seconds (the JSON is written anyway)")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated names to check (tiny specs' names, {BIG_NAME}); "
+                             "default all (quick: two)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per tiny model (10; quick 3)")
     parser.add_argument("--greedy", type=int, default=None, help="greedy tokens (32; quick 16)")
     parser.add_argument("--big-prompts", type=int, default=4)
