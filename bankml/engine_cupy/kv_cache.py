@@ -21,6 +21,14 @@ Hadamard matrix, a NumPy-style rounding), close but not bit-identical.
 The vectorised attention reads ``keys(layer, end)``/``values(layer, end)`` as float32
 [n_head_kv, end, head_dim] and asks ``query(q)`` for Q as the kernel sees it (f16-rounded, or
 rotated and q8_0-rounded).
+
+gemma3's sliding-window layers: llama.cpp keeps them in a smaller cache (``ring_size``) whose
+cells are reused once their positions fall out of the window, so past that many positions its
+cells are not in position order, and ggml's flash attention sums over cells in cell order. On
+the exact path (``ring=True``) the cache keeps, besides the position-ordered store every layer
+has (read by slot files, snapshots and truncation), a copy of each sliding layer in llama.cpp's
+cell layout: ``SlidingCells`` places each micro-batch as ``llama_kv_cache::find_slot`` and
+``apply_ubatch`` do, and attention reads those cells, with their mask and ``n_kv``.
 """
 
 from __future__ import annotations
@@ -37,6 +45,97 @@ from bankml.engine_cupy.weights import quantize_activation
 
 CACHE_TYPES = ("f16", "q8_0")
 FA_TILE_Q = 64  # GGML_FA_TILE_Q: from this many rows ggml's CPU flash attention is tiled
+CELL_PAD = 256  # llama.cpp pads n_ctx, the SWA cache size and n_kv to multiples of 256
+N_UBATCH = 512  # llama-server's default -ub: the SWA cache holds the window plus one ubatch
+
+
+def pad_cells(n: int, pad: int = CELL_PAD) -> int:
+    return -(-int(n) // pad) * pad
+
+
+def ring_size(n_ctx: int, window: int, n_ubatch: int = N_UBATCH) -> int:
+    """Cells of llama.cpp's SWA cache for one sequence (llama_kv_cache_iswa, no --swa-full):
+    GGML_PAD(min(kv_size, n_swa + n_ubatch), 256), kv_size being n_ctx padded to 256 and the
+    ubatch no larger than n_ctx (llama_context caps n_batch, then n_ubatch, by n_ctx)."""
+    ubatch = min(int(n_ctx), n_ubatch)
+    return pad_cells(min(pad_cells(n_ctx), int(window) + ubatch))
+
+
+class SlidingCells:
+    """Which position each cell of llama.cpp's SWA cache holds, for one sequence.
+
+    ``place`` is llama_kv_cache::find_slot (not contiguous: cells tested one by one from the
+    head) then apply_ubatch; ``remove_from`` is seq_rm(p0, -1). A cell is reusable when empty
+    or when its position is out of the window of the next position (is_masked_swa against the
+    sequence's largest position + 1).
+    """
+
+    def __init__(self, size: int, window: int):
+        self.size, self.window = int(size), int(window)
+        self.pos = numpy.full(self.size, -1, numpy.int64)  # -1: empty
+        self.head = 0
+
+    @property
+    def used_max_p1(self) -> int:
+        """llama_kv_cells::used_max_p1: one past the last occupied cell."""
+        used = numpy.flatnonzero(self.pos >= 0)
+        return int(used[-1]) + 1 if used.size else 0
+
+    def n_kv(self) -> int:
+        """llama_kv_cache::get_n_kv: the cells ggml attends over (occupied ones, padded)."""
+        return min(self.size, max(CELL_PAD, pad_cells(self.used_max_p1)))
+
+    def place(self, positions: numpy.ndarray) -> numpy.ndarray:
+        """Cells for one micro-batch of consecutive positions; updates the bookkeeping."""
+        n = len(positions)
+        if n > self.size:
+            raise ValueError(f"a micro-batch of {n} tokens does not fit {self.size} cells")
+        pos = self.pos
+        used = int((pos >= 0).sum())
+        head = self.head if self.head <= used + 2 * n else 0  # search from 0 if it has room
+        next_pos = int(pos.max()) + 1  # the sequence's largest position + 1
+        cells: list[int] = []
+        tested = 0
+        while len(cells) < n:
+            if tested >= self.size:
+                raise ValueError("no free cell in the sliding-window cache")
+            if head >= self.size:
+                tested += self.size - head
+                head = 0
+                continue
+            if pos[head] < 0 or next_pos - pos[head] >= self.window:
+                cells.append(head)
+            head += 1
+            tested += 1
+        idx = numpy.asarray(cells, numpy.int64)
+        overwritten = pos[idx]
+        pos[idx] = positions
+        if (overwritten >= 0).any():  # keep [pos_min, pos_max] whole, as apply_ubatch purges
+            last = int(overwritten.max())
+            stale = (pos >= 0) & (pos <= last)
+            pos[stale] = -1
+        self.head = cells[-1] + 1
+        return idx
+
+    def remove_from(self, p0: int) -> None:
+        """seq_rm(seq, p0, -1): empty the cells of positions p0..; the head moves back to the
+        first freed cell if that is before it."""
+        freed = numpy.flatnonzero(self.pos >= p0)
+        self.pos[freed] = -1
+        if freed.size and freed[0] < self.head:
+            self.head = int(freed[0])
+
+    def holds(self, start: int, end: int) -> bool:
+        """Whether every position start..end-1 is in a cell."""
+        return bool(numpy.isin(numpy.arange(start, end), self.pos).all())
+
+    def mask(self, q_pos: Any) -> numpy.ndarray:
+        """f32 [n, used_max_p1]: 0 where query position q sees the cell, -inf where it is empty,
+        later than q, or ``window`` or more before it (llama_kv_cache::set_input_kq_mask)."""
+        p = self.pos[None, :self.used_max_p1]
+        q = numpy.asarray(q_pos, numpy.int64)[:, None]
+        hidden = (p < 0) | (p > q) | (q - p >= self.window)
+        return numpy.where(hidden, numpy.float32(-numpy.inf), numpy.float32(0))
 
 
 def resolve_cache_type(cache_type: str | None, head_dim: int) -> str:
@@ -84,13 +183,19 @@ class KVCache:
     """Keys and values of positions 0..n_tokens-1 for every layer of one sequence."""
 
     def __init__(self, xp: ModuleType, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
-                 cache_type: str | None = None):
+                 cache_type: str | None = None, window: int = 0,
+                 sliding: tuple[bool, ...] = (), ring: bool = False, n_ubatch: int = N_UBATCH):
+        """``window``/``sliding``: gemma3's sliding window and which layers use it; ``ring``:
+        keep those layers in llama.cpp's SWA cell layout as well (the exact path), when its
+        cache is smaller than n_ctx; ``n_ubatch``: llama-server's -ub, which sizes that cache."""
         self.xp = xp
         self.n_ctx = int(n_ctx)
         if self.n_ctx < 1:
             raise ValueError(f"n_ctx must be positive, not {n_ctx}")
+        self.kv_size = pad_cells(self.n_ctx)  # llama_context pads n_ctx to 256 cells
         self.cache_type = resolve_cache_type(cache_type, head_dim)
-        self.n_tokens = 0
+        self._n_tokens = 0
+        self.n_ubatch = int(n_ubatch)
         self.n_head_kv, self.head_dim = n_head_kv, head_dim
         shape = (n_head_kv, self.n_ctx, head_dim)
         if self.cache_type == "f16":
@@ -104,6 +209,72 @@ class KVCache:
             rot_k, rot_v = rotation_sizes(head_dim)
             self._rot = (xp.asarray(hadamard(rot_k)) if rot_k else None,
                          xp.asarray(hadamard(rot_v)) if rot_v else None)
+        self.cells: SlidingCells | None = None  # the SWA cache's layout, when it is a ring
+        self._ring_k: dict[int, Any] = {}
+        self._ring_v: dict[int, Any] = {}
+        size = ring_size(self.n_ctx, window, self.n_ubatch) if window else 0
+        if ring and window and any(sliding) and size < self.n_ctx:
+            self.cells = SlidingCells(size, window)
+            for il, is_sliding in enumerate(sliding):
+                if is_sliding:
+                    self._ring_k[il] = self._empty_like(self._k[il], size)
+                    self._ring_v[il] = self._empty_like(self._v[il], size)
+        self._batch_cells: numpy.ndarray | None = None  # cells of the micro-batch being run
+
+    def _empty_like(self, entry: Any, cells: int) -> Any:
+        """Zeroed storage of ``entry``'s kind with ``cells`` cells."""
+        def one(a: Any) -> Any:
+            return self.xp.zeros((a.shape[0], cells) + a.shape[2:], a.dtype)
+        return tuple(one(a) for a in entry) if isinstance(entry, tuple) else one(entry)
+
+    @property
+    def n_tokens(self) -> int:
+        return self._n_tokens
+
+    @n_tokens.setter
+    def n_tokens(self, n: int) -> None:
+        """Positions 0..n-1 now hold what the store was given from outside (a slot restore
+        writes the position store, then sets this): the ring is laid out afresh from them."""
+        self._n_tokens = int(n)
+        self._relay_ring()
+
+    def advance(self, n_tokens: int) -> None:
+        """The forward pass stored positions up to n_tokens-1 (the ring placed them itself)."""
+        self._n_tokens = int(n_tokens)
+
+    def in_ring(self, layer: int) -> bool:
+        """Whether ``layer``'s attention reads the SWA ring's cells (keys/values/quantized then
+        take a number of cells, not of positions)."""
+        return layer in self._ring_k
+
+    def place(self, start: int, n: int) -> None:
+        """Before a micro-batch of positions start..start+n-1: choose its ring cells."""
+        if self.cells is not None:
+            self._batch_cells = self.cells.place(numpy.arange(start, start + n))
+
+    def _relay_ring(self) -> None:
+        """Lay the ring out as a sequence evaluated from position 0 in ubatches would be, and
+        copy its cells from the position store (after a restore, or a truncation that dropped
+        positions the window still needs)."""
+        if self.cells is None:
+            return
+        self.cells = SlidingCells(self.cells.size, self.cells.window)
+        n = self._n_tokens
+        for a in range(0, n, self.n_ubatch):
+            self.cells.place(numpy.arange(a, min(a + self.n_ubatch, n)))
+        cells = numpy.flatnonzero(self.cells.pos >= 0)
+        positions = self.cells.pos[cells]
+        for il in self._ring_k:
+            self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
+            self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
+
+    def _copy_cells(self, src: Any, dst: Any, positions: Any, cells: Any) -> None:
+        """dst[:, cells] = src[:, positions], for an f32 array or a q8_0 (values, scales) pair."""
+        if isinstance(src, tuple):
+            for a, b in zip(src, dst):
+                b[:, cells] = a[:, positions]
+        else:
+            dst[:, cells] = src[:, positions]
 
     @property
     def exact(self) -> bool:
@@ -114,13 +285,22 @@ class KVCache:
     def nbytes(self) -> int:
         def size(entry: Any) -> int:
             return sum(a.nbytes for a in entry) if isinstance(entry, tuple) else entry.nbytes
-        return sum(size(e) for e in self._k) + sum(size(e) for e in self._v)
+        stores = self._k + self._v + list(self._ring_k.values()) + list(self._ring_v.values())
+        return sum(size(e) for e in stores)
 
     def truncate(self, n: int) -> None:
-        """Forget positions n.. (kept cells are overwritten by the next forward)."""
+        """Forget positions n.. (kept cells are overwritten by the next forward).
+
+        The ring empties the cells of positions n.. as seq_rm does. Should it have reused the
+        cells of positions the window of position n still needs (llama-server evaluates the
+        prompt again from 0 then), it is laid out afresh from the position store instead."""
         if not 0 <= n <= self.n_tokens:
             raise ValueError(f"cannot truncate a cache of {self.n_tokens} tokens to {n}")
-        self.n_tokens = int(n)
+        self._n_tokens = int(n)
+        if self.cells is not None:
+            self.cells.remove_from(n)
+            if not self.cells.holds(max(0, n - self.cells.window), n):
+                self._relay_ring()
 
     def snapshot(self) -> list[Any]:
         """Copies of positions 0..n_tokens-1 of every layer's K and V (the host prompt cache)."""
@@ -147,7 +327,7 @@ class KVCache:
         for i in range(layers):
             put(self._k[i], snapshot[i])
             put(self._v[i], snapshot[layers + i])
-        self.n_tokens = int(n_tokens)
+        self.n_tokens = int(n_tokens)  # lays the ring out again
 
     # --- used by the forward pass -------------------------------------------------------------
 
@@ -192,11 +372,21 @@ class KVCache:
         return (blocks * d.astype(xp.float32)[..., None]).reshape(q.shape)
 
     def store(self, layer: int, start: int, k: Any, v: Any) -> None:
-        """k, v [n, n_head_kv, head_dim] f32 for positions start..start+n-1."""
-        xp = self.xp
+        """k, v [n, n_head_kv, head_dim] f32 for positions start..start+n-1 (a layer in the
+        ring also gets them in the cells ``place`` chose)."""
         end = start + k.shape[0]
         if end > self.n_ctx:
             raise ValueError(f"the cache holds {self.n_ctx} positions; {end} asked")
+        self._store_positions(layer, start, end, k, v)
+        if layer in self._ring_k:  # the same rounded rows, into the micro-batch's ring cells
+            if self._batch_cells is None or len(self._batch_cells) != end - start:
+                raise ValueError("place() chooses the ring cells before a micro-batch is stored")
+            positions = slice(start, end)
+            self._copy_cells(self._k[layer], self._ring_k[layer], positions, self._batch_cells)
+            self._copy_cells(self._v[layer], self._ring_v[layer], positions, self._batch_cells)
+
+    def _store_positions(self, layer: int, start: int, end: int, k: Any, v: Any) -> None:
+        xp = self.xp
         if self.cache_type == "f16" and xp is numpy:
             _store_f16(self._k[layer], start, numpy.ascontiguousarray(k, numpy.float32))
             _store_f16(self._v[layer], start, numpy.ascontiguousarray(v, numpy.float32))
@@ -216,19 +406,27 @@ class KVCache:
         (what exact_attention.flash_attn_q8_0 takes, read in place)."""
         if self.cache_type != "q8_0":
             raise ValueError(f"a {self.cache_type} cache holds no q8_0 blocks")
-        (kq, kd), (vq, vd) = self._k[layer], self._v[layer]
+        (kq, kd), (vq, vd) = self._read_k(layer), self._read_v(layer)
         return kq[:, :end], kd[:, :end], vq[:, :end], vd[:, :end]
 
+    def _read_k(self, layer: int) -> Any:
+        return self._ring_k.get(layer, self._k[layer])
+
+    def _read_v(self, layer: int) -> Any:
+        return self._ring_v.get(layer, self._v[layer])
+
     def keys(self, layer: int, end: int) -> Any:
+        """K of positions 0..end-1 (of ring cells 0..end-1 for a layer ``in_ring``)."""
         if self.cache_type == "f16":
-            return self._k[layer][:, :end]
-        q, d = self._k[layer]
+            return self._read_k(layer)[:, :end]
+        q, d = self._read_k(layer)
         return self._dq8(q[:, :end], d[:, :end])
 
     def values(self, layer: int, end: int) -> Any:
+        """V of positions 0..end-1 (of ring cells 0..end-1 for a layer ``in_ring``)."""
         if self.cache_type == "f16":
-            return self._v[layer][:, :end]
-        q, d = self._v[layer]
+            return self._read_v(layer)[:, :end]
+        q, d = self._read_v(layer)
         return self._dq8(q[:, :end], d[:, :end])
 
     def query(self, q: Any) -> Any:

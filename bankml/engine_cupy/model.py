@@ -97,7 +97,7 @@ class Model:
         # ggml's f16 GELU table, one for both paths (built on the host, moved to the device)
         self._gelu = (xp.asarray(exact_ops.gelu_f16_table()) if hp.spec.ffn_activation == "gelu"
                       else None)
-        self._masks: dict[int, Any] = {}
+        self._masks: dict[int | str, Any] = {}  # per window size, and "ring"
         # BLAS threads: `threads` for batches (None: BLAS's default, one per core), and
         # `decode_threads` for one-token steps (backend.BlasThreads says why 1)
         self.threads: int | None = None
@@ -151,8 +151,11 @@ class Model:
         self.forward([0, 0], cache)
 
     def new_cache(self, n_ctx: int, cache_type: str | None = None) -> KVCache:
-        return KVCache(self.xp, self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, n_ctx,
-                       cache_type)
+        """A cache for n_ctx positions (llama-server's -c); on the exact path gemma3's
+        sliding-window layers also get llama.cpp's SWA cell layout (kv_cache.md)."""
+        hp = self.hp
+        return KVCache(self.xp, hp.n_layer, hp.n_head_kv, hp.head_dim, n_ctx, cache_type,
+                       window=hp.swa_window, sliding=hp.swa_layers, ring=self.exact)
 
     # --- the forward pass ----------------------------------------------------------------------
 
@@ -175,10 +178,11 @@ class Model:
         positions = xp.arange(start, start + n)
         self._masks = {}  # masks depend on the positions: built afresh per call
         ropes = self._ropes(positions)
+        cache.place(start, n)  # the sliding-window ring's cells for this micro-batch
         for il, layer in enumerate(self.weights.layers):
             last = il == hp.n_layer - 1 and not all_logits
             x = self._block(il, layer, x, positions, ropes, cache, only_last=last)
-        cache.n_tokens = start + n
+        cache.advance(start + n)
         x = self._norm(x, self.weights.output_norm)
         logits = self.weights.output(xp, x)["logits"]
         if hp.final_softcap:
@@ -297,17 +301,34 @@ class Model:
 
     def _attend_exact(self, il: int, q: Any, positions: Any, cache: KVCache, end: int,
                       scale: Any) -> Any:
-        """ggml's flash attention over the f16 or q8_0 cache, bit for bit (exact_attention)."""
+        """ggml's flash attention over the f16 or q8_0 cache, bit for bit (exact_attention).
+
+        A sliding-window layer whose cache is a ring in llama.cpp (``cache.in_ring``) reads the
+        ring's cells in cell order, with the mask of the positions they hold and its n_kv."""
         hp = self.hp
-        mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
+        if cache.in_ring(il):
+            cells = cache.cells
+            end, n_kv = cells.used_max_p1, cells.n_kv()
+            mask = self._ring_mask(positions, cells)
+        else:
+            n_kv = exact_attention.kv_length(end, cache.kv_size)
+            mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
         if cache.cache_type == "q8_0":  # Q turned like K; the output back from V's turn
             out = cache.output(exact_attention.flash_attn_q8_0(
                 cache.rotate_k(q), *cache.quantized(il, end), mask, scale))
         else:
             out = exact_attention.flash_attn_f16(
                 q, cache.keys(il, end), cache.values(il, end), mask, scale,
-                n_kv=exact_attention.kv_length(end, cache.n_ctx), n_threads=self.ggml_threads)
+                n_kv=n_kv, n_threads=self.ggml_threads)
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim)
+
+    def _ring_mask(self, positions: Any, cells: Any) -> Any:
+        """The ring's mask (kv_cache.SlidingCells.mask), built once per forward, read-only."""
+        if "ring" not in self._masks:
+            mask = cells.mask(positions)
+            mask.flags.writeable = False
+            self._masks["ring"] = mask
+        return self._masks["ring"]
 
     def _mask(self, positions: Any, end: int, window: int) -> Any | None:
         """[n, T] additive mask: key position > query position, or (window) too far back.

@@ -1,0 +1,179 @@
+"""gemma3's sliding-window layers past llama-server's SWA cache size: bit for bit.
+
+llama-server (-c 2048 -np 1, ubatch 512, no --swa-full) keeps gemma3's sliding-window layers in a
+cache of GGML_PAD(min(2048, n_swa + 512), 256) cells (768 for the tiny model's window of 8) whose
+cells are reused once their positions fall out of the window (llama_kv_cache::find_slot), so past
+768 positions its cells are no longer in position order, and ggml's flash attention (an online
+softmax over the cells in cell order) sums in another order. The tiny gemma3 model runs prompts
+that end before, across and beyond that size and continues greedily past it; the engine's cache
+must give the same logits (kv_cache.md, "The sliding-window ring").
+
+The model's weights are F32: with quantized weights the activations are rounded to q8_0 before
+each product, which hides most last-bit differences of attention (the Q5_0 tiny gemma3 gives the
+same logits whatever the cell order); F32 products pass every bit on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy
+import pytest
+
+from bankml.engine_cupy import kv_cache
+from bankml.engine_cupy.model import Model
+from tests import support
+from tests.test_forward import (EOG, reported_logprobs, server_greedy, server_next_token)
+from tests.tiny_models import TinySpec, write_tiny_model
+from gguf import GGMLQuantizationType as T
+
+N_CTX = 2048  # support.LlamaServer's -c
+N_UBATCH = 512  # llama-server's default -ub
+CHECKPOINT_OFFSETS = (4 + N_UBATCH, 4)  # server-context.cpp: the prompt's last tokens go apart
+PROMPT_LENGTHS = (700, 760, 900, 1300)  # before, at and past the 768-cell SWA cache
+GREEDY = 32
+
+
+def server_prompt_batches(n: int) -> list[tuple[int, int]]:
+    """The micro-batches llama-server evaluates an n-token prompt in for a sliding-window model:
+    it stops a batch 516 and 4 tokens before the end (to take context checkpoints there), and
+    llama_decode splits each batch into ubatches of 512."""
+    cuts = sorted({0, n} | {n - k for k in CHECKPOINT_OFFSETS if 0 < n - k < n})
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        out += [(s, min(s + N_UBATCH, b)) for s in range(a, b, N_UBATCH)]
+    return out
+
+
+def engine_prefill(model: Model, ids: list[int], cache: kv_cache.KVCache) -> numpy.ndarray:
+    logits = None
+    for a, b in server_prompt_batches(len(ids)):
+        logits = model.forward(ids[a:b], cache)
+    return logits
+
+
+def position_ordered_cache(model: Model) -> kv_cache.KVCache:
+    """The cache as it was before the ring: every layer's cells in position order."""
+    hp = model.hp
+    return kv_cache.KVCache(numpy, hp.n_layer, hp.n_head_kv, hp.head_dim, N_CTX,
+                            window=hp.swa_window, sliding=hp.swa_layers, ring=False)
+
+
+def engine_greedy(model: Model, ids: list[int], n: int, ring: bool = True) -> list[int]:
+    cache = model.new_cache(N_CTX) if ring else position_ordered_cache(model)
+    logits = engine_prefill(model, ids, cache)
+    out: list[int] = []
+    for _ in range(n):
+        token = int(numpy.argmax(logits))
+        if token in EOG:
+            break
+        out.append(token)
+        if len(out) < n:
+            logits = model.forward([token], cache)
+    return out
+
+
+def long_prompt(n: int, seed: int) -> list[int]:
+    """n ordinary token ids (no control tokens) from the shared GPT-2 vocabulary."""
+    return [int(t) for t in numpy.random.default_rng(seed).integers(300, 40000, size=n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    spec = TinySpec("gemma3", T.F32, n_layer=4)  # window 8, layers 0 and 2 sliding
+    return write_tiny_model(tmp_path_factory.mktemp("swa") / "gemma3-swa.gguf", spec, default_model)
+
+
+def test_server_prompt_batches() -> None:
+    assert server_prompt_batches(10) == [(0, 6), (6, 10)]
+    assert server_prompt_batches(900) == [(0, 384), (384, 896), (896, 900)]
+    assert server_prompt_batches(1300) == [(0, 512), (512, 784), (784, 1296), (1296, 1300)]
+
+
+@pytest.mark.llama_server
+def test_past_the_sliding_window_cache_as_llama_server(tiny_gemma3: Path,
+                                                       llama_server_bin: Path) -> None:
+    model = Model.load(tiny_gemma3, device="cpu", progress=False)
+    prompts = [long_prompt(n, seed) for seed, n in enumerate(PROMPT_LENGTHS)]
+    worst, same_top1, same, notes = 0.0, 0, 0, []
+    worst_plain, same_plain = 0.0, 0
+    with support.LlamaServer(tiny_gemma3, binary=llama_server_bin) as server:
+        for ids in prompts:
+            theirs = server_next_token(server, ids)
+            logits = engine_prefill(model, ids, model.new_cache(N_CTX))
+            worst = max(worst, logprob_gap(logits, theirs))
+            same_top1 += int(numpy.argmax(logits)) == max(theirs, key=theirs.get)
+            plain = engine_prefill(model, ids, position_ordered_cache(model))
+            worst_plain = max(worst_plain, logprob_gap(plain, theirs))
+            want = server_greedy(server, ids, GREEDY)
+            got = engine_greedy(model, ids, GREEDY)
+            same += got == want
+            same_plain += engine_greedy(model, ids, GREEDY, ring=False) == want
+            if got != want:
+                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                          min(len(got), len(want)))
+                notes.append(f"{len(ids)}-token prompt differs at generated token {at}")
+    print(f"\ngemma3 past the SWA cache: largest top-10 logprob difference {worst:.3e}, same "
+          f"top-1 {same_top1}/{len(prompts)}, greedy {GREEDY} tokens {same}/{len(prompts)} "
+          f"identical {notes}; cells in position order (before the ring): {worst_plain:.3e}, "
+          f"greedy {same_plain}/{len(prompts)}")
+    assert same_top1 == len(prompts)
+    assert worst <= 1e-5
+    assert same == len(prompts)
+    # the check can fail: the cache in position order sums in another order past 768 cells
+    assert worst_plain > 1e-5
+
+
+def logprob_gap(logits: numpy.ndarray, theirs: dict[int, float]) -> float:
+    ours = reported_logprobs(logits, theirs)
+    return max(abs(ours[t] - lp) for t, lp in theirs.items())
+
+
+# --- the ring's bookkeeping, against llama_kv_cache's rules (no llama-server) -----------------
+
+
+def test_ring_size_as_llama_kv_cache_iswa() -> None:
+    assert kv_cache.ring_size(2048, 8) == 768  # llama-server logs "SWA KV cache, size = 768 cells"
+    assert kv_cache.ring_size(4096, 512) == 1024  # gemma3's real window
+    assert kv_cache.ring_size(300, 8) == 512  # n_ubatch capped by n_ctx, n_ctx padded to 256
+    assert kv_cache.ring_size(2048, 4096) == 2048
+
+
+def test_cells_reused_as_find_slot() -> None:
+    cells = kv_cache.SlidingCells(768, 8)
+    placed = [cells.place(numpy.arange(a, b)) for a, b in server_prompt_batches(900)]
+    assert list(placed[1][-128:]) == list(range(128))  # positions 768..895 wrap to cells 0..127
+    assert cells.head == 132 and cells.n_kv() == 768 and cells.used_max_p1 == 768
+    for p in range(900, 1700):  # decoding: position p in cell p mod 768
+        assert cells.place(numpy.array([p]))[0] == p % 768
+    mask = cells.mask(numpy.array([1699]))
+    assert sorted(cells.pos[mask[0] == 0]) == list(range(1692, 1700))
+    cells.remove_from(1650)  # seq_rm: cells of 1650.. emptied, the head back to the first freed
+    assert cells.head == 1650 % 768 and (cells.pos < 1650).all()
+    assert cells.place(numpy.array([1650]))[0] == 1650 % 768
+
+
+def test_which_caches_keep_a_ring(tiny_gemma3: Path) -> None:
+    model = Model.load(tiny_gemma3, device="cpu", progress=False)
+    assert model.new_cache(500).cells is None  # its 512-cell SWA cache holds every position
+    assert model.new_cache(N_CTX).cells.size == 768
+    assert Model.load(tiny_gemma3, device="cpu", progress=False, exact=False).new_cache(N_CTX).cells is None
+
+
+def test_restore_lays_the_ring_out_again(tiny_gemma3: Path) -> None:
+    """A snapshot restore (and a slot restore, which sets n_tokens) rebuilds the ring from the
+    position store as a sequence evaluated from 0: the next steps give the same bits."""
+    model = Model.load(tiny_gemma3, device="cpu", progress=False)
+    ids = long_prompt(900, 5)
+    cache = model.new_cache(N_CTX)
+    engine_prefill(model, ids, cache)
+    saved = cache.snapshot()
+    layout = cache.cells.pos.copy()
+    first = [model.forward([t], cache) for t in (11, 12, 13)]
+    cache.truncate(0)
+    cache.restore(saved, 900)
+    assert (cache.cells.pos == layout).all()
+    again = [model.forward([t], cache) for t in (11, 12, 13)]
+    assert all((a == b).all() for a, b in zip(first, again))
+    cache.truncate(860)  # the window of 860 is still in the ring: only seq_rm
+    assert cache.cells.holds(852, 860) and not (cache.cells.pos >= 860).any()
