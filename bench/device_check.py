@@ -161,13 +161,31 @@ def against_server(models: dict[str, Model], path: Path, binary: Path, prompts: 
     return out
 
 
-def load_pair(path: Path, device: str) -> tuple[Model, Model, dict[str, float]]:
-    array_model, array_s = timed(lambda: Model.load(path, device=device, progress=False, exact=False))
-    exact_model, exact_s = timed(lambda: Model.load(path, device="cpu", progress=False))
-    # Numba compiles (or loads from its cache) the exact kernels here, not inside the figures
-    _, warm_s = timed(exact_model.warm_up)
-    return array_model, exact_model, {"load_array_s": array_s, "load_exact_s": exact_s,
-                                      "warm_up_exact_s": warm_s}
+def attempt(result: dict[str, Any], part: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """(True, fn()) with its seconds in result["times"]; or (False, None) with the traceback in
+    result["error"][part], so that one part failing (CuPy, or Numba's kernels on that machine)
+    leaves the figures the other parts can still give."""
+    try:
+        value, seconds = timed(fn)
+    except Exception:
+        result.setdefault("error", {})[part] = traceback.format_exc()
+        return False, None
+    result.setdefault("times", {})[f"{part}_s"] = seconds
+    return True, value
+
+
+def load_models(result: dict[str, Any], path: Path, device: str) -> tuple[Model | None, Model | None]:
+    """The array-path model on ``device`` and the exact-path model on the CPU (None: failed)."""
+    _, array_model = attempt(result, "load_array", lambda: Model.load(
+        path, device=device, progress=False, exact=False))
+    _, exact_model = attempt(result, "load_exact", lambda: Model.load(path, device="cpu", progress=False))
+    if exact_model is not None:
+        # Numba compiles (or loads from its cache) the exact kernels here, not inside the figures
+        warmed, _ = attempt(result, "warm_up_exact", exact_model.warm_up)
+        exact_model = exact_model if warmed else None
+    if array_model is not None:
+        result["array_device"] = "cuda" if array_model.xp is not numpy else "cpu"
+    return array_model, exact_model
 
 
 def prompt_ids(model: Model, count: int) -> list[list[int]]:
@@ -177,26 +195,29 @@ def prompt_ids(model: Model, count: int) -> list[list[int]]:
     return [tokenizer.tokenize(text, parse_special=True) for text in PROMPTS[:count]]
 
 
+def loaded(array_model: Model | None, exact_model: Model | None) -> dict[str, Model]:
+    return {side: m for side, m in (("array", array_model), ("exact", exact_model)) if m is not None}
+
+
 def check_model(path: Path, device: str, n_prompts: int, greedy_n: int,
                 server: Path | None, threads: int | None = None) -> dict[str, Any]:
     """(a), (b) and (c) for one model file; each part's exception is kept, not raised."""
-    result: dict[str, Any] = {"model": path.stem, "prompts": n_prompts, "greedy_tokens": greedy_n}
-    try:
-        array_model, exact_model, result["times"] = load_pair(path, device)
-        result["array_device"] = "cuda" if array_model.xp is not numpy else "cpu"
-        prompts = prompt_ids(exact_model, n_prompts)
-        result["array_vs_exact"], result["times"]["compare_s"] = timed(
-            lambda: array_vs_exact(array_model, exact_model, prompts, greedy_n))
-    except Exception:
-        result["error"] = traceback.format_exc()
+    result: dict[str, Any] = {"model": path.stem, "prompts": n_prompts, "greedy_tokens": greedy_n,
+                              "times": {}}
+    array_model, exact_model = load_models(result, path, device)
+    models = loaded(array_model, exact_model)
+    if not models:
         return result
+    ok, prompts = attempt(result, "tokenize", lambda: prompt_ids(next(iter(models.values())), n_prompts))
+    if not ok:
+        return result
+    if array_model is not None and exact_model is not None:
+        _, result["array_vs_exact"] = attempt(result, "array_vs_exact", lambda: array_vs_exact(
+            array_model, exact_model, prompts, greedy_n))
     if server is not None:
-        try:
-            result["vs_llama_server"], result["times"]["server_s"] = timed(lambda: against_server(
-                {"array": array_model, "exact": exact_model}, path, server, prompts, greedy_n, threads))
-        except Exception:
-            result["server_error"] = traceback.format_exc()
-    return result
+        _, result["vs_llama_server"] = attempt(result, "vs_llama_server", lambda: against_server(
+            models, path, server, prompts, greedy_n, threads))
+    return {k: v for k, v in result.items() if v is not None}
 
 
 # --- speed -------------------------------------------------------------------------------------
@@ -208,24 +229,31 @@ def median_round(run: Callable[[], tuple[float, float]], rounds: int) -> dict[st
             "decode_tok_s": round(statistics.median(f[1] for f in figures), 1)}
 
 
-def speed(array_model: Model, exact_model: Model, ids: list[int], n_decode: int, rounds: int,
+def engine_speed(model: Model, ids: list[int], n_decode: int, rounds: int) -> dict[str, float]:
+    bench_engine.engine_round(model, ids[:32], 4)  # first-use costs (CuPy kernels, caches)
+    return median_round(lambda: bench_engine.engine_round(model, ids, n_decode), rounds)
+
+
+def server_speed(binary: Path, path: Path, ids: list[int], n_decode: int, rounds: int,
+                 threads: int) -> dict[str, float]:
+    with support.LlamaServer(path, binary=binary, args=["-t", str(threads)]) as srv:
+        bench_engine.server_round(srv, ids[:32], 4)
+        return median_round(lambda: bench_engine.server_round(srv, ids, n_decode), rounds)
+
+
+def speed(result: dict[str, Any], models: dict[str, Model], ids: list[int], args: argparse.Namespace,
           server: Path | None, path: Path, threads: int) -> dict[str, Any]:
-    """(d) prefill and decode tokens/s of both paths (bench/engine.py's rounds), and llama-server's
+    """(d) prefill and decode tokens/s of each path (bench/engine.py's rounds), and llama-server's
     at the same thread count as the exact path when it runs."""
-    out: dict[str, Any] = {"prompt_tokens": len(ids), "decode_tokens": n_decode, "rounds": rounds,
-                           "cpu_threads": threads}
-    for side, model in (("array", array_model), ("exact", exact_model)):
-        bench_engine.engine_round(model, ids[:32], 4)  # first-use costs (CuPy kernels, caches)
-        out[side] = median_round(lambda: bench_engine.engine_round(model, ids, n_decode), rounds)
+    out: dict[str, Any] = {"prompt_tokens": len(ids), "decode_tokens": args.decode,
+                           "rounds": args.rounds, "cpu_threads": threads}
+    for side, model in models.items():
+        _, out[side] = attempt(result, f"speed_{side}", lambda: engine_speed(
+            model, ids, args.decode, args.rounds))
     if server is not None:
-        try:
-            with support.LlamaServer(path, binary=server, args=["-t", str(threads)]) as srv:
-                bench_engine.server_round(srv, ids[:32], 4)
-                out["llama_server"] = median_round(
-                    lambda: bench_engine.server_round(srv, ids, n_decode), rounds)
-        except Exception:
-            out["llama_server_error"] = traceback.format_exc()
-    return out
+        _, out["llama_server"] = attempt(result, "speed_llama_server", lambda: server_speed(
+            server, path, ids, args.decode, args.rounds, threads))
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def big_model_checks(path: Path, args: argparse.Namespace, server: Path | None) -> dict[str, Any]:
@@ -233,20 +261,22 @@ def big_model_checks(path: Path, args: argparse.Namespace, server: Path | None) 
 
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
-    result: dict[str, Any] = {"model": BIG_NAME, "prompts": args.big_prompts, "greedy_tokens": args.greedy}
-    try:
-        array_model, exact_model, result["times"] = load_pair(path, args.device)
-        result["array_device"] = "cuda" if array_model.xp is not numpy else "cpu"
+    result: dict[str, Any] = {"model": BIG_NAME, "prompts": args.big_prompts,
+                              "greedy_tokens": args.greedy, "times": {}}
+    array_model, exact_model = load_models(result, path, args.device)
+    models = loaded(array_model, exact_model)
+    if not models:
+        return result
+    if exact_model is not None:
         exact_model.threads = threads  # as bench/engine.py: Numba threads for the exact kernels
-        prompts = prompt_ids(exact_model, args.big_prompts)
-        result["array_vs_exact"], result["times"]["compare_s"] = timed(
-            lambda: array_vs_exact(array_model, exact_model, prompts, args.greedy))
-        ids = Tokenizer.from_gguf(exact_model.reader).tokenize(bench_engine.TEXT * 40)[:args.prefill]
-        result["speed"], result["times"]["speed_s"] = timed(lambda: speed(
-            array_model, exact_model, ids, args.decode, args.rounds, server, path, threads))
-    except Exception:
-        result["error"] = traceback.format_exc()
-    return result
+    first = next(iter(models.values()))
+    if array_model is not None and exact_model is not None:
+        prompts = prompt_ids(first, args.big_prompts)
+        _, result["array_vs_exact"] = attempt(result, "array_vs_exact", lambda: array_vs_exact(
+            array_model, exact_model, prompts, args.greedy))
+    ids = Tokenizer.from_gguf(first.reader).tokenize(bench_engine.TEXT * 40)[:args.prefill]
+    result["speed"] = speed(result, models, ids, args, server, path, threads)
+    return {k: v for k, v in result.items() if v is not None}
 
 
 # --- orchestration -----------------------------------------------------------------------------
@@ -309,7 +339,7 @@ def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int, deadline
         while pending and len(running) < parallel:
             name, cmd, result = pending.pop(0)
             if time.monotonic() > deadline:
-                results[name] = {"model": name, "error": "skipped: the time budget was spent"}
+                results[name] = {"model": name, "error": {"budget": "skipped: the time budget was spent"}}
                 continue
             log = tempfile.TemporaryFile()
             env = dict(os.environ, NUMBA_NUM_THREADS=os.environ.get("DEVICE_CHECK_WORKER_THREADS", "2"))
@@ -332,7 +362,8 @@ def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int, deadline
                 results[name] = json.loads(result.read_text())
             else:
                 why = "past the time budget" if late else f"exit status {proc.returncode}"
-                results[name] = {"model": name, "error": f"worker ended without a result ({why}):\n{tail}"}
+                results[name] = {"model": name,
+                                 "error": {"worker": f"ended without a result ({why}):\n{tail}"}}
             on_result(results)
     return results
 
@@ -349,9 +380,9 @@ def worker(args: argparse.Namespace) -> int:
             path, seconds = timed(lambda: write_tiny_model(workdir / f"{spec.name}.gguf", spec, Path(args.vocab)))
             server = None if args.llama_server in (None, "none") else Path(args.llama_server)
             result = check_model(path, args.device, args.prompts, args.greedy, server)
-            result["times"] = {"write_s": seconds, **result.get("times", {})}
+            result["times"] = {"write_s": seconds, **result["times"]}
     except Exception:
-        result = {"model": args.worker, "error": traceback.format_exc()}
+        result = {"model": args.worker, "error": {"worker": traceback.format_exc()}}
     Path(args.result).write_text(json.dumps(result))
     return 0
 
@@ -364,36 +395,42 @@ def fmt(value: Any, total: int | None = None) -> str:
     return f"{value}/{total}" if total is not None else str(value)
 
 
+def table_row(m: dict[str, Any]) -> str:
+    """One model's figures; '-' where a part gave none, the failed parts named at the end."""
+    n = m.get("prompts")
+    a = m.get("array_vs_exact") or {}
+    srv = m.get("vs_llama_server") or {}
+    cells = [fmt(a.get("max_top10_logprob_diff")), fmt(a.get("same_top1"), n if a else None),
+             fmt(a.get("greedy_identical"), n if a else None)]
+    for side in ("array", "exact"):
+        s = srv.get(side) or {}
+        cells += [fmt(s.get("max_top10_logprob_diff")), fmt(s.get("greedy_identical"), n if s else None)]
+    failed = ", ".join(m.get("error", {}))
+    return (f"{m['model']:28} {cells[0]:>10} {cells[1]:>6} {cells[2]:>7} | {cells[3]:>8} {cells[4]:>7}"
+            f" | {cells[5]:>8} {cells[6]:>7}" + (f"  failed: {failed}" if failed else ""))
+
+
 def print_table(report: dict[str, Any]) -> None:
     print(f"\narray path on {report['device']} vs exact CPU path (and each vs llama-server)")
     print(f"{'model':28} {'top10 diff':>10} {'top1':>6} {'greedy':>7} | {'arr-srv':>8} {'greedy':>7}"
           f" | {'exa-srv':>8} {'greedy':>7}")
     big = report.get("big")
     for m in [*report["models"], *([big] if big else [])]:
-        if "array_vs_exact" not in m:
-            print(f"{m['model']:28} ERROR (see the JSON's 'error')")
-            continue
-        n = m["prompts"]
-        a = m["array_vs_exact"]
-        srv = m.get("vs_llama_server", {})
-        sa, se = srv.get("array", {}), srv.get("exact", {})
-        print(f"{m['model']:28} {fmt(a['max_top10_logprob_diff']):>10} {fmt(a['same_top1'], n):>6} "
-              f"{fmt(a['greedy_identical'], n):>7} | {fmt(sa.get('max_top10_logprob_diff')):>8} "
-              f"{fmt(sa.get('greedy_identical'), n if sa else None):>7} | "
-              f"{fmt(se.get('max_top10_logprob_diff')):>8} {fmt(se.get('greedy_identical'), n if se else None):>7}"
-              + ("  (server error)" if "server_error" in m else ""))
-    if big and "speed" in big:
-        s = big["speed"]
-        print(f"\n{BIG_NAME}: {s['prompt_tokens']}-token prefill, {s['decode_tokens']}-token decode, "
-              f"median of {s['rounds']} (CPU paths on {s['cpu_threads']} threads)")
-        for side in ("array", "exact", "llama_server"):
-            if side in s:
-                label = {"array": f"array ({big['array_device']})", "exact": "exact (cpu)",
-                         "llama_server": "llama-server (cpu)"}[side]
-                print(f"  {label:22} prefill {s[side]['prefill_tok_s']:8.1f} tok/s   "
-                      f"decode {s[side]['decode_tok_s']:7.1f} tok/s")
+        print(table_row(m))
+    speeds = (big or {}).get("speed") or {}
+    labels = {"array": f"array ({(big or {}).get('array_device', '?')})", "exact": "exact (cpu)",
+              "llama_server": "llama-server (cpu)"}
+    if any(side in speeds for side in labels):
+        print(f"\n{BIG_NAME}: {speeds['prompt_tokens']}-token prefill, {speeds['decode_tokens']}-token "
+              f"decode, median of {speeds['rounds']} (CPU paths on {speeds['cpu_threads']} threads)")
+        for side, label in labels.items():
+            if side in speeds:
+                print(f"  {label:22} prefill {speeds[side]['prefill_tok_s']:8.1f} tok/s   "
+                      f"decode {speeds[side]['decode_tok_s']:7.1f} tok/s")
     elif big:
-        print(f"\n{BIG_NAME}: no speed figures ({'error' if 'error' in big else 'skipped'})")
+        print(f"\n{BIG_NAME}: no speed figures")
+    if report.get("errors"):
+        print("tracebacks: the JSON's 'error' of each model, by part")
 
 
 def save(report: dict[str, Any], out: Path) -> None:
@@ -443,12 +480,11 @@ def orchestrate(args: argparse.Namespace) -> int:
             if "path" not in built:
                 report["big"] = built
             elif time.monotonic() > deadline - 60:
-                report["big"] = {"model": BIG_NAME, "error": "skipped: the time budget is spent"}
+                report["big"] = {"model": BIG_NAME, "error": {"budget": "skipped: the time budget was spent"}}
             else:
                 report["big"] = big_model_checks(Path(built["path"]), args, server)
                 report["big"].setdefault("times", {})["write_s"] = built["write_s"]
-    report["errors"] = sum(1 for m in [*report["models"], report["big"] or {}]
-                           if "error" in m or "server_error" in m)
+    report["errors"] = sum(1 for m in [*report["models"], report["big"] or {}] if "error" in m)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     save(report, out)
     print_table(report)

@@ -6,7 +6,7 @@
 #                                       reference llama-server (and its libgomp) and a
 #                                       vocabulary-only GGUF into .device/ (both git-ignored
 #                                       through .git/info/exclude, never committed)
-#   scripts/device-check.sh [ARGS...]   THERE, as the device tool's command: installs the wheels
+#   bash scripts/device-check.sh [ARGS...]   THERE, as the device tool's command: installs the wheels
 #                                       into /tmp/site, runs bench/device_check.py --device cuda
 #                                       ARGS, and leaves device_check.json and device_check.log in
 #                                       $OUT (bench/out without $OUT)
@@ -63,6 +63,7 @@ run_there() {
     export PYTHONPATH=/tmp/site
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  chmod +x .device/llama-server 2>/dev/null  # in case the copy lost the mode bits
   if [ -x .device/llama-server ]; then
     if ldd .device/llama-server | grep -q "not found"; then
       export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

@@ -77,20 +77,36 @@ def test_a_failing_worker_does_not_stop_the_others(tmp_path: Path) -> None:
     crash = ("crash", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], tmp_path / "crash.json")
     results = device_check.run_workers([crash, writer("good")], parallel=2, deadline=time.monotonic() + 60)
     assert results["good"] == {"model": "good"}
-    assert "exit status 3" in results["crash"]["error"] and "boom" in results["crash"]["error"]
+    assert "exit status 3" in results["crash"]["error"]["worker"] and "boom" in results["crash"]["error"]["worker"]
 
     hang = ("hang", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "hang.json")
     start = time.monotonic()
     results = device_check.run_workers([hang, writer("late")], parallel=1, deadline=start + 2)
     assert time.monotonic() - start < 10
-    assert "past the time budget" in results["hang"]["error"]
-    assert results["late"] == {"model": "late", "error": "skipped: the time budget was spent"}
+    assert "past the time budget" in results["hang"]["error"]["worker"]
+    assert results["late"] == {"model": "late", "error": {"budget": "skipped: the time budget was spent"}}
 
 
 def test_a_model_that_fails_is_reported_with_its_traceback(tmp_path: Path) -> None:
     result = device_check.check_model(tmp_path / "missing.gguf", "cpu", 2, 4, None)
-    assert "Traceback" in result["error"] and "missing.gguf" in result["error"]
-    assert "array_vs_exact" not in result
+    assert set(result["error"]) == {"load_array", "load_exact"}
+    assert all("Traceback" in tb and "missing.gguf" in tb for tb in result["error"].values())
+    assert "array_vs_exact" not in result and "failed: load_array, load_exact" in device_check.table_row(result)
+
+
+@pytest.mark.llama_server
+def test_one_path_failing_leaves_the_other_figures(tmp_path: Path, default_model: Path,
+                                                    llama_server_bin: Path) -> None:
+    """On the GPU machine the array path may fail (CuPy) while the exact path works, or the other
+    way round (Numba there): what can still be compared is."""
+    spec = device_check.QUICK_SPECS[0]
+    path = write_tiny_model(tmp_path / f"{spec.name}.gguf", spec, default_model)
+    result = device_check.check_model(path, "cuda-typo", 2, 4, llama_server_bin)
+    assert list(result["error"]) == ["load_array"] and "cuda-typo" in result["error"]["load_array"]
+    assert "array_vs_exact" not in result and "array_device" not in result
+    exact = result["vs_llama_server"]["exact"]
+    assert set(result["vs_llama_server"]) == {"exact"}
+    assert exact["same_top1"] == 2 and exact["greedy_identical"] == 2 and exact["max_top10_logprob_diff"] < 1e-4
 
 
 @pytest.mark.slow
