@@ -51,7 +51,12 @@ prepare() {
   "$py" bench/device_check.py --write-vocab .device/vocab.gguf >/dev/null
   echo "prepared (carry .whl and .device):"
   du -shc .whl .device
-  echo "tracked tree: $(git ls-files -z | du --files0-from=- -cb | tail -n 1 | cut -f1) bytes"
+  # what a device call sends: tracked and untracked-not-ignored files, and the carried folders
+  local tree carried
+  tree=$(git ls-files -z --cached --others --exclude-standard | du --files0-from=- -cb 2>/dev/null | tail -n 1 | cut -f1)
+  carried=$(du -sb .whl .device | awk '{s += $1} END {print s}')
+  echo "travels: $((tree + carried)) bytes (tree $tree + carried $carried) of the 67108864 allowed"
+  [ $((tree + carried)) -lt 67108864 ] || { echo "over the device tool's 64 MiB" >&2; return 1; }
 }
 
 run_there() {
