@@ -192,6 +192,7 @@ def test_restore_lays_the_ring_out_again(tiny_gemma3: Path) -> None:
     engine_prefill(model, ids, cache)
     saved = cache.snapshot()
     layout = cache.cells.pos.copy()
+    assert cache.pos_min == 900 - 768  # what llama-server checks before reusing a prefix
     first = [model.forward([t], cache) for t in (11, 12, 13)]
     cache.truncate(0)
     cache.restore(saved, 900)

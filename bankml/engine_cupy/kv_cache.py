@@ -242,6 +242,18 @@ class KVCache:
         """The forward pass stored positions up to n_tokens-1 (the ring placed them itself)."""
         self._n_tokens = int(n_tokens)
 
+    @property
+    def pos_min(self) -> int:
+        """llama_memory_seq_pos_min: the smallest position the cache still holds (the ring's,
+        which forgets the oldest; 0 without a ring, -1 when empty). llama-server reuses a
+        cached prefix of n_past tokens only if this is at most max(0, n_past - window)."""
+        if self._n_tokens == 0:
+            return -1
+        if self.cells is None:
+            return 0
+        held = self.cells.pos[self.cells.pos >= 0]
+        return int(held.min()) if held.size else -1
+
     def in_ring(self, layer: int) -> bool:
         """Whether ``layer``'s attention reads the SWA ring's cells (keys/values/quantized then
         take a number of cells, not of positions)."""
