@@ -201,3 +201,33 @@ def test_restore_lays_the_ring_out_again(tiny_gemma3: Path) -> None:
     assert all((a == b).all() for a, b in zip(first, again))
     cache.truncate(860)  # the window of 860 is still in the ring: only seq_rm
     assert cache.cells.holds(852, 860) and not (cache.cells.pos >= 860).any()
+
+
+def test_ring_attention_is_ggml_flash_attention(tiny_gemma3: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attention of a 900-token prompt (the ring wraps inside its 512-row batch) equals
+    ggml's own flash_attn_ext on the same cells, mask and n_kv (tests/ggml_oracle.py)."""
+    from bankml.engine_cupy import exact_attention
+    from tests.test_exact_attention import ggml_reference
+
+    model = Model.load(tiny_gemma3, device="cpu", progress=False)
+    calls = []
+    kernel = exact_attention.flash_attn_f16
+
+    def recorded(q, k, v, mask, scale, n_kv=None, n_threads=2, parallel=None):
+        out = kernel(q, k, v, mask, scale, n_kv=n_kv, n_threads=n_threads, parallel=parallel)
+        calls.append((q.copy(), numpy.asarray(k, numpy.float16), numpy.asarray(v, numpy.float16),
+                      mask, scale, n_kv, out))
+        return out
+
+    monkeypatch.setattr(exact_attention, "flash_attn_f16", recorded)
+    cache = model.new_cache(N_CTX)
+    engine_prefill(model, long_prompt(900, 9), cache)
+    model.forward([7], cache)
+    ring_calls = [c for c in calls if c[1].shape[1] == cache.cells.size]
+    assert len(ring_calls) == 6  # 2 sliding layers x (512 rows, 4 rows, 1 row)
+    for q, k, v, mask, scale, n_kv, out in calls:
+        if mask is None:
+            mask = numpy.zeros((q.shape[0], k.shape[1]), numpy.float32)
+        want = ggml_reference(q, k, v, mask.astype(numpy.float16), scale, n_kv)
+        assert (out.view(numpy.uint32) == want.view(numpy.uint32)).all(), (q.shape, k.shape, n_kv)
