@@ -55,8 +55,8 @@ from tests.test_forward import (PROMPTS, compare_greedy, compare_next_token, eng
                                 log_softmax)
 from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model  # noqa: E402
 
-# Quick mode (the CPU test): two small models in Q4_1, the default model's type, whose kernels
-# the engine tests have usually compiled already.
+# Quick mode (the CPU test): two small models in Q4_1, the default model's type, so that the
+# Numba kernels they need are the ones the rest of the suite compiles anyway.
 QUICK_SPECS = (TinySpec("llama", T.Q4_1), TINY_SPECS[3])
 # The default model's shape (SmolLM2-135M), random Q4_1 weights: for the speed figures.
 BIG_SHAPE = {"N_EMBD": 576, "N_FF": 1536, "N_HEAD": 9, "N_HEAD_KV": 3, "HEAD_DIM": 64}
@@ -148,11 +148,11 @@ def array_vs_exact(array_model: Model, exact_model: Model, prompts: list[list[in
 
 
 def against_server(models: dict[str, Model], path: Path, binary: Path, prompts: list[list[int]],
-                   greedy_n: int, threads: int | None = None) -> dict[str, Any]:
-    """(c) each loaded path against llama-server on the same file (tests/test_forward's helpers)."""
-    args = ["-t", str(threads)] if threads else []
+                   greedy_n: int) -> dict[str, Any]:
+    """(c) each loaded path against llama-server on the same file (tests/test_forward's helpers;
+    llama-server -t 2, as the oracle tests and the exact path's attention split assume)."""
     out: dict[str, Any] = {}
-    with support.LlamaServer(path, binary=binary, args=args) as server:
+    with support.LlamaServer(path, binary=binary) as server:
         for side, model in models.items():
             worst, same_top1 = compare_next_token(model, server, prompts)
             same, notes = compare_greedy(model, server, prompts, greedy_n)
@@ -200,7 +200,7 @@ def loaded(array_model: Model | None, exact_model: Model | None) -> dict[str, Mo
 
 
 def check_model(path: Path, device: str, n_prompts: int, greedy_n: int,
-                server: Path | None, threads: int | None = None) -> dict[str, Any]:
+                server: Path | None) -> dict[str, Any]:
     """(a), (b) and (c) for one model file; each part's exception is kept, not raised."""
     result: dict[str, Any] = {"model": path.stem, "prompts": n_prompts, "greedy_tokens": greedy_n,
                               "times": {}}
@@ -216,7 +216,7 @@ def check_model(path: Path, device: str, n_prompts: int, greedy_n: int,
             array_model, exact_model, prompts, greedy_n))
     if server is not None:
         _, result["vs_llama_server"] = attempt(result, "vs_llama_server", lambda: against_server(
-            models, path, server, prompts, greedy_n, threads))
+            models, path, server, prompts, greedy_n))
     return {k: v for k, v in result.items() if v is not None}
 
 
@@ -507,7 +507,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-server", default=None, help="binary, or 'none' (default: the reference build)")
     parser.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
                         help="models checked at once (each on 2 Numba threads; default: all "
-                             "eleven on the GPU machine's 16 cores, one on 2 cores)")
+                             "twelve on the GPU machine's 16 cores, one on 2 cores)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="Numba threads (and llama-server -t) for the big model's CPU figures")
     parser.add_argument("--budget-s", type=float, default=900.0,
