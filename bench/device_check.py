@@ -52,7 +52,7 @@ from bench import engine as bench_engine  # noqa: E402
 from tests import support  # noqa: E402
 from tests import tiny_models  # noqa: E402
 from tests.test_forward import (PROMPTS, compare_greedy, compare_next_token, engine_greedy,  # noqa: E402
-                                log_softmax)
+                                log_softmax, prefill)
 from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model  # noqa: E402
 
 # Quick mode (the CPU test): two small models in Q4_1, the default model's type, so that the
@@ -129,8 +129,8 @@ def array_vs_exact(array_model: Model, exact_model: Model, prompts: list[list[in
     (b) identical greedy answers (and where the others part)."""
     worst, same_top1 = 0.0, 0
     for ids in prompts:
-        ref = log_softmax(exact_model.forward(ids, exact_model.new_cache(len(ids) + 1)))
-        got = log_softmax(array_model.forward(ids, array_model.new_cache(len(ids) + 1)))
+        ref = log_softmax(prefill(exact_model, ids, exact_model.new_cache(len(ids) + 1)))
+        got = log_softmax(prefill(array_model, ids, array_model.new_cache(len(ids) + 1)))
         top = numpy.argsort(-ref)[:10]
         worst = max(worst, float(numpy.abs(ref[top] - got[top]).max()))
         same_top1 += int(numpy.argmax(ref) == numpy.argmax(got))

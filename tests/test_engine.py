@@ -33,6 +33,8 @@ class ScriptCache:
 class ScriptModel:
     """forward() appends to the cache and returns logits peaked on script[position] (else EOG)."""
 
+    has_sliding_window = False
+
     def __init__(self, n_vocab: int, eog: int):
         self.n_vocab = n_vocab
         self.eog = eog

@@ -21,35 +21,24 @@ import numpy
 import pytest
 
 from bankml.engine_cupy import kv_cache
+from bankml.engine_cupy.engine import Engine, prompt_batches
 from bankml.engine_cupy.model import Model
 from tests import support
-from tests.test_forward import (EOG, reported_logprobs, server_greedy, server_next_token)
+from tests.test_forward import (engine_greedy, prefill, reported_logprobs, server_greedy,
+                                server_next_token)
 from tests.tiny_models import TinySpec, write_tiny_model
 from gguf import GGMLQuantizationType as T
 
 N_CTX = 2048  # support.LlamaServer's -c
 N_UBATCH = 512  # llama-server's default -ub
-CHECKPOINT_OFFSETS = (4 + N_UBATCH, 4)  # server-context.cpp: the prompt's last tokens go apart
 PROMPT_LENGTHS = (700, 760, 900, 1300)  # before, at and past the 768-cell SWA cache
 GREEDY = 32
 
 
 def server_prompt_batches(n: int) -> list[tuple[int, int]]:
-    """The micro-batches llama-server evaluates an n-token prompt in for a sliding-window model:
-    it stops a batch 516 and 4 tokens before the end (to take context checkpoints there), and
-    llama_decode splits each batch into ubatches of 512."""
-    cuts = sorted({0, n} | {n - k for k in CHECKPOINT_OFFSETS if 0 < n - k < n})
-    out = []
-    for a, b in zip(cuts, cuts[1:]):
-        out += [(s, min(s + N_UBATCH, b)) for s in range(a, b, N_UBATCH)]
-    return out
-
-
-def engine_prefill(model: Model, ids: list[int], cache: kv_cache.KVCache) -> numpy.ndarray:
-    logits = None
-    for a, b in server_prompt_batches(len(ids)):
-        logits = model.forward(ids[a:b], cache)
-    return logits
+    """The micro-batches llama-server evaluates an n-token prompt in for a sliding-window model
+    (engine.prompt_batches: cut 516 and 4 tokens before the end, then 512 at a time)."""
+    return prompt_batches(0, n, checkpoints=True)
 
 
 def position_ordered_cache(model: Model, cache_type: str | None = None) -> kv_cache.KVCache:
@@ -57,20 +46,6 @@ def position_ordered_cache(model: Model, cache_type: str | None = None) -> kv_ca
     hp = model.hp
     return kv_cache.KVCache(numpy, hp.n_layer, hp.n_head_kv, hp.head_dim, N_CTX, cache_type,
                             window=hp.swa_window, sliding=hp.swa_layers, ring=False)
-
-
-def engine_greedy(model: Model, ids: list[int], n: int, cache_type: str | None = None) -> list[int]:
-    cache = model.new_cache(N_CTX, cache_type)
-    logits = engine_prefill(model, ids, cache)
-    out: list[int] = []
-    for _ in range(n):
-        token = int(numpy.argmax(logits))
-        if token in EOG:
-            break
-        out.append(token)
-        if len(out) < n:
-            logits = model.forward([token], cache)
-    return out
 
 
 def long_prompt(n: int, seed: int) -> list[int]:
@@ -101,13 +76,13 @@ def test_past_the_sliding_window_cache_as_llama_server(tiny_gemma3: Path,
     with support.LlamaServer(tiny_gemma3, binary=llama_server_bin) as server:
         for ids in prompts:
             theirs = server_next_token(server, ids)
-            logits = engine_prefill(model, ids, model.new_cache(N_CTX))
+            logits = prefill(model, ids, model.new_cache(N_CTX))
             worst = max(worst, logprob_gap(logits, theirs))
             same_top1 += int(numpy.argmax(logits)) == max(theirs, key=theirs.get)
-            plain = engine_prefill(model, ids, position_ordered_cache(model))
+            plain = prefill(model, ids, position_ordered_cache(model))
             worst_plain = max(worst_plain, logprob_gap(plain, theirs))
             want = server_greedy(server, ids, GREEDY)
-            got = engine_greedy(model, ids, GREEDY)
+            got = engine_greedy(model, ids, GREEDY, n_ctx=N_CTX)
             same += got == want
             if got != want:
                 at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
@@ -125,6 +100,36 @@ def test_past_the_sliding_window_cache_as_llama_server(tiny_gemma3: Path,
 
 @pytest.mark.llama_server
 @pytest.mark.slow
+def test_the_engine_cuts_prompts_as_llama_server(tiny_gemma3: Path, llama_server_bin: Path) -> None:
+    """Engine.run_steps (what bankml serve runs) splits a sliding-window model's prompt where
+    llama-server does (its context checkpoints 516 and 4 tokens before the end), so the last
+    tokens go through the same attention kernel: same answer, same top log-probabilities."""
+    engine = Engine.open(tiny_gemma3, n_ctx=N_CTX, device="cpu")
+    worst, same = 0.0, 0
+    lengths = (100, 900)  # one cut (4 before the end), and both cuts past the 768-cell ring
+    with support.LlamaServer(tiny_gemma3, binary=llama_server_bin) as server:
+        for seed, n in enumerate(lengths):
+            body = {"prompt": long_prompt(n, 20 + seed), "n_predict": 16, "temperature": 0,
+                    "n_probs": 5, "cache_prompt": False}
+            status, theirs = support.http_json(server.url + "/completion", dict(body, return_tokens=True))
+            assert status == 200, theirs
+            chunks = list(engine.run_steps(engine.parse_request(dict(body), "completion")))
+            ours = [c.token for c in chunks]
+            same += ours == theirs["tokens"][:len(ours)] and len(ours) >= len(theirs["tokens"]) - 1
+            for mine, their in zip(chunks, theirs["completion_probabilities"]):
+                top = {e["id"]: e["logprob"] for e in their["top_logprobs"]}
+                for e in mine.entry["top_logprobs"]:
+                    worst = max(worst, abs(e["logprob"] - top.get(e["id"], -numpy.inf)))
+    print(f"\ngemma3 served prompts cut as llama-server: greedy {same}/{len(lengths)} identical, "
+          f"largest top-5 logprob difference {worst:.3e}")
+    assert same == len(lengths)
+    # measured 0 (100 tokens) and 1.5e-5 (900: two float32 ulps at a logprob of -76, the kind
+    # of gap the 900-token case above leaves); uncut prompts were 7.1e-3 and 1.7e-2 off
+    assert worst <= 2e-5
+
+
+@pytest.mark.llama_server
+@pytest.mark.slow
 def test_q8_0_cache_past_the_sliding_window(tiny_gemma3: Path, llama_server_bin: Path) -> None:
     """The ring holds q8_0 blocks as well (--cache-type-k/v q8_0: Hadamard-turned, quantized)."""
     model = Model.load(tiny_gemma3, device="cpu", progress=False)
@@ -135,10 +140,10 @@ def test_q8_0_cache_past_the_sliding_window(tiny_gemma3: Path, llama_server_bin:
             ids = long_prompt(n, seed)
             theirs = server_next_token(server, ids)
             worst = max(worst, logprob_gap(
-                engine_prefill(model, ids, model.new_cache(N_CTX, "q8_0")), theirs))
+                prefill(model, ids, model.new_cache(N_CTX, "q8_0")), theirs))
             worst_plain = max(worst_plain, logprob_gap(
-                engine_prefill(model, ids, position_ordered_cache(model, "q8_0")), theirs))
-            same += (engine_greedy(model, ids, GREEDY, cache_type="q8_0")
+                prefill(model, ids, position_ordered_cache(model, "q8_0")), theirs))
+            same += (engine_greedy(model, ids, GREEDY, cache_type="q8_0", n_ctx=N_CTX)
                      == server_greedy(server, ids, GREEDY))
     print(f"\nq8_0 cache past the SWA cache: largest top-10 logprob difference {worst:.3e}, "
           f"greedy {GREEDY} tokens {same}/2 identical; in position order: {worst_plain:.3e}")
@@ -189,7 +194,7 @@ def test_restore_lays_the_ring_out_again(tiny_gemma3: Path) -> None:
     model = Model.load(tiny_gemma3, device="cpu", progress=False)
     ids = long_prompt(900, 5)
     cache = model.new_cache(N_CTX)
-    engine_prefill(model, ids, cache)
+    prefill(model, ids, cache)
     saved = cache.snapshot()
     layout = cache.cells.pos.copy()
     assert cache.pos_min == 900 - 768  # what llama-server checks before reusing a prefix
@@ -222,7 +227,7 @@ def test_ring_attention_is_ggml_flash_attention(tiny_gemma3: Path,
 
     monkeypatch.setattr(exact_attention, "flash_attn_f16", recorded)
     cache = model.new_cache(N_CTX)
-    engine_prefill(model, long_prompt(900, 9), cache)
+    prefill(model, long_prompt(900, 9), cache)
     model.forward([7], cache)
     ring_calls = [c for c in calls if c[1].shape[1] == cache.cells.size]
     assert len(ring_calls) == 6  # 2 sliding layers x (512 rows, 4 rows, 1 row)

@@ -27,6 +27,22 @@ from bankml.engine_cupy.sampler import (LogitBias, SamplerError, SamplerParams, 
 from bankml.engine_cupy.tokenizer import Tokenizer
 
 MICRO_BATCH = 512
+# llama-server's context checkpoints: for a model with sliding-window layers it ends a prompt batch
+# this many tokens before the prompt's end (server-context.cpp, checkpoint_offsets), so that the
+# window's state can be saved there; each batch is then split into micro-batches from its start.
+CHECKPOINT_OFFSETS = (4 + MICRO_BATCH, 4)
+CTX_PAD = 256  # llama_context rounds n_ctx up to a multiple of this
+
+
+def prompt_batches(start: int, end: int, checkpoints: bool) -> list[tuple[int, int]]:
+    """The micro-batches [a, b) llama-server evaluates prompt positions start..end-1 in: 512 at a
+    time from start, and, with ``checkpoints`` (sliding-window models), cut again 516 and 4 tokens
+    before the end. The cuts decide which attention kernel (tiled or one-row) each token sees."""
+    cuts = {start, end}
+    if checkpoints:
+        cuts |= {end - k for k in CHECKPOINT_OFFSETS if start < end - k < end}
+    edges = sorted(cuts)
+    return [(a, min(a + MICRO_BATCH, b)) for a, b in zip(edges, edges[1:]) for a in range(a, b, MICRO_BATCH)]
 INT32_MAX = 2_147_483_647
 INT64_MAX = 2**63 - 1
 N_SLOTS = 1  # llama-server's n_parallel: the upper limit of n_cmpl
@@ -402,6 +418,7 @@ class Engine:
         model = Model.load(path, device=device)
         tokenizer = Tokenizer.from_gguf(model.reader)
         template = ChatTemplate.from_gguf(model.reader, tokenizer)
+        n_ctx = -(-n_ctx // CTX_PAD) * CTX_PAD  # as llama_context: -c 1000 holds 1024 positions
         return cls(model, tokenizer, template, n_ctx, cache_type, _gguf_sampling_defaults(model.reader))
 
     # --- text ---------------------------------------------------------------------------------------------
@@ -575,10 +592,10 @@ class Engine:
         self.cache.truncate(n_past)
         self.slot_tokens = self.slot_tokens[:n_past]
         logits = None
-        for start in range(n_past, len(tokens), MICRO_BATCH):
+        for start, end in prompt_batches(n_past, len(tokens), self.model.has_sliding_window):
             if cancelled():
                 return n_past, None
-            batch = tokens[start:start + MICRO_BATCH]
+            batch = tokens[start:end]
             logits = self.model.forward(batch, self.cache)
             self.slot_tokens += batch
         return n_past, logits

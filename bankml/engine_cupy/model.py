@@ -138,6 +138,12 @@ class Model:
                 bar.close()
         return cls(hp, weights, xp, os.fspath(path), reader, exact)
 
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some layers attend through a sliding window (gemma3): llama-server then cuts
+        prompts for its context checkpoints (engine.prompt_batches)."""
+        return bool(self.hp.swa_window and any(self.hp.swa_layers))
+
     def warm_up(self) -> None:
         """Run every kernel a request can reach once, on a scratch cache: Numba compiles them (or
         loads its on-disk cache) here rather than during the first answer. A no-op on CuPy."""
@@ -211,9 +217,11 @@ class Model:
         xp, hp = self.xp, self.hp
         h = self._norm(x, layer.attn_norm)
         attn = self._attention(il, layer, h, positions, ropes[hp.swa_layers[il]], cache)
-        if only_last:  # llama.cpp keeps only the output row(s) from the last layer's attention on
-            attn, x = attn[-1:], x[-1:]
         out = layer.wo(xp, attn)["o"]
+        if only_last:  # llama.cpp keeps only the output row(s) after the last layer's attention
+            # output product (build_attn multiplies every row by wo before get_rows): F16, BF16
+            # and F32 products round differently for one row (vec_dot) and several (tinyBLAS)
+            out, x = out[-1:], x[-1:]
         if layer.post_attn_norm is not None:
             out = self._norm(out, layer.post_attn_norm)
         x = x + out
