@@ -35,8 +35,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, BlockRows, _byte_ptr, _call, _half,
-                                             _hsum, _load, _splat)
+from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, BlockRows, _byte_ptr, _call, _data,
+                                             _half, _hsum, _load, _splat)
 from bankml.engine_cupy.jit import njit
 
 __all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
@@ -339,7 +339,7 @@ def _make_dot(code: int, rn: int):
             (_, w_off, _, x_off, n_in, _, _, s_off, nblocks, _, o_off, n_out) = args
 
             def data(i: int) -> ir.Value:
-                return context.make_array(aty[i])(context, builder, args[i]).data
+                return _data(context, builder, aty[i], args[i])
             wbase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[2], args[2])
             xdp, bsp, obase = data(5), data(6), data(9)
             ity = w_off.type

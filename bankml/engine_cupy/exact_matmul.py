@@ -117,8 +117,8 @@ def _quantize_block(typingctx, x, off, q, d16, s16, soff):
     def codegen(context, builder, signature, args):
         aty = signature.args
         xarr, off, qarr, darr, sarr, soff = args
-        xdata = context.make_array(aty[0])(context, builder, xarr).data
-        qdata = context.make_array(aty[2])(context, builder, qarr).data
+        xdata = _data(context, builder, aty[0], xarr)
+        qdata = _data(context, builder, aty[2], qarr)
         v4f = ir.VectorType(_F32, 4)
 
         def lane_vector(k: int) -> ir.Value:
@@ -159,7 +159,7 @@ def _quantize_block(typingctx, x, off, q, d16, s16, soff):
                           builder.bitcast(at, ir.VectorType(_I8, 8).as_pointer()), align=1)
         total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [total])
         for arr, aidx, value in ((darr, 3, d), (sarr, 4, builder.fmul(d, builder.sitofp(total, _F32)))):
-            data = context.make_array(aty[aidx])(context, builder, arr).data
+            data = _data(context, builder, aty[aidx], arr)
             bits = builder.bitcast(builder.fptrunc(value, ir.HalfType()), _I16)
             builder.store(bits, builder.gep(data, [soff]))
         return context.get_dummy_value()
@@ -284,9 +284,14 @@ def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list) -> ir.Valu
     return builder.call(fn, args)
 
 
+def _data(context, builder, aty, arr) -> ir.Value:
+    """An array argument's data pointer (typed by its elements), inside an intrinsic's codegen."""
+    return context.make_array(aty)(context, builder, arr).data
+
+
 def _byte_ptr(context, builder, aty, arr) -> ir.Value:
     """The array's data as an i8*."""
-    return builder.bitcast(context.make_array(aty)(context, builder, arr).data, _I8.as_pointer())
+    return builder.bitcast(_data(context, builder, aty, arr), _I8.as_pointer())
 
 
 def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
@@ -366,9 +371,7 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int, who
             (_, w_off, row_bytes, _, x_off, n_in, _, _, s_off, nblocks, _, o_off, n_out) = args
             wbase = _byte_ptr(context, builder, aty[0], args[0])
             xbase = _byte_ptr(context, builder, aty[3], args[3])
-            dbase = context.make_array(aty[6])(context, builder, args[6]).data
-            sbase = context.make_array(aty[7])(context, builder, args[7]).data
-            obase = context.make_array(aty[10])(context, builder, args[10]).data
+            dbase, sbase, obase = (_data(context, builder, aty[i], args[i]) for i in (6, 7, 10))
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
@@ -453,9 +456,7 @@ def _make_wide_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int
             (_, w_off, row_bytes, _, x_off, n_in, _, _, s_off, m, nblocks, _, o_off, n_out) = args
             wbase = _byte_ptr(context, builder, aty[0], args[0])
             xbase = _byte_ptr(context, builder, aty[3], args[3])
-            dbase = context.make_array(aty[6])(context, builder, args[6]).data
-            sbase = context.make_array(aty[7])(context, builder, args[7]).data
-            obase = context.make_array(aty[11])(context, builder, args[11]).data
+            dbase, sbase, obase = (_data(context, builder, aty[i], args[i]) for i in (6, 7, 11))
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
@@ -544,9 +545,7 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool):
             wbase = _byte_ptr(context, builder, aty[0], args[0])
             ubase = _byte_ptr(context, builder, aty[2], args[2])
             xbase = _byte_ptr(context, builder, aty[4], args[4])
-            dbase = context.make_array(aty[6])(context, builder, args[6]).data
-            sbase = context.make_array(aty[7])(context, builder, args[7]).data
-            obase = context.make_array(aty[11])(context, builder, args[11]).data
+            dbase, sbase, obase = (_data(context, builder, aty[i], args[i]) for i in (6, 7, 11))
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
@@ -868,10 +867,10 @@ def _make_float_tile(half: bool, rm: int, rn: int, split: bool):
         def codegen(context, builder, signature, args):
             aty = signature.args
             (_, w_off, row_elems, _, x_off, n_in, _, o_off, n_out) = args
-            wdata = context.make_array(aty[0])(context, builder, args[0]).data
+            wdata = _data(context, builder, aty[0], args[0])
             wbase = builder.bitcast(wdata, wty.as_pointer())
-            xbase = context.make_array(aty[3])(context, builder, args[3]).data
-            obase = context.make_array(aty[6])(context, builder, args[6]).data
+            xbase = _data(context, builder, aty[3], args[3])
+            obase = _data(context, builder, aty[6], args[6])
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
@@ -961,10 +960,10 @@ def _make_bf16_tile(rm: int, rn: int, split: bool):
         def codegen(context, builder, signature, args):
             aty = signature.args
             (_, w_off, row_elems, _, x_off, n_in, _, o_off, n_out) = args
-            wdata = context.make_array(aty[0])(context, builder, args[0]).data
+            wdata = _data(context, builder, aty[0], args[0])
             wbase = builder.bitcast(wdata, _I16.as_pointer())
-            xbase = context.make_array(aty[3])(context, builder, args[3]).data
-            obase = context.make_array(aty[6])(context, builder, args[6]).data
+            xbase = _data(context, builder, aty[3], args[3])
+            obase = _data(context, builder, aty[6], args[6])
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
