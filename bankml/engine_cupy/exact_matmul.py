@@ -834,6 +834,18 @@ def _matmul(code, parallel, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_b
 PARALLEL_MIN_MACS = 1 << 18  # below this many multiply-adds one thread is faster
 
 
+@njit
+def _one_row(code, parallel, raw, n_out, x, table):  # pragma: no cover - compiled
+    """One activation row: its rounding and the product in one call from Python. A decode step
+    makes ~120 products, and building an Activation and passing a dozen arrays into _matmul cost
+    tens of microseconds each from Python."""
+    q, d16, s16, d, s = _quantize_serial(x, table)
+    out = numpy.empty((1, n_out), numpy.float32)
+    # one row takes neither the block-major scales (tiles of 4+ rows) nor the lanes (16+)
+    _matmul(code, parallel, raw, raw.shape[1], n_out, q, d, s, d, s, numpy.empty(0, numpy.int8), out)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # F16 and F32 weights: no integer part, the f32 fma chains and their reduction differ by path
 #
@@ -1200,6 +1212,11 @@ class QuantMatrix(BlockRows):
         """x [m, n_in] f32 (or its Activation) -> [m, n_out] f32, bit-identical to ggml."""
         if self.qtype in _FLOAT_TYPES:
             return self._float_matmul(x)
+        if not isinstance(x, Activation) and numpy.ndim(x) <= 2 and numpy.shape(x)[-1:] == (self.n_in,) \
+                and numpy.size(x) == self.n_in:  # one row (a decode step): one compiled call
+            row = numpy.ascontiguousarray(x, dtype=numpy.float32).reshape(1, self.n_in)
+            return _one_row(self._kind, self.n_out * self.n_in >= PARALLEL_MIN_MACS, self.raw, self.n_out, row,
+                            F16_TABLE)
         act = x if isinstance(x, Activation) else Activation(numpy.atleast_2d(x))
         if act.q.shape[1] != self.n_in:
             raise ValueError(f"activation width {act.q.shape[1]} != n_in {self.n_in}")
