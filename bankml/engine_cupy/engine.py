@@ -20,6 +20,7 @@ import numpy as np
 from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.grammar import (ConstraintError, ConstraintSpec, Constraint, build_llg_tokenizer,
                                         resolve_constraint)
+from bankml.engine_cupy.kv_cache import pad_cells
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, limit_from_env, longest_common_prefix
 from bankml.engine_cupy.sampler import (LogitBias, SamplerError, SamplerParams, Sampler, TokenProbs, VocabInfo,
@@ -31,7 +32,6 @@ MICRO_BATCH = 512
 # this many tokens before the prompt's end (server-context.cpp, checkpoint_offsets), so that the
 # window's state can be saved there; each batch is then split into micro-batches from its start.
 CHECKPOINT_OFFSETS = (4 + MICRO_BATCH, 4)
-CTX_PAD = 256  # llama_context rounds n_ctx up to a multiple of this
 
 
 def prompt_batches(start: int, end: int, checkpoints: bool) -> list[tuple[int, int]]:
@@ -418,7 +418,7 @@ class Engine:
         model = Model.load(path, device=device)
         tokenizer = Tokenizer.from_gguf(model.reader)
         template = ChatTemplate.from_gguf(model.reader, tokenizer)
-        n_ctx = -(-n_ctx // CTX_PAD) * CTX_PAD  # as llama_context: -c 1000 holds 1024 positions
+        n_ctx = pad_cells(n_ctx)  # as llama_context: -c 1000 holds 1024 positions
         return cls(model, tokenizer, template, n_ctx, cache_type, _gguf_sampling_defaults(model.reader))
 
     # --- text ---------------------------------------------------------------------------------------------

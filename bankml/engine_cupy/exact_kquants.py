@@ -35,8 +35,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, BlockRows, _byte_ptr, _call, _data,
-                                             _half, _hsum, _load, _splat)
+from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, BlockRows, MatrixStack, _byte_ptr,
+                                             _call, _data, _half, _hsum, _load, _splat)
 from bankml.engine_cupy.jit import njit
 
 __all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
@@ -710,15 +710,10 @@ class KQuantMatrix(BlockRows):
         return out
 
 
-class KMatrixStack:
+class KMatrixStack(MatrixStack):
     """K-quant matrices of different types or layouts over one input, used as one: ``matmul``
     gives their outputs side by side, rounding the activation once per rounding rule (plain, or
     4-row packed for repacked parts) rather than once per part."""
-
-    def __init__(self, parts: list[KQuantMatrix]):
-        self.parts = list(parts)
-        self.n_in = parts[0].n_in
-        self.n_out = sum(p.n_out for p in parts)
 
     def matmul(self, x: numpy.ndarray) -> numpy.ndarray:
         x = numpy.atleast_2d(numpy.asarray(x, dtype=numpy.float32))

@@ -32,6 +32,8 @@ over tasks of 16 output rows (Numba prange), which changes no element's arithmet
 
 from __future__ import annotations
 
+import functools
+
 import numba  # noqa: E402
 import numpy  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
@@ -245,7 +247,12 @@ class Activation:
         self.q, self.d16, self.s16, self.d, self.s = quantize(x, F16_TABLE)
         # the scales block-major too ([nb, m]): the batch tiles load 8 rows' scales at once
         self.d_by_block, self.s_by_block = numpy.ascontiguousarray(self.d.T), numpy.ascontiguousarray(self.s.T)
-        self.lanes = _interleave_lanes(self.q) if x.shape[0] >= LANE_ROWS else _NO_LANES
+
+    @functools.cached_property
+    def lanes(self) -> numpy.ndarray:
+        """The quants interleaved for the lane tiles (16 rows or more), made on first use: the
+        repacked Q4_0 kernel and the K-quants never read them."""
+        return _interleave_lanes(self.q) if self.q.shape[0] >= LANE_ROWS else _NO_LANES
 
     def blocks(self, with_sum: bool) -> numpy.ndarray:
         """ggml's block_q8_0 (d, qs[32]) or block_q8_1 (d, s, qs[32]) bytes, [m, n/32 * size]."""
@@ -729,9 +736,10 @@ def _lanes_at(typingctx, code, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, 
 
 @njit
 def _rows(code, raw, row_bytes, r0, r1, xq, xd, xs, xd_by_block, xs_by_block, xl, out):  # pragma: no cover
-    """out[:, r0:r1] (``code`` a literal): wide tiles (one weight row by 8, then 4 activation
-    rows) while enough activation rows are left (not for repacked Q4_0), then 2x2 tiles (two
-    weight rows by two activation rows), then 4x1 tiles for a last row; single dots at the edges."""
+    """out[:, r0:r1] (``code`` a literal): lane tiles (one weight row by 16 activation rows, on
+    the task's weight rows unpacked once), then wide tiles (one weight row by 8, then 4) while
+    enough activation rows are left (neither for repacked Q4_0), then 2x2 tiles (two weight rows
+    by two activation rows), then 4x1 tiles for a last row; single dots at the edges."""
     m, n_in = xq.shape
     nb = n_in // QK
     n_out = out.shape[1]
@@ -1223,8 +1231,9 @@ class QuantMatrix(BlockRows):
         m = act.q.shape[0]
         out = numpy.empty((m, self.n_out), numpy.float32)
         parallel = m * self.n_out * self.n_in >= PARALLEL_MIN_MACS
+        lanes = act.lanes if m >= LANE_ROWS and self._kind != _Q4_0R else _NO_LANES
         _matmul(self._kind, parallel, self.raw, self.raw.shape[1], self.n_out, act.q, act.d, act.s,
-                act.d_by_block, act.s_by_block, act.lanes, out)
+                act.d_by_block, act.s_by_block, lanes, out)
         return out
 
     def _float_matmul(self, x: numpy.ndarray) -> numpy.ndarray:

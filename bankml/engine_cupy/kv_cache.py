@@ -40,12 +40,13 @@ from typing import Any
 import numpy
 
 from bankml.engine_cupy import exact_matmul, exact_ops
+from bankml.engine_cupy.exact_attention import KV_PAD, kv_length
 from bankml.engine_cupy.jit import f16_round, njit
 from bankml.engine_cupy.weights import quantize_activation
 
 CACHE_TYPES = ("f16", "q8_0")
 FA_TILE_Q = 64  # GGML_FA_TILE_Q: from this many rows ggml's CPU flash attention is tiled
-CELL_PAD = 256  # llama.cpp pads n_ctx, the SWA cache size and n_kv to multiples of 256
+CELL_PAD = KV_PAD  # llama.cpp pads n_ctx, the SWA cache size and n_kv to multiples of 256
 N_UBATCH = 512  # llama-server's default -ub: the SWA cache holds the window plus one ubatch
 
 
@@ -83,7 +84,7 @@ class SlidingCells:
 
     def n_kv(self) -> int:
         """llama_kv_cache::get_n_kv: the cells ggml attends over (occupied ones, padded)."""
-        return min(self.size, max(CELL_PAD, pad_cells(self.used_max_p1)))
+        return kv_length(self.used_max_p1, self.size)
 
     def place(self, positions: numpy.ndarray) -> numpy.ndarray:
         """Cells for one micro-batch of consecutive positions; updates the bookkeeping."""
