@@ -27,7 +27,6 @@ agreement: the figures are for the issue's notes, not a pass/fail test.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -38,7 +37,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy
 from gguf import GGMLQuantizationType as T
@@ -59,8 +58,7 @@ from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model  # noqa: E4
 # Numba kernels they need are the ones the rest of the suite compiles anyway.
 QUICK_SPECS = (TinySpec("llama", T.Q4_1), TINY_SPECS[3])
 # The default model's shape (SmolLM2-135M), random Q4_1 weights: for the speed figures.
-BIG_SHAPE = {"N_EMBD": 576, "N_FF": 1536, "N_HEAD": 9, "N_HEAD_KV": 3, "HEAD_DIM": 64}
-BIG_SPEC = TinySpec("llama", T.Q4_1, n_layer=30)
+BIG_SPEC = TinySpec("llama", T.Q4_1, n_layer=30, n_embd=576, n_ff=1536, n_head=9, n_head_kv=3, head_dim=64)
 BIG_NAME = "big-llama-Q4_1"
 RESULT_FILE = "device_check.json"
 
@@ -87,23 +85,8 @@ def write_vocab(target: Path, source: Path) -> Path:
     return target
 
 
-@contextlib.contextmanager
-def tiny_shape(shape: dict[str, int]) -> Iterator[None]:
-    """tiny_models' module-level sizes set to ``shape`` for the duration (its builder reads them
-    at call time; TinySpec has no size fields)."""
-    saved = {name: getattr(tiny_models, name) for name in shape}
-    for name, value in shape.items():
-        setattr(tiny_models, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(tiny_models, name, value)
-
-
 def write_big_model(path: Path, vocab: Path) -> Path:
-    with tiny_shape(BIG_SHAPE):
-        return write_tiny_model(path, BIG_SPEC, vocab, seed=1)
+    return write_tiny_model(path, BIG_SPEC, vocab, seed=1)
 
 
 def spec_by_name(name: str) -> TinySpec:

@@ -122,9 +122,8 @@ def test_models_from_the_travelling_vocabulary_equal_the_oracle_tests_models(
     assert a.read_bytes() == b.read_bytes()
 
 
-def test_big_shape_is_set_only_while_building() -> None:
-    before = tiny_models.N_EMBD, tiny_models.N_HEAD
-    with device_check.tiny_shape(device_check.BIG_SHAPE):
-        assert (tiny_models.N_EMBD, tiny_models.N_HEAD) == (576, 9)
-        assert tiny_models.N_EMBD == tiny_models.N_HEAD * tiny_models.HEAD_DIM
-    assert (tiny_models.N_EMBD, tiny_models.N_HEAD) == before
+def test_big_shape_is_the_default_models_and_the_tiny_ones_keep_theirs() -> None:
+    big = device_check.BIG_SPEC
+    assert (big.n_embd, big.n_head) == (576, 9)
+    assert big.n_embd == big.n_head * big.head_dim
+    assert all((spec.n_embd, spec.n_head) == (256, 4) for spec in tiny_models.TINY_SPECS)

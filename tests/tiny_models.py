@@ -22,11 +22,6 @@ from gguf import GGUFWriter, quants
 
 from bankml.engine_cupy.weights import dequantize, open_reader
 
-N_EMBD = 256  # a multiple of 256, as K-quant rows need
-N_FF = 512
-N_HEAD = 4
-N_HEAD_KV = 2
-HEAD_DIM = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +32,11 @@ class TinySpec:
     tied: bool = True
     llama3_rope: bool = False  # a rope_freqs.weight tensor (Llama 3 frequency factors)
     out_type: T | None = None  # the untied output's type (default: wtype)
+    n_embd: int = 256  # a multiple of 256, as K-quant rows need
+    n_ff: int = 512
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 64
 
     @property
     def name(self) -> str:
@@ -119,13 +119,13 @@ def write_tiny_model(path: Path, spec: TinySpec, vocab_model: Path, seed: int = 
     w.add_name(f"tiny {spec.name}")
     w.add_block_count(spec.n_layer)
     w.add_context_length(4096)
-    w.add_embedding_length(N_EMBD)
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD_KV)
-    w.add_key_length(HEAD_DIM)
-    w.add_value_length(HEAD_DIM)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_embedding_length(spec.n_embd)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_dimension_count(spec.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0 if spec.arch == "llama" else 1e6)
     if spec.arch == "gemma3":
@@ -149,31 +149,31 @@ def write_tiny_model(path: Path, spec: TinySpec, vocab_model: Path, seed: int = 
         w.add_tensor(name, values.astype(numpy.float32))
 
     # Embedding rows at 0.25 and an output norm of 2 give logits with a std near 8.
-    matrix("token_embd.weight", n_vocab, N_EMBD, spec.wtype, 0.25)
-    vector("output_norm.weight", numpy.full(N_EMBD, 2.0))
+    matrix("token_embd.weight", n_vocab, spec.n_embd, spec.wtype, 0.25)
+    vector("output_norm.weight", numpy.full(spec.n_embd, 2.0))
     if not spec.tied:
-        matrix("output.weight", n_vocab, N_EMBD, spec.out_type or spec.wtype, 0.25)
+        matrix("output.weight", n_vocab, spec.n_embd, spec.out_type or spec.wtype, 0.25)
     if spec.llama3_rope:
-        vector("rope_freqs.weight", numpy.linspace(1.0, 8.0, HEAD_DIM // 2))
-    nq, nkv = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
+        vector("rope_freqs.weight", numpy.linspace(1.0, 8.0, spec.head_dim // 2))
+    nq, nkv = spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
     for il in range(spec.n_layer):
         p = f"blk.{il}."
-        norm = lambda: 1.0 + 0.1 * rng.standard_normal(N_EMBD)  # noqa: E731
+        norm = lambda: 1.0 + 0.1 * rng.standard_normal(spec.n_embd)  # noqa: E731
         vector(p + "attn_norm.weight", norm())
         vector(p + "ffn_norm.weight", norm())
-        matrix(p + "attn_q.weight", nq, N_EMBD, spec.wtype, N_EMBD ** -0.5)
-        matrix(p + "attn_k.weight", nkv, N_EMBD, spec.wtype, N_EMBD ** -0.5)
-        matrix(p + "attn_v.weight", nkv, N_EMBD, spec.wtype, N_EMBD ** -0.5)
-        matrix(p + "attn_output.weight", N_EMBD, nq, spec.wtype, nq ** -0.5)
-        matrix(p + "ffn_gate.weight", N_FF, N_EMBD, spec.wtype, N_EMBD ** -0.5)
-        matrix(p + "ffn_up.weight", N_FF, N_EMBD, spec.wtype, N_EMBD ** -0.5)
-        matrix(p + "ffn_down.weight", N_EMBD, N_FF, spec.wtype, N_FF ** -0.5)
+        matrix(p + "attn_q.weight", nq, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
+        matrix(p + "attn_k.weight", nkv, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
+        matrix(p + "attn_v.weight", nkv, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
+        matrix(p + "attn_output.weight", spec.n_embd, nq, spec.wtype, nq ** -0.5)
+        matrix(p + "ffn_gate.weight", spec.n_ff, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
+        matrix(p + "ffn_up.weight", spec.n_ff, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
+        matrix(p + "ffn_down.weight", spec.n_embd, spec.n_ff, spec.wtype, spec.n_ff ** -0.5)
         if spec.arch == "qwen2":
             for part, width in (("q", nq), ("k", nkv), ("v", nkv)):
                 vector(p + f"attn_{part}.bias", 0.1 * rng.standard_normal(width))
         if spec.arch in ("qwen3", "gemma3"):
-            vector(p + "attn_q_norm.weight", 1.0 + 0.1 * rng.standard_normal(HEAD_DIM))
-            vector(p + "attn_k_norm.weight", 1.0 + 0.1 * rng.standard_normal(HEAD_DIM))
+            vector(p + "attn_q_norm.weight", 1.0 + 0.1 * rng.standard_normal(spec.head_dim))
+            vector(p + "attn_k_norm.weight", 1.0 + 0.1 * rng.standard_normal(spec.head_dim))
         if spec.arch == "gemma3":
             vector(p + "post_attention_norm.weight", norm())
             vector(p + "post_ffw_norm.weight", norm())
