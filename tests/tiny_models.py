@@ -8,6 +8,10 @@ peaked (a standard deviation near 8), so greedy choices are not coin flips betwe
 K-quant types (Q2_K, Q3_K, Q4_K, Q6_K) have no quantizer in gguf.quants, so their blocks are random bytes
 with the f16 scales set to keep the weights at the intended size; both engines dequantize the
 same bytes.
+IQ4_NL and IQ4_XS (no quantizer in gguf.quants either) are made the same way: random 4-bit indices
+into ggml's value table (and random 6-bit IQ4_XS sub-block scales), f16 d rescaled. ggml's own
+quantizer (the kernel oracle's) is not used here because the device check builds these models on
+a machine without the ggml build; tests/test_exact_iquants.py multiplies ggml-quantized weights.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ TINY_SPECS = (
     TinySpec("llama", T.Q3_K, tied=False, out_type=T.Q2_K),
     TinySpec("qwen2", T.Q2_K),
     TinySpec("llama", T.BF16),
+    TinySpec("llama", T.IQ4_NL),  # layers repacked (iq4_nl_8x8), the tied output not
+    TinySpec("qwen2", T.IQ4_XS, tied=False, out_type=T.Q6_K),  # as IQ4_XS downloads pair them
 )
 
 
@@ -83,6 +89,8 @@ def _kquant_bytes(rng: numpy.random.Generator, rows: int, cols: int, qtype: T) -
         raw[:, 108:110] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
     elif qtype == T.Q2_K:  # 16 bytes of 4-bit scales and mins, qs, then d and dmin (f16)
         raw[:, 80:84] = numpy.array([1.0, 1.5], numpy.float16).view(numpy.uint8)  # mean near 0
+    elif qtype in (T.IQ4_NL, T.IQ4_XS):  # d (f16) first; the table's values are signed already
+        raw[:, 0:2] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
     else:
         raise ValueError(f"no random-byte recipe for {qtype.name}")
     return raw.reshape(rows, cols // block * size)
@@ -93,7 +101,8 @@ def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndar
     std = float(dequantize(raw, qtype).std())
     blocks = raw.reshape(-1, size)
     # the f16 d (and dmin) of each block
-    spots = {T.Q2_K: slice(80, 84), T.Q3_K: slice(108, 110), T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210)}[qtype]
+    spots = {T.Q2_K: slice(80, 84), T.Q3_K: slice(108, 110), T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210),
+             T.IQ4_NL: slice(0, 2), T.IQ4_XS: slice(0, 2)}[qtype]
     halves = blocks[:, spots].copy().view(numpy.float16).astype(numpy.float32)
     blocks[:, spots] = (halves * (target_std / std)).astype(numpy.float16).view(numpy.uint8)
     return raw
@@ -101,7 +110,7 @@ def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndar
 
 def _matrix(rng: numpy.random.Generator, rows: int, cols: int, qtype: T, std: float):
     """(data to write, raw_dtype) for an [rows, cols] matrix of the given type."""
-    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K):
+    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS):
         return _scale_kquant(_kquant_bytes(rng, rows, cols, qtype), qtype, std), qtype
     w = rng.normal(0.0, std, size=(rows, cols)).astype(numpy.float32)
     if qtype == T.F32:

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants
 
-from bankml.engine_cupy import exact_kquants, exact_matmul, exact_ops
+from bankml.engine_cupy import exact_iquants, exact_kquants, exact_matmul, exact_ops
 from bankml.engine_cupy.arch import (ARCHITECTURES, BASE_LAYER_TENSORS, FUSED_QKV, SPLIT_QKV,
                                      ArchSpec, supported_names)
 
@@ -361,7 +361,7 @@ class Weights:
 
 def exact_family(qtype: T) -> ModuleType | None:
     """The module whose kernels multiply this weight type exactly as ggml (None: none does)."""
-    for family in (exact_matmul, exact_kquants):
+    for family in (exact_matmul, exact_kquants, exact_iquants):
         if family.supported(qtype):
             return family
     return None
@@ -369,7 +369,8 @@ def exact_family(qtype: T) -> ModuleType | None:
 
 # each family's matrix class (GGUF blocks -> ggml's product)
 _MATRIX_CLASS: dict[ModuleType, type] = {exact_matmul: exact_matmul.QuantMatrix,
-                                         exact_kquants: exact_kquants.KQuantMatrix}
+                                         exact_kquants: exact_kquants.KQuantMatrix,
+                                         exact_iquants: exact_iquants.IQuantMatrix}
 
 
 class EmbeddingRows:
