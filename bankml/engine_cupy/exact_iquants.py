@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import numpy
 from gguf import GGMLQuantizationType as T
+from gguf import quants
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
@@ -50,8 +51,8 @@ from bankml.engine_cupy.jit import njit
 
 __all__ = ["IQuantMatrix", "IQ4NLMatrix", "IQ4XSMatrix", "supported", "repacked_by_llama_server", "KVALUES_IQ4NL"]
 
-# ggml-common.h kvalues_iq4nl: the value each 4-bit index stands for
-KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# ggml-common.h kvalues_iq4nl: the value each 4-bit index stands for (gguf-py carries the same table)
+KVALUES_IQ4NL = tuple(int(v) for v in quants.IQ4_NL.kvalues)
 _BLOCK = {T.IQ4_NL: (QK, 18), T.IQ4_XS: (QK_K, 136)}  # values and bytes per block
 ROWS_PER_TASK = 16  # output rows per parallel task
 
@@ -305,6 +306,13 @@ class IQuantMatrix(BlockRows):
             except (KeyError, ValueError):
                 raise ValueError(f"no exact IQ kernel for type {qtype}") from None
         return super().__new__(cls)
+
+    @classmethod
+    def concat(cls, parts: list) -> object:
+        """BlockRows.concat by the first part's class (the base class has no ``stack``)."""
+        if cls is IQuantMatrix:
+            return type(parts[0]).concat(parts)
+        return super().concat(parts)
 
     def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
         qtype = T(qtype)
