@@ -185,11 +185,15 @@ class KVCache:
 
     def __init__(self, xp: ModuleType, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
                  cache_type: str | None = None, window: int = 0,
-                 sliding: tuple[bool, ...] = (), ring: bool = False, n_ubatch: int = N_UBATCH):
+                 sliding: tuple[bool, ...] = (), ring: bool = False, n_ubatch: int = N_UBATCH,
+                 exact: bool | None = None):
         """``window``/``sliding``: gemma3's sliding window and which layers use it; ``ring``:
         keep those layers in llama.cpp's SWA cell layout as well (the exact path), when its
-        cache is smaller than n_ctx; ``n_ubatch``: llama-server's -ub, which sizes that cache."""
+        cache is smaller than n_ctx; ``n_ubatch``: llama-server's -ub, which sizes that cache;
+        ``exact``: round as llama-server's CPU backend (default: when xp is NumPy; the model's
+        array path passes False, so that on the CPU it runs the very code CuPy runs)."""
         self.xp = xp
+        self.exact = xp is numpy if exact is None else bool(exact and xp is numpy)
         self.n_ctx = int(n_ctx)
         if self.n_ctx < 1:
             raise ValueError(f"n_ctx must be positive, not {n_ctx}")
@@ -288,11 +292,6 @@ class KVCache:
                 b[:, cells] = a[:, positions]
         else:
             dst[:, cells] = src[:, positions]
-
-    @property
-    def exact(self) -> bool:
-        """Whether rotation and store round as llama-server's CPU backend (NumPy arrays)."""
-        return self.xp is numpy
 
     @property
     def nbytes(self) -> int:
@@ -400,7 +399,7 @@ class KVCache:
 
     def _store_positions(self, layer: int, start: int, end: int, k: Any, v: Any) -> None:
         xp = self.xp
-        if self.cache_type == "f16" and xp is numpy:
+        if self.cache_type == "f16" and self.exact:
             _store_f16(self._k[layer], start, numpy.ascontiguousarray(k, numpy.float32))
             _store_f16(self._v[layer], start, numpy.ascontiguousarray(v, numpy.float32))
             return

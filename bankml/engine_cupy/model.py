@@ -161,7 +161,8 @@ class Model:
         sliding-window layers also get llama.cpp's SWA cell layout (kv_cache.md)."""
         hp = self.hp
         return KVCache(self.xp, hp.n_layer, hp.n_head_kv, hp.head_dim, n_ctx, cache_type,
-                       window=hp.swa_window, sliding=hp.swa_layers, ring=self.exact)
+                       window=hp.swa_window, sliding=hp.swa_layers, ring=self.exact,
+                       exact=self.exact)
 
     # --- the forward pass ----------------------------------------------------------------------
 

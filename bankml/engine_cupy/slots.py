@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from bankml.engine_cupy.backend import to_host
+
 MAGIC = b"bankML slot v1\n"
 Q8_FLAG = 1 << 63
 U64 = struct.Struct("<Q")
@@ -63,19 +65,14 @@ def _layer_bytes(cache: Any, store: Any, n: int) -> bytes:
     """One layer's K or V for positions 0..n-1, position-major, in the file's encoding."""
     if cache.cache_type == "f16":
         values = store[:, :n].transpose(1, 0, 2)  # [n, kv, hd]
-        return np.ascontiguousarray(_to_host(values).astype("<f2")).tobytes()
+        return np.ascontiguousarray(to_host(values).astype("<f2")).tobytes()
     q, d = store
-    qs = _to_host(q[:, :n]).transpose(1, 0, 2)  # [n, kv, hd] int8
-    ds = _to_host(d[:, :n]).transpose(1, 0, 2)  # [n, kv, hd/32] f16
+    qs = to_host(q[:, :n]).transpose(1, 0, 2)  # [n, kv, hd] int8
+    ds = to_host(d[:, :n]).transpose(1, 0, 2)  # [n, kv, hd/32] f16
     blocks = np.empty(qs.shape[:2] + (qs.shape[2] // BLOCK, Q8_BLOCK_BYTES), np.uint8)
     blocks[..., :2] = np.ascontiguousarray(ds.astype("<f2")).view(np.uint8).reshape(ds.shape + (2,))
     blocks[..., 2:] = qs.reshape(qs.shape[:2] + (-1, BLOCK)).view(np.uint8)
     return blocks.tobytes()
-
-
-def _to_host(a: Any) -> np.ndarray:
-    get = getattr(a, "get", None)  # CuPy arrays copy to the host with .get()
-    return get() if callable(get) and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
 def save_slot(engine: Any, path: str, model_sha256: str) -> SlotResult:
