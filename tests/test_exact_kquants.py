@@ -161,6 +161,26 @@ def test_q2_k_matches_ggml(m: int, n_out: int, n_in: int) -> None:
     check("plain", T.Q2_K, n_out, n_in, m, seed=80 + m)
 
 
+# The batch arithmetics (tiled, repacked gemm) run in weight-row lanes: eight weight rows
+# unpacked together, activation rows four at a time then one by one, the n_out % 8 last weight
+# rows by the one-row dots; serial below PARALLEL_MIN_MACS, parallel above (m = 512 here).
+WIDE_TYPES = [(T.Q2_K, False, 44), (T.Q3_K, False, 44), (T.Q4_K, False, 44), (T.Q5_K, False, 44),
+              (T.Q6_K, False, 44), (T.Q4_K, True, 40)]
+
+
+@pytest.mark.parametrize("m", [8, 9, 16, 17, 64, 512])
+@pytest.mark.parametrize("qtype, repacked, n_out", WIDE_TYPES, ids=lambda v: getattr(v, "name", str(v)))
+def test_weight_row_lanes_match_ggml(qtype: T, repacked: bool, n_out: int, m: int) -> None:
+    check("lanes", qtype, n_out, 512, m, seed=90 + m, repacked=repacked)
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_fewer_than_eight_weight_rows_and_one_block(qtype: T) -> None:
+    """n_out < 8 (no lane group: only the one-row dots) and 13 = 8 + 5, one super-block wide."""
+    for n_out in (3, 13):
+        check("narrow", qtype, n_out, 256, 11, seed=95 + n_out)
+
+
 def test_wide_slice_of_a_2048x8192_matrix() -> None:
     """A long row (32 super-blocks), as ffn_down of a 2048-wide model: decode and a batch."""
     for qtype, repacked in ((T.Q6_K, False), (T.Q4_K, True), (T.Q3_K, False), (T.Q2_K, False)):

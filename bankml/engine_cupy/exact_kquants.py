@@ -655,13 +655,334 @@ def _parallel(code, raw, xq, xd, bsums, out):  # pragma: no cover - compiled
         _rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, bsums, out)
 
 
+# ---------------------------------------------------------------------------------------------
+# Batch products in weight-row lanes
+#
+# For the batch arithmetics (tiled, repacked gemm) eight weight rows are unpacked once into a
+# scratch copy laid out for vectors across the rows (``_make_unpack8``), and each activation row
+# is then multiplied against all eight at once (``_make_wtile``): lane j of every vector is
+# weight row r+j. One broadcast 4-byte load of the activation and one pmaddubsw give 4 products
+# for each of the 8 rows; the int16 pair sums of a sub-block add up in int16 while no overflow
+# is possible (``_RUN``), then one pmaddwd applies the 8 rows' sub-block scales. The exact
+# integer per (row, super-block, group) ends up in a lane, with no horizontal sum, and the float
+# steps are ggml's scalar ones, one lane per output. Each scratch block group (GS bytes, 8 rows,
+# one super-block) holds: the 256 unsigned quants as 64 quads of [row][4 bytes], then per
+# sub-block the int16 scale of each row twice (pmaddwd's multiplier), then the pair vectors
+# (two neighbouring sub-blocks' mins or, for the biased types, scales, per row), then d_w and
+# (types with mins) dmin as f32 per row.
+
+_PER16 = {T.Q2_K, T.Q3_K, T.Q6_K}  # a scale per 16 values
+# unsigned weight quants are stored with a bias of (B: 32 for Q6_K, 4 for Q3_K), corrected
+# exactly through the activation's bsums: Σ s·(u - B)·x = Σ s·u·x - B·Σ s·bsum16
+_BIAS_SHIFT = {T.Q6_K: 5, T.Q3_K: 2}
+# quads whose pmaddubsw pair sums may add in int16: n·2·u_max·128 < 32768 (u_max 15, 31, 63, 7, 3)
+_RUN = {T.Q4_K: 8, T.Q5_K: 4, T.Q6_K: 2, T.Q3_K: 4, T.Q2_K: 4}
+_WIDE_CODES = {_T2, _T3, _T4, _T5, _T6, _GM4}  # arithmetics computed by the weight-row lanes
+
+
+def _wide_layout(qtype: T) -> tuple[int, int, int, int, int]:
+    """(sub-blocks, pair vectors, offset of the pair vectors, offset of d_w, group stride GS)."""
+    subs = 16 if qtype in _PER16 else 8
+    pairs = 8 if qtype in _PER16 else 4  # per 16: Q6_K/Q3_K's bias, Q2_K's mins; per 32: the mins
+    p_at = 2048 + 32 * subs
+    d_at = p_at + 32 * pairs
+    return subs, pairs, p_at, d_at, d_at + (64 if qtype in (T.Q2_K, T.Q4_K, T.Q5_K) else 32)
+
+
+def _store(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, value: ir.Value) -> None:
+    builder.store(value, builder.bitcast(builder.gep(base, [offset]), value.type.as_pointer()), align=1)
+
+
+def _make_unpack8(qtype: T):
+    """unpack8(w, w_off, row_bytes, nb, dst): the nb blocks of the eight weight rows at byte
+    w_off of w (rows row_bytes apart) into dst's block groups (see the section comment)."""
+    unpack = {T.Q2_K: _q2_k_chunks, T.Q3_K: _q3_k_chunks, T.Q4_K: _q4_k_chunks, T.Q5_K: _q5_k_chunks,
+              T.Q6_K: _q6_k_chunks}[qtype]
+    block_bytes = _BLOCK_BYTES[qtype]
+    subs, pairs, p_at, d_at, gs = _wide_layout(qtype)
+
+    @intrinsic
+    def unpack8(typingctx, w, w_off, row_bytes, nb, dst):
+        sig = types.void(w, w_off, row_bytes, nb, dst)
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            _, w_off, row_bytes, nblocks, _ = args
+            wbase = _byte_ptr(context, builder, aty[0], args[0])
+            dbase = _byte_ptr(context, builder, aty[4], args[4])
+            ity = w_off.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+            with cgutils.for_range(builder, nblocks) as loop, cgutils.for_range(builder, const(8)) as rows:
+                b, j = loop.index, rows.index
+                group = builder.add(builder.mul(b, const(gs)), builder.mul(j, const(4)))  # row j's lane
+                blk = builder.add(builder.add(w_off, builder.mul(j, row_bytes)), builder.mul(b, const(block_bytes)))
+                for c, chunk in enumerate(unpack(builder, wbase, blk)):
+                    if isinstance(chunk, tuple):  # Q3_K: q3l - q3h, stored + 4
+                        chunk = builder.sub(builder.add(chunk[0], _bytes(4)), chunk[1])
+                    words = builder.bitcast(chunk, _V8I32)
+                    for k in range(8):  # quad 8c+k
+                        _store(builder, dbase, builder.add(group, const(32 * (8 * c + k))),
+                               builder.extract_element(words, ir.Constant(_I32, k)))
+                scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
+
+                def lane(v: ir.Value, i: int) -> ir.Value:
+                    return builder.extract_element(v, ir.Constant(_I32, i))
+                for sub in range(subs):  # pmaddwd multipliers: the row's scale twice
+                    at = builder.add(group, const(2048 + 32 * sub))
+                    _store(builder, dbase, at, lane(scales, sub))
+                    _store(builder, dbase, builder.add(at, const(2)), lane(scales, sub))
+                # pair vectors: biased types' scales, Q2_K's mins (per 16), Q4_K/Q5_K's (per 32)
+                source = mins16 if qtype == T.Q2_K else scales
+                first = 0 if qtype in _PER16 else 8  # Q4_K/Q5_K: the mins are lanes 8..15
+                for p in range(pairs):
+                    at = builder.add(group, const(p_at + 32 * p))
+                    _store(builder, dbase, at, lane(source, first + 2 * p))
+                    _store(builder, dbase, builder.add(at, const(2)), lane(source, first + 2 * p + 1))
+                _store(builder, dbase, builder.add(group, const(d_at)), d_w)
+                if dm_w is not None:
+                    _store(builder, dbase, builder.add(group, const(d_at + 32)), dm_w)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return unpack8
+
+
+def _make_wtile(code: int, rn: int):
+    """wtile(u, xq, x_off, n_in, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out): the
+    eight weight rows unpacked in u by rn activation rows, in arithmetic ``code``. Activation row
+    j: its quants at x_off + j·n_in of xq, its block scales at s_off + j·nb of xd, its bsums
+    pairs (int16 pairs as int32: per 16 values, or per 32 for Q4_K/Q5_K) from p_off +
+    j·p_stride of pr; its 8 outputs to out.flat[o_off + j·n_out ...]."""
+    qtype = _CODE_TYPE[code]
+    subs, pairs, p_at, d_at, gs = _wide_layout(qtype)
+    quads = 64 // subs  # quads per sub-block
+    run = _RUN[qtype]
+    v8f, v16i16 = ir.VectorType(_F32, 8), _V16I16
+    has_min = qtype in (T.Q2_K, T.Q4_K, T.Q5_K)
+
+    @intrinsic
+    def wtile(typingctx, u, xq, x_off, n_in, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out):
+        sig = types.void(u, xq, x_off, n_in, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            (_, _, x_off, n_in, _, s_off, _, p_off, p_stride, nblocks, _, o_off, n_out) = args
+            ubase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[1], args[1])
+            xdp, prp, obase = (_data(context, builder, aty[i], args[i]) for i in (4, 6, 10))
+            ity = x_off.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+
+            def madd(a: ir.Value, b: ir.Value) -> ir.Value:
+                return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [a, b])
+            zero = ir.Constant(v8f, [0.0] * 8)
+            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
+            accm = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
+            ints = [cgutils.alloca_once_value(builder, ir.Constant(_V8I32, [0] * 8)) for _ in range(rn)]
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                group = builder.mul(b, const(gs))
+                xo = [builder.add(builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK_K)))
+                      for j in range(rn)]
+                d_x = [_splat(builder, builder.load(builder.gep(xdp, [
+                    builder.add(builder.add(s_off, builder.mul(const(j), nblocks)), b)])), v8f) for j in range(rn)]
+                d_w = _load(builder, ubase, builder.add(group, const(d_at)), v8f)
+                dm_w = _load(builder, ubase, builder.add(group, const(d_at + 32)), v8f) if has_min else None
+
+                def pair_sum(j: int, p: int | ir.Value) -> ir.Value:
+                    """pmaddwd of activation row j's bsums pair p by the rows' pair vector p."""
+                    p = const(p) if isinstance(p, int) else p
+                    at = builder.add(builder.add(p_off, builder.mul(const(j), p_stride)),
+                                     builder.add(builder.mul(b, const(pairs)), p))
+                    sums = builder.bitcast(_splat(builder, builder.load(builder.gep(prp, [at])), _V8I32), v16i16)
+                    vec_at = builder.add(group, builder.add(const(p_at), builder.mul(p, const(32))))
+                    return madd(sums, _load(builder, ubase, vec_at, v16i16))
+
+                if code == _GM4:
+                    scale = [builder.fmul(d_w, d_x[j]) for j in range(rn)]
+                    mscale = [builder.fmul(dm_w, d_x[j]) for j in range(rn)]
+                zero_i = ir.Constant(_V8I32, [0] * 8)
+                for j in range(rn):
+                    builder.store(zero_i, ints[j])
+                # a loop over the block's four slices of 64 values (16 quads; 2 or 4 sub-blocks)
+                with cgutils.for_range(builder, const(4)) as slices:
+                    at = builder.mul(slices.index, const(512))  # 16 quads of 32 bytes
+                    sums = [None] * rn
+                    for sub in range(subs // 4):
+                        mult_at = builder.add(builder.mul(slices.index, const(32 * subs // 4)), const(2048 + 32 * sub))
+                        mult = _load(builder, ubase, builder.add(group, mult_at), v16i16)
+                        for first in range(sub * quads, (sub + 1) * quads, run):
+                            short = [None] * rn
+                            for q in range(first, first + run):
+                                wq = _load(builder, ubase, builder.add(group, builder.add(at, const(32 * q))), _V32I8)
+                                for j in range(rn):
+                                    x_at = builder.add(builder.add(xo[j], builder.mul(slices.index, const(64))), const(4 * q))
+                                    xv = builder.bitcast(_splat(builder, _load(builder, xbase, x_at, _I32), _V8I32), _V32I8)
+                                    prod = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [wq, xv])
+                                    short[j] = prod if short[j] is None else builder.add(short[j], prod)
+                            for j in range(rn):
+                                part = madd(short[j], mult)
+                                sums[j] = part if sums[j] is None else builder.add(sums[j], part)
+                    if code == _GM4:  # one fma pair per 64 values
+                        for j in range(rn):
+                            s_g = builder.sitofp(sums[j], v8f)
+                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [s_g, scale[j], builder.load(acc[j])]), acc[j])
+                            m_g = builder.sitofp(pair_sum(j, slices.index), v8f)
+                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [m_g, mscale[j], builder.load(accm[j])]), accm[j])
+                    else:
+                        for j in range(rn):
+                            builder.store(builder.add(builder.load(ints[j]), sums[j]), ints[j])
+                if code != _GM4:  # tiled: res = d_w·s1 (- dmin·s2), out = fma(res, d_x, out)
+                    for j in range(rn):
+                        s1 = builder.load(ints[j])
+                        if qtype in _BIAS_SHIFT:
+                            corr = None
+                            for p in range(pairs):
+                                part = pair_sum(j, p)
+                                corr = part if corr is None else builder.add(corr, part)
+                            s1 = builder.sub(s1, builder.shl(corr, ir.Constant(_V8I32, [_BIAS_SHIFT[qtype]] * 8)))
+                        res = builder.fmul(d_w, builder.sitofp(s1, v8f))
+                        if has_min:
+                            s2 = None
+                            for p in range(pairs):
+                                part = pair_sum(j, p)
+                                s2 = part if s2 is None else builder.add(s2, part)
+                            res = _call(builder, "llvm.fma.v8f32", v8f, [builder.fneg(dm_w), builder.sitofp(s2, v8f), res])
+                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [res, d_x[j], builder.load(acc[j])]), acc[j])
+            for j in range(rn):
+                total = builder.load(acc[j])
+                if code == _GM4:
+                    total = builder.fsub(total, builder.load(accm[j]))
+                at = builder.add(o_off, builder.mul(const(j), n_out))
+                builder.store(total, builder.bitcast(builder.gep(obase, [at]), v8f.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return wtile
+
+
+_UNPACK8 = {qtype: _make_unpack8(qtype) for qtype in _PLAIN_CODES}
+_unpack8_q2, _unpack8_q3, _unpack8_q4, _unpack8_q5, _unpack8_q6 = (_UNPACK8[q] for q in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
+_WTILES = {(code, rn): _make_wtile(code, rn) for code in _WIDE_CODES for rn in (4, 1)}
+_w4_t2, _w1_t2 = _WTILES[_T2, 4], _WTILES[_T2, 1]
+_w4_t3, _w1_t3 = _WTILES[_T3, 4], _WTILES[_T3, 1]
+_w4_t4, _w1_t4 = _WTILES[_T4, 4], _WTILES[_T4, 1]
+_w4_t5, _w1_t5 = _WTILES[_T5, 4], _WTILES[_T5, 1]
+_w4_t6, _w1_t6 = _WTILES[_T6, 4], _WTILES[_T6, 1]
+_w4_gm4, _w1_gm4 = _WTILES[_GM4, 4], _WTILES[_GM4, 1]
+
+
+@njit
+def _unpack8(code, raw, w_off, row_bytes, nb, dst):  # pragma: no cover - compiled
+    if code == _T2:
+        _unpack8_q2(raw, w_off, row_bytes, nb, dst)
+    elif code == _T3:
+        _unpack8_q3(raw, w_off, row_bytes, nb, dst)
+    elif code == _T5:
+        _unpack8_q5(raw, w_off, row_bytes, nb, dst)
+    elif code == _T6:
+        _unpack8_q6(raw, w_off, row_bytes, nb, dst)
+    else:  # _T4, _GM4
+        _unpack8_q4(raw, w_off, row_bytes, nb, dst)
+
+
+@njit
+def _wtile(code, rn, u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out):  # pragma: no cover
+    """Eight weight rows by rn (4 or 1) activation rows; the branches fold for a constant code."""
+    if code == _T2:
+        if rn == 4:
+            _w4_t2(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        else:
+            _w1_t2(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+    elif code == _T3:
+        if rn == 4:
+            _w4_t3(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        else:
+            _w1_t3(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+    elif code == _T4:
+        if rn == 4:
+            _w4_t4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        else:
+            _w1_t4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+    elif code == _T5:
+        if rn == 4:
+            _w4_t5(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        else:
+            _w1_t5(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+    elif code == _T6:
+        if rn == 4:
+            _w4_t6(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        else:
+            _w1_t6(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+    elif rn == 4:
+        _w4_gm4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+    else:
+        _w1_gm4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+
+
+@njit
+def _wide_rows(code, gs, raw, r0, r1, xq, xd, bsums, pr, out):  # pragma: no cover - compiled
+    """out[:, r0:r1] in the arithmetic ``code``: eight weight rows at a time unpacked into a
+    scratch copy (GS bytes per super-block), each against every activation row, four at a time;
+    the r1 - r0 mod 8 last rows by the one-row dots (_rows)."""
+    m, n = xq.shape
+    nb = n // QK_K
+    n_out = out.shape[1]
+    row_bytes = raw.shape[1]
+    p_stride = pr.shape[1]
+    scratch = numpy.empty(nb * gs, numpy.uint8)
+    r = r0
+    while r + 8 <= r1:
+        _unpack8(code, raw, r * row_bytes, row_bytes, nb, scratch)
+        t = 0
+        while t + 4 <= m:
+            _wtile(code, 4, scratch, xq, t * n, n, xd, t * nb, pr, t * p_stride, p_stride, nb, out, t * n_out + r, n_out)
+            t += 4
+        while t < m:
+            _wtile(code, 1, scratch, xq, t * n, n, xd, t * nb, pr, t * p_stride, p_stride, nb, out, t * n_out + r, n_out)
+            t += 1
+        r += 8
+    _rows(code, raw, r, r1, xq, xd, bsums, out)
+
+
+@njit
+def _wide_serial(code, gs, raw, xq, xd, bsums, pr, out):  # pragma: no cover - compiled
+    _wide_rows(code, gs, raw, 0, raw.shape[0], xq, xd, bsums, pr, out)
+
+
+@njit(parallel=True)
+def _wide_parallel(code, gs, raw, xq, xd, bsums, pr, out):  # pragma: no cover - compiled
+    n_out = raw.shape[0]
+    for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        r0 = task * ROWS_PER_TASK
+        _wide_rows(code, gs, raw, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, bsums, pr, out)
+
+
+def _pair_sums(qtype: T, bsums: numpy.ndarray) -> numpy.ndarray:
+    """The activation's bsums as int16 pairs in int32 words, as the weight-row lanes read them:
+    per 16 values (the bsums themselves) or, for Q4_K/Q5_K, per 32 (|sum| <= 32·128 fits)."""
+    if qtype not in _PER16:
+        bsums = bsums[:, 0::2] + bsums[:, 1::2]
+    return numpy.ascontiguousarray(bsums, numpy.int16).view(numpy.int32)
+
+
 def _run(code: int, raw: numpy.ndarray, act: KActivation, rows: slice, out: numpy.ndarray) -> None:
     """out[rows] = the product of these activation rows in the arithmetic ``code``."""
     xq, xd, bs = act.q[rows], act.d[rows], act.bsums[rows]
     if xq.shape[0] == 0:
         return
-    macs = xq.shape[0] * raw.shape[0] * xq.shape[1]
-    (_parallel if macs >= PARALLEL_MIN_MACS else _serial)(code, raw, xq, xd, bs, out[rows])
+    parallel = xq.shape[0] * raw.shape[0] * xq.shape[1] >= PARALLEL_MIN_MACS
+    if code in _WIDE_CODES:
+        qtype = _CODE_TYPE[code]
+        gs = _wide_layout(qtype)[4]
+        (_wide_parallel if parallel else _wide_serial)(code, gs, raw, xq, xd, bs, _pair_sums(qtype, bs), out[rows])
+        return
+    (_parallel if parallel else _serial)(code, raw, xq, xd, bs, out[rows])
 
 
 class KQuantMatrix(BlockRows):
