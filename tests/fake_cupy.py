@@ -14,20 +14,48 @@ both. CuPy refuses them, and so does this module:
 - reductions and full indexing give 0-d device arrays, not NumPy scalars, and a device array
   has no ``__index__`` (a 0-d array cannot be a slice bound or a ``range`` argument).
 
+- only names CuPy has (``tests/cupy_names.txt``: CuPy 14.2's module and ndarray names) exist,
+  so a NumPy-only function or method is an AttributeError here too.
+
 NumPy functions and ufuncs called on device arrays are dispatched to the device, as CuPy's
 ``__array_function__``/``__array_ufunc__`` do. Indices may be host integer arrays (CuPy copies
 them). Everything computes with NumPy underneath, so a model run through this module must give
 exactly the logits of the ``xp = numpy`` array path.
+
+To refresh the name list after a CuPy release (no GPU needed, the wheel imports without one):
+``pip install --target /tmp/cupy cupy-cuda12x`` and write ``dir(cupy)`` and ``dir(cupy.ndarray)``
+(public names) into the two sections of tests/cupy_names.txt.
 """
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy
 
 IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
             "a NumPy array explicitly.")
+
+
+def _cupy_names() -> dict[str, frozenset[str]]:
+    """The sections of tests/cupy_names.txt: [cupy] and [cupy.ndarray]."""
+    sections: dict[str, set[str]] = {}
+    current: set[str] = set()
+    for line in (Path(__file__).parent / "cupy_names.txt").read_text().splitlines():
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), set())
+        elif line and not line.startswith("#"):
+            current.add(line)
+    return {name: frozenset(names) for name, names in sections.items()}
+
+
+CUPY_NAMES = _cupy_names()
+
+
+def _cupy_has(section: str, name: str) -> None:
+    if not name.startswith("_") and name not in CUPY_NAMES[section]:
+        raise AttributeError(f"{section} has no attribute {name!r} (NumPy has; CuPy does not)")
 
 
 def _device(value: Any, where: str) -> Any:
@@ -108,6 +136,7 @@ class DeviceArray:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):  # NumPy's __array_interface__/__array_struct__: CuPy has none
             raise AttributeError(name)
+        _cupy_has("cupy.ndarray", name)
         value = getattr(self.host_view, name)
         if callable(value):
             return _device_call(value, f"ndarray.{name}")
@@ -191,6 +220,7 @@ class FakeCupy(types.ModuleType):
         return FAKE if any(isinstance(a, DeviceArray) for a in args) else numpy
 
     def __getattr__(self, name: str) -> Any:
+        _cupy_has("cupy", name)
         value = getattr(numpy, name)
         if isinstance(value, type) or not callable(value):
             return value  # dtypes (xp.float32(1) is a NumPy scalar in CuPy too), constants

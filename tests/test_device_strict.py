@@ -47,6 +47,10 @@ def test_the_stand_in_refuses_what_cupy_refuses() -> None:
         "0-d array as an index": lambda: list(range(device.sum())),
         "host buffer": lambda: device.data,
     }
+    for numpy_only in (lambda: FAKE.memmap, lambda: FAKE.errstate, lambda: device.ctypes,
+                       lambda: device.resize):
+        with pytest.raises(AttributeError):
+            numpy_only()
     for name, attempt in refusals.items():
         with pytest.raises(TypeError):
             attempt()
