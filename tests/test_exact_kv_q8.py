@@ -9,7 +9,6 @@ step run by ggml; the last test chains them all on one layer.
 
 from __future__ import annotations
 
-import types
 
 import numpy as np
 import pytest
@@ -51,11 +50,6 @@ def ggml_cache(x: np.ndarray, start: int, n_ctx: int,
     blocks = raw.view(Q8_BLOCK).reshape(n_ctx, n_head_kv, hd // 32)
     qs = np.ascontiguousarray(blocks["qs"]).reshape(n_ctx, n_head_kv, hd).transpose(1, 0, 2)
     return np.ascontiguousarray(qs), np.ascontiguousarray(blocks["d"].transpose(1, 0, 2))
-
-
-def like_cupy() -> types.SimpleNamespace:
-    """NumPy under another name: KVCache then takes its vectorised (CuPy) path on the CPU."""
-    return types.SimpleNamespace(**{name: getattr(np, name) for name in dir(np)})
 
 
 # --- which rotation, on which sizes ----------------------------------------------------------
@@ -132,11 +126,12 @@ def test_quantized_are_views_of_the_cache() -> None:
 
 
 def test_vectorised_path_rounds_as_ggml_but_turns_by_a_product() -> None:
-    """The CuPy path (run here on NumPy under another name): its q8_0 rounding of given rows is
-    ggml's; its rotation is a matrix product, which is not ggml's transform bit for bit."""
+    """The CuPy path (run here on NumPy with exact=False, as the model's array path asks): its
+    q8_0 rounding of given rows is ggml's; its rotation is a matrix product, which is not ggml's
+    transform bit for bit."""
     rng = np.random.default_rng(2)
     x = heads(rng, 20, 3, 64)
-    cache = KVCache(like_cupy(), 1, 3, 64, 20, "q8_0")
+    cache = KVCache(np, 1, 3, 64, 20, "q8_0", exact=False)
     assert not cache.exact and KVCache(np, 1, 3, 64, 20, "q8_0").exact
     q, d = cache._q8(x)
     raw = go.quantize_rows(x.reshape(-1, 64), T.Q8_0).view(Q8_BLOCK).reshape(20, 3, 2)
