@@ -225,10 +225,149 @@ def test_shape_checks_and_errors() -> None:
 
 def test_supported_and_repack_rule() -> None:
     assert ei.supported(T.IQ4_NL) and ei.supported(T.IQ4_XS)
-    assert not ei.supported(T.Q4_0) and not ei.supported(T.IQ2_XS) and not ei.supported(9999)
+    assert not ei.supported(T.Q4_0) and not ei.supported(T.MXFP4) and not ei.supported(9999)
     assert ei.repacked_by_llama_server(T.IQ4_NL, 576)
     assert not ei.repacked_by_llama_server(T.IQ4_NL, 100)
     assert not ei.repacked_by_llama_server(T.IQ4_NL, 576, token_embd=True)
     assert not ei.repacked_by_llama_server(T.IQ4_XS, 576)
     assert weights.exact_family(T.IQ4_NL) is ei and weights.exact_family(T.IQ4_XS) is ei
-    assert weights.exact_family(T.IQ2_XS) is None
+    assert weights.exact_family(T.MXFP4) is None
+
+
+# --- the grid types (IQ1_*, IQ2_*, IQ3_*) and the ternary TQ1_0/TQ2_0 ------------------------------
+
+GRID_TYPES = [T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M, T.TQ2_0, T.TQ1_0]
+GRID_ROWS = [1, 2, 3, 8, 9, 17, 64]
+TILED_TYPES = {q for q in GRID_TYPES if ei._GRID[q][7] is not None}
+
+
+def grid_weights(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> np.ndarray:
+    """TQ rows quantized by ggml (quantize_row_tq1_0/tq2_0). The grid types have no from_float
+    in ggml's CPU traits (their quantizers need ggml_quantize_init and, below 3 bits, an
+    importance matrix), so their rows are random bytes, which are all valid blocks (every index
+    is in its grid, every sign pattern allowed), with small positive f16 d as real weights have."""
+    if qtype in (T.TQ1_0, T.TQ2_0):
+        w = rng.standard_normal((n_out, n_in)).astype(F32) * rng.choice(np.array([0.02, 0.2], F32), (n_out, 1))
+        return go.quantize_rows(w, qtype)
+    block_bytes = ei._GRID[qtype][0]
+    blocks = rng.integers(0, 256, (n_out * n_in // 256, block_bytes), dtype=np.uint8)
+    d = (rng.random(len(blocks)) * 0.01 + 1e-4).astype(np.float16).view(np.uint16)
+    if qtype == T.IQ1_M:  # d is spread over the top nibbles of the four scale words
+        words = blocks[:, 48:56].copy().view(np.uint16)
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        blocks[:, 48:56] = words.view(np.uint8)
+    else:
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n_out, -1)
+
+
+def grid_others(matrix: ei.IQGridMatrix, act: ek.KActivation, ggml: np.ndarray) -> dict[str, int]:
+    """Differing outputs of ggml's other arithmetic for the type (vec_dot or tiled), of TQ's
+    vec_dot with plain lanes (no bsums subtraction by lane), and of the f32 product."""
+    used = matrix._code(act.q.shape[0])
+    codes = {"vec_dot": ei._GRID[matrix.qtype][5]}
+    if matrix.qtype in TILED_TYPES:
+        codes["tiled"] = ei._GRID_T
+    if matrix.qtype in (T.TQ1_0, T.TQ2_0):
+        codes["plain lanes"] = ei._GRID_VD
+    found = {}
+    for name, code in codes.items():
+        if code != used:
+            out = np.empty_like(ggml)
+            ei._grid_run(code, matrix, act.q, act.d, out)
+            found[name] = differing(out, ggml)
+    found["f32"] = differing(ek_f32(matrix, act), ggml)
+    return found
+
+
+def ek_f32(matrix: ei.IQGridMatrix, act: ek.KActivation) -> np.ndarray:
+    w = weights.dequantize(matrix.raw, matrix.qtype).reshape(matrix.n_out, matrix.n_in)
+    return (act.q.astype(F32) * np.repeat(act.d, 256, axis=1)) @ w.T
+
+
+def check_grid(qtype: T, n_out: int, n_in: int, m: int, seed: int) -> dict[str, int]:
+    rng = np.random.default_rng(seed)
+    raw, x = grid_weights(rng, qtype, n_out, n_in), activations(rng, m, n_in)
+    matrix = ei.IQuantMatrix(raw, qtype, n_out, n_in)
+    assert isinstance(matrix, ei.IQGridMatrix)
+    ggml = go.mul_mat(raw, qtype, n_out, n_in, x)
+    act = matrix.quantize(x)
+    mine = differing(matrix.matmul(act), ggml)
+    others = grid_others(matrix, act, ggml)
+    print(f"\n{qtype.name} [{n_out}, {n_in}] m={m}: exact_iquants differs in {mine} of {ggml.size}; "
+          + ", ".join(f"{k} {v}" for k, v in others.items()))
+    assert mine == 0
+    assert others["f32"] > 0
+    return others
+
+
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda q: q.name)
+def test_grid_types_match_ggml(qtype: T) -> None:
+    """vec_dot below 8 rows, the tiled kernel from 8 (TQ: vec_dot always); 37 rows (not a
+    multiple of 8 or of the 16-row task), 3 super-blocks per row; m = 1, 2, 3, 8, 9, 17, 64.
+    Over the row counts the other arithmetics miss outputs on the same data, so the right one
+    was picked."""
+    misses: dict[str, int] = {}
+    for m in GRID_ROWS:
+        for name, count in check_grid(qtype, 37, 768, m, seed=600 + m).items():
+            misses[name] = misses.get(name, 0) + count
+    assert all(count > 0 for count in misses.values()), misses
+
+
+@pytest.mark.parametrize("qtype", [T.IQ3_XXS, T.IQ2_S, T.IQ1_M, T.TQ1_0], ids=lambda q: q.name)
+def test_grid_types_one_and_five_blocks(qtype: T) -> None:
+    """One super-block per row (a tiny model's n_embd = 256) and five, one and nine rows."""
+    for n_in in (256, 1280):
+        for m in (1, 9):
+            check_grid(qtype, 24, n_in, m, seed=700 + n_in + m)
+
+
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda q: q.name)
+def test_unpacked_weight_is_gguf_dequantization(qtype: T) -> None:
+    """The unpacked integers (value, IQ1 delta/8, 16-value scale, f16 d, the type's power of
+    two) give back gguf-py's dequantization exactly."""
+    rng = np.random.default_rng(800)
+    raw = grid_weights(rng, qtype, 6, 512)
+    matrix = ei.IQuantMatrix(raw, qtype, 6, 512)
+    value = matrix.w.astype(np.float64) + (matrix.delta / 8.0 if matrix.delta.size else 0.0)
+    power = {T.IQ2_XXS: 0.125, T.IQ2_XS: 0.125, T.IQ2_S: 0.125, T.IQ3_XXS: 0.25}.get(qtype, 1.0)
+    mine = value * np.repeat(matrix.scales, 16, axis=1) * np.repeat(matrix.d, 256, axis=1) * power
+    want = weights.dequantize(raw, qtype).reshape(6, 512)
+    assert np.array_equal(mine.astype(F32), want)
+    assert np.abs(matrix.w).max() <= 62  # no pmaddubsw saturation in ggml, none in our int32 lanes
+
+
+def test_q8_k_stack_of_grid_types_and_k_quants() -> None:
+    """An IQ2_XXS/IQ3_S mix file's layer: its parts beside IQ4_XS and Q6_K in one KMatrixStack."""
+    rng = np.random.default_rng(12)
+    specs = [(T.IQ2_XXS, 40), (T.IQ3_S, 24), (T.IQ4_XS, 16), (T.Q6_K, 8)]
+    raws = [grid_weights(rng, q, n, 512) if q in ei._GRID else
+            ggml_weights(rng, q, n, 512) if q == T.IQ4_XS else kquant_blocks(rng, q, n, 512) for q, n in specs]
+    parts = [(ei.IQuantMatrix if q != T.Q6_K else ek.KQuantMatrix)(raw, q, n, 512) for raw, (q, n) in zip(raws, specs)]
+    stack = ei.IQuantMatrix.concat(parts)
+    assert isinstance(stack, ek.KMatrixStack) and stack.n_out == 88
+    same = ei.IQuantMatrix.concat(parts[:1] * 2)
+    assert isinstance(same, ei.IQGridMatrix) and same.n_out == 80
+    for m in (1, 9):
+        x = activations(rng, m, 512)
+        want = np.concatenate([go.mul_mat(raw, q, n, 512, x) for raw, (q, n) in zip(raws, specs)], axis=1)
+        assert differing(stack.matmul(x), want) == 0
+        assert differing(same.matmul(x), np.concatenate([parts[0].matmul(x)] * 2, axis=1)) == 0
+
+
+def test_grid_shape_checks() -> None:
+    rng = np.random.default_rng(13)
+    raw = grid_weights(rng, T.IQ3_XXS, 8, 256)
+    with pytest.raises(ValueError, match="needs"):
+        ei.IQuantMatrix(raw[:4], T.IQ3_XXS, 8, 256)
+    with pytest.raises(ValueError, match="does not repack"):
+        ei.IQuantMatrix(raw, T.IQ3_XXS, 8, 256, repacked=True)
+    matrix = ei.IQuantMatrix(raw, T.IQ3_XXS, 8, 256)
+    with pytest.raises(ValueError, match="width"):
+        matrix.matmul(np.zeros((1, 512), F32))
+    with pytest.raises(ValueError, match="repacked"):
+        matrix.matmul(ek.KActivation(np.ones((4, 256), F32), packed_rows=4))
+    assert matrix.matmul(np.zeros((0, 256), F32)).shape == (0, 8)
+    assert all(ei.supported(q) and not ei.repacked_by_llama_server(q, 576) for q in GRID_TYPES)
+    assert all(weights.exact_family(q) is ei for q in GRID_TYPES)

@@ -1,4 +1,6 @@
-"""IQ4_NL and IQ4_XS matrix products that round exactly as llama-server's AVX2 CPU backend.
+"""IQ and TQ matrix products that round exactly as llama-server's AVX2 CPU backend: IQ4_NL and
+IQ4_XS (below), and the grid types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and the
+ternary TQ1_0, TQ2_0 (``IQGridMatrix``; their arithmetic is described at its section).
 
 Both types store 4-bit indices into ggml's non-linear table ``kvalues_iq4nl`` (16 int8 values
 from -127 to 113) and multiply them as signed bytes against an 8-bit activation (``psign`` moves
@@ -47,9 +49,9 @@ from bankml.engine_cupy.exact_kquants import QK_K, TILED_MIN_ROWS, KActivation, 
 from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, QK, Activation, BlockRows,
                                              MatrixStack, _byte_ptr, _call, _data, _half, _hsum, _load,
                                              _nibbles, _splat)
-from bankml.engine_cupy.jit import njit
+from bankml.engine_cupy.jit import fma32, njit
 
-__all__ = ["IQuantMatrix", "IQ4NLMatrix", "IQ4XSMatrix", "supported", "repacked_by_llama_server", "KVALUES_IQ4NL"]
+__all__ = ["IQuantMatrix", "IQ4NLMatrix", "IQ4XSMatrix", "IQGridMatrix", "supported", "repacked_by_llama_server", "KVALUES_IQ4NL"]
 
 # ggml-common.h kvalues_iq4nl: the value each 4-bit index stands for (gguf-py carries the same table)
 KVALUES_IQ4NL = tuple(int(v) for v in quants.IQ4_NL.kvalues)
@@ -302,7 +304,7 @@ class IQuantMatrix(BlockRows):
     def __new__(cls, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
         if cls is IQuantMatrix:
             try:
-                cls = {T.IQ4_NL: IQ4NLMatrix, T.IQ4_XS: IQ4XSMatrix}[T(qtype)]
+                cls = IQGridMatrix if T(qtype) in _GRID else {T.IQ4_NL: IQ4NLMatrix, T.IQ4_XS: IQ4XSMatrix}[T(qtype)]
             except (KeyError, ValueError):
                 raise ValueError(f"no exact IQ kernel for type {qtype}") from None
         return super().__new__(cls)
@@ -374,3 +376,294 @@ class IQ4XSMatrix(IQuantMatrix):
 
     def _code(self, m: int) -> int:
         return _XS_T if m >= TILED_MIN_ROWS else _XS_VD
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid types (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M) and the ternary TQ2_0, TQ1_0
+#
+# Their products differ from each other only in where the float operations fall; the integer
+# parts (pmaddubsw/pmaddwd lanes, exact in int32 here: |w| <= 62 and q8_K quants >= -127, so no
+# int16 saturation and no psign wrap of -128) are computed in plain integer arithmetic on the
+# unpacked weight, in any grouping. The weight is unpacked once, when the matrix is made: its
+# signed per-element value (the grid value with its sign; for IQ1 the ternary grid value, its
+# ±1/8 delta kept apart; for TQ the ternary digit - 1), the scale 2·ls+1 of every 16 values and
+# the f16 d per super-block. The unpacking takes its bit layouts and grid tables from gguf-py's
+# own dequantization (gguf.quants), run on a copy of the blocks whose d is 1 and whose scale
+# fields are 0, so each dequantized value is the element's grid value times a power of two.
+#
+# The float operations (arch/x86/quants.c ggml_vec_dot_<type>_q8_K below 8 activation rows,
+# tiled/tiled.cpp from 8; nothing repacks or hands these types to tinyBLAS on AVX2):
+# - _GRID_VD (IQ2_*, IQ3_*): per super-block d = d_w·d_x, acc = fma(d, float(lanes), acc) on
+#   eight lanes; out = f·hsum_float_8(acc), f = 0.125 (IQ2), 0.25 (IQ3_XXS), 1 (IQ3_S).
+# - _IQ1S_VD: the grid's lanes as above; the deltas' integer Σ bsums·sign·ls in a scalar chain
+#   acc1 = fma(d, float(Σ), acc1) (vfmadd231ss in the build); out = hsum(acc) + 0.125·acc1.
+# - _IQ1M_VD: the grid's and the deltas' lanes in two vector chains;
+#   out = fma(hsum(acc2), 0.125, hsum(acc1)) (vfmadd132ss).
+# - _TQ_VD: lanes as in _tq_lanes; acc = fma(float(lanes), d, acc), hsum_float_8.
+# - _GRID_T (tiled; IQ types only): s1 = the super-block's whole integer (IQ1: its code
+#   8·g + delta), out = fma((d_w·f)·float(s1), d_x, out) from 0 over the super-blocks, f the
+#   power of two the tile folds into d (0.125 IQ2/IQ1, 0.25 IQ3_XXS, 1 IQ3_S).
+
+_GRID_VD, _IQ1S_VD, _IQ1M_VD, _TQ_VD, _GRID_T = range(5, 10)
+_ONE_F16 = numpy.array([1.0], numpy.float16).view(numpy.uint8)
+
+
+def _unit_iq2_xxs(b: numpy.ndarray) -> None:
+    b[:, 9::8] &= 0x0F  # the top nibble of each 32 values' second u32 is ls
+
+
+def _unit_iq3_xxs(b: numpy.ndarray) -> None:
+    b[:, 69::4] &= 0x0F  # likewise, in the scales_and_signs words at 66 + 4·ib
+
+
+def _unit_iq1_s(b: numpy.ndarray) -> None:
+    b[:, 35::2] &= 0x8F  # qh u16 bits 12..14 are ls; bit 15 (the delta's sign) stays
+
+
+def _unit_iq1_m(b: numpy.ndarray) -> None:
+    # all 3-bit scales 0; the f16 d spread over the four u16 top nibbles made 1.0 (0x3C00)
+    b[:, 48:56] = numpy.array([0, 0, 0, 0, 0, 0xC0, 0, 0x30], numpy.uint8)
+
+
+def _scales_iq2_xxs(b: numpy.ndarray) -> numpy.ndarray:
+    return numpy.repeat(b[:, 9::8] >> 4, 2, axis=1)
+
+
+def _scales_iq3_xxs(b: numpy.ndarray) -> numpy.ndarray:
+    return numpy.repeat(b[:, 69::4] >> 4, 2, axis=1)
+
+
+def _scale_nibbles(scales: numpy.ndarray) -> numpy.ndarray:
+    """Bytes of two 4-bit scales (low first) -> one scale per byte-half."""
+    return numpy.stack([scales & 0x0F, scales >> 4], axis=-1).reshape(scales.shape[0], -1)
+
+
+def _scales_iq1_s(b: numpy.ndarray) -> numpy.ndarray:
+    return numpy.repeat((b[:, 35::2] >> 4) & 7, 2, axis=1)
+
+
+def _scales_iq1_m(b: numpy.ndarray) -> numpy.ndarray:
+    words = numpy.ascontiguousarray(b[:, 48:56]).view(numpy.uint16)
+    return numpy.stack([(words >> (3 * j)) & 7 for j in range(4)], axis=-1).reshape(b.shape[0], 16)
+
+
+def _d_iq1_m(b: numpy.ndarray) -> numpy.ndarray:
+    w = numpy.ascontiguousarray(b[:, 48:56]).view(numpy.uint16)
+    bits = (w[:, 0] >> 12) | ((w[:, 1] >> 8) & 0x00F0) | ((w[:, 2] >> 4) & 0x0F00) | (w[:, 3] & 0xF000)
+    return bits.astype(numpy.uint16).view(numpy.float16).astype(numpy.float32)
+
+
+def _d_at(offset: int):
+    def d(b: numpy.ndarray) -> numpy.ndarray:
+        return numpy.ascontiguousarray(b[:, offset:offset + 2]).view(numpy.float16)[:, 0].astype(numpy.float32)
+    return d
+
+
+def _zero(start: int, stop: int):
+    def unit(b: numpy.ndarray) -> None:
+        b[:, start:stop] = 0
+    return unit
+
+
+def _no_scales(b: numpy.ndarray) -> numpy.ndarray:
+    return numpy.zeros((b.shape[0], 16), numpy.uint8)  # 2·0 + 1 = 1: TQ has no sub-block scales
+
+
+# qtype: (bytes per 256, d field, clear the scale fields, the 16 scale fields per block,
+#         dequantized value -> integer factor, vec_dot code, vec_dot's final factor, tiled d factor or None)
+_GRID = {
+    T.IQ2_XXS: (66, _d_at(0), _unit_iq2_xxs, _scales_iq2_xxs, 8, _GRID_VD, 0.125, 0.125),
+    T.IQ2_XS: (74, _d_at(0), _zero(66, 74), lambda b: _scale_nibbles(b[:, 66:74]), 8, _GRID_VD, 0.125, 0.125),
+    T.IQ2_S: (82, _d_at(0), _zero(74, 82), lambda b: _scale_nibbles(b[:, 74:82]), 8, _GRID_VD, 0.125, 0.125),
+    T.IQ3_XXS: (98, _d_at(0), _unit_iq3_xxs, _scales_iq3_xxs, 4, _GRID_VD, 0.25, 0.25),
+    T.IQ3_S: (110, _d_at(0), _zero(106, 110), lambda b: numpy.repeat(_scale_nibbles(b[:, 106:110]), 2, axis=1),
+              1, _GRID_VD, 1.0, 1.0),
+    T.IQ1_S: (50, _d_at(0), _unit_iq1_s, _scales_iq1_s, 8, _IQ1S_VD, 1.0, 0.125),
+    T.IQ1_M: (56, _d_iq1_m, _unit_iq1_m, _scales_iq1_m, 8, _IQ1M_VD, 1.0, 0.125),
+    T.TQ1_0: (54, _d_at(52), lambda b: None, _no_scales, 1, _TQ_VD, 1.0, None),
+    T.TQ2_0: (66, _d_at(64), lambda b: None, _no_scales, 1, _TQ_VD, 1.0, None),
+}
+_D_OFFSET = {T.TQ1_0: 52, T.TQ2_0: 64, T.IQ1_M: None}  # where d is set to 1 (IQ1_M: in _unit_iq1_m)
+_BLOCK.update({qtype: (QK_K, spec[0]) for qtype, spec in _GRID.items()})
+
+
+def _unpack(raw: numpy.ndarray, qtype: T, n_out: int, n_in: int) -> tuple:
+    """GGUF rows -> (w int8 [n_out, n_in], delta int8 [n_out, n_in] or [0, 0], scales int32
+    [n_out, n_in/16], d f32 [n_out, n_in/256]); see the section comment."""
+    block_bytes, d_of, unit, scales_of, factor = _GRID[qtype][:5]
+    blocks = raw.reshape(-1, block_bytes)
+    d = d_of(blocks).reshape(n_out, -1)
+    scales = (2 * scales_of(blocks).astype(numpy.int32) + 1).reshape(n_out, -1)
+    iq1 = qtype in (T.IQ1_S, T.IQ1_M)
+    w = numpy.empty((n_out, n_in), numpy.int8)
+    delta = numpy.empty((n_out, n_in) if iq1 else (0, 0), numpy.int8)
+    step = max(1, (1 << 20) // n_in)
+    for r in range(0, n_out, step):
+        unit_blocks = raw[r:r + step].reshape(-1, block_bytes).copy()
+        unit(unit_blocks)
+        offset = _D_OFFSET.get(qtype, 0)
+        if offset is not None:
+            unit_blocks[:, offset:offset + 2] = _ONE_F16
+        values = numpy.rint(quants.dequantize(unit_blocks, qtype).astype(numpy.float64) * factor)
+        values = values.astype(numpy.int32).reshape(-1, n_in)
+        if iq1:  # 8·(g ± 1/8): g the ternary grid value, ±1 the delta
+            g = numpy.rint(values / 8.0).astype(numpy.int32)
+            w[r:r + step], delta[r:r + step] = g, values - 8 * g
+        else:
+            w[r:r + step] = values
+    return w, delta, scales, d.astype(numpy.float32)
+
+
+@njit
+def _lanes(w, wr, sc, x, xr, b, lanes):  # pragma: no cover - compiled
+    """The eight int32 lanes of pmaddubsw + pmaddwd over super-block b: lane L gets the
+    products of elements 4L..4L+3 of each 32, times their 16-value scale."""
+    base = b * 256
+    for lane in range(8):
+        lanes[lane] = 0
+    for c in range(8):
+        for lane in range(8):
+            k = base + 32 * c + 4 * lane
+            t = (numpy.int32(w[wr, k]) * x[xr, k] + numpy.int32(w[wr, k + 1]) * x[xr, k + 1]
+                 + numpy.int32(w[wr, k + 2]) * x[xr, k + 2] + numpy.int32(w[wr, k + 3]) * x[xr, k + 3])
+            lanes[lane] += sc[wr, k >> 4] * t
+
+
+@njit
+def _tq_lanes(w, wr, x, xr, b, lanes):  # pragma: no cover - compiled
+    """TQ's lanes: the unsigned digits (w + 1) against the activation in 16-bit lanes, then the
+    block's bsums subtracted lane by lane (i16 lane k: bsums[k], the sum of values 16k..16k+15)
+    before pmaddwd by 1, so lane L = Σ (w+1)·x over its 4-of-32 positions - Σ x[32L..32L+31]."""
+    base = b * 256
+    for lane in range(8):
+        lanes[lane] = 0
+    for c in range(8):
+        for lane in range(8):
+            k = base + 32 * c + 4 * lane
+            for e in range(4):
+                lanes[lane] += (numpy.int32(w[wr, k + e]) + 1) * x[xr, k + e]
+    for lane in range(8):
+        k = base + 32 * lane
+        for e in range(32):
+            lanes[lane] -= x[xr, k + e]
+
+
+@njit
+def _hsum8(a):  # pragma: no cover - compiled
+    """hsum_float_8: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)) in f32."""
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+
+
+@njit
+def _grid_dot(code, f_vd, f_t, w, delta, sc, wd, wr, x, xd, xr, lanes, lanes2, acc, acc2):  # pragma: no cover
+    """One output: weight row wr (unpacked) by activation row xr (q8_K) in arithmetic ``code``."""
+    nb = w.shape[1] // 256
+    zero = numpy.float32(0.0)
+    if code == _GRID_T:  # tiled: one exact integer per super-block, res = d0·s1, out = fma(res, d_x, out)
+        out = zero
+        for b in range(nb):
+            _lanes(w, wr, sc, x, xr, b, lanes)
+            s1 = numpy.int64(0)
+            for lane in range(8):
+                s1 += lanes[lane]
+            if delta.shape[0] > 0:  # IQ1: the tile's code is 8·g + delta
+                _lanes(delta, wr, sc, x, xr, b, lanes2)
+                s1 *= 8
+                for lane in range(8):
+                    s1 += lanes2[lane]
+            d0 = wd[wr, b] * numpy.float32(f_t)
+            out = fma32(d0 * numpy.float32(s1), xd[xr, b], out)
+        return out
+    for lane in range(8):
+        acc[lane] = zero
+        acc2[lane] = zero
+    scalar = zero
+    for b in range(nb):
+        d = wd[wr, b] * xd[xr, b]
+        if code == _TQ_VD:
+            _tq_lanes(w, wr, x, xr, b, lanes)
+        else:
+            _lanes(w, wr, sc, x, xr, b, lanes)
+        for lane in range(8):
+            acc[lane] = fma32(d, numpy.float32(lanes[lane]), acc[lane])
+        if code == _IQ1S_VD:  # the deltas' integer (bsums·sign·ls over the 32s) in a scalar chain
+            _lanes(delta, wr, sc, x, xr, b, lanes2)
+            s = numpy.int64(0)
+            for lane in range(8):
+                s += lanes2[lane]
+            scalar = fma32(d, numpy.float32(s), scalar)
+        elif code == _IQ1M_VD:  # the deltas' lanes in a second vector chain
+            _lanes(delta, wr, sc, x, xr, b, lanes2)
+            for lane in range(8):
+                acc2[lane] = fma32(d, numpy.float32(lanes2[lane]), acc2[lane])
+    total = _hsum8(acc)
+    if code == _IQ1S_VD:  # hsum + IQ1S_DELTA·accum1 (vmulss, vaddss)
+        return total + numpy.float32(0.125) * scalar
+    if code == _IQ1M_VD:  # fma(hsum(accum2), IQ1M_DELTA, hsum(accum1))
+        return fma32(_hsum8(acc2), numpy.float32(0.125), total)
+    return numpy.float32(f_vd) * total
+
+
+@njit
+def _grid_rows(code, f_vd, f_t, w, delta, sc, wd, r0, r1, x, xd, out):  # pragma: no cover - compiled
+    lanes = numpy.empty(8, numpy.int32)
+    lanes2 = numpy.empty(8, numpy.int32)
+    acc = numpy.empty(8, numpy.float32)
+    acc2 = numpy.empty(8, numpy.float32)
+    for r in range(r0, r1):
+        for t in range(x.shape[0]):
+            out[t, r] = _grid_dot(code, f_vd, f_t, w, delta, sc, wd, r, x, xd, t, lanes, lanes2, acc, acc2)
+
+
+@njit
+def _grid_serial(code, f_vd, f_t, w, delta, sc, wd, x, xd, out):  # pragma: no cover - compiled
+    _grid_rows(code, f_vd, f_t, w, delta, sc, wd, 0, w.shape[0], x, xd, out)
+
+
+@njit(parallel=True)
+def _grid_parallel(code, f_vd, f_t, w, delta, sc, wd, x, xd, out):  # pragma: no cover - compiled
+    n_out = w.shape[0]
+    for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        r0 = task * ROWS_PER_TASK
+        _grid_rows(code, f_vd, f_t, w, delta, sc, wd, r0, min(r0 + ROWS_PER_TASK, n_out), x, xd, out)
+
+
+class IQGridMatrix(IQuantMatrix):
+    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0: the activation rounded
+    to q8_K (exact_kquants.KActivation, shared with the K-quants); never repacked on x86. The
+    weight is also kept unpacked (one byte per value; see the section comment)."""
+
+    stack = KMatrixStack
+
+    def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
+        super().__init__(raw, qtype, n_out, n_in, repacked)
+        self.w, self.delta, self.scales, self.d = _unpack(self.raw, self.qtype, n_out, n_in)
+
+    def quantize(self, x: numpy.ndarray) -> KActivation:
+        return KActivation(x)
+
+    def matmul(self, x: numpy.ndarray | KActivation) -> numpy.ndarray:
+        """x [m, n_in] f32 (or its KActivation) -> [m, n_out] f32, bit-identical to ggml."""
+        act = x if isinstance(x, KActivation) else self.quantize(x)
+        if act.packed_rows:
+            raise ValueError("activation was rounded for a repacked matrix")
+        if act.q.shape[1] != self.n_in:
+            raise ValueError(f"activation width {act.q.shape[1]} != n_in {self.n_in}")
+        out = numpy.empty((act.q.shape[0], self.n_out), numpy.float32)
+        _grid_run(self._code(act.q.shape[0]), self, act.q, act.d, out)
+        return out
+
+    def _code(self, m: int) -> int:
+        tiled = _GRID[self.qtype][7] is not None and m >= TILED_MIN_ROWS
+        return _GRID_T if tiled else _GRID[self.qtype][5]
+
+
+def _grid_run(code: int, matrix: IQGridMatrix, q: numpy.ndarray, d: numpy.ndarray, out: numpy.ndarray) -> None:
+    """out = the product in arithmetic ``code`` (ggml's pick is matrix._code(m))."""
+    if q.shape[0] == 0:
+        return
+    spec = _GRID[matrix.qtype]
+    f_t = spec[7] if spec[7] is not None else 1.0
+    macs = q.shape[0] * matrix.n_out * matrix.n_in
+    (_grid_parallel if macs >= PARALLEL_MIN_MACS else _grid_serial)(
+        code, spec[6], f_t, matrix.w, matrix.delta, matrix.scales, matrix.d, q, d, out)
