@@ -78,44 +78,117 @@ def repacked_by_llama_server(qtype: T | int, n_out: int, token_embd: bool = Fals
 # Activation rounding to q8_K
 
 
+@intrinsic
+def _round_block(typingctx, x, off, iscale, q, bsums, s_off):
+    """q.flat[off:off+256] = min(rint(x·iscale), 127) as int8 and bsums.flat[s_off:s_off+16]
+    their sums per 16, for one block of x.flat[off:off+256], in 8-lane vectors (vmulps,
+    vroundps to nearest even, cvtps2dq: the scalar rounding's operations, a lane each)."""
+    sig = types.void(x, off, iscale, q, bsums, s_off)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args
+        _, off, iscale, _, _, s_off = args
+        xdata, qdata, sdata = (_data(context, builder, aty[i], args[i]) for i in (0, 3, 4))
+        v8f = ir.VectorType(_F32, 8)
+        mul = _splat(builder, iscale, v8f)
+        top = ir.Constant(_V8I32, [127] * 8)
+        for j in range(16):
+            total = None
+            for h in range(2):
+                at = builder.add(off, ir.Constant(off.type, 16 * j + 8 * h))
+                v = builder.load(builder.bitcast(builder.gep(xdata, [at]), v8f.as_pointer()), align=4)
+                r = _call(builder, "llvm.x86.avx.round.ps.256", v8f, [builder.fmul(v, mul), ir.Constant(_I32, 0)])
+                i = _call(builder, "llvm.x86.avx.cvt.ps2dq.256", _V8I32, [r])
+                i = builder.select(builder.icmp_signed(">", i, top), top, i)
+                builder.store(builder.trunc(i, ir.VectorType(_I8, 8)),
+                              builder.bitcast(builder.gep(qdata, [at]), ir.VectorType(_I8, 8).as_pointer()), align=1)
+                total = i if total is None else builder.add(total, i)
+            total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [total])
+            builder.store(builder.trunc(total, _I16), builder.gep(sdata, [builder.add(s_off, ir.Constant(s_off.type, j))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _bit_vectors(context, builder, aty, arr, off) -> list:
+    """The 32 <8 x i32> of one block of 256 values of an int32 array, from flat offset off."""
+    data = _data(context, builder, aty, arr)
+    return [builder.load(builder.bitcast(builder.gep(data, [builder.add(off, ir.Constant(off.type, 8 * k))]),
+                                         _V8I32.as_pointer()), align=4) for k in range(32)]
+
+
+@intrinsic
+def _block_top(typingctx, bits, off):
+    """max over the block of (bits & 0x7FFFFFFF): the largest |x| as its bit pattern (the integer
+    order of non-negative floats' patterns is their order; a NaN's is above +inf's)."""
+    sig = types.int32(bits, off)
+
+    def codegen(context, builder, signature, args):
+        mask = ir.Constant(_V8I32, [0x7FFFFFFF] * 8)
+        vecs = [builder.and_(v, mask) for v in _bit_vectors(context, builder, signature.args[0], args[0], args[1])]
+        while len(vecs) > 1:
+            vecs = [_call(builder, "llvm.smax.v8i32", _V8I32, [a, b]) for a, b in zip(vecs[0::2], vecs[1::2])]
+        return _call(builder, "llvm.vector.reduce.smax.v8i32", _I32, [vecs[0]])
+
+    return sig, codegen
+
+
+@intrinsic
+def _block_has(typingctx, bits, off, pattern):
+    """Whether the block holds a value with exactly this bit pattern."""
+    sig = types.boolean(bits, off, pattern)
+
+    def codegen(context, builder, signature, args):
+        want = _splat(builder, context.cast(builder, args[2], signature.args[2], types.int32), _V8I32)
+        found = None
+        for v in _bit_vectors(context, builder, signature.args[0], args[0], args[1]):
+            eq = builder.icmp_signed("==", v, want)
+            found = eq if found is None else builder.or_(found, eq)
+        return _call(builder, "llvm.vector.reduce.or.v8i1", ir.IntType(1), [found])
+
+    return sig, codegen
+
+
 @njit
-def _quantize_block(x, t, b, pos_wins, q, d, bsums):  # pragma: no cover - compiled
+def _quantize_block(x, bits, t, b, pos_wins, q, d, bsums):  # pragma: no cover - compiled
     """One 256-value block. ``quantize_row_q8_K_ref`` (the x86 build's from_float): the scale's
     sign is that of the first value of largest magnitude; ``ggml_quantize_mat_q8_K_4x8``
     (``pos_wins``): negative whenever +amax occurs. iscale = ∓127/amax, d = 1/iscale, quants
-    rint(x·iscale) (the ref's 1.5·2^23 trick is SSE2 mul then add, no fma: the same)."""
+    rint(x·iscale) (the ref's 1.5·2^23 trick is SSE2 mul then add, no fma: the same).
+
+    The largest magnitude is found on the bit patterns (``bits``: x as int32), where the
+    integer order of |x| is the float order and the max reduction vectorises (a float one does
+    not without fast-math); the first value that has it is then a short scan. A NaN (ggml's
+    ``ax > amax`` never takes one) sends the block to the scalar search."""
     base = b * QK_K
-    amax = numpy.float32(0.0)
-    first = numpy.float32(0.0)
-    has_pos = False
-    for k in range(QK_K):
-        v = x[t, base + k]
-        a = abs(v)
-        if a > amax:
-            amax = a
-            first = v
-    if amax == numpy.float32(0.0):
+    off = t * bits.shape[1] + base
+    top = _block_top(bits, off)
+    at = -1  # the first value of largest magnitude
+    if top > numpy.int32(0x7F800000):  # a NaN: ggml's own search, which skips it
+        amax = numpy.float32(0.0)
+        for k in range(QK_K):
+            if abs(x[t, base + k]) > amax:
+                amax, at = abs(x[t, base + k]), k
+    elif top != 0:
+        for k in range(QK_K):
+            if bits[t, base + k] & numpy.int32(0x7FFFFFFF) == top:
+                at = k
+                break
+    if at < 0:  # all zero (or NaN)
         d[t, b] = numpy.float32(0.0)
         for k in range(QK_K):
             q[t, base + k] = 0
         for j in range(16):
             bsums[t, b * 16 + j] = 0
         return
-    if pos_wins:
-        for k in range(QK_K):
-            if x[t, base + k] == amax:
-                has_pos = True
-        iscale = numpy.float32(-127.0) / amax if has_pos else numpy.float32(127.0) / amax
+    first = x[t, base + at]
+    amax = abs(first)
+    if pos_wins:  # negative scale whenever +amax occurs
+        positive = _block_has(bits, off, bits[t, base + at] & numpy.int32(0x7FFFFFFF))
+        iscale = numpy.float32(-127.0) / amax if positive else numpy.float32(127.0) / amax
     else:
         iscale = numpy.float32(-127.0) / first
-    for j in range(16):
-        total = 0
-        for k in range(16):
-            v = numpy.int32(numpy.rint(iscale * x[t, base + 16 * j + k]))
-            v = min(v, 127)
-            q[t, base + 16 * j + k] = v
-            total += v
-        bsums[t, b * 16 + j] = total
+    _round_block(x, t * x.shape[1] + base, iscale, q, bsums, t * bsums.shape[1] + b * 16)
     d[t, b] = numpy.float32(1.0) / iscale
 
 
@@ -124,12 +197,13 @@ def _quantize(x, groups_of_four):  # pragma: no cover - compiled
     """Rows [0, groups_of_four) by the 4x8 packing rule, the rest by quantize_row_q8_K."""
     m, n = x.shape
     nb = n // QK_K
+    bits = x.view(numpy.int32)
     q = numpy.empty((m, n), numpy.int8)
     d = numpy.empty((m, nb), numpy.float32)
     bsums = numpy.empty((m, nb * 16), numpy.int16)
     for t in range(m):
         for b in range(nb):
-            _quantize_block(x, t, b, t < groups_of_four, q, d, bsums)
+            _quantize_block(x, bits, t, b, t < groups_of_four, q, d, bsums)
     return q, d, bsums
 
 
