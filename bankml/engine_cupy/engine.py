@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from bankml.engine_cupy import checkpoints as _checkpoints
+from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
 from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.grammar import (ConstraintError, ConstraintSpec, Constraint, build_llg_tokenizer,
                                         resolve_constraint)
@@ -27,22 +29,30 @@ from bankml.engine_cupy.sampler import (LogitBias, SamplerError, SamplerParams, 
                                         logarithm, parse_logit_bias, post_sampling_probs, token_logprobs)
 from bankml.engine_cupy.tokenizer import Tokenizer
 
-MICRO_BATCH = 512
-# llama-server's context checkpoints: for a model with sliding-window layers it ends a prompt batch
-# this many tokens before the prompt's end (server-context.cpp, checkpoint_offsets), so that the
-# window's state can be saved there; each batch is then split into micro-batches from its start.
-CHECKPOINT_OFFSETS = (4 + MICRO_BATCH, 4)
+MICRO_BATCH = _checkpoints.N_UBATCH
 
 
-def prompt_batches(start: int, end: int, checkpoints: bool) -> list[tuple[int, int]]:
+def prompt_batches(start: int, end: int, checkpoints: bool,
+                   spans: MessageSpans = MessageSpans()) -> list[tuple[int, int]]:
     """The micro-batches [a, b) llama-server evaluates prompt positions start..end-1 in: 512 at a
-    time from start, and, with ``checkpoints`` (sliding-window models), cut again 516 and 4 tokens
-    before the end. The cuts decide which attention kernel (tiled or one-row) each token sees."""
-    cuts = {start, end}
-    if checkpoints:
-        cuts |= {end - k for k in CHECKPOINT_OFFSETS if start < end - k < end}
-    edges = sorted(cuts)
-    return [(a, min(a + MICRO_BATCH, b)) for a, b in zip(edges, edges[1:]) for a in range(a, b, MICRO_BATCH)]
+    time from start, and, with ``checkpoints`` (sliding-window models), its batches also end 516
+    and 4 tokens before the end and at user-message starts (``spans``; as with no checkpoint
+    taken yet: the engine's own loop follows the slot's checkpoints). The cuts decide which
+    attention kernel (tiled or one-row) each token sees."""
+    out: list[tuple[int, int]] = []
+    a = start
+    while a < end:
+        b = _checkpoints.batch_end(a, end, spans, []) if checkpoints else min(a + _checkpoints.N_BATCH, end)
+        out += _micro_batches(a, b)
+        a = b
+    return out
+
+
+def _micro_batches(a: int, b: int) -> list[tuple[int, int]]:
+    """llama_decode's split of one batch [a, b) into ubatches of 512."""
+    return [(i, min(i + MICRO_BATCH, b)) for i in range(a, b, MICRO_BATCH)]
+
+
 INT32_MAX = 2_147_483_647
 INT64_MAX = 2**63 - 1
 N_SLOTS = 1  # llama-server's n_parallel: the upper limit of n_cmpl
@@ -75,6 +85,7 @@ class Request:
     n_indent: int = 0                  # stop when a later line is indented less (code completion)
     t_max_predict_ms: int = -1         # stop at a newline once generation took this long
     options: dict[str, Any] = field(default_factory=dict)  # accepted fields the answer reports back
+    spans: MessageSpans = field(default_factory=MessageSpans)  # user-message starts (checkpoint cuts)
 
 
 @dataclass
@@ -410,6 +421,11 @@ class Engine:
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         self._llg: Any = None
+        self._chat_delimiters: list[tuple[str, list[int]]] | None = None
+        window = getattr(model, "hp", None) and model.hp.swa_window
+        # llama-server's context checkpoints: only for sliding-window models (n_swa > 0)
+        self.checkpoints = Checkpoints(window) if getattr(model, "has_sliding_window", False) else None
+        self._task_id = 0
         self._vocab_info = VocabInfo(self._pieces, lambda s: self.tokenize(s))
 
     @classmethod
@@ -483,13 +499,33 @@ class Engine:
             raise RequestError(str(err)) from None
         except ConstraintError as err:
             raise RequestError(str(err), reason=err.reason) from None
+        delimiters = self._message_delimiters(body, kind)
         out = []
         for prompt_text, tokens in prompts:
             self._check_context(tokens)
             out.append(Request(kind, tokens, params, constraint, task["n_predict"], stop, max(params.n_probs, 0),
                                task["cache_prompt"], prompt_text, post_sampling, task["n_indent"],
-                               task["t_max_predict_ms"], task))
+                               task["t_max_predict_ms"], task, find_spans(tokens, delimiters)))
         return out
+
+    def _message_delimiters(self, body: Mapping[str, Any], kind: str) -> list[tuple[str, list[int]]]:
+        """The role markers llama-server finds message starts by, for its context checkpoints
+        (a sliding-window model only): a chat prompt's come from the template's analysis, a
+        /completion body may give its own ``message_delimiters`` ([{role, delimiter}])."""
+        if not getattr(self.model, "has_sliding_window", False):
+            return []
+        if kind == "chat":
+            if self._chat_delimiters is None:
+                markers = [("assistant", _checkpoints.assistant_start_marker(self.apply_template)),
+                           ("user", _checkpoints.user_start_marker(self.apply_template))]
+                self._chat_delimiters = [(role, self.tokenize(text, parse_special=True))
+                                         for role, text in markers if text]
+            return self._chat_delimiters
+        given = body.get("message_delimiters")
+        if not isinstance(given, list):  # json_value: anything but an array reads as none
+            return []
+        return [(d.get("role"), self.tokenize(str(d.get("delimiter", "")), parse_special=True))
+                for d in given if isinstance(d, dict)]
 
     def _with_biases(self, body: Mapping[str, Any], params: SamplerParams) -> SamplerParams:
         """logit_bias, then ignore_eos's -inf on every end-of-generation token (appended, as
@@ -579,36 +615,63 @@ class Engine:
         """Prefill then generate; iterate for Chunks, then read ``.summary``."""
         return Steps(lambda steps: self._run(request, cancelled, steps.summary))
 
-    def _prefill(self, tokens: list[int], cache_prompt: bool, cancelled: Callable[[], bool]
-                 ) -> tuple[int, np.ndarray | None]:
+    def _prefill(self, tokens: list[int], cache_prompt: bool, cancelled: Callable[[], bool],
+                 spans: MessageSpans = MessageSpans()) -> tuple[int, np.ndarray | None]:
         """Reuse the slot's common prefix (re-evaluating the last prompt token when all of it is
-        cached), then evaluate the rest in micro-batches. Returns (cache_n, last logits or None if
+        cached; for a sliding-window model, as far as llama-server's checkpoints allow), then
+        evaluate the rest in llama-server's batches. Returns (cache_n, last logits or None if
         cancelled)."""
         if cache_prompt:
             self._use_host_cache(tokens)
         n_past = longest_common_prefix(self.slot_tokens, tokens) if cache_prompt else 0
+        self._task_id += 1
+        if self.checkpoints is not None:
+            n_past = self.checkpoints.reuse(n_past, len(tokens), len(self.slot_tokens), self.cache.pos_min,
+                                            self.cache.load_ring)
         if n_past == len(tokens):
             n_past -= 1
         self.cache.truncate(n_past)
         self.slot_tokens = self.slot_tokens[:n_past]
         logits = None
-        for start, end in prompt_batches(n_past, len(tokens), self.model.has_sliding_window):
-            if cancelled():
-                return n_past, None
-            batch = tokens[start:end]
-            logits = self.model.forward(batch, self.cache)
-            self.slot_tokens += batch
+        start = n_past
+        while start < len(tokens):
+            end = self._batch_end(start, len(tokens), spans)
+            for a, b in _micro_batches(start, end):
+                if cancelled():
+                    return n_past, None
+                batch = tokens[a:b]
+                logits = self.model.forward(batch, self.cache)
+                self.slot_tokens += batch
+            start = end
         return n_past, logits
 
+    def _batch_end(self, start: int, n_prompt: int, spans: MessageSpans) -> int:
+        """Where llama-server's prompt batch from ``start`` ends; for a sliding-window model the
+        checkpoint it takes before decoding that batch is recorded here."""
+        ckpts = self.checkpoints
+        if ckpts is None:
+            return min(start + _checkpoints.N_BATCH, n_prompt)
+        end = _checkpoints.batch_end(start, n_prompt, spans, ckpts.items, ckpts.min_step)
+        pos_min = self.cache.pos_min
+        if _checkpoints.takes_checkpoint(start, end, n_prompt, pos_min, spans, ckpts.items, ckpts.min_step):
+            ckpts.create(start, pos_min, self.cache.pos_max, self._task_id, self.cache.ring_positions())
+        return end
+
     def _use_host_cache(self, prompt: list[int]) -> None:
-        """llama-server's --cache-ram: keep the slot's context for later, bring back a better one."""
+        """llama-server's --cache-ram: keep the slot's context (and its checkpoints) for later,
+        bring back a better one."""
         if not self.host_cache.should_run(self.slot_tokens, prompt):
             return
-        self.host_cache.save(self.slot_tokens, self.cache)
+        held = self.checkpoints.items if self.checkpoints is not None else []
+        self.host_cache.save(self.slot_tokens, self.cache, held)
         entry = self.host_cache.take_better(self.slot_tokens, prompt)
         if entry is not None:
             self.cache.restore(entry.kv, len(entry.tokens))
+            if entry.ring is not None:
+                self.cache.load_ring(entry.ring)  # the ring as the entry held it
             self.slot_tokens = list(entry.tokens)
+            if self.checkpoints is not None:
+                self.checkpoints.items = list(entry.checkpoints)
 
     def _run(self, req: Request, cancelled: Callable[[], bool], summary: Summary) -> Iterator[Chunk]:
         clock = Clock(t_start=time.perf_counter())
@@ -619,7 +682,7 @@ class Engine:
         sampler = self._new_sampler(req.sampler)
         constraint = (Constraint(req.constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
                       if req.constraint else None)
-        cache_n, logits = self._prefill(tokens, req.cache_prompt, cancelled)
+        cache_n, logits = self._prefill(tokens, req.cache_prompt, cancelled, req.spans)
         prompt_n = len(tokens) - cache_n
         summary.timings = clock.timings(cache_n, prompt_n, 0)
         if logits is None:

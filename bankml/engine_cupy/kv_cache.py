@@ -126,6 +126,20 @@ class SlidingCells:
         if freed.size and freed[0] < self.head:
             self.head = int(freed[0])
 
+    def held(self) -> numpy.ndarray:
+        """What llama_state_seq_get_data writes of this cache (a context checkpoint, a prompt
+        cache entry, a slot file): the occupied cells not masked for the largest position
+        (is_masked_swa against seq_pos_max, so the last ``window`` positions), in cell order."""
+        pos_max = int(self.pos.max())
+        return self.pos[(self.pos >= 0) & (pos_max - self.pos < self.window)].copy()
+
+    def load(self, positions: numpy.ndarray) -> numpy.ndarray:
+        """llama_state_seq_set_data of a checkpoint (state_read_meta): seq_rm the whole
+        sequence, then find_slot and apply_ubatch for the saved cells in their saved order.
+        Returns the cells they now occupy."""
+        self.remove_from(0)
+        return self.place(numpy.asarray(positions, numpy.int64)) if len(positions) else positions
+
     def holds(self, start: int, end: int) -> bool:
         """Whether every position start..end-1 is in a cell."""
         return bool(numpy.isin(numpy.arange(start, end), self.pos).all())
@@ -259,6 +273,29 @@ class KVCache:
         held = self.cells.pos[self.cells.pos >= 0]
         return int(held.min()) if held.size else -1
 
+    @property
+    def pos_max(self) -> int:
+        """llama_memory_seq_pos_max: the largest position held (-1 when empty)."""
+        return self._n_tokens - 1
+
+    def ring_positions(self) -> numpy.ndarray | None:
+        """What a saved state of the SWA cache holds (``SlidingCells.held``: the window's
+        positions in cell order; their values are the position store's, which keeps them);
+        None without a ring."""
+        return None if self.cells is None else self.cells.held()
+
+    def load_ring(self, positions: numpy.ndarray | None) -> None:
+        """Restore a context checkpoint taken by ``ring_positions``: the ring holds those
+        positions again, laid out as llama.cpp reads a saved sequence back, with their values
+        from the position store (positions before the checkpoint are never recomputed while it
+        is kept: llama-server erases a checkpoint once the slot is cut before its pos_max)."""
+        if self.cells is None or positions is None:
+            return
+        cells = self.cells.load(positions)
+        for il in self._ring_k:
+            self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
+            self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
+
     def in_ring(self, layer: int) -> bool:
         """Whether ``layer``'s attention reads the SWA ring's cells (keys/values/quantized then
         take a number of cells, not of positions)."""
@@ -270,20 +307,13 @@ class KVCache:
             self._batch_cells = self.cells.place(numpy.arange(start, start + n))
 
     def _relay_ring(self) -> None:
-        """Lay the ring out as a sequence evaluated from position 0 in ubatches would be, and
-        copy its cells from the position store (after a restore, or a truncation that dropped
-        positions the window still needs)."""
+        """Lay the ring out as llama.cpp reads a saved sequence back (a slot file, or after a
+        truncation that dropped positions the window still needs): its last ``window``
+        positions, from the first free cell, values from the position store."""
         if self.cells is None:
             return
-        self.cells = SlidingCells(self.cells.size, self.cells.window)
         n = self._n_tokens
-        for a in range(0, n, self.n_ubatch):
-            self.cells.place(numpy.arange(a, min(a + self.n_ubatch, n)))
-        cells = numpy.flatnonzero(self.cells.pos >= 0)
-        positions = self.cells.pos[cells]
-        for il in self._ring_k:
-            self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
-            self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
+        self.load_ring(numpy.arange(max(0, n - self.cells.window), n))
 
     def _copy_cells(self, src: Any, dst: Any, positions: Any, cells: Any) -> None:
         """dst[:, cells] = src[:, positions], for an f32 array or a q8_0 (values, scales) pair."""
@@ -311,7 +341,7 @@ class KVCache:
         self._n_tokens = int(n)
         if self.cells is not None:
             self.cells.remove_from(n)
-            if not self.cells.holds(max(0, n - self.cells.window), n):
+            if not self.cells.holds(max(0, n - self.cells.window + 1), n):  # the window of position n
                 self._relay_ring()
 
     def snapshot(self) -> list[Any]:

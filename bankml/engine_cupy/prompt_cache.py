@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,8 @@ class Entry:
     tokens: list[int]
     kv: list[Any]
     nbytes: int
+    ring: Any = None  # the SWA ring's positions in cell order (KVCache.ring_positions)
+    checkpoints: list[Any] = field(default_factory=list)  # the slot's context checkpoints, kept with it
 
 
 def _kv_bytes(kv: list[Any]) -> int:
@@ -86,14 +88,15 @@ class HostPromptCache:
         similarity = lcp / len(prompt) if prompt else 1.0
         return self.enabled and (not slot or similarity <= 0.1 or lcp < len(slot) / 2)
 
-    def save(self, slot: Sequence[int], cache: Any) -> None:
-        """Copy the slot in, as llama-server's prompt save does."""
+    def save(self, slot: Sequence[int], cache: Any, checkpoints: Sequence[Any] = ()) -> None:
+        """Copy the slot in, as llama-server's prompt save does (its checkpoints with it)."""
         tokens = list(slot)
         if not tokens or any(_holds_whole(e.tokens, tokens) for e in self.entries):
             return
         self.entries = [e for e in self.entries if not _holds_whole(tokens, e.tokens)]
         kv = cache.snapshot()
-        entry = Entry(tokens, kv, _kv_bytes(kv))
+        ring = cache.ring_positions() if hasattr(cache, "ring_positions") else None
+        entry = Entry(tokens, kv, _kv_bytes(kv), ring, list(checkpoints))
         if self.limit is not None and entry.nbytes > self.limit:
             return
         while self.entries and self.limit is not None and self.nbytes + entry.nbytes > self.limit:
