@@ -35,8 +35,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, BlockRows, MatrixStack, _byte_ptr,
-                                             _call, _data, _half, _hsum, _load, _splat)
+from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_ELEMENTS, PARALLEL_MIN_MACS, BlockRows,
+                                             MatrixStack, _byte_ptr, _call, _data, _half, _hsum, _load, _splat)
 from bankml.engine_cupy.jit import njit
 
 __all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
@@ -193,17 +193,31 @@ def _quantize_block(x, bits, t, b, pos_wins, q, d, bsums):  # pragma: no cover -
 
 
 @njit
-def _quantize(x, groups_of_four):  # pragma: no cover - compiled
+def _quantize_row(x, bits, t, pos_wins, q, d, bsums):  # pragma: no cover - compiled
+    for b in range(x.shape[1] // QK_K):
+        _quantize_block(x, bits, t, b, pos_wins, q, d, bsums)
+
+
+@njit
+def _quantize_serial(x, groups_of_four):  # pragma: no cover - compiled
     """Rows [0, groups_of_four) by the 4x8 packing rule, the rest by quantize_row_q8_K."""
     m, n = x.shape
-    nb = n // QK_K
-    bits = x.view(numpy.int32)
-    q = numpy.empty((m, n), numpy.int8)
-    d = numpy.empty((m, nb), numpy.float32)
-    bsums = numpy.empty((m, nb * 16), numpy.int16)
+    q, d, bsums = numpy.empty((m, n), numpy.int8), numpy.empty((m, n // QK_K), numpy.float32), \
+        numpy.empty((m, n // QK_K * 16), numpy.int16)
     for t in range(m):
-        for b in range(nb):
-            _quantize_block(x, bits, t, b, t < groups_of_four, q, d, bsums)
+        _quantize_row(x, x.view(numpy.int32), t, t < groups_of_four, q, d, bsums)
+    return q, d, bsums
+
+
+@njit(parallel=True)
+def _quantize_parallel(x, groups_of_four):  # pragma: no cover - compiled
+    """_quantize_serial's rows on the Numba threads (each row's rounding is its own)."""
+    m, n = x.shape
+    q, d, bsums = numpy.empty((m, n), numpy.int8), numpy.empty((m, n // QK_K), numpy.float32), \
+        numpy.empty((m, n // QK_K * 16), numpy.int16)
+    bits = x.view(numpy.int32)
+    for t in prange(m):
+        _quantize_row(x, bits, t, t < groups_of_four, q, d, bsums)
     return q, d, bsums
 
 
@@ -217,7 +231,8 @@ class KActivation:
         if x.ndim != 2 or x.shape[1] % QK_K:
             raise ValueError(f"activation must be [m, k] with k a multiple of {QK_K}, got {x.shape}")
         self.packed_rows = packed_rows
-        self.q, self.d, self.bsums = _quantize(x, packed_rows)
+        quantize = _quantize_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_serial
+        self.q, self.d, self.bsums = quantize(x, packed_rows)
 
     def blocks(self) -> numpy.ndarray:
         """ggml's block_q8_K bytes (f32 d, int8 qs[256], int16 bsums[16]), [m, n/256 * 292]."""
