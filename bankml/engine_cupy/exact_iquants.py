@@ -399,7 +399,7 @@ class IQ4XSMatrix(IQuantMatrix):
 #   acc1 = fma(d, float(Σ), acc1) (vfmadd231ss in the build); out = hsum(acc) + 0.125·acc1.
 # - _IQ1M_VD: the grid's and the deltas' lanes in two vector chains;
 #   out = fma(hsum(acc2), 0.125, hsum(acc1)) (vfmadd132ss).
-# - _TQ_VD: lanes as in _tq_lanes; acc = fma(float(lanes), d, acc), hsum_float_8.
+# - _TQ_VD: lanes as in _tq_correction; acc = fma(float(lanes), d, acc), hsum_float_8.
 # - _GRID_T (tiled; IQ types only): s1 = the super-block's whole integer (IQ1: its code
 #   8·g + delta), out = fma((d_w·f)·float(s1), d_x, out) from 0 over the super-blocks, f the
 #   power of two the tile folds into d (0.125 IQ2/IQ1, 0.25 IQ3_XXS, 1 IQ3_S).
@@ -488,12 +488,12 @@ _BLOCK.update({qtype: (QK_K, spec[0]) for qtype, spec in _GRID.items()})
 
 
 def _unpack(raw: numpy.ndarray, qtype: T, n_out: int, n_in: int) -> tuple:
-    """GGUF rows -> (w int8 [n_out, n_in], delta int8 [n_out, n_in] or [0, 0], scales int32
+    """GGUF rows -> (w int8 [n_out, n_in], delta int8 [n_out, n_in] or [0, 0], scales int16
     [n_out, n_in/16], d f32 [n_out, n_in/256]); see the section comment."""
     block_bytes, d_of, unit, scales_of, factor = _GRID[qtype][:5]
     blocks = raw.reshape(-1, block_bytes)
     d = d_of(blocks).reshape(n_out, -1)
-    scales = (2 * scales_of(blocks).astype(numpy.int32) + 1).reshape(n_out, -1)
+    scales = (2 * scales_of(blocks).astype(numpy.int16) + 1).reshape(n_out, -1)
     iq1 = qtype in (T.IQ1_S, T.IQ1_M)
     w = numpy.empty((n_out, n_in), numpy.int8)
     delta = numpy.empty((n_out, n_in) if iq1 else (0, 0), numpy.int8)
@@ -514,38 +514,50 @@ def _unpack(raw: numpy.ndarray, qtype: T, n_out: int, n_in: int) -> tuple:
     return w, delta, scales, d.astype(numpy.float32)
 
 
+@intrinsic
+def _block_lanes(typingctx, w, w_off, sc, sc_off, x, x_off, lanes):
+    """lanes[0:8] = the eight int32 lanes of pmaddubsw + pmaddwd over one super-block: lane L
+    gets the products of elements 4L..4L+3 of each 32, times their 16-value scale. w (int8
+    values) and x (int8 quants) at element offsets w_off and x_off, sc (int16) at sc_off."""
+    sig = types.void(w, w_off, sc, sc_off, x, x_off, lanes)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args
+        wbase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[4], args[4])
+        scales = _data(context, builder, aty[2], args[2])
+        w_off, sc_off, x_off = args[1], args[3], args[5]
+        ity = w_off.type
+        total = None
+        for c in range(8):
+            at = ir.Constant(ity, 32 * c)
+            wv = _load(builder, wbase, builder.add(w_off, at), _V32I8)
+            xv = _load(builder, xbase, builder.add(x_off, at), _V32I8)
+            halves = [_splat(builder, builder.load(builder.gep(scales, [builder.add(sc_off, ir.Constant(ity, 2 * c + h))])),
+                             ir.VectorType(_I16, 8)) for h in (0, 1)]
+            scale = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+            quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_signed_pairs(builder, wv, xv), scale])
+            total = quads if total is None else builder.add(total, quads)
+        out = builder.bitcast(_data(context, builder, aty[6], args[6]), _V8I32.as_pointer())
+        builder.store(total, out, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit
 def _lanes(w, wr, sc, x, xr, b, lanes):  # pragma: no cover - compiled
-    """The eight int32 lanes of pmaddubsw + pmaddwd over super-block b: lane L gets the
-    products of elements 4L..4L+3 of each 32, times their 16-value scale."""
-    base = b * 256
-    for lane in range(8):
-        lanes[lane] = 0
-    for c in range(8):
-        for lane in range(8):
-            k = base + 32 * c + 4 * lane
-            t = (numpy.int32(w[wr, k]) * x[xr, k] + numpy.int32(w[wr, k + 1]) * x[xr, k + 1]
-                 + numpy.int32(w[wr, k + 2]) * x[xr, k + 2] + numpy.int32(w[wr, k + 3]) * x[xr, k + 3])
-            lanes[lane] += sc[wr, k >> 4] * t
+    """The eight int32 lanes of weight row wr by activation row xr over super-block b."""
+    n = w.shape[1]
+    _block_lanes(w, wr * n + b * 256, sc, wr * (n // 16) + b * 16, x, xr * n + b * 256, lanes)
 
 
-@njit
-def _tq_lanes(w, wr, x, xr, b, lanes):  # pragma: no cover - compiled
-    """TQ's lanes: the unsigned digits (w + 1) against the activation in 16-bit lanes, then the
-    block's bsums subtracted lane by lane (i16 lane k: bsums[k], the sum of values 16k..16k+15)
-    before pmaddwd by 1, so lane L = Σ (w+1)·x over its 4-of-32 positions - Σ x[32L..32L+31]."""
-    base = b * 256
-    for lane in range(8):
-        lanes[lane] = 0
-    for c in range(8):
-        for lane in range(8):
-            k = base + 32 * c + 4 * lane
-            for e in range(4):
-                lanes[lane] += (numpy.int32(w[wr, k + e]) + 1) * x[xr, k + e]
-    for lane in range(8):
-        k = base + 32 * lane
-        for e in range(32):
-            lanes[lane] -= x[xr, k + e]
+def _tq_correction(q: numpy.ndarray) -> numpy.ndarray:
+    """TQ's vec_dot multiplies the unsigned digits w + 1 in 16-bit lanes and subtracts the
+    block's bsums lane by lane (i16 lane k: the sum of values 16k..16k+15) before pmaddwd by 1,
+    so lane L = Σ w·x over its 4-of-32 positions + (Σ x over the same positions - Σ
+    x[32L..32L+31]). The bracket depends on the activation only: [m, n/256, 8] int32."""
+    x = q.astype(numpy.int32).reshape(q.shape[0], -1, 8, 8, 4)
+    return (x.sum(axis=(2, 4)) - x.reshape(q.shape[0], -1, 8, 32).sum(axis=3)).astype(numpy.int32)
 
 
 @njit
@@ -555,7 +567,7 @@ def _hsum8(a):  # pragma: no cover - compiled
 
 
 @njit
-def _grid_dot(code, f_vd, f_t, w, delta, sc, wd, wr, x, xd, xr, lanes, lanes2, acc, acc2):  # pragma: no cover
+def _grid_dot(code, f_vd, f_t, w, delta, sc, wd, wr, x, xd, corr, xr, lanes, lanes2, acc, acc2):  # pragma: no cover
     """One output: weight row wr (unpacked) by activation row xr (q8_K) in arithmetic ``code``."""
     nb = w.shape[1] // 256
     zero = numpy.float32(0.0)
@@ -580,10 +592,10 @@ def _grid_dot(code, f_vd, f_t, w, delta, sc, wd, wr, x, xd, xr, lanes, lanes2, a
     scalar = zero
     for b in range(nb):
         d = wd[wr, b] * xd[xr, b]
+        _lanes(w, wr, sc, x, xr, b, lanes)
         if code == _TQ_VD:
-            _tq_lanes(w, wr, x, xr, b, lanes)
-        else:
-            _lanes(w, wr, sc, x, xr, b, lanes)
+            for lane in range(8):
+                lanes[lane] += corr[xr, b, lane]
         for lane in range(8):
             acc[lane] = fma32(d, numpy.float32(lanes[lane]), acc[lane])
         if code == _IQ1S_VD:  # the deltas' integer (bsums·sign·ls over the 32s) in a scalar chain
@@ -605,27 +617,27 @@ def _grid_dot(code, f_vd, f_t, w, delta, sc, wd, wr, x, xd, xr, lanes, lanes2, a
 
 
 @njit
-def _grid_rows(code, f_vd, f_t, w, delta, sc, wd, r0, r1, x, xd, out):  # pragma: no cover - compiled
+def _grid_rows(code, f_vd, f_t, w, delta, sc, wd, r0, r1, x, xd, corr, out):  # pragma: no cover - compiled
     lanes = numpy.empty(8, numpy.int32)
     lanes2 = numpy.empty(8, numpy.int32)
     acc = numpy.empty(8, numpy.float32)
     acc2 = numpy.empty(8, numpy.float32)
     for r in range(r0, r1):
         for t in range(x.shape[0]):
-            out[t, r] = _grid_dot(code, f_vd, f_t, w, delta, sc, wd, r, x, xd, t, lanes, lanes2, acc, acc2)
+            out[t, r] = _grid_dot(code, f_vd, f_t, w, delta, sc, wd, r, x, xd, corr, t, lanes, lanes2, acc, acc2)
 
 
 @njit
-def _grid_serial(code, f_vd, f_t, w, delta, sc, wd, x, xd, out):  # pragma: no cover - compiled
-    _grid_rows(code, f_vd, f_t, w, delta, sc, wd, 0, w.shape[0], x, xd, out)
+def _grid_serial(code, f_vd, f_t, w, delta, sc, wd, x, xd, corr, out):  # pragma: no cover - compiled
+    _grid_rows(code, f_vd, f_t, w, delta, sc, wd, 0, w.shape[0], x, xd, corr, out)
 
 
 @njit(parallel=True)
-def _grid_parallel(code, f_vd, f_t, w, delta, sc, wd, x, xd, out):  # pragma: no cover - compiled
+def _grid_parallel(code, f_vd, f_t, w, delta, sc, wd, x, xd, corr, out):  # pragma: no cover - compiled
     n_out = w.shape[0]
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
-        _grid_rows(code, f_vd, f_t, w, delta, sc, wd, r0, min(r0 + ROWS_PER_TASK, n_out), x, xd, out)
+        _grid_rows(code, f_vd, f_t, w, delta, sc, wd, r0, min(r0 + ROWS_PER_TASK, n_out), x, xd, corr, out)
 
 
 class IQGridMatrix(IQuantMatrix):
@@ -664,6 +676,7 @@ def _grid_run(code: int, matrix: IQGridMatrix, q: numpy.ndarray, d: numpy.ndarra
         return
     spec = _GRID[matrix.qtype]
     f_t = spec[7] if spec[7] is not None else 1.0
+    corr = _tq_correction(q) if code == _TQ_VD else numpy.zeros((0, 0, 0), numpy.int32)
     macs = q.shape[0] * matrix.n_out * matrix.n_in
     (_grid_parallel if macs >= PARALLEL_MIN_MACS else _grid_serial)(
-        code, spec[6], f_t, matrix.w, matrix.delta, matrix.scales, matrix.d, q, d, out)
+        code, spec[6], f_t, matrix.w, matrix.delta, matrix.scales, matrix.d, numpy.ascontiguousarray(q), d, corr, out)
