@@ -6,8 +6,8 @@
  * Setup on stdin (little-endian): int32 type, int32 n_out, int32 n_in, int32 m, int32 n_threads,
  * int32 repacked (1: the weight in the CPU_REPACK buffer, as llama-server loads layer weights),
  * then the weight's GGUF block bytes and the activation (f32, m x n_in).
- * Then, per byte 'r' on stdin: one ggml_backend_graph_compute of y = W x; answers a float64 of
- * its wall-clock seconds. Byte 'o': the result (f32, m x n_out). EOF or 'q': exit.
+ * Then, per byte 'r' on stdin: one ggml_backend_graph_compute of y = W x; answers two float64:
+ * its wall-clock seconds and the CPU seconds the process spent in it (all its threads). Byte 'o': the result (f32, m x n_out). EOF or 'q': exit.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -28,9 +28,9 @@ static void read_exact(void *dst, size_t n) {
     if (n && fread(dst, 1, n, stdin) != n) die("short read");
 }
 
-static double now(void) {
+static double seconds(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -76,10 +76,10 @@ int main(void) {
     int c;
     while ((c = getchar()) != EOF && c != 'q') {
         if (c == 'r') {
-            double start = now();
+            double wall = seconds(CLOCK_MONOTONIC), cpu = seconds(CLOCK_PROCESS_CPUTIME_ID);
             if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) die("compute failed");
-            double seconds = now() - start;
-            fwrite(&seconds, 8, 1, stdout);
+            double spent[2] = {seconds(CLOCK_MONOTONIC) - wall, seconds(CLOCK_PROCESS_CPUTIME_ID) - cpu};
+            fwrite(spent, 8, 2, stdout);
         } else if (c == 'o') {
             char *out = malloc(ybytes);
             ggml_backend_tensor_get(y, out, 0, ybytes);

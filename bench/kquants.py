@@ -65,7 +65,8 @@ def timer_binary() -> Path:
 
 class GgmlProduct:
     """ggml's mul_mat of fixed operands in a child process: ``run()`` computes it once and
-    returns the seconds the compute took (measured in the child), ``result()`` the output."""
+    returns the (wall, CPU) seconds the compute took, measured in the child; ``result()`` the
+    output."""
 
     def __init__(self, raw: numpy.ndarray, qtype: T, n_out: int, n_in: int, x: numpy.ndarray,
                  threads: int, repacked: bool):
@@ -86,8 +87,8 @@ class GgmlProduct:
             raise RuntimeError(f"ggml-mul-mat-timer stopped (exit {self.proc.wait()})")
         return data
 
-    def run(self) -> float:
-        return struct.unpack("<d", self._ask(b"r", 8))[0]
+    def run(self) -> tuple[float, float]:
+        return struct.unpack("<2d", self._ask(b"r", 16))
 
     def result(self) -> numpy.ndarray:
         return numpy.frombuffer(self._ask(b"o", 4 * self.shape[0] * self.shape[1]), numpy.float32).reshape(self.shape)
@@ -103,9 +104,17 @@ def weights_for(qtype: T, n_out: int, n_in: int, rng: numpy.random.Generator) ->
     return go.cpy(w, qtype)
 
 
-def measure(qtype: T, n_out: int, n_in: int, m: int, threads: int, reps: int,
+def timed(f) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    f()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure(qtype: T, n_out: int, n_in: int, m: int, threads: int, reps: int, clock: int,
             rng: numpy.random.Generator) -> dict:
-    """Median seconds of each side over ``reps`` alternating runs (after one warm-up each)."""
+    """Median seconds of each side over ``reps`` alternating runs (after one warm-up each), by
+    the wall clock (clock 0) or the process's CPU time (clock 1)."""
     raw = weights_for(qtype, n_out, n_in, rng)
     x = rng.standard_normal((m, n_in)).astype(numpy.float32)
     repacked = ek.repacked_by_llama_server(qtype, n_out)
@@ -117,10 +126,8 @@ def measure(qtype: T, n_out: int, n_in: int, m: int, threads: int, reps: int,
         differ = int(numpy.count_nonzero(ours.view(numpy.uint32) != ggml.result().view(numpy.uint32)))
         mine, theirs = [], []
         for _ in range(reps):
-            start = time.perf_counter()
-            matrix.matmul(x)
-            mine.append(time.perf_counter() - start)
-            theirs.append(ggml.run())
+            mine.append(timed(lambda: matrix.matmul(x))[clock])
+            theirs.append(ggml.run()[clock])
     finally:
         ggml.close()
     macs = m * n_out * n_in
@@ -137,12 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[512, 64])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: each side's process CPU time (steadier on a busy machine; --threads 1 only)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu counts every thread's time (spinning ones too): use it with --threads 1")
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     rng = numpy.random.default_rng(0)
     load_before = os.getloadavg()
-    print(f"threads {args.threads}, load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}",
+    print(f"threads {args.threads}, {args.clock} clock, load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}",
           file=sys.stderr)
     results = []
     print(f"{'type':6} {'shape':12} {'n_out x n_in':>12} {'m':>4} {'bankml GMAC/s':>14} {'ggml GMAC/s':>12} "
@@ -151,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         n_out, n_in = SHAPES[name]
         for qtype in (T[t] for t in args.types):
             for m in args.rows:
-                r = measure(qtype, n_out, n_in, m, args.threads, args.reps, rng)
+                r = measure(qtype, n_out, n_in, m, args.threads, args.reps, int(args.clock == "cpu"), rng)
                 results.append(r | {"shape": name})
                 label = qtype.name + ("r" if r["repacked"] else "")
                 print(f"{label:6} {name:12} {f'{n_out}x{n_in}':>12} {m:4} {r['bankml_gmacs']:14.1f} "
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     print("ratio bankml/ggml over all shapes (time-weighted, > 1: bankml faster): "
           + ", ".join(f"{k} {v}" for k, v in summary.items()))
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
-    print(json.dumps({"threads": args.threads, "reps": args.reps, "load_before": round(load_before[0], 2),
+    print(json.dumps({"threads": args.threads, "clock": args.clock, "reps": args.reps, "load_before": round(load_before[0], 2),
                       "load_after": round(load_after[0], 2), "summary": summary, "results": results}))
     return 0 if all(r["differing_outputs"] == 0 for r in results) else 1
 
