@@ -9,9 +9,11 @@ K-quant types (Q2_K, Q3_K, Q4_K, Q6_K) have no quantizer in gguf.quants, so thei
 with the f16 scales set to keep the weights at the intended size; both engines dequantize the
 same bytes.
 IQ4_NL and IQ4_XS (no quantizer in gguf.quants either) are made the same way: random 4-bit indices
-into ggml's value table (and random 6-bit IQ4_XS sub-block scales), f16 d rescaled. ggml's own
-quantizer (the kernel oracle's) is not used here because the device check builds these models on
-a machine without the ggml build; tests/test_exact_iquants.py multiplies ggml-quantized weights.
+into ggml's value table (and random 6-bit IQ4_XS sub-block scales), f16 d rescaled; so are the grid
+types (IQ3_XXS, IQ2_XXS, ...: random grid indices, signs and 4-bit scales). TQ2_0 is quantized by
+gguf.quants. ggml's own quantizer (the kernel oracle's) is not used here because the device check
+builds these models on a machine without the ggml build; tests/test_exact_iquants.py multiplies
+ggml-quantized weights where ggml has a quantizer without an importance matrix.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ TINY_SPECS = (
     TinySpec("llama", T.BF16),
     TinySpec("llama", T.IQ4_NL),  # layers repacked (iq4_nl_8x8), the tied output not
     TinySpec("qwen2", T.IQ4_XS, tied=False, out_type=T.Q6_K),  # as IQ4_XS downloads pair them
+    TinySpec("llama", T.IQ3_XXS),  # the tied output too: vec_dot for one row, tiled for 8 or more
+    TinySpec("qwen2", T.IQ2_XXS, tied=False, out_type=T.Q4_K),
+    TinySpec("qwen3", T.TQ2_0),  # ternary, quantized by gguf-py
 )
 
 
@@ -73,6 +78,11 @@ def _vocab(vocab_model: Path) -> tuple[list[str], list[int], list[str]]:
     types = reader.fields["tokenizer.ggml.token_type"].contents()
     merges = reader.fields["tokenizer.ggml.merges"].contents()
     return tokens, types, merges
+
+
+# IQ types whose block starts with its f16 d: random bytes are valid blocks (every grid index and
+# sign pattern is allowed), d set to 1 and then rescaled like the K-quants' scales
+_D_FIRST = (T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S)
 
 
 def _kquant_bytes(rng: numpy.random.Generator, rows: int, cols: int, qtype: T) -> numpy.ndarray:
@@ -89,7 +99,7 @@ def _kquant_bytes(rng: numpy.random.Generator, rows: int, cols: int, qtype: T) -
         raw[:, 108:110] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
     elif qtype == T.Q2_K:  # 16 bytes of 4-bit scales and mins, qs, then d and dmin (f16)
         raw[:, 80:84] = numpy.array([1.0, 1.5], numpy.float16).view(numpy.uint8)  # mean near 0
-    elif qtype in (T.IQ4_NL, T.IQ4_XS):  # d (f16) first; the table's values are signed already
+    elif qtype in _D_FIRST:  # d (f16) first; the table's or grid's values are signed already
         raw[:, 0:2] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
     else:
         raise ValueError(f"no random-byte recipe for {qtype.name}")
@@ -102,7 +112,7 @@ def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndar
     blocks = raw.reshape(-1, size)
     # the f16 d (and dmin) of each block
     spots = {T.Q2_K: slice(80, 84), T.Q3_K: slice(108, 110), T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210),
-             T.IQ4_NL: slice(0, 2), T.IQ4_XS: slice(0, 2)}[qtype]
+             **{q: slice(0, 2) for q in _D_FIRST}}[qtype]
     halves = blocks[:, spots].copy().view(numpy.float16).astype(numpy.float32)
     blocks[:, spots] = (halves * (target_std / std)).astype(numpy.float16).view(numpy.uint8)
     return raw
@@ -110,7 +120,7 @@ def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndar
 
 def _matrix(rng: numpy.random.Generator, rows: int, cols: int, qtype: T, std: float):
     """(data to write, raw_dtype) for an [rows, cols] matrix of the given type."""
-    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS):
+    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, *_D_FIRST):
         return _scale_kquant(_kquant_bytes(rng, rows, cols, qtype), qtype, std), qtype
     w = rng.normal(0.0, std, size=(rows, cols)).astype(numpy.float32)
     if qtype == T.F32:
