@@ -59,7 +59,9 @@ class MessageSpans:
 def find_spans(tokens: Sequence[int], delimiters: Sequence[tuple[str, Sequence[int]]]) -> MessageSpans:
     """common_chat_msg_delimiters::split: at each token, the first delimiter (assistant before
     user, as the server lists them) whose tokens start there marks a message."""
-    starts = []
+    starts: list[int] = []
+    if not delimiters:
+        return MessageSpans()
     for i in range(len(tokens)):
         for role, ids in delimiters:
             if ids and list(tokens[i:i + len(ids)]) == list(ids):
