@@ -957,14 +957,8 @@ def _make_wtile(code: int, rn: int):
 
 _UNPACK8 = {qtype: _make_unpack8(qtype) for qtype in _PLAIN_CODES}
 _unpack8_q2, _unpack8_q3, _unpack8_q4, _unpack8_q5, _unpack8_q6 = (_UNPACK8[q] for q in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
-_WTILES = {(code, rn): _make_wtile(code, rn) for code in _WIDE_CODES for rn in (4, 1)}
-_w4_t2, _w1_t2 = _WTILES[_T2, 4], _WTILES[_T2, 1]
-_w4_t3, _w1_t3 = _WTILES[_T3, 4], _WTILES[_T3, 1]
-_w4_t4, _w1_t4 = _WTILES[_T4, 4], _WTILES[_T4, 1]
-_w4_t5, _w1_t5 = _WTILES[_T5, 4], _WTILES[_T5, 1]
-_w4_t6, _w1_t6 = _WTILES[_T6, 4], _WTILES[_T6, 1]
-_w4_gm4, _w1_gm4 = _WTILES[_GM4, 4], _WTILES[_GM4, 1]
-
+_WTILES = {code: _make_wtile(code, 4) for code in _WIDE_CODES}  # 4 activation rows (the rest: one-row dots)
+_wtile_t2, _wtile_t3, _wtile_t4, _wtile_t5, _wtile_t6, _wtile_gm4 = (_WTILES[c] for c in (_T2, _T3, _T4, _T5, _T6, _GM4))
 
 @njit
 def _unpack8(code, raw, w_off, row_bytes, nb, dst):  # pragma: no cover - compiled
@@ -981,37 +975,20 @@ def _unpack8(code, raw, w_off, row_bytes, nb, dst):  # pragma: no cover - compil
 
 
 @njit
-def _wtile(code, rn, u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out):  # pragma: no cover
-    """Eight weight rows by rn (4 or 1) activation rows; the branches fold for a constant code."""
+def _wtile(code, u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out):  # pragma: no cover
+    """Eight weight rows by four activation rows; the branches fold for a constant code."""
     if code == _T2:
-        if rn == 4:
-            _w4_t2(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
-        else:
-            _w1_t2(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        _wtile_t2(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
     elif code == _T3:
-        if rn == 4:
-            _w4_t3(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
-        else:
-            _w1_t3(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        _wtile_t3(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
     elif code == _T4:
-        if rn == 4:
-            _w4_t4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
-        else:
-            _w1_t4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        _wtile_t4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
     elif code == _T5:
-        if rn == 4:
-            _w4_t5(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
-        else:
-            _w1_t5(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        _wtile_t5(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
     elif code == _T6:
-        if rn == 4:
-            _w4_t6(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
-        else:
-            _w1_t6(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
-    elif rn == 4:
-        _w4_gm4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        _wtile_t6(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
     else:
-        _w1_gm4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
+        _wtile_gm4(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
 
 
 @njit
@@ -1030,10 +1007,11 @@ def _wide_rows(code, gs, raw, r0, r1, xq, xd, bsums, pr, out):  # pragma: no cov
         _unpack8(code, raw, r * row_bytes, row_bytes, nb, scratch)
         t = 0
         while t + 4 <= m:
-            _wtile(code, 4, scratch, xq, t * n, n, xd, t * nb, pr, t * p_stride, p_stride, nb, out, t * n_out + r, n_out)
+            _wtile(code, scratch, xq, t * n, n, xd, t * nb, pr, t * p_stride, p_stride, nb, out, t * n_out + r, n_out)
             t += 4
-        while t < m:
-            _wtile(code, 1, scratch, xq, t * n, n, xd, t * nb, pr, t * p_stride, p_stride, nb, out, t * n_out + r, n_out)
+        while t < m:  # the m % 4 last activation rows: the one-row dots
+            for k in range(r, r + 8):
+                _dot(code, 1, raw, k * row_bytes, xq, t * n, n, xd, bsums, t * nb, nb, out, t * n_out + k, n_out)
             t += 1
         r += 8
     _rows(code, raw, r, r1, xq, xd, bsums, out)
