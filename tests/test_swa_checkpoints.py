@@ -13,6 +13,7 @@ attention kernel each token meets, so a wrong cut shows in the last bits).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,35 @@ def test_chats_and_prompts_past_the_window_as_llama_server(tiny_gemma3: Path,
     assert 0 < results["chat 3: first message edited"]["theirs"][0] < 20
     assert results["completion sharing 850 tokens"]["theirs"][0] == 850
     assert results["completion sharing 60 tokens"]["theirs"][0] == 0
+
+
+@pytest.mark.llama_server
+@pytest.mark.slow
+def test_a_gemma_template_as_llama_server(tiny_gemma3: Path, llama_server_bin: Path) -> None:
+    """Gemma's own turn markers (<start_of_turn>user, plain text in this vocabulary), given to
+    llama-server with --chat-template-file: its template analysis and ours must find the same
+    user-message starts, which the cache_n of an edited first message shows (the checkpoint at
+    the first user message's start is restored)."""
+    # the build script keeps llama.cpp's source beside its bin/
+    source = llama_server_bin.parent.parent / "src" / "llama.cpp" / "models" / "templates" / "google-gemma-2-2b-it.jinja"
+    if not source.exists():
+        pytest.skip(f"{source} is not there (llama-server not built by scripts/build-llama-server.sh)")
+    engine = Engine.open(tiny_gemma3, n_ctx=N_CTX, device="cpu")
+    engine.template = dataclasses.replace(engine.template, source=source.read_text())
+    first = {"role": "user", "content": words(850, 4)}
+    results = {}
+    with support.LlamaServer(tiny_gemma3, binary=llama_server_bin,
+                             args=["--chat-template-file", str(source)]) as server:
+        results["gemma chat 1"] = r = chat_turn(server, engine, [first])
+        chat = [first, {"role": "assistant", "content": r["answer"]}, {"role": "user", "content": words(30, 5)}]
+        results["gemma chat 2"] = chat_turn(server, engine, chat)
+        edited = [{"role": "user", "content": "edited " + first["content"]}] + chat[1:]
+        results["gemma chat 3: first message edited"] = chat_turn(server, engine, edited)
+    print()
+    for name, r in results.items():
+        print(f"{name}: cache_n/prompt_n ours {r['ours']}, llama-server {r['theirs']}; answer "
+              f"{'same' if r['same'] else 'DIFFERENT'}; largest top-10 logprob difference {r['worst']:.3e}")
+    assert {name: r["ours"] for name, r in results.items()} == {name: r["theirs"] for name, r in results.items()}
+    assert all(r["same"] for r in results.values())
+    assert max(r["worst"] for r in results.values()) <= 1e-5
+    assert 0 < results["gemma chat 3: first message edited"]["theirs"][0] < 10
