@@ -249,6 +249,9 @@ def engine_calls(default_model: Path) -> dict[str, object]:
     from bankml.engine_cupy.model import Model
 
     engine = Model.load(default_model, device="cpu", progress=False)
+    # the fused decode step (exact_decode) calls the same one-row kernel from compiled code;
+    # the general path's call is recorded here (test_decode_fast_path: the two give one result)
+    engine.fused_decode = False
     calls: list[tuple] = []
     original = exact_attention.flash_attn_f16
 

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 from bankml.engine_cupy.exact_ops import ggml_v_expf
 from bankml.engine_cupy.jit import f16_round, fma32, njit
 
-__all__ = ["flash_attn_f16", "flash_attn_q8_0", "attention_mask", "kv_length", "warm_up",
+__all__ = ["flash_attn_f16", "flash_attn_q8_0", "one_row_f16", "attention_mask", "kv_length", "warm_up",
            "FA_TILE_Q", "FA_TILE_KV", "SPLIT_MIN_CELLS", "KV_PAD"]
 
 F32 = np.float32
@@ -278,6 +278,36 @@ def _reduce_partials(part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: 
 def _merge(a: float, sa: float, b: float, sb: float) -> float:
     """reduce_partials' a*scale_old + b*scale_new: GCC fuses the first product (see the docs)."""
     return fma32(a, sa, b * sb)
+
+
+@njit
+def one_row_f16(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool, scale: float,
+                group: int, n_kv: int, n_threads: int, parallel: bool, out: Any) -> None:
+    """flash_attn_f16's one-row branches (a decode step) callable from compiled code (the fused
+    decode step, exact_decode): from SPLIT_MIN_CELLS cells of n_kv, one chunk of cells per
+    thread for each head, then the partials merged in chunk order; below that, each head over
+    all its cells. ``parallel`` spreads the (head, chunk) tasks over Numba's threads: each task
+    writes only its own partial and the merge keeps its order, so the bits are the same either
+    way. Arguments as flash_attn_f16's after its checks (k, v the whole cell buffers, the first
+    n_cells attended; mask already rounded to f16; n_threads >= 1)."""
+    n_head, hd = q.shape[1], q.shape[2]
+    if n_kv < SPLIT_MIN_CELLS:
+        if parallel:
+            _one_chunk_parallel(q, k, v, n_cells, mask, has_mask, scale, group, out)
+        else:
+            _one_chunk_serial(q, k, v, n_cells, mask, has_mask, scale, group, out)
+        return
+    chunk = -(-n_kv // n_threads)
+    part_m = np.empty((n_head, n_threads), np.float32)
+    part_s = np.empty((n_head, n_threads), np.float32)
+    part_acc = np.empty((n_head, n_threads, hd), np.float32)
+    if parallel:
+        _split_parallel(q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
+                        part_s, part_acc)
+    else:
+        _split_serial(q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
+                      part_s, part_acc)
+    _reduce_all(part_m, part_s, part_acc, chunk, n_kv, out)
 
 
 # --- the tiled kernel (64 rows or more) ----------------------------------------------------------

@@ -43,10 +43,10 @@ from numba import prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from bankml.engine_cupy.jit import f16_bits, njit  # noqa: E402
+from bankml.engine_cupy.jit import f16_bits, f16_round, njit  # noqa: E402
 
 __all__ = ["BlockRows", "QuantMatrix", "MatrixStack", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
-           "quantize_q8_1", "f32_to_f16_bits", "bf16_round"]
+           "quantize_q8_1", "f32_to_f16_bits", "bf16_round", "row_product"]
 
 QK = 32  # elements per block for every type handled here
 ROWS_PER_TASK = 16  # output rows per parallel task; its weight rows stay in L1 across the batch
@@ -847,10 +847,8 @@ def _one_row(code, parallel, raw, n_out, x, table):  # pragma: no cover - compil
     """One activation row: its rounding and the product in one call from Python. A decode step
     makes ~120 products, and building an Activation and passing a dozen arrays into _matmul cost
     tens of microseconds each from Python."""
-    q, d16, s16, d, s = _quantize_serial(x, table)
     out = numpy.empty((1, n_out), numpy.float32)
-    # one row takes neither the block-major scales (tiles of 4+ rows) nor the lanes (16+)
-    _matmul(code, parallel, raw, raw.shape[1], n_out, q, d, s, d, s, numpy.empty(0, numpy.int8), out)
+    row_product(code, parallel, raw, x, table, out)
     return out
 
 
@@ -1155,6 +1153,48 @@ def _float_parallel(code, split, raw, row_elems, n_out, x, out):  # pragma: no c
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
         _float_rows(code, split, raw, row_elems, r0, min(r0 + ROWS_PER_TASK, n_out), x, out)
+
+
+@njit
+def _round_for_float(code, x):  # pragma: no cover - compiled
+    """The activation as F16/BF16 weights' vec_dot type holds it (F32: x itself), as
+    QuantMatrix._float_matmul rounds it."""
+    if code == _F32_CODE:
+        return x
+    out = numpy.empty_like(x)
+    flat, dst = x.reshape(-1), out.reshape(-1)
+    if code == _F16:
+        for i in range(flat.shape[0]):
+            dst[i] = f16_round(flat[i])
+        return out
+    bits, rounded = flat.view(numpy.uint32), dst.view(numpy.uint32)
+    for i in range(flat.shape[0]):  # bf16_round, one element at a time
+        u = numpy.int64(bits[i])
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            rounded[i] = numpy.uint32((u | 0x00400000) & 0xFFFF0000)  # NaN: quiet
+        else:
+            rounded[i] = numpy.uint32((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000)
+    return out
+
+
+@njit
+def row_product(code, parallel, raw, x, table, out):  # pragma: no cover - compiled
+    """out [1, n_out] = one activation row x [1, n_in] (f32, C-contiguous) times the matrix whose
+    GGUF block rows are ``raw`` (kernel ``code``: QuantMatrix._kind), as QuantMatrix.matmul
+    computes it for one row: quantized weights round x to q8 blocks and take the 4x1 tiles,
+    F16/F32/BF16 weights round x to their vec_dot type and take vec_dot's path. The callable
+    piece of the fused decode step (exact_decode)."""
+    n_out = out.shape[1]
+    if code >= _F16:
+        kernel_x = _round_for_float(code, x)
+        if parallel:
+            _float_parallel(code, True, raw, x.shape[1], n_out, kernel_x, out)
+        else:
+            _float_serial(code, True, raw, x.shape[1], n_out, kernel_x, out)
+        return
+    q, d16, s16, d, s = _quantize_serial(x, table)
+    # one row takes neither the block-major scales (tiles of 4+ rows) nor the lanes (16+)
+    _matmul(code, parallel, raw, raw.shape[1], n_out, q, d, s, d, s, numpy.empty(0, numpy.int8), out)
 
 
 class BlockRows:

@@ -353,6 +353,7 @@ def _rope_rows(x: numpy.ndarray, cos: numpy.ndarray, sin: numpy.ndarray, neox: b
                 out[t, h, i] = x[t, h, i]
 
 
+@njit
 def _norm_fused_pairs(pairs: int) -> int:
     """How many NORM pairs GCC's vectorised loop fuses (it leaves an odd last pair unfused)."""
     return pairs - pairs % 2

@@ -442,6 +442,17 @@ class KVCache:
             entry[0][:, start:end] = q.transpose(1, 0, 2)
             entry[1][:, start:end] = d.transpose(1, 0, 2)
 
+    @property
+    def fused_decode(self) -> bool:
+        """Whether exact_decode's fused step can store and read this cache: f16 values on the
+        CPU, every layer in position order (no sliding-window ring)."""
+        return self.cache_type == "f16" and self.exact and self.cells is None
+
+    def f16_cells(self, layer: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """The layer's whole K and V stores, f32 [n_head_kv, n_ctx, head_dim] holding f16
+        values, in position order (what the fused decode step writes and attends over)."""
+        return self._k[layer], self._v[layer]
+
     def quantized(self, layer: int, end: int) -> tuple[Any, Any, Any, Any]:
         """(k_q, k_d, v_q, v_d) of positions 0..end-1: views of the q8_0 cache, int8
         [n_head_kv, end, head_dim] and f16 scales [n_head_kv, end, head_dim/32], K and V rotated

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy
 
-from bankml.engine_cupy import backend, exact_attention, exact_ops
+from bankml.engine_cupy import backend, exact_attention, exact_decode, exact_ops
 from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.weights import (HParams, Layer, UnsupportedModel, Weights, apply_all,
                                         check_memory, load_weights, open_reader, read_hparams,
@@ -108,6 +108,9 @@ class Model:
         # On the CPU, every op rounds as ggml's kernels do (exact_matmul/ops/attention); the
         # array-module path (CuPy) keeps the vectorised approximations below.
         self.exact = exact and xp is numpy
+        # one-token steps through exact_decode's fused layers (False: always the general path)
+        self.fused_decode = True
+        self._plan: exact_decode.DecodePlan | None | bool = False  # False: not made yet
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str = "auto",
@@ -186,17 +189,35 @@ class Model:
         self._masks = {}  # masks depend on the positions: built afresh per call
         ropes = self._ropes(positions)
         cache.place(start, n)  # the sliding-window ring's cells for this micro-batch
+        plan = self._decode_plan() if n == 1 and cache.fused_decode else None
+        if plan is not None:  # one token: one compiled call per layer, the same bits
+            logits = plan.step(numpy.ascontiguousarray(x, dtype=F32), start, ropes, cache,
+                               self.ggml_threads)
+            cache.advance(start + n)
+            return self._final_logits(logits, all_logits)
         for il, layer in enumerate(self.weights.layers):
             last = il == hp.n_layer - 1 and not all_logits
             x = self._block(il, layer, x, positions, ropes, cache, only_last=last)
         cache.advance(start + n)
         x = self._norm(x, self.weights.output_norm)
-        logits = self.weights.output(xp, x)["logits"]
-        if hp.final_softcap:
-            cap = F32(hp.final_softcap)
-            logits = xp.tanh(logits / cap) * cap
+        return self._final_logits(self.weights.output(xp, x)["logits"], all_logits)
+
+    def _final_logits(self, logits: Any, all_logits: bool) -> numpy.ndarray:
+        """gemma3's final soft-capping, then the last row (or all) on the host."""
+        if self.hp.final_softcap:
+            cap = F32(self.hp.final_softcap)
+            logits = self.xp.tanh(logits / cap) * cap
         out = backend.to_host(logits)
         return numpy.ascontiguousarray(out[-1] if not all_logits else out, dtype=F32)
+
+    def _decode_plan(self) -> exact_decode.DecodePlan | None:
+        """The fused decode step's layout of this model (exact_decode), made on first use;
+        None where a matrix is not one it multiplies (the general path runs then)."""
+        if not (self.exact and self.fused_decode):
+            return None
+        if self._plan is False:
+            self._plan = exact_decode.DecodePlan.build(self.hp, self.weights, self._gelu)
+        return self._plan
 
     def _ropes(self, positions: Any) -> dict[bool, tuple[Any, Any]]:
         """cos/sin per layer kind: global (False) and, for gemma3, local sliding-window (True)."""

@@ -1,0 +1,256 @@
+"""A decode step (one new token) in one compiled call per layer, bit for bit the general path.
+
+``Model.forward`` runs a layer as ~25 calls from Python (norms, products, RoPE, the cache store,
+attention, SwiGLU, the residual adds), each a Numba dispatch plus NumPy glue: ~5 ms of a ~16 ms
+decode step of the default model. Here a layer is one call of ``decode_layer``, composed of the
+very kernels the general path calls (exact_ops' RMSNorm, RoPE, SwiGLU/GeGLU; exact_matmul's
+one-row product; kv_cache's f16 store; exact_attention's one-row flash attention), in the same
+order on the same values, so the logits are the same bits (tests/test_decode_fast_path.py).
+
+What takes it (``DecodePlan.build`` says None otherwise, and the general path runs): every
+matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16; not the K-quants, nor a
+stack of mixed types), Q/K/V and gate/up each one fused matrix; at run time one token, an f16
+cache in position order (not gemma3's sliding-window ring, not q8_0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bankml.engine_cupy import exact_attention
+from bankml.engine_cupy.exact_attention import one_row_f16
+from bankml.engine_cupy.exact_matmul import F16_TABLE, PARALLEL_MIN_MACS, QuantMatrix, row_product
+from bankml.engine_cupy.exact_ops import (_geglu_rows, _norm_fused_pairs, _rms_norm_rows,
+                                          _rope_rows, _swiglu_rows)
+from bankml.engine_cupy.jit import njit
+from bankml.engine_cupy.kv_cache import _store_f16
+
+__all__ = ["DecodePlan", "decode_layer", "decode_output"]
+
+F32 = np.float32
+_NONE = np.zeros(0, F32)  # an absent bias, norm weight or GELU table
+_NEG_INF = F32(-np.inf)
+# Attention over a decode step's heads runs on Numba's threads from this many (head, cell)
+# visits: each (head, chunk) task writes its own partial, so the bits do not change.
+PARALLEL_MIN_VISITS = 2048
+
+
+# --- the compiled step ---------------------------------------------------------------------------
+
+@njit
+def _rms(x: Any, weight: Any, eps: float) -> Any:
+    """exact_ops.rms_norm of each row of x [rows, n] (weight of size 0: none)."""
+    out = np.empty_like(x)
+    _rms_norm_rows(x, weight, eps, out)
+    return out
+
+
+@njit
+def _product(matrix: Any, x: Any, table: Any) -> Any:
+    """Linear.__call__ for one row: (code, parallel, raw, bias) times x [1, n_in], plus the bias."""
+    code, parallel, raw, bias = matrix
+    out = np.empty((1, raw.shape[0]), np.float32)
+    row_product(code, parallel, raw, x, table, out)
+    for i in range(bias.shape[0]):
+        out[0, i] += bias[i]
+    return out
+
+
+@njit
+def _heads(y: Any, start: int, n_heads: int, head_dim: int) -> Any:
+    """y[0, start : start + n_heads*head_dim] as a [1, n_heads, head_dim] copy."""
+    return y[0, start:start + n_heads * head_dim].copy().reshape(1, n_heads, head_dim)
+
+
+@njit
+def _head_norm(x: Any, weight: Any, eps: float) -> Any:
+    """qwen3/gemma3's Q or K norm: RMSNorm of each head's row."""
+    _, n_heads, head_dim = x.shape
+    return _rms(x.reshape(n_heads, head_dim), weight, eps).reshape(1, n_heads, head_dim)
+
+
+@njit
+def _rope(x: Any, cos: Any, sin: Any, neox: bool, fused_pairs: int) -> Any:
+    """exact_ops.apply_rope (``fused_pairs``: the pairs GCC's loop rotates with fmas)."""
+    out = np.empty_like(x)
+    _rope_rows(x, cos, sin, neox, fused_pairs, out)
+    return out
+
+
+@njit
+def _window_mask(pos: int, end: int, window: int) -> tuple[bool, Any]:
+    """Model._mask for one query at ``pos`` over cells 0..end-1: none unless a sliding window
+    reaches back past the first cell; else 0 or -inf per cell (values f16 holds exactly)."""
+    if window == 0 or end <= window:
+        return False, np.zeros((1, 1), np.float32)
+    mask = np.zeros((1, end), np.float32)
+    for ic in range(end):
+        if pos - ic >= window:
+            mask[0, ic] = _NEG_INF
+    return True, mask
+
+
+@njit
+def _attention(h: Any, qkv: Any, q_norm: Any, k_norm: Any, shape: Any, cos: Any, sin: Any,
+               neox: bool, q_scale: float, scale: float, k_cells: Any, v_cells: Any, pos: int,
+               n_kv: int, window: int, n_threads: int, eps: float, table: Any) -> Any:
+    """Model._attention + _attend_exact for one token: Q/K/V, their norms, RoPE, gemma3's Q
+    scale, the f16 cache store at ``pos``, ggml's one-row flash attention; [1, n_head*hd]."""
+    n_head, n_head_kv, head_dim = shape
+    y = _product(qkv, h, table)
+    nq, nk = n_head * head_dim, n_head_kv * head_dim
+    q = _heads(y, 0, n_head, head_dim)
+    k = _heads(y, nq, n_head_kv, head_dim)
+    v = _heads(y, nq + nk, n_head_kv, head_dim)
+    if q_norm.shape[0]:
+        q = _head_norm(q, q_norm, eps)
+        k = _head_norm(k, k_norm, eps)
+    fused_pairs = cos.shape[1] if neox else _norm_fused_pairs(cos.shape[1])
+    q = _rope(q, cos, sin, neox, fused_pairs)
+    k = _rope(k, cos, sin, neox, fused_pairs)
+    if q_scale != 1:  # gemma3 scales Q and attends with scale 1
+        q = q * np.float32(q_scale)
+    _store_f16(k_cells, pos, k)
+    _store_f16(v_cells, pos, v)
+    end = pos + 1
+    has_mask, mask = _window_mask(pos, end, window)
+    out = np.empty((1, n_head, head_dim), np.float32)
+    parallel = n_head * end >= PARALLEL_MIN_VISITS
+    one_row_f16(q, k_cells, v_cells, end, mask, has_mask, scale, n_head // n_head_kv, n_kv,
+                n_threads, parallel, out)
+    return out.reshape(1, n_head * head_dim)
+
+
+@njit
+def _glu(gu: Any, n_ff: int, gelu: Any) -> Any:
+    """Model._gated: SwiGLU, or GeGLU through ggml's f16 GELU table when one is given."""
+    gate = gu[:, :n_ff].copy()
+    up = gu[:, n_ff:2 * n_ff].copy()
+    out = np.empty((1, n_ff), np.float32)
+    if gelu.shape[0]:
+        _geglu_rows(gate, up, gelu, out)
+    else:
+        _swiglu_rows(gate.reshape(-1), n_ff, up.reshape(-1), n_ff, out)
+    return out
+
+
+@njit
+def _add(x: Any, y: Any) -> Any:
+    out = np.empty_like(x)
+    for i in range(x.shape[1]):
+        out[0, i] = x[0, i] + y[0, i]
+    return out
+
+
+@njit
+def decode_layer(x: Any, pos: int, n_kv: int, cos: Any, sin: Any, k_cells: Any, v_cells: Any,
+                 norms: Any, qkv: Any, wo: Any, gate_up: Any, down: Any, shape: Any, n_ff: int,
+                 neox: bool, q_scale: float, scale: float, window: int, n_threads: int,
+                 eps: float, table: Any, gelu: Any) -> Any:
+    """Model._block for one token x [1, n_embd] at ``pos``; returns the layer's output.
+
+    norms: (attn, ffn, q, k, post-attention, post-FFN) weights, size 0 where absent; each
+    matrix (code, parallel, raw, bias) as DecodePlan lays it out; shape (n_head, n_head_kv,
+    head_dim); window: the sliding window of this layer (0: none)."""
+    attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffw_norm = norms
+    h = _rms(x, attn_norm, eps)
+    attn = _attention(h, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, scale, k_cells,
+                      v_cells, pos, n_kv, window, n_threads, eps, table)
+    out = _product(wo, attn, table)
+    if post_attn_norm.shape[0]:
+        out = _rms(out, post_attn_norm, eps)
+    x = _add(x, out)
+    h = _rms(x, ffn_norm, eps)
+    out = _product(down, _glu(_product(gate_up, h, table), n_ff, gelu), table)
+    if post_ffw_norm.shape[0]:
+        out = _rms(out, post_ffw_norm, eps)
+    return _add(x, out)
+
+
+@njit
+def decode_output(x: Any, norm: Any, output: Any, eps: float, table: Any) -> Any:
+    """The output norm and the logits product of the last token; [1, n_vocab]."""
+    return _product(output, _rms(x, norm, eps), table)
+
+
+# --- the plan: each layer's arguments, laid out once per model -----------------------------------
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: every matrix then has one Numba type (the memory-mapped ones are
+    read-only, fused copies are not), so decode_layer compiles once."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
+def _f32(a: Any | None) -> np.ndarray:
+    return _NONE if a is None else np.ascontiguousarray(a, dtype=F32).reshape(-1)
+
+
+def _matrix(linear: Any) -> tuple | None:
+    """(code, parallel, raw, bias) of a Linear multiplied by an exact_matmul QuantMatrix."""
+    m = getattr(linear, "exact", None)
+    if type(m) is not QuantMatrix:
+        return None
+    return (int(m._kind), m.n_out * m.n_in >= PARALLEL_MIN_MACS, _readonly(m.raw),
+            _f32(linear.bias))
+
+
+@dataclass
+class DecodePlan:
+    """Each layer's constant arguments of decode_layer, and the output's."""
+
+    layers: list[tuple]  # (norms, qkv, wo, gate_up, down, window)
+    output: tuple
+    output_norm: np.ndarray
+    shape: tuple[int, int, int]
+    n_ff: int
+    neox: bool
+    q_scale: F32
+    scale: F32
+    eps: F32
+    swa: tuple[bool, ...]
+    gelu: np.ndarray
+
+    @classmethod
+    def build(cls, hp: Any, weights: Any, gelu: Any | None) -> "DecodePlan | None":
+        """The plan of a model whose every matrix the fused step multiplies, else None."""
+        output = _matrix(weights.output)
+        if output is None:
+            return None
+        layers = []
+        for il, layer in enumerate(weights.layers):
+            if len(layer.qkv) != 1 or len(layer.gate_up) != 1:
+                return None  # Q/K/V or gate/up of several vec_dot kinds: separate products
+            mats = [_matrix(m) for m in (layer.qkv[0], layer.wo, layer.gate_up[0], layer.down)]
+            if any(m is None for m in mats):
+                return None
+            if [w for _, w in layer.gate_up[0].parts] != [hp.n_ff, hp.n_ff]:
+                return None
+            norms = tuple(_f32(n) for n in (layer.attn_norm, layer.ffn_norm, layer.q_norm,
+                                            layer.k_norm, layer.post_attn_norm,
+                                            layer.post_ffw_norm))
+            window = hp.swa_window if hp.swa_layers[il] else 0
+            layers.append((norms, *mats, window))
+        gemma = hp.arch == "gemma3"
+        return cls(layers=layers, output=output, output_norm=_f32(weights.output_norm),
+                   shape=(hp.n_head, hp.n_head_kv, hp.head_dim), n_ff=hp.n_ff,
+                   neox=bool(hp.spec.rope_neox), q_scale=F32(hp.attn_scale if gemma else 1),
+                   scale=F32(1 if gemma else hp.attn_scale), eps=F32(hp.rms_eps),
+                   swa=tuple(hp.swa_layers), gelu=_NONE if gelu is None else _f32(gelu))
+
+    def step(self, x: np.ndarray, pos: int, ropes: dict[bool, tuple[Any, Any]], cache: Any,
+             n_threads: int) -> np.ndarray:
+        """The layers and the output product for one token x [1, n_embd] at ``pos``, its K/V
+        stored in ``cache`` (f16, in position order); the logits [1, n_vocab]."""
+        n_kv = exact_attention.kv_length(pos + 1, cache.kv_size)
+        for il, (norms, qkv, wo, gate_up, down, window) in enumerate(self.layers):
+            cos, sin = ropes[self.swa[il]]
+            k_cells, v_cells = cache.f16_cells(il)
+            x = decode_layer(x, pos, n_kv, cos, sin, k_cells, v_cells, norms, qkv, wo, gate_up,
+                             down, self.shape, self.n_ff, self.neox, self.q_scale, self.scale,
+                             window, n_threads, self.eps, F16_TABLE, self.gelu)
+        return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE)

@@ -1,0 +1,111 @@
+"""The fused decode step (exact_decode) gives the general path's bits.
+
+Each decode step runs twice from the same state, once through ``exact_decode.DecodePlan.step``
+(``model.fused_decode = True``) and once through the general per-op forward pass, on two caches
+filled by the same prompt: the logits and the K/V stores must be equal byte for byte. The
+general path is what the llama-server agreement tests (test_forward.py) check, so this carries
+their agreement over to the fast path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from bankml.engine_cupy import exact_decode
+from bankml.engine_cupy.model import Model
+from tests.tiny_models import TinySpec, write_tiny_model
+
+
+def decode_both_ways(model: Model, prompt: list[int], steps: int, n_ctx: int) -> int:
+    """Decode ``steps`` tokens after ``prompt`` through both paths, comparing every step;
+    returns how many steps the fused path really took."""
+    fused_cache, general_cache = model.new_cache(n_ctx), model.new_cache(n_ctx)
+    model.fused_decode = False
+    logits = model.forward(prompt, fused_cache)
+    model.forward(prompt, general_cache)
+    taken = 0
+    try:
+        for _ in range(steps):
+            token = int(numpy.argmax(logits))
+            model.fused_decode = True
+            fused = model.forward([token], fused_cache)
+            taken += model._decode_plan() is not None and fused_cache.fused_decode
+            model.fused_decode = False
+            general = model.forward([token], general_cache)
+            assert fused.tobytes() == general.tobytes(), \
+                f"step at position {fused_cache.n_tokens - 1}: largest difference " \
+                f"{numpy.abs(fused - general).max()}"
+            logits = general
+        for il in range(model.n_layer):
+            for a, b in zip(fused_cache.f16_cells(il), general_cache.f16_cells(il)):
+                assert a.tobytes() == b.tobytes(), f"layer {il}: the K/V stores differ"
+    finally:
+        model.fused_decode = True
+    return taken
+
+
+def token_ids(model: Model, n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in numpy.random.default_rng(seed).integers(3, model.n_vocab, n)]
+
+
+@pytest.fixture(scope="module")
+def default_engine(default_model: Path) -> Model:
+    return Model.load(default_model, device="cpu", progress=False)
+
+
+def test_default_model_short_context(default_engine: Model) -> None:
+    """Few cells: each head walks them in one chunk, on one thread."""
+    assert decode_both_ways(default_engine, token_ids(default_engine, 5), 4, 64) == 4
+
+
+def test_default_model_split_attention(default_engine: Model) -> None:
+    """300 cells (n_kv 512): ggml's per-thread split of the cells, the tasks on two threads."""
+    assert decode_both_ways(default_engine, token_ids(default_engine, 300), 3, 320) == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-decode")
+
+
+# biases (qwen2), Q/K norms and a repacked Q4_0 (qwen3), post-norms, GeGLU, the Q scale,
+# sliding windows and soft-capping (gemma3), and the three float weight types' vec_dot paths
+FAST_SPECS = (
+    TinySpec("qwen2", T.Q4_1, tied=False),
+    TinySpec("gemma3", T.Q5_0, n_layer=4),
+    TinySpec("qwen3", T.Q4_0),
+    TinySpec("llama", T.F16),
+    TinySpec("llama", T.BF16),
+    TinySpec("qwen3", T.F32),
+)
+
+
+@pytest.mark.parametrize("spec", FAST_SPECS, ids=lambda s: s.name)
+def test_tiny_models(spec: TinySpec, tiny_dir: Path, default_model: Path) -> None:
+    model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
+                       device="cpu", progress=False)
+    # 20 tokens cross gemma3's window of 8: its sliding layers hide the far cells
+    assert decode_both_ways(model, token_ids(model, 20), 4, 40) == 4
+
+
+def test_kquant_model_keeps_the_general_path(tiny_dir: Path, default_model: Path) -> None:
+    """K-quant matrices have no fused product: the plan is None and decoding still works."""
+    spec = TinySpec("qwen2", T.Q2_K)
+    model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
+                       device="cpu", progress=False)
+    assert exact_decode.DecodePlan.build(model.hp, model.weights, None) is None
+    assert decode_both_ways(model, token_ids(model, 6), 2, 16) == 0
+
+
+def test_sliding_window_ring_keeps_the_general_path(tiny_dir: Path, default_model: Path) -> None:
+    """gemma3 with a context larger than llama.cpp's SWA cache: its ring of cells is read by
+    the general path only."""
+    spec = TinySpec("gemma3", T.Q5_0, n_layer=4)
+    model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
+                       device="cpu", progress=False)
+    assert not model.new_cache(1000).fused_decode
+    assert model.new_cache(200).fused_decode
