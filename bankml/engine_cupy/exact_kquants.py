@@ -782,6 +782,25 @@ def _store(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, value: ir.Va
     builder.store(value, builder.bitcast(builder.gep(base, [offset]), value.type.as_pointer()), align=1)
 
 
+def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
+    """The 8x8 transpose of eight <8 x i32> (unpack 32, unpack 64, then the 128-bit halves)."""
+    def shuffle(a: ir.Value, b: ir.Value, mask: list) -> ir.Value:
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), mask))
+    lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    t = []
+    for i in range(0, 8, 2):
+        t += [shuffle(rows[i], rows[i + 1], lo32), shuffle(rows[i], rows[i + 1], hi32)]
+    # u[k] (k < 4): rows 0-3 of quads k and k+4; u[4 + k]: rows 4-7
+    u = []
+    for base in (0, 4):
+        a, b = t[2 * base // 2], t[2 * base // 2 + 2]  # pairs (0,1)/(2,3) or (4,5)/(6,7): lows
+        c, d = t[2 * base // 2 + 1], t[2 * base // 2 + 3]  # their highs
+        u += [shuffle(a, b, lo64), shuffle(a, b, hi64), shuffle(c, d, lo64), shuffle(c, d, hi64)]
+    low, high = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    return ([shuffle(u[k], u[4 + k], low) for k in range(4)] + [shuffle(u[k], u[4 + k], high) for k in range(4)])
+
+
 def _make_unpack8(qtype: T):
     """unpack8(w, w_off, row_bytes, nb, dst): the nb blocks of the eight weight rows at byte
     w_off of w (rows row_bytes apart) into dst's block groups (see the section comment)."""
@@ -803,17 +822,24 @@ def _make_unpack8(qtype: T):
 
             def const(v: int) -> ir.Value:
                 return ir.Constant(ity, v)
+            def block_at(b: ir.Value, j: ir.Value) -> ir.Value:
+                return builder.add(builder.add(w_off, builder.mul(j, row_bytes)), builder.mul(b, const(block_bytes)))
+
+            def words(chunk: ir.Value | tuple) -> ir.Value:
+                if isinstance(chunk, tuple):  # Q3_K: q3l - q3h, stored + 4
+                    chunk = builder.sub(builder.add(chunk[0], _bytes(4)), chunk[1])
+                return builder.bitcast(chunk, _V8I32)
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                # the quants: chunk c of the 8 rows (8 quads each) transposed to quads 8c..8c+7 of 8 rows
+                rows = [unpack(builder, wbase, block_at(b, const(j))) for j in range(8)]
+                for c in range(8):
+                    for k, quad in enumerate(_transpose8(builder, [words(chunks[c]) for chunks in rows])):
+                        _store(builder, dbase, builder.add(builder.mul(b, const(gs)), const(32 * (8 * c + k))), quad)
             with cgutils.for_range(builder, nblocks) as loop, cgutils.for_range(builder, const(8)) as rows:
                 b, j = loop.index, rows.index
                 group = builder.add(builder.mul(b, const(gs)), builder.mul(j, const(4)))  # row j's lane
-                blk = builder.add(builder.add(w_off, builder.mul(j, row_bytes)), builder.mul(b, const(block_bytes)))
-                for c, chunk in enumerate(unpack(builder, wbase, blk)):
-                    if isinstance(chunk, tuple):  # Q3_K: q3l - q3h, stored + 4
-                        chunk = builder.sub(builder.add(chunk[0], _bytes(4)), chunk[1])
-                    words = builder.bitcast(chunk, _V8I32)
-                    for k in range(8):  # quad 8c+k
-                        _store(builder, dbase, builder.add(group, const(32 * (8 * c + k))),
-                               builder.extract_element(words, ir.Constant(_I32, k)))
+                blk = block_at(b, j)
                 scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
 
                 def lane(v: ir.Value, i: int) -> ir.Value:
