@@ -232,8 +232,12 @@ class KVCache:
         self._ring_k: dict[int, Any] = {}
         self._ring_v: dict[int, Any] = {}
         size = ring_size(self.n_ctx, window, self.n_ubatch) if window else 0
-        if ring and window and any(sliding) and size < self.n_ctx:
-            self.cells = SlidingCells(size, window)
+        # llama.cpp's SWA cache bookkeeping, kept for every sliding-window model (its pos_min and
+        # saved cells decide llama-server's prefix reuse); ``cells`` is the same object when the
+        # ring's cells are also stored and attended over (the exact path, size < n_ctx)
+        self.swa = SlidingCells(size, window) if window and any(sliding) else None
+        if ring and self.swa is not None and size < self.n_ctx:
+            self.cells = self.swa
             for il, is_sliding in enumerate(sliding):
                 if is_sliding:
                     self._ring_k[il] = self._empty_like(self._k[il], size)
@@ -268,9 +272,9 @@ class KVCache:
         cached prefix of n_past tokens only if this is at most max(0, n_past - window)."""
         if self._n_tokens == 0:
             return -1
-        if self.cells is None:
+        if self.swa is None:
             return 0
-        held = self.cells.pos[self.cells.pos >= 0]
+        held = self.swa.pos[self.swa.pos >= 0]
         return int(held.min()) if held.size else -1
 
     @property
@@ -281,18 +285,18 @@ class KVCache:
     def ring_positions(self) -> numpy.ndarray | None:
         """What a saved state of the SWA cache holds (``SlidingCells.held``: the window's
         positions in cell order; their values are the position store's, which keeps them);
-        None without a ring."""
-        return None if self.cells is None else self.cells.held()
+        None without sliding-window layers."""
+        return None if self.swa is None else self.swa.held()
 
     def load_ring(self, positions: numpy.ndarray | None) -> None:
         """Restore a context checkpoint taken by ``ring_positions``: the ring holds those
         positions again, laid out as llama.cpp reads a saved sequence back, with their values
         from the position store (positions before the checkpoint are never recomputed while it
         is kept: llama-server erases a checkpoint once the slot is cut before its pos_max)."""
-        if self.cells is None or positions is None:
+        if self.swa is None or positions is None:
             return
-        cells = self.cells.load(positions)
-        for il in self._ring_k:
+        cells = self.swa.load(positions)
+        for il in self._ring_k:  # none unless the ring's cells are stored
             self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
             self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
 
@@ -305,15 +309,18 @@ class KVCache:
         """Before a micro-batch of positions start..start+n-1: choose its ring cells."""
         if self.cells is not None:
             self._batch_cells = self.cells.place(numpy.arange(start, start + n))
+        elif self.swa is not None:  # bookkeeping only: any batch, in llama_decode's ubatches
+            for a in range(start, start + n, self.n_ubatch):
+                self.swa.place(numpy.arange(a, min(a + self.n_ubatch, start + n)))
 
     def _relay_ring(self) -> None:
         """Lay the ring out as llama.cpp reads a saved sequence back (a slot file, or after a
         truncation that dropped positions the window still needs): its last ``window``
         positions, from the first free cell, values from the position store."""
-        if self.cells is None:
+        if self.swa is None:
             return
         n = self._n_tokens
-        self.load_ring(numpy.arange(max(0, n - self.cells.window), n))
+        self.load_ring(numpy.arange(max(0, n - self.swa.window), n))
 
     def _copy_cells(self, src: Any, dst: Any, positions: Any, cells: Any) -> None:
         """dst[:, cells] = src[:, positions], for an f32 array or a q8_0 (values, scales) pair."""
@@ -339,9 +346,9 @@ class KVCache:
         if not 0 <= n <= self.n_tokens:
             raise ValueError(f"cannot truncate a cache of {self.n_tokens} tokens to {n}")
         self._n_tokens = int(n)
-        if self.cells is not None:
-            self.cells.remove_from(n)
-            if not self.cells.holds(max(0, n - self.cells.window + 1), n):  # the window of position n
+        if self.swa is not None:
+            self.swa.remove_from(n)
+            if not self.swa.holds(max(0, n - self.swa.window + 1), n):  # the window of position n
                 self._relay_ring()
 
     def snapshot(self) -> list[Any]:
