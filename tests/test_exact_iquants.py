@@ -238,7 +238,7 @@ def test_supported_and_repack_rule() -> None:
 
 GRID_TYPES = [T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M, T.TQ2_0, T.TQ1_0]
 GRID_ROWS = [1, 2, 3, 8, 9, 17, 64]
-TILED_TYPES = {q for q in GRID_TYPES if ei._GRID[q][7] is not None}
+TILED_TYPES = {q for q in GRID_TYPES if ei._GRID[q][5] is not None}
 
 
 def grid_weights(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> np.ndarray:
@@ -266,7 +266,7 @@ def grid_others(matrix: ei.IQGridMatrix, act: ek.KActivation, ggml: np.ndarray) 
     """Differing outputs of ggml's other arithmetic for the type (vec_dot or tiled), of TQ's
     vec_dot with plain lanes (no bsums subtraction by lane), and of the f32 product."""
     used = matrix._code(act.q.shape[0])
-    codes = {"vec_dot": ei._GRID[matrix.qtype][5]}
+    codes = {"vec_dot": ei._GRID[matrix.qtype][3]}
     if matrix.qtype in TILED_TYPES:
         codes["tiled"] = ei._GRID_T
     if matrix.qtype in (T.TQ1_0, T.TQ2_0):
@@ -324,18 +324,22 @@ def test_grid_types_one_and_five_blocks(qtype: T) -> None:
 
 
 @pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda q: q.name)
-def test_unpacked_weight_is_gguf_dequantization(qtype: T) -> None:
-    """The unpacked integers (value, IQ1 delta/8, 16-value scale, f16 d, the type's power of
-    two) give back gguf-py's dequantization exactly."""
+def test_decoded_weight_is_gguf_dequantization(qtype: T) -> None:
+    """The kernels' decoded integers (value, IQ1 delta/8, 16-value scale, f16 d, the power of two
+    vec_dot applies at the end) give back gguf-py's dequantization exactly: the bit layouts
+    agree with gguf-py's (an independent reading of ggml's), for every row."""
     rng = np.random.default_rng(800)
     raw = grid_weights(rng, qtype, 6, 512)
     matrix = ei.IQuantMatrix(raw, qtype, 6, 512)
-    value = matrix.w.astype(np.float64) + (matrix.delta / 8.0 if matrix.delta.size else 0.0)
+    rows = [matrix.decoded(r) for r in range(6)]
+    w = np.stack([r[0] for r in rows]).astype(np.float64)
+    delta = np.stack([r[1] for r in rows]) / 8.0
     power = {T.IQ2_XXS: 0.125, T.IQ2_XS: 0.125, T.IQ2_S: 0.125, T.IQ3_XXS: 0.25}.get(qtype, 1.0)
-    mine = value * np.repeat(matrix.scales, 16, axis=1) * np.repeat(matrix.d, 256, axis=1) * power
+    mine = (w + delta) * np.repeat(matrix.scales, 16, axis=1) * np.repeat(matrix.d, 256, axis=1) * power
     want = weights.dequantize(raw, qtype).reshape(6, 512)
     assert np.array_equal(mine.astype(F32), want)
-    assert np.abs(matrix.w).max() <= 62  # no pmaddubsw saturation in ggml, none in our int32 lanes
+    assert np.abs(w).max() <= 62  # no pmaddubsw saturation in ggml, none in our int32 lanes
+    assert (qtype in (T.IQ1_S, T.IQ1_M)) == bool(np.any(delta))
 
 
 def test_q8_k_stack_of_grid_types_and_k_quants() -> None:

@@ -37,6 +37,8 @@ nibbles into the table, as ggml does).
 
 from __future__ import annotations
 
+import functools
+
 import numpy
 from gguf import GGMLQuantizationType as T
 from gguf import quants
@@ -383,13 +385,11 @@ class IQ4XSMatrix(IQuantMatrix):
 #
 # Their products differ from each other only in where the float operations fall; the integer
 # parts (pmaddubsw/pmaddwd lanes, exact in int32 here: |w| <= 62 and q8_K quants >= -127, so no
-# int16 saturation and no psign wrap of -128) are computed in plain integer arithmetic on the
-# unpacked weight, in any grouping. The weight is unpacked once, when the matrix is made: its
-# signed per-element value (the grid value with its sign; for IQ1 the ternary grid value, its
-# ±1/8 delta kept apart; for TQ the ternary digit - 1), the scale 2·ls+1 of every 16 values and
-# the f16 d per super-block. The unpacking takes its bit layouts and grid tables from gguf-py's
-# own dequantization (gguf.quants), run on a copy of the blocks whose d is 1 and whose scale
-# fields are 0, so each dequantized value is the element's grid value times a power of two.
+# int16 saturation and no psign wrap of -128) may be grouped freely. Each weight row is decoded
+# once per product into a scratch row of signed int8 values (the grid value with its sign; IQ1:
+# the ternary grid value, its ±1 delta of 8·value apart; TQ: digit - 1) as ggml's
+# dequantize_row_<type> reads the blocks (_decode_row), with the grid tables from gguf-py; the
+# 16-value scales 2·ls+1 and the f16 d per super-block are read once, when the matrix is made.
 #
 # The float operations (arch/x86/quants.c ggml_vec_dot_<type>_q8_K below 8 activation rows,
 # tiled/tiled.cpp from 8; nothing repacks or hands these types to tinyBLAS on AVX2):
@@ -405,32 +405,14 @@ class IQ4XSMatrix(IQuantMatrix):
 #   power of two the tile folds into d (0.125 IQ2/IQ1, 0.25 IQ3_XXS, 1 IQ3_S).
 
 _GRID_VD, _IQ1S_VD, _IQ1M_VD, _TQ_VD, _GRID_T = range(5, 10)
-_ONE_F16 = numpy.array([1.0], numpy.float16).view(numpy.uint8)
-
-
-def _unit_iq2_xxs(b: numpy.ndarray) -> None:
-    b[:, 9::8] &= 0x0F  # the top nibble of each 32 values' second u32 is ls
-
-
-def _unit_iq3_xxs(b: numpy.ndarray) -> None:
-    b[:, 69::4] &= 0x0F  # likewise, in the scales_and_signs words at 66 + 4·ib
-
-
-def _unit_iq1_s(b: numpy.ndarray) -> None:
-    b[:, 35::2] &= 0x8F  # qh u16 bits 12..14 are ls; bit 15 (the delta's sign) stays
-
-
-def _unit_iq1_m(b: numpy.ndarray) -> None:
-    # all 3-bit scales 0; the f16 d spread over the four u16 top nibbles made 1.0 (0x3C00)
-    b[:, 48:56] = numpy.array([0, 0, 0, 0, 0, 0xC0, 0, 0x30], numpy.uint8)
 
 
 def _scales_iq2_xxs(b: numpy.ndarray) -> numpy.ndarray:
-    return numpy.repeat(b[:, 9::8] >> 4, 2, axis=1)
+    return numpy.repeat(b[:, 9::8] >> 4, 2, axis=1)  # the top nibble of each 32's second u32
 
 
 def _scales_iq3_xxs(b: numpy.ndarray) -> numpy.ndarray:
-    return numpy.repeat(b[:, 69::4] >> 4, 2, axis=1)
+    return numpy.repeat(b[:, 69::4] >> 4, 2, axis=1)  # likewise, in the words at 66 + 4·ib
 
 
 def _scale_nibbles(scales: numpy.ndarray) -> numpy.ndarray:
@@ -439,7 +421,7 @@ def _scale_nibbles(scales: numpy.ndarray) -> numpy.ndarray:
 
 
 def _scales_iq1_s(b: numpy.ndarray) -> numpy.ndarray:
-    return numpy.repeat((b[:, 35::2] >> 4) & 7, 2, axis=1)
+    return numpy.repeat((b[:, 35::2] >> 4) & 7, 2, axis=1)  # qh u16 bits 12..14
 
 
 def _scales_iq1_m(b: numpy.ndarray) -> numpy.ndarray:
@@ -448,6 +430,7 @@ def _scales_iq1_m(b: numpy.ndarray) -> numpy.ndarray:
 
 
 def _d_iq1_m(b: numpy.ndarray) -> numpy.ndarray:
+    """IQ1_M's f16 d, spread over the top nibbles of its four scale words."""
     w = numpy.ascontiguousarray(b[:, 48:56]).view(numpy.uint16)
     bits = (w[:, 0] >> 12) | ((w[:, 1] >> 8) & 0x00F0) | ((w[:, 2] >> 4) & 0x0F00) | (w[:, 3] & 0xF000)
     return bits.astype(numpy.uint16).view(numpy.float16).astype(numpy.float32)
@@ -459,59 +442,140 @@ def _d_at(offset: int):
     return d
 
 
-def _zero(start: int, stop: int):
-    def unit(b: numpy.ndarray) -> None:
-        b[:, start:stop] = 0
-    return unit
-
-
 def _no_scales(b: numpy.ndarray) -> numpy.ndarray:
     return numpy.zeros((b.shape[0], 16), numpy.uint8)  # 2·0 + 1 = 1: TQ has no sub-block scales
 
 
-# qtype: (bytes per 256, d field, clear the scale fields, the 16 scale fields per block,
-#         dequantized value -> integer factor, vec_dot code, vec_dot's final factor, tiled d factor or None)
+# qtype: (bytes per 256 values, its f16 d, its 16 scale fields (2·field + 1 is the scale),
+#         vec_dot's arithmetic, vec_dot's final factor, the tiled kernel's d factor or None: not tiled)
 _GRID = {
-    T.IQ2_XXS: (66, _d_at(0), _unit_iq2_xxs, _scales_iq2_xxs, 8, _GRID_VD, 0.125, 0.125),
-    T.IQ2_XS: (74, _d_at(0), _zero(66, 74), lambda b: _scale_nibbles(b[:, 66:74]), 8, _GRID_VD, 0.125, 0.125),
-    T.IQ2_S: (82, _d_at(0), _zero(74, 82), lambda b: _scale_nibbles(b[:, 74:82]), 8, _GRID_VD, 0.125, 0.125),
-    T.IQ3_XXS: (98, _d_at(0), _unit_iq3_xxs, _scales_iq3_xxs, 4, _GRID_VD, 0.25, 0.25),
-    T.IQ3_S: (110, _d_at(0), _zero(106, 110), lambda b: numpy.repeat(_scale_nibbles(b[:, 106:110]), 2, axis=1),
-              1, _GRID_VD, 1.0, 1.0),
-    T.IQ1_S: (50, _d_at(0), _unit_iq1_s, _scales_iq1_s, 8, _IQ1S_VD, 1.0, 0.125),
-    T.IQ1_M: (56, _d_iq1_m, _unit_iq1_m, _scales_iq1_m, 8, _IQ1M_VD, 1.0, 0.125),
-    T.TQ1_0: (54, _d_at(52), lambda b: None, _no_scales, 1, _TQ_VD, 1.0, None),
-    T.TQ2_0: (66, _d_at(64), lambda b: None, _no_scales, 1, _TQ_VD, 1.0, None),
+    T.IQ2_XXS: (66, _d_at(0), _scales_iq2_xxs, _GRID_VD, 0.125, 0.125),
+    T.IQ2_XS: (74, _d_at(0), lambda b: _scale_nibbles(b[:, 66:74]), _GRID_VD, 0.125, 0.125),
+    T.IQ2_S: (82, _d_at(0), lambda b: _scale_nibbles(b[:, 74:82]), _GRID_VD, 0.125, 0.125),
+    T.IQ3_XXS: (98, _d_at(0), _scales_iq3_xxs, _GRID_VD, 0.25, 0.25),
+    T.IQ3_S: (110, _d_at(0), lambda b: numpy.repeat(_scale_nibbles(b[:, 106:110]), 2, axis=1), _GRID_VD, 1.0, 1.0),
+    T.IQ1_S: (50, _d_at(0), _scales_iq1_s, _IQ1S_VD, 1.0, 0.125),
+    T.IQ1_M: (56, _d_iq1_m, _scales_iq1_m, _IQ1M_VD, 1.0, 0.125),
+    T.TQ1_0: (54, _d_at(52), _no_scales, _TQ_VD, 1.0, None),
+    T.TQ2_0: (66, _d_at(64), _no_scales, _TQ_VD, 1.0, None),
 }
-_D_OFFSET = {T.TQ1_0: 52, T.TQ2_0: 64, T.IQ1_M: None}  # where d is set to 1 (IQ1_M: in _unit_iq1_m)
 _BLOCK.update({qtype: (QK_K, spec[0]) for qtype, spec in _GRID.items()})
 
 
-def _unpack(raw: numpy.ndarray, qtype: T, n_out: int, n_in: int) -> tuple:
-    """GGUF rows -> (w int8 [n_out, n_in], delta int8 [n_out, n_in] or [0, 0], scales int16
-    [n_out, n_in/16], d f32 [n_out, n_in/256]); see the section comment."""
-    block_bytes, d_of, unit, scales_of, factor = _GRID[qtype][:5]
+def _block_fields(raw: numpy.ndarray, qtype: T, n_out: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """GGUF rows -> (the 16-value scales 2·ls+1, int16 [n_out, n_in/16]; d, f32 [n_out, n_in/256])."""
+    block_bytes, d_of, scales_of = _GRID[qtype][:3]
     blocks = raw.reshape(-1, block_bytes)
-    d = d_of(blocks).reshape(n_out, -1)
     scales = (2 * scales_of(blocks).astype(numpy.int16) + 1).reshape(n_out, -1)
-    iq1 = qtype in (T.IQ1_S, T.IQ1_M)
-    w = numpy.empty((n_out, n_in), numpy.int8)
-    delta = numpy.empty((n_out, n_in) if iq1 else (0, 0), numpy.int8)
-    step = max(1, (1 << 20) // n_in)
-    for r in range(0, n_out, step):
-        unit_blocks = raw[r:r + step].reshape(-1, block_bytes).copy()
-        unit(unit_blocks)
-        offset = _D_OFFSET.get(qtype, 0)
-        if offset is not None:
-            unit_blocks[:, offset:offset + 2] = _ONE_F16
-        values = numpy.rint(quants.dequantize(unit_blocks, qtype).astype(numpy.float64) * factor)
-        values = values.astype(numpy.int32).reshape(-1, n_in)
-        if iq1:  # 8·(g ± 1/8): g the ternary grid value, ±1 the delta
-            g = numpy.rint(values / 8.0).astype(numpy.int32)
-            w[r:r + step], delta[r:r + step] = g, values - 8 * g
-        else:
-            w[r:r + step] = values
-    return w, delta, scales, d.astype(numpy.float32)
+    return scales, d_of(blocks).reshape(n_out, -1).astype(numpy.float32)
+
+
+@functools.cache
+def _grid_table(qtype: T) -> numpy.ndarray:
+    """The type's grid from gguf-py, one uint64 per entry: its 8 int8 values (IQ3's 4-value
+    entries zero-extended), so a decoded group of 8 is one 64-bit store (TQ: no grid)."""
+    cls = {T.IQ1_M: quants.IQ1_S}.get(qtype, quants._type_traits[qtype])
+    if cls.grid_hex is None:
+        return numpy.zeros(1, numpy.uint64)
+    cls.init_grid()
+    grid = numpy.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=numpy.int8)
+    if grid.shape[1] == 4:
+        return grid.view(numpy.uint32).ravel().astype(numpy.uint64)
+    return grid.view(numpy.uint64).ravel().copy()
+
+
+# ggml's ksigns_iq2xs (7 sign bits -> 8 with even parity; gguf-py carries the same table), and
+# for each sign byte the 64-bit mask with 0xFF in the bytes it negates
+_KSIGNS = numpy.frombuffer(quants.IQ2_XXS.ksigns, numpy.uint8).astype(numpy.int64)
+_SIGN_MASKS = ((numpy.arange(256)[:, None] >> numpy.arange(8)) & 1).astype(numpy.uint8) * numpy.uint8(0xFF)
+_SIGN_MASKS = numpy.ascontiguousarray(_SIGN_MASKS).view(numpy.uint64).ravel().copy()
+_ONES = numpy.uint64(0x0101010101010101)
+_MINUS_ONES = numpy.uint64(0xFFFFFFFFFFFFFFFF)
+_K_IQ2_XXS, _K_IQ2_XS, _K_IQ2_S, _K_IQ3_XXS, _K_IQ3_S, _K_IQ1_S, _K_IQ1_M, _K_TQ1_0, _K_TQ2_0 = (
+    int(T.IQ2_XXS), int(T.IQ2_XS), int(T.IQ2_S), int(T.IQ3_XXS), int(T.IQ3_S), int(T.IQ1_S), int(T.IQ1_M),
+    int(T.TQ1_0), int(T.TQ2_0))
+
+
+@njit
+def _u16(raw, r, i):  # pragma: no cover - compiled
+    return numpy.int64(raw[r, i]) | (numpy.int64(raw[r, i + 1]) << 8)
+
+
+@njit
+def _signed(values, sign_byte, masks):  # pragma: no cover - compiled
+    """Eight int8 grid values (one uint64), bit j of the sign byte negating value j: ~v + 1 per
+    negated byte, which carries into no neighbour because the grid values are 1..62."""
+    mask = masks[sign_byte]
+    return (values ^ mask) + (mask & _ONES)
+
+
+@njit
+def _decode_row(kind, raw, r, table, ksigns, masks, w64, delta64, w):  # pragma: no cover - compiled
+    """Weight row r's signed values into w (int8 [n_in], w64 its uint64 view); IQ1: the ternary
+    grid value in w, the ±1 delta (of 8·value) in delta64. Layouts as ggml's
+    dequantize_row_<type> reads the blocks."""
+    nb = w.shape[0] // 256
+    bb = raw.shape[1] // nb
+    for b in range(nb):
+        o, y = b * bb, b * 32  # y: the block's first group of 8 in w64
+        if kind == _K_IQ2_XXS:
+            for ib in range(8):
+                aux = _u16(raw, r, o + 2 + 8 * ib + 4) | (_u16(raw, r, o + 2 + 8 * ib + 6) << 16)
+                for l in range(4):
+                    w64[y + 4 * ib + l] = _signed(table[raw[r, o + 2 + 8 * ib + l]], ksigns[(aux >> (7 * l)) & 127], masks)
+        elif kind == _K_IQ2_XS:
+            for k in range(32):
+                q = _u16(raw, r, o + 2 + 2 * k)
+                w64[y + k] = _signed(table[q & 511], ksigns[q >> 9], masks)
+        elif kind == _K_IQ2_S:
+            for ib in range(8):
+                qh = numpy.int64(raw[r, o + 66 + ib])
+                for l in range(4):
+                    index = numpy.int64(raw[r, o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)
+                    w64[y + 4 * ib + l] = _signed(table[index], raw[r, o + 34 + 4 * ib + l], masks)
+        elif kind == _K_IQ3_XXS:
+            for ib in range(8):
+                aux = _u16(raw, r, o + 66 + 4 * ib) | (_u16(raw, r, o + 68 + 4 * ib) << 16)
+                for l in range(4):
+                    pair = table[raw[r, o + 2 + 8 * ib + 2 * l]] | (table[raw[r, o + 3 + 8 * ib + 2 * l]] << numpy.uint64(32))
+                    w64[y + 4 * ib + l] = _signed(pair, ksigns[(aux >> (7 * l)) & 127], masks)
+        elif kind == _K_IQ3_S:
+            for ib in range(8):
+                qh = numpy.int64(raw[r, o + 66 + ib])
+                for l in range(4):
+                    i1 = numpy.int64(raw[r, o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256)
+                    i2 = numpy.int64(raw[r, o + 3 + 8 * ib + 2 * l]) | ((qh << (7 - 2 * l)) & 256)
+                    pair = table[i1] | (table[i2] << numpy.uint64(32))
+                    w64[y + 4 * ib + l] = _signed(pair, raw[r, o + 74 + 4 * ib + l], masks)
+        elif kind == _K_IQ1_S:
+            for ib in range(8):
+                qh = _u16(raw, r, o + 34 + 2 * ib)
+                sign = _MINUS_ONES if qh & 0x8000 else _ONES
+                for l in range(4):
+                    w64[y + 4 * ib + l] = table[numpy.int64(raw[r, o + 2 + 4 * ib + l]) | (((qh >> (3 * l)) & 7) << 8)]
+                    delta64[y + 4 * ib + l] = sign
+        elif kind == _K_IQ1_M:
+            for ib in range(8):
+                for l in range(4):
+                    qh = numpy.int64(raw[r, o + 32 + 2 * ib + l // 2])
+                    w64[y + 4 * ib + l] = table[numpy.int64(raw[r, o + 4 * ib + l]) | ((qh << (8 - 4 * (l % 2))) & 0x700)]
+                    delta64[y + 4 * ib + l] = _MINUS_ONES if qh & (0x08 << (4 * (l % 2))) else _ONES
+        elif kind == _K_TQ2_0:
+            at = b * 256
+            for half in range(2):
+                for l in range(4):
+                    for m in range(32):
+                        w[at + 128 * half + 32 * l + m] = ((numpy.int64(raw[r, o + 32 * half + m]) >> (2 * l)) & 3) - 1
+        else:  # TQ1_0: base-3 digits, the n-th by (q·3^n mod 256)·3 >> 8
+            at = b * 256
+            for n in range(5):
+                for m in range(48):
+                    q = (numpy.int64(raw[r, o + m]) * 3 ** n) & 255
+                    w[at + (32 * n + m if m < 32 else 160 + 16 * n + m - 32)] = ((q * 3) >> 8) - 1
+            for n in range(4):
+                for m in range(4):
+                    q = (numpy.int64(raw[r, o + 48 + m]) * 3 ** n) & 255
+                    w[at + 240 + 4 * n + m] = ((q * 3) >> 8) - 1
 
 
 @intrinsic
@@ -545,10 +609,11 @@ def _block_lanes(typingctx, w, w_off, sc, sc_off, x, x_off, lanes):
 
 
 @njit
-def _lanes(w, wr, sc, x, xr, b, lanes):  # pragma: no cover - compiled
-    """The eight int32 lanes of weight row wr by activation row xr over super-block b."""
-    n = w.shape[1]
-    _block_lanes(w, wr * n + b * 256, sc, wr * (n // 16) + b * 16, x, xr * n + b * 256, lanes)
+def _lanes(w, sc, wr, x, xr, b, lanes):  # pragma: no cover - compiled
+    """The eight int32 lanes of super-block b: w the decoded weight row (int8 [n]), sc the
+    scales of all rows (row wr's), x the activation rows (row xr)."""
+    n = w.shape[0]
+    _block_lanes(w, b * 256, sc, wr * (n // 16) + b * 16, x, xr * n + b * 256, lanes)
 
 
 def _tq_correction(q: numpy.ndarray) -> numpy.ndarray:
@@ -567,19 +632,20 @@ def _hsum8(a):  # pragma: no cover - compiled
 
 
 @njit
-def _grid_dot(code, f_vd, f_t, w, delta, sc, wd, wr, x, xd, corr, xr, lanes, lanes2, acc, acc2):  # pragma: no cover
-    """One output: weight row wr (unpacked) by activation row xr (q8_K) in arithmetic ``code``."""
-    nb = w.shape[1] // 256
+def _grid_dot(code, iq1, f_vd, f_t, w, delta, sc, wd, wr, x, xd, corr, xr, lanes, lanes2, acc, acc2):  # pragma: no cover
+    """One output: weight row wr (decoded into w, delta) by activation row xr (q8_K) in
+    arithmetic ``code``."""
+    nb = w.shape[0] // 256
     zero = numpy.float32(0.0)
     if code == _GRID_T:  # tiled: one exact integer per super-block, res = d0·s1, out = fma(res, d_x, out)
         out = zero
         for b in range(nb):
-            _lanes(w, wr, sc, x, xr, b, lanes)
+            _lanes(w, sc, wr, x, xr, b, lanes)
             s1 = numpy.int64(0)
             for lane in range(8):
                 s1 += lanes[lane]
-            if delta.shape[0] > 0:  # IQ1: the tile's code is 8·g + delta
-                _lanes(delta, wr, sc, x, xr, b, lanes2)
+            if iq1:  # the tile's code is 8·g + delta
+                _lanes(delta, sc, wr, x, xr, b, lanes2)
                 s1 *= 8
                 for lane in range(8):
                     s1 += lanes2[lane]
@@ -592,20 +658,20 @@ def _grid_dot(code, f_vd, f_t, w, delta, sc, wd, wr, x, xd, corr, xr, lanes, lan
     scalar = zero
     for b in range(nb):
         d = wd[wr, b] * xd[xr, b]
-        _lanes(w, wr, sc, x, xr, b, lanes)
+        _lanes(w, sc, wr, x, xr, b, lanes)
         if code == _TQ_VD:
             for lane in range(8):
                 lanes[lane] += corr[xr, b, lane]
         for lane in range(8):
             acc[lane] = fma32(d, numpy.float32(lanes[lane]), acc[lane])
         if code == _IQ1S_VD:  # the deltas' integer (bsums·sign·ls over the 32s) in a scalar chain
-            _lanes(delta, wr, sc, x, xr, b, lanes2)
+            _lanes(delta, sc, wr, x, xr, b, lanes2)
             s = numpy.int64(0)
             for lane in range(8):
                 s += lanes2[lane]
             scalar = fma32(d, numpy.float32(s), scalar)
         elif code == _IQ1M_VD:  # the deltas' lanes in a second vector chain
-            _lanes(delta, wr, sc, x, xr, b, lanes2)
+            _lanes(delta, sc, wr, x, xr, b, lanes2)
             for lane in range(8):
                 acc2[lane] = fma32(d, numpy.float32(lanes2[lane]), acc2[lane])
     total = _hsum8(acc)
@@ -617,27 +683,34 @@ def _grid_dot(code, f_vd, f_t, w, delta, sc, wd, wr, x, xd, corr, xr, lanes, lan
 
 
 @njit
-def _grid_rows(code, f_vd, f_t, w, delta, sc, wd, r0, r1, x, xd, corr, out):  # pragma: no cover - compiled
+def _grid_rows(code, kind, f_vd, f_t, raw, table, sc, wd, r0, r1, x, xd, corr, out):  # pragma: no cover
+    """out[:, r0:r1]: each weight row decoded once, then dotted with every activation row."""
+    n = x.shape[1]
+    w64 = numpy.empty(n // 8, numpy.uint64)
+    delta64 = numpy.zeros(n // 8, numpy.uint64)
+    w, delta = w64.view(numpy.int8), delta64.view(numpy.int8)
+    iq1 = kind == _K_IQ1_S or kind == _K_IQ1_M
     lanes = numpy.empty(8, numpy.int32)
     lanes2 = numpy.empty(8, numpy.int32)
     acc = numpy.empty(8, numpy.float32)
     acc2 = numpy.empty(8, numpy.float32)
     for r in range(r0, r1):
+        _decode_row(kind, raw, r, table, _KSIGNS, _SIGN_MASKS, w64, delta64, w)
         for t in range(x.shape[0]):
-            out[t, r] = _grid_dot(code, f_vd, f_t, w, delta, sc, wd, r, x, xd, corr, t, lanes, lanes2, acc, acc2)
+            out[t, r] = _grid_dot(code, iq1, f_vd, f_t, w, delta, sc, wd, r, x, xd, corr, t, lanes, lanes2, acc, acc2)
 
 
 @njit
-def _grid_serial(code, f_vd, f_t, w, delta, sc, wd, x, xd, corr, out):  # pragma: no cover - compiled
-    _grid_rows(code, f_vd, f_t, w, delta, sc, wd, 0, w.shape[0], x, xd, corr, out)
+def _grid_serial(code, kind, f_vd, f_t, raw, table, sc, wd, x, xd, corr, out):  # pragma: no cover
+    _grid_rows(code, kind, f_vd, f_t, raw, table, sc, wd, 0, raw.shape[0], x, xd, corr, out)
 
 
 @njit(parallel=True)
-def _grid_parallel(code, f_vd, f_t, w, delta, sc, wd, x, xd, corr, out):  # pragma: no cover - compiled
-    n_out = w.shape[0]
+def _grid_parallel(code, kind, f_vd, f_t, raw, table, sc, wd, x, xd, corr, out):  # pragma: no cover
+    n_out = raw.shape[0]
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
-        _grid_rows(code, f_vd, f_t, w, delta, sc, wd, r0, min(r0 + ROWS_PER_TASK, n_out), x, xd, corr, out)
+        _grid_rows(code, kind, f_vd, f_t, raw, table, sc, wd, r0, min(r0 + ROWS_PER_TASK, n_out), x, xd, corr, out)
 
 
 class IQGridMatrix(IQuantMatrix):
@@ -649,7 +722,15 @@ class IQGridMatrix(IQuantMatrix):
 
     def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
         super().__init__(raw, qtype, n_out, n_in, repacked)
-        self.w, self.delta, self.scales, self.d = _unpack(self.raw, self.qtype, n_out, n_in)
+        self.scales, self.d = _block_fields(self.raw, self.qtype, n_out)
+
+    def decoded(self, row: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """Row ``row``'s signed values as the kernels decode them (int8 [n_in]) and, for IQ1,
+        the ±1 deltas of 8·value (zeros otherwise)."""
+        w64, delta64 = numpy.empty(self.n_in // 8, numpy.uint64), numpy.zeros(self.n_in // 8, numpy.uint64)
+        w = w64.view(numpy.int8)
+        _decode_row(int(self.qtype), self.raw, row, _grid_table(self.qtype), _KSIGNS, _SIGN_MASKS, w64, delta64, w)
+        return w, delta64.view(numpy.int8)
 
     def quantize(self, x: numpy.ndarray) -> KActivation:
         return KActivation(x)
@@ -666,8 +747,8 @@ class IQGridMatrix(IQuantMatrix):
         return out
 
     def _code(self, m: int) -> int:
-        tiled = _GRID[self.qtype][7] is not None and m >= TILED_MIN_ROWS
-        return _GRID_T if tiled else _GRID[self.qtype][5]
+        tiled = _GRID[self.qtype][5] is not None and m >= TILED_MIN_ROWS
+        return _GRID_T if tiled else _GRID[self.qtype][3]
 
 
 def _grid_run(code: int, matrix: IQGridMatrix, q: numpy.ndarray, d: numpy.ndarray, out: numpy.ndarray) -> None:
@@ -675,8 +756,9 @@ def _grid_run(code: int, matrix: IQGridMatrix, q: numpy.ndarray, d: numpy.ndarra
     if q.shape[0] == 0:
         return
     spec = _GRID[matrix.qtype]
-    f_t = spec[7] if spec[7] is not None else 1.0
+    f_t = spec[5] if spec[5] is not None else 1.0
     corr = _tq_correction(q) if code == _TQ_VD else numpy.zeros((0, 0, 0), numpy.int32)
     macs = q.shape[0] * matrix.n_out * matrix.n_in
     (_grid_parallel if macs >= PARALLEL_MIN_MACS else _grid_serial)(
-        code, spec[6], f_t, matrix.w, matrix.delta, matrix.scales, matrix.d, numpy.ascontiguousarray(q), d, corr, out)
+        code, int(matrix.qtype), spec[4], f_t, matrix.raw, _grid_table(matrix.qtype), matrix.scales,
+        matrix.d, numpy.ascontiguousarray(q), d, corr, out)
