@@ -148,8 +148,9 @@ def chat_turn(server: support.LlamaServer, engine: Engine, messages: list[dict])
             "request": ("chat", copy.deepcopy(body))}  # the caller extends its message list
 
 
-def completion_turn(server: support.LlamaServer, engine: Engine, ids: list[int]) -> dict[str, Any]:
-    body = {"prompt": ids, "n_predict": N_PREDICT, "temperature": 0, "n_probs": 10}
+def completion_turn(server: support.LlamaServer, engine: Engine, prompt: list[int] | str,
+                    **extra: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0, "n_probs": 10, **extra}
     status, theirs = support.http_json(server.url + "/completion", dict(body, return_tokens=True))
     assert status == 200, theirs
     steps = engine.run_steps(engine.parse_request(dict(body), "completion"))
@@ -200,6 +201,16 @@ def test_chats_and_prompts_past_the_window_as_llama_server(tiny_gemma3: Path,
         # diverging before the oldest position the SWA cache holds, with no checkpoint that
         # early: evaluated again from 0
         results["completion sharing 60 tokens"] = completion_turn(server, engine, ids[:60] + other[:800])
+        # a /completion body naming its message delimiters: the batches end at those user
+        # starts, and an edit in the second user message restores the checkpoint there
+        delims = [{"role": "user", "delimiter": "<|im_start|>user"}]
+        second = words(600, 6)
+        text = (f"<|im_start|>user\n{words(300, 5)}<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"
+                f"<|im_start|>user\n{second}<|im_end|>\n<|im_start|>assistant\n")
+        results["completion with message_delimiters"] = completion_turn(
+            server, engine, text, message_delimiters=delims)
+        results["the same, second user message edited"] = completion_turn(
+            server, engine, text.replace(second, "edited " + second), message_delimiters=delims)
     print()
     for name, r in results.items():
         print(f"{name}: cache_n/prompt_n ours {r['ours']}, llama-server {r['theirs']}; answer "
@@ -216,6 +227,7 @@ def test_chats_and_prompts_past_the_window_as_llama_server(tiny_gemma3: Path,
     assert 0 < results["chat 3: first message edited"]["theirs"][0] < 20
     assert results["completion sharing 850 tokens"]["theirs"][0] == 850
     assert results["completion sharing 60 tokens"]["theirs"][0] == 0
+    assert 300 < results["the same, second user message edited"]["theirs"][0] < 330
 
 
 @pytest.mark.llama_server
