@@ -502,6 +502,14 @@ def _u16(raw, r, i):  # pragma: no cover - compiled
 
 
 @njit
+def _u64(raw, r, i):  # pragma: no cover - compiled
+    value = numpy.uint64(0)
+    for j in range(8):
+        value |= numpy.uint64(raw[r, i + j]) << numpy.uint64(8 * j)
+    return value
+
+
+@njit
 def _signed(values, sign_byte, masks):  # pragma: no cover - compiled
     """Eight int8 grid values (one uint64), bit j of the sign byte negating value j: ~v + 1 per
     negated byte, which carries into no neighbour because the grid values are 1..62."""
@@ -560,12 +568,14 @@ def _decode_row(kind, raw, r, table, ksigns, masks, w64, delta64, w):  # pragma:
                     qh = numpy.int64(raw[r, o + 32 + 2 * ib + l // 2])
                     w64[y + 4 * ib + l] = table[numpy.int64(raw[r, o + 4 * ib + l]) | ((qh << (8 - 4 * (l % 2))) & 0x700)]
                     delta64[y + 4 * ib + l] = _MINUS_ONES if qh & (0x08 << (4 * (l % 2))) else _ONES
-        elif kind == _K_TQ2_0:
-            at = b * 256
+        elif kind == _K_TQ2_0:  # 2-bit digits d: (d + 0x7F) ^ 0x80 per byte is d - 1, 8 bytes at once
             for half in range(2):
-                for l in range(4):
-                    for m in range(32):
-                        w[at + 128 * half + 32 * l + m] = ((numpy.int64(raw[r, o + 32 * half + m]) >> (2 * l)) & 3) - 1
+                for k in range(4):
+                    x = _u64(raw, r, o + 32 * half + 8 * k)
+                    for l in range(4):
+                        digits = (x >> numpy.uint64(2 * l)) & numpy.uint64(0x0303030303030303)
+                        w64[y + 16 * half + 4 * l + k] = (digits + numpy.uint64(0x7F7F7F7F7F7F7F7F)) ^ numpy.uint64(
+                            0x8080808080808080)
         else:  # TQ1_0: base-3 digits, the n-th by (q·3^n mod 256)·3 >> 8
             at = b * 256
             for n in range(5):
