@@ -32,17 +32,16 @@ from bankml.engine_cupy.tokenizer import Tokenizer
 MICRO_BATCH = _checkpoints.N_UBATCH
 
 
-def prompt_batches(start: int, end: int, checkpoints: bool,
-                   spans: MessageSpans = MessageSpans()) -> list[tuple[int, int]]:
-    """The micro-batches [a, b) llama-server evaluates prompt positions start..end-1 in: 512 at a
-    time from start, and, with ``checkpoints`` (sliding-window models), its batches also end 516
-    and 4 tokens before the end and at user-message starts (``spans``; as with no checkpoint
-    taken yet: the engine's own loop follows the slot's checkpoints). The cuts decide which
-    attention kernel (tiled or one-row) each token sees."""
+def prompt_batches(start: int, end: int, checkpoints: bool) -> list[tuple[int, int]]:
+    """The micro-batches [a, b) llama-server evaluates prompt positions start..end-1 in when no
+    message starts are known (plain prompts): 512 at a time from start, and, with
+    ``checkpoints`` (sliding-window models), its batches also end 516 and 4 tokens before the
+    end. The cuts decide which attention kernel (tiled or one-row) each token sees; the engine's
+    own loop (``Engine._batch_end``) also follows user-message starts and the slot's checkpoints."""
     out: list[tuple[int, int]] = []
     a = start
     while a < end:
-        b = _checkpoints.batch_end(a, end, spans, []) if checkpoints else min(a + _checkpoints.N_BATCH, end)
+        b = _checkpoints.batch_end(a, end, MessageSpans(), []) if checkpoints else min(a + _checkpoints.N_BATCH, end)
         out += _micro_batches(a, b)
         a = b
     return out
@@ -422,9 +421,9 @@ class Engine:
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         self._llg: Any = None
         self._chat_delimiters: list[tuple[str, list[int]]] | None = None
-        window = getattr(model, "hp", None) and model.hp.swa_window
         # llama-server's context checkpoints: only for sliding-window models (n_swa > 0)
-        self.checkpoints = Checkpoints(window) if getattr(model, "has_sliding_window", False) else None
+        self.checkpoints = (Checkpoints(model.hp.swa_window) if getattr(model, "has_sliding_window", False)
+                            else None)
         self._task_id = 0
         self._vocab_info = VocabInfo(self._pieces, lambda s: self.tokenize(s))
 
