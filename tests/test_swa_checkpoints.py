@@ -66,6 +66,7 @@ def test_spans_take_the_first_matching_delimiter() -> None:
     spans = ck.find_spans([9, 1, 5, 3, 1, 7, 4, 1, 5, 6], delims)
     assert spans.user_starts == frozenset({1, 7}) and spans.last_user == 7
     assert ck.find_spans([1, 5], []).user_starts == frozenset()
+    assert ck.find_spans([1, 5], [("user", [])]).user_starts == frozenset({0, 1})  # std::equal of nothing
 
 
 def first_prompt_plan(n: int, spans: ck.MessageSpans) -> tuple[list[int], list[int]]:

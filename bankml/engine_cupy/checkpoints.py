@@ -64,7 +64,7 @@ def find_spans(tokens: Sequence[int], delimiters: Sequence[tuple[str, Sequence[i
         return MessageSpans()
     for i in range(len(tokens)):
         for role, ids in delimiters:
-            if ids and list(tokens[i:i + len(ids)]) == list(ids):
+            if list(tokens[i:i + len(ids)]) == list(ids):  # an empty one matches anywhere, as there
                 if role == "user":
                     starts.append(i)
                 break
