@@ -843,6 +843,69 @@ PARALLEL_MIN_MACS = 1 << 18  # below this many multiply-adds one thread is faste
 
 
 @njit
+def _one_row_rows(code, raw, r0, r1, q, d, s, out):  # pragma: no cover - compiled
+    """out[0, r0:r1] for one activation row (``code`` a literal): one weight row at a time
+    (1x1 tiles, ggml's vec_dot itself). A decode step's weights stream from memory, and there
+    the 4x1 tiles of _rows were slower: the default model's 120 layer products took 7.6-8.6 ms
+    of one thread's CPU in 1x1 tiles against 10.2-12.9 in 4x1, its Q8_0 output product 2.3-3.0
+    against 4.6-5.1 ms (ggml's own: 2.8). Each output's arithmetic is the same in either."""
+    n_in = q.shape[1]
+    nb = n_in // QK
+    row_bytes = raw.shape[1]
+    n_out = out.shape[1]
+    for r in range(r0, r1):
+        _tile_at(code, 11, raw, r * row_bytes, row_bytes, q, 0, n_in, d, s, 0, nb, out, r, n_out)
+
+
+@njit
+def _one_row_serial(code, raw, q, d, s, out):  # pragma: no cover - compiled
+    _one_row_rows(code, raw, 0, out.shape[1], q, d, s, out)
+
+
+@njit(parallel=True)
+def _one_row_parallel(code, raw, q, d, s, out):  # pragma: no cover - compiled
+    n_out = out.shape[1]
+    for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        r0 = task * ROWS_PER_TASK
+        _one_row_rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), q, d, s, out)
+
+
+@njit
+def _one_row_for(code, parallel, raw, q, d, s, out):  # pragma: no cover - compiled
+    """_one_row_serial or _parallel with the code as a constant per branch (as _matmul)."""
+    if code == _Q4_1:
+        if parallel:
+            _one_row_parallel(_Q4_1, raw, q, d, s, out)
+        else:
+            _one_row_serial(_Q4_1, raw, q, d, s, out)
+    elif code == _Q8_0:
+        if parallel:
+            _one_row_parallel(_Q8_0, raw, q, d, s, out)
+        else:
+            _one_row_serial(_Q8_0, raw, q, d, s, out)
+    elif code == _Q4_0:
+        if parallel:
+            _one_row_parallel(_Q4_0, raw, q, d, s, out)
+        else:
+            _one_row_serial(_Q4_0, raw, q, d, s, out)
+    elif code == _Q5_0:
+        if parallel:
+            _one_row_parallel(_Q5_0, raw, q, d, s, out)
+        else:
+            _one_row_serial(_Q5_0, raw, q, d, s, out)
+    elif code == _Q5_1:
+        if parallel:
+            _one_row_parallel(_Q5_1, raw, q, d, s, out)
+        else:
+            _one_row_serial(_Q5_1, raw, q, d, s, out)
+    elif code == _Q4_0R:
+        if parallel:
+            _one_row_parallel(_Q4_0R, raw, q, d, s, out)
+        else:
+            _one_row_serial(_Q4_0R, raw, q, d, s, out)
+
+
+@njit
 def _one_row(code, parallel, raw, n_out, x, table):  # pragma: no cover - compiled
     """One activation row: its rounding and the product in one call from Python. A decode step
     makes ~120 products, and building an Activation and passing a dozen arrays into _matmul cost
@@ -1193,8 +1256,7 @@ def row_product(code, parallel, raw, x, table, out):  # pragma: no cover - compi
             _float_serial(code, True, raw, x.shape[1], n_out, kernel_x, out)
         return
     q, d16, s16, d, s = _quantize_serial(x, table)
-    # one row takes neither the block-major scales (tiles of 4+ rows) nor the lanes (16+)
-    _matmul(code, parallel, raw, raw.shape[1], n_out, q, d, s, d, s, numpy.empty(0, numpy.int8), out)
+    _one_row_for(code, parallel, raw, q, d, s, out)
 
 
 class BlockRows:
