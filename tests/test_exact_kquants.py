@@ -181,6 +181,33 @@ def test_fewer_than_eight_weight_rows_and_one_block(qtype: T) -> None:
         check("narrow", qtype, n_out, 256, 11, seed=95 + n_out)
 
 
+@pytest.mark.parametrize("qtype, repacked", [(T.Q2_K, False), (T.Q3_K, False), (T.Q4_K, False), (T.Q4_K, True),
+                                             (T.Q5_K, False), (T.Q6_K, False)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_weight_row_lanes_at_the_int16_bounds(qtype: T, repacked: bool) -> None:
+    """Every quant and 6-bit scale at its largest (all bits set; Q6_K's int8 scales at +127 and
+    -128) against activation rows of constant ±1 (every q8_K quant ±127): the int16 runs of
+    pmaddubsw pair sums (_RUN) reach their largest magnitude and must not wrap. (With runs of 8
+    quads for Q5_K and 4 for Q6_K this test failed for both, the random-block tests passed.)"""
+    rng = np.random.default_rng(12)
+    n_out, n_in = 16, 512
+    raw = random_blocks(rng, qtype, n_out, n_in).reshape(n_out, n_in // ek.QK_K, -1)
+    halves = {T.Q6_K: [208], T.Q3_K: [108], T.Q2_K: [80, 82]}.get(qtype, [0, 2])
+    keep = np.zeros(raw.shape[-1], bool)
+    for at in halves:
+        keep[at:at + 2] = True
+    raw[..., ~keep] = 0xFF
+    if qtype == T.Q6_K:
+        raw[:8, :, 192:208], raw[8:, :, 192:208] = 0x7F, 0x80
+    raw = raw.reshape(n_out, -1)
+    x = np.ones((9, n_in), F32)
+    x[1::2] = -1.0
+    x[8, ::3] = -2.0  # a mixed row
+    matrix = ek.KQuantMatrix(raw, qtype, n_out, n_in, repacked=repacked)
+    ggml = (go.mul_mat_repacked if repacked else go.mul_mat)(raw, qtype, n_out, n_in, x)
+    assert differing(matrix.matmul(x), ggml) == 0
+
+
 def test_wide_slice_of_a_2048x8192_matrix() -> None:
     """A long row (32 super-blocks), as ffn_down of a 2048-wide model: decode and a batch."""
     for qtype, repacked in ((T.Q6_K, False), (T.Q4_K, True), (T.Q3_K, False), (T.Q2_K, False)):
