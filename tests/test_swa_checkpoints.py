@@ -261,3 +261,22 @@ def test_a_gemma_template_as_llama_server(tiny_gemma3: Path, llama_server_bin: P
     assert all(r["same"] for r in results.values())
     assert max(r["worst"] for r in results.values()) <= 1e-5
     assert 0 < results["gemma chat 3: first message edited"]["theirs"][0] < 10
+
+
+def test_slot_erase_and_restore_forget_the_checkpoints(tiny_gemma3: Path, tmp_path: Path) -> None:
+    """llama-server's slot erase and slot restore clear the slot's prompt (server_prompt::clear:
+    its tokens and its checkpoints): a checkpoint of the conversation that was there before must
+    not be restored into the next one."""
+    from bankml.engine_cupy import slots
+
+    engine = Engine.open(tiny_gemma3, n_ctx=N_CTX, device="cpu")
+    chat = {"messages": [{"role": "user", "content": words(300, 1)}], "max_tokens": 2}
+    array_cache_n(engine, "chat", chat)
+    assert engine.checkpoints is not None and engine.checkpoints.items  # taken at the user start
+    slots.save_slot(engine, str(tmp_path / "slot.bin"), "0" * 64)
+    slots.erase_slot(engine)
+    assert engine.checkpoints.items == [] and engine.slot_tokens == []
+    array_cache_n(engine, "chat", chat)
+    assert engine.checkpoints.items
+    slots.restore_slot(engine, str(tmp_path / "slot.bin"), "0" * 64)
+    assert engine.checkpoints.items == [] and engine.slot_tokens

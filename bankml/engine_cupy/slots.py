@@ -111,7 +111,14 @@ def erase_slot(engine: Any) -> int:
     n = len(engine.slot_tokens)
     engine.slot_tokens = []
     engine.cache.truncate(0)
+    _forget_checkpoints(engine)
     return n
+
+
+def _forget_checkpoints(engine: Any) -> None:
+    """llama-server's erase and restore clear the slot's prompt, its context checkpoints too."""
+    if getattr(engine, "checkpoints", None) is not None:
+        engine.checkpoints.clear()
 
 
 def restore_slot(engine: Any, path: str, model_sha256: str) -> SlotResult:
@@ -196,6 +203,7 @@ def _restore(engine: Any, path: str, model_sha256: str) -> tuple[int, int]:
         _load_layer(cache, cache._k, layer, k, n)
         _load_layer(cache, cache._v, layer, v, n)
     cache.n_tokens = n
+    _forget_checkpoints(engine)
     engine.slot_tokens = [int(t) for t in tokens]
     return n, len(data)
 
