@@ -23,7 +23,10 @@ the matrix (CPU_REPACK buffer) and the number of activation rows ``m``:
   by AVX512 builds, Q3_K never.
 
 Every integer sum is exact in any order, so only the float chains above need to be kept; the
-weights stay in their GGUF block bytes and are unpacked one super-block at a time.
+weights stay in their GGUF block bytes. One-row products (vec_dot, gemv) unpack them one
+super-block at a time in registers; the batch arithmetics (tiled, gemm) unpack eight weight rows
+per task into a scratch copy and compute in weight-row lanes (lane j = weight row r+j, see
+"Batch products in weight-row lanes"), with no horizontal sums.
 """
 
 from __future__ import annotations
