@@ -107,7 +107,8 @@ def _round_block(typingctx, x, off, iscale, q, bsums, s_off):
                               builder.bitcast(builder.gep(qdata, [at]), ir.VectorType(_I8, 8).as_pointer()), align=1)
                 total = i if total is None else builder.add(total, i)
             total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [total])
-            builder.store(builder.trunc(total, _I16), builder.gep(sdata, [builder.add(s_off, ir.Constant(s_off.type, j))]))
+            at = builder.add(s_off, ir.Constant(s_off.type, j))
+            builder.store(builder.trunc(total, _I16), builder.gep(sdata, [at]))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -868,6 +869,10 @@ def _make_unpack8(qtype: T):
     return unpack8
 
 
+def _fma8(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    return _call(builder, "llvm.fma.v8f32", ir.VectorType(_F32, 8), [a, b, c])
+
+
 def _make_wtile(code: int, rn: int):
     """wtile(u, xq, x_off, n_in, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out): the
     eight weight rows unpacked in u by rn activation rows, in arithmetic ``code``. Activation row
@@ -878,7 +883,7 @@ def _make_wtile(code: int, rn: int):
     subs, pairs, p_at, d_at, gs = _wide_layout(qtype)
     quads = 64 // subs  # quads per sub-block
     run = _RUN[qtype]
-    v8f, v16i16 = ir.VectorType(_F32, 8), _V16I16
+    v8f = ir.VectorType(_F32, 8)
     has_min = qtype in (T.Q2_K, T.Q4_K, T.Q5_K)
 
     @intrinsic
@@ -897,10 +902,37 @@ def _make_wtile(code: int, rn: int):
 
             def madd(a: ir.Value, b: ir.Value) -> ir.Value:
                 return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [a, b])
+
+            def total(values: list) -> ir.Value:
+                out = values[0]
+                for v in values[1:]:
+                    out = builder.add(out, v)
+                return out
             zero = ir.Constant(v8f, [0.0] * 8)
             acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
             accm = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
             ints = [cgutils.alloca_once_value(builder, ir.Constant(_V8I32, [0] * 8)) for _ in range(rn)]
+
+            def slice_sums(group: ir.Value, xo: list, index: ir.Value) -> list:
+                """Per activation row, the 8 rows' exact Σ scale·u·x over slice ``index`` (64
+                values, 16 quads): int16 runs of pmaddubsw pair sums, one pmaddwd per run."""
+                at = builder.add(group, builder.mul(index, const(512)))  # 16 quads of 32 bytes
+                sums = [[] for _ in range(rn)]
+                for sub in range(subs // 4):
+                    mult_at = builder.add(builder.mul(index, const(32 * subs // 4)), const(2048 + 32 * sub))
+                    mult = _load(builder, ubase, builder.add(group, mult_at), _V16I16)
+                    for first in range(sub * quads, (sub + 1) * quads, run):
+                        short = [[] for _ in range(rn)]
+                        for q in range(first, first + run):
+                            wq = _load(builder, ubase, builder.add(at, const(32 * q)), _V32I8)
+                            for j in range(rn):
+                                x_at = builder.add(builder.add(xo[j], builder.mul(index, const(64))), const(4 * q))
+                                xv = builder.bitcast(_splat(builder, _load(builder, xbase, x_at, _I32), _V8I32), _V32I8)
+                                short[j].append(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [wq, xv]))
+                        for j in range(rn):
+                            sums[j].append(madd(total(short[j]), mult))
+                return [total(s) for s in sums]
+
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 group = builder.mul(b, const(gs))
@@ -916,67 +948,40 @@ def _make_wtile(code: int, rn: int):
                     p = const(p) if isinstance(p, int) else p
                     at = builder.add(builder.add(p_off, builder.mul(const(j), p_stride)),
                                      builder.add(builder.mul(b, const(pairs)), p))
-                    sums = builder.bitcast(_splat(builder, builder.load(builder.gep(prp, [at])), _V8I32), v16i16)
+                    sums = builder.bitcast(_splat(builder, builder.load(builder.gep(prp, [at])), _V8I32), _V16I16)
                     vec_at = builder.add(group, builder.add(const(p_at), builder.mul(p, const(32))))
-                    return madd(sums, _load(builder, ubase, vec_at, v16i16))
+                    return madd(sums, _load(builder, ubase, vec_at, _V16I16))
 
-                if code == _GM4:
-                    scale = [builder.fmul(d_w, d_x[j]) for j in range(rn)]
-                    mscale = [builder.fmul(dm_w, d_x[j]) for j in range(rn)]
-                zero_i = ir.Constant(_V8I32, [0] * 8)
                 for j in range(rn):
-                    builder.store(zero_i, ints[j])
-                # a loop over the block's four slices of 64 values (16 quads; 2 or 4 sub-blocks)
-                with cgutils.for_range(builder, const(4)) as slices:
-                    at = builder.mul(slices.index, const(512))  # 16 quads of 32 bytes
-                    sums = [None] * rn
-                    for sub in range(subs // 4):
-                        mult_at = builder.add(builder.mul(slices.index, const(32 * subs // 4)), const(2048 + 32 * sub))
-                        mult = _load(builder, ubase, builder.add(group, mult_at), v16i16)
-                        for first in range(sub * quads, (sub + 1) * quads, run):
-                            short = [None] * rn
-                            for q in range(first, first + run):
-                                wq = _load(builder, ubase, builder.add(group, builder.add(at, const(32 * q))), _V32I8)
-                                for j in range(rn):
-                                    x_at = builder.add(builder.add(xo[j], builder.mul(slices.index, const(64))), const(4 * q))
-                                    xv = builder.bitcast(_splat(builder, _load(builder, xbase, x_at, _I32), _V8I32), _V32I8)
-                                    prod = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [wq, xv])
-                                    short[j] = prod if short[j] is None else builder.add(short[j], prod)
-                            for j in range(rn):
-                                part = madd(short[j], mult)
-                                sums[j] = part if sums[j] is None else builder.add(sums[j], part)
-                    if code == _GM4:  # one fma pair per 64 values
-                        for j in range(rn):
-                            s_g = builder.sitofp(sums[j], v8f)
-                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [s_g, scale[j], builder.load(acc[j])]), acc[j])
-                            m_g = builder.sitofp(pair_sum(j, slices.index), v8f)
-                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [m_g, mscale[j], builder.load(accm[j])]), accm[j])
-                    else:
-                        for j in range(rn):
-                            builder.store(builder.add(builder.load(ints[j]), sums[j]), ints[j])
-                if code != _GM4:  # tiled: res = d_w·s1 (- dmin·s2), out = fma(res, d_x, out)
+                    builder.store(ir.Constant(_V8I32, [0] * 8), ints[j])
+                scale = [builder.fmul(d_w, d) for d in d_x] if code == _GM4 else None
+                mscale = [builder.fmul(dm_w, d) for d in d_x] if code == _GM4 else None
+                with cgutils.for_range(builder, const(4)) as slices:  # the block's 4 slices of 64 values
+                    sums = slice_sums(group, xo, slices.index)
                     for j in range(rn):
-                        s1 = builder.load(ints[j])
-                        if qtype in _BIAS_SHIFT:
-                            corr = None
-                            for p in range(pairs):
-                                part = pair_sum(j, p)
-                                corr = part if corr is None else builder.add(corr, part)
-                            s1 = builder.sub(s1, builder.shl(corr, ir.Constant(_V8I32, [_BIAS_SHIFT[qtype]] * 8)))
-                        res = builder.fmul(d_w, builder.sitofp(s1, v8f))
-                        if has_min:
-                            s2 = None
-                            for p in range(pairs):
-                                part = pair_sum(j, p)
-                                s2 = part if s2 is None else builder.add(s2, part)
-                            res = _call(builder, "llvm.fma.v8f32", v8f, [builder.fneg(dm_w), builder.sitofp(s2, v8f), res])
-                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [res, d_x[j], builder.load(acc[j])]), acc[j])
+                        if code == _GM4:  # one fma pair per 64 values
+                            s_g = builder.sitofp(sums[j], v8f)
+                            builder.store(_fma8(builder, s_g, scale[j], builder.load(acc[j])), acc[j])
+                            m_g = builder.sitofp(pair_sum(j, slices.index), v8f)
+                            builder.store(_fma8(builder, m_g, mscale[j], builder.load(accm[j])), accm[j])
+                        else:
+                            builder.store(builder.add(builder.load(ints[j]), sums[j]), ints[j])
+                for j in range(rn if code != _GM4 else 0):  # tiled: res = d_w·s1 (- dmin·s2), fma(res, d_x, out)
+                    s1 = builder.load(ints[j])
+                    if qtype in _BIAS_SHIFT:  # s1 -= bias·Σ scale·bsum16
+                        corr = total([pair_sum(j, p) for p in range(pairs)])
+                        s1 = builder.sub(s1, builder.shl(corr, ir.Constant(_V8I32, [_BIAS_SHIFT[qtype]] * 8)))
+                    res = builder.fmul(d_w, builder.sitofp(s1, v8f))
+                    if has_min:
+                        s2 = builder.sitofp(total([pair_sum(j, p) for p in range(pairs)]), v8f)
+                        res = _fma8(builder, builder.fneg(dm_w), s2, res)
+                    builder.store(_fma8(builder, res, d_x[j], builder.load(acc[j])), acc[j])
             for j in range(rn):
-                total = builder.load(acc[j])
+                result = builder.load(acc[j])
                 if code == _GM4:
-                    total = builder.fsub(total, builder.load(accm[j]))
+                    result = builder.fsub(result, builder.load(accm[j]))
                 at = builder.add(o_off, builder.mul(const(j), n_out))
-                builder.store(total, builder.bitcast(builder.gep(obase, [at]), v8f.as_pointer()), align=4)
+                builder.store(result, builder.bitcast(builder.gep(obase, [at]), v8f.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -985,9 +990,11 @@ def _make_wtile(code: int, rn: int):
 
 
 _UNPACK8 = {qtype: _make_unpack8(qtype) for qtype in _PLAIN_CODES}
-_unpack8_q2, _unpack8_q3, _unpack8_q4, _unpack8_q5, _unpack8_q6 = (_UNPACK8[q] for q in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
+_unpack8_q2, _unpack8_q3, _unpack8_q4, _unpack8_q5, _unpack8_q6 = (
+    _UNPACK8[q] for q in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
 _WTILES = {code: _make_wtile(code, 4) for code in _WIDE_CODES}  # 4 activation rows (the rest: one-row dots)
-_wtile_t2, _wtile_t3, _wtile_t4, _wtile_t5, _wtile_t6, _wtile_gm4 = (_WTILES[c] for c in (_T2, _T3, _T4, _T5, _T6, _GM4))
+_wtile_t2, _wtile_t3, _wtile_t4, _wtile_t5, _wtile_t6, _wtile_gm4 = (
+    _WTILES[c] for c in (_T2, _T3, _T4, _T5, _T6, _GM4))
 
 @njit
 def _unpack8(code, raw, w_off, row_bytes, nb, dst):  # pragma: no cover - compiled
