@@ -205,15 +205,16 @@ _stamp_with_composed_sources(globals())
 # --- the plan: each layer's arguments, laid out once per model -----------------------------------
 
 def _readonly(a: np.ndarray) -> np.ndarray:
-    """A read-only view: every matrix then has one Numba type (the memory-mapped ones are
-    read-only, fused copies are not), so decode_layer compiles once."""
+    """A read-only view: every weight then has one Numba type (the memory-mapped ones are
+    read-only, copies are not), so decode_layer compiles once for every model."""
     view = a.view()
     view.flags.writeable = False
     return view
 
 
 def _f32(a: Any | None) -> np.ndarray:
-    return _NONE if a is None else np.ascontiguousarray(a, dtype=F32).reshape(-1)
+    """A norm weight, bias or table as a read-only float32 vector (size 0 for None)."""
+    return _readonly(_NONE if a is None else np.ascontiguousarray(a, dtype=F32).reshape(-1))
 
 
 def _matrix(linear: Any) -> tuple | None:
@@ -266,7 +267,7 @@ class DecodePlan:
                    shape=(hp.n_head, hp.n_head_kv, hp.head_dim), n_ff=hp.n_ff,
                    neox=bool(hp.spec.rope_neox), q_scale=F32(hp.attn_scale if gemma else 1),
                    scale=F32(1 if gemma else hp.attn_scale), eps=F32(hp.rms_eps),
-                   swa=tuple(hp.swa_layers), gelu=_NONE if gelu is None else _f32(gelu))
+                   swa=tuple(hp.swa_layers), gelu=_f32(gelu))
 
     def step(self, x: np.ndarray, pos: int, ropes: dict[bool, tuple[Any, Any]], cache: Any,
              n_threads: int) -> np.ndarray:
