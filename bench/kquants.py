@@ -20,7 +20,6 @@ Q4_K_M of this model; in a larger model they are K-quants of the same kind).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -46,21 +45,8 @@ SHAPES = {"ffn_down": (576, 1536), "attn_q/o": (576, 768), "ffn_gate/up": (1536,
 
 
 def timer_binary() -> Path:
-    """Compile the timer once per source and library version, as tests/ggml_oracle.py does."""
-    root = go.llama_root()
-    libs = [root / "build" / "ggml" / "src" / name for name in ("libggml.a", "libggml-cpu.a", "libggml-base.a")]
-    digest = hashlib.sha256(TIMER_SOURCE.read_bytes())
-    for lib in libs:
-        digest.update(str(lib.stat().st_mtime_ns).encode())
-    out = root / "ggml-timer" / digest.hexdigest()[:16] / "ggml-mul-mat-timer"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        subprocess.run(["gcc", "-O2", "-o", str(tmp), str(TIMER_SOURCE),
-                        f"-I{root / 'src' / 'llama.cpp' / 'ggml' / 'include'}", *map(str, libs),
-                        "-lstdc++", "-lm", "-fopenmp", "-lpthread"], check=True)
-        tmp.replace(out)
-    return out
+    """The timer, compiled once per source and library version as the oracle is."""
+    return go.compile_against_ggml(TIMER_SOURCE, "ggml-timer")
 
 
 class GgmlProduct:

@@ -49,20 +49,26 @@ def llama_root() -> Path:
 @lru_cache(maxsize=1)
 def oracle_binary() -> Path:
     """Compile ggml_op.c once per source and library version; later calls reuse it."""
+    return compile_against_ggml(SOURCE, "ggml-op")
+
+
+def compile_against_ggml(source: Path, name: str) -> Path:
+    """A C program linked with the reference build's static ggml libraries, compiled once per
+    source and library version under the build's cache (the oracle, bench/kquants.py's timer)."""
     root = llama_root()
-    libs = [root / "build" / "ggml" / "src" / name
-            for name in ("libggml.a", "libggml-cpu.a", "libggml-base.a")]
+    libs = [root / "build" / "ggml" / "src" / lib
+            for lib in ("libggml.a", "libggml-cpu.a", "libggml-base.a")]
     missing = [str(p) for p in libs if not p.exists()]
     if missing:
         raise RuntimeError(f"the reference build has no {missing}: run scripts/build-llama-server.sh")
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(source.read_bytes())
     for lib in libs:
         digest.update(str(lib.stat().st_mtime_ns).encode())
-    out = root / "ggml-op" / digest.hexdigest()[:16] / "ggml-op"
+    out = root / name / digest.hexdigest()[:16] / name
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        subprocess.run(["gcc", "-O2", "-o", str(tmp), str(SOURCE),
+        subprocess.run(["gcc", "-O2", "-o", str(tmp), str(source),
                         f"-I{root / 'src' / 'llama.cpp' / 'ggml' / 'include'}", *map(str, libs),
                         "-lstdc++", "-lm", "-fopenmp", "-lpthread"], check=True)
         tmp.replace(out)
