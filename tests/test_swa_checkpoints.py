@@ -212,13 +212,7 @@ def test_chats_and_prompts_past_the_window_as_llama_server(tiny_gemma3: Path,
             server, engine, text, message_delimiters=delims)
         results["the same, second user message edited"] = completion_turn(
             server, engine, text.replace(second, "edited " + second), message_delimiters=delims)
-    print()
-    for name, r in results.items():
-        print(f"{name}: cache_n/prompt_n ours {r['ours']}, llama-server {r['theirs']}; answer "
-              f"{'same' if r['same'] else 'DIFFERENT'}; largest top-10 logprob difference {r['worst']:.3e}")
-    assert {name: r["ours"] for name, r in results.items()} == {name: r["theirs"] for name, r in results.items()}
-    assert all(r["same"] for r in results.values())
-    assert max(r["worst"] for r in results.values()) <= 1e-5
+    assert_as_llama_server(results)
     # the array path (CuPy's; its answers are close, not the same bits) reuses as much
     array = array_path_engine(tiny_gemma3)
     reused = {name: array_cache_n(array, *r["request"]) for name, r in results.items()}
@@ -229,6 +223,17 @@ def test_chats_and_prompts_past_the_window_as_llama_server(tiny_gemma3: Path,
     assert results["completion sharing 850 tokens"]["theirs"][0] == 850
     assert results["completion sharing 60 tokens"]["theirs"][0] == 0
     assert 300 < results["the same, second user message edited"]["theirs"][0] < 330
+
+
+def assert_as_llama_server(results: dict[str, dict[str, Any]]) -> None:
+    """Every turn: the same cache_n/prompt_n, the same answer, logprobs within 1e-5 (printed)."""
+    print()
+    for name, r in results.items():
+        print(f"{name}: cache_n/prompt_n ours {r['ours']}, llama-server {r['theirs']}; answer "
+              f"{'same' if r['same'] else 'DIFFERENT'}; largest top-10 logprob difference {r['worst']:.3e}")
+    assert {name: r["ours"] for name, r in results.items()} == {name: r["theirs"] for name, r in results.items()}
+    assert all(r["same"] for r in results.values())
+    assert max(r["worst"] for r in results.values()) <= 1e-5
 
 
 @pytest.mark.llama_server
@@ -253,13 +258,7 @@ def test_a_gemma_template_as_llama_server(tiny_gemma3: Path, llama_server_bin: P
         results["gemma chat 2"] = chat_turn(server, engine, chat)
         edited = [{"role": "user", "content": "edited " + first["content"]}] + chat[1:]
         results["gemma chat 3: first message edited"] = chat_turn(server, engine, edited)
-    print()
-    for name, r in results.items():
-        print(f"{name}: cache_n/prompt_n ours {r['ours']}, llama-server {r['theirs']}; answer "
-              f"{'same' if r['same'] else 'DIFFERENT'}; largest top-10 logprob difference {r['worst']:.3e}")
-    assert {name: r["ours"] for name, r in results.items()} == {name: r["theirs"] for name, r in results.items()}
-    assert all(r["same"] for r in results.values())
-    assert max(r["worst"] for r in results.values()) <= 1e-5
+    assert_as_llama_server(results)
     assert 0 < results["gemma chat 3: first message edited"]["theirs"][0] < 10
 
 
