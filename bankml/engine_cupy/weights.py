@@ -304,7 +304,7 @@ class Linear:
     kind: str  # the vec_dot kind of the weight type
     parts: tuple[tuple[str, int], ...]  # (name, width) of the fused outputs
     block_mins: Any | None = None  # [out, in/32] f32: Q4_1/Q5_1 block minimums (see below)
-    exact: Any | None = None  # exact_matmul.QuantMatrix / exact_kquants.KQuantMatrix (or stacks)
+    exact: Any | None = None  # a QuantMatrix / KQuantMatrix / IQuantMatrix (or a stack of them)
 
     def __call__(self, xp: ModuleType, x: Any) -> dict[str, Any]:
         if self.exact is not None:
@@ -450,7 +450,8 @@ class _Loader:
             return None
         mats = [self.exact_matrix(w) for w, _ in group]
         parts = tuple((out, m.n_out) for (_, out), m in zip(group, mats))
-        # one vec_dot kind per group (fused), so one family: its concat stacks rows or products
+        # one vec_dot kind per group (fused): the first part's concat stacks rows or products,
+        # also across modules of that kind (IQ4_NL beside Q4_0: q8_0; IQ4_XS beside Q6_K: q8_K)
         exact = type(mats[0]).concat(mats) if len(mats) > 1 else mats[0]
         return Linear(None, self._bias(group, [m.n_out for m in mats]), self.kind(group[0][0]),
                       parts, exact=exact)
