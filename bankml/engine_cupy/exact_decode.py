@@ -15,13 +15,10 @@ cache in position order (not gemma3's sliding-window ring, not q8_0).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numba.core.dispatcher import Dispatcher
 
 from bankml.engine_cupy import exact_attention
 from bankml.engine_cupy.exact_attention import one_row_f16
@@ -177,29 +174,6 @@ def decode_layer(x: Any, pos: int, n_kv: int, cos: Any, sin: Any, k_cells: Any, 
 def decode_output(x: Any, norm: Any, output: Any, eps: float, table: Any) -> Any:
     """The output norm and the logits product of the last token; [1, n_vocab]."""
     return _product(output, _rms(x, norm, eps), table)
-
-
-# --- Numba's cache, keyed by the composed modules too -------------------------------------------
-
-# Numba keys a cached function by its own source file only, but these functions are compiled
-# together with the kernels they call: edited kernels in those modules would otherwise leave a
-# stale decode step in the cache (seen: the one-row products changed in exact_matmul, and the
-# fused step kept the old ones). So their cache stamp also hashes the composed modules' sources.
-_COMPOSED = ("exact_matmul.py", "exact_attention.py", "exact_ops.py", "kv_cache.py", "jit.py")
-
-
-def _stamp_with_composed_sources(namespace: dict[str, Any]) -> None:
-    here = Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    for name in _COMPOSED:
-        digest.update((here / name).read_bytes())
-    for value in list(namespace.values()):
-        cache_file = getattr(getattr(value, "_cache", None), "_cache_file", None)
-        if isinstance(value, Dispatcher) and cache_file is not None:
-            cache_file._source_stamp = (cache_file._source_stamp, digest.hexdigest())
-
-
-_stamp_with_composed_sources(globals())
 
 
 # --- the plan: each layer's arguments, laid out once per model -----------------------------------

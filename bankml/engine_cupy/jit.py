@@ -8,17 +8,29 @@ compiled once per machine (cached beside the module, or in Numba's user cache wh
 directory is read-only), no Python objects inside, and the GIL released so the engine thread
 never blocks the reactor. ``fma32`` is a single-rounding fused multiply-add in float32, which
 ggml's AVX2 kernels use (``_mm256_fmadd_ps``) and Python 3.11's ``math`` lacks.
+
+Numba keys a cached function on its own source file only, yet a kernel inlines the helpers and
+intrinsics it calls from other modules: ``njit`` therefore keys every kernel's cache on the
+sources of all the compiled modules too (``KernelCache``), so that editing (or upgrading) any of
+them recompiles what may depend on it, instead of running the old machine code.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import os
+import re
+from pathlib import Path
 from typing import Any, Callable
 
 import numba
 from llvmlite import ir
 from numba import njit as _numba_njit
 from numba import types
+from numba.core.caching import CompileResultCacheImpl, FunctionCache
+from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
 __all__ = ["njit", "fma32", "f16_round", "f16_bits"]
@@ -54,13 +66,96 @@ def start_worker_threads() -> None:
 start_worker_threads()
 
 
+# --- Numba's cache, keyed on every compiled module ------------------------------------------------
+
+# A compiled module: one that takes ``njit`` or the intrinsics from here.
+_USES_THIS_MODULE = re.compile(rb"^\s*from\s+(?:bankml\.engine_cupy\.|\.)jit\s+import\b", re.MULTILINE)
+_HERE = Path(__file__).resolve()
+
+
+def compiled_modules(directory: Path) -> list[Path]:
+    """This module and every module of ``directory`` that imports from it, sorted."""
+    found = {_HERE}
+    for path in directory.glob("*.py"):
+        if _USES_THIS_MODULE.search(path.read_bytes()):
+            found.add(path.resolve())
+    return sorted(found)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_sources_digest(directory: Path) -> str:
+    """SHA-256 of the compiled modules of bankml's engine and of ``directory`` (names and bytes).
+
+    Read once per process and directory: a process keeps the code it imported anyway."""
+    digest = hashlib.sha256()
+    for path in sorted(set(compiled_modules(_HERE.parent)) | set(compiled_modules(directory))):
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+class _StampedLocator:
+    """Numba's cache locator for a function, with the compiled modules' digest in its stamp."""
+
+    def __init__(self, locator: Any, sources_digest: str) -> None:
+        self._locator = locator
+        self._sources_digest = sources_digest
+
+    def get_source_stamp(self) -> Any:
+        return (self._locator.get_source_stamp(), self._sources_digest)
+
+    def __getattr__(self, name: str) -> Any:  # cache path, disambiguator, ...: Numba's own
+        return getattr(self._locator, name)
+
+
+class _KernelCacheImpl(CompileResultCacheImpl):
+    """Numba's CompileResult cache; its locator's stamp also covers the compiled modules."""
+
+    def __init__(self, py_func: Callable) -> None:
+        self._sources_digest = compiled_sources_digest(Path(inspect.getfile(py_func)).resolve().parent)
+        super().__init__(py_func)
+
+    @property
+    def locator(self) -> Any:
+        return _StampedLocator(super().locator, self._sources_digest)
+
+
+class KernelCache(FunctionCache):
+    """Numba's on-disk function cache (same files, same places), fresh only while neither the
+    function's source nor any compiled module's has changed."""
+
+    _impl_class = _KernelCacheImpl
+
+
+def _use_kernel_cache(dispatcher: Dispatcher) -> Dispatcher:
+    """Give ``dispatcher`` a KernelCache in place of the FunctionCache of ``cache=True``.
+
+    Numba offers no option to choose a dispatcher's cache class: this sets the attribute that
+    ``Dispatcher.enable_caching`` sets (numba 0.68; tests/test_jit.py checks it still works)."""
+    if not isinstance(getattr(dispatcher, "_cache", None), numba.core.caching._Cache):
+        raise RuntimeError(f"numba {numba.__version__}: Dispatcher._cache is gone, "
+                           "bankml.engine_cupy.jit cannot key its kernels' cache")
+    dispatcher._cache = KernelCache(dispatcher.py_func)
+    return dispatcher
+
+
 def njit(*args: Any, **kwargs: Any) -> Callable:
-    """numba.njit with the project's settings: cached, nogil, IEEE float semantics (no fastmath)."""
+    """numba.njit with the project's settings: cached (KernelCache), nogil, IEEE float semantics
+    (no fastmath). Signatures, if given, are compiled at once, after the cache is in place."""
     options = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
     options.update(kwargs)
-    if args and callable(args[0]):
-        return _numba_njit(**options)(args[0])
-    return _numba_njit(*args, **options)
+    cached = options.pop("cache")
+    function = args[0] if args and callable(args[0]) else None
+    signatures = args[0] if args and function is None else []
+
+    def compile_kernel(py_func: Callable) -> Dispatcher:
+        dispatcher = _numba_njit(**options)(py_func)
+        if cached:
+            _use_kernel_cache(dispatcher)
+        for signature in [signatures] if isinstance(signatures, str) else signatures:
+            dispatcher.compile(signature)
+        return dispatcher
+
+    return compile_kernel(function) if function is not None else compile_kernel
 
 
 @intrinsic
