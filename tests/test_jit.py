@@ -2,7 +2,7 @@
 
 Each run is a fresh Python process (Numba only reads its cache at compile time), with
 NUMBA_CACHE_DIR in a temporary directory, on a two-module package written here: ``kernel``
-calls ``helper``'s njit function, and only ``helper`` is edited between runs.
+calls ``helper``'s njit function; ``other`` is a compiled module the kernel does not import.
 """
 
 from __future__ import annotations
@@ -37,6 +37,15 @@ def kernel(x):
     return fma32(scaled(x), x, x)
 """
 
+OTHER = """\
+from bankml.engine_cupy.jit import njit
+
+
+@njit
+def unrelated(x):
+    return x - {offset}
+"""
+
 RUN = """\
 import json
 from stalepkg.kernel import kernel
@@ -46,12 +55,13 @@ print(json.dumps({"value": value, "hits": sum(kernel.stats.cache_hits.values()),
 """
 
 
-def write_package(root: Path, factor: float) -> None:
+def write_package(root: Path, factor: float, offset: float = 1.0) -> None:
     package = root / "stalepkg"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").write_text("")
     (package / "kernel.py").write_text(KERNEL)
     (package / "helper.py").write_text(HELPER.format(factor=factor))
+    (package / "other.py").write_text(OTHER.format(offset=offset))
 
 
 def run_kernel(root: Path) -> dict:
@@ -81,6 +91,10 @@ def test_cached_kernel_follows_an_edited_helper_module(tmp_path: Path) -> None:
     assert second == {"value": first["value"], "hits": 1, "misses": 0}
     assert index_files(tmp_path) == indexes
 
+    # A compiled module that the kernel does not import changes: the cache stays fresh.
+    write_package(tmp_path, 2.0, offset=7.0)
+    assert run_kernel(tmp_path) == {"value": first["value"], "hits": 1, "misses": 0}
+
     # Only helper.py changes (its content and its mtime): kernel.py's own stamp is the same,
     # so plain cache=True would load the old machine code and still give 21.
     write_package(tmp_path, 5.0)
@@ -95,14 +109,28 @@ def test_cached_kernel_follows_an_edited_helper_module(tmp_path: Path) -> None:
     assert run_kernel(tmp_path) == {"value": third["value"], "hits": 1, "misses": 0}
 
 
-def test_every_engine_module_with_kernels_is_in_the_digest() -> None:
-    """A module that compiles kernels but imports this module some other way would escape
-    the rule (``compiled_modules`` finds them by their import line)."""
-    engine = Path(jit.__file__).resolve().parent
-    with_kernels = {p.resolve() for p in engine.glob("*.py")
-                    if p.name != "jit.py" and ("@njit" in p.read_text() or "njit(" in p.read_text())}
-    assert with_kernels, "no kernels found: the engine moved?"
-    assert with_kernels <= set(jit.compiled_modules(engine))
+ENGINE = Path(jit.__file__).resolve().parent
+PACKAGE = "bankml.engine_cupy"
+
+
+def test_every_engine_module_with_kernels_is_a_compiled_module() -> None:
+    """A module that compiles kernels but imported jit in a spelling the pattern misses would
+    not be followed into (``is_compiled_module`` reads the import line)."""
+    with_kernels = [p for p in ENGINE.glob("*.py") if "njit" in p.read_text()]
+    assert len(with_kernels) >= 8, "kernels not found: the engine moved?"
+    assert all(jit.is_compiled_module(p) for p in with_kernels)
+    assert not jit.is_compiled_module(ENGINE / "weights.py")
+
+
+def test_kernel_sources_follow_the_engine_imports() -> None:
+    """The fused decode step builds on every kernel module; exact_matmul on none."""
+    def stems(name: str) -> set[str]:
+        return {p.stem for p in jit.kernel_sources(ENGINE / f"{name}.py", PACKAGE)}
+
+    assert stems("exact_matmul") == {"exact_matmul", "jit"}
+    assert stems("exact_kquants") == {"exact_kquants", "exact_matmul", "jit"}
+    assert stems("exact_attention") == {"exact_attention", "exact_ops", "jit"}
+    assert {"exact_matmul", "exact_ops", "exact_attention", "kv_cache", "jit"} <= stems("exact_decode")
 
 
 @pytest.mark.parametrize("kernel", [exact_matmul.row_product, exact_decode.decode_layer])
@@ -112,7 +140,8 @@ def test_engine_kernels_use_the_keyed_cache(kernel: object) -> None:
     assert type(kernel._cache) is jit.KernelCache
     own_stamp, digest = kernel._cache._cache_file._source_stamp
     assert isinstance(own_stamp, bytes)  # Numba's hash of the function's own file, not nested
-    assert digest == jit.compiled_sources_digest(Path(jit.__file__).resolve().parent)
+    module = Path(kernel.py_func.__code__.co_filename)
+    assert digest == jit.kernel_sources_digest(module, PACKAGE)
 
 
 def test_plain_numba_options_still_pass_through() -> None:

@@ -17,6 +17,7 @@ them recompiles what may depend on it, instead of running the old machine code.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
@@ -29,7 +30,7 @@ import numba
 from llvmlite import ir
 from numba import njit as _numba_njit
 from numba import types
-from numba.core.caching import CompileResultCacheImpl, FunctionCache
+from numba.core.caching import CompileResultCacheImpl, FunctionCache, NullCache
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
@@ -66,30 +67,61 @@ def start_worker_threads() -> None:
 start_worker_threads()
 
 
-# --- Numba's cache, keyed on every compiled module ------------------------------------------------
+# --- Numba's cache, keyed on the compiled modules a kernel builds on ------------------------------
 
-# A compiled module: one that takes ``njit`` or the intrinsics from here.
-_USES_THIS_MODULE = re.compile(rb"^\s*from\s+(?:bankml\.engine_cupy\.|\.)jit\s+import\b", re.MULTILINE)
+# A compiled module: one that imports this module (``njit``, the intrinsics), in any spelling.
+_USES_THIS_MODULE = re.compile(
+    rb"^\s*(?:from\s+(?:bankml\.engine_cupy\.|\.)jit\s+import\b"
+    rb"|from\s+(?:bankml\.engine_cupy|\.)\s+import\s+[^\n]*\bjit\b"
+    rb"|import\s+bankml\.engine_cupy\.jit\b)", re.MULTILINE)
 _HERE = Path(__file__).resolve()
+_ENGINE_PACKAGE = __name__.rpartition(".")[0]  # bankml.engine_cupy
 
 
-def compiled_modules(directory: Path) -> list[Path]:
-    """This module and every module of ``directory`` that imports from it, sorted."""
-    found = {_HERE}
-    for path in directory.glob("*.py"):
-        if _USES_THIS_MODULE.search(path.read_bytes()):
-            found.add(path.resolve())
+def is_compiled_module(path: Path) -> bool:
+    return path == _HERE or bool(_USES_THIS_MODULE.search(path.read_bytes()))
+
+
+def _imported_files(path: Path, package: str) -> set[Path]:
+    """The sibling modules ``path`` imports (anywhere in it, lazily too) from its own package
+    or from bankml's engine, as files."""
+    roots = {package: path.parent, _ENGINE_PACKAGE: _HERE.parent}
+    names: list[tuple[str, str]] = []  # (package, module name in it)
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.ImportFrom):
+            base = package if node.level else (node.module or "")
+            if node.level and node.module:
+                base = f"{package}.{node.module}"
+            names += [(base, alias.name) for alias in node.names]  # from pkg import module
+            names.append(base.rpartition(".")[::2])  # from pkg.module import name
+        elif isinstance(node, ast.Import):
+            names += [alias.name.rpartition(".")[::2] for alias in node.names]
+    files = {roots[pkg] / f"{name}.py" for pkg, name in names if pkg in roots}
+    return {f.resolve() for f in files if f.is_file()}
+
+
+def kernel_sources(path: Path, package: str) -> list[Path]:
+    """The files whose source a kernel of ``path`` may compile in: this module, ``path``, and
+    what it imports from its package or bankml's engine, followed through the compiled modules
+    (a plain module imported is included, since its constants can be frozen into the code)."""
+    found, todo = {_HERE}, [path.resolve()]
+    while todo:
+        current = todo.pop()
+        if current in found:
+            continue
+        found.add(current)
+        if is_compiled_module(current):
+            todo += sorted(_imported_files(current, package))
     return sorted(found)
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_sources_digest(directory: Path) -> str:
-    """SHA-256 of the compiled modules of bankml's engine and of ``directory`` (names and bytes).
-
-    Read once per process and directory: a process keeps the code it imported anyway."""
+def kernel_sources_digest(path: Path, package: str) -> str:
+    """SHA-256 of ``kernel_sources`` (names and bytes); read once per process and module, as
+    the code a process runs is the code it imported."""
     digest = hashlib.sha256()
-    for path in sorted(set(compiled_modules(_HERE.parent)) | set(compiled_modules(directory))):
-        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    for source in kernel_sources(path, package):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
@@ -111,7 +143,10 @@ class _KernelCacheImpl(CompileResultCacheImpl):
     """Numba's CompileResult cache; its locator's stamp also covers the compiled modules."""
 
     def __init__(self, py_func: Callable) -> None:
-        self._sources_digest = compiled_sources_digest(Path(inspect.getfile(py_func)).resolve().parent)
+        source = Path(inspect.getfile(py_func))
+        package = (py_func.__module__ or "").rpartition(".")[0]
+        # "<string>" and the like: no file, and Numba finds no locator for it either
+        self._sources_digest = kernel_sources_digest(source, package) if source.is_file() else ""
         super().__init__(py_func)
 
     @property
@@ -131,7 +166,7 @@ def _use_kernel_cache(dispatcher: Dispatcher) -> Dispatcher:
 
     Numba offers no option to choose a dispatcher's cache class: this sets the attribute that
     ``Dispatcher.enable_caching`` sets (numba 0.68; tests/test_jit.py checks it still works)."""
-    if not isinstance(getattr(dispatcher, "_cache", None), numba.core.caching._Cache):
+    if not isinstance(getattr(dispatcher, "_cache", None), NullCache):  # what cache=False leaves
         raise RuntimeError(f"numba {numba.__version__}: Dispatcher._cache is gone, "
                            "bankml.engine_cupy.jit cannot key its kernels' cache")
     dispatcher._cache = KernelCache(dispatcher.py_func)
