@@ -21,12 +21,13 @@ from tests.tiny_models import TinySpec, write_tiny_model
 
 
 def decode_both_ways(model: Model, prompt: list[int], steps: int, n_ctx: int) -> int:
-    """Decode ``steps`` tokens after ``prompt`` through both paths, comparing every step;
-    returns how many steps the fused path really took."""
+    """Decode ``steps`` tokens after ``prompt`` (in micro-batches of 512) through both paths,
+    comparing every step; returns how many steps the fused path really took."""
     fused_cache, general_cache = model.new_cache(n_ctx), model.new_cache(n_ctx)
     model.fused_decode = False
-    logits = model.forward(prompt, fused_cache)
-    model.forward(prompt, general_cache)
+    for i in range(0, len(prompt), 512):
+        logits = model.forward(prompt[i:i + 512], fused_cache)
+        model.forward(prompt[i:i + 512], general_cache)
     taken = 0
     try:
         for _ in range(steps):
@@ -40,9 +41,15 @@ def decode_both_ways(model: Model, prompt: list[int], steps: int, n_ctx: int) ->
                 f"step at position {fused_cache.n_tokens - 1}: largest difference " \
                 f"{numpy.abs(fused - general).max()}"
             logits = general
+        if fused_cache.cells is not None:  # the same cells chosen, the same positions held
+            assert (fused_cache.cells.pos == general_cache.cells.pos).all()
         for il in range(model.n_layer):
-            for a, b in zip(fused_cache.f16_cells(il), general_cache.f16_cells(il)):
-                assert a.tobytes() == b.tobytes(), f"layer {il}: the K/V stores differ"
+            stores = [fused_cache.f16_cells(il), general_cache.f16_cells(il)]
+            if fused_cache.in_ring(il):
+                stores += [fused_cache.ring_f16_cells(il)[:2], general_cache.ring_f16_cells(il)[:2]]
+            for a, b in zip(stores[0::2], stores[1::2]):
+                for x, y in zip(a, b):
+                    assert x.tobytes() == y.tobytes(), f"layer {il}: the K/V stores differ"
     finally:
         model.fused_decode = True
     return taken
@@ -101,11 +108,13 @@ def test_kquant_model_keeps_the_general_path(tiny_dir: Path, default_model: Path
     assert decode_both_ways(model, token_ids(model, 6), 2, 16) == 0
 
 
-def test_sliding_window_ring_keeps_the_general_path(tiny_dir: Path, default_model: Path) -> None:
-    """gemma3 with a context larger than llama.cpp's SWA cache: its ring of cells is read by
-    the general path only."""
+def test_sliding_window_ring(tiny_dir: Path, default_model: Path) -> None:
+    """gemma3 with a context larger than llama.cpp's SWA cache (768 cells for 1000): a prompt
+    of 780 wraps the ring, then 40 decode steps store into reused cells and attend over the
+    ring's cells in cell order, with its mask and n_kv, as the general path does."""
     spec = TinySpec("gemma3", T.Q5_0, n_layer=4)
     model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
                        device="cpu", progress=False)
-    assert not model.new_cache(1000).fused_decode
-    assert model.new_cache(200).fused_decode
+    assert model.new_cache(1000).cells.size == 768
+    assert any(model.new_cache(1000).in_ring(il) for il in range(model.n_layer))
+    assert decode_both_ways(model, token_ids(model, 780), 40, 1000) == 40

@@ -219,6 +219,9 @@ def test_ring_attention_is_ggml_flash_attention(tiny_gemma3: Path,
     from tests.test_exact_attention import ggml_reference
 
     model = Model.load(tiny_gemma3, device="cpu", progress=False)
+    # this checks the general path's calls; the fused decode step is checked equal to it,
+    # ring included, in tests/test_decode_fast_path.py
+    model.fused_decode = False
     calls = []
     kernel = exact_attention.flash_attn_f16
 

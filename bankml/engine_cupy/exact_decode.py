@@ -10,7 +10,7 @@ order on the same values, so the logits are the same bits (tests/test_decode_fas
 What takes it (``DecodePlan.build`` says None otherwise, and the general path runs): every
 matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16; not the K-quants, nor a
 stack of mixed types), Q/K/V and gate/up each one fused matrix; at run time one token, an f16
-cache in position order (not gemma3's sliding-window ring, not q8_0).
+cache (in position order, or with gemma3's sliding-window ring; not q8_0).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["DecodePlan", "decode_layer", "decode_output"]
 
 F32 = np.float32
 _NONE = np.zeros(0, F32)  # an absent bias, norm weight or GELU table
-_NEG_INF = F32(-np.inf)
+_NO_MASK = np.zeros((1, 1), F32)  # a placeholder the kernels never read
 # Attention over a decode step's heads runs on Numba's threads from this many (head, cell)
 # visits: each (head, chunk) task writes its own partial, so the bits do not change.
 PARALLEL_MIN_VISITS = 2048
@@ -81,24 +81,13 @@ def _rope(x: Any, cos: Any, sin: Any, neox: bool, fused_pairs: int) -> Any:
 
 
 @njit
-def _window_mask(pos: int, end: int, window: int) -> tuple[bool, Any]:
-    """Model._mask for one query at ``pos`` over cells 0..end-1: none unless a sliding window
-    reaches back past the first cell; else 0 or -inf per cell (values f16 holds exactly)."""
-    if window == 0 or end <= window:
-        return False, np.zeros((1, 1), np.float32)
-    mask = np.zeros((1, end), np.float32)
-    for ic in range(end):
-        if pos - ic >= window:
-            mask[0, ic] = _NEG_INF
-    return True, mask
-
-
-@njit
 def _attention(h: Any, qkv: Any, q_norm: Any, k_norm: Any, shape: Any, cos: Any, sin: Any,
-               neox: bool, q_scale: float, scale: float, k_cells: Any, v_cells: Any, pos: int,
-               n_kv: int, window: int, n_threads: int, eps: float, table: Any) -> Any:
+               neox: bool, q_scale: float, scale: float, pos: int, cells: Any, n_threads: int,
+               eps: float, table: Any) -> Any:
     """Model._attention + _attend_exact for one token: Q/K/V, their norms, RoPE, gemma3's Q
-    scale, the f16 cache store at ``pos``, ggml's one-row flash attention; [1, n_head*hd]."""
+    scale, the f16 cache store at ``pos`` (and at the ring cell), ggml's one-row flash attention
+    over the cells attended; [1, n_head*hd]. ``cells``: see decode_layer."""
+    k_store, v_store, k_att, v_att, cell, n_cells, n_kv, mask, has_mask = cells
     n_head, n_head_kv, head_dim = shape
     y = _product(qkv, h, table)
     nq, nk = n_head * head_dim, n_head_kv * head_dim
@@ -113,13 +102,14 @@ def _attention(h: Any, qkv: Any, q_norm: Any, k_norm: Any, shape: Any, cos: Any,
     k = _rope(k, cos, sin, neox, fused_pairs)
     if q_scale != 1:  # gemma3 scales Q and attends with scale 1
         q = q * np.float32(q_scale)
-    _store_f16(k_cells, pos, k)
-    _store_f16(v_cells, pos, v)
-    end = pos + 1
-    has_mask, mask = _window_mask(pos, end, window)
+    _store_f16(k_store, pos, k)
+    _store_f16(v_store, pos, v)
+    if cell >= 0:  # the same rounded values into the sliding-window ring's cell
+        _store_f16(k_att, cell, k)
+        _store_f16(v_att, cell, v)
     out = np.empty((1, n_head, head_dim), np.float32)
-    parallel = n_head * end >= PARALLEL_MIN_VISITS
-    one_row_f16(q, k_cells, v_cells, end, mask, has_mask, scale, n_head // n_head_kv, n_kv,
+    parallel = n_head * n_cells >= PARALLEL_MIN_VISITS
+    one_row_f16(q, k_att, v_att, n_cells, mask, has_mask, scale, n_head // n_head_kv, n_kv,
                 n_threads, parallel, out)
     return out.reshape(1, n_head * head_dim)
 
@@ -146,19 +136,21 @@ def _add(x: Any, y: Any) -> Any:
 
 
 @njit
-def decode_layer(x: Any, pos: int, n_kv: int, cos: Any, sin: Any, k_cells: Any, v_cells: Any,
-                 norms: Any, qkv: Any, wo: Any, gate_up: Any, down: Any, shape: Any, n_ff: int,
-                 neox: bool, q_scale: float, scale: float, window: int, n_threads: int,
-                 eps: float, table: Any, gelu: Any) -> Any:
+def decode_layer(x: Any, pos: int, cos: Any, sin: Any, cells: Any, norms: Any, qkv: Any,
+                 wo: Any, gate_up: Any, down: Any, shape: Any, n_ff: int, neox: bool,
+                 q_scale: float, scale: float, n_threads: int, eps: float, table: Any,
+                 gelu: Any) -> Any:
     """Model._block for one token x [1, n_embd] at ``pos``; returns the layer's output.
 
     norms: (attn, ffn, q, k, post-attention, post-FFN) weights, size 0 where absent; each
     matrix (code, parallel, raw, bias) as DecodePlan lays it out; shape (n_head, n_head_kv,
-    head_dim); window: the sliding window of this layer (0: none)."""
+    head_dim); cells: (K and V position stores, K and V attended, the ring cell to store at
+    or -1, the cells attended, ggml's n_kv, the mask [1, cells] or a placeholder, has_mask),
+    the attended arrays being the stores themselves except for a layer in the SWA ring."""
     attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffw_norm = norms
     h = _rms(x, attn_norm, eps)
-    attn = _attention(h, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, scale, k_cells,
-                      v_cells, pos, n_kv, window, n_threads, eps, table)
+    attn = _attention(h, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, scale, pos, cells,
+                      n_threads, eps, table)
     out = _product(wo, attn, table)
     if post_attn_norm.shape[0]:
         out = _rms(out, post_attn_norm, eps)
@@ -247,11 +239,45 @@ class DecodePlan:
              n_threads: int) -> np.ndarray:
         """The layers and the output product for one token x [1, n_embd] at ``pos``, its K/V
         stored in ``cache`` (f16, in position order); the logits [1, n_vocab]."""
-        n_kv = exact_attention.kv_length(pos + 1, cache.kv_size)
+        views = _CellViews(pos, cache)
         for il, (norms, qkv, wo, gate_up, down, window) in enumerate(self.layers):
             cos, sin = ropes[self.swa[il]]
-            k_cells, v_cells = cache.f16_cells(il)
-            x = decode_layer(x, pos, n_kv, cos, sin, k_cells, v_cells, norms, qkv, wo, gate_up,
+            x = decode_layer(x, pos, cos, sin, views.cells(il, window), norms, qkv, wo, gate_up,
                              down, self.shape, self.n_ff, self.neox, self.q_scale, self.scale,
-                             window, n_threads, self.eps, F16_TABLE, self.gelu)
+                             n_threads, self.eps, F16_TABLE, self.gelu)
         return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE)
+
+
+class _CellViews:
+    """What each layer of one step stores into and attends over, as Model._attend_exact picks
+    it: the cells in position order (n_kv padded from pos + 1; a sliding layer's window mask
+    once the window is passed), or for a layer in gemma3's SWA ring its cells in cell order with
+    the ring's mask and n_kv (after cache.place chose the token's cell)."""
+
+    def __init__(self, pos: int, cache: Any):
+        self.cache, self.end = cache, pos + 1
+        self.n_kv = exact_attention.kv_length(self.end, cache.kv_size)
+        self._window_masks: dict[int, np.ndarray] = {}
+        self.ring: tuple[int, int, np.ndarray] | None = None  # its cells, n_kv and mask
+        ring = cache.cells
+        if ring is not None:
+            self.ring = (ring.used_max_p1, ring.n_kv(), ring.mask(np.array([pos])))
+
+    def window_mask(self, window: int) -> tuple[bool, np.ndarray]:
+        """Model._mask for the one query: none unless a sliding window reaches back past cell 0."""
+        if not window or self.end <= window:
+            return False, _NO_MASK
+        if window not in self._window_masks:
+            self._window_masks[window] = exact_attention.attention_mask(
+                np.array([self.end - 1]), np.arange(self.end), window)
+        return True, self._window_masks[window]
+
+    def cells(self, il: int, window: int) -> tuple:
+        k_store, v_store = self.cache.f16_cells(il)
+        ring = self.cache.ring_f16_cells(il)
+        if ring is not None and self.ring is not None:
+            k_ring, v_ring, cell = ring
+            n_cells, n_kv, mask = self.ring
+            return k_store, v_store, k_ring, v_ring, cell, n_cells, n_kv, mask, True
+        has_mask, mask = self.window_mask(window)
+        return k_store, v_store, k_store, v_store, -1, self.end, self.n_kv, mask, has_mask

@@ -452,13 +452,24 @@ class KVCache:
     @property
     def fused_decode(self) -> bool:
         """Whether exact_decode's fused step can store and read this cache: f16 values on the
-        CPU, every layer in position order (no sliding-window ring)."""
-        return self.cache_type == "f16" and self.exact and self.cells is None
+        CPU (in position order, and in the sliding-window ring where there is one)."""
+        return self.cache_type == "f16" and self.exact
 
     def f16_cells(self, layer: int) -> tuple[numpy.ndarray, numpy.ndarray]:
         """The layer's whole K and V stores, f32 [n_head_kv, n_ctx, head_dim] holding f16
-        values, in position order (what the fused decode step writes and attends over)."""
+        values, in position order (what the fused decode step writes, and attends over unless
+        the layer is in the ring)."""
         return self._k[layer], self._v[layer]
+
+    def ring_f16_cells(self, layer: int) -> tuple[numpy.ndarray, numpy.ndarray, int] | None:
+        """For a layer in the sliding-window ring (``in_ring``), its f16 ring K and V
+        [n_head_kv, ring cells, head_dim] and the cell ``place`` chose for a one-token
+        micro-batch (the fused decode step stores there too); None for another layer."""
+        if layer not in self._ring_k:
+            return None
+        if self._batch_cells is None or len(self._batch_cells) != 1:
+            raise ValueError("place() chooses the ring cell of a one-token micro-batch first")
+        return self._ring_k[layer], self._ring_v[layer], int(self._batch_cells[0])
 
     def quantized(self, layer: int, end: int) -> tuple[Any, Any, Any, Any]:
         """(k_q, k_d, v_q, v_d) of positions 0..end-1: views of the q8_0 cache, int8
