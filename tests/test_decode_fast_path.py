@@ -16,6 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from bankml.engine_cupy import exact_decode
+from bankml.engine_cupy.exact_kquants import KMatrixStack, KQuantMatrix
 from bankml.engine_cupy.model import Model
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -80,7 +81,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # biases (qwen2), Q/K norms and a repacked Q4_0 (qwen3), post-norms, GeGLU, the Q scale,
-# sliding windows and soft-capping (gemma3), and the three float weight types' vec_dot paths
+# sliding windows and soft-capping (gemma3), and the three float weight types' vec_dot paths;
+# the K-quants' one-row products: repacked Q4_K's gemv with a Q6_K output, Q2_K with biases,
+# Q3_K with a Q2_K output, and Q6_K in gemma3 (Q5_K: gguf-py cannot quantize it)
 FAST_SPECS = (
     TinySpec("qwen2", T.Q4_1, tied=False),
     TinySpec("gemma3", T.Q5_0, n_layer=4),
@@ -88,6 +91,10 @@ FAST_SPECS = (
     TinySpec("llama", T.F16),
     TinySpec("llama", T.BF16),
     TinySpec("qwen3", T.F32),
+    TinySpec("llama", T.Q4_K, tied=False, llama3_rope=True, out_type=T.Q6_K),
+    TinySpec("qwen2", T.Q2_K),
+    TinySpec("llama", T.Q3_K, tied=False, out_type=T.Q2_K),
+    TinySpec("gemma3", T.Q6_K, n_layer=4),
 )
 
 
@@ -99,13 +106,35 @@ def test_tiny_models(spec: TinySpec, tiny_dir: Path, default_model: Path) -> Non
     assert decode_both_ways(model, token_ids(model, 20), 4, 40) == 4
 
 
-def test_kquant_model_keeps_the_general_path(tiny_dir: Path, default_model: Path) -> None:
-    """K-quant matrices have no fused product: the plan is None and decoding still works."""
-    spec = TinySpec("qwen2", T.Q2_K)
+def test_kquant_stack(tiny_dir: Path, default_model: Path) -> None:
+    """Q/K/V as a stack of K-quant parts of different arithmetics (as a Q4_K_M file's Q4_K and
+    Q6_K parts): Q and V repacked (gemv), K not (vec_dot); the parts side by side, the bias
+    of each part its own."""
+    spec = TinySpec("qwen2", T.Q4_K)
     model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
                        device="cpu", progress=False)
-    assert exact_decode.DecodePlan.build(model.hp, model.weights, None) is None
-    assert decode_both_ways(model, token_ids(model, 6), 2, 16) == 0
+    for layer in model.weights.layers:
+        (linear,) = layer.qkv
+        fused, start, parts = linear.exact, 0, []
+        for (_, width), repacked in zip(linear.parts, (True, False, True)):
+            parts.append(KQuantMatrix(fused.raw[start:start + width], T.Q4_K, width, fused.n_in,
+                                      repacked=repacked))
+            start += width
+        linear.exact = KMatrixStack(parts)
+    plan = exact_decode.DecodePlan.build(model.hp, model.weights, None)
+    assert plan is not None and sum(p[0] != exact_decode._ABSENT for p in plan.layers[0][1]) == 3
+    assert decode_both_ways(model, token_ids(model, 20), 4, 40) == 4
+
+
+Q4_K_M = Path("/tmp/h26/SmolLM2-135M-Instruct.Q4_K_M.gguf")
+
+
+@pytest.mark.skipif(not Q4_K_M.exists(), reason=f"no {Q4_K_M} (the default model in Q4_K_M)")
+def test_q4_k_m_model() -> None:
+    """llama.cpp's Q4_K_M of the default model: Q5_0 and Q8_0 V matrices stacked with Q5_0
+    Q/K (576 wide rows cannot be K-quants), Q4_K (repacked) and Q6_K down matrices."""
+    model = Model.load(Q4_K_M, device="cpu", progress=False)
+    assert decode_both_ways(model, token_ids(model, 20), 3, 40) == 3
 
 
 def test_sliding_window_ring(tiny_dir: Path, default_model: Path) -> None:

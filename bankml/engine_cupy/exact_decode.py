@@ -8,9 +8,10 @@ one-row product; kv_cache's f16 store; exact_attention's one-row flash attention
 order on the same values, so the logits are the same bits (tests/test_decode_fast_path.py).
 
 What takes it (``DecodePlan.build`` says None otherwise, and the general path runs): every
-matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16; not the K-quants, nor a
-stack of mixed types), Q/K/V and gate/up each one fused matrix; at run time one token, an f16
-cache (in position order, or with gemma3's sliding-window ring; not q8_0).
+matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16) or an exact_kquants
+``KQuantMatrix`` (Q2_K..Q6_K), or a stack of them (Q/K/V or gate/up of several types); at run
+time one token, an f16 cache (in position order, or with gemma3's sliding-window ring; not
+q8_0).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import numpy as np
 
 from bankml.engine_cupy import exact_attention
 from bankml.engine_cupy.exact_attention import one_row_f16
-from bankml.engine_cupy.exact_matmul import F16_TABLE, PARALLEL_MIN_MACS, QuantMatrix, row_product
+from bankml.engine_cupy import exact_kquants
+from bankml.engine_cupy.exact_kquants import KQuantMatrix
+from bankml.engine_cupy.exact_matmul import (F16_TABLE, PARALLEL_MIN_MACS, MatrixStack, QuantMatrix,
+                                             row_product)
 from bankml.engine_cupy.exact_ops import (_geglu_rows, _norm_fused_pairs, _rms_norm_rows,
                                           _rope_rows, _swiglu_rows)
 from bankml.engine_cupy.jit import njit
@@ -36,6 +40,10 @@ _NO_MASK = np.zeros((1, 1), F32)  # a placeholder the kernels never read
 # Attention over a decode step's heads runs on Numba's threads from this many (head, cell)
 # visits: each (head, chunk) task writes its own partial, so the bits do not change.
 PARALLEL_MIN_VISITS = 2048
+# the kernel family of a product's part (what runs its one-row product), and a part's absence
+_MATMUL, _KQUANT, _ABSENT = 0, 1, -1
+MAX_PARTS = 3  # a product's parts: Q/K/V of three types at most
+_NO_ROWS = np.zeros((0, 0), np.uint8)
 
 
 # --- the compiled step ---------------------------------------------------------------------------
@@ -49,13 +57,38 @@ def _rms(x: Any, weight: Any, eps: float) -> Any:
 
 
 @njit
+def _part_product(family: int, code: int, parallel: bool, raw: Any, x: Any, table: Any,
+                  out: Any) -> None:
+    """One part's one-row product into out [1, its rows], by its family's kernels."""
+    if family == _MATMUL:
+        row_product(code, parallel, raw, x, table, out)
+    else:
+        exact_kquants.row_product(code, parallel, raw, x, out)
+
+
+@njit
 def _product(matrix: Any, x: Any, table: Any) -> Any:
-    """Linear.__call__ for one row: (code, parallel, raw, bias) times x [1, n_in], plus the bias."""
-    code, parallel, raw, bias = matrix
-    out = np.empty((1, raw.shape[0]), np.float32)
-    row_product(code, parallel, raw, x, table, out)
-    for i in range(bias.shape[0]):
-        out[0, i] += bias[i]
+    """Linear.__call__ (each Linear of a layer's Q/K/V or gate/up in turn) for one row x
+    [1, n_in]: each part (family, code, parallel, raw, bias) times x, plus its bias, side by side.
+    Each part rounds x itself: the same bits as the stacks' one rounding per rule."""
+    n_out = 0
+    for part in matrix:
+        n_out += part[3].shape[0]
+    out = np.empty((1, n_out), np.float32)
+    start = 0
+    for family, code, parallel, raw, bias in matrix:
+        rows = raw.shape[0]
+        if family == _ABSENT:
+            continue
+        if rows == n_out:  # the only part: straight into the output
+            _part_product(family, code, parallel, raw, x, table, out)
+        else:
+            part = np.empty((1, rows), np.float32)
+            _part_product(family, code, parallel, raw, x, table, part)
+            out[0, start:start + rows] = part[0]
+        for i in range(bias.shape[0]):
+            out[0, start + i] += bias[i]
+        start += rows
     return out
 
 
@@ -143,10 +176,11 @@ def decode_layer(x: Any, pos: int, cos: Any, sin: Any, cells: Any, norms: Any, q
     """Model._block for one token x [1, n_embd] at ``pos``; returns the layer's output.
 
     norms: (attn, ffn, q, k, post-attention, post-FFN) weights, size 0 where absent; each
-    matrix (code, parallel, raw, bias) as DecodePlan lays it out; shape (n_head, n_head_kv,
-    head_dim); cells: (K and V position stores, K and V attended, the ring cell to store at
-    or -1, the cells attended, ggml's n_kv, the mask [1, cells] or a placeholder, has_mask),
-    the attended arrays being the stores themselves except for a layer in the SWA ring."""
+    matrix MAX_PARTS parts (family, code, parallel, raw, bias) as DecodePlan lays them out;
+    shape (n_head, n_head_kv, head_dim); cells: (K and V position stores, K and V attended,
+    the ring cell to store at or -1, the cells attended, ggml's n_kv, the mask [1, cells] or a
+    placeholder, has_mask), the attended arrays being the stores themselves except for a layer
+    in the SWA ring."""
     attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffw_norm = norms
     h = _rms(x, attn_norm, eps)
     attn = _attention(h, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, scale, pos, cells,
@@ -183,13 +217,40 @@ def _f32(a: Any | None) -> np.ndarray:
     return _readonly(_NONE if a is None else np.ascontiguousarray(a, dtype=F32).reshape(-1))
 
 
-def _matrix(linear: Any) -> tuple | None:
-    """(code, parallel, raw, bias) of a Linear multiplied by an exact_matmul QuantMatrix."""
-    m = getattr(linear, "exact", None)
-    if type(m) is not QuantMatrix:
+def _part(m: Any) -> tuple | None:
+    """(family, code, parallel, raw) of one matrix whose one-row product the step calls."""
+    parallel = m.n_out * m.n_in >= PARALLEL_MIN_MACS  # as its matmul decides for one row
+    if type(m) is QuantMatrix:
+        return _MATMUL, int(m._kind), parallel, _readonly(m.raw)
+    if type(m) is KQuantMatrix:
+        return _KQUANT, m.row_code(), parallel, _readonly(m.raw)
+    return None
+
+
+def _matrix(linears: list[Any]) -> tuple | None:
+    """The MAX_PARTS parts (family, code, parallel, raw, bias) of Linears used side by side,
+    each Linear's matrix or stack split into its parts (the rest absent); None if one of them
+    has no one-row product here. Each part carries its slice of its Linear's bias, so an
+    output without a bias gets no addition (adding 0 would turn -0.0 into 0.0)."""
+    parts = []
+    for linear in linears:
+        m = getattr(linear, "exact", None)
+        start = 0
+        for piece in (m.parts if isinstance(m, MatrixStack) else [m]):
+            part = None if piece is None else _part(piece)
+            if part is None:
+                return None
+            bias = None if linear.bias is None else linear.bias[start:start + piece.n_out]
+            parts.append((*part, _f32(bias)))
+            start += piece.n_out
+    if len(parts) > MAX_PARTS:
         return None
-    return (int(m._kind), m.n_out * m.n_in >= PARALLEL_MIN_MACS, _readonly(m.raw),
-            _f32(linear.bias))
+    absent = (_ABSENT, 0, False, _readonly(_NO_ROWS), _f32(None))
+    return tuple(parts + [absent] * (MAX_PARTS - len(parts)))
+
+
+def _output_widths(linears: list[Any]) -> list[tuple[str, int]]:
+    return [part for linear in linears for part in linear.parts]
 
 
 @dataclass
@@ -211,17 +272,15 @@ class DecodePlan:
     @classmethod
     def build(cls, hp: Any, weights: Any, gelu: Any | None) -> "DecodePlan | None":
         """The plan of a model whose every matrix the fused step multiplies, else None."""
-        output = _matrix(weights.output)
+        output = _matrix([weights.output])
         if output is None:
             return None
         layers = []
         for il, layer in enumerate(weights.layers):
-            if len(layer.qkv) != 1 or len(layer.gate_up) != 1:
-                return None  # Q/K/V or gate/up of several vec_dot kinds: separate products
-            mats = [_matrix(m) for m in (layer.qkv[0], layer.wo, layer.gate_up[0], layer.down)]
+            mats = [_matrix(m) for m in (layer.qkv, [layer.wo], layer.gate_up, [layer.down])]
             if any(m is None for m in mats):
                 return None
-            if [w for _, w in layer.gate_up[0].parts] != [hp.n_ff, hp.n_ff]:
+            if _output_widths(layer.gate_up) != [("gate", hp.n_ff), ("up", hp.n_ff)]:
                 return None
             norms = tuple(_f32(n) for n in (layer.attn_norm, layer.ffn_norm, layer.q_norm,
                                             layer.k_norm, layer.post_attn_norm,

@@ -42,7 +42,8 @@ from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_ELEMENT
                                              MatrixStack, _byte_ptr, _call, _data, _half, _hsum, _load, _splat)
 from bankml.engine_cupy.jit import njit
 
-__all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K"]
+__all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K",
+           "row_product"]
 
 QK_K = 256
 _BLOCK_BYTES = {T.Q2_K: 84, T.Q3_K: 110, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
@@ -748,6 +749,20 @@ def _parallel(code, raw, xq, xd, bsums, out):  # pragma: no cover - compiled
         _rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, bsums, out)
 
 
+@njit
+def row_product(code, parallel, raw, x, out):  # pragma: no cover - compiled
+    """out [1, n_out] = one activation row x [1, n_in] (f32, C-contiguous) times the K-quant
+    matrix whose GGUF block rows are ``raw``, in the one-row arithmetic ``code``
+    (KQuantMatrix.row_code: vec_dot, or gemv when repacked), as KQuantMatrix.matmul computes it
+    for one row: x rounded by quantize_row_q8_K, then the weight rows one at a time. The
+    callable piece of the fused decode step (exact_decode)."""
+    q, d, bsums = _quantize_serial(x, 0)
+    if parallel:
+        _parallel(code, raw, q, d, bsums, out)
+    else:
+        _serial(code, raw, q, d, bsums, out)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batch products in weight-row lanes
 #
@@ -1107,6 +1122,11 @@ class KQuantMatrix(BlockRows):
             raise ValueError(f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}")
         self.raw = data.reshape(n_out, row_bytes)
         self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
+
+    def row_code(self) -> int:
+        """The arithmetic of a one-row product (``row_product``'s code): gemv when repacked
+        (one row is left over from the 4-row groups), else vec_dot."""
+        return _GV4 if self.repacked else _PLAIN_CODES[self.qtype][1]
 
     def quantize(self, x: numpy.ndarray) -> KActivation:
         """The activation rounded as llama-server rounds it for this matrix."""
