@@ -8,10 +8,10 @@ one-row product; kv_cache's f16 store; exact_attention's one-row flash attention
 order on the same values, so the logits are the same bits (tests/test_decode_fast_path.py).
 
 What takes it (``DecodePlan.build`` says None otherwise, and the general path runs): every
-matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16) or an exact_kquants
-``KQuantMatrix`` (Q2_K..Q6_K), or a stack of them (Q/K/V or gate/up of several types); at run
-time one token, an f16 cache (in position order, or with gemma3's sliding-window ring; not
-q8_0).
+matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16), an exact_kquants
+``KQuantMatrix`` (Q2_K..Q6_K), an IQ4_NL or IQ4_XS matrix, or a stack of them (Q/K/V or
+gate/up of several types; not the IQ grid and TQ types); at run time one token, an f16 cache
+(in position order, or with gemma3's sliding-window ring; not q8_0).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import numpy as np
 
 from bankml.engine_cupy import exact_attention
 from bankml.engine_cupy.exact_attention import one_row_f16
-from bankml.engine_cupy import exact_kquants
+from bankml.engine_cupy import exact_iquants, exact_kquants
+from bankml.engine_cupy.exact_iquants import IQ4NLMatrix, IQ4XSMatrix
 from bankml.engine_cupy.exact_kquants import KQuantMatrix
 from bankml.engine_cupy.exact_matmul import (F16_TABLE, PARALLEL_MIN_MACS, MatrixStack, QuantMatrix,
                                              row_product)
@@ -41,7 +42,7 @@ _NO_MASK = np.zeros((1, 1), F32)  # a placeholder the kernels never read
 # visits: each (head, chunk) task writes its own partial, so the bits do not change.
 PARALLEL_MIN_VISITS = 2048
 # the kernel family of a product's part (what runs its one-row product), and a part's absence
-_MATMUL, _KQUANT, _ABSENT = 0, 1, -1
+_MATMUL, _KQUANT, _IQ4, _ABSENT = 0, 1, 2, -1
 MAX_PARTS = 3  # a product's parts: Q/K/V of three types at most
 _NO_ROWS = np.zeros((0, 0), np.uint8)
 
@@ -62,8 +63,10 @@ def _part_product(family: int, code: int, parallel: bool, raw: Any, x: Any, tabl
     """One part's one-row product into out [1, its rows], by its family's kernels."""
     if family == _MATMUL:
         row_product(code, parallel, raw, x, table, out)
-    else:
+    elif family == _KQUANT:
         exact_kquants.row_product(code, parallel, raw, x, out)
+    else:
+        exact_iquants.row_product(code, parallel, raw, x, table, out)
 
 
 @njit
@@ -224,7 +227,9 @@ def _part(m: Any) -> tuple | None:
         return _MATMUL, int(m._kind), parallel, _readonly(m.raw)
     if type(m) is KQuantMatrix:
         return _KQUANT, m.row_code(), parallel, _readonly(m.raw)
-    return None
+    if type(m) in (IQ4NLMatrix, IQ4XSMatrix):
+        return _IQ4, m._code(1), parallel, _readonly(m.raw)
+    return None  # the IQ grid and TQ types: not yet
 
 
 def _matrix(linears: list[Any]) -> tuple | None:

@@ -48,9 +48,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from bankml.engine_cupy.exact_kquants import QK_K, TILED_MIN_ROWS, KActivation, KMatrixStack
+from bankml.engine_cupy.exact_kquants import _quantize_serial as _quantize_q8_K
 from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, QK, Activation, BlockRows,
                                              MatrixStack, _byte_ptr, _call, _data, _half, _hsum, _load,
                                              _nibbles, _splat)
+from bankml.engine_cupy.exact_matmul import _quantize_serial as _quantize_q8_0
 from bankml.engine_cupy.jit import fma32, njit
 
 __all__ = ["IQuantMatrix", "IQ4NLMatrix", "IQ4XSMatrix", "IQGridMatrix", "supported", "repacked_by_llama_server", "KVALUES_IQ4NL"]
@@ -281,6 +283,25 @@ def _parallel(code, raw, qk, xq, xd, out):  # pragma: no cover - compiled
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
         _rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), qk, xq, xd, out)
+
+
+@njit
+def row_product(code, parallel, raw, x, table, out):  # pragma: no cover - compiled
+    """out [1, n_out] = one activation row x [1, n_in] (f32, C-contiguous) times the IQ4_NL or
+    IQ4_XS matrix whose GGUF block rows are ``raw``, in the one-row arithmetic ``code``
+    (``matrix._code(1)``: IQ4_NL's vec_dot or repacked gemv, IQ4_XS's vec_dot), as its matmul
+    computes one row: x rounded to q8_0 (exact_matmul's rounding, ``table``: F16_TABLE) or to
+    q8_K (IQ4_XS). The callable piece of the fused decode step (exact_decode)."""
+    if code == _XS_VD or code == _XS_T:
+        q, d, _ = _quantize_q8_K(x, 0)
+        qk = QK_K
+    else:
+        q, _, _, d, _ = _quantize_q8_0(x, table)
+        qk = QK
+    if parallel:
+        _parallel(code, raw, qk, q, d, out)
+    else:
+        _serial(code, raw, qk, q, d, out)
 
 
 def _run(code: int, raw: numpy.ndarray, q: numpy.ndarray, d: numpy.ndarray, out: numpy.ndarray) -> None:
