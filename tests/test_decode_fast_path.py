@@ -97,6 +97,10 @@ FAST_SPECS = (
     TinySpec("gemma3", T.Q6_K, n_layer=4),
     TinySpec("llama", T.IQ4_NL),  # repacked layers (gemv), the tied output's q8_0 vec_dot
     TinySpec("qwen2", T.IQ4_XS, tied=False, out_type=T.Q6_K),  # q8_K vec_dot, biases
+    TinySpec("llama", T.IQ3_XXS),  # the grid types' vec_dot
+    TinySpec("qwen2", T.IQ2_XXS, tied=False, out_type=T.Q4_K),
+    TinySpec("llama", T.IQ1_S),  # the deltas' scalar chain
+    TinySpec("qwen3", T.TQ2_0),  # TQ's activation correction, in compiled loops here
 )
 
 
@@ -126,15 +130,6 @@ def test_kquant_stack(tiny_dir: Path, default_model: Path) -> None:
     plan = exact_decode.DecodePlan.build(model.hp, model.weights, None)
     assert plan is not None and sum(p[0] != exact_decode._ABSENT for p in plan.layers[0][1]) == 3
     assert decode_both_ways(model, token_ids(model, 20), 4, 40) == 4
-
-
-def test_iq_grid_model_keeps_the_general_path(tiny_dir: Path, default_model: Path) -> None:
-    """The IQ grid types (here IQ3_XXS) have no fused product yet: no plan, decoding works."""
-    spec = TinySpec("llama", T.IQ3_XXS)
-    model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
-                       device="cpu", progress=False)
-    assert exact_decode.DecodePlan.build(model.hp, model.weights, None) is None
-    assert decode_both_ways(model, token_ids(model, 6), 2, 16) == 0
 
 
 Q4_K_M = Path("/tmp/h26/SmolLM2-135M-Instruct.Q4_K_M.gguf")

@@ -9,8 +9,8 @@ order on the same values, so the logits are the same bits (tests/test_decode_fas
 
 What takes it (``DecodePlan.build`` says None otherwise, and the general path runs): every
 matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16), an exact_kquants
-``KQuantMatrix`` (Q2_K..Q6_K), an IQ4_NL or IQ4_XS matrix, or a stack of them (Q/K/V or
-gate/up of several types; not the IQ grid and TQ types); at run time one token, an f16 cache
+``KQuantMatrix`` (Q2_K..Q6_K), an exact_iquants matrix (IQ4_NL, IQ4_XS, the grid and TQ
+types), or a stack of them (Q/K/V or gate/up of several types); at run time one token, an f16 cache
 (in position order, or with gemma3's sliding-window ring; not q8_0).
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 from bankml.engine_cupy import exact_attention
 from bankml.engine_cupy.exact_attention import one_row_f16
 from bankml.engine_cupy import exact_iquants, exact_kquants
-from bankml.engine_cupy.exact_iquants import IQ4NLMatrix, IQ4XSMatrix
+from bankml.engine_cupy.exact_iquants import IQ4NLMatrix, IQ4XSMatrix, IQGridMatrix
 from bankml.engine_cupy.exact_kquants import KQuantMatrix
 from bankml.engine_cupy.exact_matmul import (F16_TABLE, PARALLEL_MIN_MACS, MatrixStack, QuantMatrix,
                                              row_product)
@@ -42,7 +42,7 @@ _NO_MASK = np.zeros((1, 1), F32)  # a placeholder the kernels never read
 # visits: each (head, chunk) task writes its own partial, so the bits do not change.
 PARALLEL_MIN_VISITS = 2048
 # the kernel family of a product's part (what runs its one-row product), and a part's absence
-_MATMUL, _KQUANT, _IQ4, _ABSENT = 0, 1, 2, -1
+_MATMUL, _KQUANT, _IQ4, _GRID, _ABSENT = 0, 1, 2, 3, -1
 MAX_PARTS = 3  # a product's parts: Q/K/V of three types at most
 _NO_ROWS = np.zeros((0, 0), np.uint8)
 
@@ -58,36 +58,41 @@ def _rms(x: Any, weight: Any, eps: float) -> Any:
 
 
 @njit
-def _part_product(family: int, code: int, parallel: bool, raw: Any, x: Any, table: Any,
-                  out: Any) -> None:
-    """One part's one-row product into out [1, its rows], by its family's kernels."""
+def _part_product(family: int, code: int, parallel: bool, raw: Any, grid: Any, x: Any,
+                  table: Any, out: Any) -> None:
+    """One part's one-row product into out [1, its rows], by its family's kernels (``grid``:
+    a grid or TQ matrix's other arguments, placeholders otherwise)."""
     if family == _MATMUL:
         row_product(code, parallel, raw, x, table, out)
     elif family == _KQUANT:
         exact_kquants.row_product(code, parallel, raw, x, out)
-    else:
+    elif family == _IQ4:
         exact_iquants.row_product(code, parallel, raw, x, table, out)
+    else:
+        kind, f_vd, f_t, grid_table, scales, d = grid
+        exact_iquants.grid_row_product(code, kind, f_vd, f_t, parallel, raw, grid_table, scales, d,
+                                       x, out)
 
 
 @njit
 def _product(matrix: Any, x: Any, table: Any) -> Any:
     """Linear.__call__ (each Linear of a layer's Q/K/V or gate/up in turn) for one row x
-    [1, n_in]: each part (family, code, parallel, raw, bias) times x, plus its bias, side by side.
-    Each part rounds x itself: the same bits as the stacks' one rounding per rule."""
+    [1, n_in]: each part (family, code, parallel, raw, bias, grid) times x, plus its bias, side
+    by side. Each part rounds x itself: the same bits as the stacks' one rounding per rule."""
     n_out = 0
     for part in matrix:
         n_out += part[3].shape[0]
     out = np.empty((1, n_out), np.float32)
     start = 0
-    for family, code, parallel, raw, bias in matrix:
+    for family, code, parallel, raw, bias, grid in matrix:
         rows = raw.shape[0]
         if family == _ABSENT:
             continue
         if rows == n_out:  # the only part: straight into the output
-            _part_product(family, code, parallel, raw, x, table, out)
+            _part_product(family, code, parallel, raw, grid, x, table, out)
         else:
             part = np.empty((1, rows), np.float32)
-            _part_product(family, code, parallel, raw, x, table, part)
+            _part_product(family, code, parallel, raw, grid, x, table, part)
             out[0, start:start + rows] = part[0]
         for i in range(bias.shape[0]):
             out[0, start + i] += bias[i]
@@ -179,7 +184,7 @@ def decode_layer(x: Any, pos: int, cos: Any, sin: Any, cells: Any, norms: Any, q
     """Model._block for one token x [1, n_embd] at ``pos``; returns the layer's output.
 
     norms: (attn, ffn, q, k, post-attention, post-FFN) weights, size 0 where absent; each
-    matrix MAX_PARTS parts (family, code, parallel, raw, bias) as DecodePlan lays them out;
+    matrix MAX_PARTS parts (family, code, parallel, raw, bias, grid) as DecodePlan lays out;
     shape (n_head, n_head_kv, head_dim); cells: (K and V position stores, K and V attended,
     the ring cell to store at or -1, the cells attended, ggml's n_kv, the mask [1, cells] or a
     placeholder, has_mask), the attended arrays being the stores themselves except for a layer
@@ -220,16 +225,27 @@ def _f32(a: Any | None) -> np.ndarray:
     return _readonly(_NONE if a is None else np.ascontiguousarray(a, dtype=F32).reshape(-1))
 
 
+def _no_grid() -> tuple:
+    """The grid arguments of a part that is not a grid matrix: placeholders of their types."""
+    return (0, 0.0, 0.0, _readonly(np.zeros(0, np.uint64)), _readonly(np.zeros((0, 0), np.int16)),
+            _readonly(np.zeros((0, 0), F32)))
+
+
 def _part(m: Any) -> tuple | None:
-    """(family, code, parallel, raw) of one matrix whose one-row product the step calls."""
+    """(family, code, parallel, raw, grid) of one matrix whose one-row product the step calls."""
     parallel = m.n_out * m.n_in >= PARALLEL_MIN_MACS  # as its matmul decides for one row
     if type(m) is QuantMatrix:
-        return _MATMUL, int(m._kind), parallel, _readonly(m.raw)
+        return _MATMUL, int(m._kind), parallel, _readonly(m.raw), _no_grid()
     if type(m) is KQuantMatrix:
-        return _KQUANT, m.row_code(), parallel, _readonly(m.raw)
+        return _KQUANT, m.row_code(), parallel, _readonly(m.raw), _no_grid()
     if type(m) in (IQ4NLMatrix, IQ4XSMatrix):
-        return _IQ4, m._code(1), parallel, _readonly(m.raw)
-    return None  # the IQ grid and TQ types: not yet
+        return _IQ4, m._code(1), parallel, _readonly(m.raw), _no_grid()
+    if type(m) is IQGridMatrix:
+        code, kind, f_vd, f_t, grid_table, scales, d = m.row_args()
+        grid = (kind, f_vd, f_t, _readonly(grid_table), _readonly(np.ascontiguousarray(scales)),
+                _readonly(np.ascontiguousarray(d)))
+        return _GRID, code, parallel, _readonly(m.raw), grid
+    return None
 
 
 def _matrix(linears: list[Any]) -> tuple | None:
@@ -246,11 +262,11 @@ def _matrix(linears: list[Any]) -> tuple | None:
             if part is None:
                 return None
             bias = None if linear.bias is None else linear.bias[start:start + piece.n_out]
-            parts.append((*part, _f32(bias)))
+            parts.append((*part[:4], _f32(bias), part[4]))
             start += piece.n_out
     if len(parts) > MAX_PARTS:
         return None
-    absent = (_ABSENT, 0, False, _readonly(_NO_ROWS), _f32(None))
+    absent = (_ABSENT, 0, False, _readonly(_NO_ROWS), _f32(None), _no_grid())
     return tuple(parts + [absent] * (MAX_PARTS - len(parts)))
 
 

@@ -657,6 +657,24 @@ def _tq_correction(q: numpy.ndarray) -> numpy.ndarray:
 
 
 @njit
+def _tq_correction_compiled(q):  # pragma: no cover - compiled
+    """_tq_correction in compiled loops (the same exact integers), for grid_row_product."""
+    m, n = q.shape
+    corr = numpy.empty((m, n // 256, 8), numpy.int32)
+    for t in range(m):
+        for b in range(n // 256):
+            for lane in range(8):
+                s = numpy.int32(0)
+                for i in range(8):
+                    for k in range(4):
+                        s += numpy.int32(q[t, b * 256 + i * 32 + lane * 4 + k])
+                for j in range(32):
+                    s -= numpy.int32(q[t, b * 256 + lane * 32 + j])
+                corr[t, b, lane] = s
+    return corr
+
+
+@njit
 def _hsum8(a):  # pragma: no cover - compiled
     """hsum_float_8: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)) in f32."""
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
@@ -744,6 +762,23 @@ def _grid_parallel(code, kind, f_vd, f_t, raw, table, sc, wd, x, xd, corr, out):
         _grid_rows(code, kind, f_vd, f_t, raw, table, sc, wd, r0, min(r0 + ROWS_PER_TASK, n_out), x, xd, corr, out)
 
 
+@njit
+def grid_row_product(code, kind, f_vd, f_t, parallel, raw, table, sc, wd, x, out):  # pragma: no cover
+    """out [1, n_out] = one activation row x [1, n_in] (f32, C-contiguous) times a grid or TQ
+    matrix (``IQGridMatrix.row_args``: code, kind, factors, grid table, scales, d), as its
+    matmul computes one row: x rounded to q8_K, then vec_dot. The callable piece of the fused
+    decode step (exact_decode)."""
+    q, d, _ = _quantize_q8_K(x, 0)
+    if code == _TQ_VD:
+        corr = _tq_correction_compiled(q)
+    else:
+        corr = numpy.zeros((0, 0, 0), numpy.int32)
+    if parallel:
+        _grid_parallel(code, kind, f_vd, f_t, raw, table, sc, wd, q, d, corr, out)
+    else:
+        _grid_serial(code, kind, f_vd, f_t, raw, table, sc, wd, q, d, corr, out)
+
+
 class IQGridMatrix(IQuantMatrix):
     """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0: the activation rounded
     to q8_K (exact_kquants.KActivation, shared with the K-quants); never repacked on x86. The
@@ -776,6 +811,13 @@ class IQGridMatrix(IQuantMatrix):
         out = numpy.empty((act.q.shape[0], self.n_out), numpy.float32)
         _grid_run(self._code(act.q.shape[0]), self, act.q, act.d, out)
         return out
+
+    def row_args(self) -> tuple:
+        """grid_row_product's (code, kind, f_vd, f_t, table, scales, d) for this matrix."""
+        spec = _GRID[self.qtype]
+        f_t = spec[5] if spec[5] is not None else 1.0
+        return (self._code(1), int(self.qtype), float(spec[4]), float(f_t), _grid_table(self.qtype),
+                self.scales, self.d)
 
     def _code(self, m: int) -> int:
         tiled = _GRID[self.qtype][5] is not None and m >= TILED_MIN_ROWS
