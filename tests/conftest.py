@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,19 @@ def default_model() -> Path:
 @pytest.fixture(scope="session")
 def default_fork(default_model: Path) -> Path:
     return support.DEFAULT_FORK
+
+
+@pytest.fixture(scope="session")
+def default_model_q4_k_m(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model requantized by llama.cpp's own llama-quantize to Q4_K_M, the type most
+    downloads have: Q4_K (repacked) and Q6_K ffn_down, Q5_0/Q8_0 elsewhere (576-wide rows cannot
+    be K-quants)."""
+    from tests import ggml_oracle
+
+    out = tmp_path_factory.mktemp("q4_k_m") / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    subprocess.run([str(ggml_oracle.reference_tool("llama-quantize")), "--allow-requantize",
+                    str(default_model), str(out), "Q4_K_M"], check=True, capture_output=True)
+    return out
 
 
 @pytest.fixture(scope="session")

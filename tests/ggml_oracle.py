@@ -46,6 +46,19 @@ def llama_root() -> Path:
     return Path(binary).resolve().parent.parent
 
 
+def reference_tool(target: str) -> Path:
+    """A llama.cpp program (e.g. llama-quantize) of the reference build's tree, built on first
+    use: the build script configured the tree and built its libraries, so this takes seconds."""
+    build = llama_root() / "build"
+    out = build / "bin" / target
+    if not out.exists():
+        if not (build / "CMakeCache.txt").exists():
+            raise RuntimeError(f"no configured llama.cpp build in {build}: run scripts/build-llama-server.sh")
+        subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 1)],
+                       check=True, capture_output=True)
+    return out
+
+
 @lru_cache(maxsize=1)
 def oracle_binary() -> Path:
     """Compile ggml_op.c once per source and library version; later calls reuse it."""

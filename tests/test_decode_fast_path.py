@@ -132,14 +132,10 @@ def test_kquant_stack(tiny_dir: Path, default_model: Path) -> None:
     assert decode_both_ways(model, token_ids(model, 20), 4, 40) == 4
 
 
-Q4_K_M = Path("/tmp/h26/SmolLM2-135M-Instruct.Q4_K_M.gguf")
-
-
-@pytest.mark.skipif(not Q4_K_M.exists(), reason=f"no {Q4_K_M} (the default model in Q4_K_M)")
-def test_q4_k_m_model() -> None:
+def test_q4_k_m_model(default_model_q4_k_m: Path) -> None:
     """llama.cpp's Q4_K_M of the default model: Q5_0 and Q8_0 V matrices stacked with Q5_0
     Q/K (576 wide rows cannot be K-quants), Q4_K (repacked) and Q6_K down matrices."""
-    model = Model.load(Q4_K_M, device="cpu", progress=False)
+    model = Model.load(default_model_q4_k_m, device="cpu", progress=False)
     assert decode_both_ways(model, token_ids(model, 20), 3, 40) == 3
 
 
