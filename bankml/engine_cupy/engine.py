@@ -511,7 +511,7 @@ class Engine:
         """The role markers llama-server finds message starts by, for its context checkpoints
         (a sliding-window model only): a chat prompt's come from the template's analysis, a
         /completion body may give its own ``message_delimiters`` ([{role, delimiter}])."""
-        if not getattr(self.model, "has_sliding_window", False):
+        if self.checkpoints is None:  # not a sliding-window model
             return []
         if kind == "chat":
             if self._chat_delimiters is None:

@@ -228,7 +228,6 @@ class KVCache:
             rot_k, rot_v = rotation_sizes(head_dim)
             self._rot = (xp.asarray(hadamard(rot_k)) if rot_k else None,
                          xp.asarray(hadamard(rot_v)) if rot_v else None)
-        self.cells: SlidingCells | None = None  # the SWA cache's layout, when it is a ring
         self._ring_k: dict[int, Any] = {}
         self._ring_v: dict[int, Any] = {}
         size = ring_size(self.n_ctx, window, self.n_ubatch) if window else 0
@@ -237,12 +236,17 @@ class KVCache:
         # ring's cells are also stored and attended over (the exact path, size < n_ctx)
         self.swa = SlidingCells(size, window) if window and any(sliding) else None
         if ring and self.swa is not None and size < self.n_ctx:
-            self.cells = self.swa
             for il, is_sliding in enumerate(sliding):
                 if is_sliding:
                     self._ring_k[il] = self._empty_like(self._k[il], size)
                     self._ring_v[il] = self._empty_like(self._v[il], size)
         self._batch_cells: numpy.ndarray | None = None  # cells of the micro-batch being run
+
+    @property
+    def cells(self) -> SlidingCells | None:
+        """The SWA cache's layout when its cells are also stored and attended over (the ring;
+        ``swa`` itself), else None."""
+        return self.swa if self._ring_k else None
 
     def _empty_like(self, entry: Any, cells: int) -> Any:
         """Zeroed storage of ``entry``'s kind with ``cells`` cells."""

@@ -13,6 +13,7 @@ to K's type; GeGLU looks GELU up in ggml's f16 table.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from types import ModuleType
@@ -110,7 +111,6 @@ class Model:
         self.exact = exact and xp is numpy
         # one-token steps through exact_decode's fused layers (False: always the general path)
         self.fused_decode = True
-        self._plan: exact_decode.DecodePlan | None | bool = False  # False: not made yet
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str = "auto",
@@ -213,11 +213,11 @@ class Model:
     def _decode_plan(self) -> exact_decode.DecodePlan | None:
         """The fused decode step's layout of this model (exact_decode), made on first use;
         None where a matrix is not one it multiplies (the general path runs then)."""
-        if not (self.exact and self.fused_decode):
-            return None
-        if self._plan is False:
-            self._plan = exact_decode.DecodePlan.build(self.hp, self.weights, self._gelu)
-        return self._plan
+        return self._plan if self.exact and self.fused_decode else None
+
+    @functools.cached_property
+    def _plan(self) -> exact_decode.DecodePlan | None:
+        return exact_decode.DecodePlan.build(self.hp, self.weights, self._gelu)
 
     def _ropes(self, positions: Any) -> dict[bool, tuple[Any, Any]]:
         """cos/sin per layer kind: global (False) and, for gemma3, local sliding-window (True)."""
