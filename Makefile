@@ -10,7 +10,7 @@ FORK        := $(MODEL).FORK.json
 LISTEN      ?= 127.0.0.1:18093
 UPSTREAM    ?= 127.0.0.1:18092
 
-.PHONY: serve serve-p0 test bench venv test-deps model llama-server clean
+.PHONY: serve serve-p0 test lint bench venv test-deps model llama-server clean
 
 $(BIN)/bankml: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,12 @@ serve-p0: venv model
 	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --spawn "$$(scripts/build-llama-server.sh)" \
 	    --listen $(LISTEN) --upstream $(UPSTREAM)
 
-test: test-deps model
+# the house rules first (seconds): lint and formatting, then the suite
+lint: test-deps
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: test-deps model lint
 	BANKML_LLAMA_SERVER="$$(scripts/build-llama-server.sh)" BANKML_MODEL=$(MODEL) \
 	    $(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -30,8 +30,9 @@ import json
 import os
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 from bankml.bridge import NativeEngine
 
@@ -46,14 +47,22 @@ class ApiError(Exception):
     """A request bankml will not answer: ``status`` and llama-server's error ``body``."""
 
     def __init__(self, status: int, body: dict[str, Any]) -> None:
-        message = body.get("error", {}).get("message", str(body)) if isinstance(body, dict) else str(body)
+        message = (
+            body.get("error", {}).get("message", str(body)) if isinstance(body, dict) else str(body)
+        )
         super().__init__(f"{status}: {message}")
         self.status = status
         self.body = body
 
 
-def open_native(model: str, fork: str | None = None, *, n_ctx: int = 4096, device: str = "auto",
-                cache_type: str | None = None) -> NativeEngine:
+def open_native(
+    model: str,
+    fork: str | None = None,
+    *,
+    n_ctx: int = 4096,
+    device: str = "auto",
+    cache_type: str | None = None,
+) -> NativeEngine:
     """Verify ``model`` against its pin (guard, then sha256), then open the engine on it."""
     from bankml.engine_cupy import backend
     from bankml.engine_cupy.engine import Engine
@@ -62,8 +71,16 @@ def open_native(model: str, fork: str | None = None, *, n_ctx: int = 4096, devic
     try:
         verified = verify(model, fork or model + ".FORK.json")
     except Refused as err:
-        raise ApiError(400, {"error": {"code": 400, "message": f"refuse: {err.reason}",
-                                       "type": "invalid_request_error"}}) from None
+        raise ApiError(
+            400,
+            {
+                "error": {
+                    "code": 400,
+                    "message": f"refuse: {err.reason}",
+                    "type": "invalid_request_error",
+                }
+            },
+        ) from None
     engine = Engine.open(verified.path, n_ctx=n_ctx, device=device, cache_type=cache_type)
     device_name = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
     return NativeEngine(engine, None, verified, n_ctx=engine.n_ctx, device=device_name)
@@ -75,9 +92,17 @@ def _default_native() -> NativeEngine:
         if _default is None:
             model = os.environ.get("BANKML_MODEL")
             if not model:
-                raise ApiError(400, {"error": {"code": 400, "type": "invalid_request_error",
-                                               "message": "no model: pass native=open_native(FILE, FORK) "
-                                                          "or set BANKML_MODEL (and BANKML_FORK)"}})
+                raise ApiError(
+                    400,
+                    {
+                        "error": {
+                            "code": 400,
+                            "type": "invalid_request_error",
+                            "message": "no model: pass native=open_native(FILE, FORK) "
+                            "or set BANKML_MODEL (and BANKML_FORK)",
+                        }
+                    },
+                )
             _default = open_native(model, os.environ.get("BANKML_FORK"))
         return _default
 
@@ -94,11 +119,27 @@ def _body(request: dict[str, Any] | bytes) -> tuple[bytes, dict[str, Any]]:
         else:
             obj, raw = request, json.dumps(request, allow_nan=False).encode("utf-8")
     except ValueError as err:
-        raise ApiError(400, {"error": {"code": 400, "message": f"the request body is not JSON: {err}",
-                                       "type": "invalid_request_error"}}) from None
+        raise ApiError(
+            400,
+            {
+                "error": {
+                    "code": 400,
+                    "message": f"the request body is not JSON: {err}",
+                    "type": "invalid_request_error",
+                }
+            },
+        ) from None
     if not isinstance(obj, dict):
-        raise ApiError(400, {"error": {"code": 400, "message": "the request body must be a JSON object",
-                                       "type": "invalid_request_error"}})
+        raise ApiError(
+            400,
+            {
+                "error": {
+                    "code": 400,
+                    "message": "the request body must be a JSON object",
+                    "type": "invalid_request_error",
+                }
+            },
+        )
     return raw, obj
 
 
@@ -121,7 +162,9 @@ def _executor(native: NativeEngine) -> ThreadPoolExecutor:
     with _default_lock:
         pool = _executors.get(id(native))
         if pool is None:
-            pool = _executors[id(native)] = ThreadPoolExecutor(1, thread_name_prefix="bankml-api-engine")
+            pool = _executors[id(native)] = ThreadPoolExecutor(
+                1, thread_name_prefix="bankml-api-engine"
+            )
         return pool
 
 
@@ -132,7 +175,9 @@ def _prepare(native: NativeEngine, request: dict[str, Any] | bytes, stream: bool
     raw, obj = _body(request)
     problem = native.identity_problem()
     if problem is not None:
-        raise ApiError(503, {"error": {"code": 503, "message": problem, "type": "unavailable_error"}})
+        raise ApiError(
+            503, {"error": {"code": 503, "message": problem, "type": "unavailable_error"}}
+        )
     try:
         parsed = native.engine.parse_request(obj, "chat")
     except RequestError as err:
@@ -161,12 +206,13 @@ _END = object()
 STREAM_WINDOW = 8  # events computed ahead of the reader: a slow reader holds the engine
 
 
-def chat_stream(request: dict[str, Any] | bytes, *, native: NativeEngine | None = None
-                ) -> Iterator[dict[str, Any]]:
+def chat_stream(
+    request: dict[str, Any] | bytes, *, native: NativeEngine | None = None
+) -> Iterator[dict[str, Any]]:
     """The streamed answer's event objects, ending with ``{"bankml_receipt": ...}``."""
     native = native or _default_native()
     answer, parsed = _prepare(native, request, stream=True)
-    events: "queue.Queue[Any]" = queue.Queue(STREAM_WINDOW)
+    events: queue.Queue[Any] = queue.Queue(STREAM_WINDOW)
     stop = threading.Event()
 
     def put(item: Any) -> None:
@@ -192,8 +238,9 @@ def chat_stream(request: dict[str, Any] | bytes, *, native: NativeEngine | None 
         finally:
             put(_END)
 
-    threading.Thread(target=_on_engine_thread, args=(native, work), daemon=True,
-                     name="bankml-api-stream").start()
+    threading.Thread(
+        target=_on_engine_thread, args=(native, work), daemon=True, name="bankml-api-stream"
+    ).start()
     try:
         while True:
             item = events.get()

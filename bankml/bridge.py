@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer
@@ -142,7 +143,7 @@ class _Worker:
     def __init__(self, reactor: Any, name: str) -> None:
         self.reactor = reactor
         self.name = name
-        self.jobs: "queue.Queue[Any]" = queue.Queue()
+        self.jobs: queue.Queue[Any] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.current: _Job | None = None
         self.done = 0
@@ -177,7 +178,9 @@ class _Worker:
                     outcome: Any = Failure(ClientGone("the client left before its turn"))
                 else:
                     outcome = job.work()
-            except BaseException:  # the job's own error goes to its Deferred, never kills the thread
+            except (
+                BaseException
+            ):  # the job's own error goes to its Deferred, never kills the thread
                 outcome = Failure()
             finally:
                 self.current = None
@@ -210,18 +213,20 @@ class EngineBridge:
         self.window = window
         self.engine = _Worker(reactor, "bankml-engine")
         self.preparer = _Worker(reactor, "bankml-prepare")
-        self._shutdown_trigger: Any = reactor.addSystemEventTrigger("before", "shutdown", self._on_shutdown)
+        self._shutdown_trigger: Any = reactor.addSystemEventTrigger(
+            "before", "shutdown", self._on_shutdown
+        )
         self.runs_started = 0
         self.last_run: RunControl | None = None  # the latest run's control (tests, /bankml)
 
     # --- jobs -------------------------------------------------------------------------------
 
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "Deferred[T]":
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred[T]:
         d: Deferred = Deferred()
         self.engine.submit(_Job(lambda: fn(*args, **kwargs), d))
         return d
 
-    def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> "Deferred[T]":
+    def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred[T]:
         d: Deferred = Deferred()
         self.preparer.submit(_Job(lambda: fn(*args, **kwargs), d))
         return d
@@ -229,8 +234,12 @@ class EngineBridge:
     def new_control(self) -> RunControl:
         return RunControl(self.window)
 
-    def stream(self, steps: Callable[[Cancelled], Iterator[T]], deliver: Callable[[T], None],
-               control: RunControl | None = None) -> "Deferred[Any]":
+    def stream(
+        self,
+        steps: Callable[[Cancelled], Iterator[T]],
+        deliver: Callable[[T], None],
+        control: RunControl | None = None,
+    ) -> Deferred[Any]:
         control = control or self.new_control()
         d: Deferred = Deferred()
         self.engine.submit(_Job(lambda: self._run(steps, deliver, control), d, control))
@@ -261,8 +270,12 @@ class EngineBridge:
 
     # --- on the engine thread ---------------------------------------------------------------
 
-    def _run(self, steps: Callable[[Cancelled], Iterator[T]], deliver: Callable[[T], None],
-             control: RunControl) -> Any:
+    def _run(
+        self,
+        steps: Callable[[Cancelled], Iterator[T]],
+        deliver: Callable[[T], None],
+        control: RunControl,
+    ) -> Any:
         self.runs_started += 1
         self.last_run = control
         iterator = steps(control.cancelled)
@@ -302,9 +315,17 @@ class NativeEngine:
 
     METRICS_KEEP = 256
 
-    def __init__(self, engine: Any, bridge: "EngineBridge | None", verified: Any, *,
-                 slot_dir: str | None = None, n_ctx: int | None = None, device: str = "cpu",
-                 reactor: Any = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        bridge: EngineBridge | None,
+        verified: Any,
+        *,
+        slot_dir: str | None = None,
+        n_ctx: int | None = None,
+        device: str = "cpu",
+        reactor: Any = None,
+    ) -> None:
         import os
         import time
 
@@ -321,10 +342,17 @@ class NativeEngine:
         self.build_info = f"bankml {__version__} native"
         self.engine_name = f"bankml {__version__} native ({device})"
         self.started = time.time()
-        self.records: "list[dict[str, Any]]" = []
-        self.totals = {"requests": 0, "prompt_tokens": 0, "prompt_seconds": 0.0,
-                       "tokens_predicted": 0, "predicted_seconds": 0.0, "decode_calls": 0,
-                       "n_tokens_max": 0, "prompt_tokens_cached": 0}
+        self.records: list[dict[str, Any]] = []
+        self.totals = {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "prompt_seconds": 0.0,
+            "tokens_predicted": 0,
+            "predicted_seconds": 0.0,
+            "decode_calls": 0,
+            "n_tokens_max": 0,
+            "prompt_tokens_cached": 0,
+        }
         self._lock = threading.Lock()
         self._tensor_totals: tuple[int | None, int | None] | None = None
 
@@ -334,8 +362,11 @@ class NativeEngine:
         if self._tensor_totals is None:
             reader = getattr(getattr(self.engine, "model", None), "reader", None)
             tensors = list(getattr(reader, "tensors", None) or [])
-            self._tensor_totals = ((sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors))
-                                   if tensors else (None, None))
+            self._tensor_totals = (
+                (sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors))
+                if tensors
+                else (None, None)
+            )
         return self._tensor_totals
 
     # --- checks ----------------------------------------------------------------------------
@@ -352,18 +383,22 @@ class NativeEngine:
         """One finished completion into the ring and the totals (/bankml/metrics, /metrics)."""
         t = dict(getattr(summary, "timings", {}) or {})
         rec = {
-            "at": __import__("time").time(), "kind": kind,
+            "at": __import__("time").time(),
+            "kind": kind,
             "finish_reason": getattr(summary, "finish_reason", None),
             "prompt_tokens": getattr(summary, "prompt_tokens", 0),
             "completion_tokens": getattr(summary, "completion_tokens", 0),
-            "cache_n": t.get("cache_n"), "ttft_ms": ttft_ms, "wall_ms": wall_ms,
+            "cache_n": t.get("cache_n"),
+            "ttft_ms": ttft_ms,
+            "wall_ms": wall_ms,
             "prompt_per_second": t.get("prompt_per_second"),
             "predicted_per_second": t.get("predicted_per_second"),
-            "grammar_ms": None, "energy_j": None,
+            "grammar_ms": None,
+            "energy_j": None,
         }
         with self._lock:
             self.records.append(rec)
-            del self.records[:-self.METRICS_KEEP]
+            del self.records[: -self.METRICS_KEEP]
             tot = self.totals
             tot["requests"] += 1
             tot["prompt_tokens"] += int(t.get("prompt_n") or 0)
@@ -372,16 +407,24 @@ class NativeEngine:
             tot["tokens_predicted"] += int(t.get("predicted_n") or 0)
             tot["predicted_seconds"] += float(t.get("predicted_ms") or 0.0) / 1e3
             tot["decode_calls"] += int(t.get("predicted_n") or 0) + (1 if t.get("prompt_n") else 0)
-            tot["n_tokens_max"] = max(tot["n_tokens_max"], rec["prompt_tokens"] + rec["completion_tokens"])
+            tot["n_tokens_max"] = max(
+                tot["n_tokens_max"], rec["prompt_tokens"] + rec["completion_tokens"]
+            )
 
     def metrics(self) -> dict[str, Any]:
         """/bankml/metrics: the ring of the last 256 completions with totals."""
         with self._lock:
             records = list(self.records)
-        return {"source": self.engine_name, "kept": len(records), "keep": self.METRICS_KEEP,
-                "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),
-                "completion_tokens": sum(r["completion_tokens"] or 0 for r in records),
-                "energy_j": None, "joules_per_token": None, "records": records}
+        return {
+            "source": self.engine_name,
+            "kept": len(records),
+            "keep": self.METRICS_KEEP,
+            "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),
+            "completion_tokens": sum(r["completion_tokens"] or 0 for r in records),
+            "energy_j": None,
+            "joules_per_token": None,
+            "records": records,
+        }
 
     # --- GET /bankml ------------------------------------------------------------------------
 
@@ -389,16 +432,31 @@ class NativeEngine:
         from bankml import __version__
 
         v = self.verified
-        resident = {"model": self.model_id, "path": v.path, "sha256": v.sha256, "n_ctx": self.n_ctx,
-                    "device": self.device, "since": self.started,
-                    "slot_tokens": len(getattr(self.engine, "slot_tokens", []) or [])}
+        resident = {
+            "model": self.model_id,
+            "path": v.path,
+            "sha256": v.sha256,
+            "n_ctx": self.n_ctx,
+            "device": self.device,
+            "since": self.started,
+            "slot_tokens": len(getattr(self.engine, "slot_tokens", []) or []),
+        }
         return {
-            "bankml": __version__, "mode": "native", "verified": v.as_dict(),
-            "guard_result": v.guard.as_dict(), "model": v.path, "model_sha256": v.sha256,
-            "fork": v.fork_path, "hashed_at_unix": v.verified_at,
-            "engine": {"name": self.engine_name, "state": "ready",
-                       "busy": bool(self.bridge and self.bridge.busy),
-                       "queued": self.bridge.queued if self.bridge else 0},
-            "resident": resident, "models": [self.model_id],
+            "bankml": __version__,
+            "mode": "native",
+            "verified": v.as_dict(),
+            "guard_result": v.guard.as_dict(),
+            "model": v.path,
+            "model_sha256": v.sha256,
+            "fork": v.fork_path,
+            "hashed_at_unix": v.verified_at,
+            "engine": {
+                "name": self.engine_name,
+                "state": "ready",
+                "busy": bool(self.bridge and self.bridge.busy),
+                "queued": self.bridge.queued if self.bridge else 0,
+            },
+            "resident": resident,
+            "models": [self.model_id],
             "file_unchanged": self.identity_problem() is None,
         }

@@ -18,7 +18,7 @@ class FileIdent:
     mtime_ns: int
 
     @classmethod
-    def of(cls, path: str | os.PathLike[str]) -> "FileIdent":
+    def of(cls, path: str | os.PathLike[str]) -> FileIdent:
         """The identity of the file at path, following symlinks (the file the engine will open)."""
         st = os.stat(path)
         return cls(dev=st.st_dev, ino=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns)

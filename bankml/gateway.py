@@ -19,14 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import treq
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.logger import Logger
 from twisted.web.client import Agent, HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
-
-import treq
 
 from bankml import __version__
 from bankml.fileident import FileIdent
@@ -36,8 +35,9 @@ _log = Logger(namespace="bankml.gateway")
 
 MAX_UPSTREAM_BYTES = 64 * 1024 * 1024  # serve.md: an upstream body or chunk over 64 MiB is refused
 PROPS_TIMEOUT_S = 10.0
-FILE_CHANGED = ("the model file changed since bankml verified it; "
-                "restart bankml serve to verify it again")
+FILE_CHANGED = (
+    "the model file changed since bankml verified it; restart bankml serve to verify it again"
+)
 
 # engine states, as /bankml shows them
 STARTING, READY, DOWN, REFUSED, STOPPED = "starting", "ready", "down", "refused", "stopped"
@@ -93,7 +93,7 @@ class BytesProducer:
         self.body = body
         self.length = len(body)
 
-    def startProducing(self, consumer: Any) -> "Deferred[None]":
+    def startProducing(self, consumer: Any) -> Deferred[None]:
         consumer.write(self.body)
         return succeed(None)
 
@@ -115,7 +115,7 @@ def check_length(response: Any, limit: int) -> None:
         raise UpstreamTooLarge("a body")
 
 
-def bounded_collect(response: Any, limit: int | None = None) -> "Deferred[bytes]":
+def bounded_collect(response: Any, limit: int | None = None) -> Deferred[bytes]:
     """The whole body of a response, refused (UpstreamTooLarge) once it passes `limit` bytes
     (default MAX_UPSTREAM_BYTES)."""
     limit = MAX_UPSTREAM_BYTES if limit is None else limit
@@ -203,8 +203,10 @@ class Gateway:
         if not isinstance(served, str):
             return f"upstream {self.upstream_text} /props has no model_path: refused"
         if canonical(served) != self.verified.path:
-            return (f"upstream {self.upstream_text} serves {served}, "
-                    f"not the verified {self.verified.path}: refused")
+            return (
+                f"upstream {self.upstream_text} serves {served}, "
+                f"not the verified {self.verified.path}: refused"
+            )
         return None
 
     @inlineCallbacks
@@ -227,9 +229,14 @@ class Gateway:
         props = yield self.fetch_props()
         return self.engine_path_problem(props)
 
-    def request(self, method: bytes, path: str, body: bytes | None = None,
-                headers: dict[bytes, list[bytes]] | None = None,
-                timeout: float | None = None) -> "Deferred[IResponse]":
+    def request(
+        self,
+        method: bytes,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[bytes, list[bytes]] | None = None,
+        timeout: float | None = None,
+    ) -> Deferred[IResponse]:
         """One request to the engine; `timeout` cancels it if no response has begun by then."""
         url = (self.upstream_url + path).encode("ascii", "strict")
         producer = None if body is None else BytesProducer(body)

@@ -17,8 +17,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="FILE", help="GGUF model file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text, tokenized as llama-server's /completion does")
-    src.add_argument("--messages", help="a JSON array of chat messages, rendered with the chat template")
-    p.add_argument("--max", type=int, default=-1, dest="max_tokens", help="token limit (-1: until EOG)")
+    src.add_argument(
+        "--messages", help="a JSON array of chat messages, rendered with the chat template"
+    )
+    p.add_argument(
+        "--max", type=int, default=-1, dest="max_tokens", help="token limit (-1: until EOG)"
+    )
     p.add_argument("--temperature", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--top-k", type=int, dest="top_k")
@@ -42,14 +46,17 @@ def request_body(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         try:
             body["json_schema"] = json.loads(args.json_schema)
         except ValueError as err:
-            raise SystemExit(f"bankml generate: --json-schema is not JSON: {err}")
+            raise SystemExit(f"bankml generate: --json-schema is not JSON: {err}") from None
     if args.messages is not None:
         try:
             body["messages"] = json.loads(args.messages)
         except ValueError as err:
-            raise SystemExit(f"bankml generate: --messages is not JSON: {err}")
+            raise SystemExit(f"bankml generate: --messages is not JSON: {err}") from None
         if "json_schema" in body:
-            body["response_format"] = {"type": "json_schema", "json_schema": {"schema": body.pop("json_schema")}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"schema": body.pop("json_schema")},
+            }
         return body, "chat"
     body["prompt"] = args.prompt
     return body, "completion"
@@ -80,8 +87,18 @@ def generate_command(argv: list[str]) -> int:
             sys.stdout.flush()
     s = steps.summary
     if args.json:
-        print(json.dumps({"text": s.text, "tokens": s.tokens, "prompt_tokens": s.prompt_tokens,
-                          "finish_reason": s.finish_reason, "timings": s.timings}, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "text": s.text,
+                    "tokens": s.tokens,
+                    "prompt_tokens": s.prompt_tokens,
+                    "finish_reason": s.finish_reason,
+                    "timings": s.timings,
+                },
+                ensure_ascii=False,
+            )
+        )
     else:
         sys.stdout.write("\n")
     return 0

@@ -67,12 +67,43 @@ _U64 = struct.Struct("<Q")
 # -- ggml tensor types --------------------------------------------------------------------------
 
 TYPE_NAMES: dict[int, str] = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
-    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
-    22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
-    42: "Q2_0", 142: "PQ2_0", 143: "PTQ1_0",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    24: "I8",
+    25: "I16",
+    26: "I32",
+    27: "I64",
+    28: "F64",
+    29: "IQ1_M",
+    30: "BF16",
+    34: "TQ1_0",
+    35: "TQ2_0",
+    39: "MXFP4",
+    40: "NVFP4",
+    41: "Q1_0",
+    42: "Q2_0",
+    142: "PQ2_0",
+    143: "PTQ1_0",
 }
 Q2_0, PQ2_0, PTQ1_0 = 42, 142, 143
 PRISM_TYPES = (PQ2_0, PTQ1_0)
@@ -192,7 +223,9 @@ class _Reader:
 
     def need_more(self, end: int) -> None:
         if end > MAX_HEADER_BYTES:
-            raise _Refuse(f"GGUF header needs {end} bytes, more than the {MAX_HEADER_BYTES} this guard reads")
+            raise _Refuse(
+                f"GGUF header needs {end} bytes, more than the {MAX_HEADER_BYTES} this guard reads"
+            )
         raise _NeedMore(end)
 
     def unpack(self, fmt: struct.Struct) -> Any:
@@ -242,7 +275,9 @@ def _skip_strings(r: _Reader, count: int) -> None:
             r.need_more(pos + 8)
         (n,) = unpack_u64(buf, pos)
         if n > MAX_HEADER_BYTES:
-            raise _Refuse(f"string at offset {pos} is {n} bytes, more than the {MAX_HEADER_BYTES} allowed")
+            raise _Refuse(
+                f"string at offset {pos} is {n} bytes, more than the {MAX_HEADER_BYTES} allowed"
+            )
         pos += 8 + n
     r.pos = pos
     if pos > avail:
@@ -292,7 +327,11 @@ def _read_counts(r: _Reader) -> tuple[int, int, int]:
     version = r.unpack(_U32)
     if version not in (2, 3):
         swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
-        hint = ": a big-endian GGUF, which ggml on this machine cannot read" if swapped in (2, 3) else ""
+        hint = (
+            ": a big-endian GGUF, which ggml on this machine cannot read"
+            if swapped in (2, 3)
+            else ""
+        )
         raise _Refuse(f"gguf version {version} is not supported (2 and 3 are){hint}")
     n_tensors = r.unpack(_U64)
     n_kv = r.unpack(_U64)
@@ -329,7 +368,9 @@ def _read_tensor(r: _Reader, faults: dict[str, list[str]]) -> _TensorInfo:
     name = r.string("tensor name", MAX_KEY_BYTES)
     n_dims = r.unpack(_U32)
     if n_dims > GGML_MAX_DIMS:
-        raise _Refuse(f"tensor {name!r} has {n_dims} dimensions, ggml allows at most {GGML_MAX_DIMS}")
+        raise _Refuse(
+            f"tensor {name!r} has {n_dims} dimensions, ggml allows at most {GGML_MAX_DIMS}"
+        )
     dims = tuple(r.unpack(_U64) for _ in range(n_dims))
     type_id = r.unpack(_U32)
     offset = r.unpack(_U64)
@@ -345,7 +386,9 @@ def _read_tensor(r: _Reader, faults: dict[str, list[str]]) -> _TensorInfo:
     return _TensorInfo(name, dims, type_id, offset, nelements)
 
 
-def _parse(r: _Reader) -> tuple[int, dict[str, Any], list[_TensorInfo], int, int, dict[str, list[str]]]:
+def _parse(
+    r: _Reader,
+) -> tuple[int, dict[str, Any], list[_TensorInfo], int, int, dict[str, list[str]]]:
     version, n_tensors, n_kv = _read_counts(r)
     kv = _read_kvs(r, n_kv)
     alignment = _alignment(kv)
@@ -405,8 +448,14 @@ def _tensor_nbytes(t: _TensorInfo) -> int | None:
     return t.nelements // block * size
 
 
-def _check_layout(tensors: list[_TensorInfo], alignment: int, data_start: int, file_size: int | None,
-                  legacy_q2: set[int], faults: dict[str, list[str]]) -> None:
+def _check_layout(
+    tensors: list[_TensorInfo],
+    alignment: int,
+    data_start: int,
+    file_size: int | None,
+    legacy_q2: set[int],
+    faults: dict[str, list[str]],
+) -> None:
     """Names, block rows, offset alignment, extents inside the file, no two tensors overlapping."""
     seen: set[str] = set()
     for t in tensors:
@@ -421,7 +470,9 @@ def _check_layout(tensors: list[_TensorInfo], alignment: int, data_start: int, f
         if t.offset % alignment:
             faults["misaligned"].append(t.name)
     # A PrismML tensor's size is unknown: only its start is checked. Legacy Q2_0 has its own reason.
-    sized = sorted((t.offset, _tensor_nbytes(t) or 0, i) for i, t in enumerate(tensors) if i not in legacy_q2)
+    sized = sorted(
+        (t.offset, _tensor_nbytes(t) or 0, i) for i, t in enumerate(tensors) if i not in legacy_q2
+    )
     if file_size is not None:
         for offset, nbytes, i in sized:
             if data_start + offset + nbytes > file_size:
@@ -449,9 +500,16 @@ def _legacy_q2_0(tensors: list[_TensorInfo], data_start: int, file_size: int | N
     return short
 
 
-def _reasons(kv: dict[str, Any], tensors: list[_TensorInfo], alignment: int, data_start: int,
-             file_size: int | None, filename: str, engine: str,
-             faults: dict[str, list[str]]) -> tuple[list[str], int | None]:
+def _reasons(
+    kv: dict[str, Any],
+    tensors: list[_TensorInfo],
+    alignment: int,
+    data_start: int,
+    file_size: int | None,
+    filename: str,
+    engine: str,
+    faults: dict[str, list[str]],
+) -> tuple[list[str], int | None]:
     reasons: list[str] = []
     per_token = kv_f16_bytes_per_token(kv)
     if per_token is not None and not I128_MIN <= per_token <= I128_MAX:
@@ -474,7 +532,9 @@ def _reasons(kv: dict[str, Any], tensors: list[_TensorInfo], alignment: int, dat
             "use *-Q2_0_g64.gguf or *-PQ2_0.gguf"
         )
     if engine != "prism":
-        label = " ".join(str(v) for v in (kv.get("general.name"), kv.get("general.basename"), filename) if v)
+        label = " ".join(
+            str(v) for v in (kv.get("general.name"), kv.get("general.basename"), filename) if v
+        )
         if BONSAI_LABEL.search(label):
             reasons.append(BONSAI_ON_MAINLINE)
     if alignment & (alignment - 1):
@@ -482,7 +542,11 @@ def _reasons(kv: dict[str, Any], tensors: list[_TensorInfo], alignment: int, dat
     _check_layout(tensors, alignment, data_start, file_size, legacy, faults)
     for kind, what in TENSOR_FAULTS.items():
         if faults[kind]:
-            detail = f" (file {file_size} bytes, data from offset {data_start})" if kind == "past end" else ""
+            detail = (
+                f" (file {file_size} bytes, data from offset {data_start})"
+                if kind == "past end"
+                else ""
+            )
             if kind == "misaligned":
                 detail = f" ({alignment})"
             reasons.append(f"{len(faults[kind])} {what}{detail}: {_names(faults[kind])}")
@@ -496,8 +560,12 @@ def _type_counts(tensors: list[_TensorInfo]) -> dict[str, int]:
     return {type_name(tid): counts[tid] for tid in sorted(counts)}
 
 
-def guard_bytes(prefix: bytes | bytearray | memoryview, file_size: int | None, filename: str,
-                engine: str = "mainline") -> GuardResult:
+def guard_bytes(
+    prefix: bytes | bytearray | memoryview,
+    file_size: int | None,
+    filename: str,
+    engine: str = "mainline",
+) -> GuardResult:
     """Judge a GGUF header from the first bytes of a file.
 
     A read past the prefix gives need_more with the offset it needs; counts and lengths beyond
@@ -513,7 +581,9 @@ def guard_bytes(prefix: bytes | bytearray | memoryview, file_size: int | None, f
         return GuardResult("need_more", engine=engine, bytes_needed=more.end, file_size=file_size)
     except _Refuse as refused:
         return GuardResult("refuse", (refused.reason,), engine=engine, file_size=file_size)
-    reasons, per_token = _reasons(kv, tensors, alignment, data_start, file_size, filename, engine, faults)
+    reasons, per_token = _reasons(
+        kv, tensors, alignment, data_start, file_size, filename, engine, faults
+    )
     arch, name = kv.get("general.architecture"), kv.get("general.name")
     return GuardResult(
         verdict="refuse" if reasons else "play",

@@ -21,7 +21,8 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, inlineCallbacks
@@ -38,7 +39,9 @@ DEFAULT_CTX = 4096
 EXIT_REFUSED = 2
 
 
-NOT_SUPPORTED_PROPS = "This server does not support changing global properties. Start it with `--props`"
+NOT_SUPPORTED_PROPS = (
+    "This server does not support changing global properties. Start it with `--props`"
+)
 NOT_SUPPORTED_SLOTS_LIST = "This server does not support slots endpoint. Start it with `--slots`"
 
 
@@ -51,7 +54,9 @@ class LlamaRoute(Resource):
     routes but refuses as started here: ``POST /props`` (no ``--props``) and ``GET /slots`` (no
     ``--slots``: bankml has no slot monitor), each ``(status, message, type)``."""
 
-    def __init__(self, endpoint: Resource, refusals: Mapping[str, tuple[int, str, str]] | None = None) -> None:
+    def __init__(
+        self, endpoint: Resource, refusals: Mapping[str, tuple[int, str, str]] | None = None
+    ) -> None:
         super().__init__()
         self.endpoint = endpoint
         self.refusals = dict(refusals or {})
@@ -69,7 +74,11 @@ class LlamaRoute(Resource):
         method = request.method.decode("latin-1")
         if method in self.refusals:
             status, message, kind = self.refusals[method]
-            write_json(request, status, dumps({"error": {"code": status, "message": message, "type": kind}}))
+            write_json(
+                request,
+                status,
+                dumps({"error": {"code": status, "message": message, "type": kind}}),
+            )
             return NOT_DONE_YET
         if (self.isLeaf and request.postpath) or not self._answers(method):
             not_found(request)
@@ -79,17 +88,27 @@ class LlamaRoute(Resource):
     def _answers(self, method: str) -> bool:
         if hasattr(self.endpoint, f"render_{method}"):
             return True
-        return method == "HEAD" and hasattr(self.endpoint, "render_GET")  # httplib answers HEAD as GET
+        return method == "HEAD" and hasattr(
+            self.endpoint, "render_GET"
+        )  # httplib answers HEAD as GET
 
 
 def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> None:
     """llama-server's endpoints and the OpenAI ones, on one tree, under llama-server's paths
     (its aliases included: /v1/health, /completions, /chat/completions, /models)."""
     from bankml.resources import llama
-    from bankml.resources.openai import CHAT, LLAMA_COMPLETION, OAI_COMPLETION, ModelsResource, NativeChat
+    from bankml.resources.openai import (
+        CHAT,
+        LLAMA_COMPLETION,
+        OAI_COMPLETION,
+        ModelsResource,
+        NativeChat,
+    )
     from bankml.resources.p0 import Branch
 
-    def put(parent: Resource, name: bytes, endpoint: Resource, **refusals: tuple[int, str, str]) -> None:
+    def put(
+        parent: Resource, name: bytes, endpoint: Resource, **refusals: tuple[int, str, str]
+    ) -> None:
         parent.putChild(name, LlamaRoute(endpoint, refusals))
 
     v1 = Branch()
@@ -113,8 +132,13 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
         put(parent, b"completions", NativeChat(native, CHAT))
     if slots:
         # POST /slots/{id} only: /slots itself is llama-server's slot monitor (GET), not here
-        put(root, b"slots", llama.Slots(native), GET=(501, NOT_SUPPORTED_SLOTS_LIST, "not_supported_error"),
-            POST=(404, "File Not Found", "not_found_error"))
+        put(
+            root,
+            b"slots",
+            llama.Slots(native),
+            GET=(501, NOT_SUPPORTED_SLOTS_LIST, "not_supported_error"),
+            POST=(404, "File Not Found", "not_found_error"),
+        )
 
 
 def build_native_roots(native: NativeEngine, sampler: Any = None) -> tuple[Resource, Resource]:
@@ -126,7 +150,9 @@ def build_native_roots(native: NativeEngine, sampler: Any = None) -> tuple[Resou
     if sampler is None:
         from bankml.usage import UsageSampler
 
-        sampler = UsageSampler(native.reactor or _reactor(), lambda: [("bankml serve", os.getpid())])
+        sampler = UsageSampler(
+            native.reactor or _reactor(), lambda: [("bankml serve", os.getpid())]
+        )
     listen_root = Branch()
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))  # type: ignore[arg-type]
     _put_llama_endpoints(listen_root, native, slots=False)
@@ -145,13 +171,17 @@ def open_engine(verified: Any, options: Mapping[str, Any]) -> Any:
     """Open the engine on the verified path and run each kernel once (blocking)."""
     from bankml.engine_cupy.engine import Engine
 
-    engine = Engine.open(verified.path, n_ctx=int(options.get("ctx") or DEFAULT_CTX),
-                         device=options.get("device") or "auto", cache_type=options.get("cache_type"))
+    engine = Engine.open(
+        verified.path,
+        n_ctx=int(options.get("ctx") or DEFAULT_CTX),
+        device=options.get("device") or "auto",
+        cache_type=options.get("cache_type"),
+    )
     engine.model.warm_up()  # compile or load the kernels now, not on the first request
     return engine
 
 
-def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> "Deferred[NativeEngine]":
+def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> Deferred[NativeEngine]:
     """The engine opened on the bridge's own engine thread, then wrapped for serving.
 
     Loading there, not on a pool thread, matters for speed: the thread that first runs the
@@ -163,8 +193,15 @@ def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> "Def
 
     def wrap(engine: Any) -> NativeEngine:
         device = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
-        return NativeEngine(engine, bridge, verified, slot_dir=options.get("slot-dir") or options.get("slot_dir"),
-                            n_ctx=engine.n_ctx, device=device, reactor=reactor)
+        return NativeEngine(
+            engine,
+            bridge,
+            verified,
+            slot_dir=options.get("slot-dir") or options.get("slot_dir"),
+            n_ctx=engine.n_ctx,
+            device=device,
+            reactor=reactor,
+        )
 
     def failed(reason: Any) -> Any:
         bridge.stop()
@@ -208,16 +245,25 @@ class NativeService(service.MultiService):
             return
         listen_root, engine_root = build_native_roots(self.native)
         try:
-            for address, root in ((self.options.get("listen") or DEFAULT_LISTEN, listen_root),
-                                  (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root)):
+            for address, root in (
+                (self.options.get("listen") or DEFAULT_LISTEN, listen_root),
+                (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root),
+            ):
                 self.ports.append(listen_loopback(LoopbackSite(root), address, self.reactor))
         except Exception as err:
             self._fatal(f"cannot listen: {err}")
             return
         v = self.verified
-        _log.info("bankml native serving {path} (sha256 {sha}) on {listen}, engine address {up}, "
-                  "{device}, n_ctx {ctx}", path=v.path, sha=v.sha256, listen=self.options.get("listen"),
-                  up=self.options.get("upstream"), device=self.native.device, ctx=self.native.n_ctx)
+        _log.info(
+            "bankml native serving {path} (sha256 {sha}) on {listen}, engine address {up}, "
+            "{device}, n_ctx {ctx}",
+            path=v.path,
+            sha=v.sha256,
+            listen=self.options.get("listen"),
+            up=self.options.get("upstream"),
+            device=self.native.device,
+            ctx=self.native.n_ctx,
+        )
 
     def _fatal(self, reason: str, code: int = EXIT_REFUSED) -> None:
         _log.error("refuse: {reason}", reason=reason)
@@ -248,6 +294,10 @@ def make_native_service(options: Mapping[str, Any]) -> service.IService:
     from bankml.tap import verify_or_exit
 
     verified = verify_or_exit(options)  # type: ignore[arg-type]
-    _log.info("verified {path}: sha256 {sha} pinned in {fork}", path=verified.path,
-              sha=verified.sha256, fork=verified.fork_path)
+    _log.info(
+        "verified {path}: sha256 {sha} pinned in {fork}",
+        path=verified.path,
+        sha=verified.sha256,
+        fork=verified.fork_path,
+    )
     return NativeService(options, verified)

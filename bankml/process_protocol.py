@@ -28,7 +28,8 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from twisted.application import service
 from twisted.internet import error, protocol, task
@@ -65,11 +66,36 @@ class EngineFailed(Exception):
     """llama-server could not be brought up (the message says why)."""
 
 
-def llama_server_args(binary: str, verified_path: str, host: str, port: int, threads: int,
-                      ctx: int, slot_dir: str | None = None, spec_ngram: bool = False) -> list[str]:
+def llama_server_args(
+    binary: str,
+    verified_path: str,
+    host: str,
+    port: int,
+    threads: int,
+    ctx: int,
+    slot_dir: str | None = None,
+    spec_ngram: bool = False,
+) -> list[str]:
     """serve.md's command line (all of it accepted by the pinned build 11434, checked with --help)."""
-    args = [binary, "-m", verified_path, "--host", host, "--port", str(port), "-t", str(threads),
-            "-c", str(ctx), "-np", "1", "--jinja", "--reasoning", "off", "--no-webui"]
+    args = [
+        binary,
+        "-m",
+        verified_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-c",
+        str(ctx),
+        "-np",
+        "1",
+        "--jinja",
+        "--reasoning",
+        "off",
+        "--no-webui",
+    ]
     if spec_ngram:
         args += ["--spec-type", "ngram-simple"]
     if slot_dir:
@@ -81,13 +107,21 @@ def with_deathsig(args: list[str]) -> tuple[str, list[str]]:
     """(executable, argv) that run `args` with PR_SET_DEATHSIG set, on Linux; else unchanged."""
     if not sys.platform.startswith("linux"):
         return args[0], args
-    return sys.executable, [sys.executable, "-I", "-S", "-c", DEATHSIG_SHIM, str(os.getpid()), *args]
+    return sys.executable, [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        DEATHSIG_SHIM,
+        str(os.getpid()),
+        *args,
+    ]
 
 
 class _EngineProtocol(protocol.ProcessProtocol):
     """Logs the engine's output by line and reports its end to the supervisor."""
 
-    def __init__(self, on_end: Callable[["_EngineProtocol", Failure], None]) -> None:
+    def __init__(self, on_end: Callable[[_EngineProtocol, Failure], None]) -> None:
         self.on_end = on_end
         self.partial = {1: b"", 2: b""}
         self.ended: Deferred[None] = Deferred()
@@ -100,7 +134,7 @@ class _EngineProtocol(protocol.ProcessProtocol):
         self.partial[fd] = rest[-MAX_LOG_LINE:]
 
     def processEnded(self, reason: Failure) -> None:
-        for fd, rest in self.partial.items():
+        for rest in self.partial.values():
             if rest:
                 _engine_log.info("{line}", line=rest.decode("utf-8", "replace"))
         self.on_end(self, reason)
@@ -121,10 +155,18 @@ class EngineProcess(service.Service):
 
     name = "engine"
 
-    def __init__(self, gateway: Gateway, binary: str, *, threads: int, ctx: int,
-                 slot_dir: str | None = None, spec_ngram: bool = False,
-                 health_timeout: float = HEALTH_TIMEOUT_S,
-                 reverify: Callable[[str, str], Verified] = verify) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        binary: str,
+        *,
+        threads: int,
+        ctx: int,
+        slot_dir: str | None = None,
+        spec_ngram: bool = False,
+        health_timeout: float = HEALTH_TIMEOUT_S,
+        reverify: Callable[[str, str], Verified] = verify,
+    ) -> None:
         self.gateway = gateway
         self.binary = binary
         self.threads, self.ctx = threads, ctx
@@ -145,15 +187,25 @@ class EngineProcess(service.Service):
 
     def command(self) -> list[str]:
         host, port = self.gateway.upstream
-        return llama_server_args(self.binary, self.gateway.verified.path, host, port,
-                                 self.threads, self.ctx, self.slot_dir, self.spec_ngram)
+        return llama_server_args(
+            self.binary,
+            self.gateway.verified.path,
+            host,
+            port,
+            self.threads,
+            self.ctx,
+            self.slot_dir,
+            self.spec_ngram,
+        )
 
     @inlineCallbacks
     def start(self) -> Any:
         """Bring llama-server up; EngineFailed when it cannot be (the first start is fatal)."""
         if (yield self._answers_health()):
-            raise EngineFailed(f"something already answers on {self.gateway.upstream_text}: "
-                               "refusing to spawn a second engine there")
+            raise EngineFailed(
+                f"something already answers on {self.gateway.upstream_text}: "
+                "refusing to spawn a second engine there"
+            )
         self._spawn()
         yield self._wait_healthy()
         props = yield self.gateway.fetch_props()
@@ -178,7 +230,9 @@ class EngineProcess(service.Service):
         self.starts += 1
         self.proto = _EngineProtocol(self._ended)
         self.transport = self.reactor.spawnProcess(self.proto, executable, argv, env=os.environ)
-        self.pid = self.transport.pid  # kept: Twisted clears transport.pid once the process is reaped
+        self.pid = (
+            self.transport.pid
+        )  # kept: Twisted clears transport.pid once the process is reaped
         self.gateway.set_state(gw.STARTING, "launched: " + " ".join(args), self.pid)
 
     @inlineCallbacks
@@ -188,8 +242,9 @@ class EngineProcess(service.Service):
         deadline = self.reactor.seconds() + self.health_timeout
         while True:
             if proto is None or proto.ended.called or self.stopping:
-                raise EngineFailed(f"llama-server exited before it was healthy "
-                                   f"({self.gateway.state_reason})")
+                raise EngineFailed(
+                    f"llama-server exited before it was healthy ({self.gateway.state_reason})"
+                )
             try:
                 response = yield self.gateway.request(b"GET", "/health", timeout=5)
                 yield gw.bounded_collect(response, 1024 * 1024)
@@ -199,7 +254,9 @@ class EngineProcess(service.Service):
                 pass  # not listening yet
             if self.reactor.seconds() > deadline:
                 self._signal(signal.SIGKILL)
-                raise EngineFailed(f"llama-server was not healthy within {self.health_timeout:.0f} s")
+                raise EngineFailed(
+                    f"llama-server was not healthy within {self.health_timeout:.0f} s"
+                )
             yield task.deferLater(self.reactor, HEALTH_POLL_S, lambda: None)
 
     # --- supervising -------------------------------------------------------------------------
@@ -218,11 +275,16 @@ class EngineProcess(service.Service):
             self._schedule_restart()
 
     def _schedule_restart(self) -> None:
-        if self.ready_at is not None and time.monotonic() - self.ready_at >= HEALTHY_RESETS_BACKOFF_S:
+        if (
+            self.ready_at is not None
+            and time.monotonic() - self.ready_at >= HEALTHY_RESETS_BACKOFF_S
+        ):
             self.backoff = BACKOFF_FIRST_S
         delay, self.backoff = self.backoff, min(self.backoff * 2, BACKOFF_MAX_S)
         self.gateway.retry_after_s = max(1, round(delay))
-        _log.warn("restarting llama-server in {delay:.0f} s after verifying the file again", delay=delay)
+        _log.warn(
+            "restarting llama-server in {delay:.0f} s after verifying the file again", delay=delay
+        )
         self.restart_call = self.reactor.callLater(delay, self._restart)
 
     @inlineCallbacks
@@ -237,8 +299,11 @@ class EngineProcess(service.Service):
             self.gateway.set_state(gw.REFUSED, f"the file no longer verifies: {err.reason}")
             return
         if again.sha256 != v.sha256 or again.path != v.path:
-            self.gateway.set_state(gw.REFUSED, f"the file verifies as {again.sha256} at {again.path}, "
-                                               f"not {v.sha256} at {v.path}: not restarting")
+            self.gateway.set_state(
+                gw.REFUSED,
+                f"the file verifies as {again.sha256} at {again.path}, "
+                f"not {v.sha256} at {v.path}: not restarting",
+            )
             return
         self.gateway.verified = again  # the same pinned bytes, hashed again just now
         _log.info("verified again: {path} sha256 {sha}", path=again.path, sha=again.sha256)
@@ -265,11 +330,11 @@ class EngineProcess(service.Service):
     def _kill_quietly(self) -> None:
         self._signal(signal.SIGKILL)
 
-    def stopService(self) -> "Deferred[None] | None":
+    def stopService(self) -> Deferred[None] | None:
         super().stopService()
         return self.stop()
 
-    def stop(self, grace: float = STOP_GRACE_S) -> "Deferred[None]":
+    def stop(self, grace: float = STOP_GRACE_S) -> Deferred[None]:
         """SIGTERM, then SIGKILL after `grace` seconds; fires when llama-server is gone."""
         self.stopping = True
         if self.restart_call is not None and self.restart_call.active():
@@ -282,7 +347,9 @@ class EngineProcess(service.Service):
         self._signal(signal.SIGTERM)
 
         def kill() -> None:
-            _log.warn("llama-server (pid {pid}) still running after {g:.0f} s: SIGKILL", pid=pid, g=grace)
+            _log.warn(
+                "llama-server (pid {pid}) still running after {g:.0f} s: SIGKILL", pid=pid, g=grace
+            )
             self._signal(signal.SIGKILL)
 
         killer = self.reactor.callLater(grace, kill)

@@ -24,7 +24,8 @@ connection at once, even while llama-server is still silent (prompt processing).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.internet.error import ConnectError, ConnectionClosed
@@ -32,9 +33,9 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
+from twisted.web.error import UnsupportedMethod
 from twisted.web.http import PotentialDataLoss
 from twisted.web.resource import Resource
-from twisted.web.error import UnsupportedMethod
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml import gateway as gw
@@ -45,8 +46,14 @@ _log = Logger(namespace="bankml.proxy")
 
 JSON = b"application/json; charset=utf-8"
 FORWARDED_REQUEST_HEADERS = (b"content-type", b"authorization", b"accept")
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               500: "server_error", 502: "server_error", 503: "unavailable_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "server_error",
+    502: "server_error",
+    503: "unavailable_error",
+}
 
 
 # --- small answers -------------------------------------------------------------------------------
@@ -54,12 +61,20 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inval
 
 def error_body(status: int, message: str) -> bytes:
     """llama-server's error shape: {"error": {"code", "message", "type"}}."""
-    return json.dumps({"error": {"code": status, "message": message,
-                                 "type": ERROR_TYPES.get(status, "server_error")}}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "code": status,
+                "message": message,
+                "type": ERROR_TYPES.get(status, "server_error"),
+            }
+        }
+    ).encode()
 
 
-def write_json(request: Request, status: int, body: bytes,
-               extra: dict[bytes, bytes] | None = None) -> None:
+def write_json(
+    request: Request, status: int, body: bytes, extra: dict[bytes, bytes] | None = None
+) -> None:
     """One whole JSON answer, with its Content-Length (so no chunked encoding)."""
     if request.finished or getattr(request, "_disconnected", False):
         return
@@ -72,7 +87,9 @@ def write_json(request: Request, status: int, body: bytes,
     request.finish()
 
 
-def write_error(request: Request, status: int, message: str, retry_after: int | None = None) -> None:
+def write_error(
+    request: Request, status: int, message: str, retry_after: int | None = None
+) -> None:
     extra = {b"retry-after": str(retry_after).encode()} if retry_after is not None else None
     write_json(request, status, error_body(status, message), extra)
 
@@ -146,7 +163,7 @@ class _BodyReader(Protocol):
             self.done.errback(reason)
 
 
-def read_bounded(response: Any, limit: int | None = None) -> tuple[_BodyReader, "Deferred[bytes]"]:
+def read_bounded(response: Any, limit: int | None = None) -> tuple[_BodyReader, Deferred[bytes]]:
     """The reader (to abort it) and the Deferred of the whole body, refused past `limit`
     (default gateway.MAX_UPSTREAM_BYTES, read at call time)."""
     limit = gw.MAX_UPSTREAM_BYTES if limit is None else limit
@@ -177,9 +194,16 @@ class JsonResource(Resource):
             return super().render(request)
         except UnsupportedMethod as err:
             allowed = b", ".join(err.allowedMethods)
-            write_json(request, 405, error_body(405, f"method {request.method.decode('latin-1')} "
-                                                     f"not allowed; use {allowed.decode()}"),
-                       {b"allow": allowed})
+            write_json(
+                request,
+                405,
+                error_body(
+                    405,
+                    f"method {request.method.decode('latin-1')} "
+                    f"not allowed; use {allowed.decode()}",
+                ),
+                {b"allow": allowed},
+            )
             return NOT_DONE_YET
 
 
@@ -217,7 +241,9 @@ class ProxyGet(JsonResource):
             body = yield body_d
         except Exception:
             status, message = upstream_failure_message(Failure())
-            write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
+            write_error(
+                request, status, message, self.gateway.retry_after_s if status == 503 else None
+            )
             return
         if request.finished or getattr(request, "_disconnected", False):
             return
@@ -304,15 +330,18 @@ class ChatProxy(JsonResource):
             problem = yield self.gateway.check_engine_path()
         except Exception:
             status, message = upstream_failure_message(Failure())
-            write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
+            write_error(
+                request, status, message, self.gateway.retry_after_s if status == 503 else None
+            )
             return
         if gone[0]:
             return
         if problem is not None:
             write_error(request, 503, problem)
             return
-        pending = self.gateway.request(b"POST", "/v1/chat/completions", body=body,
-                                       headers=forwarded_headers(request))
+        pending = self.gateway.request(
+            b"POST", "/v1/chat/completions", body=body, headers=forwarded_headers(request)
+        )
         request.notifyFinish().addErrback(lambda _: pending.cancel())
         try:
             response = yield pending
@@ -320,7 +349,9 @@ class ChatProxy(JsonResource):
             return
         except Exception:
             status, message = upstream_failure_message(Failure())
-            write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
+            write_error(
+                request, status, message, self.gateway.retry_after_s if status == 503 else None
+            )
             return
         if response.code == 200 and wants_stream(body):
             yield self._stream(request, response, tally)
@@ -335,7 +366,9 @@ class ChatProxy(JsonResource):
             raw = yield body_d
         except Exception:
             status, message = upstream_failure_message(Failure())
-            write_error(request, status, message, self.gateway.retry_after_s if status == 503 else None)
+            write_error(
+                request, status, message, self.gateway.retry_after_s if status == 503 else None
+            )
             return
         content_type = (response.headers.getRawHeaders(b"content-type") or [JSON])[-1]
         if response.code != 200:
@@ -359,10 +392,13 @@ class ChatProxy(JsonResource):
         if problem is not None:
             write_error(request, 503, problem)
             return
-        answer["bankml_receipt"] = receipt(tally, engine=self.gateway.engine_name,
-                                           model_sha256=self.gateway.verified.sha256,
-                                           guard=self.gateway.verified.guard.verdict,
-                                           ttft_measured=False)
+        answer["bankml_receipt"] = receipt(
+            tally,
+            engine=self.gateway.engine_name,
+            model_sha256=self.gateway.verified.sha256,
+            guard=self.gateway.verified.guard.verdict,
+            ttft_measured=False,
+        )
         write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
 
     @staticmethod
@@ -375,7 +411,7 @@ class ChatProxy(JsonResource):
         request.write(raw)
         request.finish()
 
-    def _stream(self, request: Request, response: Any, tally: Tally) -> "Deferred[None]":
+    def _stream(self, request: Request, response: Any, tally: Tally) -> Deferred[None]:
         relay = SSERelay(self.gateway, request, tally)
         reader = _BodyReader(relay.feed)
         response.deliverBody(reader)
@@ -410,7 +446,7 @@ class SSERelay:
             end = self.buffer.find(b"\n", start)
             if end < 0:
                 break
-            self._line(bytes(self.buffer[start:end + 1]))
+            self._line(bytes(self.buffer[start : end + 1]))
             start = end + 1
         del self.buffer[:start]
         if len(self.buffer) + self.event_size > gw.MAX_UPSTREAM_BYTES:
@@ -457,9 +493,12 @@ class SSERelay:
             self._error_event(problem)
             return
         if not self.errored:
-            r = receipt(self.tally, engine=self.gateway.engine_name,
-                        model_sha256=self.gateway.verified.sha256,
-                        guard=self.gateway.verified.guard.verdict)
+            r = receipt(
+                self.tally,
+                engine=self.gateway.engine_name,
+                model_sha256=self.gateway.verified.sha256,
+                guard=self.gateway.verified.guard.verdict,
+            )
             self._write(b"data: " + json.dumps({"bankml_receipt": r}).encode() + b"\n\n")
         self._write(done_event)
         self.done = True
@@ -469,8 +508,13 @@ class SSERelay:
             self.request.write(data)
 
     def _error_event(self, message: str) -> None:
-        self._write(b"data: " + json.dumps({"error": {"code": 502, "message": message,
-                                                       "type": "server_error"}}).encode() + b"\n\n")
+        self._write(
+            b"data: "
+            + json.dumps(
+                {"error": {"code": 502, "message": message, "type": "server_error"}}
+            ).encode()
+            + b"\n\n"
+        )
         self.errored = True
 
     def upstream_ended(self, failure: Failure | None) -> None:
@@ -480,7 +524,11 @@ class SSERelay:
         self.ended = True
         if self.request.finished or getattr(self.request, "_disconnected", False):
             return
-        if failure is not None and failure.check(UpstreamTooLarge) and not self.request.startedWriting:
+        if (
+            failure is not None
+            and failure.check(UpstreamTooLarge)
+            and not self.request.startedWriting
+        ):
             write_error(self.request, 502, str(failure.value))
             return
         if not self.done:

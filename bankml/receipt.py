@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from bankml import __version__
 
@@ -92,8 +93,9 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def receipt(tally: Tally, *, engine: str, model_sha256: str, guard: str = "play",
-            ttft_measured: bool = True) -> dict[str, Any]:
+def receipt(
+    tally: Tally, *, engine: str, model_sha256: str, guard: str = "play", ttft_measured: bool = True
+) -> dict[str, Any]:
     """serve.md's receipt for a finished tally. `ttft_measured=False` (a non-streamed P0 answer,
     where the gateway sees the whole text at once) gives ``ttft_ms: null``."""
     tally.finish()

@@ -239,7 +239,9 @@ class LoopbackChannel(http.HTTPChannel):
         self.setTimeout(None)  # the drain has its own clock
         self.setRawMode()  # whatever follows in this read is body, not headers
         self._networkProducer.resumeProducing()  # keep reading: the drain needs the body
-        _log.debug("refused {status} to {peer}: {text}", status=status, peer=self._peer(), text=text)
+        _log.debug(
+            "refused {status} to {peer}: {text}", status=status, peer=self._peer(), text=text
+        )
         self.write(plain_response(status, text))
         limit = self.site.drain_max_bytes
         self._drainLeft = limit if body_bytes is None else min(body_bytes, limit)
@@ -329,7 +331,9 @@ class LoopbackChannel(http.HTTPChannel):
     def _startWriteClock(self) -> None:
         if self._writeCall is None and self.transport is not None:
             self._sentAtClockStart = self._bytesSent()
-            self._writeCall = self.site.reactor.callLater(self.site.write_timeout, self._writeTimedOut)
+            self._writeCall = self.site.reactor.callLater(
+                self.site.write_timeout, self._writeTimedOut
+            )
 
     def _writeTimedOut(self) -> None:
         self._writeCall = None
@@ -483,13 +487,17 @@ def parse_listen(address: str) -> tuple[str, int]:
     """
     host, sep, port_text = address.strip().rpartition(":")
     if not sep or not host:
-        raise NotLoopbackError(f"listen address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:18093")
+        raise NotLoopbackError(
+            f"listen address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:18093"
+        )
     if not port_text.isdigit() or int(port_text) > 65535:
         raise NotLoopbackError(f"listen address {address!r}: the port must be 0 to 65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     elif ":" in host:
-        raise NotLoopbackError(f"listen address {address!r}: write an IPv6 address in brackets, [::1]:PORT")
+        raise NotLoopbackError(
+            f"listen address {address!r}: write an IPv6 address in brackets, [::1]:PORT"
+        )
     host = LOOPBACK_NAMES.get(host.lower(), host)
     if not _is_loopback_ip(host):
         raise NotLoopbackError(

@@ -51,26 +51,43 @@ EXIT_REFUSED = 2
 
 
 class Options(usage.Options):
-    synopsis = ("FILE --fork FORK.json (--spawn BIN | --upstream HOST:PORT) [--listen ADDR] "
-                "[--threads N] [--ctx N] [--slot-dir D] [--spec-ngram]")
-    longdesc = ("Serve a verified GGUF model on loopback in front of llama-server, with a receipt "
-                "on every chat answer. Nothing listens until FILE passes verify.")
+    synopsis = (
+        "FILE --fork FORK.json (--spawn BIN | --upstream HOST:PORT) [--listen ADDR] "
+        "[--threads N] [--ctx N] [--slot-dir D] [--spec-ngram]"
+    )
+    longdesc = (
+        "Serve a verified GGUF model on loopback in front of llama-server, with a receipt "
+        "on every chat answer. Nothing listens until FILE passes verify."
+    )
 
     optParameters = [
         ["fork", None, None, "FORK.json holding FILE's sha256 pin (required)"],
         ["spawn", None, None, "launch and supervise this llama-server binary on the verified file"],
-        ["upstream", None, DEFAULT_UPSTREAM,
-         "llama-server's address: where --spawn starts it, or the running one to check"],
+        [
+            "upstream",
+            None,
+            DEFAULT_UPSTREAM,
+            "llama-server's address: where --spawn starts it, or the running one to check",
+        ],
         ["listen", None, DEFAULT_LISTEN, "loopback address bankml answers on"],
         ["threads", None, 3, "llama-server threads (-t) with --spawn", int],
         ["ctx", None, 4096, "llama-server context size (-c) with --spawn", int],
         ["slot-dir", None, None, "with --spawn: llama-server's --slot-save-path (a directory)"],
-        ["device", None, None, "with --native: the engine's device (cpu, cuda, rocm; default auto)"],
+        [
+            "device",
+            None,
+            None,
+            "with --native: the engine's device (cpu, cuda, rocm; default auto)",
+        ],
     ]
     optFlags = [
         ["spec-ngram", None, "with --spawn: llama-server --spec-type ngram-simple"],
-        ["native", None, "answer with bankml's own engine (bankml/native_service.py), also on the "
-                         "--upstream address"],
+        [
+            "native",
+            None,
+            "answer with bankml's own engine (bankml/native_service.py), also on the "
+            "--upstream address",
+        ],
     ]
 
     def parseOptions(self, options: list[str] | None = None) -> None:
@@ -80,9 +97,11 @@ class Options(usage.Options):
         try:
             opts, positional = getopt.gnu_getopt(args, self.shortOpt, self.longOpt)
         except getopt.GetoptError as err:
-            raise usage.UsageError(str(err))
+            raise usage.UsageError(str(err)) from None
         takes_value = {"--" + name[:-1] for name in self.longOpt if name.endswith("=")}
-        takes_value |= {"-" + c for c, nxt in zip(self.shortOpt, self.shortOpt[1:] + " ") if nxt == ":"}
+        takes_value |= {
+            "-" + c for c, nxt in zip(self.shortOpt, self.shortOpt[1:] + " ") if nxt == ":"
+        }
         ordered: list[str] = []
         for flag, value in opts:
             ordered += [flag, value] if flag in takes_value else [flag]
@@ -97,15 +116,17 @@ class Options(usage.Options):
         if self["device"] and not self["native"]:
             raise usage.UsageError("--device chooses the native engine's device: it needs --native")
         if self["native"] and (self["spawn"] or self["spec-ngram"]):
-            raise usage.UsageError("--native answers with bankml's own engine: "
-                                   "--spawn and --spec-ngram are for llama-server")
+            raise usage.UsageError(
+                "--native answers with bankml's own engine: "
+                "--spawn and --spec-ngram are for llama-server"
+            )
         from bankml.site import NotLoopbackError, parse_listen
 
         try:
             parse_listen(self["listen"])
             self["upstream_addr"] = gw.parse_upstream(self["upstream"])
         except (NotLoopbackError, ValueError) as err:
-            raise usage.UsageError(str(err))
+            raise usage.UsageError(str(err)) from None
         if self["threads"] < 1 or self["ctx"] < 1:
             raise usage.UsageError("--threads and --ctx must be positive")
         spawn = self["spawn"]
@@ -114,12 +135,14 @@ class Options(usage.Options):
         if self["slot-dir"] and not os.path.isdir(self["slot-dir"]):
             raise usage.UsageError(f"--slot-dir {self['slot-dir']}: not a directory")
         if not (spawn or self["native"]) and (self["slot-dir"] or self["spec-ngram"]):
-            raise usage.UsageError("--slot-dir and --spec-ngram are llama-server arguments: "
-                                   "they need --spawn (--slot-dir also works with --native)")
+            raise usage.UsageError(
+                "--slot-dir and --spec-ngram are llama-server arguments: "
+                "they need --spawn (--slot-dir also works with --native)"
+            )
         self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
 
 
-def refuse(reason: str, code: int = EXIT_REFUSED) -> "SystemExit":
+def refuse(reason: str, code: int = EXIT_REFUSED) -> SystemExit:
     print(f"refuse: {reason}", file=sys.stderr, flush=True)
     return SystemExit(code)
 
@@ -131,7 +154,7 @@ def verify_or_exit(options: Options) -> Any:
     try:
         return verify(options["file"], options["fork"])
     except Refused as err:
-        raise refuse(err.reason, err.exit_code)
+        raise refuse(err.reason, err.exit_code) from None
 
 
 def stop_on_sighup(reactor: Any) -> None:
@@ -194,9 +217,15 @@ class BankmlService(service.MultiService):
             self._fatal(f"cannot listen on {self.options['listen']}: {err}")
             return
         v = self.gateway.verified
-        _log.info("bankml {ver} serving {path} (sha256 {sha}) on {listen}, engine {up} ({mode})",
-                  ver=__version__, path=v.path, sha=v.sha256, listen=self.options["listen"],
-                  up=self.gateway.upstream_text, mode=self.gateway.mode)
+        _log.info(
+            "bankml {ver} serving {path} (sha256 {sha}) on {listen}, engine {up} ({mode})",
+            ver=__version__,
+            path=v.path,
+            sha=v.sha256,
+            listen=self.options["listen"],
+            up=self.gateway.upstream_text,
+            mode=self.gateway.mode,
+        )
 
     @inlineCallbacks
     def _check_upstream(self) -> Any:
@@ -216,8 +245,10 @@ class BankmlService(service.MultiService):
             except Exception as err:
                 last = str(err) or err.__class__.__name__
             if self.reactor.seconds() > deadline:
-                raise EngineFailed(f"upstream {g.upstream_text} not healthy within "
-                                   f"{UPSTREAM_WAIT_S:.0f} s ({last})")
+                raise EngineFailed(
+                    f"upstream {g.upstream_text} not healthy within "
+                    f"{UPSTREAM_WAIT_S:.0f} s ({last})"
+                )
             yield task.deferLater(self.reactor, 0.1, lambda: None)
         props = yield g.fetch_props()
         problem = g.engine_path_problem(props)
@@ -266,15 +297,29 @@ def makeService(options: Options) -> service.IService:
     from bankml.usage import EngineFinder, UsageSampler
 
     verified = verify_or_exit(options)
-    _log.info("verified {path}: sha256 {sha} pinned in {fork}", path=verified.path,
-              sha=verified.sha256, fork=verified.fork_path)
-    gateway = Gateway(verified=verified, upstream=options["upstream_addr"], mode=options["mode"],
-                      agent=make_agent(reactor), reactor=reactor)
+    _log.info(
+        "verified {path}: sha256 {sha} pinned in {fork}",
+        path=verified.path,
+        sha=verified.sha256,
+        fork=verified.fork_path,
+    )
+    gateway = Gateway(
+        verified=verified,
+        upstream=options["upstream_addr"],
+        mode=options["mode"],
+        agent=make_agent(reactor),
+        reactor=reactor,
+    )
     engine = None
     if options["mode"] == "spawn":
-        engine = EngineProcess(gateway, options["spawn"], threads=options["threads"],
-                               ctx=options["ctx"], slot_dir=options["slot-dir"],
-                               spec_ngram=bool(options["spec-ngram"]))
+        engine = EngineProcess(
+            gateway,
+            options["spawn"],
+            threads=options["threads"],
+            ctx=options["ctx"],
+            slot_dir=options["slot-dir"],
+            spec_ngram=bool(options["spec-ngram"]),
+        )
 
     sampler = UsageSampler(reactor, EngineFinder(gateway))
     site = LoopbackSite(p0_root(gateway, sampler))
@@ -284,8 +329,13 @@ def makeService(options: Options) -> service.IService:
 def serve_command(argv: list[str]) -> int:
     """`bankml serve ...`: the twistd plugin's Options and makeService, run in the foreground
     with logs on stderr, returning the exit status (128 + signal after a stop by signal)."""
-    from twisted.logger import (FilteringLogObserver, LogLevel, LogLevelFilterPredicate,
-                                globalLogBeginner, textFileLogObserver)
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        globalLogBeginner,
+        textFileLogObserver,
+    )
 
     options = Options()
     try:
@@ -293,8 +343,9 @@ def serve_command(argv: list[str]) -> int:
     except usage.UsageError as err:
         print(f"bankml serve: {err}\nusage: bankml serve {Options.synopsis}", file=sys.stderr)
         return 1
-    observer = FilteringLogObserver(textFileLogObserver(sys.stderr),
-                                    [LogLevelFilterPredicate(defaultLogLevel=LogLevel.info)])
+    observer = FilteringLogObserver(
+        textFileLogObserver(sys.stderr), [LogLevelFilterPredicate(defaultLogLevel=LogLevel.info)]
+    )
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
     try:
         svc = makeService(options)

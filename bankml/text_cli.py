@@ -15,13 +15,22 @@ def _tokenize_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bankml tokenize",
         description="Tokenize the text on stdin with a GGUF's vocabulary, as llama-server's /tokenize "
-                    "(special-token texts are parsed unless --no-parse-special).")
+        "(special-token texts are parsed unless --no-parse-special).",
+    )
     parser.add_argument("file", help="the GGUF model file")
-    parser.add_argument("--add-special", action="store_true", help="add BOS/EOS as the model's flags say")
-    parser.add_argument("--no-parse-special", action="store_true",
-                        help="treat control-token texts such as <|im_start|> as plain text")
-    parser.add_argument("--jsonl", action="store_true",
-                        help="each stdin line is a JSON string; print one {\"tokens\": [...]} line for each")
+    parser.add_argument(
+        "--add-special", action="store_true", help="add BOS/EOS as the model's flags say"
+    )
+    parser.add_argument(
+        "--no-parse-special",
+        action="store_true",
+        help="treat control-token texts such as <|im_start|> as plain text",
+    )
+    parser.add_argument(
+        "--jsonl",
+        action="store_true",
+        help='each stdin line is a JSON string; print one {"tokens": [...]} line for each',
+    )
     return parser
 
 
@@ -50,7 +59,9 @@ def tokenize_command(argv: list[str]) -> int:
     return _tokenize_lines(tokenizer, sys.stdin, sys.stdout, args.add_special, parse_special)
 
 
-def _tokenize_lines(tokenizer: Any, lines: TextIO, out: TextIO, add_special: bool, parse_special: bool) -> int:
+def _tokenize_lines(
+    tokenizer: Any, lines: TextIO, out: TextIO, add_special: bool, parse_special: bool
+) -> int:
     """One JSON string a line in, one {"tokens"} (or {"error"}) object a line out, in order."""
     status = 0
     for number, line in enumerate(lines, 1):
@@ -75,12 +86,17 @@ def _tokenize_lines(tokenizer: Any, lines: TextIO, out: TextIO, add_special: boo
 def _chat_template_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bankml chat-template",
-        description="Render a GGUF's chat template as llama-server's /apply-template does.")
+        description="Render a GGUF's chat template as llama-server's /apply-template does.",
+    )
     parser.add_argument("file", help="the GGUF model file")
     parser.add_argument("--messages", required=True, help="the messages, a JSON array")
     parser.add_argument("--tools", help="tools, a JSON array (OpenAI format)")
-    parser.add_argument("--kwargs", default="{}", help="chat_template_kwargs, a JSON object (e.g. enable_thinking)")
-    parser.add_argument("--no-generation-prompt", action="store_true", help="do not open the assistant's turn")
+    parser.add_argument(
+        "--kwargs", default="{}", help="chat_template_kwargs, a JSON object (e.g. enable_thinking)"
+    )
+    parser.add_argument(
+        "--no-generation-prompt", action="store_true", help="do not open the assistant's turn"
+    )
     return parser
 
 
@@ -99,8 +115,9 @@ def chat_template_command(argv: list[str]) -> int:
         return _fail("chat-template", "--kwargs must be a JSON object", 2)
     try:
         template = ChatTemplate.from_gguf(args.file)
-        prompt = template.render(messages, add_generation_prompt=not args.no_generation_prompt, tools=tools,
-                                 **kwargs)
+        prompt = template.render(
+            messages, add_generation_prompt=not args.no_generation_prompt, tools=tools, **kwargs
+        )
     except (OSError, TokenizerError, TemplateError) as err:
         return _fail("chat-template", str(err))
     sys.stdout.write(prompt)

@@ -19,7 +19,8 @@ import glob
 import os
 import shutil
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 from twisted.internet import task
@@ -92,14 +93,19 @@ def parse_nvidia_smi(output: bytes) -> list[dict[str, Any]]:
         if len(cols) != 6:
             continue
         used, total = _number(cols[3]), _number(cols[4])
-        gpus.append({
-            "card": f"nvidia{cols[0]}", "driver": "nvidia", "name": cols[1],
-            "busy_percent": _number(cols[2]),
-            "vram_used_bytes": None if used is None else int(used * MiB),
-            "vram_total_bytes": None if total is None else int(total * MiB),
-            "gtt_used_bytes": None, "gtt_total_bytes": None,
-            "watts": _number(cols[5]),
-        })
+        gpus.append(
+            {
+                "card": f"nvidia{cols[0]}",
+                "driver": "nvidia",
+                "name": cols[1],
+                "busy_percent": _number(cols[2]),
+                "vram_used_bytes": None if used is None else int(used * MiB),
+                "vram_total_bytes": None if total is None else int(total * MiB),
+                "gtt_used_bytes": None,
+                "gtt_total_bytes": None,
+                "watts": _number(cols[5]),
+            }
+        )
     return gpus
 
 
@@ -110,13 +116,17 @@ def amdgpu_sysfs() -> list[dict[str, Any]]:
         busy = _read_int(os.path.join(dev, "gpu_busy_percent"))
         if busy is None:
             continue
-        gpus.append({
-            "card": dev.split("/")[4], "driver": "amdgpu", "busy_percent": busy,
-            "vram_used_bytes": _read_int(os.path.join(dev, "mem_info_vram_used")),
-            "vram_total_bytes": _read_int(os.path.join(dev, "mem_info_vram_total")),
-            "gtt_used_bytes": _read_int(os.path.join(dev, "mem_info_gtt_used")),
-            "gtt_total_bytes": _read_int(os.path.join(dev, "mem_info_gtt_total")),
-        })
+        gpus.append(
+            {
+                "card": dev.split("/")[4],
+                "driver": "amdgpu",
+                "busy_percent": busy,
+                "vram_used_bytes": _read_int(os.path.join(dev, "mem_info_vram_used")),
+                "vram_total_bytes": _read_int(os.path.join(dev, "mem_info_vram_total")),
+                "gtt_used_bytes": _read_int(os.path.join(dev, "mem_info_gtt_used")),
+                "gtt_total_bytes": _read_int(os.path.join(dev, "mem_info_gtt_total")),
+            }
+        )
     return gpus
 
 
@@ -129,8 +139,13 @@ def listener_pid(host: str, port: int) -> int | None:
     except psutil.Error:
         return None
     for c in conns:
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid \
-                and c.laddr.ip in (host, "0.0.0.0", "::"):
+        if (
+            c.status == psutil.CONN_LISTEN
+            and c.laddr
+            and c.laddr.port == port
+            and c.pid
+            and c.laddr.ip in (host, "0.0.0.0", "::")
+        ):
             return c.pid
     return None
 
@@ -157,8 +172,13 @@ class EngineFinder:
 class UsageSampler:
     """Samples at most once per `keep` seconds; concurrent callers share one sample."""
 
-    def __init__(self, reactor: Any, processes: Callable[[], Named],
-                 interval: float = SAMPLE_SECONDS, keep: float = KEEP_SECONDS) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        processes: Callable[[], Named],
+        interval: float = SAMPLE_SECONDS,
+        keep: float = KEEP_SECONDS,
+    ) -> None:
         self.reactor = reactor
         self.processes = processes
         self.interval = interval
@@ -169,7 +189,7 @@ class UsageSampler:
         self._waiters: list[Deferred[dict[str, Any]]] | None = None
         self._nvidia_smi = shutil.which("nvidia-smi")
 
-    def sample(self) -> "Deferred[dict[str, Any]]":
+    def sample(self) -> Deferred[dict[str, Any]]:
         if self._kept is not None and self.reactor.seconds() - self._kept_at < self.keep:
             return succeed(self._kept)
         d: Deferred[dict[str, Any]] = Deferred()
@@ -211,26 +231,41 @@ class UsageSampler:
         gpus = yield gpus_d
         return self._report(procs, cpu_before, cpu_after, elapsed, watts, gpus)
 
-    def _gpus(self) -> "Deferred[list[dict[str, Any]] | None]":
+    def _gpus(self) -> Deferred[list[dict[str, Any]] | None]:
         if self._nvidia_smi:
-            d = getProcessOutput(self._nvidia_smi, [f"--query-gpu={NVIDIA_QUERY}",
-                                                    "--format=csv,noheader,nounits"],
-                                 env=os.environ, reactor=self.reactor)
+            d = getProcessOutput(
+                self._nvidia_smi,
+                [f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"],
+                env=os.environ,
+                reactor=self.reactor,
+            )
             d.addCallback(lambda out: parse_nvidia_smi(out) or None)
             d.addErrback(lambda f: _log.debug("nvidia-smi: {e}", e=f.getErrorMessage()) and None)
             return d
         return succeed(amdgpu_sysfs() or None)
 
-    def _report(self, procs: list[tuple[str, psutil.Process]], before: list[float | None],
-                after: list[float | None], elapsed: float, watts: float | None,
-                gpus: list[dict[str, Any]] | None) -> dict[str, Any]:
+    def _report(
+        self,
+        procs: list[tuple[str, psutil.Process]],
+        before: list[float | None],
+        after: list[float | None],
+        elapsed: float,
+        watts: float | None,
+        gpus: list[dict[str, Any]] | None,
+    ) -> dict[str, Any]:
         rows = []
         for (name, proc), b, a in zip(procs, before, after):
             rss = _rss(proc)
             if rss is None or b is None or a is None:
                 continue
-            rows.append({"name": name, "pid": proc.pid, "rss_bytes": rss,
-                         "cpu_percent": round(max(a - b, 0.0) / elapsed * 100, 1)})
+            rows.append(
+                {
+                    "name": name,
+                    "pid": proc.pid,
+                    "rss_bytes": rss,
+                    "cpu_percent": round(max(a - b, 0.0) / elapsed * 100, 1),
+                }
+            )
         mem, swap = psutil.virtual_memory(), psutil.swap_memory()
         return {
             "source": "bankml usage.py (psutil)",

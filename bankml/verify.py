@@ -101,8 +101,15 @@ def sha256_file(path: str | os.PathLike[str], progress: bool | None = None) -> s
 def _progress_bar(name: str, size: int) -> Any:
     from tqdm import tqdm  # only imported when a terminal will show it
 
-    return tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc=f"sha256 {name}",
-                file=sys.stderr, leave=False)
+    return tqdm(
+        total=size,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"sha256 {name}",
+        file=sys.stderr,
+        leave=False,
+    )
 
 
 def pinned_sha256(fork_text: str, name: str) -> str | None:
@@ -127,7 +134,9 @@ def pinned_sha256(fork_text: str, name: str) -> str | None:
             raise Refused(f"{name} has a malformed sha256 record in FORK.json ({sha!r}): refused")
         pins.append(sha.lower())
     if len(set(pins)) > 1:
-        raise Refused(f"{name} has {len(set(pins))} different sha256 records in FORK.json: ambiguous, refused")
+        raise Refused(
+            f"{name} has {len(set(pins))} different sha256 records in FORK.json: ambiguous, refused"
+        )
     return pins[0] if pins else None
 
 
@@ -139,7 +148,9 @@ def read_fork(fork_path: str | os.PathLike[str]) -> str:
     except OSError as err:
         raise Refused(f"cannot read {os.fspath(fork_path)}: {_os_error(err)}") from None
     if len(raw) > MAX_FORK_BYTES:
-        raise Refused(f"FORK.json {os.fspath(fork_path)} is larger than {MAX_FORK_BYTES} bytes: refused")
+        raise Refused(
+            f"FORK.json {os.fspath(fork_path)} is larger than {MAX_FORK_BYTES} bytes: refused"
+        )
     return raw.decode("utf-8", "replace")
 
 
@@ -173,8 +184,9 @@ def _hash_unchanged(path: str, name: str, before: FileIdent) -> str:
     return got
 
 
-def verify(path: str | os.PathLike[str], fork_path: str | os.PathLike[str],
-           engine: str = "mainline") -> Verified:
+def verify(
+    path: str | os.PathLike[str], fork_path: str | os.PathLike[str], engine: str = "mainline"
+) -> Verified:
     """The fork (readable), then the guard (header only), then the whole-file sha256 against the pin.
 
     The pin is looked up by the basename of `path` as given; the guard and hash read the
@@ -203,7 +215,7 @@ def _load_fork_for_update(fork_path: str) -> dict[str, Any]:
     except (ValueError, RecursionError) as err:
         raise Refused(f"FORK.json {fork_path} is not JSON ({err}): not overwritten") from None
     if not isinstance(doc, dict) or not isinstance(doc.setdefault("files", []), list):
-        raise Refused(f"FORK.json {fork_path} has no \"files\" list: not overwritten")
+        raise Refused(f'FORK.json {fork_path} has no "files" list: not overwritten')
     return doc
 
 

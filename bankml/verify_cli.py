@@ -38,8 +38,12 @@ def _parse(parser: _Parser, argv: list[str]) -> argparse.Namespace | None:
 
 
 def _engine_option(parser: _Parser) -> None:
-    parser.add_argument("--engine", choices=("mainline", "prism"), default="mainline",
-                        help="prism allows the PrismML fork's types and Bonsai 2 (default mainline)")
+    parser.add_argument(
+        "--engine",
+        choices=("mainline", "prism"),
+        default="mainline",
+        help="prism allows the PrismML fork's types and Bonsai 2 (default mainline)",
+    )
 
 
 def _json_line(obj: dict) -> str:
@@ -47,7 +51,9 @@ def _json_line(obj: dict) -> str:
 
 
 def guard_command(argv: list[str]) -> int:
-    parser = _Parser(prog="bankml guard", description="Check a GGUF header: play, refuse or need_more.")
+    parser = _Parser(
+        prog="bankml guard", description="Check a GGUF header: play, refuse or need_more."
+    )
     parser.add_argument("file")
     parser.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     _engine_option(parser)
@@ -79,9 +85,13 @@ def sha256_command(argv: list[str]) -> int:
 
 
 def pin_command(argv: list[str]) -> int:
-    parser = _Parser(prog="bankml pin", description="Write or update a file's sha256 pin in FORK.json.")
+    parser = _Parser(
+        prog="bankml pin", description="Write or update a file's sha256 pin in FORK.json."
+    )
     parser.add_argument("file")
-    parser.add_argument("--fork", required=True, help="the FORK.json to write (created when absent)")
+    parser.add_argument(
+        "--fork", required=True, help="the FORK.json to write (created when absent)"
+    )
     args = _parse(parser, argv)
     if args is None:
         return 1
@@ -95,7 +105,9 @@ def pin_command(argv: list[str]) -> int:
 
 
 def verify_command(argv: list[str]) -> int:
-    parser = _Parser(prog="bankml verify", description="The guard, then the whole-file sha256 against the pin.")
+    parser = _Parser(
+        prog="bankml verify", description="The guard, then the whole-file sha256 against the pin."
+    )
     parser.add_argument("file")
     parser.add_argument("--fork", required=True, help="FORK.json pinning the file's basename")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -112,16 +124,30 @@ def verify_command(argv: list[str]) -> int:
         verified = verify(args.file, args.fork, args.engine)
     except Refused as refused:
         if args.json:
-            print(_json_line({"verdict": "refuse", "reason": refused.reason, "bankml": bankml.__version__}))
+            print(
+                _json_line(
+                    {"verdict": "refuse", "reason": refused.reason, "bankml": bankml.__version__}
+                )
+            )
         else:
             print(f"refuse: {refused.reason}")
         return refused.exit_code
     if args.json:
         guard = verified.guard
-        print(_json_line({
-            "verdict": "play", "guard": guard.verdict, "engine": guard.engine, "model_sha256": verified.sha256,
-            "bankml": bankml.__version__, "arch": guard.arch, "name": guard.name, "types": dict(guard.types),
-        }))
+        print(
+            _json_line(
+                {
+                    "verdict": "play",
+                    "guard": guard.verdict,
+                    "engine": guard.engine,
+                    "model_sha256": verified.sha256,
+                    "bankml": bankml.__version__,
+                    "arch": guard.arch,
+                    "name": guard.name,
+                    "types": dict(guard.types),
+                }
+            )
+        )
     else:
         print(f"play pinned {verified.sha256}")
     return 0

@@ -36,8 +36,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy
 from gguf import GGMLQuantizationType as T
@@ -48,17 +49,27 @@ sys.path.insert(0, str(ROOT))
 from bankml.engine_cupy.model import Model  # noqa: E402
 from bankml.engine_cupy.tokenizer import Tokenizer  # noqa: E402
 from bench import engine as bench_engine  # noqa: E402
-from tests import support  # noqa: E402
-from tests import tiny_models  # noqa: E402
-from tests.test_forward import (PROMPTS, compare_greedy, compare_next_token, engine_greedy,  # noqa: E402
-                                log_softmax, prefill)
+from tests import (
+    support,  # noqa: E402
+    tiny_models,  # noqa: E402
+)
+from tests.test_forward import (  # noqa: E402
+    PROMPTS,
+    compare_greedy,
+    compare_next_token,
+    engine_greedy,
+    log_softmax,
+    prefill,
+)
 from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model  # noqa: E402
 
 # Quick mode (the CPU test): two small models in Q4_1, the default model's type, so that the
 # Numba kernels they need are the ones the rest of the suite compiles anyway.
 QUICK_SPECS = (TinySpec("llama", T.Q4_1), TINY_SPECS[3])
 # The default model's shape (SmolLM2-135M), random Q4_1 weights: for the speed figures.
-BIG_SPEC = TinySpec("llama", T.Q4_1, n_layer=30, n_embd=576, n_ff=1536, n_head=9, n_head_kv=3, head_dim=64)
+BIG_SPEC = TinySpec(
+    "llama", T.Q4_1, n_layer=30, n_embd=576, n_ff=1536, n_head=9, n_head_kv=3, head_dim=64
+)
 BIG_NAME = "big-llama-Q4_1"
 RESULT_FILE = "device_check.json"
 
@@ -106,8 +117,9 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return value, round(time.perf_counter() - start, 2)
 
 
-def array_vs_exact(array_model: Model, exact_model: Model, prompts: list[list[int]],
-                   greedy_n: int) -> dict[str, Any]:
+def array_vs_exact(
+    array_model: Model, exact_model: Model, prompts: list[list[int]], greedy_n: int
+) -> dict[str, Any]:
     """(a) the largest |log-prob difference| over the exact path's top 10 and the same top-1,
     (b) identical greedy answers (and where the others part)."""
     worst, same_top1 = 0.0, 0
@@ -124,14 +136,23 @@ def array_vs_exact(array_model: Model, exact_model: Model, prompts: list[list[in
         if ref_ids == got_ids:
             same_greedy += 1
         else:
-            splits.append(next((i for i, (a, b) in enumerate(zip(ref_ids, got_ids)) if a != b),
-                               min(len(ref_ids), len(got_ids))))
-    return {"max_top10_logprob_diff": round(worst, 6), "same_top1": same_top1,
-            "greedy_identical": same_greedy, "greedy_split_at": splits}
+            splits.append(
+                next(
+                    (i for i, (a, b) in enumerate(zip(ref_ids, got_ids)) if a != b),
+                    min(len(ref_ids), len(got_ids)),
+                )
+            )
+    return {
+        "max_top10_logprob_diff": round(worst, 6),
+        "same_top1": same_top1,
+        "greedy_identical": same_greedy,
+        "greedy_split_at": splits,
+    }
 
 
-def against_server(models: dict[str, Model], path: Path, binary: Path, prompts: list[list[int]],
-                   greedy_n: int) -> dict[str, Any]:
+def against_server(
+    models: dict[str, Model], path: Path, binary: Path, prompts: list[list[int]], greedy_n: int
+) -> dict[str, Any]:
     """(c) each loaded path against llama-server on the same file (tests/test_forward's helpers;
     llama-server -t 2, as the oracle tests and the exact path's attention split assume)."""
     out: dict[str, Any] = {}
@@ -139,8 +160,12 @@ def against_server(models: dict[str, Model], path: Path, binary: Path, prompts: 
         for side, model in models.items():
             worst, same_top1 = compare_next_token(model, server, prompts)
             same, notes = compare_greedy(model, server, prompts, greedy_n)
-            out[side] = {"max_top10_logprob_diff": round(worst, 6), "same_top1": same_top1,
-                         "greedy_identical": same, "greedy_notes": notes}
+            out[side] = {
+                "max_top10_logprob_diff": round(worst, 6),
+                "same_top1": same_top1,
+                "greedy_identical": same,
+                "greedy_notes": notes,
+            }
     return out
 
 
@@ -157,11 +182,16 @@ def attempt(result: dict[str, Any], part: str, fn: Callable[[], Any]) -> tuple[b
     return True, value
 
 
-def load_models(result: dict[str, Any], path: Path, device: str) -> tuple[Model | None, Model | None]:
+def load_models(
+    result: dict[str, Any], path: Path, device: str
+) -> tuple[Model | None, Model | None]:
     """The array-path model on ``device`` and the exact-path model on the CPU (None: failed)."""
-    _, array_model = attempt(result, "load_array", lambda: Model.load(
-        path, device=device, progress=False, exact=False))
-    _, exact_model = attempt(result, "load_exact", lambda: Model.load(path, device="cpu", progress=False))
+    _, array_model = attempt(
+        result, "load_array", lambda: Model.load(path, device=device, progress=False, exact=False)
+    )
+    _, exact_model = attempt(
+        result, "load_exact", lambda: Model.load(path, device="cpu", progress=False)
+    )
     if exact_model is not None:
         # Numba compiles (or loads from its cache) the exact kernels here, not inside the figures
         warmed, _ = attempt(result, "warm_up_exact", exact_model.warm_up)
@@ -179,27 +209,42 @@ def prompt_ids(model: Model, count: int) -> list[list[int]]:
 
 
 def loaded(array_model: Model | None, exact_model: Model | None) -> dict[str, Model]:
-    return {side: m for side, m in (("array", array_model), ("exact", exact_model)) if m is not None}
+    return {
+        side: m for side, m in (("array", array_model), ("exact", exact_model)) if m is not None
+    }
 
 
-def check_model(path: Path, device: str, n_prompts: int, greedy_n: int,
-                server: Path | None) -> dict[str, Any]:
+def check_model(
+    path: Path, device: str, n_prompts: int, greedy_n: int, server: Path | None
+) -> dict[str, Any]:
     """(a), (b) and (c) for one model file; each part's exception is kept, not raised."""
-    result: dict[str, Any] = {"model": path.stem, "prompts": n_prompts, "greedy_tokens": greedy_n,
-                              "times": {}}
+    result: dict[str, Any] = {
+        "model": path.stem,
+        "prompts": n_prompts,
+        "greedy_tokens": greedy_n,
+        "times": {},
+    }
     array_model, exact_model = load_models(result, path, device)
     models = loaded(array_model, exact_model)
     if not models:
         return result
-    ok, prompts = attempt(result, "tokenize", lambda: prompt_ids(next(iter(models.values())), n_prompts))
+    ok, prompts = attempt(
+        result, "tokenize", lambda: prompt_ids(next(iter(models.values())), n_prompts)
+    )
     if not ok:
         return result
     if array_model is not None and exact_model is not None:
-        _, result["array_vs_exact"] = attempt(result, "array_vs_exact", lambda: array_vs_exact(
-            array_model, exact_model, prompts, greedy_n))
+        _, result["array_vs_exact"] = attempt(
+            result,
+            "array_vs_exact",
+            lambda: array_vs_exact(array_model, exact_model, prompts, greedy_n),
+        )
     if server is not None:
-        _, result["vs_llama_server"] = attempt(result, "vs_llama_server", lambda: against_server(
-            models, path, server, prompts, greedy_n))
+        _, result["vs_llama_server"] = attempt(
+            result,
+            "vs_llama_server",
+            lambda: against_server(models, path, server, prompts, greedy_n),
+        )
     return {k: v for k, v in result.items() if v is not None}
 
 
@@ -208,8 +253,10 @@ def check_model(path: Path, device: str, n_prompts: int, greedy_n: int,
 
 def median_round(run: Callable[[], tuple[float, float]], rounds: int) -> dict[str, float]:
     figures = [run() for _ in range(rounds)]
-    return {"prefill_tok_s": round(statistics.median(f[0] for f in figures), 1),
-            "decode_tok_s": round(statistics.median(f[1] for f in figures), 1)}
+    return {
+        "prefill_tok_s": round(statistics.median(f[0] for f in figures), 1),
+        "decode_tok_s": round(statistics.median(f[1] for f in figures), 1),
+    }
 
 
 def engine_speed(model: Model, ids: list[int], n_decode: int, rounds: int) -> dict[str, float]:
@@ -217,25 +264,41 @@ def engine_speed(model: Model, ids: list[int], n_decode: int, rounds: int) -> di
     return median_round(lambda: bench_engine.engine_round(model, ids, n_decode), rounds)
 
 
-def server_speed(binary: Path, path: Path, ids: list[int], n_decode: int, rounds: int,
-                 threads: int) -> dict[str, float]:
+def server_speed(
+    binary: Path, path: Path, ids: list[int], n_decode: int, rounds: int, threads: int
+) -> dict[str, float]:
     with support.LlamaServer(path, binary=binary, args=["-t", str(threads)]) as srv:
         bench_engine.server_round(srv, ids[:32], 4)
         return median_round(lambda: bench_engine.server_round(srv, ids, n_decode), rounds)
 
 
-def speed(result: dict[str, Any], models: dict[str, Model], ids: list[int], args: argparse.Namespace,
-          server: Path | None, path: Path, threads: int) -> dict[str, Any]:
+def speed(
+    result: dict[str, Any],
+    models: dict[str, Model],
+    ids: list[int],
+    args: argparse.Namespace,
+    server: Path | None,
+    path: Path,
+    threads: int,
+) -> dict[str, Any]:
     """(d) prefill and decode tokens/s of each path (bench/engine.py's rounds), and llama-server's
     at the same thread count as the exact path when it runs."""
-    out: dict[str, Any] = {"prompt_tokens": len(ids), "decode_tokens": args.decode,
-                           "rounds": args.rounds, "cpu_threads": threads}
+    out: dict[str, Any] = {
+        "prompt_tokens": len(ids),
+        "decode_tokens": args.decode,
+        "rounds": args.rounds,
+        "cpu_threads": threads,
+    }
     for side, model in models.items():
-        _, out[side] = attempt(result, f"speed_{side}", lambda: engine_speed(
-            model, ids, args.decode, args.rounds))
+        _, out[side] = attempt(
+            result, f"speed_{side}", lambda: engine_speed(model, ids, args.decode, args.rounds)
+        )
     if server is not None:
-        _, out["llama_server"] = attempt(result, "speed_llama_server", lambda: server_speed(
-            server, path, ids, args.decode, args.rounds, threads))
+        _, out["llama_server"] = attempt(
+            result,
+            "speed_llama_server",
+            lambda: server_speed(server, path, ids, args.decode, args.rounds, threads),
+        )
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -244,8 +307,12 @@ def big_model_checks(path: Path, args: argparse.Namespace, server: Path | None) 
 
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
-    result: dict[str, Any] = {"model": BIG_NAME, "prompts": args.big_prompts,
-                              "greedy_tokens": args.greedy, "times": {}}
+    result: dict[str, Any] = {
+        "model": BIG_NAME,
+        "prompts": args.big_prompts,
+        "greedy_tokens": args.greedy,
+        "times": {},
+    }
     array_model, exact_model = load_models(result, path, args.device)
     models = loaded(array_model, exact_model)
     if not models:
@@ -255,9 +322,12 @@ def big_model_checks(path: Path, args: argparse.Namespace, server: Path | None) 
     first = next(iter(models.values()))
     if array_model is not None and exact_model is not None:
         prompts = prompt_ids(first, args.big_prompts)
-        _, result["array_vs_exact"] = attempt(result, "array_vs_exact", lambda: array_vs_exact(
-            array_model, exact_model, prompts, args.greedy))
-    ids = Tokenizer.from_gguf(first.reader).tokenize(bench_engine.TEXT * 40)[:args.prefill]
+        _, result["array_vs_exact"] = attempt(
+            result,
+            "array_vs_exact",
+            lambda: array_vs_exact(array_model, exact_model, prompts, args.greedy),
+        )
+    ids = Tokenizer.from_gguf(first.reader).tokenize(bench_engine.TEXT * 40)[: args.prefill]
     result["speed"] = speed(result, models, ids, args, server, path, threads)
     return {k: v for k, v in result.items() if v is not None}
 
@@ -270,16 +340,24 @@ def environment(device: str, server: Path | None) -> dict[str, Any]:
 
     import numba
 
-    env: dict[str, Any] = {"python": platform.python_version(), "numpy": numpy.__version__,
-                           "numba": numba.__version__, "gguf": version("gguf"),
-                           "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "numba": numba.__version__,
+        "gguf": version("gguf"),
+        "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+    }
     if device == "cuda":
         try:
             import cupy
 
             props = cupy.cuda.runtime.getDeviceProperties(0)
-            env.update(cupy=cupy.__version__, gpu=props["name"].decode(),
-                       cuda_runtime=cupy.cuda.runtime.runtimeGetVersion())
+            env.update(
+                cupy=cupy.__version__,
+                gpu=props["name"].decode(),
+                cuda_runtime=cupy.cuda.runtime.runtimeGetVersion(),
+            )
         except Exception as err:
             env["cupy_error"] = f"{type(err).__name__}: {err}"
     if server is not None:
@@ -303,17 +381,37 @@ def find_server(choice: str | None) -> tuple[Path | None, str]:
     return binary, said.splitlines()[0] if said else "ok"
 
 
-def worker_command(args: argparse.Namespace, name: str, result: Path, workdir: Path,
-                   server: Path | None) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--result", str(result),
-            "--workdir", str(workdir), "--vocab", str(args.vocab), "--device", args.device,
-            "--prompts", str(args.prompts), "--greedy", str(args.greedy),
-            "--llama-server", str(server) if server else "none"]
+def worker_command(
+    args: argparse.Namespace, name: str, result: Path, workdir: Path, server: Path | None
+) -> list[str]:
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        name,
+        "--result",
+        str(result),
+        "--workdir",
+        str(workdir),
+        "--vocab",
+        str(args.vocab),
+        "--device",
+        args.device,
+        "--prompts",
+        str(args.prompts),
+        "--greedy",
+        str(args.greedy),
+        "--llama-server",
+        str(server) if server else "none",
+    ]
 
 
-def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int, deadline: float,
-                on_result: Callable[[dict[str, dict[str, Any]]], None] = lambda r: None
-                ) -> dict[str, dict[str, Any]]:
+def run_workers(
+    jobs: list[tuple[str, list[str], Path]],
+    parallel: int,
+    deadline: float,
+    on_result: Callable[[dict[str, dict[str, Any]]], None] = lambda r: None,
+) -> dict[str, dict[str, Any]]:
     """Worker processes, ``parallel`` at a time; one that crashes or outlives the deadline is
     reported with the end of its output, and the others go on. ``on_result`` sees the results
     so far each time one comes in (the report is saved then: a run killed keeps them)."""
@@ -322,12 +420,23 @@ def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int, deadline
         while pending and len(running) < parallel:
             name, cmd, result = pending.pop(0)
             if time.monotonic() > deadline:
-                results[name] = {"model": name, "error": {"budget": "skipped: the time budget was spent"}}
+                results[name] = {
+                    "model": name,
+                    "error": {"budget": "skipped: the time budget was spent"},
+                }
                 continue
             log = tempfile.TemporaryFile()
-            env = dict(os.environ, NUMBA_NUM_THREADS=os.environ.get("DEVICE_CHECK_WORKER_THREADS", "2"))
-            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
-                            result, log))
+            env = dict(
+                os.environ, NUMBA_NUM_THREADS=os.environ.get("DEVICE_CHECK_WORKER_THREADS", "2")
+            )
+            running.append(
+                (
+                    name,
+                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                    result,
+                    log,
+                )
+            )
         time.sleep(0.2)
         for item in list(running):
             name, proc, result, log = item
@@ -345,8 +454,10 @@ def run_workers(jobs: list[tuple[str, list[str], Path]], parallel: int, deadline
                 results[name] = json.loads(result.read_text())
             else:
                 why = "past the time budget" if late else f"exit status {proc.returncode}"
-                results[name] = {"model": name,
-                                 "error": {"worker": f"ended without a result ({why}):\n{tail}"}}
+                results[name] = {
+                    "model": name,
+                    "error": {"worker": f"ended without a result ({why}):\n{tail}"},
+                }
             on_result(results)
     return results
 
@@ -356,11 +467,15 @@ def worker(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
     try:
         if args.worker == BIG_NAME:
-            path, seconds = timed(lambda: write_big_model(workdir / f"{BIG_NAME}.gguf", Path(args.vocab)))
+            path, seconds = timed(
+                lambda: write_big_model(workdir / f"{BIG_NAME}.gguf", Path(args.vocab))
+            )
             result = {"model": BIG_NAME, "path": str(path), "write_s": seconds}
         else:
             spec = spec_by_name(args.worker)
-            path, seconds = timed(lambda: write_tiny_model(workdir / f"{spec.name}.gguf", spec, Path(args.vocab)))
+            path, seconds = timed(
+                lambda: write_tiny_model(workdir / f"{spec.name}.gguf", spec, Path(args.vocab))
+            )
             server = None if args.llama_server in (None, "none") else Path(args.llama_server)
             result = check_model(path, args.device, args.prompts, args.greedy, server)
             result["times"] = {"write_s": seconds, **result["times"]}
@@ -383,33 +498,50 @@ def table_row(m: dict[str, Any]) -> str:
     n = m.get("prompts")
     a = m.get("array_vs_exact") or {}
     srv = m.get("vs_llama_server") or {}
-    cells = [fmt(a.get("max_top10_logprob_diff")), fmt(a.get("same_top1"), n if a else None),
-             fmt(a.get("greedy_identical"), n if a else None)]
+    cells = [
+        fmt(a.get("max_top10_logprob_diff")),
+        fmt(a.get("same_top1"), n if a else None),
+        fmt(a.get("greedy_identical"), n if a else None),
+    ]
     for side in ("array", "exact"):
         s = srv.get(side) or {}
-        cells += [fmt(s.get("max_top10_logprob_diff")), fmt(s.get("greedy_identical"), n if s else None)]
+        cells += [
+            fmt(s.get("max_top10_logprob_diff")),
+            fmt(s.get("greedy_identical"), n if s else None),
+        ]
     failed = ", ".join(m.get("error", {}))
-    return (f"{m['model']:28} {cells[0]:>10} {cells[1]:>6} {cells[2]:>7} | {cells[3]:>8} {cells[4]:>7}"
-            f" | {cells[5]:>8} {cells[6]:>7}" + (f"  failed: {failed}" if failed else ""))
+    return (
+        f"{m['model']:28} {cells[0]:>10} {cells[1]:>6} {cells[2]:>7} | {cells[3]:>8} {cells[4]:>7}"
+        f" | {cells[5]:>8} {cells[6]:>7}" + (f"  failed: {failed}" if failed else "")
+    )
 
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"\narray path on {report['device']} vs exact CPU path (and each vs llama-server)")
-    print(f"{'model':28} {'top10 diff':>10} {'top1':>6} {'greedy':>7} | {'arr-srv':>8} {'greedy':>7}"
-          f" | {'exa-srv':>8} {'greedy':>7}")
+    print(
+        f"{'model':28} {'top10 diff':>10} {'top1':>6} {'greedy':>7} | {'arr-srv':>8} {'greedy':>7}"
+        f" | {'exa-srv':>8} {'greedy':>7}"
+    )
     big = report.get("big")
     for m in [*report["models"], *([big] if big else [])]:
         print(table_row(m))
     speeds = (big or {}).get("speed") or {}
-    labels = {"array": f"array ({(big or {}).get('array_device', '?')})", "exact": "exact (cpu)",
-              "llama_server": "llama-server (cpu)"}
+    labels = {
+        "array": f"array ({(big or {}).get('array_device', '?')})",
+        "exact": "exact (cpu)",
+        "llama_server": "llama-server (cpu)",
+    }
     if any(side in speeds for side in labels):
-        print(f"\n{BIG_NAME}: {speeds['prompt_tokens']}-token prefill, {speeds['decode_tokens']}-token "
-              f"decode, median of {speeds['rounds']} (CPU paths on {speeds['cpu_threads']} threads)")
+        print(
+            f"\n{BIG_NAME}: {speeds['prompt_tokens']}-token prefill, {speeds['decode_tokens']}-token "
+            f"decode, median of {speeds['rounds']} (CPU paths on {speeds['cpu_threads']} threads)"
+        )
         for side, label in labels.items():
             if side in speeds:
-                print(f"  {label:22} prefill {speeds[side]['prefill_tok_s']:8.1f} tok/s   "
-                      f"decode {speeds[side]['decode_tok_s']:7.1f} tok/s")
+                print(
+                    f"  {label:22} prefill {speeds[side]['prefill_tok_s']:8.1f} tok/s   "
+                    f"decode {speeds[side]['decode_tok_s']:7.1f} tok/s"
+                )
     elif big:
         print(f"\n{BIG_NAME}: no speed figures")
     if report.get("errors"):
@@ -435,26 +567,44 @@ def orchestrate(args: argparse.Namespace) -> int:
     deadline = started + args.budget_s
     server, server_note = find_server(args.llama_server)
     out = Path(args.out)
-    report: dict[str, Any] = {"device": args.device, "quick": args.quick,
-                              "environment": environment(args.device, server),
-                              "llama_server": server_note if server is None else "ran: " + server_note,
-                              "models": [], "big": None}
+    report: dict[str, Any] = {
+        "device": args.device,
+        "quick": args.quick,
+        "environment": environment(args.device, server),
+        "llama_server": server_note if server is None else "ran: " + server_note,
+        "models": [],
+        "big": None,
+    }
     save(report, out)
     specs, with_big = chosen_models(args)
     with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        jobs = [(s.name, worker_command(args, s.name, workdir / f"{s.name}.json", workdir, server),
-                 workdir / f"{s.name}.json") for s in specs]
+        jobs = [
+            (
+                s.name,
+                worker_command(args, s.name, workdir / f"{s.name}.json", workdir, server),
+                workdir / f"{s.name}.json",
+            )
+            for s in specs
+        ]
         if with_big:  # the big model is written meanwhile, by one more worker
-            jobs.insert(0, (BIG_NAME, worker_command(args, BIG_NAME, workdir / "big.json", workdir, None),
-                            workdir / "big.json"))
+            jobs.insert(
+                0,
+                (
+                    BIG_NAME,
+                    worker_command(args, BIG_NAME, workdir / "big.json", workdir, None),
+                    workdir / "big.json",
+                ),
+            )
 
         def keep(results: dict[str, dict[str, Any]]) -> None:
             report["models"] = [results[s.name] for s in specs if s.name in results]
             save(report, out)
-            print(f"[{time.monotonic() - started:5.0f} s] {len(results)}/{len(jobs)} workers done",
-                  flush=True)
+            print(
+                f"[{time.monotonic() - started:5.0f} s] {len(results)}/{len(jobs)} workers done",
+                flush=True,
+            )
 
         results = run_workers(jobs, args.jobs, deadline, keep)
         report["models"] = [results[s.name] for s in specs]
@@ -463,7 +613,10 @@ def orchestrate(args: argparse.Namespace) -> int:
             if "path" not in built:
                 report["big"] = built
             elif time.monotonic() > deadline - 60:
-                report["big"] = {"model": BIG_NAME, "error": {"budget": "skipped: the time budget was spent"}}
+                report["big"] = {
+                    "model": BIG_NAME,
+                    "error": {"budget": "skipped: the time budget was spent"},
+                }
             else:
                 report["big"] = big_model_checks(Path(built["path"]), args, server)
                 report["big"].setdefault("times", {})["write_s"] = built["write_s"]
@@ -471,34 +624,69 @@ def orchestrate(args: argparse.Namespace) -> int:
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     save(report, out)
     print_table(report)
-    print(f"\n{report['errors']} model(s) with an error; {report['elapsed_s']} s; "
-          f"full report in {out / RESULT_FILE}")
+    print(
+        f"\n{report['errors']} model(s) with an error; {report['elapsed_s']} s; "
+        f"full report in {out / RESULT_FILE}"
+    )
     print(json.dumps(report))
     return 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="where the array path runs (the exact path is always the CPU)")
-    parser.add_argument("--quick", action="store_true",
-                        help="two tiny Q4_1 models, 3 prompts, 16 greedy tokens, no big model")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "out"),
-                        help=f"folder for {RESULT_FILE} (default $OUT, else bench/out)")
-    parser.add_argument("--vocab", type=Path, default=None,
-                        help="vocabulary GGUF (default .device/vocab.gguf, else the default model)")
-    parser.add_argument("--llama-server", default=None, help="binary, or 'none' (default: the reference build)")
-    parser.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
-                        help="models checked at once (each on 2 Numba threads; default: all "
-                             "twelve on the GPU machine's 16 cores, one on 2 cores)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="Numba threads (and llama-server -t) for the big model's CPU figures")
-    parser.add_argument("--budget-s", type=float, default=900.0,
-                        help="stop starting work after this many seconds (the JSON is written anyway)")
-    parser.add_argument("--models", default=None,
-                        help=f"comma-separated names to check (tiny specs' names, {BIG_NAME}); "
-                             "default all (quick: two)")
-    parser.add_argument("--prompts", type=int, default=None, help="prompts per tiny model (10; quick 3)")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="where the array path runs (the exact path is always the CPU)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="two tiny Q4_1 models, 3 prompts, 16 greedy tokens, no big model",
+    )
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(ROOT / "bench" / "out"),
+        help=f"folder for {RESULT_FILE} (default $OUT, else bench/out)",
+    )
+    parser.add_argument(
+        "--vocab",
+        type=Path,
+        default=None,
+        help="vocabulary GGUF (default .device/vocab.gguf, else the default model)",
+    )
+    parser.add_argument(
+        "--llama-server", default=None, help="binary, or 'none' (default: the reference build)"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, min(12, (os.cpu_count() or 2) - 2)),
+        help="models checked at once (each on 2 Numba threads; default: all "
+        "twelve on the GPU machine's 16 cores, one on 2 cores)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="Numba threads (and llama-server -t) for the big model's CPU figures",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=900.0,
+        help="stop starting work after this many seconds (the JSON is written anyway)",
+    )
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated names to check (tiny specs' names, {BIG_NAME}); "
+        "default all (quick: two)",
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=None, help="prompts per tiny model (10; quick 3)"
+    )
     parser.add_argument("--greedy", type=int, default=None, help="greedy tokens (32; quick 16)")
     parser.add_argument("--big-prompts", type=int, default=4)
     parser.add_argument("--prefill", type=int, default=256)
@@ -528,7 +716,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
     if not Path(args.vocab).exists():
-        print(f"no vocabulary GGUF at {args.vocab}: run scripts/device-check.sh --prepare", file=sys.stderr)
+        print(
+            f"no vocabulary GGUF at {args.vocab}: run scripts/device-check.sh --prepare",
+            file=sys.stderr,
+        )
         return 2
     return orchestrate(args)
 

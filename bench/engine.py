@@ -31,9 +31,11 @@ sys.path.insert(0, str(ROOT))
 from bankml.engine_cupy.model import Model  # noqa: E402
 from tests import support  # noqa: E402
 
-TEXT = ("The history of computing is a story of people who wanted to calculate faster than they "
-        "could by hand. From the abacus to mechanical calculators, from punched cards to "
-        "transistors, every step made arithmetic cheaper and more reliable. ")
+TEXT = (
+    "The history of computing is a story of people who wanted to calculate faster than they "
+    "could by hand. From the abacus to mechanical calculators, from punched cards to "
+    "transistors, every step made arithmetic cheaper and more reliable. "
+)
 
 
 def prompt_ids(server: support.LlamaServer, n: int) -> list[int]:
@@ -43,9 +45,17 @@ def prompt_ids(server: support.LlamaServer, n: int) -> list[int]:
 
 
 def server_round(server: support.LlamaServer, ids: list[int], n_decode: int) -> tuple[float, float]:
-    _, body = support.http_json(server.url + "/completion", {
-        "prompt": ids, "n_predict": n_decode, "temperature": 0, "cache_prompt": False,
-        "ignore_eos": True}, timeout=600)
+    _, body = support.http_json(
+        server.url + "/completion",
+        {
+            "prompt": ids,
+            "n_predict": n_decode,
+            "temperature": 0,
+            "cache_prompt": False,
+            "ignore_eos": True,
+        },
+        timeout=600,
+    )
     t = body["timings"]
     return t["prompt_per_second"], t["predicted_per_second"]
 
@@ -54,7 +64,7 @@ def engine_round(model: Model, ids: list[int], n_decode: int) -> tuple[float, fl
     cache = model.new_cache(len(ids) + n_decode + 1)
     start = time.perf_counter()
     for i in range(0, len(ids), 512):
-        logits = model.forward(ids[i:i + 512], cache)
+        logits = model.forward(ids[i : i + 512], cache)
     prefill = len(ids) / (time.perf_counter() - start)
     start = time.perf_counter()
     for _ in range(n_decode):
@@ -79,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     model = Model.load(model_path, device="cpu")
     model.threads, model.decode_threads = args.threads, args.decode_threads
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))  # the exact kernels
-    print(f"engine load {time.perf_counter() - start:.1f} s, weights "
-          f"{model.weights.nbytes / 2**20:.0f} MiB")
+    print(
+        f"engine load {time.perf_counter() - start:.1f} s, weights "
+        f"{model.weights.nbytes / 2**20:.0f} MiB"
+    )
     rows = []
     with support.LlamaServer(model_path, binary=binary, args=["-t", str(args.threads)]) as server:
         ids = prompt_ids(server, args.prompt_tokens)
@@ -90,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
             sp, sd = server_round(server, ids, args.decode_tokens)
             ep, ed = engine_round(model, ids, args.decode_tokens)
             rows.append((sp, sd, ep, ed))
-            print(f"round {r + 1}: prefill engine {ep:7.1f} vs llama-server {sp:7.1f} tok/s "
-                  f"({ep / sp:.2f}x); decode engine {ed:6.1f} vs {sd:6.1f} tok/s ({ed / sd:.2f}x)")
+            print(
+                f"round {r + 1}: prefill engine {ep:7.1f} vs llama-server {sp:7.1f} tok/s "
+                f"({ep / sp:.2f}x); decode engine {ed:6.1f} vs {sd:6.1f} tok/s ({ed / sd:.2f}x)"
+            )
     result = {
-        "model": Path(model_path).name, "threads": args.threads,
+        "model": Path(model_path).name,
+        "threads": args.threads,
         "decode_threads": args.decode_threads,
         "prompt_tokens": len(ids),
-        "decode_tokens": args.decode_tokens, "rounds": args.rounds,
+        "decode_tokens": args.decode_tokens,
+        "rounds": args.rounds,
         "prefill_engine": round(statistics.median(r[2] for r in rows), 1),
         "prefill_llama_server": round(statistics.median(r[0] for r in rows), 1),
         "decode_engine": round(statistics.median(r[3] for r in rows), 1),
@@ -104,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_ratio": round(statistics.median(r[2] / r[0] for r in rows), 3),
         "decode_ratio": round(statistics.median(r[3] / r[1] for r in rows), 3),
     }
-    print(f"median ratios: prefill {result['prefill_ratio']}x, decode {result['decode_ratio']}x "
-          "(targets 1.5x and 0.5x)")
+    print(
+        f"median ratios: prefill {result['prefill_ratio']}x, decode {result['decode_ratio']}x "
+        "(targets 1.5x and 0.5x)"
+    )
     print(json.dumps(result))
     return 0
 

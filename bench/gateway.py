@@ -38,8 +38,13 @@ from tests import support  # noqa: E402  (the project's one llama-server launche
 from tests.bankml_process import BankmlProcess  # noqa: E402
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
-STREAM = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
-          "max_tokens": 128, "temperature": 0, "ignore_eos": True, "stream": True}
+STREAM = {
+    "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+    "max_tokens": 128,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 class Client:
@@ -48,7 +53,9 @@ class Client:
     def __init__(self, port: int) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
 
-    def timed(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[float, bytes]:
+    def timed(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> tuple[float, bytes]:
         try:
             return self._timed(method, path, body)
         except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
@@ -73,7 +80,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def added_latency(through: Client, direct: Client, method: str, path: str, body: Any, n: int) -> list[float]:
+def added_latency(
+    through: Client, direct: Client, method: str, path: str, body: Any, n: int
+) -> list[float]:
     """Through minus direct, in ms, pair by pair (the order alternates each pair)."""
     added = []
     for i in range(n):
@@ -104,8 +113,14 @@ def progress(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def measure(through_port: int, direct_port: int, n: int, chat_pairs: int, stream_pairs: int,
-            stream_tokens: int) -> dict[str, Any]:
+def measure(
+    through_port: int,
+    direct_port: int,
+    n: int,
+    chat_pairs: int,
+    stream_pairs: int,
+    stream_tokens: int,
+) -> dict[str, Any]:
     through, direct = Client(through_port), Client(direct_port)
     for _ in range(20):  # warm both paths (connections, caches)
         through.timed("GET", "/health")
@@ -130,7 +145,9 @@ def measure(through_port: int, direct_port: int, n: int, chat_pairs: int, stream
         "chat_added_ms_p99": round(percentile(chat, 99), 3),
         "stream_tps_through": round(statistics.median(rates_through), 2),
         "stream_tps_direct": round(statistics.median(rates_direct), 2),
-        "stream_ratio": round(statistics.median(rates_through) / statistics.median(rates_direct), 4),
+        "stream_ratio": round(
+            statistics.median(rates_through) / statistics.median(rates_direct), 4
+        ),
         "health_pairs": len(health),
         "chat_pairs": len(chat),
         "stream_pairs": stream_pairs,
@@ -151,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-tokens", type=int, default=128)
     parser.add_argument("--mode", choices=("upstream", "spawn"), default="upstream")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped on the way out
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # so the servers are stopped on the way out
     binary = args.llama_server or support.llama_server_binary()
     model = args.model.resolve()
     fork = args.fork or model.with_name(model.name + ".FORK.json")
@@ -165,14 +184,18 @@ def main(argv: list[str] | None = None) -> int:
                 figures = measure(bankml.port, upstream_port, *counts)
         else:
             with support.LlamaServer(model, binary=binary) as server:
-                with BankmlProcess(model, fork, ["--upstream", f"127.0.0.1:{server.port}"], log) as bankml:
+                with BankmlProcess(
+                    model, fork, ["--upstream", f"127.0.0.1:{server.port}"], log
+                ) as bankml:
                     figures = measure(bankml.port, server.port, *counts)
     figures.update(mode=args.mode, model=model.name)
     print(f"{'measure':<28}{'value':>12}")
     for key, value in figures.items():
         print(f"{key:<28}{value!s:>12}")
-    print(f"targets: /health p50 added <= 1 ms: {'met' if figures['health_added_ms_p50'] <= 1 else 'MISSED'}; "
-          f"stream ratio >= 0.98: {'met' if figures['stream_ratio'] >= 0.98 else 'MISSED'}")
+    print(
+        f"targets: /health p50 added <= 1 ms: {'met' if figures['health_added_ms_p50'] <= 1 else 'MISSED'}; "
+        f"stream ratio >= 0.98: {'met' if figures['stream_ratio'] >= 0.98 else 'MISSED'}"
+    )
     print(json.dumps(figures))
     return 0
 

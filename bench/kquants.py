@@ -41,7 +41,12 @@ from tests import ggml_oracle as go  # noqa: E402
 
 TIMER_SOURCE = Path(__file__).resolve().parent / "ggml_mul_mat_timer.c"
 # name -> (n_out, n_in): the default model's products, n_in 576 -> 768 (whole super-blocks)
-SHAPES = {"ffn_down": (576, 1536), "attn_q/o": (576, 768), "ffn_gate/up": (1536, 768), "attn_k/v": (192, 768)}
+SHAPES = {
+    "ffn_down": (576, 1536),
+    "attn_q/o": (576, 768),
+    "ffn_gate/up": (1536, 768),
+    "attn_k/v": (192, 768),
+}
 
 
 def timer_binary() -> Path:
@@ -54,15 +59,30 @@ class GgmlProduct:
     returns the (wall, CPU) seconds the compute took, measured in the child; ``result()`` the
     output."""
 
-    def __init__(self, raw: numpy.ndarray, qtype: T, n_out: int, n_in: int, x: numpy.ndarray,
-                 threads: int, repacked: bool):
+    def __init__(
+        self,
+        raw: numpy.ndarray,
+        qtype: T,
+        n_out: int,
+        n_in: int,
+        x: numpy.ndarray,
+        threads: int,
+        repacked: bool,
+    ):
         self.shape = (x.shape[0], n_out)
         # its stderr (ggml's 'repack: ...' lines) is dropped; a failure shows as its exit status
-        self.proc = subprocess.Popen([str(timer_binary())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [str(timer_binary())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         head = struct.pack("<6i", int(qtype), n_out, n_in, x.shape[0], threads, int(repacked))
-        self.proc.stdin.write(head + numpy.ascontiguousarray(raw).tobytes()
-                              + numpy.ascontiguousarray(x, numpy.float32).tobytes())
+        self.proc.stdin.write(
+            head
+            + numpy.ascontiguousarray(raw).tobytes()
+            + numpy.ascontiguousarray(x, numpy.float32).tobytes()
+        )
         self.proc.stdin.flush()
 
     def _ask(self, command: bytes, nbytes: int) -> bytes:
@@ -77,7 +97,9 @@ class GgmlProduct:
         return struct.unpack("<2d", self._ask(b"r", 16))
 
     def result(self) -> numpy.ndarray:
-        return numpy.frombuffer(self._ask(b"o", 4 * self.shape[0] * self.shape[1]), numpy.float32).reshape(self.shape)
+        return numpy.frombuffer(
+            self._ask(b"o", 4 * self.shape[0] * self.shape[1]), numpy.float32
+        ).reshape(self.shape)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -97,8 +119,16 @@ def timed(f) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(qtype: T, n_out: int, n_in: int, m: int, threads: int, reps: int, clock: int,
-            rng: numpy.random.Generator) -> dict:
+def measure(
+    qtype: T,
+    n_out: int,
+    n_in: int,
+    m: int,
+    threads: int,
+    reps: int,
+    clock: int,
+    rng: numpy.random.Generator,
+) -> dict:
     """Median seconds of each side over ``reps`` alternating runs (after one warm-up each), by
     the wall clock (clock 0) or the process's CPU time (clock 1)."""
     raw = weights_for(qtype, n_out, n_in, rng)
@@ -109,7 +139,9 @@ def measure(qtype: T, n_out: int, n_in: int, m: int, threads: int, reps: int, cl
     try:
         ours = matrix.matmul(x)
         ggml.run()
-        differ = int(numpy.count_nonzero(ours.view(numpy.uint32) != ggml.result().view(numpy.uint32)))
+        differ = int(
+            numpy.count_nonzero(ours.view(numpy.uint32) != ggml.result().view(numpy.uint32))
+        )
         mine, theirs = [], []
         for _ in range(reps):
             mine.append(timed(lambda: matrix.matmul(x))[clock])
@@ -118,53 +150,97 @@ def measure(qtype: T, n_out: int, n_in: int, m: int, threads: int, reps: int, cl
         ggml.close()
     macs = m * n_out * n_in
     t_mine, t_theirs = statistics.median(mine), statistics.median(theirs)
-    return {"type": qtype.name, "repacked": repacked, "n_out": n_out, "n_in": n_in, "m": m,
-            "bankml_ms": round(t_mine * 1e3, 3), "ggml_ms": round(t_theirs * 1e3, 3),
-            "bankml_gmacs": round(macs / t_mine / 1e9, 1), "ggml_gmacs": round(macs / t_theirs / 1e9, 1),
-            "ratio": round(t_theirs / t_mine, 3), "differing_outputs": differ}
+    return {
+        "type": qtype.name,
+        "repacked": repacked,
+        "n_out": n_out,
+        "n_in": n_in,
+        "m": m,
+        "bankml_ms": round(t_mine * 1e3, 3),
+        "ggml_ms": round(t_theirs * 1e3, 3),
+        "bankml_gmacs": round(macs / t_mine / 1e9, 1),
+        "ggml_gmacs": round(macs / t_theirs / 1e9, 1),
+        "ratio": round(t_theirs / t_mine, 3),
+        "differing_outputs": differ,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K"], choices=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+    parser.add_argument(
+        "--types",
+        nargs="+",
+        default=["Q4_K", "Q6_K"],
+        choices=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"],
+    )
     parser.add_argument("--rows", nargs="+", type=int, default=[512, 64])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: each side's process CPU time (steadier on a busy machine; --threads 1 only)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: each side's process CPU time (steadier on a busy machine; --threads 1 only)",
+    )
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu counts every thread's time (spinning ones too): use it with --threads 1")
+        parser.error(
+            "--clock cpu counts every thread's time (spinning ones too): use it with --threads 1"
+        )
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     rng = numpy.random.default_rng(0)
     load_before = os.getloadavg()
-    print(f"threads {args.threads}, {args.clock} clock, load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}",
-          file=sys.stderr)
+    print(
+        f"threads {args.threads}, {args.clock} clock, load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}",
+        file=sys.stderr,
+    )
     results = []
-    print(f"{'type':6} {'shape':12} {'n_out x n_in':>12} {'m':>4} {'bankml GMAC/s':>14} {'ggml GMAC/s':>12} "
-          f"{'ratio':>6} {'differ':>6}")
+    print(
+        f"{'type':6} {'shape':12} {'n_out x n_in':>12} {'m':>4} {'bankml GMAC/s':>14} {'ggml GMAC/s':>12} "
+        f"{'ratio':>6} {'differ':>6}"
+    )
     for name in args.shapes:
         n_out, n_in = SHAPES[name]
         for qtype in (T[t] for t in args.types):
             for m in args.rows:
-                r = measure(qtype, n_out, n_in, m, args.threads, args.reps, int(args.clock == "cpu"), rng)
+                r = measure(
+                    qtype, n_out, n_in, m, args.threads, args.reps, int(args.clock == "cpu"), rng
+                )
                 results.append(r | {"shape": name})
                 label = qtype.name + ("r" if r["repacked"] else "")
-                print(f"{label:6} {name:12} {f'{n_out}x{n_in}':>12} {m:4} {r['bankml_gmacs']:14.1f} "
-                      f"{r['ggml_gmacs']:12.1f} {r['ratio']:6.2f} {r['differing_outputs']:6}", flush=True)
+                print(
+                    f"{label:6} {name:12} {f'{n_out}x{n_in}':>12} {m:4} {r['bankml_gmacs']:14.1f} "
+                    f"{r['ggml_gmacs']:12.1f} {r['ratio']:6.2f} {r['differing_outputs']:6}",
+                    flush=True,
+                )
     load_after = os.getloadavg()
     summary = {}
     for qtype in args.types:
         for m in args.rows:
             picked = [r for r in results if r["type"] == qtype and r["m"] == m]
             # total time over the shapes, as a layer spends it
-            summary[f"{qtype}_m{m}"] = round(sum(r["ggml_ms"] for r in picked) / sum(r["bankml_ms"] for r in picked), 3)
-    print("ratio bankml/ggml over all shapes (time-weighted, > 1: bankml faster): "
-          + ", ".join(f"{k} {v}" for k, v in summary.items()))
+            summary[f"{qtype}_m{m}"] = round(
+                sum(r["ggml_ms"] for r in picked) / sum(r["bankml_ms"] for r in picked), 3
+            )
+    print(
+        "ratio bankml/ggml over all shapes (time-weighted, > 1: bankml faster): "
+        + ", ".join(f"{k} {v}" for k, v in summary.items())
+    )
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
-    print(json.dumps({"threads": args.threads, "clock": args.clock, "reps": args.reps, "load_before": round(load_before[0], 2),
-                      "load_after": round(load_after[0], 2), "summary": summary, "results": results}))
+    print(
+        json.dumps(
+            {
+                "threads": args.threads,
+                "clock": args.clock,
+                "reps": args.reps,
+                "load_before": round(load_before[0], 2),
+                "load_after": round(load_after[0], 2),
+                "summary": summary,
+                "results": results,
+            }
+        )
+    )
     return 0 if all(r["differing_outputs"] == 0 for r in results) else 1
 
 

@@ -43,9 +43,11 @@ from tests import support  # noqa: E402  (the project's one llama-server launche
 from tests.bankml_process import BankmlProcess  # noqa: E402
 
 SHORT = "Write a short story about a lighthouse keeper and a storm at sea."  # ~20 tokens with the template
-PARAGRAPH = ("The history of computing is a story of people who wanted to calculate faster than they "
-             "could by hand. From the abacus to mechanical calculators, from punched cards to "
-             "transistors, every step made arithmetic cheaper and more reliable. ")
+PARAGRAPH = (
+    "The history of computing is a story of people who wanted to calculate faster than they "
+    "could by hand. From the abacus to mechanical calculators, from punched cards to "
+    "transistors, every step made arithmetic cheaper and more reliable. "
+)
 FOLLOW_UP = "Now tell me the same in one sentence, for a child."
 
 
@@ -65,7 +67,9 @@ def stream_chat(port: int, body: dict[str, Any]) -> Streamed:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     data = json.dumps({**body, "stream": True}).encode()
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body=data, headers={"Content-Type": "application/json"})
+    conn.request(
+        "POST", "/v1/chat/completions", body=data, headers={"Content-Type": "application/json"}
+    )
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"port {port}: {resp.status} {resp.read()[:300]!r}")
@@ -90,8 +94,15 @@ def stream_chat(port: int, body: dict[str, Any]) -> Streamed:
     tokens = (final.get("usage") or {}).get("completion_tokens") or deltas
     rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else None
     timings = final.get("timings") or {}
-    return Streamed(first - t0, rate, tokens, "".join(pieces), timings.get("cache_n"), timings.get("prompt_n"),
-                    timings.get("prompt_ms"))
+    return Streamed(
+        first - t0,
+        rate,
+        tokens,
+        "".join(pieces),
+        timings.get("cache_n"),
+        timings.get("prompt_n"),
+        timings.get("prompt_ms"),
+    )
 
 
 def long_prompt(port: int, n_tokens: int) -> str:
@@ -104,22 +115,39 @@ def long_prompt(port: int, n_tokens: int) -> str:
 
 def count_tokens(port: int, text: str) -> int:
     """Tokens of the text alone (the chat template adds about 30 more)."""
-    return len(support.http_json(f"http://127.0.0.1:{port}/tokenize", {"content": text})[1]["tokens"])
+    return len(
+        support.http_json(f"http://127.0.0.1:{port}/tokenize", {"content": text})[1]["tokens"]
+    )
 
 
 def first_turn(port: int, content: str, max_tokens: int) -> Streamed:
-    return stream_chat(port, {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                              "temperature": 0, "cache_prompt": False})
+    return stream_chat(
+        port,
+        {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "cache_prompt": False,
+        },
+    )
 
 
 def second_turn(port: int, content: str, max_tokens: int) -> tuple[Streamed, Streamed]:
     """Turn 1 then turn 2 of one conversation, prompt cache on; turn 2 is the measured one."""
     messages = [{"role": "user", "content": content}]
-    turn1 = stream_chat(port, {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                               "cache_prompt": True})
-    messages = [*messages, {"role": "assistant", "content": turn1.text}, {"role": "user", "content": FOLLOW_UP}]
-    turn2 = stream_chat(port, {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                               "cache_prompt": True})
+    turn1 = stream_chat(
+        port,
+        {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": True},
+    )
+    messages = [
+        *messages,
+        {"role": "assistant", "content": turn1.text},
+        {"role": "user", "content": FOLLOW_UP},
+    ]
+    turn2 = stream_chat(
+        port,
+        {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": True},
+    )
     return turn1, turn2
 
 
@@ -127,27 +155,47 @@ def progress(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def one_round(ports: dict[str, int], r: int, long_text: str, max_tokens: int) -> dict[str, dict[str, Any]]:
+def one_round(
+    ports: dict[str, int], r: int, long_text: str, max_tokens: int
+) -> dict[str, dict[str, Any]]:
     """Every measure once per server; the server that goes first alternates per measure and round."""
     names = list(ports) if r % 2 == 0 else list(reversed(ports))
     out: dict[str, dict[str, Any]] = {name: {} for name in ports}
     for name in names:
         short = first_turn(ports[name], SHORT, max_tokens)
-        out[name].update(short_ttft_ms=short.ttft_s * 1000, short_tps=short.decode_tps,
-                         short_prompt_ms=short.prompt_ms, short_prompt_n=short.prompt_n)
+        out[name].update(
+            short_ttft_ms=short.ttft_s * 1000,
+            short_tps=short.decode_tps,
+            short_prompt_ms=short.prompt_ms,
+            short_prompt_n=short.prompt_n,
+        )
     for name in reversed(names):
         long = first_turn(ports[name], long_text, max_tokens)
-        out[name].update(long_ttft_ms=long.ttft_s * 1000, long_tps=long.decode_tps,
-                         long_prompt_ms=long.prompt_ms, long_prompt_n=long.prompt_n)
-    conversation = f"Conversation {r + 1}. " + long_text  # a new prefix each round: no help from the last
+        out[name].update(
+            long_ttft_ms=long.ttft_s * 1000,
+            long_tps=long.decode_tps,
+            long_prompt_ms=long.prompt_ms,
+            long_prompt_n=long.prompt_n,
+        )
+    conversation = (
+        f"Conversation {r + 1}. " + long_text
+    )  # a new prefix each round: no help from the last
     for name in names:
         turn1, turn2 = second_turn(ports[name], conversation, max_tokens)
-        out[name].update(turn1_ttft_ms=turn1.ttft_s * 1000, turn2_ttft_ms=turn2.ttft_s * 1000,
-                         turn2_prompt_ms=turn2.prompt_ms, turn2_prompt_n=turn2.prompt_n,
-                         turn2_cache_n=turn2.cache_n)
+        out[name].update(
+            turn1_ttft_ms=turn1.ttft_s * 1000,
+            turn2_ttft_ms=turn2.ttft_s * 1000,
+            turn2_prompt_ms=turn2.prompt_ms,
+            turn2_prompt_n=turn2.prompt_n,
+            turn2_cache_n=turn2.cache_n,
+        )
     for name in ports:
-        progress(f"round {r + 1} {name}: " + ", ".join(
-            f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in out[name].items()))
+        progress(
+            f"round {r + 1} {name}: "
+            + ", ".join(
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in out[name].items()
+            )
+        )
     return out
 
 
@@ -162,7 +210,12 @@ MEASURES = [  # (key, what, lower is better)
     ("turn2_ttft_ms", "TTFT turn 2 (cached), ms", True),
     ("turn2_prompt_ms", "  server's own prompt_ms", True),
 ]
-REPORTED = ["short_prompt_n", "long_prompt_n", "turn2_prompt_n", "turn2_cache_n"]  # counts, last round
+REPORTED = [
+    "short_prompt_n",
+    "long_prompt_n",
+    "turn2_prompt_n",
+    "turn2_cache_n",
+]  # counts, last round
 
 
 def median_of(rounds: list[dict[str, dict[str, Any]]], name: str, key: str) -> float | None:
@@ -184,46 +237,72 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def print_table(figures: dict[str, Any]) -> None:
-    print(f"{'median':<30}{'bankml':>10}{'llama-server':>14}{'ratio b/l':>11}  bankml is better when")
+    print(
+        f"{'median':<30}{'bankml':>10}{'llama-server':>14}{'ratio b/l':>11}  bankml is better when"
+    )
     for key, what, lower in MEASURES:
         cells = [figures[f"{key}_{s}"] for s in ("bankml", "llama_server", "ratio")]
-        print(f"{what:<30}" + "".join(f"{'-' if c is None else c!s:>{w}}" for c, w in zip(cells, (10, 14, 11)))
-              + ("  ratio < 1" if lower else "  ratio > 1"))
+        print(
+            f"{what:<30}"
+            + "".join(f"{'-' if c is None else c!s:>{w}}" for c, w in zip(cells, (10, 14, 11)))
+            + ("  ratio < 1" if lower else "  ratio > 1")
+        )
     for key in REPORTED:
-        print(f"{key} (last round): bankml {figures[key + '_bankml']}, "
-              f"llama-server {figures[key + '_llama_server']}")
+        print(
+            f"{key} (last round): bankml {figures[key + '_bankml']}, "
+            f"llama-server {figures[key + '_llama_server']}"
+        )
     ratio = figures["turn2_ttft_ms_ratio"]
     verdict = "met" if ratio is not None and ratio <= 1 else "MISSED"
-    print(f"target (issue 4): second-turn TTFT no worse than llama-server's (ratio <= 1): {verdict}")
+    print(
+        f"target (issue 4): second-turn TTFT no worse than llama-server's (ratio <= 1): {verdict}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-server", type=Path, default=None)
     parser.add_argument("--model", type=Path, default=support.DEFAULT_MODEL)
-    parser.add_argument("--fork", type=Path, default=None, help="default: FILE.FORK.json beside the model")
+    parser.add_argument(
+        "--fork", type=Path, default=None, help="default: FILE.FORK.json beside the model"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--long-tokens", type=int, default=400)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped on the way out
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # so the servers are stopped on the way out
     binary = args.llama_server or support.llama_server_binary()
     model = args.model.resolve()
     fork = args.fork or model.with_name(model.name + ".FORK.json")
     with tempfile.TemporaryDirectory() as tmp, support.LlamaServer(model, binary=binary) as server:
         engine_port = support.free_port()  # the engine address --native also binds
         progress("llama-server up; starting bankml serve --native")
-        with BankmlProcess(model, fork, ["--native", "--upstream", f"127.0.0.1:{engine_port}"],
-                           Path(tmp) / "bankml.log") as bankml:
+        with BankmlProcess(
+            model,
+            fork,
+            ["--native", "--upstream", f"127.0.0.1:{engine_port}"],
+            Path(tmp) / "bankml.log",
+        ) as bankml:
             ports = {"bankml": bankml.port, "llama_server": server.port}
             long_text = long_prompt(server.port, args.long_tokens)
             for port in ports.values():  # warm both once (first-request costs are not the measure)
                 first_turn(port, "Hi.", 4)
             rounds = [one_round(ports, r, long_text, args.max_tokens) for r in range(args.rounds)]
-            prompt_tokens = {"short": count_tokens(server.port, SHORT), "long": count_tokens(server.port, long_text)}
+            prompt_tokens = {
+                "short": count_tokens(server.port, SHORT),
+                "long": count_tokens(server.port, long_text),
+            }
     figures = summarize(rounds)
-    figures.update(model=model.name, rounds=args.rounds, max_tokens=args.max_tokens, threads=2,
-                   prompt_tokens_short=prompt_tokens["short"], prompt_tokens_long=prompt_tokens["long"])
+    figures.update(
+        model=model.name,
+        rounds=args.rounds,
+        max_tokens=args.max_tokens,
+        threads=2,
+        prompt_tokens_short=prompt_tokens["short"],
+        prompt_tokens_long=prompt_tokens["long"],
+    )
     print_table(figures)
     print(json.dumps(figures))
     return 0

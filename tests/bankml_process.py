@@ -41,19 +41,31 @@ class BankmlProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        args = [str(self.model), "--fork", str(self.fork), *self.engine_args,
-                "--listen", f"127.0.0.1:{self.port}", "--threads", "2", "--ctx", "2048"]
+        args = [
+            str(self.model),
+            "--fork",
+            str(self.fork),
+            *self.engine_args,
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--threads",
+            "2",
+            "--ctx",
+            "2048",
+        ]
         if self.launcher == "twistd":
             pidfile = self.log.with_suffix(".pid")
             return [str(BIN / "twistd"), "-n", "--pidfile", str(pidfile), "bankml", *args]
         return [str(BIN / "bankml"), "serve", *args]
 
-    def launch(self) -> "BankmlProcess":
+    def launch(self) -> BankmlProcess:
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+            self.proc = subprocess.Popen(
+                self.command(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
+            )
         return self
 
-    def wait_ready(self, timeout: float = 180) -> "BankmlProcess":
+    def wait_ready(self, timeout: float = 180) -> BankmlProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -67,7 +79,7 @@ class BankmlProcess:
         self.stop()
         raise RuntimeError(f"bankml was not ready in {timeout} s:\n{self.output()}")
 
-    def start(self) -> "BankmlProcess":
+    def start(self) -> BankmlProcess:
         return self.launch().wait_ready()
 
     def wait_exit(self, timeout: float = 60) -> int:
@@ -88,7 +100,7 @@ class BankmlProcess:
                 self.proc.wait()
         return self.proc.returncode
 
-    def __enter__(self) -> "BankmlProcess":
+    def __enter__(self) -> BankmlProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -112,8 +124,12 @@ class BankmlProcess:
     def post(self, body: bytes) -> tuple[int, bytes, dict[str, str]]:
         conn = self.connection()
         try:
-            conn.request("POST", "/v1/chat/completions", body=body,
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                body=body,
+                headers={"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             return resp.status, resp.read(), dict(resp.getheaders())
         finally:
@@ -123,9 +139,18 @@ class BankmlProcess:
         return self.get("/bankml")[1]["engine"]["pid"]
 
 
-def chat_body(stream: bool, content: str = "Say hello.", max_tokens: int = 12, **extra: Any) -> bytes:
-    return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": stream, **extra}).encode()
+def chat_body(
+    stream: bool, content: str = "Say hello.", max_tokens: int = 12, **extra: Any
+) -> bytes:
+    return json.dumps(
+        {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+            **extra,
+        }
+    ).encode()
 
 
 def sse_events(raw: bytes) -> list[bytes]:
@@ -136,10 +161,10 @@ def check_streamed_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[s
     """The receipt of a streamed answer, its hashes recomputed from the events."""
     events = sse_events(raw)
     assert events[-1] == b"data: [DONE]"
-    receipt = json.loads(events[-2][len(b"data: "):])["bankml_receipt"]
+    receipt = json.loads(events[-2][len(b"data: ") :])["bankml_receipt"]
     text = ""
     for event in events[:-2]:
-        obj = json.loads(event[len(b"data: "):])
+        obj = json.loads(event[len(b"data: ") :])
         for choice in obj.get("choices", []):
             text += choice.get("delta", {}).get("content") or ""
     assert receipt["response_sha256"] == sha(text.encode("utf-8"))
@@ -159,7 +184,9 @@ def check_whole_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[str,
     assert receipt["request_sha256"] == sha(body)
     assert receipt["model_sha256"] == model_sha256 and receipt["guard"] == "play"
     assert (receipt["prompt_tokens"], receipt["completion_tokens"]) == (
-        answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"])
+        answer["usage"]["prompt_tokens"],
+        answer["usage"]["completion_tokens"],
+    )
     assert receipt["engine"].startswith("llama-server b") and receipt["signed"] is False
     return receipt
 

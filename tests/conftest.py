@@ -31,8 +31,17 @@ def default_model_q4_k_m(default_model: Path, tmp_path_factory: pytest.TempPathF
     from tests import ggml_oracle
 
     out = tmp_path_factory.mktemp("q4_k_m") / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
-    subprocess.run([str(ggml_oracle.reference_tool("llama-quantize")), "--allow-requantize",
-                    str(default_model), str(out), "Q4_K_M"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            str(ggml_oracle.reference_tool("llama-quantize")),
+            "--allow-requantize",
+            str(default_model),
+            str(out),
+            "Q4_K_M",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 

@@ -26,16 +26,20 @@ To refresh the name list after a CuPy release (no GPU needed, the wheel imports 
 ``pip install --target /tmp/cupy cupy-cuda12x`` and write ``dir(cupy)`` and ``dir(cupy.ndarray)``
 (public names) into the two sections of tests/cupy_names.txt.
 """
+
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy
 
-IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
-            "a NumPy array explicitly.")
+IMPLICIT = (
+    "Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
+    "a NumPy array explicitly."
+)
 
 
 def _cupy_names() -> dict[str, frozenset[str]]:
@@ -63,8 +67,10 @@ def _device(value: Any, where: str) -> Any:
     if isinstance(value, DeviceArray):
         return value.host_view
     if isinstance(value, numpy.ndarray):
-        raise TypeError(f"Unsupported type {type(value)} in {where}: a host array where CuPy "
-                        "wants a device array (copy it with xp.asarray first)")
+        raise TypeError(
+            f"Unsupported type {type(value)} in {where}: a host array where CuPy "
+            "wants a device array (copy it with xp.asarray first)"
+        )
     if isinstance(value, (list, tuple)):
         return type(value)(_device(item, where) for item in value)
     return value  # Python and NumPy scalars, dtypes, None, slices, Ellipsis
@@ -96,6 +102,7 @@ def _device_call(function: Callable[..., Any], where: str) -> Callable[..., Any]
         args = tuple(_device(a, where) for a in args)
         kwargs = {k: _device(v, where) for k, v in kwargs.items()}
         return _on_device(function(*args, **kwargs))
+
     return call
 
 
@@ -130,7 +137,7 @@ class DeviceArray:
         raise TypeError("a device array has no host buffer (.data is a cupy MemoryPointer)")
 
     @property
-    def T(self) -> "DeviceArray":
+    def T(self) -> DeviceArray:
         return DeviceArray(self.host_view.T)
 
     def __getattr__(self, name: str) -> Any:
@@ -178,12 +185,32 @@ def _operator(name: str) -> Callable[..., Any]:
         if name.startswith("__i"):  # in place: the same device array
             return self
         return _on_device(result)
+
     apply.__name__ = name
     return apply
 
 
-for _name in ("add sub mul truediv floordiv mod pow matmul and or xor lshift rshift "
-              "eq ne lt le gt ge").split():
+for _name in [
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "matmul",
+    "and",
+    "or",
+    "xor",
+    "lshift",
+    "rshift",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+]:
     for _form in (f"__{_name}__", f"__r{_name}__", f"__i{_name}__"):
         if hasattr(numpy.ndarray, _form):
             setattr(DeviceArray, _form, _operator(_form))

@@ -23,9 +23,9 @@ import hashlib
 import os
 import struct
 import subprocess
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -40,9 +40,15 @@ NONE = -1
 @lru_cache(maxsize=1)
 def llama_root() -> Path:
     """The cache folder of the reference build (bin/, build/, src/llama.cpp)."""
-    binary = os.environ.get("BANKML_LLAMA_SERVER") or subprocess.run(
-        [str(REPO / "scripts" / "build-llama-server.sh")], check=True, capture_output=True,
-        text=True).stdout.strip()
+    binary = (
+        os.environ.get("BANKML_LLAMA_SERVER")
+        or subprocess.run(
+            [str(REPO / "scripts" / "build-llama-server.sh")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     return Path(binary).resolve().parent.parent
 
 
@@ -53,9 +59,14 @@ def reference_tool(target: str) -> Path:
     out = build / "bin" / target
     if not out.exists():
         if not (build / "CMakeCache.txt").exists():
-            raise RuntimeError(f"no configured llama.cpp build in {build}: run scripts/build-llama-server.sh")
-        subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 1)],
-                       check=True, capture_output=True)
+            raise RuntimeError(
+                f"no configured llama.cpp build in {build}: run scripts/build-llama-server.sh"
+            )
+        subprocess.run(
+            ["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 1)],
+            check=True,
+            capture_output=True,
+        )
     return out
 
 
@@ -69,11 +80,15 @@ def compile_against_ggml(source: Path, name: str) -> Path:
     """A C program linked with the reference build's static ggml libraries, compiled once per
     source and library version under the build's cache (the oracle, bench/kquants.py's timer)."""
     root = llama_root()
-    libs = [root / "build" / "ggml" / "src" / lib
-            for lib in ("libggml.a", "libggml-cpu.a", "libggml-base.a")]
+    libs = [
+        root / "build" / "ggml" / "src" / lib
+        for lib in ("libggml.a", "libggml-cpu.a", "libggml-base.a")
+    ]
     missing = [str(p) for p in libs if not p.exists()]
     if missing:
-        raise RuntimeError(f"the reference build has no {missing}: run scripts/build-llama-server.sh")
+        raise RuntimeError(
+            f"the reference build has no {missing}: run scripts/build-llama-server.sh"
+        )
     digest = hashlib.sha256(source.read_bytes())
     for lib in libs:
         digest.update(str(lib.stat().st_mtime_ns).encode())
@@ -81,9 +96,22 @@ def compile_against_ggml(source: Path, name: str) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        subprocess.run(["gcc", "-O2", "-o", str(tmp), str(source),
-                        f"-I{root / 'src' / 'llama.cpp' / 'ggml' / 'include'}", *map(str, libs),
-                        "-lstdc++", "-lm", "-fopenmp", "-lpthread"], check=True)
+        subprocess.run(
+            [
+                "gcc",
+                "-O2",
+                "-o",
+                str(tmp),
+                str(source),
+                f"-I{root / 'src' / 'llama.cpp' / 'ggml' / 'include'}",
+                *map(str, libs),
+                "-lstdc++",
+                "-lm",
+                "-fopenmp",
+                "-lpthread",
+            ],
+            check=True,
+        )
         tmp.replace(out)
     return out
 
@@ -103,19 +131,29 @@ def _array_input(a: np.ndarray | None, qtype: int | None = None) -> bytes:
     return _input(qt, a.shape[::-1], np.ascontiguousarray(a).tobytes())
 
 
-def run(op: str, inputs: Sequence[bytes], fp: Sequence[float] = (), ip: Sequence[int] = (),
-        threads: int = 2) -> np.ndarray:
+def run(
+    op: str,
+    inputs: Sequence[bytes],
+    fp: Sequence[float] = (),
+    ip: Sequence[int] = (),
+    threads: int = 2,
+) -> np.ndarray:
     """Run one op; the result as a NumPy array (f32/f16 by its type, raw uint8 rows otherwise)."""
     fp8 = list(fp) + [0.0] * (8 - len(fp))
     ip8 = list(ip) + [0] * (8 - len(ip))
-    request = (op.encode().ljust(32, b"\0") + struct.pack("<i8f8ii", threads, *fp8, *ip8, len(inputs))
-               + b"".join(inputs))
+    request = (
+        op.encode().ljust(32, b"\0")
+        + struct.pack("<i8f8ii", threads, *fp8, *ip8, len(inputs))
+        + b"".join(inputs)
+    )
     done = subprocess.run([str(oracle_binary())], input=request, capture_output=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(done.stderr.decode(errors="replace").strip() or f"ggml-op exit {done.returncode}")
+        raise RuntimeError(
+            done.stderr.decode(errors="replace").strip() or f"ggml-op exit {done.returncode}"
+        )
     head = struct.calcsize("<i4qq")
     qtype, n0, n1, n2, n3, nbytes = struct.unpack("<i4qq", done.stdout[:head])
-    body = done.stdout[head:head + nbytes]
+    body = done.stdout[head : head + nbytes]
     shape = [n for n in (n3, n2, n1, n0)]
     if qtype == T.F32:
         return np.frombuffer(body, np.float32).reshape(shape).copy()
@@ -125,16 +163,18 @@ def run(op: str, inputs: Sequence[bytes], fp: Sequence[float] = (), ip: Sequence
     return np.frombuffer(body, np.uint8).reshape(rows, -1).copy()
 
 
-def mul_mat(raw: np.ndarray, qtype: int, n_out: int, n_in: int, x: np.ndarray,
-            threads: int = 2) -> np.ndarray:
+def mul_mat(
+    raw: np.ndarray, qtype: int, n_out: int, n_in: int, x: np.ndarray, threads: int = 2
+) -> np.ndarray:
     """ggml_mul_mat(W, x): W as GGUF block bytes [n_out rows of n_in], x f32 [m, n_in] -> [m, n_out]."""
     w = _input(int(qtype), (n_in, n_out), np.ascontiguousarray(raw).tobytes())
     x = np.atleast_2d(np.asarray(x, np.float32))
     return run("mul_mat", [w, _array_input(x)], threads=threads).reshape(x.shape[0], n_out)
 
 
-def mul_mat_repacked(raw: np.ndarray, qtype: int, n_out: int, n_in: int, x: np.ndarray,
-                     threads: int = 2) -> np.ndarray:
+def mul_mat_repacked(
+    raw: np.ndarray, qtype: int, n_out: int, n_in: int, x: np.ndarray, threads: int = 2
+) -> np.ndarray:
     """mul_mat with W in the CPU_REPACK buffer, as llama-server loads layer weights (Q4_0 ->
     q4_0_8x8 on AVX2 when n_out % 8 == 0): ggml's repacked gemv/gemm kernels. Only for the
     types the AVX2 build repacks (ggml's repack buffer crashes on the others)."""
@@ -151,27 +191,59 @@ def quantize_rows(x: np.ndarray, qtype: int) -> np.ndarray:
     return run("quantize", [_array_input(x)], ip=[int(qtype)])
 
 
-def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                   scale: float, max_bias: float = 0.0, softcap: float = 0.0,
-                   threads: int = 2) -> np.ndarray:
+def flash_attn_ext(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    scale: float,
+    max_bias: float = 0.0,
+    softcap: float = 0.0,
+    threads: int = 2,
+) -> np.ndarray:
     """q f32 [n_head, n_q, hd]; k, v f16 [n_kv_head, n_kv, hd]; mask f16 [n_q(padded), n_kv].
 
     Returns ggml's permuted result as NumPy [n_q, n_head, hd]."""
-    return run("flash_attn_ext", [_array_input(np.asarray(q, np.float32)), _array_input(k),
-                                  _array_input(v), _array_input(mask)],
-               fp=[scale, max_bias, softcap], threads=threads).reshape(q.shape[1], q.shape[0], -1)
+    return run(
+        "flash_attn_ext",
+        [
+            _array_input(np.asarray(q, np.float32)),
+            _array_input(k),
+            _array_input(v),
+            _array_input(mask),
+        ],
+        fp=[scale, max_bias, softcap],
+        threads=threads,
+    ).reshape(q.shape[1], q.shape[0], -1)
 
 
-def rope_ext(x: np.ndarray, positions: np.ndarray, n_dims: int, mode: int, freq_base: float,
-             freq_scale: float = 1.0, freq_factors: np.ndarray | None = None, n_ctx_orig: int = 0,
-             ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
-             beta_slow: float = 1.0, threads: int = 2) -> np.ndarray:
+def rope_ext(
+    x: np.ndarray,
+    positions: np.ndarray,
+    n_dims: int,
+    mode: int,
+    freq_base: float,
+    freq_scale: float = 1.0,
+    freq_factors: np.ndarray | None = None,
+    n_ctx_orig: int = 0,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    threads: int = 2,
+) -> np.ndarray:
     """x f32 [n, n_head, hd], positions int32 [n]; mode 0 (NORM) or 2 (NEOX)."""
-    return run("rope_ext", [_array_input(np.asarray(x, np.float32)),
-                            _array_input(np.asarray(positions, np.int32)),
-                            _array_input(None if freq_factors is None else np.asarray(freq_factors, np.float32))],
-               fp=[freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow],
-               ip=[n_dims, mode, n_ctx_orig], threads=threads).reshape(np.shape(x))
+    return run(
+        "rope_ext",
+        [
+            _array_input(np.asarray(x, np.float32)),
+            _array_input(np.asarray(positions, np.int32)),
+            _array_input(None if freq_factors is None else np.asarray(freq_factors, np.float32)),
+        ],
+        fp=[freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow],
+        ip=[n_dims, mode, n_ctx_orig],
+        threads=threads,
+    ).reshape(np.shape(x))
 
 
 def unary(op: str, x: np.ndarray, threads: int = 2) -> np.ndarray:
@@ -181,23 +253,33 @@ def unary(op: str, x: np.ndarray, threads: int = 2) -> np.ndarray:
 
 def binary(op: str, a: np.ndarray, b: np.ndarray, threads: int = 2) -> np.ndarray:
     """swiglu(gate, up), geglu(gate, up), mul, add (b broadcast over a's rows as ggml does)."""
-    return run(op, [_array_input(np.asarray(a, np.float32)), _array_input(np.asarray(b, np.float32))],
-               threads=threads).reshape(np.shape(a))
+    return run(
+        op,
+        [_array_input(np.asarray(a, np.float32)), _array_input(np.asarray(b, np.float32))],
+        threads=threads,
+    ).reshape(np.shape(a))
 
 
 def rms_norm(x: np.ndarray, eps: float, threads: int = 2) -> np.ndarray:
-    return run("rms_norm", [_array_input(np.asarray(x, np.float32))], fp=[eps], threads=threads).reshape(np.shape(x))
+    return run(
+        "rms_norm", [_array_input(np.asarray(x, np.float32))], fp=[eps], threads=threads
+    ).reshape(np.shape(x))
 
 
 def rms_norm_mul(x: np.ndarray, weight: np.ndarray, eps: float, threads: int = 2) -> np.ndarray:
     """rms_norm(x) * weight, which ggml's CPU backend computes fused (as in every llama layer)."""
-    return run("rms_norm_mul", [_array_input(np.asarray(x, np.float32)),
-                                _array_input(np.asarray(weight, np.float32))],
-               fp=[eps], threads=threads).reshape(np.shape(x))
+    return run(
+        "rms_norm_mul",
+        [_array_input(np.asarray(x, np.float32)), _array_input(np.asarray(weight, np.float32))],
+        fp=[eps],
+        threads=threads,
+    ).reshape(np.shape(x))
 
 
 def scale(x: np.ndarray, s: float, threads: int = 2) -> np.ndarray:
-    return run("scale", [_array_input(np.asarray(x, np.float32))], fp=[s], threads=threads).reshape(np.shape(x))
+    return run("scale", [_array_input(np.asarray(x, np.float32))], fp=[s], threads=threads).reshape(
+        np.shape(x)
+    )
 
 
 def get_rows(raw: np.ndarray, qtype: int, n_rows: int, k: int, ids: np.ndarray) -> np.ndarray:
@@ -230,11 +312,16 @@ def fwht(x: np.ndarray, n: int, threads: int = 2) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-def set_rows(x: np.ndarray, rows: np.ndarray, n_rows: int, qtype: int,
-             threads: int = 2) -> np.ndarray:
+def set_rows(
+    x: np.ndarray, rows: np.ndarray, n_rows: int, qtype: int, threads: int = 2
+) -> np.ndarray:
     """ggml_set_rows of x (f32 [m, k]) at ``rows`` (m indices) of a zeroed cache [n_rows, k] of
     ``qtype``: the cache afterwards, as raw row bytes (uint8 [n_rows, row size]) or f16/f32."""
     x = np.atleast_2d(np.asarray(x, np.float32))
-    out = run("set_rows", [_array_input(x), _array_input(np.asarray(rows, np.int32))],
-              ip=[int(qtype), int(n_rows)], threads=threads)
+    out = run(
+        "set_rows",
+        [_array_input(x), _array_input(np.asarray(rows, np.int32))],
+        ip=[int(qtype), int(n_rows)],
+        threads=threads,
+    )
     return out.reshape(n_rows, -1)

@@ -45,8 +45,18 @@ class MockLlama:
         root.putChild(b"props", _Json(self._props))
         v1 = resource.Resource()
         root.putChild(b"v1", v1)
-        v1.putChild(b"models", _Json(lambda: (200, {"object": "list", "data": [
-            {"id": self.model_path.rsplit("/", 1)[-1], "object": "model"}]})))
+        v1.putChild(
+            b"models",
+            _Json(
+                lambda: (
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": self.model_path.rsplit("/", 1)[-1], "object": "model"}],
+                    },
+                )
+            ),
+        )
         chat = resource.Resource()
         v1.putChild(b"chat", chat)
         chat.putChild(b"completions", _Chat(self))
@@ -59,11 +69,21 @@ class MockLlama:
     def completion(self) -> dict[str, Any]:
         text = "".join(self.pieces)
         return {
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": text}}],
-            "created": 1, "model": "mock", "object": "chat.completion",
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.pieces),
-                      "total_tokens": self.prompt_tokens + len(self.pieces)},
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": text},
+                }
+            ],
+            "created": 1,
+            "model": "mock",
+            "object": "chat.completion",
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": len(self.pieces),
+                "total_tokens": self.prompt_tokens + len(self.pieces),
+            },
             "timings": {"prompt_n": self.prompt_tokens, "predicted_n": len(self.pieces)},
         }
 
@@ -102,25 +122,45 @@ class _Chat(resource.Resource):
             req = json.loads(body)
         except ValueError:
             request.setResponseCode(400)
-            return json.dumps({"error": {"code": 400, "message": "Failed to parse JSON",
-                                         "type": "invalid_request_error"}}).encode()
+            return json.dumps(
+                {
+                    "error": {
+                        "code": 400,
+                        "message": "Failed to parse JSON",
+                        "type": "invalid_request_error",
+                    }
+                }
+            ).encode()
         if mock.error_status is not None:
             request.setResponseCode(mock.error_status)
-            return json.dumps({"error": {"code": mock.error_status, "message": "mock error",
-                                         "type": "server_error"}}).encode()
+            return json.dumps(
+                {
+                    "error": {
+                        "code": mock.error_status,
+                        "message": "mock error",
+                        "type": "server_error",
+                    }
+                }
+            ).encode()
         if not req.get("stream"):
             answer = mock.completion()
             if req.get("logprobs"):
-                answer["choices"][0]["logprobs"] = {"content": [
-                    {"token": p, "logprob": -0.5, "bytes": list(p.encode()), "top_logprobs": []}
-                    for p in mock.pieces]}
+                answer["choices"][0]["logprobs"] = {
+                    "content": [
+                        {"token": p, "logprob": -0.5, "bytes": list(p.encode()), "top_logprobs": []}
+                        for p in mock.pieces
+                    ]
+                }
             data = json.dumps(answer).encode()
             if mock.declared_length is None:
                 return data
             # written by hand: twisted.web would not send a Content-Length it cannot honour
             request.channel.transport.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                + str(mock.declared_length).encode() + b"\r\n\r\n" + data[:16])  # the rest never comes
+                + str(mock.declared_length).encode()
+                + b"\r\n\r\n"
+                + data[:16]
+            )  # the rest never comes
             return server.NOT_DONE_YET
         request.setHeader(b"content-type", b"text/event-stream")
         _Stream(mock, request, bool(req.get("logprobs"))).start()
@@ -155,20 +195,47 @@ class _Stream:
             return
         if self.sent < len(mock.pieces):
             piece = mock.pieces[self.sent]
-            choice: dict[str, Any] = {"index": 0, "finish_reason": None, "delta": {"content": piece}}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": None,
+                "delta": {"content": piece},
+            }
             if self.logprobs:
-                choice["logprobs"] = {"content": [{"token": piece, "logprob": -0.25,
-                                                   "bytes": list(piece.encode()), "top_logprobs": []}]}
+                choice["logprobs"] = {
+                    "content": [
+                        {
+                            "token": piece,
+                            "logprob": -0.25,
+                            "bytes": list(piece.encode()),
+                            "top_logprobs": [],
+                        }
+                    ]
+                }
             request.write(sse({"choices": [choice], "object": "chat.completion.chunk"}))
             self.sent += 1
             self.call = mock.reactor.callLater(mock.piece_delay, self._next)
             return
-        request.write(sse({"choices": [{"index": 0, "finish_reason": "stop", "delta": {}}],
-                           "object": "chat.completion.chunk",
-                           "timings": {"prompt_n": mock.prompt_tokens, "predicted_n": len(mock.pieces)}}))
+        request.write(
+            sse(
+                {
+                    "choices": [{"index": 0, "finish_reason": "stop", "delta": {}}],
+                    "object": "chat.completion.chunk",
+                    "timings": {"prompt_n": mock.prompt_tokens, "predicted_n": len(mock.pieces)},
+                }
+            )
+        )
         if mock.include_usage:
-            request.write(sse({"choices": [], "usage": {"prompt_tokens": mock.prompt_tokens,
-                                                        "completion_tokens": len(mock.pieces)}}))
+            request.write(
+                sse(
+                    {
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": mock.prompt_tokens,
+                            "completion_tokens": len(mock.pieces),
+                        },
+                    }
+                )
+            )
         request.write(b"data: [DONE]\n\n")
         request.finish()
 

@@ -11,19 +11,58 @@ the leftmost-on-ties rule is exercised).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import gguf
 import numpy as np
 
 N_EMBD, N_HEAD, N_FF = 32, 2, 64
 
-SPM_WORDS = (
-    "hello world the quick brown fox jumps over lazy dog tokenizer sentence piece model "
-    "byte fallback score merge token text space prefix llama gemma python code function "
-    "return value print über café naïve résumé привет мир γεια σου 你好 世界 日本 東京"
-).split()
+SPM_WORDS = [
+    "hello",
+    "world",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "tokenizer",
+    "sentence",
+    "piece",
+    "model",
+    "byte",
+    "fallback",
+    "score",
+    "merge",
+    "token",
+    "text",
+    "space",
+    "prefix",
+    "llama",
+    "gemma",
+    "python",
+    "code",
+    "function",
+    "return",
+    "value",
+    "print",
+    "über",
+    "café",
+    "naïve",
+    "résumé",
+    "привет",
+    "мир",
+    "γεια",
+    "σου",
+    "你好",
+    "世界",
+    "日本",
+    "東京",
+]
 SPM_CONTROL = ("<start_of_turn>", "<end_of_turn>", "<pad>")
 SPM_USER_DEFINED = ("<custom_tag>", "[MASK]")
 
@@ -63,7 +102,9 @@ def spm_vocab(seed: int = 7) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_tiny_llama(path: Path, n_vocab: int, vocab_kv: Callable[[gguf.GGUFWriter], None], seed: int = 0) -> Path:
+def write_tiny_llama(
+    path: Path, n_vocab: int, vocab_kv: Callable[[gguf.GGUFWriter], None], seed: int = 0
+) -> Path:
     """A one-layer llama GGUF with tied embeddings, random weights and the caller's vocabulary."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -113,12 +154,15 @@ def write_spm_model(path: Path, add_space_prefix: bool, seed: int = 7) -> Path:
         writer.add_bool("tokenizer.ggml.add_space_prefix", add_space_prefix)
         writer.add_chat_template(
             "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] | trim }}"
-            "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+            "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+        )
 
     return write_tiny_llama(path, len(tokens), vocab)
 
 
-def write_bpe_variant(path: Path, metadata: dict[str, object], pre: str, keep_add_bos: bool = True) -> Path:
+def write_bpe_variant(
+    path: Path, metadata: dict[str, object], pre: str, keep_add_bos: bool = True
+) -> Path:
     """A tiny llama model carrying a real GPT-2-style vocabulary (tokens, types, merges, special
     ids from ``metadata``) under another pre-tokenizer name."""
     tokens = list(metadata["tokenizer.ggml.tokens"])  # type: ignore[call-overload]
@@ -129,8 +173,12 @@ def write_bpe_variant(path: Path, metadata: dict[str, object], pre: str, keep_ad
         writer.add_token_list(tokens)
         writer.add_token_types(list(metadata["tokenizer.ggml.token_type"]))  # type: ignore[call-overload]
         writer.add_token_merges(list(metadata["tokenizer.ggml.merges"]))  # type: ignore[call-overload]
-        for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
-                         ("unknown_token_id", writer.add_unk_token_id), ("padding_token_id", writer.add_pad_token_id)):
+        for key, add in (
+            ("bos_token_id", writer.add_bos_token_id),
+            ("eos_token_id", writer.add_eos_token_id),
+            ("unknown_token_id", writer.add_unk_token_id),
+            ("padding_token_id", writer.add_pad_token_id),
+        ):
             if "tokenizer.ggml." + key in metadata:
                 add(int(metadata["tokenizer.ggml." + key]))  # type: ignore[call-overload]
         if keep_add_bos and "tokenizer.ggml.add_bos_token" in metadata:

@@ -31,7 +31,10 @@ def llama_server_binary() -> Path:
     if env:
         return Path(env)
     out = subprocess.run(
-        [str(ROOT / "scripts" / "build-llama-server.sh")], check=True, capture_output=True, text=True
+        [str(ROOT / "scripts" / "build-llama-server.sh")],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return Path(out.stdout.strip().splitlines()[-1])
 
@@ -87,11 +90,28 @@ class LlamaServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 120) -> "LlamaServer":
-        cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
-               "-t", "2", "-c", "2048", "-np", "1", "--jinja", "--no-webui", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
+    def start(self, timeout: float = 120) -> LlamaServer:
+        cmd = [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            "2",
+            "-c",
+            "2048",
+            "-np",
+            "1",
+            "--jinja",
+            "--no-webui",
+            *self.args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -114,7 +134,7 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import pytest_twisted
@@ -60,7 +61,9 @@ def bridge() -> Iterator[EngineBridge]:
     b.stop()
 
 
-def steps_of(engine: FakeEngine, name: str, n: int) -> Callable[[Callable[[], bool]], Iterator[bytes]]:
+def steps_of(
+    engine: FakeEngine, name: str, n: int
+) -> Callable[[Callable[[], bool]], Iterator[bytes]]:
     return lambda cancelled: engine.run_steps(name, n, cancelled)
 
 
@@ -74,6 +77,7 @@ async def test_runs_are_served_in_order_on_one_engine_thread(bridge: EngineBridg
         def deliver(item: bytes) -> None:
             on_reactor.append(threading.current_thread() is threading.main_thread())
             got[name].append(item)
+
         return deliver
 
     runs = [bridge.stream(steps_of(engine, name, 20), sink(name)) for name in "abc"]
@@ -153,7 +157,9 @@ async def test_a_job_whose_client_left_while_queued_is_skipped(bridge: EngineBri
 
 
 @pytest_twisted.ensureDeferred
-async def test_an_engine_error_reaches_its_run_and_the_thread_lives_on(bridge: EngineBridge) -> None:
+async def test_an_engine_error_reaches_its_run_and_the_thread_lives_on(
+    bridge: EngineBridge,
+) -> None:
     def broken(cancelled: Callable[[], bool]) -> Iterator[int]:
         yield 1
         raise RuntimeError("kernel exploded")
@@ -227,7 +233,9 @@ def _connect(port: int) -> socket.socket:
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_client_that_does_not_read_pauses_the_engine(http_stream: tuple[StreamRoot, int]) -> None:
+async def test_a_client_that_does_not_read_pauses_the_engine(
+    http_stream: tuple[StreamRoot, int],
+) -> None:
     root, port = http_stream
     s = await deferToThread(_connect, port)
     try:

@@ -27,8 +27,8 @@ def decode_both_ways(model: Model, prompt: list[int], steps: int, n_ctx: int) ->
     fused_cache, general_cache = model.new_cache(n_ctx), model.new_cache(n_ctx)
     model.fused_decode = False
     for i in range(0, len(prompt), 512):
-        logits = model.forward(prompt[i:i + 512], fused_cache)
-        model.forward(prompt[i:i + 512], general_cache)
+        logits = model.forward(prompt[i : i + 512], fused_cache)
+        model.forward(prompt[i : i + 512], general_cache)
     taken = 0
     try:
         for _ in range(steps):
@@ -38,9 +38,10 @@ def decode_both_ways(model: Model, prompt: list[int], steps: int, n_ctx: int) ->
             taken += model._decode_plan() is not None and fused_cache.fused_decode
             model.fused_decode = False
             general = model.forward([token], general_cache)
-            assert fused.tobytes() == general.tobytes(), \
-                f"step at position {fused_cache.n_tokens - 1}: largest difference " \
+            assert fused.tobytes() == general.tobytes(), (
+                f"step at position {fused_cache.n_tokens - 1}: largest difference "
                 f"{numpy.abs(fused - general).max()}"
+            )
             logits = general
         if fused_cache.cells is not None:  # the same cells chosen, the same positions held
             assert (fused_cache.cells.pos == general_cache.cells.pos).all()
@@ -106,8 +107,11 @@ FAST_SPECS = (
 
 @pytest.mark.parametrize("spec", FAST_SPECS, ids=lambda s: s.name)
 def test_tiny_models(spec: TinySpec, tiny_dir: Path, default_model: Path) -> None:
-    model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
-                       device="cpu", progress=False)
+    model = Model.load(
+        write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
+        device="cpu",
+        progress=False,
+    )
     # 20 tokens cross gemma3's window of 8: its sliding layers hide the far cells
     assert decode_both_ways(model, token_ids(model, 20), 4, 40) == 4
 
@@ -117,14 +121,20 @@ def test_kquant_stack(tiny_dir: Path, default_model: Path) -> None:
     Q6_K parts): Q and V repacked (gemv), K not (vec_dot); the parts side by side, the bias
     of each part its own."""
     spec = TinySpec("qwen2", T.Q4_K)
-    model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
-                       device="cpu", progress=False)
+    model = Model.load(
+        write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
+        device="cpu",
+        progress=False,
+    )
     for layer in model.weights.layers:
         (linear,) = layer.qkv
         fused, start, parts = linear.exact, 0, []
         for (_, width), repacked in zip(linear.parts, (True, False, True)):
-            parts.append(KQuantMatrix(fused.raw[start:start + width], T.Q4_K, width, fused.n_in,
-                                      repacked=repacked))
+            parts.append(
+                KQuantMatrix(
+                    fused.raw[start : start + width], T.Q4_K, width, fused.n_in, repacked=repacked
+                )
+            )
             start += width
         linear.exact = KMatrixStack(parts)
     plan = exact_decode.DecodePlan.build(model.hp, model.weights, None)
@@ -144,8 +154,11 @@ def test_sliding_window_ring(tiny_dir: Path, default_model: Path) -> None:
     of 780 wraps the ring, then 40 decode steps store into reused cells and attend over the
     ring's cells in cell order, with its mask and n_kv, as the general path does."""
     spec = TinySpec("gemma3", T.Q5_0, n_layer=4)
-    model = Model.load(write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
-                       device="cpu", progress=False)
+    model = Model.load(
+        write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model),
+        device="cpu",
+        progress=False,
+    )
     assert model.new_cache(1000).cells.size == 768
     assert any(model.new_cache(1000).in_ring(il) for il in range(model.n_layer))
     assert decode_both_ways(model, token_ids(model, 780), 40, 1000) == 40

@@ -27,13 +27,30 @@ SCRIPT = ROOT / "bench" / "device_check.py"
 
 
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path,
-                 default_model: Path) -> tuple[dict, Path]:
+def quick_report(
+    tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path, default_model: Path
+) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("device-check")
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--jobs", "1", "--out", str(out),
-         "--vocab", str(default_model), "--llama-server", str(llama_server_bin)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--quick",
+            "--jobs",
+            "1",
+            "--out",
+            str(out),
+            "--vocab",
+            str(default_model),
+            "--llama-server",
+            str(llama_server_bin),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     print(run.stdout[:-1].rsplit("\n", 1)[0])  # the table, for the log
     return json.loads(run.stdout.strip().splitlines()[-1]), out
@@ -62,7 +79,9 @@ def test_quick_run_reports_both_paths(quick_report: tuple[dict, Path]) -> None:
         assert exact["max_top10_logprob_diff"] < 1e-4
         assert exact["same_top1"] == n and exact["greedy_identical"] == n
         # so the array path sits as far from llama-server as from the exact path
-        assert math.isclose(array["max_top10_logprob_diff"], a["max_top10_logprob_diff"], abs_tol=1e-4)
+        assert math.isclose(
+            array["max_top10_logprob_diff"], a["max_top10_logprob_diff"], abs_tol=1e-4
+        )
         assert array["greedy_identical"] == a["greedy_identical"]
         assert all(t >= 0 for t in m["times"].values())
     assert report["big"] is None  # quick mode builds no big model
@@ -74,29 +93,45 @@ def test_a_failing_worker_does_not_stop_the_others(tmp_path: Path) -> None:
         code = f"open({str(result)!r}, 'w').write('{{\"model\": \"{name}\"}}')"
         return name, [sys.executable, "-c", code], result
 
-    crash = ("crash", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], tmp_path / "crash.json")
-    results = device_check.run_workers([crash, writer("good")], parallel=2, deadline=time.monotonic() + 60)
+    crash = (
+        "crash",
+        [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"],
+        tmp_path / "crash.json",
+    )
+    results = device_check.run_workers(
+        [crash, writer("good")], parallel=2, deadline=time.monotonic() + 60
+    )
     assert results["good"] == {"model": "good"}
-    assert "exit status 3" in results["crash"]["error"]["worker"] and "boom" in results["crash"]["error"]["worker"]
+    assert (
+        "exit status 3" in results["crash"]["error"]["worker"]
+        and "boom" in results["crash"]["error"]["worker"]
+    )
 
     hang = ("hang", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "hang.json")
     start = time.monotonic()
     results = device_check.run_workers([hang, writer("late")], parallel=1, deadline=start + 2)
     assert time.monotonic() - start < 10
     assert "past the time budget" in results["hang"]["error"]["worker"]
-    assert results["late"] == {"model": "late", "error": {"budget": "skipped: the time budget was spent"}}
+    assert results["late"] == {
+        "model": "late",
+        "error": {"budget": "skipped: the time budget was spent"},
+    }
 
 
 def test_a_model_that_fails_is_reported_with_its_traceback(tmp_path: Path) -> None:
     result = device_check.check_model(tmp_path / "missing.gguf", "cpu", 2, 4, None)
     assert set(result["error"]) == {"load_array", "load_exact"}
     assert all("Traceback" in tb and "missing.gguf" in tb for tb in result["error"].values())
-    assert "array_vs_exact" not in result and "failed: load_array, load_exact" in device_check.table_row(result)
+    assert (
+        "array_vs_exact" not in result
+        and "failed: load_array, load_exact" in device_check.table_row(result)
+    )
 
 
 @pytest.mark.llama_server
-def test_one_path_failing_leaves_the_other_figures(tmp_path: Path, default_model: Path,
-                                                    llama_server_bin: Path) -> None:
+def test_one_path_failing_leaves_the_other_figures(
+    tmp_path: Path, default_model: Path, llama_server_bin: Path
+) -> None:
     """On the GPU machine the array path may fail (CuPy) while the exact path works, or the other
     way round (Numba there): what can still be compared is."""
     spec = device_check.QUICK_SPECS[0]
@@ -106,12 +141,17 @@ def test_one_path_failing_leaves_the_other_figures(tmp_path: Path, default_model
     assert "array_vs_exact" not in result and "array_device" not in result
     exact = result["vs_llama_server"]["exact"]
     assert set(result["vs_llama_server"]) == {"exact"}
-    assert exact["same_top1"] == 2 and exact["greedy_identical"] == 2 and exact["max_top10_logprob_diff"] < 1e-4
+    assert (
+        exact["same_top1"] == 2
+        and exact["greedy_identical"] == 2
+        and exact["max_top10_logprob_diff"] < 1e-4
+    )
 
 
 @pytest.mark.slow
 def test_models_from_the_travelling_vocabulary_equal_the_oracle_tests_models(
-        tmp_path: Path, default_model: Path) -> None:
+    tmp_path: Path, default_model: Path
+) -> None:
     """The device builds its models from the vocabulary-only GGUF: byte for byte the files
     tests/test_forward.py builds from the default model."""
     vocab = device_check.write_vocab(tmp_path / "vocab.gguf", default_model)

@@ -8,6 +8,7 @@ logits of the ``xp = numpy`` array path; and ``device="auto"``/``"cuda"`` must p
 "CuPy sees a GPU". What it cannot show is CUDA's own arithmetic: that waits for a GPU
 (scripts/device-check.sh).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,12 @@ def test_the_stand_in_refuses_what_cupy_refuses() -> None:
         "0-d array as an index": lambda: list(range(device.sum())),
         "host buffer": lambda: device.data,
     }
-    for numpy_only in (lambda: FAKE.memmap, lambda: FAKE.errstate, lambda: device.ctypes,
-                       lambda: device.resize):
+    for numpy_only in (
+        lambda: FAKE.memmap,
+        lambda: FAKE.errstate,
+        lambda: device.ctypes,
+        lambda: device.resize,
+    ):
         with pytest.raises(AttributeError):
             numpy_only()
     for name, attempt in refusals.items():
@@ -101,22 +106,30 @@ DEVICE_SPECS = (
 
 @pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("spec", DEVICE_SPECS, ids=lambda s: s.name)
-def test_tiny_models_on_the_device_path(spec: TinySpec, cache_type: str, fake_gpu: Any,
-                                        tmp_path_factory: pytest.TempPathFactory,
-                                        default_model: Path) -> None:
-    path = write_tiny_model(tmp_path_factory.mktemp("device") / f"{spec.name}.gguf", spec, default_model)
+def test_tiny_models_on_the_device_path(
+    spec: TinySpec,
+    cache_type: str,
+    fake_gpu: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    default_model: Path,
+) -> None:
+    path = write_tiny_model(
+        tmp_path_factory.mktemp("device") / f"{spec.name}.gguf", spec, default_model
+    )
     on_device = Model.load(path, device="cuda", progress=False)
     on_host = Model.load(path, device="cpu", progress=False, exact=False)
     assert on_device.xp is fake_gpu and not on_device.exact
     assert isinstance(on_device.weights.layers[0].attn_norm, DeviceArray)
-    _assert_same_logits(_prefill_and_decode(on_device, cache_type, 6),
-                        _prefill_and_decode(on_host, cache_type, 6))
+    _assert_same_logits(
+        _prefill_and_decode(on_device, cache_type, 6), _prefill_and_decode(on_host, cache_type, 6)
+    )
 
 
 def _chat(engine: Engine, system: str, content: str, **fields: Any) -> tuple[str, list[int]]:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]
-    steps = engine.run_steps(engine.parse_request({"messages": messages, "max_tokens": 12, **fields},
-                                                  "chat"))
+    steps = engine.run_steps(
+        engine.parse_request({"messages": messages, "max_tokens": 12, **fields}, "chat")
+    )
     text = "".join(chunk.text for chunk in steps)
     return text, steps.summary.tokens
 
@@ -126,8 +139,9 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.mark.slow
-def test_default_model_engine_on_the_device_path(fake_gpu: Any, default_model: Path,
-                                                 tmp_path: Path) -> None:
+def test_default_model_engine_on_the_device_path(
+    fake_gpu: Any, default_model: Path, tmp_path: Path
+) -> None:
     """The whole engine on the device: greedy chat equal to the host array path, the prompt
     served from the slot, from the host prompt cache and from a slot file alike, a JSON schema,
     and seeded sampling with penalties and n_probs."""
@@ -139,8 +153,14 @@ def test_default_model_engine_on_the_device_path(fake_gpu: Any, default_model: P
     from_slot = _chat(engine, *POET, **GREEDY)  # all but the last prompt token from the slot
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    answer, _ = _chat(engine, "Geographer.", "Reply in JSON.", **GREEDY, max_tokens=24,
-                      response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    answer, _ = _chat(
+        engine,
+        "Geographer.",
+        "Reply in JSON.",
+        **GREEDY,
+        max_tokens=24,
+        response_format={"type": "json_schema", "json_schema": {"schema": schema}},
+    )
     assert answer.startswith("{") and '"ok"' in answer
     kept = engine.host_cache.entries  # the poet's conversation, copied aside on the device
     assert len(kept) == 1 and all(isinstance(a, (DeviceArray, tuple)) for a in kept[0].kv)
@@ -153,8 +173,17 @@ def test_default_model_engine_on_the_device_path(fake_gpu: Any, default_model: P
     slots.restore_slot(engine, str(tmp_path / "slot.bin"), sha)
     assert engine.slot_tokens and _chat(engine, *POET, **GREEDY) == from_slot
 
-    sampled = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.02, "seed": 7,
-               "repeat_penalty": 1.2, "frequency_penalty": 0.3, "logprobs": True, "top_logprobs": 3}
+    sampled = {
+        "temperature": 0.9,
+        "top_k": 20,
+        "top_p": 0.9,
+        "min_p": 0.02,
+        "seed": 7,
+        "repeat_penalty": 1.2,
+        "frequency_penalty": 0.3,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
     runs = []
     for _ in range(2):
         slots.erase_slot(engine)  # both runs prefill the whole prompt in one batch
@@ -166,8 +195,9 @@ def _host_greedy(engine: Engine, default_model: Path, n: int) -> list[int]:
     """The poet's answer computed by the xp = numpy array path, outside the engine."""
     host = Model.load(default_model, device="cpu", progress=False, exact=False)
     messages = [{"role": "system", "content": POET[0]}, {"role": "user", "content": POET[1]}]
-    prompt = engine.tokenize(engine.apply_template(messages, add_generation_prompt=True),
-                             parse_special=True)
+    prompt = engine.tokenize(
+        engine.apply_template(messages, add_generation_prompt=True), parse_special=True
+    )
     cache = host.new_cache(len(prompt) + n + 1)
     logits, out = host.forward(prompt, cache), []
     for _ in range(n):

@@ -47,7 +47,9 @@ class ScriptModel:
     def follow(self, prompt_len: int, tokens: list[int]) -> None:
         self.script = {prompt_len + i: t for i, t in enumerate(tokens)}
 
-    def forward(self, tokens: list[int], cache: ScriptCache, all_logits: bool = False) -> np.ndarray:
+    def forward(
+        self, tokens: list[int], cache: ScriptCache, all_logits: bool = False
+    ) -> np.ndarray:
         assert cache.n_tokens + len(tokens) <= cache.n_ctx
         self.batches.append(len(tokens))
         cache.n_tokens += len(tokens)
@@ -62,7 +64,9 @@ def vocab(default_model: Path) -> tuple[Tokenizer, ChatTemplate]:
     return tok, ChatTemplate.from_gguf(default_model, tok)
 
 
-def scripted_engine(vocab: tuple[Tokenizer, ChatTemplate], n_ctx: int = 4096) -> tuple[Engine, ScriptModel]:
+def scripted_engine(
+    vocab: tuple[Tokenizer, ChatTemplate], n_ctx: int = 4096
+) -> tuple[Engine, ScriptModel]:
     tok, template = vocab
     model = ScriptModel(tok.n_vocab, min(tok.eog_ids))
     return Engine(model, tok, template, n_ctx), model
@@ -88,7 +92,9 @@ def test_prefill_runs_in_micro_batches_of_512(vocab) -> None:
 def test_cancel_between_micro_batches_keeps_what_was_computed(vocab) -> None:
     engine, model = scripted_engine(vocab)
     checks = iter([False, True])
-    chunks, summary = run(engine, {"prompt": list(range(1000, 2100)), **GREEDY}, cancelled=lambda: next(checks))
+    chunks, summary = run(
+        engine, {"prompt": list(range(1000, 2100)), **GREEDY}, cancelled=lambda: next(checks)
+    )
     assert chunks == [] and summary.cancelled
     assert model.batches == [512] and len(engine.slot_tokens) == 512
 
@@ -101,6 +107,7 @@ def test_cancel_between_tokens(vocab) -> None:
     def cancelled() -> bool:
         calls["n"] += 1
         return calls["n"] > 3  # prefill check, then two tokens
+
     chunks, summary = run(engine, {"prompt": [10, 11, 12], **GREEDY}, cancelled=cancelled)
     assert [c.token for c in chunks] == [300, 301] and summary.cancelled
 
@@ -114,7 +121,9 @@ def test_prefix_reuse_and_cache_prompt_false(vocab) -> None:
     # the slot holds the prompt and every generated token but the last (the EOG is never decoded)
     assert engine.slot_tokens == prompt + [600, 601]
     _, again = run(engine, {"prompt": prompt, **GREEDY})
-    assert again.timings["cache_n"] == 39 and again.timings["prompt_n"] == 1  # the last token re-evaluated
+    assert (
+        again.timings["cache_n"] == 39 and again.timings["prompt_n"] == 1
+    )  # the last token re-evaluated
     _, longer = run(engine, {"prompt": prompt + [700, 701], **GREEDY})
     assert longer.timings["cache_n"] == 40
     _, off = run(engine, {"prompt": prompt, "cache_prompt": False, **GREEDY})
@@ -125,7 +134,9 @@ def test_limits_n_predict_and_full_context(vocab) -> None:
     engine, model = scripted_engine(vocab, n_ctx=20)
     model.follow(10, list(range(300, 330)))
     _, zero = run(engine, {"prompt": list(range(10, 20)), "n_predict": 0, **GREEDY})
-    assert zero.completion_tokens == 1 and zero.finish_reason == "length"  # llama-server samples one
+    assert (
+        zero.completion_tokens == 1 and zero.finish_reason == "length"
+    )  # llama-server samples one
     _, three = run(engine, {"prompt": list(range(10, 20)), "max_tokens": 3, **GREEDY})
     assert three.tokens == [300, 301, 302] and three.finish_reason == "length"
     _, full = run(engine, {"prompt": list(range(10, 20)), "n_predict": -1, **GREEDY})
@@ -138,9 +149,15 @@ def test_context_limit_body(vocab) -> None:
     engine, _ = scripted_engine(vocab, n_ctx=16)
     with pytest.raises(RequestError) as err:
         engine.parse_request({"prompt": list(range(100, 116))}, "completion")
-    assert err.value.body == {"error": {
-        "code": 400, "message": "request (16 tokens) exceeds the available context size (16 tokens), try increasing it",
-        "type": "exceed_context_size_error", "n_prompt_tokens": 16, "n_ctx": 16}}
+    assert err.value.body == {
+        "error": {
+            "code": 400,
+            "message": "request (16 tokens) exceeds the available context size (16 tokens), try increasing it",
+            "type": "exceed_context_size_error",
+            "n_prompt_tokens": 16,
+            "n_ctx": 16,
+        }
+    }
 
 
 def test_stop_string_cut_and_partial_hold(vocab) -> None:
@@ -178,7 +195,9 @@ def test_grammar_overrides_the_model_and_holds_eog_until_complete(vocab) -> None
     tok, _ = vocab
     engine, model = scripted_engine(vocab)
     model.follow(2, [])  # the model wants EOG at once
-    chunks, summary = run(engine, {"prompt": [10, 11], "grammar": 'root ::= "yes" | "no"', **GREEDY})
+    chunks, summary = run(
+        engine, {"prompt": [10, 11], "grammar": 'root ::= "yes" | "no"', **GREEDY}
+    )
     assert summary.text in ("yes", "no") and summary.finish_reason == "stop"
     assert summary.tokens[-1] in tok.eog_ids
 
@@ -215,8 +234,13 @@ SAMPLING_CASES = [
     {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.0},
     {"temperature": 0.5, "top_k": 5},
     {"temperature": 1.3, "top_k": 100, "top_p": 0.9, "min_p": 0.1},
-    {"temperature": 0.7, "repeat_penalty": 1.3, "repeat_last_n": 32, "presence_penalty": 0.5,
-     "frequency_penalty": 0.3},
+    {
+        "temperature": 0.7,
+        "repeat_penalty": 1.3,
+        "repeat_last_n": 32,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.3,
+    },
 ]
 
 
@@ -227,12 +251,19 @@ END_TO_END_SHARE = 0.9
 END_TO_END_TOKENS = 6
 
 
-def compare_seeded(engine: Engine, server: support.LlamaServer, cases: list[tuple[str, dict]], what: str) -> float:
+def compare_seeded(
+    engine: Engine, server: support.LlamaServer, cases: list[tuple[str, dict]], what: str
+) -> float:
     same = 0
     for prompt, params in cases:
         ids = engine.tokenize(prompt, add_special=True, parse_special=True)
-        body = {"prompt": ids, "n_predict": END_TO_END_TOKENS, "cache_prompt": False, "return_tokens": True,
-                **params}
+        body = {
+            "prompt": ids,
+            "n_predict": END_TO_END_TOKENS,
+            "cache_prompt": False,
+            "return_tokens": True,
+            **params,
+        }
         status, ref = completion(server, body)
         assert status == 200, ref
         steps = engine.run_steps(engine.parse_request(body, "completion"))
@@ -263,22 +294,34 @@ EXACT_CASES = [
 ]
 
 
-def test_sampler_on_llama_servers_own_distribution(engine: Engine, reference_server: support.LlamaServer) -> None:
+def test_sampler_on_llama_servers_own_distribution(
+    engine: Engine, reference_server: support.LlamaServer
+) -> None:
     """Teacher-forced: at each step our sampler gets llama-server's own raw distribution (its
     logprobs, which are the logits up to a constant) with the same seed and accepted tokens, and
     must draw llama-server's token. Shift-invariant stages only (repeat_penalty is not)."""
     from bankml.engine_cupy.sampler import Sampler
+
     steps_same = steps_all = 0
     for i, (params, n_top) in enumerate(EXACT_CASES):
         prompt = PROMPTS[i % len(PROMPTS)]
         ids = engine.tokenize(prompt, add_special=True, parse_special=True)
         n_probs = n_top or engine.n_vocab
         n_predict = 6 if n_top else 2
-        body = {"prompt": ids, "n_predict": n_predict, "cache_prompt": False, "return_tokens": True,
-                "n_probs": n_probs, "seed": 500 + i, **params}
+        body = {
+            "prompt": ids,
+            "n_predict": n_predict,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "n_probs": n_probs,
+            "seed": 500 + i,
+            **params,
+        }
         status, ref = completion(reference_server, body)
         assert status == 200
-        sampler = Sampler(engine.parse_request(body, "completion").sampler, engine._vocab_info, engine.n_vocab)
+        sampler = Sampler(
+            engine.parse_request(body, "completion").sampler, engine._vocab_info, engine.n_vocab
+        )
         for t in ids:
             sampler.accept(t)
         for token, entry in zip(ref["tokens"], ref["completion_probabilities"]):
@@ -288,12 +331,16 @@ def test_sampler_on_llama_servers_own_distribution(engine: Engine, reference_ser
             steps_same += sampler.sample(logits) == token
             steps_all += 1
             sampler.accept(token)
-    print(f"\nsampler on llama-server's distributions: {steps_same}/{steps_all} draws identical "
-          f"({len(EXACT_CASES)} configurations)")
+    print(
+        f"\nsampler on llama-server's distributions: {steps_same}/{steps_all} draws identical "
+        f"({len(EXACT_CASES)} configurations)"
+    )
     assert steps_same == steps_all
 
 
-def test_seeded_sampling_matches_llama_server(engine: Engine, reference_server: support.LlamaServer) -> None:
+def test_seeded_sampling_matches_llama_server(
+    engine: Engine, reference_server: support.LlamaServer
+) -> None:
     cases = []
     for i, params in enumerate(SAMPLING_CASES):
         for j, prompt in enumerate(PROMPTS):
@@ -328,14 +375,25 @@ def _server_error(status: int, body: Any) -> tuple[int, str]:
     return status, body.get("raw", "") if isinstance(body, dict) else str(body)
 
 
-@pytest.mark.parametrize("kind,path", [("completion", "/completion"), ("chat", "/v1/chat/completions")])
-def test_refusals_match_llama_server(engine: Engine, reference_server: support.LlamaServer, kind: str,
-                                     path: str) -> None:
-    base = {"prompt": "Hi"} if kind == "completion" else {"messages": [{"role": "user", "content": "Hi"}]}
+@pytest.mark.parametrize(
+    "kind,path", [("completion", "/completion"), ("chat", "/v1/chat/completions")]
+)
+def test_refusals_match_llama_server(
+    engine: Engine, reference_server: support.LlamaServer, kind: str, path: str
+) -> None:
+    base = (
+        {"prompt": "Hi"}
+        if kind == "completion"
+        else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
     extra = [{"logprobs": False, "top_logprobs": 3}] if kind == "chat" else []
     checked = 0
     for bad in BAD_REQUESTS + extra:
-        body = {**base, **bad, "n_predict": bad.get("n_predict", 1)} if "max_tokens" not in bad else {**base, **bad}
+        body = (
+            {**base, **bad, "n_predict": bad.get("n_predict", 1)}
+            if "max_tokens" not in bad
+            else {**base, **bad}
+        )
         status, answer = support.http_json(reference_server.url + path, body)
         ref_status, ref_message = _server_error(status, answer)
         with pytest.raises(RequestError) as err:
@@ -345,7 +403,9 @@ def test_refusals_match_llama_server(engine: Engine, reference_server: support.L
     print(f"\n{kind}: {checked} refusals with llama-server's status and message")
 
 
-def test_context_limit_matches_llama_server(engine: Engine, reference_server: support.LlamaServer) -> None:
+def test_context_limit_matches_llama_server(
+    engine: Engine, reference_server: support.LlamaServer
+) -> None:
     ids = [504] * 2048
     status, answer = completion(reference_server, {"prompt": ids, "n_predict": 1})
     with pytest.raises(RequestError) as err:
@@ -353,10 +413,18 @@ def test_context_limit_matches_llama_server(engine: Engine, reference_server: su
     assert (err.value.status, err.value.body) == (status, answer)
 
 
-def test_greedy_logprobs_and_stop_match_llama_server(engine: Engine, reference_server: support.LlamaServer) -> None:
+def test_greedy_logprobs_and_stop_match_llama_server(
+    engine: Engine, reference_server: support.LlamaServer
+) -> None:
     ids = engine.tokenize(PROMPTS[1], add_special=True, parse_special=True)
-    body = {"prompt": ids, "n_predict": 8, "temperature": 0, "n_probs": 5, "cache_prompt": False,
-            "return_tokens": True}
+    body = {
+        "prompt": ids,
+        "n_predict": 8,
+        "temperature": 0,
+        "n_probs": 5,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
     status, ref = completion(reference_server, body)
     assert status == 200
     steps = engine.run_steps(engine.parse_request(body, "completion"))
@@ -365,7 +433,11 @@ def test_greedy_logprobs_and_stop_match_llama_server(engine: Engine, reference_s
     assert steps.summary.tokens == ref["tokens"]
     worst = 0.0
     for ours, theirs in zip(entries, ref_entries):
-        assert ours["id"] == theirs["id"] and ours["token"] == theirs["token"] and ours["bytes"] == theirs["bytes"]
+        assert (
+            ours["id"] == theirs["id"]
+            and ours["token"] == theirs["token"]
+            and ours["bytes"] == theirs["bytes"]
+        )
         assert ours["top_logprobs"][0]["id"] == theirs["top_logprobs"][0]["id"]
         assert len(ours["top_logprobs"]) == len(theirs["top_logprobs"]) == 5
         worst = max(worst, abs(ours["logprob"] - theirs["logprob"]))
@@ -382,8 +454,16 @@ def test_greedy_logprobs_and_stop_match_llama_server(engine: Engine, reference_s
     assert steps.summary.finish_reason == "stop" and ref_stop["stop_type"] == "word"
 
 
-def test_max_tokens_zero_matches_llama_server(engine: Engine, reference_server: support.LlamaServer) -> None:
-    body = {"prompt": "The sky is", "n_predict": 0, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+def test_max_tokens_zero_matches_llama_server(
+    engine: Engine, reference_server: support.LlamaServer
+) -> None:
+    body = {
+        "prompt": "The sky is",
+        "n_predict": 0,
+        "temperature": 0,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
     status, ref = completion(reference_server, body)
     steps = engine.run_steps(engine.parse_request(body, "completion"))
     for _ in steps:
@@ -393,22 +473,47 @@ def test_max_tokens_zero_matches_llama_server(engine: Engine, reference_server: 
 
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                                                 "minItems": 1, "maxItems": 3}},
-     "required": ["colors"], "additionalProperties": False},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}},
-     "required": ["ok", "score"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "colors": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["colors"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}},
+        "required": ["ok", "score"],
+        "additionalProperties": False,
+    },
 ]
 
 
 def test_json_schema_answers_are_valid(engine: Engine) -> None:
     valid = 0
     for i, schema in enumerate(SCHEMAS):
-        body = {"messages": [{"role": "user", "content": "Describe a person as JSON."}], "max_tokens": 60,
-                "seed": 7 + i, "temperature": 0.7,
-                "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+        body = {
+            "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+            "max_tokens": 60,
+            "seed": 7 + i,
+            "temperature": 0.7,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+        }
         steps = engine.run_steps(engine.parse_request(body, "chat"))
         for _ in steps:
             pass
@@ -430,7 +535,13 @@ def test_gbnf_answers_parse_under_their_grammar(engine: Engine) -> None:
     llg = engine.llg_tokenizer()
     parsed = 0
     for i, grammar in enumerate(GRAMMARS):
-        body = {"prompt": "Answer: ", "n_predict": 24, "seed": 3 + i, "temperature": 0.8, "grammar": grammar}
+        body = {
+            "prompt": "Answer: ",
+            "n_predict": 24,
+            "seed": 3 + i,
+            "temperature": 0.8,
+            "grammar": grammar,
+        }
         steps = engine.run_steps(engine.parse_request(body, "completion"))
         for _ in steps:
             pass
@@ -442,8 +553,14 @@ def test_gbnf_answers_parse_under_their_grammar(engine: Engine) -> None:
     print(f"\nGBNF answers that parse under their grammar: {parsed}/{len(GRAMMARS)}")
 
 
-@pytest.mark.parametrize("body", [{"grammar": "root ::= undefined_rule"}, {"grammar": 'root ::= "a'},
-                                  {"json_schema": "not a schema"}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"grammar": "root ::= undefined_rule"},
+        {"grammar": 'root ::= "a'},
+        {"json_schema": "not a schema"},
+    ],
+)
 def test_invalid_constraints_are_refused_before_compute(engine: Engine, body: dict) -> None:
     before = list(engine.slot_tokens)
     with pytest.raises(RequestError) as err:

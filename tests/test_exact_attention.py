@@ -15,15 +15,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bankml.engine_cupy.exact_attention import (FA_TILE_Q, SPLIT_MIN_CELLS, attention_mask,
-                                                flash_attn_f16, flash_attn_q8_0, kv_length)
+from bankml.engine_cupy.exact_attention import (
+    FA_TILE_Q,
+    SPLIT_MIN_CELLS,
+    attention_mask,
+    flash_attn_f16,
+    flash_attn_q8_0,
+    kv_length,
+)
 from tests import ggml_oracle
 
 CACHE_CELLS = 2048  # llama-server -c 2048 -np 1: the cache size that caps the padded length
 
 
-def ggml_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float,
-                   n_kv: int, threads: int = 2) -> np.ndarray:
+def ggml_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray,
+    scale: float,
+    n_kv: int,
+    threads: int = 2,
+) -> np.ndarray:
     """ggml_flash_attn_ext on q [n, head, hd], k/v [kv_head, T, hd] padded to n_kv cells."""
     n_head_kv, n_cells, hd = k.shape
     kp = np.zeros((n_head_kv, n_kv, hd), np.float16)
@@ -31,13 +44,20 @@ def ggml_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     kp[:, :n_cells], vp[:, :n_cells] = k, v
     mp = np.full((q.shape[0], n_kv), -np.inf, np.float16)
     mp[:, :n_cells] = mask
-    out = ggml_oracle.flash_attn_ext(np.ascontiguousarray(q.transpose(1, 0, 2)), kp, vp, mp, scale,
-                                     threads=threads)
+    out = ggml_oracle.flash_attn_ext(
+        np.ascontiguousarray(q.transpose(1, 0, 2)), kp, vp, mp, scale, threads=threads
+    )
     return out.reshape(q.shape)
 
 
-def random_case(rng: np.random.Generator, n_rows: int, n_cells: int, n_head: int = 9,
-                n_head_kv: int = 3, hd: int = 64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def random_case(
+    rng: np.random.Generator,
+    n_rows: int,
+    n_cells: int,
+    n_head: int = 9,
+    n_head_kv: int = 3,
+    hd: int = 64,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q/K/V in the ranges of a small model's attention, with a strong first key (a 'sink')."""
     q = rng.normal(0, 2.5, (n_rows, n_head, hd)).astype(np.float32)
     k = rng.normal(0, 2.0, (n_head_kv, n_cells, hd))
@@ -46,9 +66,17 @@ def random_case(rng: np.random.Generator, n_rows: int, n_cells: int, n_head: int
     return q, k.astype(np.float16), v.astype(np.float16)
 
 
-def assert_bitwise(n_rows: int, n_cells: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                   scale: float = 0.125, window: int = 0, threads: int = 2,
-                   parallel: bool | None = None) -> None:
+def assert_bitwise(
+    n_rows: int,
+    n_cells: int,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float = 0.125,
+    window: int = 0,
+    threads: int = 2,
+    parallel: bool | None = None,
+) -> None:
     """A causal batch of n_rows ending at cell n_cells - 1."""
     start = n_cells - n_rows
     mask = attention_mask(np.arange(start, start + n_rows), np.arange(n_cells), window)
@@ -56,8 +84,10 @@ def assert_bitwise(n_rows: int, n_cells: int, q: np.ndarray, k: np.ndarray, v: n
     got = flash_attn_f16(q, k, v, mask, scale, n_kv=n_kv, n_threads=threads, parallel=parallel)
     want = ggml_reference(q, k, v, mask, scale, n_kv, threads)
     differ = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
-    print(f"rows={n_rows} T={n_cells} n_kv={n_kv} window={window} threads={threads}: "
-          f"{differ} of {got.size} values differ")
+    print(
+        f"rows={n_rows} T={n_cells} n_kv={n_kv} window={window} threads={threads}: "
+        f"{differ} of {got.size} values differ"
+    )
     assert differ == 0
 
 
@@ -102,8 +132,9 @@ def test_small_batches(n_rows: int, n_cells: int) -> None:
     assert_bitwise(n_rows, n_cells, q, k, v)
 
 
-@pytest.mark.parametrize("n_rows,n_cells", [(64, 64), (100, 100), (100, 530), (512, 512),
-                                            (200, 1024)])
+@pytest.mark.parametrize(
+    "n_rows,n_cells", [(64, 64), (100, 100), (100, 530), (512, 512), (200, 1024)]
+)
 def test_tiled_batches(n_rows: int, n_cells: int) -> None:
     """64 rows or more: the tiled kernel (f32 Q, ggml_v_expf, f32 fma chains)."""
     q, k, v = random_case(np.random.default_rng(n_rows * 1000 + n_cells), n_rows, n_cells)
@@ -156,8 +187,9 @@ def test_no_mask_means_every_cell_visible() -> None:
     """mask=None attends over all T cells, as a zero mask does."""
     q, k, v = random_case(np.random.default_rng(9), 3, 120)
     zero = np.zeros((3, 120), np.float32)
-    assert np.array_equal(flash_attn_f16(q, k, v, None, 0.125),
-                          flash_attn_f16(q, k, v, zero, 0.125))
+    assert np.array_equal(
+        flash_attn_f16(q, k, v, None, 0.125), flash_attn_f16(q, k, v, zero, 0.125)
+    )
 
 
 @pytest.mark.parametrize("n_rows", [1, 5, 70])
@@ -207,15 +239,17 @@ def q8_0_bytes(qs: np.ndarray, d: np.ndarray) -> bytes:
     return blocks.tobytes()
 
 
-@pytest.mark.parametrize("n_rows,n_cells", [(1, 1), (1, 200), (1, 700), (9, 300), (100, 300),
-                                            (300, 300)])
+@pytest.mark.parametrize(
+    "n_rows,n_cells", [(1, 1), (1, 200), (1, 700), (9, 300), (100, 300), (300, 300)]
+)
 @pytest.mark.parametrize("n_head,n_head_kv,hd", [(9, 3, 64), (4, 4, 128)])
 def test_q8_0_cache(n_rows: int, n_cells: int, n_head: int, n_head_kv: int, hd: int) -> None:
     """q8_0 K/V: ggml's one-row kernel for every batch (q8_0 dot, f32 accumulator)."""
     rng = np.random.default_rng(n_rows * 7 + n_cells + hd)
     q = rng.normal(0, 2.5, (n_rows, n_head, hd)).astype(np.float32)
-    (kq, kd), (vq, vd) = (ggml_q8_0(rng.normal(0, s, (n_head_kv, n_cells, hd)).astype(np.float32))
-                          for s in (2.0, 0.7))
+    (kq, kd), (vq, vd) = (
+        ggml_q8_0(rng.normal(0, s, (n_head_kv, n_cells, hd)).astype(np.float32)) for s in (2.0, 0.7)
+    )
     mask = attention_mask(np.arange(n_cells - n_rows, n_cells), np.arange(n_cells))
     n_kv = kv_length(n_cells, CACHE_CELLS)
     pad = n_kv - n_cells
@@ -225,11 +259,16 @@ def test_q8_0_cache(n_rows: int, n_cells: int, n_head: int, n_head_kv: int, hd: 
 
     mp = np.full((n_rows, n_kv), -np.inf, np.float16)
     mp[:, :n_cells] = mask
-    want = ggml_oracle.run("flash_attn_ext", [
-        ggml_oracle._array_input(np.ascontiguousarray(q.transpose(1, 0, 2))),
-        ggml_oracle._input(8, (hd, n_kv, n_head_kv), q8_0_bytes(padded(kq), padded(kd))),
-        ggml_oracle._input(8, (hd, n_kv, n_head_kv), q8_0_bytes(padded(vq), padded(vd))),
-        ggml_oracle._array_input(mp)], fp=[float(1 / np.sqrt(hd)), 0.0, 0.0]).reshape(q.shape)
+    want = ggml_oracle.run(
+        "flash_attn_ext",
+        [
+            ggml_oracle._array_input(np.ascontiguousarray(q.transpose(1, 0, 2))),
+            ggml_oracle._input(8, (hd, n_kv, n_head_kv), q8_0_bytes(padded(kq), padded(kd))),
+            ggml_oracle._input(8, (hd, n_kv, n_head_kv), q8_0_bytes(padded(vq), padded(vd))),
+            ggml_oracle._array_input(mp),
+        ],
+        fp=[float(1 / np.sqrt(hd)), 0.0, 0.0],
+    ).reshape(q.shape)
     got = flash_attn_q8_0(q, kq, kd, vq, vd, mask, float(1 / np.sqrt(hd)), parallel=n_rows > 50)
     differ = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
     print(f"q8_0 rows={n_rows} T={n_cells} heads={n_head}/{n_head_kv} hd={hd}: {differ} differ")
@@ -237,6 +276,7 @@ def test_q8_0_cache(n_rows: int, n_cells: int, n_head: int, n_head_kv: int, hd: 
 
 
 # --- Q/K/V of the default model --------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def engine_calls(default_model: Path) -> dict[str, object]:
@@ -256,8 +296,17 @@ def engine_calls(default_model: Path) -> dict[str, object]:
     original = exact_attention.flash_attn_f16
 
     def recording(q, k, v, mask, scale, n_kv=None, n_threads=2, parallel=None):
-        calls.append((np.array(q), np.array(k), np.array(v),
-                      None if mask is None else np.array(mask), float(scale), n_kv, n_threads))
+        calls.append(
+            (
+                np.array(q),
+                np.array(k),
+                np.array(v),
+                None if mask is None else np.array(mask),
+                float(scale),
+                n_kv,
+                n_threads,
+            )
+        )
         return original(q, k, v, mask, scale, n_kv=n_kv, n_threads=n_threads, parallel=parallel)
 
     exact_attention.flash_attn_f16 = recording
@@ -271,8 +320,10 @@ def engine_calls(default_model: Path) -> dict[str, object]:
     n_layer = engine.hp.n_layer
     assert len(calls) == 2 * n_layer, "the CPU forward pass no longer calls flash_attn_f16"
     layers = (0, n_layer // 2, n_layer - 1)
-    return {"prefill": [calls[il] for il in layers],
-            "decode": [calls[n_layer + il] for il in layers]}
+    return {
+        "prefill": [calls[il] for il in layers],
+        "decode": [calls[n_layer + il] for il in layers],
+    }
 
 
 def replay(call: tuple) -> None:
@@ -299,12 +350,18 @@ def test_engine_calls_on_the_default_model(engine_calls: dict, kind: str) -> Non
 def test_default_model_attention(engine_calls: dict, n_rows: int, n_cells: int) -> None:
     """Real Q/K/V on every kernel: the prompt's queries n_cells - n_rows .. n_cells - 1."""
     for q, k, v, _, scale, _, _ in engine_calls["prefill"]:
-        assert_bitwise(n_rows, n_cells, q[n_cells - n_rows:n_cells],
-                       k[:, :n_cells].astype(np.float16), v[:, :n_cells].astype(np.float16),
-                       scale=scale)
+        assert_bitwise(
+            n_rows,
+            n_cells,
+            q[n_cells - n_rows : n_cells],
+            k[:, :n_cells].astype(np.float16),
+            v[:, :n_cells].astype(np.float16),
+            scale=scale,
+        )
 
 
 # --- the scalar pieces ------------------------------------------------------------------------
+
 
 def test_f16_rounding_equals_numpy() -> None:
     """jit.f16_round (the kernels' f32->f16->f32) equals NumPy's conversion on spread bit patterns,
@@ -357,9 +414,18 @@ def test_warm_up_compiles_what_the_engine_calls() -> None:
     from bankml.engine_cupy import exact_attention as ea
 
     ea.warm_up(q8_0=True)
-    drivers = [ea._one_chunk_serial, ea._one_chunk_parallel, ea._split_serial, ea._split_parallel,
-               ea._tiled_serial, ea._tiled_parallel, ea._q8_0_serial, ea._q8_0_parallel,
-               ea._pack_k_tiles, ea._reduce_all]
+    drivers = [
+        ea._one_chunk_serial,
+        ea._one_chunk_parallel,
+        ea._split_serial,
+        ea._split_parallel,
+        ea._tiled_serial,
+        ea._tiled_parallel,
+        ea._q8_0_serial,
+        ea._q8_0_parallel,
+        ea._pack_k_tiles,
+        ea._reduce_all,
+    ]
     before = [len(d.signatures) for d in drivers]
     assert all(n >= 1 for n in before)
     cache = np.zeros((3, 2048, 64), np.float32)
@@ -367,6 +433,13 @@ def test_warm_up_compiles_what_the_engine_calls() -> None:
         q = np.ones((n_rows, 9, 64), np.float32)
         mask = attention_mask(np.arange(700 - n_rows, 700), np.arange(700))
         for parallel in (False, True):
-            flash_attn_f16(q, cache[:, :700], cache[:, :700], mask if n_rows > 1 else None, 0.125,
-                           n_kv=768, parallel=parallel)
+            flash_attn_f16(
+                q,
+                cache[:, :700],
+                cache[:, :700],
+                mask if n_rows > 1 else None,
+                0.125,
+                n_kv=768,
+                parallel=parallel,
+            )
     assert [len(d.signatures) for d in drivers] == before

@@ -25,14 +25,18 @@ from tests.test_exact_kquants import activations, differing
 from tests.test_exact_kquants import random_blocks as kquant_blocks
 
 F32 = np.float32
-CODES = {T.IQ4_NL: {"vec_dot": ei._NL_VD, "tinyBLAS": ei._NL_TB, "repacked": ei._NL_RP},
-         T.IQ4_XS: {"vec_dot": ei._XS_VD, "tiled": ei._XS_T}}
+CODES = {
+    T.IQ4_NL: {"vec_dot": ei._NL_VD, "tinyBLAS": ei._NL_TB, "repacked": ei._NL_RP},
+    T.IQ4_XS: {"vec_dot": ei._XS_VD, "tiled": ei._XS_T},
+}
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64]
 
 
 def ggml_weights(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> np.ndarray:
     """Gaussian rows (some rows 10x wider) quantized by ggml's quantize_row_iq4_nl/iq4_xs."""
-    w = rng.standard_normal((n_out, n_in)).astype(F32) * rng.choice(np.array([0.02, 0.2], F32), (n_out, 1))
+    w = rng.standard_normal((n_out, n_in)).astype(F32) * rng.choice(
+        np.array([0.02, 0.2], F32), (n_out, 1)
+    )
     return go.quantize_rows(w, qtype)
 
 
@@ -62,7 +66,9 @@ def other_arithmetics(matrix: ei.IQuantMatrix, x: np.ndarray, ggml: np.ndarray) 
     return found
 
 
-def check(qtype: T, n_out: int, n_in: int, m: int, seed: int, repacked: bool = False) -> dict[str, int]:
+def check(
+    qtype: T, n_out: int, n_in: int, m: int, seed: int, repacked: bool = False
+) -> dict[str, int]:
     """ggml's product against ours; returns the other arithmetics' differing outputs."""
     rng = np.random.default_rng(seed)
     raw, x = ggml_weights(rng, qtype, n_out, n_in), activations(rng, m, n_in)
@@ -70,14 +76,17 @@ def check(qtype: T, n_out: int, n_in: int, m: int, seed: int, repacked: bool = F
     ggml = (go.mul_mat_repacked if repacked else go.mul_mat)(raw, qtype, n_out, n_in, x)
     mine = differing(matrix.matmul(x), ggml)
     others = other_arithmetics(matrix, x, ggml)
-    print(f"\n{qtype.name} [{n_out}, {n_in}]{' repacked' if repacked else ''} m={m}: exact_iquants differs in "
-          f"{mine} of {ggml.size}; " + ", ".join(f"{k} {v}" for k, v in others.items()))
+    print(
+        f"\n{qtype.name} [{n_out}, {n_in}]{' repacked' if repacked else ''} m={m}: exact_iquants differs in "
+        f"{mine} of {ggml.size}; " + ", ".join(f"{k} {v}" for k, v in others.items())
+    )
     assert mine == 0
     assert others["f32"] > 0
     return others
 
 
 # --- IQ4_NL ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("m", ROWS)
 def test_iq4_nl_repacked_matches_ggml_cpu_repack_buffer(m: int) -> None:
@@ -104,6 +113,7 @@ def test_iq4_nl_vec_dot_block_counts(n_in: int) -> None:
 
 # --- IQ4_XS ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("m", ROWS)
 def test_iq4_xs_matches_ggml(m: int) -> None:
     """Never repacked on x86: ggml_vec_dot_iq4_xs_q8_K below 8 rows, the tiled kernel from 8;
@@ -119,6 +129,7 @@ def test_iq4_xs_row_counts_that_are_multiples_of_8() -> None:
 
 
 # --- real weights ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def ffn_down_f32(default_model: Path) -> np.ndarray:
@@ -140,18 +151,26 @@ def test_default_model_ffn_down_requantized_by_ggml(ffn_down_f32: np.ndarray, qt
     x = activations(np.random.default_rng(60), 9, n_in)
     for m in (1, 9):
         ggml = (go.mul_mat_repacked if repacked else go.mul_mat)(raw, qtype, n_out, n_in, x[:m])
-        naive, mine = differing(f32_product(matrix, x[:m]), ggml), differing(matrix.matmul(x[:m]), ggml)
-        print(f"\nblk.0.ffn_down as {qtype.name}, m={m}: exact_iquants differs in {mine}, f32 in {naive} "
-              f"of {ggml.size}")
+        naive, mine = (
+            differing(f32_product(matrix, x[:m]), ggml),
+            differing(matrix.matmul(x[:m]), ggml),
+        )
+        print(
+            f"\nblk.0.ffn_down as {qtype.name}, m={m}: exact_iquants differs in {mine}, f32 in {naive} "
+            f"of {ggml.size}"
+        )
         assert mine == 0 and naive > 0
 
 
 # --- layers: concatenation and stacks with the other exact modules --------------------------------
 
+
 def test_concat_equals_separate_products() -> None:
     rng = np.random.default_rng(7)
-    parts = [ei.IQuantMatrix(ggml_weights(rng, T.IQ4_NL, n, 256), T.IQ4_NL, n, 256, repacked=True)
-             for n in (16, 8, 24)]
+    parts = [
+        ei.IQuantMatrix(ggml_weights(rng, T.IQ4_NL, n, 256), T.IQ4_NL, n, 256, repacked=True)
+        for n in (16, 8, 24)
+    ]
     joined = ei.IQuantMatrix.concat(parts)
     assert isinstance(joined, ei.IQ4NLMatrix)
     assert (joined.n_out, joined.n_in, joined.qtype, joined.repacked) == (48, 256, T.IQ4_NL, True)
@@ -165,16 +184,23 @@ def test_q8_0_stack_of_iq4_nl_and_the_q4_0_family() -> None:
     rng = np.random.default_rng(9)
     specs = [(T.IQ4_NL, 64, True), (T.IQ4_NL, 36, False), (T.Q8_0, 40, False), (T.Q4_0, 24, True)]
     raws = [ggml_weights(rng, q, n, 512) for q, n, _ in specs]
-    parts = [(ei.IQuantMatrix if q == T.IQ4_NL else em.QuantMatrix)(raw, q, n, 512, repacked=rep)
-             for raw, (q, n, rep) in zip(raws, specs)]
+    parts = [
+        (ei.IQuantMatrix if q == T.IQ4_NL else em.QuantMatrix)(raw, q, n, 512, repacked=rep)
+        for raw, (q, n, rep) in zip(raws, specs)
+    ]
     for first in (parts, parts[2:] + parts[:2]):  # whichever family comes first
         stack = type(first[0]).concat(first)
         assert isinstance(stack, em.MatrixStack) and stack.n_out == 164
     stack = ei.IQuantMatrix.concat(parts)
     for m in (1, 5):
         x = activations(rng, m, 512)
-        want = np.concatenate([(go.mul_mat_repacked if rep else go.mul_mat)(raw, q, n, 512, x)
-                               for raw, (q, n, rep) in zip(raws, specs)], axis=1)
+        want = np.concatenate(
+            [
+                (go.mul_mat_repacked if rep else go.mul_mat)(raw, q, n, 512, x)
+                for raw, (q, n, rep) in zip(raws, specs)
+            ],
+            axis=1,
+        )
         assert differing(stack.matmul(x), want) == 0
 
 
@@ -183,19 +209,30 @@ def test_q8_k_stack_of_iq4_xs_and_k_quants() -> None:
     apart from IQ4_XS's plain one): exact_kquants' KMatrixStack."""
     rng = np.random.default_rng(11)
     specs = [(T.IQ4_XS, 40, False), (T.Q6_K, 24, False), (T.Q4_K, 16, True)]
-    raws = [ggml_weights(rng, q, n, 512) if q == T.IQ4_XS else kquant_blocks(rng, q, n, 512) for q, n, _ in specs]
-    parts = [(ei.IQuantMatrix if q == T.IQ4_XS else ek.KQuantMatrix)(raw, q, n, 512, repacked=rep)
-             for raw, (q, n, rep) in zip(raws, specs)]
+    raws = [
+        ggml_weights(rng, q, n, 512) if q == T.IQ4_XS else kquant_blocks(rng, q, n, 512)
+        for q, n, _ in specs
+    ]
+    parts = [
+        (ei.IQuantMatrix if q == T.IQ4_XS else ek.KQuantMatrix)(raw, q, n, 512, repacked=rep)
+        for raw, (q, n, rep) in zip(raws, specs)
+    ]
     stack = ei.IQuantMatrix.concat(parts)
     assert isinstance(stack, ek.KMatrixStack) and stack.n_out == 80
     for m in (1, 5, 9):
         x = activations(rng, m, 512)
-        want = np.concatenate([(go.mul_mat_repacked if rep else go.mul_mat)(raw, q, n, 512, x)
-                               for raw, (q, n, rep) in zip(raws, specs)], axis=1)
+        want = np.concatenate(
+            [
+                (go.mul_mat_repacked if rep else go.mul_mat)(raw, q, n, 512, x)
+                for raw, (q, n, rep) in zip(raws, specs)
+            ],
+            axis=1,
+        )
         assert differing(stack.matmul(x), want) == 0
 
 
 # --- interface -------------------------------------------------------------------------------------
+
 
 def test_shape_checks_and_errors() -> None:
     rng = np.random.default_rng(8)
@@ -247,7 +284,9 @@ def grid_weights(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> n
     importance matrix), so their rows are random bytes, which are all valid blocks (every index
     is in its grid, every sign pattern allowed), with small positive f16 d as real weights have."""
     if qtype in (T.TQ1_0, T.TQ2_0):
-        w = rng.standard_normal((n_out, n_in)).astype(F32) * rng.choice(np.array([0.02, 0.2], F32), (n_out, 1))
+        w = rng.standard_normal((n_out, n_in)).astype(F32) * rng.choice(
+            np.array([0.02, 0.2], F32), (n_out, 1)
+        )
         return go.quantize_rows(w, qtype)
     block_bytes = ei._GRID[qtype][0]
     blocks = rng.integers(0, 256, (n_out * n_in // 256, block_bytes), dtype=np.uint8)
@@ -295,8 +334,10 @@ def check_grid(qtype: T, n_out: int, n_in: int, m: int, seed: int) -> dict[str, 
     act = matrix.quantize(x)
     mine = differing(matrix.matmul(act), ggml)
     others = grid_others(matrix, act, ggml)
-    print(f"\n{qtype.name} [{n_out}, {n_in}] m={m}: exact_iquants differs in {mine} of {ggml.size}; "
-          + ", ".join(f"{k} {v}" for k, v in others.items()))
+    print(
+        f"\n{qtype.name} [{n_out}, {n_in}] m={m}: exact_iquants differs in {mine} of {ggml.size}; "
+        + ", ".join(f"{k} {v}" for k, v in others.items())
+    )
     assert mine == 0
     assert others["f32"] > 0
     return others
@@ -335,7 +376,12 @@ def test_decoded_weight_is_gguf_dequantization(qtype: T) -> None:
     w = np.stack([r[0] for r in rows]).astype(np.float64)
     delta = np.stack([r[1] for r in rows]) / 8.0
     power = {T.IQ2_XXS: 0.125, T.IQ2_XS: 0.125, T.IQ2_S: 0.125, T.IQ3_XXS: 0.25}.get(qtype, 1.0)
-    mine = (w + delta) * np.repeat(matrix.scales, 16, axis=1) * np.repeat(matrix.d, 256, axis=1) * power
+    mine = (
+        (w + delta)
+        * np.repeat(matrix.scales, 16, axis=1)
+        * np.repeat(matrix.d, 256, axis=1)
+        * power
+    )
     want = weights.dequantize(raw, qtype).reshape(6, 512)
     assert np.array_equal(mine.astype(F32), want)
     assert np.abs(w).max() <= 62  # no pmaddubsw saturation in ggml, none in our int32 lanes
@@ -346,16 +392,27 @@ def test_q8_k_stack_of_grid_types_and_k_quants() -> None:
     """An IQ2_XXS/IQ3_S mix file's layer: its parts beside IQ4_XS and Q6_K in one KMatrixStack."""
     rng = np.random.default_rng(12)
     specs = [(T.IQ2_XXS, 40), (T.IQ3_S, 24), (T.IQ4_XS, 16), (T.Q6_K, 8)]
-    raws = [grid_weights(rng, q, n, 512) if q in ei._GRID else
-            ggml_weights(rng, q, n, 512) if q == T.IQ4_XS else kquant_blocks(rng, q, n, 512) for q, n in specs]
-    parts = [(ei.IQuantMatrix if q != T.Q6_K else ek.KQuantMatrix)(raw, q, n, 512) for raw, (q, n) in zip(raws, specs)]
+    raws = [
+        grid_weights(rng, q, n, 512)
+        if q in ei._GRID
+        else ggml_weights(rng, q, n, 512)
+        if q == T.IQ4_XS
+        else kquant_blocks(rng, q, n, 512)
+        for q, n in specs
+    ]
+    parts = [
+        (ei.IQuantMatrix if q != T.Q6_K else ek.KQuantMatrix)(raw, q, n, 512)
+        for raw, (q, n) in zip(raws, specs)
+    ]
     stack = ei.IQuantMatrix.concat(parts)
     assert isinstance(stack, ek.KMatrixStack) and stack.n_out == 88
     same = ei.IQuantMatrix.concat(parts[:1] * 2)
     assert isinstance(same, ei.IQGridMatrix) and same.n_out == 80
     for m in (1, 9):
         x = activations(rng, m, 512)
-        want = np.concatenate([go.mul_mat(raw, q, n, 512, x) for raw, (q, n) in zip(raws, specs)], axis=1)
+        want = np.concatenate(
+            [go.mul_mat(raw, q, n, 512, x) for raw, (q, n) in zip(raws, specs)], axis=1
+        )
         assert differing(stack.matmul(x), want) == 0
         assert differing(same.matmul(x), np.concatenate([parts[0].matmul(x)] * 2, axis=1)) == 0
 

@@ -22,9 +22,18 @@ from tests import ggml_oracle as go
 
 F32 = np.float32
 # every arithmetic ggml has for a weight type
-CODES = {T.Q6_K: {"vec_dot": ek._VD6, "tiled": ek._T6}, T.Q5_K: {"vec_dot": ek._VD5, "tiled": ek._T5},
-         T.Q4_K: {"vec_dot": ek._VD4, "tiled": ek._T4, "repacked gemv": ek._GV4, "repacked gemm": ek._GM4},
-         T.Q3_K: {"vec_dot": ek._VD3, "tiled": ek._T3}, T.Q2_K: {"vec_dot": ek._VD2, "tiled": ek._T2}}
+CODES = {
+    T.Q6_K: {"vec_dot": ek._VD6, "tiled": ek._T6},
+    T.Q5_K: {"vec_dot": ek._VD5, "tiled": ek._T5},
+    T.Q4_K: {
+        "vec_dot": ek._VD4,
+        "tiled": ek._T4,
+        "repacked gemv": ek._GV4,
+        "repacked gemm": ek._GM4,
+    },
+    T.Q3_K: {"vec_dot": ek._VD3, "tiled": ek._T3},
+    T.Q2_K: {"vec_dot": ek._VD2, "tiled": ek._T2},
+}
 
 
 def differing(a: np.ndarray, b: np.ndarray) -> int:
@@ -41,7 +50,13 @@ def random_blocks(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> 
     raw = rng.integers(0, 256, (n_out, nb, ek._BLOCK_BYTES[qtype]), dtype=np.uint8)
 
     def halves(scale: float) -> np.ndarray:
-        return (rng.random((n_out, nb)) * scale + 1e-5).astype(np.float16).view(np.uint8).reshape(n_out, nb, 2)
+        return (
+            (rng.random((n_out, nb)) * scale + 1e-5)
+            .astype(np.float16)
+            .view(np.uint8)
+            .reshape(n_out, nb, 2)
+        )
+
     if qtype == T.Q6_K:
         raw[:, :, 208:210] = halves(0.004)
     elif qtype == T.Q3_K:  # hmask, qs, 12 bytes of 6-bit scales, then d
@@ -61,14 +76,18 @@ def activations(rng: np.random.Generator, m: int, n: int) -> np.ndarray:
     return (rng.standard_normal((m, n)) * scale).astype(F32)
 
 
-def f32_product(raw: np.ndarray, qtype: T, n_out: int, n_in: int, act: ek.KActivation) -> np.ndarray:
+def f32_product(
+    raw: np.ndarray, qtype: T, n_out: int, n_in: int, act: ek.KActivation
+) -> np.ndarray:
     """The same operands multiplied in f32 (dequantized weight, dequantized q8_K activation)."""
     w = weights.dequantize(raw, qtype).reshape(n_out, n_in)
     x = act.q.astype(F32) * np.repeat(act.d, ek.QK_K, axis=1)
     return x @ w.T
 
 
-def other_arithmetics(matrix: ek.KQuantMatrix, x: np.ndarray, ggml: np.ndarray, used: set[int]) -> dict[str, int]:
+def other_arithmetics(
+    matrix: ek.KQuantMatrix, x: np.ndarray, ggml: np.ndarray, used: set[int]
+) -> dict[str, int]:
     """Differing outputs of every other arithmetic for this weight type on the same data."""
     codes = {k: c for k, c in CODES[matrix.qtype].items() if c not in used}
     act = ek.KActivation(x)
@@ -77,11 +96,15 @@ def other_arithmetics(matrix: ek.KQuantMatrix, x: np.ndarray, ggml: np.ndarray, 
         out = np.empty_like(ggml)
         ek._run(code, matrix.raw, act, slice(0, x.shape[0]), out)
         found[name] = differing(out, ggml)
-    found["f32"] = differing(f32_product(matrix.raw, matrix.qtype, matrix.n_out, matrix.n_in, act), ggml)
+    found["f32"] = differing(
+        f32_product(matrix.raw, matrix.qtype, matrix.n_out, matrix.n_in, act), ggml
+    )
     return found
 
 
-def check(name: str, qtype: T, n_out: int, n_in: int, m: int, seed: int, repacked: bool = False) -> None:
+def check(
+    name: str, qtype: T, n_out: int, n_in: int, m: int, seed: int, repacked: bool = False
+) -> None:
     rng = np.random.default_rng(seed)
     raw, x = random_blocks(rng, qtype, n_out, n_in), activations(rng, m, n_in)
     matrix = ek.KQuantMatrix(raw, qtype, n_out, n_in, repacked=repacked)
@@ -93,14 +116,17 @@ def check(name: str, qtype: T, n_out: int, n_in: int, m: int, seed: int, repacke
     else:
         used = {CODES[qtype]["vec_dot" if m < 8 else "tiled"]}
     others = other_arithmetics(matrix, x, ggml, used)
-    print(f"\n{name} {qtype.name} [{n_out}, {n_in}] m={m}: exact_kquants differs in {mine} of {ggml.size}; "
-          + ", ".join(f"{k} {v}" for k, v in others.items()))
+    print(
+        f"\n{name} {qtype.name} [{n_out}, {n_in}] m={m}: exact_kquants differs in {mine} of {ggml.size}; "
+        + ", ".join(f"{k} {v}" for k, v in others.items())
+    )
     assert mine == 0
     assert others["f32"] > 0
     assert any(v > 0 for k, v in others.items() if k != "f32")
 
 
 # --- activation rounding --------------------------------------------------------------------------
+
 
 def test_q8_k_rounding_matches_ggml_from_float() -> None:
     rng = np.random.default_rng(1)
@@ -115,6 +141,7 @@ def test_q8_k_rounding_matches_ggml_from_float() -> None:
 
 
 # --- products -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("m", [1, 3, 4, 17, 64])
 def test_q6_k_matches_ggml(m: int) -> None:
@@ -142,9 +169,19 @@ def test_q5_k_matches_ggml(m: int) -> None:
 
 # Q2_K and Q3_K: every batch size up to the tiled threshold and past it, weight row counts
 # that are and are not multiples of 8 and 16 (the task size), widths of 2 to 6 super-blocks
-SMALL_K_CASES = [(1, 576, 1536), (2, 101, 512), (3, 576, 1536), (4, 333, 1024), (5, 101, 512),
-                 (6, 576, 1536), (7, 333, 1024), (8, 576, 1536), (9, 101, 512), (17, 333, 1024),
-                 (64, 576, 1536)]
+SMALL_K_CASES = [
+    (1, 576, 1536),
+    (2, 101, 512),
+    (3, 576, 1536),
+    (4, 333, 1024),
+    (5, 101, 512),
+    (6, 576, 1536),
+    (7, 333, 1024),
+    (8, 576, 1536),
+    (9, 101, 512),
+    (17, 333, 1024),
+    (64, 576, 1536),
+]
 
 
 @pytest.mark.parametrize("m, n_out, n_in", SMALL_K_CASES)
@@ -164,12 +201,20 @@ def test_q2_k_matches_ggml(m: int, n_out: int, n_in: int) -> None:
 # The batch arithmetics (tiled, repacked gemm) run in weight-row lanes: eight weight rows
 # unpacked together, activation rows four at a time then one by one, the n_out % 8 last weight
 # rows by the one-row dots; serial below PARALLEL_MIN_MACS, parallel above (m = 512 here).
-WIDE_TYPES = [(T.Q2_K, False, 44), (T.Q3_K, False, 44), (T.Q4_K, False, 44), (T.Q5_K, False, 44),
-              (T.Q6_K, False, 44), (T.Q4_K, True, 40)]
+WIDE_TYPES = [
+    (T.Q2_K, False, 44),
+    (T.Q3_K, False, 44),
+    (T.Q4_K, False, 44),
+    (T.Q5_K, False, 44),
+    (T.Q6_K, False, 44),
+    (T.Q4_K, True, 40),
+]
 
 
 @pytest.mark.parametrize("m", [8, 9, 16, 17, 64, 512])
-@pytest.mark.parametrize("qtype, repacked, n_out", WIDE_TYPES, ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize(
+    "qtype, repacked, n_out", WIDE_TYPES, ids=lambda v: getattr(v, "name", str(v))
+)
 def test_weight_row_lanes_match_ggml(qtype: T, repacked: bool, n_out: int, m: int) -> None:
     check("lanes", qtype, n_out, 512, m, seed=90 + m, repacked=repacked)
 
@@ -181,9 +226,18 @@ def test_fewer_than_eight_weight_rows_and_one_block(qtype: T) -> None:
         check("narrow", qtype, n_out, 256, 11, seed=95 + n_out)
 
 
-@pytest.mark.parametrize("qtype, repacked", [(T.Q2_K, False), (T.Q3_K, False), (T.Q4_K, False), (T.Q4_K, True),
-                                             (T.Q5_K, False), (T.Q6_K, False)],
-                         ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize(
+    "qtype, repacked",
+    [
+        (T.Q2_K, False),
+        (T.Q3_K, False),
+        (T.Q4_K, False),
+        (T.Q4_K, True),
+        (T.Q5_K, False),
+        (T.Q6_K, False),
+    ],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
 def test_weight_row_lanes_at_the_int16_bounds(qtype: T, repacked: bool) -> None:
     """Every quant and 6-bit scale at its largest (all bits set; Q6_K's int8 scales at +127 and
     -128) against activation rows of constant ±1 (every q8_K quant ±127): the int16 runs of
@@ -195,7 +249,7 @@ def test_weight_row_lanes_at_the_int16_bounds(qtype: T, repacked: bool) -> None:
     halves = {T.Q6_K: [208], T.Q3_K: [108], T.Q2_K: [80, 82]}.get(qtype, [0, 2])
     keep = np.zeros(raw.shape[-1], bool)
     for at in halves:
-        keep[at:at + 2] = True
+        keep[at : at + 2] = True
     raw[..., ~keep] = 0xFF
     if qtype == T.Q6_K:
         raw[:8, :, 192:208], raw[8:, :, 192:208] = 0x7F, 0x80
@@ -257,14 +311,19 @@ def test_default_model_ffn_down_requantized_by_ggml(ffn_down_f32: np.ndarray, qt
         ggml = (go.mul_mat_repacked if repacked else go.mul_mat)(raw, qtype, n_out, n_in, x[:m])
         naive = differing(f32_product(raw, qtype, n_out, n_in, matrix.quantize(x[:m])), ggml)
         mine = differing(matrix.matmul(x[:m]), ggml)
-        print(f"\nblk.0.ffn_down as {qtype.name}, m={m}: exact_kquants differs in {mine}, "
-              f"f32 in {naive} of {ggml.size}")
+        print(
+            f"\nblk.0.ffn_down as {qtype.name}, m={m}: exact_kquants differs in {mine}, "
+            f"f32 in {naive} of {ggml.size}"
+        )
         assert mine == 0 and naive > 0
 
 
 def test_concat_equals_separate_products() -> None:
     rng = np.random.default_rng(7)
-    parts = [ek.KQuantMatrix(random_blocks(rng, T.Q4_K, n, 512), T.Q4_K, n, 512, repacked=True) for n in (16, 8, 24)]
+    parts = [
+        ek.KQuantMatrix(random_blocks(rng, T.Q4_K, n, 512), T.Q4_K, n, 512, repacked=True)
+        for n in (16, 8, 24)
+    ]
     x = activations(rng, 6, 512)
     joined = ek.KQuantMatrix.concat(parts)
     assert (joined.n_out, joined.n_in, joined.qtype, joined.repacked) == (48, 512, T.Q4_K, True)
@@ -275,16 +334,26 @@ def test_concat_of_mixed_types_is_a_stack_of_each_kernel() -> None:
     """A Q4_K_M layer's Q (Q4_K, repacked), K (Q4_K, 36 rows: not repacked) and V (Q6_K), and
     a Q3_K_M/Q2_K file's Q3_K and Q2_K parts."""
     rng = np.random.default_rng(9)
-    specs = [(T.Q4_K, 64, True), (T.Q4_K, 36, False), (T.Q6_K, 40, False), (T.Q3_K, 24, False),
-             (T.Q2_K, 16, False)]
+    specs = [
+        (T.Q4_K, 64, True),
+        (T.Q4_K, 36, False),
+        (T.Q6_K, 40, False),
+        (T.Q3_K, 24, False),
+        (T.Q2_K, 16, False),
+    ]
     raws = [random_blocks(rng, q, n, 512) for q, n, _ in specs]
     parts = [ek.KQuantMatrix(raw, q, n, 512, repacked=rep) for raw, (q, n, rep) in zip(raws, specs)]
     stack = ek.KQuantMatrix.concat(parts)
     assert isinstance(stack, ek.KMatrixStack) and (stack.n_out, stack.n_in) == (180, 512)
     for m in (1, 9):
         x = activations(rng, m, 512)
-        want = np.concatenate([(go.mul_mat_repacked if rep else go.mul_mat)(raw, q, n, 512, x)
-                               for raw, (q, n, rep) in zip(raws, specs)], axis=1)
+        want = np.concatenate(
+            [
+                (go.mul_mat_repacked if rep else go.mul_mat)(raw, q, n, 512, x)
+                for raw, (q, n, rep) in zip(raws, specs)
+            ],
+            axis=1,
+        )
         assert differing(stack.matmul(x), want) == 0
 
 

@@ -9,7 +9,6 @@ step run by ggml; the last test chains them all on one layer.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -37,8 +36,9 @@ def heads(rng: np.random.Generator, n: int, n_head: int, hd: int) -> np.ndarray:
     return x.astype(F32)
 
 
-def ggml_cache(x: np.ndarray, start: int, n_ctx: int,
-               n: int | None) -> tuple[np.ndarray, np.ndarray]:
+def ggml_cache(
+    x: np.ndarray, start: int, n_ctx: int, n: int | None
+) -> tuple[np.ndarray, np.ndarray]:
     """What llama.cpp's cache holds after storing x [n_tok, n_head_kv, hd] at start..: x turned
     by the hinted Hadamard product (n None: not turned), then ggml_set_rows into a q8_0 cache of
     n_ctx rows; read back as (int8 [n_head_kv, n_ctx, hd], f16 [n_head_kv, n_ctx, hd/32])."""
@@ -53,6 +53,7 @@ def ggml_cache(x: np.ndarray, start: int, n_ctx: int,
 
 
 # --- which rotation, on which sizes ----------------------------------------------------------
+
 
 def test_rotation_sizes_as_llama_kv_cache() -> None:
     """n_rot_k: 64 doubled while it divides the head; n_rot_v: 64; none unless hd % 64 == 0."""
@@ -86,6 +87,7 @@ def test_a_head_not_a_multiple_of_64_is_not_turned() -> None:
 
 # --- the store ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("hd,n_head_kv", [(64, 3), (128, 2), (96, 4)])
 def test_store_matches_ggml_set_rows(hd: int, n_head_kv: int) -> None:
     """Two batches stored one after the other (a prompt, then a token) and a batch that
@@ -98,8 +100,9 @@ def test_store_matches_ggml_set_rows(hd: int, n_head_kv: int) -> None:
     v = heads(rng, 30, n_head_kv, hd)
     cache.store(1, 0, k[:29], v[:29])
     cache.store(1, 29, k[29:], v[29:])
-    for mine, (q_want, d_want) in zip(((0, 1), (2, 3)), (ggml_cache(k, 0, n_ctx, rot_k),
-                                                         ggml_cache(v, 0, n_ctx, rot_v))):
+    for mine, (q_want, d_want) in zip(
+        ((0, 1), (2, 3)), (ggml_cache(k, 0, n_ctx, rot_k), ggml_cache(v, 0, n_ctx, rot_v))
+    ):
         got = cache.quantized(1, n_ctx)
         assert differing(got[mine[0]], q_want) == 0
         assert differing(got[mine[1]], d_want) == 0
@@ -144,10 +147,12 @@ def test_vectorised_path_rounds_as_ggml_but_turns_by_a_product() -> None:
 
 # --- one layer, end to end -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n_past,n_rows", [(0, 7), (7, 1), (0, 70), (70, 1)])
 @pytest.mark.parametrize("hd,n_head,n_head_kv", [(64, 9, 3), (128, 4, 2)])
-def test_attention_through_the_cache_as_llama_cpp(n_past: int, n_rows: int, hd: int,
-                                                  n_head: int, n_head_kv: int) -> None:
+def test_attention_through_the_cache_as_llama_cpp(
+    n_past: int, n_rows: int, hd: int, n_head: int, n_head_kv: int
+) -> None:
     """build_attn with a q8_0 cache, step by step on ggml: Q, K, V turned; K, V set into the
     cache (after n_past earlier positions); flash_attn_ext over the q8_0 cells (padded to 256 and
     masked, as llama.cpp); the output turned back. The cache with exact_attention.flash_attn_q8_0
@@ -177,10 +182,16 @@ def test_attention_through_the_cache_as_llama_cpp(n_past: int, n_rows: int, hd: 
         blocks["d"], blocks["qs"] = d, qs.reshape(*d.shape, 32)
         return go._input(int(T.Q8_0), (hd, n_kv, n_head_kv), blocks.tobytes())
 
-    attended = go.run("flash_attn_ext", [
-        go._array_input(np.ascontiguousarray(go.fwht(q, rot_k).transpose(1, 0, 2))),
-        q8_0_input(kq, kd), q8_0_input(vq, vd), go._array_input(mp)],
-        fp=[float(scale), 0.0, 0.0]).reshape(n_rows, n_head, hd)
+    attended = go.run(
+        "flash_attn_ext",
+        [
+            go._array_input(np.ascontiguousarray(go.fwht(q, rot_k).transpose(1, 0, 2))),
+            q8_0_input(kq, kd),
+            q8_0_input(vq, vd),
+            go._array_input(mp),
+        ],
+        fp=[float(scale), 0.0, 0.0],
+    ).reshape(n_rows, n_head, hd)
     want = go.fwht(attended, rot_v)
     print(f"\nq8_0 layer hd={hd} past={n_past} rows={n_rows}: {differing(got, want)} differ")
     assert differing(got, want) == 0

@@ -44,7 +44,9 @@ def activations(rng: np.random.Generator, m: int, n: int) -> np.ndarray:
     return (rng.standard_normal((m, n)) * scale).astype(F32)
 
 
-def check_product(name: str, raw: np.ndarray, qtype: T, n_out: int, n_in: int, x: np.ndarray) -> int:
+def check_product(
+    name: str, raw: np.ndarray, qtype: T, n_out: int, n_in: int, x: np.ndarray
+) -> int:
     ggml = go.mul_mat(raw, qtype, n_out, n_in, x)
     ours = em.QuantMatrix(raw, qtype, n_out, n_in).matmul(x)
     mine, naive = differing(ours, ggml), differing(naive_product(raw, qtype, n_out, n_in, x), ggml)
@@ -55,15 +57,16 @@ def check_product(name: str, raw: np.ndarray, qtype: T, n_out: int, n_in: int, x
 
 # --- activation rounding --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("qtype, ours", [(T.Q8_0, em.quantize_q8_0), (T.Q8_1, em.quantize_q8_1)])
 def test_activation_blocks_match_ggml_from_float(qtype: T, ours) -> None:
     rng = np.random.default_rng(1)
     x = activations(rng, 40, 256)
-    x[0, :32] = 0                                   # an all-zero block: d = 0, quants 0
-    x[1] = rng.standard_normal(256).astype(F32) * F32(1e-6)   # d below f16's normal range
-    x[2, :32] = np.arange(32, dtype=F32) - F32(15.5)          # many .5 products: ties to even
-    x[3, :32] = F32(-3.0)                                     # one value: quants all -127
-    x[4, 5] = F32(np.inf)                                     # inf: NaN quants saturate as ggml's packs
+    x[0, :32] = 0  # an all-zero block: d = 0, quants 0
+    x[1] = rng.standard_normal(256).astype(F32) * F32(1e-6)  # d below f16's normal range
+    x[2, :32] = np.arange(32, dtype=F32) - F32(15.5)  # many .5 products: ties to even
+    x[3, :32] = F32(-3.0)  # one value: quants all -127
+    x[4, 5] = F32(np.inf)  # inf: NaN quants saturate as ggml's packs
     assert np.array_equal(ours(x), go.quantize_rows(x, qtype))
 
 
@@ -73,7 +76,7 @@ def test_f16_rounding_matches_numpy_over_all_exponents() -> None:
     values = bits.view(F32)
     values = values[~np.isnan(values)]
     ours = np.array([em.f32_to_f16_bits(v) for v in values[:20_000]], np.uint16)
-    near = (rng.standard_normal(20_000) * 1e-5).astype(F32)   # the subnormal-f16 range
+    near = (rng.standard_normal(20_000) * 1e-5).astype(F32)  # the subnormal-f16 range
     ours_near = np.array([em.f32_to_f16_bits(v) for v in near], np.uint16)
     with np.errstate(over="ignore"):
         assert np.array_equal(ours, values[:20_000].astype(np.float16).view(np.uint16))
@@ -81,6 +84,7 @@ def test_f16_rounding_matches_numpy_over_all_exponents() -> None:
 
 
 # --- products on random weights ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_random_weights_match_ggml_mul_mat(qtype: T) -> None:
@@ -90,8 +94,14 @@ def test_random_weights_match_ggml_mul_mat(qtype: T) -> None:
     raw = quants.quantize(w, qtype)
     naive_misses = 0
     for m in ROWS:
-        naive_misses += check_product(f"{qtype.name} [{m}, {n_in}] x [{n_out}, {n_in}]",
-                                      raw, qtype, n_out, n_in, activations(rng, m, n_in))
+        naive_misses += check_product(
+            f"{qtype.name} [{m}, {n_in}] x [{n_out}, {n_in}]",
+            raw,
+            qtype,
+            n_out,
+            n_in,
+            activations(rng, m, n_in),
+        )
     assert naive_misses > 0
 
 
@@ -103,12 +113,19 @@ def test_edge_shapes_match_ggml() -> None:
     for qtype in TYPES + (T.BF16, T.F16, T.F32):
         for n_out in (1, 5, 9):
             w = rng.standard_normal((n_out, 64)).astype(F32)
-            raw = (quants.quantize(w, qtype) if qtype not in (T.F16, T.F32)
-                   else (w.astype(np.float16) if qtype == T.F16 else w).view(np.uint8))
+            raw = (
+                quants.quantize(w, qtype)
+                if qtype not in (T.F16, T.F32)
+                else (w.astype(np.float16) if qtype == T.F16 else w).view(np.uint8)
+            )
             for m in (1, 3, 5, 15, 31):
                 x = activations(rng, m, 64)
                 ours = em.QuantMatrix(raw, qtype, n_out, 64).matmul(x)
-                assert differing(ours, go.mul_mat(raw, qtype, n_out, 64, x)) == 0, (qtype.name, n_out, m)
+                assert differing(ours, go.mul_mat(raw, qtype, n_out, 64, x)) == 0, (
+                    qtype.name,
+                    n_out,
+                    m,
+                )
     empty = em.QuantMatrix(raw, T.F32, 9, 64).matmul(np.zeros((0, 64), F32))
     assert empty.shape == (0, 9)
 
@@ -133,7 +150,7 @@ def test_float_weights_match_ggml_on_both_paths(qtype: T) -> None:
         raw = (w.astype(np.float16) if qtype == T.F16 else w).view(np.uint8)
         for m in (1, 2, 17):
             x = activations(rng, m, 256)
-            naive = check_product(f"{qtype.name} [{m}, 256] x [{n_out}, 256]", raw, qtype, n_out, 256, x)
+            check_product(f"{qtype.name} [{m}, 256] x [{n_out}, 256]", raw, qtype, n_out, 256, x)
             # the other accumulation order (vec_dot's four accumulators vs tinyBLAS's one) must miss
             matrix = em.QuantMatrix(raw, qtype, n_out, 256)
             xr = x.astype(np.float16).astype(F32) if qtype == T.F16 else x
@@ -147,11 +164,17 @@ def test_float_weights_match_ggml_on_both_paths(qtype: T) -> None:
 
 # --- BF16 weights --------------------------------------------------------------------------------
 
+
 def test_bf16_rounding_matches_ggml_from_float() -> None:
     """ggml_cpu_fp32_to_bf16 on random bit patterns: every exponent, infinities, NaNs (quieted)."""
     rng = np.random.default_rng(13)
-    x = rng.integers(0, 2**32, 40_000, dtype=np.uint64).astype(np.uint32).view(F32).reshape(40, 1000)
-    x[0, :4] = [np.inf, -np.inf, F32(3.4e38), F32(-0.0)]       # 3.4e38 rounds up to inf
+    x = (
+        rng.integers(0, 2**32, 40_000, dtype=np.uint64)
+        .astype(np.uint32)
+        .view(F32)
+        .reshape(40, 1000)
+    )
+    x[0, :4] = [np.inf, -np.inf, F32(3.4e38), F32(-0.0)]  # 3.4e38 rounds up to inf
     assert np.isnan(x).sum() > 50
     ggml = go.quantize_rows(x, T.BF16).view(np.uint16)
     assert np.array_equal((em.bf16_round(x).view(np.uint32) >> 16).astype(np.uint16), ggml)
@@ -173,7 +196,9 @@ def test_bf16_weights_match_ggml_on_both_paths(n_out: int, n_in: int) -> None:
     naive_misses = wrong_path_misses = 0
     for m in (1, 2, 3, 4, 5, 8, 17, 64):
         x = activations(rng, m, n_in)
-        naive_misses += check_product(f"BF16 [{m}, {n_in}] x [{n_out}, {n_in}]", raw, T.BF16, n_out, n_in, x)
+        naive_misses += check_product(
+            f"BF16 [{m}, {n_in}] x [{n_out}, {n_in}]", raw, T.BF16, n_out, n_in, x
+        )
         other = np.empty((m, n_out), F32)
         split = m == 1 or n_out % 4 != 0
         em._float_serial(matrix._kind, not split, matrix.raw, n_in, n_out, em.bf16_round(x), other)
@@ -195,8 +220,13 @@ def test_bf16_special_values_match_ggml() -> None:
         x = activations(rng, m, n_in)
         x[:, 7], x[:, 70] = F32(1e-12), F32(-1e-13)
         x[0, 0] = F32(-0.0)
-        assert differing(em.QuantMatrix(raw, T.BF16, n_out, n_in).matmul(x),
-                         go.mul_mat(raw, T.BF16, n_out, n_in, x)) == 0
+        assert (
+            differing(
+                em.QuantMatrix(raw, T.BF16, n_out, n_in).matmul(x),
+                go.mul_mat(raw, T.BF16, n_out, n_in, x),
+            )
+            == 0
+        )
 
 
 def test_bf16_threaded_products_match_ggml() -> None:
@@ -206,8 +236,14 @@ def test_bf16_threaded_products_match_ggml() -> None:
     raw = bf16_weights(rng, n_out, n_in)
     for m in (1, 2):
         assert m * n_out * n_in >= em.PARALLEL_MIN_MACS
-        check_product(f"BF16 [{m}, {n_in}] x [{n_out}, {n_in}] (threaded)", raw, T.BF16, n_out, n_in,
-                      activations(rng, m, n_in))
+        check_product(
+            f"BF16 [{m}, {n_in}] x [{n_out}, {n_in}] (threaded)",
+            raw,
+            T.BF16,
+            n_out,
+            n_in,
+            activations(rng, m, n_in),
+        )
 
 
 def test_bf16_token_embedding_rows_and_routing_match_ggml() -> None:
@@ -224,21 +260,35 @@ def test_bf16_token_embedding_rows_and_routing_match_ggml() -> None:
 
 # --- products on the default model's matrices --------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def default_tensors(default_model: Path) -> dict[str, object]:
     reader = GGUFReader(default_model)
     return {t.name: t for t in reader.tensors}
 
 
-@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.attn_k.weight",
-                                  "blk.29.ffn_down.weight", "blk.13.ffn_gate.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "blk.0.attn_q.weight",
+        "blk.7.attn_k.weight",
+        "blk.29.ffn_down.weight",
+        "blk.13.ffn_gate.weight",
+    ],
+)
 def test_default_model_layer_matrices_match_ggml(default_tensors: dict, name: str) -> None:
     tensor = default_tensors[name]
     n_in, n_out = int(tensor.shape[0]), int(tensor.shape[1])
     rng = np.random.default_rng(5)
     for m in (1, 17):
-        check_product(f"{name} {tensor.tensor_type.name} m={m}", tensor.data, tensor.tensor_type,
-                      n_out, n_in, activations(rng, m, n_in))
+        check_product(
+            f"{name} {tensor.tensor_type.name} m={m}",
+            tensor.data,
+            tensor.tensor_type,
+            n_out,
+            n_in,
+            activations(rng, m, n_in),
+        )
 
 
 def test_default_model_output_matrix_matches_ggml(default_tensors: dict) -> None:
@@ -247,36 +297,58 @@ def test_default_model_output_matrix_matches_ggml(default_tensors: dict) -> None
     assert tensor.tensor_type == T.Q8_0
     rng = np.random.default_rng(6)
     for m in (1, 2):
-        check_product(f"token_embd m={m}", tensor.data, T.Q8_0, 49152, 576, activations(rng, m, 576))
+        check_product(
+            f"token_embd m={m}", tensor.data, T.Q8_0, 49152, 576, activations(rng, m, 576)
+        )
 
 
 # --- API ---------------------------------------------------------------------------------------
 
+
 def test_concat_is_the_products_side_by_side() -> None:
     rng = np.random.default_rng(7)
-    parts = [em.QuantMatrix(quants.quantize(rng.standard_normal((n, 64)).astype(F32), T.Q4_1), T.Q4_1, n, 64)
-             for n in (32, 8, 8)]
+    parts = [
+        em.QuantMatrix(
+            quants.quantize(rng.standard_normal((n, 64)).astype(F32), T.Q4_1), T.Q4_1, n, 64
+        )
+        for n in (32, 8, 8)
+    ]
     x = activations(rng, 3, 64)
     together = em.QuantMatrix.concat(parts).matmul(x)
     assert np.array_equal(together, np.concatenate([p.matmul(x) for p in parts], axis=1))
-    act = parts[0].quantize(x)   # one rounding reused for several matrices
+    act = parts[0].quantize(x)  # one rounding reused for several matrices
     assert np.array_equal(parts[1].matmul(act), parts[1].matmul(x))
     # mixed types (a Q4_0 file with a Q8_0 attn_v, an F16 part): a stack, same products
-    mixed = [parts[0],
-             em.QuantMatrix(quants.quantize(rng.standard_normal((8, 64)).astype(F32), T.Q8_0), T.Q8_0, 8, 64),
-             em.QuantMatrix(rng.standard_normal((8, 64)).astype(np.float16).view(np.uint8), T.F16, 8, 64),
-             em.QuantMatrix(quants.quantize(rng.standard_normal((8, 64)).astype(F32), T.Q4_0), T.Q4_0, 8, 64,
-                            repacked=True)]
+    mixed = [
+        parts[0],
+        em.QuantMatrix(
+            quants.quantize(rng.standard_normal((8, 64)).astype(F32), T.Q8_0), T.Q8_0, 8, 64
+        ),
+        em.QuantMatrix(
+            rng.standard_normal((8, 64)).astype(np.float16).view(np.uint8), T.F16, 8, 64
+        ),
+        em.QuantMatrix(
+            quants.quantize(rng.standard_normal((8, 64)).astype(F32), T.Q4_0),
+            T.Q4_0,
+            8,
+            64,
+            repacked=True,
+        ),
+    ]
     stack = em.QuantMatrix.concat(mixed)
     assert isinstance(stack, em.MatrixStack) and stack.n_out == 56
     assert np.array_equal(stack.matmul(x), np.concatenate([p.matmul(x) for p in mixed], axis=1))
     with pytest.raises(ValueError, match="input width"):
-        em.QuantMatrix.concat([parts[0], em.QuantMatrix(np.zeros(20 * 8 * 4, np.uint8), T.Q4_1, 8, 128)])
+        em.QuantMatrix.concat(
+            [parts[0], em.QuantMatrix(np.zeros(20 * 8 * 4, np.uint8), T.Q4_1, 8, 128)]
+        )
 
 
 def test_zero_copy_on_gguf_tensor_data(default_tensors: dict) -> None:
     tensor = default_tensors["blk.0.attn_v.weight"]
-    matrix = em.QuantMatrix(tensor.data, tensor.tensor_type, int(tensor.shape[1]), int(tensor.shape[0]))
+    matrix = em.QuantMatrix(
+        tensor.data, tensor.tensor_type, int(tensor.shape[1]), int(tensor.shape[0])
+    )
     assert np.shares_memory(matrix.raw, tensor.data)
 
 
@@ -292,7 +364,9 @@ def test_refusals_say_why() -> None:
         em.QuantMatrix(raw, T.Q4_1, 5, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         em.QuantMatrix(raw, T.Q4_1, 4, 48)
-    assert em.QuantMatrix(np.zeros(2 * 4 * 7, np.uint8), T.BF16, 4, 7).n_in == 7   # bf16 rows: any length
+    assert (
+        em.QuantMatrix(np.zeros(2 * 4 * 7, np.uint8), T.BF16, 4, 7).n_in == 7
+    )  # bf16 rows: any length
     with pytest.raises(ValueError, match="BF16 \\[4, 7\\] needs 56 bytes, got 50"):
         em.QuantMatrix(np.zeros(50, np.uint8), T.BF16, 4, 7)
     matrix = em.QuantMatrix(raw, T.Q4_1, 4, 64)
@@ -302,9 +376,10 @@ def test_refusals_say_why() -> None:
 
 # --- llama-server's repacked Q4_0 ----------------------------------------------------------------
 
+
 def test_repack_rule_follows_llama_server() -> None:
     assert em.repacked_by_llama_server(T.Q4_0, 576)
-    assert not em.repacked_by_llama_server(T.Q4_0, 572)                  # rows not a multiple of 8
+    assert not em.repacked_by_llama_server(T.Q4_0, 572)  # rows not a multiple of 8
     assert not em.repacked_by_llama_server(T.Q4_0, 49152, token_embd=True)
     assert not em.repacked_by_llama_server(T.Q4_1, 576)
     with pytest.raises(ValueError, match="does not repack Q8_0"):
@@ -314,7 +389,9 @@ def test_repack_rule_follows_llama_server() -> None:
 def test_repacked_q4_0_matches_ggml_cpu_repack_buffer() -> None:
     """ggml's q4_0_8x8 gemv/gemm (the weight in the CPU_REPACK buffer, as llama-server loads it)."""
     if not hasattr(go, "mul_mat_repacked"):
-        pytest.skip("tests/ggml_oracle.py has no mul_mat_repacked (weight in the CPU_REPACK buffer) yet")
+        pytest.skip(
+            "tests/ggml_oracle.py has no mul_mat_repacked (weight in the CPU_REPACK buffer) yet"
+        )
     rng = np.random.default_rng(8)
     n_out, n_in = 72, 320
     raw = quants.quantize((rng.standard_normal((n_out, n_in)) * 0.05).astype(F32), T.Q4_0)
@@ -325,7 +402,9 @@ def test_repacked_q4_0_matches_ggml_cpu_repack_buffer() -> None:
         ours = em.QuantMatrix(raw, T.Q4_0, n_out, n_in, repacked=True).matmul(x)
         plain = em.QuantMatrix(raw, T.Q4_0, n_out, n_in).matmul(x)
         mine, plain_diff = differing(ours, ggml), differing(plain, ggml)
-        print(f"\nrepacked Q4_0 m={m}: exact_matmul differs in {mine}, the unrepacked kernel in {plain_diff} of {ggml.size}")
+        print(
+            f"\nrepacked Q4_0 m={m}: exact_matmul differs in {mine}, the unrepacked kernel in {plain_diff} of {ggml.size}"
+        )
         assert mine == 0
         plain_misses += plain_diff
     assert plain_misses > 0

@@ -49,12 +49,17 @@ def activations(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 
 # --- SwiGLU / SiLU -------------------------------------------------------------------------------
 
+
 def test_swiglu_matches_ggml_on_a_decode_and_a_batch() -> None:
     rng = np.random.default_rng(10)
     for rows in (1, 7):
         gate, up = activations(rng, (rows, 1536)), rng.standard_normal((rows, 1536)).astype(F32)
-        naive_misses = report(f"swiglu [{rows}, 1536]", eo.swiglu(gate, up),
-                              naive_silu(gate) * up, go.binary("swiglu", gate, up))
+        naive_misses = report(
+            f"swiglu [{rows}, 1536]",
+            eo.swiglu(gate, up),
+            naive_silu(gate) * up,
+            go.binary("swiglu", gate, up),
+        )
         assert naive_misses > 0
 
 
@@ -63,19 +68,43 @@ def test_swiglu_rows_end_in_libm_expf(width: int) -> None:
     """Each row: 8-lane polynomial blocks from its start, then n % 8 elements through expf."""
     rng = np.random.default_rng(width)
     gate, up = activations(rng, (3, width)), rng.standard_normal((3, width)).astype(F32)
-    report(f"swiglu [3, {width}]", eo.swiglu(gate, up), naive_silu(gate) * up,
-           go.binary("swiglu", gate, up))
+    report(
+        f"swiglu [3, {width}]",
+        eo.swiglu(gate, up),
+        naive_silu(gate) * up,
+        go.binary("swiglu", gate, up),
+    )
 
 
 def test_swiglu_overflow_and_underflow_lanes() -> None:
     """|x| past 88 and 104: the blend of ggml_v_expf's s1/s2 branches and its flush to 0/inf."""
     rng = np.random.default_rng(11)
     gate = rng.uniform(-250, 250, (4, 1000)).astype(F32)
-    gate[0, :16] = [0.0, -0.0, 88.3, 88.4, -88.3, -88.4, 103.9, -103.9, 126.5, -126.5, 150, -150,
-                    192.5, -192.5, 1e30, -1e30]
+    gate[0, :16] = [
+        0.0,
+        -0.0,
+        88.3,
+        88.4,
+        -88.3,
+        -88.4,
+        103.9,
+        -103.9,
+        126.5,
+        -126.5,
+        150,
+        -150,
+        192.5,
+        -192.5,
+        1e30,
+        -1e30,
+    ]
     up = rng.standard_normal((4, 1000)).astype(F32)
-    report("swiglu over [-250, 250]", eo.swiglu(gate, up), naive_silu(gate) * up,
-           go.binary("swiglu", gate, up))
+    report(
+        "swiglu over [-250, 250]",
+        eo.swiglu(gate, up),
+        naive_silu(gate) * up,
+        go.binary("swiglu", gate, up),
+    )
 
 
 def test_silu_alone_matches_ggml() -> None:
@@ -92,6 +121,7 @@ def test_swiglu_keeps_the_shape_and_refuses_mismatched_inputs() -> None:
 
 # --- RMSNorm -----------------------------------------------------------------------------------
 
+
 def naive_rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     mean = (np.square(x).astype(np.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(F32)
     y = x * (F32(1) / np.sqrt(mean + F32(eps)))
@@ -104,10 +134,18 @@ def test_rms_norm_with_and_without_weight(width: int) -> None:
     spread = rng.choice(np.array([0.01, 1, 30], F32), (16, 1))
     x = (rng.standard_normal((16, width)) * spread).astype(F32)
     w = rng.normal(1, 0.3, width).astype(F32)
-    report(f"rms_norm*w [16, {width}]", eo.rms_norm(x, w, 1e-5), naive_rms_norm(x, w, 1e-5),
-           go.rms_norm_mul(x, w, 1e-5))
-    report(f"rms_norm [16, {width}]", eo.rms_norm(x, None, 1e-6), naive_rms_norm(x, None, 1e-6),
-           go.rms_norm(x, 1e-6))
+    report(
+        f"rms_norm*w [16, {width}]",
+        eo.rms_norm(x, w, 1e-5),
+        naive_rms_norm(x, w, 1e-5),
+        go.rms_norm_mul(x, w, 1e-5),
+    )
+    report(
+        f"rms_norm [16, {width}]",
+        eo.rms_norm(x, None, 1e-6),
+        naive_rms_norm(x, None, 1e-6),
+        go.rms_norm(x, 1e-6),
+    )
 
 
 def test_rms_norm_sums_the_squares_in_order() -> None:
@@ -118,12 +156,19 @@ def test_rms_norm_sums_the_squares_in_order() -> None:
     in ggml's sequential double sum (each is under half an ulp of 784) but not in NumPy's
     pairwise sum, whose mean then rounds up, and sqrtf turns that into another scale.
     """
-    row = np.full(256, 2.0 ** -23, F32)
-    row[:3] = 28.0, 2.0 ** -8, 2.0 ** -8
+    row = np.full(256, 2.0**-23, F32)
+    row[:3] = 28.0, 2.0**-8, 2.0**-8
     x = np.stack([row, np.roll(row, 100)])
     want = go.rms_norm(x, 0.0)
-    assert report("rms_norm, order-sensitive rows", eo.rms_norm(x, None, 0.0),
-                  naive_rms_norm(x, None, 0.0), want) > 0
+    assert (
+        report(
+            "rms_norm, order-sensitive rows",
+            eo.rms_norm(x, None, 0.0),
+            naive_rms_norm(x, None, 0.0),
+            want,
+        )
+        > 0
+    )
 
 
 def test_rms_norm_of_heads_uses_the_last_axis() -> None:
@@ -131,16 +176,28 @@ def test_rms_norm_of_heads_uses_the_last_axis() -> None:
     rng = np.random.default_rng(13)
     q = rng.standard_normal((3, 8, 128)).astype(F32)
     w = rng.normal(1, 0.5, 128).astype(F32)
-    report("rms_norm per head [3, 8, 128]", eo.rms_norm(q, w, 1e-6), naive_rms_norm(q, w, 1e-6),
-           go.rms_norm_mul(q, w, 1e-6))
+    report(
+        "rms_norm per head [3, 8, 128]",
+        eo.rms_norm(q, w, 1e-6),
+        naive_rms_norm(q, w, 1e-6),
+        go.rms_norm_mul(q, w, 1e-6),
+    )
     with pytest.raises(ValueError):
         eo.rms_norm(q, w[:64], 1e-6)
 
 
 # --- RoPE ---------------------------------------------------------------------------------------
 
-def naive_rope(x: np.ndarray, positions: np.ndarray, n_dims: int, base: float, freq_scale: float,
-               factors: np.ndarray | None, neox: bool) -> np.ndarray:
+
+def naive_rope(
+    x: np.ndarray,
+    positions: np.ndarray,
+    n_dims: int,
+    base: float,
+    freq_scale: float,
+    factors: np.ndarray | None,
+    neox: bool,
+) -> np.ndarray:
     """The NumPy RoPE the forward pass used: f32 theta recurrence, NumPy cos/sin, no FMA."""
     half = n_dims // 2
     steps = np.full((len(positions), half), F32(np.power(F32(base), F32(-2.0) / F32(n_dims))), F32)
@@ -161,17 +218,18 @@ def naive_rope(x: np.ndarray, positions: np.ndarray, n_dims: int, base: float, f
 
 
 ROPE_CASES = [  # head_dim, mode, base, freq_scale, Llama-3 factors, as in the architectures played
-    (64, eo.NORM, 100000.0, 1.0, False),     # SmolLM2 / llama
-    (128, eo.NORM, 500000.0, 1.0, True),     # Llama 3.x with rope_freqs
-    (64, eo.NEOX, 10000.0, 1.0, False),      # qwen2
+    (64, eo.NORM, 100000.0, 1.0, False),  # SmolLM2 / llama
+    (128, eo.NORM, 500000.0, 1.0, True),  # Llama 3.x with rope_freqs
+    (64, eo.NEOX, 10000.0, 1.0, False),  # qwen2
     (128, eo.NEOX, 1000000.0, 0.25, False),  # qwen3 with linear scaling
-    (256, eo.NEOX, 10000.0, 1.0, False),     # gemma3 local layers
+    (256, eo.NEOX, 10000.0, 1.0, False),  # gemma3 local layers
 ]
 
 
 @pytest.mark.parametrize("head_dim,mode,base,freq_scale,with_factors", ROPE_CASES)
-def test_rope_matches_ggml(head_dim: int, mode: int, base: float, freq_scale: float,
-                           with_factors: bool) -> None:
+def test_rope_matches_ggml(
+    head_dim: int, mode: int, base: float, freq_scale: float, with_factors: bool
+) -> None:
     rng = np.random.default_rng(head_dim + mode)
     positions = np.concatenate([[0, 1], rng.integers(2, 32768, 5)]).astype(np.int32)
     x = rng.normal(0, 2, (len(positions), 4, head_dim)).astype(F32)
@@ -214,6 +272,7 @@ def test_rope_refuses_a_table_of_another_shape() -> None:
 
 # --- GELU / GeGLU -------------------------------------------------------------------------------
 
+
 def naive_gelu_table() -> np.ndarray:
     """The table as NumPy computed it: no FMA in 1 + 0.044715x², NumPy's tanh."""
     x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
@@ -235,8 +294,15 @@ def test_gelu_table_matches_ggml_on_every_f16() -> None:
     gate = every[np.isfinite(every)].reshape(1, -1)
     ones = np.ones_like(gate)
     table = eo.gelu_f16_table()
-    assert report("gelu table (every finite f16)", eo.geglu(gate, ones, table),
-                  naive_geglu(gate, ones, naive_gelu_table()), go.binary("geglu", gate, ones)) > 0
+    assert (
+        report(
+            "gelu table (every finite f16)",
+            eo.geglu(gate, ones, table),
+            naive_geglu(gate, ones, naive_gelu_table()),
+            go.binary("geglu", gate, ones),
+        )
+        > 0
+    )
 
 
 def test_geglu_matches_ggml() -> None:
@@ -244,16 +310,27 @@ def test_geglu_matches_ggml() -> None:
     gate = rng.uniform(-12, 12, (4, 1536)).astype(F32)
     up = rng.standard_normal((4, 1536)).astype(F32)
     table = eo.gelu_f16_table()
-    report("geglu [4, 1536]", eo.geglu(gate, up, table), naive_geglu(gate, up, naive_gelu_table()),
-           go.binary("geglu", gate, up))
-    report("gelu [4, 1536]", eo.geglu(gate, np.ones_like(gate), table),
-           naive_geglu(gate, np.ones_like(gate), naive_gelu_table()), go.unary("gelu", gate))
+    report(
+        "geglu [4, 1536]",
+        eo.geglu(gate, up, table),
+        naive_geglu(gate, up, naive_gelu_table()),
+        go.binary("geglu", gate, up),
+    )
+    report(
+        "gelu [4, 1536]",
+        eo.geglu(gate, np.ones_like(gate), table),
+        naive_geglu(gate, np.ones_like(gate), naive_gelu_table()),
+        go.unary("gelu", gate),
+    )
 
 
 # --- what NumPy already does exactly --------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
-                                   T.Q5_K, T.Q6_K, T.F16, T.BF16])
+
+@pytest.mark.parametrize(
+    "qtype",
+    [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16],
+)
 def test_get_rows_is_gguf_dequantize(qtype: T) -> None:
     """ggml's get_rows dequantizes with ggml-base's to_float, built without -mfma: no FMA, so
     gguf-py's dequantization (what weights.py uses for token_embd) is already exact."""
@@ -295,6 +372,7 @@ def test_expf_is_libm() -> None:
 
 # --- the KV cache's Hadamard rotation (llama_mul_mat_hadamard) -----------------------------------
 
+
 @pytest.mark.parametrize("n", [64, 128, 256])
 def test_fwht_matches_ggml_and_not_a_matrix_product(n: int) -> None:
     """Rows of 3 blocks, magnitudes from 1e-3 to 1e3, a zero row and a subnormal one: the fast
@@ -331,5 +409,7 @@ def test_swiglu_of_fused_halves_and_in_parallel_is_the_same_bits() -> None:
     gate, up = fused[:, :1536], fused[:, 1536:]
     assert not gate.flags.c_contiguous and gate.size >= eo.PARALLEL_MIN_ELEMENTS
     whole = eo.swiglu(gate, up)
-    rows = np.concatenate([eo.swiglu(gate[i:i + 1].copy(), up[i:i + 1].copy()) for i in range(64)])
+    rows = np.concatenate(
+        [eo.swiglu(gate[i : i + 1].copy(), up[i : i + 1].copy()) for i in range(64)]
+    )
     assert np.array_equal(whole.view(np.uint32), rows.view(np.uint32))

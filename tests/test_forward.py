@@ -53,25 +53,43 @@ EOG = {0, 2}  # <|endoftext|> and <|im_end|> of the SmolLM2 vocabulary (also the
 
 
 def tokenize(server: support.LlamaServer, text: str) -> list[int]:
-    status, body = support.http_json(server.url + "/tokenize", {"content": text, "parse_special": True})
+    status, body = support.http_json(
+        server.url + "/tokenize", {"content": text, "parse_special": True}
+    )
     assert status == 200, body
     return body["tokens"]
 
 
 def server_next_token(server: support.LlamaServer, ids: list[int]) -> dict[int, float]:
     """llama-server's top-10 log-probabilities of the next token (raw logits, greedy)."""
-    status, body = support.http_json(server.url + "/completion", {
-        "prompt": ids, "n_predict": 1, "n_probs": 10, "temperature": 0, "cache_prompt": False,
-        "post_sampling_probs": False})
+    status, body = support.http_json(
+        server.url + "/completion",
+        {
+            "prompt": ids,
+            "n_predict": 1,
+            "n_probs": 10,
+            "temperature": 0,
+            "cache_prompt": False,
+            "post_sampling_probs": False,
+        },
+    )
     assert status == 200, body
     top = body["completion_probabilities"][0]["top_logprobs"]
     return {entry["id"]: entry["logprob"] for entry in top}
 
 
 def server_greedy(server: support.LlamaServer, ids: list[int], n: int) -> list[int]:
-    status, body = support.http_json(server.url + "/completion", {
-        "prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
-        "return_tokens": True})
+    status, body = support.http_json(
+        server.url + "/completion",
+        {
+            "prompt": ids,
+            "n_predict": n,
+            "temperature": 0,
+            "top_k": 1,
+            "cache_prompt": False,
+            "return_tokens": True,
+        },
+    )
     assert status == 200, body
     tokens = body["tokens"]
     # llama-server lists the end-of-generation token it stopped on; engine_greedy stops before it
@@ -90,12 +108,13 @@ def prefill(model: Model, ids: list[int], cache: Any) -> numpy.ndarray:
     meet); the last token's logits."""
     logits, start = None, cache.n_tokens
     for a, b in prompt_batches(start, start + len(ids), model.has_sliding_window):
-        logits = model.forward(ids[a - start:b - start], cache)
+        logits = model.forward(ids[a - start : b - start], cache)
     return logits
 
 
-def engine_greedy(model: Model, ids: list[int], n: int, cache_type: str | None = None,
-                  n_ctx: int | None = None) -> list[int]:
+def engine_greedy(
+    model: Model, ids: list[int], n: int, cache_type: str | None = None, n_ctx: int | None = None
+) -> list[int]:
     """Argmax decoding, stopping at an end-of-generation token as llama-server does (a cache of
     n_ctx cells, by default just the positions needed)."""
     cache = model.new_cache(n_ctx or len(ids) + n + 1, cache_type)
@@ -111,8 +130,12 @@ def engine_greedy(model: Model, ids: list[int], n: int, cache_type: str | None =
     return out
 
 
-def compare_next_token(model: Model, server: support.LlamaServer, prompts: list[list[int]],
-                       cache_type: str | None = None) -> tuple[float, int]:
+def compare_next_token(
+    model: Model,
+    server: support.LlamaServer,
+    prompts: list[list[int]],
+    cache_type: str | None = None,
+) -> tuple[float, int]:
     """(largest |logprob difference| over the server's top 10, prompts with the same top-1)."""
     worst, same_top1 = 0.0, 0
     for ids in prompts:
@@ -135,8 +158,13 @@ def reported_logprobs(logits: numpy.ndarray, theirs: dict[int, float]) -> dict[i
     return {t: math.log(listed[t]) if listed.get(t, 0) > 0 else float(full[t]) for t in theirs}
 
 
-def compare_greedy(model: Model, server: support.LlamaServer, prompts: list[list[int]], n: int,
-                   cache_type: str | None = None) -> tuple[int, list[str]]:
+def compare_greedy(
+    model: Model,
+    server: support.LlamaServer,
+    prompts: list[list[int]],
+    n: int,
+    cache_type: str | None = None,
+) -> tuple[int, list[str]]:
     same, notes = 0, []
     for ids in prompts:
         theirs = server_greedy(server, ids, n)
@@ -144,8 +172,10 @@ def compare_greedy(model: Model, server: support.LlamaServer, prompts: list[list
         if ours == theirs:
             same += 1
         else:
-            split = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                         min(len(ours), len(theirs)))
+            split = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                min(len(ours), len(theirs)),
+            )
             notes.append(f"prompt of {len(ids)} tokens differs at token {split}")
     return same, notes
 
@@ -163,8 +193,10 @@ def prompt_ids(reference_server: support.LlamaServer) -> list[list[int]]:
 @pytest.mark.llama_server
 def test_default_next_token_logprobs(default_engine: Model, reference_server, prompt_ids) -> None:
     worst, same_top1 = compare_next_token(default_engine, reference_server, prompt_ids)
-    print(f"\ndefault model, {len(prompt_ids)} prompts: largest top-10 logprob difference "
-          f"{worst:.5f}, same top-1 {same_top1}/{len(prompt_ids)}")
+    print(
+        f"\ndefault model, {len(prompt_ids)} prompts: largest top-10 logprob difference "
+        f"{worst:.5f}, same top-1 {same_top1}/{len(prompt_ids)}"
+    )
     assert same_top1 == len(prompt_ids)
     # measured 0.00001: the logits are ggml's; what is left is the order in which llama-server
     # sums the 49,152 exponentials after its partial sort (sampler.token_logprobs)
@@ -176,22 +208,30 @@ def test_default_next_token_logprobs(default_engine: Model, reference_server, pr
 def test_default_greedy_answers(default_engine: Model, reference_server, prompt_ids) -> None:
     prompts = prompt_ids[:20]
     same, notes = compare_greedy(default_engine, reference_server, prompts, GREEDY_TOKENS)
-    print(f"\ndefault model greedy {GREEDY_TOKENS} tokens: {same}/{len(prompts)} identical; {notes}")
+    print(
+        f"\ndefault model greedy {GREEDY_TOKENS} tokens: {same}/{len(prompts)} identical; {notes}"
+    )
     # measured 20/20 with the exact kernels (7/20 before them); the issue asks for 90 %
     assert same >= 18
 
 
 @pytest.mark.llama_server
 @pytest.mark.slow
-def test_q8_0_cache_against_llama_server(default_engine: Model, default_model: Path,
-                                         llama_server_bin: Path, prompt_ids) -> None:
+def test_q8_0_cache_against_llama_server(
+    default_engine: Model, default_model: Path, llama_server_bin: Path, prompt_ids
+) -> None:
     prompts = prompt_ids[:8]
-    with support.LlamaServer(default_model, binary=llama_server_bin,
-                             args=["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]) as server:
+    with support.LlamaServer(
+        default_model,
+        binary=llama_server_bin,
+        args=["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"],
+    ) as server:
         worst, same_top1 = compare_next_token(default_engine, server, prompts, "q8_0")
         same, notes = compare_greedy(default_engine, server, prompts[:5], 24, "q8_0")
-    print(f"\nq8_0 cache: largest top-10 logprob difference {worst:.5f}, same top-1 "
-          f"{same_top1}/{len(prompts)}; greedy 24 tokens {same}/5 identical {notes}")
+    print(
+        f"\nq8_0 cache: largest top-10 logprob difference {worst:.5f}, same top-1 "
+        f"{same_top1}/{len(prompts)}; greedy 24 tokens {same}/5 identical {notes}"
+    )
     # measured 0.00001, 8/8, 5/5 since the q8_0 path is ggml's (FWHT rotations, q8_0 store,
     # flash attention on the q8_0 blocks); 0.551, 7/8, 1/5 before
     assert same_top1 == len(prompts)
@@ -201,8 +241,9 @@ def test_q8_0_cache_against_llama_server(default_engine: Model, default_model: P
 
 @pytest.mark.llama_server
 @pytest.mark.slow
-def test_q4_k_m_against_llama_server(default_model_q4_k_m: Path, llama_server_bin: Path,
-                                     prompt_ids) -> None:
+def test_q4_k_m_against_llama_server(
+    default_model_q4_k_m: Path, llama_server_bin: Path, prompt_ids
+) -> None:
     """A Q4_K_M file, as most downloads are (made from the default model by llama.cpp's own
     llama-quantize): repacked Q4_K and Q6_K down products beside Q5_0/Q8_0 stacks, one-row
     steps through the fused decode step."""
@@ -211,8 +252,10 @@ def test_q4_k_m_against_llama_server(default_model_q4_k_m: Path, llama_server_bi
     with support.LlamaServer(default_model_q4_k_m, binary=llama_server_bin) as server:
         worst, same_top1 = compare_next_token(model, server, prompts)
         same, notes = compare_greedy(model, server, prompts, 32)
-    print(f"\nQ4_K_M: largest top-10 logprob difference {worst:.6f}, same top-1 {same_top1}/"
-          f"{len(prompts)}; greedy 32 tokens {same}/{len(prompts)} identical {notes}")
+    print(
+        f"\nQ4_K_M: largest top-10 logprob difference {worst:.6f}, same top-1 {same_top1}/"
+        f"{len(prompts)}; greedy 32 tokens {same}/{len(prompts)} identical {notes}"
+    )
     # measured 1e-6 and 13/13 greedy by hand (session 4)
     assert same_top1 == len(prompts)
     assert worst < 1e-4
@@ -230,16 +273,19 @@ TINY_PROMPTS = PROMPTS[:6]
 @pytest.mark.llama_server
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", TINY_SPECS, ids=lambda s: s.name)
-def test_tiny_architecture(spec: TinySpec, tiny_dir: Path, default_model: Path,
-                           llama_server_bin: Path) -> None:
+def test_tiny_architecture(
+    spec: TinySpec, tiny_dir: Path, default_model: Path, llama_server_bin: Path
+) -> None:
     path = write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model)
     model = Model.load(path, device="cpu", progress=False)
     with support.LlamaServer(path, binary=llama_server_bin) as server:
         prompts = [tokenize(server, text) for text in TINY_PROMPTS]
         worst, same_top1 = compare_next_token(model, server, prompts)
         same, notes = compare_greedy(model, server, prompts, 32)
-    print(f"\n{spec.name}: largest top-10 logprob difference {worst:.5f}, same top-1 "
-          f"{same_top1}/{len(prompts)}, greedy 32 tokens {same}/{len(prompts)} identical {notes}")
+    print(
+        f"\n{spec.name}: largest top-10 logprob difference {worst:.5f}, same top-1 "
+        f"{same_top1}/{len(prompts)}, greedy 32 tokens {same}/{len(prompts)} identical {notes}"
+    )
     assert same_top1 == len(prompts)
     # measured 0.00000-0.00001 and all answers identical over the 16 models since every weight
     # type in them has an exact kernel (0.00002-0.39 and some answers different on the f32
@@ -249,8 +295,9 @@ def test_tiny_architecture(spec: TinySpec, tiny_dir: Path, default_model: Path,
 
 
 @pytest.mark.llama_server
-def test_last_layer_output_product_takes_every_row(tiny_dir: Path, default_model: Path,
-                                                    llama_server_bin: Path) -> None:
+def test_last_layer_output_product_takes_every_row(
+    tiny_dir: Path, default_model: Path, llama_server_bin: Path
+) -> None:
     """llama.cpp's build_attn multiplies every row of the last layer's attention by wo before
     get_rows keeps the output row; F16 rounds that product differently for one row (vec_dot)
     and for several (tinyBLAS), so taking the last row before wo moved these logits."""
@@ -259,8 +306,12 @@ def test_last_layer_output_product_takes_every_row(tiny_dir: Path, default_model
     model = Model.load(path, device="cpu", progress=False)
     with support.LlamaServer(path, binary=llama_server_bin) as server:
         ids = tokenize(server, PROMPTS[9])
-        worst, same_top1 = compare_next_token(model, server, [ids[:k] for k in range(2, len(ids) + 1)])
-    print(f"\nllama-F16, prefixes of {len(ids)} tokens: largest top-10 logprob difference {worst:.7f}")
+        worst, same_top1 = compare_next_token(
+            model, server, [ids[:k] for k in range(2, len(ids) + 1)]
+        )
+    print(
+        f"\nllama-F16, prefixes of {len(ids)} tokens: largest top-10 logprob difference {worst:.7f}"
+    )
     assert same_top1 == len(ids) - 1
     # measured 0.0000002 (what is left is llama-server's sum of the exponentials); 0.0018 at 11
     # tokens and 0.00024 at 2 when wo took only the last row
@@ -273,8 +324,11 @@ def test_last_layer_output_product_takes_every_row(tiny_dir: Path, default_model
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_dir: Path, default_model: Path) -> Model:
     spec = TinySpec("qwen3", TINY_SPECS[5].wtype)  # F32: no q8 rounding to magnify last bits
-    return Model.load(write_tiny_model(tiny_dir / "local-qwen3.gguf", spec, default_model),
-                      device="cpu", progress=False)
+    return Model.load(
+        write_tiny_model(tiny_dir / "local-qwen3.gguf", spec, default_model),
+        device="cpu",
+        progress=False,
+    )
 
 
 def test_micro_batches_equal_one_batch(tiny_llama: Model) -> None:
@@ -282,7 +336,7 @@ def test_micro_batches_equal_one_batch(tiny_llama: Model) -> None:
     ids = list(range(300, 340))
     whole = tiny_llama.forward(ids, tiny_llama.new_cache(64), all_logits=True)
     cache = tiny_llama.new_cache(64)
-    parts = [tiny_llama.forward(ids[i:i + 7], cache, all_logits=True) for i in range(0, 40, 7)]
+    parts = [tiny_llama.forward(ids[i : i + 7], cache, all_logits=True) for i in range(0, 40, 7)]
     split = numpy.concatenate(parts)
     assert cache.n_tokens == 40
     diff = float(numpy.abs(whole - split).max())
@@ -335,7 +389,9 @@ def test_array_module_path_on_the_cpu(default_engine: Model, default_model: Path
     products and softmax instead of ggml's kernels, so close to the exact path, not equal."""
     plain = Model.load(default_model, device="cpu", progress=False, exact=False)
     assert plain.exact is False and default_engine.exact is True
-    assert plain.weights.output.weight is not None and default_engine.weights.output.exact is not None
+    assert (
+        plain.weights.output.weight is not None and default_engine.weights.output.exact is not None
+    )
     worst, same_top1 = 0.0, 0
     for text_ids in ([1, 504, 3458, 282, 4649, 314], [28, 11, 2029, 9, 1213, 30, 87, 59, 1030]):
         exact = log_softmax(default_engine.forward(text_ids, default_engine.new_cache(16)))
@@ -343,6 +399,8 @@ def test_array_module_path_on_the_cpu(default_engine: Model, default_model: Path
         top = numpy.argsort(-exact)[:10]
         worst = max(worst, float(numpy.abs(exact[top] - approx[top]).max()))
         same_top1 += int(numpy.argmax(exact) == numpy.argmax(approx))
-    print(f"\narray path vs exact path: largest top-10 logprob difference {worst:.4f}, top-1 {same_top1}/2")
+    print(
+        f"\narray path vs exact path: largest top-10 logprob difference {worst:.4f}, top-1 {same_top1}/2"
+    )
     assert same_top1 == 2
     assert 0 < worst < 0.5  # not the same bits (f32 products), the same model

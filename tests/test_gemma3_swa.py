@@ -19,15 +19,20 @@ from pathlib import Path
 
 import numpy
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from bankml.engine_cupy import kv_cache
 from bankml.engine_cupy.engine import Engine, prompt_batches
 from bankml.engine_cupy.model import Model
 from tests import support
-from tests.test_forward import (engine_greedy, prefill, reported_logprobs, server_greedy,
-                                server_next_token)
+from tests.test_forward import (
+    engine_greedy,
+    prefill,
+    reported_logprobs,
+    server_greedy,
+    server_next_token,
+)
 from tests.tiny_models import TinySpec, write_tiny_model
-from gguf import GGMLQuantizationType as T
 
 N_CTX = 2048  # support.LlamaServer's -c
 N_UBATCH = 512  # llama-server's default -ub
@@ -44,8 +49,17 @@ def server_prompt_batches(n: int) -> list[tuple[int, int]]:
 def position_ordered_cache(model: Model, cache_type: str | None = None) -> kv_cache.KVCache:
     """The cache as it was before the ring: every layer's cells in position order."""
     hp = model.hp
-    return kv_cache.KVCache(numpy, hp.n_layer, hp.n_head_kv, hp.head_dim, N_CTX, cache_type,
-                            window=hp.swa_window, sliding=hp.swa_layers, ring=False)
+    return kv_cache.KVCache(
+        numpy,
+        hp.n_layer,
+        hp.n_head_kv,
+        hp.head_dim,
+        N_CTX,
+        cache_type,
+        window=hp.swa_window,
+        sliding=hp.swa_layers,
+        ring=False,
+    )
 
 
 def long_prompt(n: int, seed: int) -> list[int]:
@@ -67,8 +81,9 @@ def test_server_prompt_batches() -> None:
 
 @pytest.mark.llama_server
 @pytest.mark.slow
-def test_past_the_sliding_window_cache_as_llama_server(tiny_gemma3: Path,
-                                                       llama_server_bin: Path) -> None:
+def test_past_the_sliding_window_cache_as_llama_server(
+    tiny_gemma3: Path, llama_server_bin: Path
+) -> None:
     model = Model.load(tiny_gemma3, device="cpu", progress=False)
     prompts = [long_prompt(n, seed) for seed, n in enumerate(PROMPT_LENGTHS)]
     worst, same_top1, same, notes = 0.0, 0, 0, []
@@ -85,12 +100,16 @@ def test_past_the_sliding_window_cache_as_llama_server(tiny_gemma3: Path,
             got = engine_greedy(model, ids, GREEDY, n_ctx=N_CTX)
             same += got == want
             if got != want:
-                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
-                          min(len(got), len(want)))
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                    min(len(got), len(want)),
+                )
                 notes.append(f"{len(ids)}-token prompt differs at generated token {at}")
-    print(f"\ngemma3 past the SWA cache: largest top-10 logprob difference {worst:.3e}, same "
-          f"top-1 {same_top1}/{len(prompts)}, greedy {GREEDY} tokens {same}/{len(prompts)} "
-          f"identical {notes}; cells in position order (before the ring): {worst_plain:.3e}")
+    print(
+        f"\ngemma3 past the SWA cache: largest top-10 logprob difference {worst:.3e}, same "
+        f"top-1 {same_top1}/{len(prompts)}, greedy {GREEDY} tokens {same}/{len(prompts)} "
+        f"identical {notes}; cells in position order (before the ring): {worst_plain:.3e}"
+    )
     assert same_top1 == len(prompts)
     assert worst <= 1e-5
     assert same == len(prompts)
@@ -109,19 +128,28 @@ def test_the_engine_cuts_prompts_as_llama_server(tiny_gemma3: Path, llama_server
     lengths = (100, 900)  # one cut (4 before the end), and both cuts past the 768-cell ring
     with support.LlamaServer(tiny_gemma3, binary=llama_server_bin) as server:
         for seed, n in enumerate(lengths):
-            body = {"prompt": long_prompt(n, 20 + seed), "n_predict": 16, "temperature": 0,
-                    "n_probs": 5, "cache_prompt": False}
-            status, theirs = support.http_json(server.url + "/completion", dict(body, return_tokens=True))
+            body = {
+                "prompt": long_prompt(n, 20 + seed),
+                "n_predict": 16,
+                "temperature": 0,
+                "n_probs": 5,
+                "cache_prompt": False,
+            }
+            status, theirs = support.http_json(
+                server.url + "/completion", dict(body, return_tokens=True)
+            )
             assert status == 200, theirs
             chunks = list(engine.run_steps(engine.parse_request(dict(body), "completion")))
             ours = [c.token for c in chunks]
-            same += ours == theirs["tokens"][:len(ours)] and len(ours) >= len(theirs["tokens"]) - 1
+            same += ours == theirs["tokens"][: len(ours)] and len(ours) >= len(theirs["tokens"]) - 1
             for mine, their in zip(chunks, theirs["completion_probabilities"]):
                 top = {e["id"]: e["logprob"] for e in their["top_logprobs"]}
                 for e in mine.entry["top_logprobs"]:
                     worst = max(worst, abs(e["logprob"] - top.get(e["id"], -numpy.inf)))
-    print(f"\ngemma3 served prompts cut as llama-server: greedy {same}/{len(lengths)} identical, "
-          f"largest top-5 logprob difference {worst:.3e}")
+    print(
+        f"\ngemma3 served prompts cut as llama-server: greedy {same}/{len(lengths)} identical, "
+        f"largest top-5 logprob difference {worst:.3e}"
+    )
     assert same == len(lengths)
     # measured 0 (100 tokens) and 1.5e-5 (900: two float32 ulps at a logprob of -76, the kind
     # of gap the 900-token case above leaves); uncut prompts were 7.1e-3 and 1.7e-2 off
@@ -139,14 +167,20 @@ def test_q8_0_cache_past_the_sliding_window(tiny_gemma3: Path, llama_server_bin:
         for seed, n in ((2, 900), (3, 1300)):
             ids = long_prompt(n, seed)
             theirs = server_next_token(server, ids)
-            worst = max(worst, logprob_gap(
-                prefill(model, ids, model.new_cache(N_CTX, "q8_0")), theirs))
-            worst_plain = max(worst_plain, logprob_gap(
-                prefill(model, ids, position_ordered_cache(model, "q8_0")), theirs))
-            same += (engine_greedy(model, ids, GREEDY, cache_type="q8_0", n_ctx=N_CTX)
-                     == server_greedy(server, ids, GREEDY))
-    print(f"\nq8_0 cache past the SWA cache: largest top-10 logprob difference {worst:.3e}, "
-          f"greedy {GREEDY} tokens {same}/2 identical; in position order: {worst_plain:.3e}")
+            worst = max(
+                worst, logprob_gap(prefill(model, ids, model.new_cache(N_CTX, "q8_0")), theirs)
+            )
+            worst_plain = max(
+                worst_plain,
+                logprob_gap(prefill(model, ids, position_ordered_cache(model, "q8_0")), theirs),
+            )
+            same += engine_greedy(
+                model, ids, GREEDY, cache_type="q8_0", n_ctx=N_CTX
+            ) == server_greedy(server, ids, GREEDY)
+    print(
+        f"\nq8_0 cache past the SWA cache: largest top-10 logprob difference {worst:.3e}, "
+        f"greedy {GREEDY} tokens {same}/2 identical; in position order: {worst_plain:.3e}"
+    )
     assert worst <= 1e-5
     assert same == 2
     assert worst_plain > 1e-5
@@ -185,7 +219,10 @@ def test_which_caches_keep_a_ring(tiny_gemma3: Path) -> None:
     model = Model.load(tiny_gemma3, device="cpu", progress=False)
     assert model.new_cache(500).cells is None  # its 512-cell SWA cache holds every position
     assert model.new_cache(N_CTX).cells.size == 768
-    assert Model.load(tiny_gemma3, device="cpu", progress=False, exact=False).new_cache(N_CTX).cells is None
+    assert (
+        Model.load(tiny_gemma3, device="cpu", progress=False, exact=False).new_cache(N_CTX).cells
+        is None
+    )
 
 
 def test_restore_lays_the_ring_out_again(tiny_gemma3: Path) -> None:
@@ -211,8 +248,9 @@ def test_restore_lays_the_ring_out_again(tiny_gemma3: Path) -> None:
     assert cache.cells.holds(894, 901) and not (cache.cells.pos >= 901).any()
 
 
-def test_ring_attention_is_ggml_flash_attention(tiny_gemma3: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ring_attention_is_ggml_flash_attention(
+    tiny_gemma3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each attention of a 900-token prompt (the ring wraps inside its 512-row batch) equals
     ggml's own flash_attn_ext on the same cells, mask and n_kv (tests/ggml_oracle.py)."""
     from bankml.engine_cupy import exact_attention
@@ -227,8 +265,17 @@ def test_ring_attention_is_ggml_flash_attention(tiny_gemma3: Path,
 
     def recorded(q, k, v, mask, scale, n_kv=None, n_threads=2, parallel=None):
         out = kernel(q, k, v, mask, scale, n_kv=n_kv, n_threads=n_threads, parallel=parallel)
-        calls.append((q.copy(), numpy.asarray(k, numpy.float16), numpy.asarray(v, numpy.float16),
-                      mask, scale, n_kv, out))
+        calls.append(
+            (
+                q.copy(),
+                numpy.asarray(k, numpy.float16),
+                numpy.asarray(v, numpy.float16),
+                mask,
+                scale,
+                n_kv,
+                out,
+            )
+        )
         return out
 
     monkeypatch.setattr(exact_attention, "flash_attn_f16", recorded)

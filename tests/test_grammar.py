@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bankml.engine_cupy.grammar import (GRAMMAR_FAILED, SCHEMA_NOT_OBJECT, Constraint, ConstraintError,
-                                        ConstraintSpec, build_llg_tokenizer, resolve_constraint, validate_text)
+from bankml.engine_cupy.grammar import (
+    GRAMMAR_FAILED,
+    SCHEMA_NOT_OBJECT,
+    Constraint,
+    ConstraintError,
+    ConstraintSpec,
+    build_llg_tokenizer,
+    resolve_constraint,
+    validate_text,
+)
 from bankml.engine_cupy.tokenizer import Tokenizer
 from tests import support
 
@@ -17,7 +25,9 @@ from tests import support
 def vocab(default_model: Path):
     tok = Tokenizer.from_gguf(default_model)
     special = [i for i in range(tok.n_vocab) if tok.is_control(i)]
-    llg = build_llg_tokenizer(tok.vocab_bytes(), special, tok.eog_ids, tok.bos_id, lambda s: tok.tokenize(s))
+    llg = build_llg_tokenizer(
+        tok.vocab_bytes(), special, tok.eog_ids, tok.bos_id, lambda s: tok.tokenize(s)
+    )
     return tok, llg
 
 
@@ -35,23 +45,40 @@ def test_resolution_order() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert resolve_constraint({}, "chat") is None
     assert resolve_constraint({"response_format": {"type": "text"}}, "chat") is None
-    assert resolve_constraint({"response_format": {"type": "json_object"}}, "chat").kind == "json_object"
+    assert (
+        resolve_constraint({"response_format": {"type": "json_object"}}, "chat").kind
+        == "json_object"
+    )
     fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
     assert resolve_constraint({"response_format": fmt}, "chat").kind == "json_schema"
-    assert resolve_constraint({"json_schema": {}}, "completion") == ConstraintSpec("json_object", '{"type": "object"}')
+    assert resolve_constraint({"json_schema": {}}, "completion") == ConstraintSpec(
+        "json_object", '{"type": "object"}'
+    )
     assert resolve_constraint({"grammar": 'root ::= "a"'}, "completion").kind == "gbnf"
     # /completion: json_schema wins only without a grammar key; an empty grammar is none
     assert resolve_constraint({"grammar": ""}, "completion") is None
-    assert resolve_constraint({"json_schema": schema, "grammar": 'root ::= "a"'}, "completion").kind == "gbnf"
+    assert (
+        resolve_constraint({"json_schema": schema, "grammar": 'root ::= "a"'}, "completion").kind
+        == "gbnf"
+    )
 
 
-@pytest.mark.parametrize("body,message", [
-    ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "Cannot use both json_schema and grammar"),
-    ({"response_format": {"type": "yaml"}},
-     'response_format type must be one of "text" or "json_object", but got: yaml'),
-])
-def test_chat_resolution_refusals_match_llama_server(reference_server: support.LlamaServer, body: dict,
-                                                     message: str) -> None:
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (
+            {"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'},
+            "Cannot use both json_schema and grammar",
+        ),
+        (
+            {"response_format": {"type": "yaml"}},
+            'response_format type must be one of "text" or "json_object", but got: yaml',
+        ),
+    ],
+)
+def test_chat_resolution_refusals_match_llama_server(
+    reference_server: support.LlamaServer, body: dict, message: str
+) -> None:
     request = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **body}
     status, answer = support.http_json(reference_server.url + "/v1/chat/completions", request)
     # llama-server answers "Cannot use both" with a 500 (a runtime_error); bankml keeps the text and
@@ -73,14 +100,18 @@ def test_non_object_schemas() -> None:
         resolve_constraint({"json_schema": "abc"}, "chat")
     assert str(err.value) == SCHEMA_NOT_OBJECT
     # inside response_format a schema that is not an object leaves the answer unconstrained
-    assert resolve_constraint({"response_format": {"type": "json_object", "schema": "abc"}}, "chat") is None
+    assert (
+        resolve_constraint({"response_format": {"type": "json_object", "schema": "abc"}}, "chat")
+        is None
+    )
 
 
 # --- compilation --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("grammar", ['root ::= missing', 'other ::= "a"', 'root ::= "a', 'root ::= [a-',
-                                     'root ::= ("a"'])
+@pytest.mark.parametrize(
+    "grammar", ["root ::= missing", 'other ::= "a"', 'root ::= "a', "root ::= [a-", 'root ::= ("a"']
+)
 def test_invalid_gbnf_is_refused(vocab, grammar: str) -> None:
     with pytest.raises(ConstraintError) as err:
         constraint(vocab, {"grammar": grammar})
@@ -91,14 +122,27 @@ def test_invalid_schema_is_refused(vocab) -> None:
     with pytest.raises(ConstraintError):
         constraint(vocab, {"json_schema": "a string"})
     with pytest.raises(ConstraintError):
-        constraint(vocab, {"json_schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}})
+        constraint(
+            vocab,
+            {"json_schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}},
+        )
 
 
-@pytest.mark.parametrize("body", [{"grammar": 'root ::= "x" | missing'}, {"grammar": 'root ::= "a'},
-                                  {"json_schema": []}, {"json_schema": "abc"}])
-def test_invalid_constraints_get_llama_servers_message(reference_server: support.LlamaServer, vocab,
-                                                       body: dict) -> None:
-    status, answer = support.http_json(reference_server.url + "/completion", {"prompt": "Hi", "n_predict": 1, **body})
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"grammar": 'root ::= "x" | missing'},
+        {"grammar": 'root ::= "a'},
+        {"json_schema": []},
+        {"json_schema": "abc"},
+    ],
+)
+def test_invalid_constraints_get_llama_servers_message(
+    reference_server: support.LlamaServer, vocab, body: dict
+) -> None:
+    status, answer = support.http_json(
+        reference_server.url + "/completion", {"prompt": "Hi", "n_predict": 1, **body}
+    )
     assert status == 400
     with pytest.raises(ConstraintError) as err:
         constraint(vocab, body)
@@ -124,8 +168,16 @@ def test_mask_and_eog_only_when_complete(vocab) -> None:
 
 def test_validate_text(vocab) -> None:
     tok, llg = vocab
-    spec = resolve_constraint({"json_schema": {"type": "object", "properties": {"n": {"type": "integer"}},
-                                               "required": ["n"]}}, "completion")
+    spec = resolve_constraint(
+        {
+            "json_schema": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+            }
+        },
+        "completion",
+    )
     assert validate_text(spec, llg, tok.tokenize('{"n": 12}'))
     assert not validate_text(spec, llg, tok.tokenize('{"n": "x"}'))
     assert not validate_text(spec, llg, tok.tokenize('{"n": 1'))  # incomplete: EOG would be refused

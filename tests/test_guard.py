@@ -62,11 +62,23 @@ def tensor(name: str, dims: list[int], type_id: int, offset: int) -> tuple[bytes
     return info, offset + count // block * size
 
 
-def build(kvs: list[bytes] = (), tensors: list[tuple[bytes, int]] = (), *, data_size: int | None = None,
-          magic: bytes = b"GGUF", version: int = 3, n_tensors: int | None = None, n_kv: int | None = None,
-          alignment: int = 32) -> bytes:
-    head = magic + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
-                               len(kvs) if n_kv is None else n_kv)
+def build(
+    kvs: list[bytes] = (),
+    tensors: list[tuple[bytes, int]] = (),
+    *,
+    data_size: int | None = None,
+    magic: bytes = b"GGUF",
+    version: int = 3,
+    n_tensors: int | None = None,
+    n_kv: int | None = None,
+    alignment: int = 32,
+) -> bytes:
+    head = magic + struct.pack(
+        "<IQQ",
+        version,
+        len(tensors) if n_tensors is None else n_tensors,
+        len(kvs) if n_kv is None else n_kv,
+    )
     out = head + b"".join(kvs) + b"".join(info for info, _ in tensors)
     if tensors:
         out += b"\0" * (-len(out) % alignment)
@@ -81,7 +93,12 @@ LLAMA_KVS = [kv_str("general.architecture", "llama"), kv_str("general.name", "ti
 def small_valid() -> bytes:
     """Two tensors, a vocabulary array, a nested array: every part of the format, all valid."""
     vocab = b"".join(s(t) for t in ["<s>", "a", "bc", ""])
-    nested = struct.pack("<IQ", 4, 2) + struct.pack("<2I", 1, 2) + struct.pack("<IQ", 4, 1) + struct.pack("<I", 3)
+    nested = (
+        struct.pack("<IQ", 4, 2)
+        + struct.pack("<2I", 1, 2)
+        + struct.pack("<IQ", 4, 1)
+        + struct.pack("<I", 3)
+    )
     kvs = LLAMA_KVS + [
         kv_array("tokenizer.ggml.tokens", 8, 4, vocab),
         kv_array("x.nested", 9, 2, nested),
@@ -120,21 +137,34 @@ def test_default_model_plays_and_agrees_with_gguf_reader(default_model: Path) ->
     assert result.data_start == reader.data_offset
     layers = reader.fields["llama.block_count"].contents()
     kv_heads = reader.fields["llama.attention.head_count_kv"].contents()
-    head_dim = reader.fields["llama.embedding_length"].contents() // reader.fields["llama.attention.head_count"].contents()
+    head_dim = (
+        reader.fields["llama.embedding_length"].contents()
+        // reader.fields["llama.attention.head_count"].contents()
+    )
     assert result.kv_f16_bytes_per_token == layers * kv_heads * 2 * head_dim * 2
 
 
 def test_default_model_json_and_text_shapes(default_model: Path) -> None:
     result = guard_file(default_model)
     assert list(result.as_dict()) == [
-        "gguf_version", "arch", "name", "tensors", "types", "engine", "reasons", "kv_f16_bytes_per_token", "verdict",
+        "gguf_version",
+        "arch",
+        "name",
+        "tensors",
+        "types",
+        "engine",
+        "reasons",
+        "kv_f16_bytes_per_token",
+        "verdict",
     ]
     assert result.to_json().startswith('{"gguf_version": 3, "arch": "llama", ')
     head = result.to_text().splitlines()[0]
     assert head == "play " + " ".join(f"{k}:{v}" for k, v in result.types.items())
 
 
-def test_default_model_needs_rereads_when_the_first_prefix_is_short(default_model: Path, monkeypatch) -> None:
+def test_default_model_needs_rereads_when_the_first_prefix_is_short(
+    default_model: Path, monkeypatch
+) -> None:
     monkeypatch.setattr(guard, "PREFIX_BYTES", 1000)  # the real header is ~1.8 MB: several re-reads
     assert guard_file(default_model).verdict == "play"
 
@@ -153,7 +183,9 @@ def test_truncated_model_in_the_data_is_refused(default_model: Path, tmp_path: P
     cut.write_bytes(default_model.read_bytes()[:20_000_000])
     result = guard_file(cut)
     assert result.verdict == "refuse"
-    assert any("data runs past the end of the file (file 20000000 bytes" in r for r in result.reasons)
+    assert any(
+        "data runs past the end of the file (file 20000000 bytes" in r for r in result.reasons
+    )
 
 
 # -- valid synthetic files ----------------------------------------------------------------------
@@ -170,7 +202,9 @@ def test_gguf_writer_file_plays(tmp_path: Path) -> None:
     writer.add_token_list(["a", "b", "c"])
     writer.add_tensor("w.f32", np.arange(64, dtype=np.float32).reshape(2, 32))
     writer.add_tensor("w.f16", np.ones(96, dtype=np.float16))
-    q8 = quantize(np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64), GGMLQuantizationType.Q8_0)
+    q8 = quantize(
+        np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64), GGMLQuantizationType.Q8_0
+    )
     writer.add_tensor("w.q8", q8, raw_dtype=GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -200,8 +234,13 @@ def test_vector_q1_0_and_f16_play() -> None:
 
 
 def test_vector_q2_0_group_64_plays_and_group_128_is_refused() -> None:
-    assert judge(build(LLAMA_KVS, [tensor("q2", [N], 42, 0)], data_size=N // 64 * 18)).verdict == "play"
-    result = refused_with(build(LLAMA_KVS, [tensor("q2", [N], 42, 0)], data_size=N // 128 * 34), "Q2_0")
+    assert (
+        judge(build(LLAMA_KVS, [tensor("q2", [N], 42, 0)], data_size=N // 64 * 18)).verdict
+        == "play"
+    )
+    result = refused_with(
+        build(LLAMA_KVS, [tensor("q2", [N], 42, 0)], data_size=N // 128 * 34), "Q2_0"
+    )
     assert result.reasons == (
         "1 Q2_0 tensors smaller than group-64 layout: legacy group-128 Prism file, "
         "use *-Q2_0_g64.gguf or *-PQ2_0.gguf",
@@ -216,15 +255,21 @@ def test_vector_pq2_0_refused_on_mainline_plays_on_prism() -> None:
 
 
 def test_vector_bonsai_2_refused_on_mainline_plays_on_prism() -> None:
-    data = build([kv_str("general.architecture", "qwen3"), kv_str("general.name", "Ternary Bonsai 2 27B")])
+    data = build(
+        [kv_str("general.architecture", "qwen3"), kv_str("general.name", "Ternary Bonsai 2 27B")]
+    )
     assert judge(data).reasons == (guard.BONSAI_ON_MAINLINE,)
     assert judge(data, engine="prism").verdict == "play"
     assert judge(build(LLAMA_KVS), filename="x-prism-fork-required.gguf").verdict == "refuse"
 
 
 def test_vector_qwen3_8b_kv_shape() -> None:
-    kvs = [kv_str("general.architecture", "qwen3"), kv_u32("qwen3.block_count", 36),
-           kv_u32("qwen3.attention.head_count_kv", 8), kv_u32("qwen3.attention.key_length", 128)]
+    kvs = [
+        kv_str("general.architecture", "qwen3"),
+        kv_u32("qwen3.block_count", 36),
+        kv_u32("qwen3.attention.head_count_kv", 8),
+        kv_u32("qwen3.attention.key_length", 128),
+    ]
     assert judge(build(kvs)).kv_f16_bytes_per_token == 147456
 
 
@@ -240,8 +285,16 @@ def test_vector_first_40_bytes_need_more(default_model: Path) -> None:
 
 def test_bad_magic() -> None:
     result = refused_with(b"GGML" + small_valid()[4:], "not a GGUF file")
-    assert result.as_dict() == {"gguf_version": 0, "arch": None, "name": None, "tensors": 0, "types": {},
-                                "engine": "mainline", "reasons": ["not a GGUF file"], "verdict": "refuse"}
+    assert result.as_dict() == {
+        "gguf_version": 0,
+        "arch": None,
+        "name": None,
+        "tensors": 0,
+        "types": {},
+        "engine": "mainline",
+        "reasons": ["not a GGUF file"],
+        "verdict": "refuse",
+    }
     assert judge(b"").verdict == "need_more"  # nothing yet: could still be a GGUF
     assert judge(b"PK\x03\x04").reasons == ("not a GGUF file",)
 
@@ -255,7 +308,8 @@ def test_big_endian_file_is_named() -> None:
     data = b"GGUF" + struct.pack(">IQQ", 3, 0, 0)
     assert judge(data).reasons == (
         "gguf version 50331648 is not supported (2 and 3 are): a big-endian GGUF, which ggml on this machine "
-        "cannot read",)
+        "cannot read",
+    )
 
 
 def test_version_2_plays() -> None:
@@ -275,7 +329,9 @@ def test_counts_larger_than_the_file_can_hold_need_more_at_once() -> None:
 
 @pytest.mark.parametrize("n_tensors", [2**63, 2**40, 2**20 + 1])
 def test_huge_tensor_count(n_tensors: int) -> None:
-    refused_with(build(LLAMA_KVS, n_tensors=n_tensors), f"header claims {n_tensors} tensors, more than")
+    refused_with(
+        build(LLAMA_KVS, n_tensors=n_tensors), f"header claims {n_tensors} tensors, more than"
+    )
 
 
 def test_huge_count_with_unknown_size_stops_at_the_prefix() -> None:
@@ -294,7 +350,9 @@ def test_two_million_nested_arrays_refused() -> None:
 
 def test_nesting_of_64_plays_and_65_is_refused() -> None:
     def nested(depth: int) -> bytes:
-        return kv("n", 9, struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQ", 0, 1) + b"\x07")
+        return kv(
+            "n", 9, struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQ", 0, 1) + b"\x07"
+        )
 
     assert judge(build([nested(64)])).verdict == "play"
     refused_with(build([nested(65)]), "nested deeper than 64")
@@ -314,8 +372,12 @@ def test_array_count_past_the_file_needs_more_without_walking() -> None:
 def test_key_length_over_the_cap() -> None:
     data = build([struct.pack("<Q", 2**62) + b"k" * 16])
     assert judge(data).reasons == (
-        "metadata key at offset 24 is 4611686018427387904 bytes, more than the 65536 allowed",)
-    refused_with(build([kv_str("general.name", "x"), struct.pack("<Q", 70_000) + b"k"]), "more than the 65536")
+        "metadata key at offset 24 is 4611686018427387904 bytes, more than the 65536 allowed",
+    )
+    refused_with(
+        build([kv_str("general.name", "x"), struct.pack("<Q", 70_000) + b"k"]),
+        "more than the 65536",
+    )
     refused_with(build(LLAMA_KVS, [(struct.pack("<Q", 2**40), 0)]), "tensor name at offset")
 
 
@@ -336,44 +398,68 @@ def test_string_just_past_the_end_is_a_truncated_file(tmp_path: Path) -> None:
 def test_header_over_the_cap_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(guard, "MAX_HEADER_BYTES", 1000)
     data = build(LLAMA_KVS + [kv("s", 8, s("x" * 2000))])
-    assert guard_bytes(data, None, "m.gguf").verdict == "play"  # all there: the cap bounds re-reads only
+    assert (
+        guard_bytes(data, None, "m.gguf").verdict == "play"
+    )  # all there: the cap bounds re-reads only
     result = guard_bytes(data[:200], None, "m.gguf")
     assert result.verdict == "refuse" and "more than the 1000 this guard reads" in result.reasons[0]
 
 
 @pytest.mark.parametrize("vtype", [13, 255, 2**32 - 1])
 def test_unknown_value_type(vtype: int) -> None:
-    assert judge(build([kv("x", vtype, b"\0" * 16)])).reasons == (f"unknown gguf value type {vtype}",)
-    assert judge(build([kv_array("x", vtype, 1, b"\0" * 16)])).reasons == (f"unknown gguf value type {vtype}",)
+    assert judge(build([kv("x", vtype, b"\0" * 16)])).reasons == (
+        f"unknown gguf value type {vtype}",
+    )
+    assert judge(build([kv_array("x", vtype, 1, b"\0" * 16)])).reasons == (
+        f"unknown gguf value type {vtype}",
+    )
 
 
 @pytest.mark.parametrize(
     "value, text",
-    [(kv_u32("general.alignment", 0), "general.alignment 0 is not a positive integer"),
-     (kv_str("general.alignment", "32"), "general.alignment 32 is not a positive integer"),
-     (kv("general.alignment", 6, struct.pack("<f", 0.5)), "general.alignment 0.5 is not a positive integer"),
-     (kv("general.alignment", 6, struct.pack("<f", float("inf"))), "general.alignment inf is not a positive integer"),
-     (kv("general.alignment", 5, struct.pack("<i", -32)), "general.alignment -32 is not a positive integer")],
+    [
+        (kv_u32("general.alignment", 0), "general.alignment 0 is not a positive integer"),
+        (kv_str("general.alignment", "32"), "general.alignment 32 is not a positive integer"),
+        (
+            kv("general.alignment", 6, struct.pack("<f", 0.5)),
+            "general.alignment 0.5 is not a positive integer",
+        ),
+        (
+            kv("general.alignment", 6, struct.pack("<f", float("inf"))),
+            "general.alignment inf is not a positive integer",
+        ),
+        (
+            kv("general.alignment", 5, struct.pack("<i", -32)),
+            "general.alignment -32 is not a positive integer",
+        ),
+    ],
 )
 def test_alignment_not_a_positive_integer(value: bytes, text: str) -> None:
     assert judge(build(LLAMA_KVS + [value])).reasons == (text,)
 
 
 def test_alignment_not_a_power_of_two() -> None:
-    data = build(LLAMA_KVS + [kv_u32("general.alignment", 48)], [tensor("a", [12], 0, 0)], alignment=48)
+    data = build(
+        LLAMA_KVS + [kv_u32("general.alignment", 48)], [tensor("a", [12], 0, 0)], alignment=48
+    )
     assert judge(data).reasons == ("general.alignment 48 is not a power of two, as ggml requires",)
 
 
 def test_alignment_float_and_64_play() -> None:
-    data = build(LLAMA_KVS + [kv("general.alignment", 6, struct.pack("<f", 64.0))],
-                 [tensor("a", [16], 0, 0), tensor("b", [4], 0, 64)], alignment=64)
+    data = build(
+        LLAMA_KVS + [kv("general.alignment", 6, struct.pack("<f", 64.0))],
+        [tensor("a", [16], 0, 0), tensor("b", [4], 0, 64)],
+        alignment=64,
+    )
     result = judge(data)
     assert result.verdict == "play" and result.alignment == 64 and result.data_start % 64 == 0
 
 
 @pytest.mark.parametrize("type_id", [4, 5, 31, 43, 99, 141, 2**32 - 1])
 def test_unknown_tensor_type(type_id: int) -> None:
-    data = build(LLAMA_KVS, [tensor("a", [32], type_id, 0), tensor("b", [32], 0, 128)], data_size=256)
+    data = build(
+        LLAMA_KVS, [tensor("a", [32], type_id, 0), tensor("b", [32], 0, 128)], data_size=256
+    )
     assert f"type ids [{type_id}] unknown to every build this guard knows" in judge(data).reasons
     assert judge(data).types == {"F32": 1, str(type_id): 1}
 
@@ -386,7 +472,9 @@ def test_tensor_data_past_the_end() -> None:
 
 
 def test_tensor_offset_far_past_the_end() -> None:
-    refused_with(build(LLAMA_KVS, [tensor("far", [8], 0, 2**62)], data_size=32), "past the end of the file")
+    refused_with(
+        build(LLAMA_KVS, [tensor("far", [8], 0, 2**62)], data_size=32), "past the end of the file"
+    )
 
 
 def test_overlapping_tensors() -> None:
@@ -397,7 +485,8 @@ def test_overlapping_tensors() -> None:
 def test_misaligned_offset() -> None:
     data = build(LLAMA_KVS, [tensor("a", [4], 0, 0), tensor("b", [4], 0, 20)], data_size=64)
     assert judge(data).reasons == (
-        "1 tensors whose data offset is not a multiple of general.alignment (32): 'b'",)
+        "1 tensors whose data offset is not a multiple of general.alignment (32): 'b'",
+    )
 
 
 def test_duplicate_tensor_names() -> None:
@@ -407,42 +496,67 @@ def test_duplicate_tensor_names() -> None:
 
 def test_too_many_dimensions() -> None:
     assert judge(build(LLAMA_KVS, [tensor("five", [1, 1, 1, 1, 1], 0, 0)])).reasons == (
-        "tensor 'five' has 5 dimensions, ggml allows at most 4",)
-    refused_with(build(LLAMA_KVS, [(s("huge") + struct.pack("<I", 2**32 - 1), 0)]), "4294967295 dimensions")
+        "tensor 'five' has 5 dimensions, ggml allows at most 4",
+    )
+    refused_with(
+        build(LLAMA_KVS, [(s("huge") + struct.pack("<I", 2**32 - 1), 0)]), "4294967295 dimensions"
+    )
 
 
 def test_negative_and_overflowing_dimensions() -> None:
-    refused_with(build(LLAMA_KVS, [tensor("neg", [2**63], 0, 0)], data_size=64), "dimension >= 2^63 (negative to ggml): 'neg'")
-    refused_with(build(LLAMA_KVS, [tensor("ovf", [2**32, 2**32], 0, 0)], data_size=64), "overflows int64: 'ovf'")
+    refused_with(
+        build(LLAMA_KVS, [tensor("neg", [2**63], 0, 0)], data_size=64),
+        "dimension >= 2^63 (negative to ggml): 'neg'",
+    )
+    refused_with(
+        build(LLAMA_KVS, [tensor("ovf", [2**32, 2**32], 0, 0)], data_size=64),
+        "overflows int64: 'ovf'",
+    )
 
 
 def test_long_tensor_name_and_partial_block_row() -> None:
-    refused_with(build(LLAMA_KVS, [tensor("n" * 64, [8], 0, 0)]), "tensors named with 64 bytes or more")
-    refused_with(build(LLAMA_KVS, [tensor("q", [48], 8, 0)], data_size=64), "not a whole number of their type's blocks: 'q'")
+    refused_with(
+        build(LLAMA_KVS, [tensor("n" * 64, [8], 0, 0)]), "tensors named with 64 bytes or more"
+    )
+    refused_with(
+        build(LLAMA_KVS, [tensor("q", [48], 8, 0)], data_size=64),
+        "not a whole number of their type's blocks: 'q'",
+    )
 
 
 def test_many_faults_are_listed_briefly() -> None:
     tensors = [tensor(f"t{i}", [4], 0, 16 * i + 8) for i in range(10)]
     reasons = refused_with(build(LLAMA_KVS, tensors, data_size=256), "general.alignment").reasons
-    assert reasons == ("10 tensors whose data offset is not a multiple of general.alignment (32): "
-                       "'t0', 't1', 't2' and 7 more",)
+    assert reasons == (
+        "10 tensors whose data offset is not a multiple of general.alignment (32): "
+        "'t0', 't1', 't2' and 7 more",
+    )
 
 
 def test_kv_cache_product_overflow() -> None:
     big = 2**64 - 1
-    kvs = [kv_str("general.architecture", "llama"), kv_u64("llama.block_count", big),
-           kv_u64("llama.attention.head_count_kv", big), kv_u64("llama.attention.key_length", big)]
+    kvs = [
+        kv_str("general.architecture", "llama"),
+        kv_u64("llama.block_count", big),
+        kv_u64("llama.attention.head_count_kv", big),
+        kv_u64("llama.attention.key_length", big),
+    ]
     result = judge(build(kvs))
     assert result.reasons == (
         "KV cache size per token overflows (llama.block_count × head_count_kv × key/value length): "
-        "malformed header",)
+        "malformed header",
+    )
     assert "kv_f16_bytes_per_token" not in result.as_dict()
 
 
 def test_kv_cache_from_embedding_length_when_key_length_is_missing() -> None:
-    kvs = [kv_str("general.architecture", "llama"), kv_u32("llama.block_count", 30),
-           kv_u32("llama.attention.head_count_kv", 3), kv_u32("llama.embedding_length", 576),
-           kv_u32("llama.attention.head_count", 9)]
+    kvs = [
+        kv_str("general.architecture", "llama"),
+        kv_u32("llama.block_count", 30),
+        kv_u32("llama.attention.head_count_kv", 3),
+        kv_u32("llama.embedding_length", 576),
+        kv_u32("llama.attention.head_count", 9),
+    ]
     assert judge(build(kvs)).kv_f16_bytes_per_token == 30 * 3 * (64 + 64) * 2
 
 
@@ -452,13 +566,18 @@ def test_duplicate_key_last_wins() -> None:
 
 
 def test_every_reason_is_reported_together() -> None:
-    data = build([kv_str("general.architecture", "llama"), kv_str("general.name", "Bonsai 2")],
-                 [tensor("p", [N], 142, 0), tensor("u", [32], 77, 4096), tensor("u", [32], 0, 4100)],
-                 data_size=8192)
+    data = build(
+        [kv_str("general.architecture", "llama"), kv_str("general.name", "Bonsai 2")],
+        [tensor("p", [N], 142, 0), tensor("u", [32], 77, 4096), tensor("u", [32], 0, 4100)],
+        data_size=8192,
+    )
     reasons = judge(data).reasons
     assert len(reasons) == 5, reasons
-    assert reasons[:3] == ("type ids [77] unknown to every build this guard knows", guard.PRISM_ON_MAINLINE,
-                           guard.BONSAI_ON_MAINLINE)
+    assert reasons[:3] == (
+        "type ids [77] unknown to every build this guard knows",
+        guard.PRISM_ON_MAINLINE,
+        guard.BONSAI_ON_MAINLINE,
+    )
 
 
 # -- no input makes the guard raise --------------------------------------------------------------
@@ -467,9 +586,16 @@ VALID = small_valid()
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8),
-       st.integers(0, len(VALID)), st.booleans())
-def test_mutated_headers_never_raise(mutations: list[tuple[int, int]], cut: int, size_known: bool) -> None:
+@given(
+    st.lists(
+        st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8
+    ),
+    st.integers(0, len(VALID)),
+    st.booleans(),
+)
+def test_mutated_headers_never_raise(
+    mutations: list[tuple[int, int]], cut: int, size_known: bool
+) -> None:
     data = bytearray(VALID)
     for index, value in mutations:
         data[index] = value

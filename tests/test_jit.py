@@ -67,10 +67,14 @@ def write_package(root: Path, factor: float, offset: float = 1.0) -> None:
 def run_kernel(root: Path) -> dict:
     """kernel(3.0) in a fresh process, with Numba's cache statistics of that process."""
     repo = Path(bankml.__file__).resolve().parent.parent
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(root / "numba-cache"),
-               PYTHONPATH=os.pathsep.join([str(root), str(repo)]))
-    done = subprocess.run([sys.executable, "-c", RUN], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=120)
+    env = dict(
+        os.environ,
+        NUMBA_CACHE_DIR=str(root / "numba-cache"),
+        PYTHONPATH=os.pathsep.join([str(root), str(repo)]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", RUN], env=env, cwd=root, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -124,13 +128,16 @@ def test_every_engine_module_with_kernels_is_a_compiled_module() -> None:
 
 def test_kernel_sources_follow_the_engine_imports() -> None:
     """The fused decode step builds on every kernel module; exact_matmul on none."""
+
     def stems(name: str) -> set[str]:
         return {p.stem for p in jit.kernel_sources(ENGINE / f"{name}.py", PACKAGE)}
 
     assert stems("exact_matmul") == {"exact_matmul", "jit"}
     assert stems("exact_kquants") == {"exact_kquants", "exact_matmul", "jit"}
     assert stems("exact_attention") == {"exact_attention", "exact_ops", "jit"}
-    assert {"exact_matmul", "exact_ops", "exact_attention", "kv_cache", "jit"} <= stems("exact_decode")
+    assert {"exact_matmul", "exact_ops", "exact_attention", "kv_cache", "jit"} <= stems(
+        "exact_decode"
+    )
 
 
 @pytest.mark.parametrize("kernel", [exact_matmul.row_product, exact_decode.decode_layer])
@@ -158,4 +165,3 @@ def test_cache_hook_fails_loudly_without_numbas_attribute() -> None:
 
     with pytest.raises(RuntimeError, match="Dispatcher._cache"):
         jit._use_kernel_cache(NotADispatcher())  # type: ignore[arg-type]
-

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import pytest
 import pytest_twisted
@@ -209,7 +209,9 @@ FOREIGN_HOSTS = [
 @pytest.mark.parametrize("host", LOOPBACK_HOSTS)
 @pytest_twisted.ensureDeferred
 async def test_loopback_host_is_served(front: Front, host: str) -> None:
-    reply = await in_thread(exchange, front.port, request(host=host, headers=("Connection: close",)))
+    reply = await in_thread(
+        exchange, front.port, request(host=host, headers=("Connection: close",))
+    )
     assert (reply.status, reply.body) == (200, b"ok")
     assert front.root.calls == 1
 
@@ -242,7 +244,9 @@ def test_is_loopback_host_rules() -> None:
 @pytest.mark.parametrize("coding", ["chunked", "gzip, chunked", "identity"])
 @pytest_twisted.ensureDeferred
 async def test_transfer_encoding_is_400_send_content_length(front: Front, coding: str) -> None:
-    data = request("POST", "/echo", headers=("Content-Type: application/json", f"Transfer-Encoding: {coding}"))
+    data = request(
+        "POST", "/echo", headers=("Content-Type: application/json", f"Transfer-Encoding: {coding}")
+    )
     reply = await in_thread(exchange, front.port, data + b"2\r\n{}\r\n0\r\n\r\n")
     assert_refused(reply, 400)
     assert reply.body == b"send Content-Length\n"
@@ -259,7 +263,9 @@ def send_head_and_part(port: int, head: bytes, part: int) -> Reply:
 @pytest_twisted.ensureDeferred
 async def test_body_over_16_mib_is_413_from_the_header(front: Front) -> None:
     head = request(
-        "POST", "/echo", headers=("Content-Type: application/json", f"Content-Length: {MAX_BODY_BYTES + 1}")
+        "POST",
+        "/echo",
+        headers=("Content-Type: application/json", f"Content-Length: {MAX_BODY_BYTES + 1}"),
     )
     reply = await in_thread(send_head_and_part, front.port, head, 1 << 20)
     assert_refused(reply, 413)
@@ -277,17 +283,27 @@ async def test_body_of_16_mib_is_accepted(front: Front) -> None:
 
 @pytest.mark.parametrize(
     "content_type",
-    [None, "application/x-www-form-urlencoded", "text/plain", "application/jsonx", "application/json-seq"],
+    [
+        None,
+        "application/x-www-form-urlencoded",
+        "text/plain",
+        "application/jsonx",
+        "application/json-seq",
+    ],
 )
 @pytest_twisted.ensureDeferred
 async def test_post_without_json_type_is_415(front: Front, content_type: str | None) -> None:
     headers = () if content_type is None else (f"Content-Type: {content_type}",)
-    reply = await in_thread(exchange, front.port, request("POST", "/echo", headers=headers, body=b"a=1"))
+    reply = await in_thread(
+        exchange, front.port, request("POST", "/echo", headers=headers, body=b"a=1")
+    )
     assert_refused(reply, 415)
     assert front.root.calls == 0
 
 
-@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"]
+)
 @pytest_twisted.ensureDeferred
 async def test_post_with_json_type_is_served(front: Front, content_type: str) -> None:
     data = request("POST", "/echo", headers=(f"Content-Type: {content_type}",), body=b'{"a": 1}')
@@ -355,7 +371,10 @@ async def test_malformed_request_is_a_clean_400(front: Front) -> None:
 
 @pytest.mark.parametrize(
     "content_type, body_size, status",
-    [("application/x-www-form-urlencoded", 4 << 20, 415), ("application/json", MAX_BODY_BYTES + 1, 413)],
+    [
+        ("application/x-www-form-urlencoded", 4 << 20, 415),
+        ("application/json", MAX_BODY_BYTES + 1, 413),
+    ],
 )
 @pytest_twisted.ensureDeferred
 async def test_refusal_drains_the_body_before_closing(
@@ -364,7 +383,9 @@ async def test_refusal_drains_the_body_before_closing(
     # Like most clients, send the whole body before reading. Without the drain the server
     # would close with unread data and the client would get a reset, not the status.
     front.site.drain_timeout = CLIENT_TIMEOUT * 2  # so the close can only come from the drain
-    data = request("POST", "/echo", headers=(f"Content-Type: {content_type}",), body=b"z" * body_size)
+    data = request(
+        "POST", "/echo", headers=(f"Content-Type: {content_type}",), body=b"z" * body_size
+    )
     reply = await in_thread(exchange, front.port, data)
     assert_refused(reply, status)
     assert reply.end == "eof", "closed once the declared body was read, without a reset"
@@ -409,7 +430,9 @@ async def test_33rd_connection_gets_503_and_the_32_keep_working(front: Front) ->
         assert [(r.status, r.body) for r in replies] == [(200, b"ok")] * MAX_CONNECTIONS
         # One closes: a new connection is served again.
         await in_thread(first.pop().close)
-        await wait_until(lambda: site.open_connections == MAX_CONNECTIONS - 1, "one connection to close")
+        await wait_until(
+            lambda: site.open_connections == MAX_CONNECTIONS - 1, "one connection to close"
+        )
         again = await in_thread(exchange, front.port, request(headers=("Connection: close",)))
         assert (again.status, again.body) == (200, b"ok")
     finally:
@@ -526,8 +549,19 @@ async def test_a_streamed_answer_leaves_as_it_is_written(front: Front) -> None:
 
 @pytest.mark.parametrize(
     "address",
-    ["0.0.0.0:18093", "192.168.1.2:18093", "example.com:18093", "[::]:18093", "[::ffff:127.0.0.1]:1",
-     "10.0.0.1:80", "127.0.0.1", "127.0.0.1:65536", "127.0.0.1:http", "::1:18093", ":18093"],
+    [
+        "0.0.0.0:18093",
+        "192.168.1.2:18093",
+        "example.com:18093",
+        "[::]:18093",
+        "[::ffff:127.0.0.1]:1",
+        "10.0.0.1:80",
+        "127.0.0.1",
+        "127.0.0.1:65536",
+        "127.0.0.1:http",
+        "::1:18093",
+        ":18093",
+    ],
 )
 def test_listen_refuses_what_is_not_loopback(address: str) -> None:
     with pytest.raises(NotLoopbackError):
@@ -560,7 +594,9 @@ async def test_listen_accepts_loopback_and_serves(address: str) -> None:
     listening = listen_loopback(LoopbackSite(TinyRoot()), address)
     try:
         host = listening.getHost()
-        reply = await in_thread(exchange, host.port, request(headers=("Connection: close",)), True, host.host)
+        reply = await in_thread(
+            exchange, host.port, request(headers=("Connection: close",)), True, host.host
+        )
         assert (reply.status, reply.body) == (200, b"ok")
     finally:
         await listening.stopListening()
@@ -615,12 +651,21 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
         elif choice == 1:
             del data[at : at + rng.randint(1, 8)]
         elif choice == 2:
-            data[at:at] = rng.choice([b"\r\n", b"\n", b"\x00", b":", b" ", b"\r\n\r\n", b"\t", b"\xff"])
+            data[at:at] = rng.choice(
+                [b"\r\n", b"\n", b"\x00", b":", b" ", b"\r\n\r\n", b"\t", b"\xff"]
+            )
         elif choice == 3:
             data[at:at] = data[at : at + rng.randint(1, 40)] * rng.randint(2, 50)
         else:
-            data[at:at] = rng.choice([b"Transfer-Encoding: chunked\r\n", b"Content-Length: 99999999999\r\n",
-                                      b"Host: evil\r\n", b"Content-Length: 3\r\n", b"Expect: 100-continue\r\n"])
+            data[at:at] = rng.choice(
+                [
+                    b"Transfer-Encoding: chunked\r\n",
+                    b"Content-Length: 99999999999\r\n",
+                    b"Host: evil\r\n",
+                    b"Content-Length: 3\r\n",
+                    b"Expect: 100-continue\r\n",
+                ]
+            )
     return bytes(data)
 
 
@@ -633,7 +678,9 @@ async def test_mangled_requests_get_a_clean_answer_never_a_500(front: Front) -> 
         if "log_failure" in event:
             failures.append(event)
 
-    valid = request("POST", "/echo", headers=("Content-Type: application/json",), body=b'{"a": [1, 2]}')
+    valid = request(
+        "POST", "/echo", headers=("Content-Type: application/json",), body=b'{"a": [1, 2]}'
+    )
     rng = random.Random(20261130)  # fixed: the same inputs every run
     inputs = [mutate(rng, valid) for _ in range(300)]
 

@@ -25,19 +25,32 @@ class MakeServe(BankmlProcess):
     at its default, as a shell at a terminal starts it (so Ctrl-C reaches make and bankml)."""
 
     def command(self) -> list[str]:
-        return ["make", "--no-print-directory", "-o", ".venv/bin/bankml", "serve",
-                f"LISTEN=127.0.0.1:{self.port}", f"UPSTREAM=127.0.0.1:{support.free_port()}"]
+        return [
+            "make",
+            "--no-print-directory",
+            "-o",
+            ".venv/bin/bankml",
+            "serve",
+            f"LISTEN=127.0.0.1:{self.port}",
+            f"UPSTREAM=127.0.0.1:{support.free_port()}",
+        ]
 
-    def launch(self) -> "MakeServe":
+    def launch(self) -> MakeServe:
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, cwd=support.ROOT,
-                                         start_new_session=True,
-                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=support.ROOT,
+                start_new_session=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
         return self
 
 
-def test_make_serve_is_native_answers_with_a_receipt_and_stops_on_ctrl_c(tmp_path: Path, default_model: Path,
-                                                                          default_fork: Path) -> None:
+def test_make_serve_is_native_answers_with_a_receipt_and_stops_on_ctrl_c(
+    tmp_path: Path, default_model: Path, default_fork: Path
+) -> None:
     server = MakeServe(default_model, default_fork, [], tmp_path / "make-serve.log")
     try:
         server.start()
@@ -56,7 +69,9 @@ def test_make_serve_is_native_answers_with_a_receipt_and_stops_on_ctrl_c(tmp_pat
         answer = json.loads(raw)
         receipt = answer["bankml_receipt"]
         assert receipt["engine"].startswith("bankml ") and "native" in receipt["engine"]
-        assert receipt["model_sha256"] == support.DEFAULT_SHA256 and receipt["request_sha256"] == sha(body)
+        assert receipt["model_sha256"] == support.DEFAULT_SHA256 and receipt[
+            "request_sha256"
+        ] == sha(body)
         assert receipt["response_sha256"] == sha(answer["choices"][0]["message"]["content"])
 
         os.killpg(server.proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pytest
 import pytest_twisted
 from twisted.internet.threads import deferToThread
-
-from pathlib import Path
-
-import pytest
 
 from bankml import api
 from tests.test_native_serve import Served, post, shared_served
@@ -40,10 +38,23 @@ async def test_openai_chat_streamed_and_not_agree(served: Served) -> None:
     def run() -> tuple[Any, str, list[Any]]:
         c = client(served)
         # cache_prompt false: both from an empty slot (a reused prefix may change the greedy token)
-        whole = c.chat.completions.create(model="x", messages=MESSAGES, max_tokens=5, temperature=0,
-                                          extra_body={"cache_prompt": False})
-        chunks = list(c.chat.completions.create(model="x", messages=MESSAGES, max_tokens=5, temperature=0,
-                                                stream=True, extra_body={"cache_prompt": False}))
+        whole = c.chat.completions.create(
+            model="x",
+            messages=MESSAGES,
+            max_tokens=5,
+            temperature=0,
+            extra_body={"cache_prompt": False},
+        )
+        chunks = list(
+            c.chat.completions.create(
+                model="x",
+                messages=MESSAGES,
+                max_tokens=5,
+                temperature=0,
+                stream=True,
+                extra_body={"cache_prompt": False},
+            )
+        )
         text = "".join((ch.choices[0].delta.content or "") for ch in chunks if ch.choices)
         return whole, text, chunks
 
@@ -59,8 +70,9 @@ async def test_openai_chat_streamed_and_not_agree(served: Served) -> None:
 @pytest_twisted.ensureDeferred
 async def test_openai_logprobs(served: Served) -> None:
     def run() -> Any:
-        return client(served).chat.completions.create(model="x", messages=MESSAGES, max_tokens=3, temperature=0,
-                                                      logprobs=True, top_logprobs=3)
+        return client(served).chat.completions.create(
+            model="x", messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+        )
 
     resp = await deferToThread(run)
     entries = resp.choices[0].logprobs.content
@@ -71,13 +83,21 @@ async def test_openai_logprobs(served: Served) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_openai_json_schema_answer_follows_the_schema(served: Served) -> None:
-    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
-              "required": ["colour"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "maxLength": 12}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
 
     def run() -> Any:
         return client(served).chat.completions.create(
-            model="x", messages=[{"role": "user", "content": "Give a colour as JSON."}], temperature=0,
-            max_tokens=24, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+            model="x",
+            messages=[{"role": "user", "content": "Give a colour as JSON."}],
+            temperature=0,
+            max_tokens=24,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        )
 
     resp = await deferToThread(run)
     assert resp.choices[0].finish_reason == "stop"
@@ -87,13 +107,16 @@ async def test_openai_json_schema_answer_follows_the_schema(served: Served) -> N
 @pytest_twisted.ensureDeferred
 async def test_openai_completions(served: Served) -> None:
     def run() -> Any:
-        return client(served).completions.create(model="x", prompt="The capital of France is", max_tokens=3,
-                                                 temperature=0)
+        return client(served).completions.create(
+            model="x", prompt="The capital of France is", max_tokens=3, temperature=0
+        )
 
     resp = await deferToThread(run)
     assert resp.choices[0].text and resp.usage.completion_tokens == 3
-    assert resp.model_extra["bankml_receipt"]["response_sha256"] == hashlib.sha256(
-        resp.choices[0].text.encode()).hexdigest()
+    assert (
+        resp.model_extra["bankml_receipt"]["response_sha256"]
+        == hashlib.sha256(resp.choices[0].text.encode()).hexdigest()
+    )
 
 
 @pytest_twisted.ensureDeferred
@@ -122,18 +145,37 @@ async def test_api_chat_equals_the_http_answer(served: Served) -> None:
     http_answer = json.loads(data)
     direct = await deferToThread(api.chat, body, native=served.native)
     assert direct["choices"] == http_answer["choices"] and direct["usage"] == http_answer["usage"]
-    keep = ("response_sha256", "request_sha256", "model_sha256", "prompt_tokens", "completion_tokens", "engine")
-    assert {k: direct["bankml_receipt"][k] for k in keep} == {k: http_answer["bankml_receipt"][k] for k in keep}
-    events = await deferToThread(lambda: list(api.chat_stream(dict(body, stream=True), native=served.native)))
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    keep = (
+        "response_sha256",
+        "request_sha256",
+        "model_sha256",
+        "prompt_tokens",
+        "completion_tokens",
+        "engine",
+    )
+    assert {k: direct["bankml_receipt"][k] for k in keep} == {
+        k: http_answer["bankml_receipt"][k] for k in keep
+    }
+    events = await deferToThread(
+        lambda: list(api.chat_stream(dict(body, stream=True), native=served.native))
+    )
+    text = "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")
+    )
     assert text == direct["choices"][0]["message"]["content"]
-    assert events[-1]["bankml_receipt"]["response_sha256"] == direct["bankml_receipt"]["response_sha256"]
+    assert (
+        events[-1]["bankml_receipt"]["response_sha256"]
+        == direct["bankml_receipt"]["response_sha256"]
+    )
 
 
 def test_api_refusal_is_an_api_error(served: Served) -> None:
     try:
         api.chat({"messages": MESSAGES, "top_logprobs": 1}, native=served.native)
     except api.ApiError as err:
-        assert err.status == 400 and err.body["error"]["message"] == "top_logprobs requires logprobs to be set to true"
+        assert (
+            err.status == 400
+            and err.body["error"]["message"] == "top_logprobs requires logprobs to be set to true"
+        )
     else:
         raise AssertionError("no refusal")

@@ -56,9 +56,17 @@ def shared_served(model: Path, fork: Path) -> Served:
     if not _SHARED:
         slot_dir = Path(tempfile.mkdtemp(prefix="bankml-slots-"))
         atexit.register(shutil.rmtree, slot_dir, True)
-        svc = make_native_service({"file": str(model), "fork": str(fork), "ctx": N_CTX, "device": "cpu",
-                                   "listen": "127.0.0.1:0", "upstream": "127.0.0.1:0",
-                                   "slot-dir": str(slot_dir)})
+        svc = make_native_service(
+            {
+                "file": str(model),
+                "fork": str(fork),
+                "ctx": N_CTX,
+                "device": "cpu",
+                "listen": "127.0.0.1:0",
+                "upstream": "127.0.0.1:0",
+                "slot-dir": str(slot_dir),
+            }
+        )
         svc.exit_at_interpreter_end = False
         svc.startService()
         pytest_twisted.blockon(svc.ready)
@@ -74,7 +82,9 @@ def served(default_model: Path, default_fork: Path) -> Served:
     return shared_served(default_model, default_fork)
 
 
-def test_a_wrongly_pinned_file_is_refused_before_anything_listens(tmp_path: Path, default_model: Path) -> None:
+def test_a_wrongly_pinned_file_is_refused_before_anything_listens(
+    tmp_path: Path, default_model: Path
+) -> None:
     fork = tmp_path / "FORK.json"
     fork.write_text(json.dumps({"files": [{"path": default_model.name, "sha256": "0" * 64}]}))
     with pytest.raises(SystemExit) as exit_:
@@ -121,13 +131,18 @@ def sse_events(data: bytes) -> list[Any]:
         if not block:
             continue
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 6, **extra}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 6,
+        **extra,
+    }
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
@@ -144,9 +159,18 @@ async def test_chat_answer_with_timings_and_receipt(served: Served, reference_se
     assert set(answer) - {"bankml_receipt"} == set(ref)  # the same keys as llama-server
     choice = answer["choices"][0]
     assert set(choice) == set(ref["choices"][0]) and set(choice["message"]) >= {"role", "content"}
-    assert set(answer["timings"]) >= {"cache_n", "prompt_n", "prompt_ms", "prompt_per_second",
-                                      "predicted_n", "predicted_ms", "predicted_per_second"}
-    assert answer["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]  # same template + tokens
+    assert set(answer["timings"]) >= {
+        "cache_n",
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_second",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+    }
+    assert (
+        answer["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    )  # same template + tokens
     assert answer["usage"]["completion_tokens"] == 6 == answer["timings"]["predicted_n"]
     assert choice["finish_reason"] == "length"
     r = answer["bankml_receipt"]
@@ -154,7 +178,12 @@ async def test_chat_answer_with_timings_and_receipt(served: Served, reference_se
     assert r["request_sha256"] == sha(raw)
     assert r["model_sha256"] == support.DEFAULT_SHA256 and r["signed"] is False
     assert r["prompt_tokens"] == answer["usage"]["prompt_tokens"] and isinstance(r["ttft_ms"], int)
-    print("native:", repr(choice["message"]["content"]), "llama-server:", repr(ref["choices"][0]["message"]["content"]))
+    print(
+        "native:",
+        repr(choice["message"]["content"]),
+        "llama-server:",
+        repr(ref["choices"][0]["message"]["content"]),
+    )
 
 
 @pytest_twisted.ensureDeferred
@@ -173,15 +202,19 @@ async def test_streamed_chat_ends_with_usage_receipt_and_done(served: Served) ->
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-3])
     assert receipt["response_sha256"] == sha(text) and receipt["request_sha256"] == sha(raw)
     # The same request not streamed, also from an empty slot, gives the same text (greedy).
-    status, whole = await apost(served.url + "/v1/chat/completions", chat("Name a colour.", cache_prompt=False))
+    status, whole = await apost(
+        served.url + "/v1/chat/completions", chat("Name a colour.", cache_prompt=False)
+    )
     assert whole["choices"][0]["message"]["content"] == text
     assert whole["timings"]["cache_n"] == 0
 
 
 @pytest_twisted.ensureDeferred
 async def test_logprobs_ride_on_the_answer_and_in_the_receipt(served: Served) -> None:
-    status, answer = await apost(served.url + "/v1/chat/completions",
-                                 chat("Say yes.", logprobs=True, top_logprobs=2, max_tokens=3))
+    status, answer = await apost(
+        served.url + "/v1/chat/completions",
+        chat("Say yes.", logprobs=True, top_logprobs=2, max_tokens=3),
+    )
     assert status == 200
     entries = answer["choices"][0]["logprobs"]["content"]
     assert len(entries) == 3 and all(len(e["top_logprobs"]) == 2 for e in entries)
@@ -190,15 +223,25 @@ async def test_logprobs_ride_on_the_answer_and_in_the_receipt(served: Served) ->
     assert answer["bankml_receipt"]["logprobs_sha256"] == sha(canon)
 
 
-@pytest.mark.parametrize("extra, expect", [
-    ({"top_logprobs": 2}, "top_logprobs requires logprobs to be set to true"),
-    ({"repeat_last_n": -1}, "Field 'repeat_last_n': Value must be between 0 <= value <= 2147483647, but got -1"),
-    ({"stop": [5]}, "Field 'stop': [json.exception.type_error.302] type must be string, but is number"),
-    ({"temperature": "x"}, None),
-])
+@pytest.mark.parametrize(
+    "extra, expect",
+    [
+        ({"top_logprobs": 2}, "top_logprobs requires logprobs to be set to true"),
+        (
+            {"repeat_last_n": -1},
+            "Field 'repeat_last_n': Value must be between 0 <= value <= 2147483647, but got -1",
+        ),
+        (
+            {"stop": [5]},
+            "Field 'stop': [json.exception.type_error.302] type must be string, but is number",
+        ),
+        ({"temperature": "x"}, None),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_refusals_match_llama_server(served: Served, reference_server: Any, extra: dict,
-                                           expect: str | None) -> None:
+async def test_refusals_match_llama_server(
+    served: Served, reference_server: Any, extra: dict, expect: str | None
+) -> None:
     body = chat("hi", **extra)
     status, answer = await apost(served.url + "/v1/chat/completions", body)
     ref_status, ref = await apost(reference_server.url + "/v1/chat/completions", body)
@@ -219,7 +262,7 @@ async def test_context_limit_is_llama_servers_body(served: Served, reference_ser
 
 @pytest_twisted.ensureDeferred
 async def test_bad_json_is_400_not_500(served: Served) -> None:
-    for raw in (b"{not json", b"[1, 2]", b"\"text\""):
+    for raw in (b"{not json", b"[1, 2]", b'"text"'):
         status, answer = await apost(served.url + "/v1/chat/completions", None, raw)
         assert status == 400 and answer["error"]["code"] == 400
 
@@ -227,19 +270,30 @@ async def test_bad_json_is_400_not_500(served: Served) -> None:
 # --- llama-server's endpoints, side by side ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/tokenize", {"content": "Hello <|im_start|> wörld 123"}),
-    ("/tokenize", {"content": "Hello <|im_start|>", "parse_special": False}),
-    ("/tokenize", {"content": "héllo", "with_pieces": True}),
-    ("/tokenize", {"content": ["a b", 42, "c"]}),
-    ("/detokenize", {"tokens": [19556, 665, 28, 1, 2]}),
-    ("/apply-template", {"messages": [{"role": "system", "content": "Be brief."},
-                                      {"role": "user", "content": "Hi"}]}),
-    ("/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/tokenize", {"content": "Hello <|im_start|> wörld 123"}),
+        ("/tokenize", {"content": "Hello <|im_start|>", "parse_special": False}),
+        ("/tokenize", {"content": "héllo", "with_pieces": True}),
+        ("/tokenize", {"content": ["a b", 42, "c"]}),
+        ("/detokenize", {"tokens": [19556, 665, 28, 1, 2]}),
+        (
+            "/apply-template",
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                ]
+            },
+        ),
+        ("/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_text_endpoints_equal_llama_servers(served: Served, reference_server: Any, path: str,
-                                                  body: dict) -> None:
+async def test_text_endpoints_equal_llama_servers(
+    served: Served, reference_server: Any, path: str, body: dict
+) -> None:
     ours = await apost(served.engine_url + path, body)
     ref = await apost(reference_server.url + path, body)
     assert ours == ref
@@ -247,7 +301,9 @@ async def test_text_endpoints_equal_llama_servers(served: Served, reference_serv
 
 @pytest.mark.parametrize("path", ["/health", "/props", "/v1/models", "/models"])
 @pytest_twisted.ensureDeferred
-async def test_state_endpoints_have_llama_servers_keys(served: Served, reference_server: Any, path: str) -> None:
+async def test_state_endpoints_have_llama_servers_keys(
+    served: Served, reference_server: Any, path: str
+) -> None:
     status, ctype, data = await deferToThread(get, served.engine_url + path)
     ref_status, _, ref_data = await deferToThread(get, reference_server.url + path)
     assert status == ref_status == 200 and ctype.startswith("application/json")
@@ -256,10 +312,17 @@ async def test_state_endpoints_have_llama_servers_keys(served: Served, reference
     if path == "/props":
         assert ours["model_path"] == served.native.verified.path
         assert ours["default_generation_settings"]["n_ctx"] == N_CTX
-        assert set(ours["default_generation_settings"]["params"]) >= {"temperature", "top_k", "top_p", "min_p"}
+        assert set(ours["default_generation_settings"]["params"]) >= {
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+        }
     if path in ("/v1/models", "/models"):
         # llama-server names the model by its -m argument; bankml by the file's name (reference §3)
-        assert ours["data"][0]["id"] == Path(ref["data"][0]["id"]).name == support.DEFAULT_MODEL.name
+        assert (
+            ours["data"][0]["id"] == Path(ref["data"][0]["id"]).name == support.DEFAULT_MODEL.name
+        )
         assert set(ours["data"][0]) >= set(ref["data"][0]) - {"aliases", "tags", "architecture"}
 
 
@@ -271,8 +334,10 @@ def _stream_then_leave(url: str, body: dict) -> bytes:
     host, port = url.removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)), timeout=HANG_GUARD_S)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(raw) + raw
+    )
     seen = b""
     while b'"content":"' not in seen:
         data = s.recv(4096)
@@ -284,7 +349,9 @@ def _stream_then_leave(url: str, body: dict) -> bytes:
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_client_leaving_mid_stream_stops_the_engine_within_one_token(served: Served) -> None:
+async def test_a_client_leaving_mid_stream_stops_the_engine_within_one_token(
+    served: Served,
+) -> None:
     bridge = served.native.bridge
     before = served.native.totals["requests"]
     body = chat("Write a long story about a lighthouse.", stream=True, max_tokens=400)
@@ -318,8 +385,10 @@ async def test_five_simultaneous_clients_get_their_own_answers(served: Served) -
     for p in prompts:  # each asked alone first
         status, answer = await apost(served.url + "/completion", body(p))
         alone.append(answer["content"])
-    together = await DeferredList([Deferred.fromCoroutine(apost(served.url + "/completion", body(p)))
-                                   for p in prompts], consumeErrors=True)
+    together = await DeferredList(
+        [Deferred.fromCoroutine(apost(served.url + "/completion", body(p))) for p in prompts],
+        consumeErrors=True,
+    )
     got = [result[1]["content"] if ok else repr(result) for ok, result in together]
     assert got == alone
     assert len(set(alone)) > 1  # the prompts really gave different answers
@@ -328,12 +397,16 @@ async def test_five_simultaneous_clients_get_their_own_answers(served: Served) -
 @pytest_twisted.ensureDeferred
 async def test_second_turn_reuses_the_first_turns_prefix(served: Served) -> None:
     first = [{"role": "user", "content": "My name is Ada. Remember it."}]
-    status, a1 = await apost(served.url + "/v1/chat/completions",
-                             {"messages": first, "temperature": 0, "max_tokens": 5})
-    turn2 = first + [{"role": "assistant", "content": a1["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "What is my name?"}]
-    status, a2 = await apost(served.url + "/v1/chat/completions",
-                             {"messages": turn2, "temperature": 0, "max_tokens": 5})
+    status, a1 = await apost(
+        served.url + "/v1/chat/completions", {"messages": first, "temperature": 0, "max_tokens": 5}
+    )
+    turn2 = first + [
+        {"role": "assistant", "content": a1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    status, a2 = await apost(
+        served.url + "/v1/chat/completions", {"messages": turn2, "temperature": 0, "max_tokens": 5}
+    )
     assert status == 200 and a2["timings"]["cache_n"] > 0
     assert a2["timings"]["cache_n"] + a2["timings"]["prompt_n"] == a2["usage"]["prompt_tokens"]
 
@@ -341,8 +414,9 @@ async def test_second_turn_reuses_the_first_turns_prefix(served: Served) -> None
 # --- slots ---------------------------------------------------------------------------------------------
 
 
-async def slot(served: Served, sid: str, action: str, body: dict | None = None,
-               url: str | None = None) -> tuple[int, Any]:
+async def slot(
+    served: Served, sid: str, action: str, body: dict | None = None, url: str | None = None
+) -> tuple[int, Any]:
     return await apost(f"{url or served.engine_url}/slots/{sid}?action={action}", body or {})
 
 
@@ -354,7 +428,9 @@ async def test_save_erase_restore_gives_back_the_same_slot(served: Served) -> No
     status, first = await apost(url, body)  # from an empty slot
     status, saved = await slot(served, "0", "save", {"filename": "sea.bin"})
     assert status == 200, saved
-    assert saved["n_saved"] == first["usage"]["prompt_tokens"] + 5 - 1  # the last token is never decoded
+    assert (
+        saved["n_saved"] == first["usage"]["prompt_tokens"] + 5 - 1
+    )  # the last token is never decoded
     assert saved["n_written"] == (served.slot_dir / "sea.bin").stat().st_size
     status, warm = await apost(url, body)  # the same question on the slot as it was saved
     status, erased = await slot(served, "0", "erase")
@@ -376,17 +452,25 @@ async def test_save_erase_restore_gives_back_the_same_slot(served: Served) -> No
 
 
 @pytest_twisted.ensureDeferred
-async def test_damaged_and_foreign_slot_files_are_refused_and_leave_an_empty_slot(served: Served) -> None:
+async def test_damaged_and_foreign_slot_files_are_refused_and_leave_an_empty_slot(
+    served: Served,
+) -> None:
     await apost(served.url + "/v1/chat/completions", chat("Hello.", max_tokens=2))
     status, saved = await slot(served, "0", "save", {"filename": "good.bin"})
     data = (served.slot_dir / "good.bin").read_bytes()
     cases = {
         "junk.bin": (b"not a slot at all", "not a bankML slot file"),
-        "flip.bin": (data[:200] + bytes([data[200] ^ 1]) + data[201:], "the slot file is damaged (its sha256 does not match)"),
+        "flip.bin": (
+            data[:200] + bytes([data[200] ^ 1]) + data[201:],
+            "the slot file is damaged (its sha256 does not match)",
+        ),
     }
     other = bytearray(data[:-32])
     other[15:79] = b"f" * 64
-    cases["other.bin"] = (bytes(other) + hashlib.sha256(bytes(other)).digest(), "the slot was saved for another model")
+    cases["other.bin"] = (
+        bytes(other) + hashlib.sha256(bytes(other)).digest(),
+        "the slot was saved for another model",
+    )
     for name, (content, reason) in cases.items():
         (served.slot_dir / name).write_bytes(content)
         status, answer = await slot(served, "0", "restore", {"filename": name})
@@ -396,23 +480,37 @@ async def test_damaged_and_foreign_slot_files_are_refused_and_leave_an_empty_slo
     assert status == 400 and answer["error"]["message"].startswith("Unable to restore slot: ")
 
 
-@pytest.mark.parametrize("sid, action, body, message", [
-    ("0", "bogus", {}, "Invalid action"),
-    ("x", "save", {"filename": "a.bin"}, "Invalid slot ID"),
-    ("2147483648", "save", {"filename": "a.bin"}, "Invalid slot ID"),  # beyond std::stoi's int
-    ("0", "save", {"filename": "../a.bin"}, "Invalid filename"),
-    ("0", "save", {"filename": "a:b"}, "Invalid filename"),
-    ("0", "save", {"filename": " a"}, "Invalid filename"),
-    ("0", "save", {"filename": "a."}, "Invalid filename"),
-    ("0", "save", {"filename": "a\u2215b"}, "Invalid filename"),
-    ("0", "save", {"filename": "x" * 256}, "Invalid filename"),
-    ("0", "save", {}, "[json.exception.out_of_range.403] key 'filename' not found"),
-    ("0", "save", {"filename": 5}, "[json.exception.type_error.302] type must be string, but is number"),
-    ("0", "restore", {"filename": None}, "[json.exception.type_error.302] type must be string, but is null"),
-])
+@pytest.mark.parametrize(
+    "sid, action, body, message",
+    [
+        ("0", "bogus", {}, "Invalid action"),
+        ("x", "save", {"filename": "a.bin"}, "Invalid slot ID"),
+        ("2147483648", "save", {"filename": "a.bin"}, "Invalid slot ID"),  # beyond std::stoi's int
+        ("0", "save", {"filename": "../a.bin"}, "Invalid filename"),
+        ("0", "save", {"filename": "a:b"}, "Invalid filename"),
+        ("0", "save", {"filename": " a"}, "Invalid filename"),
+        ("0", "save", {"filename": "a."}, "Invalid filename"),
+        ("0", "save", {"filename": "a\u2215b"}, "Invalid filename"),
+        ("0", "save", {"filename": "x" * 256}, "Invalid filename"),
+        ("0", "save", {}, "[json.exception.out_of_range.403] key 'filename' not found"),
+        (
+            "0",
+            "save",
+            {"filename": 5},
+            "[json.exception.type_error.302] type must be string, but is number",
+        ),
+        (
+            "0",
+            "restore",
+            {"filename": None},
+            "[json.exception.type_error.302] type must be string, but is null",
+        ),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_slot_refusals_are_llama_servers(served: Served, sid: str, action: str, body: dict,
-                                               message: str) -> None:
+async def test_slot_refusals_are_llama_servers(
+    served: Served, sid: str, action: str, body: dict, message: str
+) -> None:
     status, answer = await slot(served, sid, action, body)
     assert status == 400
     assert answer == {"error": {"code": 400, "message": message, "type": "invalid_request_error"}}
@@ -420,18 +518,31 @@ async def test_slot_refusals_are_llama_servers(served: Served, sid: str, action:
 
 @pytest_twisted.ensureDeferred
 async def test_slots_without_a_slot_dir_are_501(served: Served) -> None:
-    bare = NativeEngine(served.native.engine, served.native.bridge, served.native.verified, slot_dir=None,
-                        n_ctx=N_CTX, reactor=reactor)
+    bare = NativeEngine(
+        served.native.engine,
+        served.native.bridge,
+        served.native.verified,
+        slot_dir=None,
+        n_ctx=N_CTX,
+        reactor=reactor,
+    )
     _, engine_root = build_native_roots(bare)
     port = listen_loopback(LoopbackSite(engine_root), "127.0.0.1:0")
     try:
-        status, answer = await slot(served, "0", "save", {"filename": "a.bin"},
-                                    url=f"http://127.0.0.1:{port.getHost().port}")
+        status, answer = await slot(
+            served,
+            "0",
+            "save",
+            {"filename": "a.bin"},
+            url=f"http://127.0.0.1:{port.getHost().port}",
+        )
     finally:
         await port.stopListening()
     assert status == 501 and answer["error"] == {
-        "code": 501, "type": "not_supported_error",
-        "message": "This server does not support slots action. Start it with `--slot-save-path`"}
+        "code": 501,
+        "type": "not_supported_error",
+        "message": "This server does not support slots action. Start it with `--slot-save-path`",
+    }
 
 
 # --- /metrics, /completion, /v1/completions, /bankml ---------------------------------------------------
@@ -443,23 +554,39 @@ async def test_prometheus_metrics_count_the_tokens(served: Served) -> None:
     status, ctype, data = await deferToThread(get, served.engine_url + "/metrics")
     assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
     text = data.decode()
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if not line.startswith("#")
+    }
     assert values["llamacpp:tokens_predicted_total"] >= 3
     assert values["llamacpp:prompt_tokens_total"] > 0
-    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_seconds_total",
-                 "n_decode_total", "n_tokens_max", "prompt_tokens_seconds", "predicted_tokens_seconds",
-                 "requests_processing", "requests_deferred"):
+    for name in (
+        "prompt_tokens_total",
+        "prompt_seconds_total",
+        "tokens_predicted_seconds_total",
+        "n_decode_total",
+        "n_tokens_max",
+        "prompt_tokens_seconds",
+        "predicted_tokens_seconds",
+        "requests_processing",
+        "requests_deferred",
+    ):
         assert f"# TYPE llamacpp:{name} " in text
 
 
 @pytest_twisted.ensureDeferred
-async def test_completion_endpoints_have_llama_servers_keys(served: Served, reference_server: Any) -> None:
+async def test_completion_endpoints_have_llama_servers_keys(
+    served: Served, reference_server: Any
+) -> None:
     for path in ("/completion", "/v1/completions"):
         body = {"prompt": "The capital of France is", "n_predict": 3, "temperature": 0}
         status, ours = await apost(served.engine_url + path, body)
         ref_status, ref = await apost(reference_server.url + path, body)
         assert status == ref_status == 200
-        assert set(ours) - {"bankml_receipt"} >= set(ref) - {"generation_settings"}, set(ref) - set(ours)
+        assert set(ours) - {"bankml_receipt"} >= set(ref) - {"generation_settings"}, set(ref) - set(
+            ours
+        )
         text = ours["content"] if path == "/completion" else ours["choices"][0]["text"]
         assert ours["bankml_receipt"]["response_sha256"] == sha(text)
 
@@ -469,19 +596,28 @@ async def test_bankml_describes_the_resident_model(served: Served) -> None:
     status, _, data = await deferToThread(get, served.url + "/bankml")
     info = json.loads(data)
     assert status == 200 and info["mode"] == "native"
-    assert info["resident"]["sha256"] == support.DEFAULT_SHA256 and info["models"] == [support.DEFAULT_MODEL.name]
+    assert info["resident"]["sha256"] == support.DEFAULT_SHA256 and info["models"] == [
+        support.DEFAULT_MODEL.name
+    ]
     status, _, data = await deferToThread(get, served.url + "/bankml/metrics")
     metrics = json.loads(data)
-    assert status == 200 and metrics["kept"] >= 1 and metrics["records"][-1]["completion_tokens"] >= 1
+    assert (
+        status == 200 and metrics["kept"] >= 1 and metrics["records"][-1]["completion_tokens"] >= 1
+    )
 
 
 @pytest_twisted.ensureDeferred
-async def test_streamed_logprobs_ride_on_their_deltas(served: Served, reference_server: Any) -> None:
+async def test_streamed_logprobs_ride_on_their_deltas(
+    served: Served, reference_server: Any
+) -> None:
     body = chat("Say yes.", stream=True, logprobs=True, top_logprobs=1, max_tokens=3)
     status, _, data = await deferToThread(post, served.url + "/v1/chat/completions", body)
     events = sse_events(data)
-    sent = [e["choices"][0]["logprobs"]["content"][0] for e in events[:-2]
-            if e.get("choices") and e["choices"][0].get("logprobs")]
+    sent = [
+        e["choices"][0]["logprobs"]["content"][0]
+        for e in events[:-2]
+        if e.get("choices") and e["choices"][0].get("logprobs")
+    ]
     assert 1 <= len(sent) <= 3 and all(len(e["top_logprobs"]) == 1 for e in sent)
     canon = json.dumps(sent, separators=(",", ":"), ensure_ascii=False)
     assert events[-2]["bankml_receipt"]["logprobs_sha256"] == sha(canon)
@@ -489,7 +625,9 @@ async def test_streamed_logprobs_ride_on_their_deltas(served: Served, reference_
     _, _, ref_data = await deferToThread(post, reference_server.url + "/v1/chat/completions", body)
     ref_events = sse_events(ref_data)
     assert set(events[0]) == set(ref_events[0]) and events[0]["object"] == "chat.completion.chunk"
-    assert ref_events[0]["choices"][0]["delta"] == events[0]["choices"][0]["delta"]  # the role delta
+    assert (
+        ref_events[0]["choices"][0]["delta"] == events[0]["choices"][0]["delta"]
+    )  # the role delta
 
 
 @pytest_twisted.ensureDeferred
@@ -500,11 +638,15 @@ async def test_a_changed_model_file_answers_503_without_a_receipt(served: Served
 
     v = served.native.verified
     moved = dataclasses.replace(v, ident=dataclasses.replace(v.ident, size=v.ident.size + 1))
-    changed = NativeEngine(served.native.engine, served.native.bridge, moved, n_ctx=N_CTX, reactor=reactor)
+    changed = NativeEngine(
+        served.native.engine, served.native.bridge, moved, n_ctx=N_CTX, reactor=reactor
+    )
     listen_root, _ = build_native_roots(changed)
     port = listen_loopback(LoopbackSite(listen_root), "127.0.0.1:0")
     try:
-        status, answer = await apost(f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions", chat("hi"))
+        status, answer = await apost(
+            f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions", chat("hi")
+        )
     finally:
         await port.stopListening()
     assert isinstance(v.ident, FileIdent)
@@ -536,8 +678,13 @@ class _FailingEngine:
 
 @pytest_twisted.ensureDeferred
 async def test_an_engine_failure_is_an_sse_error_event_or_a_500(served: Served) -> None:
-    broken = NativeEngine(_FailingEngine(), EngineBridge(reactor), served.native.verified, n_ctx=N_CTX,
-                          reactor=reactor)
+    broken = NativeEngine(
+        _FailingEngine(),
+        EngineBridge(reactor),
+        served.native.verified,
+        n_ctx=N_CTX,
+        reactor=reactor,
+    )
     listen_root, _ = build_native_roots(broken)
     port = listen_loopback(LoopbackSite(listen_root), "127.0.0.1:0")
     url = f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions"
@@ -548,8 +695,13 @@ async def test_an_engine_failure_is_an_sse_error_event_or_a_500(served: Served) 
         await port.stopListening()
         broken.bridge.stop()
     events = sse_events(data)
-    assert status == 200 and events[-1]["error"]["message"] == "the engine failed: the forward pass broke"
-    assert "[DONE]" not in events and not any("bankml_receipt" in e for e in events if isinstance(e, dict))
+    assert (
+        status == 200
+        and events[-1]["error"]["message"] == "the engine failed: the forward pass broke"
+    )
+    assert "[DONE]" not in events and not any(
+        "bankml_receipt" in e for e in events if isinstance(e, dict)
+    )
     assert whole_status == 500 and whole["error"]["type"] == "server_error"
 
 
@@ -572,9 +724,16 @@ async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: 
     status, empty = await apost(url, body)  # the answer from an empty slot
     # "Restart": a second Engine opened from the file, as a new bankml process would.
     fresh = await deferToThread(Engine.open, served.native.verified.path, n_ctx=N_CTX, device="cpu")
-    done = await deferToThread(slots.restore_slot, fresh, str(served.slot_dir / "restart.bin"),
-                               served.native.verified.sha256)
-    assert done.n_tokens == saved["n_saved"] and fresh.slot_tokens == served.native.engine.slot_tokens[:done.n_tokens]
+    done = await deferToThread(
+        slots.restore_slot,
+        fresh,
+        str(served.slot_dir / "restart.bin"),
+        served.native.verified.sha256,
+    )
+    assert (
+        done.n_tokens == saved["n_saved"]
+        and fresh.slot_tokens == served.native.engine.slot_tokens[: done.n_tokens]
+    )
 
     def answer() -> tuple[str, int]:
         parsed = fresh.parse_request(body, "chat")
@@ -592,14 +751,17 @@ async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: 
     data = bytearray((served.slot_dir / "restart.bin").read_bytes()[:-32])
     data[79:87] = (1024).to_bytes(8, "little")  # n_ctx, after the magic and the model sha256
     (served.slot_dir / "ctx.bin").write_bytes(bytes(data) + hashlib.sha256(bytes(data)).digest())
-    with pytest.raises(slots.SlotError, match="saved with a 1024-token context, this engine has 2048"):
+    with pytest.raises(
+        slots.SlotError, match="saved with a 1024-token context, this engine has 2048"
+    ):
         slots.restore_slot(fresh, str(served.slot_dir / "ctx.bin"), served.native.verified.sha256)
     assert fresh.slot_tokens == [] and fresh.cache.n_tokens == 0
 
 
 @pytest_twisted.ensureDeferred
-async def test_streamed_completion_endpoints_end_as_llama_server_ends_them(served: Served,
-                                                                            reference_server: Any) -> None:
+async def test_streamed_completion_endpoints_end_as_llama_server_ends_them(
+    served: Served, reference_server: Any
+) -> None:
     body = {"prompt": "Once upon a time", "n_predict": 3, "temperature": 0, "stream": True}
     for path, done in (("/completion", False), ("/v1/completions", True)):
         _, _, data = await deferToThread(post, served.engine_url + path, body)
@@ -608,7 +770,13 @@ async def test_streamed_completion_endpoints_end_as_llama_server_ends_them(serve
         assert (events[-1] == "[DONE]") == (ref_events[-1] == "[DONE]") == done
         ours = [e for e in events if isinstance(e, dict) and "bankml_receipt" not in e]
         refs = [e for e in ref_events if isinstance(e, dict)]
-        assert set(ours[0]) >= set(refs[0]) - {"timings", "prompt_progress"}, set(refs[0]) - set(ours[0])
-        text = "".join(e["content"] if path == "/completion" else e["choices"][0]["text"] for e in ours)
-        receipt = next(e["bankml_receipt"] for e in events if isinstance(e, dict) and "bankml_receipt" in e)
+        assert set(ours[0]) >= set(refs[0]) - {"timings", "prompt_progress"}, set(refs[0]) - set(
+            ours[0]
+        )
+        text = "".join(
+            e["content"] if path == "/completion" else e["choices"][0]["text"] for e in ours
+        )
+        receipt = next(
+            e["bankml_receipt"] for e in events if isinstance(e, dict) and "bankml_receipt" in e
+        )
         assert receipt["response_sha256"] == sha(text)

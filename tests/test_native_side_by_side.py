@@ -25,8 +25,9 @@ from __future__ import annotations
 import http.client
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import pytest_twisted
@@ -52,20 +53,25 @@ def served(default_model: Path, default_fork: Path) -> Served:
 def full_reference(default_model: Path, llama_server_bin: Path) -> Iterator[support.LlamaServer]:
     """llama-server with the endpoints bankml always has: --metrics and a slot directory."""
     with tempfile.TemporaryDirectory(prefix="ref-slots-") as slot_dir:
-        with support.LlamaServer(default_model, args=["--metrics", "--slot-save-path", slot_dir],
-                                 binary=llama_server_bin) as server:
+        with support.LlamaServer(
+            default_model, args=["--metrics", "--slot-save-path", slot_dir], binary=llama_server_bin
+        ) as server:
             yield server
 
 
 # --- HTTP and comparison helpers -------------------------------------------------------------------
 
 
-def call(url: str, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, str, Any]:
+def call(
+    url: str, method: str, path: str, body: Any = None, raw: bytes | None = None
+) -> tuple[int, str, Any]:
     """(status, content type, body as JSON or text) of one request; blocking (run it in a thread)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD_S)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, data, {"Content-Type": "application/json"} if data is not None else {})
+    conn.request(
+        method, path, data, {"Content-Type": "application/json"} if data is not None else {}
+    )
     resp = conn.getresponse()
     payload = resp.read()
     conn.close()
@@ -78,8 +84,9 @@ def call(url: str, method: str, path: str, body: Any = None, raw: bytes | None =
         return resp.status, ctype, payload.decode("utf-8", "replace")
 
 
-async def both(ours: str, ref: Any, method: str, path: str, body: Any = None,
-               raw: bytes | None = None) -> tuple[tuple[int, str, Any], tuple[int, str, Any]]:
+async def both(
+    ours: str, ref: Any, method: str, path: str, body: Any = None, raw: bytes | None = None
+) -> tuple[tuple[int, str, Any], tuple[int, str, Any]]:
     """The same request to bankml (``ours``: a base URL) and to llama-server (``ref``)."""
     mine = await deferToThread(call, ours, method, path, body, raw)
     theirs = await deferToThread(call, ref.url, method, path, body, raw)
@@ -108,18 +115,26 @@ def without_additions(obj: Any) -> Any:
 
 def assert_same_keys(ours: Any, ref: Any, ignore: set[str] = frozenset()) -> None:
     mine, theirs = key_paths(without_additions(ours)) - ignore, key_paths(ref) - ignore
-    assert mine == theirs, {"only bankml": sorted(mine - theirs), "only llama-server": sorted(theirs - mine)}
+    assert mine == theirs, {
+        "only bankml": sorted(mine - theirs),
+        "only llama-server": sorted(theirs - mine),
+    }
 
 
 def receipt_free(events: list[Any]) -> list[Any]:
     """A stream's events less bankml's receipt event (checked to be there, once, before [DONE])."""
     receipts = [i for i, e in enumerate(events) if isinstance(e, dict) and RECEIPT in e]
     assert len(receipts) == 1, events
-    return events[:receipts[0]] + events[receipts[0] + 1:]
+    return events[: receipts[0]] + events[receipts[0] + 1 :]
 
 
 def chat(content: str = "Name a colour.", **extra: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 2, **extra}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 2,
+        **extra,
+    }
 
 
 def completion(prompt: str = "The capital of France is", **extra: Any) -> dict[str, Any]:
@@ -131,41 +146,76 @@ def completion(prompt: str = "The capital of France is", **extra: Any) -> dict[s
 
 @pytest.mark.parametrize("path", ["/health", "/v1/health", "/v1/models", "/models"])
 @pytest_twisted.ensureDeferred
-async def test_state_endpoints_answer_llama_servers_keys(served: Served, reference_server: Any, path: str) -> None:
-    (status, ctype, ours), (ref_status, ref_ctype, ref) = await both(served.engine_url, reference_server, "GET", path)
+async def test_state_endpoints_answer_llama_servers_keys(
+    served: Served, reference_server: Any, path: str
+) -> None:
+    (status, ctype, ours), (ref_status, ref_ctype, ref) = await both(
+        served.engine_url, reference_server, "GET", path
+    )
     assert status == ref_status == 200 and ctype == ref_ctype
     assert_same_keys(ours, ref)
 
 
 @pytest_twisted.ensureDeferred
-async def test_models_name_and_measure_the_same_model(served: Served, reference_server: Any) -> None:
+async def test_models_name_and_measure_the_same_model(
+    served: Served, reference_server: Any
+) -> None:
     (_, _, ours), (_, _, ref) = await both(served.engine_url, reference_server, "GET", "/v1/models")
     mine, theirs = ours["data"][0], ref["data"][0]
     # llama-server names the model by its -m argument; bankml by the file's name (its id everywhere)
     assert mine["id"] == Path(theirs["id"]).name == support.DEFAULT_MODEL.name
     assert mine["aliases"] == [mine["id"]] and ours["models"][0]["name"] == mine["id"]
-    assert mine["meta"] == theirs["meta"]  # vocab, n_ctx, n_ctx_train, n_embd, n_params, size, ftype
+    assert (
+        mine["meta"] == theirs["meta"]
+    )  # vocab, n_ctx, n_ctx_train, n_embd, n_params, size, ftype
     assert mine["architecture"] == theirs["architecture"] and mine["object"] == theirs["object"]
 
 
 @pytest_twisted.ensureDeferred
-async def test_props_give_llama_servers_template_and_defaults(served: Served, reference_server: Any) -> None:
-    (status, _, ours), (ref_status, _, ref) = await both(served.engine_url, reference_server, "GET", "/props")
+async def test_props_give_llama_servers_template_and_defaults(
+    served: Served, reference_server: Any
+) -> None:
+    (status, _, ours), (ref_status, _, ref) = await both(
+        served.engine_url, reference_server, "GET", "/props"
+    )
     assert status == ref_status == 200
-    for key in ("chat_template", "bos_token", "eos_token", "model_ftype", "total_slots", "modalities",
-                "endpoint_props", "ui", "is_sleeping"):
+    for key in (
+        "chat_template",
+        "bos_token",
+        "eos_token",
+        "model_ftype",
+        "total_slots",
+        "modalities",
+        "endpoint_props",
+        "ui",
+        "is_sleeping",
+    ):
         assert ours[key] == ref[key], key
-    assert ours["default_generation_settings"]["n_ctx"] == ref["default_generation_settings"]["n_ctx"] == N_CTX
-    params, ref_params = ours["default_generation_settings"]["params"], ref["default_generation_settings"]["params"]
-    for key in set(ref_params) - {"reasoning_format"}:  # every default llama-server shows, to the bit
+    assert (
+        ours["default_generation_settings"]["n_ctx"]
+        == ref["default_generation_settings"]["n_ctx"]
+        == N_CTX
+    )
+    params, ref_params = (
+        ours["default_generation_settings"]["params"],
+        ref["default_generation_settings"]["params"],
+    )
+    for key in set(ref_params) - {
+        "reasoning_format"
+    }:  # every default llama-server shows, to the bit
         assert json.dumps(params.get(key)) == json.dumps(ref_params[key]), key  # (C floats widened)
 
 
-@pytest.mark.parametrize("obj, text", [
-    ({"logprob": float("-inf"), "top": [float("inf"), float("nan"), 1.5, -0.0]},
-     '{"logprob":null,"top":[null,null,1.5,-0.0]}'),
-    ({"a": "é", "b": (1, 2.5)}, '{"a":"é","b":[1,2.5]}'),
-])
+@pytest.mark.parametrize(
+    "obj, text",
+    [
+        (
+            {"logprob": float("-inf"), "top": [float("inf"), float("nan"), 1.5, -0.0]},
+            '{"logprob":null,"top":[null,null,1.5,-0.0]}',
+        ),
+        ({"a": "é", "b": (1, 2.5)}, '{"a":"é","b":[1,2.5]}'),
+    ],
+)
 def test_dumps_writes_valid_json_with_non_finite_numbers_as_null(obj: Any, text: str) -> None:
     """nlohmann writes NaN and infinities as null; Python's NaN/Infinity would not be JSON."""
     from bankml.resources.openai import dumps
@@ -176,19 +226,35 @@ def test_dumps_writes_valid_json_with_non_finite_numbers_as_null(obj: Any, text:
 
 @pytest.mark.parametrize("path", ["/completion", "/v1/chat/completions", "/tokenize"])
 @pytest_twisted.ensureDeferred
-async def test_a_number_beyond_a_double_is_refused_as_llama_server(served: Served, reference_server: Any,
-                                                                   path: str) -> None:
+async def test_a_number_beyond_a_double_is_refused_as_llama_server(
+    served: Served, reference_server: Any, path: str
+) -> None:
     """1e400 is nlohmann's parse error (out_of_range.406), never an infinity read and echoed."""
-    body = json.dumps({"prompt": "x", "content": "x", "messages": [{"role": "user", "content": "x"}],
-                       "lora": [{"id": 0, "scale": 1}], "n_predict": 1}).replace('"scale": 1', '"scale": 1e400')
-    (status, _, ours), (ref_status, _, ref) = await both(served.engine_url, reference_server, "POST", path,
-                                                         raw=body.encode())
+    body = json.dumps(
+        {
+            "prompt": "x",
+            "content": "x",
+            "messages": [{"role": "user", "content": "x"}],
+            "lora": [{"id": 0, "scale": 1}],
+            "n_predict": 1,
+        }
+    ).replace('"scale": 1', '"scale": 1e400')
+    (status, _, ours), (ref_status, _, ref) = await both(
+        served.engine_url, reference_server, "POST", path, raw=body.encode()
+    )
     assert status == ref_status == 400
-    assert ref["error"]["message"] == "[json.exception.out_of_range.406] number overflow parsing '1e400'"
-    assert ours["error"]["message"] == "the request body is not JSON: number overflow parsing '1e400'"
+    assert (
+        ref["error"]["message"]
+        == "[json.exception.out_of_range.406] number overflow parsing '1e400'"
+    )
+    assert (
+        ours["error"]["message"] == "the request body is not JSON: number overflow parsing '1e400'"
+    )
 
 
-@pytest.mark.parametrize("value", [0.8, 0.1, 0.95, -1.0, 1e-45, 3.4e38, 1e39, -1e39, float("inf"), float("nan"), 7])
+@pytest.mark.parametrize(
+    "value", [0.8, 0.1, 0.95, -1.0, 1e-45, 3.4e38, 1e39, -1e39, float("inf"), float("nan"), 7]
+)
 def test_c_float_is_a_float32_widened_and_json_null_when_not_finite(value: float) -> None:
     import math
 
@@ -205,7 +271,9 @@ def test_c_float_is_a_float32_widened_and_json_null_when_not_finite(value: float
 async def test_props_have_llama_servers_keys(served: Served, reference_server: Any) -> None:
     (_, _, ours), (_, _, ref) = await both(served.engine_url, reference_server, "GET", "/props")
     assert_same_keys(ours, ref)
-    assert ours["chat_template_caps"] == ref["chat_template_caps"]  # the same caps, in std::map's order
+    assert (
+        ours["chat_template_caps"] == ref["chat_template_caps"]
+    )  # the same caps, in std::map's order
     assert list(ours["chat_template_caps"]) == list(ref["chat_template_caps"])
     reasoning = ours["default_generation_settings"]["params"]["reasoning_format"]
     assert reasoning == ref["default_generation_settings"]["params"]["reasoning_format"] == "none"
@@ -217,9 +285,12 @@ def metric_lines(text: str) -> list[str]:
 
 
 @pytest_twisted.ensureDeferred
-async def test_metrics_are_llama_servers_names_and_types(served: Served, full_reference: Any) -> None:
-    (status, ctype, ours), (ref_status, ref_ctype, ref) = await both(served.engine_url, full_reference,
-                                                                     "GET", "/metrics")
+async def test_metrics_are_llama_servers_names_and_types(
+    served: Served, full_reference: Any
+) -> None:
+    (status, ctype, ours), (ref_status, ref_ctype, ref) = await both(
+        served.engine_url, full_reference, "GET", "/metrics"
+    )
     assert status == ref_status == 200 and ctype == ref_ctype == "text/plain; version=0.0.4"
     mine, theirs = metric_lines(ours), metric_lines(ref)
     assert set(mine) <= set(theirs), set(mine) - set(theirs)  # same names, HELP texts and types
@@ -235,62 +306,101 @@ async def test_metrics_list_every_llama_server_metric(served: Served, full_refer
 # --- POST /tokenize, /detokenize, /apply-template --------------------------------------------------
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/tokenize", {"content": "Hello <|im_start|> wörld", "with_pieces": True}),
-    ("/tokenize", {"content": "Hello", "add_special": True, "parse_special": False}),
-    ("/tokenize", {}),
-    ("/tokenize", {"content": [1, "Hello", 2.9, True, 4294967301, 1e30], "add_special": True}),  # C++'s int casts
-    ("/tokenize", {"content": "Hello", "add_special": 1, "with_pieces": "x"}),  # not booleans: the defaults
-    ("/detokenize", {"tokens": [19556, 905, 1, 2]}),
-    ("/detokenize", {"tokens": [True, 2.5, 4294967301]}),
-    ("/detokenize", {}),
-    ("/apply-template", {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}),
-    ("/apply-template", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False}),
-    ("/apply-template", {}),  # 'messages' is required
-    ("/apply-template", {"messages": "x"}),
-    ("/apply-template", {"messages": [{"role": "user"}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/tokenize", {"content": "Hello <|im_start|> wörld", "with_pieces": True}),
+        ("/tokenize", {"content": "Hello", "add_special": True, "parse_special": False}),
+        ("/tokenize", {}),
+        (
+            "/tokenize",
+            {"content": [1, "Hello", 2.9, True, 4294967301, 1e30], "add_special": True},
+        ),  # C++'s int casts
+        (
+            "/tokenize",
+            {"content": "Hello", "add_special": 1, "with_pieces": "x"},
+        ),  # not booleans: the defaults
+        ("/detokenize", {"tokens": [19556, 905, 1, 2]}),
+        ("/detokenize", {"tokens": [True, 2.5, 4294967301]}),
+        ("/detokenize", {}),
+        (
+            "/apply-template",
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                ]
+            },
+        ),
+        (
+            "/apply-template",
+            {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False},
+        ),
+        ("/apply-template", {}),  # 'messages' is required
+        ("/apply-template", {"messages": "x"}),
+        ("/apply-template", {"messages": [{"role": "user"}]}),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_text_endpoints_answer_exactly_as_llama_server(served: Served, reference_server: Any, path: str,
-                                                             body: dict) -> None:
+async def test_text_endpoints_answer_exactly_as_llama_server(
+    served: Served, reference_server: Any, path: str, body: dict
+) -> None:
     ours, ref = await both(served.engine_url, reference_server, "POST", path, body)
     assert ours == ref
 
 
-@pytest.mark.parametrize("token", [49152, 10 ** 8, -1])
+@pytest.mark.parametrize("token", [49152, 10**8, -1])
 @pytest_twisted.ensureDeferred
-async def test_detokenize_out_of_range_is_a_clear_400(served: Served, reference_server: Any, token: int) -> None:
+async def test_detokenize_out_of_range_is_a_clear_400(
+    served: Served, reference_server: Any, token: int
+) -> None:
     """llama-server reads out of bounds and answers 500 with a C++ range_check text; bankml
     refuses the request (the project's rule: bad input is a clear 4xx, never a 500)."""
-    (status, _, ours), (ref_status, _, ref) = await both(served.engine_url, reference_server, "POST",
-                                                         "/detokenize", {"tokens": [19556, token]})
+    (status, _, ours), (ref_status, _, ref) = await both(
+        served.engine_url, reference_server, "POST", "/detokenize", {"tokens": [19556, token]}
+    )
     assert ref_status == 500 and "range_check" in ref["error"]["message"]
-    assert status == 400 and ours == {"error": {"code": 400, "message": "Invalid token id",
-                                                "type": "invalid_request_error"}}
+    assert status == 400 and ours == {
+        "error": {"code": 400, "message": "Invalid token id", "type": "invalid_request_error"}
+    }
     assert_same_keys(ours, ref)
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_message_without_a_role_is_400_with_llama_servers_message(served: Served,
-                                                                          reference_server: Any) -> None:
+async def test_a_message_without_a_role_is_400_with_llama_servers_message(
+    served: Served, reference_server: Any
+) -> None:
     """llama-server answers its own parse failure with 500; the message is the same, bankml's
     status is 400 (it is the client's input)."""
     body = {"messages": [{"content": "x"}]}
-    (status, _, ours), (ref_status, _, ref) = await both(served.engine_url, reference_server, "POST",
-                                                         "/apply-template", body)
+    (status, _, ours), (ref_status, _, ref) = await both(
+        served.engine_url, reference_server, "POST", "/apply-template", body
+    )
     assert (status, ref_status) == (400, 500)
     assert ours["error"]["message"] == ref["error"]["message"]
-    assert (ours["error"]["type"], ref["error"]["type"]) == ("invalid_request_error", "server_error")
+    assert (ours["error"]["type"], ref["error"]["type"]) == (
+        "invalid_request_error",
+        "server_error",
+    )
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/tokenize", {"content": 5}), ("/tokenize", {"content": None}), ("/tokenize", {"content": [1, None]}),
-    ("/tokenize", {"content": ["a", {}]}), ("/detokenize", {"tokens": "abc"}), ("/detokenize", {"tokens": None}),
-    ("/detokenize", {"tokens": [1, "a"]}), ("/detokenize", {"tokens": [[1]]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/tokenize", {"content": 5}),
+        ("/tokenize", {"content": None}),
+        ("/tokenize", {"content": [1, None]}),
+        ("/tokenize", {"content": ["a", {}]}),
+        ("/detokenize", {"tokens": "abc"}),
+        ("/detokenize", {"tokens": None}),
+        ("/detokenize", {"tokens": [1, "a"]}),
+        ("/detokenize", {"tokens": [[1]]}),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_text_endpoint_type_refusals_are_llama_servers(served: Served, reference_server: Any, path: str,
-                                                             body: dict) -> None:
+async def test_text_endpoint_type_refusals_are_llama_servers(
+    served: Served, reference_server: Any, path: str, body: dict
+) -> None:
     ours, ref = await both(served.engine_url, reference_server, "POST", path, body)
     assert ours == ref
 
@@ -298,23 +408,32 @@ async def test_text_endpoint_type_refusals_are_llama_servers(served: Served, ref
 # --- POST /completion, /v1/completions, /v1/chat/completions ---------------------------------------
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/completion", completion()),
-    ("/completion", completion(n_probs=2)),
-    ("/v1/completions", completion()),
-    ("/v1/completions", completion(logprobs=2)),
-    ("/v1/chat/completions", chat()),
-    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=2)),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/completion", completion()),
+        ("/completion", completion(n_probs=2)),
+        ("/v1/completions", completion()),
+        ("/v1/completions", completion(logprobs=2)),
+        ("/v1/chat/completions", chat()),
+        ("/v1/chat/completions", chat(logprobs=True, top_logprobs=2)),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_answers_have_llama_servers_keys(served: Served, reference_server: Any, path: str,
-                                               body: dict) -> None:
-    (status, _, ours), (ref_status, _, ref) = await both(served.engine_url, reference_server, "POST", path, body)
+async def test_answers_have_llama_servers_keys(
+    served: Served, reference_server: Any, path: str, body: dict
+) -> None:
+    (status, _, ours), (ref_status, _, ref) = await both(
+        served.engine_url, reference_server, "POST", path, body
+    )
     assert status == ref_status == 200
     assert_same_keys(ours, ref)
     assert RECEIPT in ours
-    prompt_tokens = (ours["tokens_evaluated"], ref["tokens_evaluated"]) if path == "/completion" else \
-        (ours["usage"]["prompt_tokens"], ref["usage"]["prompt_tokens"])
+    prompt_tokens = (
+        (ours["tokens_evaluated"], ref["tokens_evaluated"])
+        if path == "/completion"
+        else (ours["usage"]["prompt_tokens"], ref["usage"]["prompt_tokens"])
+    )
     assert prompt_tokens[0] == prompt_tokens[1]  # the same template and tokens
     if path != "/completion":  # the same per-token timing keys, the rates null or positive
         assert all(v is None or v >= 0 for v in ours["timings"].values())
@@ -331,21 +450,38 @@ def stream_shape(events: list[Any]) -> list[Any]:
     return shape
 
 
-@pytest.mark.parametrize("path, body, addition", [
-    ("/completion", completion(stream=True), set()),
-    ("/v1/completions", completion(stream=True), set()),
-    ("/v1/completions", completion(stream=True, stream_options={"include_usage": True}), set()),
-    ("/v1/chat/completions", chat(stream=True), {"usage"}),  # bankml's addition on the finish chunk
-    ("/v1/chat/completions", chat(stream=True, stream_options={"include_usage": True}), set()),
-    ("/v1/chat/completions", chat(stream=True, stream_options={"include_usage": False}), {"usage"}),
-    ("/v1/chat/completions", chat(stream=True, logprobs=True, top_logprobs=1), {"usage"}),
-])
+@pytest.mark.parametrize(
+    "path, body, addition",
+    [
+        ("/completion", completion(stream=True), set()),
+        ("/v1/completions", completion(stream=True), set()),
+        ("/v1/completions", completion(stream=True, stream_options={"include_usage": True}), set()),
+        (
+            "/v1/chat/completions",
+            chat(stream=True),
+            {"usage"},
+        ),  # bankml's addition on the finish chunk
+        ("/v1/chat/completions", chat(stream=True, stream_options={"include_usage": True}), set()),
+        (
+            "/v1/chat/completions",
+            chat(stream=True, stream_options={"include_usage": False}),
+            {"usage"},
+        ),
+        ("/v1/chat/completions", chat(stream=True, logprobs=True, top_logprobs=1), {"usage"}),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_streams_have_llama_servers_events(served: Served, reference_server: Any, path: str, body: dict,
-                                                 addition: set[str]) -> None:
-    (status, ctype, ours), (ref_status, ref_ctype, ref) = await both(served.engine_url, reference_server,
-                                                                     "POST", path, body)
-    assert status == ref_status == 200 and ctype.startswith("text/event-stream") and ref_ctype.startswith(ctype)
+async def test_streams_have_llama_servers_events(
+    served: Served, reference_server: Any, path: str, body: dict, addition: set[str]
+) -> None:
+    (status, ctype, ours), (ref_status, ref_ctype, ref) = await both(
+        served.engine_url, reference_server, "POST", path, body
+    )
+    assert (
+        status == ref_status == 200
+        and ctype.startswith("text/event-stream")
+        and ref_ctype.startswith(ctype)
+    )
     ours = receipt_free(ours)
     finish = ours[-2] if ours[-1] == "[DONE]" else ours[-1]
     if addition:
@@ -360,14 +496,25 @@ def finish_of(events: list[Any]) -> dict[str, Any]:
 
 
 @pytest_twisted.ensureDeferred
-async def test_include_usage_ends_a_chat_with_a_usage_chunk(served: Served, reference_server: Any) -> None:
+async def test_include_usage_ends_a_chat_with_a_usage_chunk(
+    served: Served, reference_server: Any
+) -> None:
     body = chat(stream=True, stream_options={"include_usage": True})
-    (_, _, ours), (_, _, ref) = await both(served.engine_url, reference_server, "POST", "/v1/chat/completions", body)
+    (_, _, ours), (_, _, ref) = await both(
+        served.engine_url, reference_server, "POST", "/v1/chat/completions", body
+    )
     for events in (receipt_free(ours), ref):
         finish, usage, done = events[-3:]
-        assert done == "[DONE]" and usage["choices"] == [] and finish["choices"][0]["finish_reason"] == "length"
+        assert (
+            done == "[DONE]"
+            and usage["choices"] == []
+            and finish["choices"][0]["finish_reason"] == "length"
+        )
         assert "usage" not in finish and "timings" not in finish
-        assert usage["usage"]["completion_tokens"] == 2 and set(usage["timings"]) >= {"cache_n", "prompt_n"}
+        assert usage["usage"]["completion_tokens"] == 2 and set(usage["timings"]) >= {
+            "cache_n",
+            "prompt_n",
+        }
     assert receipt_free(ours)[-2]["usage"]["prompt_tokens"] == ref[-2]["usage"]["prompt_tokens"]
 
 
@@ -376,7 +523,10 @@ async def test_include_usage_ends_a_chat_with_a_usage_chunk(served: Served, refe
 
 LONG = "word " * (N_CTX + 50)
 REFUSALS = [
-    ("/v1/chat/completions", chat(LONG)),  # the context limit (exceed_context_size_error with its counts)
+    (
+        "/v1/chat/completions",
+        chat(LONG),
+    ),  # the context limit (exceed_context_size_error with its counts)
     ("/v1/completions", completion(LONG)),
     ("/completion", completion(LONG)),
     ("/v1/chat/completions", chat(repeat_penalty=-1)),  # sampler values
@@ -385,28 +535,43 @@ REFUSALS = [
     ("/v1/chat/completions", chat(max_tokens=-2)),
     ("/v1/chat/completions", chat(stop=[5])),
     ("/v1/chat/completions", chat(top_logprobs=2)),  # logprobs
-    ("/v1/chat/completions", chat(n=2)),  # n > 1: llama-server has one completion per prompt per slot
+    (
+        "/v1/chat/completions",
+        chat(n=2),
+    ),  # n > 1: llama-server has one completion per prompt per slot
     ("/v1/completions", completion(n=2)),
     ("/completion", completion(n=0)),
     ("/v1/chat/completions", chat(n="2")),
-    ("/v1/chat/completions", chat(stream=True, stream_options={"include_usage": "yes"})),  # stream_options
+    (
+        "/v1/chat/completions",
+        chat(stream=True, stream_options={"include_usage": "yes"}),
+    ),  # stream_options
     ("/apply-template", {"messages": "x"}),
 ]
 
 
-@pytest.mark.parametrize("path, body", REFUSALS, ids=lambda v: v if isinstance(v, str) else json.dumps(v)[:60])
+@pytest.mark.parametrize(
+    "path, body", REFUSALS, ids=lambda v: v if isinstance(v, str) else json.dumps(v)[:60]
+)
 @pytest_twisted.ensureDeferred
-async def test_refusals_are_llama_servers_word_for_word(served: Served, reference_server: Any, path: str,
-                                                        body: dict) -> None:
+async def test_refusals_are_llama_servers_word_for_word(
+    served: Served, reference_server: Any, path: str, body: dict
+) -> None:
     ours, ref = await both(served.engine_url, reference_server, "POST", path, body)
     assert ours[0] == 400 and ours == ref
 
 
-@pytest.mark.parametrize("body", [completion(stream_options={"include_usage": 1}),
-                                  completion(stream=True, stream_options={"include_usage": "yes"})])
+@pytest.mark.parametrize(
+    "body",
+    [
+        completion(stream_options={"include_usage": 1}),
+        completion(stream=True, stream_options={"include_usage": "yes"}),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_completions_check_include_usage_as_llama_server(served: Served, reference_server: Any,
-                                                               body: dict) -> None:
+async def test_completions_check_include_usage_as_llama_server(
+    served: Served, reference_server: Any, body: dict
+) -> None:
     ours, ref = await both(served.engine_url, reference_server, "POST", "/v1/completions", body)
     assert ours[0] == 400 and ours == ref
 
@@ -421,44 +586,85 @@ def top_logprobs_seen(answer: tuple[int, str, Any]) -> Any:
     return status, len(logprobs["content"][0]["top_logprobs"]) if logprobs else None
 
 
-@pytest.mark.parametrize("extra", [
-    {"logprobs": "x"}, {"logprobs": True, "top_logprobs": "2"}, {"logprobs": 1}, {"logprobs": 0},
-    {"logprobs": False}, {"logprobs": 3, "n_probs": 1}, {"logprobs": False, "top_logprobs": 2},
-    {"logprobs": True, "top_logprobs": 2.5}, {"logprobs": True, "top_logprobs": None},
-    {"logprobs": True, "top_logprobs": 2, "n_probs": 5},
-], ids=json.dumps)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logprobs": "x"},
+        {"logprobs": True, "top_logprobs": "2"},
+        {"logprobs": 1},
+        {"logprobs": 0},
+        {"logprobs": False},
+        {"logprobs": 3, "n_probs": 1},
+        {"logprobs": False, "top_logprobs": 2},
+        {"logprobs": True, "top_logprobs": 2.5},
+        {"logprobs": True, "top_logprobs": None},
+        {"logprobs": True, "top_logprobs": 2, "n_probs": 5},
+    ],
+    ids=json.dumps,
+)
 @pytest_twisted.ensureDeferred
-async def test_chat_logprobs_types_as_llama_server(served: Served, reference_server: Any, extra: dict) -> None:
+async def test_chat_logprobs_types_as_llama_server(
+    served: Served, reference_server: Any, extra: dict
+) -> None:
     """logprobs true: n_probs = top_logprobs (20 when not a number); any other logprobs is n_probs'
     alias (a string its type error)."""
-    ours, ref = await both(served.engine_url, reference_server, "POST", "/v1/chat/completions", chat(**extra))
+    ours, ref = await both(
+        served.engine_url, reference_server, "POST", "/v1/chat/completions", chat(**extra)
+    )
     assert top_logprobs_seen(ours) == top_logprobs_seen(ref)
 
 
-@pytest.mark.parametrize("method, path, body", [
-    ("GET", "/tokenize", None), ("GET", "/completion", None), ("GET", "/v1/chat/completions", None),
-    ("GET", "/v1/completions", None), ("PUT", "/v1/chat/completions", {}), ("POST", "/health", {}),
-    ("POST", "/v1/models", {}), ("POST", "/metrics", {}), ("DELETE", "/health", None),
-    ("POST", "/props", {}),  # routed, refused: 501 "Start it with `--props`"
-    ("GET", "/health/extra", None), ("POST", "/v1/chat/completions/", chat()), ("GET", "/nowhere", None),
-    ("GET", "/v1", None),
-])
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        ("GET", "/tokenize", None),
+        ("GET", "/completion", None),
+        ("GET", "/v1/chat/completions", None),
+        ("GET", "/v1/completions", None),
+        ("PUT", "/v1/chat/completions", {}),
+        ("POST", "/health", {}),
+        ("POST", "/v1/models", {}),
+        ("POST", "/metrics", {}),
+        ("DELETE", "/health", None),
+        ("POST", "/props", {}),  # routed, refused: 501 "Start it with `--props`"
+        ("GET", "/health/extra", None),
+        ("POST", "/v1/chat/completions/", chat()),
+        ("GET", "/nowhere", None),
+        ("GET", "/v1", None),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_wrong_methods_and_paths_are_llama_servers_answers(served: Served, reference_server: Any,
-                                                                method: str, path: str, body: Any) -> None:
+async def test_wrong_methods_and_paths_are_llama_servers_answers(
+    served: Served, reference_server: Any, method: str, path: str, body: Any
+) -> None:
     ours, ref = await both(served.engine_url, reference_server, method, path, body)
     assert ours[0] in (404, 501) and ours == ref
 
 
-@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/apply-template", "/completion", "/v1/completions",
-                                  "/v1/chat/completions", "/slots/0?action=save"])
-@pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x", "n_predict": NaN, "content": [Infinity]}'])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/tokenize",
+        "/detokenize",
+        "/apply-template",
+        "/completion",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/slots/0?action=save",
+    ],
+)
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b'{"prompt": "x", "n_predict": NaN, "content": [Infinity]}']
+)
 @pytest_twisted.ensureDeferred
-async def test_bad_json_is_400_everywhere(served: Served, full_reference: Any, path: str, raw: bytes) -> None:
+async def test_bad_json_is_400_everywhere(
+    served: Served, full_reference: Any, path: str, raw: bytes
+) -> None:
     """Not JSON (also Python's NaN and Infinity, which JSON lacks): the same 400 and error type;
     the message is Python's parser's, not nlohmann's (a client cannot act on either beyond "fix the JSON")."""
-    (status, _, ours), (ref_status, _, ref) = await both(served.engine_url, full_reference, "POST", path,
-                                                         raw=raw)
+    (status, _, ours), (ref_status, _, ref) = await both(
+        served.engine_url, full_reference, "POST", path, raw=raw
+    )
     assert status == ref_status == 400
     assert_same_keys(ours, ref)
     assert ours["error"]["type"] == ref["error"]["type"] == "invalid_request_error"
@@ -466,36 +672,57 @@ async def test_bad_json_is_400_everywhere(served: Served, full_reference: Any, p
     assert ref["error"]["message"].startswith("[json.exception.parse_error.101] parse error")
 
 
-@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/completion", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "path", ["/tokenize", "/detokenize", "/completion", "/v1/chat/completions"]
+)
 @pytest_twisted.ensureDeferred
-async def test_a_body_that_is_not_an_object_is_400(served: Served, reference_server: Any, path: str) -> None:
+async def test_a_body_that_is_not_an_object_is_400(
+    served: Served, reference_server: Any, path: str
+) -> None:
     """llama-server answers a JSON array on some endpoints as an empty request (200) and on others
     with nlohmann's text; bankml refuses it alike everywhere."""
-    (status, _, ours), (ref_status, _, _) = await both(served.engine_url, reference_server, "POST", path, raw=b"[1,2]")
+    (status, _, ours), (ref_status, _, _) = await both(
+        served.engine_url, reference_server, "POST", path, raw=b"[1,2]"
+    )
     assert status == 400 and ref_status in (200, 400)
-    assert ours == {"error": {"code": 400, "message": "the request body must be a JSON object",
-                              "type": "invalid_request_error"}}
+    assert ours == {
+        "error": {
+            "code": 400,
+            "message": "the request body must be a JSON object",
+            "type": "invalid_request_error",
+        }
+    }
 
 
 # --- /slots/0?action=save|restore|erase -------------------------------------------------------------------
 
 
 async def slot_action(url: str, sid: str, action: str, body: Any = None) -> tuple[int, str, Any]:
-    return await deferToThread(call, url, "POST", f"/slots/{sid}?action={action}", body if body is not None else {})
+    return await deferToThread(
+        call, url, "POST", f"/slots/{sid}?action={action}", body if body is not None else {}
+    )
 
 
 @pytest_twisted.ensureDeferred
-async def test_slot_save_erase_restore_answer_as_llama_server(served: Served, full_reference: Any) -> None:
+async def test_slot_save_erase_restore_answer_as_llama_server(
+    served: Served, full_reference: Any
+) -> None:
     name = "side-by-side.bin"
     answers: dict[str, list[Any]] = {}
     kept: dict[str, int] = {}
     for url in (served.engine_url, full_reference.url):
-        _, _, done = await deferToThread(call, url, "POST", "/completion", completion("Hello there"))
-        kept[url] = done["tokens_evaluated"] + done["tokens_predicted"] - 1  # the last token is never decoded
-        steps = [await slot_action(url, "0", "save", {"filename": name}),
-                 await slot_action(url, "0", "erase"),
-                 await slot_action(url, "0", "restore", {"filename": name}),
-                 await slot_action(url, "0", "restore", {"filename": "missing.bin"})]
+        _, _, done = await deferToThread(
+            call, url, "POST", "/completion", completion("Hello there")
+        )
+        kept[url] = (
+            done["tokens_evaluated"] + done["tokens_predicted"] - 1
+        )  # the last token is never decoded
+        steps = [
+            await slot_action(url, "0", "save", {"filename": name}),
+            await slot_action(url, "0", "erase"),
+            await slot_action(url, "0", "restore", {"filename": name}),
+            await slot_action(url, "0", "restore", {"filename": "missing.bin"}),
+        ]
         answers[url] = steps
     ours, ref = answers[served.engine_url], answers[full_reference.url]
     for (status, _, mine), (ref_status, _, theirs) in zip(ours, ref):
@@ -508,47 +735,79 @@ async def test_slot_save_erase_restore_answer_as_llama_server(served: Served, fu
     assert saved["n_saved"] == ref_saved["n_saved"] == n_kept
     assert erased == ref_erased == {"id_slot": 0, "n_erased": n_kept}
     assert restored["n_restored"] == ref_restored["n_restored"] == n_kept
-    assert (saved["filename"], restored["filename"]) == (ref_saved["filename"], ref_restored["filename"]) == (name, name)
+    assert (
+        (saved["filename"], restored["filename"])
+        == (ref_saved["filename"], ref_restored["filename"])
+        == (name, name)
+    )
     # bankml writes its own file format (with the model's sha256 and a trailer): other sizes
-    assert restored["n_read"] == saved["n_written"] and ref_restored["n_read"] == ref_saved["n_written"]
+    assert (
+        restored["n_read"] == saved["n_written"]
+        and ref_restored["n_read"] == ref_saved["n_written"]
+    )
     # a failed restore: the same prefix; bankml names the reason (llama-server's is generic)
     assert missing["error"]["message"].startswith("Unable to restore slot: ")
     assert ref_missing["error"]["message"].startswith("Unable to restore slot: ")
     assert "missing.bin" in missing["error"]["message"]
 
 
-@pytest.mark.parametrize("sid, action, body", [
-    ("0", "bogus", {}), ("0", "", {}), ("x", "save", {"filename": "a.bin"}), ("0", "save", {}),
-    ("0", "save", {"filename": "../a.bin"}), ("0", "restore", {"filename": "/tmp/a.bin"}),
-    ("0", "save", {"filename": "a:b"}), ("0", "save", {"filename": 5}), ("0", "restore", {"filename": None}),
-    ("2147483648", "erase", {}),
-])
+@pytest.mark.parametrize(
+    "sid, action, body",
+    [
+        ("0", "bogus", {}),
+        ("0", "", {}),
+        ("x", "save", {"filename": "a.bin"}),
+        ("0", "save", {}),
+        ("0", "save", {"filename": "../a.bin"}),
+        ("0", "restore", {"filename": "/tmp/a.bin"}),
+        ("0", "save", {"filename": "a:b"}),
+        ("0", "save", {"filename": 5}),
+        ("0", "restore", {"filename": None}),
+        ("2147483648", "erase", {}),
+    ],
+)
 @pytest_twisted.ensureDeferred
-async def test_slot_refusals_are_llama_servers_word_for_word(served: Served, full_reference: Any, sid: str,
-                                                             action: str, body: dict) -> None:
+async def test_slot_refusals_are_llama_servers_word_for_word(
+    served: Served, full_reference: Any, sid: str, action: str, body: dict
+) -> None:
     ours = await slot_action(served.engine_url, sid, action, body)
     ref = await slot_action(full_reference.url, sid, action, body)
     assert ours[0] == 400 and ours == ref
 
 
-@pytest.mark.parametrize("method, path", [("GET", "/slots"), ("POST", "/slots"), ("GET", "/slots/0")])
+@pytest.mark.parametrize(
+    "method, path", [("GET", "/slots"), ("POST", "/slots"), ("GET", "/slots/0")]
+)
 @pytest_twisted.ensureDeferred
-async def test_slot_paths_route_as_llama_servers(served: Served, full_reference: Any, method: str, path: str) -> None:
+async def test_slot_paths_route_as_llama_servers(
+    served: Served, full_reference: Any, method: str, path: str
+) -> None:
     """GET /slots is llama-server's slot monitor, which bankml does not have: the answer of a
     llama-server started without --slots (501); the other two are its 404."""
-    ours = await deferToThread(call, served.engine_url, method, path, {} if method == "POST" else None)
-    ref = await deferToThread(call, full_reference.url, method, path, {} if method == "POST" else None)
+    ours = await deferToThread(
+        call, served.engine_url, method, path, {} if method == "POST" else None
+    )
+    ref = await deferToThread(
+        call, full_reference.url, method, path, {} if method == "POST" else None
+    )
     if (method, path) == ("GET", "/slots"):
         assert ref[0] == 200 and isinstance(ref[2], list)  # the monitor
-        assert ours[2] == {"error": {"code": 501, "type": "not_supported_error",
-                                     "message": "This server does not support slots endpoint. Start it with `--slots`"}}
+        assert ours[2] == {
+            "error": {
+                "code": 501,
+                "type": "not_supported_error",
+                "message": "This server does not support slots endpoint. Start it with `--slots`",
+            }
+        }
     else:
         assert ours == ref and ours[0] == 404
 
 
 @pytest.mark.parametrize("sid, echoed", [("1", 1), ("-7", -7), ("%205x", 5)])
 @pytest_twisted.ensureDeferred
-async def test_slot_ids_wrap_as_llama_servers(served: Served, full_reference: Any, sid: str, echoed: int) -> None:
+async def test_slot_ids_wrap_as_llama_servers(
+    served: Served, full_reference: Any, sid: str, echoed: int
+) -> None:
     """Any id std::stoi reads is slot id % n_slots (one slot: slot 0), echoed back as asked."""
     ours = await slot_action(served.engine_url, sid, "erase")
     ref = await slot_action(full_reference.url, sid, "erase")
@@ -556,13 +815,25 @@ async def test_slot_ids_wrap_as_llama_servers(served: Served, full_reference: An
 
 
 @pytest_twisted.ensureDeferred
-async def test_slots_without_a_slot_dir_are_llama_servers_501(served: Served, reference_server: Any) -> None:
-    bare = NativeEngine(served.native.engine, served.native.bridge, served.native.verified, slot_dir=None,
-                        n_ctx=N_CTX, reactor=reactor)
+async def test_slots_without_a_slot_dir_are_llama_servers_501(
+    served: Served, reference_server: Any
+) -> None:
+    bare = NativeEngine(
+        served.native.engine,
+        served.native.bridge,
+        served.native.verified,
+        slot_dir=None,
+        n_ctx=N_CTX,
+        reactor=reactor,
+    )
     _, engine_root = build_native_roots(bare, sampler=object())
     port = listen_loopback(LoopbackSite(engine_root), "127.0.0.1:0")
     try:
-        for action, body in (("save", {"filename": "a.bin"}), ("restore", {"filename": "a.bin"}), ("erase", {})):
+        for action, body in (
+            ("save", {"filename": "a.bin"}),
+            ("restore", {"filename": "a.bin"}),
+            ("erase", {}),
+        ):
             ours = await slot_action(f"http://127.0.0.1:{port.getHost().port}", "0", action, body)
             ref = await slot_action(reference_server.url, "0", action, body)
             assert ours[0] == 501 and ours == ref
@@ -577,28 +848,50 @@ def openai_client_view(base_url: str) -> dict[str, Any]:
     """What the openai client makes of n=2 (chat and completions) and of include_usage; blocking."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S)
+    client = openai.OpenAI(
+        base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S
+    )
     seen: dict[str, Any] = {}
     messages = [{"role": "user", "content": "Name a colour."}]
-    for name, create in (("chat_n", lambda: client.chat.completions.create(
-            model="x", messages=messages, max_tokens=2, n=2)),
-                         ("completions_n", lambda: client.completions.create(
-            model="x", prompt="The capital of France is", max_tokens=2, n=2))):
+    for name, create in (
+        (
+            "chat_n",
+            lambda: client.chat.completions.create(model="x", messages=messages, max_tokens=2, n=2),
+        ),
+        (
+            "completions_n",
+            lambda: client.completions.create(
+                model="x", prompt="The capital of France is", max_tokens=2, n=2
+            ),
+        ),
+    ):
         try:
             create()
             seen[name] = "answered"
         except openai.BadRequestError as err:
             seen[name] = (err.status_code, err.body)
-    chunks = list(client.chat.completions.create(model="x", messages=messages, max_tokens=2, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
-    seen["usage_chunks"] = [(ch.choices, ch.usage.completion_tokens, ch.usage.prompt_tokens)
-                            for ch in chunks if ch.usage is not None]
+    chunks = list(
+        client.chat.completions.create(
+            model="x",
+            messages=messages,
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    seen["usage_chunks"] = [
+        (ch.choices, ch.usage.completion_tokens, ch.usage.prompt_tokens)
+        for ch in chunks
+        if ch.usage is not None
+    ]
     return seen
 
 
 @pytest_twisted.ensureDeferred
-async def test_openai_client_sees_n_and_include_usage_as_with_llama_server(served: Served,
-                                                                         reference_server: Any) -> None:
+async def test_openai_client_sees_n_and_include_usage_as_with_llama_server(
+    served: Served, reference_server: Any
+) -> None:
     ours = await deferToThread(openai_client_view, served.url)
     ref = await deferToThread(openai_client_view, reference_server.url)
     message = "Field 'n': Value must be between 1 <= value <= 1, but got 2"
@@ -627,21 +920,31 @@ def api_refusal(native: NativeEngine, request: Any, stream: bool) -> tuple[int, 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("request_", [
-    chat(stream_options={"include_usage": "yes"}), chat(stream=True, stream_options={"include_usage": 1}),
-    chat(logprobs="x"),
-], ids=json.dumps)
+@pytest.mark.parametrize(
+    "request_",
+    [
+        chat(stream_options={"include_usage": "yes"}),
+        chat(stream=True, stream_options={"include_usage": 1}),
+        chat(logprobs="x"),
+    ],
+    ids=json.dumps,
+)
 @pytest_twisted.ensureDeferred
-async def test_api_refuses_as_llama_server(served: Served, reference_server: Any, request_: dict,
-                                           stream: bool) -> None:
+async def test_api_refuses_as_llama_server(
+    served: Served, reference_server: Any, request_: dict, stream: bool
+) -> None:
     """bankml.chat and chat_stream read a request by the engine's own checks, as HTTP does:
     llama-server's status and error object."""
     ours = await deferToThread(api_refusal, served.native, request_, stream)
-    ref_status, _, ref = await deferToThread(call, reference_server.url, "POST", "/v1/chat/completions", request_)
+    ref_status, _, ref = await deferToThread(
+        call, reference_server.url, "POST", "/v1/chat/completions", request_
+    )
     assert ours == (ref_status, ref) and ref_status == 400
 
 
-@pytest.mark.parametrize("request_", [chat(max_tokens=float("nan")), json.dumps(chat()).replace("0", "NaN").encode()])
+@pytest.mark.parametrize(
+    "request_", [chat(max_tokens=float("nan")), json.dumps(chat()).replace("0", "NaN").encode()]
+)
 def test_api_refuses_nan_as_not_json(served: Served, request_: Any) -> None:
     status, body = api_refusal(served.native, request_, stream=False)
     assert status == 400 and body["error"]["message"].startswith("the request body is not JSON: ")

@@ -16,16 +16,23 @@ MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture(scope="module")
-def client(reference_server: support.LlamaServer, default_model: Path, default_fork: Path,
-           tmp_path_factory: pytest.TempPathFactory):
+def client(
+    reference_server: support.LlamaServer,
+    default_model: Path,
+    default_fork: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+):
     log = tmp_path_factory.mktemp("openai") / "bankml.log"
-    with BankmlProcess(default_model, default_fork, ["--upstream", f"127.0.0.1:{reference_server.port}"],
-                       log) as bankml:
+    with BankmlProcess(
+        default_model, default_fork, ["--upstream", f"127.0.0.1:{reference_server.port}"], log
+    ) as bankml:
         yield openai.OpenAI(base_url=bankml.url + "/v1", api_key="x", max_retries=0)
 
 
 def test_openai_client_not_streamed(client: openai.OpenAI) -> None:
-    completion = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=12, temperature=0)
+    completion = client.chat.completions.create(
+        model="x", messages=MESSAGES, max_tokens=12, temperature=0
+    )
     text = completion.choices[0].message.content
     assert text
     receipt = completion.model_extra["bankml_receipt"]
@@ -36,8 +43,9 @@ def test_openai_client_not_streamed(client: openai.OpenAI) -> None:
 
 def test_openai_client_streamed(client: openai.OpenAI) -> None:
     text, receipts = "", []
-    for chunk in client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=12,
-                                                temperature=0, stream=True):
+    for chunk in client.chat.completions.create(
+        model="x", messages=MESSAGES, max_tokens=12, temperature=0, stream=True
+    ):
         extra = chunk.model_extra or {}
         if "bankml_receipt" in extra:  # the receipt event: a chunk with no choices
             receipts.append(extra["bankml_receipt"])
@@ -53,4 +61,7 @@ def test_openai_client_sees_an_engine_error_as_an_api_error(client: openai.OpenA
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=4, n=2)
     assert refused.value.status_code == 400
-    assert refused.value.body["message"] == "Field 'n': Value must be between 1 <= value <= 1, but got 2"
+    assert (
+        refused.value.body["message"]
+        == "Field 'n': Value must be between 1 <= value <= 1, but got 2"
+    )

@@ -32,11 +32,29 @@ from tests.support import ROOT, free_port
 
 
 def test_llama_server_arguments_are_serve_md_s() -> None:
-    base = ["BIN", "-m", "/m.gguf", "--host", "127.0.0.1", "--port", "18092", "-t", "3", "-c", "4096",
-            "-np", "1", "--jinja", "--reasoning", "off", "--no-webui"]
+    base = [
+        "BIN",
+        "-m",
+        "/m.gguf",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "18092",
+        "-t",
+        "3",
+        "-c",
+        "4096",
+        "-np",
+        "1",
+        "--jinja",
+        "--reasoning",
+        "off",
+        "--no-webui",
+    ]
     assert llama_server_args("BIN", "/m.gguf", "127.0.0.1", 18092, 3, 4096) == base
-    assert llama_server_args("BIN", "/m.gguf", "127.0.0.1", 18092, 3, 4096, "/slots", True) == base + [
-        "--spec-type", "ngram-simple", "--slot-save-path", "/slots"]
+    assert llama_server_args(
+        "BIN", "/m.gguf", "127.0.0.1", 18092, 3, 4096, "/slots", True
+    ) == base + ["--spec-type", "ngram-simple", "--slot-save-path", "/slots"]
 
 
 def test_the_death_signal_shim_wraps_the_command() -> None:
@@ -47,12 +65,22 @@ def test_the_death_signal_shim_wraps_the_command() -> None:
 
 def test_a_sigkilled_parent_takes_its_engine_with_it() -> None:
     """PR_SET_DEATHSIG: even a SIGKILL of bankml, which runs no shutdown code, leaves no engine."""
-    parent = subprocess.Popen([sys.executable, "-c", (
-        "import subprocess,sys,time\n"
-        "from bankml.process_protocol import with_deathsig\n"
-        "exe, argv = with_deathsig(['/bin/sleep', '60'])\n"
-        "child = subprocess.Popen(argv, executable=exe)\n"
-        "print(child.pid, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import subprocess,sys,time\n"
+                "from bankml.process_protocol import with_deathsig\n"
+                "exe, argv = with_deathsig(['/bin/sleep', '60'])\n"
+                "child = subprocess.Popen(argv, executable=exe)\n"
+                "print(child.pid, flush=True); time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     child_pid = int(parent.stdout.readline())
     deadline = time.monotonic() + 10
     while psutil.Process(child_pid).name() != "sleep" and time.monotonic() < deadline:
@@ -62,13 +90,11 @@ def test_a_sigkilled_parent_takes_its_engine_with_it() -> None:
     assert process_gone(child_pid, 5), "the engine outlived its SIGKILLed parent"
 
 
-
-
 @pytest.fixture
 def fake_engine(tmp_path: Path) -> Path:
     """An executable that runs the mock llama-server with whatever arguments it is given."""
     script = tmp_path / "llama-server"
-    script.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'mock_llama.py'} \"$@\"\n")
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT / "tests" / "mock_llama.py"} "$@"\n')
     script.chmod(0o755)
     return script
 
@@ -77,8 +103,14 @@ def fake_engine(tmp_path: Path) -> Path:
 def gateway(tmp_path: Path):
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF mock")
-    verified = Verified(str(model.resolve()), hashlib.sha256(b"GGUF mock").hexdigest(),
-                        GuardResult("play"), FileIdent.of(model), time.time(), str(tmp_path / "F.json"))
+    verified = Verified(
+        str(model.resolve()),
+        hashlib.sha256(b"GGUF mock").hexdigest(),
+        GuardResult("play"),
+        FileIdent.of(model),
+        time.time(),
+        str(tmp_path / "F.json"),
+    )
     g = Gateway(verified, ("127.0.0.1", free_port()), "spawn", make_agent(reactor), reactor)
     yield g
     pytest_twisted.blockon(defer.maybeDeferred(g.close))
@@ -92,7 +124,9 @@ async def until(predicate: Any, within: float = 20.0) -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_spawn_waits_for_health_and_stop_leaves_no_process(gateway: Gateway, fake_engine: Path) -> None:
+async def test_spawn_waits_for_health_and_stop_leaves_no_process(
+    gateway: Gateway, fake_engine: Path
+) -> None:
     engine = EngineProcess(gateway, str(fake_engine), threads=1, ctx=256)
     await engine.start()
     assert gateway.state == gw.READY and gateway.engine_build == "b0-mock"
@@ -103,7 +137,9 @@ async def test_spawn_waits_for_health_and_stop_leaves_no_process(gateway: Gatewa
 
 
 @pytest_twisted.ensureDeferred
-async def test_spawn_refuses_when_something_answers_on_the_address(gateway: Gateway, fake_engine: Path) -> None:
+async def test_spawn_refuses_when_something_answers_on_the_address(
+    gateway: Gateway, fake_engine: Path
+) -> None:
     squatter = listen(MockLlama(model_path="/other.gguf"))
     gateway.upstream = ("127.0.0.1", squatter.getHost().port)
     engine = EngineProcess(gateway, str(fake_engine), threads=1, ctx=256)
@@ -116,7 +152,9 @@ async def test_spawn_refuses_when_something_answers_on_the_address(gateway: Gate
 
 
 @pytest_twisted.ensureDeferred
-async def test_an_engine_that_exits_while_starting_fails_at_once(gateway: Gateway, tmp_path: Path) -> None:
+async def test_an_engine_that_exits_while_starting_fails_at_once(
+    gateway: Gateway, tmp_path: Path
+) -> None:
     failing = tmp_path / "llama-server"
     failing.write_text("#!/bin/sh\necho 'error: bad model' >&2\nexit 3\n")
     failing.chmod(0o755)
@@ -128,7 +166,9 @@ async def test_an_engine_that_exits_while_starting_fails_at_once(gateway: Gatewa
 
 
 @pytest_twisted.ensureDeferred
-async def test_unexpected_death_reverifies_and_restarts(gateway: Gateway, fake_engine: Path) -> None:
+async def test_unexpected_death_reverifies_and_restarts(
+    gateway: Gateway, fake_engine: Path
+) -> None:
     calls: list[tuple[str, str]] = []
 
     def reverify(path: str, fork: str) -> Verified:
@@ -150,7 +190,9 @@ async def test_unexpected_death_reverifies_and_restarts(gateway: Gateway, fake_e
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_file_that_no_longer_verifies_is_not_restarted(gateway: Gateway, fake_engine: Path) -> None:
+async def test_a_file_that_no_longer_verifies_is_not_restarted(
+    gateway: Gateway, fake_engine: Path
+) -> None:
     def reverify(path: str, fork: str) -> Verified:
         raise Refused("model.gguf sha256 00 != pinned 11: refused")
 
@@ -164,10 +206,14 @@ async def test_a_file_that_no_longer_verifies_is_not_restarted(gateway: Gateway,
 
 
 @pytest_twisted.ensureDeferred
-async def test_an_engine_ignoring_sigterm_is_killed_after_the_grace(gateway: Gateway, tmp_path: Path) -> None:
+async def test_an_engine_ignoring_sigterm_is_killed_after_the_grace(
+    gateway: Gateway, tmp_path: Path
+) -> None:
     stubborn = tmp_path / "llama-server"
-    stubborn.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'mock_llama.py'} "
-                        "\"$@\" --ignore-sigterm\n")
+    stubborn.write_text(
+        f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'mock_llama.py'} "
+        '"$@" --ignore-sigterm\n'
+    )
     stubborn.chmod(0o755)
     engine = EngineProcess(gateway, str(stubborn), threads=1, ctx=256)
     await engine.start()

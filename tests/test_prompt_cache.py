@@ -37,21 +37,32 @@ def _engine_chat(engine: Engine, messages: list[dict[str, str]]) -> tuple[str, i
 
 
 def _server_chat(url: str, messages: list[dict[str, str]]) -> tuple[str, int, int]:
-    status, body = support.http_json(url + "/v1/chat/completions",
-                                     {"messages": messages, "max_tokens": MAX, "temperature": 0})
+    status, body = support.http_json(
+        url + "/v1/chat/completions", {"messages": messages, "max_tokens": MAX, "temperature": 0}
+    )
     assert status == 200, body
-    return (body["choices"][0]["message"]["content"], body["timings"]["cache_n"],
-            body["usage"]["prompt_tokens"])
+    return (
+        body["choices"][0]["message"]["content"],
+        body["timings"]["cache_n"],
+        body["usage"]["prompt_tokens"],
+    )
 
 
 def _interleave(chat: Any) -> list[tuple[int, int]]:
     """A1, B1, A2, B2: (cache_n, prompt_tokens) of each turn."""
-    a = [{"role": "system", "content": "Poet."}, {"role": "user", "content": "Name three colours of the rainbow."}]
-    b = [{"role": "system", "content": "Geographer."},
-         {"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    a = [
+        {"role": "system", "content": "Poet."},
+        {"role": "user", "content": "Name three colours of the rainbow."},
+    ]
+    b = [
+        {"role": "system", "content": "Geographer."},
+        {"role": "user", "content": "What is the capital of France? Answer in one word."},
+    ]
     out = []
-    a_answer, *rest = chat(a); out.append(tuple(rest))
-    b_answer, *rest = chat(b); out.append(tuple(rest))
+    a_answer, *rest = chat(a)
+    out.append(tuple(rest))
+    b_answer, *rest = chat(b)
+    out.append(tuple(rest))
     a2 = _turn(a, a_answer) + [{"role": "user", "content": "And two more?"}]
     b2 = _turn(b, b_answer) + [{"role": "user", "content": "And of Italy?"}]
     out.append(tuple(chat(a2)[1:]))
@@ -59,7 +70,9 @@ def _interleave(chat: Any) -> list[tuple[int, int]]:
     return out
 
 
-def test_interleaved_conversations_reuse_their_own_context(engine: Engine, reference_server) -> None:
+def test_interleaved_conversations_reuse_their_own_context(
+    engine: Engine, reference_server
+) -> None:
     engine.host_cache = HostPromptCache(limit_from_env("256"))
     ours = _interleave(lambda m: _engine_chat(engine, m))
     theirs = _interleave(lambda m: _server_chat(reference_server.url, m))
@@ -73,7 +86,9 @@ def test_interleaved_conversations_reuse_their_own_context(engine: Engine, refer
     assert ours[1:] == theirs[1:]
 
 
-def test_a_shared_system_prompt_keeps_the_slot_as_llama_server_does(engine: Engine, reference_server) -> None:
+def test_a_shared_system_prompt_keeps_the_slot_as_llama_server_does(
+    engine: Engine, reference_server
+) -> None:
     """Conversations sharing SmolLM2's default system prompt share half the slot: the host cache
     does not run (LCP ≥ half the slot), exactly as llama-server decides."""
     engine.host_cache = HostPromptCache(limit_from_env("256"))
@@ -89,7 +104,9 @@ def test_a_shared_system_prompt_keeps_the_slot_as_llama_server_does(engine: Engi
     ours = plain(lambda m: _engine_chat(engine, m))
     theirs = plain(lambda m: _server_chat(reference_server.url, m))
     print(f"\nshared system prompt, cache_n per turn: bankml {ours}, llama-server {theirs}")
-    assert [c for c, _ in ours][1:] == [c for c, _ in theirs][1:]  # the first depends on earlier tests
+    assert [c for c, _ in ours][1:] == [c for c, _ in theirs][
+        1:
+    ]  # the first depends on earlier tests
 
 
 def test_without_the_host_cache_only_the_shared_prefix_is_reused(engine: Engine) -> None:

@@ -30,14 +30,23 @@ from bankml.resources.p0 import p0_root
 from bankml.site import LoopbackSite, listen_loopback
 from bankml.usage import UsageSampler
 from bankml.verify import Verified
-from tests.mock_llama import PIECES, MockLlama, listen
 from tests.bankml_process import sha
+from tests.mock_llama import PIECES, MockLlama, listen
 
 CHAT = {"messages": [{"role": "user", "content": "Who knows?"}], "max_tokens": 8}
-RECEIPT_FIELDS = ["bankml", "engine", "model_sha256", "guard", "prompt_tokens", "completion_tokens",
-                  "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed"]
-
-
+RECEIPT_FIELDS = [
+    "bankml",
+    "engine",
+    "model_sha256",
+    "guard",
+    "prompt_tokens",
+    "completion_tokens",
+    "ttft_ms",
+    "wall_ms",
+    "response_sha256",
+    "request_sha256",
+    "signed",
+]
 
 
 @dataclass
@@ -55,16 +64,34 @@ def front(tmp_path: Path):
     model.write_bytes(b"GGUF not really a model, the mock never reads it")
     mock = MockLlama(model_path=str(model))
     mock_port = listen(mock)
-    verified = Verified(str(model.resolve()), sha(model.read_bytes()), GuardResult("play"),
-                        FileIdent.of(model), time.time(), str(tmp_path / "FORK.json"))
-    gateway = Gateway(verified, ("127.0.0.1", mock_port.getHost().port), "upstream",
-                      make_agent(reactor), reactor, state=gw.READY)
+    verified = Verified(
+        str(model.resolve()),
+        sha(model.read_bytes()),
+        GuardResult("play"),
+        FileIdent.of(model),
+        time.time(),
+        str(tmp_path / "FORK.json"),
+    )
+    gateway = Gateway(
+        verified,
+        ("127.0.0.1", mock_port.getHost().port),
+        "upstream",
+        make_agent(reactor),
+        reactor,
+        state=gw.READY,
+    )
     sampler = UsageSampler(reactor, lambda: [("bankml serve", os.getpid())])
     port = listen_loopback(LoopbackSite(p0_root(gateway, sampler)), "127.0.0.1:0", reactor)
     yield Front(mock, gateway, sampler, f"http://127.0.0.1:{port.getHost().port}", model)
-    pytest_twisted.blockon(defer.gatherResults([
-        defer.maybeDeferred(port.stopListening), defer.maybeDeferred(mock_port.stopListening),
-        defer.maybeDeferred(gateway.close)]))
+    pytest_twisted.blockon(
+        defer.gatherResults(
+            [
+                defer.maybeDeferred(port.stopListening),
+                defer.maybeDeferred(mock_port.stopListening),
+                defer.maybeDeferred(gateway.close),
+            ]
+        )
+    )
 
 
 async def post(url: str, body: bytes, **kw: Any) -> Any:
@@ -91,12 +118,20 @@ async def test_non_streamed_answer_gets_a_receipt_of_its_text_and_request(front:
     answer = json.loads(raw)
     r = answer["bankml_receipt"]
     assert list(r) == RECEIPT_FIELDS
-    assert r["response_sha256"] == sha("".join(PIECES)) == sha(answer["choices"][0]["message"]["content"])
+    assert (
+        r["response_sha256"]
+        == sha("".join(PIECES))
+        == sha(answer["choices"][0]["message"]["content"])
+    )
     assert r["request_sha256"] == sha(body) == sha(front.mock.requests[-1])
     assert (r["prompt_tokens"], r["completion_tokens"]) == (7, 2)
     assert r["model_sha256"] == front.gateway.verified.sha256
-    assert (r["bankml"], r["engine"], r["guard"], r["signed"]) == (__version__, "llama-server b0-mock",
-                                                                    "play", False)
+    assert (r["bankml"], r["engine"], r["guard"], r["signed"]) == (
+        __version__,
+        "llama-server b0-mock",
+        "play",
+        False,
+    )
     assert r["ttft_ms"] is None and r["wall_ms"] >= 0
 
 
@@ -108,7 +143,7 @@ async def test_streamed_events_pass_unchanged_and_the_receipt_precedes_done(fron
     assert response.headers.getRawHeaders(b"content-type") == [b"text/event-stream"]
     events = events_of(raw)
     assert events[-1] == b"data: [DONE]\n\n"
-    receipt_event = json.loads(events[-2][len(b"data: "):])
+    receipt_event = json.loads(events[-2][len(b"data: ") :])
     r = receipt_event["bankml_receipt"]
     assert list(r) == RECEIPT_FIELDS
     deltas = [json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events[:-2]]
@@ -118,7 +153,8 @@ async def test_streamed_events_pass_unchanged_and_the_receipt_precedes_done(fron
     assert isinstance(r["ttft_ms"], int)
     # every upstream event reaches the client byte for byte
     assert b"".join(events[:-2]) + events[-1] == b"".join(
-        e for e in events if b"bankml_receipt" not in e)
+        e for e in events if b"bankml_receipt" not in e
+    )
 
 
 @pytest_twisted.ensureDeferred
@@ -135,8 +171,12 @@ async def test_logprobs_hash_covers_the_entries_in_order(front: Front, stream: b
     _, raw, _ = await chat(front, {**CHAT, "stream": stream, "logprobs": True})
     if stream:
         events = [json.loads(e[6:]) for e in events_of(raw)[:-1]]
-        entries = [x for e in events if "choices" in e and e["choices"]
-                   for x in (e["choices"][0].get("logprobs") or {}).get("content", [])]
+        entries = [
+            x
+            for e in events
+            if "choices" in e and e["choices"]
+            for x in (e["choices"][0].get("logprobs") or {}).get("content", [])
+        ]
         r = events[-1]["bankml_receipt"]
     else:
         answer = json.loads(raw)
@@ -155,8 +195,11 @@ async def test_without_logprobs_there_is_no_logprobs_hash(front: Front) -> None:
 @pytest_twisted.ensureDeferred
 async def test_stream_is_forwarded_as_it_arrives(front: Front) -> None:
     front.mock.pieces, front.mock.piece_delay = ["a", "b", "c", "d"], 0.3
-    response = await post(front.url + "/v1/chat/completions",
-                          json.dumps({**CHAT, "stream": True}).encode(), unbuffered=True)
+    response = await post(
+        front.url + "/v1/chat/completions",
+        json.dumps({**CHAT, "stream": True}).encode(),
+        unbuffered=True,
+    )
     first = defer.Deferred()
     seen: list[bytes] = []
 
@@ -178,12 +221,16 @@ async def test_stream_is_forwarded_as_it_arrives(front: Front) -> None:
 
 @pytest.mark.parametrize("status", [400, 500, 503])
 @pytest_twisted.ensureDeferred
-async def test_upstream_error_status_passes_through_without_receipt(front: Front, status: int) -> None:
+async def test_upstream_error_status_passes_through_without_receipt(
+    front: Front, status: int
+) -> None:
     front.mock.error_status = status
     for stream in (False, True):
         response, raw, _ = await chat(front, {**CHAT, "stream": stream})
         assert response.code == status
-        assert json.loads(raw) == {"error": {"code": status, "message": "mock error", "type": "server_error"}}
+        assert json.loads(raw) == {
+            "error": {"code": status, "message": "mock error", "type": "server_error"}
+        }
 
 
 @pytest_twisted.ensureDeferred
@@ -200,11 +247,15 @@ async def test_body_declared_over_the_limit_is_refused_with_502(front: Front, mo
     front.mock.declared_length = 1025
     response, raw, _ = await chat(front, CHAT)
     assert response.code == 502
-    assert json.loads(raw)["error"]["message"] == "llama-server sent a body over 1024 bytes: refused"
+    assert (
+        json.loads(raw)["error"]["message"] == "llama-server sent a body over 1024 bytes: refused"
+    )
 
 
 @pytest_twisted.ensureDeferred
-async def test_sse_line_over_the_limit_is_refused_before_it_is_held(front: Front, monkeypatch) -> None:
+async def test_sse_line_over_the_limit_is_refused_before_it_is_held(
+    front: Front, monkeypatch
+) -> None:
     monkeypatch.setattr(gw, "MAX_UPSTREAM_BYTES", 1024)
     front.mock.long_line_bytes = 4096
     response, raw, _ = await chat(front, {**CHAT, "stream": True})
@@ -226,8 +277,11 @@ async def test_upstream_dying_mid_stream_ends_the_client_stream_with_an_error(fr
 @pytest_twisted.ensureDeferred
 async def test_client_going_away_closes_the_upstream_stream(front: Front) -> None:
     front.mock.pieces, front.mock.piece_delay = ["x"] * 50, 0.2
-    response = await post(front.url + "/v1/chat/completions",
-                          json.dumps({**CHAT, "stream": True}).encode(), unbuffered=True)
+    response = await post(
+        front.url + "/v1/chat/completions",
+        json.dumps({**CHAT, "stream": True}).encode(),
+        unbuffered=True,
+    )
 
     class Leave(Exception):
         pass
@@ -308,8 +362,10 @@ async def test_unreachable_engine_answers_503_with_retry_after(front: Front) -> 
 
 @pytest_twisted.ensureDeferred
 async def test_gets_are_passed_through(front: Front) -> None:
-    for path, want in (("/health", {"status": "ok"}),
-                       ("/props", {"model_path": str(front.model), "build_info": "b0-mock"})):
+    for path, want in (
+        ("/health", {"status": "ok"}),
+        ("/props", {"model_path": str(front.model), "build_info": "b0-mock"}),
+    ):
         response = await treq.get(front.url + path)
         assert (response.code, json.loads(await response.content())) == (200, want)
     models = json.loads(await (await treq.get(front.url + "/v1/models")).content())

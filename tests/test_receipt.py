@@ -17,8 +17,6 @@ class Clock:
         return self.now
 
 
-
-
 def test_receipt_fields_in_the_reference_order_and_hashes() -> None:
     clock = Clock()
     body = b'{"messages":[{"role":"user","content":"hi"}]}'
@@ -31,11 +29,26 @@ def test_receipt_fields_in_the_reference_order_and_hashes() -> None:
     t.set_counts(9, 3)
     clock.now = 101.0
     r = receipt(t, engine="llama-server b1", model_sha256="ab" * 32)
-    assert list(r) == ["bankml", "engine", "model_sha256", "guard", "prompt_tokens",
-                       "completion_tokens", "ttft_ms", "wall_ms", "response_sha256",
-                       "request_sha256", "signed"]
+    assert list(r) == [
+        "bankml",
+        "engine",
+        "model_sha256",
+        "guard",
+        "prompt_tokens",
+        "completion_tokens",
+        "ttft_ms",
+        "wall_ms",
+        "response_sha256",
+        "request_sha256",
+        "signed",
+    ]
     assert r["bankml"] == __version__ and r["engine"] == "llama-server b1" and r["guard"] == "play"
-    assert (r["prompt_tokens"], r["completion_tokens"], r["ttft_ms"], r["wall_ms"]) == (9, 3, 250, 1000)
+    assert (r["prompt_tokens"], r["completion_tokens"], r["ttft_ms"], r["wall_ms"]) == (
+        9,
+        3,
+        250,
+        1000,
+    )
     assert r["response_sha256"] == sha("Héllo, wörld ✓".encode())
     assert r["request_sha256"] == sha(body)
     assert r["signed"] is False
@@ -55,8 +68,10 @@ def test_logprobs_hash_is_of_the_compact_json_of_the_entries() -> None:
     t.add_logprobs([{"token": "é", "logprob": -0.5, "bytes": [195, 169], "top_logprobs": []}])
     t.add_logprobs([{"token": "!", "logprob": -1.25, "bytes": [33], "top_logprobs": []}])
     r = receipt(t, engine="llama-server", model_sha256="0" * 64)
-    text = ('[{"token":"é","logprob":-0.5,"bytes":[195,169],"top_logprobs":[]},'
-            '{"token":"!","logprob":-1.25,"bytes":[33],"top_logprobs":[]}]')
+    text = (
+        '[{"token":"é","logprob":-0.5,"bytes":[195,169],"top_logprobs":[]},'
+        '{"token":"!","logprob":-1.25,"bytes":[33],"top_logprobs":[]}]'
+    )
     assert canonical_logprobs(t.logprobs) == text.encode()
     assert r["logprobs_sha256"] == sha(text.encode())
     assert list(r)[-2:] == ["logprobs_sha256", "signed"]

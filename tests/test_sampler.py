@@ -13,8 +13,15 @@ import numpy as np
 import pytest
 
 from bankml.engine_cupy import sampler as S
-from bankml.engine_cupy.sampler import (Candidates, MT19937, SamplerError, SamplerParams, Sampler, DryPenalty,
-                                        PenaltyWindow)
+from bankml.engine_cupy.sampler import (
+    MT19937,
+    Candidates,
+    DryPenalty,
+    PenaltyWindow,
+    Sampler,
+    SamplerError,
+    SamplerParams,
+)
 
 
 def candidates(probs: list[float]) -> Candidates:
@@ -61,7 +68,10 @@ def test_single_candidate_still_consumes_the_draw() -> None:
     S.sample_dist(Candidates.from_logits(np.zeros(1, np.float32)), single)
     S.sample_dist(Candidates.from_logits(np.zeros(2, np.float32)), control)
     for _ in range(4):
-        a, b = Candidates.from_logits(np.zeros(256, np.float32)), Candidates.from_logits(np.zeros(256, np.float32))
+        a, b = (
+            Candidates.from_logits(np.zeros(256, np.float32)),
+            Candidates.from_logits(np.zeros(256, np.float32)),
+        )
         S.sample_dist(a, single)
         S.sample_dist(b, control)
         assert a.selected == b.selected
@@ -97,55 +107,79 @@ def test_dynamic_temperature_uses_entropy() -> None:
     assert c.p[0] > 0.97
 
 
-@pytest.mark.parametrize("k,want", [(1, [1.0]), (3, [0.44444, 0.33333, 0.22222]), (4, [0.4, 0.3, 0.2, 0.1]),
-                                    (0, P4)])
+@pytest.mark.parametrize(
+    "k,want", [(1, [1.0]), (3, [0.44444, 0.33333, 0.22222]), (4, [0.4, 0.3, 0.2, 0.1]), (0, P4)]
+)
 def test_top_k(k: int, want: list[float]) -> None:
     c = candidates(P4)
     S.apply_top_k(c, k)
     assert_probs(dist_probs(c), want)
 
 
-@pytest.mark.parametrize("p,want", [(0.0, [1.0]), (0.7, [0.571429, 0.428571]), (0.8, [0.44444, 0.33333, 0.22222]),
-                                    (1.0, P4)])
+@pytest.mark.parametrize(
+    "p,want",
+    [(0.0, [1.0]), (0.7, [0.571429, 0.428571]), (0.8, [0.44444, 0.33333, 0.22222]), (1.0, P4)],
+)
 def test_top_p(p: float, want: list[float]) -> None:
     c = candidates(P4)
     S.apply_top_p(c, p, 0)
     assert_probs(dist_probs(c), want)
 
 
-@pytest.mark.parametrize("p,want", [
-    (0.00, P4), (0.24, P4), (0.26, [0.2 / 0.9, 0.3 / 0.9, 0.4 / 0.9]), (0.49, [0.2 / 0.9, 0.3 / 0.9, 0.4 / 0.9]),
-    (0.51, [0.3 / 0.7, 0.4 / 0.7]), (0.74, [0.3 / 0.7, 0.4 / 0.7]), (0.76, [1.0]), (1.00, [1.0]), (1.05, [1.0])])
+@pytest.mark.parametrize(
+    "p,want",
+    [
+        (0.00, P4),
+        (0.24, P4),
+        (0.26, [0.2 / 0.9, 0.3 / 0.9, 0.4 / 0.9]),
+        (0.49, [0.2 / 0.9, 0.3 / 0.9, 0.4 / 0.9]),
+        (0.51, [0.3 / 0.7, 0.4 / 0.7]),
+        (0.74, [0.3 / 0.7, 0.4 / 0.7]),
+        (0.76, [1.0]),
+        (1.00, [1.0]),
+        (1.05, [1.0]),
+    ],
+)
 def test_min_p(p: float, want: list[float]) -> None:
     c = candidates(P4)
     S.apply_min_p(c, p, 0)
     assert_probs(dist_probs(c), want)
 
 
-@pytest.mark.parametrize("t,want", [(0.09, [0.1]), (0.19, [0.2, 0.1]), (0.29, [0.3, 0.2, 0.1]),
-                                    (0.39, [0.4, 0.3, 0.2, 0.1])])
+@pytest.mark.parametrize(
+    "t,want",
+    [(0.09, [0.1]), (0.19, [0.2, 0.1]), (0.29, [0.3, 0.2, 0.1]), (0.39, [0.4, 0.3, 0.2, 0.1])],
+)
 def test_xtc(t: float, want: list[float]) -> None:
     c = candidates([0.4, 0.3, 0.2, 0.1])
     S.apply_xtc(c, 0.99, t, 0, MT19937(0))
     assert_probs([float(x) for x in c.p], want)
 
 
-@pytest.mark.parametrize("probs,p,want", [([0.97, 0.01, 0.01, 0.01], 0.5, [0.97]),
-                                          ([0.4, 0.2, 0.2, 0.2], 0.5, [0.2, 0.2, 0.2])])
+@pytest.mark.parametrize(
+    "probs,p,want",
+    [([0.97, 0.01, 0.01, 0.01], 0.5, [0.97]), ([0.4, 0.2, 0.2, 0.2], 0.5, [0.2, 0.2, 0.2])],
+)
 def test_typical(probs: list[float], p: float, want: list[float]) -> None:
     c = candidates(probs)
     S.apply_typical(c, p, 0)
     assert_probs([float(x) for x in c.p], want)
 
 
-@pytest.mark.parametrize("last,want,rp,freq,present", [
-    ([0], [0, 0.25, 0.25, 0.25, 0.25], 50.0, 0.0, 0.0),
-    ([0, 1, 2], [0, 0, 0, 0.5, 0.5], 50.0, 0.0, 0.0),
-    ([0, 1, 2, 0, 0], [0, 0, 0, 0.5, 0.5], 50.0, 0.0, 0.0),
-    ([0], [0.000011, 0.249997, 0.249997, 0.249997, 0.249997], 1.0, 5.0, 5.0),
-    ([0, 1, 2], [0.000023, 0.000023, 0.000023, 0.499966, 0.499966], 1.0, 5.0, 5.0),
-    ([0, 1, 2, 0, 0], [0.0, 0.000023, 0.000023, 0.499977, 0.499977], 1.0, 5.0, 5.0)])
-def test_penalties(last: list[int], want: list[float], rp: float, freq: float, present: float) -> None:
+@pytest.mark.parametrize(
+    "last,want,rp,freq,present",
+    [
+        ([0], [0, 0.25, 0.25, 0.25, 0.25], 50.0, 0.0, 0.0),
+        ([0, 1, 2], [0, 0, 0, 0.5, 0.5], 50.0, 0.0, 0.0),
+        ([0, 1, 2, 0, 0], [0, 0, 0, 0.5, 0.5], 50.0, 0.0, 0.0),
+        ([0], [0.000011, 0.249997, 0.249997, 0.249997, 0.249997], 1.0, 5.0, 5.0),
+        ([0, 1, 2], [0.000023, 0.000023, 0.000023, 0.499966, 0.499966], 1.0, 5.0, 5.0),
+        ([0, 1, 2, 0, 0], [0.0, 0.000023, 0.000023, 0.499977, 0.499977], 1.0, 5.0, 5.0),
+    ],
+)
+def test_penalties(
+    last: list[int], want: list[float], rp: float, freq: float, present: float
+) -> None:
     window = PenaltyWindow(len(last))
     for t in last:
         window.accept(t)
@@ -161,15 +195,38 @@ def test_penalty_window_forgets_old_tokens() -> None:
     assert dict(window.counts) == {6: 1, 7: 1}
 
 
-@pytest.mark.parametrize("probs,last,want,mult,base,allowed,last_n,breakers", [
-    ([0.25] * 4, [0, 1], [0.25] * 4, 1.0, 1.1, 2, 4, []),
-    ([0.25] * 4, [0, 1, 2, 0, 1], [0.296923, 0.296923, 0.109232, 0.296923], 1.0, 1.1, 2, 5, []),
-    ([0.2] * 5, [0, 1, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 2, 6, [[3]]),
-    ([0.2] * 5, [0, 1, 2, 0, 1], [0.241818, 0.241818, 0.032727, 0.241818, 0.241818], 2.0, 1.1, 2, 5, []),
-    ([0.2] * 5, [0, 1, 2, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 4, 7, [])])
-def test_dry(probs: list[float], last: list[int], want: list[float], mult: float, base: float, allowed: int,
-             last_n: int, breakers: list[list[int]]) -> None:
-    params = SamplerParams(dry_multiplier=mult, dry_base=base, dry_allowed_length=allowed, dry_penalty_last_n=last_n)
+@pytest.mark.parametrize(
+    "probs,last,want,mult,base,allowed,last_n,breakers",
+    [
+        ([0.25] * 4, [0, 1], [0.25] * 4, 1.0, 1.1, 2, 4, []),
+        ([0.25] * 4, [0, 1, 2, 0, 1], [0.296923, 0.296923, 0.109232, 0.296923], 1.0, 1.1, 2, 5, []),
+        ([0.2] * 5, [0, 1, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 2, 6, [[3]]),
+        (
+            [0.2] * 5,
+            [0, 1, 2, 0, 1],
+            [0.241818, 0.241818, 0.032727, 0.241818, 0.241818],
+            2.0,
+            1.1,
+            2,
+            5,
+            [],
+        ),
+        ([0.2] * 5, [0, 1, 2, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 4, 7, []),
+    ],
+)
+def test_dry(
+    probs: list[float],
+    last: list[int],
+    want: list[float],
+    mult: float,
+    base: float,
+    allowed: int,
+    last_n: int,
+    breakers: list[list[int]],
+) -> None:
+    params = SamplerParams(
+        dry_multiplier=mult, dry_base=base, dry_allowed_length=allowed, dry_penalty_last_n=last_n
+    )
     table: dict[int, list[tuple[int, ...]]] = {}
     for seq in breakers:
         table.setdefault(seq[0], []).append(tuple(seq[1:]))
@@ -218,7 +275,11 @@ def test_sampler_queue_top_k_then_top_p_then_min_p() -> None:
 
 def test_mirostat_v2_updates_mu_and_keeps_one_candidate_at_least() -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05])).astype(np.float32)
-    s = Sampler(SamplerParams(mirostat=2, mirostat_tau=0.1, mirostat_eta=0.5, temperature=1.0, seed=3), None, 4)
+    s = Sampler(
+        SamplerParams(mirostat=2, mirostat_tau=0.1, mirostat_eta=0.5, temperature=1.0, seed=3),
+        None,
+        4,
+    )
     # mu = 2 tau = 0.2 bits: every surprise is above it, so one token is kept, renormalized to p = 1
     # (surprise 0): mu moves to 0.2 - 0.5 * (0 - 0.1)
     assert s.sample(logits) == 0
@@ -241,7 +302,9 @@ def test_seeded_chain_is_reproducible_and_seed_dependent() -> None:
     logits = (np.random.RandomState(0).randn(5000) * 2).astype(np.float32)
     runs = {}
     for seed in (1, 1, 2):
-        s = Sampler(SamplerParams(seed=seed, temperature=1.5, top_k=100, top_p=0.99, min_p=0.0), None, 5000)
+        s = Sampler(
+            SamplerParams(seed=seed, temperature=1.5, top_k=100, top_p=0.99, min_p=0.0), None, 5000
+        )
         runs.setdefault(seed, []).append([s.sample(logits) for _ in range(40)])
     assert runs[1][0] == runs[1][1]
     assert runs[1][0] != runs[2][0]
@@ -275,36 +338,77 @@ def test_token_logprobs_from_raw_logits() -> None:
 def test_defaults_are_llama_cpp_defaults() -> None:
     p = SamplerParams.from_request({})
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_last_n, p.seed) == (
-        pytest.approx(0.8), 40, pytest.approx(0.95), pytest.approx(0.05), 64, 0xFFFFFFFF)
-    assert p.dry_sequence_breakers == ("\n", ":", "\"", "*")
+        pytest.approx(0.8),
+        40,
+        pytest.approx(0.95),
+        pytest.approx(0.05),
+        64,
+        0xFFFFFFFF,
+    )
+    assert p.dry_sequence_breakers == ("\n", ":", '"', "*")
     assert p.samplers == S.DEFAULT_ORDER
 
 
 def test_clamps_and_conversions() -> None:
-    p = SamplerParams.from_request({"temperature": -1, "top_p": 1.5, "min_p": -0.2, "xtc_threshold": 2,
-                                    "dry_base": 0.5, "seed": -1, "top_k": 2.9, "samplers": "kt"})
+    p = SamplerParams.from_request(
+        {
+            "temperature": -1,
+            "top_p": 1.5,
+            "min_p": -0.2,
+            "xtc_threshold": 2,
+            "dry_base": 0.5,
+            "seed": -1,
+            "top_k": 2.9,
+            "samplers": "kt",
+        }
+    )
     assert p.temperature == 0.0 and p.top_p == 1.0 and p.min_p == 0.0 and p.xtc_threshold == 1.0
     assert p.dry_base == pytest.approx(1.75) and p.seed == 0xFFFFFFFF and p.top_k == 2
     assert p.samplers == ("top_k", "temperature")
-    assert SamplerParams.from_request({"samplers": ["Top-K", "nucleus", "bogus", "temp"]}).samplers == (
-        "top_k", "top_p", "temperature")
+    assert SamplerParams.from_request(
+        {"samplers": ["Top-K", "nucleus", "bogus", "temp"]}
+    ).samplers == ("top_k", "top_p", "temperature")
 
 
 def test_null_means_default() -> None:
-    assert SamplerParams.from_request({"top_k": None, "dry_sequence_breakers": None}) == SamplerParams()
+    assert (
+        SamplerParams.from_request({"top_k": None, "dry_sequence_breakers": None})
+        == SamplerParams()
+    )
 
 
-@pytest.mark.parametrize("body,message", [
-    ({"repeat_last_n": -1}, "Field 'repeat_last_n': Value must be between 0 <= value <= 2147483647, but got -1"),
-    ({"dry_allowed_length": -3}, "Field 'dry_allowed_length': Value must be between 0 <= value <= 2147483647, "
-                                 "but got -3"),
-    ({"repeat_penalty": 0}, "Failed to initialize samplers: penalty_repeat must be finite and greater than 0"),
-    ({"dry_sequence_breakers": "\n"}, "Field 'dry_sequence_breakers': Error: dry_sequence_breakers must be a "
-                                      "non-empty array of strings"),
-    ({"dry_sequence_breakers": []}, "Field 'dry_sequence_breakers': Error: dry_sequence_breakers must be a "
-                                    "non-empty array of strings"),
-    ({"top_k": "40"}, "Field 'top_k': [json.exception.type_error.302] type must be number, but is string"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (
+            {"repeat_last_n": -1},
+            "Field 'repeat_last_n': Value must be between 0 <= value <= 2147483647, but got -1",
+        ),
+        (
+            {"dry_allowed_length": -3},
+            "Field 'dry_allowed_length': Value must be between 0 <= value <= 2147483647, "
+            "but got -3",
+        ),
+        (
+            {"repeat_penalty": 0},
+            "Failed to initialize samplers: penalty_repeat must be finite and greater than 0",
+        ),
+        (
+            {"dry_sequence_breakers": "\n"},
+            "Field 'dry_sequence_breakers': Error: dry_sequence_breakers must be a "
+            "non-empty array of strings",
+        ),
+        (
+            {"dry_sequence_breakers": []},
+            "Field 'dry_sequence_breakers': Error: dry_sequence_breakers must be a "
+            "non-empty array of strings",
+        ),
+        (
+            {"top_k": "40"},
+            "Field 'top_k': [json.exception.type_error.302] type must be number, but is string",
+        ),
+    ],
+)
 def test_refusals(body: dict, message: str) -> None:
     with pytest.raises(SamplerError) as err:
         SamplerParams.from_request(body)
@@ -312,5 +416,7 @@ def test_refusals(body: dict, message: str) -> None:
 
 
 def test_gguf_sampling_defaults() -> None:
-    p = SamplerParams.from_gguf_metadata({"general.sampling.temp": 0.5, "general.sampling.top_k": 20})
+    p = SamplerParams.from_gguf_metadata(
+        {"general.sampling.temp": 0.5, "general.sampling.top_k": 20}
+    )
     assert p.temperature == 0.5 and p.top_k == 20 and p.top_p == pytest.approx(0.95)

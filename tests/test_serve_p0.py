@@ -20,8 +20,16 @@ import pytest
 
 from bankml import gateway as gw
 from tests import support
-from tests.bankml_process import (BIN, BankmlProcess, chat_body, check_streamed_receipt,
-                                  check_whole_receipt, copy_and_pin, process_gone, sse_events)
+from tests.bankml_process import (
+    BIN,
+    BankmlProcess,
+    chat_body,
+    check_streamed_receipt,
+    check_whole_receipt,
+    copy_and_pin,
+    process_gone,
+    sse_events,
+)
 
 pytestmark = pytest.mark.llama_server
 
@@ -32,7 +40,9 @@ def model_copy(tmp_path_factory: pytest.TempPathFactory, default_model: Path) ->
 
 
 @pytest.fixture(scope="module")
-def spawned(model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory):
+def spawned(
+    model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
+):
     """One `bankml serve --spawn` on the copy, shared by the tests that only ask it questions."""
     model, fork = model_copy
     log = tmp_path_factory.mktemp("log") / "spawned.log"
@@ -42,12 +52,17 @@ def spawned(model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path_fact
 
 
 @pytest.fixture(scope="module")
-def upstream(reference_server: support.LlamaServer, default_model: Path, default_fork: Path,
-             tmp_path_factory: pytest.TempPathFactory):
+def upstream(
+    reference_server: support.LlamaServer,
+    default_model: Path,
+    default_fork: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+):
     """One `bankml serve --upstream` in front of the shared reference llama-server."""
     log = tmp_path_factory.mktemp("log") / "upstream.log"
-    with BankmlProcess(default_model, default_fork, ["--upstream", f"127.0.0.1:{reference_server.port}"],
-                       log) as bankml:
+    with BankmlProcess(
+        default_model, default_fork, ["--upstream", f"127.0.0.1:{reference_server.port}"], log
+    ) as bankml:
         yield bankml
 
 
@@ -75,8 +90,9 @@ def test_upstream_answers_carry_receipts(upstream: BankmlProcess, stream: bool) 
     check(raw, body, support.DEFAULT_SHA256)
 
 
-def test_usage_in_upstream_mode_finds_the_engine_by_its_port(upstream: BankmlProcess,
-                                                             reference_server: support.LlamaServer) -> None:
+def test_usage_in_upstream_mode_finds_the_engine_by_its_port(
+    upstream: BankmlProcess, reference_server: support.LlamaServer
+) -> None:
     processes = {p["name"]: p for p in upstream.get("/bankml/usage")[1]["processes"]}
     assert processes["llama-server"]["pid"] == reference_server.proc.pid
     assert processes["bankml serve"]["pid"] == upstream.proc.pid
@@ -86,14 +102,19 @@ def test_streamed_and_whole_answers_hash_the_same_text(upstream: BankmlProcess) 
     """At temperature 0 the same request gives the same text streamed or not: so the same hash."""
     whole = json.loads(upstream.post(chat_body(False, max_tokens=16))[1])["bankml_receipt"]
     streamed = sse_events(upstream.post(chat_body(True, max_tokens=16))[1])
-    receipt = json.loads(streamed[-2][len(b"data: "):])["bankml_receipt"]
+    receipt = json.loads(streamed[-2][len(b"data: ") :])["bankml_receipt"]
     assert receipt["response_sha256"] == whole["response_sha256"]
 
 
-def test_bankml_endpoints_in_spawn_mode(spawned: BankmlProcess, model_copy: tuple[Path, Path]) -> None:
+def test_bankml_endpoints_in_spawn_mode(
+    spawned: BankmlProcess, model_copy: tuple[Path, Path]
+) -> None:
     status, info, _ = spawned.get("/bankml")
     assert status == 200 and info["mode"] == "spawn" and info["engine"]["state"] == "ready"
-    assert info["model"] == os.path.realpath(model_copy[0]) and info["model_sha256"] == support.DEFAULT_SHA256
+    assert (
+        info["model"] == os.path.realpath(model_copy[0])
+        and info["model_sha256"] == support.DEFAULT_SHA256
+    )
     assert psutil.Process(info["engine"]["pid"]).is_running()
     props = spawned.get("/props")[1]
     assert os.path.realpath(props["model_path"]) == info["model"]
@@ -101,7 +122,10 @@ def test_bankml_endpoints_in_spawn_mode(spawned: BankmlProcess, model_copy: tupl
     assert spawned.get("/v1/models")[1]["data"][0]["id"]
     usage = spawned.get("/bankml/usage")[1]
     names = {p["name"]: p for p in usage["processes"]}
-    assert names["llama-server"]["pid"] == info["engine"]["pid"] and names["llama-server"]["rss_bytes"] > 0
+    assert (
+        names["llama-server"]["pid"] == info["engine"]["pid"]
+        and names["llama-server"]["rss_bytes"] > 0
+    )
     assert names["bankml serve"]["pid"] == spawned.proc.pid
     assert spawned.get("/bankml/metrics")[1]["records"] == []
 
@@ -110,40 +134,60 @@ def test_bankml_endpoints_in_spawn_mode(spawned: BankmlProcess, model_copy: tupl
 
 
 def test_upstream_serving_another_file_is_refused_at_start(
-        reference_server: support.LlamaServer, default_model: Path, tmp_path: Path) -> None:
+    reference_server: support.LlamaServer, default_model: Path, tmp_path: Path
+) -> None:
     copy, fork = copy_and_pin(default_model, tmp_path)  # the same bytes, but another file
-    bankml = BankmlProcess(copy, fork, ["--upstream", f"127.0.0.1:{reference_server.port}"],
-                           tmp_path / "log").launch()
+    bankml = BankmlProcess(
+        copy, fork, ["--upstream", f"127.0.0.1:{reference_server.port}"], tmp_path / "log"
+    ).launch()
     assert bankml.wait_exit() == 2
     out = bankml.output()
-    assert f"refuse: upstream 127.0.0.1:{reference_server.port} serves {default_model}, not the verified {copy}: refused" in out
+    assert (
+        f"refuse: upstream 127.0.0.1:{reference_server.port} serves {default_model}, not the verified {copy}: refused"
+        in out
+    )
 
 
-def test_an_unpinned_file_is_refused_before_anything_listens(default_model: Path, tmp_path: Path) -> None:
+def test_an_unpinned_file_is_refused_before_anything_listens(
+    default_model: Path, tmp_path: Path
+) -> None:
     fork = tmp_path / "FORK.json"
-    fork.write_text(json.dumps({"files": [{"path": default_model.name, "bytes": 1, "sha256": "0" * 64}]}))
-    bankml = BankmlProcess(default_model, fork, ["--upstream", "127.0.0.1:9"], tmp_path / "log").launch()
+    fork.write_text(
+        json.dumps({"files": [{"path": default_model.name, "bytes": 1, "sha256": "0" * 64}]})
+    )
+    bankml = BankmlProcess(
+        default_model, fork, ["--upstream", "127.0.0.1:9"], tmp_path / "log"
+    ).launch()
     assert bankml.wait_exit() == 2
     assert "refuse: " in bankml.output() and "!= pinned" in bankml.output()
     with pytest.raises(OSError):
         bankml.get("/bankml")
 
 
-def test_an_upstream_that_never_answers_is_refused_after_10_s(default_model: Path, default_fork: Path,
-                                                               tmp_path: Path) -> None:
+def test_an_upstream_that_never_answers_is_refused_after_10_s(
+    default_model: Path, default_fork: Path, tmp_path: Path
+) -> None:
     port = support.free_port()
-    bankml = BankmlProcess(default_model, default_fork, ["--upstream", f"127.0.0.1:{port}"],
-                           tmp_path / "log").launch()
+    bankml = BankmlProcess(
+        default_model, default_fork, ["--upstream", f"127.0.0.1:{port}"], tmp_path / "log"
+    ).launch()
     assert bankml.wait_exit() == 2
     assert f"refuse: upstream 127.0.0.1:{port} not healthy within 10 s" in bankml.output()
 
 
 def test_spawn_refuses_an_address_already_answering(
-        reference_server: support.LlamaServer, default_model: Path, default_fork: Path,
-        llama_server_bin: Path, tmp_path: Path) -> None:
-    bankml = BankmlProcess(default_model, default_fork, ["--spawn", str(llama_server_bin), "--upstream",
-                                                         f"127.0.0.1:{reference_server.port}"],
-                           tmp_path / "log").launch()
+    reference_server: support.LlamaServer,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path: Path,
+) -> None:
+    bankml = BankmlProcess(
+        default_model,
+        default_fork,
+        ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{reference_server.port}"],
+        tmp_path / "log",
+    ).launch()
     assert bankml.wait_exit() == 2
     assert "something already answers" in bankml.output()
 
@@ -151,8 +195,9 @@ def test_spawn_refuses_an_address_already_answering(
 # --- the file replaced, the engine killed, bankml stopped ------------------------------------------
 
 
-def test_model_file_replaced_answers_503_until_restored(spawned: BankmlProcess,
-                                                        model_copy: tuple[Path, Path]) -> None:
+def test_model_file_replaced_answers_503_until_restored(
+    spawned: BankmlProcess, model_copy: tuple[Path, Path]
+) -> None:
     model = model_copy[0]
     original = model.with_name("original-inode.gguf")
     os.link(model, original)  # keeps the verified inode to put back afterwards
@@ -173,9 +218,12 @@ def test_model_file_replaced_answers_503_until_restored(spawned: BankmlProcess,
 def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(spawned: BankmlProcess) -> None:
     first_pid = spawned.engine_pid()
     conn = spawned.connection()
-    conn.request("POST", "/v1/chat/completions",
-                 body=chat_body(True, content="Count from one to one hundred.", max_tokens=400),
-                 headers={"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=chat_body(True, content="Count from one to one hundred.", max_tokens=400),
+        headers={"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     first = resp.readline()
@@ -184,8 +232,9 @@ def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(spawned: BankmlPro
     rest = resp.read()  # ends: neither hangs nor resets
     conn.close()
     events = sse_events(first + rest)
-    assert json.loads(events[-1][len(b"data: "):])["error"]["message"].startswith(
-        "llama-server ended the stream before [DONE]")
+    assert json.loads(events[-1][len(b"data: ") :])["error"]["message"].startswith(
+        "llama-server ended the stream before [DONE]"
+    )
     assert b"bankml_receipt" not in rest and b"data: [DONE]" not in rest
     # meanwhile: 503 with Retry-After (the restart waits 1 s, verifies the file, loads the model)
     status, body, headers = spawned.get("/health")
@@ -203,10 +252,18 @@ def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(spawned: BankmlPro
     check_whole_receipt(raw, body, support.DEFAULT_SHA256)
 
 
-@pytest.mark.parametrize("launcher,sig", [("serve", signal.SIGTERM), ("serve", signal.SIGINT),
-                                          ("twistd", signal.SIGHUP), ("twistd", signal.SIGTERM)])
+@pytest.mark.parametrize(
+    "launcher,sig",
+    [
+        ("serve", signal.SIGTERM),
+        ("serve", signal.SIGINT),
+        ("twistd", signal.SIGHUP),
+        ("twistd", signal.SIGTERM),
+    ],
+)
 def test_a_signal_stops_bankml_and_leaves_no_llama_server(
-        model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path, launcher: str, sig: int) -> None:
+    model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path, launcher: str, sig: int
+) -> None:
     model, fork = model_copy
     engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{support.free_port()}"]
     bankml = BankmlProcess(model, fork, engine, tmp_path / "log", launcher=launcher).start()
@@ -219,29 +276,49 @@ def test_a_signal_stops_bankml_and_leaves_no_llama_server(
 
 
 def test_sigterm_while_the_engine_is_starting_leaves_no_llama_server(
-        model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path) -> None:
+    model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path
+) -> None:
     model, fork = model_copy
     port = support.free_port()
-    bankml = BankmlProcess(model, fork, ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{port}"],
-                           tmp_path / "log").launch()
+    bankml = BankmlProcess(
+        model,
+        fork,
+        ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{port}"],
+        tmp_path / "log",
+    ).launch()
     deadline = time.monotonic() + 60
     while "engine starting: launched" not in bankml.output():
         assert time.monotonic() < deadline and bankml.proc.poll() is None, bankml.output()
         time.sleep(0.02)
-    engines = [p for p in psutil.Process(bankml.proc.pid).children() if str(port) in " ".join(p.cmdline())]
+    engines = [
+        p for p in psutil.Process(bankml.proc.pid).children() if str(port) in " ".join(p.cmdline())
+    ]
     assert len(engines) == 1
     assert bankml.stop(signal.SIGTERM) == 128 + signal.SIGTERM, bankml.output()
     assert process_gone(engines[0].pid, 1) and "refuse:" not in bankml.output()
 
 
-def test_twistd_daemon_starts_and_stops_with_its_pidfile(model_copy: tuple[Path, Path],
-                                                         llama_server_bin: Path, tmp_path: Path) -> None:
+def test_twistd_daemon_starts_and_stops_with_its_pidfile(
+    model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path
+) -> None:
     model, fork = model_copy
     pidfile, logfile, port = tmp_path / "bankml.pid", tmp_path / "bankml.log", support.free_port()
-    bankml = BankmlProcess(model, fork, ["--spawn", str(llama_server_bin), "--upstream",
-                                         f"127.0.0.1:{support.free_port()}"], tmp_path / "out", port=port)
-    cmd = [str(BIN / "twistd"), "--pidfile", str(pidfile), "--logfile", str(logfile), "bankml",
-           *bankml.command()[2:]]
+    bankml = BankmlProcess(
+        model,
+        fork,
+        ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{support.free_port()}"],
+        tmp_path / "out",
+        port=port,
+    )
+    cmd = [
+        str(BIN / "twistd"),
+        "--pidfile",
+        str(pidfile),
+        "--logfile",
+        str(logfile),
+        "bankml",
+        *bankml.command()[2:],
+    ]
     assert subprocess.run(cmd, cwd=support.ROOT, timeout=60).returncode == 0  # the parent returns
     deadline = time.monotonic() + 120
     while True:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from bankml.engine_cupy import checkpoints as ck
 from bankml.engine_cupy.chat_template import CHATML_TEMPLATE, ChatTemplate
@@ -28,12 +29,31 @@ from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.tokenizer import Tokenizer
 from tests import support
 from tests.tiny_models import TinySpec, write_tiny_model
-from gguf import GGMLQuantizationType as T
 
 N_CTX = 2048  # support.LlamaServer's -c
 N_PREDICT = 12
-WORDS = ("apple river stone cloud quick brown lazy garden window paper music silver forest ocean "
-         "bright candle story winter summer yellow").split()
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "quick",
+    "brown",
+    "lazy",
+    "garden",
+    "window",
+    "paper",
+    "music",
+    "silver",
+    "forest",
+    "ocean",
+    "bright",
+    "candle",
+    "story",
+    "winter",
+    "summer",
+    "yellow",
+]
 
 
 def words(n: int, seed: int) -> str:
@@ -43,7 +63,9 @@ def words(n: int, seed: int) -> str:
 @pytest.fixture(scope="module")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
     spec = TinySpec("gemma3", T.F32, n_layer=4)  # window 8, no chat template: ChatML
-    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "gemma3-swa.gguf", spec, default_model)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("ckpt") / "gemma3-swa.gguf", spec, default_model
+    )
 
 
 # --- the rules, without llama-server ---------------------------------------------------------
@@ -57,8 +79,14 @@ def test_role_markers_as_the_template_analysis_finds_them(default_model: Path) -
     # message against one user message keeps it in the marker, as llama-server's does
     smollm = ChatTemplate.from_gguf(default_model)
     assert ck.user_start_marker(smollm.render).endswith("<|im_end|>\n<|im_start|>user")
-    assert ck._segments("a<b>c[d]e<f") == [(False, "a"), (True, "<b>"), (False, "c"), (True, "[d]"),
-                                          (False, "e"), (False, "<f")]
+    assert ck._segments("a<b>c[d]e<f") == [
+        (False, "a"),
+        (True, "<b>"),
+        (False, "c"),
+        (True, "[d]"),
+        (False, "e"),
+        (False, "<f"),
+    ]
 
 
 def test_spans_take_the_first_matching_delimiter() -> None:
@@ -66,7 +94,9 @@ def test_spans_take_the_first_matching_delimiter() -> None:
     spans = ck.find_spans([9, 1, 5, 3, 1, 7, 4, 1, 5, 6], delims)
     assert spans.user_starts == frozenset({1, 7}) and spans.last_user == 7
     assert ck.find_spans([1, 5], []).user_starts == frozenset()
-    assert ck.find_spans([1, 5], [("user", [])]).user_starts == frozenset({0, 1})  # std::equal of nothing
+    assert ck.find_spans([1, 5], [("user", [])]).user_starts == frozenset(
+        {0, 1}
+    )  # std::equal of nothing
 
 
 def first_prompt_plan(n: int, spans: ck.MessageSpans) -> tuple[list[int], list[int]]:
@@ -133,36 +163,65 @@ def array_cache_n(engine: Engine, kind: str, body: dict[str, Any]) -> tuple[int,
 
 
 def chat_turn(server: support.LlamaServer, engine: Engine, messages: list[dict]) -> dict[str, Any]:
-    body = {"messages": messages, "max_tokens": N_PREDICT, "temperature": 0, "logprobs": True,
-            "top_logprobs": 10}
+    body = {
+        "messages": messages,
+        "max_tokens": N_PREDICT,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 10,
+    }
     status, theirs = support.http_json(server.url + "/v1/chat/completions", dict(body))
     assert status == 200, theirs
     steps = engine.run_steps(engine.parse_request(dict(body), "chat"))
     chunks = list(steps)
     their_entries = theirs["choices"][0]["logprobs"]["content"]
-    worst = max((_gap({e["token"]: e["logprob"] for e in mine.entry["top_logprobs"]},
-                      {e["token"]: e["logprob"] for e in their["top_logprobs"]})
-                 for mine, their in zip(chunks, their_entries)), default=0.0)
+    worst = max(
+        (
+            _gap(
+                {e["token"]: e["logprob"] for e in mine.entry["top_logprobs"]},
+                {e["token"]: e["logprob"] for e in their["top_logprobs"]},
+            )
+            for mine, their in zip(chunks, their_entries)
+        ),
+        default=0.0,
+    )
     answer = theirs["choices"][0]["message"]["content"]
-    return {"ours": _counts(steps.summary.timings), "theirs": _counts(theirs["timings"]),
-            "same": "".join(c.text for c in chunks) == answer, "worst": worst, "answer": answer,
-            "request": ("chat", copy.deepcopy(body))}  # the caller extends its message list
+    return {
+        "ours": _counts(steps.summary.timings),
+        "theirs": _counts(theirs["timings"]),
+        "same": "".join(c.text for c in chunks) == answer,
+        "worst": worst,
+        "answer": answer,
+        "request": ("chat", copy.deepcopy(body)),
+    }  # the caller extends its message list
 
 
-def completion_turn(server: support.LlamaServer, engine: Engine, prompt: list[int] | str,
-                    **extra: Any) -> dict[str, Any]:
+def completion_turn(
+    server: support.LlamaServer, engine: Engine, prompt: list[int] | str, **extra: Any
+) -> dict[str, Any]:
     body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0, "n_probs": 10, **extra}
     status, theirs = support.http_json(server.url + "/completion", dict(body, return_tokens=True))
     assert status == 200, theirs
     steps = engine.run_steps(engine.parse_request(dict(body), "completion"))
     chunks = list(steps)
-    worst = max((_gap({e["id"]: e["logprob"] for e in mine.entry["top_logprobs"]},
-                      {e["id"]: e["logprob"] for e in their["top_logprobs"]})
-                 for mine, their in zip(chunks, theirs["completion_probabilities"])), default=0.0)
+    worst = max(
+        (
+            _gap(
+                {e["id"]: e["logprob"] for e in mine.entry["top_logprobs"]},
+                {e["id"]: e["logprob"] for e in their["top_logprobs"]},
+            )
+            for mine, their in zip(chunks, theirs["completion_probabilities"])
+        ),
+        default=0.0,
+    )
     ours = [c.token for c in chunks]
-    return {"ours": _counts(steps.summary.timings), "theirs": _counts(theirs["timings"]),
-            "same": ours == theirs["tokens"][:len(ours)] and len(ours) >= len(theirs["tokens"]) - 1,
-            "worst": worst, "request": ("completion", body)}
+    return {
+        "ours": _counts(steps.summary.timings),
+        "theirs": _counts(theirs["timings"]),
+        "same": ours == theirs["tokens"][: len(ours)] and len(ours) >= len(theirs["tokens"]) - 1,
+        "worst": worst,
+        "request": ("completion", body),
+    }
 
 
 def _counts(timings: dict[str, Any]) -> tuple[int, int]:
@@ -175,8 +234,9 @@ def _gap(ours: dict, theirs: dict) -> float:
 
 @pytest.mark.llama_server
 @pytest.mark.slow
-def test_chats_and_prompts_past_the_window_as_llama_server(tiny_gemma3: Path,
-                                                           llama_server_bin: Path) -> None:
+def test_chats_and_prompts_past_the_window_as_llama_server(
+    tiny_gemma3: Path, llama_server_bin: Path
+) -> None:
     engine = Engine.open(tiny_gemma3, n_ctx=N_CTX, device="cpu")
     system = {"role": "system", "content": "You are a tiny test model."}
     first = {"role": "user", "content": words(850, 1)}
@@ -184,7 +244,10 @@ def test_chats_and_prompts_past_the_window_as_llama_server(tiny_gemma3: Path,
     with support.LlamaServer(tiny_gemma3, binary=llama_server_bin) as server:
         chat = [system, first]
         results["chat 1"] = r = chat_turn(server, engine, chat)
-        chat += [{"role": "assistant", "content": r["answer"]}, {"role": "user", "content": words(30, 2)}]
+        chat += [
+            {"role": "assistant", "content": r["answer"]},
+            {"role": "user", "content": words(30, 2)},
+        ]
         results["chat 2: next turn"] = r2 = chat_turn(server, engine, chat)
         # the first user message edited: its window is gone from the SWA cache, so the
         # checkpoint at its start is restored (cache_n 11 of 12 shared tokens)
@@ -192,26 +255,37 @@ def test_chats_and_prompts_past_the_window_as_llama_server(tiny_gemma3: Path,
         results["chat 3: first message edited"] = chat_turn(server, engine, edited)
         # back to the first conversation: the host prompt cache brings it back with its
         # checkpoints, holding only the window; one of them is restored
-        chat += [{"role": "assistant", "content": r2["answer"]}, {"role": "user", "content": words(20, 3)}]
+        chat += [
+            {"role": "assistant", "content": r2["answer"]},
+            {"role": "user", "content": words(20, 3)},
+        ]
         results["chat 4: back to the first chat"] = chat_turn(server, engine, chat)
         ids = [int(t) for t in numpy.random.default_rng(7).integers(300, 40000, size=900)]
         other = [int(t) for t in numpy.random.default_rng(8).integers(300, 40000, size=900)]
         results["completion 900 tokens"] = completion_turn(server, engine, ids)
         # diverging 40 tokens before the end: the SWA cache holds that prefix's window
-        results["completion sharing 850 tokens"] = completion_turn(server, engine, ids[:850] + other[:40])
+        results["completion sharing 850 tokens"] = completion_turn(
+            server, engine, ids[:850] + other[:40]
+        )
         # diverging before the oldest position the SWA cache holds, with no checkpoint that
         # early: evaluated again from 0
-        results["completion sharing 60 tokens"] = completion_turn(server, engine, ids[:60] + other[:800])
+        results["completion sharing 60 tokens"] = completion_turn(
+            server, engine, ids[:60] + other[:800]
+        )
         # a /completion body naming its message delimiters: the batches end at those user
         # starts, and an edit in the second user message restores the checkpoint there
         delims = [{"role": "user", "delimiter": "<|im_start|>user"}]
         second = words(600, 6)
-        text = (f"<|im_start|>user\n{words(300, 5)}<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"
-                f"<|im_start|>user\n{second}<|im_end|>\n<|im_start|>assistant\n")
+        text = (
+            f"<|im_start|>user\n{words(300, 5)}<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"
+            f"<|im_start|>user\n{second}<|im_end|>\n<|im_start|>assistant\n"
+        )
         results["completion with message_delimiters"] = completion_turn(
-            server, engine, text, message_delimiters=delims)
+            server, engine, text, message_delimiters=delims
+        )
         results["the same, second user message edited"] = completion_turn(
-            server, engine, text.replace(second, "edited " + second), message_delimiters=delims)
+            server, engine, text.replace(second, "edited " + second), message_delimiters=delims
+        )
     assert_as_llama_server(results)
     # the array path (CuPy's; its answers are close, not the same bits) reuses as much
     array = array_path_engine(tiny_gemma3)
@@ -229,9 +303,13 @@ def assert_as_llama_server(results: dict[str, dict[str, Any]]) -> None:
     """Every turn: the same cache_n/prompt_n, the same answer, logprobs within 1e-5 (printed)."""
     print()
     for name, r in results.items():
-        print(f"{name}: cache_n/prompt_n ours {r['ours']}, llama-server {r['theirs']}; answer "
-              f"{'same' if r['same'] else 'DIFFERENT'}; largest top-10 logprob difference {r['worst']:.3e}")
-    assert {name: r["ours"] for name, r in results.items()} == {name: r["theirs"] for name, r in results.items()}
+        print(
+            f"{name}: cache_n/prompt_n ours {r['ours']}, llama-server {r['theirs']}; answer "
+            f"{'same' if r['same'] else 'DIFFERENT'}; largest top-10 logprob difference {r['worst']:.3e}"
+        )
+    assert {name: r["ours"] for name, r in results.items()} == {
+        name: r["theirs"] for name, r in results.items()
+    }
     assert all(r["same"] for r in results.values())
     assert max(r["worst"] for r in results.values()) <= 1e-5
 
@@ -244,17 +322,31 @@ def test_a_gemma_template_as_llama_server(tiny_gemma3: Path, llama_server_bin: P
     user-message starts, which the cache_n of an edited first message shows (the checkpoint at
     the first user message's start is restored)."""
     # the build script keeps llama.cpp's source beside its bin/
-    source = llama_server_bin.parent.parent / "src" / "llama.cpp" / "models" / "templates" / "google-gemma-2-2b-it.jinja"
+    source = (
+        llama_server_bin.parent.parent
+        / "src"
+        / "llama.cpp"
+        / "models"
+        / "templates"
+        / "google-gemma-2-2b-it.jinja"
+    )
     if not source.exists():
-        pytest.skip(f"{source} is not there (llama-server not built by scripts/build-llama-server.sh)")
+        pytest.skip(
+            f"{source} is not there (llama-server not built by scripts/build-llama-server.sh)"
+        )
     engine = Engine.open(tiny_gemma3, n_ctx=N_CTX, device="cpu")
     engine.template = dataclasses.replace(engine.template, source=source.read_text())
     first = {"role": "user", "content": words(850, 4)}
     results = {}
-    with support.LlamaServer(tiny_gemma3, binary=llama_server_bin,
-                             args=["--chat-template-file", str(source)]) as server:
+    with support.LlamaServer(
+        tiny_gemma3, binary=llama_server_bin, args=["--chat-template-file", str(source)]
+    ) as server:
         results["gemma chat 1"] = r = chat_turn(server, engine, [first])
-        chat = [first, {"role": "assistant", "content": r["answer"]}, {"role": "user", "content": words(30, 5)}]
+        chat = [
+            first,
+            {"role": "assistant", "content": r["answer"]},
+            {"role": "user", "content": words(30, 5)},
+        ]
         results["gemma chat 2"] = chat_turn(server, engine, chat)
         edited = [{"role": "user", "content": "edited " + first["content"]}] + chat[1:]
         results["gemma chat 3: first message edited"] = chat_turn(server, engine, edited)

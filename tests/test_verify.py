@@ -52,14 +52,20 @@ def test_default_model_verifies(default_model: Path, default_fork: Path) -> None
 
 
 def test_sha256_file_matches_sha256sum(default_model: Path) -> None:
-    theirs = subprocess.run(["sha256sum", str(default_model)], capture_output=True, text=True, check=True)
+    theirs = subprocess.run(
+        ["sha256sum", str(default_model)], capture_output=True, text=True, check=True
+    )
     assert sha256_file(default_model) == theirs.stdout.split()[0] == support.DEFAULT_SHA256
 
 
-def test_default_model_through_a_symlink_is_pinned_by_the_link_name(default_model: Path, tmp_path: Path) -> None:
+def test_default_model_through_a_symlink_is_pinned_by_the_link_name(
+    default_model: Path, tmp_path: Path
+) -> None:
     link = tmp_path / "alias.gguf"
     link.symlink_to(default_model)
-    fork = write_fork(tmp_path / "f.json", [{"path": "alias.gguf", "sha256": support.DEFAULT_SHA256.upper()}])
+    fork = write_fork(
+        tmp_path / "f.json", [{"path": "alias.gguf", "sha256": support.DEFAULT_SHA256.upper()}]
+    )
     verified = verify(link, fork)
     assert verified.path == os.path.realpath(default_model)  # the engine is given the real file
     assert verified.sha256 == support.DEFAULT_SHA256
@@ -69,14 +75,19 @@ def test_default_model_mis_pinned(default_model: Path, tmp_path: Path) -> None:
     wrong = "0" * 64
     fork = write_fork(tmp_path / "f.json", [{"path": default_model.name, "sha256": wrong}])
     refused = refusal(default_model, fork)
-    assert refused.reason == f"{default_model.name} sha256 {support.DEFAULT_SHA256} != pinned {wrong}: refused"
+    assert (
+        refused.reason
+        == f"{default_model.name} sha256 {support.DEFAULT_SHA256} != pinned {wrong}: refused"
+    )
     assert refused.exit_code == 2
 
 
 # -- sha256_file ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, verify_module.HASH_BLOCK_BYTES, verify_module.HASH_BLOCK_BYTES + 3])
+@pytest.mark.parametrize(
+    "size", [0, 1, verify_module.HASH_BLOCK_BYTES, verify_module.HASH_BLOCK_BYTES + 3]
+)
 def test_sha256_file_sizes(tmp_path: Path, size: int) -> None:
     data = os.urandom(size)
     path = tmp_path / "blob"
@@ -108,25 +119,42 @@ def fork_text(*files: dict, **extra) -> str:
 
 
 def test_pinned_sha256_finds_the_basename_and_ignores_provenance() -> None:
-    text = fork_text({"sha256": SHA_A.upper(), "bytes": 5, "path": "m.gguf"}, {"path": "other", "sha256": SHA_B},
-                     inputs=[{"path": "m.gguf", "sha256": SHA_B}], kind="convert")
+    text = fork_text(
+        {"sha256": SHA_A.upper(), "bytes": 5, "path": "m.gguf"},
+        {"path": "other", "sha256": SHA_B},
+        inputs=[{"path": "m.gguf", "sha256": SHA_B}],
+        kind="convert",
+    )
     assert pinned_sha256(text, "m.gguf") == SHA_A
 
 
 def test_pinned_sha256_unpinned_cases() -> None:
     assert pinned_sha256(fork_text({"path": "other.gguf", "sha256": SHA_A}), "m.gguf") is None
-    assert pinned_sha256(fork_text({"path": "models/m.gguf", "sha256": SHA_A}), "m.gguf") is None  # a directory
-    assert pinned_sha256(json.dumps({"inputs": [{"path": "m.gguf", "sha256": SHA_A}]}), "m.gguf") is None
+    assert (
+        pinned_sha256(fork_text({"path": "models/m.gguf", "sha256": SHA_A}), "m.gguf") is None
+    )  # a directory
+    assert (
+        pinned_sha256(json.dumps({"inputs": [{"path": "m.gguf", "sha256": SHA_A}]}), "m.gguf")
+        is None
+    )
     assert pinned_sha256(json.dumps({"files": "m.gguf"}), "m.gguf") is None
     assert pinned_sha256(json.dumps(["m.gguf"]), "m.gguf") is None
 
 
 def test_pinned_sha256_same_pin_twice_is_fine_two_pins_are_ambiguous() -> None:
-    same = fork_text({"path": "m.gguf", "sha256": SHA_A}, {"path": "m.gguf", "sha256": SHA_A.upper()})
+    same = fork_text(
+        {"path": "m.gguf", "sha256": SHA_A}, {"path": "m.gguf", "sha256": SHA_A.upper()}
+    )
     assert pinned_sha256(same, "m.gguf") == SHA_A
     with pytest.raises(Refused) as caught:
-        pinned_sha256(fork_text({"path": "m.gguf", "sha256": SHA_A}, {"path": "m.gguf", "sha256": SHA_B}), "m.gguf")
-    assert caught.value.reason == "m.gguf has 2 different sha256 records in FORK.json: ambiguous, refused"
+        pinned_sha256(
+            fork_text({"path": "m.gguf", "sha256": SHA_A}, {"path": "m.gguf", "sha256": SHA_B}),
+            "m.gguf",
+        )
+    assert (
+        caught.value.reason
+        == "m.gguf has 2 different sha256 records in FORK.json: ambiguous, refused"
+    )
     assert caught.value.exit_code == 2
 
 
@@ -134,7 +162,10 @@ def test_pinned_sha256_same_pin_twice_is_fine_two_pins_are_ambiguous() -> None:
 def test_pinned_sha256_malformed_pin(sha) -> None:
     with pytest.raises(Refused) as caught:
         pinned_sha256(fork_text({"path": "m.gguf", "sha256": sha}), "m.gguf")
-    assert caught.value.reason == f"m.gguf has a malformed sha256 record in FORK.json ({sha!r}): refused"
+    assert (
+        caught.value.reason
+        == f"m.gguf has a malformed sha256 record in FORK.json ({sha!r}): refused"
+    )
 
 
 @pytest.mark.parametrize("text", ["", "{", "not json", "[" * 100_000])
@@ -161,7 +192,10 @@ def test_unpinned(tmp_path: Path) -> None:
     model = small_model(tmp_path)
     fork = write_fork(tmp_path / "f.json", [{"path": "models/m.gguf", "sha256": SHA_A}])
     refused = refusal(model, fork)
-    assert (refused.reason, refused.exit_code) == ("m.gguf has no sha256 record in FORK.json: unpinned, refused", 2)
+    assert (refused.reason, refused.exit_code) == (
+        "m.gguf has no sha256 record in FORK.json: unpinned, refused",
+        2,
+    )
 
 
 def test_fork_not_json(tmp_path: Path) -> None:
@@ -205,7 +239,8 @@ def test_guard_reasons_are_joined(tmp_path: Path) -> None:
     assert refused.reason == (
         "guard refused: 1 duplicate tensor names: 'w'; "
         "1 tensors whose data offset is not a multiple of general.alignment (32): 'w'; "
-        "1 tensors whose data overlaps the next tensor's: 'w'")
+        "1 tensors whose data overlaps the next tensor's: 'w'"
+    )
 
 
 def test_truncated_model(default_model: Path, tmp_path: Path) -> None:
@@ -213,7 +248,9 @@ def test_truncated_model(default_model: Path, tmp_path: Path) -> None:
     with open(default_model, "rb") as f:
         model.write_bytes(f.read(100_000))
     refused = refusal(model, Path(support.DEFAULT_FORK))
-    assert refused.reason.startswith("guard needs ") and refused.reason.endswith(" header bytes: file truncated")
+    assert refused.reason.startswith("guard needs ") and refused.reason.endswith(
+        " header bytes: file truncated"
+    )
     assert int(refused.reason.split()[2]) > 100_000
     assert refused.exit_code == 3
 
@@ -223,7 +260,9 @@ def test_prism_engine_is_passed_to_the_guard(tmp_path: Path) -> None:
     model.write_bytes(build(LLAMA_KVS, [tensor("p", [256], 142, 0)], data_size=64))
     fork = tmp_path / "f.json"
     pin(model, fork)
-    assert refusal(model, fork).reason.startswith("guard refused: PQ2_0/PTQ1_0 are PrismML-fork types")
+    assert refusal(model, fork).reason.startswith(
+        "guard refused: PQ2_0/PTQ1_0 are PrismML-fork types"
+    )
     assert verify(model, fork, engine="prism").guard.engine == "prism"
 
 
@@ -241,12 +280,22 @@ def test_file_changed_while_hashed(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(verify_module, "sha256_file", hash_then_rewrite)
     refused = refusal(model, fork)
-    assert (refused.reason, refused.exit_code) == ("m.gguf changed while it was being hashed: refused", 2)
+    assert (refused.reason, refused.exit_code) == (
+        "m.gguf changed while it was being hashed: refused",
+        2,
+    )
 
 
-@pytest.mark.parametrize("reason, code", [("cannot read x: y", 1), ("cannot hash x: y", 1),
-                                          ("guard needs 9 header bytes: file truncated", 3),
-                                          ("guard refused: not a GGUF file", 2), ("x sha256 a != pinned b: refused", 2)])
+@pytest.mark.parametrize(
+    "reason, code",
+    [
+        ("cannot read x: y", 1),
+        ("cannot hash x: y", 1),
+        ("guard needs 9 header bytes: file truncated", 3),
+        ("guard refused: not a GGUF file", 2),
+        ("x sha256 a != pinned b: refused", 2),
+    ],
+)
 def test_refused_exit_codes(reason: str, code: int) -> None:
     assert Refused(reason).exit_code == code and str(Refused(reason)) == reason
 
@@ -258,21 +307,33 @@ def test_pin_creates_the_fork(tmp_path: Path) -> None:
     model = small_model(tmp_path)
     fork = tmp_path / "new.FORK.json"
     sha = pin(model, fork)
-    assert json.loads(fork.read_text()) == {"files": [{"path": "m.gguf", "bytes": model.stat().st_size, "sha256": sha}]}
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".FORK.")] == []  # no temp file left
+    assert json.loads(fork.read_text()) == {
+        "files": [{"path": "m.gguf", "bytes": model.stat().st_size, "sha256": sha}]
+    }
+    assert [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(".FORK.")
+    ] == []  # no temp file left
 
 
 def test_pin_updates_keeping_provenance_and_other_entries(tmp_path: Path) -> None:
     model = small_model(tmp_path)
-    fork = write_fork(tmp_path / "f.json",
-                      [{"path": "other.gguf", "sha256": SHA_A}, {"path": "m.gguf", "sha256": SHA_B, "note": "keep"},
-                       {"path": "m.gguf", "sha256": SHA_A}],
-                      kind="the test's", source="here")
+    fork = write_fork(
+        tmp_path / "f.json",
+        [
+            {"path": "other.gguf", "sha256": SHA_A},
+            {"path": "m.gguf", "sha256": SHA_B, "note": "keep"},
+            {"path": "m.gguf", "sha256": SHA_A},
+        ],
+        kind="the test's",
+        source="here",
+    )
     sha = pin(model, fork)
     doc = json.loads(fork.read_text())
     assert doc["kind"] == "the test's" and doc["source"] == "here"
-    assert doc["files"] == [{"path": "other.gguf", "sha256": SHA_A},
-                            {"path": "m.gguf", "sha256": sha, "note": "keep", "bytes": model.stat().st_size}]
+    assert doc["files"] == [
+        {"path": "other.gguf", "sha256": SHA_A},
+        {"path": "m.gguf", "sha256": sha, "note": "keep", "bytes": model.stat().st_size},
+    ]
     assert verify(model, fork).sha256 == sha
 
 

@@ -15,8 +15,12 @@ from tests.test_guard import LLAMA_KVS, build, kv_u32, tensor
 
 
 def bankml_run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bankml", *map(str, args)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "bankml", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture()
@@ -28,7 +32,12 @@ def files(tmp_path: Path) -> dict[str, Path]:
     hostile.write_bytes(build(LLAMA_KVS + [kv_u32("general.alignment", 48)], n_tensors=2**40))
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(good.read_bytes()[:60])
-    return {"good": good, "hostile": hostile, "truncated": truncated, "fork": tmp_path / "FORK.json"}
+    return {
+        "good": good,
+        "hostile": hostile,
+        "truncated": truncated,
+        "fork": tmp_path / "FORK.json",
+    }
 
 
 # -- guard --------------------------------------------------------------------------------------
@@ -39,16 +48,27 @@ def test_guard_plays_the_default_model(default_model: Path) -> None:
     assert out.returncode == 0 and out.stdout == "play F32:61 Q4_1:210 Q8_0:1\n"
     out = bankml_run("guard", default_model, "--json")
     doc = json.loads(out.stdout)
-    assert (out.returncode, doc["verdict"], doc["arch"], doc["tensors"]) == (0, "play", "llama", 272)
+    assert (out.returncode, doc["verdict"], doc["arch"], doc["tensors"]) == (
+        0,
+        "play",
+        "llama",
+        272,
+    )
 
 
 def test_guard_refuse_need_more_unreadable(files: dict[str, Path]) -> None:
     out = bankml_run("guard", files["hostile"])
     assert out.returncode == 2
-    assert out.stdout == "refuse\n  - header claims 1099511627776 tensors, more than the 1048576 allowed\n"
+    assert (
+        out.stdout
+        == "refuse\n  - header claims 1099511627776 tensors, more than the 1048576 allowed\n"
+    )
     out = bankml_run("guard", files["truncated"], "--json")
     least = 24 + 2 * 13 + 1 * 24  # the smallest header holding its 2 keys and 1 tensor info
-    assert out.returncode == 3 and json.loads(out.stdout) == {"verdict": "need_more", "bytes_needed": least}
+    assert out.returncode == 3 and json.loads(out.stdout) == {
+        "verdict": "need_more",
+        "bytes_needed": least,
+    }
     missing = files["good"].parent / "missing.gguf"
     out = bankml_run("guard", missing)
     assert (out.returncode, out.stdout) == (1, "")
@@ -74,7 +94,9 @@ def test_guard_usage_errors_exit_1() -> None:
 
 def test_sha256_prints_like_sha256sum(files: dict[str, Path]) -> None:
     ours = bankml_run("sha256", files["good"])
-    theirs = subprocess.run(["sha256sum", str(files["good"])], capture_output=True, text=True, check=True)
+    theirs = subprocess.run(
+        ["sha256sum", str(files["good"])], capture_output=True, text=True, check=True
+    )
     assert ours.returncode == 0 and ours.stdout == theirs.stdout
     assert bankml_run("sha256", files["good"].parent / "missing").returncode == 1
 
@@ -93,7 +115,10 @@ def test_pin_refusal_exits_2(files: dict[str, Path]) -> None:
     assert out.returncode == 2 and out.stdout.startswith("refuse: FORK.json ")
     files["fork"].unlink()
     out = bankml_run("pin", files["good"].parent / "missing.gguf", "--fork", files["fork"])
-    assert (out.returncode, out.stdout) == (2, "refuse: cannot hash missing.gguf: No such file or directory\n")
+    assert (out.returncode, out.stdout) == (
+        2,
+        "refuse: cannot hash missing.gguf: No such file or directory\n",
+    )
     assert bankml_run("pin", files["good"]).returncode == 1  # --fork is required
 
 
@@ -106,27 +131,42 @@ def test_verify_default_model(default_model: Path, default_fork: Path) -> None:
     out = bankml_run("verify", default_model, "--fork", default_fork, "--json")
     assert out.returncode == 0
     assert list(json.loads(out.stdout).items()) == [
-        ("verdict", "play"), ("guard", "play"), ("engine", "mainline"), ("model_sha256", support.DEFAULT_SHA256),
-        ("bankml", bankml.__version__), ("arch", "llama"), ("name", json.loads(out.stdout)["name"]),
+        ("verdict", "play"),
+        ("guard", "play"),
+        ("engine", "mainline"),
+        ("model_sha256", support.DEFAULT_SHA256),
+        ("bankml", bankml.__version__),
+        ("arch", "llama"),
+        ("name", json.loads(out.stdout)["name"]),
         ("types", {"F32": 61, "Q4_1": 210, "Q8_0": 1}),
     ]
 
 
-def test_verify_refusals_and_exit_codes(files: dict[str, Path], default_model: Path, default_fork: Path) -> None:
+def test_verify_refusals_and_exit_codes(
+    files: dict[str, Path], default_model: Path, default_fork: Path
+) -> None:
     write = files["fork"].write_text
     write(json.dumps({"files": [{"path": "good.gguf", "sha256": "0" * 64}]}))
     out = bankml_run("verify", files["good"], "--fork", files["fork"])
     assert out.returncode == 2 and out.stdout.startswith("refuse: good.gguf sha256 ")
     assert out.stdout.endswith(f" != pinned {'0' * 64}: refused\n")
     out = bankml_run("verify", files["good"], "--fork", default_fork)  # pins another name
-    assert (out.returncode, out.stdout) == (2, "refuse: good.gguf has no sha256 record in FORK.json: unpinned, refused\n")
+    assert (out.returncode, out.stdout) == (
+        2,
+        "refuse: good.gguf has no sha256 record in FORK.json: unpinned, refused\n",
+    )
     out = bankml_run("verify", files["hostile"], "--fork", files["fork"], "--json")
     assert out.returncode == 2
     assert json.loads(out.stdout) == {
-        "verdict": "refuse", "reason": "guard refused: header claims 1099511627776 tensors, more than the 1048576 allowed",
-        "bankml": bankml.__version__}
+        "verdict": "refuse",
+        "reason": "guard refused: header claims 1099511627776 tensors, more than the 1048576 allowed",
+        "bankml": bankml.__version__,
+    }
     out = bankml_run("verify", files["truncated"], "--fork", files["fork"])
-    assert (out.returncode, out.stdout) == (3, "refuse: guard needs 74 header bytes: file truncated\n")
+    assert (out.returncode, out.stdout) == (
+        3,
+        "refuse: guard needs 74 header bytes: file truncated\n",
+    )
     out = bankml_run("verify", files["good"].parent / "gone.gguf", "--fork", files["fork"])
     assert out.returncode == 1 and out.stdout.startswith("refuse: cannot read ")
 

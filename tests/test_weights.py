@@ -14,8 +14,13 @@ from bankml.engine_cupy.model import Model, UnsupportedModel
 from tests.tiny_models import TinySpec, write_tiny_model
 
 
-def write_header_only(path: Path, arch: str, tensors: dict[str, numpy.ndarray],
-                      keys: dict[str, object] | None = None, raw: dict[str, T] | None = None) -> Path:
+def write_header_only(
+    path: Path,
+    arch: str,
+    tensors: dict[str, numpy.ndarray],
+    keys: dict[str, object] | None = None,
+    raw: dict[str, T] | None = None,
+) -> Path:
     """A small GGUF with the given architecture, tensors and extra keys (no vocabulary)."""
     w = GGUFWriter(str(path), arch)
     w.add_block_count(1)
@@ -44,9 +49,15 @@ def llama_tensors(extra: dict[str, numpy.ndarray] | None = None) -> dict[str, nu
     rng = numpy.random.default_rng(0)
     m = lambda r, c: rng.standard_normal((r, c)).astype(numpy.float32)  # noqa: E731
     t = {"token_embd.weight": m(100, 32), "output_norm.weight": numpy.ones(32, numpy.float32)}
-    for name, shape in (("attn_q", (32, 32)), ("attn_k", (32, 32)), ("attn_v", (32, 32)),
-                        ("attn_output", (32, 32)), ("ffn_gate", (64, 32)), ("ffn_up", (64, 32)),
-                        ("ffn_down", (32, 64))):
+    for name, shape in (
+        ("attn_q", (32, 32)),
+        ("attn_k", (32, 32)),
+        ("attn_v", (32, 32)),
+        ("attn_output", (32, 32)),
+        ("ffn_gate", (64, 32)),
+        ("ffn_up", (64, 32)),
+        ("ffn_down", (32, 64)),
+    ):
         t[f"blk.0.{name}.weight"] = m(*shape)
     t["blk.0.attn_norm.weight"] = numpy.ones(32, numpy.float32)
     t["blk.0.ffn_norm.weight"] = numpy.ones(32, numpy.float32)
@@ -61,8 +72,11 @@ def refusal(path: Path) -> str:
 
 
 def test_small_llama_loads(tmp_path: Path) -> None:
-    model = Model.load(write_header_only(tmp_path / "ok.gguf", "llama", llama_tensors()),
-                       device="cpu", progress=False)
+    model = Model.load(
+        write_header_only(tmp_path / "ok.gguf", "llama", llama_tensors()),
+        device="cpu",
+        progress=False,
+    )
     assert (model.arch, model.n_vocab, model.n_embd, model.n_layer) == ("llama", 100, 32, 1)
     assert model.hp.tied_output and model.hp.n_head_kv == 2 and model.hp.head_dim == 16
     logits = model.forward([1, 2, 3], model.new_cache(8))
@@ -71,7 +85,9 @@ def test_small_llama_loads(tmp_path: Path) -> None:
 
 def test_refuses_unknown_architecture(tmp_path: Path) -> None:
     path = write_header_only(tmp_path / "f.gguf", "falcon", llama_tensors())
-    assert refusal(path) == "architecture falcon: the forward pass plays llama, qwen2, qwen3, gemma3"
+    assert (
+        refusal(path) == "architecture falcon: the forward pass plays llama, qwen2, qwen3, gemma3"
+    )
 
 
 def test_refuses_unknown_tensor_naming_it(tmp_path: Path) -> None:
@@ -95,19 +111,24 @@ def test_qwen3_needs_its_qk_norms(tmp_path: Path) -> None:
 def test_refuses_type_gguf_cannot_dequantize(tmp_path: Path) -> None:
     extra = {"blk.0.ffn_up.weight": numpy.zeros((64, 32), numpy.int8)}  # an I8 tensor
     path = write_header_only(tmp_path / "i8.gguf", "llama", llama_tensors(extra))
-    assert refusal(path) == ("tensor blk.0.ffn_up.weight has type I8, which gguf.quants cannot "
-                             "dequantize: the forward pass refuses it")
+    assert refusal(path) == (
+        "tensor blk.0.ffn_up.weight has type I8, which gguf.quants cannot "
+        "dequantize: the forward pass refuses it"
+    )
 
 
 def test_refuses_yarn_scaling(tmp_path: Path) -> None:
-    path = write_header_only(tmp_path / "yarn.gguf", "llama", llama_tensors(),
-                             keys={"llama.rope.scaling.type": "yarn"})
+    path = write_header_only(
+        tmp_path / "yarn.gguf", "llama", llama_tensors(), keys={"llama.rope.scaling.type": "yarn"}
+    )
     assert "RoPE scaling 'yarn' on llama: not reproduced" in refusal(path)
 
 
-def test_refuses_from_the_header_before_reading_weights(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refuses_from_the_header_before_reading_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The decision reads no weight: dequantizing anything would fail this test."""
+
     def no_weight_reads(*args: object) -> None:
         raise AssertionError("a weight was read before the header was judged")
 
@@ -152,9 +173,10 @@ def test_q8_k_activation_keeps_the_signed_extreme() -> None:
 
 
 def test_f16_and_bf16_activation_rounding() -> None:
-    x = numpy.array([[1.0 + 2.0 ** -12, 3.14159265, -1e-3, 65504.0]], numpy.float32)
-    assert numpy.array_equal(weights.quantize_activation(numpy, x, "f16"),
-                             x.astype(numpy.float16).astype(numpy.float32))
+    x = numpy.array([[1.0 + 2.0**-12, 3.14159265, -1e-3, 65504.0]], numpy.float32)
+    assert numpy.array_equal(
+        weights.quantize_activation(numpy, x, "f16"), x.astype(numpy.float16).astype(numpy.float32)
+    )
     bf = weights.quantize_activation(numpy, x, "bf16")
     assert numpy.array_equal(bf, quants.dequantize(quants.quantize(x, T.BF16), T.BF16))
 
@@ -173,13 +195,21 @@ def test_backend_choice() -> None:
 
 def test_default_model_header(default_model: Path) -> None:
     hp = weights.read_hparams(weights.open_reader(default_model))
-    assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim) == \
-        ("llama", 30, 576, 9, 3, 64)
+    assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert hp.tied_output and hp.rope_base == 100000.0 and hp.n_vocab == 49152
 
 
 def test_gemma3_header_layers(tmp_path: Path, default_model: Path) -> None:
-    path = write_tiny_model(tmp_path / "g.gguf", TinySpec("gemma3", T.F16, n_layer=4), default_model)
+    path = write_tiny_model(
+        tmp_path / "g.gguf", TinySpec("gemma3", T.F16, n_layer=4), default_model
+    )
     hp = weights.read_hparams(weights.open_reader(path))
     assert hp.swa_layers == (True, False, True, False) and hp.swa_window == 8
     assert hp.embd_scale == 16.0 and hp.attn_scale == 1 / 8 and hp.rope_base_swa == 10000.0

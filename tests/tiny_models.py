@@ -29,7 +29,6 @@ from gguf import GGUFWriter, quants
 from bankml.engine_cupy.weights import dequantize, open_reader
 
 
-
 @dataclass(frozen=True)
 class TinySpec:
     arch: str
@@ -93,7 +92,9 @@ def _kquant_bytes(rng: numpy.random.Generator, rows: int, cols: int, qtype: T) -
     if qtype == T.Q4_K:  # d, dmin (f16) first, then 12 bytes of 6-bit scales/mins
         raw[:, 0:4] = numpy.array([1.0, 0.5], numpy.float16).view(numpy.uint8)
     elif qtype == T.Q6_K:  # int8 scales at 192..207, d (f16) last
-        raw[:, 192:208] = rng.integers(-16, 17, size=(nblk, 16)).astype(numpy.int8).view(numpy.uint8)
+        raw[:, 192:208] = (
+            rng.integers(-16, 17, size=(nblk, 16)).astype(numpy.int8).view(numpy.uint8)
+        )
         raw[:, 208:210] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
     elif qtype == T.Q3_K:  # hmask, qs, 12 bytes of 6-bit scales, d (f16) last
         raw[:, 108:110] = numpy.array([1.0], numpy.float16).view(numpy.uint8)
@@ -111,8 +112,13 @@ def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndar
     std = float(dequantize(raw, qtype).std())
     blocks = raw.reshape(-1, size)
     # the f16 d (and dmin) of each block
-    spots = {T.Q2_K: slice(80, 84), T.Q3_K: slice(108, 110), T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210),
-             **{q: slice(0, 2) for q in _D_FIRST}}[qtype]
+    spots = {
+        T.Q2_K: slice(80, 84),
+        T.Q3_K: slice(108, 110),
+        T.Q4_K: slice(0, 4),
+        T.Q6_K: slice(208, 210),
+        **{q: slice(0, 2) for q in _D_FIRST},
+    }[qtype]
     halves = blocks[:, spots].copy().view(numpy.float16).astype(numpy.float32)
     blocks[:, spots] = (halves * (target_std / std)).astype(numpy.float16).view(numpy.uint8)
     return raw
@@ -180,13 +186,13 @@ def write_tiny_model(path: Path, spec: TinySpec, vocab_model: Path, seed: int = 
         norm = lambda: 1.0 + 0.1 * rng.standard_normal(spec.n_embd)  # noqa: E731
         vector(p + "attn_norm.weight", norm())
         vector(p + "ffn_norm.weight", norm())
-        matrix(p + "attn_q.weight", nq, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
-        matrix(p + "attn_k.weight", nkv, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
-        matrix(p + "attn_v.weight", nkv, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
-        matrix(p + "attn_output.weight", spec.n_embd, nq, spec.wtype, nq ** -0.5)
-        matrix(p + "ffn_gate.weight", spec.n_ff, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
-        matrix(p + "ffn_up.weight", spec.n_ff, spec.n_embd, spec.wtype, spec.n_embd ** -0.5)
-        matrix(p + "ffn_down.weight", spec.n_embd, spec.n_ff, spec.wtype, spec.n_ff ** -0.5)
+        matrix(p + "attn_q.weight", nq, spec.n_embd, spec.wtype, spec.n_embd**-0.5)
+        matrix(p + "attn_k.weight", nkv, spec.n_embd, spec.wtype, spec.n_embd**-0.5)
+        matrix(p + "attn_v.weight", nkv, spec.n_embd, spec.wtype, spec.n_embd**-0.5)
+        matrix(p + "attn_output.weight", spec.n_embd, nq, spec.wtype, nq**-0.5)
+        matrix(p + "ffn_gate.weight", spec.n_ff, spec.n_embd, spec.wtype, spec.n_embd**-0.5)
+        matrix(p + "ffn_up.weight", spec.n_ff, spec.n_embd, spec.wtype, spec.n_embd**-0.5)
+        matrix(p + "ffn_down.weight", spec.n_embd, spec.n_ff, spec.wtype, spec.n_ff**-0.5)
         if spec.arch == "qwen2":
             for part, width in (("q", nq), ("k", nkv), ("v", nkv)):
                 vector(p + f"attn_{part}.bias", 0.1 * rng.standard_normal(width))

@@ -10,8 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Per-layer tensors every architecture has (Q/K/V may come fused as attn_qkv instead).
-BASE_LAYER_TENSORS = ("attn_norm.weight", "attn_output.weight", "ffn_norm.weight",
-                      "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+BASE_LAYER_TENSORS = (
+    "attn_norm.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
 SPLIT_QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 FUSED_QKV = ("attn_qkv.weight",)
 QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
@@ -36,26 +42,37 @@ class ArchSpec:
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(
-        name="llama", rope_neox=False,
+        name="llama",
+        rope_neox=False,
         optional_layer=QKV_BIASES + ("attn_output.bias",),
         # Llama 3.x RoPE scaling is stored by the converter as per-frequency divisors.
         optional_global=("rope_freqs.weight",),
     ),
     "qwen2": ArchSpec(
-        name="qwen2", rope_neox=True,
+        name="qwen2",
+        rope_neox=True,
         required_layer=QKV_BIASES,
         optional_global=("output.bias",),
     ),
     "qwen3": ArchSpec(
-        name="qwen3", rope_neox=True,
+        name="qwen3",
+        rope_neox=True,
         required_layer=("attn_q_norm.weight", "attn_k_norm.weight"),
         qk_norm=True,
     ),
     "gemma3": ArchSpec(
-        name="gemma3", rope_neox=True,
-        required_layer=("attn_q_norm.weight", "attn_k_norm.weight",
-                        "post_attention_norm.weight", "post_ffw_norm.weight"),
-        ffn_activation="gelu", qk_norm=True, post_norms=True, scale_embeddings=True,
+        name="gemma3",
+        rope_neox=True,
+        required_layer=(
+            "attn_q_norm.weight",
+            "attn_k_norm.weight",
+            "post_attention_norm.weight",
+            "post_ffw_norm.weight",
+        ),
+        ffn_activation="gelu",
+        qk_norm=True,
+        post_norms=True,
+        scale_embeddings=True,
         sliding_window=True,
     ),
 }

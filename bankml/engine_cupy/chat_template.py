@@ -26,8 +26,9 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jinja2
 from jinja2 import nodes
@@ -52,14 +53,20 @@ class TemplateError(ValueError):
 # llama.cpp's JSON writer (jinja value_to_json) and value printing
 # ---------------------------------------------------------------------------------------------
 
+
 def _json_float(value: float) -> str:
     if math.isnan(value) or math.isinf(value):
         return "null"
-    return f"{value:g}"          # std::ostream's default: 6 significant digits
+    return f"{value:g}"  # std::ostream's default: 6 significant digits
 
 
-def llama_json(value: Any, indent: int | None = None, item_sep: str | None = None, key_sep: str = ": ",
-               level: int = 0) -> str:
+def llama_json(
+    value: Any,
+    indent: int | None = None,
+    item_sep: str | None = None,
+    key_sep: str = ": ",
+    level: int = 0,
+) -> str:
     """JSON as llama.cpp's Jinja ``tojson`` writes it: key order kept, non-ASCII kept."""
     width = -1 if indent is None else indent
     sep = item_sep if item_sep is not None else (", " if width < 0 else ",")
@@ -79,8 +86,13 @@ def llama_json(value: Any, indent: int | None = None, item_sep: str | None = Non
     if isinstance(value, Mapping):
         if not value:
             return "{}"
-        items = [pad_inner + json.dumps(str(k), ensure_ascii=False) + key_sep
-                 + llama_json(v, indent, item_sep, key_sep, level + 1) for k, v in value.items()]
+        items = [
+            pad_inner
+            + json.dumps(str(k), ensure_ascii=False)
+            + key_sep
+            + llama_json(v, indent, item_sep, key_sep, level + 1)
+            for k, v in value.items()
+        ]
         return "{" + newline + (sep + newline).join(items) + newline + pad_outer + "}"
     if isinstance(value, (list, tuple)):
         if not value:
@@ -90,8 +102,13 @@ def llama_json(value: Any, indent: int | None = None, item_sep: str | None = Non
     return "null"
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Sequence[str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Sequence[str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     if sort_keys:
         raise TemplateError("tojson sort_keys=true not implemented")
     item_sep = separators[0] if separators else None
@@ -122,6 +139,7 @@ def _strftime_now(fmt: str) -> str:
 # Environment
 # ---------------------------------------------------------------------------------------------
 
+
 class _Environment(ImmutableSandboxedEnvironment):
     """The sandbox, refusing every underscore name, with llama.cpp's globals only."""
 
@@ -130,14 +148,29 @@ class _Environment(ImmutableSandboxedEnvironment):
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         # Jinja2 would hand back an Undefined that prints empty; a template doing this is refused.
-        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} is not allowed")
+        raise SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__!r} is not allowed"
+        )
 
 
-def _make_environment(env_class: type[ImmutableSandboxedEnvironment] = _Environment) -> ImmutableSandboxedEnvironment:
-    env = env_class(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False,
-                    undefined=jinja2.ChainableUndefined, finalize=_finalize, autoescape=False)
-    env.globals = {"raise_exception": _raise_exception, "strftime_now": _strftime_now,
-                   "namespace": env.globals["namespace"], "dict": dict, "range": range}
+def _make_environment(
+    env_class: type[ImmutableSandboxedEnvironment] = _Environment,
+) -> ImmutableSandboxedEnvironment:
+    env = env_class(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=False,
+        undefined=jinja2.ChainableUndefined,
+        finalize=_finalize,
+        autoescape=False,
+    )
+    env.globals = {
+        "raise_exception": _raise_exception,
+        "strftime_now": _strftime_now,
+        "namespace": env.globals["namespace"],
+        "dict": dict,
+        "range": range,
+    }
     env.filters["tojson"] = _tojson
     return env
 
@@ -149,15 +182,25 @@ def _refuse_internals(ast: nodes.Template) -> None:
         if isinstance(node, nodes.Getattr):
             name = node.attr
         elif isinstance(node, nodes.Getitem):
-            name = node.arg.value if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str) else ""
+            name = (
+                node.arg.value
+                if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str)
+                else ""
+            )
         elif isinstance(node, nodes.Filter):
             first = node.args[0] if node.name == "attr" and node.args else None
-            name = first.value if isinstance(first, nodes.Const) and isinstance(first.value, str) else ""
+            name = (
+                first.value
+                if isinstance(first, nodes.Const) and isinstance(first.value, str)
+                else ""
+            )
         else:
             name = node.name if node.name.startswith("__") else ""
         if name.startswith("_"):
-            raise TemplateError(f"chat template refused: it reaches for the Python internal {name!r} "
-                                f"(line {node.lineno})")
+            raise TemplateError(
+                f"chat template refused: it reaches for the Python internal {name!r} "
+                f"(line {node.lineno})"
+            )
 
 
 def compile_template(source: str) -> jinja2.Template:
@@ -167,12 +210,15 @@ def compile_template(source: str) -> jinja2.Template:
         _refuse_internals(env.parse(source))
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as err:
-        raise TemplateError(f"chat template syntax error on line {err.lineno}: {err.message}") from err
+        raise TemplateError(
+            f"chat template syntax error on line {err.lineno}: {err.message}"
+        ) from err
 
 
 # ---------------------------------------------------------------------------------------------
 # Capability probes (llama.cpp common/jinja/caps.cpp), judged from what the template reads
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Caps:
@@ -201,7 +247,7 @@ class _MarkerList(list):
 class _Probe(ImmutableSandboxedEnvironment):
     """Records which values the template reads: (id(container), key) and (id(value), op)."""
 
-    current: "_Probe"
+    current: _Probe
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -227,7 +273,10 @@ def _probe_render(template_source: str, variables: dict[str, Any]) -> tuple[_Pro
     assert isinstance(env, _Probe)
     probe = env
     string_test = env.tests["string"]
-    env.tests["string"] = lambda value: (probe.ops.add((id(value), "test_is_string")), string_test(value))[1]
+    env.tests["string"] = lambda value: (
+        probe.ops.add((id(value), "test_is_string")),
+        string_test(value),
+    )[1]
     selectattr = env.filters["selectattr"]
 
     def tracked_selectattr(*args: Any, **kwargs: Any) -> Any:
@@ -265,21 +314,35 @@ def detect_caps(source: str) -> Caps:
             caps.supports_typed_content = True
 
     system = {"role": "system", "content": "System message"}
-    probe, _, _ = _probe_render(source, {"messages": [system, {"role": "user", "content": "User message"}]})
+    probe, _, _ = _probe_render(
+        source, {"messages": [system, {"role": "user", "content": "User message"}]}
+    )
     caps.supports_system_role = _has(probe, system, "key:content")
 
     for arguments in ({"arg": "value"}, '{"arg": "value"}'):
-        call = {"id": "call00001", "type": "function", "function": {"name": "tool1", "arguments": arguments}}
+        call = {
+            "id": "call00001",
+            "type": "function",
+            "function": {"name": "tool1", "arguments": arguments},
+        }
         assistant = {"role": "assistant", "content": "", "tool_calls": [call]}
-        tool = {"name": "tool1", "description": "Tool description",
-                "parameters": {"type": "object", "properties": {"arg": {"type": "string",
-                                                                        "description": "Arg description"}},
-                               "required": ["arg"]}}
+        tool = {
+            "name": "tool1",
+            "description": "Tool description",
+            "parameters": {
+                "type": "object",
+                "properties": {"arg": {"type": "string", "description": "Arg description"}},
+                "required": ["arg"],
+            },
+        }
         tools = [{"name": "tool", "type": "function", "function": tool}]
-        messages = [{"role": "user", "content": "User message"}, assistant,
-                    {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
-                    {"role": "assistant", "content": "The tool response was 'tool response'"},
-                    {"role": "user", "content": "User message"}]
+        messages = [
+            {"role": "user", "content": "User message"},
+            assistant,
+            {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
+            {"role": "assistant", "content": "The tool response was 'tool response'"},
+            {"role": "user", "content": "User message"},
+        ]
         probe, ok, text = _probe_render(source, {"messages": messages, "tools": tools})
         if not ok:
             if isinstance(arguments, str):
@@ -325,17 +388,33 @@ def _markers(text: str) -> list[str]:
     return [p for p in pieces if p.strip()]
 
 
-def detect_reasoning(render: "Callable[[list[dict[str, Any]], bool, bool], str | None]", source: str) -> Reasoning:
+def detect_reasoning(
+    render: Callable[[list[dict[str, Any]], bool, bool], str | None], source: str
+) -> Reasoning:
     """Where the template puts reasoning: from an assistant turn rendered with and without
     ``reasoning_content``, then from ``enable_thinking`` true against false, and llama.cpp's
     fixed answers for the old Qwen/DeepSeek and Granite 3.3 templates."""
     found = Reasoning()
     user = {"role": "user", "content": _PROBE_USER}
     plain = render([user, {"role": "assistant", "content": _PROBE_ASSISTANT}], False, True)
-    with_thinking = render([user, {"role": "assistant", "content": _PROBE_ASSISTANT,
-                                   "reasoning_content": _PROBE_THINKING}], False, True)
-    if plain is not None and with_thinking is not None and _PROBE_THINKING in with_thinking \
-            and _PROBE_THINKING not in plain:
+    with_thinking = render(
+        [
+            user,
+            {
+                "role": "assistant",
+                "content": _PROBE_ASSISTANT,
+                "reasoning_content": _PROBE_THINKING,
+            },
+        ],
+        False,
+        True,
+    )
+    if (
+        plain is not None
+        and with_thinking is not None
+        and _PROBE_THINKING in with_thinking
+        and _PROBE_THINKING not in plain
+    ):
         thought = re.escape(_PROBE_THINKING)
         wrapped = re.search(f"({_MARKER}\\s*){thought}(\\s*{_MARKER}\\s*)", with_thinking)
         if wrapped:
@@ -348,10 +427,17 @@ def detect_reasoning(render: "Callable[[list[dict[str, Any]], bool, bool], str |
     on = render([user], True, True)
     if off is not None and on is not None and off != on:
         found = _thinking_switch(found, off, on)
-    if "content.split('</think>')" in source and "reasoning_content" not in source \
-            and "<SPECIAL_12>" not in source and not found.supported:
+    if (
+        "content.split('</think>')" in source
+        and "reasoning_content" not in source
+        and "<SPECIAL_12>" not in source
+        and not found.supported
+    ):
         found = Reasoning("<think>", "</think>")
-    if "Write your thoughts between <think></think> and write your response between <response></response>" in source:
+    if (
+        "Write your thoughts between <think></think> and write your response between <response></response>"
+        in source
+    ):
         found = Reasoning("<think>", "</think>")
     return found
 
@@ -360,7 +446,7 @@ def _thinking_switch(found: Reasoning, off: str, on: str) -> Reasoning:
     """compare_thinking_enabled: the text that enable_thinking adds or removes at the end."""
     prefix = len(os.path.commonprefix([off, on]))
     suffix = len(os.path.commonprefix([off[prefix:][::-1], on[prefix:][::-1]]))
-    left, right = off[prefix:len(off) - suffix], on[prefix:len(on) - suffix]
+    left, right = off[prefix : len(off) - suffix], on[prefix : len(on) - suffix]
     start, end = found.start, found.end
     if not left.strip() and right:
         if right.strip() and on.endswith(right.strip()) and not start:
@@ -368,7 +454,11 @@ def _thinking_switch(found: Reasoning, off: str, on: str) -> Reasoning:
     elif not right.strip() and left:
         if left.strip() and off.endswith(left.strip()) and not end:
             pieces = _markers(off)
-            if len(pieces) >= 2 and pieces[-1] == left.strip() and re.fullmatch(_MARKER, pieces[-2]):
+            if (
+                len(pieces) >= 2
+                and pieces[-1] == left.strip()
+                and re.fullmatch(_MARKER, pieces[-2])
+            ):
                 start = pieces[-2]
             end = left
     elif left.strip() and right.strip():
@@ -377,7 +467,7 @@ def _thinking_switch(found: Reasoning, off: str, on: str) -> Reasoning:
             at = extended.rfind(anchor)
             if at < 0 or at + len(anchor) >= len(extended):
                 continue
-            extra = _markers(extended[at + len(anchor):].strip())
+            extra = _markers(extended[at + len(anchor) :].strip())
             if len(extra) == 2 and all(re.fullmatch(_MARKER, piece) for piece in extra):
                 start, end = start or extra[0], end or extra[1]
                 break
@@ -387,6 +477,7 @@ def _thinking_switch(found: Reasoning, off: str, on: str) -> Reasoning:
 # ---------------------------------------------------------------------------------------------
 # Messages, as llama-server parses and normalises them
 # ---------------------------------------------------------------------------------------------
+
 
 def _dump(value: Any) -> str:
     """JSON as nlohmann's dump() writes it in llama-server's error messages."""
@@ -402,9 +493,13 @@ def _text(value: Any, what: str) -> str:
 def _parse_message(message: Any) -> dict[str, Any]:
     """common_chat_msgs_parse_oaicompat + common_chat_msg::to_json_oaicompat for one message."""
     if not isinstance(message, dict):
-        raise TemplateError(f"Failed to parse messages: Expected 'message' to be an object, got {_dump(message)}")
+        raise TemplateError(
+            f"Failed to parse messages: Expected 'message' to be an object, got {_dump(message)}"
+        )
     if "role" not in message:
-        raise TemplateError(f"Failed to parse messages: Missing 'role' in message: {_dump(message)}")
+        raise TemplateError(
+            f"Failed to parse messages: Missing 'role' in message: {_dump(message)}"
+        )
     role = _text(message["role"], "'role'")
     if role != "assistant" and "content" not in message:
         raise TemplateError("All non-assistant messages must contain 'content'")
@@ -416,17 +511,27 @@ def _parse_message(message: Any) -> dict[str, Any]:
         parts = []
         for part in content:
             if not isinstance(part, dict) or "type" not in part:
-                raise TemplateError(f"Failed to parse messages: Missing content part type: {_dump(part)}")
+                raise TemplateError(
+                    f"Failed to parse messages: Missing content part type: {_dump(part)}"
+                )
             if part["type"] not in ("text", "media_marker"):
-                raise TemplateError(f"Failed to parse messages: Unsupported content part type: "
-                                    f"{_dump(part['type'])}")
-            parts.append({"type": part["type"], "text": _text(part.get("text"), "a content part's text")})
+                raise TemplateError(
+                    f"Failed to parse messages: Unsupported content part type: "
+                    f"{_dump(part['type'])}"
+                )
+            parts.append(
+                {"type": part["type"], "text": _text(part.get("text"), "a content part's text")}
+            )
         out["content"] = parts if parts else ""
     elif content is None or isinstance(content, str):
         out["content"] = content or ""
     else:
         raise TemplateError("Expected 'content' to be a string or an array")
-    for key, name in (("reasoning_content", "reasoning_content"), ("name", "name"), ("tool_call_id", "tool_call_id")):
+    for key, name in (
+        ("reasoning_content", "reasoning_content"),
+        ("name", "name"),
+        ("tool_call_id", "tool_call_id"),
+    ):
         if message.get(key):
             out[name] = _text(message[key], f"'{key}'")
     calls = message.get("tool_calls")
@@ -446,9 +551,15 @@ def _parse_tool_call(call: Any) -> dict[str, Any]:
     if "name" not in function:
         raise TemplateError(f"Failed to parse messages: Missing tool call name: {_dump(call)}")
     arguments = function.get("arguments")
-    arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False,
-                                                                       separators=(",", ":"))
-    out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    arguments = (
+        arguments
+        if isinstance(arguments, str)
+        else json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+    )
+    out: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
     if call.get("id"):
         out["id"] = call["id"]
     return out
@@ -475,7 +586,9 @@ def _render_content(message: dict[str, Any]) -> str:
     return "".join(p["text"] for p in content if p["type"] == "text")
 
 
-def normalize_messages(messages: Any, caps: Caps, object_arguments: bool | None = None) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: Any, caps: Caps, object_arguments: bool | None = None
+) -> list[dict[str, Any]]:
     """llama-server's messages as the template sees them (without the trailing-prefill split)."""
     if not isinstance(messages, list):
         raise TemplateError("Expected 'messages' to be an array")
@@ -500,14 +613,19 @@ def normalize_messages(messages: Any, caps: Caps, object_arguments: bool | None 
                 try:
                     call["function"]["arguments"] = json.loads(call["function"]["arguments"])
                 except ValueError as err:
-                    raise TemplateError(f"Failed to parse tool call arguments as JSON: {err}") from err
+                    raise TemplateError(
+                        f"Failed to parse tool call arguments as JSON: {err}"
+                    ) from err
     return parsed
 
 
 def _normalize_tools(tools: Any) -> list[dict[str, Any]]:
     """common_chat_tools_parse_oaicompat + common_chat_tools_to_json_oaicompat."""
+
     def refuse(reason: str) -> TemplateError:
-        return TemplateError(f"Failed to parse tools: {reason}; tools = {json.dumps(tools, indent=2)}")
+        return TemplateError(
+            f"Failed to parse tools: {reason}; tools = {json.dumps(tools, indent=2)}"
+        )
 
     if not isinstance(tools, list):
         raise refuse(f"Expected 'tools' to be an array, got {_dump(tools)}")
@@ -520,15 +638,23 @@ def _normalize_tools(tools: Any) -> list[dict[str, Any]]:
         function = tool.get("function")
         if not isinstance(function, dict) or "name" not in function:
             raise refuse(f"Missing tool function: {_dump(tool)}")
-        out.append({"type": "function", "function": {
-            "name": function["name"], "description": function.get("description", ""),
-            "parameters": function.get("parameters", {})}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": function["name"],
+                    "description": function.get("description", ""),
+                    "parameters": function.get("parameters", {}),
+                },
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # The template
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ChatTemplate:
@@ -547,42 +673,75 @@ class ChatTemplate:
         self.caps = detect_caps(self.source)
         self.reasoning = detect_reasoning(self._probe, self.source)
 
-    def _probe(self, messages: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool) -> str | None:
+    def _probe(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool
+    ) -> str | None:
         try:
-            return self._apply(normalize_messages(messages, self.caps),
-                               {"bos_token": self.bos_token, "eos_token": self.eos_token,
-                                "enable_thinking": enable_thinking}, add_generation_prompt)
+            return self._apply(
+                normalize_messages(messages, self.caps),
+                {
+                    "bos_token": self.bos_token,
+                    "eos_token": self.eos_token,
+                    "enable_thinking": enable_thinking,
+                },
+                add_generation_prompt,
+            )
         except TemplateError:
             return None
 
     @classmethod
-    def from_gguf(cls, source: "str | os.PathLike[str] | object", tokenizer: Any = None) -> "ChatTemplate":
+    def from_gguf(
+        cls, source: str | os.PathLike[str] | object, tokenizer: Any = None
+    ) -> ChatTemplate:
         """The GGUF's ``tokenizer.chat_template`` (ChatML when it has none), with its BOS/EOS texts."""
         from bankml.engine_cupy.tokenizer import Tokenizer, _read_fields
 
-        values = _read_fields(source, ["tokenizer.chat_template", "tokenizer.chat_template.tool_use"])
-        text = values.get("tokenizer.chat_template") or values.get("tokenizer.chat_template.tool_use")
+        values = _read_fields(
+            source, ["tokenizer.chat_template", "tokenizer.chat_template.tool_use"]
+        )
+        text = values.get("tokenizer.chat_template") or values.get(
+            "tokenizer.chat_template.tool_use"
+        )
         if not text or text == "chatml":
             text = CHATML_TEMPLATE
         tok = tokenizer if tokenizer is not None else Tokenizer.from_gguf(source)
 
         def token_text(token_id: int | None) -> str:
-            return "" if token_id is None else tok.token_to_piece(token_id, True).decode("utf-8", "replace")
+            return (
+                ""
+                if token_id is None
+                else tok.token_to_piece(token_id, True).decode("utf-8", "replace")
+            )
 
-        return cls(source=str(text), bos_token=token_text(tok.bos_id), eos_token=token_text(tok.eos_id),
-                   add_bos=tok.add_bos, add_eos=tok.add_eos)
+        return cls(
+            source=str(text),
+            bos_token=token_text(tok.bos_id),
+            eos_token=token_text(tok.eos_id),
+            add_bos=tok.add_bos,
+            add_eos=tok.add_eos,
+        )
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None, **chat_template_kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **chat_template_kwargs: Any,
+    ) -> str:
         """The prompt llama-server's /apply-template returns for these messages."""
-        parsed = normalize_messages(list(messages) if isinstance(messages, tuple) else messages, self.caps)
+        parsed = normalize_messages(
+            list(messages) if isinstance(messages, tuple) else messages, self.caps
+        )
         tool_list = _normalize_tools(list(tools)) if tools else None
         # llama-server turns thinking on by default where the template has a reasoning block
         enable_thinking = chat_template_kwargs.get("enable_thinking", self.reasoning.supported)
         if not isinstance(enable_thinking, bool):
             raise TemplateError('invalid type for "enable_thinking" (expected boolean, got string)')
-        context: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token,
-                                   "enable_thinking": enable_thinking}
+        context: dict[str, Any] = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "enable_thinking": enable_thinking,
+        }
         if tool_list:
             context["tools"] = tool_list
         context["datetime"] = time.strftime("%b %d %Y")
@@ -592,8 +751,9 @@ class ChatTemplate:
             return self._continue_last(parsed, context, add_generation_prompt)
         return self._apply(parsed, context, add_generation_prompt)
 
-    def _continue_last(self, parsed: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool
-                       ) -> str:
+    def _continue_last(
+        self, parsed: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool
+    ) -> str:
         """A trailing assistant message is prefilled: the conversation before it, the generation
         prompt, then its content (common_chat_templates_apply_jinja with continue_final_message)."""
         if len(parsed) >= 2 and parsed[-2]["role"] == "assistant":
@@ -602,10 +762,13 @@ class ChatTemplate:
         if last.get("tool_calls"):
             raise TemplateError("Cannot continue an assistant message that contains tool calls.")
         without = self._apply(before, context, False)
-        if not any(last.get(key) for key in ("content", "reasoning_content", "tool_calls", "name", "tool_call_id")):
-            return without          # an empty assistant message continues nothing (common_chat_msg::empty)
+        if not any(
+            last.get(key)
+            for key in ("content", "reasoning_content", "tool_calls", "name", "tool_call_id")
+        ):
+            return without  # an empty assistant message continues nothing (common_chat_msg::empty)
         with_prompt = self._apply(before, context, True)
-        generation_prompt = with_prompt[len(os.path.commonprefix([without, with_prompt])):]
+        generation_prompt = with_prompt[len(os.path.commonprefix([without, with_prompt])) :]
         content = _render_content(last)
         continue_reasoning = bool(last.get("reasoning_content")) and not content
         if self.reasoning.start:
@@ -619,7 +782,9 @@ class ChatTemplate:
             generation_prompt += content
         return without + generation_prompt
 
-    def _apply(self, messages: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool) -> str:
+    def _apply(
+        self, messages: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool
+    ) -> str:
         variables = {**context, "messages": messages}
         if add_generation_prompt:
             variables["add_generation_prompt"] = True
@@ -634,8 +799,7 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
             raise TemplateError(f"chat template error: {err}") from err
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
-            text = text[len(self.bos_token):]
+            text = text[len(self.bos_token) :]
         if self.add_eos and self.eos_token and text.endswith(self.eos_token):
-            text = text[:-len(self.eos_token)]
+            text = text[: -len(self.eos_token)]
         return text
-

@@ -16,8 +16,9 @@ positions from its n_tokens on computed again".
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 N_CTX_CHECKPOINTS = 32  # common_params::n_ctx_checkpoints (--ctx-checkpoints)
 CHECKPOINT_MIN_STEP = 8192  # common_params::checkpoint_min_step (--checkpoint-min-step)
@@ -56,7 +57,9 @@ class MessageSpans:
         return pos in self.user_starts
 
 
-def find_spans(tokens: Sequence[int], delimiters: Sequence[tuple[str, Sequence[int]]]) -> MessageSpans:
+def find_spans(
+    tokens: Sequence[int], delimiters: Sequence[tuple[str, Sequence[int]]]
+) -> MessageSpans:
     """common_chat_msg_delimiters::split: at each token, the first delimiter (assistant before
     user, as the server lists them) whose tokens start there marks a message."""
     starts: list[int] = []
@@ -64,39 +67,58 @@ def find_spans(tokens: Sequence[int], delimiters: Sequence[tuple[str, Sequence[i
         return MessageSpans()
     for i in range(len(tokens)):
         for role, ids in delimiters:
-            if list(tokens[i:i + len(ids)]) == list(ids):  # an empty one matches anywhere, as there
+            if list(tokens[i : i + len(ids)]) == list(
+                ids
+            ):  # an empty one matches anywhere, as there
                 if role == "user":
                     starts.append(i)
                 break
     return MessageSpans(frozenset(starts))
 
 
-def batch_end(start: int, n_prompt: int, spans: MessageSpans, checkpoints: list[Checkpoint],
-              min_step: int = CHECKPOINT_MIN_STEP) -> int:
+def batch_end(
+    start: int,
+    n_prompt: int,
+    spans: MessageSpans,
+    checkpoints: list[Checkpoint],
+    min_step: int = CHECKPOINT_MIN_STEP,
+) -> int:
     """Where llama-server ends the prompt batch that starts at ``start``: at most N_BATCH tokens,
     at the last user message's start or another one far enough past the last checkpoint, and
     516 and 4 tokens before the prompt's end."""
     pos = start
     while pos < n_prompt and pos - start < N_BATCH:
         pos += 1
-        if spans.is_user_start(pos) and (pos == spans.last_user or not checkpoints
-                                         or pos > checkpoints[-1].n_tokens + min_step):
+        if spans.is_user_start(pos) and (
+            pos == spans.last_user or not checkpoints or pos > checkpoints[-1].n_tokens + min_step
+        ):
             break
         if any(n_prompt == pos + min(N_BATCH, k) for k in END_OFFSETS):
             break
     return pos
 
 
-def takes_checkpoint(start: int, end: int, n_prompt: int, pos_min: int, spans: MessageSpans,
-                     checkpoints: list[Checkpoint], min_step: int = CHECKPOINT_MIN_STEP) -> bool:
+def takes_checkpoint(
+    start: int,
+    end: int,
+    n_prompt: int,
+    pos_min: int,
+    spans: MessageSpans,
+    checkpoints: list[Checkpoint],
+    min_step: int = CHECKPOINT_MIN_STEP,
+) -> bool:
     """Whether llama-server saves a checkpoint before decoding the batch [start, end)."""
     near_end = n_prompt < end + N_UBATCH
     if end < n_prompt and not spans.is_user_start(start) and not near_end:
         return False  # an ordinary mid-prompt batch
     if pos_min < 0:
         return False  # nothing to save yet
-    return (not checkpoints or start == spans.last_user or near_end
-            or start > checkpoints[-1].n_tokens + min_step)
+    return (
+        not checkpoints
+        or start == spans.last_user
+        or near_end
+        or start > checkpoints[-1].n_tokens + min_step
+    )
 
 
 @dataclass
@@ -125,8 +147,9 @@ class Checkpoints:
         kept.append(Checkpoint(n_tokens, pos_min, pos_max, task, ring))
         self.items = kept
 
-    def reuse(self, n_past: int, n_prompt: int, n_slot: int, pos_min: int,
-              restore: Callable[[Any], None]) -> int:
+    def reuse(
+        self, n_past: int, n_prompt: int, n_slot: int, pos_min: int, restore: Callable[[Any], None]
+    ) -> int:
         """The slot's start: how many cached tokens a prompt keeps. When the cache no longer
         holds the window of the shared prefix (its pos_min is past pos_next - n_swa), the newest
         checkpoint early enough is restored (``restore(ring)``) and the prefix is cut to it, or
@@ -134,8 +157,11 @@ class Checkpoints:
         pos_next = n_past
         threshold = max(0, pos_next - self.window - (0 if n_past < n_prompt else 1))
         if 0 < n_past <= n_slot and pos_min >= threshold:
-            usable = [c for c in self.items if c.pos_max <= pos_next
-                      and (c.pos_min < threshold or c.pos_min == 0)]
+            usable = [
+                c
+                for c in self.items
+                if c.pos_max <= pos_next and (c.pos_min < threshold or c.pos_min == 0)
+            ]
             if usable:
                 c = usable[-1]
                 restore(c.ring)
@@ -163,7 +189,7 @@ def _added(left: str, right: str) -> str:
     """The part of ``right`` that ``left`` lacks, compared segment by segment from both ends
     (calculate_diff_split's right; when ``left`` begins ``right``, the rest of it)."""
     if right.startswith(left):
-        return right[len(left):]
+        return right[len(left) :]
     a, b = _segments(left), _segments(right)
     i = 0
     while i < len(a) and i < len(b) and a[i] == b[i]:
@@ -171,13 +197,14 @@ def _added(left: str, right: str) -> str:
     j = 0
     while j < len(a) - i and j < len(b) - i and a[-1 - j] == b[-1 - j]:
         j += 1
-    return "".join(t for _, t in b[i:len(b) - j])
+    return "".join(t for _, t in b[i : len(b) - j])
 
 
 def _render_diff(render: Callable[..., str], before: list[dict], after: list[dict]) -> str | None:
     try:
-        return _added(render(before, add_generation_prompt=False),
-                      render(after, add_generation_prompt=False))
+        return _added(
+            render(before, add_generation_prompt=False), render(after, add_generation_prompt=False)
+        )
     except Exception:  # a template that refuses these messages: no marker, as llama-server
         return None
 
@@ -187,12 +214,15 @@ def user_start_marker(render: Callable[..., str]) -> str:
     user = {"role": "user", "content": USER_MSG}
     added = _render_diff(render, [], [user])
     if added is None:
-        first = [{"role": "user", "content": USER_MSG_TWO}, {"role": "assistant", "content": ASSISTANT_MSG}]
+        first = [
+            {"role": "user", "content": USER_MSG_TWO},
+            {"role": "assistant", "content": ASSISTANT_MSG},
+        ]
         added = _render_diff(render, first, first + [user])
         if added is None:
             return ""
     if ASSISTANT_MSG in added:
-        added = added[added.index(ASSISTANT_MSG) + len(ASSISTANT_MSG):]
+        added = added[added.index(ASSISTANT_MSG) + len(ASSISTANT_MSG) :]
     candidate = added.split(USER_MSG)[0]
     out, seen_marker = [], False
     for is_marker, text in _segments(candidate):

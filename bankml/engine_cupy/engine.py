@@ -12,21 +12,37 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from bankml.engine_cupy import checkpoints as _checkpoints
-from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
 from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
-from bankml.engine_cupy.grammar import (ConstraintError, ConstraintSpec, Constraint, build_llg_tokenizer,
-                                        resolve_constraint)
+from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
+from bankml.engine_cupy.grammar import (
+    Constraint,
+    ConstraintError,
+    ConstraintSpec,
+    build_llg_tokenizer,
+    resolve_constraint,
+)
 from bankml.engine_cupy.kv_cache import pad_cells
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, limit_from_env, longest_common_prefix
-from bankml.engine_cupy.sampler import (LogitBias, SamplerError, SamplerParams, Sampler, TokenProbs, VocabInfo,
-                                        logarithm, parse_logit_bias, post_sampling_probs, token_logprobs)
+from bankml.engine_cupy.sampler import (
+    LogitBias,
+    Sampler,
+    SamplerError,
+    SamplerParams,
+    TokenProbs,
+    VocabInfo,
+    logarithm,
+    parse_logit_bias,
+    post_sampling_probs,
+    token_logprobs,
+)
 from bankml.engine_cupy.tokenizer import Tokenizer
 
 MICRO_BATCH = _checkpoints.N_UBATCH
@@ -41,7 +57,11 @@ def prompt_batches(start: int, end: int, checkpoints: bool) -> list[tuple[int, i
     out: list[tuple[int, int]] = []
     a = start
     while a < end:
-        b = _checkpoints.batch_end(a, end, MessageSpans(), []) if checkpoints else min(a + _checkpoints.N_BATCH, end)
+        b = (
+            _checkpoints.batch_end(a, end, MessageSpans(), [])
+            if checkpoints
+            else min(a + _checkpoints.N_BATCH, end)
+        )
         out += _micro_batches(a, b)
         a = b
     return out
@@ -71,20 +91,24 @@ class RequestError(ValueError):
 class Request:
     """A validated request, ready to run."""
 
-    kind: str                       # "chat" | "completion"
+    kind: str  # "chat" | "completion"
     prompt_tokens: list[int]
     sampler: SamplerParams
     constraint: ConstraintSpec | None = None
-    n_predict: int = -1             # -1: until EOG or the context is full
+    n_predict: int = -1  # -1: until EOG or the context is full
     stop: tuple[str, ...] = ()
     n_probs: int = 0
     cache_prompt: bool = True
     prompt_text: str | None = None
-    post_sampling_probs: bool = False  # entries carry "prob"/"top_probs" from the chain's candidates
-    n_indent: int = 0                  # stop when a later line is indented less (code completion)
-    t_max_predict_ms: int = -1         # stop at a newline once generation took this long
+    post_sampling_probs: bool = (
+        False  # entries carry "prob"/"top_probs" from the chain's candidates
+    )
+    n_indent: int = 0  # stop when a later line is indented less (code completion)
+    t_max_predict_ms: int = -1  # stop at a newline once generation took this long
     options: dict[str, Any] = field(default_factory=dict)  # accepted fields the answer reports back
-    spans: MessageSpans = field(default_factory=MessageSpans)  # user-message starts (checkpoint cuts)
+    spans: MessageSpans = field(
+        default_factory=MessageSpans
+    )  # user-message starts (checkpoint cuts)
 
 
 @dataclass
@@ -95,7 +119,9 @@ class Chunk:
     entry: dict | None
     first: bool
     token: int | None
-    timings: dict[str, Any] | None = None  # the run's timings so far (llama-server's timings_per_token)
+    timings: dict[str, Any] | None = (
+        None  # the run's timings so far (llama-server's timings_per_token)
+    )
 
 
 @dataclass
@@ -119,8 +145,10 @@ def _bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise RequestError(f"Field '{name}': [json.exception.type_error.302] type must be boolean, "
-                           f"but is {_json_type(value)}")
+        raise RequestError(
+            f"Field '{name}': [json.exception.type_error.302] type must be boolean, "
+            f"but is {_json_type(value)}"
+        )
     return value
 
 
@@ -130,7 +158,14 @@ _TASK_FIELDS: tuple[tuple[str, tuple[str, ...], str, int, int, Any], ...] = (
     ("verbose", (), "bool", 0, 0, False),
     ("timings_per_token", (), "bool", 0, 0, False),
     ("stream", (), "bool", 0, 0, False),
-    ("include_usage", (), "stream_options", 0, 0, False),  # field_nested("stream_options")'s one subfield
+    (
+        "include_usage",
+        (),
+        "stream_options",
+        0,
+        0,
+        False,
+    ),  # field_nested("stream_options")'s one subfield
     ("cache_prompt", (), "bool", 0, 0, True),
     ("return_tokens", (), "bool", 0, 0, False),
     ("return_progress", (), "bool", 0, 0, False),
@@ -166,21 +201,29 @@ def _include_usage(body: Mapping[str, Any], default: bool) -> bool:
     """``stream_options.include_usage``: the schema reads ``stream_options`` only as an object
     (anything else is ignored) and its ``include_usage`` as a field_bool."""
     options = body.get("stream_options")
-    return _bool_field(options, "include_usage", default) if isinstance(options, Mapping) else default
+    return (
+        _bool_field(options, "include_usage", default) if isinstance(options, Mapping) else default
+    )
 
 
-def _int_field(body: Mapping[str, Any], names: Sequence[str], default: int, lo: int, hi: int) -> int:
+def _int_field(
+    body: Mapping[str, Any], names: Sequence[str], default: int, lo: int, hi: int
+) -> int:
     """A hard-limited integer field_num (n_predict and its aliases)."""
     for name in names:
         value = body.get(name)
         if value is None:
             continue
         if not isinstance(value, (int, float)):  # a boolean converts, as nlohmann's get<int> does
-            raise RequestError(f"Field '{name}': [json.exception.type_error.302] type must be number, "
-                               f"but is {_json_type(value)}")
+            raise RequestError(
+                f"Field '{name}': [json.exception.type_error.302] type must be number, "
+                f"but is {_json_type(value)}"
+            )
         v = int(value)
         if v < lo or v > hi:
-            raise RequestError(f"Field '{name}': Value must be between {lo} <= value <= {hi}, but got {v}")
+            raise RequestError(
+                f"Field '{name}': Value must be between {lo} <= value <= {hi}, but got {v}"
+            )
         return v
     return default
 
@@ -192,8 +235,11 @@ def _is_integer(value: Any) -> bool:
 
 def _is_mixed(value: Any) -> bool:
     """json_is_array_of_mixed_numbers_strings: an array with both a string and an integer."""
-    return (isinstance(value, list) and any(isinstance(v, str) for v in value)
-            and any(_is_integer(v) for v in value))
+    return (
+        isinstance(value, list)
+        and any(isinstance(v, str) for v in value)
+        and any(_is_integer(v) for v in value)
+    )
 
 
 def _lora_field(body: Mapping[str, Any]) -> list[Any]:
@@ -203,13 +249,16 @@ def _lora_field(body: Mapping[str, Any]) -> list[Any]:
     if lora is None:
         return []
     if not isinstance(lora, list):
-        raise RequestError("Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields")
+        raise RequestError(
+            "Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields"
+        )
     return lora
 
 
 def _json_type(value: Any) -> str:
     return {bool: "boolean", str: "string", list: "array", dict: "object", type(None): "null"}.get(
-        type(value), "number")
+        type(value), "number"
+    )
 
 
 def parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -225,8 +274,10 @@ def parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         if word is None or word == [] or word == {}:
             continue  # json::empty(): null and empty arrays/objects; an empty string is kept (and stops at once)
         if not isinstance(word, str):
-            raise RequestError(f"Field 'stop': [json.exception.type_error.302] type must be string, "
-                               f"but is {_json_type(word)}")
+            raise RequestError(
+                f"Field 'stop': [json.exception.type_error.302] type must be string, "
+                f"but is {_json_type(word)}"
+            )
         words.append(word)
     return tuple(words)
 
@@ -241,7 +292,9 @@ def chat_logprobs(body: dict[str, Any]) -> None:
         if isinstance(tools, list) and tools and body.get("stream") is True:
             raise RequestError("logprobs is not supported with tools + stream")
         top = body.get("top_logprobs")
-        body["n_probs"] = int(top) if isinstance(top, (int, float)) else 20  # get<int>; a boolean converts
+        body["n_probs"] = (
+            int(top) if isinstance(top, (int, float)) else 20
+        )  # get<int>; a boolean converts
     elif body.get("top_logprobs") is not None:
         raise RequestError("top_logprobs requires logprobs to be set to true")
 
@@ -275,7 +328,14 @@ def incomplete_utf8_at(text: bytes) -> int:
     n = len(text)
     for i in range(1, min(4, n) + 1):
         c = text[n - i]
-        if (c & 0xE0) == 0xC0 and i < 2 or (c & 0xF0) == 0xE0 and i < 3 or (c & 0xF8) == 0xF0 and i < 4:
+        if (
+            (c & 0xE0) == 0xC0
+            and i < 2
+            or (c & 0xF0) == 0xE0
+            and i < 3
+            or (c & 0xF8) == 0xF0
+            and i < 4
+        ):
             return n - i
     return n
 
@@ -306,7 +366,7 @@ class TextRelease:
         tail = self.text[pos:]
         stop_pos, word = self._find_full(tail, len(piece))
         if stop_pos >= 0:
-            self.text = self.text[:pos + stop_pos]
+            self.text = self.text[: pos + stop_pos]
             self.stopping_word = word.decode("utf-8", "replace")
             pos = min(self.sent, len(self.text))
         elif not is_eog and any(find_partial_stop(tail, s) >= 0 for s in self.stops):
@@ -327,7 +387,7 @@ class TextRelease:
 
 def utf8_prefix_text(raw: bytes) -> str:
     """A logprob entry's ``token``: the incomplete trailing character cut, other bad bytes replaced."""
-    return raw[:incomplete_utf8_at(raw)].decode("utf-8", "replace")
+    return raw[: incomplete_utf8_at(raw)].decode("utf-8", "replace")
 
 
 class LineLimits:
@@ -354,7 +414,7 @@ class LineLimits:
         stop = False
         if self.last_nl_pos > 0:
             pos = self.last_nl_pos
-            while pos < len(text) and text[pos:pos + 1] in (b" ", b"\t"):
+            while pos < len(text) and text[pos : pos + 1] in (b" ", b"\t"):
                 pos += 1
             if pos < len(text) and pos - self.last_nl_pos < self.n_indent:
                 release.text = text[:pos]  # the short line is cut, its indentation kept
@@ -381,9 +441,15 @@ class Clock:
         def rate(n: int, ms: float) -> float | None:
             return 1e3 * n / ms if n and ms > 0 else None
 
-        return {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
-                "prompt_per_second": rate(prompt_n, prompt_ms), "predicted_n": predicted_n,
-                "predicted_ms": round(predicted_ms, 3), "predicted_per_second": rate(predicted_n, predicted_ms)}
+        return {
+            "cache_n": cache_n,
+            "prompt_n": prompt_n,
+            "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_second": rate(prompt_n, prompt_ms),
+            "predicted_n": predicted_n,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_second": rate(predicted_n, predicted_ms),
+        }
 
 
 # --- the engine --------------------------------------------------------------------------------------------
@@ -392,7 +458,7 @@ class Clock:
 class Steps:
     """An iteration over a run's chunks; ``summary`` is filled when it ends."""
 
-    def __init__(self, gen_factory: Callable[["Steps"], Iterator[Chunk]]):
+    def __init__(self, gen_factory: Callable[[Steps], Iterator[Chunk]]):
         self.summary = Summary()
         self._gen = gen_factory(self)
 
@@ -406,8 +472,15 @@ class Steps:
 class Engine:
     """One resident model with one slot (a KV cache and the tokens it holds)."""
 
-    def __init__(self, model: Any, tokenizer: Tokenizer, template: ChatTemplate | None, n_ctx: int,
-                 cache_type: str | None = None, sampling_defaults: SamplerParams | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        n_ctx: int,
+        cache_type: str | None = None,
+        sampling_defaults: SamplerParams | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
@@ -422,23 +495,35 @@ class Engine:
         self._llg: Any = None
         self._chat_delimiters: list[tuple[str, list[int]]] | None = None
         # llama-server's context checkpoints: only for sliding-window models (n_swa > 0)
-        self.checkpoints = (Checkpoints(model.hp.swa_window) if getattr(model, "has_sliding_window", False)
-                            else None)
+        self.checkpoints = (
+            Checkpoints(model.hp.swa_window)
+            if getattr(model, "has_sliding_window", False)
+            else None
+        )
         self._task_id = 0
         self._vocab_info = VocabInfo(self._pieces, lambda s: self.tokenize(s))
 
     @classmethod
-    def open(cls, path: str | os.PathLike, n_ctx: int = 4096, device: str = "auto",
-             cache_type: str | None = None) -> "Engine":
+    def open(
+        cls,
+        path: str | os.PathLike,
+        n_ctx: int = 4096,
+        device: str = "auto",
+        cache_type: str | None = None,
+    ) -> Engine:
         model = Model.load(path, device=device)
         tokenizer = Tokenizer.from_gguf(model.reader)
         template = ChatTemplate.from_gguf(model.reader, tokenizer)
         n_ctx = pad_cells(n_ctx)  # as llama_context: -c 1000 holds 1024 positions
-        return cls(model, tokenizer, template, n_ctx, cache_type, _gguf_sampling_defaults(model.reader))
+        return cls(
+            model, tokenizer, template, n_ctx, cache_type, _gguf_sampling_defaults(model.reader)
+        )
 
     # --- text ---------------------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = False, parse_special: bool = False
+    ) -> list[int]:
         return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -453,8 +538,13 @@ class Engine:
         """llguidance's view of the vocabulary, built on first use (about a second)."""
         if self._llg is None:
             special = [i for i in range(self.tokenizer.n_vocab) if self.tokenizer.is_control(i)]
-            self._llg = build_llg_tokenizer(self._pieces, special, self.tokenizer.eog_ids,
-                                            self.tokenizer.bos_id, lambda s: self.tokenize(s))
+            self._llg = build_llg_tokenizer(
+                self._pieces,
+                special,
+                self.tokenizer.eog_ids,
+                self.tokenizer.bos_id,
+                lambda s: self.tokenize(s),
+            )
         return self._llg
 
     # --- requests -------------------------------------------------------------------------------------------
@@ -464,8 +554,10 @@ class Engine:
         compute. A /completion body with several prompts is ``parse_batch``'s."""
         requests = self.parse_batch(request, kind)
         if len(requests) > 1:
-            raise RequestError("several prompts in one request are answered on /completion (llama-server's "
-                               "array of results); send them there or one per request")
+            raise RequestError(
+                "several prompts in one request are answered on /completion (llama-server's "
+                "array of results); send them there or one per request"
+            )
         return requests[0]
 
     def parse_batch(self, request: Mapping[str, Any], kind: str) -> list[Request]:
@@ -484,7 +576,9 @@ class Engine:
                 raise ValueError(f"unknown request kind {kind!r}")
             task = parse_task_fields(body)
             params = SamplerParams.from_request(body, self.defaults)
-            task["backend_sampling"] = _bool_field(body, "backend_sampling", False)  # no backend here: no effect
+            task["backend_sampling"] = _bool_field(
+                body, "backend_sampling", False
+            )  # no backend here: no effect
             post_sampling = _bool_field(body, "post_sampling_probs", False)
             task["lora"] = _lora_field(body)
             constraint = resolve_constraint(body, kind)
@@ -502,12 +596,29 @@ class Engine:
         out = []
         for prompt_text, tokens in prompts:
             self._check_context(tokens)
-            out.append(Request(kind, tokens, params, constraint, task["n_predict"], stop, max(params.n_probs, 0),
-                               task["cache_prompt"], prompt_text, post_sampling, task["n_indent"],
-                               task["t_max_predict_ms"], task, find_spans(tokens, delimiters)))
+            out.append(
+                Request(
+                    kind,
+                    tokens,
+                    params,
+                    constraint,
+                    task["n_predict"],
+                    stop,
+                    max(params.n_probs, 0),
+                    task["cache_prompt"],
+                    prompt_text,
+                    post_sampling,
+                    task["n_indent"],
+                    task["t_max_predict_ms"],
+                    task,
+                    find_spans(tokens, delimiters),
+                )
+            )
         return out
 
-    def _message_delimiters(self, body: Mapping[str, Any], kind: str) -> list[tuple[str, list[int]]]:
+    def _message_delimiters(
+        self, body: Mapping[str, Any], kind: str
+    ) -> list[tuple[str, list[int]]]:
         """The role markers llama-server finds message starts by, for its context checkpoints
         (a sliding-window model only): a chat prompt's come from the template's analysis, a
         /completion body may give its own ``message_delimiters`` ([{role, delimiter}])."""
@@ -515,23 +626,33 @@ class Engine:
             return []
         if kind == "chat":
             if self._chat_delimiters is None:
-                markers = [("assistant", _checkpoints.assistant_start_marker(self.apply_template)),
-                           ("user", _checkpoints.user_start_marker(self.apply_template))]
-                self._chat_delimiters = [(role, self.tokenize(text, parse_special=True))
-                                         for role, text in markers if text]
+                markers = [
+                    ("assistant", _checkpoints.assistant_start_marker(self.apply_template)),
+                    ("user", _checkpoints.user_start_marker(self.apply_template)),
+                ]
+                self._chat_delimiters = [
+                    (role, self.tokenize(text, parse_special=True))
+                    for role, text in markers
+                    if text
+                ]
             return self._chat_delimiters
         given = body.get("message_delimiters")
         if not isinstance(given, list):  # json_value: anything but an array reads as none
             return []
-        return [(d.get("role"), self.tokenize(str(d.get("delimiter", "")), parse_special=True))
-                for d in given if isinstance(d, dict)]
+        return [
+            (d.get("role"), self.tokenize(str(d.get("delimiter", "")), parse_special=True))
+            for d in given
+            if isinstance(d, dict)
+        ]
 
     def _with_biases(self, body: Mapping[str, Any], params: SamplerParams) -> SamplerParams:
         """logit_bias, then ignore_eos's -inf on every end-of-generation token (appended, as
         llama-server appends its logit_bias_eog)."""
         biases: tuple[LogitBias, ...] = params.logit_bias
         if body.get("logit_bias") is not None:
-            biases = parse_logit_bias(body["logit_bias"], self.n_vocab, lambda text: self.tokenize(text))
+            biases = parse_logit_bias(
+                body["logit_bias"], self.n_vocab, lambda text: self.tokenize(text)
+            )
         ignore_eos = _bool_field(body, "ignore_eos", params.ignore_eos)
         if ignore_eos and body.get("ignore_eos") is not None:
             biases += tuple(LogitBias(-float("inf"), t) for t in sorted(self.tokenizer.eog_ids))
@@ -544,8 +665,9 @@ class Engine:
         if not isinstance(kwargs, dict):
             raise RequestError("chat_template_kwargs must be an object")
         add_gen = body.get("add_generation_prompt", True)
-        text = self.apply_template(messages, add_generation_prompt=bool(add_gen), tools=body.get("tools"),
-                                   **kwargs)
+        text = self.apply_template(
+            messages, add_generation_prompt=bool(add_gen), tools=body.get("tools"), **kwargs
+        )
         return text, self.tokenize(text, add_special=True, parse_special=True)
 
     def _completion_prompts(self, body: Mapping[str, Any]) -> list[tuple[str, list[int]]]:
@@ -556,11 +678,13 @@ class Engine:
         prompt = body["prompt"]
         if isinstance(prompt, list) and not any(_is_integer(p) for p in prompt):
             if not prompt:
-                raise RequestError("\"prompt\" must not be empty")
+                raise RequestError('"prompt" must not be empty')
             parts = [self._subprompt(p) for p in prompt]
         else:
             parts = [self._subprompt(prompt)]
-        return [(self.tokenizer.detokenize(tokens, unparse_special=True), tokens) for tokens in parts]
+        return [
+            (self.tokenizer.detokenize(tokens, unparse_special=True), tokens) for tokens in parts
+        ]
 
     def _subprompt(self, prompt: Any) -> list[int]:
         """tokenize_input_subprompt: a string, ids, ids mixed with strings, or {"prompt_string": ...}."""
@@ -570,10 +694,14 @@ class Engine:
             return self._valid_ids(prompt)
         if isinstance(prompt, dict) and "prompt_string" in prompt:
             if "multimodal_data" in prompt:
-                raise RequestError("Multimodal data provided, but model does not support multimodal requests.")
+                raise RequestError(
+                    "Multimodal data provided, but model does not support multimodal requests."
+                )
             return self._mixed_prompt(prompt["prompt_string"])
-        raise RequestError("\"prompt\" elements must be a string, a list of tokens, a JSON object containing a "
-                           "prompt string, or a list of mixed strings & tokens.")
+        raise RequestError(
+            '"prompt" elements must be a string, a list of tokens, a JSON object containing a '
+            "prompt string, or a list of mixed strings & tokens."
+        )
 
     def _valid_ids(self, ids: Sequence[int]) -> list[int]:
         if any(t < 0 or t >= self.n_vocab for t in ids):
@@ -586,7 +714,9 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenize(prompt, add_special=True, parse_special=True)
         if not isinstance(prompt, list):
-            raise RequestError(f"[json.exception.type_error.302] type must be string, but is {_json_type(prompt)}")
+            raise RequestError(
+                f"[json.exception.type_error.302] type must be string, but is {_json_type(prompt)}"
+            )
         out: list[int] = []
         for i, part in enumerate(prompt):
             if isinstance(part, str):
@@ -594,16 +724,30 @@ class Engine:
             elif isinstance(part, (int, float)) and not isinstance(part, bool):
                 out += self._valid_ids([int(part)])  # get<llama_token>() truncates a float
             else:
-                raise RequestError(f"[json.exception.type_error.302] type must be number, but is {_json_type(part)}")
+                raise RequestError(
+                    f"[json.exception.type_error.302] type must be number, but is {_json_type(part)}"
+                )
         return out
 
     def _check_context(self, tokens: Sequence[int]) -> None:
         if len(tokens) >= self.n_ctx:
-            message = (f"request ({len(tokens)} tokens) exceeds the available context size ({self.n_ctx} "
-                       f"tokens), try increasing it")
-            raise RequestError(message, 400, {"error": {
-                "code": 400, "message": message, "type": "exceed_context_size_error",
-                "n_prompt_tokens": len(tokens), "n_ctx": self.n_ctx}})
+            message = (
+                f"request ({len(tokens)} tokens) exceeds the available context size ({self.n_ctx} "
+                f"tokens), try increasing it"
+            )
+            raise RequestError(
+                message,
+                400,
+                {
+                    "error": {
+                        "code": 400,
+                        "message": message,
+                        "type": "exceed_context_size_error",
+                        "n_prompt_tokens": len(tokens),
+                        "n_ctx": self.n_ctx,
+                    }
+                },
+            )
 
     # --- running --------------------------------------------------------------------------------------------
 
@@ -614,8 +758,13 @@ class Engine:
         """Prefill then generate; iterate for Chunks, then read ``.summary``."""
         return Steps(lambda steps: self._run(request, cancelled, steps.summary))
 
-    def _prefill(self, tokens: list[int], cache_prompt: bool, cancelled: Callable[[], bool],
-                 spans: MessageSpans = MessageSpans()) -> tuple[int, np.ndarray | None]:
+    def _prefill(
+        self,
+        tokens: list[int],
+        cache_prompt: bool,
+        cancelled: Callable[[], bool],
+        spans: MessageSpans | None = None,
+    ) -> tuple[int, np.ndarray | None]:
         """Reuse the slot's common prefix (re-evaluating the last prompt token when all of it is
         cached; for a sliding-window model, as far as llama-server's checkpoints allow), then
         evaluate the rest in llama-server's batches. Returns (cache_n, last logits or None if
@@ -625,8 +774,9 @@ class Engine:
         n_past = longest_common_prefix(self.slot_tokens, tokens) if cache_prompt else 0
         self._task_id += 1
         if self.checkpoints is not None:
-            n_past = self.checkpoints.reuse(n_past, len(tokens), len(self.slot_tokens), self.cache.pos_min,
-                                            self.cache.load_ring)
+            n_past = self.checkpoints.reuse(
+                n_past, len(tokens), len(self.slot_tokens), self.cache.pos_min, self.cache.load_ring
+            )
         if n_past == len(tokens):
             n_past -= 1
         self.cache.truncate(n_past)
@@ -634,7 +784,7 @@ class Engine:
         logits = None
         start = n_past
         while start < len(tokens):
-            end = self._batch_end(start, len(tokens), spans)
+            end = self._batch_end(start, len(tokens), spans or MessageSpans())
             for a, b in _micro_batches(start, end):
                 if cancelled():
                     return n_past, None
@@ -652,8 +802,12 @@ class Engine:
             return min(start + _checkpoints.N_BATCH, n_prompt)
         end = _checkpoints.batch_end(start, n_prompt, spans, ckpts.items, ckpts.min_step)
         pos_min = self.cache.pos_min
-        if _checkpoints.takes_checkpoint(start, end, n_prompt, pos_min, spans, ckpts.items, ckpts.min_step):
-            ckpts.create(start, pos_min, self.cache.pos_max, self._task_id, self.cache.ring_positions())
+        if _checkpoints.takes_checkpoint(
+            start, end, n_prompt, pos_min, spans, ckpts.items, ckpts.min_step
+        ):
+            ckpts.create(
+                start, pos_min, self.cache.pos_max, self._task_id, self.cache.ring_positions()
+            )
         return end
 
     def _use_host_cache(self, prompt: list[int]) -> None:
@@ -672,15 +826,20 @@ class Engine:
             if self.checkpoints is not None:
                 self.checkpoints.items = list(entry.checkpoints)
 
-    def _run(self, req: Request, cancelled: Callable[[], bool], summary: Summary) -> Iterator[Chunk]:
+    def _run(
+        self, req: Request, cancelled: Callable[[], bool], summary: Summary
+    ) -> Iterator[Chunk]:
         clock = Clock(t_start=time.perf_counter())
         tokens = req.prompt_tokens
         summary.prompt_tokens = len(tokens)
         if not tokens:
             return
         sampler = self._new_sampler(req.sampler)
-        constraint = (Constraint(req.constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
-                      if req.constraint else None)
+        constraint = (
+            Constraint(req.constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
+            if req.constraint
+            else None
+        )
         cache_n, logits = self._prefill(tokens, req.cache_prompt, cancelled, req.spans)
         prompt_n = len(tokens) - cache_n
         summary.timings = clock.timings(cache_n, prompt_n, 0)
@@ -713,14 +872,24 @@ class Engine:
             released, hit_stop = release.push(piece, token in eog)
             entry = None
             if released is not None and req.n_probs > 0:
-                probs = (post_sampling_probs(sampler.last, req.n_probs, token) if req.post_sampling_probs
-                         and sampler.last is not None else token_logprobs(logits, req.n_probs, token))
+                probs = (
+                    post_sampling_probs(sampler.last, req.n_probs, token)
+                    if req.post_sampling_probs and sampler.last is not None
+                    else token_logprobs(logits, req.n_probs, token)
+                )
                 entry = self._entry(probs, token, released, req.post_sampling_probs)
-            yield Chunk(released.decode("utf-8", "replace") if released else "", entry, n_gen == 1, token,
-                        clock.timings(cache_n, prompt_n, n_gen))
+            yield Chunk(
+                released.decode("utf-8", "replace") if released else "",
+                entry,
+                n_gen == 1,
+                token,
+                clock.timings(cache_n, prompt_n, n_gen),
+            )
             finish = self._finish(req, token, n_gen, hit_stop, eog)
             # n_indent / t_max_predict_ms come after the limits and before EOG in process_token
-            if lines.stops(release, piece if released is None else released, (now - clock.t_prompt) * 1e3):
+            if lines.stops(
+                release, piece if released is None else released, (now - clock.t_prompt) * 1e3
+            ):
                 finish = "stop" if token in eog else "length"
             if finish:
                 summary.finish_reason = finish
@@ -737,12 +906,17 @@ class Engine:
             return sampler.sample(logits)
         return sampler.sample(logits, constraint.allows, constraint.mask)
 
-    def _finish(self, req: Request, token: int, n_gen: int, hit_stop: bool, eog: frozenset[int]) -> str | None:
+    def _finish(
+        self, req: Request, token: int, n_gen: int, hit_stop: bool, eog: frozenset[int]
+    ) -> str | None:
         """process_token's order: stop word, context full, n_predict, then EOG."""
         finish = "stop" if hit_stop else None
-        if len(self.slot_tokens) + 1 >= self.n_ctx:
-            finish = "length"
-        elif finish is None and req.n_predict != -1 and n_gen >= req.n_predict:
+        if (
+            len(self.slot_tokens) + 1 >= self.n_ctx
+            or finish is None
+            and req.n_predict != -1
+            and n_gen >= req.n_predict
+        ):
             finish = "length"
         if token in eog:
             finish = "stop"
@@ -756,9 +930,16 @@ class Engine:
         top = []
         for tid, p in probs.top:
             piece = self._text_pieces[tid]
-            top.append({"id": tid, "token": utf8_prefix_text(piece), "bytes": list(piece), key: value(p)})
-        return {"id": token, "token": utf8_prefix_text(released), "bytes": list(released),
-                key: value(probs.p_token), top_key: top}
+            top.append(
+                {"id": tid, "token": utf8_prefix_text(piece), "bytes": list(piece), key: value(p)}
+            )
+        return {
+            "id": token,
+            "token": utf8_prefix_text(released),
+            "bytes": list(released),
+            key: value(probs.p_token),
+            top_key: top,
+        }
 
 
 def _gguf_sampling_defaults(reader: Any) -> SamplerParams:

@@ -39,8 +39,18 @@ from numba.extending import intrinsic
 from bankml.engine_cupy.exact_ops import ggml_v_expf
 from bankml.engine_cupy.jit import f16_round, fma32, njit
 
-__all__ = ["flash_attn_f16", "flash_attn_q8_0", "one_row_f16", "attention_mask", "kv_length", "warm_up",
-           "FA_TILE_Q", "FA_TILE_KV", "SPLIT_MIN_CELLS", "KV_PAD"]
+__all__ = [
+    "flash_attn_f16",
+    "flash_attn_q8_0",
+    "one_row_f16",
+    "attention_mask",
+    "kv_length",
+    "warm_up",
+    "FA_TILE_Q",
+    "FA_TILE_KV",
+    "SPLIT_MIN_CELLS",
+    "KV_PAD",
+]
 
 F32 = np.float32
 FA_TILE_Q = 64  # GGML_FA_TILE_Q: from this many query rows the tiled kernel runs
@@ -58,6 +68,7 @@ _ONE = F32(1.0)
 
 
 # --- the one-row kernel (fewer than 64 rows, and the chunks of a split decode) -------------------
+
 
 @intrinsic
 def _dot_f16_body(typingctx: Any, arr: Any, offset: Any, q: Any, n: Any) -> Any:
@@ -77,8 +88,9 @@ def _dot_f16_body(typingctx: Any, arr: Any, offset: Any, q: Any, n: Any) -> Any:
         query = context.make_array(signature.args[2])(context, builder, args[2])
         offset, n = args[1], args[3]
         base = builder.gep(keys.data, [offset])
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3),
-                                             "llvm.fma.v8f32")
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32"
+        )
         zero = ir.Constant(v8, [0.0] * 8)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
         step = ir.Constant(n.type, 32)
@@ -87,8 +99,9 @@ def _dot_f16_body(typingctx: Any, arr: Any, offset: Any, q: Any, n: Any) -> Any:
                 at = builder.add(i, ir.Constant(n.type, 8 * j))
                 kp = builder.bitcast(builder.gep(base, [at]), v8.as_pointer())
                 kv = builder.load(kp, align=4)
-                qv = builder.load(builder.bitcast(builder.gep(query.data, [at]), v8.as_pointer()),
-                                  align=4)
+                qv = builder.load(
+                    builder.bitcast(builder.gep(query.data, [at]), v8.as_pointer()), align=4
+                )
                 builder.store(builder.call(fma, [kv, qv, builder.load(acc)]), acc)
         a = [builder.load(acc) for acc in accs]
         x = builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3]))
@@ -136,8 +149,20 @@ def _mad_f16(acc: Any, v: Any, kvh: int, ic: int, w: float) -> None:
 
 
 @njit(inline="always")
-def _walk_f16(q16: Any, k: Any, v: Any, n_cells: int, kvh: int, mask: Any, row: int,
-              has_mask: bool, c0: int, c1: int, scale: float, acc: Any) -> tuple[float, float]:
+def _walk_f16(
+    q16: Any,
+    k: Any,
+    v: Any,
+    n_cells: int,
+    kvh: int,
+    mask: Any,
+    row: int,
+    has_mask: bool,
+    c0: int,
+    c1: int,
+    scale: float,
+    acc: Any,
+) -> tuple[float, float]:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk for one (row, head) over cells c0..c1.
 
     ``acc`` (float32 holding f16 values) ends as the unnormalised V·softmax; returns (M, S).
@@ -170,8 +195,18 @@ def _walk_f16(q16: Any, k: Any, v: Any, n_cells: int, kvh: int, mask: Any, row: 
 
 
 @njit(inline="always")
-def _one_chunk_task(task: int, q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
-                    scale: float, group: int, out: Any) -> None:
+def _one_chunk_task(
+    task: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     """One (row, head) over all cells, normalised by 1/S (the path for 1..63 rows)."""
     n_head, hd = q.shape[1], q.shape[2]
     row = task // n_head
@@ -180,31 +215,63 @@ def _one_chunk_task(task: int, q: Any, k: Any, v: Any, n_cells: int, mask: Any, 
     for d in range(hd):
         q16[d] = f16_round(q[row, h, d])
     acc = np.empty(hd, np.float32)
-    _, big_s = _walk_f16(q16, k, v, n_cells, h // group, mask, row, has_mask, 0, n_cells, scale,
-                         acc)
+    _, big_s = _walk_f16(
+        q16, k, v, n_cells, h // group, mask, row, has_mask, 0, n_cells, scale, acc
+    )
     s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
     for d in range(hd):
         out[row, h, d] = acc[d] * s_inv
 
 
 @njit
-def _one_chunk_serial(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
-                      scale: float, group: int, out: Any) -> None:
+def _one_chunk_serial(
+    q: Any,
+    k: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     for task in range(q.shape[0] * q.shape[1]):
         _one_chunk_task(task, q, k, v, n_cells, mask, has_mask, scale, group, out)
 
 
 @njit(parallel=True)
-def _one_chunk_parallel(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
-                        scale: float, group: int, out: Any) -> None:
+def _one_chunk_parallel(
+    q: Any,
+    k: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     for task in prange(q.shape[0] * q.shape[1]):
         _one_chunk_task(task, q, k, v, n_cells, mask, has_mask, scale, group, out)
 
 
 @njit(inline="always")
-def _split_task(task: int, q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
-                scale: float, group: int, n_kv: int, chunk: int, part_m: Any, part_s: Any,
-                part_acc: Any) -> None:
+def _split_task(
+    task: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    n_kv: int,
+    chunk: int,
+    part_m: Any,
+    part_s: Any,
+    part_acc: Any,
+) -> None:
     """Thread c's chunk of cells for head h: its partial (M, S, acc), as ggml writes it."""
     n_threads = part_m.shape[1]
     hd = q.shape[2]
@@ -218,40 +285,104 @@ def _split_task(task: int, q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_
     q16 = np.empty(hd, np.float32)
     for d in range(hd):
         q16[d] = f16_round(q[0, h, d])
-    m, s = _walk_f16(q16, k, v, n_cells, h // group, mask, 0, has_mask, c0, min(c0 + chunk, n_kv),
-                     scale, part_acc[h, c])
+    m, s = _walk_f16(
+        q16,
+        k,
+        v,
+        n_cells,
+        h // group,
+        mask,
+        0,
+        has_mask,
+        c0,
+        min(c0 + chunk, n_kv),
+        scale,
+        part_acc[h, c],
+    )
     part_m[h, c] = m
     part_s[h, c] = s
 
 
 @njit
-def _split_serial(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool, scale: float,
-                  group: int, n_kv: int, chunk: int, part_m: Any, part_s: Any,
-                  part_acc: Any) -> None:
+def _split_serial(
+    q: Any,
+    k: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    n_kv: int,
+    chunk: int,
+    part_m: Any,
+    part_s: Any,
+    part_acc: Any,
+) -> None:
     for task in range(part_m.size):
-        _split_task(task, q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
-                    part_s, part_acc)
+        _split_task(
+            task,
+            q,
+            k,
+            v,
+            n_cells,
+            mask,
+            has_mask,
+            scale,
+            group,
+            n_kv,
+            chunk,
+            part_m,
+            part_s,
+            part_acc,
+        )
 
 
 @njit(parallel=True)
-def _split_parallel(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool, scale: float,
-                    group: int, n_kv: int, chunk: int, part_m: Any, part_s: Any,
-                    part_acc: Any) -> None:
+def _split_parallel(
+    q: Any,
+    k: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    n_kv: int,
+    chunk: int,
+    part_m: Any,
+    part_s: Any,
+    part_acc: Any,
+) -> None:
     for task in prange(part_m.size):
-        _split_task(task, q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
-                    part_s, part_acc)
+        _split_task(
+            task,
+            q,
+            k,
+            v,
+            n_cells,
+            mask,
+            has_mask,
+            scale,
+            group,
+            n_kv,
+            chunk,
+            part_m,
+            part_s,
+            part_acc,
+        )
 
 
 @njit
-def _reduce_all(part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: int,
-                out: Any) -> None:
+def _reduce_all(part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: int, out: Any) -> None:
     for h in range(part_m.shape[0]):
         _reduce_partials(part_m[h], part_s[h], part_acc[h], chunk, n_kv, out[0, h])
 
 
 @njit(inline="always")
-def _reduce_partials(part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: int,
-                     out: Any) -> None:
+def _reduce_partials(
+    part_m: Any, part_s: Any, part_acc: Any, chunk: int, n_kv: int, out: Any
+) -> None:
     """ggml_flash_attn_ext_reduce_partials for one head: chunks rescaled to the common max."""
     hd = out.shape[0]
     m_final = _NEG_INF
@@ -281,8 +412,20 @@ def _merge(a: float, sa: float, b: float, sb: float) -> float:
 
 
 @njit
-def one_row_f16(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool, scale: float,
-                group: int, n_kv: int, n_threads: int, parallel: bool, out: Any) -> None:
+def one_row_f16(
+    q: Any,
+    k: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    n_kv: int,
+    n_threads: int,
+    parallel: bool,
+    out: Any,
+) -> None:
     """flash_attn_f16's one-row branches (a decode step) callable from compiled code (the fused
     decode step, exact_decode): from SPLIT_MIN_CELLS cells of n_kv, one chunk of cells per
     thread for each head, then the partials merged in chunk order; below that, each head over
@@ -302,15 +445,18 @@ def one_row_f16(q: Any, k: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
     part_s = np.empty((n_head, n_threads), np.float32)
     part_acc = np.empty((n_head, n_threads, hd), np.float32)
     if parallel:
-        _split_parallel(q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
-                        part_s, part_acc)
+        _split_parallel(
+            q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m, part_s, part_acc
+        )
     else:
-        _split_serial(q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
-                      part_s, part_acc)
+        _split_serial(
+            q, k, v, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m, part_s, part_acc
+        )
     _reduce_all(part_m, part_s, part_acc, chunk, n_kv, out)
 
 
 # --- the tiled kernel (64 rows or more) ----------------------------------------------------------
+
 
 def _fma_chains(n_vectors: int) -> Any:
     """An intrinsic: out.flat[out_at + i] = fma(a.flat[a_at + t*a_step + i], b.flat[b_at + t], .)
@@ -321,9 +467,19 @@ def _fma_chains(n_vectors: int) -> Any:
     ``n_vectors`` <8 x float> accumulators in registers and advanced together, so the chains
     overlap instead of waiting on each fma's latency (Numba's loops would spill them).
     """
+
     @intrinsic
-    def fma_chains(typingctx: Any, out: Any, out_at: Any, a: Any, a_at: Any, a_step: Any,
-                   b: Any, b_at: Any, n: Any) -> Any:
+    def fma_chains(
+        typingctx: Any,
+        out: Any,
+        out_at: Any,
+        a: Any,
+        a_at: Any,
+        a_step: Any,
+        b: Any,
+        b_at: Any,
+        n: Any,
+    ) -> Any:
         sig = types.void(out, types.intp, a, types.intp, types.intp, b, types.intp, types.intp)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -332,8 +488,9 @@ def _fma_chains(n_vectors: int) -> Any:
             rows = context.make_array(signature.args[2])(context, builder, args[2])
             coef = context.make_array(signature.args[5])(context, builder, args[5])
             out_at, a_at, a_step, b_at, n = args[1], args[3], args[4], args[6], args[7]
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3),
-                                                 "llvm.fma.v8f32")
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32"
+            )
             intp = out_at.type
             out_ps, accs = [], []
             for m in range(n_vectors):
@@ -353,8 +510,9 @@ def _fma_chains(n_vectors: int) -> Any:
                 cv = builder.shuffle_vector(cv, undef, zeros)
                 for m, acc in enumerate(accs):
                     at = builder.add(row, ir.Constant(intp, 8 * m))
-                    x = builder.load(builder.bitcast(builder.gep(rows.data, [at]), v8.as_pointer()),
-                                     align=4)
+                    x = builder.load(
+                        builder.bitcast(builder.gep(rows.data, [at]), v8.as_pointer()), align=4
+                    )
                     builder.store(builder.call(fma, [x, cv, builder.load(acc)]), acc)
             for acc, out_p in zip(accs, out_ps):
                 builder.store(builder.load(acc), out_p, align=4)
@@ -439,8 +597,18 @@ ROW_BLOCK = 16  # query rows per tiled task: their (row, head)s share each K and
 
 
 @njit(inline="always")
-def _tiled_task(task: int, q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any,
-                has_mask: bool, scale: float, group: int, out: Any) -> None:
+def _tiled_task(
+    task: int,
+    q: Any,
+    k_tiles: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     """ggml_compute_forward_flash_attn_ext_tiled for ROW_BLOCK rows and the heads of one KV head.
 
     Every (row, head) keeps its own running (M, S, acc), exactly as ggml's tile rows do; the
@@ -495,16 +663,34 @@ def _tiled_task(task: int, q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any
 
 
 @njit
-def _tiled_serial(q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
-                  scale: float, group: int, out: Any) -> None:
+def _tiled_serial(
+    q: Any,
+    k_tiles: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     n_tasks = k_tiles.shape[0] * ((q.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK)
     for task in range(n_tasks):
         _tiled_task(task, q, k_tiles, v, n_cells, mask, has_mask, scale, group, out)
 
 
 @njit(parallel=True)
-def _tiled_parallel(q: Any, k_tiles: Any, v: Any, n_cells: int, mask: Any, has_mask: bool,
-                    scale: float, group: int, out: Any) -> None:
+def _tiled_parallel(
+    q: Any,
+    k_tiles: Any,
+    v: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     n_tasks = k_tiles.shape[0] * ((q.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK)
     for task in prange(n_tasks):
         _tiled_task(task, q, k_tiles, v, n_cells, mask, has_mask, scale, group, out)
@@ -531,6 +717,7 @@ def _k_tiles(k: np.ndarray, n_cells: int) -> np.ndarray:
 
 # --- the q8_0 cache (one_chunk for every batch: ggml tiles and splits only f16/f32 K/V) --------
 
+
 @njit(inline="always")
 def _quantize_q8_0(x: Any, row: int, h: int, qs: Any, ds: Any) -> None:
     """quantize_row_q8_0 (AVX2) of q[row, h]: per 32 values d = amax/127 (stored as f16),
@@ -547,8 +734,9 @@ def _quantize_q8_0(x: Any, row: int, h: int, qs: Any, ds: Any) -> None:
 
 
 @intrinsic
-def _dot_q8_0_body(typingctx: Any, kq: Any, k_at: Any, qs: Any, kd: Any, d_at: Any, ds: Any,
-                   n_blocks: Any) -> Any:
+def _dot_q8_0_body(
+    typingctx: Any, kq: Any, k_at: Any, qs: Any, kd: Any, d_at: Any, ds: Any, n_blocks: Any
+) -> Any:
     """ggml_vec_dot_q8_0_q8_0 (AVX2) of the key at kq.flat[k_at:] (scales kd.flat[d_at:]) with
     the q8_0 query (qs int8, ds f32), as LLVM vector code.
 
@@ -568,43 +756,55 @@ def _dot_q8_0_body(typingctx: Any, kq: Any, k_at: Any, qs: Any, kd: Any, d_at: A
         qscale = context.make_array(signature.args[5])(context, builder, args[5])
         k_at, d_at, n_blocks = args[1], args[4], args[6]
         intp = k_at.type
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3),
-                                             "llvm.fma.v8f32")
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32"
+        )
         acc = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8))
         bytes32 = ir.VectorType(ir.IntType(8), 32).as_pointer()
 
         def pick(vec: Any, n: int, start: int) -> Any:
-            return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, n),
-                                                                list(range(start, 2 * n, 2))))
+            return builder.shuffle_vector(
+                vec, vec, ir.Constant(ir.VectorType(i32, n), list(range(start, 2 * n, 2)))
+            )
 
         with cgutils.for_range(builder, n_blocks) as loop:
             blk = loop.index
             at = builder.mul(blk, ir.Constant(intp, 32))
-            kv = builder.load(builder.bitcast(builder.gep(keys.data, [builder.add(k_at, at)]),
-                                              bytes32), align=1)
+            kv = builder.load(
+                builder.bitcast(builder.gep(keys.data, [builder.add(k_at, at)]), bytes32), align=1
+            )
             qv = builder.load(builder.bitcast(builder.gep(query.data, [at]), bytes32), align=1)
             i16x32 = ir.VectorType(ir.IntType(16), 32)
             prod = builder.mul(builder.sext(kv, i16x32), builder.sext(qv, i16x32))
             pairs = builder.add(pick(prod, 16, 0), pick(prod, 16, 1))
             wide = builder.sext(pairs, ir.VectorType(i32, 16))
             quads = builder.add(pick(wide, 8, 0), pick(wide, 8, 1))
-            d = builder.fmul(builder.load(builder.gep(kscale.data, [builder.add(d_at, blk)])),
-                             builder.load(builder.gep(qscale.data, [blk])))
+            d = builder.fmul(
+                builder.load(builder.gep(kscale.data, [builder.add(d_at, blk)])),
+                builder.load(builder.gep(qscale.data, [blk])),
+            )
             dv = builder.insert_element(ir.Constant(v8f, ir.Undefined), d, ir.Constant(i32, 0))
             dv = builder.shuffle_vector(dv, dv, ir.Constant(v8i, [0] * 8))
-            builder.store(builder.call(fma, [dv, builder.sitofp(quads, v8f), builder.load(acc)]),
-                          acc)
+            builder.store(
+                builder.call(fma, [dv, builder.sitofp(quads, v8f), builder.load(acc)]), acc
+            )
         a = builder.load(acc)
-        r = [builder.fadd(builder.extract_element(a, ir.Constant(i32, m)),
-                          builder.extract_element(a, ir.Constant(i32, m + 4))) for m in range(4)]
+        r = [
+            builder.fadd(
+                builder.extract_element(a, ir.Constant(i32, m)),
+                builder.extract_element(a, ir.Constant(i32, m + 4)),
+            )
+            for m in range(4)
+        ]
         return builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
 
     return sig, codegen
 
 
 @intrinsic
-def _mad_q8_0_body(typingctx: Any, acc: Any, vq: Any, v_at: Any, vd: Any, d_at: Any, w: Any,
-                   n_blocks: Any) -> Any:
+def _mad_q8_0_body(
+    typingctx: Any, acc: Any, vq: Any, v_at: Any, vd: Any, d_at: Any, w: Any, n_blocks: Any
+) -> Any:
     """acc[i] = fma(float(vq.flat[v_at + i]) * vd.flat[d_at + i // 32], w, acc[i]).
 
     dequantize_row_q8_0 (an exact product) then ggml_vec_mad_f32's fma, 32 values a block as
@@ -620,8 +820,9 @@ def _mad_q8_0_body(typingctx: Any, acc: Any, vq: Any, v_at: Any, vd: Any, d_at: 
         scales = context.make_array(signature.args[3])(context, builder, args[3])
         v_at, d_at, w, n_blocks = args[2], args[4], args[5], args[6]
         intp = v_at.type
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32f, [v32f] * 3),
-                                             "llvm.fma.v32f32")
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v32f, [v32f] * 3), "llvm.fma.v32f32"
+        )
         zeros = ir.Constant(ir.VectorType(i32, 32), [0] * 32)
 
         def splat(x: Any) -> Any:
@@ -632,8 +833,10 @@ def _mad_q8_0_body(typingctx: Any, acc: Any, vq: Any, v_at: Any, vd: Any, d_at: 
         with cgutils.for_range(builder, n_blocks) as loop:
             blk = loop.index
             at = builder.mul(blk, ir.Constant(intp, 32))
-            src = builder.bitcast(builder.gep(values.data, [builder.add(v_at, at)]),
-                                  ir.VectorType(ir.IntType(8), 32).as_pointer())
+            src = builder.bitcast(
+                builder.gep(values.data, [builder.add(v_at, at)]),
+                ir.VectorType(ir.IntType(8), 32).as_pointer(),
+            )
             dv = splat(builder.load(builder.gep(scales.data, [builder.add(d_at, blk)])))
             x = builder.fmul(builder.sitofp(builder.load(src, align=1), v32f), dv)
             dst = builder.bitcast(builder.gep(out.data, [at]), v32f.as_pointer())
@@ -646,13 +849,32 @@ def _mad_q8_0_body(typingctx: Any, acc: Any, vq: Any, v_at: Any, vd: Any, d_at: 
 @njit(inline="always")
 def _dot_q8_0(kq: Any, kd: Any, kvh: int, ic: int, qs: Any, ds: Any) -> float:
     n_blocks = ds.shape[0]
-    return _dot_q8_0_body(kq, (kvh * kq.shape[1] + ic) * kq.shape[2], qs, kd,
-                          (kvh * kd.shape[1] + ic) * n_blocks, ds, n_blocks)
+    return _dot_q8_0_body(
+        kq,
+        (kvh * kq.shape[1] + ic) * kq.shape[2],
+        qs,
+        kd,
+        (kvh * kd.shape[1] + ic) * n_blocks,
+        ds,
+        n_blocks,
+    )
 
 
 @njit(inline="always")
-def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: int, mask: Any,
-               has_mask: bool, scale: float, group: int, out: Any) -> None:
+def _q8_0_task(
+    task: int,
+    q: Any,
+    kq: Any,
+    kd: Any,
+    vq: Any,
+    vd: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     """one_chunk with q8_0 K/V for one (row, head): the f32 V accumulator of ggml's non-f16
     branch (V dequantized exactly, ggml_vec_mad_f32's fma, ggml_vec_scale_f32 at a new max)."""
     n_head, hd = q.shape[1], q.shape[2]
@@ -678,8 +900,15 @@ def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: i
             for d in range(hd):
                 acc[d] = acc[d] * ms
         n_blocks = hd // 32
-        _mad_q8_0_body(acc, vq, (kvh * vq.shape[1] + ic) * hd, vd,
-                       (kvh * vd.shape[1] + ic) * n_blocks, vs, n_blocks)
+        _mad_q8_0_body(
+            acc,
+            vq,
+            (kvh * vq.shape[1] + ic) * hd,
+            vd,
+            (kvh * vd.shape[1] + ic) * n_blocks,
+            vs,
+            n_blocks,
+        )
         big_s = fma32(big_s, ms, vs)  # S = S*ms + vs: GCC fuses it (see the docs)
     s_inv = _ZERO if big_s == _ZERO else _ONE / big_s
     for d in range(hd):
@@ -687,20 +916,43 @@ def _q8_0_task(task: int, q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: i
 
 
 @njit
-def _q8_0_serial(q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: int, mask: Any,
-                 has_mask: bool, scale: float, group: int, out: Any) -> None:
+def _q8_0_serial(
+    q: Any,
+    kq: Any,
+    kd: Any,
+    vq: Any,
+    vd: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     for task in range(q.shape[0] * q.shape[1]):
         _q8_0_task(task, q, kq, kd, vq, vd, n_cells, mask, has_mask, scale, group, out)
 
 
 @njit(parallel=True)
-def _q8_0_parallel(q: Any, kq: Any, kd: Any, vq: Any, vd: Any, n_cells: int, mask: Any,
-                   has_mask: bool, scale: float, group: int, out: Any) -> None:
+def _q8_0_parallel(
+    q: Any,
+    kq: Any,
+    kd: Any,
+    vq: Any,
+    vd: Any,
+    n_cells: int,
+    mask: Any,
+    has_mask: bool,
+    scale: float,
+    group: int,
+    out: Any,
+) -> None:
     for task in prange(q.shape[0] * q.shape[1]):
         _q8_0_task(task, q, kq, kd, vq, vd, n_cells, mask, has_mask, scale, group, out)
 
 
 # --- the API -------------------------------------------------------------------------------------
+
 
 def kv_length(n_used: int, cache_size: int, pad: int = KV_PAD) -> int:
     """llama_kv_cache::get_n_kv: the cells ggml attends over (used cells padded to 256)."""
@@ -728,10 +980,16 @@ def _cell_buffer(x: np.ndarray, dtype: type) -> np.ndarray:
     if x.dtype == dtype and x.flags.c_contiguous:
         return x
     base = x.base
-    if (isinstance(base, np.ndarray) and base.dtype == dtype and base.flags.c_contiguous
-            and base.ndim == x.ndim and base.shape[0] == x.shape[0]
-            and base.shape[2:] == x.shape[2:] and base.strides == x.strides
-            and base.ctypes.data == x.ctypes.data):
+    if (
+        isinstance(base, np.ndarray)
+        and base.dtype == dtype
+        and base.flags.c_contiguous
+        and base.ndim == x.ndim
+        and base.shape[0] == x.shape[0]
+        and base.shape[2:] == x.shape[2:]
+        and base.strides == x.strides
+        and base.ctypes.data == x.ctypes.data
+    ):
         return base
     return np.ascontiguousarray(x, dtype)
 
@@ -758,9 +1016,16 @@ def _prepare_mask(mask: np.ndarray | None, n_rows: int, n_cells: int) -> tuple[b
     return True, prepared
 
 
-def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                   scale: float, n_kv: int | None = None, n_threads: int = 2,
-                   parallel: bool | None = None) -> np.ndarray:
+def flash_attn_f16(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    scale: float,
+    n_kv: int | None = None,
+    n_threads: int = 2,
+    parallel: bool | None = None,
+) -> np.ndarray:
     """ggml_flash_attn_ext with an f16 K/V cache, as llama-server's CPU backend computes it.
 
     q: f32 [n_rows, n_head, hd] (after RoPE); k, v: [n_head_kv, T, hd] f16 values (float16, or
@@ -799,8 +1064,21 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
         part_s = np.empty((n_head, n_threads), np.float32)
         part_acc = np.empty((n_head, n_threads, hd), np.float32)
         split = _split_parallel if parallel else _split_serial
-        split(q, k_buf, v_buf, n_cells, mask, has_mask, scale, group, n_kv, chunk, part_m,
-              part_s, part_acc)
+        split(
+            q,
+            k_buf,
+            v_buf,
+            n_cells,
+            mask,
+            has_mask,
+            scale,
+            group,
+            n_kv,
+            chunk,
+            part_m,
+            part_s,
+            part_acc,
+        )
         _reduce_all(part_m, part_s, part_acc, chunk, n_kv, out)
     else:
         one_chunk = _one_chunk_parallel if parallel else _one_chunk_serial
@@ -808,9 +1086,16 @@ def flash_attn_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     return out
 
 
-def flash_attn_q8_0(q: np.ndarray, k_q: np.ndarray, k_d: np.ndarray, v_q: np.ndarray,
-                    v_d: np.ndarray, mask: np.ndarray | None, scale: float,
-                    parallel: bool | None = None) -> np.ndarray:
+def flash_attn_q8_0(
+    q: np.ndarray,
+    k_q: np.ndarray,
+    k_d: np.ndarray,
+    v_q: np.ndarray,
+    v_d: np.ndarray,
+    mask: np.ndarray | None,
+    scale: float,
+    parallel: bool | None = None,
+) -> np.ndarray:
     """ggml_flash_attn_ext with a q8_0 K/V cache (llama-server --cache-type-k/v q8_0).
 
     q: f32 [n_rows, n_head, hd] as ggml receives it (with the cache's Hadamard rotation already
@@ -823,19 +1108,37 @@ def flash_attn_q8_0(q: np.ndarray, k_q: np.ndarray, k_d: np.ndarray, v_q: np.nda
     n_rows, n_head, hd = q.shape
     n_head_kv, n_cells, _ = k_q.shape
     blocks = (n_head_kv, n_cells, hd // 32)
-    if (hd % 32 or k_q.shape != (n_head_kv, n_cells, hd) or v_q.shape != k_q.shape
-            or k_d.shape != blocks or v_d.shape != blocks or n_head % n_head_kv):
-        raise ValueError(f"q {q.shape}, k {k_q.shape}/{k_d.shape}, v {v_q.shape}/{v_d.shape} "
-                         "do not fit together as q8_0 blocks")
+    if (
+        hd % 32
+        or k_q.shape != (n_head_kv, n_cells, hd)
+        or v_q.shape != k_q.shape
+        or k_d.shape != blocks
+        or v_d.shape != blocks
+        or n_head % n_head_kv
+    ):
+        raise ValueError(
+            f"q {q.shape}, k {k_q.shape}/{k_d.shape}, v {v_q.shape}/{v_d.shape} "
+            "do not fit together as q8_0 blocks"
+        )
     has_mask, mask = _prepare_mask(mask, n_rows, n_cells)
     out = np.zeros((n_rows, n_head, hd), np.float32)
     if n_rows == 0 or n_cells == 0:
         return out
     parallel = parallel if parallel is not None else n_rows * n_head * n_cells >= PARALLEL_MIN_WORK
     kernel = _q8_0_parallel if parallel else _q8_0_serial
-    kernel(q, _cell_buffer(k_q, np.int8), _cell_buffer(k_d, np.float32), _cell_buffer(v_q, np.int8),
-           _cell_buffer(v_d, np.float32), n_cells, mask, has_mask, F32(scale), n_head // n_head_kv,
-           out)
+    kernel(
+        q,
+        _cell_buffer(k_q, np.int8),
+        _cell_buffer(k_d, np.float32),
+        _cell_buffer(v_q, np.int8),
+        _cell_buffer(v_d, np.float32),
+        n_cells,
+        mask,
+        has_mask,
+        F32(scale),
+        n_head // n_head_kv,
+        out,
+    )
     return out
 
 
@@ -849,8 +1152,9 @@ def warm_up(q8_0: bool = False) -> None:
         k = rng.standard_normal((1, n_cells, 32)).astype(np.float16).astype(np.float32)
         mask = attention_mask(np.arange(n_cells - n_rows, n_cells), np.arange(n_cells))
         for parallel in (False, True):
-            flash_attn_f16(q, k, k, mask if n_rows > 1 else None, 0.125, n_kv=n_kv,
-                           parallel=parallel)
+            flash_attn_f16(
+                q, k, k, mask if n_rows > 1 else None, 0.125, n_kv=n_kv, parallel=parallel
+            )
             if q8_0:
                 kq = np.zeros((1, n_cells, 32), np.int8)
                 kd = np.ones((1, n_cells, 1), np.float16)

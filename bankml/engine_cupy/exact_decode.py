@@ -21,15 +21,24 @@ from typing import Any
 
 import numpy as np
 
-from bankml.engine_cupy import exact_attention
+from bankml.engine_cupy import exact_attention, exact_iquants, exact_kquants
 from bankml.engine_cupy.exact_attention import one_row_f16
-from bankml.engine_cupy import exact_iquants, exact_kquants
 from bankml.engine_cupy.exact_iquants import IQ4NLMatrix, IQ4XSMatrix, IQGridMatrix
 from bankml.engine_cupy.exact_kquants import KQuantMatrix
-from bankml.engine_cupy.exact_matmul import (F16_TABLE, PARALLEL_MIN_MACS, MatrixStack, QuantMatrix,
-                                             row_product)
-from bankml.engine_cupy.exact_ops import (_geglu_rows, _norm_fused_pairs, _rms_norm_rows,
-                                          _rope_rows, _swiglu_rows)
+from bankml.engine_cupy.exact_matmul import (
+    F16_TABLE,
+    PARALLEL_MIN_MACS,
+    MatrixStack,
+    QuantMatrix,
+    row_product,
+)
+from bankml.engine_cupy.exact_ops import (
+    _geglu_rows,
+    _norm_fused_pairs,
+    _rms_norm_rows,
+    _rope_rows,
+    _swiglu_rows,
+)
 from bankml.engine_cupy.jit import njit
 from bankml.engine_cupy.kv_cache import _store_f16
 
@@ -49,6 +58,7 @@ _NO_ROWS = np.zeros((0, 0), np.uint8)
 
 # --- the compiled step ---------------------------------------------------------------------------
 
+
 @njit
 def _rms(x: Any, weight: Any, eps: float) -> Any:
     """exact_ops.rms_norm of each row of x [rows, n] (weight of size 0: none)."""
@@ -58,8 +68,9 @@ def _rms(x: Any, weight: Any, eps: float) -> Any:
 
 
 @njit
-def _part_product(family: int, code: int, parallel: bool, raw: Any, grid: Any, x: Any,
-                  table: Any, out: Any) -> None:
+def _part_product(
+    family: int, code: int, parallel: bool, raw: Any, grid: Any, x: Any, table: Any, out: Any
+) -> None:
     """One part's one-row product into out [1, its rows], by its family's kernels (``grid``:
     a grid or TQ matrix's other arguments, placeholders otherwise)."""
     if family == _MATMUL:
@@ -70,8 +81,9 @@ def _part_product(family: int, code: int, parallel: bool, raw: Any, grid: Any, x
         exact_iquants.row_product(code, parallel, raw, x, table, out)
     else:
         kind, f_vd, f_t, grid_table, scales, d = grid
-        exact_iquants.grid_row_product(code, kind, f_vd, f_t, parallel, raw, grid_table, scales, d,
-                                       x, out)
+        exact_iquants.grid_row_product(
+            code, kind, f_vd, f_t, parallel, raw, grid_table, scales, d, x, out
+        )
 
 
 @njit
@@ -93,7 +105,7 @@ def _product(matrix: Any, x: Any, table: Any) -> Any:
         else:
             part = np.empty((1, rows), np.float32)
             _part_product(family, code, parallel, raw, grid, x, table, part)
-            out[0, start:start + rows] = part[0]
+            out[0, start : start + rows] = part[0]
         for i in range(bias.shape[0]):
             out[0, start + i] += bias[i]
         start += rows
@@ -103,7 +115,7 @@ def _product(matrix: Any, x: Any, table: Any) -> Any:
 @njit
 def _heads(y: Any, start: int, n_heads: int, head_dim: int) -> Any:
     """y[0, start : start + n_heads*head_dim] as a [1, n_heads, head_dim] copy."""
-    return y[0, start:start + n_heads * head_dim].copy().reshape(1, n_heads, head_dim)
+    return y[0, start : start + n_heads * head_dim].copy().reshape(1, n_heads, head_dim)
 
 
 @njit
@@ -122,9 +134,23 @@ def _rope(x: Any, cos: Any, sin: Any, neox: bool, fused_pairs: int) -> Any:
 
 
 @njit
-def _attention(h: Any, qkv: Any, q_norm: Any, k_norm: Any, shape: Any, cos: Any, sin: Any,
-               neox: bool, q_scale: float, scale: float, pos: int, cells: Any, n_threads: int,
-               eps: float, table: Any) -> Any:
+def _attention(
+    h: Any,
+    qkv: Any,
+    q_norm: Any,
+    k_norm: Any,
+    shape: Any,
+    cos: Any,
+    sin: Any,
+    neox: bool,
+    q_scale: float,
+    scale: float,
+    pos: int,
+    cells: Any,
+    n_threads: int,
+    eps: float,
+    table: Any,
+) -> Any:
     """Model._attention + _attend_exact for one token: Q/K/V, their norms, RoPE, gemma3's Q
     scale, the f16 cache store at ``pos`` (and at the ring cell), ggml's one-row flash attention
     over the cells attended; [1, n_head*hd]. ``cells``: see decode_layer."""
@@ -150,8 +176,20 @@ def _attention(h: Any, qkv: Any, q_norm: Any, k_norm: Any, shape: Any, cos: Any,
         _store_f16(v_att, cell, v)
     out = np.empty((1, n_head, head_dim), np.float32)
     parallel = n_head * n_cells >= PARALLEL_MIN_VISITS
-    one_row_f16(q, k_att, v_att, n_cells, mask, has_mask, scale, n_head // n_head_kv, n_kv,
-                n_threads, parallel, out)
+    one_row_f16(
+        q,
+        k_att,
+        v_att,
+        n_cells,
+        mask,
+        has_mask,
+        scale,
+        n_head // n_head_kv,
+        n_kv,
+        n_threads,
+        parallel,
+        out,
+    )
     return out.reshape(1, n_head * head_dim)
 
 
@@ -159,7 +197,7 @@ def _attention(h: Any, qkv: Any, q_norm: Any, k_norm: Any, shape: Any, cos: Any,
 def _glu(gu: Any, n_ff: int, gelu: Any) -> Any:
     """Model._gated: SwiGLU, or GeGLU through ggml's f16 GELU table when one is given."""
     gate = gu[:, :n_ff].copy()
-    up = gu[:, n_ff:2 * n_ff].copy()
+    up = gu[:, n_ff : 2 * n_ff].copy()
     out = np.empty((1, n_ff), np.float32)
     if gelu.shape[0]:
         _geglu_rows(gate, up, gelu, out)
@@ -177,10 +215,27 @@ def _add(x: Any, y: Any) -> Any:
 
 
 @njit
-def decode_layer(x: Any, pos: int, cos: Any, sin: Any, cells: Any, norms: Any, qkv: Any,
-                 wo: Any, gate_up: Any, down: Any, shape: Any, n_ff: int, neox: bool,
-                 q_scale: float, scale: float, n_threads: int, eps: float, table: Any,
-                 gelu: Any) -> Any:
+def decode_layer(
+    x: Any,
+    pos: int,
+    cos: Any,
+    sin: Any,
+    cells: Any,
+    norms: Any,
+    qkv: Any,
+    wo: Any,
+    gate_up: Any,
+    down: Any,
+    shape: Any,
+    n_ff: int,
+    neox: bool,
+    q_scale: float,
+    scale: float,
+    n_threads: int,
+    eps: float,
+    table: Any,
+    gelu: Any,
+) -> Any:
     """Model._block for one token x [1, n_embd] at ``pos``; returns the layer's output.
 
     norms: (attn, ffn, q, k, post-attention, post-FFN) weights, size 0 where absent; each
@@ -191,8 +246,23 @@ def decode_layer(x: Any, pos: int, cos: Any, sin: Any, cells: Any, norms: Any, q
     in the SWA ring."""
     attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffw_norm = norms
     h = _rms(x, attn_norm, eps)
-    attn = _attention(h, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, scale, pos, cells,
-                      n_threads, eps, table)
+    attn = _attention(
+        h,
+        qkv,
+        q_norm,
+        k_norm,
+        shape,
+        cos,
+        sin,
+        neox,
+        q_scale,
+        scale,
+        pos,
+        cells,
+        n_threads,
+        eps,
+        table,
+    )
     out = _product(wo, attn, table)
     if post_attn_norm.shape[0]:
         out = _rms(out, post_attn_norm, eps)
@@ -212,6 +282,7 @@ def decode_output(x: Any, norm: Any, output: Any, eps: float, table: Any) -> Any
 
 # --- the plan: each layer's arguments, laid out once per model -----------------------------------
 
+
 def _readonly(a: np.ndarray) -> np.ndarray:
     """A read-only view: every weight then has one Numba type (the memory-mapped ones are
     read-only, copies are not), so decode_layer compiles once for every model."""
@@ -227,8 +298,14 @@ def _f32(a: Any | None) -> np.ndarray:
 
 def _no_grid() -> tuple:
     """The grid arguments of a part that is not a grid matrix: placeholders of their types."""
-    return (0, 0.0, 0.0, _readonly(np.zeros(0, np.uint64)), _readonly(np.zeros((0, 0), np.int16)),
-            _readonly(np.zeros((0, 0), F32)))
+    return (
+        0,
+        0.0,
+        0.0,
+        _readonly(np.zeros(0, np.uint64)),
+        _readonly(np.zeros((0, 0), np.int16)),
+        _readonly(np.zeros((0, 0), F32)),
+    )
 
 
 def _part(m: Any) -> tuple | None:
@@ -242,8 +319,14 @@ def _part(m: Any) -> tuple | None:
         return _IQ4, m._code(1), parallel, _readonly(m.raw), _no_grid()
     if type(m) is IQGridMatrix:
         code, kind, f_vd, f_t, grid_table, scales, d = m.row_args()
-        grid = (kind, f_vd, f_t, _readonly(grid_table), _readonly(np.ascontiguousarray(scales)),
-                _readonly(np.ascontiguousarray(d)))
+        grid = (
+            kind,
+            f_vd,
+            f_t,
+            _readonly(grid_table),
+            _readonly(np.ascontiguousarray(scales)),
+            _readonly(np.ascontiguousarray(d)),
+        )
         return _GRID, code, parallel, _readonly(m.raw), grid
     return None
 
@@ -257,11 +340,11 @@ def _matrix(linears: list[Any]) -> tuple | None:
     for linear in linears:
         m = getattr(linear, "exact", None)
         start = 0
-        for piece in (m.parts if isinstance(m, MatrixStack) else [m]):
+        for piece in m.parts if isinstance(m, MatrixStack) else [m]:
             part = None if piece is None else _part(piece)
             if part is None:
                 return None
-            bias = None if linear.bias is None else linear.bias[start:start + piece.n_out]
+            bias = None if linear.bias is None else linear.bias[start : start + piece.n_out]
             parts.append((*part[:4], _f32(bias), part[4]))
             start += piece.n_out
     if len(parts) > MAX_PARTS:
@@ -291,7 +374,7 @@ class DecodePlan:
     gelu: np.ndarray
 
     @classmethod
-    def build(cls, hp: Any, weights: Any, gelu: Any | None) -> "DecodePlan | None":
+    def build(cls, hp: Any, weights: Any, gelu: Any | None) -> DecodePlan | None:
         """The plan of a model whose every matrix the fused step multiplies, else None."""
         output = _matrix([weights.output])
         if output is None:
@@ -303,28 +386,68 @@ class DecodePlan:
                 return None
             if _output_widths(layer.gate_up) != [("gate", hp.n_ff), ("up", hp.n_ff)]:
                 return None
-            norms = tuple(_f32(n) for n in (layer.attn_norm, layer.ffn_norm, layer.q_norm,
-                                            layer.k_norm, layer.post_attn_norm,
-                                            layer.post_ffw_norm))
+            norms = tuple(
+                _f32(n)
+                for n in (
+                    layer.attn_norm,
+                    layer.ffn_norm,
+                    layer.q_norm,
+                    layer.k_norm,
+                    layer.post_attn_norm,
+                    layer.post_ffw_norm,
+                )
+            )
             window = hp.swa_window if hp.swa_layers[il] else 0
             layers.append((norms, *mats, window))
         gemma = hp.arch == "gemma3"
-        return cls(layers=layers, output=output, output_norm=_f32(weights.output_norm),
-                   shape=(hp.n_head, hp.n_head_kv, hp.head_dim), n_ff=hp.n_ff,
-                   neox=bool(hp.spec.rope_neox), q_scale=F32(hp.attn_scale if gemma else 1),
-                   scale=F32(1 if gemma else hp.attn_scale), eps=F32(hp.rms_eps),
-                   swa=tuple(hp.swa_layers), gelu=_f32(gelu))
+        return cls(
+            layers=layers,
+            output=output,
+            output_norm=_f32(weights.output_norm),
+            shape=(hp.n_head, hp.n_head_kv, hp.head_dim),
+            n_ff=hp.n_ff,
+            neox=bool(hp.spec.rope_neox),
+            q_scale=F32(hp.attn_scale if gemma else 1),
+            scale=F32(1 if gemma else hp.attn_scale),
+            eps=F32(hp.rms_eps),
+            swa=tuple(hp.swa_layers),
+            gelu=_f32(gelu),
+        )
 
-    def step(self, x: np.ndarray, pos: int, ropes: dict[bool, tuple[Any, Any]], cache: Any,
-             n_threads: int) -> np.ndarray:
+    def step(
+        self,
+        x: np.ndarray,
+        pos: int,
+        ropes: dict[bool, tuple[Any, Any]],
+        cache: Any,
+        n_threads: int,
+    ) -> np.ndarray:
         """The layers and the output product for one token x [1, n_embd] at ``pos``, its K/V
         stored in ``cache`` (f16, in position order); the logits [1, n_vocab]."""
         views = _CellViews(pos, cache)
         for il, (norms, qkv, wo, gate_up, down, window) in enumerate(self.layers):
             cos, sin = ropes[self.swa[il]]
-            x = decode_layer(x, pos, cos, sin, views.cells(il, window), norms, qkv, wo, gate_up,
-                             down, self.shape, self.n_ff, self.neox, self.q_scale, self.scale,
-                             n_threads, self.eps, F16_TABLE, self.gelu)
+            x = decode_layer(
+                x,
+                pos,
+                cos,
+                sin,
+                views.cells(il, window),
+                norms,
+                qkv,
+                wo,
+                gate_up,
+                down,
+                self.shape,
+                self.n_ff,
+                self.neox,
+                self.q_scale,
+                self.scale,
+                n_threads,
+                self.eps,
+                F16_TABLE,
+                self.gelu,
+            )
         return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE)
 
 
@@ -349,7 +472,8 @@ class _CellViews:
             return False, _NO_MASK
         if window not in self._window_masks:
             self._window_masks[window] = exact_attention.attention_mask(
-                np.array([self.end - 1]), np.arange(self.end), window)
+                np.array([self.end - 1]), np.arange(self.end), window
+            )
         return True, self._window_masks[window]
 
     def cells(self, il: int, window: int) -> tuple:

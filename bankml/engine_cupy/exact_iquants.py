@@ -49,13 +49,34 @@ from numba.extending import intrinsic
 
 from bankml.engine_cupy.exact_kquants import QK_K, TILED_MIN_ROWS, KActivation, KMatrixStack
 from bankml.engine_cupy.exact_kquants import _quantize_serial as _quantize_q8_K
-from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_MACS, QK, Activation, BlockRows,
-                                             MatrixStack, _byte_ptr, _call, _data, _half, _hsum, _load,
-                                             _nibbles, _splat)
+from bankml.engine_cupy.exact_matmul import (
+    HOST_HAS_AVX2,
+    PARALLEL_MIN_MACS,
+    QK,
+    Activation,
+    BlockRows,
+    MatrixStack,
+    _byte_ptr,
+    _call,
+    _data,
+    _half,
+    _hsum,
+    _load,
+    _nibbles,
+    _splat,
+)
 from bankml.engine_cupy.exact_matmul import _quantize_serial as _quantize_q8_0
 from bankml.engine_cupy.jit import fma32, njit
 
-__all__ = ["IQuantMatrix", "IQ4NLMatrix", "IQ4XSMatrix", "IQGridMatrix", "supported", "repacked_by_llama_server", "KVALUES_IQ4NL"]
+__all__ = [
+    "IQuantMatrix",
+    "IQ4NLMatrix",
+    "IQ4XSMatrix",
+    "IQGridMatrix",
+    "supported",
+    "repacked_by_llama_server",
+    "KVALUES_IQ4NL",
+]
 
 # ggml-common.h kvalues_iq4nl: the value each 4-bit index stands for (gguf-py carries the same table)
 KVALUES_IQ4NL = tuple(int(v) for v in quants.IQ4_NL.kvalues)
@@ -67,8 +88,12 @@ _NL_VD, _NL_TB, _NL_RP, _XS_VD, _XS_T = range(5)
 _XS_CODES = {_XS_VD, _XS_T}
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-_V32I8, _V16I16, _V8I32, _V8F = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8),
-                                 ir.VectorType(_F32, 8))
+_V32I8, _V16I16, _V8I32, _V8F = (
+    ir.VectorType(_I8, 32),
+    ir.VectorType(_I16, 16),
+    ir.VectorType(_I32, 8),
+    ir.VectorType(_F32, 8),
+)
 
 
 def supported(qtype: T | int) -> bool:
@@ -107,11 +132,15 @@ def _signed_pairs(builder: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
 def _xs_scale(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value, ib: int) -> ir.Value:
     """Sub-block ib's signed scale of a block_iq4_xs as <16 x i16>: 4 low bits from scales_l
     (at +4), 2 high bits from scales_h (u16 at +2), minus 32."""
-    low = builder.zext(_load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 4 + ib // 2)), _I8), _I16)
+    low = builder.zext(
+        _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 4 + ib // 2)), _I8), _I16
+    )
     low = builder.and_(builder.lshr(low, ir.Constant(_I16, 4 * (ib % 2))), ir.Constant(_I16, 15))
     high = _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 2)), _I16)
-    high = builder.shl(builder.and_(builder.lshr(high, ir.Constant(_I16, 2 * ib)), ir.Constant(_I16, 3)),
-                       ir.Constant(_I16, 4))
+    high = builder.shl(
+        builder.and_(builder.lshr(high, ir.Constant(_I16, 2 * ib)), ir.Constant(_I16, 3)),
+        ir.Constant(_I16, 4),
+    )
     value = builder.sub(builder.or_(low, high), ir.Constant(_I16, 32))
     return _splat(builder, value, _V16I16)
 
@@ -133,8 +162,14 @@ def _make_dot(code: int, rn: int):
         def codegen(context, builder, signature, args):
             aty = signature.args
             (_, w_off, _, x_off, n_in, _, s_off, nblocks, _, o_off, n_out) = args
-            wbase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[2], args[2])
-            xdp, obase = _data(context, builder, aty[5], args[5]), _data(context, builder, aty[8], args[8])
+            wbase, xbase = (
+                _byte_ptr(context, builder, aty[0], args[0]),
+                _byte_ptr(context, builder, aty[2], args[2]),
+            )
+            xdp, obase = (
+                _data(context, builder, aty[5], args[5]),
+                _data(context, builder, aty[8], args[8]),
+            )
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
@@ -142,15 +177,22 @@ def _make_dot(code: int, rn: int):
 
             zero = ir.Constant(_F32, 0.0) if scalar_acc else ir.Constant(_V8F, [0.0] * 8)
             n_acc = 2 if code == _NL_VD else 1  # vec_dot's even/odd block accumulators
-            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)] for _ in range(rn)]
+            acc = [
+                [cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)] for _ in range(rn)
+            ]
             ones = ir.Constant(_V16I16, [1] * 16)
 
             def block(b: ir.Value) -> tuple:
                 """The weight block's d and, per 32 values, (int8 values, scale for pmaddwd)."""
                 blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
                 if xs:
-                    parts = [(_table_values(builder, wbase, builder.add(blk, const(8 + 16 * ib))),
-                              _xs_scale(builder, wbase, blk, ib)) for ib in range(8)]
+                    parts = [
+                        (
+                            _table_values(builder, wbase, builder.add(blk, const(8 + 16 * ib))),
+                            _xs_scale(builder, wbase, blk, ib),
+                        )
+                        for ib in range(8)
+                    ]
                 else:
                     parts = [(_table_values(builder, wbase, builder.add(blk, const(2))), ones)]
                 return _half(builder, wbase, blk), parts
@@ -159,11 +201,18 @@ def _make_dot(code: int, rn: int):
                 """Activation row j's block b: (its scale d_x, the eight exact int32 lanes)."""
                 row = builder.add(s_off, builder.mul(const(j), nblocks))
                 d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
-                xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(qk)))
+                xo = builder.add(
+                    builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(qk))
+                )
                 lanes = None
                 for k, (wv, scale) in enumerate(parts):
                     x = _load(builder, xbase, builder.add(xo, const(32 * k)), _V32I8)
-                    quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_signed_pairs(builder, wv, x), scale])
+                    quads = _call(
+                        builder,
+                        "llvm.x86.avx2.pmadd.wd",
+                        _V8I32,
+                        [_signed_pairs(builder, wv, x), scale],
+                    )
                     lanes = quads if lanes is None else builder.add(lanes, quads)
                 return d_x, lanes
 
@@ -175,14 +224,30 @@ def _make_dot(code: int, rn: int):
                     slot = acc[j][which]
                     if code in (_NL_VD, _NL_TB, _XS_VD):
                         scale = _splat(builder, builder.fmul(d_w, d_x), _V8F)
-                        value = _call(builder, "llvm.fma.v8f32", _V8F,
-                                      [scale, builder.sitofp(lanes, _V8F), builder.load(slot)])
+                        value = _call(
+                            builder,
+                            "llvm.fma.v8f32",
+                            _V8F,
+                            [scale, builder.sitofp(lanes, _V8F), builder.load(slot)],
+                        )
                     else:
-                        total = builder.sitofp(_call(builder, "llvm.vector.reduce.add.v8i32", _I32, [lanes]), _F32)
+                        total = builder.sitofp(
+                            _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [lanes]), _F32
+                        )
                         if code == _NL_RP:  # acc = fma(Σ, d_w·d_x, acc)
-                            value = _call(builder, "llvm.fma.f32", _F32, [total, builder.fmul(d_w, d_x), builder.load(slot)])
+                            value = _call(
+                                builder,
+                                "llvm.fma.f32",
+                                _F32,
+                                [total, builder.fmul(d_w, d_x), builder.load(slot)],
+                            )
                         else:  # tiled: res = d_w·s1, out = fma(res, d_x, out)
-                            value = _call(builder, "llvm.fma.f32", _F32, [builder.fmul(d_w, total), d_x, builder.load(slot)])
+                            value = _call(
+                                builder,
+                                "llvm.fma.f32",
+                                _F32,
+                                [builder.fmul(d_w, total), d_x, builder.load(slot)],
+                            )
                     builder.store(value, slot)
 
             if code == _NL_VD:
@@ -191,17 +256,33 @@ def _make_dot(code: int, rn: int):
                     b = builder.mul(loop.index, const(2))
                     step(b, 0)
                     step(builder.add(b, const(1)), 1)
-                sums = [cgutils.alloca_once_value(builder, _hsum(builder, builder.fadd(
-                    builder.load(acc[j][0]), builder.load(acc[j][1])))) for j in range(rn)]
+                sums = [
+                    cgutils.alloca_once_value(
+                        builder,
+                        _hsum(
+                            builder, builder.fadd(builder.load(acc[j][0]), builder.load(acc[j][1]))
+                        ),
+                    )
+                    for j in range(rn)
+                ]
                 odd = builder.icmp_unsigned("!=", builder.urem(nblocks, const(2)), const(0))
                 with builder.if_then(odd):  # the last block: a scalar fma on the sum
                     b = builder.sub(nblocks, const(1))
                     d_w, parts = block(b)
                     for j in range(rn):
                         d_x, lanes = row_lanes(b, j, parts)
-                        total = builder.sitofp(_call(builder, "llvm.vector.reduce.add.v8i32", _I32, [lanes]), _F32)
-                        builder.store(_call(builder, "llvm.fma.f32", _F32,
-                                            [builder.fmul(d_x, d_w), total, builder.load(sums[j])]), sums[j])
+                        total = builder.sitofp(
+                            _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [lanes]), _F32
+                        )
+                        builder.store(
+                            _call(
+                                builder,
+                                "llvm.fma.f32",
+                                _F32,
+                                [builder.fmul(d_x, d_w), total, builder.load(sums[j])],
+                            ),
+                            sums[j],
+                        )
                 results = [builder.load(s) for s in sums]
             else:
                 with cgutils.for_range(builder, nblocks) as loop:
@@ -210,7 +291,9 @@ def _make_dot(code: int, rn: int):
                 if not scalar_acc:
                     results = [_hsum(builder, r) for r in results]
             for j, value in enumerate(results):
-                builder.store(value, builder.gep(obase, [builder.add(o_off, builder.mul(const(j), n_out))]))
+                builder.store(
+                    value, builder.gep(obase, [builder.add(o_off, builder.mul(const(j), n_out))])
+                )
             return context.get_dummy_value()
 
         return sig, codegen
@@ -304,7 +387,9 @@ def row_product(code, parallel, raw, x, table, out):  # pragma: no cover - compi
         _serial(code, raw, qk, q, d, out)
 
 
-def _run(code: int, raw: numpy.ndarray, q: numpy.ndarray, d: numpy.ndarray, out: numpy.ndarray) -> None:
+def _run(
+    code: int, raw: numpy.ndarray, q: numpy.ndarray, d: numpy.ndarray, out: numpy.ndarray
+) -> None:
     """out = the product of the rounded activation (q, d) by the weight rows in ``code``."""
     if q.shape[0] == 0:
         return
@@ -324,10 +409,16 @@ class IQuantMatrix(BlockRows):
     type's subclass (IQ4NLMatrix or IQ4XSMatrix), whose ``stack`` runs it beside matrices of the
     other exact modules that share its activation rounding (q8_0 or q8_K)."""
 
-    def __new__(cls, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
+    def __new__(
+        cls, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False
+    ):
         if cls is IQuantMatrix:
             try:
-                cls = IQGridMatrix if T(qtype) in _GRID else {T.IQ4_NL: IQ4NLMatrix, T.IQ4_XS: IQ4XSMatrix}[T(qtype)]
+                cls = (
+                    IQGridMatrix
+                    if T(qtype) in _GRID
+                    else {T.IQ4_NL: IQ4NLMatrix, T.IQ4_XS: IQ4XSMatrix}[T(qtype)]
+                )
             except (KeyError, ValueError):
                 raise ValueError(f"no exact IQ kernel for type {qtype}") from None
         return super().__new__(cls)
@@ -339,7 +430,9 @@ class IQuantMatrix(BlockRows):
             return type(parts[0]).concat(parts)
         return super().concat(parts)
 
-    def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
+    def __init__(
+        self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False
+    ):
         qtype = T(qtype)
         if not supported(qtype):
             raise ValueError(f"no exact IQ kernel for {qtype.name}")
@@ -351,7 +444,9 @@ class IQuantMatrix(BlockRows):
         row_bytes = n_in // qk * block_bytes
         data = numpy.ascontiguousarray(raw).view(numpy.uint8)
         if data.size != n_out * row_bytes:
-            raise ValueError(f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}")
+            raise ValueError(
+                f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}"
+            )
         self.raw = data.reshape(n_out, row_bytes)
         self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
 
@@ -453,13 +548,20 @@ def _scales_iq1_m(b: numpy.ndarray) -> numpy.ndarray:
 def _d_iq1_m(b: numpy.ndarray) -> numpy.ndarray:
     """IQ1_M's f16 d, spread over the top nibbles of its four scale words."""
     w = numpy.ascontiguousarray(b[:, 48:56]).view(numpy.uint16)
-    bits = (w[:, 0] >> 12) | ((w[:, 1] >> 8) & 0x00F0) | ((w[:, 2] >> 4) & 0x0F00) | (w[:, 3] & 0xF000)
+    bits = (
+        (w[:, 0] >> 12) | ((w[:, 1] >> 8) & 0x00F0) | ((w[:, 2] >> 4) & 0x0F00) | (w[:, 3] & 0xF000)
+    )
     return bits.astype(numpy.uint16).view(numpy.float16).astype(numpy.float32)
 
 
 def _d_at(offset: int):
     def d(b: numpy.ndarray) -> numpy.ndarray:
-        return numpy.ascontiguousarray(b[:, offset:offset + 2]).view(numpy.float16)[:, 0].astype(numpy.float32)
+        return (
+            numpy.ascontiguousarray(b[:, offset : offset + 2])
+            .view(numpy.float16)[:, 0]
+            .astype(numpy.float32)
+        )
+
     return d
 
 
@@ -474,7 +576,14 @@ _GRID = {
     T.IQ2_XS: (74, _d_at(0), lambda b: _scale_nibbles(b[:, 66:74]), _GRID_VD, 0.125, 0.125),
     T.IQ2_S: (82, _d_at(0), lambda b: _scale_nibbles(b[:, 74:82]), _GRID_VD, 0.125, 0.125),
     T.IQ3_XXS: (98, _d_at(0), _scales_iq3_xxs, _GRID_VD, 0.25, 0.25),
-    T.IQ3_S: (110, _d_at(0), lambda b: numpy.repeat(_scale_nibbles(b[:, 106:110]), 2, axis=1), _GRID_VD, 1.0, 1.0),
+    T.IQ3_S: (
+        110,
+        _d_at(0),
+        lambda b: numpy.repeat(_scale_nibbles(b[:, 106:110]), 2, axis=1),
+        _GRID_VD,
+        1.0,
+        1.0,
+    ),
     T.IQ1_S: (50, _d_at(0), _scales_iq1_s, _IQ1S_VD, 1.0, 0.125),
     T.IQ1_M: (56, _d_iq1_m, _scales_iq1_m, _IQ1M_VD, 1.0, 0.125),
     T.TQ1_0: (54, _d_at(52), _no_scales, _TQ_VD, 1.0, None),
@@ -508,13 +617,23 @@ def _grid_table(qtype: T) -> numpy.ndarray:
 # ggml's ksigns_iq2xs (7 sign bits -> 8 with even parity; gguf-py carries the same table), and
 # for each sign byte the 64-bit mask with 0xFF in the bytes it negates
 _KSIGNS = numpy.frombuffer(quants.IQ2_XXS.ksigns, numpy.uint8).astype(numpy.int64)
-_SIGN_MASKS = ((numpy.arange(256)[:, None] >> numpy.arange(8)) & 1).astype(numpy.uint8) * numpy.uint8(0xFF)
+_SIGN_MASKS = ((numpy.arange(256)[:, None] >> numpy.arange(8)) & 1).astype(
+    numpy.uint8
+) * numpy.uint8(0xFF)
 _SIGN_MASKS = numpy.ascontiguousarray(_SIGN_MASKS).view(numpy.uint64).ravel().copy()
 _ONES = numpy.uint64(0x0101010101010101)
 _MINUS_ONES = numpy.uint64(0xFFFFFFFFFFFFFFFF)
 _K_IQ2_XXS, _K_IQ2_XS, _K_IQ2_S, _K_IQ3_XXS, _K_IQ3_S, _K_IQ1_S, _K_IQ1_M, _K_TQ1_0, _K_TQ2_0 = (
-    int(T.IQ2_XXS), int(T.IQ2_XS), int(T.IQ2_S), int(T.IQ3_XXS), int(T.IQ3_S), int(T.IQ1_S), int(T.IQ1_M),
-    int(T.TQ1_0), int(T.TQ2_0))
+    int(T.IQ2_XXS),
+    int(T.IQ2_XS),
+    int(T.IQ2_S),
+    int(T.IQ3_XXS),
+    int(T.IQ3_S),
+    int(T.IQ1_S),
+    int(T.IQ1_M),
+    int(T.TQ1_0),
+    int(T.TQ2_0),
+)
 
 
 @njit
@@ -551,7 +670,9 @@ def _decode_row(kind, raw, r, table, ksigns, masks, w64, delta64, w):  # pragma:
             for ib in range(8):
                 aux = _u16(raw, r, o + 2 + 8 * ib + 4) | (_u16(raw, r, o + 2 + 8 * ib + 6) << 16)
                 for l in range(4):
-                    w64[y + 4 * ib + l] = _signed(table[raw[r, o + 2 + 8 * ib + l]], ksigns[(aux >> (7 * l)) & 127], masks)
+                    w64[y + 4 * ib + l] = _signed(
+                        table[raw[r, o + 2 + 8 * ib + l]], ksigns[(aux >> (7 * l)) & 127], masks
+                    )
         elif kind == _K_IQ2_XS:
             for k in range(32):
                 q = _u16(raw, r, o + 2 + 2 * k)
@@ -566,7 +687,9 @@ def _decode_row(kind, raw, r, table, ksigns, masks, w64, delta64, w):  # pragma:
             for ib in range(8):
                 aux = _u16(raw, r, o + 66 + 4 * ib) | (_u16(raw, r, o + 68 + 4 * ib) << 16)
                 for l in range(4):
-                    pair = table[raw[r, o + 2 + 8 * ib + 2 * l]] | (table[raw[r, o + 3 + 8 * ib + 2 * l]] << numpy.uint64(32))
+                    pair = table[raw[r, o + 2 + 8 * ib + 2 * l]] | (
+                        table[raw[r, o + 3 + 8 * ib + 2 * l]] << numpy.uint64(32)
+                    )
                     w64[y + 4 * ib + l] = _signed(pair, ksigns[(aux >> (7 * l)) & 127], masks)
         elif kind == _K_IQ3_S:
             for ib in range(8):
@@ -581,31 +704,38 @@ def _decode_row(kind, raw, r, table, ksigns, masks, w64, delta64, w):  # pragma:
                 qh = _u16(raw, r, o + 34 + 2 * ib)
                 sign = _MINUS_ONES if qh & 0x8000 else _ONES
                 for l in range(4):
-                    w64[y + 4 * ib + l] = table[numpy.int64(raw[r, o + 2 + 4 * ib + l]) | (((qh >> (3 * l)) & 7) << 8)]
+                    w64[y + 4 * ib + l] = table[
+                        numpy.int64(raw[r, o + 2 + 4 * ib + l]) | (((qh >> (3 * l)) & 7) << 8)
+                    ]
                     delta64[y + 4 * ib + l] = sign
         elif kind == _K_IQ1_M:
             for ib in range(8):
                 for l in range(4):
                     qh = numpy.int64(raw[r, o + 32 + 2 * ib + l // 2])
-                    w64[y + 4 * ib + l] = table[numpy.int64(raw[r, o + 4 * ib + l]) | ((qh << (8 - 4 * (l % 2))) & 0x700)]
+                    w64[y + 4 * ib + l] = table[
+                        numpy.int64(raw[r, o + 4 * ib + l]) | ((qh << (8 - 4 * (l % 2))) & 0x700)
+                    ]
                     delta64[y + 4 * ib + l] = _MINUS_ONES if qh & (0x08 << (4 * (l % 2))) else _ONES
-        elif kind == _K_TQ2_0:  # 2-bit digits d: (d + 0x7F) ^ 0x80 per byte is d - 1, 8 bytes at once
+        elif (
+            kind == _K_TQ2_0
+        ):  # 2-bit digits d: (d + 0x7F) ^ 0x80 per byte is d - 1, 8 bytes at once
             for half in range(2):
                 for k in range(4):
                     x = _u64(raw, r, o + 32 * half + 8 * k)
                     for l in range(4):
                         digits = (x >> numpy.uint64(2 * l)) & numpy.uint64(0x0303030303030303)
-                        w64[y + 16 * half + 4 * l + k] = (digits + numpy.uint64(0x7F7F7F7F7F7F7F7F)) ^ numpy.uint64(
-                            0x8080808080808080)
+                        w64[y + 16 * half + 4 * l + k] = (
+                            digits + numpy.uint64(0x7F7F7F7F7F7F7F7F)
+                        ) ^ numpy.uint64(0x8080808080808080)
         else:  # TQ1_0: base-3 digits, the n-th by (q·3^n mod 256)·3 >> 8
             at = b * 256
             for n in range(5):
                 for m in range(48):
-                    q = (numpy.int64(raw[r, o + m]) * 3 ** n) & 255
+                    q = (numpy.int64(raw[r, o + m]) * 3**n) & 255
                     w[at + (32 * n + m if m < 32 else 160 + 16 * n + m - 32)] = ((q * 3) >> 8) - 1
             for n in range(4):
                 for m in range(4):
-                    q = (numpy.int64(raw[r, o + 48 + m]) * 3 ** n) & 255
+                    q = (numpy.int64(raw[r, o + 48 + m]) * 3**n) & 255
                     w[at + 240 + 4 * n + m] = ((q * 3) >> 8) - 1
 
 
@@ -618,7 +748,10 @@ def _block_lanes(typingctx, w, w_off, sc, sc_off, x, x_off, lanes):
 
     def codegen(context, builder, signature, args):
         aty = signature.args
-        wbase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[4], args[4])
+        wbase, xbase = (
+            _byte_ptr(context, builder, aty[0], args[0]),
+            _byte_ptr(context, builder, aty[4], args[4]),
+        )
         scales = _data(context, builder, aty[2], args[2])
         w_off, sc_off, x_off = args[1], args[3], args[5]
         ity = w_off.type
@@ -627,10 +760,22 @@ def _block_lanes(typingctx, w, w_off, sc, sc_off, x, x_off, lanes):
             at = ir.Constant(ity, 32 * c)
             wv = _load(builder, wbase, builder.add(w_off, at), _V32I8)
             xv = _load(builder, xbase, builder.add(x_off, at), _V32I8)
-            halves = [_splat(builder, builder.load(builder.gep(scales, [builder.add(sc_off, ir.Constant(ity, 2 * c + h))])),
-                             ir.VectorType(_I16, 8)) for h in (0, 1)]
-            scale = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
-            quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_signed_pairs(builder, wv, xv), scale])
+            halves = [
+                _splat(
+                    builder,
+                    builder.load(
+                        builder.gep(scales, [builder.add(sc_off, ir.Constant(ity, 2 * c + h))])
+                    ),
+                    ir.VectorType(_I16, 8),
+                )
+                for h in (0, 1)
+            ]
+            scale = builder.shuffle_vector(
+                halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+            )
+            quads = _call(
+                builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_signed_pairs(builder, wv, xv), scale]
+            )
             total = quads if total is None else builder.add(total, quads)
         out = builder.bitcast(_data(context, builder, aty[6], args[6]), _V8I32.as_pointer())
         builder.store(total, out, align=4)
@@ -681,12 +826,16 @@ def _hsum8(a):  # pragma: no cover - compiled
 
 
 @njit
-def _grid_dot(code, iq1, f_vd, f_t, w, delta, sc, wd, wr, x, xd, corr, xr, lanes, lanes2, acc, acc2):  # pragma: no cover
+def _grid_dot(
+    code, iq1, f_vd, f_t, w, delta, sc, wd, wr, x, xd, corr, xr, lanes, lanes2, acc, acc2
+):  # pragma: no cover
     """One output: weight row wr (decoded into w, delta) by activation row xr (q8_K) in
     arithmetic ``code``."""
     nb = w.shape[0] // 256
     zero = numpy.float32(0.0)
-    if code == _GRID_T:  # tiled: one exact integer per super-block, res = d0·s1, out = fma(res, d_x, out)
+    if (
+        code == _GRID_T
+    ):  # tiled: one exact integer per super-block, res = d0·s1, out = fma(res, d_x, out)
         out = zero
         for b in range(nb):
             _lanes(w, sc, wr, x, xr, b, lanes)
@@ -732,7 +881,9 @@ def _grid_dot(code, iq1, f_vd, f_t, w, delta, sc, wd, wr, x, xd, corr, xr, lanes
 
 
 @njit
-def _grid_rows(code, kind, f_vd, f_t, raw, table, sc, wd, r0, r1, x, xd, corr, out):  # pragma: no cover
+def _grid_rows(
+    code, kind, f_vd, f_t, raw, table, sc, wd, r0, r1, x, xd, corr, out
+):  # pragma: no cover
     """out[:, r0:r1]: each weight row decoded once, then dotted with every activation row."""
     n = x.shape[1]
     w64 = numpy.empty(n // 8, numpy.uint64)
@@ -746,7 +897,9 @@ def _grid_rows(code, kind, f_vd, f_t, raw, table, sc, wd, r0, r1, x, xd, corr, o
     for r in range(r0, r1):
         _decode_row(kind, raw, r, table, _KSIGNS, _SIGN_MASKS, w64, delta64, w)
         for t in range(x.shape[0]):
-            out[t, r] = _grid_dot(code, iq1, f_vd, f_t, w, delta, sc, wd, r, x, xd, corr, t, lanes, lanes2, acc, acc2)
+            out[t, r] = _grid_dot(
+                code, iq1, f_vd, f_t, w, delta, sc, wd, r, x, xd, corr, t, lanes, lanes2, acc, acc2
+            )
 
 
 @njit
@@ -759,11 +912,28 @@ def _grid_parallel(code, kind, f_vd, f_t, raw, table, sc, wd, x, xd, corr, out):
     n_out = raw.shape[0]
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
-        _grid_rows(code, kind, f_vd, f_t, raw, table, sc, wd, r0, min(r0 + ROWS_PER_TASK, n_out), x, xd, corr, out)
+        _grid_rows(
+            code,
+            kind,
+            f_vd,
+            f_t,
+            raw,
+            table,
+            sc,
+            wd,
+            r0,
+            min(r0 + ROWS_PER_TASK, n_out),
+            x,
+            xd,
+            corr,
+            out,
+        )
 
 
 @njit
-def grid_row_product(code, kind, f_vd, f_t, parallel, raw, table, sc, wd, x, out):  # pragma: no cover
+def grid_row_product(
+    code, kind, f_vd, f_t, parallel, raw, table, sc, wd, x, out
+):  # pragma: no cover
     """out [1, n_out] = one activation row x [1, n_in] (f32, C-contiguous) times a grid or TQ
     matrix (``IQGridMatrix.row_args``: code, kind, factors, grid table, scales, d), as its
     matmul computes one row: x rounded to q8_K, then vec_dot. The callable piece of the fused
@@ -786,16 +956,31 @@ class IQGridMatrix(IQuantMatrix):
 
     stack = KMatrixStack
 
-    def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
+    def __init__(
+        self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False
+    ):
         super().__init__(raw, qtype, n_out, n_in, repacked)
         self.scales, self.d = _block_fields(self.raw, self.qtype, n_out)
 
     def decoded(self, row: int) -> tuple[numpy.ndarray, numpy.ndarray]:
         """Row ``row``'s signed values as the kernels decode them (int8 [n_in]) and, for IQ1,
         the ±1 deltas of 8·value (zeros otherwise)."""
-        w64, delta64 = numpy.empty(self.n_in // 8, numpy.uint64), numpy.zeros(self.n_in // 8, numpy.uint64)
+        w64, delta64 = (
+            numpy.empty(self.n_in // 8, numpy.uint64),
+            numpy.zeros(self.n_in // 8, numpy.uint64),
+        )
         w = w64.view(numpy.int8)
-        _decode_row(int(self.qtype), self.raw, row, _grid_table(self.qtype), _KSIGNS, _SIGN_MASKS, w64, delta64, w)
+        _decode_row(
+            int(self.qtype),
+            self.raw,
+            row,
+            _grid_table(self.qtype),
+            _KSIGNS,
+            _SIGN_MASKS,
+            w64,
+            delta64,
+            w,
+        )
         return w, delta64.view(numpy.int8)
 
     def quantize(self, x: numpy.ndarray) -> KActivation:
@@ -816,15 +1001,24 @@ class IQGridMatrix(IQuantMatrix):
         """grid_row_product's (code, kind, f_vd, f_t, table, scales, d) for this matrix."""
         spec = _GRID[self.qtype]
         f_t = spec[5] if spec[5] is not None else 1.0
-        return (self._code(1), int(self.qtype), float(spec[4]), float(f_t), _grid_table(self.qtype),
-                self.scales, self.d)
+        return (
+            self._code(1),
+            int(self.qtype),
+            float(spec[4]),
+            float(f_t),
+            _grid_table(self.qtype),
+            self.scales,
+            self.d,
+        )
 
     def _code(self, m: int) -> int:
         tiled = _GRID[self.qtype][5] is not None and m >= TILED_MIN_ROWS
         return _GRID_T if tiled else _GRID[self.qtype][3]
 
 
-def _grid_run(code: int, matrix: IQGridMatrix, q: numpy.ndarray, d: numpy.ndarray, out: numpy.ndarray) -> None:
+def _grid_run(
+    code: int, matrix: IQGridMatrix, q: numpy.ndarray, d: numpy.ndarray, out: numpy.ndarray
+) -> None:
     """out = the product in arithmetic ``code`` (ggml's pick is matrix._code(m))."""
     if q.shape[0] == 0:
         return
@@ -833,5 +1027,16 @@ def _grid_run(code: int, matrix: IQGridMatrix, q: numpy.ndarray, d: numpy.ndarra
     corr = _tq_correction(q) if code == _TQ_VD else numpy.zeros((0, 0, 0), numpy.int32)
     macs = q.shape[0] * matrix.n_out * matrix.n_in
     (_grid_parallel if macs >= PARALLEL_MIN_MACS else _grid_serial)(
-        code, int(matrix.qtype), spec[4], f_t, matrix.raw, _grid_table(matrix.qtype), matrix.scales,
-        matrix.d, numpy.ascontiguousarray(q), d, corr, out)
+        code,
+        int(matrix.qtype),
+        spec[4],
+        f_t,
+        matrix.raw,
+        _grid_table(matrix.qtype),
+        matrix.scales,
+        matrix.d,
+        numpy.ascontiguousarray(q),
+        d,
+        corr,
+        out,
+    )

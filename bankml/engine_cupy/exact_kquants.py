@@ -38,12 +38,31 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import (HOST_HAS_AVX2, PARALLEL_MIN_ELEMENTS, PARALLEL_MIN_MACS, BlockRows,
-                                             MatrixStack, _byte_ptr, _call, _data, _half, _hsum, _load, _splat)
+from bankml.engine_cupy.exact_matmul import (
+    HOST_HAS_AVX2,
+    PARALLEL_MIN_ELEMENTS,
+    PARALLEL_MIN_MACS,
+    BlockRows,
+    MatrixStack,
+    _byte_ptr,
+    _call,
+    _data,
+    _half,
+    _hsum,
+    _load,
+    _splat,
+)
 from bankml.engine_cupy.jit import njit
 
-__all__ = ["KQuantMatrix", "KMatrixStack", "KActivation", "supported", "repacked_by_llama_server", "quantize_q8_K",
-           "row_product"]
+__all__ = [
+    "KQuantMatrix",
+    "KMatrixStack",
+    "KActivation",
+    "supported",
+    "repacked_by_llama_server",
+    "quantize_q8_K",
+    "row_product",
+]
 
 QK_K = 256
 _BLOCK_BYTES = {T.Q2_K: 84, T.Q3_K: 110, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
@@ -54,11 +73,25 @@ ROWS_PER_TASK = 16
 _VD6, _VD4, _T6, _T4, _GV4, _GM4, _VD5, _T5, _VD3, _T3, _VD2, _T2 = range(12)
 
 # weight type -> (tiled code, vec_dot code) for matrices llama-server does not repack
-_PLAIN_CODES = {T.Q2_K: (_T2, _VD2), T.Q3_K: (_T3, _VD3), T.Q4_K: (_T4, _VD4), T.Q5_K: (_T5, _VD5),
-                T.Q6_K: (_T6, _VD6)}
+_PLAIN_CODES = {
+    T.Q2_K: (_T2, _VD2),
+    T.Q3_K: (_T3, _VD3),
+    T.Q4_K: (_T4, _VD4),
+    T.Q5_K: (_T5, _VD5),
+    T.Q6_K: (_T6, _VD6),
+}
 # code -> weight type (the block layout it unpacks)
-_CODE_TYPE = {code: qtype for qtype, codes in _PLAIN_CODES.items() for code in codes} | {_GV4: T.Q4_K, _GM4: T.Q4_K}
-_VECTOR_CODES = {_VD6, _VD4, _VD5, _VD3, _VD2}  # vec_dot: eight float lanes, hsum_float_8 at the end
+_CODE_TYPE = {code: qtype for qtype, codes in _PLAIN_CODES.items() for code in codes} | {
+    _GV4: T.Q4_K,
+    _GM4: T.Q4_K,
+}
+_VECTOR_CODES = {
+    _VD6,
+    _VD4,
+    _VD5,
+    _VD3,
+    _VD2,
+}  # vec_dot: eight float lanes, hsum_float_8 at the end
 _MIN_CODES = {_VD4, _T4, _GV4, _GM4, _VD5, _T5, _VD2, _T2}  # types with mins (Q2_K, Q4_K, Q5_K)
 
 
@@ -100,12 +133,22 @@ def _round_block(typingctx, x, off, iscale, q, bsums, s_off):
             total = None
             for h in range(2):
                 at = builder.add(off, ir.Constant(off.type, 16 * j + 8 * h))
-                v = builder.load(builder.bitcast(builder.gep(xdata, [at]), v8f.as_pointer()), align=4)
-                r = _call(builder, "llvm.x86.avx.round.ps.256", v8f, [builder.fmul(v, mul), ir.Constant(_I32, 0)])
+                v = builder.load(
+                    builder.bitcast(builder.gep(xdata, [at]), v8f.as_pointer()), align=4
+                )
+                r = _call(
+                    builder,
+                    "llvm.x86.avx.round.ps.256",
+                    v8f,
+                    [builder.fmul(v, mul), ir.Constant(_I32, 0)],
+                )
                 i = _call(builder, "llvm.x86.avx.cvt.ps2dq.256", _V8I32, [r])
                 i = builder.select(builder.icmp_signed(">", i, top), top, i)
-                builder.store(builder.trunc(i, ir.VectorType(_I8, 8)),
-                              builder.bitcast(builder.gep(qdata, [at]), ir.VectorType(_I8, 8).as_pointer()), align=1)
+                builder.store(
+                    builder.trunc(i, ir.VectorType(_I8, 8)),
+                    builder.bitcast(builder.gep(qdata, [at]), ir.VectorType(_I8, 8).as_pointer()),
+                    align=1,
+                )
                 total = i if total is None else builder.add(total, i)
             total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [total])
             at = builder.add(s_off, ir.Constant(s_off.type, j))
@@ -118,8 +161,16 @@ def _round_block(typingctx, x, off, iscale, q, bsums, s_off):
 def _bit_vectors(context, builder, aty, arr, off) -> list:
     """The 32 <8 x i32> of one block of 256 values of an int32 array, from flat offset off."""
     data = _data(context, builder, aty, arr)
-    return [builder.load(builder.bitcast(builder.gep(data, [builder.add(off, ir.Constant(off.type, 8 * k))]),
-                                         _V8I32.as_pointer()), align=4) for k in range(32)]
+    return [
+        builder.load(
+            builder.bitcast(
+                builder.gep(data, [builder.add(off, ir.Constant(off.type, 8 * k))]),
+                _V8I32.as_pointer(),
+            ),
+            align=4,
+        )
+        for k in range(32)
+    ]
 
 
 @intrinsic
@@ -130,9 +181,15 @@ def _block_top(typingctx, bits, off):
 
     def codegen(context, builder, signature, args):
         mask = ir.Constant(_V8I32, [0x7FFFFFFF] * 8)
-        vecs = [builder.and_(v, mask) for v in _bit_vectors(context, builder, signature.args[0], args[0], args[1])]
+        vecs = [
+            builder.and_(v, mask)
+            for v in _bit_vectors(context, builder, signature.args[0], args[0], args[1])
+        ]
         while len(vecs) > 1:
-            vecs = [_call(builder, "llvm.smax.v8i32", _V8I32, [a, b]) for a, b in zip(vecs[0::2], vecs[1::2])]
+            vecs = [
+                _call(builder, "llvm.smax.v8i32", _V8I32, [a, b])
+                for a, b in zip(vecs[0::2], vecs[1::2])
+            ]
         return _call(builder, "llvm.vector.reduce.smax.v8i32", _I32, [vecs[0]])
 
     return sig, codegen
@@ -144,7 +201,9 @@ def _block_has(typingctx, bits, off, pattern):
     sig = types.boolean(bits, off, pattern)
 
     def codegen(context, builder, signature, args):
-        want = _splat(builder, context.cast(builder, args[2], signature.args[2], types.int32), _V8I32)
+        want = _splat(
+            builder, context.cast(builder, args[2], signature.args[2], types.int32), _V8I32
+        )
         found = None
         for v in _bit_vectors(context, builder, signature.args[0], args[0], args[1]):
             eq = builder.icmp_signed("==", v, want)
@@ -207,8 +266,11 @@ def _quantize_row(x, bits, t, pos_wins, q, d, bsums):  # pragma: no cover - comp
 def _quantize_serial(x, groups_of_four):  # pragma: no cover - compiled
     """Rows [0, groups_of_four) by the 4x8 packing rule, the rest by quantize_row_q8_K."""
     m, n = x.shape
-    q, d, bsums = numpy.empty((m, n), numpy.int8), numpy.empty((m, n // QK_K), numpy.float32), \
-        numpy.empty((m, n // QK_K * 16), numpy.int16)
+    q, d, bsums = (
+        numpy.empty((m, n), numpy.int8),
+        numpy.empty((m, n // QK_K), numpy.float32),
+        numpy.empty((m, n // QK_K * 16), numpy.int16),
+    )
     for t in range(m):
         _quantize_row(x, x.view(numpy.int32), t, t < groups_of_four, q, d, bsums)
     return q, d, bsums
@@ -218,8 +280,11 @@ def _quantize_serial(x, groups_of_four):  # pragma: no cover - compiled
 def _quantize_parallel(x, groups_of_four):  # pragma: no cover - compiled
     """_quantize_serial's rows on the Numba threads (each row's rounding is its own)."""
     m, n = x.shape
-    q, d, bsums = numpy.empty((m, n), numpy.int8), numpy.empty((m, n // QK_K), numpy.float32), \
-        numpy.empty((m, n // QK_K * 16), numpy.int16)
+    q, d, bsums = (
+        numpy.empty((m, n), numpy.int8),
+        numpy.empty((m, n // QK_K), numpy.float32),
+        numpy.empty((m, n // QK_K * 16), numpy.int16),
+    )
     bits = x.view(numpy.int32)
     for t in prange(m):
         _quantize_row(x, bits, t, t < groups_of_four, q, d, bsums)
@@ -234,7 +299,9 @@ class KActivation:
     def __init__(self, x: numpy.ndarray, packed_rows: int = 0):
         x = numpy.ascontiguousarray(numpy.atleast_2d(x), dtype=numpy.float32)
         if x.ndim != 2 or x.shape[1] % QK_K:
-            raise ValueError(f"activation must be [m, k] with k a multiple of {QK_K}, got {x.shape}")
+            raise ValueError(
+                f"activation must be [m, k] with k a multiple of {QK_K}, got {x.shape}"
+            )
         self.packed_rows = packed_rows
         quantize = _quantize_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_serial
         self.q, self.d, self.bsums = quantize(x, packed_rows)
@@ -289,7 +356,10 @@ def _q5_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
     chunks = []
     for g in range(4):
         raw = _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 48 + 32 * g)), _V32I8)
-        for c, low in ((2 * g, builder.and_(raw, _bytes(15))), (2 * g + 1, builder.lshr(raw, _bytes(4)))):
+        for c, low in (
+            (2 * g, builder.and_(raw, _bytes(15))),
+            (2 * g + 1, builder.lshr(raw, _bytes(4))),
+        ):
             fifth = builder.shl(builder.and_(builder.lshr(h, _bytes(c)), _bytes(1)), _bytes(4))
             chunks.append(builder.or_(low, fifth))
     return chunks
@@ -299,14 +369,23 @@ def _q6_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
     """The 8 chunks of 32 unsigned 6-bit quants of a block_q6_K (ql[128], qh[64]): per half j,
     ql[64j:64j+32] and ql[64j+32:64j+64] give the low nibbles (chunks 4j, 4j+1) and high nibbles
     (4j+2, 4j+3); qh[32j:32j+32] gives bits 4-5 at shifts 0, 2, 4, 6."""
+
     def at(k: int) -> ir.Value:
         return _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, k)), _V32I8)
+
     chunks = []
     for j in range(2):
         b1, b2, h = at(64 * j), at(64 * j + 32), at(128 + 32 * j)
-        highs = [builder.shl(builder.and_(builder.lshr(h, _bytes(s)), _bytes(3)), _bytes(4)) for s in (0, 2, 4, 6)]
-        lows = [builder.and_(b1, _bytes(15)), builder.and_(b2, _bytes(15)),
-                builder.lshr(b1, _bytes(4)), builder.lshr(b2, _bytes(4))]
+        highs = [
+            builder.shl(builder.and_(builder.lshr(h, _bytes(s)), _bytes(3)), _bytes(4))
+            for s in (0, 2, 4, 6)
+        ]
+        lows = [
+            builder.and_(b1, _bytes(15)),
+            builder.and_(b2, _bytes(15)),
+            builder.lshr(b1, _bytes(4)),
+            builder.lshr(b2, _bytes(4)),
+        ]
         chunks += [builder.or_(lo, hi) for lo, hi in zip(lows, highs)]
     return chunks
 
@@ -349,14 +428,22 @@ def _reduce(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
 def _scales_and_mins(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> ir.Value:
     """block_q4_K/q5_K's 12 bytes of packed 6-bit scales and mins (at +4) -> <16 x i16>: the 8
     scales, then the 8 mins, by ggml's utmp/kmask unpacking (get_scale_min_k4)."""
-    u = [_load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 4 + 4 * i)), _I32) for i in range(3)]
+    u = [
+        _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 4 + 4 * i)), _I32)
+        for i in range(3)
+    ]
 
     def k(v: int) -> ir.Constant:
         return ir.Constant(_I32, v)
+
     m1, m2, m3 = k(0x3F3F3F3F), k(0x0F0F0F0F), k(0x03030303)
-    u3 = builder.or_(builder.and_(builder.lshr(u[2], k(4)), m2),
-                     builder.shl(builder.and_(builder.lshr(u[1], k(6)), m3), k(4)))
-    u1 = builder.or_(builder.and_(u[2], m2), builder.shl(builder.and_(builder.lshr(u[0], k(6)), m3), k(4)))
+    u3 = builder.or_(
+        builder.and_(builder.lshr(u[2], k(4)), m2),
+        builder.shl(builder.and_(builder.lshr(u[1], k(6)), m3), k(4)),
+    )
+    u1 = builder.or_(
+        builder.and_(u[2], m2), builder.shl(builder.and_(builder.lshr(u[0], k(6)), m3), k(4))
+    )
     words = [builder.and_(u[0], m1), u1, builder.and_(u[1], m1), u3]
     return builder.zext(_word_bytes(builder, words), _V16I16)
 
@@ -364,7 +451,10 @@ def _scales_and_mins(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> i
 def _q3_k_scales(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> ir.Value:
     """block_q3_K's 12 bytes of packed 6-bit scales (at +96) -> <16 x i16> of the 16 signed
     scales (value - 32), by ggml's aux/kmask word unpacking."""
-    u = [_load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 96 + 4 * i)), _I32) for i in range(3)]
+    u = [
+        _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 96 + 4 * i)), _I32)
+        for i in range(3)
+    ]
 
     def k(v: int) -> ir.Constant:
         return ir.Constant(_I32, v)
@@ -373,8 +463,11 @@ def _q3_k_scales(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> ir.Va
         nibbles = builder.and_(builder.lshr(low, k(shift_low)), k(0x0F0F0F0F))
         tops = builder.and_(builder.lshr(u[2], k(shift_high)), k(0x03030303))
         return builder.or_(nibbles, builder.shl(tops, k(4)))
+
     words = [word(u[0], 0, 0), word(u[1], 0, 2), word(u[0], 4, 4), word(u[1], 4, 6)]
-    biased = builder.sub(_word_bytes(builder, words), ir.Constant(ir.VectorType(_I8, 16), [32] * 16))
+    biased = builder.sub(
+        _word_bytes(builder, words), ir.Constant(ir.VectorType(_I8, 16), [32] * 16)
+    )
     return builder.sext(biased, _V16I16)
 
 
@@ -390,8 +483,10 @@ def _block_scales(builder: ir.IRBuilder, qtype: T, wbase: ir.Value, blk: ir.Valu
     """A weight block's (scales, mins, d, dmin), read straight from its bytes: scales and mins as
     <16 x i16> per 16 values (Q2_K, Q3_K, Q6_K: 16 sub-blocks) or per 32 (Q4_K, Q5_K: the 8
     scales then the 8 mins); mins and dmin are None for the types without them."""
+
     def at(k: int) -> ir.Value:
         return builder.add(blk, ir.Constant(blk.type, k))
+
     if qtype == T.Q6_K:  # int8 scales at +192, d at +208
         scales = builder.sext(_load(builder, wbase, at(192), ir.VectorType(_I8, 16)), _V16I16)
         return scales, None, _half(builder, wbase, at(208)), None
@@ -403,7 +498,9 @@ def _block_scales(builder: ir.IRBuilder, qtype: T, wbase: ir.Value, blk: ir.Valu
         mins = builder.zext(builder.lshr(raw, ir.Constant(raw.type, [4] * 16)), _V16I16)
         return scales, mins, _half(builder, wbase, at(80)), _half(builder, wbase, at(82))
     packed = _scales_and_mins(builder, wbase, blk)  # Q4_K, Q5_K: d, dmin at +0
-    mins = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(_I32, 16), [8 + j // 2 for j in range(16)]))
+    mins = builder.shuffle_vector(
+        packed, packed, ir.Constant(ir.VectorType(_I32, 16), [8 + j // 2 for j in range(16)])
+    )
     return packed, mins, _half(builder, wbase, blk), _half(builder, wbase, at(2))
 
 
@@ -415,8 +512,13 @@ def _make_dot(code: int, rn: int):
     x_off + j·n_in of xq (int8), its block scales at s_off + j·nb of xd and its sums at 16 times
     that of bsums (int16); its output goes to out.flat[o_off + j·n_out]."""
     qtype = _CODE_TYPE[code]
-    unpack = {T.Q2_K: _q2_k_chunks, T.Q3_K: _q3_k_chunks, T.Q4_K: _q4_k_chunks, T.Q5_K: _q5_k_chunks,
-              T.Q6_K: _q6_k_chunks}[qtype]
+    unpack = {
+        T.Q2_K: _q2_k_chunks,
+        T.Q3_K: _q3_k_chunks,
+        T.Q4_K: _q4_k_chunks,
+        T.Q5_K: _q5_k_chunks,
+        T.Q6_K: _q6_k_chunks,
+    }[qtype]
     block_bytes = _BLOCK_BYTES[qtype]
     v8f, v4f = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4)
     v16i = ir.VectorType(_I32, 16)
@@ -434,12 +536,17 @@ def _make_dot(code: int, rn: int):
 
             def data(i: int) -> ir.Value:
                 return _data(context, builder, aty[i], args[i])
-            wbase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[2], args[2])
+
+            wbase, xbase = (
+                _byte_ptr(context, builder, aty[0], args[0]),
+                _byte_ptr(context, builder, aty[2], args[2]),
+            )
             xdp, bsp, obase = data(5), data(6), data(9)
             ity = w_off.type
 
             def const(v: int) -> ir.Value:
                 return ir.Constant(ity, v)
+
             zero = ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0)
             zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
             acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
@@ -452,12 +559,20 @@ def _make_dot(code: int, rn: int):
                 blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
                 scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
                 chunks = unpack(builder, wbase, blk)
-                chunk_scales = [builder.shuffle_vector(scales, scales, ir.Constant(
-                    v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16)) for c in range(8)]
+                chunk_scales = [
+                    builder.shuffle_vector(
+                        scales,
+                        scales,
+                        ir.Constant(v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16),
+                    )
+                    for c in range(8)
+                ]
                 rows = []
                 for j in range(rn):
                     row = builder.add(s_off, builder.mul(const(j), nblocks))
-                    xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK_K)))
+                    xo = builder.add(
+                        builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK_K))
+                    )
                     d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
                     sums = _vec(builder, bsp, builder.mul(builder.add(row, b), const(16)), _V16I16)
                     groups = []
@@ -466,13 +581,27 @@ def _make_dot(code: int, rn: int):
                         for c in (2 * g, 2 * g + 1):
                             x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
                             pairs = _pairs(builder, chunks[c], x)
-                            quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, chunk_scales[c]])
+                            quads = _call(
+                                builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, chunk_scales[c]]
+                            )
                             total = quads if total is None else builder.add(total, quads)
                         groups.append(total)
                     if across:
                         rows.append((groups, sums, d_x))
                     else:
-                        _block_step(builder, code, groups, sums, scales, mins16, d_x, d_w, dm_w, acc[j], accm[j])
+                        _block_step(
+                            builder,
+                            code,
+                            groups,
+                            sums,
+                            scales,
+                            mins16,
+                            d_x,
+                            d_w,
+                            dm_w,
+                            acc[j],
+                            accm[j],
+                        )
                 if across:
                     _block_step_rows(builder, code, rows, scales, mins16, d_w, dm_w, acc4, accm4)
             for j in range(rn):
@@ -495,22 +624,35 @@ def _make_dot(code: int, rn: int):
 def _pairs(builder: ir.IRBuilder, chunk: ir.Value | tuple, x: ir.Value) -> ir.Value:
     """pmaddubsw of a chunk's unsigned quants by 32 int8 activations (no saturation reachable);
     Q3_K's (q3l, q3h) chunks give q3l·x - q3h·x, as ggml subtracts them (exact in int16)."""
+
     def madd(q: ir.Value) -> ir.Value:
         return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [q, x])
+
     if isinstance(chunk, tuple):
         return builder.sub(madd(chunk[0]), madd(chunk[1]))
     return madd(chunk)
 
 
-def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, scales: ir.Value,
-                mins16: ir.Value | None, d_x: ir.Value, d_w: ir.Value, dm_w: ir.Value | None,
-                acc: ir.Value, accm: ir.Value) -> None:
+def _block_step(
+    builder: ir.IRBuilder,
+    code: int,
+    groups: list,
+    sums: ir.Value,
+    scales: ir.Value,
+    mins16: ir.Value | None,
+    d_x: ir.Value,
+    d_w: ir.Value,
+    dm_w: ir.Value | None,
+    acc: ir.Value,
+    accm: ir.Value,
+) -> None:
     """One super-block's float operations for one output, from its exact integer groups (4 x 8
     lanes), the activation block's sums and scale and the weight block's scale(s)."""
     v8f, v4f, v4i = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
 
     def fma(name: str, ty: ir.Type, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
         return _call(builder, name, ty, [a, b, c])
+
     lanes = builder.add(builder.add(groups[0], groups[1]), builder.add(groups[2], groups[3]))
     min_pairs = None
     if code in (_VD6, _T6):  # Q6_K's -32 per quant, through the sums (ggml's q8sclsub)
@@ -521,9 +663,14 @@ def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, 
     if code in _VECTOR_CODES:
         if code == _VD2:  # Q2_K's min lanes go into the same accumulator, before the scales
             neg = _splat(builder, builder.fneg(builder.fmul(d_x, dm_w)), v8f)
-            builder.store(fma("llvm.fma.v8f32", v8f, neg, builder.sitofp(min_pairs, v8f), builder.load(acc)), acc)
+            builder.store(
+                fma("llvm.fma.v8f32", v8f, neg, builder.sitofp(min_pairs, v8f), builder.load(acc)),
+                acc,
+            )
         scale = _splat(builder, builder.fmul(d_x, d_w), v8f)
-        builder.store(fma("llvm.fma.v8f32", v8f, scale, builder.sitofp(lanes, v8f), builder.load(acc)), acc)
+        builder.store(
+            fma("llvm.fma.v8f32", v8f, scale, builder.sitofp(lanes, v8f), builder.load(acc)), acc
+        )
         if code == _VD4:  # four lanes: m[2i]·q8s[2i] + m[2i+1]·q8s[2i+1]
             even = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [0, 2, 4, 6]))
             odd = builder.shuffle_vector(min_pairs, min_pairs, ir.Constant(v4i, [1, 3, 5, 7]))
@@ -538,15 +685,22 @@ def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, 
         scale, mscale = builder.fmul(d_w, d_x), builder.fmul(dm_w, d_x)
         for g in range(4):
             s = builder.sitofp(_reduce(builder, groups[g]), _F32)
-            mg = builder.add(builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g)),
-                             builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g + 1)))
+            mg = builder.add(
+                builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g)),
+                builder.extract_element(min_pairs, ir.Constant(_I32, 2 * g + 1)),
+            )
             builder.store(fma("llvm.fma.f32", _F32, s, scale, builder.load(acc)), acc)
-            builder.store(fma("llvm.fma.f32", _F32, builder.sitofp(mg, _F32), mscale, builder.load(accm)), accm)
+            builder.store(
+                fma("llvm.fma.f32", _F32, builder.sitofp(mg, _F32), mscale, builder.load(accm)),
+                accm,
+            )
     elif code == _GV4:  # one fma pair per super-block
         s1 = builder.sitofp(_reduce(builder, lanes), _F32)
         s2 = builder.sitofp(_reduce(builder, min_pairs), _F32)
         builder.store(fma("llvm.fma.f32", _F32, s1, builder.fmul(d_w, d_x), builder.load(acc)), acc)
-        builder.store(fma("llvm.fma.f32", _F32, s2, builder.fmul(dm_w, d_x), builder.load(accm)), accm)
+        builder.store(
+            fma("llvm.fma.f32", _F32, s2, builder.fmul(dm_w, d_x), builder.load(accm)), accm
+        )
     else:  # tiled: res = d_w·s1 (- dmin·s2 fused), out = fma(res, d_x, out)
         res = builder.fmul(d_w, builder.sitofp(_reduce(builder, lanes), _F32))
         if min_pairs is not None:
@@ -558,8 +712,10 @@ def _block_step(builder: ir.IRBuilder, code: int, groups: list, sums: ir.Value, 
 def _sum_rows(builder: ir.IRBuilder, vecs: list) -> ir.Value:
     """The totals of four <8 x i32> as one <4 x i32> (three phaddd and one add: the sums are
     exact, so their grouping is free)."""
+
     def hadd(a: ir.Value, b: ir.Value) -> ir.Value:
         return _call(builder, "llvm.x86.avx2.phadd.d", _V8I32, [a, b])
+
     s = hadd(hadd(vecs[0], vecs[1]), hadd(vecs[2], vecs[3]))
     v4i = ir.VectorType(_I32, 4)
     low = builder.shuffle_vector(s, s, ir.Constant(v4i, [0, 1, 2, 3]))
@@ -567,8 +723,17 @@ def _sum_rows(builder: ir.IRBuilder, vecs: list) -> ir.Value:
     return builder.add(low, high)
 
 
-def _block_step_rows(builder: ir.IRBuilder, code: int, rows: list, scales: ir.Value, mins16: ir.Value | None,
-                     d_w: ir.Value, dm_w: ir.Value | None, acc4: ir.Value, accm4: ir.Value) -> None:
+def _block_step_rows(
+    builder: ir.IRBuilder,
+    code: int,
+    rows: list,
+    scales: ir.Value,
+    mins16: ir.Value | None,
+    d_w: ir.Value,
+    dm_w: ir.Value | None,
+    acc4: ir.Value,
+    accm4: ir.Value,
+) -> None:
     """_block_step for four activation rows of a scalar-chain arithmetic (tiled, repacked gemv
     and gemm): lane j of every vector is row j, and each lane's operations are the scalar ones."""
     v4f, v4i = ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
@@ -581,6 +746,7 @@ def _block_step_rows(builder: ir.IRBuilder, code: int, rows: list, scales: ir.Va
         for j, v in enumerate(values):
             vec = builder.insert_element(vec, v, ir.Constant(_I32, j))
         return vec
+
     d_x = gather([d for _, _, d in rows])
     lanes, min_pairs = [], []
     for groups, sums, _ in rows:
@@ -592,28 +758,46 @@ def _block_step_rows(builder: ir.IRBuilder, code: int, rows: list, scales: ir.Va
             min_pairs.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sums, mins16]))
         lanes.append(total)
     if code == _GM4:  # one fma pair per 64 values
-        scale, mscale = builder.fmul(_splat(builder, d_w, v4f), d_x), builder.fmul(_splat(builder, dm_w, v4f), d_x)
+        scale, mscale = (
+            builder.fmul(_splat(builder, d_w, v4f), d_x),
+            builder.fmul(_splat(builder, dm_w, v4f), d_x),
+        )
         # per row, the 4 groups' min sums (pairs 2g, 2g+1), then transposed to per group, by row
-        q = [builder.add(builder.shuffle_vector(p, p, ir.Constant(v4i, [0, 2, 4, 6])),
-                         builder.shuffle_vector(p, p, ir.Constant(v4i, [1, 3, 5, 7]))) for p in min_pairs]
-        t = [builder.shuffle_vector(q[0], q[1], ir.Constant(v4i, [0, 4, 1, 5])),
-             builder.shuffle_vector(q[2], q[3], ir.Constant(v4i, [0, 4, 1, 5])),
-             builder.shuffle_vector(q[0], q[1], ir.Constant(v4i, [2, 6, 3, 7])),
-             builder.shuffle_vector(q[2], q[3], ir.Constant(v4i, [2, 6, 3, 7]))]
-        mins_by_group = [builder.shuffle_vector(t[0], t[1], ir.Constant(v4i, [0, 1, 4, 5])),
-                         builder.shuffle_vector(t[0], t[1], ir.Constant(v4i, [2, 3, 6, 7])),
-                         builder.shuffle_vector(t[2], t[3], ir.Constant(v4i, [0, 1, 4, 5])),
-                         builder.shuffle_vector(t[2], t[3], ir.Constant(v4i, [2, 3, 6, 7]))]
+        q = [
+            builder.add(
+                builder.shuffle_vector(p, p, ir.Constant(v4i, [0, 2, 4, 6])),
+                builder.shuffle_vector(p, p, ir.Constant(v4i, [1, 3, 5, 7])),
+            )
+            for p in min_pairs
+        ]
+        t = [
+            builder.shuffle_vector(q[0], q[1], ir.Constant(v4i, [0, 4, 1, 5])),
+            builder.shuffle_vector(q[2], q[3], ir.Constant(v4i, [0, 4, 1, 5])),
+            builder.shuffle_vector(q[0], q[1], ir.Constant(v4i, [2, 6, 3, 7])),
+            builder.shuffle_vector(q[2], q[3], ir.Constant(v4i, [2, 6, 3, 7])),
+        ]
+        mins_by_group = [
+            builder.shuffle_vector(t[0], t[1], ir.Constant(v4i, [0, 1, 4, 5])),
+            builder.shuffle_vector(t[0], t[1], ir.Constant(v4i, [2, 3, 6, 7])),
+            builder.shuffle_vector(t[2], t[3], ir.Constant(v4i, [0, 1, 4, 5])),
+            builder.shuffle_vector(t[2], t[3], ir.Constant(v4i, [2, 3, 6, 7])),
+        ]
         for g in range(4):
             s = builder.sitofp(_sum_rows(builder, [groups[g] for groups, _, _ in rows]), v4f)
             builder.store(fma(s, scale, builder.load(acc4)), acc4)
-            builder.store(fma(builder.sitofp(mins_by_group[g], v4f), mscale, builder.load(accm4)), accm4)
+            builder.store(
+                fma(builder.sitofp(mins_by_group[g], v4f), mscale, builder.load(accm4)), accm4
+            )
         return
     s1 = builder.sitofp(_sum_rows(builder, lanes), v4f)
     s2 = builder.sitofp(_sum_rows(builder, min_pairs), v4f) if min_pairs else None
     if code == _GV4:
-        builder.store(fma(s1, builder.fmul(_splat(builder, d_w, v4f), d_x), builder.load(acc4)), acc4)
-        builder.store(fma(s2, builder.fmul(_splat(builder, dm_w, v4f), d_x), builder.load(accm4)), accm4)
+        builder.store(
+            fma(s1, builder.fmul(_splat(builder, d_w, v4f), d_x), builder.load(acc4)), acc4
+        )
+        builder.store(
+            fma(s2, builder.fmul(_splat(builder, dm_w, v4f), d_x), builder.load(accm4)), accm4
+        )
         return
     res = builder.fmul(_splat(builder, d_w, v4f), s1)  # tiled
     if s2 is not None:
@@ -628,8 +812,12 @@ def _finish(builder: ir.IRBuilder, code: int, acc: ir.Value, accm: ir.Value) -> 
     if code in _VECTOR_CODES:
         total = _hsum(builder, total)
         if code == _VD4:
-            a = [builder.extract_element(builder.load(accm), ir.Constant(_I32, i)) for i in range(4)]
-            total = builder.fadd(total, builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3])))
+            a = [
+                builder.extract_element(builder.load(accm), ir.Constant(_I32, i)) for i in range(4)
+            ]
+            total = builder.fadd(
+                total, builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3]))
+            )
         elif code == _VD5:
             total = builder.fadd(total, builder.load(accm))
     elif code in (_GV4, _GM4):
@@ -654,7 +842,9 @@ _dot1_t2, _dot4_t2 = _DOTS[_T2]
 
 
 @njit
-def _dot(code, rn, raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out):  # pragma: no cover - compiled
+def _dot(
+    code, rn, raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out
+):  # pragma: no cover - compiled
     """One weight row by rn (1 or 4) activation rows; the branches fold for a constant code."""
     if code == _VD6:
         if rn == 4:
@@ -798,13 +988,17 @@ def _wide_layout(qtype: T) -> tuple[int, int, int, int, int]:
 
 
 def _store(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, value: ir.Value) -> None:
-    builder.store(value, builder.bitcast(builder.gep(base, [offset]), value.type.as_pointer()), align=1)
+    builder.store(
+        value, builder.bitcast(builder.gep(base, [offset]), value.type.as_pointer()), align=1
+    )
 
 
 def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
     """The 8x8 transpose of eight <8 x i32> (unpack 32, unpack 64, then the 128-bit halves)."""
+
     def shuffle(a: ir.Value, b: ir.Value, mask: list) -> ir.Value:
         return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), mask))
+
     lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
     lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
     t = []
@@ -817,14 +1011,21 @@ def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
         c, d = t[2 * base // 2 + 1], t[2 * base // 2 + 3]  # their highs
         u += [shuffle(a, b, lo64), shuffle(a, b, hi64), shuffle(c, d, lo64), shuffle(c, d, hi64)]
     low, high = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
-    return ([shuffle(u[k], u[4 + k], low) for k in range(4)] + [shuffle(u[k], u[4 + k], high) for k in range(4)])
+    return [shuffle(u[k], u[4 + k], low) for k in range(4)] + [
+        shuffle(u[k], u[4 + k], high) for k in range(4)
+    ]
 
 
 def _make_unpack8(qtype: T):
     """unpack8(w, w_off, row_bytes, nb, dst): the nb blocks of the eight weight rows at byte
     w_off of w (rows row_bytes apart) into dst's block groups (see the section comment)."""
-    unpack = {T.Q2_K: _q2_k_chunks, T.Q3_K: _q3_k_chunks, T.Q4_K: _q4_k_chunks, T.Q5_K: _q5_k_chunks,
-              T.Q6_K: _q6_k_chunks}[qtype]
+    unpack = {
+        T.Q2_K: _q2_k_chunks,
+        T.Q3_K: _q3_k_chunks,
+        T.Q4_K: _q4_k_chunks,
+        T.Q5_K: _q5_k_chunks,
+        T.Q6_K: _q6_k_chunks,
+    }[qtype]
     block_bytes = _BLOCK_BYTES[qtype]
     subs, pairs, p_at, d_at, gs = _wide_layout(qtype)
 
@@ -841,28 +1042,46 @@ def _make_unpack8(qtype: T):
 
             def const(v: int) -> ir.Value:
                 return ir.Constant(ity, v)
+
             def block_at(b: ir.Value, j: ir.Value) -> ir.Value:
-                return builder.add(builder.add(w_off, builder.mul(j, row_bytes)), builder.mul(b, const(block_bytes)))
+                return builder.add(
+                    builder.add(w_off, builder.mul(j, row_bytes)),
+                    builder.mul(b, const(block_bytes)),
+                )
 
             def words(chunk: ir.Value | tuple) -> ir.Value:
                 if isinstance(chunk, tuple):  # Q3_K: q3l - q3h, stored + 4
                     chunk = builder.sub(builder.add(chunk[0], _bytes(4)), chunk[1])
                 return builder.bitcast(chunk, _V8I32)
+
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 # the quants: chunk c of the 8 rows (8 quads each) transposed to quads 8c..8c+7 of 8 rows
                 rows = [unpack(builder, wbase, block_at(b, const(j))) for j in range(8)]
                 for c in range(8):
-                    for k, quad in enumerate(_transpose8(builder, [words(chunks[c]) for chunks in rows])):
-                        _store(builder, dbase, builder.add(builder.mul(b, const(gs)), const(32 * (8 * c + k))), quad)
-            with cgutils.for_range(builder, nblocks) as loop, cgutils.for_range(builder, const(8)) as rows:
+                    for k, quad in enumerate(
+                        _transpose8(builder, [words(chunks[c]) for chunks in rows])
+                    ):
+                        _store(
+                            builder,
+                            dbase,
+                            builder.add(builder.mul(b, const(gs)), const(32 * (8 * c + k))),
+                            quad,
+                        )
+            with (
+                cgutils.for_range(builder, nblocks) as loop,
+                cgutils.for_range(builder, const(8)) as rows,
+            ):
                 b, j = loop.index, rows.index
-                group = builder.add(builder.mul(b, const(gs)), builder.mul(j, const(4)))  # row j's lane
+                group = builder.add(
+                    builder.mul(b, const(gs)), builder.mul(j, const(4))
+                )  # row j's lane
                 blk = block_at(b, j)
                 scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
 
                 def lane(v: ir.Value, i: int) -> ir.Value:
                     return builder.extract_element(v, ir.Constant(_I32, i))
+
                 for sub in range(subs):  # pmaddwd multipliers: the row's scale twice
                     at = builder.add(group, const(2048 + 32 * sub))
                     _store(builder, dbase, at, lane(scales, sub))
@@ -873,7 +1092,9 @@ def _make_unpack8(qtype: T):
                 for p in range(pairs):
                     at = builder.add(group, const(p_at + 32 * p))
                     _store(builder, dbase, at, lane(source, first + 2 * p))
-                    _store(builder, dbase, builder.add(at, const(2)), lane(source, first + 2 * p + 1))
+                    _store(
+                        builder, dbase, builder.add(at, const(2)), lane(source, first + 2 * p + 1)
+                    )
                 _store(builder, dbase, builder.add(group, const(d_at)), d_w)
                 if dm_w is not None:
                     _store(builder, dbase, builder.add(group, const(d_at + 32)), dm_w)
@@ -908,7 +1129,10 @@ def _make_wtile(code: int, rn: int):
         def codegen(context, builder, signature, args):
             aty = signature.args
             (_, _, x_off, n_in, _, s_off, _, p_off, p_stride, nblocks, _, o_off, n_out) = args
-            ubase, xbase = _byte_ptr(context, builder, aty[0], args[0]), _byte_ptr(context, builder, aty[1], args[1])
+            ubase, xbase = (
+                _byte_ptr(context, builder, aty[0], args[0]),
+                _byte_ptr(context, builder, aty[1], args[1]),
+            )
             xdp, prp, obase = (_data(context, builder, aty[i], args[i]) for i in (4, 6, 10))
             ity = x_off.type
 
@@ -923,10 +1147,13 @@ def _make_wtile(code: int, rn: int):
                 for v in values[1:]:
                     out = builder.add(out, v)
                 return out
+
             zero = ir.Constant(v8f, [0.0] * 8)
             acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
             accm = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
-            ints = [cgutils.alloca_once_value(builder, ir.Constant(_V8I32, [0] * 8)) for _ in range(rn)]
+            ints = [
+                cgutils.alloca_once_value(builder, ir.Constant(_V8I32, [0] * 8)) for _ in range(rn)
+            ]
 
             def slice_sums(group: ir.Value, xo: list, index: ir.Value) -> list:
                 """Per activation row, the 8 rows' exact Σ scale·u·x over slice ``index`` (64
@@ -934,16 +1161,25 @@ def _make_wtile(code: int, rn: int):
                 at = builder.add(group, builder.mul(index, const(512)))  # 16 quads of 32 bytes
                 sums = [[] for _ in range(rn)]
                 for sub in range(subs // 4):
-                    mult_at = builder.add(builder.mul(index, const(32 * subs // 4)), const(2048 + 32 * sub))
+                    mult_at = builder.add(
+                        builder.mul(index, const(32 * subs // 4)), const(2048 + 32 * sub)
+                    )
                     mult = _load(builder, ubase, builder.add(group, mult_at), _V16I16)
                     for first in range(sub * quads, (sub + 1) * quads, run):
                         short = [[] for _ in range(rn)]
                         for q in range(first, first + run):
                             wq = _load(builder, ubase, builder.add(at, const(32 * q)), _V32I8)
                             for j in range(rn):
-                                x_at = builder.add(builder.add(xo[j], builder.mul(index, const(64))), const(4 * q))
-                                xv = builder.bitcast(_splat(builder, _load(builder, xbase, x_at, _I32), _V8I32), _V32I8)
-                                short[j].append(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [wq, xv]))
+                                x_at = builder.add(
+                                    builder.add(xo[j], builder.mul(index, const(64))), const(4 * q)
+                                )
+                                xv = builder.bitcast(
+                                    _splat(builder, _load(builder, xbase, x_at, _I32), _V8I32),
+                                    _V32I8,
+                                )
+                                short[j].append(
+                                    _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [wq, xv])
+                                )
                         for j in range(rn):
                             sums[j].append(madd(total(short[j]), mult))
                 return [total(s) for s in sums]
@@ -951,19 +1187,46 @@ def _make_wtile(code: int, rn: int):
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 group = builder.mul(b, const(gs))
-                xo = [builder.add(builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK_K)))
-                      for j in range(rn)]
-                d_x = [_splat(builder, builder.load(builder.gep(xdp, [
-                    builder.add(builder.add(s_off, builder.mul(const(j), nblocks)), b)])), v8f) for j in range(rn)]
+                xo = [
+                    builder.add(
+                        builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK_K))
+                    )
+                    for j in range(rn)
+                ]
+                d_x = [
+                    _splat(
+                        builder,
+                        builder.load(
+                            builder.gep(
+                                xdp,
+                                [
+                                    builder.add(
+                                        builder.add(s_off, builder.mul(const(j), nblocks)), b
+                                    )
+                                ],
+                            )
+                        ),
+                        v8f,
+                    )
+                    for j in range(rn)
+                ]
                 d_w = _load(builder, ubase, builder.add(group, const(d_at)), v8f)
-                dm_w = _load(builder, ubase, builder.add(group, const(d_at + 32)), v8f) if has_min else None
+                dm_w = (
+                    _load(builder, ubase, builder.add(group, const(d_at + 32)), v8f)
+                    if has_min
+                    else None
+                )
 
                 def pair_sum(j: int, p: int | ir.Value) -> ir.Value:
                     """pmaddwd of activation row j's bsums pair p by the rows' pair vector p."""
                     p = const(p) if isinstance(p, int) else p
-                    at = builder.add(builder.add(p_off, builder.mul(const(j), p_stride)),
-                                     builder.add(builder.mul(b, const(pairs)), p))
-                    sums = builder.bitcast(_splat(builder, builder.load(builder.gep(prp, [at])), _V8I32), _V16I16)
+                    at = builder.add(
+                        builder.add(p_off, builder.mul(const(j), p_stride)),
+                        builder.add(builder.mul(b, const(pairs)), p),
+                    )
+                    sums = builder.bitcast(
+                        _splat(builder, builder.load(builder.gep(prp, [at])), _V8I32), _V16I16
+                    )
                     vec_at = builder.add(group, builder.add(const(p_at), builder.mul(p, const(32))))
                     return madd(sums, _load(builder, ubase, vec_at, _V16I16))
 
@@ -971,21 +1234,31 @@ def _make_wtile(code: int, rn: int):
                     builder.store(ir.Constant(_V8I32, [0] * 8), ints[j])
                 scale = [builder.fmul(d_w, d) for d in d_x] if code == _GM4 else None
                 mscale = [builder.fmul(dm_w, d) for d in d_x] if code == _GM4 else None
-                with cgutils.for_range(builder, const(4)) as slices:  # the block's 4 slices of 64 values
+                with cgutils.for_range(
+                    builder, const(4)
+                ) as slices:  # the block's 4 slices of 64 values
                     sums = slice_sums(group, xo, slices.index)
                     for j in range(rn):
                         if code == _GM4:  # one fma pair per 64 values
                             s_g = builder.sitofp(sums[j], v8f)
-                            builder.store(_fma8(builder, s_g, scale[j], builder.load(acc[j])), acc[j])
+                            builder.store(
+                                _fma8(builder, s_g, scale[j], builder.load(acc[j])), acc[j]
+                            )
                             m_g = builder.sitofp(pair_sum(j, slices.index), v8f)
-                            builder.store(_fma8(builder, m_g, mscale[j], builder.load(accm[j])), accm[j])
+                            builder.store(
+                                _fma8(builder, m_g, mscale[j], builder.load(accm[j])), accm[j]
+                            )
                         else:
                             builder.store(builder.add(builder.load(ints[j]), sums[j]), ints[j])
-                for j in range(rn if code != _GM4 else 0):  # tiled: res = d_w·s1 (- dmin·s2), fma(res, d_x, out)
+                for j in range(
+                    rn if code != _GM4 else 0
+                ):  # tiled: res = d_w·s1 (- dmin·s2), fma(res, d_x, out)
                     s1 = builder.load(ints[j])
                     if qtype in _BIAS_SHIFT:  # s1 -= bias·Σ scale·bsum16
                         corr = total([pair_sum(j, p) for p in range(pairs)])
-                        s1 = builder.sub(s1, builder.shl(corr, ir.Constant(_V8I32, [_BIAS_SHIFT[qtype]] * 8)))
+                        s1 = builder.sub(
+                            s1, builder.shl(corr, ir.Constant(_V8I32, [_BIAS_SHIFT[qtype]] * 8))
+                        )
                     res = builder.fmul(d_w, builder.sitofp(s1, v8f))
                     if has_min:
                         s2 = builder.sitofp(total([pair_sum(j, p) for p in range(pairs)]), v8f)
@@ -996,7 +1269,9 @@ def _make_wtile(code: int, rn: int):
                 if code == _GM4:
                     result = builder.fsub(result, builder.load(accm[j]))
                 at = builder.add(o_off, builder.mul(const(j), n_out))
-                builder.store(result, builder.bitcast(builder.gep(obase, [at]), v8f.as_pointer()), align=4)
+                builder.store(
+                    result, builder.bitcast(builder.gep(obase, [at]), v8f.as_pointer()), align=4
+                )
             return context.get_dummy_value()
 
         return sig, codegen
@@ -1006,10 +1281,15 @@ def _make_wtile(code: int, rn: int):
 
 _UNPACK8 = {qtype: _make_unpack8(qtype) for qtype in _PLAIN_CODES}
 _unpack8_q2, _unpack8_q3, _unpack8_q4, _unpack8_q5, _unpack8_q6 = (
-    _UNPACK8[q] for q in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
-_WTILES = {code: _make_wtile(code, 4) for code in _WIDE_CODES}  # 4 activation rows (the rest: one-row dots)
+    _UNPACK8[q] for q in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+)
+_WTILES = {
+    code: _make_wtile(code, 4) for code in _WIDE_CODES
+}  # 4 activation rows (the rest: one-row dots)
 _wtile_t2, _wtile_t3, _wtile_t4, _wtile_t5, _wtile_t6, _wtile_gm4 = (
-    _WTILES[c] for c in (_T2, _T3, _T4, _T5, _T6, _GM4))
+    _WTILES[c] for c in (_T2, _T3, _T4, _T5, _T6, _GM4)
+)
+
 
 @njit
 def _unpack8(code, raw, w_off, row_bytes, nb, dst):  # pragma: no cover - compiled
@@ -1026,7 +1306,9 @@ def _unpack8(code, raw, w_off, row_bytes, nb, dst):  # pragma: no cover - compil
 
 
 @njit
-def _wtile(code, u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out):  # pragma: no cover
+def _wtile(
+    code, u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out
+):  # pragma: no cover
     """Eight weight rows by four activation rows; the branches fold for a constant code."""
     if code == _T2:
         _wtile_t2(u, xq, x_off, n, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out)
@@ -1058,11 +1340,41 @@ def _wide_rows(code, gs, raw, r0, r1, xq, xd, bsums, pr, out):  # pragma: no cov
         _unpack8(code, raw, r * row_bytes, row_bytes, nb, scratch)
         t = 0
         while t + 4 <= m:
-            _wtile(code, scratch, xq, t * n, n, xd, t * nb, pr, t * p_stride, p_stride, nb, out, t * n_out + r, n_out)
+            _wtile(
+                code,
+                scratch,
+                xq,
+                t * n,
+                n,
+                xd,
+                t * nb,
+                pr,
+                t * p_stride,
+                p_stride,
+                nb,
+                out,
+                t * n_out + r,
+                n_out,
+            )
             t += 4
         while t < m:  # the m % 4 last activation rows: the one-row dots
             for k in range(r, r + 8):
-                _dot(code, 1, raw, k * row_bytes, xq, t * n, n, xd, bsums, t * nb, nb, out, t * n_out + k, n_out)
+                _dot(
+                    code,
+                    1,
+                    raw,
+                    k * row_bytes,
+                    xq,
+                    t * n,
+                    n,
+                    xd,
+                    bsums,
+                    t * nb,
+                    nb,
+                    out,
+                    t * n_out + k,
+                    n_out,
+                )
             t += 1
         r += 8
     _rows(code, raw, r, r1, xq, xd, bsums, out)
@@ -1098,7 +1410,9 @@ def _run(code: int, raw: numpy.ndarray, act: KActivation, rows: slice, out: nump
     if code in _WIDE_CODES:
         qtype = _CODE_TYPE[code]
         gs = _wide_layout(qtype)[4]
-        (_wide_parallel if parallel else _wide_serial)(code, gs, raw, xq, xd, bs, _pair_sums(qtype, bs), out[rows])
+        (_wide_parallel if parallel else _wide_serial)(
+            code, gs, raw, xq, xd, bs, _pair_sums(qtype, bs), out[rows]
+        )
         return
     (_parallel if parallel else _serial)(code, raw, xq, xd, bs, out[rows])
 
@@ -1108,7 +1422,9 @@ class KQuantMatrix(BlockRows):
     llama-server's mul_mat (``repacked``: as after its CPU_REPACK buffer took the matrix, see
     ``repacked_by_llama_server``; the bytes stay in GGUF order here)."""
 
-    def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
+    def __init__(
+        self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False
+    ):
         qtype = T(qtype)
         if not supported(qtype):
             raise ValueError(f"no exact K-quant kernel for {qtype.name}")
@@ -1119,7 +1435,9 @@ class KQuantMatrix(BlockRows):
         row_bytes = n_in // QK_K * _BLOCK_BYTES[qtype]
         data = numpy.ascontiguousarray(raw).view(numpy.uint8)
         if data.size != n_out * row_bytes:
-            raise ValueError(f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}")
+            raise ValueError(
+                f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}"
+            )
         self.raw = data.reshape(n_out, row_bytes)
         self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
 

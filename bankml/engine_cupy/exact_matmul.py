@@ -45,8 +45,19 @@ from numba.extending import intrinsic  # noqa: E402
 
 from bankml.engine_cupy.jit import f16_bits, f16_round, njit  # noqa: E402
 
-__all__ = ["BlockRows", "QuantMatrix", "MatrixStack", "Activation", "supported", "repacked_by_llama_server", "quantize_q8_0",
-           "quantize_q8_1", "f32_to_f16_bits", "bf16_round", "row_product"]
+__all__ = [
+    "BlockRows",
+    "QuantMatrix",
+    "MatrixStack",
+    "Activation",
+    "supported",
+    "repacked_by_llama_server",
+    "quantize_q8_0",
+    "quantize_q8_1",
+    "f32_to_f16_bits",
+    "bf16_round",
+    "row_product",
+]
 
 QK = 32  # elements per block for every type handled here
 ROWS_PER_TASK = 16  # output rows per parallel task; its weight rows stay in L1 across the batch
@@ -59,12 +70,19 @@ F16_TABLE = numpy.arange(65536, dtype=numpy.uint16).view(numpy.float16).astype(n
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_0R = 0, 1, 2, 3, 4, 5  # _Q4_0R: repacked Q4_0
 # weight type -> (kernel code, bytes per block, activation is q8_1)
 _LAYOUT: dict[T, tuple[int, int, bool]] = {
-    T.Q4_0: (_Q4_0, 18, False), T.Q5_0: (_Q5_0, 22, False), T.Q8_0: (_Q8_0, 34, False),
-    T.Q4_1: (_Q4_1, 20, True), T.Q5_1: (_Q5_1, 24, True),
-    T.F16: (6, 64, False), T.F32: (7, 128, False), T.BF16: (8, 64, False),  # bytes per 32 values
+    T.Q4_0: (_Q4_0, 18, False),
+    T.Q5_0: (_Q5_0, 22, False),
+    T.Q8_0: (_Q8_0, 34, False),
+    T.Q4_1: (_Q4_1, 20, True),
+    T.Q5_1: (_Q5_1, 24, True),
+    T.F16: (6, 64, False),
+    T.F32: (7, 128, False),
+    T.BF16: (8, 64, False),  # bytes per 32 values
 }
 _FLOAT_TYPES = {T.F16, T.F32, T.BF16}
-_ANY_WIDTH = {T.BF16}  # rows of any length (the kernels take ggml's tails), not only multiples of 32
+_ANY_WIDTH = {
+    T.BF16
+}  # rows of any length (the kernels take ggml's tails), not only multiples of 32
 
 
 # ggml-cpu/repack.cpp (ggml_repack_get_optimal_repack_type) on an AVX2 build: Q4_0 -> q4_0_8x8
@@ -133,23 +151,42 @@ def _quantize_block(typingctx, x, off, q, d16, s16, soff):
         v = [lane_vector(k) for k in range(4)]
         mask = ir.Constant(_V8I32, [0x7FFFFFFF] * 8)  # andnot(-0.0, v): |v|
         a = [builder.bitcast(builder.and_(builder.bitcast(x, _V8I32), mask), _V8F) for x in v]
-        m8 = vmax("llvm.x86.avx.max.ps.256", _V8F, vmax("llvm.x86.avx.max.ps.256", _V8F, a[0], a[1]),
-                  vmax("llvm.x86.avx.max.ps.256", _V8F, a[2], a[3]))
+        m8 = vmax(
+            "llvm.x86.avx.max.ps.256",
+            _V8F,
+            vmax("llvm.x86.avx.max.ps.256", _V8F, a[0], a[1]),
+            vmax("llvm.x86.avx.max.ps.256", _V8F, a[2], a[3]),
+        )
         hi = builder.shuffle_vector(m8, m8, ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7]))
         lo = builder.shuffle_vector(m8, m8, ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3]))
         m4 = vmax("llvm.x86.sse.max.ps", v4f, hi, lo)
-        m4 = vmax("llvm.x86.sse.max.ps", v4f, m4, builder.shuffle_vector(
-            m4, m4, ir.Constant(ir.VectorType(_I32, 4), [2, 3, 2, 3])))
-        m4 = vmax("llvm.x86.sse.max.ss", v4f, m4, builder.shuffle_vector(
-            m4, m4, ir.Constant(ir.VectorType(_I32, 4), [1, 1, 3, 3])))
+        m4 = vmax(
+            "llvm.x86.sse.max.ps",
+            v4f,
+            m4,
+            builder.shuffle_vector(m4, m4, ir.Constant(ir.VectorType(_I32, 4), [2, 3, 2, 3])),
+        )
+        m4 = vmax(
+            "llvm.x86.sse.max.ss",
+            v4f,
+            m4,
+            builder.shuffle_vector(m4, m4, ir.Constant(ir.VectorType(_I32, 4), [1, 1, 3, 3])),
+        )
         amax = builder.extract_element(m4, ir.Constant(_I32, 0))
         d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
         nonzero = builder.fcmp_unordered("!=", amax, ir.Constant(_F32, 0.0))
-        inv = builder.select(nonzero, builder.fdiv(ir.Constant(_F32, 127.0), amax), ir.Constant(_F32, 0.0))
+        inv = builder.select(
+            nonzero, builder.fdiv(ir.Constant(_F32, 127.0), amax), ir.Constant(_F32, 0.0)
+        )
         mul = _splat(builder, inv, _V8F)
         total = ir.Constant(_V8I32, [0] * 8)
         for k in range(4):
-            r = _call(builder, "llvm.x86.avx.round.ps.256", _V8F, [builder.fmul(v[k], mul), ir.Constant(_I32, 0)])
+            r = _call(
+                builder,
+                "llvm.x86.avx.round.ps.256",
+                _V8F,
+                [builder.fmul(v[k], mul), ir.Constant(_I32, 0)],
+            )
             i = _call(builder, "llvm.x86.avx.cvt.ps2dq.256", _V8I32, [r])
             total = builder.add(total, i)
             lo8 = ir.Constant(_V8I32, [-128] * 8)
@@ -157,10 +194,16 @@ def _quantize_block(typingctx, x, off, q, d16, s16, soff):
             clamped = builder.select(builder.icmp_signed("<", i, lo8), lo8, i)
             clamped = builder.select(builder.icmp_signed(">", clamped, hi8), hi8, clamped)
             at = builder.gep(qdata, [builder.add(off, ir.Constant(off.type, 8 * k))])
-            builder.store(builder.trunc(clamped, ir.VectorType(_I8, 8)),
-                          builder.bitcast(at, ir.VectorType(_I8, 8).as_pointer()), align=1)
+            builder.store(
+                builder.trunc(clamped, ir.VectorType(_I8, 8)),
+                builder.bitcast(at, ir.VectorType(_I8, 8).as_pointer()),
+                align=1,
+            )
         total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [total])
-        for arr, aidx, value in ((darr, 3, d), (sarr, 4, builder.fmul(d, builder.sitofp(total, _F32)))):
+        for arr, aidx, value in (
+            (darr, 3, d),
+            (sarr, 4, builder.fmul(d, builder.sitofp(total, _F32))),
+        ):
             data = _data(context, builder, aty[aidx], arr)
             bits = builder.bitcast(builder.fptrunc(value, ir.HalfType()), _I16)
             builder.store(bits, builder.gep(data, [soff]))
@@ -219,9 +262,9 @@ def _interleave_lanes(q: numpy.ndarray) -> numpy.ndarray:
     groups = m // 8
     out = numpy.empty(groups * 8 * n + 64, numpy.int8)
     start = -out.ctypes.data % 64  # 64-byte aligned: no lane load splits a cache line
-    out = out[start:start + groups * 8 * n]
+    out = out[start : start + groups * 8 * n]
     # moved as int32 words (one lane of one row): a quarter of the elements to shuffle
-    _interleave_words(q[:groups * 8].view(numpy.int32), out.view(numpy.int32))
+    _interleave_words(q[: groups * 8].view(numpy.int32), out.view(numpy.int32))
     return out
 
 
@@ -246,7 +289,10 @@ class Activation:
         quantize = _quantize_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_serial
         self.q, self.d16, self.s16, self.d, self.s = quantize(x, F16_TABLE)
         # the scales block-major too ([nb, m]): the batch tiles load 8 rows' scales at once
-        self.d_by_block, self.s_by_block = numpy.ascontiguousarray(self.d.T), numpy.ascontiguousarray(self.s.T)
+        self.d_by_block, self.s_by_block = (
+            numpy.ascontiguousarray(self.d.T),
+            numpy.ascontiguousarray(self.s.T),
+        )
 
     @functools.cached_property
     def lanes(self) -> numpy.ndarray:
@@ -287,7 +333,9 @@ _V16I16, _V8I32, _V8F = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.Vect
 
 
 def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list) -> ir.Value:
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name
+    )
     return builder.call(fn, args)
 
 
@@ -301,7 +349,9 @@ def _byte_ptr(context, builder, aty, arr) -> ir.Value:
     return builder.bitcast(_data(context, builder, aty, arr), _I8.as_pointer())
 
 
-def _load(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
+def _load(
+    builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, ty: ir.Type, align: int = 1
+) -> ir.Value:
     return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=align)
 
 
@@ -334,8 +384,10 @@ def _fifth_bits(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.V
 
 def _weight_bytes(builder: ir.IRBuilder, code: int, base: ir.Value, blk: ir.Value) -> ir.Value:
     """The 32 signed weight values of the block at base+blk, as ggml's byte lanes hold them."""
+
     def at(k: int) -> ir.Value:
         return builder.add(blk, ir.Constant(blk.type, k))
+
     if code == _Q8_0:
         return _load(builder, base, at(2), _V32I8)
     if code in (_Q4_0, _Q4_1):
@@ -354,7 +406,9 @@ def _hsum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
     return builder.fadd(low, high)
 
 
-def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int, whole_block: bool = False):
+def _make_tile(
+    code: int, block_bytes: int, has_min: bool, rm: int, rn: int, whole_block: bool = False
+):
     """An intrinsic computing an rm x rn tile of outputs: weight rows r..r+rm-1 against
     activation rows t..t+rn-1, each element exactly ggml's vec_dot. The tile shares each unpacked
     weight block and each activation block among its dots, and its rm*rn independent fma chains
@@ -385,46 +439,88 @@ def _make_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int, who
                 return ir.Constant(ity, v)
 
             acc_zero = ir.Constant(_F32, 0.0) if whole_block else ir.Constant(_V8F, [0.0] * 8)
-            acc = [[cgutils.alloca_once_value(builder, acc_zero) for _ in range(rn)]
-                   for _ in range(rm)]
-            summs = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(rn)]
-                     for _ in range(rm)]
+            acc = [
+                [cgutils.alloca_once_value(builder, acc_zero) for _ in range(rn)] for _ in range(rm)
+            ]
+            summs = [
+                [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(rn)]
+                for _ in range(rm)
+            ]
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 rows = []
                 for i in range(rm):
-                    blk = builder.add(builder.add(w_off, builder.mul(const(i), row_bytes)),
-                                      builder.mul(b, const(block_bytes)))
+                    blk = builder.add(
+                        builder.add(w_off, builder.mul(const(i), row_bytes)),
+                        builder.mul(b, const(block_bytes)),
+                    )
                     wv = _weight_bytes(builder, code, wbase, blk)
                     m_w = _half(builder, wbase, builder.add(blk, const(2))) if has_min else None
                     # signed weights: |w| for maddubs, the sign moves onto x (mul_sum_i8_pairs)
-                    aw = wv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wv, wv])
+                    aw = (
+                        wv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wv, wv])
+                    )
                     rows.append((wv, aw, _half(builder, wbase, blk), m_w))
                 for j in range(rn):
-                    xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)),
-                                     builder.mul(b, const(QK)))
+                    xo = builder.add(
+                        builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK))
+                    )
                     xv = _load(builder, xbase, xo, _V32I8)
                     so = builder.add(builder.add(s_off, builder.mul(const(j), nblocks)), b)
                     d_x = builder.load(builder.gep(dbase, [so]))
                     s_x = builder.load(builder.gep(sbase, [so])) if has_min else None
                     for i, (wv, aw, d_w, m_w) in enumerate(rows):
-                        sx = xv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wv])
+                        sx = (
+                            xv
+                            if has_min
+                            else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wv])
+                        )
                         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [aw, sx])
-                        quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32,
-                                      [pairs, ir.Constant(_V16I16, [1] * 16)])
+                        quads = _call(
+                            builder,
+                            "llvm.x86.avx2.pmadd.wd",
+                            _V8I32,
+                            [pairs, ir.Constant(_V16I16, [1] * 16)],
+                        )
                         if whole_block:
-                            block_sum = _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [quads])
-                            builder.store(_call(builder, "llvm.fma.f32", _F32,
-                                                [builder.sitofp(block_sum, _F32), builder.fmul(d_w, d_x),
-                                                 builder.load(acc[i][j])]), acc[i][j])
+                            block_sum = _call(
+                                builder, "llvm.vector.reduce.add.v8i32", _I32, [quads]
+                            )
+                            builder.store(
+                                _call(
+                                    builder,
+                                    "llvm.fma.f32",
+                                    _F32,
+                                    [
+                                        builder.sitofp(block_sum, _F32),
+                                        builder.fmul(d_w, d_x),
+                                        builder.load(acc[i][j]),
+                                    ],
+                                ),
+                                acc[i][j],
+                            )
                         else:
                             lanes = builder.sitofp(quads, _V8F)
                             scale = _splat(builder, builder.fmul(d_w, d_x), _V8F)
-                            builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
-                                                [scale, lanes, builder.load(acc[i][j])]), acc[i][j])
+                            builder.store(
+                                _call(
+                                    builder,
+                                    "llvm.fma.v8f32",
+                                    _V8F,
+                                    [scale, lanes, builder.load(acc[i][j])],
+                                ),
+                                acc[i][j],
+                            )
                         if has_min:
-                            builder.store(_call(builder, "llvm.fma.f32", _F32,
-                                                [m_w, s_x, builder.load(summs[i][j])]), summs[i][j])
+                            builder.store(
+                                _call(
+                                    builder,
+                                    "llvm.fma.f32",
+                                    _F32,
+                                    [m_w, s_x, builder.load(summs[i][j])],
+                                ),
+                                summs[i][j],
+                            )
             for i in range(rm):
                 for j in range(rn):
                     total = builder.load(acc[i][j])
@@ -455,8 +551,12 @@ def _make_wide_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int
     vrn = ir.VectorType(_F32, rn)
 
     @intrinsic
-    def tile(typingctx, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out):
-        sig = types.void(w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out)
+    def tile(
+        typingctx, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out
+    ):
+        sig = types.void(
+            w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out
+        )
 
         def codegen(context, builder, signature, args):
             aty = signature.args
@@ -470,49 +570,90 @@ def _make_wide_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int
                 return ir.Constant(ity, v)
 
             def load_scales(base: ir.Value, index: ir.Value) -> ir.Value:
-                return builder.load(builder.bitcast(builder.gep(base, [index]), vrn.as_pointer()), align=4)
+                return builder.load(
+                    builder.bitcast(builder.gep(base, [index]), vrn.as_pointer()), align=4
+                )
 
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(rn)]
-                   for _ in range(rm)]
-            summs = [cgutils.alloca_once_value(builder, ir.Constant(vrn, [0.0] * rn)) for _ in range(rm)]
+            acc = [
+                [
+                    cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8))
+                    for _ in range(rn)
+                ]
+                for _ in range(rm)
+            ]
+            summs = [
+                cgutils.alloca_once_value(builder, ir.Constant(vrn, [0.0] * rn)) for _ in range(rm)
+            ]
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
                 so = builder.add(s_off, builder.mul(b, m))
                 s_x = load_scales(sbase, so) if has_min else None
                 rows = []
                 for i in range(rm):
-                    blk = builder.add(builder.add(w_off, builder.mul(const(i), row_bytes)),
-                                      builder.mul(b, const(block_bytes)))
+                    blk = builder.add(
+                        builder.add(w_off, builder.mul(const(i), row_bytes)),
+                        builder.mul(b, const(block_bytes)),
+                    )
                     wv = _weight_bytes(builder, code, wbase, blk)
-                    aw = wv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wv, wv])
+                    aw = (
+                        wv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wv, wv])
+                    )
                     d_w = _splat(builder, _half(builder, wbase, blk), _V8F)
                     if has_min:
-                        m_w = _splat(builder, _half(builder, wbase, builder.add(blk, const(2))), vrn)
-                        builder.store(_call(builder, f"llvm.fma.v{rn}f32", vrn,
-                                            [m_w, s_x, builder.load(summs[i])]), summs[i])
+                        m_w = _splat(
+                            builder, _half(builder, wbase, builder.add(blk, const(2))), vrn
+                        )
+                        builder.store(
+                            _call(
+                                builder,
+                                f"llvm.fma.v{rn}f32",
+                                vrn,
+                                [m_w, s_x, builder.load(summs[i])],
+                            ),
+                            summs[i],
+                        )
                     rows.append((wv, aw, d_w))
                 for j in range(rn):
-                    xo = builder.add(builder.add(x_off, builder.mul(const(j), n_in)),
-                                     builder.mul(b, const(QK)))
+                    xo = builder.add(
+                        builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK))
+                    )
                     xv = _load(builder, xbase, xo, _V32I8)
                     # d_x broadcast from memory, times the splat d_w: one multiply per dot, where
                     # taking lane j of a vector of products cost two shuffles
-                    d_x = _splat(builder, builder.load(builder.gep(dbase, [builder.add(so, const(j))])), _V8F)
+                    d_x = _splat(
+                        builder, builder.load(builder.gep(dbase, [builder.add(so, const(j))])), _V8F
+                    )
                     for i, (wv, aw, d_w) in enumerate(rows):
-                        sx = xv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wv])
+                        sx = (
+                            xv
+                            if has_min
+                            else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wv])
+                        )
                         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [aw, sx])
-                        quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32,
-                                      [pairs, ir.Constant(_V16I16, [1] * 16)])
+                        quads = _call(
+                            builder,
+                            "llvm.x86.avx2.pmadd.wd",
+                            _V8I32,
+                            [pairs, ir.Constant(_V16I16, [1] * 16)],
+                        )
                         scale = builder.fmul(d_w, d_x)
-                        builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
-                                            [scale, builder.sitofp(quads, _V8F), builder.load(acc[i][j])]),
-                                      acc[i][j])
+                        builder.store(
+                            _call(
+                                builder,
+                                "llvm.fma.v8f32",
+                                _V8F,
+                                [scale, builder.sitofp(quads, _V8F), builder.load(acc[i][j])],
+                            ),
+                            acc[i][j],
+                        )
             for i in range(rm):
                 mins = builder.load(summs[i]) if has_min else None
                 for j in range(rn):
                     total = _hsum(builder, builder.load(acc[i][j]))
                     if has_min:
-                        total = builder.fadd(total, builder.extract_element(mins, ir.Constant(_I32, j)))
+                        total = builder.fadd(
+                            total, builder.extract_element(mins, ir.Constant(_I32, j))
+                        )
                     index = builder.add(builder.add(o_off, builder.mul(const(j), n_out)), const(i))
                     builder.store(total, builder.gep(obase, [index]))
             return context.get_dummy_value()
@@ -542,6 +683,7 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool):
     of wu (``_unpack_at``); the two groups' interleaved quants at xl_off and xl_off + nb*256 of
     xl (int8); scales of activation row t+j, block b at s_off + b*m + j of xd/xs (block-major,
     s_off = t); the result of row t+j to out.flat[o_off + j*n_out]."""
+
     @intrinsic
     def tile(typingctx, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out):
         sig = types.void(w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out)
@@ -560,39 +702,78 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool):
 
             def row_scales(base: ir.Value, b: ir.Value, g: int) -> ir.Value:
                 at = builder.add(builder.add(s_off, builder.mul(b, m)), const(8 * g))
-                return builder.load(builder.bitcast(builder.gep(base, [at]), _V8F.as_pointer()), align=4)
+                return builder.load(
+                    builder.bitcast(builder.gep(base, [at]), _V8F.as_pointer()), align=4
+                )
 
             zero = ir.Constant(_V8F, [0.0] * 8)
             lanes = [[cgutils.alloca_once_value(builder, zero) for _ in range(8)] for _ in range(2)]
             summs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
             ones = ir.Constant(_V16I16, [1] * 16)
             for half in range(2):
-                acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in range(2)]
+                acc = [
+                    [cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in range(2)
+                ]
                 with cgutils.for_range(builder, nblocks) as loop:
                     b = loop.index
                     blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
                     d_w = _splat(builder, _half(builder, wbase, blk), _V8F)
                     scales = [builder.fmul(d_w, row_scales(dbase, b, g)) for g in range(2)]
                     if has_min and half == 0:
-                        m_w = _splat(builder, _half(builder, wbase, builder.add(blk, const(2))), _V8F)
+                        m_w = _splat(
+                            builder, _half(builder, wbase, builder.add(blk, const(2))), _V8F
+                        )
                         for g in range(2):
-                            builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
-                                                [m_w, row_scales(sbase, b, g), builder.load(summs[g])]), summs[g])
+                            builder.store(
+                                _call(
+                                    builder,
+                                    "llvm.fma.v8f32",
+                                    _V8F,
+                                    [m_w, row_scales(sbase, b, g), builder.load(summs[g])],
+                                ),
+                                summs[g],
+                            )
                     for k in range(4):
-                        wat = builder.add(builder.add(wu_off, builder.mul(b, const(QK))), const(16 * half + 4 * k))
-                        wl = builder.bitcast(_splat(builder, _load(builder, ubase, wat, _I32), _V8I32), _V32I8)
-                        aw = wl if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wl, wl])
+                        wat = builder.add(
+                            builder.add(wu_off, builder.mul(b, const(QK))), const(16 * half + 4 * k)
+                        )
+                        wl = builder.bitcast(
+                            _splat(builder, _load(builder, ubase, wat, _I32), _V8I32), _V32I8
+                        )
+                        aw = (
+                            wl
+                            if has_min
+                            else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wl, wl])
+                        )
                         for g in range(2):
                             # group g, block b, lane 4*half+k: 32 bytes
-                            at = builder.add(builder.add(xl_off, builder.mul(const(g), builder.mul(nblocks, const(256)))),
-                                             builder.add(builder.mul(b, const(256)), const(32 * (4 * half + k))))
+                            at = builder.add(
+                                builder.add(
+                                    xl_off, builder.mul(const(g), builder.mul(nblocks, const(256)))
+                                ),
+                                builder.add(builder.mul(b, const(256)), const(32 * (4 * half + k))),
+                            )
                             xv = _load(builder, xbase, at, _V32I8)
-                            sx = xv if has_min else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wl])
+                            sx = (
+                                xv
+                                if has_min
+                                else _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wl])
+                            )
                             pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [aw, sx])
                             quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, ones])
-                            builder.store(_call(builder, "llvm.fma.v8f32", _V8F,
-                                                [scales[g], builder.sitofp(quads, _V8F), builder.load(acc[g][k])]),
-                                          acc[g][k])
+                            builder.store(
+                                _call(
+                                    builder,
+                                    "llvm.fma.v8f32",
+                                    _V8F,
+                                    [
+                                        scales[g],
+                                        builder.sitofp(quads, _V8F),
+                                        builder.load(acc[g][k]),
+                                    ],
+                                ),
+                                acc[g][k],
+                            )
                 for g in range(2):
                     for k in range(4):
                         builder.store(builder.load(acc[g][k]), lanes[g][4 * half + k])
@@ -605,7 +786,10 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool):
                     total = builder.fadd(total, builder.load(summs[g]))
                 for j in range(8):
                     index = builder.add(o_off, builder.mul(const(8 * g + j), n_out))
-                    builder.store(builder.extract_element(total, ir.Constant(_I32, j)), builder.gep(obase, [index]))
+                    builder.store(
+                        builder.extract_element(total, ir.Constant(_I32, j)),
+                        builder.gep(obase, [index]),
+                    )
             return context.get_dummy_value()
 
         return sig, codegen
@@ -614,14 +798,27 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool):
 
 
 # kernel code -> (weight layout, bytes per block, has the min term, repacked arithmetic)
-_CODES = {_Q4_0: (_Q4_0, 18, False, False), _Q4_1: (_Q4_1, 20, True, False), _Q5_0: (_Q5_0, 22, False, False),
-          _Q5_1: (_Q5_1, 24, True, False), _Q8_0: (_Q8_0, 34, False, False), _Q4_0R: (_Q4_0, 18, False, True)}
+_CODES = {
+    _Q4_0: (_Q4_0, 18, False, False),
+    _Q4_1: (_Q4_1, 20, True, False),
+    _Q5_0: (_Q5_0, 22, False, False),
+    _Q5_1: (_Q5_1, 24, True, False),
+    _Q8_0: (_Q8_0, 34, False, False),
+    _Q4_0R: (_Q4_0, 18, False, True),
+}
 # (kernel code, shape) -> tile intrinsic; shape = 10 * weight rows + activation rows
-_TILES = {(code, shape): _make_tile(layout, size, has_min, shape // 10, shape % 10, whole_block=whole)
-          for code, (layout, size, has_min, whole) in _CODES.items() for shape in (11, 41, 22)}
+_TILES = {
+    (code, shape): _make_tile(layout, size, has_min, shape // 10, shape % 10, whole_block=whole)
+    for code, (layout, size, has_min, whole) in _CODES.items()
+    for shape in (11, 41, 22)
+}
 # batches: one weight row by 8 or 4 activation rows, scales read block-major (not for repacked Q4_0)
-_WIDE_TILES = {(code, rows): _make_wide_tile(layout, size, has_min, 1, rows)
-               for code, (layout, size, has_min, whole) in _CODES.items() if not whole for rows in (8, 4)}
+_WIDE_TILES = {
+    (code, rows): _make_wide_tile(layout, size, has_min, 1, rows)
+    for code, (layout, size, has_min, whole) in _CODES.items()
+    if not whole
+    for rows in (8, 4)
+}
 
 
 def _make_unpack(code: int, block_bytes: int):
@@ -643,7 +840,9 @@ def _make_unpack(code: int, block_bytes: int):
                 blk = builder.add(w_off, builder.mul(b, ir.Constant(ity, block_bytes)))
                 wv = _weight_bytes(builder, code, wbase, blk)
                 at = builder.add(d_off, builder.mul(b, ir.Constant(ity, QK)))
-                builder.store(wv, builder.bitcast(builder.gep(dbase, [at]), _V32I8.as_pointer()), align=1)
+                builder.store(
+                    wv, builder.bitcast(builder.gep(dbase, [at]), _V32I8.as_pointer()), align=1
+                )
             return context.get_dummy_value()
 
         return sig, codegen
@@ -651,7 +850,11 @@ def _make_unpack(code: int, block_bytes: int):
     return unpack
 
 
-_UNPACKS = {code: _make_unpack(layout, size) for code, (layout, size, has_min, whole) in _CODES.items() if not whole}
+_UNPACKS = {
+    code: _make_unpack(layout, size)
+    for code, (layout, size, has_min, whole) in _CODES.items()
+    if not whole
+}
 
 
 @intrinsic(prefer_literal=True)
@@ -661,7 +864,9 @@ def _unpack_at(typingctx, code, w, w_off, nb, dst, d_off):
     if key is None:
         return None
     if key[0] not in _UNPACKS:
-        return types.void(code, w, w_off, nb, dst, d_off), lambda context, builder, signature, args: context.get_dummy_value()
+        return types.void(
+            code, w, w_off, nb, dst, d_off
+        ), lambda context, builder, signature, args: context.get_dummy_value()
     sig, gen = _UNPACKS[key[0]]._defn(typingctx, w, w_off, nb, dst, d_off)
 
     def codegen(context, builder, signature, args):
@@ -670,8 +875,11 @@ def _unpack_at(typingctx, code, w, w_off, nb, dst, d_off):
     return types.void(code, *sig.args), codegen
 
 
-_LANE_TILES = {code: _make_lane_tile(layout, size, has_min)
-               for code, (layout, size, has_min, whole) in _CODES.items() if not whole}
+_LANE_TILES = {
+    code: _make_lane_tile(layout, size, has_min)
+    for code, (layout, size, has_min, whole) in _CODES.items()
+    if not whole
+}
 
 
 def _literal_key(*args) -> tuple | None:
@@ -682,14 +890,32 @@ def _literal_key(*args) -> tuple | None:
 
 
 @intrinsic(prefer_literal=True)
-def _tile_at(typingctx, code, shape, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out):
+def _tile_at(
+    typingctx,
+    code,
+    shape,
+    w,
+    w_off,
+    row_bytes,
+    xq,
+    x_off,
+    n_in,
+    xd,
+    xs,
+    s_off,
+    nb,
+    out,
+    o_off,
+    n_out,
+):
     """The tile of _TILES[code, shape] (both compile-time constants), inlined at the call: a call
     to a jitted helper per tile (with its array reference counting) cost a third of the time."""
     key = _literal_key(code, shape)
     if key not in _TILES:
         return None
-    sig, gen = _TILES[key]._defn(typingctx, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off,
-                                 n_out)
+    sig, gen = _TILES[key]._defn(
+        typingctx, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, nb, out, o_off, n_out
+    )
 
     def codegen(context, builder, signature, args):
         return gen(context, builder, sig, args[2:])
@@ -698,16 +924,51 @@ def _tile_at(typingctx, code, shape, w, w_off, row_bytes, xq, x_off, n_in, xd, x
 
 
 @intrinsic(prefer_literal=True)
-def _wide_at(typingctx, code, rows, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out):
+def _wide_at(
+    typingctx,
+    code,
+    rows,
+    w,
+    w_off,
+    row_bytes,
+    xq,
+    x_off,
+    n_in,
+    xd,
+    xs,
+    s_off,
+    m,
+    nb,
+    out,
+    o_off,
+    n_out,
+):
     """The tile of _WIDE_TILES[code, rows], inlined at the call."""
     key = _literal_key(code, rows)
     if key is None:
         return None
     if key not in _WIDE_TILES:  # repacked Q4_0: typed in _rows's branch that never runs for it
-        return types.void(code, rows, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off,
-                          n_out), lambda context, builder, signature, args: context.get_dummy_value()
-    sig, gen = _WIDE_TILES[key]._defn(typingctx, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out,
-                                      o_off, n_out)
+        return types.void(
+            code,
+            rows,
+            w,
+            w_off,
+            row_bytes,
+            xq,
+            x_off,
+            n_in,
+            xd,
+            xs,
+            s_off,
+            m,
+            nb,
+            out,
+            o_off,
+            n_out,
+        ), lambda context, builder, signature, args: context.get_dummy_value()
+    sig, gen = _WIDE_TILES[key]._defn(
+        typingctx, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out
+    )
 
     def codegen(context, builder, signature, args):
         return gen(context, builder, sig, args[2:])
@@ -716,17 +977,21 @@ def _wide_at(typingctx, code, rows, w, w_off, row_bytes, xq, x_off, n_in, xd, xs
 
 
 @intrinsic(prefer_literal=True)
-def _lanes_at(typingctx, code, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out):
+def _lanes_at(
+    typingctx, code, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out
+):
     """The tile of _LANE_TILES[code], inlined at the call (a no-op for repacked Q4_0, whose
     branch never runs)."""
     key = _literal_key(code)
     if key is None:
         return None
     if key[0] not in _LANE_TILES:
-        return types.void(code, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off,
-                          n_out), lambda context, builder, signature, args: context.get_dummy_value()
-    sig, gen = _LANE_TILES[key[0]]._defn(typingctx, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out,
-                                         o_off, n_out)
+        return types.void(
+            code, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out
+        ), lambda context, builder, signature, args: context.get_dummy_value()
+    sig, gen = _LANE_TILES[key[0]]._defn(
+        typingctx, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out
+    )
 
     def codegen(context, builder, signature, args):
         return gen(context, builder, sig, args[1:])
@@ -735,7 +1000,9 @@ def _lanes_at(typingctx, code, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, 
 
 
 @njit
-def _rows(code, raw, row_bytes, r0, r1, xq, xd, xs, xd_by_block, xs_by_block, xl, out):  # pragma: no cover
+def _rows(
+    code, raw, row_bytes, r0, r1, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+):  # pragma: no cover
     """out[:, r0:r1] (``code`` a literal): lane tiles (one weight row by 16 activation rows, on
     the task's weight rows unpacked once), then wide tiles (one weight row by 8, then 4) while
     enough activation rows are left (neither for repacked Q4_0), then 2x2 tiles (two weight rows
@@ -751,92 +1018,244 @@ def _rows(code, raw, row_bytes, r0, r1, xq, xd, xs, xd_by_block, xs_by_block, xl
                 _unpack_at(code, raw, r * row_bytes, nb, wu, (r - r0) * n_in)
         while t + LANE_ROWS <= m:
             for r in range(r0, r1):
-                _lanes_at(code, raw, r * row_bytes, wu, (r - r0) * n_in, xl, (t // 8) * nb * 256, xd_by_block,
-                          xs_by_block, t, m, nb, out, t * n_out + r, n_out)
+                _lanes_at(
+                    code,
+                    raw,
+                    r * row_bytes,
+                    wu,
+                    (r - r0) * n_in,
+                    xl,
+                    (t // 8) * nb * 256,
+                    xd_by_block,
+                    xs_by_block,
+                    t,
+                    m,
+                    nb,
+                    out,
+                    t * n_out + r,
+                    n_out,
+                )
             t += LANE_ROWS
         while t + 8 <= m:
             for r in range(r0, r1):
-                _wide_at(code, 8, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd_by_block, xs_by_block, t,
-                         m, nb, out, t * n_out + r, n_out)
+                _wide_at(
+                    code,
+                    8,
+                    raw,
+                    r * row_bytes,
+                    row_bytes,
+                    xq,
+                    t * n_in,
+                    n_in,
+                    xd_by_block,
+                    xs_by_block,
+                    t,
+                    m,
+                    nb,
+                    out,
+                    t * n_out + r,
+                    n_out,
+                )
             t += 8
         if t + 4 <= m:
             for r in range(r0, r1):
-                _wide_at(code, 4, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd_by_block, xs_by_block, t,
-                         m, nb, out, t * n_out + r, n_out)
+                _wide_at(
+                    code,
+                    4,
+                    raw,
+                    r * row_bytes,
+                    row_bytes,
+                    xq,
+                    t * n_in,
+                    n_in,
+                    xd_by_block,
+                    xs_by_block,
+                    t,
+                    m,
+                    nb,
+                    out,
+                    t * n_out + r,
+                    n_out,
+                )
             t += 4
     while t + 2 <= m:
         r = r0
         while r + 2 <= r1:
-            _tile_at(code, 22, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out,
-                     t * n_out + r, n_out)
+            _tile_at(
+                code,
+                22,
+                raw,
+                r * row_bytes,
+                row_bytes,
+                xq,
+                t * n_in,
+                n_in,
+                xd,
+                xs,
+                t * nb,
+                nb,
+                out,
+                t * n_out + r,
+                n_out,
+            )
             r += 2
         if r < r1:
             for j in range(2):
-                _tile_at(code, 11, raw, r * row_bytes, row_bytes, xq, (t + j) * n_in, n_in, xd, xs, (t + j) * nb,
-                         nb, out, (t + j) * n_out + r, n_out)
+                _tile_at(
+                    code,
+                    11,
+                    raw,
+                    r * row_bytes,
+                    row_bytes,
+                    xq,
+                    (t + j) * n_in,
+                    n_in,
+                    xd,
+                    xs,
+                    (t + j) * nb,
+                    nb,
+                    out,
+                    (t + j) * n_out + r,
+                    n_out,
+                )
         t += 2
     if t < m:
         r = r0
         while r + 4 <= r1:
-            _tile_at(code, 41, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out,
-                     t * n_out + r, n_out)
+            _tile_at(
+                code,
+                41,
+                raw,
+                r * row_bytes,
+                row_bytes,
+                xq,
+                t * n_in,
+                n_in,
+                xd,
+                xs,
+                t * nb,
+                nb,
+                out,
+                t * n_out + r,
+                n_out,
+            )
             r += 4
         while r < r1:
-            _tile_at(code, 11, raw, r * row_bytes, row_bytes, xq, t * n_in, n_in, xd, xs, t * nb, nb, out,
-                     t * n_out + r, n_out)
+            _tile_at(
+                code,
+                11,
+                raw,
+                r * row_bytes,
+                row_bytes,
+                xq,
+                t * n_in,
+                n_in,
+                xd,
+                xs,
+                t * nb,
+                nb,
+                out,
+                t * n_out + r,
+                n_out,
+            )
             r += 1
 
 
 @njit
-def _serial_for(code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out):  # pragma: no cover
+def _serial_for(
+    code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+):  # pragma: no cover
     for r0 in range(0, n_out, ROWS_PER_TASK):
-        _rows(code, raw, row_bytes, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+        _rows(
+            code,
+            raw,
+            row_bytes,
+            r0,
+            min(r0 + ROWS_PER_TASK, n_out),
+            xq,
+            xd,
+            xs,
+            xd_by_block,
+            xs_by_block,
+            xl,
+            out,
+        )
 
 
 @njit(parallel=True)
-def _parallel_for(code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out):  # pragma: no cover
+def _parallel_for(
+    code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+):  # pragma: no cover
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
-        _rows(code, raw, row_bytes, r0, min(r0 + ROWS_PER_TASK, n_out), xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+        _rows(
+            code,
+            raw,
+            row_bytes,
+            r0,
+            min(r0 + ROWS_PER_TASK, n_out),
+            xq,
+            xd,
+            xs,
+            xd_by_block,
+            xs_by_block,
+            xl,
+            out,
+        )
 
 
 @njit
-def _matmul(code, parallel, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl,
-            out):  # pragma: no cover - compiled
+def _matmul(
+    code, parallel, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+):  # pragma: no cover - compiled
     """One product. Each branch passes its type's code as a constant, so Numba compiles the
     loops once per weight type (the code typed as a literal) and _tile_at/_wide_at inline that
     type's tiles: with the code a runtime value every tile was a call to a jitted dispatcher
     through all the branches, about 30 % of a batch product's time."""
     if code == _Q4_1:
         if parallel:
-            _parallel_for(_Q4_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+            _parallel_for(
+                _Q4_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+            )
         else:
             _serial_for(_Q4_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
     elif code == _Q8_0:
         if parallel:
-            _parallel_for(_Q8_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+            _parallel_for(
+                _Q8_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+            )
         else:
             _serial_for(_Q8_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
     elif code == _Q4_0:
         if parallel:
-            _parallel_for(_Q4_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+            _parallel_for(
+                _Q4_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+            )
         else:
             _serial_for(_Q4_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
     elif code == _Q5_0:
         if parallel:
-            _parallel_for(_Q5_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+            _parallel_for(
+                _Q5_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+            )
         else:
             _serial_for(_Q5_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
     elif code == _Q5_1:
         if parallel:
-            _parallel_for(_Q5_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+            _parallel_for(
+                _Q5_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+            )
         else:
             _serial_for(_Q5_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
     elif code == _Q4_0R:
         if parallel:
-            _parallel_for(_Q4_0R, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+            _parallel_for(
+                _Q4_0R, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+            )
         else:
-            _serial_for(_Q4_0R, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
+            _serial_for(
+                _Q4_0R, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+            )
 
 
 PARALLEL_MIN_MACS = 1 << 18  # below this many multiply-adds one thread is faster
@@ -958,25 +1377,46 @@ def _make_float_tile(half: bool, rm: int, rn: int, split: bool):
                 return ir.Constant(ity, v)
 
             def load8(base: ir.Value, index: ir.Value, elem: ir.Type) -> ir.Value:
-                ptr = builder.bitcast(builder.gep(base, [index]), ir.VectorType(elem, 8).as_pointer())
+                ptr = builder.bitcast(
+                    builder.gep(base, [index]), ir.VectorType(elem, 8).as_pointer()
+                )
                 vec = builder.load(ptr, align=1)
                 return builder.fpext(vec, _V8F) if elem is not _F32 else vec
 
             zero = ir.Constant(_V8F, [0.0] * 8)
-            acc = [[[cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)] for _ in range(rn)]
-                   for _ in range(rm)]
+            acc = [
+                [
+                    [cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)]
+                    for _ in range(rn)
+                ]
+                for _ in range(rm)
+            ]
             with cgutils.for_range(builder, builder.udiv(n_in, const(32))) as loop:
                 base = builder.mul(loop.index, const(32))
                 for k in range(4):
                     step = builder.add(base, const(8 * k))
-                    wv = [load8(wbase, builder.add(builder.add(w_off, builder.mul(const(i), row_elems)), step),
-                                wty) for i in range(rm)]
-                    xv = [load8(xbase, builder.add(builder.add(x_off, builder.mul(const(j), n_in)), step),
-                                _F32) for j in range(rn)]
+                    wv = [
+                        load8(
+                            wbase,
+                            builder.add(builder.add(w_off, builder.mul(const(i), row_elems)), step),
+                            wty,
+                        )
+                        for i in range(rm)
+                    ]
+                    xv = [
+                        load8(
+                            xbase,
+                            builder.add(builder.add(x_off, builder.mul(const(j), n_in)), step),
+                            _F32,
+                        )
+                        for j in range(rn)
+                    ]
                     for i in range(rm):
                         for j in range(rn):
                             slot = acc[i][j][k % n_acc]
-                            fma = _call(builder, "llvm.fma.v8f32", _V8F, [wv[i], xv[j], builder.load(slot)])
+                            fma = _call(
+                                builder, "llvm.fma.v8f32", _V8F, [wv[i], xv[j], builder.load(slot)]
+                            )
                             builder.store(fma, slot)
             for i in range(rm):
                 for j in range(rn):
@@ -1015,8 +1455,12 @@ def bf16_round(x: numpy.ndarray) -> numpy.ndarray:
     """f32 -> bf16 (ggml_compute_fp32_to_bf16) -> f32 again, exactly: the values the kernels read."""
     u = numpy.ascontiguousarray(x, dtype=numpy.float32).view(numpy.uint32)
     nan = (u & numpy.uint32(0x7FFFFFFF)) > numpy.uint32(0x7F800000)
-    rounded = u + (numpy.uint32(0x7FFF) + ((u >> numpy.uint32(16)) & numpy.uint32(1)))  # nearest even
-    bits = numpy.where(nan, u | numpy.uint32(0x00400000), rounded) & numpy.uint32(0xFFFF0000)  # NaN: quiet
+    rounded = u + (
+        numpy.uint32(0x7FFF) + ((u >> numpy.uint32(16)) & numpy.uint32(1))
+    )  # nearest even
+    bits = numpy.where(nan, u | numpy.uint32(0x00400000), rounded) & numpy.uint32(
+        0xFFFF0000
+    )  # NaN: quiet
     return bits.view(numpy.float32)
 
 
@@ -1054,18 +1498,27 @@ def _make_bf16_tile(rm: int, rn: int, split: bool):
             x_rows = [builder.add(x_off, builder.mul(const(j), n_in)) for j in range(rn)]
 
             def w_vec(i: int, at: ir.Value) -> ir.Value:
-                return _bf16_widen(builder, _load(builder, wbase, builder.add(w_rows[i], at), v8i16))
+                return _bf16_widen(
+                    builder, _load(builder, wbase, builder.add(w_rows[i], at), v8i16)
+                )
 
             def x_vec(j: int, at: ir.Value) -> ir.Value:
                 return _load(builder, xbase, builder.add(x_rows[j], at), _V8F)
 
             zero = ir.Constant(_V8F, [0.0] * 8)
-            acc = [[[cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)] for _ in range(rn)]
-                   for _ in range(rm)]
+            acc = [
+                [
+                    [cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)]
+                    for _ in range(rn)
+                ]
+                for _ in range(rm)
+            ]
 
             def madd(i: int, j: int, k: int, wv: ir.Value, xv: ir.Value) -> None:
                 slot = acc[i][j][k]
-                builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [wv, xv, builder.load(slot)]), slot)
+                builder.store(
+                    _call(builder, "llvm.fma.v8f32", _V8F, [wv, xv, builder.load(slot)]), slot
+                )
 
             whole = builder.udiv(n_in, const(step))
             with cgutils.for_range(builder, whole) as loop:
@@ -1081,7 +1534,10 @@ def _make_bf16_tile(rm: int, rn: int, split: bool):
                 totals = _vec_dot_tails(builder, wbase, xbase, w_rows, x_rows, done, n_in, acc)
             else:
                 _tinyblas_partial_step(builder, wbase, xbase, w_rows, x_rows, done, n_in, madd)
-                totals = [[_hsum(builder, builder.load(acc[i][j][0])) for j in range(rn)] for i in range(rm)]
+                totals = [
+                    [_hsum(builder, builder.load(acc[i][j][0])) for j in range(rn)]
+                    for i in range(rm)
+                ]
             for i in range(rm):
                 for j in range(rn):
                     index = builder.add(builder.add(o_off, builder.mul(const(j), n_out)), const(i))
@@ -1093,22 +1549,53 @@ def _make_bf16_tile(rm: int, rn: int, split: bool):
     return tile
 
 
-def _vec_dot_tails(builder: ir.IRBuilder, wbase: ir.Value, xbase: ir.Value, w_rows: list,
-                   x_rows: list, done: ir.Value, n_in: ir.Value, acc: list) -> list:
+def _vec_dot_tails(
+    builder: ir.IRBuilder,
+    wbase: ir.Value,
+    xbase: ir.Value,
+    w_rows: list,
+    x_rows: list,
+    done: ir.Value,
+    n_in: ir.Value,
+    acc: list,
+) -> list:
     """ggml_vec_dot_bf16 after its vector loop: ``sumf = 0.0 + (double)reduce(c1..c4)``, then
     ``sumf += (double)(x[i]*y[i])`` (an f32 product) per tail element, ``*s = (float)sumf``."""
     f64 = ir.DoubleType()
-    sums = [[cgutils.alloca_once_value(builder, builder.fadd(ir.Constant(f64, 0.0), builder.fpext(
-        _hsum(builder, _pair_sum(builder, [builder.load(a) for a in acc[i][j]])), f64)))
-        for j in range(len(x_rows))] for i in range(len(w_rows))]
+    sums = [
+        [
+            cgutils.alloca_once_value(
+                builder,
+                builder.fadd(
+                    ir.Constant(f64, 0.0),
+                    builder.fpext(
+                        _hsum(builder, _pair_sum(builder, [builder.load(a) for a in acc[i][j]])),
+                        f64,
+                    ),
+                ),
+            )
+            for j in range(len(x_rows))
+        ]
+        for i in range(len(w_rows))
+    ]
     with cgutils.for_range_slice(builder, done, n_in, ir.Constant(n_in.type, 1)) as (at, _):
-        ws = [builder.bitcast(builder.shl(builder.zext(builder.load(builder.gep(wbase, [builder.add(r, at)])), _I32),
-                                          ir.Constant(_I32, 16)), _F32) for r in w_rows]
+        ws = [
+            builder.bitcast(
+                builder.shl(
+                    builder.zext(builder.load(builder.gep(wbase, [builder.add(r, at)])), _I32),
+                    ir.Constant(_I32, 16),
+                ),
+                _F32,
+            )
+            for r in w_rows
+        ]
         xs = [builder.load(builder.gep(xbase, [builder.add(r, at)])) for r in x_rows]
         for i, wi in enumerate(ws):
             for j, xj in enumerate(xs):
                 slot = sums[i][j]
-                builder.store(builder.fadd(builder.load(slot), builder.fpext(builder.fmul(wi, xj), f64)), slot)
+                builder.store(
+                    builder.fadd(builder.load(slot), builder.fpext(builder.fmul(wi, xj), f64)), slot
+                )
     return [[builder.fptrunc(builder.load(s), _F32) for s in row] for row in sums]
 
 
@@ -1117,18 +1604,31 @@ def _pair_sum(builder: ir.IRBuilder, c: list) -> ir.Value:
     return builder.fadd(builder.fadd(c[0], c[2]), builder.fadd(c[1], c[3]))
 
 
-def _tinyblas_partial_step(builder: ir.IRBuilder, wbase: ir.Value, xbase: ir.Value, w_rows: list,
-                           x_rows: list, done: ir.Value, n_in: ir.Value, madd) -> None:
+def _tinyblas_partial_step(
+    builder: ir.IRBuilder,
+    wbase: ir.Value,
+    xbase: ir.Value,
+    w_rows: list,
+    x_rows: list,
+    done: ir.Value,
+    n_in: ir.Value,
+    madd,
+) -> None:
     """tinyBLAS's last step when n_in % 8 != 0: load_partial gives vectors whose missing lanes
     are zero, and every accumulator still takes the fma (fma(0, 0, -0) is +0, as in ggml)."""
     rem = builder.sub(n_in, done)
     with builder.if_then(builder.icmp_unsigned("!=", rem, ir.Constant(rem.type, 0))):
+
         def padded(base: ir.Value, row: ir.Value, elem: ir.Type) -> ir.Value:
             slot = cgutils.alloca_once(builder, ir.VectorType(elem, 8))
-            builder.store(ir.Constant(slot.type.pointee, [0] * 8 if elem is _I16 else [0.0] * 8), slot)
+            builder.store(
+                ir.Constant(slot.type.pointee, [0] * 8 if elem is _I16 else [0.0] * 8), slot
+            )
             lanes = builder.bitcast(slot, elem.as_pointer())
             with cgutils.for_range(builder, rem) as lane:
-                value = builder.load(builder.gep(base, [builder.add(builder.add(row, done), lane.index)]))
+                value = builder.load(
+                    builder.gep(base, [builder.add(builder.add(row, done), lane.index)])
+                )
                 builder.store(value, builder.gep(lanes, [lane.index]))
             return builder.load(slot)
 
@@ -1295,7 +1795,9 @@ class QuantMatrix(BlockRows):
     matrix (see ``repacked_by_llama_server``); the bytes stay in GGUF order here.
     """
 
-    def __init__(self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False):
+    def __init__(
+        self, raw: numpy.ndarray, qtype: T | int, n_out: int, n_in: int, repacked: bool = False
+    ):
         qtype = T(qtype)
         if not supported(qtype):
             raise ValueError(f"no exact kernel for {qtype.name}")
@@ -1307,7 +1809,9 @@ class QuantMatrix(BlockRows):
         row_bytes = n_in * block_bytes // QK
         data = numpy.ascontiguousarray(raw).view(numpy.uint8)
         if data.size != n_out * row_bytes:
-            raise ValueError(f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}")
+            raise ValueError(
+                f"{qtype.name} [{n_out}, {n_in}] needs {n_out * row_bytes} bytes, got {data.size}"
+            )
         self.raw = data.reshape(n_out, row_bytes)
         self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
         self._kind = _Q4_0R if repacked else kind
@@ -1322,11 +1826,21 @@ class QuantMatrix(BlockRows):
         """x [m, n_in] f32 (or its Activation) -> [m, n_out] f32, bit-identical to ggml."""
         if self.qtype in _FLOAT_TYPES:
             return self._float_matmul(x)
-        if not isinstance(x, Activation) and numpy.ndim(x) <= 2 and numpy.shape(x)[-1:] == (self.n_in,) \
-                and numpy.size(x) == self.n_in:  # one row (a decode step): one compiled call
+        if (
+            not isinstance(x, Activation)
+            and numpy.ndim(x) <= 2
+            and numpy.shape(x)[-1:] == (self.n_in,)
+            and numpy.size(x) == self.n_in
+        ):  # one row (a decode step): one compiled call
             row = numpy.ascontiguousarray(x, dtype=numpy.float32).reshape(1, self.n_in)
-            return _one_row(self._kind, self.n_out * self.n_in >= PARALLEL_MIN_MACS, self.raw, self.n_out, row,
-                            F16_TABLE)
+            return _one_row(
+                self._kind,
+                self.n_out * self.n_in >= PARALLEL_MIN_MACS,
+                self.raw,
+                self.n_out,
+                row,
+                F16_TABLE,
+            )
         act = x if isinstance(x, Activation) else Activation(numpy.atleast_2d(x))
         if act.q.shape[1] != self.n_in:
             raise ValueError(f"activation width {act.q.shape[1]} != n_in {self.n_in}")
@@ -1334,8 +1848,20 @@ class QuantMatrix(BlockRows):
         out = numpy.empty((m, self.n_out), numpy.float32)
         parallel = m * self.n_out * self.n_in >= PARALLEL_MIN_MACS
         lanes = act.lanes if m >= LANE_ROWS and self._kind != _Q4_0R else _NO_LANES
-        _matmul(self._kind, parallel, self.raw, self.raw.shape[1], self.n_out, act.q, act.d, act.s,
-                act.d_by_block, act.s_by_block, lanes, out)
+        _matmul(
+            self._kind,
+            parallel,
+            self.raw,
+            self.raw.shape[1],
+            self.n_out,
+            act.q,
+            act.d,
+            act.s,
+            act.d_by_block,
+            act.s_by_block,
+            lanes,
+            out,
+        )
         return out
 
     def _float_matmul(self, x: numpy.ndarray) -> numpy.ndarray:
@@ -1350,7 +1876,9 @@ class QuantMatrix(BlockRows):
         # tinyBLAS takes two or more activation rows when the weight rows come in fours
         split = m == 1 or self.n_out % 4 != 0
         out = numpy.empty((m, self.n_out), numpy.float32)
-        kernel = _float_parallel if m * self.n_out * self.n_in >= PARALLEL_MIN_MACS else _float_serial
+        kernel = (
+            _float_parallel if m * self.n_out * self.n_in >= PARALLEL_MIN_MACS else _float_serial
+        )
         kernel(self._kind, split, self.raw, self.n_in, self.n_out, x, out)
         return out
 
@@ -1369,7 +1897,8 @@ class MatrixStack:
         quantized = [p for p in self.parts if p.qtype not in _FLOAT_TYPES]
         act = Activation(x) if quantized else None
         return numpy.concatenate(
-            [p.matmul(x if p.qtype in _FLOAT_TYPES else act) for p in self.parts], axis=1)
+            [p.matmul(x if p.qtype in _FLOAT_TYPES else act) for p in self.parts], axis=1
+        )
 
 
 QuantMatrix.stack = MatrixStack

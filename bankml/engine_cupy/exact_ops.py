@@ -37,14 +37,29 @@ from numba.extending import intrinsic
 
 from bankml.engine_cupy.jit import f16_bits, fma32, njit
 
-__all__ = ["swiglu", "silu", "ggml_v_expf", "rms_norm", "rope_cos_sin", "apply_rope",
-           "gelu_f16_table", "geglu", "attn_scale", "theta_scale", "expf", "fwht", "NEOX", "NORM"]
+__all__ = [
+    "swiglu",
+    "silu",
+    "ggml_v_expf",
+    "rms_norm",
+    "rope_cos_sin",
+    "apply_rope",
+    "gelu_f16_table",
+    "geglu",
+    "attn_scale",
+    "theta_scale",
+    "expf",
+    "fwht",
+    "NEOX",
+    "NORM",
+]
 
 F32 = numpy.float32
 NORM, NEOX = 0, 2  # ggml's rope modes (GGML_ROPE_TYPE_NORMAL / GGML_ROPE_TYPE_NEOX)
 
 
 # --- libm by symbol, and float bits -------------------------------------------------------------
+
 
 def _libm_f32(name: str) -> Any:
     """An intrinsic calling glibc's float ``name(float)``."""
@@ -68,10 +83,12 @@ _tanhf = _libm_f32("tanhf32")
 @intrinsic
 def _powf(typingctx: Any, x: Any, y: Any) -> Any:
     """glibc's powf."""
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         f32 = ir.FloatType()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32]),
-                                            "powf32")
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(f32, [f32, f32]), "powf32"
+        )
         return builder.call(fn, args)
 
     return types.float32(types.float32, types.float32), codegen
@@ -80,6 +97,7 @@ def _powf(typingctx: Any, x: Any, y: Any) -> Any:
 @intrinsic
 def _sincosf(typingctx: Any, x: Any) -> Any:
     """glibc's sincosf (GCC merges rope_yarn's cosf and sinf into it) -> (sin, cos)."""
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         f32 = ir.FloatType()
         fnty = ir.FunctionType(ir.VoidType(), [f32, f32.as_pointer(), f32.as_pointer()])
@@ -97,6 +115,7 @@ def _sincosf(typingctx: Any, x: Any) -> Any:
 def _exp_scales(typingctx: Any, z: Any, n: Any) -> Any:
     """ggml_v_expf's integer steps, in 32-bit wrapping arithmetic as the epi32 intrinsics:
     k = 2^n from z's low bits, and s1, s2 that split 2^n where it would overflow k."""
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         i32, f32 = ir.IntType(32), ir.FloatType()
         z, n = args
@@ -157,8 +176,9 @@ def _silu_f32(x: float) -> float:
     return x / (_ONE + _expf(-x))
 
 
-def _swiglu_row_loop(gate: numpy.ndarray, g_stride: int, up: numpy.ndarray, u_stride: int,
-                     out: numpy.ndarray, r: int) -> None:
+def _swiglu_row_loop(
+    gate: numpy.ndarray, g_stride: int, up: numpy.ndarray, u_stride: int, out: numpy.ndarray, r: int
+) -> None:
     n = out.shape[1]
     g0, u0 = r * g_stride, r * u_stride
     vec = n - n % 8  # ggml_vec_swiglu_f32: 8-lane blocks from the row's start, then scalar
@@ -174,15 +194,17 @@ _swiglu_row = njit(inline="always")(_swiglu_row_loop)
 # gate and up come as flat 1-D arrays and a row stride (_flat_rows): indexed so, LLVM sees unit
 # steps and vectorises the polynomial 8 lanes wide, where a strided 2-D view kept it scalar (6x)
 @njit
-def _swiglu_rows(gate: numpy.ndarray, g_stride: int, up: numpy.ndarray, u_stride: int,
-                 out: numpy.ndarray) -> None:
+def _swiglu_rows(
+    gate: numpy.ndarray, g_stride: int, up: numpy.ndarray, u_stride: int, out: numpy.ndarray
+) -> None:
     for r in range(out.shape[0]):
         _swiglu_row(gate, g_stride, up, u_stride, out, r)
 
 
 @njit(parallel=True)
-def _swiglu_rows_parallel(gate: numpy.ndarray, g_stride: int, up: numpy.ndarray, u_stride: int,
-                          out: numpy.ndarray) -> None:
+def _swiglu_rows_parallel(
+    gate: numpy.ndarray, g_stride: int, up: numpy.ndarray, u_stride: int, out: numpy.ndarray
+) -> None:
     for r in prange(out.shape[0]):  # rows are independent: the same bits on any thread
         _swiglu_row(gate, g_stride, up, u_stride, out, r)
 
@@ -243,6 +265,7 @@ def silu(x: Any) -> numpy.ndarray:
 
 # --- RMSNorm ------------------------------------------------------------------------------------
 
+
 @njit
 def _rms_norm_rows(x: numpy.ndarray, w: numpy.ndarray, eps: float, out: numpy.ndarray) -> None:
     rows, n = x.shape
@@ -280,6 +303,7 @@ def rms_norm(x: Any, weight: Any | None, eps: float) -> numpy.ndarray:
 
 # --- RoPE ---------------------------------------------------------------------------------------
 
+
 @njit
 def _theta_scale(base: float, n_dims: int) -> float:
     return _powf(base, F32(-2.0) / F32(n_dims))
@@ -291,9 +315,16 @@ def theta_scale(base: float, n_dims: int) -> numpy.float32:
 
 
 @njit
-def _rope_cache(positions: numpy.ndarray, half: int, step: float, freq_scale: float,
-                factors: numpy.ndarray, mscale: float, cos: numpy.ndarray,
-                sin: numpy.ndarray) -> None:
+def _rope_cache(
+    positions: numpy.ndarray,
+    half: int,
+    step: float,
+    freq_scale: float,
+    factors: numpy.ndarray,
+    mscale: float,
+    cos: numpy.ndarray,
+    sin: numpy.ndarray,
+) -> None:
     for r in range(positions.shape[0]):
         theta = numpy.float32(positions[r])
         for i in range(half):
@@ -303,9 +334,14 @@ def _rope_cache(positions: numpy.ndarray, half: int, step: float, freq_scale: fl
             theta = theta * step
 
 
-def rope_cos_sin(positions: Any, n_dims: int, base: float, freq_scale: float = 1.0,
-                 freq_factors: Any | None = None,
-                 mscale: float = 1.0) -> tuple[numpy.ndarray, numpy.ndarray]:
+def rope_cos_sin(
+    positions: Any,
+    n_dims: int,
+    base: float,
+    freq_scale: float = 1.0,
+    freq_factors: Any | None = None,
+    mscale: float = 1.0,
+) -> tuple[numpy.ndarray, numpy.ndarray]:
     """cos, sin [n, n_dims/2] per position, as ggml_rope_cache_init with ext_factor 0.
 
     theta starts at the position (as float), is divided by the Llama 3 frequency factor when
@@ -322,14 +358,21 @@ def rope_cos_sin(positions: Any, n_dims: int, base: float, freq_scale: float = 1
             raise ValueError(f"rope: {factors.shape[0]} frequency factors for {half} pairs")
     cos = numpy.empty((pos.shape[0], half), F32)
     sin = numpy.empty((pos.shape[0], half), F32)
-    _rope_cache(pos, half, theta_scale(base, n_dims), F32(freq_scale), factors, F32(mscale),
-                cos, sin)
+    _rope_cache(
+        pos, half, theta_scale(base, n_dims), F32(freq_scale), factors, F32(mscale), cos, sin
+    )
     return cos, sin
 
 
 @njit
-def _rope_rows(x: numpy.ndarray, cos: numpy.ndarray, sin: numpy.ndarray, neox: bool,
-               fused_pairs: int, out: numpy.ndarray) -> None:
+def _rope_rows(
+    x: numpy.ndarray,
+    cos: numpy.ndarray,
+    sin: numpy.ndarray,
+    neox: bool,
+    fused_pairs: int,
+    out: numpy.ndarray,
+) -> None:
     n, heads, hd = x.shape
     half = cos.shape[1]
     for t in range(n):
@@ -366,14 +409,24 @@ def apply_rope(x: Any, cos: numpy.ndarray, sin: numpy.ndarray, neox: bool) -> nu
     destination apart and in place (ggml_rope_ext_inplace): both take the same fused path.
     """
     a = numpy.ascontiguousarray(x, dtype=F32)
-    if a.ndim != 3 or cos.shape != sin.shape or cos.shape[0] != a.shape[0] \
-            or 2 * cos.shape[1] > a.shape[2]:
+    if (
+        a.ndim != 3
+        or cos.shape != sin.shape
+        or cos.shape[0] != a.shape[0]
+        or 2 * cos.shape[1] > a.shape[2]
+    ):
         raise ValueError(f"rope: x {a.shape} with a table of {cos.shape}")
     pairs = cos.shape[1]
     fused = pairs if neox else _norm_fused_pairs(pairs)
     out = numpy.empty_like(a)
-    _rope_rows(a, numpy.ascontiguousarray(cos, dtype=F32), numpy.ascontiguousarray(sin, dtype=F32),
-               bool(neox), fused, out)
+    _rope_rows(
+        a,
+        numpy.ascontiguousarray(cos, dtype=F32),
+        numpy.ascontiguousarray(sin, dtype=F32),
+        bool(neox),
+        fused,
+        out,
+    )
     return out
 
 
@@ -405,8 +458,9 @@ def gelu_f16_table() -> numpy.ndarray:
 
 
 @njit
-def _geglu_rows(gate: numpy.ndarray, up: numpy.ndarray, table: numpy.ndarray,
-                out: numpy.ndarray) -> None:
+def _geglu_rows(
+    gate: numpy.ndarray, up: numpy.ndarray, table: numpy.ndarray, out: numpy.ndarray
+) -> None:
     rows, n = gate.shape
     for r in range(rows):
         for i in range(n):
@@ -431,6 +485,7 @@ def geglu(gate: Any, up: Any, table: numpy.ndarray) -> numpy.ndarray:
 
 # --- libm's expf over arrays --------------------------------------------------------------------
 
+
 @njit
 def _expf_flat(x: numpy.ndarray, out: numpy.ndarray) -> None:
     for i in range(x.shape[0]):
@@ -449,12 +504,14 @@ def expf(x: Any) -> numpy.ndarray:
 
 # --- scalars ------------------------------------------------------------------------------------
 
+
 def attn_scale(d: int) -> numpy.float32:
     """1.0f/sqrtf(float(d)), as llama.cpp builds kq_scale (two float roundings, not one)."""
     return F32(1) / numpy.sqrt(F32(d))
 
 
 # --- the KV cache's Hadamard rotation -------------------------------------------------------------
+
 
 @njit
 def _first_three_stages(x: numpy.ndarray, r: int, i: int, scale: float, out: numpy.ndarray) -> None:

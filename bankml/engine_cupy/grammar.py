@@ -16,12 +16,12 @@ supported constructs but error texts and rare corner cases (regex features, toke
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
-
-import numpy as np
+from typing import Any
 
 import llguidance
+import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 # llama.cpp's json_schema_to_grammar allows `space ::= | " " | "\n"{1,2} [ \t]{0,20}` between items;
@@ -31,8 +31,10 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"(?: |\n{1,2}[ \t]{0,20})
 
 SCHEMA_FAILED = "Field 'json_schema': \"json_schema\": JSON schema conversion failed"
 GRAMMAR_FAILED = "Failed to initialize samplers: failed to parse grammar"
-SCHEMA_NOT_OBJECT = ("Field 'json_schema': \"json_schema\": JSON schema conversion failed:\n"
-                     "JSON schema error at #: schema must be an object")
+SCHEMA_NOT_OBJECT = (
+    "Field 'json_schema': \"json_schema\": JSON schema conversion failed:\n"
+    "JSON schema error at #: schema must be an object"
+)
 
 
 class ConstraintError(ValueError):
@@ -103,7 +105,9 @@ def _response_format_schema(fmt: Any) -> Any:
         wrapper = fmt.get("json_schema") if isinstance(fmt.get("json_schema"), dict) else {}
         return wrapper.get("schema") if wrapper.get("schema") is not None else {}
     if rtype and rtype != "text":
-        raise ConstraintError(f'response_format type must be one of "text" or "json_object", but got: {rtype}')
+        raise ConstraintError(
+            f'response_format type must be one of "text" or "json_object", but got: {rtype}'
+        )
     return None
 
 
@@ -113,8 +117,14 @@ def _response_format_schema(fmt: Any) -> Any:
 class _VocabForLlg:
     """The duck-typed tokenizer llguidance.TokenizerWrapper reads."""
 
-    def __init__(self, pieces: Sequence[bytes], special_ids: Sequence[int], eos_id: int,
-                 bos_id: int | None, tokenize: Callable[[str], list[int]]):
+    def __init__(
+        self,
+        pieces: Sequence[bytes],
+        special_ids: Sequence[int],
+        eos_id: int,
+        bos_id: int | None,
+        tokenize: Callable[[str], list[int]],
+    ):
         self.tokens = list(pieces)
         self.special_token_ids = list(special_ids)
         self.eos_token_id = eos_id
@@ -127,11 +137,18 @@ class _VocabForLlg:
         return self._tokenize(text)
 
 
-def build_llg_tokenizer(pieces: Sequence[bytes], special_ids: Sequence[int], eog_ids: Sequence[int],
-                        bos_id: int | None, tokenize: Callable[[str], list[int]]) -> llguidance.LLTokenizer:
+def build_llg_tokenizer(
+    pieces: Sequence[bytes],
+    special_ids: Sequence[int],
+    eog_ids: Sequence[int],
+    bos_id: int | None,
+    tokenize: Callable[[str], list[int]],
+) -> llguidance.LLTokenizer:
     """An LLTokenizer over the GGUF vocabulary; every EOG token ends a complete grammar."""
     eog = sorted(eog_ids)
-    wrapper = llguidance.TokenizerWrapper(_VocabForLlg(pieces, special_ids, eog[0], bos_id, tokenize))
+    wrapper = llguidance.TokenizerWrapper(
+        _VocabForLlg(pieces, special_ids, eog[0], bos_id, tokenize)
+    )
     return llguidance.LLTokenizer(wrapper, n_vocab=len(pieces), eos_token=eog)
 
 
@@ -153,7 +170,9 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None, kind: 
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if is_error:
         reason = messages[0] if messages else "invalid"
-        raise ConstraintError(GRAMMAR_FAILED if kind == "gbnf" else f"{SCHEMA_FAILED}: {reason}", reason)
+        raise ConstraintError(
+            GRAMMAR_FAILED if kind == "gbnf" else f"{SCHEMA_FAILED}: {reason}", reason
+        )
 
 
 # --- the matcher at generation time ------------------------------------------------------------------------
@@ -162,8 +181,13 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None, kind: 
 class Constraint:
     """One request's grammar state: which tokens may come next, and the tokens taken so far."""
 
-    def __init__(self, spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer, n_vocab: int,
-                 eog_ids: frozenset[int]):
+    def __init__(
+        self,
+        spec: ConstraintSpec,
+        tokenizer: llguidance.LLTokenizer,
+        n_vocab: int,
+        eog_ids: frozenset[int],
+    ):
         grammar = compile_grammar(spec)
         check_grammar(grammar, tokenizer, spec.kind)
         self.spec = spec
@@ -197,10 +221,14 @@ class Constraint:
         if token in self.eog_ids:
             return
         if not self.matcher.consume_token(token):
-            raise ConstraintError(f"token {token} does not fit the grammar: {self.matcher.get_error()}")
+            raise ConstraintError(
+                f"token {token} does not fit the grammar: {self.matcher.get_error()}"
+            )
 
 
-def validate_text(spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer, ids: Sequence[int]) -> bool:
+def validate_text(
+    spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer, ids: Sequence[int]
+) -> bool:
     """Whether a whole token sequence is a complete sentence of the grammar (for tests and checks)."""
     c = Constraint(spec, tokenizer, tokenizer.vocab_size, frozenset(tokenizer.eos_tokens))
     for t in ids:

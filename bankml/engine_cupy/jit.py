@@ -23,8 +23,9 @@ import hashlib
 import inspect
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numba
 from llvmlite import ir
@@ -73,7 +74,9 @@ start_worker_threads()
 _USES_THIS_MODULE = re.compile(
     rb"^\s*(?:from\s+(?:bankml\.engine_cupy\.|\.)jit\s+import\b"
     rb"|from\s+(?:bankml\.engine_cupy|\.)\s+import\s+[^\n]*\bjit\b"
-    rb"|import\s+bankml\.engine_cupy\.jit\b)", re.MULTILINE)
+    rb"|import\s+bankml\.engine_cupy\.jit\b)",
+    re.MULTILINE,
+)
 _HERE = Path(__file__).resolve()
 _ENGINE_PACKAGE = __name__.rpartition(".")[0]  # bankml.engine_cupy
 
@@ -115,7 +118,7 @@ def kernel_sources(path: Path, package: str) -> list[Path]:
     return sorted(found)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_sources_digest(path: Path, package: str) -> str:
     """SHA-256 of ``kernel_sources`` (names and bytes); read once per process and module, as
     the code a process runs is the code it imported."""
@@ -167,8 +170,10 @@ def _use_kernel_cache(dispatcher: Dispatcher) -> Dispatcher:
     Numba offers no option to choose a dispatcher's cache class: this sets the attribute that
     ``Dispatcher.enable_caching`` sets (numba 0.68; tests/test_jit.py checks it still works)."""
     if not isinstance(getattr(dispatcher, "_cache", None), NullCache):  # what cache=False leaves
-        raise RuntimeError(f"numba {numba.__version__}: Dispatcher._cache is gone, "
-                           "bankml.engine_cupy.jit cannot key its kernels' cache")
+        raise RuntimeError(
+            f"numba {numba.__version__}: Dispatcher._cache is gone, "
+            "bankml.engine_cupy.jit cannot key its kernels' cache"
+        )
     dispatcher._cache = KernelCache(dispatcher.py_func)
     return dispatcher
 
@@ -221,6 +226,7 @@ def f16_round(typingctx: Any, x: Any) -> Any:
 @intrinsic
 def f16_bits(typingctx: Any, x: Any) -> Any:
     """The bits of float32 x rounded to f16 (nearest even), as an int64 table index."""
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         h = builder.fptrunc(args[0], ir.HalfType())
         return builder.zext(builder.bitcast(h, ir.IntType(16)), ir.IntType(64))

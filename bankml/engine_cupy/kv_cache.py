@@ -147,7 +147,7 @@ class SlidingCells:
     def mask(self, q_pos: Any) -> numpy.ndarray:
         """f32 [n, used_max_p1]: 0 where query position q sees the cell, -inf where it is empty,
         later than q, or ``window`` or more before it (llama_kv_cache::set_input_kq_mask)."""
-        p = self.pos[None, :self.used_max_p1]
+        p = self.pos[None, : self.used_max_p1]
         q = numpy.asarray(q_pos, numpy.int64)[:, None]
         hidden = (p < 0) | (p > q) | (q - p >= self.window)
         return numpy.where(hidden, numpy.float32(-numpy.inf), numpy.float32(0))
@@ -160,8 +160,9 @@ def resolve_cache_type(cache_type: str | None, head_dim: int) -> str:
     if cache_type not in CACHE_TYPES:
         raise ValueError(f'cache type "{cache_type}": bankML keeps f16 or q8_0')
     if cache_type == "q8_0" and head_dim % 32:
-        raise ValueError("a q8_0 cache needs a head size that is a multiple of 32; "
-                         f"this model's is {head_dim}")
+        raise ValueError(
+            f"a q8_0 cache needs a head size that is a multiple of 32; this model's is {head_dim}"
+        )
     return cache_type
 
 
@@ -197,10 +198,20 @@ def rotation_sizes(head_dim: int) -> tuple[int, int]:
 class KVCache:
     """Keys and values of positions 0..n_tokens-1 for every layer of one sequence."""
 
-    def __init__(self, xp: ModuleType, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
-                 cache_type: str | None = None, window: int = 0,
-                 sliding: tuple[bool, ...] = (), ring: bool = False, n_ubatch: int = N_UBATCH,
-                 exact: bool | None = None):
+    def __init__(
+        self,
+        xp: ModuleType,
+        n_layer: int,
+        n_head_kv: int,
+        head_dim: int,
+        n_ctx: int,
+        cache_type: str | None = None,
+        window: int = 0,
+        sliding: tuple[bool, ...] = (),
+        ring: bool = False,
+        n_ubatch: int = N_UBATCH,
+        exact: bool | None = None,
+    ):
         """``window``/``sliding``: gemma3's sliding window and which layers use it; ``ring``:
         keep those layers in llama.cpp's SWA cell layout as well (the exact path), when its
         cache is smaller than n_ctx; ``n_ubatch``: llama-server's -ub, which sizes that cache;
@@ -223,11 +234,17 @@ class KVCache:
             self._rot = (None, None)
         else:
             blocks = (n_head_kv, self.n_ctx, head_dim // 32)
-            self._k = [(xp.zeros(shape, xp.int8), xp.zeros(blocks, xp.float16)) for _ in range(n_layer)]
-            self._v = [(xp.zeros(shape, xp.int8), xp.zeros(blocks, xp.float16)) for _ in range(n_layer)]
+            self._k = [
+                (xp.zeros(shape, xp.int8), xp.zeros(blocks, xp.float16)) for _ in range(n_layer)
+            ]
+            self._v = [
+                (xp.zeros(shape, xp.int8), xp.zeros(blocks, xp.float16)) for _ in range(n_layer)
+            ]
             rot_k, rot_v = rotation_sizes(head_dim)
-            self._rot = (xp.asarray(hadamard(rot_k)) if rot_k else None,
-                         xp.asarray(hadamard(rot_v)) if rot_v else None)
+            self._rot = (
+                xp.asarray(hadamard(rot_k)) if rot_k else None,
+                xp.asarray(hadamard(rot_v)) if rot_v else None,
+            )
         self._ring_k: dict[int, Any] = {}
         self._ring_v: dict[int, Any] = {}
         size = ring_size(self.n_ctx, window, self.n_ubatch) if window else 0
@@ -250,8 +267,10 @@ class KVCache:
 
     def _empty_like(self, entry: Any, cells: int) -> Any:
         """Zeroed storage of ``entry``'s kind with ``cells`` cells."""
+
         def one(a: Any) -> Any:
             return self.xp.zeros((a.shape[0], cells) + a.shape[2:], a.dtype)
+
         return tuple(one(a) for a in entry) if isinstance(entry, tuple) else one(entry)
 
     @property
@@ -338,6 +357,7 @@ class KVCache:
     def nbytes(self) -> int:
         def size(entry: Any) -> int:
             return sum(a.nbytes for a in entry) if isinstance(entry, tuple) else entry.nbytes
+
         stores = self._k + self._v + list(self._ring_k.values()) + list(self._ring_v.values())
         return sum(size(e) for e in stores)
 
@@ -410,8 +430,10 @@ class KVCache:
         xp = self.xp
         if self.exact:  # the AVX2 rounding, shared with the matrix products' activations
             rows = exact_matmul.Activation(x.reshape(-1, x.shape[-1]))
-            return (rows.q.reshape(x.shape),
-                    rows.d16.view(numpy.float16).reshape(*x.shape[:-1], -1))
+            return (
+                rows.q.reshape(x.shape),
+                rows.d16.view(numpy.float16).reshape(*x.shape[:-1], -1),
+            )
         blocks = x.reshape(*x.shape[:-1], -1, 32)
         amax = xp.abs(blocks).max(axis=-1)
         d = (amax / numpy.float32(127)).astype(xp.float16)

@@ -16,16 +16,26 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 import numpy
 
 from bankml.engine_cupy import backend, exact_attention, exact_decode, exact_ops
 from bankml.engine_cupy.kv_cache import KVCache
-from bankml.engine_cupy.weights import (HParams, Layer, UnsupportedModel, Weights, apply_all,
-                                        check_memory, load_weights, open_reader, read_hparams,
-                                        total_tensor_bytes)
+from bankml.engine_cupy.weights import (
+    HParams,
+    Layer,
+    UnsupportedModel,
+    Weights,
+    apply_all,
+    check_memory,
+    load_weights,
+    open_reader,
+    read_hparams,
+    total_tensor_bytes,
+)
 
 __all__ = ["Model", "KVCache", "UnsupportedModel"]
 
@@ -42,8 +52,14 @@ def silu(xp: ModuleType, x: Any) -> Any:
     return x / (F32(1) + xp.exp(-x))
 
 
-def rope_angles(xp: ModuleType, positions: Any, head_dim: int, base: float, freq_scale: float,
-                freq_factors: Any | None) -> tuple[Any, Any]:
+def rope_angles(
+    xp: ModuleType,
+    positions: Any,
+    head_dim: int,
+    base: float,
+    freq_scale: float,
+    freq_factors: Any | None,
+) -> tuple[Any, Any]:
     """cos, sin [n, head_dim/2] as ggml_rope_cache_init: theta = pos, then theta *= base^(-2/d)."""
     half = head_dim // 2
     theta_scale = F32(numpy.power(F32(base), F32(-2.0) / F32(head_dim)))
@@ -83,8 +99,15 @@ def softmax_product(xp: ModuleType, scores: Any, values: Any) -> Any:
 class Model:
     """A GGUF model ready to run forward passes on one device."""
 
-    def __init__(self, hp: HParams, weights: Weights, xp: ModuleType, path: str, reader: Any,
-                 exact: bool = True):
+    def __init__(
+        self,
+        hp: HParams,
+        weights: Weights,
+        xp: ModuleType,
+        path: str,
+        reader: Any,
+        exact: bool = True,
+    ):
         self.hp = hp
         self.weights = weights
         self.xp = xp
@@ -96,8 +119,9 @@ class Model:
         self.n_layer = hp.n_layer
         self.n_ctx_train = hp.n_ctx_train
         # ggml's f16 GELU table, one for both paths (built on the host, moved to the device)
-        self._gelu = (xp.asarray(exact_ops.gelu_f16_table()) if hp.spec.ffn_activation == "gelu"
-                      else None)
+        self._gelu = (
+            xp.asarray(exact_ops.gelu_f16_table()) if hp.spec.ffn_activation == "gelu" else None
+        )
         self._masks: dict[int | str, Any] = {}  # per window size, and "ring"
         # BLAS threads: `threads` for batches (None: BLAS's default, one per core), and
         # `decode_threads` for one-token steps (backend.BlasThreads says why 1)
@@ -113,8 +137,13 @@ class Model:
         self.fused_decode = True
 
     @classmethod
-    def load(cls, path: str | os.PathLike, device: str = "auto",
-             progress: bool | None = None, exact: bool = True) -> "Model":
+    def load(
+        cls,
+        path: str | os.PathLike,
+        device: str = "auto",
+        progress: bool | None = None,
+        exact: bool = True,
+    ) -> Model:
         """Read the header, refuse what is not played, then load the weights (tqdm bar).
 
         ``exact=False`` runs the array-module path (the one CuPy takes) on the CPU too, so that
@@ -131,11 +160,17 @@ class Model:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=total_tensor_bytes(reader), unit="B", unit_scale=True,
-                       desc=f"loading {os.path.basename(os.fspath(path))}", leave=False)
+            bar = tqdm(
+                total=total_tensor_bytes(reader),
+                unit="B",
+                unit_scale=True,
+                desc=f"loading {os.path.basename(os.fspath(path))}",
+                leave=False,
+            )
         try:
-            weights = load_weights(reader, hp, xp, tick=bar.update if bar else lambda n: None,
-                                   exact=exact)
+            weights = load_weights(
+                reader, hp, xp, tick=bar.update if bar else lambda n: None, exact=exact
+            )
         finally:
             if bar is not None:
                 bar.close()
@@ -163,13 +198,24 @@ class Model:
         """A cache for n_ctx positions (llama-server's -c); on the exact path gemma3's
         sliding-window layers also get llama.cpp's SWA cell layout (kv_cache.md)."""
         hp = self.hp
-        return KVCache(self.xp, hp.n_layer, hp.n_head_kv, hp.head_dim, n_ctx, cache_type,
-                       window=hp.swa_window, sliding=hp.swa_layers, ring=self.exact,
-                       exact=self.exact)
+        return KVCache(
+            self.xp,
+            hp.n_layer,
+            hp.n_head_kv,
+            hp.head_dim,
+            n_ctx,
+            cache_type,
+            window=hp.swa_window,
+            sliding=hp.swa_layers,
+            ring=self.exact,
+            exact=self.exact,
+        )
 
     # --- the forward pass ----------------------------------------------------------------------
 
-    def forward(self, tokens: Sequence[int], cache: KVCache, all_logits: bool = False) -> numpy.ndarray:
+    def forward(
+        self, tokens: Sequence[int], cache: KVCache, all_logits: bool = False
+    ) -> numpy.ndarray:
         """Append ``tokens`` to ``cache`` and return the logits of the last (or every) token."""
         xp, hp = self.xp, self.hp
         n = len(tokens)
@@ -191,8 +237,9 @@ class Model:
         cache.place(start, n)  # the sliding-window ring's cells for this micro-batch
         plan = self._decode_plan() if n == 1 and cache.fused_decode else None
         if plan is not None:  # one token: one compiled call per layer, the same bits
-            logits = plan.step(numpy.ascontiguousarray(x, dtype=F32), start, ropes, cache,
-                               self.ggml_threads)
+            logits = plan.step(
+                numpy.ascontiguousarray(x, dtype=F32), start, ropes, cache, self.ggml_threads
+            )
             cache.advance(start + n)
             return self._final_logits(logits, all_logits)
         for il, layer in enumerate(self.weights.layers):
@@ -223,19 +270,42 @@ class Model:
         """cos/sin per layer kind: global (False) and, for gemma3, local sliding-window (True)."""
         hp = self.hp
         if self.exact:
-            ropes = {False: exact_ops.rope_cos_sin(positions, hp.head_dim, hp.rope_base,
-                                                   hp.rope_freq_scale, self.weights.rope_freqs)}
+            ropes = {
+                False: exact_ops.rope_cos_sin(
+                    positions,
+                    hp.head_dim,
+                    hp.rope_base,
+                    hp.rope_freq_scale,
+                    self.weights.rope_freqs,
+                )
+            }
             if any(hp.swa_layers):
                 ropes[True] = exact_ops.rope_cos_sin(positions, hp.head_dim, hp.rope_base_swa)
             return ropes
-        ropes = {False: rope_angles(self.xp, positions, hp.head_dim, hp.rope_base,
-                                    hp.rope_freq_scale, self.weights.rope_freqs)}
+        ropes = {
+            False: rope_angles(
+                self.xp,
+                positions,
+                hp.head_dim,
+                hp.rope_base,
+                hp.rope_freq_scale,
+                self.weights.rope_freqs,
+            )
+        }
         if any(hp.swa_layers):
             ropes[True] = rope_angles(self.xp, positions, hp.head_dim, hp.rope_base_swa, 1.0, None)
         return ropes
 
-    def _block(self, il: int, layer: Layer, x: Any, positions: Any,
-               ropes: dict[bool, tuple[Any, Any]], cache: KVCache, only_last: bool) -> Any:
+    def _block(
+        self,
+        il: int,
+        layer: Layer,
+        x: Any,
+        positions: Any,
+        ropes: dict[bool, tuple[Any, Any]],
+        cache: KVCache,
+        only_last: bool,
+    ) -> Any:
         xp, hp = self.xp, self.hp
         h = self._norm(x, layer.attn_norm)
         attn = self._attention(il, layer, h, positions, ropes[hp.swa_layers[il]], cache)
@@ -285,14 +355,17 @@ class Model:
         if "qkv" in parts:
             fused = parts["qkv"]
             nq, nk = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-            parts = {"q": fused[:, :nq], "k": fused[:, nq:nq + nk], "v": fused[:, nq + nk:]}
+            parts = {"q": fused[:, :nq], "k": fused[:, nq : nq + nk], "v": fused[:, nq + nk :]}
         n = h.shape[0]
-        return (parts["q"].reshape(n, hp.n_head, hp.head_dim),
-                parts["k"].reshape(n, hp.n_head_kv, hp.head_dim),
-                parts["v"].reshape(n, hp.n_head_kv, hp.head_dim))
+        return (
+            parts["q"].reshape(n, hp.n_head, hp.head_dim),
+            parts["k"].reshape(n, hp.n_head_kv, hp.head_dim),
+            parts["v"].reshape(n, hp.n_head_kv, hp.head_dim),
+        )
 
-    def _attention(self, il: int, layer: Layer, h: Any, positions: Any, rope: tuple[Any, Any],
-                   cache: KVCache) -> Any:
+    def _attention(
+        self, il: int, layer: Layer, h: Any, positions: Any, rope: tuple[Any, Any], cache: KVCache
+    ) -> Any:
         """Causal GQA attention over the cache (with this batch stored first); [n, n_head*hd]."""
         xp, hp = self.xp, self.hp
         q, k, v = self._qkv(layer, h)
@@ -329,8 +402,9 @@ class Model:
         out = cache.output(out).reshape(hp.n_head_kv, group, n, hp.head_dim)
         return out.transpose(2, 0, 1, 3).reshape(n, hp.n_head * hp.head_dim)
 
-    def _attend_exact(self, il: int, q: Any, positions: Any, cache: KVCache, end: int,
-                      scale: Any) -> Any:
+    def _attend_exact(
+        self, il: int, q: Any, positions: Any, cache: KVCache, end: int, scale: Any
+    ) -> Any:
         """ggml's flash attention over the f16 or q8_0 cache, bit for bit (exact_attention).
 
         A sliding-window layer whose cache is a ring in llama.cpp (``cache.in_ring``) reads the
@@ -344,12 +418,21 @@ class Model:
             n_kv = exact_attention.kv_length(end, cache.kv_size)
             mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
         if cache.cache_type == "q8_0":  # Q turned like K; the output back from V's turn
-            out = cache.output(exact_attention.flash_attn_q8_0(
-                cache.rotate_k(q), *cache.quantized(il, end), mask, scale))
+            out = cache.output(
+                exact_attention.flash_attn_q8_0(
+                    cache.rotate_k(q), *cache.quantized(il, end), mask, scale
+                )
+            )
         else:
             out = exact_attention.flash_attn_f16(
-                q, cache.keys(il, end), cache.values(il, end), mask, scale,
-                n_kv=n_kv, n_threads=self.ggml_threads)
+                q,
+                cache.keys(il, end),
+                cache.values(il, end),
+                mask,
+                scale,
+                n_kv=n_kv,
+                n_threads=self.ggml_threads,
+            )
         return out.reshape(q.shape[0], hp.n_head * hp.head_dim)
 
     def _ring_mask(self, positions: Any, cells: Any) -> Any:

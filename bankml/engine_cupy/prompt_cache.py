@@ -61,7 +61,9 @@ class Entry:
     kv: list[Any]
     nbytes: int
     ring: Any = None  # the SWA ring's positions in cell order (KVCache.ring_positions)
-    checkpoints: list[Any] = field(default_factory=list)  # the slot's context checkpoints, kept with it
+    checkpoints: list[Any] = field(
+        default_factory=list
+    )  # the slot's context checkpoints, kept with it
 
 
 def _kv_bytes(kv: list[Any]) -> int:

@@ -18,15 +18,26 @@ import math
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 F32 = np.float32
 INT32_MAX = 2_147_483_647
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
-DEFAULT_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+DEFAULT_ORDER = (
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typ_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+)
 DRY_MAX_BREAKER_BYTES = 40
 DRY_MAX_TAIL_TOKENS = 20
 
@@ -60,7 +71,7 @@ class SamplerParams:
     dry_base: float = 1.75
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = 64
-    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
@@ -68,13 +79,15 @@ class SamplerParams:
     n_probs: int = 0
     min_keep: int = 0
     samplers: tuple[str, ...] = DEFAULT_ORDER
-    adaptive_target: float = -1.0   # only read by the adaptive-p sampler, which bankml refuses
+    adaptive_target: float = -1.0  # only read by the adaptive-p sampler, which bankml refuses
     adaptive_decay: float = 0.9
     ignore_eos: bool = False
-    logit_bias: tuple["LogitBias", ...] = ()  # in the order llama-server applies them (EOG last)
+    logit_bias: tuple[LogitBias, ...] = ()  # in the order llama-server applies them (EOG last)
 
     @classmethod
-    def from_request(cls, body: Mapping[str, Any], defaults: "SamplerParams | None" = None) -> "SamplerParams":
+    def from_request(
+        cls, body: Mapping[str, Any], defaults: SamplerParams | None = None
+    ) -> SamplerParams:
         """Read the sampling fields of a /completion-style body (after the OpenAI fields are mapped).
 
         Raises SamplerError with llama-server's message for the values it refuses.
@@ -88,7 +101,7 @@ class SamplerParams:
         return params
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "SamplerParams":
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> SamplerParams:
         """The GGUF's ``general.sampling.*`` keys over llama.cpp's defaults (common_init_from_params)."""
         values: dict[str, Any] = {}
         for key, name, kind in _GGUF_KEYS:
@@ -105,7 +118,9 @@ class SamplerParams:
         """common_sampler_init's checks, reported as 'Failed to initialize samplers: ...'."""
         rp = self.repeat_penalty
         if not math.isfinite(rp) or rp <= 0.0 or not math.isfinite(float(F32(1.0) / F32(rp))):
-            raise SamplerError("Failed to initialize samplers: penalty_repeat must be finite and greater than 0")
+            raise SamplerError(
+                "Failed to initialize samplers: penalty_repeat must be finite and greater than 0"
+            )
         if not math.isfinite(self.frequency_penalty):
             raise SamplerError("Failed to initialize samplers: penalty_freq must be finite")
         if not math.isfinite(self.presence_penalty):
@@ -140,8 +155,10 @@ def _get_number(name: str, value: Any) -> float | int:
     if isinstance(value, bool):
         return int(value)
     if not isinstance(value, (int, float)):
-        raise SamplerError(f"Field '{name}': [json.exception.type_error.302] type must be number, "
-                           f"but is {_json_type(value)}")
+        raise SamplerError(
+            f"Field '{name}': [json.exception.type_error.302] type must be number, "
+            f"but is {_json_type(value)}"
+        )
     return value
 
 
@@ -167,7 +184,7 @@ class _Field:
     lo: float | None = None
     hi: float | None = None
     hard: bool = False
-    handler: Callable[[Any, "SamplerParams"], Any] | None = None
+    handler: Callable[[Any, SamplerParams], Any] | None = None
 
     def read(self, body: Mapping[str, Any], out: dict[str, Any], base: SamplerParams) -> None:
         for name in self.names:
@@ -182,13 +199,17 @@ class _Field:
         if self.kind == "f32":
             value: float | int = _as_float32(number)
         elif self.kind == "u32":
-            value = int(number) % 2**32 if not isinstance(number, float) or math.isfinite(number) else 0
+            value = (
+                int(number) % 2**32 if not isinstance(number, float) or math.isfinite(number) else 0
+            )
         else:
             value = _as_int32(number)
         if self.hard:
             if value < self.lo or value > self.hi:  # type: ignore[operator]
                 lo, hi, got = (_to_string(v, self.kind) for v in (self.lo, self.hi, value))
-                raise SamplerError(f"Field '{name}': Value must be between {lo} <= value <= {hi}, but got {got}")
+                raise SamplerError(
+                    f"Field '{name}': Value must be between {lo} <= value <= {hi}, but got {got}"
+                )
             return value
         if self.lo is not None:
             value = max(self.lo, value)  # type: ignore[assignment]
@@ -211,20 +232,44 @@ def _breakers(raw: Any, base: SamplerParams) -> tuple[str, ...]:
     # json_value(..., vector<string>()) yields an empty vector for anything but an array of strings
     ok = isinstance(raw, list) and all(isinstance(b, str) for b in raw)
     if not ok or not raw:
-        raise SamplerError("Field 'dry_sequence_breakers': Error: dry_sequence_breakers must be a non-empty "
-                           "array of strings")
+        raise SamplerError(
+            "Field 'dry_sequence_breakers': Error: dry_sequence_breakers must be a non-empty "
+            "array of strings"
+        )
     return tuple(raw)
 
 
 _NAME_ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
-_CANONICAL = {"dry", "top_k", "top_p", "top_n_sigma", "typ_p", "min_p", "temperature", "xtc", "infill",
-              "penalties", "adaptive_p"}
+_CANONICAL = {
+    "dry",
+    "top_k",
+    "top_p",
+    "top_n_sigma",
+    "typ_p",
+    "min_p",
+    "temperature",
+    "xtc",
+    "infill",
+    "penalties",
+    "adaptive_p",
+}
 for _c in list(_CANONICAL):
     if "_" in _c:
         _NAME_ALIASES[_c.replace("_", "-")] = _c
         _NAME_ALIASES[_c.replace("_", "")] = _c
-_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
-          "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+_CHARS = {
+    "d": "dry",
+    "k": "top_k",
+    "y": "typ_p",
+    "p": "top_p",
+    "s": "top_n_sigma",
+    "m": "min_p",
+    "t": "temperature",
+    "x": "xtc",
+    "i": "infill",
+    "e": "penalties",
+    "a": "adaptive_p",
+}
 
 
 def _samplers(raw: Any, base: SamplerParams) -> tuple[str, ...]:
@@ -234,8 +279,10 @@ def _samplers(raw: Any, base: SamplerParams) -> tuple[str, ...]:
     elif isinstance(raw, list):
         if not all(isinstance(n, str) for n in raw):
             bad = next(n for n in raw if not isinstance(n, str))
-            raise SamplerError(f"Field 'samplers': [json.exception.type_error.302] type must be string, "
-                               f"but is {_json_type(bad)}")
+            raise SamplerError(
+                f"Field 'samplers': [json.exception.type_error.302] type must be string, "
+                f"but is {_json_type(bad)}"
+            )
         names = []
         for n in raw:
             low = n.lower()
@@ -246,7 +293,9 @@ def _samplers(raw: Any, base: SamplerParams) -> tuple[str, ...]:
         return base.samplers
     unsupported = sorted({n for n in names if n in ("infill", "adaptive_p")})
     if unsupported:
-        raise SamplerError(f"samplers: {', '.join(unsupported)} is not implemented by bankml's sampler")
+        raise SamplerError(
+            f"samplers: {', '.join(unsupported)} is not implemented by bankml's sampler"
+        )
     return tuple(names)
 
 
@@ -282,11 +331,17 @@ _FIELDS: tuple[_Field, ...] = (
 )
 
 _GGUF_KEYS = (
-    ("top_k", "top_k", int), ("top_p", "top_p", float), ("min_p", "min_p", float),
-    ("xtc_probability", "xtc_probability", float), ("xtc_threshold", "xtc_threshold", float),
-    ("temp", "temperature", float), ("penalty_last_n", "repeat_last_n", int),
-    ("penalty_repeat", "repeat_penalty", float), ("mirostat", "mirostat", int),
-    ("mirostat_tau", "mirostat_tau", float), ("mirostat_eta", "mirostat_eta", float),
+    ("top_k", "top_k", int),
+    ("top_p", "top_p", float),
+    ("min_p", "min_p", float),
+    ("xtc_probability", "xtc_probability", float),
+    ("xtc_threshold", "xtc_threshold", float),
+    ("temp", "temperature", float),
+    ("penalty_last_n", "repeat_last_n", int),
+    ("penalty_repeat", "repeat_penalty", float),
+    ("mirostat", "mirostat", int),
+    ("mirostat_tau", "mirostat_tau", float),
+    ("mirostat_eta", "mirostat_eta", float),
 )
 
 
@@ -317,7 +372,7 @@ def _strtol_whole(key: str) -> int | None:
         return 0 if key == "" else None
     if body[digits:]:
         return None
-    value = max(-2**63, min(2**63 - 1, sign * int(body[:digits])))
+    value = max(-(2**63), min(2**63 - 1, sign * int(body[:digits])))
     return ((value + 2**31) % 2**32) - 2**31
 
 
@@ -330,7 +385,9 @@ def _bias_value(raw: Any) -> float | None:
     return _as_float32(raw)
 
 
-def parse_logit_bias(raw: Any, n_vocab: int, tokenize: Callable[[str], list[int]]) -> tuple[LogitBias, ...]:
+def parse_logit_bias(
+    raw: Any, n_vocab: int, tokenize: Callable[[str], list[int]]
+) -> tuple[LogitBias, ...]:
     """llama-server's ``logit_bias`` handler: ``[[id|text, bias], ...]`` or ``{"id"|"text": bias}``.
 
     It never refuses: malformed entries, ids outside the vocabulary and other JSON types are
@@ -363,15 +420,18 @@ def parse_logit_bias(raw: Any, n_vocab: int, tokenize: Callable[[str], list[int]
     return tuple(out)
 
 
-def apply_logit_bias(c: "Candidates", biases: Sequence[LogitBias]) -> None:
+def apply_logit_bias(c: Candidates, biases: Sequence[LogitBias]) -> None:
     """llama_sampler_logit_bias on the full, unshuffled vocabulary (index == id): each entry
     added in turn in float32, so a token listed twice gets both."""
     if not biases:
         return
     logits = c.logits.copy()
     with np.errstate(invalid="ignore"):
-        np.add.at(logits, np.array([b.token for b in biases], dtype=np.int64),
-                  np.array([b.bias for b in biases], dtype=F32))
+        np.add.at(
+            logits,
+            np.array([b.token for b in biases], dtype=np.int64),
+            np.array([b.bias for b in biases], dtype=F32),
+        )
     c.logits = logits
 
 
@@ -389,7 +449,9 @@ class MT19937:
     """std::mt19937 (seeded as its constructor does) and the libstdc++ distributions llama.cpp uses."""
 
     def __init__(self, seed: int):
-        self._state = np.random.RandomState(seed & 0xFFFFFFFF)  # init_genrand(seed): same as std::mt19937
+        self._state = np.random.RandomState(
+            seed & 0xFFFFFFFF
+        )  # init_genrand(seed): same as std::mt19937
 
     def next_u32(self) -> int:
         return int(self._state.randint(0, 2**32, dtype=np.uint64))
@@ -431,7 +493,7 @@ def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
         return np.argsort(-logits, kind="stable")[:k]
     kth = np.partition(logits, n - k)[n - k]
     above = np.flatnonzero(logits > kth)
-    ties = np.flatnonzero(logits == kth)[:k - len(above)]
+    ties = np.flatnonzero(logits == kth)[: k - len(above)]
     chosen = np.concatenate([above, ties])
     chosen.sort()
     return chosen[np.argsort(-logits[chosen], kind="stable")]
@@ -453,9 +515,11 @@ class Candidates:
     selected: int = -1
 
     @classmethod
-    def from_logits(cls, logits: np.ndarray) -> "Candidates":
+    def from_logits(cls, logits: np.ndarray) -> Candidates:
         n = len(logits)
-        return cls(np.arange(n, dtype=np.int32), np.array(logits, dtype=F32), np.zeros(n, dtype=F32))
+        return cls(
+            np.arange(n, dtype=np.int32), np.array(logits, dtype=F32), np.zeros(n, dtype=F32)
+        )
 
     @property
     def size(self) -> int:
@@ -564,7 +628,9 @@ def apply_top_n_sigma(c: Candidates, n: float) -> None:
     c.logits = np.where(c.logits < F32(top - F32(n) * std), F32(-np.inf), c.logits).astype(F32)
 
 
-def apply_penalties(c: Candidates, counts: Mapping[int, int], repeat: float, freq: float, present: float) -> None:
+def apply_penalties(
+    c: Candidates, counts: Mapping[int, int], repeat: float, freq: float, present: float
+) -> None:
     if not counts:
         c.sorted = False
         return
@@ -582,7 +648,9 @@ def apply_penalties(c: Candidates, counts: Mapping[int, int], repeat: float, fre
     c.sorted = False
 
 
-def apply_xtc(c: Candidates, probability: float, threshold: float, min_keep: int, rng: MT19937) -> None:
+def apply_xtc(
+    c: Candidates, probability: float, threshold: float, min_keep: int, rng: MT19937
+) -> None:
     if c.size < 2:
         return
     if rng.uniform_float() > probability:
@@ -669,8 +737,9 @@ class PenaltyWindow:
         self.window.append(token)
 
 
-def dry_breaker_sequences(breakers: Sequence[str], pieces: Sequence[bytes],
-                          tokenize: Callable[[str], list[int]]) -> dict[int, list[tuple[int, ...]]]:
+def dry_breaker_sequences(
+    breakers: Sequence[str], pieces: Sequence[bytes], tokenize: Callable[[str], list[int]]
+) -> dict[int, list[tuple[int, ...]]]:
     """get_overlapping_token_sequences for each breaker: head token -> tails (empty = single token)."""
     table: dict[int, list[tuple[int, ...]]] = {}
     for breaker in breakers:
@@ -684,13 +753,15 @@ def dry_breaker_sequences(breakers: Sequence[str], pieces: Sequence[bytes],
             pos = word.find(raw[:1])
             while pos != -1:
                 matched = min(len(raw), len(word) - pos)
-                if word[pos:pos + matched] == raw[:matched]:
+                if word[pos : pos + matched] == raw[:matched]:
                     tail_bytes = raw[matched:]
                     try:
                         tail_text = tail_bytes.decode("utf-8")
                     except UnicodeDecodeError:
-                        raise SamplerError(f"dry_sequence_breakers: {breaker!r} splits a character where a "
-                                           f"token ends; bankml tokenizes only whole characters") from None
+                        raise SamplerError(
+                            f"dry_sequence_breakers: {breaker!r} splits a character where a "
+                            f"token ends; bankml tokenizes only whole characters"
+                        ) from None
                     tail = tuple(tokenize(tail_text)[:DRY_MAX_TAIL_TOKENS])
                     tails = table.setdefault(token_id, [])
                     if tail not in tails:
@@ -728,7 +799,9 @@ class DryPenalty:
                 continue
             longest = -1
             for tail in tails:
-                if longest < len(tail) <= i and all(tail[o] == self._rat(i - o - 1) for o in range(len(tail))):
+                if longest < len(tail) <= i and all(
+                    tail[o] == self._rat(i - o - 1) for o in range(len(tail))
+                ):
                     longest = len(tail)
             if longest >= 0:
                 return i - longest
@@ -775,7 +848,9 @@ class DryPenalty:
                 token = self._rat(n - 2 - i)
                 if max_repeat.get(token, -1) < counts[i]:
                     max_repeat[token] = counts[i]
-        max_exponent = int(F32(88.7228391) / F32(math.log(self.base))) if self.base > 1.000001 else 0
+        max_exponent = (
+            int(F32(88.7228391) / F32(math.log(self.base))) if self.base > 1.000001 else 0
+        )
         penalty_by_token: dict[int, float] = {}
         for token, length in max_repeat.items():
             if () in self.breakers.get(token, ()):
@@ -783,7 +858,9 @@ class DryPenalty:
             exp = length - self.allowed
             if max_exponent > 0 and exp > max_exponent:
                 exp = max_exponent
-            penalty_by_token[token] = float(F32(F32(self.mult) * F32(math.pow(float(F32(self.base)), exp))))
+            penalty_by_token[token] = float(
+                F32(F32(self.mult) * F32(math.pow(float(F32(self.base)), exp)))
+            )
         if penalty_by_token:
             logits = c.logits.copy()
             for pos in np.flatnonzero(np.isin(c.ids, list(penalty_by_token))):
@@ -801,7 +878,9 @@ class VocabInfo:
 
     pieces: Sequence[bytes]
     tokenize: Callable[[str], list[int]]
-    breaker_cache: dict[tuple[str, ...], dict[int, list[tuple[int, ...]]]] = field(default_factory=dict)
+    breaker_cache: dict[tuple[str, ...], dict[int, list[tuple[int, ...]]]] = field(
+        default_factory=dict
+    )
 
     def dry_breakers(self, breakers: Sequence[str]) -> dict[int, list[tuple[int, ...]]]:
         """The breaker table for these strings (a scan of the whole vocabulary, so kept)."""
@@ -818,11 +897,15 @@ class Sampler:
         self.params = params
         self.n_vocab = n_vocab
         self.seed = resolve_seed(params.seed)
-        self.rng = MT19937(self.seed)       # dist / mirostat
-        self.xtc_rng = MT19937(self.seed)   # XTC has its own generator, same seed
+        self.rng = MT19937(self.seed)  # dist / mirostat
+        self.xtc_rng = MT19937(self.seed)  # XTC has its own generator, same seed
         self.penalties = PenaltyWindow(params.repeat_last_n)
         breakers: dict[int, list[tuple[int, ...]]] = {}
-        dry_on = params.dry_multiplier != 0.0 and params.dry_base >= 1.0 and params.dry_penalty_last_n != 0
+        dry_on = (
+            params.dry_multiplier != 0.0
+            and params.dry_base >= 1.0
+            and params.dry_penalty_last_n != 0
+        )
         if dry_on and vocab is not None and "dry" in params.samplers:
             breakers = vocab.dry_breakers(params.dry_sequence_breakers)
         self.dry = DryPenalty(params, breakers)
@@ -835,8 +918,12 @@ class Sampler:
             self.penalties.accept(token)
             self.dry.accept(token)
 
-    def sample(self, logits: np.ndarray, allowed: Callable[[int], bool] | None = None,
-               mask: Callable[[], np.ndarray] | None = None) -> int:
+    def sample(
+        self,
+        logits: np.ndarray,
+        allowed: Callable[[int], bool] | None = None,
+        mask: Callable[[], np.ndarray] | None = None,
+    ) -> int:
         """common_sampler_sample: the chain on raw logits; if a grammar rejects the token, the chain
         again on the grammar-masked logits (a second draw, as llama.cpp does)."""
         c = self._run_chain(Candidates.from_logits(logits))
@@ -873,10 +960,16 @@ class Sampler:
     def _stage(self, name: str, c: Candidates) -> None:
         p = self.params
         if name == "penalties":
-            if p.repeat_last_n != 0 and not (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0
-                                             and p.presence_penalty == 0.0):
-                apply_penalties(c, self.penalties.counts, p.repeat_penalty, p.frequency_penalty,
-                                p.presence_penalty)
+            if p.repeat_last_n != 0 and not (
+                p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            ):
+                apply_penalties(
+                    c,
+                    self.penalties.counts,
+                    p.repeat_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                )
         elif name == "dry":
             self.dry.apply(c)
         elif name == "top_n_sigma":
@@ -900,7 +993,12 @@ class Sampler:
 
     def _update_mu(self, prob: float) -> None:
         surprise = -float(np.log2(np.float64(prob)).astype(F32)) if prob > 0 else math.inf
-        self.mu = float(F32(F32(self.mu) - F32(self.params.mirostat_eta) * F32(surprise - self.params.mirostat_tau)))
+        self.mu = float(
+            F32(
+                F32(self.mu)
+                - F32(self.params.mirostat_eta) * F32(surprise - self.params.mirostat_tau)
+            )
+        )
 
     def _mirostat_v1(self, c: Candidates, m: int = 100) -> None:
         c.softmax(True)
@@ -914,8 +1012,13 @@ class Sampler:
         with np.errstate(all="ignore"):
             s_hat = F32(sum_ti_bi / sum_ti_sq)
             eps = F32(s_hat - 1)
-            k = F32(np.power(F32(eps * F32(2.0 ** float(F32(self.mu)))) / F32(1 - F32(float(self.n_vocab) ** -float(eps))),
-                             F32(1) / s_hat))
+            k = F32(
+                np.power(
+                    F32(eps * F32(2.0 ** float(F32(self.mu))))
+                    / F32(1 - F32(float(self.n_vocab) ** -float(eps))),
+                    F32(1) / s_hat,
+                )
+            )
         k_int = int(k) if math.isfinite(float(k)) else 1
         apply_top_k(c, max(k_int, 1))
         c.softmax(True)

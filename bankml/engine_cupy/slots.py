@@ -85,13 +85,20 @@ def save_slot(engine: Any, path: str, model_sha256: str) -> SlotResult:
     tmp = path + ".tmp"
     written = 0
     with open(tmp, "wb") as f:
+
         def put(data: bytes) -> None:
             nonlocal written
             h.update(data)
             f.write(data)
             written += len(data)
 
-        put(MAGIC + _sha_field(model_sha256) + U64.pack(cache.n_ctx) + U64.pack(n) + U64.pack(n_layers))
+        put(
+            MAGIC
+            + _sha_field(model_sha256)
+            + U64.pack(cache.n_ctx)
+            + U64.pack(n)
+            + U64.pack(n_layers)
+        )
         for layer in range(n_layers):
             put(U64.pack(width | (Q8_FLAG if cache_type == "q8_0" else 0)))
             put(_layer_bytes(cache, cache._k[layer], n))
@@ -163,13 +170,15 @@ def _restore(engine: Any, path: str, model_sha256: str) -> tuple[int, int]:
         raise SlotError("the slot file is damaged (its sha256 does not match)")
     body = memoryview(data)[:-32]
     pos = len(MAGIC)
-    if bytes(body[pos:pos + 64]) != _sha_field(model_sha256):
+    if bytes(body[pos : pos + 64]) != _sha_field(model_sha256):
         raise SlotError("the slot was saved for another model")
     pos += 64
     n_ctx, n, n_layers = (U64.unpack_from(body, pos + 8 * i)[0] for i in range(3))
     pos += 24
     if n_ctx != cache.n_ctx:
-        raise SlotError(f"the slot was saved with a {n_ctx}-token context, this engine has {cache.n_ctx}")
+        raise SlotError(
+            f"the slot was saved with a {n_ctx}-token context, this engine has {cache.n_ctx}"
+        )
     if n > cache.n_ctx:
         raise SlotError("Restored prompt does not fit in the slot context")
     my_layers, width, cache_type = _geometry(cache)
@@ -183,17 +192,19 @@ def _restore(engine: Any, path: str, model_sha256: str) -> tuple[int, int]:
         pos += 8
         saved_type = "q8_0" if word & Q8_FLAG else "f16"
         if saved_type != cache_type:
-            raise SlotError(f"the slot was saved with a {saved_type} cache, this engine keeps {cache_type}")
+            raise SlotError(
+                f"the slot was saved with a {saved_type} cache, this engine keeps {cache_type}"
+            )
         if word & ~Q8_FLAG != width:
             raise SlotError("the slot's cache shape does not match this model")
         per = n * (width * 2 if cache_type == "f16" else width // BLOCK * Q8_BLOCK_BYTES)
         if pos + 2 * per > len(body):
             raise SlotError("truncated")
-        layers.append((body[pos:pos + per], body[pos + per:pos + 2 * per]))
+        layers.append((body[pos : pos + per], body[pos + per : pos + 2 * per]))
         pos += 2 * per
     if pos + 4 * n > len(body):
         raise SlotError("truncated")
-    tokens = np.frombuffer(body[pos:pos + 4 * n], dtype="<u4").astype(np.int64)
+    tokens = np.frombuffer(body[pos : pos + 4 * n], dtype="<u4").astype(np.int64)
     pos += 4 * n
     if pos != len(body):
         raise SlotError("the slot file has trailing data")

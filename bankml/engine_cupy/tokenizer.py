@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import heapq
 import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 from bankml.engine_cupy.unicode_classes import CLASS_CODES, build_class_table
 
@@ -29,8 +29,15 @@ ATTR_NORMAL = 1 << 2
 ATTR_CONTROL = 1 << 3
 ATTR_USER_DEFINED = 1 << 4
 ATTR_BYTE = 1 << 5
-TYPE_TO_ATTR = {0: ATTR_UNDEFINED, 1: ATTR_NORMAL, 2: ATTR_UNKNOWN, 3: ATTR_CONTROL,
-                4: ATTR_USER_DEFINED, 5: ATTR_UNUSED, 6: ATTR_BYTE}
+TYPE_TO_ATTR = {
+    0: ATTR_UNDEFINED,
+    1: ATTR_NORMAL,
+    2: ATTR_UNKNOWN,
+    3: ATTR_CONTROL,
+    4: ATTR_USER_DEFINED,
+    5: ATTR_UNUSED,
+    6: ATTR_BYTE,
+}
 
 SPM_SPACE = "\u2581"
 
@@ -38,7 +45,8 @@ SPM_SPACE = "\u2581"
 _CLASS = build_class_table()
 _NUMBER, _LETTER, _PUNCT = (CLASS_CODES.index(c) for c in "NLP")
 _WHITESPACE = frozenset(
-    [chr(c) for c in range(0x09, 0x0E)] + [chr(c) for c in range(0x2000, 0x200B)]
+    [chr(c) for c in range(0x09, 0x0E)]
+    + [chr(c) for c in range(0x2000, 0x200B)]
     + [chr(c) for c in (0x20, 0x85, 0xA0, 0x1680, 0x2028, 0x2029, 0x202F, 0x205F, 0x3000)]
 )
 
@@ -50,6 +58,7 @@ class TokenizerError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # GPT-2 byte <-> unicode map (unicode.cpp unicode_byte_to_utf8_map)
 # ---------------------------------------------------------------------------------------------
+
 
 def _gpt2_byte_map() -> list[str]:
     printable = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
@@ -173,8 +182,11 @@ def _make_split_llama3(max_digits: int) -> Callable[[_Text, Spans], Spans]:
                         out.append((pos, pos + 2))
                         pos += 2
                         continue
-                    if pos + 2 < hi and (nxt + text[pos + 2]).lower() in ("re", "ve", "ll") \
-                            and (nxt + text[pos + 2]).isascii():
+                    if (
+                        pos + 2 < hi
+                        and (nxt + text[pos + 2]).lower() in ("re", "ve", "ll")
+                        and (nxt + text[pos + 2]).isascii()
+                    ):
                         out.append((pos, pos + 3))
                         pos += 3
                         continue
@@ -234,8 +246,9 @@ def _make_split_llama3(max_digits: int) -> Callable[[_Text, Spans], Spans]:
     return split
 
 
-def _regex_stage(matches: Callable[[_Text, int], bool], run: bool, fixed: int = 0
-                 ) -> Callable[[_Text, Spans], Spans]:
+def _regex_stage(
+    matches: Callable[[_Text, int], bool], run: bool, fixed: int = 0
+) -> Callable[[_Text, Spans], Spans]:
     """unicode.cpp's std::regex fallback for a single character class: ``[class]+`` (run),
     ``[class]`` (one character) or ``[class]{fixed}``; matches and the text between them
     become spans, as unicode_regex_split_stl does."""
@@ -302,8 +315,12 @@ _SPLIT_EACH_NUMBER = _regex_stage(_is_number, run=False)
 
 # pre-tokenizer name -> (stages, clean_spaces, ignore_merges, add_bos default); llama-vocab.cpp
 _PRE_STAGES: dict[str, tuple[Callable[[_Text, Spans], Spans], ...]] = {
-    "default": (_regex_stage(_is_punct_or_ops, run=True), _SPLIT_GPT2,
-                _regex_stage(_is_number, run=True), _regex_stage(_is_ascii_digit, run=False, fixed=3)),
+    "default": (
+        _regex_stage(_is_punct_or_ops, run=True),
+        _SPLIT_GPT2,
+        _regex_stage(_is_number, run=True),
+        _regex_stage(_is_ascii_digit, run=False, fixed=3),
+    ),
     "llama3": (_SPLIT_LLAMA3,),
     "gpt2": (_SPLIT_GPT2,),
     "qwen2": (_SPLIT_QWEN2,),
@@ -322,16 +339,51 @@ class _PreTokenizer:
 _PRE_NAMES: dict[str, _PreTokenizer] = {}
 for _names, _pre in (
     (("default",), _PreTokenizer("default")),
-    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-      "jina-v5-nano"), _PreTokenizer("llama3", ignore_merges=True, add_bos=True)),
+    (
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        ),
+        _PreTokenizer("llama3", ignore_merges=True, add_bos=True),
+    ),
     (("dbrx", "smaug-bpe"), _PreTokenizer("llama3")),
-    (("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-      "mellum", "modern-bert", "exaone4", "mpt", "olmo", "jais"), _PreTokenizer("gpt2")),
+    (
+        (
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "exaone4",
+            "mpt",
+            "olmo",
+            "jais",
+        ),
+        _PreTokenizer("gpt2"),
+    ),
     (("trillion", "granite-docling"), _PreTokenizer("gpt2", clean_spaces=False)),
-    (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan"), _PreTokenizer("qwen2", clean_spaces=False)),
+    (
+        ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan"),
+        _PreTokenizer("qwen2", clean_spaces=False),
+    ),
     (("stablelm2", "megrez"), _PreTokenizer("qwen2")),
     (("smollm", "command-r"), _PreTokenizer("smollm", clean_spaces=False)),
-    (("starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"), _PreTokenizer("smollm")),
+    (
+        ("starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"),
+        _PreTokenizer("smollm"),
+    ),
 ):
     for _name in _names:
         _PRE_NAMES[_name] = _pre
@@ -350,7 +402,10 @@ def pre_tokenize(text: str, kind: str) -> list[str]:
 # Merge loops
 # ---------------------------------------------------------------------------------------------
 
-def _merge_symbols(symbols: list[str], pair_priority: Callable[[str, str], float | None]) -> list[str]:
+
+def _merge_symbols(
+    symbols: list[str], pair_priority: Callable[[str, str], float | None]
+) -> list[str]:
     """Merge adjacent symbols by priority (smaller first, leftmost on ties) until none applies.
 
     A priority queue with lazy deletion, as llama-vocab.cpp's llm_tokenizer_{bpe,spm}_session:
@@ -375,8 +430,13 @@ def _merge_symbols(symbols: list[str], pair_priority: Callable[[str, str], float
         push(i, i + 1)
     while queue:
         _, left, right, left_text, right_text = heapq.heappop(queue)
-        if not text[left] or not text[right] or text[left] != left_text or text[right] != right_text \
-                or nxt[left] != right:
+        if (
+            not text[left]
+            or not text[right]
+            or text[left] != left_text
+            or text[right] != right_text
+            or nxt[left] != right
+        ):
             continue
         text[left] = left_text + right_text
         text[right] = ""
@@ -392,37 +452,109 @@ def _merge_symbols(symbols: list[str], pair_priority: Callable[[str, str], float
 # The tokenizer
 # ---------------------------------------------------------------------------------------------
 
-_EOT_NAMES = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-              "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
-_EOG_NAMES = frozenset(_EOT_NAMES + ("<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "</s>", "<|eom_id|>",
-                                     "[EOS]", "<eos>", "<turn|>", "<|tool_response>", "[e~["))
+_EOT_NAMES = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
+)
+_EOG_NAMES = frozenset(
+    _EOT_NAMES
+    + (
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "</s>",
+        "<|eom_id|>",
+        "[EOS]",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "[e~[",
+    )
+)
 _FIM_NAMES = {
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                "<|code_middle|>", "<|middle|>"),
+    "fim_pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
 # GGUF key suffix -> special role (tokenizer.ggml.<key>); later keys of a role override earlier.
-_SPECIAL_KEYS = (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("eot_token_id", "eot"),
-                 ("eom_token_id", "eom"), ("unknown_token_id", "unk"), ("seperator_token_id", "sep"),
-                 ("padding_token_id", "pad"), ("mask_token_id", "mask"),
-                 ("fim_pre_token_id", "fim_pre"), ("fim_suf_token_id", "fim_suf"),
-                 ("fim_mid_token_id", "fim_mid"), ("fim_pad_token_id", "fim_pad"),
-                 ("fim_rep_token_id", "fim_rep"), ("fim_sep_token_id", "fim_sep"),
-                 ("prefix_token_id", "fim_pre"), ("suffix_token_id", "fim_suf"),
-                 ("middle_token_id", "fim_mid"))
+_SPECIAL_KEYS = (
+    ("bos_token_id", "bos"),
+    ("eos_token_id", "eos"),
+    ("eot_token_id", "eot"),
+    ("eom_token_id", "eom"),
+    ("unknown_token_id", "unk"),
+    ("seperator_token_id", "sep"),
+    ("padding_token_id", "pad"),
+    ("mask_token_id", "mask"),
+    ("fim_pre_token_id", "fim_pre"),
+    ("fim_suf_token_id", "fim_suf"),
+    ("fim_mid_token_id", "fim_mid"),
+    ("fim_pad_token_id", "fim_pad"),
+    ("fim_rep_token_id", "fim_rep"),
+    ("fim_sep_token_id", "fim_sep"),
+    ("prefix_token_id", "fim_pre"),
+    ("suffix_token_id", "fim_suf"),
+    ("middle_token_id", "fim_mid"),
+)
 
 
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def read_gguf_metadata(path: "str | os.PathLike[str]", wanted: Iterable[str]) -> dict[str, object]:
+def read_gguf_metadata(path: str | os.PathLike[str], wanted: Iterable[str]) -> dict[str, object]:
     """The named metadata values of a GGUF file, read straight from its header.
 
     gguf.GGUFReader builds a NumPy view for every element of every array, which takes many
@@ -444,7 +576,7 @@ def read_gguf_metadata(path: "str | os.PathLike[str]", wanted: Iterable[str]) ->
 
         def string(pos: int) -> tuple[str, int]:
             (n,) = u64(buf, pos)
-            return buf[pos + 8:pos + 8 + n].decode("utf-8", "surrogateescape"), pos + 8 + n
+            return buf[pos + 8 : pos + 8 + n].decode("utf-8", "surrogateescape"), pos + 8 + n
 
         def value(pos: int, vtype: int, keep: bool) -> tuple[object, int]:
             if vtype in _GGUF_SCALARS:
@@ -480,7 +612,7 @@ def read_gguf_metadata(path: "str | os.PathLike[str]", wanted: Iterable[str]) ->
     return values
 
 
-def _read_fields(source: "str | os.PathLike[str] | object", keys: Iterable[str]) -> dict[str, object]:
+def _read_fields(source: str | os.PathLike[str] | object, keys: Iterable[str]) -> dict[str, object]:
     """The named metadata values of a GGUF (a path, or an open gguf.GGUFReader), absent keys left out."""
     if isinstance(source, (str, os.PathLike)):
         return read_gguf_metadata(source, keys)
@@ -494,7 +626,7 @@ def _read_fields(source: "str | os.PathLike[str] | object", keys: Iterable[str])
 class Tokenizer:
     """llama.cpp's tokenizer for one GGUF vocabulary (BPE or SentencePiece)."""
 
-    model: str                      # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
     tokens: list[str] = field(repr=False)
     token_types: list[int] = field(repr=False)
     scores: list[float] = field(repr=False)
@@ -505,7 +637,7 @@ class Tokenizer:
     add_eos: bool = False
     add_space_prefix: bool = False
     clean_spaces: bool = False
-    ignore_merges: bool = False     # llama3: a word that is a token is taken whole
+    ignore_merges: bool = False  # llama3: a word that is a token is taken whole
 
     def __post_init__(self) -> None:
         self._build_vocab()
@@ -514,16 +646,30 @@ class Tokenizer:
     # -- loading --------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, source: "str | os.PathLike[str] | object") -> "Tokenizer":
+    def from_gguf(cls, source: str | os.PathLike[str] | object) -> Tokenizer:
         """Read the vocabulary of a GGUF file (or an open ``gguf.GGUFReader``)."""
         prefix = "tokenizer.ggml."
-        keys = [prefix + k for k in ("model", "pre", "tokens", "token_type", "scores", "merges", "add_bos_token",
-                                     "add_eos_token", "add_space_prefix")]
+        keys = [
+            prefix + k
+            for k in (
+                "model",
+                "pre",
+                "tokens",
+                "token_type",
+                "scores",
+                "merges",
+                "add_bos_token",
+                "add_eos_token",
+                "add_space_prefix",
+            )
+        ]
         keys += [prefix + k for k, _ in _SPECIAL_KEYS]
         values = _read_fields(source, keys)
         model = values.get(prefix + "model")
         if model not in ("gpt2", "llama"):
-            raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: 'gpt2' BPE, 'llama' SentencePiece)")
+            raise TokenizerError(
+                f"unsupported tokenizer model {model!r} (supported: 'gpt2' BPE, 'llama' SentencePiece)"
+            )
         tokens = values.get(prefix + "tokens")
         if not isinstance(tokens, list) or not tokens:
             raise TokenizerError("the GGUF has no tokenizer.ggml.tokens")
@@ -560,26 +706,41 @@ class Tokenizer:
         add_eos = bool(flag) if flag is not None else False
         flag = values.get(prefix + "add_space_prefix")
         add_space_prefix = bool(flag) if flag is not None else add_space_prefix
-        return cls(model=model, tokens=tokens, token_types=token_types[:n_vocab], scores=scores[:n_vocab],
-                  merges=merges, pre=pre.kind, special=special, add_bos=add_bos, add_eos=add_eos,
-                  add_space_prefix=add_space_prefix, clean_spaces=clean_spaces,
-                  ignore_merges=pre.ignore_merges)
+        return cls(
+            model=model,
+            tokens=tokens,
+            token_types=token_types[:n_vocab],
+            scores=scores[:n_vocab],
+            merges=merges,
+            pre=pre.kind,
+            special=special,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_space_prefix=add_space_prefix,
+            clean_spaces=clean_spaces,
+            ignore_merges=pre.ignore_merges,
+        )
 
     def _build_vocab(self) -> None:
         self.tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(self.tokens)]
         self._token_to_id: dict[str, int] = {}
         for i, text in enumerate(self.tokens):
-            self._token_to_id[text] = i          # a repeated text maps to its last id, as llama.cpp
+            self._token_to_id[text] = i  # a repeated text maps to its last id, as llama.cpp
         self._attrs = [TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) for t in self.token_types]
         self._ranks = {}
         for rank, merge in enumerate(self.merges):
             cut = merge.find(" ", 1)
-            left, right = (merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", "")
-            self._ranks.setdefault((left, right), rank)   # std::map::emplace keeps the first
+            left, right = (merge[:cut], merge[cut + 1 :]) if cut >= 0 else ("", "")
+            self._ranks.setdefault((left, right), rank)  # std::map::emplace keeps the first
         self._find_special_by_text()
         self._special_cache = sorted(
-            (i for i, a in enumerate(self._attrs) if a & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)),
-            key=lambda i: -len(self.tokens[i].encode("utf-8")))
+            (
+                i
+                for i, a in enumerate(self._attrs)
+                if a & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)
+            ),
+            key=lambda i: -len(self.tokens[i].encode("utf-8")),
+        )
         self._pieces_special = [self._piece(i) for i in range(len(self.tokens))]
 
     def _find_special_by_text(self) -> None:
@@ -596,7 +757,7 @@ class Tokenizer:
             if found:
                 sp[role] = min(found)
                 self._attrs[sp[role]] |= ATTR_CONTROL
-        for i, text in enumerate(self.tokens):   # control tokens named "unused" are unused
+        for i, text in enumerate(self.tokens):  # control tokens named "unused" are unused
             if self._attrs[i] & ATTR_CONTROL and "unused" in text:
                 self._attrs[i] |= ATTR_UNUSED
         eog: set[int] = {sp[r] for r in ("fim_pad", "fim_rep", "fim_sep") if sp[r] is not None}
@@ -609,8 +770,10 @@ class Tokenizer:
                 self._attrs[self._token_to_id[text]] = ATTR_USER_DEFINED
         eog.update(sp[r] for r in ("eos", "eot", "eom") if sp[r] is not None)
         texts = {self.tokens[i]: i for i in eog}
-        if "<|end|>" in texts and (("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
-                                   or (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)):
+        if "<|end|>" in texts and (
+            ("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
+            or (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)
+        ):
             eog.discard(texts["<|end|>"])
             self._attrs[texts["<|end|>"]] = ATTR_USER_DEFINED
         if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
@@ -645,7 +808,9 @@ class Tokenizer:
 
     # -- tokenize ---------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = False, parse_special: bool = False
+    ) -> list[int]:
         """llama_tokenize(text, add_special, parse_special)."""
         fragments: list[str | int] = self._partition(text, parse_special) if text else []
         out: list[int] = []
@@ -707,7 +872,9 @@ class Tokenizer:
                 if token_id is not None:
                     result.append(token_id)
                     continue
-                for byte in symbol.encode("utf-8"):   # no token: single-byte texts only, else dropped
+                for byte in symbol.encode(
+                    "utf-8"
+                ):  # no token: single-byte texts only, else dropped
                     single = vocab.get(chr(byte)) if byte < 0x80 else None
                     if single is not None:
                         result.append(single)
@@ -765,7 +932,11 @@ class Tokenizer:
                 return text.replace(SPM_SPACE, " ").encode("utf-8")
             return self._decode_bpe_text(text)
         if attr & ATTR_BYTE:
-            return bytes((int(text[3:5], 16),)) if self.model == "llama" or text.startswith("<0x") else b""
+            return (
+                bytes((int(text[3:5], 16),))
+                if self.model == "llama" or text.startswith("<0x")
+                else b""
+            )
         return b""
 
     @staticmethod
@@ -775,8 +946,13 @@ class Tokenizer:
             byte = UNICODE_TO_BYTE.get(ch)
             if byte is not None:
                 out.append(byte)
-            else:   # llama_decode_text's marker for a character outside the byte map
-                out += b"[UNK_BYTE_0x" + ch.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
+            else:  # llama_decode_text's marker for a character outside the byte map
+                out += (
+                    b"[UNK_BYTE_0x"
+                    + ch.encode("utf-8").hex().encode()
+                    + text.encode("utf-8")
+                    + b"]"
+                )
         return bytes(out)
 
     def token_to_piece(self, token_id: int, special: bool) -> bytes:
@@ -792,8 +968,9 @@ class Tokenizer:
         streamed completion text (special=False) build them."""
         return b"".join(self.token_to_piece(i, special) for i in ids)
 
-    def detokenize_bytes(self, ids: Sequence[int], remove_special: bool = False,
-                         unparse_special: bool = False) -> bytes:
+    def detokenize_bytes(
+        self, ids: Sequence[int], remove_special: bool = False, unparse_special: bool = False
+    ) -> bytes:
         """llama_detokenize: pieces joined, optional BOS/EOS removal, leading-space strip, cleanup."""
         ids = list(ids)
         remove_space = self.add_space_prefix
@@ -811,9 +988,13 @@ class Tokenizer:
         text = b"".join(parts)
         return _clean_spaces(text) if self.clean_spaces else text
 
-    def detokenize(self, ids: Sequence[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+    def detokenize(
+        self, ids: Sequence[int], remove_special: bool = False, unparse_special: bool = False
+    ) -> str:
         """llama_detokenize as text (invalid UTF-8 replaced by U+FFFD)."""
-        return self.detokenize_bytes(ids, remove_special, unparse_special).decode("utf-8", "replace")
+        return self.detokenize_bytes(ids, remove_special, unparse_special).decode(
+            "utf-8", "replace"
+        )
 
     def vocab_bytes(self) -> list[bytes]:
         """Every token's bytes (token_to_piece with special=true), for the grammar engine."""

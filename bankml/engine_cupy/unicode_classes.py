@@ -175,5 +175,7 @@ def build_class_table() -> bytearray:
     starts = [int(entry[:-1], 16) for entry in entries] + [0x110000]
     for index, entry in enumerate(entries):
         value = CLASS_CODES.index(entry[-1])
-        table[starts[index]:starts[index + 1]] = bytes((value,)) * (starts[index + 1] - starts[index])
+        table[starts[index] : starts[index + 1]] = bytes((value,)) * (
+            starts[index + 1] - starts[index]
+        )
     return table

@@ -18,18 +18,24 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
-from gguf import quants
+from gguf import GGUFReader, quants
 
 from bankml.engine_cupy import exact_iquants, exact_kquants, exact_matmul, exact_ops
-from bankml.engine_cupy.arch import (ARCHITECTURES, BASE_LAYER_TENSORS, FUSED_QKV, SPLIT_QKV,
-                                     ArchSpec, supported_names)
+from bankml.engine_cupy.arch import (
+    ARCHITECTURES,
+    BASE_LAYER_TENSORS,
+    FUSED_QKV,
+    SPLIT_QKV,
+    ArchSpec,
+    supported_names,
+)
 
 MEMORY_SHARE = 0.9  # the share of available memory the f32 weights may take
 
@@ -41,13 +47,32 @@ class UnsupportedModel(ValueError):
 # ggml's vec_dot_type per weight type (ggml-cpu.c type_traits_cpu): how the activation is
 # rounded before the product. Types not listed here cannot be dequantized by gguf either.
 VEC_DOT_KIND: dict[T, str] = {
-    T.F32: "f32", T.F16: "f16", T.BF16: "bf16",
-    T.Q4_0: "q8_0", T.Q5_0: "q8_0", T.Q8_0: "q8_0", T.IQ4_NL: "q8_0",
-    T.MXFP4: "q8_0", T.NVFP4: "q8_0",
-    T.Q4_1: "q8_1", T.Q5_1: "q8_1",
-    T.Q2_K: "q8_K", T.Q3_K: "q8_K", T.Q4_K: "q8_K", T.Q5_K: "q8_K", T.Q6_K: "q8_K",
-    T.IQ2_XXS: "q8_K", T.IQ2_XS: "q8_K", T.IQ2_S: "q8_K", T.IQ3_XXS: "q8_K", T.IQ3_S: "q8_K",
-    T.IQ1_S: "q8_K", T.IQ1_M: "q8_K", T.IQ4_XS: "q8_K", T.TQ1_0: "q8_K", T.TQ2_0: "q8_K",
+    T.F32: "f32",
+    T.F16: "f16",
+    T.BF16: "bf16",
+    T.Q4_0: "q8_0",
+    T.Q5_0: "q8_0",
+    T.Q8_0: "q8_0",
+    T.IQ4_NL: "q8_0",
+    T.MXFP4: "q8_0",
+    T.NVFP4: "q8_0",
+    T.Q4_1: "q8_1",
+    T.Q5_1: "q8_1",
+    T.Q2_K: "q8_K",
+    T.Q3_K: "q8_K",
+    T.Q4_K: "q8_K",
+    T.Q5_K: "q8_K",
+    T.Q6_K: "q8_K",
+    T.IQ2_XXS: "q8_K",
+    T.IQ2_XS: "q8_K",
+    T.IQ2_S: "q8_K",
+    T.IQ3_XXS: "q8_K",
+    T.IQ3_S: "q8_K",
+    T.IQ1_S: "q8_K",
+    T.IQ1_M: "q8_K",
+    T.IQ4_XS: "q8_K",
+    T.TQ1_0: "q8_K",
+    T.TQ2_0: "q8_K",
 }
 
 
@@ -126,7 +151,8 @@ def _check_tensor_names(spec: ArchSpec, names: set[str], n_layer: int) -> bool:
             raise UnsupportedModel(f"tensor {name} is missing")
     for name in sorted(names - allowed):
         raise UnsupportedModel(
-            f"tensor {name}: not part of the {spec.name} graph this forward pass reproduces")
+            f"tensor {name}: not part of the {spec.name} graph this forward pass reproduces"
+        )
     return "output.weight" not in names
 
 
@@ -136,7 +162,8 @@ def _check_tensor_types(infos: dict[str, Any]) -> None:
         if info.tensor_type not in accepted:
             raise UnsupportedModel(
                 f"tensor {name} has type {info.tensor_type.name}, which gguf.quants cannot "
-                "dequantize: the forward pass refuses it")
+                "dequantize: the forward pass refuses it"
+            )
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> float:
@@ -146,8 +173,10 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> float:
     if kind == "linear":
         factor = float(_scalar(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
         return 1.0 / factor
-    raise UnsupportedModel(f"RoPE scaling {kind!r} on {arch}: not reproduced (none, linear and "
-                           "Llama 3 frequency factors are)")
+    raise UnsupportedModel(
+        f"RoPE scaling {kind!r} on {arch}: not reproduced (none, linear and "
+        "Llama 3 frequency factors are)"
+    )
 
 
 def _swa_layers(reader: GGUFReader, arch: str, n_layer: int) -> tuple[int, tuple[bool, ...]]:
@@ -171,8 +200,7 @@ def read_hparams(reader: GGUFReader) -> HParams:
         raise UnsupportedModel("no general.architecture in the header")
     spec = ARCHITECTURES.get(arch)
     if spec is None:
-        raise UnsupportedModel(
-            f"architecture {arch}: the forward pass plays {supported_names()}")
+        raise UnsupportedModel(f"architecture {arch}: the forward pass plays {supported_names()}")
     if int(_scalar(reader, f"{arch}.expert_count", 0) or 0) > 0:
         raise UnsupportedModel(f"a mixture-of-experts {arch} (expert_count > 0): not reproduced")
 
@@ -205,8 +233,13 @@ def read_hparams(reader: GGUFReader) -> HParams:
         if _field(reader, f"{arch}.attention.scale") is not None:
             raise UnsupportedModel(f"a {arch} variant with attention.scale: not reproduced")
     return HParams(
-        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, n_ff=int(_scalar(reader, f"{arch}.feed_forward_length", required=True)),
+        arch=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_ff=int(_scalar(reader, f"{arch}.feed_forward_length", required=True)),
         n_vocab=embd_shape[1],
         n_ctx_train=int(_scalar(reader, f"{arch}.context_length", 2048)),
         rms_eps=float(_scalar(reader, f"{arch}.attention.layer_norm_rms_epsilon", required=True)),
@@ -215,7 +248,9 @@ def read_hparams(reader: GGUFReader) -> HParams:
         attn_scale=attn_scale,
         embd_scale=math.sqrt(n_embd) if spec.scale_embeddings else 1.0,
         final_softcap=float(_scalar(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0),
-        tied_output=tied, swa_window=window, swa_layers=swa,
+        tied_output=tied,
+        swa_window=window,
+        swa_layers=swa,
         rope_base_swa=float(_scalar(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
         spec=spec,
     )
@@ -254,7 +289,9 @@ def _q8_k(xp: ModuleType, x: Any) -> Any:
 def _bf16(xp: ModuleType, x: Any) -> Any:
     """Round to bfloat16 (nearest even), as ggml_fp32_to_bf16."""
     u = xp.ascontiguousarray(x).view(xp.uint32)
-    rounded = (u + xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1))) & xp.uint32(0xFFFF0000)
+    rounded = (u + xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1))) & xp.uint32(
+        0xFFFF0000
+    )
     return rounded.view(xp.float32)
 
 
@@ -323,7 +360,7 @@ class Linear:
             y += self.bias
         out, start = {}, 0
         for name, width in self.parts:
-            out[name] = y[:, start:start + width]
+            out[name] = y[:, start : start + width]
             start += width
         return out
 
@@ -368,9 +405,11 @@ def exact_family(qtype: T) -> ModuleType | None:
 
 
 # each family's matrix class (GGUF blocks -> ggml's product)
-_MATRIX_CLASS: dict[ModuleType, type] = {exact_matmul: exact_matmul.QuantMatrix,
-                                         exact_kquants: exact_kquants.KQuantMatrix,
-                                         exact_iquants: exact_iquants.IQuantMatrix}
+_MATRIX_CLASS: dict[ModuleType, type] = {
+    exact_matmul: exact_matmul.QuantMatrix,
+    exact_kquants: exact_kquants.KQuantMatrix,
+    exact_iquants: exact_iquants.IQuantMatrix,
+}
 
 
 class EmbeddingRows:
@@ -394,8 +433,9 @@ class _Loader:
     """Turns tensors of the memory-mapped file into exact block matrices or dequantized xp
     arrays, ticking progress."""
 
-    def __init__(self, reader: GGUFReader, xp: ModuleType, tick: Callable[[int], None],
-                 exact: bool = True):
+    def __init__(
+        self, reader: GGUFReader, xp: ModuleType, tick: Callable[[int], None], exact: bool = True
+    ):
         self.infos = _tensor_infos(reader)
         self.xp = xp
         self.tick = tick
@@ -441,8 +481,9 @@ class _Loader:
         self.nbytes += int(info.n_bytes)
         family = exact_family(info.tensor_type)
         # llama-server repacks some layer matrices (Q4_0, Q4_K on AVX2): other kernels, other roundings
-        repacked = family.repacked_by_llama_server(info.tensor_type, n_out,
-                                                   token_embd=name == "token_embd.weight")
+        repacked = family.repacked_by_llama_server(
+            info.tensor_type, n_out, token_embd=name == "token_embd.weight"
+        )
         return _MATRIX_CLASS[family](info.data, info.tensor_type, n_out, n_in, repacked=repacked)
 
     def _exact_linear(self, group: list[tuple[str, str]]) -> Linear | None:
@@ -453,22 +494,36 @@ class _Loader:
         # one vec_dot kind per group (fused): the first part's concat stacks rows or products,
         # also across modules of that kind (IQ4_NL beside Q4_0: q8_0; IQ4_XS beside Q6_K: q8_K)
         exact = type(mats[0]).concat(mats) if len(mats) > 1 else mats[0]
-        return Linear(None, self._bias(group, [m.n_out for m in mats]), self.kind(group[0][0]),
-                      parts, exact=exact)
+        return Linear(
+            None,
+            self._bias(group, [m.n_out for m in mats]),
+            self.kind(group[0][0]),
+            parts,
+            exact=exact,
+        )
 
     def exact_matrix_possible(self, name: str) -> bool:
         info = self.infos[name]
-        return (self.exact and self.xp is numpy and exact_family(info.tensor_type) is not None
-                and len(info.shape) == 2)
+        return (
+            self.exact
+            and self.xp is numpy
+            and exact_family(info.tensor_type) is not None
+            and len(info.shape) == 2
+        )
 
     def _bias(self, group: list[tuple[str, str]], widths: list[int]) -> Any | None:
         """The group's biases side by side (zeros for a member without one), or None."""
         names = [w[: -len("weight")] + "bias" for w, _ in group]
         if not any(self.has(b) for b in names):
             return None
-        bias = self.xp.asarray(numpy.concatenate(
-            [self.host(b) if self.has(b) else numpy.zeros(n, numpy.float32)
-             for b, n in zip(names, widths)]))
+        bias = self.xp.asarray(
+            numpy.concatenate(
+                [
+                    self.host(b) if self.has(b) else numpy.zeros(n, numpy.float32)
+                    for b, n in zip(names, widths)
+                ]
+            )
+        )
         self.nbytes += bias.nbytes
         return bias
 
@@ -492,7 +547,11 @@ class _Loader:
         info = self.infos[name]
         _, size = quants.GGML_QUANT_SIZES[info.tensor_type]
         rows = info.data.reshape(info.data.shape[0], -1, size)
-        return numpy.ascontiguousarray(rows[:, :, 2:4]).view(numpy.float16)[..., 0].astype(numpy.float32)
+        return (
+            numpy.ascontiguousarray(rows[:, :, 2:4])
+            .view(numpy.float16)[..., 0]
+            .astype(numpy.float32)
+        )
 
 
 def dequantize(data: numpy.ndarray, qtype: T) -> numpy.ndarray:
@@ -507,17 +566,19 @@ def dequantize(data: numpy.ndarray, qtype: T) -> numpy.ndarray:
     qclass.init_grid()
     rows = data.reshape(-1, data.shape[-1])
     step = max(1, (1 << 20) // rows.shape[1])
-    chunks = [qclass.dequantize_rows(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
+    chunks = [qclass.dequantize_rows(rows[i : i + step]) for i in range(0, rows.shape[0], step)]
     return numpy.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 
 def weight_bytes(reader: GGUFReader, exact: bool = False) -> int:
     """What the loaded weights take: 4 bytes per element, or (``exact``) the GGUF bytes of the
     matrices an exact family multiplies in their blocks."""
+
     def size(t: Any) -> int:
         if exact and exact_family(t.tensor_type) is not None and len(t.shape) == 2:
             return int(t.n_bytes)
         return int(t.n_elements) * 4
+
     return sum(size(t) for t in reader.tensors)
 
 
@@ -530,7 +591,8 @@ def check_memory(reader: GGUFReader, available: int | None = None, exact: bool =
     if need > MEMORY_SHARE * available:
         raise UnsupportedModel(
             f"the weights take {need / 2**30:.2f} GiB, more than {MEMORY_SHARE:.0%} of the "
-            f"{available / 2**30:.2f} GiB of memory available")
+            f"{available / 2**30:.2f} GiB of memory available"
+        )
 
 
 def _layer(ld: _Loader, hp: HParams, il: int) -> Layer:
@@ -538,8 +600,9 @@ def _layer(ld: _Loader, hp: HParams, il: int) -> Layer:
     if ld.has(p + "attn_qkv.weight"):
         qkv = [ld._linear([(p + "attn_qkv.weight", "qkv")])]
     else:
-        qkv = ld.fused([(p + "attn_q.weight", "q"), (p + "attn_k.weight", "k"),
-                        (p + "attn_v.weight", "v")])
+        qkv = ld.fused(
+            [(p + "attn_q.weight", "q"), (p + "attn_k.weight", "k"), (p + "attn_v.weight", "v")]
+        )
     layer = Layer(
         attn_norm=ld.array(p + "attn_norm.weight"),
         qkv=qkv,
@@ -557,13 +620,22 @@ def _layer(ld: _Loader, hp: HParams, il: int) -> Layer:
     return layer
 
 
-def load_weights(reader: GGUFReader, hp: HParams, xp: ModuleType,
-                 tick: Callable[[int], None] = lambda n: None, exact: bool = True) -> Weights:
+def load_weights(
+    reader: GGUFReader,
+    hp: HParams,
+    xp: ModuleType,
+    tick: Callable[[int], None] = lambda n: None,
+    exact: bool = True,
+) -> Weights:
     """Every tensor loaded (exact block matrices on the CPU, else float32 on the device),
     matrices fused for decoding."""
     ld = _Loader(reader, xp, tick, exact)
     exact_embd = ld.exact_matrix_possible("token_embd.weight")
-    token_embd = EmbeddingRows(ld.infos["token_embd.weight"]) if exact_embd else ld.array("token_embd.weight")
+    token_embd = (
+        EmbeddingRows(ld.infos["token_embd.weight"])
+        if exact_embd
+        else ld.array("token_embd.weight")
+    )
     kind = ld.kind("token_embd.weight")
     if hp.tied_output and exact_embd:
         output = ld._linear([("token_embd.weight", "logits")])
@@ -612,7 +684,7 @@ class _PlainReader(GGUFReader):
         if dt is None:
             dt = self._dtypes.setdefault(dtype, numpy.dtype(dtype))
         count = int(count)
-        return self._plain[offset:offset + dt.itemsize * count].view(dt)
+        return self._plain[offset : offset + dt.itemsize * count].view(dt)
 
 
 def open_reader(path: str | os.PathLike) -> GGUFReader:

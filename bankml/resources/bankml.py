@@ -11,7 +11,8 @@ the engine's per-completion records.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from twisted.web.server import NOT_DONE_YET, Request
 
@@ -24,8 +25,16 @@ METRICS_KEEP = 256
 
 def empty_metrics(source: str) -> dict[str, Any]:
     """The metrics document with no records (reference section 6's shape)."""
-    return {"source": source, "kept": 0, "keep": METRICS_KEEP, "prompt_tokens": 0,
-            "completion_tokens": 0, "energy_j": None, "joules_per_token": None, "records": []}
+    return {
+        "source": source,
+        "kept": 0,
+        "keep": METRICS_KEEP,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "energy_j": None,
+        "joules_per_token": None,
+        "records": [],
+    }
 
 
 def _json(obj: Any) -> bytes:
@@ -42,7 +51,9 @@ class UsageResource(JsonResource):
     def render_GET(self, request: Request) -> Any:
         d = self.sampler.sample()
         d.addCallback(lambda sample: write_json(request, 200, _json(sample)))
-        d.addErrback(lambda f: write_error(request, 500, f"usage sample failed: {f.getErrorMessage()}"))
+        d.addErrback(
+            lambda f: write_error(request, 500, f"usage sample failed: {f.getErrorMessage()}")
+        )
         return NOT_DONE_YET
 
 
@@ -61,13 +72,22 @@ class MetricsResource(JsonResource):
 class BankmlResource(JsonResource):
     """`/bankml` itself, with `usage` and `metrics` below it."""
 
-    def __init__(self, gateway: Gateway, sampler: UsageSampler,
-                 metrics: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        sampler: UsageSampler,
+        metrics: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__()
         self.gateway = gateway
         self.putChild(b"usage", UsageResource(sampler))
-        self.putChild(b"metrics", MetricsResource(
-            metrics or (lambda: empty_metrics("bankml P0: llama-server's completions are not measured"))))
+        self.putChild(
+            b"metrics",
+            MetricsResource(
+                metrics
+                or (lambda: empty_metrics("bankml P0: llama-server's completions are not measured"))
+            ),
+        )
 
     def getChild(self, path: bytes, request: Request) -> Any:
         return NotFound()

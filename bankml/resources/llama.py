@@ -17,26 +17,41 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.bridge import NativeEngine, RunControl
 from bankml.proxy_resource import JsonResource, error_body, write_json
-from bankml.resources.openai import (LLAMA_COMPLETION, OAI_COMPLETION, SSE, Answer, NativeChat, dumps,
-                                     generation_settings, gone, json_type, logit_bias_entries,
-                                     read_json_object, sse)
+from bankml.resources.openai import (
+    LLAMA_COMPLETION,
+    OAI_COMPLETION,
+    SSE,
+    Answer,
+    NativeChat,
+    dumps,
+    generation_settings,
+    gone,
+    json_type,
+    logit_bias_entries,
+    read_json_object,
+    sse,
+)
 
 NOT_SUPPORTED_SLOTS = "This server does not support slots action. Start it with `--slot-save-path`"
 FORBIDDEN_CODEPOINTS = set(':*?"<>|/\\') | {"\ufffd", "\ufeff", "\uff0e", "\u2215", "\u2216"}
-INT_MIN, INT_MAX = -(2 ** 31), 2 ** 31 - 1
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 _STOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
 
 
 def _error(request: Request, status: int, message: str, kind: str | None = None) -> None:
-    body = error_body(status, message) if kind is None else dumps(
-        {"error": {"code": status, "message": message, "type": kind}})
+    body = (
+        error_body(status, message)
+        if kind is None
+        else dumps({"error": {"code": status, "message": message, "type": kind}})
+    )
     write_json(request, status, body)
 
 
@@ -50,7 +65,9 @@ def _on_failure(request: Request) -> Callable[[Failure], None]:
 
         if failure.check(RequestError, TemplateError, ValueError, TypeError, KeyError):
             status = int(getattr(failure.value, "status", 400))
-            _error(request, status, str(failure.value.args[0] if failure.value.args else failure.value))
+            _error(
+                request, status, str(failure.value.args[0] if failure.value.args else failure.value)
+            )
         else:
             _error(request, 500, failure.getErrorMessage())
 
@@ -78,11 +95,15 @@ def tokenize_mixed(engine: Any, content: Any, add_special: bool, parse_special: 
     """llama-server's tokenize_mixed: a string, or an array of strings and token ids (the first
     item, string or id, is the only one that may take the special tokens)."""
     if not isinstance(content, list):
-        return engine.tokenize(_json_string(content), add_special=add_special, parse_special=parse_special)
+        return engine.tokenize(
+            _json_string(content), add_special=add_special, parse_special=parse_special
+        )
     out: list[int] = []
     for index, part in enumerate(content):
         if isinstance(part, str):
-            out += engine.tokenize(part, add_special=add_special and index == 0, parse_special=parse_special)
+            out += engine.tokenize(
+                part, add_special=add_special and index == 0, parse_special=parse_special
+            )
         else:
             out.append(c_int(part))
     return out
@@ -91,7 +112,9 @@ def tokenize_mixed(engine: Any, content: Any, add_special: bool, parse_special: 
 def _json_string(value: Any) -> str:
     """nlohmann's get<std::string>."""
     if not isinstance(value, str):
-        raise ValueError(f"[json.exception.type_error.302] type must be string, but is {json_type(value)}")
+        raise ValueError(
+            f"[json.exception.type_error.302] type must be string, but is {json_type(value)}"
+        )
     return value
 
 
@@ -99,12 +122,14 @@ def c_int(value: Any) -> int:
     """nlohmann's get<int> (a llama_token): any number converts as C++ converts it, a boolean
     to 0/1, an integer wrapping to 32 bits, a double truncated (x86's INT_MIN where it does not
     fit); anything else is its type error."""
-    if isinstance(value, bool) or isinstance(value, int) and -2 ** 63 <= value < 2 ** 64:
-        return (int(value) - INT_MIN) % 2 ** 32 + INT_MIN
+    if isinstance(value, bool) or isinstance(value, int) and -(2**63) <= value < 2**64:
+        return (int(value) - INT_MIN) % 2**32 + INT_MIN
     if isinstance(value, (int, float)):  # an integer beyond 64 bits is a double to nlohmann
         fits = math.isfinite(value) and INT_MIN <= math.trunc(value) <= INT_MAX
         return math.trunc(value) if fits else INT_MIN
-    raise ValueError(f"[json.exception.type_error.302] type must be number, but is {json_type(value)}")
+    raise ValueError(
+        f"[json.exception.type_error.302] type must be number, but is {json_type(value)}"
+    )
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -116,8 +141,12 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
 def tokenize_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
     if "content" not in body:
         return {"tokens": []}
-    tokens = tokenize_mixed(engine, body["content"], _flag(body, "add_special", False),
-                            _flag(body, "parse_special", True))
+    tokens = tokenize_mixed(
+        engine,
+        body["content"],
+        _flag(body, "add_special", False),
+        _flag(body, "parse_special", True),
+    )
     if not _flag(body, "with_pieces", False):
         return {"tokens": tokens}
     pieces = []
@@ -135,7 +164,9 @@ def detokenize_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
     """tokens_to_str: every token's piece with special tokens as text."""
     tokens = body.get("tokens", [])
     if not isinstance(tokens, list):
-        raise ValueError(f"[json.exception.type_error.302] type must be array, but is {json_type(tokens)}")
+        raise ValueError(
+            f"[json.exception.type_error.302] type must be array, but is {json_type(tokens)}"
+        )
     ids = [c_int(t) for t in tokens]
     if any(t < 0 or t >= engine.n_vocab for t in ids):
         raise ValueError("Invalid token id")  # llama-server would read out of bounds
@@ -152,8 +183,9 @@ def apply_template_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(kwargs, dict):
         raise ValueError("chat_template_kwargs must be an object")
     add_gen = body.get("add_generation_prompt", True)
-    prompt = engine.apply_template(messages, add_generation_prompt=bool(add_gen), tools=body.get("tools"),
-                                   **kwargs)
+    prompt = engine.apply_template(
+        messages, add_generation_prompt=bool(add_gen), tools=body.get("tools"), **kwargs
+    )
     return {"prompt": prompt}
 
 
@@ -203,8 +235,10 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         sampler, n_predict, stop, n_probs, cache_prompt = defaults, -1, (), 0, True
 
     return {
-        "default_generation_settings": {"params": generation_settings(_Defaults, native, only_metrics=True),
-                                        "n_ctx": native.n_ctx},
+        "default_generation_settings": {
+            "params": generation_settings(_Defaults, native, only_metrics=True),
+            "n_ctx": native.n_ctx,
+        },
         "total_slots": 1,
         "model_alias": native.model_id,
         "model_ftype": main_weight_type(native.verified.guard),
@@ -260,35 +294,74 @@ def prometheus_text(native: NativeEngine) -> str:
     busy = bool(native.bridge and native.bridge.busy)
 
     counters = [
-        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", t["prompt_tokens"]),
-        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
-         t["prompt_tokens_cached"]),
+        (
+            "prompt_tokens_total",
+            "Number of prompt tokens processed, excluding cached tokens",
+            t["prompt_tokens"],
+        ),
+        (
+            "prompt_tokens_cached_total",
+            "Number of prompt tokens reused from the cache",
+            t["prompt_tokens_cached"],
+        ),
         ("prompt_seconds_total", "Total time spent processing prompts", t["prompt_seconds"]),
         ("tokens_predicted_total", "Number of generation tokens processed", t["tokens_predicted"]),
-        ("tokens_predicted_seconds_total", "Total time spent generating tokens", t["predicted_seconds"]),
-        ("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding and "
-         "multimodal decoding", t["decode_calls"]),
-        ("n_tokens_max", "Largest observed sequence length (prompt + generation)", t["n_tokens_max"]),
+        (
+            "tokens_predicted_seconds_total",
+            "Total time spent generating tokens",
+            t["predicted_seconds"],
+        ),
+        (
+            "n_decode_total",
+            "Total number of llama_decode() calls, excluding speculative decoding and "
+            "multimodal decoding",
+            t["decode_calls"],
+        ),
+        (
+            "n_tokens_max",
+            "Largest observed sequence length (prompt + generation)",
+            t["n_tokens_max"],
+        ),
         # bankml has no speculative decoding: llama-server's counters, always 0 here as there without a draft
         ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
-        ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
-        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
+        (
+            "spec_decode_num_accepted_tokens_total",
+            "Speculative: Total draft tokens accepted by the target model",
+            0,
+        ),
+        (
+            "spec_decode_num_drafts_total",
+            "Speculative: Total speculative decoding verification steps",
+            0,
+        ),
     ]
     prompt_rate = (t["prompt_tokens"] / t["prompt_seconds"]) if t["prompt_seconds"] > 0 else 0.0
-    predicted_rate = (t["tokens_predicted"] / t["predicted_seconds"]) if t["predicted_seconds"] > 0 else 0.0
+    predicted_rate = (
+        (t["tokens_predicted"] / t["predicted_seconds"]) if t["predicted_seconds"] > 0 else 0.0
+    )
     gauges = [
         ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
         ("predicted_tokens_seconds", "Average generation throughput in tokens/s", predicted_rate),
         ("requests_processing", "Number of requests processing", 1 if busy else 0),
-        ("requests_deferred", "Number of requests deferred", native.bridge.queued if native.bridge else 0),
-        ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
-         1.0 if t["decode_calls"] else 0.0),
+        (
+            "requests_deferred",
+            "Number of requests deferred",
+            native.bridge.queued if native.bridge else 0,
+        ),
+        (
+            "n_busy_slots_per_decode",
+            "Average number of busy slots per llama_decode() call",
+            1.0 if t["decode_calls"] else 0.0,
+        ),
     ]
     lines = []
     for kind, items in (("counter", counters), ("gauge", gauges)):
         for name, help_text, value in items:
-            lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
-                      f"llamacpp:{name} {_num(value)}"]
+            lines += [
+                f"# HELP llamacpp:{name} {help_text}",
+                f"# TYPE llamacpp:{name} {kind}",
+                f"llamacpp:{name} {_num(value)}",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -381,8 +454,11 @@ class SlotAction(_Native):
                 return NOT_DONE_YET
             filename = body["filename"]
             if not isinstance(filename, str):
-                _error(request, 400,
-                       f"[json.exception.type_error.302] type must be string, but is {json_type(filename)}")
+                _error(
+                    request,
+                    400,
+                    f"[json.exception.type_error.302] type must be string, but is {json_type(filename)}",
+                )
                 return NOT_DONE_YET
             if not filename_ok(filename):
                 _error(request, 400, "Invalid filename")
@@ -395,7 +471,9 @@ class SlotAction(_Native):
         return NOT_DONE_YET
 
 
-def slot_job(native: NativeEngine, action: str, filename: str, id_slot: int = 0) -> tuple[int, dict[str, Any]]:
+def slot_job(
+    native: NativeEngine, action: str, filename: str, id_slot: int = 0
+) -> tuple[int, dict[str, Any]]:
     """On the engine thread: (status, body) of one slot action on the one slot; ``id_slot`` is
     the id the request named (llama-server echoes it)."""
     from bankml.engine_cupy import slots
@@ -408,18 +486,37 @@ def slot_job(native: NativeEngine, action: str, filename: str, id_slot: int = 0)
         try:
             done = slots.save_slot(engine, path, native.verified.sha256)
         except OSError as err:
-            return 500, {"error": {"code": 500, "message": f"Unable to save slot: {err.strerror or err}",
-                                   "type": "server_error"}}
-        return 200, {"id_slot": id_slot, "filename": filename, "n_saved": done.n_tokens, "n_written": done.n_bytes,
-                     "timings": {"save_ms": round(done.ms, 3)}}
+            return 500, {
+                "error": {
+                    "code": 500,
+                    "message": f"Unable to save slot: {err.strerror or err}",
+                    "type": "server_error",
+                }
+            }
+        return 200, {
+            "id_slot": id_slot,
+            "filename": filename,
+            "n_saved": done.n_tokens,
+            "n_written": done.n_bytes,
+            "timings": {"save_ms": round(done.ms, 3)},
+        }
     try:
         done = slots.restore_slot(engine, path, native.verified.sha256)
     except slots.SlotError as err:
-        return 400, {"error": {"code": 400, "message": f"Unable to restore slot: {err}",
-                               "type": "invalid_request_error"}}
-    return 200, {"id_slot": id_slot, "filename": filename, "n_restored": done.n_tokens, "n_read": done.n_bytes,
-                 "timings": {"restore_ms": round(done.ms, 3)}}
-
+        return 400, {
+            "error": {
+                "code": 400,
+                "message": f"Unable to restore slot: {err}",
+                "type": "invalid_request_error",
+            }
+        }
+    return 200, {
+        "id_slot": id_slot,
+        "filename": filename,
+        "n_restored": done.n_tokens,
+        "n_read": done.n_bytes,
+        "timings": {"restore_ms": round(done.ms, 3)},
+    }
 
 
 # --- /completion ---------------------------------------------------------------------------------
@@ -445,8 +542,15 @@ class CompletionAnswer(Answer):
     /completion ``tokens`` when ``return_tokens``, per-token ``timings`` with ``timings_per_token``,
     llama-server's ``logit_bias`` form and the task fields it reports, ``response_fields``."""
 
-    def __init__(self, native: NativeEngine, kind: str, body: bytes, request: dict[str, Any], parsed: Any,
-                 index: int) -> None:
+    def __init__(
+        self,
+        native: NativeEngine,
+        kind: str,
+        body: bytes,
+        request: dict[str, Any],
+        parsed: Any,
+        index: int,
+    ) -> None:
         super().__init__(native, kind, body, request, parsed)
         self.index = index
         self.options: dict[str, Any] = getattr(parsed, "options", {}) or {}
@@ -455,7 +559,9 @@ class CompletionAnswer(Answer):
         events = super()._llama_pieces(chunk)
         for event in events:
             event["index"] = self.index
-            event["id_slot"] = -1  # llama-server's partial results carry the task's id_slot, -1 unless asked
+            event[
+                "id_slot"
+            ] = -1  # llama-server's partial results carry the task's id_slot, -1 unless asked
             if self.options.get("timings_per_token") and getattr(chunk, "timings", None):
                 event["timings"] = chunk.timings
         return events
@@ -472,13 +578,22 @@ class CompletionAnswer(Answer):
         out = super()._llama_final(summary, text)
         out["index"] = self.index
         if summary.completion_tokens == 0:
-            out["stop_type"] = "none"  # nothing generated (an empty prompt): llama-server's STOP_TYPE_NONE
+            out["stop_type"] = (
+                "none"  # nothing generated (an empty prompt): llama-server's STOP_TYPE_NONE
+            )
         if self.options.get("return_tokens") and not self.stream:
             out["tokens"] = list(summary.tokens)
         settings = out["generation_settings"]
         settings["logit_bias"] = logit_bias_entries(self.parsed.sampler.logit_bias)
         settings["max_tokens"] = settings.get("n_predict", -1)
-        for key in ("n_keep", "n_discard", "stream", "timings_per_token", "backend_sampling", "lora"):
+        for key in (
+            "n_keep",
+            "n_discard",
+            "stream",
+            "timings_per_token",
+            "backend_sampling",
+            "lora",
+        ):
             if key in self.options:
                 settings[key] = self.options[key]
         settings["post_sampling_probs"] = bool(getattr(self.parsed, "post_sampling_probs", False))
@@ -561,11 +676,19 @@ class Completion(NativeChat):
         d.addErrback(self._failed, request, control, None)
         return NOT_DONE_YET
 
-    def _run_batch(self, parsed: list[Any], request: Request, raw: bytes, obj: dict[str, Any],
-                   control: RunControl) -> Any:
+    def _run_batch(
+        self,
+        parsed: list[Any],
+        request: Request,
+        raw: bytes,
+        obj: dict[str, Any],
+        control: RunControl,
+    ) -> Any:
         if gone(request):
             return None
-        answers = [CompletionAnswer(self.native, self.kind, raw, obj, p, i) for i, p in enumerate(parsed)]
+        answers = [
+            CompletionAnswer(self.native, self.kind, raw, obj, p, i) for i, p in enumerate(parsed)
+        ]
         writer = _BatchWriter(request, answers, control)
         d = self.native.bridge.stream(batch_steps(self.native.engine, parsed), writer.item, control)
         d.addCallback(lambda _: writer.done())
@@ -576,7 +699,9 @@ class Completion(NativeChat):
 class _BatchWriter:
     """Writes a /completion answer: SSE events as items arrive, or the object(s) at the end."""
 
-    def __init__(self, request: Request, answers: list[CompletionAnswer], control: RunControl) -> None:
+    def __init__(
+        self, request: Request, answers: list[CompletionAnswer], control: RunControl
+    ) -> None:
         from bankml.engine_cupy.engine import Summary
 
         self._summary_type = Summary
@@ -605,7 +730,10 @@ class _BatchWriter:
         if not isinstance(value, self._summary_type):
             events = answer.on_chunk(value)
             if index > 0 and answer.n_tokens == 1 and self.stream:
-                events = [None, *events]  # llama-server's begin event of a later task, written as null
+                events = [
+                    None,
+                    *events,
+                ]  # llama-server's begin event of a later task, written as null
             self._write(events)
             return
         if value.cancelled or gone(self.request):
@@ -634,7 +762,9 @@ class _BatchWriter:
             return
         if self.stream:
             if self.answers[0].kind == OAI_COMPLETION:
-                self.request.write(b"data: [DONE]\n\n")  # llama-server ends only its own /completion without it
+                self.request.write(
+                    b"data: [DONE]\n\n"
+                )  # llama-server ends only its own /completion without it
             self.request.finish()
         else:
             write_json(self.request, 200, dumps(merged(self.answers[0].kind, self.results)))
@@ -648,5 +778,7 @@ class _BatchWriter:
         if not self.started:
             write_json(self.request, status, error_body(status, message))
             return
-        self.request.write(sse({"error": {"code": status, "message": message, "type": "server_error"}}))
+        self.request.write(
+            sse({"error": {"code": status, "message": message, "type": "server_error"}})
+        )
         self.request.finish()

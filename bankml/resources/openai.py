@@ -25,7 +25,8 @@ import math
 import struct
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -48,7 +49,9 @@ def dumps(obj: Any) -> bytes:
     try:
         text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except ValueError:  # rare: a non-finite float somewhere; walk the object only then
-        text = json.dumps(finite_or_null(obj), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(
+            finite_or_null(obj), ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        )
     return text.encode("utf-8", "surrogatepass")
 
 
@@ -66,7 +69,8 @@ def finite_or_null(obj: Any) -> Any:
 def json_type(value: Any) -> str:
     """nlohmann's type_name() of a parsed JSON value, as its type errors print it."""
     return {bool: "boolean", str: "string", list: "array", dict: "object", type(None): "null"}.get(
-        type(value), "number")
+        type(value), "number"
+    )
 
 
 def sse(obj: Any) -> bytes:
@@ -74,8 +78,11 @@ def sse(obj: Any) -> bytes:
 
 
 def error_object(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
-    return json.loads(error_body(status, message)) if kind is None else {
-        "error": {"code": status, "message": message, "type": kind}}
+    return (
+        json.loads(error_body(status, message))
+        if kind is None
+        else {"error": {"code": status, "message": message, "type": kind}}
+    )
 
 
 def refusal_of(err: Exception) -> tuple[int, bytes]:
@@ -99,8 +106,7 @@ def summary_steps(engine: Any, parsed: Any) -> Callable[[Callable[[], bool]], It
 
     def steps(cancelled: Callable[[], bool]) -> Iterator[Any]:
         run = engine.run_steps(parsed, cancelled)
-        for chunk in run:
-            yield chunk
+        yield from run
         return run.summary
 
     return steps
@@ -112,8 +118,16 @@ def summary_steps(engine: Any, parsed: Any) -> Callable[[Callable[[], bool]], It
 class Answer:
     """One answer's objects and events, built from Chunks and the summary; holds its Tally."""
 
-    def __init__(self, native: NativeEngine, kind: str, body: bytes, request: dict[str, Any],
-                 parsed: Any, clock: Callable[[], float] = time.monotonic, stream: bool | None = None) -> None:
+    def __init__(
+        self,
+        native: NativeEngine,
+        kind: str,
+        body: bytes,
+        request: dict[str, Any],
+        parsed: Any,
+        clock: Callable[[], float] = time.monotonic,
+        stream: bool | None = None,
+    ) -> None:
         self.native = native
         self.kind = kind
         self.request = request
@@ -148,12 +162,19 @@ class Answer:
         return events
 
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"created": self.created, "id": self.id, "model": self.model,
-                "system_fingerprint": self.native.build_info, "object": obj}
+        return {
+            "created": self.created,
+            "id": self.id,
+            "model": self.model,
+            "system_fingerprint": self.native.build_info,
+            "object": obj,
+        }
 
     def _chat_event(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
-                **self._base("chat.completion.chunk")}
+        return {
+            "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+            **self._base("chat.completion.chunk"),
+        }
 
     def _chat_deltas(self, chunk: Any) -> list[dict[str, Any]]:
         events = []
@@ -176,18 +197,29 @@ class Answer:
         if chunk.entry is not None:
             logprobs = {"content": [chunk.entry]}
             self.tally.add_logprobs([chunk.entry])
-        return [{"choices": [{"text": chunk.text, "index": 0, "logprobs": logprobs, "finish_reason": None}],
-                 **self._base("text_completion")}]
+        return [
+            {
+                "choices": [
+                    {"text": chunk.text, "index": 0, "logprobs": logprobs, "finish_reason": None}
+                ],
+                **self._base("text_completion"),
+            }
+        ]
 
     def _llama_pieces(self, chunk: Any) -> list[dict[str, Any]]:
         if not chunk.text and chunk.entry is None:
             return []
         self.tally.add_text(chunk.text)
-        event: dict[str, Any] = {"index": 0, "content": chunk.text,
-                                 "tokens": [chunk.token] if chunk.token is not None else [],
-                                 # llama-server's partial results carry id_slot -1, its final one the slot
-                                 "stop": False, "id_slot": -1, "tokens_predicted": self.n_tokens,
-                                 "tokens_evaluated": len(self.parsed.prompt_tokens)}
+        event: dict[str, Any] = {
+            "index": 0,
+            "content": chunk.text,
+            "tokens": [chunk.token] if chunk.token is not None else [],
+            # llama-server's partial results carry id_slot -1, its final one the slot
+            "stop": False,
+            "id_slot": -1,
+            "tokens_predicted": self.n_tokens,
+            "tokens_evaluated": len(self.parsed.prompt_tokens),
+        }
         if chunk.entry is not None:
             event["completion_probabilities"] = [chunk.entry]
             self.tally.add_logprobs([chunk.entry])
@@ -197,9 +229,12 @@ class Answer:
 
     def usage(self, summary: Any) -> dict[str, Any]:
         cache_n = (summary.timings or {}).get("cache_n", 0)
-        return {"completion_tokens": summary.completion_tokens, "prompt_tokens": summary.prompt_tokens,
-                "total_tokens": summary.completion_tokens + summary.prompt_tokens,
-                "prompt_tokens_details": {"cached_tokens": cache_n}}
+        return {
+            "completion_tokens": summary.completion_tokens,
+            "prompt_tokens": summary.prompt_tokens,
+            "total_tokens": summary.completion_tokens + summary.prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": cache_n},
+        }
 
     def final_logprobs(self, summary: Any) -> list[dict[str, Any]]:
         """Non-streamed: every entry, less a stop word's own tokens after a stop hit (llama-server
@@ -208,7 +243,7 @@ class Answer:
         word = getattr(summary, "stopping_word", "")
         if word:
             drop = min(len(entries), len(self.native.engine.tokenize(word)))
-            entries = entries[:len(entries) - drop]
+            entries = entries[: len(entries) - drop]
         return entries
 
     def whole(self, summary: Any) -> dict[str, Any]:
@@ -220,16 +255,31 @@ class Answer:
         if entries:
             self.tally.add_logprobs(entries)
         if self.kind == CHAT:
-            choice: dict[str, Any] = {"finish_reason": summary.finish_reason, "index": 0,
-                                      "message": {"role": "assistant", "content": text}}
+            choice: dict[str, Any] = {
+                "finish_reason": summary.finish_reason,
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+            }
             if entries:
                 choice["logprobs"] = {"content": entries}
-            out = {"choices": [choice], **self._base("chat.completion"), "usage": self.usage(summary)}
+            out = {
+                "choices": [choice],
+                **self._base("chat.completion"),
+                "usage": self.usage(summary),
+            }
         elif self.kind == OAI_COMPLETION:
-            out = {"choices": [{"text": text, "index": 0,
-                                "logprobs": {"content": entries} if entries else None,
-                                "finish_reason": summary.finish_reason}],
-                   **self._base("text_completion"), "usage": self.usage(summary)}
+            out = {
+                "choices": [
+                    {
+                        "text": text,
+                        "index": 0,
+                        "logprobs": {"content": entries} if entries else None,
+                        "finish_reason": summary.finish_reason,
+                    }
+                ],
+                **self._base("text_completion"),
+                "usage": self.usage(summary),
+            }
         else:
             out = self._llama_final(summary, text)
             if entries:
@@ -242,14 +292,25 @@ class Answer:
         timings = summary.timings or {}
         word = getattr(summary, "stopping_word", "")
         stop_type = ("word" if word else "eos") if summary.finish_reason == "stop" else "limit"
-        return {"index": 0, "content": text, "tokens": [], "id_slot": 0, "stop": True,
-                "model": self.model, "tokens_predicted": summary.completion_tokens,
-                "tokens_evaluated": summary.prompt_tokens,
-                "generation_settings": generation_settings(self.parsed, self.native),
-                "prompt": self.parsed.prompt_text or "", "has_new_line": "\n" in text,
-                "truncated": False, "stop_type": stop_type, "stopping_word": word,
-                "tokens_cached": summary.prompt_tokens + summary.completion_tokens - 1
-                if summary.completion_tokens else timings.get("cache_n", 0)}
+        return {
+            "index": 0,
+            "content": text,
+            "tokens": [],
+            "id_slot": 0,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": summary.completion_tokens,
+            "tokens_evaluated": summary.prompt_tokens,
+            "generation_settings": generation_settings(self.parsed, self.native),
+            "prompt": self.parsed.prompt_text or "",
+            "has_new_line": "\n" in text,
+            "truncated": False,
+            "stop_type": stop_type,
+            "stopping_word": word,
+            "tokens_cached": summary.prompt_tokens + summary.completion_tokens - 1
+            if summary.completion_tokens
+            else timings.get("cache_n", 0),
+        }
 
     def final_events(self, summary: Any) -> list[dict[str, Any]]:
         """Streamed: the last chunk (finish reason, usage, timings), then the receipt event.
@@ -270,8 +331,17 @@ class Answer:
                 events.append(last)
                 last = {**self._chat_event({}), "choices": []}
         elif self.kind == OAI_COMPLETION:
-            last = {"choices": [{"text": "", "index": 0, "logprobs": None,
-                                 "finish_reason": summary.finish_reason}], **self._base("text_completion")}
+            last = {
+                "choices": [
+                    {
+                        "text": "",
+                        "index": 0,
+                        "logprobs": None,
+                        "finish_reason": summary.finish_reason,
+                    }
+                ],
+                **self._base("text_completion"),
+            }
         else:
             last = self._llama_final(summary, "")
         if self.kind != LLAMA_COMPLETION:
@@ -283,22 +353,43 @@ class Answer:
 
     def receipt(self) -> dict[str, Any]:
         v = self.native.verified
-        return receipt(self.tally, engine=self.native.engine_name, model_sha256=v.sha256,
-                       guard=v.guard.verdict)
+        return receipt(
+            self.tally, engine=self.native.engine_name, model_sha256=v.sha256, guard=v.guard.verdict
+        )
 
 
 # llama-server's task_params::to_json, in its key order: (key, whether llama.cpp holds it as a C
 # float). The SamplerParams fields carry the same names. /props' default_generation_settings.params
 # (to_json(only_metrics=true)) leaves out dry_sequence_breakers, stop, logit_bias and the grammar
 # fields, which generation_settings adds between these runs for a task.
-_SAMPLING_HEAD = (("seed", False), ("temperature", True), ("dynatemp_range", True), ("dynatemp_exponent", True),
-                  ("top_k", False), ("top_p", True), ("min_p", True), ("top_n_sigma", True),
-                  ("xtc_probability", True), ("xtc_threshold", True), ("typical_p", True), ("repeat_last_n", False),
-                  ("repeat_penalty", True), ("presence_penalty", True), ("frequency_penalty", True),
-                  ("dry_multiplier", True), ("dry_base", True), ("dry_allowed_length", False),
-                  ("dry_penalty_last_n", False))
-_MIROSTAT = (("mirostat", False), ("mirostat_tau", True), ("mirostat_eta", True), ("adaptive_target", True),
-             ("adaptive_decay", True))
+_SAMPLING_HEAD = (
+    ("seed", False),
+    ("temperature", True),
+    ("dynatemp_range", True),
+    ("dynatemp_exponent", True),
+    ("top_k", False),
+    ("top_p", True),
+    ("min_p", True),
+    ("top_n_sigma", True),
+    ("xtc_probability", True),
+    ("xtc_threshold", True),
+    ("typical_p", True),
+    ("repeat_last_n", False),
+    ("repeat_penalty", True),
+    ("presence_penalty", True),
+    ("frequency_penalty", True),
+    ("dry_multiplier", True),
+    ("dry_base", True),
+    ("dry_allowed_length", False),
+    ("dry_penalty_last_n", False),
+)
+_MIROSTAT = (
+    ("mirostat", False),
+    ("mirostat_tau", True),
+    ("mirostat_eta", True),
+    ("adaptive_target", True),
+    ("adaptive_decay", True),
+)
 
 
 def c_float(value: Any) -> Any:
@@ -314,7 +405,10 @@ def c_float(value: Any) -> Any:
 
 
 def _sampling_values(params: Any, table: tuple[tuple[str, bool], ...]) -> dict[str, Any]:
-    return {key: c_float(getattr(params, key)) if is_float else getattr(params, key) for key, is_float in table}
+    return {
+        key: c_float(getattr(params, key)) if is_float else getattr(params, key)
+        for key, is_float in table
+    }
 
 
 def logit_bias_entries(biases: Any) -> list[dict[str, Any]]:
@@ -322,7 +416,9 @@ def logit_bias_entries(biases: Any) -> list[dict[str, Any]]:
     return [{"bias": c_float(b.bias), "token": b.token} for b in biases]
 
 
-def generation_settings(parsed: Any, native: NativeEngine, only_metrics: bool = False) -> dict[str, Any]:
+def generation_settings(
+    parsed: Any, native: NativeEngine, only_metrics: bool = False
+) -> dict[str, Any]:
     """llama-server's ``task_params::to_json``: /completion's ``generation_settings`` (the
     parameters the run used), or with ``only_metrics`` /props' ``default_generation_settings.params``
     (the defaults, without stop, logit_bias and the grammar fields). Same keys, same order, floats
@@ -336,9 +432,16 @@ def generation_settings(parsed: Any, native: NativeEngine, only_metrics: bool = 
     out.update(_sampling_values(params, _MIROSTAT))
     if not only_metrics:
         out["stop"] = list(getattr(parsed, "stop", ()))
-    out.update({"max_tokens": n_predict, "n_predict": n_predict, "n_keep": options.get("n_keep", 0),
-                "n_discard": options.get("n_discard", 0), "ignore_eos": bool(getattr(params, "ignore_eos", False)),
-                "stream": bool(options.get("stream", False))})
+    out.update(
+        {
+            "max_tokens": n_predict,
+            "n_predict": n_predict,
+            "n_keep": options.get("n_keep", 0),
+            "n_discard": options.get("n_discard", 0),
+            "ignore_eos": bool(getattr(params, "ignore_eos", False)),
+            "stream": bool(options.get("stream", False)),
+        }
+    )
     if not only_metrics:
         out["logit_bias"] = logit_bias_entries(getattr(params, "logit_bias", ()))
     out.update({"n_probs": getattr(parsed, "n_probs", 0), "min_keep": params.min_keep})
@@ -346,16 +449,32 @@ def generation_settings(parsed: Any, native: NativeEngine, only_metrics: bool = 
         constraint = getattr(parsed, "constraint", None)
         # llama-server shows its GBNF; a JSON schema it converts to GBNF first, which bankml does
         # not (llguidance takes the schema itself), so only a GBNF grammar is shown
-        out.update({"grammar": constraint.source if constraint is not None and constraint.kind == "gbnf" else "",
-                    "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": []})
-    out.update({"chat_format": "Content-only",
-                # the server's --reasoning-format (default auto, shown as deepseek) reaches a task,
-                # not the defaults /props shows
-                "reasoning_format": "none" if only_metrics else "deepseek",
-                "reasoning_in_content": False, "generation_prompt": "", "samplers": list(params.samplers),
-                "speculative.types": "none", "timings_per_token": bool(options.get("timings_per_token", False)),
-                "post_sampling_probs": bool(getattr(parsed, "post_sampling_probs", False)),
-                "backend_sampling": bool(options.get("backend_sampling", False)), "lora": []})
+        out.update(
+            {
+                "grammar": constraint.source
+                if constraint is not None and constraint.kind == "gbnf"
+                else "",
+                "grammar_lazy": False,
+                "grammar_triggers": [],
+                "preserved_tokens": [],
+            }
+        )
+    out.update(
+        {
+            "chat_format": "Content-only",
+            # the server's --reasoning-format (default auto, shown as deepseek) reaches a task,
+            # not the defaults /props shows
+            "reasoning_format": "none" if only_metrics else "deepseek",
+            "reasoning_in_content": False,
+            "generation_prompt": "",
+            "samplers": list(params.samplers),
+            "speculative.types": "none",
+            "timings_per_token": bool(options.get("timings_per_token", False)),
+            "post_sampling_probs": bool(getattr(parsed, "post_sampling_probs", False)),
+            "backend_sampling": bool(options.get("backend_sampling", False)),
+            "lora": [],
+        }
+    )
     return out
 
 
@@ -370,15 +489,29 @@ def llama_timings(timings: dict[str, Any] | None) -> dict[str, Any] | None:
     def per_token(ms: Any, n: Any) -> float | None:
         return ms / n if n and ms else None
 
-    out = {"cache_n": t.pop("cache_n", 0), "prompt_n": t.get("prompt_n", 0), "prompt_ms": t.get("prompt_ms", 0.0),
-           "prompt_per_token_ms": per_token(t.get("prompt_ms"), t.get("prompt_n")),
-           "prompt_per_second": t.get("prompt_per_second"), "predicted_n": t.get("predicted_n", 0),
-           "predicted_ms": t.get("predicted_ms", 0.0),
-           "predicted_per_token_ms": per_token(t.get("predicted_ms"), t.get("predicted_n")),
-           "predicted_per_second": t.get("predicted_per_second")}
-    for key in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second"):
+    out = {
+        "cache_n": t.pop("cache_n", 0),
+        "prompt_n": t.get("prompt_n", 0),
+        "prompt_ms": t.get("prompt_ms", 0.0),
+        "prompt_per_token_ms": per_token(t.get("prompt_ms"), t.get("prompt_n")),
+        "prompt_per_second": t.get("prompt_per_second"),
+        "predicted_n": t.get("predicted_n", 0),
+        "predicted_ms": t.get("predicted_ms", 0.0),
+        "predicted_per_token_ms": per_token(t.get("predicted_ms"), t.get("predicted_n")),
+        "predicted_per_second": t.get("predicted_per_second"),
+    }
+    for key in (
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_second",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+    ):
         t.pop(key, None)
-    out.update(t)  # anything else the engine reports (draft counts) stays, after llama-server's keys
+    out.update(
+        t
+    )  # anything else the engine reports (draft counts) stays, after llama-server's keys
     return out
 
 
@@ -456,19 +589,23 @@ class NativeChat(JsonResource):
     def _answer(self, parsed: Any, request: Request, raw: bytes, obj: dict, control: Any) -> Any:
         return self._run(parsed, request, raw, obj, control)
 
-    def _run(self, parsed: Any, request: Request, raw: bytes, obj: dict[str, Any],
-             control: RunControl) -> Any:
+    def _run(
+        self, parsed: Any, request: Request, raw: bytes, obj: dict[str, Any], control: RunControl
+    ) -> Any:
         if gone(request):
             return None
         answer = Answer(self.native, self.kind, raw, obj, parsed)
         writer = _Writer(request, answer, control)
-        d = self.native.bridge.stream(summary_steps(self.native.engine, parsed), writer.chunk, control)
+        d = self.native.bridge.stream(
+            summary_steps(self.native.engine, parsed), writer.chunk, control
+        )
         d.addCallback(writer.done)
         d.addErrback(self._failed, request, control, writer)
         return d
 
-    def _failed(self, failure: Failure, request: Request, control: RunControl,
-                writer: "_Writer | None") -> None:
+    def _failed(
+        self, failure: Failure, request: Request, control: RunControl, writer: _Writer | None
+    ) -> None:
         if failure.check(ClientGone) or gone(request):
             return
         from bankml.engine_cupy.engine import RequestError
@@ -576,22 +713,53 @@ def model_info(native: NativeEngine) -> dict[str, Any]:
     hp = getattr(getattr(engine, "model", None), "hp", None)
     tokenizer = getattr(engine, "tokenizer", None)
     n_params, size = native.tensor_totals()
-    return {"id": native.model_id, "aliases": [native.model_id], "tags": [], "object": "model",
-            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-            "created": int(time.time()), "owned_by": "bankML",
-            "meta": {"vocab_type": VOCAB_TYPES.get(getattr(tokenizer, "model", ""), 0),
-                     "n_vocab": getattr(engine, "n_vocab", None), "n_ctx": native.n_ctx,
-                     "n_ctx_train": getattr(hp, "n_ctx_train", None), "n_embd": getattr(hp, "n_embd", None),
-                     "n_params": n_params, "size": size, "ftype": main_weight_type(native.verified.guard)}}
+    return {
+        "id": native.model_id,
+        "aliases": [native.model_id],
+        "tags": [],
+        "object": "model",
+        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+        "created": int(time.time()),
+        "owned_by": "bankML",
+        "meta": {
+            "vocab_type": VOCAB_TYPES.get(getattr(tokenizer, "model", ""), 0),
+            "n_vocab": getattr(engine, "n_vocab", None),
+            "n_ctx": native.n_ctx,
+            "n_ctx_train": getattr(hp, "n_ctx_train", None),
+            "n_embd": getattr(hp, "n_embd", None),
+            "n_params": n_params,
+            "size": size,
+            "ftype": main_weight_type(native.verified.guard),
+        },
+    }
 
 
 def models_object(native: NativeEngine) -> dict[str, Any]:
     """``GET /v1/models`` (and ``/models``): llama-server's get_res_models, the Ollama-style
     ``models`` list and OpenAI's ``data``."""
-    return {"models": [{"name": native.model_id, "model": native.model_id, "modified_at": "",
-                        "size": "", "digest": "", "type": "model", "description": "", "tags": [""],
-                        "capabilities": ["completion"], "parameters": "",
-                        "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
-                                    "parameter_size": "", "quantization_level": ""}}],
-            "object": "list",
-            "data": [model_info(native)]}
+    return {
+        "models": [
+            {
+                "name": native.model_id,
+                "model": native.model_id,
+                "modified_at": "",
+                "size": "",
+                "digest": "",
+                "type": "model",
+                "description": "",
+                "tags": [""],
+                "capabilities": ["completion"],
+                "parameters": "",
+                "details": {
+                    "parent_model": "",
+                    "format": "gguf",
+                    "family": "",
+                    "families": [""],
+                    "parameter_size": "",
+                    "quantization_level": "",
+                },
+            }
+        ],
+        "object": "list",
+        "data": [model_info(native)],
+    }
