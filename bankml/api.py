@@ -66,7 +66,7 @@ def open_native(
     """Verify ``model`` against its pin (guard, then sha256), then open the engine on it."""
     from bankml.engine_cupy import backend
     from bankml.engine_cupy.engine import Engine
-    from bankml.verify import Refused, verify
+    from bankml.gate.verify import Refused, verify
 
     try:
         verified = verify(model, fork or model + ".FORK.json")

@@ -28,8 +28,8 @@ from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
 from bankml import __version__
-from bankml.fileident import FileIdent
-from bankml.verify import Verified
+from bankml.gate.fileident import FileIdent
+from bankml.gate.verify import Verified
 
 _log = Logger(namespace="bankml.gateway")
 

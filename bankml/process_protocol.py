@@ -39,8 +39,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from bankml import gateway as gw
+from bankml.gate.verify import Refused, Verified, verify
 from bankml.gateway import Gateway
-from bankml.verify import Refused, Verified, verify
 
 _log = Logger(namespace="bankml.engine")
 _engine_log = Logger(namespace="bankml.llama-server")

@@ -149,7 +149,7 @@ def refuse(reason: str, code: int = EXIT_REFUSED) -> SystemExit:
 
 def verify_or_exit(options: Options) -> Any:
     """verify() before anything listens; a refusal exits with its code."""
-    from bankml.verify import Refused, verify
+    from bankml.gate.verify import Refused, verify
 
     try:
         return verify(options["file"], options["fork"])

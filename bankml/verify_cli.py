@@ -12,8 +12,8 @@ import json
 import sys
 
 import bankml
-from bankml.guard import guard_file
-from bankml.verify import Refused, pin, read_fork, sha256_file, verify
+from bankml.gate.guard import guard_file
+from bankml.gate.verify import Refused, pin, read_fork, sha256_file, verify
 
 GUARD_EXIT = {"play": 0, "refuse": 2, "need_more": 3}
 

@@ -209,7 +209,7 @@ def copy_and_pin(model: Path, directory: Path, name: str = "copy.gguf") -> tuple
     """A copy of `model` under another path, pinned in its own FORK.json (the real pin untouched)."""
     import shutil
 
-    from bankml.verify import pin
+    from bankml.gate.verify import pin
 
     directory.mkdir(parents=True, exist_ok=True)
     copy = directory / name

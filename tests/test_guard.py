@@ -18,12 +18,12 @@ from gguf.quants import quantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bankml import guard
-from bankml.guard import GuardResult, guard_bytes, guard_file
+from bankml.gate import guard
+from bankml.gate.guard import GuardResult, guard_bytes, guard_file
 
 N = 16384  # the reference's test-vector tensor size
 
-# Independent of bankml.guard: gguf-py's layouts plus the pinned llama.cpp's Q2_0 (ggml-common.h).
+# Independent of bankml.gate.guard: gguf-py's layouts plus the pinned llama.cpp's Q2_0 (ggml-common.h).
 LAYOUTS = {int(t): v for t, v in GGML_QUANT_SIZES.items()} | {42: (64, 18)}
 
 # -- a struct-level GGUF writer ------------------------------------------------------------------

@@ -634,7 +634,7 @@ async def test_streamed_logprobs_ride_on_their_deltas(
 async def test_a_changed_model_file_answers_503_without_a_receipt(served: Served) -> None:
     import dataclasses
 
-    from bankml.fileident import FileIdent
+    from bankml.gate.fileident import FileIdent
 
     v = served.native.verified
     moved = dataclasses.replace(v, ident=dataclasses.replace(v.ident, size=v.ident.size + 1))

@@ -21,11 +21,11 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task
 
 from bankml import gateway as gw
-from bankml.fileident import FileIdent
+from bankml.gate.fileident import FileIdent
+from bankml.gate.guard import GuardResult
+from bankml.gate.verify import Refused, Verified
 from bankml.gateway import Gateway, make_agent
-from bankml.guard import GuardResult
 from bankml.process_protocol import EngineFailed, EngineProcess, llama_server_args, with_deathsig
-from bankml.verify import Refused, Verified
 from tests.bankml_process import process_gone
 from tests.mock_llama import MockLlama, listen
 from tests.support import ROOT, free_port

@@ -22,14 +22,14 @@ from twisted.internet import defer, reactor, task
 
 from bankml import __version__
 from bankml import gateway as gw
-from bankml.fileident import FileIdent
+from bankml.gate.fileident import FileIdent
+from bankml.gate.guard import GuardResult
+from bankml.gate.verify import Verified
 from bankml.gateway import Gateway, make_agent
-from bankml.guard import GuardResult
 from bankml.receipt import canonical_logprobs
 from bankml.resources.p0 import p0_root
 from bankml.site import LoopbackSite, listen_loopback
 from bankml.usage import UsageSampler
-from bankml.verify import Verified
 from tests.bankml_process import sha
 from tests.mock_llama import PIECES, MockLlama, listen
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bankml import verify as verify_module
-from bankml.fileident import FileIdent
-from bankml.verify import Refused, Verified, pin, pinned_sha256, sha256_file, verify
+from bankml.gate import verify as verify_module
+from bankml.gate.fileident import FileIdent
+from bankml.gate.verify import Refused, Verified, pin, pinned_sha256, sha256_file, verify
 from tests import support
 from tests.test_guard import LLAMA_KVS, build, tensor
 

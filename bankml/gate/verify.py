@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bankml.fileident import FileIdent
-from bankml.guard import GuardResult, guard_file
+from bankml.gate.fileident import FileIdent
+from bankml.gate.guard import GuardResult, guard_file
 
 HASH_BLOCK_BYTES = 1024 * 1024  # measured: 1 MiB stays in L2 and beats 4-16 MiB by ~10% (docs)
 PROGRESS_MIN_BYTES = 256 * 1024 * 1024  # smaller files hash in well under a second
