@@ -8,8 +8,8 @@ resource uses (bankml/resources/openai.py).
 - ``chat(request)`` returns the non-streamed object (OpenAI's, with ``timings`` and
   ``bankml_receipt``), whatever ``stream`` says.
 - ``chat_stream(request)`` yields the streamed events' objects, as the SSE ``data:`` lines carry
-  them: the role delta, the content deltas, the last chunk with ``usage`` and ``timings``, and
-  ``{"bankml_receipt": ...}`` (``[DONE]`` is not an object and is not yielded). Closing the
+  them: the role delta, the content deltas, and the last chunk with ``usage``, ``timings`` and
+  ``bankml_receipt`` (``[DONE]`` is not an object and is not yielded). Closing the
   iterator early stops the engine before its next token.
 
 ``request`` is a dict, or the exact bytes of a JSON body. ``request_sha256`` is the sha256 of
@@ -209,7 +209,7 @@ STREAM_WINDOW = 8  # events computed ahead of the reader: a slow reader holds th
 def chat_stream(
     request: dict[str, Any] | bytes, *, native: NativeEngine | None = None
 ) -> Iterator[dict[str, Any]]:
-    """The streamed answer's event objects, ending with ``{"bankml_receipt": ...}``."""
+    """The streamed answer's event objects, the last one carrying ``bankml_receipt``."""
     native = native or _default_native()
     answer, parsed = _prepare(native, request, stream=True)
     events: queue.Queue[Any] = queue.Queue(STREAM_WINDOW)

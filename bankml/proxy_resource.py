@@ -6,10 +6,11 @@
   the file identity, and the engine's ``/props`` ``model_path``. Then:
 
   * not streamed: the upstream JSON with a top-level ``bankml_receipt`` added;
-  * streamed (``"stream": true``): every upstream SSE event written to the client as soon as it
-    is complete (one ``request.write`` per event, bytes unchanged), the content deltas and the
-    usage collected on the way, and one ``data: {"bankml_receipt": ...}`` event written before
-    ``data: [DONE]``;
+  * streamed (``"stream": true``): every upstream SSE event written to the client once the next
+    one is complete (bytes unchanged), the content deltas and the usage collected on the way;
+    the last chunk before ``data: [DONE]`` (the usage chunk with ``include_usage``, else the
+    one with ``finish_reason``) is held back until then and written with ``bankml_receipt``
+    added as its last field, so every event a client reads is a regular chunk;
   * an upstream error status: passed through with its body, no receipt;
   * an upstream body, or one SSE line, over 64 MiB: refused before it is held (502, or an SSE
     error event when the stream has started);
@@ -419,8 +420,28 @@ class ChatProxy(JsonResource):
         return reader.done.addCallbacks(lambda _: relay.upstream_ended(None), relay.upstream_ended)
 
 
+def with_receipt(event: bytes, r: dict[str, Any]) -> bytes:
+    """One SSE event whose single ``data:`` line is a JSON object, with ``bankml_receipt`` added
+    as its last top-level field; the upstream's bytes before it are kept as they are."""
+    lines = event.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.startswith(b"data:"):
+            payload = line.rstrip(b"\r")
+            tail = line[len(payload) :]
+            close = payload.rstrip()
+            empty = close[5:].strip() == b"{}"
+            field = b'"bankml_receipt":' + json.dumps(r).encode()
+            lines[i] = close[:-1] + (field if empty else b"," + field) + b"}" + tail
+            break
+    return b"\n".join(lines)
+
+
 class SSERelay:
-    """Forwards llama-server's SSE events one by one and inserts the receipt before [DONE]."""
+    """Forwards llama-server's SSE events and puts the receipt inside the last one before [DONE].
+
+    One event is held back: the latest chunk that is a JSON object (with whatever followed it),
+    written as soon as the next such chunk arrives, or at [DONE] with ``bankml_receipt`` added.
+    Every other event's bytes pass unchanged; the held one gains only that field."""
 
     def __init__(self, gateway: Gateway, request: Request, tally: Tally) -> None:
         self.gateway = gateway
@@ -429,6 +450,7 @@ class SSERelay:
         self.buffer = bytearray()
         self.event: list[bytes] = []
         self.event_size = 0
+        self.held: list[bytes] = []  # the last JSON-object chunk, then anything after it
         self.done = False  # [DONE] seen and written
         self.errored = False  # an error event passed: no receipt
         self.ended = False
@@ -465,20 +487,25 @@ class SSERelay:
         if payloads == [b"[DONE]"]:
             self._finish_with_receipt(event)
             return
-        for payload in payloads:
-            self._collect(payload)
-        self._write(event)
+        objects = [self._collect(payload) for payload in payloads]
+        if len(objects) == 1 and objects[0] is not None and "error" not in objects[0]:
+            self._flush()  # a new last chunk: the one held so far is not the last
+        elif not self.held:
+            self._write(event)
+            return
+        self.held.append(event)
 
-    def _collect(self, payload: bytes) -> None:
+    def _collect(self, payload: bytes) -> dict[str, Any] | None:
+        """Tally one payload; the object it holds, or None when it is not a JSON object."""
         try:
             obj = json.loads(payload)
         except ValueError:
-            return
+            return None
         if not isinstance(obj, dict):
-            return
+            return None
         if "error" in obj:
             self.errored = True
-            return
+            return obj
         choice = first_choice(obj)
         if choice is not None:
             delta = choice.get("delta")
@@ -486,20 +513,29 @@ class SSERelay:
                 self.tally.add_text(delta["content"])
             tally_logprobs(self.tally, choice)
         tally_counts(self.tally, obj)
+        return obj
+
+    def _flush(self) -> None:
+        """Write what is held back, unchanged."""
+        held, self.held = self.held, []
+        if held:
+            self._write(b"".join(held))
 
     def _finish_with_receipt(self, done_event: bytes) -> None:
         problem = self.gateway.identity_problem()
         if problem is not None:
+            self._flush()
             self._error_event(problem)
             return
-        if not self.errored:
+        if not self.errored and self.held:
             r = receipt(
                 self.tally,
                 engine=self.gateway.engine_name,
                 model_sha256=self.gateway.verified.sha256,
                 guard=self.gateway.verified.guard.verdict,
             )
-            self._write(b"data: " + json.dumps({"bankml_receipt": r}).encode() + b"\n\n")
+            self.held[0] = with_receipt(self.held[0], r)
+        self._flush()
         self._write(done_event)
         self.done = True
 
@@ -532,6 +568,7 @@ class SSERelay:
             write_error(self.request, 502, str(failure.value))
             return
         if not self.done:
+            self._flush()
             if failure is not None and failure.check(UpstreamTooLarge):
                 reason = str(failure.value)
             else:

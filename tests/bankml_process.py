@@ -158,13 +158,16 @@ def sse_events(raw: bytes) -> list[bytes]:
 
 
 def check_streamed_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[str, Any]:
-    """The receipt of a streamed answer, its hashes recomputed from the events."""
+    """The receipt of a streamed answer, its hashes recomputed from the events: it rides in the
+    last chunk before [DONE], and every chunk is a regular one (none holds only a receipt)."""
     events = sse_events(raw)
     assert events[-1] == b"data: [DONE]"
-    receipt = json.loads(events[-2][len(b"data: ") :])["bankml_receipt"]
+    chunks = [json.loads(event[len(b"data: ") :]) for event in events[:-1]]
+    assert all("choices" in obj for obj in chunks)
+    assert [i for i, obj in enumerate(chunks) if "bankml_receipt" in obj] == [len(chunks) - 1]
+    receipt = chunks[-1]["bankml_receipt"]
     text = ""
-    for event in events[:-2]:
-        obj = json.loads(event[len(b"data: ") :])
+    for obj in chunks:
         for choice in obj.get("choices", []):
             text += choice.get("delta", {}).get("content") or ""
     assert receipt["response_sha256"] == sha(text.encode("utf-8"))

@@ -37,6 +37,7 @@ class MockLlama:
     requests: list[bytes] = field(default_factory=list)
     props_requests: int = 0
     cancelled: int = 0  # streams whose client went away before the end
+    streamed: list[bytes] = field(default_factory=list)  # each stream's bytes, as written
     reactor: Any = default_reactor
 
     def root(self) -> resource.Resource:
@@ -171,6 +172,8 @@ class _Stream:
     def __init__(self, mock: MockLlama, request: server.Request, logprobs: bool) -> None:
         self.mock, self.request, self.logprobs = mock, request, logprobs
         self.sent = 0
+        self.index = len(mock.streamed)
+        mock.streamed.append(b"")
         self.gone = False
         self.call: Any = None
         request.notifyFinish().addErrback(self._gone)
@@ -181,9 +184,13 @@ class _Stream:
         if self.call is not None and self.call.active():
             self.call.cancel()
 
+    def _write(self, data: bytes) -> None:
+        self.mock.streamed[self.index] += data
+        self.request.write(data)
+
     def start(self) -> None:
         if self.mock.long_line_bytes:
-            self.request.write(b"data: " + b"x" * self.mock.long_line_bytes)
+            self._write(b"data: " + b"x" * self.mock.long_line_bytes)
         self._next()
 
     def _next(self) -> None:
@@ -211,11 +218,11 @@ class _Stream:
                         }
                     ]
                 }
-            request.write(sse({"choices": [choice], "object": "chat.completion.chunk"}))
+            self._write(sse({"choices": [choice], "object": "chat.completion.chunk"}))
             self.sent += 1
             self.call = mock.reactor.callLater(mock.piece_delay, self._next)
             return
-        request.write(
+        self._write(
             sse(
                 {
                     "choices": [{"index": 0, "finish_reason": "stop", "delta": {}}],
@@ -225,7 +232,7 @@ class _Stream:
             )
         )
         if mock.include_usage:
-            request.write(
+            self._write(
                 sse(
                     {
                         "choices": [],
@@ -236,7 +243,7 @@ class _Stream:
                     }
                 )
             )
-        request.write(b"data: [DONE]\n\n")
+        self._write(b"data: [DONE]\n\n")
         request.finish()
 
 

@@ -17,6 +17,7 @@ from twisted.internet.threads import deferToThread
 
 from bankml import api
 from tests.test_native_serve import Served, post, shared_served
+from tests.test_openai_client import canonical_stream, check_receipt_on_last_chunk
 
 
 @pytest.fixture
@@ -65,6 +66,13 @@ async def test_openai_chat_streamed_and_not_agree(served: Served) -> None:
     receipt = whole.model_extra["bankml_receipt"]
     assert receipt["response_sha256"] == hashlib.sha256(content.encode()).hexdigest()
     assert any(ch.choices and ch.choices[0].finish_reason == "length" for ch in chunks)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest_twisted.ensureDeferred
+async def test_openai_canonical_stream_loop(served: Served, include_usage: bool) -> None:
+    text, chunks = await deferToThread(canonical_stream, client(served), include_usage)
+    check_receipt_on_last_chunk(text, chunks, include_usage)
 
 
 @pytest_twisted.ensureDeferred

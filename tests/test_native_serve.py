@@ -187,19 +187,20 @@ async def test_chat_answer_with_timings_and_receipt(served: Served, reference_se
 
 
 @pytest_twisted.ensureDeferred
-async def test_streamed_chat_ends_with_usage_receipt_and_done(served: Served) -> None:
+async def test_streamed_chat_ends_with_usage_and_receipt_in_the_last_chunk(served: Served) -> None:
     body = chat("Name a colour.", stream=True, cache_prompt=False)
     raw = json.dumps(body).encode()
     status, ctype, data = await deferToThread(post, served.url + "/v1/chat/completions", None, raw)
     assert status == 200 and ctype.startswith("text/event-stream")
     events = sse_events(data)
     assert events[-1] == "[DONE]"
-    receipt = events[-2]["bankml_receipt"]
-    last = events[-3]
+    last = events[-2]  # the last chunk: finish reason, usage, timings and the receipt
+    receipt = last["bankml_receipt"]
+    assert not any("bankml_receipt" in e for e in events[:-2])
     assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["delta"] == {}
     assert last["usage"]["completion_tokens"] == 6 and "cache_n" in last["timings"]
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-3])
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2])
     assert receipt["response_sha256"] == sha(text) and receipt["request_sha256"] == sha(raw)
     # The same request not streamed, also from an empty slot, gives the same text (greedy).
     status, whole = await apost(
@@ -768,15 +769,18 @@ async def test_streamed_completion_endpoints_end_as_llama_server_ends_them(
         _, _, ref_data = await deferToThread(post, reference_server.url + path, body)
         events, ref_events = sse_events(data), sse_events(ref_data)
         assert (events[-1] == "[DONE]") == (ref_events[-1] == "[DONE]") == done
-        ours = [e for e in events if isinstance(e, dict) and "bankml_receipt" not in e]
+        ours = [e for e in events if isinstance(e, dict)]
         refs = [e for e in ref_events if isinstance(e, dict)]
+        assert [i for i, e in enumerate(ours) if "bankml_receipt" in e] == [len(ours) - 1]
         assert set(ours[0]) >= set(refs[0]) - {"timings", "prompt_progress"}, set(refs[0]) - set(
             ours[0]
         )
         text = "".join(
             e["content"] if path == "/completion" else e["choices"][0]["text"] for e in ours
         )
-        receipt = next(
-            e["bankml_receipt"] for e in events if isinstance(e, dict) and "bankml_receipt" in e
-        )
+        receipt = ours[-1]["bankml_receipt"]
         assert receipt["response_sha256"] == sha(text)
+        if path == "/completion":  # a client reading content and stop from every event
+            for events_of in (ours, refs):
+                assert all("content" in e and "stop" in e for e in events_of), events_of
+                assert [e["stop"] for e in events_of] == [False] * (len(events_of) - 1) + [True]

@@ -1,13 +1,14 @@
-"""Every endpoint of issue 4, side by side: bankml ``--native`` and the real llama-server on the
+"""Every endpoint of the native engine address, side by side: bankml ``--native`` and the real llama-server on the
 same model, the same requests, over real HTTP on loopback.
 
 For each endpoint: the same status, the same keys (recursively: every key path of the JSON, list
 items merged), and the same values where a client may rely on them (tokenize, detokenize,
 apply-template, /props' template and generation defaults, the models' ids and sizes, and every
 refusal message: context limit, sampler values, logprobs, ``n``, ``stream_options``, slots, wrong
-methods). The only keys bankml adds are its receipt (``bankml_receipt``, and its SSE event) and
-``usage`` on a streamed chat's finish chunk when ``stream_options.include_usage`` is not set (the
-issue's "the last chunk carries usage and timings"); both are listed in ``BANKML_ADDITIONS``.
+methods). The only keys bankml adds are its receipt (``bankml_receipt``, at the top level of a
+whole answer and of a stream's last regular event) and ``usage`` on a streamed chat's finish
+chunk when ``stream_options.include_usage`` is not set (so the last chunk always carries usage
+and timings); both are listed in ``BANKML_ADDITIONS``.
 
 Where bankml answers differently on purpose, the test asserts bankml's answer and llama-server's,
 and docs/modules/native_service.md says why. Differences that remain in files this suite does not
@@ -17,7 +18,7 @@ The native side is test_native_serve's shared engine (``shared_served``, n_ctx 2
 reference). ``reference_server`` is the session's llama-server (no ``--metrics``, no slot path);
 ``full_reference`` is a second llama-server of this module with ``--metrics`` and
 ``--slot-save-path``, for /metrics and the slot actions. Generated text is never compared (the
-engine's numerics are issue 3's), only its shape and the prompt's token count.
+engine's numerics have their own tests), only its shape and the prompt's token count.
 """
 
 from __future__ import annotations
@@ -122,10 +123,14 @@ def assert_same_keys(ours: Any, ref: Any, ignore: set[str] = frozenset()) -> Non
 
 
 def receipt_free(events: list[Any]) -> list[Any]:
-    """A stream's events less bankml's receipt event (checked to be there, once, before [DONE])."""
-    receipts = [i for i, e in enumerate(events) if isinstance(e, dict) and RECEIPT in e]
-    assert len(receipts) == 1, events
-    return events[: receipts[0]] + events[receipts[0] + 1 :]
+    """A stream's events with bankml's receipt taken out of the last regular event, where it
+    rides (checked to be there, once: every other event is exactly llama-server's)."""
+    dicts = [i for i, e in enumerate(events) if isinstance(e, dict)]
+    receipts = [i for i in dicts if RECEIPT in events[i]]
+    assert receipts == dicts[-1:], events
+    last = {k: v for k, v in events[receipts[0]].items() if k != RECEIPT}
+    assert last, "the receipt rides inside a regular event, never alone"
+    return [last if i == receipts[0] else e for i, e in enumerate(events)]
 
 
 def chat(content: str = "Name a colour.", **extra: Any) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -41,20 +42,45 @@ def test_openai_client_not_streamed(client: openai.OpenAI) -> None:
     assert receipt["completion_tokens"] == completion.usage.completion_tokens
 
 
-def test_openai_client_streamed(client: openai.OpenAI) -> None:
-    text, receipts = "", []
-    for chunk in client.chat.completions.create(
-        model="x", messages=MESSAGES, max_tokens=12, temperature=0, stream=True
-    ):
-        extra = chunk.model_extra or {}
-        if "bankml_receipt" in extra:  # the receipt event: a chunk with no choices
-            receipts.append(extra["bankml_receipt"])
+def canonical_stream(client: openai.OpenAI, include_usage: bool, **extra: Any) -> tuple[str, Any]:
+    """The loop every OpenAI example shows, ``chunk.choices[0].delta.content`` on each chunk (with
+    ``include_usage``: on each chunk that has choices, the usage chunk having none); the text and
+    the chunks. Raises if any event is not a regular chunk."""
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    stream = client.chat.completions.create(
+        model="x", messages=MESSAGES, max_tokens=12, temperature=0, stream=True, **options, **extra
+    )
+    text, chunks = "", []
+    for chunk in stream:
+        chunks.append(chunk)
+        if include_usage and chunk.usage is not None:
+            assert chunk.choices == []
             continue
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-    assert text and len(receipts) == 1
-    assert receipts[0]["response_sha256"] == sha(text)
-    assert receipts[0]["model_sha256"] == support.DEFAULT_SHA256
+        text += chunk.choices[0].delta.content or ""
+    return text, chunks
+
+
+def check_receipt_on_last_chunk(text: str, chunks: list[Any], include_usage: bool) -> dict:
+    """The receipt rides in the last chunk only (kept by the client as an extra field); checked
+    against the text the loop read."""
+    extras = [(chunk.model_extra or {}).get("bankml_receipt") for chunk in chunks]
+    assert all(r is None for r in extras[:-1]) and extras[-1] is not None
+    last = chunks[-1]
+    receipt = last.to_dict()["bankml_receipt"]
+    assert receipt == extras[-1]
+    if include_usage:  # the usage chunk is the last
+        assert last.choices == [] and last.usage.completion_tokens == receipt["completion_tokens"]
+    else:
+        assert last.choices[0].finish_reason in ("stop", "length")
+    assert text and receipt["response_sha256"] == sha(text)
+    assert receipt["model_sha256"] == support.DEFAULT_SHA256
+    return receipt
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_openai_client_canonical_stream_loop(client: openai.OpenAI, include_usage: bool) -> None:
+    text, chunks = canonical_stream(client, include_usage)
+    check_receipt_on_last_chunk(text, chunks, include_usage)
 
 
 def test_openai_client_sees_an_engine_error_as_an_api_error(client: openai.OpenAI) -> None:

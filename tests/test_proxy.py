@@ -135,34 +135,45 @@ async def test_non_streamed_answer_gets_a_receipt_of_its_text_and_request(front:
     assert r["ttft_ms"] is None and r["wall_ms"] >= 0
 
 
+def receipt_spliced_out(event: bytes, r: dict[str, Any]) -> bytes:
+    """The event as llama-server wrote it: the ``bankml_receipt`` field the gateway added, taken
+    out again."""
+    field = b',"bankml_receipt":' + json.dumps(r).encode()
+    assert event.count(field) == 1
+    return event.replace(field, b"")
+
+
+@pytest.mark.parametrize("usage", [False, True])
 @pytest_twisted.ensureDeferred
-async def test_streamed_events_pass_unchanged_and_the_receipt_precedes_done(front: Front) -> None:
+async def test_streamed_events_pass_unchanged_and_the_receipt_rides_in_the_last_chunk(
+    front: Front, usage: bool
+) -> None:
     front.mock.pieces = ["Sav", "ante ", "knows", ". ✓"]
+    front.mock.include_usage = usage
     response, raw, body = await chat(front, {**CHAT, "stream": True})
     assert response.code == 200
     assert response.headers.getRawHeaders(b"content-type") == [b"text/event-stream"]
     events = events_of(raw)
     assert events[-1] == b"data: [DONE]\n\n"
-    receipt_event = json.loads(events[-2][len(b"data: ") :])
-    r = receipt_event["bankml_receipt"]
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all("choices" in c for c in chunks), "every event is a regular chunk"
+    assert [i for i, c in enumerate(chunks) if "bankml_receipt" in c] == [len(chunks) - 1]
+    last = chunks[-1]
+    r = last["bankml_receipt"]
+    assert list(last)[-1] == "bankml_receipt"  # added after llama-server's own fields
+    if usage:  # the usage chunk is the last: no choices, usage and timings
+        assert last["choices"] == [] and "usage" in last
+    else:
+        assert last["choices"][0]["finish_reason"] == "stop"
     assert list(r) == RECEIPT_FIELDS
-    deltas = [json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events[:-2]]
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
     assert r["response_sha256"] == sha("".join(deltas)) == sha("Savante knows. ✓")
     assert r["request_sha256"] == sha(body)
-    assert (r["prompt_tokens"], r["completion_tokens"]) == (7, 4)  # from timings: no usage asked
+    assert (r["prompt_tokens"], r["completion_tokens"]) == (7, 4)
     assert isinstance(r["ttft_ms"], int)
-    # every upstream event reaches the client byte for byte
-    assert b"".join(events[:-2]) + events[-1] == b"".join(
-        e for e in events if b"bankml_receipt" not in e
-    )
-
-
-@pytest_twisted.ensureDeferred
-async def test_usage_chunk_counts_are_used_when_present(front: Front) -> None:
-    front.mock.include_usage, front.mock.prompt_tokens = True, 11
-    _, raw, _ = await chat(front, {**CHAT, "stream": True})
-    r = json.loads(events_of(raw)[-2][6:])["bankml_receipt"]
-    assert (r["prompt_tokens"], r["completion_tokens"]) == (11, 2)
+    # every upstream event reaches the client byte for byte, the last with the receipt added
+    upstream = front.mock.streamed[-1]
+    assert b"".join(events[:-2]) + receipt_spliced_out(events[-2], r) + events[-1] == upstream
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -319,7 +319,9 @@ async def test_one_prompt_answers_one_object(native_url: str, reference_server: 
     _, _, data = await deferToThread(post, native_url + "/completion", {**body, "stream": True})
     events = sse_events(data)
     assert "[DONE]" not in events and None not in events
-    assert events[-2]["stop"] is True and "bankml_receipt" in events[-1]
+    assert all("content" in e and "stop" in e for e in events)  # a receipt is no event of its own
+    assert events[-1]["stop"] is True and "bankml_receipt" in events[-1]
+    assert not any("bankml_receipt" in e for e in events[:-1])
 
 
 MULTI = [
@@ -363,8 +365,13 @@ async def test_several_prompts_stream_in_turn(native_url: str, reference_server:
     _, ctype, data = await deferToThread(post, native_url + "/completion", body)
     _, _, ref_data = await deferToThread(post, reference_server.url + "/completion", body)
     assert ctype.startswith("text/event-stream")
-    ours = [e for e in sse_events(data) if not (isinstance(e, dict) and "bankml_receipt" in e)]
+    ours = sse_events(data)
     ref = sse_events(ref_data)
+    # each prompt's receipt rides in its final (stop) event
+    assert [e["stop"] for e in ours if e is not None] == [
+        "bankml_receipt" in e for e in ours if e is not None
+    ]
+    assert sum(e is not None and e["stop"] for e in ours) == 2
 
     def shape(events: list) -> list:
         return [
@@ -405,10 +412,15 @@ async def test_several_prompts_on_v1_completions_are_choices(
             if e in (None, "[DONE]")
             else [(c["index"], c["text"], c["finish_reason"]) for c in e["choices"]]
             for e in events
-            if not (isinstance(e, dict) and "bankml_receipt" in e)
         ]
 
-    assert shape(sse_events(data)) == shape(sse_events(ref_data))
+    events = sse_events(data)
+    assert shape(events) == shape(sse_events(ref_data))
+    # each prompt's receipt rides in its chunk with a finish_reason
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert [c["choices"][0]["finish_reason"] is not None for c in chunks] == [
+        "bankml_receipt" in c for c in chunks
+    ]
 
 
 @pytest_twisted.ensureDeferred

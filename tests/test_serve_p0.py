@@ -102,7 +102,7 @@ def test_streamed_and_whole_answers_hash_the_same_text(upstream: BankmlProcess) 
     """At temperature 0 the same request gives the same text streamed or not: so the same hash."""
     whole = json.loads(upstream.post(chat_body(False, max_tokens=16))[1])["bankml_receipt"]
     streamed = sse_events(upstream.post(chat_body(True, max_tokens=16))[1])
-    receipt = json.loads(streamed[-2][len(b"data: ") :])["bankml_receipt"]
+    receipt = json.loads(streamed[-2][len(b"data: ") :])["bankml_receipt"]  # in the last chunk
     assert receipt["response_sha256"] == whole["response_sha256"]
 
 

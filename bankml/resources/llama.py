@@ -604,7 +604,7 @@ class CompletionAnswer(Answer):
 
     def final_events(self, summary: Any) -> list[dict[str, Any]]:
         events = super().final_events(summary)
-        return [e if "bankml_receipt" in e else self._only_fields(self._indexed(e)) for e in events]
+        return [self._only_fields(self._indexed(e)) for e in events]
 
     def _only_fields(self, obj: dict[str, Any]) -> dict[str, Any]:
         """``response_fields`` (llama-server's own format only): those paths (the receipt stays,

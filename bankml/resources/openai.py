@@ -11,8 +11,10 @@ Every request goes the same way (``NativeChat``):
 3. the run is queued on the engine thread; each Chunk comes back on the reactor thread;
 4. not streamed: one JSON object (OpenAI's, with llama-server's ``timings``, ``logprobs`` when
    asked, and ``bankml_receipt``); streamed: server-sent events as llama-server writes them, the
-   last chunk with ``usage`` and ``timings``, then ``data: {"bankml_receipt": ...}``, then
-   ``data: [DONE]``; an error after the stream began is ``data: {"error": ...}``.
+   last chunk with ``usage``, ``timings`` and ``bankml_receipt`` (the receipt rides inside the
+   last regular event, so a client that reads ``choices`` from every chunk never meets an event
+   without them), then ``data: [DONE]``; an error after the stream began is
+   ``data: {"error": ...}``.
 
 ``Answer`` builds every object and event from the Chunks and the run's summary without Twisted,
 so ``bankml.api.chat`` answers the same request with the same objects and the same receipt.
@@ -313,12 +315,12 @@ class Answer:
         }
 
     def final_events(self, summary: Any) -> list[dict[str, Any]]:
-        """Streamed: the last chunk (finish reason, usage, timings), then the receipt event.
+        """Streamed: the last chunk (finish reason, usage, timings), the receipt inside it.
 
         A chat asked with ``stream_options.include_usage`` ends as llama-server (and OpenAI) end
         it: the finish chunk alone, then a chunk with no choices carrying usage and timings.
-        Without it llama-server's finish chunk carries timings only; bankml adds usage there (the
-        issue's "the last chunk carries usage and timings")."""
+        Without it llama-server's finish chunk carries timings only; bankml adds usage there, so
+        the last chunk always carries usage and timings."""
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
         events: list[dict[str, Any]] = []
         timings = llama_timings(summary.timings)
@@ -347,8 +349,8 @@ class Answer:
         if self.kind != LLAMA_COMPLETION:
             last["usage"] = self.usage(summary)
         last["timings"] = timings
+        last["bankml_receipt"] = self.receipt()
         events.append(last)
-        events.append({"bankml_receipt": self.receipt()})
         return events
 
     def receipt(self) -> dict[str, Any]:
