@@ -43,10 +43,13 @@ serve-p0: venv model
 	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --spawn "$$(scripts/build-llama-server.sh)" \
 	    --listen $(LISTEN) --upstream $(UPSTREAM)
 
-# the house rules first (seconds): lint and formatting, then the suite
+# the house rules first (seconds with warm caches; docs/checks.md): lint, formatting, types and
+# the import layers, then the suite
 lint: test-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: test-deps model lint
 	BANKML_LLAMA_SERVER="$$(scripts/build-llama-server.sh)" BANKML_MODEL=$(MODEL) \

@@ -107,6 +107,11 @@ class Options(usage.Options):
             ordered += [flag, value] if flag in takes_value else [flag]
         super().parseOptions(ordered + ["--"] + positional)
 
+    def opt_version(self) -> None:
+        """Print bankml's version and exit."""
+        print(f"bankml {__version__}")
+        sys.exit(0)
+
     def parseArgs(self, file: str) -> None:
         self["file"] = file
 

@@ -2,5 +2,6 @@
 
 ``guard`` reads the GGUF header and answers play, refuse or need_more; ``verify`` runs the guard,
 then checks the whole file's sha256 against its pin in FORK.json; ``fileident`` names a file by
-device, inode, size and mtime so a swapped file is noticed. Pure Python: no Twisted, no NumPy.
+device, inode, size and mtime so a swapped file is noticed. No Twisted: the gate runs the same
+from the command line, the Python API and both serving modes.
 """

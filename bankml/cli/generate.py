@@ -11,9 +11,11 @@ import json
 import sys
 from typing import Any
 
+from bankml.cli.parsing import Commands, add_command
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bankml generate", description="answer with the native engine")
+
+def add_commands(commands: Commands) -> None:
+    p = add_command(commands, "generate", generate_command, "answer with the native engine")
     p.add_argument("model", metavar="FILE", help="GGUF model file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text, tokenized as llama-server's /completion does")
@@ -33,7 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    return p
 
 
 def request_body(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -62,9 +63,9 @@ def request_body(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return body, "completion"
 
 
-def generate_command(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def generate_command(args: argparse.Namespace) -> int:
     body, kind = request_body(args)
+    # the engine (NumPy, Numba) only once the command runs: `bankml --help` stays quick
     from bankml.engine_cupy.engine import Engine, RequestError
     from bankml.engine_cupy.model import UnsupportedModel
 

@@ -10,11 +10,21 @@ import json
 import sys
 from typing import Any, TextIO
 
+from bankml.cli.parsing import Commands, add_command
 
-def _tokenize_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="bankml tokenize",
-        description="Tokenize the text on stdin with a GGUF's vocabulary, as llama-server's /tokenize "
+
+def add_commands(commands: Commands) -> None:
+    _add_tokenize(commands)
+    _add_chat_template(commands)
+
+
+def _add_tokenize(commands: Commands) -> None:
+    parser = add_command(
+        commands,
+        "tokenize",
+        tokenize_command,
+        "tokenize stdin with a GGUF's vocabulary",
+        "Tokenize the text on stdin with a GGUF's vocabulary, as llama-server's /tokenize "
         "(special-token texts are parsed unless --no-parse-special).",
     )
     parser.add_argument("file", help="the GGUF model file")
@@ -31,7 +41,6 @@ def _tokenize_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='each stdin line is a JSON string; print one {"tokens": [...]} line for each',
     )
-    return parser
 
 
 def _fail(command: str, message: str, status: int = 1) -> int:
@@ -39,8 +48,8 @@ def _fail(command: str, message: str, status: int = 1) -> int:
     return status
 
 
-def tokenize_command(argv: list[str]) -> int:
-    args = _tokenize_parser().parse_args(argv)
+def tokenize_command(args: argparse.Namespace) -> int:
+    # the engine's modules (NumPy, Numba) only once the command runs: `bankml --help` stays quick
     from bankml.engine_cupy.tokenizer import Tokenizer, TokenizerError
 
     try:
@@ -83,10 +92,13 @@ def _tokenize_lines(
     return status
 
 
-def _chat_template_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="bankml chat-template",
-        description="Render a GGUF's chat template as llama-server's /apply-template does.",
+def _add_chat_template(commands: Commands) -> None:
+    parser = add_command(
+        commands,
+        "chat-template",
+        chat_template_command,
+        "render a GGUF's chat template",
+        "Render a GGUF's chat template as llama-server's /apply-template does.",
     )
     parser.add_argument("file", help="the GGUF model file")
     parser.add_argument("--messages", required=True, help="the messages, a JSON array")
@@ -97,11 +109,9 @@ def _chat_template_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-generation-prompt", action="store_true", help="do not open the assistant's turn"
     )
-    return parser
 
 
-def chat_template_command(argv: list[str]) -> int:
-    args = _chat_template_parser().parse_args(argv)
+def chat_template_command(args: argparse.Namespace) -> int:
     from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
     from bankml.engine_cupy.tokenizer import TokenizerError
 

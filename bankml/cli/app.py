@@ -1,0 +1,89 @@
+"""``bankml`` and its subcommands: one argparse parser, a subparser for each command.
+
+Each command's arguments are declared by the module that owns it (``bankml.cli.gate``,
+``bankml.cli.text``, ``bankml.cli.generate``); the bodies import Twisted, NumPy or the engine
+only when they run, so ``bankml sha256`` or ``bankml --help`` start in well under a second.
+``serve`` takes no arguments here: they go verbatim to the twistd plugin's options
+(``bankml.tap.Options``), so ``bankml serve`` and ``twistd bankml`` read the same command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bankml import __version__
+from bankml.cli import gate, generate, text
+from bankml.cli.parsing import CommandParser, add_command
+
+USAGE_EXIT = 1  # no command, an unknown one, or a bad option before it
+
+
+def version_line() -> str:
+    return f"bankml {__version__}"
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(
+        prog="bankml",
+        description="A verifying loopback gateway for local GGUF language models.",
+        epilog="`bankml COMMAND --help` describes a command's options.",
+        usage_exit=USAGE_EXIT,
+    )
+    parser.add_argument(
+        "--version", action="version", version=version_line(), help="print bankml's version"
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    gate.add_commands(commands)
+    add_command(
+        commands,
+        "serve",
+        serve_command,
+        "serve a verified model on loopback, with receipts",
+        usage_exit=USAGE_EXIT,
+        add_help=False,  # --help goes to the twistd options, which list serve's options
+    )
+    text.add_commands(commands)
+    generate.add_commands(commands)
+    add_command(
+        commands, "version", version_command, "print bankml's version", usage_exit=USAGE_EXIT
+    )
+    help_parser = add_command(
+        commands, "help", help_command, "print this help", usage_exit=USAGE_EXIT
+    )
+    help_parser.set_defaults(top_parser=parser)
+    return parser
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    # Twisted is imported only to serve
+    from bankml.tap import serve_command as serve
+
+    return serve(args.serve_argv)
+
+
+def version_command(args: argparse.Namespace) -> int:
+    print(version_line())
+    return 0
+
+
+def help_command(args: argparse.Namespace) -> int:
+    args.top_parser.print_help()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return USAGE_EXIT
+    if args.command == "serve":
+        args.serve_argv = rest  # FILE and every option, in the order given
+    elif rest:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
