@@ -1,6 +1,6 @@
 # The README's commands. `make serve` serves the default model from bankml's own engine
 # (--native); `make test` runs the whole suite. Both start from a fresh machine: they create .venv
-# and fetch the model; `make test` (and `make serve-p0`) also build the reference llama-server.
+# and fetch the model; `make test` (and `make serve-p0`) also build llama-server (build 11434).
 
 PYTHON      ?= python3
 VENV        := .venv
@@ -38,7 +38,7 @@ serve: venv model
 	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --native --listen $(LISTEN) --upstream $(UPSTREAM) \
 	    $(if $(SLOT_DIR),--slot-dir $(SLOT_DIR))
 
-# P0: bankml in front of the reference llama-server it launches and supervises.
+# P0: bankml in front of the llama-server (build 11434) it launches and supervises.
 serve-p0: venv model
 	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --spawn "$$(scripts/build-llama-server.sh)" \
 	    --listen $(LISTEN) --upstream $(UPSTREAM)

@@ -14,7 +14,7 @@ through and direct so that both see the same machine load:
   through / direct (medians).
 
 Each client keeps one HTTP/1.1 connection open, as an application would. It prints a table and
-ends with one JSON line of the figures. Targets (issue 2): /health p50 added <= 1 ms, streamed
+ends with one JSON line of the figures. Targets: /health p50 added <= 1 ms, streamed
 throughput >= 0.98 of direct.
 """
 

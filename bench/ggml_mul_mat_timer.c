@@ -1,7 +1,7 @@
 /* ggml-mul-mat-timer: time ggml's own CPU mul_mat, one run at a time, for bench/kquants.py.
  *
  * Compiled by bench/kquants.py against the same static ggml libraries as tests/oracle/ggml_op.c
- * (the reference llama-server's build), so the kernel timed is the one llama-server runs.
+ * (llama-server build 11434's), so the kernel timed is the one llama-server runs.
  *
  * Setup on stdin (little-endian): int32 type, int32 n_out, int32 n_in, int32 m, int32 n_threads,
  * int32 repacked (1: the weight in the CPU_REPACK buffer, as llama-server loads layer weights),

@@ -4,7 +4,7 @@
     bench/kquants.py [--types Q4_K Q6_K Q5_K] [--rows 512 64] [--threads 1] [--reps 7]
 
 For each weight type, shape and batch size, times ``KQuantMatrix.matmul`` (activation rounding
-included) and ggml's mul_mat of the same operands in the reference llama-server's static build
+included) and ggml's mul_mat of the same operands in llama-server build 11434's static libraries
 (``bench/ggml_mul_mat_timer.c``, a persistent process that times each graph compute itself),
 alternating one run of each, and prints GMAC/s and the ratio bankml/ggml (> 1: bankml faster).
 Q4_K goes in the CPU_REPACK buffer (q4_K_8x8), as llama-server loads layer weights, and through

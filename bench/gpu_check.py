@@ -1,27 +1,26 @@
 #!/usr/bin/env python3
-"""The engine's array path (CuPy with --device cuda) against its exact CPU path, on synthetic models.
+"""The engine's array path (CuPy with --device cuda) against its exact CPU path on this machine.
 
-    bench/device_check.py [--device cuda|cpu] [--quick] [--out DIR] [--vocab FILE]
-                          [--llama-server BIN|none] [--jobs N] [--threads N] [--budget-s S]
-                          [--models NAME,...] [--prompts N] [--greedy N]
-    bench/device_check.py --write-vocab FILE     (the vocabulary-only GGUF that travels)
+    bench/gpu_check.py [--device cuda|cpu] [--quick] [--out DIR] [--model FILE] [--vocab FILE]
+                       [--llama-server BIN|none] [--jobs N] [--threads N] [--budget-s S]
+                       [--models NAME,...] [--prompts N] [--greedy N]
 
-Made for one prepared run on a lent GPU machine (docs/device-check.md, scripts/device-check.sh),
-where the default model cannot travel: every model is built there with the tests' own builder
-(tests/tiny_models.py) from a 1.7 MB vocabulary-only GGUF. For each tiny model (every
-architecture and weight type of ``TINY_SPECS``) and one synthetic llama of the default model's
-shape in Q4_1, it loads the model twice, ``Model.load(device=DEVICE, exact=False)`` (the array
-path: CuPy on ``cuda``, NumPy on ``cpu``) and ``Model.load(device="cpu")`` (the exact path), and
-reports (a) the largest top-10 log-probability difference and the same top-1 over the prompts,
-(b) identical greedy answers, (c) with a llama-server that runs there, both paths against it,
-(d) prefill and decode tokens/s of both paths (and llama-server) on the big model, (e) every
-exception with its traceback. A model that fails is reported and the others go on.
+scripts/gpu-check.sh sets up a clean clone and runs this (docs/gpu.md). For each tiny model
+(every architecture and weight type of ``TINY_SPECS``, built with tests/tiny_models.py from the
+default model's vocabulary) and for the default model itself, it loads the model twice,
+``Model.load(device=DEVICE, exact=False)`` (the array path: CuPy on ``cuda``, NumPy on ``cpu``)
+and ``Model.load(device="cpu")`` (the exact path), and reports (a) the largest top-10
+log-probability difference and the same top-1 over the prompts, (b) identical greedy answers,
+(c) with a llama-server given, both paths against it, (d) prefill and decode tokens/s of both
+paths (and llama-server) on the default model, (e) every exception with its traceback. A model
+that fails is reported and the others go on.
 
 Tiny models run in worker processes side by side (``--jobs``; Numba compiles each weight type's
 kernels once there, cold on a fresh machine); the speed figures are taken afterwards, alone.
-Results are written to DIR/device_check.json after each phase (a run cut short keeps what it
-had) and end stdout as one JSON line. The exit status is 0 when the run completed, whatever the
-agreement: the figures are for the issue's notes, not a pass/fail test.
+Results are written to DIR/gpu_check.json after each phase (a run cut short keeps what it had)
+and end stdout as one JSON line. The exit status is 0 when the run completed, whatever the
+agreement: the array path is not meant to give the exact path's bits, so these are figures to
+read, not a pass/fail test.
 """
 
 from __future__ import annotations
@@ -49,10 +48,7 @@ sys.path.insert(0, str(ROOT))
 from bankml.engine_cupy.model import Model  # noqa: E402
 from bankml.engine_cupy.tokenizer import Tokenizer  # noqa: E402
 from bench import engine as bench_engine  # noqa: E402
-from tests import (
-    support,  # noqa: E402
-    tiny_models,  # noqa: E402
-)
+from tests import support  # noqa: E402
 from tests.test_forward import (  # noqa: E402
     PROMPTS,
     compare_greedy,
@@ -66,38 +62,12 @@ from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model  # noqa: E4
 # Quick mode (the CPU test): two small models in Q4_1, the default model's type, so that the
 # Numba kernels they need are the ones the rest of the suite compiles anyway.
 QUICK_SPECS = (TinySpec("llama", T.Q4_1), TINY_SPECS[3])
-# The default model's shape (SmolLM2-135M), random Q4_1 weights: for the speed figures.
-BIG_SPEC = TinySpec(
-    "llama", T.Q4_1, n_layer=30, n_embd=576, n_ff=1536, n_head=9, n_head_kv=3, head_dim=64
-)
-BIG_NAME = "big-llama-Q4_1"
-RESULT_FILE = "device_check.json"
+# The name --models gives the default model (the real one: agreement and the speed figures).
+DEFAULT_NAME = "default"
+RESULT_FILE = "gpu_check.json"
 
 
 # --- building the models -----------------------------------------------------------------------
-
-
-def write_vocab(target: Path, source: Path) -> Path:
-    """A GGUF holding only the default model's GPT-2 vocabulary (tokens, types, merges): what
-    tiny_models reads from its vocab_model, small enough to travel (the model itself does not)."""
-    from gguf import GGUFWriter
-
-    tokens, types, merges = tiny_models._vocab(source)
-    writer = GGUFWriter(str(target), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
-
-
-def write_big_model(path: Path, vocab: Path) -> Path:
-    return write_tiny_model(path, BIG_SPEC, vocab, seed=1)
 
 
 def spec_by_name(name: str) -> TinySpec:
@@ -105,7 +75,7 @@ def spec_by_name(name: str) -> TinySpec:
         if spec.name == name:
             return spec
     known = ", ".join(s.name for s in (*TINY_SPECS, *QUICK_SPECS))
-    raise SystemExit(f"unknown model {name!r}; known: {known}, {BIG_NAME}")
+    raise SystemExit(f"unknown model {name!r}; known: {known}, {DEFAULT_NAME}")
 
 
 # --- the comparisons ---------------------------------------------------------------------------
@@ -153,7 +123,7 @@ def array_vs_exact(
 def against_server(
     models: dict[str, Model], path: Path, binary: Path, prompts: list[list[int]], greedy_n: int
 ) -> dict[str, Any]:
-    """(c) each loaded path against llama-server on the same file (tests/test_forward's helpers;
+    """(c) each loaded path against llama-server on the same file (tests/test_forward's functions;
     llama-server -t 2, as the oracle tests and the exact path's attention split assume)."""
     out: dict[str, Any] = {}
     with support.LlamaServer(path, binary=binary) as server:
@@ -302,14 +272,16 @@ def speed(
     return {k: v for k, v in out.items() if v is not None}
 
 
-def big_model_checks(path: Path, args: argparse.Namespace, server: Path | None) -> dict[str, Any]:
+def default_model_checks(
+    path: Path, args: argparse.Namespace, server: Path | None
+) -> dict[str, Any]:
     import numba
 
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
     result: dict[str, Any] = {
-        "model": BIG_NAME,
-        "prompts": args.big_prompts,
+        "model": path.stem,
+        "prompts": args.default_prompts,
         "greedy_tokens": args.greedy,
         "times": {},
     }
@@ -320,12 +292,18 @@ def big_model_checks(path: Path, args: argparse.Namespace, server: Path | None) 
     if exact_model is not None:
         exact_model.threads = threads  # as bench/engine.py: Numba threads for the exact kernels
     first = next(iter(models.values()))
+    prompts = prompt_ids(first, args.default_prompts)
     if array_model is not None and exact_model is not None:
-        prompts = prompt_ids(first, args.big_prompts)
         _, result["array_vs_exact"] = attempt(
             result,
             "array_vs_exact",
             lambda: array_vs_exact(array_model, exact_model, prompts, args.greedy),
+        )
+    if server is not None:
+        _, result["vs_llama_server"] = attempt(
+            result,
+            "vs_llama_server",
+            lambda: against_server(models, path, server, prompts, args.greedy),
         )
     ids = Tokenizer.from_gguf(first.reader).tokenize(bench_engine.TEXT * 40)[: args.prefill]
     result["speed"] = speed(result, models, ids, args, server, path, threads)
@@ -366,12 +344,16 @@ def environment(device: str, server: Path | None) -> dict[str, Any]:
 
 
 def find_server(choice: str | None) -> tuple[Path | None, str]:
-    """The llama-server to compare with, if it runs here: --llama-server, $BANKML_LLAMA_SERVER,
-    else the build script's cached binary (support.llama_server_binary). 'none': no server."""
-    if choice == "none":
-        return None, "not asked for"
+    """The llama-server to compare with, if it runs here: --llama-server, else
+    $BANKML_LLAMA_SERVER; neither, or 'none': no server (nothing is built here)."""
+    choice = choice or os.environ.get("BANKML_LLAMA_SERVER")
+    if not choice or choice == "none":
+        return (
+            None,
+            "not asked for (--llama-server BIN, or scripts/gpu-check.sh --with-llama-server)",
+        )
     try:
-        binary = Path(choice) if choice else support.llama_server_binary()
+        binary = Path(choice)
         run = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
     except Exception as err:
         return None, f"{type(err).__name__}: {err}"
@@ -427,12 +409,19 @@ def run_workers(
                 continue
             log = tempfile.TemporaryFile()
             env = dict(
-                os.environ, NUMBA_NUM_THREADS=os.environ.get("DEVICE_CHECK_WORKER_THREADS", "2")
+                os.environ, NUMBA_NUM_THREADS=os.environ.get("GPU_CHECK_WORKER_THREADS", "2")
             )
             running.append(
                 (
                     name,
-                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        # a check that is killed takes its workers with it
+                        preexec_fn=support._die_with_parent,
+                    ),
                     result,
                     log,
                 )
@@ -466,19 +455,13 @@ def worker(args: argparse.Namespace) -> int:
     """One model in its own process; the result (or the traceback) goes to --result as JSON."""
     workdir = Path(args.workdir)
     try:
-        if args.worker == BIG_NAME:
-            path, seconds = timed(
-                lambda: write_big_model(workdir / f"{BIG_NAME}.gguf", Path(args.vocab))
-            )
-            result = {"model": BIG_NAME, "path": str(path), "write_s": seconds}
-        else:
-            spec = spec_by_name(args.worker)
-            path, seconds = timed(
-                lambda: write_tiny_model(workdir / f"{spec.name}.gguf", spec, Path(args.vocab))
-            )
-            server = None if args.llama_server in (None, "none") else Path(args.llama_server)
-            result = check_model(path, args.device, args.prompts, args.greedy, server)
-            result["times"] = {"write_s": seconds, **result["times"]}
+        spec = spec_by_name(args.worker)
+        path, seconds = timed(
+            lambda: write_tiny_model(workdir / f"{spec.name}.gguf", spec, Path(args.vocab))
+        )
+        server = None if args.llama_server in (None, "none") else Path(args.llama_server)
+        result = check_model(path, args.device, args.prompts, args.greedy, server)
+        result["times"] = {"write_s": seconds, **result["times"]}
     except Exception:
         result = {"model": args.worker, "error": {"worker": traceback.format_exc()}}
     Path(args.result).write_text(json.dumps(result))
@@ -522,19 +505,20 @@ def print_table(report: dict[str, Any]) -> None:
         f"{'model':28} {'top10 diff':>10} {'top1':>6} {'greedy':>7} | {'arr-srv':>8} {'greedy':>7}"
         f" | {'exa-srv':>8} {'greedy':>7}"
     )
-    big = report.get("big")
-    for m in [*report["models"], *([big] if big else [])]:
+    default = report.get("default_model")
+    for m in [*report["models"], *([default] if default else [])]:
         print(table_row(m))
-    speeds = (big or {}).get("speed") or {}
+    speeds = (default or {}).get("speed") or {}
     labels = {
-        "array": f"array ({(big or {}).get('array_device', '?')})",
+        "array": f"array ({(default or {}).get('array_device', '?')})",
         "exact": "exact (cpu)",
         "llama_server": "llama-server (cpu)",
     }
     if any(side in speeds for side in labels):
         print(
-            f"\n{BIG_NAME}: {speeds['prompt_tokens']}-token prefill, {speeds['decode_tokens']}-token "
-            f"decode, median of {speeds['rounds']} (CPU paths on {speeds['cpu_threads']} threads)"
+            f"\n{default['model']}: {speeds['prompt_tokens']}-token prefill, "
+            f"{speeds['decode_tokens']}-token decode, median of {speeds['rounds']} "
+            f"(CPU paths on {speeds['cpu_threads']} threads)"
         )
         for side, label in labels.items():
             if side in speeds:
@@ -542,8 +526,8 @@ def print_table(report: dict[str, Any]) -> None:
                     f"  {label:22} prefill {speeds[side]['prefill_tok_s']:8.1f} tok/s   "
                     f"decode {speeds[side]['decode_tok_s']:7.1f} tok/s"
                 )
-    elif big:
-        print(f"\n{BIG_NAME}: no speed figures")
+    elif default:
+        print(f"\n{default['model']}: no speed figures")
     if report.get("errors"):
         print("tracebacks: the JSON's 'error' of each model, by part")
 
@@ -554,11 +538,11 @@ def save(report: dict[str, Any], out: Path) -> None:
 
 
 def chosen_models(args: argparse.Namespace) -> tuple[list[TinySpec], bool]:
-    """The tiny specs to check and whether the big model is one (``--models``, else all; quick:
-    the two Q4_1 ones, no big model)."""
+    """The tiny specs to check and whether the default model is checked too (``--models``, else
+    all; quick: the two Q4_1 tiny ones only)."""
     if args.models:
         names = [n.strip() for n in args.models.split(",") if n.strip()]
-        return [spec_by_name(n) for n in names if n != BIG_NAME], BIG_NAME in names
+        return [spec_by_name(n) for n in names if n != DEFAULT_NAME], DEFAULT_NAME in names
     return list(QUICK_SPECS if args.quick else TINY_SPECS), not args.quick
 
 
@@ -573,11 +557,11 @@ def orchestrate(args: argparse.Namespace) -> int:
         "environment": environment(args.device, server),
         "llama_server": server_note if server is None else "ran: " + server_note,
         "models": [],
-        "big": None,
+        "default_model": None,
     }
     save(report, out)
-    specs, with_big = chosen_models(args)
-    with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:
+    specs, with_default = chosen_models(args)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         jobs = [
@@ -588,15 +572,6 @@ def orchestrate(args: argparse.Namespace) -> int:
             )
             for s in specs
         ]
-        if with_big:  # the big model is written meanwhile, by one more worker
-            jobs.insert(
-                0,
-                (
-                    BIG_NAME,
-                    worker_command(args, BIG_NAME, workdir / "big.json", workdir, None),
-                    workdir / "big.json",
-                ),
-            )
 
         def keep(results: dict[str, dict[str, Any]]) -> None:
             report["models"] = [results[s.name] for s in specs if s.name in results]
@@ -608,19 +583,16 @@ def orchestrate(args: argparse.Namespace) -> int:
 
         results = run_workers(jobs, args.jobs, deadline, keep)
         report["models"] = [results[s.name] for s in specs]
-        if with_big:
-            built = results[BIG_NAME]
-            if "path" not in built:
-                report["big"] = built
-            elif time.monotonic() > deadline - 60:
-                report["big"] = {
-                    "model": BIG_NAME,
-                    "error": {"budget": "skipped: the time budget was spent"},
-                }
-            else:
-                report["big"] = big_model_checks(Path(built["path"]), args, server)
-                report["big"].setdefault("times", {})["write_s"] = built["write_s"]
-    report["errors"] = sum(1 for m in [*report["models"], report["big"] or {}] if "error" in m)
+    if with_default:  # alone, after the workers: its speed figures need the machine to itself
+        if time.monotonic() > deadline - 60:
+            report["default_model"] = {
+                "model": args.model.stem,
+                "error": {"budget": "skipped: the time budget was spent"},
+            }
+        else:
+            report["default_model"] = default_model_checks(args.model, args, server)
+    checked = [*report["models"], report["default_model"] or {}]
+    report["errors"] = sum(1 for m in checked if "error" in m)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     save(report, out)
     print_table(report)
@@ -638,12 +610,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
-        help="where the array path runs (the exact path is always the CPU)",
+        help="where the array path runs: cuda is CuPy's device, a CUDA or a ROCm GPU "
+        "(the exact path is always the CPU)",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="two tiny Q4_1 models, 3 prompts, 16 greedy tokens, no big model",
+        help="two tiny Q4_1 models, 3 prompts, 16 greedy tokens, not the default model",
     )
     parser.add_argument(
         "--out",
@@ -651,26 +624,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"folder for {RESULT_FILE} (default $OUT, else bench/out)",
     )
     parser.add_argument(
+        "--model",
+        type=Path,
+        default=support.DEFAULT_MODEL,
+        help="the full-size model checked and timed (default: the default model)",
+    )
+    parser.add_argument(
         "--vocab",
         type=Path,
         default=None,
-        help="vocabulary GGUF (default .device/vocab.gguf, else the default model)",
+        help="the GGUF whose vocabulary the tiny models take (default: the default model)",
     )
     parser.add_argument(
-        "--llama-server", default=None, help="binary, or 'none' (default: the reference build)"
+        "--llama-server",
+        default=None,
+        help="llama-server binary to compare both paths with, or 'none' "
+        "(default $BANKML_LLAMA_SERVER, else none)",
     )
     parser.add_argument(
         "--jobs",
         type=int,
         default=max(1, min(12, (os.cpu_count() or 2) - 2)),
-        help="models checked at once (each on 2 Numba threads; default: all "
-        "twelve on the GPU machine's 16 cores, one on 2 cores)",
+        help="tiny models checked at once, each on 2 Numba threads (default: the cores less 2, "
+        "at most 12)",
     )
     parser.add_argument(
         "--threads",
         type=int,
         default=os.cpu_count() or 1,
-        help="Numba threads (and llama-server -t) for the big model's CPU figures",
+        help="Numba threads (and llama-server -t) for the default model's CPU figures",
     )
     parser.add_argument(
         "--budget-s",
@@ -681,18 +663,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         default=None,
-        help=f"comma-separated names to check (tiny specs' names, {BIG_NAME}); "
-        "default all (quick: two)",
+        help=f"comma-separated names to check (tiny specs' names, {DEFAULT_NAME}); "
+        "default all (quick: two tiny ones)",
     )
     parser.add_argument(
         "--prompts", type=int, default=None, help="prompts per tiny model (10; quick 3)"
     )
     parser.add_argument("--greedy", type=int, default=None, help="greedy tokens (32; quick 16)")
-    parser.add_argument("--big-prompts", type=int, default=4)
+    parser.add_argument("--default-prompts", type=int, default=4)
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--write-vocab", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
@@ -702,22 +683,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.greedy is None:
         args.greedy = 16 if args.quick else 32
     if args.vocab is None:
-        carried = ROOT / ".device" / "vocab.gguf"
-        args.vocab = carried if carried.exists() else support.DEFAULT_MODEL
+        args.vocab = args.model
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.write_vocab:
-        write_vocab(args.write_vocab, support.default_model())
-        print(args.write_vocab)
-        return 0
     if args.worker:
         return worker(args)
     if not Path(args.vocab).exists():
         print(
-            f"no vocabulary GGUF at {args.vocab}: run scripts/device-check.sh --prepare",
+            f"no GGUF at {args.vocab}: scripts/fetch-model.sh fetches the default model",
             file=sys.stderr,
         )
         return 2
