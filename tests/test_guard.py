@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from bankml.gate import guard
 from bankml.gate.guard import GuardResult, guard_bytes, guard_file
 
-N = 16384  # the reference's test-vector tensor size
+N = 16384  # the test vectors' tensor size
 
 # Independent of bankml.gate.guard: gguf-py's layouts plus the pinned llama.cpp's Q2_0 (ggml-common.h).
 LAYOUTS = {int(t): v for t, v in GGML_QUANT_SIZES.items()} | {42: (64, 18)}
@@ -223,7 +223,7 @@ def test_struct_built_valid_file_plays() -> None:
     assert result.types == {"F32": 1, "F16": 1}
 
 
-# -- the reference's test vectors ---------------------------------------------------------------
+# -- the guard's test vectors ------------------------------------------------------------------
 
 
 def test_vector_q1_0_and_f16_play() -> None:

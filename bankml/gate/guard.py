@@ -3,9 +3,8 @@
 The guard reads only the header (key/values and tensor infos), never the weights, and trusts
 nothing in it: every count and length is checked against the bytes that can exist before it is
 used, arrays are walked with an explicit stack (no recursion), and scalar arrays are skipped by
-size without being materialised. It is a port of the original's gguf_guard (see
-shared/reference/verify-registry-create.md section 2) plus the structural checks llama.cpp's own
-loader makes (ggml/src/gguf.cpp), so a file the guard plays is one the engine can map.
+size without being materialised. It applies bankml's GGUF rules (docs/modules/guard.md) plus
+the structural checks llama.cpp's own loader makes (ggml/src/gguf.cpp), so a file the guard plays is one the engine can map.
 
 Pure functions, no Twisted: `guard_bytes` on a prefix, `guard_file` on a path.
 """
@@ -24,9 +23,9 @@ from gguf.constants import GGML_QUANT_SIZES
 
 # -- limits -------------------------------------------------------------------------------------
 
-PREFIX_BYTES = 32 * 1024 * 1024  # first read: the reference's min(32 MiB, size)
+PREFIX_BYTES = 32 * 1024 * 1024  # first read: min(32 MiB, size)
 MAX_HEADER_BYTES = 256 * 1024 * 1024  # bounded memory: no header may need more than this
-MAX_NESTING = 64  # the reference's array nesting limit
+MAX_NESTING = 64  # deeper nested arrays are refused
 MAX_KV = 1 << 16  # real models carry < 100 keys; a tokenizer is one key
 MAX_TENSORS = 1 << 20  # real models carry < 100k tensor infos
 MAX_KEY_BYTES = 1 << 16
@@ -118,7 +117,7 @@ KNOWN_TYPES = frozenset(TYPE_NAMES)
 
 BONSAI_LABEL = re.compile(r"bonsai[\s_-]*2|prism-fork-required", re.IGNORECASE)
 
-# -- reasons the reference gives verbatim --------------------------------------------------------
+# -- the refusal reasons, word for word ----------------------------------------------------------
 
 NOT_GGUF = "not a GGUF file"
 NESTED_TOO_DEEP = f"gguf arrays nested deeper than {MAX_NESTING}"
@@ -155,7 +154,7 @@ class GuardResult:
     alignment: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The reference's JSON object, keys in its order."""
+        """The verdict as a JSON object, keys in their documented order."""
         if self.verdict == "need_more":
             return {"verdict": "need_more", "bytes_needed": self.bytes_needed}
         out: dict[str, Any] = {
@@ -173,7 +172,7 @@ class GuardResult:
         return out
 
     def to_json(self) -> str:
-        # ", " and ": " separators and raw non-ASCII, as the reference's jstr writes them.
+        # ", " and ": " separators and raw non-ASCII, as the documented JSON shape has them.
         return json.dumps(self.as_dict(), ensure_ascii=False)
 
     def to_text(self) -> str:
@@ -350,12 +349,12 @@ def _read_kvs(r: _Reader, n_kv: int) -> dict[str, Any]:
     for _ in range(n_kv):
         key = r.string("metadata key", MAX_KEY_BYTES)
         vtype = _value_type(r)
-        kv[key] = _read_value(r, vtype, key)  # a duplicate key: the last wins, as the reference
+        kv[key] = _read_value(r, vtype, key)  # a duplicate key: the last wins
     return kv
 
 
 def _alignment(kv: dict[str, Any]) -> int:
-    """general.alignment as the reference reads it: a float >= 1 truncated, an int or bool >= 1."""
+    """general.alignment read as the guard documents it: a float >= 1 truncated, an int or bool >= 1."""
     value = kv.get("general.alignment", DEFAULT_ALIGNMENT)
     if isinstance(value, float) and math.isfinite(value) and value >= 1:
         return int(value)
@@ -483,7 +482,7 @@ def _check_layout(
 
 
 def _legacy_q2_0(tensors: list[_TensorInfo], data_start: int, file_size: int | None) -> set[int]:
-    """Indices of Q2_0 tensors whose span is shorter than the group-64 layout (the reference's check 4)."""
+    """Indices of Q2_0 tensors whose span is shorter than the group-64 layout (structural check 4)."""
     by_offset = sorted(range(len(tensors)), key=lambda i: tensors[i].offset)
     short: set[int] = set()
     for rank, i in enumerate(by_offset):

@@ -1,9 +1,9 @@
 """The gate: a model plays only when its header passes the guard and its whole-file sha256 is pinned.
 
 `verify` reads FORK.json, runs the guard on the header, then hashes the whole file and compares
-it with the pin for the file's basename. `pin` writes that pin. Messages and exit codes follow
-shared/reference/verify-registry-create.md sections 1 and 3, except that FORK.json is parsed as
-JSON (the issue's rule) instead of the original's text scan. Pure functions, no Twisted.
+it with the pin for the file's basename. `pin` writes that pin. FORK.json is parsed as JSON (a
+pin file that is not JSON is refused, never scanned as text). Messages and exit codes are
+bankml's stable interface (docs/modules/verify.md). Pure functions, no Twisted.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def verify(
     """The fork (readable), then the guard (header only), then the whole-file sha256 against the pin.
 
     The pin is looked up by the basename of `path` as given; the guard and hash read the
-    canonical path, which is what Verified.path holds. Raises Refused with the reference's reason.
+    canonical path, which is what Verified.path holds. Raises Refused with the documented reason.
     """
     fork_text = read_fork(fork_path)
     name = os.path.basename(os.fspath(path))
