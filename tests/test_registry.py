@@ -410,3 +410,17 @@ def test_ps_naming(registry_dir: Path) -> None:
     assert got.resident.shown_as == "helper"  # same num_ctx: the loader's name stays
     res.acquire(pin, now=2.0, shown_as="other-q4_0", context_length=1024)
     assert (got.resident.shown_as, got.resident.context_length) == ("other-q4_0", 1024)
+
+
+def test_a_derived_model_over_a_file_verified_since_with_another_pin(registry_dir: Path) -> None:
+    from bankml.registry.catalog import stale_layer
+
+    _derive(registry_dir, "helper", "FROM other-q4_0\n")
+    catalog = Catalog.load(_registry(registry_dir), str(registry_dir / "forks"))
+    helper = catalog.resolve("helper")
+    assert stale_layer(helper, helper.pin.sha256) is None
+    assert stale_layer(helper.pin, "0" * 64) is None  # a pin has no layer
+    assert stale_layer(helper, "0" * 64) == (
+        f"its base Other-Q4_0.gguf was {helper.pin.sha256} when it was created; the pin now "
+        f'says "{"0" * 64}" — create it again'
+    )

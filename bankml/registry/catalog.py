@@ -133,3 +133,15 @@ class Catalog:
     def shown_name(self, target: Target) -> str:
         """The name a target is listed and answered as, with its tag."""
         return tag(target.name if isinstance(target, Derived) else model_name(target.file))
+
+
+def stale_layer(target: Target, verified_sha256: str) -> str | None:
+    """Why a derived model may not play over the file just verified (its pin moved on since the
+    catalog was read), else None. Call after every load."""
+    if isinstance(target, Derived) and target.layer.base_sha256 != verified_sha256:
+        base = target.manifest.base
+        return (
+            f"its base {base.file} was {base.sha256} when it was created; the pin now says "
+            f'"{verified_sha256}" — create it again'
+        )
+    return None
