@@ -145,6 +145,7 @@ def test_from_and_adapter_rules(text: str, message: str) -> None:
         ("PARAMETER temperature warm", 'PARAMETER temperature "warm": not a number'),
         ("PARAMETER temperature inf", 'PARAMETER temperature "inf": not a finite number'),
         ("PARAMETER top_p 1e39", 'PARAMETER top_p "1e39": not a finite number'),  # f32 overflow
+        ("REQUIRES soon", 'REQUIRES "soon": requires must be a valid semver (e.g. 0.14.0)'),
     ],
 )
 def test_parameter_refusals(line: str, message: str) -> None:
@@ -186,11 +187,11 @@ def test_last_wins_and_accumulation() -> None:
     spec = _spec(
         "FROM a\nSYSTEM one\nSYSTEM two\nPARAMETER top_k 10\nPARAMETER top_k 20\n"
         "PARAMETER stop x\nPARAMETER stop y\nLICENSE l1\nLICENSE l2\n"
-        "MESSAGE user u\nMESSAGE assistant a\nREQUIRES 1\nREQUIRES 2\n"
+        "MESSAGE user u\nMESSAGE assistant a\nREQUIRES 0.3.6\nREQUIRES v2.1\n"
         "PARAMETER temperature 0.7\n"
     )
     layer = merge(spec, "ab" * 32, None, None)
-    assert layer.system == "two" and layer.requires == "2"
+    assert layer.system == "two" and layer.requires == "2.1"
     assert layer.parameters == {"temperature": 0.7, "top_k": 20}  # in PARAMS order
     assert list(layer.parameters) == ["temperature", "top_k"]
     assert layer.stop == ("x", "y") and layer.license == ("l1", "l2")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -354,6 +355,20 @@ def merge(
     )
 
 
+_SEMVER = re.compile(
+    r"(0|[1-9]\d*)(?:\.(0|[1-9]\d*)(?:\.(0|[1-9]\d*))?)?"
+    r"(?:-[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?"
+)
+
+
+def requires_version(value: str) -> str:
+    """REQUIRES: a semantic version (a leading ``v`` dropped), as Ollama takes it."""
+    version = value[1:] if value.startswith("v") else value
+    if not _SEMVER.fullmatch(version):
+        raise LayerError(f'REQUIRES "{value}": requires must be a valid semver (e.g. 0.14.0)')
+    return version
+
+
 def spec_from_instructions(instructions: Sequence[Any]) -> Spec:
     """The rules over a parsed Modelfile: one FROM; the last SYSTEM, TEMPLATE and REQUIRES win;
     LICENSE, MESSAGE and PARAMETER stop accumulate; other parameters: the last value wins."""
@@ -367,7 +382,7 @@ def spec_from_instructions(instructions: Sequence[Any]) -> Spec:
         elif ins.name == "template":
             spec.template = ins.value
         elif ins.name == "requires":
-            spec.requires = ins.value
+            spec.requires = requires_version(ins.value)
         elif ins.name == "license":
             spec.license.append(ins.value)
         elif ins.name == "message":
