@@ -558,3 +558,21 @@ def test_create_main(forks: Path, tmp_path: Path) -> None:
 def test_default_registry_dir() -> None:
     assert default_registry_dir({"BANKML_FORKS": "/f", "HOME": "/h"}) == "/f"
     assert default_registry_dir({"HOME": "/h"}) == "/h/.local/share/bankml/forks"
+
+
+def test_copy_and_delete_bodies() -> None:
+    from bankml.registry.create import copy_request, delete_request
+
+    assert copy_request({"source": "a", "destination": "b"}) == ("a", "b")
+    assert delete_request({"name": "x"}) == "x" and delete_request({"model": "y"}) == "y"
+    for body, message in (
+        ({"destination": "b"}, "source is required (the model to copy)"),
+        ({"source": "a", "destination": ""}, "destination is required (the name of the copy)"),
+        ([], "the request body must be a JSON object"),
+    ):
+        with pytest.raises(CreateError) as err:
+            copy_request(body)
+        assert err.value.message == message
+    with pytest.raises(CreateError) as err:
+        delete_request({"model": 3})
+    assert err.value.message == "model is required (the name of the model to delete)"

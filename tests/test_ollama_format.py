@@ -731,3 +731,14 @@ def test_formats_and_registry_import_no_twisted() -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_show_requests(catalog: Catalog) -> None:
+    from bankml.formats.ollama_request import show_target
+
+    assert show_target({"name": "MindX"}, catalog).name == "mindx"
+    assert show_target({"model": "tiny-f16:latest", "verbose": True}, catalog).name == "tiny-f16"
+    for body in ({}, {"model": "nope"}, []):
+        with pytest.raises(fmt.OllamaError) as err:
+            show_target(body, catalog)
+        assert err.value.status == 404

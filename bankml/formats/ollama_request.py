@@ -461,3 +461,17 @@ def prompt_too_long(n_tokens: int, num_ctx: int) -> OllamaError:
         f"the prompt is {n_tokens} tokens, more than num_ctx {num_ctx}: send a shorter prompt or "
         "a larger num_ctx (bankml does not shift the context)",
     )
+
+
+def show_target(obj: Any, catalog: Catalog) -> Target:
+    """/api/show's ``{model|name, verbose}``: the model shown; every error is 404 with its
+    reason, as Ollama answers /api/show."""
+    if not isinstance(obj, dict):
+        raise OllamaError(404, "the request body must be a JSON object")
+    name = obj.get("model") if obj.get("model") is not None else obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise OllamaError(404, "model is required (the name of the model to show)")
+    try:
+        return catalog.resolve(name)
+    except NotFound as err:
+        raise OllamaError(404, str(err)) from None

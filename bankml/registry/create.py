@@ -370,3 +370,25 @@ def delete(name: Any, catalog: Catalog) -> str:
         f"{name} is a pinned model: bankml does not delete pins over HTTP (its file and its "
         "FORK.json record stay; remove them by hand)"
     )
+
+
+def copy_request(obj: Any) -> tuple[str, str]:
+    """/api/copy's body: ``{source, destination}``, both non-empty strings."""
+    if not isinstance(obj, dict):
+        raise CreateError("the request body must be a JSON object")
+    source, destination = obj.get("source"), obj.get("destination")
+    if not (isinstance(source, str) and source.strip()):
+        raise CreateError("source is required (the model to copy)")
+    if not (isinstance(destination, str) and destination.strip()):
+        raise CreateError("destination is required (the name of the copy)")
+    return source, destination
+
+
+def delete_request(obj: Any) -> str:
+    """/api/delete's body: ``{model|name}``."""
+    if not isinstance(obj, dict):
+        raise CreateError("the request body must be a JSON object")
+    name = obj.get("model") if obj.get("model") is not None else obj.get("name")
+    if not (isinstance(name, str) and name.strip()):
+        raise CreateError("model is required (the name of the model to delete)")
+    return name
