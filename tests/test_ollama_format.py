@@ -337,10 +337,6 @@ def test_logprobs_as_ollama_answers_them() -> None:
         "logprob": -0.5,
         "bytes": [72, 105],
     }
-    lines = [[{"token": "a", "logprob": -1.0}], [], [{"token": "b", "logprob": -2.0}]]
-    assert fmt.streamed_logprobs_text(lines) == (
-        b'[{"token": "a", "logprob": -1.0}, {"token": "b", "logprob": -2.0}]'
-    )
 
 
 # -- the request pipeline -------------------------------------------------------------------------
@@ -742,3 +738,70 @@ def test_show_requests(catalog: Catalog) -> None:
         with pytest.raises(fmt.OllamaError) as err:
             show_target(body, catalog)
         assert err.value.status == 404
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.ns = 1_000_000_000
+
+    def __call__(self) -> int:
+        self.ns += 1_000_000  # 1 ms a reading
+        return self.ns
+
+
+def _chunks():
+    from bankml.engine_cupy.engine import Chunk, Summary
+
+    entry = {"id": 1, "token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
+    eog = {"id": 2, "token": "", "logprob": -0.1, "bytes": [], "top_logprobs": []}
+    chunks = [Chunk("Hi", entry, True, 1), Chunk("", None, False, 3), Chunk("", eog, False, 2)]
+    summary = Summary(
+        finish_reason="stop",
+        text="Hi",
+        prompt_tokens=9,
+        completion_tokens=2,
+        timings={"cache_n": 4, "prompt_ms": 1.5, "predicted_ms": 2.25},
+    )
+    return chunks, summary
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_answer_from_engine_chunks(stream: bool) -> None:
+    import hashlib
+
+    chunks, summary = _chunks()
+    body = b'{"model": "mindx", "messages": []}'
+    answer = fmt.OllamaAnswer(
+        CHAT, "mindx:latest", body, stream=stream, top_logprobs=0, clock_ns=_Clock(), load_ns=7
+    )
+    lines = [line for c in chunks for line in answer.on_chunk(c)]
+    final = answer.final(summary, engine="native", model_sha256="ab" * 32)
+    if stream:
+        assert [line["message"]["content"] for line in lines] == ["Hi", ""]
+        assert lines[1]["logprobs"] == [{"token": "", "logprob": -0.1}]
+        assert final["message"]["content"] == ""
+    else:
+        assert lines == [] and final["message"]["content"] == "Hi"
+    ChatResponse.model_validate(final)
+    assert (final["prompt_eval_count"], final["eval_count"], final["bankml_cache_n"]) == (9, 2, 4)
+    assert (final["prompt_eval_duration"], final["eval_duration"]) == (1_500_000, 2_250_000)
+    assert final["load_duration"] == 7 and final["total_duration"] > 0
+    assert final["logprobs"] == [
+        {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+        {"token": "", "logprob": -0.1},
+    ]
+    r = final["bankml_receipt"]
+    assert r["response_sha256"] == hashlib.sha256(b"Hi").hexdigest()
+    assert r["request_sha256"] == hashlib.sha256(body).hexdigest()
+    assert (r["prompt_tokens"], r["completion_tokens"], r["model_sha256"]) == (9, 2, "ab" * 32)
+    assert "logprobs_sha256" in r and r["signed"] is False
+
+
+def test_an_answer_without_logprobs() -> None:
+    chunks, summary = _chunks()
+    answer = fmt.OllamaAnswer(GENERATE, "tiny-f16:latest", b"{}", stream=True, clock_ns=_Clock())
+    lines = [line for c in chunks for line in answer.on_chunk(c)]
+    assert [line["response"] for line in lines] == ["Hi"]  # empty pieces are not sent
+    final = answer.final(summary, engine="native", model_sha256="ab" * 32, context=[1, 2])
+    assert "logprobs" not in final and "logprobs_sha256" not in final["bankml_receipt"]
+    assert GenerateResponse.model_validate(final).context == [1, 2]

@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from bankml import __version__
 from bankml.engine_cupy.sampler import SamplerParams
+from bankml.receipt import Tally, receipt
 from bankml.registry.catalog import Catalog, Derived, Target, pin_of
 from bankml.registry.layer import PARAMS, Layer, f32_text
 from bankml.registry.manifest import parse_rfc3339, rfc3339_ns
@@ -452,8 +454,89 @@ def ollama_logprobs(entries: Iterable[Mapping[str, Any]], top: int) -> list[dict
     return out
 
 
-def streamed_logprobs_text(lines: Iterable[Sequence[Mapping[str, Any]]]) -> bytes:
-    """What ``logprobs_sha256`` covers on a stream: ``"["`` + each line's array inner text joined
-    by ``", "`` + ``"]"`` (lines without entries add nothing)."""
-    inners = [dumps(list(entries))[1:-1] for entries in lines if entries]
-    return b"[" + b", ".join(inners) + b"]"
+class OllamaAnswer:
+    """One /api/chat or /api/generate answer built from the engine's Chunks and Summary.
+
+    Streamed, ``on_chunk`` gives the piece lines (a token that released no text but carries a
+    logprob entry gets its own line with empty content; empty pieces are not sent otherwise);
+    not streamed, it only collects. ``final`` gives the last object, receipt included (the same
+    ``bankml.receipt`` /v1 carries: the answer's text, the raw request body, the counts and the
+    logprob entries). Times: ``started_ns`` is when the request arrived (``time.time_ns``).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        request_body: bytes,
+        *,
+        stream: bool,
+        top_logprobs: int | None = None,  # None: no logprobs asked for
+        started_ns: int | None = None,
+        load_ns: int = 0,
+        clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.kind = kind
+        self.model = model
+        self.stream = stream
+        self.top = top_logprobs
+        self.clock_ns = clock_ns
+        self.started_ns = clock_ns() if started_ns is None else started_ns
+        self.load_ns = load_ns
+        self.tally = Tally(request_body=request_body, clock=lambda: self.clock_ns() / 1e9)
+        self.tally.started = self.started_ns / 1e9
+        self.entries: list[dict[str, Any]] = []
+
+    def _now(self) -> str:
+        return rfc3339_ns(self.clock_ns())
+
+    def on_chunk(self, chunk: Any) -> list[dict[str, Any]]:
+        text = chunk.text or ""
+        self.tally.add_text(text)
+        mine: list[dict[str, Any]] | None = None
+        if self.top is not None and chunk.entry is not None:
+            mine = ollama_logprobs([chunk.entry], self.top)
+            self.entries.extend(mine)
+        if not self.stream or (not text and not mine):
+            return []
+        return [piece_line(self.kind, self.model, self._now(), text, mine)]
+
+    def final(
+        self,
+        summary: Any,
+        *,
+        engine: str,
+        model_sha256: str,
+        guard: str = "play",
+        context: Sequence[int] | None = None,
+        drop_last_entries: int = 0,
+    ) -> dict[str, Any]:
+        """The last object. ``drop_last_entries``: a stop string's own tokens, whose entries a
+        non-streamed answer leaves out (as llama-server does)."""
+        timings = getattr(summary, "timings", None) or {}
+        entries = self.entries
+        if not self.stream and drop_last_entries:
+            entries = entries[: max(len(entries) - drop_last_entries, 0)]
+        logprobs = entries if self.top is not None else None
+        self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
+        if logprobs is not None:
+            self.tally.add_logprobs(logprobs)
+        self.tally.finish()
+        signed = receipt(self.tally, engine=engine, model_sha256=model_sha256, guard=guard)
+        return final_object(
+            self.kind,
+            self.model,
+            self._now(),
+            "" if self.stream else self.tally.text,
+            done_reason=summary.finish_reason,
+            total_ns=self.clock_ns() - self.started_ns,
+            load_ns=self.load_ns,
+            prompt_eval_count=summary.prompt_tokens,
+            prompt_eval_ns=int(round(float(timings.get("prompt_ms", 0.0)) * 1e6)),
+            eval_count=summary.completion_tokens,
+            eval_ns=int(round(float(timings.get("predicted_ms", 0.0)) * 1e6)),
+            cache_n=int(timings.get("cache_n", 0) or 0),
+            receipt=signed,
+            logprobs=logprobs,
+            context=context,
+        )
