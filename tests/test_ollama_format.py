@@ -805,3 +805,70 @@ def test_an_answer_without_logprobs() -> None:
     final = answer.final(summary, engine="native", model_sha256="ab" * 32, context=[1, 2])
     assert "logprobs" not in final and "logprobs_sha256" not in final["bankml_receipt"]
     assert GenerateResponse.model_validate(final).context == [1, 2]
+
+
+# -- the engine takes what the pipeline prepares --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(default_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The default model pinned in a registry with a derived model, and the engine on it."""
+    from bankml.engine_cupy.engine import Engine
+
+    forks = tmp_path_factory.mktemp("forks")
+    os.symlink(default_model, forks / default_model.name)
+    pin_into(forks, forks / default_model.name)
+    base = discover(str(forks)).pins[0].name
+    mf = SYSTEM_MF.replace("FROM tiny-f16", f"FROM {base}")
+    create("mindx", spec_from_modelfile(mf), Catalog.load(discover(str(forks)), str(forks)))
+    model = forks / default_model.name
+    startup = (str(model), str(forks / f"{model.name}.FORK.json"))
+    catalog = Catalog.load(discover(str(forks), startup=startup), str(forks))
+    return catalog, Engine.open(str(default_model), n_ctx=N_CTX)
+
+
+def test_the_engine_takes_the_prepared_bodies(served) -> None:
+    catalog, engine = served
+    chat = prepare(
+        CHAT,
+        {
+            "model": "mindx",
+            "messages": HELLO,
+            "format": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "logprobs": True,
+            "options": {"num_predict": 8, "seed": 42},
+        },
+        catalog,
+        n_ctx=N_CTX,
+    )
+    req = engine.parse_request(chat.body, chat.engine_kind)
+    assert req.constraint is not None and req.n_probs == 1 and req.n_predict == 8
+    assert req.stop == ("<|im_end|>",) and req.sampler.seed == 42
+    assert req.sampler.temperature == pytest.approx(0.3)  # the layer's
+    assert "You are mindX." in req.prompt_text and req.prompt_text.index(
+        "earlier"
+    ) < req.prompt_text.index("hello")
+    json_mode = prepare(CHAT, {"messages": HELLO, "format": "json"}, catalog, n_ctx=N_CTX)
+    assert engine.parse_request(json_mode.body, "chat").constraint is not None
+    raw = prepare(GENERATE, {"prompt": "<|im_start|>user\nhi", "raw": True}, catalog, n_ctx=N_CTX)
+    got = engine.parse_request(raw.body, raw.engine_kind)
+    assert got.prompt_tokens == engine.tokenize(raw.body["prompt"], parse_special=True)
+    gen = prepare(GENERATE, {"model": "mindx", "prompt": "go"}, catalog, n_ctx=N_CTX)
+    assert "You are mindX." in engine.parse_request(gen.body, "chat").prompt_text
+
+
+def test_fit_chat_with_the_model_s_template(served) -> None:
+    _, engine = served
+
+    def count(messages) -> int:
+        text = engine.apply_template(list(messages), add_generation_prompt=True)
+        return len(engine.tokenize(text, parse_special=True))
+
+    long = [{"role": "system", "content": "Be brief."}]
+    long += [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"}] * 3
+    long.append({"role": "user", "content": "last"})
+    whole = count(long)
+    kept = fit_chat(long, count, whole - 1)
+    assert kept[0]["role"] == "system" and kept[-1]["content"] == "last"
+    assert count(kept) <= whole - 1 < count(long) and len(kept) < len(long)
+    assert fit_chat(long, count, whole) == long
