@@ -38,9 +38,8 @@ class _Usage(Exception):
     pass
 
 
-def _parse(argv: Sequence[str]) -> tuple[str, str | None, str | None, bool, str | None]:
-    """(name, modelfile, registry dir, --registry given, models dir); the first occurrence of a
-    flag wins."""
+def _parse(argv: Sequence[str]) -> tuple[str, str | None, str | None, str | None]:
+    """(name, modelfile, registry dir, models dir); the first occurrence of a flag wins."""
     name: str | None = None
     values: dict[str, str | None] = {}
     i = 0
@@ -69,7 +68,6 @@ def _parse(argv: Sequence[str]) -> tuple[str, str | None, str | None, bool, str 
         name,
         values.get("--file"),
         values.get("--registry"),
-        "--registry" in values,
         values.get("--models"),
     )
 
@@ -84,7 +82,7 @@ def create_main(
     err = stderr or sys.stderr
     env = os.environ if environ is None else environ
     try:
-        name, modelfile, directory, _given, models = _parse(argv)
+        name, modelfile, directory, models = _parse(argv)
     except _Usage as why:
         print(f"bankml create: {why}\n{USAGE}", file=err)
         return 1

@@ -41,11 +41,6 @@ class HeaderInfo:
         value = self.kv.get("tokenizer.chat_template")
         return value if isinstance(value, str) else None
 
-    @property
-    def context_length(self) -> int | None:
-        value = self.kv.get(f"{self.arch}.context_length")
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
     def sampling_metadata(self) -> dict[str, Any]:
         """The ``general.sampling.*`` keys (the model's own sampling defaults)."""
         return {k: v for k, v in self.kv.items() if k.startswith("general.sampling.")}
