@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bankml import verify
+from bankml.gate import verify
 from bankml.registry import names
 from bankml.registry.catalog import Catalog, Derived
 from bankml.registry.create import create, spec_from_modelfile

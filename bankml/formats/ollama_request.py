@@ -167,7 +167,7 @@ def merged_options(options: Any, layer: Layer | None) -> Any:
     if layer is None or not (options is None or isinstance(options, dict)):
         return options
     given = {k: v for k, v in (options or {}).items() if v is not None}
-    out = {k: v for k, v in layer.parameters.items() if k not in given}
+    out: dict[str, Any] = {k: v for k, v in layer.parameters.items() if k not in given}
     if layer.stop and "stop" not in given:
         out["stop"] = list(layer.stop)
     out.update(given)

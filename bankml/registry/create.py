@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bankml import verify
+from bankml.gate import verify
 from bankml.registry.catalog import Catalog, Derived, Target
 from bankml.registry.layer import (
     Layer,

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from bankml.guard import PREFIX_BYTES, _NeedMore, _parse, _Reader, _Refuse, type_name
+from bankml.gate.guard import PREFIX_BYTES, _NeedMore, _parse, _Reader, _Refuse, type_name
 
 
 class HeaderError(ValueError):

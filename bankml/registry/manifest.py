@@ -169,7 +169,7 @@ def read_manifest(path: str) -> Manifest:
         layer=layer,
         digest=want,
         path=path,
-        bankml=doc.get("bankml") if isinstance(doc.get("bankml"), str) else "",
+        bankml=str(doc.get("bankml") or ""),
     )
 
 

@@ -20,8 +20,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from bankml import verify
 from bankml.engine_cupy.arch import ARCHITECTURES, supported_names
+from bankml.gate import verify
 from bankml.registry.header import HeaderError, HeaderInfo, read_header
 from bankml.registry.names import base_name, model_name, request_name
 
@@ -204,9 +204,9 @@ def discover(
     if directory is not None:
         dirs = list(search) + ([directory] if directory not in search else [])
         for fork_path in forks_in(directory):
-            text = read_fork_text(fork_path)
-            files = fork_files(text) if text is not None else None
-            if files is None:
+            fork_text = read_fork_text(fork_path)
+            files = fork_files(fork_text) if fork_text is not None else None
+            if fork_text is None or files is None:
                 continue
             for entry in files:
                 if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
@@ -216,6 +216,6 @@ def discover(
                     continue
                 seen.add(model_name(file))
                 pins.append(
-                    make_pin(file, _find(file, dirs), fork_path, text, _record_bytes(entry))
+                    make_pin(file, _find(file, dirs), fork_path, fork_text, _record_bytes(entry))
                 )
     return Registry(pins, has_startup=startup is not None)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bankml import verify
-from bankml.fileident import FileIdent
+from bankml.gate import verify
+from bankml.gate.fileident import FileIdent
 from bankml.registry.keepalive import FOREVER, UNLOAD, KeepAlive
 from bankml.registry.pins import Pin
 
