@@ -1,0 +1,66 @@
+"""Small GGUF files and pinned registry directories for the registry and Ollama format tests.
+
+The files are real GGUFs (written with gguf.GGUFWriter) that the guard plays: a header with an
+architecture, a name, a chat template and a few small tensors. Their weights are never read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from bankml.gate import verify
+
+TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_gguf(
+    path: Path,
+    arch: str = "llama",
+    name: str = "Tiny",
+    size_label: str | None = None,
+    template: str | None = TEMPLATE,
+    temperature: float | None = None,
+    seed: int = 0,
+) -> Path:
+    """A small GGUF with an F32 norm and two F16 matrices (so its weight type is F16)."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    if size_label:
+        writer.add_string("general.size_label", size_label)
+    if template is not None:
+        writer.add_chat_template(template)
+    if temperature is not None:
+        writer.add_float32("general.sampling.temp", temperature)
+    writer.add_uint32(f"{arch}.context_length", 2048)
+    rng = np.random.default_rng(seed)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(32).astype(np.float32))
+    for t in ("token_embd.weight", "output.weight"):
+        writer.add_tensor(
+            t,
+            rng.standard_normal((16, 32)).astype(np.float16),
+            raw_dtype=GGMLQuantizationType.F16,
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def pin_into(directory: Path, model: Path, fork_name: str | None = None) -> Path:
+    """Pin ``model`` (by its basename) in ``<directory>/<fork_name or file>.FORK.json``."""
+    fork = directory / (fork_name or f"{model.name}.FORK.json")
+    verify.pin(model, fork)
+    return fork
+
+
+def write_fork(path: Path, files: list[dict]) -> Path:
+    path.write_text(json.dumps({"files": files}), encoding="utf-8")
+    return path
