@@ -28,6 +28,7 @@ COMMANDS = [
     "tokenize",
     "chat-template",
     "generate",
+    "create",
     "version",
     "help",
 ]
@@ -122,3 +123,25 @@ def test_sha256_does_not_import_twisted(tmp_path: Path) -> None:
         [sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120
     )
     assert out.stdout.splitlines()[-1] == "0 False", out.stderr
+
+
+def test_create_derives_a_model_over_a_pinned_one(tmp_path: Path) -> None:
+    """`bankml create` writes the manifest over the pinned base and prints the status lines."""
+    model = tmp_path / "models" / "tiny.gguf"
+    model.parent.mkdir()
+    model.write_bytes(build(LLAMA_KVS, [tensor("a", [64], 0, 0)]))
+    registry = tmp_path / "forks"
+    registry.mkdir()
+    fork = registry / "tiny.gguf.FORK.json"
+    assert bankml_run("pin", model, "--fork", fork).returncode == 0
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text('FROM tiny\nSYSTEM "Answer in one word."\n')
+    done = bankml_run(
+        "create", "brief", "-f", modelfile, "--registry", registry, "--models", model.parent
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "success"
+    manifest = json.loads((registry / "brief.MODEL.json").read_text())
+    assert hashlib.sha256(model.read_bytes()).hexdigest() in json.dumps(manifest)
+    again = bankml_run("create", "brief", "-f", tmp_path / "missing", "--registry", registry)
+    assert again.returncode != 0

@@ -46,6 +46,14 @@ def build_parser() -> CommandParser:
     text.add_commands(commands)
     generate.add_commands(commands)
     add_command(
+        commands,
+        "create",
+        create_command,
+        "derive a model from a pinned one: bankml create NAME -f Modelfile [--registry DIR]",
+        usage_exit=USAGE_EXIT,
+        add_help=False,  # its arguments go to the registry's create command as given
+    )
+    add_command(
         commands, "version", version_command, "print bankml's version", usage_exit=USAGE_EXIT
     )
     help_parser = add_command(
@@ -60,6 +68,12 @@ def serve_command(args: argparse.Namespace) -> int:
     from bankml.tap import serve_command as serve
 
     return serve(args.serve_argv)
+
+
+def create_command(args: argparse.Namespace) -> int:
+    from bankml.registry.cli import create_main
+
+    return create_main(args.passthrough_argv)
 
 
 def version_command(args: argparse.Namespace) -> int:
@@ -80,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT
     if args.command == "serve":
         args.serve_argv = rest  # FILE and every option, in the order given
+    elif args.command == "create":
+        args.passthrough_argv = rest
     elif rest:
         args.command_parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.run(args))
