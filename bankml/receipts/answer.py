@@ -1,0 +1,233 @@
+"""An answer as the client received it, read the way bankml hashed it when it wrote the receipt.
+
+``read_answer(body)`` takes the response body exactly as received: one JSON object, an SSE stream
+(``data:`` events, OpenAI's ending with ``data: [DONE]``) or NDJSON (one object a line), and
+returns what a receipt speaks of: the receipt itself, the answer text (the content of choice 0,
+or llama-server's ``content``, or Ollama's ``message.content`` / ``response``, streamed pieces
+joined in order), the logprobs entries, the token counts and finish reason the answer reports.
+A stream carries its receipt as a ``bankml_receipt`` field of its last regular event (that event
+may hold nothing else). Anything that is not such an answer raises ``Unreadable``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON, SSE, NDJSON = "json", "sse", "ndjson"
+
+
+class Unreadable(Exception):
+    """The response is not an answer the checker can read; the message says why."""
+
+
+@dataclass
+class AnswerView:
+    form: str  # JSON, SSE or NDJSON
+    receipt: Any
+    text: str = ""
+    logprobs: list[Any] | None = None  # None: the answer carries no logprobs
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    objects: list[dict[str, Any]] = field(default_factory=list)  # every event's object, in order
+    pieces: list[str] = field(default_factory=list)  # each object's share of the text, in order
+
+    def add_text(self, piece: str) -> None:
+        self.text += piece
+        if piece:
+            self.pieces.append(piece)
+
+    def add_logprobs(self, entries: list[Any]) -> None:
+        if self.logprobs is None:
+            self.logprobs = []
+        self.logprobs.extend(entries)
+
+
+def _loads(raw: bytes | str, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as err:
+        raise Unreadable(f"{what} is not JSON ({err})") from None
+
+
+def sse_payloads(body: bytes) -> list[bytes]:
+    """The data of each event of an SSE body (its ``data:`` lines joined by newlines)."""
+    text = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    out = []
+    for block in text.split(b"\n\n"):
+        lines = [line for line in block.split(b"\n") if line and not line.startswith(b":")]
+        if not lines:
+            continue
+        data = []
+        for line in lines:
+            name, _, value = line.partition(b":")
+            if name != b"data":
+                continue  # event:, id:, retry: say nothing about the answer
+            data.append(value[1:] if value.startswith(b" ") else value)
+        if data:
+            out.append(b"\n".join(data))
+    return out
+
+
+def response_form(body: bytes) -> str:
+    head = body.lstrip()
+    if head.startswith((b"data:", b"event:", b"id:", b":")):
+        return SSE
+    try:
+        json.loads(body)
+        return JSON
+    except ValueError:
+        return NDJSON
+
+
+def stream_objects(body: bytes, form: str) -> list[dict[str, Any]]:
+    """The events' objects of a stream, in order; [DONE] only as the very last event."""
+    if form == SSE:
+        payloads = sse_payloads(body)
+        if payloads and payloads[-1].strip() == b"[DONE]":
+            payloads = payloads[:-1]
+    else:
+        payloads = [line for line in body.split(b"\n") if line.strip()]
+    objects = []
+    for index, payload in enumerate(payloads):
+        if payload.strip() == b"[DONE]":
+            raise Unreadable(f"event {index} is [DONE] but more events follow it")
+        obj = _loads(payload, f"event {index}")
+        if obj is None:
+            raise Unreadable("the stream answers several prompts (a null event between them)")
+        if not isinstance(obj, dict):
+            raise Unreadable(f"event {index} is not a JSON object")
+        if "error" in obj:
+            raise Unreadable(f"event {index} is an error: {json.dumps(obj['error'])[:200]}")
+        objects.append(obj)
+    if not objects:
+        raise Unreadable("the stream holds no events")
+    return objects
+
+
+def first_choice(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """Choice 0 (the choice whose index is 0, or that names none), as the gateway tallies it."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return None
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _note_counts(view: AnswerView, obj: dict[str, Any], api: str) -> None:
+    """Counts an answer reports: ``usage`` (OpenAI), llama-server's ``tokens_evaluated`` /
+    ``tokens_predicted`` on a final object, else ``timings`` (prompt_n, predicted_n)."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        view.prompt_tokens = _count(usage.get("prompt_tokens"))
+        view.completion_tokens = _count(usage.get("completion_tokens"))
+        return
+    if api == "llama_completion" and obj.get("stop") is True:
+        view.prompt_tokens = _count(obj.get("tokens_evaluated"))
+        view.completion_tokens = _count(obj.get("tokens_predicted"))
+        return
+    if api.startswith("ollama") and obj.get("done") is True:
+        view.prompt_tokens = _count(obj.get("prompt_eval_count"))
+        view.completion_tokens = _count(obj.get("eval_count"))
+        return
+    timings = obj.get("timings")
+    if isinstance(timings, dict):
+        if view.prompt_tokens is None:
+            view.prompt_tokens = _count(timings.get("prompt_n"))
+        if view.completion_tokens is None:
+            view.completion_tokens = _count(timings.get("predicted_n"))
+
+
+def _add_piece(view: AnswerView, obj: dict[str, Any], api: str, stream: bool) -> None:
+    """One object's share of the text and logprobs, as the receipt's Tally took it."""
+    if api in ("chat", "oai_completion"):
+        choice = first_choice(obj)
+        if choice is None:
+            return
+        if api == "chat":
+            part = choice.get("delta" if stream else "message")
+            content = part.get("content") if isinstance(part, dict) else None
+        else:
+            content = choice.get("text")
+        if isinstance(content, str):
+            view.add_text(content)
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            view.add_logprobs(logprobs["content"])
+        if isinstance(choice.get("finish_reason"), str):
+            view.finish_reason = choice["finish_reason"]
+    elif api == "llama_completion":
+        if isinstance(obj.get("content"), str):
+            view.add_text(obj["content"])
+        if isinstance(obj.get("completion_probabilities"), list):
+            view.add_logprobs(obj["completion_probabilities"])
+    else:  # Ollama: /api/chat's message.content, /api/generate's response
+        message = obj.get("message")
+        content = message.get("content") if isinstance(message, dict) else obj.get("response")
+        if isinstance(content, str):
+            view.add_text(content)
+        if isinstance(obj.get("logprobs"), list):
+            view.add_logprobs(obj["logprobs"])
+        if isinstance(obj.get("done_reason"), str):
+            view.finish_reason = obj["done_reason"]
+
+
+def find_receipt(body: bytes) -> tuple[str, Any, list[dict[str, Any]]]:
+    """(form, the receipt, the objects) of a response body."""
+    form = response_form(body)
+    if form == JSON:
+        obj = _loads(body, "the response")
+        if isinstance(obj, list):
+            raise Unreadable("the answer holds several prompts' results; check one at a time")
+        if not isinstance(obj, dict):
+            raise Unreadable("the response is not a JSON object")
+        if "bankml_receipt" not in obj:
+            raise Unreadable("the response carries no bankml_receipt")
+        return form, obj["bankml_receipt"], [obj]
+    objects = stream_objects(body, form)
+    for index, obj in enumerate(objects[:-1]):
+        if "bankml_receipt" in obj:
+            raise Unreadable(f"a receipt in event {index}, not in the stream's last event")
+    if "bankml_receipt" not in objects[-1]:
+        raise Unreadable("the stream's last event carries no bankml_receipt")
+    return form, objects[-1]["bankml_receipt"], objects
+
+
+def read_answer(body: bytes, api: str) -> AnswerView:
+    """The answer of ``api`` (a receipt's ``api``) in ``body``."""
+    form, receipt, objects = find_receipt(body)
+    if isinstance(receipt, list):
+        raise Unreadable("the answer holds several prompts' receipts; check one at a time")
+    return answer_of(objects, form, api, receipt)
+
+
+def read_plain_answer(body: bytes, api: str) -> AnswerView:
+    """An answer that carries no receipt (llama-server's own, on a replay)."""
+    form = response_form(body)
+    if form == JSON:
+        obj = _loads(body, "the response")
+        if not isinstance(obj, dict):
+            raise Unreadable("the response is not a JSON object")
+        if "error" in obj:
+            raise Unreadable(f"an error: {json.dumps(obj['error'])[:200]}")
+        return answer_of([obj], form, api, None)
+    return answer_of(stream_objects(body, form), form, api, None)
+
+
+def answer_of(objects: list[dict[str, Any]], form: str, api: str, receipt: Any) -> AnswerView:
+    view = AnswerView(form, receipt, objects=objects)
+    stream = form != JSON
+    for obj in objects:
+        _add_piece(view, obj, api, stream)
+        _note_counts(view, obj, api)
+    if api == "chat" and not stream and first_choice(objects[0]) is None:
+        raise Unreadable("the response is not a chat completion (no choice 0)")
+    return view

@@ -1,0 +1,38 @@
+"""The bytes a version-2 receipt's signature covers.
+
+``signed_bytes(receipt)`` is ``CONTEXT`` followed by the receipt without its ``signature`` field
+in bankml's canonical JSON: keys sorted, no whitespace (``,`` and ``:``), UTF-8, strings escaped
+as JSON requires plus DEL as ``\\u007f``, an integral number written as an integer and any other
+number as the shortest decimal that reads back as the same double (Python's ``repr``). NaN and
+the infinities are not JSON and are refused. For receipts that is byte for byte what
+``jq -cjS 'del(.signature)'`` writes, so a shell with jq and openssl checks one (docs/receipts.md).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+CONTEXT = b"bankml-receipt-v2\n"  # keeps a receipt signature from meaning anything else
+_EXACT_INT_LIMIT = 2**53
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) < _EXACT_INT_LIMIT:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    return value
+
+
+def canonical_json(value: Any) -> bytes:
+    text = json.dumps(
+        _normal(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+    return text.replace("\x7f", "\\u007f").encode("utf-8")
+
+
+def signed_bytes(receipt: dict[str, Any]) -> bytes:
+    return CONTEXT + canonical_json({k: v for k, v in receipt.items() if k != "signature"})

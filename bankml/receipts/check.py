@@ -1,0 +1,218 @@
+"""``check_receipt``: does a response's signed receipt hold for the request and answer given?
+
+The checks run in this order and the first that fails is the answer, ``refuse: <reason>``:
+
+1. the response is an answer with one receipt (a JSON object's ``bankml_receipt``, or that field
+   of a stream's last event), of version 2, signed with ``alg`` ed25519;
+2. its ``keyid`` is the given public key's, and the signature verifies over the receipt's
+   canonical bytes (canonical.py), so no field was changed after signing;
+3. ``request_sha256`` is the sha256 of the request bytes as sent;
+4. with a pin, ``model_sha256`` is the pinned file's;
+5. the answer's form (one object or a stream) is the receipt's ``stream``; ``response_sha256``
+   and ``logprobs_sha256`` are what the answer itself hashes to, computed as bankml computed them
+   (receipt.py: the UTF-8 text of choice 0, streamed pieces joined; the compact JSON of the
+   logprobs entries), and the logprobs hash is there exactly when the answer carries logprobs;
+6. the fields agree with each other and with the answer: token counts and finish reason as the
+   answer reports them, the request's own sampler fields (seed, temperature, top_k, ...) equal to
+   the receipt's resolved settings, a request's explicit seed being the seed the receipt names.
+
+``valid`` means a holder of the key signed this receipt for this request and this answer. Whether
+the answer is what the pinned model computes for the request is the replay's question (replay.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from typing import Any
+
+from bankml.receipts.answer import JSON, Unreadable, read_answer
+from bankml.receipts.canonical import signed_bytes
+from bankml.receipts.keys import ALG, keyid_of, load_public_key, verifies
+from bankml.receipts.sign import APIS, RECEIPT_VERSION, sha256_hex
+
+VALID = "valid"
+# request fields that are not sampler settings though the sampler's table reads them
+_NOT_SAMPLER_FIELDS = ("logprobs", "n_probs", "top_logprobs")
+
+
+# where a request states its token limit, in the order the engine reads them
+_N_PREDICT_FIELDS = {
+    "chat": ("n_predict", "max_completion_tokens", "max_tokens"),
+    "oai_completion": ("n_predict", "max_completion_tokens", "max_tokens"),
+    "llama_completion": ("n_predict", "max_completion_tokens", "max_tokens"),
+}
+
+
+class Refused(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def canonical_logprobs(entries: list[Any]) -> bytes:
+    from bankml.receipt import canonical_logprobs as today
+
+    return today(entries)
+
+
+def check_receipt(
+    request_bytes: bytes,
+    response_bytes: bytes,
+    public_key_pem: str | bytes,
+    *,
+    model_sha256: str | None = None,
+) -> str:
+    """``valid`` or ``refuse: <the first reason>``; ``model_sha256`` pins the model file."""
+    try:
+        verified_receipt(request_bytes, response_bytes, public_key_pem, model_sha256=model_sha256)
+    except Refused as err:
+        return f"refuse: {err.reason}"
+    return VALID
+
+
+def verified_receipt(
+    request_bytes: bytes,
+    response_bytes: bytes,
+    public_key_pem: str | bytes,
+    *,
+    model_sha256: str | None = None,
+) -> dict[str, Any]:
+    """The receipt, once every check passed; Refused with the first reason otherwise."""
+    try:
+        public = load_public_key(public_key_pem)
+    except ValueError as err:
+        raise Refused(f"the public key: {err}") from None
+    receipt = _signed_receipt(response_bytes, public)
+    if sha256_hex(request_bytes) != receipt.get("request_sha256"):
+        raise Refused("request_sha256 is not the sha256 of this request: another request")
+    if model_sha256 is not None and receipt.get("model_sha256") != model_sha256.lower():
+        raise Refused(
+            f"model_sha256 {receipt.get('model_sha256')} is not the pinned model's {model_sha256}"
+        )
+    try:
+        request = json.loads(request_bytes)
+    except ValueError:
+        raise Refused("the request is not JSON") from None
+    if not isinstance(request, dict):
+        raise Refused("the request is not a JSON object")
+    try:
+        view = read_answer(response_bytes, receipt["api"])
+    except Unreadable as err:
+        raise Refused(str(err)) from None
+    _check_answer(receipt, view)
+    _check_request_fields(receipt, request)
+    return receipt
+
+
+def _signed_receipt(response_bytes: bytes, public: Any) -> dict[str, Any]:
+    from bankml.receipts.answer import find_receipt
+
+    try:
+        _, receipt, _ = find_receipt(response_bytes)
+    except Unreadable as err:
+        raise Refused(str(err)) from None
+    if not isinstance(receipt, dict):
+        raise Refused("bankml_receipt is not one JSON object")
+    version = receipt.get("receipt_version")
+    if version != RECEIPT_VERSION:
+        raise Refused(
+            f"receipt version {version!r}, not {RECEIPT_VERSION}: an unsigned receipt proves "
+            "nothing to a third party"
+            if version is None
+            else f"receipt version {version!r}, not {RECEIPT_VERSION}"
+        )
+    if receipt.get("alg") != ALG:
+        raise Refused(f"alg {receipt.get('alg')!r}, not {ALG}")
+    keyid = keyid_of(public)
+    if receipt.get("keyid") != keyid:
+        raise Refused(f"signed by key {receipt.get('keyid')}, not by the key given ({keyid})")
+    signature = receipt.get("signature")
+    try:
+        raw_sig = base64.b64decode(signature, validate=True) if isinstance(signature, str) else b""
+    except (binascii.Error, ValueError):
+        raw_sig = b""
+    try:
+        message = signed_bytes(receipt)
+    except ValueError as err:  # a NaN or infinity cannot be in a signed receipt
+        raise Refused(f"the receipt cannot be encoded canonically ({err})") from None
+    if len(raw_sig) != 64 or not verifies(public, raw_sig, message):
+        raise Refused("the signature does not verify: the receipt was changed after signing")
+    if receipt.get("signed") is not True:
+        raise Refused("the receipt says it is not signed")
+    if receipt.get("api") not in APIS:
+        raise Refused(f"api {receipt.get('api')!r} is not one bankml answers")
+    return receipt
+
+
+def _check_answer(receipt: Mapping[str, Any], view: Any) -> None:
+    streamed = view.form != JSON
+    if receipt.get("stream") is not streamed:
+        raise Refused(
+            f"the receipt is for a {'streamed' if receipt.get('stream') else 'whole'} answer, "
+            f"this one is {'streamed' if streamed else 'whole'}"
+        )
+    text_sha = sha256_hex(view.text.encode("utf-8", "surrogatepass"))
+    if text_sha != receipt.get("response_sha256"):
+        raise Refused("response_sha256 is not the sha256 of this answer's text: another answer")
+    if view.logprobs is None:
+        if "logprobs_sha256" in receipt:
+            raise Refused("the receipt hashes logprobs this answer does not carry")
+    else:
+        if "logprobs_sha256" not in receipt:
+            raise Refused("the answer carries logprobs the receipt does not hash")
+        if sha256_hex(canonical_logprobs(view.logprobs)) != receipt["logprobs_sha256"]:
+            raise Refused("logprobs_sha256 is not the sha256 of this answer's logprobs")
+    for name in ("prompt_tokens", "completion_tokens"):
+        shown = getattr(view, name)
+        if shown is not None and shown != receipt.get(name):
+            raise Refused(f"the answer reports {name} {shown}, the receipt {receipt.get(name)}")
+    if view.finish_reason is not None and view.finish_reason != receipt.get("finish_reason"):
+        raise Refused(
+            f"the answer's finish reason is {view.finish_reason!r}, "
+            f"the receipt's {receipt.get('finish_reason')!r}"
+        )
+    cache_n = receipt.get("cache_n")
+    prompt = receipt.get("prompt_tokens")
+    if not (isinstance(cache_n, int) and isinstance(prompt, int) and 0 <= cache_n <= prompt):
+        raise Refused(f"cache_n {cache_n!r} does not fit prompt_tokens {prompt!r}")
+
+
+def _check_request_fields(receipt: Mapping[str, Any], request: dict[str, Any]) -> None:
+    """The sampler fields the request names must resolve to the receipt's settings: the
+    engine's own reading of the request over the receipt's values changes none of them."""
+    from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerError, SamplerParams
+    from bankml.receipts.sign import params_from_settings
+
+    if receipt["api"].startswith("ollama"):
+        return  # Ollama's options are read by its own resource; compared on replay
+    try:
+        settings = params_from_settings(receipt.get("sampler") or {})
+    except (ValueError, TypeError, AttributeError) as err:
+        raise Refused(f"the receipt's sampler settings: {err}") from None
+    body = {k: v for k, v in request.items() if k not in _NOT_SAMPLER_FIELDS}
+    try:
+        asked = SamplerParams.from_request(body, settings)
+    except SamplerError as err:
+        raise Refused(f"the request's sampler fields are refused: {err}") from None
+    if asked.seed == DEFAULT_SEED:  # no seed, or "draw one": the receipt names the one drawn
+        asked = replace(asked, seed=settings.seed)
+    for f in fields(asked):
+        name, value = f.name, getattr(asked, f.name)
+        if getattr(settings, name) != value:
+            raise Refused(
+                f"the request's {name} is {value!r}, the receipt's {getattr(settings, name)!r}"
+            )
+    if settings.seed == DEFAULT_SEED:
+        raise Refused("the receipt names no seed actually used")
+    limits = [
+        request[k] for k in _N_PREDICT_FIELDS.get(receipt["api"], ()) if request.get(k) is not None
+    ]
+    if limits and type(limits[0]) is int and limits[0] != receipt.get("n_predict"):
+        raise Refused(
+            f"the request asks for at most {limits[0]} tokens, the receipt's n_predict is "
+            f"{receipt.get('n_predict')!r}"
+        )

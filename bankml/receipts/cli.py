@@ -1,0 +1,120 @@
+"""``bankml check-receipt`` and ``bankml keygen``, as functions of their arguments.
+
+    bankml check-receipt --request REQUEST --response RESPONSE --key PUBKEY
+                         [--model-sha256 HEX] [--replay MODEL --fork F]
+                         [--replay-with-llama-server BIN --replay MODEL --fork F]
+    bankml keygen [--key FILE]
+
+check-receipt prints ``valid`` (exit 0) or ``refuse: <reason>`` (exit 2); with a replay, the
+replay's verdict follows on a second line and a replay that does not pass (``refuse`` or
+``cannot replay``) exits 2 too. A usage error exits 64. keygen prints the key's path and id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_VALID, EXIT_REFUSED, EXIT_USAGE = 0, 2, 64
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's exit 2 would read as a refusal
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        print(f"{what} {path}: {err.strerror or err}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def check_receipt_main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(prog="bankml check-receipt", description="check a bankml answer's receipt")
+    parser.add_argument("--request", required=True, help="the request body as sent")
+    parser.add_argument("--response", required=True, help="the response body as received")
+    parser.add_argument("--key", required=True, help="the PEM public key (GET /bankml/key)")
+    parser.add_argument("--model-sha256", help="the model file's pinned sha256")
+    parser.add_argument("--replay", metavar="MODEL", help="replay the request on this file")
+    parser.add_argument("--fork", help="MODEL's FORK.json (its pin)")
+    parser.add_argument(
+        "--replay-with-llama-server", metavar="BIN", help="replay through this llama-server"
+    )
+    args = parser.parse_args(argv)
+    if (args.replay is None) != (args.fork is None):
+        parser.error("--replay MODEL and --fork F go together")
+    if args.replay_with_llama_server and not args.replay:
+        parser.error("--replay-with-llama-server needs --replay MODEL --fork F")
+    request = _read(args.request, "--request")
+    response = _read(args.response, "--response")
+    key = _read(args.key, "--key")
+
+    from bankml.receipts.check import check_receipt
+
+    verdict = check_receipt(request, response, key, model_sha256=args.model_sha256)
+    print(verdict, flush=True)
+    if verdict != "valid":
+        return EXIT_REFUSED
+    if not args.replay:
+        return EXIT_VALID
+    outcome = _replay(args, request, response)
+    print(f"replay: {outcome}", flush=True)
+    return EXIT_VALID if outcome.startswith("identical") else EXIT_REFUSED
+
+
+def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
+    from bankml.receipts import replay as rp
+    from bankml.receipts.answer import find_receipt
+
+    _, receipt, _ = find_receipt(response)
+    try:
+        rp.replayable(receipt)
+        if args.replay_with_llama_server:
+            from bankml.verify import Refused, verify
+
+            try:
+                verified = verify(args.replay, args.fork)
+            except Refused as err:
+                return f"cannot replay: the model file: {err.reason}"
+            if verified.sha256 != receipt.get("model_sha256"):
+                return f"refuse: the model file's sha256 is {verified.sha256}, the receipt names {receipt.get('model_sha256')}"
+            server = rp.LlamaServerProcess(
+                args.replay_with_llama_server,
+                verified.path,
+                receipt["n_ctx"],
+                receipt["cache_type"],
+                rp.llama_server_threads(),
+            )
+            with server:
+                return rp.replay_with_llama_server(request, response, server)
+        engine = rp.open_replay_engine(args.replay, args.fork, receipt)
+    except rp.CannotReplay as err:
+        return f"cannot replay: {err}"
+    except rp.ModelMismatch as err:
+        return f"refuse: {err}"
+    return rp.replay_in_process(request, response, engine)
+
+
+def keygen_main(argv: Sequence[str] | None = None, home: str | None = None) -> int:
+    parser = _Parser(prog="bankml keygen", description="make a receipt signing key")
+    parser.add_argument("--key", help="where to write it (default under ~/.local/share/bankml/)")
+    args = parser.parse_args(argv)
+
+    from bankml.receipts.keys import KeyRefused, default_key_path, keygen
+
+    path = args.key or default_key_path(home or os.path.expanduser("~"))
+    try:
+        key = keygen(path)
+    except KeyRefused as err:
+        print(f"refuse: {err.reason}", file=sys.stderr)
+        return EXIT_REFUSED
+    print(json.dumps({"path": str(path), "keyid": key.keyid}))
+    return EXIT_VALID

@@ -1,0 +1,454 @@
+"""Replays: run a receipt's request again and compare the answer bit for bit.
+
+``replay_in_process`` runs it on bankml's exact CPU engine (an ``Engine`` opened on the pinned file
+with the receipt's context size and cache type); ``replay_with_llama_server`` sends it to an
+unmodified llama-server started on the same file. Both use the seed the receipt names (a request
+that gave none was answered with a seed bankml drew and recorded), evaluate the whole prompt
+(no cached prefix), and compare the text, the token ids and the logprobs entries with the answer
+as received, naming the first token that differs.
+
+A replay answers ``identical: ...``, ``refuse: ...`` (the answer is not what the model computes
+for the request, or the request does not resolve to the receipt's settings) or
+``cannot replay: ...`` (the receipt's run cannot be reproduced here: a GPU's bits, an API the
+replay does not speak); only ``identical`` passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from bankml.receipts.answer import AnswerView, Unreadable, read_answer, read_plain_answer
+from bankml.receipts.canonical import canonical_json
+from bankml.receipts.sign import (
+    ENGINE_KIND,
+    engine_source_digest,
+    sampler_settings,
+    token_ids_sha256,
+)
+
+IDENTICAL = "identical"
+# bankml's logprobs are a few ulps from llama-server's, not bit for bit: the logprob softmax sums
+# the vocabulary in another order (docs/modules/sampler.md's limits). A replay through
+# llama-server allows this much in logprob values (1.5e-5 seen on the default model), nothing in
+# text, token ids, token text or bytes.
+LLAMA_SERVER_LOGPROB_TOLERANCE = 1e-4
+REPLAYABLE_DEVICES = ("cpu",)  # where the engine computes llama-server's own bits
+ENDPOINTS = {
+    "chat": "/v1/chat/completions",
+    "oai_completion": "/v1/completions",
+    "llama_completion": "/completion",
+}
+
+
+class CannotReplay(Exception):
+    pass
+
+
+@dataclass
+class Replayed:
+    """The replay's answer, in the terms the original is read in."""
+
+    text: str
+    pieces: list[str]  # each token's text where known, in order
+    token_ids: list[int] | None
+    logprobs: list[Any] | None
+    completion_tokens: int | None
+    finish_reason: str | None
+
+
+def replayable(receipt: Mapping[str, Any]) -> None:
+    """CannotReplay when no replay can reproduce the receipt's run."""
+    if receipt.get("api") not in ENGINE_KIND:
+        raise CannotReplay(f"the {receipt.get('api')} API is not replayed")
+    if receipt.get("device") not in REPLAYABLE_DEVICES:
+        raise CannotReplay(
+            f"answered on {receipt.get('device')!r}, whose bits are not llama-server's: "
+            "only a CPU answer is reproduced exactly"
+        )
+
+
+def _receipt_and_answer(response_bytes: bytes) -> tuple[dict[str, Any], AnswerView]:
+    from bankml.receipts.answer import find_receipt
+
+    _, receipt, _ = find_receipt(response_bytes)
+    return receipt, read_answer(response_bytes, receipt["api"])
+
+
+# --- bankml's engine, in this process -------------------------------------------------------------
+
+
+@dataclass
+class ReplayEngine:
+    """bankml's engine opened on a verified file, and that file's sha256."""
+
+    engine: Any
+    model_sha256: str
+
+
+def open_replay_engine(model: str, fork: str, receipt: Mapping[str, Any]) -> ReplayEngine:
+    """The engine a receipt's replay runs on: the pinned file (verified first, and it must be
+    the receipt's model), the receipt's n_ctx and cache type, on the CPU."""
+    from bankml.engine_cupy.engine import Engine
+    from bankml.verify import Refused, verify
+
+    try:
+        verified = verify(model, fork)
+    except Refused as err:
+        raise CannotReplay(f"the model file: {err.reason}") from None
+    if verified.sha256 != receipt.get("model_sha256"):
+        raise ModelMismatch(
+            f"the model file's sha256 is {verified.sha256}, the receipt names "
+            f"{receipt.get('model_sha256')}"
+        )
+    engine = Engine.open(
+        verified.path, n_ctx=receipt["n_ctx"], device="cpu", cache_type=receipt["cache_type"]
+    )
+    return ReplayEngine(engine, verified.sha256)
+
+
+class ModelMismatch(Exception):
+    pass
+
+
+def replay_in_process(request_bytes: bytes, response_bytes: bytes, replay: ReplayEngine) -> str:
+    """Run the request on ``replay``'s engine (open_replay_engine's) and compare."""
+    from bankml.engine_cupy.engine import RequestError
+
+    try:
+        receipt, original = _receipt_and_answer(response_bytes)
+        replayable(receipt)
+    except Unreadable as err:
+        return f"refuse: {err}"
+    except CannotReplay as err:
+        return f"cannot replay: {err}"
+    if receipt.get("model_sha256") != replay.model_sha256:
+        return (
+            f"refuse: the model file's sha256 is {replay.model_sha256}, the receipt names "
+            f"{receipt.get('model_sha256')}"
+        )
+    engine = replay.engine
+    if engine.n_ctx != receipt["n_ctx"] or engine.cache.cache_type != receipt["cache_type"]:
+        return (
+            f"cannot replay: the engine holds n_ctx {engine.n_ctx} and a "
+            f"{engine.cache.cache_type} cache; the receipt's run had {receipt['n_ctx']} and "
+            f"{receipt['cache_type']}"
+        )
+    kind = ENGINE_KIND[receipt["api"]]
+    try:
+        parsed = engine.parse_request(json.loads(request_bytes), kind)
+    except (RequestError, ValueError) as err:
+        return f"refuse: the engine refuses the request ({err})"
+    seed = receipt["sampler"].get("seed")
+    parsed = replace(parsed, sampler=replace(parsed.sampler, seed=seed), cache_prompt=False)
+    settings = sampler_settings(parsed.sampler)
+    for name, value in settings.items():
+        if canonical_json(value) != canonical_json(receipt["sampler"].get(name)):
+            return (
+                f"refuse: on this model the request resolves {name} to {value!r}, the receipt "
+                f"says {receipt['sampler'].get(name)!r}"
+            )
+    if parsed.n_predict != receipt.get("n_predict"):
+        return f"refuse: the request resolves n_predict to {parsed.n_predict}, the receipt says {receipt.get('n_predict')}"
+    if token_ids_sha256(parsed.prompt_tokens) != receipt.get("prompt_tokens_sha256"):
+        return "refuse: the request's prompt tokens on this model are not the receipt's"
+    replayed = _run(engine, parsed, receipt)
+    verdict = compare(original, receipt, replayed).verdict
+    if verdict != IDENTICAL:
+        if receipt.get("engine_digest") != engine_source_digest():
+            verdict += " (the receipt's engine sources differ from this bankml's)"
+        return f"refuse: {verdict}"
+    return f"{IDENTICAL}: {len(replayed.pieces)} tokens, text, token ids and logprobs bit for bit"
+
+
+def _run(engine: Any, parsed: Any, receipt: Mapping[str, Any]) -> Replayed:
+    """The run's answer as the serving code writes it (bankml/resources/openai.py's Answer):
+    streamed, the chunks' texts joined and every chunk's entry (a chat entry only where its
+    token made an event); whole, the summary's text and the entries less a stop word's own."""
+    run = engine.run_steps(parsed)
+    chunks = list(run)
+    summary = run.summary
+    streamed = bool(receipt.get("stream"))
+    entries: list[Any] = []
+    for index, chunk in enumerate(chunks):
+        if chunk.entry is None:
+            continue
+        if streamed and receipt["api"] == "chat" and not (chunk.text or index == 0):
+            continue
+        entries.append(chunk.entry)
+    if not streamed and summary.stopping_word and entries:
+        drop = min(len(entries), len(engine.tokenize(summary.stopping_word)))
+        entries = entries[: len(entries) - drop]
+    text = "".join(c.text for c in chunks) if streamed else summary.text
+    wants = int(getattr(parsed, "n_probs", 0) or 0) > 0
+    return Replayed(
+        text=text,
+        pieces=[c.text for c in chunks],
+        token_ids=list(summary.tokens),
+        logprobs=entries if wants and entries else None,
+        completion_tokens=summary.completion_tokens,
+        finish_reason=summary.finish_reason,
+    )
+
+
+# --- comparing ------------------------------------------------------------------------------------
+
+
+def _first_text_difference(pieces: Sequence[str], original: str) -> tuple[int, str] | None:
+    """(index of the first token whose text the original does not continue with, that text)."""
+    seen = ""
+    for index, piece in enumerate(pieces):
+        seen += piece
+        if not original.startswith(seen):
+            return index, piece
+    return None
+
+
+_VALUE_KEYS = ("logprob", "prob")
+
+
+def _value_distance(a: Any, b: Any) -> float | None:
+    """The largest difference between two logprobs entries' values (logprob or prob, theirs and
+    their top candidates'), or None when anything else differs (ids, token text, bytes, keys)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)) or set(a) != set(b):
+        return None
+    worst = 0.0
+    for key in a:
+        x, y = a[key], b[key]
+        if key in _VALUE_KEYS:
+            if not (isinstance(x, (int, float)) and isinstance(y, (int, float))):
+                if x != y:
+                    return None
+                continue
+            worst = max(worst, abs(float(x) - float(y)))
+        elif isinstance(x, list) and isinstance(y, list) and key.startswith("top_"):
+            if len(x) != len(y):
+                return None
+            for u, v in zip(x, y):
+                d = _value_distance(u, v)
+                if d is None:
+                    return None
+                worst = max(worst, d)
+        elif canonical_json(x) != canonical_json(y):
+            return None
+    return worst
+
+
+@dataclass
+class Comparison:
+    verdict: str  # IDENTICAL or what differs first
+    logprob_distance: float = 0.0  # the largest logprob difference tolerated
+
+
+def compare(
+    original: AnswerView,
+    receipt: Mapping[str, Any],
+    replayed: Replayed,
+    logprob_tolerance: float = 0.0,
+) -> Comparison:
+    """IDENTICAL, or what differs first (the token, by index from 0). Text and token ids are
+    compared bit for bit; logprobs too unless ``logprob_tolerance`` allows their values (never
+    their ids, text or bytes) to differ by that much."""
+    mine = original.logprobs or []
+    theirs = replayed.logprobs or []
+    worst = 0.0
+    for index, (a, b) in enumerate(zip(mine, theirs)):
+        if canonical_json(a) == canonical_json(b):
+            continue
+        distance = _value_distance(a, b) if logprob_tolerance > 0 else None
+        if distance is None or distance > logprob_tolerance:
+            return Comparison(_entry_difference(index, a, b, distance))
+        worst = max(worst, distance)
+    if replayed.text != original.text:
+        found = _first_text_difference(replayed.pieces, original.text)
+        if found is not None:
+            index, piece = found
+            token = replayed.token_ids[index] if replayed.token_ids else None
+            named = f" (id {token})" if token is not None else ""
+            where = original.text[len("".join(replayed.pieces[:index])) :][:20]
+            return Comparison(
+                f"the answer differs at token {index}: the replay computes {piece!r}{named} "
+                f"where the answer has {where!r}"
+            )
+        return Comparison(
+            f"the answer is longer than the replay's {len(replayed.pieces)} tokens: "
+            f"{original.text[len(replayed.text) :][:40]!r} follows"
+        )
+    if (original.logprobs is None) != (replayed.logprobs is None) or len(mine) != len(theirs):
+        return Comparison(
+            f"the answer carries {len(mine)} logprobs entries, the replay {len(theirs)}"
+        )
+    expected_tokens = receipt.get("completion_tokens_sha256")
+    if replayed.token_ids is not None and expected_tokens is not None:
+        if token_ids_sha256(replayed.token_ids) != expected_tokens:
+            return Comparison(
+                "the same text from other token ids (completion_tokens_sha256 differs)"
+            )
+    if replayed.completion_tokens is not None and replayed.completion_tokens != receipt.get(
+        "completion_tokens"
+    ):
+        return Comparison(
+            f"the replay generates {replayed.completion_tokens} tokens, the receipt says "
+            f"{receipt.get('completion_tokens')}"
+        )
+    if replayed.finish_reason is not None and replayed.finish_reason != receipt.get(
+        "finish_reason"
+    ):
+        return Comparison(
+            f"the replay finishes with {replayed.finish_reason!r}, the receipt says "
+            f"{receipt.get('finish_reason')!r}"
+        )
+    return Comparison(IDENTICAL, worst)
+
+
+def _entry_difference(index: int, a: Any, b: Any, distance: float | None) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.get("id") != b.get("id"):
+            return (
+                f"the answer differs at token {index}: the answer has id {a.get('id')} "
+                f"{a.get('token')!r}, the replay computes id {b.get('id')} {b.get('token')!r}"
+            )
+        named = f"token {index} (id {a.get('id')} {a.get('token')!r})"
+        if distance is not None:
+            return f"{named}: logprobs {distance:.3g} apart"
+        for key in sorted(set(a) | set(b)):
+            if canonical_json(a.get(key)) != canonical_json(b.get(key)):
+                return f"{named}: {key} differs"
+    return f"token {index}: the logprobs entries differ"
+
+
+# --- an unmodified llama-server -------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+class LlamaServerProcess:
+    """llama-server on a free loopback port with a receipt's n_ctx and cache type."""
+
+    def __init__(
+        self, binary: str, model: str, n_ctx: int, cache_type: str = "f16", threads: int = 2
+    ) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.n_ctx = n_ctx
+        self.cache_type = cache_type
+        cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["-t", str(threads), "-c", str(n_ctx), "-np", "1", "--jinja", "--no-webui"]
+        if cache_type != "f16":
+            cmd += ["-ctk", cache_type, "-ctv", cache_type]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise CannotReplay(f"llama-server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise CannotReplay("llama-server did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> LlamaServerProcess:
+        self.wait_healthy()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def replay_request_body(request_bytes: bytes, receipt: Mapping[str, Any]) -> bytes:
+    """The request as a replay sends it: the receipt's seed where the request named none, the
+    receipt's stream form, and the whole prompt evaluated."""
+    from bankml.engine_cupy.sampler import DEFAULT_SEED
+
+    body = json.loads(request_bytes)
+    seed = body.get("seed")
+    if seed is None or seed == -1 or seed == DEFAULT_SEED:
+        body["seed"] = receipt["sampler"]["seed"]
+    body["stream"] = bool(receipt.get("stream"))
+    body["cache_prompt"] = False
+    return json.dumps(body).encode("utf-8")
+
+
+def replay_with_llama_server(
+    request_bytes: bytes, response_bytes: bytes, server: LlamaServerProcess
+) -> str:
+    """Send the request to ``server`` (started on the pinned file) and compare."""
+    try:
+        receipt, original = _receipt_and_answer(response_bytes)
+        replayable(receipt)
+    except Unreadable as err:
+        return f"refuse: {err}"
+    except CannotReplay as err:
+        return f"cannot replay: {err}"
+    if server.n_ctx != receipt["n_ctx"] or server.cache_type != receipt["cache_type"]:
+        return "cannot replay: llama-server runs another n_ctx or cache type than the receipt's"
+    body = replay_request_body(request_bytes, receipt)
+    status, raw = _post(server.url + ENDPOINTS[receipt["api"]], body, timeout=600)
+    if status != 200:
+        return f"refuse: llama-server answers {status}: {raw[:200].decode('utf-8', 'replace')}"
+    try:
+        theirs = read_plain_answer(raw, receipt["api"])
+    except Unreadable as err:
+        return f"refuse: llama-server's answer: {err}"
+    ids = [e.get("id") for e in theirs.logprobs or [] if isinstance(e, dict)]
+    replayed = Replayed(
+        text=theirs.text,
+        pieces=theirs.pieces,
+        token_ids=ids if ids and len(ids) == theirs.completion_tokens else None,
+        logprobs=theirs.logprobs,
+        completion_tokens=theirs.completion_tokens,
+        finish_reason=theirs.finish_reason,
+    )
+    result = compare(original, receipt, replayed, LLAMA_SERVER_LOGPROB_TOLERANCE)
+    if result.verdict != IDENTICAL:
+        return f"refuse: {result.verdict}"
+    n = replayed.completion_tokens
+    told = f"the text of {n} tokens" if n is not None else "the text"
+    if not original.logprobs:
+        return f"{IDENTICAL}: {told} bit for bit"
+    if result.logprob_distance == 0.0:
+        return f"{IDENTICAL}: {told}, token ids and logprobs bit for bit"
+    return (
+        f"{IDENTICAL}: {told} and token ids bit for bit; logprobs "
+        f"{result.logprob_distance:.2g} apart at most (within {LLAMA_SERVER_LOGPROB_TOLERANCE:g})"
+    )
+
+
+def llama_server_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))

@@ -1,0 +1,209 @@
+"""Version-2 receipts: today's receipt plus what a replay needs, signed with Ed25519.
+
+``build_receipt_v2(base, facts, key)`` takes the receipt ``bankml.receipt.receipt`` gives today and
+the run's ``ReplayFacts`` (resolved sampler settings with the seed actually used, context size,
+cache type, engine identity, prompt and answer token ids) and returns the signed receipt, still
+one JSON object that rides as ``bankml_receipt``. The format is docs/modules/receipts.md's.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from datetime import datetime, timezone
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from bankml import __version__
+from bankml.receipts.canonical import signed_bytes
+from bankml.receipts.keys import ALG, SigningKey
+
+RECEIPT_VERSION = 2
+APIS = ("chat", "oai_completion", "llama_completion", "ollama_chat", "ollama_generate")
+ENGINE_KIND = {"chat": "chat", "oai_completion": "completion", "llama_completion": "completion"}
+ENGINE_SOURCES = Path(__file__).resolve().parent.parent / "engine_cupy"
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def token_ids_sha256(ids: Sequence[int]) -> str:
+    """sha256 of the ids as compact JSON (``[1,2,3]``, what ``jq -cj .tokens`` prints)."""
+    return sha256_hex(json.dumps([int(i) for i in ids], separators=(",", ":")).encode("ascii"))
+
+
+@cache
+def engine_source_digest(root: Path = ENGINE_SOURCES) -> str:
+    """sha256 of ``sha256sum``'s listing of the engine's Python sources, paths relative to the
+    package directory in C sort order: ``cd bankml && find engine_cupy -name '*.py' |
+    LC_ALL=C sort | xargs sha256sum | sha256sum``. Computed once per process."""
+    lines = []
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root.parent).as_posix()):
+        rel = path.relative_to(root.parent).as_posix()
+        lines.append(f"{sha256_hex(path.read_bytes())}  {rel}\n")
+    return sha256_hex("".join(lines).encode("utf-8"))
+
+
+@dataclass(frozen=True)
+class ReplayFacts:
+    """What, beyond today's receipt, a replay needs and a reader may check."""
+
+    api: str  # one of APIS: how the request was read and the answer written
+    stream: bool  # the answer was an event stream (SSE or NDJSON), not one object
+    sampler: Mapping[str, Any]  # resolved settings (sampler_settings), the seed actually used
+    n_predict: int
+    n_ctx: int
+    cache_type: str
+    device: str
+    engine_version: str
+    engine_digest: str
+    prompt_token_ids: Sequence[int]
+    completion_token_ids: Sequence[int] | None  # None where the engine does not say (P0 chat)
+    cache_n: int  # prompt tokens reused from the slot, not computed for this request
+    finish_reason: str | None
+
+
+def sampler_settings(params: Any) -> dict[str, Any]:
+    """A SamplerParams as JSON: every field, tuples as lists, a logit bias as ``[token, bias]``
+    with a banning -inf written as null."""
+    out: dict[str, Any] = {}
+    for f in fields(params):
+        value = getattr(params, f.name)
+        if f.name == "logit_bias":
+            value = [[b.token, b.bias if math.isfinite(b.bias) else None] for b in value]
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def params_from_settings(settings: Mapping[str, Any]) -> Any:
+    """``sampler_settings`` read back into a SamplerParams (ValueError when it does not fit)."""
+    from bankml.engine_cupy.sampler import LogitBias, SamplerParams
+
+    known = {f.name: f for f in fields(SamplerParams)}
+    if set(settings) != set(known):
+        missing = sorted(set(known) - set(settings))
+        extra = sorted(set(settings) - set(known))
+        raise ValueError(
+            f"sampler settings differ from this bankml's (missing {missing}, extra {extra})"
+        )
+    values: dict[str, Any] = {}
+    for name, value in settings.items():
+        if name == "logit_bias":
+            value = tuple(LogitBias(-math.inf if b is None else float(b), int(t)) for t, b in value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        elif isinstance(getattr(SamplerParams(), name), float) and isinstance(value, int):
+            value = float(value)  # canonical JSON writes 1.0 as 1
+        values[name] = value
+    return replace(SamplerParams(), **values)
+
+
+def pin_seed(parsed: Any) -> Any:
+    """A parsed engine Request whose seed is the one the run will use: a request without a seed
+    (llama.cpp's 0xFFFFFFFF) gets one drawn here, so the receipt can name it."""
+    from bankml.engine_cupy.sampler import DEFAULT_SEED, resolve_seed
+
+    if parsed.sampler.seed != DEFAULT_SEED:
+        return parsed
+    seed = DEFAULT_SEED
+    while seed == DEFAULT_SEED:  # the drawn value must not mean "draw one" again
+        seed = resolve_seed(DEFAULT_SEED)
+    return replace(parsed, sampler=replace(parsed.sampler, seed=seed))
+
+
+def native_facts(
+    parsed: Any,
+    summary: Any,
+    *,
+    api: str,
+    stream: bool,
+    n_ctx: int,
+    cache_type: str,
+    device: str,
+) -> ReplayFacts:
+    """The facts of one run of bankml's engine: ``parsed`` (its Request, seed pinned) and the
+    run's Summary."""
+    return ReplayFacts(
+        api=api,
+        stream=stream,
+        sampler=sampler_settings(parsed.sampler),
+        n_predict=int(parsed.n_predict),
+        n_ctx=int(n_ctx),
+        cache_type=cache_type,
+        device=device,
+        engine_version=__version__,
+        engine_digest=engine_source_digest(),
+        prompt_token_ids=list(parsed.prompt_tokens),
+        completion_token_ids=list(summary.tokens),
+        cache_n=int((summary.timings or {}).get("cache_n", 0)),
+        finish_reason=summary.finish_reason,
+    )
+
+
+def timestamp(now: float | None = None) -> str:
+    moment = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def build_receipt_v2(
+    base: Mapping[str, Any], facts: ReplayFacts, key: SigningKey, *, now: float | None = None
+) -> dict[str, Any]:
+    """Today's receipt ``base`` with the replay facts, the key id and the signature added."""
+    if facts.api not in APIS:
+        raise ValueError(f"unknown api {facts.api!r}")
+    out = {k: v for k, v in base.items() if k not in ("signed", "signature")}
+    out.update(
+        {
+            "signed": True,
+            "receipt_version": RECEIPT_VERSION,
+            "api": facts.api,
+            "stream": bool(facts.stream),
+            "engine_version": facts.engine_version,
+            "engine_digest": facts.engine_digest,
+            "device": facts.device,
+            "n_ctx": facts.n_ctx,
+            "cache_type": facts.cache_type,
+            "sampler": dict(facts.sampler),
+            "n_predict": facts.n_predict,
+            "prompt_tokens_sha256": token_ids_sha256(facts.prompt_token_ids),
+            "completion_tokens_sha256": None
+            if facts.completion_token_ids is None
+            else token_ids_sha256(facts.completion_token_ids),
+            "cache_n": facts.cache_n,
+            "finish_reason": facts.finish_reason,
+            "timestamp": timestamp(now),
+            "alg": ALG,
+            "keyid": key.keyid,
+        }
+    )
+    return sign_receipt(out, key)
+
+
+def sign_receipt(receipt: dict[str, Any], key: SigningKey) -> dict[str, Any]:
+    """``receipt`` with ``keyid`` set to the key's and ``signature`` (base64) over its
+    canonical bytes; anything signed before is replaced."""
+    out = {k: v for k, v in receipt.items() if k != "signature"}
+    out["keyid"] = key.keyid
+    out["signature"] = base64.b64encode(key.sign(signed_bytes(out))).decode("ascii")
+    return out
+
+
+def attach_to_stream(events: list[dict[str, Any]], receipt: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stream's event objects with ``receipt`` as a ``bankml_receipt`` field of the last
+    regular event (an event that held only today's receipt is dropped first)."""
+    out = [dict(e) for e in events]
+    if out and set(out[-1]) == {"bankml_receipt"}:
+        out.pop()
+    if not out:
+        raise ValueError("a stream with no event to carry the receipt")
+    out[-1]["bankml_receipt"] = receipt
+    return out
