@@ -369,6 +369,20 @@ def test_first_reasons(
     assert check_receipt(ex.request, ex.response, "not a key").startswith("refuse: the public key")
 
 
+def test_malformed_input_is_refused_not_raised(
+    exchanges: list[Exchange], receipt_key: SigningKey
+) -> None:
+    pem = receipt_key.public_key_pem
+    ex = next(e for e in exchanges if e.stream)
+    wrong = {"receipt_version": 2, "alg": "ed25519", "keyid": receipt_key.keyid, "signature": "x"}
+    bodies = [b"", b"data: [DONE]\n\n", b"[1,2]", b'{"bankml_receipt": 5}', b"\xff\xfe", b"null"]
+    bodies.append(json.dumps({"bankml_receipt": wrong}).encode())
+    bodies += [ex.response[:cut] for cut in range(0, len(ex.response), 97)]
+    for body in bodies:
+        assert check_receipt(ex.request, body, pem).startswith("refuse: "), body[:80]
+    assert check_receipt(b"\x00", ex.response, pem).startswith("refuse: request_sha256")
+
+
 def test_stream_layouts(exchanges: list[Exchange], receipt_key: SigningKey) -> None:
     """The receipt as a field of the last regular event, or as that event alone; never earlier."""
     pem = receipt_key.public_key_pem
@@ -467,7 +481,7 @@ def test_cli(
 
 @pytest.mark.llama_server
 def test_replay_through_llama_server(
-    exchanges: list[Exchange], llama_server_bin: Path, default_model: Path
+    exchanges: list[Exchange], receipt_key: SigningKey, llama_server_bin: Path, default_model: Path
 ) -> None:
     """The unmodified llama-server computes the same answers, greedy and seeded."""
     from bankml.receipts.replay import LlamaServerProcess, replay_with_llama_server
@@ -483,3 +497,37 @@ def test_replay_through_llama_server(
     print(f"\nllama-server replays: {len(agreed)}/{len(outcomes)} identical")
     assert agreed == [name for name, _ in outcomes], outcomes
     assert any(ex.seeded for ex in exchanges) and any(not ex.seeded for ex in exchanges)
+    for name, outcome in outcomes:
+        print(f"  {name}: {outcome}")
+    # a signed lie about the answer is caught by llama-server too
+    ex = next(e for e in exchanges if e.seeded and e.api == "llama_completion")
+    lie = lies_signed([ex], receipt_key)[0]
+    assert lie[0].endswith("a byte of the answer, hash re-signed")
+    with LlamaServerProcess(
+        str(llama_server_bin), str(default_model), receipt["n_ctx"], receipt["cache_type"]
+    ) as server:
+        assert replay_with_llama_server(lie[1], lie[2], server).startswith("refuse: ")
+
+
+@pytest.mark.llama_server
+def test_cli_replay_with_llama_server(
+    exchanges: list[Exchange],
+    receipt_key: SigningKey,
+    llama_server_bin: Path,
+    default_model: Path,
+    default_fork: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bankml.receipts.cli import check_receipt_main
+
+    ex = next(e for e in exchanges if e.seeded and e.api == "chat" and e.stream)
+    (tmp_path / "req.json").write_bytes(ex.request)
+    (tmp_path / "resp").write_bytes(ex.response)
+    (tmp_path / "key.pem").write_text(receipt_key.public_key_pem)
+    argv = ["--request", str(tmp_path / "req.json"), "--response", str(tmp_path / "resp")]
+    argv += ["--key", str(tmp_path / "key.pem"), "--replay", str(default_model)]
+    argv += ["--fork", str(default_fork), "--replay-with-llama-server", str(llama_server_bin)]
+    assert check_receipt_main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "valid" and out[1].startswith("replay: identical"), out

@@ -5,7 +5,9 @@ in bankml's canonical JSON: keys sorted, no whitespace (``,`` and ``:``), UTF-8,
 as JSON requires plus DEL as ``\\u007f``, an integral number written as an integer and any other
 number as the shortest decimal that reads back as the same double (Python's ``repr``). NaN and
 the infinities are not JSON and are refused. For receipts that is byte for byte what
-``jq -cjS 'del(.signature)'`` writes, so a shell with jq and openssl checks one (docs/receipts.md).
+``jq -cjS 'del(.signature)'`` writes, so a shell with jq and openssl checks one
+(docs/modules/receipts.md). A receipt is sent with its numbers already in this form
+(``normalized``), so that jq versions that keep a number's text as written (1.7) agree too.
 """
 
 from __future__ import annotations
@@ -17,19 +19,24 @@ CONTEXT = b"bankml-receipt-v2\n"  # keeps a receipt signature from meaning anyth
 _EXACT_INT_LIMIT = 2**53
 
 
-def _normal(value: Any) -> Any:
+def normalized(value: Any) -> Any:
+    """``value`` with every integral float an int (``1.0`` -> ``1``), as canonical JSON writes it."""
     if isinstance(value, float) and value.is_integer() and abs(value) < _EXACT_INT_LIMIT:
         return int(value)
     if isinstance(value, dict):
-        return {k: _normal(v) for k, v in value.items()}
+        return {k: normalized(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_normal(v) for v in value]
+        return [normalized(v) for v in value]
     return value
 
 
 def canonical_json(value: Any) -> bytes:
     text = json.dumps(
-        _normal(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        normalized(value),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
     )
     return text.replace("\x7f", "\\u007f").encode("utf-8")
 

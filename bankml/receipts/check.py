@@ -196,7 +196,7 @@ def _check_request_fields(receipt: Mapping[str, Any], request: dict[str, Any]) -
     body = {k: v for k, v in request.items() if k not in _NOT_SAMPLER_FIELDS}
     try:
         asked = SamplerParams.from_request(body, settings)
-    except SamplerError as err:
+    except (SamplerError, ValueError, TypeError) as err:
         raise Refused(f"the request's sampler fields are refused: {err}") from None
     if asked.seed == DEFAULT_SEED:  # no seed, or "draw one": the receipt names the one drawn
         asked = replace(asked, seed=settings.seed)

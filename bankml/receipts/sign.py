@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bankml import __version__
-from bankml.receipts.canonical import signed_bytes
+from bankml.receipts.canonical import normalized, signed_bytes
 from bankml.receipts.keys import ALG, SigningKey
 
 RECEIPT_VERSION = 2
@@ -191,7 +191,7 @@ def build_receipt_v2(
 def sign_receipt(receipt: dict[str, Any], key: SigningKey) -> dict[str, Any]:
     """``receipt`` with ``keyid`` set to the key's and ``signature`` (base64) over its
     canonical bytes; anything signed before is replaced."""
-    out = {k: v for k, v in receipt.items() if k != "signature"}
+    out = normalized({k: v for k, v in receipt.items() if k != "signature"})
     out["keyid"] = key.keyid
     out["signature"] = base64.b64encode(key.sign(signed_bytes(out))).decode("ascii")
     return out
