@@ -125,6 +125,17 @@ def test_key_id_and_document(tmp_path: Path) -> None:
     assert doc["public_key"].startswith("-----BEGIN PUBLIC KEY-----")
 
 
+@pytest.mark.skipif(shutil.which("sha256sum") is None, reason="no sha256sum")
+def test_engine_digest_is_the_documented_shell_recipe() -> None:
+    from bankml.receipts.sign import ENGINE_SOURCES, engine_source_digest
+
+    recipe = "find engine_cupy -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum"
+    out = subprocess.run(
+        ["sh", "-c", recipe], cwd=ENGINE_SOURCES.parent, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split()[0] == engine_source_digest()
+
+
 # --- the receipt ---------------------------------------------------------------------------------
 
 
@@ -151,6 +162,7 @@ def openai_client_reads(ex: Exchange) -> list[Any]:
     return list(out) if ex.stream else [out]
 
 
+@pytest.mark.slow  # the engine's answers
 def test_version_2_keeps_todays_fields_and_clients_parse(exchanges: list[Exchange]) -> None:
     for ex in exchanges:
         r = find_receipt(ex.response)[1]
@@ -164,6 +176,7 @@ def test_version_2_keeps_todays_fields_and_clients_parse(exchanges: list[Exchang
             assert all("bankml_receipt" not in o.model_extra for o in objects[:-1])
 
 
+@pytest.mark.slow  # the engine's answers
 def test_pin_seed_records_a_drawn_seed(native_engine: Any) -> None:
     engine = native_engine.engine
     drawn = pin_seed(engine.parse_request({"messages": MESSAGES}, "chat"))
@@ -179,6 +192,7 @@ def integral_floats(value: Any) -> list[float]:
     return [f for v in items for f in integral_floats(v)]
 
 
+@pytest.mark.slow  # the engine's answers
 @needs_jq
 def test_canonical_bytes_are_what_jq_writes(exchanges: list[Exchange]) -> None:
     for ex in exchanges:
@@ -205,6 +219,7 @@ def last_data_line(response: bytes) -> bytes:
     return lines[-1][len(b"data: ") :]
 
 
+@pytest.mark.slow  # the engine's answers
 @needs_openssl
 @needs_jq
 def test_openssl_alone_verifies(
@@ -228,6 +243,7 @@ def test_openssl_alone_verifies(
     assert bad.returncode != 0
 
 
+@pytest.mark.slow  # the engine's answers
 def test_rotated_key_old_receipts_verify_with_the_old_key(
     native_engine: Any, tmp_path: Path
 ) -> None:
@@ -246,6 +262,7 @@ def test_rotated_key_old_receipts_verify_with_the_old_key(
     )
 
 
+@pytest.mark.slow  # the engine's answers
 def test_a_key_reloaded_from_its_file_signs_receipts_that_verify(
     native_engine: Any, tmp_path: Path
 ) -> None:
@@ -265,6 +282,7 @@ def test_a_key_reloaded_from_its_file_signs_receipts_that_verify(
     assert check_receipt(ex.request, ex.response, first.public_key_pem) == VALID
 
 
+@pytest.mark.slow  # the engine's answers
 def test_signing_cost(exchanges: list[Exchange], receipt_key: SigningKey) -> None:
     """Printed, not asserted: what signing adds to an answer."""
     ratios = [ex.sign_s / ex.wall_s for ex in exchanges]
