@@ -403,31 +403,50 @@ def test_stream_layouts(exchanges: list[Exchange], receipt_key: SigningKey) -> N
 
 
 def test_ndjson_answer(exchanges: list[Exchange], receipt_key: SigningKey) -> None:
-    """An NDJSON stream (Ollama's form): the pieces' text joined, the receipt on the last line."""
-    ex = next(e for e in exchanges if e.stream and e.api == "chat")
-    form, objects, _ = load(ex.response)
-    receipt = dict(receipt_of(objects))
+    """An NDJSON stream (Ollama's form): the lines' text joined, the logprobs as the final object
+    lists them all again, the receipt on the last line."""
     from bankml.receipts.answer import answer_of
 
-    text = answer_of(objects, form, "chat", None).text
-    lines = [{"message": {"role": "assistant", "content": text[:5]}, "done": False}]
-    lines.append(
+    ex = next(
+        e for e in exchanges if e.stream and e.api == "chat" and "logprobs" in e.request.decode()
+    )
+    form, objects, _ = load(ex.response)
+    receipt = dict(receipt_of(objects))
+    view = answer_of(objects, form, "chat", None)
+    text, entries = view.text, view.logprobs
+    assert entries and "logprobs_sha256" in receipt
+    lines = [
+        {
+            "message": {"role": "assistant", "content": text[:5]},
+            "done": False,
+            "logprobs": entries[:1],
+        },
         {
             "message": {"role": "assistant", "content": text[5:]},
+            "done": False,
+            "logprobs": entries[1:],
+        },
+        {
+            "message": {"role": "assistant", "content": ""},
             "done": True,
             "done_reason": receipt["finish_reason"],
             "prompt_eval_count": receipt["prompt_tokens"],
             "eval_count": receipt["completion_tokens"],
-        }
-    )
+            "logprobs": entries,
+        },
+    ]
     receipt.update(api="ollama_chat")
-    receipt.pop("logprobs_sha256", None)
     lines[-1]["bankml_receipt"] = sign_receipt(receipt, receipt_key)
-    body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-    assert check_receipt(ex.request, body, receipt_key.public_key_pem) == VALID
+
+    def body() -> bytes:
+        return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+    assert check_receipt(ex.request, body(), receipt_key.public_key_pem) == VALID
+    lines[-1]["logprobs"] = entries[1:]
+    assert "logprobs_sha256" in check_receipt(ex.request, body(), receipt_key.public_key_pem)
+    lines[-1]["logprobs"] = entries
     lines[0]["message"]["content"] = "X" + text[1:5]
-    body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-    assert "response_sha256" in check_receipt(ex.request, body, receipt_key.public_key_pem)
+    assert "response_sha256" in check_receipt(ex.request, body(), receipt_key.public_key_pem)
 
 
 def test_cannot_replay_is_not_a_pass(
@@ -471,7 +490,7 @@ def test_cli(
     assert capsys.readouterr().out.splitlines()[1].startswith("replay: identical")
     with pytest.raises(SystemExit) as usage:
         check_receipt_main([*args, "--response", str(tmp_path / "resp"), "--replay", "m"])
-    assert usage.value.code == 64
+    assert usage.value.code == 1
     assert keygen_main(["--key", str(tmp_path / "k.pem")]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == str(tmp_path / "k.pem")
     assert keygen_main(["--key", str(tmp_path / "k.pem")]) == 2

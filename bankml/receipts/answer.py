@@ -174,7 +174,9 @@ def _add_piece(view: AnswerView, obj: dict[str, Any], api: str, stream: bool) ->
         content = message.get("content") if isinstance(message, dict) else obj.get("response")
         if isinstance(content, str):
             view.add_text(content)
-        if isinstance(obj.get("logprobs"), list):
+        # the final object lists every entry again (piece lines carry them as they come): the
+        # receipt hashes that list
+        if obj.get("done") is True and isinstance(obj.get("logprobs"), list):
             view.add_logprobs(obj["logprobs"])
         if isinstance(obj.get("done_reason"), str):
             view.finish_reason = obj["done_reason"]

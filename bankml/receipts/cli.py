@@ -7,7 +7,7 @@
 
 check-receipt prints ``valid`` (exit 0) or ``refuse: <reason>`` (exit 2); with a replay, the
 replay's verdict follows on a second line and a replay that does not pass (``refuse`` or
-``cannot replay``) exits 2 too. A usage error exits 64. keygen prints the key's path and id.
+``cannot replay``) exits 2 too. A usage error (or an unreadable file) exits 1. keygen prints the key's path and id.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-EXIT_VALID, EXIT_REFUSED, EXIT_USAGE = 0, 2, 64
+from bankml.cli.parsing import CommandParser
+
+EXIT_VALID, EXIT_REFUSED, EXIT_USAGE = 0, 2, 1
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's exit 2 would read as a refusal
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+def _parser(prog: str, description: str) -> CommandParser:
+    # like the gate's commands: 2 is a verdict (refuse), so a bad command line exits 1
+    return CommandParser(prog=prog, description=description, usage_exit=EXIT_USAGE)
 
 
 def _read(path: str, what: str) -> bytes:
@@ -38,7 +38,7 @@ def _read(path: str, what: str) -> bytes:
 
 
 def check_receipt_main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="bankml check-receipt", description="check a bankml answer's receipt")
+    parser = _parser("bankml check-receipt", "check a bankml answer's receipt")
     parser.add_argument("--request", required=True, help="the request body as sent")
     parser.add_argument("--response", required=True, help="the response body as received")
     parser.add_argument("--key", required=True, help="the PEM public key (GET /bankml/key)")
@@ -78,7 +78,7 @@ def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
     try:
         rp.replayable(receipt)
         if args.replay_with_llama_server:
-            from bankml.verify import Refused, verify
+            from bankml.gate.verify import Refused, verify
 
             try:
                 verified = verify(args.replay, args.fork)
@@ -104,7 +104,7 @@ def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
 
 
 def keygen_main(argv: Sequence[str] | None = None, home: str | None = None) -> int:
-    parser = _Parser(prog="bankml keygen", description="make a receipt signing key")
+    parser = _parser("bankml keygen", "make a receipt signing key")
     parser.add_argument("--key", help="where to write it (default under ~/.local/share/bankml/)")
     args = parser.parse_args(argv)
 

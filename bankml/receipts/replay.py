@@ -98,7 +98,7 @@ def open_replay_engine(model: str, fork: str, receipt: Mapping[str, Any]) -> Rep
     """The engine a receipt's replay runs on: the pinned file (verified first, and it must be
     the receipt's model), the receipt's n_ctx and cache type, on the CPU."""
     from bankml.engine_cupy.engine import Engine
-    from bankml.verify import Refused, verify
+    from bankml.gate.verify import Refused, verify
 
     try:
         verified = verify(model, fork)
