@@ -29,6 +29,8 @@ COMMANDS = [
     "chat-template",
     "generate",
     "create",
+    "check-receipt",
+    "keygen",
     "version",
     "help",
 ]
@@ -145,3 +147,21 @@ def test_create_derives_a_model_over_a_pinned_one(tmp_path: Path) -> None:
     assert hashlib.sha256(model.read_bytes()).hexdigest() in json.dumps(manifest)
     again = bankml_run("create", "brief", "-f", tmp_path / "missing", "--registry", registry)
     assert again.returncode != 0
+
+
+def test_keygen_writes_a_private_key_and_check_receipt_refuses_a_bad_one(tmp_path: Path) -> None:
+    key = tmp_path / "keys" / "receipt.pem"
+    made = bankml_run("keygen", "--key", key)
+    assert made.returncode == 0, made.stderr
+    assert key.stat().st_mode & 0o777 == 0o600
+    assert json.loads(made.stdout)["path"] == str(key)
+    assert bankml_run("keygen", "--key", key).returncode != 0  # never over an existing key
+    request = tmp_path / "request.json"
+    request.write_text('{"messages":[{"role":"user","content":"Hi"}]}')
+    response = tmp_path / "response.json"
+    response.write_text('{"choices":[]}')  # no receipt at all
+    checked = bankml_run(
+        "check-receipt", "--request", request, "--response", response, "--key", key
+    )
+    assert checked.returncode == 2
+    assert checked.stdout.startswith("refuse: ") or checked.stderr.startswith("refuse: ")

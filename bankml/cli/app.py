@@ -17,6 +17,8 @@ from bankml.cli import gate, generate, text
 from bankml.cli.parsing import CommandParser, add_command
 
 USAGE_EXIT = 1  # no command, an unknown one, or a bad option before it
+# commands whose arguments go as given to the module that parses them
+PASSTHROUGH = ("create", "check-receipt", "keygen")
 
 
 def version_line() -> str:
@@ -54,6 +56,22 @@ def build_parser() -> CommandParser:
         add_help=False,  # its arguments go to the registry's create command as given
     )
     add_command(
+        commands,
+        "check-receipt",
+        check_receipt_command,
+        "check a signed receipt: --request REQUEST --response RESPONSE --key PUBKEY [--replay ...]",
+        usage_exit=USAGE_EXIT,
+        add_help=False,  # its arguments go to the receipts' checker as given
+    )
+    add_command(
+        commands,
+        "keygen",
+        keygen_command,
+        "create an Ed25519 receipt-signing key: bankml keygen [--key FILE]",
+        usage_exit=USAGE_EXIT,
+        add_help=False,
+    )
+    add_command(
         commands, "version", version_command, "print bankml's version", usage_exit=USAGE_EXIT
     )
     help_parser = add_command(
@@ -76,6 +94,18 @@ def create_command(args: argparse.Namespace) -> int:
     return create_main(args.passthrough_argv)
 
 
+def check_receipt_command(args: argparse.Namespace) -> int:
+    from bankml.receipts.cli import check_receipt_main
+
+    return check_receipt_main(args.passthrough_argv)
+
+
+def keygen_command(args: argparse.Namespace) -> int:
+    from bankml.receipts.cli import keygen_main
+
+    return keygen_main(args.passthrough_argv)
+
+
 def version_command(args: argparse.Namespace) -> int:
     print(version_line())
     return 0
@@ -94,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT
     if args.command == "serve":
         args.serve_argv = rest  # FILE and every option, in the order given
-    elif args.command == "create":
+    elif args.command in PASSTHROUGH:
         args.passthrough_argv = rest
     elif rest:
         args.command_parser.error(f"unrecognized arguments: {' '.join(rest)}")
