@@ -426,11 +426,12 @@ def replay_with_llama_server(
         theirs = read_plain_answer(raw, receipt["api"])
     except Unreadable as err:
         return f"refuse: llama-server's answer: {err}"
-    ids = [e.get("id") for e in theirs.logprobs or [] if isinstance(e, dict)]
+    entries = [e for e in theirs.logprobs or [] if isinstance(e, dict)]
+    ids = [e["id"] for e in entries if isinstance(e.get("id"), int)]
     replayed = Replayed(
         text=theirs.text,
         pieces=theirs.pieces,
-        token_ids=ids if ids and len(ids) == theirs.completion_tokens else None,
+        token_ids=ids if ids and len(ids) == len(entries) == theirs.completion_tokens else None,
         logprobs=theirs.logprobs,
         completion_tokens=theirs.completion_tokens,
         finish_reason=theirs.finish_reason,
