@@ -473,7 +473,7 @@ def test_cli(
     default_model: Path,
     default_fork: Path,
 ) -> None:
-    from bankml.receipts.cli import check_receipt_main, keygen_main
+    from bankml.cli.receipts import check_receipt_main, keygen_main
 
     ex = next(e for e in exchanges if e.seeded and e.stream)
     (tmp_path / "req.json").write_bytes(ex.request)
@@ -538,7 +538,7 @@ def test_cli_replay_with_llama_server(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from bankml.receipts.cli import check_receipt_main
+    from bankml.cli.receipts import check_receipt_main
 
     ex = next(e for e in exchanges if e.seeded and e.api == "chat" and e.stream)
     (tmp_path / "req.json").write_bytes(ex.request)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bankml.cli.registry import create_main, default_registry_dir
 from bankml.registry.catalog import Catalog
-from bankml.registry.cli import create_main, default_registry_dir
 from bankml.registry.create import (
     CreateError,
     copy,

@@ -721,7 +721,7 @@ def test_formats_and_registry_import_no_twisted() -> None:
 
     code = (
         "import sys\n"
-        "import bankml.formats.ollama, bankml.formats.ollama_request, bankml.registry.cli\n"
+        "import bankml.formats.ollama, bankml.formats.ollama_request, bankml.cli.registry\n"
         "import bankml.registry.residency\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'twisted'], 'twisted imported'\n"
     )

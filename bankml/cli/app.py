@@ -89,19 +89,19 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def create_command(args: argparse.Namespace) -> int:
-    from bankml.registry.cli import create_main
+    from bankml.cli.registry import create_main
 
     return create_main(args.passthrough_argv)
 
 
 def check_receipt_command(args: argparse.Namespace) -> int:
-    from bankml.receipts.cli import check_receipt_main
+    from bankml.cli.receipts import check_receipt_main
 
     return check_receipt_main(args.passthrough_argv)
 
 
 def keygen_command(args: argparse.Namespace) -> int:
-    from bankml.receipts.cli import keygen_main
+    from bankml.cli.receipts import keygen_main
 
     return keygen_main(args.passthrough_argv)
 
