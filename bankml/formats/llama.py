@@ -317,7 +317,7 @@ def main_weight_type(guard: Any) -> str:
     """The file's weight type as llama-server's model_ftype names it: the commonest tensor type
     other than F32 (the norms), e.g. "Q4_1"."""
     types = {k: v for k, v in dict(getattr(guard, "types", {}) or {}).items() if k != "F32"}
-    return max(types, key=types.get) if types else "F32"
+    return max(types, key=lambda name: types[name]) if types else "F32"
 
 
 def prometheus_text(native: NativeEngine) -> str:

@@ -30,7 +30,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer
@@ -237,7 +237,11 @@ class EngineBridge:
     def call_and_wait(self, fn: Callable[[], T]) -> T:
         """From a thread other than the reactor's: ``fn`` as an engine job, its result waited for
         (``bankml.chat`` on a served engine queues with the HTTP requests this way)."""
-        return blockingCallFromThread(self.reactor, self.call, fn)
+
+        def start() -> Deferred[Any]:
+            return self.call(fn)
+
+        return cast(T, blockingCallFromThread(self.reactor, start))
 
     def new_control(self) -> RunControl:
         return RunControl(self.window)

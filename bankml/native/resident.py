@@ -79,7 +79,7 @@ class NativeEngine:
         self.engine_name = f"bankml {__version__} native ({device})"
         self.started = time.time()
         self.records: list[dict[str, Any]] = []
-        self.totals = {
+        self.totals: dict[str, Any] = {
             "requests": 0,
             "prompt_tokens": 0,
             "prompt_seconds": 0.0,
@@ -158,7 +158,7 @@ class NativeEngine:
     def record(self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str) -> None:
         """One finished completion into the ring and the totals (/bankml/metrics, /metrics)."""
         t = dict(getattr(summary, "timings", {}) or {})
-        rec = {
+        rec: dict[str, Any] = {
             "at": time.time(),
             "kind": kind,
             "finish_reason": getattr(summary, "finish_reason", None),
@@ -282,6 +282,7 @@ def slot_job(
     engine = native.engine
     if action == "erase":
         return 200, {"id_slot": id_slot, "n_erased": slots.erase_slot(engine)}
+    assert native.slot_dir is not None  # the resource refuses slot actions without a directory
     path = os.path.join(native.slot_dir, filename)
     if action == "save":
         try:

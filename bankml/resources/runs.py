@@ -41,7 +41,7 @@ _log = Logger(namespace="bankml.native")
 
 def read_json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
     """(raw body, the object); ApiError 400 when it is not a JSON object."""
-    raw = request.content.read()
+    raw = request.content.read() if request.content is not None else b""
     try:
         obj = loads_json(raw)
     except ValueError as err:
@@ -60,7 +60,10 @@ class AnswerResource(JsonResource):
         super().__init__()
         if kind not in ANSWERS:
             raise ValueError(f"unknown kind {kind!r}")
+        if native.bridge is None:
+            raise ValueError("a served NativeEngine has its bridge")
         self.native = native
+        self.bridge = native.bridge
         self.kind = kind
 
     def render_POST(self, request: Request) -> Any:
@@ -73,9 +76,9 @@ class AnswerResource(JsonResource):
         if problem is not None:
             write_json(request, 503, error_body(503, problem))
             return NOT_DONE_YET
-        control = self.native.bridge.new_control()
+        control = self.bridge.new_control()
         request.notifyFinish().addErrback(lambda _: control.cancel())
-        d = self.native.bridge.prepare(self.native.parse, obj, self.kind)
+        d = self.bridge.prepare(self.native.parse, obj, self.kind)
         d.addCallback(self._run, request, raw, obj, control)
         d.addErrback(self._failed, request, None)
         return NOT_DONE_YET
@@ -96,7 +99,7 @@ class AnswerResource(JsonResource):
             for index, parsed in enumerate(prompts)
         ]
         writer = RunWriter(request, answers, control)
-        d = self.native.bridge.stream(self.native.steps(prompts), writer.step, control)
+        d = self.bridge.stream(self.native.steps(prompts), writer.step, control)
         d.addCallback(writer.end)
         d.addErrback(self._failed, request, writer)
         return d
@@ -104,8 +107,8 @@ class AnswerResource(JsonResource):
     def _failed(self, failure: Failure, request: Request, writer: RunWriter | None) -> None:
         if failure.check(ClientGone) or gone(request):
             return
-        if failure.check(ApiError):
-            err = failure.value
+        err = failure.value
+        if isinstance(err, ApiError):
             if writer is not None and writer.events.started:
                 writer.events.error(err.status, str(err))
             else:
@@ -137,7 +140,7 @@ class RunWriter:
     def step(self, step: Step) -> None:
         answer = self.answers[step.index]
         if step.summary is None:
-            events = answer.on_chunk(step.chunk)
+            events: list[Any] = answer.on_chunk(step.chunk)
             if step.index > 0 and answer.n_tokens == 1 and self.stream:
                 events = [None, *events]  # llama-server's begin event of a later task
             self.events.write(events)

@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from twisted.application import service
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
 from twisted.web.server import Site
@@ -94,7 +95,9 @@ class ServingService(service.MultiService):
 
     def port_of(self, index: int) -> int:
         """The bound port of the ``index``-th address (for tests that bind port 0)."""
-        return self.ports[index].getHost().port
+        address = self.ports[index].getHost()
+        assert isinstance(address, (IPv4Address, IPv6Address))  # listen_loopback binds TCP
+        return address.port
 
     def fatal(self, reason: str, code: int = EXIT_REFUSED) -> None:
         """Refuse to serve: the reason on stderr and in the log, then exit with ``code``."""

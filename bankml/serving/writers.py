@@ -32,7 +32,7 @@ NDJSON = b"application/x-ndjson"
 
 def gone(request: Request) -> bool:
     """The answer is over: finished, or the client closed its connection."""
-    return request.finished or bool(getattr(request, "_disconnected", False))
+    return bool(request.finished) or bool(getattr(request, "_disconnected", False))
 
 
 def write_json(
