@@ -2,8 +2,8 @@
 
 The same answer and the same receipt as ``POST /v1/chat/completions`` on ``bankml serve --native``
 for the same request, without HTTP or a reactor: the request is parsed and validated by the
-engine, run in the calling thread, and the objects are built by the same ``Answer`` the HTTP
-resource uses (bankml/resources/openai.py).
+engine, and the objects are built by the same ``ChatAnswer`` the HTTP endpoint uses
+(bankml/native/answer.py). Nothing here imports Twisted.
 
 - ``chat(request)`` returns the non-streamed object (OpenAI's, with ``timings`` and
   ``bankml_receipt``), whatever ``stream`` says.
@@ -30,29 +30,23 @@ import json
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
-from bankml.bridge import NativeEngine
+from bankml.formats.errors import ApiError
+from bankml.formats.nlohmann import loads_json
+from bankml.gate.verify import Refused, verify
+from bankml.native.answer import CHAT, ChatAnswer
+from bankml.native.resident import NativeEngine, open_engine
 
 __all__ = ["chat", "chat_stream", "open_native", "ApiError"]
+
+T = TypeVar("T")
 
 _default: NativeEngine | None = None
 _default_lock = threading.Lock()
 _executors: dict[int, ThreadPoolExecutor] = {}
-
-
-class ApiError(Exception):
-    """A request bankml will not answer: ``status`` and llama-server's error ``body``."""
-
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        message = (
-            body.get("error", {}).get("message", str(body)) if isinstance(body, dict) else str(body)
-        )
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.body = body
 
 
 def open_native(
@@ -64,25 +58,13 @@ def open_native(
     cache_type: str | None = None,
 ) -> NativeEngine:
     """Verify ``model`` against its pin (guard, then sha256), then open the engine on it."""
-    from bankml.engine_cupy import backend
-    from bankml.engine_cupy.engine import Engine
-    from bankml.gate.verify import Refused, verify
-
     try:
         verified = verify(model, fork or model + ".FORK.json")
     except Refused as err:
-        raise ApiError(
-            400,
-            {
-                "error": {
-                    "code": 400,
-                    "message": f"refuse: {err.reason}",
-                    "type": "invalid_request_error",
-                }
-            },
-        ) from None
-    engine = Engine.open(verified.path, n_ctx=n_ctx, device=device, cache_type=cache_type)
-    device_name = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
+        raise ApiError.of(400, f"refuse: {err.reason}") from None
+    engine, device_name = open_engine(
+        verified.path, n_ctx=n_ctx, device=device, cache_type=cache_type
+    )
     return NativeEngine(engine, None, verified, n_ctx=engine.n_ctx, device=device_name)
 
 
@@ -92,16 +74,10 @@ def _default_native() -> NativeEngine:
         if _default is None:
             model = os.environ.get("BANKML_MODEL")
             if not model:
-                raise ApiError(
+                raise ApiError.of(
                     400,
-                    {
-                        "error": {
-                            "code": 400,
-                            "type": "invalid_request_error",
-                            "message": "no model: pass native=open_native(FILE, FORK) "
-                            "or set BANKML_MODEL (and BANKML_FORK)",
-                        }
-                    },
+                    "no model: pass native=open_native(FILE, FORK) "
+                    "or set BANKML_MODEL (and BANKML_FORK)",
                 )
             _default = open_native(model, os.environ.get("BANKML_FORK"))
         return _default
@@ -110,8 +86,6 @@ def _default_native() -> NativeEngine:
 def _body(request: dict[str, Any] | bytes) -> tuple[bytes, dict[str, Any]]:
     """(raw bytes, object), read as the HTTP resource reads a body: strict JSON (a dict holding
     NaN or an infinity is not JSON either)."""
-    from bankml.resources.openai import loads_json
-
     try:
         if isinstance(request, (bytes, bytearray)):
             raw = bytes(request)
@@ -119,42 +93,20 @@ def _body(request: dict[str, Any] | bytes) -> tuple[bytes, dict[str, Any]]:
         else:
             obj, raw = request, json.dumps(request, allow_nan=False).encode("utf-8")
     except ValueError as err:
-        raise ApiError(
-            400,
-            {
-                "error": {
-                    "code": 400,
-                    "message": f"the request body is not JSON: {err}",
-                    "type": "invalid_request_error",
-                }
-            },
-        ) from None
+        raise ApiError.of(400, f"the request body is not JSON: {err}") from None
     if not isinstance(obj, dict):
-        raise ApiError(
-            400,
-            {
-                "error": {
-                    "code": 400,
-                    "message": "the request body must be a JSON object",
-                    "type": "invalid_request_error",
-                }
-            },
-        )
+        raise ApiError.of(400, "the request body must be a JSON object")
     return raw, obj
 
 
-def _on_engine_thread(native: NativeEngine, fn: Any) -> Any:
+def _on_engine_thread(native: NativeEngine, fn: Callable[[], T]) -> T:
     """Run ``fn`` where the engine runs: on the server's engine thread when this NativeEngine is
     being served (the reactor runs and we are not on it), else on this NativeEngine's own single
     thread. Either way one thread computes, in turn with every other job, so an answer never
     depends on the calling thread (the CPU BLAS thread setting is per thread)."""
     bridge = native.bridge
-    if bridge is not None and bridge.reactor.running:
-        from twisted.internet.threads import blockingCallFromThread
-        from twisted.python.threadable import isInIOThread
-
-        if not isInIOThread():
-            return blockingCallFromThread(bridge.reactor, bridge.call, fn)
+    if bridge is not None and bridge.can_wait_on():
+        return bridge.call_and_wait(fn)
     return _executor(native).submit(fn).result()
 
 
@@ -168,34 +120,30 @@ def _executor(native: NativeEngine) -> ThreadPoolExecutor:
         return pool
 
 
-def _prepare(native: NativeEngine, request: dict[str, Any] | bytes, stream: bool) -> Any:
-    from bankml.engine_cupy.engine import RequestError
-    from bankml.resources.openai import CHAT, Answer, refusal_of
-
+def _prepare(
+    native: NativeEngine, request: dict[str, Any] | bytes, stream: bool
+) -> tuple[ChatAnswer, list[Any]]:
+    """The answer to fill and the parsed prompt (a refusal raises ApiError)."""
     raw, obj = _body(request)
     problem = native.identity_problem()
     if problem is not None:
-        raise ApiError(
-            503, {"error": {"code": 503, "message": problem, "type": "unavailable_error"}}
-        )
-    try:
-        parsed = native.engine.parse_request(obj, "chat")
-    except RequestError as err:
-        status, body = refusal_of(err)
-        raise ApiError(status, json.loads(body)) from None
-    return Answer(native, CHAT, raw, obj, parsed, stream=stream), parsed
+        raise ApiError.of(503, problem)
+    prompts = native.parse(obj, CHAT)
+    return ChatAnswer(native, CHAT, raw, obj, prompts[0], stream=stream), prompts
 
 
 def chat(request: dict[str, Any] | bytes, *, native: NativeEngine | None = None) -> dict[str, Any]:
     """The non-streamed answer to a /v1/chat/completions request, receipt included."""
     native = native or _default_native()
-    answer, parsed = _prepare(native, request, stream=False)
+    answer, prompts = _prepare(native, request, stream=False)
 
-    def work() -> dict[str, Any]:
-        run = native.engine.run_steps(parsed)
-        for chunk in run:
-            answer.on_chunk(chunk)
-        return answer.whole(run.summary), run.summary
+    def work() -> tuple[dict[str, Any], Any]:
+        for step in native.steps(prompts)(lambda: False):
+            if step.summary is None:
+                answer.on_chunk(step.chunk)
+            else:
+                return answer.whole(step.summary), step.summary
+        raise RuntimeError("the run ended without its summary")
 
     out, summary = _on_engine_thread(native, work)
     native.record(summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api")
@@ -211,7 +159,7 @@ def chat_stream(
 ) -> Iterator[dict[str, Any]]:
     """The streamed answer's event objects, the last one carrying ``bankml_receipt``."""
     native = native or _default_native()
-    answer, parsed = _prepare(native, request, stream=True)
+    answer, prompts = _prepare(native, request, stream=True)
     events: queue.Queue[Any] = queue.Queue(STREAM_WINDOW)
     stop = threading.Event()
 
@@ -225,14 +173,16 @@ def chat_stream(
 
     def work() -> None:
         try:
-            run = native.engine.run_steps(parsed, stop.is_set)
-            for chunk in run:
-                for event in answer.on_chunk(chunk):
-                    put(event)
-            if not run.summary.cancelled:
-                for event in answer.final_events(run.summary):
-                    put(event)
-                native.record(run.summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api")
+            for step in native.steps(prompts)(stop.is_set):
+                if step.summary is None:
+                    for event in answer.on_chunk(step.chunk):
+                        put(event)
+                elif not step.summary.cancelled:
+                    for event in answer.final_events(step.summary):
+                        put(event)
+                    native.record(
+                        step.summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api"
+                    )
         except BaseException as err:  # handed to the reader, raised there
             put(err)
         finally:

@@ -4,11 +4,13 @@ One `Gateway` is built by tap.makeService after `verify` passed. The resources r
 whether they may answer (the engine is up, the file is still the one that was hashed, the engine
 still serves that path); `EngineProcess` (process_protocol.py) writes the engine's state into it.
 
-The checks before every answer (serve.md "before every answer"):
+The checks before every answer:
 
-- `identity_problem()`: `FileIdent.of(verified.path) == verified.ident` (one `stat`, microseconds);
+- `identity_problem()`: the file is still the one that was hashed (bankml/serving/vouch.py);
 - `engine_path_problem(props)`: the engine's `/props` `model_path`, canonicalised, is
   `verified.path`. Chat answers fetch `/props` for this before they are forwarded.
+
+And after it, `receipt(tally)`: the answer's receipt, built where native's are.
 """
 
 from __future__ import annotations
@@ -28,16 +30,14 @@ from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
 from bankml import __version__
-from bankml.gate.fileident import FileIdent
 from bankml.gate.verify import Verified
+from bankml.receipt import Tally
+from bankml.serving.vouch import identity_problem, issue_receipt
 
 _log = Logger(namespace="bankml.gateway")
 
-MAX_UPSTREAM_BYTES = 64 * 1024 * 1024  # serve.md: an upstream body or chunk over 64 MiB is refused
+MAX_UPSTREAM_BYTES = 64 * 1024 * 1024  # an upstream body or chunk over 64 MiB is refused
 PROPS_TIMEOUT_S = 10.0
-FILE_CHANGED = (
-    "the model file changed since bankml verified it; restart bankml serve to verify it again"
-)
 
 # engine states, as /bankml shows them
 STARTING, READY, DOWN, REFUSED, STOPPED = "starting", "ready", "down", "refused", "stopped"
@@ -138,15 +138,6 @@ def canonical(path: str) -> str:
     return os.path.realpath(path)
 
 
-def identity_problem(verified: Verified) -> str | None:
-    """None while the file is the one that was hashed (same device, inode, size, mtime)."""
-    try:
-        now = FileIdent.of(verified.path)
-    except OSError as err:
-        return f"{FILE_CHANGED} ({err.strerror or err})"
-    return None if now == verified.ident else FILE_CHANGED
-
-
 @dataclass
 class Gateway:
     """The verified model, the upstream address and the engine's state, shared by the resources."""
@@ -187,6 +178,10 @@ class Gateway:
 
     def identity_problem(self) -> str | None:
         return identity_problem(self.verified)
+
+    def receipt(self, tally: Tally, *, ttft_measured: bool = True) -> dict[str, Any]:
+        """The receipt of one answer llama-server gave through the gateway."""
+        return issue_receipt(tally, self.verified, self.engine_name, ttft_measured=ttft_measured)
 
     def availability_problem(self) -> tuple[str, int | None] | None:
         """(message, Retry-After seconds or None) when no answer may be given now, else None."""

@@ -3,7 +3,7 @@
 `EngineProcess` is a twisted Service:
 
 - `start()` (called by tap's service once the reactor runs) refuses if something already answers
-  on the upstream address, launches llama-server with serve.md's arguments, waits up to 900 s for
+  on the upstream address, launches llama-server with a fixed argument list, waits up to 900 s for
   `/health` (polling), and fails at once if the process exits first. Then it requires `/props`
   `model_path` to be the verified canonical path, as `--upstream` does.
 - llama-server's stdout and stderr go to twisted.logger, line by line (namespace
@@ -76,7 +76,8 @@ def llama_server_args(
     slot_dir: str | None = None,
     spec_ngram: bool = False,
 ) -> list[str]:
-    """serve.md's command line (all of it accepted by the pinned build 11434, checked with --help)."""
+    """llama-server's command line for the verified file (all of it accepted by the pinned build
+    11434, checked with --help)."""
     args = [
         binary,
         "-m",

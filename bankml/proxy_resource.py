@@ -34,65 +34,29 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
-from twisted.web.error import UnsupportedMethod
 from twisted.web.http import PotentialDataLoss
-from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml import gateway as gw
+from bankml.formats.errors import error_object
 from bankml.gateway import Gateway, UpstreamTooLarge, check_length
-from bankml.receipt import Tally, receipt
+from bankml.receipt import Tally
+from bankml.serving.writers import (
+    JSON,
+    SSE,
+    JsonResource,
+    gone,
+    sse_event,
+    write_error,
+    write_json,
+)
 
 _log = Logger(namespace="bankml.proxy")
 
-JSON = b"application/json; charset=utf-8"
 FORWARDED_REQUEST_HEADERS = (b"content-type", b"authorization", b"accept")
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    500: "server_error",
-    502: "server_error",
-    503: "unavailable_error",
-}
 
 
 # --- small answers -------------------------------------------------------------------------------
-
-
-def error_body(status: int, message: str) -> bytes:
-    """llama-server's error shape: {"error": {"code", "message", "type"}}."""
-    return json.dumps(
-        {
-            "error": {
-                "code": status,
-                "message": message,
-                "type": ERROR_TYPES.get(status, "server_error"),
-            }
-        }
-    ).encode()
-
-
-def write_json(
-    request: Request, status: int, body: bytes, extra: dict[bytes, bytes] | None = None
-) -> None:
-    """One whole JSON answer, with its Content-Length (so no chunked encoding)."""
-    if request.finished or getattr(request, "_disconnected", False):
-        return
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", JSON)
-    request.setHeader(b"content-length", str(len(body)).encode())
-    for name, value in (extra or {}).items():
-        request.setHeader(name, value)
-    request.write(body)
-    request.finish()
-
-
-def write_error(
-    request: Request, status: int, message: str, retry_after: int | None = None
-) -> None:
-    extra = {b"retry-after": str(retry_after).encode()} if retry_after is not None else None
-    write_json(request, status, error_body(status, message), extra)
 
 
 def refuse_unavailable(gateway: Gateway, request: Request) -> bool:
@@ -187,31 +151,6 @@ def read_bounded(response: Any, limit: int | None = None) -> tuple[_BodyReader, 
     return reader, reader.done.addCallback(lambda _: b"".join(parts))
 
 
-class JsonResource(Resource):
-    """A Resource whose method refusal is JSON (405 with Allow), like every other bankml answer."""
-
-    def render(self, request: Request) -> Any:
-        try:
-            return super().render(request)
-        except UnsupportedMethod as err:
-            allowed = b", ".join(err.allowedMethods)
-            write_json(
-                request,
-                405,
-                error_body(
-                    405,
-                    f"method {request.method.decode('latin-1')} "
-                    f"not allowed; use {allowed.decode()}",
-                ),
-                {b"allow": allowed},
-            )
-            return NOT_DONE_YET
-
-
-def not_found(request: Request) -> None:
-    write_error(request, 404, "File Not Found")
-
-
 # --- GET pass-through ----------------------------------------------------------------------------
 
 
@@ -246,7 +185,7 @@ class ProxyGet(JsonResource):
                 request, status, message, self.gateway.retry_after_s if status == 503 else None
             )
             return
-        if request.finished or getattr(request, "_disconnected", False):
+        if gone(request):
             return
         request.setResponseCode(response.code)
         for name in (b"content-type",):
@@ -393,18 +332,12 @@ class ChatProxy(JsonResource):
         if problem is not None:
             write_error(request, 503, problem)
             return
-        answer["bankml_receipt"] = receipt(
-            tally,
-            engine=self.gateway.engine_name,
-            model_sha256=self.gateway.verified.sha256,
-            guard=self.gateway.verified.guard.verdict,
-            ttft_measured=False,
-        )
+        answer["bankml_receipt"] = self.gateway.receipt(tally, ttft_measured=False)
         write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
 
     @staticmethod
     def _pass_through(request: Request, status: int, content_type: bytes, raw: bytes) -> None:
-        if request.finished or getattr(request, "_disconnected", False):
+        if gone(request):
             return
         request.setResponseCode(status)
         request.setHeader(b"content-type", content_type)
@@ -455,7 +388,7 @@ class SSERelay:
         self.errored = False  # an error event passed: no receipt
         self.ended = False
         request.setResponseCode(200)
-        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"content-type", SSE)
         request.setHeader(b"cache-control", b"no-cache")
 
     # upstream bytes -> lines -> events
@@ -528,29 +461,17 @@ class SSERelay:
             self._error_event(problem)
             return
         if not self.errored and self.held:
-            r = receipt(
-                self.tally,
-                engine=self.gateway.engine_name,
-                model_sha256=self.gateway.verified.sha256,
-                guard=self.gateway.verified.guard.verdict,
-            )
-            self.held[0] = with_receipt(self.held[0], r)
+            self.held[0] = with_receipt(self.held[0], self.gateway.receipt(self.tally))
         self._flush()
         self._write(done_event)
         self.done = True
 
     def _write(self, data: bytes) -> None:
-        if not self.request.finished and not getattr(self.request, "_disconnected", False):
+        if not gone(self.request):
             self.request.write(data)
 
     def _error_event(self, message: str) -> None:
-        self._write(
-            b"data: "
-            + json.dumps(
-                {"error": {"code": 502, "message": message, "type": "server_error"}}
-            ).encode()
-            + b"\n\n"
-        )
+        self._write(sse_event(error_object(502, message)))
         self.errored = True
 
     def upstream_ended(self, failure: Failure | None) -> None:
@@ -558,7 +479,7 @@ class SSERelay:
         if self.ended:
             return
         self.ended = True
-        if self.request.finished or getattr(self.request, "_disconnected", False):
+        if gone(self.request):
             return
         if (
             failure is not None

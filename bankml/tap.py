@@ -18,15 +18,15 @@ Order of events (nothing listens until the file has passed verify):
    and bankml exits 2.
 4. Then it listens on `--listen` (loopback only) with `LoopbackSite`.
 
+Steps 2 and 3 are the serving core's (bankml/serving/startup.py), which native mode shares.
 SIGTERM, SIGINT and SIGHUP stop bankml and a spawned llama-server (Twisted handles the first two;
-SIGHUP, which Twisted leaves alone, is handled here the same way). `bankml serve` then exits
+SIGHUP, which Twisted leaves alone, is handled by the core the same way). `bankml serve` then exits
 with 128 + the signal number; twistd re-raises the signal on itself, which a shell reports the
 same way.
 """
 
 from __future__ import annotations
 
-import atexit
 import getopt
 import os
 import signal
@@ -36,18 +36,35 @@ from typing import Any
 from twisted.application import service
 from twisted.internet import task
 from twisted.internet.defer import inlineCallbacks
-from twisted.logger import Logger
+from twisted.logger import (
+    FilteringLogObserver,
+    Logger,
+    LogLevel,
+    LogLevelFilterPredicate,
+    globalLogBeginner,
+    textFileLogObserver,
+)
 from twisted.python import usage
+from twisted.web.server import Site
 
 from bankml import __version__
 from bankml import gateway as gw
+from bankml.gateway import Gateway, make_agent
+from bankml.native.service import make_native_service
+from bankml.process_protocol import EngineFailed, EngineProcess
+from bankml.resources.p0 import p0_root
+from bankml.serving.site import LoopbackSite, NotLoopbackError, parse_listen
+from bankml.serving.startup import (
+    DEFAULT_LISTEN,
+    DEFAULT_UPSTREAM,
+    ServingService,
+    verify_before_listening,
+)
+from bankml.usage import EngineFinder, UsageSampler
 
 _log = Logger(namespace="bankml.serve")
 
-DEFAULT_LISTEN = "127.0.0.1:18093"
-DEFAULT_UPSTREAM = "127.0.0.1:18092"
 UPSTREAM_WAIT_S = 10.0
-EXIT_REFUSED = 2
 
 
 class Options(usage.Options):
@@ -85,13 +102,13 @@ class Options(usage.Options):
         [
             "native",
             None,
-            "answer with bankml's own engine (bankml/native_service.py), also on the "
+            "answer with bankml's own engine (bankml/native/service.py), also on the "
             "--upstream address",
         ],
     ]
 
     def parseOptions(self, options: list[str] | None = None) -> None:
-        """serve.md writes FILE first (`bankml serve FILE --fork F`); Twisted's parser stops at
+        """The usage writes FILE first (`bankml serve FILE --fork F`); Twisted's parser stops at
         the first positional, so options are moved ahead of it (GNU getopt order) first."""
         args = sys.argv[1:] if options is None else list(options)
         try:
@@ -125,8 +142,6 @@ class Options(usage.Options):
                 "--native answers with bankml's own engine: "
                 "--spawn and --spec-ngram are for llama-server"
             )
-        from bankml.site import NotLoopbackError, parse_listen
-
         try:
             parse_listen(self["listen"])
             self["upstream_addr"] = gw.parse_upstream(self["upstream"])
@@ -147,79 +162,43 @@ class Options(usage.Options):
         self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
 
 
-def refuse(reason: str, code: int = EXIT_REFUSED) -> SystemExit:
-    print(f"refuse: {reason}", file=sys.stderr, flush=True)
-    return SystemExit(code)
+class BankmlService(ServingService):
+    """P0: brings the engine up (spawned or checked upstream), then listens; stops both."""
 
-
-def verify_or_exit(options: Options) -> Any:
-    """verify() before anything listens; a refusal exits with its code."""
-    from bankml.gate.verify import Refused, verify
-
-    try:
-        return verify(options["file"], options["fork"])
-    except Refused as err:
-        raise refuse(err.reason, err.exit_code) from None
-
-
-def stop_on_sighup(reactor: Any) -> None:
-    """SIGHUP stops bankml like SIGTERM (Twisted installs no SIGHUP handler; the default
-    action would kill bankml without its shutdown triggers, leaving llama-server behind)."""
-
-    def on_hup(signum: int, frame: Any) -> None:
-        _log.info("Received SIGHUP, shutting down.")
-        reactor._exitSignal = signum  # ISupportsExitSignalCapturing: exit by the signal
-        reactor.callFromThread(reactor.stop)
-
-    signal.signal(signal.SIGHUP, on_hup)
-
-
-class BankmlService(service.MultiService):
-    """Brings the engine up, then listens; stops both on shutdown."""
-
-    def __init__(self, options: Options, gateway: Any, site: Any, engine: Any) -> None:
-        super().__init__()
+    def __init__(
+        self, options: Options, gateway: Gateway, site: Site, engine: EngineProcess | None
+    ) -> None:
+        super().__init__(gateway.reactor)
         self.options = options
         self.gateway = gateway
         self.site = site
         self.engine = engine
-        self.port: Any = None
-        self.exit_code = 0
-        self.exit_at_interpreter_end = True  # under twistd; serve_command returns the code itself
         if engine is not None:
             engine.setServiceParent(self)
 
     def startService(self) -> None:
         super().startService()
-        stop_on_sighup(self.reactor)
         self.reactor.callWhenRunning(self._bring_up)
-
-    @property
-    def reactor(self) -> Any:
-        return self.gateway.reactor
 
     @inlineCallbacks
     def _bring_up(self) -> Any:
-        from bankml.process_protocol import EngineFailed
-        from bankml.site import listen_loopback
-
         try:
             if self.engine is not None:
                 yield self.engine.start()
             else:
                 yield self._check_upstream()
         except EngineFailed as err:
-            self._fatal(str(err))
+            self.fatal(str(err))
             return
         except Exception as err:  # an engine we cannot reach or read is refused the same way
-            self._fatal(f"engine check failed: {err}")
+            self.fatal(f"engine check failed: {err}")
             return
         if not self.running:
             return
         try:
-            self.port = listen_loopback(self.site, self.options["listen"], self.reactor)
+            self.listen(self.site, self.options["listen"])
         except Exception as err:
-            self._fatal(f"cannot listen on {self.options['listen']}: {err}")
+            self.fatal(f"cannot listen on {self.options['listen']}: {err}")
             return
         v = self.gateway.verified
         _log.info(
@@ -235,8 +214,6 @@ class BankmlService(service.MultiService):
     @inlineCallbacks
     def _check_upstream(self) -> Any:
         """--upstream: /health within 10 s, then /props model_path must be the verified path."""
-        from bankml.process_protocol import EngineFailed
-
         g = self.gateway
         deadline = self.reactor.seconds() + UPSTREAM_WAIT_S
         last = "no answer"
@@ -261,53 +238,15 @@ class BankmlService(service.MultiService):
             raise EngineFailed(problem)
         g.set_state(gw.READY, f"upstream {g.upstream_text} serves the verified file")
 
-    def _fatal(self, reason: str, code: int = EXIT_REFUSED) -> None:
-        if not self.running:  # stopping already (a signal during start-up): not a refusal
-            _log.info("start-up interrupted: {reason}", reason=reason)
-            return
-        _log.error("refuse: {reason}", reason=reason)
-        print(f"refuse: {reason}", file=sys.stderr, flush=True)
-        self.exit_code = code
-        if self.exit_at_interpreter_end:
-            atexit.register(_exit_now, code)  # twistd itself would exit 0 after the reactor stops
-        if self.reactor.running:
-            self.reactor.stop()
-
-    def stopService(self) -> Any:
-        if self.port is not None:
-            self.port.stopListening()
-        return super().stopService()
-
-
-def _exit_now(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
 
 def makeService(options: Options) -> service.IService:
     """Verify (before anything listens), then the gateway, the engine and the site.
-    `--native` is bankml/native_service.py's service (it verifies the same way)."""
-    from twisted.internet import reactor
+    `--native` is bankml/native/service.py's service (it verifies the same way)."""
+    from twisted.internet import reactor  # the reactor twistd (or serve_command) installed
 
     if options["mode"] == "native":
-        from bankml.native_service import make_native_service
-
-        return make_native_service(options)
-
-    from bankml.gateway import Gateway, make_agent
-    from bankml.process_protocol import EngineProcess
-    from bankml.resources.p0 import p0_root
-    from bankml.site import LoopbackSite
-    from bankml.usage import EngineFinder, UsageSampler
-
-    verified = verify_or_exit(options)
-    _log.info(
-        "verified {path}: sha256 {sha} pinned in {fork}",
-        path=verified.path,
-        sha=verified.sha256,
-        fork=verified.fork_path,
-    )
+        return make_native_service(options, reactor)
+    verified = verify_before_listening(options["file"], options["fork"])
     gateway = Gateway(
         verified=verified,
         upstream=options["upstream_addr"],
@@ -325,7 +264,6 @@ def makeService(options: Options) -> service.IService:
             slot_dir=options["slot-dir"],
             spec_ngram=bool(options["spec-ngram"]),
         )
-
     sampler = UsageSampler(reactor, EngineFinder(gateway))
     site = LoopbackSite(p0_root(gateway, sampler))
     return BankmlService(options, gateway, site, engine)
@@ -334,14 +272,6 @@ def makeService(options: Options) -> service.IService:
 def serve_command(argv: list[str]) -> int:
     """`bankml serve ...`: the twistd plugin's Options and makeService, run in the foreground
     with logs on stderr, returning the exit status (128 + signal after a stop by signal)."""
-    from twisted.logger import (
-        FilteringLogObserver,
-        LogLevel,
-        LogLevelFilterPredicate,
-        globalLogBeginner,
-        textFileLogObserver,
-    )
-
     options = Options()
     try:
         options.parseOptions(argv)

@@ -5,7 +5,7 @@ the reactor thread), and is kept for 1 s. Pollers that arrive while a sample is 
 for that same sample; pollers within the second after it get the kept one. So however many
 clients poll, bankml samples at most once a second.
 
-Shape (shared/reference/verify-registry-create.md section 6, from psutil instead of /proc by hand):
+Shape (read with psutil):
 ``{"source", "cores", "mem_total_bytes", "mem_available_bytes", "swap_total_bytes",
 "swap_free_bytes", "rss_bytes", "cpu_percent", "interval_ms", "processes": [{"name", "pid",
 "rss_bytes", "cpu_percent"}], "package_watts", "gpus", "sampled_at"}``.
@@ -110,7 +110,7 @@ def parse_nvidia_smi(output: bytes) -> list[dict[str, Any]]:
 
 
 def amdgpu_sysfs() -> list[dict[str, Any]]:
-    """amdgpu's figures from /sys/class/drm/cardN/device (the original's source)."""
+    """amdgpu's figures from /sys/class/drm/cardN/device."""
     gpus = []
     for dev in sorted(glob.glob("/sys/class/drm/card[0-9]*/device")):
         busy = _read_int(os.path.join(dev, "gpu_busy_percent"))
@@ -219,7 +219,7 @@ class UsageSampler:
             try:
                 procs.append((name, psutil.Process(pid)))
             except psutil.Error:
-                continue  # gone: dropped, as the original drops a dead pid
+                continue  # gone: a dead pid is dropped
         cpu_before = [_cpu_seconds(p) for _, p in procs]
         energy_before = _rapl_uj()
         gpus_d = self._gpus()

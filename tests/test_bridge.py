@@ -22,8 +22,8 @@ from twisted.internet.threads import deferToThread
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.bridge import ClientGone, EngineBridge, RunControl
-from bankml.site import LoopbackSite, listen_loopback
+from bankml.native.bridge import ClientGone, EngineBridge, RunControl
+from bankml.serving.site import LoopbackSite, listen_loopback
 
 HANG_GUARD_S = 20.0  # a hang guard only; nothing below depends on speed
 

@@ -1,4 +1,4 @@
-"""serve.md's loopback rules, each over a raw socket against a real LoopbackSite on 127.0.0.1.
+"""bankml's loopback rules, each over a raw socket against a real LoopbackSite on 127.0.0.1.
 
 The reactor runs (pytest-twisted); every blocking socket call runs in a thread through
 deferToThread, so the server keeps answering while the client waits.
@@ -21,7 +21,7 @@ from twisted.logger import globalLogPublisher
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.site import (
+from bankml.serving.site import (
     MAX_BODY_BYTES,
     MAX_CONNECTIONS,
     LoopbackSite,

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import pytest_twisted
 from twisted.internet.threads import deferToThread
 
 from bankml import api
+from tests import support
 from tests.test_native_serve import Served, post, shared_served
 from tests.test_openai_client import canonical_stream, check_receipt_on_last_chunk
 
@@ -187,3 +191,39 @@ def test_api_refusal_is_an_api_error(served: Served) -> None:
         )
     else:
         raise AssertionError("no refusal")
+
+
+API_WITHOUT_TWISTED = """
+import sys
+import bankml
+request = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+whole = bankml.chat(request)
+events = list(bankml.chat_stream(dict(request, stream=True)))
+assert whole["bankml_receipt"]["completion_tokens"] == 2, whole
+assert "bankml_receipt" in events[-1], events
+loaded = sorted(name for name in sys.modules if name.split(".")[0] == "twisted")
+assert not loaded, loaded
+print("no twisted")
+"""
+
+
+def test_api_chat_works_without_importing_twisted(default_model: Path, default_fork: Path) -> None:
+    """``bankml.chat`` and ``chat_stream`` in a fresh interpreter: answered, receipts on the
+    object and on the last event, and not one Twisted module loaded."""
+    env = {
+        **os.environ,
+        "BANKML_MODEL": str(default_model),
+        "BANKML_FORK": str(default_fork),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(support.ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", API_WITHOUT_TWISTED],
+        env=env,
+        cwd=support.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0 and "no twisted" in done.stdout, done.stderr[-3000:]

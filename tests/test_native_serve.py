@@ -28,9 +28,10 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 
-from bankml.bridge import EngineBridge, NativeEngine
-from bankml.native_service import build_native_roots, make_native_service
-from bankml.site import LoopbackSite, listen_loopback
+from bankml.native.bridge import EngineBridge
+from bankml.native.resident import NativeEngine
+from bankml.native.service import build_native_roots, make_native_service
+from bankml.serving.site import LoopbackSite, listen_loopback
 from tests import support
 from tests.bankml_process import sha
 
@@ -65,7 +66,8 @@ def shared_served(model: Path, fork: Path) -> Served:
                 "listen": "127.0.0.1:0",
                 "upstream": "127.0.0.1:0",
                 "slot-dir": str(slot_dir),
-            }
+            },
+            reactor,
         )
         svc.exit_at_interpreter_end = False
         svc.startService()
@@ -88,7 +90,7 @@ def test_a_wrongly_pinned_file_is_refused_before_anything_listens(
     fork = tmp_path / "FORK.json"
     fork.write_text(json.dumps({"files": [{"path": default_model.name, "sha256": "0" * 64}]}))
     with pytest.raises(SystemExit) as exit_:
-        make_native_service({"file": str(default_model), "fork": str(fork)})
+        make_native_service({"file": str(default_model), "fork": str(fork)}, reactor)
     assert exit_.value.code == 2
 
 
@@ -320,7 +322,7 @@ async def test_state_endpoints_have_llama_servers_keys(
             "min_p",
         }
     if path in ("/v1/models", "/models"):
-        # llama-server names the model by its -m argument; bankml by the file's name (reference §3)
+        # llama-server names the model by its -m argument; bankml by the file's name
         assert (
             ours["data"][0]["id"] == Path(ref["data"][0]["id"]).name == support.DEFAULT_MODEL.name
         )
@@ -713,7 +715,7 @@ async def test_an_engine_failure_is_an_sse_error_event_or_a_500(served: Served) 
 async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: Served) -> None:
     from bankml.engine_cupy import slots
     from bankml.engine_cupy.engine import Engine
-    from bankml.resources.openai import summary_steps
+    from bankml.native.answer import prompt_steps
 
     url = served.url + "/v1/chat/completions"
     body = chat("What is a harbour?", max_tokens=4)
@@ -738,16 +740,12 @@ async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: 
 
     def answer() -> tuple[str, int]:
         parsed = fresh.parse_request(body, "chat")
-        steps = summary_steps(fresh, parsed)(lambda: False)
-        try:
-            while True:
-                next(steps)
-        except StopIteration as end:
-            return end.value.text, end.value.timings["cache_n"]
+        *_, end = prompt_steps(fresh, [parsed])(lambda: False)
+        return end.summary.text, end.summary.timings["cache_n"]
 
     text, cache_n = await deferToThread(answer)
     assert (text, cache_n) == (warm["choices"][0]["message"]["content"], warm["timings"]["cache_n"])
-    assert text == empty["choices"][0]["message"]["content"]  # the test: as an empty slot
+    assert text == empty["choices"][0]["message"]["content"]  # as from an empty slot
     # A slot from another context size is refused with the reason, and leaves the slot empty.
     data = bytearray((served.slot_dir / "restart.bin").read_bytes()[:-32])
     data[79:87] = (1024).to_bytes(8, "little")  # n_ctx, after the magic and the model sha256

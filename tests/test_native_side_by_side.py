@@ -35,9 +35,9 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.threads import deferToThread
 
-from bankml.bridge import NativeEngine
-from bankml.native_service import build_native_roots
-from bankml.site import LoopbackSite, listen_loopback
+from bankml.native.resident import NativeEngine
+from bankml.native.service import build_native_roots
+from bankml.serving.site import LoopbackSite, listen_loopback
 from tests import support
 from tests.test_native_serve import HANG_GUARD_S, N_CTX, Served, shared_served, sse_events
 
@@ -223,7 +223,7 @@ async def test_props_give_llama_servers_template_and_defaults(
 )
 def test_dumps_writes_valid_json_with_non_finite_numbers_as_null(obj: Any, text: str) -> None:
     """nlohmann writes NaN and infinities as null; Python's NaN/Infinity would not be JSON."""
-    from bankml.resources.openai import dumps
+    from bankml.formats.nlohmann import dumps
 
     assert dumps(obj) == text.encode()
     json.loads(dumps(obj), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
@@ -265,7 +265,7 @@ def test_c_float_is_a_float32_widened_and_json_null_when_not_finite(value: float
 
     import numpy as np
 
-    from bankml.resources.openai import c_float
+    from bankml.formats.nlohmann import c_float
 
     with np.errstate(over="ignore"):
         as_c = float(np.float32(value))  # a double assigned to a C float, read back as a double

@@ -28,7 +28,8 @@ from bankml.gate.verify import Verified
 from bankml.gateway import Gateway, make_agent
 from bankml.receipt import canonical_logprobs
 from bankml.resources.p0 import p0_root
-from bankml.site import LoopbackSite, listen_loopback
+from bankml.serving.site import LoopbackSite, listen_loopback
+from bankml.serving.vouch import FILE_CHANGED
 from bankml.usage import UsageSampler
 from tests.bankml_process import sha
 from tests.mock_llama import PIECES, MockLlama, listen
@@ -320,7 +321,7 @@ async def test_model_file_replaced_answers_503_without_receipt(front: Front) -> 
     for stream in (False, True):
         response, raw, _ = await chat(front, {**CHAT, "stream": stream})
         assert response.code == 503
-        assert json.loads(raw)["error"]["message"] == gw.FILE_CHANGED
+        assert json.loads(raw)["error"]["message"] == FILE_CHANGED
         assert b"bankml_receipt" not in raw
     health = await treq.get(front.url + "/health")
     assert health.code == 503

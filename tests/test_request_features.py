@@ -4,9 +4,8 @@ its forms, ``ignore_eos``, ``n_probs`` with ``post_sampling_probs``, several pro
 /completion request, ``return_tokens``, ``response_fields``, ``n_indent``, ``t_max_predict_ms``,
 and the schema's refusals (same status and message).
 
-The native side is the shared engine of test_native_serve, served on its own loopback port with
-``bankml.resources.llama.Completion`` at /completion (the rest of the tree as NativeService builds
-it). Text is compared where it is deterministic: greedy, few tokens, or forced by a strong bias;
+The native side is the shared engine of test_native_serve, on its engine address (the tree
+NativeService builds). Text is compared where it is deterministic: greedy, few tokens, or forced by a strong bias;
 elsewhere the structure and the first token's candidates.
 """
 
@@ -20,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
 from twisted.internet.threads import deferToThread
 
 from bankml.engine_cupy.sampler import (
@@ -30,29 +28,13 @@ from bankml.engine_cupy.sampler import (
     SamplerParams,
     apply_logit_bias,
 )
-from bankml.native_service import build_native_roots
-from bankml.resources.llama import Completion
-from bankml.resources.openai import OAI_COMPLETION
-from bankml.site import LoopbackSite, listen_loopback
 from tests.test_native_serve import apost, post, shared_served, sse_events
-
-_URL: list[str] = []
 
 
 @pytest.fixture
 def native_url(default_model: Path, default_fork: Path) -> str:
-    """The engine address's tree with /completion and /v1/completions answered by ``Completion``."""
-    if not _URL:
-        served = shared_served(default_model, default_fork)
-        _, engine_root = build_native_roots(served.native, sampler=object())
-        engine_root.putChild(b"completion", Completion(served.native))
-        engine_root.children[b"v1"].putChild(
-            b"completions", Completion(served.native, OAI_COMPLETION)
-        )
-        port = listen_loopback(LoopbackSite(engine_root), "127.0.0.1:0", reactor)
-        reactor.addSystemEventTrigger("before", "shutdown", port.stopListening)
-        _URL.append(f"http://127.0.0.1:{port.getHost().port}")
-    return _URL[0]
+    """The engine address of the shared native service (/completion, /v1/completions, ...)."""
+    return shared_served(default_model, default_fork).engine_url
 
 
 async def both(

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bankml import gateway as gw
+from bankml.serving.vouch import FILE_CHANGED
 from tests import support
 from tests.bankml_process import (
     BIN,
@@ -208,7 +208,7 @@ def test_model_file_replaced_answers_503_until_restored(
         for stream in (False, True):
             status, raw, _ = spawned.post(chat_body(stream))
             assert status == 503 and b"bankml_receipt" not in raw
-            assert json.loads(raw)["error"]["message"] == gw.FILE_CHANGED
+            assert json.loads(raw)["error"]["message"] == FILE_CHANGED
     finally:
         os.replace(original, model)
     status, raw, _ = spawned.post(chat_body(False))

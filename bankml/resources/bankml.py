@@ -1,30 +1,31 @@
 """`GET /bankml`, `/bankml/usage`, `/bankml/metrics`: what bankml verified, what it costs, and
 the engine's per-completion records.
 
-- `/bankml`: the Gateway's description (what was verified, when, the upstream, the mode, the
-  engine's state and pid, bankml's version).
+- `/bankml`: the mode's description (P0's `Gateway` or native's `NativeEngine`: what was
+  verified, when, the engine and its state, bankml's version).
 - `/bankml/usage`: one shared `UsageSampler` sample (at most once a second, see usage.py).
 - `/bankml/metrics`: the metrics ring. In P0 the tokens come from llama-server, which bankml
-  does not measure, so the ring is empty: `{"source", "kept": 0, "keep": 256, ..., "records": []}`.
+  does not measure, so the ring is empty: `{"source", "kept": 0, "keep": 256, ..., "records": []}`;
+  natively it is the engine's per-completion records.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.gateway import Gateway
-from bankml.proxy_resource import JsonResource, not_found, write_error, write_json
+from bankml.serving.routes import NotFound
+from bankml.serving.writers import JsonResource, write_error, write_json
 from bankml.usage import UsageSampler
 
 METRICS_KEEP = 256
 
 
 def empty_metrics(source: str) -> dict[str, Any]:
-    """The metrics document with no records (reference section 6's shape)."""
+    """The metrics document with no records."""
     return {
         "source": source,
         "kept": 0,
@@ -69,17 +70,23 @@ class MetricsResource(JsonResource):
         return NOT_DONE_YET
 
 
+class Describes(Protocol):
+    """What /bankml shows: P0's Gateway and native's NativeEngine both have it."""
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 class BankmlResource(JsonResource):
     """`/bankml` itself, with `usage` and `metrics` below it."""
 
     def __init__(
         self,
-        gateway: Gateway,
+        mode: Describes,
         sampler: UsageSampler,
         metrics: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
-        self.gateway = gateway
+        self.mode = mode
         self.putChild(b"usage", UsageResource(sampler))
         self.putChild(
             b"metrics",
@@ -93,13 +100,5 @@ class BankmlResource(JsonResource):
         return NotFound()
 
     def render_GET(self, request: Request) -> Any:
-        write_json(request, 200, _json(self.gateway.describe()))
-        return NOT_DONE_YET
-
-
-class NotFound(JsonResource):
-    isLeaf = True
-
-    def render(self, request: Request) -> Any:
-        not_found(request)
+        write_json(request, 200, _json(self.mode.describe()))
         return NOT_DONE_YET

@@ -10,25 +10,13 @@ anything else                             404 {"error": {"code": 404, "message":
 
 from __future__ import annotations
 
-from typing import Any
-
 from twisted.web.resource import Resource
-from twisted.web.server import Request
 
 from bankml.gateway import Gateway
-from bankml.proxy_resource import ChatProxy, JsonResource, ProxyGet
-from bankml.resources.bankml import BankmlResource, NotFound
+from bankml.proxy_resource import ChatProxy, ProxyGet
+from bankml.resources.bankml import BankmlResource
+from bankml.serving.routes import Branch
 from bankml.usage import UsageSampler
-
-
-class Branch(JsonResource):
-    """A path segment with children only; anything else under it is a JSON 404."""
-
-    def getChild(self, path: bytes, request: Request) -> Any:
-        return NotFound()
-
-    def render(self, request: Request) -> Any:
-        return NotFound().render(request)
 
 
 def p0_root(gateway: Gateway, sampler: UsageSampler) -> Resource:

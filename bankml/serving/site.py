@@ -1,8 +1,8 @@
-"""The HTTP front door shared by every bankml endpoint: serve.md's loopback rules.
+"""The HTTP front door shared by every bankml endpoint: bankml's loopback rules.
 
 ``LoopbackSite`` is a ``twisted.web.server.Site`` whose channel checks every request head before
 any resource sees it, and refuses with a short plain-text answer, ``Connection: close`` and the
-status of serve.md's table:
+status of this table:
 
 ========================================================  ======================================
 condition                                                 answer
@@ -147,7 +147,7 @@ def plain_response(status: int, text: str, extra: tuple[bytes, ...] = ()) -> byt
 
 
 class LoopbackChannel(http.HTTPChannel):
-    """An HTTPChannel that refuses what serve.md refuses, before the Resource sees it."""
+    """An HTTPChannel that refuses what bankml refuses, before the Resource sees it."""
 
     MAX_LENGTH = MAX_LINE_BYTES  # LineReceiver: the request line and each header line
     maxHeaders = MAX_HEADER_LINES
@@ -393,7 +393,7 @@ class _BusyProtocol(Protocol):
 
 
 class LoopbackSite(server.Site):
-    """A Site for loopback only, with serve.md's rules; every limit is an attribute tests may set.
+    """A Site for loopback only, with the rules above; every limit is an attribute tests may set.
 
     Access lines go to twisted.logger at debug level (hidden at twistd's default level); refusals
     are logged at debug, the connection limit being reached at warn (at most once a minute).

@@ -30,12 +30,14 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer
+from twisted.internet.threads import blockingCallFromThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.python.threadable import isInIOThread
 from zope.interface import implementer
 
 __all__ = ["EngineBridge", "RunControl", "ClientGone", "Cancelled"]
@@ -204,11 +206,7 @@ class EngineBridge:
     iterator's return value (``StopIteration.value``) after the last item was delivered.
     """
 
-    def __init__(self, reactor: Any = None, window: int = DEFAULT_WINDOW) -> None:
-        if reactor is None:
-            from twisted.internet import reactor as default_reactor
-
-            reactor = default_reactor
+    def __init__(self, reactor: Any, window: int = DEFAULT_WINDOW) -> None:
         self.reactor = reactor
         self.window = window
         self.engine = _Worker(reactor, "bankml-engine")
@@ -230,6 +228,20 @@ class EngineBridge:
         d: Deferred = Deferred()
         self.preparer.submit(_Job(lambda: fn(*args, **kwargs), d))
         return d
+
+    def can_wait_on(self) -> bool:
+        """Whether a caller may block on ``call_and_wait``: the reactor runs, and the caller is
+        not on its thread (which would wait on itself)."""
+        return bool(self.reactor.running) and not isInIOThread()
+
+    def call_and_wait(self, fn: Callable[[], T]) -> T:
+        """From a thread other than the reactor's: ``fn`` as an engine job, its result waited for
+        (``bankml.chat`` on a served engine queues with the HTTP requests this way)."""
+
+        def start() -> Deferred[Any]:
+            return self.call(fn)
+
+        return cast(T, blockingCallFromThread(self.reactor, start))
 
     def new_control(self) -> RunControl:
         return RunControl(self.window)
@@ -300,163 +312,3 @@ class EngineBridge:
             control.cancel()
         finally:
             control.delivered()
-
-
-# --- what every native resource shares ----------------------------------------------------------
-
-
-class NativeEngine:
-    """The resident engine, its bridge, what was verified, and the per-completion records.
-
-    Built once by native_service after verify passed and the engine opened; every native resource
-    (openai.py, llama.py, bankml.py's /bankml) and api.py read it. ``engine`` is
-    ``bankml.engine_cupy.engine.Engine`` (or a test double with the same methods).
-    """
-
-    METRICS_KEEP = 256
-
-    def __init__(
-        self,
-        engine: Any,
-        bridge: EngineBridge | None,
-        verified: Any,
-        *,
-        slot_dir: str | None = None,
-        n_ctx: int | None = None,
-        device: str = "cpu",
-        reactor: Any = None,
-    ) -> None:
-        import os
-        import time
-
-        from bankml import __version__
-
-        self.engine = engine
-        self.bridge = bridge
-        self.verified = verified
-        self.slot_dir = slot_dir
-        self.n_ctx = int(n_ctx if n_ctx is not None else getattr(engine, "n_ctx", 0))
-        self.device = device
-        self.reactor = reactor
-        self.model_id = os.path.basename(verified.path)
-        self.build_info = f"bankml {__version__} native"
-        self.engine_name = f"bankml {__version__} native ({device})"
-        self.started = time.time()
-        self.records: list[dict[str, Any]] = []
-        self.totals = {
-            "requests": 0,
-            "prompt_tokens": 0,
-            "prompt_seconds": 0.0,
-            "tokens_predicted": 0,
-            "predicted_seconds": 0.0,
-            "decode_calls": 0,
-            "n_tokens_max": 0,
-            "prompt_tokens_cached": 0,
-        }
-        self._lock = threading.Lock()
-        self._tensor_totals: tuple[int | None, int | None] | None = None
-
-    def tensor_totals(self) -> tuple[int | None, int | None]:
-        """(parameters, tensor bytes) of the resident model, from its GGUF header (what
-        llama-server's /v1/models calls n_params and size); None without a header to read."""
-        if self._tensor_totals is None:
-            reader = getattr(getattr(self.engine, "model", None), "reader", None)
-            tensors = list(getattr(reader, "tensors", None) or [])
-            self._tensor_totals = (
-                (sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors))
-                if tensors
-                else (None, None)
-            )
-        return self._tensor_totals
-
-    # --- checks ----------------------------------------------------------------------------
-
-    def identity_problem(self) -> str | None:
-        """None while the file is the one that was hashed (FileIdent: device, inode, size, mtime)."""
-        from bankml.gateway import identity_problem
-
-        return identity_problem(self.verified)
-
-    # --- records --------------------------------------------------------------------------
-
-    def record(self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str) -> None:
-        """One finished completion into the ring and the totals (/bankml/metrics, /metrics)."""
-        t = dict(getattr(summary, "timings", {}) or {})
-        rec = {
-            "at": __import__("time").time(),
-            "kind": kind,
-            "finish_reason": getattr(summary, "finish_reason", None),
-            "prompt_tokens": getattr(summary, "prompt_tokens", 0),
-            "completion_tokens": getattr(summary, "completion_tokens", 0),
-            "cache_n": t.get("cache_n"),
-            "ttft_ms": ttft_ms,
-            "wall_ms": wall_ms,
-            "prompt_per_second": t.get("prompt_per_second"),
-            "predicted_per_second": t.get("predicted_per_second"),
-            "grammar_ms": None,
-            "energy_j": None,
-        }
-        with self._lock:
-            self.records.append(rec)
-            del self.records[: -self.METRICS_KEEP]
-            tot = self.totals
-            tot["requests"] += 1
-            tot["prompt_tokens"] += int(t.get("prompt_n") or 0)
-            tot["prompt_tokens_cached"] += int(t.get("cache_n") or 0)
-            tot["prompt_seconds"] += float(t.get("prompt_ms") or 0.0) / 1e3
-            tot["tokens_predicted"] += int(t.get("predicted_n") or 0)
-            tot["predicted_seconds"] += float(t.get("predicted_ms") or 0.0) / 1e3
-            tot["decode_calls"] += int(t.get("predicted_n") or 0) + (1 if t.get("prompt_n") else 0)
-            tot["n_tokens_max"] = max(
-                tot["n_tokens_max"], rec["prompt_tokens"] + rec["completion_tokens"]
-            )
-
-    def metrics(self) -> dict[str, Any]:
-        """/bankml/metrics: the ring of the last 256 completions with totals."""
-        with self._lock:
-            records = list(self.records)
-        return {
-            "source": self.engine_name,
-            "kept": len(records),
-            "keep": self.METRICS_KEEP,
-            "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),
-            "completion_tokens": sum(r["completion_tokens"] or 0 for r in records),
-            "energy_j": None,
-            "joules_per_token": None,
-            "records": records,
-        }
-
-    # --- GET /bankml ------------------------------------------------------------------------
-
-    def describe(self) -> dict[str, Any]:
-        from bankml import __version__
-
-        v = self.verified
-        resident = {
-            "model": self.model_id,
-            "path": v.path,
-            "sha256": v.sha256,
-            "n_ctx": self.n_ctx,
-            "device": self.device,
-            "since": self.started,
-            "slot_tokens": len(getattr(self.engine, "slot_tokens", []) or []),
-        }
-        return {
-            "bankml": __version__,
-            "mode": "native",
-            "verified": v.as_dict(),
-            "guard_result": v.guard.as_dict(),
-            "model": v.path,
-            "model_sha256": v.sha256,
-            "fork": v.fork_path,
-            "hashed_at_unix": v.verified_at,
-            "engine": {
-                "name": self.engine_name,
-                "state": "ready",
-                "busy": bool(self.bridge and self.bridge.busy),
-                "queued": self.bridge.queued if self.bridge else 0,
-            },
-            "resident": resident,
-            "models": [self.model_id],
-            "file_unchanged": self.identity_problem() is None,
-        }

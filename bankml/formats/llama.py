@@ -1,0 +1,402 @@
+"""llama-server's own bodies: /completion's stream events and final object, the task's
+``generation_settings``, ``timings``, /props, the ``--metrics`` text, ``response_fields``.
+
+Built from the engine's results and a parsed request, in llama-server's key order, with its
+numbers as nlohmann prints them (C floats widened, non-finite values null). Pure Python: no
+Twisted, no NumPy (the engine and its request are read through their attributes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bankml.formats.nlohmann import c_float
+
+if TYPE_CHECKING:
+    from bankml.native.resident import NativeEngine
+
+
+# --- /completion ---------------------------------------------------------------------------------
+
+
+def completion_piece(
+    index: int,
+    chunk: Any,
+    tokens_predicted: int,
+    tokens_evaluated: int,
+    with_timings: bool,
+) -> dict[str, Any]:
+    """One streamed /completion event: a token's text (llama-server's partial results carry
+    id_slot -1, its final one the slot)."""
+    event: dict[str, Any] = {
+        "index": index,
+        "content": chunk.text,
+        "tokens": [chunk.token] if chunk.token is not None else [],
+        "stop": False,
+        "id_slot": -1,
+        "tokens_predicted": tokens_predicted,
+        "tokens_evaluated": tokens_evaluated,
+    }
+    if chunk.entry is not None:
+        event["completion_probabilities"] = [chunk.entry]
+    if with_timings and getattr(chunk, "timings", None):
+        event["timings"] = chunk.timings
+    return event
+
+
+def stop_type(summary: Any) -> str:
+    """Why generation ended, as llama-server's stop_type names it."""
+    if summary.completion_tokens == 0:
+        return "none"  # nothing generated (an empty prompt): llama-server's STOP_TYPE_NONE
+    if summary.finish_reason != "stop":
+        return "limit"
+    return "word" if getattr(summary, "stopping_word", "") else "eos"
+
+
+def completion_final(
+    summary: Any,
+    text: str,
+    *,
+    index: int,
+    model: str,
+    settings: dict[str, Any],
+    prompt: str,
+    tokens: list[int] | None = None,
+) -> dict[str, Any]:
+    """/completion's final object (the whole answer, or the last streamed event with ``text``
+    empty); ``tokens`` with ``return_tokens`` (not streamed)."""
+    timings = summary.timings or {}
+    return {
+        "index": index,
+        "content": text,
+        "tokens": list(tokens) if tokens is not None else [],
+        "id_slot": 0,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": summary.completion_tokens,
+        "tokens_evaluated": summary.prompt_tokens,
+        "generation_settings": settings,
+        "prompt": prompt,
+        "has_new_line": "\n" in text,
+        "truncated": False,
+        "stop_type": stop_type(summary),
+        "stopping_word": getattr(summary, "stopping_word", ""),
+        "tokens_cached": summary.prompt_tokens + summary.completion_tokens - 1
+        if summary.completion_tokens
+        else timings.get("cache_n", 0),
+    }
+
+
+def nested_values(paths: list[str], obj: dict[str, Any]) -> dict[str, Any]:
+    """json_get_nested_values: each ``a/b`` path looked up, kept under the path as its key;
+    a path that is not there is left out."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        current: Any = obj
+        for key in path.split("/"):
+            if not isinstance(current, dict) or key not in current:
+                break
+            current = current[key]
+        else:
+            out[path] = current
+    return out
+
+
+def only_fields(obj: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """``response_fields``: only those paths of ``obj`` (bankml's receipt stays, it is bankml's)."""
+    out = nested_values(paths, obj)
+    if "bankml_receipt" in obj:
+        out["bankml_receipt"] = obj["bankml_receipt"]
+    return out
+
+
+# --- generation settings and timings -------------------------------------------------------------
+
+
+# llama-server's task_params::to_json, in its key order: (key, whether llama.cpp holds it as a C
+# float). The SamplerParams fields carry the same names. /props' default_generation_settings.params
+# (to_json(only_metrics=true)) leaves out dry_sequence_breakers, stop, logit_bias and the grammar
+# fields, which generation_settings adds between these runs for a task.
+_SAMPLING_HEAD = (
+    ("seed", False),
+    ("temperature", True),
+    ("dynatemp_range", True),
+    ("dynatemp_exponent", True),
+    ("top_k", False),
+    ("top_p", True),
+    ("min_p", True),
+    ("top_n_sigma", True),
+    ("xtc_probability", True),
+    ("xtc_threshold", True),
+    ("typical_p", True),
+    ("repeat_last_n", False),
+    ("repeat_penalty", True),
+    ("presence_penalty", True),
+    ("frequency_penalty", True),
+    ("dry_multiplier", True),
+    ("dry_base", True),
+    ("dry_allowed_length", False),
+    ("dry_penalty_last_n", False),
+)
+_MIROSTAT = (
+    ("mirostat", False),
+    ("mirostat_tau", True),
+    ("mirostat_eta", True),
+    ("adaptive_target", True),
+    ("adaptive_decay", True),
+)
+
+
+def _sampling_values(params: Any, table: tuple[tuple[str, bool], ...]) -> dict[str, Any]:
+    return {
+        key: c_float(getattr(params, key)) if is_float else getattr(params, key)
+        for key, is_float in table
+    }
+
+
+def logit_bias_entries(biases: Any) -> list[dict[str, Any]]:
+    """format_logit_bias: ``{"bias", "token"}`` objects, -inf (a banned token) written as null."""
+    return [{"bias": c_float(b.bias), "token": b.token} for b in biases]
+
+
+TASK_ECHOED = ("n_keep", "n_discard", "stream", "timings_per_token", "backend_sampling", "lora")
+
+
+def generation_settings(parsed: Any, only_metrics: bool = False) -> dict[str, Any]:
+    """llama-server's ``task_params::to_json``: /completion's ``generation_settings`` (the
+    parameters the run used), or with ``only_metrics`` /props' ``default_generation_settings.params``
+    (the defaults, without stop, logit_bias and the grammar fields). Same keys, same order, floats
+    as llama.cpp's C floats print."""
+    params = parsed.sampler
+    options = getattr(parsed, "options", None) or {}
+    n_predict = getattr(parsed, "n_predict", -1)
+    out = _sampling_values(params, _SAMPLING_HEAD)
+    if not only_metrics:
+        out["dry_sequence_breakers"] = list(params.dry_sequence_breakers)
+    out.update(_sampling_values(params, _MIROSTAT))
+    if not only_metrics:
+        out["stop"] = list(getattr(parsed, "stop", ()))
+    out.update(
+        {
+            "max_tokens": n_predict,
+            "n_predict": n_predict,
+            "n_keep": options.get("n_keep", 0),
+            "n_discard": options.get("n_discard", 0),
+            "ignore_eos": bool(getattr(params, "ignore_eos", False)),
+            "stream": bool(options.get("stream", False)),
+        }
+    )
+    if not only_metrics:
+        out["logit_bias"] = logit_bias_entries(getattr(params, "logit_bias", ()))
+    out.update({"n_probs": getattr(parsed, "n_probs", 0), "min_keep": params.min_keep})
+    if not only_metrics:
+        constraint = getattr(parsed, "constraint", None)
+        # llama-server shows its GBNF; a JSON schema it converts to GBNF first, which bankml does
+        # not (llguidance takes the schema itself), so only a GBNF grammar is shown
+        out.update(
+            {
+                "grammar": constraint.source
+                if constraint is not None and constraint.kind == "gbnf"
+                else "",
+                "grammar_lazy": False,
+                "grammar_triggers": [],
+                "preserved_tokens": [],
+            }
+        )
+    out.update(
+        {
+            "chat_format": "Content-only",
+            # the server's --reasoning-format (default auto, shown as deepseek) reaches a task,
+            # not the defaults /props shows
+            "reasoning_format": "none" if only_metrics else "deepseek",
+            "reasoning_in_content": False,
+            "generation_prompt": "",
+            "samplers": list(params.samplers),
+            "speculative.types": "none",
+            "timings_per_token": bool(options.get("timings_per_token", False)),
+            "post_sampling_probs": bool(getattr(parsed, "post_sampling_probs", False)),
+            "backend_sampling": bool(options.get("backend_sampling", False)),
+            "lora": [],
+        }
+    )
+    if not only_metrics:  # the fields a task reports back exactly as the request gave them
+        out.update({key: options[key] for key in TASK_ECHOED if key in options})
+    return out
+
+
+def llama_timings(timings: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The engine's timings with llama-server's per-token times added, in its key order
+    (server_slot_stats::to_json). A per-token time is null where its count or time is 0, as the
+    rates are (llama-server writes 0.0 there)."""
+    if timings is None:
+        return None
+    t = dict(timings)
+
+    def per_token(ms: Any, n: Any) -> float | None:
+        return ms / n if n and ms else None
+
+    out = {
+        "cache_n": t.pop("cache_n", 0),
+        "prompt_n": t.get("prompt_n", 0),
+        "prompt_ms": t.get("prompt_ms", 0.0),
+        "prompt_per_token_ms": per_token(t.get("prompt_ms"), t.get("prompt_n")),
+        "prompt_per_second": t.get("prompt_per_second"),
+        "predicted_n": t.get("predicted_n", 0),
+        "predicted_ms": t.get("predicted_ms", 0.0),
+        "predicted_per_token_ms": per_token(t.get("predicted_ms"), t.get("predicted_n")),
+        "predicted_per_second": t.get("predicted_per_second"),
+    }
+    for key in (
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_second",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+    ):
+        t.pop(key, None)
+    out.update(
+        t
+    )  # anything else the engine reports (draft counts) stays, after llama-server's keys
+    return out
+
+
+# --- /props and /metrics ----------------------------------------------------------------------
+
+
+def props_object(native: NativeEngine) -> dict[str, Any]:
+    """llama-server's /props keys, from the resident model."""
+    engine = native.engine
+    template = getattr(engine, "template", None)
+    defaults = getattr(engine, "defaults", None)
+
+    class _Defaults:  # generation_settings reads a parsed request's fields
+        sampler, n_predict, stop, n_probs, cache_prompt = defaults, -1, (), 0, True
+
+    return {
+        "default_generation_settings": {
+            "params": generation_settings(_Defaults, only_metrics=True),
+            "n_ctx": native.n_ctx,
+        },
+        "total_slots": 1,
+        "model_alias": native.model_id,
+        "model_ftype": main_weight_type(native.verified.guard),
+        "model_path": native.verified.path,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "media_marker": "<__media__>",
+        "endpoint_slots": False,
+        "endpoint_props": False,
+        "endpoint_metrics": True,
+        "ui": False,
+        "ui_settings": {},
+        "chat_template": getattr(template, "source", ""),
+        "chat_template_caps": template_caps(getattr(template, "caps", None)),
+        "bos_token": getattr(template, "bos_token", ""),
+        "eos_token": getattr(template, "eos_token", ""),
+        "build_info": native.build_info,
+        "is_sleeping": False,
+        "cors_proxy_enabled": False,
+    }
+
+
+def template_caps(caps: Any) -> dict[str, bool]:
+    """llama.cpp's ``caps::to_map``: the template's capabilities, sorted by name as its std::map
+    is. The three caps chat_template.Caps does not probe take llama.cpp's result for a template
+    without them: parallel tool calls only where tool calls work (its probe fails otherwise),
+    no preserved reasoning and no reasoning effort (neither probe finds the variable used)."""
+    if caps is None:
+        return {}
+    out = dict(vars(caps))
+    out.setdefault("supports_parallel_tool_calls", bool(out.get("supports_tool_calls", False)))
+    out.setdefault("supports_preserve_reasoning", False)
+    out.setdefault("supports_reasoning_effort", False)
+    return dict(sorted(out.items()))
+
+
+def main_weight_type(guard: Any) -> str:
+    """The file's weight type as llama-server's model_ftype names it: the commonest tensor type
+    other than F32 (the norms), e.g. "Q4_1"."""
+    types = {k: v for k, v in dict(getattr(guard, "types", {}) or {}).items() if k != "F32"}
+    return max(types, key=lambda name: types[name]) if types else "F32"
+
+
+def prometheus_text(native: NativeEngine) -> str:
+    """llama-server's --metrics exposition, from the engine's totals."""
+    t = native.totals_now()
+    busy = bool(native.bridge and native.bridge.busy)
+
+    counters = [
+        (
+            "prompt_tokens_total",
+            "Number of prompt tokens processed, excluding cached tokens",
+            t["prompt_tokens"],
+        ),
+        (
+            "prompt_tokens_cached_total",
+            "Number of prompt tokens reused from the cache",
+            t["prompt_tokens_cached"],
+        ),
+        ("prompt_seconds_total", "Total time spent processing prompts", t["prompt_seconds"]),
+        ("tokens_predicted_total", "Number of generation tokens processed", t["tokens_predicted"]),
+        (
+            "tokens_predicted_seconds_total",
+            "Total time spent generating tokens",
+            t["predicted_seconds"],
+        ),
+        (
+            "n_decode_total",
+            "Total number of llama_decode() calls, excluding speculative decoding and "
+            "multimodal decoding",
+            t["decode_calls"],
+        ),
+        (
+            "n_tokens_max",
+            "Largest observed sequence length (prompt + generation)",
+            t["n_tokens_max"],
+        ),
+        # bankml has no speculative decoding: llama-server's counters, always 0 here as there without a draft
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
+        (
+            "spec_decode_num_accepted_tokens_total",
+            "Speculative: Total draft tokens accepted by the target model",
+            0,
+        ),
+        (
+            "spec_decode_num_drafts_total",
+            "Speculative: Total speculative decoding verification steps",
+            0,
+        ),
+    ]
+    prompt_rate = (t["prompt_tokens"] / t["prompt_seconds"]) if t["prompt_seconds"] > 0 else 0.0
+    predicted_rate = (
+        (t["tokens_predicted"] / t["predicted_seconds"]) if t["predicted_seconds"] > 0 else 0.0
+    )
+    gauges = [
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s", predicted_rate),
+        ("requests_processing", "Number of requests processing", 1 if busy else 0),
+        (
+            "requests_deferred",
+            "Number of requests deferred",
+            native.bridge.queued if native.bridge else 0,
+        ),
+        (
+            "n_busy_slots_per_decode",
+            "Average number of busy slots per llama_decode() call",
+            1.0 if t["decode_calls"] else 0.0,
+        ),
+    ]
+    lines = []
+    for kind, items in (("counter", counters), ("gauge", gauges)):
+        for name, help_text, value in items:
+            lines += [
+                f"# HELP llamacpp:{name} {help_text}",
+                f"# TYPE llamacpp:{name} {kind}",
+                f"llamacpp:{name} {_num(value)}",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def _num(value: float) -> str:
+    """A number as C++'s ostream writes a double (6 significant digits, no trailing zeros)."""
+    return f"{float(value):.6g}"

@@ -1,0 +1,167 @@
+"""OpenAI's chat and completion bodies and stream chunks, as llama-server writes them.
+
+Every function builds one JSON object from values the caller already has (the engine's text,
+counts and logprob entries), in llama-server's key order, so a client written for llama-server
+or OpenAI reads bankml's answers unchanged. ``bankml_receipt`` and llama-server's ``timings`` are
+added by the caller. Pure Python: no Twisted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from bankml.formats.llama import main_weight_type
+
+if TYPE_CHECKING:
+    from bankml.native.resident import NativeEngine
+
+VOCAB_TYPES = {"llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv": 5}  # llama_vocab_type
+
+
+def envelope(
+    created: int, answer_id: str, model: str, fingerprint: str, obj: str
+) -> dict[str, Any]:
+    """The keys every chat or completion object and chunk carries after its choices."""
+    return {
+        "created": created,
+        "id": answer_id,
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "object": obj,
+    }
+
+
+def role_delta() -> dict[str, Any]:
+    """OpenAI's (and llama-server's) opening delta of a streamed chat."""
+    return {"role": "assistant", "content": None}
+
+
+def chat_chunk(
+    env: dict[str, Any], delta: dict[str, Any], finish: str | None = None
+) -> dict[str, Any]:
+    return {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}], **env}
+
+
+def chat_usage_chunk(env: dict[str, Any]) -> dict[str, Any]:
+    """The chunk with no choices that ends a chat streamed with ``include_usage``."""
+    return {"choices": [], **env}
+
+
+def chat_completion(
+    env: dict[str, Any], text: str, finish: str, entries: list[Any], usage: dict[str, Any]
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "finish_reason": finish,
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+    }
+    if entries:
+        choice["logprobs"] = {"content": entries}
+    return {"choices": [choice], **env, "usage": usage}
+
+
+def completion_choice(
+    text: str, index: int, entries: list[Any] | None, finish: str | None
+) -> dict[str, Any]:
+    return {
+        "text": text,
+        "index": index,
+        "logprobs": {"content": entries} if entries else None,
+        "finish_reason": finish,
+    }
+
+
+def text_completion(
+    env: dict[str, Any], choice: dict[str, Any], usage: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A /v1/completions object or chunk with one choice."""
+    out = {"choices": [choice], **env}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "completion_tokens": completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": completion_tokens + prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def include_usage(request: dict[str, Any]) -> bool:
+    """``stream_options.include_usage`` (checked by the engine's parse, in llama-server's schema order)."""
+    options = request.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def merged_completions(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """/v1/completions for several prompts, not streamed: the first object with every prompt's
+    choice (its usage is the first prompt's, as llama-server's) and ``bankml_receipt`` the list
+    of each choice's receipt."""
+    out = dict(results[0])
+    out["choices"] = [r["choices"][0] for r in results]
+    out["bankml_receipt"] = [r["bankml_receipt"] for r in results]
+    return out
+
+
+def model_info(native: NativeEngine) -> dict[str, Any]:
+    """One model as llama-server's get_res_model_info lists it. The id is the file's name
+    (llama-server uses its -m argument as given); the sizes are the tensors' (llama_model_size,
+    llama_model_n_params), not the file's."""
+    engine = native.engine
+    hp = getattr(getattr(engine, "model", None), "hp", None)
+    tokenizer = getattr(engine, "tokenizer", None)
+    n_params, size = native.tensor_totals()
+    return {
+        "id": native.model_id,
+        "aliases": [native.model_id],
+        "tags": [],
+        "object": "model",
+        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+        "created": int(time.time()),
+        "owned_by": "bankML",
+        "meta": {
+            "vocab_type": VOCAB_TYPES.get(getattr(tokenizer, "model", ""), 0),
+            "n_vocab": getattr(engine, "n_vocab", None),
+            "n_ctx": native.n_ctx,
+            "n_ctx_train": getattr(hp, "n_ctx_train", None),
+            "n_embd": getattr(hp, "n_embd", None),
+            "n_params": n_params,
+            "size": size,
+            "ftype": main_weight_type(native.verified.guard),
+        },
+    }
+
+
+def models_object(native: NativeEngine) -> dict[str, Any]:
+    """``GET /v1/models`` (and ``/models``): llama-server's get_res_models, the Ollama-style
+    ``models`` list and OpenAI's ``data``."""
+    return {
+        "models": [
+            {
+                "name": native.model_id,
+                "model": native.model_id,
+                "modified_at": "",
+                "size": "",
+                "digest": "",
+                "type": "model",
+                "description": "",
+                "tags": [""],
+                "capabilities": ["completion"],
+                "parameters": "",
+                "details": {
+                    "parent_model": "",
+                    "format": "gguf",
+                    "family": "",
+                    "families": [""],
+                    "parameter_size": "",
+                    "quantization_level": "",
+                },
+            }
+        ],
+        "object": "list",
+        "data": [model_info(native)],
+    }

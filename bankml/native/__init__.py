@@ -1,0 +1,1 @@
+"""The native engine served: the resident model, its thread bridge, its answers and its service."""

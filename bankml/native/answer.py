@@ -1,0 +1,310 @@
+"""One answer of the native engine: its objects and stream events, and its receipt.
+
+An ``Answer`` is fed the engine's ``Step``s for one prompt (``on_chunk`` per generated token,
+then ``whole`` or ``final_events`` with the run's summary) and returns what to send, built by
+the wire formats (bankml/formats/) in llama-server's shapes. It holds the answer's ``Tally``;
+the receipt rides in the whole object, or inside the last event of a stream. One subclass per
+endpoint family: ``ChatAnswer`` (/v1/chat/completions), ``CompletionAnswer`` (/v1/completions),
+``LlamaCompletionAnswer`` (llama-server's /completion).
+
+``prompt_steps`` is the one convention every endpoint runs by: the prompts of a request in
+order, each as ``Step``s with its token ``chunk``s, then one ``Step`` with its ``summary``.
+
+Pure Python: no Twisted, no NumPy, so ``bankml.chat`` builds the same objects the HTTP
+endpoints send. The engine and its parsed request are read through their attributes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from bankml.formats import llama as llama_format
+from bankml.formats import openai as openai_format
+from bankml.formats.llama import llama_timings
+from bankml.receipt import Tally
+
+if TYPE_CHECKING:
+    from bankml.native.resident import NativeEngine
+
+CHAT, OAI_COMPLETION, LLAMA_COMPLETION = "chat", "oai_completion", "llama_completion"
+ENGINE_KIND = {CHAT: "chat", OAI_COMPLETION: "completion", LLAMA_COMPLETION: "completion"}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One item of a run: a generated token (``chunk``) of prompt ``index``, or that prompt's end
+    (``summary``: finish reason, counts, text, timings)."""
+
+    index: int
+    chunk: Any = None
+    summary: Any = None
+
+
+def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
+    """The bridge's ``steps`` for a request's prompts, one after the other on the engine thread
+    (a cancelled prompt ends the run)."""
+
+    def steps(cancelled: Callable[[], bool]) -> Iterator[Step]:
+        for index, request in enumerate(prompts):
+            run = engine.run_steps(request, cancelled)
+            for chunk in run:
+                yield Step(index, chunk=chunk)
+            yield Step(index, summary=run.summary)
+            if run.summary.cancelled:
+                return
+
+    return steps
+
+
+class Answer:
+    """One prompt's answer: the events its Chunks make, its last events or whole object."""
+
+    id_prefix = "cmpl-"
+    object_name = "text_completion"
+
+    def __init__(
+        self,
+        native: NativeEngine,
+        kind: str,
+        body: bytes,
+        request: dict[str, Any],
+        parsed: Any,
+        *,
+        index: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        stream: bool | None = None,
+    ) -> None:
+        self.native = native
+        self.kind = kind
+        self.request = request
+        self.parsed = parsed
+        self.index = index
+        self.stream = request.get("stream") is True if stream is None else stream
+        self.tally = Tally(request_body=body, clock=clock)
+        self.model = request["model"] if isinstance(request.get("model"), str) else native.model_id
+        self.id = self.id_prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.options: dict[str, Any] = getattr(parsed, "options", {}) or {}
+        self.entries: list[dict[str, Any]] = []  # every logprob entry the engine gave, in order
+        self.n_tokens = 0  # tokens generated so far
+        self.wants_logprobs = int(getattr(parsed, "n_probs", 0) or 0) > 0
+
+    def envelope(self, obj: str | None = None) -> dict[str, Any]:
+        return openai_format.envelope(
+            self.created, self.id, self.model, self.native.build_info, obj or self.object_name
+        )
+
+    # -- per chunk
+
+    def on_chunk(self, chunk: Any) -> list[dict[str, Any]]:
+        """Note one Chunk; return the streamed events it makes (none when not streaming)."""
+        self.n_tokens += 1
+        if chunk.text and self.tally.first_piece_at is None:
+            self.tally.first_piece_at = self.tally.clock()  # TTFT, streamed or not
+        if chunk.entry is not None:
+            self.entries.append(chunk.entry)
+        if not self.stream:
+            return []
+        return self.pieces(chunk)
+
+    def pieces(self, chunk: Any) -> list[dict[str, Any]]:
+        """The events of one Chunk in a stream (a piece of text, a logprob entry)."""
+        raise NotImplementedError
+
+    def _piece_taken(self, chunk: Any) -> bool:
+        """Tally a completion piece; False when the Chunk has nothing to send."""
+        if not chunk.text and chunk.entry is None:
+            return False
+        self.tally.add_text(chunk.text)
+        if chunk.entry is not None:
+            self.tally.add_logprobs([chunk.entry])
+        return True
+
+    # -- the end
+
+    def usage(self, summary: Any) -> dict[str, Any]:
+        return openai_format.usage(
+            summary.prompt_tokens,
+            summary.completion_tokens,
+            (summary.timings or {}).get("cache_n", 0),
+        )
+
+    def final_logprobs(self, summary: Any) -> list[dict[str, Any]]:
+        """Non-streamed: every entry, less a stop word's own tokens after a stop hit (llama-server
+        drops the last len(tokenize(stop)) entries)."""
+        entries = list(self.entries)
+        word = getattr(summary, "stopping_word", "")
+        if word:
+            drop = min(len(entries), len(self.native.engine.tokenize(word)))
+            entries = entries[: len(entries) - drop]
+        return entries
+
+    def whole(self, summary: Any) -> dict[str, Any]:
+        """The non-streamed answer, receipt included."""
+        self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
+        text = summary.text
+        self.tally.add_text(text)
+        entries = self.final_logprobs(summary) if self.wants_logprobs else []
+        if entries:
+            self.tally.add_logprobs(entries)
+        out = self.whole_body(summary, text, entries)
+        out["timings"] = llama_timings(summary.timings)
+        out["bankml_receipt"] = self.receipt()
+        return self.shaped(out)
+
+    def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def final_events(self, summary: Any) -> list[dict[str, Any]]:
+        """Streamed: the last events, the last one with usage, timings and the receipt."""
+        self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
+        events = self.last_events(summary)
+        events[-1]["timings"] = llama_timings(summary.timings)
+        events[-1]["bankml_receipt"] = self.receipt()
+        return [self.shaped(e) for e in events]
+
+    def last_events(self, summary: Any) -> list[dict[str, Any]]:
+        """The events that end a stream, before timings and the receipt go on the last one."""
+        raise NotImplementedError
+
+    def shaped(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """An object as sent (``response_fields`` on /completion); as it is elsewhere."""
+        return obj
+
+    def receipt(self) -> dict[str, Any]:
+        return self.native.receipt(self.tally)
+
+
+class ChatAnswer(Answer):
+    """/v1/chat/completions: OpenAI's chat object, or its chunks (role delta, content deltas,
+    a token's logprob entry on its last delta)."""
+
+    id_prefix = "chatcmpl-"
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.first_seen = False
+
+    def pieces(self, chunk: Any) -> list[dict[str, Any]]:
+        events = []
+        if not self.first_seen:  # OpenAI's (and llama-server's) opening role delta
+            self.first_seen = True
+            events.append(openai_format.chat_chunk(self.envelope(), openai_format.role_delta()))
+        if chunk.text:
+            self.tally.add_text(chunk.text)
+            events.append(openai_format.chat_chunk(self.envelope(), {"content": chunk.text}))
+        if chunk.entry is not None and events:  # an entry rides on its token's last delta
+            events[-1]["choices"][0]["logprobs"] = {"content": [chunk.entry]}
+            self.tally.add_logprobs([chunk.entry])
+        return events
+
+    def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
+        return openai_format.chat_completion(
+            self.envelope("chat.completion"),
+            text,
+            summary.finish_reason,
+            entries,
+            self.usage(summary),
+        )
+
+    def last_events(self, summary: Any) -> list[dict[str, Any]]:
+        """The finish chunk. Asked with ``stream_options.include_usage`` a chat ends as
+        llama-server (and OpenAI) end it: the finish chunk alone, then a chunk with no choices
+        carrying usage. Without it llama-server's finish chunk carries timings only; bankml adds
+        usage there, so the last chunk always carries usage and timings."""
+        events: list[dict[str, Any]] = []
+        if not self.first_seen:
+            self.first_seen = True
+            events.append(openai_format.chat_chunk(self.envelope(), openai_format.role_delta()))
+        last = openai_format.chat_chunk(self.envelope(), {}, summary.finish_reason)
+        if openai_format.include_usage(self.request):
+            events.append(last)
+            last = openai_format.chat_usage_chunk(self.envelope())
+        last["usage"] = self.usage(summary)
+        events.append(last)
+        return events
+
+
+class CompletionAnswer(Answer):
+    """/v1/completions: OpenAI's text completion, its choice at the prompt's index."""
+
+    def pieces(self, chunk: Any) -> list[dict[str, Any]]:
+        if not self._piece_taken(chunk):
+            return []
+        entries = [chunk.entry] if chunk.entry is not None else None
+        choice = openai_format.completion_choice(chunk.text, self.index, entries, None)
+        return [openai_format.text_completion(self.envelope(), choice)]
+
+    def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
+        choice = openai_format.completion_choice(text, self.index, entries, summary.finish_reason)
+        return openai_format.text_completion(self.envelope(), choice, self.usage(summary))
+
+    def last_events(self, summary: Any) -> list[dict[str, Any]]:
+        choice = openai_format.completion_choice("", self.index, None, summary.finish_reason)
+        return [openai_format.text_completion(self.envelope(), choice, self.usage(summary))]
+
+
+class LlamaCompletionAnswer(Answer):
+    """llama-server's /completion: its events and final object, ``tokens`` with
+    ``return_tokens``, per-token ``timings`` with ``timings_per_token``, ``response_fields``."""
+
+    def pieces(self, chunk: Any) -> list[dict[str, Any]]:
+        if not self._piece_taken(chunk):
+            return []
+        return [
+            llama_format.completion_piece(
+                self.index,
+                chunk,
+                self.n_tokens,
+                len(self.parsed.prompt_tokens),
+                bool(self.options.get("timings_per_token")),
+            )
+        ]
+
+    def final(self, summary: Any, text: str) -> dict[str, Any]:
+        return llama_format.completion_final(
+            summary,
+            text,
+            index=self.index,
+            model=self.model,
+            settings=llama_format.generation_settings(self.parsed),
+            prompt=self.parsed.prompt_text or "",
+            tokens=summary.tokens
+            if self.options.get("return_tokens") and not self.stream
+            else None,
+        )
+
+    def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
+        out = self.final(summary, text)
+        if entries:
+            out["completion_probabilities"] = entries
+        return out
+
+    def last_events(self, summary: Any) -> list[dict[str, Any]]:
+        return [self.final(summary, "")]
+
+    def shaped(self, obj: dict[str, Any]) -> dict[str, Any]:
+        paths = self.options.get("response_fields") or []
+        return llama_format.only_fields(obj, paths) if paths else obj
+
+
+ANSWERS: dict[str, type[Answer]] = {
+    CHAT: ChatAnswer,
+    OAI_COMPLETION: CompletionAnswer,
+    LLAMA_COMPLETION: LlamaCompletionAnswer,
+}
+
+
+def merged(kind: str, results: list[dict[str, Any]]) -> Any:
+    """The non-streamed answer to a request's prompts: one object for one prompt; for several,
+    llama-server's array on /completion, one object with every choice on /v1/completions."""
+    if len(results) == 1:
+        return results[0]
+    if kind == LLAMA_COMPLETION:
+        return results
+    return openai_format.merged_completions(results)

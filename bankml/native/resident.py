@@ -1,0 +1,309 @@
+"""The resident engine as the serving layer sees it: ``NativeEngine``.
+
+Built once after verify passed and the engine opened (bankml/native/service.py), or by
+``bankml.api.open_native``; every native resource and ``bankml.chat`` read it. It holds the
+engine (``bankml.engine_cupy.engine.Engine``, or a test double with the same methods), its
+bridge (None outside a server), what was verified, and the per-completion records; and it is
+the one door from the serving layer into the engine: the jobs the resources hand to the bridge
+(``parse``, ``steps``, the text and slot jobs) turn the engine's refusals into ``ApiError``.
+
+No Twisted. It imports the engine, so in a server it is first imported on the engine thread
+(native/service.py says why).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from bankml import __version__
+from bankml.engine_cupy import backend, slots
+from bankml.engine_cupy.engine import Engine, RequestError
+from bankml.formats.errors import ApiError, error_object, refusal_of
+from bankml.native import text
+from bankml.native.answer import CHAT, ENGINE_KIND, Step, prompt_steps
+from bankml.receipt import Tally
+from bankml.serving.vouch import identity_problem, issue_receipt
+
+if TYPE_CHECKING:
+    from bankml.native.bridge import EngineBridge
+
+T = TypeVar("T")
+
+DEFAULT_CTX = 4096
+
+
+def _refusing(fn: Callable[..., T], *args: Any) -> T:
+    """A text or slot job, its refusal as llama-server answers it: its own message, its status
+    (400 unless the error names another)."""
+    try:
+        return fn(*args)
+    except (ValueError, TypeError, KeyError) as err:
+        status = int(getattr(err, "status", 400))
+        raise ApiError.of(status, str(err.args[0] if err.args else err)) from None
+
+
+class NativeEngine:
+    """The resident engine, its bridge, what was verified, and the per-completion records.
+
+    Built once by native_service after verify passed and the engine opened; every native resource
+    (openai.py, llama.py, bankml.py's /bankml) and api.py read it. ``engine`` is
+    ``bankml.engine_cupy.engine.Engine`` (or a test double with the same methods).
+    """
+
+    METRICS_KEEP = 256
+
+    def __init__(
+        self,
+        engine: Any,
+        bridge: EngineBridge | None,
+        verified: Any,
+        *,
+        slot_dir: str | None = None,
+        n_ctx: int | None = None,
+        device: str = "cpu",
+        reactor: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.bridge = bridge
+        self.verified = verified
+        self.slot_dir = slot_dir
+        self.n_ctx = int(n_ctx if n_ctx is not None else getattr(engine, "n_ctx", 0))
+        self.device = device
+        self.reactor = reactor
+        self.model_id = os.path.basename(verified.path)
+        self.build_info = f"bankml {__version__} native"
+        self.engine_name = f"bankml {__version__} native ({device})"
+        self.started = time.time()
+        self.records: list[dict[str, Any]] = []
+        self.totals: dict[str, Any] = {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "prompt_seconds": 0.0,
+            "tokens_predicted": 0,
+            "predicted_seconds": 0.0,
+            "decode_calls": 0,
+            "n_tokens_max": 0,
+            "prompt_tokens_cached": 0,
+        }
+        self._lock = threading.Lock()
+        self._tensor_totals: tuple[int | None, int | None] | None = None
+
+    def tensor_totals(self) -> tuple[int | None, int | None]:
+        """(parameters, tensor bytes) of the resident model, from its GGUF header (what
+        llama-server's /v1/models calls n_params and size); None without a header to read."""
+        if self._tensor_totals is None:
+            reader = getattr(getattr(self.engine, "model", None), "reader", None)
+            tensors = list(getattr(reader, "tensors", None) or [])
+            self._tensor_totals = (
+                (sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors))
+                if tensors
+                else (None, None)
+            )
+        return self._tensor_totals
+
+    # --- checks ----------------------------------------------------------------------------
+
+    def identity_problem(self) -> str | None:
+        """None while the file is the one that was hashed (FileIdent: device, inode, size, mtime)."""
+        return identity_problem(self.verified)
+
+    def receipt(self, tally: Tally) -> dict[str, Any]:
+        """The receipt of one finished answer of this engine."""
+        return issue_receipt(tally, self.verified, self.engine_name)
+
+    # --- the jobs the resources hand to the bridge (refusals raise ApiError) ------------------
+
+    def parse(self, body: dict[str, Any], kind: str) -> list[Any]:
+        """The engine's validation of a body, before a token is computed: the request's prompts
+        (a chat has one; a completion one or several)."""
+        try:
+            if kind == CHAT:
+                return [self.engine.parse_request(body, ENGINE_KIND[kind])]
+            return self.engine.parse_batch(body, ENGINE_KIND[kind])
+        except RequestError as err:
+            raise refusal_of(err) from None
+
+    def steps(self, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
+        """The bridge's ``steps`` for parsed prompts: ``prompt_steps``, an engine refusal
+        during the run raised as ApiError."""
+        run = prompt_steps(self.engine, prompts)
+
+        def steps(cancelled: Callable[[], bool]) -> Iterator[Step]:
+            try:
+                yield from run(cancelled)
+            except RequestError as err:
+                raise refusal_of(err) from None
+
+        return steps
+
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        return _refusing(text.tokenize_answer, self.engine, body)
+
+    def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        return _refusing(text.detokenize_answer, self.engine, body)
+
+    def apply_template(self, body: dict[str, Any]) -> dict[str, Any]:
+        return _refusing(text.apply_template_answer, self.engine, body)
+
+    def slot_action(self, action: str, filename: str, id_slot: int) -> tuple[int, dict[str, Any]]:
+        """On the engine thread: (status, body) of one slot action (slot_actions.slot_job)."""
+        return _refusing(slot_job, self, action, filename, id_slot)
+
+    # --- records --------------------------------------------------------------------------
+
+    def record(self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str) -> None:
+        """One finished completion into the ring and the totals (/bankml/metrics, /metrics)."""
+        t = dict(getattr(summary, "timings", {}) or {})
+        rec: dict[str, Any] = {
+            "at": time.time(),
+            "kind": kind,
+            "finish_reason": getattr(summary, "finish_reason", None),
+            "prompt_tokens": getattr(summary, "prompt_tokens", 0),
+            "completion_tokens": getattr(summary, "completion_tokens", 0),
+            "cache_n": t.get("cache_n"),
+            "ttft_ms": ttft_ms,
+            "wall_ms": wall_ms,
+            "prompt_per_second": t.get("prompt_per_second"),
+            "predicted_per_second": t.get("predicted_per_second"),
+            "grammar_ms": None,
+            "energy_j": None,
+        }
+        with self._lock:
+            self.records.append(rec)
+            del self.records[: -self.METRICS_KEEP]
+            tot = self.totals
+            tot["requests"] += 1
+            tot["prompt_tokens"] += int(t.get("prompt_n") or 0)
+            tot["prompt_tokens_cached"] += int(t.get("cache_n") or 0)
+            tot["prompt_seconds"] += float(t.get("prompt_ms") or 0.0) / 1e3
+            tot["tokens_predicted"] += int(t.get("predicted_n") or 0)
+            tot["predicted_seconds"] += float(t.get("predicted_ms") or 0.0) / 1e3
+            tot["decode_calls"] += int(t.get("predicted_n") or 0) + (1 if t.get("prompt_n") else 0)
+            tot["n_tokens_max"] = max(
+                tot["n_tokens_max"], rec["prompt_tokens"] + rec["completion_tokens"]
+            )
+
+    def metrics(self) -> dict[str, Any]:
+        """/bankml/metrics: the ring of the last 256 completions with totals."""
+        with self._lock:
+            records = list(self.records)
+        return {
+            "source": self.engine_name,
+            "kept": len(records),
+            "keep": self.METRICS_KEEP,
+            "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),
+            "completion_tokens": sum(r["completion_tokens"] or 0 for r in records),
+            "energy_j": None,
+            "joules_per_token": None,
+            "records": records,
+        }
+
+    # --- GET /bankml ------------------------------------------------------------------------
+
+    def totals_now(self) -> dict[str, Any]:
+        """A copy of the running totals (llama-server's /metrics counters)."""
+        with self._lock:
+            return dict(self.totals)
+
+    def describe(self) -> dict[str, Any]:
+        v = self.verified
+        resident = {
+            "model": self.model_id,
+            "path": v.path,
+            "sha256": v.sha256,
+            "n_ctx": self.n_ctx,
+            "device": self.device,
+            "since": self.started,
+            "slot_tokens": len(getattr(self.engine, "slot_tokens", []) or []),
+        }
+        return {
+            "bankml": __version__,
+            "mode": "native",
+            "verified": v.as_dict(),
+            "guard_result": v.guard.as_dict(),
+            "model": v.path,
+            "model_sha256": v.sha256,
+            "fork": v.fork_path,
+            "hashed_at_unix": v.verified_at,
+            "engine": {
+                "name": self.engine_name,
+                "state": "ready",
+                "busy": bool(self.bridge and self.bridge.busy),
+                "queued": self.bridge.queued if self.bridge else 0,
+            },
+            "resident": resident,
+            "models": [self.model_id],
+            "file_unchanged": self.identity_problem() is None,
+        }
+
+
+def open_engine(
+    path: str, *, n_ctx: int, device: str = "auto", cache_type: str | None = None
+) -> tuple[Engine, str]:
+    """The engine opened on a verified path, and the name of the device it computes on."""
+    engine = Engine.open(path, n_ctx=n_ctx, device=device, cache_type=cache_type)
+    device_name = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
+    return engine, device_name
+
+
+def open_served(
+    verified: Any, options: Mapping[str, Any], bridge: EngineBridge, reactor: Any
+) -> NativeEngine:
+    """For the server, on the engine thread: the engine opened with ``bankml serve``'s options
+    (``ctx``, ``device``, ``cache_type``, ``slot-dir``), each kernel run once (compiled or loaded
+    now, not on the first request), wrapped for serving."""
+    engine, device_name = open_engine(
+        verified.path,
+        n_ctx=int(options.get("ctx") or DEFAULT_CTX),
+        device=options.get("device") or "auto",
+        cache_type=options.get("cache_type"),
+    )
+    engine.model.warm_up()
+    return NativeEngine(
+        engine,
+        bridge,
+        verified,
+        slot_dir=options.get("slot-dir") or options.get("slot_dir"),
+        n_ctx=engine.n_ctx,
+        device=device_name,
+        reactor=reactor,
+    )
+
+
+def slot_job(
+    native: NativeEngine, action: str, filename: str, id_slot: int = 0
+) -> tuple[int, dict[str, Any]]:
+    """On the engine thread: (status, body) of one slot action on the one slot; ``id_slot`` is
+    the id the request named (llama-server echoes it)."""
+    engine = native.engine
+    if action == "erase":
+        return 200, {"id_slot": id_slot, "n_erased": slots.erase_slot(engine)}
+    assert native.slot_dir is not None  # the resource refuses slot actions without a directory
+    path = os.path.join(native.slot_dir, filename)
+    if action == "save":
+        try:
+            done = slots.save_slot(engine, path, native.verified.sha256)
+        except OSError as err:
+            return 500, error_object(500, f"Unable to save slot: {err.strerror or err}")
+        return 200, {
+            "id_slot": id_slot,
+            "filename": filename,
+            "n_saved": done.n_tokens,
+            "n_written": done.n_bytes,
+            "timings": {"save_ms": round(done.ms, 3)},
+        }
+    try:
+        done = slots.restore_slot(engine, path, native.verified.sha256)
+    except slots.SlotError as err:
+        return 400, error_object(400, f"Unable to restore slot: {err}")
+    return 200, {
+        "id_slot": id_slot,
+        "filename": filename,
+        "n_restored": done.n_tokens,
+        "n_read": done.n_bytes,
+        "timings": {"restore_ms": round(done.ms, 3)},
+    }

@@ -1,0 +1,194 @@
+"""`bankml serve FILE --fork F --native`: verify, load the engine, then listen on two addresses.
+
+Order of events (nothing listens until the file is verified and the engine is open):
+
+1. ``make_native_service(options)`` verifies before the reactor starts
+   (``serving.startup.verify_before_listening``); a refusal exits with verify's code, as P0 does.
+2. When the reactor runs, ``NativeService`` opens the engine on the bridge's engine thread
+   (``Engine.open`` and ``Model.warm_up``: seconds, more when Numba compiles), so a slow load
+   never stalls the reactor, and the thread that will run every request owns the kernels'
+   OpenMP workers (``open_native`` says why that doubles decoding speed). A model the engine
+   refuses is ``ServingService.fatal``: ``refuse: <reason>``, exit 2.
+3. It binds ``--listen`` (bankml's own address: ``/bankml``, the OpenAI endpoints and
+   llama-server's) and the engine address ``--upstream`` (llama-server's endpoints, with
+   ``/slots``), both loopback only.
+
+``build_native_roots(native)`` gives the two resource trees, for tests and for the service.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.logger import Logger
+from twisted.web.resource import Resource
+
+from bankml.native.bridge import EngineBridge
+from bankml.resources import llama
+from bankml.resources.bankml import BankmlResource
+from bankml.resources.openai import ChatCompletions, Completions, Models
+from bankml.serving.routes import Branch, LlamaRoute
+from bankml.serving.site import LoopbackSite
+from bankml.serving.startup import (
+    DEFAULT_LISTEN,
+    DEFAULT_UPSTREAM,
+    ServingService,
+    verify_before_listening,
+)
+from bankml.usage import UsageSampler
+
+if TYPE_CHECKING:
+    from bankml.native.resident import NativeEngine
+
+_log = Logger(namespace="bankml.native")
+
+NOT_SUPPORTED_PROPS = (
+    "This server does not support changing global properties. Start it with `--props`"
+)
+NOT_SUPPORTED_SLOTS_LIST = "This server does not support slots endpoint. Start it with `--slots`"
+
+
+def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> None:
+    """llama-server's endpoints and the OpenAI ones, on one tree, under llama-server's paths
+    (its aliases included: /v1/health, /completions, /chat/completions, /models)."""
+
+    def put(
+        parent: Resource, name: bytes, endpoint: Resource, **refusals: tuple[int, str, str]
+    ) -> None:
+        parent.putChild(name, LlamaRoute(endpoint, refusals))
+
+    v1 = Branch()
+    root.putChild(b"v1", v1)
+    chat = Branch()
+    v1.putChild(b"chat", chat)
+    for parent in (root, v1):
+        put(parent, b"health", llama.Health(native))
+        put(parent, b"models", Models(native))
+    put(root, b"props", llama.Props(native), POST=(501, NOT_SUPPORTED_PROPS, "not_supported_error"))
+    put(root, b"metrics", llama.Metrics(native))
+    put(root, b"tokenize", llama.Tokenize(native))
+    put(root, b"detokenize", llama.Detokenize(native))
+    put(root, b"apply-template", llama.ApplyTemplate(native))
+    for name in (b"completion", b"completions"):  # one prompt or several (llama-server's array)
+        put(root, name, llama.Completion(native))
+    put(v1, b"completions", Completions(native))
+    root_chat = Branch()
+    root.putChild(b"chat", root_chat)
+    for parent in (chat, root_chat):
+        put(parent, b"completions", ChatCompletions(native))
+    if slots:
+        # POST /slots/{id} only: /slots itself is llama-server's slot monitor (GET), not here
+        put(
+            root,
+            b"slots",
+            llama.Slots(native),
+            GET=(501, NOT_SUPPORTED_SLOTS_LIST, "not_supported_error"),
+            POST=(404, "File Not Found", "not_found_error"),
+        )
+
+
+def build_native_roots(
+    native: NativeEngine, sampler: UsageSampler | None = None
+) -> tuple[Resource, Resource]:
+    """(listen_root, engine_root): bankml's address with /bankml, and the engine address with
+    /slots; both answer the OpenAI and llama-server endpoints."""
+    if sampler is None:
+        sampler = UsageSampler(native.reactor, lambda: [("bankml serve", os.getpid())])
+    listen_root = Branch()
+    listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
+    _put_llama_endpoints(listen_root, native, slots=False)
+    engine_root = Branch()
+    _put_llama_endpoints(engine_root, native, slots=True)
+    return listen_root, engine_root
+
+
+def _open_on_engine_thread(
+    verified: Any, options: Mapping[str, Any], bridge: EngineBridge, reactor: Any
+) -> NativeEngine:
+    # Imported here, on the engine thread, not at the top: importing the kernels starts OpenMP's
+    # worker team (engine_cupy/jit.py) for the importing thread, and only that thread's parallel
+    # loops run at full speed, so the thread that will run every request must be the first.
+    from bankml.native.resident import open_served
+
+    return open_served(verified, options, bridge, reactor)
+
+
+def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> Deferred[NativeEngine]:
+    """The engine opened on the bridge's own engine thread, then wrapped for serving.
+
+    Loading there, not on a pool thread, matters for speed: the thread that first runs the
+    kernels' parallel loops owns OpenMP's warm worker team, and a decode step run from any other
+    thread took twice as long (25-28 against 53-58 tok/s on the default model)."""
+    bridge = EngineBridge(reactor)
+
+    def failed(reason: Any) -> Any:
+        bridge.stop()
+        return reason
+
+    return bridge.call(_open_on_engine_thread, verified, options, bridge, reactor).addErrback(
+        failed
+    )
+
+
+class NativeService(ServingService):
+    """Opens the engine when the reactor runs, then listens on both addresses."""
+
+    def __init__(self, options: Mapping[str, Any], verified: Any, reactor: Any) -> None:
+        super().__init__(reactor)
+        self.options = dict(options)
+        self.verified = verified
+        self.native: NativeEngine | None = None
+        self.ready: Deferred[None] | None = None  # the bring-up, for tests
+
+    def startService(self) -> None:
+        super().startService()
+        self.ready = self._bring_up()
+
+    @inlineCallbacks
+    def _bring_up(self) -> Any:
+        try:
+            self.native = yield open_native(self.verified, self.options, self.reactor)
+        except Exception as err:
+            name = os.path.basename(self.verified.path)
+            self.fatal(f"{name}: bankml's native engine does not play it: {err}")
+            return
+        if not self.running:
+            return
+        listen_root, engine_root = build_native_roots(self.native)
+        try:
+            for address, root in (
+                (self.options.get("listen") or DEFAULT_LISTEN, listen_root),
+                (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root),
+            ):
+                self.listen(LoopbackSite(root), address)
+        except Exception as err:
+            self.fatal(f"cannot listen: {err}")
+            return
+        v = self.verified
+        _log.info(
+            "bankml native serving {path} (sha256 {sha}) on {listen}, engine address {up}, "
+            "{device}, n_ctx {ctx}",
+            path=v.path,
+            sha=v.sha256,
+            listen=self.options.get("listen"),
+            up=self.options.get("upstream"),
+            device=self.native.device,
+            ctx=self.native.n_ctx,
+        )
+
+    def stopService(self) -> Any:
+        stopped = super().stopService()  # the ports first: nothing new reaches the engine
+        if self.native is not None and self.native.bridge is not None:
+            self.native.bridge.stop()
+        return stopped
+
+
+def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeService:
+    """What tap's makeService calls for ``--native``: verify now (a refusal exits with verify's
+    code before anything listens), then a NativeService. ``options`` keys: file, fork, listen,
+    upstream, ctx, device, slot-dir (and optionally cache_type)."""
+    verified = verify_before_listening(options["file"], options["fork"])
+    return NativeService(options, verified, reactor)

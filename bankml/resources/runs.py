@@ -1,0 +1,176 @@
+"""The endpoints that run the engine: one request, its prompts, their answers.
+
+``AnswerResource(native, kind)`` answers a chat (``chat``), an OpenAI completion
+(``oai_completion``) or llama-server's /completion (``llama_completion``) the same way:
+
+1. the body is read as JSON (not an object: 400), the model file's identity is checked (changed
+   since verify: 503, no receipt);
+2. ``native.parse`` runs on the bridge's prepare thread and validates everything before a token
+   is computed; a refusal is llama-server's status and error object;
+3. the run (``native.steps``: every prompt in turn) is queued on the engine thread; each
+   ``Step`` comes back on the reactor thread to ``RunWriter``, which asks each prompt's
+   ``Answer`` (bankml/native/answer.py) what to send;
+4. not streamed: one object (several prompts: llama-server's array on /completion, one object
+   with every choice on /v1/completions); streamed: the events as they come, each prompt's
+   last one carrying its receipt, ``data: null`` before each prompt after the first (as
+   llama-server writes a later task's begin), then ``data: [DONE]`` except on /completion. An
+   error after the stream began is ``data: {"error": ...}``. The file's identity is checked
+   again before each prompt's last event or object: changed, the answer ends with a 503
+   instead, and no receipt.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.server import NOT_DONE_YET, Request
+
+from bankml.formats.errors import ApiError, error_body
+from bankml.formats.nlohmann import dumps, loads_json
+from bankml.native.answer import ANSWERS, LLAMA_COMPLETION, Answer, Step, merged
+from bankml.native.bridge import ClientGone, RunControl
+from bankml.serving.writers import EventStream, JsonResource, gone, write_json
+
+if TYPE_CHECKING:
+    from bankml.native.resident import NativeEngine
+
+_log = Logger(namespace="bankml.native")
+
+
+def read_json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
+    """(raw body, the object); ApiError 400 when it is not a JSON object."""
+    raw = request.content.read() if request.content is not None else b""
+    try:
+        obj = loads_json(raw)
+    except ValueError as err:
+        raise ApiError.of(400, f"the request body is not JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise ApiError.of(400, "the request body must be a JSON object")
+    return raw, obj
+
+
+class AnswerResource(JsonResource):
+    """One endpoint kind on the native engine (see the module doc)."""
+
+    isLeaf = True
+
+    def __init__(self, native: NativeEngine, kind: str) -> None:
+        super().__init__()
+        if kind not in ANSWERS:
+            raise ValueError(f"unknown kind {kind!r}")
+        if native.bridge is None:
+            raise ValueError("a served NativeEngine has its bridge")
+        self.native = native
+        self.bridge = native.bridge
+        self.kind = kind
+
+    def render_POST(self, request: Request) -> Any:
+        try:
+            raw, obj = read_json_object(request)
+        except ApiError as err:
+            write_json(request, err.status, err.as_bytes())
+            return NOT_DONE_YET
+        problem = self.native.identity_problem()
+        if problem is not None:
+            write_json(request, 503, error_body(503, problem))
+            return NOT_DONE_YET
+        control = self.bridge.new_control()
+        request.notifyFinish().addErrback(lambda _: control.cancel())
+        d = self.bridge.prepare(self.native.parse, obj, self.kind)
+        d.addCallback(self._run, request, raw, obj, control)
+        d.addErrback(self._failed, request, None)
+        return NOT_DONE_YET
+
+    def _run(
+        self,
+        prompts: list[Any],
+        request: Request,
+        raw: bytes,
+        obj: dict[str, Any],
+        control: RunControl,
+    ) -> Any:
+        if gone(request):
+            return None
+        answer_type = ANSWERS[self.kind]
+        answers = [
+            answer_type(self.native, self.kind, raw, obj, parsed, index=index)
+            for index, parsed in enumerate(prompts)
+        ]
+        writer = RunWriter(request, answers, control)
+        d = self.bridge.stream(self.native.steps(prompts), writer.step, control)
+        d.addCallback(writer.end)
+        d.addErrback(self._failed, request, writer)
+        return d
+
+    def _failed(self, failure: Failure, request: Request, writer: RunWriter | None) -> None:
+        if failure.check(ClientGone) or gone(request):
+            return
+        err = failure.value
+        if isinstance(err, ApiError):
+            if writer is not None and writer.events.started:
+                writer.events.error(err.status, str(err))
+            else:
+                write_json(request, err.status, err.as_bytes())
+            return
+        _log.failure("native run failed", failure)
+        message = f"the engine failed: {failure.getErrorMessage()}"
+        if writer is not None:
+            writer.events.error(500, message)
+        else:
+            write_json(request, 500, error_body(500, message))
+
+
+class RunWriter:
+    """Writes one request's answers: stream events as Steps arrive, or the object(s) at the end."""
+
+    def __init__(self, request: Request, answers: list[Answer], control: RunControl) -> None:
+        self.request = request
+        self.answers = answers
+        self.control = control
+        self.native = answers[0].native
+        self.kind = answers[0].kind
+        self.stream = answers[0].stream
+        self.events = EventStream(request, producer=control if self.stream else None)
+        self.results: list[dict[str, Any]] = []
+        self.cancelled = False
+        self.problem: str | None = None  # the file changed during the run
+
+    def step(self, step: Step) -> None:
+        answer = self.answers[step.index]
+        if step.summary is None:
+            events: list[Any] = answer.on_chunk(step.chunk)
+            if step.index > 0 and answer.n_tokens == 1 and self.stream:
+                events = [None, *events]  # llama-server's begin event of a later task
+            self.events.write(events)
+            return
+        summary = step.summary
+        if summary.cancelled or gone(self.request):
+            self.cancelled = True
+            return
+        if answer.n_tokens == 0 and step.index > 0 and self.stream:
+            self.events.write([None])
+        self.problem = self.native.identity_problem()
+        if self.problem is not None:  # no receipt: the run stops here
+            self.control.cancel()
+            return
+        if self.stream:
+            self.events.write(answer.final_events(summary))
+        else:
+            self.results.append(answer.whole(summary))
+        self.native.record(summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), answer.kind)
+
+    def end(self, _: Any = None) -> None:
+        """The run is over (its Deferred fired): end the stream, or write the object(s)."""
+        self.events.release()
+        if self.problem is not None:
+            self.events.error(503, self.problem)
+            return
+        if self.cancelled or gone(self.request):
+            return
+        if self.stream:
+            # llama-server ends its own /completion stream without [DONE]; the OpenAI ones with it
+            self.events.finish(b"" if self.kind == LLAMA_COMPLETION else b"data: [DONE]\n\n")
+        else:
+            write_json(self.request, 200, dumps(merged(self.kind, self.results)))

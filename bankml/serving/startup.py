@@ -1,0 +1,119 @@
+"""Start-up, shared by P0 and native: verify before anything listens, one refusal rule, bind,
+signals.
+
+- ``verify_before_listening(file, fork)``: ``verify`` (guard, then the whole-file sha256 against
+  the pin), run before the reactor starts; a refusal prints ``refuse: <reason>`` and exits with
+  verify's code (2, or 1 for an unreadable file, 3 for a truncated header). Passing logs the
+  ``verified … pinned in …`` line.
+- ``ServingService``: the base of both modes' services. ``fatal(reason)`` is the one refusal
+  after the reactor started (an engine that cannot be brought up, an address that cannot be
+  bound): ``refuse: <reason>`` on stderr and in the log, exit status 2 (``EXIT_REFUSED``).
+  ``listen(site, address)`` binds a loopback address and keeps the port for ``stopService``.
+  SIGHUP stops bankml like SIGTERM and SIGINT (Twisted handles those two; the default action
+  of SIGHUP would kill bankml without its shutdown triggers, leaving llama-server behind).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+from typing import Any
+
+from twisted.application import service
+from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.internet.interfaces import IListeningPort
+from twisted.logger import Logger
+from twisted.web.server import Site
+
+from bankml.gate.verify import Refused, Verified, verify
+from bankml.serving.site import listen_loopback
+
+_log = Logger(namespace="bankml.serve")
+
+DEFAULT_LISTEN = "127.0.0.1:18093"
+DEFAULT_UPSTREAM = "127.0.0.1:18092"
+EXIT_REFUSED = 2
+
+
+def refuse(reason: str, code: int = EXIT_REFUSED) -> SystemExit:
+    print(f"refuse: {reason}", file=sys.stderr, flush=True)
+    return SystemExit(code)
+
+
+def verify_before_listening(file: str, fork: str) -> Verified:
+    """verify() before anything listens; a refusal exits with its code."""
+    try:
+        verified = verify(file, fork)
+    except Refused as err:
+        raise refuse(err.reason, err.exit_code) from None
+    _log.info(
+        "verified {path}: sha256 {sha} pinned in {fork}",
+        path=verified.path,
+        sha=verified.sha256,
+        fork=verified.fork_path,
+    )
+    return verified
+
+
+def stop_on_sighup(reactor: Any) -> None:
+    """SIGHUP stops bankml like SIGTERM, exiting by the signal."""
+
+    def on_hup(signum: int, frame: Any) -> None:
+        _log.info("Received SIGHUP, shutting down.")
+        reactor._exitSignal = signum  # ISupportsExitSignalCapturing: exit by the signal
+        reactor.callFromThread(reactor.stop)
+
+    signal.signal(signal.SIGHUP, on_hup)
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class ServingService(service.MultiService):
+    """What both modes' services share: SIGHUP, the refusal rule, the listening ports."""
+
+    def __init__(self, reactor: Any) -> None:
+        super().__init__()
+        self.reactor = reactor
+        self.ports: list[IListeningPort] = []
+        self.exit_code = 0
+        self.exit_at_interpreter_end = True  # under twistd; serve_command reads exit_code itself
+
+    def startService(self) -> None:
+        super().startService()
+        stop_on_sighup(self.reactor)
+
+    def listen(self, site: Site, address: str) -> IListeningPort:
+        port = listen_loopback(site, address, self.reactor)
+        self.ports.append(port)
+        return port
+
+    def port_of(self, index: int) -> int:
+        """The bound port of the ``index``-th address (for tests that bind port 0)."""
+        address = self.ports[index].getHost()
+        assert isinstance(address, (IPv4Address, IPv6Address))  # listen_loopback binds TCP
+        return address.port
+
+    def fatal(self, reason: str, code: int = EXIT_REFUSED) -> None:
+        """Refuse to serve: the reason on stderr and in the log, then exit with ``code``."""
+        if not self.running:  # stopping already (a signal during start-up): not a refusal
+            _log.info("start-up interrupted: {reason}", reason=reason)
+            return
+        _log.error("refuse: {reason}", reason=reason)
+        print(f"refuse: {reason}", file=sys.stderr, flush=True)
+        self.exit_code = code
+        if self.exit_at_interpreter_end:
+            atexit.register(_exit_now, code)  # twistd itself would exit 0 after the reactor stops
+        if self.reactor.running:
+            self.reactor.stop()
+
+    def stopService(self) -> Any:
+        for port in self.ports:
+            port.stopListening()
+        self.ports = []
+        return super().stopService()
