@@ -1,8 +1,8 @@
 """Receipts: what bankml vouches for on every chat answer.
 
 A `Tally` collects one answer as it passes through (the request body, the answer's text pieces in
-order, token counts, timings, logprobs) and `receipt()` turns it into serve.md's `bankml_receipt`
-object, with its fields in the reference's order:
+order, token counts, timings, logprobs) and `receipt()` turns it into the `bankml_receipt`
+object, with its fields in this fixed order (clients may rely on it):
 
 ``bankml, engine, model_sha256, guard, prompt_tokens, completion_tokens, ttft_ms, wall_ms,
 response_sha256, request_sha256[, logprobs_sha256], signed``
@@ -96,7 +96,7 @@ def _is_count(value: Any) -> bool:
 def receipt(
     tally: Tally, *, engine: str, model_sha256: str, guard: str = "play", ttft_measured: bool = True
 ) -> dict[str, Any]:
-    """serve.md's receipt for a finished tally. `ttft_measured=False` (a non-streamed P0 answer,
+    """The receipt for a finished tally. `ttft_measured=False` (a non-streamed P0 answer,
     where the gateway sees the whole text at once) gives ``ttft_ms: null``."""
     tally.finish()
     out: dict[str, Any] = {

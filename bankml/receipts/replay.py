@@ -55,7 +55,7 @@ class CannotReplay(Exception):
 
 @dataclass
 class Replayed:
-    """The replay's answer, in the terms the original is read in."""
+    """The replay's answer, in the terms the received answer is read in."""
 
     text: str
     pieces: list[str]  # each token's text where known, in order
@@ -203,7 +203,7 @@ def _run(engine: Any, parsed: Any, receipt: Mapping[str, Any]) -> Replayed:
 
 
 def _first_text_difference(pieces: Sequence[str], original: str) -> tuple[int, str] | None:
-    """(index of the first token whose text the original does not continue with, that text)."""
+    """(index of the first token whose text the received answer does not continue with, that text)."""
     seen = ""
     for index, piece in enumerate(pieces):
         seen += piece
