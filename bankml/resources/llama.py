@@ -24,6 +24,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.bridge import NativeEngine, RunControl
+from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.proxy_resource import JsonResource, error_body, write_json
 from bankml.resources.openai import (
     LLAMA_COMPLETION,
@@ -241,7 +242,7 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         },
         "total_slots": 1,
         "model_alias": native.model_id,
-        "model_ftype": main_weight_type(native.verified.guard),
+        "model_ftype": file_ftype_name(native.verified.path),
         "model_path": native.verified.path,
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": "<__media__>",
@@ -272,13 +273,6 @@ def template_caps(caps: Any) -> dict[str, bool]:
     out.setdefault("supports_preserve_reasoning", False)
     out.setdefault("supports_reasoning_effort", False)
     return dict(sorted(out.items()))
-
-
-def main_weight_type(guard: Any) -> str:
-    """The file's weight type as llama-server's model_ftype names it: the commonest tensor type
-    other than F32 (the norms), e.g. "Q4_1"."""
-    types = {k: v for k, v in dict(getattr(guard, "types", {}) or {}).items() if k != "F32"}
-    return max(types, key=types.get) if types else "F32"
 
 
 class Props(_Native):

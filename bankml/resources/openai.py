@@ -707,7 +707,7 @@ def model_info(native: NativeEngine) -> dict[str, Any]:
     """One model as llama-server's get_res_model_info lists it. The id is the file's name
     (llama-server uses its -m argument as given); the sizes are the tensors' (llama_model_size,
     llama_model_n_params), not the file's."""
-    from bankml.resources.llama import main_weight_type
+    from bankml.engine_cupy.file_type import file_ftype_name
 
     engine = native.engine
     hp = getattr(getattr(engine, "model", None), "hp", None)
@@ -729,7 +729,7 @@ def model_info(native: NativeEngine) -> dict[str, Any]:
             "n_embd": getattr(hp, "n_embd", None),
             "n_params": n_params,
             "size": size,
-            "ftype": main_weight_type(native.verified.guard),
+            "ftype": file_ftype_name(native.verified.path),
         },
     }
 
