@@ -761,9 +761,14 @@ async def test_slot_save_erase_restore_answer_as_llama_server(
         ("0", "save", {"filename": "../a.bin"}),
         ("0", "restore", {"filename": "/tmp/a.bin"}),
         ("0", "save", {"filename": "a:b"}),
+        ("0", "save", {"filename": " a"}),
+        ("0", "save", {"filename": "a."}),
+        ("0", "save", {"filename": "a\u2215b"}),
+        ("0", "save", {"filename": "x" * 256}),
         ("0", "save", {"filename": 5}),
         ("0", "restore", {"filename": None}),
         ("2147483648", "erase", {}),
+        ("2147483648", "save", {"filename": "a.bin"}),  # beyond std::stoi's int
     ],
 )
 @pytest_twisted.ensureDeferred
