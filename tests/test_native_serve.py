@@ -710,7 +710,7 @@ async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: 
 
     text, cache_n = await deferToThread(answer)
     assert (text, cache_n) == (warm["choices"][0]["message"]["content"], warm["timings"]["cache_n"])
-    assert text == empty["choices"][0]["message"]["content"]  # the test: as an empty slot
+    assert text == empty["choices"][0]["message"]["content"]  # as from an empty slot
     # A slot from another context size is refused with the reason, and leaves the slot empty.
     data = bytearray((served.slot_dir / "restart.bin").read_bytes()[:-32])
     data[79:87] = (1024).to_bytes(8, "little")  # n_ctx, after the magic and the model sha256

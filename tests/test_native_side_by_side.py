@@ -1,23 +1,24 @@
-"""Every endpoint of issue 4, side by side: bankml ``--native`` and the real llama-server on the
-same model, the same requests, over real HTTP on loopback.
+"""Every endpoint llama-server has and bankml serves, side by side: bankml ``--native`` and the
+real llama-server on the same model, the same requests, over real HTTP on loopback.
 
 For each endpoint: the same status, the same keys (recursively: every key path of the JSON, list
 items merged), and the same values where a client may rely on them (tokenize, detokenize,
 apply-template, /props' template and generation defaults, the models' ids and sizes, and every
 refusal message: context limit, sampler values, logprobs, ``n``, ``stream_options``, slots, wrong
 methods). The only keys bankml adds are its receipt (``bankml_receipt``, and its SSE event) and
-``usage`` on a streamed chat's finish chunk when ``stream_options.include_usage`` is not set (the
-issue's "the last chunk carries usage and timings"); both are listed in ``BANKML_ADDITIONS``.
+``usage`` on a streamed chat's finish chunk when ``stream_options.include_usage`` is not set (so
+that the last chunk carries usage and timings); both are listed in ``BANKML_ADDITIONS``.
 
 Where bankml answers differently on purpose, the test asserts bankml's answer and llama-server's,
 and docs/modules/native_service.md says why. Differences that remain in files this suite does not
 own are strict xfails naming the file: they fail loudly once fixed, so the marker comes off.
 
 The native side is test_native_serve's shared engine (``shared_served``, n_ctx 2048 like the
-reference). ``reference_server`` is the session's llama-server (no ``--metrics``, no slot path);
+reference). ``reference_server`` is the test run's llama-server (no ``--metrics``, no slot path);
 ``full_reference`` is a second llama-server of this module with ``--metrics`` and
-``--slot-save-path``, for /metrics and the slot actions. Generated text is never compared (the
-engine's numerics are issue 3's), only its shape and the prompt's token count.
+``--slot-save-path``, for /metrics and the slot actions. Generated text is not compared here (the
+engine's numerics are test_forward's and test_engine's, served answers
+test_served_greedy_chat's), only its shape and the prompt's token count.
 """
 
 from __future__ import annotations
