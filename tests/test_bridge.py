@@ -173,11 +173,23 @@ async def test_an_engine_error_reaches_its_run_and_the_thread_lives_on(
 
 @pytest_twisted.ensureDeferred
 async def test_prepare_runs_while_the_engine_is_busy(bridge: EngineBridge) -> None:
-    engine = FakeEngine(delay=0.01)
-    run = bridge.stream(steps_of(engine, "long", 100), lambda _: None)
-    await deferLater(reactor, 0.05, lambda: None)
-    assert await bridge.prepare(lambda: engine.computed) < 100  # not queued behind the run
-    await run
+    started, release, resumed = threading.Event(), threading.Event(), threading.Event()
+
+    def held(cancelled: Callable[[], bool]) -> Iterator[bytes]:
+        started.set()
+        yield b"first"
+        release.wait(HANG_GUARD_S)  # the run holds the engine thread until the test lets it go
+        resumed.set()
+        yield b"second"
+        return "done"
+
+    run = bridge.stream(held, lambda _: None)
+    await deferToThread(started.wait, HANG_GUARD_S)
+    # prepare answers while the run is held, not queued behind it (queued, it would run only
+    # once the run resumed, and see it)
+    assert await bridge.prepare(resumed.is_set) is False
+    release.set()
+    assert await run == "done"
 
 
 def test_run_control_rejects_an_empty_window() -> None:

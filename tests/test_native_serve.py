@@ -483,42 +483,6 @@ async def test_damaged_and_foreign_slot_files_are_refused_and_leave_an_empty_slo
     assert status == 400 and answer["error"]["message"].startswith("Unable to restore slot: ")
 
 
-@pytest.mark.parametrize(
-    "sid, action, body, message",
-    [
-        ("0", "bogus", {}, "Invalid action"),
-        ("x", "save", {"filename": "a.bin"}, "Invalid slot ID"),
-        ("2147483648", "save", {"filename": "a.bin"}, "Invalid slot ID"),  # beyond std::stoi's int
-        ("0", "save", {"filename": "../a.bin"}, "Invalid filename"),
-        ("0", "save", {"filename": "a:b"}, "Invalid filename"),
-        ("0", "save", {"filename": " a"}, "Invalid filename"),
-        ("0", "save", {"filename": "a."}, "Invalid filename"),
-        ("0", "save", {"filename": "a\u2215b"}, "Invalid filename"),
-        ("0", "save", {"filename": "x" * 256}, "Invalid filename"),
-        ("0", "save", {}, "[json.exception.out_of_range.403] key 'filename' not found"),
-        (
-            "0",
-            "save",
-            {"filename": 5},
-            "[json.exception.type_error.302] type must be string, but is number",
-        ),
-        (
-            "0",
-            "restore",
-            {"filename": None},
-            "[json.exception.type_error.302] type must be string, but is null",
-        ),
-    ],
-)
-@pytest_twisted.ensureDeferred
-async def test_slot_refusals_are_llama_servers(
-    served: Served, sid: str, action: str, body: dict, message: str
-) -> None:
-    status, answer = await slot(served, sid, action, body)
-    assert status == 400
-    assert answer == {"error": {"code": 400, "message": message, "type": "invalid_request_error"}}
-
-
 @pytest_twisted.ensureDeferred
 async def test_slots_without_a_slot_dir_are_501(served: Served) -> None:
     bare = NativeEngine(

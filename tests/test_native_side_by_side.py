@@ -1,5 +1,5 @@
-"""Every endpoint of the native engine address, side by side: bankml ``--native`` and the real llama-server on the
-same model, the same requests, over real HTTP on loopback.
+"""Every endpoint llama-server has and bankml serves, side by side: bankml ``--native`` and the
+real llama-server on the same model, the same requests, over real HTTP on loopback.
 
 For each endpoint: the same status, the same keys (recursively: every key path of the JSON, list
 items merged), and the same values where a client may rely on them (tokenize, detokenize,
@@ -15,10 +15,11 @@ and docs/modules/native_service.md says why. Differences that remain in files th
 own are strict xfails naming the file: they fail loudly once fixed, so the marker comes off.
 
 The native side is test_native_serve's shared engine (``shared_served``, n_ctx 2048 like the
-reference). ``reference_server`` is the session's llama-server (no ``--metrics``, no slot path);
+reference). ``reference_server`` is the test run's llama-server (no ``--metrics``, no slot path);
 ``full_reference`` is a second llama-server of this module with ``--metrics`` and
-``--slot-save-path``, for /metrics and the slot actions. Generated text is never compared (the
-engine's numerics have their own tests), only its shape and the prompt's token count.
+``--slot-save-path``, for /metrics and the slot actions. Generated text is not compared here (the
+engine's numerics are test_forward's and test_engine's, served answers
+test_served_greedy_chat's), only its shape and the prompt's token count.
 """
 
 from __future__ import annotations
@@ -766,9 +767,14 @@ async def test_slot_save_erase_restore_answer_as_llama_server(
         ("0", "save", {"filename": "../a.bin"}),
         ("0", "restore", {"filename": "/tmp/a.bin"}),
         ("0", "save", {"filename": "a:b"}),
+        ("0", "save", {"filename": " a"}),
+        ("0", "save", {"filename": "a."}),
+        ("0", "save", {"filename": "a\u2215b"}),
+        ("0", "save", {"filename": "x" * 256}),
         ("0", "save", {"filename": 5}),
         ("0", "restore", {"filename": None}),
         ("2147483648", "erase", {}),
+        ("2147483648", "save", {"filename": "a.bin"}),  # beyond std::stoi's int
     ],
 )
 @pytest_twisted.ensureDeferred

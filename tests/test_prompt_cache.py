@@ -116,25 +116,56 @@ def test_without_the_host_cache_only_the_shared_prefix_is_reused(engine: Engine)
     assert a2_cache < a1_prompt  # the slot held B: the host cache is what made the difference
 
 
-def test_a_restored_entry_answers_as_a_fresh_prefill(engine: Engine) -> None:
-    """The KV moved back from the host equals the KV a fresh prefill computes: same logits."""
-    engine.host_cache = HostPromptCache(limit_from_env("256"))
-    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
-    _engine_chat(engine, messages)
-    _engine_chat(engine, [{"role": "user", "content": "Count from one to five."}])
-    entry_tokens = list(engine.host_cache.entries[-1].tokens)
+def _fresh_slot(engine: Engine) -> None:
     engine.slot_tokens, engine.cache.n_tokens = [], 0
-    fresh = engine.model.forward(entry_tokens, engine.cache)
-    engine.host_cache.save([], engine.cache)  # an empty slot is never saved
-    entry = engine.host_cache.take_better([], entry_tokens + [1])
-    assert entry is not None and entry.tokens == entry_tokens
-    engine.cache.restore(entry.kv, len(entry.tokens))
-    engine.cache.truncate(len(entry_tokens) - 1)
-    again = engine.model.forward(entry_tokens[-1:], engine.cache)
-    engine.cache.truncate(len(entry_tokens) - 1)
-    reference = engine.model.forward(entry_tokens[-1:], engine.cache)
-    assert np.array_equal(again, reference)
-    assert int(np.argmax(fresh)) == int(np.argmax(again))
+
+
+def _kv_bytes(cache: Any) -> list[bytes]:
+    """Every layer's K and V of positions 0..n_tokens-1, as bytes (quantized parts included)."""
+    return [
+        b"".join(np.ascontiguousarray(a).tobytes() for a in (e if isinstance(e, tuple) else (e,)))
+        for e in cache.snapshot()
+    ]
+
+
+def _one_token(engine: Engine, tokens: list[int]) -> np.ndarray:
+    """The logits of the last token evaluated again on the first len - 1 positions held."""
+    engine.cache.truncate(len(tokens) - 1)
+    return engine.model.forward(tokens[-1:], engine.cache)
+
+
+def test_a_restored_entry_answers_as_a_fresh_prefill(engine: Engine) -> None:
+    """The KV moved back from the host equals, bit for bit, the KV a fresh run of the same
+    conversation computes on an empty slot, and one more token evaluated on each gives the same
+    logits bit for bit."""
+    # system prompts of their own: the default one would be a shared half, which keeps the slot
+    a = [
+        {"role": "system", "content": "Poet."},
+        {"role": "user", "content": "Write a haiku about the sea."},
+    ]
+    b = [
+        {"role": "system", "content": "Counter."},
+        {"role": "user", "content": "Count from one to five."},
+    ]
+    engine.host_cache = HostPromptCache(0)
+    _fresh_slot(engine)
+    _engine_chat(engine, a)
+    a_tokens = list(engine.slot_tokens)
+    assert engine.cache.n_tokens == len(a_tokens)
+    fresh_kv = _kv_bytes(engine.cache)
+    fresh_logits = _one_token(engine, a_tokens)
+
+    engine.host_cache = HostPromptCache(limit_from_env("256"))
+    _fresh_slot(engine)
+    _engine_chat(engine, a)
+    _engine_chat(engine, b)  # A's slot goes to the host, B's KV overwrites the slot
+    assert [e.tokens for e in engine.host_cache.entries] == [a_tokens]
+    engine._use_host_cache(a_tokens + [1])  # the engine's own path brings A back
+    assert engine.slot_tokens == a_tokens and engine.cache.n_tokens == len(a_tokens)
+    restored = _kv_bytes(engine.cache)
+    differing = [i for i, (x, y) in enumerate(zip(restored, fresh_kv)) if x != y]
+    assert len(restored) == len(fresh_kv) and not differing, f"K/V arrays not equal: {differing}"
+    assert np.array_equal(_one_token(engine, a_tokens), fresh_logits)
 
 
 def test_limits_from_the_environment() -> None:

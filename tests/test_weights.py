@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import numpy
 import pytest
@@ -181,16 +184,46 @@ def test_f16_and_bf16_activation_rounding() -> None:
     assert numpy.array_equal(bf, quants.dequantize(quants.quantize(x, T.BF16), T.BF16))
 
 
-def test_backend_choice() -> None:
+def _cupy_module(device_count: Any) -> types.ModuleType:
+    """An importable ``cupy`` whose runtime reports ``device_count`` (or raises it)."""
+
+    def count() -> int:
+        if isinstance(device_count, Exception):
+            raise device_count
+        return device_count
+
+    module = types.ModuleType("cupy")
+    module.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=count))
+    return module
+
+
+@pytest.mark.parametrize(
+    "cupy, reason",
+    [
+        (None, "CuPy is not importable"),  # sys.modules[name] = None: the import raises
+        (_cupy_module(RuntimeError("cudaErrorNoDevice")), "CuPy sees no usable GPU"),
+        (_cupy_module(0), "CuPy sees no GPU"),
+    ],
+)
+def test_backend_without_a_usable_gpu(
+    monkeypatch: pytest.MonkeyPatch, cupy: Any, reason: str
+) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
     assert backend.get_xp("cpu") is numpy
+    assert backend.get_xp("auto") is numpy
+    with pytest.raises(
+        backend.DeviceUnavailable, match=f"device 'cuda' was asked for but {reason}"
+    ):
+        backend.get_xp("cuda")
     with pytest.raises(ValueError, match="expected one of auto, cpu, cuda"):
         backend.get_xp("tpu")
-    try:
-        import cupy  # noqa: F401
-    except Exception:
-        assert backend.get_xp("auto") is numpy
-        with pytest.raises(backend.DeviceUnavailable, match="device 'cuda' was asked for"):
-            backend.get_xp("cuda")
+
+
+def test_backend_with_a_gpu_takes_cupy_for_auto_and_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    cupy = _cupy_module(1)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    assert backend.get_xp("auto") is cupy and backend.get_xp("cuda") is cupy
+    assert backend.get_xp("cpu") is numpy
 
 
 def test_default_model_header(default_model: Path) -> None:

@@ -280,7 +280,7 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         },
         "total_slots": 1,
         "model_alias": native.model_id,
-        "model_ftype": main_weight_type(native.verified.guard),
+        "model_ftype": native.model_ftype,
         "model_path": native.verified.path,
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": "<__media__>",
@@ -311,13 +311,6 @@ def template_caps(caps: Any) -> dict[str, bool]:
     out.setdefault("supports_preserve_reasoning", False)
     out.setdefault("supports_reasoning_effort", False)
     return dict(sorted(out.items()))
-
-
-def main_weight_type(guard: Any) -> str:
-    """The file's weight type as llama-server's model_ftype names it: the commonest tensor type
-    other than F32 (the norms), e.g. "Q4_1"."""
-    types = {k: v for k, v in dict(getattr(guard, "types", {}) or {}).items() if k != "F32"}
-    return max(types, key=lambda name: types[name]) if types else "F32"
 
 
 def prometheus_text(native: NativeEngine) -> str:

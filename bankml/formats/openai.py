@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from bankml.formats.llama import main_weight_type
-
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
 
@@ -131,7 +129,7 @@ def model_info(native: NativeEngine) -> dict[str, Any]:
             "n_embd": getattr(hp, "n_embd", None),
             "n_params": n_params,
             "size": size,
-            "ftype": main_weight_type(native.verified.guard),
+            "ftype": native.model_ftype,
         },
     }
 

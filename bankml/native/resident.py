@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from bankml import __version__
 from bankml.engine_cupy import backend, slots
 from bankml.engine_cupy.engine import Engine, RequestError
+from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.native import text
 from bankml.native.answer import CHAT, ENGINE_KIND, Step, prompt_steps
@@ -75,6 +76,8 @@ class NativeEngine:
         self.device = device
         self.reactor = reactor
         self.model_id = os.path.basename(verified.path)
+        # llama-server's name for the file's type (general.file_type), read once from the header
+        self.model_ftype = file_ftype_name(verified.path)
         self.build_info = f"bankml {__version__} native"
         self.engine_name = f"bankml {__version__} native ({device})"
         self.started = time.time()
