@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import pytest_twisted
 from gguf import GGMLQuantizationType as T
+from twisted.internet import reactor
 from twisted.internet.defer import maybeDeferred
 from twisted.internet.threads import deferToThread
 
 from bankml.engine_cupy.file_type import GUESSED, file_ftype_name, guess_ftype
-from bankml.native_service import make_native_service
+from bankml.native.service import make_native_service
 from tests import support
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -97,7 +98,8 @@ def native_urls(
                 "device": "cpu",
                 "listen": "127.0.0.1:0",
                 "upstream": "127.0.0.1:0",
-            }
+            },
+            reactor,
         )
         svc.exit_at_interpreter_end = False
         svc.startService()
