@@ -60,9 +60,9 @@ def server(
 ) -> Iterator[NativeProcess]:
     with native_process(default_model, default_fork, tmp_path_factory.mktemp("fuzz")) as proc:
         yield proc
-    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"test_fuzz: {CASES['run']} hostile requests sent")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # printed whatever the capture mode
+        print(f"\ntest_fuzz: {CASES['run']} hostile requests sent")
 
 
 def send(port: int, path: str, raw: bytes) -> tuple[int, str, bytes]:
@@ -253,7 +253,7 @@ def slot_action(draw: st.DrawFn) -> tuple[str, bytes]:
 # --- the tests ------------------------------------------------------------------------------------
 
 FUZZ = settings(
-    max_examples=30,
+    max_examples=50,
     deadline=None,
     phases=[Phase.explicit, Phase.generate],  # no shrinking: each case costs a request
     derandomize=True,
@@ -283,7 +283,7 @@ def test_a_wrong_type_in_any_field(
     check_answer(server, *case)
 
 
-@FUZZ
+@settings(FUZZ, max_examples=40)
 @given(case=hostile_text(), engine=st.booleans())
 def test_hostile_text(server: NativeProcess, case: tuple[str, bytes], engine: bool) -> None:
     check_answer(server, *case, engine=engine)
@@ -295,7 +295,7 @@ def test_malformed_bodies(server: NativeProcess, case: tuple[str, bytes]) -> Non
     check_answer(server, *case)
 
 
-@settings(FUZZ, max_examples=25)
+@settings(FUZZ, max_examples=35)
 @given(case=slot_action())
 def test_slot_path_tricks_stay_in_the_slot_dir(
     server: NativeProcess, case: tuple[str, bytes]
