@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""A soak of `bankml serve --native`: mixed load for M minutes, the server's RSS, fds and threads.
+
+    bench/soak.py [--minutes 10] [--clients 4] [--bankml-url URL [--engine-url URL]]
+                  [--cache-ram MiB] [--seed 0]
+
+Without --bankml-url it starts its own server (tests/native_server.py: the default model,
+``--ctx 2048``, a slot directory, ``BANKML_CACHE_RAM`` set from --cache-ram when given). Loopback
+only. Each client loops until the deadline over a seeded mix: plain and streamed chat answers
+(the receipt checked), a stream left after its first events, a slow reader (small reads with
+pauses), a long prompt new to the prompt cache, refusals (a body that is not JSON, a prompt past
+the context: 400 expected), /tokenize and /health, and slot save, restore and erase on the engine
+address. Anything else than the expected status, a dropped or timed-out connection, a missing
+receipt or a traceback in a body is an error.
+
+The load runs in two phases: a warm-up (a third of the time, at most two minutes: the kernels,
+thread pools and the host prompt cache fill), a quiet second, then the rest. The server process
+is sampled every second (psutil); growth is measured between the two quiet points (after the
+warm-up and after the load), where no request holds a connection or a buffer. Ends with one JSON
+line: requests, errors, p50/p99 latency, RSS, fds and threads at both points and their growth,
+the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests import support  # noqa: E402  (the default model and its pin)
+from tests.native_server import native_process  # noqa: E402
+
+TIMEOUT_S = 120.0
+WORDS = [
+    "river",
+    "stone",
+    "lamp",
+    "window",
+    "garden",
+    "letter",
+    "mountain",
+    "candle",
+    "harbour",
+    "violin",
+    "orchard",
+]
+
+
+@dataclass
+class Target:
+    host: str
+    port: int
+    engine_port: int | None  # slot actions need the engine address
+
+    @staticmethod
+    def of(url: str, engine_url: str | None) -> Target:
+        listen = urlsplit(url)
+        engine = urlsplit(engine_url) if engine_url else None
+        return Target(listen.hostname or "127.0.0.1", listen.port or 80, engine and engine.port)
+
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    latencies_ms: list[float] = field(default_factory=list)
+    kinds: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
+
+    def record(self, kind: str, started: float, error: str | None) -> None:
+        with self.lock:
+            self.kinds[kind] += 1
+            self.latencies_ms.append((time.monotonic() - started) * 1000)
+            if error:
+                self.errors.append(f"{kind}: {error}")
+
+
+def connect(host: str, port: int) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection(host, port, timeout=TIMEOUT_S)
+
+
+def chat_body(content: str, stream: bool, max_tokens: int = 16) -> bytes:
+    return json.dumps(
+        {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        }
+    ).encode()
+
+
+def exchange(host: str, port: int, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+    conn = connect(host, port)
+    try:
+        conn.request(method, path, body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def problem(status: int, raw: bytes, expected: int = 200) -> str | None:
+    if status != expected:
+        return f"status {status} (expected {expected}): {raw[:200]!r}"
+    if b"Traceback" in raw:
+        return "a traceback in the body"
+    return None
+
+
+class Client:
+    def __init__(self, index: int, target: Target, tally: Tally, seed: int) -> None:
+        self.index = index
+        self.target = target
+        self.tally = tally
+        self.random = random.Random(seed * 1000 + index)
+        self.slot_file = f"soak-{index}.bin"
+
+    def prompt(self, n_words: int) -> str:
+        return " ".join(self.random.choice(WORDS) for _ in range(n_words))
+
+    # each action returns an error text or None
+
+    def plain(self) -> str | None:
+        status, raw = exchange(
+            self.target.host, self.target.port, "POST", "/v1/chat/completions",
+            chat_body("Say hello to " + self.prompt(2), False),
+        )  # fmt: skip
+        return problem(status, raw) or (None if b"bankml_receipt" in raw else "no receipt")
+
+    def streamed(self) -> str | None:
+        status, raw = exchange(
+            self.target.host, self.target.port, "POST", "/v1/chat/completions",
+            chat_body("Count to five about " + self.prompt(2), True),
+        )  # fmt: skip
+        if problem(status, raw):
+            return problem(status, raw)
+        if not raw.rstrip().endswith(b"data: [DONE]") or b"bankml_receipt" not in raw:
+            return f"an unfinished stream: {raw[-200:]!r}"
+        return None
+
+    def _stream(self, max_tokens: int) -> http.client.HTTPResponse:
+        conn = connect(self.target.host, self.target.port)
+        body = chat_body("Tell a long story about " + self.prompt(3), True, max_tokens)
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        return conn.getresponse()
+
+    def cancelled(self) -> str | None:
+        resp = self._stream(200)
+        try:
+            first = resp.read1(256) if resp.status == 200 else resp.read()
+            return problem(resp.status, first) or (
+                None if first.startswith(b"data: ") else "no event"
+            )
+        finally:
+            resp.close()  # leaves mid-stream: the server must stop generating and let go
+
+    def slow_reader(self) -> str | None:
+        resp = self._stream(24)
+        try:
+            chunks = []
+            while chunk := resp.read1(64):
+                chunks.append(chunk)
+                time.sleep(0.05)
+            raw = b"".join(chunks)
+            if problem(resp.status, raw):
+                return problem(resp.status, raw)
+            return None if raw.rstrip().endswith(b"data: [DONE]") else "an unfinished stream"
+        finally:
+            resp.close()
+
+    def long_prompt(self) -> str | None:
+        """A prompt new to the prompt cache: fills the host cache toward its bound."""
+        content = "Summarise: " + self.prompt(self.random.randint(150, 450))
+        status, raw = exchange(
+            self.target.host, self.target.port, "POST", "/v1/chat/completions",
+            chat_body(content, False, 4),
+        )  # fmt: skip
+        return problem(status, raw)
+
+    def refusal(self) -> str | None:
+        if self.random.random() < 0.5:
+            status, raw = exchange(
+                self.target.host, self.target.port, "POST", "/v1/chat/completions", b"{not json"
+            )
+        else:
+            status, raw = exchange(
+                self.target.host, self.target.port, "POST", "/v1/chat/completions",
+                chat_body(self.prompt(3000), False),  # past the context: refused before decoding
+            )  # fmt: skip
+        return problem(status, raw, 400)
+
+    def light(self) -> str | None:
+        status, raw = exchange(
+            self.target.host, self.target.port, "POST", "/tokenize",
+            json.dumps({"content": self.prompt(20)}).encode(),
+        )  # fmt: skip
+        if problem(status, raw):
+            return problem(status, raw)
+        status, raw = exchange(self.target.host, self.target.port, "GET", "/health", None)
+        return problem(status, raw)
+
+    def slots(self) -> str | None:
+        if self.target.engine_port is None:
+            return None
+        body = json.dumps({"filename": self.slot_file}).encode()
+        for action in ("save", "restore", "erase"):
+            payload = None if action == "erase" else body
+            status, raw = exchange(
+                self.target.host, self.target.engine_port, "POST",
+                f"/slots/0?action={action}", payload or b"{}",
+            )  # fmt: skip
+            if problem(status, raw):
+                return f"{action}: {problem(status, raw)}"
+        return None
+
+    MIX = (
+        ("plain", 4), ("streamed", 4), ("cancelled", 2), ("slow_reader", 2),
+        ("long_prompt", 3), ("refusal", 2), ("light", 2), ("slots", 1),
+    )  # fmt: skip
+
+    def run(self, deadline: float, first: tuple[str, ...] = ()) -> None:
+        names = [name for name, _ in self.MIX]
+        weights = [weight for _, weight in self.MIX]
+        queue = list(first)
+        while time.monotonic() < deadline:
+            kind = queue.pop(0) if queue else self.random.choices(names, weights)[0]
+            started = time.monotonic()
+            try:
+                error = getattr(self, kind)()
+            except (OSError, http.client.HTTPException) as err:
+                error = f"{type(err).__name__}: {err}"
+            self.tally.record(kind, started, error)
+
+
+@dataclass
+class Sample:
+    at: float
+    rss: int
+    fds: int
+    threads: int
+
+
+class Sampler(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.process = psutil.Process(pid)
+        self.samples: list[Sample] = []
+        self.stopping = threading.Event()
+
+    def now(self) -> Sample:
+        p = self.process
+        return Sample(time.monotonic(), p.memory_info().rss, p.num_fds(), p.num_threads())
+
+    def run(self) -> None:
+        while not self.stopping.wait(1.0):
+            self.samples.append(self.now())
+
+
+def listening_pid(port: int) -> int:
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    raise SystemExit(f"no process of this user listens on port {port}")
+
+
+def load(
+    target: Target,
+    clients: int,
+    seconds: float,
+    tally: Tally,
+    seed: int,
+    first: tuple[str, ...] = (),
+) -> None:
+    deadline = time.monotonic() + seconds
+    threads = [
+        threading.Thread(target=Client(i, target, tally, seed).run, args=(deadline, first))
+        for i in range(clients)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def quiet_point(sampler: Sampler) -> Sample:
+    time.sleep(1.0)  # closed connections reaped, the last answers' buffers released
+    return sampler.now()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def soak(target: Target, pid: int, minutes: float, clients: int, seed: int) -> dict[str, Any]:
+    total = minutes * 60
+    warm_up = min(120.0, total / 3)
+    sampler = Sampler(pid)
+    sampler.start()
+    tally = Tally()
+    # every kind once first, long prompts twice: kernels, pools and the prompt cache warm
+    warm_first = ("long_prompt", "long_prompt") + tuple(name for name, _ in Client.MIX)
+    load(target, clients, warm_up, tally, seed, warm_first)
+    before = quiet_point(sampler)
+    load(target, clients, total - warm_up, tally, seed + 1)
+    after = quiet_point(sampler)
+    sampler.stopping.set()
+    sampler.join()
+    mib = 1024 * 1024
+    return {
+        "minutes": minutes,
+        "clients": clients,
+        "requests": len(tally.latencies_ms),
+        "errors": len(tally.errors),
+        "by_kind": dict(sorted(tally.kinds.items())),
+        "p50_ms": round(percentile(tally.latencies_ms, 50) or 0),
+        "p99_ms": round(percentile(tally.latencies_ms, 99) or 0),
+        "warm_up_s": round(warm_up),
+        "rss_mib_after_warm_up": round(before.rss / mib, 1),
+        "rss_mib_end": round(after.rss / mib, 1),
+        "rss_growth_pct": round(100 * (after.rss - before.rss) / before.rss, 2),
+        "rss_mib_max": round(max(s.rss for s in sampler.samples) / mib, 1),
+        "fds_after_warm_up": before.fds,
+        "fds_end": after.fds,
+        "fd_growth": after.fds - before.fds,
+        "threads_after_warm_up": before.threads,
+        "threads_end": after.threads,
+        "thread_growth": after.threads - before.threads,
+        "samples": len(sampler.samples),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "error_examples": tally.errors[:5],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--bankml-url", help="a running bankml serve --native (loopback)")
+    ap.add_argument("--engine-url", help="its engine address, for the slot actions")
+    ap.add_argument(
+        "--cache-ram", type=int, help="BANKML_CACHE_RAM (MiB) for the server started here"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.minutes <= 0 or args.clients < 1:
+        ap.error("--minutes and --clients must be positive")
+    if args.bankml_url:
+        target = Target.of(args.bankml_url, args.engine_url)
+        if socket.gethostbyname(target.host) != "127.0.0.1":
+            ap.error("loopback only: --bankml-url must be 127.0.0.1")
+        figures = soak(target, listening_pid(target.port), args.minutes, args.clients, args.seed)
+    else:
+        env = {} if args.cache_ram is None else {"BANKML_CACHE_RAM": str(args.cache_ram)}
+        with tempfile.TemporaryDirectory(prefix="bankml-soak-") as tmp:
+            model = support.default_model()
+            with native_process(model, support.DEFAULT_FORK, Path(tmp), env) as server:
+                target = Target("127.0.0.1", server.port, server.engine_port)
+                assert server.proc is not None
+                figures = soak(target, server.proc.pid, args.minutes, args.clients, args.seed)
+        figures["cache_ram_mib"] = args.cache_ram
+    print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

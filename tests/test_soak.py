@@ -1,0 +1,32 @@
+"""bench/soak.py for one minute against its own `bankml serve --native` with an 8 MiB host
+prompt cache: no errors, and fds, threads and RSS flat between the two quiet points (after the
+warm-up and after the load)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+CACHE_RAM_MIB = 8  # small, so the cache is full within the warm-up
+
+
+@pytest.mark.slow
+def test_a_one_minute_soak_has_no_errors_and_flat_resources(default_model: object) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "1",
+         "--cache-ram", str(CACHE_RAM_MIB)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    print(json.dumps(figures))
+    assert figures["requests"] > 0 and figures["samples"] >= 30
+    assert figures["errors"] == 0, figures["error_examples"]
+    assert figures["fd_growth"] <= 0, figures
+    assert figures["thread_growth"] <= 0, figures
+    assert figures["rss_growth_pct"] < 2.0, figures
