@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from bankml.formats.errors import ApiError
-from bankml.formats.nlohmann import loads_json
+from bankml.formats.nlohmann import check_unicode, loads_json
 from bankml.gate.verify import Refused, verify
 from bankml.native.answer import CHAT, ChatAnswer
 from bankml.native.resident import NativeEngine, open_engine
@@ -91,6 +91,7 @@ def _body(request: dict[str, Any] | bytes) -> tuple[bytes, dict[str, Any]]:
             raw = bytes(request)
             obj = loads_json(raw)
         else:
+            check_unicode(request)
             obj, raw = request, json.dumps(request, allow_nan=False).encode("utf-8")
     except ValueError as err:
         raise ApiError.of(400, f"the request body is not JSON: {err}") from None

@@ -204,7 +204,7 @@ def wants_stream(body: bytes) -> bool:
     llama-server's own 400 message reaches the client."""
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the recursion limit: not JSON either
         return False
     return isinstance(parsed, dict) and parsed.get("stream") is True
 

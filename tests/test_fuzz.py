@@ -307,21 +307,17 @@ def test_slot_path_tricks_stay_in_the_slot_dir(
 
 
 def test_the_log_holds_no_traceback(server: NativeProcess, reference: tuple[str, int]) -> None:
-    """After the cases above (the known failures below do write one)."""
+    """After the cases above."""
     assert "Traceback" not in server.output()[reference[1] :]
 
 
-# Known today (and llama-server answers each with a 400): a body nested past Python's recursion
-# limit escapes the JSON reader (Twisted's HTML 500), and a lone surrogate reaches the tokenizer
-# (500 "the engine failed: 'utf-8' codec can't encode ...", or /apply-template's 200 with bytes
-# that are not UTF-8).
-KNOWN_DEEP = pytest.mark.xfail(strict=True, reason="nesting past the recursion limit: HTML 500")
-KNOWN_SURROGATE = pytest.mark.xfail(strict=True, reason="a lone surrogate reaches the engine")
+# Two bodies llama-server answers with a 400 that once escaped bankml's JSON reader: one nested
+# past Python's recursion limit (it was Twisted's HTML 500) and a lone surrogate (it reached the
+# tokenizer: a 500, or /apply-template's 200 with bytes that are not UTF-8). Both are 400 now.
 
 
 @pytest.mark.parametrize("kind", ["array", "object"])
 @pytest.mark.parametrize("path", sorted(ENDPOINTS))
-@KNOWN_DEEP
 def test_a_body_nested_200000_deep_is_a_400(server: NativeProcess, path: str, kind: str) -> None:
     assert check_answer(server, path, nested(200_000, kind)) == 400
 
@@ -337,7 +333,6 @@ SURROGATE_BODIES = {
 
 
 @pytest.mark.parametrize("path", sorted(SURROGATE_BODIES))
-@KNOWN_SURROGATE
 def test_a_lone_surrogate_in_text_is_a_400(server: NativeProcess, path: str) -> None:
     assert check_answer(server, path, SURROGATE_BODIES[path]) == 400
 

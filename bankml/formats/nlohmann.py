@@ -56,10 +56,44 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def check_unicode(obj: Any) -> None:
+    """ValueError for a string (a value or a key) that is not Unicode text: a lone surrogate,
+    which Python's reader keeps from a ``\\ud800`` escape (or the bytes ED A0 80) and nlohmann
+    refuses; UTF-8 cannot encode it, so it would fail in the tokenizer. Walked without recursion:
+    the depth is the client's."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+            strings: Any = item.keys()
+        elif isinstance(item, list):
+            stack.extend(item)
+            continue
+        elif isinstance(item, str):
+            strings = (item,)
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(
+                    f"invalid string: lone surrogate U+{ord(text[err.start]):04X} (not Unicode text)"
+                ) from None
+
+
 def loads_json(raw: bytes) -> Any:
     """A request body as JSON, as strictly as nlohmann reads it (no NaN or Infinity, no number
-    beyond a double); ValueError when it is not JSON."""
-    return json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+    beyond a double, no lone surrogate, no nesting past Python's recursion limit); ValueError
+    when it is not JSON."""
+    try:
+        obj = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    if b"\\u" in raw or b"\xed" in raw:  # a surrogate comes from an escape or CESU-8 bytes
+        check_unicode(obj)
+    return obj
 
 
 def json_type(value: Any) -> str:
