@@ -1,4 +1,4 @@
-"""Shared test helpers: where the reference parts are, free ports, a real llama-server process.
+"""Shared test helpers: where llama-server and the default model are, free ports, a real llama-server process.
 
 Tests use the real llama-server built by scripts/build-llama-server.sh and the default model
 fetched by scripts/fetch-model.sh. `make test` passes both in the environment; run alone, the

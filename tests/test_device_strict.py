@@ -6,7 +6,7 @@ handed to a device operation: NumPy accepts both, CuPy raises. ``tests/fake_cupy
 CuPy does and computes with NumPy underneath, so every model here must give, bit for bit, the
 logits of the ``xp = numpy`` array path; and ``device="auto"``/``"cuda"`` must pick it when
 "CuPy sees a GPU". What it cannot show is CUDA's own arithmetic: that waits for a GPU
-(scripts/device-check.sh).
+(scripts/gpu-check.sh, docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`--native` end to end: the real Engine on the default model, real HTTP on loopback, and the real
 llama-server (``reference_server``, same model, ``-c 2048``) side by side.
 
-One engine is opened for the module (n_ctx 2048, as the reference server) and served on two
+One engine is opened for the module (n_ctx 2048, as the tests' llama-server) and served on two
 loopback ports exactly as NativeService binds them: bankml's address and the engine address.
 Clients run in threads (``deferToThread``) so the reactor keeps serving while they wait.
 Answers are greedy (temperature 0) and short, so the module stays well under a minute of compute.
@@ -35,7 +35,7 @@ from bankml.serving.site import LoopbackSite, listen_loopback
 from tests import support
 from tests.bankml_process import sha
 
-N_CTX = 2048  # the reference server's -c
+N_CTX = 2048  # the tests' llama-server's -c
 HANG_GUARD_S = 120.0
 
 

@@ -476,7 +476,7 @@ def test_reader_and_path_agree(default_model: Path, smollm: Tokenizer) -> None:
 
 def test_default_model_tokenize_matches_llama_server(smollm: Tokenizer, oracle: Oracle) -> None:
     texts = corpus(n_random=1850)
-    assert len(texts) >= 2000  # the issue asks 2,000 strings, each with and without special parsing
+    assert len(texts) >= 2000  # 2,000 strings at least, each with and without special parsing
     start = time.perf_counter()
     identical, total, bad = compare_tokenize(smollm, oracle, texts)
     _report("SmolLM2 (smollm) /tokenize", identical, total, bad)

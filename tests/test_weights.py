@@ -158,7 +158,7 @@ def test_chunked_dequantize_equals_gguf(qtype: T) -> None:
 
 def test_q8_activation_matches_ggml_reference_quantizer() -> None:
     """Round-trip through gguf's Q8_0 (ggml's reference quantizer) gives the same values,
-    except where the reference's ties-away rounding differs from AVX2's ties-to-even."""
+    except where that quantizer's ties-away rounding differs from AVX2's ties-to-even."""
     x = numpy.random.default_rng(2).standard_normal((64, 512)).astype(numpy.float32)
     ours = weights.quantize_activation(numpy, x, "q8_0")
     ref = quants.dequantize(quants.quantize(x, T.Q8_0), T.Q8_0)
