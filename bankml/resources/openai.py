@@ -33,6 +33,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.bridge import ClientGone, NativeEngine, RunControl
+from bankml.engine_cupy.json_schema_grammar import chat_schema_content
 from bankml.proxy_resource import JsonResource, error_body, write_json
 from bankml.receipt import Tally, receipt
 
@@ -141,6 +142,12 @@ class Answer:
         self.n_tokens = 0  # tokens generated so far
         self.first_seen = False
         self.wants_logprobs = int(getattr(parsed, "n_probs", 0) or 0) > 0
+        # a chat schema's answer reaches the client as llama-server's chat parser leaves it: the
+        # JSON value without blanks and ```json fence (streamed: as that content grows)
+        constraint = getattr(parsed, "constraint", None)
+        self.schema_answer = kind == CHAT and getattr(constraint, "kind", "") == "chat_schema"
+        self.generated = ""  # the generated text so far, when it is a schema answer
+        self.content_sent = ""
 
     # -- per chunk
 
@@ -181,9 +188,17 @@ class Answer:
         if not self.first_seen:  # OpenAI's (and llama-server's) opening role delta
             self.first_seen = True
             events.append(self._chat_event({"role": "assistant", "content": None}))
-        if chunk.text:
-            self.tally.add_text(chunk.text)
-            events.append(self._chat_event({"content": chunk.text}))
+        text = chunk.text
+        if self.schema_answer and text:
+            self.generated += text
+            content = chat_schema_content(self.generated)
+            text = (
+                content[len(self.content_sent) :] if content.startswith(self.content_sent) else ""
+            )
+            self.content_sent += text
+        if text:
+            self.tally.add_text(text)
+            events.append(self._chat_event({"content": text}))
         if chunk.entry is not None and events:  # an entry rides on its token's last delta
             events[-1]["choices"][0]["logprobs"] = {"content": [chunk.entry]}
             self.tally.add_logprobs([chunk.entry])
@@ -249,7 +264,7 @@ class Answer:
     def whole(self, summary: Any) -> dict[str, Any]:
         """The non-streamed answer, receipt included."""
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
-        text = summary.text
+        text = chat_schema_content(summary.text) if self.schema_answer else summary.text
         self.tally.add_text(text)
         entries = self.final_logprobs(summary) if self.wants_logprobs else []
         if entries:
