@@ -16,15 +16,24 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytest_twisted
 
 from bankml.engine_cupy.chat_template import ChatTemplate
+from bankml.engine_cupy.grammar import (
+    Constraint,
+    build_llg_tokenizer,
+    constraint_gbnf,
+    resolve_constraint,
+)
 from bankml.engine_cupy.json_schema_grammar import (
     SchemaConversionError,
     chat_schema_gbnf,
     schema_to_gbnf,
+    without_prefix,
 )
+from bankml.engine_cupy.tokenizer import Tokenizer
 from tests import ggml_oracle
 from tests.test_native_serve import Served, shared_served
 from tests.test_native_side_by_side import both
@@ -298,6 +307,54 @@ def test_gbnf_text_is_llama_servers(oracle, template: ChatTemplate) -> None:
     for schema in NOT_OBJECTS:
         [ref] = oracle([{"mode": "completion", "schema": schema}])
         assert ours_of("completion", schema, prompt) == ref
+
+
+# --- allowed tokens, step by step, against llama.cpp's grammar sampler -----------------------------
+
+MASK_CASES: list[tuple[dict[str, Any], str]] = [
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[9]}}},
+        '```json\n\n["person", "item", "value"]\n\n```',
+    ),
+    ({"response_format": {"type": "json_object"}}, '{\n  "name": "Jo",\n  "tags": [true, null]\n}'),
+    ({"json_schema": SCHEMAS[0]}, '{\n  "name": "Echo",\n  "age": 20\n}'),
+    ({"json_schema": SCHEMAS[19]}, '"fixed"'),
+    ({"json_schema": SCHEMAS[32]}, "2025"),
+    (
+        {"json_schema": SCHEMAS[41]},
+        '{"d": "2024-02-29", "t": "12:30:00Z", "id": "0f0e0d0c-aaaa-bbbb-cccc-0123456789ab"}',
+    ),
+    ({"json_schema": SCHEMAS[53]}, '{"setup": "Why?", "punchline": "Because.", "rating": null}'),
+    ({"grammar": GRAMMARS[2]}, "ab, cd, ef"),
+]
+
+
+def test_allowed_tokens_are_llama_cpps(oracle, template: ChatTemplate, default_model: Path) -> None:
+    """llguidance's mask on the GBNF equals llama.cpp's grammar sampler's before every token of
+    an answer (and after the last), over the whole vocabulary."""
+    tok = Tokenizer.from_gguf(default_model)
+    llg = build_llg_tokenizer(tok.vocab_bytes(), tok.eog_ids, tok.bos_id, tok.tokenize)
+    prompt = template.generation_prompt(MESSAGES)
+    steps = 0
+    for body, text in MASK_CASES:
+        spec = resolve_constraint(
+            {"messages": MESSAGES, **body}, "chat" if "response_format" in body else "completion"
+        )
+        spec = spec.with_generation_prompt(prompt) if spec.kind == "chat_schema" else spec
+        gbnf = constraint_gbnf(spec)
+        if spec.kind == "chat_schema":
+            gbnf = without_prefix(gbnf, prompt)
+        ids = tok.tokenize(text)
+        [ref] = oracle([{"mode": "mask", "grammar": gbnf, "tokens": ids}])
+        constraint = Constraint(spec, llg, tok.n_vocab, tok.eog_ids)
+        for i, bits in enumerate(ref["masks"]):
+            theirs = np.frombuffer(bits.encode(), dtype=np.uint8) == ord("1")
+            mine = constraint.mask()
+            assert (mine == theirs).all(), (text, i, np.nonzero(mine != theirs)[0][:10])
+            steps += 1
+            if i < len(ids):
+                constraint.accept(ids[i])
+    print(f"token masks identical to llama.cpp's grammar sampler: {steps}/{steps} steps")
 
 
 # --- answers, side by side with llama-server ---------------------------------------------------------

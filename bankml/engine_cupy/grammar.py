@@ -157,6 +157,13 @@ def compile_grammar(spec: ConstraintSpec) -> str:
         lark = gbnf_to_lark(gbnf)
     except Exception as err:  # the converter raises plain Exception for unknown rules
         raise ConstraintError(GRAMMAR_FAILED, str(err)) from None
+    # Without this llguidance allows only the canonical tokens of a forced stretch (after "```"
+    # only "json", never "j" or "js"); llama.cpp's grammar allows every token that fits.
+    options = '%llguidance {"no_forcing": true}'
+    if lark.startswith("%llguidance {}"):
+        lark = options + lark[len("%llguidance {}") :]
+    else:
+        lark = f"{options}\n{lark}"
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
