@@ -77,12 +77,24 @@ def oracle_binary() -> Path:
 
 
 def compile_against_ggml(source: Path, name: str) -> Path:
-    """A C program linked with the reference build's static ggml libraries, compiled once per
-    source and library version under the build's cache (the oracle, bench/kquants.py's timer)."""
+    """A C or C++ program linked with the reference build's static libraries, compiled once per
+    source and library version under the build's cache (the oracle, bench/kquants.py's timer).
+    A C++ source is also linked with llama.cpp's libllama and common (the schema converter's
+    oracle)."""
     root = llama_root()
+    build = root / "build"
+    cxx = source.suffix == ".cpp"
     libs = [
-        root / "build" / "ggml" / "src" / lib
-        for lib in ("libggml.a", "libggml-cpu.a", "libggml-base.a")
+        *(
+            build / lib
+            for lib in (
+                "common/libllama-common.a",
+                "common/libllama-common-base.a",
+                "src/libllama.a",
+            )
+            if cxx
+        ),
+        *(build / "ggml" / "src" / lib for lib in ("libggml.a", "libggml-cpu.a", "libggml-base.a")),
     ]
     missing = [str(p) for p in libs if not p.exists()]
     if missing:
@@ -96,14 +108,17 @@ def compile_against_ggml(source: Path, name: str) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
+        src = root / "src" / "llama.cpp"
+        includes = ["ggml/include", *(("common", "include", "vendor") if cxx else ())]
         subprocess.run(
             [
-                "gcc",
+                "g++" if cxx else "gcc",
+                *(["-std=c++17"] if cxx else []),
                 "-O2",
                 "-o",
                 str(tmp),
                 str(source),
-                f"-I{root / 'src' / 'llama.cpp' / 'ggml' / 'include'}",
+                *(f"-I{src / inc}" for inc in includes),
                 *map(str, libs),
                 "-lstdc++",
                 "-lm",

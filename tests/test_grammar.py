@@ -3,6 +3,7 @@ token masks over the real SmolLM2 vocabulary (EOG only where the grammar is comp
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,7 @@ from tests import support
 @pytest.fixture(scope="module")
 def vocab(default_model: Path):
     tok = Tokenizer.from_gguf(default_model)
-    special = [i for i in range(tok.n_vocab) if tok.is_control(i)]
-    llg = build_llg_tokenizer(
-        tok.vocab_bytes(), special, tok.eog_ids, tok.bos_id, lambda s: tok.tokenize(s)
-    )
+    llg = build_llg_tokenizer(tok.vocab_bytes(), tok.eog_ids, tok.bos_id, lambda s: tok.tokenize(s))
     return tok, llg
 
 
@@ -45,15 +43,24 @@ def test_resolution_order() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert resolve_constraint({}, "chat") is None
     assert resolve_constraint({"response_format": {"type": "text"}}, "chat") is None
-    assert (
-        resolve_constraint({"response_format": {"type": "json_object"}}, "chat").kind
-        == "json_object"
+    # JSON mode is the schema {"type": "object"}, through the chat template's parser in chat
+    assert resolve_constraint({"response_format": {"type": "json_object"}}, "chat") == (
+        ConstraintSpec("chat_schema", '{"type": "object"}')
     )
     fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
-    assert resolve_constraint({"response_format": fmt}, "chat").kind == "json_schema"
-    assert resolve_constraint({"json_schema": {}}, "completion") == ConstraintSpec(
-        "json_object", '{"type": "object"}'
+    assert resolve_constraint({"response_format": fmt}, "chat").source == json.dumps(schema)
+    # response_format's schema replaces a top-level one; json_object keeps it
+    other = {"type": "string"}
+    assert resolve_constraint({"json_schema": other, "response_format": fmt}, "chat").source == (
+        json.dumps(schema)
     )
+    assert resolve_constraint(
+        {"json_schema": other, "response_format": {"type": "json_object"}}, "chat"
+    ).source == json.dumps(other)
+    assert resolve_constraint({"json_schema": {}}, "completion") == ConstraintSpec(
+        "json_schema", '{"type": "object"}'
+    )
+    assert resolve_constraint({"json_schema": None}, "completion") is None
     assert resolve_constraint({"grammar": 'root ::= "a"'}, "completion").kind == "gbnf"
     # /completion: json_schema wins only without a grammar key; an empty grammar is none
     assert resolve_constraint({"grammar": ""}, "completion") is None

@@ -732,6 +732,30 @@ class ChatTemplate:
         parsed = normalize_messages(
             list(messages) if isinstance(messages, tuple) else messages, self.caps
         )
+        context = self._context(tools, chat_template_kwargs)
+        if parsed and parsed[-1]["role"] == "assistant":
+            return self._continue_last(parsed, context, add_generation_prompt)
+        return self._apply(parsed, context, add_generation_prompt)
+
+    def generation_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **chat_template_kwargs: Any,
+    ) -> str:
+        """The text the template adds for the assistant's turn (common_chat_template_generation_prompt:
+        the prompt with it minus the prompt without it; a trailing assistant message left out)."""
+        parsed = normalize_messages(list(messages), self.caps)
+        if parsed and parsed[-1]["role"] == "assistant":
+            parsed = parsed[:-1]
+        context = self._context(tools, chat_template_kwargs)
+        without = self._apply(parsed, context, False)
+        with_prompt = self._apply(parsed, context, True)
+        return with_prompt[len(os.path.commonprefix([without, with_prompt])) :]
+
+    def _context(
+        self, tools: Sequence[Mapping[str, Any]] | None, chat_template_kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]:
         tool_list = _normalize_tools(list(tools)) if tools else None
         # llama-server turns thinking on by default where the template has a reasoning block
         enable_thinking = chat_template_kwargs.get("enable_thinking", self.reasoning.supported)
@@ -747,9 +771,7 @@ class ChatTemplate:
         context["datetime"] = time.strftime("%b %d %Y")
         context["date_string"] = time.strftime("%d %b %Y")
         context.update(chat_template_kwargs)
-        if parsed and parsed[-1]["role"] == "assistant":
-            return self._continue_last(parsed, context, add_generation_prompt)
-        return self._apply(parsed, context, add_generation_prompt)
+        return context
 
     def _continue_last(
         self, parsed: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool

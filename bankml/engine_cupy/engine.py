@@ -537,10 +537,8 @@ class Engine:
     def llg_tokenizer(self) -> Any:
         """llguidance's view of the vocabulary, built on first use (about a second)."""
         if self._llg is None:
-            special = [i for i in range(self.tokenizer.n_vocab) if self.tokenizer.is_control(i)]
             self._llg = build_llg_tokenizer(
                 self._pieces,
-                special,
                 self.tokenizer.eog_ids,
                 self.tokenizer.bos_id,
                 lambda s: self.tokenize(s),
@@ -582,6 +580,8 @@ class Engine:
             post_sampling = _bool_field(body, "post_sampling_probs", False)
             task["lora"] = _lora_field(body)
             constraint = resolve_constraint(body, kind)
+            if constraint is not None and constraint.kind == "chat_schema":
+                constraint = constraint.with_generation_prompt(self._generation_prompt(body))
             if constraint is not None:
                 Constraint(constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
             params = self._with_biases(body, params)
@@ -669,6 +669,12 @@ class Engine:
             messages, add_generation_prompt=bool(add_gen), tools=body.get("tools"), **kwargs
         )
         return text, self.tokenize(text, add_special=True, parse_special=True)
+
+    def _generation_prompt(self, body: Mapping[str, Any]) -> str:
+        """The assistant-turn text a chat schema's grammar starts with (checked by _chat_prompt)."""
+        assert self.template is not None
+        kwargs = body.get("chat_template_kwargs") or {}
+        return self.template.generation_prompt(body["messages"], body.get("tools"), **kwargs)
 
     def _completion_prompts(self, body: Mapping[str, Any]) -> list[tuple[str, list[int]]]:
         """tokenize_input_prompts: an array without integers is several prompts, anything else one.

@@ -1,40 +1,41 @@
 """Constrained decoding through llguidance: GBNF grammars, JSON mode and JSON schemas.
 
-A request's constraint is resolved in llama-server's order (``resolve_constraint``), compiled
-by llguidance before any token is computed (an invalid one is a ``ConstraintError``, HTTP 400),
-and then used by the sampler as llama.cpp's grammar sampler is: the chain runs on raw logits,
-the drawn token is checked, and only a rejected token makes the chain run again on masked logits.
-End of generation (any EOG token) is allowed only where the grammar is complete.
+A request's constraint is resolved in llama-server's order (``resolve_constraint``) and turned
+into the GBNF text llama-server feeds its grammar sampler: a ``grammar`` as given, a /completion
+``json_schema`` through llama-server's schema converter, a chat ``response_format`` or
+``json_schema`` through the chat template's answer parser (``json_schema_grammar``). llguidance
+compiles that GBNF before any token is computed (an invalid one is a ``ConstraintError``, HTTP
+400) and computes the allowed tokens; the sampler uses them as llama.cpp's grammar sampler does:
+the chain runs on raw logits, the drawn token is checked, and only a rejected token makes the
+chain run again on masked logits. End of generation (any EOG token) is allowed only where the
+grammar is complete.
 
-Choices where llama-server differs: llama.cpp compiles GBNF with its own parser and converts
-schemas with ``json_schema_to_grammar``; here GBNF goes through llguidance's ``gbnf_to_lark`` and
-schemas through llguidance's JSON compiler, so the language accepted is the same for the
-supported constructs but error texts and rare corner cases (regex features, token terminals
-``<[id]>``) differ. Control tokens are never matched as grammar text.
+GBNF reaches llguidance through its ``gbnf_to_lark``; error texts for invalid GBNF are
+llama-server's one line, the reason is llguidance's. Control tokens that do not end generation
+are matched by their text, as llama.cpp's grammar matches them.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-# llama.cpp's json_schema_to_grammar allows `space ::= | " " | "\n"{1,2} [ \t]{0,20}` between items;
-# an unbounded whitespace rule lets a small model loop on blanks until the token limit.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"(?: |\n{1,2}[ \t]{0,20})?"}
-
-
-SCHEMA_FAILED = "Field 'json_schema': \"json_schema\": JSON schema conversion failed"
-GRAMMAR_FAILED = "Failed to initialize samplers: failed to parse grammar"
-SCHEMA_NOT_OBJECT = (
-    "Field 'json_schema': \"json_schema\": JSON schema conversion failed:\n"
-    "JSON schema error at #: schema must be an object"
+from bankml.engine_cupy.json_schema_grammar import (
+    SchemaConversionError,
+    chat_schema_gbnf,
+    schema_to_gbnf,
+    without_prefix,
 )
+
+SCHEMA_FIELD = "Field 'json_schema': \"json_schema\": "
+GRAMMAR_FAILED = "Failed to initialize samplers: failed to parse grammar"
+SCHEMA_NOT_OBJECT = f"{SCHEMA_FIELD}JSON schema conversion failed:\nJSON schema error at #: schema must be an object"
 
 
 class ConstraintError(ValueError):
@@ -48,32 +49,35 @@ class ConstraintError(ValueError):
 
 @dataclass(frozen=True)
 class ConstraintSpec:
-    """What to compile: ``kind`` is "gbnf", "json_object" or "json_schema"; ``source`` its text."""
+    """What to compile. ``kind``: "gbnf" (``source`` is the grammar), "json_schema" (/completion:
+    ``source`` is the schema as JSON) or "chat_schema" (a chat request's schema, answered after
+    ``generation_prompt``, the text the chat template ends the prompt with)."""
 
     kind: str
     source: str
+    generation_prompt: str = ""
+
+    def with_generation_prompt(self, text: str) -> ConstraintSpec:
+        return replace(self, generation_prompt=text)
 
 
 # --- resolution ---------------------------------------------------------------------------------------
 
 
-def _schema_spec(schema: Any) -> ConstraintSpec:
-    if isinstance(schema, dict) and not schema:
-        schema = {"type": "object"}
-    if not isinstance(schema, dict):
-        raise ConstraintError(SCHEMA_NOT_OBJECT, "the schema is not a JSON object")
-    kind = "json_object" if schema == {"type": "object"} else "json_schema"
-    return ConstraintSpec(kind, json.dumps(schema))
+def _default_object(schema: Any) -> Any:
+    """An absent or empty schema means any object."""
+    return {"type": "object"} if isinstance(schema, dict) and not schema else schema
 
 
 def resolve_constraint(body: Mapping[str, Any], kind: str) -> ConstraintSpec | None:
     """The constraint of a request, in llama-server's order.
 
     /v1/chat/completions (oaicompat_chat_params_parse): top-level ``json_schema`` and ``grammar``
-    (not both), then ``response_format`` (json_object / json_schema / text); a top-level schema
-    that is not an object is refused, a non-object schema inside response_format leaves the answer
-    unconstrained. /completion: a ``json_schema`` (without a ``grammar`` key) wins, else a
-    non-empty ``grammar`` string. A grammar that is not a string is ignored, as json_value does.
+    (not both), then ``response_format`` (json_object / json_schema / text) may replace the
+    schema; an object schema goes to the chat template's parser, a top-level schema that is not an
+    object is refused, a non-object schema inside response_format leaves the answer free.
+    /completion: a non-null ``json_schema`` (without a ``grammar`` key) wins, else a non-empty
+    ``grammar`` string. A grammar that is not a string is ignored, as json_value does.
     """
     json_schema = body.get("json_schema")
     grammar = body.get("grammar")
@@ -81,26 +85,32 @@ def resolve_constraint(body: Mapping[str, Any], kind: str) -> ConstraintSpec | N
     if kind == "chat":
         if json_schema is not None and grammar:
             raise ConstraintError("Cannot use both json_schema and grammar")
+        schema = json_schema
+        if "response_format" in body:
+            schema = _response_format_schema(body["response_format"], schema)
+        schema = _default_object(schema)
+        if isinstance(schema, dict):
+            return ConstraintSpec("chat_schema", json.dumps(schema))
         if json_schema is not None:
-            return _schema_spec(json_schema)
-        fmt = body.get("response_format")
-        if fmt is not None:
-            schema = _response_format_schema(fmt)
-            return _schema_spec(schema) if isinstance(schema, dict) else None
-    elif "json_schema" in body and json_schema is not None and "grammar" not in body:
-        return _schema_spec(json_schema)
+            # the top-level field then reaches /completion's converter, which refuses it
+            schema_to_constraint_text(json_schema)
+    elif json_schema is not None and "grammar" not in body:
+        return ConstraintSpec("json_schema", json.dumps(_default_object(json_schema)))
     if grammar:
         return ConstraintSpec("gbnf", grammar)
     return None
 
 
-def _response_format_schema(fmt: Any) -> Any:
-    """The schema a response_format asks for ({} for plain JSON mode), or None for text."""
+def _response_format_schema(fmt: Any, schema: Any) -> Any:
+    """The schema after response_format: its own ({} when it names none), or ``schema`` for
+    text (and for json_object without a schema of its own when one was given)."""
     if not isinstance(fmt, dict):
         fmt = {}
     rtype = fmt.get("type") if isinstance(fmt.get("type"), str) else ""
     if rtype == "json_object":
-        return fmt.get("schema") if fmt.get("schema") is not None else {}
+        if "schema" in fmt or not schema:
+            return fmt.get("schema") if fmt.get("schema") is not None else {}
+        return schema
     if rtype == "json_schema":
         wrapper = fmt.get("json_schema") if isinstance(fmt.get("json_schema"), dict) else {}
         return wrapper.get("schema") if wrapper.get("schema") is not None else {}
@@ -108,10 +118,63 @@ def _response_format_schema(fmt: Any) -> Any:
         raise ConstraintError(
             f'response_format type must be one of "text" or "json_object", but got: {rtype}'
         )
-    return None
+    return schema
 
 
 # --- compilation ---------------------------------------------------------------------------------------
+
+
+def schema_to_constraint_text(schema: Any) -> str:
+    """/completion's GBNF for a schema; a refusal is a ConstraintError with llama-server's text."""
+    try:
+        return schema_to_gbnf(schema)
+    except SchemaConversionError as err:
+        raise ConstraintError(f"{SCHEMA_FIELD}{err}", str(err)) from None
+
+
+def constraint_gbnf(spec: ConstraintSpec) -> str:
+    """The GBNF llama-server's grammar sampler starts from for this spec (for a chat schema, the
+    grammar with the generation prompt still at the head of its root)."""
+    if spec.kind == "gbnf":
+        return spec.source
+    if spec.kind == "json_schema":
+        return schema_to_constraint_text(json.loads(spec.source))
+    try:
+        return chat_schema_gbnf(json.loads(spec.source), spec.generation_prompt)
+    except SchemaConversionError as err:
+        raise ConstraintError(str(err), str(err)) from None
+
+
+def compile_grammar(spec: ConstraintSpec) -> str:
+    """The llguidance grammar text for a spec (no tokenizer needed); raises ConstraintError.
+
+    For a chat schema, llama-server's sampler first accepts the generation prompt's tokens into
+    the grammar; that leaves exactly the grammar without the root's leading literal."""
+    gbnf = constraint_gbnf(spec)
+    if spec.kind == "chat_schema":
+        gbnf = without_prefix(gbnf, spec.generation_prompt)
+    try:
+        lark = gbnf_to_lark(gbnf)
+    except Exception as err:  # the converter raises plain Exception for unknown rules
+        raise ConstraintError(GRAMMAR_FAILED, str(err)) from None
+    # Without this llguidance allows only the canonical tokens of a forced stretch (after "```"
+    # only "json", never "j" or "js"); llama.cpp's grammar allows every token that fits.
+    options = '%llguidance {"no_forcing": true}'
+    if lark.startswith("%llguidance {}"):
+        lark = options + lark[len("%llguidance {}") :]
+    else:
+        lark = f"{options}\n{lark}"
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None) -> None:
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if is_error:
+        reason = messages[0] if messages else "invalid"
+        raise ConstraintError(GRAMMAR_FAILED, reason)
+
+
+# --- llguidance's view of the vocabulary -----------------------------------------------------------------
 
 
 class _VocabForLlg:
@@ -120,13 +183,13 @@ class _VocabForLlg:
     def __init__(
         self,
         pieces: Sequence[bytes],
-        special_ids: Sequence[int],
         eos_id: int,
         bos_id: int | None,
         tokenize: Callable[[str], list[int]],
     ):
         self.tokens = list(pieces)
-        self.special_token_ids = list(special_ids)
+        # none: llama.cpp's grammar matches a control token by its text, like any other piece
+        self.special_token_ids: list[int] = []
         self.eos_token_id = eos_id
         self.bos_token_id = bos_id
         self._tokenize = tokenize
@@ -139,40 +202,15 @@ class _VocabForLlg:
 
 def build_llg_tokenizer(
     pieces: Sequence[bytes],
-    special_ids: Sequence[int],
     eog_ids: Sequence[int],
     bos_id: int | None,
     tokenize: Callable[[str], list[int]],
 ) -> llguidance.LLTokenizer:
-    """An LLTokenizer over the GGUF vocabulary; every EOG token ends a complete grammar."""
+    """An LLTokenizer over the GGUF vocabulary (``token_to_piece(special=true)`` bytes); every
+    EOG token ends a complete grammar, and only there (``Constraint`` sees to it)."""
     eog = sorted(eog_ids)
-    wrapper = llguidance.TokenizerWrapper(
-        _VocabForLlg(pieces, special_ids, eog[0], bos_id, tokenize)
-    )
+    wrapper = llguidance.TokenizerWrapper(_VocabForLlg(pieces, eog[0], bos_id, tokenize))
     return llguidance.LLTokenizer(wrapper, n_vocab=len(pieces), eos_token=eog)
-
-
-def compile_grammar(spec: ConstraintSpec) -> str:
-    """The llguidance grammar text for a spec (no tokenizer needed); raises ConstraintError."""
-    if spec.kind == "gbnf":
-        try:
-            lark = gbnf_to_lark(spec.source)
-        except Exception as err:  # the converter raises plain Exception for unknown rules
-            raise ConstraintError(GRAMMAR_FAILED, str(err)) from None
-        return llguidance.LLMatcher.grammar_from_lark(lark)
-    try:
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, overrides=JSON_OPTIONS)
-    except ValueError as err:
-        raise ConstraintError(SCHEMA_FAILED, str(err)) from None
-
-
-def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None, kind: str) -> None:
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if is_error:
-        reason = messages[0] if messages else "invalid"
-        raise ConstraintError(
-            GRAMMAR_FAILED if kind == "gbnf" else f"{SCHEMA_FAILED}: {reason}", reason
-        )
 
 
 # --- the matcher at generation time ------------------------------------------------------------------------
@@ -189,7 +227,7 @@ class Constraint:
         eog_ids: frozenset[int],
     ):
         grammar = compile_grammar(spec)
-        check_grammar(grammar, tokenizer, spec.kind)
+        check_grammar(grammar, tokenizer)
         self.spec = spec
         self.n_vocab = n_vocab
         self.eog_ids = eog_ids

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from bankml.formats import llama as llama_format
 from bankml.formats import openai as openai_format
+from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.llama import llama_timings
 from bankml.receipt import Tally
 
@@ -146,7 +147,7 @@ class Answer:
     def whole(self, summary: Any) -> dict[str, Any]:
         """The non-streamed answer, receipt included."""
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
-        text = summary.text
+        text = self.answer_text(summary)
         self.tally.add_text(text)
         entries = self.final_logprobs(summary) if self.wants_logprobs else []
         if entries:
@@ -155,6 +156,10 @@ class Answer:
         out["timings"] = llama_timings(summary.timings)
         out["bankml_receipt"] = self.receipt()
         return self.shaped(out)
+
+    def answer_text(self, summary: Any) -> str:
+        """The whole answer's text as the client receives it."""
+        return str(summary.text)
 
     def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
         raise NotImplementedError
@@ -189,15 +194,34 @@ class ChatAnswer(Answer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.first_seen = False
+        # a chat schema's answer reaches the client as llama-server's chat parser leaves it: the
+        # JSON value without the blanks and ```json fence around it (streamed: as it grows)
+        constraint = getattr(self.parsed, "constraint", None)
+        self.schema_answer = getattr(constraint, "kind", "") == "chat_schema"
+        self.generated = ""  # the generated text so far, when it is a schema answer
+        self.content_sent = ""
+
+    def answer_text(self, summary: Any) -> str:
+        text = str(summary.text)
+        return chat_schema_content(text) if self.schema_answer else text
+
+    def _content_delta(self, text: str) -> str:
+        """The part of a schema answer's content not sent yet (``text`` is the new piece)."""
+        self.generated += text
+        content = chat_schema_content(self.generated)
+        new = content[len(self.content_sent) :] if content.startswith(self.content_sent) else ""
+        self.content_sent += new
+        return new
 
     def pieces(self, chunk: Any) -> list[dict[str, Any]]:
         events = []
         if not self.first_seen:  # OpenAI's (and llama-server's) opening role delta
             self.first_seen = True
             events.append(openai_format.chat_chunk(self.envelope(), openai_format.role_delta()))
-        if chunk.text:
-            self.tally.add_text(chunk.text)
-            events.append(openai_format.chat_chunk(self.envelope(), {"content": chunk.text}))
+        text = self._content_delta(chunk.text) if self.schema_answer and chunk.text else chunk.text
+        if text:
+            self.tally.add_text(text)
+            events.append(openai_format.chat_chunk(self.envelope(), {"content": text}))
         if chunk.entry is not None and events:  # an entry rides on its token's last delta
             events[-1]["choices"][0]["logprobs"] = {"content": [chunk.entry]}
             self.tally.add_logprobs([chunk.entry])
