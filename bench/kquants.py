@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as T
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bankml.engine_cupy import exact_kquants as ek  # noqa: E402
+from bankml.engine_cupy.kernels import exact_kquants as ek  # noqa: E402
 from tests import ggml_oracle as go  # noqa: E402
 
 TIMER_SOURCE = Path(__file__).resolve().parent / "ggml_mul_mat_timer.c"

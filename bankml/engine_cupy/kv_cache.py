@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy
 
-from bankml.engine_cupy import exact_matmul, exact_ops
-from bankml.engine_cupy.exact_attention import KV_PAD, kv_length
-from bankml.engine_cupy.jit import f16_round, njit
+from bankml.engine_cupy.kernels import exact_matmul, exact_ops
+from bankml.engine_cupy.kernels.exact_attention import KV_PAD, kv_length
+from bankml.engine_cupy.kernels.jit import f16_round, njit
 from bankml.engine_cupy.weights import quantize_activation
 
 CACHE_TYPES = ("f16", "q8_0")

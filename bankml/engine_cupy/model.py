@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy
 
-from bankml.engine_cupy import backend, exact_attention, exact_decode, exact_ops
+from bankml.engine_cupy import backend
+from bankml.engine_cupy.kernels import exact_attention, exact_decode, exact_ops
 from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.weights import (
     HParams,

@@ -35,7 +35,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.jit import f16_bits, fma32, njit
+from bankml.engine_cupy.kernels.jit import f16_bits, fma32, njit
 
 __all__ = [
     "swiglu",

@@ -21,25 +21,25 @@ from typing import Any
 
 import numpy as np
 
-from bankml.engine_cupy import exact_attention, exact_iquants, exact_kquants
-from bankml.engine_cupy.exact_attention import one_row_f16
-from bankml.engine_cupy.exact_iquants import IQ4NLMatrix, IQ4XSMatrix, IQGridMatrix
-from bankml.engine_cupy.exact_kquants import KQuantMatrix
-from bankml.engine_cupy.exact_matmul import (
+from bankml.engine_cupy.kernels import exact_attention, exact_iquants, exact_kquants
+from bankml.engine_cupy.kernels.exact_attention import one_row_f16
+from bankml.engine_cupy.kernels.exact_iquants import IQ4NLMatrix, IQ4XSMatrix, IQGridMatrix
+from bankml.engine_cupy.kernels.exact_kquants import KQuantMatrix
+from bankml.engine_cupy.kernels.exact_matmul import (
     F16_TABLE,
     PARALLEL_MIN_MACS,
     MatrixStack,
     QuantMatrix,
     row_product,
 )
-from bankml.engine_cupy.exact_ops import (
+from bankml.engine_cupy.kernels.exact_ops import (
     _geglu_rows,
     _norm_fused_pairs,
     _rms_norm_rows,
     _rope_rows,
     _swiglu_rows,
 )
-from bankml.engine_cupy.jit import njit
+from bankml.engine_cupy.kernels.jit import njit
 from bankml.engine_cupy.kv_cache import _store_f16
 
 __all__ = ["DecodePlan", "decode_layer", "decode_output"]
