@@ -81,7 +81,13 @@ def open_native(
                 }
             },
         ) from None
-    engine = Engine.open(verified.path, n_ctx=n_ctx, device=device, cache_type=cache_type)
+    engine = Engine.open(
+        verified.path,
+        n_ctx=n_ctx,
+        device=device,
+        cache_type=cache_type or os.environ.get("BANKML_CACHE_TYPE"),
+        cache_ram=os.environ.get("BANKML_CACHE_RAM"),
+    )
     device_name = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
     return NativeEngine(engine, None, verified, n_ctx=engine.n_ctx, device=device_name)
 

@@ -175,9 +175,10 @@ def open_engine(verified: Any, options: Mapping[str, Any]) -> Any:
         verified.path,
         n_ctx=int(options.get("ctx") or DEFAULT_CTX),
         device=options.get("device") or "auto",
-        cache_type=options.get("cache_type"),
+        cache_type=options.get("cache_type") or os.environ.get("BANKML_CACHE_TYPE"),
+        cache_ram=os.environ.get("BANKML_CACHE_RAM"),
     )
-    engine.model.warm_up()  # compile or load the kernels now, not on the first request
+    engine.warm_up()  # compile or load the kernels now, not on the first request
     return engine
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy
 
 from bankml.engine_cupy import backend
-from bankml.engine_cupy.kernels import exact_attention, exact_decode, exact_ops
+from bankml.engine_cupy.kernels import exact_attention, exact_decode, exact_ops, jit
 from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.weights import (
     HParams,
@@ -155,6 +155,8 @@ class Model:
         exact = exact and xp is numpy
         if xp is numpy:
             check_memory(reader, exact=exact)
+        if exact:  # the loading thread runs the engine: it starts the kernels' workers
+            jit.start_worker_threads()
         if progress is None:
             progress = sys.stderr.isatty()
         bar = None
@@ -183,13 +185,13 @@ class Model:
         prompts for its context checkpoints (engine.prompt_batches)."""
         return bool(self.hp.swa_window and any(self.hp.swa_layers))
 
-    def warm_up(self) -> None:
+    def warm_up(self, cache_type: str | None = None) -> None:
         """Run every kernel a request can reach once, on a scratch cache: Numba compiles them (or
         loads its on-disk cache) here rather than during the first answer. A no-op on CuPy."""
         if not self.exact:
             return
         n = exact_attention.FA_TILE_Q + 1  # the tiled attention kernel, then the one-row one
-        cache = self.new_cache(n + 3)  # of the configured type ($BANKML_CACHE_TYPE)
+        cache = self.new_cache(n + 3, cache_type)  # the type the engine's cache has
         exact_attention.warm_up(q8_0=cache.cache_type == "q8_0")
         self.forward([0] * n, cache)
         self.forward([0], cache)

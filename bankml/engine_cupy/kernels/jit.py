@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from numba.core.caching import CompileResultCacheImpl, FunctionCache, NullCache
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
-__all__ = ["njit", "fma32", "f16_round", "f16_bits"]
+__all__ = ["njit", "fma32", "f16_round", "f16_bits", "start_worker_threads"]
 
 
 # libgomp's wait: spin this many iterations (a few microseconds) after a parallel region, then
@@ -45,27 +46,35 @@ __all__ = ["njit", "fma32", "f16_round", "f16_bits"]
 SPIN_COUNT = "10000"
 
 
+_start_lock = threading.Lock()
+_started = False
+
+
 def start_worker_threads() -> None:
-    """Start Numba's OpenMP workers with a short spin, for this process only.
+    """Start Numba's OpenMP workers with a short spin, for this process only; once.
 
-    libgomp reads GOMP_SPINCOUNT once, when Numba's threading layer loads it, so the variable is
-    set for that moment only and then put back (unless the user set it or OMP_WAIT_POLICY):
-    a llama-server started later by this process (P0 --spawn, the tests, the benchmarks) keeps
-    its own defaults, on which its speed depends (with a passive policy inherited it decoded
-    20-25 tok/s instead of 90-100 here). A long spin would starve a thread the workers wait for
-    on a loaded 2-core machine; a short one costs little there.
+    Called by the thread that will run the engine (Model.load on the exact backend), never at
+    import: that thread then owns the worker team, and a decode step run from another thread
+    took twice as long. libgomp reads GOMP_SPINCOUNT once, when Numba's threading layer loads
+    it, so the variable is set for that moment only and then put back (unless the user set it
+    or OMP_WAIT_POLICY): a llama-server started later by this process (P0 --spawn, the tests,
+    the benchmarks) keeps its own defaults, on which its speed depends (with a passive policy
+    inherited it decoded 20-25 tok/s instead of 90-100 here). A long spin would starve a thread
+    the workers wait for on a loaded 2-core machine; a short one costs little there.
     """
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        numba.get_num_threads()
-        return
-    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
-    try:
-        numba.get_num_threads()  # loads the threading layer and starts its workers
-    finally:
-        del os.environ["GOMP_SPINCOUNT"]
-
-
-start_worker_threads()
+    global _started
+    with _start_lock:
+        if _started:
+            return
+        _started = True
+        if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+            numba.get_num_threads()
+            return
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+        try:
+            numba.get_num_threads()  # loads the threading layer and starts its workers
+        finally:
+            del os.environ["GOMP_SPINCOUNT"]
 
 
 # --- Numba's cache, keyed on the compiled modules a kernel builds on ------------------------------
