@@ -178,7 +178,8 @@ def open_engine(verified: Any, options: Mapping[str, Any]) -> Any:
         cache_type=options.get("cache_type") or os.environ.get("BANKML_CACHE_TYPE"),
         cache_ram=os.environ.get("BANKML_CACHE_RAM"),
     )
-    engine.warm_up()  # compile or load the kernels now, not on the first request
+    # compile or load the kernels now, not on the first request; say what compiles
+    engine.warm_up(report=lambda line: _log.info("{line}", line=line))
     return engine
 
 

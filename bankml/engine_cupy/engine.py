@@ -470,6 +470,25 @@ class Steps:
         return next(self._gen)
 
 
+def compile_kernels(
+    path: str | os.PathLike,
+    *,
+    device: str = "auto",
+    cache_type: str | None = None,
+    report: Callable[[str], None] | None = None,
+) -> Any:
+    """Compile (or load from Numba's cache) the kernels the model at ``path`` reaches, then
+    let the model go; returns kernels.progress.CompileStats.
+
+    For a start-up that compiles while it hashes the file: once the file's header has passed
+    the guard, call this on the thread that will run the engine (it starts the kernels' worker
+    team, Model.load) while another thread checks the pin. Numba keeps the compiled kernels in
+    the process, so the Engine.open and warm_up that follow the pin take seconds. Nothing is
+    answered from the model loaded here."""
+    model = Model.load(path, device=device, progress=False)
+    return model.warm_up(cache_type, report)
+
+
 class Engine:
     """One resident model with one slot (a KV cache and the tokens it holds)."""
 
@@ -534,9 +553,10 @@ class Engine:
             cache_ram,
         )
 
-    def warm_up(self) -> None:
-        """Run each kernel a request can reach once (Model.warm_up), for this cache's type."""
-        self.model.warm_up(self.cache.cache_type)
+    def warm_up(self, report: Callable[[str], None] | None = None) -> Any:
+        """Run each kernel a request can reach once (Model.warm_up), for this cache's type;
+        ``report`` is told what compiles (kernels.progress). Returns its CompileStats."""
+        return self.model.warm_up(self.cache.cache_type, report)
 
     # --- text ---------------------------------------------------------------------------------------------
 
