@@ -1,4 +1,4 @@
-"""bankml.engine_cupy.exact_attention against ggml's own flash attention, bit for bit.
+"""bankml.engine_cupy.kernels.exact_attention against ggml's own flash attention, bit for bit.
 
 Every case runs ``ggml_flash_attn_ext`` of the reference build (tests/ggml_oracle.py: the CPU
 backend, 2 threads unless said) on the very inputs given to ``flash_attn_f16``, with K, V and the
