@@ -56,14 +56,17 @@ def open_native(
     n_ctx: int = 4096,
     device: str = "auto",
     cache_type: str | None = None,
+    cache_ram: str | None = None,
 ) -> NativeEngine:
-    """Verify ``model`` against its pin (guard, then sha256), then open the engine on it."""
+    """Verify ``model`` against its pin (guard, then sha256), then open the engine on it, with
+    the KV cache type (``f16`` when None) and the host prompt cache's bound in MiB (the default
+    when None)."""
     try:
         verified = verify(model, fork or model + ".FORK.json")
     except Refused as err:
         raise ApiError.of(400, f"refuse: {err.reason}") from None
     engine, device_name = open_engine(
-        verified.path, n_ctx=n_ctx, device=device, cache_type=cache_type
+        verified.path, n_ctx=n_ctx, device=device, cache_type=cache_type, cache_ram=cache_ram
     )
     return NativeEngine(engine, None, verified, n_ctx=engine.n_ctx, device=device_name)
 
@@ -79,7 +82,13 @@ def _default_native() -> NativeEngine:
                     "no model: pass native=open_native(FILE, FORK) "
                     "or set BANKML_MODEL (and BANKML_FORK)",
                 )
-            _default = open_native(model, os.environ.get("BANKML_FORK"))
+            # the default engine is configured from the environment, as `bankml serve` is
+            _default = open_native(
+                model,
+                os.environ.get("BANKML_FORK"),
+                cache_type=os.environ.get("BANKML_CACHE_TYPE"),
+                cache_ram=os.environ.get("BANKML_CACHE_RAM"),
+            )
         return _default
 
 

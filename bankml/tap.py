@@ -160,6 +160,9 @@ class Options(usage.Options):
                 "they need --spawn (--slot-dir also works with --native)"
             )
         self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
+        # the engine's cache settings: read from the environment here, and only here
+        self["cache_type"] = os.environ.get("BANKML_CACHE_TYPE")
+        self["cache_ram"] = os.environ.get("BANKML_CACHE_RAM")
 
 
 class BankmlService(ServingService):

@@ -36,7 +36,8 @@ from gguf import GGMLQuantizationType as T
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bankml.engine_cupy import exact_kquants as ek  # noqa: E402
+from bankml.engine_cupy.kernels import exact_kquants as ek  # noqa: E402
+from bankml.engine_cupy.kernels import jit  # noqa: E402
 from tests import ggml_oracle as go  # noqa: E402
 
 TIMER_SOURCE = Path(__file__).resolve().parent / "ggml_mul_mat_timer.c"
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--clock cpu counts every thread's time (spinning ones too): use it with --threads 1"
         )
+    jit.start_worker_threads()  # with the engine's short spin, before the first kernel
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     rng = numpy.random.default_rng(0)
     load_before = os.getloadavg()

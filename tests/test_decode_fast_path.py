@@ -15,8 +15,8 @@ import numpy
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from bankml.engine_cupy import exact_decode
-from bankml.engine_cupy.exact_kquants import KMatrixStack, KQuantMatrix
+from bankml.engine_cupy.kernels import exact_decode
+from bankml.engine_cupy.kernels.exact_kquants import KMatrixStack, KQuantMatrix
 from bankml.engine_cupy.model import Model
 from tests.tiny_models import TinySpec, write_tiny_model
 

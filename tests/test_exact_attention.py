@@ -1,4 +1,4 @@
-"""bankml.engine_cupy.exact_attention against ggml's own flash attention, bit for bit.
+"""bankml.engine_cupy.kernels.exact_attention against ggml's own flash attention, bit for bit.
 
 Every case runs ``ggml_flash_attn_ext`` of the reference build (tests/ggml_oracle.py: the CPU
 backend, 2 threads unless said) on the very inputs given to ``flash_attn_f16``, with K, V and the
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bankml.engine_cupy.exact_attention import (
+from bankml.engine_cupy.kernels.exact_attention import (
     FA_TILE_Q,
     SPLIT_MIN_CELLS,
     attention_mask,
@@ -285,7 +285,7 @@ def engine_calls(default_model: Path) -> dict[str, object]:
     A 300-token prompt (the tiled kernel), then one decoded token over 301 cells (the split).
     Recorded by wrapping this module's function, which the forward pass calls on the CPU.
     """
-    from bankml.engine_cupy import exact_attention
+    from bankml.engine_cupy.kernels import exact_attention
     from bankml.engine_cupy.model import Model
 
     engine = Model.load(default_model, device="cpu", progress=False)
@@ -366,7 +366,7 @@ def test_default_model_attention(engine_calls: dict, n_rows: int, n_cells: int) 
 def test_f16_rounding_equals_numpy() -> None:
     """jit.f16_round (the kernels' f32->f16->f32) equals NumPy's conversion on spread bit patterns,
     ties, subnormals and overflow included."""
-    from bankml.engine_cupy.jit import f16_bits, f16_round, njit
+    from bankml.engine_cupy.kernels.jit import f16_bits, f16_round, njit
 
     @njit(cache=False)
     def both(x, a, b):
@@ -392,7 +392,7 @@ def test_numba_exp_is_libm_expf() -> None:
     import ctypes.util
     import math
 
-    from bankml.engine_cupy.jit import njit
+    from bankml.engine_cupy.kernels.jit import njit
 
     libm = ctypes.CDLL(ctypes.util.find_library("m"))
     libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
@@ -411,7 +411,7 @@ def test_numba_exp_is_libm_expf() -> None:
 
 def test_warm_up_compiles_what_the_engine_calls() -> None:
     """After warm_up, each driver has the one compiled signature an engine-shaped call uses."""
-    from bankml.engine_cupy import exact_attention as ea
+    from bankml.engine_cupy.kernels import exact_attention as ea
 
     ea.warm_up(q8_0=True)
     drivers = [

@@ -16,10 +16,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
-from bankml.engine_cupy import exact_iquants as ei
-from bankml.engine_cupy import exact_kquants as ek
-from bankml.engine_cupy import exact_matmul as em
 from bankml.engine_cupy import weights
+from bankml.engine_cupy.kernels import exact_iquants as ei
+from bankml.engine_cupy.kernels import exact_kquants as ek
+from bankml.engine_cupy.kernels import exact_matmul as em
 from tests import ggml_oracle as go
 from tests.test_exact_kquants import activations, differing
 from tests.test_exact_kquants import random_blocks as kquant_blocks

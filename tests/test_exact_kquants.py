@@ -16,8 +16,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
-from bankml.engine_cupy import exact_kquants as ek
 from bankml.engine_cupy import weights
+from bankml.engine_cupy.kernels import exact_kquants as ek
 from tests import ggml_oracle as go
 
 F32 = np.float32

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from bankml.engine_cupy.exact_attention import attention_mask, flash_attn_q8_0, kv_length
+from bankml.engine_cupy.kernels.exact_attention import attention_mask, flash_attn_q8_0, kv_length
 from bankml.engine_cupy.kv_cache import KVCache, rotation_sizes
 from tests import ggml_oracle as go
 

@@ -16,8 +16,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, quants
 
-from bankml.engine_cupy import exact_matmul as em
 from bankml.engine_cupy import weights
+from bankml.engine_cupy.kernels import exact_matmul as em
 from tests import ggml_oracle as go
 
 F32 = np.float32

@@ -16,7 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from bankml.engine_cupy import exact_ops as eo
+from bankml.engine_cupy.kernels import exact_ops as eo
 from tests import ggml_oracle as go
 
 F32 = np.float32

@@ -369,12 +369,10 @@ def test_context_and_token_limits(tiny_llama: Model) -> None:
         tiny_llama.forward([], cache)
 
 
-def test_cache_types(tiny_llama: Model, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("BANKML_CACHE_TYPE", raising=False)
+def test_cache_types(tiny_llama: Model) -> None:
     f16 = tiny_llama.new_cache(16)
     assert f16.cache_type == "f16"
-    monkeypatch.setenv("BANKML_CACHE_TYPE", "q8_0")
-    q8 = tiny_llama.new_cache(16)
+    q8 = tiny_llama.new_cache(16, "q8_0")
     assert q8.cache_type == "q8_0"
     assert q8.nbytes < f16.nbytes / 2  # 34 bytes per 32 values against f32-held f16 values
     with pytest.raises(ValueError, match='cache type "q4_0": bankML keeps f16 or q8_0'):

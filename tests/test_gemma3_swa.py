@@ -253,7 +253,7 @@ def test_ring_attention_is_ggml_flash_attention(
 ) -> None:
     """Each attention of a 900-token prompt (the ring wraps inside its 512-row batch) equals
     ggml's own flash_attn_ext on the same cells, mask and n_kv (tests/ggml_oracle.py)."""
-    from bankml.engine_cupy import exact_attention
+    from bankml.engine_cupy.kernels import exact_attention
     from tests.test_exact_attention import ggml_reference
 
     model = Model.load(tiny_gemma3, device="cpu", progress=False)

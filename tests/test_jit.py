@@ -1,4 +1,4 @@
-"""bankml.engine_cupy.jit: Numba's on-disk cache of a kernel follows the modules it calls into.
+"""bankml.engine_cupy.kernels.jit: Numba's on-disk cache of a kernel follows the modules it calls into.
 
 Each run is a fresh Python process (Numba only reads its cache at compile time), with
 NUMBA_CACHE_DIR in a temporary directory, on a two-module package written here: ``kernel``
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 import bankml
-from bankml.engine_cupy import exact_decode, exact_matmul, jit
+from bankml.engine_cupy.kernels import exact_decode, exact_matmul, jit
 
 HELPER = """\
-from bankml.engine_cupy.jit import njit
+from bankml.engine_cupy.kernels.jit import njit
 
 
 @njit
@@ -28,7 +28,7 @@ def scaled(x):
 """
 
 KERNEL = """\
-from bankml.engine_cupy.jit import fma32, njit
+from bankml.engine_cupy.kernels.jit import fma32, njit
 from stalepkg.helper import scaled
 
 
@@ -38,7 +38,7 @@ def kernel(x):
 """
 
 OTHER = """\
-from bankml.engine_cupy.jit import njit
+from bankml.engine_cupy.kernels.jit import njit
 
 
 @njit
@@ -113,24 +113,26 @@ def test_cached_kernel_follows_an_edited_helper_module(tmp_path: Path) -> None:
     assert run_kernel(tmp_path) == {"value": third["value"], "hits": 1, "misses": 0}
 
 
-ENGINE = Path(jit.__file__).resolve().parent
-PACKAGE = "bankml.engine_cupy"
+KERNELS = Path(jit.__file__).resolve().parent
+ENGINE = KERNELS.parent
+PACKAGE = "bankml.engine_cupy.kernels"
 
 
 def test_every_engine_module_with_kernels_is_a_compiled_module() -> None:
     """A module that compiles kernels but imported jit in a spelling the pattern misses would
     not be followed into (``is_compiled_module`` reads the import line)."""
-    with_kernels = [p for p in ENGINE.glob("*.py") if "njit" in p.read_text()]
+    with_kernels = [p for p in ENGINE.rglob("*.py") if "njit" in p.read_text()]
     assert len(with_kernels) >= 8, "kernels not found: the engine moved?"
     assert all(jit.is_compiled_module(p) for p in with_kernels)
     assert not jit.is_compiled_module(ENGINE / "weights.py")
 
 
 def test_kernel_sources_follow_the_engine_imports() -> None:
-    """The fused decode step builds on every kernel module; exact_matmul on none."""
+    """The fused decode step builds on every kernel module (and the cache's store, outside the
+    kernels package); exact_matmul on none."""
 
     def stems(name: str) -> set[str]:
-        return {p.stem for p in jit.kernel_sources(ENGINE / f"{name}.py", PACKAGE)}
+        return {p.stem for p in jit.kernel_sources(KERNELS / f"{name}.py", PACKAGE)}
 
     assert stems("exact_matmul") == {"exact_matmul", "jit"}
     assert stems("exact_kquants") == {"exact_kquants", "exact_matmul", "jit"}

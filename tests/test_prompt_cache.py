@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bankml.engine_cupy.engine import Engine
-from bankml.engine_cupy.prompt_cache import HostPromptCache, limit_from_env
+from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit
 from tests import support
 
 MAX = 8
@@ -73,7 +73,7 @@ def _interleave(chat: Any) -> list[tuple[int, int]]:
 def test_interleaved_conversations_reuse_their_own_context(
     engine: Engine, reference_server
 ) -> None:
-    engine.host_cache = HostPromptCache(limit_from_env("256"))
+    engine.host_cache = HostPromptCache(cache_ram_limit("256"))
     ours = _interleave(lambda m: _engine_chat(engine, m))
     theirs = _interleave(lambda m: _server_chat(reference_server.url, m))
     print(f"\ncache_n, prompt_tokens per turn (A1 B1 A2 B2): bankml {ours}, llama-server {theirs}")
@@ -91,7 +91,7 @@ def test_a_shared_system_prompt_keeps_the_slot_as_llama_server_does(
 ) -> None:
     """Conversations sharing SmolLM2's default system prompt share half the slot: the host cache
     does not run (LCP ≥ half the slot), exactly as llama-server decides."""
-    engine.host_cache = HostPromptCache(limit_from_env("256"))
+    engine.host_cache = HostPromptCache(cache_ram_limit("256"))
 
     def plain(chat: Any) -> list[tuple[int, int]]:
         a = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -155,7 +155,7 @@ def test_a_restored_entry_answers_as_a_fresh_prefill(engine: Engine) -> None:
     fresh_kv = _kv_bytes(engine.cache)
     fresh_logits = _one_token(engine, a_tokens)
 
-    engine.host_cache = HostPromptCache(limit_from_env("256"))
+    engine.host_cache = HostPromptCache(cache_ram_limit("256"))
     _fresh_slot(engine)
     _engine_chat(engine, a)
     _engine_chat(engine, b)  # A's slot goes to the host, B's KV overwrites the slot
@@ -168,13 +168,14 @@ def test_a_restored_entry_answers_as_a_fresh_prefill(engine: Engine) -> None:
     assert np.array_equal(_one_token(engine, a_tokens), fresh_logits)
 
 
-def test_limits_from_the_environment() -> None:
-    assert limit_from_env("0") == 0
-    assert limit_from_env("-1") is None
-    assert limit_from_env("3") == 3 << 20
-    assert 1 << 20 <= limit_from_env("") <= 8192 << 20
+def test_cache_ram_limits() -> None:
+    assert cache_ram_limit("0") == 0
+    assert cache_ram_limit("-1") is None
+    assert cache_ram_limit("3") == cache_ram_limit(3) == 3 << 20
+    assert 1 << 20 <= cache_ram_limit(None) <= 8192 << 20
+    assert 1 << 20 <= cache_ram_limit("") <= 8192 << 20
     with pytest.raises(ValueError):
-        limit_from_env("lots")
+        cache_ram_limit("lots")
 
 
 def test_an_entry_larger_than_the_limit_is_not_kept(engine: Engine) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -70,7 +71,13 @@ def generate_command(args: argparse.Namespace) -> int:
     from bankml.engine_cupy.model import UnsupportedModel
 
     try:
-        engine = Engine.open(args.model, n_ctx=args.ctx, device=args.device)
+        engine = Engine.open(
+            args.model,
+            n_ctx=args.ctx,
+            device=args.device,
+            cache_type=os.environ.get("BANKML_CACHE_TYPE"),
+            cache_ram=os.environ.get("BANKML_CACHE_RAM"),
+        )
     except (UnsupportedModel, OSError, ValueError) as err:
         print(f"bankml generate: {err}", file=sys.stderr)
         return 2

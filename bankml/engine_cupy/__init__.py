@@ -1,0 +1,23 @@
+"""bankml's native engine: a GGUF model run in-process, with llama-server's arithmetic on the CPU.
+
+What is inside, from the request down:
+
+- ``engine``: ``Engine`` (one resident model, one slot): parse a request, tokenize, prefill in
+  micro-batches, sample, stream; ``compile_kernels`` for a start-up that compiles while hashing;
+- ``tokenizer``, ``unicode_classes``, ``chat_template``: the GGUF vocabulary and template;
+- ``sampler``, ``grammar``: llama-server's sampler chain and constrained decoding;
+- ``prompt_cache``, ``checkpoints``, ``slots``: the host prompt cache, the sliding-window
+  context checkpoints, slot files;
+- ``model``: the transformer, written once (attention, feed-forward, the block, the stack), and
+  ``Model``; ``exact_backend`` and ``array_backend``: the two backends it runs on (the exact CPU
+  kernels; vectorised NumPy/CuPy), one chosen at load;
+- ``weights``, ``arch``: reading GGUF tensors and hyperparameters, what differs per architecture;
+- ``kv_cache``: the f16 or q8_0 K/V cache (and gemma3's sliding-window ring);
+- ``backend``: NumPy or CuPy, and the CPU BLAS thread count;
+- ``kernels``: the exact CPU kernels, compiled by Numba (products, attention, element-wise
+  steps, the fused decode step), and compile progress reporting.
+
+Importing any of it starts no thread and reads no environment variable: configuration (cache
+type, host cache size, device) is passed to ``Engine.open``; the kernels' worker threads start
+when a model is loaded, on the loading thread.
+"""

@@ -11,6 +11,7 @@ prefix with the slot's tokens), then samples token by token, yielding ``Chunk``s
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -30,7 +31,7 @@ from bankml.engine_cupy.grammar import (
 )
 from bankml.engine_cupy.kv_cache import pad_cells
 from bankml.engine_cupy.model import Model
-from bankml.engine_cupy.prompt_cache import HostPromptCache, limit_from_env, longest_common_prefix
+from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
 from bankml.engine_cupy.sampler import (
     LogitBias,
     Sampler,
@@ -469,6 +470,25 @@ class Steps:
         return next(self._gen)
 
 
+def compile_kernels(
+    path: str | os.PathLike,
+    *,
+    device: str = "auto",
+    cache_type: str | None = None,
+    report: Callable[[str], None] | None = None,
+) -> Any:
+    """Compile (or load from Numba's cache) the kernels the model at ``path`` reaches, then
+    let the model go; returns kernels.progress.CompileStats.
+
+    For a start-up that compiles while it hashes the file: once the file's header has passed
+    the guard, call this on the thread that will run the engine (it starts the kernels' worker
+    team, Model.load) while another thread checks the pin. Numba keeps the compiled kernels in
+    the process, so the Engine.open and warm_up that follow the pin take seconds. Nothing is
+    answered from the model loaded here."""
+    model = Model.load(path, device=device, progress=False)
+    return model.warm_up(cache_type, report)
+
+
 class Engine:
     """One resident model with one slot (a KV cache and the tokens it holds)."""
 
@@ -480,6 +500,7 @@ class Engine:
         n_ctx: int,
         cache_type: str | None = None,
         sampling_defaults: SamplerParams | None = None,
+        cache_ram: int | str | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -488,10 +509,12 @@ class Engine:
         self.n_vocab = int(model.n_vocab)
         self.cache = model.new_cache(n_ctx, cache_type)
         self.slot_tokens: list[int] = []
-        self.host_cache = HostPromptCache(limit_from_env())  # BANKML_CACHE_RAM, read at open
+        self.host_cache = HostPromptCache(cache_ram_limit(cache_ram))  # MiB, as --cache-ram
         self.defaults = sampling_defaults or SamplerParams()
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
+        # built on first use, by the prepare thread (parsing) or the engine thread alike
+        self._lazy_lock = threading.Lock()
         self._llg: Any = None
         self._chat_delimiters: list[tuple[str, list[int]]] | None = None
         # llama-server's context checkpoints: only for sliding-window models (n_swa > 0)
@@ -510,14 +533,30 @@ class Engine:
         n_ctx: int = 4096,
         device: str = "auto",
         cache_type: str | None = None,
+        cache_ram: int | str | None = None,
     ) -> Engine:
+        """Load ``path`` for ``n_ctx`` positions on ``device``, with a KV cache of ``cache_type``
+        (f16 or q8_0; None: f16) and a host prompt cache of ``cache_ram`` MiB (None: the default
+        of prompt_cache.cache_ram_limit). Call it on the thread that will run the engine: on the
+        CPU that thread starts and owns the kernels' worker team (kernels.jit)."""
         model = Model.load(path, device=device)
         tokenizer = Tokenizer.from_gguf(model.reader)
         template = ChatTemplate.from_gguf(model.reader, tokenizer)
         n_ctx = pad_cells(n_ctx)  # as llama_context: -c 1000 holds 1024 positions
         return cls(
-            model, tokenizer, template, n_ctx, cache_type, _gguf_sampling_defaults(model.reader)
+            model,
+            tokenizer,
+            template,
+            n_ctx,
+            cache_type,
+            _gguf_sampling_defaults(model.reader),
+            cache_ram,
         )
+
+    def warm_up(self, report: Callable[[str], None] | None = None) -> Any:
+        """Run each kernel a request can reach once (Model.warm_up), for this cache's type;
+        ``report`` is told what compiles (kernels.progress). Returns its CompileStats."""
+        return self.model.warm_up(self.cache.cache_type, report)
 
     # --- text ---------------------------------------------------------------------------------------------
 
@@ -536,14 +575,15 @@ class Engine:
 
     def llg_tokenizer(self) -> Any:
         """llguidance's view of the vocabulary, built on first use (about a second)."""
-        if self._llg is None:
-            self._llg = build_llg_tokenizer(
-                self._pieces,
-                self.tokenizer.eog_ids,
-                self.tokenizer.bos_id,
-                lambda s: self.tokenize(s),
-            )
-        return self._llg
+        with self._lazy_lock:
+            if self._llg is None:
+                self._llg = build_llg_tokenizer(
+                    self._pieces,
+                    self.tokenizer.eog_ids,
+                    self.tokenizer.bos_id,
+                    lambda s: self.tokenize(s),
+                )
+            return self._llg
 
     # --- requests -------------------------------------------------------------------------------------------
 
@@ -625,17 +665,18 @@ class Engine:
         if self.checkpoints is None:  # not a sliding-window model
             return []
         if kind == "chat":
-            if self._chat_delimiters is None:
-                markers = [
-                    ("assistant", _checkpoints.assistant_start_marker(self.apply_template)),
-                    ("user", _checkpoints.user_start_marker(self.apply_template)),
-                ]
-                self._chat_delimiters = [
-                    (role, self.tokenize(text, parse_special=True))
-                    for role, text in markers
-                    if text
-                ]
-            return self._chat_delimiters
+            with self._lazy_lock:
+                if self._chat_delimiters is None:
+                    markers = [
+                        ("assistant", _checkpoints.assistant_start_marker(self.apply_template)),
+                        ("user", _checkpoints.user_start_marker(self.apply_template)),
+                    ]
+                    self._chat_delimiters = [
+                        (role, self.tokenize(text, parse_special=True))
+                        for role, text in markers
+                        if text
+                    ]
+                return self._chat_delimiters
         given = body.get("message_delimiters")
         if not isinstance(given, list):  # json_value: anything but an array reads as none
             return []

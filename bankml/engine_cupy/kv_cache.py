@@ -33,15 +33,14 @@ cell layout: ``SlidingCells`` places each micro-batch as ``llama_kv_cache::find_
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Any
 
 import numpy
 
-from bankml.engine_cupy import exact_matmul, exact_ops
-from bankml.engine_cupy.exact_attention import KV_PAD, kv_length
-from bankml.engine_cupy.jit import f16_round, njit
+from bankml.engine_cupy.kernels import exact_matmul, exact_ops
+from bankml.engine_cupy.kernels.exact_attention import KV_PAD, kv_length
+from bankml.engine_cupy.kernels.jit import f16_round, njit
 from bankml.engine_cupy.weights import quantize_activation
 
 CACHE_TYPES = ("f16", "q8_0")
@@ -154,9 +153,8 @@ class SlidingCells:
 
 
 def resolve_cache_type(cache_type: str | None, head_dim: int) -> str:
-    """The cache type asked for (None: $BANKML_CACHE_TYPE, else f16), checked as the reference."""
-    if cache_type is None:
-        cache_type = os.environ.get("BANKML_CACHE_TYPE") or "f16"
+    """The cache type asked for (None or empty: f16), checked as llama-server checks it."""
+    cache_type = cache_type or "f16"
     if cache_type not in CACHE_TYPES:
         raise ValueError(f'cache type "{cache_type}": bankML keeps f16 or q8_0')
     if cache_type == "q8_0" and head_dim % 32:

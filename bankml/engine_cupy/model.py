@@ -1,28 +1,35 @@
-"""The generic transformer forward pass (llama, qwen2, qwen3, gemma3) and the ``Model`` API.
+"""The transformer, once: llama, qwen2, qwen3 and gemma3 as one definition, and the ``Model`` API.
 
-Written once against ``xp`` (NumPy or CuPy). One call of ``forward`` runs one micro-batch: the
-tokens' K/V are appended to the cache at positions ``cache.n_tokens..`` and the float32 logits of
-the last token (or of every token) come back as a host NumPy array.
+The definition below (``attention``, ``feed_forward``, ``block``, ``stack``) is written against
+a backend ``ops`` chosen once at load:
 
-Where it matters for agreeing with llama-server, the arithmetic follows ggml's CPU kernels:
-RMSNorm sums squares in double; RoPE angles are built by repeated f32 multiplication as
-ggml_rope_cache_init; each matrix product sees the activation rounded to the weight type's
-vec_dot_type (weights.quantize_activation); K/V go through the cache's rounding and Q is rounded
-to K's type; GeGLU looks GELU up in ggml's f16 table.
+- ``ExactOps`` (exact_backend.py), on the CPU: every step through the kernels package, which
+  rounds as ggml's CPU kernels do, so the logits are llama-server's bits; a one-token step has
+  a compiled fast path (``ops.decode``) composed of the same steps;
+- ``ArrayOps`` (array_backend.py), NumPy or CuPy: vectorised, the GPU's path.
+
+The matrix products are the weights' own (weights.Linear: the exact kernels where the backend is
+exact). One call of ``Model.forward`` runs one micro-batch: the tokens' K/V are appended to the
+cache at positions ``cache.n_tokens..`` and the float32 logits of the last token (or of every
+token) come back as a host NumPy array. What differs between the architectures is arch.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy
 
-from bankml.engine_cupy import backend, exact_attention, exact_decode, exact_ops
+from bankml.engine_cupy import backend
+from bankml.engine_cupy.array_backend import ArrayOps
+from bankml.engine_cupy.exact_backend import ExactOps
+from bankml.engine_cupy.kernels import exact_ops, jit, progress
+from bankml.engine_cupy.kernels.progress import CompileStats
 from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.weights import (
     HParams,
@@ -42,62 +49,142 @@ __all__ = ["Model", "KVCache", "UnsupportedModel"]
 F32 = numpy.float32
 
 
-def rms_norm(xp: ModuleType, x: Any, weight: Any, eps: float) -> Any:
-    """ggml_rms_norm then ggml_mul: squares summed in double, scale 1/sqrtf(mean + eps) in f32."""
-    mean = (xp.square(x).astype(xp.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(F32)
-    return (x * (F32(1) / xp.sqrt(mean + F32(eps)))) * weight
+class Ops(Protocol):
+    """What a backend gives the definition (ExactOps, ArrayOps)."""
+
+    xp: ModuleType
+    exact: bool
+
+    def ropes(self, positions: Any, rope_freqs: Any | None) -> dict[bool, tuple[Any, Any]]: ...
+    def norm(self, x: Any, weight: Any) -> Any: ...
+    def rope(self, x: Any, cos: Any, sin: Any, neox: bool) -> Any: ...
+    def glu(self, gate: Any, up: Any) -> Any: ...
+    def attend(self, il: int, q: Any, step: Step, cache: KVCache, scale: Any) -> Any: ...
+    def decode(self, x: Any, step: Step, cache: KVCache) -> Any | None: ...
+    def warm_up(self, model: Model, cache_type: str | None) -> None: ...
 
 
-def silu(xp: ModuleType, x: Any) -> Any:
-    return x / (F32(1) + xp.exp(-x))
+@dataclass
+class Step:
+    """One micro-batch: its positions start..end-1, their RoPE tables (per layer kind: global
+    False, sliding-window True), the attention masks (built once per step, per window), and
+    llama-server's -t (on which the split of a long one-row attention depends)."""
+
+    positions: Any
+    start: int
+    end: int
+    ropes: dict[bool, tuple[Any, Any]]
+    n_threads: int
+    readonly_masks: bool  # the exact kernels round a mask once for all the layers
+    masks: dict[int | str, Any] = field(default_factory=dict)
+
+    def mask(self, xp: ModuleType, window: int) -> Any | None:
+        """[n, T] additive mask: key position > query position, or (window) too far back.
+        None when nothing is hidden (one new token and no window reaching back), which spares
+        decoding an addition per layer."""
+        if self.positions.shape[0] == 1 and (not window or self.end <= window):
+            return None
+        if window not in self.masks:
+            kpos = xp.arange(self.end)[None, :]
+            qpos = self.positions[:, None]
+            hidden = kpos > qpos
+            if window:
+                hidden = hidden | (qpos - kpos >= window)
+            mask = xp.where(hidden, F32(-xp.inf), F32(0))
+            if self.readonly_masks:
+                mask.flags.writeable = False
+            self.masks[window] = mask
+        return self.masks[window]
+
+    def ring_mask(self, cells: Any) -> Any:
+        """The sliding-window ring's mask (kv_cache.SlidingCells.mask), read-only."""
+        if "ring" not in self.masks:
+            mask = cells.mask(self.positions)
+            mask.flags.writeable = False
+            self.masks["ring"] = mask
+        return self.masks["ring"]
 
 
-def rope_angles(
-    xp: ModuleType,
-    positions: Any,
-    head_dim: int,
-    base: float,
-    freq_scale: float,
-    freq_factors: Any | None,
-) -> tuple[Any, Any]:
-    """cos, sin [n, head_dim/2] as ggml_rope_cache_init: theta = pos, then theta *= base^(-2/d)."""
-    half = head_dim // 2
-    theta_scale = F32(numpy.power(F32(base), F32(-2.0) / F32(head_dim)))
-    steps = xp.full((positions.shape[0], half), theta_scale, dtype=F32)
-    steps[:, 0] = positions.astype(F32)
-    theta = xp.cumprod(steps, axis=1)  # sequential f32 products, as the C loop
-    if freq_factors is not None:
-        theta = theta / freq_factors
-    theta = F32(freq_scale) * theta
-    return xp.cos(theta), xp.sin(theta)
+# --- the definition ------------------------------------------------------------------------------
+# n tokens, d = n_embd, h = n_head, kv = n_head_kv, hd = head_dim, f = n_ff, V = n_vocab
 
 
-def apply_rope(x: Any, cos: Any, sin: Any, neox: bool) -> Any:
-    """x [n, heads, head_dim] rotated; NEOX pairs (i, i + d/2), NORM pairs (2i, 2i + 1)."""
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = x.copy()
-    if neox:
-        half = x.shape[-1] // 2
-        a, b = x[..., :half], x[..., half:]
-        out[..., :half] = a * c - b * s
-        out[..., half:] = a * s + b * c
-    else:
-        a, b = x[..., 0::2], x[..., 1::2]
-        out[..., 0::2] = a * c - b * s
-        out[..., 1::2] = a * s + b * c
-    return out
+def attention(
+    ops: Ops, hp: HParams, il: int, layer: Layer, h: Any, step: Step, cache: KVCache
+) -> Any:
+    """Causal GQA self-attention of h [n, d] over the cache, this batch's K/V stored first."""
+    parts = apply_all(ops.xp, layer.qkv, h)  # q [n, h*hd], k and v [n, kv*hd] (or fused qkv)
+    q, k, v = split_heads(hp, parts, h.shape[0])  # [n, h, hd], [n, kv, hd], [n, kv, hd]
+    if layer.q_norm is not None:  # qwen3, gemma3: RMSNorm of each head
+        q, k = ops.norm(q, layer.q_norm), ops.norm(k, layer.k_norm)
+    cos, sin = step.ropes[hp.swa_layers[il]]  # [n, hd/2]
+    q = ops.rope(q, cos, sin, hp.spec.rope_neox)
+    k = ops.rope(k, cos, sin, hp.spec.rope_neox)
+    scale = F32(hp.attn_scale)
+    if hp.arch == "gemma3":  # gemma3 scales Q before attention and attends with scale 1
+        q, scale = q * scale, F32(1)
+    cache.store(il, step.start, k, v)
+    return ops.attend(il, q, step, cache, scale)  # [n, h*hd]
 
 
-def softmax_product(xp: ModuleType, scores: Any, values: Any) -> Any:
-    """softmax(scores) @ values in f32: scores [kv, rows, T] (−inf hidden), values [kv, T, hd]."""
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    probs = xp.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    return probs @ values
+def feed_forward(ops: Ops, layer: Layer, h: Any) -> Any:
+    """down(glu(gate(h), up(h))): h [n, d] → [n, d], through [n, f]."""
+    gu = apply_all(ops.xp, layer.gate_up, h)  # gate, up [n, f]
+    return layer.down(ops.xp, ops.glu(gu["gate"], gu["up"]))["down"]
+
+
+def block(
+    ops: Ops,
+    hp: HParams,
+    il: int,
+    layer: Layer,
+    x: Any,
+    step: Step,
+    cache: KVCache,
+    only_last: bool,
+) -> Any:
+    """One pre-norm transformer layer: x [n, d] → [n, d] (the last row only if ``only_last``)."""
+    h = ops.norm(x, layer.attn_norm)  # [n, d]
+    out = layer.wo(ops.xp, attention(ops, hp, il, layer, h, step, cache))["o"]  # [n, d]
+    if only_last:  # llama.cpp keeps only the output row(s) after the last layer's attention
+        # output product (build_attn multiplies every row by wo before get_rows): F16, BF16
+        # and F32 products round differently for one row (vec_dot) and several (tinyBLAS)
+        out, x = out[-1:], x[-1:]
+    if layer.post_attn_norm is not None:  # gemma3
+        out = ops.norm(out, layer.post_attn_norm)
+    x = x + out
+    h = ops.norm(x, layer.ffn_norm)
+    out = feed_forward(ops, layer, h)  # [n, d]
+    if layer.post_ffw_norm is not None:  # gemma3
+        out = ops.norm(out, layer.post_ffw_norm)
+    return x + out
+
+
+def stack(
+    ops: Ops, hp: HParams, weights: Weights, x: Any, step: Step, cache: KVCache, all_logits: bool
+) -> Any:
+    """Every layer, the output norm and the logits product: x [n, d] → [n or 1, V]."""
+    for il, layer in enumerate(weights.layers):
+        only_last = il == hp.n_layer - 1 and not all_logits
+        x = block(ops, hp, il, layer, x, step, cache, only_last)
+    return weights.output(ops.xp, ops.norm(x, weights.output_norm))["logits"]
+
+
+def split_heads(hp: HParams, parts: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
+    """Q, K, V by heads, from their own products or one fused product."""
+    if "qkv" in parts:
+        fused = parts["qkv"]
+        nq, nk = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+        parts = {"q": fused[:, :nq], "k": fused[:, nq : nq + nk], "v": fused[:, nq + nk :]}
+    return (
+        parts["q"].reshape(n, hp.n_head, hp.head_dim),
+        parts["k"].reshape(n, hp.n_head_kv, hp.head_dim),
+        parts["v"].reshape(n, hp.n_head_kv, hp.head_dim),
+    )
 
 
 class Model:
-    """A GGUF model ready to run forward passes on one device."""
+    """A GGUF model ready to run forward passes on one device, through one backend."""
 
     def __init__(
         self,
@@ -118,11 +205,14 @@ class Model:
         self.n_embd = hp.n_embd
         self.n_layer = hp.n_layer
         self.n_ctx_train = hp.n_ctx_train
-        # ggml's f16 GELU table, one for both paths (built on the host, moved to the device)
-        self._gelu = (
-            xp.asarray(exact_ops.gelu_f16_table()) if hp.spec.ffn_activation == "gelu" else None
+        # ggml's f16 GELU table, one for both backends (built on the host, moved to the device)
+        gelu = xp.asarray(exact_ops.gelu_f16_table()) if hp.spec.ffn_activation == "gelu" else None
+        # On the CPU, every op rounds as ggml's kernels do; the array backend (CuPy) keeps the
+        # vectorised approximations.
+        self.ops: Ops = (
+            ExactOps(hp, weights, gelu) if exact and xp is numpy else ArrayOps(xp, hp, gelu)
         )
-        self._masks: dict[int | str, Any] = {}  # per window size, and "ring"
+        self.exact = self.ops.exact
         # BLAS threads: `threads` for batches (None: BLAS's default, one per core), and
         # `decode_threads` for one-token steps (backend.BlasThreads says why 1)
         self.threads: int | None = None
@@ -130,10 +220,7 @@ class Model:
         # llama-server's -t, on which the split of a long one-row attention depends
         self.ggml_threads = 2
         self._blas = backend.BlasThreads(xp)
-        # On the CPU, every op rounds as ggml's kernels do (exact_matmul/ops/attention); the
-        # array-module path (CuPy) keeps the vectorised approximations below.
-        self.exact = exact and xp is numpy
-        # one-token steps through exact_decode's fused layers (False: always the general path)
+        # one-token steps through the backend's fused step where it has one (False: never)
         self.fused_decode = True
 
     @classmethod
@@ -154,6 +241,8 @@ class Model:
         exact = exact and xp is numpy
         if xp is numpy:
             check_memory(reader, exact=exact)
+        if exact:  # the loading thread runs the engine: it starts the kernels' workers
+            jit.start_worker_threads()
         if progress is None:
             progress = sys.stderr.isatty()
         bar = None
@@ -182,17 +271,24 @@ class Model:
         prompts for its context checkpoints (engine.prompt_batches)."""
         return bool(self.hp.swa_window and any(self.hp.swa_layers))
 
-    def warm_up(self) -> None:
-        """Run every kernel a request can reach once, on a scratch cache: Numba compiles them (or
-        loads its on-disk cache) here rather than during the first answer. A no-op on CuPy."""
+    def warm_up(
+        self, cache_type: str | None = None, report: Callable[[str], None] | None = None
+    ) -> CompileStats:
+        """Run every kernel a request can reach once, for a cache of ``cache_type``: Numba
+        compiles them (or loads its on-disk cache) here rather than during the first answer.
+        ``report`` is told what is compiling and how long it took (kernels.progress). Only
+        the kernels of this model's weight types and cache type run, so only they compile.
+        Nothing to compile on the array backend."""
         if not self.exact:
-            return
-        n = exact_attention.FA_TILE_Q + 1  # the tiled attention kernel, then the one-row one
-        cache = self.new_cache(n + 3)  # of the configured type ($BANKML_CACHE_TYPE)
-        exact_attention.warm_up(q8_0=cache.cache_type == "q8_0")
-        self.forward([0] * n, cache)
-        self.forward([0], cache)
-        self.forward([0, 0], cache)
+            return CompileStats()
+        what = f"{os.path.basename(self.path)} ({', '.join(self.weight_types())} weights)"
+        with progress.reporting(report, what) as stats:
+            self.ops.warm_up(self, cache_type)
+        return stats
+
+    def weight_types(self) -> list[str]:
+        """The GGUF types of this model's tensors (Q4_1, Q8_0, F32, ...), sorted."""
+        return sorted({t.tensor_type.name for t in self.reader.tensors})
 
     def new_cache(self, n_ctx: int, cache_type: str | None = None) -> KVCache:
         """A cache for n_ctx positions (llama-server's -c); on the exact path gemma3's
@@ -227,27 +323,27 @@ class Model:
         ids = numpy.asarray(tokens, dtype=numpy.int64)
         if ids.min() < 0 or ids.max() >= hp.n_vocab:
             raise ValueError(f"token id out of range 0..{hp.n_vocab - 1}")
-        x = self.weights.token_embd[xp.asarray(ids)]
+        x = self.weights.token_embd[xp.asarray(ids)]  # [n, d]
         if hp.embd_scale != 1.0:
             x = x * F32(hp.embd_scale)
         self._blas.set(self.decode_threads if n == 1 else self.threads)
         positions = xp.arange(start, start + n)
-        self._masks = {}  # masks depend on the positions: built afresh per call
-        ropes = self._ropes(positions)
+        step = Step(
+            positions,
+            start,
+            start + n,
+            self.ops.ropes(positions, self.weights.rope_freqs),
+            self.ggml_threads,
+            readonly_masks=self.exact,
+        )
         cache.place(start, n)  # the sliding-window ring's cells for this micro-batch
-        plan = self._decode_plan() if n == 1 and cache.fused_decode else None
-        if plan is not None:  # one token: one compiled call per layer, the same bits
-            logits = plan.step(
-                numpy.ascontiguousarray(x, dtype=F32), start, ropes, cache, self.ggml_threads
-            )
-            cache.advance(start + n)
-            return self._final_logits(logits, all_logits)
-        for il, layer in enumerate(self.weights.layers):
-            last = il == hp.n_layer - 1 and not all_logits
-            x = self._block(il, layer, x, positions, ropes, cache, only_last=last)
+        logits = None
+        if n == 1 and self.fused_decode and cache.fused_decode:
+            logits = self.ops.decode(x, step, cache)  # one compiled call per layer, same bits
+        if logits is None:
+            logits = stack(self.ops, hp, self.weights, x, step, cache, all_logits)
         cache.advance(start + n)
-        x = self._norm(x, self.weights.output_norm)
-        return self._final_logits(self.weights.output(xp, x)["logits"], all_logits)
+        return self._final_logits(logits, all_logits)
 
     def _final_logits(self, logits: Any, all_logits: bool) -> numpy.ndarray:
         """gemma3's final soft-capping, then the last row (or all) on the host."""
@@ -257,213 +353,7 @@ class Model:
         out = backend.to_host(logits)
         return numpy.ascontiguousarray(out[-1] if not all_logits else out, dtype=F32)
 
-    def _decode_plan(self) -> exact_decode.DecodePlan | None:
-        """The fused decode step's layout of this model (exact_decode), made on first use;
-        None where a matrix is not one it multiplies (the general path runs then)."""
-        return self._plan if self.exact and self.fused_decode else None
-
-    @functools.cached_property
-    def _plan(self) -> exact_decode.DecodePlan | None:
-        return exact_decode.DecodePlan.build(self.hp, self.weights, self._gelu)
-
-    def _ropes(self, positions: Any) -> dict[bool, tuple[Any, Any]]:
-        """cos/sin per layer kind: global (False) and, for gemma3, local sliding-window (True)."""
-        hp = self.hp
-        if self.exact:
-            ropes = {
-                False: exact_ops.rope_cos_sin(
-                    positions,
-                    hp.head_dim,
-                    hp.rope_base,
-                    hp.rope_freq_scale,
-                    self.weights.rope_freqs,
-                )
-            }
-            if any(hp.swa_layers):
-                ropes[True] = exact_ops.rope_cos_sin(positions, hp.head_dim, hp.rope_base_swa)
-            return ropes
-        ropes = {
-            False: rope_angles(
-                self.xp,
-                positions,
-                hp.head_dim,
-                hp.rope_base,
-                hp.rope_freq_scale,
-                self.weights.rope_freqs,
-            )
-        }
-        if any(hp.swa_layers):
-            ropes[True] = rope_angles(self.xp, positions, hp.head_dim, hp.rope_base_swa, 1.0, None)
-        return ropes
-
-    def _block(
-        self,
-        il: int,
-        layer: Layer,
-        x: Any,
-        positions: Any,
-        ropes: dict[bool, tuple[Any, Any]],
-        cache: KVCache,
-        only_last: bool,
-    ) -> Any:
-        xp, hp = self.xp, self.hp
-        h = self._norm(x, layer.attn_norm)
-        attn = self._attention(il, layer, h, positions, ropes[hp.swa_layers[il]], cache)
-        out = layer.wo(xp, attn)["o"]
-        if only_last:  # llama.cpp keeps only the output row(s) after the last layer's attention
-            # output product (build_attn multiplies every row by wo before get_rows): F16, BF16
-            # and F32 products round differently for one row (vec_dot) and several (tinyBLAS)
-            out, x = out[-1:], x[-1:]
-        if layer.post_attn_norm is not None:
-            out = self._norm(out, layer.post_attn_norm)
-        x = x + out
-        h = self._norm(x, layer.ffn_norm)
-        gu = apply_all(xp, layer.gate_up, h)
-        out = layer.down(xp, self._gated(gu["gate"], gu["up"]))["down"]
-        if layer.post_ffw_norm is not None:
-            out = self._norm(out, layer.post_ffw_norm)
-        return x + out
-
-    def _norm(self, x: Any, weight: Any) -> Any:
-        if self.exact:
-            return exact_ops.rms_norm(x, weight, self.hp.rms_eps)
-        return rms_norm(self.xp, x, weight, self.hp.rms_eps)
-
-    def _gated(self, gate: Any, up: Any) -> Any:
-        """SwiGLU or GeGLU of the gate and up projections."""
-        if self.exact:
-            if self._gelu is not None:
-                return exact_ops.geglu(gate, up, self._gelu)
-            return exact_ops.swiglu(gate, up)
-        # contiguous, so NumPy's exp takes its SIMD path whatever the batch size (a strided view
-        # takes another path whose last bit can differ, and q8 rounding would magnify it)
-        gate = self.xp.ascontiguousarray(gate)
-        act = self._gelu_lookup(gate) if self._gelu is not None else silu(self.xp, gate)
-        return act * up
-
-    def _gelu_lookup(self, x: Any) -> Any:
-        """ggml_vec_geglu_f32: 0 below -10, x above 10, else the f16 table at f16(x)."""
-        xp = self.xp
-        idx = x.astype(xp.float16).view(xp.uint16)
-        y = self._gelu[idx.astype(xp.int32)]
-        y = xp.where(x <= F32(-10), F32(0), y)
-        return xp.where(x >= F32(10), x, y)
-
-    def _qkv(self, layer: Layer, h: Any) -> tuple[Any, Any, Any]:
-        hp = self.hp
-        parts = apply_all(self.xp, layer.qkv, h)
-        if "qkv" in parts:
-            fused = parts["qkv"]
-            nq, nk = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-            parts = {"q": fused[:, :nq], "k": fused[:, nq : nq + nk], "v": fused[:, nq + nk :]}
-        n = h.shape[0]
-        return (
-            parts["q"].reshape(n, hp.n_head, hp.head_dim),
-            parts["k"].reshape(n, hp.n_head_kv, hp.head_dim),
-            parts["v"].reshape(n, hp.n_head_kv, hp.head_dim),
-        )
-
-    def _attention(
-        self, il: int, layer: Layer, h: Any, positions: Any, rope: tuple[Any, Any], cache: KVCache
-    ) -> Any:
-        """Causal GQA attention over the cache (with this batch stored first); [n, n_head*hd]."""
-        xp, hp = self.xp, self.hp
-        q, k, v = self._qkv(layer, h)
-        if layer.q_norm is not None:
-            q = self._norm(q, layer.q_norm)
-            k = self._norm(k, layer.k_norm)
-        neox = hp.spec.rope_neox
-        rotate = exact_ops.apply_rope if self.exact else apply_rope
-        q = rotate(q, rope[0], rope[1], neox)
-        k = rotate(k, rope[0], rope[1], neox)
-        if hp.arch == "gemma3":  # gemma3 scales Q before attention and attends with scale 1
-            q = q * F32(hp.attn_scale)
-            scale = F32(1)
-        else:
-            scale = F32(hp.attn_scale)
-        start = int(positions[0])
-        n = q.shape[0]
-        end = start + n
-        cache.store(il, start, k, v)
-        if self.exact:
-            return self._attend_exact(il, q, positions, cache, end, scale)
-        keys, values = cache.keys(il, end), cache.values(il, end)  # [kv, T, hd]
-        group = hp.n_head // hp.n_head_kv
-        # heads h = kv * group + j share KV head kv (ggml broadcasts head h to h // group)
-        qg = cache.query(q).reshape(n, hp.n_head_kv, group, hp.head_dim).transpose(1, 2, 0, 3)
-        qg = qg.reshape(hp.n_head_kv, group * n, hp.head_dim)
-        scores = (qg @ keys.transpose(0, 2, 1)) * scale  # [kv, group*n, T]
-        scores = scores.reshape(hp.n_head_kv, group, n, end)
-        mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
-        if mask is not None:
-            scores = scores + mask
-        scores = scores.reshape(hp.n_head_kv, group * n, end)
-        out = softmax_product(xp, scores, values)  # [kv, group*n, hd]
-        out = cache.output(out).reshape(hp.n_head_kv, group, n, hp.head_dim)
-        return out.transpose(2, 0, 1, 3).reshape(n, hp.n_head * hp.head_dim)
-
-    def _attend_exact(
-        self, il: int, q: Any, positions: Any, cache: KVCache, end: int, scale: Any
-    ) -> Any:
-        """ggml's flash attention over the f16 or q8_0 cache, bit for bit (exact_attention).
-
-        A sliding-window layer whose cache is a ring in llama.cpp (``cache.in_ring``) reads the
-        ring's cells in cell order, with the mask of the positions they hold and its n_kv."""
-        hp = self.hp
-        if cache.in_ring(il):
-            cells = cache.cells
-            end, n_kv = cells.used_max_p1, cells.n_kv()
-            mask = self._ring_mask(positions, cells)
-        else:
-            n_kv = exact_attention.kv_length(end, cache.kv_size)
-            mask = self._mask(positions, end, hp.swa_window if hp.swa_layers[il] else 0)
-        if cache.cache_type == "q8_0":  # Q turned like K; the output back from V's turn
-            out = cache.output(
-                exact_attention.flash_attn_q8_0(
-                    cache.rotate_k(q), *cache.quantized(il, end), mask, scale
-                )
-            )
-        else:
-            out = exact_attention.flash_attn_f16(
-                q,
-                cache.keys(il, end),
-                cache.values(il, end),
-                mask,
-                scale,
-                n_kv=n_kv,
-                n_threads=self.ggml_threads,
-            )
-        return out.reshape(q.shape[0], hp.n_head * hp.head_dim)
-
-    def _ring_mask(self, positions: Any, cells: Any) -> Any:
-        """The ring's mask (kv_cache.SlidingCells.mask), built once per forward, read-only."""
-        if "ring" not in self._masks:
-            mask = cells.mask(positions)
-            mask.flags.writeable = False
-            self._masks["ring"] = mask
-        return self._masks["ring"]
-
-    def _mask(self, positions: Any, end: int, window: int) -> Any | None:
-        """[n, T] additive mask: key position > query position, or (window) too far back.
-
-        None when nothing is hidden (one new token and no window reaching back), which spares
-        decoding an addition per layer. The mask of a forward is built once per window size.
-        """
-        n = positions.shape[0]
-        if n == 1 and (not window or end <= window):
-            return None
-        if window not in self._masks:
-            mask = self._build_mask(positions, end, window)
-            if self.exact:  # read-only: exact_attention rounds it once for all the layers
-                mask.flags.writeable = False
-            self._masks[window] = mask
-        return self._masks[window]
-
-    def _build_mask(self, positions: Any, end: int, window: int) -> Any:
-        xp = self.xp
-        kpos = xp.arange(end)[None, :]
-        qpos = positions[:, None]
-        hidden = kpos > qpos
-        if window:
-            hidden = hidden | (qpos - kpos >= window)
-        return xp.where(hidden, F32(-xp.inf), F32(0))
+    def _decode_plan(self) -> Any | None:
+        """The fused decode step's layout (exact_decode.DecodePlan) the next one-token step
+        takes, or None (the definition's stack runs then)."""
+        return self.ops.plan if self.fused_decode else None

@@ -3,7 +3,7 @@
 The engine has one slot. When a request's prompt shares little with what the slot holds, the
 slot's tokens and KV are copied to host memory before the slot is reused, and an earlier entry
 that shares more with the prompt is moved back in. The rules are llama-server's
-(tools/server/server-context.cpp, ``server_prompt_cache``), as the reference notes them:
+(tools/server/server-context.cpp, ``server_prompt_cache``):
 
 - the cache runs when similarity = LCP(slot, prompt) / len(prompt) is at most 0.1 (an empty slot
   counts) or the LCP is less than half of the slot;
@@ -12,14 +12,14 @@ that shares more with the prompt is moved back in. The rules are llama-server's
 - load: among entries that keep at least a quarter of themselves for this prompt, the one with the
   largest kept fraction moves in, if both its kept fraction and its similarity beat the slot's.
 
-``BANKML_CACHE_RAM`` (MiB): unset → min(8192, a quarter of the memory available when the engine
-opens), at least 1; ``0`` turns the cache off; negative means no limit. Entries count the bytes of
+The limit (``cache_ram_limit``, MiB as llama-server's ``--cache-ram``): None or empty →
+min(8192, a quarter of the memory available when the engine opens), at least 1; ``0`` turns the
+cache off; negative means no limit. Entries count the bytes of
 their KV copies. Twisted-free; the engine calls it on its own thread.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +37,11 @@ def longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def limit_from_env(value: str | None = None) -> int | None:
-    """The byte limit from ``BANKML_CACHE_RAM``: 0 off, None unlimited."""
-    raw = os.environ.get("BANKML_CACHE_RAM") if value is None else value
-    if raw is None or raw.strip() == "":
+def cache_ram_limit(mib: int | str | None = None) -> int | None:
+    """The byte limit for ``mib`` MiB (a number, or its text as given on a command line):
+    0 off, None unlimited; None or empty text: the default above."""
+    raw = mib.strip() if isinstance(mib, str) else mib
+    if raw is None or raw == "":
         try:
             import psutil
 
@@ -49,10 +50,10 @@ def limit_from_env(value: str | None = None) -> int | None:
             available = 4096 * MIB
         return max(1, min(8192, available // 4 // MIB)) * MIB
     try:
-        mib = int(raw)
+        size = int(raw)
     except ValueError:
-        raise ValueError(f"BANKML_CACHE_RAM={raw!r}: expected a number of MiB") from None
-    return None if mib < 0 else mib * MIB
+        raise ValueError(f"cache RAM {raw!r}: expected a number of MiB") from None
+    return None if size < 0 else size * MIB
 
 
 @dataclass

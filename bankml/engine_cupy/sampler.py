@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -881,13 +882,16 @@ class VocabInfo:
     breaker_cache: dict[tuple[str, ...], dict[int, list[tuple[int, ...]]]] = field(
         default_factory=dict
     )
+    # the prepare thread and the engine thread may both ask for a table
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def dry_breakers(self, breakers: Sequence[str]) -> dict[int, list[tuple[int, ...]]]:
         """The breaker table for these strings (a scan of the whole vocabulary, so kept)."""
         key = tuple(breakers)
-        if key not in self.breaker_cache:
-            self.breaker_cache[key] = dry_breaker_sequences(key, self.pieces, self.tokenize)
-        return self.breaker_cache[key]
+        with self._lock:
+            if key not in self.breaker_cache:
+                self.breaker_cache[key] = dry_breaker_sequences(key, self.pieces, self.tokenize)
+            return self.breaker_cache[key]
 
 
 class Sampler:

@@ -1,6 +1,6 @@
 """Slot files: the engine's one slot (its tokens and KV cache) saved to and restored from disk.
 
-The format is the reference's (shared/reference/native-engine.md section 6), little-endian::
+The format, little-endian::
 
     b"bankML slot v1\\n"
     model sha256, 64 ASCII characters (right-padded with "0")

@@ -27,7 +27,6 @@ import numpy
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, quants
 
-from bankml.engine_cupy import exact_iquants, exact_kquants, exact_matmul, exact_ops
 from bankml.engine_cupy.arch import (
     ARCHITECTURES,
     BASE_LAYER_TENSORS,
@@ -36,6 +35,7 @@ from bankml.engine_cupy.arch import (
     ArchSpec,
     supported_names,
 )
+from bankml.engine_cupy.kernels import exact_iquants, exact_kquants, exact_matmul, exact_ops
 
 MEMORY_SHARE = 0.9  # the share of available memory the f32 weights may take
 

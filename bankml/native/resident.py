@@ -245,16 +245,29 @@ class NativeEngine:
 
 
 def open_engine(
-    path: str, *, n_ctx: int, device: str = "auto", cache_type: str | None = None
+    path: str,
+    *,
+    n_ctx: int,
+    device: str = "auto",
+    cache_type: str | None = None,
+    cache_ram: str | None = None,
 ) -> tuple[Engine, str]:
-    """The engine opened on a verified path, and the name of the device it computes on."""
-    engine = Engine.open(path, n_ctx=n_ctx, device=device, cache_type=cache_type)
+    """The engine opened on a verified path, and the name of the device it computes on.
+    ``cache_type`` (f16 when None) and ``cache_ram`` (the host prompt cache's bound in MiB; the
+    default when None) come from the caller, which reads the environment."""
+    engine = Engine.open(
+        path, n_ctx=n_ctx, device=device, cache_type=cache_type, cache_ram=cache_ram
+    )
     device_name = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
     return engine, device_name
 
 
 def open_served(
-    verified: Any, options: Mapping[str, Any], bridge: EngineBridge, reactor: Any
+    verified: Any,
+    options: Mapping[str, Any],
+    bridge: EngineBridge,
+    reactor: Any,
+    report: Callable[[str], None] | None = None,
 ) -> NativeEngine:
     """For the server, on the engine thread: the engine opened with ``bankml serve``'s options
     (``ctx``, ``device``, ``cache_type``, ``slot-dir``), each kernel run once (compiled or loaded
@@ -264,8 +277,9 @@ def open_served(
         n_ctx=int(options.get("ctx") or DEFAULT_CTX),
         device=options.get("device") or "auto",
         cache_type=options.get("cache_type"),
+        cache_ram=options.get("cache_ram"),
     )
-    engine.model.warm_up()
+    engine.warm_up(report)  # ``report`` is told what compiles, and how long it took
     return NativeEngine(
         engine,
         bridge,

@@ -27,6 +27,7 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 
 from bankml.native.bridge import EngineBridge
+from bankml.native.resident import open_served
 from bankml.resources import llama
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.openai import ChatCompletions, Completions, Models
@@ -108,12 +109,11 @@ def build_native_roots(
 def _open_on_engine_thread(
     verified: Any, options: Mapping[str, Any], bridge: EngineBridge, reactor: Any
 ) -> NativeEngine:
-    # Imported here, on the engine thread, not at the top: importing the kernels starts OpenMP's
-    # worker team (engine_cupy/jit.py) for the importing thread, and only that thread's parallel
-    # loops run at full speed, so the thread that will run every request must be the first.
-    from bankml.native.resident import open_served
-
-    return open_served(verified, options, bridge, reactor)
+    # Loading here matters: the thread that loads the model starts OpenMP's worker team
+    # (Model.load), and only that thread's parallel loops run at full speed.
+    return open_served(
+        verified, options, bridge, reactor, report=lambda line: _log.info("{line}", line=line)
+    )
 
 
 def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> Deferred[NativeEngine]:

@@ -1,6 +1,6 @@
 """Element-wise and row operations of the forward pass, rounded exactly as ggml's CPU backend.
 
-The reference llama-server is built for AVX2 + FMA + F16C with GCC, whose default for GNU C/C++
+llama-server (build 11434) is built for AVX2 + FMA + F16C with GCC, whose default for GNU C/C++
 is ``-ffp-contract=fast``: a C expression ``a*b + c`` becomes one fused multiply-add. So the
 last bit of several ops depends on code generation that NumPy cannot follow:
 
@@ -35,7 +35,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.jit import f16_bits, fma32, njit
+from bankml.engine_cupy.kernels.jit import f16_bits, fma32, njit
 
 __all__ = [
     "swiglu",

@@ -1,11 +1,14 @@
 """A decode step (one new token) in one compiled call per layer, bit for bit the general path.
 
-``Model.forward`` runs a layer as ~25 calls from Python (norms, products, RoPE, the cache store,
-attention, SwiGLU, the residual adds), each a Numba dispatch plus NumPy glue: ~5 ms of a ~16 ms
-decode step of the default model. Here a layer is one call of ``decode_layer``, composed of the
-very kernels the general path calls (exact_ops' RMSNorm, RoPE, SwiGLU/GeGLU; exact_matmul's
-one-row product; kv_cache's f16 store; exact_attention's one-row flash attention), in the same
-order on the same values, so the logits are the same bits (tests/test_decode_fast_path.py).
+The definition in model.py runs a layer as ~25 calls from Python (norms, products, RoPE, the
+cache store, attention, SwiGLU, the residual adds), each a Numba dispatch plus NumPy glue: ~5 ms
+of a ~16 ms decode step of the default model. Here that definition is compiled for one row:
+``decode_layer`` is ``model.block`` (``_attention`` is ``model.attention``, ``_feed_forward``
+``model.feed_forward``, ``_norm`` and ``_linear`` the backend's norm and a Linear), and
+``DecodePlan.step`` is ``model.stack``, composed of the very kernels the exact backend calls
+(exact_ops' RMSNorm, RoPE, SwiGLU/GeGLU; the products' one-row kernels; kv_cache's f16 store;
+exact_attention's one-row flash attention), in the same order on the same values, so the logits
+are the same bits (tests/test_decode_fast_path.py).
 
 What takes it (``DecodePlan.build`` says None otherwise, and the general path runs): every
 matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16), an exact_kquants
@@ -21,25 +24,25 @@ from typing import Any
 
 import numpy as np
 
-from bankml.engine_cupy import exact_attention, exact_iquants, exact_kquants
-from bankml.engine_cupy.exact_attention import one_row_f16
-from bankml.engine_cupy.exact_iquants import IQ4NLMatrix, IQ4XSMatrix, IQGridMatrix
-from bankml.engine_cupy.exact_kquants import KQuantMatrix
-from bankml.engine_cupy.exact_matmul import (
+from bankml.engine_cupy.kernels import exact_attention, exact_iquants, exact_kquants
+from bankml.engine_cupy.kernels.exact_attention import one_row_f16
+from bankml.engine_cupy.kernels.exact_iquants import IQ4NLMatrix, IQ4XSMatrix, IQGridMatrix
+from bankml.engine_cupy.kernels.exact_kquants import KQuantMatrix
+from bankml.engine_cupy.kernels.exact_matmul import (
     F16_TABLE,
     PARALLEL_MIN_MACS,
     MatrixStack,
     QuantMatrix,
     row_product,
 )
-from bankml.engine_cupy.exact_ops import (
+from bankml.engine_cupy.kernels.exact_ops import (
     _geglu_rows,
     _norm_fused_pairs,
     _rms_norm_rows,
     _rope_rows,
     _swiglu_rows,
 )
-from bankml.engine_cupy.jit import njit
+from bankml.engine_cupy.kernels.jit import njit
 from bankml.engine_cupy.kv_cache import _store_f16
 
 __all__ = ["DecodePlan", "decode_layer", "decode_output"]
@@ -60,7 +63,7 @@ _NO_ROWS = np.zeros((0, 0), np.uint8)
 
 
 @njit
-def _rms(x: Any, weight: Any, eps: float) -> Any:
+def _norm(x: Any, weight: Any, eps: float) -> Any:
     """exact_ops.rms_norm of each row of x [rows, n] (weight of size 0: none)."""
     out = np.empty_like(x)
     _rms_norm_rows(x, weight, eps, out)
@@ -87,7 +90,7 @@ def _part_product(
 
 
 @njit
-def _product(matrix: Any, x: Any, table: Any) -> Any:
+def _linear(matrix: Any, x: Any, table: Any) -> Any:
     """Linear.__call__ (each Linear of a layer's Q/K/V or gate/up in turn) for one row x
     [1, n_in]: each part (family, code, parallel, raw, bias, grid) times x, plus its bias, side
     by side. Each part rounds x itself: the same bits as the stacks' one rounding per rule."""
@@ -122,7 +125,7 @@ def _heads(y: Any, start: int, n_heads: int, head_dim: int) -> Any:
 def _head_norm(x: Any, weight: Any, eps: float) -> Any:
     """qwen3/gemma3's Q or K norm: RMSNorm of each head's row."""
     _, n_heads, head_dim = x.shape
-    return _rms(x.reshape(n_heads, head_dim), weight, eps).reshape(1, n_heads, head_dim)
+    return _norm(x.reshape(n_heads, head_dim), weight, eps).reshape(1, n_heads, head_dim)
 
 
 @njit
@@ -151,12 +154,12 @@ def _attention(
     eps: float,
     table: Any,
 ) -> Any:
-    """Model._attention + _attend_exact for one token: Q/K/V, their norms, RoPE, gemma3's Q
-    scale, the f16 cache store at ``pos`` (and at the ring cell), ggml's one-row flash attention
-    over the cells attended; [1, n_head*hd]. ``cells``: see decode_layer."""
+    """model.attention with ExactOps.attend for one token: Q/K/V, their norms, RoPE, gemma3's
+    Q scale, the f16 cache store at ``pos`` (and at the ring cell), ggml's one-row flash
+    attention over the cells attended; [1, n_head*hd]. ``cells``: see decode_layer."""
     k_store, v_store, k_att, v_att, cell, n_cells, n_kv, mask, has_mask = cells
     n_head, n_head_kv, head_dim = shape
-    y = _product(qkv, h, table)
+    y = _linear(qkv, h, table)
     nq, nk = n_head * head_dim, n_head_kv * head_dim
     q = _heads(y, 0, n_head, head_dim)
     k = _heads(y, nq, n_head_kv, head_dim)
@@ -195,7 +198,7 @@ def _attention(
 
 @njit
 def _glu(gu: Any, n_ff: int, gelu: Any) -> Any:
-    """Model._gated: SwiGLU, or GeGLU through ggml's f16 GELU table when one is given."""
+    """ExactOps.glu: SwiGLU, or GeGLU through ggml's f16 GELU table when one is given."""
     gate = gu[:, :n_ff].copy()
     up = gu[:, n_ff : 2 * n_ff].copy()
     out = np.empty((1, n_ff), np.float32)
@@ -204,6 +207,12 @@ def _glu(gu: Any, n_ff: int, gelu: Any) -> Any:
     else:
         _swiglu_rows(gate.reshape(-1), n_ff, up.reshape(-1), n_ff, out)
     return out
+
+
+@njit
+def _feed_forward(h: Any, gate_up: Any, down: Any, n_ff: int, gelu: Any, table: Any) -> Any:
+    """model.feed_forward: down(glu(gate(h), up(h))) for one row h [1, n_embd]."""
+    return _linear(down, _glu(_linear(gate_up, h, table), n_ff, gelu), table)
 
 
 @njit
@@ -236,7 +245,7 @@ def decode_layer(
     table: Any,
     gelu: Any,
 ) -> Any:
-    """Model._block for one token x [1, n_embd] at ``pos``; returns the layer's output.
+    """model.block for one token x [1, n_embd] at ``pos``; returns the layer's output.
 
     norms: (attn, ffn, q, k, post-attention, post-FFN) weights, size 0 where absent; each
     matrix MAX_PARTS parts (family, code, parallel, raw, bias, grid) as DecodePlan lays out;
@@ -245,7 +254,7 @@ def decode_layer(
     placeholder, has_mask), the attended arrays being the stores themselves except for a layer
     in the SWA ring."""
     attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffw_norm = norms
-    h = _rms(x, attn_norm, eps)
+    h = _norm(x, attn_norm, eps)
     attn = _attention(
         h,
         qkv,
@@ -263,21 +272,21 @@ def decode_layer(
         eps,
         table,
     )
-    out = _product(wo, attn, table)
+    out = _linear(wo, attn, table)
     if post_attn_norm.shape[0]:
-        out = _rms(out, post_attn_norm, eps)
+        out = _norm(out, post_attn_norm, eps)
     x = _add(x, out)
-    h = _rms(x, ffn_norm, eps)
-    out = _product(down, _glu(_product(gate_up, h, table), n_ff, gelu), table)
+    h = _norm(x, ffn_norm, eps)
+    out = _feed_forward(h, gate_up, down, n_ff, gelu, table)
     if post_ffw_norm.shape[0]:
-        out = _rms(out, post_ffw_norm, eps)
+        out = _norm(out, post_ffw_norm, eps)
     return _add(x, out)
 
 
 @njit
 def decode_output(x: Any, norm: Any, output: Any, eps: float, table: Any) -> Any:
     """The output norm and the logits product of the last token; [1, n_vocab]."""
-    return _product(output, _rms(x, norm, eps), table)
+    return _linear(output, _norm(x, norm, eps), table)
 
 
 # --- the plan: each layer's arguments, laid out once per model -----------------------------------
@@ -422,8 +431,8 @@ class DecodePlan:
         cache: Any,
         n_threads: int,
     ) -> np.ndarray:
-        """The layers and the output product for one token x [1, n_embd] at ``pos``, its K/V
-        stored in ``cache`` (f16, in position order); the logits [1, n_vocab]."""
+        """model.stack for one token x [1, n_embd] at ``pos``: the layers and the output
+        product, its K/V stored in ``cache`` (f16); the logits [1, n_vocab]."""
         views = _CellViews(pos, cache)
         for il, (norms, qkv, wo, gate_up, down, window) in enumerate(self.layers):
             cos, sin = ropes[self.swa[il]]
@@ -452,7 +461,7 @@ class DecodePlan:
 
 
 class _CellViews:
-    """What each layer of one step stores into and attends over, as Model._attend_exact picks
+    """What each layer of one step stores into and attends over, as ExactOps.attend picks
     it: the cells in position order (n_kv padded from pos + 1; a sliding layer's window mask
     once the window is passed), or for a layer in gemma3's SWA ring its cells in cell order with
     the ring's mask and n_kv (after cache.place chose the token's cell)."""

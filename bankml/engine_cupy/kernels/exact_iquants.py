@@ -47,9 +47,9 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_kquants import QK_K, TILED_MIN_ROWS, KActivation, KMatrixStack
-from bankml.engine_cupy.exact_kquants import _quantize_serial as _quantize_q8_K
-from bankml.engine_cupy.exact_matmul import (
+from bankml.engine_cupy.kernels.exact_kquants import QK_K, TILED_MIN_ROWS, KActivation, KMatrixStack
+from bankml.engine_cupy.kernels.exact_kquants import _quantize_serial as _quantize_q8_K
+from bankml.engine_cupy.kernels.exact_matmul import (
     HOST_HAS_AVX2,
     PARALLEL_MIN_MACS,
     QK,
@@ -65,8 +65,8 @@ from bankml.engine_cupy.exact_matmul import (
     _nibbles,
     _splat,
 )
-from bankml.engine_cupy.exact_matmul import _quantize_serial as _quantize_q8_0
-from bankml.engine_cupy.jit import fma32, njit
+from bankml.engine_cupy.kernels.exact_matmul import _quantize_serial as _quantize_q8_0
+from bankml.engine_cupy.kernels.jit import fma32, njit
 
 __all__ = [
     "IQuantMatrix",

@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from numba.core.caching import CompileResultCacheImpl, FunctionCache, NullCache
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
-__all__ = ["njit", "fma32", "f16_round", "f16_bits"]
+__all__ = ["njit", "fma32", "f16_round", "f16_bits", "start_worker_threads"]
 
 
 # libgomp's wait: spin this many iterations (a few microseconds) after a parallel region, then
@@ -45,62 +46,82 @@ __all__ = ["njit", "fma32", "f16_round", "f16_bits"]
 SPIN_COUNT = "10000"
 
 
+_start_lock = threading.Lock()
+_started = False
+
+
 def start_worker_threads() -> None:
-    """Start Numba's OpenMP workers with a short spin, for this process only.
+    """Start Numba's OpenMP workers with a short spin, for this process only; once.
 
-    libgomp reads GOMP_SPINCOUNT once, when Numba's threading layer loads it, so the variable is
-    set for that moment only and then put back (unless the user set it or OMP_WAIT_POLICY):
-    a llama-server started later by this process (P0 --spawn, the tests, the benchmarks) keeps
-    its own defaults, on which its speed depends (with a passive policy inherited it decoded
-    20-25 tok/s instead of 90-100 here). A long spin would starve a thread the workers wait for
-    on a loaded 2-core machine; a short one costs little there.
+    Called by the thread that will run the engine (Model.load on the exact backend), never at
+    import: that thread then owns the worker team, and a decode step run from another thread
+    took twice as long. libgomp reads GOMP_SPINCOUNT once, when Numba's threading layer loads
+    it, so the variable is set for that moment only and then put back (unless the user set it
+    or OMP_WAIT_POLICY): a llama-server started later by this process (P0 --spawn, the tests,
+    the benchmarks) keeps its own defaults, on which its speed depends (with a passive policy
+    inherited it decoded 20-25 tok/s instead of 90-100 here). A long spin would starve a thread
+    the workers wait for on a loaded 2-core machine; a short one costs little there.
     """
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        numba.get_num_threads()
-        return
-    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
-    try:
-        numba.get_num_threads()  # loads the threading layer and starts its workers
-    finally:
-        del os.environ["GOMP_SPINCOUNT"]
-
-
-start_worker_threads()
+    global _started
+    with _start_lock:
+        if _started:
+            return
+        _started = True
+        if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+            numba.get_num_threads()
+            return
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+        try:
+            numba.get_num_threads()  # loads the threading layer and starts its workers
+        finally:
+            del os.environ["GOMP_SPINCOUNT"]
 
 
 # --- Numba's cache, keyed on the compiled modules a kernel builds on ------------------------------
 
 # A compiled module: one that imports this module (``njit``, the intrinsics), in any spelling.
 _USES_THIS_MODULE = re.compile(
-    rb"^\s*(?:from\s+(?:bankml\.engine_cupy\.|\.)jit\s+import\b"
-    rb"|from\s+(?:bankml\.engine_cupy|\.)\s+import\s+[^\n]*\bjit\b"
-    rb"|import\s+bankml\.engine_cupy\.jit\b)",
+    rb"^\s*(?:from\s+(?:bankml\.engine_cupy\.kernels\.|\.)jit\s+import\b"
+    rb"|from\s+(?:bankml\.engine_cupy\.kernels|\.)\s+import\s+[^\n]*\bjit\b"
+    rb"|import\s+bankml\.engine_cupy\.kernels\.jit\b)",
     re.MULTILINE,
 )
 _HERE = Path(__file__).resolve()
-_ENGINE_PACKAGE = __name__.rpartition(".")[0]  # bankml.engine_cupy
+_ENGINE_PACKAGE = "bankml.engine_cupy"  # the engine, whose modules a kernel may build on
+_ENGINE_DIR = _HERE.parent.parent
 
 
 def is_compiled_module(path: Path) -> bool:
     return path == _HERE or bool(_USES_THIS_MODULE.search(path.read_bytes()))
 
 
+def _module_file(dotted: str, roots: dict[str, Path]) -> Path | None:
+    """The file of module ``dotted`` if it lies in one of ``roots`` (package name: folder)."""
+    for package, folder in roots.items():
+        if dotted.startswith(package + "."):
+            candidate = folder.joinpath(*dotted[len(package) + 1 :].split(".")).with_suffix(".py")
+            if candidate.is_file():
+                return candidate.resolve()
+    return None
+
+
 def _imported_files(path: Path, package: str) -> set[Path]:
-    """The sibling modules ``path`` imports (anywhere in it, lazily too) from its own package
-    or from bankml's engine, as files."""
-    roots = {package: path.parent, _ENGINE_PACKAGE: _HERE.parent}
-    names: list[tuple[str, str]] = []  # (package, module name in it)
+    """The modules ``path`` imports (anywhere in it, lazily too) from its own package or from
+    bankml's engine (its subpackages included), as files."""
+    roots = {package: path.parent, _ENGINE_PACKAGE: _ENGINE_DIR}
+    names: list[str] = []  # dotted module names, some of them names inside a module
     for node in ast.walk(ast.parse(path.read_bytes())):
         if isinstance(node, ast.ImportFrom):
-            base = package if node.level else (node.module or "")
-            if node.level and node.module:
-                base = f"{package}.{node.module}"
-            names += [(base, alias.name) for alias in node.names]  # from pkg import module
-            names.append(base.rpartition(".")[::2])  # from pkg.module import name
+            base = node.module or ""
+            if node.level:  # relative: from the package up level - 1 parents
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{node.module}" if node.module else parent
+            names.append(base)  # from pkg.module import name
+            names += [f"{base}.{alias.name}" for alias in node.names]  # from pkg import module
         elif isinstance(node, ast.Import):
-            names += [alias.name.rpartition(".")[::2] for alias in node.names]
-    files = {roots[pkg] / f"{name}.py" for pkg, name in names if pkg in roots}
-    return {f.resolve() for f in files if f.is_file()}
+            names += [alias.name for alias in node.names]
+    files = {_module_file(name, roots) for name in names}
+    return {f for f in files if f is not None}
 
 
 def kernel_sources(path: Path, package: str) -> list[Path]:

@@ -38,7 +38,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_matmul import (
+from bankml.engine_cupy.kernels.exact_matmul import (
     HOST_HAS_AVX2,
     PARALLEL_MIN_ELEMENTS,
     PARALLEL_MIN_MACS,
@@ -52,7 +52,7 @@ from bankml.engine_cupy.exact_matmul import (
     _load,
     _splat,
 )
-from bankml.engine_cupy.jit import njit
+from bankml.engine_cupy.kernels.jit import njit
 
 __all__ = [
     "KQuantMatrix",

@@ -36,8 +36,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bankml.engine_cupy.exact_ops import ggml_v_expf
-from bankml.engine_cupy.jit import f16_round, fma32, njit
+from bankml.engine_cupy.kernels.exact_ops import ggml_v_expf
+from bankml.engine_cupy.kernels.jit import f16_round, fma32, njit
 
 __all__ = [
     "flash_attn_f16",

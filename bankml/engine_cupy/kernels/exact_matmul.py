@@ -43,7 +43,7 @@ from numba import prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from bankml.engine_cupy.jit import f16_bits, f16_round, njit  # noqa: E402
+from bankml.engine_cupy.kernels.jit import f16_bits, f16_round, njit  # noqa: E402
 
 __all__ = [
     "BlockRows",
