@@ -32,13 +32,13 @@ engine runs on the CPU), and ``/api/show``'s ``parameters`` without a ``stop`` l
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from bankml import __version__
 from bankml.engine_cupy.sampler import SamplerParams
+from bankml.formats.nlohmann import finite_or_null
 from bankml.receipt import Tally, receipt
 from bankml.registry.catalog import Catalog, Derived, Target, pin_of
 from bankml.registry.layer import PARAMS, Layer, f32_text
@@ -115,22 +115,12 @@ class OllamaError(Exception):
 # -- encoding -----------------------------------------------------------------------------------
 
 
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def dumps(obj: Any) -> bytes:
     """One JSON object as bankml's Ollama answers write it (no trailing newline)."""
     try:
         text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
     except ValueError:
-        text = json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(finite_or_null(obj), ensure_ascii=False, allow_nan=False)
     return text.encode("utf-8", "surrogatepass")
 
 
