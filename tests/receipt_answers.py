@@ -53,12 +53,13 @@ class Exchange:
 
 
 def _serialize(api: str, stream: bool, out: Any) -> bytes:
-    from bankml.resources.openai import dumps, sse
+    from bankml.formats.nlohmann import dumps
+    from bankml.serving.writers import sse_event
 
     if not stream:
         return dumps(out)
     tail = b"" if api == "llama_completion" else b"data: [DONE]\n\n"
-    return b"".join(sse(e) for e in out) + tail
+    return b"".join(sse_event(e) for e in out) + tail
 
 
 def _signed(base: dict[str, Any], facts: ReplayFacts, key: SigningKey) -> tuple[dict, float]:
@@ -70,17 +71,14 @@ def _signed(base: dict[str, Any], facts: ReplayFacts, key: SigningKey) -> tuple[
 def as_served(
     native: Any, key: SigningKey, name: str, api: str, body: dict, seeded: bool
 ) -> Exchange:
-    from bankml.resources.llama import CompletionAnswer
-    from bankml.resources.openai import Answer
+    from bankml.native.answer import ChatAnswer, CompletionAnswer, LlamaCompletionAnswer
 
     stream = body.get("stream") is True
     raw = json.dumps(body).encode("utf-8")
     t0 = time.perf_counter()
     parsed = pin_seed(native.engine.parse_request(body, ENGINE_KIND[api]))
-    if api == "chat":
-        answer = Answer(native, api, raw, body, parsed, stream=stream)
-    else:
-        answer = CompletionAnswer(native, api, raw, body, parsed, 0)
+    kind = {"chat": ChatAnswer, "oai_completion": CompletionAnswer}.get(api, LlamaCompletionAnswer)
+    answer = kind(native, api, raw, body, parsed, stream=stream)
     run = native.engine.run_steps(parsed)
     events: list[dict[str, Any]] = []
     for chunk in run:

@@ -47,11 +47,12 @@ def load(ex_response: bytes) -> tuple[str, list[dict[str, Any]], bool]:
 
 
 def dump(form: str, objects: list[dict[str, Any]], done: bool) -> bytes:
-    from bankml.resources.openai import dumps, sse
+    from bankml.formats.nlohmann import dumps
+    from bankml.serving.writers import sse_event
 
     if form == JSON:
         return dumps(objects[0])
-    return b"".join(sse(o) for o in objects) + (b"data: [DONE]\n\n" if done else b"")
+    return b"".join(sse_event(o) for o in objects) + (b"data: [DONE]\n\n" if done else b"")
 
 
 def receipt_of(objects: list[dict[str, Any]]) -> dict[str, Any]:
