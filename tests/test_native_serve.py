@@ -69,6 +69,7 @@ def shared_served(model: Path, fork: Path) -> Served:
             },
             reactor,
         )
+        assert svc.compiling is not None, "the kernels did not start compiling during the hash"
         svc.exit_at_interpreter_end = False
         svc.startService()
         pytest_twisted.blockon(svc.ready)

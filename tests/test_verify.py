@@ -369,3 +369,38 @@ def test_file_ident_follows_symlinks_and_sees_replacement(tmp_path: Path) -> Non
     os.replace(replacement, model)  # same bytes, new inode: a different file
     assert FileIdent.of(link) != first
     assert FileIdent.of(link).as_dict()["size"] == st.st_size
+
+
+# -- while_hashing: the work that overlaps the hash ---------------------------------------------
+
+
+def test_while_hashing_starts_after_the_guard_and_before_the_hash(
+    tmp_path: Path, monkeypatch
+) -> None:
+    model = small_model(tmp_path)
+    fork = tmp_path / "f.json"
+    pin(model, fork)
+    events: list[str] = []
+    real_sha256_file = verify_module.sha256_file
+
+    def recorded_hash(path, progress=None):
+        events.append("hash")
+        return real_sha256_file(path, progress)
+
+    monkeypatch.setattr(verify_module, "sha256_file", recorded_hash)
+    verified = verify(model, fork, while_hashing=lambda path: events.append(f"start {path}"))
+    assert events == [f"start {verified.path}", "hash"]
+
+
+def test_while_hashing_is_not_started_for_a_refused_header_or_an_unpinned_file(
+    tmp_path: Path,
+) -> None:
+    started: list[str] = []
+    not_gguf = tmp_path / "n.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    unpinned = small_model(tmp_path)
+    fork = write_fork(tmp_path / "f.json", [])
+    for path in (not_gguf, unpinned):
+        with pytest.raises(Refused):
+            verify(path, fork, while_hashing=started.append)
+    assert started == []

@@ -15,6 +15,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,12 +186,18 @@ def _hash_unchanged(path: str, name: str, before: FileIdent) -> str:
 
 
 def verify(
-    path: str | os.PathLike[str], fork_path: str | os.PathLike[str], engine: str = "mainline"
+    path: str | os.PathLike[str],
+    fork_path: str | os.PathLike[str],
+    engine: str = "mainline",
+    while_hashing: Callable[[str], object] | None = None,
 ) -> Verified:
     """The fork (readable), then the guard (header only), then the whole-file sha256 against the pin.
 
     The pin is looked up by the basename of `path` as given; the guard and hash read the
     canonical path, which is what Verified.path holds. Raises Refused with the documented reason.
+    ``while_hashing(canonical_path)`` is called once the header passed the guard and the file has
+    a pin, just before the hash: work it starts on another thread (compiling the engine's
+    kernels) overlaps the hash, and must not answer anything before verify returns.
     """
     fork_text = read_fork(fork_path)
     name = os.path.basename(os.fspath(path))
@@ -200,6 +207,8 @@ def verify(
     want = pinned_sha256(fork_text, name)
     if want is None:
         raise Refused(f"{name} has no sha256 record in FORK.json: unpinned, refused")
+    if while_hashing is not None:
+        while_hashing(canonical)
     got = _hash_unchanged(canonical, name, before)
     if got != want:
         raise Refused(f"{name} sha256 {got} != pinned {want}: refused")

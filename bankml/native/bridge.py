@@ -269,16 +269,18 @@ class EngineBridge:
         self._shutdown_trigger = None  # firing now: nothing to remove
         self.stop()
 
-    def stop(self) -> None:
-        """Cancel the running job, let it end, and stop both threads (reactor shutdown)."""
+    def stop(self, wait: bool = True) -> None:
+        """Cancel the running job, let it end, and stop both threads (reactor shutdown).
+        ``wait=False`` returns at once: the daemon threads end after their current job (a
+        start-up refused while the kernels compile must not wait for the compiler)."""
         if self._shutdown_trigger is not None:
             self.reactor.removeSystemEventTrigger(self._shutdown_trigger)
             self._shutdown_trigger = None
         current = self.engine.current
         if current is not None and current.control is not None:
             current.control.cancel()
-        self.preparer.stop(timeout=5)
-        self.engine.stop(timeout=30)
+        self.preparer.stop(timeout=5 if wait else 0)
+        self.engine.stop(timeout=30 if wait else 0)
 
     # --- on the engine thread ---------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bankml import __version__
 from bankml.engine_cupy import backend, slots
-from bankml.engine_cupy.engine import Engine, RequestError
+from bankml.engine_cupy.engine import Engine, RequestError, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.native import text
@@ -260,6 +260,24 @@ def open_engine(
     )
     device_name = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
     return engine, device_name
+
+
+def compile_served(
+    path: str, options: Mapping[str, Any], report: Callable[[str], None] | None = None
+) -> Any:
+    """For the server, on the engine thread, while the main thread hashes the file: compile (or
+    load from Numba's cache) the kernels ``open_served`` will run, with the same options, so the
+    open after the pin takes seconds. Answers nothing; returns the CompileStats, or None on a
+    GPU (the array backend compiles nothing, and the weights are not worth loading twice)."""
+    device = options.get("device") or "auto"
+    if backend.get_xp(device).__name__ != "numpy":
+        return None
+    return compile_kernels(
+        path,
+        device=device,
+        cache_type=options.get("cache_type"),
+        report=report,
+    )
 
 
 def open_served(

@@ -27,7 +27,7 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 
 from bankml.native.bridge import EngineBridge
-from bankml.native.resident import open_served
+from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.openai import ChatCompletions, Completions, Models
@@ -116,13 +116,17 @@ def _open_on_engine_thread(
     )
 
 
-def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> Deferred[NativeEngine]:
-    """The engine opened on the bridge's own engine thread, then wrapped for serving.
+def open_native(
+    verified: Any, options: Mapping[str, Any], reactor: Any, bridge: EngineBridge | None = None
+) -> Deferred[NativeEngine]:
+    """The engine opened on the bridge's own engine thread (a new bridge unless one is given),
+    then wrapped for serving.
 
     Loading there, not on a pool thread, matters for speed: the thread that first runs the
     kernels' parallel loops owns OpenMP's warm worker team, and a decode step run from any other
     thread took twice as long (25-28 against 53-58 tok/s on the default model)."""
-    bridge = EngineBridge(reactor)
+    if bridge is None:
+        bridge = EngineBridge(reactor)
 
     def failed(reason: Any) -> Any:
         bridge.stop()
@@ -136,10 +140,19 @@ def open_native(verified: Any, options: Mapping[str, Any], reactor: Any) -> Defe
 class NativeService(ServingService):
     """Opens the engine when the reactor runs, then listens on both addresses."""
 
-    def __init__(self, options: Mapping[str, Any], verified: Any, reactor: Any) -> None:
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        verified: Any,
+        reactor: Any,
+        bridge: EngineBridge | None = None,
+        compiling: Deferred[Any] | None = None,
+    ) -> None:
         super().__init__(reactor)
         self.options = dict(options)
         self.verified = verified
+        self.bridge = bridge
+        self.compiling = compiling  # the kernels compiling on the bridge while the file hashed
         self.native: NativeEngine | None = None
         self.ready: Deferred[None] | None = None  # the bring-up, for tests
 
@@ -150,7 +163,11 @@ class NativeService(ServingService):
     @inlineCallbacks
     def _bring_up(self) -> Any:
         try:
-            self.native = yield open_native(self.verified, self.options, self.reactor)
+            if self.compiling is not None:
+                yield self.compiling  # an error here is the open's too: it reports it
+            self.native = yield open_native(
+                self.verified, self.options, self.reactor, bridge=self.bridge
+            )
         except Exception as err:
             name = os.path.basename(self.verified.path)
             self.fatal(f"{name}: bankml's native engine does not play it: {err}")
@@ -189,6 +206,29 @@ class NativeService(ServingService):
 def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeService:
     """What tap's makeService calls for ``--native``: verify now (a refusal exits with verify's
     code before anything listens), then a NativeService. ``options`` keys: file, fork, listen,
-    upstream, ctx, device, slot-dir (and optionally cache_type)."""
-    verified = verify_before_listening(options["file"], options["fork"])
-    return NativeService(options, verified, reactor)
+    upstream, ctx, device, slot-dir (and optionally cache_type).
+
+    The kernels compile on the engine thread while this thread hashes the file (they start once
+    the header passed the guard): on a first start the hash costs no time of its own. Nothing is
+    answered from that model; the service opens the engine again after the pin matched."""
+    bridge = EngineBridge(reactor)
+    compiling: list[Deferred[Any]] = []
+
+    def report(line: str) -> None:
+        _log.info("{line}", line=line)
+
+    def start_compiling(path: str) -> None:
+        compiling.append(bridge.call(compile_served, path, options, report))
+
+    try:
+        verified = verify_before_listening(
+            options["file"], options["fork"], while_hashing=start_compiling
+        )
+    except SystemExit:
+        bridge.stop(wait=False)  # a refusal does not wait for the compiler
+        for outcome in compiling:
+            outcome.addErrback(lambda _: None)  # nobody waits for it now
+        raise
+    return NativeService(
+        options, verified, reactor, bridge=bridge, compiling=compiling[0] if compiling else None
+    )

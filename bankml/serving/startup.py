@@ -19,6 +19,7 @@ import atexit
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from twisted.application import service
@@ -42,10 +43,13 @@ def refuse(reason: str, code: int = EXIT_REFUSED) -> SystemExit:
     return SystemExit(code)
 
 
-def verify_before_listening(file: str, fork: str) -> Verified:
-    """verify() before anything listens; a refusal exits with its code."""
+def verify_before_listening(
+    file: str, fork: str, while_hashing: Callable[[str], object] | None = None
+) -> Verified:
+    """verify() before anything listens; a refusal exits with its code. ``while_hashing`` is
+    verify's: started once the guard passed, it overlaps the hash."""
     try:
-        verified = verify(file, fork)
+        verified = verify(file, fork, while_hashing=while_hashing)
     except Refused as err:
         raise refuse(err.reason, err.exit_code) from None
     _log.info(
