@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bankml.cli.registry import create_main, default_registry_dir
+from bankml.cli.registry import USAGE, create_main, default_registry_dir
 from bankml.registry.catalog import Catalog
 from bankml.registry.create import (
     CreateError,
@@ -553,6 +553,24 @@ def test_create_main(forks: Path, tmp_path: Path) -> None:
     code, _, err = _run(["z", "-f", str(modelfile), "--registry", str(new_dir)], env)
     assert code == 2 and new_dir.is_dir()  # created, and it pins nothing: refused
     assert "no *.FORK.json in" in err
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        ([], "the following arguments are required: NAME"),
+        (["x", "y"], "unrecognized arguments: y"),
+        (["x", "--bogus"], "unrecognized arguments: --bogus"),
+        (["x", "-f"], "argument -f/--file: expected one argument"),
+    ],
+)
+def test_create_usage_errors_exit_1_with_the_usage(
+    argv: list[str], why: str, tmp_path, capsys
+) -> None:
+    code, out, err = _run(argv, {"HOME": str(tmp_path)})
+    assert (code, out, err) == (1, "", "")
+    printed = capsys.readouterr().err
+    assert printed == f"usage: {USAGE.removeprefix('usage: ')}\nbankml create: error: {why}\n"
 
 
 def test_default_registry_dir() -> None:

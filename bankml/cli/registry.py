@@ -12,11 +12,13 @@ and exits 2; a usage error or an unreadable Modelfile exits 1.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from bankml.cli.parsing import CommandParser
 from bankml.registry.catalog import Catalog
 from bankml.registry.create import CreateError, create, spec_from_modelfile
 from bankml.registry.pins import discover
@@ -34,42 +36,19 @@ def default_registry_dir(environ: Mapping[str, str]) -> str:
     return os.path.join(home, ".local", "share", "bankml", "forks")
 
 
-class _Usage(Exception):
-    pass
-
-
-def _parse(argv: Sequence[str]) -> tuple[str, str | None, str | None, str | None]:
-    """(name, modelfile, registry dir, models dir); the first occurrence of a flag wins."""
-    name: str | None = None
-    values: dict[str, str | None] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-f", "--file", "--models"):
-            if i + 1 >= len(argv):
-                raise _Usage(f"{arg} needs a value")
-            values.setdefault("--file" if arg == "-f" else arg, argv[i + 1])
-            i += 2
-        elif arg == "--registry":
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            has_value = nxt is not None and not nxt.startswith("--")
-            values.setdefault(arg, nxt if has_value else None)
-            i += 2 if has_value else 1
-        elif arg.startswith("-"):
-            raise _Usage(f"unknown option {arg}")
-        elif name is None:
-            name = arg
-            i += 1
-        else:
-            raise _Usage(f"unexpected argument {arg}")
-    if name is None:
-        raise _Usage("NAME is required")
-    return (
-        name,
-        values.get("--file"),
-        values.get("--registry"),
-        values.get("--models"),
+def _parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="bankml create", usage=USAGE.removeprefix("usage: "), usage_exit=1)
+    parser.add_argument("name", metavar="NAME", help="the derived model's name")
+    parser.add_argument("-f", "--file", dest="modelfile", help="the Modelfile")
+    parser.add_argument(
+        "--registry",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="the registry directory (no value: $BANKML_FORKS, else ~/.local/share/bankml/forks)",
     )
+    parser.add_argument("--models", metavar="DIR", help="also look for pinned files here")
+    return parser
 
 
 def create_main(
@@ -82,10 +61,10 @@ def create_main(
     err = stderr or sys.stderr
     env = os.environ if environ is None else environ
     try:
-        name, modelfile, directory, models = _parse(argv)
-    except _Usage as why:
-        print(f"bankml create: {why}\n{USAGE}", file=err)
-        return 1
+        args = _parser().parse_args(list(argv))
+    except SystemExit as done:  # --help (0), or a usage error printed on stderr (1)
+        return int(done.code or 0)
+    name, modelfile, directory, models = args.name, args.modelfile, args.registry, args.models
     if modelfile is None:
         print("bankml create: -f Modelfile is required", file=err)
         return 1
