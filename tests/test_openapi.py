@@ -167,3 +167,11 @@ def test_real_answers_fit_the_described_bodies(server: NativeProcess) -> None:
         status, answer = post_json(server.port, path, body)
         assert status == 400
         fits(answer, "Error")
+
+
+def test_both_addresses_serve_this_very_document(server: NativeProcess) -> None:
+    shipped = (Path(__file__).parent.parent / "bankml" / "openapi.json").read_bytes()
+    for address in ADDRESSES:
+        status, headers, body = request(port_of(server, address), "GET", "/openapi.json")
+        assert (status, headers["Content-Type"]) == (200, "application/json; charset=utf-8")
+        assert body == shipped, address

@@ -426,3 +426,12 @@ async def test_usage_is_sampled_once_for_concurrent_pollers(front: Front) -> Non
     assert sample["processes"][0]["pid"] == os.getpid() and sample["rss_bytes"] > 0
     assert 200 <= sample["interval_ms"] < 1000
     assert sample["mem_total_bytes"] > 0 and "gpus" in sample and "package_watts" in sample
+
+
+@pytest_twisted.ensureDeferred
+async def test_p0_serves_the_api_description_without_asking_the_engine(front: Front) -> None:
+    response = await treq.get(front.url + "/openapi.json")
+    body = await response.content()
+    assert response.code == 200
+    assert body == (Path(__file__).parent.parent / "bankml" / "openapi.json").read_bytes()
+    assert front.mock.requests == []

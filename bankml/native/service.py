@@ -30,6 +30,7 @@ from bankml.native.bridge import EngineBridge
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
 from bankml.resources.bankml import BankmlResource
+from bankml.resources.description import ApiDescription
 from bankml.resources.openai import ChatCompletions, Completions, Models
 from bankml.serving.routes import Branch, LlamaRoute
 from bankml.serving.site import LoopbackSite
@@ -70,6 +71,7 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
         put(parent, b"models", Models(native))
     put(root, b"props", llama.Props(native), POST=(501, NOT_SUPPORTED_PROPS, "not_supported_error"))
     put(root, b"metrics", llama.Metrics(native))
+    put(root, b"openapi.json", ApiDescription())
     put(root, b"tokenize", llama.Tokenize(native))
     put(root, b"detokenize", llama.Detokenize(native))
     put(root, b"apply-template", llama.ApplyTemplate(native))

@@ -2,6 +2,7 @@
 
 ```
 /bankml, /bankml/usage, /bankml/metrics   resources/bankml.py
+/openapi.json                             resources/description.py (the API's description)
 /health, /props, /v1/models               ProxyGet (passed through)
 /v1/chat/completions                      ChatProxy (receipt added)
 anything else                             404 {"error": {"code": 404, "message": "File Not Found", ...}}
@@ -15,13 +16,15 @@ from twisted.web.resource import Resource
 from bankml.gateway import Gateway
 from bankml.proxy_resource import ChatProxy, ProxyGet
 from bankml.resources.bankml import BankmlResource
-from bankml.serving.routes import Branch
+from bankml.resources.description import ApiDescription
+from bankml.serving.routes import Branch, LlamaRoute
 from bankml.usage import UsageSampler
 
 
 def p0_root(gateway: Gateway, sampler: UsageSampler) -> Resource:
     root = Branch()
     root.putChild(b"bankml", BankmlResource(gateway, sampler))
+    root.putChild(b"openapi.json", LlamaRoute(ApiDescription()))
     for name in (b"health", b"props"):
         root.putChild(name, ProxyGet(gateway, "/" + name.decode()))
     v1 = Branch()
