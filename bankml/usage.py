@@ -178,9 +178,11 @@ class UsageSampler:
         processes: Callable[[], Named],
         interval: float = SAMPLE_SECONDS,
         keep: float = KEEP_SECONDS,
+        prompt_cache: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.reactor = reactor
         self.processes = processes
+        self.prompt_cache = prompt_cache  # native: the host prompt cache's size and bound
         self.interval = interval
         self.keep = keep
         self.samples_taken = 0
@@ -280,5 +282,7 @@ class UsageSampler:
             "processes": rows,
             "package_watts": watts,
             "gpus": gpus,
+            # native: the host prompt cache; null in P0 (llama-server's is not visible)
+            "prompt_cache": self.prompt_cache() if self.prompt_cache else None,
             "sampled_at": round(time.time(), 3),
         }

@@ -300,6 +300,16 @@ def load(
         t.join()
 
 
+def prompt_cache(target: Target) -> dict[str, Any] | None:
+    """The server's host prompt cache (entries, bytes, limit_bytes) from ``GET /bankml/metrics``."""
+    conn = connect(target.host, target.port)
+    try:
+        conn.request("GET", "/bankml/metrics")
+        return json.loads(conn.getresponse().read()).get("prompt_cache")
+    finally:
+        conn.close()
+
+
 def quiet_point(sampler: Sampler) -> Sample:
     time.sleep(1.0)  # closed connections reaped, the last answers' buffers released
     return sampler.now()
@@ -323,6 +333,7 @@ def soak(target: Target, pid: int, minutes: float, clients: int, seed: int) -> d
     before = quiet_point(sampler)
     load(target, clients, total - warm_up, tally, seed + 1)
     after = quiet_point(sampler)
+    cache_end = prompt_cache(target)
     sampler.stopping.set()
     sampler.join()
     mib = 1024 * 1024
@@ -345,6 +356,7 @@ def soak(target: Target, pid: int, minutes: float, clients: int, seed: int) -> d
         "threads_after_warm_up": before.threads,
         "threads_end": after.threads,
         "thread_growth": after.threads - before.threads,
+        "prompt_cache_end": cache_end,
         "samples": len(sampler.samples),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "error_examples": tally.errors[:5],

@@ -13,6 +13,7 @@ import atexit
 import hashlib
 import http.client
 import json
+import os
 import shutil
 import socket
 import tempfile
@@ -456,6 +457,27 @@ async def test_save_erase_restore_gives_back_the_same_slot(served: Served) -> No
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_save_onto_a_full_disk_is_500_and_leaves_no_file_and_the_slot_as_it_was(
+    served: Served,
+) -> None:
+    await apost(served.url + "/v1/chat/completions", chat("Hello there.", max_tokens=2))
+    status, before = await slot(served, "0", "save", {"filename": "before.bin"})
+    assert status == 200
+    # the save writes through <name>.tmp: pointed at /dev/full, every write fails with ENOSPC
+    (served.slot_dir / "full.bin.tmp").symlink_to("/dev/full")
+    status, refused = await slot(served, "0", "save", {"filename": "full.bin"})
+    assert status == 500
+    assert refused["error"]["message"] == "Unable to save slot: No space left on device"
+    assert not (served.slot_dir / "full.bin").exists()
+    assert not os.path.lexists(served.slot_dir / "full.bin.tmp"), "the partial file was left"
+    status, after = await slot(served, "0", "save", {"filename": "after.bin"})
+    assert status == 200 and after["n_saved"] == before["n_saved"]
+    assert (served.slot_dir / "after.bin").read_bytes() == (
+        served.slot_dir / "before.bin"
+    ).read_bytes()
+
+
+@pytest_twisted.ensureDeferred
 async def test_damaged_and_foreign_slot_files_are_refused_and_leave_an_empty_slot(
     served: Served,
 ) -> None:
@@ -567,11 +589,18 @@ async def test_bankml_describes_the_resident_model(served: Served) -> None:
     assert info["resident"]["sha256"] == support.DEFAULT_SHA256 and info["models"] == [
         support.DEFAULT_MODEL.name
     ]
+    body = chat("Say hi.", max_tokens=2)  # one completion of its own: the ring is not empty
+    assert (await deferToThread(post, served.url + "/v1/chat/completions", body))[0] == 200
     status, _, data = await deferToThread(get, served.url + "/bankml/metrics")
     metrics = json.loads(data)
     assert (
         status == 200 and metrics["kept"] >= 1 and metrics["records"][-1]["completion_tokens"] >= 1
     )
+    cache = metrics["prompt_cache"]  # the default bound: a quarter of free memory, up to 8 GiB
+    assert 0 < cache["limit_bytes"] <= 8192 * 1024 * 1024 and cache["bytes"] <= cache["limit_bytes"]
+    status, _, data = await deferToThread(get, served.url + "/bankml/usage")
+    usage = json.loads(data)["prompt_cache"]
+    assert status == 200 and usage["limit_bytes"] == cache["limit_bytes"]
 
 
 @pytest_twisted.ensureDeferred

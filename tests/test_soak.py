@@ -30,3 +30,6 @@ def test_a_one_minute_soak_has_no_errors_and_flat_resources(default_model: objec
     assert figures["fd_growth"] <= 0, figures
     assert figures["thread_growth"] <= 0, figures
     assert figures["rss_growth_pct"] < 2.0, figures
+    cache = figures["prompt_cache_end"]  # the bound the server reports is the one it was given
+    assert cache["limit_bytes"] == CACHE_RAM_MIB * 1024 * 1024, cache
+    assert 0 < cache["bytes"] <= cache["limit_bytes"] and cache["entries"] >= 1, cache

@@ -22,6 +22,7 @@ these on the engine thread, between runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -76,13 +77,23 @@ def _layer_bytes(cache: Any, store: Any, n: int) -> bytes:
 
 
 def save_slot(engine: Any, path: str, model_sha256: str) -> SlotResult:
-    """Write the engine's slot to ``path`` (through ``path.tmp``); the bytes written."""
+    """Write the engine's slot to ``path`` (through ``path.tmp``); the bytes written. A save that
+    fails (a full disk, say) removes its ``path.tmp`` and leaves ``path`` as it was."""
+    tmp = path + ".tmp"
+    try:
+        return _write_slot(engine, path, tmp, model_sha256)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_slot(engine: Any, path: str, tmp: str, model_sha256: str) -> SlotResult:
     t0 = time.perf_counter()
     cache = engine.cache
     n = len(engine.slot_tokens)
     n_layers, width, cache_type = _geometry(cache)
     h = hashlib.sha256()
-    tmp = path + ".tmp"
     written = 0
     with open(tmp, "wb") as f:
 

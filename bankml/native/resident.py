@@ -202,7 +202,20 @@ class NativeEngine:
             "completion_tokens": sum(r["completion_tokens"] or 0 for r in records),
             "energy_j": None,
             "joules_per_token": None,
+            "prompt_cache": self.prompt_cache_state(),
             "records": records,
+        }
+
+    def prompt_cache_state(self) -> dict[str, Any]:
+        """The host prompt cache (llama-server's --cache-ram): what it holds and its bound
+        (``limit_bytes`` null: unbounded; 0: off). Read on the reactor thread: the engine
+        thread replaces the entry list whole, so a copy of it is consistent."""
+        cache = self.engine.host_cache
+        entries = list(cache.entries)
+        return {
+            "entries": len(entries),
+            "bytes": sum(e.nbytes for e in entries),
+            "limit_bytes": cache.limit,
         }
 
     # --- GET /bankml ------------------------------------------------------------------------

@@ -99,7 +99,11 @@ def build_native_roots(
     """(listen_root, engine_root): bankml's address with /bankml, and the engine address with
     /slots; both answer the OpenAI and llama-server endpoints."""
     if sampler is None:
-        sampler = UsageSampler(native.reactor, lambda: [("bankml serve", os.getpid())])
+        sampler = UsageSampler(
+            native.reactor,
+            lambda: [("bankml serve", os.getpid())],
+            prompt_cache=native.prompt_cache_state,
+        )
     listen_root = Branch()
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
     _put_llama_endpoints(listen_root, native, slots=False)
