@@ -39,6 +39,7 @@ from bankml.formats.nlohmann import check_unicode, loads_json
 from bankml.gate.verify import Refused, verify
 from bankml.native.answer import CHAT, ChatAnswer
 from bankml.native.resident import NativeEngine, open_engine
+from bankml.receipts.keys import SigningKey
 
 __all__ = ["chat", "chat_stream", "open_native", "ApiError"]
 
@@ -57,10 +58,12 @@ def open_native(
     device: str = "auto",
     cache_type: str | None = None,
     cache_ram: str | None = None,
+    receipt_key: SigningKey | None = None,
 ) -> NativeEngine:
     """Verify ``model`` against its pin (guard, then sha256), then open the engine on it, with
     the KV cache type (``f16`` when None) and the host prompt cache's bound in MiB (the default
-    when None)."""
+    when None). With ``receipt_key`` (``bankml.receipts.load_key(FILE)``) every receipt is
+    signed, as ``bankml serve`` signs them; without one they are unsigned."""
     try:
         verified = verify(model, fork or model + ".FORK.json")
     except Refused as err:
@@ -68,7 +71,9 @@ def open_native(
     engine, device_name = open_engine(
         verified.path, n_ctx=n_ctx, device=device, cache_type=cache_type, cache_ram=cache_ram
     )
-    return NativeEngine(engine, None, verified, n_ctx=engine.n_ctx, device=device_name)
+    return NativeEngine(
+        engine, None, verified, n_ctx=engine.n_ctx, device=device_name, receipt_key=receipt_key
+    )
 
 
 def _default_native() -> NativeEngine:

@@ -32,6 +32,8 @@ from zope.interface import implementer
 from bankml import __version__
 from bankml.gate.verify import Verified
 from bankml.receipt import Tally
+from bankml.receipts.keys import SigningKey
+from bankml.receipts.sign import forwarded_facts
 from bankml.serving.vouch import identity_problem, issue_receipt
 
 _log = Logger(namespace="bankml.gateway")
@@ -154,6 +156,11 @@ class Gateway:
     engine_build: str | None = None
     retry_after_s: int = 1
     restarts: int = 0
+    # the signed receipt: the key, and what bankml knows of the engine (the rest from /props)
+    receipt_key: SigningKey | None = None
+    cache_type: str | None = None  # the KV cache type llama-server was started with, if known
+    engine_digest: str | None = None  # sha256 of the llama-server executable bankml launched
+    engine_n_ctx: int | None = None  # /props default_generation_settings.n_ctx
 
     @property
     def upstream_url(self) -> str:
@@ -180,8 +187,26 @@ class Gateway:
         return identity_problem(self.verified)
 
     def receipt(self, tally: Tally, *, ttft_measured: bool = True) -> dict[str, Any]:
-        """The receipt of one answer llama-server gave through the gateway."""
-        return issue_receipt(tally, self.verified, self.engine_name, ttft_measured=ttft_measured)
+        """The receipt of one answer llama-server gave through the gateway: signed when the
+        tally holds the request as forwarded (``vouch.forwarded_tally``) and there is a key."""
+        facts = None
+        if tally.forwarded is not None:
+            facts = forwarded_facts(
+                tally.forwarded,
+                tally,
+                n_ctx=self.engine_n_ctx,
+                cache_type=self.cache_type,
+                engine_version=self.engine_build,
+                engine_digest=self.engine_digest,
+            )
+        return issue_receipt(
+            tally,
+            self.verified,
+            self.engine_name,
+            facts=facts,
+            key=self.receipt_key,
+            ttft_measured=ttft_measured,
+        )
 
     def availability_problem(self) -> tuple[str, int | None] | None:
         """(message, Retry-After seconds or None) when no answer may be given now, else None."""
@@ -215,6 +240,10 @@ class Gateway:
         build = props.get("build_info") if isinstance(props, dict) else None
         if isinstance(build, str) and build:
             self.engine_build = build
+        settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        if isinstance(n_ctx, int) and not isinstance(n_ctx, bool):
+            self.engine_n_ctx = n_ctx
         return props
 
     @inlineCallbacks

@@ -41,6 +41,8 @@ from bankml import gateway as gw
 from bankml.formats.errors import error_object
 from bankml.gateway import Gateway, UpstreamTooLarge, check_length
 from bankml.receipt import Tally
+from bankml.receipts.answer import prompt_of_timings
+from bankml.serving.vouch import forwarded_tally
 from bankml.serving.writers import (
     JSON,
     SSE,
@@ -221,16 +223,22 @@ def first_choice(obj: Any) -> dict[str, Any] | None:
 
 def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
     """Token counts from `usage`, else from llama-server's `timings` (a stream sends usage only
-    when asked with stream_options.include_usage, and timings always)."""
+    when asked with stream_options.include_usage, and timings always: the prompt is its
+    ``prompt_n`` evaluated plus its ``cache_n`` reused, as usage counts it); the finish reason of
+    choice 0 and `timings.cache_n`, for the signed receipt."""
     usage = obj.get("usage")
     if isinstance(usage, dict):
         tally.set_counts(usage.get("prompt_tokens"), usage.get("completion_tokens"))
     timings = obj.get("timings")
     if isinstance(timings, dict):
         if tally.prompt_tokens is None:
-            tally.set_counts(timings.get("prompt_n"), None)
+            tally.set_counts(prompt_of_timings(timings), None)
         if tally.completion_tokens is None:
             tally.set_counts(None, timings.get("predicted_n"))
+        tally.set_end(None, timings.get("cache_n"))
+    choice = first_choice(obj)
+    if choice is not None:
+        tally.set_end(choice.get("finish_reason"), None)
 
 
 def tally_logprobs(tally: Tally, choice: dict[str, Any]) -> None:
@@ -250,7 +258,7 @@ class ChatProxy(JsonResource):
 
     def render_POST(self, request: Request) -> Any:
         body = request.content.read()
-        tally = Tally(request_body=body)
+        tally = forwarded_tally(body, "chat")  # a seed drawn where the request named none
         if not refuse_unavailable(self.gateway, request):
             self._answer(request, body, tally).addErrback(self._unexpected, request)
         return NOT_DONE_YET
@@ -280,7 +288,10 @@ class ChatProxy(JsonResource):
             write_error(request, 503, problem)
             return
         pending = self.gateway.request(
-            b"POST", "/v1/chat/completions", body=body, headers=forwarded_headers(request)
+            b"POST",
+            "/v1/chat/completions",
+            body=tally.forwarded.body,
+            headers=forwarded_headers(request),
         )
         request.notifyFinish().addErrback(lambda _: pending.cancel())
         try:

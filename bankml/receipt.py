@@ -47,6 +47,11 @@ class Tally:
     completion_tokens: int | None = None
     first_piece_at: float | None = None
     finished_at: float | None = None
+    # what a forwarded answer says of its end, for the signed receipt (native runs have a Summary)
+    finish_reason: str | None = None
+    cache_n: int | None = None
+    # P0: the request as forwarded (bankml.receipts.sign.ForwardedRequest), None natively
+    forwarded: Any = None
 
     def __post_init__(self) -> None:
         if not self.started:
@@ -70,6 +75,14 @@ class Tally:
             self.prompt_tokens = prompt_tokens
         if _is_count(completion_tokens):
             self.completion_tokens = completion_tokens
+
+    def set_end(self, finish_reason: Any, cache_n: Any) -> None:
+        """The finish reason and the prompt tokens reused from the slot, as the engine reported
+        them (an unusable value leaves what was known)."""
+        if isinstance(finish_reason, str):
+            self.finish_reason = finish_reason
+        if _is_count(cache_n):
+            self.cache_n = cache_n
 
     def finish(self) -> None:
         if self.finished_at is None:

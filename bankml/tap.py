@@ -49,6 +49,7 @@ from twisted.web.server import Site
 
 from bankml import __version__
 from bankml import gateway as gw
+from bankml.gate.verify import sha256_file
 from bankml.gateway import Gateway, make_agent
 from bankml.native.service import make_native_service
 from bankml.process_protocol import EngineFailed, EngineProcess
@@ -58,6 +59,7 @@ from bankml.serving.startup import (
     DEFAULT_LISTEN,
     DEFAULT_UPSTREAM,
     ServingService,
+    receipt_key_before_listening,
     verify_before_listening,
 )
 from bankml.usage import EngineFinder, UsageSampler
@@ -95,6 +97,13 @@ class Options(usage.Options):
             None,
             None,
             "with --native: the engine's device (cpu, cuda, rocm; default auto)",
+        ],
+        [
+            "receipt-key",
+            None,
+            None,
+            "the Ed25519 key that signs every receipt (default $BANKML_RECEIPT_KEY, else "
+            "~/.local/share/bankml/receipt-key.pem; created 0600 at the first start)",
         ],
     ]
     optFlags = [
@@ -249,13 +258,19 @@ def makeService(options: Options) -> service.IService:
 
     if options["mode"] == "native":
         return make_native_service(options, reactor)
+    receipt_key = receipt_key_before_listening(options["receipt-key"])
     verified = verify_before_listening(options["file"], options["fork"])
+    spawned = options["mode"] == "spawn"
     gateway = Gateway(
         verified=verified,
         upstream=options["upstream_addr"],
         mode=options["mode"],
         agent=make_agent(reactor),
         reactor=reactor,
+        # the signing key, and the engine's identity in every receipt where bankml knows it
+        receipt_key=receipt_key,
+        cache_type="f16" if spawned else None,  # llama-server's default: bankml names none
+        engine_digest=sha256_file(options["spawn"], progress=False) if spawned else None,
     )
     engine = None
     if options["mode"] == "spawn":

@@ -173,7 +173,7 @@ def check_streamed_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[s
     assert receipt["response_sha256"] == sha(text.encode("utf-8"))
     assert receipt["request_sha256"] == sha(body)
     assert receipt["model_sha256"] == model_sha256 and receipt["guard"] == "play"
-    assert receipt["engine"].startswith("llama-server b") and receipt["signed"] is False
+    assert receipt["engine"].startswith("llama-server b") and receipt["signed"] is True
     assert isinstance(receipt["ttft_ms"], int) and receipt["wall_ms"] >= receipt["ttft_ms"]
     assert receipt["completion_tokens"] >= 1 and receipt["prompt_tokens"] >= 1
     return receipt
@@ -190,7 +190,7 @@ def check_whole_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[str,
         answer["usage"]["prompt_tokens"],
         answer["usage"]["completion_tokens"],
     )
-    assert receipt["engine"].startswith("llama-server b") and receipt["signed"] is False
+    assert receipt["engine"].startswith("llama-server b") and receipt["signed"] is True
     return receipt
 
 
@@ -228,3 +228,26 @@ def env_pid_alive(pid: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def check_receipt_cli(
+    directory: Path, request: bytes, response: bytes, public_key_pem: str, *extra: str
+) -> tuple[int, str]:
+    """(exit status, output) of ``bankml check-receipt`` on a request and response as they went
+    over the wire, with the PEM public key (``GET /bankml/key``)."""
+    import sys
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(dir=directory))
+    (work / "request.json").write_bytes(request)
+    (work / "response").write_bytes(response)
+    (work / "key.pem").write_text(public_key_pem)
+    done = subprocess.run(
+        [sys.executable, "-m", "bankml", "check-receipt", "--request", str(work / "request.json")]
+        + ["--response", str(work / "response"), "--key", str(work / "key.pem"), *extra],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    return done.returncode, (done.stdout + done.stderr).strip()

@@ -1,11 +1,21 @@
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests import support
+
+
+@pytest.fixture(scope="session", autouse=True)
+def receipt_key_outside_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every bankml serve of the run (in process or not) signs with a key in a temporary
+    directory, never one under the real HOME."""
+    path = tmp_path_factory.mktemp("receipt-key") / "receipt-key.pem"
+    os.environ["BANKML_RECEIPT_KEY"] = str(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -180,7 +180,7 @@ async def test_chat_answer_with_timings_and_receipt(served: Served, reference_se
     r = answer["bankml_receipt"]
     assert r["response_sha256"] == sha(choice["message"]["content"])
     assert r["request_sha256"] == sha(raw)
-    assert r["model_sha256"] == support.DEFAULT_SHA256 and r["signed"] is False
+    assert r["model_sha256"] == support.DEFAULT_SHA256 and r["signed"] is True
     assert r["prompt_tokens"] == answer["usage"]["prompt_tokens"] and isinstance(r["ttft_ms"], int)
     print(
         "native:",

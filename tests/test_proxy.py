@@ -124,7 +124,12 @@ async def test_non_streamed_answer_gets_a_receipt_of_its_text_and_request(front:
         == sha("".join(PIECES))
         == sha(answer["choices"][0]["message"]["content"])
     )
-    assert r["request_sha256"] == sha(body) == sha(front.mock.requests[-1])
+    assert r["request_sha256"] == sha(body)
+    # forwarded as sent, with the seed bankml drew appended (the request named none)
+    forwarded = front.mock.requests[-1]
+    assert forwarded.startswith(body[:-1] + b',"seed":') and forwarded.endswith(b"}")
+    seed = json.loads(forwarded)["seed"]
+    assert json.loads(forwarded) == {**CHAT, "seed": seed} and 0 <= seed < 2**32 - 1
     assert (r["prompt_tokens"], r["completion_tokens"]) == (7, 2)
     assert r["model_sha256"] == front.gateway.verified.sha256
     assert (r["bankml"], r["engine"], r["guard"], r["signed"]) == (

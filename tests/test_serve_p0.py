@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,16 +19,20 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bankml.receipts.answer import find_receipt, read_answer
+from bankml.receipts.check import check_receipt
 from bankml.serving.vouch import FILE_CHANGED
 from tests import support
 from tests.bankml_process import (
     BIN,
     BankmlProcess,
     chat_body,
+    check_receipt_cli,
     check_streamed_receipt,
     check_whole_receipt,
     copy_and_pin,
     process_gone,
+    sha,
     sse_events,
 )
 
@@ -79,6 +84,36 @@ def test_spawned_answers_carry_receipts(spawned: BankmlProcess, stream: bool) ->
         check_streamed_receipt(raw, body, support.DEFAULT_SHA256)
     else:
         check_whole_receipt(raw, body, support.DEFAULT_SHA256)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_spawned_receipts_are_signed_valid_and_name_the_seed_llama_server_used(
+    spawned: BankmlProcess, stream: bool, tmp_path: Path
+) -> None:
+    """No seed in the request: bankml draws one, forwards it and signs it; ``bankml
+    check-receipt`` says valid with ``GET /bankml/key``'s key, refuses a changed answer, and
+    the same request with the receipt's seed gives the same text."""
+    key = spawned.get("/bankml/key")[1]
+    assert spawned.get("/bankml")[1]["receipt_keyid"] == key["keyid"]
+    body = chat_body(stream, content="Tell me a story.", max_tokens=16, temperature=1.0)
+    status, raw, _ = spawned.post(body)
+    assert status == 200, raw
+    pem = key["public_key"]
+    assert check_receipt_cli(tmp_path, body, raw, pem) == (0, "valid")
+    receipt = find_receipt(raw)[1]
+    assert receipt["receipt_version"] == 2 and receipt["api"] == "chat"
+    assert receipt["n_ctx"] == 2048 and receipt["engine_version"] in receipt["engine"]
+    assert receipt["engine_digest"] == sha(Path(spawned.engine_args[1]).read_bytes())
+    seed = receipt["sampler"]["seed"]
+    assert seed != 4294967295
+    changed = re.sub(rb'"bankml_receipt":\s*\{', b'"bankml_receipt": {"extra": 1, ', raw, count=1)
+    assert changed != raw
+    code, out = check_receipt_cli(tmp_path, body, changed, pem)
+    assert code == 2 and out.startswith("refuse: the signature does not verify"), out
+    again = chat_body(stream, content="Tell me a story.", max_tokens=16, temperature=1.0, seed=seed)
+    status, raw_again, _ = spawned.post(again)
+    assert status == 200 and check_receipt(again, raw_again, pem) == "valid"
+    assert read_answer(raw_again, "chat").text == read_answer(raw, "chat").text
 
 
 @pytest.mark.parametrize("stream", [False, True])

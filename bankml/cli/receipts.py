@@ -105,12 +105,16 @@ def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
 
 def keygen_main(argv: Sequence[str] | None = None, home: str | None = None) -> int:
     parser = _parser("bankml keygen", "make a receipt signing key")
-    parser.add_argument("--key", help="where to write it (default under ~/.local/share/bankml/)")
+    parser.add_argument(
+        "--key",
+        help="where to write it (default $BANKML_RECEIPT_KEY, else under ~/.local/share/bankml/)",
+    )
     args = parser.parse_args(argv)
 
-    from bankml.receipts.keys import KeyRefused, default_key_path, keygen
+    from bankml.receipts.keys import KEY_ENV, KeyRefused, key_path, keygen
 
-    path = args.key or default_key_path(home or os.path.expanduser("~"))
+    environ = {k: v for k, v in os.environ.items() if not (home and k == KEY_ENV)}
+    path = key_path(args.key, environ, home)
     try:
         key = keygen(path)
     except KeyRefused as err:

@@ -154,7 +154,7 @@ class Answer:
             self.tally.add_logprobs(entries)
         out = self.whole_body(summary, text, entries)
         out["timings"] = llama_timings(summary.timings)
-        out["bankml_receipt"] = self.receipt()
+        out["bankml_receipt"] = self.receipt(summary)
         return self.shaped(out)
 
     def answer_text(self, summary: Any) -> str:
@@ -169,7 +169,7 @@ class Answer:
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
         events = self.last_events(summary)
         events[-1]["timings"] = llama_timings(summary.timings)
-        events[-1]["bankml_receipt"] = self.receipt()
+        events[-1]["bankml_receipt"] = self.receipt(summary)
         return [self.shaped(e) for e in events]
 
     def last_events(self, summary: Any) -> list[dict[str, Any]]:
@@ -180,8 +180,12 @@ class Answer:
         """An object as sent (``response_fields`` on /completion); as it is elsewhere."""
         return obj
 
-    def receipt(self) -> dict[str, Any]:
-        return self.native.receipt(self.tally)
+    def receipt(self, summary: Any) -> dict[str, Any]:
+        """The answer's receipt, signed (with the replay facts of ``parsed`` and ``summary``)
+        when the engine holds a key."""
+        return self.native.receipt(
+            self.tally, self.parsed, summary, api=self.kind, stream=self.stream
+        )
 
 
 class ChatAnswer(Answer):

@@ -27,6 +27,8 @@ from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.native import text
 from bankml.native.answer import CHAT, ENGINE_KIND, Step, prompt_steps
 from bankml.receipt import Tally
+from bankml.receipts.keys import SigningKey
+from bankml.receipts.sign import native_facts, pin_seed
 from bankml.serving.vouch import identity_problem, issue_receipt
 
 if TYPE_CHECKING:
@@ -67,8 +69,10 @@ class NativeEngine:
         n_ctx: int | None = None,
         device: str = "cpu",
         reactor: Any = None,
+        receipt_key: SigningKey | None = None,
     ) -> None:
         self.engine = engine
+        self.receipt_key = receipt_key  # signs every receipt; None: unsigned (the Python API)
         self.bridge = bridge
         self.verified = verified
         self.slot_dir = slot_dir
@@ -114,21 +118,41 @@ class NativeEngine:
         """None while the file is the one that was hashed (FileIdent: device, inode, size, mtime)."""
         return identity_problem(self.verified)
 
-    def receipt(self, tally: Tally) -> dict[str, Any]:
-        """The receipt of one finished answer of this engine."""
-        return issue_receipt(tally, self.verified, self.engine_name)
+    def receipt(
+        self, tally: Tally, parsed: Any, summary: Any, *, api: str, stream: bool
+    ) -> dict[str, Any]:
+        """The receipt of one finished answer of this engine: ``parsed`` is the prompt's engine
+        Request (seed pinned by ``parse``), ``summary`` its run's Summary."""
+        facts = None
+        if self.receipt_key is not None:
+            cache = getattr(self.engine, "cache", None)
+            facts = native_facts(
+                parsed,
+                summary,
+                api=api,
+                stream=stream,
+                n_ctx=self.n_ctx,
+                cache_type=getattr(cache, "cache_type", None),
+                device=self.device,
+            )
+        return issue_receipt(
+            tally, self.verified, self.engine_name, facts=facts, key=self.receipt_key
+        )
 
     # --- the jobs the resources hand to the bridge (refusals raise ApiError) ------------------
 
     def parse(self, body: dict[str, Any], kind: str) -> list[Any]:
         """The engine's validation of a body, before a token is computed: the request's prompts
-        (a chat has one; a completion one or several)."""
+        (a chat has one; a completion one or several), each with the seed it will run with (a
+        request that named none gets one drawn now, so that its receipt can name it)."""
         try:
             if kind == CHAT:
-                return [self.engine.parse_request(body, ENGINE_KIND[kind])]
-            return self.engine.parse_batch(body, ENGINE_KIND[kind])
+                prompts = [self.engine.parse_request(body, ENGINE_KIND[kind])]
+            else:
+                prompts = self.engine.parse_batch(body, ENGINE_KIND[kind])
         except RequestError as err:
             raise refusal_of(err) from None
+        return [pin_seed(p) for p in prompts]
 
     def steps(self, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
         """The bridge's ``steps`` for parsed prompts: ``prompt_steps``, an engine refusal
@@ -299,6 +323,7 @@ def open_served(
     bridge: EngineBridge,
     reactor: Any,
     report: Callable[[str], None] | None = None,
+    receipt_key: SigningKey | None = None,
 ) -> NativeEngine:
     """For the server, on the engine thread: the engine opened with ``bankml serve``'s options
     (``ctx``, ``device``, ``cache_type``, ``slot-dir``), each kernel run once (compiled or loaded
@@ -319,6 +344,7 @@ def open_served(
         n_ctx=engine.n_ctx,
         device=device_name,
         reactor=reactor,
+        receipt_key=receipt_key,
     )
 
 

@@ -38,12 +38,14 @@ from bankml.serving.startup import (
     DEFAULT_LISTEN,
     DEFAULT_UPSTREAM,
     ServingService,
+    receipt_key_before_listening,
     verify_before_listening,
 )
 from bankml.usage import UsageSampler
 
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
+    from bankml.receipts.keys import SigningKey
 
 _log = Logger(namespace="bankml.native")
 
@@ -113,17 +115,30 @@ def build_native_roots(
 
 
 def _open_on_engine_thread(
-    verified: Any, options: Mapping[str, Any], bridge: EngineBridge, reactor: Any
+    verified: Any,
+    options: Mapping[str, Any],
+    bridge: EngineBridge,
+    reactor: Any,
+    receipt_key: SigningKey | None,
 ) -> NativeEngine:
     # Loading here matters: the thread that loads the model starts OpenMP's worker team
     # (Model.load), and only that thread's parallel loops run at full speed.
     return open_served(
-        verified, options, bridge, reactor, report=lambda line: _log.info("{line}", line=line)
+        verified,
+        options,
+        bridge,
+        reactor,
+        report=lambda line: _log.info("{line}", line=line),
+        receipt_key=receipt_key,
     )
 
 
 def open_native(
-    verified: Any, options: Mapping[str, Any], reactor: Any, bridge: EngineBridge | None = None
+    verified: Any,
+    options: Mapping[str, Any],
+    reactor: Any,
+    bridge: EngineBridge | None = None,
+    receipt_key: SigningKey | None = None,
 ) -> Deferred[NativeEngine]:
     """The engine opened on the bridge's own engine thread (a new bridge unless one is given),
     then wrapped for serving.
@@ -138,9 +153,9 @@ def open_native(
         bridge.stop()
         return reason
 
-    return bridge.call(_open_on_engine_thread, verified, options, bridge, reactor).addErrback(
-        failed
-    )
+    return bridge.call(
+        _open_on_engine_thread, verified, options, bridge, reactor, receipt_key
+    ).addErrback(failed)
 
 
 class NativeService(ServingService):
@@ -153,12 +168,14 @@ class NativeService(ServingService):
         reactor: Any,
         bridge: EngineBridge | None = None,
         compiling: Deferred[Any] | None = None,
+        receipt_key: SigningKey | None = None,
     ) -> None:
         super().__init__(reactor)
         self.options = dict(options)
         self.verified = verified
         self.bridge = bridge
         self.compiling = compiling  # the kernels compiling on the bridge while the file hashed
+        self.receipt_key = receipt_key  # signs every receipt
         self.native: NativeEngine | None = None
         self.ready: Deferred[None] | None = None  # the bring-up, for tests
 
@@ -172,7 +189,11 @@ class NativeService(ServingService):
             if self.compiling is not None:
                 yield self.compiling  # an error here is the open's too: it reports it
             self.native = yield open_native(
-                self.verified, self.options, self.reactor, bridge=self.bridge
+                self.verified,
+                self.options,
+                self.reactor,
+                bridge=self.bridge,
+                receipt_key=self.receipt_key,
             )
         except Exception as err:
             name = os.path.basename(self.verified.path)
@@ -212,11 +233,13 @@ class NativeService(ServingService):
 def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeService:
     """What tap's makeService calls for ``--native``: verify now (a refusal exits with verify's
     code before anything listens), then a NativeService. ``options`` keys: file, fork, listen,
-    upstream, ctx, device, slot-dir (and optionally cache_type).
+    upstream, ctx, device, slot-dir, receipt-key (and optionally cache_type). The receipt key is
+    loaded (or made) first: a key refused is ``refuse: <reason>``, exit 2.
 
     The kernels compile on the engine thread while this thread hashes the file (they start once
     the header passed the guard): on a first start the hash costs no time of its own. Nothing is
     answered from that model; the service opens the engine again after the pin matched."""
+    receipt_key = receipt_key_before_listening(options.get("receipt-key"))
     bridge = EngineBridge(reactor)
     compiling: list[Deferred[Any]] = []
 
@@ -236,5 +259,10 @@ def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeServi
             outcome.addErrback(lambda _: None)  # nobody waits for it now
         raise
     return NativeService(
-        options, verified, reactor, bridge=bridge, compiling=compiling[0] if compiling else None
+        options,
+        verified,
+        reactor,
+        bridge=bridge,
+        compiling=compiling[0] if compiling else None,
+        receipt_key=receipt_key,
     )

@@ -122,9 +122,18 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+def prompt_of_timings(timings: dict[str, Any]) -> int | None:
+    """The prompt's length as ``usage.prompt_tokens`` counts it, from llama-server's
+    ``timings``: ``prompt_n`` tokens evaluated plus ``cache_n`` reused from the slot."""
+    evaluated, reused = _count(timings.get("prompt_n")), _count(timings.get("cache_n"))
+    if evaluated is None:
+        return None
+    return evaluated + (reused or 0)
+
+
 def _note_counts(view: AnswerView, obj: dict[str, Any], api: str) -> None:
     """Counts an answer reports: ``usage`` (OpenAI), llama-server's ``tokens_evaluated`` /
-    ``tokens_predicted`` on a final object, else ``timings`` (prompt_n, predicted_n)."""
+    ``tokens_predicted`` on a final object, else ``timings`` (prompt_n + cache_n, predicted_n)."""
     usage = obj.get("usage")
     if isinstance(usage, dict):
         view.prompt_tokens = _count(usage.get("prompt_tokens"))
@@ -141,7 +150,7 @@ def _note_counts(view: AnswerView, obj: dict[str, Any], api: str) -> None:
     timings = obj.get("timings")
     if isinstance(timings, dict):
         if view.prompt_tokens is None:
-            view.prompt_tokens = _count(timings.get("prompt_n"))
+            view.prompt_tokens = prompt_of_timings(timings)
         if view.completion_tokens is None:
             view.completion_tokens = _count(timings.get("predicted_n"))
 

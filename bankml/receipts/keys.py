@@ -12,6 +12,7 @@ import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 ALG = "ed25519"
 KEY_FILE_NAME = "receipt-key.pem"
+KEY_ENV = "BANKML_RECEIPT_KEY"  # the key file when the command line names none
 
 
 class KeyRefused(Exception):
@@ -73,6 +75,20 @@ def default_key_path(home: str | os.PathLike[str]) -> Path:
     """Where ``bankml serve`` keeps its key when given none: under ``HOME/.local/share/bankml``
     (the caller reads HOME)."""
     return Path(home) / ".local" / "share" / "bankml" / KEY_FILE_NAME
+
+
+def key_path(
+    given: str | os.PathLike[str] | None,
+    environ: Mapping[str, str] = os.environ,
+    home: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The key file ``bankml serve`` and ``bankml keygen`` use: the one given, else
+    ``$BANKML_RECEIPT_KEY``, else ``default_key_path`` under ``home`` (default: ``~``)."""
+    if given:
+        return Path(given)
+    if environ.get(KEY_ENV):
+        return Path(environ[KEY_ENV])
+    return default_key_path(home if home is not None else os.path.expanduser("~"))
 
 
 def keygen(path: str | os.PathLike[str]) -> SigningKey:

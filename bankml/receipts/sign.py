@@ -59,12 +59,12 @@ class ReplayFacts:
     stream: bool  # the answer was an event stream (SSE or NDJSON), not one object
     sampler: Mapping[str, Any]  # resolved settings (sampler_settings), the seed actually used
     n_predict: int
-    n_ctx: int
-    cache_type: str
-    device: str
-    engine_version: str
-    engine_digest: str
-    prompt_token_ids: Sequence[int]
+    n_ctx: int | None  # None where bankml does not see it (P0: an upstream that does not say)
+    cache_type: str | None
+    device: str | None  # None where bankml does not see where the engine computed (P0)
+    engine_version: str | None
+    engine_digest: str | None
+    prompt_token_ids: Sequence[int] | None  # None where the engine does not say (P0)
     completion_token_ids: Sequence[int] | None  # None where the engine does not say (P0 chat)
     cache_n: int  # prompt tokens reused from the slot, not computed for this request
     finish_reason: str | None
@@ -149,6 +149,102 @@ def native_facts(
     )
 
 
+# where a request states its token limit, in the order llama-server reads them
+N_PREDICT_FIELDS = ("n_predict", "max_completion_tokens", "max_tokens")
+# request fields that set n_probs rather than a sampler setting of their own
+LOGPROB_FIELDS = ("logprobs", "n_probs", "top_logprobs")
+
+
+@dataclass(frozen=True)
+class ForwardedRequest:
+    """P0: a request as bankml forwards it to llama-server, and what the receipt says of it."""
+
+    api: str
+    body: bytes  # the bytes sent upstream: the client's, with a drawn seed appended if it had none
+    stream: bool
+    sampler: Mapping[str, Any]  # the request's sampler fields read over llama-server's defaults
+    n_predict: int
+
+
+def _drawn_seed() -> int:
+    from bankml.engine_cupy.sampler import DEFAULT_SEED, resolve_seed
+
+    seed = DEFAULT_SEED
+    while seed == DEFAULT_SEED:  # the drawn value must not mean "draw one" again
+        seed = resolve_seed(DEFAULT_SEED)
+    return seed
+
+
+def forward_request(body: bytes, api: str) -> ForwardedRequest:
+    """P0: the request to forward. A JSON object without a seed (or with llama-server's "draw
+    one", -1 or 4294967295) gets ``"seed": N`` appended, N drawn here: a repeated key's last
+    value is the one llama-server (nlohmann) reads, and the client's bytes stay as they were
+    otherwise. The sampler settings are the request's fields read the way bankml's engine reads
+    them, over llama-server's defaults; a body that is not such an object is forwarded as it is
+    (llama-server answers it, with no receipt unless it answers 200)."""
+    from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerError, SamplerParams
+
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        obj = None
+    if not isinstance(obj, dict):
+        return ForwardedRequest(api, body, False, sampler_settings(SamplerParams()), -1)
+    sampler_body = {k: v for k, v in obj.items() if k not in LOGPROB_FIELDS}
+    try:
+        params = SamplerParams.from_request(sampler_body)
+    except (SamplerError, ValueError, TypeError):
+        params = SamplerParams()  # llama-server refuses it too: no receipt is written
+    top = obj.get("top_logprobs")
+    n_probs = (int(top) if isinstance(top, (int, float)) else 20) if obj.get("logprobs") else 0
+    if api != "chat":
+        n_probs = params.n_probs
+    sent = body
+    if params.seed == DEFAULT_SEED:
+        params = replace(params, seed=_drawn_seed())
+        close = body.rstrip()
+        comma = b"" if close[:-1].strip().endswith(b"{") else b","
+        sent = close[:-1] + comma + b'"seed":' + str(params.seed).encode("ascii") + b"}"
+    limits = [obj[k] for k in N_PREDICT_FIELDS if obj.get(k) is not None]
+    n_predict = limits[0] if limits and type(limits[0]) is int else -1
+    return ForwardedRequest(
+        api,
+        sent,
+        obj.get("stream") is True,
+        sampler_settings(replace(params, n_probs=n_probs)),
+        n_predict,
+    )
+
+
+def forwarded_facts(
+    forwarded: ForwardedRequest,
+    tally: Any,
+    *,
+    n_ctx: int | None,
+    cache_type: str | None,
+    engine_version: str | None,
+    engine_digest: str | None,
+) -> ReplayFacts:
+    """The facts of one answer llama-server gave through P0: what bankml forwarded, and what
+    the answer said of its end (``tally.finish_reason``, ``tally.cache_n``). llama-server's chat
+    answer lists no token ids, and bankml does not see where it computed."""
+    return ReplayFacts(
+        api=forwarded.api,
+        stream=forwarded.stream,
+        sampler=forwarded.sampler,
+        n_predict=forwarded.n_predict,
+        n_ctx=n_ctx,
+        cache_type=cache_type,
+        device=None,
+        engine_version=engine_version,
+        engine_digest=engine_digest,
+        prompt_token_ids=None,
+        completion_token_ids=None,
+        cache_n=int(tally.cache_n or 0),
+        finish_reason=tally.finish_reason,
+    )
+
+
 def timestamp(now: float | None = None) -> str:
     moment = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -174,7 +270,9 @@ def build_receipt_v2(
             "cache_type": facts.cache_type,
             "sampler": dict(facts.sampler),
             "n_predict": facts.n_predict,
-            "prompt_tokens_sha256": token_ids_sha256(facts.prompt_token_ids),
+            "prompt_tokens_sha256": None
+            if facts.prompt_token_ids is None
+            else token_ids_sha256(facts.prompt_token_ids),
             "completion_tokens_sha256": None
             if facts.completion_token_ids is None
             else token_ids_sha256(facts.completion_token_ids),

@@ -1,8 +1,11 @@
-"""`GET /bankml`, `/bankml/usage`, `/bankml/metrics`: what bankml verified, what it costs, and
-the engine's per-completion records.
+"""`GET /bankml`, `/bankml/key`, `/bankml/usage`, `/bankml/metrics`: what bankml verified, the
+key its receipts are signed with, what it costs, and the engine's per-completion records.
 
 - `/bankml`: the mode's description (P0's `Gateway` or native's `NativeEngine`: what was
-  verified, when, the engine and its state, bankml's version).
+  verified, when, the engine and its state, bankml's version), and `receipt_keyid`: the id of
+  the key that signs the receipts (null when none does).
+- `/bankml/key`: `{"alg": "ed25519", "keyid": "<hex>", "public_key": "<PEM>"}`, what
+  `bankml check-receipt --key` takes (404 when no key signs the receipts).
 - `/bankml/usage`: one shared `UsageSampler` sample (at most once a second, see usage.py).
 - `/bankml/metrics`: the metrics ring. In P0 the tokens come from llama-server, which bankml
   does not measure, so the ring is empty: `{"source", "kept": 0, "keep": 256, ..., "records": []}`;
@@ -17,6 +20,7 @@ from typing import Any, Protocol
 
 from twisted.web.server import NOT_DONE_YET, Request
 
+from bankml.receipts.keys import SigningKey, key_document
 from bankml.serving.routes import NotFound
 from bankml.serving.writers import JsonResource, write_error, write_json
 from bankml.usage import UsageSampler
@@ -70,8 +74,23 @@ class MetricsResource(JsonResource):
         return NOT_DONE_YET
 
 
+class KeyResource(JsonResource):
+    isLeaf = True
+
+    def __init__(self, key: SigningKey) -> None:
+        super().__init__()
+        self.body = _json(key_document(key))
+
+    def render_GET(self, request: Request) -> Any:
+        write_json(request, 200, self.body)
+        return NOT_DONE_YET
+
+
 class Describes(Protocol):
-    """What /bankml shows: P0's Gateway and native's NativeEngine both have it."""
+    """What /bankml shows: P0's Gateway and native's NativeEngine both have it, and the key
+    that signs their receipts."""
+
+    receipt_key: SigningKey | None
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -87,6 +106,8 @@ class BankmlResource(JsonResource):
     ) -> None:
         super().__init__()
         self.mode = mode
+        if mode.receipt_key is not None:
+            self.putChild(b"key", KeyResource(mode.receipt_key))
         self.putChild(b"usage", UsageResource(sampler))
         self.putChild(
             b"metrics",
@@ -100,5 +121,7 @@ class BankmlResource(JsonResource):
         return NotFound()
 
     def render_GET(self, request: Request) -> Any:
-        write_json(request, 200, _json(self.mode.describe()))
+        key = self.mode.receipt_key
+        described = {**self.mode.describe(), "receipt_keyid": key.keyid if key else None}
+        write_json(request, 200, _json(described))
         return NOT_DONE_YET

@@ -5,6 +5,11 @@ signals.
   the pin), run before the reactor starts; a refusal prints ``refuse: <reason>`` and exits with
   verify's code (2, or 1 for an unreadable file, 3 for a truncated header). Passing logs the
   ``verified … pinned in …`` line.
+- ``receipt_key_before_listening(path)``: the receipt signing key, loaded (or created 0600 at
+  the first start; when no path is given, ``$BANKML_RECEIPT_KEY``, else
+  ``~/.local/share/bankml/receipt-key.pem``); a key file others may
+  read or change, or that does not parse, is ``refuse: <reason>``, exit 2. The log says where
+  the key is and its id.
 - ``ServingService``: the base of both modes' services. ``fatal(reason)`` is the one refusal
   after the reactor started (an engine that cannot be brought up, an address that cannot be
   bound): ``refuse: <reason>`` on stderr and in the log, exit status 2 (``EXIT_REFUSED``).
@@ -29,6 +34,7 @@ from twisted.logger import Logger
 from twisted.web.server import Site
 
 from bankml.gate.verify import Refused, Verified, verify
+from bankml.receipts.keys import KeyRefused, SigningKey, ensure_key, key_path
 from bankml.serving.site import listen_loopback
 
 _log = Logger(namespace="bankml.serve")
@@ -59,6 +65,23 @@ def verify_before_listening(
         fork=verified.fork_path,
     )
     return verified
+
+
+def receipt_key_before_listening(path: str | None) -> SigningKey:
+    """The key every receipt is signed with (``--receipt-key``, else ``$BANKML_RECEIPT_KEY``,
+    else the default under HOME); a refusal exits 2."""
+    where = key_path(path)
+    try:
+        key, created = ensure_key(where)
+    except KeyRefused as err:
+        raise refuse(f"--receipt-key {err.reason}") from None
+    _log.info(
+        "receipt key {path} ({how}), key id {keyid}",
+        path=str(where),
+        how="created" if created else "loaded",
+        keyid=key.keyid,
+    )
+    return key
 
 
 def stop_on_sighup(reactor: Any) -> None:

@@ -2,7 +2,13 @@
 
 - ``identity_problem(verified)``: before every answer, the file is still the one that was
   hashed (``FileIdent``: device, inode, size, mtime; one ``stat``, microseconds);
-- ``issue_receipt(tally, verified, engine_name)``: after it, the answer's ``bankml_receipt``.
+- ``issue_receipt(tally, verified, engine_name, facts=..., key=...)``: after it, the answer's
+  ``bankml_receipt``: today's fields from the tally, then, with a key, the replay facts added and
+  the whole signed (version 2, bankml/receipts/sign.py). The one place a receipt is built and
+  signed: native answers reach it through ``NativeEngine.receipt``, P0's through
+  ``Gateway.receipt``;
+- ``forwarded_tally(body, api)``: P0's Tally for one request, with the request as it is
+  forwarded (a seed drawn where it named none: ``tally.forwarded.body`` is what to send).
 
 Pure Python: no Twisted (``bankml.chat`` uses it too).
 """
@@ -13,6 +19,8 @@ from typing import Any
 
 from bankml.gate.fileident import FileIdent
 from bankml.receipt import Tally, receipt
+from bankml.receipts.keys import SigningKey
+from bankml.receipts.sign import ReplayFacts, build_receipt_v2, forward_request
 
 FILE_CHANGED = (
     "the model file changed since bankml verified it; restart bankml serve to verify it again"
@@ -29,14 +37,31 @@ def identity_problem(verified: Any) -> str | None:
 
 
 def issue_receipt(
-    tally: Tally, verified: Any, engine_name: str, *, ttft_measured: bool = True
+    tally: Tally,
+    verified: Any,
+    engine_name: str,
+    *,
+    facts: ReplayFacts | None = None,
+    key: SigningKey | None = None,
+    ttft_measured: bool = True,
 ) -> dict[str, Any]:
     """The receipt of a finished answer from what was verified and the engine that answered.
-    ``ttft_measured=False`` where bankml saw the text only whole (a non-streamed P0 answer)."""
-    return receipt(
+    With ``key`` and ``facts`` it is the signed version-2 receipt; without a key (the Python
+    API opened without one) today's unsigned receipt. ``ttft_measured=False`` where bankml saw
+    the text only whole (a non-streamed P0 answer)."""
+    base = receipt(
         tally,
         engine=engine_name,
         model_sha256=verified.sha256,
         guard=verified.guard.verdict,
         ttft_measured=ttft_measured,
     )
+    if key is None or facts is None:
+        return base
+    return build_receipt_v2(base, facts, key)
+
+
+def forwarded_tally(body: bytes, api: str) -> Tally:
+    """P0: the Tally of one request forwarded to llama-server (``api``: a receipt's api name);
+    send ``tally.forwarded.body`` upstream, not ``body``."""
+    return Tally(request_body=body, forwarded=forward_request(body, api))
