@@ -125,14 +125,14 @@ class NativeEngine:
         Request (seed pinned by ``parse``), ``summary`` its run's Summary."""
         facts = None
         if self.receipt_key is not None:
-            cache = getattr(self.engine, "cache", None)
+            cache = self.engine.cache
             facts = native_facts(
                 parsed,
                 summary,
                 api=api,
                 stream=stream,
                 n_ctx=self.n_ctx,
-                cache_type=getattr(cache, "cache_type", None),
+                cache_type=str(cache.cache_type),
                 device=self.device,
             )
         return issue_receipt(

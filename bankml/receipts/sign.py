@@ -21,6 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from bankml import __version__
+from bankml.engine_cupy.sampler import (
+    DEFAULT_SEED,
+    LogitBias,
+    SamplerError,
+    SamplerParams,
+    resolve_seed,
+)
 from bankml.receipts.canonical import normalized, signed_bytes
 from bankml.receipts.keys import ALG, SigningKey
 
@@ -86,8 +93,6 @@ def sampler_settings(params: Any) -> dict[str, Any]:
 
 def params_from_settings(settings: Mapping[str, Any]) -> Any:
     """``sampler_settings`` read back into a SamplerParams (ValueError when it does not fit)."""
-    from bankml.engine_cupy.sampler import LogitBias, SamplerParams
-
     known = {f.name: f for f in fields(SamplerParams)}
     if set(settings) != set(known):
         missing = sorted(set(known) - set(settings))
@@ -110,8 +115,6 @@ def params_from_settings(settings: Mapping[str, Any]) -> Any:
 def pin_seed(parsed: Any) -> Any:
     """A parsed engine Request whose seed is the one the run will use: a request without a seed
     (llama.cpp's 0xFFFFFFFF) gets one drawn here, so the receipt can name it."""
-    from bankml.engine_cupy.sampler import DEFAULT_SEED, resolve_seed
-
     if parsed.sampler.seed != DEFAULT_SEED:
         return parsed
     seed = DEFAULT_SEED
@@ -167,8 +170,6 @@ class ForwardedRequest:
 
 
 def _drawn_seed() -> int:
-    from bankml.engine_cupy.sampler import DEFAULT_SEED, resolve_seed
-
     seed = DEFAULT_SEED
     while seed == DEFAULT_SEED:  # the drawn value must not mean "draw one" again
         seed = resolve_seed(DEFAULT_SEED)
@@ -182,8 +183,6 @@ def forward_request(body: bytes, api: str) -> ForwardedRequest:
     otherwise. The sampler settings are the request's fields read the way bankml's engine reads
     them, over llama-server's defaults; a body that is not such an object is forwarded as it is
     (llama-server answers it, with no receipt unless it answers 200)."""
-    from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerError, SamplerParams
-
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):
