@@ -7,6 +7,9 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import os
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from tests.support import free_port
 pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
+OLLAMA_PORT = free_port()
 GREEDY = {"temperature": 0, "num_predict": 6}
 
 
@@ -35,11 +39,22 @@ def server(
     pin_into(registry, write_gguf(registry / "Tiny-Extra-F16.gguf", name="Tiny Extra"))
     # the default model's pin in the registry too: a derived model's base is pinned there
     (registry / default_fork.name).write_bytes(default_fork.read_bytes())
+    # a second pin: a copy of the default model under another name (switched to by name)
+    shutil.copyfile(default_model, registry / "Smol-Copy.gguf")
+    pin_into(registry, registry / "Smol-Copy.gguf")
     engine_port = free_port()
     proc = NativeProcess(
         default_model,
         default_fork,
-        ["--native", "--upstream", f"127.0.0.1:{engine_port}", "--registry", str(registry)],
+        [
+            "--native",
+            "--upstream",
+            f"127.0.0.1:{engine_port}",
+            "--registry",
+            str(registry),
+            "--ollama-listen",
+            f"127.0.0.1:{OLLAMA_PORT}",
+        ],
         home / "bankml.log",
         engine_port=engine_port,
     )
@@ -62,9 +77,9 @@ def sha(text: str) -> str:
 
 
 def raw_request(
-    server: NativeProcess, method: str, path: str, body: Any = None
+    server: NativeProcess, method: str, path: str, body: Any = None, port: int | None = None
 ) -> tuple[int, str, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", port or server.port, timeout=120)
     try:
         data = json.dumps(body).encode() if body is not None else None
         conn.request(method, path, data, {"Content-Type": "application/json"})
@@ -86,7 +101,7 @@ def test_list_and_show(
     server: NativeProcess, client: ollama.Client, startup: str, default_fork: Path
 ) -> None:
     names = [m.model for m in client.list().models]
-    assert names == [f"{startup}:latest", "tiny-extra-f16:latest"]
+    assert names == [f"{startup}:latest", "smol-copy:latest", "tiny-extra-f16:latest"]
     shown = client.show(startup)
     assert shown.details.format == "gguf" and shown.details.family == "llama"
     assert "temperature" in (shown.parameters or "") and shown.template
@@ -310,3 +325,52 @@ def test_create_refusals(server: NativeProcess) -> None:
         status, _, raw = raw_request(server, "POST", "/api/create", body)
         assert status == 400, raw
         assert words in json.loads(raw)["error"]
+
+
+def test_ollama_listen_answers_ollama_routes_only(server: NativeProcess, startup: str) -> None:
+    status, _, body = raw_request(server, "GET", "/api/tags", port=OLLAMA_PORT)
+    assert status == 200 and f"{startup}:latest" in [m["model"] for m in json.loads(body)["models"]]
+    answer = ollama.Client(host=f"http://127.0.0.1:{OLLAMA_PORT}").generate(
+        startup, "Hi", options=GREEDY
+    )
+    assert answer.response and answer.eval_count == 6
+    assert raw_request(server, "GET", "/v1/models", port=OLLAMA_PORT)[0] == 404
+
+
+def wait_for(check: Any, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_keep_alive_expiry_seen_in_ps(client: ollama.Client, startup: str) -> None:
+    client.generate(startup, "Hi", options=GREEDY, keep_alive="1s")
+    assert wait_for(lambda: client.ps().models == [])
+    client.generate(startup, keep_alive="10m")
+    assert [m.model for m in client.ps().models] == [f"{startup}:latest"]
+
+
+def test_two_pins_switched_by_name_and_a_replaced_file(
+    server: NativeProcess, client: ollama.Client, default_model: Path
+) -> None:
+    copy = server.log.parent / "forks" / "Smol-Copy.gguf"
+    log = server.output()
+    answer = client.chat("smol-copy", MESSAGES, options=GREEDY)
+    assert answer.model == "smol-copy:latest" and answer.load_duration > 0
+    assert [m.model for m in client.ps().models] == ["smol-copy:latest"]
+    assert server.output().count("smol-copy verified") == log.count("smol-copy verified") + 1
+    # the resident file changes (its mtime): refused with 503, unloaded, then verified again
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat("smol-copy", MESSAGES, options=GREEDY)
+    assert err.value.status_code == 503 and "changed since bankml verified it" in err.value.error
+    assert client.ps().models == []
+    again = client.chat("smol-copy", MESSAGES, options=GREEDY)
+    assert again.load_duration > 0 and again.message.content
+    assert server.output().count("smol-copy verified") == log.count("smol-copy verified") + 2
+    back = client.chat(default_model.name[: -len(".gguf")].lower(), MESSAGES, options=GREEDY)
+    assert back.load_duration > 0
