@@ -172,9 +172,14 @@ class NativeEngine:
     def steps(self, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
         """The bridge's ``steps`` for parsed prompts: ``prompt_steps``, an engine refusal
         during the run raised as ApiError."""
-        run = prompt_steps(self.engine, prompts)
+        engine = self.engine
+        run = prompt_steps(engine, prompts)
 
         def steps(cancelled: Callable[[], bool]) -> Iterator[Step]:
+            if self.engine is not engine:  # Ollama loaded another model while this one waited
+                raise ApiError.of(
+                    503, "the model was switched while this request waited; send it again"
+                )
             try:
                 yield from run(cancelled)
             except RequestError as err:
