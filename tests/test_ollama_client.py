@@ -202,6 +202,21 @@ def test_greedy_chat_equals_v1(server: NativeProcess, client: ollama.Client, sta
     assert client.chat(startup, messages, options=GREEDY).message.content == v1
 
 
+def test_seeded_chat_equals_v1(server: NativeProcess, client: ollama.Client, startup: str) -> None:
+    messages = [{"role": "user", "content": "Tell me a word."}]
+    seeded = {"temperature": 0.9, "seed": 42, "num_predict": 6}
+    client.chat(startup, messages, options=seeded)  # both below find the same prompt cache
+    status, _, body = raw_request(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": messages, "temperature": 0.9, "seed": 42, "max_tokens": 6},
+    )
+    assert status == 200
+    v1 = json.loads(body)["choices"][0]["message"]["content"]
+    assert client.chat(startup, messages, options=seeded).message.content == v1
+
+
 def test_ps_and_keep_alive_zero_unloads(
     server: NativeProcess, client: ollama.Client, startup: str
 ) -> None:
@@ -374,3 +389,61 @@ def test_two_pins_switched_by_name_and_a_replaced_file(
     assert server.output().count("smol-copy verified") == log.count("smol-copy verified") + 2
     back = client.chat(default_model.name[: -len(".gguf")].lower(), MESSAGES, options=GREEDY)
     assert back.load_duration > 0
+
+
+def test_a_schema_answer_streamed_is_the_whole_answer(client: ollama.Client, startup: str) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    asked = [{"role": "user", "content": "A number as JSON."}]
+    options = {"temperature": 0, "num_predict": 12}
+    client.chat(startup, asked, format=schema, options=options)  # the same cache state below
+    whole = client.chat(startup, asked, format=schema, options=options).message.content
+    streamed = client.chat(startup, asked, format=schema, options=options, stream=True)
+    assert "".join(part.message.content for part in streamed) == whole
+    assert not whole.startswith("```")
+
+
+# every field of a chat and a generate body given a wrong type: a 4xx with Ollama's error, or
+# (where the field is one Ollama takes loosely) an answer; never a 5xx
+WRONG = [1, "x", [1, "a"], {"a": 1}]
+FIELDS = ["model", "messages", "prompt", "system", "stream", "format", "options", "keep_alive",
+          "raw", "context", "logprobs", "top_logprobs", "think", "tools", "images"]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate"])
+def test_wrong_types_in_every_field_are_4xx(server: NativeProcess, startup: str, path: str) -> None:
+    base: dict[str, Any] = {"model": startup, "stream": False, "options": {"num_predict": 1}}
+    base.update({"messages": MESSAGES} if path == "/api/chat" else {"prompt": "Hi"})
+    seen = set()
+    for name in FIELDS:
+        for value in WRONG:
+            status, ctype, raw = raw_request(server, "POST", path, {**base, name: value})
+            seen.add(status)
+            assert status < 500, (name, value, raw)
+            answer = json.loads(raw.splitlines()[-1])
+            assert "error" in answer if status >= 400 else answer["done"], (name, value, raw)
+    assert 400 in seen and 200 in seen
+    assert "Traceback" not in server.output()
+
+
+def test_ollama_options_on_the_command_line(tmp_path: Path) -> None:
+    from twisted.python import usage
+
+    from bankml.tap import Options, default_registry
+
+    def parsed(*args: str) -> Options:
+        options = Options()
+        options.parseOptions(["m.gguf", "--fork", "f.json", *args])
+        return options
+
+    assert parsed("--native", "--registry", str(tmp_path))["registry"] == str(tmp_path)
+    assert parsed("--native", "--registry")["registry"] == default_registry()
+    assert parsed("--native")["keep-alive"] == "5m"
+    for args, words in (
+        (["--registry", str(tmp_path)], "needs --native"),
+        (["--native", "--keep-alive", "soon"], "--keep-alive"),
+        (["--native", "--max-loaded", "2"], "--max-loaded"),
+        (["--native", "--ollama-listen", "0.0.0.0:11434"], "--ollama-listen"),
+    ):
+        with pytest.raises(usage.UsageError) as err:
+            parsed(*args)
+        assert words in str(err.value)
