@@ -53,6 +53,7 @@ from bankml.gate.verify import sha256_file
 from bankml.gateway import Gateway, make_agent
 from bankml.native.service import make_native_service
 from bankml.process_protocol import EngineFailed, EngineProcess
+from bankml.registry.keepalive import BadKeepAlive, parse_keep_alive
 from bankml.resources.p0 import p0_root
 from bankml.serving.site import LoopbackSite, NotLoopbackError, parse_listen
 from bankml.serving.startup import (
@@ -105,6 +106,23 @@ class Options(usage.Options):
             "the Ed25519 key that signs every receipt (default $BANKML_RECEIPT_KEY, else "
             "~/.local/share/bankml/receipt-key.pem; created 0600 at the first start)",
         ],
+        # -- Ollama's API (--native): the registry, keep-alive, residency, its own address
+        [
+            "registry",
+            None,
+            None,
+            "with --native: also serve every *.FORK.json model of this directory (a bare "
+            "--registry: $BANKML_FORKS, else ~/.local/share/bankml/forks)",
+        ],
+        ["keep-alive", None, "5m", "with --native: how long a model stays loaded (Go duration)"],
+        ["max-loaded", None, 1, "with --native: models resident at once (1)", int],
+        [
+            "ollama-listen",
+            None,
+            None,
+            "with --native: a second loopback address answering Ollama's routes only "
+            "(e.g. 127.0.0.1:11434)",
+        ],
     ]
     optFlags = [
         ["spec-ngram", None, "with --spawn: llama-server --spec-type ngram-simple"],
@@ -119,7 +137,7 @@ class Options(usage.Options):
     def parseOptions(self, options: list[str] | None = None) -> None:
         """The usage writes FILE first (`bankml serve FILE --fork F`); Twisted's parser stops at
         the first positional, so options are moved ahead of it (GNU getopt order) first."""
-        args = sys.argv[1:] if options is None else list(options)
+        args = registry_with_default(sys.argv[1:] if options is None else list(options))
         try:
             opts, positional = getopt.gnu_getopt(args, self.shortOpt, self.longOpt)
         except getopt.GetoptError as err:
@@ -168,10 +186,51 @@ class Options(usage.Options):
                 "--slot-dir and --spec-ngram are llama-server arguments: "
                 "they need --spawn (--slot-dir also works with --native)"
             )
+        self.check_ollama()
         self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
         # the engine's cache settings: read from the environment here, and only here
         self["cache_type"] = os.environ.get("BANKML_CACHE_TYPE")
         self["cache_ram"] = os.environ.get("BANKML_CACHE_RAM")
+
+    def check_ollama(self) -> None:
+        """The Ollama options: --native only, a readable keep-alive, loopback addresses."""
+        given = [n for n in ("registry", "ollama-listen") if self[n]]
+        if given and not self["native"]:
+            raise usage.UsageError(f"--{given[0]} serves Ollama's API: it needs --native")
+        try:
+            parse_keep_alive(self["keep-alive"])
+        except BadKeepAlive as err:
+            raise usage.UsageError(f"--keep-alive: {err}") from None
+        if self["max-loaded"] != 1:
+            raise usage.UsageError("--max-loaded: one model is resident at a time (1)")
+        if (
+            self["registry"]
+            and os.path.exists(self["registry"])
+            and not os.path.isdir(self["registry"])
+        ):
+            raise usage.UsageError(f"--registry {self['registry']}: not a directory")
+        if self["ollama-listen"]:
+            try:
+                parse_listen(self["ollama-listen"])
+            except (NotLoopbackError, ValueError) as err:
+                raise usage.UsageError(f"--ollama-listen: {err}") from None
+
+
+def default_registry() -> str:
+    """A bare ``--registry``'s directory: $BANKML_FORKS, else ~/.local/share/bankml/forks."""
+    return os.environ.get("BANKML_FORKS") or os.path.expanduser("~/.local/share/bankml/forks")
+
+
+def registry_with_default(args: list[str]) -> list[str]:
+    """``--registry`` takes a directory when the next argument is one (or ``--registry=DIR``);
+    bare, it names the default directory."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--registry" and not (i + 1 < len(args) and os.path.isdir(args[i + 1])):
+            out.append(f"--registry={default_registry()}")
+        else:
+            out.append(arg)
+    return out
 
 
 class BankmlService(ServingService):

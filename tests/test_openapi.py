@@ -63,6 +63,12 @@ def request(port: int, method: str, path: str) -> tuple[int, dict[str, str], byt
         conn.close()
 
 
+def answered_404(path: str, body: bytes) -> bool:
+    """/api/show answers every refusal with 404, as Ollama does: its "model is required" to the
+    probe's empty object is the route answering, not a missing route."""
+    return path == "/api/show" and b"model is required" in body
+
+
 def port_of(server: NativeProcess, address: str) -> int:
     return server.port if address == "listen" else server.engine_port
 
@@ -103,9 +109,9 @@ def test_every_answered_route_is_described_and_every_described_route_answers(
     wrong = []
     for address in ADDRESSES:
         for method, path in sorted(candidates):
-            status, headers, _ = request(port_of(server, address), method, path)
+            status, headers, body = request(port_of(server, address), method, path)
             # /bankml* answer another method with bankml's 405 (and Allow): not that route
-            answered = status not in (404, 405)
+            answered = status not in (404, 405) or answered_404(path, body)
             if status == 405:
                 assert path.startswith("/bankml") and "Allow" in headers, (method, path)
             route = path.split("?")[0]  # the query is not part of the route

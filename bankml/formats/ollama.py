@@ -38,7 +38,10 @@ from typing import Any
 
 from bankml import __version__
 from bankml.engine_cupy.sampler import SamplerParams
-from bankml.formats.nlohmann import finite_or_null
+from bankml.formats.ollama_wire import OllamaError as OllamaError
+from bankml.formats.ollama_wire import dumps as dumps
+from bankml.formats.ollama_wire import error_body as error_body
+from bankml.formats.ollama_wire import ndjson_line as ndjson_line
 from bankml.receipt import Tally, receipt
 from bankml.registry.catalog import Catalog, Derived, Target, pin_of
 from bankml.registry.layer import PARAMS, Layer, f32_text
@@ -98,38 +101,6 @@ FINAL_FIELDS = (
     "logprobs",
     "bankml_receipt",
 )
-
-
-class OllamaError(Exception):
-    """A request refused with Ollama's error shape: HTTP ``status`` and ``{"error": message}``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-    def body(self) -> dict[str, str]:
-        return error_body(self.message)
-
-
-# -- encoding -----------------------------------------------------------------------------------
-
-
-def dumps(obj: Any) -> bytes:
-    """One JSON object as bankml's Ollama answers write it (no trailing newline)."""
-    try:
-        text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        text = json.dumps(finite_or_null(obj), ensure_ascii=False, allow_nan=False)
-    return text.encode("utf-8", "surrogatepass")
-
-
-def ndjson_line(obj: Any) -> bytes:
-    return dumps(obj) + b"\n"
-
-
-def error_body(message: str) -> dict[str, str]:
-    return {"error": message}
 
 
 def rfc3339(seconds: float) -> str:
@@ -495,14 +466,16 @@ class OllamaAnswer:
         self,
         summary: Any,
         *,
-        engine: str,
-        model_sha256: str,
+        engine: str = "",
+        model_sha256: str = "",
         guard: str = "play",
         context: Sequence[int] | None = None,
         drop_last_entries: int = 0,
+        issue: Callable[[Tally], Mapping[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The last object. ``drop_last_entries``: a stop string's own tokens, whose entries a
-        non-streamed answer leaves out (as llama-server does)."""
+        non-streamed answer leaves out (as llama-server does). ``issue``: the server's receipt
+        builder (``serving.vouch``), else one built from ``engine`` and ``model_sha256``."""
         timings = getattr(summary, "timings", None) or {}
         entries = self.entries
         if not self.stream and drop_last_entries:
@@ -512,7 +485,10 @@ class OllamaAnswer:
         if logprobs is not None:
             self.tally.add_logprobs(logprobs)
         self.tally.finish()
-        signed = receipt(self.tally, engine=engine, model_sha256=model_sha256, guard=guard)
+        if issue is not None:
+            signed = issue(self.tally)
+        else:
+            signed = receipt(self.tally, engine=engine, model_sha256=model_sha256, guard=guard)
         return final_object(
             self.kind,
             self.model,

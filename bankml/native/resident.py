@@ -98,6 +98,42 @@ class NativeEngine:
         }
         self._lock = threading.Lock()
         self._tensor_totals: tuple[int | None, int | None] | None = None
+        # set by the Ollama host (native/ollama.py): on the engine thread, loads the startup
+        # model again after an unload
+        self.waker: Callable[[], None] | None = None
+        # set by the Ollama host too: a /v1 chat naming a derived model gets its layer
+        self.rewrite: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+
+    @property
+    def asleep(self) -> bool:
+        """No model is resident (Ollama's keep_alive unloaded it)."""
+        return self.engine is None
+
+    def wake(self) -> None:
+        """On the engine thread: the startup model resident again (verified again first)."""
+        if self.engine is None and self.waker is not None:
+            self.waker()
+
+    def _awake(self) -> None:
+        """On the prepare thread, before a job that reads the engine: after an unload, the
+        model is loaded again on the engine thread (in turn with the runs) and waited for."""
+        bridge = self.bridge
+        if self.engine is None and self.waker is not None and bridge and bridge.can_wait_on():
+            if threading.current_thread() is bridge.engine.thread:
+                self.wake()  # already in turn (waiting on itself would never end)
+            else:
+                bridge.call_and_wait(self.wake)
+
+    def swap(self, engine: Any, verified: Any) -> None:
+        """On the engine thread: ``engine`` (opened on ``verified``) answers from now on; None
+        when the model was unloaded (``verified`` stays the last one, for /bankml)."""
+        self.engine = engine
+        self.verified = verified
+        self._tensor_totals = None
+        if engine is not None:
+            self.n_ctx = int(getattr(engine, "n_ctx", self.n_ctx))
+            self.model_id = os.path.basename(verified.path)
+            self.model_ftype = file_ftype_name(verified.path)
 
     def tensor_totals(self) -> tuple[int | None, int | None]:
         """(parameters, tensor bytes) of the resident model, from its GGUF header (what
@@ -145,6 +181,9 @@ class NativeEngine:
         """The engine's validation of a body, before a token is computed: the request's prompts
         (a chat has one; a completion one or several), each with the seed it will run with (a
         request that named none gets one drawn now, so that its receipt can name it)."""
+        self._awake()
+        if self.rewrite is not None:
+            body = self.rewrite(body, kind)
         try:
             if kind == CHAT:
                 prompts = [self.engine.parse_request(body, ENGINE_KIND[kind])]
@@ -157,9 +196,14 @@ class NativeEngine:
     def steps(self, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
         """The bridge's ``steps`` for parsed prompts: ``prompt_steps``, an engine refusal
         during the run raised as ApiError."""
-        run = prompt_steps(self.engine, prompts)
+        engine = self.engine
+        run = prompt_steps(engine, prompts)
 
         def steps(cancelled: Callable[[], bool]) -> Iterator[Step]:
+            if self.engine is not engine:  # Ollama loaded another model while this one waited
+                raise ApiError.of(
+                    503, "the model was switched while this request waited; send it again"
+                )
             try:
                 yield from run(cancelled)
             except RequestError as err:
@@ -168,16 +212,20 @@ class NativeEngine:
         return steps
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._awake()
         return _refusing(text.tokenize_answer, self.engine, body)
 
     def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._awake()
         return _refusing(text.detokenize_answer, self.engine, body)
 
     def apply_template(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._awake()
         return _refusing(text.apply_template_answer, self.engine, body)
 
     def slot_action(self, action: str, filename: str, id_slot: int) -> tuple[int, dict[str, Any]]:
         """On the engine thread: (status, body) of one slot action (slot_actions.slot_job)."""
+        self.wake()
         return _refusing(slot_job, self, action, filename, id_slot)
 
     # --- records --------------------------------------------------------------------------

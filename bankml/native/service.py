@@ -22,15 +22,18 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from twisted.internet import task
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 
 from bankml.native.bridge import EngineBridge
+from bankml.native.ollama import make_host
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.description import ApiDescription
+from bankml.resources.ollama import put_ollama_routes
 from bankml.resources.openai import ChatCompletions, Completions, Models
 from bankml.serving.routes import Branch, LlamaRoute
 from bankml.serving.site import LoopbackSite
@@ -44,6 +47,7 @@ from bankml.serving.startup import (
 from bankml.usage import UsageSampler
 
 if TYPE_CHECKING:
+    from bankml.native.ollama import OllamaHost
     from bankml.native.resident import NativeEngine
     from bankml.receipts.keys import SigningKey
 
@@ -96,10 +100,11 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
 
 
 def build_native_roots(
-    native: NativeEngine, sampler: UsageSampler | None = None
+    native: NativeEngine, sampler: UsageSampler | None = None, ollama: OllamaHost | None = None
 ) -> tuple[Resource, Resource]:
-    """(listen_root, engine_root): bankml's address with /bankml, and the engine address with
-    /slots; both answer the OpenAI and llama-server endpoints."""
+    """(listen_root, engine_root): bankml's address with /bankml (and Ollama's routes, given
+    ``ollama``), and the engine address with /slots; both answer the OpenAI and llama-server
+    endpoints."""
     if sampler is None:
         sampler = UsageSampler(
             native.reactor,
@@ -108,6 +113,8 @@ def build_native_roots(
         )
     listen_root = Branch()
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
+    if ollama is not None:
+        put_ollama_routes(listen_root, ollama)
     _put_llama_endpoints(listen_root, native, slots=False)
     engine_root = Branch()
     _put_llama_endpoints(engine_root, native, slots=True)
@@ -178,6 +185,7 @@ class NativeService(ServingService):
         self.receipt_key = receipt_key  # signs every receipt
         self.native: NativeEngine | None = None
         self.ready: Deferred[None] | None = None  # the bring-up, for tests
+        self.reaper: task.LoopingCall | None = None  # Ollama's keep-alive
 
     def startService(self) -> None:
         super().startService()
@@ -201,12 +209,16 @@ class NativeService(ServingService):
             return
         if not self.running:
             return
-        listen_root, engine_root = build_native_roots(self.native)
+        ollama = serve_ollama(self, self.native)
+        listen_root, engine_root = build_native_roots(self.native, ollama=ollama)
+        addresses = [
+            (self.options.get("listen") or DEFAULT_LISTEN, listen_root),
+            (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root),
+        ]
+        if self.options.get("ollama-listen"):
+            addresses.append((self.options["ollama-listen"], ollama_root(ollama)))
         try:
-            for address, root in (
-                (self.options.get("listen") or DEFAULT_LISTEN, listen_root),
-                (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root),
-            ):
+            for address, root in addresses:
                 self.listen(LoopbackSite(root), address)
         except Exception as err:
             self.fatal(f"cannot listen: {err}")
@@ -225,9 +237,45 @@ class NativeService(ServingService):
 
     def stopService(self) -> Any:
         stopped = super().stopService()  # the ports first: nothing new reaches the engine
+        if self.reaper is not None and self.reaper.running:
+            self.reaper.stop()
         if self.native is not None and self.native.bridge is not None:
             self.native.bridge.stop()
         return stopped
+
+
+# -- Ollama's API: its host, its reaper, its own address --------------------------------------------
+
+
+def serve_ollama(svc: NativeService, native: NativeEngine) -> OllamaHost:
+    """The Ollama host over ``native``: the catalog (``--registry`` and the startup model), the
+    keep-alive, and the reaper, a ``LoopingCall`` every second that queues the unload of an
+    expired model behind whatever the engine runs (so it never interrupts a request)."""
+    options = svc.options
+    host = make_host(native, options, log=lambda line: _log.info("{line}", line=line))
+    reaping: list[Deferred[Any]] = []
+
+    def reap() -> None:
+        bridge = native.bridge
+        if reaping or bridge is None or not host.expired():
+            return
+        d = bridge.call(host.reap)
+        reaping.append(d)
+        d.addErrback(lambda f: _log.failure("the keep-alive reaper failed", f))
+        d.addBoth(lambda _: reaping.clear())
+
+    reaper = task.LoopingCall(reap)
+    reaper.clock = svc.reactor
+    reaper.start(1.0, now=False)
+    svc.reaper = reaper
+    return host
+
+
+def ollama_root(host: OllamaHost) -> Resource:
+    """``--ollama-listen``'s tree: Ollama's routes only."""
+    root = Branch()
+    put_ollama_routes(root, host)
+    return root
 
 
 def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeService:
