@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 
 from bankml.receipt import canonical_logprobs
+from bankml.serving.vouch import FILE_CHANGED
 from tests import support
 from tests.bankml_process import BankmlProcess, copy_and_pin, sha, sse_events
 
@@ -399,3 +402,33 @@ def test_events_arrive_while_generating_and_a_disconnect_cancels_upstream(
         assert time.monotonic() < deadline, "llama-server kept generating for a gone client"
         time.sleep(0.05)
     assert predicted_total(upstream) - before < n
+
+
+# --- the file checked before every forwarded request -----------------------------------------------
+
+
+def test_every_endpoint_answers_503_while_the_file_is_not_the_verified_one(
+    p0: BankmlProcess,
+) -> None:
+    model = p0.model
+    original = model.with_name("original-inode.gguf")
+    os.link(model, original)  # keeps the verified inode to put back afterwards
+    replacement = model.with_name("replacement.gguf")
+    shutil.copyfile(model, replacement)
+    os.replace(replacement, model)  # same bytes, another inode: not the file that was hashed
+    requests = [
+        ("POST", "/completion", {"prompt": PROMPT, "n_predict": 2}),
+        ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True}),
+        ("POST", "/infill", {"input_prefix": "a", "n_predict": 2}),
+        ("POST", "/tokenize", {"content": "Hello"}),
+        ("POST", "/embedding", {"content": "Hello"}),
+        ("GET", "/slots", None),
+        ("GET", "/metrics", None),
+    ]
+    try:
+        for method, path, body in requests:
+            status, raw, _ = ask(p0.port, method, path, body)
+            assert status == 503 and json.loads(raw)["error"]["message"] == FILE_CHANGED, path
+    finally:
+        os.replace(original, model)
+    assert ask(p0.port, "POST", "/tokenize", {"content": "Hello"})[0] == 200
