@@ -432,3 +432,40 @@ def test_every_endpoint_answers_503_while_the_file_is_not_the_verified_one(
     finally:
         os.replace(original, model)
     assert ask(p0.port, "POST", "/tokenize", {"content": "Hello"})[0] == 200
+
+
+def test_the_engines_path_is_checked_before_every_completion(
+    tmp_path: Path, default_model: Path, llama_server_bin: Path
+) -> None:
+    """--upstream: the llama-server on that port is replaced by one serving another file (the
+    same bytes, another path); bankml's next completion on every endpoint is refused with
+    llama-server's /props path named, while a pass-through (a tokenize, not a model answer)
+    still answers."""
+    model, fork = copy_and_pin(default_model, tmp_path / "a")
+    other = tmp_path / "b" / "other.gguf"
+    other.parent.mkdir()
+    shutil.copyfile(model, other)
+    port = support.free_port()
+    first = support.LlamaServer(model, binary=llama_server_bin, port=port).start()
+    bankml = BankmlProcess(model, fork, ["--upstream", f"127.0.0.1:{port}"], tmp_path / "log")
+    try:
+        bankml.start()
+        body = {"prompt": PROMPT, "n_predict": 1}
+        assert ask(bankml.port, "POST", "/completion", body)[0] == 200
+        first.stop()
+        with support.LlamaServer(other, binary=llama_server_bin, port=port):
+            for path, body in (
+                ("/completion", {"prompt": PROMPT, "n_predict": 1}),
+                ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "stream": True}),
+                ("/v1/chat/completions", {"messages": CHAT_MESSAGES, "max_tokens": 1}),
+            ):
+                status, raw, _ = ask(bankml.port, "POST", path, body)
+                assert status == 503, raw
+                assert json.loads(raw)["error"]["message"] == (
+                    f"upstream 127.0.0.1:{port} serves {other}, not the verified "
+                    f"{os.path.realpath(model)}: refused"
+                )
+            assert ask(bankml.port, "POST", "/tokenize", {"content": "Hi"})[0] == 200
+    finally:
+        first.stop()
+        bankml.stop()
