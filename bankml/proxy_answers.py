@@ -12,6 +12,12 @@ Three families of completion endpoints, each with llama-server's own layout:
 - ``LLAMA_COMPLETION`` (``/completion``, ``/completions``, ``/infill``): each prompt's
   ``content`` and ``completion_probabilities``; its last event is the one with ``stop: true``
   (no ``[DONE]`` follows); several prompts answer a list of objects, each with its receipt.
+- ``RESPONSES`` (``/v1/responses``, ``/responses``): the ``output_text`` parts of the
+  ``message`` items (streamed: the ``response.output_text.delta`` pieces); the last event is
+  ``response.completed``; counts from ``usage.input_tokens``/``output_tokens``.
+- ``MESSAGES`` (``/v1/messages``, Anthropic's shape): the ``text`` blocks of ``content``
+  (streamed: the ``text_delta`` pieces); the last event is ``message_stop``; counts from
+  ``usage`` (``input_tokens`` plus the cached ``cache_read_input_tokens``, ``output_tokens``).
 
 Token counts come from ``usage``, else ``tokens_evaluated``/``tokens_predicted``, else the
 ``timings`` (``prompt_n + cache_n``, ``predicted_n``). Pure Python, no Twisted.
@@ -27,6 +33,7 @@ from typing import Any
 from bankml.receipt import Tally
 
 CHAT, OAI_COMPLETION, LLAMA_COMPLETION = "chat", "oai_completion", "llama_completion"
+RESPONSES, MESSAGES = "responses", "messages"
 
 Issue = Callable[[Tally], dict[str, Any]]
 
@@ -88,6 +95,31 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def tally_anthropic_usage(tally: Tally, usage: Any) -> None:
+    """Anthropic's ``usage``: ``input_tokens`` leaves out the cached part of the prompt."""
+    if not isinstance(usage, dict):
+        return
+    parts = [_int(usage.get(k)) for k in ("input_tokens", "cache_read_input_tokens")]
+    if parts[0] is not None:
+        tally.set_counts(parts[0] + (parts[1] or 0), None)
+    tally.set_counts(None, usage.get("output_tokens"))
+
+
+def responses_text(output: Any) -> str:
+    """The text of a Responses answer: its message items' ``output_text`` parts, in order."""
+    return "".join(
+        _text(part.get("text"))
+        for item in _dicts(output)
+        if item.get("type") == "message"
+        for part in _dicts(item.get("content"))
+        if part.get("type") == "output_text"
+    )
+
+
 # --- whole answers -------------------------------------------------------------------------------
 
 
@@ -122,6 +154,25 @@ def add_whole_receipts(
             receipts.append(issue(tally))
         answer["bankml_receipt"] = receipts[0] if len(receipts) == 1 else receipts
         return True
+    if kind == RESPONSES:
+        if not isinstance(answer, dict) or not isinstance(answer.get("output"), list):
+            return False
+        tally = new_tally()
+        tally.add_text(responses_text(answer["output"]))
+        usage = answer.get("usage")
+        if isinstance(usage, dict):
+            tally.set_counts(usage.get("input_tokens"), usage.get("output_tokens"))
+        answer["bankml_receipt"] = issue(tally)
+        return True
+    if kind == MESSAGES:
+        if not isinstance(answer, dict) or answer.get("type") != "message":
+            return False
+        tally = new_tally()
+        blocks = _dicts(answer.get("content"))
+        tally.add_text("".join(_text(b.get("text")) for b in blocks if b.get("type") == "text"))
+        tally_anthropic_usage(tally, answer.get("usage"))
+        answer["bankml_receipt"] = issue(tally)
+        return True
     objects = answer if isinstance(answer, list) else [answer]
     if not objects or not all(isinstance(o, dict) and "content" in o for o in objects):
         return False
@@ -151,7 +202,7 @@ class StreamReading:
         self.tallies: dict[int, Tally] = {}
         options = request_object(body).get("stream_options")
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        self.ends_with_done = kind != LLAMA_COMPLETION  # the OpenAI streams end with [DONE]
+        self.ends_with_done = kind in (CHAT, OAI_COMPLETION)  # those end with data: [DONE]
 
     def tally(self, index: Any) -> Tally:
         key = index if isinstance(index, int) else 0
@@ -162,6 +213,8 @@ class StreamReading:
         return self.tallies[key]
 
     def event(self, obj: dict[str, Any]) -> Tally | None:
+        if self.kind in (RESPONSES, MESSAGES):
+            return self._typed_event(obj)
         if self.kind == LLAMA_COMPLETION:
             tally = self.tally(obj.get("index", 0))
             tally.add_text(_text(obj.get("content")))
@@ -189,3 +242,31 @@ class StreamReading:
             ended = self.tally(0)
             tally_counts(ended, obj)
         return ended
+
+    def _typed_event(self, obj: dict[str, Any]) -> Tally | None:
+        """The Responses and Messages streams: typed events, one answer, a named last event."""
+        tally, kind = self.tally(0), obj.get("type")
+        if kind == "response.output_text.delta":
+            tally.add_text(_text(obj.get("delta")))
+        elif kind == "response.completed":
+            response = obj.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            if isinstance(usage, dict):
+                tally.set_counts(usage.get("input_tokens"), usage.get("output_tokens"))
+            return tally
+        elif kind == "content_block_delta":
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and delta.get("type") == "text_delta":
+                tally.add_text(_text(delta.get("text")))
+        elif kind == "message_start":
+            message = obj.get("message")
+            tally_anthropic_usage(
+                tally, message.get("usage") if isinstance(message, dict) else None
+            )
+        elif kind == "message_delta":
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                tally.set_counts(None, usage.get("output_tokens"))
+        elif kind == "message_stop":
+            return tally
+        return None

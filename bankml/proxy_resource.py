@@ -14,8 +14,8 @@
   * streamed (llama-server answers ``text/event-stream``): every upstream SSE event written to
     the client as soon as it is complete, bytes unchanged, the text, logprobs and counts
     collected on the way; the event that ends an answer (``stop: true`` on ``/completion``, the
-    ``finish_reason`` chunk, or the usage chunk when the request set
-    ``stream_options.include_usage``) gains ``bankml_receipt`` as its last field, after the
+    ``finish_reason`` chunk, the usage chunk when the request set
+    ``stream_options.include_usage``, ``response.completed``, ``message_stop``) gains ``bankml_receipt`` as its last field, after the
     file is checked once more, so every event a client reads is a regular one;
   * an upstream error status: passed through with its body, no receipt;
   * an upstream body, or one SSE line, over 64 MiB: refused before it is held (502, or an SSE

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.llama_server
 
 ALIAS = "p0-smollm"
 EXTRA = ["-ngl", "0", "--embeddings", "--metrics", "--slots", "-a", ALIAS, "-b", "256"]
-VOLATILE = {"created", "id", "timings", "id_task", "t_start_process_prompt", "t_start_generation"}
+VOLATILE = {"created", "created_at", "completed_at", "id", "item_id", "timings", "id_task"}
 
 
 class SpawnedWithExtra(BankmlProcess):
@@ -281,6 +281,68 @@ def test_chat_streamed_receipt_rides_on_the_last_chunk(
     check_receipt(last["bankml_receipt"], json.dumps(body).encode(), text, entries, counts)
 
 
+def typed_events(raw: bytes) -> list[tuple[str, Any]]:
+    """A typed stream's (event name, data) pairs (the Responses and Messages APIs)."""
+    out = []
+    for event in sse_events(raw):
+        lines = dict(line.split(b": ", 1) for line in event.split(b"\n"))
+        out.append((lines[b"event"].decode(), json.loads(lines[b"data"])))
+    return out
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/responses"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses(p0: BankmlProcess, path: str, stream: bool) -> None:
+    body = {"input": "Name a colour.", "max_output_tokens": 6, "temperature": 0, "stream": stream}
+    body["cache_prompt"] = False
+    (s1, mine, _), (s2, theirs, _) = both(p0, "POST", path, body)
+    assert s1 == s2 == 200
+    raw = json.dumps(body).encode()
+    if not stream:
+        answer = json.loads(mine)
+        assert stable(without_receipt(answer)) == stable(json.loads(theirs))
+        text = "".join(p["text"] for item in answer["output"] for p in item["content"])
+        usage = answer["usage"]
+        counts = (usage["input_tokens"], usage["output_tokens"])
+        check_receipt(answer["bankml_receipt"], raw, text, None, counts)
+        return
+    a, b = typed_events(mine), typed_events(theirs)
+    assert [(n, stable(without_receipt(d))) for n, d in a] == [(n, stable(d)) for n, d in b]
+    assert [i for i, (_, d) in enumerate(a) if "bankml_receipt" in d] == [len(a) - 1]
+    name, last = a[-1]
+    assert name == "response.completed"
+    text = "".join(d["delta"] for n, d in a if n == "response.output_text.delta")
+    usage = last["response"]["usage"]
+    counts = (usage["input_tokens"], usage["output_tokens"])
+    check_receipt(last["bankml_receipt"], raw, text, None, counts)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_messages(p0: BankmlProcess, stream: bool) -> None:
+    body = {"messages": CHAT_MESSAGES, "max_tokens": 6, "temperature": 0, "stream": stream}
+    body["cache_prompt"] = False
+    (s1, mine, _), (s2, theirs, _) = both(p0, "POST", "/v1/messages", body)
+    assert s1 == s2 == 200
+    raw = json.dumps(body).encode()
+    if not stream:
+        answer = json.loads(mine)
+        assert stable(without_receipt(answer)) == stable(json.loads(theirs))
+        usage = answer["usage"]
+        counts = (usage["input_tokens"] + usage["cache_read_input_tokens"], usage["output_tokens"])
+        text = "".join(block["text"] for block in answer["content"])
+        check_receipt(answer["bankml_receipt"], raw, text, None, counts)
+        return
+    a, b = typed_events(mine), typed_events(theirs)
+    assert [(n, stable(without_receipt(d))) for n, d in a] == [(n, stable(d)) for n, d in b]
+    assert [i for i, (_, d) in enumerate(a) if "bankml_receipt" in d] == [len(a) - 1]
+    assert a[-1][0] == "message_stop"
+    text = "".join(d["delta"]["text"] for n, d in a if n == "content_block_delta")
+    start = a[0][1]["message"]["usage"]
+    out = [d["usage"]["output_tokens"] for n, d in a if n == "message_delta"][-1]
+    counts = (start["input_tokens"] + start["cache_read_input_tokens"], out)
+    check_receipt(a[-1][1]["bankml_receipt"], raw, text, None, counts)
+
+
 def test_infill_passes_llama_servers_refusal_through(p0: BankmlProcess) -> None:
     body = {"input_prefix": "def f(", "input_suffix": "):\n", "n_predict": 2}
     (s1, mine, _), (s2, theirs, _) = both(p0, "POST", "/infill", body)
@@ -357,7 +419,7 @@ def test_slots_and_metrics_answer_as_llama_server(p0: BankmlProcess) -> None:
     assert names.findall(mine) == names.findall(theirs) != []
 
 
-@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/stream"])
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/stream"])
 def test_apis_without_a_receipt_are_refused_not_passed_unvouched(
     p0: BankmlProcess, path: str
 ) -> None:

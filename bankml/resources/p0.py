@@ -22,7 +22,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.gateway import Gateway
-from bankml.proxy_answers import CHAT, LLAMA_COMPLETION, OAI_COMPLETION
+from bankml.proxy_answers import CHAT, LLAMA_COMPLETION, MESSAGES, OAI_COMPLETION, RESPONSES
 from bankml.proxy_resource import CompletionProxy, Forward
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.description import ApiDescription
@@ -37,6 +37,9 @@ COMPLETIONS: dict[str, str] = {  # POST path -> how its answers are read for the
     "/v1/completions": OAI_COMPLETION,
     "/chat/completions": CHAT,
     "/v1/chat/completions": CHAT,
+    "/v1/responses": RESPONSES,
+    "/responses": RESPONSES,
+    "/v1/messages": MESSAGES,
 }
 
 FORWARDED: dict[str, frozenset[str]] = {  # path -> the methods llama-server answers on it
@@ -75,9 +78,6 @@ FORWARDED: dict[str, frozenset[str]] = {  # path -> the methods llama-server ans
 # than passed through without one
 NO_RECEIPT_YET = frozenset(
     {
-        "/v1/responses",
-        "/responses",
-        "/v1/messages",
         "/v1/audio/transcriptions",
         "/audio/transcriptions",
         "/v1/stream",
