@@ -34,6 +34,7 @@ class MockLlama:
     die_after: int | None = None  # drop the connection after this many streamed pieces
     declared_length: int | None = None  # a Content-Length to declare on the non-streamed answer
     long_line_bytes: int = 0  # one streamed data line this long before the pieces
+    before_finish: Any = None  # called just before a stream's finish chunk is written
     requests: list[bytes] = field(default_factory=list)
     props_requests: int = 0
     cancelled: int = 0  # streams whose client went away before the end
@@ -241,6 +242,8 @@ class _Stream:
             self.sent += 1
             self.call = mock.reactor.callLater(mock.piece_delay, self._next)
             return
+        if mock.before_finish is not None:
+            mock.before_finish()
         timings = {"prompt_n": mock.prompt_tokens, "predicted_n": len(mock.pieces)}
         last = chunk({"index": 0, "finish_reason": "stop", "delta": {}})
         if not self.usage:

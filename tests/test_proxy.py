@@ -329,6 +329,22 @@ async def test_model_file_replaced_answers_503_without_receipt(front: Front) -> 
 
 
 @pytest_twisted.ensureDeferred
+async def test_file_replaced_mid_stream_ends_it_with_an_error_not_a_receipt(front: Front) -> None:
+    def replace_the_file() -> None:  # after the pieces, before the chunk the receipt rides in
+        copy = front.model.with_suffix(".copy")
+        shutil.copyfile(front.model, copy)
+        os.replace(copy, front.model)
+
+    front.mock.before_finish = replace_the_file
+    response, raw, _ = await chat(front, {**CHAT, "stream": True})
+    assert response.code == 200
+    events = events_of(raw)
+    assert [json.loads(e[6:])["choices"][0]["delta"].get("content") for e in events[1:3]] == PIECES
+    assert json.loads(events[-1][6:])["error"]["message"] == FILE_CHANGED
+    assert b"bankml_receipt" not in raw and b"[DONE]" not in raw
+
+
+@pytest_twisted.ensureDeferred
 async def test_engine_serving_another_path_answers_503(front: Front) -> None:
     front.mock.model_path = "/elsewhere/other.gguf"
     response, raw, _ = await chat(front, CHAT)
