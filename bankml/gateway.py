@@ -188,7 +188,8 @@ class Gateway:
 
     def receipt(self, tally: Tally, *, ttft_measured: bool = True) -> dict[str, Any]:
         """The receipt of one answer llama-server gave through the gateway: signed when the
-        tally holds the request as forwarded (``vouch.forwarded_tally``) and there is a key."""
+        tally holds the request as forwarded (``proxy_answers.forwarded_request``) and there is a
+        key."""
         facts = None
         if tally.forwarded is not None:
             facts = forwarded_facts(

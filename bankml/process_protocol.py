@@ -3,7 +3,9 @@
 `EngineProcess` is a twisted Service:
 
 - `start()` (called by tap's service once the reactor runs) refuses if something already answers
-  on the upstream address, launches llama-server with a fixed argument list, waits up to 900 s for
+  on the upstream address, launches llama-server (bankml's arguments, then the user's extra
+  ones given after `--`, which llama_args.py checked; the environment variables that would do a
+  refused argument's work are removed), waits up to 900 s for
   `/health` (polling), and fails at once if the process exits first. Then it requires `/props`
   `model_path` to be the verified canonical path, as `--upstream` does.
 - llama-server's stdout and stderr go to twisted.logger, line by line (namespace
@@ -28,7 +30,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.application import service
@@ -39,6 +41,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from bankml import gateway as gw
+from bankml import llama_args
 from bankml.gate.verify import Refused, Verified, verify
 from bankml.gateway import Gateway
 
@@ -75,9 +78,12 @@ def llama_server_args(
     ctx: int,
     slot_dir: str | None = None,
     spec_ngram: bool = False,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """llama-server's command line for the verified file (all of it accepted by the pinned build
-    11434, checked with --help)."""
+    11434, checked with --help), the user's `extra` arguments last (checked by
+    llama_args.refusal before anything starts); bankml's defaults that `extra` sets itself are
+    left out."""
     args = [
         binary,
         "-m",
@@ -90,18 +96,13 @@ def llama_server_args(
         str(threads),
         "-c",
         str(ctx),
-        "-np",
-        "1",
-        "--jinja",
-        "--reasoning",
-        "off",
-        "--no-webui",
+        *llama_args.defaults_for(extra),
     ]
     if spec_ngram:
         args += ["--spec-type", "ngram-simple"]
     if slot_dir:
         args += ["--slot-save-path", slot_dir]
-    return args
+    return args + list(extra)
 
 
 def with_deathsig(args: list[str]) -> tuple[str, list[str]]:
@@ -165,6 +166,7 @@ class EngineProcess(service.Service):
         ctx: int,
         slot_dir: str | None = None,
         spec_ngram: bool = False,
+        extra_args: Sequence[str] = (),
         health_timeout: float = HEALTH_TIMEOUT_S,
         reverify: Callable[[str, str], Verified] = verify,
     ) -> None:
@@ -172,6 +174,7 @@ class EngineProcess(service.Service):
         self.binary = binary
         self.threads, self.ctx = threads, ctx
         self.slot_dir, self.spec_ngram = slot_dir, spec_ngram
+        self.extra_args = list(extra_args)
         self.health_timeout = health_timeout
         self.reverify = reverify
         self.reactor = gateway.reactor
@@ -197,6 +200,7 @@ class EngineProcess(service.Service):
             self.ctx,
             self.slot_dir,
             self.spec_ngram,
+            self.extra_args,
         )
 
     @inlineCallbacks
@@ -230,7 +234,8 @@ class EngineProcess(service.Service):
         executable, argv = with_deathsig(args)
         self.starts += 1
         self.proto = _EngineProtocol(self._ended)
-        self.transport = self.reactor.spawnProcess(self.proto, executable, argv, env=os.environ)
+        env = llama_args.engine_environment(os.environ)
+        self.transport = self.reactor.spawnProcess(self.proto, executable, argv, env=env)
         self.pid = (
             self.transport.pid
         )  # kept: Twisted clears transport.pid once the process is reaped

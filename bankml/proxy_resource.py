@@ -1,16 +1,22 @@
-"""P0: forwarding to llama-server, with a receipt on every chat answer.
+"""P0: forwarding to llama-server, with a receipt on every completion answer.
 
-- ``ProxyGet(gateway, path)``: ``GET /health``, ``/props``, ``/v1/models`` passed through (status,
-  content type and body), after the cheap checks (engine state, file identity).
-- ``ChatProxy(gateway)``: ``POST /v1/chat/completions``. Before forwarding: the engine state,
-  the file identity, and the engine's ``/props`` ``model_path``. Then:
+- ``Forward(gateway)``: any other llama-server endpoint (``/health``, ``/props``, ``/tokenize``,
+  ``/embedding``, ``/slots``, ``/metrics``, ...): the request's method, path, query, body and
+  ``Content-Type``/``Authorization``/``Accept`` forwarded as they are, llama-server's status,
+  headers (less hop-by-hop and CORS ones, which bankml's site decides) and body passed back,
+  after the cheap checks (engine state, file identity).
+- ``CompletionProxy(gateway, kind)``: the completion endpoints (bankml/proxy_answers.py names
+  them and how each is read). Before forwarding: the engine state, the file identity, and the
+  engine's ``/props`` ``model_path``. Then:
 
-  * not streamed: the upstream JSON with a top-level ``bankml_receipt`` added;
-  * streamed (``"stream": true``): every upstream SSE event written to the client once the next
-    one is complete (bytes unchanged), the content deltas and the usage collected on the way;
-    the last chunk before ``data: [DONE]`` (the usage chunk with ``include_usage``, else the
-    one with ``finish_reason``) is held back until then and written with ``bankml_receipt``
-    added as its last field, so every event a client reads is a regular chunk;
+  * not streamed: the upstream JSON with ``bankml_receipt`` added (top-level; in each object of
+    a several-prompt ``/completion`` list);
+  * streamed (llama-server answers ``text/event-stream``): every upstream SSE event written to
+    the client as soon as it is complete, bytes unchanged, the text, logprobs and counts
+    collected on the way; the event that ends an answer (``stop: true`` on ``/completion``, the
+    ``finish_reason`` chunk, the usage chunk when the request set
+    ``stream_options.include_usage``, ``response.completed``, ``message_stop``) gains ``bankml_receipt`` as its last field, after the
+    file is checked once more, so every event a client reads is a regular one;
   * an upstream error status: passed through with its body, no receipt;
   * an upstream body, or one SSE line, over 64 MiB: refused before it is held (502, or an SSE
     error event when the stream has started);
@@ -40,11 +46,13 @@ from twisted.web.server import NOT_DONE_YET, Request
 from bankml import gateway as gw
 from bankml.formats.errors import error_object
 from bankml.gateway import Gateway, UpstreamTooLarge, check_length
+from bankml.proxy_answers import (
+    StreamReading,
+    add_whole_receipts,
+    forwarded_request,
+)
 from bankml.receipt import Tally
-from bankml.receipts.answer import prompt_of_timings
-from bankml.serving.vouch import forwarded_tally
 from bankml.serving.writers import (
-    JSON,
     SSE,
     JsonResource,
     gone,
@@ -56,6 +64,17 @@ from bankml.serving.writers import (
 _log = Logger(namespace="bankml.proxy")
 
 FORWARDED_REQUEST_HEADERS = (b"content-type", b"authorization", b"accept")
+# not passed back: the connection's own, those bankml writes itself, and CORS (bankml's site's)
+DROPPED_RESPONSE_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"server",
+        b"date",
+    }
+)
 
 
 # --- small answers -------------------------------------------------------------------------------
@@ -153,102 +172,42 @@ def read_bounded(response: Any, limit: int | None = None) -> tuple[_BodyReader, 
     return reader, reader.done.addCallback(lambda _: b"".join(parts))
 
 
-# --- GET pass-through ----------------------------------------------------------------------------
+# --- pass-through --------------------------------------------------------------------------------
 
 
-class ProxyGet(JsonResource):
-    """A GET passed through to the same path on llama-server."""
-
-    isLeaf = True
-
-    def __init__(self, gateway: Gateway, path: str) -> None:
-        super().__init__()
-        self.gateway = gateway
-        self.path = path
-
-    def render_GET(self, request: Request) -> Any:
-        if refuse_unavailable(self.gateway, request):
-            return NOT_DONE_YET
-        self._forward(request)
-        return NOT_DONE_YET
-
-    @inlineCallbacks
-    def _forward(self, request: Request) -> Any:
-        query = request.uri.partition(b"?")[2]
-        path = self.path + ("?" + query.decode("ascii", "replace") if query else "")
-        try:
-            response = yield self.gateway.request(b"GET", path, headers=forwarded_headers(request))
-            reader, body_d = read_bounded(response)
-            request.notifyFinish().addErrback(lambda _: reader.abort())
-            body = yield body_d
-        except Exception:
-            status, message = upstream_failure_message(Failure())
-            write_error(
-                request, status, message, self.gateway.retry_after_s if status == 503 else None
-            )
-            return
-        if gone(request):
-            return
-        request.setResponseCode(response.code)
-        for name in (b"content-type",):
-            for value in response.headers.getRawHeaders(name, []):
-                request.setHeader(name, value)
-        request.setHeader(b"content-length", str(len(body)).encode())
-        request.write(body)
-        request.finish()
+def upstream_path(request: Request) -> str:
+    """The request's path and query, as llama-server is asked them."""
+    path = request.path.decode("ascii", "replace")
+    query = request.uri.partition(b"?")[2]
+    return path + ("?" + query.decode("ascii", "replace") if query else "")
 
 
-# --- POST /v1/chat/completions -------------------------------------------------------------------
+def copy_response_headers(request: Request, response: Any) -> None:
+    for name, values in response.headers.getAllRawHeaders():
+        lower = name.lower()
+        if lower in DROPPED_RESPONSE_HEADERS or lower.startswith(b"access-control-"):
+            continue
+        request.responseHeaders.setRawHeaders(name, values)
 
 
-def wants_stream(body: bytes) -> bool:
-    """Whether the request asks for SSE; a body that is not JSON is forwarded as it is, so
-    llama-server's own 400 message reaches the client."""
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):  # nested past the recursion limit: not JSON either
-        return False
-    return isinstance(parsed, dict) and parsed.get("stream") is True
+def write_failure(request: Request, gateway: Gateway, failure: Failure) -> None:
+    status, message = upstream_failure_message(failure)
+    write_error(request, status, message, gateway.retry_after_s if status == 503 else None)
 
 
-def first_choice(obj: Any) -> dict[str, Any] | None:
-    choices = obj.get("choices") if isinstance(obj, dict) else None
-    if not isinstance(choices, list):
-        return None
-    for choice in choices:
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
-            return choice
-    return None
+def pass_through(request: Request, response: Any, raw: bytes) -> None:
+    """llama-server's status, headers and body, as they came."""
+    if gone(request):
+        return
+    request.setResponseCode(response.code)
+    copy_response_headers(request, response)
+    request.setHeader(b"content-length", str(len(raw)).encode())
+    request.write(raw)
+    request.finish()
 
 
-def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
-    """Token counts from `usage`, else from llama-server's `timings` (a stream sends usage only
-    when asked with stream_options.include_usage, and timings always: the prompt is its
-    ``prompt_n`` evaluated plus its ``cache_n`` reused, as usage counts it); the finish reason of
-    choice 0 and `timings.cache_n`, for the signed receipt."""
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        tally.set_counts(usage.get("prompt_tokens"), usage.get("completion_tokens"))
-    timings = obj.get("timings")
-    if isinstance(timings, dict):
-        if tally.prompt_tokens is None:
-            tally.set_counts(prompt_of_timings(timings), None)
-        if tally.completion_tokens is None:
-            tally.set_counts(None, timings.get("predicted_n"))
-        tally.set_end(None, timings.get("cache_n"))
-    choice = first_choice(obj)
-    if choice is not None:
-        tally.set_end(choice.get("finish_reason"), None)
-
-
-def tally_logprobs(tally: Tally, choice: dict[str, Any]) -> None:
-    logprobs = choice.get("logprobs")
-    if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
-        tally.add_logprobs(logprobs["content"])
-
-
-class ChatProxy(JsonResource):
-    """POST /v1/chat/completions through to llama-server, with the receipt added."""
+class Forward(JsonResource):
+    """Any request passed through to the same path on llama-server."""
 
     isLeaf = True
 
@@ -256,42 +215,78 @@ class ChatProxy(JsonResource):
         super().__init__()
         self.gateway = gateway
 
+    def render(self, request: Request) -> Any:
+        body = request.content.read() if request.method not in (b"GET", b"HEAD") else None
+        if refuse_unavailable(self.gateway, request):
+            return NOT_DONE_YET
+        self._forward(request, body)
+        return NOT_DONE_YET
+
+    @inlineCallbacks
+    def _forward(self, request: Request, body: bytes | None) -> Any:
+        method = b"GET" if request.method == b"HEAD" else request.method
+        try:
+            response = yield self.gateway.request(
+                method, upstream_path(request), body=body, headers=forwarded_headers(request)
+            )
+            reader, body_d = read_bounded(response)
+            request.notifyFinish().addErrback(lambda _: reader.abort())
+            raw = yield body_d
+        except Exception:
+            write_failure(request, self.gateway, Failure())
+            return
+        pass_through(request, response, raw)
+
+
+# --- completion endpoints ------------------------------------------------------------------------
+
+
+def is_event_stream(response: Any) -> bool:
+    content_type = (response.headers.getRawHeaders(b"content-type") or [b""])[-1]
+    return content_type.split(b";")[0].strip().lower() == SSE
+
+
+class CompletionProxy(JsonResource):
+    """A completion endpoint through to llama-server, with the receipt added."""
+
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway, kind: str) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self.kind = kind
+
     def render_POST(self, request: Request) -> Any:
         body = request.content.read()
-        tally = forwarded_tally(body, "chat")  # a seed drawn where the request named none
         if not refuse_unavailable(self.gateway, request):
-            self._answer(request, body, tally).addErrback(self._unexpected, request)
+            self._answer(request, body).addErrback(self._unexpected, request)
         return NOT_DONE_YET
 
     def _unexpected(self, failure: Failure, request: Request) -> None:
-        _log.failure("chat proxy failed", failure)
+        _log.failure("completion proxy failed", failure)
         if not request.startedWriting:
             write_error(request, 502, f"bankml gateway error: {failure.getErrorMessage()}")
         elif not request.finished:
             request.finish()
 
     @inlineCallbacks
-    def _answer(self, request: Request, body: bytes, tally: Tally) -> Any:
-        gone = [False]
-        request.notifyFinish().addErrback(lambda _: gone.__setitem__(0, True))
+    def _answer(self, request: Request, body: bytes) -> Any:
+        # its clock starts with the request; a seed is drawn where the request named none
+        reading = StreamReading(self.kind, body, forwarded=forwarded_request(body, self.kind))
+        left = [False]
+        request.notifyFinish().addErrback(lambda _: left.__setitem__(0, True))
         try:
             problem = yield self.gateway.check_engine_path()
         except Exception:
-            status, message = upstream_failure_message(Failure())
-            write_error(
-                request, status, message, self.gateway.retry_after_s if status == 503 else None
-            )
+            write_failure(request, self.gateway, Failure())
             return
-        if gone[0]:
+        if left[0]:
             return
         if problem is not None:
             write_error(request, 503, problem)
             return
         pending = self.gateway.request(
-            b"POST",
-            "/v1/chat/completions",
-            body=tally.forwarded.body,
-            headers=forwarded_headers(request),
+            b"POST", upstream_path(request), body=reading.sent, headers=forwarded_headers(request)
         )
         request.notifyFinish().addErrback(lambda _: pending.cancel())
         try:
@@ -299,66 +294,49 @@ class ChatProxy(JsonResource):
         except CancelledError:
             return
         except Exception:
-            status, message = upstream_failure_message(Failure())
-            write_error(
-                request, status, message, self.gateway.retry_after_s if status == 503 else None
-            )
+            write_failure(request, self.gateway, Failure())
             return
-        if response.code == 200 and wants_stream(body):
-            yield self._stream(request, response, tally)
+        if response.code == 200 and is_event_stream(response):
+            yield self._stream(request, response, reading)
         else:
-            yield self._whole(request, response, tally)
+            yield self._whole(request, response, reading)
 
     @inlineCallbacks
-    def _whole(self, request: Request, response: Any, tally: Tally) -> Any:
+    def _whole(self, request: Request, response: Any, reading: StreamReading) -> Any:
         reader, body_d = read_bounded(response)
         request.notifyFinish().addErrback(lambda _: reader.abort())
         try:
             raw = yield body_d
         except Exception:
-            status, message = upstream_failure_message(Failure())
-            write_error(
-                request, status, message, self.gateway.retry_after_s if status == 503 else None
-            )
+            write_failure(request, self.gateway, Failure())
             return
-        content_type = (response.headers.getRawHeaders(b"content-type") or [JSON])[-1]
         if response.code != 200:
-            self._pass_through(request, response.code, content_type, raw)
+            pass_through(request, response, raw)
             return
         try:
             answer = json.loads(raw)
         except ValueError:
             write_error(request, 502, "llama-server answered 200 with a body that is not JSON")
             return
-        choice = first_choice(answer)
-        if choice is None or not isinstance(answer, dict):
-            self._pass_through(request, 200, content_type, raw)  # not a chat completion: no receipt
-            return
-        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
-        content = message.get("content")
-        tally.add_text(content if isinstance(content, str) else "")
-        tally_logprobs(tally, choice)
-        tally_counts(tally, answer)
         problem = self.gateway.identity_problem()
         if problem is not None:
             write_error(request, 503, problem)
             return
-        answer["bankml_receipt"] = self.gateway.receipt(tally, ttft_measured=False)
+
+        def issue(tally: Tally) -> dict[str, Any]:
+            return self.gateway.receipt(tally, ttft_measured=False)
+
+        if not add_whole_receipts(
+            self.kind, answer, lambda: reading.tally(len(reading.tallies)), issue
+        ):
+            pass_through(request, response, raw)  # not an answer of this kind: no receipt
+            return
         write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
 
-    @staticmethod
-    def _pass_through(request: Request, status: int, content_type: bytes, raw: bytes) -> None:
-        if gone(request):
-            return
-        request.setResponseCode(status)
-        request.setHeader(b"content-type", content_type)
-        request.setHeader(b"content-length", str(len(raw)).encode())
-        request.write(raw)
-        request.finish()
-
-    def _stream(self, request: Request, response: Any, tally: Tally) -> Deferred[None]:
-        relay = SSERelay(self.gateway, request, tally)
+    def _stream(self, request: Request, response: Any, reading: StreamReading) -> Deferred[None]:
+        relay = SSERelay(self.gateway, request, reading)
         reader = _BodyReader(relay.feed)
+        relay.reader = reader
         response.deliverBody(reader)
         request.notifyFinish().addErrback(lambda _: reader.abort())
         return reader.done.addCallbacks(lambda _: relay.upstream_ended(None), relay.upstream_ended)
@@ -381,22 +359,22 @@ def with_receipt(event: bytes, r: dict[str, Any]) -> bytes:
 
 
 class SSERelay:
-    """Forwards llama-server's SSE events and puts the receipt inside the last one before [DONE].
+    """Forwards llama-server's SSE events as each one completes, and puts each answer's receipt
+    inside the event that ends it (StreamReading says which). Every other event's bytes pass
+    unchanged; that one gains only the field."""
 
-    One event is held back: the latest chunk that is a JSON object (with whatever followed it),
-    written as soon as the next such chunk arrives, or at [DONE] with ``bankml_receipt`` added.
-    Every other event's bytes pass unchanged; the held one gains only that field."""
-
-    def __init__(self, gateway: Gateway, request: Request, tally: Tally) -> None:
+    def __init__(self, gateway: Gateway, request: Request, reading: StreamReading) -> None:
         self.gateway = gateway
         self.request = request
-        self.tally = tally
+        self.reading = reading
+        self.reader: _BodyReader | None = None
         self.buffer = bytearray()
         self.event: list[bytes] = []
         self.event_size = 0
-        self.held: list[bytes] = []  # the last JSON-object chunk, then anything after it
+        self.receipts = 0  # receipts written
         self.done = False  # [DONE] seen and written
-        self.errored = False  # an error event passed: no receipt
+        self.errored = False  # an error event passed: no receipt after it
+        self.stopped = False  # bankml ended the stream itself (the file changed)
         self.ended = False
         request.setResponseCode(200)
         request.setHeader(b"content-type", SSE)
@@ -427,55 +405,32 @@ class SSERelay:
         self._event(event)
 
     def _event(self, event: bytes) -> None:
+        if self.stopped:
+            return
         payloads = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
         if payloads == [b"[DONE]"]:
-            self._finish_with_receipt(event)
-            return
-        objects = [self._collect(payload) for payload in payloads]
-        if len(objects) == 1 and objects[0] is not None and "error" not in objects[0]:
-            self._flush()  # a new last chunk: the one held so far is not the last
-        elif not self.held:
+            self.done = True
             self._write(event)
             return
-        self.held.append(event)
-
-    def _collect(self, payload: bytes) -> dict[str, Any] | None:
-        """Tally one payload; the object it holds, or None when it is not a JSON object."""
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict):
-            return None
-        if "error" in obj:
+        objects = [_json_object(payload) for payload in payloads]
+        if any(obj is not None and "error" in obj for obj in objects):
             self.errored = True
-            return obj
-        choice = first_choice(obj)
-        if choice is not None:
-            delta = choice.get("delta")
-            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-                self.tally.add_text(delta["content"])
-            tally_logprobs(self.tally, choice)
-        tally_counts(self.tally, obj)
-        return obj
-
-    def _flush(self) -> None:
-        """Write what is held back, unchanged."""
-        held, self.held = self.held, []
-        if held:
-            self._write(b"".join(held))
-
-    def _finish_with_receipt(self, done_event: bytes) -> None:
+        if self.errored or len(objects) != 1 or objects[0] is None:
+            self._write(event)
+            return
+        ended = self.reading.event(objects[0])
+        if ended is None:
+            self._write(event)
+            return
         problem = self.gateway.identity_problem()
         if problem is not None:
-            self._flush()
             self._error_event(problem)
+            self.stopped = True
+            if self.reader is not None:
+                self.reader.abort()
             return
-        if not self.errored and self.held:
-            self.held[0] = with_receipt(self.held[0], self.gateway.receipt(self.tally))
-        self._flush()
-        self._write(done_event)
-        self.done = True
+        self._write(with_receipt(event, self.gateway.receipt(ended)))
+        self.receipts += 1
 
     def _write(self, data: bytes) -> None:
         if not gone(self.request):
@@ -485,8 +440,14 @@ class SSERelay:
         self._write(sse_event(error_object(502, message)))
         self.errored = True
 
+    def _complete(self) -> bool:
+        """Whether the stream reached its proper end."""
+        if self.reading.ends_with_done:
+            return self.done
+        return self.receipts > 0 and len(self.reading.tallies) <= self.receipts
+
     def upstream_ended(self, failure: Failure | None) -> None:
-        """The upstream body ended: cleanly after [DONE], or not (died, refused, cut)."""
+        """The upstream body ended: cleanly after its last event, or not (died, refused, cut)."""
         if self.ended:
             return
         self.ended = True
@@ -499,12 +460,12 @@ class SSERelay:
         ):
             write_error(self.request, 502, str(failure.value))
             return
-        if not self.done:
-            self._flush()
+        if not self.stopped and (failure is not None or not self._complete()):
             if failure is not None and failure.check(UpstreamTooLarge):
                 reason = str(failure.value)
             else:
-                reason = "llama-server ended the stream before [DONE]"
+                last = "[DONE]" if self.reading.ends_with_done else "its last event"
+                reason = f"llama-server ended the stream before {last}"
                 if failure is not None and failure.check(ResponseFailed, ConnectionClosed):
                     reason += " (connection lost)"
                 elif failure is not None:
@@ -513,3 +474,11 @@ class SSERelay:
             if not self.errored:
                 self._error_event(reason)
         self.request.finish()
+
+
+def _json_object(payload: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None

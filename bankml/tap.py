@@ -1,13 +1,14 @@
 """`bankml serve` and `twistd bankml`: one Options class, one makeService.
 
     bankml serve FILE --fork FORK.json (--spawn BIN | --upstream HOST:PORT) [--listen 127.0.0.1:18093]
-                 [--threads 3] [--ctx 4096] [--slot-dir D] [--spec-ngram]
+                 [--threads 3] [--ctx 4096] [--slot-dir D] [--spec-ngram] [-- LLAMA-SERVER ARGS]
     twistd -n bankml --fork FORK.json FILE ...      # the same options, in the foreground
     twistd --pidfile P --logfile L bankml ...       # the same, as a daemon
 
 Order of events (nothing listens until the file has passed verify):
 
-1. `Options` parse and check the arguments (a bad --listen is refused here).
+1. `Options` parse and check the arguments (a bad --listen is refused here, and so is an extra
+   llama-server argument after `--` that llama_args.py refuses, or any without --spawn).
 2. `makeService` runs `verify` (guard, then the whole-file sha256 against the pin) before the
    reactor starts; a refusal prints ``refuse: <reason>`` and exits with verify's code (2, or 1
    for an unreadable file, 3 for a truncated header). Under twistd this happens before it
@@ -47,7 +48,7 @@ from twisted.logger import (
 from twisted.python import usage
 from twisted.web.server import Site
 
-from bankml import __version__
+from bankml import __version__, llama_args
 from bankml import gateway as gw
 from bankml.gate.verify import sha256_file
 from bankml.gateway import Gateway, make_agent
@@ -73,7 +74,7 @@ UPSTREAM_WAIT_S = 10.0
 class Options(usage.Options):
     synopsis = (
         "FILE --fork FORK.json (--spawn BIN | --upstream HOST:PORT) [--listen ADDR] "
-        "[--threads N] [--ctx N] [--slot-dir D] [--spec-ngram]"
+        "[--threads N] [--ctx N] [--slot-dir D] [--spec-ngram] [-- LLAMA-SERVER ARGS (--spawn)]"
     )
     longdesc = (
         "Serve a verified GGUF model on loopback in front of llama-server, with a receipt "
@@ -136,8 +137,14 @@ class Options(usage.Options):
 
     def parseOptions(self, options: list[str] | None = None) -> None:
         """The usage writes FILE first (`bankml serve FILE --fork F`); Twisted's parser stops at
-        the first positional, so options are moved ahead of it (GNU getopt order) first."""
-        args = registry_with_default(sys.argv[1:] if options is None else list(options))
+        the first positional, so options are moved ahead of it (GNU getopt order) first.
+        Everything after the first `--` is llama-server's (`engine_args`), kept out of that."""
+        args = sys.argv[1:] if options is None else list(options)
+        self["engine_args"] = []
+        if "--" in args:
+            cut = args.index("--")
+            args, self["engine_args"] = args[:cut], args[cut + 1 :]
+        args = registry_with_default(args)
         try:
             opts, positional = getopt.gnu_getopt(args, self.shortOpt, self.longOpt)
         except getopt.GetoptError as err:
@@ -188,6 +195,14 @@ class Options(usage.Options):
             )
         self.check_ollama()
         self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
+        if self["engine_args"] and self["mode"] != "spawn":
+            raise usage.UsageError(
+                "llama-server arguments after -- need --spawn: "
+                "they are passed to the llama-server bankml launches"
+            )
+        refused = llama_args.refusal(self["engine_args"])
+        if refused is not None:
+            raise usage.UsageError(refused)
         # the engine's cache settings: read from the environment here, and only here
         self["cache_type"] = os.environ.get("BANKML_CACHE_TYPE")
         self["cache_ram"] = os.environ.get("BANKML_CACHE_RAM")
@@ -328,7 +343,10 @@ def makeService(options: Options) -> service.IService:
         reactor=reactor,
         # the signing key, and the engine's identity in every receipt where bankml knows it
         receipt_key=receipt_key,
-        cache_type="f16" if spawned else None,  # llama-server's default: bankml names none
+        # llama-server's f16, unless the extra arguments name another K cache type
+        cache_type=(llama_args.value_of(options["engine_args"], llama_args.CACHE_TYPE_K) or "f16")
+        if spawned
+        else None,
         engine_digest=sha256_file(options["spawn"], progress=False) if spawned else None,
     )
     engine = None
@@ -340,6 +358,7 @@ def makeService(options: Options) -> service.IService:
             ctx=options["ctx"],
             slot_dir=options["slot-dir"],
             spec_ngram=bool(options["spec-ngram"]),
+            extra_args=options["engine_args"],
         )
     sampler = UsageSampler(reactor, EngineFinder(gateway))
     site = LoopbackSite(p0_root(gateway, sampler))

@@ -1,9 +1,10 @@
 """A small Twisted mock of llama-server for the gateway's fast tests.
 
 It answers `/health`, `/props` (with a `model_path` the test chooses), `/v1/models` and
-`/v1/chat/completions` (one JSON object, or SSE events as llama-server writes them: one
-``data: {...}`` per piece, a last chunk with `finish_reason` and `timings`, then
-``data: [DONE]``). Knobs on `MockLlama` make it misbehave: an error status, slow pieces, a
+`/v1/chat/completions` (one JSON object, or SSE events laid out as llama-server writes them: a
+role delta with `content: null`, one ``data: {...}`` per piece, a chunk with `finish_reason`
+(and `timings`, unless the request set `stream_options.include_usage`: then a last chunk with
+no choices carries `usage` and `timings`), then ``data: [DONE]``). Knobs on `MockLlama` make it misbehave: an error status, slow pieces, a
 connection dropped mid-stream, a huge declared body, a very long SSE line.
 
 The real llama-server is used for everything the mock stands in for (tests/test_serve_p0.py);
@@ -33,7 +34,7 @@ class MockLlama:
     die_after: int | None = None  # drop the connection after this many streamed pieces
     declared_length: int | None = None  # a Content-Length to declare on the non-streamed answer
     long_line_bytes: int = 0  # one streamed data line this long before the pieces
-    include_usage: bool = False  # a usage chunk in streams (as with stream_options.include_usage)
+    before_finish: Any = None  # called just before a stream's finish chunk is written
     requests: list[bytes] = field(default_factory=list)
     props_requests: int = 0
     cancelled: int = 0  # streams whose client went away before the end
@@ -84,6 +85,7 @@ class MockLlama:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": len(self.pieces),
                 "total_tokens": self.prompt_tokens + len(self.pieces),
+                "prompt_tokens_details": {"cached_tokens": 0},
             },
             "timings": {"prompt_n": self.prompt_tokens, "predicted_n": len(self.pieces)},
         }
@@ -91,6 +93,18 @@ class MockLlama:
 
 def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def chunk(choice: dict[str, Any] | None) -> dict[str, Any]:
+    """A chat chunk with llama-server's keys, in its order (no choice: the usage chunk's [])."""
+    return {
+        "choices": [choice] if choice is not None else [],
+        "created": 1,
+        "id": "chatcmpl-mock",
+        "model": "mock",
+        "system_fingerprint": "b0-mock",
+        "object": "chat.completion.chunk",
+    }
 
 
 class _Json(resource.Resource):
@@ -164,13 +178,17 @@ class _Chat(resource.Resource):
             )  # the rest never comes
             return server.NOT_DONE_YET
         request.setHeader(b"content-type", b"text/event-stream")
-        _Stream(mock, request, bool(req.get("logprobs"))).start()
+        options = req.get("stream_options")
+        usage = isinstance(options, dict) and options.get("include_usage") is True
+        _Stream(mock, request, bool(req.get("logprobs")), usage).start()
         return server.NOT_DONE_YET
 
 
 class _Stream:
-    def __init__(self, mock: MockLlama, request: server.Request, logprobs: bool) -> None:
-        self.mock, self.request, self.logprobs = mock, request, logprobs
+    def __init__(
+        self, mock: MockLlama, request: server.Request, logprobs: bool, usage: bool
+    ) -> None:
+        self.mock, self.request, self.logprobs, self.usage = mock, request, logprobs, usage
         self.sent = 0
         self.index = len(mock.streamed)
         mock.streamed.append(b"")
@@ -191,6 +209,8 @@ class _Stream:
     def start(self) -> None:
         if self.mock.long_line_bytes:
             self._write(b"data: " + b"x" * self.mock.long_line_bytes)
+        role = {"role": "assistant", "content": None}
+        self._write(sse(chunk({"index": 0, "finish_reason": None, "delta": role})))
         self._next()
 
     def _next(self) -> None:
@@ -218,31 +238,20 @@ class _Stream:
                         }
                     ]
                 }
-            self._write(sse({"choices": [choice], "object": "chat.completion.chunk"}))
+            self._write(sse(chunk(choice)))
             self.sent += 1
             self.call = mock.reactor.callLater(mock.piece_delay, self._next)
             return
-        self._write(
-            sse(
-                {
-                    "choices": [{"index": 0, "finish_reason": "stop", "delta": {}}],
-                    "object": "chat.completion.chunk",
-                    "timings": {"prompt_n": mock.prompt_tokens, "predicted_n": len(mock.pieces)},
-                }
-            )
-        )
-        if mock.include_usage:
-            self._write(
-                sse(
-                    {
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": mock.prompt_tokens,
-                            "completion_tokens": len(mock.pieces),
-                        },
-                    }
-                )
-            )
+        if mock.before_finish is not None:
+            mock.before_finish()
+        timings = {"prompt_n": mock.prompt_tokens, "predicted_n": len(mock.pieces)}
+        last = chunk({"index": 0, "finish_reason": "stop", "delta": {}})
+        if not self.usage:
+            last["timings"] = timings
+        self._write(sse(last))
+        if self.usage:  # llama-server's usage chunk: no choices, usage and timings
+            usage = mock.completion()["usage"]
+            self._write(sse({**chunk(None), "usage": usage, "timings": timings}))
         self._write(b"data: [DONE]\n\n")
         request.finish()
 

@@ -3,34 +3,139 @@
 ```
 /bankml, /bankml/usage, /bankml/metrics   resources/bankml.py
 /openapi.json                             resources/description.py (the API's description)
-/health, /props, /v1/models               ProxyGet (passed through)
-/v1/chat/completions                      ChatProxy (receipt added)
+COMPLETIONS                               CompletionProxy (receipt added)
+FORWARDED, POST /slots/ID                 Forward (passed through)
+NO_RECEIPT_YET                            501: answers bankml cannot vouch for yet
 anything else                             404 {"error": {"code": 404, "message": "File Not Found", ...}}
 ```
+
+The tables are the routes llama-server (build 11434, tools/server/server.cpp) registers for a
+server started on one model file; llama-server dispatches on method and exact path, so a route
+asked with another method is its 404 too (HEAD is GET without the body).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.gateway import Gateway
-from bankml.proxy_resource import ChatProxy, ProxyGet
+from bankml.proxy_answers import CHAT, LLAMA_COMPLETION, MESSAGES, OAI_COMPLETION, RESPONSES
+from bankml.proxy_resource import CompletionProxy, Forward
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.description import ApiDescription
-from bankml.serving.routes import Branch, LlamaRoute
+from bankml.serving.routes import Branch, LlamaRoute, not_found
+from bankml.serving.writers import JsonResource, write_error
 from bankml.usage import UsageSampler
+
+COMPLETIONS: dict[str, str] = {  # POST path -> how its answers are read for the receipt
+    "/completion": LLAMA_COMPLETION,
+    "/completions": LLAMA_COMPLETION,
+    "/infill": LLAMA_COMPLETION,
+    "/v1/completions": OAI_COMPLETION,
+    "/chat/completions": CHAT,
+    "/v1/chat/completions": CHAT,
+    "/v1/responses": RESPONSES,
+    "/responses": RESPONSES,
+    "/v1/messages": MESSAGES,
+}
+
+FORWARDED: dict[str, frozenset[str]] = {  # path -> the methods llama-server answers on it
+    **dict.fromkeys(
+        ["/health", "/v1/health", "/metrics", "/models", "/v1/models", "/slots"],
+        frozenset({"GET"}),
+    ),
+    **dict.fromkeys(
+        ["/props", "/lora-adapters", "/tools", "/cors-proxy"], frozenset({"GET", "POST"})
+    ),
+    **dict.fromkeys(
+        [
+            "/tokenize",
+            "/detokenize",
+            "/apply-template",
+            "/embedding",
+            "/embeddings",
+            "/v1/embeddings",
+            "/rerank",
+            "/reranking",
+            "/v1/rerank",
+            "/v1/reranking",
+            "/chat/completions/input_tokens",
+            "/v1/chat/completions/input_tokens",
+            "/responses/input_tokens",
+            "/v1/responses/input_tokens",
+            "/v1/messages/count_tokens",
+            "/v1/chat/completions/control",
+            "/v1/systemone",
+        ],
+        frozenset({"POST"}),
+    ),
+}
+
+# routes whose answers are model text in a shape bankml puts no receipt on yet: refused rather
+# than passed through without one
+NO_RECEIPT_YET = frozenset(
+    {
+        "/v1/audio/transcriptions",
+        "/audio/transcriptions",
+        "/v1/stream",
+        "/v1/streams/lookup",
+    }
+)
+
+
+class LlamaServerRoutes(JsonResource):
+    """Every path outside /bankml: dispatched on method and exact path as llama-server does."""
+
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.forward = Forward(gateway)
+        self.completions = {
+            kind: CompletionProxy(gateway, kind) for kind in set(COMPLETIONS.values())
+        }
+
+    def render(self, request: Request) -> Any:
+        path = request.path.decode("utf-8", "replace")
+        method = "GET" if request.method == b"HEAD" else request.method.decode("latin-1")
+        if path in COMPLETIONS and method == "POST":
+            return self.completions[COMPLETIONS[path]].render(request)
+        if method in FORWARDED.get(path, ()) or (
+            method == "POST" and path.startswith("/slots/") and path.count("/") == 2
+        ):
+            return self.forward.render(request)
+        if path in NO_RECEIPT_YET:
+            write_error(
+                request,
+                501,
+                f"bankml does not forward {path}: every answer it passes carries a receipt, "
+                "and it builds none for this API yet",
+                kind="not_supported_error",
+            )
+            return NOT_DONE_YET
+        not_found(request)
+        return NOT_DONE_YET
+
+
+class P0Root(Branch):
+    """/bankml and /openapi.json are bankml's; every other path is llama-server's."""
+
+    def __init__(self, routes: LlamaServerRoutes) -> None:
+        super().__init__()
+        self.routes = routes
+
+    def getChild(self, path: bytes, request: Request) -> Any:
+        return self.routes
+
+    def render(self, request: Request) -> Any:
+        return self.routes.render(request)
 
 
 def p0_root(gateway: Gateway, sampler: UsageSampler) -> Resource:
-    root = Branch()
+    root = P0Root(LlamaServerRoutes(gateway))
     root.putChild(b"bankml", BankmlResource(gateway, sampler))
     root.putChild(b"openapi.json", LlamaRoute(ApiDescription()))
-    for name in (b"health", b"props"):
-        root.putChild(name, ProxyGet(gateway, "/" + name.decode()))
-    v1 = Branch()
-    root.putChild(b"v1", v1)
-    v1.putChild(b"models", ProxyGet(gateway, "/v1/models"))
-    chat = Branch()
-    v1.putChild(b"chat", chat)
-    chat.putChild(b"completions", ChatProxy(gateway))
     return root

@@ -7,8 +7,6 @@
   the whole signed (version 2, bankml/receipts/sign.py). The one place a receipt is built and
   signed: native answers reach it through ``NativeEngine.receipt``, P0's through
   ``Gateway.receipt``;
-- ``forwarded_tally(body, api)``: P0's Tally for one request, with the request as it is
-  forwarded (a seed drawn where it named none: ``tally.forwarded.body`` is what to send).
 
 Pure Python: no Twisted (``bankml.chat`` uses it too).
 """
@@ -20,7 +18,7 @@ from typing import Any
 from bankml.gate.fileident import FileIdent
 from bankml.receipt import Tally, receipt
 from bankml.receipts.keys import SigningKey
-from bankml.receipts.sign import ReplayFacts, build_receipt_v2, forward_request
+from bankml.receipts.sign import ReplayFacts, build_receipt_v2
 
 FILE_CHANGED = (
     "the model file changed since bankml verified it; restart bankml serve to verify it again"
@@ -59,9 +57,3 @@ def issue_receipt(
     if key is None or facts is None:
         return base
     return build_receipt_v2(base, facts, key)
-
-
-def forwarded_tally(body: bytes, api: str) -> Tally:
-    """P0: the Tally of one request forwarded to llama-server (``api``: a receipt's api name);
-    send ``tally.forwarded.body`` upstream, not ``body``."""
-    return Tally(request_body=body, forwarded=forward_request(body, api))

@@ -1,0 +1,294 @@
+"""Reading llama-server's completion answers for their receipts, as P0 forwards them.
+
+Three families of completion endpoints, each with llama-server's own layout:
+
+- ``CHAT`` (``/v1/chat/completions``, ``/chat/completions``): the text of choice 0
+  (``message.content``, or the streamed ``delta.content`` pieces), its ``logprobs.content``;
+  a stream's last regular chunk is the usage chunk (``choices: []``) when the request set
+  ``stream_options.include_usage``, else choice 0's chunk with a ``finish_reason``.
+- ``OAI_COMPLETION`` (``/v1/completions``): each choice's ``text`` and ``logprobs.content``,
+  one receipt per choice (a list when the request had several prompts, as native mode's); a
+  choice's last chunk is the one with its ``finish_reason`` (llama-server puts ``usage`` there).
+- ``LLAMA_COMPLETION`` (``/completion``, ``/completions``, ``/infill``): each prompt's
+  ``content`` and ``completion_probabilities``; its last event is the one with ``stop: true``
+  (no ``[DONE]`` follows); several prompts answer a list of objects, each with its receipt.
+- ``RESPONSES`` (``/v1/responses``, ``/responses``): the ``output_text`` parts of the
+  ``message`` items (streamed: the ``response.output_text.delta`` pieces); the last event is
+  ``response.completed``; counts from ``usage.input_tokens``/``output_tokens``.
+- ``MESSAGES`` (``/v1/messages``, Anthropic's shape): the ``text`` blocks of ``content``
+  (streamed: the ``text_delta`` pieces); the last event is ``message_stop``; counts from
+  ``usage`` (``input_tokens`` plus the cached ``cache_read_input_tokens``, ``output_tokens``).
+
+Token counts come from ``usage``, else ``tokens_evaluated``/``tokens_predicted``, else the
+``timings`` (``prompt_n + cache_n``, ``predicted_n``). Pure Python, no Twisted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bankml.receipt import Tally
+from bankml.receipts.sign import APIS, ForwardedRequest, forward_request
+
+CHAT, OAI_COMPLETION, LLAMA_COMPLETION = "chat", "oai_completion", "llama_completion"
+RESPONSES, MESSAGES = "responses", "messages"
+
+Issue = Callable[[Tally], dict[str, Any]]
+
+
+def request_object(body: bytes) -> dict[str, Any]:
+    """The request as JSON, or {} when it is not an object (llama-server answers it then)."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):  # nested past the recursion limit: not JSON either
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def first_choice(obj: Any) -> dict[str, Any] | None:
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list):
+        return None
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
+    """Token counts from ``usage``, else llama-server's own fields, else its ``timings`` (a chat
+    stream sends usage only when asked with stream_options.include_usage, timings always)."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        tally.set_counts(usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    tally.set_counts(
+        obj.get("tokens_evaluated") if tally.prompt_tokens is None else None,
+        obj.get("tokens_predicted") if tally.completion_tokens is None else None,
+    )
+    timings = obj.get("timings")
+    if isinstance(timings, dict):
+        prompt_n, cache_n = _int(timings.get("prompt_n")), _int(timings.get("cache_n")) or 0
+        if tally.prompt_tokens is None and prompt_n is not None:
+            tally.set_counts(prompt_n + cache_n, None)  # prompt_n counts only what was not cached
+        if tally.completion_tokens is None:
+            tally.set_counts(None, timings.get("predicted_n"))
+        tally.set_end(None, cache_n)
+    choice = first_choice(obj)
+    if choice is not None:  # what the signed receipt says of the answer's end
+        tally.set_end(choice.get("finish_reason"), None)
+
+
+def tally_entries(tally: Tally, entries: Any) -> None:
+    if isinstance(entries, list):
+        tally.add_logprobs(entries)
+
+
+def tally_logprobs(tally: Tally, choice: dict[str, Any]) -> None:
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        tally_entries(tally, logprobs.get("content"))
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def tally_anthropic_usage(tally: Tally, usage: Any) -> None:
+    """Anthropic's ``usage``: ``input_tokens`` leaves out the cached part of the prompt."""
+    if not isinstance(usage, dict):
+        return
+    parts = [_int(usage.get(k)) for k in ("input_tokens", "cache_read_input_tokens")]
+    if parts[0] is not None:
+        tally.set_counts(parts[0] + (parts[1] or 0), None)
+    tally.set_counts(None, usage.get("output_tokens"))
+
+
+def responses_text(output: Any) -> str:
+    """The text of a Responses answer: its message items' ``output_text`` parts, in order."""
+    return "".join(
+        _text(part.get("text"))
+        for item in _dicts(output)
+        if item.get("type") == "message"
+        for part in _dicts(item.get("content"))
+        if part.get("type") == "output_text"
+    )
+
+
+# --- whole answers -------------------------------------------------------------------------------
+
+
+def add_whole_receipts(
+    kind: str, answer: Any, new_tally: Callable[[], Tally], issue: Issue
+) -> bool:
+    """Add ``bankml_receipt`` to a non-streamed answer of this kind; False when it is not one
+    (passed through as it is, without a receipt)."""
+    if kind == CHAT:
+        choice = first_choice(answer)
+        if choice is None or not isinstance(answer, dict):
+            return False
+        tally = new_tally()
+        message = choice.get("message")
+        tally.add_text(_text(message.get("content")) if isinstance(message, dict) else "")
+        tally_logprobs(tally, choice)
+        tally_counts(tally, answer)
+        answer["bankml_receipt"] = issue(tally)
+        return True
+    if kind == OAI_COMPLETION:
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not choices:
+            return False
+        receipts = []
+        for choice in choices:
+            tally = new_tally()
+            choice = choice if isinstance(choice, dict) else {}
+            tally.add_text(_text(choice.get("text")))
+            tally_logprobs(tally, choice)
+            if len(choices) == 1:  # llama-server's usage is the first prompt's only
+                tally_counts(tally, answer)
+            receipts.append(issue(tally))
+        answer["bankml_receipt"] = receipts[0] if len(receipts) == 1 else receipts
+        return True
+    if kind == RESPONSES:
+        if not isinstance(answer, dict) or not isinstance(answer.get("output"), list):
+            return False
+        tally = new_tally()
+        tally.add_text(responses_text(answer["output"]))
+        usage = answer.get("usage")
+        if isinstance(usage, dict):
+            tally.set_counts(usage.get("input_tokens"), usage.get("output_tokens"))
+        answer["bankml_receipt"] = issue(tally)
+        return True
+    if kind == MESSAGES:
+        if not isinstance(answer, dict) or answer.get("type") != "message":
+            return False
+        tally = new_tally()
+        blocks = _dicts(answer.get("content"))
+        tally.add_text("".join(_text(b.get("text")) for b in blocks if b.get("type") == "text"))
+        tally_anthropic_usage(tally, answer.get("usage"))
+        answer["bankml_receipt"] = issue(tally)
+        return True
+    objects = answer if isinstance(answer, list) else [answer]
+    if not objects or not all(isinstance(o, dict) and "content" in o for o in objects):
+        return False
+    for obj in objects:
+        tally = new_tally()
+        tally.add_text(_text(obj.get("content")))
+        tally_entries(tally, obj.get("completion_probabilities"))
+        tally_counts(tally, obj)
+        obj["bankml_receipt"] = issue(tally)
+    return True
+
+
+# --- streams -------------------------------------------------------------------------------------
+
+
+class StreamReading:
+    """One streamed answer's tallies (one per choice or prompt index), fed its events in order.
+
+    ``event(obj)`` tallies one event and returns the tally whose answer that event ends (its
+    receipt goes inside it), else None."""
+
+    def __init__(
+        self,
+        kind: str,
+        body: bytes,
+        clock: Callable[[], float] = time.monotonic,
+        forwarded: ForwardedRequest | None = None,
+    ) -> None:
+        self.kind = kind
+        self.body = body
+        self.forwarded = forwarded  # what is sent upstream, for the signed receipt's facts
+        self.sent = body if forwarded is None else forwarded.body
+        self.clock = clock
+        self.started = clock()
+        self.tallies: dict[int, Tally] = {}
+        options = request_object(body).get("stream_options")
+        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        self.ends_with_done = kind in (CHAT, OAI_COMPLETION)  # those end with data: [DONE]
+
+    def tally(self, index: Any) -> Tally:
+        key = index if isinstance(index, int) else 0
+        if key not in self.tallies:
+            self.tallies[key] = Tally(
+                request_body=self.body,
+                clock=self.clock,
+                started=self.started,
+                forwarded=self.forwarded,
+            )
+        return self.tallies[key]
+
+    def event(self, obj: dict[str, Any]) -> Tally | None:
+        if self.kind in (RESPONSES, MESSAGES):
+            return self._typed_event(obj)
+        if self.kind == LLAMA_COMPLETION:
+            tally = self.tally(obj.get("index", 0))
+            tally.add_text(_text(obj.get("content")))
+            tally_entries(tally, obj.get("completion_probabilities"))
+            if obj.get("stop") is True:
+                tally_counts(tally, obj)
+                return tally
+            return None
+        choices = obj.get("choices")
+        choices = [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+        ended: Tally | None = None
+        for choice in choices:
+            tally = self.tally(choice.get("index", 0))
+            if self.kind == CHAT:
+                delta = choice.get("delta")
+                tally.add_text(_text(delta.get("content")) if isinstance(delta, dict) else "")
+            else:
+                tally.add_text(_text(choice.get("text")))
+            tally_logprobs(tally, choice)
+            if choice.get("finish_reason") is not None:
+                tally_counts(tally, obj)
+                if len(choices) == 1 and not (self.kind == CHAT and self.include_usage):
+                    ended = tally
+        if self.kind == CHAT and self.include_usage and not choices and "usage" in obj:
+            ended = self.tally(0)
+            tally_counts(ended, obj)
+        return ended
+
+    def _typed_event(self, obj: dict[str, Any]) -> Tally | None:
+        """The Responses and Messages streams: typed events, one answer, a named last event."""
+        tally, kind = self.tally(0), obj.get("type")
+        if kind == "response.output_text.delta":
+            tally.add_text(_text(obj.get("delta")))
+        elif kind == "response.completed":
+            response = obj.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            if isinstance(usage, dict):
+                tally.set_counts(usage.get("input_tokens"), usage.get("output_tokens"))
+            return tally
+        elif kind == "content_block_delta":
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and delta.get("type") == "text_delta":
+                tally.add_text(_text(delta.get("text")))
+        elif kind == "message_start":
+            message = obj.get("message")
+            tally_anthropic_usage(
+                tally, message.get("usage") if isinstance(message, dict) else None
+            )
+        elif kind == "message_delta":
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                tally.set_counts(None, usage.get("output_tokens"))
+        elif kind == "message_stop":
+            return tally
+        return None
+
+
+def forwarded_request(body: bytes, kind: str) -> ForwardedRequest | None:
+    """The request as P0 forwards it (a drawn seed appended where it named none) for the kinds
+    a signed receipt describes; None for the others (Responses, Messages: unsigned receipts)."""
+    return forward_request(body, kind) if kind in APIS else None
