@@ -55,6 +55,7 @@ from bankml.native.service import make_native_service
 from bankml.process_protocol import EngineFailed, EngineProcess
 from bankml.registry.keepalive import BadKeepAlive, parse_keep_alive
 from bankml.resources.p0 import p0_root
+from bankml.serving import llama_flags
 from bankml.serving.site import LoopbackSite, NotLoopbackError, parse_listen
 from bankml.serving.startup import (
     DEFAULT_LISTEN,
@@ -123,6 +124,8 @@ class Options(usage.Options):
             "with --native: a second loopback address answering Ollama's routes only "
             "(e.g. 127.0.0.1:11434)",
         ],
+        # llama-server's server flags, under its long names (bankml/serving/llama_flags.py)
+        *([name, None, None, text] for name, text in llama_flags.SERVE_PARAMETERS),
     ]
     optFlags = [
         ["spec-ngram", None, "with --spawn: llama-server --spec-type ngram-simple"],
@@ -132,6 +135,7 @@ class Options(usage.Options):
             "answer with bankml's own engine (bankml/native/service.py), also on the "
             "--upstream address",
         ],
+        *([name, None, text] for name, text in llama_flags.SERVE_SWITCHES),
     ]
 
     def parseOptions(self, options: list[str] | None = None) -> None:
@@ -156,6 +160,17 @@ class Options(usage.Options):
         print(f"bankml {__version__}")
         sys.exit(0)
 
+    def opt_ctx_size(self, value: str) -> None:
+        """llama-server's name for --ctx"""
+        try:
+            self["ctx"] = int(value)
+        except ValueError:
+            raise usage.UsageError(f"--ctx-size {value}: not a number") from None
+
+    def opt_slot_save_path(self, path: str) -> None:
+        """llama-server's name for --slot-dir"""
+        self["slot-dir"] = path
+
     def parseArgs(self, file: str) -> None:
         self["file"] = file
 
@@ -169,6 +184,7 @@ class Options(usage.Options):
                 "--native answers with bankml's own engine: "
                 "--spawn and --spec-ngram are for llama-server"
             )
+        self._llama_options()
         try:
             parse_listen(self["listen"])
             self["upstream_addr"] = gw.parse_upstream(self["upstream"])
@@ -188,9 +204,29 @@ class Options(usage.Options):
             )
         self.check_ollama()
         self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
-        # the engine's cache settings: read from the environment here, and only here
-        self["cache_type"] = os.environ.get("BANKML_CACHE_TYPE")
-        self["cache_ram"] = os.environ.get("BANKML_CACHE_RAM")
+        # the engine's cache settings: the flags, else the environment (here, and only here)
+        self["cache_type"] = self["llama"].get("cache_type", os.environ.get("BANKML_CACHE_TYPE"))
+        self["cache_ram"] = self["cache-ram"] or os.environ.get("BANKML_CACHE_RAM")
+
+    def _llama_options(self) -> None:
+        """llama-server's flags: --native only; checked and read into ``self["llama"]``;
+        --host/--port become the engine address."""
+        given = [name for name in llama_flags.LLAMA_OPTION_NAMES if self[name]]
+        self["llama"] = {}
+        if given and not self["native"]:
+            raise usage.UsageError(
+                f"--{given[0]} is llama-server's: bankml takes it with --native "
+                "(with --spawn, llama-server takes it itself)"
+            )
+        if not self["native"]:
+            return
+        try:
+            self["llama"] = llama_flags.native_settings(self)
+        except llama_flags.FlagError as err:
+            raise usage.UsageError(str(err)) from None
+        address = llama_flags.engine_address(self)
+        if address is not None:
+            self["upstream"] = address
 
     def check_ollama(self) -> None:
         """The Ollama options: --native only, a readable keep-alive, loopback addresses."""
