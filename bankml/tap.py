@@ -190,8 +190,10 @@ class Options(usage.Options):
             self["upstream_addr"] = gw.parse_upstream(self["upstream"])
         except (NotLoopbackError, ValueError) as err:
             raise usage.UsageError(str(err)) from None
-        if self["threads"] < 1 or self["ctx"] < 1:
-            raise usage.UsageError("--threads and --ctx must be positive")
+        if self["threads"] < 1 or self["ctx"] < (0 if self["native"] else 1):
+            raise usage.UsageError(
+                "--threads and --ctx must be positive (--ctx 0 with --native: the model's own)"
+            )
         spawn = self["spawn"]
         if spawn and not (os.path.isfile(spawn) and os.access(spawn, os.X_OK)):
             raise usage.UsageError(f"--spawn {spawn}: not an executable file")

@@ -85,36 +85,46 @@ class DropIn:
 def dropin(
     default_model: Path, default_fork: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DropIn]:
-    """`bankml llama-server` with the flags llama-server gets here (support.LlamaServer passes the same)."""
+    """`bankml llama-server` with llama-server's flags here (support.LlamaServer's and ours)."""
     port, listen_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("dropin") / "bankml.log"
-    cmd = bankml(
-        "llama-server",
+    args = [
         *("--fork", str(default_fork), "-m", str(default_model)),
-        *("--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", "2048", "-np", "1"),
+        *("--host", "127.0.0.1", "-t", "2", "-c", "2048", "-np", "1"),
         *("--jinja", "--no-webui", "-fa", "on", "-ngl", "99"),
         *("--listen", f"127.0.0.1:{listen_port}"),
         *SHARED_FLAGS,
-    )
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    ]
+    proc = start_dropin(args, port, log)
     try:
-        deadline = time.monotonic() + 900  # a first engine load compiles its kernels
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if call(port, "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
         yield DropIn(port, listen_port, proc)
     finally:
         proc.terminate()
         proc.wait(30)
     # the key never reaches the log
     assert KEY not in log.read_text()
+
+
+def start_dropin(args: list[str], port: int, log: Path) -> subprocess.Popen:
+    """`bankml llama-server ARGS --port PORT`, healthy (a first engine load compiles kernels)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            bankml("llama-server", *args, "--port", str(port)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    deadline = time.monotonic() + 900
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if call(port, "GET", "/health")[0] == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"bankml llama-server did not come up:\n{log.read_text()}")
 
 
 # --- the argument list ----------------------------------------------------------------------
@@ -379,6 +389,34 @@ async def test_cors_origins_localhost_reflects_only_local_origins(
             assert cors_of(ours[1]) == cors_of(theirs[1]), origin
     finally:
         await port.stopListening()
+
+
+def test_ctx_size_0_is_the_models_training_context_as_in_llama_server(
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    args = ["--fork", str(default_fork), "-m", str(default_model), "-c", "0", "-np", "1"]
+    proc = start_dropin(args, port, tmp_path / "bankml.log")
+    try:
+        with support.LlamaServer(default_model, args=["-c", "0"], binary=llama_server_bin) as ref:
+            seen = []
+            for where in (port, ref.port):
+                props = json.loads(call(where, "GET", "/props")[2])
+                models = json.loads(call(where, "GET", "/v1/models")[2])
+                seen.append(
+                    (
+                        props["default_generation_settings"]["n_ctx"],
+                        models["data"][0]["meta"]["n_ctx"],
+                    )
+                )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert seen[0] == seen[1]
+    assert seen[0][0] > 2048  # the header's, not bankml's default or the test's -c 2048
 
 
 def test_the_cache_type_flags_win_over_the_environment(

@@ -25,6 +25,7 @@ from bankml.engine_cupy import backend, slots
 from bankml.engine_cupy.engine import Engine, RequestError, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.engine_cupy.sampler import SamplerParams
+from bankml.engine_cupy.tokenizer import read_gguf_metadata
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.native import text
 from bankml.native.answer import CHAT, ENGINE_KIND, Step, prompt_steps
@@ -381,9 +382,10 @@ def open_served(
     """For the server, on the engine thread: the engine opened with ``bankml serve``'s options
     (``ctx``, ``device``, ``cache_type``, ``slot-dir``, ``llama``: llama-server's flags), each kernel run once (compiled or loaded
     now, not on the first request), wrapped for serving."""
+    ctx = options.get("ctx")
     engine, device_name = open_engine(
         verified.path,
-        n_ctx=int(options.get("ctx") or DEFAULT_CTX),
+        n_ctx=DEFAULT_CTX if ctx is None else int(ctx) or training_context(verified.path),
         device=options.get("device") or "auto",
         cache_type=options.get("cache_type"),
         cache_ram=options.get("cache_ram"),
@@ -402,6 +404,15 @@ def open_served(
         receipt_key=receipt_key,
         aliases=llama.get("aliases") or (),
     )
+
+
+def training_context(path: str) -> int:
+    """The context the model was trained for (``<arch>.context_length``): what llama-server's
+    ``-c 0`` gives; bankml's default where the header does not say."""
+    arch = read_gguf_metadata(path, ["general.architecture"]).get("general.architecture")
+    key = f"{arch}.context_length"
+    value = read_gguf_metadata(path, [key]).get(key) if arch else None
+    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_CTX
 
 
 def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
