@@ -187,6 +187,8 @@ class Options(usage.Options):
         self._llama_options()
         try:
             parse_listen(self["listen"])
+            if self["native"]:  # bankml binds the engine address too: loopback only
+                parse_listen(self["upstream"])
             self["upstream_addr"] = gw.parse_upstream(self["upstream"])
         except (NotLoopbackError, ValueError) as err:
             raise usage.UsageError(str(err)) from None

@@ -165,6 +165,7 @@ def test_every_flag_has_one_meaning_and_every_refusal_a_reason() -> None:
         (["llama-server", "--chat-template", "{% for %}"], "chat template refused"),
         (["llama-server", "--api-key-file", "/nonexistent/keys"], "--api-key-file"),
         (["serve", "--temp", "0"], "bankml takes it with --native"),
+        (["llama-server", "--host", "0.0.0.0"], "bankml listens on loopback only"),
     ],
 )
 def test_a_refused_flag_exits_1_with_its_reason_before_anything_listens(
