@@ -249,7 +249,10 @@ def test_the_alias_names_the_model_in_models_props_and_answers(
     for port in (dropin.port, reference.port):
         models = json.loads(call(port, "GET", "/v1/models", None, AUTH)[2])
         props = json.loads(call(port, "GET", "/props", None, AUTH)[2])
-        chat = json.loads(call(port, "POST", "/v1/chat/completions", CHAT, AUTH)[2])
+        named = {**CHAT, "model": "gpt-4o-mini"}  # llama-server answers with its own name
+        chat = json.loads(call(port, "POST", "/v1/chat/completions", named, AUTH)[2])
+        short = {"prompt": "Hi", "max_tokens": 2, "model": "gpt-4o-mini"}
+        completion = json.loads(call(port, "POST", "/v1/completions", short, AUTH)[2])
         seen.append(
             (
                 models["data"][0]["id"],
@@ -257,6 +260,7 @@ def test_the_alias_names_the_model_in_models_props_and_answers(
                 models["models"][0]["name"],
                 props["model_alias"],
                 chat["model"],
+                completion["model"],
             )
         )
     assert seen[0] == seen[1]
@@ -303,6 +307,21 @@ def test_the_key_is_taken_where_llama_server_takes_it(
     assert call(reference.port, "GET", "/props", None, headers)[0] == 200
     assert call(dropin.port, "GET", "/props", None, headers)[0] == 200
     assert call(dropin.listen_port, "GET", "/bankml", None, headers)[0] == 200
+
+
+def test_the_official_openai_client_passes_its_key_and_reads_the_401(dropin: DropIn) -> None:
+    import openai
+
+    base = f"http://127.0.0.1:{dropin.port}/v1"
+    client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
+    answer = client.chat.completions.create(model="any", **CHAT)
+    assert answer.choices[0].message.content
+    assert answer.model == "b-second"
+    wrong = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        wrong.chat.completions.create(model="any", **CHAT)
+    assert refused.value.status_code == 401
+    assert "Invalid API Key" in str(refused.value)
 
 
 def test_health_needs_no_key(dropin: DropIn, reference: support.LlamaServer) -> None:
