@@ -35,7 +35,7 @@ llama-server:
 
 # Native: no llama-server needed. SLOT_DIR=D enables /slots on the engine address.
 serve: venv model
-	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --native --listen $(LISTEN) --upstream $(UPSTREAM) \
+	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --native --metrics --listen $(LISTEN) --upstream $(UPSTREAM) \
 	    $(if $(SLOT_DIR),--slot-dir $(SLOT_DIR))
 
 # P0: bankml in front of the llama-server (build 11434) it launches and supervises.

@@ -56,6 +56,7 @@ from bankml.native.service import make_native_service
 from bankml.process_protocol import EngineFailed, EngineProcess
 from bankml.registry.keepalive import BadKeepAlive, parse_keep_alive
 from bankml.resources.p0 import p0_root
+from bankml.serving import llama_flags
 from bankml.serving.site import LoopbackSite, NotLoopbackError, parse_listen
 from bankml.serving.startup import (
     DEFAULT_LISTEN,
@@ -124,6 +125,8 @@ class Options(usage.Options):
             "with --native: a second loopback address answering Ollama's routes only "
             "(e.g. 127.0.0.1:11434)",
         ],
+        # llama-server's server flags, under its long names (bankml/serving/llama_flags.py)
+        *([name, None, None, text] for name, text in llama_flags.SERVE_PARAMETERS),
     ]
     optFlags = [
         ["spec-ngram", None, "with --spawn: llama-server --spec-type ngram-simple"],
@@ -133,6 +136,7 @@ class Options(usage.Options):
             "answer with bankml's own engine (bankml/native/service.py), also on the "
             "--upstream address",
         ],
+        *([name, None, text] for name, text in llama_flags.SERVE_SWITCHES),
     ]
 
     def parseOptions(self, options: list[str] | None = None) -> None:
@@ -163,6 +167,17 @@ class Options(usage.Options):
         print(f"bankml {__version__}")
         sys.exit(0)
 
+    def opt_ctx_size(self, value: str) -> None:
+        """llama-server's name for --ctx"""
+        try:
+            self["ctx"] = int(value)
+        except ValueError:
+            raise usage.UsageError(f"--ctx-size {value}: not a number") from None
+
+    def opt_slot_save_path(self, path: str) -> None:
+        """llama-server's name for --slot-dir"""
+        self["slot-dir"] = path
+
     def parseArgs(self, file: str) -> None:
         self["file"] = file
 
@@ -176,13 +191,18 @@ class Options(usage.Options):
                 "--native answers with bankml's own engine: "
                 "--spawn and --spec-ngram are for llama-server"
             )
+        self._llama_options()
         try:
             parse_listen(self["listen"])
+            if self["native"]:  # bankml binds the engine address too: loopback only
+                parse_listen(self["upstream"])
             self["upstream_addr"] = gw.parse_upstream(self["upstream"])
         except (NotLoopbackError, ValueError) as err:
             raise usage.UsageError(str(err)) from None
-        if self["threads"] < 1 or self["ctx"] < 1:
-            raise usage.UsageError("--threads and --ctx must be positive")
+        if self["threads"] < 1 or self["ctx"] < (0 if self["native"] else 1):
+            raise usage.UsageError(
+                "--threads and --ctx must be positive (--ctx 0 with --native: the model's own)"
+            )
         spawn = self["spawn"]
         if spawn and not (os.path.isfile(spawn) and os.access(spawn, os.X_OK)):
             raise usage.UsageError(f"--spawn {spawn}: not an executable file")
@@ -203,9 +223,29 @@ class Options(usage.Options):
         refused = llama_args.refusal(self["engine_args"])
         if refused is not None:
             raise usage.UsageError(refused)
-        # the engine's cache settings: read from the environment here, and only here
-        self["cache_type"] = os.environ.get("BANKML_CACHE_TYPE")
-        self["cache_ram"] = os.environ.get("BANKML_CACHE_RAM")
+        # the engine's cache settings: the flags, else the environment (here, and only here)
+        self["cache_type"] = self["llama"].get("cache_type", os.environ.get("BANKML_CACHE_TYPE"))
+        self["cache_ram"] = self["cache-ram"] or os.environ.get("BANKML_CACHE_RAM")
+
+    def _llama_options(self) -> None:
+        """llama-server's flags: --native only; checked and read into ``self["llama"]``;
+        --host/--port become the engine address."""
+        given = [name for name in llama_flags.LLAMA_OPTION_NAMES if self[name]]
+        self["llama"] = {}
+        if given and not self["native"]:
+            raise usage.UsageError(
+                f"--{given[0]} is llama-server's: bankml takes it with --native "
+                "(with --spawn, llama-server takes it itself)"
+            )
+        if not self["native"]:
+            return
+        try:
+            self["llama"] = llama_flags.native_settings(self)
+        except llama_flags.FlagError as err:
+            raise usage.UsageError(str(err)) from None
+        address = llama_flags.engine_address(self)
+        if address is not None:
+            self["upstream"] = address
 
     def check_ollama(self) -> None:
         """The Ollama options: --native only, a readable keep-alive, loopback addresses."""

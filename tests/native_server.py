@@ -48,7 +48,10 @@ def native_process(
     return NativeProcess(
         model,
         fork,
-        ["--native", "--upstream", f"127.0.0.1:{engine_port}", "--slot-dir", str(slot_dir)],
+        [
+            *("--native", "--upstream", f"127.0.0.1:{engine_port}", "--slot-dir", str(slot_dir)),
+            "--metrics",  # llama-server's: /metrics answers
+        ],
         directory / "bankml.log",
         engine_port=engine_port,
         env=env or {},

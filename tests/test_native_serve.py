@@ -67,6 +67,7 @@ def shared_served(model: Path, fork: Path) -> Served:
                 "listen": "127.0.0.1:0",
                 "upstream": "127.0.0.1:0",
                 "slot-dir": str(slot_dir),
+                "llama": {"metrics": True},  # llama-server's --metrics: /metrics answers
             },
             reactor,
         )

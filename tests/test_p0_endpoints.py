@@ -78,9 +78,17 @@ def stable(obj: Any) -> Any:
 
 
 def without_receipt(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: v for k, v in obj.items() if k != "bankml_receipt"}
-    return [without_receipt(o) for o in obj]
+    """The answer without its receipt, and with the seed bankml drew for a request that named
+    none (it is appended to the forwarded body, and llama-server echoes it) read back as the
+    "draw one" llama-server shows when asked directly: the echoed seed must be the receipt's."""
+    if not isinstance(obj, dict):
+        return [without_receipt(o) for o in obj]
+    out = {k: v for k, v in obj.items() if k != "bankml_receipt"}
+    drawn = ((obj.get("bankml_receipt") or {}).get("sampler") or {}).get("seed")
+    settings = out.get("generation_settings")
+    if isinstance(settings, dict) and drawn is not None and settings.get("seed") == drawn:
+        out["generation_settings"] = {**settings, "seed": 4294967295}
+    return out
 
 
 def check_receipt(

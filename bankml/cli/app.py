@@ -18,7 +18,7 @@ from bankml.cli.parsing import CommandParser, add_command
 
 USAGE_EXIT = 1  # no command, an unknown one, or a bad option before it
 # commands whose arguments go as given to the module that parses them
-PASSTHROUGH = ("create", "check-receipt", "keygen")
+PASSTHROUGH = ("create", "check-receipt", "keygen", "llama-server")
 
 
 def version_line() -> str:
@@ -44,6 +44,14 @@ def build_parser() -> CommandParser:
         "serve a verified model on loopback, with receipts",
         usage_exit=USAGE_EXIT,
         add_help=False,  # --help goes to the twistd options, which list serve's options
+    )
+    add_command(
+        commands,
+        "llama-server",
+        llama_server_command,
+        "llama-server's command line, served natively: bankml llama-server --fork F -m FILE ...",
+        usage_exit=USAGE_EXIT,
+        add_help=False,  # its arguments are llama-server's, read by serving.llama_flags
     )
     text.add_commands(commands)
     generate.add_commands(commands)
@@ -86,6 +94,39 @@ def serve_command(args: argparse.Namespace) -> int:
     from bankml.tap import serve_command as serve
 
     return serve(args.serve_argv)
+
+
+DROPIN_USAGE = (
+    "usage: bankml llama-server --fork FORK.json -m FILE [llama-server's flags] [--listen ADDR]\n"
+    "llama-server's command line, answered by bankml's native engine on --host/--port\n"
+    "(default 127.0.0.1:8080); docs/llama-server.md lists what each flag does here."
+)
+
+
+def llama_server_command(args: argparse.Namespace) -> int:
+    """`bankml llama-server ...`: llama-server's arguments rewritten into `bankml serve --native`
+    (serving.llama_flags.dropin_argv), then served as `bankml serve` serves them."""
+    from bankml.serving.llama_flags import DEFAULT_PORT, FlagError, dropin_argv
+
+    argv = list(args.passthrough_argv)
+    if any(a in ("-h", "--help", "--usage") for a in argv):
+        print(DROPIN_USAGE)
+        return 0
+    if "--version" in argv:
+        print(version_line())
+        return 0
+    try:
+        serve_argv, notes = dropin_argv(argv)
+    except FlagError as err:
+        print(f"bankml llama-server: {err}\n{DROPIN_USAGE}", file=sys.stderr)
+        return USAGE_EXIT
+    for note in notes:
+        print(f"bankml llama-server: {note}", file=sys.stderr)
+    if "--host" not in serve_argv and "--port" not in serve_argv:
+        serve_argv += ["--port", str(DEFAULT_PORT)]  # llama-server's address, not bankml's
+    from bankml.tap import serve_command as serve
+
+    return serve(serve_argv)
 
 
 def create_command(args: argparse.Namespace) -> int:

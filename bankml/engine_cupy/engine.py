@@ -511,6 +511,7 @@ class Engine:
         self.slot_tokens: list[int] = []
         self.host_cache = HostPromptCache(cache_ram_limit(cache_ram))  # MiB, as --cache-ram
         self.defaults = sampling_defaults or SamplerParams()
+        self.n_predict = -1  # the server's -n: where a request's n_predict is -1 or absent
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -642,7 +643,7 @@ class Engine:
                     tokens,
                     params,
                     constraint,
-                    task["n_predict"],
+                    task["n_predict"] if task["n_predict"] != -1 else self.n_predict,
                     stop,
                     max(params.n_probs, 0),
                     task["cache_prompt"],

@@ -115,7 +115,7 @@ def model_info(native: NativeEngine) -> dict[str, Any]:
     n_params, size = native.tensor_totals()
     return {
         "id": native.model_id,
-        "aliases": [native.model_id],
+        "aliases": native.model_aliases or [native.model_id],
         "tags": [],
         "object": "model",
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},

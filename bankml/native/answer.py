@@ -86,7 +86,8 @@ class Answer:
         self.index = index
         self.stream = request.get("stream") is True if stream is None else stream
         self.tally = Tally(request_body=body, clock=clock)
-        self.model = request["model"] if isinstance(request.get("model"), str) else native.model_id
+        # the server's model name whatever the request names (llama-server's oaicompat_model)
+        self.model = native.model_id
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.options: dict[str, Any] = getattr(parsed, "options", {}) or {}

@@ -16,13 +16,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from bankml import __version__
 from bankml.engine_cupy import backend, slots
 from bankml.engine_cupy.engine import Engine, RequestError, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
+from bankml.engine_cupy.sampler import SamplerParams
+from bankml.engine_cupy.tokenizer import read_gguf_metadata
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.native import text
 from bankml.native.answer import CHAT, ENGINE_KIND, Step, prompt_steps
@@ -70,6 +73,7 @@ class NativeEngine:
         device: str = "cpu",
         reactor: Any = None,
         receipt_key: SigningKey | None = None,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.receipt_key = receipt_key  # signs every receipt; None: unsigned (the Python API)
@@ -79,7 +83,9 @@ class NativeEngine:
         self.n_ctx = int(n_ctx if n_ctx is not None else getattr(engine, "n_ctx", 0))
         self.device = device
         self.reactor = reactor
-        self.model_id = os.path.basename(verified.path)
+        # llama-server's model name: the first of its --alias names, else the file's name
+        self.model_aliases = list(aliases)
+        self.model_id = self.model_aliases[0] if aliases else os.path.basename(verified.path)
         # llama-server's name for the file's type (general.file_type), read once from the header
         self.model_ftype = file_ftype_name(verified.path)
         self.build_info = f"bankml {__version__} native"
@@ -374,15 +380,18 @@ def open_served(
     receipt_key: SigningKey | None = None,
 ) -> NativeEngine:
     """For the server, on the engine thread: the engine opened with ``bankml serve``'s options
-    (``ctx``, ``device``, ``cache_type``, ``slot-dir``), each kernel run once (compiled or loaded
+    (``ctx``, ``device``, ``cache_type``, ``slot-dir``, ``llama``: llama-server's flags), each kernel run once (compiled or loaded
     now, not on the first request), wrapped for serving."""
+    ctx = options.get("ctx")
     engine, device_name = open_engine(
         verified.path,
-        n_ctx=int(options.get("ctx") or DEFAULT_CTX),
+        n_ctx=DEFAULT_CTX if ctx is None else int(ctx) or training_context(verified.path),
         device=options.get("device") or "auto",
         cache_type=options.get("cache_type"),
         cache_ram=options.get("cache_ram"),
     )
+    llama = options.get("llama") or {}
+    apply_server_defaults(engine, llama)
     engine.warm_up(report)  # ``report`` is told what compiles, and how long it took
     return NativeEngine(
         engine,
@@ -393,7 +402,28 @@ def open_served(
         device=device_name,
         reactor=reactor,
         receipt_key=receipt_key,
+        aliases=llama.get("aliases") or (),
     )
+
+
+def training_context(path: str) -> int:
+    """The context the model was trained for (``<arch>.context_length``): what llama-server's
+    ``-c 0`` gives; bankml's default where the header does not say."""
+    arch = read_gguf_metadata(path, ["general.architecture"]).get("general.architecture")
+    key = f"{arch}.context_length"
+    value = read_gguf_metadata(path, [key]).get(key) if arch else None
+    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_CTX
+
+
+def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
+    """llama-server's server-wide settings (``serving.llama_flags.native_settings``) on an
+    opened engine: the sampling defaults over the file's own ``general.sampling.*`` (as
+    llama-server lets its flags win over the header's), ``-n``, and a chat template."""
+    if llama.get("sampling"):
+        engine.defaults = SamplerParams.from_request(llama["sampling"], engine.defaults)
+    engine.n_predict = int(llama.get("n_predict", -1))
+    if llama.get("chat_template") is not None and engine.template is not None:
+        engine.template = replace(engine.template, source=llama["chat_template"])
 
 
 def slot_job(

@@ -35,6 +35,7 @@ from bankml.resources.bankml import BankmlResource
 from bankml.resources.description import ApiDescription
 from bankml.resources.ollama import put_ollama_routes
 from bankml.resources.openai import ChatCompletions, Completions, Models
+from bankml.serving.access import AccessControl, CorsPolicy
 from bankml.serving.routes import Branch, LlamaRoute
 from bankml.serving.site import LoopbackSite
 from bankml.serving.startup import (
@@ -57,9 +58,10 @@ NOT_SUPPORTED_PROPS = (
     "This server does not support changing global properties. Start it with `--props`"
 )
 NOT_SUPPORTED_SLOTS_LIST = "This server does not support slots endpoint. Start it with `--slots`"
+NOT_SUPPORTED_METRICS = "This server does not support metrics endpoint. Start it with `--metrics`"
 
 
-def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> None:
+def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool, metrics: bool) -> None:
     """llama-server's endpoints and the OpenAI ones, on one tree, under llama-server's paths
     (its aliases included: /v1/health, /completions, /chat/completions, /models)."""
 
@@ -76,7 +78,15 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
         put(parent, b"health", llama.Health(native))
         put(parent, b"models", Models(native))
     put(root, b"props", llama.Props(native), POST=(501, NOT_SUPPORTED_PROPS, "not_supported_error"))
-    put(root, b"metrics", llama.Metrics(native))
+    if metrics:
+        put(root, b"metrics", llama.Metrics(native))
+    else:  # llama-server without --metrics
+        put(
+            root,
+            b"metrics",
+            llama.Metrics(native),
+            GET=(501, NOT_SUPPORTED_METRICS, "not_supported_error"),
+        )
     put(root, b"openapi.json", ApiDescription())
     put(root, b"tokenize", llama.Tokenize(native))
     put(root, b"detokenize", llama.Detokenize(native))
@@ -100,11 +110,15 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
 
 
 def build_native_roots(
-    native: NativeEngine, sampler: UsageSampler | None = None, ollama: OllamaHost | None = None
+    native: NativeEngine,
+    sampler: UsageSampler | None = None,
+    ollama: OllamaHost | None = None,
+    *,
+    metrics: bool = True,
 ) -> tuple[Resource, Resource]:
     """(listen_root, engine_root): bankml's address with /bankml (and Ollama's routes, given
     ``ollama``), and the engine address with /slots; both answer the OpenAI and llama-server
-    endpoints."""
+    endpoints (/metrics only with ``metrics``, else llama-server's 501)."""
     if sampler is None:
         sampler = UsageSampler(
             native.reactor,
@@ -115,9 +129,9 @@ def build_native_roots(
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
     if ollama is not None:
         put_ollama_routes(listen_root, ollama)
-    _put_llama_endpoints(listen_root, native, slots=False)
+    _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics)
     engine_root = Branch()
-    _put_llama_endpoints(engine_root, native, slots=True)
+    _put_llama_endpoints(engine_root, native, slots=True, metrics=metrics)
     return listen_root, engine_root
 
 
@@ -209,17 +223,23 @@ class NativeService(ServingService):
             return
         if not self.running:
             return
+        llama_options = self.options.get("llama") or {}
         ollama = serve_ollama(self, self.native)
-        listen_root, engine_root = build_native_roots(self.native, ollama=ollama)
+        listen_root, engine_root = build_native_roots(
+            self.native, ollama=ollama, metrics=bool(llama_options.get("metrics"))
+        )
         addresses = [
             (self.options.get("listen") or DEFAULT_LISTEN, listen_root),
             (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root),
         ]
         if self.options.get("ollama-listen"):
             addresses.append((self.options["ollama-listen"], ollama_root(ollama)))
+        cors = CorsPolicy(**llama_options["cors"]) if "cors" in llama_options else CorsPolicy()
+        keys = llama_options.get("api_keys") or ()
         try:
             for address, root in addresses:
-                self.listen(LoopbackSite(root), address)
+                # CORS and the API key once for each address, before any endpoint
+                self.listen(LoopbackSite(AccessControl(root, keys, cors)), address)
         except Exception as err:
             self.fatal(f"cannot listen: {err}")
             return
@@ -281,7 +301,8 @@ def ollama_root(host: OllamaHost) -> Resource:
 def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeService:
     """What tap's makeService calls for ``--native``: verify now (a refusal exits with verify's
     code before anything listens), then a NativeService. ``options`` keys: file, fork, listen,
-    upstream, ctx, device, slot-dir, receipt-key (and optionally cache_type). The receipt key is
+    upstream, ctx, device, slot-dir, receipt-key (and optionally cache_type, cache_ram, and llama:
+    what serving.llama_flags.native_settings read from llama-server's flags). The receipt key is
     loaded (or made) first: a key refused is ``refuse: <reason>``, exit 2.
 
     The kernels compile on the engine thread while this thread hashes the file (they start once

@@ -1,0 +1,482 @@
+"""llama-server's command line (build 11434) as bankml takes it for ``--native``.
+
+Three uses, one table (``FLAGS``):
+
+- ``bankml serve --native`` takes the server flags bankml honours under llama-server's long
+  names, with its meanings and defaults (``SERVE_PARAMETERS``, ``SERVE_SWITCHES``);
+  ``native_settings`` checks them and turns them into what the engine and the site need.
+- ``bankml llama-server --fork F -m FILE [llama-server's flags]`` takes llama-server's own
+  argument list, every spelling of every flag (``-c``, ``--ctx-size``, ``-np``, ``-ctk`` ...):
+  ``dropin_argv`` rewrites it into a ``bankml serve --native`` command line.
+- docs/llama-server.md lists the same table for users.
+
+Each flag is honoured (``SERVE``: it becomes a ``bankml serve`` option), ignored (``IGNORE``:
+it cannot change an answer, because bankml computes the same bits on any thread count, batch
+size, attention kernel or device), or refused (``REFUSE``) with the reason, before anything
+listens. A spelling not in the table is refused as llama-server refuses it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SERVE, IGNORE, REFUSE, MODEL = "serve", "ignore", "refuse", "model"
+
+
+class FlagError(ValueError):
+    """A flag bankml refuses, or a value it cannot take; the message is for the user."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    spellings: tuple[str, ...]  # llama-server's, the long name bankml serve takes first
+    takes_value: bool
+    action: str  # SERVE, IGNORE, REFUSE or MODEL
+    reason: str = ""  # why it is ignored or refused
+    serve_name: str | None = None  # the bankml serve option, when not the first spelling
+
+    @property
+    def name(self) -> str:
+        return self.serve_name or self.spellings[0].lstrip("-")
+
+
+def _f(spellings: str, takes_value: bool, action: str, reason: str = "", serve: str = "") -> Flag:
+    return Flag(tuple(spellings.split()), takes_value, action, reason, serve or None)
+
+
+# --- why a flag is ignored or refused -------------------------------------------------------
+SAME_BITS = "bankml computes the same answer whatever this is set to"
+LOGS = "it only changes llama-server's logging"
+NO_UI = "bankml has no web UI"
+PINNED = "bankml serves only the local file pinned in FORK.json"
+CHANGES_MODEL = "it changes the model's computation; bankml serves the pinned model as it is"
+PER_REQUEST = "bankml takes it per request only: send the field in the request body"
+NOT_HERE = "bankml's native engine does not have this feature"
+LOOPBACK = "bankml listens on loopback in plain HTTP only"
+
+FLAGS: tuple[Flag, ...] = (
+    _f("-m --model", True, MODEL),
+    # -- mapped onto bankml serve's own options
+    _f("--ctx-size -c", True, SERVE, serve="ctx"),
+    _f("--threads -t", True, SERVE),
+    _f("--host", True, SERVE),
+    _f("--port", True, SERVE),
+    _f("--slot-save-path", True, SERVE, serve="slot-dir"),
+    # -- server-wide sampling defaults (a request's own field overrides them)
+    _f("--n-predict -n --predict", True, SERVE),
+    _f("--temp --temperature", True, SERVE),
+    _f("--seed -s", True, SERVE),
+    _f("--top-k", True, SERVE),
+    _f("--top-p", True, SERVE),
+    _f("--min-p", True, SERVE),
+    _f("--top-nsigma --top-n-sigma", True, SERVE),
+    _f("--xtc-probability", True, SERVE),
+    _f("--xtc-threshold", True, SERVE),
+    _f("--typical --typical-p", True, SERVE),
+    _f("--repeat-last-n", True, SERVE),
+    _f("--repeat-penalty", True, SERVE),
+    _f("--presence-penalty", True, SERVE),
+    _f("--frequency-penalty", True, SERVE),
+    _f("--dry-multiplier", True, SERVE),
+    _f("--dry-base", True, SERVE),
+    _f("--dry-allowed-length", True, SERVE),
+    _f("--dry-penalty-last-n", True, SERVE),
+    _f("--dynatemp-range", True, SERVE),
+    _f("--dynatemp-exp", True, SERVE),
+    _f("--mirostat", True, SERVE),
+    _f("--mirostat-lr", True, SERVE),
+    _f("--mirostat-ent", True, SERVE),
+    _f("--samplers", True, SERVE),
+    _f("--sampling-seq --sampler-seq", True, SERVE),
+    # -- the server
+    _f("--alias -a", True, SERVE),
+    _f("--api-key", True, SERVE),
+    _f("--api-key-file", True, SERVE),
+    _f("--chat-template", True, SERVE),
+    _f("--chat-template-file", True, SERVE),
+    _f("--parallel -np", True, SERVE),
+    _f("--metrics", False, SERVE),
+    _f("--slots", False, SERVE),
+    _f("--no-slots", False, SERVE),
+    _f("--cors-origins", True, SERVE),
+    _f("--cors-methods", True, SERVE),
+    _f("--cors-headers", True, SERVE),
+    _f("--cors-credentials", False, SERVE),
+    _f("--no-cors-credentials", False, SERVE),
+    _f("--cache-type-k -ctk", True, SERVE),
+    _f("--cache-type-v -ctv", True, SERVE),
+    _f("--cache-ram -cram", True, SERVE),
+    # -- accepted and ignored: they cannot change an answer
+    _f("--flash-attn -fa", True, IGNORE, SAME_BITS),
+    _f("--gpu-layers -ngl --n-gpu-layers", True, IGNORE, SAME_BITS + " (--device picks it)"),
+    _f("--device -dev", True, IGNORE, SAME_BITS + " (bankml serve --device picks it)"),
+    _f("--split-mode -sm", True, IGNORE, SAME_BITS),
+    _f("--tensor-split -ts", True, IGNORE, SAME_BITS),
+    _f("--main-gpu -mg", True, IGNORE, SAME_BITS),
+    _f("--fit -fit", True, IGNORE, SAME_BITS),
+    _f("--fit-target -fitt", True, IGNORE, SAME_BITS),
+    _f("--fit-ctx -fitc", True, IGNORE, SAME_BITS),
+    _f("--batch-size -b", True, IGNORE, SAME_BITS),
+    _f("--ubatch-size -ub", True, IGNORE, SAME_BITS),
+    _f("--threads-batch -tb", True, IGNORE, SAME_BITS),
+    _f("--threads-http", True, IGNORE, SAME_BITS),
+    _f("--cpu-mask -C", True, IGNORE, SAME_BITS),
+    _f("--cpu-range -Cr", True, IGNORE, SAME_BITS),
+    _f("--cpu-strict", True, IGNORE, SAME_BITS),
+    _f("--prio", True, IGNORE, SAME_BITS),
+    _f("--poll", True, IGNORE, SAME_BITS),
+    _f("--cpu-mask-batch -Cb", True, IGNORE, SAME_BITS),
+    _f("--cpu-range-batch -Crb", True, IGNORE, SAME_BITS),
+    _f("--cpu-strict-batch", True, IGNORE, SAME_BITS),
+    _f("--prio-batch", True, IGNORE, SAME_BITS),
+    _f("--poll-batch", True, IGNORE, SAME_BITS),
+    _f("--numa", True, IGNORE, SAME_BITS),
+    _f("--load-mode -lm", True, IGNORE, SAME_BITS),
+    _f("--lazy-mode -lzm", True, IGNORE, SAME_BITS),
+    _f("--mlock", False, IGNORE, SAME_BITS),
+    _f("--no-mmap", False, IGNORE, SAME_BITS),
+    _f("--mmap", False, IGNORE, SAME_BITS),
+    _f("--repack", False, IGNORE, SAME_BITS),
+    _f("--no-repack -nr", False, IGNORE, SAME_BITS),
+    _f("--no-host", False, IGNORE, SAME_BITS),
+    _f("--kv-offload -kvo", False, IGNORE, SAME_BITS),
+    _f("--no-kv-offload -nkvo", False, IGNORE, SAME_BITS),
+    _f("--op-offload", False, IGNORE, SAME_BITS),
+    _f("--no-op-offload", False, IGNORE, SAME_BITS),
+    _f("--cont-batching -cb", False, IGNORE, SAME_BITS),
+    _f("--no-cont-batching -nocb", False, IGNORE, SAME_BITS),
+    _f("--kv-unified -kvu", False, IGNORE, SAME_BITS),
+    _f("--no-kv-unified -no-kvu", False, IGNORE, SAME_BITS),
+    _f("--cache-idle-slots", False, IGNORE, SAME_BITS),
+    _f("--no-cache-idle-slots", False, IGNORE, SAME_BITS),
+    _f("--ctx-checkpoints -ctxcp --swa-checkpoints", True, IGNORE, SAME_BITS),
+    _f("--checkpoint-min-step -cms", True, IGNORE, SAME_BITS),
+    _f("--slot-prompt-similarity -sps", True, IGNORE, SAME_BITS),
+    _f("--warmup", False, IGNORE, SAME_BITS),
+    _f("--no-warmup", False, IGNORE, SAME_BITS),
+    _f("--perf", False, IGNORE, SAME_BITS),
+    _f("--no-perf", False, IGNORE, SAME_BITS),
+    _f("--check-tensors", False, IGNORE, "bankml checks the whole file's sha256 before serving"),
+    _f("--timeout -to", True, IGNORE, "bankml keeps its own read and write timeouts"),
+    _f("--reuse-port", False, IGNORE, SAME_BITS),
+    _f("--sleep-idle-seconds", True, IGNORE, SAME_BITS),
+    _f("--jinja", False, IGNORE, "bankml always renders chat templates with Jinja"),
+    _f("--prefill-assistant", False, IGNORE, "it is the default"),
+    _f("--cache-prompt", False, IGNORE, "it is the default"),
+    _f("--offline", False, IGNORE, PINNED),
+    _f("--ui --webui", False, IGNORE, NO_UI),
+    _f("--no-ui --no-webui", False, IGNORE, NO_UI),
+    _f("--log-disable", False, IGNORE, LOGS),
+    _f("--log-file", True, IGNORE, LOGS),
+    _f("--log-colors", True, IGNORE, LOGS),
+    _f("--log-prefix", False, IGNORE, LOGS),
+    _f("--no-log-prefix", False, IGNORE, LOGS),
+    _f("--log-timestamps", False, IGNORE, LOGS),
+    _f("--no-log-timestamps", False, IGNORE, LOGS),
+    _f("--verbosity -lv --log-verbosity", True, IGNORE, LOGS),
+    # -- refused, with the reason
+    _f("--verbose -v --log-verbose", False, REFUSE, "bankml's answers carry no __verbose field"),
+    _f("--log-jsonl", False, REFUSE, "bankml writes its own log format"),
+    _f("--model-url -mu", True, REFUSE, PINNED),
+    _f("--hf-repo -hf -hfr", True, REFUSE, PINNED),
+    _f("--hf-file -hff", True, REFUSE, PINNED),
+    _f("--hf-token -hft", True, REFUSE, PINNED),
+    _f("--docker-repo -dr", True, REFUSE, PINNED),
+    _f("--models-dir", True, REFUSE, PINNED),
+    _f("--models-preset", True, REFUSE, PINNED),
+    _f("--models-max", True, REFUSE, PINNED),
+    _f("--lora", True, REFUSE, CHANGES_MODEL),
+    _f("--lora-scaled", True, REFUSE, CHANGES_MODEL),
+    _f("--control-vector", True, REFUSE, CHANGES_MODEL),
+    _f("--control-vector-scaled", True, REFUSE, CHANGES_MODEL),
+    _f("--override-kv", True, REFUSE, CHANGES_MODEL),
+    _f("--override-tensor -ot", True, REFUSE, CHANGES_MODEL),
+    _f("--rope-scaling", True, REFUSE, CHANGES_MODEL),
+    _f("--rope-scale", True, REFUSE, CHANGES_MODEL),
+    _f("--rope-freq-base", True, REFUSE, CHANGES_MODEL),
+    _f("--rope-freq-scale", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-orig-ctx", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-ext-factor", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-attn-factor", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-beta-slow", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-beta-fast", True, REFUSE, CHANGES_MODEL),
+    _f("--mmproj -mm", True, REFUSE, NOT_HERE + " (images, audio)"),
+    _f("--model-draft -md --spec-draft-model", True, REFUSE, NOT_HERE + " (speculative decoding)"),
+    _f("--spec-type", True, REFUSE, NOT_HERE + " (speculative decoding)"),
+    _f("--embedding --embeddings", False, REFUSE, NOT_HERE + " (embeddings)"),
+    _f("--rerank --reranking", False, REFUSE, NOT_HERE + " (reranking)"),
+    _f("--pooling", True, REFUSE, NOT_HERE + " (embeddings)"),
+    _f("--props", False, REFUSE, "bankml does not change global properties while serving"),
+    _f("--api-prefix", True, REFUSE, NOT_HERE),
+    _f("--path", True, REFUSE, NO_UI),
+    _f("--ssl-key-file", True, REFUSE, LOOPBACK),
+    _f("--ssl-cert-file", True, REFUSE, LOOPBACK),
+    _f("--tools", True, REFUSE, NOT_HERE),
+    _f("--agent -ag", False, REFUSE, NOT_HERE),
+    _f("--ui-mcp-proxy --webui-mcp-proxy", False, REFUSE, NOT_HERE),
+    _f("--mcp-servers-config", True, REFUSE, NOT_HERE),
+    _f("--mcp-servers-json", True, REFUSE, NOT_HERE),
+    _f("--media-path", True, REFUSE, NOT_HERE),
+    _f("--context-shift", False, REFUSE, NOT_HERE),
+    _f("--keep", True, REFUSE, PER_REQUEST + " (n_keep)"),
+    _f("--cache-reuse", True, REFUSE, PER_REQUEST + " (n_cache_reuse)"),
+    _f("--no-cache-prompt", False, REFUSE, PER_REQUEST + " (cache_prompt)"),
+    _f("--ignore-eos", False, REFUSE, PER_REQUEST + " (ignore_eos)"),
+    _f("--logit-bias -l", True, REFUSE, PER_REQUEST + " (logit_bias)"),
+    _f("--grammar", True, REFUSE, PER_REQUEST + " (grammar)"),
+    _f("--grammar-file", True, REFUSE, PER_REQUEST + " (grammar)"),
+    _f("--json-schema -j", True, REFUSE, PER_REQUEST + " (json_schema)"),
+    _f("--json-schema-file -jf", True, REFUSE, PER_REQUEST + " (json_schema)"),
+    _f("--dry-sequence-breaker", True, REFUSE, PER_REQUEST + " (dry_sequence_breakers)"),
+    _f("--chat-template-kwargs", True, REFUSE, PER_REQUEST + " (chat_template_kwargs)"),
+    _f("--sse-ping-interval", True, REFUSE, PER_REQUEST + " (sse_ping_interval)"),
+    _f("--adaptive-target", True, REFUSE, "bankml's sampler has no adaptive-p"),
+    _f("--adaptive-decay", True, REFUSE, "bankml's sampler has no adaptive-p"),
+    _f("--backend-sampling -bs", False, REFUSE, NOT_HERE),
+    _f("--reasoning-format", True, REFUSE, NOT_HERE),
+    _f("--reasoning -rea", True, REFUSE, NOT_HERE),
+    _f("--reasoning-budget", True, REFUSE, NOT_HERE),
+    _f("--no-jinja", False, REFUSE, "bankml renders chat templates with Jinja only"),
+    _f("--no-prefill-assistant", False, REFUSE, NOT_HERE),
+    _f("--skip-chat-parsing", False, REFUSE, NOT_HERE),
+    _f("--swa-full", False, REFUSE, NOT_HERE),
+    _f("--no-context-shift", False, IGNORE, "it is the default"),
+    _f("--list-devices", False, REFUSE, "bankml serve --device picks the device"),
+)
+
+BY_SPELLING: dict[str, Flag] = {s: flag for flag in FLAGS for s in flag.spellings}
+
+# bankml serve's own options that the drop-in form passes through as they are
+BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key")
+
+# the sampling flags: bankml serve's option -> (the request field it defaults, its reader)
+SAMPLING: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "temp": ("temperature", float),
+    "seed": ("seed", int),
+    "top-k": ("top_k", int),
+    "top-p": ("top_p", float),
+    "min-p": ("min_p", float),
+    "top-nsigma": ("top_n_sigma", float),
+    "xtc-probability": ("xtc_probability", float),
+    "xtc-threshold": ("xtc_threshold", float),
+    "typical": ("typical_p", float),
+    "repeat-last-n": ("repeat_last_n", int),
+    "repeat-penalty": ("repeat_penalty", float),
+    "presence-penalty": ("presence_penalty", float),
+    "frequency-penalty": ("frequency_penalty", float),
+    "dry-multiplier": ("dry_multiplier", float),
+    "dry-base": ("dry_base", float),
+    "dry-allowed-length": ("dry_allowed_length", int),
+    "dry-penalty-last-n": ("dry_penalty_last_n", int),
+    "dynatemp-range": ("dynatemp_range", float),
+    "dynatemp-exp": ("dynatemp_exponent", float),
+    "mirostat": ("mirostat", int),
+    "mirostat-lr": ("mirostat_eta", float),
+    "mirostat-ent": ("mirostat_tau", float),
+    "samplers": ("samplers", lambda v: v.split(";")),  # names, ';'-separated
+    "sampling-seq": ("samplers", str),  # one character per sampler
+}
+
+_OWN_OPTIONS = {"ctx", "threads", "slot-dir"}  # bankml serve already has these
+SERVE_PARAMETERS: tuple[tuple[str, str], ...] = tuple(
+    (f.name, f"llama-server's {f.spellings[0]} (docs/llama-server.md)")
+    for f in FLAGS
+    if f.action == SERVE and f.takes_value and f.name not in _OWN_OPTIONS
+)
+SERVE_SWITCHES: tuple[tuple[str, str], ...] = tuple(
+    (f.name, f"llama-server's {f.spellings[0]} (docs/llama-server.md)")
+    for f in FLAGS
+    if f.action == SERVE and not f.takes_value
+)
+LLAMA_OPTION_NAMES = tuple(name for name, _ in SERVE_PARAMETERS + SERVE_SWITCHES)
+
+DEFAULT_PORT = 8080  # llama-server's
+PARALLEL_ONE = "bankml's native engine has one slot today: -np/--parallel takes 1 (or -1, auto)"
+
+
+# --- the drop-in form -------------------------------------------------------------------------
+
+
+def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``bankml llama-server`` arguments -> (``bankml serve`` arguments, notes on ignored
+    flags). Raises FlagError for a refused or unknown flag, or a missing value."""
+    out: list[str] = ["--native"]
+    notes: list[str] = []
+    model: str | None = None
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        spelling, eq, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if spelling in BANKML_VALUE_OPTIONS or spelling in BY_SPELLING:
+            flag = BY_SPELLING.get(spelling)
+            takes_value = flag.takes_value if flag else True
+            value: str | None = None
+            if takes_value:
+                if eq:
+                    value = inline
+                elif i < len(args):
+                    value, i = args[i], i + 1
+                else:
+                    raise FlagError(f"{spelling} needs a value")
+            elif eq:
+                raise FlagError(f"{spelling} takes no value")
+            if flag is None:  # bankml's own
+                out += [spelling, str(value)]
+            elif flag.action == MODEL:
+                model = value
+            elif flag.action == SERVE:
+                out += [f"--{flag.name}"] + ([str(value)] if takes_value else [])
+            elif flag.action == IGNORE:
+                notes.append(f"ignoring {spelling}: {flag.reason}")
+            else:
+                raise FlagError(f"{spelling}: {flag.reason}")
+        elif arg.startswith("-"):
+            raise FlagError(f"{arg}: not a llama-server (build 11434) flag bankml knows")
+        else:
+            raise FlagError(f"{arg}: llama-server takes no positional argument (use -m FILE)")
+    if model is None:
+        raise FlagError("-m FILE is required: the model to serve")
+    return [model, *out], notes
+
+
+# --- checking bankml serve's llama-server options ---------------------------------------------
+
+
+def _number(name: str, text: str, read: Callable[[str], Any]) -> Any:
+    try:
+        return read(text)
+    except ValueError:
+        raise FlagError(f"--{name} {text}: not a number") from None
+
+
+def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``bankml serve --native``'s llama-server options mean, checked: the sampling
+    defaults (a request body's fields), ``n_predict``, aliases, API keys, CORS, the chat
+    template's source, the cache type, whether /metrics and GET /slots answer. Raises
+    FlagError with the reason for a value bankml cannot honour."""
+    sampling: dict[str, Any] = {}
+    for name, (field, read) in SAMPLING.items():
+        if options.get(name) is not None:
+            sampling[field] = _number(name, options[name], read)
+    if sampling:
+        _check_sampling(sampling)
+    n_predict = -1
+    if options.get("n-predict") is not None:
+        n_predict = _number("n-predict", options["n-predict"], int)
+        if n_predict < -1:
+            raise FlagError(f"--n-predict {n_predict}: -1 (no limit) or a number of tokens")
+    parallel = options.get("parallel")
+    if parallel is not None:
+        n = _number("parallel", parallel, int)
+        if n == 0:
+            raise FlagError("--parallel 0: invalid value for n_parallel")
+        if n not in (1, -1):
+            raise FlagError(f"--parallel {n}: {PARALLEL_ONE}")
+    aliases = sorted(
+        {a.strip() for a in (options.get("alias") or "").split(",") if a.strip()}
+    )  # llama-server keeps them in a std::set: the first in order names the model
+    return {
+        "sampling": sampling,
+        "n_predict": n_predict,
+        "aliases": aliases,
+        "api_keys": _api_keys(options),
+        "cors": {
+            "origins": options.get("cors-origins") or "*",
+            "methods": options.get("cors-methods") or "GET, POST, DELETE, OPTIONS",
+            "headers": options.get("cors-headers") or "*",
+            "credentials": not options.get("no-cors-credentials"),
+        },
+        "chat_template": _chat_template(options),
+        "cache_type": _cache_type(options),
+        "metrics": bool(options.get("metrics")),
+        "slots_endpoint": not options.get("no-slots"),
+    }
+
+
+def _check_sampling(sampling: Mapping[str, Any]) -> None:
+    """The values as llama-server checks a request's, so a bad default is refused now."""
+    from bankml.engine_cupy.sampler import SamplerError, SamplerParams
+
+    try:
+        SamplerParams.from_request(sampling, SamplerParams())
+    except SamplerError as err:
+        raise FlagError(f"sampling default refused: {err}") from None
+
+
+def _api_keys(options: Mapping[str, Any]) -> list[str]:
+    """--api-key's comma-separated keys, then --api-key-file's lines (# starts a comment)."""
+    keys = [k for k in (options.get("api-key") or "").split(",") if k]
+    path = options.get("api-key-file")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                lines = handle.read().splitlines()
+        except OSError as err:
+            raise FlagError(f"--api-key-file {path}: {err.strerror or err}") from None
+        keys += [line for line in lines if line and not line.startswith("#")]
+    return keys
+
+
+def _chat_template(options: Mapping[str, Any]) -> str | None:
+    """The template source --chat-template or --chat-template-file gives (llama-server takes
+    the value as Jinja source, ``chatml`` as its ChatML template), compiled now so a template
+    that cannot run is refused before anything listens."""
+    from bankml.engine_cupy.chat_template import (
+        CHATML_TEMPLATE,
+        TemplateError,
+        compile_template,
+    )
+
+    source = options.get("chat-template")
+    path = options.get("chat-template-file")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                source = handle.read()
+        except OSError as err:
+            raise FlagError(f"--chat-template-file {path}: {err.strerror or err}") from None
+    if source is None:
+        return None
+    if source == "chatml":
+        return CHATML_TEMPLATE
+    try:
+        compile_template(source)
+    except (TemplateError, Exception) as err:
+        raise FlagError(f"chat template refused: {err}") from None
+    return str(source)
+
+
+def _cache_type(options: Mapping[str, Any]) -> str | None:
+    """One type for K and V (bankml's cache keeps both alike): -ctk/-ctv, else the environment's
+    BANKML_CACHE_TYPE, else None (f16)."""
+    from bankml.engine_cupy.kv_cache import CACHE_TYPES
+
+    k, v = options.get("cache-type-k"), options.get("cache-type-v")
+    if k is None and v is None:
+        return os.environ.get("BANKML_CACHE_TYPE")
+    k, v = k or "f16", v or "f16"  # llama-server's default for each
+    for given in (k, v):
+        if given not in CACHE_TYPES:
+            raise FlagError(f"cache type {given}: bankml keeps {' or '.join(CACHE_TYPES)}")
+    if k != v:
+        raise FlagError(
+            f"-ctk {k} -ctv {v}: bankml's KV cache keeps K and V in one type; give the same"
+        )
+    return k
+
+
+def engine_address(options: Mapping[str, Any]) -> str | None:
+    """--host/--port as one engine address (llama-server's defaults fill the other half), or
+    None when neither is given."""
+    host, port = options.get("host"), options.get("port")
+    if host is None and port is None:
+        return None
+    host = host or "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port or DEFAULT_PORT}"
