@@ -57,6 +57,7 @@ from bankml.process_protocol import EngineFailed, EngineProcess
 from bankml.registry.keepalive import BadKeepAlive, parse_keep_alive
 from bankml.resources.p0 import p0_root
 from bankml.serving import llama_flags
+from bankml.serving.access import AccessControl, CorsPolicy
 from bankml.serving.site import LoopbackSite, NotLoopbackError, parse_listen
 from bankml.serving.startup import (
     DEFAULT_LISTEN,
@@ -228,21 +229,25 @@ class Options(usage.Options):
         self["cache_ram"] = self["cache-ram"] or os.environ.get("BANKML_CACHE_RAM")
 
     def _llama_options(self) -> None:
-        """llama-server's flags: --native only; checked and read into ``self["llama"]``;
-        --host/--port become the engine address."""
+        """llama-server's flags, checked and read into ``self["llama"]``: all of them with
+        --native; in P0 only who may call (the API key, CORS), which bankml checks itself before
+        forwarding. --host/--port become the engine address."""
         given = [name for name in llama_flags.LLAMA_OPTION_NAMES if self[name]]
         self["llama"] = {}
-        if given and not self["native"]:
-            raise usage.UsageError(
-                f"--{given[0]} is llama-server's: bankml takes it with --native "
-                "(with --spawn, llama-server takes it itself)"
-            )
         if not self["native"]:
-            return
+            engine_flags = [n for n in given if n not in llama_flags.ACCESS_OPTION_NAMES]
+            if engine_flags:
+                raise usage.UsageError(
+                    f"--{engine_flags[0]} is llama-server's: bankml takes it with --native "
+                    "(with --spawn, give it to llama-server after --)"
+                )
+        read = llama_flags.native_settings if self["native"] else llama_flags.access_settings
         try:
-            self["llama"] = llama_flags.native_settings(self)
+            self["llama"] = read(self)
         except llama_flags.FlagError as err:
             raise usage.UsageError(str(err)) from None
+        if not self["native"]:
+            return
         address = llama_flags.engine_address(self)
         if address is not None:
             self["upstream"] = address
@@ -401,7 +406,11 @@ def makeService(options: Options) -> service.IService:
             extra_args=options["engine_args"],
         )
     sampler = UsageSampler(reactor, EngineFinder(gateway))
-    site = LoopbackSite(p0_root(gateway, sampler))
+    access = options["llama"]
+    # CORS and the API key before any endpoint, as natively (llama-server's own checks)
+    site = LoopbackSite(
+        AccessControl(p0_root(gateway, sampler), access["api_keys"], CorsPolicy(**access["cors"]))
+    )
     return BankmlService(options, gateway, site, engine)
 
 

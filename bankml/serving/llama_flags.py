@@ -292,6 +292,18 @@ SERVE_SWITCHES: tuple[tuple[str, str], ...] = tuple(
     if f.action == SERVE and not f.takes_value
 )
 LLAMA_OPTION_NAMES = tuple(name for name, _ in SERVE_PARAMETERS + SERVE_SWITCHES)
+# the flags of who may call the server: P0 takes them too (bankml checks them before forwarding)
+ACCESS_OPTION_NAMES = frozenset(
+    {
+        "api-key",
+        "api-key-file",
+        "cors-origins",
+        "cors-methods",
+        "cors-headers",
+        "cors-credentials",
+        "no-cors-credentials",
+    }
+)
 
 DEFAULT_PORT = 8080  # llama-server's
 PARALLEL_ONE = "bankml's native engine has one slot today: -np/--parallel takes 1 (or -1, auto)"
@@ -384,6 +396,18 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "sampling": sampling,
         "n_predict": n_predict,
         "aliases": aliases,
+        **access_settings(options),
+        "chat_template": _chat_template(options),
+        "cache_type": _cache_type(options),
+        "metrics": bool(options.get("metrics")),
+        "slots_endpoint": not options.get("no-slots"),
+    }
+
+
+def access_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Who may call the server (``--api-key``, ``--api-key-file``, ``--cors-*``): the settings of
+    ``serving.access.AccessControl``, in both modes. Raises FlagError for an unreadable key file."""
+    return {
         "api_keys": _api_keys(options),
         "cors": {
             "origins": options.get("cors-origins") or "*",
@@ -391,10 +415,6 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
             "headers": options.get("cors-headers") or "*",
             "credentials": not options.get("no-cors-credentials"),
         },
-        "chat_template": _chat_template(options),
-        "cache_type": _cache_type(options),
-        "metrics": bool(options.get("metrics")),
-        "slots_endpoint": not options.get("no-slots"),
     }
 
 
