@@ -37,12 +37,20 @@ ENGINE_KIND = {CHAT: "chat", OAI_COMPLETION: "completion", LLAMA_COMPLETION: "co
 
 @dataclass(frozen=True)
 class Step:
-    """One item of a run: a generated token (``chunk``) of prompt ``index``, or that prompt's end
+    """One item of a run: a generated token (``chunk``) of prompt ``index``, its prompt's
+    processing so far (``progress``, asked with ``return_progress``), or that prompt's end
     (``summary``: finish reason, counts, text, timings)."""
 
     index: int
     chunk: Any = None
     summary: Any = None
+    progress: Any = None
+
+
+def wants_progress(request: Any) -> bool:
+    """llama-server sends prompt progress only in a stream, and only with ``return_progress``."""
+    options = getattr(request, "options", None) or {}
+    return bool(options.get("return_progress") and options.get("stream"))
 
 
 def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
@@ -51,9 +59,17 @@ def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[[Callable[[], bool
 
     def steps(cancelled: Callable[[], bool]) -> Iterator[Step]:
         for index, request in enumerate(prompts):
-            run = engine.run_steps(request, cancelled)
-            for chunk in run:
-                yield Step(index, chunk=chunk)
+            progress = wants_progress(request)
+            run = (
+                engine.run_steps(request, cancelled, progress)
+                if progress
+                else engine.run_steps(request, cancelled)
+            )
+            for item in run:
+                if hasattr(item, "processed"):  # the engine's Progress (engine_cupy imports NumPy)
+                    yield Step(index, progress=item)
+                else:
+                    yield Step(index, chunk=item)
             yield Step(index, summary=run.summary)
             if run.summary.cancelled:
                 return
@@ -93,6 +109,8 @@ class Answer:
         self.entries: list[dict[str, Any]] = []  # every logprob entry the engine gave, in order
         self.n_tokens = 0  # tokens generated so far
         self.wants_logprobs = int(getattr(parsed, "n_probs", 0) or 0) > 0
+        self.timings_per_token = bool(self.options.get("timings_per_token"))
+        self.progress_sent = False  # a prompt-progress event went out (it replaces the begin event)
 
     def envelope(self, obj: str | None = None) -> dict[str, Any]:
         return openai_format.envelope(
@@ -114,6 +132,25 @@ class Answer:
 
     def pieces(self, chunk: Any) -> list[dict[str, Any]]:
         """The events of one Chunk in a stream (a piece of text, a logprob entry)."""
+        raise NotImplementedError
+
+    def with_timings(self, events: list[dict[str, Any]], timings: Any) -> list[dict[str, Any]]:
+        """``timings_per_token``: the run's timings so far on the last event of a token."""
+        if self.timings_per_token and events and timings:
+            events[-1]["timings"] = llama_timings(timings)
+        return events
+
+    def on_progress(self, progress: Any) -> list[dict[str, Any]]:
+        """A prompt-progress event (a stream with ``return_progress``): the kind's empty piece,
+        its timings with ``timings_per_token``, then ``prompt_progress``."""
+        self.progress_sent = True
+        if not self.stream:
+            return []
+        event = self.with_timings([self.progress_piece(progress)], progress.timings)[0]
+        event["prompt_progress"] = progress.as_json()
+        return [event]
+
+    def progress_piece(self, progress: Any) -> dict[str, Any]:
         raise NotImplementedError
 
     def _piece_taken(self, chunk: Any) -> bool:
@@ -200,10 +237,14 @@ class ChatAnswer(Answer):
         self.schema_answer = getattr(constraint, "kind", "") == "chat_schema"
         self.generated = ""  # the generated text so far, when it is a schema answer
         self.content_sent = ""
+        # a continued last message's content starts the answer's, as llama-server's chat
+        # parser reads it; a stream sends it with the first piece, unless it is not to be echoed
+        self.prefill = str(self.options.get("prefill") or "")
+        self.prefill_pending = self.prefill if self.options.get("prefill_streamed", True) else ""
 
     def answer_text(self, summary: Any) -> str:
         text = str(summary.text)
-        return chat_schema_content(text) if self.schema_answer else text
+        return chat_schema_content(text) if self.schema_answer else self.prefill + text
 
     def _content_delta(self, text: str) -> str:
         """The part of a schema answer's content not sent yet (``text`` is the new piece)."""
@@ -219,13 +260,20 @@ class ChatAnswer(Answer):
             self.first_seen = True
             events.append(openai_format.chat_chunk(self.envelope(), openai_format.role_delta()))
         text = self._content_delta(chunk.text) if self.schema_answer and chunk.text else chunk.text
+        if text and self.prefill_pending:
+            text, self.prefill_pending = self.prefill_pending + text, ""
         if text:
             self.tally.add_text(text)
             events.append(openai_format.chat_chunk(self.envelope(), {"content": text}))
         if chunk.entry is not None and events:  # an entry rides on its token's last delta
             events[-1]["choices"][0]["logprobs"] = {"content": [chunk.entry]}
             self.tally.add_logprobs([chunk.entry])
-        return events
+        return self.with_timings(events, chunk.timings)
+
+    def progress_piece(self, progress: Any) -> dict[str, Any]:
+        # llama-server's opening role delta rides on every progress event, and again on the
+        # first token's
+        return openai_format.chat_chunk(self.envelope(), openai_format.role_delta())
 
     def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
         return openai_format.chat_completion(
@@ -262,7 +310,13 @@ class CompletionAnswer(Answer):
             return []
         entries = [chunk.entry] if chunk.entry is not None else None
         choice = openai_format.completion_choice(chunk.text, self.index, entries, None)
-        return [openai_format.text_completion(self.envelope(), choice)]
+        return self.with_timings(
+            [openai_format.text_completion(self.envelope(), choice)], chunk.timings
+        )
+
+    def progress_piece(self, progress: Any) -> dict[str, Any]:
+        choice = openai_format.completion_choice("", self.index, None, None)
+        return openai_format.text_completion(self.envelope(), choice)
 
     def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
         choice = openai_format.completion_choice(text, self.index, entries, summary.finish_reason)
@@ -286,9 +340,12 @@ class LlamaCompletionAnswer(Answer):
                 chunk,
                 self.n_tokens,
                 len(self.parsed.prompt_tokens),
-                bool(self.options.get("timings_per_token")),
+                self.timings_per_token,
             )
         ]
+
+    def progress_piece(self, progress: Any) -> dict[str, Any]:
+        return llama_format.progress_piece(self.index, self.n_tokens, progress.total)
 
     def final(self, summary: Any, text: str) -> dict[str, Any]:
         return llama_format.completion_final(

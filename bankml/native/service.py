@@ -83,14 +83,8 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool) -> N
     for parent in (chat, root_chat):
         put(parent, b"completions", ChatCompletions(native))
     if slots:
-        # POST /slots/{id} only: /slots itself is llama-server's slot monitor (GET), not here
-        put(
-            root,
-            b"slots",
-            llama.Slots(native),
-            GET=(501, NOT_SUPPORTED_SLOTS_LIST, "not_supported_error"),
-            POST=(404, "File Not Found", "not_found_error"),
-        )
+        # GET /slots is the slot monitor, POST /slots/{id} the actions (POST /slots itself: 404)
+        put(root, b"slots", llama.Slots(native), POST=(404, "File Not Found", "not_found_error"))
 
 
 def build_native_roots(
