@@ -494,3 +494,46 @@ async def test_metrics_gauges_start_again_at_each_scrape(
         _, _, text = await deferToThread(call, url, "GET", "/metrics")
         values = metric_values(text)
         assert values["prompt_tokens_seconds"] == values["predicted_tokens_seconds"] == 0, url
+
+
+# --- verbose: __verbose on the OpenAI answers ------------------------------------------------------
+
+
+def verbose_objects(answer: Any) -> list[dict[str, Any]]:
+    events = answer if isinstance(answer, list) else [answer]
+    return [e["__verbose"] for e in events if isinstance(e, dict) and "__verbose" in e]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", chat(verbose=True, cache_prompt=False)),
+        ("/v1/chat/completions", chat(verbose=True, logprobs=True, top_logprobs=1)),
+        ("/v1/completions", completion(verbose=True, cache_prompt=False)),
+        ("/v1/completions", completion(verbose=True, return_progress=True, cache_prompt=False)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else json.dumps(v)[:50],
+)
+@pytest_twisted.ensureDeferred
+async def test_verbose_adds_llama_servers_object(
+    served: Served, reference_server: Any, path: str, body: dict, stream: bool
+) -> None:
+    """``verbose: true`` (a request field in llama-server 11434, no --verbose needed): the
+    task's /completion-shaped object as ``__verbose``, on the same events with the same keys;
+    its settings, prompt and counts the same."""
+    (status, _, ours), (ref_status, _, ref) = await both(
+        served.engine_url, reference_server, "POST", path, {**body, "stream": stream}
+    )
+    assert status == ref_status == 200
+    if stream:
+        ours = receipt_free(ours)
+        assert [i for i, e in enumerate(ours) if "__verbose" in e] == [
+            i for i, e in enumerate(ref) if isinstance(e, dict) and "__verbose" in e
+        ]
+    mine, theirs = verbose_objects(ours), verbose_objects(ref)
+    assert len(mine) == len(theirs) > 0
+    for a, b in zip(mine, theirs):
+        assert_same_keys(a, b)
+        for key in ("generation_settings", "prompt", "tokens_evaluated", "stop_type", "index"):
+            assert a.get(key) == b.get(key), key

@@ -685,6 +685,8 @@ class Engine:
             task = parse_task_fields(body)
             if kind == "chat":
                 task.update(self._continuation(body))
+                if task["verbose"]:  # __verbose shows the chat parser's generation prompt
+                    task["generation_prompt"] = self._generation_prompt(body)
             params = SamplerParams.from_request(body, self.defaults)
             task["backend_sampling"] = _bool_field(
                 body, "backend_sampling", False

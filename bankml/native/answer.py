@@ -110,6 +110,9 @@ class Answer:
         self.n_tokens = 0  # tokens generated so far
         self.wants_logprobs = int(getattr(parsed, "n_probs", 0) or 0) > 0
         self.timings_per_token = bool(self.options.get("timings_per_token"))
+        # ``verbose``: llama-server adds its /completion-shaped object (``__verbose``) to the
+        # OpenAI answers; /completion is that object already
+        self.verbose = bool(self.options.get("verbose")) and kind != LLAMA_COMPLETION
         self.progress_sent = False  # a prompt-progress event went out (it replaces the begin event)
 
     def envelope(self, obj: str | None = None) -> dict[str, Any]:
@@ -146,9 +149,34 @@ class Answer:
         self.progress_sent = True
         if not self.stream:
             return []
-        event = self.with_timings([self.progress_piece(progress)], progress.timings)[0]
+        event = self.progress_piece(progress)
+        if self.verbose and self.kind == OAI_COMPLETION:  # a partial's __verbose, as its own
+            own = llama_format.progress_piece(self.index, self.n_tokens, progress.total)
+            own = self.with_timings([own], progress.timings)[0]
+            event["__verbose"] = {**own, "prompt_progress": progress.as_json()}
+        event = self.with_timings([event], progress.timings)[0]
         event["prompt_progress"] = progress.as_json()
         return [event]
+
+    def verbose_final(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
+        """``__verbose`` of a whole answer or a stream's end: /completion's final object of this
+        task (its raw generated text; a chat task's settings name the chat parser)."""
+        settings = llama_format.generation_settings(self.parsed)
+        if self.kind == CHAT:
+            settings["chat_format"] = "peg-native"
+            settings["generation_prompt"] = str(self.options.get("generation_prompt", ""))
+        out = llama_format.completion_final(
+            summary,
+            text,
+            index=self.index,
+            model=self.model,
+            settings=settings,
+            prompt=self.parsed.prompt_text or "",
+        )
+        out["timings"] = llama_timings(summary.timings)
+        if entries:
+            out["completion_probabilities"] = entries
+        return out
 
     def progress_piece(self, progress: Any) -> dict[str, Any]:
         raise NotImplementedError
@@ -190,6 +218,8 @@ class Answer:
         if entries:
             self.tally.add_logprobs(entries)
         out = self.whole_body(summary, text, entries)
+        if self.verbose:
+            out["__verbose"] = self.verbose_final(summary, str(summary.text), entries)
         out["timings"] = llama_timings(summary.timings)
         out["bankml_receipt"] = self.receipt()
         return self.shaped(out)
@@ -205,6 +235,9 @@ class Answer:
         """Streamed: the last events, the last one with usage, timings and the receipt."""
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
         events = self.last_events(summary)
+        if self.verbose:  # on the finish chunk (a chat's usage chunk comes after it)
+            finish = next(e for e in events if e["choices"] and e["choices"][0]["finish_reason"])
+            finish["__verbose"] = self.verbose_final(summary, "", [])
         events[-1]["timings"] = llama_timings(summary.timings)
         events[-1]["bankml_receipt"] = self.receipt()
         return [self.shaped(e) for e in events]
@@ -310,9 +343,16 @@ class CompletionAnswer(Answer):
             return []
         entries = [chunk.entry] if chunk.entry is not None else None
         choice = openai_format.completion_choice(chunk.text, self.index, entries, None)
-        return self.with_timings(
-            [openai_format.text_completion(self.envelope(), choice)], chunk.timings
-        )
+        event = openai_format.text_completion(self.envelope(), choice)
+        if self.verbose:  # the partial result's own object
+            event["__verbose"] = llama_format.completion_piece(
+                self.index,
+                chunk,
+                self.n_tokens,
+                len(self.parsed.prompt_tokens),
+                self.timings_per_token,
+            )
+        return self.with_timings([event], chunk.timings)
 
     def progress_piece(self, progress: Any) -> dict[str, Any]:
         choice = openai_format.completion_choice("", self.index, None, None)
