@@ -536,6 +536,28 @@ async def test_slots_without_a_slot_dir_are_501(served: Served) -> None:
     }
 
 
+@pytest_twisted.ensureDeferred
+async def test_no_slots_makes_the_slot_monitor_llama_servers_501_and_keeps_the_actions(
+    served: Served,
+) -> None:
+    _, engine_root = build_native_roots(served.native, slots_list=False)  # --no-slots
+    port = listen_loopback(LoopbackSite(engine_root), "127.0.0.1:0")
+    url = f"http://127.0.0.1:{port.getHost().port}"
+    try:
+        status, _, data = await deferToThread(get, url + "/slots")
+        erased, answer = await slot(served, "0", "erase", url=url)
+    finally:
+        await port.stopListening()
+    assert status == 501 and json.loads(data)["error"] == {
+        "code": 501,
+        "type": "not_supported_error",
+        "message": "This server does not support slots endpoint. Start it with `--slots`",
+    }
+    assert erased == 200 and answer["id_slot"] == 0
+    status, _, data = await deferToThread(get, served.engine_url + "/slots")  # the default: on
+    assert status == 200 and json.loads(data)[0]["id"] == 0
+
+
 # --- /metrics, /completion, /v1/completions, /bankml ---------------------------------------------------
 
 

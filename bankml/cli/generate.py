@@ -67,7 +67,7 @@ def request_body(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def generate_command(args: argparse.Namespace) -> int:
     body, kind = request_body(args)
     # the engine (NumPy, Numba) only once the command runs: `bankml --help` stays quick
-    from bankml.engine_cupy.engine import Engine, RequestError
+    from bankml.engine_cupy.engine import Chunk, Engine, RequestError
     from bankml.engine_cupy.model import UnsupportedModel
 
     try:
@@ -89,8 +89,8 @@ def generate_command(args: argparse.Namespace) -> int:
         print(f"bankml generate: {message}{reason}", file=sys.stderr)
         return 2
     steps = engine.run_steps(request)
-    for chunk in steps:
-        if not args.json and chunk.text:
+    for chunk in steps:  # Chunks only: no prompt progress was asked for
+        if not args.json and isinstance(chunk, Chunk) and chunk.text:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     s = steps.summary

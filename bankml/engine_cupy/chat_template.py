@@ -11,7 +11,8 @@ variables of llama.cpp's own Jinja engine (common/jinja, common/chat.cpp):
   ``raise_exception``, ``strftime_now``, ``namespace``, ``dict``, ``range`` and any
   ``chat_template_kwargs``;
 * ``tojson`` as llama.cpp writes JSON (insertion order, ", "/": " separators, no ASCII escaping);
-* a trailing assistant message is continued (prefilled), not closed;
+* a trailing assistant message is continued (prefilled), not closed; with
+  ``continue_final_message`` the last message is continued whatever its role;
 * the rendered BOS text is dropped from the front when the tokenizer adds BOS itself.
 
 A template that names a Python internal (an attribute or key starting with ``_``) is refused
@@ -43,6 +44,10 @@ CHATML_TEMPLATE = (
     "  {{- '<|im_start|>assistant\n' -}}\n"
     "{%- endif -%}"
 )
+
+
+# common_chat_continuation: how the last message is continued (continue_final_message)
+CONTINUE_AUTO, CONTINUE_CONTENT, CONTINUE_REASONING = "auto", "content", "reasoning_content"
 
 
 class TemplateError(ValueError):
@@ -726,16 +731,45 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: str | None = None,
         **chat_template_kwargs: Any,
     ) -> str:
-        """The prompt llama-server's /apply-template returns for these messages."""
+        """The prompt llama-server's /apply-template returns for these messages.
+        ``continue_final_message`` ("auto", "content" or "reasoning_content") continues the last
+        message whatever its role; without it a trailing assistant message is continued ("auto",
+        llama-server's prefill)."""
         parsed = normalize_messages(
             list(messages) if isinstance(messages, tuple) else messages, self.caps
         )
         context = self._context(tools, chat_template_kwargs)
-        if parsed and parsed[-1]["role"] == "assistant":
-            return self._continue_last(parsed, context, add_generation_prompt)
-        return self._apply(parsed, context, add_generation_prompt)
+        if continue_final_message is None and parsed and parsed[-1]["role"] == "assistant":
+            if len(parsed) >= 2 and parsed[-2]["role"] == "assistant":
+                raise TemplateError(
+                    "Cannot have 2 or more assistant messages at the end of the list."
+                )
+            continue_final_message = CONTINUE_AUTO
+        if continue_final_message is None:
+            return self._apply(parsed, context, add_generation_prompt)
+        return self._continue_last(parsed, context, continue_final_message)
+
+    def continued_content(
+        self, messages: Sequence[Mapping[str, Any]], continue_final_message: str | None = None
+    ) -> str:
+        """The content a continued last message lends the answer (llama-server's chat parser
+        reads the generation from the generation prompt on, so the answer's content starts with
+        it); "" where nothing is continued or the reasoning is."""
+        parsed = normalize_messages(list(messages), self.caps)
+        mode = continue_final_message
+        if mode is None and parsed and parsed[-1]["role"] == "assistant":
+            mode = CONTINUE_AUTO
+        if mode is None or not parsed:
+            return ""
+        last = parsed[-1]
+        content = _render_content(last)
+        reasoning_only = bool(last.get("reasoning_content")) and not content
+        if mode == CONTINUE_REASONING or (mode == CONTINUE_AUTO and reasoning_only):
+            return ""
+        return content
 
     def generation_prompt(
         self,
@@ -774,12 +808,13 @@ class ChatTemplate:
         return context
 
     def _continue_last(
-        self, parsed: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool
+        self, parsed: list[dict[str, Any]], context: dict[str, Any], mode: str
     ) -> str:
-        """A trailing assistant message is prefilled: the conversation before it, the generation
-        prompt, then its content (common_chat_templates_apply_jinja with continue_final_message)."""
-        if len(parsed) >= 2 and parsed[-2]["role"] == "assistant":
-            raise TemplateError("Cannot have 2 or more assistant messages at the end of the list.")
+        """The last message is continued: the conversation before it, the generation prompt,
+        then its content (common_chat_templates_apply_jinja with continue_final_message; "auto"
+        continues the reasoning where the message has only reasoning, "reasoning_content" always)."""
+        if not parsed:
+            return self._apply(parsed, context, False)
         last, before = parsed[-1], parsed[:-1]
         if last.get("tool_calls"):
             raise TemplateError("Cannot continue an assistant message that contains tool calls.")
@@ -792,7 +827,9 @@ class ChatTemplate:
         with_prompt = self._apply(before, context, True)
         generation_prompt = with_prompt[len(os.path.commonprefix([without, with_prompt])) :]
         content = _render_content(last)
-        continue_reasoning = bool(last.get("reasoning_content")) and not content
+        continue_reasoning = mode == CONTINUE_REASONING or (
+            mode == CONTINUE_AUTO and bool(last.get("reasoning_content")) and not content
+        )
         if self.reasoning.start:
             # re-open the reasoning block: its text so far, closed unless that is what continues
             cut = generation_prompt.find(self.reasoning.start)

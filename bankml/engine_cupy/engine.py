@@ -4,7 +4,8 @@
 /completion or /v1/chat/completions body completely (prompt, stop strings, sampler parameters,
 constraint, limits, context) before any compute, raising ``RequestError`` with llama-server's
 status and message. ``run_steps`` prefills in micro-batches of 512 (reusing the longest common
-prefix with the slot's tokens), then samples token by token, yielding ``Chunk``s; its
+prefix with the slot's tokens; with ``progress`` a ``Progress`` before and after each prompt
+batch), then samples token by token, yielding ``Chunk``s; its
 ``summary`` holds finish reason, counts and timings once the iteration is over.
 """
 
@@ -20,7 +21,13 @@ from typing import Any
 import numpy as np
 
 from bankml.engine_cupy import checkpoints as _checkpoints
-from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
+from bankml.engine_cupy.chat_template import (
+    CONTINUE_AUTO,
+    CONTINUE_CONTENT,
+    CONTINUE_REASONING,
+    ChatTemplate,
+    TemplateError,
+)
 from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
 from bankml.engine_cupy.grammar import (
     Constraint,
@@ -321,6 +328,32 @@ def check_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def chat_render_options(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``add_generation_prompt`` and ``continue_final_message`` as oaicompat_chat_params_parse
+    reads them (json_value: a flag that is not a boolean is its default, true; a continuation
+    is ``true``, "content" or "reasoning_content", anything else none), with its two refusals."""
+    flag = body.get("add_generation_prompt")
+    add_generation_prompt = flag if isinstance(flag, bool) else True
+    value = body.get("continue_final_message")
+    continuation = (
+        CONTINUE_AUTO
+        if value is True
+        else value
+        if isinstance(value, str) and value in (CONTINUE_CONTENT, CONTINUE_REASONING)
+        else None
+    )
+    if continuation is not None:
+        if add_generation_prompt:
+            raise RequestError(
+                "Cannot set both add_generation_prompt and continue_final_message to true."
+            )
+        messages = body.get("messages") or []
+        last = messages[-1] if messages else {}
+        if last.get("role") == "assistant" and last.get("tool_calls"):
+            raise RequestError("Cannot continue an assistant message that contains tool calls.")
+    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continuation}
+
+
 # --- text release: UTF-8 and stop strings ------------------------------------------------------------
 
 
@@ -436,37 +469,74 @@ class Clock:
     t_gen: float = 0.0
 
     def timings(self, cache_n: int, prompt_n: int, predicted_n: int) -> dict[str, Any]:
-        prompt_ms = (self.t_prompt - self.t_start) * 1e3 if self.t_prompt else 0.0
-        predicted_ms = (self.t_gen - self.t_prompt) * 1e3 if self.t_gen else 0.0
-
-        def rate(n: int, ms: float) -> float | None:
-            return 1e3 * n / ms if n and ms > 0 else None
-
+        """server_slot_stats' times and rates, by its formulas: a rate is 0.0 until its time is
+        known; generation's rate counts decode steps (the first token comes free from the
+        prompt's logits), its time at least 1 us once the first token is out."""
+        prompt_ms = round((self.t_prompt - self.t_start) * 1e3, 3) if self.t_prompt else 0.0
+        predicted_ms = (
+            round(max((self.t_gen - self.t_prompt) * 1e3, 0.001), 3) if self.t_gen else 0.0
+        )
         return {
             "cache_n": cache_n,
             "prompt_n": prompt_n,
-            "prompt_ms": round(prompt_ms, 3),
-            "prompt_per_second": rate(prompt_n, prompt_ms),
+            "prompt_ms": prompt_ms,
+            "prompt_per_second": 1e3 / prompt_ms * prompt_n if prompt_ms > 0 else 0.0,
             "predicted_n": predicted_n,
-            "predicted_ms": round(predicted_ms, 3),
-            "predicted_per_second": rate(predicted_n, predicted_ms),
+            "predicted_ms": predicted_ms,
+            "predicted_per_second": 1e3 / predicted_ms * max(predicted_n - 1, 0)
+            if predicted_ms > 0
+            else 0.0,
         }
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Prompt processing so far (llama-server's ``prompt_progress``, with ``return_progress``):
+    once the cached prefix is known, then after each prompt batch."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+    timings: dict[str, Any]
+
+    def as_json(self) -> dict[str, int]:
+        return {
+            "total": self.total,
+            "cache": self.cache,
+            "processed": self.processed,
+            "time_ms": self.time_ms,
+        }
+
+
+def _progress(clock: Clock, total: int, cache: int, processed: int, done: bool) -> Progress:
+    """The prompt's progress now: ``done`` after a batch (its time counts as prompt time)."""
+    now = time.perf_counter()
+    elapsed = Clock(t_start=clock.t_start, t_prompt=now if done else 0.0)
+    return Progress(
+        total,
+        cache,
+        processed,
+        int((now - clock.t_start) * 1e3),
+        elapsed.timings(cache, processed - cache, 0),
+    )
 
 
 # --- the engine --------------------------------------------------------------------------------------------
 
 
 class Steps:
-    """An iteration over a run's chunks; ``summary`` is filled when it ends."""
+    """An iteration over a run's chunks (and progress, when asked); ``summary`` is filled when
+    it ends."""
 
-    def __init__(self, gen_factory: Callable[[Steps], Iterator[Chunk]]):
+    def __init__(self, gen_factory: Callable[[Steps], Iterator[Chunk | Progress]]):
         self.summary = Summary()
         self._gen = gen_factory(self)
 
-    def __iter__(self) -> Iterator[Chunk]:
+    def __iter__(self) -> Iterator[Chunk | Progress]:
         return self._gen
 
-    def __next__(self) -> Chunk:
+    def __next__(self) -> Chunk | Progress:
         return next(self._gen)
 
 
@@ -614,6 +684,10 @@ class Engine:
             else:
                 raise ValueError(f"unknown request kind {kind!r}")
             task = parse_task_fields(body)
+            if kind == "chat":
+                task.update(self._continuation(body))
+                if task["verbose"]:  # __verbose shows the chat parser's generation prompt
+                    task["generation_prompt"] = self._generation_prompt(body)
             params = SamplerParams.from_request(body, self.defaults)
             task["backend_sampling"] = _bool_field(
                 body, "backend_sampling", False
@@ -700,17 +774,33 @@ class Engine:
             biases += tuple(LogitBias(-float("inf"), t) for t in sorted(self.tokenizer.eog_ids))
         return replace(params, logit_bias=biases, ignore_eos=ignore_eos)
 
+    def chat_prompt_tokens(self, body: Mapping[str, Any]) -> list[int]:
+        """The tokens a chat body's prompt evaluates (its template, messages and logprobs checks
+        as a chat's, nothing else; no context check): POST /chat/completions/input_tokens."""
+        return self._chat_prompt(dict(body))[1]
+
     def _chat_prompt(self, body: dict[str, Any]) -> tuple[str, list[int]]:
         messages = check_chat_messages(body)
         chat_logprobs(body)
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise RequestError("chat_template_kwargs must be an object")
-        add_gen = body.get("add_generation_prompt", True)
         text = self.apply_template(
-            messages, add_generation_prompt=bool(add_gen), tools=body.get("tools"), **kwargs
+            messages, tools=body.get("tools"), **chat_render_options(body), **kwargs
         )
         return text, self.tokenize(text, add_special=True, parse_special=True)
+
+    def _continuation(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """What a continued last message does to a chat's answer: its content starts the
+        answer's (``prefill``); a stream sends it with the first piece unless
+        ``continue_final_message`` asked for the continuation without ``echo``
+        (``prefill_streamed``)."""
+        assert self.template is not None  # _chat_prompt rendered the messages
+        continuation = chat_render_options(body)["continue_final_message"]
+        return {
+            "prefill": self.template.continued_content(body["messages"], continuation),
+            "prefill_streamed": continuation is None or body.get("echo") is True,
+        }
 
     def _generation_prompt(self, body: Mapping[str, Any]) -> str:
         """The assistant-turn text a chat schema's grammar starts with (checked by _chat_prompt)."""
@@ -802,9 +892,15 @@ class Engine:
     def _new_sampler(self, params: SamplerParams) -> Sampler:
         return Sampler(params, self._vocab_info, self.n_vocab)
 
-    def run_steps(self, request: Request, cancelled: Callable[[], bool] = lambda: False) -> Steps:
-        """Prefill then generate; iterate for Chunks, then read ``.summary``."""
-        return Steps(lambda steps: self._run(request, cancelled, steps.summary))
+    def run_steps(
+        self,
+        request: Request,
+        cancelled: Callable[[], bool] = lambda: False,
+        progress: bool = False,
+    ) -> Steps:
+        """Prefill then generate; iterate for Chunks (and, with ``progress``, a ``Progress``
+        before the first batch and after each), then read ``.summary``."""
+        return Steps(lambda steps: self._run(request, cancelled, steps.summary, progress))
 
     def _prefill(
         self,
@@ -812,11 +908,13 @@ class Engine:
         cache_prompt: bool,
         cancelled: Callable[[], bool],
         spans: MessageSpans | None = None,
-    ) -> tuple[int, np.ndarray | None]:
+        clock: Clock | None = None,
+    ) -> Iterator[Progress]:
         """Reuse the slot's common prefix (re-evaluating the last prompt token when all of it is
         cached; for a sliding-window model, as far as llama-server's checkpoints allow), then
-        evaluate the rest in llama-server's batches. Returns (cache_n, last logits or None if
-        cancelled)."""
+        evaluate the rest in llama-server's batches. Yields a ``Progress`` when the prefix is
+        known and after each batch, when given the run's ``clock``; returns (cache_n, last
+        logits or None if cancelled)."""
         if cache_prompt:
             self._use_host_cache(tokens)
         n_past = longest_common_prefix(self.slot_tokens, tokens) if cache_prompt else 0
@@ -829,6 +927,8 @@ class Engine:
             n_past -= 1
         self.cache.truncate(n_past)
         self.slot_tokens = self.slot_tokens[:n_past]
+        if clock is not None:
+            yield _progress(clock, len(tokens), n_past, n_past, done=False)
         logits = None
         start = n_past
         while start < len(tokens):
@@ -840,6 +940,8 @@ class Engine:
                 logits = self.model.forward(batch, self.cache)
                 self.slot_tokens += batch
             start = end
+            if clock is not None:
+                yield _progress(clock, len(tokens), n_past, end, done=True)
         return n_past, logits
 
     def _batch_end(self, start: int, n_prompt: int, spans: MessageSpans) -> int:
@@ -875,8 +977,8 @@ class Engine:
                 self.checkpoints.items = list(entry.checkpoints)
 
     def _run(
-        self, req: Request, cancelled: Callable[[], bool], summary: Summary
-    ) -> Iterator[Chunk]:
+        self, req: Request, cancelled: Callable[[], bool], summary: Summary, progress: bool = False
+    ) -> Iterator[Chunk | Progress]:
         clock = Clock(t_start=time.perf_counter())
         tokens = req.prompt_tokens
         summary.prompt_tokens = len(tokens)
@@ -888,7 +990,9 @@ class Engine:
             if req.constraint
             else None
         )
-        cache_n, logits = self._prefill(tokens, req.cache_prompt, cancelled, req.spans)
+        cache_n, logits = yield from self._prefill(
+            tokens, req.cache_prompt, cancelled, req.spans, clock if progress else None
+        )
         prompt_n = len(tokens) - cache_n
         summary.timings = clock.timings(cache_n, prompt_n, 0)
         if logits is None:

@@ -37,11 +37,25 @@ def completion_piece(
         "tokens_predicted": tokens_predicted,
         "tokens_evaluated": tokens_evaluated,
     }
+    if with_timings and getattr(chunk, "timings", None):
+        event["timings"] = llama_timings(chunk.timings)
     if chunk.entry is not None:
         event["completion_probabilities"] = [chunk.entry]
-    if with_timings and getattr(chunk, "timings", None):
-        event["timings"] = chunk.timings
     return event
+
+
+def progress_piece(index: int, tokens_predicted: int, tokens_evaluated: int) -> dict[str, Any]:
+    """A /completion prompt-progress event before its ``timings`` and ``prompt_progress``: an
+    empty partial result (llama-server's token-less result, ``tokens`` [0])."""
+    return {
+        "index": index,
+        "content": "",
+        "tokens": [0],
+        "stop": False,
+        "id_slot": -1,
+        "tokens_predicted": tokens_predicted,
+        "tokens_evaluated": tokens_evaluated,
+    }
 
 
 def stop_type(summary: Any) -> str:
@@ -226,25 +240,24 @@ def generation_settings(parsed: Any, only_metrics: bool = False) -> dict[str, An
 
 def llama_timings(timings: dict[str, Any] | None) -> dict[str, Any] | None:
     """The engine's timings with llama-server's per-token times added, in its key order
-    (server_slot_stats::to_json). A per-token time is null where its count or time is 0, as the
-    rates are (llama-server writes 0.0 there)."""
+    (server_slot_stats::to_json), by its formulas: 0.0 until the divisor is known, and
+    generation's per-token time over its decode steps (the first token comes free)."""
     if timings is None:
         return None
     t = dict(timings)
-
-    def per_token(ms: Any, n: Any) -> float | None:
-        return ms / n if n and ms else None
-
+    prompt_n, prompt_ms = t.get("prompt_n", 0), t.get("prompt_ms", 0.0)
+    predicted_n, predicted_ms = t.get("predicted_n", 0), t.get("predicted_ms", 0.0)
+    steps = max(predicted_n - 1, 0)
     out = {
         "cache_n": t.pop("cache_n", 0),
-        "prompt_n": t.get("prompt_n", 0),
-        "prompt_ms": t.get("prompt_ms", 0.0),
-        "prompt_per_token_ms": per_token(t.get("prompt_ms"), t.get("prompt_n")),
-        "prompt_per_second": t.get("prompt_per_second"),
-        "predicted_n": t.get("predicted_n", 0),
-        "predicted_ms": t.get("predicted_ms", 0.0),
-        "predicted_per_token_ms": per_token(t.get("predicted_ms"), t.get("predicted_n")),
-        "predicted_per_second": t.get("predicted_per_second"),
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n > 0 else 0.0,
+        "prompt_per_second": t.get("prompt_per_second", 0.0),
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / steps if steps > 0 else 0.0,
+        "predicted_per_second": t.get("predicted_per_second", 0.0),
     }
     for key in (
         "prompt_n",
@@ -255,9 +268,7 @@ def llama_timings(timings: dict[str, Any] | None) -> dict[str, Any] | None:
         "predicted_per_second",
     ):
         t.pop(key, None)
-    out.update(
-        t
-    )  # anything else the engine reports (draft counts) stays, after llama-server's keys
+    out.update(t)  # anything else the engine reports (draft counts) stays, after llama-server's
     return out
 
 
@@ -284,7 +295,7 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         "model_path": native.verified.path,
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": "<__media__>",
-        "endpoint_slots": False,
+        "endpoint_slots": True,  # GET /slots, on the engine address
         "endpoint_props": False,
         "endpoint_metrics": True,
         "ui": False,
@@ -297,6 +308,46 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         "is_sleeping": False,
         "cors_proxy_enabled": False,
     }
+
+
+def slots_array(
+    native: NativeEngine, view: Any, generation_prompt: str = ""
+) -> list[dict[str, Any]]:
+    """``GET /slots``: llama-server's ``server_slot::to_json(only_metrics=true)`` of the one slot
+    (``view`` is bankml/native/slot_view.py's ``SlotView``). Before any task only the first four
+    keys; after one, the task's parameters (``task_params::to_json(true)``: a task's reasoning
+    format, and on a chat the chat parser's format and the template's generation prompt)."""
+    slot: dict[str, Any] = {
+        "id": 0,
+        "n_ctx": native.n_ctx,
+        "speculative": False,
+        "is_processing": view.processing,
+    }
+    if view.parsed is None:
+        return [slot]
+    params = generation_settings(view.parsed, only_metrics=True)
+    params["reasoning_format"] = "deepseek"  # the server's --reasoning-format (auto) in a task
+    if view.kind == "chat":
+        params["chat_format"] = "peg-native"  # the chat parser llama.cpp generates for a template
+        params["generation_prompt"] = generation_prompt
+    slot.update(
+        {
+            "id_task": view.id_task,
+            "n_prompt_tokens": len(getattr(native.engine, "slot_tokens", None) or []),
+            "n_prompt_tokens_processed": view.prompt_n,
+            "n_prompt_tokens_cache": view.cache_n,
+            "params": params,
+            "next_token": [
+                {
+                    "has_next_token": view.processing,
+                    "has_new_line": view.has_new_line,
+                    "n_remain": view.n_remain(),
+                    "n_decoded": view.n_decoded,
+                }
+            ],
+        }
+    )
+    return [slot]
 
 
 def template_caps(caps: Any) -> dict[str, bool]:
@@ -314,8 +365,9 @@ def template_caps(caps: Any) -> dict[str, bool]:
 
 
 def prometheus_text(native: NativeEngine) -> str:
-    """llama-server's --metrics exposition, from the engine's totals."""
-    t = native.totals_now()
+    """llama-server's --metrics exposition, from the engine's totals; reading it starts the
+    throughput gauges' window again, as a scrape does there."""
+    t, window = native.scrape()
     busy = bool(native.bridge and native.bridge.busy)
 
     counters = [
@@ -360,9 +412,12 @@ def prometheus_text(native: NativeEngine) -> str:
             0,
         ),
     ]
-    prompt_rate = (t["prompt_tokens"] / t["prompt_seconds"]) if t["prompt_seconds"] > 0 else 0.0
+    # the bucket's n_per_second: decode steps over time since the last scrape, 0.0 without time
+    prompt_rate = (
+        window["prompt_tokens"] / window["prompt_seconds"] if window["prompt_seconds"] > 0 else 0.0
+    )
     predicted_rate = (
-        (t["tokens_predicted"] / t["predicted_seconds"]) if t["predicted_seconds"] > 0 else 0.0
+        window["steps"] / window["predicted_seconds"] if window["predicted_seconds"] > 0 else 0.0
     )
     gauges = [
         ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),

@@ -37,12 +37,20 @@ ENGINE_KIND = {CHAT: "chat", OAI_COMPLETION: "completion", LLAMA_COMPLETION: "co
 
 @dataclass(frozen=True)
 class Step:
-    """One item of a run: a generated token (``chunk``) of prompt ``index``, or that prompt's end
+    """One item of a run: a generated token (``chunk``) of prompt ``index``, its prompt's
+    processing so far (``progress``, asked with ``return_progress``), or that prompt's end
     (``summary``: finish reason, counts, text, timings)."""
 
     index: int
     chunk: Any = None
     summary: Any = None
+    progress: Any = None
+
+
+def wants_progress(request: Any) -> bool:
+    """llama-server sends prompt progress only in a stream, and only with ``return_progress``."""
+    options = getattr(request, "options", None) or {}
+    return bool(options.get("return_progress") and options.get("stream"))
 
 
 def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
@@ -51,9 +59,17 @@ def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[[Callable[[], bool
 
     def steps(cancelled: Callable[[], bool]) -> Iterator[Step]:
         for index, request in enumerate(prompts):
-            run = engine.run_steps(request, cancelled)
-            for chunk in run:
-                yield Step(index, chunk=chunk)
+            progress = wants_progress(request)
+            run = (
+                engine.run_steps(request, cancelled, progress)
+                if progress
+                else engine.run_steps(request, cancelled)
+            )
+            for item in run:
+                if hasattr(item, "processed"):  # the engine's Progress (engine_cupy imports NumPy)
+                    yield Step(index, progress=item)
+                else:
+                    yield Step(index, chunk=item)
             yield Step(index, summary=run.summary)
             if run.summary.cancelled:
                 return
@@ -94,6 +110,11 @@ class Answer:
         self.entries: list[dict[str, Any]] = []  # every logprob entry the engine gave, in order
         self.n_tokens = 0  # tokens generated so far
         self.wants_logprobs = int(getattr(parsed, "n_probs", 0) or 0) > 0
+        self.timings_per_token = bool(self.options.get("timings_per_token"))
+        # ``verbose``: llama-server adds its /completion-shaped object (``__verbose``) to the
+        # OpenAI answers; /completion is that object already
+        self.verbose = bool(self.options.get("verbose")) and kind != LLAMA_COMPLETION
+        self.progress_sent = False  # a prompt-progress event went out (it replaces the begin event)
 
     def envelope(self, obj: str | None = None) -> dict[str, Any]:
         return openai_format.envelope(
@@ -115,6 +136,50 @@ class Answer:
 
     def pieces(self, chunk: Any) -> list[dict[str, Any]]:
         """The events of one Chunk in a stream (a piece of text, a logprob entry)."""
+        raise NotImplementedError
+
+    def with_timings(self, events: list[dict[str, Any]], timings: Any) -> list[dict[str, Any]]:
+        """``timings_per_token``: the run's timings so far on the last event of a token."""
+        if self.timings_per_token and events and timings:
+            events[-1]["timings"] = llama_timings(timings)
+        return events
+
+    def on_progress(self, progress: Any) -> list[dict[str, Any]]:
+        """A prompt-progress event (a stream with ``return_progress``): the kind's empty piece,
+        its timings with ``timings_per_token``, then ``prompt_progress``."""
+        self.progress_sent = True
+        if not self.stream:
+            return []
+        event = self.progress_piece(progress)
+        if self.verbose and self.kind == OAI_COMPLETION:  # a partial's __verbose, as its own
+            own = llama_format.progress_piece(self.index, self.n_tokens, progress.total)
+            own = self.with_timings([own], progress.timings)[0]
+            event["__verbose"] = {**own, "prompt_progress": progress.as_json()}
+        event = self.with_timings([event], progress.timings)[0]
+        event["prompt_progress"] = progress.as_json()
+        return [event]
+
+    def verbose_final(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
+        """``__verbose`` of a whole answer or a stream's end: /completion's final object of this
+        task (its raw generated text; a chat task's settings name the chat parser)."""
+        settings = llama_format.generation_settings(self.parsed)
+        if self.kind == CHAT:
+            settings["chat_format"] = "peg-native"
+            settings["generation_prompt"] = str(self.options.get("generation_prompt", ""))
+        out = llama_format.completion_final(
+            summary,
+            text,
+            index=self.index,
+            model=self.model,
+            settings=settings,
+            prompt=self.parsed.prompt_text or "",
+        )
+        out["timings"] = llama_timings(summary.timings)
+        if entries:
+            out["completion_probabilities"] = entries
+        return out
+
+    def progress_piece(self, progress: Any) -> dict[str, Any]:
         raise NotImplementedError
 
     def _piece_taken(self, chunk: Any) -> bool:
@@ -154,6 +219,8 @@ class Answer:
         if entries:
             self.tally.add_logprobs(entries)
         out = self.whole_body(summary, text, entries)
+        if self.verbose:
+            out["__verbose"] = self.verbose_final(summary, str(summary.text), entries)
         out["timings"] = llama_timings(summary.timings)
         out["bankml_receipt"] = self.receipt(summary)
         return self.shaped(out)
@@ -169,6 +236,9 @@ class Answer:
         """Streamed: the last events, the last one with usage, timings and the receipt."""
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
         events = self.last_events(summary)
+        if self.verbose:  # on the finish chunk (a chat's usage chunk comes after it)
+            finish = next(e for e in events if e["choices"] and e["choices"][0]["finish_reason"])
+            finish["__verbose"] = self.verbose_final(summary, "", [])
         events[-1]["timings"] = llama_timings(summary.timings)
         events[-1]["bankml_receipt"] = self.receipt(summary)
         return [self.shaped(e) for e in events]
@@ -205,10 +275,14 @@ class ChatAnswer(Answer):
         self.schema_answer = getattr(constraint, "kind", "") == "chat_schema"
         self.generated = ""  # the generated text so far, when it is a schema answer
         self.content_sent = ""
+        # a continued last message's content starts the answer's, as llama-server's chat
+        # parser reads it; a stream sends it with the first piece, unless it is not to be echoed
+        self.prefill = str(self.options.get("prefill") or "")
+        self.prefill_pending = self.prefill if self.options.get("prefill_streamed", True) else ""
 
     def answer_text(self, summary: Any) -> str:
         text = str(summary.text)
-        return chat_schema_content(text) if self.schema_answer else text
+        return chat_schema_content(text) if self.schema_answer else self.prefill + text
 
     def _content_delta(self, text: str) -> str:
         """The part of a schema answer's content not sent yet (``text`` is the new piece)."""
@@ -224,13 +298,20 @@ class ChatAnswer(Answer):
             self.first_seen = True
             events.append(openai_format.chat_chunk(self.envelope(), openai_format.role_delta()))
         text = self._content_delta(chunk.text) if self.schema_answer and chunk.text else chunk.text
+        if text and self.prefill_pending:
+            text, self.prefill_pending = self.prefill_pending + text, ""
         if text:
             self.tally.add_text(text)
             events.append(openai_format.chat_chunk(self.envelope(), {"content": text}))
         if chunk.entry is not None and events:  # an entry rides on its token's last delta
             events[-1]["choices"][0]["logprobs"] = {"content": [chunk.entry]}
             self.tally.add_logprobs([chunk.entry])
-        return events
+        return self.with_timings(events, chunk.timings)
+
+    def progress_piece(self, progress: Any) -> dict[str, Any]:
+        # llama-server's opening role delta rides on every progress event, and again on the
+        # first token's
+        return openai_format.chat_chunk(self.envelope(), openai_format.role_delta())
 
     def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
         return openai_format.chat_completion(
@@ -267,7 +348,20 @@ class CompletionAnswer(Answer):
             return []
         entries = [chunk.entry] if chunk.entry is not None else None
         choice = openai_format.completion_choice(chunk.text, self.index, entries, None)
-        return [openai_format.text_completion(self.envelope(), choice)]
+        event = openai_format.text_completion(self.envelope(), choice)
+        if self.verbose:  # the partial result's own object
+            event["__verbose"] = llama_format.completion_piece(
+                self.index,
+                chunk,
+                self.n_tokens,
+                len(self.parsed.prompt_tokens),
+                self.timings_per_token,
+            )
+        return self.with_timings([event], chunk.timings)
+
+    def progress_piece(self, progress: Any) -> dict[str, Any]:
+        choice = openai_format.completion_choice("", self.index, None, None)
+        return openai_format.text_completion(self.envelope(), choice)
 
     def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
         choice = openai_format.completion_choice(text, self.index, entries, summary.finish_reason)
@@ -291,9 +385,12 @@ class LlamaCompletionAnswer(Answer):
                 chunk,
                 self.n_tokens,
                 len(self.parsed.prompt_tokens),
-                bool(self.options.get("timings_per_token")),
+                self.timings_per_token,
             )
         ]
+
+    def progress_piece(self, progress: Any) -> dict[str, Any]:
+        return llama_format.progress_piece(self.index, self.n_tokens, progress.total)
 
     def final(self, summary: Any, text: str) -> dict[str, Any]:
         return llama_format.completion_final(

@@ -22,13 +22,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bankml import __version__
 from bankml.engine_cupy import backend, slots
+from bankml.engine_cupy.checkpoints import N_BATCH
 from bankml.engine_cupy.engine import Engine, RequestError, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.engine_cupy.sampler import SamplerParams
 from bankml.engine_cupy.tokenizer import read_gguf_metadata
 from bankml.formats.errors import ApiError, error_object, refusal_of
+from bankml.formats.llama import slots_array
 from bankml.native import text
 from bankml.native.answer import CHAT, ENGINE_KIND, Step, prompt_steps
+from bankml.native.slot_view import SlotView
 from bankml.receipt import Tally
 from bankml.receipts.keys import SigningKey
 from bankml.receipts.sign import native_facts, pin_seed
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 DEFAULT_CTX = 4096
+WINDOW_KEYS = ("prompt_tokens", "prompt_seconds", "steps", "predicted_seconds")
 
 
 def _refusing(fn: Callable[..., T], *args: Any) -> T:
@@ -102,6 +106,10 @@ class NativeEngine:
             "n_tokens_max": 0,
             "prompt_tokens_cached": 0,
         }
+        # llama-server's rate buckets: what /metrics' two throughput gauges average over, since
+        # the last scrape (prompt tokens and seconds, generation decode steps and seconds)
+        self.window = dict.fromkeys(WINDOW_KEYS, 0.0)
+        self.slot = SlotView()  # what GET /slots shows (updated on the reactor thread)
         self._lock = threading.Lock()
         self._tensor_totals: tuple[int | None, int | None] | None = None
         # set by the Ollama host (native/ollama.py): on the engine thread, loads the startup
@@ -229,6 +237,28 @@ class NativeEngine:
         self._awake()
         return _refusing(text.apply_template_answer, self.engine, body)
 
+    def input_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
+        return _refusing(text.input_tokens_answer, self.engine, body)
+
+    def slots(self, view: SlotView) -> list[dict[str, Any]]:
+        """On the prepare thread: GET /slots for a copy of the slot's view (a chat's generation
+        prompt is the template's, rendered here)."""
+        prompt = ""
+        if view.kind == CHAT and view.parsed is not None:
+            prompt = _refusing(self._generation_prompt, view.body)
+        return slots_array(self, view, prompt)
+
+    def _generation_prompt(self, body: dict[str, Any]) -> str:
+        template = getattr(self.engine, "template", None)
+        if template is None or not isinstance(body.get("messages"), list):
+            return ""
+        kwargs = body.get("chat_template_kwargs")
+        return str(
+            template.generation_prompt(
+                body["messages"], body.get("tools"), **(kwargs if isinstance(kwargs, dict) else {})
+            )
+        )
+
     def slot_action(self, action: str, filename: str, id_slot: int) -> tuple[int, dict[str, Any]]:
         """On the engine thread: (status, body) of one slot action (slot_actions.slot_job)."""
         self.wake()
@@ -253,20 +283,26 @@ class NativeEngine:
             "grammar_ms": None,
             "energy_j": None,
         }
+        prompt_n, predicted_n = int(t.get("prompt_n") or 0), int(t.get("predicted_n") or 0)
+        prompt_s = float(t.get("prompt_ms") or 0.0) / 1e3
+        predicted_s = float(t.get("predicted_ms") or 0.0) / 1e3
+        steps = max(predicted_n - 1, 0)  # the first token comes from the prompt's last batch
         with self._lock:
             self.records.append(rec)
             del self.records[: -self.METRICS_KEEP]
             tot = self.totals
             tot["requests"] += 1
-            tot["prompt_tokens"] += int(t.get("prompt_n") or 0)
+            tot["prompt_tokens"] += prompt_n
             tot["prompt_tokens_cached"] += int(t.get("cache_n") or 0)
-            tot["prompt_seconds"] += float(t.get("prompt_ms") or 0.0) / 1e3
-            tot["tokens_predicted"] += int(t.get("predicted_n") or 0)
-            tot["predicted_seconds"] += float(t.get("predicted_ms") or 0.0) / 1e3
-            tot["decode_calls"] += int(t.get("predicted_n") or 0) + (1 if t.get("prompt_n") else 0)
-            tot["n_tokens_max"] = max(
-                tot["n_tokens_max"], rec["prompt_tokens"] + rec["completion_tokens"]
-            )
+            tot["prompt_seconds"] += prompt_s
+            tot["tokens_predicted"] += predicted_n
+            tot["predicted_seconds"] += predicted_s
+            # one llama_decode per prompt batch, one per generated token but the last
+            tot["decode_calls"] += -(-prompt_n // N_BATCH) + steps
+            # the longest the slot grew: the last token sampled is never decoded
+            tot["n_tokens_max"] = max(tot["n_tokens_max"], rec["prompt_tokens"] + steps)
+            for key, value in zip(WINDOW_KEYS, (prompt_n, prompt_s, steps, predicted_s)):
+                self.window[key] += value
 
     def metrics(self) -> dict[str, Any]:
         """/bankml/metrics: the ring of the last 256 completions with totals."""
@@ -302,6 +338,13 @@ class NativeEngine:
         """A copy of the running totals (llama-server's /metrics counters)."""
         with self._lock:
             return dict(self.totals)
+
+    def scrape(self) -> tuple[dict[str, Any], dict[str, float]]:
+        """/metrics: the totals and the rate window, which starts again (llama-server averages
+        its throughput gauges over the time between two scrapes)."""
+        with self._lock:
+            window, self.window = self.window, dict.fromkeys(WINDOW_KEYS, 0.0)
+            return dict(self.totals), window
 
     def describe(self) -> dict[str, Any]:
         v = self.verified

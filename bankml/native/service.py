@@ -61,7 +61,9 @@ NOT_SUPPORTED_SLOTS_LIST = "This server does not support slots endpoint. Start i
 NOT_SUPPORTED_METRICS = "This server does not support metrics endpoint. Start it with `--metrics`"
 
 
-def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool, metrics: bool) -> None:
+def _put_llama_endpoints(
+    root: Resource, native: NativeEngine, slots: bool, metrics: bool, slots_list: bool = True
+) -> None:
     """llama-server's endpoints and the OpenAI ones, on one tree, under llama-server's paths
     (its aliases included: /v1/health, /completions, /chat/completions, /models)."""
 
@@ -99,14 +101,11 @@ def _put_llama_endpoints(root: Resource, native: NativeEngine, slots: bool, metr
     for parent in (chat, root_chat):
         put(parent, b"completions", ChatCompletions(native))
     if slots:
-        # POST /slots/{id} only: /slots itself is llama-server's slot monitor (GET), not here
-        put(
-            root,
-            b"slots",
-            llama.Slots(native),
-            GET=(501, NOT_SUPPORTED_SLOTS_LIST, "not_supported_error"),
-            POST=(404, "File Not Found", "not_found_error"),
-        )
+        # GET /slots is the slot monitor, POST /slots/{id} the actions (POST /slots itself: 404)
+        refusals = {"POST": (404, "File Not Found", "not_found_error")}
+        if not slots_list:  # --no-slots: the monitor is llama-server's 501, the actions stay
+            refusals["GET"] = (501, NOT_SUPPORTED_SLOTS_LIST, "not_supported_error")
+        put(root, b"slots", llama.Slots(native), **refusals)
 
 
 def build_native_roots(
@@ -115,10 +114,12 @@ def build_native_roots(
     ollama: OllamaHost | None = None,
     *,
     metrics: bool = True,
+    slots_list: bool = True,
 ) -> tuple[Resource, Resource]:
     """(listen_root, engine_root): bankml's address with /bankml (and Ollama's routes, given
     ``ollama``), and the engine address with /slots; both answer the OpenAI and llama-server
-    endpoints (/metrics only with ``metrics``, else llama-server's 501)."""
+    endpoints (/metrics only with ``metrics``, else llama-server's 501; ``GET /slots`` unless
+    ``slots_list`` is False, --no-slots)."""
     if sampler is None:
         sampler = UsageSampler(
             native.reactor,
@@ -131,7 +132,7 @@ def build_native_roots(
         put_ollama_routes(listen_root, ollama)
     _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics)
     engine_root = Branch()
-    _put_llama_endpoints(engine_root, native, slots=True, metrics=metrics)
+    _put_llama_endpoints(engine_root, native, slots=True, metrics=metrics, slots_list=slots_list)
     return listen_root, engine_root
 
 
@@ -226,7 +227,10 @@ class NativeService(ServingService):
         llama_options = self.options.get("llama") or {}
         ollama = serve_ollama(self, self.native)
         listen_root, engine_root = build_native_roots(
-            self.native, ollama=ollama, metrics=bool(llama_options.get("metrics"))
+            self.native,
+            ollama=ollama,
+            metrics=bool(llama_options.get("metrics")),
+            slots_list=llama_options.get("slots_endpoint", True),
         )
         addresses = [
             (self.options.get("listen") or DEFAULT_LISTEN, listen_root),

@@ -1,5 +1,5 @@
 """llama-server's text endpoints on the resident engine: /tokenize, /detokenize,
-/apply-template (run on the bridge's prepare thread).
+/apply-template, /chat/completions/input_tokens (run on the bridge's prepare thread).
 
 Each takes the engine and the request body and returns the answer object; a request llama-server
 refuses raises ``ValueError`` (or ``TypeError``/``KeyError``) with its message.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bankml.engine_cupy.engine import check_chat_messages
+from bankml.engine_cupy.engine import chat_render_options, check_chat_messages
 from bankml.formats.nlohmann import c_int, json_flag, json_string, type_error
 
 
@@ -71,8 +71,13 @@ def apply_template_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValueError("chat_template_kwargs must be an object")
-    add_gen = body.get("add_generation_prompt", True)
     prompt = engine.apply_template(
-        messages, add_generation_prompt=bool(add_gen), tools=body.get("tools"), **kwargs
+        messages, tools=body.get("tools"), **chat_render_options(body), **kwargs
     )
     return {"prompt": prompt}
+
+
+def input_tokens_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """handle_count_tokens for a chat: the prompt's token count (tokenize_mixed with special
+    tokens), and OpenAI's object name."""
+    return {"input_tokens": len(engine.chat_prompt_tokens(body)), "object": "response.input_tokens"}

@@ -1,8 +1,10 @@
 """llama-server's own endpoints, answered by the native engine (the engine address in --native).
 
 ``POST /completion`` (``Completion``: one prompt or several, llama-server's array of results,
-run by ``AnswerResource``), ``/tokenize``, ``/detokenize``, ``/apply-template``, ``GET
-/health``, ``/props``, ``/metrics`` (Prometheus text as llama-server's ``--metrics``), and
+run by ``AnswerResource``), ``/tokenize``, ``/detokenize``, ``/apply-template``,
+``/chat/completions/input_tokens`` (``ChatInputTokens``, a child of the chat endpoint), ``GET
+/health``, ``/props``, ``/metrics`` (Prometheus text as llama-server's ``--metrics``), ``GET
+/slots`` (the slot monitor: bankml/native/slot_view.py), and
 ``POST /slots/{id}?action=save|restore|erase`` with llama-server's checks in its order: no slot
 dir (501), an id ``std::stoi`` cannot read ("Invalid slot ID"), the action ("Invalid action"),
 the filename (llama.cpp's ``fs_validate_filename``, "Invalid filename"); any id then wraps onto
@@ -17,12 +19,13 @@ the engine's jobs (``NativeEngine``); a refusal is ``ApiError``, written as it i
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.formats.errors import ApiError
+from bankml.formats.errors import ApiError, error_body
 from bankml.formats.llama import prometheus_text, props_object
 from bankml.formats.nlohmann import dumps, type_error
 from bankml.native.answer import LLAMA_COMPLETION
@@ -32,6 +35,8 @@ from bankml.serving.writers import JsonResource, write_error, write_json
 
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
+
+NO_SLOT_AVAILABLE = "no slot available"
 
 
 def _write_failure(request: Request) -> Callable[[Failure], None]:
@@ -94,6 +99,13 @@ class ApplyTemplate(_TextJob):
         return self.native.apply_template(body)
 
 
+class ChatInputTokens(_TextJob):
+    """``POST /chat/completions/input_tokens`` (and under /v1): a chat body's prompt tokens."""
+
+    def job(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.native.input_tokens(body)
+
+
 class Health(_Native):
     def render_GET(self, request: Request) -> Any:
         write_json(request, 200, dumps({"status": "ok"}))
@@ -119,11 +131,23 @@ class Metrics(_Native):
 
 
 class Slots(JsonResource):
-    """``POST /slots/{id}?action=...`` (one child per id path segment)."""
+    """``GET /slots`` (llama-server's slot monitor) and ``POST /slots/{id}?action=...`` (one
+    child per id path segment)."""
 
     def __init__(self, native: NativeEngine) -> None:
         super().__init__()
         self.native = native
+
+    def render_GET(self, request: Request) -> Any:
+        view = replace(self.native.slot)  # a copy: the reactor thread keeps updating the view
+        # ?fail_on_no_slot (any value): 503 when no slot is idle, as llama-server answers it
+        if request.args.get(b"fail_on_no_slot", [b""])[0] and view.processing:
+            write_json(request, 503, error_body(503, NO_SLOT_AVAILABLE))
+            return NOT_DONE_YET
+        d = self.native.bridge.prepare(self.native.slots, view)
+        d.addCallback(lambda out: write_json(request, 200, dumps(out)))
+        d.addErrback(_write_failure(request))
+        return NOT_DONE_YET
 
     def getChild(self, path: bytes, request: Request) -> Any:
         return SlotAction(self.native, path.decode("utf-8", "replace"))

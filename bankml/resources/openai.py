@@ -1,5 +1,6 @@
 """Native OpenAI endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (run by
-``AnswerResource``, bankml/resources/runs.py) and ``GET /v1/models``.
+``AnswerResource``, bankml/resources/runs.py), ``GET /v1/models``, and llama-server's token count
+``POST /v1/chat/completions/input_tokens`` (bankml/resources/llama.py's ``ChatInputTokens``).
 
 The objects and events are OpenAI's as llama-server writes them (bankml/formats/openai.py),
 built by the same ``Answer`` that ``bankml.chat`` uses, so both give the same answer and receipt.
@@ -14,7 +15,9 @@ from twisted.web.server import NOT_DONE_YET, Request
 from bankml.formats.nlohmann import dumps
 from bankml.formats.openai import models_object
 from bankml.native.answer import CHAT, OAI_COMPLETION
+from bankml.resources.llama import ChatInputTokens
 from bankml.resources.runs import AnswerResource
+from bankml.serving.routes import NotFound
 from bankml.serving.writers import JsonResource, write_json
 
 if TYPE_CHECKING:
@@ -22,10 +25,17 @@ if TYPE_CHECKING:
 
 
 class ChatCompletions(AnswerResource):
-    """``POST /v1/chat/completions`` (and ``/chat/completions``)."""
+    """``POST /v1/chat/completions`` (and ``/chat/completions``), with llama-server's child
+    ``input_tokens`` (any other path below it is its 404)."""
+
+    isLeaf = False
 
     def __init__(self, native: NativeEngine) -> None:
         super().__init__(native, CHAT)
+        self.putChild(b"input_tokens", ChatInputTokens(native))
+
+    def getChild(self, path: bytes, request: Request) -> Any:
+        return NotFound()
 
 
 class Completions(AnswerResource):

@@ -9,7 +9,8 @@
    is computed; a refusal is llama-server's status and error object;
 3. the run (``native.steps``: every prompt in turn) is queued on the engine thread; each
    ``Step`` comes back on the reactor thread to ``RunWriter``, which asks each prompt's
-   ``Answer`` (bankml/native/answer.py) what to send;
+   ``Answer`` (bankml/native/answer.py) what to send (with ``return_progress``, a stream's
+   prompt-progress events first);
 4. not streamed: one object (several prompts: llama-server's array on /completion, one object
    with every choice on /v1/completions); streamed: the events as they come, each prompt's
    last one carrying its receipt, ``data: null`` before each prompt after the first (as
@@ -105,6 +106,8 @@ class AnswerResource(JsonResource):
         return d
 
     def _failed(self, failure: Failure, request: Request, writer: RunWriter | None) -> None:
+        if writer is not None:
+            self.native.slot.end()
         if failure.check(ClientGone) or gone(request):
             return
         err = failure.value
@@ -136,20 +139,37 @@ class RunWriter:
         self.results: list[dict[str, Any]] = []
         self.cancelled = False
         self.problem: str | None = None  # the file changed during the run
+        self.running = -1  # the prompt whose task the slot runs (GET /slots)
+        self._begin(0)
+
+    def _begin(self, index: int) -> None:
+        """Prompt ``index``'s task starts on the slot (each prompt is a task, as llama-server's)."""
+        if index > self.running:
+            self.running = index
+            answer = self.answers[index]
+            self.native.slot.begin(answer.kind, answer.request, answer.parsed)
 
     def step(self, step: Step) -> None:
         answer = self.answers[step.index]
+        self._begin(step.index)
+        # llama-server's begin event of a later task (none where progress events went instead)
+        begins = step.index > 0 and self.stream and not answer.progress_sent
+        if step.progress is not None:
+            self.events.write(answer.on_progress(step.progress))
+            return
         if step.summary is None:
+            self.native.slot.on_chunk(step.chunk)
             events: list[Any] = answer.on_chunk(step.chunk)
-            if step.index > 0 and answer.n_tokens == 1 and self.stream:
-                events = [None, *events]  # llama-server's begin event of a later task
+            if begins and answer.n_tokens == 1:
+                events = [None, *events]
             self.events.write(events)
             return
         summary = step.summary
+        self.native.slot.end()
         if summary.cancelled or gone(self.request):
             self.cancelled = True
             return
-        if answer.n_tokens == 0 and step.index > 0 and self.stream:
+        if begins and answer.n_tokens == 0:
             self.events.write([None])
         self.problem = self.native.identity_problem()
         if self.problem is not None:  # no receipt: the run stops here
@@ -163,6 +183,7 @@ class RunWriter:
 
     def end(self, _: Any = None) -> None:
         """The run is over (its Deferred fired): end the stream, or write the object(s)."""
+        self.native.slot.end()
         self.events.release()
         if self.problem is not None:
             self.events.error(503, self.problem)
