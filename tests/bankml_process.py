@@ -195,17 +195,20 @@ def check_whole_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[str,
 
 
 def process_gone(pid: int, within: float = 15) -> bool:
+    """Whether ``pid`` has ended (gone, or a zombie), waiting up to ``within`` s for it; with 0,
+    whether it has ended already."""
     import psutil
 
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
+    while True:
         try:
             if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                 return True
         except psutil.NoSuchProcess:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
 
 
 def copy_and_pin(model: Path, directory: Path, name: str = "copy.gguf") -> tuple[Path, Path]:

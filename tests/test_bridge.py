@@ -17,15 +17,13 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.native.bridge import ClientGone, EngineBridge, RunControl
 from bankml.serving.site import LoopbackSite, listen_loopback
-
-HANG_GUARD_S = 20.0  # a hang guard only; nothing below depends on speed
+from tests.events import HANG_GUARD_S, until
 
 
 class FakeEngine:
@@ -52,6 +50,40 @@ class FakeEngine:
             self.computed += 1
             yield f"{name}:{i:05d}:".encode().ljust(self.size, b".")
         return f"{name}: done {n}"
+
+
+class _WatchingCondition(threading.Condition):
+    """RunControl's condition variable, noting each time the engine thread waited a whole slice
+    on a paused client with nothing in flight and goes back to waiting: then the pause, and
+    nothing else, holds it (a window with room would let it go on)."""
+
+    def __init__(self, control: WatchedControl) -> None:
+        super().__init__()
+        self.control = control
+
+    def wait(self, timeout: float | None = None) -> bool:
+        control = self.control
+        idle = control._in_flight == 0
+        notified = super().wait(timeout)
+        if idle and not notified and control._paused and not control._cancelled:
+            control.held_at.append(control.steps)  # under the lock: the loop waits again
+        return notified
+
+
+class WatchedControl(RunControl):
+    """A RunControl whose ``held_at`` lists the run's step count at each such wait, so a test
+    sees the engine blocked by the pause as an event instead of sleeping and hoping."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__(window)
+        self.held_at: list[int] = []
+        self._cond = _WatchingCondition(self)
+
+
+async def held_twice(control: WatchedControl) -> list[int]:
+    """Wait until the engine has waited out two slices on the pause; their step counts."""
+    await until(lambda: len(control.held_at) >= 2, "the engine to block on the paused client")
+    return control.held_at[:2]
 
 
 @pytest.fixture
@@ -103,26 +135,32 @@ async def test_engine_calls_wait_their_turn_behind_a_run(bridge: EngineBridge) -
 
 @pytest_twisted.ensureDeferred
 async def test_a_paused_client_blocks_the_engine_after_window_chunks(bridge: EngineBridge) -> None:
-    engine = FakeEngine(delay=0.002)  # 1,000 chunks take at least 2 s: a pause lands mid-run
-    control = bridge.new_control()
+    engine = FakeEngine()
+    control = WatchedControl(bridge.window)
     control.pauseProducing()  # the transport is full before the first chunk
     got: list[bytes] = []
-    d = bridge.stream(steps_of(engine, "slow", 1000), got.append, control)
-    await deferLater(reactor, 0.3, lambda: None)
-    # The engine is blocked: it produced at most one chunk past the paused gate, none delivered.
-    assert engine.computed <= 1 and got == []
+    overruns: list[int] = []
+
+    def deliver(item: bytes) -> None:
+        got.append(item)
+        if engine.computed - len(got) > control.window + 1:  # checked at every chunk
+            overruns.append(engine.computed - len(got))
+
+    d = bridge.stream(steps_of(engine, "slow", 1000), deliver, control)
+    # Blocked: it computed the first chunk, waited a slice on the pause, and waits again.
+    assert await held_twice(control) == [1, 1]
+    assert engine.computed == 1 and got == []
     control.resumeProducing()
-    while len(got) < 5:
-        await deferLater(reactor, 0.01, lambda: None)
+    await until(lambda: len(got) >= 5, "five chunks after the resume")
+    control.held_at.clear()  # nothing is added while the client is not paused
     control.pauseProducing()
-    await deferLater(reactor, 0.2, lambda: None)
-    held = engine.computed
-    await deferLater(reactor, 0.2, lambda: None)
-    assert engine.computed == held < 1000  # paused again: no progress
-    assert engine.computed - len(got) <= control.window + 1  # bounded in flight
+    first, second = await held_twice(control)
+    # Paused again: what was in flight was delivered, one more chunk was computed, and no
+    # progress was made over a whole slice.
+    assert first == second == engine.computed == len(got) + 1 < 1000
     control.resumeProducing()
     assert await d == "slow: done 1000"
-    assert len(got) == 1000
+    assert len(got) == 1000 and overruns == []
 
 
 @pytest_twisted.ensureDeferred
@@ -131,25 +169,32 @@ async def test_cancel_stops_the_run_within_one_step(bridge: EngineBridge) -> Non
     control = bridge.new_control()
     got: list[bytes] = []
     d = bridge.stream(steps_of(engine, "run", 100_000), got.append, control)
-    while len(got) < 10:
-        await deferLater(reactor, 0.01, lambda: None)
+    await until(lambda: len(got) >= 10, "ten chunks")
     control.cancel()
     delivered_at_cancel = len(got)
     result = await d
     assert result.startswith("run: cancelled at")
     assert control.steps_at_cancel is not None
     assert control.steps - control.steps_at_cancel <= 1  # at most the step already under way
-    await deferLater(reactor, 0.05, lambda: None)
+    # The result comes back through the same callFromThread queue as the chunks, after them:
+    # every delivery the engine scheduled has run (or been dropped) by now.
     assert len(got) == delivered_at_cancel  # nothing delivered after the cancel
 
 
 @pytest_twisted.ensureDeferred
 async def test_a_job_whose_client_left_while_queued_is_skipped(bridge: EngineBridge) -> None:
-    engine = FakeEngine(delay=0.002)
-    first = bridge.stream(steps_of(engine, "first", 50), lambda _: None)
+    engine = FakeEngine()
+    release = threading.Event()
+
+    def held(cancelled: Callable[[], bool]) -> Iterator[bytes]:
+        release.wait(HANG_GUARD_S)  # the first run holds the engine until the second is cancelled
+        yield from engine.run_steps("first", 50, cancelled)
+
+    first = bridge.stream(held, lambda _: None)
     control = bridge.new_control()
     second = bridge.stream(steps_of(engine, "second", 50), lambda _: None, control)
     control.cancel()
+    release.set()
     await first
     with pytest.raises(ClientGone):
         await second
@@ -208,11 +253,11 @@ class StreamRoot(Resource):
     def __init__(self, bridge: EngineBridge, engine: FakeEngine, n: int) -> None:
         super().__init__()
         self.bridge, self.engine, self.n = bridge, engine, n
-        self.controls: list[RunControl] = []
+        self.controls: list[WatchedControl] = []
         self.results: list[Deferred] = []
 
     def render_GET(self, request: Request) -> Any:
-        control = self.bridge.new_control()
+        control = WatchedControl(self.bridge.window)
         control.attach(request)
         self.controls.append(control)
         request.setHeader(b"content-type", b"text/event-stream")
@@ -251,12 +296,11 @@ async def test_a_client_that_does_not_read_pauses_the_engine(
     root, port = http_stream
     s = await deferToThread(_connect, port)
     try:
-        await deferLater(reactor, 1.0, lambda: None)
+        await until(lambda: bool(root.controls), "the request to reach the resource")
         engine, control = root.engine, root.controls[0]
-        computed = engine.computed
-        await deferLater(reactor, 0.5, lambda: None)
+        first, second = await held_twice(control)  # the full transport paused it: blocked
         assert control.paused_count >= 1
-        assert engine.computed == computed < 200  # blocked, far short of the 2000 chunks
+        assert first == second == engine.computed < 200  # far short of the 2000 chunks
         # Reading resumes it: drain everything and the run completes.
         total = await deferToThread(_read_all, s)
         assert total > 2000 * 64 * 1024

@@ -1,21 +1,27 @@
 """bankml's loopback rules, each over a raw socket against a real LoopbackSite on 127.0.0.1.
 
 The reactor runs (pytest-twisted); every blocking socket call runs in a thread through
-deferToThread, so the server keeps answering while the client waits.
+deferToThread, so the server keeps answering while the client waits. The site's timers (read,
+write and drain timeouts, the busy drain) run on a ``Clock`` the test advances only once the
+server has read what the client sent (``settle``), so no verdict depends on how fast the
+machine is.
 """
 
 from __future__ import annotations
 
+import fcntl
 import random
 import socket
-import time
+import struct
+import termios
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
-from twisted.internet.task import deferLater
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import Clock
 from twisted.internet.threads import deferToThread
 from twisted.logger import globalLogPublisher
 from twisted.web.resource import Resource
@@ -32,9 +38,10 @@ from bankml.serving.site import (
     parse_listen,
 )
 from tests import support
+from tests.events import until
 
 BIG_ANSWER = 16 * 1024 * 1024  # larger than the loopback socket buffers can hold
-CLIENT_TIMEOUT = 20.0  # a hang guard only; no test depends on how fast anything is
+CLIENT_TIMEOUT = 60.0  # a hang guard only; no test depends on how fast anything is
 
 
 class TinyRoot(Resource):
@@ -72,15 +79,27 @@ class Front:
     site: LoopbackSite
     root: TinyRoot
     port: int
+    clock: Clock  # the site's timers; sockets run on the real reactor
+    accepted: list[Protocol] = field(default_factory=list)  # every protocol the site built
 
 
 @pytest.fixture
 def front() -> Iterator[Front]:
     root = TinyRoot()
-    site = LoopbackSite(root)
-    site.drain_timeout = 0.5  # unknown-length drains end quickly; known lengths end when read
+    clock = Clock()
+    site = LoopbackSite(root, reactor=clock)
     listening = listen_loopback(site, "127.0.0.1:0")
-    yield Front(site, root, listening.getHost().port)
+    built = Front(site, root, listening.getHost().port, clock)
+    build = site.buildProtocol
+
+    def recording(addr: Any) -> Protocol | None:
+        protocol = build(addr)
+        if protocol is not None:
+            built.accepted.append(protocol)
+        return protocol
+
+    site.buildProtocol = recording  # type: ignore[method-assign]
+    yield built
     pytest_twisted.blockon(listening.stopListening())
 
 
@@ -164,12 +183,53 @@ async def in_thread(fn: Callable, *args, **kwargs):
     return await deferToThread(fn, *args, **kwargs)
 
 
-async def wait_until(condition: Callable[[], bool], what: str) -> None:
-    for _ in range(int(CLIENT_TIMEOUT / 0.01)):
-        if condition():
-            return
-        await deferLater(reactor, 0.01, lambda: None)
-    raise AssertionError(f"timed out waiting for {what}")
+def _queued(fd: int, request: int) -> int:
+    return struct.unpack("i", fcntl.ioctl(fd, request, b"\0\0\0\0"))[0]
+
+
+def server_side(front: Front, sock: socket.socket) -> Any:
+    """The server's transport of the connection ``sock`` is the client end of, once accepted."""
+    port = sock.getsockname()[1]
+    for protocol in front.accepted:
+        transport = protocol.transport
+        if transport is not None and transport.getPeer().port == port:
+            return transport
+    return None
+
+
+def read_by_server(front: Front, sock: socket.socket) -> bool:
+    """Whether the server has read every byte sent on ``sock`` (or closed the connection): the
+    client's send queue is empty, then the server's receive queue is."""
+    if _queued(sock.fileno(), termios.TIOCOUTQ):
+        return False
+    transport = server_side(front, sock)
+    if transport is None:
+        return False
+    if transport.disconnected:
+        return True
+    try:
+        return _queued(transport.getHandle().fileno(), termios.FIONREAD) == 0
+    except OSError:  # closed meanwhile
+        return True
+
+
+async def settle(front: Front, sock: socket.socket) -> None:
+    await until(lambda: read_by_server(front, sock), "the server to read what was sent")
+
+
+async def exchange_timed(
+    front: Front, data: bytes, advance: float, until_eof: bool = True
+) -> Reply:
+    """exchange(), with ``advance`` seconds of the site's clock let run once the server has read
+    ``data``: a timer (a drain's end, a read timeout) then fires after the bytes, never before."""
+    sock = await in_thread(connect, front.port)
+    try:
+        await in_thread(sock.sendall, data)
+        await settle(front, sock)
+        front.clock.advance(advance)
+        return await in_thread(read_reply, sock, until_eof)
+    finally:
+        sock.close()
 
 
 def assert_refused(reply: Reply, status: int) -> None:
@@ -247,17 +307,10 @@ async def test_transfer_encoding_is_400_send_content_length(front: Front, coding
     data = request(
         "POST", "/echo", headers=("Content-Type: application/json", f"Transfer-Encoding: {coding}")
     )
-    reply = await in_thread(exchange, front.port, data + b"2\r\n{}\r\n0\r\n\r\n")
+    reply = await exchange_timed(front, data + b"2\r\n{}\r\n0\r\n\r\n", front.site.drain_timeout)
     assert_refused(reply, 400)
     assert reply.body == b"send Content-Length\n"
     assert front.root.calls == 0
-
-
-def send_head_and_part(port: int, head: bytes, part: int) -> Reply:
-    """Send a head and only `part` bytes of its body, then read the answer to the end."""
-    with connect(port) as sock:
-        sock.sendall(head + b"{" * part)
-        return read_reply(sock, until_eof=True)
 
 
 @pytest_twisted.ensureDeferred
@@ -267,7 +320,8 @@ async def test_body_over_16_mib_is_413_from_the_header(front: Front) -> None:
         "/echo",
         headers=("Content-Type: application/json", f"Content-Length: {MAX_BODY_BYTES + 1}"),
     )
-    reply = await in_thread(send_head_and_part, front.port, head, 1 << 20)
+    # only 1 MiB of the body comes: the drain ends when its time is up, after the bytes are read
+    reply = await exchange_timed(front, head + b"{" * (1 << 20), front.site.drain_timeout)
     assert_refused(reply, 413)
     assert reply.end == "eof", "the server closes cleanly once the drain times out"
     assert front.root.calls == 0
@@ -321,7 +375,8 @@ def padded_path(line_length: int) -> str:
 
 @pytest_twisted.ensureDeferred
 async def test_request_line_over_16_kib_is_400(front: Front) -> None:
-    reply = await in_thread(exchange, front.port, request(path=padded_path(16 * 1024 + 1)))
+    drain = front.site.drain_timeout
+    reply = await exchange_timed(front, request(path=padded_path(16 * 1024 + 1)), drain)
     assert_refused(reply, 400)
     at_limit = await in_thread(exchange, front.port, request(path=padded_path(16 * 1024)), False)
     assert at_limit.status == 200, "a line of exactly 16 KiB is allowed"
@@ -332,7 +387,8 @@ async def test_header_line_over_16_kib_is_400(front: Front) -> None:
     def header(length: int) -> str:
         return "X-Long: " + "b" * (length - len("X-Long: "))
 
-    reply = await in_thread(exchange, front.port, request(headers=(header(16 * 1024 + 1),)))
+    drain = front.site.drain_timeout
+    reply = await exchange_timed(front, request(headers=(header(16 * 1024 + 1),)), drain)
     assert_refused(reply, 400)
     at_limit = await in_thread(exchange, front.port, request(headers=(header(16 * 1024),)), False)
     assert at_limit.status == 200
@@ -343,14 +399,14 @@ async def test_header_line_over_16_kib_is_400(front: Front) -> None:
 async def test_line_over_16_kib_without_end_is_400(front: Front) -> None:
     # No CRLF at all: the line is refused as soon as it passes the limit, not when it ends.
     with_no_end = b"GET /" + b"c" * (20 * 1024)
-    reply = await in_thread(exchange, front.port, with_no_end)
+    reply = await exchange_timed(front, with_no_end, front.site.drain_timeout)
     assert_refused(reply, 400)
 
 
 @pytest_twisted.ensureDeferred
 async def test_more_than_100_header_lines_is_400(front: Front) -> None:
     extra = tuple(f"X-H{i}: {i}" for i in range(100))  # with Host, 101 header lines
-    reply = await in_thread(exchange, front.port, request(headers=extra))
+    reply = await exchange_timed(front, request(headers=extra), front.site.drain_timeout)
     assert_refused(reply, 400)
     at_limit = await in_thread(exchange, front.port, request(headers=extra[:99]), False)
     assert at_limit.status == 200, "exactly 100 header lines are allowed"
@@ -359,10 +415,11 @@ async def test_more_than_100_header_lines_is_400(front: Front) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_malformed_request_is_a_clean_400(front: Front) -> None:
-    reply = await in_thread(exchange, front.port, b"NOT AN HTTP REQUEST AT ALL\r\n\r\n")
+    drain = front.site.drain_timeout
+    reply = await exchange_timed(front, b"NOT AN HTTP REQUEST AT ALL\r\n\r\n", drain)
     assert_refused(reply, 400)
     bad_length = request(headers=("Content-Length: 12abc",))
-    assert_refused(await in_thread(exchange, front.port, bad_length), 400)
+    assert_refused(await exchange_timed(front, bad_length, drain), 400)
     assert front.root.calls == 0
 
 
@@ -382,7 +439,7 @@ async def test_refusal_drains_the_body_before_closing(
 ) -> None:
     # Like most clients, send the whole body before reading. Without the drain the server
     # would close with unread data and the client would get a reset, not the status.
-    front.site.drain_timeout = CLIENT_TIMEOUT * 2  # so the close can only come from the drain
+    # the site's clock never moves here: the close can only come from the drain
     data = request(
         "POST", "/echo", headers=(f"Content-Type: {content_type}",), body=b"z" * body_size
     )
@@ -417,27 +474,25 @@ async def test_33rd_connection_gets_503_and_the_32_keep_working(front: Front) ->
     site = front.site
     first = await in_thread(open_idle, front.port, MAX_CONNECTIONS)
     try:
-        await wait_until(lambda: site.open_connections == MAX_CONNECTIONS, "32 open connections")
+        await until(lambda: site.open_connections == MAX_CONNECTIONS, "32 open connections")
         # The 33rd says nothing: the server answers on its own after the drain window.
-        with_nothing = await in_thread(lambda: read_reply(connect(front.port), until_eof=True))
+        with_nothing = await exchange_timed(front, b"", site.busy_drain)
         assert_refused(with_nothing, 503)
         assert with_nothing.headers["retry-after"] == "1"
         # A 33rd that sends a request is answered the same way.
-        asking = await in_thread(exchange, front.port, request())
+        asking = await exchange_timed(front, request(), site.busy_drain)
         assert_refused(asking, 503)
         assert site.open_connections == MAX_CONNECTIONS
         replies = await in_thread(ask_each, first)
         assert [(r.status, r.body) for r in replies] == [(200, b"ok")] * MAX_CONNECTIONS
         # One closes: a new connection is served again.
         await in_thread(first.pop().close)
-        await wait_until(
-            lambda: site.open_connections == MAX_CONNECTIONS - 1, "one connection to close"
-        )
+        await until(lambda: site.open_connections == MAX_CONNECTIONS - 1, "one connection to close")
         again = await in_thread(exchange, front.port, request(headers=("Connection: close",)))
         assert (again.status, again.body) == (200, b"ok")
     finally:
         await in_thread(close_all, first)
-    await wait_until(lambda: site.open_connections == 0, "every connection to close")
+    await until(lambda: site.open_connections == 0, "every connection to close")
     assert site._busy == 0
 
 
@@ -446,14 +501,8 @@ async def test_33rd_connection_gets_503_and_the_32_keep_working(front: Front) ->
 
 @pytest_twisted.ensureDeferred
 async def test_read_timeout_answers_408_to_an_unfinished_request(front: Front) -> None:
-    front.site.read_timeout = 0.5
-
-    def unfinished() -> Reply:
-        with connect(front.port) as sock:
-            sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head never ends
-            return read_reply(sock, until_eof=True)
-
-    reply = await in_thread(unfinished)
+    unfinished = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # the head never ends
+    reply = await exchange_timed(front, unfinished, front.site.read_timeout)
     assert_refused(reply, 408)
     assert reply.end == "eof"
     assert front.root.calls == 0
@@ -461,52 +510,87 @@ async def test_read_timeout_answers_408_to_an_unfinished_request(front: Front) -
 
 @pytest_twisted.ensureDeferred
 async def test_read_timeout_closes_an_idle_connection(front: Front) -> None:
-    front.site.read_timeout = 0.5
-
-    def idle_after_one_request() -> tuple[Reply, tuple[int, str]]:
-        with connect(front.port) as sock:
-            sock.sendall(request())
-            first = read_reply(sock)  # keep-alive: the connection stays open, then idles
-            return first, read_to_end(sock)
-
-    first, (extra, end) = await in_thread(idle_after_one_request)
-    assert (first.status, first.body) == (200, b"ok")
+    sock = await in_thread(connect, front.port)
+    try:
+        await in_thread(sock.sendall, request())
+        first = await in_thread(read_reply, sock)  # keep-alive: the connection stays open
+        assert (first.status, first.body) == (200, b"ok")
+        await settle(front, sock)
+        front.clock.advance(front.site.read_timeout - 0.001)
+        assert not server_side(front, sock).disconnecting, "closed before its read timeout"
+        front.clock.advance(0.001)  # now it idles a whole read timeout
+        extra, end = await in_thread(read_to_end, sock)
+    finally:
+        sock.close()
     assert (extra, end) == (0, "eof"), "an idle connection is closed without an answer"
 
 
 @pytest_twisted.ensureDeferred
 async def test_write_timeout_drops_a_client_that_does_not_read(front: Front) -> None:
-    front.site.write_timeout = 0.5
     sock = await in_thread(connect, front.port, "127.0.0.1", 4096)
     try:
         await in_thread(sock.sendall, request(path="/big"))
-        await wait_until(lambda: front.root.calls == 1, "the big answer to start")
-        # The client reads nothing; the server must drop it on its own.
-        await wait_until(lambda: front.site.open_connections == 0, "the server to drop the client")
+        await until(lambda: front.root.calls == 1, "the big answer to start")
+
+        def a_window_passes_then_dropped() -> bool:
+            # the client reads nothing: each window the site's clock runs, the server sees
+            # what the kernel took meanwhile; once that is nothing, it drops the client
+            front.clock.advance(front.site.write_timeout)
+            return front.site.open_connections == 0
+
+        await until(a_window_passes_then_dropped, "the server to drop the client")
         received, _ = await in_thread(read_to_end, sock)
         assert received < BIG_ANSWER, "the client was dropped before the answer was sent"
     finally:
         sock.close()
 
 
+def handed_to_kernel(sock: socket.socket, server: Any, read: int) -> int:
+    """Answer bytes the server has handed to the kernel so far: what the client read, what
+    waits in its receive queue, and what waits in the server's send queue."""
+    total = read + _queued(sock.fileno(), termios.FIONREAD)
+    if not server.disconnected:
+        try:
+            total += _queued(server.getHandle().fileno(), termios.TIOCOUTQ)
+        except OSError:
+            pass
+    return total
+
+
+def read_until_more_is_sent(sock: socket.socket, server: Any, start: int, got: bytearray) -> bool:
+    """Read until the server has handed the kernel more than ``start`` bytes (or closed); False
+    at the end of the answer."""
+    while chunk := sock.recv(512 * 1024):
+        got += chunk
+        if server.disconnected or handed_to_kernel(sock, server, len(got)) > start:
+            return True
+    return False
+
+
 @pytest_twisted.ensureDeferred
 async def test_write_timeout_spares_a_slow_client_that_keeps_reading(front: Front) -> None:
-    # 512 KiB every 0.1 s: the send buffer stays full for seconds, several write timeouts long,
-    # but the client takes some of it in every window, so it is not dropped.
-    front.site.write_timeout = 1.0
-
-    def slow_reader() -> int:
-        with connect(front.port) as sock:
-            sock.sendall(request(path="/big", headers=("Connection: close",)))
-            total = 0
-            while chunk := sock.recv(512 * 1024):
-                total += len(chunk)
-                time.sleep(0.1)
-            return total
-
-    received = await in_thread(slow_reader)
-    head = len(b"HTTP/1.1 200 OK\r\n")
-    assert received > BIG_ANSWER + head, "the whole answer arrived"
+    # The send buffer stays full for many write timeouts, but between every two of them the
+    # client reads some and the server hands the kernel more: it is slow, not stalled.
+    sock = await in_thread(connect, front.port)
+    got = bytearray()
+    windows = 0
+    try:
+        await in_thread(sock.sendall, request(path="/big", headers=("Connection: close",)))
+        await settle(front, sock)
+        server = server_side(front, sock)
+        while True:
+            start = handed_to_kernel(sock, server, len(got))
+            more = await in_thread(read_until_more_is_sent, sock, server, start, got)
+            if not more:
+                break
+            front.clock.advance(front.site.write_timeout)  # a whole window after each read
+            windows += 1
+    finally:
+        sock.close()
+    head, _, body = bytes(got).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert len(body) == BIG_ANSWER, "the whole answer arrived"
+    assert windows > 3, "the answer took several write timeouts"
 
 
 @pytest_twisted.ensureDeferred
@@ -671,7 +755,9 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
 
 @pytest_twisted.ensureDeferred
 async def test_mangled_requests_get_a_clean_answer_never_a_500(front: Front) -> None:
-    front.site.read_timeout = 0.3  # an edit that leaves the request unfinished gets its 408 fast
+    # each exchange lets the site's clock run past the read and drain timeouts once the server
+    # has read the request: an edit that leaves it unfinished gets its 408 then, never earlier
+    timers = max(front.site.read_timeout, front.site.drain_timeout)
     failures: list[dict] = []
 
     def on_event(event: dict) -> None:
@@ -684,12 +770,12 @@ async def test_mangled_requests_get_a_clean_answer_never_a_500(front: Front) -> 
     rng = random.Random(20261130)  # fixed: the same inputs every run
     inputs = [mutate(rng, valid) for _ in range(300)]
 
-    def send_all() -> list[tuple[bytes, int]]:
-        return [(data, exchange(front.port, data, False).status) for data in inputs]
-
     globalLogPublisher.addObserver(on_event)
     try:
-        answers = await in_thread(send_all)
+        answers = [
+            (data, (await exchange_timed(front, data, timers, until_eof=False)).status)
+            for data in inputs
+        ]
     finally:
         globalLogPublisher.removeObserver(on_event)
     # 501 is HTTP's answer to a well-formed but unknown method (an edit of "POST"), from Twisted.

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import pytest_twisted
 import treq
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, reactor
+from twisted.internet.task import Clock
 
 from bankml import __version__
 from bankml import gateway as gw
@@ -32,6 +33,7 @@ from bankml.serving.site import LoopbackSite, listen_loopback
 from bankml.serving.vouch import FILE_CHANGED
 from bankml.usage import UsageSampler
 from tests.bankml_process import sha
+from tests.events import until
 from tests.mock_llama import PIECES, MockLlama, listen
 
 CHAT = {"messages": [{"role": "user", "content": "Who knows?"}], "max_tokens": 8}
@@ -211,24 +213,31 @@ async def test_without_logprobs_there_is_no_logprobs_hash(front: Front) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_stream_is_forwarded_as_it_arrives(front: Front) -> None:
-    front.mock.pieces, front.mock.piece_delay = ["a", "b", "c", "d"], 0.3
-    response = await post(
-        front.url + "/v1/chat/completions",
-        json.dumps({**CHAT, "stream": True}).encode(),
-        unbuffered=True,
+    # The mock writes its next event only when the test advances its clock, which it does only
+    # once the client holds the piece before: each event reached the client while upstream had
+    # written it and nothing more, seen by order, whatever the machine's speed.
+    pieces = ["a", "b", "c", "d"]
+    clock = Clock()
+    # a delay on the mock's clock: one advance, one event (a 0 s delay would run them all)
+    front.mock.pieces, front.mock.reactor, front.mock.piece_delay = pieces, clock, 1.0
+    answer = defer.ensureDeferred(
+        post(
+            front.url + "/v1/chat/completions",
+            json.dumps({**CHAT, "stream": True}).encode(),
+            unbuffered=True,
+        )
     )
-    first = defer.Deferred()
+    await until(lambda: answer.called, "the answer to begin")
+    response = await answer
     seen: list[bytes] = []
-
-    def collect(data: bytes) -> None:
-        seen.append(data)
-        if not first.called and b'"content": "a"' in b"".join(seen):
-            first.callback(len(front.mock.requests))
-
-    done = treq.collect(response, collect)
-    await first
-    assert b'"content": "a"' in b"".join(seen)
-    assert not done.called, "the first event arrived before the upstream stream ended"
+    done = treq.collect(response, seen.append)
+    for i, piece in enumerate(pieces):
+        event = f'"content": "{piece}"'.encode()
+        await until(lambda e=event: e in b"".join(seen), f"piece {piece!r} to reach the client")
+        written = [e for e in events_of(front.mock.streamed[0]) if b'"content": "' in e]
+        assert len(written) == i + 1, "upstream wrote no more"
+        assert not done.called and b"bankml_receipt" not in b"".join(seen)
+        clock.advance(front.mock.piece_delay)  # upstream writes what comes next
     await done
     assert b"bankml_receipt" in b"".join(seen)
 
@@ -293,12 +302,17 @@ async def test_upstream_dying_mid_stream_ends_the_client_stream_with_an_error(fr
 
 @pytest_twisted.ensureDeferred
 async def test_client_going_away_closes_the_upstream_stream(front: Front) -> None:
-    front.mock.pieces, front.mock.piece_delay = ["x"] * 50, 0.2
-    response = await post(
-        front.url + "/v1/chat/completions",
-        json.dumps({**CHAT, "stream": True}).encode(),
-        unbuffered=True,
+    # the mock's clock never moves: its stream stays open after the first piece until closed
+    front.mock.pieces, front.mock.reactor, front.mock.piece_delay = ["x"] * 50, Clock(), 1.0
+    answer = defer.ensureDeferred(
+        post(
+            front.url + "/v1/chat/completions",
+            json.dumps({**CHAT, "stream": True}).encode(),
+            unbuffered=True,
+        )
     )
+    await until(lambda: answer.called, "the answer to begin")
+    response = await answer
 
     class Leave(Exception):
         pass
@@ -308,11 +322,8 @@ async def test_client_going_away_closes_the_upstream_stream(front: Front) -> Non
 
     with pytest.raises(Leave):
         await treq.collect(response, leave)
-    for _ in range(50):
-        if front.mock.cancelled:
-            break
-        await task.deferLater(reactor, 0.1, lambda: None)
-    assert front.mock.cancelled == 1
+    await until(lambda: front.mock.cancelled > 0, "the upstream stream to be closed")
+    assert front.mock.cancelled == 1 and front.mock.streamed[0].count(b'"content": "x"') == 1
 
 
 # --- the checks before every answer ------------------------------------------------------------------
@@ -441,15 +452,24 @@ async def test_metrics_ring_is_empty_in_p0(front: Front) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_usage_is_sampled_once_for_concurrent_pollers(front: Front) -> None:
+    assert front.sampler.keep == 1.0
+    # Kept for an hour here, so the pollers share one sample however slow the machine is
+    # (the second's expiry is checked below by a keep of 0, not by waiting).
+    front.sampler.keep = 3600.0
     responses = await defer.gatherResults([treq.get(front.url + "/bankml/usage") for _ in range(5)])
     bodies = [json.loads(await r.content()) for r in responses]
     assert front.sampler.samples_taken == 1
     assert len({b["sampled_at"] for b in bodies}) == 1
     again = json.loads(await (await treq.get(front.url + "/bankml/usage")).content())
-    assert again["sampled_at"] == bodies[0]["sampled_at"], "kept for a second"
+    assert again["sampled_at"] == bodies[0]["sampled_at"], "the kept sample"
+    front.sampler.keep = 0.0
+    await treq.get(front.url + "/bankml/usage")
+    assert front.sampler.samples_taken == 2, "an expired sample is taken again"
     sample = bodies[0]
     assert sample["processes"][0]["pid"] == os.getpid() and sample["rss_bytes"] > 0
-    assert 200 <= sample["interval_ms"] < 1000
+    # the 250 ms wait between the two readings, in ms; the upper bound only catches a wrong
+    # unit, generous because a loaded machine's reactor may be late
+    assert 200 <= sample["interval_ms"] < 60_000
     assert sample["mem_total_bytes"] > 0 and "gpus" in sample and "package_watts" in sample
 
 

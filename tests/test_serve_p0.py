@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -44,14 +45,42 @@ def model_copy(tmp_path_factory: pytest.TempPathFactory, default_model: Path) ->
     return copy_and_pin(default_model, tmp_path_factory.mktemp("p0"))
 
 
+def held_launcher(binary: Path, directory: Path) -> tuple[Path, Path]:
+    """(launcher, hold): a llama-server launcher that waits while the file ``hold`` exists, then
+    execs ``binary`` with its arguments (same pid), so a test can keep an engine start in
+    'starting' for as long as it looks, instead of racing the start."""
+    hold = directory / "hold"
+    launcher = directory / "llama-server"
+    launcher.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys, time\n"
+        f"while os.path.exists({str(hold)!r}):\n"
+        "    time.sleep(0.02)\n"
+        f"os.execv({str(binary)!r}, [{str(binary)!r}, *sys.argv[1:]])\n"
+    )
+    launcher.chmod(0o755)
+    return launcher, hold
+
+
+@pytest.fixture(scope="module")
+def spawned_hold(
+    llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    return held_launcher(llama_server_bin, tmp_path_factory.mktemp("launcher"))
+
+
 @pytest.fixture(scope="module")
 def spawned(
-    model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
+    model_copy: tuple[Path, Path],
+    spawned_hold: tuple[Path, Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ):
-    """One `bankml serve --spawn` on the copy, shared by the tests that only ask it questions."""
+    """One `bankml serve --spawn` on the copy, shared by the tests that only ask it questions;
+    its llama-server is started through held_launcher (no hold: at once)."""
     model, fork = model_copy
     log = tmp_path_factory.mktemp("log") / "spawned.log"
-    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{support.free_port()}"]
+    launcher = spawned_hold[0]
+    engine = ["--spawn", str(launcher), "--upstream", f"127.0.0.1:{support.free_port()}"]
     with BankmlProcess(model, fork, engine, log) as bankml:
         yield bankml
 
@@ -250,7 +279,10 @@ def test_model_file_replaced_answers_503_until_restored(
     assert status == 200 and b"bankml_receipt" in raw
 
 
-def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(spawned: BankmlProcess) -> None:
+def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(
+    spawned: BankmlProcess, spawned_hold: tuple[Path, Path]
+) -> None:
+    hold = spawned_hold[1]
     first_pid = spawned.engine_pid()
     conn = spawned.connection()
     conn.request(
@@ -263,6 +295,7 @@ def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(spawned: BankmlPro
     assert resp.status == 200
     first = resp.readline()
     assert first.startswith(b"data: ")
+    hold.touch()  # the restart's llama-server waits in 'starting' until the test has looked
     os.kill(first_pid, signal.SIGKILL)
     rest = resp.read()  # ends: neither hangs nor resets
     conn.close()
@@ -271,9 +304,17 @@ def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(spawned: BankmlPro
         "llama-server ended the stream before [DONE]"
     )
     assert b"bankml_receipt" not in rest and b"data: [DONE]" not in rest
-    # meanwhile: 503 with Retry-After (the restart waits 1 s, verifies the file, loads the model)
-    status, body, headers = spawned.get("/health")
-    assert status == 503 and int(headers["Retry-After"]) >= 1, body
+    # meanwhile: 503 with Retry-After (the restart waits 1 s, verifies the file, then starts a
+    # llama-server that is held before it loads the model), once bankml has seen the exit
+    try:
+        deadline = time.monotonic() + 120  # a hang guard only
+        while spawned.get("/bankml")[1]["engine"]["state"] == "ready":
+            assert time.monotonic() < deadline, "bankml did not notice the engine's exit"
+            time.sleep(0.05)
+        status, body, headers = spawned.get("/health")
+        assert status == 503 and int(headers["Retry-After"]) >= 1, body
+    finally:
+        hold.unlink()
     deadline = time.monotonic() + 120
     while spawned.get("/health")[0] != 200:
         assert time.monotonic() < deadline, "llama-server did not come back"
@@ -306,7 +347,8 @@ def test_a_signal_stops_bankml_and_leaves_no_llama_server(
     assert psutil.Process(pid).ppid() == bankml.proc.pid
     code = bankml.stop(sig)
     assert code == (128 + sig if launcher == "serve" else -sig), bankml.output()
-    assert process_gone(pid, 1), "llama-server outlived bankml"
+    # gone when bankml has exited, not soon after: bankml waits for it before it exits
+    assert process_gone(pid, 0), "llama-server outlived bankml"
     assert "stopping llama-server" in bankml.output()
 
 
@@ -315,10 +357,12 @@ def test_sigterm_while_the_engine_is_starting_leaves_no_llama_server(
 ) -> None:
     model, fork = model_copy
     port = support.free_port()
+    launcher, hold = held_launcher(llama_server_bin, tmp_path)
+    hold.touch()  # the engine stays 'starting' however fast the machine is; never released
     bankml = BankmlProcess(
         model,
         fork,
-        ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{port}"],
+        ["--spawn", str(launcher), "--upstream", f"127.0.0.1:{port}"],
         tmp_path / "log",
     ).launch()
     deadline = time.monotonic() + 60
@@ -330,7 +374,7 @@ def test_sigterm_while_the_engine_is_starting_leaves_no_llama_server(
     ]
     assert len(engines) == 1
     assert bankml.stop(signal.SIGTERM) == 128 + signal.SIGTERM, bankml.output()
-    assert process_gone(engines[0].pid, 1) and "refuse:" not in bankml.output()
+    assert process_gone(engines[0].pid, 0) and "refuse:" not in bankml.output()
 
 
 def test_twistd_daemon_starts_and_stops_with_its_pidfile(
@@ -368,6 +412,6 @@ def test_twistd_daemon_starts_and_stops_with_its_pidfile(
     engine_pid = bankml.engine_pid()
     assert psutil.Process(engine_pid).ppid() == daemon
     os.kill(daemon, signal.SIGTERM)
-    assert process_gone(daemon) and process_gone(engine_pid, 1)
+    assert process_gone(daemon, 120) and process_gone(engine_pid, 0)  # 120 s: a hang guard
     assert not pidfile.exists()
     assert "verified" in logfile.read_text() and "stopping llama-server" in logfile.read_text()
