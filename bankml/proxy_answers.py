@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bankml.receipt import Tally
+from bankml.receipts.answer import first_choice
 from bankml.receipts.sign import APIS, ForwardedRequest, forward_request
 
 CHAT, OAI_COMPLETION, LLAMA_COMPLETION = "chat", "oai_completion", "llama_completion"
@@ -46,16 +47,6 @@ def request_object(body: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError):  # nested past the recursion limit: not JSON either
         return {}
     return parsed if isinstance(parsed, dict) else {}
-
-
-def first_choice(obj: Any) -> dict[str, Any] | None:
-    choices = obj.get("choices") if isinstance(obj, dict) else None
-    if not isinstance(choices, list):
-        return None
-    for choice in choices:
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
-            return choice
-    return None
 
 
 def _int(value: Any) -> int | None:

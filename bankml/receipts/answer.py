@@ -107,9 +107,10 @@ def stream_objects(body: bytes, form: str) -> list[dict[str, Any]]:
     return objects
 
 
-def first_choice(obj: dict[str, Any]) -> dict[str, Any] | None:
-    """Choice 0 (the choice whose index is 0, or that names none), as the gateway tallies it."""
-    choices = obj.get("choices")
+def first_choice(obj: Any) -> dict[str, Any] | None:
+    """Choice 0 (the choice whose index is 0, or that names none), as the gateway tallies it;
+    None when ``obj`` has no list of choices."""
+    choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list):
         return None
     for choice in choices:
