@@ -3,8 +3,8 @@ removed while serving, and SIGTERM during a stream.
 
 - A file that is no longer the one verified answers every generating endpoint 503 with
   ``FILE_CHANGED`` and no receipt, streamed or not, and nothing is computed from it; a restart
-  verifies the file again before anything listens (a truncated file is refused, the original
-  bytes answer again).
+  verifies the file again before anything listens (a truncated file is refused, the
+  restored bytes answer again).
 - SIGTERM during a stream ends it without a receipt for the partial answer, and bankml exits by
   the signal (128 + 15).
 """
@@ -74,8 +74,8 @@ def test_a_file_truncated_replaced_or_removed_while_serving_answers_503_without_
     server: NativeProcess, own_copy: tuple[Path, Path], tmp_path: Path
 ) -> None:
     model, fork = own_copy
-    original = tmp_path / "original.gguf"
-    shutil.copyfile(model, original)
+    intact = tmp_path / "intact.gguf"
+    shutil.copyfile(model, intact)
     status, raw = post(server.port, "/v1/chat/completions", CHAT)
     assert status == 200 and b"bankml_receipt" in raw
     answered = server.get("/bankml/metrics")[1]["kept"]
@@ -95,14 +95,14 @@ def test_a_file_truncated_replaced_or_removed_while_serving_answers_503_without_
     assert server.stop() == 128 + signal.SIGTERM
 
     # a restart verifies again before anything listens: the cut file is refused ...
-    shutil.copyfile(original, model)
+    shutil.copyfile(intact, model)
     with open(model, "r+b") as f:
         f.truncate(model.stat().st_size // 2)
     cut = native_process(model, fork, tmp_path / "cut").launch()
     assert cut.wait_exit(120) in (2, 3), cut.output()
     assert "refuse: " in cut.output()
-    # ... and the original bytes answer again
-    shutil.copyfile(original, model)
+    # ... and the restored bytes answer again
+    shutil.copyfile(intact, model)
     with native_process(model, fork, tmp_path / "again") as again:
         status, raw = post(again.port, "/v1/chat/completions", CHAT)
         assert status == 200 and b"bankml_receipt" in raw
