@@ -31,6 +31,7 @@ COMMANDS = [
     "create",
     "check-receipt",
     "keygen",
+    "usage",
     "version",
     "help",
 ]
@@ -93,6 +94,27 @@ def test_each_command_keeps_its_usage_exit_code(tmp_path: Path) -> None:
     # serve's usage errors are the twistd options' own, exit 1
     out = bankml_run("serve", tmp_path / "m.gguf")
     assert out.returncode == 1 and "--fork FORK.json is required" in out.stderr
+
+
+def test_usage_samples_bankml_and_the_given_processes() -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        out = bankml_run("usage", str(busy.pid), str(gone.pid))
+    finally:
+        busy.kill()
+        busy.wait()
+    assert out.returncode == 0, out.stderr
+    sample = json.loads(out.stdout)
+    rows = {row["name"]: row for row in sample["processes"]}
+    assert set(rows) == {"bankml", f"pid {busy.pid}"}  # the process that is gone is left out
+    assert rows[f"pid {busy.pid}"]["cpu_percent"] > 0 and rows["bankml"]["rss_bytes"] > 0
+    assert sample["rss_bytes"] == sum(row["rss_bytes"] for row in rows.values())
+    assert sample["prompt_cache"] is None  # no server here
+    for bad in ("abc", "0", "-3"):
+        refused = bankml_run("usage", bad)
+        assert refused.returncode == 1 and "is not a process id" in refused.stderr, bad
 
 
 def test_serve_reads_options_on_both_sides_of_the_file(tmp_path: Path) -> None:

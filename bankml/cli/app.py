@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from bankml import __version__
-from bankml.cli import gate, generate, text
+from bankml.cli import gate, generate, text, usage
 from bankml.cli.parsing import CommandParser, add_command
 
 USAGE_EXIT = 1  # no command, an unknown one, or a bad option before it
@@ -55,6 +55,7 @@ def build_parser() -> CommandParser:
     )
     text.add_commands(commands)
     generate.add_commands(commands)
+    usage.add_commands(commands)
     add_command(
         commands,
         "create",
