@@ -18,6 +18,7 @@ import jsonschema
 import ollama
 import pytest
 
+from bankml.receipts.check import check_receipt
 from tests.native_server import NativeProcess
 from tests.registry_support import pin_into, write_gguf
 from tests.support import free_port
@@ -447,3 +448,35 @@ def test_ollama_options_on_the_command_line(tmp_path: Path) -> None:
         with pytest.raises(usage.UsageError) as err:
             parsed(*args)
         assert words in str(err.value)
+
+
+def test_ollama_receipts_are_signed_and_check_valid(server: NativeProcess, startup: str) -> None:
+    """The final object's receipt, whole and streamed, on /api/chat and /api/generate: `valid`
+    with the server's public key, and refused once the answer is changed."""
+    status, key, _ = server.get("/bankml/key")
+    assert status == 200
+    cases = [
+        ("/api/chat", {"model": startup, "messages": MESSAGES, "options": GREEDY}),
+        ("/api/generate", {"model": startup, "prompt": "Say hi.", "options": GREEDY}),
+    ]
+    for path, body in cases:
+        for stream in (False, True):
+            sent = {**body, "stream": stream}
+            status, _, raw = raw_request(server, "POST", path, sent)
+            assert status == 200, raw
+            request = json.dumps(sent).encode()
+            assert check_receipt(request, raw, key["public_key"]) == "valid", (path, stream)
+            final = json.loads(raw.splitlines()[-1])
+            assert final["bankml_receipt"]["api"] == f"ollama_{path.rsplit('/', 1)[1]}"
+            changed = raw.replace(b'"done":true', b'"done":true,"x":1')  # the same text
+            assert check_receipt(request, changed, key["public_key"]) == "valid"
+            lines = [json.loads(line) for line in raw.splitlines()]
+            first = next(
+                o for o in lines if (o.get("message") or {}).get("content") or o.get("response")
+            )
+            if "message" in first:
+                first["message"]["content"] += "!"
+            else:
+                first["response"] += "!"
+            forged = b"".join(json.dumps(o).encode() + b"\n" for o in lines)
+            assert check_receipt(request, forged, key["public_key"]).startswith("refuse: ")
