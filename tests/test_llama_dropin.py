@@ -144,6 +144,13 @@ def test_the_dropin_rewrites_llama_servers_spellings_into_bankml_serve_options()
     assert notes == ["ignoring -fa: bankml computes the same answer whatever this is set to"]
 
 
+def test_the_dropin_context_defaults_to_llama_servers_0_the_models_own() -> None:
+    argv, _ = dropin_argv(["-m", "m.gguf", "--fork", "f.json"])
+    assert argv == ["m.gguf", "--native", "--fork", "f.json", "--ctx", "0"]
+    argv, _ = dropin_argv(["-m", "m.gguf", "--fork", "f.json", "--ctx-size", "512"])
+    assert argv.count("--ctx") == 1 and argv[argv.index("--ctx") + 1] == "512"
+
+
 def test_every_flag_has_one_meaning_and_every_refusal_a_reason() -> None:
     spellings = [s for flag in FLAGS for s in flag.spellings]
     assert len(spellings) == len(set(spellings))

@@ -353,6 +353,8 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             raise FlagError(f"{arg}: llama-server takes no positional argument (use -m FILE)")
     if model is None:
         raise FlagError("-m FILE is required: the model to serve")
+    if "--ctx" not in out:  # llama-server's default -c 0: the model's training context
+        out += ["--ctx", "0"]
     return [model, *out], notes
 
 
