@@ -178,7 +178,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("--no-log-timestamps", False, IGNORE, LOGS),
     _f("--verbosity -lv --log-verbosity", True, IGNORE, LOGS),
     # -- refused, with the reason
-    _f("--verbose -v --log-verbose", False, REFUSE, "bankml's answers carry no __verbose field"),
+    _f(
+        "--verbose -v --log-verbose",
+        False,
+        REFUSE,
+        'a request asks for __verbose with "verbose": true; bankml has no server-wide default for it',
+    ),
     _f("--log-jsonl", False, REFUSE, "bankml writes its own log format"),
     _f("--model-url -mu", True, REFUSE, PINNED),
     _f("--hf-repo -hf -hfr", True, REFUSE, PINNED),
