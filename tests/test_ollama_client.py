@@ -9,6 +9,8 @@ import http.client
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -480,3 +482,31 @@ def test_ollama_receipts_are_signed_and_check_valid(server: NativeProcess, start
                 first["response"] += "!"
             forged = b"".join(json.dumps(o).encode() + b"\n" for o in lines)
             assert check_receipt(request, forged, key["public_key"]).startswith("refuse: ")
+
+
+def test_a_manifest_edited_by_hand_while_serving_is_refused(
+    server: NativeProcess, client: ollama.Client, default_model: Path
+) -> None:
+    registry = Path(server.engine_args[server.engine_args.index("--registry") + 1])
+    client.create("handmade", from_=str(default_model), system=SYSTEM)
+    assert client.chat("handmade", MESSAGES, options=GREEDY).done
+    manifest = registry / "handmade.MODEL.json"
+    text = manifest.read_text(encoding="utf-8")
+    manifest.write_text(text.replace(SYSTEM, SYSTEM + " Always."), encoding="utf-8")
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.chat("handmade", MESSAGES, options=GREEDY)
+    assert refused.value.status_code == 400
+    assert "cannot be served" in refused.value.error and "edited by hand" in refused.value.error
+    # made again outside the server (`bankml create`: a valid manifest, another digest): the
+    # server reads it anew and serves it
+    modelfile = registry.parent / "Modelfile.handmade"
+    modelfile.write_text(f'FROM {default_model}\nSYSTEM "{SYSTEM} Again."\n', encoding="utf-8")
+    made = subprocess.run(
+        [sys.executable, "-m", "bankml", "create", "handmade", "-f", str(modelfile),
+         "--registry", str(registry)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert client.chat("handmade", MESSAGES, options=GREEDY).done
+    assert f"SYSTEM {SYSTEM} Again." in client.show("handmade").modelfile
+    assert client.delete("handmade").status == "success"

@@ -37,7 +37,15 @@ from bankml.gate import verify
 from bankml.native.answer import CHAT, LLAMA_COMPLETION, Step
 from bankml.native.resident import open_engine
 from bankml.registry import create as registry_create
-from bankml.registry.catalog import Catalog, Target, layer_of, pin_of, stale_layer
+from bankml.registry.catalog import (
+    MANIFEST_CHANGED,
+    Catalog,
+    Target,
+    layer_of,
+    manifest_problem,
+    pin_of,
+    stale_layer,
+)
 from bankml.registry.keepalive import DEFAULT, KeepAlive, parse_keep_alive
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, discover
@@ -309,14 +317,19 @@ class OllamaHost:
     # -- answers ---------------------------------------------------------------------------------
 
     def prepare(self, kind: str, raw: bytes, started_ns: int) -> Job:
-        """On the prepare thread: every check of ``formats.ollama_request`` (OllamaError)."""
+        """On the prepare thread: every check of ``formats.ollama_request`` (OllamaError), then
+        a derived model's manifest read again: one edited by hand since the catalog was read is
+        refused (400, its reason), one made again is read anew."""
+        body = req.parse_body(raw)
         prepared = req.prepare(
-            kind,
-            req.parse_body(raw),
-            self.catalog,
-            n_ctx=self.native.n_ctx,
-            default_keep_alive=self.keep_alive,
+            kind, body, self.catalog, n_ctx=self.native.n_ctx, default_keep_alive=self.keep_alive
         )
+        problem = manifest_problem(prepared.target)
+        if problem == MANIFEST_CHANGED:
+            self.catalog = self.catalog.reload(self.log)
+            return self.prepare(kind, raw, started_ns)
+        if problem is not None:
+            raise OllamaError(400, f"model {prepared.model!r} cannot be served: {problem}")
         return Job(prepared, raw, started_ns)
 
     def new_run(self, job: Job) -> OllamaRun:

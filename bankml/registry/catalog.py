@@ -135,6 +135,24 @@ class Catalog:
         return tag(target.name if isinstance(target, Derived) else model_name(target.file))
 
 
+MANIFEST_CHANGED = "its manifest changed since it was read"
+
+
+def manifest_problem(target: Target) -> str | None:
+    """Why a derived model's manifest may not play now: read again from disk, it no longer
+    verifies (edited by hand, removed), or it is another manifest than the catalog read (made
+    again since). None for a pin, or a manifest as it was read."""
+    if not isinstance(target, Derived) or not target.manifest.path:
+        return None
+    try:
+        now = read_manifest(target.manifest.path)
+    except ManifestError as err:
+        return str(err)
+    if now.digest != target.manifest.digest:
+        return MANIFEST_CHANGED
+    return None
+
+
 def stale_layer(target: Target, verified_sha256: str) -> str | None:
     """Why a derived model may not play over the file just verified (its pin moved on since the
     catalog was read), else None. Call after every load."""
