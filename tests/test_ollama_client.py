@@ -355,7 +355,9 @@ def test_ollama_listen_answers_ollama_routes_only(server: NativeProcess, startup
     assert raw_request(server, "GET", "/v1/models", port=OLLAMA_PORT)[0] == 404
 
 
-def wait_for(check: Any, seconds: float = 10) -> bool:
+def wait_for(check: Any, seconds: float = 120) -> bool:
+    """Whether ``check()`` comes true; ``seconds`` only bounds a hang (the reaper runs every
+    second, later on a loaded machine)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if check():
