@@ -87,7 +87,9 @@ def test_quick_run_reports_both_paths(quick_report: tuple[dict, Path]) -> None:
             array["max_top10_logprob_diff"], a["max_top10_logprob_diff"], abs_tol=1e-4
         )
         assert array["greedy_identical"] == a["greedy_identical"]
-        assert all(t >= 0 for t in m["times"].values())
+        # every part that gave a figure above has its seconds (a float), named <part>_s
+        assert {"array_vs_exact_s", "vs_llama_server_s"} <= set(m["times"]), m["times"]
+        assert all(k.endswith("_s") and isinstance(t, float) for k, t in m["times"].items())
     assert report["default_model"] is None  # quick mode checks only the tiny models
 
 
