@@ -117,6 +117,7 @@ class Request:
     spans: MessageSpans = field(
         default_factory=MessageSpans
     )  # user-message starts (checkpoint cuts)
+    seed_drawn: bool = False  # the request named no seed and sampler.seed was drawn for it
 
 
 @dataclass

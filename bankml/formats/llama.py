@@ -131,6 +131,7 @@ def only_fields(obj: dict[str, Any], paths: list[str]) -> dict[str, Any]:
 # float). The SamplerParams fields carry the same names. /props' default_generation_settings.params
 # (to_json(only_metrics=true)) leaves out dry_sequence_breakers, stop, logit_bias and the grammar
 # fields, which generation_settings adds between these runs for a task.
+DRAW_ONE_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED
 _SAMPLING_HEAD = (
     ("seed", False),
     ("temperature", True),
@@ -185,6 +186,10 @@ def generation_settings(parsed: Any, only_metrics: bool = False) -> dict[str, An
     options = getattr(parsed, "options", None) or {}
     n_predict = getattr(parsed, "n_predict", -1)
     out = _sampling_values(params, _SAMPLING_HEAD)
+    if getattr(parsed, "seed_drawn", False):
+        # llama-server shows the seed a request named (0xFFFFFFFF: "draw one"); the seed bankml
+        # drew for it is the receipt's to name
+        out["seed"] = DRAW_ONE_SEED
     if not only_metrics:
         out["dry_sequence_breakers"] = list(params.dry_sequence_breakers)
     out.update(_sampling_values(params, _MIROSTAT))

@@ -56,6 +56,11 @@ def _refusing(fn: Callable[..., T], *args: Any) -> T:
         raise ApiError.of(status, str(err.args[0] if err.args else err)) from None
 
 
+def _cache_type_of(engine: Any) -> str:
+    """The KV cache type an engine computes with (f16 for a test double without a cache)."""
+    return str(getattr(getattr(engine, "cache", None), "cache_type", None) or "f16")
+
+
 class NativeEngine:
     """The resident engine, its bridge, what was verified, and the per-completion records.
 
@@ -85,6 +90,7 @@ class NativeEngine:
         self.verified = verified
         self.slot_dir = slot_dir
         self.n_ctx = int(n_ctx if n_ctx is not None else getattr(engine, "n_ctx", 0))
+        self.cache_type = _cache_type_of(engine)  # kept: a receipt may outlive an unload
         self.device = device
         self.reactor = reactor
         # llama-server's model name: the first of its --alias names, else the file's name
@@ -146,6 +152,7 @@ class NativeEngine:
         self._tensor_totals = None
         if engine is not None:
             self.n_ctx = int(getattr(engine, "n_ctx", self.n_ctx))
+            self.cache_type = _cache_type_of(engine)
             self.model_id = os.path.basename(verified.path)
             self.model_ftype = file_ftype_name(verified.path)
 
@@ -175,14 +182,13 @@ class NativeEngine:
         Request (seed pinned by ``parse``), ``summary`` its run's Summary."""
         facts = None
         if self.receipt_key is not None:
-            cache = self.engine.cache
             facts = native_facts(
                 parsed,
                 summary,
                 api=api,
                 stream=stream,
                 n_ctx=self.n_ctx,
-                cache_type=str(cache.cache_type),
+                cache_type=self.cache_type,
                 device=self.device,
             )
         return issue_receipt(

@@ -120,7 +120,7 @@ def pin_seed(parsed: Any) -> Any:
     seed = DEFAULT_SEED
     while seed == DEFAULT_SEED:  # the drawn value must not mean "draw one" again
         seed = resolve_seed(DEFAULT_SEED)
-    return replace(parsed, sampler=replace(parsed.sampler, seed=seed))
+    return replace(parsed, sampler=replace(parsed.sampler, seed=seed), seed_drawn=True)
 
 
 def native_facts(
