@@ -512,3 +512,18 @@ def test_a_manifest_edited_by_hand_while_serving_is_refused(
     assert client.chat("handmade", MESSAGES, options=GREEDY).done
     assert f"SYSTEM {SYSTEM} Again." in client.show("handmade").modelfile
     assert client.delete("handmade").status == "success"
+
+
+def test_a_v1_answer_restarts_the_models_keep_alive(
+    server: NativeProcess, client: ollama.Client, startup: str
+) -> None:
+    """Every answer that uses the resident model, /v1 too, starts its keep-alive again with the
+    server's default (5 minutes): a server answering only /v1 never unloads its model."""
+    client.generate(startup, "Hi", options=GREEDY, keep_alive="30s")
+    before = client.ps().models[0].expires_at
+    status, _, _ = raw_request(
+        server, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}
+    )
+    assert status == 200
+    after = client.ps().models[0].expires_at
+    assert (after - before).total_seconds() > 120  # 30 s from then, against 5 min from now

@@ -201,6 +201,7 @@ class OllamaHost:
             context_length=native.n_ctx,
         )
         native.waker = self.wake
+        native.used = self.used
         native.rewrite = self.layered_v1
 
     @property
@@ -364,7 +365,7 @@ class OllamaHost:
             constraint = getattr(parsed, "constraint", None)
             yield Ready(load_ns, getattr(constraint, "kind", "") == "chat_schema")
             try:
-                for step in self.native.steps(prompts)(cancelled):
+                for step in self.native.steps(prompts, keep_alive=False)(cancelled):
                     if step.summary is None:
                         yield step
                         continue
@@ -455,6 +456,14 @@ class OllamaHost:
             except OllamaError as err:  # /v1 answers with llama-server's error object
                 raise ApiError.of(err.status, err.message) from None
             self.residency.touch(startup.name, self.keep_alive, self.clock())
+
+    def used(self) -> None:
+        """On the engine thread, after a /v1 or llama-server run: the resident model's
+        keep-alive starts again with the server's default, as after any Ollama request (so a
+        server answering /v1 without pause never unloads its model)."""
+        resident = self.residency.resident
+        if resident is not None:
+            self.residency.touch(resident.pin.name, self.keep_alive, self.clock())
 
     def expired(self) -> bool:
         return self.residency.expired(self.clock())

@@ -121,6 +121,9 @@ class NativeEngine:
         # set by the Ollama host (native/ollama.py): on the engine thread, loads the startup
         # model again after an unload
         self.waker: Callable[[], None] | None = None
+        # set by the Ollama host too: on the engine thread, after a /v1 or llama-server run,
+        # the resident model's keep-alive starts again (as every request that uses it does)
+        self.used: Callable[[], None] | None = None
         # set by the Ollama host too: a /v1 chat naming a derived model gets its layer
         self.rewrite: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
 
@@ -213,9 +216,12 @@ class NativeEngine:
             raise refusal_of(err) from None
         return [pin_seed(p) for p in prompts]
 
-    def steps(self, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
+    def steps(
+        self, prompts: list[Any], keep_alive: bool = True
+    ) -> Callable[[Callable[[], bool]], Iterator[Step]]:
         """The bridge's ``steps`` for parsed prompts: ``prompt_steps``, an engine refusal
-        during the run raised as ApiError."""
+        during the run raised as ApiError. After the run the model's keep-alive starts again
+        (``used``), unless ``keep_alive`` is False (Ollama's routes apply the request's own)."""
         engine = self.engine
         run = prompt_steps(engine, prompts)
 
@@ -228,6 +234,9 @@ class NativeEngine:
                 yield from run(cancelled)
             except RequestError as err:
                 raise refusal_of(err) from None
+            finally:
+                if keep_alive and self.used is not None:
+                    self.used()
 
         return steps
 
