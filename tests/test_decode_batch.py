@@ -104,13 +104,15 @@ def default_engine(default_model: Path) -> Model:
 
 
 def test_default_model(default_engine: Model, batch_runs: list[int]) -> None:
-    """Rows at 5, 40, 300 (n_kv 512: ggml's split attention, on two threads) and 12 cells, in
-    caches of different sizes; B = 1..4 and back, each row's own position."""
-    rows = Rows(default_engine, [5, 40, 300, 12], [64, 128, 320, 40])
-    for b in (1, 2, 3, 4, 4, 2):
+    """Rows at 5, 40, 300 (n_kv 512: ggml's split attention, on two threads), 12 and more
+    cells, in caches of different sizes; B = 1..4 and back, then 8 and 9 (the products take
+    their activation rows eight and four at a time, then one by one), each row's own
+    position."""
+    rows = Rows(default_engine, [5, 40, 300, 12, 1, 2, 3, 7, 20], [64, 128, 320, 40] + [32] * 5)
+    for b in (1, 2, 3, 4, 4, 2, 9, 8):
         rows.step(list(range(b)))
     rows.step([3, 0, 2])  # any order
-    assert batch_runs == [2, 3, 4, 4, 2, 3]
+    assert batch_runs == [2, 3, 4, 4, 2, 9, 8, 3]
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +130,13 @@ def test_tiny_models(
     spec: TinySpec, tiny_dir: Path, default_model: Path, batch_runs: list[int]
 ) -> None:
     """Every family the fused step takes (exact_matmul's types, the K-quants, IQ4_NL/XS, the
-    grid and TQ types), biases, Q/K norms, gemma3's window (8, crossed by 20 and 40)."""
+    grid and TQ types), biases, Q/K norms, gemma3's window (8, crossed by 20 and 40); 2 to 9
+    rows (each product's groups of eight and four rows and the single ones)."""
     model = tiny(spec, tiny_dir, default_model)
-    rows = Rows(model, [5, 20, 40, 3], [64, 48, 64, 16])
-    for b in (4, 2, 3, 4):
+    rows = Rows(model, [5, 20, 40, 3, 1, 9, 14, 2, 30], [64, 48, 64, 16] + [48] * 5)
+    for b in (4, 2, 3, 9, 5):
         rows.step(list(range(b)))
-    assert batch_runs == [4, 2, 3, 4]
+    assert batch_runs == [4, 2, 3, 9, 5]
 
 
 def test_sliding_window_ring(tiny_dir: Path, default_model: Path, batch_runs: list[int]) -> None:

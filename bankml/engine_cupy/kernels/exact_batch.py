@@ -57,6 +57,7 @@ from bankml.engine_cupy.kernels.exact_matmul import (
     QK,
     ROWS_PER_TASK,
     _tile_at,
+    _wide_at,
     row_product,
 )
 from bankml.engine_cupy.kernels.exact_matmul import _quantize_serial as _quantize_q8_0
@@ -79,20 +80,65 @@ F32 = np.float32
 
 
 @njit
-def _q_rows(code, raw, r0, r1, q, d, s, out):  # pragma: no cover - compiled
-    """out[:, r0:r1] for q8 activation rows (``code`` a literal): each weight row against each
-    activation row by the 1x1 tile, exact_matmul's one-row product's own."""
+def _q_rows(code, raw, r0, r1, q, d, s, d_by_block, s_by_block, out):  # pragma: no cover
+    """out[:, r0:r1] for q8 activation rows (``code`` a literal): each weight row against the
+    activation rows, eight then four at a time by exact_matmul's wide tiles (its blocks
+    unpacked once for them), the rest one at a time by the 1x1 tile of the one-row product;
+    each output the same arithmetic in every tile (exact_matmul). Repacked Q4_0: 1x1 only."""
     m, n_in = q.shape
     nb = n_in // QK
     row_bytes = raw.shape[1]
     n_out = out.shape[1]
     for r in range(r0, r1):
-        for t in range(m):
+        w = r * row_bytes
+        t = 0
+        if code != _Q4_0R:
+            while t + 8 <= m:
+                _wide_at(
+                    code,
+                    8,
+                    raw,
+                    w,
+                    row_bytes,
+                    q,
+                    t * n_in,
+                    n_in,
+                    d_by_block,
+                    s_by_block,
+                    t,
+                    m,
+                    nb,
+                    out,
+                    t * n_out + r,
+                    n_out,
+                )
+                t += 8
+            if t + 4 <= m:
+                _wide_at(
+                    code,
+                    4,
+                    raw,
+                    w,
+                    row_bytes,
+                    q,
+                    t * n_in,
+                    n_in,
+                    d_by_block,
+                    s_by_block,
+                    t,
+                    m,
+                    nb,
+                    out,
+                    t * n_out + r,
+                    n_out,
+                )
+                t += 4
+        while t < m:
             _tile_at(
                 code,
                 11,
                 raw,
-                r * row_bytes,
+                w,
                 row_bytes,
                 q,
                 t * n_in,
@@ -105,55 +151,56 @@ def _q_rows(code, raw, r0, r1, q, d, s, out):  # pragma: no cover - compiled
                 t * n_out + r,
                 n_out,
             )
+            t += 1
 
 
 @njit
-def _q_serial(code, raw, q, d, s, out):  # pragma: no cover - compiled
-    _q_rows(code, raw, 0, out.shape[1], q, d, s, out)
+def _q_serial(code, raw, q, d, s, db, sb, out):  # pragma: no cover - compiled
+    _q_rows(code, raw, 0, out.shape[1], q, d, s, db, sb, out)
 
 
 @njit(parallel=True)
-def _q_parallel(code, raw, q, d, s, out):  # pragma: no cover - compiled
+def _q_parallel(code, raw, q, d, s, db, sb, out):  # pragma: no cover - compiled
     n_out = out.shape[1]
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
-        _q_rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), q, d, s, out)
+        _q_rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), q, d, s, db, sb, out)
 
 
 @njit
-def _q_for(code, parallel, raw, q, d, s, out):  # pragma: no cover - compiled
+def _q_for(code, parallel, raw, q, d, s, db, sb, out):  # pragma: no cover - compiled
     """_q_serial or _q_parallel with the code as a constant per branch (as exact_matmul's
-    _one_row_for: the tile is inlined per type)."""
+    _one_row_for: the tiles are inlined per type)."""
     if code == _Q4_1:
         if parallel:
-            _q_parallel(_Q4_1, raw, q, d, s, out)
+            _q_parallel(_Q4_1, raw, q, d, s, db, sb, out)
         else:
-            _q_serial(_Q4_1, raw, q, d, s, out)
+            _q_serial(_Q4_1, raw, q, d, s, db, sb, out)
     elif code == _Q8_0:
         if parallel:
-            _q_parallel(_Q8_0, raw, q, d, s, out)
+            _q_parallel(_Q8_0, raw, q, d, s, db, sb, out)
         else:
-            _q_serial(_Q8_0, raw, q, d, s, out)
+            _q_serial(_Q8_0, raw, q, d, s, db, sb, out)
     elif code == _Q4_0:
         if parallel:
-            _q_parallel(_Q4_0, raw, q, d, s, out)
+            _q_parallel(_Q4_0, raw, q, d, s, db, sb, out)
         else:
-            _q_serial(_Q4_0, raw, q, d, s, out)
+            _q_serial(_Q4_0, raw, q, d, s, db, sb, out)
     elif code == _Q5_0:
         if parallel:
-            _q_parallel(_Q5_0, raw, q, d, s, out)
+            _q_parallel(_Q5_0, raw, q, d, s, db, sb, out)
         else:
-            _q_serial(_Q5_0, raw, q, d, s, out)
+            _q_serial(_Q5_0, raw, q, d, s, db, sb, out)
     elif code == _Q5_1:
         if parallel:
-            _q_parallel(_Q5_1, raw, q, d, s, out)
+            _q_parallel(_Q5_1, raw, q, d, s, db, sb, out)
         else:
-            _q_serial(_Q5_1, raw, q, d, s, out)
+            _q_serial(_Q5_1, raw, q, d, s, db, sb, out)
     elif code == _Q4_0R:
         if parallel:
-            _q_parallel(_Q4_0R, raw, q, d, s, out)
+            _q_parallel(_Q4_0R, raw, q, d, s, db, sb, out)
         else:
-            _q_serial(_Q4_0R, raw, q, d, s, out)
+            _q_serial(_Q4_0R, raw, q, d, s, db, sb, out)
 
 
 @njit
@@ -165,26 +212,35 @@ def _matmul_rows(code, parallel, raw, x, table, out):  # pragma: no cover - comp
         row_product(code, parallel, raw, x, table, out)
         return
     q, d16, s16, d, s = _quantize_q8_0(x, table)  # each row rounded alone, as for one row
-    _q_for(code, parallel, raw, q, d, s, out)
+    # the scales block-major too ([nb, B]), as the wide tiles load them
+    _q_for(code, parallel, raw, q, d, s, np.ascontiguousarray(d.T), np.ascontiguousarray(s.T), out)
 
 
 @njit
 def _dot_rows(kquant, code, raw, r0, r1, qk, xq, xd, bsums, out):  # pragma: no cover - compiled
-    """out[:, r0:r1] by exact_kquants' (``kquant``) or exact_iquants' one-row dot (rn = 1, as
-    their one-row product for each activation row alone)."""
+    """out[:, r0:r1] by exact_kquants' (``kquant``) or exact_iquants' dots of the one-row
+    arithmetic ``code``: each weight row against the activation rows four at a time (its
+    blocks unpacked once for the four: each output the one-row dot's arithmetic), then one."""
     m, n = xq.shape
     nb = n // qk
     n_out = out.shape[1]
     row_bytes = raw.shape[1]
     for r in range(r0, r1):
         w = r * row_bytes
-        for t in range(m):
+        t = 0
+        while t < m:
+            rn = 4 if t + 4 <= m else 1
+            o = t * n_out + r
             if kquant:
-                _kquant_dot(
-                    code, 1, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, t * n_out + r, n_out
-                )
+                if rn == 4:
+                    _kquant_dot(code, 4, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, o, n_out)
+                else:
+                    _kquant_dot(code, 1, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, o, n_out)
+            elif rn == 4:
+                _iq4_dot(code, 4, raw, w, xq, t * n, n, xd, t * nb, nb, out, o, n_out)
             else:
-                _iq4_dot(code, 1, raw, w, xq, t * n, n, xd, t * nb, nb, out, t * n_out + r, n_out)
+                _iq4_dot(code, 1, raw, w, xq, t * n, n, xd, t * nb, nb, out, o, n_out)
+            t += rn
 
 
 @njit
