@@ -106,7 +106,7 @@ def default_engine(default_model: Path) -> Model:
 def test_default_model(default_engine: Model, batch_runs: list[int]) -> None:
     """Rows at 5, 40, 300 (n_kv 512: ggml's split attention, on two threads), 12 and more
     cells, in caches of different sizes; B = 1..4 and back, then 8 and 9 (the products take
-    their activation rows eight and four at a time, then one by one), each row's own
+    their activation rows eight, four and two at a time, then one), each row's own
     position."""
     rows = Rows(default_engine, [5, 40, 300, 12, 1, 2, 3, 7, 20], [64, 128, 320, 40] + [32] * 5)
     for b in (1, 2, 3, 4, 4, 2, 9, 8):
@@ -131,7 +131,7 @@ def test_tiny_models(
 ) -> None:
     """Every family the fused step takes (exact_matmul's types, the K-quants, IQ4_NL/XS, the
     grid and TQ types), biases, Q/K norms, gemma3's window (8, crossed by 20 and 40); 2 to 9
-    rows (each product's groups of eight and four rows and the single ones)."""
+    rows (each product's groups of eight, four and two rows and the single ones)."""
     model = tiny(spec, tiny_dir, default_model)
     rows = Rows(model, [5, 20, 40, 3, 1, 9, 14, 2, 30], [64, 48, 64, 16] + [48] * 5)
     for b in (4, 2, 3, 9, 5):

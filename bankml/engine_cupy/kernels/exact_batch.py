@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import intrinsic
 
 from bankml.engine_cupy.kernels import exact_iquants
 from bankml.engine_cupy.kernels.exact_attention import one_row_f16
@@ -45,6 +46,7 @@ from bankml.engine_cupy.kernels.exact_kquants import QK_K
 from bankml.engine_cupy.kernels.exact_kquants import _dot as _kquant_dot
 from bankml.engine_cupy.kernels.exact_kquants import _quantize_serial as _quantize_q8_K
 from bankml.engine_cupy.kernels.exact_matmul import (
+    _CODES,
     _F16,
     _Q4_0,
     _Q4_0R,
@@ -56,6 +58,8 @@ from bankml.engine_cupy.kernels.exact_matmul import (
     PARALLEL_MIN_MACS,
     QK,
     ROWS_PER_TASK,
+    _literal_key,
+    _make_wide_tile,
     _tile_at,
     _wide_at,
     row_product,
@@ -79,11 +83,42 @@ F32 = np.float32
 # --- the products: weight rows once, every activation row by the one-row dot -------------------
 
 
+# one weight row by 2 activation rows: exact_matmul's wide tile with two lanes (the 8- and
+# 4-row ones are exact_matmul's own), for what is left of B after the groups of four
+_PAIR_TILES = {
+    code: _make_wide_tile(layout, size, has_min, 1, 2)
+    for code, (layout, size, has_min, whole) in _CODES.items()
+    if not whole
+}
+
+
+@intrinsic(prefer_literal=True)
+def _pair_at(
+    typingctx, code, w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out
+):
+    """The 2-row wide tile of ``code`` (a literal), inlined at the call (a no-op for repacked
+    Q4_0, whose branch never runs), as exact_matmul's _wide_at."""
+    key = _literal_key(code)
+    if key is None:
+        return None
+    args = (w, w_off, row_bytes, xq, x_off, n_in, xd, xs, s_off, m, nb, out, o_off, n_out)
+    if key[0] not in _PAIR_TILES:
+        return types.void(
+            code, *args
+        ), lambda context, builder, signature, a: context.get_dummy_value()
+    sig, gen = _PAIR_TILES[key[0]]._defn(typingctx, *args)
+
+    def codegen(context, builder, signature, a):
+        return gen(context, builder, sig, a[1:])
+
+    return types.void(code, *sig.args), codegen
+
+
 @njit
 def _q_rows(code, raw, r0, r1, q, d, s, d_by_block, s_by_block, out):  # pragma: no cover
     """out[:, r0:r1] for q8 activation rows (``code`` a literal): each weight row against the
-    activation rows, eight then four at a time by exact_matmul's wide tiles (its blocks
-    unpacked once for them), the rest one at a time by the 1x1 tile of the one-row product;
+    activation rows, eight, four, then two at a time by exact_matmul's wide tiles (its blocks
+    unpacked once for them), a last one by the 1x1 tile of the one-row product;
     each output the same arithmetic in every tile (exact_matmul). Repacked Q4_0: 1x1 only."""
     m, n_in = q.shape
     nb = n_in // QK
@@ -133,6 +168,25 @@ def _q_rows(code, raw, r0, r1, q, d, s, d_by_block, s_by_block, out):  # pragma:
                     n_out,
                 )
                 t += 4
+            if t + 2 <= m:
+                _pair_at(
+                    code,
+                    raw,
+                    w,
+                    row_bytes,
+                    q,
+                    t * n_in,
+                    n_in,
+                    d_by_block,
+                    s_by_block,
+                    t,
+                    m,
+                    nb,
+                    out,
+                    t * n_out + r,
+                    n_out,
+                )
+                t += 2
         while t < m:
             _tile_at(
                 code,
