@@ -25,7 +25,7 @@ from tests.tiny_models import TinySpec, write_tiny_model
 
 def kv_bytes(cache: KVCache, n_layer: int) -> list[bytes]:
     """Every byte a decode step may write: the whole position stores (or, for q8_0, the
-    positions held), the ring's stores and the ring's cell bookkeeping."""
+    positions held), the ring's stores and the sliding-window cells' bookkeeping."""
     out: list[bytes] = []
     for il in range(n_layer):
         if cache.fused_decode:
@@ -37,8 +37,9 @@ def kv_bytes(cache: KVCache, n_layer: int) -> list[bytes]:
         for entry in cache.snapshot():
             parts = entry if isinstance(entry, tuple) else (entry,)
             out += [numpy.ascontiguousarray(p).tobytes() for p in parts]
-    if cache.cells is not None:
-        out.append(cache.cells.pos.tobytes())
+    for cells in (cache.cells, cache.swa):  # the ring's (or the window's) bookkeeping
+        if cells is not None:
+            out += [cells.pos.tobytes(), int(cells.head).to_bytes(8, "little", signed=True)]
     return out
 
 
