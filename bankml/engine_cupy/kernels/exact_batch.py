@@ -1,14 +1,16 @@
 """A decode step for several sequences at once, each row bit for bit its own one-row step.
 
-The fused decode step (exact_decode) runs one token of one sequence; its time is mostly the
-weights streaming from memory. Several sequences advancing by one token each (one row each,
-every row at its own position in its own cache) can share those reads: here every product
-walks its weight rows once and, for each weight row, takes every row's dot product in turn,
-by the very one-row dot the fused step uses (exact_matmul's 1x1 tile or vec_dot pairs,
-exact_kquants' and exact_iquants' one-row dots, the grid types' dot), each row's activation
-rounded as the one-row path rounds it (q8_0/q8_1, q8_K, f16/bf16). Each output element is then
-the same arithmetic on the same values, so the bits are the one-row step's; the parallel split
-over weight rows never touches one element's arithmetic.
+The fused decode step (exact_decode) runs one token of one sequence, reading (and unpacking)
+every weight once per token. Several sequences advancing by one token each (one row each,
+every row at its own position in its own cache) can share that: here every product walks its
+weight rows once and, for each weight row, takes every row's dot product while the row is in
+L1, each row's activation rounded as the one-row path rounds it (q8_0/q8_1, q8_K, f16/bf16).
+The dots are the one-row product's arithmetic: exact_matmul's wide tiles over 8, 4 and 2 rows
+(each lane the very float operations of the 1x1 tile; the weight block unpacked once) and its
+1x1 tile, the float types' vec_dot pairs, exact_kquants' and exact_iquants' dots of the
+one-row code over 4 rows and 1, the grid types' dot. Each output element is then the same
+arithmetic on the same values, so the bits are the one-row step's; the parallel split over
+weight rows never touches one element's arithmetic.
 
 The rest is per row, in the fused step's kernels: RMSNorm, RoPE (each row at its position),
 SwiGLU/GeGLU are row-wise already; the K/V store into each row's cache and the attention over
