@@ -77,9 +77,14 @@ EXCHANGES: list[tuple[str, str, dict[str, Any], bool]] = [
         True,
     ),
     (
-        "messages greedy",
+        "messages greedy, a stop sequence",
         "/v1/messages",
-        {"messages": [{"role": "user", "content": COLOUR}], "max_tokens": 8, "temperature": 0},
+        {
+            "messages": [{"role": "user", "content": PRIMARY}],
+            "max_tokens": 32,
+            "temperature": 0,
+            "stop_sequences": ["2."],
+        },
         False,
     ),
     (
@@ -175,8 +180,10 @@ def test_the_receipts_are_signed_and_name_what_llama_server_used(
         else:
             assert isinstance(seed, int) and seed != 4294967295, ex.name
         assert receipt["n_predict"] == body.get("max_output_tokens", body.get("max_tokens"))
-        if ex.api == "messages":
-            assert receipt["finish_reason"] in ("stop", "length"), ex.name
+        if ex.api == "messages":  # from stop_reason: end_turn, max_tokens
+            assert receipt["finish_reason"] == ("stop" if "stop_sequences" in body else "length")
+        else:
+            assert receipt["finish_reason"] is None, ex.name  # a Responses answer says none
 
 
 def test_untouched_receipts_are_valid_and_replay_identically(
