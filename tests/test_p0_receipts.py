@@ -212,6 +212,25 @@ def test_untouched_receipts_are_valid_and_replay_identically(
     assert (code, out) == (0, VALID)
 
 
+def test_malformed_answers_are_refused_not_raised(
+    exchanges: list[Exchange], key: SigningKey
+) -> None:
+    """Cut anywhere, a typed stream or a whole answer is refused with a reason, never raised;
+    a stream whose receipt is on an earlier event than the last is refused."""
+    cases = 0
+    for ex in exchanges:
+        for cut in range(0, len(ex.response), 53):
+            verdict = check_receipt(ex.request, ex.response[:cut], key.public_key_pem)
+            assert verdict.startswith("refuse: "), (ex.name, cut, verdict)
+            cases += 1
+    ex = next(e for e in exchanges if e.api == "messages" and e.stream)
+    extra = ex.response + b'event: ping\ndata: {"type": "ping"}\n\n'
+    assert check_receipt(ex.request, extra, key.public_key_pem).startswith(
+        "refuse: a receipt in event"
+    )
+    print(f"\nP0 cut answers: {cases} refused")
+
+
 def test_mutations_are_refused(
     exchanges: list[Exchange], key: SigningKey, replay_engine: Any, tmp_path: Path
 ) -> None:

@@ -40,7 +40,7 @@ def chat_fields(api: str, body: dict[str, Any]) -> dict[str, Any]:
     """The top-level fields of the chat completion llama-server makes of ``body`` (no
     ``messages``, no ``tools``)."""
     if api == RESPONSES:
-        out = {k: copy.deepcopy(v) for k, v in body.items()}
+        out = dict(body)  # shallow: nothing nested is changed, and a deep copy could recurse
         for name in ("input", "instructions", "tools"):
             out.pop(name, None)
         if "max_output_tokens" in body:

@@ -133,6 +133,8 @@ def _chat_request(request_bytes: bytes, receipt: Mapping[str, Any]) -> dict[str,
     if receipt["api"] in CONVERTED:
         try:
             return to_chat(receipt["api"], body)
+        except RecursionError:
+            raise CannotReplay("the request is nested too deep to convert") from None
         except NotConverted as err:
             raise CannotReplay(
                 f"the request holds what the replay does not convert: {err}"
