@@ -40,6 +40,7 @@ from typing import Any
 from bankml.receipt import Tally
 from bankml.receipts.answer import (
     STOP_REASONS,
+    STOP_TYPES,
     anthropic_counts,
     first_choice,
     messages_text,
@@ -88,6 +89,8 @@ def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
     choice = first_choice(obj)
     if choice is not None:  # what the signed receipt says of the answer's end
         tally.set_end(choice.get("finish_reason"), None)
+    if obj.get("stop") is True:  # /completion's last object
+        tally.set_end(STOP_TYPES.get(obj.get("stop_type")), None)
 
 
 def tally_entries(tally: Tally, entries: Any) -> None:

@@ -106,7 +106,58 @@ EXCHANGES: list[tuple[str, str, dict[str, Any], bool]] = [
         False,
     ),
 ]
-API_OF = {"/v1/responses": "responses", "/responses": "responses", "/v1/messages": "messages"}
+# P0's other completion endpoints: their receipts replay too (a P0 receipt names no device)
+OTHER_EXCHANGES: list[tuple[str, str, dict[str, Any], bool]] = [
+    (
+        "chat greedy, logprobs",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": COLOUR}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        False,
+    ),
+    (
+        "chat seed drawn stream",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": PRIMARY}],
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "stream": True,
+        },
+        True,
+    ),
+    (
+        "completion seeded, n_probs",
+        "/completion",
+        {
+            "prompt": "The capital of France is",
+            "n_predict": 8,
+            "temperature": 0.9,
+            "seed": 5,
+            "n_probs": 2,
+        },
+        True,
+    ),
+    (
+        "oai completion greedy stream",
+        "/v1/completions",
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True},
+        False,
+    ),
+]
+API_OF = {
+    "/v1/responses": "responses",
+    "/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/chat/completions": "chat",
+    "/completion": "llama_completion",
+    "/v1/completions": "oai_completion",
+}
 
 
 @pytest.fixture(scope="module")
@@ -141,15 +192,19 @@ def post(p0: BankmlProcess, path: str, body: bytes) -> bytes:
     return raw
 
 
-@pytest.fixture(scope="module")
-def exchanges(p0: BankmlProcess) -> list[Exchange]:
+def asked(p0: BankmlProcess, table: list[tuple[str, str, dict[str, Any], bool]]) -> list[Exchange]:
     out = []
-    for name, path, body, seeded in EXCHANGES:
+    for name, path, body, seeded in table:
         raw = json.dumps(body).encode()
         out.append(
             Exchange(name, API_OF[path], "stream" in body, seeded, raw, post(p0, path, raw), 0, 0)
         )
     return out
+
+
+@pytest.fixture(scope="module")
+def exchanges(p0: BankmlProcess) -> list[Exchange]:
+    return asked(p0, EXCHANGES)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +274,8 @@ def test_malformed_answers_are_refused_not_raised(
     a stream whose receipt is on an earlier event than the last is refused."""
     cases = 0
     for ex in exchanges:
-        for cut in range(0, len(ex.response), 53):
+        # a cut inside the last event's JSON at the latest (its closing newlines add nothing)
+        for cut in range(0, len(ex.response.rstrip()), 53):
             verdict = check_receipt(ex.request, ex.response[:cut], key.public_key_pem)
             assert verdict.startswith("refuse: "), (ex.name, cut, verdict)
             cases += 1
@@ -303,6 +359,32 @@ def test_replay_through_an_unmodified_llama_server(
     )
     assert code == 0 and out.splitlines()[0] == VALID, out
     assert out.splitlines()[1].startswith("replay: identical"), out
+
+
+def test_the_other_p0_receipts_replay_too(
+    p0: BankmlProcess,
+    key: SigningKey,
+    replay_engine: Any,
+    llama_server_bin: Path,
+    default_model: Path,
+) -> None:
+    """Chat, /completion and /v1/completions through P0: valid, and identical on the exact
+    engine (llama-server's logprobs within the replay's tolerance) and through llama-server."""
+    others = asked(p0, OTHER_EXCHANGES)
+    for ex in others:
+        assert check_receipt(ex.request, ex.response, key.public_key_pem) == VALID, ex.name
+        outcome = replay_in_process(ex.request, ex.response, replay_engine)
+        assert outcome.startswith(IDENTICAL), (ex.name, outcome)
+        print(f"\n  {ex.name}: engine: {outcome}", end="")
+    receipt = find_receipt(others[0].response)[1]
+    with LlamaServerProcess(
+        str(llama_server_bin), str(default_model), receipt["n_ctx"], receipt["cache_type"]
+    ) as server:
+        for ex in others:
+            outcome = replay_with_llama_server(ex.request, ex.response, server)
+            assert outcome.startswith(IDENTICAL), (ex.name, outcome)
+            print(f"\n  {ex.name}: llama-server: {outcome}", end="")
+    print(f"\nP0 chat and completions: {len(others)}/{len(others)} valid, replayed identically")
 
 
 def test_the_openai_client_parses_signed_responses(p0: BankmlProcess, key: SigningKey) -> None:

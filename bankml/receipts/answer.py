@@ -135,6 +135,8 @@ def _str(value: Any) -> str:
 
 # Anthropic's stop_reason as the chat finish reason llama-server computed it from
 STOP_REASONS = {"end_turn": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
+# /completion's stop_type (on its last object) as the finish reason
+STOP_TYPES = {"eos": "stop", "word": "stop", "limit": "length"}
 
 
 def responses_text(output: Any) -> str:
@@ -264,6 +266,8 @@ def _add_piece(view: AnswerView, obj: dict[str, Any], api: str, stream: bool) ->
     elif api == "llama_completion":
         if isinstance(obj.get("content"), str):
             view.add_text(obj["content"])
+        if obj.get("stop") is True and obj.get("stop_type") in STOP_TYPES:
+            view.finish_reason = STOP_TYPES[obj["stop_type"]]
         if isinstance(obj.get("completion_probabilities"), list):
             view.add_logprobs(obj["completion_probabilities"])
     else:  # Ollama: /api/chat's message.content, /api/generate's response

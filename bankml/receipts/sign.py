@@ -202,7 +202,12 @@ def forward_request(body: bytes, api: str) -> ForwardedRequest:
     if not isinstance(obj, dict):
         return ForwardedRequest(api, body, False, sampler_settings(SamplerParams()), -1)
     fields_read = chat_fields(api, obj) if api in CONVERTED else obj
-    sampler_body = {k: v for k, v in fields_read.items() if k not in LOGPROB_FIELDS}
+    chat_like = api == "chat" or api in CONVERTED
+    # a chat's logprobs/top_logprobs set n_probs below; a completion's n_probs (or its alias
+    # logprobs) is a sampler field read as the engine reads it
+    sampler_body = (
+        {k: v for k, v in fields_read.items() if k not in LOGPROB_FIELDS} if chat_like else obj
+    )
     try:
         params = SamplerParams.from_request(sampler_body)
     except (SamplerError, ValueError, TypeError):
@@ -210,7 +215,7 @@ def forward_request(body: bytes, api: str) -> ForwardedRequest:
     top = fields_read.get("top_logprobs")
     wants = fields_read.get("logprobs")
     n_probs = (int(top) if isinstance(top, (int, float)) else 20) if wants else 0
-    if api != "chat" and api not in CONVERTED:
+    if not chat_like:
         n_probs = params.n_probs
     sent = body
     if api == MESSAGES:
