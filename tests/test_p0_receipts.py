@@ -287,6 +287,32 @@ def test_malformed_answers_are_refused_not_raised(
     print(f"\nP0 cut answers: {cases} refused")
 
 
+def test_a_seed_is_claimed_only_where_llama_server_reads_one(
+    exchanges: list[Exchange], key: SigningKey
+) -> None:
+    """Signed by the key's holder: a Messages receipt naming a seed, or a Responses receipt
+    naming none, is refused by the check."""
+    from bankml.receipts.sign import sign_receipt
+    from tests.test_check_receipt import edited
+
+    def with_seed(response: bytes, seed: Any) -> bytes:
+        def edit(objects: list[dict[str, Any]]) -> None:
+            r = objects[-1]["bankml_receipt"]
+            r = {**r, "sampler": {**r["sampler"], "seed": seed}}
+            objects[-1]["bankml_receipt"] = sign_receipt(r, key)
+
+        return edited(response, edit)
+
+    messages = next(e for e in exchanges if e.api == "messages")
+    verdict = check_receipt(messages.request, with_seed(messages.response, 5), key.public_key_pem)
+    assert verdict == "refuse: a Messages receipt names a seed, which llama-server never reads"
+    responses = next(e for e in exchanges if e.api == "responses")
+    verdict = check_receipt(
+        responses.request, with_seed(responses.response, None), key.public_key_pem
+    )
+    assert verdict == "refuse: the receipt names no seed actually used", verdict
+
+
 def test_mutations_are_refused(
     exchanges: list[Exchange], key: SigningKey, replay_engine: Any, tmp_path: Path
 ) -> None:
