@@ -90,7 +90,8 @@ def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
     if choice is not None:  # what the signed receipt says of the answer's end
         tally.set_end(choice.get("finish_reason"), None)
     if obj.get("stop") is True:  # /completion's last object
-        tally.set_end(STOP_TYPES.get(obj.get("stop_type")), None)
+        stop_type = obj.get("stop_type")
+        tally.set_end(STOP_TYPES.get(stop_type) if isinstance(stop_type, str) else None, None)
 
 
 def tally_entries(tally: Tally, entries: Any) -> None:

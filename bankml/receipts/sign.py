@@ -218,22 +218,17 @@ def forward_request(body: bytes, api: str) -> ForwardedRequest:
     if not chat_like:
         n_probs = params.n_probs
     sent = body
-    if api == MESSAGES:
-        params = replace(params, seed=None)  # llama-server draws it and does not say
-    elif params.seed == DEFAULT_SEED:
+    if api != MESSAGES and params.seed == DEFAULT_SEED:
         params = replace(params, seed=_drawn_seed())
         close = body.rstrip()
         comma = b"" if close[:-1].strip().endswith(b"{") else b","
         sent = close[:-1] + comma + b'"seed":' + str(params.seed).encode("ascii") + b"}"
     limits = [fields_read[k] for k in N_PREDICT_FIELDS if fields_read.get(k) is not None]
     n_predict = limits[0] if limits and type(limits[0]) is int else -1
-    return ForwardedRequest(
-        api,
-        sent,
-        obj.get("stream") is True,
-        sampler_settings(replace(params, n_probs=n_probs)),
-        n_predict,
-    )
+    settings = sampler_settings(replace(params, n_probs=n_probs))
+    if api == MESSAGES:
+        settings["seed"] = None  # llama-server draws it and does not say
+    return ForwardedRequest(api, sent, obj.get("stream") is True, settings, n_predict)
 
 
 def forwarded_facts(
