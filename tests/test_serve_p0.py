@@ -384,7 +384,11 @@ def test_engine_killed_ten_times_in_a_row_restarts_each_time_and_leaves_no_proce
     model, fork = model_copy
     port = support.free_port()
     engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{port}"]
-    bankml = BankmlProcess(model, fork, [*engine, "--restart-delay", "0.1"], tmp_path / "log")
+    # one thread: a 2-thread pool spins at every barrier on a busy machine, and the answers,
+    # not the restarts, would take most of the time
+    bankml = BankmlProcess(
+        model, fork, [*engine, "--restart-delay", "0.1"], tmp_path / "log", threads=1
+    )
     greedy = chat_body(False)
     with bankml:
         status, raw, _ = bankml.post(greedy)
