@@ -12,7 +12,7 @@
   ``bankml.llama-server``).
 - An unexpected exit: the engine goes `down` (answers are 503 with Retry-After), the file is
   verified again (the whole sha256, in a thread: `deferToThread(verify, ...)`), and llama-server
-  is started again after a backoff, `--restart-delay MIN:MAX` (default 1 s doubling to 60 s; one
+  is started again after a backoff, `--restart-delay MIN[:MAX]` (default 1 s doubling to 60 s; one
   value: that delay every time); the backoff returns to MIN once the engine has stayed healthy
   for 60 s. A file that no longer verifies leaves the engine `refused`
   (503 without Retry-After) and is not restarted. Every event is logged.
