@@ -12,8 +12,9 @@
   ``bankml.llama-server``).
 - An unexpected exit: the engine goes `down` (answers are 503 with Retry-After), the file is
   verified again (the whole sha256, in a thread: `deferToThread(verify, ...)`), and llama-server
-  is started again after a backoff of 1 s doubling to 60 s; the backoff returns to 1 s once the
-  engine has stayed healthy for 60 s. A file that no longer verifies leaves the engine `refused`
+  is started again after a backoff, `--restart-delay MIN[:MAX]` (default 1 s doubling to 60 s; one
+  value: that delay every time); the backoff returns to MIN once the engine has stayed healthy
+  for 60 s. A file that no longer verifies leaves the engine `refused`
   (503 without Retry-After) and is not restarted. Every event is logged.
 - `stopService()` (reactor shutdown: SIGTERM, SIGINT, SIGHUP, or twistd's stop) sends SIGTERM
   to llama-server, waits up to 10 s, then SIGKILL, and returns a Deferred that fires only when
@@ -26,11 +27,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.application import service
@@ -53,6 +56,7 @@ HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 10.0
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
+BACKOFF_SHORTEST_S = 0.1  # systemd's default RestartSec: a crash loop never restarts back to back
 HEALTHY_RESETS_BACKOFF_S = 60.0
 MAX_LOG_LINE = 16 * 1024
 
@@ -67,6 +71,34 @@ DEATHSIG_SHIM = (
 
 class EngineFailed(Exception):
     """llama-server could not be brought up (the message says why)."""
+
+
+@dataclass(frozen=True)
+class RestartDelay:
+    """The wait before each restart: `first` seconds, doubled per restart up to `most`."""
+
+    first: float = BACKOFF_FIRST_S
+    most: float = BACKOFF_MAX_S
+
+    def after(self, delay: float) -> float:
+        return min(delay * 2, self.most)
+
+
+def parse_restart_delay(text: str) -> RestartDelay:
+    """`--restart-delay MIN[:MAX]` (seconds): MIN doubling to MAX; one value is a fixed delay.
+    ValueError with the reason for anything else."""
+    parts = text.split(":")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        first, most = float(parts[0]), float(parts[-1])
+    except ValueError:
+        raise ValueError(f"--restart-delay {text}: MIN[:MAX] in seconds, e.g. 1:60") from None
+    if not (BACKOFF_SHORTEST_S <= first <= most < float("inf")):
+        raise ValueError(
+            f"--restart-delay {text}: MIN at least {BACKOFF_SHORTEST_S} s and MAX not below MIN"
+        )
+    return RestartDelay(first, most)
 
 
 def llama_server_args(
@@ -169,6 +201,7 @@ class EngineProcess(service.Service):
         extra_args: Sequence[str] = (),
         health_timeout: float = HEALTH_TIMEOUT_S,
         reverify: Callable[[str, str], Verified] = verify,
+        restart_delay: RestartDelay = RestartDelay(),
     ) -> None:
         self.gateway = gateway
         self.binary = binary
@@ -177,11 +210,12 @@ class EngineProcess(service.Service):
         self.extra_args = list(extra_args)
         self.health_timeout = health_timeout
         self.reverify = reverify
+        self.restart_delay = restart_delay
         self.reactor = gateway.reactor
         self.proto: _EngineProtocol | None = None
         self.transport: Any = None
         self.stopping = False
-        self.backoff = BACKOFF_FIRST_S
+        self.backoff = restart_delay.first
         self.ready_at: float | None = None
         self.restart_call: Any = None
         self.starts = 0
@@ -285,11 +319,11 @@ class EngineProcess(service.Service):
             self.ready_at is not None
             and time.monotonic() - self.ready_at >= HEALTHY_RESETS_BACKOFF_S
         ):
-            self.backoff = BACKOFF_FIRST_S
-        delay, self.backoff = self.backoff, min(self.backoff * 2, BACKOFF_MAX_S)
-        self.gateway.retry_after_s = max(1, round(delay))
+            self.backoff = self.restart_delay.first
+        delay, self.backoff = self.backoff, self.restart_delay.after(self.backoff)
+        self.gateway.retry_after_s = max(1, math.ceil(delay))
         _log.warn(
-            "restarting llama-server in {delay:.0f} s after verifying the file again", delay=delay
+            "restarting llama-server in {delay:g} s after verifying the file again", delay=delay
         )
         self.restart_call = self.reactor.callLater(delay, self._restart)
 

@@ -14,10 +14,17 @@ Three families of completion endpoints, each with llama-server's own layout:
   (no ``[DONE]`` follows); several prompts answer a list of objects, each with its receipt.
 - ``RESPONSES`` (``/v1/responses``, ``/responses``): the ``output_text`` parts of the
   ``message`` items (streamed: the ``response.output_text.delta`` pieces); the last event is
-  ``response.completed``; counts from ``usage.input_tokens``/``output_tokens``.
+  ``response.completed``; counts from ``usage.input_tokens``/``output_tokens``, the reused
+  prompt from ``input_tokens_details.cached_tokens``; no finish reason (the answer has none).
 - ``MESSAGES`` (``/v1/messages``, Anthropic's shape): the ``text`` blocks of ``content``
   (streamed: the ``text_delta`` pieces); the last event is ``message_stop``; counts from
-  ``usage`` (``input_tokens`` plus the cached ``cache_read_input_tokens``, ``output_tokens``).
+  ``usage`` (``input_tokens`` plus the cached ``cache_read_input_tokens``, ``output_tokens``),
+  the finish reason from ``stop_reason`` (``end_turn`` is ``stop``, ``max_tokens`` ``length``).
+
+Every kind's receipt is signed (bankml/receipts/sign.py's ``forward_request``): the request is
+forwarded with a drawn seed appended where it named none, except a Messages request, which
+llama-server converts without its seed: its receipt records the seed as unknown (null) and the
+replay reproduces only its seed-free (greedy) answers (docs/receipts.md).
 
 Token counts come from ``usage``, else ``tokens_evaluated``/``tokens_predicted``, else the
 ``timings`` (``prompt_n + cache_n``, ``predicted_n``). Pure Python, no Twisted.
@@ -31,7 +38,15 @@ from collections.abc import Callable
 from typing import Any
 
 from bankml.receipt import Tally
-from bankml.receipts.answer import first_choice
+from bankml.receipts.answer import (
+    STOP_REASONS,
+    STOP_TYPES,
+    anthropic_counts,
+    first_choice,
+    messages_text,
+    responses_counts,
+    responses_text,
+)
 from bankml.receipts.sign import APIS, ForwardedRequest, forward_request
 
 CHAT, OAI_COMPLETION, LLAMA_COMPLETION = "chat", "oai_completion", "llama_completion"
@@ -74,6 +89,9 @@ def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
     choice = first_choice(obj)
     if choice is not None:  # what the signed receipt says of the answer's end
         tally.set_end(choice.get("finish_reason"), None)
+    if obj.get("stop") is True:  # /completion's last object
+        stop_type = obj.get("stop_type")
+        tally.set_end(STOP_TYPES.get(stop_type) if isinstance(stop_type, str) else None, None)
 
 
 def tally_entries(tally: Tally, entries: Any) -> None:
@@ -91,29 +109,19 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _dicts(value: Any) -> list[dict[str, Any]]:
-    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+def tally_typed_usage(tally: Tally, counts: tuple[int | None, int | None, int | None]) -> None:
+    """(prompt, completion, reused) from a Responses or Anthropic ``usage``
+    (answer.responses_counts / anthropic_counts)."""
+    prompt, completion, cached = counts
+    tally.set_counts(prompt, completion)
+    tally.set_end(None, cached)
 
 
-def tally_anthropic_usage(tally: Tally, usage: Any) -> None:
-    """Anthropic's ``usage``: ``input_tokens`` leaves out the cached part of the prompt."""
-    if not isinstance(usage, dict):
-        return
-    parts = [_int(usage.get(k)) for k in ("input_tokens", "cache_read_input_tokens")]
-    if parts[0] is not None:
-        tally.set_counts(parts[0] + (parts[1] or 0), None)
-    tally.set_counts(None, usage.get("output_tokens"))
-
-
-def responses_text(output: Any) -> str:
-    """The text of a Responses answer: its message items' ``output_text`` parts, in order."""
-    return "".join(
-        _text(part.get("text"))
-        for item in _dicts(output)
-        if item.get("type") == "message"
-        for part in _dicts(item.get("content"))
-        if part.get("type") == "output_text"
-    )
+def tally_stop_reason(tally: Tally, holder: Any) -> None:
+    """Anthropic's ``stop_reason``, as the chat finish reason llama-server computed it from."""
+    reason = holder.get("stop_reason") if isinstance(holder, dict) else None
+    if isinstance(reason, str):
+        tally.set_end(STOP_REASONS.get(reason, reason), None)
 
 
 # --- whole answers -------------------------------------------------------------------------------
@@ -155,18 +163,16 @@ def add_whole_receipts(
             return False
         tally = new_tally()
         tally.add_text(responses_text(answer["output"]))
-        usage = answer.get("usage")
-        if isinstance(usage, dict):
-            tally.set_counts(usage.get("input_tokens"), usage.get("output_tokens"))
+        tally_typed_usage(tally, responses_counts(answer.get("usage")))
         answer["bankml_receipt"] = issue(tally)
         return True
     if kind == MESSAGES:
         if not isinstance(answer, dict) or answer.get("type") != "message":
             return False
         tally = new_tally()
-        blocks = _dicts(answer.get("content"))
-        tally.add_text("".join(_text(b.get("text")) for b in blocks if b.get("type") == "text"))
-        tally_anthropic_usage(tally, answer.get("usage"))
+        tally.add_text(messages_text(answer.get("content")))
+        tally_typed_usage(tally, anthropic_counts(answer.get("usage")))
+        tally_stop_reason(tally, answer)
         answer["bankml_receipt"] = issue(tally)
         return True
     objects = answer if isinstance(answer, list) else [answer]
@@ -258,8 +264,7 @@ class StreamReading:
         elif kind == "response.completed":
             response = obj.get("response")
             usage = response.get("usage") if isinstance(response, dict) else None
-            if isinstance(usage, dict):
-                tally.set_counts(usage.get("input_tokens"), usage.get("output_tokens"))
+            tally_typed_usage(tally, responses_counts(usage))
             return tally
         elif kind == "content_block_delta":
             delta = obj.get("delta")
@@ -267,19 +272,20 @@ class StreamReading:
                 tally.add_text(_text(delta.get("text")))
         elif kind == "message_start":
             message = obj.get("message")
-            tally_anthropic_usage(
-                tally, message.get("usage") if isinstance(message, dict) else None
+            prompt, _, cached = anthropic_counts(
+                message.get("usage") if isinstance(message, dict) else None
             )
+            tally_typed_usage(tally, (prompt, None, cached))
         elif kind == "message_delta":
-            usage = obj.get("usage")
-            if isinstance(usage, dict):
-                tally.set_counts(None, usage.get("output_tokens"))
+            tally_typed_usage(tally, (None, anthropic_counts(obj.get("usage"))[1], None))
+            tally_stop_reason(tally, obj.get("delta"))
         elif kind == "message_stop":
             return tally
         return None
 
 
 def forwarded_request(body: bytes, kind: str) -> ForwardedRequest | None:
-    """The request as P0 forwards it (a drawn seed appended where it named none) for the kinds
-    a signed receipt describes; None for the others (Responses, Messages: unsigned receipts)."""
+    """The request as P0 forwards it (a drawn seed appended where it named none and
+    llama-server reads it: every kind but Messages) for the kinds a signed receipt describes
+    (all of them); None for another (an unsigned receipt)."""
     return forward_request(body, kind) if kind in APIS else None

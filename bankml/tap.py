@@ -1,7 +1,8 @@
 """`bankml serve` and `twistd bankml`: one Options class, one makeService.
 
     bankml serve FILE --fork FORK.json (--spawn BIN | --upstream HOST:PORT) [--listen 127.0.0.1:18093]
-                 [--threads 3] [--ctx 4096] [--slot-dir D] [--spec-ngram] [-- LLAMA-SERVER ARGS]
+                 [--threads 3] [--ctx 4096] [--slot-dir D] [--spec-ngram] [--restart-delay 1:60]
+                 [-- LLAMA-SERVER ARGS]
     twistd -n bankml --fork FORK.json FILE ...      # the same options, in the foreground
     twistd --pidfile P --logfile L bankml ...       # the same, as a daemon
 
@@ -53,7 +54,12 @@ from bankml import gateway as gw
 from bankml.gate.verify import sha256_file
 from bankml.gateway import Gateway, make_agent
 from bankml.native.service import make_native_service
-from bankml.process_protocol import EngineFailed, EngineProcess
+from bankml.process_protocol import (
+    EngineFailed,
+    EngineProcess,
+    RestartDelay,
+    parse_restart_delay,
+)
 from bankml.registry.keepalive import BadKeepAlive, parse_keep_alive
 from bankml.resources.p0 import p0_root
 from bankml.serving import llama_flags
@@ -76,7 +82,8 @@ UPSTREAM_WAIT_S = 10.0
 class Options(usage.Options):
     synopsis = (
         "FILE --fork FORK.json (--spawn BIN | --upstream HOST:PORT) [--listen ADDR] "
-        "[--threads N] [--ctx N] [--slot-dir D] [--spec-ngram] [-- LLAMA-SERVER ARGS (--spawn)]"
+        "[--threads N] [--ctx N] [--slot-dir D] [--spec-ngram] [--restart-delay MIN[:MAX]] "
+        "[-- LLAMA-SERVER ARGS (--spawn)]"
     )
     longdesc = (
         "Serve a verified GGUF model on loopback in front of llama-server, with a receipt "
@@ -96,6 +103,7 @@ class Options(usage.Options):
         ["threads", None, 3, "llama-server threads (-t) with --spawn", int],
         ["ctx", None, 4096, "llama-server context size (-c) with --spawn", int],
         ["slot-dir", None, None, "with --spawn: llama-server's --slot-save-path (a directory)"],
+        ["restart-delay", None, None, "with --spawn: seconds before a restart, MIN[:MAX] (1:60)"],
         [
             "device",
             None,
@@ -215,6 +223,7 @@ class Options(usage.Options):
                 "they need --spawn (--slot-dir also works with --native)"
             )
         self.check_ollama()
+        self._restart_delay(spawn)
         self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
         if self["engine_args"] and self["mode"] != "spawn":
             raise usage.UsageError(
@@ -251,6 +260,16 @@ class Options(usage.Options):
         address = llama_flags.engine_address(self)
         if address is not None:
             self["upstream"] = address
+
+    def _restart_delay(self, spawn: str | None) -> None:
+        """--restart-delay MIN[:MAX] into ``self["restart_delay"]``; it needs --spawn."""
+        given = self["restart-delay"]
+        if given is not None and not spawn:
+            raise usage.UsageError("--restart-delay is for the llama-server --spawn launches")
+        try:
+            self["restart_delay"] = parse_restart_delay(given) if given else RestartDelay()
+        except ValueError as err:
+            raise usage.UsageError(str(err)) from None
 
     def check_ollama(self) -> None:
         """The Ollama options: --native only, a readable keep-alive, loopback addresses."""
@@ -404,6 +423,7 @@ def makeService(options: Options) -> service.IService:
             slot_dir=options["slot-dir"],
             spec_ngram=bool(options["spec-ngram"]),
             extra_args=options["engine_args"],
+            restart_delay=options["restart_delay"],
         )
     sampler = UsageSampler(reactor, EngineFinder(gateway))
     access = options["llama"]

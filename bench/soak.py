@@ -2,7 +2,7 @@
 """A soak of `bankml serve --native`: mixed load for M minutes, the server's RSS, fds and threads.
 
     bench/soak.py [--minutes 10] [--clients 4] [--bankml-url URL [--engine-url URL]]
-                  [--cache-ram MiB] [--seed 0]
+                  [--cache-ram MiB] [--warm-up S] [--heap-log FILE] [--seed 0]
 
 Without --bankml-url it starts its own server (tests/native_server.py: the default model,
 ``--ctx 2048``, a slot directory, ``BANKML_CACHE_RAM`` set from --cache-ram when given). Loopback
@@ -13,12 +13,21 @@ the context: 400 expected), /tokenize and /health, and slot save, restore and er
 address. Anything else than the expected status, a dropped or timed-out connection, a missing
 receipt or a traceback in a body is an error.
 
-The load runs in two phases: a warm-up (a third of the time, at most two minutes: the kernels,
-thread pools and the host prompt cache fill), a quiet second, then the rest. The server process
-is sampled every second (psutil); growth is measured between the two quiet points (after the
-warm-up and after the load), where no request holds a connection or a buffer. Ends with one JSON
-line: requests, errors, p50/p99 latency, RSS, fds and threads at both points and their growth,
-the load average.
+The load runs in two phases: a warm-up (--warm-up seconds, by default a third of the time, at
+most five minutes: the kernels, thread pools and the host prompt cache fill, and the C heap
+reaches its high-water mark), a quiet second, then the rest. The server process is sampled
+every second (psutil); growth is measured between the two quiet points (after the warm-up and
+after the load), where no request holds a connection or a buffer. Ends with one JSON line:
+requests, errors, p50/p99 latency, RSS, fds and threads at both points and their growth, the
+highest RSS of each minute (a leak keeps setting new highs, a heap that has levelled off does
+not), the load average.
+
+The C heap: glibc raises its mmap threshold to the size of each large block freed (up to
+32 MiB), so after the first large temporaries the engine's later ones come from the heap, which
+keeps freed space for reuse instead of returning it. RSS therefore climbs for the first minutes
+of a mixed load while the bytes in use stay flat, then levels off (docs/reliability.md).
+--heap-log FILE starts the server through bench/heap_probe.py, which samples glibc's figures
+inside it each second; the JSON line then holds them at both quiet points too.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests import support  # noqa: E402  (the default model and its pin)
-from tests.native_server import native_process  # noqa: E402
+from tests.native_server import NativeProcess, native_process  # noqa: E402
 
 TIMEOUT_S = 120.0
 WORDS = [
@@ -321,9 +330,26 @@ def percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-def soak(target: Target, pid: int, minutes: float, clients: int, seed: int) -> dict[str, Any]:
+WARM_UP_MOST_S = 300.0
+
+
+def highest_by_minute(samples: list[Sample]) -> list[float]:
+    """The highest RSS (MiB) of each minute of samples, in order."""
+    if not samples:
+        return []
+    start = samples[0].at
+    highest: dict[int, int] = {}
+    for s in samples:
+        minute = int((s.at - start) // 60)
+        highest[minute] = max(highest.get(minute, 0), s.rss)
+    return [round(highest[m] / (1024 * 1024), 1) for m in sorted(highest)]
+
+
+def soak(
+    target: Target, pid: int, minutes: float, clients: int, seed: int, warm_up: float | None = None
+) -> dict[str, Any]:
     total = minutes * 60
-    warm_up = min(120.0, total / 3)
+    warm_up = min(WARM_UP_MOST_S, total / 3) if warm_up is None else warm_up
     sampler = Sampler(pid)
     sampler.start()
     tally = Tally()
@@ -331,8 +357,10 @@ def soak(target: Target, pid: int, minutes: float, clients: int, seed: int) -> d
     warm_first = ("long_prompt", "long_prompt") + tuple(name for name, _ in Client.MIX)
     load(target, clients, warm_up, tally, seed, warm_first)
     before = quiet_point(sampler)
+    before_wall = time.time()
     load(target, clients, total - warm_up, tally, seed + 1)
     after = quiet_point(sampler)
+    after_wall = time.time()
     cache_end = prompt_cache(target)
     sampler.stopping.set()
     sampler.join()
@@ -350,6 +378,7 @@ def soak(target: Target, pid: int, minutes: float, clients: int, seed: int) -> d
         "rss_mib_end": round(after.rss / mib, 1),
         "rss_growth_pct": round(100 * (after.rss - before.rss) / before.rss, 2),
         "rss_mib_max": round(max(s.rss for s in sampler.samples) / mib, 1),
+        "rss_mib_highest_by_minute": highest_by_minute(sampler.samples),
         "fds_after_warm_up": before.fds,
         "fds_end": after.fds,
         "fd_growth": after.fds - before.fds,
@@ -360,7 +389,25 @@ def soak(target: Target, pid: int, minutes: float, clients: int, seed: int) -> d
         "samples": len(sampler.samples),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "error_examples": tally.errors[:5],
+        "quiet_points_unix": [round(before_wall, 2), round(after_wall, 2)],
     }
+
+
+@dataclass
+class ProbedProcess(NativeProcess):
+    """The soak's server, started through bench/heap_probe.py (its heap sampled inside)."""
+
+    heap_log: str = ""
+
+    def command(self) -> list[str]:
+        python, *rest = super().command()
+        return [python, str(ROOT / "bench" / "heap_probe.py"), self.heap_log, *rest]
+
+
+def heap_at(log: Path, when: float) -> dict[str, Any] | None:
+    """The heap probe's sample nearest to the wall time ``when``."""
+    samples = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return min(samples, key=lambda s: abs(s["at"] - when), default=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,24 +419,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cache-ram", type=int, help="BANKML_CACHE_RAM (MiB) for the server started here"
     )
+    ap.add_argument(
+        "--warm-up", type=float, help="seconds before the first quiet point (a third, at most 300)"
+    )
+    ap.add_argument(
+        "--heap-log", type=Path, help="sample the server's glibc heap into this file (JSON lines)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.heap_log and args.bankml_url:
+        ap.error("--heap-log samples a server the soak starts itself: not with --bankml-url")
     if args.minutes <= 0 or args.clients < 1:
         ap.error("--minutes and --clients must be positive")
+    if args.warm_up is not None and not 0 < args.warm_up < args.minutes * 60:
+        ap.error("--warm-up must be positive and shorter than the run")
     if args.bankml_url:
         target = Target.of(args.bankml_url, args.engine_url)
         if socket.gethostbyname(target.host) != "127.0.0.1":
             ap.error("loopback only: --bankml-url must be 127.0.0.1")
-        figures = soak(target, listening_pid(target.port), args.minutes, args.clients, args.seed)
+        pid = listening_pid(target.port)
+        figures = soak(target, pid, args.minutes, args.clients, args.seed, args.warm_up)
     else:
         env = {} if args.cache_ram is None else {"BANKML_CACHE_RAM": str(args.cache_ram)}
         with tempfile.TemporaryDirectory(prefix="bankml-soak-") as tmp:
             model = support.default_model()
-            with native_process(model, support.DEFAULT_FORK, Path(tmp), env) as server:
+            server = native_process(model, support.DEFAULT_FORK, Path(tmp), env)
+            if args.heap_log:
+                args.heap_log.unlink(missing_ok=True)  # the probe appends
+                given = {f.name: getattr(server, f.name) for f in fields(server)}
+                server = ProbedProcess(**given, heap_log=str(args.heap_log.resolve()))
+            with server:
                 target = Target("127.0.0.1", server.port, server.engine_port)
                 assert server.proc is not None
-                figures = soak(target, server.proc.pid, args.minutes, args.clients, args.seed)
+                figures = soak(
+                    target, server.proc.pid, args.minutes, args.clients, args.seed, args.warm_up
+                )
         figures["cache_ram_mib"] = args.cache_ram
+        if args.heap_log:
+            figures["heap_mib_after_warm_up"], figures["heap_mib_end"] = (
+                heap_at(args.heap_log, when) for when in figures["quiet_points_unix"]
+            )
     print(json.dumps(figures), flush=True)
     return 0
 

@@ -35,6 +35,7 @@ class BankmlProcess:
     launcher: str = "serve"  # or "twistd"
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    threads: int = 2  # llama-server's -t with --spawn
 
     @property
     def url(self) -> str:
@@ -49,7 +50,7 @@ class BankmlProcess:
             "--listen",
             f"127.0.0.1:{self.port}",
             "--threads",
-            "2",
+            str(self.threads),
             "--ctx",
             "2048",
         ]

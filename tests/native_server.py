@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tests.support import ROOT, free_port
 class NativeProcess(BankmlProcess):
     engine_port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
+    preexec: Callable[[], None] | None = None  # run in the child before exec (tests' faults)
 
     @property
     def engine_url(self) -> str:
@@ -34,6 +36,7 @@ class NativeProcess(BankmlProcess):
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
                 env={**os.environ, **self.env},
+                preexec_fn=self.preexec,
             )
         return self
 

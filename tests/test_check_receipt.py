@@ -73,12 +73,31 @@ def text_slots(api: str, objects: list[dict[str, Any]]) -> list[tuple[dict[str, 
         if api == "llama_completion":
             out.append((obj, "content"))
             continue
+        if api in ("responses", "messages"):
+            out += typed_text_slots(api, obj)
+            continue
         for choice in obj.get("choices") or []:
             if api == "oai_completion":
                 out.append((choice, "text"))
             else:
                 out.append((choice.get("delta") or choice.get("message") or {}, "content"))
     return [(d, k) for d, k in out if isinstance(d.get(k), str) and d[k]]
+
+
+def typed_text_slots(api: str, obj: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """The Responses and Messages answers' text: a whole answer's output_text parts or text
+    blocks, a stream's text deltas."""
+    kind = obj.get("type")
+    if kind == "response.output_text.delta":
+        return [(obj, "delta")]
+    if kind == "content_block_delta" and (obj.get("delta") or {}).get("type") == "text_delta":
+        return [(obj["delta"], "text")]
+    if api == "responses" and isinstance(obj.get("output"), list) and kind is None:
+        items = [i for i in obj["output"] if i.get("type") == "message"]
+        return [(p, "text") for i in items for p in i["content"] if p["type"] == "output_text"]
+    if api == "messages" and kind == "message":
+        return [(b, "text") for b in obj["content"] if b.get("type") == "text"]
+    return []
 
 
 def one_answer_byte(api: str) -> Callable[[list[dict[str, Any]]], None]:
@@ -97,7 +116,11 @@ def one_answer_byte(api: str) -> Callable[[list[dict[str, Any]]], None]:
 
 
 def one_request_byte(request: bytes) -> bytes:
-    i = request.index(b'"', request.index(b"content" if b"messages" in request else b"prompt") + 10)
+    """A letter of the prompt (a message's content, the prompt, or a Responses input) changed."""
+    field = (
+        b"content" if b"messages" in request else b"input" if b'"input"' in request else b"prompt"
+    )
+    i = request.index(b'"', request.index(field) + len(field) + 1)
     i = next(j for j in range(i, len(request)) if chr(request[j]).isalpha())
     return request[:i] + (b"x" if request[i : i + 1] != b"x" else b"y") + request[i + 1 :]
 
@@ -296,7 +319,7 @@ def lies_signed(exchanges: list[Exchange], key: SigningKey) -> list[tuple[str, b
         )
 
         def n_ctx(r: dict[str, Any], objects: list) -> None:
-            r["n_ctx"] = 2048
+            r["n_ctx"] = r["n_ctx"] // 2
 
         cases.append((f"{tag}: n_ctx edited, re-signed", ex.request, resigned(ex.response, n_ctx)))
     return cases

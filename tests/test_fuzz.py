@@ -179,7 +179,7 @@ def nested(depth: int, kind: str) -> bytes:
 @st.composite
 def malformed(draw: st.DrawFn) -> tuple[str, bytes]:
     """Bodies that are not quite JSON, or JSON at its edges (nesting kept within what Python's
-    parser takes: deeper is the known case below)."""
+    parser takes: deeper has its own test below)."""
     path = draw(st.sampled_from(sorted(ENDPOINTS)))
     base, _ = ENDPOINTS[path]
     field = next(iter(base))

@@ -7,15 +7,23 @@ removed while serving, and SIGTERM during a stream.
   restored bytes answer again).
 - SIGTERM during a stream ends it without a receipt for the partial answer, and bankml exits by
   the signal (128 + 15).
+- A slot save into a directory the server may not write to is 500 ``Unable to save slot:
+  Permission denied``, as llama-server's 500 with the reason; the directory holds what it held
+  and the slot saves, once the directory is writable again, the bytes it saved before. Run as
+  root (which writes anywhere), the server is started without CAP_DAC_OVERRIDE, so the
+  directory's mode binds it as it binds any other user.
 """
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +31,7 @@ import pytest
 
 from bankml.gate.verify import pin
 from bankml.serving.vouch import FILE_CHANGED
+from tests import support
 from tests.native_server import NativeProcess, native_process
 
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3, "temperature": 0}
@@ -130,3 +139,78 @@ def test_sigterm_during_a_stream_ends_it_without_a_receipt(server: NativeProcess
     assert b"bankml_receipt" not in first + rest, "a receipt for a partial answer"
     assert b"[DONE]" not in rest
     assert server.wait_exit(60) == 128 + signal.SIGTERM
+
+
+PR_CAPBSET_DROP = 24  # <linux/prctl.h>
+CAP_DAC_OVERRIDE = 1  # <linux/capability.h>: root's right to write whatever the modes say
+
+
+def without_dac_override() -> None:
+    """In the child before exec: CAP_DAC_OVERRIDE out of the bounding set, so the program it
+    execs has it in no set, even as root."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
+def unwritable_for_children(directory: Path) -> None:
+    """Skip unless a child started like the server (as root: without CAP_DAC_OVERRIDE) really
+    cannot create a file in ``directory`` at mode 0555."""
+    preexec = without_dac_override if os.geteuid() == 0 else None
+    probe = directory / "probe"
+    directory.chmod(0o555)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; open(sys.argv[1], 'x')", str(probe)],
+            preexec_fn=preexec, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except subprocess.SubprocessError as err:  # prctl refused: no CAP_SETPCAP here
+        pytest.skip(f"cannot start a process without CAP_DAC_OVERRIDE here: {err}")
+    finally:
+        directory.chmod(0o755)
+    if done.returncode == 0:
+        probe.unlink()
+        pytest.skip("a 0555 directory is writable for this machine's processes")
+    assert "PermissionError" in done.stderr, done.stderr
+
+
+def slot_save(server: NativeProcess, filename: str) -> tuple[int, dict]:
+    status, raw = post(server.engine_port, "/slots/0?action=save", {"filename": filename})
+    return status, json.loads(raw)
+
+
+def listing(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_save_into_a_read_only_slot_directory_is_500_and_leaves_the_slot_and_files(
+    default_model: Path, tmp_path: Path
+) -> None:
+    server = native_process(default_model, support.DEFAULT_FORK, tmp_path / "run")
+    slot_dir = tmp_path / "run" / "slots"
+    unwritable_for_children(slot_dir)
+    if os.geteuid() == 0:
+        server.preexec = without_dac_override
+    with server:
+        if os.geteuid() == 0:  # the server really is without it
+            status_lines = Path(f"/proc/{server.proc.pid}/status").read_text().splitlines()
+            effective = next(line for line in status_lines if line.startswith("CapEff:"))
+            assert not int(effective.split()[1], 16) & (1 << CAP_DAC_OVERRIDE)
+        status, raw = post(server.port, "/v1/chat/completions", {**CHAT, "max_tokens": 2})
+        assert status == 200, raw
+        status, before = slot_save(server, "before.bin")
+        assert status == 200, before
+        files = listing(slot_dir)
+        slot_dir.chmod(0o555)
+        try:
+            status, refused = slot_save(server, "read-only.bin")
+            files_while_read_only = listing(slot_dir)
+        finally:
+            slot_dir.chmod(0o755)
+        assert status == 500, refused
+        assert refused["error"]["message"] == "Unable to save slot: Permission denied"
+        assert files_while_read_only == files, "a file was left (or changed) in the directory"
+        assert listing(slot_dir) == files
+        status, after = slot_save(server, "after.bin")
+        assert status == 200 and after["n_saved"] == before["n_saved"], after
+        assert (slot_dir / "after.bin").read_bytes() == files["before.bin"]

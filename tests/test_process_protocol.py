@@ -12,19 +12,29 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor
+from twisted.python import usage
 
 from bankml import gateway as gw
 from bankml.gate.fileident import FileIdent
 from bankml.gate.guard import GuardResult
 from bankml.gate.verify import Refused, Verified
 from bankml.gateway import Gateway, make_agent
-from bankml.process_protocol import EngineFailed, EngineProcess, llama_server_args, with_deathsig
+from bankml.process_protocol import (
+    EngineFailed,
+    EngineProcess,
+    RestartDelay,
+    llama_server_args,
+    parse_restart_delay,
+    with_deathsig,
+)
+from bankml.tap import Options
 from tests.bankml_process import process_gone
 from tests.events import HANG_GUARD_S, until
 from tests.mock_llama import MockLlama, listen
@@ -55,6 +65,40 @@ def test_llama_server_arguments_are_serve_md_s() -> None:
     assert llama_server_args(
         "BIN", "/m.gguf", "127.0.0.1", 18092, 3, 4096, "/slots", True
     ) == base + ["--spec-type", "ngram-simple", "--slot-save-path", "/slots"]
+
+
+@pytest.mark.parametrize(
+    "text,first,most", [("1:60", 1, 60), ("0.1", 0.1, 0.1), ("0.5:2", 0.5, 2), ("3:3", 3, 3)]
+)
+def test_restart_delay_reads_min_and_max(text: str, first: float, most: float) -> None:
+    assert parse_restart_delay(text) == RestartDelay(first, most)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "x", "1:", "0:5", "0.05", "5:1", "1:2:3", "-1", "nan", "1:inf"]
+)
+def test_restart_delay_refuses_what_is_not_min_max(text: str) -> None:
+    with pytest.raises(ValueError, match="--restart-delay"):
+        parse_restart_delay(text)
+
+
+def test_serve_takes_restart_delay_with_spawn_only(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    base = ["m.gguf", "--fork", "f.json"]
+    options = Options()
+    options.parseOptions([*base, "--spawn", str(binary)])
+    assert options["restart_delay"] == RestartDelay(1, 60)  # the default: 1 s doubling to 60 s
+    options = Options()
+    options.parseOptions([*base, "--spawn", str(binary), "--restart-delay", "0.2:5"])
+    assert options["restart_delay"] == RestartDelay(0.2, 5)
+    for argv in (
+        [*base, "--restart-delay", "2"],  # no llama-server to restart
+        [*base, "--spawn", str(binary), "--restart-delay", "5:1"],
+    ):
+        with pytest.raises(usage.UsageError, match="--restart-delay"):
+            Options().parseOptions(argv)
 
 
 def test_the_death_signal_shim_wraps_the_command() -> None:
@@ -162,17 +206,25 @@ async def test_an_engine_that_exits_while_starting_fails_at_once(
         await started
 
 
-@pytest_twisted.ensureDeferred
-async def test_unexpected_death_reverifies_and_restarts(
-    gateway: Gateway, fake_engine: Path
-) -> None:
-    calls: list[tuple[str, str]] = []
+def verifies_the_same(
+    gateway: Gateway, calls: list[tuple[str, str]]
+) -> Callable[[str, str], Verified]:
+    """A re-verify that finds the same file (the fixture's pin is not a real FORK.json)."""
 
     def reverify(path: str, fork: str) -> Verified:
         calls.append((path, fork))
         v = gateway.verified
         return Verified(v.path, v.sha256, v.guard, FileIdent.of(v.path), time.time(), v.fork_path)
 
+    return reverify
+
+
+@pytest_twisted.ensureDeferred
+async def test_unexpected_death_reverifies_and_restarts(
+    gateway: Gateway, fake_engine: Path
+) -> None:
+    calls: list[tuple[str, str]] = []
+    reverify = verifies_the_same(gateway, calls)
     engine = EngineProcess(gateway, str(fake_engine), threads=1, ctx=256, reverify=reverify)
     await engine.start()
     first = gateway.pid
@@ -183,6 +235,29 @@ async def test_unexpected_death_reverifies_and_restarts(
     assert gateway.pid != first and gateway.restarts == 1
     assert calls == [(gateway.verified.path, gateway.verified.fork_path)]
     assert engine.backoff == 2, "the next restart would wait twice as long"
+    await engine.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_restart_delay_doubles_from_min_to_max(
+    gateway: Gateway, fake_engine: Path
+) -> None:
+    engine = EngineProcess(
+        gateway,
+        str(fake_engine),
+        threads=1,
+        ctx=256,
+        reverify=verifies_the_same(gateway, []),
+        restart_delay=RestartDelay(0.1, 0.3),
+    )
+    await engine.start()
+    waits = []
+    for restarts in (1, 2, 3):
+        waits.append(engine.backoff)
+        os.kill(gateway.pid, signal.SIGKILL)
+        await until(lambda n=restarts: gateway.restarts == n and gateway.state == gw.READY, "up")
+    assert waits == [0.1, 0.2, 0.3] and engine.backoff == 0.3
+    assert gateway.retry_after_s == 1  # Retry-After is whole seconds, at least 1
     await engine.stop()
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -326,6 +327,92 @@ def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(
     status, raw, _ = spawned.post(body)
     assert status == 200
     check_whole_receipt(raw, body, support.DEFAULT_SHA256)
+
+
+KILLS = 10
+
+
+def llama_servers_on(port: int) -> list[int]:
+    """The pids of every running process in the process table with ``--port PORT`` in its
+    command line (a zombie has none: bankml's children list shows those)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "--port" in cmd[:-1] and cmd[cmd.index("--port") + 1] == str(port):
+            found.append(proc.pid)
+    return sorted(found)
+
+
+def read_killed_stream(bankml: BankmlProcess, kill: int) -> bytes:
+    """A long streamed answer, its llama-server (pid ``kill``) SIGKILLed after the first event;
+    everything the client received."""
+    conn = bankml.connection()
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=chat_body(True, content="Count from one to one hundred.", max_tokens=400),
+            headers={"Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200
+        first = resp.readline()
+        assert first.startswith(b"data: ")
+        os.kill(kill, signal.SIGKILL)
+        return first + resp.read()  # ends: neither hangs nor resets
+    finally:
+        conn.close()
+
+
+def ready_after(bankml: BankmlProcess, restarts: int) -> dict[str, Any]:
+    """/bankml's engine once it is ready after at least ``restarts`` restarts."""
+    deadline = time.monotonic() + 120  # a hang guard only
+    while True:
+        info = bankml.get("/bankml")[1]["engine"]
+        if info["restarts"] >= restarts and info["state"] == "ready":
+            return info
+        assert time.monotonic() < deadline, f"no restart {restarts}: {info}"
+        time.sleep(0.05)
+
+
+def test_engine_killed_ten_times_in_a_row_restarts_each_time_and_leaves_no_process(
+    model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path
+) -> None:
+    """``--restart-delay 0.1``: ten SIGKILLs mid-stream, ten restarts; each stream ends with
+    bankml's error event (no receipt, no [DONE]), the process table holds exactly the one
+    llama-server after each restart, and the greedy answer is the first llama-server's."""
+    model, fork = model_copy
+    port = support.free_port()
+    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{port}"]
+    # one thread: a 2-thread pool spins at every barrier on a busy machine, and the answers,
+    # not the restarts, would take most of the time
+    bankml = BankmlProcess(
+        model, fork, [*engine, "--restart-delay", "0.1"], tmp_path / "log", threads=1
+    )
+    greedy = chat_body(False)
+    with bankml:
+        status, raw, _ = bankml.post(greedy)
+        assert status == 200, raw
+        expected = read_answer(raw, "chat").text
+        for restarts in range(1, KILLS + 1):
+            killed = bankml.engine_pid()
+            assert llama_servers_on(port) == [killed]
+            events = sse_events(read_killed_stream(bankml, killed))
+            error = json.loads(events[-1][len(b"data: ") :])["error"]["message"]
+            assert error.startswith("llama-server ended the stream before [DONE]"), events[-1]
+            assert not any(b"bankml_receipt" in e or e == b"data: [DONE]" for e in events)
+            info = ready_after(bankml, restarts)
+            assert info["restarts"] == restarts and info["pid"] != killed
+            # only the new one runs, and the killed one is reaped: bankml's children, zombies
+            # included, are the new one alone
+            assert llama_servers_on(port) == [info["pid"]], bankml.output()[-3000:]
+            assert [p.pid for p in psutil.Process(bankml.proc.pid).children()] == [info["pid"]]
+            status, raw, _ = bankml.post(greedy)
+            assert status == 200, raw
+            check_whole_receipt(raw, greedy, support.DEFAULT_SHA256)
+            assert read_answer(raw, "chat").text == expected
+        assert bankml.output().count("exited unexpectedly: killed by signal 9") == KILLS
+    assert llama_servers_on(port) == []
 
 
 @pytest.mark.parametrize(

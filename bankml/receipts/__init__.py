@@ -2,6 +2,7 @@
 
 - keys.py: the Ed25519 signing key (keygen, load_key, key id, ``GET /bankml/key``'s body)
 - canonical.py: the bytes a signature covers
+- convert.py: a Responses or Messages request as the chat completion llama-server makes of it
 - sign.py: today's receipt plus the replay facts, signed (build_receipt_v2)
 - answer.py: a response read back as the receipt hashed it (JSON, SSE, NDJSON)
 - check.py: check_receipt -> "valid" | "refuse: <reason>"

@@ -3,8 +3,10 @@
 ``read_answer(body)`` takes the response body exactly as received: one JSON object, an SSE stream
 (``data:`` events, OpenAI's ending with ``data: [DONE]``) or NDJSON (one object a line), and
 returns what a receipt speaks of: the receipt itself, the answer text (the content of choice 0,
-or llama-server's ``content``, or Ollama's ``message.content`` / ``response``, streamed pieces
-joined in order), the logprobs entries, the token counts and finish reason the answer reports.
+or llama-server's ``content``, or Ollama's ``message.content`` / ``response``, or the
+``output_text`` parts of a Responses answer's message items, or the ``text`` blocks of an
+Anthropic Messages answer; streamed pieces joined in order: ``delta.content``,
+``response.output_text.delta``'s ``delta``, a ``content_block_delta``'s ``text_delta``), the logprobs entries, the token counts and finish reason the answer reports.
 A stream carries its receipt as a ``bankml_receipt`` field of its last regular event (that event
 may hold nothing else). Anything that is not such an answer raises ``Unreadable``.
 """
@@ -123,6 +125,55 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+# Anthropic's stop_reason as the chat finish reason llama-server computed it from
+STOP_REASONS = {"end_turn": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
+# /completion's stop_type (on its last object) as the finish reason
+STOP_TYPES = {"eos": "stop", "word": "stop", "limit": "length"}
+
+
+def responses_text(output: Any) -> str:
+    """The text of a Responses answer: its message items' ``output_text`` parts, in order."""
+    return "".join(
+        _str(part.get("text"))
+        for item in _dicts(output)
+        if item.get("type") == "message"
+        for part in _dicts(item.get("content"))
+        if part.get("type") == "output_text"
+    )
+
+
+def messages_text(content: Any) -> str:
+    """The text of an Anthropic Messages answer: its ``text`` blocks, in order."""
+    return "".join(_str(b.get("text")) for b in _dicts(content) if b.get("type") == "text")
+
+
+def responses_counts(usage: Any) -> tuple[int | None, int | None, int | None]:
+    """(prompt tokens, completion tokens, prompt tokens reused) of a Responses ``usage``."""
+    if not isinstance(usage, dict):
+        return None, None, None
+    details = usage.get("input_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return _count(usage.get("input_tokens")), _count(usage.get("output_tokens")), cached
+
+
+def anthropic_counts(usage: Any) -> tuple[int | None, int | None, int | None]:
+    """(prompt tokens, completion tokens, prompt tokens reused) of an Anthropic ``usage``:
+    its ``input_tokens`` leave out the ``cache_read_input_tokens``."""
+    if not isinstance(usage, dict):
+        return None, None, None
+    fresh, cached = _count(usage.get("input_tokens")), _count(usage.get("cache_read_input_tokens"))
+    prompt = None if fresh is None else fresh + (cached or 0)
+    return prompt, _count(usage.get("output_tokens")), cached
+
+
 def prompt_of_timings(timings: dict[str, Any]) -> int | None:
     """The prompt's length as ``usage.prompt_tokens`` counts it, from llama-server's
     ``timings``: ``prompt_n`` tokens evaluated plus ``cache_n`` reused from the slot."""
@@ -135,6 +186,9 @@ def prompt_of_timings(timings: dict[str, Any]) -> int | None:
 def _note_counts(view: AnswerView, obj: dict[str, Any], api: str) -> None:
     """Counts an answer reports: ``usage`` (OpenAI), llama-server's ``tokens_evaluated`` /
     ``tokens_predicted`` on a final object, else ``timings`` (prompt_n + cache_n, predicted_n)."""
+    if api in ("responses", "messages"):
+        _note_typed_counts(view, obj, api)
+        return
     usage = obj.get("usage")
     if isinstance(usage, dict):
         view.prompt_tokens = _count(usage.get("prompt_tokens"))
@@ -156,6 +210,29 @@ def _note_counts(view: AnswerView, obj: dict[str, Any], api: str) -> None:
             view.completion_tokens = _count(timings.get("predicted_n"))
 
 
+def _note_typed_counts(view: AnswerView, obj: dict[str, Any], api: str) -> None:
+    """The Responses and Messages counts: the whole answer's ``usage``; streamed, Responses'
+    ``response.completed`` and Messages' ``message_start`` (prompt) and ``message_delta``
+    (completion, stop reason)."""
+    kind = obj.get("type")
+    if api == "responses":
+        response = obj.get("response") if kind == "response.completed" else obj
+        if isinstance(response, dict) and "usage" in response:
+            view.prompt_tokens, view.completion_tokens, _ = responses_counts(response["usage"])
+        return
+    if kind == "message_start" and isinstance(obj.get("message"), dict):
+        view.prompt_tokens = anthropic_counts(obj["message"].get("usage"))[0]
+    elif kind in ("message", "message_delta"):
+        prompt, completion, _ = anthropic_counts(obj.get("usage"))
+        if kind == "message":
+            view.prompt_tokens = prompt
+        view.completion_tokens = completion
+        holder = obj.get("delta") if kind == "message_delta" else obj
+        reason = holder.get("stop_reason") if isinstance(holder, dict) else None
+        if isinstance(reason, str):
+            view.finish_reason = STOP_REASONS.get(reason, reason)
+
+
 def _add_piece(view: AnswerView, obj: dict[str, Any], api: str, stream: bool) -> None:
     """One object's share of the text and logprobs, as the receipt's Tally took it."""
     if api in ("chat", "oai_completion"):
@@ -174,9 +251,23 @@ def _add_piece(view: AnswerView, obj: dict[str, Any], api: str, stream: bool) ->
             view.add_logprobs(logprobs["content"])
         if isinstance(choice.get("finish_reason"), str):
             view.finish_reason = choice["finish_reason"]
+    elif api == "responses":
+        if not stream:
+            view.add_text(responses_text(obj.get("output")))
+        elif obj.get("type") == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+            view.add_text(obj["delta"])
+    elif api == "messages":
+        if not stream:
+            view.add_text(messages_text(obj.get("content")))
+        elif obj.get("type") == "content_block_delta":
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and delta.get("type") == "text_delta":
+                view.add_text(_str(delta.get("text")))
     elif api == "llama_completion":
         if isinstance(obj.get("content"), str):
             view.add_text(obj["content"])
+        if obj.get("stop") is True and obj.get("stop_type") in STOP_TYPES:
+            view.finish_reason = STOP_TYPES[obj["stop_type"]]
         if isinstance(obj.get("completion_probabilities"), list):
             view.add_logprobs(obj["completion_probabilities"])
     else:  # Ollama: /api/chat's message.content, /api/generate's response
@@ -242,4 +333,12 @@ def answer_of(objects: list[dict[str, Any]], form: str, api: str, receipt: Any) 
         _note_counts(view, obj, api)
     if api == "chat" and not stream and first_choice(objects[0]) is None:
         raise Unreadable("the response is not a chat completion (no choice 0)")
+    if api == "responses" and not stream and not isinstance(objects[0].get("output"), list):
+        raise Unreadable("the response is not a Responses answer (no output list)")
+    if api == "messages" and not stream and objects[0].get("type") != "message":
+        raise Unreadable("the response is not a Messages answer (its type is not message)")
+    if api in ("responses", "messages") and stream:
+        last = {"responses": "response.completed", "messages": "message_stop"}[api]
+        if objects[-1].get("type") != last:
+            raise Unreadable(f"the stream's last event is not {last}")
     return view

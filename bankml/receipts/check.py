@@ -15,6 +15,9 @@ The checks run in this order and the first that fails is the answer, ``refuse: <
 6. the fields agree with each other and with the answer: token counts and finish reason as the
    answer reports them, the request's own sampler fields (seed, temperature, top_k, ...) equal to
    the receipt's resolved settings, a request's explicit seed being the seed the receipt names.
+   A Responses or Messages request is read as the chat completion llama-server converts it to
+   (convert.py): a Messages request's fields that llama-server drops (its ``seed`` among them)
+   are not settings, and its receipt names the seed as unknown (null).
 
 ``valid`` means a holder of the key signed this receipt for this request and this answer. Whether
 the answer is what the pinned model computes for the request is the replay's question (replay.py).
@@ -31,6 +34,7 @@ from typing import Any
 
 from bankml.receipts.answer import JSON, Unreadable, read_answer
 from bankml.receipts.canonical import signed_bytes
+from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields
 from bankml.receipts.keys import ALG, keyid_of, load_public_key, verifies
 from bankml.receipts.sign import APIS, RECEIPT_VERSION, sha256_hex
 
@@ -44,6 +48,9 @@ _N_PREDICT_FIELDS = {
     "chat": ("n_predict", "max_completion_tokens", "max_tokens"),
     "oai_completion": ("n_predict", "max_completion_tokens", "max_tokens"),
     "llama_completion": ("n_predict", "max_completion_tokens", "max_tokens"),
+    # read from the chat completion llama-server converts these to (convert.py)
+    "responses": ("n_predict", "max_completion_tokens", "max_tokens"),
+    "messages": ("n_predict", "max_completion_tokens", "max_tokens"),
 }
 
 
@@ -193,7 +200,9 @@ def _check_request_fields(receipt: Mapping[str, Any], request: dict[str, Any]) -
         settings = params_from_settings(receipt.get("sampler") or {})
     except (ValueError, TypeError, AttributeError) as err:
         raise Refused(f"the receipt's sampler settings: {err}") from None
-    body = {k: v for k, v in request.items() if k not in _NOT_SAMPLER_FIELDS}
+    api = receipt["api"]
+    read = chat_fields(api, request) if api in CONVERTED else request
+    body = {k: v for k, v in read.items() if k not in _NOT_SAMPLER_FIELDS}
     try:
         asked = SamplerParams.from_request(body, settings)
     except (SamplerError, ValueError, TypeError) as err:
@@ -206,11 +215,12 @@ def _check_request_fields(receipt: Mapping[str, Any], request: dict[str, Any]) -
             raise Refused(
                 f"the request's {name} is {value!r}, the receipt's {getattr(settings, name)!r}"
             )
-    if settings.seed == DEFAULT_SEED:
+    if api == MESSAGES:
+        if settings.seed is not None:  # llama-server drops a Messages request's seed
+            raise Refused("a Messages receipt names a seed, which llama-server never reads")
+    elif settings.seed == DEFAULT_SEED or not isinstance(settings.seed, int):
         raise Refused("the receipt names no seed actually used")
-    limits = [
-        request[k] for k in _N_PREDICT_FIELDS.get(receipt["api"], ()) if request.get(k) is not None
-    ]
+    limits = [read[k] for k in _N_PREDICT_FIELDS.get(api, ()) if read.get(k) is not None]
     if limits and type(limits[0]) is int and limits[0] != receipt.get("n_predict"):
         raise Refused(
             f"the request asks for at most {limits[0]} tokens, the receipt's n_predict is "

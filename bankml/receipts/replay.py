@@ -7,10 +7,19 @@ that gave none was answered with a seed bankml drew and recorded), evaluate the 
 (no cached prefix), and compare the text, the token ids and the logprobs entries with the answer
 as received, naming the first token that differs.
 
+A Responses or Messages request is replayed as the chat completion llama-server converts it to
+(convert.py): on the engine as a chat request, through llama-server on its chat endpoint; the
+answer compared is its text, token count and (Messages) finish reason, the shapes' answers
+carrying no logprobs. A P0 receipt (llama-server's answer, ``device`` null) is replayed too: its
+prompt is compared by its token count (llama-server lists no ids). A Messages receipt names no
+seed (llama-server drops the request's and draws one it does not show), so only a seed-free
+answer (temperature 0: ``seed_free``) is replayed; any other is ``cannot replay``.
+
 A replay answers ``identical: ...``, ``refuse: ...`` (the answer is not what the model computes
 for the request, or the request does not resolve to the receipt's settings) or
 ``cannot replay: ...`` (the receipt's run cannot be reproduced here: a GPU's bits, an API the
-replay does not speak); only ``identical`` passes.
+replay does not speak, a seed nobody knows, an upstream whose context bankml did not set); only
+``identical`` passes.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Any
 
 from bankml.receipts.answer import AnswerView, Unreadable, read_answer, read_plain_answer
 from bankml.receipts.canonical import canonical_json
+from bankml.receipts.convert import CONVERTED, NotConverted, to_chat
 from bankml.receipts.sign import (
     ENGINE_KIND,
     engine_source_digest,
@@ -42,6 +52,7 @@ IDENTICAL = "identical"
 # text, token ids, token text or bytes.
 LLAMA_SERVER_LOGPROB_TOLERANCE = 1e-4
 REPLAYABLE_DEVICES = ("cpu",)  # where the engine computes llama-server's own bits
+P0_ENGINE = "llama-server"  # a P0 receipt's engine: llama-server, on a device bankml does not see
 ENDPOINTS = {
     "chat": "/v1/chat/completions",
     "oai_completion": "/v1/completions",
@@ -65,15 +76,79 @@ class Replayed:
     finish_reason: str | None
 
 
+def seed_free(settings: Mapping[str, Any]) -> bool:
+    """Whether these settings pick every token without the RNG: temperature <= 0 in the chain
+    (only the most likely token left for the final draw), no mirostat, no dynamic temperature,
+    no XTC (which draws too)."""
+    temperature = settings.get("temperature")
+    xtc = settings.get("xtc_probability") or 0
+    return (
+        isinstance(temperature, (int, float))
+        and temperature <= 0
+        and settings.get("mirostat") == 0
+        and "temperature" in (settings.get("samplers") or ())
+        and not (settings.get("dynatemp_range") or 0) > 0
+        and not (xtc > 0 and (settings.get("xtc_threshold") or 0) <= 0.5)
+    )
+
+
+def is_p0(receipt: Mapping[str, Any]) -> bool:
+    engine = receipt.get("engine")
+    return (
+        receipt.get("device") is None and isinstance(engine, str) and engine.startswith(P0_ENGINE)
+    )
+
+
 def replayable(receipt: Mapping[str, Any]) -> None:
-    """CannotReplay when no replay can reproduce the receipt's run."""
-    if receipt.get("api") not in ENGINE_KIND:
-        raise CannotReplay(f"the {receipt.get('api')} API is not replayed")
-    if receipt.get("device") not in REPLAYABLE_DEVICES:
+    """CannotReplay when no replay can reproduce the receipt's run. A P0 receipt (llama-server's
+    answer, no device named) is replayed: an ``identical`` proves the answer is the pinned
+    model's on the CPU path, whatever llama-server ran on."""
+    api = receipt.get("api")
+    if api not in ENGINE_KIND and api not in CONVERTED:
+        raise CannotReplay(f"the {api} API is not replayed")
+    if receipt.get("device") not in REPLAYABLE_DEVICES and not is_p0(receipt):
         raise CannotReplay(
             f"answered on {receipt.get('device')!r}, whose bits are not llama-server's: "
             "only a CPU answer is reproduced exactly"
         )
+    for name, what in (("n_ctx", "context size"), ("cache_type", "KV cache type")):
+        if receipt.get(name) is None:
+            raise CannotReplay(
+                f"the receipt names no {what} (bankml did not start that llama-server)"
+            )
+    settings = receipt.get("sampler") or {}
+    if settings.get("seed") is None and not seed_free(settings):
+        raise CannotReplay(
+            "the seed is not known (llama-server drops a Messages request's seed and draws one "
+            "it does not show): only a greedy answer (temperature 0) is reproduced"
+        )
+
+
+def _chat_request(request_bytes: bytes, receipt: Mapping[str, Any]) -> dict[str, Any]:
+    """The request as the engine reads it: a Responses or Messages request converted to the
+    chat completion llama-server runs for it (CannotReplay where it is not converted here)."""
+    body = json.loads(request_bytes)
+    if not isinstance(body, dict):
+        raise ValueError("the request is not a JSON object")
+    if receipt["api"] in CONVERTED:
+        try:
+            return to_chat(receipt["api"], body)
+        except RecursionError:
+            raise CannotReplay("the request is nested too deep to convert") from None
+        except NotConverted as err:
+            raise CannotReplay(
+                f"the request holds what the replay does not convert: {err}"
+            ) from None
+    return body
+
+
+def _p0_note(receipt: Mapping[str, Any]) -> str:
+    if not is_p0(receipt):
+        return ""
+    return (
+        " (a P0 receipt names no device: a llama-server that computed on a GPU gives other bits "
+        "than the CPU's)"
+    )
 
 
 def _receipt_and_answer(response_bytes: bytes) -> tuple[dict[str, Any], AnswerView]:
@@ -142,14 +217,20 @@ def replay_in_process(request_bytes: bytes, response_bytes: bytes, replay: Repla
             f"{engine.cache.cache_type} cache; the receipt's run had {receipt['n_ctx']} and "
             f"{receipt['cache_type']}"
         )
-    kind = ENGINE_KIND[receipt["api"]]
+    kind = ENGINE_KIND.get(receipt["api"], "chat")
     try:
-        parsed = engine.parse_request(json.loads(request_bytes), kind)
+        parsed = engine.parse_request(_chat_request(request_bytes, receipt), kind)
+    except CannotReplay as err:
+        return f"cannot replay: {err}"
     except (RequestError, ValueError) as err:
         return f"refuse: the engine refuses the request ({err})"
     seed = receipt["sampler"].get("seed")
-    parsed = replace(parsed, sampler=replace(parsed.sampler, seed=seed), cache_prompt=False)
+    # a seed-free run (replayable's check) draws nothing: any seed gives the same answer
+    run_seed = 0 if seed is None else seed
+    parsed = replace(parsed, sampler=replace(parsed.sampler, seed=run_seed), cache_prompt=False)
     settings = sampler_settings(parsed.sampler)
+    if seed is None:
+        settings["seed"] = None
     for name, value in settings.items():
         if canonical_json(value) != canonical_json(receipt["sampler"].get(name)):
             return (
@@ -158,15 +239,40 @@ def replay_in_process(request_bytes: bytes, response_bytes: bytes, replay: Repla
             )
     if parsed.n_predict != receipt.get("n_predict"):
         return f"refuse: the request resolves n_predict to {parsed.n_predict}, the receipt says {receipt.get('n_predict')}"
-    if token_ids_sha256(parsed.prompt_tokens) != receipt.get("prompt_tokens_sha256"):
+    prompt_sha = receipt.get("prompt_tokens_sha256")
+    if prompt_sha is None and is_p0(receipt):  # llama-server lists no ids: the count at least
+        if len(parsed.prompt_tokens) != receipt.get("prompt_tokens"):
+            return (
+                f"refuse: the request's prompt is {len(parsed.prompt_tokens)} tokens on this "
+                f"model, the receipt says {receipt.get('prompt_tokens')}"
+            )
+    elif token_ids_sha256(parsed.prompt_tokens) != prompt_sha:
         return "refuse: the request's prompt tokens on this model are not the receipt's"
     replayed = _run(engine, parsed, receipt)
-    verdict = compare(original, receipt, replayed).verdict
+    # llama-server's logprobs (a P0 answer's) are a few ulps from the engine's: the tolerance of
+    # a replay through llama-server, for the values only
+    tolerance = LLAMA_SERVER_LOGPROB_TOLERANCE if is_p0(receipt) else 0.0
+    result = compare(original, receipt, replayed, tolerance)
+    verdict = result.verdict
     if verdict != IDENTICAL:
-        if receipt.get("engine_digest") != engine_source_digest():
+        if is_p0(receipt):
+            verdict += _p0_note(receipt)
+        elif receipt.get("engine_digest") != engine_source_digest():
             verdict += " (the receipt's engine sources differ from this bankml's)"
         return f"refuse: {verdict}"
-    return f"{IDENTICAL}: {len(replayed.pieces)} tokens, text, token ids and logprobs bit for bit"
+    if not is_p0(receipt):
+        return (
+            f"{IDENTICAL}: {len(replayed.pieces)} tokens, text, token ids and logprobs bit for bit"
+        )
+    told = f"{IDENTICAL}: the text of {len(replayed.pieces)} tokens bit for bit"
+    if not original.logprobs:
+        return told
+    if result.logprob_distance == 0.0:
+        return f"{told}, logprobs too"
+    return (
+        f"{told}; logprobs {result.logprob_distance:.2g} apart at most "
+        f"(within {LLAMA_SERVER_LOGPROB_TOLERANCE:g})"
+    )
 
 
 def _run(engine: Any, parsed: Any, receipt: Mapping[str, Any]) -> Replayed:
@@ -189,14 +295,26 @@ def _run(engine: Any, parsed: Any, receipt: Mapping[str, Any]) -> Replayed:
         entries = entries[: len(entries) - drop]
     text = "".join(c.text for c in chunks) if streamed else summary.text
     wants = int(getattr(parsed, "n_probs", 0) or 0) > 0
-    return Replayed(
-        text=text,
-        pieces=[c.text for c in chunks],
-        token_ids=list(summary.tokens),
-        logprobs=entries if wants and entries else None,
-        completion_tokens=summary.completion_tokens,
-        finish_reason=summary.finish_reason,
+    return answered_as(
+        receipt,
+        Replayed(
+            text=text,
+            pieces=[c.text for c in chunks],
+            token_ids=list(summary.tokens),
+            logprobs=entries if wants and entries else None,
+            completion_tokens=summary.completion_tokens,
+            finish_reason=summary.finish_reason,
+        ),
     )
+
+
+def answered_as(receipt: Mapping[str, Any], replayed: Replayed) -> Replayed:
+    """The replayed chat completion in the terms of the receipt's API: a Responses or Messages
+    answer carries no logprobs, and a Responses answer no finish reason."""
+    if receipt["api"] not in CONVERTED:
+        return replayed
+    finish = None if receipt["api"] == "responses" else replayed.finish_reason
+    return replace(replayed, logprobs=None, finish_reason=finish)
 
 
 # --- comparing ------------------------------------------------------------------------------------
@@ -392,14 +510,17 @@ class LlamaServerProcess:
 
 
 def replay_request_body(request_bytes: bytes, receipt: Mapping[str, Any]) -> bytes:
-    """The request as a replay sends it: the receipt's seed where the request named none, the
-    receipt's stream form, and the whole prompt evaluated."""
+    """The request as a replay sends it: the receipt's seed where the request named none (a
+    Messages receipt names none: its answer is seed-free), the receipt's stream form, and the
+    whole prompt evaluated; a Responses or Messages request as the chat completion llama-server
+    converts it to, sent to its chat endpoint (where ``cache_prompt`` is read)."""
     from bankml.engine_cupy.sampler import DEFAULT_SEED
 
-    body = json.loads(request_bytes)
+    body = _chat_request(request_bytes, receipt)
     seed = body.get("seed")
-    if seed is None or seed == -1 or seed == DEFAULT_SEED:
-        body["seed"] = receipt["sampler"]["seed"]
+    drawn = receipt["sampler"].get("seed")
+    if (seed is None or seed == -1 or seed == DEFAULT_SEED) and drawn is not None:
+        body["seed"] = drawn
     body["stream"] = bool(receipt.get("stream"))
     body["cache_prompt"] = False
     return json.dumps(body).encode("utf-8")
@@ -418,14 +539,26 @@ def replay_with_llama_server(
         return f"cannot replay: {err}"
     if server.n_ctx != receipt["n_ctx"] or server.cache_type != receipt["cache_type"]:
         return "cannot replay: llama-server runs another n_ctx or cache type than the receipt's"
-    body = replay_request_body(request_bytes, receipt)
-    status, raw = _post(server.url + ENDPOINTS[receipt["api"]], body, timeout=600)
+    try:
+        body = replay_request_body(request_bytes, receipt)
+    except CannotReplay as err:
+        return f"cannot replay: {err}"
+    except ValueError as err:
+        return f"refuse: the request: {err}"
+    api = receipt["api"] if receipt["api"] in ENDPOINTS else "chat"
+    status, raw = _post(server.url + ENDPOINTS[api], body, timeout=600)
     if status != 200:
         return f"refuse: llama-server answers {status}: {raw[:200].decode('utf-8', 'replace')}"
     try:
-        theirs = read_plain_answer(raw, receipt["api"])
+        theirs = read_plain_answer(raw, api)
     except Unreadable as err:
         return f"refuse: llama-server's answer: {err}"
+    if receipt.get("prompt_tokens_sha256") is None and theirs.prompt_tokens is not None:
+        if theirs.prompt_tokens != receipt.get("prompt_tokens"):
+            return (
+                f"refuse: llama-server reads the request as a {theirs.prompt_tokens}-token "
+                f"prompt, the receipt says {receipt.get('prompt_tokens')}"
+            )
     entries = [e for e in theirs.logprobs or [] if isinstance(e, dict)]
     ids = [e["id"] for e in entries if isinstance(e.get("id"), int)]
     replayed = Replayed(
@@ -436,9 +569,10 @@ def replay_with_llama_server(
         completion_tokens=theirs.completion_tokens,
         finish_reason=theirs.finish_reason,
     )
+    replayed = answered_as(receipt, replayed)
     result = compare(original, receipt, replayed, LLAMA_SERVER_LOGPROB_TOLERANCE)
     if result.verdict != IDENTICAL:
-        return f"refuse: {result.verdict}"
+        return f"refuse: {result.verdict}{_p0_note(receipt)}"
     n = replayed.completion_tokens
     told = f"the text of {n} tokens" if n is not None else "the text"
     if not original.logprobs:

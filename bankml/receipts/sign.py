@@ -29,10 +29,19 @@ from bankml.engine_cupy.sampler import (
     resolve_seed,
 )
 from bankml.receipts.canonical import normalized, signed_bytes
+from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields
 from bankml.receipts.keys import ALG, SigningKey
 
 RECEIPT_VERSION = 2
-APIS = ("chat", "oai_completion", "llama_completion", "ollama_chat", "ollama_generate")
+APIS = (
+    "chat",
+    "oai_completion",
+    "llama_completion",
+    "responses",
+    "messages",
+    "ollama_chat",
+    "ollama_generate",
+)
 ENGINE_KIND = {"chat": "chat", "oai_completion": "completion", "llama_completion": "completion"}
 ENGINE_SOURCES = Path(__file__).resolve().parent.parent / "engine_cupy"
 
@@ -181,38 +190,45 @@ def forward_request(body: bytes, api: str) -> ForwardedRequest:
     one", -1 or 4294967295) gets ``"seed": N`` appended, N drawn here: a repeated key's last
     value is the one llama-server (nlohmann) reads, and the client's bytes stay as they were
     otherwise. The sampler settings are the request's fields read the way bankml's engine reads
-    them, over llama-server's defaults; a body that is not such an object is forwarded as it is
-    (llama-server answers it, with no receipt unless it answers 200)."""
+    them, over llama-server's defaults; a Responses or Messages request is read as the chat
+    completion llama-server converts it to (convert.py). A Messages request is forwarded as it
+    is and its seed recorded as unknown (null): llama-server's conversion drops any ``seed``
+    and draws one its answer does not show. A body that is not such an object is forwarded as
+    it is (llama-server answers it, with no receipt unless it answers 200)."""
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):
         obj = None
     if not isinstance(obj, dict):
         return ForwardedRequest(api, body, False, sampler_settings(SamplerParams()), -1)
-    sampler_body = {k: v for k, v in obj.items() if k not in LOGPROB_FIELDS}
+    fields_read = chat_fields(api, obj) if api in CONVERTED else obj
+    chat_like = api == "chat" or api in CONVERTED
+    # a chat's logprobs/top_logprobs set n_probs below; a completion's n_probs (or its alias
+    # logprobs) is a sampler field read as the engine reads it
+    sampler_body = (
+        {k: v for k, v in fields_read.items() if k not in LOGPROB_FIELDS} if chat_like else obj
+    )
     try:
         params = SamplerParams.from_request(sampler_body)
     except (SamplerError, ValueError, TypeError):
         params = SamplerParams()  # llama-server refuses it too: no receipt is written
-    top = obj.get("top_logprobs")
-    n_probs = (int(top) if isinstance(top, (int, float)) else 20) if obj.get("logprobs") else 0
-    if api != "chat":
+    top = fields_read.get("top_logprobs")
+    wants = fields_read.get("logprobs")
+    n_probs = (int(top) if isinstance(top, (int, float)) else 20) if wants else 0
+    if not chat_like:
         n_probs = params.n_probs
     sent = body
-    if params.seed == DEFAULT_SEED:
+    if api != MESSAGES and params.seed == DEFAULT_SEED:
         params = replace(params, seed=_drawn_seed())
         close = body.rstrip()
         comma = b"" if close[:-1].strip().endswith(b"{") else b","
         sent = close[:-1] + comma + b'"seed":' + str(params.seed).encode("ascii") + b"}"
-    limits = [obj[k] for k in N_PREDICT_FIELDS if obj.get(k) is not None]
+    limits = [fields_read[k] for k in N_PREDICT_FIELDS if fields_read.get(k) is not None]
     n_predict = limits[0] if limits and type(limits[0]) is int else -1
-    return ForwardedRequest(
-        api,
-        sent,
-        obj.get("stream") is True,
-        sampler_settings(replace(params, n_probs=n_probs)),
-        n_predict,
-    )
+    settings = sampler_settings(replace(params, n_probs=n_probs))
+    if api == MESSAGES:
+        settings["seed"] = None  # llama-server draws it and does not say
+    return ForwardedRequest(api, sent, obj.get("stream") is True, settings, n_predict)
 
 
 def forwarded_facts(
