@@ -2,7 +2,7 @@
 """Prefill and decode speed of the native engine against llama-server, same model and threads.
 
     bench/engine.py [--llama-server BIN] [--model FILE] [--threads 2] [--prompt-tokens 256]
-                    [--decode-tokens 64] [--rounds 3]
+                    [--decode-tokens 64] [--rounds 3] [--batch 1,2,4,8]
 
 Both run the same token ids (from llama-server's /tokenize), alternating round by round in one
 run so that a busy machine slows both alike. llama-server's figures are its own
@@ -11,6 +11,13 @@ engine's are wall-clock over ``Model.forward`` (prefill in 512-token micro-batch
 decode). On the CPU the engine's exact kernels run on --threads Numba threads (llama-server's -t
 is the same number); --decode-threads only sets BLAS for the non-exact types' products.
 Prints a line per round, the median ratios, and ends with one JSON line.
+
+``--batch 1,2,4,8`` measures the engine alone (no llama-server): for each row count B, B caches
+holding prompts of --prompt-tokens (minus 8 per row, so the rows sit at different positions)
+advance --decode-tokens steps together through ``Model.decode_batch`` (B = 1: ``forward``),
+the row counts alternating round by round; per B the median wall and CPU milliseconds a step
+and the aggregate tokens/s against B = 1, by the wall clock and per CPU second (the figure a
+busy machine moves least; with --threads 1 no thread waits at a barrier).
 """
 
 from __future__ import annotations
@@ -73,6 +80,66 @@ def engine_round(model: Model, ids: list[int], n_decode: int) -> tuple[float, fl
     return prefill, decode
 
 
+def batch_round(
+    model: Model, caches: list, lengths: list[int], first: int, n_decode: int
+) -> tuple[float, float]:
+    """n_decode steps of every cache at once from its prompt; wall and CPU ms a step."""
+    for cache, n in zip(caches, lengths):
+        cache.truncate(n)
+    tokens = [first] * len(caches)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(n_decode):
+        if len(caches) == 1:
+            logits = model.forward(tokens, caches[0])[None, :]
+        else:
+            logits = model.decode_batch(tokens, caches)
+        tokens = [int(numpy.argmax(row)) for row in logits]
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return wall / n_decode * 1e3, cpu / n_decode * 1e3
+
+
+def batch_main(model: Model, args: argparse.Namespace) -> int:
+    counts = [int(b) for b in args.batch.split(",")]
+    ids = [
+        int(t) for t in numpy.random.default_rng(0).integers(3, model.n_vocab, args.prompt_tokens)
+    ]
+    lengths = [max(1, len(ids) - 8 * i) for i in range(max(counts))]
+    caches = [model.new_cache(len(ids) + args.decode_tokens + 1) for _ in lengths]
+    for cache, n in zip(caches, lengths):
+        for i in range(0, n, 512):
+            model.forward(ids[i : min(i + 512, n)], cache)
+    for b in counts:  # warm each shape once
+        batch_round(model, caches[:b], lengths[:b], ids[0], 2)
+    runs: dict[int, list[tuple[float, float]]] = {b: [] for b in counts}
+    for r in range(args.rounds):
+        for b in counts:
+            runs[b].append(batch_round(model, caches[:b], lengths[:b], ids[0], args.decode_tokens))
+        print(
+            f"round {r + 1}: "
+            + ", ".join(f"B={b} {runs[b][-1][0]:.2f} ms ({runs[b][-1][1]:.2f} CPU)" for b in counts)
+        )
+    base = statistics.median(w for w, _ in runs[counts[0]]) / counts[0]
+    base_cpu = statistics.median(c for _, c in runs[counts[0]]) / counts[0]
+    result = {"model": Path(model.path).name, "threads": args.threads, "rows": {}}
+    for b in counts:
+        wall = statistics.median(w for w, _ in runs[b])
+        cpu = statistics.median(c for _, c in runs[b])
+        result["rows"][b] = {
+            "ms_per_step": round(wall, 2),
+            "cpu_ms_per_step": round(cpu, 2),
+            "tokens_per_s": round(b / wall * 1e3, 1),
+            "vs_first": round(base * b / wall, 2),
+            "cpu_vs_first": round(base_cpu * b / cpu, 2),
+        }
+        print(
+            f"B={b}: {wall:.2f} ms a step ({cpu:.2f} ms CPU), {b / wall * 1e3:.1f} tok/s, "
+            f"{base * b / wall:.2f}x B={counts[0]}'s tokens/s ({base_cpu * b / cpu:.2f}x "
+            "tokens per CPU second)"
+        )
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-server", type=Path, default=None)
@@ -82,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--decode-threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", default=None, help="row counts, e.g. 1,2,4,8 (engine only)")
     args = parser.parse_args(argv)
-    binary = args.llama_server or support.llama_server_binary()
     model_path = args.model or support.default_model()
     start = time.perf_counter()
     model = Model.load(model_path, device="cpu")
@@ -93,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         f"engine load {time.perf_counter() - start:.1f} s, weights "
         f"{model.weights.nbytes / 2**20:.0f} MiB"
     )
+    if args.batch:
+        return batch_main(model, args)
+    binary = args.llama_server or support.llama_server_binary()
     rows = []
     with support.LlamaServer(model_path, binary=binary, args=["-t", str(args.threads)]) as server:
         ids = prompt_ids(server, args.prompt_tokens)

@@ -5,17 +5,20 @@ kernels.exact_ops; flash attention over the f16 or q8_0 cache of kernels.exact_a
 products are the weights' own, kernels.exact_matmul/kquants/iquants), so the logits are
 llama-server's bits. A one-token step has a compiled fast path, ``decode``: the same
 definition (norm, attention, feed-forward, the block, the stack) composed of the same kernels
-in one Numba call per layer (kernels.exact_decode), the same bits with less dispatch.
+in one Numba call per layer (kernels.exact_decode), the same bits with less dispatch; and
+``decode_batch``, one token for each of several caches, whose products share each weight read
+(kernels.exact_batch), every row the bits of its own one-token step.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy
 
-from bankml.engine_cupy.kernels import exact_attention, exact_decode, exact_ops
+from bankml.engine_cupy.kernels import exact_attention, exact_batch, exact_decode, exact_ops
 from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.weights import HParams, Weights
 
@@ -111,12 +114,27 @@ class ExactOps:
         x = numpy.ascontiguousarray(x, dtype=F32)
         return plan.step(x, step.start, step.ropes, cache, step.n_threads)
 
+    def decode_batch(
+        self, x: Any, positions: Sequence[int], caches: Sequence[KVCache], n_threads: int
+    ) -> Any | None:
+        """One token for each cache: x [B, n_embd], row i at positions[i] of caches[i] (f16
+        caches, their rings placed); the logits [B, n_vocab], each row ``decode``'s bits for
+        that row alone, or None where the plan does not take this model."""
+        plan = self.plan
+        if plan is None:
+            return None
+        x = numpy.ascontiguousarray(x, dtype=F32)
+        ropes = self.ropes(numpy.asarray(positions, dtype=numpy.int64), self.weights.rope_freqs)
+        return exact_batch.BatchStep(plan).run(x, positions, ropes, caches, n_threads)
+
     def warm_up(self, model: Any, cache_type: str | None) -> None:
         """Run every kernel a request can reach once, on a scratch cache: Numba compiles them
         (or loads its on-disk cache) here rather than during the first answer."""
         n = exact_attention.FA_TILE_Q + 1  # the tiled attention kernel, then the one-row one
-        cache = model.new_cache(n + 3, cache_type)
+        cache = model.new_cache(n + 4, cache_type)
         exact_attention.warm_up(q8_0=cache.cache_type == "q8_0")
         model.forward([0] * n, cache)
         model.forward([0], cache)
         model.forward([0, 0], cache)
+        # the batched step beside a second sequence (several slots' steps: exact_batch)
+        model.decode_batch([0, 0], [cache, model.new_cache(4, cache_type)])

@@ -345,6 +345,55 @@ class Model:
         cache.advance(start + n)
         return self._final_logits(logits, all_logits)
 
+    def decode_batch(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> numpy.ndarray:
+        """One decode step for each of several sequences: tokens[i] appended to caches[i]
+        (each cache its own sequence, at its own length); the logits [B, n_vocab].
+
+        Row i is bit for bit ``forward([tokens[i]], caches[i])``, and each cache ends as that
+        call leaves it. On the exact path the rows whose cache the fused step takes (f16) go
+        through kernels.exact_batch together, the products reading each weight once for all of
+        them; any other row (a q8_0 cache, the array backend, a model the fused step does not
+        take, ``fused_decode`` off) is its own ``forward``: the same answer, no gain. Every
+        row is checked before any cache changes."""
+        xp, hp = self.xp, self.hp
+        if len(tokens) != len(caches):
+            raise ValueError(f"{len(tokens)} tokens for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each row needs a cache of its own")
+        if len(tokens) == 1:
+            return self.forward([tokens[0]], caches[0])[None, :]
+        for token, cache in zip(tokens, caches):
+            if cache.n_tokens + 1 > cache.n_ctx:
+                raise ValueError(
+                    f"{cache.n_tokens + 1} positions do not fit a cache of {cache.n_ctx}"
+                )
+            if not 0 <= int(token) < hp.n_vocab:
+                raise ValueError(f"token id out of range 0..{hp.n_vocab - 1}")
+        out = numpy.empty((len(tokens), hp.n_vocab), F32)
+        batched = []
+        if isinstance(self.ops, ExactOps) and self.fused_decode and self.ops.plan is not None:
+            batched = [i for i, cache in enumerate(caches) if cache.fused_decode]
+        if len(batched) < 2:
+            batched = []
+        else:
+            x = numpy.concatenate(
+                [self.weights.token_embd[xp.asarray([int(tokens[i])])] for i in batched]
+            )
+            if hp.embd_scale != 1.0:
+                x = x * F32(hp.embd_scale)
+            starts = [caches[i].n_tokens for i in batched]
+            for i, start in zip(batched, starts):
+                caches[i].place(start, 1)
+            logits = self.ops.decode_batch(
+                x, starts, [caches[i] for i in batched], self.ggml_threads
+            )
+            for row, (i, start) in enumerate(zip(batched, starts)):
+                caches[i].advance(start + 1)
+                out[i] = self._final_logits(logits[row : row + 1], False)
+        for i in sorted(set(range(len(tokens))) - set(batched)):
+            out[i] = self.forward([tokens[i]], caches[i])
+        return out
+
     def _final_logits(self, logits: Any, all_logits: bool) -> numpy.ndarray:
         """gemma3's final soft-capping, then the last row (or all) on the host."""
         if self.hp.final_softcap:
