@@ -373,7 +373,7 @@ def prometheus_text(native: NativeEngine) -> str:
     """llama-server's --metrics exposition, from the engine's totals; reading it starts the
     throughput gauges' window again, as a scrape does there."""
     t, window = native.scrape()
-    busy = bool(native.bridge and native.bridge.busy)
+    processing = native.bridge.processing if native.bridge else 0  # runs holding a slot
 
     counters = [
         (
@@ -427,7 +427,7 @@ def prometheus_text(native: NativeEngine) -> str:
     gauges = [
         ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
         ("predicted_tokens_seconds", "Average generation throughput in tokens/s", predicted_rate),
-        ("requests_processing", "Number of requests processing", 1 if busy else 0),
+        ("requests_processing", "Number of requests processing", processing),
         (
             "requests_deferred",
             "Number of requests deferred",
