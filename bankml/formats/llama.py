@@ -294,7 +294,7 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
             "params": generation_settings(_Defaults, only_metrics=True),
             "n_ctx": native.n_ctx,
         },
-        "total_slots": 1,
+        "total_slots": native.n_slots,  # -np
         "model_alias": native.model_id,
         "model_ftype": native.model_ftype,
         "model_path": native.verified.path,
@@ -369,6 +369,17 @@ def template_caps(caps: Any) -> dict[str, bool]:
     return dict(sorted(out.items()))
 
 
+def _busy_slots_per_decode(native: NativeEngine, decode_calls: int) -> float:
+    """Slots per pass: with several slots the scheduler's (a decode step of k slots counts k,
+    a prefill micro-batch 1); one slot: 1.0 once anything was decoded."""
+    scheduler = getattr(native.bridge, "scheduler", None)
+    if scheduler is None:
+        return 1.0 if decode_calls else 0.0
+    stats = scheduler.stats
+    passes = stats.decode_calls + stats.prefill_batches
+    return (stats.decode_rows + stats.prefill_batches) / passes if passes else 0.0
+
+
 def prometheus_text(native: NativeEngine) -> str:
     """llama-server's --metrics exposition, from the engine's totals; reading it starts the
     throughput gauges' window again, as a scrape does there."""
@@ -436,7 +447,7 @@ def prometheus_text(native: NativeEngine) -> str:
         (
             "n_busy_slots_per_decode",
             "Average number of busy slots per llama_decode() call",
-            1.0 if t["decode_calls"] else 0.0,
+            _busy_slots_per_decode(native, t["decode_calls"]),
         ),
     ]
     lines = []
