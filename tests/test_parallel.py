@@ -581,3 +581,29 @@ def _post_with_headers(url: str, body: Any) -> tuple[tuple[int, str | None], Any
     data = resp.read()
     conn.close()
     return (resp.status, resp.getheader("retry-after")), json.loads(data)
+
+
+@pytest_twisted.ensureDeferred
+async def test_ollama_answers_take_the_slots_too(
+    parallel: Served, alone_server: Served, default_model: Path
+) -> None:
+    name = default_model.name[: -len(".gguf")].lower()  # the startup model's Ollama name
+    bodies = [
+        {
+            "model": name,
+            "prompt": f"List {n} fruits:",
+            "options": {"temperature": 0, "num_predict": 16},
+            "stream": False,
+        }
+        for n in (2, 3, 4)
+    ]
+    alone = [(await apost(alone_server.url + "/api/generate", b))[1]["response"] for b in bodies]
+    scheduler = parallel.native.bridge.scheduler
+    shared_before = scheduler.stats.shared_decodes
+    together = await DeferredList(
+        [Deferred.fromCoroutine(apost(parallel.url + "/api/generate", b)) for b in bodies],
+        consumeErrors=True,
+    )
+    got = [r[1]["response"] if ok and r[0] == 200 else repr(r) for ok, r in together]
+    assert got == alone
+    assert scheduler.stats.shared_decodes > shared_before  # they ran side by side
