@@ -59,17 +59,29 @@ def open_native(
     cache_type: str | None = None,
     cache_ram: str | None = None,
     receipt_key: SigningKey | None = None,
+    parallel: int = 1,
+    kv_unified: bool = False,
 ) -> NativeEngine:
     """Verify ``model`` against its pin (guard, then sha256), then open the engine on it, with
     the KV cache type (``f16`` when None) and the host prompt cache's bound in MiB (the default
     when None). With ``receipt_key`` (``bankml.receipts.load_key(FILE)``) every receipt is
-    signed, as ``bankml serve`` signs them; without one they are unsigned."""
+    signed, as ``bankml serve`` signs them; without one they are unsigned. ``parallel`` slots
+    (llama-server's -np; each ``n_ctx / parallel`` positions, all ``n_ctx`` with ``kv_unified``)
+    keep several conversations' prompts for reuse; the calls still run one at a time."""
     try:
         verified = verify(model, fork or model + ".FORK.json")
     except Refused as err:
         raise ApiError.of(400, f"refuse: {err.reason}") from None
+    if parallel < 1:
+        raise ApiError.of(400, f"parallel {parallel}: a number of slots, at least 1")
     engine, device_name = open_engine(
-        verified.path, n_ctx=n_ctx, device=device, cache_type=cache_type, cache_ram=cache_ram
+        verified.path,
+        n_ctx=n_ctx,
+        device=device,
+        cache_type=cache_type,
+        cache_ram=cache_ram,
+        n_slots=parallel,
+        kv_unified=kv_unified,
     )
     return NativeEngine(
         engine, None, verified, n_ctx=engine.n_ctx, device=device_name, receipt_key=receipt_key

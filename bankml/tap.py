@@ -128,6 +128,14 @@ class Options(usage.Options):
         ["keep-alive", None, "5m", "with --native: how long a model stays loaded (Go duration)"],
         ["max-loaded", None, 1, "with --native: models resident at once (1)", int],
         [
+            "max-queue",
+            None,
+            512,
+            "with --native: requests that wait for a slot before the next is answered 503 "
+            "with Retry-After (512)",
+            int,
+        ],
+        [
             "ollama-listen",
             None,
             None,

@@ -163,7 +163,7 @@ def test_every_flag_has_one_meaning_and_every_refusal_a_reason() -> None:
 @pytest.mark.parametrize(
     "args, reason",
     [
-        (["llama-server", "-np", "2"], "one slot today"),
+        (["llama-server", "-np", "0"], "invalid value for n_parallel"),
         (["llama-server", "--lora", "a.gguf"], "changes the model's computation"),
         (["llama-server", "-hf", "user/model"], "pinned in FORK.json"),
         (["llama-server", "--no-such-flag"], "not a llama-server (build 11434) flag"),

@@ -160,7 +160,7 @@ def test_a_restored_entry_answers_as_a_fresh_prefill(engine: Engine) -> None:
     _engine_chat(engine, a)
     _engine_chat(engine, b)  # A's slot goes to the host, B's KV overwrites the slot
     assert [e.tokens for e in engine.host_cache.entries] == [a_tokens]
-    engine._use_host_cache(a_tokens + [1])  # the engine's own path brings A back
+    engine._use_host_cache(engine.slots[0], a_tokens + [1])  # the engine's own path brings A back
     assert engine.slot_tokens == a_tokens and engine.cache.n_tokens == len(a_tokens)
     restored = _kv_bytes(engine.cache)
     differing = [i for i, (x, y) in enumerate(zip(restored, fresh_kv)) if x != y]

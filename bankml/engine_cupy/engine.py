@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,7 +82,10 @@ def _micro_batches(a: int, b: int) -> list[tuple[int, int]]:
 
 INT32_MAX = 2_147_483_647
 INT64_MAX = 2**63 - 1
-N_SLOTS = 1  # llama-server's n_parallel: the upper limit of n_cmpl
+# the upper limit of n_cmpl: llama-server's is n_parallel; bankml answers one completion per
+# request whatever its slots
+N_SLOTS = 1
+DEFAULT_SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity
 
 
 class RequestError(ValueError):
@@ -131,6 +134,7 @@ class Chunk:
     timings: dict[str, Any] | None = (
         None  # the run's timings so far (llama-server's timings_per_token)
     )
+    slot: int = -1  # the slot computing it
 
 
 @dataclass
@@ -143,6 +147,7 @@ class Summary:
     cancelled: bool = False
     stopping_word: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
+    slot: int = -1  # the slot the run ran in
 
 
 # --- request parsing helpers ---------------------------------------------------------------------------
@@ -500,6 +505,7 @@ class Progress:
     processed: int
     time_ms: int
     timings: dict[str, Any]
+    slot: int = -1  # the slot computing the prompt
 
     def as_json(self) -> dict[str, int]:
         return {
@@ -510,7 +516,9 @@ class Progress:
         }
 
 
-def _progress(clock: Clock, total: int, cache: int, processed: int, done: bool) -> Progress:
+def _progress(
+    clock: Clock, total: int, cache: int, processed: int, done: bool, slot: int = -1
+) -> Progress:
     """The prompt's progress now: ``done`` after a batch (its time counts as prompt time)."""
     now = time.perf_counter()
     elapsed = Clock(t_start=clock.t_start, t_prompt=now if done else 0.0)
@@ -520,25 +528,76 @@ def _progress(clock: Clock, total: int, cache: int, processed: int, done: bool) 
         processed,
         int((now - clock.t_start) * 1e3),
         elapsed.timings(cache, processed - cache, 0),
+        slot,
     )
 
 
 # --- the engine --------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Forward:
+    """A run's request for one forward pass: ``tokens`` evaluated into ``cache`` by ``model``.
+    The run is a coroutine: it yields a Forward and is sent the last row's logits back, so
+    whoever drives it decides when (and batched with what) the pass runs."""
+
+    model: Any
+    tokens: list[int]
+    cache: Any
+
+    is_forward = True  # what the serving layer recognises it by (it imports no NumPy)
+
+    @property
+    def decode(self) -> bool:
+        """One token after the prompt: a decode step (the ones a batch step can share)."""
+        return len(self.tokens) == 1
+
+    def compute(self) -> Any:
+        return self.model.forward(self.tokens, self.cache)
+
+
 class Steps:
     """An iteration over a run's chunks (and progress, when asked); ``summary`` is filled when
-    it ends."""
+    it ends. Iterating computes each forward pass inline; ``coroutine`` is the run itself, for
+    a scheduler that yields ``Forward``s and wants the logits sent back."""
 
-    def __init__(self, gen_factory: Callable[[Steps], Iterator[Chunk | Progress]]):
+    def __init__(self, gen_factory: Callable[[Steps], Generator[Any, Any, None]]):
         self.summary = Summary()
-        self._gen = gen_factory(self)
+        self.coroutine = gen_factory(self)
 
     def __iter__(self) -> Iterator[Chunk | Progress]:
-        return self._gen
+        return self
 
     def __next__(self) -> Chunk | Progress:
-        return next(self._gen)
+        item = next(self.coroutine)
+        while isinstance(item, Forward):
+            item = self.coroutine.send(item.compute())
+        return item
+
+
+@dataclass
+class Slot:
+    """One of the server's slots: its KV cache and the tokens it holds, its context
+    checkpoints (sliding-window models), the task it runs or last ran, and when it was last
+    used (llama-server's least-recently-used choice)."""
+
+    id: int
+    cache: Any
+    n_ctx: int
+    tokens: list[int] = field(default_factory=list)
+    checkpoints: Checkpoints | None = None
+    task_id: int = -1
+    processing: bool = False
+    t_last_used: int = -1
+
+
+def slot_context(n_ctx: int, n_slots: int, kv_unified: bool) -> int:
+    """llama_context's n_ctx_seq: each slot's positions. A unified cache gives each the whole
+    context; otherwise the context is divided between the slots, each part padded to 256."""
+    n_ctx = pad_cells(n_ctx)
+    if kv_unified or n_slots <= 1:
+        return n_ctx
+    return pad_cells(n_ctx // n_slots)
 
 
 def compile_kernels(
@@ -561,7 +620,9 @@ def compile_kernels(
 
 
 class Engine:
-    """One resident model with one slot (a KV cache and the tokens it holds)."""
+    """One resident model with ``n_slots`` slots (each a KV cache of ``n_ctx`` positions and the
+    tokens it holds), one host prompt cache for all of them. ``cache``, ``slot_tokens`` and
+    ``checkpoints`` are slot 0's (a one-slot engine's only slot)."""
 
     def __init__(
         self,
@@ -572,14 +633,16 @@ class Engine:
         cache_type: str | None = None,
         sampling_defaults: SamplerParams | None = None,
         cache_ram: int | str | None = None,
+        n_slots: int = 1,
+        slot_prompt_similarity: float = DEFAULT_SLOT_PROMPT_SIMILARITY,
     ):
+        if n_slots < 1:
+            raise ValueError("an engine has at least one slot")
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
         self.n_ctx = n_ctx
         self.n_vocab = int(model.n_vocab)
-        self.cache = model.new_cache(n_ctx, cache_type)
-        self.slot_tokens: list[int] = []
         self.host_cache = HostPromptCache(cache_ram_limit(cache_ram))  # MiB, as --cache-ram
         self.defaults = sampling_defaults or SamplerParams()
         self.n_predict = -1  # the server's -n: where a request's n_predict is -1 or absent
@@ -590,12 +653,19 @@ class Engine:
         self._llg: Any = None
         self._chat_delimiters: list[tuple[str, list[int]]] | None = None
         # llama-server's context checkpoints: only for sliding-window models (n_swa > 0)
-        self.checkpoints = (
-            Checkpoints(model.hp.swa_window)
-            if getattr(model, "has_sliding_window", False)
-            else None
-        )
-        self._task_id = 0
+        swa = getattr(model, "has_sliding_window", False)
+        self.slots = [
+            Slot(
+                i,
+                model.new_cache(n_ctx, cache_type),
+                n_ctx,
+                checkpoints=Checkpoints(model.hp.swa_window) if swa else None,
+            )
+            for i in range(n_slots)
+        ]
+        self.slot_prompt_similarity = float(slot_prompt_similarity)
+        self._task_id = 0  # the last task's id, counted over all slots (as llama-server's)
+        self._uses = 0  # a clock for the slots' t_last_used
         self._vocab_info = VocabInfo(self._pieces, lambda s: self.tokenize(s))
 
     @classmethod
@@ -606,15 +676,21 @@ class Engine:
         device: str = "auto",
         cache_type: str | None = None,
         cache_ram: int | str | None = None,
+        n_slots: int = 1,
+        kv_unified: bool = False,
+        slot_prompt_similarity: float = DEFAULT_SLOT_PROMPT_SIMILARITY,
     ) -> Engine:
         """Load ``path`` for ``n_ctx`` positions on ``device``, with a KV cache of ``cache_type``
         (f16 or q8_0; None: f16) and a host prompt cache of ``cache_ram`` MiB (None: the default
-        of prompt_cache.cache_ram_limit). Call it on the thread that will run the engine: on the
-        CPU that thread starts and owns the kernels' worker team (kernels.jit)."""
+        of prompt_cache.cache_ram_limit). ``n_slots`` slots share the context (each
+        ``slot_context``: all of it with ``kv_unified``). Call it on the thread that will run
+        the engine: on the CPU that thread starts and owns the kernels' worker team
+        (kernels.jit)."""
         model = Model.load(path, device=device)
         tokenizer = Tokenizer.from_gguf(model.reader)
         template = ChatTemplate.from_gguf(model.reader, tokenizer)
-        n_ctx = pad_cells(n_ctx)  # as llama_context: -c 1000 holds 1024 positions
+        # as llama_context: -c 1000 holds 1024 positions (then each slot its share)
+        n_ctx = slot_context(n_ctx, n_slots, kv_unified)
         return cls(
             model,
             tokenizer,
@@ -623,7 +699,77 @@ class Engine:
             cache_type,
             _gguf_sampling_defaults(model.reader),
             cache_ram,
+            n_slots,
+            slot_prompt_similarity,
         )
+
+    # --- slots ----------------------------------------------------------------------------------------------
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def cache(self) -> Any:
+        return self.slots[0].cache
+
+    @property
+    def slot_tokens(self) -> list[int]:
+        return self.slots[0].tokens
+
+    @slot_tokens.setter
+    def slot_tokens(self, tokens: list[int]) -> None:
+        self.slots[0].tokens = tokens
+
+    @property
+    def checkpoints(self) -> Checkpoints | None:
+        return self.slots[0].checkpoints
+
+    def free_slots(self) -> int:
+        return sum(not slot.processing for slot in self.slots)
+
+    def choose_slot(self, prompt: Sequence[int]) -> tuple[Slot, bool]:
+        """llama-server's get_available_slot among the idle slots: the one whose tokens share
+        the largest fraction of ``prompt`` (above ``slot_prompt_similarity``), else the least
+        recently used (the last of equals, as its ``<=``). Returns the slot and whether the host
+        prompt cache is to be updated for it (chosen by use, or keeping under half its tokens).
+        Raises RuntimeError when every slot is busy (the scheduler never asks then)."""
+        chosen: Slot | None = None
+        update_cache = False
+        threshold = np.float32(self.slot_prompt_similarity)
+        if threshold != 0.0 and prompt:
+            best = np.float32(0.0)
+            best_lcp = 0
+            for slot in self.slots:
+                if slot.processing or not slot.tokens:
+                    continue
+                lcp = longest_common_prefix(slot.tokens, prompt)
+                sim = np.float32(lcp) / np.float32(len(prompt))
+                if sim > best and sim > threshold:
+                    best, best_lcp, chosen = sim, lcp, slot
+            if chosen is not None:
+                update_cache = best_lcp / len(chosen.tokens) < 0.5  # f_keep
+        if chosen is None:
+            t_last = -1
+            for slot in self.slots:
+                if slot.processing:
+                    continue
+                if chosen is None or slot.t_last_used <= t_last:
+                    t_last, chosen = slot.t_last_used, slot
+            update_cache = True
+        if chosen is None:
+            raise RuntimeError("every slot is busy")
+        return chosen, update_cache
+
+    def _acquire(self, slot: Slot) -> None:
+        slot.processing = True
+        self._task_id += 1
+        slot.task_id = self._task_id
+
+    def _release(self, slot: Slot) -> None:
+        self._uses += 1
+        slot.processing = False
+        slot.t_last_used = self._uses
 
     def warm_up(self, report: Callable[[str], None] | None = None) -> Any:
         """Run each kernel a request can reach once (Model.warm_up), for this cache's type;
@@ -738,7 +884,7 @@ class Engine:
         """The role markers llama-server finds message starts by, for its context checkpoints
         (a sliding-window model only): a chat prompt's come from the template's analysis, a
         /completion body may give its own ``message_delimiters`` ([{role, delimiter}])."""
-        if self.checkpoints is None:  # not a sliding-window model
+        if self.slots[0].checkpoints is None:  # not a sliding-window model
             return []
         if kind == "chat":
             with self._lazy_lock:
@@ -869,7 +1015,7 @@ class Engine:
         return out
 
     def _check_context(self, tokens: Sequence[int]) -> None:
-        if len(tokens) >= self.n_ctx:
+        if len(tokens) >= self.n_ctx:  # each slot's context
             message = (
                 f"request ({len(tokens)} tokens) exceeds the available context size ({self.n_ctx} "
                 f"tokens), try increasing it"
@@ -899,12 +1045,16 @@ class Engine:
         cancelled: Callable[[], bool] = lambda: False,
         progress: bool = False,
     ) -> Steps:
-        """Prefill then generate; iterate for Chunks (and, with ``progress``, a ``Progress``
-        before the first batch and after each), then read ``.summary``."""
+        """Prefill then generate in a slot chosen when the run starts (``choose_slot``);
+        iterate for Chunks (and, with ``progress``, a ``Progress`` before the first batch and
+        after each), then read ``.summary``. ``.coroutine`` yields each forward pass as a
+        ``Forward`` too, for the caller to compute and send back."""
         return Steps(lambda steps: self._run(request, cancelled, steps.summary, progress))
 
     def _prefill(
         self,
+        slot: Slot,
+        update_cache: bool,
         tokens: list[int],
         cache_prompt: bool,
         cancelled: Callable[[], bool],
@@ -916,75 +1066,93 @@ class Engine:
         evaluate the rest in llama-server's batches. Yields a ``Progress`` when the prefix is
         known and after each batch, when given the run's ``clock``; returns (cache_n, last
         logits or None if cancelled)."""
-        if cache_prompt:
-            self._use_host_cache(tokens)
-        n_past = longest_common_prefix(self.slot_tokens, tokens) if cache_prompt else 0
-        self._task_id += 1
-        if self.checkpoints is not None:
-            n_past = self.checkpoints.reuse(
-                n_past, len(tokens), len(self.slot_tokens), self.cache.pos_min, self.cache.load_ring
+        if cache_prompt and update_cache:
+            self._use_host_cache(slot, tokens)
+        n_past = longest_common_prefix(slot.tokens, tokens) if cache_prompt else 0
+        cache = slot.cache
+        if slot.checkpoints is not None:
+            n_past = slot.checkpoints.reuse(
+                n_past, len(tokens), len(slot.tokens), cache.pos_min, cache.load_ring
             )
         if n_past == len(tokens):
             n_past -= 1
-        self.cache.truncate(n_past)
-        self.slot_tokens = self.slot_tokens[:n_past]
+        cache.truncate(n_past)
+        slot.tokens = slot.tokens[:n_past]
         if clock is not None:
-            yield _progress(clock, len(tokens), n_past, n_past, done=False)
+            yield _progress(clock, len(tokens), n_past, n_past, False, slot.id)
         logits = None
         start = n_past
         while start < len(tokens):
-            end = self._batch_end(start, len(tokens), spans or MessageSpans())
+            end = self._batch_end(slot, start, len(tokens), spans or MessageSpans())
             for a, b in _micro_batches(start, end):
                 if cancelled():
                     return n_past, None
                 batch = tokens[a:b]
-                logits = self.model.forward(batch, self.cache)
-                self.slot_tokens += batch
+                logits = yield Forward(self.model, batch, cache)
+                slot.tokens += batch
             start = end
             if clock is not None:
-                yield _progress(clock, len(tokens), n_past, end, done=True)
+                yield _progress(clock, len(tokens), n_past, end, True, slot.id)
         return n_past, logits
 
-    def _batch_end(self, start: int, n_prompt: int, spans: MessageSpans) -> int:
+    def _batch_end(self, slot: Slot, start: int, n_prompt: int, spans: MessageSpans) -> int:
         """Where llama-server's prompt batch from ``start`` ends; for a sliding-window model the
         checkpoint it takes before decoding that batch is recorded here."""
-        ckpts = self.checkpoints
+        ckpts = slot.checkpoints
         if ckpts is None:
             return min(start + _checkpoints.N_BATCH, n_prompt)
         end = _checkpoints.batch_end(start, n_prompt, spans, ckpts.items, ckpts.min_step)
-        pos_min = self.cache.pos_min
+        cache = slot.cache
+        pos_min = cache.pos_min
         if _checkpoints.takes_checkpoint(
             start, end, n_prompt, pos_min, spans, ckpts.items, ckpts.min_step
         ):
-            ckpts.create(
-                start, pos_min, self.cache.pos_max, self._task_id, self.cache.ring_positions()
-            )
+            ckpts.create(start, pos_min, cache.pos_max, slot.task_id, cache.ring_positions())
         return end
 
-    def _use_host_cache(self, prompt: list[int]) -> None:
-        """llama-server's --cache-ram: keep the slot's context (and its checkpoints) for later,
-        bring back a better one."""
-        if not self.host_cache.should_run(self.slot_tokens, prompt):
+    def _use_host_cache(self, slot: Slot, prompt: list[int]) -> None:
+        """llama-server's --cache-ram (one cache for all slots): keep the slot's context (and
+        its checkpoints) for later, bring back a better one."""
+        if not self.host_cache.enabled:
             return
-        held = self.checkpoints.items if self.checkpoints is not None else []
-        self.host_cache.save(self.slot_tokens, self.cache, held)
-        entry = self.host_cache.take_better(self.slot_tokens, prompt)
+        held = slot.checkpoints.items if slot.checkpoints is not None else []
+        self.host_cache.save(slot.tokens, slot.cache, held)
+        entry = self.host_cache.take_better(slot.tokens, prompt)
         if entry is not None:
-            self.cache.restore(entry.kv, len(entry.tokens))
+            slot.cache.restore(entry.kv, len(entry.tokens))
             if entry.ring is not None:
-                self.cache.load_ring(entry.ring)  # the ring as the entry held it
-            self.slot_tokens = list(entry.tokens)
-            if self.checkpoints is not None:
-                self.checkpoints.items = list(entry.checkpoints)
+                slot.cache.load_ring(entry.ring)  # the ring as the entry held it
+            slot.tokens = list(entry.tokens)
+            if slot.checkpoints is not None:
+                slot.checkpoints.items = list(entry.checkpoints)
 
     def _run(
         self, req: Request, cancelled: Callable[[], bool], summary: Summary, progress: bool = False
-    ) -> Iterator[Chunk | Progress]:
+    ) -> Generator[Chunk | Progress | Forward, Any, None]:
         clock = Clock(t_start=time.perf_counter())
         tokens = req.prompt_tokens
         summary.prompt_tokens = len(tokens)
         if not tokens:
             return
+        slot, update_cache = self.choose_slot(tokens)
+        self._acquire(slot)
+        try:
+            yield from self._generate(slot, update_cache, req, cancelled, summary, clock, progress)
+        finally:
+            self._release(slot)
+
+    def _generate(
+        self,
+        slot: Slot,
+        update_cache: bool,
+        req: Request,
+        cancelled: Callable[[], bool],
+        summary: Summary,
+        clock: Clock,
+        progress: bool,
+    ) -> Generator[Chunk | Progress | Forward, Any, None]:
+        tokens = req.prompt_tokens
+        summary.slot = slot.id
         sampler = self._new_sampler(req.sampler)
         constraint = (
             Constraint(req.constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
@@ -992,7 +1160,13 @@ class Engine:
             else None
         )
         cache_n, logits = yield from self._prefill(
-            tokens, req.cache_prompt, cancelled, req.spans, clock if progress else None
+            slot,
+            update_cache,
+            tokens,
+            req.cache_prompt,
+            cancelled,
+            req.spans,
+            clock if progress else None,
         )
         prompt_n = len(tokens) - cache_n
         summary.timings = clock.timings(cache_n, prompt_n, 0)
@@ -1037,8 +1211,9 @@ class Engine:
                 n_gen == 1,
                 token,
                 clock.timings(cache_n, prompt_n, n_gen),
+                slot.id,
             )
-            finish = self._finish(req, token, n_gen, hit_stop, eog)
+            finish = self._finish(slot, req, token, n_gen, hit_stop, eog)
             # n_indent / t_max_predict_ms come after the limits and before EOG in process_token
             if lines.stops(
                 release, piece if released is None else released, (now - clock.t_prompt) * 1e3
@@ -1047,8 +1222,8 @@ class Engine:
             if finish:
                 summary.finish_reason = finish
                 break
-            logits = self.model.forward([token], self.cache)
-            self.slot_tokens.append(token)
+            logits = yield Forward(self.model, [token], slot.cache)
+            slot.tokens.append(token)
         summary.text = release.text.decode("utf-8", "replace")
         summary.stopping_word = release.stopping_word
         summary.completion_tokens = n_gen
@@ -1060,12 +1235,12 @@ class Engine:
         return sampler.sample(logits, constraint.allows, constraint.mask)
 
     def _finish(
-        self, req: Request, token: int, n_gen: int, hit_stop: bool, eog: frozenset[int]
+        self, slot: Slot, req: Request, token: int, n_gen: int, hit_stop: bool, eog: frozenset[int]
     ) -> str | None:
         """process_token's order: stop word, context full, n_predict, then EOG."""
         finish = "stop" if hit_stop else None
         if (
-            len(self.slot_tokens) + 1 >= self.n_ctx
+            len(slot.tokens) + 1 >= slot.n_ctx
             or finish is None
             and req.n_predict != -1
             and n_gen >= req.n_predict

@@ -1,4 +1,4 @@
-"""Slot files: the engine's one slot (its tokens and KV cache) saved to and restored from disk.
+"""Slot files: one of the engine's slots (its tokens and KV cache) saved to and restored from disk.
 
 The format, little-endian::
 
@@ -16,8 +16,10 @@ A save writes ``<name>.tmp`` and renames it, so a crash never leaves half a file
 A restore checks, in this order, and names the first failure: not a slot file, damaged (sha256),
 another model, another context size, too many tokens, another layer count, another cache type,
 another cache shape, truncated, trailing data, a token outside the vocabulary. Any failure
-leaves the slot empty (as llama-server's ``prompt_clear``). No Twisted here: the bridge runs
-these on the engine thread, between runs.
+leaves the slot empty (as llama-server's ``prompt_clear``). Each function takes the slot's id
+(``engine.slots[id_slot]``; an engine without ``slots`` is its own one slot). No Twisted here:
+the bridge runs these on the engine thread, between scheduler steps (never on a slot that is
+processing: the resource refuses that first).
 """
 
 from __future__ import annotations
@@ -53,6 +55,35 @@ class SlotResult:
     ms: float
 
 
+class _OneSlot:
+    """The slot of an engine object without ``slots`` (a one-slot engine's attributes)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def cache(self) -> Any:
+        return self.engine.cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.engine.slot_tokens)
+
+    @tokens.setter
+    def tokens(self, tokens: list[int]) -> None:
+        self.engine.slot_tokens = tokens
+
+    @property
+    def checkpoints(self) -> Any:
+        return getattr(self.engine, "checkpoints", None)
+
+
+def slot_of(engine: Any, id_slot: int = 0) -> Any:
+    """The slot ``id_slot`` of ``engine`` (its cache, tokens and checkpoints)."""
+    slots = getattr(engine, "slots", None)
+    return slots[id_slot] if slots is not None else _OneSlot(engine)
+
+
 def _sha_field(sha256: str) -> bytes:
     return sha256.encode("ascii", "replace")[:64].ljust(64, b"0")
 
@@ -76,22 +107,24 @@ def _layer_bytes(cache: Any, store: Any, n: int) -> bytes:
     return blocks.tobytes()
 
 
-def save_slot(engine: Any, path: str, model_sha256: str) -> SlotResult:
-    """Write the engine's slot to ``path`` (through ``path.tmp``); the bytes written. A save that
-    fails (a full disk, say) removes its ``path.tmp`` and leaves ``path`` as it was."""
+def save_slot(engine: Any, path: str, model_sha256: str, id_slot: int = 0) -> SlotResult:
+    """Write the engine's slot ``id_slot`` to ``path`` (through ``path.tmp``); the bytes
+    written. A save that fails (a full disk, say) removes its ``path.tmp`` and leaves ``path``
+    as it was."""
     tmp = path + ".tmp"
     try:
-        return _write_slot(engine, path, tmp, model_sha256)
+        return _write_slot(slot_of(engine, id_slot), path, tmp, model_sha256)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
 
 
-def _write_slot(engine: Any, path: str, tmp: str, model_sha256: str) -> SlotResult:
+def _write_slot(slot: Any, path: str, tmp: str, model_sha256: str) -> SlotResult:
     t0 = time.perf_counter()
-    cache = engine.cache
-    n = len(engine.slot_tokens)
+    cache = slot.cache
+    tokens = list(slot.tokens)
+    n = len(tokens)
     n_layers, width, cache_type = _geometry(cache)
     h = hashlib.sha256()
     written = 0
@@ -114,7 +147,7 @@ def _write_slot(engine: Any, path: str, tmp: str, model_sha256: str) -> SlotResu
             put(U64.pack(width | (Q8_FLAG if cache_type == "q8_0" else 0)))
             put(_layer_bytes(cache, cache._k[layer], n))
             put(_layer_bytes(cache, cache._v[layer], n))
-        put(np.asarray(engine.slot_tokens[:n], dtype="<u4").tobytes())
+        put(np.asarray(tokens, dtype="<u4").tobytes())
         digest = h.digest()
         f.write(digest)
         written += len(digest)
@@ -124,28 +157,34 @@ def _write_slot(engine: Any, path: str, tmp: str, model_sha256: str) -> SlotResu
     return SlotResult(n, written, (time.perf_counter() - t0) * 1e3)
 
 
-def erase_slot(engine: Any) -> int:
-    """Empty the slot; the number of tokens it held."""
-    n = len(engine.slot_tokens)
-    engine.slot_tokens = []
-    engine.cache.truncate(0)
-    _forget_checkpoints(engine)
+def erase_slot(engine: Any, id_slot: int = 0) -> int:
+    """Empty the slot ``id_slot``; the number of tokens it held."""
+    return _erase(slot_of(engine, id_slot))
+
+
+def _erase(slot: Any) -> int:
+    n = len(slot.tokens)
+    slot.tokens = []
+    slot.cache.truncate(0)
+    _forget_checkpoints(slot)
     return n
 
 
-def _forget_checkpoints(engine: Any) -> None:
+def _forget_checkpoints(slot: Any) -> None:
     """llama-server's erase and restore clear the slot's prompt, its context checkpoints too."""
-    if getattr(engine, "checkpoints", None) is not None:
-        engine.checkpoints.clear()
+    if getattr(slot, "checkpoints", None) is not None:
+        slot.checkpoints.clear()
 
 
-def restore_slot(engine: Any, path: str, model_sha256: str) -> SlotResult:
-    """Load ``path`` into the engine's slot, or raise SlotError (the slot is then empty)."""
+def restore_slot(engine: Any, path: str, model_sha256: str, id_slot: int = 0) -> SlotResult:
+    """Load ``path`` into the engine's slot ``id_slot``, or raise SlotError (the slot is then
+    empty)."""
     t0 = time.perf_counter()
+    slot = slot_of(engine, id_slot)
     try:
-        n, size = _restore(engine, path, model_sha256)
+        n, size = _restore(slot, int(engine.n_vocab), path, model_sha256)
     except SlotError:
-        erase_slot(engine)
+        _erase(slot)
         raise
     return SlotResult(n, size, (time.perf_counter() - t0) * 1e3)
 
@@ -172,8 +211,8 @@ def _read_bounded(path: str, limit: int) -> bytes:
     return data
 
 
-def _restore(engine: Any, path: str, model_sha256: str) -> tuple[int, int]:
-    cache = engine.cache
+def _restore(slot: Any, n_vocab: int, path: str, model_sha256: str) -> tuple[int, int]:
+    cache = slot.cache
     data = _read_bounded(path, _max_file_bytes(cache))
     if not data.startswith(MAGIC):
         raise SlotError("not a bankML slot file")
@@ -219,14 +258,14 @@ def _restore(engine: Any, path: str, model_sha256: str) -> tuple[int, int]:
     pos += 4 * n
     if pos != len(body):
         raise SlotError("the slot file has trailing data")
-    if n and int(tokens.max()) >= engine.n_vocab:
+    if n and int(tokens.max()) >= n_vocab:
         raise SlotError("Invalid tokens in slot save file")
     for layer, (k, v) in enumerate(layers):
         _load_layer(cache, cache._k, layer, k, n)
         _load_layer(cache, cache._v, layer, v, n)
     cache.n_tokens = n
-    _forget_checkpoints(engine)
-    engine.slot_tokens = [int(t) for t in tokens]
+    _forget_checkpoints(slot)
+    slot.tokens = [int(t) for t in tokens]
     return n, len(data)
 
 

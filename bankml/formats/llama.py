@@ -294,7 +294,7 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
             "params": generation_settings(_Defaults, only_metrics=True),
             "n_ctx": native.n_ctx,
         },
-        "total_slots": 1,
+        "total_slots": native.n_slots,  # -np
         "model_alias": native.model_id,
         "model_ftype": native.model_ftype,
         "model_path": native.verified.path,
@@ -369,11 +369,22 @@ def template_caps(caps: Any) -> dict[str, bool]:
     return dict(sorted(out.items()))
 
 
+def _busy_slots_per_decode(native: NativeEngine, decode_calls: int) -> float:
+    """Slots per pass: with several slots the scheduler's (a decode step of k slots counts k,
+    a prefill micro-batch 1); one slot: 1.0 once anything was decoded."""
+    scheduler = getattr(native.bridge, "scheduler", None)
+    if scheduler is None:
+        return 1.0 if decode_calls else 0.0
+    stats = scheduler.stats
+    passes = stats.decode_calls + stats.prefill_batches
+    return (stats.decode_rows + stats.prefill_batches) / passes if passes else 0.0
+
+
 def prometheus_text(native: NativeEngine) -> str:
     """llama-server's --metrics exposition, from the engine's totals; reading it starts the
     throughput gauges' window again, as a scrape does there."""
     t, window = native.scrape()
-    busy = bool(native.bridge and native.bridge.busy)
+    processing = native.bridge.processing if native.bridge else 0  # runs holding a slot
 
     counters = [
         (
@@ -427,7 +438,7 @@ def prometheus_text(native: NativeEngine) -> str:
     gauges = [
         ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
         ("predicted_tokens_seconds", "Average generation throughput in tokens/s", predicted_rate),
-        ("requests_processing", "Number of requests processing", 1 if busy else 0),
+        ("requests_processing", "Number of requests processing", processing),
         (
             "requests_deferred",
             "Number of requests deferred",
@@ -436,7 +447,7 @@ def prometheus_text(native: NativeEngine) -> str:
         (
             "n_busy_slots_per_decode",
             "Average number of busy slots per llama_decode() call",
-            1.0 if t["decode_calls"] else 0.0,
+            _busy_slots_per_decode(native, t["decode_calls"]),
         ),
     ]
     lines = []

@@ -53,11 +53,13 @@ def wants_progress(request: Any) -> bool:
     return bool(options.get("return_progress") and options.get("stream"))
 
 
-def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[[Callable[[], bool]], Iterator[Step]]:
+def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[..., Iterator[Any]]:
     """The bridge's ``steps`` for a request's prompts, one after the other on the engine thread
-    (a cancelled prompt ends the run)."""
+    (a cancelled prompt ends the run). Called with ``forwards=True`` (the bridge's scheduler,
+    which ``yields_forwards`` tells), the run's forward passes come out too, as the engine's
+    ``Forward``s, and their logits are to be sent back; otherwise they are computed inline."""
 
-    def steps(cancelled: Callable[[], bool]) -> Iterator[Step]:
+    def steps(cancelled: Callable[[], bool], forwards: bool = False) -> Iterator[Any]:
         for index, request in enumerate(prompts):
             progress = wants_progress(request)
             run = (
@@ -65,16 +67,42 @@ def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[[Callable[[], bool
                 if progress
                 else engine.run_steps(request, cancelled)
             )
-            for item in run:
-                if hasattr(item, "processed"):  # the engine's Progress (engine_cupy imports NumPy)
-                    yield Step(index, progress=item)
-                else:
-                    yield Step(index, chunk=item)
+            coroutine = getattr(run, "coroutine", None) if forwards else None
+            if coroutine is None:
+                for item in run:
+                    yield _step(index, item)
+            else:
+                yield from _forwarding(index, coroutine)
             yield Step(index, summary=run.summary)
             if run.summary.cancelled:
                 return
 
+    steps.yields_forwards = True  # type: ignore[attr-defined]
     return steps
+
+
+def _forwarding(index: int, coroutine: Any) -> Iterator[Any]:
+    """A run's coroutine as Steps, its ``Forward``s handed out as they are: what is sent back
+    for one goes into the run (a plain ``next`` computes it here)."""
+    reply = None
+    while True:
+        try:
+            item = coroutine.send(reply)
+        except StopIteration:
+            return
+        reply = None
+        if getattr(item, "is_forward", False):
+            reply = yield item
+            if reply is None:
+                reply = item.compute()
+        else:
+            yield _step(index, item)
+
+
+def _step(index: int, item: Any) -> Step:
+    if hasattr(item, "processed"):  # the engine's Progress (engine_cupy imports NumPy)
+        return Step(index, progress=item)
+    return Step(index, chunk=item)
 
 
 class Answer:

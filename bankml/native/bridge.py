@@ -6,12 +6,16 @@ engine must never touch Twisted. ``EngineBridge`` joins the two:
 
 - **One engine thread.** Every engine job (a run, a tokenize, a slot save) goes into one FIFO
   queue served by a single dedicated thread, so requests that arrive while the engine is busy
-  wait in arrival order and each runs alone, as llama-server's single slot does.
+  wait in arrival order and each runs alone, as llama-server's single slot does. With several
+  slots (``n_slots`` > 1, ``--parallel``) the thread is ``scheduler.Scheduler`` instead: up to
+  ``n_slots`` runs advance a step at a time side by side, the others wait in arrival order, at
+  most ``max_queue`` of them (``stream`` refuses the next with ``Overloaded``: a 503).
 - **Chunks come back with ``reactor.callFromThread``**, in order, followed by the run's result
   (the generator's return value) on the run's Deferred.
 - **Back-pressure.** A ``RunControl`` is an ``IPushProducer`` registered on the HTTP request:
   when the client's transport is full, Twisted pauses it and the engine thread blocks before
-  producing its next chunk. At most ``window`` chunks are ever in flight between the engine
+  producing its next chunk (with several slots the scheduler skips that run instead, and the
+  others go on). At most ``window`` chunks are ever in flight between the engine
   thread and the reactor, so a slow client costs a bounded amount of memory, not a growing queue.
 - **Cancellation.** A client that goes away (``notifyFinish`` errback, or ``stopProducing``)
   sets the run's cancel flag. The engine reads it through the ``cancelled`` callable before each
@@ -40,7 +44,7 @@ from twisted.python.failure import Failure
 from twisted.python.threadable import isInIOThread
 from zope.interface import implementer
 
-__all__ = ["EngineBridge", "RunControl", "ClientGone", "Cancelled"]
+__all__ = ["EngineBridge", "RunControl", "ClientGone", "Cancelled", "Overloaded"]
 
 _log = Logger(namespace="bankml.bridge")
 
@@ -48,11 +52,24 @@ T = TypeVar("T")
 Cancelled = Callable[[], bool]
 
 DEFAULT_WINDOW = 4  # chunks computed but not yet written: bounds memory per slow client
+DEFAULT_MAX_QUEUE = 512  # runs waiting for a slot before a 503 (Ollama's OLLAMA_MAX_QUEUE)
+RETRY_AFTER_S = 1  # what an overloaded server's Retry-After asks
 WAIT_SLICE_S = 0.5  # a blocked engine thread re-checks its flags this often (a safety net only)
 
 
 class ClientGone(CancelledError):
     """The client left before its job ran: the job was skipped."""
+
+
+class Overloaded(Exception):
+    """Every slot is busy and ``max_queue`` runs already wait: the run was not queued."""
+
+    def __init__(self, max_queue: int) -> None:
+        super().__init__(
+            f"the server is busy: every slot is in use and {max_queue} requests are waiting; "
+            f"retry in {RETRY_AFTER_S} s"
+        )
+        self.max_queue = max_queue
 
 
 @implementer(IPushProducer)
@@ -76,6 +93,8 @@ class RunControl:
         self.steps = 0
         self.steps_at_cancel: int | None = None
         self.paused_count = 0  # how often the transport pushed back (for tests and docs)
+        self.skipped = 0  # scheduler steps it sat out on a full window (several slots)
+        self.on_change: Callable[[], None] | None = None  # the scheduler's wake-up
 
     # --- reactor side -----------------------------------------------------------------------
 
@@ -85,6 +104,7 @@ class RunControl:
                 self._cancelled = True
                 self.steps_at_cancel = self.steps
             self._cond.notify_all()
+        self._changed()
 
     def pauseProducing(self) -> None:
         with self._cond:
@@ -95,6 +115,12 @@ class RunControl:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+        self._changed()
+
+    def _changed(self) -> None:
+        wake = self.on_change
+        if wake is not None:
+            wake()
 
     def stopProducing(self) -> None:
         self.cancel()
@@ -104,6 +130,7 @@ class RunControl:
         with self._cond:
             self._in_flight -= 1
             self._cond.notify_all()
+        self._changed()
 
     def attach(self, request: Any) -> None:
         """Register on a twisted.web request: its transport's pauses reach the engine, and its
@@ -115,6 +142,20 @@ class RunControl:
 
     def cancelled(self) -> bool:
         return self._cancelled  # a bool read is atomic; the engine polls it per token
+
+    def has_room(self) -> bool:
+        """Whether a chunk may be sent now (the scheduler's test: it never blocks)."""
+        with self._cond:
+            return not self._paused and self._in_flight < self.window
+
+    def take_room(self) -> bool:
+        """Count one chunk in flight without waiting (the scheduler checked ``has_room`` before
+        the step); False once the run is cancelled (then nothing more is sent)."""
+        with self._cond:
+            if self._cancelled:
+                return False
+            self._in_flight += 1
+            return True
 
     def wait_for_room(self) -> bool:
         """Block while the client is paused or ``window`` chunks are in flight. True when a
@@ -206,10 +247,24 @@ class EngineBridge:
     iterator's return value (``StopIteration.value``) after the last item was delivered.
     """
 
-    def __init__(self, reactor: Any, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        window: int = DEFAULT_WINDOW,
+        n_slots: int = 1,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+    ) -> None:
+        from bankml.native.scheduler import Scheduler
+
         self.reactor = reactor
         self.window = window
-        self.engine = _Worker(reactor, "bankml-engine")
+        self.n_slots = n_slots
+        self.max_queue = max_queue
+        self.engine: Any = (
+            _Worker(reactor, "bankml-engine")
+            if n_slots == 1
+            else Scheduler(reactor, "bankml-engine", n_slots, self._resolve, self._admitted)
+        )
         self.preparer = _Worker(reactor, "bankml-prepare")
         self._shutdown_trigger: Any = reactor.addSystemEventTrigger(
             "before", "shutdown", self._on_shutdown
@@ -219,9 +274,20 @@ class EngineBridge:
 
     # --- jobs -------------------------------------------------------------------------------
 
+    @property
+    def scheduler(self) -> Any:
+        """The several-slot engine thread (None with one slot)."""
+        return None if isinstance(self.engine, _Worker) else self.engine
+
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred[T]:
         d: Deferred = Deferred()
-        self.engine.submit(_Job(lambda: fn(*args, **kwargs), d))
+        scheduler = self.scheduler
+        if scheduler is not None:
+            from bankml.native.scheduler import CallJob
+
+            scheduler.submit_call(CallJob(lambda: fn(*args, **kwargs), d))
+        else:
+            self.engine.submit(_Job(lambda: fn(*args, **kwargs), d))
         return d
 
     def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred[T]:
@@ -254,16 +320,56 @@ class EngineBridge:
     ) -> Deferred[Any]:
         control = control or self.new_control()
         d: Deferred = Deferred()
-        self.engine.submit(_Job(lambda: self._run(steps, deliver, control), d, control))
+        scheduler = self.scheduler
+        if scheduler is None:
+            self.engine.submit(_Job(lambda: self._run(steps, deliver, control), d, control))
+            return d
+        from bankml.native.scheduler import RunJob
+
+        if self.overloaded():
+            d.errback(Failure(Overloaded(self.max_queue)))
+            return d
+
+        def on_engine(item: T, run_control: RunControl) -> None:
+            if run_control.take_room():
+                self.reactor.callFromThread(self._deliver, deliver, item, run_control)
+
+        scheduler.submit_run(RunJob(_coroutine(steps), on_engine, control, d))
         return d
+
+    def overloaded(self) -> bool:
+        """Every slot busy and ``max_queue`` runs waiting: the next run would be refused."""
+        scheduler = self.scheduler
+        return scheduler is not None and (
+            scheduler.processing >= self.n_slots and scheduler.waiting_runs >= self.max_queue
+        )
 
     @property
     def busy(self) -> bool:
-        return self.engine.current is not None
+        scheduler = self.scheduler
+        return scheduler.busy if scheduler is not None else self.engine.current is not None
+
+    @property
+    def processing(self) -> int:
+        """Runs computing now (llama-server's requests_processing)."""
+        scheduler = self.scheduler
+        if scheduler is not None:
+            return int(scheduler.processing)
+        return int(self.busy)  # one slot: any job holds it, as before several slots
 
     @property
     def queued(self) -> int:
         return self.engine.pending
+
+    def _admitted(self, control: RunControl) -> None:
+        self.runs_started += 1
+        self.last_run = control
+
+    def _resolve(self, d: Deferred, outcome: Any) -> None:
+        if isinstance(outcome, Failure):
+            self.reactor.callFromThread(d.errback, outcome)
+        else:
+            self.reactor.callFromThread(d.callback, outcome)
 
     def _on_shutdown(self) -> None:
         self._shutdown_trigger = None  # firing now: nothing to remove
@@ -276,7 +382,8 @@ class EngineBridge:
         if self._shutdown_trigger is not None:
             self.reactor.removeSystemEventTrigger(self._shutdown_trigger)
             self._shutdown_trigger = None
-        current = self.engine.current
+        scheduler = self.scheduler
+        current = None if scheduler is not None else self.engine.current
         if current is not None and current.control is not None:
             current.control.cancel()
         self.preparer.stop(timeout=5 if wait else 0)
@@ -314,3 +421,15 @@ class EngineBridge:
             control.cancel()
         finally:
             control.delivered()
+
+
+def _coroutine(steps: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """``steps`` as the scheduler drives it: with its forward passes handed out where it
+    ``yields_forwards`` (prompt_steps), as a generator (``send``) whatever it returns."""
+
+    def run(cancelled: Cancelled, forwards: bool = True) -> Iterator[Any]:
+        if getattr(steps, "yields_forwards", False):
+            return (yield from steps(cancelled, forwards=forwards))
+        return (yield from steps(cancelled))
+
+    return run

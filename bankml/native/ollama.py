@@ -351,7 +351,7 @@ class OllamaHost:
         """The bridge's ``steps`` for one answer: ``Ready``, the engine's token Steps,
         ``Finished``; a refusal raises OllamaError (before the first item when it can)."""
 
-        def steps(cancelled: Callable[[], bool]) -> Iterator[Any]:
+        def steps(cancelled: Callable[[], bool], forwards: bool = False) -> Iterator[Any]:
             p = job.prepared
             load_ns = self._acquire(p.target)
             engine = self.native.engine
@@ -365,16 +365,26 @@ class OllamaHost:
             constraint = getattr(parsed, "constraint", None)
             yield Ready(load_ns, getattr(constraint, "kind", "") == "chat_schema")
             try:
-                for step in self.native.steps(prompts, keep_alive=False)(cancelled):
-                    if step.summary is None:
+                run = self.native.steps(prompts, keep_alive=False)(cancelled, forwards)
+                reply = None
+                while True:  # the scheduler's logits go on into the run (prompt_steps' forwards)
+                    try:
+                        step = run.send(reply)
+                    except StopIteration:
+                        break
+                    reply = None
+                    if getattr(step, "is_forward", False):
+                        reply = yield step
+                    elif step.summary is None:
                         yield step
-                        continue
-                    yield self._finished(engine, verified, p, parsed, step)
+                    else:
+                        yield self._finished(engine, verified, p, parsed, step)
             except ApiError as err:
                 raise _refusal(err) from None
             finally:
                 self.residency.touch(pin_of(p.target).name, p.keep_alive, self.clock())
 
+        steps.yields_forwards = True  # type: ignore[attr-defined]
         return steps
 
     def _finished(
@@ -430,13 +440,16 @@ class OllamaHost:
         return acquired.load_ns
 
     def _open_model(self, verified: Any) -> Any:
-        """Residency's loader: the verified file's engine, swapped into the NativeEngine."""
+        """Residency's loader: the verified file's engine, swapped into the NativeEngine (as
+        many slots as the server has, each of the context its slots have)."""
         engine, _device = open_engine(
             verified.path,
             n_ctx=int(self.native.n_ctx),
             device=self.options.get("device") or "auto",
             cache_type=self.options.get("cache_type"),
             cache_ram=self.options.get("cache_ram"),
+            n_slots=self.native.n_slots,
+            kv_unified=True,  # n_ctx is already each slot's
         )
         engine.warm_up(self.log)
         self.native.swap(engine, verified)

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from bankml import __version__
 from bankml.engine_cupy import backend, slots
 from bankml.engine_cupy.checkpoints import N_BATCH
-from bankml.engine_cupy.engine import Engine, RequestError, compile_kernels
+from bankml.engine_cupy.engine import (
+    DEFAULT_SLOT_PROMPT_SIMILARITY,
+    Engine,
+    RequestError,
+    compile_kernels,
+)
 from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.engine_cupy.sampler import SamplerParams
 from bankml.engine_cupy.tokenizer import read_gguf_metadata
@@ -115,7 +120,8 @@ class NativeEngine:
         # llama-server's rate buckets: what /metrics' two throughput gauges average over, since
         # the last scrape (prompt tokens and seconds, generation decode steps and seconds)
         self.window = dict.fromkeys(WINDOW_KEYS, 0.0)
-        self.slot = SlotView()  # what GET /slots shows (updated on the reactor thread)
+        # what GET /slots shows of each slot (updated on the reactor thread)
+        self.slot_views = [SlotView() for _ in range(int(getattr(engine, "n_slots", 1)))]
         self._lock = threading.Lock()
         self._tensor_totals: tuple[int | None, int | None] | None = None
         # set by the Ollama host (native/ollama.py): on the engine thread, loads the startup
@@ -126,6 +132,23 @@ class NativeEngine:
         self.used: Callable[[], None] | None = None
         # set by the Ollama host too: a /v1 chat naming a derived model gets its layer
         self.rewrite: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+
+    @property
+    def slot(self) -> SlotView:
+        """Slot 0's view (a one-slot server's only one)."""
+        return self.slot_views[0]
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.slot_views)
+
+    def view_for(self, item: Any) -> SlotView | None:
+        """The view of the slot an engine item (a Chunk, Progress or Summary) came from; with
+        one slot always slot 0's; None while the run has not reached its slot."""
+        if len(self.slot_views) == 1:
+            return self.slot_views[0]
+        slot = int(getattr(item, "slot", -1)) if item is not None else -1
+        return self.slot_views[slot] if 0 <= slot < len(self.slot_views) else None
 
     @property
     def asleep(self) -> bool:
@@ -216,28 +239,28 @@ class NativeEngine:
             raise refusal_of(err) from None
         return [pin_seed(p) for p in prompts]
 
-    def steps(
-        self, prompts: list[Any], keep_alive: bool = True
-    ) -> Callable[[Callable[[], bool]], Iterator[Step]]:
-        """The bridge's ``steps`` for parsed prompts: ``prompt_steps``, an engine refusal
-        during the run raised as ApiError. After the run the model's keep-alive starts again
-        (``used``), unless ``keep_alive`` is False (Ollama's routes apply the request's own)."""
+    def steps(self, prompts: list[Any], keep_alive: bool = True) -> Callable[..., Iterator[Step]]:
+        """The bridge's ``steps`` for parsed prompts: ``prompt_steps`` (its ``forwards`` mode
+        too), an engine refusal during the run raised as ApiError. After the run the model's
+        keep-alive starts again (``used``), unless ``keep_alive`` is False (Ollama's routes
+        apply the request's own)."""
         engine = self.engine
         run = prompt_steps(engine, prompts)
 
-        def steps(cancelled: Callable[[], bool]) -> Iterator[Step]:
+        def steps(cancelled: Callable[[], bool], forwards: bool = False) -> Iterator[Step]:
             if self.engine is not engine:  # Ollama loaded another model while this one waited
                 raise ApiError.of(
                     503, "the model was switched while this request waited; send it again"
                 )
             try:
-                yield from run(cancelled)
+                yield from run(cancelled, forwards)
             except RequestError as err:
                 raise refusal_of(err) from None
             finally:
                 if keep_alive and self.used is not None:
                     self.used()
 
+        steps.yields_forwards = True  # type: ignore[attr-defined]
         return steps
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -255,13 +278,21 @@ class NativeEngine:
     def input_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
         return _refusing(text.input_tokens_answer, self.engine, body)
 
-    def slots(self, view: SlotView) -> list[dict[str, Any]]:
-        """On the prepare thread: GET /slots for a copy of the slot's view (a chat's generation
-        prompt is the template's, rendered here)."""
-        prompt = ""
-        if view.kind == CHAT and view.parsed is not None:
-            prompt = _refusing(self._generation_prompt, view.body)
-        return slots_array(self, view, prompt)
+    def slots(self, views: Sequence[SlotView]) -> list[dict[str, Any]]:
+        """On the prepare thread: GET /slots for copies of the slots' views, one entry per slot
+        in id order (a chat's generation prompt is the template's, rendered here)."""
+        out = []
+        engine_slots = getattr(self.engine, "slots", None)
+        for id_slot, view in enumerate(views):
+            prompt = ""
+            if view.kind == CHAT and view.parsed is not None:
+                prompt = _refusing(self._generation_prompt, view.body)
+            (entry,) = slots_array(self, view, prompt)
+            entry["id"] = id_slot
+            if "n_prompt_tokens" in entry and engine_slots is not None:
+                entry["n_prompt_tokens"] = len(engine_slots[id_slot].tokens)
+            out.append(entry)
+        return out
 
     def _generation_prompt(self, body: dict[str, Any]) -> str:
         template = getattr(self.engine, "template", None)
@@ -400,12 +431,23 @@ def open_engine(
     device: str = "auto",
     cache_type: str | None = None,
     cache_ram: str | None = None,
+    n_slots: int = 1,
+    kv_unified: bool = False,
+    slot_prompt_similarity: float = DEFAULT_SLOT_PROMPT_SIMILARITY,
 ) -> tuple[Engine, str]:
     """The engine opened on a verified path, and the name of the device it computes on.
     ``cache_type`` (f16 when None) and ``cache_ram`` (the host prompt cache's bound in MiB; the
-    default when None) come from the caller, which reads the environment."""
+    default when None) come from the caller, which reads the environment; ``n_slots``,
+    ``kv_unified`` and ``slot_prompt_similarity`` are llama-server's -np, -kvu and -sps."""
     engine = Engine.open(
-        path, n_ctx=n_ctx, device=device, cache_type=cache_type, cache_ram=cache_ram
+        path,
+        n_ctx=n_ctx,
+        device=device,
+        cache_type=cache_type,
+        cache_ram=cache_ram,
+        n_slots=n_slots,
+        kv_unified=kv_unified,
+        slot_prompt_similarity=slot_prompt_similarity,
     )
     device_name = backend.device_name(engine.model.xp) if hasattr(engine.model, "xp") else "cpu"
     return engine, device_name
@@ -441,14 +483,19 @@ def open_served(
     (``ctx``, ``device``, ``cache_type``, ``slot-dir``, ``llama``: llama-server's flags), each kernel run once (compiled or loaded
     now, not on the first request), wrapped for serving."""
     ctx = options.get("ctx")
+    llama = options.get("llama") or {}
     engine, device_name = open_engine(
         verified.path,
         n_ctx=DEFAULT_CTX if ctx is None else int(ctx) or training_context(verified.path),
         device=options.get("device") or "auto",
         cache_type=options.get("cache_type"),
         cache_ram=options.get("cache_ram"),
+        n_slots=int(llama.get("n_parallel", 1)),
+        kv_unified=bool(llama.get("kv_unified", False)),
+        slot_prompt_similarity=float(
+            llama.get("slot_prompt_similarity", DEFAULT_SLOT_PROMPT_SIMILARITY)
+        ),
     )
-    llama = options.get("llama") or {}
     apply_server_defaults(engine, llama)
     engine.warm_up(report)  # ``report`` is told what compiles, and how long it took
     return NativeEngine(
@@ -484,19 +531,26 @@ def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
         engine.template = replace(engine.template, source=llama["chat_template"])
 
 
+def slot_index(id_slot: int, n_slots: int) -> int:
+    """get_slot_by_id: any id wraps onto a slot (``id % n_slots``, the id read as size_t)."""
+    return (id_slot % 2**64) % n_slots
+
+
 def slot_job(
     native: NativeEngine, action: str, filename: str, id_slot: int = 0
 ) -> tuple[int, dict[str, Any]]:
-    """On the engine thread: (status, body) of one slot action on the one slot; ``id_slot`` is
-    the id the request named (llama-server echoes it)."""
+    """On the engine thread: (status, body) of one slot action on slot ``id_slot`` (wrapped
+    onto the slots as llama-server's get_slot_by_id); the answer echoes the id the request
+    named, as llama-server's."""
     engine = native.engine
+    index = slot_index(id_slot, int(getattr(engine, "n_slots", 1)))
     if action == "erase":
-        return 200, {"id_slot": id_slot, "n_erased": slots.erase_slot(engine)}
+        return 200, {"id_slot": id_slot, "n_erased": slots.erase_slot(engine, index)}
     assert native.slot_dir is not None  # the resource refuses slot actions without a directory
     path = os.path.join(native.slot_dir, filename)
     if action == "save":
         try:
-            done = slots.save_slot(engine, path, native.verified.sha256)
+            done = slots.save_slot(engine, path, native.verified.sha256, index)
         except OSError as err:
             return 500, error_object(500, f"Unable to save slot: {err.strerror or err}")
         return 200, {
@@ -507,7 +561,7 @@ def slot_job(
             "timings": {"save_ms": round(done.ms, 3)},
         }
     try:
-        done = slots.restore_slot(engine, path, native.verified.sha256)
+        done = slots.restore_slot(engine, path, native.verified.sha256, index)
     except slots.SlotError as err:
         return 400, error_object(400, f"Unable to restore slot: {err}")
     return 200, {

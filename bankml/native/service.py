@@ -27,7 +27,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 
-from bankml.native.bridge import EngineBridge
+from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
 from bankml.native.ollama import make_host
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
@@ -313,7 +313,12 @@ def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeServi
     the header passed the guard): on a first start the hash costs no time of its own. Nothing is
     answered from that model; the service opens the engine again after the pin matched."""
     receipt_key = receipt_key_before_listening(options.get("receipt-key"))
-    bridge = EngineBridge(reactor)
+    llama = options.get("llama") or {}
+    bridge = EngineBridge(
+        reactor,
+        n_slots=int(llama.get("n_parallel", 1)),
+        max_queue=int(options.get("max-queue") or DEFAULT_MAX_QUEUE),
+    )
     compiling: list[Deferred[Any]] = []
 
     def report(line: str) -> None:

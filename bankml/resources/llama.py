@@ -139,12 +139,13 @@ class Slots(JsonResource):
         self.native = native
 
     def render_GET(self, request: Request) -> Any:
-        view = replace(self.native.slot)  # a copy: the reactor thread keeps updating the view
+        # copies: the reactor thread keeps updating the views
+        views = [replace(view) for view in self.native.slot_views]
         # ?fail_on_no_slot (any value): 503 when no slot is idle, as llama-server answers it
-        if request.args.get(b"fail_on_no_slot", [b""])[0] and view.processing:
+        if request.args.get(b"fail_on_no_slot", [b""])[0] and all(v.processing for v in views):
             write_json(request, 503, error_body(503, NO_SLOT_AVAILABLE))
             return NOT_DONE_YET
-        d = self.native.bridge.prepare(self.native.slots, view)
+        d = self.native.bridge.prepare(self.native.slots, views)
         d.addCallback(lambda out: write_json(request, 200, dumps(out)))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
@@ -167,8 +168,8 @@ class SlotAction(_Native):
         except ApiError as err:
             write_json(request, err.status, err.as_bytes())
             return NOT_DONE_YET
-        # get_slot_by_id: any id wraps onto a slot (id % n_slots, the id read as size_t), so with
-        # bankml's one slot every id is slot 0; the answer echoes the id asked for, as llama-server's
+        # get_slot_by_id: any id wraps onto a slot (resident.slot_index); the answer echoes the
+        # id asked for, as llama-server's. Queued as a call: it waits for the runs before it.
         d = self.native.bridge.call(self.native.slot_action, action, filename, id_slot)
         d.addCallback(lambda out: write_json(request, out[0], dumps(out[1])))
         d.addErrback(_write_failure(request))

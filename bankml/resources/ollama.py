@@ -25,7 +25,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.ollama_wire import OllamaError, dumps, ndjson_line
-from bankml.native.bridge import ClientGone, RunControl
+from bankml.native.bridge import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
 from bankml.serving.writers import NDJSON, EventStream, gone, write_json
 
 if TYPE_CHECKING:
@@ -215,6 +215,10 @@ class Answer(OllamaResource):
 
     def _failed(self, failure: Failure, request: Request, writer: LineWriter | None) -> None:
         if failure.check(ClientGone) or gone(request):
+            return
+        if failure.check(Overloaded):  # never queued: Ollama's answer past OLLAMA_MAX_QUEUE
+            request.setHeader(b"retry-after", str(RETRY_AFTER_S).encode())
+            write_refusal(request, OllamaError(503, str(failure.value)))
             return
         err = failure.value
         if not isinstance(err, OllamaError):

@@ -31,8 +31,8 @@ from twisted.web.server import NOT_DONE_YET, Request
 from bankml.formats.errors import ApiError, error_body
 from bankml.formats.nlohmann import dumps, loads_json
 from bankml.native.answer import ANSWERS, LLAMA_COMPLETION, Answer, Step, merged
-from bankml.native.bridge import ClientGone, RunControl
-from bankml.serving.writers import EventStream, JsonResource, gone, write_json
+from bankml.native.bridge import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
+from bankml.serving.writers import EventStream, JsonResource, gone, write_error, write_json
 
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
@@ -107,8 +107,11 @@ class AnswerResource(JsonResource):
 
     def _failed(self, failure: Failure, request: Request, writer: RunWriter | None) -> None:
         if writer is not None:
-            self.native.slot.end()
+            writer.end_view()
         if failure.check(ClientGone) or gone(request):
+            return
+        if failure.check(Overloaded):  # never queued: nothing computed, nothing lost
+            write_error(request, 503, str(failure.value), retry_after=RETRY_AFTER_S)
             return
         err = failure.value
         if isinstance(err, ApiError):
@@ -140,32 +143,42 @@ class RunWriter:
         self.cancelled = False
         self.problem: str | None = None  # the file changed during the run
         self.running = -1  # the prompt whose task the slot runs (GET /slots)
-        self._begin(0)
+        self.view: Any = None  # that slot's view (with several slots, known at the first step)
+        self._begin(0, None)
 
-    def _begin(self, index: int) -> None:
-        """Prompt ``index``'s task starts on the slot (each prompt is a task, as llama-server's)."""
-        if index > self.running:
-            self.running = index
-            answer = self.answers[index]
-            self.native.slot.begin(answer.kind, answer.request, answer.parsed)
+    def _begin(self, index: int, item: Any) -> None:
+        """Prompt ``index``'s task starts on its slot (each prompt is a task, as llama-server's)."""
+        view = self.native.view_for(item)
+        if view is None or (index <= self.running and view is self.view):
+            return
+        if self.view is not None and view is not self.view:
+            self.view.end()
+        self.running, self.view = index, view
+        answer = self.answers[index]
+        view.begin(answer.kind, answer.request, answer.parsed)
+
+    def end_view(self) -> None:
+        if self.view is not None:
+            self.view.end()
 
     def step(self, step: Step) -> None:
         answer = self.answers[step.index]
-        self._begin(step.index)
+        self._begin(step.index, step.chunk or step.progress or step.summary)
         # llama-server's begin event of a later task (none where progress events went instead)
         begins = step.index > 0 and self.stream and not answer.progress_sent
         if step.progress is not None:
             self.events.write(answer.on_progress(step.progress))
             return
         if step.summary is None:
-            self.native.slot.on_chunk(step.chunk)
+            if self.view is not None:
+                self.view.on_chunk(step.chunk)
             events: list[Any] = answer.on_chunk(step.chunk)
             if begins and answer.n_tokens == 1:
                 events = [None, *events]
             self.events.write(events)
             return
         summary = step.summary
-        self.native.slot.end()
+        self.end_view()
         if summary.cancelled or gone(self.request):
             self.cancelled = True
             return
@@ -183,7 +196,7 @@ class RunWriter:
 
     def end(self, _: Any = None) -> None:
         """The run is over (its Deferred fired): end the stream, or write the object(s)."""
-        self.native.slot.end()
+        self.end_view()
         self.events.release()
         if self.problem is not None:
             self.events.error(503, self.problem)

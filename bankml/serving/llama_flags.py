@@ -148,13 +148,13 @@ FLAGS: tuple[Flag, ...] = (
     _f("--no-op-offload", False, IGNORE, SAME_BITS),
     _f("--cont-batching -cb", False, IGNORE, SAME_BITS),
     _f("--no-cont-batching -nocb", False, IGNORE, SAME_BITS),
-    _f("--kv-unified -kvu", False, IGNORE, SAME_BITS),
-    _f("--no-kv-unified -no-kvu", False, IGNORE, SAME_BITS),
+    _f("--kv-unified -kvu", False, SERVE),
+    _f("--no-kv-unified -no-kvu", False, SERVE),
     _f("--cache-idle-slots", False, IGNORE, SAME_BITS),
     _f("--no-cache-idle-slots", False, IGNORE, SAME_BITS),
     _f("--ctx-checkpoints -ctxcp --swa-checkpoints", True, IGNORE, SAME_BITS),
     _f("--checkpoint-min-step -cms", True, IGNORE, SAME_BITS),
-    _f("--slot-prompt-similarity -sps", True, IGNORE, SAME_BITS),
+    _f("--slot-prompt-similarity -sps", True, SERVE),
     _f("--warmup", False, IGNORE, SAME_BITS),
     _f("--no-warmup", False, IGNORE, SAME_BITS),
     _f("--perf", False, IGNORE, SAME_BITS),
@@ -255,7 +255,7 @@ FLAGS: tuple[Flag, ...] = (
 BY_SPELLING: dict[str, Flag] = {s: flag for flag in FLAGS for s in flag.spellings}
 
 # bankml serve's own options that the drop-in form passes through as they are
-BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key")
+BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key", "--max-queue")
 
 # the sampling flags: bankml serve's option -> (the request field it defaults, its reader)
 SAMPLING: dict[str, tuple[str, Callable[[str], Any]]] = {
@@ -311,7 +311,9 @@ ACCESS_OPTION_NAMES = frozenset(
 )
 
 DEFAULT_PORT = 8080  # llama-server's
-PARALLEL_ONE = "bankml's native engine has one slot today: -np/--parallel takes 1 (or -1, auto)"
+AUTO_PARALLEL = 4  # llama-server's -np -1 (auto): 4 slots, with a unified KV cache
+DEFAULT_PARALLEL = 1  # bankml's default: one slot (llama-server's is auto)
+DEFAULT_SLOT_PROMPT_SIMILARITY = 0.1
 
 
 # --- the drop-in form -------------------------------------------------------------------------
@@ -389,13 +391,10 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         n_predict = _number("n-predict", options["n-predict"], int)
         if n_predict < -1:
             raise FlagError(f"--n-predict {n_predict}: -1 (no limit) or a number of tokens")
-    parallel = options.get("parallel")
-    if parallel is not None:
-        n = _number("parallel", parallel, int)
-        if n == 0:
-            raise FlagError("--parallel 0: invalid value for n_parallel")
-        if n not in (1, -1):
-            raise FlagError(f"--parallel {n}: {PARALLEL_ONE}")
+    n_parallel, kv_unified = _parallel(options)
+    similarity = DEFAULT_SLOT_PROMPT_SIMILARITY
+    if options.get("slot-prompt-similarity") is not None:
+        similarity = _number("slot-prompt-similarity", options["slot-prompt-similarity"], float)
     aliases = sorted(
         {a.strip() for a in (options.get("alias") or "").split(",") if a.strip()}
     )  # llama-server keeps them in a std::set: the first in order names the model
@@ -408,7 +407,24 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "cache_type": _cache_type(options),
         "metrics": bool(options.get("metrics")),
         "slots_endpoint": not options.get("no-slots"),
+        "n_parallel": n_parallel,
+        "kv_unified": kv_unified,
+        "slot_prompt_similarity": similarity,
     }
+
+
+def _parallel(options: Mapping[str, Any]) -> tuple[int, bool]:
+    """(slots, unified KV cache) as llama-server reads -np and -kvu: 0 is refused, a negative
+    count (-1, auto) is 4 slots with a unified cache (whatever -no-kvu says, as there); any
+    other count has a unified cache only with -kvu."""
+    n = DEFAULT_PARALLEL
+    if options.get("parallel") is not None:
+        n = _number("parallel", options["parallel"], int)
+        if n == 0:
+            raise FlagError("--parallel 0: invalid value for n_parallel")
+    if n < 0:
+        return AUTO_PARALLEL, True
+    return n, bool(options.get("kv-unified"))
 
 
 def access_settings(options: Mapping[str, Any]) -> dict[str, Any]:

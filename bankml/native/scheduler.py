@@ -1,0 +1,318 @@
+"""Several slots on the one engine thread: llama-server's ``update_slots`` loop.
+
+``Scheduler`` replaces the bridge's one-run-at-a-time worker when the server has more than one
+slot (``--parallel N``). It serves the same queue of jobs, in arrival order:
+
+- **Runs** are admitted while a slot is free (at most ``n_slots`` active); the rest wait in
+  arrival order, at most ``max_queue`` of them (``EngineBridge.stream`` refuses past that).
+- **Each iteration advances every active run by one step**: the run (a generator from
+  ``prompt_steps(..., forwards=True)``) is resumed until it asks for its next forward pass (an
+  engine ``Forward``: one decode token, or one prefill micro-batch); the items it made on the
+  way (chunks, progress) go to the reactor. Then the iteration's forward passes are computed:
+  the decode steps of every slot in one ``decode_rows`` call (``Model.decode_batch`` where the
+  model has it), each prefill micro-batch on its own; each run is sent its logits at its next
+  step. New runs join at the next iteration; finished or cancelled ones leave at once.
+- **Back-pressure per slot**: a run whose client window is full (``RunControl.has_room``) is
+  skipped, its logits kept, until the client has room; the others go on. A cancelled run is
+  advanced whatever its window, and the engine stops it before its next token.
+- **Other jobs** (``EngineBridge.call``: slot actions, model loads, the Python API's runs) keep
+  their place in the queue: one runs when every run that came before it has finished, and the
+  runs after it wait for it, so it never sees a slot half-way through a step.
+
+Every request computes exactly what it would alone: each run has its own slot (KV cache,
+tokens, checkpoints) and its own sampler; the forward passes of one iteration touch disjoint
+caches, and a batched decode row is the same bits as that slot's own forward pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.python.failure import Failure
+
+__all__ = ["Scheduler", "RunJob", "decode_rows"]
+
+WAIT_SLICE_S = 0.5  # an idle or fully paused loop re-checks its runs this often (a safety net)
+
+
+def decode_rows(forwards: Sequence[Any]) -> list[Any]:
+    """The logits of one decode step of each slot: one ``decode_batch`` call over the slots'
+    caches where the model has it (each row the bits of that slot's own forward pass), else
+    each forward pass in turn."""
+    if len(forwards) > 1:
+        batch = getattr(forwards[0].model, "decode_batch", None)
+        if batch is not None and all(f.model is forwards[0].model for f in forwards):
+            rows = batch([f.tokens[0] for f in forwards], [f.cache for f in forwards])
+            # each row its own array: a paused run keeps its logits past the next batch
+            return [rows[i].copy() for i in range(len(forwards))]
+    return [f.compute() for f in forwards]
+
+
+@dataclass
+class RunJob:
+    """A run waiting for (or holding) a slot: its steps, where its items go, its flags."""
+
+    steps: Callable[..., Iterator[Any]]
+    deliver: Callable[[Any, Any], None]  # (item, control), called on the engine thread
+    control: Any
+    deferred: Any
+    iterator: Any = None
+    reply: Any = None  # the logits of its last Forward, sent at its next step
+    forward: Any = None  # the pass it asked for this iteration
+
+
+@dataclass
+class CallJob:
+    work: Callable[[], Any]
+    deferred: Any
+
+
+@dataclass
+class SchedulerStats:
+    """What the loop did, for /metrics, tests and docs."""
+
+    iterations: int = 0
+    decode_calls: int = 0  # decode_rows calls
+    decode_rows: int = 0  # slots decoded in them
+    shared_decodes: int = 0  # of those calls, the ones with several slots' steps
+    prefill_batches: int = 0
+    skipped: int = 0  # run-steps sat out on a full window
+    max_active: int = 0
+    runs: list[Any] = field(default_factory=list)  # the last runs' controls (a ring)
+
+
+class Scheduler:
+    """The engine thread of a server with several slots (see the module doc). The same
+    surface as the bridge's one-run worker: ``start``, ``submit_run``/``submit_call``,
+    ``stop``, ``thread``, ``pending``, ``busy``."""
+
+    KEEP_RUNS = 64
+
+    def __init__(
+        self,
+        reactor: Any,
+        name: str,
+        n_slots: int,
+        resolve: Callable[[Any, Any], None],
+        on_run: Callable[[Any], None] | None = None,
+    ) -> None:
+        if n_slots < 1:
+            raise ValueError("a scheduler has at least one slot")
+        self.reactor = reactor
+        self.name = name
+        self.n_slots = n_slots
+        self._resolve = resolve  # (deferred, outcome) -> fired on the reactor thread
+        self._on_run = on_run  # told of each run as it is admitted (the bridge's counters)
+        self._cond = threading.Condition()
+        self._queue: deque[Any] = deque()
+        self._active: list[RunJob] = []
+        self._stopping = False
+        self._calling = False
+        self.thread: threading.Thread | None = None
+        self.stats = SchedulerStats()
+
+    # --- any thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.thread is None:
+            self._stopping = False
+            self.thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+            self.thread.start()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def submit_run(self, job: RunJob) -> None:
+        self.start()
+        job.control.on_change = self.wake
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def submit_call(self, job: CallJob) -> None:
+        self.start()
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Jobs waiting for their turn (runs waiting for a slot, and calls)."""
+        with self._cond:
+            return len(self._queue)
+
+    @property
+    def waiting_runs(self) -> int:
+        with self._cond:
+            return sum(isinstance(j, RunJob) and not j.control.cancelled() for j in self._queue)
+
+    @property
+    def processing(self) -> int:
+        """Runs holding a slot now (llama-server's requests_processing)."""
+        return len(self._active)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._active) or self._calling
+
+    def active_controls(self) -> list[Any]:
+        return [run.control for run in list(self._active)]
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel the active runs, let them end, and end the thread."""
+        thread = self.thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            for run in self._active:
+                run.control.cancel()
+            self._cond.notify_all()
+        thread.join(timeout)
+        self.thread = None
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            call = None
+            with self._cond:
+                self._admit()
+                if not self._active:
+                    if self._queue and isinstance(self._queue[0], CallJob):
+                        call = self._queue.popleft()
+                        self._calling = True
+                    elif self._stopping:
+                        self._fail_queued()
+                        return
+                    else:
+                        self._cond.wait(WAIT_SLICE_S)
+                        continue
+            if call is not None:
+                self._call(call)
+                continue
+            if not self._iterate():
+                with self._cond:  # every active run is paused: wait for room (or anything)
+                    self._cond.wait(WAIT_SLICE_S)
+
+    def _admit(self) -> None:
+        """Runs at the head of the queue take the free slots (a call at the head waits for the
+        active runs to end; the runs behind it wait for it)."""
+        while self._queue and isinstance(self._queue[0], RunJob):
+            job = self._queue[0]
+            if job.control.cancelled():
+                self._queue.popleft()
+                from bankml.native.bridge import ClientGone
+
+                self._resolve(job.deferred, Failure(ClientGone("the client left before its turn")))
+                continue
+            if len(self._active) >= self.n_slots or self._stopping:
+                return
+            self._queue.popleft()
+            self._active.append(job)
+            self.stats.max_active = max(self.stats.max_active, len(self._active))
+            self.stats.runs.append(job.control)
+            del self.stats.runs[: -self.KEEP_RUNS]
+            if self._on_run is not None:
+                self._on_run(job.control)
+
+    def _fail_queued(self) -> None:
+        from bankml.native.bridge import ClientGone
+
+        while self._queue:
+            job = self._queue.popleft()
+            self._resolve(job.deferred, Failure(ClientGone("the server is stopping")))
+
+    def _call(self, call: CallJob) -> None:
+        try:
+            outcome: Any = call.work()
+        except BaseException:  # the job's own error goes to its Deferred, never kills the thread
+            outcome = Failure()
+        finally:
+            with self._cond:
+                self._calling = False
+        self._resolve(call.deferred, outcome)
+
+    def _iterate(self) -> bool:
+        """One step of every active run that may go on, then the iteration's forward passes.
+        False when none could go on (every client's window full)."""
+        self.stats.iterations += 1
+        moved = False
+        for run in list(self._active):
+            control = run.control
+            if not control.cancelled() and not control.has_room():
+                control.skipped += 1
+                self.stats.skipped += 1
+                continue
+            moved = True
+            self._advance(run)
+        self._compute([run for run in self._active if run.forward is not None])
+        return moved
+
+    def _advance(self, run: RunJob) -> None:
+        """Resume the run until it asks for a forward pass, its window is full, or it ends."""
+        control = run.control
+        try:
+            if run.iterator is None:
+                run.iterator = run.steps(control.cancelled, forwards=True)
+            while True:
+                reply, run.reply = run.reply, None
+                item = run.iterator.send(reply)
+                if getattr(item, "is_forward", False):
+                    run.forward = item
+                    return
+                control.steps += 1
+                run.deliver(item, control)
+                if not control.cancelled() and not control.has_room():
+                    return
+        except StopIteration as end:
+            self._leave(run, end.value)
+        except BaseException:  # its own error ends only this run
+            self._leave(run, Failure())
+
+    def _leave(self, run: RunJob, outcome: Any) -> None:
+        with self._cond:
+            if run in self._active:
+                self._active.remove(run)
+        self._resolve(run.deferred, outcome)
+
+    def _compute(self, runs: list[RunJob]) -> None:
+        decodes = [run for run in runs if run.forward.decode]
+        if decodes:
+            try:
+                rows = decode_rows([run.forward for run in decodes])
+            except BaseException:
+                failure = Failure()
+                for run in decodes:
+                    run.forward = None
+                    self._close(run, failure)
+                decodes = []
+            else:
+                self.stats.decode_calls += 1
+                self.stats.decode_rows += len(decodes)
+                self.stats.shared_decodes += int(len(decodes) > 1)
+                for run, row in zip(decodes, rows):
+                    run.reply, run.forward = row, None
+        for run in runs:
+            if run.forward is None:
+                continue
+            forward, run.forward = run.forward, None
+            try:
+                run.reply = forward.compute()
+                self.stats.prefill_batches += 1
+            except BaseException:
+                self._close(run, Failure())
+
+    def _close(self, run: RunJob, failure: Failure) -> None:
+        """A forward pass failed: the run's generator is closed (its slot released) and its
+        Deferred fails."""
+        try:
+            run.iterator.close()
+        except BaseException:  # closing must not hide the pass's own error
+            pass
+        self._leave(run, failure)
