@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,13 +53,13 @@ def wants_progress(request: Any) -> bool:
     return bool(options.get("return_progress") and options.get("stream"))
 
 
-def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[..., Iterator[Any]]:
+def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[..., Generator[Any, Any, None]]:
     """The bridge's ``steps`` for a request's prompts, one after the other on the engine thread
     (a cancelled prompt ends the run). Called with ``forwards=True`` (the bridge's scheduler,
     which ``yields_forwards`` tells), the run's forward passes come out too, as the engine's
     ``Forward``s, and their logits are to be sent back; otherwise they are computed inline."""
 
-    def steps(cancelled: Callable[[], bool], forwards: bool = False) -> Iterator[Any]:
+    def steps(cancelled: Callable[[], bool], forwards: bool = False) -> Generator[Any, Any, None]:
         for index, request in enumerate(prompts):
             progress = wants_progress(request)
             run = (

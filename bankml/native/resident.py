@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,7 +35,7 @@ from bankml.engine_cupy.tokenizer import read_gguf_metadata
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.formats.llama import slots_array
 from bankml.native import text
-from bankml.native.answer import CHAT, ENGINE_KIND, Step, prompt_steps
+from bankml.native.answer import CHAT, ENGINE_KIND, prompt_steps
 from bankml.native.slot_view import SlotView
 from bankml.receipt import Tally
 from bankml.receipts.keys import SigningKey
@@ -239,7 +239,9 @@ class NativeEngine:
             raise refusal_of(err) from None
         return [pin_seed(p) for p in prompts]
 
-    def steps(self, prompts: list[Any], keep_alive: bool = True) -> Callable[..., Iterator[Step]]:
+    def steps(
+        self, prompts: list[Any], keep_alive: bool = True
+    ) -> Callable[..., Generator[Any, Any, None]]:
         """The bridge's ``steps`` for parsed prompts: ``prompt_steps`` (its ``forwards`` mode
         too), an engine refusal during the run raised as ApiError. After the run the model's
         keep-alive starts again (``used``), unless ``keep_alive`` is False (Ollama's routes
@@ -247,7 +249,9 @@ class NativeEngine:
         engine = self.engine
         run = prompt_steps(engine, prompts)
 
-        def steps(cancelled: Callable[[], bool], forwards: bool = False) -> Iterator[Step]:
+        def steps(
+            cancelled: Callable[[], bool], forwards: bool = False
+        ) -> Generator[Any, Any, None]:
             if self.engine is not engine:  # Ollama loaded another model while this one waited
                 raise ApiError.of(
                     503, "the model was switched while this request waited; send it again"
