@@ -170,3 +170,32 @@ def test_draws_start_from_shared_read_only_vocabulary_arrays() -> None:
     a, b = S.Candidates.from_logits(logits), S.Candidates.from_logits(logits)
     assert a.ids is b.ids and not a.ids.flags.writeable and not a.p.flags.writeable
     assert a.logits is not logits and a.logits is not b.logits  # the logits are the draw's own
+
+
+def token_logprobs_dividing_all(logits: np.ndarray, n_probs: int, token: int) -> S.TokenProbs:
+    """token_logprobs as it was: every probability of the vocabulary divided, then picked."""
+    logits = np.asarray(logits, dtype=np.float32)
+    n = min(max(n_probs, 0), len(logits))
+    order = S._top_k_order_numpy(logits, n) if n else np.zeros(0, dtype=np.int64)
+    max_l = logits[order[0]] if n else logits.max()
+    p = S._expf(logits - max_l)
+    rest = np.ones(len(logits), dtype=bool)
+    rest[order] = False
+    total = S._fsum(np.concatenate([p[order], p[rest]]))
+    probs = (p / total).astype(np.float32)
+    return S.TokenProbs([(int(i), float(probs[i])) for i in order], float(probs[token]))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_logprobs_equal_the_whole_vocabulary_division() -> None:
+    rng = np.random.default_rng(7)
+    for case in range(150):
+        logits = odd_logits(rng, N_VOCAB) if case % 3 == 0 else tied_logits(rng, N_VOCAB)
+        if np.isnan(logits).any():  # not a model's output: neither path takes it
+            continue
+        token = int(rng.integers(0, N_VOCAB))
+        for n in (0, 1, 5, 20):
+            got = S.token_logprobs(logits, n, token)
+            want = token_logprobs_dividing_all(logits, n, token)
+            assert entries(got.top) == entries(want.top), (case, n)
+            assert bits(got.p_token) == bits(want.p_token), (case, n)

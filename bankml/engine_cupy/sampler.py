@@ -1096,8 +1096,9 @@ def token_logprobs(logits: np.ndarray, n_probs: int, token: int) -> TokenProbs:
     rest = np.ones(len(logits), dtype=bool)
     rest[order] = False
     total = _fsum(np.concatenate([p[order], p[rest]]))
-    probs = (p / total).astype(F32)
-    return TokenProbs([(int(i), float(probs[i])) for i in order], float(probs[token]))
+    # only the reported probabilities are divided (each division is the same float32 one)
+    probs = (p[np.append(order, token)] / total).astype(F32)
+    return TokenProbs([(int(i), float(q)) for i, q in zip(order, probs[:-1])], float(probs[-1]))
 
 
 def post_sampling_probs(c: Candidates, n_probs: int, token: int) -> TokenProbs:
