@@ -199,3 +199,11 @@ def test_logprobs_equal_the_whole_vocabulary_division() -> None:
             want = token_logprobs_dividing_all(logits, n, token)
             assert entries(got.top) == entries(want.top), (case, n)
             assert bits(got.p_token) == bits(want.p_token), (case, n)
+
+
+def test_warm_up_compiles_the_kernel_for_writable_and_read_only_logits() -> None:
+    S.warm_up()
+    assert len(sampler_kernels.top_k_stable.signatures) >= 2
+    frozen = np.arange(300, dtype=np.float32)
+    frozen.flags.writeable = False
+    assert S.top_k_order(frozen, 3).tolist() == [299, 298, 297]

@@ -525,6 +525,15 @@ def _kernels() -> Any:
     return _sampler_kernels
 
 
+def warm_up() -> None:
+    """Compile (or load from Numba's cache) the sampler's top-k kernel for the logits it is given,
+    writable and read-only, so that the first draw does not (a few seconds on a fresh machine)."""
+    logits = np.zeros(8, dtype=F32)
+    _kernels().top_k_stable(logits, 2)
+    logits.flags.writeable = False
+    _kernels().top_k_stable(logits, 2)
+
+
 @functools.cache
 def _vocabulary_arrays(n: int) -> tuple[np.ndarray, np.ndarray]:
     """The ids 0..n-1 and n zero probabilities every draw starts from, made once per size and
