@@ -2,7 +2,8 @@
 """`bankml serve --native` against llama-server, same model and threads, through /v1/chat/completions.
 
     bench/serve.py [--llama-server BIN] [--model FILE] [--fork FORK.json] [--rounds 3]
-                   [--max-tokens 32] [--long-tokens 400]
+                   [--max-tokens 32] [--long-tokens 400] [--decode-pairs 5] [--decode-tokens 128]
+                   [--sign-answers 20] [--replay-tokens 128]
 
 Starts llama-server (tests/support.py's LlamaServer: ``-t 2 -c 2048 -np 1``) and
 ``bankml serve FILE --fork FORK --native`` (tests/bankml_process.py, ``--ctx 2048``; the engine's
@@ -16,6 +17,11 @@ every request streamed (SSE), greedy:
 - second turn of a conversation, prompt cache on: turn 1 (the long prompt, new per round so no
   earlier round's cache helps) is answered, then turn 2 = turn 1's messages + the assistant answer
   + a new user message; its time to first token is the figure (and ``cache_n`` when reported).
+
+First, served single-stream decode: --decode-pairs pairs of greedy --decode-tokens-token answers
+(``ignore_eos``, ``cache_prompt: false``), one from each server back to back, the first server
+alternating; the figure is the median of the pairs' ratios (target: at least 1.1). ``--rounds 0``,
+``--sign-answers 0`` and ``--replay-tokens 0`` leave out the other parts.
 
 Then the signed receipts' costs, on bankml alone (its key in the run's temporary directory):
 
@@ -160,6 +166,65 @@ def second_turn(port: int, content: str, max_tokens: int) -> tuple[Streamed, Str
         {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": True},
     )
     return turn1, turn2
+
+
+DECODE_PROMPT = "Write a long story about a dragon who learns to read."
+
+
+def decode_pairs(ports: dict[str, int], pairs: int, tokens: int) -> list[dict[str, float]]:
+    """Served single-stream decode: ``pairs`` times, one greedy ``tokens``-token answer
+    (``ignore_eos``, ``cache_prompt: false``) from each server back to back, the server that goes
+    first alternating; each pair's ratio bankml / llama-server is taken from answers that ran
+    seconds apart, so a load that changes between pairs moves both alike."""
+    body = {
+        "messages": [{"role": "user", "content": DECODE_PROMPT}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+    out = []
+    for i in range(pairs):
+        names = list(ports) if i % 2 == 0 else list(reversed(ports))
+        rates = {name: stream_chat(ports[name], body).decode_tps for name in names}
+        pair = {f"{name}_tps": float(rate or 0.0) for name, rate in rates.items()}
+        pair["ratio"] = pair["bankml_tps"] / pair["llama_server_tps"]
+        progress(
+            f"decode pair {i + 1}: bankml {pair['bankml_tps']:.1f}, "
+            f"llama-server {pair['llama_server_tps']:.1f} tok/s, ratio {pair['ratio']:.3f}"
+        )
+        out.append(pair)
+    return out
+
+
+def decode_figures(pairs: list[dict[str, float]], tokens: int) -> dict[str, Any]:
+    if not pairs:
+        return {}
+    return {
+        "decode_tokens": tokens,
+        "decode_pairs": len(pairs),
+        "decode_tps_bankml": round(statistics.median(p["bankml_tps"] for p in pairs), 2),
+        "decode_tps_llama_server": round(
+            statistics.median(p["llama_server_tps"] for p in pairs), 2
+        ),
+        "decode_ratio_median": round(statistics.median(p["ratio"] for p in pairs), 3),
+        "decode_ratios": [round(p["ratio"], 3) for p in pairs],
+    }
+
+
+def print_decode(figures: dict[str, Any]) -> None:
+    if "decode_ratio_median" not in figures:
+        return
+    ratio = figures["decode_ratio_median"]
+    print(
+        f"served decode, {figures['decode_pairs']} alternated pairs of "
+        f"{figures['decode_tokens']}-token answers: bankml {figures['decode_tps_bankml']} tok/s, "
+        f"llama-server {figures['decode_tps_llama_server']} tok/s (medians); ratio per pair "
+        f"{figures['decode_ratios']}, median {ratio}"
+    )
+    print(
+        f"target: served decode at least 1.1x llama-server's: {'met' if ratio >= 1.1 else 'MISSED'}"
+    )
 
 
 def progress(text: str) -> None:
@@ -366,17 +431,23 @@ def replay_cost(port: int, model: Path, fork: Path, tokens: int) -> dict[str, An
 
 
 def print_receipts(figures: dict[str, Any]) -> None:
+    if "sign_share_pct_max" in figures:
+        print_signing(figures)
+    if "replay_s" in figures:
+        print(
+            f"replay of a {figures['replay_tokens']}-token answer: {figures['replay_s']} s against "
+            f"{figures['replay_generation_s']} s generated, ratio {figures['replay_ratio']} "
+            f"(engine opened in {figures['replay_open_s']} s, apart); {figures['replay_verdict']}"
+        )
+
+
+def print_signing(figures: dict[str, Any]) -> None:
     share = figures["sign_share_pct_max"]
     print(
         f"signing a receipt: median {figures['sign_us_median']} us, max {figures['sign_us_max']} us "
         f"over {figures['sign_answers']} answers; share of the answer's wall time median "
         f"{figures['sign_share_pct_median']} %, max {share} % "
         f"(target < 1 %: {'met' if share < 1 else 'MISSED'})"
-    )
-    print(
-        f"replay of a {figures['replay_tokens']}-token answer: {figures['replay_s']} s against "
-        f"{figures['replay_generation_s']} s generated, ratio {figures['replay_ratio']} "
-        f"(engine opened in {figures['replay_open_s']} s, apart); {figures['replay_verdict']}"
     )
 
 
@@ -392,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tokens", type=int, default=400)
     parser.add_argument("--sign-answers", type=int, default=20)
     parser.add_argument("--replay-tokens", type=int, default=128)
+    parser.add_argument("--decode-pairs", type=int, default=5)
+    parser.add_argument("--decode-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     signal.signal(
         signal.SIGTERM, lambda *_: sys.exit(143)
@@ -413,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             long_text = long_prompt(server.port, args.long_tokens)
             for port in ports.values():  # warm both once (first-request costs are not the measure)
                 first_turn(port, "Hi.", 4)
+            pairs = decode_pairs(ports, args.decode_pairs, args.decode_tokens)
             rounds = [one_round(ports, r, long_text, args.max_tokens) for r in range(args.rounds)]
             prompt_tokens = {
                 "short": count_tokens(server.port, SHORT),
@@ -420,12 +494,19 @@ def main(argv: list[str] | None = None) -> int:
             }
             from bankml.receipts.keys import load_key
 
-            progress("receipts: signing cost, then a replay")
-            receipts = signing_cost(
-                bankml.port, load_key(key_path), args.sign_answers, args.max_tokens
-            )
-            receipts.update(replay_cost(bankml.port, model, fork, args.replay_tokens))
-    figures = summarize(rounds)
+            receipts: dict[str, Any] = {}
+            if args.sign_answers > 0:
+                progress("receipts: signing cost")
+                receipts.update(
+                    signing_cost(
+                        bankml.port, load_key(key_path), args.sign_answers, args.max_tokens
+                    )
+                )
+            if args.replay_tokens > 0:
+                progress("receipts: a replay")
+                receipts.update(replay_cost(bankml.port, model, fork, args.replay_tokens))
+    figures = summarize(rounds) if rounds else {}
+    figures.update(decode_figures(pairs, args.decode_tokens))
     figures.update(receipts)
     figures.update(
         model=model.name,
@@ -435,8 +516,11 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens_short=prompt_tokens["short"],
         prompt_tokens_long=prompt_tokens["long"],
     )
-    print_table(figures)
-    print_receipts(figures)
+    if rounds:
+        print_table(figures)
+    print_decode(figures)
+    if receipts:
+        print_receipts(figures)
     print(json.dumps(figures))
     return 0
 

@@ -14,6 +14,7 @@ Sorting is stable (ties keep vocabulary order) where libstdc++'s ``partial_sort`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -488,7 +489,18 @@ def _logf(x: np.ndarray | float) -> Any:
 
 
 def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest logits, descending, ties in index order (a stable partial sort)."""
+    """Indices of the k largest logits, descending, ties in index order (a stable partial sort).
+
+    Up to ``sampler_kernels.MAX_K`` in one compiled pass over the logits; with a NaN among them,
+    or a larger k, by NumPy's partition and stable sort (the same order where both apply)."""
+    if 0 < k <= _kernels().MAX_K:
+        order, ok = _kernels().top_k_stable(np.ascontiguousarray(logits, dtype=F32), k)
+        if ok:
+            return order
+    return _top_k_order_numpy(logits, k)
+
+
+def _top_k_order_numpy(logits: np.ndarray, k: int) -> np.ndarray:
     n = len(logits)
     if k >= n or n <= 256:
         return np.argsort(-logits, kind="stable")[:k]
@@ -498,6 +510,39 @@ def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
     chosen = np.concatenate([above, ties])
     chosen.sort()
     return chosen[np.argsort(-logits[chosen], kind="stable")]
+
+
+_sampler_kernels: Any = None
+
+
+def _kernels() -> Any:
+    """sampler_kernels, imported on the first draw (it loads Numba; parsing a request must not)."""
+    global _sampler_kernels
+    if _sampler_kernels is None:
+        from bankml.engine_cupy import sampler_kernels
+
+        _sampler_kernels = sampler_kernels
+    return _sampler_kernels
+
+
+def warm_up() -> None:
+    """Compile (or load from Numba's cache) the sampler's top-k kernel for the logits it is given,
+    writable and read-only, so that the first draw does not (a few seconds on a fresh machine)."""
+    logits = np.zeros(8, dtype=F32)
+    _kernels().top_k_stable(logits, 2)
+    logits.flags.writeable = False
+    _kernels().top_k_stable(logits, 2)
+
+
+@functools.cache
+def _vocabulary_arrays(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids 0..n-1 and n zero probabilities every draw starts from, made once per size and
+    read-only (the stages replace a candidate array, never write into one)."""
+    ids = np.arange(n, dtype=np.int32)
+    p = np.zeros(n, dtype=F32)
+    ids.flags.writeable = False
+    p.flags.writeable = False
+    return ids, p
 
 
 def _fsum(x: np.ndarray) -> F32:
@@ -517,10 +562,8 @@ class Candidates:
 
     @classmethod
     def from_logits(cls, logits: np.ndarray) -> Candidates:
-        n = len(logits)
-        return cls(
-            np.arange(n, dtype=np.int32), np.array(logits, dtype=F32), np.zeros(n, dtype=F32)
-        )
+        ids, p = _vocabulary_arrays(len(logits))
+        return cls(ids, np.array(logits, dtype=F32), p)
 
     @property
     def size(self) -> int:
@@ -1062,8 +1105,9 @@ def token_logprobs(logits: np.ndarray, n_probs: int, token: int) -> TokenProbs:
     rest = np.ones(len(logits), dtype=bool)
     rest[order] = False
     total = _fsum(np.concatenate([p[order], p[rest]]))
-    probs = (p / total).astype(F32)
-    return TokenProbs([(int(i), float(probs[i])) for i in order], float(probs[token]))
+    # only the reported probabilities are divided (each division is the same float32 one)
+    probs = (p[np.append(order, token)] / total).astype(F32)
+    return TokenProbs([(int(i), float(q)) for i, q in zip(order, probs[:-1])], float(probs[-1]))
 
 
 def post_sampling_probs(c: Candidates, n_probs: int, token: int) -> TokenProbs:

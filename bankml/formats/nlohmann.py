@@ -19,15 +19,18 @@ from typing import Any
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 
 
+# json.dumps with these options builds an encoder per call; one kept encoder writes the same
+# text (a streamed answer dumps an event per token)
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def dumps(obj: Any) -> bytes:
     """JSON as llama-server (nlohmann) writes it: compact, UTF-8 kept as it is, and a NaN or
     infinity written as null (never Python's NaN/Infinity, which are not JSON)."""
     try:
-        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text = _ENCODER.encode(obj)
     except ValueError:  # rare: a non-finite float somewhere; walk the object only then
-        text = json.dumps(
-            finite_or_null(obj), ensure_ascii=False, separators=(",", ":"), allow_nan=False
-        )
+        text = _ENCODER.encode(finite_or_null(obj))
     return text.encode("utf-8", "surrogatepass")
 
 
