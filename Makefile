@@ -59,6 +59,7 @@ bench: venv model
 	$(BIN)/python bench/gateway.py --llama-server "$$(scripts/build-llama-server.sh)" --model $(MODEL)
 	$(BIN)/python bench/engine.py --llama-server "$$(scripts/build-llama-server.sh)" --model $(MODEL)
 	$(BIN)/python bench/serve.py --llama-server "$$(scripts/build-llama-server.sh)" --model $(MODEL)
+	$(BIN)/python bench/parallel.py --llama-server "$$(scripts/build-llama-server.sh)" --model $(MODEL)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -51,6 +51,9 @@ from bankml.engine_cupy.sampler import (
     post_sampling_probs,
     token_logprobs,
 )
+from bankml.engine_cupy.sampler import (
+    warm_up as warm_up_sampler,
+)
 from bankml.engine_cupy.tokenizer import Tokenizer
 
 MICRO_BATCH = _checkpoints.N_UBATCH
@@ -616,7 +619,14 @@ def compile_kernels(
     the process, so the Engine.open and warm_up that follow the pin take seconds. Nothing is
     answered from the model loaded here."""
     model = Model.load(path, device=device, progress=False)
-    return model.warm_up(cache_type, report)
+    return _warm_up(model, cache_type, report)
+
+
+def _warm_up(model: Any, cache_type: str | None, report: Callable[[str], None] | None) -> Any:
+    """The model's kernels, then the sampler's top-k (else the first draw compiles it)."""
+    stats = model.warm_up(cache_type, report)
+    warm_up_sampler()
+    return stats
 
 
 class Engine:
@@ -774,7 +784,7 @@ class Engine:
     def warm_up(self, report: Callable[[str], None] | None = None) -> Any:
         """Run each kernel a request can reach once (Model.warm_up), for this cache's type;
         ``report`` is told what compiles (kernels.progress). Returns its CompileStats."""
-        return self.model.warm_up(self.cache.cache_type, report)
+        return _warm_up(self.model, self.cache.cache_type, report)
 
     # --- text ---------------------------------------------------------------------------------------------
 
