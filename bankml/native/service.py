@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from twisted.internet import task
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 
+from bankml.native import heap
 from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
 from bankml.native.ollama import make_host
 from bankml.native.resident import compile_served, open_served
@@ -201,6 +203,7 @@ class NativeService(ServingService):
         self.native: NativeEngine | None = None
         self.ready: Deferred[None] | None = None  # the bring-up, for tests
         self.reaper: task.LoopingCall | None = None  # Ollama's keep-alive
+        self.heap_trimmer: task.LoopingCall | None = None  # free heap pages back (native/heap.py)
 
     def startService(self) -> None:
         super().startService()
@@ -247,6 +250,11 @@ class NativeService(ServingService):
         except Exception as err:
             self.fatal(f"cannot listen: {err}")
             return
+        if heap.can_release():
+            # off the reactor thread: a trim of a fragmented heap can take tens of milliseconds
+            self.heap_trimmer = task.LoopingCall(deferToThread, heap.release_free_heap)
+            self.heap_trimmer.clock = self.reactor
+            self.heap_trimmer.start(heap.TRIM_INTERVAL_S, now=False)
         v = self.verified
         _log.info(
             "bankml native serving {path} (sha256 {sha}) on {listen}, engine address {up}, "
@@ -261,8 +269,9 @@ class NativeService(ServingService):
 
     def stopService(self) -> Any:
         stopped = super().stopService()  # the ports first: nothing new reaches the engine
-        if self.reaper is not None and self.reaper.running:
-            self.reaper.stop()
+        for loop in (self.reaper, self.heap_trimmer):
+            if loop is not None and loop.running:
+                loop.stop()
         if self.native is not None and self.native.bridge is not None:
             self.native.bridge.stop()
         return stopped
