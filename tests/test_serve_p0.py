@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -285,26 +286,13 @@ def test_engine_killed_mid_stream_ends_cleanly_and_comes_back(
 ) -> None:
     hold = spawned_hold[1]
     first_pid = spawned.engine_pid()
-    conn = spawned.connection()
-    conn.request(
-        "POST",
-        "/v1/chat/completions",
-        body=chat_body(True, content="Count from one to one hundred.", max_tokens=400),
-        headers={"Content-Type": "application/json"},
-    )
-    resp = conn.getresponse()
-    assert resp.status == 200
-    first = resp.readline()
-    assert first.startswith(b"data: ")
-    hold.touch()  # the restart's llama-server waits in 'starting' until the test has looked
-    os.kill(first_pid, signal.SIGKILL)
-    rest = resp.read()  # ends: neither hangs nor resets
-    conn.close()
-    events = sse_events(first + rest)
+    # the restart's llama-server waits in 'starting' until the test has looked
+    received = read_killed_stream(spawned, first_pid, before_kill=hold.touch)
+    events = sse_events(received)
     assert json.loads(events[-1][len(b"data: ") :])["error"]["message"].startswith(
         "llama-server ended the stream before [DONE]"
     )
-    assert b"bankml_receipt" not in rest and b"data: [DONE]" not in rest
+    assert b"bankml_receipt" not in received and b"data: [DONE]" not in received
     # meanwhile: 503 with Retry-After (the restart waits 1 s, verifies the file, then starts a
     # llama-server that is held before it loads the model), once bankml has seen the exit
     try:
@@ -343,9 +331,11 @@ def llama_servers_on(port: int) -> list[int]:
     return sorted(found)
 
 
-def read_killed_stream(bankml: BankmlProcess, kill: int) -> bytes:
-    """A long streamed answer, its llama-server (pid ``kill``) SIGKILLed after the first event;
-    everything the client received."""
+def read_killed_stream(
+    bankml: BankmlProcess, kill: int, before_kill: Callable[[], Any] = lambda: None
+) -> bytes:
+    """A long streamed answer, its llama-server (pid ``kill``) SIGKILLed after the first event
+    (``before_kill`` run just before); everything the client received."""
     conn = bankml.connection()
     try:
         conn.request(
@@ -358,6 +348,7 @@ def read_killed_stream(bankml: BankmlProcess, kill: int) -> bytes:
         assert resp.status == 200
         first = resp.readline()
         assert first.startswith(b"data: ")
+        before_kill()
         os.kill(kill, signal.SIGKILL)
         return first + resp.read()  # ends: neither hangs nor resets
     finally:
