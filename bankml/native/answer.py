@@ -16,9 +16,10 @@ endpoints send. The engine and its parsed request are read through their attribu
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +73,7 @@ def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[..., Generator[Any
                 for item in run:
                     yield _step(index, item)
             else:
-                yield from _forwarding(index, coroutine)
+                yield from relay_forwards(coroutine, functools.partial(_step, index))
             yield Step(index, summary=run.summary)
             if run.summary.cancelled:
                 return
@@ -81,9 +82,10 @@ def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[..., Generator[Any
     return steps
 
 
-def _forwarding(index: int, coroutine: Any) -> Iterator[Any]:
-    """A run's coroutine as Steps, its ``Forward``s handed out as they are: what is sent back
-    for one goes into the run (a plain ``next`` computes it here)."""
+def relay_forwards(coroutine: Any, wrap: Callable[[Any], Any]) -> Generator[Any, Any, None]:
+    """A run's coroutine relayed: its ``Forward``s handed out as they are, what is sent back for
+    one going into the run (a plain ``next`` computes it here), every other item as ``wrap``
+    makes it."""
     reply = None
     while True:
         try:
@@ -96,7 +98,7 @@ def _forwarding(index: int, coroutine: Any) -> Iterator[Any]:
             if reply is None:
                 reply = item.compute()
         else:
-            yield _step(index, item)
+            yield wrap(item)
 
 
 def _step(index: int, item: Any) -> Step:

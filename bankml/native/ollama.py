@@ -34,7 +34,7 @@ from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.errors import ApiError
 from bankml.formats.ollama import OllamaError
 from bankml.gate import verify
-from bankml.native.answer import CHAT, LLAMA_COMPLETION, Step
+from bankml.native.answer import CHAT, LLAMA_COMPLETION, Step, relay_forwards
 from bankml.native.resident import open_engine
 from bankml.registry import create as registry_create
 from bankml.registry.catalog import (
@@ -366,19 +366,15 @@ class OllamaHost:
             yield Ready(load_ns, getattr(constraint, "kind", "") == "chat_schema")
             try:
                 run = self.native.steps(prompts, keep_alive=False)(cancelled, forwards)
-                reply = None
-                while True:  # the scheduler's logits go on into the run (prompt_steps' forwards)
-                    try:
-                        step = run.send(reply)
-                    except StopIteration:
-                        break
-                    reply = None
-                    if getattr(step, "is_forward", False):
-                        reply = yield step
-                    elif step.summary is None:
-                        yield step
-                    else:
-                        yield self._finished(engine, verified, p, parsed, step)
+                # the scheduler's logits go on into the run (prompt_steps' forwards)
+                yield from relay_forwards(
+                    run,
+                    lambda step: (
+                        step
+                        if step.summary is None
+                        else self._finished(engine, verified, p, parsed, step)
+                    ),
+                )
             except ApiError as err:
                 raise _refusal(err) from None
             finally:
