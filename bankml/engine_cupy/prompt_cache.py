@@ -1,12 +1,12 @@
 """The host prompt cache: llama-server's ``--cache-ram``, so interleaved conversations keep context.
 
-The engine has one slot. When a request's prompt shares little with what the slot holds, the
-slot's tokens and KV are copied to host memory before the slot is reused, and an earlier entry
-that shares more with the prompt is moved back in. The rules are llama-server's
-(tools/server/server-context.cpp, ``server_prompt_cache``):
+One cache for all the engine's slots. When a request's prompt shares little with what its slot
+holds, the slot's tokens and KV are copied to host memory before the slot is reused, and an
+earlier entry that shares more with the prompt is moved back in. The rules are llama-server's
+(``server_prompt_cache``):
 
-- the cache runs when similarity = LCP(slot, prompt) / len(prompt) is at most 0.1 (an empty slot
-  counts) or the LCP is less than half of the slot;
+- when it runs is decided with the slot (``Engine.choose_slot``): a slot chosen as the least
+  recently used, or one chosen by similarity that keeps less than half of its tokens;
 - save: skip an empty slot or one an entry already holds whole; drop entries the slot holds whole;
   evict the oldest until the new entry fits; an entry larger than the limit is not kept;
 - load: among entries that keep at least a quarter of themselves for this prompt, the one with the
@@ -85,11 +85,6 @@ class HostPromptCache:
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
-
-    def should_run(self, slot: Sequence[int], prompt: Sequence[int]) -> bool:
-        lcp = longest_common_prefix(slot, prompt)
-        similarity = lcp / len(prompt) if prompt else 1.0
-        return self.enabled and (not slot or similarity <= 0.1 or lcp < len(slot) / 2)
 
     def save(self, slot: Sequence[int], cache: Any, checkpoints: Sequence[Any] = ()) -> None:
         """Copy the slot in, as llama-server's prompt save does (its checkpoints with it)."""
