@@ -255,8 +255,12 @@ _PARALLEL: list[Served] = []
 
 @pytest.fixture(scope="module")
 def parallel(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
+    return parallel_served(default_model, default_fork, tmp_path_factory)
+
+
+def parallel_served(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
     """``bankml serve --native --parallel 4 -kvu --ctx 2048 --metrics`` on ports 0, in this
-    process (NativeService as tap starts it)."""
+    process (NativeService as tap starts it), one for the whole session."""
     if not _PARALLEL:
         slot_dir = tmp_path_factory.mktemp("parallel-slots")
         svc = make_native_service(
