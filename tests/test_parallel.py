@@ -346,11 +346,11 @@ LONG_INDEX = 4
 
 def _stable(answer: Any) -> Any:
     """An answer without what differs between any two answers (its id, creation time, timings,
-    the receipt's times and signature): the text, tokens, logprobs, usage, and the receipt's
-    hashes of the request and the response stay."""
+    the slot that ran it, the receipt's times and signature): the text, tokens, logprobs,
+    usage, and the receipt's hashes of the request and the response stay."""
     if not isinstance(answer, dict):
         return answer
-    out = {k: v for k, v in answer.items() if k not in ("id", "created", "timings")}
+    out = {k: v for k, v in answer.items() if k not in ("id", "created", "timings", "id_slot")}
     receipt = out.pop("bankml_receipt", None)
     if receipt is not None:
         out["receipt"] = {
