@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
@@ -354,7 +354,7 @@ class EngineBridge:
 
     def stream_each(
         self,
-        runs: list[tuple[Callable[[Cancelled], Iterator[T]], RunControl]],
+        runs: Sequence[tuple[Callable[..., Iterator[T]], RunControl]],
         deliver: Callable[[T], None],
     ) -> list[Deferred[Any]]:
         """Several runs of one request, each its own job (its own slot), queued together in

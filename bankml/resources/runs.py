@@ -126,7 +126,8 @@ class AnswerResource(JsonResource):
 
         def first_failure(failure: Failure) -> Failure:
             control.cancel()  # the other answers stop within a token
-            return failure.value.subFailure if failure.check(FirstError) else failure
+            error = failure.value
+            return error.subFailure if isinstance(error, FirstError) else failure
 
         every.addErrback(first_failure)
         return every
