@@ -6,7 +6,7 @@ server (child ``j`` of a seeded request seeded ``seed + j``, as llama-server see
 tasks), streamed and not, and equal to a real llama-server ``-np 4 -kvu``'s choices; the
 choices of one request run at once (decode rows outnumber decode calls while it runs); a
 three-prompt /completion equals each prompt alone; every answer's receipts check ``valid`` and
-are refused once any choice's text changes; a refusal (``n`` 0, 5 on 4 slots, a string, with a
+are refused once any choice's text changes, and replay identically answer by answer; a refusal (``n`` 0, 5 on 4 slots, a string, with a
 bad grammar) is llama-server's status and message; the official ``openai`` client reads
 ``n=2``; a client leaving stops every one of its choices within a token.
 """
@@ -22,10 +22,12 @@ import pytest
 import pytest_twisted
 from twisted.internet.threads import deferToThread
 
+from bankml.engine_cupy.engine import Engine
 from bankml.receipts.check import VALID, check_receipt
+from bankml.receipts.replay import ReplayEngine, replay_in_process
 from tests.events import until
-from tests.support import LlamaServer
-from tests.test_native_serve import Served, apost, get, post, shared_served, sse_events
+from tests.support import DEFAULT_SHA256, LlamaServer
+from tests.test_native_serve import N_CTX, Served, apost, get, post, shared_served, sse_events
 from tests.test_parallel import N_SLOTS, _stream_then_leave, parallel_served
 
 CHAT_PATH = "/v1/chat/completions"
@@ -215,7 +217,7 @@ async def test_three_prompts_run_at_once_each_equal_to_it_alone(
 
 @pytest_twisted.ensureDeferred
 async def test_two_prompts_two_completions_each_in_llama_servers_task_order(
-    parallel: Served, llama_np4: LlamaServer
+    parallel: Served, llama_np4: LlamaServer, default_model: Path
 ) -> None:
     body = {"prompt": ["A list:", "B is"], "max_tokens": 4, "seed": 5, "n": 2}
     status, raw = await _raw(parallel.url + "/v1/completions", body)
@@ -228,6 +230,12 @@ async def test_two_prompts_two_completions_each_in_llama_servers_task_order(
     ]
     assert [r["sampler"]["seed"] for r in ours["bankml_receipt"]] == [5, 6, 5, 6]
     assert await _checked(parallel, body, raw) == VALID
+    # the replay runs each answer alone (prompt i // n, its receipt's seed) on a fresh engine
+    engine = Engine.open(default_model, n_ctx=N_CTX, device="cpu")
+    verdict = replay_in_process(
+        json.dumps(body).encode(), raw, ReplayEngine(engine, DEFAULT_SHA256)
+    )
+    assert verdict.startswith("identical: 4 answers"), verdict
     _, ours_llama = await apost(parallel.url + "/completion", body)
     _, ref_llama = await apost(llama_np4.url + "/completion", body)
     assert [(a["index"], a["content"]) for a in ours_llama] == [
