@@ -22,6 +22,7 @@ import pytest
 import pytest_twisted
 from twisted.internet.threads import deferToThread
 
+from bankml import api
 from bankml.engine_cupy.engine import Engine
 from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.replay import ReplayEngine, replay_in_process
@@ -307,3 +308,19 @@ async def test_a_client_leaving_stops_every_choice_within_one_token(parallel: Se
             control.steps_at_cancel,
         )
         assert control.steps < 100
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_python_api_answers_n_choices_as_http_does(parallel: Served) -> None:
+    body = _seeded_chat(n=2, max_tokens=8)
+    got = await deferToThread(api.chat, body, native=parallel.native)
+    _, over_http = await apost(parallel.url + CHAT_PATH, body)
+    assert got["choices"] == over_http["choices"]
+    assert [r["sampler"]["seed"] for r in got["bankml_receipt"]] == [41, 42]
+    raw = json.dumps(got).encode()
+    assert await _checked(parallel, body, raw) == VALID
+    events = await deferToThread(lambda: list(api.chat_stream(body, native=parallel.native)))
+    texts = _stream_choices(events)
+    assert {j: texts[j]["text"] for j in texts} == {
+        c["index"]: c["message"]["content"] for c in got["choices"]
+    }
