@@ -191,8 +191,8 @@ class RunWriter:
 
     def end_view(self, index: int | None = None) -> None:
         """The views of the answers still running (of answer ``index`` only) end."""
-        for key in [index] if index is not None else list(self.views):
-            view = self.views.pop(key, None) if key is not None else None
+        for key in list(self.views) if index is None else [index]:
+            view = self.views.pop(key, None)
             if view is not None:
                 view.end()
 
