@@ -120,6 +120,7 @@ async def test_three_seeded_chat_choices_are_each_request_alone_and_llama_server
     answer = json.loads(raw)
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
     assert rows > calls > 0  # the three choices' decode steps were shared
+    print(f"n 3 on {N_SLOTS} slots: {rows} decode rows in {calls} decode calls")
     alone = [
         json.loads((await _raw(alone_server.url + CHAT_PATH, _seeded_chat(seed=41 + j)))[1])
         for j in range(3)
