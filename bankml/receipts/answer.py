@@ -9,6 +9,8 @@ Anthropic Messages answer; streamed pieces joined in order: ``delta.content``,
 ``response.output_text.delta``'s ``delta``, a ``content_block_delta``'s ``text_delta``), the logprobs entries, the token counts and finish reason the answer reports.
 A stream carries its receipt as a ``bankml_receipt`` field of its last regular event (that event
 may hold nothing else). Anything that is not such an answer raises ``Unreadable``.
+``answer_parts(body)`` splits a response with several answers (several prompts, ``n``
+completions) into each answer's objects and receipt.
 """
 
 from __future__ import annotations

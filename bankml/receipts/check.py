@@ -3,7 +3,9 @@
 The checks run in this order and the first that fails is the answer, ``refuse: <reason>``:
 
 1. the response is an answer with one receipt (a JSON object's ``bankml_receipt``, or that field
-   of a stream's last event), of version 2, signed with ``alg`` ed25519;
+   of a stream's last event), of version 2, signed with ``alg`` ed25519 (an answer with several,
+   a request's prompts or ``n`` completions, has every receipt checked against its own choice,
+   as ``verified_receipts`` says);
 2. its ``keyid`` is the given public key's, and the signature verifies over the receipt's
    canonical bytes (canonical.py), so no field was changed after signing;
 3. ``request_sha256`` is the sha256 of the request bytes as sent;
