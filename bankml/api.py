@@ -32,12 +32,12 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from bankml.formats.errors import ApiError
 from bankml.formats.nlohmann import check_unicode, loads_json
 from bankml.gate.verify import Refused, verify
-from bankml.native.answer import CHAT, ChatAnswer
+from bankml.native.answer import CHAT, ChatAnswer, merged
 from bankml.native.resident import NativeEngine, open_engine
 from bankml.receipts.keys import SigningKey
 
@@ -149,32 +149,44 @@ def _executor(native: NativeEngine) -> ThreadPoolExecutor:
 
 def _prepare(
     native: NativeEngine, request: dict[str, Any] | bytes, stream: bool
-) -> tuple[ChatAnswer, list[Any]]:
-    """The answer to fill and the parsed prompt (a refusal raises ApiError)."""
+) -> tuple[list[ChatAnswer], list[Any]]:
+    """The answers to fill (one per completion, ``n`` on an engine with several slots) and
+    their parsed requests (a refusal raises ApiError)."""
     raw, obj = _body(request)
     problem = native.identity_problem()
     if problem is not None:
         raise ApiError.of(503, problem)
     prompts = native.parse(obj, CHAT)
-    return ChatAnswer(native, CHAT, raw, obj, prompts[0], stream=stream), prompts
+    answers = [
+        ChatAnswer(native, CHAT, raw, obj, parsed, index=index, stream=stream)
+        for index, parsed in enumerate(prompts)
+    ]
+    for answer in answers[1:]:  # one request, one id
+        answer.id, answer.created = answers[0].id, answers[0].created
+    return answers, prompts
 
 
 def chat(request: dict[str, Any] | bytes, *, native: NativeEngine | None = None) -> dict[str, Any]:
     """The non-streamed answer to a /v1/chat/completions request, receipt included."""
     native = native or _default_native()
-    answer, prompts = _prepare(native, request, stream=False)
+    answers, prompts = _prepare(native, request, stream=False)
 
-    def work() -> tuple[dict[str, Any], Any]:
-        for step in native.steps(prompts)(lambda: False):
+    def work() -> list[tuple[dict[str, Any], Any]]:
+        done = []
+        for step in native.steps(prompts)(lambda: False):  # the completions in turn
+            answer = answers[step.index]
             if step.summary is None:
                 answer.on_chunk(step.chunk)
             else:
-                return answer.whole(step.summary), step.summary
-        raise RuntimeError("the run ended without its summary")
+                done.append((answer.whole(step.summary), step.summary))
+        if len(done) != len(answers):
+            raise RuntimeError("the run ended without its summary")
+        return done
 
-    out, summary = _on_engine_thread(native, work)
-    native.record(summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api")
-    return out
+    done = _on_engine_thread(native, work)
+    for answer, (_, summary) in zip(answers, done):
+        native.record(summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), "api")
+    return cast(dict[str, Any], merged(CHAT, [out for out, _ in done]))
 
 
 _END = object()
@@ -186,7 +198,7 @@ def chat_stream(
 ) -> Iterator[dict[str, Any]]:
     """The streamed answer's event objects, the last one carrying ``bankml_receipt``."""
     native = native or _default_native()
-    answer, prompts = _prepare(native, request, stream=True)
+    answers, prompts = _prepare(native, request, stream=True)
     events: queue.Queue[Any] = queue.Queue(STREAM_WINDOW)
     stop = threading.Event()
 
@@ -201,6 +213,7 @@ def chat_stream(
     def work() -> None:
         try:
             for step in native.steps(prompts)(stop.is_set):
+                answer = answers[step.index]
                 if step.summary is None:
                     for event in answer.on_chunk(step.chunk):
                         put(event)

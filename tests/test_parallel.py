@@ -255,8 +255,12 @@ _PARALLEL: list[Served] = []
 
 @pytest.fixture(scope="module")
 def parallel(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
+    return parallel_served(default_model, default_fork, tmp_path_factory)
+
+
+def parallel_served(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
     """``bankml serve --native --parallel 4 -kvu --ctx 2048 --metrics`` on ports 0, in this
-    process (NativeService as tap starts it)."""
+    process (NativeService as tap starts it), one for the whole session."""
     if not _PARALLEL:
         slot_dir = tmp_path_factory.mktemp("parallel-slots")
         svc = make_native_service(
@@ -342,11 +346,11 @@ LONG_INDEX = 4
 
 def _stable(answer: Any) -> Any:
     """An answer without what differs between any two answers (its id, creation time, timings,
-    the receipt's times and signature): the text, tokens, logprobs, usage, and the receipt's
-    hashes of the request and the response stay."""
+    the slot that ran it, the receipt's times and signature): the text, tokens, logprobs,
+    usage, and the receipt's hashes of the request and the response stay."""
     if not isinstance(answer, dict):
         return answer
-    out = {k: v for k, v in answer.items() if k not in ("id", "created", "timings")}
+    out = {k: v for k, v in answer.items() if k not in ("id", "created", "timings", "id_slot")}
     receipt = out.pop("bankml_receipt", None)
     if receipt is not None:
         out["receipt"] = {

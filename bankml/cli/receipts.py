@@ -72,12 +72,20 @@ def check_receipt_main(argv: Sequence[str] | None = None) -> int:
 
 def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
     from bankml.receipts import replay as rp
-    from bankml.receipts.answer import find_receipt
+    from bankml.receipts.answer import Unreadable, answer_parts
 
-    _, receipt, _ = find_receipt(response)
+    try:
+        receipt = rp.first_receipt(response)
+    except Unreadable as err:
+        return f"refuse: {err}"
     try:
         rp.replayable(receipt)
         if args.replay_with_llama_server:
+            if answer_parts(response) is not None:
+                return (
+                    "cannot replay: an answer with several receipts is replayed on bankml's "
+                    "engine (--replay without --replay-with-llama-server)"
+                )
             from bankml.gate.verify import Refused, verify
 
             try:

@@ -85,8 +85,8 @@ def _micro_batches(a: int, b: int) -> list[tuple[int, int]]:
 
 INT32_MAX = 2_147_483_647
 INT64_MAX = 2**63 - 1
-# the upper limit of n_cmpl: llama-server's is n_parallel; bankml answers one completion per
-# request whatever its slots
+# the upper limit of n_cmpl without an engine to ask: llama-server's is n_parallel, the
+# engine's slot count (parse_task_fields' n_slots)
 N_SLOTS = 1
 DEFAULT_SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity
 
@@ -197,10 +197,12 @@ _TASK_FIELDS: tuple[tuple[str, tuple[str, ...], str, int, int, Any], ...] = (
 )
 
 
-def parse_task_fields(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The schema's task fields, checked as llama-server checks them; returns every value."""
+def parse_task_fields(body: Mapping[str, Any], n_slots: int = N_SLOTS) -> dict[str, Any]:
+    """The schema's task fields, checked as llama-server checks them (``n_cmpl`` up to the
+    server's ``n_slots``); returns every value."""
     out: dict[str, Any] = {}
     for name, aliases, kind, lo, hi, default in _TASK_FIELDS:
+        hi = n_slots if name == "n_cmpl" else hi
         if kind == "bool":
             out[name] = _bool_field(body, name, default)
         elif kind == "stream_options":
@@ -840,7 +842,7 @@ class Engine:
                 prompts = self._completion_prompts(body)
             else:
                 raise ValueError(f"unknown request kind {kind!r}")
-            task = parse_task_fields(body)
+            task = parse_task_fields(body, self.n_slots)
             if kind == "chat":
                 task.update(self._continuation(body))
                 if task["verbose"]:  # __verbose shows the chat parser's generation prompt

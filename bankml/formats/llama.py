@@ -84,7 +84,7 @@ def completion_final(
         "index": index,
         "content": text,
         "tokens": list(tokens) if tokens is not None else [],
-        "id_slot": 0,
+        "id_slot": max(int(getattr(summary, "slot", 0)), 0),  # the slot that ran the task
         "stop": True,
         "model": model,
         "tokens_predicted": summary.completion_tokens,

@@ -36,9 +36,10 @@ def role_delta() -> dict[str, Any]:
 
 
 def chat_chunk(
-    env: dict[str, Any], delta: dict[str, Any], finish: str | None = None
+    env: dict[str, Any], delta: dict[str, Any], finish: str | None = None, index: int = 0
 ) -> dict[str, Any]:
-    return {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}], **env}
+    """A chat chunk of choice ``index`` (a request's completions and prompts in order)."""
+    return {"choices": [{"finish_reason": finish, "index": index, "delta": delta}], **env}
 
 
 def chat_usage_chunk(env: dict[str, Any]) -> dict[str, Any]:
@@ -47,11 +48,16 @@ def chat_usage_chunk(env: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_completion(
-    env: dict[str, Any], text: str, finish: str, entries: list[Any], usage: dict[str, Any]
+    env: dict[str, Any],
+    text: str,
+    finish: str,
+    entries: list[Any],
+    usage: dict[str, Any],
+    index: int = 0,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "finish_reason": finish,
-        "index": 0,
+        "index": index,
         "message": {"role": "assistant", "content": text},
     }
     if entries:
@@ -96,9 +102,10 @@ def include_usage(request: dict[str, Any]) -> bool:
 
 
 def merged_completions(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """/v1/completions for several prompts, not streamed: the first object with every prompt's
-    choice (its usage is the first prompt's, as llama-server's) and ``bankml_receipt`` the list
-    of each choice's receipt."""
+    """A chat or /v1/completions answer of several choices (``n``, several prompts), not
+    streamed: the first object with every choice in index order (its usage and timings are the
+    first choice's, as llama-server's) and ``bankml_receipt`` the list of each choice's
+    receipt."""
     out = dict(results[0])
     out["choices"] = [r["choices"][0] for r in results]
     out["bankml_receipt"] = [r["bankml_receipt"] for r in results]

@@ -54,14 +54,17 @@ def wants_progress(request: Any) -> bool:
     return bool(options.get("return_progress") and options.get("stream"))
 
 
-def prompt_steps(engine: Any, prompts: list[Any]) -> Callable[..., Generator[Any, Any, None]]:
+def prompt_steps(
+    engine: Any, prompts: list[Any], first_index: int = 0
+) -> Callable[..., Generator[Any, Any, None]]:
     """The bridge's ``steps`` for a request's prompts, one after the other on the engine thread
-    (a cancelled prompt ends the run). Called with ``forwards=True`` (the bridge's scheduler,
+    (a cancelled prompt ends the run); their Steps are numbered from ``first_index`` (a run of
+    one answer among several on their own slots has its answer's index). Called with ``forwards=True`` (the bridge's scheduler,
     which ``yields_forwards`` tells), the run's forward passes come out too, as the engine's
     ``Forward``s, and their logits are to be sent back; otherwise they are computed inline."""
 
     def steps(cancelled: Callable[[], bool], forwards: bool = False) -> Generator[Any, Any, None]:
-        for index, request in enumerate(prompts):
+        for index, request in enumerate(prompts, first_index):
             progress = wants_progress(request)
             run = (
                 engine.run_steps(request, cancelled, progress)
@@ -326,13 +329,19 @@ class ChatAnswer(Answer):
         events = []
         if not self.first_seen:  # OpenAI's (and llama-server's) opening role delta
             self.first_seen = True
-            events.append(openai_format.chat_chunk(self.envelope(), openai_format.role_delta()))
+            events.append(
+                openai_format.chat_chunk(
+                    self.envelope(), openai_format.role_delta(), index=self.index
+                )
+            )
         text = self._content_delta(chunk.text) if self.schema_answer and chunk.text else chunk.text
         if text and self.prefill_pending:
             text, self.prefill_pending = self.prefill_pending + text, ""
         if text:
             self.tally.add_text(text)
-            events.append(openai_format.chat_chunk(self.envelope(), {"content": text}))
+            events.append(
+                openai_format.chat_chunk(self.envelope(), {"content": text}, index=self.index)
+            )
         if chunk.entry is not None and events:  # an entry rides on its token's last delta
             events[-1]["choices"][0]["logprobs"] = {"content": [chunk.entry]}
             self.tally.add_logprobs([chunk.entry])
@@ -341,7 +350,9 @@ class ChatAnswer(Answer):
     def progress_piece(self, progress: Any) -> dict[str, Any]:
         # llama-server's opening role delta rides on every progress event, and again on the
         # first token's
-        return openai_format.chat_chunk(self.envelope(), openai_format.role_delta())
+        return openai_format.chat_chunk(
+            self.envelope(), openai_format.role_delta(), index=self.index
+        )
 
     def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
         return openai_format.chat_completion(
@@ -350,6 +361,7 @@ class ChatAnswer(Answer):
             summary.finish_reason,
             entries,
             self.usage(summary),
+            index=self.index,
         )
 
     def last_events(self, summary: Any) -> list[dict[str, Any]]:
@@ -360,8 +372,14 @@ class ChatAnswer(Answer):
         events: list[dict[str, Any]] = []
         if not self.first_seen:
             self.first_seen = True
-            events.append(openai_format.chat_chunk(self.envelope(), openai_format.role_delta()))
-        last = openai_format.chat_chunk(self.envelope(), {}, summary.finish_reason)
+            events.append(
+                openai_format.chat_chunk(
+                    self.envelope(), openai_format.role_delta(), index=self.index
+                )
+            )
+        last = openai_format.chat_chunk(
+            self.envelope(), {}, summary.finish_reason, index=self.index
+        )
         if openai_format.include_usage(self.request):
             events.append(last)
             last = openai_format.chat_usage_chunk(self.envelope())
@@ -457,8 +475,9 @@ ANSWERS: dict[str, type[Answer]] = {
 
 
 def merged(kind: str, results: list[dict[str, Any]]) -> Any:
-    """The non-streamed answer to a request's prompts: one object for one prompt; for several,
-    llama-server's array on /completion, one object with every choice on /v1/completions."""
+    """The non-streamed answer to a request's prompts and completions (``results`` in index
+    order): one object for one; for several, llama-server's array on /completion, one object
+    with every choice on the OpenAI endpoints."""
     if len(results) == 1:
         return results[0]
     if kind == LLAMA_COMPLETION:

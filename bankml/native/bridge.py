@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.threads import blockingCallFromThread
 from twisted.logger import Logger
@@ -95,6 +95,15 @@ class RunControl:
         self.paused_count = 0  # how often the transport pushed back (for tests and docs)
         self.skipped = 0  # scheduler steps it sat out on a full window (several slots)
         self.on_change: Callable[[], None] | None = None  # the scheduler's wake-up
+        # the controls of a request's other runs (its choices and prompts on several slots):
+        # the client's cancel, pause and resume reach each of them
+        self.followers: list[RunControl] = []
+
+    def follow(self, other: RunControl) -> None:
+        """``other`` (one run of this request) is cancelled, paused and resumed with this one."""
+        self.followers.append(other)
+        if self._cancelled:
+            other.cancel()
 
     # --- reactor side -----------------------------------------------------------------------
 
@@ -105,17 +114,23 @@ class RunControl:
                 self.steps_at_cancel = self.steps
             self._cond.notify_all()
         self._changed()
+        for other in self.followers:
+            other.cancel()
 
     def pauseProducing(self) -> None:
         with self._cond:
             self._paused = True
             self.paused_count += 1
+        for other in self.followers:
+            other.pauseProducing()
 
     def resumeProducing(self) -> None:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
         self._changed()
+        for other in self.followers:
+            other.resumeProducing()
 
     def _changed(self) -> None:
         wake = self.on_change
@@ -336,6 +351,34 @@ class EngineBridge:
 
         scheduler.submit_run(RunJob(_coroutine(steps), on_engine, control, d))
         return d
+
+    def stream_each(
+        self,
+        runs: Sequence[tuple[Callable[..., Iterator[T]], RunControl]],
+        deliver: Callable[[T], None],
+    ) -> list[Deferred[Any]]:
+        """Several runs of one request, each its own job (its own slot), queued together in
+        order: a request's choices and prompts computed at once on several slots. Refused as a
+        whole (each Deferred fails with ``Overloaded``) when the queue is full, so none of them
+        is computed for an answer that cannot be given."""
+        if self.overloaded():
+            return [fail(Overloaded(self.max_queue)) for _ in runs]
+        scheduler = self.scheduler
+        if scheduler is None:  # one slot: each in turn, in order
+            return [self.stream(steps, deliver, control) for steps, control in runs]
+        from bankml.native.scheduler import RunJob
+
+        out = []
+        for steps, control in runs:
+            d: Deferred = Deferred()
+
+            def on_engine(item: T, run_control: RunControl) -> None:
+                if run_control.take_room():
+                    self.reactor.callFromThread(self._deliver, deliver, item, run_control)
+
+            scheduler.submit_run(RunJob(_coroutine(steps), on_engine, control, d))
+            out.append(d)
+        return out
 
     def overloaded(self) -> bool:
         """Every slot busy and ``max_queue`` runs waiting: the next run would be refused."""

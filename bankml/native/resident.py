@@ -30,7 +30,7 @@ from bankml.engine_cupy.engine import (
     compile_kernels,
 )
 from bankml.engine_cupy.file_type import file_ftype_name
-from bankml.engine_cupy.sampler import SamplerParams
+from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
 from bankml.engine_cupy.tokenizer import read_gguf_metadata
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.formats.llama import slots_array
@@ -224,9 +224,10 @@ class NativeEngine:
     # --- the jobs the resources hand to the bridge (refusals raise ApiError) ------------------
 
     def parse(self, body: dict[str, Any], kind: str) -> list[Any]:
-        """The engine's validation of a body, before a token is computed: the request's prompts
-        (a chat has one; a completion one or several), each with the seed it will run with (a
-        request that named none gets one drawn now, so that its receipt can name it)."""
+        """The engine's validation of a body, before a token is computed: the request's answers
+        in llama-server's task order (each prompt, a chat's one or a completion's several, then
+        its ``n_cmpl - 1`` more completions: ``completions``), each with the seed it will run
+        with (a request that named none gets one drawn now, so that its receipt can name it)."""
         self._awake()
         if self.rewrite is not None:
             body = self.rewrite(body, kind)
@@ -237,17 +238,17 @@ class NativeEngine:
                 prompts = self.engine.parse_batch(body, ENGINE_KIND[kind])
         except RequestError as err:
             raise refusal_of(err) from None
-        return [pin_seed(p) for p in prompts]
+        return [pin_seed(c) for p in prompts for c in completions(p)]
 
     def steps(
-        self, prompts: list[Any], keep_alive: bool = True
+        self, prompts: list[Any], keep_alive: bool = True, first_index: int = 0
     ) -> Callable[..., Generator[Any, Any, None]]:
-        """The bridge's ``steps`` for parsed prompts: ``prompt_steps`` (its ``forwards`` mode
-        too), an engine refusal during the run raised as ApiError. After the run the model's
-        keep-alive starts again (``used``), unless ``keep_alive`` is False (Ollama's routes
-        apply the request's own)."""
+        """The bridge's ``steps`` for parsed prompts (their Steps numbered from
+        ``first_index``): ``prompt_steps`` (its ``forwards`` mode too), an engine refusal
+        during the run raised as ApiError. After the run the model's keep-alive starts again
+        (``used``), unless ``keep_alive`` is False (Ollama's routes apply the request's own)."""
         engine = self.engine
-        run = prompt_steps(engine, prompts)
+        run = prompt_steps(engine, prompts, first_index)
 
         def steps(
             cancelled: Callable[[], bool], forwards: bool = False
@@ -426,6 +427,22 @@ class NativeEngine:
             "models": [self.model_id],
             "file_unchanged": self.identity_problem() is None,
         }
+
+
+def completions(parsed: Any) -> list[Any]:
+    """A prompt's ``n_cmpl`` completions as llama-server's parent task and its children: the
+    same request, child ``j`` seeded ``seed + j`` (uint32) where a seed was given, each drawing
+    its own otherwise."""
+    n_cmpl = int((getattr(parsed, "options", None) or {}).get("n_cmpl", 1))
+    seed = parsed.sampler.seed
+    if n_cmpl <= 1:
+        return [parsed]
+    if seed == DEFAULT_SEED:
+        return [parsed] * n_cmpl
+    return [parsed] + [
+        replace(parsed, sampler=replace(parsed.sampler, seed=(seed + j) % 2**32))
+        for j in range(1, n_cmpl)
+    ]
 
 
 def open_engine(

@@ -9,6 +9,8 @@ Anthropic Messages answer; streamed pieces joined in order: ``delta.content``,
 ``response.output_text.delta``'s ``delta``, a ``content_block_delta``'s ``text_delta``), the logprobs entries, the token counts and finish reason the answer reports.
 A stream carries its receipt as a ``bankml_receipt`` field of its last regular event (that event
 may hold nothing else). Anything that is not such an answer raises ``Unreadable``.
+``answer_parts(body)`` splits a response with several answers (several prompts, ``n``
+completions) into each answer's objects and receipt.
 """
 
 from __future__ import annotations
@@ -109,14 +111,14 @@ def stream_objects(body: bytes, form: str) -> list[dict[str, Any]]:
     return objects
 
 
-def first_choice(obj: Any) -> dict[str, Any] | None:
-    """Choice 0 (the choice whose index is 0, or that names none), as the gateway tallies it;
-    None when ``obj`` has no list of choices."""
+def first_choice(obj: Any, index: int = 0) -> dict[str, Any] | None:
+    """Choice ``index`` (0: the choice whose index is 0, or that names none), as the gateway
+    tallies it; None when ``obj`` has no list of choices."""
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list):
         return None
     for choice in choices:
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+        if isinstance(choice, dict) and choice.get("index", 0) == index:
             return choice
     return None
 
@@ -233,10 +235,13 @@ def _note_typed_counts(view: AnswerView, obj: dict[str, Any], api: str) -> None:
             view.finish_reason = STOP_REASONS.get(reason, reason)
 
 
-def _add_piece(view: AnswerView, obj: dict[str, Any], api: str, stream: bool) -> None:
-    """One object's share of the text and logprobs, as the receipt's Tally took it."""
+def _add_piece(
+    view: AnswerView, obj: dict[str, Any], api: str, stream: bool, index: int = 0
+) -> None:
+    """One object's share of the text and logprobs (of choice ``index``), as the receipt's
+    Tally took it."""
     if api in ("chat", "oai_completion"):
-        choice = first_choice(obj)
+        choice = first_choice(obj, index)
         if choice is None:
             return
         if api == "chat":
@@ -325,13 +330,16 @@ def read_plain_answer(body: bytes, api: str) -> AnswerView:
     return answer_of(stream_objects(body, form), form, api, None)
 
 
-def answer_of(objects: list[dict[str, Any]], form: str, api: str, receipt: Any) -> AnswerView:
+def answer_of(
+    objects: list[dict[str, Any]], form: str, api: str, receipt: Any, index: int = 0
+) -> AnswerView:
+    """The answer of choice ``index`` in ``objects`` (one answer's objects, in order)."""
     view = AnswerView(form, receipt, objects=objects)
     stream = form != JSON
     for obj in objects:
-        _add_piece(view, obj, api, stream)
+        _add_piece(view, obj, api, stream, index)
         _note_counts(view, obj, api)
-    if api == "chat" and not stream and first_choice(objects[0]) is None:
+    if api == "chat" and not stream and first_choice(objects[0], index) is None:
         raise Unreadable("the response is not a chat completion (no choice 0)")
     if api == "responses" and not stream and not isinstance(objects[0].get("output"), list):
         raise Unreadable("the response is not a Responses answer (no output list)")
@@ -342,3 +350,105 @@ def answer_of(objects: list[dict[str, Any]], form: str, api: str, receipt: Any) 
         if objects[-1].get("type") != last:
             raise Unreadable(f"the stream's last event is not {last}")
     return view
+
+
+@dataclass
+class Part:
+    """One answer of a response with several (a request's ``n`` completions, its prompts):
+    its index, its receipt and its objects, read as ``answer_of(objects, form, api, receipt,
+    index)``."""
+
+    index: int
+    receipt: Any
+    objects: list[dict[str, Any]]
+    form: str
+
+
+def answer_parts(body: bytes) -> list[Part] | None:
+    """The answers of a response with several, one per receipt, in index order: /completion's
+    array (each object its receipt), an OpenAI object whose ``bankml_receipt`` is the list of
+    its choices' receipts (the usage and timings it shows are choice 0's), or a stream whose
+    events are several choices' or prompts' (each answer's receipt on its own last event, a
+    choice-less usage chunk belonging to the choice before it); None for one answer."""
+    form = response_form(body)
+    if form == JSON:
+        obj = _loads(body, "the response")
+        if isinstance(obj, list):
+            return _array_parts(obj)
+        if not isinstance(obj, dict) or not isinstance(obj.get("bankml_receipt"), list):
+            return None
+        return _choice_parts(obj)
+    return _stream_parts(body, form)
+
+
+def _array_parts(objects: list[Any]) -> list[Part]:
+    parts = []
+    for position, obj in enumerate(objects):
+        if not isinstance(obj, dict) or "bankml_receipt" not in obj:
+            raise Unreadable(f"result {position} of the array carries no bankml_receipt")
+        if obj.get("index", position) != position:
+            raise Unreadable(f"result {position} of the array has index {obj.get('index')!r}")
+        parts.append(Part(position, obj["bankml_receipt"], [obj], JSON))
+    return parts
+
+
+def _choice_parts(obj: dict[str, Any]) -> list[Part]:
+    receipts = obj["bankml_receipt"]
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or len(choices) != len(receipts):
+        raise Unreadable("the answer's choices are not one per receipt of its bankml_receipt list")
+    parts = []
+    for index, receipt in enumerate(receipts):
+        if first_choice(obj, index) is None:
+            raise Unreadable(f"the answer has no choice {index} for its receipt {index}")
+        own = {k: v for k, v in obj.items() if k != "bankml_receipt"}
+        if index:  # the usage and timings shown are choice 0's, as llama-server's
+            own = {k: v for k, v in own.items() if k not in ("usage", "timings")}
+        parts.append(Part(index, receipt, [own], JSON))
+    return parts
+
+
+def _event_index(obj: dict[str, Any], previous: int | None) -> int | None:
+    if "choices" in obj:
+        choices = obj["choices"]
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            return _count(choices[0].get("index", 0))
+        return previous  # a usage chunk follows its choice's finish chunk
+    return _count(obj.get("index", 0))
+
+
+def _stream_parts(body: bytes, form: str) -> list[Part] | None:
+    payloads = (
+        sse_payloads(body) if form == SSE else [line for line in body.split(b"\n") if line.strip()]
+    )
+    if payloads and payloads[-1].strip() == b"[DONE]":
+        payloads = payloads[:-1]
+    groups: dict[int, list[dict[str, Any]]] = {}
+    begins = 0
+    previous: int | None = None
+    for position, payload in enumerate(payloads):
+        obj = _loads(payload, f"event {position}")
+        if obj is None:  # a later task's begin
+            begins += 1
+            continue
+        if not isinstance(obj, dict) or "error" in obj:
+            return None  # read_answer says what is wrong
+        index = _event_index(obj, previous)
+        if index is None:
+            raise Unreadable(f"event {position} names no choice")
+        groups.setdefault(index, []).append(obj)
+        previous = index
+    if len(groups) <= 1 and not begins:
+        return None
+    if sorted(groups) != list(range(len(groups))):
+        raise Unreadable(f"the stream's answers are {sorted(groups)}, not 0 to {len(groups) - 1}")
+    parts = []
+    for index in range(len(groups)):
+        objects = groups[index]
+        for obj in objects[:-1]:
+            if "bankml_receipt" in obj:
+                raise Unreadable(f"answer {index}'s receipt is not on its last event")
+        if "bankml_receipt" not in objects[-1]:
+            raise Unreadable(f"answer {index}'s last event carries no bankml_receipt")
+        parts.append(Part(index, objects[-1]["bankml_receipt"], objects, form))
+    return parts

@@ -3,7 +3,9 @@
 The checks run in this order and the first that fails is the answer, ``refuse: <reason>``:
 
 1. the response is an answer with one receipt (a JSON object's ``bankml_receipt``, or that field
-   of a stream's last event), of version 2, signed with ``alg`` ed25519;
+   of a stream's last event), of version 2, signed with ``alg`` ed25519 (an answer with several,
+   a request's prompts or ``n`` completions, has every receipt checked against its own choice,
+   as ``verified_receipts`` says);
 2. its ``keyid`` is the given public key's, and the signature verifies over the receipt's
    canonical bytes (canonical.py), so no field was changed after signing;
 3. ``request_sha256`` is the sha256 of the request bytes as sent;
@@ -32,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import Any
 
-from bankml.receipts.answer import JSON, Unreadable, read_answer
+from bankml.receipts.answer import JSON, Unreadable, answer_of, answer_parts, read_answer
 from bankml.receipts.canonical import signed_bytes
 from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields
 from bankml.receipts.keys import ALG, keyid_of, load_public_key, verifies
@@ -73,12 +75,94 @@ def check_receipt(
     *,
     model_sha256: str | None = None,
 ) -> str:
-    """``valid`` or ``refuse: <the first reason>``; ``model_sha256`` pins the model file."""
+    """``valid`` or ``refuse: <the first reason>``; ``model_sha256`` pins the model file. An
+    answer with several (a request's ``n`` completions, its prompts) is valid when every one
+    of its receipts holds for its own choice."""
     try:
-        verified_receipt(request_bytes, response_bytes, public_key_pem, model_sha256=model_sha256)
+        verified_receipts(request_bytes, response_bytes, public_key_pem, model_sha256=model_sha256)
     except Refused as err:
         return f"refuse: {err.reason}"
     return VALID
+
+
+def verified_receipts(
+    request_bytes: bytes,
+    response_bytes: bytes,
+    public_key_pem: str | bytes,
+    *,
+    model_sha256: str | None = None,
+) -> list[dict[str, Any]]:
+    """Every receipt of the response, once each holds for its own answer (``verified_receipt``
+    for a response with one): the answers are the request's ``n_cmpl`` completions of each of
+    its prompts, numbered 0, 1, ... as llama-server numbers its tasks, none left out."""
+    try:
+        parts = answer_parts(response_bytes)
+    except Unreadable as err:
+        raise Refused(str(err)) from None
+    if parts is None:
+        return [
+            verified_receipt(
+                request_bytes, response_bytes, public_key_pem, model_sha256=model_sha256
+            )
+        ]
+    try:
+        public = load_public_key(public_key_pem)
+    except ValueError as err:
+        raise Refused(f"the public key: {err}") from None
+    request = _request_object(request_bytes)
+    n_cmpl = _n_cmpl(request)
+    if len(parts) % n_cmpl:
+        raise Refused(
+            f"the answer holds {len(parts)} answers, not a multiple of the {n_cmpl} completions "
+            "the request asks for: one was left out"
+        )
+    out = []
+    for part in parts:
+        try:
+            receipt = _checked_signature(part.receipt, public)
+            _check_origin(receipt, request_bytes, model_sha256)
+            try:
+                view = answer_of(part.objects, part.form, receipt["api"], receipt, part.index)
+            except Unreadable as err:
+                raise Refused(str(err)) from None
+            _check_answer(receipt, view)
+            _check_request_fields(receipt, request, part.index % n_cmpl)
+        except Refused as err:
+            raise Refused(f"answer {part.index}: {err.reason}") from None
+        out.append(receipt)
+    return out
+
+
+def _n_cmpl(request: dict[str, Any]) -> int:
+    """The completions asked for each prompt (``n_cmpl``, or its alias ``n``), as the engine
+    reads the field (a number truncated to an integer)."""
+    for name in ("n_cmpl", "n"):
+        value = request.get(name)
+        if isinstance(value, (int, float)):
+            return max(int(value), 1)
+    return 1
+
+
+def _request_object(request_bytes: bytes) -> dict[str, Any]:
+    try:
+        request = json.loads(request_bytes)
+    except ValueError:
+        raise Refused("the request is not JSON") from None
+    if not isinstance(request, dict):
+        raise Refused("the request is not a JSON object")
+    return request
+
+
+def _check_origin(
+    receipt: Mapping[str, Any], request_bytes: bytes, model_sha256: str | None
+) -> None:
+    """The receipt is for this request and (with a pin) this model file."""
+    if sha256_hex(request_bytes) != receipt.get("request_sha256"):
+        raise Refused("request_sha256 is not the sha256 of this request: another request")
+    if model_sha256 is not None and receipt.get("model_sha256") != model_sha256.lower():
+        raise Refused(
+            f"model_sha256 {receipt.get('model_sha256')} is not the pinned model's {model_sha256}"
+        )
 
 
 def verified_receipt(
@@ -94,18 +178,8 @@ def verified_receipt(
     except ValueError as err:
         raise Refused(f"the public key: {err}") from None
     receipt = _signed_receipt(response_bytes, public)
-    if sha256_hex(request_bytes) != receipt.get("request_sha256"):
-        raise Refused("request_sha256 is not the sha256 of this request: another request")
-    if model_sha256 is not None and receipt.get("model_sha256") != model_sha256.lower():
-        raise Refused(
-            f"model_sha256 {receipt.get('model_sha256')} is not the pinned model's {model_sha256}"
-        )
-    try:
-        request = json.loads(request_bytes)
-    except ValueError:
-        raise Refused("the request is not JSON") from None
-    if not isinstance(request, dict):
-        raise Refused("the request is not a JSON object")
+    _check_origin(receipt, request_bytes, model_sha256)
+    request = _request_object(request_bytes)
     try:
         view = read_answer(response_bytes, receipt["api"])
     except Unreadable as err:
@@ -122,6 +196,11 @@ def _signed_receipt(response_bytes: bytes, public: Any) -> dict[str, Any]:
         _, receipt, _ = find_receipt(response_bytes)
     except Unreadable as err:
         raise Refused(str(err)) from None
+    return _checked_signature(receipt, public)
+
+
+def _checked_signature(receipt: Any, public: Any) -> dict[str, Any]:
+    """``receipt`` itself, once it is a signed receipt of this key, unchanged since signing."""
     if not isinstance(receipt, dict):
         raise Refused("bankml_receipt is not one JSON object")
     version = receipt.get("receipt_version")
@@ -188,9 +267,13 @@ def _check_answer(receipt: Mapping[str, Any], view: Any) -> None:
         raise Refused(f"cache_n {cache_n!r} does not fit prompt_tokens {prompt!r}")
 
 
-def _check_request_fields(receipt: Mapping[str, Any], request: dict[str, Any]) -> None:
+def _check_request_fields(
+    receipt: Mapping[str, Any], request: dict[str, Any], completion: int = 0
+) -> None:
     """The sampler fields the request names must resolve to the receipt's settings: the
-    engine's own reading of the request over the receipt's values changes none of them."""
+    engine's own reading of the request over the receipt's values changes none of them. The
+    prompt's completion ``completion`` (0: the first) of a request that names a seed ran with
+    that seed plus ``completion`` (uint32), as llama-server seeds its child tasks."""
     from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerError, SamplerParams
     from bankml.receipts.sign import params_from_settings
 
@@ -207,6 +290,8 @@ def _check_request_fields(receipt: Mapping[str, Any], request: dict[str, Any]) -
         asked = SamplerParams.from_request(body, settings)
     except (SamplerError, ValueError, TypeError) as err:
         raise Refused(f"the request's sampler fields are refused: {err}") from None
+    if completion and read.get("seed") is not None and asked.seed != DEFAULT_SEED:
+        asked = replace(asked, seed=(asked.seed + completion) % 2**32)
     if asked.seed == DEFAULT_SEED:  # no seed, or "draw one": the receipt names the one drawn
         asked = replace(asked, seed=settings.seed)
     for f in fields(asked):

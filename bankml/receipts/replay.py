@@ -35,7 +35,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bankml.receipts.answer import AnswerView, Unreadable, read_answer, read_plain_answer
+from bankml.receipts.answer import (
+    AnswerView,
+    Unreadable,
+    answer_of,
+    answer_parts,
+    read_answer,
+    read_plain_answer,
+)
 from bankml.receipts.canonical import canonical_json
 from bankml.receipts.convert import CONVERTED, NotConverted, to_chat
 from bankml.receipts.sign import (
@@ -158,6 +165,26 @@ def _receipt_and_answer(response_bytes: bytes) -> tuple[dict[str, Any], AnswerVi
     return receipt, read_answer(response_bytes, receipt["api"])
 
 
+def receipts_and_answers(response_bytes: bytes) -> list[tuple[dict[str, Any], AnswerView]]:
+    """Each receipt of the response with its own answer, in index order (one for an answer
+    with one receipt; answer_parts' for several prompts or completions)."""
+    parts = answer_parts(response_bytes)
+    if parts is None:
+        return [_receipt_and_answer(response_bytes)]
+    out = []
+    for part in parts:
+        if not isinstance(part.receipt, dict):
+            raise Unreadable(f"answer {part.index}'s bankml_receipt is not one JSON object")
+        view = answer_of(part.objects, part.form, part.receipt["api"], part.receipt, part.index)
+        out.append((part.receipt, view))
+    return out
+
+
+def first_receipt(response_bytes: bytes) -> dict[str, Any]:
+    """The receipt whose settings (n_ctx, cache type, device) open the replay's engine."""
+    return receipts_and_answers(response_bytes)[0][0]
+
+
 # --- bankml's engine, in this process -------------------------------------------------------------
 
 
@@ -195,16 +222,41 @@ class ModelMismatch(Exception):
 
 
 def replay_in_process(request_bytes: bytes, response_bytes: bytes, replay: ReplayEngine) -> str:
-    """Run the request on ``replay``'s engine (open_replay_engine's) and compare."""
-    from bankml.engine_cupy.engine import RequestError
-
+    """Run the request on ``replay``'s engine (open_replay_engine's) and compare; an answer
+    with several receipts (several prompts, ``n`` > 1) answer by answer: answer ``i`` is prompt
+    ``i // n`` run alone with its receipt's seed."""
     try:
-        receipt, original = _receipt_and_answer(response_bytes)
-        replayable(receipt)
+        answers = receipts_and_answers(response_bytes)
+        for receipt, _ in answers:
+            replayable(receipt)
     except Unreadable as err:
         return f"refuse: {err}"
     except CannotReplay as err:
         return f"cannot replay: {err}"
+    if len(answers) == 1:
+        return _replay_answer(request_bytes, *answers[0], replay, None)
+    verdicts = []
+    for index, (receipt, original) in enumerate(answers):
+        verdict = _replay_answer(request_bytes, receipt, original, replay, index)
+        if not verdict.startswith(IDENTICAL):
+            head, _, reason = verdict.partition(": ")
+            return f"{head}: answer {index}: {reason}"
+        verdicts.append(verdict)
+    each = "; ".join(f"{i}: {v.partition(': ')[2]}" for i, v in enumerate(verdicts))
+    return f"{IDENTICAL}: {len(answers)} answers ({each})"
+
+
+def _replay_answer(
+    request_bytes: bytes,
+    receipt: dict[str, Any],
+    original: AnswerView,
+    replay: ReplayEngine,
+    index: int | None,
+) -> str:
+    """One receipt's replay: the request's only answer (``index`` None), or its answer
+    ``index`` among several."""
+    from bankml.engine_cupy.engine import RequestError
+
     if receipt.get("model_sha256") != replay.model_sha256:
         return (
             f"refuse: the model file's sha256 is {replay.model_sha256}, the receipt names "
@@ -219,7 +271,16 @@ def replay_in_process(request_bytes: bytes, response_bytes: bytes, replay: Repla
         )
     kind = ENGINE_KIND.get(receipt["api"], "chat")
     try:
-        parsed = engine.parse_request(_chat_request(request_bytes, receipt), kind)
+        body = _chat_request(request_bytes, receipt)
+        if index is None:
+            parsed = engine.parse_request(body, kind)
+        else:  # the prompt alone, one completion (the seed is the receipt's, set below)
+            n_cmpl = max(int(body.get("n_cmpl", body.get("n", 1)) or 1), 1)
+            single = {k: v for k, v in body.items() if k not in ("n", "n_cmpl")}
+            prompts = engine.parse_batch(single, kind)
+            if index // n_cmpl >= len(prompts):
+                return f"refuse: the request has {len(prompts)} prompts, not answer {index}'s"
+            parsed = prompts[index // n_cmpl]
     except CannotReplay as err:
         return f"cannot replay: {err}"
     except (RequestError, ValueError) as err:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from twisted.internet.defer import Deferred, DeferredList, FirstError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
@@ -99,11 +100,37 @@ class AnswerResource(JsonResource):
             answer_type(self.native, self.kind, raw, obj, parsed, index=index)
             for index, parsed in enumerate(prompts)
         ]
+        for answer in answers[1:]:  # one request, one id (llama-server's oaicompat_cmpl_id)
+            answer.id, answer.created = answers[0].id, answers[0].created
         writer = RunWriter(request, answers, control)
-        d = self.bridge.stream(self.native.steps(prompts), writer.step, control)
+        if self.bridge.scheduler is None or len(prompts) == 1:
+            d = self.bridge.stream(self.native.steps(prompts), writer.step, control)
+        else:
+            d = self._fan_out(prompts, writer, control)
         d.addCallback(writer.end)
         d.addErrback(self._failed, request, writer)
         return d
+
+    def _fan_out(self, prompts: list[Any], writer: RunWriter, control: RunControl) -> Deferred:
+        """Each answer (a prompt, or one of its ``n_cmpl`` completions) a run of its own, on a
+        slot of its own, all queued at once: the Deferred fires when every one has ended, or
+        fails with the first failure (the others cancelled)."""
+        runs = []
+        for index, parsed in enumerate(prompts):
+            own = self.bridge.new_control()
+            control.follow(own)
+            runs.append((self.native.steps([parsed], first_index=index), own))
+        every = DeferredList(
+            self.bridge.stream_each(runs, writer.step), fireOnOneErrback=True, consumeErrors=True
+        )
+
+        def first_failure(failure: Failure) -> Failure:
+            control.cancel()  # the other answers stop within a token
+            error = failure.value
+            return error.subFailure if isinstance(error, FirstError) else failure
+
+        every.addErrback(first_failure)
+        return every
 
     def _failed(self, failure: Failure, request: Request, writer: RunWriter | None) -> None:
         if writer is not None:
@@ -129,7 +156,8 @@ class AnswerResource(JsonResource):
 
 
 class RunWriter:
-    """Writes one request's answers: stream events as Steps arrive, or the object(s) at the end."""
+    """Writes one request's answers: stream events as Steps arrive (the answers' runs side by
+    side on several slots, or one after the other), or the objects, in index order, at the end."""
 
     def __init__(self, request: Request, answers: list[Answer], control: RunControl) -> None:
         self.request = request
@@ -139,59 +167,72 @@ class RunWriter:
         self.kind = answers[0].kind
         self.stream = answers[0].stream
         self.events = EventStream(request, producer=control if self.stream else None)
-        self.results: list[dict[str, Any]] = []
+        self.results: dict[int, dict[str, Any]] = {}
         self.cancelled = False
         self.problem: str | None = None  # the file changed during the run
-        self.running = -1  # the prompt whose task the slot runs (GET /slots)
-        self.view: Any = None  # that slot's view (with several slots, known at the first step)
+        # the slot view of each answer whose task a slot runs (GET /slots; with several slots
+        # known at the answer's first step)
+        self.views: dict[int, Any] = {}
+        # llama-server's n_cmpl children share their parent's task start: no begin event
+        n_cmpl = int(getattr(answers[0], "options", {}).get("n_cmpl", 1) or 1)
+        self.first_of_task = [a.index % n_cmpl == 0 for a in answers]
         self._begin(0, None)
 
     def _begin(self, index: int, item: Any) -> None:
-        """Prompt ``index``'s task starts on its slot (each prompt is a task, as llama-server's)."""
+        """Answer ``index``'s task starts on its slot (each answer is a task, as llama-server's)."""
         view = self.native.view_for(item)
-        if view is None or (index <= self.running and view is self.view):
+        if view is None or self.views.get(index) is view:
             return
-        if self.view is not None and view is not self.view:
-            self.view.end()
-        self.running, self.view = index, view
+        if index in self.views:
+            self.views.pop(index).end()
+        self.views[index] = view
         answer = self.answers[index]
         view.begin(answer.kind, answer.request, answer.parsed)
 
-    def end_view(self) -> None:
-        if self.view is not None:
-            self.view.end()
+    def end_view(self, index: int | None = None) -> None:
+        """The views of the answers still running (of answer ``index`` only) end."""
+        for key in list(self.views) if index is None else [index]:
+            view = self.views.pop(key, None)
+            if view is not None:
+                view.end()
 
     def step(self, step: Step) -> None:
         answer = self.answers[step.index]
         self._begin(step.index, step.chunk or step.progress or step.summary)
         # llama-server's begin event of a later task (none where progress events went instead)
-        begins = step.index > 0 and self.stream and not answer.progress_sent
+        begins = (
+            step.index > 0
+            and self.first_of_task[step.index]
+            and self.stream
+            and not answer.progress_sent
+        )
         if step.progress is not None:
             self.events.write(answer.on_progress(step.progress))
             return
         if step.summary is None:
-            if self.view is not None:
-                self.view.on_chunk(step.chunk)
+            view = self.views.get(step.index)
+            if view is not None:
+                view.on_chunk(step.chunk)
             events: list[Any] = answer.on_chunk(step.chunk)
             if begins and answer.n_tokens == 1:
                 events = [None, *events]
             self.events.write(events)
             return
         summary = step.summary
-        self.end_view()
+        self.end_view(step.index)
         if summary.cancelled or gone(self.request):
             self.cancelled = True
             return
         if begins and answer.n_tokens == 0:
             self.events.write([None])
-        self.problem = self.native.identity_problem()
+        self.problem = self.problem or self.native.identity_problem()
         if self.problem is not None:  # no receipt: the run stops here
             self.control.cancel()
             return
         if self.stream:
             self.events.write(answer.final_events(summary))
         else:
-            self.results.append(answer.whole(summary))
+            self.results[step.index] = answer.whole(summary)
         self.native.record(summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), answer.kind)
 
     def end(self, _: Any = None) -> None:
@@ -207,4 +248,5 @@ class RunWriter:
             # llama-server ends its own /completion stream without [DONE]; the OpenAI ones with it
             self.events.finish(b"" if self.kind == LLAMA_COMPLETION else b"data: [DONE]\n\n")
         else:
-            write_json(self.request, 200, dumps(merged(self.kind, self.results)))
+            results = [self.results[i] for i in sorted(self.results)]
+            write_json(self.request, 200, dumps(merged(self.kind, results)))

@@ -1,0 +1,329 @@
+"""A request's several completions (``n_cmpl``, alias ``n``) and several prompts on several slots.
+
+On test_parallel's ``--parallel 4 -kvu`` server (real HTTP on loopback, the real default
+model): each choice is bit-identical to the same request alone with ``n`` 1 on the one-slot
+server (child ``j`` of a seeded request seeded ``seed + j``, as llama-server seeds its child
+tasks), streamed and not, and equal to a real llama-server ``-np 4 -kvu``'s choices; the
+choices of one request run at once (decode rows outnumber decode calls while it runs); a
+three-prompt /completion equals each prompt alone; every answer's receipts check ``valid`` and
+are refused once any choice's text changes, and replay identically answer by answer; a refusal (``n`` 0, 5 on 4 slots, a string, with a
+bad grammar) is llama-server's status and message; the official ``openai`` client reads
+``n=2``; a client leaving stops every one of its choices within a token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import pytest_twisted
+from twisted.internet.threads import deferToThread
+
+from bankml import api
+from bankml.engine_cupy.engine import Engine
+from bankml.receipts.check import VALID, check_receipt
+from bankml.receipts.replay import ReplayEngine, replay_in_process
+from tests.events import until
+from tests.support import DEFAULT_SHA256, LlamaServer
+from tests.test_native_serve import N_CTX, Served, apost, get, post, shared_served, sse_events
+from tests.test_parallel import N_SLOTS, _stream_then_leave, parallel_served
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def parallel(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
+    """test_parallel's ``--parallel 4 -kvu`` server."""
+    return parallel_served(default_model, default_fork, tmp_path_factory)
+
+
+@pytest.fixture
+def alone_server(default_model: Path, default_fork: Path) -> Served:
+    """test_native_serve's one-slot server."""
+    return shared_served(default_model, default_fork)
+
+
+@pytest.fixture(scope="module")
+def llama_np4(default_model: Path, llama_server_bin: Path):
+    """A real llama-server with four slots and one unified cache, as the bankml server."""
+    with LlamaServer(
+        default_model, args=["-np", str(N_SLOTS), "-kvu"], binary=llama_server_bin
+    ) as s:
+        yield s
+
+
+def _seeded_chat(**extra: Any) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": "Tell me a joke."}],
+        "temperature": 0.9,
+        "seed": 41,
+        "max_tokens": 12,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "cache_prompt": False,
+        **extra,
+    }
+
+
+async def _checked(served: Served, body: dict[str, Any], answer: bytes) -> str:
+    """check-receipt's verdict on ``answer`` with the server's published key."""
+    key = json.loads((await deferToThread(get, served.url + "/bankml/key"))[2])["public_key"]
+    return check_receipt(json.dumps(body).encode(), answer, key)
+
+
+async def _raw(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    status, _, data = await deferToThread(post, url, body)
+    return status, data
+
+
+def _shared_decodes(served: Served) -> tuple[int, int]:
+    stats = served.native.bridge.scheduler.stats
+    return stats.decode_calls, stats.decode_rows
+
+
+def _choice(answer: dict[str, Any]) -> dict[str, Any]:
+    """A chat choice as compared: its text, finish reason and logprob entries."""
+    choice = answer["choices"][0]
+    return {k: choice.get(k) for k in ("message", "finish_reason", "logprobs")}
+
+
+def _stream_choices(events: list[Any]) -> dict[int, dict[str, Any]]:
+    """Per choice index: its text, logprob entries, finish reason and events, in order."""
+    out: dict[int, dict[str, Any]] = {}
+    last = None
+    for e in events:
+        if e in (None, "[DONE]"):
+            continue
+        index = e["choices"][0]["index"] if e["choices"] else last
+        last = index
+        got = out.setdefault(index, {"text": "", "entries": [], "finish": None, "events": []})
+        got["events"].append(e)
+        for c in e["choices"]:
+            got["text"] += c["delta"].get("content") or ""
+            got["entries"] += (c.get("logprobs") or {}).get("content") or []
+            got["finish"] = c["finish_reason"] or got["finish"]
+    return out
+
+
+@pytest_twisted.ensureDeferred
+async def test_three_seeded_chat_choices_are_each_request_alone_and_llama_servers(
+    parallel: Served, alone_server: Served, llama_np4: LlamaServer
+) -> None:
+    body = _seeded_chat(n=3)
+    calls, rows = _shared_decodes(parallel)
+    status, raw = await _raw(parallel.url + CHAT_PATH, body)
+    calls, rows = _shared_decodes(parallel)[0] - calls, _shared_decodes(parallel)[1] - rows
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert rows > calls > 0  # the three choices' decode steps were shared
+    print(f"n 3 on {N_SLOTS} slots: {rows} decode rows in {calls} decode calls")
+    alone = [
+        json.loads((await _raw(alone_server.url + CHAT_PATH, _seeded_chat(seed=41 + j)))[1])
+        for j in range(3)
+    ]
+    for j, (choice, single) in enumerate(zip(answer["choices"], alone)):
+        assert {k: choice.get(k) for k in ("message", "finish_reason", "logprobs")} == _choice(
+            single
+        ), j
+        assert (
+            answer["bankml_receipt"][j]["completion_tokens_sha256"]
+            == single["bankml_receipt"]["completion_tokens_sha256"]
+        )
+        assert answer["bankml_receipt"][j]["sampler"]["seed"] == 41 + j
+    assert len({c["message"]["content"] for c in answer["choices"]}) == 3
+    assert answer["usage"] == alone[0]["usage"]  # the first choice's, as llama-server's
+    _, ref = await apost(llama_np4.url + CHAT_PATH, body)
+    assert [c["message"]["content"] for c in answer["choices"]] == [
+        c["message"]["content"] for c in ref["choices"]
+    ]
+    assert [c["index"] for c in ref["choices"]] == [0, 1, 2]
+    assert await _checked(parallel, body, raw) == VALID
+    changed = json.loads(raw)
+    changed["choices"][2]["message"]["content"] += " "
+    verdict = await _checked(parallel, body, json.dumps(changed).encode())
+    assert verdict.startswith("refuse: answer 2: response_sha256"), verdict
+    dropped = json.loads(raw)
+    del dropped["choices"][1], dropped["bankml_receipt"][1]
+    assert (await _checked(parallel, body, json.dumps(dropped).encode())).startswith("refuse:")
+
+
+@pytest_twisted.ensureDeferred
+async def test_three_streamed_chat_choices_are_each_stream_alone(
+    parallel: Served, alone_server: Served, llama_np4: LlamaServer
+) -> None:
+    body = _seeded_chat(n=3, stream=True, stream_options={"include_usage": True})
+    status, raw = await _raw(parallel.url + CHAT_PATH, body)
+    assert status == 200
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]" and None not in events  # children send no begin event
+    got = _stream_choices(events)
+    assert sorted(got) == [0, 1, 2]
+    for j in range(3):
+        _, single = await _raw(alone_server.url + CHAT_PATH, {**body, "n": 1, "seed": 41 + j})
+        want = _stream_choices(sse_events(single))[0]
+        for key in ("text", "entries", "finish"):
+            assert got[j][key] == want[key], (j, key)
+        own = got[j]["events"]
+        assert own[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+        assert own[-1]["choices"] == [] and "usage" in own[-1]  # include_usage: a usage chunk
+        assert [("bankml_receipt" in e) for e in own] == [False] * (len(own) - 1) + [True]
+    _, ref = await _raw(llama_np4.url + CHAT_PATH, body)
+    ref_got = _stream_choices(sse_events(ref))
+    assert {j: got[j]["text"] for j in got} == {j: ref_got[j]["text"] for j in ref_got}
+    assert await _checked(parallel, body, raw) == VALID
+    piece = json.dumps(got[1]["events"][1]["choices"][0]["delta"]["content"])[1:-1].encode()
+    changed = raw.replace(
+        b'"index":1,"delta":{"content":"' + piece, b'"index":1,"delta":{"content":"X' + piece, 1
+    )
+    assert changed != raw
+    assert (await _checked(parallel, body, changed)).startswith("refuse: answer 1:")
+
+
+@pytest_twisted.ensureDeferred
+async def test_three_prompts_run_at_once_each_equal_to_it_alone(
+    parallel: Served, alone_server: Served
+) -> None:
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):"]
+    body = {"prompt": prompts, "n_predict": 16, "n_probs": 2, "cache_prompt": False, "seed": 3}
+    calls, rows = _shared_decodes(parallel)
+    status, raw = await _raw(parallel.url + "/completion", body)
+    now = _shared_decodes(parallel)
+    assert status == 200
+    assert now[1] - rows > now[0] - calls > 0
+    answer = json.loads(raw)
+    assert [a["index"] for a in answer] == [0, 1, 2]
+    for a, prompt in zip(answer, prompts):
+        _, single = await apost(alone_server.url + "/completion", {**body, "prompt": prompt})
+        for key in ("content", "completion_probabilities", "tokens_predicted", "stop_type"):
+            assert a[key] == single[key], (prompt, key)
+    assert len({a["id_slot"] for a in answer}) == 3  # each its own slot
+    assert await _checked(parallel, body, raw) == VALID
+    contents = [a["content"] for a in answer]
+    answer[1]["content"] += "!"
+    assert (await _checked(parallel, body, json.dumps(answer).encode())).startswith(
+        "refuse: answer 1:"
+    )
+    streamed = {**body, "stream": True}
+    status, raw = await _raw(parallel.url + "/completion", streamed)
+    events = sse_events(raw)
+    assert events.count(None) == 2  # the later prompts' task begins, as llama-server's
+    assert "[DONE]" not in events
+    texts = ["".join(e["content"] for e in events if e and e["index"] == i) for i in range(3)]
+    assert texts == contents
+    assert await _checked(parallel, streamed, raw) == VALID
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_prompts_two_completions_each_in_llama_servers_task_order(
+    parallel: Served, llama_np4: LlamaServer, default_model: Path
+) -> None:
+    body = {"prompt": ["A list:", "B is"], "max_tokens": 4, "seed": 5, "n": 2}
+    status, raw = await _raw(parallel.url + "/v1/completions", body)
+    assert status == 200
+    ours = json.loads(raw)
+    _, ref = await apost(llama_np4.url + "/v1/completions", body)
+    # prompt p's completion j is choice p * n + j, seeded seed + j
+    assert [(c["index"], c["text"]) for c in ours["choices"]] == [
+        (c["index"], c["text"]) for c in ref["choices"]
+    ]
+    assert [r["sampler"]["seed"] for r in ours["bankml_receipt"]] == [5, 6, 5, 6]
+    assert await _checked(parallel, body, raw) == VALID
+    # the replay runs each answer alone (prompt i // n, its receipt's seed) on a fresh engine
+    engine = Engine.open(default_model, n_ctx=N_CTX, device="cpu")
+    verdict = replay_in_process(
+        json.dumps(body).encode(), raw, ReplayEngine(engine, DEFAULT_SHA256)
+    )
+    assert verdict.startswith("identical: 4 answers"), verdict
+    _, ours_llama = await apost(parallel.url + "/completion", body)
+    _, ref_llama = await apost(llama_np4.url + "/completion", body)
+    assert [(a["index"], a["content"]) for a in ours_llama] == [
+        (a["index"], a["content"]) for a in ref_llama
+    ]
+
+
+BAD = [
+    {"n": 5},
+    {"n_cmpl": 5},
+    {"n": 0},
+    {"n": "2"},
+    {"n": 2, "grammar": "root ::= [a-"},
+    {"n": 2, "json_schema": {"type": "object", "properties": 5}},
+]
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_n_is_llama_servers_refusal_and_loses_nothing(
+    parallel: Served, llama_np4: LlamaServer
+) -> None:
+    for extra in BAD:
+        body = {"prompt": "Hi", "n_predict": 2, **extra}
+        ours = await apost(parallel.url + "/completion", body)
+        ref = await apost(llama_np4.url + "/completion", body)
+        assert ours[0] == ref[0] and 400 <= ours[0] < 500, (extra, ours, ref)
+        assert ours[1]["error"]["message"] == ref[1]["error"]["message"], extra
+    status, answer = await apost(parallel.url + "/completion", {"prompt": "Hi", "n_predict": 2})
+    assert status == 200 and answer["tokens_predicted"] == 2
+    assert parallel.native.bridge.processing == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_openai_client_reads_n_2(parallel: Served) -> None:
+    def ask() -> Any:
+        client = openai.OpenAI(base_url=parallel.url + "/v1", api_key="none", max_retries=0)
+        return client.chat.completions.create(
+            model="any",
+            messages=[{"role": "user", "content": "Say hi."}],
+            n=2,
+            seed=8,
+            max_tokens=8,
+        )
+
+    completion = await deferToThread(ask)
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert all(c.message.content for c in completion.choices)
+    receipts = completion.model_extra["bankml_receipt"]
+    assert [r["sampler"]["seed"] for r in receipts] == [8, 9]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_leaving_stops_every_choice_within_one_token(parallel: Served) -> None:
+    bridge = parallel.native.bridge
+    earlier = {id(c) for c in bridge.scheduler.stats.runs}
+    body = _seeded_chat(
+        n=3, stream=True, max_tokens=300, ignore_eos=True, logprobs=False, top_logprobs=None
+    )
+    body = {k: v for k, v in body.items() if v is not None}
+    seen = await deferToThread(_stream_then_leave, parallel.url, body)
+    assert b'"content":"' in seen
+    await until(lambda: bridge.processing == 0, "the slots to be free")
+    runs = [c for c in bridge.scheduler.stats.runs if id(c) not in earlier]
+    assert len(runs) == 3
+    for control in runs:
+        # at most the token of the forward pass under way when the cancel came (a choice still
+        # in its prefill samples its first one), then its summary
+        assert control.steps_at_cancel is not None
+        assert control.steps - control.steps_at_cancel <= 2, (
+            control.steps,
+            control.steps_at_cancel,
+        )
+        assert control.steps < 100
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_python_api_answers_n_choices_as_http_does(parallel: Served) -> None:
+    body = _seeded_chat(n=2, max_tokens=8)
+    got = await deferToThread(api.chat, body, native=parallel.native)
+    _, over_http = await apost(parallel.url + CHAT_PATH, body)
+    assert got["choices"] == over_http["choices"]
+    assert [r["sampler"]["seed"] for r in got["bankml_receipt"]] == [41, 42]
+    raw = json.dumps(got).encode()
+    assert await _checked(parallel, body, raw) == VALID
+    events = await deferToThread(lambda: list(api.chat_stream(body, native=parallel.native)))
+    texts = _stream_choices(events)
+    assert {j: texts[j]["text"] for j in texts} == {
+        c["index"]: c["message"]["content"] for c in got["choices"]
+    }
