@@ -29,18 +29,20 @@ from typing import Any
 
 import numpy as np
 from numba import prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from bankml.engine_cupy.kernels import exact_iquants
 from bankml.engine_cupy.kernels.exact_attention import one_row_f16
 from bankml.engine_cupy.kernels.exact_decode import (
     _ABSENT,
+    _GRID,
     _IQ4,
     _KQUANT,
     _MATMUL,
     PARALLEL_MIN_VISITS,
     DecodePlan,
     _CellViews,
+    families_present,
 )
 from bankml.engine_cupy.kernels.exact_iquants import _XS_T, _XS_VD
 from bankml.engine_cupy.kernels.exact_iquants import _dot as _iq4_dot
@@ -320,30 +322,42 @@ def _dots(kquant, code, parallel, raw, qk, xq, xd, bsums, out):  # pragma: no co
         _dot_serial(kquant, code, raw, qk, xq, xd, bsums, out)
 
 
-@njit
-def _part_product(family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
-    """exact_decode._part_product for each row of x [B, n_in]: out [B, the part's rows]."""
-    if family == _MATMUL:
-        _matmul_rows(code, parallel, raw, x, table, out)
-    elif family == _KQUANT:  # quantize_row_q8_K of each row, then vec_dot (or gemv)
-        q, d, bsums = _quantize_q8_K(x, 0)
-        _dots(True, code, parallel, raw, QK_K, q, d, bsums, out)
-    elif family == _IQ4:
-        if code == _XS_VD or code == _XS_T:  # IQ4_XS: q8_K
-            q, d, _ = _quantize_q8_K(x, 0)
-            _dots(False, code, parallel, raw, QK_K, q, d, np.zeros((0, 0), np.int16), out)
-        else:  # IQ4_NL: q8_0
-            q, _, _, d, _ = _quantize_q8_0(x, table)
-            _dots(False, code, parallel, raw, QK, q, d, np.zeros((0, 0), np.int16), out)
-    else:  # the grid and TQ types' product decodes each weight row once for every x row
-        kind, f_vd, f_t, grid_table, scales, wd = grid
-        exact_iquants.grid_row_product(
-            code, kind, f_vd, f_t, parallel, raw, grid_table, scales, wd, x, out
-        )
+def _part_product(families, family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
+    """exact_decode._part_product for each row of x [B, n_in]: out [B, the part's rows].
+    Compiled code only: the body is ``_part_product_for``'s, for the families of ``families``."""
+    raise TypeError("exact_batch._part_product runs in compiled code only")
+
+
+@overload(_part_product)
+def _part_product_for(families, family, code, parallel, raw, grid, x, table, out):
+    """_part_product's body with the branch of each family the model lacks dropped (as
+    exact_decode's): only the present families' batch products are typed and compiled."""
+    matmul, kquant, iq4, grid_types = families_present(families)
+
+    def body(families, family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
+        if matmul and family == _MATMUL:
+            _matmul_rows(code, parallel, raw, x, table, out)
+        elif kquant and family == _KQUANT:  # quantize_row_q8_K of each row, then vec_dot (or gemv)
+            q, d, bsums = _quantize_q8_K(x, 0)
+            _dots(True, code, parallel, raw, QK_K, q, d, bsums, out)
+        elif iq4 and family == _IQ4:
+            if code == _XS_VD or code == _XS_T:  # IQ4_XS: q8_K
+                q, d, _ = _quantize_q8_K(x, 0)
+                _dots(False, code, parallel, raw, QK_K, q, d, np.zeros((0, 0), np.int16), out)
+            else:  # IQ4_NL: q8_0
+                q, _, _, d, _ = _quantize_q8_0(x, table)
+                _dots(False, code, parallel, raw, QK, q, d, np.zeros((0, 0), np.int16), out)
+        elif grid_types and family == _GRID:  # each weight row decoded once for every x row
+            kind, f_vd, f_t, grid_table, scales, wd = grid
+            exact_iquants.grid_row_product(
+                code, kind, f_vd, f_t, parallel, raw, grid_table, scales, wd, x, out
+            )
+
+    return body
 
 
 @njit
-def _linear(matrix, x, table):  # pragma: no cover - compiled
+def _linear(matrix, x, table, families):  # pragma: no cover - compiled
     """exact_decode._linear for each row of x [B, n_in]: each part's product side by side,
     plus its bias."""
     m = x.shape[0]
@@ -358,10 +372,10 @@ def _linear(matrix, x, table):  # pragma: no cover - compiled
             continue
         parallel = m * rows * x.shape[1] >= PARALLEL_MIN_MACS
         if rows == n_out:
-            _part_product(family, code, parallel, raw, grid, x, table, out)
+            _part_product(families, family, code, parallel, raw, grid, x, table, out)
         else:
             part = np.empty((m, rows), np.float32)
-            _part_product(family, code, parallel, raw, grid, x, table, part)
+            _part_product(families, family, code, parallel, raw, grid, x, table, part)
             out[:, start : start + rows] = part
         for t in range(m):
             for i in range(bias.shape[0]):
@@ -401,14 +415,14 @@ def _rope(x, cos, sin, neox, fused_pairs):  # pragma: no cover - compiled
 
 @njit
 def attention_inputs(
-    x, attn_norm, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, eps, table
+    x, attn_norm, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, eps, table, families
 ):  # pragma: no cover - compiled
     """exact_decode._attention up to the store, for each row of x [B, n_embd] (cos/sin [B,
     hd/2]: each row's position): Q [B, n_head, hd] (RoPE'd, gemma3's scale), K and V [B,
     n_head_kv, hd]."""
     n_head, n_head_kv, head_dim = shape
     h = _norm(x, attn_norm, eps)
-    y = _linear(qkv, h, table)
+    y = _linear(qkv, h, table, families)
     nq, nk = n_head * head_dim, n_head_kv * head_dim
     q = _heads(y, 0, n_head, head_dim)
     k = _heads(y, nq, n_head_kv, head_dim)
@@ -471,25 +485,28 @@ def _glu(gu, n_ff, gelu):  # pragma: no cover - compiled
 
 
 @njit
-def layer_rest(x, attn, norms, wo, gate_up, down, n_ff, eps, table, gelu):  # pragma: no cover
+def layer_rest(
+    x, attn, norms, wo, gate_up, down, n_ff, eps, table, gelu, families
+):  # pragma: no cover - compiled
     """exact_decode.decode_layer after the attention, for each row: the output product
     [+ post-norm], the residual, the FFN [+ post-norm], the residual."""
     _, ffn_norm, _, _, post_attn_norm, post_ffw_norm = norms
-    out = _linear(wo, attn, table)
+    out = _linear(wo, attn, table, families)
     if post_attn_norm.shape[0]:
         out = _norm(out, post_attn_norm, eps)
     x = x + out
     h = _norm(x, ffn_norm, eps)
-    out = _linear(down, _glu(_linear(gate_up, h, table), n_ff, gelu), table)
+    gu = _linear(gate_up, h, table, families)
+    out = _linear(down, _glu(gu, n_ff, gelu), table, families)
     if post_ffw_norm.shape[0]:
         out = _norm(out, post_ffw_norm, eps)
     return x + out
 
 
 @njit
-def batch_output(x, norm, output, eps, table):  # pragma: no cover - compiled
+def batch_output(x, norm, output, eps, table, families):  # pragma: no cover - compiled
     """The output norm and the logits product of every row; [B, n_vocab]."""
-    return _linear(output, _norm(x, norm, eps), table)
+    return _linear(output, _norm(x, norm, eps), table, families)
 
 
 class BatchStep:
@@ -528,6 +545,7 @@ class BatchStep:
                 plan.q_scale,
                 plan.eps,
                 F16_TABLE,
+                plan.families,
             )
             attn = np.empty((x.shape[0], n_head * head_dim), F32)
             for i in rows:
@@ -543,6 +561,16 @@ class BatchStep:
                     attn,
                 )
             x = layer_rest(
-                x, attn, norms, wo, gate_up, down, plan.n_ff, plan.eps, F16_TABLE, plan.gelu
+                x,
+                attn,
+                norms,
+                wo,
+                gate_up,
+                down,
+                plan.n_ff,
+                plan.eps,
+                F16_TABLE,
+                plan.gelu,
+                plan.families,
             )
-        return batch_output(x, plan.output_norm, plan.output, plan.eps, F16_TABLE)
+        return batch_output(x, plan.output_norm, plan.output, plan.eps, F16_TABLE, plan.families)

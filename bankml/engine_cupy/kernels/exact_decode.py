@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from bankml.engine_cupy.kernels import exact_attention, exact_iquants, exact_kquants
 from bankml.engine_cupy.kernels.exact_attention import one_row_f16
@@ -55,6 +57,7 @@ _NO_MASK = np.zeros((1, 1), F32)  # a placeholder the kernels never read
 PARALLEL_MIN_VISITS = 2048
 # the kernel family of a product's part (what runs its one-row product), and a part's absence
 _MATMUL, _KQUANT, _IQ4, _GRID, _ABSENT = 0, 1, 2, 3, -1
+FAMILIES = (_MATMUL, _KQUANT, _IQ4, _GRID)
 MAX_PARTS = 3  # a product's parts: Q/K/V of three types at most
 _NO_ROWS = np.zeros((0, 0), np.uint8)
 
@@ -70,27 +73,45 @@ def _norm(x: Any, weight: Any, eps: float) -> Any:
     return out
 
 
-@njit
-def _part_product(
-    family: int, code: int, parallel: bool, raw: Any, grid: Any, x: Any, table: Any, out: Any
-) -> None:
+def families_present(families: Any) -> tuple[bool, ...]:
+    """Which of FAMILIES the type of a plan's ``families`` says the model has (None: absent)."""
+    return tuple(not isinstance(t, types.NoneType) for t in families)
+
+
+def _part_product(families, family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
     """One part's one-row product into out [1, its rows], by its family's kernels (``grid``:
-    a grid or TQ matrix's other arguments, placeholders otherwise)."""
-    if family == _MATMUL:
-        row_product(code, parallel, raw, x, table, out)
-    elif family == _KQUANT:
-        exact_kquants.row_product(code, parallel, raw, x, out)
-    elif family == _IQ4:
-        exact_iquants.row_product(code, parallel, raw, x, table, out)
-    else:
-        kind, f_vd, f_t, grid_table, scales, d = grid
-        exact_iquants.grid_row_product(
-            code, kind, f_vd, f_t, parallel, raw, grid_table, scales, d, x, out
-        )
+    a grid or TQ matrix's other arguments, placeholders otherwise). Compiled code only: the
+    body is ``_part_product_for``'s, for the families of ``families``."""
+    raise TypeError("exact_decode._part_product runs in compiled code only")
+
+
+@overload(_part_product)
+def _part_product_for(families, family, code, parallel, raw, grid, x, table, out):
+    """_part_product's body with the branch of each family the model lacks dropped (the
+    constants below): only the present families' one-row products are typed and compiled.
+    The body computes nothing itself, so Numba's default options (not njit's float settings)
+    change no bits; it is compiled into the calling kernel and cached with it. (Numba wants
+    this function's parameters and the body's alike, annotations included: none.)"""
+    matmul, kquant, iq4, grid_types = families_present(families)
+
+    def body(families, family, code, parallel, raw, grid, x, table, out):
+        if matmul and family == _MATMUL:
+            row_product(code, parallel, raw, x, table, out)
+        elif kquant and family == _KQUANT:
+            exact_kquants.row_product(code, parallel, raw, x, out)
+        elif iq4 and family == _IQ4:
+            exact_iquants.row_product(code, parallel, raw, x, table, out)
+        elif grid_types and family == _GRID:
+            kind, f_vd, f_t, grid_table, scales, d = grid
+            exact_iquants.grid_row_product(
+                code, kind, f_vd, f_t, parallel, raw, grid_table, scales, d, x, out
+            )
+
+    return body
 
 
 @njit
-def _linear(matrix: Any, x: Any, table: Any) -> Any:
+def _linear(matrix: Any, x: Any, table: Any, families: Any) -> Any:
     """Linear.__call__ (each Linear of a layer's Q/K/V or gate/up in turn) for one row x
     [1, n_in]: each part (family, code, parallel, raw, bias, grid) times x, plus its bias, side
     by side. Each part rounds x itself: the same bits as the stacks' one rounding per rule."""
@@ -104,10 +125,10 @@ def _linear(matrix: Any, x: Any, table: Any) -> Any:
         if family == _ABSENT:
             continue
         if rows == n_out:  # the only part: straight into the output
-            _part_product(family, code, parallel, raw, grid, x, table, out)
+            _part_product(families, family, code, parallel, raw, grid, x, table, out)
         else:
             part = np.empty((1, rows), np.float32)
-            _part_product(family, code, parallel, raw, grid, x, table, part)
+            _part_product(families, family, code, parallel, raw, grid, x, table, part)
             out[0, start : start + rows] = part[0]
         for i in range(bias.shape[0]):
             out[0, start + i] += bias[i]
@@ -153,13 +174,14 @@ def _attention(
     n_threads: int,
     eps: float,
     table: Any,
+    families: Any,
 ) -> Any:
     """model.attention with ExactOps.attend for one token: Q/K/V, their norms, RoPE, gemma3's
     Q scale, the f16 cache store at ``pos`` (and at the ring cell), ggml's one-row flash
     attention over the cells attended; [1, n_head*hd]. ``cells``: see decode_layer."""
     k_store, v_store, k_att, v_att, cell, n_cells, n_kv, mask, has_mask = cells
     n_head, n_head_kv, head_dim = shape
-    y = _linear(qkv, h, table)
+    y = _linear(qkv, h, table, families)
     nq, nk = n_head * head_dim, n_head_kv * head_dim
     q = _heads(y, 0, n_head, head_dim)
     k = _heads(y, nq, n_head_kv, head_dim)
@@ -210,9 +232,12 @@ def _glu(gu: Any, n_ff: int, gelu: Any) -> Any:
 
 
 @njit
-def _feed_forward(h: Any, gate_up: Any, down: Any, n_ff: int, gelu: Any, table: Any) -> Any:
+def _feed_forward(
+    h: Any, gate_up: Any, down: Any, n_ff: int, gelu: Any, table: Any, families: Any
+) -> Any:
     """model.feed_forward: down(glu(gate(h), up(h))) for one row h [1, n_embd]."""
-    return _linear(down, _glu(_linear(gate_up, h, table), n_ff, gelu), table)
+    gu = _linear(gate_up, h, table, families)
+    return _linear(down, _glu(gu, n_ff, gelu), table, families)
 
 
 @njit
@@ -244,6 +269,7 @@ def decode_layer(
     eps: float,
     table: Any,
     gelu: Any,
+    families: Any,
 ) -> Any:
     """model.block for one token x [1, n_embd] at ``pos``; returns the layer's output.
 
@@ -252,7 +278,7 @@ def decode_layer(
     shape (n_head, n_head_kv, head_dim); cells: (K and V position stores, K and V attended,
     the ring cell to store at or -1, the cells attended, ggml's n_kv, the mask [1, cells] or a
     placeholder, has_mask), the attended arrays being the stores themselves except for a layer
-    in the SWA ring."""
+    in the SWA ring; families: DecodePlan.families (its type chooses the products compiled)."""
     attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffw_norm = norms
     h = _norm(x, attn_norm, eps)
     attn = _attention(
@@ -271,22 +297,23 @@ def decode_layer(
         n_threads,
         eps,
         table,
+        families,
     )
-    out = _linear(wo, attn, table)
+    out = _linear(wo, attn, table, families)
     if post_attn_norm.shape[0]:
         out = _norm(out, post_attn_norm, eps)
     x = _add(x, out)
     h = _norm(x, ffn_norm, eps)
-    out = _feed_forward(h, gate_up, down, n_ff, gelu, table)
+    out = _feed_forward(h, gate_up, down, n_ff, gelu, table, families)
     if post_ffw_norm.shape[0]:
         out = _norm(out, post_ffw_norm, eps)
     return _add(x, out)
 
 
 @njit
-def decode_output(x: Any, norm: Any, output: Any, eps: float, table: Any) -> Any:
+def decode_output(x: Any, norm: Any, output: Any, eps: float, table: Any, families: Any) -> Any:
     """The output norm and the logits product of the last token; [1, n_vocab]."""
-    return _linear(output, _norm(x, norm, eps), table)
+    return _linear(output, _norm(x, norm, eps), table, families)
 
 
 # --- the plan: each layer's arguments, laid out once per model -----------------------------------
@@ -381,6 +408,10 @@ class DecodePlan:
     eps: F32
     swa: tuple[bool, ...]
     gelu: np.ndarray
+    # per FAMILIES entry True where a matrix of the model is of that family, None where none
+    # is: the steps' compiled code holds only the present families' products (one compile
+    # per set of families, each cached)
+    families: tuple[bool | None, ...]
 
     @classmethod
     def build(cls, hp: Any, weights: Any, gelu: Any | None) -> DecodePlan | None:
@@ -389,10 +420,12 @@ class DecodePlan:
         if output is None:
             return None
         layers = []
+        present = {part[0] for part in output}
         for il, layer in enumerate(weights.layers):
             mats = [_matrix(m) for m in (layer.qkv, [layer.wo], layer.gate_up, [layer.down])]
             if any(m is None for m in mats):
                 return None
+            present.update(part[0] for m in mats for part in m)  # type: ignore[union-attr]
             if _output_widths(layer.gate_up) != [("gate", hp.n_ff), ("up", hp.n_ff)]:
                 return None
             norms = tuple(
@@ -421,6 +454,7 @@ class DecodePlan:
             eps=F32(hp.rms_eps),
             swa=tuple(hp.swa_layers),
             gelu=_f32(gelu),
+            families=tuple(True if f in present else None for f in FAMILIES),
         )
 
     def step(
@@ -456,8 +490,9 @@ class DecodePlan:
                 self.eps,
                 F16_TABLE,
                 self.gelu,
+                self.families,
             )
-        return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE)
+        return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE, self.families)
 
 
 class _CellViews:
