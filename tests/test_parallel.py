@@ -260,7 +260,7 @@ def parallel(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> 
 
 def parallel_served(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
     """``bankml serve --native --parallel 4 -kvu --ctx 2048 --metrics`` on ports 0, in this
-    process (NativeService as tap starts it), one for the whole session."""
+    process (NativeService as tap starts it), one for the whole test run."""
     if not _PARALLEL:
         slot_dir = tmp_path_factory.mktemp("parallel-slots")
         svc = make_native_service(
