@@ -68,9 +68,10 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
+def tally_counts(tally: Tally, obj: dict[str, Any], index: int = 0) -> None:
     """Token counts from ``usage``, else llama-server's own fields, else its ``timings`` (a chat
-    stream sends usage only when asked with stream_options.include_usage, timings always)."""
+    stream sends usage only when asked with stream_options.include_usage, timings always); the
+    finish reason of choice ``index``."""
     usage = obj.get("usage")
     if isinstance(usage, dict):
         tally.set_counts(usage.get("prompt_tokens"), usage.get("completion_tokens"))
@@ -86,7 +87,7 @@ def tally_counts(tally: Tally, obj: dict[str, Any]) -> None:
         if tally.completion_tokens is None:
             tally.set_counts(None, timings.get("predicted_n"))
         tally.set_end(None, cache_n)
-    choice = first_choice(obj)
+    choice = first_choice(obj, index)
     if choice is not None:  # what the signed receipt says of the answer's end
         tally.set_end(choice.get("finish_reason"), None)
     if obj.get("stop") is True:  # /completion's last object
@@ -132,29 +133,28 @@ def add_whole_receipts(
 ) -> bool:
     """Add ``bankml_receipt`` to a non-streamed answer of this kind; False when it is not one
     (passed through as it is, without a receipt)."""
-    if kind == CHAT:
-        choice = first_choice(answer)
-        if choice is None or not isinstance(answer, dict):
-            return False
-        tally = new_tally()
-        message = choice.get("message")
-        tally.add_text(_text(message.get("content")) if isinstance(message, dict) else "")
-        tally_logprobs(tally, choice)
-        tally_counts(tally, answer)
-        answer["bankml_receipt"] = issue(tally)
-        return True
-    if kind == OAI_COMPLETION:
+    if kind in (CHAT, OAI_COMPLETION):
         choices = answer.get("choices") if isinstance(answer, dict) else None
-        if not isinstance(choices, list) or not choices:
+        if not isinstance(choices, list) or not choices or first_choice(answer) is None:
             return False
         receipts = []
-        for choice in choices:
+        for i, choice in enumerate(choices):  # a request's prompts and n completions, in order
             tally = new_tally()
             choice = choice if isinstance(choice, dict) else {}
-            tally.add_text(_text(choice.get("text")))
+            if kind == CHAT:
+                message = choice.get("message")
+                tally.add_text(_text(message.get("content")) if isinstance(message, dict) else "")
+            else:
+                tally.add_text(_text(choice.get("text")))
             tally_logprobs(tally, choice)
-            if len(choices) == 1:  # llama-server's usage is the first prompt's only
+            if i == 0:  # llama-server's usage and timings are the first answer's
                 tally_counts(tally, answer)
+            else:
+                tally.set_end(choice.get("finish_reason"), None)
+                if i < getattr(tally.forwarded, "n_cmpl", 1):  # the first prompt's completion
+                    usage = answer.get("usage")
+                    if isinstance(usage, dict):
+                        tally.set_counts(usage.get("prompt_tokens"), None)
             receipts.append(issue(tally))
         answer["bankml_receipt"] = receipts[0] if len(receipts) == 1 else receipts
         return True
@@ -210,18 +210,20 @@ class StreamReading:
         self.clock = clock
         self.started = clock()
         self.tallies: dict[int, Tally] = {}
+        self.last_finished: Any = 0  # the index of the choice whose finish came last
         options = request_object(body).get("stream_options")
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         self.ends_with_done = kind in (CHAT, OAI_COMPLETION)  # those end with data: [DONE]
 
     def tally(self, index: Any) -> Tally:
+        """Answer ``index``'s tally (its completion's seed in the receipt's facts)."""
         key = index if isinstance(index, int) else 0
         if key not in self.tallies:
             self.tallies[key] = Tally(
                 request_body=self.body,
                 clock=self.clock,
                 started=self.started,
-                forwarded=self.forwarded,
+                forwarded=None if self.forwarded is None else self.forwarded.for_answer(key),
             )
         return self.tallies[key]
 
@@ -248,11 +250,13 @@ class StreamReading:
                 tally.add_text(_text(choice.get("text")))
             tally_logprobs(tally, choice)
             if choice.get("finish_reason") is not None:
-                tally_counts(tally, obj)
+                tally_counts(tally, obj, choice.get("index", 0))
+                self.last_finished = choice.get("index", 0)
                 if len(choices) == 1 and not (self.kind == CHAT and self.include_usage):
                     ended = tally
         if self.kind == CHAT and self.include_usage and not choices and "usage" in obj:
-            ended = self.tally(0)
+            # the usage event names no choice: it follows the finish of the one it counts
+            ended = self.tally(self.last_finished)
             tally_counts(ended, obj)
         return ended
 

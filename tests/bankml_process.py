@@ -36,6 +36,7 @@ class BankmlProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     threads: int = 2  # llama-server's -t with --spawn
+    llama_args: list[str] = field(default_factory=list)  # after ``--``: llama-server's own
 
     @property
     def url(self) -> str:
@@ -54,6 +55,8 @@ class BankmlProcess:
             "--ctx",
             "2048",
         ]
+        if self.llama_args:
+            args += ["--", *self.llama_args]
         if self.launcher == "twistd":
             pidfile = self.log.with_suffix(".pid")
             return [str(BIN / "twistd"), "-n", "--pidfile", str(pidfile), "bankml", *args]

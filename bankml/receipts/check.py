@@ -36,7 +36,7 @@ from typing import Any
 
 from bankml.receipts.answer import JSON, Unreadable, answer_of, answer_parts, read_answer
 from bankml.receipts.canonical import signed_bytes
-from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields
+from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields, n_cmpl_of
 from bankml.receipts.keys import ALG, keyid_of, load_public_key, verifies
 from bankml.receipts.sign import APIS, RECEIPT_VERSION, sha256_hex
 
@@ -110,7 +110,7 @@ def verified_receipts(
     except ValueError as err:
         raise Refused(f"the public key: {err}") from None
     request = _request_object(request_bytes)
-    n_cmpl = _n_cmpl(request)
+    n_cmpl = n_cmpl_of(request)
     if len(parts) % n_cmpl:
         raise Refused(
             f"the answer holds {len(parts)} answers, not a multiple of the {n_cmpl} completions "
@@ -131,16 +131,6 @@ def verified_receipts(
             raise Refused(f"answer {part.index}: {err.reason}") from None
         out.append(receipt)
     return out
-
-
-def _n_cmpl(request: dict[str, Any]) -> int:
-    """The completions asked for each prompt (``n_cmpl``, or its alias ``n``), as the engine
-    reads the field (a number truncated to an integer)."""
-    for name in ("n_cmpl", "n"):
-        value = request.get(name)
-        if isinstance(value, (int, float)):
-            return max(int(value), 1)
-    return 1
 
 
 def _request_object(request_bytes: bytes) -> dict[str, Any]:

@@ -19,11 +19,15 @@ sampler and the token limit are read from; it never fails on the messages); ``to
 body)`` is the whole converted request, or ``NotConverted`` for an input this module does not
 convert (images, files, tool calls and results, reasoning items: the replay says it cannot
 replay such a request).
+
+``n_cmpl_of(request)`` is how many completions a request asks of each prompt (``n_cmpl`` or
+``n``), for the receipts that number a request's answers as llama-server numbers its tasks.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 RESPONSES, MESSAGES = "responses", "messages"
@@ -219,3 +223,13 @@ def _anthropic_tool(tool: Any) -> dict[str, Any]:
             "parameters": copy.deepcopy(tool.get("input_schema", {})),
         },
     }
+
+
+def n_cmpl_of(request: Mapping[str, Any]) -> int:
+    """The completions a request asks for each prompt (``n_cmpl``, or its alias ``n``), as the
+    engine reads the field (a number truncated to an integer, at least 1)."""
+    for name in ("n_cmpl", "n"):
+        value = request.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return max(int(value), 1)
+    return 1

@@ -29,7 +29,7 @@ from bankml.engine_cupy.sampler import (
     resolve_seed,
 )
 from bankml.receipts.canonical import normalized, signed_bytes
-from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields
+from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields, n_cmpl_of
 from bankml.receipts.keys import ALG, SigningKey
 
 RECEIPT_VERSION = 2
@@ -176,6 +176,17 @@ class ForwardedRequest:
     stream: bool
     sampler: Mapping[str, Any]  # the request's sampler fields read over llama-server's defaults
     n_predict: int
+    n_cmpl: int = 1  # the completions llama-server answers for each prompt (``n_cmpl``/``n``)
+
+    def for_answer(self, index: int) -> ForwardedRequest:
+        """The request as answer ``index`` of it ran (answers numbered as llama-server numbers
+        its tasks: prompt ``p``'s completion ``j`` is ``p * n_cmpl + j``): completion ``j``
+        is seeded ``seed + j`` (uint32), as llama-server seeds its child tasks."""
+        completion = index % self.n_cmpl
+        seed = self.sampler.get("seed")
+        if not completion or not isinstance(seed, int):
+            return self
+        return replace(self, sampler={**self.sampler, "seed": (seed + completion) % 2**32})
 
 
 def _drawn_seed() -> int:
@@ -228,7 +239,9 @@ def forward_request(body: bytes, api: str) -> ForwardedRequest:
     settings = sampler_settings(replace(params, n_probs=n_probs))
     if api == MESSAGES:
         settings["seed"] = None  # llama-server draws it and does not say
-    return ForwardedRequest(api, sent, obj.get("stream") is True, settings, n_predict)
+    return ForwardedRequest(
+        api, sent, obj.get("stream") is True, settings, n_predict, n_cmpl_of(fields_read)
+    )
 
 
 def forwarded_facts(
