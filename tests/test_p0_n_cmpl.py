@@ -21,10 +21,10 @@ from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.keys import SigningKey, keygen
 from bankml.receipts.replay import IDENTICAL, open_replay_engine, replay_in_process
 from tests import support
-from tests.bankml_process import BankmlProcess
 from tests.test_check_receipt import edited
 from tests.test_n_cmpl import _seeded_chat
 from tests.test_native_serve import sse_events
+from tests.test_p0_receipts import post, spawned_p0
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
 
@@ -86,21 +86,11 @@ def answers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> list[tuple[str, str, bytes, bytes, int]]:
     log = tmp_path_factory.mktemp("log") / "p0-n.log"
-    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{support.free_port()}"]
-    engine += ["--receipt-key", str(key.path)]
     out = []
-    with BankmlProcess(default_model, default_fork, engine, log, llama_args=["-np", "3"]) as p0:
+    with spawned_p0(key, default_model, default_fork, llama_server_bin, log, ["-np", "3"]) as p0:
         for name, path, body, count in CASES:
             raw = json.dumps(body).encode()
-            conn = p0.connection()
-            try:
-                conn.request("POST", path, body=raw, headers={"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                answer = resp.read()
-            finally:
-                conn.close()
-            assert resp.status == 200, (name, answer[:300])
-            out.append((name, path, raw, answer, count))
+            out.append((name, path, raw, post(p0, path, raw), count))
     return out
 
 

@@ -15,6 +15,7 @@ client's ``responses.create`` parses the signed answers. Counts are printed.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,10 +175,22 @@ def p0(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Any:
     log = tmp_path_factory.mktemp("log") / "p0.log"
+    with spawned_p0(key, default_model, default_fork, llama_server_bin, log) as bankml:
+        yield bankml
+
+
+def spawned_p0(
+    key: SigningKey,
+    model: Path,
+    fork: Path,
+    llama_server_bin: Path,
+    log: Path,
+    llama_args: Sequence[str] = (),
+) -> BankmlProcess:
+    """``bankml serve --spawn`` signing with ``key`` (a context manager: stopped on exit)."""
     engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{support.free_port()}"]
     engine += ["--receipt-key", str(key.path)]
-    with BankmlProcess(default_model, default_fork, engine, log) as bankml:
-        yield bankml
+    return BankmlProcess(model, fork, engine, log, llama_args=list(llama_args))
 
 
 def post(p0: BankmlProcess, path: str, body: bytes) -> bytes:
