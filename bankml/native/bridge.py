@@ -36,13 +36,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
-from twisted.internet.defer import CancelledError, Deferred, fail
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.threads import blockingCallFromThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadable import isInIOThread
 from zope.interface import implementer
+
+from bankml.native.scheduler import CallJob, ClientGone, RunJob, Scheduler
 
 __all__ = ["EngineBridge", "RunControl", "ClientGone", "Cancelled", "Overloaded"]
 
@@ -55,10 +57,6 @@ DEFAULT_WINDOW = 4  # chunks computed but not yet written: bounds memory per slo
 DEFAULT_MAX_QUEUE = 512  # runs waiting for a slot before a 503 (Ollama's OLLAMA_MAX_QUEUE)
 RETRY_AFTER_S = 1  # what an overloaded server's Retry-After asks
 WAIT_SLICE_S = 0.5  # a blocked engine thread re-checks its flags this often (a safety net only)
-
-
-class ClientGone(CancelledError):
-    """The client left before its job ran: the job was skipped."""
 
 
 class Overloaded(Exception):
@@ -269,8 +267,6 @@ class EngineBridge:
         n_slots: int = 1,
         max_queue: int = DEFAULT_MAX_QUEUE,
     ) -> None:
-        from bankml.native.scheduler import Scheduler
-
         self.reactor = reactor
         self.window = window
         self.n_slots = n_slots
@@ -298,8 +294,6 @@ class EngineBridge:
         d: Deferred = Deferred()
         scheduler = self.scheduler
         if scheduler is not None:
-            from bankml.native.scheduler import CallJob
-
             scheduler.submit_call(CallJob(lambda: fn(*args, **kwargs), d))
         else:
             self.engine.submit(_Job(lambda: fn(*args, **kwargs), d))
@@ -339,17 +333,11 @@ class EngineBridge:
         if scheduler is None:
             self.engine.submit(_Job(lambda: self._run(steps, deliver, control), d, control))
             return d
-        from bankml.native.scheduler import RunJob
-
         if self.overloaded():
             d.errback(Failure(Overloaded(self.max_queue)))
             return d
 
-        def on_engine(item: T, run_control: RunControl) -> None:
-            if run_control.take_room():
-                self.reactor.callFromThread(self._deliver, deliver, item, run_control)
-
-        scheduler.submit_run(RunJob(_coroutine(steps), on_engine, control, d))
+        scheduler.submit_run(RunJob(_coroutine(steps), self._sender(deliver), control, d))
         return d
 
     def stream_each(
@@ -366,19 +354,22 @@ class EngineBridge:
         scheduler = self.scheduler
         if scheduler is None:  # one slot: each in turn, in order
             return [self.stream(steps, deliver, control) for steps, control in runs]
-        from bankml.native.scheduler import RunJob
-
         out = []
         for steps, control in runs:
             d: Deferred = Deferred()
-
-            def on_engine(item: T, run_control: RunControl) -> None:
-                if run_control.take_room():
-                    self.reactor.callFromThread(self._deliver, deliver, item, run_control)
-
-            scheduler.submit_run(RunJob(_coroutine(steps), on_engine, control, d))
+            scheduler.submit_run(RunJob(_coroutine(steps), self._sender(deliver), control, d))
             out.append(d)
         return out
+
+    def _sender(self, deliver: Callable[[T], None]) -> Callable[[T, RunControl], None]:
+        """What the scheduler calls with each item of a run: sent to ``deliver`` on the reactor
+        when the run's window has room (the scheduler checked it) and it is not cancelled."""
+
+        def on_engine(item: T, run_control: RunControl) -> None:
+            if run_control.take_room():
+                self.reactor.callFromThread(self._deliver, deliver, item, run_control)
+
+        return on_engine
 
     def overloaded(self) -> bool:
         """Every slot busy and ``max_queue`` runs waiting: the next run would be refused."""

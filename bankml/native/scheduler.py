@@ -32,9 +32,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from twisted.internet.defer import CancelledError
 from twisted.python.failure import Failure
 
-__all__ = ["Scheduler", "RunJob", "decode_rows"]
+__all__ = ["Scheduler", "RunJob", "CallJob", "ClientGone", "decode_rows"]
+
+
+class ClientGone(CancelledError):
+    """The client left before its job ran: the job was skipped."""
+
 
 WAIT_SLICE_S = 0.5  # an idle or fully paused loop re-checks its runs this often (a safety net)
 
@@ -207,8 +213,6 @@ class Scheduler:
             job = self._queue[0]
             if job.control.cancelled():
                 self._queue.popleft()
-                from bankml.native.bridge import ClientGone
-
                 self._resolve(job.deferred, Failure(ClientGone("the client left before its turn")))
                 continue
             if len(self._active) >= self.n_slots or self._stopping:
@@ -222,8 +226,6 @@ class Scheduler:
                 self._on_run(job.control)
 
     def _fail_queued(self) -> None:
-        from bankml.native.bridge import ClientGone
-
         while self._queue:
             job = self._queue.popleft()
             self._resolve(job.deferred, Failure(ClientGone("the server is stopping")))
