@@ -37,7 +37,7 @@ from typing import Any, TypeVar, cast
 from bankml.formats.errors import ApiError
 from bankml.formats.nlohmann import check_unicode, loads_json
 from bankml.gate.verify import Refused, verify
-from bankml.native.answer import CHAT, ChatAnswer, merged
+from bankml.native.answer import CHAT, ChatAnswer, answers_for, merged
 from bankml.native.resident import NativeEngine, open_engine
 from bankml.receipts.keys import SigningKey
 
@@ -157,13 +157,7 @@ def _prepare(
     if problem is not None:
         raise ApiError.of(503, problem)
     prompts = native.parse(obj, CHAT)
-    answers = [
-        ChatAnswer(native, CHAT, raw, obj, parsed, index=index, stream=stream)
-        for index, parsed in enumerate(prompts)
-    ]
-    for answer in answers[1:]:  # one request, one id
-        answer.id, answer.created = answers[0].id, answers[0].created
-    return answers, prompts
+    return cast(list[ChatAnswer], answers_for(native, CHAT, raw, obj, prompts, stream)), prompts
 
 
 def chat(request: dict[str, Any] | bytes, *, native: NativeEngine | None = None) -> dict[str, Any]:

@@ -474,6 +474,26 @@ ANSWERS: dict[str, type[Answer]] = {
 }
 
 
+def answers_for(
+    native: NativeEngine,
+    kind: str,
+    body: bytes,
+    request: dict[str, Any],
+    parsed: list[Any],
+    stream: bool | None = None,
+) -> list[Answer]:
+    """The Answer of each of a request's parsed answers (its prompts and ``n`` completions, in
+    index order), all with the first one's id and creation time, as llama-server's answers to
+    one request share them."""
+    answers = [
+        ANSWERS[kind](native, kind, body, request, one, index=index, stream=stream)
+        for index, one in enumerate(parsed)
+    ]
+    for answer in answers[1:]:
+        answer.id, answer.created = answers[0].id, answers[0].created
+    return answers
+
+
 def merged(kind: str, results: list[dict[str, Any]]) -> Any:
     """The non-streamed answer to a request's prompts and completions (``results`` in index
     order): one object for one; for several, llama-server's array on /completion, one object

@@ -31,7 +31,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.errors import ApiError, error_body
 from bankml.formats.nlohmann import dumps, loads_json
-from bankml.native.answer import ANSWERS, LLAMA_COMPLETION, Answer, Step, merged
+from bankml.native.answer import ANSWERS, LLAMA_COMPLETION, Answer, Step, answers_for, merged
 from bankml.native.bridge import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
 from bankml.serving.writers import EventStream, JsonResource, gone, write_error, write_json
 
@@ -95,13 +95,7 @@ class AnswerResource(JsonResource):
     ) -> Any:
         if gone(request):
             return None
-        answer_type = ANSWERS[self.kind]
-        answers = [
-            answer_type(self.native, self.kind, raw, obj, parsed, index=index)
-            for index, parsed in enumerate(prompts)
-        ]
-        for answer in answers[1:]:  # one request, one id (llama-server's oaicompat_cmpl_id)
-            answer.id, answer.created = answers[0].id, answers[0].created
+        answers = answers_for(self.native, self.kind, raw, obj, prompts)
         writer = RunWriter(request, answers, control)
         if self.bridge.scheduler is None or len(prompts) == 1:
             d = self.bridge.stream(self.native.steps(prompts), writer.step, control)
@@ -174,7 +168,7 @@ class RunWriter:
         # known at the answer's first step)
         self.views: dict[int, Any] = {}
         # llama-server's n_cmpl children share their parent's task start: no begin event
-        n_cmpl = int(getattr(answers[0], "options", {}).get("n_cmpl", 1) or 1)
+        n_cmpl = int(answers[0].options.get("n_cmpl", 1))
         self.first_of_task = [a.index % n_cmpl == 0 for a in answers]
         self._begin(0, None)
 
