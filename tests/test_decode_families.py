@@ -5,8 +5,10 @@ directory), which runs one fused decode step and one batched step of a model, th
 products Numba compiled: a kernel compiled inside its caller is listed in its own dispatcher's
 ``signatures`` too. The one-row products of exact_matmul (Q4_0..Q8_0, the float types),
 exact_kquants and exact_iquants (IQ4, the grid and TQ types), and the batched step's two
-kinds (exact_matmul's tiles, the K-quant/IQ4 dots) are watched. A second process on the same
-cache loads the steps and compiles nothing.
+kinds (exact_matmul's tiles, the K-quant/IQ4 dots) are watched, and within exact_matmul's
+family the type codes its per-type loops were compiled for (each loop is compiled with the code
+as a constant, once per type it meets). A second process on the same cache loads the steps and
+compiles nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gguf import GGMLQuantizationType as T
+
 import bankml
+from bankml.engine_cupy.kernels import exact_matmul
 
 RUN = """\
 import json, sys
@@ -39,9 +44,16 @@ products = {
     "batch tiles": exact_batch._matmul_rows,
     "batch dots": exact_batch._dots,
 }
+per_type = [  # exact_matmul's loops compiled per weight type: the quantized, then the float
+    exact_matmul._serial_for, exact_matmul._parallel_for, exact_matmul._one_row_serial,
+    exact_matmul._one_row_parallel, exact_batch._q_serial, exact_batch._q_parallel,
+    exact_matmul._float_serial, exact_matmul._float_parallel,
+]
+codes = sorted({sig[0].literal_value for kernel in per_type for sig in kernel.signatures})
 print(json.dumps({
     "compiled": sorted(name for name, kernel in products.items() if kernel.signatures),
     "kernels": [name for name, _ in stats.kernels],
+    "matmul codes": codes,
 }))
 """
 
@@ -64,9 +76,12 @@ def run(model: Path, cache: Path) -> dict:
 def test_default_model_compiles_no_kquant_or_iq_product(
     default_model: Path, tmp_path: Path
 ) -> None:
-    """Q4_1 and Q8_0 matrices: exact_matmul's products only; then all from the cache."""
+    """Q4_1 and Q8_0 matrices: exact_matmul's products only, for those two types only (not
+    Q4_0, Q5_0, Q5_1, repacked Q4_0 or the float types); then all from the cache."""
     cold = run(default_model, tmp_path / "numba-cache")
     assert cold["compiled"] == ["batch tiles", "matmul"]
+    q4_1, q8_0 = exact_matmul._LAYOUT[T.Q4_1][0], exact_matmul._LAYOUT[T.Q8_0][0]
+    assert cold["matmul codes"] == sorted([q4_1, q8_0])
     assert "exact_decode.decode_layer" in cold["kernels"]
     assert "exact_batch.layer_rest" in cold["kernels"]
 

@@ -156,7 +156,9 @@ def test_float_weights_match_ggml_on_both_paths(qtype: T) -> None:
             xr = x.astype(np.float16).astype(F32) if qtype == T.F16 else x
             other = np.empty((m, n_out), F32)
             split = m == 1 or n_out % 4 != 0
-            em._float_serial(matrix._kind, not split, matrix.raw, 256, n_out, xr, other)
+            em._float_product(
+                matrix._codes, matrix._kind, False, not split, matrix.raw, 256, n_out, xr, other
+            )
             wrong_path_misses += differing(other, go.mul_mat(raw, qtype, n_out, 256, x))
     print(f"\n{qtype.name}: the other path's order misses {wrong_path_misses}")
     assert wrong_path_misses > 0
@@ -201,7 +203,17 @@ def test_bf16_weights_match_ggml_on_both_paths(n_out: int, n_in: int) -> None:
         )
         other = np.empty((m, n_out), F32)
         split = m == 1 or n_out % 4 != 0
-        em._float_serial(matrix._kind, not split, matrix.raw, n_in, n_out, em.bf16_round(x), other)
+        em._float_product(
+            matrix._codes,
+            matrix._kind,
+            False,
+            not split,
+            matrix.raw,
+            n_in,
+            n_out,
+            em.bf16_round(x),
+            other,
+        )
         wrong_path_misses += differing(other, go.mul_mat(raw, T.BF16, n_out, n_in, x))
     print(f"\nBF16 [{n_out}, {n_in}]: the other path's order misses {wrong_path_misses}")
     assert naive_misses > 0 and wrong_path_misses > 0

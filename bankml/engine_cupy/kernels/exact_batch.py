@@ -42,7 +42,6 @@ from bankml.engine_cupy.kernels.exact_decode import (
     PARALLEL_MIN_VISITS,
     DecodePlan,
     _CellViews,
-    families_present,
 )
 from bankml.engine_cupy.kernels.exact_iquants import _XS_T, _XS_VD
 from bankml.engine_cupy.kernels.exact_iquants import _dot as _iq4_dot
@@ -52,16 +51,13 @@ from bankml.engine_cupy.kernels.exact_kquants import _quantize_serial as _quanti
 from bankml.engine_cupy.kernels.exact_matmul import (
     _CODES,
     _F16,
-    _Q4_0,
     _Q4_0R,
-    _Q4_1,
-    _Q5_0,
-    _Q5_1,
-    _Q8_0,
+    _QUANT_CODES,
     F16_TABLE,
     PARALLEL_MIN_MACS,
     QK,
     ROWS_PER_TASK,
+    _by_code,
     _literal_key,
     _make_wide_tile,
     _tile_at,
@@ -76,7 +72,7 @@ from bankml.engine_cupy.kernels.exact_ops import (
     _rope_rows,
     _swiglu_rows,
 )
-from bankml.engine_cupy.kernels.jit import njit
+from bankml.engine_cupy.kernels.jit import njit, present_in
 from bankml.engine_cupy.kv_cache import _store_f16
 
 __all__ = ["BatchStep", "attention_inputs", "store_attend", "layer_rest", "batch_output"]
@@ -213,65 +209,37 @@ def _q_rows(code, raw, r0, r1, q, d, s, d_by_block, s_by_block, out):  # pragma:
 
 
 @njit
-def _q_serial(code, raw, q, d, s, db, sb, out):  # pragma: no cover - compiled
+def _q_serial(code, args):  # pragma: no cover - compiled
+    raw, q, d, s, db, sb, out = args
     _q_rows(code, raw, 0, out.shape[1], q, d, s, db, sb, out)
 
 
 @njit(parallel=True)
-def _q_parallel(code, raw, q, d, s, db, sb, out):  # pragma: no cover - compiled
+def _q_parallel(code, args):  # pragma: no cover - compiled
+    raw, q, d, s, db, sb, out = args
     n_out = out.shape[1]
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
         _q_rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), q, d, s, db, sb, out)
 
 
-@njit
-def _q_for(code, parallel, raw, q, d, s, db, sb, out):  # pragma: no cover - compiled
-    """_q_serial or _q_parallel with the code as a constant per branch (as exact_matmul's
-    _one_row_for: the tiles are inlined per type)."""
-    if code == _Q4_1:
-        if parallel:
-            _q_parallel(_Q4_1, raw, q, d, s, db, sb, out)
-        else:
-            _q_serial(_Q4_1, raw, q, d, s, db, sb, out)
-    elif code == _Q8_0:
-        if parallel:
-            _q_parallel(_Q8_0, raw, q, d, s, db, sb, out)
-        else:
-            _q_serial(_Q8_0, raw, q, d, s, db, sb, out)
-    elif code == _Q4_0:
-        if parallel:
-            _q_parallel(_Q4_0, raw, q, d, s, db, sb, out)
-        else:
-            _q_serial(_Q4_0, raw, q, d, s, db, sb, out)
-    elif code == _Q5_0:
-        if parallel:
-            _q_parallel(_Q5_0, raw, q, d, s, db, sb, out)
-        else:
-            _q_serial(_Q5_0, raw, q, d, s, db, sb, out)
-    elif code == _Q5_1:
-        if parallel:
-            _q_parallel(_Q5_1, raw, q, d, s, db, sb, out)
-        else:
-            _q_serial(_Q5_1, raw, q, d, s, db, sb, out)
-    elif code == _Q4_0R:
-        if parallel:
-            _q_parallel(_Q4_0R, raw, q, d, s, db, sb, out)
-        else:
-            _q_serial(_Q4_0R, raw, q, d, s, db, sb, out)
+# _q_serial or _q_parallel with the code as a constant (the tiles inlined per type), for the
+# codes of the model's code_set only (as exact_matmul's one-row products)
+_q_by_code = _by_code(_q_serial, _q_parallel, _QUANT_CODES)
 
 
 @njit
-def _matmul_rows(code, parallel, raw, x, table, out):  # pragma: no cover - compiled
+def _matmul_rows(codes, code, parallel, raw, x, table, out):  # pragma: no cover - compiled
     """exact_matmul.row_product for each row of x [B, n_in] into out [B, n_out]. The float
     types' vec_dot path already takes the rows one by one inside each task of weight rows
     (the pairs of weight rows fixed by the task, not by the row count), so it is called as is."""
     if code >= _F16:
-        row_product(code, parallel, raw, x, table, out)
+        row_product(codes, code, parallel, raw, x, table, out)
         return
     q, d16, s16, d, s = _quantize_q8_0(x, table)  # each row rounded alone, as for one row
     # the scales block-major too ([nb, B]), as the wide tiles load them
-    _q_for(code, parallel, raw, q, d, s, np.ascontiguousarray(d.T), np.ascontiguousarray(s.T), out)
+    db, sb = np.ascontiguousarray(d.T), np.ascontiguousarray(s.T)
+    _q_by_code(codes, code, parallel, (raw, q, d, s, db, sb, out))
 
 
 @njit
@@ -332,11 +300,11 @@ def _part_product(families, family, code, parallel, raw, grid, x, table, out):  
 def _part_product_for(families, family, code, parallel, raw, grid, x, table, out):
     """_part_product's body with the branch of each family the model lacks dropped (as
     exact_decode's): only the present families' batch products are typed and compiled."""
-    matmul, kquant, iq4, grid_types = families_present(families)
+    matmul, kquant, iq4, grid_types = present_in(families)
 
     def body(families, family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
         if matmul and family == _MATMUL:
-            _matmul_rows(code, parallel, raw, x, table, out)
+            _matmul_rows(families[0], code, parallel, raw, x, table, out)
         elif kquant and family == _KQUANT:  # quantize_row_q8_K of each row, then vec_dot (or gemv)
             q, d, bsums = _quantize_q8_K(x, 0)
             _dots(True, code, parallel, raw, QK_K, q, d, bsums, out)

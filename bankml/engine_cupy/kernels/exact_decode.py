@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import types
 from numba.extending import overload
 
 from bankml.engine_cupy.kernels import exact_attention, exact_iquants, exact_kquants
@@ -35,6 +34,7 @@ from bankml.engine_cupy.kernels.exact_matmul import (
     PARALLEL_MIN_MACS,
     MatrixStack,
     QuantMatrix,
+    code_set,
     row_product,
 )
 from bankml.engine_cupy.kernels.exact_ops import (
@@ -44,7 +44,7 @@ from bankml.engine_cupy.kernels.exact_ops import (
     _rope_rows,
     _swiglu_rows,
 )
-from bankml.engine_cupy.kernels.jit import njit
+from bankml.engine_cupy.kernels.jit import njit, present_in
 from bankml.engine_cupy.kv_cache import _store_f16
 
 __all__ = ["DecodePlan", "decode_layer", "decode_output"]
@@ -73,11 +73,6 @@ def _norm(x: Any, weight: Any, eps: float) -> Any:
     return out
 
 
-def families_present(families: Any) -> tuple[bool, ...]:
-    """Which of FAMILIES the type of a plan's ``families`` says the model has (None: absent)."""
-    return tuple(not isinstance(t, types.NoneType) for t in families)
-
-
 def _part_product(families, family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
     """One part's one-row product into out [1, its rows], by its family's kernels (``grid``:
     a grid or TQ matrix's other arguments, placeholders otherwise). Compiled code only: the
@@ -92,11 +87,11 @@ def _part_product_for(families, family, code, parallel, raw, grid, x, table, out
     The body computes nothing itself, so Numba's default options (not njit's float settings)
     change no bits; it is compiled into the calling kernel and cached with it. (Numba wants
     this function's parameters and the body's alike, annotations included: none.)"""
-    matmul, kquant, iq4, grid_types = families_present(families)
+    matmul, kquant, iq4, grid_types = present_in(families)
 
     def body(families, family, code, parallel, raw, grid, x, table, out):
-        if matmul and family == _MATMUL:
-            row_product(code, parallel, raw, x, table, out)
+        if matmul and family == _MATMUL:  # families[_MATMUL]: the code_set of its products
+            row_product(families[0], code, parallel, raw, x, table, out)
         elif kquant and family == _KQUANT:
             exact_kquants.row_product(code, parallel, raw, x, out)
         elif iq4 and family == _IQ4:
@@ -389,6 +384,14 @@ def _matrix(linears: list[Any]) -> tuple | None:
     return tuple(parts + [absent] * (MAX_PARTS - len(parts)))
 
 
+def _families(present: set[int], matmul_codes: set[int]) -> tuple[Any, ...]:
+    """DecodePlan.families: True per family present (exact_matmul's: its code_set), None."""
+    return tuple(
+        None if f not in present else code_set(matmul_codes) if f == _MATMUL else True
+        for f in FAMILIES
+    )
+
+
 def _output_widths(linears: list[Any]) -> list[tuple[str, int]]:
     return [part for linear in linears for part in linear.parts]
 
@@ -409,9 +412,10 @@ class DecodePlan:
     swa: tuple[bool, ...]
     gelu: np.ndarray
     # per FAMILIES entry True where a matrix of the model is of that family, None where none
-    # is: the steps' compiled code holds only the present families' products (one compile
-    # per set of families, each cached)
-    families: tuple[bool | None, ...]
+    # is (for exact_matmul's family, the code_set of the model's codes in it): the steps'
+    # compiled code holds only the present families' and codes' products (one compile per
+    # set, each cached)
+    families: tuple[Any, ...]
 
     @classmethod
     def build(cls, hp: Any, weights: Any, gelu: Any | None) -> DecodePlan | None:
@@ -421,11 +425,13 @@ class DecodePlan:
             return None
         layers = []
         present = {part[0] for part in output}
+        codes = {part[1] for part in output if part[0] == _MATMUL}
         for il, layer in enumerate(weights.layers):
             mats = [_matrix(m) for m in (layer.qkv, [layer.wo], layer.gate_up, [layer.down])]
             if any(m is None for m in mats):
                 return None
             present.update(part[0] for m in mats for part in m)  # type: ignore[union-attr]
+            codes.update(part[1] for m in mats for part in m if part[0] == _MATMUL)  # type: ignore[union-attr]
             if _output_widths(layer.gate_up) != [("gate", hp.n_ff), ("up", hp.n_ff)]:
                 return None
             norms = tuple(
@@ -454,7 +460,7 @@ class DecodePlan:
             eps=F32(hp.rms_eps),
             swa=tuple(hp.swa_layers),
             gelu=_f32(gelu),
-            families=tuple(True if f in present else None for f in FAMILIES),
+            families=_families(present, codes),
         )
 
     def step(

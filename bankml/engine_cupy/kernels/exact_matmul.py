@@ -41,9 +41,9 @@ from llvmlite import binding as llvm_binding  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
 
-from bankml.engine_cupy.kernels.jit import f16_bits, f16_round, njit  # noqa: E402
+from bankml.engine_cupy.kernels.jit import f16_bits, f16_round, njit, present_in  # noqa: E402
 
 __all__ = [
     "BlockRows",
@@ -57,6 +57,7 @@ __all__ = [
     "f32_to_f16_bits",
     "bf16_round",
     "row_product",
+    "code_set",
 ]
 
 QK = 32  # elements per block for every type handled here
@@ -68,6 +69,10 @@ F16_TABLE = numpy.arange(65536, dtype=numpy.uint16).view(numpy.float16).astype(n
 
 # kernel codes for the weight types
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_0R = 0, 1, 2, 3, 4, 5  # _Q4_0R: repacked Q4_0
+_F16, _F32_CODE, _BF16 = 6, 7, 8
+N_CODES = 9
+_QUANT_CODES = frozenset(range(_F16))
+_FLOAT_CODES = frozenset((_F16, _F32_CODE, _BF16))
 # weight type -> (kernel code, bytes per block, activation is q8_1)
 _LAYOUT: dict[T, tuple[int, int, bool]] = {
     T.Q4_0: (_Q4_0, 18, False),
@@ -75,9 +80,9 @@ _LAYOUT: dict[T, tuple[int, int, bool]] = {
     T.Q8_0: (_Q8_0, 34, False),
     T.Q4_1: (_Q4_1, 20, True),
     T.Q5_1: (_Q5_1, 24, True),
-    T.F16: (6, 64, False),
-    T.F32: (7, 128, False),
-    T.BF16: (8, 64, False),  # bytes per 32 values
+    T.F16: (_F16, 64, False),
+    T.F32: (_F32_CODE, 128, False),
+    T.BF16: (_BF16, 64, False),  # bytes per 32 values
 }
 _FLOAT_TYPES = {T.F16, T.F32, T.BF16}
 _ANY_WIDTH = {
@@ -106,6 +111,16 @@ def _host_has_avx2() -> bool:
 
 
 HOST_HAS_AVX2 = _host_has_avx2()
+
+
+def code_set(codes: object) -> tuple[bool | None, ...]:
+    """The kernel codes a compiled product may meet (an iterable of them), as a tuple whose
+    Numba *type* tells them apart: True at each code present, None elsewhere. The products
+    take it first and type only those codes' branches (``_by_code``), so a matrix or a model
+    compiles the kernels of its own weight types, not all nine (one specialization per set,
+    cached)."""
+    present = set(codes)  # type: ignore[call-overload]
+    return tuple(True if code in present else None for code in range(N_CODES))
 
 
 def supported(qtype: T | int) -> bool:
@@ -1161,10 +1176,80 @@ def _rows(
             r += 1
 
 
+def _by_code(serial: object, parallel: object, handled: frozenset[int]) -> object:
+    """``run(codes, code, use_parallel, args)``, for compiled code: ``serial(code, args)`` or
+    ``parallel(code, args)`` with the runtime ``code`` passed on as a constant, so that each
+    kernel compiles once per weight type with that type's tiles inlined (a runtime code made
+    every tile a call through all the branches, about 30 % of a batch product's time). Only the
+    branches of the codes in ``codes`` (a ``code_set``) that the kernels handle are kept: the
+    others are dropped before typing and never compiled. The body computes nothing itself, so
+    Numba's default options change no bits; it is compiled into its caller and cached with it."""
+
+    def run(codes, code, use_parallel, args):  # pragma: no cover - compiled code only
+        raise TypeError("exact_matmul's product dispatch runs in compiled code only")
+
+    @overload(run)
+    def _run(codes, code, use_parallel, args):
+        present = present_in(codes)
+        q4_0, q4_1, q5_0, q5_1, q8_0, q4_0r, f16, f32, bf16 = (
+            present[c] and c in handled for c in range(N_CODES)
+        )
+
+        def body(codes, code, use_parallel, args):  # pragma: no cover - compiled
+            if q4_1 and code == _Q4_1:
+                if use_parallel:
+                    parallel(_Q4_1, args)
+                else:
+                    serial(_Q4_1, args)
+            elif q8_0 and code == _Q8_0:
+                if use_parallel:
+                    parallel(_Q8_0, args)
+                else:
+                    serial(_Q8_0, args)
+            elif q4_0 and code == _Q4_0:
+                if use_parallel:
+                    parallel(_Q4_0, args)
+                else:
+                    serial(_Q4_0, args)
+            elif q5_0 and code == _Q5_0:
+                if use_parallel:
+                    parallel(_Q5_0, args)
+                else:
+                    serial(_Q5_0, args)
+            elif q5_1 and code == _Q5_1:
+                if use_parallel:
+                    parallel(_Q5_1, args)
+                else:
+                    serial(_Q5_1, args)
+            elif q4_0r and code == _Q4_0R:
+                if use_parallel:
+                    parallel(_Q4_0R, args)
+                else:
+                    serial(_Q4_0R, args)
+            elif f16 and code == _F16:
+                if use_parallel:
+                    parallel(_F16, args)
+                else:
+                    serial(_F16, args)
+            elif f32 and code == _F32_CODE:
+                if use_parallel:
+                    parallel(_F32_CODE, args)
+                else:
+                    serial(_F32_CODE, args)
+            elif bf16 and code == _BF16:
+                if use_parallel:
+                    parallel(_BF16, args)
+                else:
+                    serial(_BF16, args)
+
+        return body
+
+    return run
+
+
 @njit
-def _serial_for(
-    code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-):  # pragma: no cover
+def _serial_for(code, args):  # pragma: no cover - compiled
+    raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out = args
     for r0 in range(0, n_out, ROWS_PER_TASK):
         _rows(
             code,
@@ -1183,9 +1268,8 @@ def _serial_for(
 
 
 @njit(parallel=True)
-def _parallel_for(
-    code, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-):  # pragma: no cover
+def _parallel_for(code, args):  # pragma: no cover - compiled
+    raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out = args
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
         _rows(
@@ -1204,58 +1288,20 @@ def _parallel_for(
         )
 
 
+_matmul_by_code = _by_code(_serial_for, _parallel_for, _QUANT_CODES)
+
+
 @njit
 def _matmul(
-    code, parallel, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
+    codes, code, parallel, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
 ):  # pragma: no cover - compiled
-    """One product. Each branch passes its type's code as a constant, so Numba compiles the
-    loops once per weight type (the code typed as a literal) and _tile_at/_wide_at inline that
-    type's tiles: with the code a runtime value every tile was a call to a jitted dispatcher
-    through all the branches, about 30 % of a batch product's time."""
-    if code == _Q4_1:
-        if parallel:
-            _parallel_for(
-                _Q4_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-            )
-        else:
-            _serial_for(_Q4_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
-    elif code == _Q8_0:
-        if parallel:
-            _parallel_for(
-                _Q8_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-            )
-        else:
-            _serial_for(_Q8_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
-    elif code == _Q4_0:
-        if parallel:
-            _parallel_for(
-                _Q4_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-            )
-        else:
-            _serial_for(_Q4_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
-    elif code == _Q5_0:
-        if parallel:
-            _parallel_for(
-                _Q5_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-            )
-        else:
-            _serial_for(_Q5_0, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
-    elif code == _Q5_1:
-        if parallel:
-            _parallel_for(
-                _Q5_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-            )
-        else:
-            _serial_for(_Q5_1, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out)
-    elif code == _Q4_0R:
-        if parallel:
-            _parallel_for(
-                _Q4_0R, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-            )
-        else:
-            _serial_for(
-                _Q4_0R, raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out
-            )
+    """One product of a quantized weight (kernel ``code``, one of ``codes``)."""
+    _matmul_by_code(
+        codes,
+        code,
+        parallel,
+        (raw, row_bytes, n_out, xq, xd, xs, xd_by_block, xs_by_block, xl, out),
+    )
 
 
 PARALLEL_MIN_MACS = 1 << 18  # below this many multiply-adds one thread is faster
@@ -1277,60 +1323,30 @@ def _one_row_rows(code, raw, r0, r1, q, d, s, out):  # pragma: no cover - compil
 
 
 @njit
-def _one_row_serial(code, raw, q, d, s, out):  # pragma: no cover - compiled
+def _one_row_serial(code, args):  # pragma: no cover - compiled
+    raw, q, d, s, out = args
     _one_row_rows(code, raw, 0, out.shape[1], q, d, s, out)
 
 
 @njit(parallel=True)
-def _one_row_parallel(code, raw, q, d, s, out):  # pragma: no cover - compiled
+def _one_row_parallel(code, args):  # pragma: no cover - compiled
+    raw, q, d, s, out = args
     n_out = out.shape[1]
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
         _one_row_rows(code, raw, r0, min(r0 + ROWS_PER_TASK, n_out), q, d, s, out)
 
 
-@njit
-def _one_row_for(code, parallel, raw, q, d, s, out):  # pragma: no cover - compiled
-    """_one_row_serial or _parallel with the code as a constant per branch (as _matmul)."""
-    if code == _Q4_1:
-        if parallel:
-            _one_row_parallel(_Q4_1, raw, q, d, s, out)
-        else:
-            _one_row_serial(_Q4_1, raw, q, d, s, out)
-    elif code == _Q8_0:
-        if parallel:
-            _one_row_parallel(_Q8_0, raw, q, d, s, out)
-        else:
-            _one_row_serial(_Q8_0, raw, q, d, s, out)
-    elif code == _Q4_0:
-        if parallel:
-            _one_row_parallel(_Q4_0, raw, q, d, s, out)
-        else:
-            _one_row_serial(_Q4_0, raw, q, d, s, out)
-    elif code == _Q5_0:
-        if parallel:
-            _one_row_parallel(_Q5_0, raw, q, d, s, out)
-        else:
-            _one_row_serial(_Q5_0, raw, q, d, s, out)
-    elif code == _Q5_1:
-        if parallel:
-            _one_row_parallel(_Q5_1, raw, q, d, s, out)
-        else:
-            _one_row_serial(_Q5_1, raw, q, d, s, out)
-    elif code == _Q4_0R:
-        if parallel:
-            _one_row_parallel(_Q4_0R, raw, q, d, s, out)
-        else:
-            _one_row_serial(_Q4_0R, raw, q, d, s, out)
+_one_row_by_code = _by_code(_one_row_serial, _one_row_parallel, _QUANT_CODES)
 
 
 @njit
-def _one_row(code, parallel, raw, n_out, x, table):  # pragma: no cover - compiled
+def _one_row(codes, code, parallel, raw, n_out, x, table):  # pragma: no cover - compiled
     """One activation row: its rounding and the product in one call from Python. A decode step
     makes ~120 products, and building an Activation and passing a dozen arrays into _matmul cost
     tens of microseconds each from Python."""
     out = numpy.empty((1, n_out), numpy.float32)
-    row_product(code, parallel, raw, x, table, out)
+    row_product(codes, code, parallel, raw, x, table, out)
     return out
 
 
@@ -1431,7 +1447,6 @@ def _make_float_tile(half: bool, rm: int, rn: int, split: bool):
     return tile
 
 
-_F16, _F32_CODE = 6, 7
 _vd11_f16, _vd21_f16 = _make_float_tile(True, 1, 1, True), _make_float_tile(True, 2, 1, True)
 _vd11_f32, _vd21_f32 = _make_float_tile(False, 1, 1, True), _make_float_tile(False, 2, 1, True)
 _tb11_f16, _tb22_f16 = _make_float_tile(True, 1, 1, False), _make_float_tile(True, 2, 2, False)
@@ -1639,43 +1654,47 @@ def _tinyblas_partial_step(
                 madd(i, j, 0, wv[i], xv[j])
 
 
-_BF16 = 8
 _vd11_bf16, _vd21_bf16 = _make_bf16_tile(1, 1, True), _make_bf16_tile(2, 1, True)
 _tb11_bf16, _tb22_bf16 = _make_bf16_tile(1, 1, False), _make_bf16_tile(2, 2, False)
 
 
-@njit
-def _float_tile(code, split, shape, raw, row_elems, r, x, t, out):  # pragma: no cover - compiled
-    """Outputs (t.., r..) of one F16/F32 tile (vec_dot's or tinyBLAS's order by ``split``)."""
-    n_in = x.shape[1]
-    n_out = out.shape[1]
-    w, xo, o = r * row_elems, t * n_in, t * n_out + r
-    if code == _BF16:
+# kernel code -> its tiles: vec_dot's one and two weight rows, tinyBLAS's 1x1 and 2x2
+_FLOAT_TILES = {
+    _F16: (_vd11_f16, _vd21_f16, _tb11_f16, _tb22_f16),
+    _F32_CODE: (_vd11_f32, _vd21_f32, _tb11_f32, _tb22_f32),
+    _BF16: (_vd11_bf16, _vd21_bf16, _tb11_bf16, _tb22_bf16),
+}
+
+
+def _float_tile(code, split, shape, raw, row_elems, r, x, t, out):  # pragma: no cover
+    """Outputs (t.., r..) of one F16/F32/BF16 tile (vec_dot's or tinyBLAS's order by ``split``),
+    ``code`` a compile-time constant. Compiled code only: the body is ``_float_tile_for``'s."""
+    raise TypeError("exact_matmul._float_tile runs in compiled code only")
+
+
+@overload(_float_tile, prefer_literal=True)
+def _float_tile_for(code, split, shape, raw, row_elems, r, x, t, out):
+    """_float_tile's body with the tiles of ``code`` alone (None, so no match, for a code that
+    is not a constant: its caller is then compiled once per code, as the quantized kernels)."""
+    key = _literal_key(code)
+    if key is None or key[0] not in _FLOAT_TILES:
+        return None
+    vd11, vd21, tb11, tb22 = _FLOAT_TILES[key[0]]
+
+    def body(code, split, shape, raw, row_elems, r, x, t, out):  # pragma: no cover - compiled
+        n_in = x.shape[1]
+        n_out = out.shape[1]
+        w, xo, o = r * row_elems, t * n_in, t * n_out + r
         if split and shape == 21:
-            _vd21_bf16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+            vd21(raw, w, row_elems, x, xo, n_in, out, o, n_out)
         elif split:
-            _vd11_bf16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+            vd11(raw, w, row_elems, x, xo, n_in, out, o, n_out)
         elif shape == 22:
-            _tb22_bf16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+            tb22(raw, w, row_elems, x, xo, n_in, out, o, n_out)
         else:
-            _tb11_bf16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
-    elif code == _F16:
-        if split and shape == 21:
-            _vd21_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
-        elif split:
-            _vd11_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
-        elif shape == 22:
-            _tb22_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
-        else:
-            _tb11_f16(raw, w, row_elems, x, xo, n_in, out, o, n_out)
-    elif split and shape == 21:
-        _vd21_f32(raw, w, row_elems, x, xo, n_in, out, o, n_out)
-    elif split:
-        _vd11_f32(raw, w, row_elems, x, xo, n_in, out, o, n_out)
-    elif shape == 22:
-        _tb22_f32(raw, w, row_elems, x, xo, n_in, out, o, n_out)
-    else:
-        _tb11_f32(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+            tb11(raw, w, row_elems, x, xo, n_in, out, o, n_out)
+
+    return body
 
 
 @njit
@@ -1706,16 +1725,30 @@ def _float_rows(code, split, raw, row_elems, r0, r1, x, out):  # pragma: no cove
 
 
 @njit
-def _float_serial(code, split, raw, row_elems, n_out, x, out):  # pragma: no cover - compiled
+def _float_serial(code, args):  # pragma: no cover - compiled
+    split, raw, row_elems, n_out, x, out = args
     for r0 in range(0, n_out, ROWS_PER_TASK):
         _float_rows(code, split, raw, row_elems, r0, min(r0 + ROWS_PER_TASK, n_out), x, out)
 
 
 @njit(parallel=True)
-def _float_parallel(code, split, raw, row_elems, n_out, x, out):  # pragma: no cover - compiled
+def _float_parallel(code, args):  # pragma: no cover - compiled
+    split, raw, row_elems, n_out, x, out = args
     for task in prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r0 = task * ROWS_PER_TASK
         _float_rows(code, split, raw, row_elems, r0, min(r0 + ROWS_PER_TASK, n_out), x, out)
+
+
+_float_by_code = _by_code(_float_serial, _float_parallel, _FLOAT_CODES)
+
+
+@njit
+def _float_product(
+    codes, code, parallel, split, raw, row_elems, n_out, x, out
+):  # pragma: no cover - compiled
+    """One product of an F16/F32/BF16 weight (kernel ``code``, one of ``codes``), x already
+    rounded to its vec_dot type; ``split``: vec_dot's path, else tinyBLAS's."""
+    _float_by_code(codes, code, parallel, (split, raw, row_elems, n_out, x, out))
 
 
 @njit
@@ -1741,22 +1774,20 @@ def _round_for_float(code, x):  # pragma: no cover - compiled
 
 
 @njit
-def row_product(code, parallel, raw, x, table, out):  # pragma: no cover - compiled
+def row_product(codes, code, parallel, raw, x, table, out):  # pragma: no cover - compiled
     """out [1, n_out] = one activation row x [1, n_in] (f32, C-contiguous) times the matrix whose
     GGUF block rows are ``raw`` (kernel ``code``: QuantMatrix._kind), as QuantMatrix.matmul
     computes it for one row: quantized weights round x to q8 blocks and take the 4x1 tiles,
     F16/F32/BF16 weights round x to their vec_dot type and take vec_dot's path. The callable
-    piece of the fused decode step (exact_decode)."""
+    piece of the fused decode step (exact_decode). ``codes``: the code_set of the codes it may
+    be given (a model's, in the fused step), whose kernels alone are compiled."""
     n_out = out.shape[1]
     if code >= _F16:
         kernel_x = _round_for_float(code, x)
-        if parallel:
-            _float_parallel(code, True, raw, x.shape[1], n_out, kernel_x, out)
-        else:
-            _float_serial(code, True, raw, x.shape[1], n_out, kernel_x, out)
+        _float_by_code(codes, code, parallel, (True, raw, x.shape[1], n_out, kernel_x, out))
         return
     q, d16, s16, d, s = _quantize_serial(x, table)
-    _one_row_for(code, parallel, raw, q, d, s, out)
+    _one_row_by_code(codes, code, parallel, (raw, q, d, s, out))
 
 
 class BlockRows:
@@ -1815,6 +1846,7 @@ class QuantMatrix(BlockRows):
         self.raw = data.reshape(n_out, row_bytes)
         self.qtype, self.n_out, self.n_in, self.repacked = qtype, n_out, n_in, repacked
         self._kind = _Q4_0R if repacked else kind
+        self._codes = code_set([self._kind])  # this matrix's kernels alone are compiled
 
     def quantize(self, x: numpy.ndarray) -> Activation:
         """The activation rounded as ggml rounds it for this weight (reusable across matrices)."""
@@ -1834,6 +1866,7 @@ class QuantMatrix(BlockRows):
         ):  # one row (a decode step): one compiled call
             row = numpy.ascontiguousarray(x, dtype=numpy.float32).reshape(1, self.n_in)
             return _one_row(
+                self._codes,
                 self._kind,
                 self.n_out * self.n_in >= PARALLEL_MIN_MACS,
                 self.raw,
@@ -1849,6 +1882,7 @@ class QuantMatrix(BlockRows):
         parallel = m * self.n_out * self.n_in >= PARALLEL_MIN_MACS
         lanes = act.lanes if m >= LANE_ROWS and self._kind != _Q4_0R else _NO_LANES
         _matmul(
+            self._codes,
             self._kind,
             parallel,
             self.raw,
@@ -1876,10 +1910,10 @@ class QuantMatrix(BlockRows):
         # tinyBLAS takes two or more activation rows when the weight rows come in fours
         split = m == 1 or self.n_out % 4 != 0
         out = numpy.empty((m, self.n_out), numpy.float32)
-        kernel = (
-            _float_parallel if m * self.n_out * self.n_in >= PARALLEL_MIN_MACS else _float_serial
+        parallel = m * self.n_out * self.n_in >= PARALLEL_MIN_MACS
+        _float_product(
+            self._codes, self._kind, parallel, split, self.raw, self.n_in, self.n_out, x, out
         )
-        kernel(self._kind, split, self.raw, self.n_in, self.n_out, x, out)
         return out
 
 

@@ -36,7 +36,7 @@ from numba.core.caching import CompileResultCacheImpl, FunctionCache, NullCache
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
-__all__ = ["njit", "fma32", "f16_round", "f16_bits", "start_worker_threads"]
+__all__ = ["njit", "fma32", "f16_round", "f16_bits", "start_worker_threads", "present_in"]
 
 
 # libgomp's wait: spin this many iterations (a few microseconds) after a parallel region, then
@@ -217,6 +217,13 @@ def njit(*args: Any, **kwargs: Any) -> Callable:
         return dispatcher
 
     return compile_kernel(function) if function is not None else compile_kernel
+
+
+def present_in(flags: Any) -> tuple[bool, ...]:
+    """Which entries of a tuple of flags are set, read from the tuple's Numba type (a set entry
+    is True, an unset one None): an ``overload`` that drops the branches of the unset entries
+    before typing compiles only what the set ones need (one specialization per set, cached)."""
+    return tuple(not isinstance(t, types.NoneType) for t in flags)
 
 
 @intrinsic
