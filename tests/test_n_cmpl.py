@@ -12,7 +12,8 @@ bad grammar) is llama-server's status and message; the official ``openai`` clien
 completions compute it once (the scheduler's prompt-token count grows by the prompt's length)
 and report llama-server's ``cache_n`` and ``prompt_n``, also for a prompt one slot holds; a
 group that does not fit the free slots waits while a later single request is answered, then
-answers as each completion alone.
+answers as each completion alone; a child whose parent is cancelled before its prompt is
+computed computes it itself and answers as it alone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from twisted.internet.threads import deferToThread
 
 from bankml import api
 from bankml.engine_cupy.engine import Engine
+from bankml.native.answer import prompt_steps
+from bankml.native.bridge import RunControl
+from bankml.native.resident import completions
+from bankml.native.scheduler import RunGroup, RunJob, Scheduler
 from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.replay import ReplayEngine, replay_in_process
 from tests.events import until
@@ -44,7 +49,15 @@ from tests.test_native_serve import (
     shared_served,
     sse_events,
 )
-from tests.test_parallel import N_SLOTS, _stream_then_leave, parallel_served
+from tests.test_parallel import (
+    N_SLOTS,
+    _alone,
+    _Control,
+    _record,
+    _stream_then_leave,
+    _wait,
+    parallel_served,
+)
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -447,3 +460,51 @@ async def test_a_group_that_does_not_fit_waits_for_free_slots_later_runs_go_on(
     assert status == 200, ours
     assert stats.prompt_tokens - computed == ours[0]["tokens_evaluated"]
     await _each_alone(alone_server, body, ours)
+
+
+@pytest.fixture(scope="module")
+def engines(default_model: Path) -> tuple[Engine, Engine]:
+    """(one slot, four slots) over one loaded model, as test_parallel's."""
+    one = Engine.open(default_model, n_ctx=N_CTX, device="cpu")
+    four = Engine(one.model, one.tokenizer, one.template, one.n_ctx, n_slots=N_SLOTS)
+    return one, four
+
+
+def test_a_child_whose_parent_ends_before_its_prompt_computes_it_itself(
+    engines: tuple[Engine, Engine],
+) -> None:
+    one, four = engines
+    prompt = " ".join(f"item {i}," for i in range(180))
+    body = {"prompt": prompt, "n_predict": 4, "seed": 11, "temperature": 0.9}
+    body.update(n_probs=1, cache_prompt=False)
+    (parsed,) = four.parse_batch({**body, "n_cmpl": 2}, "completion")
+    group = four.share_prompt(completions(parsed))
+    controls = [_Control() for _ in group]
+    controls[0].pauseProducing()  # the parent starts, then sits out after its first micro-batch
+    got: dict[int, list[Any]] = {j: [] for j in range(2)}
+    outcomes: dict[int, Any] = {}
+
+    def deliver(item: Any, control: RunControl) -> None:
+        if control.take_room():
+            got[item.index].append(item)
+            control.delivered()
+
+    scheduler = Scheduler(None, "test-engine", N_SLOTS, outcomes.__setitem__)
+    jobs = [
+        RunJob(prompt_steps(four, [req], first_index=j), deliver, controls[j], j)
+        for j, req in enumerate(group)
+    ]
+    try:
+        scheduler.submit_run(RunGroup(jobs))
+        _wait(lambda: len(group[0].shared.waiting) == 1, "the child to wait")
+        controls[0].cancel()  # before its second micro-batch: it publishes nothing
+        _wait(lambda: len(outcomes) == 2, "both runs to end")
+    finally:
+        scheduler.stop(HANG_GUARD_S)
+    assert got[0] == []  # it never sampled (a cancelled run's last steps are not sent)
+    n_prompt = len(parsed.prompt_tokens)
+    assert n_prompt > 512  # two micro-batches
+    assert scheduler.stats.prompt_tokens == 512 + n_prompt  # the child computed its own
+    assert _record(got[1]) == _alone(one, "completion", {**body, "seed": 12})
+    assert got[1][-1].summary.timings["prompt_n"] == n_prompt
+    assert all(not slot.processing for slot in four.slots)
