@@ -13,7 +13,8 @@ completions compute it once (the scheduler's prompt-token count grows by the pro
 and report llama-server's ``cache_n`` and ``prompt_n``, also for a prompt one slot holds; a
 group that does not fit the free slots waits while a later single request is answered, then
 answers as each completion alone; a child whose parent is cancelled before its prompt is
-computed computes it itself and answers as it alone.
+computed computes it itself and answers as it alone; ``copy_slot`` gives a child the parent's
+sliding-window cells as they are laid out.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 import pytest_twisted
@@ -30,7 +32,10 @@ from twisted.internet.defer import Deferred
 from twisted.internet.threads import deferToThread
 
 from bankml import api
-from bankml.engine_cupy.engine import Engine
+from bankml.engine_cupy.checkpoints import Checkpoints
+from bankml.engine_cupy.engine import Engine, Slot
+from bankml.engine_cupy.kv_cache import KVCache
+from bankml.engine_cupy.slots import copy_slot
 from bankml.native.answer import prompt_steps
 from bankml.native.bridge import RunControl
 from bankml.native.resident import completions
@@ -508,3 +513,44 @@ def test_a_child_whose_parent_ends_before_its_prompt_computes_it_itself(
     assert _record(got[1]) == _alone(one, "completion", {**body, "seed": 12})
     assert got[1][-1].summary.timings["prompt_n"] == n_prompt
     assert all(not slot.processing for slot in four.slots)
+
+
+def _filled(cache: KVCache, n: int, rng: np.random.Generator, start: int = 0) -> None:
+    """Positions start..n-1 stored in micro-batches of the cache's n_ubatch, as a prefill."""
+    for a in range(start, n, cache.n_ubatch):
+        b = min(a + cache.n_ubatch, n)
+        cache.place(a, b - a)
+        for layer in range(2):
+            k, v = (rng.standard_normal((b - a, 1, 32)).astype(np.float32) for _ in "kv")
+            cache.store(layer, a, k, v)
+        cache.advance(b)
+
+
+def test_copy_slot_copies_the_sliding_window_cells_as_they_are_laid_out() -> None:
+    def slot(i: int) -> Slot:
+        cache = KVCache(
+            np, 2, 1, 32, 2048, window=64, sliding=(True, False), ring=True, n_ubatch=64
+        )
+        return Slot(i, cache, 2048, checkpoints=Checkpoints(64))
+
+    parent, child = slot(0), slot(1)
+    rng = np.random.default_rng(7)
+    _filled(child.cache, 90, rng)  # the child slot's earlier contents, replaced
+    _filled(parent.cache, 300, rng)  # the ring has wrapped: cell order is not position order
+    parent.tokens = list(range(300))
+    parent.checkpoints.items = ["a checkpoint"]
+    assert copy_slot(parent, child) == 300
+    assert child.tokens == parent.tokens and child.checkpoints.items == ["a checkpoint"]
+    a, b = parent.cache, child.cache
+    assert b.n_tokens == a.n_tokens == 300 and b.pos_min == a.pos_min > 0
+    assert (b.swa.pos == a.swa.pos).all() and b.swa.head == a.swa.head
+    # the next token goes to the same cell of each; every position and ring cell is the same
+    for cache in (a, b):
+        _filled(cache, 301, np.random.default_rng(8), start=300)
+    assert (a.swa.pos == b.swa.pos).all()
+    assert a.in_ring(0) and not a.in_ring(1)
+    ring = a.swa.size
+    assert np.array_equal(a.keys(0, ring), b.keys(0, ring))
+    assert np.array_equal(a.values(0, ring), b.values(0, ring))
+    assert np.array_equal(a.keys(1, 301), b.keys(1, 301))
+    assert np.array_equal(a.values(1, 301), b.values(1, 301))
