@@ -8,28 +8,61 @@ choices of one request run at once (decode rows outnumber decode calls while it 
 three-prompt /completion equals each prompt alone; every answer's receipts check ``valid`` and
 are refused once any choice's text changes, and replay identically answer by answer; a refusal (``n`` 0, 5 on 4 slots, a string, with a
 bad grammar) is llama-server's status and message; the official ``openai`` client reads
-``n=2``; a client leaving stops every one of its choices within a token.
+``n=2``; a client leaving stops every one of its choices within a token. A prompt's
+completions compute it once (the scheduler's prompt-token count grows by the prompt's length)
+and report llama-server's ``cache_n`` and ``prompt_n``, also for a prompt one slot holds; a
+group that does not fit the free slots waits while a later single request is answered, then
+answers as each completion alone; a child whose parent is cancelled before its prompt is
+computed computes it itself and answers as it alone; ``copy_slot`` gives a child the parent's
+sliding-window cells as they are laid out.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 import pytest_twisted
+from twisted.internet.defer import Deferred
 from twisted.internet.threads import deferToThread
 
 from bankml import api
-from bankml.engine_cupy.engine import Engine
+from bankml.engine_cupy.checkpoints import Checkpoints
+from bankml.engine_cupy.engine import Engine, Slot
+from bankml.engine_cupy.kv_cache import KVCache
+from bankml.engine_cupy.slots import copy_slot
+from bankml.native.answer import prompt_steps
+from bankml.native.bridge import RunControl
+from bankml.native.resident import completions
+from bankml.native.scheduler import RunGroup, RunJob, Scheduler
 from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.replay import ReplayEngine, replay_in_process
 from tests.events import until
 from tests.support import DEFAULT_SHA256, LlamaServer
-from tests.test_native_serve import N_CTX, Served, apost, get, post, shared_served, sse_events
-from tests.test_parallel import N_SLOTS, _stream_then_leave, parallel_served
+from tests.test_native_serve import (
+    HANG_GUARD_S,
+    N_CTX,
+    Served,
+    apost,
+    get,
+    post,
+    shared_served,
+    sse_events,
+)
+from tests.test_parallel import (
+    N_SLOTS,
+    _alone,
+    _Control,
+    _record,
+    _stream_then_leave,
+    _wait,
+    parallel_served,
+)
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -327,3 +360,197 @@ async def test_the_python_api_answers_n_choices_as_http_does(parallel: Served) -
     assert {j: texts[j]["text"] for j in texts} == {
         c["index"]: c["message"]["content"] for c in got["choices"]
     }
+
+
+SHARED_PROMPT = "A short story about a lighthouse keeper who counts the waves:"
+
+
+def _completion_n(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "prompt": prompt,
+        "n_cmpl": 3,
+        "n_predict": 6,
+        "n_probs": 2,
+        "temperature": 0.9,
+        "seed": 11,
+        **extra,
+    }
+
+
+def _prompt_counts(answer: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    return [(a["timings"]["cache_n"], a["timings"]["prompt_n"]) for a in answer]
+
+
+async def _each_alone(served: Served, body: dict[str, Any], answer: list[dict[str, Any]]) -> None:
+    """Answer ``j`` is the same request with ``n_cmpl`` 1 and seed 11 + j on ``served``."""
+    for j, choice in enumerate(answer):
+        _, alone = await apost(served.url + "/completion", {**body, "n_cmpl": 1, "seed": 11 + j})
+        for key in ("content", "completion_probabilities", "tokens_predicted"):
+            assert choice[key] == alone[key], (j, key)
+
+
+@pytest_twisted.ensureDeferred
+async def test_n_cmpl_computes_its_prompt_once_with_llama_servers_prompt_counts(
+    parallel: Served, alone_server: Served, llama_np4: LlamaServer
+) -> None:
+    stats = parallel.native.bridge.scheduler.stats
+    computed, groups = stats.prompt_tokens, stats.groups
+    body = _completion_n(SHARED_PROMPT, cache_prompt=False)
+    status, ours = await apost(parallel.url + "/completion", body)
+    assert status == 200, ours
+    n_prompt = ours[0]["tokens_evaluated"]
+    # the parent computed the prompt; its two children took its slot's state
+    assert stats.prompt_tokens - computed == n_prompt
+    assert stats.groups - groups == 1
+    _, ref = await apost(llama_np4.url + "/completion", body)
+    assert _prompt_counts(ours) == _prompt_counts(ref) == [(0, n_prompt)] * 3
+    await _each_alone(alone_server, body, ours)
+    # a prompt that one slot holds: the parent re-evaluates its last token there, and the
+    # children report the parent's counts (computing it on their own slots, they would not)
+    held = SHARED_PROMPT + " one, two,"
+    for url in (parallel.url, llama_np4.url):
+        await apost(url + "/completion", {"prompt": held, "n_predict": 1})
+    cached = _completion_n(held)
+    computed = stats.prompt_tokens
+    _, ours = await apost(parallel.url + "/completion", cached)
+    _, ref = await apost(llama_np4.url + "/completion", cached)
+    assert stats.prompt_tokens - computed == 1
+    n_prompt = ours[0]["tokens_evaluated"]
+    assert _prompt_counts(ours) == _prompt_counts(ref) == [(n_prompt - 1, 1)] * 3
+    await _each_alone(parallel, cached, ours)  # alone, on a slot holding the prompt too
+
+
+def _open_stream(url: str, body: dict[str, Any]) -> socket.socket:
+    """A /completion stream read until its first piece of text, left open (not read)."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=HANG_GUARD_S)
+    data = json.dumps(body).encode()
+    s.sendall(
+        b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    seen = b""
+    while b'"content":"' not in seen:
+        chunk = s.recv(4096)
+        assert chunk, seen
+        seen += chunk
+    return s
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_group_that_does_not_fit_waits_for_free_slots_later_runs_go_on(
+    parallel: Served, alone_server: Served
+) -> None:
+    bridge = parallel.native.bridge
+    stats = bridge.scheduler.stats
+    long = {"prompt": "Count slowly:", "n_predict": 1500, "stream": True, "ignore_eos": True}
+    streams = [await deferToThread(_open_stream, parallel.url, long) for _ in range(2)]
+    try:
+        assert bridge.processing == 2
+        deferred = stats.deferred
+        body = _completion_n("The lighthouse keeper said", cache_prompt=False)
+        group = Deferred.fromCoroutine(apost(parallel.url + "/completion", body))
+        await until(lambda: bridge.scheduler.waiting_runs == 3, "the group to wait")
+        await until(lambda: stats.deferred > deferred, "the group to be deferred")
+        # two slots are free: a later single run takes one and is answered meanwhile
+        status, single = await apost(parallel.url + "/completion", {"prompt": "Hi", "n_predict": 2})
+        assert status == 200 and single["tokens_predicted"] == 2
+        assert bridge.scheduler.waiting_runs == 3 and not group.called
+        computed = stats.prompt_tokens
+    finally:
+        for s in streams:
+            s.close()
+    status, ours = await group
+    assert status == 200, ours
+    assert stats.prompt_tokens - computed == ours[0]["tokens_evaluated"]
+    await _each_alone(alone_server, body, ours)
+
+
+@pytest.fixture(scope="module")
+def engines(default_model: Path) -> tuple[Engine, Engine]:
+    """(one slot, four slots) over one loaded model, as test_parallel's."""
+    one = Engine.open(default_model, n_ctx=N_CTX, device="cpu")
+    four = Engine(one.model, one.tokenizer, one.template, one.n_ctx, n_slots=N_SLOTS)
+    return one, four
+
+
+def test_a_child_whose_parent_ends_before_its_prompt_computes_it_itself(
+    engines: tuple[Engine, Engine],
+) -> None:
+    one, four = engines
+    prompt = " ".join(f"item {i}," for i in range(180))
+    body = {"prompt": prompt, "n_predict": 4, "seed": 11, "temperature": 0.9}
+    body.update(n_probs=1, cache_prompt=False)
+    (parsed,) = four.parse_batch({**body, "n_cmpl": 2}, "completion")
+    group = four.share_prompt(completions(parsed))
+    controls = [_Control() for _ in group]
+    controls[0].pauseProducing()  # the parent starts, then sits out after its first micro-batch
+    got: dict[int, list[Any]] = {j: [] for j in range(2)}
+    outcomes: dict[int, Any] = {}
+
+    def deliver(item: Any, control: RunControl) -> None:
+        if control.take_room():
+            got[item.index].append(item)
+            control.delivered()
+
+    scheduler = Scheduler(None, "test-engine", N_SLOTS, outcomes.__setitem__)
+    jobs = [
+        RunJob(prompt_steps(four, [req], first_index=j), deliver, controls[j], j)
+        for j, req in enumerate(group)
+    ]
+    try:
+        scheduler.submit_run(RunGroup(jobs))
+        _wait(lambda: len(group[0].shared.waiting) == 1, "the child to wait")
+        controls[0].cancel()  # before its second micro-batch: it publishes nothing
+        _wait(lambda: len(outcomes) == 2, "both runs to end")
+    finally:
+        scheduler.stop(HANG_GUARD_S)
+    assert got[0] == []  # it never sampled (a cancelled run's last steps are not sent)
+    n_prompt = len(parsed.prompt_tokens)
+    assert n_prompt > 512  # two micro-batches
+    assert scheduler.stats.prompt_tokens == 512 + n_prompt  # the child computed its own
+    assert _record(got[1]) == _alone(one, "completion", {**body, "seed": 12})
+    assert got[1][-1].summary.timings["prompt_n"] == n_prompt
+    assert all(not slot.processing for slot in four.slots)
+
+
+def _filled(cache: KVCache, n: int, rng: np.random.Generator, start: int = 0) -> None:
+    """Positions start..n-1 stored in micro-batches of the cache's n_ubatch, as a prefill."""
+    for a in range(start, n, cache.n_ubatch):
+        b = min(a + cache.n_ubatch, n)
+        cache.place(a, b - a)
+        for layer in range(2):
+            k, v = (rng.standard_normal((b - a, 1, 32)).astype(np.float32) for _ in "kv")
+            cache.store(layer, a, k, v)
+        cache.advance(b)
+
+
+def test_copy_slot_copies_the_sliding_window_cells_as_they_are_laid_out() -> None:
+    def slot(i: int) -> Slot:
+        cache = KVCache(
+            np, 2, 1, 32, 2048, window=64, sliding=(True, False), ring=True, n_ubatch=64
+        )
+        return Slot(i, cache, 2048, checkpoints=Checkpoints(64))
+
+    parent, child = slot(0), slot(1)
+    rng = np.random.default_rng(7)
+    _filled(child.cache, 90, rng)  # the child slot's earlier contents, replaced
+    _filled(parent.cache, 300, rng)  # the ring has wrapped: cell order is not position order
+    parent.tokens = list(range(300))
+    parent.checkpoints.items = ["a checkpoint"]
+    assert copy_slot(parent, child) == 300
+    assert child.tokens == parent.tokens and child.checkpoints.items == ["a checkpoint"]
+    a, b = parent.cache, child.cache
+    assert b.n_tokens == a.n_tokens == 300 and b.pos_min == a.pos_min > 0
+    assert (b.swa.pos == a.swa.pos).all() and b.swa.head == a.swa.head
+    # the next token goes to the same cell of each; every position and ring cell is the same
+    for cache in (a, b):
+        _filled(cache, 301, np.random.default_rng(8), start=300)
+    assert (a.swa.pos == b.swa.pos).all()
+    assert a.in_ring(0) and not a.in_ring(1)
+    ring = a.swa.size
+    assert np.array_equal(a.keys(0, ring), b.keys(0, ring))
+    assert np.array_equal(a.values(0, ring), b.values(0, ring))
+    assert np.array_equal(a.keys(1, 301), b.keys(1, 301))
+    assert np.array_equal(a.values(1, 301), b.values(1, 301))

@@ -54,6 +54,7 @@ from bankml.engine_cupy.sampler import (
 from bankml.engine_cupy.sampler import (
     warm_up as warm_up_sampler,
 )
+from bankml.engine_cupy.slots import copy_slot
 from bankml.engine_cupy.tokenizer import Tokenizer
 
 MICRO_BATCH = _checkpoints.N_UBATCH
@@ -124,6 +125,10 @@ class Request:
         default_factory=MessageSpans
     )  # user-message starts (checkpoint cuts)
     seed_drawn: bool = False  # the request named no seed and sampler.seed was drawn for it
+    # one prompt's n_cmpl completions on several slots (Engine.share_prompt): the first computes
+    # the prompt, the others (``shared_child``) take its state instead of computing it again
+    shared: SharedPrompt | None = None
+    shared_child: bool = False
 
 
 @dataclass
@@ -549,6 +554,7 @@ class Forward:
     model: Any
     tokens: list[int]
     cache: Any
+    prompt: bool = False  # a prompt micro-batch (the scheduler counts their tokens)
 
     is_forward = True  # what the serving layer recognises it by (it imports no NumPy)
 
@@ -575,9 +581,73 @@ class Steps:
 
     def __next__(self) -> Chunk | Progress:
         item = next(self.coroutine)
-        while isinstance(item, Forward):
-            item = self.coroutine.send(item.compute())
+        while isinstance(item, (Forward, Waiting)):
+            if isinstance(item, Waiting):  # no parent runs beside it here: it computes its own
+                item.shared.abandon()
+                item = self.coroutine.send(None)
+            else:
+                item = self.coroutine.send(item.compute())
         return item
+
+
+@dataclass(eq=False)
+class SharedPrompt:
+    """One prompt computed once for its ``n_cmpl`` completions on several slots, as
+    llama-server's parent task and its children: each child's run takes a slot and waits
+    (``join``, yielding ``Waiting``) while the parent's run computes the prompt; when the
+    parent's prefill ends (``publish``), each waiting child's slot becomes a copy of the
+    parent's (slots.copy_slot: KV cells, tokens, checkpoints) and the child samples its first
+    token from a copy of the parent's last logits, reporting the parent's cache_n and prompt
+    start. A parent that ends without its logits (cancelled, refused) ``abandon``s: the
+    children still waiting compute the prompt themselves."""
+
+    done: bool = False
+    logits: Any = None  # the parent's last prompt logits (None: each child computes its own)
+    cache_n: int = 0
+    t_start: float = 0.0
+    waiting: dict[int, Slot] = field(default_factory=dict)  # by slot id
+    copied: set[int] = field(default_factory=set)  # the slots that got the parent's state
+
+    def publish(self, slot: Slot, cache_n: int, logits: Any, t_start: float) -> None:
+        """The parent's prefill is over: its state goes to every waiting child's slot."""
+        if self.done:
+            return
+        if logits is not None:
+            for child in self.waiting.values():
+                copy_slot(slot, child)
+                self.copied.add(child.id)
+            self.logits, self.cache_n, self.t_start = logits.copy(), cache_n, t_start
+        self.done = True
+        self.waiting = {}
+
+    def abandon(self) -> None:
+        """The parent will not publish (it ended, or no scheduler runs it beside its children)."""
+        self.done = True
+        self.waiting = {}
+
+    def join(self, slot: Slot, cancelled: Callable[[], bool]) -> Generator[Waiting, Any, bool]:
+        """A child waits on its slot until the parent publishes; True when its slot got the
+        parent's state, False when it must compute the prompt itself (or was cancelled)."""
+        if not self.done:
+            self.waiting[slot.id] = slot
+        try:
+            while not self.done:
+                if cancelled():
+                    return False
+                yield Waiting(self)
+        finally:
+            self.waiting.pop(slot.id, None)  # a child that left is never copied into
+        return slot.id in self.copied
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A child run waiting for its parent's prompt (``SharedPrompt.join``): it needs no
+    forward pass this iteration; the scheduler resumes it at the next."""
+
+    shared: SharedPrompt
+
+    is_wait = True  # what the serving layer recognises it by
 
 
 @dataclass
@@ -772,6 +842,26 @@ class Engine:
         if chosen is None:
             raise RuntimeError("every slot is busy")
         return chosen, update_cache
+
+    def free_slot(self) -> Slot:
+        """llama-server's get_free_slots for a child task: the first idle slot in id order (its
+        contents are replaced by its parent's, so neither similarity nor the host prompt cache
+        has a say). Raises RuntimeError when every slot is busy."""
+        for slot in self.slots:
+            if not slot.processing:
+                return slot
+        raise RuntimeError("every slot is busy")
+
+    def share_prompt(self, completions: Sequence[Request]) -> list[Request]:
+        """One prompt's completions (parent first, then its children) made to compute the
+        prompt once (``SharedPrompt``): only for runs that a scheduler advances side by side,
+        all admitted at once."""
+        if len(completions) < 2:
+            return list(completions)
+        shared = SharedPrompt()
+        return [
+            replace(req, shared=shared, shared_child=j > 0) for j, req in enumerate(completions)
+        ]
 
     def _acquire(self, slot: Slot) -> None:
         slot.processing = True
@@ -1100,7 +1190,7 @@ class Engine:
                 if cancelled():
                     return n_past, None
                 batch = tokens[a:b]
-                logits = yield Forward(self.model, batch, cache)
+                logits = yield Forward(self.model, batch, cache, prompt=True)
                 slot.tokens += batch
             start = end
             if clock is not None:
@@ -1144,14 +1234,24 @@ class Engine:
         clock = Clock(t_start=time.perf_counter())
         tokens = req.prompt_tokens
         summary.prompt_tokens = len(tokens)
-        if not tokens:
-            return
-        slot, update_cache = self.choose_slot(tokens)
-        self._acquire(slot)
+        shared = req.shared
         try:
-            yield from self._generate(slot, update_cache, req, cancelled, summary, clock, progress)
+            if not tokens:
+                return
+            if shared is not None and req.shared_child:
+                slot, update_cache = self.free_slot(), False
+            else:
+                slot, update_cache = self.choose_slot(tokens)
+            self._acquire(slot)
+            try:
+                yield from self._generate(
+                    slot, update_cache, req, cancelled, summary, clock, progress
+                )
+            finally:
+                self._release(slot)
         finally:
-            self._release(slot)
+            if shared is not None and not req.shared_child:
+                shared.abandon()  # a parent that ended before its prompt did: children compute
 
     def _generate(
         self,
@@ -1171,14 +1271,8 @@ class Engine:
             if req.constraint
             else None
         )
-        cache_n, logits = yield from self._prefill(
-            slot,
-            update_cache,
-            tokens,
-            req.cache_prompt,
-            cancelled,
-            req.spans,
-            clock if progress else None,
+        cache_n, logits = yield from self._prompt(
+            slot, update_cache, req, cancelled, clock, progress
         )
         prompt_n = len(tokens) - cache_n
         summary.timings = clock.timings(cache_n, prompt_n, 0)
@@ -1240,6 +1334,38 @@ class Engine:
         summary.stopping_word = release.stopping_word
         summary.completion_tokens = n_gen
         summary.timings = clock.timings(cache_n, prompt_n, n_gen)
+
+    def _prompt(
+        self,
+        slot: Slot,
+        update_cache: bool,
+        req: Request,
+        cancelled: Callable[[], bool],
+        clock: Clock,
+        progress: bool,
+    ) -> Generator[Progress | Forward | Waiting, Any, tuple[int, Any]]:
+        """The prompt in the slot: (cache_n, its last logits; None when cancelled). A shared
+        prompt's child takes its parent's (``SharedPrompt``: no progress, the parent's prompt
+        start for its timings); a parent publishes its own when its prefill ends."""
+        shared = req.shared
+        if shared is not None and req.shared_child:
+            if (yield from shared.join(slot, cancelled)):
+                clock.t_start = shared.t_start
+                return shared.cache_n, shared.logits.copy()  # its own: sampling may write it
+            if cancelled():
+                return 0, None
+        cache_n, logits = yield from self._prefill(
+            slot,
+            update_cache,
+            req.prompt_tokens,
+            req.cache_prompt,
+            cancelled,
+            req.spans,
+            clock if progress else None,
+        )
+        if shared is not None and not req.shared_child:
+            shared.publish(slot, cache_n, logits, clock.t_start)
+        return cache_n, logits
 
     def _sample(self, sampler: Sampler, constraint: Constraint | None, logits: np.ndarray) -> int:
         if constraint is None:

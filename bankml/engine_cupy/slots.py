@@ -16,10 +16,13 @@ A save writes ``<name>.tmp`` and renames it, so a crash never leaves half a file
 A restore checks, in this order, and names the first failure: not a slot file, damaged (sha256),
 another model, another context size, too many tokens, another layer count, another cache type,
 another cache shape, truncated, trailing data, a token outside the vocabulary. Any failure
-leaves the slot empty (as llama-server's ``prompt_clear``). Each function takes the slot's id
+leaves the slot empty (as llama-server's ``prompt_clear``). Each of those takes the slot's id
 (``engine.slots[id_slot]``; an engine without ``slots`` is its own one slot). No Twisted here:
-the bridge runs these on the engine thread, between scheduler steps (never on a slot that is
+the bridge runs them on the engine thread, between scheduler steps (never on a slot that is
 processing: the resource refuses that first).
+
+``copy_slot`` makes one slot a copy of another, in memory: the engine's runs of a prompt's
+further completions start from their parent's computed prompt (engine.SharedPrompt).
 """
 
 from __future__ import annotations
@@ -167,6 +170,31 @@ def _erase(slot: Any) -> int:
     slot.tokens = []
     slot.cache.truncate(0)
     _forget_checkpoints(slot)
+    return n
+
+
+def copy_slot(src: Any, dst: Any) -> int:
+    """Slot ``dst`` becomes a copy of slot ``src``, as llama-server's ``copy_state_to`` makes a
+    child task's slot of its parent's (seq_rm then seq_cp of the whole sequence, the prompt
+    cloned with its checkpoints): the K and V of every position, the sliding-window cache's
+    cells as they are laid out (bookkeeping and ring), the tokens and the context checkpoints
+    (the saved checkpoints are shared, never written after they are taken). Plain array copies;
+    both slots belong to one engine (the same cache geometry). The number of positions."""
+    source, target = src.cache, dst.cache
+    n = source.n_tokens
+    everything = slice(None)
+    for mine, theirs in zip(target._k + target._v, source._k + source._v):
+        target._copy_cells(theirs, mine, slice(0, n), slice(0, n))
+    for rings, src_rings in ((target._ring_k, source._ring_k), (target._ring_v, source._ring_v)):
+        for layer, ring in src_rings.items():
+            target._copy_cells(ring, rings[layer], everything, everything)
+    if source.swa is not None:
+        target.swa.pos[:] = source.swa.pos
+        target.swa.head = source.swa.head
+    target.advance(n)  # the ring's layout was copied: it is not laid out afresh
+    dst.tokens = list(src.tokens)
+    if getattr(src, "checkpoints", None) is not None:
+        dst.checkpoints.items = list(src.checkpoints.items)
     return n
 
 

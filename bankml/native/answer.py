@@ -87,7 +87,8 @@ def prompt_steps(
 
 def relay_forwards(coroutine: Any, wrap: Callable[[Any], Any]) -> Generator[Any, Any, None]:
     """A run's coroutine relayed: its ``Forward``s handed out as they are, what is sent back for
-    one going into the run (a plain ``next`` computes it here), every other item as ``wrap``
+    one going into the run (a plain ``next`` computes it here), its ``Waiting``s (a shared
+    prompt's child waiting for its parent) as they are too, every other item as ``wrap``
     makes it."""
     reply = None
     while True:
@@ -96,7 +97,9 @@ def relay_forwards(coroutine: Any, wrap: Callable[[Any], Any]) -> Generator[Any,
         except StopIteration:
             return
         reply = None
-        if getattr(item, "is_forward", False):
+        if getattr(item, "is_wait", False):
+            yield item
+        elif getattr(item, "is_forward", False):
             reply = yield item
             if reply is None:
                 reply = item.compute()

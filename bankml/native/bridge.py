@@ -44,7 +44,7 @@ from twisted.python.failure import Failure
 from twisted.python.threadable import isInIOThread
 from zope.interface import implementer
 
-from bankml.native.scheduler import CallJob, ClientGone, RunJob, Scheduler
+from bankml.native.scheduler import CallJob, ClientGone, RunGroup, RunJob, Scheduler
 
 __all__ = ["EngineBridge", "RunControl", "ClientGone", "Cancelled", "Overloaded"]
 
@@ -344,21 +344,30 @@ class EngineBridge:
         self,
         runs: Sequence[tuple[Callable[..., Iterator[T]], RunControl]],
         deliver: Callable[[T], None],
+        group: int = 1,
     ) -> list[Deferred[Any]]:
         """Several runs of one request, each its own job (its own slot), queued together in
-        order: a request's choices and prompts computed at once on several slots. Refused as a
-        whole (each Deferred fails with ``Overloaded``) when the queue is full, so none of them
-        is computed for an answer that cannot be given."""
+        order: a request's choices and prompts computed at once on several slots. Each
+        ``group`` consecutive runs (a prompt's ``n_cmpl`` completions) are admitted together,
+        when that many slots are free at once (``RunGroup``). Refused as a whole (each Deferred
+        fails with ``Overloaded``) when the queue is full, so none of them is computed for an
+        answer that cannot be given."""
         if self.overloaded():
             return [fail(Overloaded(self.max_queue)) for _ in runs]
         scheduler = self.scheduler
         if scheduler is None:  # one slot: each in turn, in order
             return [self.stream(steps, deliver, control) for steps, control in runs]
-        out = []
+        if not 1 <= group <= self.n_slots:
+            raise ValueError(f"a group of {group} runs does not fit {self.n_slots} slots")
+        out: list[Deferred[Any]] = []
+        jobs = []
         for steps, control in runs:
             d: Deferred = Deferred()
-            scheduler.submit_run(RunJob(_coroutine(steps), self._sender(deliver), control, d))
+            jobs.append(RunJob(_coroutine(steps), self._sender(deliver), control, d))
             out.append(d)
+        for start in range(0, len(jobs), group):
+            members = jobs[start : start + group]
+            scheduler.submit_run(members[0] if len(members) == 1 else RunGroup(members))
         return out
 
     def _sender(self, deliver: Callable[[T], None]) -> Callable[[T, RunControl], None]:

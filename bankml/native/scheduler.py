@@ -5,6 +5,16 @@ slot (``--parallel N``). It serves the same queue of jobs, in arrival order:
 
 - **Runs** are admitted while a slot is free (at most ``n_slots`` active); the rest wait in
   arrival order, at most ``max_queue`` of them (``EngineBridge.stream`` refuses past that).
+- **Groups** (``RunGroup``: a prompt's ``n_cmpl`` completions, the parent first) are admitted
+  only when a slot is free for each of their runs at once, as llama-server launches a parent
+  task with its children. A group that does not fit keeps its place in the queue, and, as
+  llama-server defers such a task and goes on with the next, later runs that fit the free
+  slots are admitted meanwhile; each time slots free, the queue is scanned again from its
+  head, so the group goes first once it fits. (Under a steady stream of later single runs a
+  group can wait long, as there.) A group's runs start in the iteration that admits them: a
+  child takes its slot and waits (it yields ``Waiting``, needing no forward pass) until the
+  parent's prefill ends, when the engine copies the parent's slot into it
+  (engine.SharedPrompt).
 - **Each iteration advances every active run by one step**: the run (a generator from
   ``prompt_steps(..., forwards=True)``) is resumed until it asks for its next forward pass (an
   engine ``Forward``: one decode token, or one prefill micro-batch); the items it made on the
@@ -21,7 +31,9 @@ slot (``--parallel N``). It serves the same queue of jobs, in arrival order:
 
 Every request computes exactly what it would alone: each run has its own slot (KV cache,
 tokens, checkpoints) and its own sampler; the forward passes of one iteration touch disjoint
-caches, and a batched decode row is the same bits as that slot's own forward pass.
+caches, and a batched decode row is the same bits as that slot's own forward pass; a child's
+slot is an exact copy of its parent's after the prompt (llama-server's child slots are too),
+and it samples with its own sampler from its own copy of the parent's last logits.
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ from typing import Any
 from twisted.internet.defer import CancelledError
 from twisted.python.failure import Failure
 
-__all__ = ["Scheduler", "RunJob", "CallJob", "ClientGone", "decode_rows"]
+__all__ = ["Scheduler", "RunJob", "RunGroup", "CallJob", "ClientGone", "decode_rows"]
 
 
 class ClientGone(CancelledError):
@@ -72,6 +84,14 @@ class RunJob:
 
 
 @dataclass
+class RunGroup:
+    """Runs admitted together or not at all (a prompt's ``n_cmpl`` completions: the parent
+    first), each on a slot of its own."""
+
+    jobs: list[RunJob]
+
+
+@dataclass
 class CallJob:
     work: Callable[[], Any]
     deferred: Any
@@ -86,6 +106,9 @@ class SchedulerStats:
     decode_rows: int = 0  # slots decoded in them
     shared_decodes: int = 0  # of those calls, the ones with several slots' steps
     prefill_batches: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (prefill micro-batches, one-token ones too)
+    groups: int = 0  # run groups admitted (a prompt's completions computing it once)
+    deferred: int = 0  # admissions a group waited on for want of free slots
     skipped: int = 0  # run-steps sat out on a full window
     max_active: int = 0
     runs: list[Any] = field(default_factory=list)  # the last runs' controls (a ring)
@@ -133,9 +156,11 @@ class Scheduler:
         with self._cond:
             self._cond.notify_all()
 
-    def submit_run(self, job: RunJob) -> None:
+    def submit_run(self, job: RunJob | RunGroup) -> None:
+        """Queue a run, or a group of runs to be admitted together (``RunGroup``)."""
         self.start()
-        job.control.on_change = self.wake
+        for run in _runs_of(job):
+            run.control.on_change = self.wake
         with self._cond:
             self._queue.append(job)
             self._cond.notify_all()
@@ -155,7 +180,7 @@ class Scheduler:
     @property
     def waiting_runs(self) -> int:
         with self._cond:
-            return sum(isinstance(j, RunJob) and not j.control.cancelled() for j in self._queue)
+            return sum(not run.control.cancelled() for job in self._queue for run in _runs_of(job))
 
     @property
     def processing(self) -> int:
@@ -207,28 +232,48 @@ class Scheduler:
                     self._cond.wait(WAIT_SLICE_S)
 
     def _admit(self) -> None:
-        """Runs at the head of the queue take the free slots (a call at the head waits for the
-        active runs to end; the runs behind it wait for it)."""
-        while self._queue and isinstance(self._queue[0], RunJob):
-            job = self._queue[0]
-            if job.control.cancelled():
-                self._queue.popleft()
-                self._resolve(job.deferred, Failure(ClientGone("the client left before its turn")))
-                continue
-            if len(self._active) >= self.n_slots or self._stopping:
+        """Queued runs take the free slots in arrival order; a group only when all of its runs
+        fit at once, else it keeps its place and later runs that fit take the free slots (as
+        llama-server defers a parent task). A call stops the scan: it waits for the active runs
+        to end, and the runs behind it wait for it."""
+        i = 0
+        while i < len(self._queue):
+            job = self._queue[i]
+            if isinstance(job, CallJob):
                 return
-            self._queue.popleft()
-            self._active.append(job)
-            self.stats.max_active = max(self.stats.max_active, len(self._active))
-            self.stats.runs.append(job.control)
-            del self.stats.runs[: -self.KEEP_RUNS]
-            if self._on_run is not None:
-                self._on_run(job.control)
+            runs = _runs_of(job)
+            if all(run.control.cancelled() for run in runs):
+                del self._queue[i]
+                for run in runs:
+                    self._resolve(
+                        run.deferred, Failure(ClientGone("the client left before its turn"))
+                    )
+                continue
+            free = self.n_slots - len(self._active)
+            if free == 0 or self._stopping:
+                return
+            if len(runs) > free:
+                self.stats.deferred += 1
+                i += 1
+                continue
+            del self._queue[i]
+            self.stats.groups += int(len(runs) > 1)
+            for run in runs:
+                self._start(run)
+
+    def _start(self, job: RunJob) -> None:
+        self._active.append(job)
+        self.stats.max_active = max(self.stats.max_active, len(self._active))
+        self.stats.runs.append(job.control)
+        del self.stats.runs[: -self.KEEP_RUNS]
+        if self._on_run is not None:
+            self._on_run(job.control)
 
     def _fail_queued(self) -> None:
         while self._queue:
             job = self._queue.popleft()
-            self._resolve(job.deferred, Failure(ClientGone("the server is stopping")))
+            for one in job.jobs if isinstance(job, RunGroup) else [job]:
+                self._resolve(one.deferred, Failure(ClientGone("the server is stopping")))
 
     def _call(self, call: CallJob) -> None:
         try:
@@ -242,22 +287,25 @@ class Scheduler:
 
     def _iterate(self) -> bool:
         """One step of every active run that may go on, then the iteration's forward passes.
-        False when none could go on (every client's window full)."""
+        False when none could go on (every client's window full, or only waiting)."""
         self.stats.iterations += 1
         moved = False
         for run in list(self._active):
             control = run.control
-            if not control.cancelled() and not control.has_room():
+            # a run not yet started always starts: it takes its slot in its group's iteration
+            started = run.iterator is not None
+            if started and not control.cancelled() and not control.has_room():
                 control.skipped += 1
                 self.stats.skipped += 1
                 continue
-            moved = True
-            self._advance(run)
+            moved = self._advance(run) or moved
         self._compute([run for run in self._active if run.forward is not None])
         return moved
 
-    def _advance(self, run: RunJob) -> None:
-        """Resume the run until it asks for a forward pass, its window is full, or it ends."""
+    def _advance(self, run: RunJob) -> bool:
+        """Resume the run until it asks for a forward pass, waits (a shared prompt's child
+        while its parent computes the prompt), its window is full, or it ends. False when it
+        only waited."""
         control = run.control
         try:
             if run.iterator is None:
@@ -265,17 +313,20 @@ class Scheduler:
             while True:
                 reply, run.reply = run.reply, None
                 item = run.iterator.send(reply)
+                if getattr(item, "is_wait", False):
+                    return False
                 if getattr(item, "is_forward", False):
                     run.forward = item
-                    return
+                    return True
                 control.steps += 1
                 run.deliver(item, control)
                 if not control.cancelled() and not control.has_room():
-                    return
+                    return True
         except StopIteration as end:
             self._leave(run, end.value)
         except BaseException:  # its own error ends only this run
             self._leave(run, Failure())
+        return True
 
     def _leave(self, run: RunJob, outcome: Any) -> None:
         with self._cond:
@@ -284,6 +335,9 @@ class Scheduler:
         self._resolve(run.deferred, outcome)
 
     def _compute(self, runs: list[RunJob]) -> None:
+        self.stats.prompt_tokens += sum(
+            len(run.forward.tokens) for run in runs if getattr(run.forward, "prompt", False)
+        )
         decodes = [run for run in runs if run.forward.decode]
         if decodes:
             try:
@@ -318,3 +372,10 @@ class Scheduler:
         except BaseException:  # closing must not hide the pass's own error
             pass
         self._leave(run, failure)
+
+
+def _runs_of(job: Any) -> list[RunJob]:
+    """The runs of a queued job: a group's, a run itself, none for a call."""
+    if isinstance(job, RunGroup):
+        return job.jobs
+    return [job] if isinstance(job, RunJob) else []

@@ -107,15 +107,24 @@ class AnswerResource(JsonResource):
 
     def _fan_out(self, prompts: list[Any], writer: RunWriter, control: RunControl) -> Deferred:
         """Each answer (a prompt, or one of its ``n_cmpl`` completions) a run of its own, on a
-        slot of its own, all queued at once: the Deferred fires when every one has ended, or
-        fails with the first failure (the others cancelled)."""
+        slot of its own, all queued at once, a prompt's completions as one group that computes
+        the prompt once (``Engine.share_prompt``): the Deferred fires when every one has ended,
+        or fails with the first failure (the others cancelled)."""
+        n_cmpl = int(writer.answers[0].options.get("n_cmpl", 1))
+        if n_cmpl > 1:
+            share = self.native.engine.share_prompt
+            prompts = [
+                c for p in range(0, len(prompts), n_cmpl) for c in share(prompts[p : p + n_cmpl])
+            ]
         runs = []
         for index, parsed in enumerate(prompts):
             own = self.bridge.new_control()
             control.follow(own)
             runs.append((self.native.steps([parsed], first_index=index), own))
         every = DeferredList(
-            self.bridge.stream_each(runs, writer.step), fireOnOneErrback=True, consumeErrors=True
+            self.bridge.stream_each(runs, writer.step, group=n_cmpl),
+            fireOnOneErrback=True,
+            consumeErrors=True,
         )
 
         def first_failure(failure: Failure) -> Failure:
