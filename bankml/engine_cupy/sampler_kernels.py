@@ -29,7 +29,7 @@ from bankml.engine_cupy.kernels.jit import njit
 # Above this k, inserting into the buffer costs more than NumPy's partition (it is O(n k) when
 # the logits ascend); the default chain's k is 40, a logprob request's n_probs a few.
 MAX_K = 128
-BLOCK = 32  # logits compared at once against the buffer's last
+BLOCK = 64  # logits compared at once against the buffer's last
 
 
 @njit
@@ -47,26 +47,38 @@ def top_k_stable(logits: np.ndarray, k: int) -> tuple[np.ndarray, bool]:
         if x != x:
             return idx[:0], False
         _insert(val, idx, i, x, i)
-    last = val[k - 1]
     i = k
-    while i < n:
-        end = min(i + BLOCK, n)
+    while i + BLOCK <= n:
         # most blocks hold no logit above the buffer's last: one branch-free pass tells (a NaN
-        # fails ``<=`` too, so its block takes the careful path)
+        # counts as above, so its block takes the careful path); the fixed trip count written
+        # ``range(BLOCK)`` is what LLVM vectorises
+        last = val[k - 1]
         above = False
-        for j in range(i, end):
-            above |= not logits[j] <= last
-        if above:
-            for j in range(i, end):
-                x = logits[j]
-                if x <= last:
-                    continue
-                if x != x:
-                    return idx[:0], False
-                _insert(val, idx, k - 1, x, j)
-                last = val[k - 1]
-        i = end
+        for j in range(BLOCK):
+            x = logits[i + j]
+            above |= (x > last) | (x != x)
+        if above and not _admit(logits, val, idx, i, i + BLOCK):
+            return idx[:0], False
+        i += BLOCK
+    if not _admit(logits, val, idx, i, n):
+        return idx[:0], False
     return idx, True
+
+
+@njit
+def _admit(logits: np.ndarray, val: np.ndarray, idx: np.ndarray, start: int, end: int) -> bool:
+    """Insert each of ``logits[start:end]`` above the buffer's last, in order; False at a NaN."""
+    k = val.shape[0]
+    last = val[k - 1]
+    for j in range(start, end):
+        x = logits[j]
+        if x <= last:
+            continue
+        if x != x:
+            return False
+        _insert(val, idx, k - 1, x, j)
+        last = val[k - 1]
+    return True
 
 
 @njit
