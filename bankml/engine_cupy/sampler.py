@@ -526,12 +526,19 @@ def _kernels() -> Any:
 
 
 def warm_up() -> None:
-    """Compile (or load from Numba's cache) the sampler's top-k kernel for the logits it is given,
+    """Compile (or load from Numba's cache) the sampler's kernels for the logits they are given,
     writable and read-only, so that the first draw does not (a few seconds on a fresh machine)."""
+    plan = fast_chain(SamplerParams())
+    assert plan is not None
+    ids, _ = _vocabulary_arrays(8)
     logits = np.zeros(8, dtype=F32)
-    _kernels().top_k_stable(logits, 2)
-    logits.flags.writeable = False
-    _kernels().top_k_stable(logits, 2)
+    for writeable in (True, False):
+        logits.flags.writeable = writeable
+        order, _ = _kernels().top_k_stable(logits, 2)
+        for row in (ids, ids.copy()):
+            _kernels().chain_tail(
+                logits, row, order, plan.codes, plan.ints, plan.floats, plan.min_keep, 0.5
+            )
 
 
 @functools.cache
@@ -561,9 +568,13 @@ class Candidates:
     selected: int = -1
 
     @classmethod
-    def from_logits(cls, logits: np.ndarray) -> Candidates:
+    def from_logits(cls, logits: np.ndarray, copy: bool = True) -> Candidates:
+        """The whole vocabulary; ``copy=False`` borrows float32 contiguous logits (the stages
+        never write into them, and the fast chain gives the draw arrays of its own)."""
         ids, p = _vocabulary_arrays(len(logits))
-        return cls(ids, np.array(logits, dtype=F32), p)
+        if copy:
+            return cls(ids, np.array(logits, dtype=F32), p)
+        return cls(ids, np.ascontiguousarray(logits, dtype=F32), p)
 
     @property
     def size(self) -> int:
@@ -913,6 +924,82 @@ class DryPenalty:
         c.sorted = False
 
 
+# --- the compiled chain ------------------------------------------------------------------------------
+
+FAST_CHAIN = True  # tests switch it off to compare with the stages above
+
+
+@dataclass(frozen=True)
+class FastChain:
+    """A chain whose first top-k and what follows run compiled (sampler_kernels.chain_tail)."""
+
+    prefix: tuple[str, ...]  # the stages before the first top-k, run as usual
+    rest: tuple[str, ...]  # the first top-k and after: the NumPy stages that stand in
+    k: int
+    codes: np.ndarray  # chain_tail's stage codes after the first top-k (no-op stages left out)
+    ints: np.ndarray
+    floats: np.ndarray
+    min_keep: int
+
+
+def fast_chain(p: SamplerParams) -> FastChain | None:
+    """The compiled plan for these parameters, or None where a stage after the first top-k is
+    not one chain_tail does (typical-p, XTC, dynamic temperature, penalties, DRY, top-n-sigma when
+    they act) or there is no top-k; a stage that cannot act (``_stage`` would do nothing) is left
+    out. The conditions are ``Sampler._stage``'s, read once."""
+    if p.mirostat != 0 or p.top_k <= 0 or "top_k" not in p.samplers:
+        return None
+    first = p.samplers.index("top_k")
+    steps: list[tuple[int, int, Any]] = []
+    for name in p.samplers[first + 1 :]:
+        if name == "top_k":
+            steps.append((_TOP_K, p.top_k, 0.0))
+        elif name == "top_p":
+            if not p.top_p >= 1.0:  # apply_top_p's test (a NaN acts)
+                steps.append((_TOP_P, 0, F32(p.top_p)))
+        elif name == "min_p":
+            if not p.min_p <= 0.0:
+                steps.append((_MIN_P, 0, _logf(F32(p.min_p))))
+        elif name == "temperature":
+            if p.dynatemp_range > 0:
+                return None
+            if p.temperature != 1.0:
+                if p.temperature <= 0.0:
+                    steps.append((_GREEDY, 0, 0.0))
+                else:
+                    steps.append((_TEMPERATURE, 0, F32(p.temperature)))
+        elif name == "typ_p":
+            if not p.typical_p >= 1.0:
+                return None
+        elif name == "xtc":
+            if p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5:
+                return None
+        elif name == "penalties":
+            if p.repeat_last_n != 0 and not (
+                p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            ):
+                return None
+        elif name == "dry":
+            if p.dry_multiplier != 0.0 and p.dry_base >= 1.0 and max(p.dry_penalty_last_n, 0) != 0:
+                return None
+        elif name == "top_n_sigma":
+            if not p.top_n_sigma <= 0.0:
+                return None
+    return FastChain(
+        prefix=p.samplers[:first],
+        rest=p.samplers[first:],
+        k=p.top_k,
+        codes=np.array([s[0] for s in steps], dtype=np.int64),
+        ints=np.array([s[1] for s in steps], dtype=np.int64),
+        floats=np.array([s[2] for s in steps], dtype=F32),
+        min_keep=p.min_keep,
+    )
+
+
+# chain_tail's stage codes, as sampler_kernels numbers them (that module loads Numba)
+_TOP_K, _TOP_P, _MIN_P, _TEMPERATURE, _GREEDY = 0, 1, 2, 3, 4
+
+
 # --- the sampler --------------------------------------------------------------------------------------
 
 
@@ -958,6 +1045,7 @@ class Sampler:
         self.dry = DryPenalty(params, breakers)
         self.mu = 2.0 * params.mirostat_tau
         self.last: Candidates | None = None  # the candidates the last draw chose from
+        self._fast = fast_chain(params)
 
     def accept(self, token: int) -> None:
         """Record a prompt or drawn token in the penalty and DRY windows."""
@@ -973,19 +1061,30 @@ class Sampler:
     ) -> int:
         """common_sampler_sample: the chain on raw logits; if a grammar rejects the token, the chain
         again on the grammar-masked logits (a second draw, as llama.cpp does)."""
-        c = self._run_chain(Candidates.from_logits(logits))
+        c = self._run_chain(Candidates.from_logits(logits, copy=False))
         token = int(c.ids[c.selected])
         if allowed is None or allowed(token):
             return token
         masked = np.array(logits, dtype=F32)
         masked[~mask()] = -np.inf  # type: ignore[misc]
-        c = self._run_chain(Candidates.from_logits(masked))
+        c = self._run_chain(Candidates.from_logits(masked, copy=False))
         return int(c.ids[c.selected])
 
     def _run_chain(self, c: Candidates) -> Candidates:
+        """The chain on candidates whose logits may be the caller's (borrowed, read only)."""
+        borrowed = c.logits
         p = self.params
         apply_logit_bias(c, p.logit_bias)  # common_sampler_init puts it first, mirostat or not
         self.last = c
+        plan = self._fast
+        if plan is not None and FAST_CHAIN and plan.k <= _kernels().MAX_K:
+            if self._run_fast(plan, c):
+                return c
+            names = plan.rest  # the prefix ran: the chain goes on from its top-k, in NumPy
+        else:
+            names = p.samplers
+        if np.may_share_memory(c.logits, borrowed):
+            c.logits = c.logits.copy()  # the draw's candidates must not alias the caller's logits
         if p.mirostat == 1:
             self._temp(c, p.temperature)
             self._mirostat_v1(c)
@@ -994,10 +1093,31 @@ class Sampler:
             self._temp(c, p.temperature)
             self._mirostat_v2(c)
             return c
-        for name in p.samplers:
+        for name in names:
             self._stage(name, c)
         sample_dist(c, self.rng)
         return c
+
+    def _run_fast(self, plan: FastChain, c: Candidates) -> bool:
+        """The stages before the first top-k as usual, then the top-k and everything after it in
+        two compiled calls; False (the prefix done, nothing drawn) where that does not apply: a
+        prefix left the candidates sorted, or a logit is NaN."""
+        for name in plan.prefix:
+            self._stage(name, c)
+        if c.sorted:
+            return False
+        kernels = _kernels()
+        logits = np.ascontiguousarray(c.logits, dtype=F32)
+        order, ok = kernels.top_k_stable(logits, plan.k)
+        if not ok or len(order) == 0:
+            return False
+        rnd = self.rng.uniform_double()  # sample_dist's one draw (there is a candidate)
+        c.ids, c.logits, c.p, selected = kernels.chain_tail(
+            logits, c.ids, order, plan.codes, plan.ints, plan.floats, plan.min_keep, rnd
+        )
+        c.selected = int(selected)
+        c.sorted = True
+        return True
 
     @staticmethod
     def _temp(c: Candidates, temp: float) -> None:
