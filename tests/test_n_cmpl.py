@@ -61,6 +61,7 @@ from tests.test_parallel import (
     _record,
     _stream_then_leave,
     _wait,
+    one_and_four_slots,
     parallel_served,
 )
 
@@ -469,10 +470,7 @@ async def test_a_group_that_does_not_fit_waits_for_free_slots_later_runs_go_on(
 
 @pytest.fixture(scope="module")
 def engines(default_model: Path) -> tuple[Engine, Engine]:
-    """(one slot, four slots) over one loaded model, as test_parallel's."""
-    one = Engine.open(default_model, n_ctx=N_CTX, device="cpu")
-    four = Engine(one.model, one.tokenizer, one.template, one.n_ctx, n_slots=N_SLOTS)
-    return one, four
+    return one_and_four_slots(default_model)
 
 
 def test_a_child_whose_parent_ends_before_its_prompt_computes_it_itself(

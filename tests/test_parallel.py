@@ -53,12 +53,16 @@ LONG_PROMPT = " ".join(f"item {i}," for i in range(300))  # ~900 tokens: two pre
 # --- engine level ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engines(default_model: Path) -> tuple[Engine, Engine]:
+def one_and_four_slots(model: Path) -> tuple[Engine, Engine]:
     """(one slot, four slots) over one loaded model, each slot 2048 positions."""
-    one = Engine.open(default_model, n_ctx=N_CTX, device="cpu")
+    one = Engine.open(model, n_ctx=N_CTX, device="cpu")
     four = Engine(one.model, one.tokenizer, one.template, one.n_ctx, n_slots=N_SLOTS)
     return one, four
+
+
+@pytest.fixture(scope="module")
+def engines(default_model: Path) -> tuple[Engine, Engine]:
+    return one_and_four_slots(default_model)
 
 
 def test_the_slot_is_chosen_as_llama_servers_get_available_slot(
