@@ -11,6 +11,9 @@ The checks before every answer:
   `verified.path`. Chat answers fetch `/props` for this before they are forwarded.
 
 And after it, `receipt(tally)`: the answer's receipt, built where native's are.
+`prompt_token_count(prompt)` asks the engine's `/tokenize` how many tokens it makes of one
+completion prompt, for the receipts of the answers whose counts llama-server's whole answer
+leaves out (the prompts after the first of a `/v1/completions` request).
 """
 
 from __future__ import annotations
@@ -246,6 +249,26 @@ class Gateway:
         if isinstance(n_ctx, int) and not isinstance(n_ctx, bool):
             self.engine_n_ctx = n_ctx
         return props
+
+    @inlineCallbacks
+    def prompt_token_count(self, prompt: Any) -> Any:
+        """How many tokens the engine makes of one completion prompt (a string, or an array
+        of strings and token ids), as it tokenizes a completion's prompt: ``/tokenize`` with
+        ``add_special`` and ``parse_special`` (tokenize_input_subprompt's flags). None when it
+        cannot tell (another kind of prompt, or no usable answer)."""
+        if not isinstance(prompt, (str, list)):
+            return None
+        body = json.dumps({"content": prompt, "add_special": True, "parse_special": True})
+        headers = {b"Content-Type": [b"application/json"]}
+        try:
+            response = yield self.request(
+                b"POST", "/tokenize", body.encode(), headers, timeout=PROPS_TIMEOUT_S
+            )
+            raw = yield bounded_collect(response)
+            tokens = json.loads(raw).get("tokens") if response.code == 200 else None
+        except Exception:  # the count stays unknown: the receipt names none, as before
+            return None
+        return len(tokens) if isinstance(tokens, list) else None
 
     @inlineCallbacks
     def check_engine_path(self) -> Any:

@@ -27,14 +27,17 @@ llama-server converts without its seed: its receipt records the seed as unknown 
 replay reproduces only its seed-free (greedy) answers (docs/receipts.md).
 
 Token counts come from ``usage``, else ``tokens_evaluated``/``tokens_predicted``, else the
-``timings`` (``prompt_n + cache_n``, ``predicted_n``). Pure Python, no Twisted.
+``timings`` (``prompt_n + cache_n``, ``predicted_n``). A whole ``/v1/completions`` answer to
+several prompts reports the first prompt's ``usage`` only: the prompt counts of the others are
+given by the caller (P0 asks llama-server's ``/tokenize``, ``completion_prompts`` splits the
+prompts as llama-server does). Pure Python, no Twisted.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bankml.receipt import Tally
@@ -128,11 +131,26 @@ def tally_stop_reason(tally: Tally, holder: Any) -> None:
 # --- whole answers -------------------------------------------------------------------------------
 
 
+def completion_prompts(prompt: Any) -> list[Any]:
+    """The prompts of a ``/v1/completions`` ``prompt`` as llama-server's
+    ``tokenize_input_prompts`` splits it: an array with no integer in it is several prompts
+    (each a string, a token array or a mixed one), anything else one."""
+    if isinstance(prompt, list) and not any(_int(p) is not None for p in prompt):
+        return list(prompt)
+    return [prompt]
+
+
 def add_whole_receipts(
-    kind: str, answer: Any, new_tally: Callable[[], Tally], issue: Issue
+    kind: str,
+    answer: Any,
+    new_tally: Callable[[], Tally],
+    issue: Issue,
+    prompt_counts: Sequence[int | None] = (),
 ) -> bool:
     """Add ``bankml_receipt`` to a non-streamed answer of this kind; False when it is not one
-    (passed through as it is, without a receipt)."""
+    (passed through as it is, without a receipt). ``prompt_counts``: the prompt token count of
+    each prompt after the first of a several-prompt ``/v1/completions`` request, by prompt
+    index (llama-server's ``usage`` names the first prompt's only)."""
     if kind in (CHAT, OAI_COMPLETION):
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or not choices or first_choice(answer) is None:
@@ -151,10 +169,12 @@ def add_whole_receipts(
                 tally_counts(tally, answer)
             else:
                 tally.set_end(choice.get("finish_reason"), None)
-                if i < getattr(tally.forwarded, "n_cmpl", 1):  # the first prompt's completion
-                    usage = answer.get("usage")
-                    if isinstance(usage, dict):
-                        tally.set_counts(usage.get("prompt_tokens"), None)
+                prompt = i // getattr(tally.forwarded, "n_cmpl", 1)
+                usage = answer.get("usage")
+                if prompt == 0 and isinstance(usage, dict):  # the first prompt's completion
+                    tally.set_counts(usage.get("prompt_tokens"), None)
+                elif 0 < prompt < len(prompt_counts):
+                    tally.set_counts(prompt_counts[prompt], None)
             receipts.append(issue(tally))
         answer["bankml_receipt"] = receipts[0] if len(receipts) == 1 else receipts
         return True

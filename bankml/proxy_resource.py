@@ -34,7 +34,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
+from twisted.internet.defer import CancelledError, Deferred, gatherResults, inlineCallbacks
 from twisted.internet.error import ConnectError, ConnectionClosed
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
@@ -47,9 +47,12 @@ from bankml import gateway as gw
 from bankml.formats.errors import error_object
 from bankml.gateway import Gateway, UpstreamTooLarge, check_length
 from bankml.proxy_answers import (
+    OAI_COMPLETION,
     StreamReading,
     add_whole_receipts,
+    completion_prompts,
     forwarded_request,
+    request_object,
 )
 from bankml.receipt import Tally
 from bankml.serving.writers import (
@@ -326,12 +329,26 @@ class CompletionProxy(JsonResource):
         def issue(tally: Tally) -> dict[str, Any]:
             return self.gateway.receipt(tally, ttft_measured=False)
 
+        counts = yield self._later_prompt_counts(reading)
         if not add_whole_receipts(
-            self.kind, answer, lambda: reading.tally(len(reading.tallies)), issue
+            self.kind, answer, lambda: reading.tally(len(reading.tallies)), issue, counts
         ):
             pass_through(request, response, raw)  # not an answer of this kind: no receipt
             return
         write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
+
+    @inlineCallbacks
+    def _later_prompt_counts(self, reading: StreamReading) -> Any:
+        """A several-prompt /v1/completions request's prompt counts by prompt (None for the
+        first, whose count the answer's usage gives), asked of the engine's /tokenize: the
+        whole answer reports the first prompt's usage only. Empty for other requests."""
+        if self.kind != OAI_COMPLETION:
+            return []
+        prompts = completion_prompts(request_object(reading.sent).get("prompt"))
+        if len(prompts) < 2:
+            return []
+        later = yield gatherResults([self.gateway.prompt_token_count(p) for p in prompts[1:]])
+        return [None, *later]
 
     def _stream(self, request: Request, response: Any, reading: StreamReading) -> Deferred[None]:
         relay = SSERelay(self.gateway, request, reading)

@@ -6,7 +6,10 @@ A real ``bankml serve --spawn`` in front of the real llama-server started with `
 Each answer's receipt names that seed (the request's, or the one bankml drew and forwarded),
 the whole answer checks ``valid``, one choice's text changed is refused, and every answer
 replays identically on the exact engine, one by one. On chat streams with ``include_usage``
-each choice's usage event (it names no choice) carries that choice's receipt.
+each choice's usage event (it names no choice) carries that choice's receipt. A whole
+``/v1/completions`` answer to several prompts reports the first prompt's usage only: the later
+prompts' receipts name the counts bankml asked of llama-server's ``/tokenize``, the counts the
+same request streamed reports.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from bankml.proxy_answers import completion_prompts
 from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.keys import SigningKey, keygen
 from bankml.receipts.replay import IDENTICAL, open_replay_engine, replay_in_process
@@ -54,6 +58,12 @@ CASES: list[tuple[str, str, dict[str, Any], int]] = [
         "two prompts n 2, streamed",
         "/v1/completions",
         {"prompt": PROMPTS, "n": 2, "max_tokens": 8, "temperature": 0.9, "seed": 5, "stream": True},
+        4,
+    ),
+    (
+        "two prompts n 2",
+        "/v1/completions",
+        {"prompt": PROMPTS, "n": 2, "max_tokens": 8, "temperature": 0.9, "seed": 5},
         4,
     ),
     (
@@ -174,3 +184,15 @@ def test_the_answers_are_valid_refused_when_one_changes_and_replay_identically(
         outcome = replay_in_process(raw, answer, replay)
         assert outcome.startswith(f"{IDENTICAL}: {count} answers"), (name, outcome)
         print(f"\n{name}: {count} answers valid and replayed identically")
+
+
+def test_a_whole_answer_to_two_prompts_names_each_prompts_count(
+    answers: list[tuple[str, str, bytes, bytes, int]],
+) -> None:
+    by_name = {name: receipts_of(path, answer) for name, path, _, answer, _ in answers}
+    whole, streamed = by_name["two prompts n 2"], by_name["two prompts n 2, streamed"]
+    counts = [r["prompt_tokens"] for r in whole]
+    assert counts == [r["prompt_tokens"] for r in streamed], counts
+    assert counts[0] == counts[1] and counts[2] == counts[3] and counts[0] != counts[2], counts
+    assert completion_prompts(PROMPTS) == PROMPTS
+    assert completion_prompts([1, "a"]) == [[1, "a"]]  # an integer in it: one mixed prompt
