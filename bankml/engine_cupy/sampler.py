@@ -942,6 +942,18 @@ class FastChain:
     min_keep: int
 
 
+def _penalties_act(p: SamplerParams) -> bool:
+    """Whether the penalties stage changes anything (llama-server skips it otherwise)."""
+    return p.repeat_last_n != 0 and not (
+        p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+    )
+
+
+def _xtc_acts(p: SamplerParams) -> bool:
+    """Whether the XTC stage can remove candidates."""
+    return p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5
+
+
 def fast_chain(p: SamplerParams) -> FastChain | None:
     """The compiled plan for these parameters, or None where a stage after the first top-k is
     not one chain_tail does (typical-p, XTC, dynamic temperature, penalties, DRY, top-n-sigma when
@@ -972,12 +984,10 @@ def fast_chain(p: SamplerParams) -> FastChain | None:
             if not p.typical_p >= 1.0:
                 return None
         elif name == "xtc":
-            if p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5:
+            if _xtc_acts(p):
                 return None
         elif name == "penalties":
-            if p.repeat_last_n != 0 and not (
-                p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            ):
+            if _penalties_act(p):
                 return None
         elif name == "dry":
             if p.dry_multiplier != 0.0 and p.dry_base >= 1.0 and max(p.dry_penalty_last_n, 0) != 0:
@@ -1127,9 +1137,7 @@ class Sampler:
     def _stage(self, name: str, c: Candidates) -> None:
         p = self.params
         if name == "penalties":
-            if p.repeat_last_n != 0 and not (
-                p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            ):
+            if _penalties_act(p):
                 apply_penalties(
                     c,
                     self.penalties.counts,
@@ -1150,7 +1158,7 @@ class Sampler:
         elif name == "min_p":
             apply_min_p(c, p.min_p, p.min_keep)
         elif name == "xtc":
-            if p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5:
+            if _xtc_acts(p):
                 apply_xtc(c, p.xtc_probability, p.xtc_threshold, p.min_keep, self.xtc_rng)
         elif name == "temperature":
             if p.dynatemp_range > 0:
