@@ -19,11 +19,13 @@ types), or a stack of them (Q/K/V or gate/up of several types); at run time one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numba.core import errors
 from numba.extending import overload
+from numba.typed import List
 
 from bankml.engine_cupy.kernels import exact_attention, exact_iquants, exact_kquants
 from bankml.engine_cupy.kernels.exact_attention import one_row_f16
@@ -47,7 +49,7 @@ from bankml.engine_cupy.kernels.exact_ops import (
 from bankml.engine_cupy.kernels.jit import njit, present_in
 from bankml.engine_cupy.kv_cache import _store_f16
 
-__all__ = ["DecodePlan", "decode_layer", "decode_output"]
+__all__ = ["DecodePlan", "decode_layer", "decode_output", "decode_stack"]
 
 F32 = np.float32
 _NONE = np.zeros(0, F32)  # an absent bias, norm weight or GELU table
@@ -311,6 +313,75 @@ def decode_output(x: Any, norm: Any, output: Any, eps: float, table: Any, famili
     return _linear(output, _norm(x, norm, eps), table, families)
 
 
+@njit
+def decode_stack(
+    x: Any,
+    pos: int,
+    ropes: Any,
+    swa: Any,
+    cells: Any,
+    layers: Any,
+    shape: Any,
+    n_ff: int,
+    neox: bool,
+    q_scale: float,
+    scale: float,
+    n_threads: int,
+    eps: float,
+    table: Any,
+    gelu: Any,
+    families: Any,
+    output_norm: Any,
+    output: Any,
+) -> Any:
+    """model.stack for one token: decode_layer for each layer in turn, then decode_output, in
+    one call from Python. ``layers``: the plan's typed List of (norms, qkv, wo, gate_up, down);
+    ``ropes``: the (cos, sin) of the global and the sliding-window layers, ``swa[il]`` choosing;
+    ``cells``: each layer's (see decode_layer). One call instead of one a layer: each call from
+    Python unboxed a layer's ~60 arrays and took the GIL back, ~40 us a layer of a ~10 ms step,
+    and a serving thread waiting for the GIL stalled both cores."""
+    for il in range(len(layers)):
+        norms, qkv, wo, gate_up, down = layers[il]
+        cos, sin = ropes[swa[il]]
+        x = decode_layer(
+            x,
+            pos,
+            cos,
+            sin,
+            cells[il],
+            norms,
+            qkv,
+            wo,
+            gate_up,
+            down,
+            shape,
+            n_ff,
+            neox,
+            q_scale,
+            scale,
+            n_threads,
+            eps,
+            table,
+            gelu,
+            families,
+        )
+    return decode_output(x, output_norm, output, eps, table, families)
+
+
+@njit
+def _layer_list(first: Any) -> Any:
+    """A typed List of layers' arguments, holding ``first`` (built by compiled, cached code: a
+    typed List made from Python compiles its methods anew in every process, ~4 s)."""
+    layers = List()
+    layers.append(first)
+    return layers
+
+
+@njit
+def _append_layer(layers: Any, layer: Any) -> None:
+    layers.append(layer)
+
+
 # --- the plan: each layer's arguments, laid out once per model -----------------------------------
 
 
@@ -416,6 +487,9 @@ class DecodePlan:
     # compiled code holds only the present families' and codes' products (one compile per
     # set, each cached)
     families: tuple[Any, ...]
+    # the layers' arguments as decode_stack takes them: a typed List, made at the first step;
+    # False where the layers' types differ (each layer is then its own call)
+    _stacked: Any = field(default=None, repr=False)
 
     @classmethod
     def build(cls, hp: Any, weights: Any, gelu: Any | None) -> DecodePlan | None:
@@ -474,6 +548,30 @@ class DecodePlan:
         """model.stack for one token x [1, n_embd] at ``pos``: the layers and the output
         product, its K/V stored in ``cache`` (f16); the logits [1, n_vocab]."""
         views = _CellViews(pos, cache)
+        layers = self._stacked_layers()
+        if layers is not None:
+            cells = tuple(views.cells(il, layer[5]) for il, layer in enumerate(self.layers))
+            full = ropes[False]
+            return decode_stack(
+                x,
+                pos,
+                (full, ropes.get(True, full)),
+                self._swa_index,
+                cells,
+                layers,
+                self.shape,
+                self.n_ff,
+                self.neox,
+                self.q_scale,
+                self.scale,
+                n_threads,
+                self.eps,
+                F16_TABLE,
+                self.gelu,
+                self.families,
+                self.output_norm,
+                self.output,
+            )
         for il, (norms, qkv, wo, gate_up, down, window) in enumerate(self.layers):
             cos, sin = ropes[self.swa[il]]
             x = decode_layer(
@@ -499,6 +597,25 @@ class DecodePlan:
                 self.families,
             )
         return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE, self.families)
+
+    @property
+    def _swa_index(self) -> np.ndarray:
+        """Per layer 1 where it takes the sliding-window RoPE, else 0 (decode_stack's swa)."""
+        return _readonly(np.array(self.swa, dtype=np.intp))
+
+    def _stacked_layers(self) -> Any | None:
+        """The typed List of the layers' arguments (made once), or None where it cannot hold
+        them all: layers whose arguments differ in type (then each is its own call)."""
+        if self._stacked is None:
+            layers = [layer[:5] for layer in self.layers]
+            try:
+                stacked = _layer_list(layers[0])
+                for layer in layers[1:]:
+                    _append_layer(stacked, layer)
+            except errors.TypingError:
+                stacked = False
+            self._stacked = stacked
+        return self._stacked if self._stacked is not False else None
 
 
 class _CellViews:
