@@ -39,11 +39,15 @@ from numba.extending import intrinsic
 __all__ = ["njit", "fma32", "f16_round", "f16_bits", "start_worker_threads", "present_in"]
 
 
-# libgomp's wait: spin this many iterations (a few microseconds) after a parallel region, then
-# sleep. Measured on a decode step of the default model, 2 idle cores: 14.5 ms with 10,000,
-# 16.0 ms spinning (ACTIVE, libgomp's default here), 31.7 ms sleeping at once (PASSIVE), whose
-# wake-up costs tens of microseconds for each of a step's ~120 parallel products.
-SPIN_COUNT = "10000"
+# libgomp's wait: spin this many iterations after a parallel region, then sleep. Measured on a
+# decode step of the default model, 2 idle cores: 14.5 ms with 10,000, 16.0 ms spinning (ACTIVE,
+# libgomp's default here), 31.7 ms sleeping at once (PASSIVE), whose wake-up costs tens of
+# microseconds for each of a step's ~120 parallel products. Since a step is one compiled call
+# (exact_decode.decode_stack) the workers also wait out the sampler's part between two steps:
+# 100,000 then gave 10.1-11.4 ms a step against 10.3-16.7 with 10,000 (three alternating
+# rounds, 2026-12-02 03:20 UTC, load 1.2-1.5), and served decode 1.015x and 1.08x
+# llama-server's (bench/serve.py) against 0.98x.
+SPIN_COUNT = "100000"
 
 
 _start_lock = threading.Lock()
