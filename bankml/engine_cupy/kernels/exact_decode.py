@@ -548,54 +548,38 @@ class DecodePlan:
         """model.stack for one token x [1, n_embd] at ``pos``: the layers and the output
         product, its K/V stored in ``cache`` (f16); the logits [1, n_vocab]."""
         views = _CellViews(pos, cache)
+        # decode_layer's arguments after the layer's own, decode_stack's after its layers
+        shared = (
+            self.shape,
+            self.n_ff,
+            self.neox,
+            self.q_scale,
+            self.scale,
+            n_threads,
+            self.eps,
+            F16_TABLE,
+            self.gelu,
+            self.families,
+        )
         layers = self._stacked_layers()
         if layers is not None:
             cells = tuple(views.cells(il, layer[5]) for il, layer in enumerate(self.layers))
             full = ropes[False]
+            ropes_by_kind = (full, ropes.get(True, full))
             return decode_stack(
                 x,
                 pos,
-                (full, ropes.get(True, full)),
+                ropes_by_kind,
                 self._swa_index,
                 cells,
                 layers,
-                self.shape,
-                self.n_ff,
-                self.neox,
-                self.q_scale,
-                self.scale,
-                n_threads,
-                self.eps,
-                F16_TABLE,
-                self.gelu,
-                self.families,
+                *shared,
                 self.output_norm,
                 self.output,
             )
-        for il, (norms, qkv, wo, gate_up, down, window) in enumerate(self.layers):
+        for il, layer in enumerate(self.layers):
             cos, sin = ropes[self.swa[il]]
-            x = decode_layer(
-                x,
-                pos,
-                cos,
-                sin,
-                views.cells(il, window),
-                norms,
-                qkv,
-                wo,
-                gate_up,
-                down,
-                self.shape,
-                self.n_ff,
-                self.neox,
-                self.q_scale,
-                self.scale,
-                n_threads,
-                self.eps,
-                F16_TABLE,
-                self.gelu,
-                self.families,
-            )
+            x = decode_layer(x, pos, cos, sin, views.cells(il, layer[5]), *layer[:5], *shared)
         return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE, self.families)
 
     @property
