@@ -382,6 +382,18 @@ def _append_layer(layers: Any, layer: Any) -> None:
     layers.append(layer)
 
 
+def _stack_layers(layers: list[tuple]) -> Any | None:
+    """The layers' arguments in a typed List (decode_stack's ``layers``), or None where it
+    cannot hold them all: layers whose arguments differ in type."""
+    try:
+        stacked = _layer_list(layers[0])
+        for layer in layers[1:]:
+            _append_layer(stacked, layer)
+    except errors.TypingError:
+        return None
+    return stacked
+
+
 # --- the plan: each layer's arguments, laid out once per model -----------------------------------
 
 
@@ -487,9 +499,11 @@ class DecodePlan:
     # compiled code holds only the present families' and codes' products (one compile per
     # set, each cached)
     families: tuple[Any, ...]
-    # the layers' arguments as decode_stack takes them: a typed List, made at the first step;
-    # False where the layers' types differ (each layer is then its own call)
-    _stacked: Any = field(default=None, repr=False)
+    # per layer 1 where it takes the sliding-window RoPE, else 0 (decode_stack's swa)
+    swa_index: np.ndarray
+    # the layers' arguments as decode_stack takes them (a typed List); None where the layers'
+    # types differ (each layer is then its own call)
+    stacked: Any = field(repr=False)
 
     @classmethod
     def build(cls, hp: Any, weights: Any, gelu: Any | None) -> DecodePlan | None:
@@ -535,6 +549,8 @@ class DecodePlan:
             swa=tuple(hp.swa_layers),
             gelu=_f32(gelu),
             families=_families(present, codes),
+            swa_index=_readonly(np.array(hp.swa_layers, dtype=np.intp)),
+            stacked=_stack_layers([layer[:5] for layer in layers]),
         )
 
     def step(
@@ -561,8 +577,7 @@ class DecodePlan:
             self.gelu,
             self.families,
         )
-        layers = self._stacked_layers()
-        if layers is not None:
+        if self.stacked is not None:
             cells = tuple(views.cells(il, layer[5]) for il, layer in enumerate(self.layers))
             full = ropes[False]
             ropes_by_kind = (full, ropes.get(True, full))
@@ -570,9 +585,9 @@ class DecodePlan:
                 x,
                 pos,
                 ropes_by_kind,
-                self._swa_index,
+                self.swa_index,
                 cells,
-                layers,
+                self.stacked,
                 *shared,
                 self.output_norm,
                 self.output,
@@ -581,25 +596,6 @@ class DecodePlan:
             cos, sin = ropes[self.swa[il]]
             x = decode_layer(x, pos, cos, sin, views.cells(il, layer[5]), *layer[:5], *shared)
         return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE, self.families)
-
-    @property
-    def _swa_index(self) -> np.ndarray:
-        """Per layer 1 where it takes the sliding-window RoPE, else 0 (decode_stack's swa)."""
-        return _readonly(np.array(self.swa, dtype=np.intp))
-
-    def _stacked_layers(self) -> Any | None:
-        """The typed List of the layers' arguments (made once), or None where it cannot hold
-        them all: layers whose arguments differ in type (then each is its own call)."""
-        if self._stacked is None:
-            layers = [layer[:5] for layer in self.layers]
-            try:
-                stacked = _layer_list(layers[0])
-                for layer in layers[1:]:
-                    _append_layer(stacked, layer)
-            except errors.TypingError:
-                stacked = False
-            self._stacked = stacked
-        return self._stacked if self._stacked is not False else None
 
 
 class _CellViews:
