@@ -15,9 +15,10 @@ receipt or a traceback in a body is an error.
 
 The load runs in two phases: a warm-up (--warm-up seconds, by default a third of the time, at
 most five minutes: the kernels, thread pools and the host prompt cache fill, and the C heap
-reaches its high-water mark), a quiet second, then the rest. The server process is sampled
+reaches its high-water mark), a quiet pause, then the rest. The server process is sampled
 every second (psutil); growth is measured between the two quiet points (after the warm-up and
-after the load), where no request holds a connection or a buffer. Ends with one JSON line:
+after the load), where no request holds a connection or a buffer and the server's heap trim
+(every 5 s, bankml/native/heap.py) has run since the last answer. Ends with one JSON line:
 requests, errors, p50/p99 latency, RSS, fds and threads at both points and their growth, the
 highest RSS of each minute (a leak keeps setting new highs, a heap that has levelled off does
 not), the load average.
@@ -54,6 +55,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bankml.native.heap import TRIM_INTERVAL_S  # noqa: E402
 from tests import support  # noqa: E402  (the default model and its pin)
 from tests.native_server import NativeProcess, native_process  # noqa: E402
 
@@ -320,7 +322,10 @@ def prompt_cache(target: Target) -> dict[str, Any] | None:
 
 
 def quiet_point(sampler: Sampler) -> Sample:
-    time.sleep(1.0)  # closed connections reaped, the last answers' buffers released
+    # Closed connections reaped, the last answers' buffers released, and the server's periodic
+    # heap trim run once since: both points then count the pages in use, not the free pages
+    # the allocator happened to keep between two trims.
+    time.sleep(TRIM_INTERVAL_S + 1.0)
     return sampler.now()
 
 

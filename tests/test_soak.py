@@ -1,6 +1,6 @@
 """bench/soak.py for one minute against its own `bankml serve --native` with an 8 MiB host
 prompt cache: no errors, and fds, threads and RSS flat between the two quiet points (after the
-warm-up and after the load)."""
+warm-up and after the load, each after the server's periodic heap trim has run)."""
 
 from __future__ import annotations
 
