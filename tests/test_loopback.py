@@ -604,16 +604,17 @@ async def test_a_reading_client_gets_the_whole_big_answer(front: Front) -> None:
 # --- streaming --------------------------------------------------------------------------------
 
 
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before {marker!r}: {data!r}"
+        data += chunk
+    return data
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_streamed_answer_leaves_as_it_is_written(front: Front) -> None:
-    def read_until(sock: socket.socket, marker: bytes) -> bytes:
-        data = b""
-        while marker not in data:
-            chunk = sock.recv(65536)
-            assert chunk, f"closed before {marker!r}: {data!r}"
-            data += chunk
-        return data
-
     sock = await in_thread(connect, front.port)
     try:
         await in_thread(sock.sendall, request(path="/stream"))
@@ -624,6 +625,45 @@ async def test_a_streamed_answer_leaves_as_it_is_written(front: Front) -> None:
         stream.finish()
         rest = await in_thread(read_until, sock, b"0\r\n\r\n")  # the chunked answer's end
         assert b"200 OK" in first and b"data: 2\n\n" in rest
+    finally:
+        sock.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_write_to_a_drained_connection_reaches_the_kernel_within_the_call(
+    front: Front,
+) -> None:
+    sock = await in_thread(connect, front.port)
+    try:
+        await in_thread(sock.sendall, request(path="/stream"))
+        await in_thread(read_until, sock, b"data: 1\n\n")
+        channel = front.accepted[0]
+        await until(lambda: channel._pendingBytes() == 0, "the head and first event sent")
+        front.root.streams[0].write(b"data: 2\n\n")
+        # nothing queued for a later reactor turn: the bytes were handed to the kernel
+        assert channel._pendingBytes() == 0
+        assert channel._bytesSent() == channel._bytesQueued
+        assert b"data: 2\n\n" in await in_thread(read_until, sock, b"data: 2\n\n")
+    finally:
+        sock.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_write_behind_unsent_bytes_is_queued_after_them(front: Front) -> None:
+    sock = await in_thread(connect, front.port, rcvbuf=4096)
+    try:
+        await in_thread(sock.sendall, request(path="/stream"))
+        await in_thread(read_until, sock, b"data: 1\n\n")
+        stream = front.root.streams[0]
+        channel = front.accepted[0]
+        body = bytes(random.Random(7).randbytes(BIG_ANSWER // 4))  # more than the kernel holds
+        stream.write(body)
+        assert channel._pendingBytes() > 0, "the client is not reading: some bytes wait"
+        stream.write(b"data: end\n\n")  # must not overtake what waits
+        stream.finish()
+        rest = await in_thread(read_until, sock, b"0\r\n\r\n")
+        framed = b"%x\r\n" % len(body) + body + b"\r\n" + b"b\r\ndata: end\n\n\r\n0\r\n\r\n"
+        assert rest.endswith(framed)
     finally:
         sock.close()
 

@@ -299,12 +299,40 @@ class LoopbackChannel(http.HTTPChannel):
 
     def write(self, data: bytes) -> None:
         self._bytesQueued += len(data)
-        super().write(data)
+        rest = self._sendNow(data)
+        if rest:
+            super().write(rest)
 
     def writeSequence(self, iovec: Any) -> None:
-        iovec = list(iovec)
-        self._bytesQueued += sum(map(len, iovec))
-        super().writeSequence(iovec)
+        data = b"".join(iovec)
+        self._bytesQueued += len(data)
+        rest = self._sendNow(data)
+        if rest:
+            super().writeSequence([rest])
+
+    def _sendNow(self, data: bytes) -> bytes:
+        """Hand ``data`` to the kernel at once when the transport holds nothing unsent, as
+        asyncio's transports do; return what the kernel did not take (all of it otherwise),
+        for the transport to queue as usual. A stream's token costs one send instead of a
+        queued write, a reactor wake when the socket is writable, then the send; order and
+        back-pressure stay the transport's, as anything left goes through it."""
+        transport = self.transport
+        sock = getattr(transport, "socket", None)
+        if (
+            not data
+            or sock is None
+            or getattr(transport, "TLS", False)
+            or not getattr(transport, "connected", False)
+            or getattr(transport, "disconnecting", True)
+            or getattr(transport, "_writeDisconnected", True)
+            or self._pendingBytes() != 0
+        ):
+            return data
+        try:
+            sent = sock.send(data)
+        except OSError:  # would block, or the connection failed: the reactor's write reports it
+            return data
+        return data[sent:]
 
     def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
         # Twisted writes the head straight to the transport; count it by what it added there.
