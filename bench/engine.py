@@ -2,7 +2,7 @@
 """Prefill and decode speed of the native engine against llama-server, same model and threads.
 
     bench/engine.py [--llama-server BIN] [--model FILE] [--threads 2] [--prompt-tokens 256]
-                    [--decode-tokens 64] [--rounds 3] [--batch 1,2,4,8]
+                    [--decode-tokens 64] [--rounds 3] [--batch 1,2,4,8] [--shared 16,64,512]
 
 Both run the same token ids (from llama-server's /tokenize), alternating round by round in one
 run so that a busy machine slows both alike. llama-server's figures are its own
@@ -18,6 +18,13 @@ advance --decode-tokens steps together through ``Model.decode_batch`` (B = 1: ``
 the row counts alternating round by round; per B the median wall and CPU milliseconds a step
 and the aggregate tokens/s against B = 1, by the wall clock and per CPU second (the figure a
 busy machine moves least; with --threads 1 no thread waits at a barrier).
+
+``--shared 16,64,512`` (with ``--batch B``, default 3) measures the engine alone, for each chunk
+size: a prompt chunk for one cache beside one decode step of B others, and a chunk for each of
+B + 1 caches, as one ``Model.shared_pass`` (every row through the layers together) against the
+same apart (a ``forward`` of each chunk, one ``decode_batch`` of the steps), alternating
+--rounds times with --decode-tokens repetitions each; per case the median wall and CPU
+milliseconds and the ratio apart / together (above 1: the shared pass is faster).
 """
 
 from __future__ import annotations
@@ -140,6 +147,80 @@ def batch_main(model: Model, args: argparse.Namespace) -> int:
     return 0
 
 
+def shared_round(
+    model: Model, batches: list, caches: list, lengths: list[int], together: bool, reps: int
+) -> tuple[float, float]:
+    """``reps`` times: batches[i] into caches[i] as one ``shared_pass``, or apart (a
+    ``forward`` of each longer batch, one ``decode_batch`` of the one-token ones); wall and CPU
+    ms per repetition."""
+    single = [i for i, b in enumerate(batches) if len(b) == 1]
+    wall = cpu = 0.0
+    for _ in range(reps):
+        for cache, n in zip(caches, lengths):
+            cache.truncate(n)
+        w, c = time.perf_counter(), time.process_time()
+        if together:
+            model.shared_pass(batches, caches)
+        else:
+            for b, cache in zip(batches, caches):
+                if len(b) > 1:
+                    model.forward(b, cache)
+            if single:
+                model.decode_batch([batches[i][0] for i in single], [caches[i] for i in single])
+        wall += time.perf_counter() - w
+        cpu += time.process_time() - c
+    return wall / reps * 1e3, cpu / reps * 1e3
+
+
+def shared_main(model: Model, args: argparse.Namespace) -> int:
+    sizes = [int(n) for n in args.shared.split(",")]
+    n_decode = int(args.batch or 3)
+    rng = numpy.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(3, model.n_vocab, args.prompt_tokens)]
+    lengths = [max(1, len(ids) - 8 * i) for i in range(n_decode + 1)]
+    caches = [model.new_cache(len(ids) + max(sizes) + 16) for _ in lengths]
+    for cache, n in zip(caches, lengths):
+        for i in range(0, n, 512):
+            model.forward(ids[i : min(i + 512, n)], cache)
+    print(f"shares passes: {model.shares_passes}; caches at {lengths} cells")
+    result: dict = {"model": Path(model.path).name, "decode_steps": n_decode, "cases": {}}
+    for size in sizes:
+        chunk = [int(t) for t in rng.integers(3, model.n_vocab, size)]
+        cases = {
+            f"chunk {size} + {n_decode} decode steps": [chunk] + [[chunk[0]]] * n_decode,
+            f"{n_decode + 1} chunks of {size}": [chunk] * (n_decode + 1),
+        }
+        for name, batches in cases.items():
+            for together in (True, False):  # warm both once
+                shared_round(model, batches, caches, lengths, together, 1)
+            runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+            for _ in range(args.rounds):
+                for together in (True, False):
+                    runs[together].append(
+                        shared_round(model, batches, caches, lengths, together, args.decode_tokens)
+                    )
+            med = {
+                k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+                for k, v in runs.items()
+            }
+            ratio, cpu_ratio = med[False][0] / med[True][0], med[False][1] / med[True][1]
+            result["cases"][name] = {
+                "together_ms": round(med[True][0], 2),
+                "apart_ms": round(med[False][0], 2),
+                "together_cpu_ms": round(med[True][1], 2),
+                "apart_cpu_ms": round(med[False][1], 2),
+                "ratio": round(ratio, 3),
+                "cpu_ratio": round(cpu_ratio, 3),
+            }
+            print(
+                f"{name}: one pass {med[True][0]:.2f} ms ({med[True][1]:.2f} CPU), apart "
+                f"{med[False][0]:.2f} ms ({med[False][1]:.2f} CPU): {ratio:.3f}x "
+                f"({cpu_ratio:.3f}x per CPU second)"
+            )
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-server", type=Path, default=None)
@@ -150,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", default=None, help="row counts, e.g. 1,2,4,8 (engine only)")
+    parser.add_argument("--shared", default=None, help="prompt chunk sizes, e.g. 16,64,512")
     args = parser.parse_args(argv)
     model_path = args.model or support.default_model()
     start = time.perf_counter()
@@ -160,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         f"engine load {time.perf_counter() - start:.1f} s, weights "
         f"{model.weights.nbytes / 2**20:.0f} MiB"
     )
+    if args.shared:
+        return shared_main(model, args)
     if args.batch:
         return batch_main(model, args)
     binary = args.llama_server or support.llama_server_binary()

@@ -30,9 +30,8 @@ def kv_bytes(cache: KVCache, n_layer: int) -> list[bytes]:
     for il in range(n_layer):
         if cache.fused_decode:
             out += [a.tobytes() for a in cache.f16_cells(il)]
-            ring = cache.ring_f16_cells(il)
-            if ring is not None:
-                out += [a.tobytes() for a in ring[:2]]
+            if cache.in_ring(il):  # the ring's stores, whatever the last micro-batch's size
+                out += [cache._ring_k[il].tobytes(), cache._ring_v[il].tobytes()]
     if not cache.fused_decode:
         for entry in cache.snapshot():
             parts = entry if isinstance(entry, tuple) else (entry,)
@@ -73,16 +72,21 @@ class Rows:
         batched = model.decode_batch(tokens, [self.batch[r] for r in rows])
         assert batched.shape == (len(rows), model.n_vocab) and batched.dtype == numpy.float32
         for i, r in enumerate(rows):
-            single = model.forward([tokens[i]], self.single[r])
-            assert batched[i].tobytes() == single.tobytes(), (
-                f"row {i} (position {self.single[r].n_tokens - 1}): largest difference "
-                f"{numpy.abs(batched[i] - single).max()}"
-            )
-            assert self.batch[r].n_tokens == self.single[r].n_tokens
-            assert kv_bytes(self.batch[r], model.n_layer) == kv_bytes(
-                self.single[r], model.n_layer
-            ), f"row {i}: the caches differ"
-            self.next[r] = int(numpy.argmax(single))
+            self.agree(r, [tokens[i]], batched[i])
+
+    def agree(self, r: int, tokens: list[int], got: numpy.ndarray) -> None:
+        """Row r's ``tokens`` by one forward on its single twin: the same logits as ``got``
+        and the same cache bytes; its next token greedy."""
+        single = self.model.forward(tokens, self.single[r])
+        assert got.tobytes() == single.tobytes(), (
+            f"row {r} ({len(tokens)} tokens to position {self.single[r].n_tokens - 1}): "
+            f"largest difference {numpy.abs(got - single).max()}"
+        )
+        assert self.batch[r].n_tokens == self.single[r].n_tokens
+        assert kv_bytes(self.batch[r], self.model.n_layer) == kv_bytes(
+            self.single[r], self.model.n_layer
+        ), f"row {r}: the caches differ"
+        self.next[r] = int(numpy.argmax(single))
 
 
 @pytest.fixture()

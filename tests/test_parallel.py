@@ -22,9 +22,9 @@ import json
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
@@ -34,7 +34,7 @@ from twisted.internet.threads import deferToThread
 from bankml.engine_cupy.engine import Engine
 from bankml.native.answer import prompt_steps
 from bankml.native.bridge import RunControl
-from bankml.native.scheduler import RunJob, Scheduler
+from bankml.native.scheduler import RunJob, Scheduler, passes_of
 from bankml.native.service import make_native_service
 from tests.events import until
 from tests.test_native_serve import (
@@ -182,27 +182,30 @@ def test_interleaved_runs_are_bit_identical_to_each_run_alone(
     assert stats.max_active == N_SLOTS  # the fifth waited for a slot
     # the decode steps of several slots went out together, each slot once per step
     assert stats.decode_rows > stats.decode_calls > 0
+    # the four prompts went through the layers together (every product read its weights once)
+    assert stats.shared_prompts > 0 and stats.passes < stats.decode_rows + stats.prefill_batches
     assert len({s.summary.slot for i in got for s in got[i] if s.summary is not None}) == N_SLOTS
     assert all(not slot.processing for slot in four.slots)
 
 
 class _BatchingModel:
-    """The real model with a ``decode_batch`` made of its own forward passes (the contract a
-    batched kernel keeps: each row the bits of that slot's ``forward``), counting its calls."""
+    """The real model with a ``forward_batch`` made of its own forward passes (the contract the
+    shared pass keeps: each sequence the bits of its own ``forward``), recording each call's
+    micro-batch sizes."""
 
     def __init__(self, model: Any) -> None:
         self._model = model
-        self.batches: list[int] = []
+        self.batches: list[list[int]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
-    def decode_batch(self, tokens: list[int], caches: list[Any]) -> Any:
-        self.batches.append(len(tokens))
-        return np.stack([self._model.forward([t], c) for t, c in zip(tokens, caches)])
+    def forward_batch(self, tokens: list[list[int]], caches: list[Any]) -> list[Any]:
+        self.batches.append([len(t) for t in tokens])
+        return [self._model.forward(t, c) for t, c in zip(tokens, caches)]
 
 
-def test_the_decode_steps_of_one_iteration_go_to_decode_batch_in_one_call(
+def test_the_forward_passes_of_one_iteration_go_to_forward_batch_in_one_call(
     engines: tuple[Engine, Engine],
 ) -> None:
     one, _ = engines
@@ -217,10 +220,13 @@ def test_the_decode_steps_of_one_iteration_go_to_decode_batch_in_one_call(
     finally:
         scheduler.stop(HANG_GUARD_S)
     assert [_record(got[i]) for i in range(len(requests))] == alone
-    # every iteration with several decode steps made one decode_batch call of them all
-    assert len(model.batches) == scheduler.stats.shared_decodes > 0
-    assert sum(model.batches) <= scheduler.stats.decode_rows
-    assert max(model.batches) == len(requests)
+    # every pass with several slots' steps was one forward_batch call of them all: the three
+    # prompts together first, then the decode steps
+    decodes = [sum(n == 1 for n in sizes) for sizes in model.batches]
+    assert len(model.batches[0]) == 3 and min(model.batches[0]) > 1
+    assert sum(d > 1 for d in decodes) == scheduler.stats.shared_decodes > 0
+    assert sum(decodes) <= scheduler.stats.decode_rows
+    assert max(decodes) == len(requests)
 
 
 def test_a_paused_run_sits_out_and_a_cancelled_one_stops_within_one_token(
@@ -615,3 +621,20 @@ async def test_ollama_answers_take_the_slots_too(
     got = [r[1]["response"] if ok and r[0] == 200 else repr(r) for ok, r in together]
     assert got == alone
     assert scheduler.stats.shared_decodes > shared_before  # they ran side by side
+
+
+def test_an_iterations_passes_take_the_decode_steps_first_then_prompts_within_the_budget() -> None:
+    """llama-server's -b: every decode step in one group, each prompt micro-batch in slot
+    order in the first group of at most 2048 tokens it fits."""
+
+    def forward(n: int) -> Any:
+        return SimpleNamespace(tokens=[0] * n, decode=n == 1)
+
+    prompts = [forward(512), forward(512), forward(512), forward(512), forward(100)]
+    decodes = [forward(1) for _ in range(3)]
+    passes = passes_of([prompts[0], decodes[0], *prompts[1:], *decodes[1:]])
+    assert [[len(f.tokens) for f in p] for p in passes] == [[1, 1, 1], [512] * 4, [100]]
+    assert passes[0] == decodes and passes[1] == prompts[:4]
+    one = forward(1)
+    assert passes_of([one], budget=4) == [[one]]
+    assert passes_of([]) == []

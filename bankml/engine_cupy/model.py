@@ -41,12 +41,17 @@ from bankml.engine_cupy.weights import (
     load_weights,
     open_reader,
     read_hparams,
+    rows_independent,
     total_tensor_bytes,
 )
 
 __all__ = ["Model", "KVCache", "UnsupportedModel"]
 
 F32 = numpy.float32
+# The most rows a shared pass of several prompt chunks takes: on a 2-core AMD EPYC with the
+# default model four chunks in one pass ran 1.21-1.30x faster than apart at 32-128 rows in all
+# and 0.83x at 256 (model.md, "Why decode steps stay out of the shared pass").
+SHARED_PASS_ROWS = 128
 
 
 class Ops(Protocol):
@@ -109,12 +114,36 @@ class Step:
 # n tokens, d = n_embd, h = n_head, kv = n_head_kv, hd = head_dim, f = n_ff, V = n_vocab
 
 
+@dataclass
+class Segment:
+    """One sequence's rows in a forward pass: rows ``rows`` of the pass's activations, its
+    micro-batch ``step`` (positions, RoPE tables, masks) and its ``cache``. A pass of one
+    sequence has one segment; ``Model.forward_batch`` runs several in one pass."""
+
+    rows: slice
+    step: Step
+    cache: KVCache
+
+
 def attention(
-    ops: Ops, hp: HParams, il: int, layer: Layer, h: Any, step: Step, cache: KVCache
+    ops: Ops, hp: HParams, il: int, layer: Layer, h: Any, segments: Sequence[Segment]
 ) -> Any:
-    """Causal GQA self-attention of h [n, d] over the cache, this batch's K/V stored first."""
+    """Causal GQA self-attention of h [n, d], each segment's rows over its own cache (its
+    batch's K/V stored first); the Q/K/V product is one for all the rows."""
     parts = apply_all(ops.xp, layer.qkv, h)  # q [n, h*hd], k and v [n, kv*hd] (or fused qkv)
-    q, k, v = split_heads(hp, parts, h.shape[0])  # [n, h, hd], [n, kv, hd], [n, kv, hd]
+    outs = []
+    for seg in segments:
+        rows = {name: part[seg.rows] for name, part in parts.items()}
+        outs.append(attend_segment(ops, hp, il, layer, rows, seg))
+    return outs[0] if len(outs) == 1 else ops.xp.concatenate(outs)  # [n, h*hd]
+
+
+def attend_segment(
+    ops: Ops, hp: HParams, il: int, layer: Layer, parts: dict[str, Any], seg: Segment
+) -> Any:
+    """One sequence's part of ``attention``: its Q/K/V rows normed, turned and attended."""
+    step = seg.step
+    q, k, v = split_heads(hp, parts, seg.rows.stop - seg.rows.start)
     if layer.q_norm is not None:  # qwen3, gemma3: RMSNorm of each head
         q, k = ops.norm(q, layer.q_norm), ops.norm(k, layer.k_norm)
     cos, sin = step.ropes[hp.swa_layers[il]]  # [n, hd/2]
@@ -123,8 +152,8 @@ def attention(
     scale = F32(hp.attn_scale)
     if hp.arch == "gemma3":  # gemma3 scales Q before attention and attends with scale 1
         q, scale = q * scale, F32(1)
-    cache.store(il, step.start, k, v)
-    return ops.attend(il, q, step, cache, scale)  # [n, h*hd]
+    seg.cache.store(il, step.start, k, v)
+    return ops.attend(il, q, step, seg.cache, scale)  # [n, h*hd]
 
 
 def feed_forward(ops: Ops, layer: Layer, h: Any) -> Any:
@@ -139,17 +168,21 @@ def block(
     il: int,
     layer: Layer,
     x: Any,
-    step: Step,
-    cache: KVCache,
+    segments: Sequence[Segment],
     only_last: bool,
 ) -> Any:
-    """One pre-norm transformer layer: x [n, d] → [n, d] (the last row only if ``only_last``)."""
+    """One pre-norm transformer layer: x [n, d] → [n, d] (each segment's last row only if
+    ``only_last``)."""
     h = ops.norm(x, layer.attn_norm)  # [n, d]
-    out = layer.wo(ops.xp, attention(ops, hp, il, layer, h, step, cache))["o"]  # [n, d]
+    out = layer.wo(ops.xp, attention(ops, hp, il, layer, h, segments))["o"]  # [n, d]
     if only_last:  # llama.cpp keeps only the output row(s) after the last layer's attention
         # output product (build_attn multiplies every row by wo before get_rows): F16, BF16
         # and F32 products round differently for one row (vec_dot) and several (tinyBLAS)
-        out, x = out[-1:], x[-1:]
+        if len(segments) == 1:
+            out, x = out[-1:], x[-1:]
+        else:
+            last = [seg.rows.stop - 1 for seg in segments]
+            out, x = out[last], x[last]
     if layer.post_attn_norm is not None:  # gemma3
         out = ops.norm(out, layer.post_attn_norm)
     x = x + out
@@ -161,12 +194,18 @@ def block(
 
 
 def stack(
-    ops: Ops, hp: HParams, weights: Weights, x: Any, step: Step, cache: KVCache, all_logits: bool
+    ops: Ops,
+    hp: HParams,
+    weights: Weights,
+    x: Any,
+    segments: Sequence[Segment],
+    all_logits: bool,
 ) -> Any:
-    """Every layer, the output norm and the logits product: x [n, d] → [n or 1, V]."""
+    """Every layer, the output norm and the logits product: x [n, d] → [n or one per segment,
+    V]."""
     for il, layer in enumerate(weights.layers):
         only_last = il == hp.n_layer - 1 and not all_logits
-        x = block(ops, hp, il, layer, x, step, cache, only_last)
+        x = block(ops, hp, il, layer, x, segments, only_last)
     return weights.output(ops.xp, ops.norm(x, weights.output_norm))["logits"]
 
 
@@ -222,6 +261,7 @@ class Model:
         self._blas = backend.BlasThreads(xp)
         # one-token steps through the backend's fused step where it has one (False: never)
         self.fused_decode = True
+        self._shares_passes: bool | None = None
 
     @classmethod
     def load(
@@ -313,20 +353,129 @@ class Model:
         self, tokens: Sequence[int], cache: KVCache, all_logits: bool = False
     ) -> numpy.ndarray:
         """Append ``tokens`` to ``cache`` and return the logits of the last (or every) token."""
-        xp, hp = self.xp, self.hp
+        self._check_rows(tokens, cache)
         n = len(tokens)
-        start = cache.n_tokens
+        self._blas.set(self.decode_threads if n == 1 else self.threads)
+        x = self._embed(tokens)
+        seg = self._segment(0, tokens, cache)
+        logits = None
+        if n == 1 and self.fused_decode and cache.fused_decode:
+            logits = self.ops.decode(x, seg.step, cache)  # one compiled call per layer, same bits
+        if logits is None:
+            logits = stack(self.ops, self.hp, self.weights, x, [seg], all_logits)
+        cache.advance(seg.step.end)
+        return self._final_logits(logits, all_logits)
+
+    @property
+    def shares_passes(self) -> bool:
+        """Whether ``forward_batch`` runs several sequences' prompt chunks in one pass: on the
+        exact path, when every product of the model gives a row the same bits whatever rows
+        it is multiplied beside (weights.rows_independent); otherwise each is its own pass."""
+        if self._shares_passes is None:
+            w = self.weights
+            matrices = [w.output] + [
+                linear
+                for layer in w.layers
+                for linear in (*layer.qkv, layer.wo, *layer.gate_up, layer.down)
+            ]
+            self._shares_passes = self.exact and all(rows_independent(m) for m in matrices)
+        return self._shares_passes
+
+    def forward_batch(
+        self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]
+    ) -> list[numpy.ndarray]:
+        """One micro-batch for each of several sequences: tokens[i] appended to caches[i];
+        the logits of each one's last token, each its own array.
+
+        Each is bit for bit ``forward(tokens[i], caches[i])``, and each cache ends as that
+        call leaves it. The one-token micro-batches (decode steps) are one ``decode_batch``.
+        Where the model ``shares_passes``, the longer ones (prompt chunks) go through the
+        layers together (``shared_pass``), in order, in passes of at most ``SHARED_PASS_ROWS``
+        rows (a longer chunk alone); otherwise each is its own ``forward``. Every sequence is
+        checked before any cache changes."""
+        if len(tokens) != len(caches):
+            raise ValueError(f"{len(tokens)} micro-batches for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each sequence needs a cache of its own")
+        for toks, cache in zip(tokens, caches):
+            self._check_rows(toks, cache)
+        out: list[Any] = [None] * len(tokens)
+        single = [i for i, toks in enumerate(tokens) if len(toks) == 1]
+        if single:
+            rows = self.decode_batch([tokens[i][0] for i in single], [caches[i] for i in single])
+            for row, i in enumerate(single):
+                out[i] = rows[row].copy()  # its own array: a run may keep it a while
+        for group in self.prompt_passes(tokens):
+            if len(group) == 1:
+                out[group[0]] = self.forward(tokens[group[0]], caches[group[0]])
+                continue
+            shared = self.shared_pass([tokens[i] for i in group], [caches[i] for i in group])
+            for i, logits in zip(group, shared):
+                out[i] = logits
+        return out
+
+    def prompt_passes(self, tokens: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Which of ``forward_batch``'s micro-batches of more than one token go through the
+        layers together (their indices, a pass each list): in order, while a pass holds at
+        most ``SHARED_PASS_ROWS`` rows where the model ``shares_passes``, else one each."""
+        longer = [i for i, toks in enumerate(tokens) if len(toks) > 1]
+        if not self.shares_passes:
+            return [[i] for i in longer]
+        groups: list[list[int]] = []
+        rows = SHARED_PASS_ROWS + 1
+        for i in longer:
+            n = len(tokens[i])
+            if rows + n > SHARED_PASS_ROWS:
+                groups.append([])
+                rows = 0
+            groups[-1].append(i)
+            rows += n
+        return groups
+
+    def shared_pass(
+        self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]
+    ) -> list[numpy.ndarray]:
+        """Several sequences' micro-batches through the layers as one pass (checked by the
+        caller; only where the model ``shares_passes``): every product multiplies all their
+        rows at once, reading its weights once for all; the norms, GLU and residual adds are
+        row by row; RoPE, the K/V store and the attention are each sequence's own, over its
+        own cache, as in its own pass; the last layer keeps each sequence's last row."""
+        self._blas.set(self.threads)
+        x = self._embed([t for toks in tokens for t in toks])
+        segments, row = [], 0
+        for toks, cache in zip(tokens, caches):
+            segments.append(self._segment(row, toks, cache))
+            row += len(toks)
+        logits = stack(self.ops, self.hp, self.weights, x, segments, False)
+        for seg in segments:
+            seg.cache.advance(seg.step.end)
+        rows = self._final_logits(logits, True)
+        return [rows[i].copy() for i in range(len(segments))]
+
+    def _check_rows(self, tokens: Sequence[int], cache: KVCache) -> None:
+        """What a micro-batch must be before its cache changes: some tokens, room for them,
+        ids in the vocabulary."""
+        n = len(tokens)
         if n == 0:
             raise ValueError("forward needs at least one token")
-        if start + n > cache.n_ctx:
-            raise ValueError(f"{start + n} positions do not fit a cache of {cache.n_ctx}")
+        if cache.n_tokens + n > cache.n_ctx:
+            raise ValueError(f"{cache.n_tokens + n} positions do not fit a cache of {cache.n_ctx}")
         ids = numpy.asarray(tokens, dtype=numpy.int64)
-        if ids.min() < 0 or ids.max() >= hp.n_vocab:
-            raise ValueError(f"token id out of range 0..{hp.n_vocab - 1}")
-        x = self.weights.token_embd[xp.asarray(ids)]  # [n, d]
-        if hp.embd_scale != 1.0:
-            x = x * F32(hp.embd_scale)
-        self._blas.set(self.decode_threads if n == 1 else self.threads)
+        if ids.min() < 0 or ids.max() >= self.hp.n_vocab:
+            raise ValueError(f"token id out of range 0..{self.hp.n_vocab - 1}")
+
+    def _embed(self, tokens: Sequence[int]) -> Any:
+        """The tokens' embedding rows [n, d] (gemma3's scale applied)."""
+        ids = numpy.asarray(tokens, dtype=numpy.int64)
+        x = self.weights.token_embd[self.xp.asarray(ids)]
+        if self.hp.embd_scale != 1.0:
+            x = x * F32(self.hp.embd_scale)
+        return x
+
+    def _segment(self, row: int, tokens: Sequence[int], cache: KVCache) -> Segment:
+        """The micro-batch of ``tokens`` at the end of ``cache`` as rows row.. of a pass: its
+        step, and the sliding-window ring's cells placed for it."""
+        xp, n, start = self.xp, len(tokens), cache.n_tokens
         positions = xp.arange(start, start + n)
         step = Step(
             positions,
@@ -336,14 +485,8 @@ class Model:
             self.ggml_threads,
             readonly_masks=self.exact,
         )
-        cache.place(start, n)  # the sliding-window ring's cells for this micro-batch
-        logits = None
-        if n == 1 and self.fused_decode and cache.fused_decode:
-            logits = self.ops.decode(x, step, cache)  # one compiled call per layer, same bits
-        if logits is None:
-            logits = stack(self.ops, hp, self.weights, x, step, cache, all_logits)
-        cache.advance(start + n)
-        return self._final_logits(logits, all_logits)
+        cache.place(start, n)
+        return Segment(slice(row, row + n), step, cache)
 
     def decode_batch(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> numpy.ndarray:
         """One decode step for each of several sequences: tokens[i] appended to caches[i]
@@ -355,7 +498,6 @@ class Model:
         them; any other row (a q8_0 cache, the array backend, a model the fused step does not
         take, ``fused_decode`` off) is its own ``forward``: the same answer, no gain. Every
         row is checked before any cache changes."""
-        xp, hp = self.xp, self.hp
         if len(tokens) != len(caches):
             raise ValueError(f"{len(tokens)} tokens for {len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
@@ -363,24 +505,15 @@ class Model:
         if len(tokens) == 1:
             return self.forward([tokens[0]], caches[0])[None, :]
         for token, cache in zip(tokens, caches):
-            if cache.n_tokens + 1 > cache.n_ctx:
-                raise ValueError(
-                    f"{cache.n_tokens + 1} positions do not fit a cache of {cache.n_ctx}"
-                )
-            if not 0 <= int(token) < hp.n_vocab:
-                raise ValueError(f"token id out of range 0..{hp.n_vocab - 1}")
-        out = numpy.empty((len(tokens), hp.n_vocab), F32)
+            self._check_rows([int(token)], cache)
+        out = numpy.empty((len(tokens), self.hp.n_vocab), F32)
         batched = []
         if isinstance(self.ops, ExactOps) and self.fused_decode and self.ops.plan is not None:
             batched = [i for i, cache in enumerate(caches) if cache.fused_decode]
         if len(batched) < 2:
             batched = []
         else:
-            x = numpy.concatenate(
-                [self.weights.token_embd[xp.asarray([int(tokens[i])])] for i in batched]
-            )
-            if hp.embd_scale != 1.0:
-                x = x * F32(hp.embd_scale)
+            x = self._embed([int(tokens[i]) for i in batched])
             starts = [caches[i].n_tokens for i in batched]
             for i, start in zip(batched, starts):
                 caches[i].place(start, 1)

@@ -372,6 +372,29 @@ def apply_all(xp: ModuleType, linears: Iterable[Linear], x: Any) -> dict[str, An
     return out
 
 
+# The weight types whose product gives each activation row the same bits whatever rows it is
+# multiplied beside: ggml's vec_dot for one row and tinyBLAS's tiles for several share the
+# per-element arithmetic (exact_matmul). The K-quants change arithmetic at 8 rows (tiled),
+# repacked matrices at 4 (gemm), F16/BF16/F32 at 2 (tinyBLAS), IQ4_NL with its tinyBLAS tiles.
+ROW_INDEPENDENT_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+
+
+def rows_independent(linear: Linear) -> bool:
+    """Whether ``linear`` multiplies each row as it would alone, for any number of rows (so
+    several sequences' rows may share one product): an exact product of those types, not
+    repacked, every part of a stacked one."""
+    matrix = linear.exact
+    if matrix is None:
+        return False
+    parts = getattr(matrix, "parts", [matrix])
+    return all(
+        isinstance(p, exact_matmul.QuantMatrix)
+        and p.qtype in ROW_INDEPENDENT_TYPES
+        and not p.repacked
+        for p in parts
+    )
+
+
 @dataclass
 class Layer:
     attn_norm: Any

@@ -370,14 +370,13 @@ def template_caps(caps: Any) -> dict[str, bool]:
 
 
 def _busy_slots_per_decode(native: NativeEngine, decode_calls: int) -> float:
-    """Slots per pass: with several slots the scheduler's (a decode step of k slots counts k,
-    a prefill micro-batch 1); one slot: 1.0 once anything was decoded."""
+    """Slots per pass: with several slots the scheduler's (each decode step and each prompt
+    micro-batch in a pass counts its slot); one slot: 1.0 once anything was decoded."""
     scheduler = getattr(native.bridge, "scheduler", None)
     if scheduler is None:
         return 1.0 if decode_calls else 0.0
     stats = scheduler.stats
-    passes = stats.decode_calls + stats.prefill_batches
-    return (stats.decode_rows + stats.prefill_batches) / passes if passes else 0.0
+    return (stats.decode_rows + stats.prefill_batches) / stats.passes if stats.passes else 0.0
 
 
 def prometheus_text(native: NativeEngine) -> str:

@@ -18,10 +18,12 @@ slot (``--parallel N``). It serves the same queue of jobs, in arrival order:
 - **Each iteration advances every active run by one step**: the run (a generator from
   ``prompt_steps(..., forwards=True)``) is resumed until it asks for its next forward pass (an
   engine ``Forward``: one decode token, or one prefill micro-batch); the items it made on the
-  way (chunks, progress) go to the reactor. Then the iteration's forward passes are computed:
-  the decode steps of every slot in one ``decode_rows`` call (``Model.decode_batch`` where the
-  model has it), each prefill micro-batch on its own; each run is sent its logits at its next
-  step. New runs join at the next iteration; finished or cancelled ones leave at once.
+  way (chunks, progress) go to the reactor. Then the iteration's forward passes are computed
+  (``passes_of``: the decode steps in one group, the prompt micro-batches in groups of at most
+  ``MAX_PASS_ROWS`` tokens), each group one ``forward_rows`` call (``Model.forward_batch``:
+  the decode steps in one batched step; prompt chunks through the layers together where the
+  model shares passes, else a pass each); each run is sent its logits at its next step. New
+  runs join at the next iteration; finished or cancelled ones leave at once.
 - **Back-pressure per slot**: a run whose client window is full (``RunControl.has_room``) is
   skipped, its logits kept, until the client has room; the others go on. A cancelled run is
   advanced whatever its window, and the engine stops it before its next token.
@@ -31,9 +33,9 @@ slot (``--parallel N``). It serves the same queue of jobs, in arrival order:
 
 Every request computes exactly what it would alone: each run has its own slot (KV cache,
 tokens, checkpoints) and its own sampler; the forward passes of one iteration touch disjoint
-caches, and a batched decode row is the same bits as that slot's own forward pass; a child's
-slot is an exact copy of its parent's after the prompt (llama-server's child slots are too),
-and it samples with its own sampler from its own copy of the parent's last logits.
+caches, and each sequence of a shared pass is the same bits as that slot's own forward
+pass; a child's slot is an exact copy of its parent's after the prompt (llama-server's child
+slots are too), and it samples with its own sampler from its own copy of the parent's last logits.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import Any
 from twisted.internet.defer import CancelledError
 from twisted.python.failure import Failure
 
-__all__ = ["Scheduler", "RunJob", "RunGroup", "CallJob", "ClientGone", "decode_rows"]
+__all__ = ["Scheduler", "RunJob", "RunGroup", "CallJob", "ClientGone", "forward_rows", "passes_of"]
 
 
 class ClientGone(CancelledError):
@@ -57,17 +59,43 @@ class ClientGone(CancelledError):
 WAIT_SLICE_S = 0.5  # an idle or fully paused loop re-checks its runs this often (a safety net)
 
 
-def decode_rows(forwards: Sequence[Any]) -> list[Any]:
-    """The logits of one decode step of each slot: one ``decode_batch`` call over the slots'
-    caches where the model has it (each row the bits of that slot's own forward pass), else
-    each forward pass in turn."""
-    if len(forwards) > 1:
-        batch = getattr(forwards[0].model, "decode_batch", None)
-        if batch is not None and all(f.model is forwards[0].model for f in forwards):
-            rows = batch([f.tokens[0] for f in forwards], [f.cache for f in forwards])
-            # each row its own array: a paused run keeps its logits past the next batch
-            return [rows[i].copy() for i in range(len(forwards))]
+MAX_PASS_ROWS = 2048  # llama-server's -b: the most tokens one pass takes (all its slots')
+
+
+def forward_rows(forwards: Sequence[Any]) -> list[Any]:
+    """The logits of each of one iteration's forward passes, each its own array (a paused run
+    keeps its logits past the next pass): one ``forward_batch`` call over the slots' caches
+    where the model has it (the decode steps in one batched step; the prompt micro-batches in
+    one pass where the model shares passes; every sequence the bits of its own forward pass),
+    else each pass in turn."""
+    model = forwards[0].model
+    batch = getattr(model, "forward_batch", None)
+    if len(forwards) > 1 and batch is not None and all(f.model is model for f in forwards):
+        return list(batch([f.tokens for f in forwards], [f.cache for f in forwards]))
     return [f.compute() for f in forwards]
+
+
+def passes_of(forwards: Sequence[Any], budget: int = MAX_PASS_ROWS) -> list[list[Any]]:
+    """One iteration's forward passes in groups: every decode step in one (a batched step),
+    then the prompt micro-batches in slot order, each in the first group of at most
+    ``budget`` tokens it fits (a micro-batch is at most 512, so each fits one)."""
+    decodes = [f for f in forwards if f.decode]
+    groups: list[list[Any]] = [decodes] if decodes else []
+    prompts: list[list[Any]] = []
+    room: list[int] = []
+    for f in forwards:
+        if f.decode:
+            continue
+        n = len(f.tokens)
+        for i, left in enumerate(room):
+            if n <= left:
+                prompts[i].append(f)
+                room[i] -= n
+                break
+        else:
+            prompts.append([f])
+            room.append(budget - n)
+    return groups + prompts
 
 
 @dataclass
@@ -102,10 +130,12 @@ class SchedulerStats:
     """What the loop did, for /metrics, tests and docs."""
 
     iterations: int = 0
-    decode_calls: int = 0  # decode_rows calls
+    passes: int = 0  # forward passes computed (a batched decode step counts one)
+    decode_calls: int = 0  # of those, the passes with decode steps
     decode_rows: int = 0  # slots decoded in them
-    shared_decodes: int = 0  # of those calls, the ones with several slots' steps
-    prefill_batches: int = 0
+    shared_decodes: int = 0  # of those passes, the ones with several slots' decode steps
+    prefill_batches: int = 0  # prompt micro-batches of more than one token computed
+    shared_prompts: int = 0  # passes that took several slots' prompt micro-batches
     prompt_tokens: int = 0  # prompt tokens computed (prefill micro-batches, one-token ones too)
     groups: int = 0  # run groups admitted (a prompt's completions computing it once)
     deferred: int = 0  # admissions a group waited on for want of free slots
@@ -335,34 +365,35 @@ class Scheduler:
         self._resolve(run.deferred, outcome)
 
     def _compute(self, runs: list[RunJob]) -> None:
-        self.stats.prompt_tokens += sum(
-            len(run.forward.tokens) for run in runs if getattr(run.forward, "prompt", False)
-        )
-        decodes = [run for run in runs if run.forward.decode]
-        if decodes:
+        by_forward = {id(run.forward): run for run in runs}
+        for group in passes_of([run.forward for run in runs]):
+            members = [by_forward[id(f)] for f in group]
+            for run in members:
+                run.forward = None
             try:
-                rows = decode_rows([run.forward for run in decodes])
+                replies = forward_rows(group)
             except BaseException:
                 failure = Failure()
-                for run in decodes:
-                    run.forward = None
+                for run in members:
                     self._close(run, failure)
-                decodes = []
-            else:
-                self.stats.decode_calls += 1
-                self.stats.decode_rows += len(decodes)
-                self.stats.shared_decodes += int(len(decodes) > 1)
-                for run, row in zip(decodes, rows):
-                    run.reply, run.forward = row, None
-        for run in runs:
-            if run.forward is None:
                 continue
-            forward, run.forward = run.forward, None
-            try:
-                run.reply = forward.compute()
-                self.stats.prefill_batches += 1
-            except BaseException:
-                self._close(run, Failure())
+            self._count(group)
+            for run, reply in zip(members, replies):
+                run.reply = reply
+
+    def _count(self, group: list[Any]) -> None:
+        stats = self.stats
+        decodes = sum(1 for f in group if f.decode)
+        prompts = len(group) - decodes
+        layout = getattr(group[0].model, "prompt_passes", None)
+        prompt_passes = layout([f.tokens for f in group]) if layout else [[0]] * prompts
+        stats.passes += int(decodes > 0) + len(prompt_passes)
+        stats.prompt_tokens += sum(len(f.tokens) for f in group if getattr(f, "prompt", False))
+        stats.decode_calls += int(decodes > 0)
+        stats.decode_rows += decodes
+        stats.shared_decodes += int(decodes > 1)
+        stats.prefill_batches += prompts
+        stats.shared_prompts += sum(len(p) > 1 for p in prompt_passes)
 
     def _close(self, run: RunJob, failure: Failure) -> None:
         """A forward pass failed: the run's generator is closed (its slot released) and its
