@@ -118,7 +118,7 @@ class Step:
 class Segment:
     """One sequence's rows in a forward pass: rows ``rows`` of the pass's activations, its
     micro-batch ``step`` (positions, RoPE tables, masks) and its ``cache``. A pass of one
-    sequence has one segment; ``Model.forward_batch`` runs several in one pass."""
+    sequence has one segment; ``Model.shared_pass`` runs several in one pass."""
 
     rows: slice
     step: Step

@@ -65,9 +65,9 @@ MAX_PASS_ROWS = 2048  # llama-server's -b: the most tokens one pass takes (all i
 def forward_rows(forwards: Sequence[Any]) -> list[Any]:
     """The logits of each of one iteration's forward passes, each its own array (a paused run
     keeps its logits past the next pass): one ``forward_batch`` call over the slots' caches
-    where the model has it (the decode steps in one batched step; the prompt micro-batches in
-    one pass where the model shares passes; every sequence the bits of its own forward pass),
-    else each pass in turn."""
+    where the model has it (the decode steps in one batched step; the prompt micro-batches
+    together where the model shares passes, ``Model.prompt_passes``; every sequence the bits
+    of its own forward pass), else each pass in turn."""
     model = forwards[0].model
     batch = getattr(model, "forward_batch", None)
     if len(forwards) > 1 and batch is not None and all(f.model is model for f in forwards):
