@@ -55,14 +55,23 @@ class Sequences(Rows):
 
 
 @pytest.fixture()
-def shared_passes(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """The row counts of each pass the definition ran with several sequences."""
-    passes: list[list[int]] = []
+def shared_passes(monkeypatch: pytest.MonkeyPatch) -> list[list[int | str]]:
+    """Each pass the definition ran with several sequences: a row count for each micro-batch
+    of its own (a Segment), "B decode" for its decode steps attended by the one-row kernel
+    (DecodeRows)."""
+    passes: list[list[int | str]] = []
     stack = model_module.stack
 
     def counting(ops: Any, hp: Any, weights: Any, x: Any, segments: Any, *rest: Any) -> Any:
-        if len(segments) > 1:
-            passes.append([s.rows.stop - s.rows.start for s in segments])
+        if len(segments) > 1 or isinstance(segments[0], model_module.DecodeRows):
+            passes.append(
+                [
+                    f"{s.rows.stop - s.rows.start} decode"
+                    if isinstance(s, model_module.DecodeRows)
+                    else s.rows.stop - s.rows.start
+                    for s in segments
+                ]
+            )
         return stack(ops, hp, weights, x, segments, *rest)
 
     monkeypatch.setattr(model_module, "stack", counting)
@@ -74,24 +83,37 @@ def default_engine(default_model: Path) -> Model:
     return Model.load(default_model, device="cpu", progress=False)
 
 
-def test_default_model(default_engine: Model, shared_passes: list[list[int]]) -> None:
+def test_default_model(default_engine: Model, shared_passes: list[list[int | str]]) -> None:
     """Prompt chunks of 17 and 3, 30 and 12 (a q8_0 cache's sequence among f16 ones), 60 and
     60 in one pass each (the lane tiles of 16 rows and more), 40 and 512 apart (past the
-    pass's rows), beside decode steps at 5..300 cells (300: ggml's split attention over 512
-    cells, on two threads) in one decode_batch; then decode steps inside a shared pass too."""
+    pass's rows), with the decode steps at 5..300 cells (300: ggml's split attention over 512
+    cells, on two threads) in the first pass of at most 128 rows (a q8_0 cache's step a
+    segment of its own), else, and alone, in one decode_batch; a shared pass given its
+    sequences in any order."""
     model = default_engine
     assert model.shares_passes
     seqs = Sequences(
         model, [5, 40, 300, 12, 0, 9], [256, 256, 1024, 1024, 700, 256], [None] * 5 + ["q8_0"]
     )
-    seqs.step({0: 40, 1: 1, 2: 1, 3: 512})  # 552 rows: past SHARED_PASS_ROWS, a pass each
+    seqs.step({0: 40, 1: 1, 2: 1, 3: 512})  # 552 rows: past SHARED_PASS_ROWS, two passes
     seqs.step({4: 17, 3: 3, 2: 1})
     seqs.step({5: 30, 4: 12, 0: 1})
     seqs.step({0: 60, 1: 60, 4: 30, 5: 20})  # two passes of at most 128 rows
-    seqs.step({1: 1, 5: 1, 4: 20})  # one chunk: its own forward
+    seqs.step({1: 1, 5: 1, 4: 20})  # the q8_0 step a segment beside the decode rows
     seqs.step({0: 1, 1: 1, 2: 1})  # decode steps only: one decode_batch
+    seqs.step({3: 150, 0: 1, 1: 1, 4: 20})  # the decode steps ride with the short chunk
+    seqs.step({3: 130, 2: 1})  # a long chunk alone: the decode step its own decode_batch
     seqs.step({3: 200, 0: 1, 5: 1, 2: 1}, shared=True)  # any order: rows as given
-    assert shared_passes == [[17, 3], [30, 12], [60, 60], [30, 20], [200, 1, 1, 1]]
+    assert shared_passes == [
+        ["2 decode", 40],
+        ["1 decode", 17, 3],
+        ["1 decode", 30, 12],
+        [60, 60],
+        [30, 20],
+        ["1 decode", 1, 20],
+        ["2 decode", 20],
+        ["2 decode", 200, 1],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +123,12 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("spec", FAST_SPECS, ids=lambda s: s.name)
 def test_tiny_models(
-    spec: TinySpec, tiny_dir: Path, default_model: Path, shared_passes: list[list[int]]
+    spec: TinySpec, tiny_dir: Path, default_model: Path, shared_passes: list[list[int | str]]
 ) -> None:
-    """Every family the exact path plays: the row-independent ones share a pass (biases,
-    gemma3's window of 8 crossed; decode steps in it too), the others run each prompt chunk as
-    its own pass; the decode steps one decode_batch; the same bits either way."""
+    """Every family the exact path plays: the row-independent ones share a pass among their
+    prompt chunks and decode steps (biases, gemma3's window of 8 crossed), the others run each
+    prompt chunk as its own pass and the decode steps as one decode_batch; the same bits
+    either way."""
     model = tiny(spec, tiny_dir, default_model)
     sharing = spec.name in SHARING
     assert model.shares_passes == sharing
@@ -114,11 +137,12 @@ def test_tiny_models(
     seqs.step({3: 20, 2: 6, 0: 1, 1: 1})
     if sharing:
         seqs.step({0: 5, 1: 1, 2: 1}, shared=True)
-    assert shared_passes == ([[20, 6], [5, 1, 1]] if sharing else [])
+    shared = [["2 decode", 12], ["2 decode", 20, 6], ["2 decode", 5]]
+    assert shared_passes == (shared if sharing else [])
 
 
 def test_sliding_window_ring(
-    tiny_dir: Path, default_model: Path, shared_passes: list[list[int]]
+    tiny_dir: Path, default_model: Path, shared_passes: list[list[int | str]]
 ) -> None:
     """gemma3 sequences past llama.cpp's 768-cell SWA ring: a prompt chunk into reused cells
     beside decode steps in the ring and a short sequence in position order."""
@@ -128,7 +152,7 @@ def test_sliding_window_ring(
     seqs.step({0: 30, 1: 1, 2: 1})
     seqs.step({2: 25, 0: 1, 1: 40})
     seqs.step({0: 3, 1: 1, 2: 1}, shared=True)
-    assert shared_passes == [[25, 40], [3, 1, 1]]
+    assert shared_passes == [["2 decode", 30], ["1 decode", 25, 40], ["2 decode", 3]]
 
 
 def test_row_dependent_products_would_change_an_answer(tiny_dir: Path, default_model: Path) -> None:

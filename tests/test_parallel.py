@@ -376,7 +376,7 @@ async def test_eight_concurrent_requests_answer_as_each_alone(
     alone = [_stable((await apost(alone_server.url + p, b))[1]) for p, b, _ in EIGHT]
     assert all("receipt" in a for a in alone), alone
     scheduler = parallel.native.bridge.scheduler
-    decode_rows_before = scheduler.stats.decode_rows
+    decode_rows_before, mixed_before = scheduler.stats.decode_rows, scheduler.stats.mixed_passes
     first = [
         Deferred.fromCoroutine(apost(parallel.url + p, b))
         for i, (p, b, _) in enumerate(EIGHT)
@@ -393,6 +393,8 @@ async def test_eight_concurrent_requests_answer_as_each_alone(
         assert got[0] == 200, (path, got)
         assert _stable(got[1]) == want, path
     assert scheduler.stats.max_active == N_SLOTS
+    # a queued request's prompt went through the layers with the other slots' decode steps
+    assert scheduler.stats.mixed_passes > mixed_before
     assert len({json.dumps(a, sort_keys=True) for a in alone}) == len(alone)
 
 
@@ -624,8 +626,8 @@ async def test_ollama_answers_take_the_slots_too(
 
 
 def test_an_iterations_passes_take_the_decode_steps_first_then_prompts_within_the_budget() -> None:
-    """llama-server's -b: every decode step in one group, each prompt micro-batch in slot
-    order in the first group of at most 2048 tokens it fits."""
+    """llama-server's -b: every decode step in the first group, each prompt micro-batch in
+    slot order in the first group of at most 2048 tokens (decode steps counted) it fits."""
 
     def forward(n: int) -> Any:
         return SimpleNamespace(tokens=[0] * n, decode=n == 1)
@@ -633,8 +635,10 @@ def test_an_iterations_passes_take_the_decode_steps_first_then_prompts_within_th
     prompts = [forward(512), forward(512), forward(512), forward(512), forward(100)]
     decodes = [forward(1) for _ in range(3)]
     passes = passes_of([prompts[0], decodes[0], *prompts[1:], *decodes[1:]])
-    assert [[len(f.tokens) for f in p] for p in passes] == [[1, 1, 1], [512] * 4, [100]]
-    assert passes[0] == decodes and passes[1] == prompts[:4]
+    assert [[len(f.tokens) for f in p] for p in passes] == [[1, 1, 1, 512, 512, 512, 100], [512]]
+    assert passes[0] == decodes + prompts[:3] + [prompts[4]] and passes[1] == [prompts[3]]
     one = forward(1)
     assert passes_of([one], budget=4) == [[one]]
+    four = forward(4)
+    assert passes_of([four, one], budget=4) == [[one], [four]]  # the decode step takes room
     assert passes_of([]) == []

@@ -48,9 +48,11 @@ from bankml.engine_cupy.weights import (
 __all__ = ["Model", "KVCache", "UnsupportedModel"]
 
 F32 = numpy.float32
-# The most rows a shared pass of several prompt chunks takes: on a 2-core AMD EPYC with the
-# default model four chunks in one pass ran 1.21-1.30x faster than apart at 32-128 rows in all
-# and 0.83x at 256 (model.md, "Why decode steps stay out of the shared pass").
+# The most rows a shared pass of several prompt chunks takes, and the most prompt rows a pass
+# the decode steps join: on a 2-core AMD EPYC with the default model four chunks in one pass
+# ran 1.21-1.30x faster than apart at 32-128 rows in all and 0.83x at 256; three decode steps
+# beside one chunk 0.96-1.13x at 13-125 rows, 0.88-0.95x at 200-512 (model.md, "The shared
+# pass").
 SHARED_PASS_ROWS = 128
 
 
@@ -124,9 +126,52 @@ class Segment:
     step: Step
     cache: KVCache
 
+    @property
+    def ropes(self) -> dict[bool, tuple[Any, Any]]:
+        return self.step.ropes
+
+    @property
+    def last_rows(self) -> list[int]:
+        """The rows whose logits the pass keeps: the micro-batch's last."""
+        return [self.rows.stop - 1]
+
+    def store_attend(self, ops: Ops, il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
+        """The rows' K/V into the cache, then their attention over it: [n, h*hd]."""
+        self.cache.store(il, self.step.start, k, v)
+        return ops.attend(il, q, self.step, self.cache, scale)
+
+    def advance(self) -> None:
+        self.cache.advance(self.step.end)
+
+
+@dataclass
+class DecodeRows:
+    """Several sequences' decode steps as consecutive rows of a shared pass: row i the one new
+    token of caches[i] at positions[i] (f16 caches on the exact path, their rings placed).
+    Each row is stored and attended over its own cache by the fused decode step's one-row
+    kernel (``ExactOps.row_attention``), a call per row and layer where a ``Segment`` of one
+    row would make several."""
+
+    rows: slice
+    ropes: dict[bool, tuple[Any, Any]]  # cos/sin [B, hd/2]: each row's own position
+    attend_rows: Callable[[int, Any, Any, Any, Any], Any]
+    caches: list[KVCache]
+    positions: list[int]
+
+    @property
+    def last_rows(self) -> list[int]:
+        return list(range(self.rows.start, self.rows.stop))
+
+    def store_attend(self, ops: Ops, il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
+        return self.attend_rows(il, q, k, v, scale)
+
+    def advance(self) -> None:
+        for cache, pos in zip(self.caches, self.positions):
+            cache.advance(pos + 1)
+
 
 def attention(
-    ops: Ops, hp: HParams, il: int, layer: Layer, h: Any, segments: Sequence[Segment]
+    ops: Ops, hp: HParams, il: int, layer: Layer, h: Any, segments: Sequence[Segment | DecodeRows]
 ) -> Any:
     """Causal GQA self-attention of h [n, d], each segment's rows over its own cache (its
     batch's K/V stored first); the Q/K/V product is one for all the rows."""
@@ -139,21 +184,19 @@ def attention(
 
 
 def attend_segment(
-    ops: Ops, hp: HParams, il: int, layer: Layer, parts: dict[str, Any], seg: Segment
+    ops: Ops, hp: HParams, il: int, layer: Layer, parts: dict[str, Any], seg: Segment | DecodeRows
 ) -> Any:
-    """One sequence's part of ``attention``: its Q/K/V rows normed, turned and attended."""
-    step = seg.step
+    """One segment's part of ``attention``: its Q/K/V rows normed, turned and attended."""
     q, k, v = split_heads(hp, parts, seg.rows.stop - seg.rows.start)
     if layer.q_norm is not None:  # qwen3, gemma3: RMSNorm of each head
         q, k = ops.norm(q, layer.q_norm), ops.norm(k, layer.k_norm)
-    cos, sin = step.ropes[hp.swa_layers[il]]  # [n, hd/2]
+    cos, sin = seg.ropes[hp.swa_layers[il]]  # [n, hd/2]
     q = ops.rope(q, cos, sin, hp.spec.rope_neox)
     k = ops.rope(k, cos, sin, hp.spec.rope_neox)
     scale = F32(hp.attn_scale)
     if hp.arch == "gemma3":  # gemma3 scales Q before attention and attends with scale 1
         q, scale = q * scale, F32(1)
-    seg.cache.store(il, step.start, k, v)
-    return ops.attend(il, q, step, seg.cache, scale)  # [n, h*hd]
+    return seg.store_attend(ops, il, q, k, v, scale)  # [n, h*hd]
 
 
 def feed_forward(ops: Ops, layer: Layer, h: Any) -> Any:
@@ -168,7 +211,7 @@ def block(
     il: int,
     layer: Layer,
     x: Any,
-    segments: Sequence[Segment],
+    segments: Sequence[Segment | DecodeRows],
     only_last: bool,
 ) -> Any:
     """One pre-norm transformer layer: x [n, d] → [n, d] (each segment's last row only if
@@ -178,10 +221,10 @@ def block(
     if only_last:  # llama.cpp keeps only the output row(s) after the last layer's attention
         # output product (build_attn multiplies every row by wo before get_rows): F16, BF16
         # and F32 products round differently for one row (vec_dot) and several (tinyBLAS)
-        if len(segments) == 1:
-            out, x = out[-1:], x[-1:]
+        last = [row for seg in segments for row in seg.last_rows]
+        if len(last) == 1:
+            out, x = out[last[0] : last[0] + 1], x[last[0] : last[0] + 1]
         else:
-            last = [seg.rows.stop - 1 for seg in segments]
             out, x = out[last], x[last]
     if layer.post_attn_norm is not None:  # gemma3
         out = ops.norm(out, layer.post_attn_norm)
@@ -198,7 +241,7 @@ def stack(
     hp: HParams,
     weights: Weights,
     x: Any,
-    segments: Sequence[Segment],
+    segments: Sequence[Segment | DecodeRows],
     all_logits: bool,
 ) -> Any:
     """Every layer, the output norm and the logits product: x [n, d] → [n or one per segment,
@@ -388,11 +431,11 @@ class Model:
         the logits of each one's last token, each its own array.
 
         Each is bit for bit ``forward(tokens[i], caches[i])``, and each cache ends as that
-        call leaves it. The one-token micro-batches (decode steps) are one ``decode_batch``.
-        Where the model ``shares_passes``, the longer ones (prompt chunks) go through the
-        layers together (``shared_pass``), in order, in passes of at most ``SHARED_PASS_ROWS``
-        rows (a longer chunk alone); otherwise each is its own ``forward``. Every sequence is
-        checked before any cache changes."""
+        call leaves it. The passes are ``pass_groups``': where the model ``shares_passes``,
+        the prompt chunks go through the layers together (``shared_pass``) and the decode
+        steps ride in the first of those passes; otherwise (or with no prompt chunk) the
+        decode steps are one ``decode_batch`` and each chunk its own ``forward``. Every
+        sequence is checked before any cache changes."""
         if len(tokens) != len(caches):
             raise ValueError(f"{len(tokens)} micro-batches for {len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
@@ -400,36 +443,45 @@ class Model:
         for toks, cache in zip(tokens, caches):
             self._check_rows(toks, cache)
         out: list[Any] = [None] * len(tokens)
-        single = [i for i, toks in enumerate(tokens) if len(toks) == 1]
-        if single:
-            rows = self.decode_batch([tokens[i][0] for i in single], [caches[i] for i in single])
-            for row, i in enumerate(single):
-                out[i] = rows[row].copy()  # its own array: a run may keep it a while
-        for group in self.prompt_passes(tokens):
-            if len(group) == 1:
-                out[group[0]] = self.forward(tokens[group[0]], caches[group[0]])
-                continue
-            shared = self.shared_pass([tokens[i] for i in group], [caches[i] for i in group])
-            for i, logits in zip(group, shared):
-                out[i] = logits
+        for group in self.pass_groups(tokens):
+            batches, group_caches = [tokens[i] for i in group], [caches[i] for i in group]
+            if all(len(toks) == 1 for toks in batches):
+                rows = self.decode_batch([toks[0] for toks in batches], group_caches)
+                logits = [row.copy() for row in rows]  # its own array: a run may keep it
+            elif len(group) == 1:
+                logits = [self.forward(batches[0], group_caches[0])]
+            else:
+                logits = self.shared_pass(batches, group_caches)
+            for i, row in zip(group, logits):
+                out[i] = row
         return out
 
-    def prompt_passes(self, tokens: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Which of ``forward_batch``'s micro-batches of more than one token go through the
-        layers together (their indices, a pass each list): in order, while a pass holds at
-        most ``SHARED_PASS_ROWS`` rows where the model ``shares_passes``, else one each."""
+    def pass_groups(self, tokens: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The passes ``forward_batch`` makes of its micro-batches (their indices, a list a
+        pass). Where the model ``shares_passes``, the prompt chunks fill passes in order while
+        one holds at most ``SHARED_PASS_ROWS`` rows (a longer chunk alone), and the decode
+        steps join the first pass of at most that many rows (a pass over a longer chunk costs
+        them more than their own batched step does); otherwise, and with no such pass, the
+        decode steps are one pass (a batched step) and each chunk its own."""
+        single = [i for i, toks in enumerate(tokens) if len(toks) == 1]
         longer = [i for i, toks in enumerate(tokens) if len(toks) > 1]
         if not self.shares_passes:
-            return [[i] for i in longer]
+            return ([single] if single else []) + [[i] for i in longer]
         groups: list[list[int]] = []
-        rows = SHARED_PASS_ROWS + 1
+        sizes: list[int] = []
         for i in longer:
             n = len(tokens[i])
-            if rows + n > SHARED_PASS_ROWS:
+            if not sizes or sizes[-1] + n > SHARED_PASS_ROWS:
                 groups.append([])
-                rows = 0
+                sizes.append(0)
             groups[-1].append(i)
-            rows += n
+            sizes[-1] += n
+        if single:
+            short = [g for g, size in enumerate(sizes) if size <= SHARED_PASS_ROWS]
+            if short:
+                groups[short[0]] = single + groups[short[0]]
+            else:
+                groups.insert(0, single)
         return groups
 
     def shared_pass(
@@ -439,18 +491,46 @@ class Model:
         caller; only where the model ``shares_passes``): every product multiplies all their
         rows at once, reading its weights once for all; the norms, GLU and residual adds are
         row by row; RoPE, the K/V store and the attention are each sequence's own, over its
-        own cache, as in its own pass; the last layer keeps each sequence's last row."""
+        own cache, as in its own pass; the last layer keeps each sequence's last row. The
+        decode steps whose cache the fused step takes are the pass's first rows, one
+        ``DecodeRows``; every other micro-batch is a ``Segment``. The logits come back in
+        the order of ``tokens``."""
         self._blas.set(self.threads)
-        x = self._embed([t for toks in tokens for t in toks])
-        segments, row = [], 0
-        for toks, cache in zip(tokens, caches):
-            segments.append(self._segment(row, toks, cache))
-            row += len(toks)
+        decode = [
+            i for i, toks in enumerate(tokens) if len(toks) == 1 and self._row_attends(caches[i])
+        ]
+        order = decode + [i for i in range(len(tokens)) if i not in set(decode)]
+        x = self._embed([t for i in order for t in tokens[i]])
+        segments: list[Segment | DecodeRows] = []
+        if decode:
+            segments.append(self._decode_rows([caches[i] for i in decode]))
+        row = len(decode)
+        for i in order[len(decode) :]:
+            segments.append(self._segment(row, tokens[i], caches[i]))
+            row += len(tokens[i])
         logits = stack(self.ops, self.hp, self.weights, x, segments, False)
         for seg in segments:
-            seg.cache.advance(seg.step.end)
+            seg.advance()
         rows = self._final_logits(logits, True)
-        return [rows[i].copy() for i in range(len(segments))]
+        out: list[Any] = [None] * len(tokens)
+        for r, i in enumerate(order):
+            out[i] = rows[r].copy()
+        return out
+
+    def _row_attends(self, cache: KVCache) -> bool:
+        """Whether a decode step on ``cache`` can be a row of a shared pass's ``DecodeRows``."""
+        return isinstance(self.ops, ExactOps) and self.fused_decode and cache.fused_decode
+
+    def _decode_rows(self, caches: Sequence[KVCache]) -> DecodeRows:
+        """One decode step for each cache as the first rows of a pass: each ring's cell placed,
+        RoPE at each row's own position."""
+        assert isinstance(self.ops, ExactOps)
+        positions = [cache.n_tokens for cache in caches]
+        for cache, pos in zip(caches, positions):
+            cache.place(pos, 1)
+        ropes = self.ops.ropes(numpy.asarray(positions, dtype=numpy.int64), self.weights.rope_freqs)
+        attend_rows = self.ops.row_attention(positions, caches, self.ggml_threads)
+        return DecodeRows(slice(0, len(caches)), ropes, attend_rows, list(caches), positions)
 
     def _check_rows(self, tokens: Sequence[int], cache: KVCache) -> None:
         """What a micro-batch must be before its cache changes: some tokens, room for them,

@@ -19,11 +19,13 @@ slot (``--parallel N``). It serves the same queue of jobs, in arrival order:
   ``prompt_steps(..., forwards=True)``) is resumed until it asks for its next forward pass (an
   engine ``Forward``: one decode token, or one prefill micro-batch); the items it made on the
   way (chunks, progress) go to the reactor. Then the iteration's forward passes are computed
-  (``passes_of``: the decode steps in one group, the prompt micro-batches in groups of at most
-  ``MAX_PASS_ROWS`` tokens), each group one ``forward_rows`` call (``Model.forward_batch``:
-  the decode steps in one batched step; prompt chunks through the layers together where the
-  model shares passes, else a pass each); each run is sent its logits at its next step. New
-  runs join at the next iteration; finished or cancelled ones leave at once.
+  (``passes_of``: the prompt micro-batches in groups of at most ``MAX_PASS_ROWS`` tokens, the
+  decode steps in the first), each group one ``forward_rows`` call (``Model.forward_batch``:
+  where the model shares passes, the prompt chunks through the layers together and the decode
+  steps in the first such pass, so one pass over the weights computes a token for every
+  generating slot and a waiting one's next chunk; else the decode steps one batched step and
+  each chunk a pass); each run is sent its logits at its next step. New runs join at the next
+  iteration; finished or cancelled ones leave at once.
 - **Back-pressure per slot**: a run whose client window is full (``RunControl.has_room``) is
   skipped, its logits kept, until the client has room; the others go on. A cancelled run is
   advanced whatever its window, and the engine stops it before its next token.
@@ -65,9 +67,9 @@ MAX_PASS_ROWS = 2048  # llama-server's -b: the most tokens one pass takes (all i
 def forward_rows(forwards: Sequence[Any]) -> list[Any]:
     """The logits of each of one iteration's forward passes, each its own array (a paused run
     keeps its logits past the next pass): one ``forward_batch`` call over the slots' caches
-    where the model has it (the decode steps in one batched step; the prompt micro-batches
-    together where the model shares passes, ``Model.prompt_passes``; every sequence the bits
-    of its own forward pass), else each pass in turn."""
+    where the model has it (``Model.pass_groups``: the prompt micro-batches and the decode steps
+    in one pass where the model shares passes, else the decode steps one batched step; every
+    sequence the bits of its own forward pass), else each pass in turn."""
     model = forwards[0].model
     batch = getattr(model, "forward_batch", None)
     if len(forwards) > 1 and batch is not None and all(f.model is model for f in forwards):
@@ -76,26 +78,27 @@ def forward_rows(forwards: Sequence[Any]) -> list[Any]:
 
 
 def passes_of(forwards: Sequence[Any], budget: int = MAX_PASS_ROWS) -> list[list[Any]]:
-    """One iteration's forward passes in groups: every decode step in one (a batched step),
-    then the prompt micro-batches in slot order, each in the first group of at most
-    ``budget`` tokens it fits (a micro-batch is at most 512, so each fits one)."""
+    """One iteration's forward passes in groups, each one ``forward_rows`` call: every decode
+    step in the first group, and the prompt micro-batches in slot order, each in the first
+    group of at most ``budget`` tokens it fits (a micro-batch is at most 512, so each fits
+    one). In the first group the model takes the decode steps into a pass with prompt chunks
+    where it shares passes (``Model.pass_groups``), else they are one batched step."""
     decodes = [f for f in forwards if f.decode]
-    groups: list[list[Any]] = [decodes] if decodes else []
-    prompts: list[list[Any]] = []
-    room: list[int] = []
+    groups: list[list[Any]] = [decodes]
+    room = [budget - len(decodes)]
     for f in forwards:
         if f.decode:
             continue
         n = len(f.tokens)
         for i, left in enumerate(room):
             if n <= left:
-                prompts[i].append(f)
+                groups[i].append(f)
                 room[i] -= n
                 break
         else:
-            prompts.append([f])
+            groups.append([f])
             room.append(budget - n)
-    return groups + prompts
+    return [group for group in groups if group]
 
 
 @dataclass
@@ -136,6 +139,7 @@ class SchedulerStats:
     shared_decodes: int = 0  # of those passes, the ones with several slots' decode steps
     prefill_batches: int = 0  # prompt micro-batches of more than one token computed
     shared_prompts: int = 0  # passes that took several slots' prompt micro-batches
+    mixed_passes: int = 0  # passes that took decode steps and prompt micro-batches together
     prompt_tokens: int = 0  # prompt tokens computed (prefill micro-batches, one-token ones too)
     groups: int = 0  # run groups admitted (a prompt's completions computing it once)
     deferred: int = 0  # admissions a group waited on for want of free slots
@@ -385,15 +389,23 @@ class Scheduler:
         stats = self.stats
         decodes = sum(1 for f in group if f.decode)
         prompts = len(group) - decodes
-        layout = getattr(group[0].model, "prompt_passes", None)
-        prompt_passes = layout([f.tokens for f in group]) if layout else [[0]] * prompts
-        stats.passes += int(decodes > 0) + len(prompt_passes)
+        layout = getattr(group[0].model, "pass_groups", None)
+        if layout is not None and len(group) > 1:
+            passes = [[group[i] for i in p] for p in layout([f.tokens for f in group])]
+        else:  # forward_rows computed each pass in turn, or the one
+            passes = ([[f for f in group if f.decode]] if decodes else []) + [
+                [f] for f in group if not f.decode
+            ]
+        stats.passes += len(passes)
         stats.prompt_tokens += sum(len(f.tokens) for f in group if getattr(f, "prompt", False))
         stats.decode_calls += int(decodes > 0)
         stats.decode_rows += decodes
         stats.shared_decodes += int(decodes > 1)
         stats.prefill_batches += prompts
-        stats.shared_prompts += sum(len(p) > 1 for p in prompt_passes)
+        for p in passes:
+            chunks = sum(1 for f in p if not f.decode)
+            stats.shared_prompts += int(chunks > 1)
+            stats.mixed_passes += int(0 < chunks < len(p))
 
     def _close(self, run: RunJob, failure: Failure) -> None:
         """A forward pass failed: the run's generator is closed (its slot released) and its
