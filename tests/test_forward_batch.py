@@ -87,8 +87,8 @@ def test_default_model(default_engine: Model, shared_passes: list[list[int | str
     """Prompt chunks of 17 and 3, 30 and 12 (a q8_0 cache's sequence among f16 ones), 60 and
     60 in one pass each (the lane tiles of 16 rows and more), 40 and 512 apart (past the
     pass's rows), with the decode steps at 5..300 cells (300: ggml's split attention over 512
-    cells, on two threads) in the first pass of at most 128 rows (a q8_0 cache's step a
-    segment of its own), else, and alone, in one decode_batch; a shared pass given its
+    cells, on two threads) in the first pass, a long chunk's too (a q8_0 cache's step a
+    segment of its own); decode steps alone in one decode_batch; a shared pass given its
     sequences in any order."""
     model = default_engine
     assert model.shares_passes
@@ -101,8 +101,8 @@ def test_default_model(default_engine: Model, shared_passes: list[list[int | str
     seqs.step({0: 60, 1: 60, 4: 30, 5: 20})  # two passes of at most 128 rows
     seqs.step({1: 1, 5: 1, 4: 20})  # the q8_0 step a segment beside the decode rows
     seqs.step({0: 1, 1: 1, 2: 1})  # decode steps only: one decode_batch
-    seqs.step({3: 150, 0: 1, 1: 1, 4: 20})  # the decode steps ride with the short chunk
-    seqs.step({3: 130, 2: 1})  # a long chunk alone: the decode step its own decode_batch
+    seqs.step({3: 150, 0: 1, 1: 1, 4: 20})  # the decode steps ride with the first, long chunk
+    seqs.step({3: 130, 2: 1})
     seqs.step({3: 200, 0: 1, 5: 1, 2: 1}, shared=True)  # any order: rows as given
     assert shared_passes == [
         ["2 decode", 40],
@@ -111,7 +111,8 @@ def test_default_model(default_engine: Model, shared_passes: list[list[int | str
         [60, 60],
         [30, 20],
         ["1 decode", 1, 20],
-        ["2 decode", 20],
+        ["2 decode", 150],
+        ["1 decode", 130],
         ["2 decode", 200, 1],
     ]
 

@@ -48,11 +48,10 @@ from bankml.engine_cupy.weights import (
 __all__ = ["Model", "KVCache", "UnsupportedModel"]
 
 F32 = numpy.float32
-# The most rows a shared pass of several prompt chunks takes, and the most prompt rows a pass
-# the decode steps join: on a 2-core AMD EPYC with the default model four chunks in one pass
-# ran 1.21-1.30x faster than apart at 32-128 rows in all and 0.83x at 256; three decode steps
-# beside one chunk 0.96-1.13x at 13-125 rows, 0.88-0.95x at 200-512 (model.md, "The shared
-# pass").
+# The most rows a shared pass of several prompt chunks takes: on a 2-core AMD EPYC with the
+# default model four chunks in one pass ran 1.21-1.30x faster than apart at 32-128 rows in all
+# and 0.79-0.90x at 256-2048 (model.md, "The shared pass"). The decode steps join the first
+# pass whatever its rows: beside one chunk of 13-512 rows they measured even.
 SHARED_PASS_ROWS = 128
 
 
@@ -460,9 +459,8 @@ class Model:
         """The passes ``forward_batch`` makes of its micro-batches (their indices, a list a
         pass). Where the model ``shares_passes``, the prompt chunks fill passes in order while
         one holds at most ``SHARED_PASS_ROWS`` rows (a longer chunk alone), and the decode
-        steps join the first pass of at most that many rows (a pass over a longer chunk costs
-        them more than their own batched step does); otherwise, and with no such pass, the
-        decode steps are one pass (a batched step) and each chunk its own."""
+        steps join the first; otherwise, and with no prompt chunk, the decode steps are one
+        pass (a batched step) and each chunk its own."""
         single = [i for i, toks in enumerate(tokens) if len(toks) == 1]
         longer = [i for i, toks in enumerate(tokens) if len(toks) > 1]
         if not self.shares_passes:
@@ -477,11 +475,10 @@ class Model:
             groups[-1].append(i)
             sizes[-1] += n
         if single:
-            short = [g for g, size in enumerate(sizes) if size <= SHARED_PASS_ROWS]
-            if short:
-                groups[short[0]] = single + groups[short[0]]
+            if groups:
+                groups[0] = single + groups[0]
             else:
-                groups.insert(0, single)
+                groups.append(single)
         return groups
 
     def shared_pass(
