@@ -463,22 +463,18 @@ class Model:
         pass (a batched step) and each chunk its own."""
         single = [i for i, toks in enumerate(tokens) if len(toks) == 1]
         longer = [i for i, toks in enumerate(tokens) if len(toks) > 1]
-        if not self.shares_passes:
+        if not self.shares_passes or not longer:
             return ([single] if single else []) + [[i] for i in longer]
         groups: list[list[int]] = []
-        sizes: list[int] = []
+        rows = SHARED_PASS_ROWS + 1
         for i in longer:
             n = len(tokens[i])
-            if not sizes or sizes[-1] + n > SHARED_PASS_ROWS:
+            if rows + n > SHARED_PASS_ROWS:
                 groups.append([])
-                sizes.append(0)
+                rows = 0
             groups[-1].append(i)
-            sizes[-1] += n
-        if single:
-            if groups:
-                groups[0] = single + groups[0]
-            else:
-                groups.append(single)
+            rows += n
+        groups[0] = single + groups[0]
         return groups
 
     def shared_pass(
@@ -493,16 +489,18 @@ class Model:
         ``DecodeRows``; every other micro-batch is a ``Segment``. The logits come back in
         the order of ``tokens``."""
         self._blas.set(self.threads)
-        decode = [
-            i for i, toks in enumerate(tokens) if len(toks) == 1 and self._row_attends(caches[i])
-        ]
-        order = decode + [i for i in range(len(tokens)) if i not in set(decode)]
+        decode: list[int] = []
+        others: list[int] = []
+        for i, toks in enumerate(tokens):
+            one_row = len(toks) == 1 and self._row_attends(caches[i])
+            (decode if one_row else others).append(i)
+        order = decode + others
         x = self._embed([t for i in order for t in tokens[i]])
         segments: list[Segment | DecodeRows] = []
         if decode:
             segments.append(self._decode_rows([caches[i] for i in decode]))
         row = len(decode)
-        for i in order[len(decode) :]:
+        for i in others:
             segments.append(self._segment(row, tokens[i], caches[i]))
             row += len(tokens[i])
         logits = stack(self.ops, self.hp, self.weights, x, segments, False)
