@@ -37,9 +37,10 @@ from typing import Any, TypeVar, cast
 from bankml.formats.errors import ApiError
 from bankml.formats.nlohmann import check_unicode, loads_json
 from bankml.gate.verify import Refused, verify
-from bankml.native.answer import CHAT, ChatAnswer, answers_for, merged
+from bankml.native.answer import ChatAnswer, answers_for, merged
 from bankml.native.resident import NativeEngine, open_engine
 from bankml.receipts.keys import SigningKey
+from bankml.receipts.kinds import CHAT
 
 __all__ = ["chat", "chat_stream", "open_native", "ApiError"]
 
@@ -64,7 +65,7 @@ def open_native(
 ) -> NativeEngine:
     """Verify ``model`` against its pin (guard, then sha256), then open the engine on it, with
     the KV cache type (``f16`` when None) and the host prompt cache's bound in MiB (the default
-    when None). With ``receipt_key`` (``bankml.receipts.load_key(FILE)``) every receipt is
+    when None). With ``receipt_key`` (``bankml.receipts.keys.load_key(FILE)``) every receipt is
     signed, as ``bankml serve`` signs them; without one they are unsigned. ``parallel`` slots
     (llama-server's -np; each ``n_ctx / parallel`` positions, all ``n_ctx`` with ``kv_unified``)
     keep several conversations' prompts for reuse; the calls still run one at a time."""

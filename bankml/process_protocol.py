@@ -43,10 +43,10 @@ from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from bankml import gateway as gw
-from bankml import llama_args
 from bankml.gate.verify import Refused, Verified, verify
-from bankml.gateway import Gateway
+from bankml.p0 import gateway as gw
+from bankml.p0 import llama_args
+from bankml.p0.gateway import Gateway
 
 _log = Logger(namespace="bankml.engine")
 _engine_log = Logger(namespace="bankml.llama-server")

@@ -43,18 +43,18 @@ from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceiv
 from twisted.web.http import PotentialDataLoss
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml import gateway as gw
 from bankml.formats.errors import error_object
-from bankml.gateway import Gateway, UpstreamTooLarge, check_length
-from bankml.proxy_answers import (
-    OAI_COMPLETION,
+from bankml.p0 import gateway as gw
+from bankml.p0.answers import (
     StreamReading,
     add_whole_receipts,
     completion_prompts,
     forwarded_request,
     request_object,
 )
-from bankml.receipt import Tally
+from bankml.p0.gateway import Gateway, UpstreamTooLarge, check_length
+from bankml.receipts.kinds import OAI_COMPLETION
+from bankml.receipts.tally import Tally
 from bankml.serving.writers import (
     SSE,
     JsonResource,

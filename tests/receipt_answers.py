@@ -105,8 +105,8 @@ def as_served(
 
 
 def through_api(native: Any, key: SigningKey, name: str, body: dict, stream: bool) -> Exchange:
-    from bankml import __version__
     from bankml.api import chat, chat_stream
+    from bankml.version import __version__
 
     assert "seed" in body, "the Python API does not say which seed it drew"
     raw = json.dumps(body).encode("utf-8")

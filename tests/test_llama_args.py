@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from twisted.python import usage
 
-from bankml import llama_args
+from bankml.p0 import llama_args
 from bankml.process_protocol import llama_server_args
 from bankml.tap import Options
 from tests import support

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from bankml.gate.verify import pin
-from bankml.serving.vouch import FILE_CHANGED
+from bankml.receipts.vouch import FILE_CHANGED
 from tests import support
 from tests.native_server import NativeProcess, native_process
 

@@ -16,7 +16,6 @@ from ollama._types import (
     StatusResponse,
 )
 
-from bankml import __version__
 from bankml.formats import ollama as fmt
 from bankml.formats.ollama_request import (
     CHAT,
@@ -32,6 +31,7 @@ from bankml.registry.keepalive import FOR, FOREVER, KeepAlive
 from bankml.registry.modelfile import parse_modelfile
 from bankml.registry.pins import discover
 from bankml.registry.residency import Residency
+from bankml.version import __version__
 from tests.registry_support import pin_into, write_gguf
 
 N_CTX = 4096

@@ -13,8 +13,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from bankml import __version__
 from bankml.openapi import ADDRESSES, Route, load_description, routes
+from bankml.version import __version__
 from tests.native_server import NativeProcess, native_process
 
 # llama-server's routes (build 11434) and Ollama's: the candidates a client may try. Those bankml

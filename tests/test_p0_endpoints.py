@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from bankml.receipt import canonical_logprobs
-from bankml.serving.vouch import FILE_CHANGED
+from bankml.receipts.tally import canonical_logprobs
+from bankml.receipts.vouch import FILE_CHANGED
 from tests import support
 from tests.bankml_process import BankmlProcess, copy_and_pin, sha, sse_events
 

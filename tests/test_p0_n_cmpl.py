@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from bankml.proxy_answers import completion_prompts
+from bankml.p0.answers import completion_prompts
 from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.keys import SigningKey, keygen
 from bankml.receipts.replay import IDENTICAL, open_replay_engine, replay_in_process

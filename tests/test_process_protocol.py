@@ -21,11 +21,11 @@ import pytest_twisted
 from twisted.internet import defer, reactor
 from twisted.python import usage
 
-from bankml import gateway as gw
 from bankml.gate.fileident import FileIdent
 from bankml.gate.guard import GuardResult
 from bankml.gate.verify import Refused, Verified
-from bankml.gateway import Gateway, make_agent
+from bankml.p0 import gateway as gw
+from bankml.p0.gateway import Gateway, make_agent
 from bankml.process_protocol import (
     EngineFailed,
     EngineProcess,

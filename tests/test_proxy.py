@@ -21,17 +21,17 @@ import treq
 from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
 
-from bankml import __version__
-from bankml import gateway as gw
 from bankml.gate.fileident import FileIdent
 from bankml.gate.guard import GuardResult
 from bankml.gate.verify import Verified
-from bankml.gateway import Gateway, make_agent
-from bankml.receipt import canonical_logprobs
-from bankml.resources.p0 import p0_root
+from bankml.p0 import gateway as gw
+from bankml.p0.gateway import Gateway, make_agent
+from bankml.p0.routes import p0_root
+from bankml.receipts.tally import canonical_logprobs
+from bankml.receipts.vouch import FILE_CHANGED
 from bankml.serving.site import LoopbackSite, listen_loopback
-from bankml.serving.vouch import FILE_CHANGED
 from bankml.usage import UsageSampler
+from bankml.version import __version__
 from tests.bankml_process import sha
 from tests.events import until
 from tests.mock_llama import PIECES, MockLlama, listen

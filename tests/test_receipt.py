@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from bankml import __version__
-from bankml.receipt import Tally, canonical_logprobs, receipt
+from bankml.receipts.tally import Tally, canonical_logprobs, receipt
+from bankml.version import __version__
 from tests.bankml_process import sha
 
 

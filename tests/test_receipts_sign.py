@@ -17,7 +17,6 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from bankml.receipt import Tally, receipt
 from bankml.receipts.answer import find_receipt
 from bankml.receipts.canonical import CONTEXT, canonical_json, signed_bytes
 from bankml.receipts.check import VALID, check_receipt
@@ -32,6 +31,7 @@ from bankml.receipts.keys import (
     raw_public_bytes,
 )
 from bankml.receipts.sign import build_receipt_v2, pin_seed
+from bankml.receipts.tally import Tally, receipt
 from tests.receipt_answers import (  # noqa: F401  (fixtures, found by their names)
     MESSAGES,
     Exchange,

@@ -24,7 +24,7 @@ import pytest
 
 from bankml.receipts.answer import find_receipt, read_answer
 from bankml.receipts.check import check_receipt
-from bankml.serving.vouch import FILE_CHANGED
+from bankml.receipts.vouch import FILE_CHANGED
 from tests import support
 from tests.bankml_process import (
     BIN,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bankml import __version__
 from bankml.cli import gate, generate, text, usage
 from bankml.cli.parsing import CommandParser, add_command
+from bankml.version import __version__
 
 USAGE_EXIT = 1  # no command, an unknown one, or a bad option before it
 # commands whose arguments go as given to the module that parses them

@@ -12,10 +12,10 @@ import json
 import sys
 from typing import Any
 
-import bankml
 from bankml.cli.parsing import CommandParser, Commands, add_command
 from bankml.gate.guard import guard_file
 from bankml.gate.verify import Refused, pin, read_fork, sha256_file, verify
+from bankml.version import __version__
 
 GUARD_EXIT = {"play": 0, "refuse": 2, "need_more": 3}
 USAGE_EXIT = 1
@@ -129,9 +129,7 @@ def verify_command(args: argparse.Namespace) -> int:
     except Refused as refused:
         if args.json:
             print(
-                _json_line(
-                    {"verdict": "refuse", "reason": refused.reason, "bankml": bankml.__version__}
-                )
+                _json_line({"verdict": "refuse", "reason": refused.reason, "bankml": __version__})
             )
         else:
             print(f"refuse: {refused.reason}")
@@ -145,7 +143,7 @@ def verify_command(args: argparse.Namespace) -> int:
                     "guard": guard.verdict,
                     "engine": guard.engine,
                     "model_sha256": verified.sha256,
-                    "bankml": bankml.__version__,
+                    "bankml": __version__,
                     "arch": guard.arch,
                     "name": guard.name,
                     "types": dict(guard.types),

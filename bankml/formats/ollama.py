@@ -36,13 +36,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from bankml import __version__
 from bankml.engine_cupy.sampler import SamplerParams
 from bankml.formats.ollama_wire import OllamaError as OllamaError
 from bankml.formats.ollama_wire import dumps as dumps
 from bankml.formats.ollama_wire import error_body as error_body
 from bankml.formats.ollama_wire import ndjson_line as ndjson_line
-from bankml.receipt import Tally, receipt
+from bankml.receipts.tally import Tally, receipt
 from bankml.registry.catalog import Catalog, Derived, Target, pin_of
 from bankml.registry.layer import PARAMS, Layer, f32_text
 from bankml.registry.manifest import parse_rfc3339, rfc3339_ns
@@ -50,6 +49,7 @@ from bankml.registry.modelfile import format_value
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin
 from bankml.registry.residency import Resident
+from bankml.version import __version__
 
 ROOT_TEXT = "bankml is running (Ollama's API at /api, native only)"
 NDJSON = "application/x-ndjson"
@@ -421,7 +421,7 @@ class OllamaAnswer:
     Streamed, ``on_chunk`` gives the piece lines (a token that released no text but carries a
     logprob entry gets its own line with empty content; empty pieces are not sent otherwise);
     not streamed, it only collects. ``final`` gives the last object, receipt included (the same
-    ``bankml.receipt`` /v1 carries: the answer's text, the raw request body, the counts and the
+    ``bankml.receipts.tally`` /v1 carries: the answer's text, the raw request body, the counts and the
     logprob entries). Times: ``started_ns`` is when the request arrived (``time.time_ns``).
     """
 

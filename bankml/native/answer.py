@@ -27,13 +27,11 @@ from bankml.formats import llama as llama_format
 from bankml.formats import openai as openai_format
 from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.llama import llama_timings
-from bankml.receipt import Tally
+from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OAI_COMPLETION
+from bankml.receipts.tally import Tally
 
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
-
-CHAT, OAI_COMPLETION, LLAMA_COMPLETION = "chat", "oai_completion", "llama_completion"
-ENGINE_KIND = {CHAT: "chat", OAI_COMPLETION: "completion", LLAMA_COMPLETION: "completion"}
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,10 @@ from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.errors import ApiError
 from bankml.formats.ollama import OllamaError
 from bankml.gate import verify
-from bankml.native.answer import CHAT, LLAMA_COMPLETION, Step, relay_forwards
+from bankml.native.answer import Step, relay_forwards
 from bankml.native.resident import open_engine
+from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OLLAMA_KIND
+from bankml.receipts.vouch import identity_problem
 from bankml.registry import create as registry_create
 from bankml.registry.catalog import (
     MANIFEST_CHANGED,
@@ -50,7 +52,6 @@ from bankml.registry.keepalive import DEFAULT, KeepAlive, parse_keep_alive
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, discover
 from bankml.registry.residency import LoadError, Residency, Resident
-from bankml.serving.vouch import identity_problem
 
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
@@ -132,7 +133,7 @@ class OllamaRun:
 
     def final(self, item: Finished) -> dict[str, Any]:
         assert self.answer is not None
-        api = f"ollama_{self.job.prepared.kind}"  # ollama_chat, ollama_generate
+        api = OLLAMA_KIND[self.job.prepared.kind]
 
         def issue(tally: Any) -> Mapping[str, Any]:
             return self.issue(tally, item.parsed, item.summary, api=api, stream=self.stream)
@@ -223,7 +224,7 @@ class OllamaHost:
 
     def record(self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str) -> None:
         """One finished answer into the engine's records (/bankml/metrics, /metrics)."""
-        self.native.record(summary, ttft_ms, wall_ms, f"ollama_{kind}")
+        self.native.record(summary, ttft_ms, wall_ms, OLLAMA_KIND[kind])
 
     def tags(self) -> dict[str, Any]:
         return wire.tags_body(self.catalog)

@@ -20,7 +20,6 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from bankml import __version__
 from bankml.engine_cupy import backend, slots
 from bankml.engine_cupy.checkpoints import N_BATCH
 from bankml.engine_cupy.engine import (
@@ -35,12 +34,14 @@ from bankml.engine_cupy.tokenizer import read_gguf_metadata
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.formats.llama import slots_array
 from bankml.native import text
-from bankml.native.answer import CHAT, ENGINE_KIND, prompt_steps
+from bankml.native.answer import prompt_steps
 from bankml.native.slot_view import SlotView
-from bankml.receipt import Tally
 from bankml.receipts.keys import SigningKey
+from bankml.receipts.kinds import CHAT, ENGINE_KIND
 from bankml.receipts.sign import native_facts, pin_seed
-from bankml.serving.vouch import identity_problem, issue_receipt
+from bankml.receipts.tally import Tally
+from bankml.receipts.vouch import identity_problem, issue_receipt
+from bankml.version import __version__
 
 if TYPE_CHECKING:
     from bankml.native.bridge import EngineBridge

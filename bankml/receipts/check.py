@@ -36,9 +36,10 @@ from typing import Any
 
 from bankml.receipts.answer import JSON, Unreadable, answer_of, answer_parts, read_answer
 from bankml.receipts.canonical import signed_bytes
-from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields, n_cmpl_of
+from bankml.receipts.convert import chat_fields, n_cmpl_of
 from bankml.receipts.keys import ALG, keyid_of, load_public_key, verifies
-from bankml.receipts.sign import APIS, RECEIPT_VERSION, sha256_hex
+from bankml.receipts.kinds import APIS, CONVERTED, MESSAGES
+from bankml.receipts.sign import RECEIPT_VERSION, sha256_hex
 
 VALID = "valid"
 # request fields that are not sampler settings though the sampler's table reads them
@@ -63,7 +64,7 @@ class Refused(Exception):
 
 
 def canonical_logprobs(entries: list[Any]) -> bytes:
-    from bankml.receipt import canonical_logprobs as today
+    from bankml.receipts.tally import canonical_logprobs as today
 
     return today(entries)
 

@@ -30,8 +30,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-RESPONSES, MESSAGES = "responses", "messages"
-CONVERTED = (RESPONSES, MESSAGES)
+from bankml.receipts.kinds import MESSAGES, RESPONSES
+
 MESSAGES_DEFAULT_MAX_TOKENS = 4096  # llama-server's, when a Messages request names none
 _MESSAGES_PASSED = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
 

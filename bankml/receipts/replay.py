@@ -44,9 +44,9 @@ from bankml.receipts.answer import (
     read_plain_answer,
 )
 from bankml.receipts.canonical import canonical_json
-from bankml.receipts.convert import CONVERTED, NotConverted, n_cmpl_of, to_chat
+from bankml.receipts.convert import NotConverted, n_cmpl_of, to_chat
+from bankml.receipts.kinds import CONVERTED, ENGINE_KIND
 from bankml.receipts.sign import (
-    ENGINE_KIND,
     engine_source_digest,
     sampler_settings,
     token_ids_sha256,

@@ -1,6 +1,6 @@
 """Version-2 receipts: today's receipt plus what a replay needs, signed with Ed25519.
 
-``build_receipt_v2(base, facts, key)`` takes the receipt ``bankml.receipt.receipt`` gives today and
+``build_receipt_v2(base, facts, key)`` takes the receipt ``bankml.receipts.tally.receipt`` gives today and
 the run's ``ReplayFacts`` (resolved sampler settings with the seed actually used, context size,
 cache type, engine identity, prompt and answer token ids) and returns the signed receipt, still
 one JSON object that rides as ``bankml_receipt``. The format is docs/modules/receipts.md's.
@@ -20,7 +20,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from bankml import __version__
 from bankml.engine_cupy.sampler import (
     DEFAULT_SEED,
     LogitBias,
@@ -29,20 +28,12 @@ from bankml.engine_cupy.sampler import (
     resolve_seed,
 )
 from bankml.receipts.canonical import normalized, signed_bytes
-from bankml.receipts.convert import CONVERTED, MESSAGES, chat_fields, n_cmpl_of
+from bankml.receipts.convert import chat_fields, n_cmpl_of
 from bankml.receipts.keys import ALG, SigningKey
+from bankml.receipts.kinds import APIS, CONVERTED, MESSAGES
+from bankml.version import __version__
 
 RECEIPT_VERSION = 2
-APIS = (
-    "chat",
-    "oai_completion",
-    "llama_completion",
-    "responses",
-    "messages",
-    "ollama_chat",
-    "ollama_generate",
-)
-ENGINE_KIND = {"chat": "chat", "oai_completion": "completion", "llama_completion": "completion"}
 ENGINE_SOURCES = Path(__file__).resolve().parent.parent / "engine_cupy"
 
 

@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from bankml import __version__
 from bankml.registry.layer import Layer, LayerError, jstr
+from bankml.version import __version__
 
 SUFFIX = ".MODEL.json"
 KIND = "bankml derived model (a layer over a pinned base; no weights)"

@@ -28,8 +28,8 @@ from twisted.web.server import NOT_DONE_YET, Request
 from bankml.formats.errors import ApiError, error_body
 from bankml.formats.llama import prometheus_text, props_object
 from bankml.formats.nlohmann import dumps, type_error
-from bankml.native.answer import LLAMA_COMPLETION
 from bankml.native.slot_actions import NOT_SUPPORTED_SLOTS, filename_ok, stoi
+from bankml.receipts.kinds import LLAMA_COMPLETION
 from bankml.resources.runs import AnswerResource, read_json_object
 from bankml.serving.writers import JsonResource, write_error, write_json
 

@@ -14,7 +14,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.nlohmann import dumps
 from bankml.formats.openai import models_object
-from bankml.native.answer import CHAT, OAI_COMPLETION
+from bankml.receipts.kinds import CHAT, OAI_COMPLETION
 from bankml.resources.llama import ChatInputTokens
 from bankml.resources.runs import AnswerResource
 from bankml.serving.routes import NotFound

@@ -31,8 +31,9 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.errors import ApiError, error_body
 from bankml.formats.nlohmann import dumps, loads_json
-from bankml.native.answer import ANSWERS, LLAMA_COMPLETION, Answer, Step, answers_for, merged
+from bankml.native.answer import ANSWERS, Answer, Step, answers_for, merged
 from bankml.native.bridge import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
+from bankml.receipts.kinds import LLAMA_COMPLETION
 from bankml.serving.writers import EventStream, JsonResource, gone, write_error, write_json
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bankml import __version__
+from bankml.version import __version__
 
 
 def sha256_hex(data: bytes) -> str:

@@ -21,9 +21,9 @@ from typing import Any
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.gateway import Gateway
-from bankml.proxy_answers import CHAT, LLAMA_COMPLETION, MESSAGES, OAI_COMPLETION, RESPONSES
+from bankml.p0.gateway import Gateway
 from bankml.proxy_resource import CompletionProxy, Forward
+from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, MESSAGES, OAI_COMPLETION, RESPONSES
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.description import ApiDescription
 from bankml.serving.routes import Branch, LlamaRoute, not_found

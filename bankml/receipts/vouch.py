@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from bankml.gate.fileident import FileIdent
-from bankml.receipt import Tally, receipt
 from bankml.receipts.keys import SigningKey
 from bankml.receipts.sign import ReplayFacts, build_receipt_v2
+from bankml.receipts.tally import Tally, receipt
 
 FILE_CHANGED = (
     "the model file changed since bankml verified it; restart bankml serve to verify it again"

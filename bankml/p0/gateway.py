@@ -32,12 +32,12 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
-from bankml import __version__
 from bankml.gate.verify import Verified
-from bankml.receipt import Tally
 from bankml.receipts.keys import SigningKey
 from bankml.receipts.sign import forwarded_facts
-from bankml.serving.vouch import identity_problem, issue_receipt
+from bankml.receipts.tally import Tally
+from bankml.receipts.vouch import identity_problem, issue_receipt
+from bankml.version import __version__
 
 _log = Logger(namespace="bankml.gateway")
 

@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bankml.receipt import Tally
 from bankml.receipts.answer import (
     STOP_REASONS,
     STOP_TYPES,
@@ -50,10 +49,16 @@ from bankml.receipts.answer import (
     responses_counts,
     responses_text,
 )
-from bankml.receipts.sign import APIS, ForwardedRequest, forward_request
-
-CHAT, OAI_COMPLETION, LLAMA_COMPLETION = "chat", "oai_completion", "llama_completion"
-RESPONSES, MESSAGES = "responses", "messages"
+from bankml.receipts.kinds import (
+    APIS,
+    CHAT,
+    LLAMA_COMPLETION,
+    MESSAGES,
+    OAI_COMPLETION,
+    RESPONSES,
+)
+from bankml.receipts.sign import ForwardedRequest, forward_request
+from bankml.receipts.tally import Tally
 
 Issue = Callable[[Tally], dict[str, Any]]
 

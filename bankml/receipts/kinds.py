@@ -1,0 +1,27 @@
+"""The API kinds: which API an answer was written for, the ``api`` field of every receipt.
+
+One vocabulary for the native answers, P0's reading of llama-server's answers, the signed
+receipt and its replay. A kind names a wire shape, not a route: ``/v1/chat/completions`` and
+``/chat/completions`` are both ``CHAT``.
+"""
+
+from __future__ import annotations
+
+CHAT = "chat"  # OpenAI chat completions
+OAI_COMPLETION = "oai_completion"  # OpenAI /v1/completions
+LLAMA_COMPLETION = "llama_completion"  # llama-server's /completion, /completions, /infill
+RESPONSES = "responses"  # OpenAI Responses, converted to a chat completion as llama-server does
+MESSAGES = "messages"  # Anthropic Messages, converted the same way
+OLLAMA_CHAT = "ollama_chat"
+OLLAMA_GENERATE = "ollama_generate"
+
+# an Ollama request's kind (``formats.ollama_request``'s chat / generate) -> its API kind
+OLLAMA_KIND = {"chat": OLLAMA_CHAT, "generate": OLLAMA_GENERATE}
+
+APIS = (CHAT, OAI_COMPLETION, LLAMA_COMPLETION, RESPONSES, MESSAGES, OLLAMA_CHAT, OLLAMA_GENERATE)
+
+# the kinds the engine runs itself, and the request shape it parses for each
+ENGINE_KIND = {CHAT: "chat", OAI_COMPLETION: "completion", LLAMA_COMPLETION: "completion"}
+
+# the kinds llama-server answers by converting the request to a chat completion first
+CONVERTED = (RESPONSES, MESSAGES)
