@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from bankml.engine_cupy.chat_template import ChatTemplate
-from bankml.engine_cupy.engine import Engine, RequestError, TextRelease, find_partial_stop
+from bankml.engine_cupy.engine import Engine
 from bankml.engine_cupy.grammar import resolve_constraint, validate_text
+from bankml.engine_cupy.request import RequestError
+from bankml.engine_cupy.stops import TextRelease, find_partial_stop
 from bankml.engine_cupy.tokenizer import Tokenizer
 from bankml.formats.chat_content import chat_schema_content
 from tests import support

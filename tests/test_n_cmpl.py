@@ -33,8 +33,9 @@ from twisted.internet.threads import deferToThread
 
 from bankml import api
 from bankml.engine_cupy.checkpoints import Checkpoints
-from bankml.engine_cupy.engine import Engine, Slot
+from bankml.engine_cupy.engine import Engine
 from bankml.engine_cupy.kv_cache import KVCache
+from bankml.engine_cupy.schedule import Slot
 from bankml.engine_cupy.slots import copy_slot
 from bankml.native.answer import prompt_steps
 from bankml.native.bridge import RunControl

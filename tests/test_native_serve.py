@@ -684,13 +684,13 @@ class _FailingEngine:
     slot_tokens: list[int] = []
 
     def parse_request(self, body: dict, kind: str) -> Any:
-        from bankml.engine_cupy.engine import Request
+        from bankml.engine_cupy.request import Request
         from bankml.engine_cupy.sampler import SamplerParams
 
         return Request(kind, [1, 2, 3], SamplerParams())
 
     def run_steps(self, request: Any, cancelled: Any) -> Any:
-        from bankml.engine_cupy.engine import Chunk
+        from bankml.engine_cupy.schedule import Chunk
 
         yield Chunk("partial", None, True, 7)
         raise RuntimeError("the forward pass broke")

@@ -750,7 +750,7 @@ class _Clock:
 
 
 def _chunks():
-    from bankml.engine_cupy.engine import Chunk, Summary
+    from bankml.engine_cupy.schedule import Chunk, Summary
 
     entry = {"id": 1, "token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
     eog = {"id": 2, "token": "", "logprob": -0.1, "bytes": [], "top_logprobs": []}

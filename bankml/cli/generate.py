@@ -67,8 +67,10 @@ def request_body(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def generate_command(args: argparse.Namespace) -> int:
     body, kind = request_body(args)
     # the engine (NumPy, Numba) only once the command runs: `bankml --help` stays quick
-    from bankml.engine_cupy.engine import Chunk, Engine, RequestError
+    from bankml.engine_cupy.engine import Engine
     from bankml.engine_cupy.model import UnsupportedModel
+    from bankml.engine_cupy.request import RequestError
+    from bankml.engine_cupy.schedule import Chunk
 
     try:
         engine = Engine.open(

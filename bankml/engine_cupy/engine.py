@@ -1,12 +1,14 @@
-"""The native engine: one model, one slot, requests parsed and run as llama-server runs them.
+"""The native engine: one model, ``n_slots`` slots, requests parsed and run as llama-server runs them.
 
 ``Engine.open`` loads the model, its tokenizer and chat template. ``parse_request`` validates a
 /completion or /v1/chat/completions body completely (prompt, stop strings, sampler parameters,
-constraint, limits, context) before any compute, raising ``RequestError`` with llama-server's
-status and message. ``run_steps`` prefills in micro-batches of 512 (reusing the longest common
-prefix with the slot's tokens; with ``progress`` a ``Progress`` before and after each prompt
-batch), then samples token by token, yielding ``Chunk``s; its
-``summary`` holds finish reason, counts and timings once the iteration is over.
+constraint, limits, context; the fields as request.py reads them) before any compute, raising
+``RequestError`` with llama-server's status and message. ``run_steps`` runs a request in a slot
+(``choose_slot``): it prefills in micro-batches of 512 (reusing the longest common prefix with
+the slot's tokens; with ``progress`` a ``Progress`` before and after each prompt batch), then
+samples token by token, yielding ``Chunk``s (schedule.py: the run's protocol with whatever
+drives it; stops.py: the text each releases); its ``summary`` holds finish reason, counts and
+timings once the iteration is over.
 """
 
 from __future__ import annotations
@@ -15,30 +17,37 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from bankml.engine_cupy import checkpoints as _checkpoints
-from bankml.engine_cupy.chat_template import (
-    CONTINUE_AUTO,
-    CONTINUE_CONTENT,
-    CONTINUE_REASONING,
-    ChatTemplate,
-    TemplateError,
-)
+from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
 from bankml.engine_cupy.grammar import (
     Constraint,
     ConstraintError,
-    ConstraintSpec,
     build_llg_tokenizer,
     resolve_constraint,
 )
 from bankml.engine_cupy.kv_cache import pad_cells
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
+from bankml.engine_cupy.request import (
+    Request,
+    RequestError,
+    bool_field,
+    chat_logprobs,
+    chat_render_options,
+    check_chat_messages,
+    is_integer,
+    is_mixed,
+    json_type,
+    lora_field,
+    parse_stop,
+    parse_task_fields,
+)
 from bankml.engine_cupy.sampler import (
     LogitBias,
     Sampler,
@@ -54,7 +63,19 @@ from bankml.engine_cupy.sampler import (
 from bankml.engine_cupy.sampler import (
     warm_up as warm_up_sampler,
 )
-from bankml.engine_cupy.slots import copy_slot
+from bankml.engine_cupy.schedule import (
+    Chunk,
+    Clock,
+    Forward,
+    Progress,
+    SharedPrompt,
+    Slot,
+    Steps,
+    Summary,
+    Waiting,
+    prompt_progress,
+)
+from bankml.engine_cupy.stops import LineLimits, TextRelease, utf8_prefix_text
 from bankml.engine_cupy.tokenizer import Tokenizer
 
 MICRO_BATCH = _checkpoints.N_UBATCH
@@ -84,586 +105,7 @@ def _micro_batches(a: int, b: int) -> list[tuple[int, int]]:
     return [(i, min(i + MICRO_BATCH, b)) for i in range(a, b, MICRO_BATCH)]
 
 
-INT32_MAX = 2_147_483_647
-INT64_MAX = 2**63 - 1
-# the upper limit of n_cmpl without an engine to ask: llama-server's is n_parallel, the
-# engine's slot count (parse_task_fields' n_slots)
-N_SLOTS = 1
 DEFAULT_SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity
-
-
-class RequestError(ValueError):
-    """A refused request: HTTP ``status`` with ``body`` (a message string or llama-server's JSON)."""
-
-    def __init__(self, message: str, status: int = 400, body: dict | None = None, reason: str = ""):
-        super().__init__(message)
-        self.status = status
-        self.body = body if body is not None else message
-        self.reason = reason  # what bankml found wrong, where llama-server's message says less
-
-
-@dataclass
-class Request:
-    """A validated request, ready to run."""
-
-    kind: str  # "chat" | "completion"
-    prompt_tokens: list[int]
-    sampler: SamplerParams
-    constraint: ConstraintSpec | None = None
-    n_predict: int = -1  # -1: until EOG or the context is full
-    stop: tuple[str, ...] = ()
-    n_probs: int = 0
-    cache_prompt: bool = True
-    prompt_text: str | None = None
-    post_sampling_probs: bool = (
-        False  # entries carry "prob"/"top_probs" from the chain's candidates
-    )
-    n_indent: int = 0  # stop when a later line is indented less (code completion)
-    t_max_predict_ms: int = -1  # stop at a newline once generation took this long
-    options: dict[str, Any] = field(default_factory=dict)  # accepted fields the answer reports back
-    spans: MessageSpans = field(
-        default_factory=MessageSpans
-    )  # user-message starts (checkpoint cuts)
-    seed_drawn: bool = False  # the request named no seed and sampler.seed was drawn for it
-    # one prompt's n_cmpl completions on several slots (Engine.share_prompt): the first computes
-    # the prompt, the others (``shared_child``) take its state instead of computing it again
-    shared: SharedPrompt | None = None
-    shared_child: bool = False
-
-
-@dataclass
-class Chunk:
-    """One generated token: the text released with it, its logprob entry, the first-token flag."""
-
-    text: str
-    entry: dict | None
-    first: bool
-    token: int | None
-    timings: dict[str, Any] | None = (
-        None  # the run's timings so far (llama-server's timings_per_token)
-    )
-    slot: int = -1  # the slot computing it
-
-
-@dataclass
-class Summary:
-    finish_reason: str = "stop"
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cancelled: bool = False
-    stopping_word: str = ""
-    timings: dict[str, Any] = field(default_factory=dict)
-    slot: int = -1  # the slot the run ran in
-
-
-# --- request parsing helpers ---------------------------------------------------------------------------
-
-
-def _bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    """A field_bool: null keeps the default; anything but true/false is nlohmann's type error."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(
-            f"Field '{name}': [json.exception.type_error.302] type must be boolean, "
-            f"but is {_json_type(value)}"
-        )
-    return value
-
-
-# field_bool and field_num of llama-server's completion schema that run before the sampling
-# fields, in its order (the first refusal wins, as there). Each is (name, aliases, kind, lo, hi, default).
-_TASK_FIELDS: tuple[tuple[str, tuple[str, ...], str, int, int, Any], ...] = (
-    ("verbose", (), "bool", 0, 0, False),
-    ("timings_per_token", (), "bool", 0, 0, False),
-    ("stream", (), "bool", 0, 0, False),
-    (
-        "include_usage",
-        (),
-        "stream_options",
-        0,
-        0,
-        False,
-    ),  # field_nested("stream_options")'s one subfield
-    ("cache_prompt", (), "bool", 0, 0, True),
-    ("return_tokens", (), "bool", 0, 0, False),
-    ("return_progress", (), "bool", 0, 0, False),
-    ("sse_ping_interval", (), "int", -1, INT32_MAX, -1),
-    ("n_predict", ("max_completion_tokens", "max_tokens"), "int", -1, INT32_MAX, -1),
-    ("n_indent", (), "int", 0, INT32_MAX, 0),
-    ("n_keep", (), "int", -1, INT32_MAX, 0),
-    ("n_discard", (), "int", 0, INT32_MAX, 0),
-    ("n_cmpl", ("n",), "int", 1, N_SLOTS, 1),
-    ("n_cache_reuse", (), "int", 0, INT32_MAX, 0),
-    ("t_max_predict_ms", (), "int", -1, INT64_MAX, -1),
-)
-
-
-def parse_task_fields(body: Mapping[str, Any], n_slots: int = N_SLOTS) -> dict[str, Any]:
-    """The schema's task fields, checked as llama-server checks them (``n_cmpl`` up to the
-    server's ``n_slots``); returns every value."""
-    out: dict[str, Any] = {}
-    for name, aliases, kind, lo, hi, default in _TASK_FIELDS:
-        hi = n_slots if name == "n_cmpl" else hi
-        if kind == "bool":
-            out[name] = _bool_field(body, name, default)
-        elif kind == "stream_options":
-            out[name] = _include_usage(body, default)
-        else:
-            out[name] = _int_field(body, (name, *aliases), default, lo, hi)
-    fields_ = body.get("response_fields")
-    # json_value(..., vector<string>()): anything but an array of strings reads as "all fields"
-    ok = isinstance(fields_, list) and all(isinstance(f, str) for f in fields_)
-    out["response_fields"] = list(fields_) if ok else []
-    return out
-
-
-def _include_usage(body: Mapping[str, Any], default: bool) -> bool:
-    """``stream_options.include_usage``: the schema reads ``stream_options`` only as an object
-    (anything else is ignored) and its ``include_usage`` as a field_bool."""
-    options = body.get("stream_options")
-    return (
-        _bool_field(options, "include_usage", default) if isinstance(options, Mapping) else default
-    )
-
-
-def _int_field(
-    body: Mapping[str, Any], names: Sequence[str], default: int, lo: int, hi: int
-) -> int:
-    """A hard-limited integer field_num (n_predict and its aliases)."""
-    for name in names:
-        value = body.get(name)
-        if value is None:
-            continue
-        if not isinstance(value, (int, float)):  # a boolean converts, as nlohmann's get<int> does
-            raise RequestError(
-                f"Field '{name}': [json.exception.type_error.302] type must be number, "
-                f"but is {_json_type(value)}"
-            )
-        v = int(value)
-        if v < lo or v > hi:
-            raise RequestError(
-                f"Field '{name}': Value must be between {lo} <= value <= {hi}, but got {v}"
-            )
-        return v
-    return default
-
-
-def _is_integer(value: Any) -> bool:
-    """nlohmann's is_number_integer()."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_mixed(value: Any) -> bool:
-    """json_is_array_of_mixed_numbers_strings: an array with both a string and an integer."""
-    return (
-        isinstance(value, list)
-        and any(isinstance(v, str) for v in value)
-        and any(_is_integer(v) for v in value)
-    )
-
-
-def _lora_field(body: Mapping[str, Any]) -> list[Any]:
-    """``lora``: an array, as llama-server requires; bankml loads no adapters, so, like
-    llama-server without adapters, the entries change nothing."""
-    lora = body.get("lora")
-    if lora is None:
-        return []
-    if not isinstance(lora, list):
-        raise RequestError(
-            "Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields"
-        )
-    return lora
-
-
-def _json_type(value: Any) -> str:
-    return {bool: "boolean", str: "string", list: "array", dict: "object", type(None): "null"}.get(
-        type(value), "number"
-    )
-
-
-def parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
-    """The ``stop`` handler: a string or an array of strings; any other type is ignored, and a
-    non-string item is nlohmann's conversion error, as in llama-server."""
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        return (stop,)
-    if not isinstance(stop, list):
-        return ()
-    words = []
-    for word in stop:
-        if word is None or word == [] or word == {}:
-            continue  # json::empty(): null and empty arrays/objects; an empty string is kept (and stops at once)
-        if not isinstance(word, str):
-            raise RequestError(
-                f"Field 'stop': [json.exception.type_error.302] type must be string, "
-                f"but is {_json_type(word)}"
-            )
-        words.append(word)
-    return tuple(words)
-
-
-def chat_logprobs(body: dict[str, Any]) -> None:
-    """oaicompat_chat_params_parse's logprobs mapping. ``logprobs: true`` sets n_probs to
-    ``top_logprobs`` (json_value: 20 when it is not a number); any other ``logprobs`` stays in the
-    body, where the schema reads it as n_probs' alias (a number counts, a string is its type
-    error), as llama-server copies the remaining properties."""
-    if body.get("logprobs") is True:  # json_value(body, "logprobs", false): only a boolean true
-        tools = body.get("tools")
-        if isinstance(tools, list) and tools and body.get("stream") is True:
-            raise RequestError("logprobs is not supported with tools + stream")
-        top = body.get("top_logprobs")
-        body["n_probs"] = (
-            int(top) if isinstance(top, (int, float)) else 20
-        )  # get<int>; a boolean converts
-    elif body.get("top_logprobs") is not None:
-        raise RequestError("top_logprobs requires logprobs to be set to true")
-
-
-def check_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The shape checks oaicompat_chat_params_parse makes before templating."""
-    if "messages" not in body:
-        raise RequestError("'messages' is required")
-    messages = body["messages"]
-    if not isinstance(messages, list):
-        raise RequestError("Expected 'messages' to be an array")
-    for msg in messages:
-        if not isinstance(msg, dict):
-            raise RequestError("Expected 'messages' items to be objects")
-        role = msg.get("role")
-        if role != "assistant" and "content" not in msg:
-            raise RequestError("All non-assistant messages must contain 'content'")
-        if role == "assistant" and "content" not in msg and "tool_calls" not in msg:
-            raise RequestError("Assistant message must contain either 'content' or 'tool_calls'!")
-        content = msg.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise RequestError("Expected 'content' to be a string or an array")
-    return messages
-
-
-def chat_render_options(body: Mapping[str, Any]) -> dict[str, Any]:
-    """``add_generation_prompt`` and ``continue_final_message`` as oaicompat_chat_params_parse
-    reads them (json_value: a flag that is not a boolean is its default, true; a continuation
-    is ``true``, "content" or "reasoning_content", anything else none), with its two refusals."""
-    flag = body.get("add_generation_prompt")
-    add_generation_prompt = flag if isinstance(flag, bool) else True
-    value = body.get("continue_final_message")
-    continuation = (
-        CONTINUE_AUTO
-        if value is True
-        else value
-        if isinstance(value, str) and value in (CONTINUE_CONTENT, CONTINUE_REASONING)
-        else None
-    )
-    if continuation is not None:
-        if add_generation_prompt:
-            raise RequestError(
-                "Cannot set both add_generation_prompt and continue_final_message to true."
-            )
-        messages = body.get("messages") or []
-        last = messages[-1] if messages else {}
-        if last.get("role") == "assistant" and last.get("tool_calls"):
-            raise RequestError("Cannot continue an assistant message that contains tool calls.")
-    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continuation}
-
-
-# --- text release: UTF-8 and stop strings ------------------------------------------------------------
-
-
-def incomplete_utf8_at(text: bytes) -> int:
-    """validate_utf8: the length without a multi-byte character cut off at the end."""
-    n = len(text)
-    for i in range(1, min(4, n) + 1):
-        c = text[n - i]
-        if (
-            (c & 0xE0) == 0xC0
-            and i < 2
-            or (c & 0xF0) == 0xE0
-            and i < 3
-            or (c & 0xF8) == 0xF0
-            and i < 4
-        ):
-            return n - i
-    return n
-
-
-def find_partial_stop(text: bytes, stop: bytes) -> int:
-    """string_find_partial_stop: where a suffix of ``text`` that begins ``stop`` starts, or -1."""
-    for length in range(min(len(text), len(stop)), 0, -1):
-        if text.endswith(stop[:length]):
-            return len(text) - length
-    return -1
-
-
-class TextRelease:
-    """process_token's text handling: hold incomplete UTF-8 and partial stop strings, cut at a stop."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s.encode("utf-8") for s in stops]
-        self.text = b""
-        self.sent = 0
-        self.stopping_word = ""
-
-    def push(self, piece: bytes, is_eog: bool) -> tuple[bytes | None, bool]:
-        """Add a token's bytes; returns (released bytes or None while UTF-8 is incomplete, stopped)."""
-        self.text += piece
-        if incomplete_utf8_at(self.text) < len(self.text):
-            return None, False
-        pos = min(self.sent, len(self.text))
-        tail = self.text[pos:]
-        stop_pos, word = self._find_full(tail, len(piece))
-        if stop_pos >= 0:
-            self.text = self.text[: pos + stop_pos]
-            self.stopping_word = word.decode("utf-8", "replace")
-            pos = min(self.sent, len(self.text))
-        elif not is_eog and any(find_partial_stop(tail, s) >= 0 for s in self.stops):
-            return b"", False
-        out = self.text[pos:]
-        self.sent += len(out)
-        return out, stop_pos >= 0
-
-    def _find_full(self, tail: bytes, piece_len: int) -> tuple[int, bytes]:
-        best, word = -1, b""
-        for s in self.stops:
-            start = max(len(tail) - (len(s) + piece_len), 0)
-            p = tail.find(s, start)
-            if p >= 0 and (best < 0 or p < best):
-                best, word = p, s
-        return best, word
-
-
-def utf8_prefix_text(raw: bytes) -> str:
-    """A logprob entry's ``token``: the incomplete trailing character cut, other bad bytes replaced."""
-    return raw[: incomplete_utf8_at(raw)].decode("utf-8", "replace")
-
-
-class LineLimits:
-    """process_token's line rules: ``n_indent`` (once a newline was sent, a later line indented by
-    fewer spaces/tabs ends the answer, cut after that line's indentation) and ``t_max_predict_ms``
-    (a newline sent after that long since the first token ends it). Both stop with "limit"."""
-
-    def __init__(self, n_indent: int, t_max_predict_ms: int):
-        self.n_indent = n_indent
-        self.t_max = t_max_predict_ms
-        self.has_new_line = False
-        self.last_nl_pos = 0
-
-    def stops(self, release: TextRelease, sent: bytes, gen_ms: float) -> bool:
-        stop = self.has_new_line and self.n_indent > 0 and self._indent_stop(release)
-        if b"\n" in sent:
-            self.has_new_line = True
-            if self.t_max > 0 and gen_ms > self.t_max:
-                stop = True
-        return stop
-
-    def _indent_stop(self, release: TextRelease) -> bool:
-        text = release.text
-        stop = False
-        if self.last_nl_pos > 0:
-            pos = self.last_nl_pos
-            while pos < len(text) and text[pos : pos + 1] in (b" ", b"\t"):
-                pos += 1
-            if pos < len(text) and pos - self.last_nl_pos < self.n_indent:
-                release.text = text[:pos]  # the short line is cut, its indentation kept
-                stop = True
-        nl = text.find(b"\n", self.last_nl_pos)
-        if nl != -1:
-            self.last_nl_pos = nl + 1
-        return stop
-
-
-# --- timings ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Clock:
-    t_start: float = 0.0
-    t_prompt: float = 0.0
-    t_gen: float = 0.0
-
-    def timings(self, cache_n: int, prompt_n: int, predicted_n: int) -> dict[str, Any]:
-        """server_slot_stats' times and rates, by its formulas: a rate is 0.0 until its time is
-        known; generation's rate counts decode steps (the first token comes free from the
-        prompt's logits), its time at least 1 us once the first token is out."""
-        prompt_ms = round((self.t_prompt - self.t_start) * 1e3, 3) if self.t_prompt else 0.0
-        predicted_ms = (
-            round(max((self.t_gen - self.t_prompt) * 1e3, 0.001), 3) if self.t_gen else 0.0
-        )
-        return {
-            "cache_n": cache_n,
-            "prompt_n": prompt_n,
-            "prompt_ms": prompt_ms,
-            "prompt_per_second": 1e3 / prompt_ms * prompt_n if prompt_ms > 0 else 0.0,
-            "predicted_n": predicted_n,
-            "predicted_ms": predicted_ms,
-            "predicted_per_second": 1e3 / predicted_ms * max(predicted_n - 1, 0)
-            if predicted_ms > 0
-            else 0.0,
-        }
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Prompt processing so far (llama-server's ``prompt_progress``, with ``return_progress``):
-    once the cached prefix is known, then after each prompt batch."""
-
-    total: int
-    cache: int
-    processed: int
-    time_ms: int
-    timings: dict[str, Any]
-    slot: int = -1  # the slot computing the prompt
-
-    def as_json(self) -> dict[str, int]:
-        return {
-            "total": self.total,
-            "cache": self.cache,
-            "processed": self.processed,
-            "time_ms": self.time_ms,
-        }
-
-
-def _progress(
-    clock: Clock, total: int, cache: int, processed: int, done: bool, slot: int = -1
-) -> Progress:
-    """The prompt's progress now: ``done`` after a batch (its time counts as prompt time)."""
-    now = time.perf_counter()
-    elapsed = Clock(t_start=clock.t_start, t_prompt=now if done else 0.0)
-    return Progress(
-        total,
-        cache,
-        processed,
-        int((now - clock.t_start) * 1e3),
-        elapsed.timings(cache, processed - cache, 0),
-        slot,
-    )
-
-
-# --- the engine --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Forward:
-    """A run's request for one forward pass: ``tokens`` evaluated into ``cache`` by ``model``.
-    The run is a coroutine: it yields a Forward and is sent the last row's logits back, so
-    whoever drives it decides when (and batched with what) the pass runs."""
-
-    model: Any
-    tokens: list[int]
-    cache: Any
-    prompt: bool = False  # a prompt micro-batch (the scheduler counts their tokens)
-
-    is_forward = True  # what the serving layer recognises it by (it imports no NumPy)
-
-    @property
-    def decode(self) -> bool:
-        """One token after the prompt: a decode step (the ones a batch step can share)."""
-        return len(self.tokens) == 1
-
-    def compute(self) -> Any:
-        return self.model.forward(self.tokens, self.cache)
-
-
-class Steps:
-    """An iteration over a run's chunks (and progress, when asked); ``summary`` is filled when
-    it ends. Iterating computes each forward pass inline; ``coroutine`` is the run itself, for
-    a scheduler that yields ``Forward``s and wants the logits sent back."""
-
-    def __init__(self, gen_factory: Callable[[Steps], Generator[Any, Any, None]]):
-        self.summary = Summary()
-        self.coroutine = gen_factory(self)
-
-    def __iter__(self) -> Iterator[Chunk | Progress]:
-        return self
-
-    def __next__(self) -> Chunk | Progress:
-        item = next(self.coroutine)
-        while isinstance(item, (Forward, Waiting)):
-            if isinstance(item, Waiting):  # no parent runs beside it here: it computes its own
-                item.shared.abandon()
-                item = self.coroutine.send(None)
-            else:
-                item = self.coroutine.send(item.compute())
-        return item
-
-
-@dataclass(eq=False)
-class SharedPrompt:
-    """One prompt computed once for its ``n_cmpl`` completions on several slots, as
-    llama-server's parent task and its children: each child's run takes a slot and waits
-    (``join``, yielding ``Waiting``) while the parent's run computes the prompt; when the
-    parent's prefill ends (``publish``), each waiting child's slot becomes a copy of the
-    parent's (slots.copy_slot: KV cells, tokens, checkpoints) and the child samples its first
-    token from a copy of the parent's last logits, reporting the parent's cache_n and prompt
-    start. A parent that ends without its logits (cancelled, refused) ``abandon``s: the
-    children still waiting compute the prompt themselves."""
-
-    done: bool = False
-    logits: Any = None  # the parent's last prompt logits (None: each child computes its own)
-    cache_n: int = 0
-    t_start: float = 0.0
-    waiting: dict[int, Slot] = field(default_factory=dict)  # by slot id
-    copied: set[int] = field(default_factory=set)  # the slots that got the parent's state
-
-    def publish(self, slot: Slot, cache_n: int, logits: Any, t_start: float) -> None:
-        """The parent's prefill is over: its state goes to every waiting child's slot."""
-        if self.done:
-            return
-        if logits is not None:
-            for child in self.waiting.values():
-                copy_slot(slot, child)
-                self.copied.add(child.id)
-            self.logits, self.cache_n, self.t_start = logits.copy(), cache_n, t_start
-        self.done = True
-        self.waiting = {}
-
-    def abandon(self) -> None:
-        """The parent will not publish (it ended, or no scheduler runs it beside its children)."""
-        self.done = True
-        self.waiting = {}
-
-    def join(self, slot: Slot, cancelled: Callable[[], bool]) -> Generator[Waiting, Any, bool]:
-        """A child waits on its slot until the parent publishes; True when its slot got the
-        parent's state, False when it must compute the prompt itself (or was cancelled)."""
-        if not self.done:
-            self.waiting[slot.id] = slot
-        try:
-            while not self.done:
-                if cancelled():
-                    return False
-                yield Waiting(self)
-        finally:
-            self.waiting.pop(slot.id, None)  # a child that left is never copied into
-        return slot.id in self.copied
-
-
-@dataclass(eq=False)
-class Waiting:
-    """A child run waiting for its parent's prompt (``SharedPrompt.join``): it needs no
-    forward pass this iteration; the scheduler resumes it at the next."""
-
-    shared: SharedPrompt
-
-    is_wait = True  # what the serving layer recognises it by
-
-
-@dataclass
-class Slot:
-    """One of the server's slots: its KV cache and the tokens it holds, its context
-    checkpoints (sliding-window models), the task it runs or last ran, and when it was last
-    used (llama-server's least-recently-used choice)."""
-
-    id: int
-    cache: Any
-    n_ctx: int
-    tokens: list[int] = field(default_factory=list)
-    checkpoints: Checkpoints | None = None
-    task_id: int = -1
-    processing: bool = False
-    t_last_used: int = -1
 
 
 def slot_context(n_ctx: int, n_slots: int, kv_unified: bool) -> int:
@@ -938,11 +380,11 @@ class Engine:
                 if task["verbose"]:  # __verbose shows the chat parser's generation prompt
                     task["generation_prompt"] = self._generation_prompt(body)
             params = SamplerParams.from_request(body, self.defaults)
-            task["backend_sampling"] = _bool_field(
+            task["backend_sampling"] = bool_field(
                 body, "backend_sampling", False
             )  # no backend here: no effect
-            post_sampling = _bool_field(body, "post_sampling_probs", False)
-            task["lora"] = _lora_field(body)
+            post_sampling = bool_field(body, "post_sampling_probs", False)
+            task["lora"] = lora_field(body)
             constraint = resolve_constraint(body, kind)
             if constraint is not None and constraint.kind == "chat_schema":
                 constraint = constraint.with_generation_prompt(self._generation_prompt(body))
@@ -1018,7 +460,7 @@ class Engine:
             biases = parse_logit_bias(
                 body["logit_bias"], self.n_vocab, lambda text: self.tokenize(text)
             )
-        ignore_eos = _bool_field(body, "ignore_eos", params.ignore_eos)
+        ignore_eos = bool_field(body, "ignore_eos", params.ignore_eos)
         if ignore_eos and body.get("ignore_eos") is not None:
             biases += tuple(LogitBias(-float("inf"), t) for t in sorted(self.tokenizer.eog_ids))
         return replace(params, logit_bias=biases, ignore_eos=ignore_eos)
@@ -1063,7 +505,7 @@ class Engine:
         if "prompt" not in body:
             raise RequestError("[json.exception.out_of_range.403] key 'prompt' not found")
         prompt = body["prompt"]
-        if isinstance(prompt, list) and not any(_is_integer(p) for p in prompt):
+        if isinstance(prompt, list) and not any(is_integer(p) for p in prompt):
             if not prompt:
                 raise RequestError('"prompt" must not be empty')
             parts = [self._subprompt(p) for p in prompt]
@@ -1075,9 +517,9 @@ class Engine:
 
     def _subprompt(self, prompt: Any) -> list[int]:
         """tokenize_input_subprompt: a string, ids, ids mixed with strings, or {"prompt_string": ...}."""
-        if isinstance(prompt, str) or _is_mixed(prompt):
+        if isinstance(prompt, str) or is_mixed(prompt):
             return self._mixed_prompt(prompt)
-        if isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
+        if isinstance(prompt, list) and all(is_integer(t) for t in prompt):
             return self._valid_ids(prompt)
         if isinstance(prompt, dict) and "prompt_string" in prompt:
             if "multimodal_data" in prompt:
@@ -1102,7 +544,7 @@ class Engine:
             return self.tokenize(prompt, add_special=True, parse_special=True)
         if not isinstance(prompt, list):
             raise RequestError(
-                f"[json.exception.type_error.302] type must be string, but is {_json_type(prompt)}"
+                f"[json.exception.type_error.302] type must be string, but is {json_type(prompt)}"
             )
         out: list[int] = []
         for i, part in enumerate(prompt):
@@ -1112,7 +554,7 @@ class Engine:
                 out += self._valid_ids([int(part)])  # get<llama_token>() truncates a float
             else:
                 raise RequestError(
-                    f"[json.exception.type_error.302] type must be number, but is {_json_type(part)}"
+                    f"[json.exception.type_error.302] type must be number, but is {json_type(part)}"
                 )
         return out
 
@@ -1181,7 +623,7 @@ class Engine:
         cache.truncate(n_past)
         slot.tokens = slot.tokens[:n_past]
         if clock is not None:
-            yield _progress(clock, len(tokens), n_past, n_past, False, slot.id)
+            yield prompt_progress(clock, len(tokens), n_past, n_past, False, slot.id)
         logits = None
         start = n_past
         while start < len(tokens):
@@ -1194,7 +636,7 @@ class Engine:
                 slot.tokens += batch
             start = end
             if clock is not None:
-                yield _progress(clock, len(tokens), n_past, end, True, slot.id)
+                yield prompt_progress(clock, len(tokens), n_past, end, True, slot.id)
         return n_past, logits
 
     def _batch_end(self, slot: Slot, start: int, n_prompt: int, spans: MessageSpans) -> int:

@@ -22,7 +22,7 @@ the bridge runs them on the engine thread, between scheduler steps (never on a s
 processing: the resource refuses that first).
 
 ``copy_slot`` makes one slot a copy of another, in memory: the engine's runs of a prompt's
-further completions start from their parent's computed prompt (engine.SharedPrompt).
+further completions start from their parent's computed prompt (schedule.SharedPrompt).
 """
 
 from __future__ import annotations

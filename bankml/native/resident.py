@@ -22,13 +22,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bankml.engine_cupy import backend, slots
 from bankml.engine_cupy.checkpoints import N_BATCH
-from bankml.engine_cupy.engine import (
-    DEFAULT_SLOT_PROMPT_SIMILARITY,
-    Engine,
-    RequestError,
-    compile_kernels,
-)
+from bankml.engine_cupy.engine import DEFAULT_SLOT_PROMPT_SIMILARITY, Engine, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
+from bankml.engine_cupy.request import RequestError
 from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
 from bankml.engine_cupy.tokenizer import read_gguf_metadata
 from bankml.formats.errors import ApiError, error_object, refusal_of

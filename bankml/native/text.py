@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bankml.engine_cupy.engine import chat_render_options, check_chat_messages
+from bankml.engine_cupy.request import chat_render_options, check_chat_messages
 from bankml.formats.nlohmann import c_int, json_flag, json_string, type_error
 
 

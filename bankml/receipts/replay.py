@@ -255,7 +255,7 @@ def _replay_answer(
 ) -> str:
     """One receipt's replay: the request's only answer (``index`` None), or its answer
     ``index`` among several."""
-    from bankml.engine_cupy.engine import RequestError
+    from bankml.engine_cupy.request import RequestError
 
     if receipt.get("model_sha256") != replay.model_sha256:
         return (
