@@ -31,6 +31,7 @@ from bankml.engine_cupy.exact_backend import ExactOps
 from bankml.engine_cupy.kernels import exact_ops, jit, progress
 from bankml.engine_cupy.kernels.progress import CompileStats
 from bankml.engine_cupy.kv_cache import KVCache
+from bankml.engine_cupy.passes import PassLogits, pass_groups
 from bankml.engine_cupy.weights import (
     HParams,
     Layer,
@@ -48,11 +49,6 @@ from bankml.engine_cupy.weights import (
 __all__ = ["Model", "KVCache", "UnsupportedModel"]
 
 F32 = numpy.float32
-# The most rows a shared pass of several prompt chunks takes: on a 2-core AMD EPYC with the
-# default model four chunks in one pass ran 1.21-1.30x faster than apart at 32-128 rows in all
-# and 0.79-0.90x at 256-2048 (model.md, "The shared pass"). The decode steps join the first
-# pass whatever its rows: beside one chunk of 13-512 rows they measured even.
-SHARED_PASS_ROWS = 128
 
 
 class Ops(Protocol):
@@ -425,12 +421,13 @@ class Model:
 
     def forward_batch(
         self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]
-    ) -> list[numpy.ndarray]:
+    ) -> PassLogits:
         """One micro-batch for each of several sequences: tokens[i] appended to caches[i];
-        the logits of each one's last token, each its own array.
+        the logits of each one's last token, each its own array, with the passes that
+        computed them (``PassLogits.passes``).
 
         Each is bit for bit ``forward(tokens[i], caches[i])``, and each cache ends as that
-        call leaves it. The passes are ``pass_groups``': where the model ``shares_passes``,
+        call leaves it. The passes are passes.pass_groups': where the model ``shares_passes``,
         the prompt chunks go through the layers together (``shared_pass``) and the decode
         steps ride in the first of those passes; otherwise (or with no prompt chunk) the
         decode steps are one ``decode_batch`` and each chunk its own ``forward``. Every
@@ -442,7 +439,8 @@ class Model:
         for toks, cache in zip(tokens, caches):
             self._check_rows(toks, cache)
         out: list[Any] = [None] * len(tokens)
-        for group in self.pass_groups(tokens):
+        passes = pass_groups([len(toks) for toks in tokens], self.shares_passes)
+        for group in passes:
             batches, group_caches = [tokens[i] for i in group], [caches[i] for i in group]
             if all(len(toks) == 1 for toks in batches):
                 rows = self.decode_batch([toks[0] for toks in batches], group_caches)
@@ -453,29 +451,7 @@ class Model:
                 logits = self.shared_pass(batches, group_caches)
             for i, row in zip(group, logits):
                 out[i] = row
-        return out
-
-    def pass_groups(self, tokens: Sequence[Sequence[int]]) -> list[list[int]]:
-        """The passes ``forward_batch`` makes of its micro-batches (their indices, a list a
-        pass). Where the model ``shares_passes``, the prompt chunks fill passes in order while
-        one holds at most ``SHARED_PASS_ROWS`` rows (a longer chunk alone), and the decode
-        steps join the first; otherwise, and with no prompt chunk, the decode steps are one
-        pass (a batched step) and each chunk its own."""
-        single = [i for i, toks in enumerate(tokens) if len(toks) == 1]
-        longer = [i for i, toks in enumerate(tokens) if len(toks) > 1]
-        if not self.shares_passes or not longer:
-            return ([single] if single else []) + [[i] for i in longer]
-        groups: list[list[int]] = []
-        rows = SHARED_PASS_ROWS + 1
-        for i in longer:
-            n = len(tokens[i])
-            if rows + n > SHARED_PASS_ROWS:
-                groups.append([])
-                rows = 0
-            groups[-1].append(i)
-            rows += n
-        groups[0] = single + groups[0]
-        return groups
+        return PassLogits(out, passes)
 
     def shared_pass(
         self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]

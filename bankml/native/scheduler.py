@@ -14,17 +14,18 @@ slot (``--parallel N``). It serves the same queue of jobs, in arrival order:
   group can wait long, as there.) A group's runs start in the iteration that admits them: a
   child takes its slot and waits (it yields ``Waiting``, needing no forward pass) until the
   parent's prefill ends, when the engine copies the parent's slot into it
-  (engine.SharedPrompt).
+  (schedule.SharedPrompt).
 - **Each iteration advances every active run by one step**: the run (a generator from
   ``prompt_steps(..., forwards=True)``) is resumed until it asks for its next forward pass (an
   engine ``Forward``: one decode token, or one prefill micro-batch); the items it made on the
   way (chunks, progress) go to the reactor. Then the iteration's forward passes are computed
-  (``passes_of``: the prompt micro-batches in groups of at most ``MAX_PASS_ROWS`` tokens, the
-  decode steps in the first), each group one ``forward_rows`` call (``Model.forward_batch``:
-  where the model shares passes, the prompt chunks through the layers together and the decode
-  steps in the first such pass, so one pass over the weights computes a token for every
-  generating slot and a waiting one's next chunk; else the decode steps one batched step and
-  each chunk a pass); each run is sent its logits at its next step. New runs join at the next
+  as engine_cupy.passes plans them (``passes_of``: the prompt micro-batches in groups of at
+  most ``BATCH_ROWS`` tokens, the decode steps in the first), each group one ``forward_rows``
+  call (``Model.forward_batch``: where the model shares passes, the prompt chunks through the
+  layers together and the decode steps in the first such pass, so one pass over the weights
+  computes a token for every generating slot and a waiting one's next chunk; else the decode
+  steps one batched step and each chunk a pass); each run is sent its logits at its next step,
+  and ``stats`` count the passes the call reports it ran. New runs join at the next
   iteration; finished or cancelled ones leave at once.
 - **Back-pressure per slot**: a run whose client window is full (``RunControl.has_room``) is
   skipped, its logits kept, until the client has room; the others go on. A cancelled run is
@@ -51,7 +52,9 @@ from typing import Any
 from twisted.internet.defer import CancelledError
 from twisted.python.failure import Failure
 
-__all__ = ["Scheduler", "RunJob", "RunGroup", "CallJob", "ClientGone", "forward_rows", "passes_of"]
+from bankml.engine_cupy.passes import pass_groups, passes_of
+
+__all__ = ["Scheduler", "RunJob", "RunGroup", "CallJob", "ClientGone", "forward_rows"]
 
 
 class ClientGone(CancelledError):
@@ -61,44 +64,21 @@ class ClientGone(CancelledError):
 WAIT_SLICE_S = 0.5  # an idle or fully paused loop re-checks its runs this often (a safety net)
 
 
-MAX_PASS_ROWS = 2048  # llama-server's -b: the most tokens one pass takes (all its slots')
-
-
-def forward_rows(forwards: Sequence[Any]) -> list[Any]:
+def forward_rows(forwards: Sequence[Any]) -> tuple[list[Any], list[list[int]]]:
     """The logits of each of one iteration's forward passes, each its own array (a paused run
-    keeps its logits past the next pass): one ``forward_batch`` call over the slots' caches
-    where the model has it (``Model.pass_groups``: the prompt micro-batches and the decode steps
+    keeps its logits past the next pass), and the passes that computed them (index lists into
+    ``forwards``): one ``forward_batch`` call over the slots' caches where the model has it
+    (its ``PassLogits`` name the passes it ran: the prompt micro-batches and the decode steps
     in one pass where the model shares passes, else the decode steps one batched step; every
-    sequence the bits of its own forward pass), else each pass in turn."""
+    sequence the bits of its own forward pass), else each pass in turn (counted as a model
+    that shares no pass runs them: the decode steps one step, each prompt chunk its own)."""
     model = forwards[0].model
     batch = getattr(model, "forward_batch", None)
+    in_turn = pass_groups([len(f.tokens) for f in forwards], shares=False)
     if len(forwards) > 1 and batch is not None and all(f.model is model for f in forwards):
-        return list(batch([f.tokens for f in forwards], [f.cache for f in forwards]))
-    return [f.compute() for f in forwards]
-
-
-def passes_of(forwards: Sequence[Any], budget: int = MAX_PASS_ROWS) -> list[list[Any]]:
-    """One iteration's forward passes in groups, each one ``forward_rows`` call: every decode
-    step in the first group, and the prompt micro-batches in slot order, each in the first
-    group of at most ``budget`` tokens it fits (a micro-batch is at most 512, so each fits
-    one). In the first group the model takes the decode steps into a pass with prompt chunks
-    where it shares passes (``Model.pass_groups``), else they are one batched step."""
-    decodes = [f for f in forwards if f.decode]
-    groups: list[list[Any]] = [decodes]
-    room = [budget - len(decodes)]
-    for f in forwards:
-        if f.decode:
-            continue
-        n = len(f.tokens)
-        for i, left in enumerate(room):
-            if n <= left:
-                groups[i].append(f)
-                room[i] -= n
-                break
-        else:
-            groups.append([f])
-            room.append(budget - n)
-    return [group for group in groups if group]
+        logits = batch([f.tokens for f in forwards], [f.cache for f in forwards])
+        return list(logits), getattr(logits, "passes", in_turn)
+    return [f.compute() for f in forwards], in_turn
 
 
 @dataclass
@@ -375,27 +355,22 @@ class Scheduler:
             for run in members:
                 run.forward = None
             try:
-                replies = forward_rows(group)
+                replies, passes = forward_rows(group)
             except BaseException:
                 failure = Failure()
                 for run in members:
                     self._close(run, failure)
                 continue
-            self._count(group)
+            self._count(group, passes)
             for run, reply in zip(members, replies):
                 run.reply = reply
 
-    def _count(self, group: list[Any]) -> None:
+    def _count(self, group: list[Any], passes: list[list[int]]) -> None:
+        """The stats of one ``forward_rows`` call: ``passes`` are the passes it ran (index
+        lists into ``group``)."""
         stats = self.stats
         decodes = sum(1 for f in group if f.decode)
         prompts = len(group) - decodes
-        layout = getattr(group[0].model, "pass_groups", None)
-        if layout is not None and len(group) > 1:
-            passes = [[group[i] for i in p] for p in layout([f.tokens for f in group])]
-        else:  # forward_rows computed each pass in turn, or the one
-            passes = ([[f for f in group if f.decode]] if decodes else []) + [
-                [f] for f in group if not f.decode
-            ]
         stats.passes += len(passes)
         stats.prompt_tokens += sum(len(f.tokens) for f in group if getattr(f, "prompt", False))
         stats.decode_calls += int(decodes > 0)
@@ -403,7 +378,7 @@ class Scheduler:
         stats.shared_decodes += int(decodes > 1)
         stats.prefill_batches += prompts
         for p in passes:
-            chunks = sum(1 for f in p if not f.decode)
+            chunks = sum(1 for i in p if not group[i].decode)
             stats.shared_prompts += int(chunks > 1)
             stats.mixed_passes += int(0 < chunks < len(p))
 
