@@ -2,8 +2,13 @@
 
 What is inside, from the request down:
 
-- ``engine``: ``Engine`` (one resident model, one slot): parse a request, tokenize, prefill in
+- ``engine``: ``Engine`` (one resident model, its slots): parse a request, tokenize, prefill in
   micro-batches, sample, stream; ``compile_kernels`` for a start-up that compiles while hashing;
+- ``request``: ``Request``, ``RequestError`` and the request fields read as llama-server reads
+  them; ``stops``: the text a run releases (UTF-8, stop strings, line limits);
+- ``schedule``: a run's protocol with whatever drives it (``Forward``, ``Waiting``, ``Steps``,
+  ``Chunk``, ``Progress``, ``Summary``, ``Slot``, ``SharedPrompt``); ``passes``: which
+  micro-batches of one iteration are computed together;
 - ``tokenizer``, ``unicode_classes``, ``chat_template``: the GGUF vocabulary and template;
 - ``sampler``, ``grammar``: llama-server's sampler chain and constrained decoding;
 - ``prompt_cache``, ``checkpoints``, ``slots``: the host prompt cache, the sliding-window
