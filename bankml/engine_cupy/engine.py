@@ -78,6 +78,15 @@ from bankml.engine_cupy.schedule import (
 from bankml.engine_cupy.stops import LineLimits, TextRelease, utf8_prefix_text
 from bankml.engine_cupy.tokenizer import Tokenizer
 
+__all__ = [
+    "DEFAULT_SLOT_PROMPT_SIMILARITY",
+    "MICRO_BATCH",
+    "Engine",
+    "compile_kernels",
+    "prompt_batches",
+    "slot_context",
+]
+
 MICRO_BATCH = _checkpoints.N_UBATCH
 
 

@@ -37,6 +37,8 @@ class Chunk:
 
 @dataclass
 class Summary:
+    """A run's outcome, filled when its iteration ends (``Steps.summary``)."""
+
     finish_reason: str = "stop"
     text: str = ""
     tokens: list[int] = field(default_factory=list)
@@ -50,6 +52,8 @@ class Summary:
 
 @dataclass
 class Clock:
+    """A run's times (``time.perf_counter``): its start, its first token, its last token."""
+
     t_start: float = 0.0
     t_prompt: float = 0.0
     t_gen: float = 0.0
