@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 import pytest
 
 from bankml.engine_cupy.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
-from bankml.engine_cupy.tokenizer import Tokenizer, read_gguf_metadata
+from bankml.engine_cupy.gguf_file import read_metadata as read_gguf_metadata
+from bankml.engine_cupy.tokenizer import Tokenizer
 from tests import support
 from tests.spm_vocab import write_bpe_variant, write_tiny_llama
 

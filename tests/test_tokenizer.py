@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from bankml.engine_cupy.tokenizer import Tokenizer, TokenizerError, pre_tokenize, read_gguf_metadata
+from bankml.engine_cupy.gguf_file import read_metadata as read_gguf_metadata
+from bankml.engine_cupy.tokenizer import Tokenizer, TokenizerError, pre_tokenize
 from tests import support
 from tests.spm_vocab import write_bpe_variant, write_spm_model
 

@@ -118,9 +118,10 @@ def model_ftype(file_type: int | None, tensors: Iterable[tuple[str, str]]) -> st
 @functools.lru_cache(maxsize=8)
 def file_ftype_name(path: str | os.PathLike[str]) -> str:
     """``model_ftype`` of a GGUF file, read from its header (cached: a served file is pinned)."""
+    from bankml.engine_cupy.gguf_file import metadata
     from bankml.engine_cupy.weights import open_reader
 
     reader = open_reader(path)
-    field = reader.fields.get("general.file_type")
-    file_type = None if field is None else int(field.contents())
+    value = metadata(reader, ["general.file_type"]).get("general.file_type")
+    file_type = None if value is None else int(value)
     return model_ftype(file_type, ((t.name, t.tensor_type.name) for t in reader.tensors))

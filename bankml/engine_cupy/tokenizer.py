@@ -9,7 +9,7 @@ Two vocabulary kinds are supported:
 * SentencePiece (``tokenizer.ggml.model == "llama"``): spaces become U+2581, an optional space
   prefix, pairs merged by score (highest first, leftmost on ties), byte fallback ``<0xNN>``.
 
-Everything comes from the GGUF's metadata; nothing here needs NumPy.
+Everything comes from the GGUF's metadata, read with ``gguf_file``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from bankml.engine_cupy.gguf_file import GGUFError, metadata
 from bankml.engine_cupy.unicode_classes import CLASS_CODES, build_class_table
 
 # llama.h token attributes (llama_token_attr) and GGUF token types (llama_token_type).
@@ -538,88 +539,13 @@ _SPECIAL_KEYS = (
 )
 
 
-_GGUF_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | os.PathLike[str], wanted: Iterable[str]) -> dict[str, object]:
-    """The named metadata values of a GGUF file, read straight from its header.
-
-    gguf.GGUFReader builds a NumPy view for every element of every array, which takes many
-    seconds on a 50k-entry vocabulary; this walks the key/value section once with struct and
-    decodes only the wanted keys. Strings keep undecodable bytes as surrogate escapes.
-    """
-    import mmap
-    import struct
-
-    wanted = set(wanted)
-    values: dict[str, object] = {}
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if len(buf) < 24 or buf[:4] != b"GGUF":
-            raise TokenizerError(f"{os.fspath(path)} is not a GGUF file")
-        version, _, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise TokenizerError(f"gguf version {version} is not supported")
-        u32, u64 = struct.Struct("<I").unpack_from, struct.Struct("<Q").unpack_from
-
-        def string(pos: int) -> tuple[str, int]:
-            (n,) = u64(buf, pos)
-            return buf[pos + 8 : pos + 8 + n].decode("utf-8", "surrogateescape"), pos + 8 + n
-
-        def value(pos: int, vtype: int, keep: bool) -> tuple[object, int]:
-            if vtype in _GGUF_SCALARS:
-                fmt = "<" + _GGUF_SCALARS[vtype]
-                return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-            if vtype == _GGUF_STRING:
-                return string(pos)
-            if vtype != _GGUF_ARRAY:
-                raise TokenizerError(f"unknown gguf value type {vtype}")
-            (elem,) = u32(buf, pos)
-            (count,) = u64(buf, pos + 4)
-            pos += 12
-            if elem in _GGUF_SCALARS:
-                fmt = f"<{count}{_GGUF_SCALARS[elem]}"
-                size = struct.calcsize(fmt)
-                return (list(struct.unpack_from(fmt, buf, pos)) if keep else None), pos + size
-            items: list[object] = []
-            for _ in range(count):
-                if elem == _GGUF_STRING and not keep:
-                    pos += 8 + u64(buf, pos)[0]
-                    continue
-                item, pos = value(pos, elem, keep)
-                items.append(item)
-            return (items if keep else None), pos
-
-        pos = 24
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (vtype,) = u32(buf, pos)
-            item, pos = value(pos + 4, vtype, key in wanted)
-            if key in wanted:
-                values[key] = item
-    return values
-
-
 def _read_fields(source: str | os.PathLike[str] | object, keys: Iterable[str]) -> dict[str, object]:
-    """The named metadata values of a GGUF (a path, or an open gguf.GGUFReader), absent keys left out."""
-    if isinstance(source, (str, os.PathLike)):
-        return read_gguf_metadata(source, keys)
-    fields = getattr(source, "fields", None)
-    if fields is None:
-        raise TypeError("expected a GGUF path or a gguf.GGUFReader")
-    return {key: fields[key].contents() for key in keys if key in fields}
+    """The named metadata values of a GGUF (``gguf_file.metadata``), a file it cannot read
+    refused as a TokenizerError."""
+    try:
+        return metadata(source, keys)
+    except GGUFError as err:
+        raise TokenizerError(str(err)) from None
 
 
 @dataclass

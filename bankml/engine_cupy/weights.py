@@ -1,8 +1,8 @@
 """GGUF weights: the header decides the architecture, then every matrix is dequantized once.
 
-The file is opened memory-mapped with ``gguf.GGUFReader``. ``read_hparams`` looks only at the
-header (keys and tensor descriptions) and refuses, with the reason, any architecture, key or
-tensor the forward pass does not play, before a single weight byte is read. ``load_weights`` then
+The file is opened memory-mapped with the engine's GGUF reader (``gguf_file``). ``read_hparams``
+looks only at the header (keys and tensor descriptions) and refuses, with the reason, any
+architecture, key or tensor the forward pass does not play, before a single weight byte is read. ``load_weights`` then
 dequantizes each matrix with ``gguf.quants.dequantize`` into float32, rows = output features,
 in the array module of the chosen device. Q/K/V and gate/up are fused into one matrix each
 where they share an activation type, so a decode step makes four matrix products per layer.
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, quants
+from gguf import quants
 
 from bankml.engine_cupy.arch import (
     ARCHITECTURES,
@@ -35,6 +35,7 @@ from bankml.engine_cupy.arch import (
     ArchSpec,
     supported_names,
 )
+from bankml.engine_cupy.gguf_file import GGUFFile, metadata, open_file
 from bankml.engine_cupy.kernels import exact_iquants, exact_kquants, exact_matmul, exact_ops
 
 MEMORY_SHARE = 0.9  # the share of available memory the f32 weights may take
@@ -110,14 +111,11 @@ class HParams:
     spec: ArchSpec = field(compare=False)
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return metadata(reader, [key]).get(key, default)
 
 
-def _scalar(reader: GGUFReader, key: str, default: Any = None, required: bool = False) -> Any:
+def _scalar(reader: GGUFFile, key: str, default: Any = None, required: bool = False) -> Any:
     value = _field(reader, key, default)
     if value is None and required:
         raise UnsupportedModel(f"no {key} in the header")
@@ -126,7 +124,7 @@ def _scalar(reader: GGUFReader, key: str, default: Any = None, required: bool = 
     return value
 
 
-def _tensor_infos(reader: GGUFReader) -> dict[str, Any]:
+def _tensor_infos(reader: GGUFFile) -> dict[str, Any]:
     return {t.name: t for t in reader.tensors}
 
 
@@ -166,7 +164,7 @@ def _check_tensor_types(infos: dict[str, Any]) -> None:
             )
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> float:
+def _rope_scaling(reader: GGUFFile, arch: str) -> float:
     kind = _scalar(reader, f"{arch}.rope.scaling.type", "none")
     if kind in ("none", None):
         return 1.0
@@ -179,7 +177,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> float:
     )
 
 
-def _swa_layers(reader: GGUFReader, arch: str, n_layer: int) -> tuple[int, tuple[bool, ...]]:
+def _swa_layers(reader: GGUFFile, arch: str, n_layer: int) -> tuple[int, tuple[bool, ...]]:
     """gemma3: local layers except every n-th (llama_hparams::set_swa_pattern, n = 6)."""
     window = int(_scalar(reader, f"{arch}.attention.sliding_window", 0) or 0)
     if window <= 0:
@@ -193,7 +191,7 @@ def _swa_layers(reader: GGUFReader, arch: str, n_layer: int) -> tuple[int, tuple
     return window, tuple(n == 0 or (il % n < n - 1) for il in range(n_layer))
 
 
-def read_hparams(reader: GGUFReader) -> HParams:
+def read_hparams(reader: GGUFFile) -> HParams:
     """The architecture and its numbers from the header alone; refuses what is not played."""
     arch = _scalar(reader, "general.architecture")
     if arch is None:
@@ -457,7 +455,7 @@ class _Loader:
     arrays, ticking progress."""
 
     def __init__(
-        self, reader: GGUFReader, xp: ModuleType, tick: Callable[[int], None], exact: bool = True
+        self, reader: GGUFFile, xp: ModuleType, tick: Callable[[int], None], exact: bool = True
     ):
         self.infos = _tensor_infos(reader)
         self.xp = xp
@@ -593,7 +591,7 @@ def dequantize(data: numpy.ndarray, qtype: T) -> numpy.ndarray:
     return numpy.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 
-def weight_bytes(reader: GGUFReader, exact: bool = False) -> int:
+def weight_bytes(reader: GGUFFile, exact: bool = False) -> int:
     """What the loaded weights take: 4 bytes per element, or (``exact``) the GGUF bytes of the
     matrices an exact family multiplies in their blocks."""
 
@@ -605,7 +603,7 @@ def weight_bytes(reader: GGUFReader, exact: bool = False) -> int:
     return sum(size(t) for t in reader.tensors)
 
 
-def check_memory(reader: GGUFReader, available: int | None = None, exact: bool = False) -> None:
+def check_memory(reader: GGUFFile, available: int | None = None, exact: bool = False) -> None:
     need = weight_bytes(reader, exact)
     if available is None:
         import psutil
@@ -644,7 +642,7 @@ def _layer(ld: _Loader, hp: HParams, il: int) -> Layer:
 
 
 def load_weights(
-    reader: GGUFReader,
+    reader: GGUFFile,
     hp: HParams,
     xp: ModuleType,
     tick: Callable[[int], None] = lambda n: None,
@@ -677,41 +675,13 @@ def load_weights(
     )
 
 
-def total_tensor_bytes(reader: GGUFReader) -> int:
+def total_tensor_bytes(reader: GGUFFile) -> int:
     return sum(int(t.n_bytes) for t in reader.tensors)
 
 
-class _PlainReader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its memory map.
-
-    The reader slices its map once per header item (~250,000 times for a 49k-token vocabulary);
-    each slice of a numpy.memmap pays memmap's Python-level __array_finalize__, which made the
-    header parse take many seconds. A plain view of the same mapping reads the same bytes.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> numpy.ndarray:
-        return self._plain
-
-    @data.setter
-    def data(self, value: numpy.ndarray) -> None:
-        self._plain = value.view(numpy.ndarray)
-
-    _dtypes: dict[Any, numpy.dtype] = {}
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-        """GGUFReader._get without its per-call dtype probing (native byte order only)."""
-        if override_order is not None or self.byte_order != "I":
-            return super()._get(offset, dtype, count, override_order)
-        dt = self._dtypes.get(dtype)
-        if dt is None:
-            dt = self._dtypes.setdefault(dtype, numpy.dtype(dtype))
-        count = int(count)
-        return self._plain[offset : offset + dt.itemsize * count].view(dt)
-
-
-def open_reader(path: str | os.PathLike) -> GGUFReader:
+def open_reader(path: str | os.PathLike) -> GGUFFile:
+    """The model's header (``gguf_file.open_file``); a file it cannot read is refused."""
     try:
-        return _PlainReader(os.fspath(path), "r")
+        return open_file(path)
     except ValueError as err:  # a missing file stays FileNotFoundError
         raise UnsupportedModel(f"{os.fspath(path)}: not a readable GGUF file ({err})") from err

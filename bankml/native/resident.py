@@ -24,9 +24,9 @@ from bankml.engine_cupy import backend, slots
 from bankml.engine_cupy.checkpoints import N_BATCH
 from bankml.engine_cupy.engine import DEFAULT_SLOT_PROMPT_SIMILARITY, Engine, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
+from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.engine_cupy.request import RequestError
 from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
-from bankml.engine_cupy.tokenizer import read_gguf_metadata
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.formats.llama import slots_array
 from bankml.native import text
@@ -532,9 +532,9 @@ def open_served(
 def training_context(path: str) -> int:
     """The context the model was trained for (``<arch>.context_length``): what llama-server's
     ``-c 0`` gives; bankml's default where the header does not say."""
-    arch = read_gguf_metadata(path, ["general.architecture"]).get("general.architecture")
+    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
     key = f"{arch}.context_length"
-    value = read_gguf_metadata(path, [key]).get(key) if arch else None
+    value = read_metadata(path, [key]).get(key) if arch else None
     return int(value) if isinstance(value, int) and value > 0 else DEFAULT_CTX
 
 
