@@ -4,7 +4,7 @@
 run by ``AnswerResource``), ``/tokenize``, ``/detokenize``, ``/apply-template``,
 ``/chat/completions/input_tokens`` (``ChatInputTokens``, a child of the chat endpoint), ``GET
 /health``, ``/props``, ``/metrics`` (Prometheus text as llama-server's ``--metrics``), ``GET
-/slots`` (the slot monitor: bankml/native/slot_view.py), and
+/slots`` (the slot monitor: bankml/formats/slot_view.py), and
 ``POST /slots/{id}?action=save|restore|erase`` with llama-server's checks in its order: no slot
 dir (501), an id ``std::stoi`` cannot read ("Invalid slot ID"), the action ("Invalid action"),
 the filename (llama.cpp's ``fs_validate_filename``, "Invalid filename"); any id then wraps onto
@@ -12,15 +12,16 @@ the one slot and is echoed back. A failed restore is 400 ``Unable to restore slo
 a failed save 500.
 
 Text work (tokenizing, templating) runs on the bridge's prepare thread; slot work on the engine
-thread, so it never meets a half-finished run. The bodies come from bankml/formats/llama.py and
-the engine's jobs (``NativeEngine``); a refusal is ``ApiError``, written as it is.
+thread, so it never meets a half-finished run. The bodies come from bankml/formats/llama.py, on
+the plain data the engine gives (``ResidentEngine``: ``props``, ``scrape``), and from the
+engine's jobs; a refusal is ``ApiError``, written as it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
@@ -28,13 +29,11 @@ from twisted.web.server import NOT_DONE_YET, Request
 from bankml.formats.errors import ApiError, error_body
 from bankml.formats.llama import prometheus_text, props_object
 from bankml.formats.nlohmann import dumps, type_error
-from bankml.native.slot_actions import NOT_SUPPORTED_SLOTS, filename_ok, stoi
+from bankml.formats.slot_actions import NOT_SUPPORTED_SLOTS, filename_ok, stoi
 from bankml.receipts.kinds import LLAMA_COMPLETION
+from bankml.resources.interfaces import ResidentEngine
 from bankml.resources.runs import AnswerResource, read_json_object
 from bankml.serving.writers import JsonResource, write_error, write_json
-
-if TYPE_CHECKING:
-    from bankml.native.resident import NativeEngine
 
 NO_SLOT_AVAILABLE = "no slot available"
 
@@ -54,7 +53,7 @@ def _write_failure(request: Request) -> Callable[[Failure], None]:
 class _Native(JsonResource):
     isLeaf = True
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__()
         self.native = native
 
@@ -80,7 +79,7 @@ class _TextJob(_Native):
 class Completion(AnswerResource):
     """``POST /completion`` (and ``/completions``)."""
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__(native, LLAMA_COMPLETION)
 
 
@@ -114,13 +113,13 @@ class Health(_Native):
 
 class Props(_Native):
     def render_GET(self, request: Request) -> Any:
-        write_json(request, 200, dumps(props_object(self.native)))
+        write_json(request, 200, dumps(props_object(self.native.props())))
         return NOT_DONE_YET
 
 
 class Metrics(_Native):
     def render_GET(self, request: Request) -> Any:
-        body = prometheus_text(self.native).encode()
+        body = prometheus_text(self.native.scrape()).encode()
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/plain; version=0.0.4")
         request.setHeader(b"process-start-time-unix", str(int(self.native.started)).encode())
@@ -134,7 +133,7 @@ class Slots(JsonResource):
     """``GET /slots`` (llama-server's slot monitor) and ``POST /slots/{id}?action=...`` (one
     child per id path segment)."""
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__()
         self.native = native
 
@@ -158,7 +157,7 @@ class Slots(JsonResource):
 
 
 class SlotAction(_Native):
-    def __init__(self, native: NativeEngine, id_text: str) -> None:
+    def __init__(self, native: ResidentEngine, id_text: str) -> None:
         super().__init__(native)
         self.id_text = id_text
 
