@@ -31,7 +31,7 @@ from bankml.formats.llama import prometheus_text, props_object
 from bankml.formats.nlohmann import dumps, type_error
 from bankml.formats.slot_actions import NOT_SUPPORTED_SLOTS, filename_ok, stoi
 from bankml.receipts.kinds import LLAMA_COMPLETION
-from bankml.resources.interfaces import ResidentEngine
+from bankml.resources.interfaces import Bridge, ResidentEngine
 from bankml.resources.runs import AnswerResource, read_json_object
 from bankml.serving.writers import JsonResource, write_error, write_json
 
@@ -42,12 +42,19 @@ def _write_failure(request: Request) -> Callable[[Failure], None]:
     """A job's error as llama-server answers it: a refusal as it is, anything else 500."""
 
     def failed(failure: Failure) -> None:
-        if failure.check(ApiError):
-            write_json(request, failure.value.status, failure.value.as_bytes())
+        err = failure.value
+        if isinstance(err, ApiError):
+            write_json(request, err.status, err.as_bytes())
         else:
             write_error(request, 500, failure.getErrorMessage())
 
     return failed
+
+
+def _bridge(native: ResidentEngine) -> Bridge:
+    """The bridge of a served engine (the service builds these Resources with one)."""
+    assert native.bridge is not None, "a served NativeEngine has its bridge"
+    return native.bridge
 
 
 class _Native(JsonResource):
@@ -70,7 +77,7 @@ class _TextJob(_Native):
         except ApiError as err:
             write_json(request, err.status, err.as_bytes())
             return NOT_DONE_YET
-        d = self.native.bridge.prepare(self.job, body)
+        d = _bridge(self.native).prepare(self.job, body)
         d.addCallback(lambda out: write_json(request, 200, dumps(out)))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
@@ -144,7 +151,7 @@ class Slots(JsonResource):
         if request.args.get(b"fail_on_no_slot", [b""])[0] and all(v.processing for v in views):
             write_json(request, 503, error_body(503, NO_SLOT_AVAILABLE))
             return NOT_DONE_YET
-        d = self.native.bridge.prepare(self.native.slots, views)
+        d = _bridge(self.native).prepare(self.native.slots, views)
         d.addCallback(lambda out: write_json(request, 200, dumps(out)))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
@@ -169,7 +176,7 @@ class SlotAction(_Native):
             return NOT_DONE_YET
         # get_slot_by_id: any id wraps onto a slot (resident.slot_index); the answer echoes the
         # id asked for, as llama-server's. Queued as a call: it waits for the runs before it.
-        d = self.native.bridge.call(self.native.slot_action, action, filename, id_slot)
+        d = _bridge(self.native).call(self.native.slot_action, action, filename, id_slot)
         d.addCallback(lambda out: write_json(request, out[0], dumps(out[1])))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
