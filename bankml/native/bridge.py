@@ -12,10 +12,10 @@ engine must never touch Twisted. ``EngineBridge`` joins the two:
   most ``max_queue`` of them (``stream`` refuses the next with ``Overloaded``: a 503).
 - **Chunks come back with ``reactor.callFromThread``**, in order, followed by the run's result
   (the generator's return value) on the run's Deferred.
-- **Back-pressure.** A ``RunControl`` is an ``IPushProducer`` registered on the HTTP request:
-  when the client's transport is full, Twisted pauses it and the engine thread blocks before
-  producing its next chunk (with several slots the scheduler skips that run instead, and the
-  others go on). At most ``window`` chunks are ever in flight between the engine
+- **Back-pressure.** A ``RunControl`` (bankml/serving/run_control.py) is an ``IPushProducer``
+  registered on the HTTP request: when the client's transport is full, Twisted pauses it and
+  the engine thread blocks before producing its next chunk (with several slots the scheduler
+  skips that run instead, and the others go on). At most ``window`` chunks are ever in flight between the engine
   thread and the reactor, so a slow client costs a bounded amount of memory, not a growing queue.
 - **Cancellation.** A client that goes away (``notifyFinish`` errback, or ``stopProducing``)
   sets the run's cancel flag. The engine reads it through the ``cancelled`` callable before each
