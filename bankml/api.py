@@ -3,7 +3,7 @@
 The same answer and the same receipt as ``POST /v1/chat/completions`` on ``bankml serve --native``
 for the same request, without HTTP or a reactor: the request is parsed and validated by the
 engine, and the objects are built by the same ``ChatAnswer`` the HTTP endpoint uses
-(bankml/native/answer.py). Nothing here imports Twisted.
+(bankml/formats/answer.py). Nothing here imports Twisted.
 
 - ``chat(request)`` returns the non-streamed object (OpenAI's, with ``timings`` and
   ``bankml_receipt``), whatever ``stream`` says.
@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
+from bankml.formats.answer import ChatAnswer, answers_for, merged
 from bankml.formats.errors import ApiError
 from bankml.formats.nlohmann import check_unicode, loads_json
 from bankml.gate.verify import Refused, verify
-from bankml.native.answer import ChatAnswer, answers_for, merged
 from bankml.native.resident import NativeEngine, open_engine
 from bankml.receipts.keys import SigningKey
 from bankml.receipts.kinds import CHAT

@@ -71,7 +71,7 @@ def _signed(base: dict[str, Any], facts: ReplayFacts, key: SigningKey) -> tuple[
 def as_served(
     native: Any, key: SigningKey, name: str, api: str, body: dict, seeded: bool
 ) -> Exchange:
-    from bankml.native.answer import ChatAnswer, CompletionAnswer, LlamaCompletionAnswer
+    from bankml.formats.answer import ChatAnswer, CompletionAnswer, LlamaCompletionAnswer
 
     stream = body.get("stream") is True
     raw = json.dumps(body).encode("utf-8")

@@ -21,7 +21,8 @@ from twisted.internet.threads import deferToThread
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.native.bridge import ClientGone, EngineBridge, RunControl
+from bankml.native.bridge import EngineBridge
+from bankml.serving.run_control import ClientGone, RunControl
 from bankml.serving.site import LoopbackSite, listen_loopback
 from tests.events import HANG_GUARD_S, until
 

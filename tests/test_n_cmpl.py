@@ -37,12 +37,12 @@ from bankml.engine_cupy.engine import Engine
 from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.schedule import Slot
 from bankml.engine_cupy.slots import copy_slot
-from bankml.native.answer import prompt_steps
-from bankml.native.bridge import RunControl
 from bankml.native.resident import completions
+from bankml.native.run import prompt_steps
 from bankml.native.scheduler import RunGroup, RunJob, Scheduler
 from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.replay import ReplayEngine, replay_in_process
+from bankml.serving.run_control import RunControl
 from tests.events import until
 from tests.support import DEFAULT_SHA256, LlamaServer
 from tests.test_native_serve import (

@@ -732,7 +732,7 @@ async def test_an_engine_failure_is_an_sse_error_event_or_a_500(served: Served) 
 async def test_a_slot_saved_before_a_restart_restores_into_a_new_engine(served: Served) -> None:
     from bankml.engine_cupy import slots
     from bankml.engine_cupy.engine import Engine
-    from bankml.native.answer import prompt_steps
+    from bankml.native.run import prompt_steps
 
     url = served.url + "/v1/chat/completions"
     body = chat("What is a harbour?", max_tokens=4)

@@ -33,10 +33,10 @@ from twisted.internet.threads import deferToThread
 
 from bankml.engine_cupy.engine import Engine
 from bankml.engine_cupy.passes import passes_of
-from bankml.native.answer import prompt_steps
-from bankml.native.bridge import RunControl
+from bankml.native.run import prompt_steps
 from bankml.native.scheduler import RunJob, Scheduler
 from bankml.native.service import make_native_service
+from bankml.serving.run_control import RunControl
 from tests.events import until
 from tests.test_native_serve import (
     HANG_GUARD_S,

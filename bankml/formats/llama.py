@@ -3,18 +3,20 @@
 
 Built from the engine's results and a parsed request, in llama-server's key order, with its
 numbers as nlohmann prints them (C floats widened, non-finite values null). Pure Python: no
-Twisted, no NumPy (the engine and its request are read through their attributes).
+Twisted, no NumPy. /props, /slots and /metrics take plain data (``Props``, a ``SlotView`` copy,
+``MetricsScrape``) that the native engine builds; the engine's chunks, summaries and parsed
+requests are read through their attributes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from bankml.formats.nlohmann import c_float
-
-if TYPE_CHECKING:
-    from bankml.native.resident import NativeEngine
-
+from bankml.formats.slot_view import SlotView
+from bankml.receipts.kinds import CHAT
 
 # --- /completion ---------------------------------------------------------------------------------
 
@@ -280,11 +282,27 @@ def llama_timings(timings: dict[str, Any] | None) -> dict[str, Any] | None:
 # --- /props and /metrics ----------------------------------------------------------------------
 
 
-def props_object(native: NativeEngine) -> dict[str, Any]:
-    """llama-server's /props keys, from the resident model."""
-    engine = native.engine
-    template = getattr(engine, "template", None)
-    defaults = getattr(engine, "defaults", None)
+@dataclass(frozen=True)
+class Props:
+    """What /props shows: the server's settings and the resident model's (built by the native
+    engine's ``props``)."""
+
+    defaults: Any  # the server's sampling defaults (the engine's SamplerParams)
+    n_ctx: int
+    total_slots: int  # -np
+    model_alias: str
+    model_ftype: str
+    model_path: str
+    build_info: str
+    chat_template: str = ""  # the template's source ("" without one)
+    chat_template_caps: Mapping[str, bool] | None = None  # what its probes found (None: none)
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+def props_object(props: Props) -> dict[str, Any]:
+    """llama-server's /props keys."""
+    defaults = props.defaults
 
     class _Defaults:  # generation_settings reads a parsed request's fields
         sampler, n_predict, stop, n_probs, cache_prompt = defaults, -1, (), 0, True
@@ -292,12 +310,12 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
     return {
         "default_generation_settings": {
             "params": generation_settings(_Defaults, only_metrics=True),
-            "n_ctx": native.n_ctx,
+            "n_ctx": props.n_ctx,
         },
-        "total_slots": native.n_slots,  # -np
-        "model_alias": native.model_id,
-        "model_ftype": native.model_ftype,
-        "model_path": native.verified.path,
+        "total_slots": props.total_slots,
+        "model_alias": props.model_alias,
+        "model_ftype": props.model_ftype,
+        "model_path": props.model_path,
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": "<__media__>",
         "endpoint_slots": True,  # GET /slots, on the engine address
@@ -305,40 +323,46 @@ def props_object(native: NativeEngine) -> dict[str, Any]:
         "endpoint_metrics": True,
         "ui": False,
         "ui_settings": {},
-        "chat_template": getattr(template, "source", ""),
-        "chat_template_caps": template_caps(getattr(template, "caps", None)),
-        "bos_token": getattr(template, "bos_token", ""),
-        "eos_token": getattr(template, "eos_token", ""),
-        "build_info": native.build_info,
+        "chat_template": props.chat_template,
+        "chat_template_caps": template_caps(props.chat_template_caps),
+        "bos_token": props.bos_token,
+        "eos_token": props.eos_token,
+        "build_info": props.build_info,
         "is_sleeping": False,
         "cors_proxy_enabled": False,
     }
 
 
-def slots_array(
-    native: NativeEngine, view: Any, generation_prompt: str = ""
-) -> list[dict[str, Any]]:
-    """``GET /slots``: llama-server's ``server_slot::to_json(only_metrics=true)`` of the one slot
-    (``view`` is bankml/native/slot_view.py's ``SlotView``). Before any task only the first four
-    keys; after one, the task's parameters (``task_params::to_json(true)``: a task's reasoning
-    format, and on a chat the chat parser's format and the template's generation prompt)."""
+def slot_object(
+    view: SlotView,
+    *,
+    id_slot: int,
+    n_ctx: int,
+    n_prompt_tokens: int = 0,
+    generation_prompt: str = "",
+) -> dict[str, Any]:
+    """One slot of ``GET /slots``: llama-server's ``server_slot::to_json(only_metrics=true)``
+    (``view`` is a copy of the slot's ``SlotView``; ``n_prompt_tokens`` the tokens its cache
+    holds). Before any task only the first four keys; after one, the task's parameters
+    (``task_params::to_json(true)``: a task's reasoning format, and on a chat the chat parser's
+    format and the template's generation prompt)."""
     slot: dict[str, Any] = {
-        "id": 0,
-        "n_ctx": native.n_ctx,
+        "id": id_slot,
+        "n_ctx": n_ctx,
         "speculative": False,
         "is_processing": view.processing,
     }
     if view.parsed is None:
-        return [slot]
+        return slot
     params = generation_settings(view.parsed, only_metrics=True)
     params["reasoning_format"] = "deepseek"  # the server's --reasoning-format (auto) in a task
-    if view.kind == "chat":
+    if view.kind == CHAT:
         params["chat_format"] = "peg-native"  # the chat parser llama.cpp generates for a template
         params["generation_prompt"] = generation_prompt
     slot.update(
         {
             "id_task": view.id_task,
-            "n_prompt_tokens": len(getattr(native.engine, "slot_tokens", None) or []),
+            "n_prompt_tokens": n_prompt_tokens,
             "n_prompt_tokens_processed": view.prompt_n,
             "n_prompt_tokens_cache": view.cache_n,
             "params": params,
@@ -352,38 +376,40 @@ def slots_array(
             ],
         }
     )
-    return [slot]
+    return slot
 
 
-def template_caps(caps: Any) -> dict[str, bool]:
+def template_caps(caps: Mapping[str, bool] | None) -> dict[str, bool]:
     """llama.cpp's ``caps::to_map``: the template's capabilities, sorted by name as its std::map
     is. The three caps chat_template.Caps does not probe take llama.cpp's result for a template
     without them: parallel tool calls only where tool calls work (its probe fails otherwise),
     no preserved reasoning and no reasoning effort (neither probe finds the variable used)."""
     if caps is None:
         return {}
-    out = dict(vars(caps))
+    out = dict(caps)
     out.setdefault("supports_parallel_tool_calls", bool(out.get("supports_tool_calls", False)))
     out.setdefault("supports_preserve_reasoning", False)
     out.setdefault("supports_reasoning_effort", False)
     return dict(sorted(out.items()))
 
 
-def _busy_slots_per_decode(native: NativeEngine, decode_calls: int) -> float:
-    """Slots per pass: with several slots the scheduler's (each decode step and each prompt
-    micro-batch in a pass counts its slot); one slot: 1.0 once anything was decoded."""
-    scheduler = getattr(native.bridge, "scheduler", None)
-    if scheduler is None:
-        return 1.0 if decode_calls else 0.0
-    stats = scheduler.stats
-    return (stats.decode_rows + stats.prefill_batches) / stats.passes if stats.passes else 0.0
+@dataclass(frozen=True)
+class MetricsScrape:
+    """What one read of /metrics shows (built by the native engine's ``scrape``, which starts
+    the rate window again)."""
+
+    totals: Mapping[str, Any]  # the running counters since the start (NativeEngine.totals)
+    window: Mapping[
+        str, float
+    ]  # prompt tokens and seconds, decode steps and seconds, since the last scrape
+    processing: int  # runs holding a slot (requests_processing)
+    deferred: int  # jobs waiting for the engine (requests_deferred)
+    busy_slots_per_decode: float  # n_busy_slots_per_decode
 
 
-def prometheus_text(native: NativeEngine) -> str:
-    """llama-server's --metrics exposition, from the engine's totals; reading it starts the
-    throughput gauges' window again, as a scrape does there."""
-    t, window = native.scrape()
-    processing = native.bridge.processing if native.bridge else 0  # runs holding a slot
+def prometheus_text(scrape: MetricsScrape) -> str:
+    """llama-server's --metrics exposition, from the engine's totals and rate window."""
+    t, window = scrape.totals, scrape.window
 
     counters = [
         (
@@ -437,16 +463,12 @@ def prometheus_text(native: NativeEngine) -> str:
     gauges = [
         ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
         ("predicted_tokens_seconds", "Average generation throughput in tokens/s", predicted_rate),
-        ("requests_processing", "Number of requests processing", processing),
-        (
-            "requests_deferred",
-            "Number of requests deferred",
-            native.bridge.queued if native.bridge else 0,
-        ),
+        ("requests_processing", "Number of requests processing", scrape.processing),
+        ("requests_deferred", "Number of requests deferred", scrape.deferred),
         (
             "n_busy_slots_per_decode",
             "Average number of busy slots per llama_decode() call",
-            _busy_slots_per_decode(native, t["decode_calls"]),
+            scrape.busy_slots_per_decode,
         ),
     ]
     lines = []

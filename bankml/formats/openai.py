@@ -9,10 +9,9 @@ added by the caller. Pure Python: no Twisted.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from bankml.native.resident import NativeEngine
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 VOCAB_TYPES = {"llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv": 5}  # llama_vocab_type
 
@@ -112,43 +111,56 @@ def merged_completions(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def model_info(native: NativeEngine) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ModelFacts:
+    """What ``GET /v1/models`` lists of the resident model (built by the native engine's
+    ``model_facts``)."""
+
+    id: str  # llama-server's model name: its first --alias, else the file's name
+    aliases: Sequence[str]  # the --alias names (none: the id alone)
+    n_ctx: int
+    ftype: str  # llama-server's name for the file's type
+    tokenizer: str = ""  # the tokenizer's model ("llama", "gpt2", ...)
+    n_vocab: int | None = None
+    n_ctx_train: int | None = None
+    n_embd: int | None = None
+    n_params: int | None = None  # the tensors' parameters (llama_model_n_params)
+    size: int | None = None  # the tensors' bytes (llama_model_size)
+
+
+def model_info(model: ModelFacts) -> dict[str, Any]:
     """One model as llama-server's get_res_model_info lists it. The id is the file's name
     (llama-server uses its -m argument as given); the sizes are the tensors' (llama_model_size,
     llama_model_n_params), not the file's."""
-    engine = native.engine
-    hp = getattr(getattr(engine, "model", None), "hp", None)
-    tokenizer = getattr(engine, "tokenizer", None)
-    n_params, size = native.tensor_totals()
     return {
-        "id": native.model_id,
-        "aliases": native.model_aliases or [native.model_id],
+        "id": model.id,
+        "aliases": list(model.aliases) or [model.id],
         "tags": [],
         "object": "model",
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
         "created": int(time.time()),
         "owned_by": "bankML",
         "meta": {
-            "vocab_type": VOCAB_TYPES.get(getattr(tokenizer, "model", ""), 0),
-            "n_vocab": getattr(engine, "n_vocab", None),
-            "n_ctx": native.n_ctx,
-            "n_ctx_train": getattr(hp, "n_ctx_train", None),
-            "n_embd": getattr(hp, "n_embd", None),
-            "n_params": n_params,
-            "size": size,
-            "ftype": native.model_ftype,
+            "vocab_type": VOCAB_TYPES.get(model.tokenizer, 0),
+            "n_vocab": model.n_vocab,
+            "n_ctx": model.n_ctx,
+            "n_ctx_train": model.n_ctx_train,
+            "n_embd": model.n_embd,
+            "n_params": model.n_params,
+            "size": model.size,
+            "ftype": model.ftype,
         },
     }
 
 
-def models_object(native: NativeEngine) -> dict[str, Any]:
+def models_object(model: ModelFacts) -> dict[str, Any]:
     """``GET /v1/models`` (and ``/models``): llama-server's get_res_models, the Ollama-style
     ``models`` list and OpenAI's ``data``."""
     return {
         "models": [
             {
-                "name": native.model_id,
-                "model": native.model_id,
+                "name": model.id,
+                "model": model.id,
                 "modified_at": "",
                 "size": "",
                 "digest": "",
@@ -168,5 +180,5 @@ def models_object(native: NativeEngine) -> dict[str, Any]:
             }
         ],
         "object": "list",
-        "data": [model_info(native)],
+        "data": [model_info(model)],
     }

@@ -1,6 +1,7 @@
 """Ollama's API over the native engine: ``OllamaHost``, what the Ollama resources ask.
 
-The resources (bankml/resources/ollama.py) read bodies and write bytes; everything else is here:
+The resources (bankml/resources/ollama.py) read bodies and write bytes; everything else is here
+(``OllamaHost`` is the ``OllamaRoutes`` they ask, bankml/resources/interfaces.py):
 
 - **Listings** (``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``) come from the
   catalog (``registry.catalog``: every pin of the registry directory plus the startup model, and
@@ -34,8 +35,8 @@ from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.errors import ApiError
 from bankml.formats.ollama import OllamaError
 from bankml.gate import verify
-from bankml.native.answer import Step, relay_forwards
 from bankml.native.resident import open_engine
+from bankml.native.run import Step, relay_forwards
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OLLAMA_KIND
 from bankml.receipts.vouch import identity_problem
 from bankml.registry import create as registry_create
@@ -222,9 +223,12 @@ class OllamaHost:
         refused = wire.not_offered(path) if method == "POST" else None
         return refused or wire.unknown_route(method, path)
 
-    def record(self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str) -> None:
+    def record(self, run: OllamaRun, summary: Any) -> None:
         """One finished answer into the engine's records (/bankml/metrics, /metrics)."""
-        self.native.record(summary, ttft_ms, wall_ms, OLLAMA_KIND[kind])
+        if run.answer is not None:
+            tally = run.answer.tally
+            kind = run.job.prepared.kind
+            self.native.record(summary, tally.ttft_ms(), tally.wall_ms(), OLLAMA_KIND[kind])
 
     def tags(self) -> dict[str, Any]:
         return wire.tags_body(self.catalog)

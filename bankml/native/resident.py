@@ -28,10 +28,11 @@ from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.engine_cupy.request import RequestError
 from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
 from bankml.formats.errors import ApiError, error_object, refusal_of
-from bankml.formats.llama import slots_array
+from bankml.formats.llama import MetricsScrape, Props, slot_object
+from bankml.formats.openai import ModelFacts
+from bankml.formats.slot_view import SlotView
 from bankml.native import text
-from bankml.native.answer import prompt_steps
-from bankml.native.slot_view import SlotView
+from bankml.native.run import prompt_steps
 from bankml.receipts.keys import SigningKey
 from bankml.receipts.kinds import CHAT, ENGINE_KIND
 from bankml.receipts.sign import native_facts, pin_seed
@@ -179,6 +180,10 @@ class NativeEngine:
             self.model_id = os.path.basename(verified.path)
             self.model_ftype = file_ftype_name(verified.path)
 
+    def token_count(self, text: str) -> int:
+        """How many tokens the resident model's tokenizer makes of ``text`` (a stop word)."""
+        return len(self.engine.tokenize(text))
+
     def tensor_totals(self) -> tuple[int | None, int | None]:
         """(parameters, tensor bytes) of the resident model, from its GGUF header (what
         llama-server's /v1/models calls n_params and size); None without a header to read."""
@@ -286,15 +291,68 @@ class NativeEngine:
         out = []
         engine_slots = getattr(self.engine, "slots", None)
         for id_slot, view in enumerate(views):
-            prompt = ""
-            if view.kind == CHAT and view.parsed is not None:
-                prompt = _refusing(self._generation_prompt, view.body)
-            (entry,) = slots_array(self, view, prompt)
-            entry["id"] = id_slot
-            if "n_prompt_tokens" in entry and engine_slots is not None:
-                entry["n_prompt_tokens"] = len(engine_slots[id_slot].tokens)
-            out.append(entry)
+            prompt, n_prompt_tokens = "", 0
+            if view.parsed is not None:
+                if view.kind == CHAT:
+                    prompt = _refusing(self._generation_prompt, view.body)
+                n_prompt_tokens = (
+                    len(engine_slots[id_slot].tokens)
+                    if engine_slots is not None
+                    else len(getattr(self.engine, "slot_tokens", None) or [])
+                )
+            out.append(
+                slot_object(
+                    view,
+                    id_slot=id_slot,
+                    n_ctx=self.n_ctx,
+                    n_prompt_tokens=n_prompt_tokens,
+                    generation_prompt=prompt,
+                )
+            )
         return out
+
+    def props(self) -> Props:
+        """What /props shows of the server and the resident model."""
+        engine = self.engine
+        template = getattr(engine, "template", None)
+        caps = getattr(template, "caps", None)
+        return Props(
+            defaults=getattr(engine, "defaults", None),
+            n_ctx=self.n_ctx,
+            total_slots=self.n_slots,
+            model_alias=self.model_id,
+            model_ftype=self.model_ftype,
+            model_path=self.verified.path,
+            build_info=self.build_info,
+            chat_template=getattr(template, "source", ""),
+            chat_template_caps=None if caps is None else dict(vars(caps)),
+            bos_token=getattr(template, "bos_token", ""),
+            eos_token=getattr(template, "eos_token", ""),
+        )
+
+    def model_facts(self) -> ModelFacts:
+        """What ``GET /v1/models`` lists of the resident model."""
+        engine = self.engine
+        hp = getattr(getattr(engine, "model", None), "hp", None)
+        n_params, size = self.tensor_totals()
+        return ModelFacts(
+            id=self.model_id,
+            aliases=list(self.model_aliases),
+            n_ctx=self.n_ctx,
+            ftype=self.model_ftype,
+            tokenizer=getattr(getattr(engine, "tokenizer", None), "model", ""),
+            n_vocab=getattr(engine, "n_vocab", None),
+            n_ctx_train=getattr(hp, "n_ctx_train", None),
+            n_embd=getattr(hp, "n_embd", None),
+            n_params=n_params,
+            size=size,
+        )
+
+    def shared(self, prompts: list[Any], n_cmpl: int) -> list[Any]:
+        """A request's parsed answers with each prompt's ``n_cmpl`` completions made one group
+        that computes the prompt once (``Engine.share_prompt``), in the same order."""
+        share = self.engine.share_prompt
+        return [c for p in range(0, len(prompts), n_cmpl) for c in share(prompts[p : p + n_cmpl])]
 
     def _generation_prompt(self, body: dict[str, Any]) -> str:
         template = getattr(self.engine, "template", None)
@@ -387,12 +445,29 @@ class NativeEngine:
         with self._lock:
             return dict(self.totals)
 
-    def scrape(self) -> tuple[dict[str, Any], dict[str, float]]:
+    def scrape(self) -> MetricsScrape:
         """/metrics: the totals and the rate window, which starts again (llama-server averages
-        its throughput gauges over the time between two scrapes)."""
+        its throughput gauges over the time between two scrapes), with the bridge's gauges."""
         with self._lock:
             window, self.window = self.window, dict.fromkeys(WINDOW_KEYS, 0.0)
-            return dict(self.totals), window
+            totals = dict(self.totals)
+        bridge = self.bridge
+        return MetricsScrape(
+            totals=totals,
+            window=window,
+            processing=bridge.processing if bridge else 0,  # runs holding a slot
+            deferred=bridge.queued if bridge else 0,
+            busy_slots_per_decode=self._busy_slots_per_decode(totals["decode_calls"]),
+        )
+
+    def _busy_slots_per_decode(self, decode_calls: int) -> float:
+        """Slots per pass: with several slots the scheduler's (each decode step and each prompt
+        micro-batch in a pass counts its slot); one slot: 1.0 once anything was decoded."""
+        scheduler = getattr(self.bridge, "scheduler", None)
+        if scheduler is None:
+            return 1.0 if decode_calls else 0.0
+        stats = scheduler.stats
+        return (stats.decode_rows + stats.prefill_batches) / stats.passes if stats.passes else 0.0
 
     def describe(self) -> dict[str, Any]:
         v = self.verified

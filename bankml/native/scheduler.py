@@ -49,16 +49,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.internet.defer import CancelledError
 from twisted.python.failure import Failure
 
 from bankml.engine_cupy.passes import pass_groups, passes_of
+from bankml.serving.run_control import ClientGone
 
-__all__ = ["Scheduler", "RunJob", "RunGroup", "CallJob", "ClientGone", "forward_rows"]
-
-
-class ClientGone(CancelledError):
-    """The client left before its job ran: the job was skipped."""
+__all__ = ["Scheduler", "RunJob", "RunGroup", "CallJob", "forward_rows"]
 
 
 WAIT_SLICE_S = 0.5  # an idle or fully paused loop re-checks its runs this often (a safety net)

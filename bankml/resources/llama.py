@@ -4,7 +4,7 @@
 run by ``AnswerResource``), ``/tokenize``, ``/detokenize``, ``/apply-template``,
 ``/chat/completions/input_tokens`` (``ChatInputTokens``, a child of the chat endpoint), ``GET
 /health``, ``/props``, ``/metrics`` (Prometheus text as llama-server's ``--metrics``), ``GET
-/slots`` (the slot monitor: bankml/native/slot_view.py), and
+/slots`` (the slot monitor: bankml/formats/slot_view.py), and
 ``POST /slots/{id}?action=save|restore|erase`` with llama-server's checks in its order: no slot
 dir (501), an id ``std::stoi`` cannot read ("Invalid slot ID"), the action ("Invalid action"),
 the filename (llama.cpp's ``fs_validate_filename``, "Invalid filename"); any id then wraps onto
@@ -12,15 +12,16 @@ the one slot and is echoed back. A failed restore is 400 ``Unable to restore slo
 a failed save 500.
 
 Text work (tokenizing, templating) runs on the bridge's prepare thread; slot work on the engine
-thread, so it never meets a half-finished run. The bodies come from bankml/formats/llama.py and
-the engine's jobs (``NativeEngine``); a refusal is ``ApiError``, written as it is.
+thread, so it never meets a half-finished run. The bodies come from bankml/formats/llama.py, on
+the plain data the engine gives (``ResidentEngine``: ``props``, ``scrape``), and from the
+engine's jobs; a refusal is ``ApiError``, written as it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
@@ -28,13 +29,11 @@ from twisted.web.server import NOT_DONE_YET, Request
 from bankml.formats.errors import ApiError, error_body
 from bankml.formats.llama import prometheus_text, props_object
 from bankml.formats.nlohmann import dumps, type_error
-from bankml.native.slot_actions import NOT_SUPPORTED_SLOTS, filename_ok, stoi
+from bankml.formats.slot_actions import NOT_SUPPORTED_SLOTS, filename_ok, stoi
 from bankml.receipts.kinds import LLAMA_COMPLETION
+from bankml.resources.interfaces import Bridge, ResidentEngine
 from bankml.resources.runs import AnswerResource, read_json_object
 from bankml.serving.writers import JsonResource, write_error, write_json
-
-if TYPE_CHECKING:
-    from bankml.native.resident import NativeEngine
 
 NO_SLOT_AVAILABLE = "no slot available"
 
@@ -43,18 +42,25 @@ def _write_failure(request: Request) -> Callable[[Failure], None]:
     """A job's error as llama-server answers it: a refusal as it is, anything else 500."""
 
     def failed(failure: Failure) -> None:
-        if failure.check(ApiError):
-            write_json(request, failure.value.status, failure.value.as_bytes())
+        err = failure.value
+        if isinstance(err, ApiError):
+            write_json(request, err.status, err.as_bytes())
         else:
             write_error(request, 500, failure.getErrorMessage())
 
     return failed
 
 
+def _bridge(native: ResidentEngine) -> Bridge:
+    """The bridge of a served engine (the service builds these Resources with one)."""
+    assert native.bridge is not None, "a served NativeEngine has its bridge"
+    return native.bridge
+
+
 class _Native(JsonResource):
     isLeaf = True
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__()
         self.native = native
 
@@ -71,7 +77,7 @@ class _TextJob(_Native):
         except ApiError as err:
             write_json(request, err.status, err.as_bytes())
             return NOT_DONE_YET
-        d = self.native.bridge.prepare(self.job, body)
+        d = _bridge(self.native).prepare(self.job, body)
         d.addCallback(lambda out: write_json(request, 200, dumps(out)))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
@@ -80,7 +86,7 @@ class _TextJob(_Native):
 class Completion(AnswerResource):
     """``POST /completion`` (and ``/completions``)."""
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__(native, LLAMA_COMPLETION)
 
 
@@ -114,13 +120,13 @@ class Health(_Native):
 
 class Props(_Native):
     def render_GET(self, request: Request) -> Any:
-        write_json(request, 200, dumps(props_object(self.native)))
+        write_json(request, 200, dumps(props_object(self.native.props())))
         return NOT_DONE_YET
 
 
 class Metrics(_Native):
     def render_GET(self, request: Request) -> Any:
-        body = prometheus_text(self.native).encode()
+        body = prometheus_text(self.native.scrape()).encode()
         request.setResponseCode(200)
         request.setHeader(b"content-type", b"text/plain; version=0.0.4")
         request.setHeader(b"process-start-time-unix", str(int(self.native.started)).encode())
@@ -134,7 +140,7 @@ class Slots(JsonResource):
     """``GET /slots`` (llama-server's slot monitor) and ``POST /slots/{id}?action=...`` (one
     child per id path segment)."""
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__()
         self.native = native
 
@@ -145,7 +151,7 @@ class Slots(JsonResource):
         if request.args.get(b"fail_on_no_slot", [b""])[0] and all(v.processing for v in views):
             write_json(request, 503, error_body(503, NO_SLOT_AVAILABLE))
             return NOT_DONE_YET
-        d = self.native.bridge.prepare(self.native.slots, views)
+        d = _bridge(self.native).prepare(self.native.slots, views)
         d.addCallback(lambda out: write_json(request, 200, dumps(out)))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
@@ -158,7 +164,7 @@ class Slots(JsonResource):
 
 
 class SlotAction(_Native):
-    def __init__(self, native: NativeEngine, id_text: str) -> None:
+    def __init__(self, native: ResidentEngine, id_text: str) -> None:
         super().__init__(native)
         self.id_text = id_text
 
@@ -170,7 +176,7 @@ class SlotAction(_Native):
             return NOT_DONE_YET
         # get_slot_by_id: any id wraps onto a slot (resident.slot_index); the answer echoes the
         # id asked for, as llama-server's. Queued as a call: it waits for the runs before it.
-        d = self.native.bridge.call(self.native.slot_action, action, filename, id_slot)
+        d = _bridge(self.native).call(self.native.slot_action, action, filename, id_slot)
         d.addCallback(lambda out: write_json(request, out[0], dumps(out[1])))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET

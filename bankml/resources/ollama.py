@@ -1,4 +1,5 @@
-"""Ollama's routes on the native engine: thin Resources over ``OllamaHost`` (native/ollama.py).
+"""Ollama's routes on the native engine: thin Resources over ``OllamaRoutes`` (interfaces.py),
+which native/ollama.py's ``OllamaHost`` satisfies.
 
 - ``HEAD``/``GET /``: a line of text saying bankml is running;
 - ``GET /api/version``, ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``: JSON objects;
@@ -16,7 +17,7 @@ object: changed during the run, the answer ends with a 503 error instead, and no
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -25,11 +26,9 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.ollama_wire import OllamaError, dumps, ndjson_line
-from bankml.native.bridge import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
+from bankml.resources.interfaces import OllamaLines, OllamaRoutes
+from bankml.serving.run_control import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
 from bankml.serving.writers import NDJSON, EventStream, gone, write_json
-
-if TYPE_CHECKING:
-    from bankml.native.ollama import Finished, OllamaHost, OllamaRun
 
 _log = Logger(namespace="bankml.ollama")
 
@@ -54,7 +53,7 @@ class OllamaResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, host: OllamaHost) -> None:
+    def __init__(self, host: OllamaRoutes) -> None:
         super().__init__()
         self.host = host
 
@@ -80,7 +79,7 @@ class Running(OllamaResource):
 class Listing(OllamaResource):
     """``GET /api/version``, ``/api/tags`` and ``/api/ps``: ``what`` names the host's method."""
 
-    def __init__(self, host: OllamaHost, what: str) -> None:
+    def __init__(self, host: OllamaRoutes, what: str) -> None:
         super().__init__(host)
         self.what = what
 
@@ -135,7 +134,7 @@ class Delete(OllamaResource):
         return _change(self.host.delete, self.host, request)
 
 
-def _change(job: Any, host: OllamaHost, request: Request) -> Any:
+def _change(job: Any, host: OllamaRoutes, request: Request) -> Any:
     d = host.bridge.prepare(job, read_body(request))
     d.addCallback(lambda _: _empty(request))
     d.addErrback(_refused, request)
@@ -171,7 +170,7 @@ class Unknown(OllamaResource):
 class ApiBranch(Resource):
     """``/api``: its routes, and ``Unknown`` for anything else."""
 
-    def __init__(self, host: OllamaHost) -> None:
+    def __init__(self, host: OllamaRoutes) -> None:
         super().__init__()
         self.host = host
 
@@ -185,7 +184,7 @@ class ApiBranch(Resource):
 class Answer(OllamaResource):
     """``POST /api/chat`` (``kind`` "chat") and ``POST /api/generate`` ("generate")."""
 
-    def __init__(self, host: OllamaHost, kind: str) -> None:
+    def __init__(self, host: OllamaRoutes, kind: str) -> None:
         super().__init__(host)
         self.kind = kind
 
@@ -234,7 +233,7 @@ class LineWriter:
     """One answer's NDJSON lines as the run's items arrive, or its one object at the end."""
 
     def __init__(
-        self, request: Request, run: OllamaRun, control: RunControl, host: OllamaHost
+        self, request: Request, run: OllamaLines, control: RunControl, host: OllamaRoutes
     ) -> None:
         self.request = request
         self.run = run
@@ -257,7 +256,7 @@ class LineWriter:
         else:
             self.events.write(self.run.on_chunk(item.chunk))
 
-    def _finished(self, item: Finished) -> None:
+    def _finished(self, item: Any) -> None:
         summary = item.summary
         if summary.cancelled or gone(self.request):
             self.cancelled = True
@@ -270,9 +269,7 @@ class LineWriter:
             self.events.write([final])
         else:
             self.result = final
-        tally = self.run.answer.tally if self.run.answer is not None else None
-        if tally is not None:
-            self.host.record(summary, tally.ttft_ms(), tally.wall_ms(), self.run.job.prepared.kind)
+        self.host.record(self.run, summary)
 
     def end(self, _: Any = None) -> None:
         self.events.release()
@@ -297,7 +294,7 @@ class LineWriter:
             self.events.finish(ndjson_line(err.body()))
 
 
-def put_ollama_routes(root: Resource, host: OllamaHost) -> None:
+def put_ollama_routes(root: Resource, host: OllamaRoutes) -> None:
     """Ollama's routes on ``root`` (a Branch): ``/`` and ``/api/...``."""
     root.putChild(b"", Running(host))
     api = ApiBranch(host)

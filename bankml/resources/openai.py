@@ -8,20 +8,18 @@ built by the same ``Answer`` that ``bankml.chat`` uses, so both give the same an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.nlohmann import dumps
 from bankml.formats.openai import models_object
 from bankml.receipts.kinds import CHAT, OAI_COMPLETION
+from bankml.resources.interfaces import ResidentEngine
 from bankml.resources.llama import ChatInputTokens
 from bankml.resources.runs import AnswerResource
 from bankml.serving.routes import NotFound
 from bankml.serving.writers import JsonResource, write_json
-
-if TYPE_CHECKING:
-    from bankml.native.resident import NativeEngine
 
 
 class ChatCompletions(AnswerResource):
@@ -30,7 +28,7 @@ class ChatCompletions(AnswerResource):
 
     isLeaf = False
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__(native, CHAT)
         self.putChild(b"input_tokens", ChatInputTokens(native))
 
@@ -41,7 +39,7 @@ class ChatCompletions(AnswerResource):
 class Completions(AnswerResource):
     """``POST /v1/completions``: one prompt or several, each a choice at its index."""
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__(native, OAI_COMPLETION)
 
 
@@ -50,10 +48,10 @@ class Models(JsonResource):
 
     isLeaf = True
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: ResidentEngine) -> None:
         super().__init__()
         self.native = native
 
     def render_GET(self, request: Request) -> Any:
-        write_json(request, 200, dumps(models_object(self.native)))
+        write_json(request, 200, dumps(models_object(self.native.model_facts())))
         return NOT_DONE_YET

@@ -9,7 +9,7 @@
    is computed; a refusal is llama-server's status and error object;
 3. the run (``native.steps``: every prompt in turn) is queued on the engine thread; each
    ``Step`` comes back on the reactor thread to ``RunWriter``, which asks each prompt's
-   ``Answer`` (bankml/native/answer.py) what to send (with ``return_progress``, a stream's
+   ``Answer`` (bankml/formats/answer.py) what to send (with ``return_progress``, a stream's
    prompt-progress events first);
 4. not streamed: one object (several prompts: llama-server's array on /completion, one object
    with every choice on /v1/completions); streamed: the events as they come, each prompt's
@@ -22,22 +22,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList, FirstError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
+from bankml.formats.answer import ANSWERS, Answer, answers_for, merged
 from bankml.formats.errors import ApiError, error_body
 from bankml.formats.nlohmann import dumps, loads_json
-from bankml.native.answer import ANSWERS, Answer, Step, answers_for, merged
-from bankml.native.bridge import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
+from bankml.formats.slot_view import SlotView
 from bankml.receipts.kinds import LLAMA_COMPLETION
+from bankml.resources.interfaces import Bridge, ResidentEngine
+from bankml.serving.run_control import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
 from bankml.serving.writers import EventStream, JsonResource, gone, write_error, write_json
-
-if TYPE_CHECKING:
-    from bankml.native.resident import NativeEngine
 
 _log = Logger(namespace="bankml.native")
 
@@ -59,14 +58,14 @@ class AnswerResource(JsonResource):
 
     isLeaf = True
 
-    def __init__(self, native: NativeEngine, kind: str) -> None:
+    def __init__(self, native: ResidentEngine, kind: str) -> None:
         super().__init__()
         if kind not in ANSWERS:
             raise ValueError(f"unknown kind {kind!r}")
         if native.bridge is None:
             raise ValueError("a served NativeEngine has its bridge")
         self.native = native
-        self.bridge = native.bridge
+        self.bridge: Bridge = native.bridge
         self.kind = kind
 
     def render_POST(self, request: Request) -> Any:
@@ -97,7 +96,7 @@ class AnswerResource(JsonResource):
         if gone(request):
             return None
         answers = answers_for(self.native, self.kind, raw, obj, prompts)
-        writer = RunWriter(request, answers, control)
+        writer = RunWriter(request, self.native, answers, control)
         if self.bridge.scheduler is None or len(prompts) == 1:
             d = self.bridge.stream(self.native.steps(prompts), writer.step, control)
         else:
@@ -113,10 +112,7 @@ class AnswerResource(JsonResource):
         or fails with the first failure (the others cancelled)."""
         n_cmpl = int(writer.answers[0].options.get("n_cmpl", 1))
         if n_cmpl > 1:
-            share = self.native.engine.share_prompt
-            prompts = [
-                c for p in range(0, len(prompts), n_cmpl) for c in share(prompts[p : p + n_cmpl])
-            ]
+            prompts = self.native.shared(prompts, n_cmpl)
         runs = []
         for index, parsed in enumerate(prompts):
             own = self.bridge.new_control()
@@ -163,11 +159,17 @@ class RunWriter:
     """Writes one request's answers: stream events as Steps arrive (the answers' runs side by
     side on several slots, or one after the other), or the objects, in index order, at the end."""
 
-    def __init__(self, request: Request, answers: list[Answer], control: RunControl) -> None:
+    def __init__(
+        self,
+        request: Request,
+        native: ResidentEngine,
+        answers: list[Answer],
+        control: RunControl,
+    ) -> None:
         self.request = request
         self.answers = answers
         self.control = control
-        self.native = answers[0].native
+        self.native = native
         self.kind = answers[0].kind
         self.stream = answers[0].stream
         self.events = EventStream(request, producer=control if self.stream else None)
@@ -176,7 +178,7 @@ class RunWriter:
         self.problem: str | None = None  # the file changed during the run
         # the slot view of each answer whose task a slot runs (GET /slots; with several slots
         # known at the answer's first step)
-        self.views: dict[int, Any] = {}
+        self.views: dict[int, SlotView] = {}
         # llama-server's n_cmpl children share their parent's task start: no begin event
         n_cmpl = int(answers[0].options.get("n_cmpl", 1))
         self.first_of_task = [a.index % n_cmpl == 0 for a in answers]
@@ -200,7 +202,9 @@ class RunWriter:
             if view is not None:
                 view.end()
 
-    def step(self, step: Step) -> None:
+    def step(self, step: Any) -> None:
+        """One ``Step`` of the run (bankml/native/run.py): a token's chunk, a prompt's
+        progress, or a prompt's summary."""
         answer = self.answers[step.index]
         self._begin(step.index, step.chunk or step.progress or step.summary)
         # llama-server's begin event of a later task (none where progress events went instead)

@@ -7,7 +7,8 @@
   ``Cache-Control: no-cache``); each write frames its events (``sse_event``:
   ``data: <json>\\n\\n``, or ``ndjson_line``: ``<json>\\n``) and goes straight to the transport;
   ``finish`` ends it once, ``error`` ends it with an error event. With a ``producer`` (the
-  bridge's ``RunControl``) the transport's pauses reach the engine while the stream is open.
+  run's ``RunControl``, serving/run_control.py) the transport's pauses reach the engine while
+  the stream is open.
 
 Nothing is written to a request whose client has gone (``gone``).
 """

@@ -1,27 +1,28 @@
 """One answer of the native engine: its objects and stream events, and its receipt.
 
-An ``Answer`` is fed the engine's ``Step``s for one prompt (``on_chunk`` per generated token,
-then ``whole`` or ``final_events`` with the run's summary) and returns what to send, built by
-the wire formats (bankml/formats/) in llama-server's shapes. It holds the answer's ``Tally``;
-the receipt rides in the whole object, or inside the last event of a stream. One subclass per
-endpoint family: ``ChatAnswer`` (/v1/chat/completions), ``CompletionAnswer`` (/v1/completions),
-``LlamaCompletionAnswer`` (llama-server's /completion).
+An ``Answer`` is fed one prompt's run (``on_chunk`` per generated token, ``on_progress`` per
+prompt-progress report, then ``whole`` or ``final_events`` with the run's summary: the items of
+bankml/native/run.py's ``Step``s) and returns what to send, built by the wire formats in
+llama-server's shapes. It holds the answer's ``Tally``; the receipt rides in the whole object, or
+inside the last event of a stream. One subclass per endpoint family: ``ChatAnswer``
+(/v1/chat/completions), ``CompletionAnswer`` (/v1/completions), ``LlamaCompletionAnswer``
+(llama-server's /completion).
 
-``prompt_steps`` is the one convention every endpoint runs by: the prompts of a request in
-order, each as ``Step``s with its token ``chunk``s, then one ``Step`` with its ``summary``.
+What it asks of the engine that answers is ``AnswerSource``: the served model's name and build,
+the number of tokens of a stop word, and the receipt of a finished answer (bankml/native's
+``NativeEngine`` has them).
 
 Pure Python: no Twisted, no NumPy, so ``bankml.chat`` builds the same objects the HTTP
-endpoints send. The engine and its parsed request are read through their attributes.
+endpoints send. The engine's chunks, summaries and parsed requests are read through their
+attributes.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 import uuid
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from bankml.formats import llama as llama_format
 from bankml.formats import openai as openai_format
@@ -30,85 +31,29 @@ from bankml.formats.llama import llama_timings
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OAI_COMPLETION
 from bankml.receipts.tally import Tally
 
-if TYPE_CHECKING:
-    from bankml.native.resident import NativeEngine
 
+class AnswerSource(Protocol):
+    """What an ``Answer`` reads of the engine that answers (``NativeEngine`` has it)."""
 
-@dataclass(frozen=True)
-class Step:
-    """One item of a run: a generated token (``chunk``) of prompt ``index``, its prompt's
-    processing so far (``progress``, asked with ``return_progress``), or that prompt's end
-    (``summary``: finish reason, counts, text, timings)."""
+    @property
+    def model_id(self) -> str:
+        """The served model's name (llama-server's first ``--alias``, else the file's name)."""
+        ...
 
-    index: int
-    chunk: Any = None
-    summary: Any = None
-    progress: Any = None
+    @property
+    def build_info(self) -> str:
+        """The ``system_fingerprint`` every OpenAI object carries."""
+        ...
 
+    def token_count(self, text: str) -> int:
+        """How many tokens the model's tokenizer makes of ``text`` (a stop word)."""
+        ...
 
-def wants_progress(request: Any) -> bool:
-    """llama-server sends prompt progress only in a stream, and only with ``return_progress``."""
-    options = getattr(request, "options", None) or {}
-    return bool(options.get("return_progress") and options.get("stream"))
-
-
-def prompt_steps(
-    engine: Any, prompts: list[Any], first_index: int = 0
-) -> Callable[..., Generator[Any, Any, None]]:
-    """The bridge's ``steps`` for a request's prompts, one after the other on the engine thread
-    (a cancelled prompt ends the run); their Steps are numbered from ``first_index`` (a run of
-    one answer among several on their own slots has its answer's index). Called with ``forwards=True`` (the bridge's scheduler,
-    which ``yields_forwards`` tells), the run's forward passes come out too, as the engine's
-    ``Forward``s, and their logits are to be sent back; otherwise they are computed inline."""
-
-    def steps(cancelled: Callable[[], bool], forwards: bool = False) -> Generator[Any, Any, None]:
-        for index, request in enumerate(prompts, first_index):
-            progress = wants_progress(request)
-            run = (
-                engine.run_steps(request, cancelled, progress)
-                if progress
-                else engine.run_steps(request, cancelled)
-            )
-            coroutine = getattr(run, "coroutine", None) if forwards else None
-            if coroutine is None:
-                for item in run:
-                    yield _step(index, item)
-            else:
-                yield from relay_forwards(coroutine, functools.partial(_step, index))
-            yield Step(index, summary=run.summary)
-            if run.summary.cancelled:
-                return
-
-    steps.yields_forwards = True  # type: ignore[attr-defined]
-    return steps
-
-
-def relay_forwards(coroutine: Any, wrap: Callable[[Any], Any]) -> Generator[Any, Any, None]:
-    """A run's coroutine relayed: its ``Forward``s handed out as they are, what is sent back for
-    one going into the run (a plain ``next`` computes it here), its ``Waiting``s (a shared
-    prompt's child waiting for its parent) as they are too, every other item as ``wrap``
-    makes it."""
-    reply = None
-    while True:
-        try:
-            item = coroutine.send(reply)
-        except StopIteration:
-            return
-        reply = None
-        if getattr(item, "is_wait", False):
-            yield item
-        elif getattr(item, "is_forward", False):
-            reply = yield item
-            if reply is None:
-                reply = item.compute()
-        else:
-            yield wrap(item)
-
-
-def _step(index: int, item: Any) -> Step:
-    if hasattr(item, "processed"):  # the engine's Progress (engine_cupy imports NumPy)
-        return Step(index, progress=item)
-    return Step(index, chunk=item)
+    def receipt(
+        self, tally: Tally, parsed: Any, summary: Any, *, api: str, stream: bool
+    ) -> dict[str, Any]:
+        """The receipt of one finished answer."""
+        ...
 
 
 class Answer:
@@ -119,7 +64,7 @@ class Answer:
 
     def __init__(
         self,
-        native: NativeEngine,
+        source: AnswerSource,
         kind: str,
         body: bytes,
         request: dict[str, Any],
@@ -129,7 +74,7 @@ class Answer:
         clock: Callable[[], float] = time.monotonic,
         stream: bool | None = None,
     ) -> None:
-        self.native = native
+        self.source = source
         self.kind = kind
         self.request = request
         self.parsed = parsed
@@ -137,7 +82,7 @@ class Answer:
         self.stream = request.get("stream") is True if stream is None else stream
         self.tally = Tally(request_body=body, clock=clock)
         # the server's model name whatever the request names (llama-server's oaicompat_model)
-        self.model = native.model_id
+        self.model = source.model_id
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.options: dict[str, Any] = getattr(parsed, "options", {}) or {}
@@ -152,7 +97,7 @@ class Answer:
 
     def envelope(self, obj: str | None = None) -> dict[str, Any]:
         return openai_format.envelope(
-            self.created, self.id, self.model, self.native.build_info, obj or self.object_name
+            self.created, self.id, self.model, self.source.build_info, obj or self.object_name
         )
 
     # -- per chunk
@@ -240,7 +185,7 @@ class Answer:
         entries = list(self.entries)
         word = getattr(summary, "stopping_word", "")
         if word:
-            drop = min(len(entries), len(self.native.engine.tokenize(word)))
+            drop = min(len(entries), self.source.token_count(word))
             entries = entries[: len(entries) - drop]
         return entries
 
@@ -288,7 +233,7 @@ class Answer:
     def receipt(self, summary: Any) -> dict[str, Any]:
         """The answer's receipt, signed (with the replay facts of ``parsed`` and ``summary``)
         when the engine holds a key."""
-        return self.native.receipt(
+        return self.source.receipt(
             self.tally, self.parsed, summary, api=self.kind, stream=self.stream
         )
 
@@ -476,7 +421,7 @@ ANSWERS: dict[str, type[Answer]] = {
 
 
 def answers_for(
-    native: NativeEngine,
+    source: AnswerSource,
     kind: str,
     body: bytes,
     request: dict[str, Any],
@@ -487,7 +432,7 @@ def answers_for(
     index order), all with the first one's id and creation time, as llama-server's answers to
     one request share them."""
     answers = [
-        ANSWERS[kind](native, kind, body, request, one, index=index, stream=stream)
+        ANSWERS[kind](source, kind, body, request, one, index=index, stream=stream)
         for index, one in enumerate(parsed)
     ]
     for answer in answers[1:]:

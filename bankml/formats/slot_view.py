@@ -1,8 +1,9 @@
-"""What llama-server's slot monitor (``GET /slots``) shows of bankml's one slot.
+"""What llama-server's slot monitor (``GET /slots``) shows of one of bankml's slots.
 
-``SlotView`` follows the task the slot runs, or last ran: ``RunWriter`` calls ``begin`` when a
-prompt's run starts, ``on_chunk`` for each generated token, ``end`` when it is over. Every call
-comes on the reactor thread, where ``GET /slots`` reads it, so it needs no lock.
+``SlotView`` follows the task the slot runs, or last ran: ``RunWriter``
+(bankml/resources/runs.py) calls ``begin`` when a prompt's run starts, ``on_chunk`` for each
+generated token, ``end`` when it is over. Every call comes on the reactor thread, where
+``GET /slots`` reads it, so it needs no lock; ``formats.llama.slot_object`` writes a copy of it.
 
 llama-server's slot forgets its counters when a task ends (``server_slot::reset``): an idle slot
 shows the last task's parameters with zero counts, ``has_next_token`` false and ``n_remain`` -1,
