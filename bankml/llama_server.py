@@ -93,6 +93,7 @@ P0_ROUTES = "it moves llama-server's routes away from where bankml forwards them
 P0_PLAIN_HTTP = "bankml speaks plain HTTP to llama-server"
 P0_KEY = "bankml's own /props check before every answer would be refused"
 
+# a row with neither p0_refuse nor p0_default passes in P0 as given
 FLAGS: tuple[Flag, ...] = (
     _f("-m --model", True, MODEL, p0_refuse=P0_MODEL),
     # -- mapped onto bankml serve's own options
