@@ -44,6 +44,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from bankml.gate.verify import Refused, Verified, verify
+from bankml.llama_server import command_line
 from bankml.p0 import gateway as gw
 from bankml.p0 import llama_args
 from bankml.p0.gateway import Gateway
@@ -116,25 +117,20 @@ def llama_server_args(
     11434, checked with --help), the user's `extra` arguments last (checked by
     llama_args.refusal before anything starts); bankml's defaults that `extra` sets itself are
     left out."""
-    args = [
-        binary,
-        "-m",
-        verified_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "-t",
-        str(threads),
-        "-c",
-        str(ctx),
-        *llama_args.defaults_for(extra),
-    ]
-    if spec_ngram:
-        args += ["--spec-type", "ngram-simple"]
+    settings = ["--spec-type", "ngram-simple"] if spec_ngram else []
     if slot_dir:
-        args += ["--slot-save-path", slot_dir]
-    return args + list(extra)
+        settings += ["--slot-save-path", slot_dir]
+    return command_line(
+        binary,
+        verified_path,
+        host,
+        port,
+        threads,
+        ctx,
+        reasoning_off=True,  # P0's default: no thinking in a chat (the user's -rea replaces it)
+        give_way_to=extra,
+        after=[*settings, *extra],
+    )
 
 
 def with_deathsig(args: list[str]) -> tuple[str, list[str]]:

@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bankml.llama_server import command_line
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_FORK = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf.FORK.json"
@@ -91,24 +93,18 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> LlamaServer:
-        cmd = [
+        # thinking as llama-server decides it from the template, as bankml's engine does; the
+        # test's args follow bankml's defaults (of a flag given twice llama-server reads the last)
+        cmd = command_line(
             str(self.binary),
-            "-m",
             str(self.model),
-            "--host",
             "127.0.0.1",
-            "--port",
-            str(self.port),
-            "-t",
-            "2",
-            "-c",
-            "2048",
-            "-np",
-            "1",
-            "--jinja",
-            "--no-webui",
-            *self.args,
-        ]
+            self.port,
+            2,
+            2048,
+            reasoning_off=False,
+            after=self.args,
+        )
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
         )

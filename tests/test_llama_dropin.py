@@ -26,9 +26,10 @@ import pytest
 import pytest_twisted
 from twisted.internet.threads import deferToThread
 
+from bankml.llama_server import FLAGS, REFUSE, SERVE
 from bankml.resources import llama
 from bankml.serving.access import AccessControl, CorsPolicy
-from bankml.serving.llama_flags import FLAGS, REFUSE, SERVE, dropin_argv
+from bankml.serving.llama_flags import dropin_argv
 from bankml.serving.routes import Branch, LlamaRoute
 from bankml.serving.site import LoopbackSite, listen_loopback
 from bankml.tap import Options

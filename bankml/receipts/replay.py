@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from bankml.llama_server import command_line
 from bankml.receipts.answer import (
     AnswerView,
     Unreadable,
@@ -537,10 +538,18 @@ class LlamaServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.n_ctx = n_ctx
         self.cache_type = cache_type
-        cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["-t", str(threads), "-c", str(n_ctx), "-np", "1", "--jinja", "--no-webui"]
-        if cache_type != "f16":
-            cmd += ["-ctk", cache_type, "-ctv", cache_type]
+        cache = ["-ctk", cache_type, "-ctv", cache_type] if cache_type != "f16" else []
+        cmd = command_line(
+            binary,
+            model,
+            "127.0.0.1",
+            self.port,
+            threads,
+            n_ctx,
+            # thinking as llama-server decides it from the template, as bankml's engine does
+            reasoning_off=False,
+            after=cache,
+        )
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait_healthy(self, timeout: float = 120) -> None:

@@ -1,6 +1,7 @@
 """llama-server's command line (build 11434) as bankml takes it for ``--native``.
 
-Three uses, one table (``FLAGS``):
+The flags, and what the native mode does with each, are the drop-in's column of llama-server's
+flag table (``bankml.llama_server.FLAGS``, shared with P0's pass-through). Three uses:
 
 - ``bankml serve --native`` takes the server flags bankml honours under llama-server's long
   names, with its meanings and defaults (``SERVE_PARAMETERS``, ``SERVE_SWITCHES``);
@@ -13,246 +14,27 @@ Three uses, one table (``FLAGS``):
 Each flag is honoured (``SERVE``: it becomes a ``bankml serve`` option), ignored (``IGNORE``:
 it cannot change an answer, because bankml computes the same bits on any thread count, batch
 size, attention kernel or device), or refused (``REFUSE``) with the reason, before anything
-listens. A spelling not in the table is refused as llama-server refuses it.
+listens. A spelling the drop-in does not list (``UNKNOWN`` rows, or none at all) is refused as
+a flag bankml does not know.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-SERVE, IGNORE, REFUSE, MODEL = "serve", "ignore", "refuse", "model"
+from bankml.llama_server import FLAGS, IGNORE, MODEL, SERVE, UNKNOWN, Flag
 
 
 class FlagError(ValueError):
     """A flag bankml refuses, or a value it cannot take; the message is for the user."""
 
 
-@dataclass(frozen=True)
-class Flag:
-    spellings: tuple[str, ...]  # llama-server's, the long name bankml serve takes first
-    takes_value: bool
-    action: str  # SERVE, IGNORE, REFUSE or MODEL
-    reason: str = ""  # why it is ignored or refused
-    serve_name: str | None = None  # the bankml serve option, when not the first spelling
-
-    @property
-    def name(self) -> str:
-        return self.serve_name or self.spellings[0].lstrip("-")
-
-
-def _f(spellings: str, takes_value: bool, action: str, reason: str = "", serve: str = "") -> Flag:
-    return Flag(tuple(spellings.split()), takes_value, action, reason, serve or None)
-
-
-# --- why a flag is ignored or refused -------------------------------------------------------
-SAME_BITS = "bankml computes the same answer whatever this is set to"
-LOGS = "it only changes llama-server's logging"
-NO_UI = "bankml has no web UI"
-PINNED = "bankml serves only the local file pinned in FORK.json"
-CHANGES_MODEL = "it changes the model's computation; bankml serves the pinned model as it is"
-PER_REQUEST = "bankml takes it per request only: send the field in the request body"
-NOT_HERE = "bankml's native engine does not have this feature"
-LOOPBACK = "bankml listens on loopback in plain HTTP only"
-
-FLAGS: tuple[Flag, ...] = (
-    _f("-m --model", True, MODEL),
-    # -- mapped onto bankml serve's own options
-    _f("--ctx-size -c", True, SERVE, serve="ctx"),
-    _f("--threads -t", True, SERVE),
-    _f("--host", True, SERVE),
-    _f("--port", True, SERVE),
-    _f("--slot-save-path", True, SERVE, serve="slot-dir"),
-    # -- server-wide sampling defaults (a request's own field overrides them)
-    _f("--n-predict -n --predict", True, SERVE),
-    _f("--temp --temperature", True, SERVE),
-    _f("--seed -s", True, SERVE),
-    _f("--top-k", True, SERVE),
-    _f("--top-p", True, SERVE),
-    _f("--min-p", True, SERVE),
-    _f("--top-nsigma --top-n-sigma", True, SERVE),
-    _f("--xtc-probability", True, SERVE),
-    _f("--xtc-threshold", True, SERVE),
-    _f("--typical --typical-p", True, SERVE),
-    _f("--repeat-last-n", True, SERVE),
-    _f("--repeat-penalty", True, SERVE),
-    _f("--presence-penalty", True, SERVE),
-    _f("--frequency-penalty", True, SERVE),
-    _f("--dry-multiplier", True, SERVE),
-    _f("--dry-base", True, SERVE),
-    _f("--dry-allowed-length", True, SERVE),
-    _f("--dry-penalty-last-n", True, SERVE),
-    _f("--dynatemp-range", True, SERVE),
-    _f("--dynatemp-exp", True, SERVE),
-    _f("--mirostat", True, SERVE),
-    _f("--mirostat-lr", True, SERVE),
-    _f("--mirostat-ent", True, SERVE),
-    _f("--samplers", True, SERVE),
-    _f("--sampling-seq --sampler-seq", True, SERVE),
-    # -- the server
-    _f("--alias -a", True, SERVE),
-    _f("--api-key", True, SERVE),
-    _f("--api-key-file", True, SERVE),
-    _f("--chat-template", True, SERVE),
-    _f("--chat-template-file", True, SERVE),
-    _f("--parallel -np", True, SERVE),
-    _f("--metrics", False, SERVE),
-    _f("--slots", False, SERVE),
-    _f("--no-slots", False, SERVE),
-    _f("--cors-origins", True, SERVE),
-    _f("--cors-methods", True, SERVE),
-    _f("--cors-headers", True, SERVE),
-    _f("--cors-credentials", False, SERVE),
-    _f("--no-cors-credentials", False, SERVE),
-    _f("--cache-type-k -ctk", True, SERVE),
-    _f("--cache-type-v -ctv", True, SERVE),
-    _f("--cache-ram -cram", True, SERVE),
-    # -- accepted and ignored: they cannot change an answer
-    _f("--flash-attn -fa", True, IGNORE, SAME_BITS),
-    _f("--gpu-layers -ngl --n-gpu-layers", True, IGNORE, SAME_BITS + " (--device picks it)"),
-    _f("--device -dev", True, IGNORE, SAME_BITS + " (bankml serve --device picks it)"),
-    _f("--split-mode -sm", True, IGNORE, SAME_BITS),
-    _f("--tensor-split -ts", True, IGNORE, SAME_BITS),
-    _f("--main-gpu -mg", True, IGNORE, SAME_BITS),
-    _f("--fit -fit", True, IGNORE, SAME_BITS),
-    _f("--fit-target -fitt", True, IGNORE, SAME_BITS),
-    _f("--fit-ctx -fitc", True, IGNORE, SAME_BITS),
-    _f("--batch-size -b", True, IGNORE, SAME_BITS),
-    _f("--ubatch-size -ub", True, IGNORE, SAME_BITS),
-    _f("--threads-batch -tb", True, IGNORE, SAME_BITS),
-    _f("--threads-http", True, IGNORE, SAME_BITS),
-    _f("--cpu-mask -C", True, IGNORE, SAME_BITS),
-    _f("--cpu-range -Cr", True, IGNORE, SAME_BITS),
-    _f("--cpu-strict", True, IGNORE, SAME_BITS),
-    _f("--prio", True, IGNORE, SAME_BITS),
-    _f("--poll", True, IGNORE, SAME_BITS),
-    _f("--cpu-mask-batch -Cb", True, IGNORE, SAME_BITS),
-    _f("--cpu-range-batch -Crb", True, IGNORE, SAME_BITS),
-    _f("--cpu-strict-batch", True, IGNORE, SAME_BITS),
-    _f("--prio-batch", True, IGNORE, SAME_BITS),
-    _f("--poll-batch", True, IGNORE, SAME_BITS),
-    _f("--numa", True, IGNORE, SAME_BITS),
-    _f("--load-mode -lm", True, IGNORE, SAME_BITS),
-    _f("--lazy-mode -lzm", True, IGNORE, SAME_BITS),
-    _f("--mlock", False, IGNORE, SAME_BITS),
-    _f("--no-mmap", False, IGNORE, SAME_BITS),
-    _f("--mmap", False, IGNORE, SAME_BITS),
-    _f("--repack", False, IGNORE, SAME_BITS),
-    _f("--no-repack -nr", False, IGNORE, SAME_BITS),
-    _f("--no-host", False, IGNORE, SAME_BITS),
-    _f("--kv-offload -kvo", False, IGNORE, SAME_BITS),
-    _f("--no-kv-offload -nkvo", False, IGNORE, SAME_BITS),
-    _f("--op-offload", False, IGNORE, SAME_BITS),
-    _f("--no-op-offload", False, IGNORE, SAME_BITS),
-    _f("--cont-batching -cb", False, IGNORE, SAME_BITS),
-    _f("--no-cont-batching -nocb", False, IGNORE, SAME_BITS),
-    _f("--kv-unified -kvu", False, SERVE),
-    _f("--no-kv-unified -no-kvu", False, SERVE),
-    _f("--cache-idle-slots", False, IGNORE, SAME_BITS),
-    _f("--no-cache-idle-slots", False, IGNORE, SAME_BITS),
-    _f("--ctx-checkpoints -ctxcp --swa-checkpoints", True, IGNORE, SAME_BITS),
-    _f("--checkpoint-min-step -cms", True, IGNORE, SAME_BITS),
-    _f("--slot-prompt-similarity -sps", True, SERVE),
-    _f("--warmup", False, IGNORE, SAME_BITS),
-    _f("--no-warmup", False, IGNORE, SAME_BITS),
-    _f("--perf", False, IGNORE, SAME_BITS),
-    _f("--no-perf", False, IGNORE, SAME_BITS),
-    _f("--check-tensors", False, IGNORE, "bankml checks the whole file's sha256 before serving"),
-    _f("--timeout -to", True, IGNORE, "bankml keeps its own read and write timeouts"),
-    _f("--reuse-port", False, IGNORE, SAME_BITS),
-    _f("--sleep-idle-seconds", True, IGNORE, SAME_BITS),
-    _f("--jinja", False, IGNORE, "bankml always renders chat templates with Jinja"),
-    _f("--prefill-assistant", False, IGNORE, "it is the default"),
-    _f("--cache-prompt", False, IGNORE, "it is the default"),
-    _f("--offline", False, IGNORE, PINNED),
-    _f("--ui --webui", False, IGNORE, NO_UI),
-    _f("--no-ui --no-webui", False, IGNORE, NO_UI),
-    _f("--log-disable", False, IGNORE, LOGS),
-    _f("--log-file", True, IGNORE, LOGS),
-    _f("--log-colors", True, IGNORE, LOGS),
-    _f("--log-prefix", False, IGNORE, LOGS),
-    _f("--no-log-prefix", False, IGNORE, LOGS),
-    _f("--log-timestamps", False, IGNORE, LOGS),
-    _f("--no-log-timestamps", False, IGNORE, LOGS),
-    _f("--verbosity -lv --log-verbosity", True, IGNORE, LOGS),
-    # -- refused, with the reason
-    _f(
-        "--verbose -v --log-verbose",
-        False,
-        REFUSE,
-        'a request asks for __verbose with "verbose": true; bankml has no server-wide default for it',
-    ),
-    _f("--log-jsonl", False, REFUSE, "bankml writes its own log format"),
-    _f("--model-url -mu", True, REFUSE, PINNED),
-    _f("--hf-repo -hf -hfr", True, REFUSE, PINNED),
-    _f("--hf-file -hff", True, REFUSE, PINNED),
-    _f("--hf-token -hft", True, REFUSE, PINNED),
-    _f("--docker-repo -dr", True, REFUSE, PINNED),
-    _f("--models-dir", True, REFUSE, PINNED),
-    _f("--models-preset", True, REFUSE, PINNED),
-    _f("--models-max", True, REFUSE, PINNED),
-    _f("--lora", True, REFUSE, CHANGES_MODEL),
-    _f("--lora-scaled", True, REFUSE, CHANGES_MODEL),
-    _f("--control-vector", True, REFUSE, CHANGES_MODEL),
-    _f("--control-vector-scaled", True, REFUSE, CHANGES_MODEL),
-    _f("--override-kv", True, REFUSE, CHANGES_MODEL),
-    _f("--override-tensor -ot", True, REFUSE, CHANGES_MODEL),
-    _f("--rope-scaling", True, REFUSE, CHANGES_MODEL),
-    _f("--rope-scale", True, REFUSE, CHANGES_MODEL),
-    _f("--rope-freq-base", True, REFUSE, CHANGES_MODEL),
-    _f("--rope-freq-scale", True, REFUSE, CHANGES_MODEL),
-    _f("--yarn-orig-ctx", True, REFUSE, CHANGES_MODEL),
-    _f("--yarn-ext-factor", True, REFUSE, CHANGES_MODEL),
-    _f("--yarn-attn-factor", True, REFUSE, CHANGES_MODEL),
-    _f("--yarn-beta-slow", True, REFUSE, CHANGES_MODEL),
-    _f("--yarn-beta-fast", True, REFUSE, CHANGES_MODEL),
-    _f("--mmproj -mm", True, REFUSE, NOT_HERE + " (images, audio)"),
-    _f("--model-draft -md --spec-draft-model", True, REFUSE, NOT_HERE + " (speculative decoding)"),
-    _f("--spec-type", True, REFUSE, NOT_HERE + " (speculative decoding)"),
-    _f("--embedding --embeddings", False, REFUSE, NOT_HERE + " (embeddings)"),
-    _f("--rerank --reranking", False, REFUSE, NOT_HERE + " (reranking)"),
-    _f("--pooling", True, REFUSE, NOT_HERE + " (embeddings)"),
-    _f("--props", False, REFUSE, "bankml does not change global properties while serving"),
-    _f("--api-prefix", True, REFUSE, NOT_HERE),
-    _f("--path", True, REFUSE, NO_UI),
-    _f("--ssl-key-file", True, REFUSE, LOOPBACK),
-    _f("--ssl-cert-file", True, REFUSE, LOOPBACK),
-    _f("--tools", True, REFUSE, NOT_HERE),
-    _f("--agent -ag", False, REFUSE, NOT_HERE),
-    _f("--ui-mcp-proxy --webui-mcp-proxy", False, REFUSE, NOT_HERE),
-    _f("--mcp-servers-config", True, REFUSE, NOT_HERE),
-    _f("--mcp-servers-json", True, REFUSE, NOT_HERE),
-    _f("--media-path", True, REFUSE, NOT_HERE),
-    _f("--context-shift", False, REFUSE, NOT_HERE),
-    _f("--keep", True, REFUSE, PER_REQUEST + " (n_keep)"),
-    _f("--cache-reuse", True, REFUSE, PER_REQUEST + " (n_cache_reuse)"),
-    _f("--no-cache-prompt", False, REFUSE, PER_REQUEST + " (cache_prompt)"),
-    _f("--ignore-eos", False, REFUSE, PER_REQUEST + " (ignore_eos)"),
-    _f("--logit-bias -l", True, REFUSE, PER_REQUEST + " (logit_bias)"),
-    _f("--grammar", True, REFUSE, PER_REQUEST + " (grammar)"),
-    _f("--grammar-file", True, REFUSE, PER_REQUEST + " (grammar)"),
-    _f("--json-schema -j", True, REFUSE, PER_REQUEST + " (json_schema)"),
-    _f("--json-schema-file -jf", True, REFUSE, PER_REQUEST + " (json_schema)"),
-    _f("--dry-sequence-breaker", True, REFUSE, PER_REQUEST + " (dry_sequence_breakers)"),
-    _f("--chat-template-kwargs", True, REFUSE, PER_REQUEST + " (chat_template_kwargs)"),
-    _f("--sse-ping-interval", True, REFUSE, PER_REQUEST + " (sse_ping_interval)"),
-    _f("--adaptive-target", True, REFUSE, "bankml's sampler has no adaptive-p"),
-    _f("--adaptive-decay", True, REFUSE, "bankml's sampler has no adaptive-p"),
-    _f("--backend-sampling -bs", False, REFUSE, NOT_HERE),
-    _f("--reasoning-format", True, REFUSE, NOT_HERE),
-    _f("--reasoning -rea", True, REFUSE, NOT_HERE),
-    _f("--reasoning-budget", True, REFUSE, NOT_HERE),
-    _f("--no-jinja", False, REFUSE, "bankml renders chat templates with Jinja only"),
-    _f("--no-prefill-assistant", False, REFUSE, NOT_HERE),
-    _f("--skip-chat-parsing", False, REFUSE, NOT_HERE),
-    _f("--swa-full", False, REFUSE, NOT_HERE),
-    _f("--no-context-shift", False, IGNORE, "it is the default"),
-    _f("--list-devices", False, REFUSE, "bankml serve --device picks the device"),
-)
-
-BY_SPELLING: dict[str, Flag] = {s: flag for flag in FLAGS for s in flag.spellings}
+# the drop-in's flags: every spelling of the table's rows it knows (the others are unknown here)
+BY_SPELLING: dict[str, Flag] = {
+    s: flag for flag in FLAGS if flag.action != UNKNOWN for s in flag.spellings
+}
 
 # bankml serve's own options that the drop-in form passes through as they are
 BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key", "--max-queue")

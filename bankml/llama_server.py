@@ -1,0 +1,373 @@
+"""llama-server's command line (build 11434): what bankml does with each flag, and the command
+line bankml launches llama-server with.
+
+One table, ``FLAGS``, read by both modes that take llama-server's flags. Each row is one flag,
+all its spellings, whether it takes a value, and a verdict per mode:
+
+- the native drop-in (``bankml llama-server`` and ``bankml serve --native``, read by
+  serving/llama_flags.py): ``action`` is ``SERVE`` (it becomes a ``bankml serve`` option),
+  ``IGNORE`` (it cannot change an answer), ``REFUSE`` (with ``reason``), ``MODEL`` (``-m``), or
+  ``UNKNOWN`` (not among the drop-in's flags: refused there as any flag it does not know);
+- P0's pass-through (``bankml serve --spawn BIN -- ARGS``, read by p0/llama_args.py):
+  ``p0_action`` is ``PASS`` (appended to llama-server's command line as given), ``REFUSE``
+  (with ``p0_reason``: it would defeat the verification or the supervision) or ``DEFAULT``
+  (bankml sets a default for it, ``p0_default``, which the user's spelling replaces).
+
+``command_line`` builds the argument list of every llama-server bankml starts: P0's spawned
+engine (process_protocol.py), the replay through an unmodified llama-server (receipts/replay.py)
+and the tests' reference server. Each caller says what differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# the native drop-in's verdicts
+SERVE, IGNORE, REFUSE, MODEL, UNKNOWN = "serve", "ignore", "refuse", "model", "unknown"
+# P0's verdicts (REFUSE as above)
+PASS, DEFAULT = "pass", "default"
+
+# bankml's defaults on the llama-server it starts (DEFAULTS: in this order)
+PARALLEL_1 = ("-np", "1")
+JINJA = ("--jinja",)
+REASONING_OFF = ("--reasoning", "off")
+NO_WEBUI = ("--no-webui",)
+
+
+@dataclass(frozen=True)
+class Flag:
+    spellings: tuple[str, ...]  # llama-server's, the long name bankml serve takes first
+    takes_value: bool
+    action: str  # the native drop-in's: SERVE, IGNORE, REFUSE, MODEL or UNKNOWN
+    reason: str = ""  # why the drop-in ignores or refuses it
+    serve_name: str | None = None  # the bankml serve option, when not the first spelling
+    p0_reason: str = ""  # why P0 refuses it ("": not refused)
+    p0_default: tuple[str, ...] = ()  # bankml's default that it replaces in P0
+
+    @property
+    def name(self) -> str:
+        return self.serve_name or self.spellings[0].lstrip("-")
+
+    @property
+    def p0_action(self) -> str:
+        """P0's verdict: REFUSE, DEFAULT or PASS."""
+        return REFUSE if self.p0_reason else DEFAULT if self.p0_default else PASS
+
+
+def _f(
+    spellings: str,
+    takes_value: bool,
+    action: str,
+    reason: str = "",
+    serve: str = "",
+    *,
+    p0_refuse: str = "",
+    p0_default: tuple[str, ...] = (),
+) -> Flag:
+    return Flag(
+        tuple(spellings.split()), takes_value, action, reason, serve or None, p0_refuse, p0_default
+    )
+
+
+# --- why the native drop-in ignores or refuses a flag -----------------------------------------
+SAME_BITS = "bankml computes the same answer whatever this is set to"
+LOGS = "it only changes llama-server's logging"
+NO_UI = "bankml has no web UI"
+PINNED = "bankml serves only the local file pinned in FORK.json"
+CHANGES_MODEL = "it changes the model's computation; bankml serves the pinned model as it is"
+PER_REQUEST = "bankml takes it per request only: send the field in the request body"
+NOT_HERE = "bankml's native engine does not have this feature"
+LOOPBACK = "bankml listens on loopback in plain HTTP only"
+
+# --- why P0 refuses a flag: it would defeat the verification or the supervision ---------------
+P0_MODEL = "it loads a model other than the verified file"
+P0_PRESET = "it downloads and serves another model"
+_P0_UNVERIFIED = "it loads a file of weights bankml did not verify"
+P0_ADAPTER = _P0_UNVERIFIED + " (an adapter changes what the verified weights answer)"
+P0_PROJECTOR = _P0_UNVERIFIED + " (a projector)"
+P0_DRAFT = _P0_UNVERIFIED + " (a draft model)"
+P0_METADATA = "it rewrites the verified file's metadata"
+P0_ADDRESS = "bankml chooses llama-server's address (--upstream) and checks it there"
+P0_ROUTES = "it moves llama-server's routes away from where bankml forwards them"
+P0_PLAIN_HTTP = "bankml speaks plain HTTP to llama-server"
+P0_KEY = "bankml's own /props check before every answer would be refused"
+
+# a row with neither p0_refuse nor p0_default passes in P0 as given
+FLAGS: tuple[Flag, ...] = (
+    _f("-m --model", True, MODEL, p0_refuse=P0_MODEL),
+    # -- mapped onto bankml serve's own options
+    _f("--ctx-size -c", True, SERVE, serve="ctx", p0_refuse="use bankml's --ctx"),
+    _f("--threads -t", True, SERVE, p0_refuse="use bankml's --threads"),
+    _f("--host", True, SERVE, p0_refuse=P0_ADDRESS),
+    _f("--port", True, SERVE, p0_refuse=P0_ADDRESS),
+    _f("--slot-save-path", True, SERVE, serve="slot-dir", p0_refuse="use bankml's --slot-dir"),
+    # -- server-wide sampling defaults (a request's own field overrides them)
+    _f("--n-predict -n --predict", True, SERVE),
+    _f("--temp --temperature", True, SERVE),
+    _f("--seed -s", True, SERVE),
+    _f("--top-k", True, SERVE),
+    _f("--top-p", True, SERVE),
+    _f("--min-p", True, SERVE),
+    _f("--top-nsigma --top-n-sigma", True, SERVE),
+    _f("--xtc-probability", True, SERVE),
+    _f("--xtc-threshold", True, SERVE),
+    _f("--typical --typical-p", True, SERVE),
+    _f("--repeat-last-n", True, SERVE),
+    _f("--repeat-penalty", True, SERVE),
+    _f("--presence-penalty", True, SERVE),
+    _f("--frequency-penalty", True, SERVE),
+    _f("--dry-multiplier", True, SERVE),
+    _f("--dry-base", True, SERVE),
+    _f("--dry-allowed-length", True, SERVE),
+    _f("--dry-penalty-last-n", True, SERVE),
+    _f("--dynatemp-range", True, SERVE),
+    _f("--dynatemp-exp", True, SERVE),
+    _f("--mirostat", True, SERVE),
+    _f("--mirostat-lr", True, SERVE),
+    _f("--mirostat-ent", True, SERVE),
+    _f("--samplers", True, SERVE),
+    _f("--sampling-seq --sampler-seq", True, SERVE),
+    # -- the server
+    _f("--alias -a", True, SERVE),
+    _f("--api-key", True, SERVE, p0_refuse=P0_KEY),
+    _f("--api-key-file", True, SERVE, p0_refuse=P0_KEY),
+    _f("--chat-template", True, SERVE),
+    _f("--chat-template-file", True, SERVE),
+    _f("--parallel -np", True, SERVE, p0_default=PARALLEL_1),
+    _f("--metrics", False, SERVE),
+    _f("--slots", False, SERVE),
+    _f("--no-slots", False, SERVE),
+    _f("--cors-origins", True, SERVE),
+    _f("--cors-methods", True, SERVE),
+    _f("--cors-headers", True, SERVE),
+    _f("--cors-credentials", False, SERVE),
+    _f("--no-cors-credentials", False, SERVE),
+    _f("--cache-type-k -ctk", True, SERVE),
+    _f("--cache-type-v -ctv", True, SERVE),
+    _f("--cache-ram -cram", True, SERVE),
+    # -- accepted and ignored: they cannot change an answer
+    _f("--flash-attn -fa", True, IGNORE, SAME_BITS),
+    _f("--gpu-layers -ngl --n-gpu-layers", True, IGNORE, SAME_BITS + " (--device picks it)"),
+    _f("--device -dev", True, IGNORE, SAME_BITS + " (bankml serve --device picks it)"),
+    _f("--split-mode -sm", True, IGNORE, SAME_BITS),
+    _f("--tensor-split -ts", True, IGNORE, SAME_BITS),
+    _f("--main-gpu -mg", True, IGNORE, SAME_BITS),
+    _f("--fit -fit", True, IGNORE, SAME_BITS),
+    _f("--fit-target -fitt", True, IGNORE, SAME_BITS),
+    _f("--fit-ctx -fitc", True, IGNORE, SAME_BITS),
+    _f("--batch-size -b", True, IGNORE, SAME_BITS),
+    _f("--ubatch-size -ub", True, IGNORE, SAME_BITS),
+    _f("--threads-batch -tb", True, IGNORE, SAME_BITS),
+    _f("--threads-http", True, IGNORE, SAME_BITS),
+    _f("--cpu-mask -C", True, IGNORE, SAME_BITS),
+    _f("--cpu-range -Cr", True, IGNORE, SAME_BITS),
+    _f("--cpu-strict", True, IGNORE, SAME_BITS),
+    _f("--prio", True, IGNORE, SAME_BITS),
+    _f("--poll", True, IGNORE, SAME_BITS),
+    _f("--cpu-mask-batch -Cb", True, IGNORE, SAME_BITS),
+    _f("--cpu-range-batch -Crb", True, IGNORE, SAME_BITS),
+    _f("--cpu-strict-batch", True, IGNORE, SAME_BITS),
+    _f("--prio-batch", True, IGNORE, SAME_BITS),
+    _f("--poll-batch", True, IGNORE, SAME_BITS),
+    _f("--numa", True, IGNORE, SAME_BITS),
+    _f("--load-mode -lm", True, IGNORE, SAME_BITS),
+    _f("--lazy-mode -lzm", True, IGNORE, SAME_BITS),
+    _f("--mlock", False, IGNORE, SAME_BITS),
+    _f("--no-mmap", False, IGNORE, SAME_BITS),
+    _f("--mmap", False, IGNORE, SAME_BITS),
+    _f("--repack", False, IGNORE, SAME_BITS),
+    _f("--no-repack -nr", False, IGNORE, SAME_BITS),
+    _f("--no-host", False, IGNORE, SAME_BITS),
+    _f("--kv-offload -kvo", False, IGNORE, SAME_BITS),
+    _f("--no-kv-offload -nkvo", False, IGNORE, SAME_BITS),
+    _f("--op-offload", False, IGNORE, SAME_BITS),
+    _f("--no-op-offload", False, IGNORE, SAME_BITS),
+    _f("--cont-batching -cb", False, IGNORE, SAME_BITS),
+    _f("--no-cont-batching -nocb", False, IGNORE, SAME_BITS),
+    _f("--kv-unified -kvu", False, SERVE),
+    _f("--no-kv-unified -no-kvu", False, SERVE),
+    _f("--cache-idle-slots", False, IGNORE, SAME_BITS),
+    _f("--no-cache-idle-slots", False, IGNORE, SAME_BITS),
+    _f("--ctx-checkpoints -ctxcp --swa-checkpoints", True, IGNORE, SAME_BITS),
+    _f("--checkpoint-min-step -cms", True, IGNORE, SAME_BITS),
+    _f("--slot-prompt-similarity -sps", True, SERVE),
+    _f("--warmup", False, IGNORE, SAME_BITS),
+    _f("--no-warmup", False, IGNORE, SAME_BITS),
+    _f("--perf", False, IGNORE, SAME_BITS),
+    _f("--no-perf", False, IGNORE, SAME_BITS),
+    _f("--check-tensors", False, IGNORE, "bankml checks the whole file's sha256 before serving"),
+    _f("--timeout -to", True, IGNORE, "bankml keeps its own read and write timeouts"),
+    _f("--reuse-port", False, IGNORE, SAME_BITS, p0_refuse=P0_ADDRESS),
+    _f("--sleep-idle-seconds", True, IGNORE, SAME_BITS),
+    _f(
+        "--jinja",
+        False,
+        IGNORE,
+        "bankml always renders chat templates with Jinja",
+        p0_default=JINJA,
+    ),
+    _f("--prefill-assistant", False, IGNORE, "it is the default"),
+    _f("--cache-prompt", False, IGNORE, "it is the default"),
+    _f("--offline", False, IGNORE, PINNED),
+    _f("--ui --webui", False, IGNORE, NO_UI, p0_default=NO_WEBUI),
+    _f("--no-ui --no-webui", False, IGNORE, NO_UI, p0_default=NO_WEBUI),
+    _f("--log-disable", False, IGNORE, LOGS),
+    _f("--log-file", True, IGNORE, LOGS),
+    _f("--log-colors", True, IGNORE, LOGS),
+    _f("--log-prefix", False, IGNORE, LOGS),
+    _f("--no-log-prefix", False, IGNORE, LOGS),
+    _f("--log-timestamps", False, IGNORE, LOGS),
+    _f("--no-log-timestamps", False, IGNORE, LOGS),
+    _f("--verbosity -lv --log-verbosity", True, IGNORE, LOGS),
+    # -- refused natively, with the reason
+    _f(
+        "--verbose -v --log-verbose",
+        False,
+        REFUSE,
+        'a request asks for __verbose with "verbose": true; bankml has no server-wide default for it',
+    ),
+    _f("--log-jsonl", False, REFUSE, "bankml writes its own log format"),
+    _f("--model-url -mu", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--hf-repo -hf -hfr", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--hf-file -hff", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--hf-token -hft", True, REFUSE, PINNED),
+    _f("--docker-repo -dr", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--models-dir", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--models-preset", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--models-max", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--lora", True, REFUSE, CHANGES_MODEL, p0_refuse=P0_ADAPTER),
+    _f("--lora-scaled", True, REFUSE, CHANGES_MODEL, p0_refuse=P0_ADAPTER),
+    _f("--control-vector", True, REFUSE, CHANGES_MODEL, p0_refuse=P0_ADAPTER),
+    _f("--control-vector-scaled", True, REFUSE, CHANGES_MODEL, p0_refuse=P0_ADAPTER),
+    _f("--override-kv", True, REFUSE, CHANGES_MODEL, p0_refuse=P0_METADATA),
+    _f("--override-tensor -ot", True, REFUSE, CHANGES_MODEL),
+    _f("--rope-scaling", True, REFUSE, CHANGES_MODEL),
+    _f("--rope-scale", True, REFUSE, CHANGES_MODEL),
+    _f("--rope-freq-base", True, REFUSE, CHANGES_MODEL),
+    _f("--rope-freq-scale", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-orig-ctx", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-ext-factor", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-attn-factor", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-beta-slow", True, REFUSE, CHANGES_MODEL),
+    _f("--yarn-beta-fast", True, REFUSE, CHANGES_MODEL),
+    _f("--mmproj -mm", True, REFUSE, NOT_HERE + " (images, audio)", p0_refuse=P0_PROJECTOR),
+    _f(
+        "--model-draft -md --spec-draft-model",
+        True,
+        REFUSE,
+        NOT_HERE + " (speculative decoding)",
+        p0_refuse=P0_DRAFT,
+    ),
+    _f("--spec-type", True, REFUSE, NOT_HERE + " (speculative decoding)"),
+    _f("--embedding --embeddings", False, REFUSE, NOT_HERE + " (embeddings)"),
+    _f("--rerank --reranking", False, REFUSE, NOT_HERE + " (reranking)"),
+    _f("--pooling", True, REFUSE, NOT_HERE + " (embeddings)"),
+    _f("--props", False, REFUSE, "bankml does not change global properties while serving"),
+    _f("--api-prefix", True, REFUSE, NOT_HERE, p0_refuse=P0_ROUTES),
+    _f("--path", True, REFUSE, NO_UI),
+    _f("--ssl-key-file", True, REFUSE, LOOPBACK, p0_refuse=P0_PLAIN_HTTP),
+    _f("--ssl-cert-file", True, REFUSE, LOOPBACK, p0_refuse=P0_PLAIN_HTTP),
+    _f("--tools", True, REFUSE, NOT_HERE),
+    _f("--agent -ag", False, REFUSE, NOT_HERE),
+    _f("--ui-mcp-proxy --webui-mcp-proxy", False, REFUSE, NOT_HERE),
+    _f("--mcp-servers-config", True, REFUSE, NOT_HERE),
+    _f("--mcp-servers-json", True, REFUSE, NOT_HERE),
+    _f("--media-path", True, REFUSE, NOT_HERE),
+    _f("--context-shift", False, REFUSE, NOT_HERE),
+    _f("--keep", True, REFUSE, PER_REQUEST + " (n_keep)"),
+    _f("--cache-reuse", True, REFUSE, PER_REQUEST + " (n_cache_reuse)"),
+    _f("--no-cache-prompt", False, REFUSE, PER_REQUEST + " (cache_prompt)"),
+    _f("--ignore-eos", False, REFUSE, PER_REQUEST + " (ignore_eos)"),
+    _f("--logit-bias -l", True, REFUSE, PER_REQUEST + " (logit_bias)"),
+    _f("--grammar", True, REFUSE, PER_REQUEST + " (grammar)"),
+    _f("--grammar-file", True, REFUSE, PER_REQUEST + " (grammar)"),
+    _f("--json-schema -j", True, REFUSE, PER_REQUEST + " (json_schema)"),
+    _f("--json-schema-file -jf", True, REFUSE, PER_REQUEST + " (json_schema)"),
+    _f("--dry-sequence-breaker", True, REFUSE, PER_REQUEST + " (dry_sequence_breakers)"),
+    _f("--chat-template-kwargs", True, REFUSE, PER_REQUEST + " (chat_template_kwargs)"),
+    _f("--sse-ping-interval", True, REFUSE, PER_REQUEST + " (sse_ping_interval)"),
+    _f("--adaptive-target", True, REFUSE, "bankml's sampler has no adaptive-p"),
+    _f("--adaptive-decay", True, REFUSE, "bankml's sampler has no adaptive-p"),
+    _f("--backend-sampling -bs", False, REFUSE, NOT_HERE),
+    _f("--reasoning-format", True, REFUSE, NOT_HERE),
+    _f("--reasoning -rea", True, REFUSE, NOT_HERE, p0_default=REASONING_OFF),
+    _f("--reasoning-budget", True, REFUSE, NOT_HERE),
+    _f(
+        "--no-jinja",
+        False,
+        REFUSE,
+        "bankml renders chat templates with Jinja only",
+        p0_default=JINJA,
+    ),
+    _f("--no-prefill-assistant", False, REFUSE, NOT_HERE),
+    _f("--skip-chat-parsing", False, REFUSE, NOT_HERE),
+    _f("--swa-full", False, REFUSE, NOT_HERE),
+    _f("--no-context-shift", False, IGNORE, "it is the default"),
+    _f("--list-devices", False, REFUSE, "bankml serve --device picks the device"),
+    # -- refused by P0, not among the drop-in's flags (refused there as unknown)
+    _f("--models-autoload", False, UNKNOWN, p0_refuse=P0_MODEL),
+    _f("--embd-gemma-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-1.5b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-3b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-7b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-7b-spec", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-14b-spec", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-30b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--gpt-oss-20b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--gpt-oss-120b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--vision-gemma-4b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--vision-gemma-12b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
+    _f("--lora-init-without-apply", False, UNKNOWN, p0_refuse=P0_ADAPTER),
+    _f("--control-vector-layer-range", True, UNKNOWN, p0_refuse=P0_ADAPTER),  # START END
+    _f("--mmproj-url -mmu", True, UNKNOWN, p0_refuse=P0_PROJECTOR),
+    _f("--spec-draft-hf -hfd -hfrd --hf-repo-draft", True, UNKNOWN, p0_refuse=P0_DRAFT),
+)
+
+# bankml's defaults, each with every spelling that sets the same thing (P0: the user's wins)
+DEFAULTS: list[tuple[list[str], frozenset[str]]] = [
+    (list(args), frozenset(s for f in FLAGS if f.p0_default == args for s in f.spellings))
+    for args in (PARALLEL_1, JINJA, REASONING_OFF, NO_WEBUI)
+]
+
+
+def flag_name(arg: str) -> str:
+    """An argument as llama-server looks it up: ``_`` read as ``-`` in a long flag."""
+    return arg.replace("_", "-") if arg.startswith("--") else arg
+
+
+def command_line(
+    binary: str,
+    model: str,
+    host: str,
+    port: int,
+    threads: int,
+    ctx: int,
+    *,
+    reasoning_off: bool,
+    give_way_to: Sequence[str] = (),
+    after: Sequence[str] = (),
+) -> list[str]:
+    """``BINARY -m MODEL --host H --port P -t N -c N``, then bankml's defaults (``-np 1 --jinja
+    --no-webui``, and ``--reasoning off`` in their order with ``reasoning_off``) less each one that
+    ``give_way_to`` sets in any spelling, then ``after`` as given."""
+    named = {flag_name(arg) for arg in give_way_to}
+    defaults: list[str] = []
+    for args, spellings in DEFAULTS:
+        if (reasoning_off or tuple(args) != REASONING_OFF) and not named & spellings:
+            defaults += args
+    return [
+        binary,
+        "-m",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-c",
+        str(ctx),
+        *defaults,
+        *after,
+    ]
