@@ -22,7 +22,8 @@ hardened parser: it judges files before anything else trusts them.)
 Why not ``gguf.GGUFReader`` itself: it makes a NumPy view of the file for every element of every
 array and every string (about 250,000 for a 49,152-token vocabulary with its merges), which took
 2.7 s to open the default model (0.5 s with its internals bypassed), and it decodes strings
-strictly. Reading the default model's header here takes a few tens of milliseconds.
+strictly. Reading the default model's header here takes a few tens of milliseconds
+(docs/modules/gguf_file.md).
 
 Verified by tests/test_gguf_file.py (every key and tensor of the default model and of synthetic
 files against ``gguf.GGUFReader``; malformed files refused with its errors), and by every test
