@@ -3,10 +3,18 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests import support
+
+# The shared helpers' assertions are rewritten as the tests' own are, so that a failing one shows
+# its values. This must run before anything imports them: this file imports none of them at the top.
+pytest.register_assert_rewrite("tests.engine_checks")
+
+if TYPE_CHECKING:
+    from bankml.engine_cupy.model import Model
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,3 +68,21 @@ def reference_server(default_model: Path, llama_server_bin: Path):
     """One real llama-server with the default model, shared by the tests that only read from it."""
     with support.LlamaServer(default_model, binary=llama_server_bin) as server:
         yield server
+
+
+# The fixtures below import what they use when they run: a test run that needs none of them
+# loads nothing more for them.
+
+
+@pytest.fixture(scope="module")
+def default_engine(default_model: Path) -> Model:
+    """The default model loaded on the CPU, once per test module."""
+    from bankml.engine_cupy.model import Model
+
+    return Model.load(default_model, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory for a test module's tiny models (tests/tiny_models.py)."""
+    return tmp_path_factory.mktemp("tiny-models")
