@@ -49,7 +49,7 @@ from bankml.engine_cupy.model import Model  # noqa: E402
 from bankml.engine_cupy.tokenizer import Tokenizer  # noqa: E402
 from bench import engine as bench_engine  # noqa: E402
 from tests import support  # noqa: E402
-from tests.test_forward import (  # noqa: E402
+from tests.engine_checks import (  # noqa: E402
     PROMPTS,
     compare_greedy,
     compare_next_token,

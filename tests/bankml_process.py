@@ -2,6 +2,12 @@
 
 Ready means: GET /bankml answers on the listen address (bankml listens only after the file has
 passed verify and the engine is up). The process's log goes to a file, read on failure.
+``spawned_p0`` is ``bankml serve --spawn`` signing with a given key.
+
+The checks of the receipts its answers carry are here too: recomputed from a chat answer's bytes
+(``check_streamed_receipt``, ``check_whole_receipt``), by ``bankml check-receipt``
+(``check_receipt_cli``), and as the official ``openai`` client reads a stream
+(``canonical_stream``, then ``check_receipt_on_last_chunk``).
 """
 
 from __future__ import annotations
@@ -13,11 +19,15 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tests.support import ROOT, free_port
+from tests.support import DEFAULT_SHA256, ROOT, free_port
+
+if TYPE_CHECKING:
+    from bankml.receipts.keys import SigningKey
 
 BIN = ROOT / ".venv" / "bin"
 
@@ -143,6 +153,33 @@ class BankmlProcess:
         return self.get("/bankml")[1]["engine"]["pid"]
 
 
+def spawned_p0(
+    key: SigningKey,
+    model: Path,
+    fork: Path,
+    llama_server_bin: Path,
+    log: Path,
+    llama_args: Sequence[str] = (),
+) -> BankmlProcess:
+    """``bankml serve --spawn`` signing with ``key`` (a context manager: stopped on exit)."""
+    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{free_port()}"]
+    engine += ["--receipt-key", str(key.path)]
+    return BankmlProcess(model, fork, engine, log, llama_args=list(llama_args))
+
+
+def post(p0: BankmlProcess, path: str, body: bytes) -> bytes:
+    """The answer to a POST of ``body`` to ``path``, which must be 200."""
+    conn = p0.connection()
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+    finally:
+        conn.close()
+    assert resp.status == 200, raw[:300]
+    return raw
+
+
 def chat_body(
     stream: bool, content: str = "Say hello.", max_tokens: int = 12, **extra: Any
 ) -> bytes:
@@ -195,6 +232,45 @@ def check_whole_receipt(raw: bytes, body: bytes, model_sha256: str) -> dict[str,
         answer["usage"]["completion_tokens"],
     )
     assert receipt["engine"].startswith("llama-server b") and receipt["signed"] is True
+    return receipt
+
+
+# What the openai client tests ask (canonical_stream's request).
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+def canonical_stream(client: Any, include_usage: bool, **extra: Any) -> tuple[str, Any]:
+    """The loop every OpenAI example shows, ``chunk.choices[0].delta.content`` on each chunk (with
+    ``include_usage``: on each chunk that has choices, the usage chunk having none); the text and
+    the chunks. Raises if any event is not a regular chunk."""
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    stream = client.chat.completions.create(
+        model="x", messages=MESSAGES, max_tokens=12, temperature=0, stream=True, **options, **extra
+    )
+    text, chunks = "", []
+    for chunk in stream:
+        chunks.append(chunk)
+        if include_usage and chunk.usage is not None:
+            assert chunk.choices == []
+            continue
+        text += chunk.choices[0].delta.content or ""
+    return text, chunks
+
+
+def check_receipt_on_last_chunk(text: str, chunks: list[Any], include_usage: bool) -> dict:
+    """The receipt rides in the last chunk only (kept by the client as an extra field); checked
+    against the text the loop read."""
+    extras = [(chunk.model_extra or {}).get("bankml_receipt") for chunk in chunks]
+    assert all(r is None for r in extras[:-1]) and extras[-1] is not None
+    last = chunks[-1]
+    receipt = last.to_dict()["bankml_receipt"]
+    assert receipt == extras[-1]
+    if include_usage:  # the usage chunk is the last
+        assert last.choices == [] and last.usage.completion_tokens == receipt["completion_tokens"]
+    else:
+        assert last.choices[0].finish_reason in ("stop", "length")
+    assert text and receipt["response_sha256"] == sha(text)
+    assert receipt["model_sha256"] == DEFAULT_SHA256
     return receipt
 
 

@@ -3,10 +3,22 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests import support
+
+# The shared helpers' assertions are rewritten as the tests' own are, so that a failing one shows
+# its values. This must run before anything imports them: this file imports none of them at the top.
+pytest.register_assert_rewrite(
+    "tests.bankml_process", "tests.engine_checks", "tests.native_support", "tests.receipt_answers"
+)
+
+if TYPE_CHECKING:
+    from bankml.engine_cupy.engine import Engine
+    from bankml.engine_cupy.model import Model
+    from tests.native_support import Served
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,3 +72,55 @@ def reference_server(default_model: Path, llama_server_bin: Path):
     """One real llama-server with the default model, shared by the tests that only read from it."""
     with support.LlamaServer(default_model, binary=llama_server_bin) as server:
         yield server
+
+
+# The fixtures below import what they use when they run: a test run that needs none of them
+# loads nothing more for them.
+
+
+@pytest.fixture(scope="module")
+def default_engine(default_model: Path) -> Model:
+    """The default model loaded on the CPU, once per test module."""
+    from bankml.engine_cupy.model import Model
+
+    return Model.load(default_model, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory for a test module's tiny models (tests/tiny_models.py)."""
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture
+def served(default_model: Path, default_fork: Path) -> Served:
+    """bankml --native on the default model in this process, one slot (one for the whole run)."""
+    from tests.native_support import shared_served
+
+    return shared_served(default_model, default_fork)
+
+
+@pytest.fixture
+def alone_server(default_model: Path, default_fork: Path) -> Served:
+    """The one-slot server (``served``), where a test compares several slots with one."""
+    from tests.native_support import shared_served
+
+    return shared_served(default_model, default_fork)
+
+
+@pytest.fixture(scope="module")
+def parallel(
+    default_model: Path, default_fork: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Served:
+    """The ``--parallel 4 -kvu`` server in this process (one for the whole run)."""
+    from tests.native_support import parallel_served
+
+    return parallel_served(default_model, default_fork, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engines(default_model: Path) -> tuple[Engine, Engine]:
+    """(one slot, four slots) over one loaded default model, once per test module."""
+    from tests.native_support import one_and_four_slots
+
+    return one_and_four_slots(default_model)

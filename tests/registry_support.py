@@ -1,4 +1,5 @@
-"""Small GGUF files and pinned registry directories for the registry and Ollama format tests.
+"""Small GGUF files, pinned registry directories and FORK.json files for the registry, Ollama
+format and verify tests.
 
 The files are real GGUFs (written with gguf.GGUFWriter) that the guard plays: a header with an
 architecture, a name, a chat template and a few small tensors. Their weights are never read.
@@ -61,6 +62,7 @@ def pin_into(directory: Path, model: Path, fork_name: str | None = None) -> Path
     return fork
 
 
-def write_fork(path: Path, files: list[dict]) -> Path:
-    path.write_text(json.dumps({"files": files}), encoding="utf-8")
+def write_fork(path: Path, files: list[dict], **provenance) -> Path:
+    """A FORK.json written by hand: ``files`` after any provenance fields given."""
+    path.write_text(json.dumps({**provenance, "files": files}), encoding="utf-8")
     return path

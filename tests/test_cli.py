@@ -17,7 +17,7 @@ from pathlib import Path
 
 import bankml
 from tests import support
-from tests.test_guard import LLAMA_KVS, build, tensor
+from tests.gguf_bytes import LLAMA_KVS, build, tensor
 
 COMMANDS = [
     "guard",

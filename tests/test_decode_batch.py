@@ -9,7 +9,6 @@ test_decode_fast_path.py and the llama-server agreement tests hold to llama-serv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy
@@ -17,76 +16,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from bankml.engine_cupy.kernels import exact_batch, exact_decode
-from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.model import Model
-from tests.test_decode_fast_path import FAST_SPECS, token_ids
-from tests.tiny_models import TinySpec, write_tiny_model
-
-
-def kv_bytes(cache: KVCache, n_layer: int) -> list[bytes]:
-    """Every byte a decode step may write: the whole position stores (or, for q8_0, the
-    positions held), the ring's stores and the sliding-window cells' bookkeeping."""
-    out: list[bytes] = []
-    for il in range(n_layer):
-        if cache.fused_decode:
-            out += [a.tobytes() for a in cache.f16_cells(il)]
-            if cache.in_ring(il):  # the ring's stores, whatever the last micro-batch's size
-                out += [cache._ring_k[il].tobytes(), cache._ring_v[il].tobytes()]
-    if not cache.fused_decode:
-        for entry in cache.snapshot():
-            parts = entry if isinstance(entry, tuple) else (entry,)
-            out += [numpy.ascontiguousarray(p).tobytes() for p in parts]
-    for cells in (cache.cells, cache.swa):  # the ring's (or the window's) bookkeeping
-        if cells is not None:
-            out += [cells.pos.tobytes(), int(cells.head).to_bytes(8, "little", signed=True)]
-    return out
-
-
-class Rows:
-    """Pairs of caches filled by the same prompts: ``batch`` advanced by decode_batch, ``single``
-    by one-row forwards."""
-
-    def __init__(
-        self,
-        model: Model,
-        lengths: Sequence[int],
-        n_ctx: Sequence[int],
-        cache_types: Sequence[str | None] | None = None,
-    ):
-        self.model = model
-        cache_types = cache_types or [None] * len(lengths)
-        self.batch = [model.new_cache(c, t) for c, t in zip(n_ctx, cache_types)]
-        self.single = [model.new_cache(c, t) for c, t in zip(n_ctx, cache_types)]
-        self.next = []
-        for row, n in enumerate(lengths):
-            prompt = token_ids(model, n, seed=row)
-            for i in range(0, n, 512):
-                model.forward(prompt[i : i + 512], self.batch[row])
-                logits = model.forward(prompt[i : i + 512], self.single[row])
-            self.next.append(int(numpy.argmax(logits)))
-
-    def step(self, rows: Sequence[int]) -> None:
-        """One decode_batch over ``rows`` against a forward per row; the next tokens greedy."""
-        model = self.model
-        tokens = [self.next[r] for r in rows]
-        batched = model.decode_batch(tokens, [self.batch[r] for r in rows])
-        assert batched.shape == (len(rows), model.n_vocab) and batched.dtype == numpy.float32
-        for i, r in enumerate(rows):
-            self.agree(r, [tokens[i]], batched[i])
-
-    def agree(self, r: int, tokens: list[int], got: numpy.ndarray) -> None:
-        """Row r's ``tokens`` by one forward on its single twin: the same logits as ``got``
-        and the same cache bytes; its next token greedy."""
-        single = self.model.forward(tokens, self.single[r])
-        assert got.tobytes() == single.tobytes(), (
-            f"row {r} ({len(tokens)} tokens to position {self.single[r].n_tokens - 1}): "
-            f"largest difference {numpy.abs(got - single).max()}"
-        )
-        assert self.batch[r].n_tokens == self.single[r].n_tokens
-        assert kv_bytes(self.batch[r], self.model.n_layer) == kv_bytes(
-            self.single[r], self.model.n_layer
-        ), f"row {r}: the caches differ"
-        self.next[r] = int(numpy.argmax(single))
+from tests.engine_checks import Rows, kv_bytes, tiny
+from tests.tiny_models import FAST_SPECS, TinySpec, write_tiny_model
 
 
 @pytest.fixture()
@@ -103,11 +35,6 @@ def batch_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return runs
 
 
-@pytest.fixture(scope="module")
-def default_engine(default_model: Path) -> Model:
-    return Model.load(default_model, device="cpu", progress=False)
-
-
 def test_default_model(default_engine: Model, batch_runs: list[int]) -> None:
     """Rows at 5, 40, 300 (n_kv 512: ggml's split attention, on two threads), 12 and more
     cells, in caches of different sizes; B = 1..4 and back, then 8 and 9 (the products take
@@ -118,16 +45,6 @@ def test_default_model(default_engine: Model, batch_runs: list[int]) -> None:
         rows.step(list(range(b)))
     rows.step([3, 0, 2])  # any order
     assert batch_runs == [2, 3, 4, 4, 2, 9, 8, 3]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tiny-batch")
-
-
-def tiny(spec: TinySpec, tiny_dir: Path, default_model: Path) -> Model:
-    path = write_tiny_model(tiny_dir / f"{spec.name}.gguf", spec, default_model)
-    return Model.load(path, device="cpu", progress=False)
 
 
 @pytest.mark.parametrize("spec", FAST_SPECS, ids=lambda s: s.name)

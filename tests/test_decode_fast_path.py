@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as T
 from bankml.engine_cupy.kernels import exact_decode
 from bankml.engine_cupy.kernels.exact_kquants import KMatrixStack, KQuantMatrix
 from bankml.engine_cupy.model import Model
-from tests.tiny_models import TinySpec, write_tiny_model
+from tests.engine_checks import token_ids
+from tests.tiny_models import FAST_SPECS, TinySpec, write_tiny_model
 
 
 def decode_both_ways(model: Model, prompt: list[int], steps: int, n_ctx: int) -> int:
@@ -57,15 +58,6 @@ def decode_both_ways(model: Model, prompt: list[int], steps: int, n_ctx: int) ->
     return taken
 
 
-def token_ids(model: Model, n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in numpy.random.default_rng(seed).integers(3, model.n_vocab, n)]
-
-
-@pytest.fixture(scope="module")
-def default_engine(default_model: Path) -> Model:
-    return Model.load(default_model, device="cpu", progress=False)
-
-
 def test_default_model_short_context(default_engine: Model) -> None:
     """Few cells: each head walks them in one chunk, on one thread."""
     assert decode_both_ways(default_engine, token_ids(default_engine, 5), 4, 64) == 4
@@ -74,35 +66,6 @@ def test_default_model_short_context(default_engine: Model) -> None:
 def test_default_model_split_attention(default_engine: Model) -> None:
     """300 cells (n_kv 512): ggml's per-thread split of the cells, the tasks on two threads."""
     assert decode_both_ways(default_engine, token_ids(default_engine, 300), 3, 320) == 3
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tiny-decode")
-
-
-# biases (qwen2), Q/K norms and a repacked Q4_0 (qwen3), post-norms, GeGLU, the Q scale,
-# sliding windows and soft-capping (gemma3), and the three float weight types' vec_dot paths;
-# the K-quants' one-row products: repacked Q4_K's gemv with a Q6_K output, Q2_K with biases,
-# Q3_K with a Q2_K output, and Q6_K in gemma3 (Q5_K: gguf-py cannot quantize it)
-FAST_SPECS = (
-    TinySpec("qwen2", T.Q4_1, tied=False),
-    TinySpec("gemma3", T.Q5_0, n_layer=4),
-    TinySpec("qwen3", T.Q4_0),
-    TinySpec("llama", T.F16),
-    TinySpec("llama", T.BF16),
-    TinySpec("qwen3", T.F32),
-    TinySpec("llama", T.Q4_K, tied=False, llama3_rope=True, out_type=T.Q6_K),
-    TinySpec("qwen2", T.Q2_K),
-    TinySpec("llama", T.Q3_K, tied=False, out_type=T.Q2_K),
-    TinySpec("gemma3", T.Q6_K, n_layer=4),
-    TinySpec("llama", T.IQ4_NL),  # repacked layers (gemv), the tied output's q8_0 vec_dot
-    TinySpec("qwen2", T.IQ4_XS, tied=False, out_type=T.Q6_K),  # q8_K vec_dot, biases
-    TinySpec("llama", T.IQ3_XXS),  # the grid types' vec_dot
-    TinySpec("qwen2", T.IQ2_XXS, tied=False, out_type=T.Q4_K),
-    TinySpec("llama", T.IQ1_S),  # the deltas' scalar chain
-    TinySpec("qwen3", T.TQ2_0),  # TQ's activation correction, in compiled loops here
-)
 
 
 @pytest.mark.parametrize("spec", FAST_SPECS, ids=lambda s: s.name)

@@ -24,30 +24,9 @@ from bankml.engine_cupy.kernels.exact_attention import (
     kv_length,
 )
 from tests import ggml_oracle
+from tests.engine_checks import ggml_reference
 
 CACHE_CELLS = 2048  # llama-server -c 2048 -np 1: the cache size that caps the padded length
-
-
-def ggml_reference(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    mask: np.ndarray,
-    scale: float,
-    n_kv: int,
-    threads: int = 2,
-) -> np.ndarray:
-    """ggml_flash_attn_ext on q [n, head, hd], k/v [kv_head, T, hd] padded to n_kv cells."""
-    n_head_kv, n_cells, hd = k.shape
-    kp = np.zeros((n_head_kv, n_kv, hd), np.float16)
-    vp = np.zeros((n_head_kv, n_kv, hd), np.float16)
-    kp[:, :n_cells], vp[:, :n_cells] = k, v
-    mp = np.full((q.shape[0], n_kv), -np.inf, np.float16)
-    mp[:, :n_cells] = mask
-    out = ggml_oracle.flash_attn_ext(
-        np.ascontiguousarray(q.transpose(1, 0, 2)), kp, vp, mp, scale, threads=threads
-    )
-    return out.reshape(q.shape)
 
 
 def random_case(

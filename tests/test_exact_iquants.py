@@ -21,8 +21,8 @@ from bankml.engine_cupy.kernels import exact_iquants as ei
 from bankml.engine_cupy.kernels import exact_kquants as ek
 from bankml.engine_cupy.kernels import exact_matmul as em
 from tests import ggml_oracle as go
-from tests.test_exact_kquants import activations, differing
-from tests.test_exact_kquants import random_blocks as kquant_blocks
+from tests.engine_checks import activations, differing
+from tests.engine_checks import random_blocks as kquant_blocks
 
 F32 = np.float32
 CODES = {

@@ -19,6 +19,7 @@ from gguf import GGUFReader
 from bankml.engine_cupy import weights
 from bankml.engine_cupy.kernels import exact_kquants as ek
 from tests import ggml_oracle as go
+from tests.engine_checks import activations, differing, random_blocks
 
 F32 = np.float32
 # every arithmetic ggml has for a weight type
@@ -34,46 +35,6 @@ CODES = {
     T.Q3_K: {"vec_dot": ek._VD3, "tiled": ek._T3},
     T.Q2_K: {"vec_dot": ek._VD2, "tiled": ek._T2},
 }
-
-
-def differing(a: np.ndarray, b: np.ndarray) -> int:
-    """Elements whose bits differ (so -0 vs +0 counts)."""
-    a, b = np.ascontiguousarray(a, F32), np.ascontiguousarray(b, F32)
-    assert a.shape == b.shape
-    return int(np.count_nonzero(a.view(np.uint32) != b.view(np.uint32)))
-
-
-def random_blocks(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> np.ndarray:
-    """Valid K-quant rows (gguf cannot quantize to K types): random quants and packed scales,
-    small positive f16 super-block scales (and mins for Q4_K), as real weights have."""
-    nb = n_in // ek.QK_K
-    raw = rng.integers(0, 256, (n_out, nb, ek._BLOCK_BYTES[qtype]), dtype=np.uint8)
-
-    def halves(scale: float) -> np.ndarray:
-        return (
-            (rng.random((n_out, nb)) * scale + 1e-5)
-            .astype(np.float16)
-            .view(np.uint8)
-            .reshape(n_out, nb, 2)
-        )
-
-    if qtype == T.Q6_K:
-        raw[:, :, 208:210] = halves(0.004)
-    elif qtype == T.Q3_K:  # hmask, qs, 12 bytes of 6-bit scales, then d
-        raw[:, :, 108:110] = halves(0.004)
-    elif qtype == T.Q2_K:  # 16 scale|min bytes, qs, then d and dmin
-        raw[:, :, 80:82], raw[:, :, 82:84] = halves(0.01), halves(0.01)
-    elif qtype == T.Q5_K:
-        raw[:, :, 0:2], raw[:, :, 2:4] = halves(0.005), halves(0.005)
-    else:
-        raw[:, :, 0:2], raw[:, :, 2:4] = halves(0.01), halves(0.01)
-    return raw.reshape(n_out, -1)
-
-
-def activations(rng: np.random.Generator, m: int, n: int) -> np.ndarray:
-    """Hidden-state-like rows: N(0, 1) with some rows 30x wider and some 100x narrower."""
-    scale = rng.choice(np.array([1, 30, 0.01], F32), size=(m, 1))
-    return (rng.standard_normal((m, n)) * scale).astype(F32)
 
 
 def f32_product(

@@ -19,29 +19,17 @@ from gguf import GGUFReader, quants
 from bankml.engine_cupy import weights
 from bankml.engine_cupy.kernels import exact_matmul as em
 from tests import ggml_oracle as go
+from tests.engine_checks import activations, differing
 
 F32 = np.float32
 TYPES = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)
 ROWS = (1, 3, 17, 64, 512)
 
 
-def differing(a: np.ndarray, b: np.ndarray) -> int:
-    """Elements whose bits differ (so -0 vs +0 counts)."""
-    a, b = np.ascontiguousarray(a, F32), np.ascontiguousarray(b, F32)
-    assert a.shape == b.shape
-    return int(np.count_nonzero(a.view(np.uint32) != b.view(np.uint32)))
-
-
 def naive_product(raw: np.ndarray, qtype: T, n_out: int, n_in: int, x: np.ndarray) -> np.ndarray:
     """The f32 path the engine used before: rounded activation @ dequantized weights."""
     w = weights.dequantize(raw, qtype).reshape(n_out, n_in)
     return weights.quantize_activation(np, x, weights.VEC_DOT_KIND[qtype]) @ w.T
-
-
-def activations(rng: np.random.Generator, m: int, n: int) -> np.ndarray:
-    """Hidden-state-like rows: N(0, 1) with some rows 30x wider and some 100x narrower."""
-    scale = rng.choice(np.array([1, 30, 0.01], F32), size=(m, 1))
-    return (rng.standard_normal((m, n)) * scale).astype(F32)
 
 
 def check_product(

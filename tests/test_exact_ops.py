@@ -18,15 +18,9 @@ from gguf import quants
 
 from bankml.engine_cupy.kernels import exact_ops as eo
 from tests import ggml_oracle as go
+from tests.engine_checks import differing
 
 F32 = np.float32
-
-
-def differing(a: np.ndarray, b: np.ndarray) -> int:
-    """Elements whose bits differ (so -0 vs +0 and NaN payloads count)."""
-    a, b = np.ascontiguousarray(a, F32), np.ascontiguousarray(b, F32)
-    assert a.shape == b.shape
-    return int(np.count_nonzero(a.view(np.uint32) != b.view(np.uint32)))
 
 
 def report(name: str, ours: np.ndarray, naive: np.ndarray, ggml: np.ndarray) -> int:

@@ -8,181 +8,22 @@ asserts it; the thresholds are the measured figures with a margin (docs/modules/
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import Any
 
 import numpy
 import pytest
 
-from bankml.engine_cupy.engine import prompt_batches
 from bankml.engine_cupy.model import Model
-from bankml.engine_cupy.sampler import token_logprobs
 from tests import support
+from tests.engine_checks import (
+    GREEDY_TOKENS,
+    PROMPTS,
+    compare_greedy,
+    compare_next_token,
+    log_softmax,
+    tokenize,
+)
 from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model
-
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-    "def fibonacci(n):\n    ",
-    "List three colours: red,",
-    "The quick brown fox",
-    "Water boils at a temperature of",
-    "In 1969, the first person to walk on the Moon was",
-    "import numpy as np\nx = np.",
-    "Translate to French: good morning ->",
-    "The sum of 17 and 25 is",
-    "<|im_start|>user\nWhat is the largest planet?<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-    "Write a haiku about rain.<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>user\nGive me a recipe for pancakes.<|im_end|>\n<|im_start|>assistant\n",
-    "Photosynthesis is the process by which",
-    "SELECT name FROM users WHERE",
-    "A haiku:\n",
-    "Dear diary, today I",
-    "The three laws of robotics are",
-    "1, 2, 3, 4, 5,",
-    "Bonjour, je m'appelle",
-    "<|im_start|>user\nExplain recursion in one sentence.<|im_end|>\n<|im_start|>assistant\n",
-    "The most important thing about machine learning is",
-    "Emoji test: 🙂 🚀 and then",
-    "   indented text with    many spaces   and",
-]
-GREEDY_TOKENS = 48
-EOG = {0, 2}  # <|endoftext|> and <|im_end|> of the SmolLM2 vocabulary (also the tiny models')
-
-
-def tokenize(server: support.LlamaServer, text: str) -> list[int]:
-    status, body = support.http_json(
-        server.url + "/tokenize", {"content": text, "parse_special": True}
-    )
-    assert status == 200, body
-    return body["tokens"]
-
-
-def server_next_token(server: support.LlamaServer, ids: list[int]) -> dict[int, float]:
-    """llama-server's top-10 log-probabilities of the next token (raw logits, greedy)."""
-    status, body = support.http_json(
-        server.url + "/completion",
-        {
-            "prompt": ids,
-            "n_predict": 1,
-            "n_probs": 10,
-            "temperature": 0,
-            "cache_prompt": False,
-            "post_sampling_probs": False,
-        },
-    )
-    assert status == 200, body
-    top = body["completion_probabilities"][0]["top_logprobs"]
-    return {entry["id"]: entry["logprob"] for entry in top}
-
-
-def server_greedy(server: support.LlamaServer, ids: list[int], n: int) -> list[int]:
-    status, body = support.http_json(
-        server.url + "/completion",
-        {
-            "prompt": ids,
-            "n_predict": n,
-            "temperature": 0,
-            "top_k": 1,
-            "cache_prompt": False,
-            "return_tokens": True,
-        },
-    )
-    assert status == 200, body
-    tokens = body["tokens"]
-    # llama-server lists the end-of-generation token it stopped on; engine_greedy stops before it
-    return tokens[:-1] if tokens and tokens[-1] in EOG else tokens
-
-
-def log_softmax(logits: numpy.ndarray) -> numpy.ndarray:
-    z = logits.astype(numpy.float64)
-    z -= z.max()
-    return z - numpy.log(numpy.exp(z).sum())
-
-
-def prefill(model: Model, ids: list[int], cache: Any) -> numpy.ndarray:
-    """The prompt evaluated in the micro-batches llama-server uses (engine.prompt_batches: for a
-    sliding-window model the last 4 and 516 tokens go apart, which changes the kernels they
-    meet); the last token's logits."""
-    logits, start = None, cache.n_tokens
-    for a, b in prompt_batches(start, start + len(ids), model.has_sliding_window):
-        logits = model.forward(ids[a - start : b - start], cache)
-    return logits
-
-
-def engine_greedy(
-    model: Model, ids: list[int], n: int, cache_type: str | None = None, n_ctx: int | None = None
-) -> list[int]:
-    """Argmax decoding, stopping at an end-of-generation token as llama-server does (a cache of
-    n_ctx cells, by default just the positions needed)."""
-    cache = model.new_cache(n_ctx or len(ids) + n + 1, cache_type)
-    logits = prefill(model, ids, cache)
-    out: list[int] = []
-    for _ in range(n):
-        token = int(numpy.argmax(logits))
-        if token in EOG:
-            break
-        out.append(token)
-        if len(out) < n:
-            logits = model.forward([token], cache)
-    return out
-
-
-def compare_next_token(
-    model: Model,
-    server: support.LlamaServer,
-    prompts: list[list[int]],
-    cache_type: str | None = None,
-) -> tuple[float, int]:
-    """(largest |logprob difference| over the server's top 10, prompts with the same top-1)."""
-    worst, same_top1 = 0.0, 0
-    for ids in prompts:
-        theirs = server_next_token(server, ids)
-        logits = prefill(model, ids, model.new_cache(len(ids) + 1, cache_type))
-        ours = reported_logprobs(logits, theirs)
-        worst = max(worst, max(abs(ours[t] - lp) for t, lp in theirs.items()))
-        top1 = max(theirs, key=theirs.get)
-        same_top1 += int(numpy.argmax(logits)) == top1
-    return worst, same_top1
-
-
-def reported_logprobs(logits: numpy.ndarray, theirs: dict[int, float]) -> dict[int, float]:
-    """Our log-probabilities of the tokens llama-server listed, normalised as llama-server does
-    (float softmax over the sorted logits, sampler.token_logprobs), so that the difference
-    measures the logits and not two ways of summing 49,152 exponentials."""
-    probs = token_logprobs(logits, len(theirs), 0)
-    listed = dict(probs.top)
-    full = log_softmax(logits)
-    return {t: math.log(listed[t]) if listed.get(t, 0) > 0 else float(full[t]) for t in theirs}
-
-
-def compare_greedy(
-    model: Model,
-    server: support.LlamaServer,
-    prompts: list[list[int]],
-    n: int,
-    cache_type: str | None = None,
-) -> tuple[int, list[str]]:
-    same, notes = 0, []
-    for ids in prompts:
-        theirs = server_greedy(server, ids, n)
-        ours = engine_greedy(model, ids, n, cache_type)
-        if ours == theirs:
-            same += 1
-        else:
-            split = next(
-                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                min(len(ours), len(theirs)),
-            )
-            notes.append(f"prompt of {len(ids)} tokens differs at token {split}")
-    return same, notes
-
-
-@pytest.fixture(scope="module")
-def default_engine(default_model: Path) -> Model:
-    return Model.load(default_model, device="cpu", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -260,11 +101,6 @@ def test_q4_k_m_against_llama_server(
     assert same_top1 == len(prompts)
     assert worst < 1e-4
     assert same == len(prompts)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tiny-models")
 
 
 TINY_PROMPTS = PROMPTS[:6]

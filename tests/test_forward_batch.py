@@ -21,9 +21,8 @@ from gguf import GGMLQuantizationType as T
 
 from bankml.engine_cupy import model as model_module
 from bankml.engine_cupy.model import Model
-from tests.test_decode_batch import Rows, kv_bytes, tiny
-from tests.test_decode_fast_path import FAST_SPECS, token_ids
-from tests.tiny_models import TinySpec
+from tests.engine_checks import Rows, kv_bytes, tiny, token_ids
+from tests.tiny_models import FAST_SPECS, TinySpec
 
 # the tiny models whose every product is row-independent (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, not
 # repacked): their prompts and decode steps share one pass
@@ -78,11 +77,6 @@ def shared_passes(monkeypatch: pytest.MonkeyPatch) -> list[list[int | str]]:
     return passes
 
 
-@pytest.fixture(scope="module")
-def default_engine(default_model: Path) -> Model:
-    return Model.load(default_model, device="cpu", progress=False)
-
-
 def test_default_model(default_engine: Model, shared_passes: list[list[int | str]]) -> None:
     """Prompt chunks of 17 and 3, 30 and 12 (a q8_0 cache's sequence among f16 ones), 60 and
     60 in one pass each (the lane tiles of 16 rows and more), 40 and 512 apart (past the
@@ -115,11 +109,6 @@ def test_default_model(default_engine: Model, shared_passes: list[list[int | str
         ["1 decode", 130],
         ["2 decode", 200, 1],
     ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tiny-forward-batch")
 
 
 @pytest.mark.parametrize("spec", FAST_SPECS, ids=lambda s: s.name)

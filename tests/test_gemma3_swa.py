@@ -25,7 +25,7 @@ from bankml.engine_cupy import kv_cache
 from bankml.engine_cupy.engine import Engine, prompt_batches
 from bankml.engine_cupy.model import Model
 from tests import support
-from tests.test_forward import (
+from tests.engine_checks import (
     engine_greedy,
     prefill,
     reported_logprobs,
@@ -254,7 +254,7 @@ def test_ring_attention_is_ggml_flash_attention(
     """Each attention of a 900-token prompt (the ring wraps inside its 512-row batch) equals
     ggml's own flash_attn_ext on the same cells, mask and n_kv (tests/ggml_oracle.py)."""
     from bankml.engine_cupy.kernels import exact_attention
-    from tests.test_exact_attention import ggml_reference
+    from tests.engine_checks import ggml_reference
 
     model = Model.load(tiny_gemma3, device="cpu", progress=False)
     # this checks the general path's calls; the fused decode step is checked equal to it,

@@ -1,8 +1,8 @@
 """The GGUF header guard on the real default model and on synthetic, hostile headers.
 
 Valid synthetic files come from gguf-py's GGUFWriter (an independent writer) and from the small
-struct builder below, which can also write what no honest writer would: huge counts, deep
-nesting, lengths past the end, overlapping tensors.
+struct builder (tests/gguf_bytes.py), which can also write what no honest writer would: huge
+counts, deep nesting, lengths past the end, overlapping tensors.
 """
 
 from __future__ import annotations
@@ -13,81 +13,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bankml.gate import guard
 from bankml.gate.guard import GuardResult, guard_bytes, guard_file
+from tests.gguf_bytes import (
+    LLAMA_KVS,
+    build,
+    kv,
+    kv_array,
+    kv_str,
+    kv_u32,
+    kv_u64,
+    s,
+    tensor,
+)
 
 N = 16384  # the test vectors' tensor size
 
-# Independent of bankml.gate.guard: gguf-py's layouts plus the pinned llama.cpp's Q2_0 (ggml-common.h).
-LAYOUTS = {int(t): v for t, v in GGML_QUANT_SIZES.items()} | {42: (64, 18)}
-
-# -- a struct-level GGUF writer ------------------------------------------------------------------
-
-
-def s(text: str | bytes) -> bytes:
-    raw = text.encode() if isinstance(text, str) else text
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def kv(key: str, vtype: int, payload: bytes) -> bytes:
-    return s(key) + struct.pack("<I", vtype) + payload
-
-
-def kv_str(key: str, value: str) -> bytes:
-    return kv(key, 8, s(value))
-
-
-def kv_u32(key: str, value: int) -> bytes:
-    return kv(key, 4, struct.pack("<I", value))
-
-
-def kv_u64(key: str, value: int) -> bytes:
-    return kv(key, 10, struct.pack("<Q", value))
-
-
-def kv_array(key: str, elem: int, count: int, payload: bytes) -> bytes:
-    return kv(key, 9, struct.pack("<IQ", elem, count) + payload)
-
-
-def tensor(name: str, dims: list[int], type_id: int, offset: int) -> tuple[bytes, int]:
-    """A tensor info and the end of its data (offset + bytes) when its layout is known."""
-    info = s(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, type_id, offset)
-    count = int(np.prod(dims, dtype=object)) if dims else 1
-    block, size = LAYOUTS.get(type_id, (1, 0))
-    return info, offset + count // block * size
-
-
-def build(
-    kvs: list[bytes] = (),
-    tensors: list[tuple[bytes, int]] = (),
-    *,
-    data_size: int | None = None,
-    magic: bytes = b"GGUF",
-    version: int = 3,
-    n_tensors: int | None = None,
-    n_kv: int | None = None,
-    alignment: int = 32,
-) -> bytes:
-    head = magic + struct.pack(
-        "<IQQ",
-        version,
-        len(tensors) if n_tensors is None else n_tensors,
-        len(kvs) if n_kv is None else n_kv,
-    )
-    out = head + b"".join(kvs) + b"".join(info for info, _ in tensors)
-    if tensors:
-        out += b"\0" * (-len(out) % alignment)
-    if data_size is None:
-        data_size = max((end for _, end in tensors), default=0)
-    return out + b"\0" * data_size
-
-
-LLAMA_KVS = [kv_str("general.architecture", "llama"), kv_str("general.name", "tiny")]
+# -- small files built field by field ------------------------------------------------------------
 
 
 def small_valid() -> bytes:

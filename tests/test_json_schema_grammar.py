@@ -35,8 +35,7 @@ from bankml.engine_cupy.json_schema_grammar import (
 )
 from bankml.engine_cupy.tokenizer import Tokenizer
 from tests import ggml_oracle
-from tests.test_native_serve import Served, shared_served
-from tests.test_native_side_by_side import both
+from tests.native_support import Served, both
 
 # Schemas the converter accepts: every construct it has a rule for.
 SCHEMAS: list[dict[str, Any]] = [
@@ -358,11 +357,6 @@ def test_allowed_tokens_are_llama_cpps(oracle, template: ChatTemplate, default_m
 
 
 # --- answers, side by side with llama-server ---------------------------------------------------------
-
-
-@pytest.fixture
-def served(default_model: Path, default_fork: Path) -> Served:
-    return shared_served(default_model, default_fork)
 
 
 def request_for(

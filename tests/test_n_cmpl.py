@@ -1,6 +1,6 @@
 """A request's several completions (``n_cmpl``, alias ``n``) and several prompts on several slots.
 
-On test_parallel's ``--parallel 4 -kvu`` server (real HTTP on loopback, the real default
+On the ``--parallel 4 -kvu`` server test_parallel uses (real HTTP on loopback, the real default
 model): each choice is bit-identical to the same request alone with ``n`` 1 on the one-slot
 server (child ``j`` of a seeded request seeded ``seed + j``, as llama-server seeds its child
 tasks), streamed and not, and equal to a real llama-server ``-np 4 -kvu``'s choices; the
@@ -43,42 +43,25 @@ from bankml.native.scheduler import RunGroup, RunJob, Scheduler
 from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.replay import ReplayEngine, replay_in_process
 from bankml.serving.run_control import RunControl
-from tests.events import until
-from tests.support import DEFAULT_SHA256, LlamaServer
-from tests.test_native_serve import (
-    HANG_GUARD_S,
+from tests.events import HANG_GUARD_S, until
+from tests.native_support import (
     N_CTX,
+    N_SLOTS,
+    HeadlessControl,
     Served,
     apost,
     get,
     post,
-    shared_served,
+    recorded,
+    run_alone,
+    seeded_chat,
     sse_events,
+    stream_then_leave,
+    wait_for,
 )
-from tests.test_parallel import (
-    N_SLOTS,
-    _alone,
-    _Control,
-    _record,
-    _stream_then_leave,
-    _wait,
-    one_and_four_slots,
-    parallel_served,
-)
+from tests.support import DEFAULT_SHA256, LlamaServer
 
 CHAT_PATH = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def parallel(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
-    """test_parallel's ``--parallel 4 -kvu`` server."""
-    return parallel_served(default_model, default_fork, tmp_path_factory)
-
-
-@pytest.fixture
-def alone_server(default_model: Path, default_fork: Path) -> Served:
-    """test_native_serve's one-slot server."""
-    return shared_served(default_model, default_fork)
 
 
 @pytest.fixture(scope="module")
@@ -88,19 +71,6 @@ def llama_np4(default_model: Path, llama_server_bin: Path):
         default_model, args=["-np", str(N_SLOTS), "-kvu"], binary=llama_server_bin
     ) as s:
         yield s
-
-
-def _seeded_chat(**extra: Any) -> dict[str, Any]:
-    return {
-        "messages": [{"role": "user", "content": "Tell me a joke."}],
-        "temperature": 0.9,
-        "seed": 41,
-        "max_tokens": 12,
-        "logprobs": True,
-        "top_logprobs": 2,
-        "cache_prompt": False,
-        **extra,
-    }
 
 
 async def _checked(served: Served, body: dict[str, Any], answer: bytes) -> str:
@@ -147,7 +117,7 @@ def _stream_choices(events: list[Any]) -> dict[int, dict[str, Any]]:
 async def test_three_seeded_chat_choices_are_each_request_alone_and_llama_servers(
     parallel: Served, alone_server: Served, llama_np4: LlamaServer
 ) -> None:
-    body = _seeded_chat(n=3)
+    body = seeded_chat(n=3)
     calls, rows = _shared_decodes(parallel)
     status, raw = await _raw(parallel.url + CHAT_PATH, body)
     calls, rows = _shared_decodes(parallel)[0] - calls, _shared_decodes(parallel)[1] - rows
@@ -157,7 +127,7 @@ async def test_three_seeded_chat_choices_are_each_request_alone_and_llama_server
     assert rows > calls > 0  # the three choices' decode steps were shared
     print(f"n 3 on {N_SLOTS} slots: {rows} decode rows in {calls} decode calls")
     alone = [
-        json.loads((await _raw(alone_server.url + CHAT_PATH, _seeded_chat(seed=41 + j)))[1])
+        json.loads((await _raw(alone_server.url + CHAT_PATH, seeded_chat(seed=41 + j)))[1])
         for j in range(3)
     ]
     for j, (choice, single) in enumerate(zip(answer["choices"], alone)):
@@ -190,7 +160,7 @@ async def test_three_seeded_chat_choices_are_each_request_alone_and_llama_server
 async def test_three_streamed_chat_choices_are_each_stream_alone(
     parallel: Served, alone_server: Served, llama_np4: LlamaServer
 ) -> None:
-    body = _seeded_chat(n=3, stream=True, stream_options={"include_usage": True})
+    body = seeded_chat(n=3, stream=True, stream_options={"include_usage": True})
     status, raw = await _raw(parallel.url + CHAT_PATH, body)
     assert status == 200
     events = sse_events(raw)
@@ -328,11 +298,11 @@ async def test_the_openai_client_reads_n_2(parallel: Served) -> None:
 async def test_a_client_leaving_stops_every_choice_within_one_token(parallel: Served) -> None:
     bridge = parallel.native.bridge
     earlier = {id(c) for c in bridge.scheduler.stats.runs}
-    body = _seeded_chat(
+    body = seeded_chat(
         n=3, stream=True, max_tokens=300, ignore_eos=True, logprobs=False, top_logprobs=None
     )
     body = {k: v for k, v in body.items() if v is not None}
-    seen = await deferToThread(_stream_then_leave, parallel.url, body)
+    seen = await deferToThread(stream_then_leave, parallel.url, body)
     assert b'"content":"' in seen
     await until(lambda: bridge.processing == 0, "the slots to be free")
     runs = [c for c in bridge.scheduler.stats.runs if id(c) not in earlier]
@@ -350,7 +320,7 @@ async def test_a_client_leaving_stops_every_choice_within_one_token(parallel: Se
 
 @pytest_twisted.ensureDeferred
 async def test_the_python_api_answers_n_choices_as_http_does(parallel: Served) -> None:
-    body = _seeded_chat(n=2, max_tokens=8)
+    body = seeded_chat(n=2, max_tokens=8)
     got = await deferToThread(api.chat, body, native=parallel.native)
     _, over_http = await apost(parallel.url + CHAT_PATH, body)
     assert got["choices"] == over_http["choices"]
@@ -469,11 +439,6 @@ async def test_a_group_that_does_not_fit_waits_for_free_slots_later_runs_go_on(
     await _each_alone(alone_server, body, ours)
 
 
-@pytest.fixture(scope="module")
-def engines(default_model: Path) -> tuple[Engine, Engine]:
-    return one_and_four_slots(default_model)
-
-
 def test_a_child_whose_parent_ends_before_its_prompt_computes_it_itself(
     engines: tuple[Engine, Engine],
 ) -> None:
@@ -483,7 +448,7 @@ def test_a_child_whose_parent_ends_before_its_prompt_computes_it_itself(
     body.update(n_probs=1, cache_prompt=False)
     (parsed,) = four.parse_batch({**body, "n_cmpl": 2}, "completion")
     group = four.share_prompt(completions(parsed))
-    controls = [_Control() for _ in group]
+    controls = [HeadlessControl() for _ in group]
     controls[0].pauseProducing()  # the parent starts, then sits out after its first micro-batch
     got: dict[int, list[Any]] = {j: [] for j in range(2)}
     outcomes: dict[int, Any] = {}
@@ -500,16 +465,16 @@ def test_a_child_whose_parent_ends_before_its_prompt_computes_it_itself(
     ]
     try:
         scheduler.submit_run(RunGroup(jobs))
-        _wait(lambda: len(group[0].shared.waiting) == 1, "the child to wait")
+        wait_for(lambda: len(group[0].shared.waiting) == 1, "the child to wait")
         controls[0].cancel()  # before its second micro-batch: it publishes nothing
-        _wait(lambda: len(outcomes) == 2, "both runs to end")
+        wait_for(lambda: len(outcomes) == 2, "both runs to end")
     finally:
         scheduler.stop(HANG_GUARD_S)
     assert got[0] == []  # it never sampled (a cancelled run's last steps are not sent)
     n_prompt = len(parsed.prompt_tokens)
     assert n_prompt > 512  # two micro-batches
     assert scheduler.stats.prompt_tokens == 512 + n_prompt  # the child computed its own
-    assert _record(got[1]) == _alone(one, "completion", {**body, "seed": 12})
+    assert recorded(got[1]) == run_alone(one, "completion", {**body, "seed": 12})
     assert got[1][-1].summary.timings["prompt_n"] == n_prompt
     assert all(not slot.processing for slot in four.slots)
 

@@ -1,5 +1,5 @@
 """llama-server's slot monitor, token counting and request fields, side by side: bankml
-``--native`` (test_native_serve's shared engine) and the real llama-server on the same model, the
+``--native`` (the native tests' shared engine) and the real llama-server on the same model, the
 same requests, over real HTTP on loopback.
 
 ``GET /slots`` (after a completion, after a chat, while a stream runs, ``fail_on_no_slot``),
@@ -21,8 +21,9 @@ import pytest_twisted
 from twisted.internet.threads import deferToThread
 
 from tests import support
-from tests.test_native_serve import HANG_GUARD_S, Served, shared_served
-from tests.test_native_side_by_side import (
+from tests.events import HANG_GUARD_S
+from tests.native_support import (
+    Served,
     assert_same_keys,
     both,
     call,
@@ -38,11 +39,6 @@ def metrics_reference(default_model: Path, llama_server_bin: Path) -> Iterator[s
     """llama-server with --metrics, as bankml always serves /metrics."""
     with support.LlamaServer(default_model, args=["--metrics"], binary=llama_server_bin) as server:
         yield server
-
-
-@pytest.fixture
-def served(default_model: Path, default_fork: Path) -> Served:
-    return shared_served(default_model, default_fork)
 
 
 def without_task_id(slots: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,13 +20,8 @@ from twisted.internet.threads import deferToThread
 
 from bankml import api
 from tests import support
-from tests.test_native_serve import Served, post, shared_served
-from tests.test_openai_client import canonical_stream, check_receipt_on_last_chunk
-
-
-@pytest.fixture
-def served(default_model: Path, default_fork: Path) -> Served:
-    return shared_served(default_model, default_fork)  # one engine for both native test modules
+from tests.bankml_process import canonical_stream, check_receipt_on_last_chunk
+from tests.native_support import Served, post
 
 
 def client(served: Served) -> Any:

@@ -9,16 +9,11 @@ Answers are greedy (temperature 0) and short, so the module stays well under a m
 
 from __future__ import annotations
 
-import atexit
 import hashlib
-import http.client
 import json
 import os
-import shutil
 import socket
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,56 +30,8 @@ from bankml.native.service import build_native_roots, make_native_service
 from bankml.serving.site import LoopbackSite, listen_loopback
 from tests import support
 from tests.bankml_process import sha
-
-N_CTX = 2048  # the tests' llama-server's -c
-HANG_GUARD_S = 120.0
-
-
-@dataclass
-class Served:
-    native: NativeEngine
-    url: str  # bankml's own address (--listen)
-    engine_url: str  # the engine address (--upstream), with /slots
-    slot_dir: Path
-
-
-_SHARED: list[Served] = []
-
-
-def shared_served(model: Path, fork: Path) -> Served:
-    """The NativeService tap starts for --native, on ports 0: verify, open the engine off the
-    reactor, then bind both addresses. Started once per test process and shared by the native
-    test modules (opening the engine is most of its cost); the reactor's shutdown closes it."""
-    if not _SHARED:
-        slot_dir = Path(tempfile.mkdtemp(prefix="bankml-slots-"))
-        atexit.register(shutil.rmtree, slot_dir, True)
-        svc = make_native_service(
-            {
-                "file": str(model),
-                "fork": str(fork),
-                "ctx": N_CTX,
-                "device": "cpu",
-                "listen": "127.0.0.1:0",
-                "upstream": "127.0.0.1:0",
-                "slot-dir": str(slot_dir),
-                "llama": {"metrics": True},  # llama-server's --metrics: /metrics answers
-            },
-            reactor,
-        )
-        assert svc.compiling is not None, "the kernels did not start compiling during the hash"
-        svc.exit_at_interpreter_end = False
-        svc.startService()
-        pytest_twisted.blockon(svc.ready)
-        assert svc.native is not None and len(svc.ports) == 2, "the native service did not come up"
-        reactor.addSystemEventTrigger("before", "shutdown", svc.stopService)
-        urls = [f"http://127.0.0.1:{svc.port_of(i)}" for i in (0, 1)]
-        _SHARED.append(Served(svc.native, urls[0], urls[1], slot_dir))
-    return _SHARED[0]
-
-
-@pytest.fixture
-def served(default_model: Path, default_fork: Path) -> Served:
-    return shared_served(default_model, default_fork)
+from tests.events import HANG_GUARD_S
+from tests.native_support import N_CTX, Served, apost, get, post, sse_events
 
 
 def test_a_wrongly_pinned_file_is_refused_before_anything_listens(
@@ -95,50 +42,6 @@ def test_a_wrongly_pinned_file_is_refused_before_anything_listens(
     with pytest.raises(SystemExit) as exit_:
         make_native_service({"file": str(default_model), "fork": str(fork)}, reactor)
     assert exit_.value.code == 2
-
-
-def post(url: str, body: Any, raw: bytes | None = None) -> tuple[int, str, bytes]:
-    """(status, content type, body) of a POST; blocking (run it in a thread)."""
-    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
-    path = "/" + url.removeprefix("http://").split("/", 1)[1]
-    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD_S)
-    data = raw if raw is not None else json.dumps(body).encode()
-    conn.request("POST", path, data, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    out = resp.status, resp.getheader("content-type") or "", resp.read()
-    conn.close()
-    return out
-
-
-def get(url: str) -> tuple[int, str, bytes]:
-    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
-    path = "/" + url.removeprefix("http://").split("/", 1)[1]
-    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD_S)
-    conn.request("GET", path)
-    resp = conn.getresponse()
-    out = resp.status, resp.getheader("content-type") or "", resp.read()
-    conn.close()
-    return out
-
-
-async def apost(url: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
-    status, ctype, data = await deferToThread(post, url, body, raw)
-    try:
-        return status, json.loads(data)
-    except ValueError:
-        return status, data.decode("utf-8", "replace")
-
-
-def sse_events(data: bytes) -> list[Any]:
-    events = []
-    for block in data.decode("utf-8").split("\n\n"):
-        block = block.strip()
-        if not block:
-            continue
-        assert block.startswith("data: "), block
-        payload = block[len("data: ") :]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ Where bankml answers differently on purpose, the test asserts bankml's answer an
 and docs/modules/native_service.md says why. Differences that remain in files this suite does not
 own are strict xfails naming the file: they fail loudly once fixed, so the marker comes off.
 
-The native side is test_native_serve's shared engine (``shared_served``, n_ctx 2048 like the
+The native side is the native tests' shared engine (``shared_served``, n_ctx 2048 like the
 reference). ``reference_server`` is the test run's llama-server (no ``--metrics``, no slot path);
 ``full_reference`` is a second llama-server of this module with ``--metrics`` and
 ``--slot-save-path``, for /metrics and the slot actions. Generated text is not compared here (the
@@ -24,7 +24,6 @@ test_served_greedy_chat's), only its shape and the prompt's token count.
 
 from __future__ import annotations
 
-import http.client
 import json
 import tempfile
 from collections.abc import Iterator
@@ -40,15 +39,19 @@ from bankml.native.resident import NativeEngine
 from bankml.native.service import build_native_roots
 from bankml.serving.site import LoopbackSite, listen_loopback
 from tests import support
-from tests.test_native_serve import HANG_GUARD_S, N_CTX, Served, shared_served, sse_events
-
-RECEIPT = "bankml_receipt"
-BANKML_ADDITIONS = {RECEIPT}  # top-level keys of any answer or event that llama-server never sends
-
-
-@pytest.fixture
-def served(default_model: Path, default_fork: Path) -> Served:
-    return shared_served(default_model, default_fork)
+from tests.events import HANG_GUARD_S
+from tests.native_support import (
+    N_CTX,
+    RECEIPT,
+    Served,
+    assert_same_keys,
+    both,
+    call,
+    chat,
+    completion,
+    key_paths,
+    receipt_free,
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,92 +62,6 @@ def full_reference(default_model: Path, llama_server_bin: Path) -> Iterator[supp
             default_model, args=["--metrics", "--slot-save-path", slot_dir], binary=llama_server_bin
         ) as server:
             yield server
-
-
-# --- HTTP and comparison helpers -------------------------------------------------------------------
-
-
-def call(
-    url: str, method: str, path: str, body: Any = None, raw: bytes | None = None
-) -> tuple[int, str, Any]:
-    """(status, content type, body as JSON or text) of one request; blocking (run it in a thread)."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD_S)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(
-        method, path, data, {"Content-Type": "application/json"} if data is not None else {}
-    )
-    resp = conn.getresponse()
-    payload = resp.read()
-    conn.close()
-    ctype = resp.getheader("content-type") or ""
-    if ctype.startswith("text/event-stream"):
-        return resp.status, ctype, sse_events(payload)
-    try:
-        return resp.status, ctype, json.loads(payload)
-    except ValueError:
-        return resp.status, ctype, payload.decode("utf-8", "replace")
-
-
-async def both(
-    ours: str, ref: Any, method: str, path: str, body: Any = None, raw: bytes | None = None
-) -> tuple[tuple[int, str, Any], tuple[int, str, Any]]:
-    """The same request to bankml (``ours``: a base URL) and to llama-server (``ref``)."""
-    mine = await deferToThread(call, ours, method, path, body, raw)
-    theirs = await deferToThread(call, ref.url, method, path, body, raw)
-    return mine, theirs
-
-
-def key_paths(obj: Any, prefix: str = "") -> set[str]:
-    """Every key path of a JSON value: ``.a.b`` for objects, ``[]`` for list items (merged)."""
-    out: set[str] = set()
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            path = f"{prefix}.{key}"
-            out.add(path)
-            out |= key_paths(value, path)
-    elif isinstance(obj, list):
-        for value in obj:
-            out |= key_paths(value, prefix + "[]")
-    return out
-
-
-def without_additions(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: v for k, v in obj.items() if k not in BANKML_ADDITIONS}
-    return obj
-
-
-def assert_same_keys(ours: Any, ref: Any, ignore: set[str] = frozenset()) -> None:
-    mine, theirs = key_paths(without_additions(ours)) - ignore, key_paths(ref) - ignore
-    assert mine == theirs, {
-        "only bankml": sorted(mine - theirs),
-        "only llama-server": sorted(theirs - mine),
-    }
-
-
-def receipt_free(events: list[Any]) -> list[Any]:
-    """A stream's events with bankml's receipt taken out of the last regular event, where it
-    rides (checked to be there, once: every other event is exactly llama-server's)."""
-    dicts = [i for i, e in enumerate(events) if isinstance(e, dict)]
-    receipts = [i for i in dicts if RECEIPT in events[i]]
-    assert receipts == dicts[-1:], events
-    last = {k: v for k, v in events[receipts[0]].items() if k != RECEIPT}
-    assert last, "the receipt rides inside a regular event, never alone"
-    return [last if i == receipts[0] else e for i, e in enumerate(events)]
-
-
-def chat(content: str = "Name a colour.", **extra: Any) -> dict[str, Any]:
-    return {
-        "messages": [{"role": "user", "content": content}],
-        "temperature": 0,
-        "max_tokens": 2,
-        **extra,
-    }
-
-
-def completion(prompt: str = "The capital of France is", **extra: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": 2, "temperature": 0, **extra}
 
 
 # --- GET /health, /props, /v1/models, /metrics -----------------------------------------------------

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 
 from tests import support
-from tests.bankml_process import BankmlProcess, sha
+from tests.bankml_process import (
+    MESSAGES,
+    BankmlProcess,
+    canonical_stream,
+    check_receipt_on_last_chunk,
+    sha,
+)
 
 pytestmark = pytest.mark.llama_server
-
-MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture(scope="module")
@@ -40,41 +43,6 @@ def test_openai_client_not_streamed(client: openai.OpenAI) -> None:
     assert receipt["response_sha256"] == sha(text)
     assert receipt["model_sha256"] == support.DEFAULT_SHA256
     assert receipt["completion_tokens"] == completion.usage.completion_tokens
-
-
-def canonical_stream(client: openai.OpenAI, include_usage: bool, **extra: Any) -> tuple[str, Any]:
-    """The loop every OpenAI example shows, ``chunk.choices[0].delta.content`` on each chunk (with
-    ``include_usage``: on each chunk that has choices, the usage chunk having none); the text and
-    the chunks. Raises if any event is not a regular chunk."""
-    options = {"stream_options": {"include_usage": True}} if include_usage else {}
-    stream = client.chat.completions.create(
-        model="x", messages=MESSAGES, max_tokens=12, temperature=0, stream=True, **options, **extra
-    )
-    text, chunks = "", []
-    for chunk in stream:
-        chunks.append(chunk)
-        if include_usage and chunk.usage is not None:
-            assert chunk.choices == []
-            continue
-        text += chunk.choices[0].delta.content or ""
-    return text, chunks
-
-
-def check_receipt_on_last_chunk(text: str, chunks: list[Any], include_usage: bool) -> dict:
-    """The receipt rides in the last chunk only (kept by the client as an extra field); checked
-    against the text the loop read."""
-    extras = [(chunk.model_extra or {}).get("bankml_receipt") for chunk in chunks]
-    assert all(r is None for r in extras[:-1]) and extras[-1] is not None
-    last = chunks[-1]
-    receipt = last.to_dict()["bankml_receipt"]
-    assert receipt == extras[-1]
-    if include_usage:  # the usage chunk is the last
-        assert last.choices == [] and last.usage.completion_tokens == receipt["completion_tokens"]
-    else:
-        assert last.choices[0].finish_reason in ("stop", "length")
-    assert text and receipt["response_sha256"] == sha(text)
-    assert receipt["model_sha256"] == support.DEFAULT_SHA256
-    return receipt
 
 
 @pytest.mark.parametrize("include_usage", [False, True])

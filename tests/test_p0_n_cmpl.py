@@ -25,10 +25,9 @@ from bankml.receipts.check import VALID, check_receipt
 from bankml.receipts.keys import SigningKey, keygen
 from bankml.receipts.replay import IDENTICAL, open_replay_engine, replay_in_process
 from tests import support
-from tests.test_check_receipt import edited
-from tests.test_n_cmpl import _seeded_chat
-from tests.test_native_serve import sse_events
-from tests.test_p0_receipts import post, spawned_p0
+from tests.bankml_process import post, spawned_p0
+from tests.native_support import seeded_chat, sse_events
+from tests.receipt_answers import edited
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
 
@@ -36,18 +35,18 @@ CHAT = "/v1/chat/completions"
 PROMPTS = ["The capital of France is", "Once upon a time"]
 # (name, path, body, answers): answers = prompts x n
 CASES: list[tuple[str, str, dict[str, Any], int]] = [
-    ("chat n 3 seeded", CHAT, _seeded_chat(n=3), 3),
+    ("chat n 3 seeded", CHAT, seeded_chat(n=3), 3),
     (
         "chat n 3 seed drawn, streamed with usage",
         CHAT,
         {
-            **{k: v for k, v in _seeded_chat(n=3).items() if k != "seed"},
+            **{k: v for k, v in seeded_chat(n=3).items() if k != "seed"},
             "stream": True,
             "stream_options": {"include_usage": True},
         },
         3,
     ),
-    ("chat n 2 seeded, streamed", CHAT, _seeded_chat(n=2, stream=True), 2),
+    ("chat n 2 seeded, streamed", CHAT, seeded_chat(n=2, stream=True), 2),
     (
         "completions n 2",
         "/v1/completions",

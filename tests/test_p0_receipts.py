@@ -15,7 +15,6 @@ client's ``responses.create`` parses the signed answers. Counts are printed.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +31,8 @@ from bankml.receipts.replay import (
     replay_with_llama_server,
 )
 from tests import support
-from tests.bankml_process import BankmlProcess, check_receipt_cli
-from tests.receipt_answers import Exchange
-from tests.test_check_receipt import lies_signed, tampered_cases
+from tests.bankml_process import BankmlProcess, check_receipt_cli, post, spawned_p0
+from tests.receipt_answers import Exchange, lies_signed, tampered_cases
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
 
@@ -179,32 +177,6 @@ def p0(
         yield bankml
 
 
-def spawned_p0(
-    key: SigningKey,
-    model: Path,
-    fork: Path,
-    llama_server_bin: Path,
-    log: Path,
-    llama_args: Sequence[str] = (),
-) -> BankmlProcess:
-    """``bankml serve --spawn`` signing with ``key`` (a context manager: stopped on exit)."""
-    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{support.free_port()}"]
-    engine += ["--receipt-key", str(key.path)]
-    return BankmlProcess(model, fork, engine, log, llama_args=list(llama_args))
-
-
-def post(p0: BankmlProcess, path: str, body: bytes) -> bytes:
-    conn = p0.connection()
-    try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-    finally:
-        conn.close()
-    assert resp.status == 200, raw[:300]
-    return raw
-
-
 def asked(p0: BankmlProcess, table: list[tuple[str, str, dict[str, Any], bool]]) -> list[Exchange]:
     out = []
     for name, path, body, seeded in table:
@@ -306,7 +278,7 @@ def test_a_seed_is_claimed_only_where_llama_server_reads_one(
     """Signed by the key's holder: a Messages receipt naming a seed, or a Responses receipt
     naming none, is refused by the check."""
     from bankml.receipts.sign import sign_receipt
-    from tests.test_check_receipt import edited
+    from tests.receipt_answers import edited
 
     def with_seed(response: bytes, seed: Any) -> bytes:
         def edit(objects: list[dict[str, Any]]) -> None:

@@ -6,7 +6,7 @@ interleaving runs of every kind step by step against each run alone on a one-slo
 Server level (real HTTP on loopback, as test_native_serve.py): a ``--parallel 4 -kvu`` server
 (each slot the whole 2048-token context, the size of the one-slot server's cache, so the
 attention sees the same padded lengths) answers eight concurrent requests of different kinds,
-each compared byte for byte with the same request alone on test_native_serve's one-slot server
+each compared byte for byte with the same request alone on the native tests' one-slot server
 (and the greedy ones with llama-server ``-np 1``). Requests send ``cache_prompt: false``: each
 prefill starts from an empty slot, so an answer cannot depend on what ran in its slot before
 (that is the prompt cache's business, tested in test_prompt_cache.py), only on what runs beside
@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.threads import deferToThread
 
@@ -35,35 +32,25 @@ from bankml.engine_cupy.engine import Engine
 from bankml.engine_cupy.passes import passes_of
 from bankml.native.run import prompt_steps
 from bankml.native.scheduler import RunJob, Scheduler
-from bankml.native.service import make_native_service
 from bankml.serving.run_control import RunControl
-from tests.events import until
-from tests.test_native_serve import (
-    HANG_GUARD_S,
-    N_CTX,
+from tests.events import HANG_GUARD_S, until
+from tests.native_support import (
+    N_SLOTS,
+    HeadlessControl,
     Served,
     apost,
     get,
-    shared_served,
+    post,
+    recorded,
+    run_alone,
     sse_events,
+    stream_then_leave,
+    wait_for,
 )
 
-N_SLOTS = 4
 LONG_PROMPT = " ".join(f"item {i}," for i in range(300))  # ~900 tokens: two prefill batches
 
 # --- engine level ------------------------------------------------------------------------------
-
-
-def one_and_four_slots(model: Path) -> tuple[Engine, Engine]:
-    """(one slot, four slots) over one loaded model, each slot 2048 positions."""
-    one = Engine.open(model, n_ctx=N_CTX, device="cpu")
-    four = Engine(one.model, one.tokenizer, one.template, one.n_ctx, n_slots=N_SLOTS)
-    return one, four
-
-
-@pytest.fixture(scope="module")
-def engines(default_model: Path) -> tuple[Engine, Engine]:
-    return one_and_four_slots(default_model)
 
 
 def test_the_slot_is_chosen_as_llama_servers_get_available_slot(
@@ -117,31 +104,6 @@ ENGINE_REQUESTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def _alone(engine: Engine, kind: str, body: dict[str, Any]) -> list[Any]:
-    """What one run yields on an idle one-slot engine from an empty slot: every chunk's token,
-    text and logprob entry, then the summary's text, finish reason and tokens."""
-    engine.slot_tokens = []
-    engine.cache.truncate(0)
-    request = engine.parse_request({"temperature": 0, **body}, kind)
-    return _record(list(prompt_steps(engine, [request])(lambda: False)))
-
-
-def _record(steps: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for step in steps:
-        if step.chunk is not None:
-            out.append((step.chunk.token, step.chunk.text, step.chunk.entry))
-        elif step.summary is not None:
-            s = step.summary
-            out.append((s.text, s.finish_reason, s.tokens, s.completion_tokens))
-    return out
-
-
-class _Control(RunControl):
-    """A run's flags with nobody on the reactor side: every item counts as delivered at once,
-    unless the test pauses it."""
-
-
 def _scheduled(four: Engine, requests: list[tuple[str, dict[str, Any]]], controls: list) -> Any:
     """Every request run through a Scheduler on the four-slot engine, all submitted at once;
     returns (scheduler, the items each run delivered, the outcomes by index)."""
@@ -160,25 +122,18 @@ def _scheduled(four: Engine, requests: list[tuple[str, dict[str, Any]]], control
     return scheduler, got, outcomes
 
 
-def _wait(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_interleaved_runs_are_bit_identical_to_each_run_alone(
     engines: tuple[Engine, Engine],
 ) -> None:
     one, four = engines
-    alone = [_alone(one, kind, body) for kind, body in ENGINE_REQUESTS]
-    controls = [_Control() for _ in ENGINE_REQUESTS]
+    alone = [run_alone(one, kind, body) for kind, body in ENGINE_REQUESTS]
+    controls = [HeadlessControl() for _ in ENGINE_REQUESTS]
     scheduler, got, outcomes = _scheduled(four, ENGINE_REQUESTS, controls)
     try:
-        _wait(lambda: len(outcomes) == len(ENGINE_REQUESTS), "every run to end")
+        wait_for(lambda: len(outcomes) == len(ENGINE_REQUESTS), "every run to end")
     finally:
         scheduler.stop(HANG_GUARD_S)
-    assert [_record(got[i]) for i in range(len(ENGINE_REQUESTS))] == alone
+    assert [recorded(got[i]) for i in range(len(ENGINE_REQUESTS))] == alone
     stats = scheduler.stats
     assert stats.max_active == N_SLOTS  # the fifth waited for a slot
     # the decode steps of several slots went out together, each slot once per step
@@ -213,14 +168,14 @@ def test_the_forward_passes_of_one_iteration_go_to_forward_batch_in_one_call(
     model = _BatchingModel(one.model)
     four = Engine(model, one.tokenizer, one.template, one.n_ctx, n_slots=N_SLOTS)
     requests = ENGINE_REQUESTS[:3]
-    alone = [_alone(one, kind, body) for kind, body in requests]
-    controls = [_Control() for _ in requests]
+    alone = [run_alone(one, kind, body) for kind, body in requests]
+    controls = [HeadlessControl() for _ in requests]
     scheduler, got, outcomes = _scheduled(four, requests, controls)
     try:
-        _wait(lambda: len(outcomes) == len(requests), "every run to end")
+        wait_for(lambda: len(outcomes) == len(requests), "every run to end")
     finally:
         scheduler.stop(HANG_GUARD_S)
-    assert [_record(got[i]) for i in range(len(requests))] == alone
+    assert [recorded(got[i]) for i in range(len(requests))] == alone
     # every pass with several slots' steps was one forward_batch call of them all: the three
     # prompts together first, then the decode steps
     decodes = [sum(n == 1 for n in sizes) for sizes in model.batches]
@@ -236,70 +191,29 @@ def test_a_paused_run_sits_out_and_a_cancelled_one_stops_within_one_token(
     _, four = engines
     body = {"prompt": "Write a long story:", "n_predict": 60, "ignore_eos": True}
     requests = [("completion", dict(body, prompt=f"Story {i}:")) for i in range(3)]
-    controls = [_Control(window=4) for _ in requests]
+    controls = [HeadlessControl(window=4) for _ in requests]
     controls[0].pauseProducing()  # its client's transport is full before the first token
     scheduler, got, outcomes = _scheduled(four, requests, controls)
     try:
-        _wait(lambda: controls[2].steps >= 10, "the third run's first tokens")
+        wait_for(lambda: controls[2].steps >= 10, "the third run's first tokens")
         controls[2].cancel()
-        _wait(lambda: 1 in outcomes and 2 in outcomes, "the second and the cancelled run to end")
+        wait_for(lambda: 1 in outcomes and 2 in outcomes, "the second and the cancelled run to end")
         paused_steps = controls[0].steps
         assert controls[0].skipped > 0 and paused_steps == 0  # it never went on
-        assert _record(got[1])[-1][3] == 60  # the other went on to its 60 tokens meanwhile
+        assert recorded(got[1])[-1][3] == 60  # the other went on to its 60 tokens meanwhile
         assert controls[2].steps - controls[2].steps_at_cancel <= 1
         assert outcomes[2] is None and 0 not in outcomes
         controls[0].resumeProducing()
-        _wait(lambda: 0 in outcomes, "the paused run, resumed, to end")
+        wait_for(lambda: 0 in outcomes, "the paused run, resumed, to end")
     finally:
         scheduler.stop(HANG_GUARD_S)
-    assert _record(got[0])[-1][3] == 60
+    assert recorded(got[0])[-1][3] == 60
     # nothing of the cancelled run was delivered after the cancel, its summary neither
     assert len(got[2]) <= controls[2].steps_at_cancel
     assert all(s.summary is None for s in got[2])
 
 
 # --- over HTTP ---------------------------------------------------------------------------------
-
-
-_PARALLEL: list[Served] = []
-
-
-@pytest.fixture(scope="module")
-def parallel(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
-    return parallel_served(default_model, default_fork, tmp_path_factory)
-
-
-def parallel_served(default_model: Path, default_fork: Path, tmp_path_factory: Any) -> Served:
-    """``bankml serve --native --parallel 4 -kvu --ctx 2048 --metrics`` on ports 0, in this
-    process (NativeService as tap starts it), one for the whole test run."""
-    if not _PARALLEL:
-        slot_dir = tmp_path_factory.mktemp("parallel-slots")
-        svc = make_native_service(
-            {
-                "file": str(default_model),
-                "fork": str(default_fork),
-                "ctx": N_CTX,
-                "device": "cpu",
-                "listen": "127.0.0.1:0",
-                "upstream": "127.0.0.1:0",
-                "slot-dir": str(slot_dir),
-                "llama": {"metrics": True, "n_parallel": N_SLOTS, "kv_unified": True},
-            },
-            reactor,
-        )
-        svc.exit_at_interpreter_end = False
-        svc.startService()
-        pytest_twisted.blockon(svc.ready)
-        assert svc.native is not None and len(svc.ports) == 2
-        reactor.addSystemEventTrigger("before", "shutdown", svc.stopService)
-        urls = [f"http://127.0.0.1:{svc.port_of(i)}" for i in (0, 1)]
-        _PARALLEL.append(Served(svc.native, urls[0], urls[1], Path(slot_dir)))
-    return _PARALLEL[0]
-
-
-@pytest.fixture
-def alone_server(default_model: Path, default_fork: Path) -> Served:
-    return shared_served(default_model, default_fork)
 
 
 def _chat(content: str, **extra: Any) -> dict[str, Any]:
@@ -421,27 +335,6 @@ async def test_greedy_answers_equal_llama_server_with_one_slot(
             assert got["content"] == ref["content"] and got["tokens_predicted"] > 0
 
 
-def _stream_then_leave(url: str, body: dict[str, Any]) -> bytes:
-    """Read a stream until its first piece of text, then close the connection."""
-    host, port = url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)), timeout=HANG_GUARD_S)
-    data = json.dumps(body).encode()
-    s.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        b"Content-Type: application/json\r\n"
-        + f"Content-Length: {len(data)}\r\n\r\n".encode()
-        + data
-    )
-    seen = b""
-    while b'"content":"' not in seen:
-        chunk = s.recv(4096)
-        if not chunk:
-            break
-        seen += chunk
-    s.close()
-    return seen
-
-
 @pytest_twisted.ensureDeferred
 async def test_a_client_leaving_stops_its_slot_within_one_token_the_others_go_on(
     parallel: Served,
@@ -458,7 +351,7 @@ async def test_a_client_leaving_stops_its_slot_within_one_token_the_others_go_on
         for i in range(3)
     ]
     body = _chat("Write a long story about a lighthouse.", stream=True, max_tokens=400)
-    seen = await deferToThread(_stream_then_leave, parallel.url, body)
+    seen = await deferToThread(stream_then_leave, parallel.url, body)
     assert b'"content":"' in seen
     results = await DeferredList(others, consumeErrors=True)
     assert all(ok and r[0] == 200 and r[1]["tokens_predicted"] == 48 for ok, r in results)
@@ -503,8 +396,6 @@ async def test_a_client_that_stops_reading_does_not_hold_the_others(parallel: Se
 
 
 async def apost_stream(url: str, body: Any) -> tuple[int, list[Any]]:
-    from tests.test_native_serve import post
-
     status, _, data = await deferToThread(post, url, body)
     return status, sse_events(data)
 

@@ -28,7 +28,7 @@ from bankml.engine_cupy.sampler import (
     SamplerParams,
     apply_logit_bias,
 )
-from tests.test_native_serve import apost, post, shared_served, sse_events
+from tests.native_support import apost, post, shared_served, sse_events
 
 
 @pytest.fixture

@@ -11,14 +11,13 @@ the same way on both sides.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_twisted
 from twisted.internet.threads import deferToThread
 
-from tests.test_native_serve import Served, post, shared_served, sse_events
+from tests.native_support import Served, post, sse_events
 
 N_TOKENS = 32
 PROMPTS = [
@@ -43,11 +42,6 @@ PROMPTS = [
     "What is photosynthesis?",
     "Summarise the rules of chess briefly.",
 ]
-
-
-@pytest.fixture
-def served(default_model: Path, default_fork: Path) -> Served:
-    return shared_served(default_model, default_fork)
 
 
 def body(prompt: str, stream: bool) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from bankml.receipts.sign import engine_source_digest
 from tests import support
 from tests.bankml_process import check_receipt_cli
 from tests.native_server import NativeProcess
-from tests.test_check_receipt import edited, text_slots
+from tests.receipt_answers import edited, text_slots
 
 pytestmark = pytest.mark.slow
 

@@ -15,17 +15,13 @@ from bankml.gate import verify as verify_module
 from bankml.gate.fileident import FileIdent
 from bankml.gate.verify import Refused, Verified, pin, pinned_sha256, sha256_file, verify
 from tests import support
-from tests.test_guard import LLAMA_KVS, build, tensor
+from tests.gguf_bytes import LLAMA_KVS, build, tensor
+from tests.registry_support import write_fork
 
 
 def small_model(directory: Path, name: str = "m.gguf") -> Path:
     path = directory / name
     path.write_bytes(build(LLAMA_KVS, [tensor("a", [64], 0, 0)]))
-    return path
-
-
-def write_fork(path: Path, files: list[dict], **provenance) -> Path:
-    path.write_text(json.dumps({**provenance, "files": files}))
     return path
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import bankml
 from tests import support
-from tests.test_guard import LLAMA_KVS, build, kv_u32, tensor
+from tests.gguf_bytes import LLAMA_KVS, build, kv_u32, tensor
 
 
 def bankml_run(*args: str | Path) -> subprocess.CompletedProcess[str]:

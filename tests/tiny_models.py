@@ -69,6 +69,30 @@ TINY_SPECS = (
     TinySpec("qwen3", T.TQ2_0),  # ternary, quantized by gguf-py
 )
 
+# The set the fast-path tests run (decode step, decode_batch, forward_batch):
+# biases (qwen2), Q/K norms and a repacked Q4_0 (qwen3), post-norms, GeGLU, the Q scale,
+# sliding windows and soft-capping (gemma3), and the three float weight types' vec_dot paths;
+# the K-quants' one-row products: repacked Q4_K's gemv with a Q6_K output, Q2_K with biases,
+# Q3_K with a Q2_K output, and Q6_K in gemma3 (Q5_K: gguf-py cannot quantize it)
+FAST_SPECS = (
+    TinySpec("qwen2", T.Q4_1, tied=False),
+    TinySpec("gemma3", T.Q5_0, n_layer=4),
+    TinySpec("qwen3", T.Q4_0),
+    TinySpec("llama", T.F16),
+    TinySpec("llama", T.BF16),
+    TinySpec("qwen3", T.F32),
+    TinySpec("llama", T.Q4_K, tied=False, llama3_rope=True, out_type=T.Q6_K),
+    TinySpec("qwen2", T.Q2_K),
+    TinySpec("llama", T.Q3_K, tied=False, out_type=T.Q2_K),
+    TinySpec("gemma3", T.Q6_K, n_layer=4),
+    TinySpec("llama", T.IQ4_NL),  # repacked layers (gemv), the tied output's q8_0 vec_dot
+    TinySpec("qwen2", T.IQ4_XS, tied=False, out_type=T.Q6_K),  # q8_K vec_dot, biases
+    TinySpec("llama", T.IQ3_XXS),  # the grid types' vec_dot
+    TinySpec("qwen2", T.IQ2_XXS, tied=False, out_type=T.Q4_K),
+    TinySpec("llama", T.IQ1_S),  # the deltas' scalar chain
+    TinySpec("qwen3", T.TQ2_0),  # TQ's activation correction, in compiled loops here
+)
+
 
 @functools.lru_cache(maxsize=2)
 def _vocab(vocab_model: Path) -> tuple[list[str], list[int], list[str]]:
