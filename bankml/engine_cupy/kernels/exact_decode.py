@@ -535,7 +535,7 @@ class DecodePlan:
             )
             window = hp.swa_window if hp.swa_layers[il] else 0
             layers.append((norms, *mats, window))
-        gemma = hp.arch == "gemma3"
+        q_scale, scale = hp.spec.attention_scales(hp.attn_scale)
         return cls(
             layers=layers,
             output=output,
@@ -543,8 +543,8 @@ class DecodePlan:
             shape=(hp.n_head, hp.n_head_kv, hp.head_dim),
             n_ff=hp.n_ff,
             neox=bool(hp.spec.rope_neox),
-            q_scale=F32(hp.attn_scale if gemma else 1),
-            scale=F32(1 if gemma else hp.attn_scale),
+            q_scale=F32(q_scale),
+            scale=F32(scale),
             eps=F32(hp.rms_eps),
             swa=tuple(hp.swa_layers),
             gelu=_f32(gelu),
