@@ -38,6 +38,16 @@ class ArchSpec:
     post_norms: bool = False  # RMSNorm of the attention and FFN outputs before each residual
     scale_embeddings: bool = False  # token embeddings times sqrt(n_embd)
     sliding_window: bool = False  # local (windowed) layers with their own RoPE base
+    # Q times the attention scale before attention, which then attends at scale 1 (gemma3's
+    # query_pre_attn_scalar: ggml_scale of Q, then flash attention with kq_scale 1)
+    scale_q: bool = False
+
+    def attention_scales(self, attn_scale: float) -> tuple[float, float]:
+        """(the factor Q is multiplied by before attention, the attention's own scale) for a
+        model whose Q·K scale is ``attn_scale``: (1, attn_scale), or (attn_scale, 1) where
+        ``scale_q``. The one rule both the definition (model.py) and the fused decode step
+        (kernels/exact_decode.py) follow."""
+        return (attn_scale, 1.0) if self.scale_q else (1.0, attn_scale)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -74,6 +84,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         post_norms=True,
         scale_embeddings=True,
         sliding_window=True,
+        scale_q=True,
     ),
 }
 

@@ -188,9 +188,9 @@ def attend_segment(
     cos, sin = seg.ropes[hp.swa_layers[il]]  # [n, hd/2]
     q = ops.rope(q, cos, sin, hp.spec.rope_neox)
     k = ops.rope(k, cos, sin, hp.spec.rope_neox)
-    scale = F32(hp.attn_scale)
-    if hp.arch == "gemma3":  # gemma3 scales Q before attention and attends with scale 1
-        q, scale = q * scale, F32(1)
+    q_scale, scale = (F32(s) for s in hp.spec.attention_scales(hp.attn_scale))
+    if q_scale != 1:  # gemma3 scales Q before attention and attends with scale 1
+        q = q * q_scale
     return seg.store_attend(ops, il, q, k, v, scale)  # [n, h*hd]
 
 
