@@ -100,17 +100,20 @@ class ExactOps:
         """For several one-token steps as rows of one pass (row i at positions[i] of
         caches[i], f16 caches with ``fused_decode``, their rings placed): ``attend_rows(il, q,
         k, v, scale)`` → [B, n_head*hd], which stores row i's K/V and attends over its cache's
-        cells by the fused step's one-row kernel (kernels.exact_batch.store_attend_rows): each
-        row the bits ``attend`` gives it as a micro-batch of its own, in one compiled call."""
+        cells by the fused step's one-row kernel (kernels.exact_batch.store_attend): each row
+        the bits ``attend`` gives it as a micro-batch of its own, in one compiled call."""
         hp = self.hp
-        views = [exact_batch.CellViews(pos, cache) for pos, cache in zip(positions, caches)]
+        views = [exact_decode._CellViews(pos, cache) for pos, cache in zip(positions, caches)]
 
         def attend_rows(il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
             window = hp.swa_window if hp.swa_layers[il] else 0
             q, k, v = (numpy.ascontiguousarray(a, dtype=F32) for a in (q, k, v))
-            return exact_batch.store_attend_rows(
-                q, k, v, positions, views, il, window, F32(scale), n_threads
-            )
+            out = numpy.empty((q.shape[0], hp.n_head * hp.head_dim), F32)
+            for row, (pos, view) in enumerate(zip(positions, views)):
+                exact_batch.store_attend(
+                    q, k, v, row, pos, view.cells(il, window), F32(scale), n_threads, out
+                )
+            return out
 
         return attend_rows
 

@@ -1,33 +1,25 @@
-"""The transformer layer compiled for rows of tokens, and a decode step for several sequences.
+"""A decode step for several sequences at once, each row bit for bit its own one-row step.
 
-The layer's parts here run one row or several, each row bit for bit its own one-row step: the
-fused decode step (exact_decode) composes them for one token, ``BatchStep`` for one token of
-each of several sequences. ``linear``'s ``batched`` flag chooses the products at compile time:
-``ONE_ROW`` the one-row kernels of exact_matmul, exact_kquants and exact_iquants, ``BATCHED``
-the batch products below.
+The fused decode step (exact_decode) runs one token of one sequence, reading (and unpacking)
+every weight once per token. Several sequences advancing by one token each (one row each,
+every row at its own position in its own cache) can share that: here every product walks its
+weight rows once and, for each weight row, takes every row's dot product while the row is in
+L1, each row's activation rounded as the one-row path rounds it (q8_0/q8_1, q8_K, f16/bf16).
+The dots are the one-row product's arithmetic: exact_matmul's wide tiles over 8, 4 and 2 rows
+(each lane the very float operations of the 1x1 tile; the weight block unpacked once) and its
+1x1 tile, the float types' vec_dot pairs, exact_kquants' and exact_iquants' dots of the
+one-row code over 4 rows and 1, the grid types' dot. Each output element is then the same
+arithmetic on the same values, so the bits are the one-row step's; the parallel split over
+weight rows never touches one element's arithmetic.
 
-The fused decode step runs one token of one sequence, reading (and unpacking) every weight once
-per token. Several sequences advancing by one token each (one row each, every row at its own
-position in its own cache) can share that: here every batch product walks its weight rows once
-and, for each weight row, takes every row's dot product while the row is in L1, each row's
-activation rounded as the one-row path rounds it (q8_0/q8_1, q8_K, f16/bf16). The dots are the
-one-row product's arithmetic: exact_matmul's wide tiles over 8, 4 and 2 rows (each lane the
-very float operations of the 1x1 tile; the weight block unpacked once) and its 1x1 tile, the
-float types' vec_dot pairs, exact_kquants' and exact_iquants' dots of the one-row code over 4
-rows and 1, the grid types' dot. Each output element is then the same arithmetic on the same
-values, so the bits are the one-row step's; the parallel split over weight rows never touches
-one element's arithmetic.
-
-The rest is per row, in the same kernels for one row or several: RMSNorm, RoPE (each row at
-its position), SwiGLU/GeGLU are row-wise already; the K/V store into each row's cache and the
-attention over its cells (``exact_attention.one_row_f16`` with that cache's n_kv and mask,
-``CellViews``) run once per row (``store_attend``).
+The rest is per row, in the fused step's kernels: RMSNorm, RoPE (each row at its position),
+SwiGLU/GeGLU are row-wise already; the K/V store into each row's cache and the attention over
+its cells (``exact_attention.one_row_f16`` with that cache's n_kv and mask) run once per row.
 
 A layer is two compiled calls for all the rows (``attention_inputs``: norm, Q/K/V products,
 Q/K norms, RoPE, the Q scale; ``layer_rest``: the output product, the FFN, the residuals) and
-one per row between them (``store_attend``, ``store_attend_rows``); ``batch_output`` gives the
-logits of every row. The layout is exact_decode's ``DecodePlan`` (``BatchStep.run`` walks its
-layers).
+one per row between them (``store_attend``); ``batch_output`` gives the logits of every row.
+The layout is exact_decode's ``DecodePlan`` (``BatchStep.run`` walks its layers).
 """
 
 from __future__ import annotations
@@ -39,8 +31,18 @@ import numpy as np
 from numba import prange, types
 from numba.extending import intrinsic, overload
 
-from bankml.engine_cupy.kernels import exact_attention, exact_iquants, exact_kquants
+from bankml.engine_cupy.kernels import exact_iquants
 from bankml.engine_cupy.kernels.exact_attention import one_row_f16
+from bankml.engine_cupy.kernels.exact_decode import (
+    _ABSENT,
+    _GRID,
+    _IQ4,
+    _KQUANT,
+    _MATMUL,
+    PARALLEL_MIN_VISITS,
+    DecodePlan,
+    _CellViews,
+)
 from bankml.engine_cupy.kernels.exact_iquants import _XS_T, _XS_VD
 from bankml.engine_cupy.kernels.exact_iquants import _dot as _iq4_dot
 from bankml.engine_cupy.kernels.exact_kquants import QK_K
@@ -73,32 +75,9 @@ from bankml.engine_cupy.kernels.exact_ops import (
 from bankml.engine_cupy.kernels.jit import njit, present_in
 from bankml.engine_cupy.kv_cache import _store_f16
 
-__all__ = [
-    "BATCHED",
-    "BatchStep",
-    "CellViews",
-    "FAMILIES",
-    "ONE_ROW",
-    "attention_inputs",
-    "batch_output",
-    "layer_rest",
-    "linear",
-    "norm",
-    "store_attend",
-    "store_attend_rows",
-]
+__all__ = ["BatchStep", "attention_inputs", "store_attend", "layer_rest", "batch_output"]
 
 F32 = np.float32
-_NO_MASK = np.zeros((1, 1), F32)  # a placeholder the kernels never read
-# Attention over a step's heads (per row) runs on Numba's threads from this many (head, cell)
-# visits: each (head, chunk) task writes its own partial, so the bits do not change.
-PARALLEL_MIN_VISITS = 2048
-# the kernel family of a product's part (what runs its products), and a part's absence
-_MATMUL, _KQUANT, _IQ4, _GRID, _ABSENT = 0, 1, 2, 3, -1
-FAMILIES = (_MATMUL, _KQUANT, _IQ4, _GRID)  # the order of DecodePlan.families
-# linear's ``batched``: its type chooses the products compiled (None: the one-row kernels)
-ONE_ROW = None
-BATCHED = True
 
 
 # --- the products: weight rows once, every activation row by the one-row dot -------------------
@@ -311,43 +290,26 @@ def _dots(kquant, code, parallel, raw, qk, xq, xd, bsums, out):  # pragma: no co
         _dot_serial(kquant, code, raw, qk, xq, xd, bsums, out)
 
 
-def _part_product(
-    families, family, code, parallel, raw, grid, x, table, out, batched
-):  # pragma: no cover
-    """One part's product of each row of x [m, n_in] into out [m, its rows], by its family's
-    kernels (``grid``: a grid or TQ matrix's other arguments, placeholders otherwise): the
-    one-row product (``batched`` None, m = 1) or the batch products above. Compiled code only:
-    the body is ``_part_product_for``'s, for the families of ``families``."""
+def _part_product(families, family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
+    """exact_decode._part_product for each row of x [B, n_in]: out [B, the part's rows].
+    Compiled code only: the body is ``_part_product_for``'s, for the families of ``families``."""
     raise TypeError("exact_batch._part_product runs in compiled code only")
 
 
 @overload(_part_product)
-def _part_product_for(families, family, code, parallel, raw, grid, x, table, out, batched):
-    """_part_product's body with the branch of each family the model lacks dropped (the
-    constants below), and of the products' kind not asked for: only the present families'
-    one-row or batch products are typed and compiled. The body computes nothing itself, so
-    Numba's default options (not njit's float settings) change no bits; it is compiled into
-    the calling kernel and cached with it. (Numba wants this function's parameters and the
-    body's alike, annotations included: none.)"""
+def _part_product_for(families, family, code, parallel, raw, grid, x, table, out):
+    """_part_product's body with the branch of each family the model lacks dropped (as
+    exact_decode's): only the present families' batch products are typed and compiled."""
     matmul, kquant, iq4, grid_types = present_in(families)
-    one_row = isinstance(batched, types.NoneType)
 
-    def body(families, family, code, parallel, raw, grid, x, table, out, batched):
-        if matmul and family == _MATMUL:  # families[_MATMUL]: the code_set of its products
-            if one_row:
-                row_product(families[0], code, parallel, raw, x, table, out)
-            else:
-                _matmul_rows(families[0], code, parallel, raw, x, table, out)
-        elif kquant and family == _KQUANT:
-            if one_row:
-                exact_kquants.row_product(code, parallel, raw, x, out)
-            else:  # quantize_row_q8_K of each row, then vec_dot (or gemv)
-                q, d, bsums = _quantize_q8_K(x, 0)
-                _dots(True, code, parallel, raw, QK_K, q, d, bsums, out)
+    def body(families, family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
+        if matmul and family == _MATMUL:
+            _matmul_rows(families[0], code, parallel, raw, x, table, out)
+        elif kquant and family == _KQUANT:  # quantize_row_q8_K of each row, then vec_dot (or gemv)
+            q, d, bsums = _quantize_q8_K(x, 0)
+            _dots(True, code, parallel, raw, QK_K, q, d, bsums, out)
         elif iq4 and family == _IQ4:
-            if one_row:
-                exact_iquants.row_product(code, parallel, raw, x, table, out)
-            elif code == _XS_VD or code == _XS_T:  # IQ4_XS: q8_K
+            if code == _XS_VD or code == _XS_T:  # IQ4_XS: q8_K
                 q, d, _ = _quantize_q8_K(x, 0)
                 _dots(False, code, parallel, raw, QK_K, q, d, np.zeros((0, 0), np.int16), out)
             else:  # IQ4_NL: q8_0
@@ -363,26 +325,25 @@ def _part_product_for(families, family, code, parallel, raw, grid, x, table, out
 
 
 @njit
-def linear(matrix, x, table, families, batched):  # pragma: no cover - compiled
-    """Linear.__call__ (each Linear of a layer's Q/K/V or gate/up in turn) for each row of x
-    [m, n_in]: each part (family, code, raw, bias, grid) times x, plus its bias, side by side.
-    Each part rounds x itself: the same bits as the stacks' one rounding per rule."""
+def _linear(matrix, x, table, families):  # pragma: no cover - compiled
+    """exact_decode._linear for each row of x [B, n_in]: each part's product side by side,
+    plus its bias."""
     m = x.shape[0]
     n_out = 0
     for part in matrix:
-        n_out += part[2].shape[0]
+        n_out += part[3].shape[0]
     out = np.empty((m, n_out), np.float32)
     start = 0
-    for family, code, raw, bias, grid in matrix:
+    for family, code, _, raw, bias, grid in matrix:
         rows = raw.shape[0]
         if family == _ABSENT:
             continue
-        parallel = m * rows * x.shape[1] >= PARALLEL_MIN_MACS  # as its matmul decides
-        if rows == n_out:  # the only part: straight into the output
-            _part_product(families, family, code, parallel, raw, grid, x, table, out, batched)
+        parallel = m * rows * x.shape[1] >= PARALLEL_MIN_MACS
+        if rows == n_out:
+            _part_product(families, family, code, parallel, raw, grid, x, table, out)
         else:
             part = np.empty((m, rows), np.float32)
-            _part_product(families, family, code, parallel, raw, grid, x, table, part, batched)
+            _part_product(families, family, code, parallel, raw, grid, x, table, part)
             out[:, start : start + rows] = part
         for t in range(m):
             for i in range(bias.shape[0]):
@@ -395,8 +356,7 @@ def linear(matrix, x, table, families, batched):  # pragma: no cover - compiled
 
 
 @njit
-def norm(x, weight, eps):  # pragma: no cover - compiled
-    """exact_ops.rms_norm of each row of x [rows, n] (weight of size 0: none)."""
+def _norm(x, weight, eps):  # pragma: no cover - compiled
     out = np.empty_like(x)
     _rms_norm_rows(x, weight, eps, out)
     return out
@@ -404,21 +364,18 @@ def norm(x, weight, eps):  # pragma: no cover - compiled
 
 @njit
 def _heads(y, start, n_heads, head_dim):  # pragma: no cover - compiled
-    """y[:, start : start + n_heads*head_dim] as an [m, n_heads, head_dim] copy."""
     m = y.shape[0]
     return y[:, start : start + n_heads * head_dim].copy().reshape(m, n_heads, head_dim)
 
 
 @njit
 def _head_norm(x, weight, eps):  # pragma: no cover - compiled
-    """qwen3/gemma3's Q or K norm: RMSNorm of each head's row."""
     m, n_heads, head_dim = x.shape
-    return norm(x.reshape(m * n_heads, head_dim), weight, eps).reshape(m, n_heads, head_dim)
+    return _norm(x.reshape(m * n_heads, head_dim), weight, eps).reshape(m, n_heads, head_dim)
 
 
 @njit
 def _rope(x, cos, sin, neox, fused_pairs):  # pragma: no cover - compiled
-    """exact_ops.apply_rope (``fused_pairs``: the pairs GCC's loop rotates with fmas)."""
     out = np.empty_like(x)
     _rope_rows(x, cos, sin, neox, fused_pairs, out)
     return out
@@ -426,14 +383,14 @@ def _rope(x, cos, sin, neox, fused_pairs):  # pragma: no cover - compiled
 
 @njit
 def attention_inputs(
-    x, attn_norm, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, eps, table, families, batched
+    x, attn_norm, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, eps, table, families
 ):  # pragma: no cover - compiled
-    """model.attention up to the store, for each row of x [m, n_embd] (cos/sin [m, hd/2]:
-    each row's position): the norm, Q/K/V, their norms, RoPE, the Q scale (arch.py's
-    ``attention_scales``); Q [m, n_head, hd], K and V [m, n_head_kv, hd]."""
+    """exact_decode._attention up to the store, for each row of x [B, n_embd] (cos/sin [B,
+    hd/2]: each row's position): Q [B, n_head, hd] (RoPE'd, gemma3's scale), K and V [B,
+    n_head_kv, hd]."""
     n_head, n_head_kv, head_dim = shape
-    h = norm(x, attn_norm, eps)
-    y = linear(qkv, h, table, families, batched)
+    h = _norm(x, attn_norm, eps)
+    y = _linear(qkv, h, table, families)
     nq, nk = n_head * head_dim, n_head_kv * head_dim
     q = _heads(y, 0, n_head, head_dim)
     k = _heads(y, nq, n_head_kv, head_dim)
@@ -444,7 +401,7 @@ def attention_inputs(
     fused_pairs = cos.shape[1] if neox else _norm_fused_pairs(cos.shape[1])
     q = _rope(q, cos, sin, neox, fused_pairs)
     k = _rope(k, cos, sin, neox, fused_pairs)
-    if q_scale != 1:  # gemma3 scales Q and attends with scale 1
+    if q_scale != 1:
         q = q * np.float32(q_scale)
     return q, k, v
 
@@ -452,8 +409,7 @@ def attention_inputs(
 @njit
 def store_attend(q, k, v, row, pos, cells, scale, n_threads, out):  # pragma: no cover
     """Row ``row``'s K/V into its cache at ``pos`` (and its ring cell), then ggml's one-row
-    flash attention over its cells into out[row] (ExactOps.attend for one token). ``cells``:
-    ``CellViews.cells``."""
+    flash attention over its cells (exact_decode._attention's end) into out[row]."""
     k_store, v_store, k_att, v_att, cell, n_cells, n_kv, mask, has_mask = cells
     _, n_head, head_dim = q.shape
     n_head_kv = k.shape[1]
@@ -461,7 +417,7 @@ def store_attend(q, k, v, row, pos, cells, scale, n_threads, out):  # pragma: no
     vr = v[row : row + 1].copy()
     _store_f16(k_store, pos, kr)
     _store_f16(v_store, pos, vr)
-    if cell >= 0:  # the same rounded values into the sliding-window ring's cell
+    if cell >= 0:
         _store_f16(k_att, cell, kr)
         _store_f16(v_att, cell, vr)
     o = np.empty((1, n_head, head_dim), np.float32)
@@ -485,7 +441,6 @@ def store_attend(q, k, v, row, pos, cells, scale, n_threads, out):  # pragma: no
 
 @njit
 def _glu(gu, n_ff, gelu):  # pragma: no cover - compiled
-    """ExactOps.glu: SwiGLU, or GeGLU through ggml's f16 GELU table when one is given."""
     m = gu.shape[0]
     gate = gu[:, :n_ff].copy()
     up = gu[:, n_ff : 2 * n_ff].copy()
@@ -499,96 +454,34 @@ def _glu(gu, n_ff, gelu):  # pragma: no cover - compiled
 
 @njit
 def layer_rest(
-    x, attn, norms, wo, gate_up, down, n_ff, eps, table, gelu, families, batched
+    x, attn, norms, wo, gate_up, down, n_ff, eps, table, gelu, families
 ):  # pragma: no cover - compiled
-    """model.block after the attention, for each row: the output product [+ post-norm], the
-    residual, the FFN (model.feed_forward: down(glu(gate(h), up(h)))) [+ post-norm], the
-    residual."""
+    """exact_decode.decode_layer after the attention, for each row: the output product
+    [+ post-norm], the residual, the FFN [+ post-norm], the residual."""
     _, ffn_norm, _, _, post_attn_norm, post_ffw_norm = norms
-    out = linear(wo, attn, table, families, batched)
+    out = _linear(wo, attn, table, families)
     if post_attn_norm.shape[0]:
-        out = norm(out, post_attn_norm, eps)
+        out = _norm(out, post_attn_norm, eps)
     x = x + out
-    h = norm(x, ffn_norm, eps)
-    gu = linear(gate_up, h, table, families, batched)
-    out = linear(down, _glu(gu, n_ff, gelu), table, families, batched)
+    h = _norm(x, ffn_norm, eps)
+    gu = _linear(gate_up, h, table, families)
+    out = _linear(down, _glu(gu, n_ff, gelu), table, families)
     if post_ffw_norm.shape[0]:
-        out = norm(out, post_ffw_norm, eps)
+        out = _norm(out, post_ffw_norm, eps)
     return x + out
 
 
 @njit
-def batch_output(x, norm_weight, output, eps, table, families, batched):  # pragma: no cover
-    """The output norm and the logits product of every row; [m, n_vocab]."""
-    return linear(output, norm(x, norm_weight, eps), table, families, batched)
-
-
-class CellViews:
-    """What each layer of one step stores into and attends over, as ExactOps.attend picks
-    it: the cells in position order (n_kv padded from pos + 1; a sliding layer's window mask
-    once the window is passed), or for a layer in gemma3's SWA ring its cells in cell order with
-    the ring's mask and n_kv (after cache.place chose the token's cell)."""
-
-    def __init__(self, pos: int, cache: Any):
-        self.cache, self.end = cache, pos + 1
-        self.n_kv = exact_attention.kv_length(self.end, cache.kv_size)
-        self._window_masks: dict[int, np.ndarray] = {}
-        self.ring: tuple[int, int, np.ndarray] | None = None  # its cells, n_kv and mask
-        ring = cache.cells
-        if ring is not None:
-            self.ring = (ring.used_max_p1, ring.n_kv(), ring.mask(np.array([pos])))
-
-    def window_mask(self, window: int) -> tuple[bool, np.ndarray]:
-        """Model._mask for the one query: none unless a sliding window reaches back past cell 0."""
-        if not window or self.end <= window:
-            return False, _NO_MASK
-        if window not in self._window_masks:
-            self._window_masks[window] = exact_attention.attention_mask(
-                np.array([self.end - 1]), np.arange(self.end), window
-            )
-        return True, self._window_masks[window]
-
-    def cells(self, il: int, window: int) -> tuple:
-        """store_attend's ``cells`` for layer ``il`` (``window``: its sliding window, or 0):
-        (K and V position stores, K and V attended, the ring cell to store at or -1, the cells
-        attended, ggml's n_kv, the mask [1, cells] or a placeholder, has_mask), the attended
-        arrays being the stores themselves except for a layer in the SWA ring."""
-        k_store, v_store = self.cache.f16_cells(il)
-        ring = self.cache.ring_f16_cells(il)
-        if ring is not None and self.ring is not None:
-            k_ring, v_ring, cell = ring
-            n_cells, n_kv, mask = self.ring
-            return k_store, v_store, k_ring, v_ring, cell, n_cells, n_kv, mask, True
-        has_mask, mask = self.window_mask(window)
-        return k_store, v_store, k_store, v_store, -1, self.end, self.n_kv, mask, has_mask
-
-
-def store_attend_rows(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    positions: Sequence[int],
-    views: Sequence[CellViews],
-    il: int,
-    window: int,
-    scale: Any,
-    n_threads: int,
-) -> np.ndarray:
-    """store_attend for each row i of q [B, n_head, hd] and k, v [B, n_head_kv, hd] (float32,
-    C-contiguous): its K/V into its cache at positions[i], its attention over views[i]'s cells
-    of layer ``il``; [B, n_head*hd], each row the bits of its own one-token step."""
-    _, n_head, head_dim = q.shape
-    out = np.empty((q.shape[0], n_head * head_dim), F32)
-    for row, (pos, view) in enumerate(zip(positions, views)):
-        store_attend(q, k, v, row, pos, view.cells(il, window), scale, n_threads, out)
-    return out
+def batch_output(x, norm, output, eps, table, families):  # pragma: no cover - compiled
+    """The output norm and the logits product of every row; [B, n_vocab]."""
+    return _linear(output, _norm(x, norm, eps), table, families)
 
 
 class BatchStep:
     """DecodePlan.step for several rows: row i the token x[i] at positions[i] of caches[i]."""
 
-    def __init__(self, plan: Any):
-        self.plan = plan  # an exact_decode.DecodePlan
+    def __init__(self, plan: DecodePlan):
+        self.plan = plan
 
     def run(
         self,
@@ -602,7 +495,9 @@ class BatchStep:
         cache's ring already placed); ropes: cos/sin [B, hd/2] per layer kind. The logits
         [B, n_vocab]."""
         plan = self.plan
-        views = [CellViews(pos, cache) for pos, cache in zip(positions, caches)]
+        n_head, _, head_dim = plan.shape
+        views = [_CellViews(pos, cache) for pos, cache in zip(positions, caches)]
+        rows = range(x.shape[0])
         for il, (norms, qkv, wo, gate_up, down, window) in enumerate(plan.layers):
             cos, sin = ropes[plan.swa[il]]
             q, k, v = attention_inputs(
@@ -619,9 +514,20 @@ class BatchStep:
                 plan.eps,
                 F16_TABLE,
                 plan.families,
-                BATCHED,
             )
-            attn = store_attend_rows(q, k, v, positions, views, il, window, plan.scale, n_threads)
+            attn = np.empty((x.shape[0], n_head * head_dim), F32)
+            for i in rows:
+                store_attend(
+                    q,
+                    k,
+                    v,
+                    i,
+                    positions[i],
+                    views[i].cells(il, window),
+                    plan.scale,
+                    n_threads,
+                    attn,
+                )
             x = layer_rest(
                 x,
                 attn,
@@ -634,8 +540,5 @@ class BatchStep:
                 F16_TABLE,
                 plan.gelu,
                 plan.families,
-                BATCHED,
             )
-        return batch_output(
-            x, plan.output_norm, plan.output, plan.eps, F16_TABLE, plan.families, BATCHED
-        )
+        return batch_output(x, plan.output_norm, plan.output, plan.eps, F16_TABLE, plan.families)

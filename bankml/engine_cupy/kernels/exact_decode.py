@@ -1,15 +1,14 @@
-"""A decode step (one new token) in one compiled call, bit for bit the general path.
+"""A decode step (one new token) in one compiled call per layer, bit for bit the general path.
 
 The definition in model.py runs a layer as ~25 calls from Python (norms, products, RoPE, the
 cache store, attention, SwiGLU, the residual adds), each a Numba dispatch plus NumPy glue: ~5 ms
-of a ~16 ms decode step of the default model. Here that definition is compiled for one row, of
-the layer's parts in exact_batch (the same the batched step runs for several rows, with the
-one-row products): ``decode_layer`` is ``model.block`` (``attention_inputs`` and
-``store_attend`` are ``model.attention``, ``layer_rest`` the rest of the block with
-``model.feed_forward``), and ``DecodePlan.step`` is ``model.stack``, composed of the very
-kernels the exact backend calls (exact_ops' RMSNorm, RoPE, SwiGLU/GeGLU; the products' one-row
-kernels; kv_cache's f16 store; exact_attention's one-row flash attention), in the same order on
-the same values, so the logits are the same bits (tests/test_decode_fast_path.py).
+of a ~16 ms decode step of the default model. Here that definition is compiled for one row:
+``decode_layer`` is ``model.block`` (``_attention`` is ``model.attention``, ``_feed_forward``
+``model.feed_forward``, ``_norm`` and ``_linear`` the backend's norm and a Linear), and
+``DecodePlan.step`` is ``model.stack``, composed of the very kernels the exact backend calls
+(exact_ops' RMSNorm, RoPE, SwiGLU/GeGLU; the products' one-row kernels; kv_cache's f16 store;
+exact_attention's one-row flash attention), in the same order on the same values, so the logits
+are the same bits (tests/test_decode_fast_path.py).
 
 What takes it (``DecodePlan.build`` says None otherwise, and the general path runs): every
 matrix an exact_matmul ``QuantMatrix`` (Q4_0..Q8_0, F16, F32, BF16), an exact_kquants
@@ -25,36 +24,225 @@ from typing import Any
 
 import numpy as np
 from numba.core import errors
+from numba.extending import overload
 from numba.typed import List
 
-from bankml.engine_cupy.kernels.exact_batch import (
-    _ABSENT,
-    _GRID,
-    _IQ4,
-    _KQUANT,
-    _MATMUL,
-    FAMILIES,
-    ONE_ROW,
-    CellViews,
-    attention_inputs,
-    batch_output,
-    layer_rest,
-    store_attend,
-)
+from bankml.engine_cupy.kernels import exact_attention, exact_iquants, exact_kquants
+from bankml.engine_cupy.kernels.exact_attention import one_row_f16
 from bankml.engine_cupy.kernels.exact_iquants import IQ4NLMatrix, IQ4XSMatrix, IQGridMatrix
 from bankml.engine_cupy.kernels.exact_kquants import KQuantMatrix
-from bankml.engine_cupy.kernels.exact_matmul import F16_TABLE, MatrixStack, QuantMatrix, code_set
-from bankml.engine_cupy.kernels.jit import njit
+from bankml.engine_cupy.kernels.exact_matmul import (
+    F16_TABLE,
+    PARALLEL_MIN_MACS,
+    MatrixStack,
+    QuantMatrix,
+    code_set,
+    row_product,
+)
+from bankml.engine_cupy.kernels.exact_ops import (
+    _geglu_rows,
+    _norm_fused_pairs,
+    _rms_norm_rows,
+    _rope_rows,
+    _swiglu_rows,
+)
+from bankml.engine_cupy.kernels.jit import njit, present_in
+from bankml.engine_cupy.kv_cache import _store_f16
 
 __all__ = ["DecodePlan", "decode_layer", "decode_output", "decode_stack"]
 
 F32 = np.float32
 _NONE = np.zeros(0, F32)  # an absent bias, norm weight or GELU table
+_NO_MASK = np.zeros((1, 1), F32)  # a placeholder the kernels never read
+# Attention over a decode step's heads runs on Numba's threads from this many (head, cell)
+# visits: each (head, chunk) task writes its own partial, so the bits do not change.
+PARALLEL_MIN_VISITS = 2048
+# the kernel family of a product's part (what runs its one-row product), and a part's absence
+_MATMUL, _KQUANT, _IQ4, _GRID, _ABSENT = 0, 1, 2, 3, -1
+FAMILIES = (_MATMUL, _KQUANT, _IQ4, _GRID)
 MAX_PARTS = 3  # a product's parts: Q/K/V of three types at most
 _NO_ROWS = np.zeros((0, 0), np.uint8)
 
 
 # --- the compiled step ---------------------------------------------------------------------------
+
+
+@njit
+def _norm(x: Any, weight: Any, eps: float) -> Any:
+    """exact_ops.rms_norm of each row of x [rows, n] (weight of size 0: none)."""
+    out = np.empty_like(x)
+    _rms_norm_rows(x, weight, eps, out)
+    return out
+
+
+def _part_product(families, family, code, parallel, raw, grid, x, table, out):  # pragma: no cover
+    """One part's one-row product into out [1, its rows], by its family's kernels (``grid``:
+    a grid or TQ matrix's other arguments, placeholders otherwise). Compiled code only: the
+    body is ``_part_product_for``'s, for the families of ``families``."""
+    raise TypeError("exact_decode._part_product runs in compiled code only")
+
+
+@overload(_part_product)
+def _part_product_for(families, family, code, parallel, raw, grid, x, table, out):
+    """_part_product's body with the branch of each family the model lacks dropped (the
+    constants below): only the present families' one-row products are typed and compiled.
+    The body computes nothing itself, so Numba's default options (not njit's float settings)
+    change no bits; it is compiled into the calling kernel and cached with it. (Numba wants
+    this function's parameters and the body's alike, annotations included: none.)"""
+    matmul, kquant, iq4, grid_types = present_in(families)
+
+    def body(families, family, code, parallel, raw, grid, x, table, out):
+        if matmul and family == _MATMUL:  # families[_MATMUL]: the code_set of its products
+            row_product(families[0], code, parallel, raw, x, table, out)
+        elif kquant and family == _KQUANT:
+            exact_kquants.row_product(code, parallel, raw, x, out)
+        elif iq4 and family == _IQ4:
+            exact_iquants.row_product(code, parallel, raw, x, table, out)
+        elif grid_types and family == _GRID:
+            kind, f_vd, f_t, grid_table, scales, d = grid
+            exact_iquants.grid_row_product(
+                code, kind, f_vd, f_t, parallel, raw, grid_table, scales, d, x, out
+            )
+
+    return body
+
+
+@njit
+def _linear(matrix: Any, x: Any, table: Any, families: Any) -> Any:
+    """Linear.__call__ (each Linear of a layer's Q/K/V or gate/up in turn) for one row x
+    [1, n_in]: each part (family, code, parallel, raw, bias, grid) times x, plus its bias, side
+    by side. Each part rounds x itself: the same bits as the stacks' one rounding per rule."""
+    n_out = 0
+    for part in matrix:
+        n_out += part[3].shape[0]
+    out = np.empty((1, n_out), np.float32)
+    start = 0
+    for family, code, parallel, raw, bias, grid in matrix:
+        rows = raw.shape[0]
+        if family == _ABSENT:
+            continue
+        if rows == n_out:  # the only part: straight into the output
+            _part_product(families, family, code, parallel, raw, grid, x, table, out)
+        else:
+            part = np.empty((1, rows), np.float32)
+            _part_product(families, family, code, parallel, raw, grid, x, table, part)
+            out[0, start : start + rows] = part[0]
+        for i in range(bias.shape[0]):
+            out[0, start + i] += bias[i]
+        start += rows
+    return out
+
+
+@njit
+def _heads(y: Any, start: int, n_heads: int, head_dim: int) -> Any:
+    """y[0, start : start + n_heads*head_dim] as a [1, n_heads, head_dim] copy."""
+    return y[0, start : start + n_heads * head_dim].copy().reshape(1, n_heads, head_dim)
+
+
+@njit
+def _head_norm(x: Any, weight: Any, eps: float) -> Any:
+    """qwen3/gemma3's Q or K norm: RMSNorm of each head's row."""
+    _, n_heads, head_dim = x.shape
+    return _norm(x.reshape(n_heads, head_dim), weight, eps).reshape(1, n_heads, head_dim)
+
+
+@njit
+def _rope(x: Any, cos: Any, sin: Any, neox: bool, fused_pairs: int) -> Any:
+    """exact_ops.apply_rope (``fused_pairs``: the pairs GCC's loop rotates with fmas)."""
+    out = np.empty_like(x)
+    _rope_rows(x, cos, sin, neox, fused_pairs, out)
+    return out
+
+
+@njit
+def _attention(
+    h: Any,
+    qkv: Any,
+    q_norm: Any,
+    k_norm: Any,
+    shape: Any,
+    cos: Any,
+    sin: Any,
+    neox: bool,
+    q_scale: float,
+    scale: float,
+    pos: int,
+    cells: Any,
+    n_threads: int,
+    eps: float,
+    table: Any,
+    families: Any,
+) -> Any:
+    """model.attention with ExactOps.attend for one token: Q/K/V, their norms, RoPE, gemma3's
+    Q scale, the f16 cache store at ``pos`` (and at the ring cell), ggml's one-row flash
+    attention over the cells attended; [1, n_head*hd]. ``cells``: see decode_layer."""
+    k_store, v_store, k_att, v_att, cell, n_cells, n_kv, mask, has_mask = cells
+    n_head, n_head_kv, head_dim = shape
+    y = _linear(qkv, h, table, families)
+    nq, nk = n_head * head_dim, n_head_kv * head_dim
+    q = _heads(y, 0, n_head, head_dim)
+    k = _heads(y, nq, n_head_kv, head_dim)
+    v = _heads(y, nq + nk, n_head_kv, head_dim)
+    if q_norm.shape[0]:
+        q = _head_norm(q, q_norm, eps)
+        k = _head_norm(k, k_norm, eps)
+    fused_pairs = cos.shape[1] if neox else _norm_fused_pairs(cos.shape[1])
+    q = _rope(q, cos, sin, neox, fused_pairs)
+    k = _rope(k, cos, sin, neox, fused_pairs)
+    if q_scale != 1:  # gemma3 scales Q and attends with scale 1
+        q = q * np.float32(q_scale)
+    _store_f16(k_store, pos, k)
+    _store_f16(v_store, pos, v)
+    if cell >= 0:  # the same rounded values into the sliding-window ring's cell
+        _store_f16(k_att, cell, k)
+        _store_f16(v_att, cell, v)
+    out = np.empty((1, n_head, head_dim), np.float32)
+    parallel = n_head * n_cells >= PARALLEL_MIN_VISITS
+    one_row_f16(
+        q,
+        k_att,
+        v_att,
+        n_cells,
+        mask,
+        has_mask,
+        scale,
+        n_head // n_head_kv,
+        n_kv,
+        n_threads,
+        parallel,
+        out,
+    )
+    return out.reshape(1, n_head * head_dim)
+
+
+@njit
+def _glu(gu: Any, n_ff: int, gelu: Any) -> Any:
+    """ExactOps.glu: SwiGLU, or GeGLU through ggml's f16 GELU table when one is given."""
+    gate = gu[:, :n_ff].copy()
+    up = gu[:, n_ff : 2 * n_ff].copy()
+    out = np.empty((1, n_ff), np.float32)
+    if gelu.shape[0]:
+        _geglu_rows(gate, up, gelu, out)
+    else:
+        _swiglu_rows(gate.reshape(-1), n_ff, up.reshape(-1), n_ff, out)
+    return out
+
+
+@njit
+def _feed_forward(
+    h: Any, gate_up: Any, down: Any, n_ff: int, gelu: Any, table: Any, families: Any
+) -> Any:
+    """model.feed_forward: down(glu(gate(h), up(h))) for one row h [1, n_embd]."""
+    gu = _linear(gate_up, h, table, families)
+    return _linear(down, _glu(gu, n_ff, gelu), table, families)
+
+
+@njit
+def _add(x: Any, y: Any) -> Any:
+    out = np.empty_like(x)
+    for i in range(x.shape[1]):
+        out[0, i] = x[0, i] + y[0, i]
+    return out
 
 
 @njit
@@ -83,13 +271,15 @@ def decode_layer(
     """model.block for one token x [1, n_embd] at ``pos``; returns the layer's output.
 
     norms: (attn, ffn, q, k, post-attention, post-FFN) weights, size 0 where absent; each
-    matrix MAX_PARTS parts (family, code, raw, bias, grid) as DecodePlan lays out; shape
-    (n_head, n_head_kv, head_dim); cells: exact_batch.CellViews.cells; families:
-    DecodePlan.families (its type chooses the products compiled)."""
-    q_norm, k_norm = norms[2], norms[3]
-    q, k, v = attention_inputs(
-        x,
-        norms[0],
+    matrix MAX_PARTS parts (family, code, parallel, raw, bias, grid) as DecodePlan lays out;
+    shape (n_head, n_head_kv, head_dim); cells: (K and V position stores, K and V attended,
+    the ring cell to store at or -1, the cells attended, ggml's n_kv, the mask [1, cells] or a
+    placeholder, has_mask), the attended arrays being the stores themselves except for a layer
+    in the SWA ring; families: DecodePlan.families (its type chooses the products compiled)."""
+    attn_norm, ffn_norm, q_norm, k_norm, post_attn_norm, post_ffw_norm = norms
+    h = _norm(x, attn_norm, eps)
+    attn = _attention(
+        h,
         qkv,
         q_norm,
         k_norm,
@@ -98,21 +288,29 @@ def decode_layer(
         sin,
         neox,
         q_scale,
+        scale,
+        pos,
+        cells,
+        n_threads,
         eps,
         table,
         families,
-        ONE_ROW,
     )
-    n_head, _, head_dim = shape
-    attn = np.empty((1, n_head * head_dim), np.float32)
-    store_attend(q, k, v, 0, pos, cells, scale, n_threads, attn)
-    return layer_rest(x, attn, norms, wo, gate_up, down, n_ff, eps, table, gelu, families, ONE_ROW)
+    out = _linear(wo, attn, table, families)
+    if post_attn_norm.shape[0]:
+        out = _norm(out, post_attn_norm, eps)
+    x = _add(x, out)
+    h = _norm(x, ffn_norm, eps)
+    out = _feed_forward(h, gate_up, down, n_ff, gelu, table, families)
+    if post_ffw_norm.shape[0]:
+        out = _norm(out, post_ffw_norm, eps)
+    return _add(x, out)
 
 
 @njit
 def decode_output(x: Any, norm: Any, output: Any, eps: float, table: Any, families: Any) -> Any:
     """The output norm and the logits product of the last token; [1, n_vocab]."""
-    return batch_output(x, norm, output, eps, table, families, ONE_ROW)
+    return _linear(output, _norm(x, norm, eps), table, families)
 
 
 @njit
@@ -225,13 +423,14 @@ def _no_grid() -> tuple:
 
 
 def _part(m: Any) -> tuple | None:
-    """(family, code, raw, grid) of one matrix whose one-row product the step calls."""
+    """(family, code, parallel, raw, grid) of one matrix whose one-row product the step calls."""
+    parallel = m.n_out * m.n_in >= PARALLEL_MIN_MACS  # as its matmul decides for one row
     if type(m) is QuantMatrix:
-        return _MATMUL, int(m._kind), _readonly(m.raw), _no_grid()
+        return _MATMUL, int(m._kind), parallel, _readonly(m.raw), _no_grid()
     if type(m) is KQuantMatrix:
-        return _KQUANT, m.row_code(), _readonly(m.raw), _no_grid()
+        return _KQUANT, m.row_code(), parallel, _readonly(m.raw), _no_grid()
     if type(m) in (IQ4NLMatrix, IQ4XSMatrix):
-        return _IQ4, m._code(1), _readonly(m.raw), _no_grid()
+        return _IQ4, m._code(1), parallel, _readonly(m.raw), _no_grid()
     if type(m) is IQGridMatrix:
         code, kind, f_vd, f_t, grid_table, scales, d = m.row_args()
         grid = (
@@ -242,12 +441,12 @@ def _part(m: Any) -> tuple | None:
             _readonly(np.ascontiguousarray(scales)),
             _readonly(np.ascontiguousarray(d)),
         )
-        return _GRID, code, _readonly(m.raw), grid
+        return _GRID, code, parallel, _readonly(m.raw), grid
     return None
 
 
 def _matrix(linears: list[Any]) -> tuple | None:
-    """The MAX_PARTS parts (family, code, raw, bias, grid) of Linears used side by side,
+    """The MAX_PARTS parts (family, code, parallel, raw, bias) of Linears used side by side,
     each Linear's matrix or stack split into its parts (the rest absent); None if one of them
     has no one-row product here. Each part carries its slice of its Linear's bias, so an
     output without a bias gets no addition (adding 0 would turn -0.0 into 0.0)."""
@@ -260,11 +459,11 @@ def _matrix(linears: list[Any]) -> tuple | None:
             if part is None:
                 return None
             bias = None if linear.bias is None else linear.bias[start : start + piece.n_out]
-            parts.append((*part[:3], _f32(bias), part[3]))
+            parts.append((*part[:4], _f32(bias), part[4]))
             start += piece.n_out
     if len(parts) > MAX_PARTS:
         return None
-    absent = (_ABSENT, 0, _readonly(_NO_ROWS), _f32(None), _no_grid())
+    absent = (_ABSENT, 0, False, _readonly(_NO_ROWS), _f32(None), _no_grid())
     return tuple(parts + [absent] * (MAX_PARTS - len(parts)))
 
 
@@ -364,7 +563,7 @@ class DecodePlan:
     ) -> np.ndarray:
         """model.stack for one token x [1, n_embd] at ``pos``: the layers and the output
         product, its K/V stored in ``cache`` (f16); the logits [1, n_vocab]."""
-        views = CellViews(pos, cache)
+        views = _CellViews(pos, cache)
         # decode_layer's arguments after the layer's own, decode_stack's after its layers
         shared = (
             self.shape,
@@ -397,3 +596,39 @@ class DecodePlan:
             cos, sin = ropes[self.swa[il]]
             x = decode_layer(x, pos, cos, sin, views.cells(il, layer[5]), *layer[:5], *shared)
         return decode_output(x, self.output_norm, self.output, self.eps, F16_TABLE, self.families)
+
+
+class _CellViews:
+    """What each layer of one step stores into and attends over, as ExactOps.attend picks
+    it: the cells in position order (n_kv padded from pos + 1; a sliding layer's window mask
+    once the window is passed), or for a layer in gemma3's SWA ring its cells in cell order with
+    the ring's mask and n_kv (after cache.place chose the token's cell)."""
+
+    def __init__(self, pos: int, cache: Any):
+        self.cache, self.end = cache, pos + 1
+        self.n_kv = exact_attention.kv_length(self.end, cache.kv_size)
+        self._window_masks: dict[int, np.ndarray] = {}
+        self.ring: tuple[int, int, np.ndarray] | None = None  # its cells, n_kv and mask
+        ring = cache.cells
+        if ring is not None:
+            self.ring = (ring.used_max_p1, ring.n_kv(), ring.mask(np.array([pos])))
+
+    def window_mask(self, window: int) -> tuple[bool, np.ndarray]:
+        """Model._mask for the one query: none unless a sliding window reaches back past cell 0."""
+        if not window or self.end <= window:
+            return False, _NO_MASK
+        if window not in self._window_masks:
+            self._window_masks[window] = exact_attention.attention_mask(
+                np.array([self.end - 1]), np.arange(self.end), window
+            )
+        return True, self._window_masks[window]
+
+    def cells(self, il: int, window: int) -> tuple:
+        k_store, v_store = self.cache.f16_cells(il)
+        ring = self.cache.ring_f16_cells(il)
+        if ring is not None and self.ring is not None:
+            k_ring, v_ring, cell = ring
+            n_cells, n_kv, mask = self.ring
+            return k_store, v_store, k_ring, v_ring, cell, n_cells, n_kv, mask, True
+        has_mask, mask = self.window_mask(window)
+        return k_store, v_store, k_store, v_store, -1, self.end, self.n_kv, mask, has_mask
