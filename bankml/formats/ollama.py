@@ -475,7 +475,7 @@ class OllamaAnswer:
     ) -> dict[str, Any]:
         """The last object. ``drop_last_entries``: a stop string's own tokens, whose entries a
         non-streamed answer leaves out (as llama-server does). ``issue``: the server's receipt
-        builder (``serving.vouch``), else one built from ``engine`` and ``model_sha256``."""
+        builder (``receipts.vouch``), else one built from ``engine`` and ``model_sha256``."""
         timings = getattr(summary, "timings", None) or {}
         entries = self.entries
         if not self.stream and drop_last_entries:

@@ -6,7 +6,7 @@ still serves that path); `EngineProcess` (process_protocol.py) writes the engine
 
 The checks before every answer:
 
-- `identity_problem()`: the file is still the one that was hashed (bankml/serving/vouch.py);
+- `identity_problem()`: the file is still the one that was hashed (bankml/receipts/vouch.py);
 - `engine_path_problem(props)`: the engine's `/props` `model_path`, canonicalised, is
   `verified.path`. Chat answers fetch `/props` for this before they are forwarded.
 
