@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from bankml.receipts.answer import JSON, find_receipt, response_form, sse_payloads
+from bankml.receipts.digest import sha256_hex
 from bankml.receipts.keys import SigningKey, keygen
 from bankml.receipts.sign import (
     ReplayFacts,
@@ -39,7 +40,6 @@ from bankml.receipts.sign import (
     native_facts,
     pin_seed,
     sampler_settings,
-    sha256_hex,
     sign_receipt,
 )
 from tests import support

@@ -49,6 +49,16 @@ def default_model() -> Path:
     return DEFAULT_MODEL
 
 
+def llama_templates_dir(llama_server_bin: Path) -> Path:
+    """llama.cpp's models/templates: scripts/build-llama-server.sh keeps the source beside the
+    binary (<cache>/<version>/src/llama.cpp); a path that does not exist when it is not there."""
+    for parent in llama_server_bin.resolve().parents:
+        candidate = parent / "src" / "llama.cpp" / "models" / "templates"
+        if candidate.is_dir():
+            return candidate
+    return Path("/nonexistent")
+
+
 def _die_with_parent() -> None:
     """PR_SET_DEATHSIG: a test run that is killed leaves no llama-server behind (Linux only)."""
     try:

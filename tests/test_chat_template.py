@@ -295,20 +295,11 @@ TEMPLATE_FILES = [
 ]
 
 
-def _templates_dir(llama_server_bin: Path) -> Path:
-    """scripts/build-llama-server.sh keeps the source beside the binary: <cache>/<version>/src/llama.cpp."""
-    for parent in llama_server_bin.resolve().parents:
-        candidate = parent / "src" / "llama.cpp" / "models" / "templates"
-        if candidate.is_dir():
-            return candidate
-    return Path("/nonexistent")
-
-
 @pytest.mark.parametrize("name", TEMPLATE_FILES)
 def test_known_templates_match_llama_server(
     name: str, tiny_bpe: Path, llama_server_bin: Path
 ) -> None:
-    path = _templates_dir(llama_server_bin) / name
+    path = support.llama_templates_dir(llama_server_bin) / name
     if not path.exists():
         pytest.skip(f"{path} is not in the llama.cpp source tree")
     tokenizer = Tokenizer.from_gguf(tiny_bpe)

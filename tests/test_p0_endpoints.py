@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from bankml.receipts.tally import canonical_logprobs
+from bankml.receipts.digest import canonical_logprobs
 from bankml.receipts.vouch import FILE_CHANGED
 from tests import support
 from tests.bankml_process import BankmlProcess, copy_and_pin, sha, sse_events

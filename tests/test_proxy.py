@@ -27,7 +27,7 @@ from bankml.gate.verify import Verified
 from bankml.p0 import gateway as gw
 from bankml.p0.gateway import Gateway, make_agent
 from bankml.p0.routes import p0_root
-from bankml.receipts.tally import canonical_logprobs
+from bankml.receipts.digest import canonical_logprobs
 from bankml.receipts.vouch import FILE_CHANGED
 from bankml.serving.site import LoopbackSite, listen_loopback
 from bankml.usage import UsageSampler

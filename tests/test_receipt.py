@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from bankml.receipts.tally import Tally, canonical_logprobs, receipt
+from bankml.receipts.digest import canonical_logprobs
+from bankml.receipts.tally import Tally, receipt
 from bankml.version import __version__
 from tests.bankml_process import sha
 

@@ -2,7 +2,8 @@
 
     bankml check-receipt --request REQUEST --response RESPONSE --key PUBKEY
                          [--model-sha256 HEX] [--replay MODEL --fork F]
-                         [--replay-with-llama-server BIN --replay MODEL --fork F]
+                         [--replay-with-llama-server BIN [--chat-template-file F]
+                          --replay MODEL --fork F]
     bankml keygen [--key FILE]
 
 check-receipt prints ``valid`` (exit 0) or ``refuse: <reason>`` (exit 2); with a replay, the
@@ -46,6 +47,11 @@ def check_receipt_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replay", metavar="MODEL", help="replay the request on this file")
     parser.add_argument("--fork", help="MODEL's FORK.json (its pin)")
     parser.add_argument(
+        "--chat-template-file",
+        metavar="F",
+        help="the chat template the answer's llama-server ran with (P0 given --chat-template-file)",
+    )
+    parser.add_argument(
         "--replay-with-llama-server", metavar="BIN", help="replay through this llama-server"
     )
     args = parser.parse_args(argv)
@@ -53,6 +59,8 @@ def check_receipt_main(argv: Sequence[str] | None = None) -> int:
         parser.error("--replay MODEL and --fork F go together")
     if args.replay_with_llama_server and not args.replay:
         parser.error("--replay-with-llama-server needs --replay MODEL --fork F")
+    if args.chat_template_file and not args.replay_with_llama_server:
+        parser.error("--chat-template-file goes with --replay-with-llama-server")
     request = _read(args.request, "--request")
     response = _read(args.response, "--response")
     key = _read(args.key, "--key")
@@ -100,6 +108,9 @@ def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
                 receipt["n_ctx"],
                 receipt["cache_type"],
                 rp.llama_server_threads(),
+                ["--chat-template-file", args.chat_template_file]
+                if args.chat_template_file
+                else [],
             )
             with server:
                 return rp.replay_with_llama_server(request, response, server)

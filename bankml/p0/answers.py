@@ -3,7 +3,8 @@
 Three families of completion endpoints, each with llama-server's own layout:
 
 - ``CHAT`` (``/v1/chat/completions``, ``/chat/completions``): the text of choice 0
-  (``message.content``, or the streamed ``delta.content`` pieces), its ``logprobs.content``;
+  (``message.content``, or the streamed ``delta.content`` pieces), its reasoning and tool calls
+  (``reasoning_content``, ``tool_calls``: bankml.receipts.acts), its ``logprobs.content``;
   a stream's last regular chunk is the usage chunk (``choices: []``) when the request set
   ``stream_options.include_usage``, else choice 0's chunk with a ``finish_reason``.
 - ``OAI_COMPLETION`` (``/v1/completions``): each choice's ``text`` and ``logprobs.content``,
@@ -165,8 +166,7 @@ def add_whole_receipts(
             tally = new_tally()
             choice = choice if isinstance(choice, dict) else {}
             if kind == CHAT:
-                message = choice.get("message")
-                tally.add_text(_text(message.get("content")) if isinstance(message, dict) else "")
+                tally.take_chat(choice.get("message"))
             else:
                 tally.add_text(_text(choice.get("text")))
             tally_logprobs(tally, choice)
@@ -269,8 +269,7 @@ class StreamReading:
         for choice in choices:
             tally = self.tally(choice.get("index", 0))
             if self.kind == CHAT:
-                delta = choice.get("delta")
-                tally.add_text(_text(delta.get("content")) if isinstance(delta, dict) else "")
+                tally.take_chat(choice.get("delta"))
             else:
                 tally.add_text(_text(choice.get("text")))
             tally_logprobs(tally, choice)

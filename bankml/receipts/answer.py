@@ -6,7 +6,9 @@ returns what a receipt speaks of: the receipt itself, the answer text (the conte
 or llama-server's ``content``, or Ollama's ``message.content`` / ``response``, or the
 ``output_text`` parts of a Responses answer's message items, or the ``text`` blocks of an
 Anthropic Messages answer; streamed pieces joined in order: ``delta.content``,
-``response.output_text.delta``'s ``delta``, a ``content_block_delta``'s ``text_delta``), the logprobs entries, the token counts and finish reason the answer reports.
+``response.output_text.delta``'s ``delta``, a ``content_block_delta``'s ``text_delta``), a chat
+answer's reasoning and tool calls (``acts``, read as bankml.receipts.acts reads them), the
+logprobs entries, the token counts and finish reason the answer reports.
 A stream carries its receipt as a ``bankml_receipt`` field of its last regular event (that event
 may hold nothing else). Anything that is not such an answer raises ``Unreadable``.
 ``answer_parts(body)`` splits a response with several answers (several prompts, ``n``
@@ -18,6 +20,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from bankml.receipts.acts import Acts
 
 JSON, SSE, NDJSON = "json", "sse", "ndjson"
 
@@ -37,6 +41,7 @@ class AnswerView:
     finish_reason: str | None = None
     objects: list[dict[str, Any]] = field(default_factory=list)  # every event's object, in order
     pieces: list[str] = field(default_factory=list)  # each object's share of the text, in order
+    acts: Acts = field(default_factory=Acts)  # a chat answer's reasoning and tool calls
 
     def add_text(self, piece: str) -> None:
         self.text += piece
@@ -247,6 +252,7 @@ def _add_piece(
         if api == "chat":
             part = choice.get("delta" if stream else "message")
             content = part.get("content") if isinstance(part, dict) else None
+            view.acts.take_chat(part)
         else:
             content = choice.get("text")
         if isinstance(content, str):

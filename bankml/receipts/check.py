@@ -37,9 +37,10 @@ from typing import Any
 from bankml.receipts.answer import JSON, Unreadable, answer_of, answer_parts, read_answer
 from bankml.receipts.canonical import signed_bytes
 from bankml.receipts.convert import chat_fields, n_cmpl_of
+from bankml.receipts.digest import canonical_logprobs, sha256_hex, text_sha256
 from bankml.receipts.keys import ALG, keyid_of, load_public_key, verifies
 from bankml.receipts.kinds import APIS, CONVERTED, MESSAGES
-from bankml.receipts.sign import RECEIPT_VERSION, sha256_hex
+from bankml.receipts.sign import RECEIPT_VERSION
 
 VALID = "valid"
 # request fields that are not sampler settings though the sampler's table reads them
@@ -61,12 +62,6 @@ class Refused(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def canonical_logprobs(entries: list[Any]) -> bytes:
-    from bankml.receipts.tally import canonical_logprobs as today
-
-    return today(entries)
 
 
 def check_receipt(
@@ -232,9 +227,16 @@ def _check_answer(receipt: Mapping[str, Any], view: Any) -> None:
             f"the receipt is for a {'streamed' if receipt.get('stream') else 'whole'} answer, "
             f"this one is {'streamed' if streamed else 'whole'}"
         )
-    text_sha = sha256_hex(view.text.encode("utf-8", "surrogatepass"))
-    if text_sha != receipt.get("response_sha256"):
+    if text_sha256(view.text) != receipt.get("response_sha256"):
         raise Refused("response_sha256 is not the sha256 of this answer's text: another answer")
+    carried = view.acts.receipt_fields()
+    for name, what in (("reasoning_sha256", "reasoning"), ("tool_calls_sha256", "tool calls")):
+        if name not in carried and name in receipt:
+            raise Refused(f"the receipt hashes {what} this answer does not carry")
+        if name in carried and name not in receipt:
+            raise Refused(f"the answer carries {what} the receipt does not hash")
+        if name in carried and carried[name] != receipt[name]:
+            raise Refused(f"{name} is not the sha256 of this answer's {what}: another answer")
     if view.logprobs is None:
         if "logprobs_sha256" in receipt:
             raise Refused("the receipt hashes logprobs this answer does not carry")

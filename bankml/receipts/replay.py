@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bankml.llama_server import command_line
+from bankml.receipts.acts import Acts
 from bankml.receipts.answer import (
     AnswerView,
     Unreadable,
@@ -262,6 +263,11 @@ def _replay_answer(
         return (
             f"refuse: the model file's sha256 is {replay.model_sha256}, the receipt names "
             f"{receipt.get('model_sha256')}"
+        )
+    if "reasoning_sha256" in receipt or "tool_calls_sha256" in receipt:
+        return (
+            "cannot replay: bankml's engine does not yet split reasoning and tool calls out of "
+            "an answer; replay it through llama-server (--replay-with-llama-server)"
         )
     engine = replay.engine
     if engine.n_ctx != receipt["n_ctx"] or engine.cache.cache_type != receipt["cache_type"]:
@@ -529,10 +535,18 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
 
 
 class LlamaServerProcess:
-    """llama-server on a free loopback port with a receipt's n_ctx and cache type."""
+    """llama-server on a free loopback port with a receipt's n_ctx and cache type; ``args``:
+    more of llama-server's flags, as the answer's llama-server ran with them (a P0 started with
+    ``--chat-template-file F``: the same here)."""
 
     def __init__(
-        self, binary: str, model: str, n_ctx: int, cache_type: str = "f16", threads: int = 2
+        self,
+        binary: str,
+        model: str,
+        n_ctx: int,
+        cache_type: str = "f16",
+        threads: int = 2,
+        args: Sequence[str] = (),
     ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -548,7 +562,8 @@ class LlamaServerProcess:
             n_ctx,
             # thinking as llama-server decides it from the template, as bankml's engine does
             reasoning_off=False,
-            after=cache,
+            give_way_to=args,
+            after=[*cache, *args],
         )
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -648,6 +663,9 @@ def replay_with_llama_server(
     result = compare(original, receipt, replayed, LLAMA_SERVER_LOGPROB_TOLERANCE)
     if result.verdict != IDENTICAL:
         return f"refuse: {result.verdict}{_p0_note(receipt)}"
+    acts = acts_difference(original.acts, theirs.acts)
+    if acts is not None:
+        return f"refuse: {acts}{_p0_note(receipt)}"
     n = replayed.completion_tokens
     told = f"the text of {n} tokens" if n is not None else "the text"
     if not original.logprobs:
@@ -658,6 +676,27 @@ def replay_with_llama_server(
         f"{IDENTICAL}: {told} and token ids bit for bit; logprobs "
         f"{result.logprob_distance:.2g} apart at most (within {LLAMA_SERVER_LOGPROB_TOLERANCE:g})"
     )
+
+
+def acts_difference(original: Acts, replayed: Acts) -> str | None:
+    """What differs first between two answers' reasoning and tool calls, else None. A tool
+    call's id is not compared: llama-server draws each at random."""
+    if original.reasoning_text != replayed.reasoning_text:
+        return (
+            f"the reasoning differs: the replay's is {replayed.reasoning_text[:40]!r}, the "
+            f"answer's {original.reasoning_text[:40]!r}"
+        )
+    mine, theirs = original.tool_calls(), replayed.tool_calls()
+    if len(mine) != len(theirs):
+        return f"the answer makes {len(mine)} tool calls, the replay {len(theirs)}"
+    for index, (a, b) in enumerate(zip(mine, theirs)):
+        for name in ("type", "name", "arguments"):
+            if getattr(a, name) != getattr(b, name):
+                return (
+                    f"tool call {index}'s {name} differs: the replay's is "
+                    f"{getattr(b, name)[:60]!r}, the answer's {getattr(a, name)[:60]!r}"
+                )
+    return None
 
 
 def llama_server_threads() -> int:

@@ -9,7 +9,6 @@ one JSON object that rides as ``bankml_receipt``. The format is docs/modules/rec
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import math
 import time
@@ -29,16 +28,13 @@ from bankml.engine_cupy.sampler import (
 )
 from bankml.receipts.canonical import normalized, signed_bytes
 from bankml.receipts.convert import chat_fields, n_cmpl_of
+from bankml.receipts.digest import sha256_hex
 from bankml.receipts.keys import ALG, SigningKey
 from bankml.receipts.kinds import APIS, CONVERTED, MESSAGES
 from bankml.version import __version__
 
 RECEIPT_VERSION = 2
 ENGINE_SOURCES = Path(__file__).resolve().parent.parent / "engine_cupy"
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def token_ids_sha256(ids: Sequence[int]) -> str:

@@ -5,33 +5,25 @@ order, token counts, timings, logprobs) and `receipt()` turns it into the `bankm
 object, with its fields in this fixed order (clients may rely on it):
 
 ``bankml, engine, model_sha256, guard, prompt_tokens, completion_tokens, ttft_ms, wall_ms,
-response_sha256, request_sha256[, logprobs_sha256], signed``
+response_sha256, request_sha256[, logprobs_sha256][, reasoning_sha256][, tool_calls_sha256],
+signed``
+
+The bracketed fields are there only when the answer carries logprobs, reasoning or tool calls
+(bankml.receipts.acts).
 
 How a client checks one by hand is in docs/receipts.md. Pure Python, no Twisted.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bankml.receipts.acts import Acts
+from bankml.receipts.digest import canonical_logprobs, sha256_hex, text_sha256
 from bankml.version import __version__
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def canonical_logprobs(entries: list[Any]) -> bytes:
-    """The bytes `logprobs_sha256` hashes: the logprobs `content` entries (one list, in order, the
-    streamed chunks' lists joined), written as compact JSON with non-ASCII kept as UTF-8 and keys
-    in the order received. That is ``json.dumps(entries, separators=(",", ":"),
-    ensure_ascii=False).encode()`` after ``json.loads`` of the answer, in any language."""
-    return json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 @dataclass
@@ -52,6 +44,8 @@ class Tally:
     cache_n: int | None = None
     # P0: the request as forwarded (bankml.receipts.sign.ForwardedRequest), None natively
     forwarded: Any = None
+    # the reasoning and tool calls of a chat answer, as sent
+    acts: Acts = field(default_factory=Acts)
 
     def __post_init__(self) -> None:
         if not self.started:
@@ -63,6 +57,13 @@ class Tally:
         if piece and self.first_piece_at is None:
             self.first_piece_at = self.clock()
         self.pieces.append(piece)
+
+    def take_chat(self, part: Any) -> None:
+        """A chat ``message`` or ``delta``: its content, reasoning and tool calls as sent."""
+        content = part.get("content") if isinstance(part, dict) else None
+        self.add_text(content if isinstance(content, str) else "")
+        if self.acts.take_chat(part) and self.first_piece_at is None:
+            self.first_piece_at = self.clock()
 
     def add_logprobs(self, entries: list[Any]) -> None:
         if self.logprobs is None:
@@ -121,10 +122,11 @@ def receipt(
         "completion_tokens": tally.completion_tokens,
         "ttft_ms": tally.ttft_ms() if ttft_measured else None,
         "wall_ms": tally.wall_ms(),
-        "response_sha256": sha256_hex(tally.text.encode("utf-8", "surrogatepass")),
+        "response_sha256": text_sha256(tally.text),
         "request_sha256": sha256_hex(tally.request_body),
     }
     if tally.logprobs is not None:
         out["logprobs_sha256"] = sha256_hex(canonical_logprobs(tally.logprobs))
+    out.update(tally.acts.receipt_fields())
     out["signed"] = False
     return out
