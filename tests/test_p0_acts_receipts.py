@@ -91,6 +91,75 @@ EXCHANGES: list[tuple[str, dict[str, Any]]] = [
     ("reasoning", REASONING),
     ("reasoning stream", {**REASONING, "stream": True}),
 ]
+# the same conversations in the Responses and Anthropic Messages shapes
+RESPONSES_CALLING = {
+    "input": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "a1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"role": "user", "content": "What is the weather in London?"},
+        {
+            "type": "function_call",
+            "call_id": "a2",
+            "name": "get_weather",
+            "arguments": '{"city": "London"}',
+        },
+        {"role": "user", "content": "What is the weather in Rome?"},
+    ],
+    "tools": [{"type": "function", **WEATHER["function"]}],
+    "max_output_tokens": 40,
+    "temperature": 0,
+    "chat_template_kwargs": {"enable_thinking": True},
+}
+
+
+def _tool_use(call_id: str, city: str) -> dict[str, Any]:
+    block = {"type": "tool_use", "id": call_id, "name": "get_weather", "input": {"city": city}}
+    return {"role": "assistant", "content": [block]}
+
+
+MESSAGES_CALLING = {
+    "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        _tool_use("a1", "Paris"),
+        {"role": "user", "content": "What is the weather in London?"},
+        _tool_use("a2", "London"),
+        {"role": "user", "content": "What is the weather in Rome?"},
+    ],
+    "tools": [
+        {
+            "name": "get_weather",
+            "description": "Get the weather",
+            "input_schema": WEATHER["function"]["parameters"],
+        }
+    ],
+    "max_tokens": 40,
+    "temperature": 0,
+    "chat_template_kwargs": {"enable_thinking": True},
+}
+MESSAGES_REASONING = {
+    "messages": [
+        {"role": "user", "content": "Name a colour."},
+        {
+            "role": "assistant",
+            "content": [{"type": "thinking", "thinking": "The user wants", "signature": ""}],
+        },
+    ],
+    "max_tokens": 30,
+    "temperature": 0,
+}
+TYPED_EXCHANGES: list[tuple[str, str, dict[str, Any]]] = [
+    ("responses tool call", "/v1/responses", RESPONSES_CALLING),
+    ("responses tool call stream", "/v1/responses", {**RESPONSES_CALLING, "stream": True}),
+    ("messages tool call", "/v1/messages", MESSAGES_CALLING),
+    ("messages tool call stream", "/v1/messages", {**MESSAGES_CALLING, "stream": True}),
+    ("messages reasoning", "/v1/messages", MESSAGES_REASONING),
+    ("messages reasoning stream", "/v1/messages", {**MESSAGES_REASONING, "stream": True}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +192,19 @@ def p0(
 
 @pytest.fixture(scope="module")
 def exchanges(p0: BankmlProcess) -> list[Exchange]:
-    return [_asked(p0, name, body) for name, body in EXCHANGES]
+    return [_asked(p0, name, "/v1/chat/completions", body) for name, body in EXCHANGES]
 
 
-def _asked(p0: BankmlProcess, name: str, body: dict[str, Any]) -> Exchange:
+@pytest.fixture(scope="module")
+def typed_exchanges(p0: BankmlProcess) -> list[Exchange]:
+    return [_asked(p0, name, path, body) for name, path, body in TYPED_EXCHANGES]
+
+
+def _asked(p0: BankmlProcess, name: str, path: str, body: dict[str, Any]) -> Exchange:
     raw = json.dumps(body).encode()
-    response = post(p0, "/v1/chat/completions", raw)
-    return Exchange(name, "chat", "stream" in body, "seed" in body, raw, response, 0, 0)
+    response = post(p0, path, raw)
+    api = path.rsplit("/", 1)[-1].replace("completions", "chat")
+    return Exchange(name, api, "stream" in body, "seed" in body, raw, response, 0, 0)
 
 
 def _sha(data: bytes) -> str:
@@ -323,3 +398,73 @@ def test_the_openai_client_reads_the_calls(p0: BankmlProcess) -> None:
         if chunk.choices and chunk.choices[0].delta.tool_calls
     )
     assert json.loads(arguments) == {"city": "Rome"}
+
+
+def _typed_calls(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The function call items or tool_use blocks of a typed answer (a stream's: its final
+    Responses answer, or the blocks its events start)."""
+    found = []
+    for obj in objects:
+        holder = obj.get("response", obj)
+        for item in holder.get("output", []) + holder.get("content", []):
+            if item.get("type") in ("function_call", "tool_use"):
+                found.append(item)
+        if obj.get("type") == "content_block_start":
+            if obj["content_block"].get("type") == "tool_use":
+                found.append(obj["content_block"])
+    return found
+
+
+def test_responses_and_messages_receipts_hash_calls_and_thinking(
+    typed_exchanges: list[Exchange], key: SigningKey
+) -> None:
+    """Valid untouched; one byte of a call's arguments (Responses: the final answer's item;
+    Messages: the input, or a streamed input piece), its name, or the thinking, refused."""
+    cases = 0
+    for ex in typed_exchanges:
+        receipt = find_receipt(ex.response)[1]
+        verdict = check_receipt(ex.request, ex.response, key.public_key_pem)
+        assert verdict == VALID, (ex.name, verdict)
+        _, _, objects = find_receipt(ex.response)
+        if "tool call" in ex.name:
+            assert "tool_calls_sha256" in receipt and "reasoning_sha256" not in receipt, ex.name
+            calls = _typed_calls(objects)
+            assert calls and all(c["name"] == "get_weather" for c in calls), ex.name
+
+            def renamed(objs: list[dict[str, Any]]) -> None:
+                for call in _typed_calls(objs):
+                    call["name"] = _flip(call["name"])
+
+            def changed_arguments(objs: list[dict[str, Any]], ex: Exchange = ex) -> None:
+                if ex.api == "responses":
+                    for call in _typed_calls(objs):
+                        call["arguments"] = _flip(call["arguments"])
+                elif not ex.stream:
+                    for call in _typed_calls(objs):
+                        call["input"]["city"] = _flip(call["input"]["city"])
+                else:
+                    pieces = [
+                        o for o in objs if o.get("delta", {}).get("type") == "input_json_delta"
+                    ]
+                    pieces[-2]["delta"]["partial_json"] = _flip(pieces[-2]["delta"]["partial_json"])
+
+            for change in (renamed, changed_arguments):
+                verdict = check_receipt(ex.request, edited(ex.response, change), key.public_key_pem)
+                assert verdict.startswith("refuse: tool_calls_sha256"), (ex.name, verdict)
+                cases += 1
+        else:
+            assert "reasoning_sha256" in receipt and "tool_calls_sha256" not in receipt, ex.name
+
+            def rethought(objs: list[dict[str, Any]]) -> None:
+                for obj in objs:
+                    for block in obj.get("content", []):
+                        if block.get("type") == "thinking":
+                            block["thinking"] = _flip(block["thinking"])
+                    if obj.get("delta", {}).get("type") == "thinking_delta":
+                        obj["delta"]["thinking"] = _flip(obj["delta"]["thinking"])
+                        return
+
+            verdict = check_receipt(ex.request, edited(ex.response, rethought), key.public_key_pem)
+            assert verdict.startswith("refuse: reasoning_sha256"), (ex.name, verdict)
+            cases += 1
+    print(f"\nP0 Responses/Messages acts: {len(typed_exchanges)} valid, {cases} changes refused")

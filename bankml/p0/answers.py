@@ -14,11 +14,13 @@ Three families of completion endpoints, each with llama-server's own layout:
   ``content`` and ``completion_probabilities``; its last event is the one with ``stop: true``
   (no ``[DONE]`` follows); several prompts answer a list of objects, each with its receipt.
 - ``RESPONSES`` (``/v1/responses``, ``/responses``): the ``output_text`` parts of the
-  ``message`` items (streamed: the ``response.output_text.delta`` pieces); the last event is
+  ``message`` items (streamed: the ``response.output_text.delta`` pieces), the reasoning and
+  function call items (streamed: ``response.completed``'s); the last event is
   ``response.completed``; counts from ``usage.input_tokens``/``output_tokens``, the reused
   prompt from ``input_tokens_details.cached_tokens``; no finish reason (the answer has none).
 - ``MESSAGES`` (``/v1/messages``, Anthropic's shape): the ``text`` blocks of ``content``
-  (streamed: the ``text_delta`` pieces); the last event is ``message_stop``; counts from
+  (streamed: the ``text_delta`` pieces), the ``thinking`` and ``tool_use`` blocks (streamed:
+  their starts and deltas); the last event is ``message_stop``; counts from
   ``usage`` (``input_tokens`` plus the cached ``cache_read_input_tokens``, ``output_tokens``),
   the finish reason from ``stop_reason`` (``end_turn`` is ``stop``, ``max_tokens`` ``length``).
 
@@ -188,6 +190,7 @@ def add_whole_receipts(
             return False
         tally = new_tally()
         tally.add_text(responses_text(answer["output"]))
+        tally.acts.take_responses_output(answer["output"])
         tally_typed_usage(tally, responses_counts(answer.get("usage")))
         answer["bankml_receipt"] = issue(tally)
         return True
@@ -196,6 +199,7 @@ def add_whole_receipts(
             return False
         tally = new_tally()
         tally.add_text(messages_text(answer.get("content")))
+        tally.acts.take_messages_content(answer.get("content"))
         tally_typed_usage(tally, anthropic_counts(answer.get("usage")))
         tally_stop_reason(tally, answer)
         answer["bankml_receipt"] = issue(tally)
@@ -289,15 +293,23 @@ class StreamReading:
         tally, kind = self.tally(0), obj.get("type")
         if kind == "response.output_text.delta":
             tally.add_text(_text(obj.get("delta")))
+        elif kind in ("response.reasoning_text.delta", "response.function_call_arguments.delta"):
+            if _text(obj.get("delta")):
+                tally.note_piece()
         elif kind == "response.completed":
             response = obj.get("response")
-            usage = response.get("usage") if isinstance(response, dict) else None
-            tally_typed_usage(tally, responses_counts(usage))
+            response = response if isinstance(response, dict) else {}
+            tally.acts.take_responses_output(response.get("output"))
+            tally_typed_usage(tally, responses_counts(response.get("usage")))
             return tally
         elif kind == "content_block_delta":
             delta = obj.get("delta")
             if isinstance(delta, dict) and delta.get("type") == "text_delta":
                 tally.add_text(_text(delta.get("text")))
+            elif tally.acts.take_messages_event(obj):
+                tally.note_piece()
+        elif kind == "content_block_start":
+            tally.acts.take_messages_event(obj)
         elif kind == "message_start":
             message = obj.get("message")
             prompt, _, cached = anthropic_counts(

@@ -8,6 +8,11 @@ call by its ``index``: its ``id`` and ``type`` from the delta that names them, i
 name first, then the arguments in pieces). ``Acts.take_chat(part)`` reads one message or delta;
 the gateway's tally and the receipt checker read the same way, so the hashes agree.
 
+The same for the Responses API (``reasoning`` and ``function_call`` output items; a stream's
+are its ``response.completed`` answer's) and for Anthropic Messages (``thinking`` and
+``tool_use`` blocks, the input as compact JSON; streamed, a block's start names the call and its
+``input_json_delta`` pieces, joined, are the arguments).
+
 The receipt's fields (only where the answer carries something):
 
 - ``reasoning_sha256``: sha256 of the reasoning text's UTF-8 bytes;
@@ -19,6 +24,7 @@ Pure Python, no Twisted.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +89,79 @@ class Acts:
             for position, entry in enumerate(calls):
                 took = self.add_call(entry, position) or took
         return took
+
+    def take_responses_output(self, output: Any) -> None:
+        """A Responses answer's ``output`` items (a stream's are ``response.completed``'s):
+        ``reasoning`` items' ``reasoning_text`` parts, and each ``function_call`` as a call
+        (its ``call_id``, ``type`` ``function``, ``name`` and ``arguments``)."""
+        for item in output if isinstance(output, list) else []:
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "reasoning":
+                for part in item.get("content") or []:
+                    if isinstance(part, dict) and part.get("type") == "reasoning_text":
+                        self.add_reasoning(part.get("text"))
+            elif item.get("type") == "function_call":
+                self.add_call(
+                    {
+                        "id": item.get("call_id"),
+                        "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                    },
+                    len(self.calls),
+                )
+
+    def take_messages_content(self, content: Any) -> None:
+        """An Anthropic Messages answer's ``content`` blocks: ``thinking`` blocks' text, and each
+        ``tool_use`` block as a call (its ``id``, ``type`` ``tool_use``, ``name``, and its
+        ``input`` as compact JSON, keys in the order received)."""
+        for block in content if isinstance(content, list) else []:
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "thinking":
+                self.add_reasoning(block.get("thinking"))
+            elif block.get("type") == "tool_use":
+                arguments = json.dumps(
+                    block.get("input"), separators=(",", ":"), ensure_ascii=False
+                )
+                self.add_call(
+                    {
+                        "id": block.get("id"),
+                        "type": "tool_use",
+                        "function": {"name": block.get("name"), "arguments": arguments},
+                    },
+                    len(self.calls),
+                )
+
+    def take_messages_event(self, event: dict[str, Any]) -> bool:
+        """One event of a Messages stream: a ``tool_use`` block's start (its id and name, by the
+        block's ``index``), its ``input_json_delta`` pieces (the arguments as streamed), a
+        ``thinking_delta``; True when it carried any."""
+        index = event.get("index")
+        if event.get("type") == "content_block_start":
+            block = event.get("content_block")
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                return self.add_call(
+                    {
+                        "index": index,
+                        "id": block.get("id"),
+                        "type": "tool_use",
+                        "function": {"name": block.get("name")},
+                    },
+                    len(self.calls),
+                )
+        elif event.get("type") == "content_block_delta":
+            delta = event.get("delta")
+            if not isinstance(delta, dict):
+                return False
+            if delta.get("type") == "thinking_delta":
+                return self.add_reasoning(delta.get("thinking"))
+            if delta.get("type") == "input_json_delta":
+                return self.add_call(
+                    {"index": index, "function": {"arguments": delta.get("partial_json")}},
+                    len(self.calls),
+                )
+        return False
 
     @property
     def reasoning_text(self) -> str:

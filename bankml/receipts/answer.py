@@ -6,8 +6,9 @@ returns what a receipt speaks of: the receipt itself, the answer text (the conte
 or llama-server's ``content``, or Ollama's ``message.content`` / ``response``, or the
 ``output_text`` parts of a Responses answer's message items, or the ``text`` blocks of an
 Anthropic Messages answer; streamed pieces joined in order: ``delta.content``,
-``response.output_text.delta``'s ``delta``, a ``content_block_delta``'s ``text_delta``), a chat
-answer's reasoning and tool calls (``acts``, read as bankml.receipts.acts reads them), the
+``response.output_text.delta``'s ``delta``, a ``content_block_delta``'s ``text_delta``), an
+answer's reasoning and tool calls (``acts``, read as bankml.receipts.acts reads them: chat,
+Responses and Messages), the
 logprobs entries, the token counts and finish reason the answer reports.
 A stream carries its receipt as a ``bankml_receipt`` field of its last regular event (that event
 may hold nothing else). Anything that is not such an answer raises ``Unreadable``.
@@ -265,15 +266,23 @@ def _add_piece(
     elif api == "responses":
         if not stream:
             view.add_text(responses_text(obj.get("output")))
+            view.acts.take_responses_output(obj.get("output"))
         elif obj.get("type") == "response.output_text.delta" and isinstance(obj.get("delta"), str):
             view.add_text(obj["delta"])
+        elif obj.get("type") == "response.completed" and isinstance(obj.get("response"), dict):
+            view.acts.take_responses_output(obj["response"].get("output"))
     elif api == "messages":
         if not stream:
             view.add_text(messages_text(obj.get("content")))
+            view.acts.take_messages_content(obj.get("content"))
         elif obj.get("type") == "content_block_delta":
             delta = obj.get("delta")
             if isinstance(delta, dict) and delta.get("type") == "text_delta":
                 view.add_text(_str(delta.get("text")))
+            else:
+                view.acts.take_messages_event(obj)
+        elif obj.get("type") == "content_block_start":
+            view.acts.take_messages_event(obj)
     elif api == "llama_completion":
         if isinstance(obj.get("content"), str):
             view.add_text(obj["content"])

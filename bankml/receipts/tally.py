@@ -62,7 +62,12 @@ class Tally:
         """A chat ``message`` or ``delta``: its content, reasoning and tool calls as sent."""
         content = part.get("content") if isinstance(part, dict) else None
         self.add_text(content if isinstance(content, str) else "")
-        if self.acts.take_chat(part) and self.first_piece_at is None:
+        if self.acts.take_chat(part):
+            self.note_piece()
+
+    def note_piece(self) -> None:
+        """A piece of the answer that is not content (reasoning, a tool call) came now."""
+        if self.first_piece_at is None:
             self.first_piece_at = self.clock()
 
     def add_logprobs(self, entries: list[Any]) -> None:
