@@ -27,6 +27,12 @@ from typing import Any, Protocol
 from bankml.formats import llama as llama_format
 from bankml.formats import openai as openai_format
 from bankml.formats.chat_content import chat_schema_content
+from bankml.formats.chat_message import (
+    MessageStream,
+    delta_object,
+    finish_reason,
+    message_object,
+)
 from bankml.formats.llama import llama_timings
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OAI_COMPLETION
 from bankml.receipts.tally import Tally
@@ -193,7 +199,7 @@ class Answer:
         """The non-streamed answer, receipt included."""
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
         text = self.answer_text(summary)
-        self.tally.add_text(text)
+        self.tally_whole(text)
         entries = self.final_logprobs(summary) if self.wants_logprobs else []
         if entries:
             self.tally.add_logprobs(entries)
@@ -207,6 +213,10 @@ class Answer:
     def answer_text(self, summary: Any) -> str:
         """The whole answer's text as the client receives it."""
         return str(summary.text)
+
+    def tally_whole(self, text: str) -> None:
+        """The whole answer, for its receipt."""
+        self.tally.add_text(text)
 
     def whole_body(self, summary: Any, text: str, entries: list[Any]) -> dict[str, Any]:
         raise NotImplementedError
@@ -258,10 +268,44 @@ class ChatAnswer(Answer):
         # parser reads it; a stream sends it with the first piece, unless it is not to be echoed
         self.prefill = str(self.options.get("prefill") or "")
         self.prefill_pending = self.prefill if self.options.get("prefill_streamed", True) else ""
+        # the chat format's parse (generation prompt + output -> content, reasoning, tool
+        # calls), as llama-server's chat parser runs after every token and at the end
+        parser = getattr(self.parsed, "chat_parser", None)
+        self.messages = None if parser is None else MessageStream(parser)
+        if self.messages is not None and not self.options.get("prefill_streamed", True):
+            self.messages.update("", partial=True)  # a continuation not echoed: not re-sent
 
     def answer_text(self, summary: Any) -> str:
         text = str(summary.text)
+        if self.messages is not None:
+            self.messages.update(text[len(self.messages.text) :], partial=False)
+            return self.messages.message.content
         return chat_schema_content(text) if self.schema_answer else self.prefill + text
+
+    def tally_whole(self, text: str) -> None:
+        if self.messages is None:
+            self.tally.add_text(text)
+        else:
+            self.tally.take_chat(message_object(self.messages.message))
+
+    def _message_events(self, added: str, partial: bool) -> list[dict[str, Any]]:
+        """The deltas the parse finds after ``added`` (tallied as sent)."""
+        assert self.messages is not None
+        events = []
+        for diff in self.messages.update(added, partial):
+            delta = delta_object(diff)
+            self.tally.take_chat(delta)
+            events.append(openai_format.chat_chunk(self.envelope(), delta, index=self.index))
+        return events
+
+    def _finish(self, summary: Any) -> str:
+        """The answer's finish reason (noted for the receipt): ``tool_calls`` for one that
+        stopped with calls."""
+        if self.messages is None:
+            return str(summary.finish_reason)
+        reason = finish_reason(summary.finish_reason == "stop", self.messages.message)
+        self.tally.set_end(reason, None)
+        return reason
 
     def _content_delta(self, text: str) -> str:
         """The part of a schema answer's content not sent yet (``text`` is the new piece)."""
@@ -280,14 +324,19 @@ class ChatAnswer(Answer):
                     self.envelope(), openai_format.role_delta(), index=self.index
                 )
             )
-        text = self._content_delta(chunk.text) if self.schema_answer and chunk.text else chunk.text
-        if text and self.prefill_pending:
-            text, self.prefill_pending = self.prefill_pending + text, ""
-        if text:
-            self.tally.add_text(text)
-            events.append(
-                openai_format.chat_chunk(self.envelope(), {"content": text}, index=self.index)
+        if self.messages is not None:
+            events += self._message_events(chunk.text, partial=True)
+        else:
+            text = (
+                self._content_delta(chunk.text) if self.schema_answer and chunk.text else chunk.text
             )
+            if text and self.prefill_pending:
+                text, self.prefill_pending = self.prefill_pending + text, ""
+            if text:
+                self.tally.add_text(text)
+                events.append(
+                    openai_format.chat_chunk(self.envelope(), {"content": text}, index=self.index)
+                )
         if chunk.entry is not None and events:  # an entry rides on its token's last delta
             events[-1]["choices"][0]["logprobs"] = {"content": [chunk.entry]}
             self.tally.add_logprobs([chunk.entry])
@@ -304,10 +353,11 @@ class ChatAnswer(Answer):
         return openai_format.chat_completion(
             self.envelope("chat.completion"),
             text,
-            summary.finish_reason,
+            self._finish(summary),
             entries,
             self.usage(summary),
             index=self.index,
+            message=None if self.messages is None else message_object(self.messages.message),
         )
 
     def last_events(self, summary: Any) -> list[dict[str, Any]]:
@@ -323,8 +373,10 @@ class ChatAnswer(Answer):
                     self.envelope(), openai_format.role_delta(), index=self.index
                 )
             )
+        if self.messages is not None:  # the final parse's deltas, then the finish
+            events += self._message_events("", partial=False)
         last = openai_format.chat_chunk(
-            self.envelope(), {}, summary.finish_reason, index=self.index
+            self.envelope(), {}, self._finish(summary), index=self.index
         )
         if openai_format.include_usage(self.request):
             events.append(last)

@@ -161,12 +161,32 @@ def finish_reason(stopped: bool, msg: ChatMessage) -> str:
     return "tool_calls" if msg.tool_calls else "stop"
 
 
-Parse = Callable[[str, bool], ChatMessage]
+def as_message(parsed: Any) -> ChatMessage:
+    """A parse's message (anything with ``content``, ``reasoning_content`` and ``tool_calls`` of
+    ``name``, ``arguments``, ``id``) as a ChatMessage."""
+    if isinstance(parsed, ChatMessage):
+        return parsed
+    return ChatMessage(
+        content=str(getattr(parsed, "content", "") or ""),
+        reasoning_content=str(getattr(parsed, "reasoning_content", "") or ""),
+        tool_calls=tuple(
+            ToolCallMsg(
+                name=str(getattr(call, "name", "") or ""),
+                arguments=str(getattr(call, "arguments", "") or ""),
+                id=str(getattr(call, "id", "") or ""),
+            )
+            for call in getattr(parsed, "tool_calls", ()) or ()
+        ),
+    )
+
+
+Parse = Callable[[str, bool], Any]
 
 
 class MessageStream:
     """One answer's message as it grows: ``update(text, partial)`` parses everything generated so
-    far (``parse(text, partial)``) and returns what changed since the last parse."""
+    far (``parse(text, partial)``: a message as ``as_message`` reads one) and returns what
+    changed since the last parse."""
 
     def __init__(self, parse: Parse, new_id: Callable[[], str] = tool_call_id) -> None:
         self.parse = parse
@@ -186,7 +206,7 @@ class MessageStream:
 
     def update(self, added: str, partial: bool) -> list[MessageDiff]:
         self.text += added
-        parsed = self.parse(self.text, partial)
+        parsed = as_message(self.parse(self.text, partial))
         if parsed.empty:
             return []
         before, self.message = self.message, self._with_ids(parsed)

@@ -53,11 +53,14 @@ def chat_completion(
     entries: list[Any],
     usage: dict[str, Any],
     index: int = 0,
+    message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A whole chat answer: its ``message`` as the chat parser left it
+    (``chat_message.message_object``), or the text as the content."""
     choice: dict[str, Any] = {
         "finish_reason": finish,
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message if message is not None else {"role": "assistant", "content": text},
     }
     if entries:
         choice["logprobs"] = {"content": entries}

@@ -218,6 +218,7 @@ class NativeEngine:
                 n_ctx=self.n_ctx,
                 cache_type=self.cache_type,
                 device=self.device,
+                finish_reason=tally.finish_reason,
             )
         return issue_receipt(
             tally, self.verified, self.engine_name, facts=facts, key=self.receipt_key

@@ -128,9 +128,11 @@ def native_facts(
     n_ctx: int,
     cache_type: str,
     device: str,
+    finish_reason: str | None = None,
 ) -> ReplayFacts:
     """The facts of one run of bankml's engine: ``parsed`` (its Request, seed pinned) and the
-    run's Summary."""
+    run's Summary; ``finish_reason``: the answer's where it says more than the run's (a chat
+    answer that stopped with tool calls: ``tool_calls``)."""
     return ReplayFacts(
         api=api,
         stream=stream,
@@ -144,7 +146,7 @@ def native_facts(
         prompt_token_ids=list(parsed.prompt_tokens),
         completion_token_ids=list(summary.tokens),
         cache_n=int((summary.timings or {}).get("cache_n", 0)),
-        finish_reason=summary.finish_reason,
+        finish_reason=finish_reason or summary.finish_reason,
     )
 
 
