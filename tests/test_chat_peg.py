@@ -37,6 +37,7 @@ from bankml.engine_cupy.peg.chat import (
     ChatPegBuilder,
     ChatPegMapper,
     ChatToolCall,
+    MinimaxM3Mapper,
     build_chat_peg_parser,
     build_tagged_peg_parser,
     chat_peg_parse,
@@ -1171,3 +1172,182 @@ def test_tool_call_grammar_constrains(vocab) -> None:
     assert not fits(good.replace('"days": 3', '"days": "3"'))
     assert not fits(good.replace("get_forecast", "get_weather"))
     assert not fits(good.replace(', "unit": "celsius"', ""))  # a required argument left out
+
+
+# --- the Gemma 4 and MiniMax-M3 mappers, side by side ---------------------------------------------------
+
+
+def gemma4_arena() -> Arena:
+    """The tool-call part of llama.cpp's common/parsers/gemma4.cpp."""
+
+    def build(p: ChatPegBuilder) -> Parser:
+        quote = '<|"|>'
+        p.rule("gemma4-string-content", p.until(quote))
+        p.rule(
+            "gemma4-string", p.literal(quote) + p.ref("gemma4-string-content") + p.literal(quote)
+        )
+        p.rule("gemma4-bool", p.json_bool())
+        p.rule("gemma4-null", p.json_null())
+        p.rule("gemma4-number", p.json_number())
+        p.rule(
+            "gemma4-dict-key",
+            p.rule("gemma4-dict-key-name", p.chars("[^:}]", 1, -1)) + p.literal(":"),
+        )
+        p.rule("gemma4-dict-kv", p.ref("gemma4-dict-key") + p.space() + p.ref("gemma4-value"))
+
+        def container(opening: str, closing: str, item: str) -> Callable[[], Parser]:
+            def make() -> Parser:
+                ws = p.space()
+                member = p.ref(item)
+                members = p.sequence(
+                    [member, p.zero_or_more(p.sequence([p.literal(","), ws, member]))]
+                )
+                return p.sequence(
+                    [
+                        p.literal(opening),
+                        ws,
+                        p.choice(
+                            [p.literal(closing), p.sequence([members, ws, p.literal(closing)])]
+                        ),
+                    ]
+                )
+
+            return make
+
+        p.rule("gemma4-dict", container("{", "}", "gemma4-dict-kv"))
+        p.rule("gemma4-array", container("[", "]", "gemma4-value"))
+        p.rule(
+            "gemma4-value",
+            lambda: p.choice(
+                [
+                    p.ref(f"gemma4-{kind}")
+                    for kind in ("string", "dict", "array", "number", "bool", "null")
+                ]
+            ),
+        )
+        choice = p.choice()
+        for name in ("get_forecast", "noargs"):
+            choice |= p.rule(
+                f"tool-{name}",
+                p.tool(
+                    p.sequence(
+                        [
+                            p.tool_open(p.tool_name(p.literal(name)) + p.peek(p.literal("{"))),
+                            p.tool_args(p.ref("gemma4-dict")),
+                        ]
+                    )
+                ),
+            )
+        call = p.trigger_rule(
+            "tool-call", p.repeat("<|tool_call>call:" + choice + "<tool_call|>", 0, -1)
+        )
+        content = p.rule(
+            "content", p.content(p.until_one_of(["<|channel>", "<channel|>", "<|tool_call>"]))
+        )
+        return p.zero_or_more(content) + p.rule("scan-to-toolcall", p.until("<|tool_call>")) + call
+
+    return build_chat_peg_parser(build)
+
+
+def minimax_m3_arena() -> Arena:
+    """The shape of llama.cpp's common/parsers/minimax-m3.cpp: XML-like nested arguments."""
+
+    def build(p: ChatPegBuilder) -> Parser:
+        def element(tag: str, value: Callable[[str], Parser]) -> Parser:
+            close = f"</{tag}>"
+            return p.tool_arg(
+                p.tool_arg_open(p.literal("<") + p.tool_arg_name(p.literal(tag)) + p.literal(">"))
+                + value(close)
+            )
+
+        def string(close: str) -> Parser:
+            return p.tool_arg_string_value(p.until(close)) + p.tool_arg_close(p.literal(close))
+
+        def number(close: str) -> Parser:
+            return p.tool_arg_json_value(p.json()) + p.tool_arg_close(p.literal(close))
+
+        def obj(close: str) -> Parser:
+            members = p.repeat(p.space() + element("deep", number), 0, -1)
+            return (
+                p.tag(MinimaxM3Mapper.TOOL_ARG_OBJECT, members)
+                + p.space()
+                + p.tool_arg_close(p.literal(close))
+            )
+
+        def array(close: str) -> Parser:
+            item = p.tag(MinimaxM3Mapper.TOOL_ARG_ITEM, p.literal("<item>") + string("</item>"))
+            return (
+                p.tag(MinimaxM3Mapper.TOOL_ARG_ARRAY, p.repeat(p.space() + item, 0, -1))
+                + p.space()
+                + p.tool_arg_close(p.literal(close))
+            )
+
+        members = p.repeat(
+            p.space()
+            + p.choice(
+                [
+                    element("location", string),
+                    element("days", number),
+                    element("opts", obj),
+                    element("tags", array),
+                ]
+            ),
+            0,
+            -1,
+        )
+        tool = p.tool(
+            p.tool_open(
+                p.literal('<invoke name="')
+                + p.tool_name(p.literal("get_forecast"))
+                + p.literal('">')
+            )
+            + members
+            + p.space()
+            + p.tool_close(p.literal("</invoke>"))
+        )
+        calls = p.optional(
+            p.trigger_rule(
+                "tool-call",
+                p.literal("<calls>") + p.space() + tool + p.space() + p.literal("</calls>"),
+            )
+        )
+        return p.content(p.until("<calls>")) + calls + p.end()
+
+    return build_chat_peg_parser(build)
+
+
+MAPPER_CASES = [
+    (
+        ChatFormat.PEG_GEMMA4,
+        gemma4_arena,
+        b'Sure.<|tool_call>call:get_forecast{location:<|"|>Par\xc3\xads "x"<|"|>,days:3,'
+        b'opts:{deep:true,none:null,tags:[<|"|>a<|"|>,2.5]}}<tool_call|><|tool_call>call:noargs{}<tool_call|>',
+    ),
+    (
+        ChatFormat.PEG_MINIMAX_M3,
+        minimax_m3_arena,
+        b'Hi<calls><invoke name="get_forecast"><location>Paris "x"</location><days>3</days>'
+        b"<opts><deep>true</deep></opts><tags><item>a</item><item>b</item></tags></invoke></calls>",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fmt", "make", "text"), MAPPER_CASES, ids=["gemma4", "minimax-m3"])
+def test_format_mappers_are_llama_servers(oracle, fmt: ChatFormat, make, text: bytes) -> None:
+    arena = make()
+    cases = [(text[:n], True) for n in range(len(text) + 1)] + [(text, False)]
+    requests = [
+        {
+            "op": "chat",
+            "arena": arena.to_json(),
+            "input": piece.hex(),
+            "partial": partial,
+            "generation_prompt": "",
+            "format": fmt.value,
+        }
+        for piece, partial in cases
+    ]
+    answers = oracle(requests)
+    assert answers[-1]["tool_calls"], answers[-1]
+    for (piece, partial), ref in zip(cases, answers, strict=True):
+        assert _chat_answer(arena, piece, partial, "", fmt) == ref, (piece, partial)
