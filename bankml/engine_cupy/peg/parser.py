@@ -743,11 +743,13 @@ class CharsParser(PegParser):
 class StringParser(PegParser):
     """The content of a quoted string, up to (not including) its unescaped delimiter."""
 
-    __slots__ = ("delimiter",)
+    __slots__ = ("delimiter", "_plain")
     kind = "string"
 
     def __init__(self, delimiter: str):
         self.delimiter = delimiter
+        # a run of ASCII bytes that are neither the delimiter nor a backslash
+        self._plain = re.compile(b"[^\\\\\x80-\xff" + re.escape(delimiter.encode()) + b"]+")
 
     def parse(self, arena: Arena, ctx: ParseContext, start: int) -> ParseResult:
         data = ctx.input
@@ -782,7 +784,8 @@ class StringParser(PegParser):
                     continue
                 return ParseResult(FAIL, start)
             if c < 0x80:
-                pos += 1
+                m = self._plain.match(data, pos)
+                pos = m.end() if m else pos + 1
                 continue
             status, _, size = parse_utf8_codepoint(data, pos)
             if status == UTF8_INCOMPLETE:
