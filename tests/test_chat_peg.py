@@ -1351,3 +1351,25 @@ def test_format_mappers_are_llama_servers(oracle, fmt: ChatFormat, make, text: b
     assert answers[-1]["tool_calls"], answers[-1]
     for (piece, partial), ref in zip(cases, answers, strict=True):
         assert _chat_answer(arena, piece, partial, "", fmt) == ref, (piece, partial)
+
+
+def test_grammars_are_llama_servers(oracle) -> None:
+    """llama.cpp's grammar writer on our arenas (their schemas given back) and ours: the same
+    text, lazy and not."""
+    arenas = [arena for arena, _ in _tool_text_parsers()]
+    arenas += [qwen3_coder_parser(), gemma4_arena(), minimax_m3_arena()]
+    arenas += [
+        native_parser(tools_of(), False, None, True, True),
+        native_parser([], False, SCHEMAS[0], False, False),
+    ]
+    requests, ours = [], []
+    for arena in arenas:
+        schemas = {
+            str(i): p.schema for i, p in enumerate(arena.parsers) if isinstance(p, SchemaParser)
+        }
+        for lazy in (False, True):
+            requests.append(
+                {"op": "grammar", "arena": arena.to_json(), "schemas": schemas, "lazy": lazy}
+            )
+            ours.append({"grammar": gbnf(arena, lazy)})
+    assert oracle(requests) == ours
