@@ -989,7 +989,54 @@ def _tool_text_parsers() -> list[tuple[Arena, list[bytes]]]:
             + p.end()
         )
     )
+    function_is_key = build_chat_peg_parser(
+        lambda p: (
+            p.content(p.until("<x>"))
+            + p.standard_json_tools(
+                "<x>", "</x>", tools, True, False, "", "args", False, True, "id", "n"
+            )
+            + p.end()
+        )
+    )
+    nested = build_chat_peg_parser(
+        lambda p: (
+            p.content(p.until("<x>"))
+            + p.standard_json_tools(
+                "<x>",
+                "</x>",
+                tools,
+                True,
+                False,
+                "function.name",
+                "function.arguments",
+                True,
+                False,
+                "id",
+            )
+            + p.end()
+        )
+    )
+    safe = build_chat_peg_parser(
+        lambda p: (
+            p.tag_with_safe_content("chunk", "<b>", p.reasoning("<b>" + p.until("</b>") + "</b>"))
+            + p.end()
+        )
+    )
     return [
+        (
+            function_is_key,
+            [
+                b'Go<x>{"get_forecast": {"id": "c1", "n": 7, "args": {"location": "Oslo"}}}, '
+                b'{"noargs": {"args": {}}}</x>',
+            ],
+        ),
+        (
+            nested,
+            [
+                b'<x>[{"id": "z9", "function": {"name": "get_forecast", "arguments": {"days": 2}}}]</x>',
+            ],
+        ),
+        (safe, [b"one <b>two</b> three <b>four", b"<b>x</b>"]),
         (
             json_tools,
             [
@@ -1019,6 +1066,7 @@ def _tool_text_parsers() -> list[tuple[Arena, list[bytes]]]:
             ids,
             [
                 b'I will.[TOOL_CALLS][{"name": "get_forecast", "arguments": {"days": 3}, "id": "abc123"}]',
+                b'[TOOL_CALLS][{"name": "noargs", "arguments": {}, "id": 7}]',
                 # fails past its start: a section that is not a call
                 b"Hi[TOOL_CALLS]garbage",
             ],
