@@ -682,7 +682,17 @@ def normalize_messages(
     return parsed
 
 
-def _normalize_tools(tools: Any) -> list[dict[str, Any]]:
+def extra_context(chat_template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """common_chat_extra_context plus the request's chat_template_kwargs: ``datetime``
+    (``%b %d %Y``) and ``date_string`` (``%d %b %Y``), then the kwargs over them."""
+    return {
+        "datetime": time.strftime("%b %d %Y"),
+        "date_string": time.strftime("%d %b %Y"),
+        **chat_template_kwargs,
+    }
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]]:
     """common_chat_tools_parse_oaicompat + common_chat_tools_to_json_oaicompat."""
 
     def refuse(reason: str) -> TemplateError:
@@ -869,7 +879,7 @@ class ChatTemplate:
     def _context(
         self, tools: Sequence[Mapping[str, Any]] | None, chat_template_kwargs: Mapping[str, Any]
     ) -> dict[str, Any]:
-        tool_list = _normalize_tools(list(tools)) if tools else None
+        tool_list = normalize_tools(list(tools)) if tools else None
         # llama-server turns thinking on by default where the template has a reasoning block
         enable_thinking = chat_template_kwargs.get("enable_thinking", self.reasoning.supported)
         if not isinstance(enable_thinking, bool):
@@ -881,9 +891,7 @@ class ChatTemplate:
         }
         if tool_list:
             context["tools"] = tool_list
-        context["datetime"] = time.strftime("%b %d %Y")
-        context["date_string"] = time.strftime("%d %b %Y")
-        context.update(chat_template_kwargs)
+        context.update(extra_context(chat_template_kwargs))
         return context
 
     def _continue_last(
