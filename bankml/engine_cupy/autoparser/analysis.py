@@ -23,31 +23,23 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from bankml.engine_cupy.autoparser.helpers import (
-    END,
     MARKER,
-    MARKER_RE,
-    REST,
     CompareResult,
-    Pattern,
     TemplateParams,
     after_common_suffix,
     calculate_diff_split,
-    choice,
     compare_variants,
     get,
-    lit,
-    neg,
-    opt,
+    last_marker,
+    match_tags,
     prune_whitespace_segments,
+    search_tags,
     segmentize_markers,
-    space,
-    star,
-    tag,
     trim_leading_whitespace,
     trim_whitespace,
-    until,
     until_common_prefix,
 )
+from bankml.engine_cupy.peg.parser import Parser, ParserBuilder
 
 if TYPE_CHECKING:
     from bankml.engine_cupy.chat_template import Caps, ChatTemplate
@@ -254,30 +246,36 @@ def _messages(*messages: dict[str, Any]) -> Callable[[TemplateParams], TemplateP
 
 
 # ---------------------------------------------------------------------------------------------
-# Patterns used more than once
+# Tagged parsers used more than once
 # ---------------------------------------------------------------------------------------------
 
 
-def _last_marker() -> str:
-    """The last marker and the text after it, up to the end."""
-    return MARKER_RE + star(neg(MARKER_RE) + ".") + END
+def _up_to_last_marker(tag_name: str, whole: bool) -> Callable[[ParserBuilder], Parser]:
+    """Everything up to the last marker, then the last marker tagged (``whole``: with the text
+    after it, to the end)."""
+
+    def build(p: ParserBuilder) -> Parser:
+        tagged = last_marker(p) if whole else p.marker()
+        return p.zero_or_more(p.negate(last_marker(p)) + p.any()) + p.tag(tag_name, tagged)
+
+    return build
 
 
-# everything up to the last marker; the last marker (and the text after it) tagged
-_LAST_MARKER_AND_REST = Pattern(star(neg(_last_marker()) + ".") + tag("m", _last_marker()))
-_LAST_MARKER_ONLY = Pattern(star(neg(_last_marker()) + ".") + tag("m", MARKER_RE))
-_FIRST_MARKER = Pattern(tag("m", MARKER_RE))
+def _first_marker(p: ParserBuilder) -> Parser:
+    return p.tag("m", p.marker())
 
 
-def _wrapped(needle: str, space_in_post: bool) -> Pattern:
+def _wrapped(needle: str, space_in_post: bool) -> Callable[[ParserBuilder], Parser]:
     """A marker, the needle and a marker, the markers (with the spaces after them) tagged
     pre/post; ``space_in_post`` puts the space before the closing marker into "post"."""
-    space_then_post = (
-        tag("post", space() + MARKER_RE + space())
-        if space_in_post
-        else space() + tag("post", MARKER_RE + space())
-    )
-    return Pattern(tag("pre", MARKER_RE + space()) + lit(needle) + space_then_post + REST)
+
+    def build(p: ParserBuilder) -> Parser:
+        pre = p.tag("pre", p.marker() + p.space()) + p.literal(needle)
+        if space_in_post:
+            return pre + p.tag("post", p.space() + p.marker() + p.space()) + p.rest()
+        return pre + p.space() + p.tag("post", p.marker() + p.space()) + p.rest()
+
+    return build
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,12 +291,14 @@ def _reasoning_presence(tmpl: ChatTemplate) -> ReasoningAnalysis:
     )
     if found is None or THINKING_CONTENT not in found.diff.right:
         return ReasoningAnalysis()
-    delimiter = Pattern(
-        lit(THINKING_CONTENT) + space() + opt(tag("post", MARKER_RE + space())) + REST
-    )
-    tags = _wrapped(THINKING_CONTENT, space_in_post=True).search(found.output_b)
+
+    def delimiter(p: ParserBuilder) -> Parser:
+        post = p.optional(p.tag("post", p.marker() + p.space()))
+        return p.literal(THINKING_CONTENT) + p.space() + post + p.rest()
+
+    tags = search_tags(_wrapped(THINKING_CONTENT, space_in_post=True), found.output_b)
     if tags is None:
-        tags = delimiter.search(found.output_b)
+        tags = search_tags(delimiter, found.output_b)
     if tags is None:
         return ReasoningAnalysis()
     if get(tags, "pre") and get(tags, "post"):
@@ -367,11 +367,20 @@ def _reasoning_scope(tmpl: ChatTemplate, found: ReasoningAnalysis) -> ReasoningA
         return found
     if THINKING_CONTENT in comparison.output_a or THINKING_CONTENT not in comparison.output_b:
         return found
-    tags = _wrapped(THINKING_CONTENT, space_in_post=False).search(comparison.output_b)
+
+    def wrapped(p: ParserBuilder) -> Parser:
+        pre = p.tag("pre", p.marker() + p.space()) + p.literal(THINKING_CONTENT) + p.space()
+        return pre + p.tag("post", p.marker() + p.space())
+
+    tags = search_tags(wrapped, comparison.output_b)
     if tags is not None:
         return ReasoningAnalysis(ReasoningMode.TOOLS_ONLY, get(tags, "pre"), get(tags, "post"))
-    delimiter = Pattern(lit(THINKING_CONTENT) + space() + opt(tag("post", MARKER_RE + space())))
-    tags = delimiter.search(comparison.output_b)
+
+    def delimiter(p: ParserBuilder) -> Parser:
+        post = p.optional(p.tag("post", p.marker() + p.space()))
+        return p.literal(THINKING_CONTENT) + p.space() + post
+
+    tags = search_tags(delimiter, comparison.output_b)
     if tags is not None:
         return ReasoningAnalysis(ReasoningMode.TOOLS_ONLY, found.start, get(tags, "post"))
     return ReasoningAnalysis(ReasoningMode.NONE, found.start, found.end)
@@ -404,20 +413,26 @@ def analyze_content(tmpl: ChatTemplate, reasoning: ReasoningAnalysis) -> Content
         return ContentAnalysis()
     diff_tools, diff_reasoning = with_tools.diff, with_reasoning.diff
     if trim_whitespace(diff_tools.left) == ASSISTANT_MSG:
-        only_content = Pattern(
-            space() + lit(diff_reasoning.left) + space() + opt(MARKER_RE) + space() + END
-        )
-        if only_content.match(diff_reasoning.left) is not None:
+        left = diff_reasoning.left
+
+        def only_content(p: ParserBuilder) -> Parser:
+            text = p.space() + left + p.space()
+            return text + p.optional(p.marker()) + p.space() + p.end()
+
+        if match_tags(only_content, left) is not None:
             return ContentAnalysis()  # only the text (maybe an end-of-turn marker): plain
         if reasoning.mode is not ReasoningMode.NONE and reasoning.end:
-            after = Pattern(lit(reasoning.end) + space() + lit(ASSISTANT_MSG))
-            if after.search(diff_reasoning.left) is not None:
+
+            def after(p: ParserBuilder) -> Parser:
+                return p.literal(reasoning.end) + p.space() + p.literal(ASSISTANT_MSG)
+
+            if search_tags(after, left) is not None:
                 return ContentAnalysis()
     rdiff = diff_reasoning.left
     if reasoning.end and reasoning.end in rdiff:
         rdiff = rdiff[rdiff.find(reasoning.end) + len(reasoning.end) :]
     pure = rdiff if len(rdiff) > len(diff_tools.left) else diff_tools.left
-    tags = _wrapped(ASSISTANT_MSG, space_in_post=False).search(pure)
+    tags = search_tags(_wrapped(ASSISTANT_MSG, space_in_post=False), pure)
     start, end = get(tags, "pre"), get(tags, "post")
     if start or end:
         return ContentAnalysis(ContentMode.ALWAYS_WRAPPED, start, end)
@@ -461,10 +476,11 @@ class _ToolsWork:
 
     def analyze_format(self, haystack: str, reasoning: ReasoningAnalysis, parallel: bool) -> None:
         def in_json(needle: str) -> bool:
-            quoted = Pattern(
-                choice(lit("{"), lit(":")) + space() + choice(tag("dq", lit(f'"{needle}"')))
-            )
-            return quoted.search(haystack) is not None
+            def quoted(p: ParserBuilder) -> Parser:
+                dq = p.tag("dq", p.literal('"') + p.literal(needle) + p.literal('"'))
+                return p.choice([p.literal("{"), p.literal(":")]) << p.choice([dq])
+
+            return search_tags(quoted, haystack) is not None
 
         if in_json(FUN_FIRST):
             mode = ToolFormat.JSON_NATIVE
@@ -536,8 +552,12 @@ class _ToolsWork:
                 for sub_key, sub_value in value.items():
                     register(key, sub_key, sub_value)
             register("", key, value)
-        array = Pattern(tag("pre", lit("[") + space()) + lit(cut) + tag("post", space() + lit("]")))
-        wrapped = array.search(clean)
+
+        def array(p: ParserBuilder) -> Parser:
+            pre = p.tag("pre", p.literal("[") + p.space())
+            return pre + p.literal(cut) + p.tag("post", p.space() + p.literal("]"))
+
+        wrapped = search_tags(array, clean)
         if wrapped is not None:
             json_start -= len(wrapped["pre"])
             json_end += len(wrapped["post"])
@@ -584,48 +604,61 @@ class _ToolsWork:
             )
 
     def non_json(self, clean: str) -> None:
-        fun_marker_pattern = Pattern(
-            tag(
-                "fun_marker",
-                choice(
-                    tag("fun_pre", lit("<") + until(">", FUN_FIRST))
-                    + lit(FUN_FIRST)
-                    + tag("fun_post", neg(space() + lit("<")) + until(">") + lit(">"))
-                    + space(),
-                    tag("fun_pre__2", lit("[") + until("]", FUN_FIRST))
-                    + lit(FUN_FIRST)
-                    + tag(
-                        "fun_post__2",
-                        neg(space() + lit("[") + until("]") + lit("]")) + space(),
-                    ),
-                ),
+        def fun_marker_parser(p: ParserBuilder) -> Parser:
+            angle = (
+                p.tag("fun_pre", p.literal("<") + p.until_one_of([">", FUN_FIRST]))
+                + p.literal(FUN_FIRST)
+                + p.tag(
+                    "fun_post",
+                    p.negate(p.space() + p.literal("<")) + p.until(">") + p.literal(">"),
+                )
+                + p.space()
             )
-        )
-        fun_tags = fun_marker_pattern.search(clean)
+            square = (
+                p.tag("fun_pre", p.literal("[") + p.until_one_of(["]", FUN_FIRST]))
+                + p.literal(FUN_FIRST)
+                + p.tag(
+                    "fun_post",
+                    p.negate(p.space() + p.literal("[") + p.until("]") + p.literal("]"))
+                    + p.space(),
+                )
+            )
+            return p.tag("fun_marker", p.choice([angle, square]))
+
+        fun_tags = search_tags(fun_marker_parser, clean)
         fun_marker = fun_tags["fun_marker"] if fun_tags is not None else FUN_FIRST
-        per_tool = Pattern(
-            tag("sec_start", MARKER_RE + space())
-            + tag("call_start", MARKER_RE + space())
-            + tag("fun_pre", until(fun_marker))
-            + lit(fun_marker)
-            + tag("rest", REST)
-        )
-        section = Pattern(
-            tag("sec_start", MARKER_RE + space()) + lit(fun_marker) + tag("rest", REST)
-        )
-        tags = per_tool.search(clean)
-        if tags is not None:
-            closers = Pattern(
-                tag("call_end", MARKER_RE + space()) + tag("sec_end", MARKER_RE + space()) + END
+
+        def per_tool(p: ParserBuilder) -> Parser:
+            starts = p.tag("sec_start", p.marker() + p.space()) + p.tag(
+                "call_start", p.marker() + p.space()
             )
-            end_tags = closers.search(tags["rest"])
+            return (
+                starts
+                + p.tag("fun_pre", p.until(fun_marker))
+                + fun_marker
+                + p.tag("rest", p.rest())
+            )
+
+        def section(p: ParserBuilder) -> Parser:
+            sec_start = p.tag("sec_start", p.marker() + p.space())
+            return sec_start + fun_marker + p.tag("rest", p.rest())
+
+        def double_closer(p: ParserBuilder) -> Parser:
+            call_end = p.tag("call_end", p.marker() + p.space())
+            return call_end + p.tag("sec_end", p.marker() + p.space()) + p.end()
+
+        def single_closer(p: ParserBuilder) -> Parser:
+            return p.tag("sec_end", p.marker() + p.space()) + p.end()
+
+        tags = search_tags(per_tool, clean)
+        if tags is not None:
+            end_tags = search_tags(double_closer, tags["rest"])
             self.function = replace(
                 self.function, name_prefix=get(fun_tags, "fun_pre") + self.function.name_prefix
             )
         else:
-            tags = section.search(clean)
-            closer = Pattern(tag("sec_end", MARKER_RE + space()) + END)
-            end_tags = closer.search(get(tags, "rest"))
+            tags = search_tags(section, clean)
+            end_tags = search_tags(single_closer, get(tags, "rest"))
         self.format = replace(
             self.format,
             per_call_start=get(tags, "call_start"),
@@ -670,35 +703,51 @@ class _ToolsWork:
         if prefix_marker and prefix_marker in diff.prefix:
             cut = diff.prefix.rfind(prefix_marker) + len(prefix_marker)
             function = replace(function, name_prefix=diff.prefix[cut:])
-        name = Pattern(
-            tag("pre", until(FUN_FIRST)) + lit(FUN_FIRST) + tag("post", star(neg(MARKER_RE) + "."))
-        ).match(diff.left)
+
+        def name_parser(p: ParserBuilder) -> Parser:
+            post = p.tag("post", p.zero_or_more(p.negate(p.marker()) + p.any()))
+            return p.tag("pre", p.until(FUN_FIRST)) + p.literal(FUN_FIRST) + post
+
+        name = match_tags(name_parser, diff.left)
         if name is not None:
             function = replace(
                 function,
-                name_prefix=function.name_prefix + name["pre"],
-                name_suffix=name["post"],
+                name_prefix=function.name_prefix + get(name, "pre"),
+                name_suffix=get(name, "post"),
             )
         if fmt.mode is ToolFormat.TAG_WITH_JSON:
             # up to the first { or [ outside a marker, when a marker follows the JSON
-            non_json = choice(MARKER_RE, neg(lit("{")) + neg(lit("[")) + ".")
-            after_json = star(neg(MARKER_RE) + ".") + MARKER_RE
-            ext = Pattern(tag("ext", star(non_json)) + after_json).match(diff.suffix)
-            if ext is not None:
-                function = replace(function, name_suffix=function.name_suffix + ext["ext"])
-        else:
-            ext = Pattern(tag("ext", star(neg(MARKER_RE) + "."))).match(diff.suffix)
-            if ext is not None:
-                function = replace(function, name_suffix=function.name_suffix + ext["ext"])
-
-                def arg_start() -> str:
-                    return MARKER_RE + space() + choice(lit(ARG_FIRST), lit(ARG_SECOND))
-
-                sep = Pattern(tag("sep", star(neg(arg_start()) + ".")) + arg_start()).match(
-                    diff.suffix[len(ext["ext"]) :]
+            def json_suffix(p: ParserBuilder) -> Parser:
+                non_json = p.marker() | (
+                    p.negate(p.literal("{")) + p.negate(p.literal("[")) + p.any()
                 )
+                after_json = p.zero_or_more(p.negate(p.marker()) + p.any()) + p.marker()
+                return p.tag("ext", p.zero_or_more(non_json)) + after_json
+
+            ext = match_tags(json_suffix, diff.suffix)
+            if ext is not None:
+                function = replace(function, name_suffix=function.name_suffix + get(ext, "ext"))
+        else:
+
+            def tagged_suffix(p: ParserBuilder) -> Parser:
+                return p.tag("ext", p.zero_or_more(p.negate(p.marker()) + p.any()))
+
+            ext = match_tags(tagged_suffix, diff.suffix)
+            if ext is not None:
+                ext_text = get(ext, "ext")
+                function = replace(function, name_suffix=function.name_suffix + ext_text)
+
+                def arg_start(p: ParserBuilder) -> Parser:
+                    names = p.choice([p.literal(ARG_FIRST), p.literal(ARG_SECOND)])
+                    return p.marker() + p.space() + names
+
+                def separator(p: ParserBuilder) -> Parser:
+                    sep = p.zero_or_more(p.negate(arg_start(p)) + p.any())
+                    return p.tag("sep", sep) + arg_start(p)
+
+                sep = match_tags(separator, diff.suffix[len(ext_text) :])
                 if sep is not None:
-                    function = replace(function, args_separator=trim_whitespace(sep["sep"]))
+                    function = replace(function, args_separator=trim_whitespace(get(sep, "sep")))
         suffix_marker = fmt.per_call_end or fmt.section_end
         closer_suffix = ""
         if not suffix_marker:
@@ -716,17 +765,23 @@ class _ToolsWork:
             closer_suffix = diff.suffix[: at if at >= 0 else len(diff.suffix)]
         if closer_suffix:
             if fmt.mode is ToolFormat.TAG_WITH_TAGGED:
-                close = Pattern(
-                    until("YYYY") + lit("YYYY") + space() + MARKER_RE + space() + tag("close", REST)
-                ).match(closer_suffix)
+
+                def closer(p: ParserBuilder) -> Parser:
+                    value = p.until("YYYY") + p.literal("YYYY") + p.space()
+                    return value + p.marker() + p.space() + p.tag("close", p.rest())
+
+                close = match_tags(closer, closer_suffix)
                 if close is not None:
-                    function = replace(function, close=close["close"])
+                    function = replace(function, close=get(close, "close"))
             elif fmt.mode is ToolFormat.TAG_WITH_JSON:
-                close = Pattern(until("YYYY") + lit("YYYY") + tag("post_val", REST)).match(
-                    closer_suffix
-                )
+
+                def post_value(p: ParserBuilder) -> Parser:
+                    value = p.until("YYYY") + p.literal("YYYY")
+                    return value + p.tag("post_val", p.rest())
+
+                close = match_tags(post_value, closer_suffix)
                 if close is not None:
-                    post = close["post_val"]
+                    post = get(close, "post_val")
                     pos = max(post.rfind("}"), post.rfind("]"))
                     if 0 <= pos < len(post) - 1:
                         function = replace(function, close=trim_leading_whitespace(post[pos + 1 :]))
@@ -741,33 +796,42 @@ class _ToolsWork:
         diff = found.diff
         if not diff.left or not diff.right:
             return
-        left = Pattern(
-            tag("pre", until(ARG_FIRST)) + lit(ARG_FIRST) + tag("suffix", until('"', "X"))
-        ).search(diff.left)
-        right = Pattern(
-            tag("pre", until(ARG_SECOND)) + lit(ARG_SECOND) + tag("suffix", until('"', "Y"))
-        ).search(diff.right)
+
+        def named(needle: str, value: str) -> Callable[[ParserBuilder], Parser]:
+            def build(p: ParserBuilder) -> Parser:
+                pre = p.tag("pre", p.until(needle)) + p.literal(needle)
+                return pre + p.tag("suffix", p.until_one_of(['"', value]))
+
+            return build
+
+        left = search_tags(named(ARG_FIRST, "X"), diff.left)
+        right = search_tags(named(ARG_SECOND, "Y"), diff.right)
         if (
             left is not None
             and right is not None
-            and left["pre"]
-            and left["pre"] == right["pre"]
-            and left["suffix"] == right["suffix"]
+            and get(left, "pre")
+            and get(left, "pre") == get(right, "pre")
+            and get(left, "suffix") == get(right, "suffix")
         ):
             self.arguments = replace(
-                self.arguments, name_prefix=left["pre"], name_suffix=left["suffix"]
+                self.arguments, name_prefix=get(left, "pre"), name_suffix=get(left, "suffix")
             )
         elif diff.left.startswith(ARG_FIRST) and diff.right.startswith(ARG_SECOND):
-            pre = _LAST_MARKER_AND_REST.match(diff.prefix)
-            name_prefix = pre["m"] if pre is not None else diff.prefix
+            pre = match_tags(_up_to_last_marker("m", whole=True), diff.prefix)
+            name_prefix = get(pre, "m") if pre is not None else diff.prefix
             after_first = diff.left[len(ARG_FIRST) :] + diff.suffix
-            suffix = Pattern(
-                tag("suffix", star(neg(MARKER_RE) + ".") + MARKER_RE + space())
-            ).search(after_first)
+
+            def suffix_parser(p: ParserBuilder) -> Parser:
+                text = p.zero_or_more(p.negate(p.marker()) + p.any())
+                return p.tag("suffix", text + p.marker() + p.space())
+
+            suffix = search_tags(suffix_parser, after_first)
             self.arguments = replace(
                 self.arguments,
                 name_prefix=name_prefix,
-                name_suffix=suffix["suffix"] if suffix is not None else self.arguments.name_suffix,
+                name_suffix=get(suffix, "suffix")
+                if suffix is not None
+                else self.arguments.name_suffix,
             )
 
     def argument_value_markers(self) -> None:
@@ -783,8 +847,8 @@ class _ToolsWork:
         if name_ending in prefix:
             prefix = prefix[prefix.rfind(name_ending) + len(name_ending) :]
         if prefix:
-            pre = _LAST_MARKER_AND_REST.match(prefix)
-            args = replace(args, value_prefix=pre["m"] if pre is not None else prefix)
+            pre = match_tags(_up_to_last_marker("m", whole=True), prefix)
+            args = replace(args, value_prefix=get(pre, "m") if pre is not None else prefix)
         value_suffix = diff.suffix
         if self.function.close:
             at = value_suffix.find(self.function.close)
@@ -849,42 +913,44 @@ class _ToolsWork:
         in_suffix = diff.suffix.find(FUN_FIRST)
         call_id = self.call_id
 
-        def last_marker(text: str) -> str:
-            return get(_LAST_MARKER_ONLY.search(text), "m")
+        def last_of(text: str) -> str:
+            return get(search_tags(_up_to_last_marker("m", whole=False), text), "m")
 
-        def first_marker(text: str) -> str:
-            return get(_FIRST_MARKER.search(text), "m")
+        def first_of(text: str) -> str:
+            return get(search_tags(_first_marker, text), "m")
 
         if in_prefix >= 0 and in_suffix < 0:
             args_in_prefix = diff.prefix.find("{", in_prefix)
             args_in_suffix = diff.suffix.find("{")
             if args_in_suffix >= 0 and args_in_prefix < 0:
                 after_func = diff.prefix[in_prefix + len(FUN_FIRST) :]
-                id_prefix = Pattern(
-                    tag("prefix", MARKER_RE)
-                    + star(neg(MARKER_RE) + neg(lit(common_id)) + ".")
-                    + lit(common_id)
-                ).search(after_func)
-                id_suffix = Pattern(
-                    star(neg(MARKER_RE) + neg(lit("{")) + ".") + tag("suffix", MARKER_RE)
-                ).search(diff.suffix)
+
+                def id_prefix_parser(p: ParserBuilder) -> Parser:
+                    text = p.negate(p.marker()) + p.negate(p.literal(common_id)) + p.any()
+                    prefix = p.tag("prefix", p.marker()) + p.zero_or_more(text)
+                    return prefix + p.literal(common_id)
+
+                def id_suffix_parser(p: ParserBuilder) -> Parser:
+                    text = p.negate(p.marker()) + p.negate(p.literal("{")) + p.any()
+                    return p.zero_or_more(text) + p.tag("suffix", p.marker())
+
+                id_prefix = search_tags(id_prefix_parser, after_func)
+                id_suffix = search_tags(id_suffix_parser, diff.suffix)
                 call_id = ToolIdAnalysis(
                     CallIdPosition.BETWEEN_FUNC_AND_ARGS,
-                    id_prefix["prefix"] if id_prefix is not None else last_marker(after_func),
-                    id_suffix["suffix"] if id_suffix is not None else call_id.suffix,
+                    get(id_prefix, "prefix") if id_prefix is not None else last_of(after_func),
+                    get(id_suffix, "suffix") if id_suffix is not None else call_id.suffix,
                 )
             elif args_in_prefix >= 0:
                 after_args = diff.prefix[args_in_prefix:]
                 brace = after_args.rfind("}")
-                prefix = last_marker(after_args[brace + 1 :]) if brace >= 0 else call_id.prefix
-                call_id = ToolIdAnalysis(
-                    CallIdPosition.POST_ARGS, prefix, first_marker(diff.suffix)
-                )
+                prefix = last_of(after_args[brace + 1 :]) if brace >= 0 else call_id.prefix
+                call_id = ToolIdAnalysis(CallIdPosition.POST_ARGS, prefix, first_of(diff.suffix))
         elif in_suffix >= 0 and in_prefix < 0:
             call_id = ToolIdAnalysis(
                 CallIdPosition.PRE_FUNC_NAME,
-                last_marker(diff.prefix),
-                first_marker(diff.suffix[:in_suffix]),
+                last_of(diff.prefix),
+                first_of(diff.suffix[:in_suffix]),
             )
         if call_id.prefix == self.arguments.end:
             call_id = replace(call_id, prefix="")

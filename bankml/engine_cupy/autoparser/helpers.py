@@ -8,21 +8,20 @@
 * ``compare_variants``: render a template twice, the second time with the parameters changed,
   and split the two renders.
 
-The analysis also matches a handful of small patterns on rendered text (llama.cpp builds each
-one as a tagged PEG parser and runs it once); :class:`Pattern` expresses them as Python regular
-expressions in which every repetition, option, choice and ``until`` is an atomic group (never
-backtracked into), which is exactly a PEG's behaviour, and runs them the way llama.cpp's
-``tagged_peg_parser`` does.
+The analysis also matches a handful of small patterns on rendered text, each a tagged PEG parser
+(bankml.engine_cupy.peg) run once: ``match_tags`` from the start, ``search_tags`` from the first
+position where it matches.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
-import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+
+from bankml.engine_cupy.peg.chat import build_tagged_peg_parser
+from bankml.engine_cupy.peg.parser import Parser, ParserBuilder
 
 if TYPE_CHECKING:
     from bankml.engine_cupy.chat_template import ChatTemplate
@@ -268,102 +267,29 @@ def compare_variants(
 
 
 # ---------------------------------------------------------------------------------------------
-# Patterns: the analysis's one-shot tagged parsers
+# The analysis's one-shot tagged parsers
 # ---------------------------------------------------------------------------------------------
 
-_ATOMIC_IDS = itertools.count()
+
+def match_tags(fn: Callable[[ParserBuilder], Parser], text: str) -> dict[str, str] | None:
+    """The tags of a tagged PEG parser run from the start of ``text`` (which it need not
+    consume: ``tagged_peg_parser::parse_and_extract``), None when it fails."""
+    found = build_tagged_peg_parser(fn).parse_and_extract(text)
+    return found.tags if found.result.success() else None
 
 
-def _atomic(expr: str) -> str:
-    """``expr`` matched once, never given back (an atomic group, written so that Python 3.10's
-    ``re`` runs it: a lookahead captures the match and a backreference consumes it)."""
-    name = f"_a{next(_ATOMIC_IDS)}"
-    return f"(?=(?P<{name}>{expr}))(?P={name})"
-
-
-MARKER_RE = r"(?:<[^>]*>|\[[^\]]*\])"  # cannot backtrack: needs no atomic group
-REST = r".*"  # used last only
-END = r"\Z"
-
-
-def space() -> str:
-    """Zero or more ASCII whitespace characters, all of them."""
-    return _atomic(r"[ \t\n\v\f\r]*")
-
-
-def lit(text: str) -> str:
-    return re.escape(text)
-
-
-def until(*delimiters: str) -> str:
-    """Everything up to the first delimiter, or up to a delimiter's beginning at the end of the
-    text, or to the end (the PEG ``until``; the delimiter is not consumed)."""
-    stops = []
-    for delim in delimiters:
-        if not delim:
-            continue
-        stops.append(re.escape(delim))
-        stops.extend(re.escape(delim[:k]) + r"\Z" for k in range(1, len(delim)))
-    if not stops:
-        return _atomic(REST)
-    return _atomic(r"(?:(?!" + "|".join(stops) + r").)*")
-
-
-def star(expr: str) -> str:
-    return _atomic(r"(?:" + expr + r")*")
-
-
-def opt(expr: str) -> str:
-    return _atomic(r"(?:" + expr + r")?")
-
-
-def choice(*exprs: str) -> str:
-    return _atomic(r"(?:" + "|".join(exprs) + r")")
-
-
-def neg(expr: str) -> str:
-    return r"(?!" + expr + r")"
-
-
-def tag(name: str, expr: str) -> str:
-    """A tagged part; one tag may appear in several alternatives as ``name``, ``name__2``, ..."""
-    return r"(?P<" + name + r">" + expr + r")"
-
-
-@dataclass
-class Pattern:
-    """A tagged pattern, run as llama.cpp's ``tagged_peg_parser`` runs: ``match`` from the start
-    (the text need not be consumed), ``search`` from each position in turn."""
-
-    expr: str
-    _compiled: re.Pattern[str] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._compiled = re.compile(self.expr, re.DOTALL)
-
-    def _tags(self, found: re.Match[str] | None) -> dict[str, str] | None:
-        if found is None:
-            return None
-        tags: dict[str, str] = {}
-        for name, value in found.groupdict().items():
-            if value is not None and not name.startswith("_"):
-                tags[name.split("__")[0]] = value
-        return tags
-
-    def match(self, text: str) -> dict[str, str] | None:
-        """The tags when the pattern matches at the start, else None."""
-        return self._tags(self._compiled.match(text))
-
-    def search(self, text: str) -> dict[str, str] | None:
-        """The tags of the first position where the pattern matches, else None."""
-        if not text:
-            return self.match(text)
-        for pos in range(len(text)):
-            found = self._compiled.match(text, pos)
-            if found:
-                return self._tags(found)
-        return None
+def search_tags(fn: Callable[[ParserBuilder], Parser], text: str) -> dict[str, str] | None:
+    """The tags from the first position of ``text`` where the parser succeeds
+    (``parse_anywhere_and_extract``), None when it succeeds nowhere."""
+    found = build_tagged_peg_parser(fn).parse_anywhere_and_extract(text)
+    return found.tags if found.result.success() else None
 
 
 def get(tags: dict[str, str] | None, name: str) -> str:
+    """A tag's text; "" when the parse failed or the tag matched nothing (``tags[name]``)."""
     return (tags or {}).get(name, "")
+
+
+def last_marker(p: ParserBuilder) -> Parser:
+    """The last marker of the text and what follows it, to the end."""
+    return p.marker() + p.zero_or_more(p.negate(p.marker()) + p.any()) + p.end()
