@@ -308,3 +308,51 @@ def test_bailing_v3_parses_a_multi_argument_call() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == [
         ("test_function_name", {"param1": "value1", "param2": "value2"})
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "output", "reasoning", "content", "calls"),
+    [
+        (
+            "Qwen-Qwen2.5-7B-Instruct.jinja",
+            'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call>",
+            "",
+            "Sure.",
+            [("get_weather", {"city": "Paris"}, "")],
+        ),
+        (
+            "Qwen-QwQ-32B.jinja",
+            "Let me see.\n</think>\n\nIt is sunny.",
+            "\nLet me see.\n",  # the generation prompt's "<think>\n" newline, kept raw
+            "\n\nIt is sunny.",
+            [],
+        ),
+        (
+            "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+            '[TOOL_CALLS]get_weather[CALL_ID]abc123def[ARGS]{"city": "Paris", "days": 2}',
+            "",
+            "",
+            [("get_weather", {"city": "Paris", "days": 2}, "abc123def")],
+        ),
+    ],
+)
+def test_outputs_parse_into_messages(
+    templates_dir: Path,  # noqa: F811
+    name: str,
+    output: str,
+    reasoning: str,
+    content: str,
+    calls: list[tuple[str, dict[str, Any], str]],
+) -> None:
+    """Model outputs of the forms llama.cpp's tests use, read into messages (the expectations
+    are llama.cpp's common_chat_parse's on the same outputs)."""
+    template = ChatTemplate((templates_dir / name).read_text(encoding="utf-8"))
+    request = ChatRequest(
+        USER, tools=[WEATHER], reasoning_format=ReasoningFormat.AUTO, parallel_tool_calls=True
+    )
+    params = chat_params(template, request)
+    assert params.parser is not None
+    msg = chat_peg_parse(params.parser, output, False, params.generation_prompt)
+    assert (msg.reasoning_content, msg.content) == (reasoning, content)
+    assert [(c.name, json.loads(c.arguments), c.id) for c in msg.tool_calls] == calls
