@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 from typing import Any
 
 from bankml.engine_cupy.json_schema_grammar import dump_json
@@ -655,6 +656,20 @@ class ChatPegBuilder(ParserBuilder):
     def _tool_name_of(self, name: str) -> Callable[[], Parser]:
         return lambda: self.tool_name(self.literal(name))
 
+    def _quoted_tool_name(self, name: str) -> Parser:
+        return self.atomic(self.cat(self._lit('"'), self._tool_name_of(name), self._lit('"')))
+
+    def _tool_open_named(self, opener: str, name: str, suffix: str) -> Parser:
+        return self.tool_open(
+            self.cat(self._lit(opener), self._tool_name_of(name), self._lit(suffix))
+        )
+
+    def _python_arg_open(self, arg_name: Parser) -> Parser:
+        return self.tool_arg_open(self.cat(lambda: self.tool_arg_name(arg_name), self._lit("=")))
+
+    def _python_call_open(self, name: str) -> Parser:
+        return self.tool_open(self.cat(self._tool_name_of(name), self._lit("(")))
+
     def standard_json_tools(
         self,
         section_start: str,
@@ -844,9 +859,7 @@ class ChatPegBuilder(ParserBuilder):
                 self.space,
                 self._lit(":"),
                 self.space,
-                lambda name=name: self.atomic(
-                    self.cat(self._lit('"'), self._tool_name_of(name), self._lit('"'))
-                ),
+                partial(self._quoted_tool_name, name),
             )
             nested_args = self.cat(
                 self._lit(f'"{nested_args_field}"'),
@@ -914,9 +927,7 @@ class ChatPegBuilder(ParserBuilder):
                 self.space,
                 self._lit(":"),
                 self.space,
-                lambda name=name: self.atomic(
-                    self.cat(self._lit('"'), self._tool_name_of(name), self._lit('"'))
-                ),
+                partial(self._quoted_tool_name, name),
             )
             args_field = self.cat(
                 args_key_parser,
@@ -1003,7 +1014,7 @@ class ChatPegBuilder(ParserBuilder):
                     arg_choice |= self.tool_arg(
                         self.cat(
                             lambda: self.tool_arg_open(self.literal(param_key_prefix)),
-                            lambda arg_name=arg_name: self.tool_arg_name(arg_name),
+                            partial(self.tool_arg_name, arg_name),
                             self._lit(param_key_suffix),
                             lambda: self.tool_arg_value(self.until(param_closer)),
                             lambda: self.tool_arg_close(self.literal(param_closer)),
@@ -1012,15 +1023,9 @@ class ChatPegBuilder(ParserBuilder):
                 args = self.zero_or_more(arg_choice + self.space())
             tool_parser = self.tool(
                 self.cat(
-                    lambda name=name: self.tool_open(
-                        self.cat(
-                            self._lit(func_opener),
-                            self._tool_name_of(name),
-                            self._lit(func_name_suffix),
-                        )
-                    ),
+                    partial(self._tool_open_named, func_opener, name, func_name_suffix),
                     self.space,
-                    lambda args=args: self.tool_args(args),
+                    partial(self.tool_args, args),
                     self.space,
                     lambda: self.tool_close(self.literal(func_closer)),
                 )
@@ -1132,9 +1137,7 @@ class ChatPegBuilder(ParserBuilder):
                         )
                     arg_choice |= self.tool_arg(
                         self.cat(
-                            lambda arg_name=arg_name: self.tool_arg_open(
-                                self.cat(lambda: self.tool_arg_name(arg_name), self._lit("="))
-                            ),
+                            partial(self._python_arg_open, arg_name),
                             value,
                             lambda: self.tool_arg_close(self.eps()),
                         )
@@ -1142,11 +1145,9 @@ class ChatPegBuilder(ParserBuilder):
                 args = arg_choice + self.zero_or_more(self.cat(",", self.space, arg_choice))
             tool_parser = self.tool(
                 self.cat(
-                    lambda name=name: self.tool_open(
-                        self.cat(self._tool_name_of(name), self._lit("("))
-                    ),
+                    partial(self._python_call_open, name),
                     self.space,
-                    lambda args=args: self.tool_args(args),
+                    partial(self.tool_args, args),
                     self.space,
                     lambda: self.tool_close(self.literal(")")),
                 )
