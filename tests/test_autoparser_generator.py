@@ -8,7 +8,7 @@ llama.cpp's specialised handlers, which bankml names and refuses). Each request'
 generation prompt, GBNF grammar, lazy flag and triggers, preserved tokens, stops, thinking tags
 and PEG parser (parser for parser) must be identical, and so must the messages both parse out of
 model outputs: generic ones and the template's own rendering of a tool call (whole and cut
-short). Requests: no tools (reasoning extracted or not, thinking on or off), a tool with
+short), and, parsed as a stream still running, every 7th prefix of that tool call. Requests: no tools (reasoning extracted or not, thinking on or off), a tool with
 tool_choice auto (parallel calls or not) and required, a response-format schema, a continued
 assistant message (content and reasoning), force_pure_content.
 
@@ -152,6 +152,11 @@ def own_tool_call(template: ChatTemplate) -> list[str]:
     return [text, *cut]
 
 
+def streamed(output: str) -> list[str]:
+    """Prefixes of an output as a stream shows it: every 7th character, and the whole."""
+    return [output[:n] for n in range(1, len(output), 7)] + [output]
+
+
 def ours(params: ChatParams) -> dict[str, Any]:
     assert params.parser is not None
     return {
@@ -215,16 +220,19 @@ def test_chat_params_as_llama_cpp(
     requests, cases = [], []
     for name in names:
         template = ChatTemplate((templates_dir / name).read_text(encoding="utf-8"))
-        outputs = OUTPUTS + own_tool_call(template)
+        own = own_tool_call(template)
+        outputs = OUTPUTS + own
+        partial = streamed(own[0] if own else OUTPUTS[1])
         for fields, request in VARIANTS:
             body = {
                 "template": str(templates_dir / name),
                 "messages": USER,
                 "outputs": outputs,
+                "partial_outputs": partial,
                 **fields,
             }
             requests.append(json.dumps(body))
-            cases.append((name, template, request, outputs, fields))
+            cases.append((name, template, request, outputs, partial, fields))
     answers = subprocess.run(
         [str(chat_params_oracle)],
         input="\n".join(requests) + "\n",
@@ -233,8 +241,10 @@ def test_chat_params_as_llama_cpp(
         check=True,
     ).stdout.splitlines()
     assert len(answers) == len(cases)
-    differing, tool_call_parses = [], 0
-    for (name, template, request, outputs, fields), line in zip(cases, answers, strict=True):
+    differing, tool_call_parses, partial_call_parses = [], 0, 0
+    for (name, template, request, outputs, partial, fields), line in zip(
+        cases, answers, strict=True
+    ):
         theirs = json.loads(line)
         assert "error" not in theirs, (name, fields, theirs)
         params = chat_params(template, request)
@@ -254,8 +264,18 @@ def test_chat_params_as_llama_cpp(
             tool_call_parses += bool(want.get("tool_calls"))
             if got != want:
                 differing.append((name, fields, f"parse {output[:40]!r}"))
+        for output, their_msg in zip(partial, theirs["partial"], strict=True):
+            try:
+                got = message(chat_peg_parse(params.parser, output, True, params.generation_prompt))
+            except Exception:  # noqa: BLE001 - a refused output is compared as such
+                got = {"error": True}
+            want = their_message(their_msg)
+            partial_call_parses += bool(want.get("tool_calls"))
+            if got != want:
+                differing.append((name, fields, f"partial {output!r}"))
     assert differing == []
     assert tool_call_parses >= 150  # the outputs exercise the tool-call parsers
+    assert partial_call_parses >= 600  # and so do the streamed prefixes
 
 
 def test_specialized_templates_are_named(templates_dir: Path) -> None:  # noqa: F811

@@ -6,11 +6,12 @@
 //    "parallel_tool_calls": B, "reasoning_format": "none|auto|deepseek", "enable_thinking": B,
 //    "add_generation_prompt": B, "json_schema": S or "", "chat_template_kwargs": {K: JSON text},
 //    "continue_final_message": "none|auto|content|reasoning_content", "force_pure_content": B,
-//    "outputs": ["model output", ...]}
+//    "outputs": ["model output", ...], "partial_outputs": ["output so far", ...]}
 //   -> {"prompt", "generation_prompt", "grammar", "grammar_lazy", "grammar_triggers": [[type, value]],
 //       "preserved_tokens", "additional_stops", "supports_thinking", "thinking_start_tag",
 //       "thinking_end_tags", "parser": arena (common_peg_arena::to_json),
-//       "parsed": [message (to_json_oaicompat) or {"error": what()} for each output]}
+//       "parsed": [message (to_json_oaicompat) or {"error": what()} for each output],
+//       "partial": [the same for each partial output, parsed as still streaming]}
 // The template is loaded with empty BOS/EOS texts. Any failure: {"error": what()}.
 #include "chat.h"
 #include "json.h"
@@ -104,6 +105,20 @@ static json answer(const json & req) {
         }
     }
     out["parsed"] = parsed;
+    json partial = json::array();
+    if (req.contains("partial_outputs")) {
+        for (const auto & o : req.at("partial_outputs")) {
+            try {
+                auto msg = common_chat_parse(o.get<std::string>(), true, pp);
+                partial.push_back(msg.to_json_oaicompat());
+            } catch (const std::exception & e) {
+                json err;
+                err["error"] = e.what();
+                partial.push_back(err);
+            }
+        }
+    }
+    out["partial"] = partial;
     return out;
 }
 
