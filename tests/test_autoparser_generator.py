@@ -8,9 +8,10 @@ llama.cpp's specialised handlers, which bankml names and refuses). Each request'
 generation prompt, GBNF grammar, lazy flag and triggers, preserved tokens, stops, thinking tags
 and PEG parser (parser for parser) must be identical, and so must the messages both parse out of
 model outputs: generic ones and the template's own rendering of a tool call (whole and cut
-short), and, parsed as a stream still running, every 7th prefix of that tool call. Requests: no tools (reasoning extracted or not, thinking on or off), a tool with
-tool_choice auto (parallel calls or not) and required, a response-format schema, a continued
-assistant message (content and reasoning), force_pure_content.
+short), and, parsed as a stream still running, every 7th prefix of that tool call. Requests: no
+tools (reasoning extracted or not, thinking on or off, or off through chat_template_kwargs), a
+tool with tool_choice auto (parallel calls or not), required and none, a response-format schema,
+a continued assistant message (content and reasoning), force_pure_content.
 
 Plus llama.cpp's own expectations restated (test-chat-auto-parser.cpp's Bailing V3 parser) and
 the request checks llama-server makes.
@@ -123,6 +124,23 @@ VARIANTS: list[tuple[dict[str, Any], ChatRequest]] = [
     (
         {"messages": THINKING_PREFILL, "continue_final_message": "auto"},
         ChatRequest(THINKING_PREFILL, continue_final_message=Continuation.AUTO),
+    ),
+    (
+        {"tools": [WEATHER], "tool_choice": "none", "reasoning_format": "auto"},
+        ChatRequest(
+            USER,
+            tools=[WEATHER],
+            tool_choice=ToolChoice.NONE,
+            reasoning_format=ReasoningFormat.AUTO,
+        ),
+    ),
+    (
+        {"chat_template_kwargs": {"enable_thinking": "false"}, "reasoning_format": "auto"},
+        ChatRequest(
+            USER,
+            chat_template_kwargs={"enable_thinking": False},
+            reasoning_format=ReasoningFormat.AUTO,
+        ),
     ),
     (
         {"force_pure_content": True, "tools": [WEATHER], "reasoning_format": "auto"},
