@@ -11,7 +11,7 @@ model outputs: generic ones and the template's own rendering of a tool call (who
 short), and, parsed as a stream still running, every 7th prefix of that tool call. Requests: no
 tools (reasoning extracted or not, thinking on or off, or off through chat_template_kwargs), a
 tool with tool_choice auto (parallel calls or not), required and none, a response-format schema,
-a continued assistant message (content and reasoning), force_pure_content.
+a continued assistant message (content, content parts and reasoning), force_pure_content.
 
 Plus llama.cpp's own expectations restated (test-chat-auto-parser.cpp's Bailing V3 parser) and
 the request checks llama-server makes.
@@ -86,6 +86,13 @@ OUTPUTS = [
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 PREFILL = [*USER, {"role": "assistant", "content": "It is"}]
 THINKING_PREFILL = [*USER, {"role": "assistant", "content": "", "reasoning_content": "Hmm,"}]
+PARTS_PREFILL = [
+    *USER,
+    {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "It is"}, {"type": "text", "text": "sunny"}],
+    },
+]
 
 # (oracle request fields, the same as a ChatRequest)
 VARIANTS: list[tuple[dict[str, Any], ChatRequest]] = [
@@ -124,6 +131,10 @@ VARIANTS: list[tuple[dict[str, Any], ChatRequest]] = [
     (
         {"messages": THINKING_PREFILL, "continue_final_message": "auto"},
         ChatRequest(THINKING_PREFILL, continue_final_message=Continuation.AUTO),
+    ),
+    (
+        {"messages": PARTS_PREFILL, "continue_final_message": "content"},
+        ChatRequest(PARTS_PREFILL, continue_final_message=Continuation.CONTENT),
     ),
     (
         {"tools": [WEATHER], "tool_choice": "none", "reasoning_format": "auto"},

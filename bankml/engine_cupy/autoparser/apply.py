@@ -164,7 +164,7 @@ def chat_params(
     if params.continue_final_message is not Continuation.NONE:
         params = replace(params, add_generation_prompt=False)
         if parsed:
-            last = parsed[-1]
+            last = messages[-1]  # as given: its content parts are joined when it is continued
             mode = params.continue_final_message
             if mode is Continuation.AUTO:
                 reasoning_only = bool(last.get("reasoning_content")) and not last.get("content")

@@ -66,7 +66,8 @@ class Continuation(enum.Enum):
 class GenerationParams:
     """The request as the generator sees it (llama.cpp's ``autoparser::generation_params``):
     ``messages`` already in the template's form (chat_template.normalize_messages), ``tools``
-    in OpenAI form, ``continue_msg`` the continued last message (left out of ``messages``)."""
+    in OpenAI form, ``continue_msg`` the continued last message as the request gave it (left out
+    of ``messages``)."""
 
     messages: Sequence[Mapping[str, Any]] = ()
     tools: Sequence[Mapping[str, Any]] | None = None
@@ -157,12 +158,13 @@ def generation_prompt(tmpl: ChatTemplate, inputs: GenerationParams) -> str:
     return with_prompt[n:]
 
 
-def _render_content(message: Mapping[str, Any]) -> str:
+def render_content(message: Mapping[str, Any]) -> str:
+    """common_chat_msg::render_content: the content, or its text parts joined by blank lines."""
     content = message.get("content")
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        return "\n\n".join(p.get("text", "") for p in content if p.get("type") == "text")
     return ""
 
 
@@ -631,7 +633,7 @@ def generate_parser(
             if inputs.continue_final_message is Continuation.CONTENT:
                 gen_prompt += reasoning.end
         if inputs.continue_final_message is Continuation.CONTENT:
-            gen_prompt += _render_content(msg)
+            gen_prompt += render_content(msg)
         prompt += gen_prompt
     parser = build_parser(analysis, inputs, parser_generation_prompt)
     fmt = analysis.tools.format
