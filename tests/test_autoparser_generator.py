@@ -278,6 +278,14 @@ def test_chat_params_as_llama_cpp(
         assert "error" not in theirs, (name, fields, theirs)
         params = chat_params(template, request)
         mine = ours(params)
+        if "continue_final_message" in fields:  # ChatTemplate.render continues the same way
+            rendered = template.render(
+                fields["messages"],
+                continue_final_message=fields["continue_final_message"],
+                enable_thinking=True,
+            )
+            if rendered != theirs["prompt"]:
+                differing.append((name, fields, "ChatTemplate.render"))
         for key, value in mine.items():
             if value != theirs[key]:
                 differing.append((name, fields, key))

@@ -640,6 +640,40 @@ def _render_content(message: dict[str, Any]) -> str:
     return "".join(p["text"] for p in content if p["type"] == "text")
 
 
+def render_content(message: Mapping[str, Any]) -> str:
+    """common_chat_msg::render_content: a request message's content, its text parts joined by
+    blank lines."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n\n".join(
+            p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+        )
+    return ""
+
+
+def continue_generation_prompt(
+    generation_prompt: str,
+    reasoning_start: str,
+    reasoning_end: str,
+    message: Mapping[str, Any],
+    continue_content: bool,
+) -> str:
+    """The generation prompt that continues ``message`` (peg_generator::generate_parser): cut at
+    the reasoning opener, the opener and the message's reasoning so far (closed when the content
+    continues), then the content (when it continues)."""
+    if reasoning_start:
+        cut = generation_prompt.find(reasoning_start)
+        generation_prompt = generation_prompt[:cut] if cut >= 0 else generation_prompt
+        generation_prompt += reasoning_start + (message.get("reasoning_content") or "")
+        if continue_content:
+            generation_prompt += reasoning_end
+    if continue_content:
+        generation_prompt += render_content(message)
+    return generation_prompt
+
+
 def normalize_content(messages: list[dict[str, Any]], caps: Caps) -> list[dict[str, Any]]:
     """messages_inp_normalizer: content parts joined for a string-only template, a string made
     one text part for a typed-only one (in place; the list is returned)."""
@@ -839,7 +873,9 @@ class ChatTemplate:
             continue_final_message = CONTINUE_AUTO
         if continue_final_message is None:
             return self._apply(parsed, context, add_generation_prompt)
-        return self._continue_last(parsed, context, continue_final_message)
+        return self._continue_last(
+            parsed, messages[-1] if messages else {}, context, continue_final_message
+        )
 
     def continued_content(
         self, messages: Sequence[Mapping[str, Any]], continue_final_message: str | None = None
@@ -853,8 +889,8 @@ class ChatTemplate:
             mode = CONTINUE_AUTO
         if mode is None or not parsed:
             return ""
-        last = parsed[-1]
-        content = _render_content(last)
+        last = messages[-1]
+        content = render_content(last)
         reasoning_only = bool(last.get("reasoning_content")) and not content
         if mode == CONTINUE_REASONING or (mode == CONTINUE_AUTO and reasoning_only):
             return ""
@@ -895,7 +931,11 @@ class ChatTemplate:
         return context
 
     def _continue_last(
-        self, parsed: list[dict[str, Any]], context: dict[str, Any], mode: str
+        self,
+        parsed: list[dict[str, Any]],
+        message: Mapping[str, Any],
+        context: dict[str, Any],
+        mode: str,
     ) -> str:
         """The last message is continued: the conversation before it, the generation prompt,
         then its content (common_chat_templates_apply_jinja with continue_final_message; "auto"
@@ -913,20 +953,18 @@ class ChatTemplate:
             return without  # an empty assistant message continues nothing (common_chat_msg::empty)
         with_prompt = self._apply(before, context, True)
         generation_prompt = with_prompt[len(os.path.commonprefix([without, with_prompt])) :]
-        content = _render_content(last)
         continue_reasoning = mode == CONTINUE_REASONING or (
-            mode == CONTINUE_AUTO and bool(last.get("reasoning_content")) and not content
+            mode == CONTINUE_AUTO
+            and bool(message.get("reasoning_content"))
+            and not render_content(message)
         )
-        if self.reasoning.start:
-            # re-open the reasoning block: its text so far, closed unless that is what continues
-            cut = generation_prompt.find(self.reasoning.start)
-            generation_prompt = generation_prompt[:cut] if cut >= 0 else generation_prompt
-            generation_prompt += self.reasoning.start + last.get("reasoning_content", "")
-            if not continue_reasoning:
-                generation_prompt += self.reasoning.end
-        if not continue_reasoning:
-            generation_prompt += content
-        return without + generation_prompt
+        return without + continue_generation_prompt(
+            generation_prompt,
+            self.reasoning.start,
+            self.reasoning.end,
+            message,
+            not continue_reasoning,
+        )
 
     def _apply(
         self,

@@ -30,6 +30,7 @@ from bankml.engine_cupy.autoparser.analysis import (
     ToolsAnalysis,
 )
 from bankml.engine_cupy.autoparser.helpers import trim_whitespace
+from bankml.engine_cupy.chat_template import continue_generation_prompt
 from bankml.engine_cupy.json_schema_grammar import Object, Property, parse_schema
 from bankml.engine_cupy.peg.chat import ChatPegBuilder, build_chat_peg_parser, tool_parameters
 from bankml.engine_cupy.peg.gbnf import build_grammar
@@ -156,16 +157,6 @@ def generation_prompt(tmpl: ChatTemplate, inputs: GenerationParams) -> str:
             break
         n += 1
     return with_prompt[n:]
-
-
-def render_content(message: Mapping[str, Any]) -> str:
-    """common_chat_msg::render_content: the content, or its text parts joined by blank lines."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n\n".join(p.get("text", "") for p in content if p.get("type") == "text")
-    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,14 +617,13 @@ def generate_parser(
     msg = inputs.continue_msg
     if inputs.continue_final_message is not Continuation.NONE and msg and _not_empty(msg):
         reasoning = analysis.reasoning
-        if reasoning.start:
-            at = gen_prompt.find(reasoning.start)
-            gen_prompt = gen_prompt[: at if at >= 0 else len(gen_prompt)]
-            gen_prompt += reasoning.start + (msg.get("reasoning_content") or "")
-            if inputs.continue_final_message is Continuation.CONTENT:
-                gen_prompt += reasoning.end
-        if inputs.continue_final_message is Continuation.CONTENT:
-            gen_prompt += render_content(msg)
+        gen_prompt = continue_generation_prompt(
+            gen_prompt,
+            reasoning.start,
+            reasoning.end,
+            msg,
+            inputs.continue_final_message is Continuation.CONTENT,
+        )
         prompt += gen_prompt
     parser = build_parser(analysis, inputs, parser_generation_prompt)
     fmt = analysis.tools.format
