@@ -24,6 +24,7 @@ from bankml.engine_cupy.autoparser.generator import (
     ToolChoice,
     generate_parser,
     generation_prompt,
+    render_prompt,
 )
 from bankml.engine_cupy.autoparser.helpers import trim_whitespace
 from bankml.engine_cupy.chat_template import (
@@ -176,14 +177,7 @@ def chat_params(
         raise TemplateError("Cannot specify grammar with tools")
     if request.force_pure_content:
         pure = replace(params, reasoning_format=ReasoningFormat.NONE)
-        prompt = tmpl.direct_apply(
-            copy.deepcopy([dict(m) for m in pure.messages]),
-            tools=copy.deepcopy(tools) if tools else None,
-            add_generation_prompt=pure.add_generation_prompt,
-            enable_thinking=pure.enable_thinking,
-            extra_context=dict(pure.extra_context),
-            strip_bos_eos=True,
-        )
+        prompt = render_prompt(tmpl, pure, pure.add_generation_prompt)
         gen_prompt = generation_prompt(tmpl, params)
         parser = build_chat_peg_parser(lambda p: p.literal(gen_prompt) << p.content(p.rest()))
         return ChatParams(prompt=prompt, generation_prompt=gen_prompt, parser=parser)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -134,7 +135,7 @@ class ChatParams:
 # ---------------------------------------------------------------------------------------------
 
 
-def _direct(tmpl: ChatTemplate, inputs: GenerationParams, add_generation_prompt: bool) -> str:
+def render_prompt(tmpl: ChatTemplate, inputs: GenerationParams, add_generation_prompt: bool) -> str:
     """common_chat_template_direct_apply with the request's messages, tools and context."""
     return tmpl.direct_apply(
         copy.deepcopy([dict(m) for m in inputs.messages]),
@@ -149,14 +150,9 @@ def _direct(tmpl: ChatTemplate, inputs: GenerationParams, add_generation_prompt:
 def generation_prompt(tmpl: ChatTemplate, inputs: GenerationParams) -> str:
     """What the template adds for the assistant's turn (common_chat_template_generation_prompt):
     the render with the generation prompt after its common prefix with the render without."""
-    without = _direct(tmpl, inputs, False)
-    with_prompt = _direct(tmpl, inputs, True)
-    n = 0
-    for a, b in zip(without, with_prompt, strict=False):
-        if a != b:
-            break
-        n += 1
-    return with_prompt[n:]
+    without = render_prompt(tmpl, inputs, False)
+    with_prompt = render_prompt(tmpl, inputs, True)
+    return with_prompt[len(os.path.commonprefix([without, with_prompt])) :]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,7 +607,7 @@ def generate_parser(
 ) -> ChatParams:
     """peg_generator::generate_parser: the chat params of a request on an analysed template."""
     analysis = analysis if analysis is not None else tmpl.analysis
-    prompt = _direct(tmpl, inputs, inputs.add_generation_prompt)
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
     gen_prompt = generation_prompt(tmpl, inputs)
     parser_generation_prompt = gen_prompt
     msg = inputs.continue_msg
