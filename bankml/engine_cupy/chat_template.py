@@ -22,18 +22,28 @@ A GGUF without a template gets llama.cpp's ChatML fallback.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from bankml.engine_cupy.autoparser.analysis import (
+    AnalysisError,
+    ReasoningAnalysis,
+    TemplateAnalysis,
+    analyze_reasoning,
+    analyze_template,
+)
 
 # llama.cpp common/chat.cpp CHATML_TEMPLATE_SRC: what a model without a template gets.
 CHATML_TEMPLATE = (
@@ -116,6 +126,8 @@ def _tojson(
 ) -> str:
     if sort_keys:
         raise TemplateError("tojson sort_keys=true not implemented")
+    if isinstance(value, Iterator):
+        value = list(value)  # a map/select result is a list to llama.cpp
     item_sep = separators[0] if separators else None
     key_sep = separators[1] if separators and len(separators) > 1 else ": "
     text = llama_json(value, indent, item_sep, key_sep)
@@ -132,6 +144,12 @@ def _finalize(value: Any) -> Any:
     return value
 
 
+def _as_string(value: Any) -> str:
+    if value is None or isinstance(value, jinja2.Undefined):
+        return ""
+    return str(_finalize(value))
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(f"Jinja Exception: {message}")
 
@@ -145,17 +163,53 @@ def _strftime_now(fmt: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+# The list methods llama.cpp's Jinja has that change the list (templates build lists with them).
+_LIST_MUTATORS = ("append", "pop")
+
+
+def _allowed_attribute(env: ImmutableSandboxedEnvironment, obj: Any, attr: str, value: Any) -> bool:
+    if attr.startswith("_"):
+        return False
+    if isinstance(obj, list) and attr in _LIST_MUTATORS:
+        return True
+    return ImmutableSandboxedEnvironment.is_safe_attribute(env, obj, attr, value)
+
+
+def _binop(
+    env: ImmutableSandboxedEnvironment, context: Any, operator: str, left: Any, right: Any
+) -> Any:
+    """``+`` as llama.cpp's Jinja does it: with a string on either side it joins the two as
+    strings (null or undefined reading as "", other values as they print)."""
+    if operator == "+" and (isinstance(left, str) or isinstance(right, str)):
+        return _as_string(left) + _as_string(right)
+    return ImmutableSandboxedEnvironment.call_binop(env, context, operator, left, right)
+
+
 class _Environment(ImmutableSandboxedEnvironment):
     """The sandbox, refusing every underscore name, with llama.cpp's globals only."""
 
+    intercepted_binops = frozenset({"+"})
+
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        return not attr.startswith("_") and super().is_safe_attribute(obj, attr, value)
+        return _allowed_attribute(self, obj, attr, value)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        return _binop(self, context, operator, left, right)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         # Jinja2 would hand back an Undefined that prints empty; a template doing this is refused.
         raise SecurityError(
             f"access to attribute {attribute!r} of a {type(obj).__name__!r} is not allowed"
         )
+
+
+class _GenerationTags(Extension):
+    """``{% generation %}`` and ``{% endgeneration %}`` (transformers' markers) render nothing."""
+
+    tags = {"generation", "endgeneration"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        return nodes.Output([], lineno=next(parser.stream).lineno)
 
 
 def _make_environment(
@@ -168,6 +222,8 @@ def _make_environment(
         undefined=jinja2.ChainableUndefined,
         finalize=_finalize,
         autoescape=False,
+        # {% break %} / {% continue %} and the ignored {% generation %} tags, as llama.cpp's Jinja
+        extensions=["jinja2.ext.loopcontrols", _GenerationTags],
     )
     env.globals = {
         "raise_exception": _raise_exception,
@@ -232,6 +288,7 @@ class Caps:
     supports_tools: bool = True
     supports_tool_calls: bool = True
     supports_system_role: bool = True
+    supports_parallel_tool_calls: bool = True
     supports_object_arguments: bool = False
 
 
@@ -272,6 +329,25 @@ class _Probe(ImmutableSandboxedEnvironment):
         self._note(obj, attribute)
         return super().getattr(obj, attribute)
 
+    intercepted_binops = frozenset({"+"})
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        return _allowed_attribute(self, obj, attr, value)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        return _binop(self, context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        # dict.get(key) reads that key; dict.items() reads every value (as llama.cpp counts them)
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, dict):
+            name = getattr(__obj, "__name__", "")
+            if name == "get" and args:
+                __self._note(owner, args[0])
+            elif name in ("items", "values"):
+                _mark_used(__self, owner)
+        return super().call(__context, __obj, *args, **kwargs)
+
 
 def _probe_render(template_source: str, variables: dict[str, Any]) -> tuple[_Probe, bool, str]:
     env = _make_environment(_Probe)  # type: ignore[arg-type]
@@ -291,12 +367,53 @@ def _probe_render(template_source: str, variables: dict[str, Any]) -> tuple[_Pro
 
     tracked_selectattr.jinja_pass_arg = getattr(selectattr, "jinja_pass_arg", None)  # type: ignore[attr-defined]
     env.filters["selectattr"] = tracked_selectattr
+
+    def tracked_tojson(value: Any, *args: Any, **kwargs: Any) -> str:
+        if isinstance(value, Iterator):
+            value = list(value)
+        _mark_used(probe, value)  # a value written out as JSON is read whole, as in llama.cpp
+        return _tojson(_plain(value), *args, **kwargs)
+
+    env.filters["tojson"] = tracked_tojson
+    for name in ("items", "dictsort", "string"):
+        env.filters[name] = _reading_whole(probe, env.filters[name])
     base = {"bos_token": "", "eos_token": "", "add_generation_prompt": True, "tools": []}
     try:
         text = env.from_string(template_source).render({**base, **variables})
         return probe, True, text
     except Exception:  # noqa: BLE001 - a failing probe is an answer, as in caps.cpp
         return probe, False, ""
+
+
+def _reading_whole(probe: _Probe, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A filter that reads its whole input (items, dictsort, string), marking it used."""
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        # a filter taking the environment or context gets it first (jinja_pass_arg)
+        _mark_used(probe, args[1] if getattr(fn, "jinja_pass_arg", None) else args[0])
+        return fn(*args, **kwargs)
+
+    tracked.jinja_pass_arg = getattr(fn, "jinja_pass_arg", None)  # type: ignore[attr-defined]
+    return tracked
+
+
+def _plain(value: Any) -> Any:
+    """A probe value as plain lists and dicts (writing it out is no array access)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in list.copy(value)]
+    return value
+
+
+def _mark_used(probe: _Probe, value: Any) -> None:
+    probe.ops.add((id(value), "used"))
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _mark_used(probe, item)
+    elif isinstance(value, (list, tuple)):
+        for item in list.copy(value) if isinstance(value, list) else value:
+            _mark_used(probe, item)
 
 
 def _has(probe: _Probe, obj: Any, op: str) -> bool:
@@ -353,130 +470,62 @@ def detect_caps(source: str) -> Caps:
             if isinstance(arguments, str):
                 caps.supports_tool_calls = caps.supports_tools = False
             continue
-        if not (_has(probe, tool, "key:name") or "tool1" in text):
+        if not (_has(probe, tool, "key:name") or _has(probe, tool, "used")):
             caps.supports_tools = False
         if not _has(probe, assistant, "key:tool_calls"):
             caps.supports_tool_calls = False
             break
         if isinstance(arguments, dict):
-            if _has(probe, arguments, "key:arg") or '"arg"' in text:
+            if (
+                _has(probe, arguments, "key:arg")
+                or _has(probe, arguments, "used")
+                or '"arg"' in text
+            ):
                 caps.supports_object_arguments = True
                 break
+    caps.supports_parallel_tool_calls = _reads_second_call(source, caps)
     return caps
 
 
-# ---------------------------------------------------------------------------------------------
-# Reasoning markers (llama.cpp common/chat-diff-analyzer.cpp, the parts that shape a prompt)
-# ---------------------------------------------------------------------------------------------
-
-_PROBE_USER = "U_USER_MSG Hello END_U"
-_PROBE_ASSISTANT = "A_ASST_MSG I can help END_A"
-_PROBE_THINKING = "REASON_PART I am thinking END_R"
-_MARKER = r"(?:<[^>]*>|\[[^\]]*\])"
-
-
-@dataclass
-class Reasoning:
-    """The reasoning block's opening and closing markers; both empty when the template has none."""
-
-    start: str = ""
-    end: str = ""
-
-    @property
-    def supported(self) -> bool:
-        return bool(self.start or self.end)
-
-
-def _markers(text: str) -> list[str]:
-    """segmentize_markers + prune_whitespace_segments: markers and non-blank text pieces."""
-    pieces = re.split(f"({_MARKER})", text)
-    return [p for p in pieces if p.strip()]
-
-
-def detect_reasoning(
-    render: Callable[[list[dict[str, Any]], bool, bool], str | None], source: str
-) -> Reasoning:
-    """Where the template puts reasoning: from an assistant turn rendered with and without
-    ``reasoning_content``, then from ``enable_thinking`` true against false, and llama.cpp's
-    fixed answers for the old Qwen/DeepSeek and Granite 3.3 templates."""
-    found = Reasoning()
-    user = {"role": "user", "content": _PROBE_USER}
-    plain = render([user, {"role": "assistant", "content": _PROBE_ASSISTANT}], False, True)
-    with_thinking = render(
-        [
-            user,
-            {
-                "role": "assistant",
-                "content": _PROBE_ASSISTANT,
-                "reasoning_content": _PROBE_THINKING,
+def _reads_second_call(source: str, caps: Caps) -> bool:
+    """caps.cpp's parallel tool call probe: an assistant turn with two calls; the template
+    supports parallel calls when it reads the second call's function."""
+    arguments: Any = {"arg": "value"} if caps.supports_object_arguments else '{"arg": "value"}'
+    calls = [
+        {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": "tool1", "arguments": arguments},
+        }
+        for call_id in ("call00001", "call00002")
+    ]
+    tool = {
+        "name": "tool",
+        "type": "function",
+        "function": {
+            "name": "tool1",
+            "description": "Tool description",
+            "parameters": {
+                "type": "object",
+                "properties": {"arg": {"type": "string", "description": "Arg description"}},
+                "required": ["arg"],
             },
-        ],
-        False,
-        True,
+        },
+    }
+    messages = [
+        {"role": "user", "content": "User message"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
+        {"role": "assistant", "content": "The tool response was 'tool response'"},
+        {"role": "user", "content": "User message"},
+    ]
+    probe, ok, _ = _probe_render(source, {"messages": messages, "tools": [tool]})
+    second = calls[1]
+    return ok and (
+        _has(probe, second, "key:function")
+        or _has(probe, second, "used")
+        or _has(probe, second["function"], "used")
     )
-    if (
-        plain is not None
-        and with_thinking is not None
-        and _PROBE_THINKING in with_thinking
-        and _PROBE_THINKING not in plain
-    ):
-        thought = re.escape(_PROBE_THINKING)
-        wrapped = re.search(f"({_MARKER}\\s*){thought}(\\s*{_MARKER}\\s*)", with_thinking)
-        if wrapped:
-            found = Reasoning(wrapped.group(1), wrapped.group(2))
-        else:
-            closing = re.search(f"{thought}\\s*({_MARKER}\\s*)", with_thinking)
-            if closing:
-                found = Reasoning("", closing.group(1))
-    off = render([user], True, False)
-    on = render([user], True, True)
-    if off is not None and on is not None and off != on:
-        found = _thinking_switch(found, off, on)
-    if (
-        "content.split('</think>')" in source
-        and "reasoning_content" not in source
-        and "<SPECIAL_12>" not in source
-        and not found.supported
-    ):
-        found = Reasoning("<think>", "</think>")
-    if (
-        "Write your thoughts between <think></think> and write your response between <response></response>"
-        in source
-    ):
-        found = Reasoning("<think>", "</think>")
-    return found
-
-
-def _thinking_switch(found: Reasoning, off: str, on: str) -> Reasoning:
-    """compare_thinking_enabled: the text that enable_thinking adds or removes at the end."""
-    prefix = len(os.path.commonprefix([off, on]))
-    suffix = len(os.path.commonprefix([off[prefix:][::-1], on[prefix:][::-1]]))
-    left, right = off[prefix : len(off) - suffix], on[prefix : len(on) - suffix]
-    start, end = found.start, found.end
-    if not left.strip() and right:
-        if right.strip() and on.endswith(right.strip()) and not start:
-            start = right
-    elif not right.strip() and left:
-        if left.strip() and off.endswith(left.strip()) and not end:
-            pieces = _markers(off)
-            if (
-                len(pieces) >= 2
-                and pieces[-1] == left.strip()
-                and re.fullmatch(_MARKER, pieces[-2])
-            ):
-                start = pieces[-2]
-            end = left
-    elif left.strip() and right.strip():
-        for base, extended in ((on, off), (off, on)):
-            anchor = base[-64:]
-            at = extended.rfind(anchor)
-            if at < 0 or at + len(anchor) >= len(extended):
-                continue
-            extra = _markers(extended[at + len(anchor) :].strip())
-            if len(extra) == 2 and all(re.fullmatch(_MARKER, piece) for piece in extra):
-                start, end = start or extra[0], end or extra[1]
-                break
-    return Reasoning(start, end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +629,7 @@ def _join_parts(parts: list[dict[str, Any]]) -> str:
             after_media = False
         else:
             after_media = True
-        text += part["text"]
+        text += part.get("text", "")
     return text
 
 
@@ -591,21 +640,64 @@ def _render_content(message: dict[str, Any]) -> str:
     return "".join(p["text"] for p in content if p["type"] == "text")
 
 
+def render_content(message: Mapping[str, Any]) -> str:
+    """common_chat_msg::render_content: a request message's content, its text parts joined by
+    blank lines."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n\n".join(
+            p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+        )
+    return ""
+
+
+def continue_generation_prompt(
+    generation_prompt: str,
+    reasoning_start: str,
+    reasoning_end: str,
+    message: Mapping[str, Any],
+    continue_content: bool,
+) -> str:
+    """The generation prompt that continues ``message`` (peg_generator::generate_parser): cut at
+    the reasoning opener, the opener and the message's reasoning so far (closed when the content
+    continues), then the content (when it continues)."""
+    if reasoning_start:
+        cut = generation_prompt.find(reasoning_start)
+        generation_prompt = generation_prompt[:cut] if cut >= 0 else generation_prompt
+        generation_prompt += reasoning_start + (message.get("reasoning_content") or "")
+        if continue_content:
+            generation_prompt += reasoning_end
+    if continue_content:
+        generation_prompt += render_content(message)
+    return generation_prompt
+
+
+def normalize_content(messages: list[dict[str, Any]], caps: Caps) -> list[dict[str, Any]]:
+    """messages_inp_normalizer: content parts joined for a string-only template, a string made
+    one text part for a typed-only one (in place; the list is returned)."""
+    only_string = caps.supports_string_content and not caps.supports_typed_content
+    only_typed = caps.supports_typed_content and not caps.supports_string_content
+    for message in messages:
+        content = message.get("content")
+        if only_string and isinstance(content, list):
+            message["content"] = _join_parts(
+                [p for p in content if p.get("type") in ("text", "media_marker")]
+            )
+        elif only_typed and isinstance(content, str):
+            message["content"] = [{"type": "text", "text": content}]
+    return messages
+
+
 def normalize_messages(
     messages: Any, caps: Caps, object_arguments: bool | None = None
 ) -> list[dict[str, Any]]:
     """llama-server's messages as the template sees them (without the trailing-prefill split)."""
     if not isinstance(messages, list):
         raise TemplateError("Expected 'messages' to be an array")
-    parsed = [_parse_message(m) for m in messages]
-    only_string = caps.supports_string_content and not caps.supports_typed_content
-    only_typed = caps.supports_typed_content and not caps.supports_string_content
+    parsed = normalize_content([_parse_message(m) for m in messages], caps)
     for message in parsed:
-        content = message["content"]
-        if only_string and isinstance(content, list):
-            message["content"] = _join_parts(content)
-        elif only_typed and isinstance(content, str):
-            message["content"] = [{"type": "text", "text": content}]
         if message["role"] == "developer":
             message["role"] = "system"
     if not caps.supports_system_role and parsed and parsed[0]["role"] == "system":
@@ -624,7 +716,17 @@ def normalize_messages(
     return parsed
 
 
-def _normalize_tools(tools: Any) -> list[dict[str, Any]]:
+def extra_context(chat_template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """common_chat_extra_context plus the request's chat_template_kwargs: ``datetime``
+    (``%b %d %Y``) and ``date_string`` (``%d %b %Y``), then the kwargs over them."""
+    return {
+        "datetime": time.strftime("%b %d %Y"),
+        "date_string": time.strftime("%d %b %Y"),
+        **chat_template_kwargs,
+    }
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]]:
     """common_chat_tools_parse_oaicompat + common_chat_tools_to_json_oaicompat."""
 
     def refuse(reason: str) -> TemplateError:
@@ -671,28 +773,49 @@ class ChatTemplate:
     add_bos: bool = False
     add_eos: bool = False
     caps: Caps = field(default_factory=Caps)
-    reasoning: Reasoning = field(default_factory=Reasoning)
 
     def __post_init__(self) -> None:
         self._template = compile_template(self.source)
         self.caps = detect_caps(self.source)
-        self.reasoning = detect_reasoning(self._probe, self.source)
 
-    def _probe(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool
-    ) -> str | None:
+    @functools.cached_property
+    def analysis(self) -> TemplateAnalysis:
+        """The template's differential analysis (bankml.engine_cupy.autoparser), done once.
+        AnalysisError where its tool calls cannot be analysed (llama-server refuses it too)."""
+        return analyze_template(self)
+
+    @functools.cached_property
+    def reasoning(self) -> ReasoningAnalysis:
+        """The reasoning block's markers, as the analysis finds them (its workarounds included);
+        a template whose tool calls defeat the analysis keeps what the reasoning probes found."""
         try:
-            return self._apply(
-                normalize_messages(messages, self.caps),
-                {
-                    "bos_token": self.bos_token,
-                    "eos_token": self.eos_token,
-                    "enable_thinking": enable_thinking,
-                },
-                add_generation_prompt,
-            )
-        except TemplateError:
-            return None
+            return self.analysis.reasoning
+        except AnalysisError:
+            return analyze_reasoning(self, self.caps.supports_tool_calls)
+
+    def direct_apply(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        enable_thinking: bool = True,
+        extra_context: Mapping[str, Any] | None = None,
+        strip_bos_eos: bool = False,
+    ) -> str:
+        """The template run on messages as given (common_chat_template_direct_apply): only the
+        content is made string or typed as the template needs; no other normalisation, ``tools``
+        passed as they are. ``strip_bos_eos`` drops the BOS/EOS texts the tokenizer adds itself."""
+        context: dict[str, Any] = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "enable_thinking": enable_thinking,
+        }
+        if tools:
+            context["tools"] = tools
+        context.update(extra_context or {})
+        return self._apply(
+            normalize_content(messages, self.caps), context, add_generation_prompt, strip_bos_eos
+        )
 
     @classmethod
     def from_gguf(
@@ -750,7 +873,9 @@ class ChatTemplate:
             continue_final_message = CONTINUE_AUTO
         if continue_final_message is None:
             return self._apply(parsed, context, add_generation_prompt)
-        return self._continue_last(parsed, context, continue_final_message)
+        return self._continue_last(
+            parsed, messages[-1] if messages else {}, context, continue_final_message
+        )
 
     def continued_content(
         self, messages: Sequence[Mapping[str, Any]], continue_final_message: str | None = None
@@ -764,8 +889,8 @@ class ChatTemplate:
             mode = CONTINUE_AUTO
         if mode is None or not parsed:
             return ""
-        last = parsed[-1]
-        content = _render_content(last)
+        last = messages[-1]
+        content = render_content(last)
         reasoning_only = bool(last.get("reasoning_content")) and not content
         if mode == CONTINUE_REASONING or (mode == CONTINUE_AUTO and reasoning_only):
             return ""
@@ -790,7 +915,7 @@ class ChatTemplate:
     def _context(
         self, tools: Sequence[Mapping[str, Any]] | None, chat_template_kwargs: Mapping[str, Any]
     ) -> dict[str, Any]:
-        tool_list = _normalize_tools(list(tools)) if tools else None
+        tool_list = normalize_tools(list(tools)) if tools else None
         # llama-server turns thinking on by default where the template has a reasoning block
         enable_thinking = chat_template_kwargs.get("enable_thinking", self.reasoning.supported)
         if not isinstance(enable_thinking, bool):
@@ -802,13 +927,15 @@ class ChatTemplate:
         }
         if tool_list:
             context["tools"] = tool_list
-        context["datetime"] = time.strftime("%b %d %Y")
-        context["date_string"] = time.strftime("%d %b %Y")
-        context.update(chat_template_kwargs)
+        context.update(extra_context(chat_template_kwargs))
         return context
 
     def _continue_last(
-        self, parsed: list[dict[str, Any]], context: dict[str, Any], mode: str
+        self,
+        parsed: list[dict[str, Any]],
+        message: Mapping[str, Any],
+        context: dict[str, Any],
+        mode: str,
     ) -> str:
         """The last message is continued: the conversation before it, the generation prompt,
         then its content (common_chat_templates_apply_jinja with continue_final_message; "auto"
@@ -826,23 +953,25 @@ class ChatTemplate:
             return without  # an empty assistant message continues nothing (common_chat_msg::empty)
         with_prompt = self._apply(before, context, True)
         generation_prompt = with_prompt[len(os.path.commonprefix([without, with_prompt])) :]
-        content = _render_content(last)
         continue_reasoning = mode == CONTINUE_REASONING or (
-            mode == CONTINUE_AUTO and bool(last.get("reasoning_content")) and not content
+            mode == CONTINUE_AUTO
+            and bool(message.get("reasoning_content"))
+            and not render_content(message)
         )
-        if self.reasoning.start:
-            # re-open the reasoning block: its text so far, closed unless that is what continues
-            cut = generation_prompt.find(self.reasoning.start)
-            generation_prompt = generation_prompt[:cut] if cut >= 0 else generation_prompt
-            generation_prompt += self.reasoning.start + last.get("reasoning_content", "")
-            if not continue_reasoning:
-                generation_prompt += self.reasoning.end
-        if not continue_reasoning:
-            generation_prompt += content
-        return without + generation_prompt
+        return without + continue_generation_prompt(
+            generation_prompt,
+            self.reasoning.start,
+            self.reasoning.end,
+            message,
+            not continue_reasoning,
+        )
 
     def _apply(
-        self, messages: list[dict[str, Any]], context: dict[str, Any], add_generation_prompt: bool
+        self,
+        messages: list[dict[str, Any]],
+        context: dict[str, Any],
+        add_generation_prompt: bool,
+        strip_bos_eos: bool = True,
     ) -> str:
         variables = {**context, "messages": messages}
         if add_generation_prompt:
@@ -857,6 +986,8 @@ class ChatTemplate:
             raise TemplateError(f"chat template error: {err}") from err
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
             raise TemplateError(f"chat template error: {err}") from err
+        if not strip_bos_eos:
+            return text
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         if self.add_eos and self.eos_token and text.endswith(self.eos_token):
