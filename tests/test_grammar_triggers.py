@@ -874,3 +874,54 @@ async def test_refusals_are_llama_servers(served: Served, reference_server: Any)
         assert ref_status in (400, 500) and status == ref_status, (fields, ours, ref)
         assert ours["error"] == ref["error"], fields
     print(f"refusals with llama-server's status and message: {len(REFUSED)}/{len(REFUSED)}")
+
+
+# --- the server flags ------------------------------------------------------------------------------------------
+
+
+def test_reasoning_budget_flags_are_served_natively() -> None:
+    from bankml.serving.llama_flags import FlagError, dropin_argv, native_settings
+
+    argv, notes = dropin_argv(
+        ["-m", "m.gguf", "--reasoning-budget", "3", "--reasoning-budget-message", "Stop."]
+    )
+    assert argv[argv.index("--reasoning-budget") + 1] == "3" and not notes
+    assert argv[argv.index("--reasoning-budget-message") + 1] == "Stop."
+    settings = native_settings({"reasoning-budget": "0", "reasoning-budget-message": "Stop."})
+    assert (settings["reasoning_budget"], settings["reasoning_budget_message"]) == (0, "Stop.")
+    assert native_settings({})["reasoning_budget"] == -1
+    with pytest.raises(FlagError, match="--reasoning-budget -2: invalid value"):
+        native_settings({"reasoning-budget": "-2"})
+    with pytest.raises(FlagError, match="not a number"):
+        native_settings({"reasoning-budget": "x"})
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_server_budget_is_a_requests_default_as_in_llama_server(
+    served: Served, default_model: Path, llama_server_bin: Path
+) -> None:
+    """llama-server started with --reasoning-budget 3 and bankml with the same flag's setting
+    (``apply_server_defaults``) answer a request that names no budget alike; a request's own
+    budget still wins."""
+    from bankml.native.resident import apply_server_defaults
+    from bankml.serving.llama_flags import native_settings
+    from tests import support
+
+    engine = served.native.engine
+    before = (engine.reasoning_budget, engine.reasoning_budget_message)
+    flags = ["--reasoning-budget", "3", "--reasoning-budget-message", "ignored here"]
+    apply_server_defaults(engine, native_settings({"reasoning-budget": "3"}))
+    try:
+        with support.LlamaServer(default_model, args=flags, binary=llama_server_bin) as ref:
+            base = {"prompt": ASK + THINK_PROMPT, "n_predict": 30, **GREEDY, **BUDGET}
+            base["reasoning_budget_message"] = " Done."
+            for body in (base, {**base, "reasoning_budget_tokens": 6}):
+                (status, _, ours), (ref_status, _, theirs) = await both(
+                    served.engine_url, ref, "POST", "/completion", body
+                )
+                assert status == ref_status == 200
+                assert ours["content"] == theirs["content"]
+                assert ours["tokens_predicted"] == theirs["tokens_predicted"]
+                assert " Done.</think>" in theirs["content"]
+    finally:
+        engine.reasoning_budget, engine.reasoning_budget_message = before
