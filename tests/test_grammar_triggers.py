@@ -925,3 +925,48 @@ async def test_the_server_budget_is_a_requests_default_as_in_llama_server(
                 assert " Done.</think>" in theirs["content"]
     finally:
         engine.reasoning_budget, engine.reasoning_budget_message = before
+
+
+CHAT = [{"role": "user", "content": "What is 2+2?"}]
+CHATS = [
+    # the budget fields pass through to the sampler, with the template's generation prompt
+    # (its start tag counts from there)
+    {
+        "reasoning_budget_tokens": 3,
+        "reasoning_budget_start_tag": "<|im_start|>",
+        "reasoning_budget_end_tags": ["</think>"],
+        "reasoning_budget_message": " Done.",
+    },
+    # the lazy-grammar fields are the template's: the body's are not read (not even refused)
+    {
+        "grammar_lazy": True,
+        "grammar_triggers": "x",
+        "preserved_tokens": [5],
+        "generation_prompt": 7,
+    },
+    # so a body's grammar constrains from the first token, lazy or not
+    {
+        "grammar": 'root ::= "Four" "."? ',
+        "grammar_lazy": True,
+        "grammar_triggers": [{"type": 1, "value": "Apple"}],
+    },
+]
+
+
+@pytest_twisted.ensureDeferred
+async def test_chat_requests_read_these_fields_as_llama_server(
+    served: Served, reference_server: Any
+) -> None:
+    for fields in CHATS:
+        body = {"messages": CHAT, "max_tokens": 30, **GREEDY, **fields}
+        (status, _, ours), (ref_status, _, ref) = await both(
+            served.engine_url, reference_server, "POST", "/v1/chat/completions", body
+        )
+        assert status == ref_status == 200, (fields, ours, ref)
+        mine, theirs = ours["choices"][0], ref["choices"][0]
+        assert mine["message"]["content"] == theirs["message"]["content"], fields
+        assert mine["finish_reason"] == theirs["finish_reason"]
+        if "reasoning_budget_message" in fields:
+            assert "Done.</think>" in theirs["message"]["content"]
+        if "grammar" in fields:
+            assert theirs["message"]["content"] in ("Four", "Four.")
