@@ -336,25 +336,27 @@ class Constraint:
         """The generation prompt's tokens, taken before the first draw (common_sampler_init);
         a token the grammar refuses is llama-server's refusal of the request."""
         for t in tokens:
-            piece = self.pieces[t] if self.pieces is not None else b""
             try:
-                self._take_piece(t, piece, whole=True)
+                if t in self.eog_ids:  # llama_grammar_accept_impl: only where complete
+                    if not self.is_complete():
+                        raise GrammarStackError(f"end of generation ({t}) before the grammar ends")
+                    continue
+                self._take_piece(t, self.pieces[t] if self.pieces is not None else None)
             except GrammarStackError as err:
                 raise ConstraintError(PREFILL_FAILED, str(err)) from None
 
-    def _take_piece(self, token: int, piece: bytes, whole: bool = False) -> None:
-        """llama_grammar_accept_token with ``piece`` (the token's text, or the end of it where a
-        trigger fired inside it); GrammarStackError, with llama.cpp's message, if the grammar
-        cannot take it."""
-        full = whole or self.pieces is None or piece == self.pieces[token]
-        if token in self.eog_ids and full:
-            ok = self.is_complete()
-        elif full:
+    def _take_piece(self, token: int, piece: bytes | None) -> None:
+        """llama_grammar_accept_token: the grammar reads ``piece`` (the token's text, or the end
+        of it where a trigger fired inside it; None: the token's own text), an end-of-generation
+        token's text too. GrammarStackError, with llama.cpp's message, if it cannot take it."""
+        whole = piece is None or self.pieces is None or piece == self.pieces[token]
+        if whole and token not in self.eog_ids:
             ok = bool(self.matcher.consume_token(token))
         else:
-            ok = all(self.matcher.consume_token(t) for t in self._tokens_of(piece))
+            data = piece if piece is not None else b""
+            ok = all(self.matcher.consume_token(t) for t in self._tokens_of(data))
         if not ok:
-            text = piece.decode("utf-8", "replace")
+            text = (piece or b"").decode("utf-8", "replace")
             raise GrammarStackError(
                 f"Unexpected empty grammar stack after accepting piece: {text} ({token})"
             )
