@@ -38,7 +38,7 @@ from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
 from bankml.engine_cupy.reasoning_budget import ReasoningBudget, ReasoningBudgetSpec
 from bankml.engine_cupy.request import (
-    GrammarFields,
+    BUDGET_FIELDS,
     Request,
     RequestError,
     bool_field,
@@ -409,7 +409,9 @@ class Engine:
             constraint = resolve_constraint(body, kind)
             if constraint is not None and constraint.kind == "chat_schema":
                 constraint = constraint.with_generation_prompt(self._generation_prompt(body))
-            guidance = self._grammar_fields(body, kind)
+            # a chat task's fields are what llama-server's chat parsing sets (the template's)
+            fields = body if kind == "completion" else self.chat_sampling_fields(body)
+            guidance = grammar_fields(fields, self._special_tokens)
             if constraint is not None and kind == "completion":
                 constraint = replace(
                     constraint,
@@ -418,9 +420,7 @@ class Engine:
                     grammar_type=guidance.grammar_type,
                     generation_prompt=guidance.generation_prompt,
                 )
-            budget = reasoning_budget_fields(body, self._special_tokens, self.reasoning_budget)
-            if kind == "chat" and budget.active(guidance.lazy):
-                guidance = replace(guidance, generation_prompt=self._generation_prompt(body))
+            budget = reasoning_budget_fields(fields, self._special_tokens, self.reasoning_budget)
             if kind == "completion":
                 task.update(guidance.echoed())
             params = self._with_biases(body, params)
@@ -467,13 +467,19 @@ class Engine:
         """common_tokenize(text, add_special=false, parse_special=true)."""
         return self.tokenize(text, parse_special=True)
 
-    def _grammar_fields(self, body: Mapping[str, Any], kind: str) -> GrammarFields:
-        """A /completion body's lazy-grammar fields; a chat's are its template's (llama-server
-        sets them from the template whatever the body says): none for a template without tool
-        calls."""
-        if kind == "completion":
-            return grammar_fields(body, self._special_tokens)
-        return GrammarFields()
+    def chat_sampling_fields(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A chat task's grammar and budget fields as llama-server's oaicompat_chat_params_parse
+        sets them before its schema reads them (``grammar_fields``, ``reasoning_budget_fields``):
+        the template's ``grammar_lazy``, ``grammar_triggers``, ``preserved_tokens`` and
+        ``generation_prompt`` whatever the body says, and the body's own budget fields (a
+        template with thinking tags would set those instead). A template without tool calls has
+        no lazy grammar, no triggers and no preserved tokens; its generation prompt is rendered
+        only where a budget may use it."""
+        out: dict[str, Any] = {k: body[k] for k in BUDGET_FIELDS if k in body}
+        out.update(grammar_lazy=False, grammar_triggers=[], preserved_tokens=[])
+        if body.get("reasoning_budget_start_tag") is not None:
+            out["generation_prompt"] = self._generation_prompt(body)
+        return out
 
     def _guided_sampler(
         self,

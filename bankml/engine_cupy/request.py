@@ -399,6 +399,17 @@ def grammar_fields(body: Mapping[str, Any], tokenize: Callable[[str], list[int]]
     )
 
 
+# the budget fields, in the schema's order (a chat task passes the body's through)
+BUDGET_FIELDS = (
+    "reasoning_control",
+    "reasoning_budget_tokens",
+    "reasoning_budget_start_tag",
+    "reasoning_budget_end_tags",
+    "reasoning_budget_end_tag",
+    "reasoning_budget_message",
+)
+
+
 def reasoning_budget_fields(
     body: Mapping[str, Any], tokenize: Callable[[str], list[int]], default_tokens: int = -1
 ) -> ReasoningBudgetSpec:
