@@ -420,12 +420,16 @@ class Engine:
                     grammar_type=guidance.grammar_type,
                     generation_prompt=guidance.generation_prompt,
                 )
-            budget = reasoning_budget_fields(fields, self._special_tokens, self.reasoning_budget)
+            budget_fields = reasoning_budget_fields(
+                fields, self._special_tokens, self.reasoning_budget
+            )
+            # common_sampler_init makes a budget sampler only on these conditions
+            budget = budget_fields if budget_fields.active(guidance.lazy) else None
             if kind == "completion":
                 task.update(guidance.echoed())
             params = self._with_biases(body, params)
             stop = parse_stop(body)
-            if constraint is not None or budget.active(guidance.lazy) or params.dry_multiplier:
+            if constraint is not None or budget is not None or params.dry_multiplier:
                 # common_sampler_init's refusals: the grammar (its triggers, its prefill), then
                 # the chain (DRY's breakers)
                 self._guided_sampler(params, constraint, budget, guidance.generation_prompt)
@@ -436,7 +440,7 @@ class Engine:
         extras = {
             "preserved_tokens": guidance.preserved,
             "generation_prompt": guidance.generation_prompt,
-            "reasoning_budget": budget if budget.active(guidance.lazy) else None,
+            "reasoning_budget": budget,
         }
         delimiters = self._message_delimiters(body, kind)
         out = []
@@ -489,8 +493,9 @@ class Engine:
         generation_prompt: str,
     ) -> GuidedSampler:
         """common_sampler_init: the grammar (a lazy one with its triggers), the reasoning budget
-        (when it applies), both given the generation prompt's tokens where they take them, and
-        the chain. Raises ConstraintError or SamplerError as llama-server refuses."""
+        (``budget``: None where llama-server makes none, ``ReasoningBudgetSpec.active``), both
+        given the generation prompt's tokens where they take them, and the chain. Raises
+        ConstraintError or SamplerError as llama-server refuses."""
         grammar = (
             Constraint(
                 spec, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids, self._pieces
@@ -498,10 +503,9 @@ class Engine:
             if spec is not None
             else None
         )
-        lazy = spec is not None and spec.lazy
         rbudget = (
             ReasoningBudget.of(budget, self._text_pieces.__getitem__)
-            if budget is not None and budget.active(lazy)
+            if budget is not None
             else None
         )
         prefill: list[int] = []

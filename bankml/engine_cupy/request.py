@@ -74,6 +74,7 @@ class Request:
     # the text the prompt ends with, which the reasoning budget and a grammar that needs it
     # take before the first draw (generation_prompt)
     generation_prompt: str = ""
+    # the budget sampler's settings; None where llama-server makes none (ReasoningBudgetSpec.active)
     reasoning_budget: ReasoningBudgetSpec | None = None
 
 
