@@ -128,6 +128,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--mirostat-ent", True, SERVE),
     _f("--samplers", True, SERVE),
     _f("--sampling-seq --sampler-seq", True, SERVE),
+    _f("--reasoning-budget", True, SERVE),
+    _f("--reasoning-budget-message", True, SERVE),
     # -- the server
     _f("--alias -a", True, SERVE),
     _f("--api-key", True, SERVE, p0_refuse=P0_KEY),
@@ -292,7 +294,6 @@ FLAGS: tuple[Flag, ...] = (
     _f("--backend-sampling -bs", False, REFUSE, NOT_HERE),
     _f("--reasoning-format", True, REFUSE, NOT_HERE),
     _f("--reasoning -rea", True, REFUSE, NOT_HERE, p0_default=REASONING_OFF),
-    _f("--reasoning-budget", True, REFUSE, NOT_HERE),
     _f(
         "--no-jinja",
         False,

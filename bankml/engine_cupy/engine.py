@@ -28,27 +28,34 @@ from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
 from bankml.engine_cupy.grammar import (
     Constraint,
     ConstraintError,
+    ConstraintSpec,
+    GrammarStackError,
     build_llg_tokenizer,
     resolve_constraint,
 )
 from bankml.engine_cupy.kv_cache import pad_cells
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
+from bankml.engine_cupy.reasoning_budget import ReasoningBudget, ReasoningBudgetSpec
 from bankml.engine_cupy.request import (
+    BUDGET_FIELDS,
     Request,
     RequestError,
     bool_field,
     chat_logprobs,
     chat_render_options,
     check_chat_messages,
+    grammar_fields,
     is_integer,
     is_mixed,
     json_type,
     lora_field,
     parse_stop,
     parse_task_fields,
+    reasoning_budget_fields,
 )
 from bankml.engine_cupy.sampler import (
+    GuidedSampler,
     LogitBias,
     Sampler,
     SamplerError,
@@ -58,6 +65,7 @@ from bankml.engine_cupy.sampler import (
     logarithm,
     parse_logit_bias,
     post_sampling_probs,
+    prefill_tokens,
     token_logprobs,
 )
 from bankml.engine_cupy.sampler import (
@@ -179,6 +187,10 @@ class Engine:
         self.host_cache = HostPromptCache(cache_ram_limit(cache_ram))  # MiB, as --cache-ram
         self.defaults = sampling_defaults or SamplerParams()
         self.n_predict = -1  # the server's -n: where a request's n_predict is -1 or absent
+        # the server's --reasoning-budget (a request's default reasoning_budget_tokens) and
+        # --reasoning-budget-message (the message a chat template's reasoning budget forces)
+        self.reasoning_budget = -1
+        self.reasoning_budget_message = ""
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -397,16 +409,39 @@ class Engine:
             constraint = resolve_constraint(body, kind)
             if constraint is not None and constraint.kind == "chat_schema":
                 constraint = constraint.with_generation_prompt(self._generation_prompt(body))
-            if constraint is not None:
-                Constraint(constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
+            # a chat task's fields are what llama-server's chat parsing sets (the template's)
+            fields = body if kind == "completion" else self.chat_sampling_fields(body)
+            guidance = grammar_fields(fields, self._special_tokens)
+            if constraint is not None and kind == "completion":
+                constraint = replace(
+                    constraint,
+                    lazy=guidance.lazy,
+                    triggers=guidance.triggers,
+                    grammar_type=guidance.grammar_type,
+                    generation_prompt=guidance.generation_prompt,
+                )
+            budget_fields = reasoning_budget_fields(
+                fields, self._special_tokens, self.reasoning_budget
+            )
+            # common_sampler_init makes a budget sampler only on these conditions
+            budget = budget_fields if budget_fields.active(guidance.lazy) else None
+            if kind == "completion":
+                task.update(guidance.echoed())
             params = self._with_biases(body, params)
             stop = parse_stop(body)
-            if params.dry_multiplier != 0.0:
-                self._new_sampler(params)  # breaker tokenization can refuse
+            if constraint is not None or budget is not None or params.dry_multiplier:
+                # common_sampler_init's refusals: the grammar (its triggers, its prefill), then
+                # the chain (DRY's breakers)
+                self._guided_sampler(params, constraint, budget, guidance.generation_prompt)
         except (SamplerError, TemplateError) as err:
             raise RequestError(str(err)) from None
         except ConstraintError as err:
             raise RequestError(str(err), reason=err.reason) from None
+        extras = {
+            "preserved_tokens": guidance.preserved,
+            "generation_prompt": guidance.generation_prompt,
+            "reasoning_budget": budget,
+        }
         delimiters = self._message_delimiters(body, kind)
         out = []
         for prompt_text, tokens in prompts:
@@ -427,9 +462,60 @@ class Engine:
                     task["t_max_predict_ms"],
                     task,
                     find_spans(tokens, delimiters),
+                    **extras,
                 )
             )
         return out
+
+    def _special_tokens(self, text: str) -> list[int]:
+        """common_tokenize(text, add_special=false, parse_special=true)."""
+        return self.tokenize(text, parse_special=True)
+
+    def chat_sampling_fields(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A chat task's grammar and budget fields as llama-server's oaicompat_chat_params_parse
+        sets them before its schema reads them (``grammar_fields``, ``reasoning_budget_fields``):
+        the template's ``grammar_lazy``, ``grammar_triggers``, ``preserved_tokens`` and
+        ``generation_prompt`` whatever the body says, and the body's own budget fields (a
+        template with thinking tags would set those instead). A template without tool calls has
+        no lazy grammar, no triggers and no preserved tokens; its generation prompt is rendered
+        only where a budget may use it."""
+        out: dict[str, Any] = {k: body[k] for k in BUDGET_FIELDS if k in body}
+        out.update(grammar_lazy=False, grammar_triggers=[], preserved_tokens=[])
+        if body.get("reasoning_budget_start_tag") is not None:
+            out["generation_prompt"] = self._generation_prompt(body)
+        return out
+
+    def _guided_sampler(
+        self,
+        params: SamplerParams,
+        spec: ConstraintSpec | None,
+        budget: ReasoningBudgetSpec | None,
+        generation_prompt: str,
+    ) -> GuidedSampler:
+        """common_sampler_init: the grammar (a lazy one with its triggers), the reasoning budget
+        (``budget``: None where llama-server makes none, ``ReasoningBudgetSpec.active``), both
+        given the generation prompt's tokens where they take them, and the chain. Raises
+        ConstraintError or SamplerError as llama-server refuses."""
+        grammar = (
+            Constraint(
+                spec, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids, self._pieces
+            )
+            if spec is not None
+            else None
+        )
+        rbudget = (
+            ReasoningBudget.of(budget, self._text_pieces.__getitem__)
+            if budget is not None
+            else None
+        )
+        prefill: list[int] = []
+        wanted = rbudget is not None or (
+            grammar is not None and spec is not None and spec.needs_prefill
+        )
+        if generation_prompt and wanted:
+            tokens = self._special_tokens(generation_prompt)
+            prefill = prefill_tokens(generation_prompt, tokens, self._pieces)
+        return GuidedSampler(self._new_sampler(params), grammar, rbudget, prefill)
 
     def _message_delimiters(
         self, body: Mapping[str, Any], kind: str
@@ -716,11 +802,8 @@ class Engine:
     ) -> Generator[Chunk | Progress | Forward, Any, None]:
         tokens = req.prompt_tokens
         summary.slot = slot.id
-        sampler = self._new_sampler(req.sampler)
-        constraint = (
-            Constraint(req.constraint, self.llg_tokenizer(), self.n_vocab, self.tokenizer.eog_ids)
-            if req.constraint
-            else None
+        sampler = self._guided_sampler(
+            req.sampler, req.constraint, req.reasoning_budget, req.generation_prompt
         )
         cache_n, logits = yield from self._prompt(
             slot, update_cache, req, cancelled, clock, progress
@@ -731,7 +814,7 @@ class Engine:
             summary.cancelled = True
             return
         for t in tokens:
-            sampler.accept(t)
+            sampler.accept(t, generated=False)
         release = TextRelease(req.stop)
         lines = LineLimits(req.n_indent, req.t_max_predict_ms)
         eog = self.tokenizer.eog_ids
@@ -741,17 +824,21 @@ class Engine:
             if cancelled():
                 summary.cancelled = True
                 break
-            token = self._sample(sampler, constraint, logits)
-            sampler.accept(token)
-            if constraint is not None:
-                constraint.accept(token)
+            token = sampler.sample(logits)
+            try:
+                sampler.accept(token)
+            except GrammarStackError as err:  # a lazy grammar that cannot take its trigger
+                raise RequestError(f"got exception: {err}", status=500) from None
             n_gen += 1
             now = time.perf_counter()
             if n_gen == 1:
                 clock.t_prompt = now
             clock.t_gen = now
             summary.tokens.append(token)
-            piece = self._text_pieces[token]
+            # a preserved token's text shows, control token or not (accept_special_token)
+            piece = (
+                self._pieces[token] if token in req.preserved_tokens else self._text_pieces[token]
+            )
             raw += piece
             released, hit_stop = release.push(piece, token in eog)
             entry = None
@@ -817,11 +904,6 @@ class Engine:
         if shared is not None and not req.shared_child:
             shared.publish(slot, cache_n, logits, clock.t_start)
         return cache_n, logits
-
-    def _sample(self, sampler: Sampler, constraint: Constraint | None, logits: np.ndarray) -> int:
-        if constraint is None:
-            return sampler.sample(logits)
-        return sampler.sample(logits, constraint.allows, constraint.mask)
 
     def _finish(
         self, slot: Slot, req: Request, token: int, n_gen: int, hit_stop: bool, eog: frozenset[int]

@@ -26,6 +26,12 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from bankml.engine_cupy.grammar_triggers import (
+    GrammarTrigger,
+    TriggerError,
+    TriggerWatch,
+    trigger_regexes,
+)
 from bankml.engine_cupy.json_schema_grammar import (
     SchemaConversionError,
     chat_schema_gbnf,
@@ -36,6 +42,10 @@ from bankml.engine_cupy.json_schema_grammar import (
 SCHEMA_FIELD = "Field 'json_schema': \"json_schema\": "
 GRAMMAR_FAILED = "Failed to initialize samplers: failed to parse grammar"
 SCHEMA_NOT_OBJECT = f"{SCHEMA_FIELD}JSON schema conversion failed:\nJSON schema error at #: schema must be an object"
+SAMPLERS_FAILED = "Failed to initialize samplers: "
+# common_sampler_init rethrows a failed prefill as a plain std::exception (``throw e;``)
+PREFILL_FAILED = SAMPLERS_FAILED + "std::exception"
+GRAMMAR_TOOL_CALLS = "tool_calls"  # /completion's grammar_type for a chat template's grammar
 
 
 class ConstraintError(ValueError):
@@ -47,15 +57,38 @@ class ConstraintError(ValueError):
         self.reason = reason
 
 
+class GrammarStackError(ValueError):
+    """A token the grammar cannot take where llama.cpp's sampler takes it without checking
+    (a lazy grammar's trigger text, a generation prompt fed before the first draw); the message
+    is llama.cpp's."""
+
+
 @dataclass(frozen=True)
 class ConstraintSpec:
     """What to compile. ``kind``: "gbnf" (``source`` is the grammar), "json_schema" (/completion:
     ``source`` is the schema as JSON) or "chat_schema" (a chat request's schema, answered after
-    ``generation_prompt``, the text the chat template ends the prompt with)."""
+    ``generation_prompt``, the text the chat template ends the prompt with).
+
+    ``lazy``: the grammar waits for one of ``triggers`` (llama-server's ``grammar_lazy`` and
+    ``grammar_triggers``). ``grammar_type``: llama-server's COMMON_GRAMMAR_TYPE; a grammar of type
+    "tool_calls" (a chat template's) and a /completion schema ("output_format") take the
+    generation prompt's tokens before the first draw, unless lazy (``needs_prefill``)."""
 
     kind: str
     source: str
     generation_prompt: str = ""
+    lazy: bool = False
+    triggers: tuple[GrammarTrigger, ...] = ()
+    grammar_type: str = ""
+
+    @property
+    def needs_prefill(self) -> bool:
+        """common_grammar_needs_prefill and not lazy (a chat schema's prompt is taken off its
+        grammar instead, ``compile_grammar``)."""
+        prefilled = self.kind == "json_schema" or (
+            self.kind == "gbnf" and self.grammar_type == GRAMMAR_TOOL_CALLS
+        )
+        return prefilled and not self.lazy
 
     def with_generation_prompt(self, text: str) -> ConstraintSpec:
         return replace(self, generation_prompt=text)
@@ -217,7 +250,12 @@ def build_llg_tokenizer(
 
 
 class Constraint:
-    """One request's grammar state: which tokens may come next, and the tokens taken so far."""
+    """One request's grammar state: which tokens may come next, and the tokens taken so far.
+
+    A lazy grammar (``spec.lazy``) constrains nothing until a trigger fires (``TriggerWatch``):
+    until then every token is allowed, EOG included; then it takes the trigger's text and
+    constrains every later token. ``pieces`` are the tokens' texts as the grammar reads them
+    (``token_to_piece(special=true)``), needed by a lazy grammar's patterns."""
 
     def __init__(
         self,
@@ -225,6 +263,7 @@ class Constraint:
         tokenizer: llguidance.LLTokenizer,
         n_vocab: int,
         eog_ids: frozenset[int],
+        pieces: Sequence[bytes] | None = None,
     ):
         grammar = compile_grammar(spec)
         check_grammar(grammar, tokenizer)
@@ -235,18 +274,35 @@ class Constraint:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise ConstraintError(GRAMMAR_FAILED, self.matcher.get_error())
+        self.pieces = pieces
+        self.watch: TriggerWatch | None = None
+        if spec.lazy:
+            try:
+                self.watch = TriggerWatch(*trigger_regexes(spec.triggers))
+            except TriggerError as err:
+                raise ConstraintError(SAMPLERS_FAILED + str(err), str(err)) from None
+        self._byte_tokens: dict[int, int] | None = None
+
+    @property
+    def awaiting(self) -> bool:
+        """A lazy grammar still waiting for its trigger."""
+        return self.watch is not None
 
     def is_complete(self) -> bool:
         return self.matcher.is_accepting()
 
     def allows(self, token: int) -> bool:
         """llama_sampler_grammar_apply on one candidate: EOG only where the grammar is complete."""
+        if self.awaiting:
+            return True
         if token in self.eog_ids:
             return self.is_complete()
         return self.matcher.validate_tokens([token]) == 1
 
     def mask(self) -> np.ndarray:
         """Allowed tokens as a boolean vector over the model's vocabulary."""
+        if self.awaiting:
+            return np.ones(self.n_vocab, dtype=bool)
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little").astype(bool)
         out = np.zeros(self.n_vocab, dtype=bool)
@@ -256,12 +312,69 @@ class Constraint:
         return out
 
     def accept(self, token: int) -> None:
+        """llama_grammar_accept_impl: while a lazy grammar waits, the token goes to its trigger
+        watch (and, when a trigger fires, the trigger's text to the grammar); else to the
+        grammar. EOG is taken without a change (the sampler allowed it only when complete)."""
+        if self.watch is not None:
+            if self.pieces is None:
+                raise ValueError("a lazy grammar needs the vocabulary's pieces")
+            fired = self.watch.push(token, self.pieces[token])
+            if fired is None:
+                return
+            self.watch = None
+            for tok, piece in fired:
+                self._take_piece(tok, piece)
+            return
         if token in self.eog_ids:
             return
         if not self.matcher.consume_token(token):
             raise ConstraintError(
                 f"token {token} does not fit the grammar: {self.matcher.get_error()}"
             )
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """The generation prompt's tokens, taken before the first draw (common_sampler_init);
+        a token the grammar refuses is llama-server's refusal of the request."""
+        for t in tokens:
+            try:
+                if t in self.eog_ids:  # llama_grammar_accept_impl: only where complete
+                    if not self.is_complete():
+                        raise GrammarStackError(f"end of generation ({t}) before the grammar ends")
+                    continue
+                self._take_piece(t, self.pieces[t] if self.pieces is not None else None)
+            except GrammarStackError as err:
+                raise ConstraintError(PREFILL_FAILED, str(err)) from None
+
+    def _take_piece(self, token: int, piece: bytes | None) -> None:
+        """llama_grammar_accept_token: the grammar reads ``piece`` (the token's text, or the end
+        of it where a trigger fired inside it; None: the token's own text), an end-of-generation
+        token's text too. GrammarStackError, with llama.cpp's message, if it cannot take it."""
+        whole = piece is None or self.pieces is None or piece == self.pieces[token]
+        if whole and token not in self.eog_ids:
+            ok = bool(self.matcher.consume_token(token))
+        else:
+            data = piece if piece is not None else b""
+            ok = all(self.matcher.consume_token(t) for t in self._tokens_of(data))
+        if not ok:
+            text = (piece or b"").decode("utf-8", "replace")
+            raise GrammarStackError(
+                f"Unexpected empty grammar stack after accepting piece: {text} ({token})"
+            )
+
+    def _tokens_of(self, data: bytes) -> list[int]:
+        """Tokens spelling ``data`` one byte each (the grammar reads bytes, whatever the
+        tokens): the vocabulary's single-byte pieces."""
+        if self._byte_tokens is None:
+            assert self.pieces is not None
+            table: dict[int, int] = {}
+            for tid, p in enumerate(self.pieces):
+                if len(p) == 1 and p[0] not in table and tid not in self.eog_ids:
+                    table[p[0]] = tid
+            self._byte_tokens = table
+        missing = [b for b in data if b not in self._byte_tokens]
+        if missing:
+            raise GrammarStackError(f"no token spells the byte {missing[0]:#04x}")
+        return [self._byte_tokens[b] for b in data]
 
 
 def validate_text(

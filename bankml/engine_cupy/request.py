@@ -11,13 +11,15 @@ tokenizer, the chat template, the vocabulary, the slots.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bankml.engine_cupy.chat_template import CONTINUE_AUTO, CONTINUE_CONTENT, CONTINUE_REASONING
 from bankml.engine_cupy.checkpoints import MessageSpans
 from bankml.engine_cupy.grammar import ConstraintSpec
+from bankml.engine_cupy.grammar_triggers import TRIGGER_TOKEN, TRIGGER_WORD, GrammarTrigger
+from bankml.engine_cupy.reasoning_budget import ReasoningBudgetSpec
 from bankml.engine_cupy.sampler import SamplerParams
 
 if TYPE_CHECKING:
@@ -67,6 +69,13 @@ class Request:
     # the prompt, the others (``shared_child``) take its state instead of computing it again
     shared: SharedPrompt | None = None
     shared_child: bool = False
+    # tokens whose text the answer shows although they are control tokens (preserved_tokens)
+    preserved_tokens: frozenset[int] = frozenset()
+    # the text the prompt ends with, which the reasoning budget and a grammar that needs it
+    # take before the first draw (generation_prompt)
+    generation_prompt: str = ""
+    # the budget sampler's settings; None where llama-server makes none (ReasoningBudgetSpec.active)
+    reasoning_budget: ReasoningBudgetSpec | None = None
 
 
 def bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -276,3 +285,157 @@ def chat_render_options(body: Mapping[str, Any]) -> dict[str, Any]:
         if last.get("role") == "assistant" and last.get("tool_calls"):
             raise RequestError("Cannot continue an assistant message that contains tool calls.")
     return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continuation}
+
+
+# --- grammar triggers, preserved tokens, the reasoning budget ---------------------------------------
+
+
+@dataclass(frozen=True)
+class GrammarFields:
+    """/completion's lazy-grammar fields as llama-server reads them: ``grammar_lazy``,
+    ``grammar_triggers`` (a one-token word made a token trigger), ``preserved_tokens`` (ids),
+    ``generation_prompt`` and ``grammar_type``."""
+
+    lazy: bool = False
+    triggers: tuple[GrammarTrigger, ...] = ()
+    preserved: frozenset[int] = frozenset()
+    generation_prompt: str = ""
+    grammar_type: str = ""
+
+    def echoed(self) -> dict[str, Any]:
+        """What generation_settings shows of them (task_params::to_json)."""
+        return {
+            "grammar_lazy": self.lazy,
+            "grammar_triggers": [t.to_json() for t in self.triggers],
+            "preserved_tokens": sorted(self.preserved),
+            "generation_prompt": self.generation_prompt,
+        }
+
+
+def _items(value: Any) -> list[Any]:
+    """A range-for over a JSON value: an array's items, an object's values, a scalar itself."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, dict):
+        return list(value.values())
+    return [] if value is None else [value]
+
+
+def _string(name: str, value: Any) -> str:
+    """get<std::string>()."""
+    if not isinstance(value, str):
+        raise RequestError(
+            f"Field '{name}': [json.exception.type_error.302] type must be string, "
+            f"but is {json_type(value)}"
+        )
+    return value
+
+
+def _integer(name: str, value: Any) -> int:
+    """get<int>(): a number (truncated) or a boolean."""
+    if not isinstance(value, (int, float)):
+        raise RequestError(
+            f"Field '{name}': [json.exception.type_error.302] type must be number, "
+            f"but is {json_type(value)}"
+        )
+    return int(value)
+
+
+def _at(name: str, obj: Any, key: str) -> Any:
+    """json::at(key)."""
+    if not isinstance(obj, dict):
+        raise RequestError(
+            f"Field '{name}': [json.exception.type_error.304] cannot use at() with {json_type(obj)}"
+        )
+    if key not in obj:
+        raise RequestError(
+            f"Field '{name}': [json.exception.out_of_range.403] key '{key}' not found"
+        )
+    return obj[key]
+
+
+def grammar_fields(body: Mapping[str, Any], tokenize: Callable[[str], list[int]]) -> GrammarFields:
+    """The schema's ``grammar_type`` (json_value: "" unless a string), ``grammar_lazy``,
+    ``generation_prompt``, ``preserved_tokens`` and ``grammar_triggers``, in its order, with its
+    refusals. ``tokenize``: text to tokens with special tokens parsed (common_tokenize(.., false,
+    true)). A preserved token is a text of exactly one token; a word trigger of one token must be
+    one of them and becomes a token trigger; a lazy grammar given an empty list of triggers is
+    refused."""
+    grammar_type = body.get("grammar_type")
+    lazy = bool_field(body, "grammar_lazy", False)
+    prompt = body.get("generation_prompt")
+    generation_prompt = "" if prompt is None else _string("generation_prompt", prompt)
+    preserved: set[int] = set()
+    if body.get("preserved_tokens") is not None:
+        for t in _items(body["preserved_tokens"]):
+            ids = tokenize(_string("preserved_tokens", t))
+            if len(ids) == 1:
+                preserved.add(ids[0])
+    triggers: list[GrammarTrigger] = []
+    if body.get("grammar_triggers") is not None:
+        name = "grammar_triggers"
+        for t in _items(body[name]):
+            kind = _integer(name, _at(name, t, "type"))
+            value = _string(name, _at(name, t, "value"))
+            token = _integer(name, _at(name, t, "token")) if kind == TRIGGER_TOKEN else None
+            if kind == TRIGGER_WORD:
+                ids = tokenize(value)
+                if len(ids) == 1:
+                    if ids[0] not in preserved:
+                        raise RequestError(
+                            f"Field '{name}': Grammar trigger word should be marked as "
+                            f"preserved token: {value}"
+                        )
+                    triggers.append(GrammarTrigger(TRIGGER_TOKEN, value, ids[0]))
+                    continue
+            triggers.append(GrammarTrigger(kind, value, token))
+        if lazy and not triggers:
+            raise RequestError(f"Field '{name}': Error: no triggers set for lazy grammar!")
+    return GrammarFields(
+        lazy,
+        tuple(triggers),
+        frozenset(preserved),
+        generation_prompt,
+        grammar_type if isinstance(grammar_type, str) else "",
+    )
+
+
+# the budget fields, in the schema's order (a chat task passes the body's through)
+BUDGET_FIELDS = (
+    "reasoning_control",
+    "reasoning_budget_tokens",
+    "reasoning_budget_start_tag",
+    "reasoning_budget_end_tags",
+    "reasoning_budget_end_tag",
+    "reasoning_budget_message",
+)
+
+
+def reasoning_budget_fields(
+    body: Mapping[str, Any], tokenize: Callable[[str], list[int]], default_tokens: int = -1
+) -> ReasoningBudgetSpec:
+    """``reasoning_control``, ``reasoning_budget_tokens`` (-1 to INT32_MAX; the server's
+    --reasoning-budget is the default), ``reasoning_budget_start_tag``,
+    ``reasoning_budget_end_tags`` (or one ``reasoning_budget_end_tag``; empty tags left out) and
+    ``reasoning_budget_message`` as llama-server reads them. The forced sequence (the message's
+    tokens, then the first end tag's) is set only when the request names a message (any value;
+    one that is not a string reads as "") and an end tag."""
+    control = bool_field(body, "reasoning_control", False)
+    tokens = _int_field(body, ("reasoning_budget_tokens",), default_tokens, -1, INT32_MAX)
+    start: tuple[int, ...] = ()
+    if body.get("reasoning_budget_start_tag") is not None:
+        start = tuple(
+            tokenize(_string("reasoning_budget_start_tag", body["reasoning_budget_start_tag"]))
+        )
+    end: tuple[tuple[int, ...], ...] = ()
+    many, one = "reasoning_budget_end_tags", "reasoning_budget_end_tag"
+    if body.get(many) is not None or body.get(one) is not None:
+        name = many if body.get(many) is not None else one
+        tags = _items(body[many]) if many in body else [body[one]]
+        end = tuple(tuple(tokenize(tag)) for tag in (_string(name, t) for t in tags) if tag)
+    forced: tuple[int, ...] = ()
+    if body.get("reasoning_budget_message") is not None and end:
+        message = body["reasoning_budget_message"]
+        message = message if isinstance(message, str) else ""
+        forced = (tuple(tokenize(message)) if message else ()) + end[0]
+    return ReasoningBudgetSpec(tokens, start, end, forced, control)

@@ -22,9 +22,14 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from bankml.engine_cupy.reasoning_budget import DONE, IDLE, ReasoningBudget
+
+if TYPE_CHECKING:
+    from bankml.engine_cupy.grammar import Constraint
 
 F32 = np.float32
 INT32_MAX = 2_147_483_647
@@ -1209,6 +1214,88 @@ class Sampler:
         c.softmax(True)
         c.selected = discrete_distribution(c.p, self.rng)
         self._update_mu(float(c.p[c.selected]))
+
+
+# --- the grammar and the reasoning budget around the chain ---------------------------------------------
+
+
+class GuidedSampler:
+    """common_sampler with its grammar and reasoning budget: ``sample`` and ``accept`` as
+    common_sampler_sample and common_sampler_accept do them.
+
+    A draw: the budget first (while it forces, every logit but the forced token's is -inf), then
+    the chain, then the drawn token checked against the grammar and, if refused, the chain again
+    on the budget's logits with the grammar's mask (``Sampler.sample``). A lazy grammar is left
+    out while the budget counts or forces (the reasoning block is free text); when the budget
+    ends, its end sequence is replayed into the grammar, since a trigger may lie in it.
+
+    ``prefill``: the generation prompt's tokens (``prefill_tokens``), taken by the budget and,
+    where the grammar needs it (``ConstraintSpec.needs_prefill``), by the grammar."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        grammar: Constraint | None = None,
+        budget: ReasoningBudget | None = None,
+        prefill: Sequence[int] = (),
+    ):
+        self.sampler = sampler
+        self.grammar = grammar
+        self.budget = budget
+        self.lazy = grammar is not None and grammar.spec.lazy
+        if grammar is not None and grammar.spec.needs_prefill:
+            grammar.prefill(prefill)
+        if budget is not None:
+            for t in prefill:
+                budget.accept(t)
+
+    @property
+    def last(self) -> Candidates | None:
+        """The candidates the last draw chose from (post-sampling probabilities)."""
+        return self.sampler.last
+
+    def _grammar_applies(self) -> bool:
+        """grammar_should_apply."""
+        if self.grammar is None:
+            return False
+        if self.budget is None or not self.lazy:
+            return True
+        return self.budget.state in (IDLE, DONE)
+
+    def sample(self, logits: np.ndarray) -> int:
+        if self.budget is not None:
+            logits = self.budget.apply(logits)
+        if not self._grammar_applies():
+            return self.sampler.sample(logits)
+        assert self.grammar is not None
+        return self.sampler.sample(logits, self.grammar.allows, self.grammar.mask)
+
+    def accept(self, token: int, generated: bool = True) -> None:
+        """A drawn token (``generated``), or a prompt token (only the chain's windows see it)."""
+        take = generated and self._grammar_applies()
+        if self.budget is not None and generated:
+            self.budget.accept(token)
+            if self.grammar is not None and not take and self.budget.state == DONE:
+                for end_token in self.budget.end_sequence() or ():
+                    self.grammar.accept(end_token)
+        if self.grammar is not None and take:
+            self.grammar.accept(token)
+        self.sampler.accept(token)
+
+
+def prefill_tokens(
+    generation_prompt: str, tokens: Sequence[int], pieces: Sequence[bytes]
+) -> list[int]:
+    """common_sampler_init's prefill: the generation prompt's tokens (``tokens``, tokenized with
+    special tokens parsed), less a first token whose piece begins with a blank that the prompt's
+    text does not begin with (some tokenizers add one before a first special token)."""
+    out = []
+    for i, t in enumerate(tokens):
+        piece = pieces[t]
+        if i == 0 and piece[:1].isspace() and not generation_prompt.encode()[:1].isspace():
+            continue
+        out.append(t)
+    return out
 
 
 # --- log-probabilities ----------------------------------------------------------------------------------

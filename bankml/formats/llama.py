@@ -219,9 +219,9 @@ def generation_settings(parsed: Any, only_metrics: bool = False) -> dict[str, An
                 "grammar": constraint.source
                 if constraint is not None and constraint.kind == "gbnf"
                 else "",
-                "grammar_lazy": False,
-                "grammar_triggers": [],
-                "preserved_tokens": [],
+                "grammar_lazy": bool(options.get("grammar_lazy", False)),
+                "grammar_triggers": list(options.get("grammar_triggers", [])),
+                "preserved_tokens": list(options.get("preserved_tokens", [])),
             }
         )
     out.update(
@@ -231,7 +231,7 @@ def generation_settings(parsed: Any, only_metrics: bool = False) -> dict[str, An
             # not the defaults /props shows
             "reasoning_format": "none" if only_metrics else "deepseek",
             "reasoning_in_content": False,
-            "generation_prompt": "",
+            "generation_prompt": str(options.get("generation_prompt", "")),
             "samplers": list(params.samplers),
             "speculative.types": "none",
             "timings_per_token": bool(options.get("timings_per_token", False)),

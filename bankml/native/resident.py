@@ -617,10 +617,13 @@ def training_context(path: str) -> int:
 def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
     """llama-server's server-wide settings (``serving.llama_flags.native_settings``) on an
     opened engine: the sampling defaults over the file's own ``general.sampling.*`` (as
-    llama-server lets its flags win over the header's), ``-n``, and a chat template."""
+    llama-server lets its flags win over the header's), ``-n``, ``--reasoning-budget`` and
+    ``--reasoning-budget-message``, and a chat template."""
     if llama.get("sampling"):
         engine.defaults = SamplerParams.from_request(llama["sampling"], engine.defaults)
     engine.n_predict = int(llama.get("n_predict", -1))
+    engine.reasoning_budget = int(llama.get("reasoning_budget", -1))
+    engine.reasoning_budget_message = str(llama.get("reasoning_budget_message", ""))
     if llama.get("chat_template") is not None and engine.template is not None:
         engine.template = replace(engine.template, source=llama["chat_template"])
 

@@ -159,7 +159,8 @@ def _number(name: str, text: str, read: Callable[[str], Any]) -> Any:
 
 def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
     """What ``bankml serve --native``'s llama-server options mean, checked: the sampling
-    defaults (a request body's fields), ``n_predict``, aliases, API keys, CORS, the chat
+    defaults (a request body's fields), ``n_predict``, the reasoning budget and its message
+    (``reasoning_budget``: a request's default ``reasoning_budget_tokens``), aliases, API keys, CORS, the chat
     template's source, the cache type, whether /metrics and GET /slots answer. Raises
     FlagError with the reason for a value bankml cannot honour."""
     sampling: dict[str, Any] = {}
@@ -173,6 +174,14 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         n_predict = _number("n-predict", options["n-predict"], int)
         if n_predict < -1:
             raise FlagError(f"--n-predict {n_predict}: -1 (no limit) or a number of tokens")
+    reasoning_budget = -1
+    if options.get("reasoning-budget") is not None:
+        reasoning_budget = _number("reasoning-budget", options["reasoning-budget"], int)
+        if reasoning_budget < -1:  # llama-server: "invalid value"
+            raise FlagError(
+                f"--reasoning-budget {reasoning_budget}: invalid value (-1: no limit, 0: end "
+                "the reasoning at once, N: a budget of N tokens)"
+            )
     n_parallel, kv_unified = _parallel(options)
     similarity = DEFAULT_SLOT_PROMPT_SIMILARITY
     if options.get("slot-prompt-similarity") is not None:
@@ -183,6 +192,8 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "sampling": sampling,
         "n_predict": n_predict,
+        "reasoning_budget": reasoning_budget,
+        "reasoning_budget_message": str(options.get("reasoning-budget-message") or ""),
         "aliases": aliases,
         **access_settings(options),
         "chat_template": _chat_template(options),
