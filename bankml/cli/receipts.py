@@ -1,9 +1,8 @@
 """``bankml check-receipt`` and ``bankml keygen``, as functions of their arguments.
 
     bankml check-receipt --request REQUEST --response RESPONSE --key PUBKEY
-                         [--model-sha256 HEX] [--replay MODEL --fork F]
-                         [--replay-with-llama-server BIN [--chat-template-file F]
-                          --replay MODEL --fork F]
+                         [--model-sha256 HEX] [--replay MODEL --fork F
+                          [--replay-with-llama-server BIN] [--chat-template-file F]]
     bankml keygen [--key FILE]
 
 check-receipt prints ``valid`` (exit 0) or ``refuse: <reason>`` (exit 2); with a replay, the
@@ -49,7 +48,7 @@ def check_receipt_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--chat-template-file",
         metavar="F",
-        help="the chat template the answer's llama-server ran with (P0 given --chat-template-file)",
+        help="the chat template the answer's server ran with (its --chat-template-file)",
     )
     parser.add_argument(
         "--replay-with-llama-server", metavar="BIN", help="replay through this llama-server"
@@ -59,8 +58,8 @@ def check_receipt_main(argv: Sequence[str] | None = None) -> int:
         parser.error("--replay MODEL and --fork F go together")
     if args.replay_with_llama_server and not args.replay:
         parser.error("--replay-with-llama-server needs --replay MODEL --fork F")
-    if args.chat_template_file and not args.replay_with_llama_server:
-        parser.error("--chat-template-file goes with --replay-with-llama-server")
+    if args.chat_template_file and not args.replay:
+        parser.error("--chat-template-file goes with --replay")
     request = _read(args.request, "--request")
     response = _read(args.response, "--response")
     key = _read(args.key, "--key")
@@ -114,7 +113,11 @@ def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
             )
             with server:
                 return rp.replay_with_llama_server(request, response, server)
-        engine = rp.open_replay_engine(args.replay, args.fork, receipt)
+        template = None
+        if args.chat_template_file:
+            with open(args.chat_template_file, encoding="utf-8") as handle:
+                template = handle.read()
+        engine = rp.open_replay_engine(args.replay, args.fork, receipt, template)
     except rp.CannotReplay as err:
         return f"cannot replay: {err}"
     except rp.ModelMismatch as err:

@@ -13,6 +13,7 @@ timings once the iteration is over.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -23,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from bankml.engine_cupy import checkpoints as _checkpoints
+from bankml.engine_cupy.chat_request import ChatDefaults
+from bankml.engine_cupy.chat_task import ChatTask, chat_task
 from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
 from bankml.engine_cupy.grammar import (
@@ -191,6 +194,10 @@ class Engine:
         # --reasoning-budget-message (the message a chat template's reasoning budget forces)
         self.reasoning_budget = -1
         self.reasoning_budget_message = ""
+        # the server's --reasoning-format, --reasoning and --chat-template-kwargs (JSON values)
+        self.reasoning_format = "auto"
+        self.reasoning = "auto"
+        self.chat_template_kwargs: dict[str, Any] = {}
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -389,8 +396,10 @@ class Engine:
             raise RequestError("request body must be a JSON object")
         body = dict(request)
         try:
+            chat: ChatTask | None = None
             if kind == "chat":
-                prompts = [self._chat_prompt(body)]
+                chat = self._chat_task(body)
+                prompts = [(chat.prompt, self._chat_tokens(chat.prompt))]
             elif kind == "completion":
                 prompts = self._completion_prompts(body)
             else:
@@ -399,7 +408,12 @@ class Engine:
             if kind == "chat":
                 task.update(self._continuation(body))
                 if task["verbose"]:  # __verbose shows the chat parser's generation prompt
-                    task["generation_prompt"] = self._generation_prompt(body)
+                    assert chat is not None
+                    task["generation_prompt"] = (
+                        chat.generation_prompt
+                        if chat.params is not None
+                        else self._generation_prompt(body)
+                    )
             params = SamplerParams.from_request(body, self.defaults)
             task["backend_sampling"] = bool_field(
                 body, "backend_sampling", False
@@ -410,9 +424,11 @@ class Engine:
             if constraint is not None and constraint.kind == "chat_schema":
                 constraint = constraint.with_generation_prompt(self._generation_prompt(body))
             # a chat task's fields are what llama-server's chat parsing sets (the template's)
-            fields = body if kind == "completion" else self.chat_sampling_fields(body)
+            fields = body if chat is None else self.chat_sampling_fields(body, chat)
             guidance = grammar_fields(fields, self._special_tokens)
-            if constraint is not None and kind == "completion":
+            if chat is not None and chat.tool_grammar:  # the template's tool-call grammar
+                constraint = ConstraintSpec("gbnf", chat.tool_grammar)
+            if constraint is not None and (kind == "completion" or constraint.kind == "gbnf"):
                 constraint = replace(
                     constraint,
                     lazy=guidance.lazy,
@@ -428,7 +444,7 @@ class Engine:
             if kind == "completion":
                 task.update(guidance.echoed())
             params = self._with_biases(body, params)
-            stop = parse_stop(body)
+            stop = parse_stop(body) + (chat.additional_stops if chat is not None else ())
             if constraint is not None or budget is not None or params.dry_multiplier:
                 # common_sampler_init's refusals: the grammar (its triggers, its prefill), then
                 # the chain (DRY's breakers)
@@ -438,6 +454,7 @@ class Engine:
         except ConstraintError as err:
             raise RequestError(str(err), reason=err.reason) from None
         extras = {
+            "chat_parser": None if chat is None else chat.parser(),
             "preserved_tokens": guidance.preserved,
             "generation_prompt": guidance.generation_prompt,
             "reasoning_budget": budget,
@@ -471,19 +488,28 @@ class Engine:
         """common_tokenize(text, add_special=false, parse_special=true)."""
         return self.tokenize(text, parse_special=True)
 
-    def chat_sampling_fields(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def chat_sampling_fields(self, body: Mapping[str, Any], chat: ChatTask) -> dict[str, Any]:
         """A chat task's grammar and budget fields as llama-server's oaicompat_chat_params_parse
         sets them before its schema reads them (``grammar_fields``, ``reasoning_budget_fields``):
         the template's ``grammar_lazy``, ``grammar_triggers``, ``preserved_tokens`` and
-        ``generation_prompt`` whatever the body says, and the body's own budget fields (a
-        template with thinking tags would set those instead). A template without tool calls has
-        no lazy grammar, no triggers and no preserved tokens; its generation prompt is rendered
-        only where a budget may use it."""
+        ``generation_prompt`` whatever the body says, and the body's own budget fields unless the
+        template has thinking tags (it sets them then: ``ChatTask.sampling_fields``)."""
         out: dict[str, Any] = {k: body[k] for k in BUDGET_FIELDS if k in body}
-        out.update(grammar_lazy=False, grammar_triggers=[], preserved_tokens=[])
-        if body.get("reasoning_budget_start_tag") is not None:
+        out.update(chat.sampling_fields())
+        if chat.params is None and body.get("reasoning_budget_start_tag") is not None:
             out["generation_prompt"] = self._generation_prompt(body)
         return out
+
+    @property
+    def chat_defaults(self) -> ChatDefaults:
+        """The server's chat settings (its flags)."""
+        return ChatDefaults(
+            reasoning_format=self.reasoning_format,
+            reasoning=self.reasoning,
+            chat_template_kwargs=dict(self.chat_template_kwargs),
+            reasoning_budget=self.reasoning_budget,
+            reasoning_budget_message=self.reasoning_budget_message,
+        )
 
     def _guided_sampler(
         self,
@@ -566,15 +592,39 @@ class Engine:
         return self._chat_prompt(dict(body))[1]
 
     def _chat_prompt(self, body: dict[str, Any]) -> tuple[str, list[int]]:
+        text = self._chat_task(body).prompt
+        return text, self._chat_tokens(text)
+
+    def _chat_tokens(self, text: str) -> list[int]:
+        return self.tokenize(text, add_special=True, parse_special=True)
+
+    def _chat_task(self, body: dict[str, Any]) -> ChatTask:
+        """The body's chat task (chat_task.py): its messages and fields checked, the template
+        applied as llama-server applies it."""
         messages = check_chat_messages(body)
         chat_logprobs(body)
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise RequestError("chat_template_kwargs must be an object")
-        text = self.apply_template(
-            messages, tools=body.get("tools"), **chat_render_options(body), **kwargs
+        if self.template is None:
+            raise RequestError("this model has no chat template")
+        options = chat_render_options(body)
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = kwargs if isinstance(kwargs, dict) else {}
+        constraint = resolve_constraint(body, "chat")
+        schema = (
+            json.loads(constraint.source)
+            if constraint is not None and constraint.kind == "chat_schema"
+            else None
         )
-        return text, self.tokenize(text, add_special=True, parse_special=True)
+        return chat_task(
+            self.template,
+            body,
+            self.chat_defaults,
+            add_generation_prompt=options["add_generation_prompt"],
+            continue_final_message=options["continue_final_message"],
+            json_schema=schema,
+            render=lambda: self.apply_template(
+                messages, tools=body.get("tools"), **options, **kwargs
+            ),
+        )
 
     def _continuation(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """What a continued last message does to a chat's answer: its content starts the

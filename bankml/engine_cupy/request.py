@@ -76,6 +76,9 @@ class Request:
     generation_prompt: str = ""
     # the budget sampler's settings; None where llama-server makes none (ReasoningBudgetSpec.active)
     reasoning_budget: ReasoningBudgetSpec | None = None
+    # the chat format's parse of the answer (chat_task.ChatTask.parser): (text, partial) ->
+    # the message; None for a /completion task
+    chat_parser: Any = None
 
 
 def bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:

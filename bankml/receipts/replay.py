@@ -83,6 +83,7 @@ class Replayed:
     logprobs: list[Any] | None
     completion_tokens: int | None
     finish_reason: str | None
+    acts: Acts | None = None  # a chat answer's reasoning and tool calls, as its parse finds them
 
 
 def seed_free(settings: Mapping[str, Any]) -> bool:
@@ -198,9 +199,12 @@ class ReplayEngine:
     model_sha256: str
 
 
-def open_replay_engine(model: str, fork: str, receipt: Mapping[str, Any]) -> ReplayEngine:
+def open_replay_engine(
+    model: str, fork: str, receipt: Mapping[str, Any], chat_template: str | None = None
+) -> ReplayEngine:
     """The engine a receipt's replay runs on: the pinned file (verified first, and it must be
-    the receipt's model), the receipt's n_ctx and cache type, on the CPU."""
+    the receipt's model), the receipt's n_ctx and cache type, on the CPU; ``chat_template``: the
+    template source the answer's server was given (``--chat-template-file``) over the file's."""
     from bankml.engine_cupy.engine import Engine
     from bankml.gate.verify import Refused, verify
 
@@ -216,6 +220,8 @@ def open_replay_engine(model: str, fork: str, receipt: Mapping[str, Any]) -> Rep
     engine = Engine.open(
         verified.path, n_ctx=receipt["n_ctx"], device="cpu", cache_type=receipt["cache_type"]
     )
+    if chat_template is not None and engine.template is not None:
+        engine.template = replace(engine.template, source=chat_template)
     return ReplayEngine(engine, verified.sha256)
 
 
@@ -263,11 +269,6 @@ def _replay_answer(
         return (
             f"refuse: the model file's sha256 is {replay.model_sha256}, the receipt names "
             f"{receipt.get('model_sha256')}"
-        )
-    if "reasoning_sha256" in receipt or "tool_calls_sha256" in receipt:
-        return (
-            "cannot replay: bankml's engine does not yet split reasoning and tool calls out of "
-            "an answer; replay it through llama-server (--replay-with-llama-server)"
         )
     engine = replay.engine
     if engine.n_ctx != receipt["n_ctx"] or engine.cache.cache_type != receipt["cache_type"]:
@@ -317,6 +318,10 @@ def _replay_answer(
     elif token_ids_sha256(parsed.prompt_tokens) != prompt_sha:
         return "refuse: the request's prompt tokens on this model are not the receipt's"
     replayed = _run(engine, parsed, receipt)
+    if replayed.acts is not None:
+        acts = acts_difference(original.acts, replayed.acts)
+        if acts is not None:
+            return f"refuse: {acts}"
     # llama-server's logprobs (a P0 answer's) are a few ulps from the engine's: the tolerance of
     # a replay through llama-server, for the values only
     tolerance = LLAMA_SERVER_LOGPROB_TOLERANCE if is_p0(receipt) else 0.0
@@ -363,6 +368,25 @@ def _run(engine: Any, parsed: Any, receipt: Mapping[str, Any]) -> Replayed:
         entries = entries[: len(entries) - drop]
     text = "".join(c.text for c in chunks) if streamed else summary.text
     wants = int(getattr(parsed, "n_probs", 0) or 0) > 0
+    finish, acts = summary.finish_reason, None
+    parse = getattr(parsed, "chat_parser", None)
+    if parse is not None and receipt["api"] == "chat":
+        # the answer split by the chat format's parse, as the server wrote it (a continued
+        # message's text starts its content; streamed without echo, what it held already is
+        # not sent again)
+        message = parse(summary.text, False)
+        acts = Acts()
+        acts.add_reasoning(message.reasoning_content)
+        for position, call in enumerate(message.tool_calls):
+            function = {"name": call.name, "arguments": call.arguments}
+            acts.add_call({"id": call.id, "type": "function", "function": function}, position)
+        text = message.content
+        options = getattr(parsed, "options", {}) or {}
+        if streamed and not options.get("prefill_streamed", True):
+            held = parse("", True).content
+            text = text[len(held) :] if text.startswith(held) else text
+        if message.tool_calls and finish == "stop":
+            finish = "tool_calls"
     return answered_as(
         receipt,
         Replayed(
@@ -371,7 +395,8 @@ def _run(engine: Any, parsed: Any, receipt: Mapping[str, Any]) -> Replayed:
             token_ids=list(summary.tokens),
             logprobs=entries if wants and entries else None,
             completion_tokens=summary.completion_tokens,
-            finish_reason=summary.finish_reason,
+            finish_reason=finish,
+            acts=acts,
         ),
     )
 

@@ -34,6 +34,7 @@ from bankml.engine_cupy.chat_template import (
     normalize_messages,
     normalize_tools,
 )
+from bankml.engine_cupy.json_schema_grammar import CHAT_PARSER_FAILED
 from bankml.engine_cupy.peg.chat import build_chat_peg_parser
 
 
@@ -188,7 +189,4 @@ def chat_params(
         analysis = tmpl.analysis
         return generate_parser(tmpl, params, analysis)
     except AnalysisError as err:
-        raise TemplateError(
-            "Unable to generate parser for this template. Automatic parser generation failed: "
-            f"{err}"
-        ) from err
+        raise TemplateError(f"{CHAT_PARSER_FAILED}{err}") from err

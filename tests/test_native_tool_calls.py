@@ -1,0 +1,282 @@
+"""Tool calls and reasoning natively, side by side with the real llama-server.
+
+``bankml serve --native`` and llama-server (build 11434) on the default model, both given
+Qwen3's chat template from llama.cpp's models/templates (``--chat-template-file``), asked the same
+requests over loopback: a conversation that makes the tiny model call a tool (greedy, seeded,
+``tool_choice`` required and none), tools it does not call, a continued reasoning turn (with
+``reasoning_format`` none, and thinking switched off by ``chat_template_kwargs``), a plain chat;
+streamed and not. Every answer's choices are identical (the calls' ids aside: both servers draw
+them at random; each id is 32 letters and digits). Each prompt is computed whole
+(``cache_prompt: false``), as the replay computes it.
+
+Natively each answer is signed: the receipt hashes the calls and the reasoning as sent, is
+``valid``, refuses a changed byte of a call's arguments, and replays identically on bankml's
+engine (given the same template) and through an unmodified llama-server. The official
+``openai`` client reads the calls, streamed and not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bankml.receipts.answer import find_receipt
+from bankml.receipts.check import VALID, check_receipt
+from bankml.receipts.keys import SigningKey, keygen
+from bankml.receipts.replay import (
+    IDENTICAL,
+    LlamaServerProcess,
+    open_replay_engine,
+    replay_in_process,
+    replay_with_llama_server,
+)
+from tests import support
+from tests.native_server import NativeProcess, native_process
+from tests.receipt_answers import edited
+
+pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
+
+TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def _call(call_id: str, city: str) -> dict[str, Any]:
+    function = {"name": "get_weather", "arguments": json.dumps({"city": city})}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+    }
+
+
+CALLING = {
+    "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        _call("a1", "Paris"),
+        {"role": "user", "content": "What is the weather in London?"},
+        _call("a2", "London"),
+        {"role": "user", "content": "What is the weather in Rome?"},
+    ],
+    "tools": [WEATHER],
+    "max_tokens": 40,
+    "temperature": 0,
+}
+REASONING = {
+    "messages": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "", "reasoning_content": "The user wants"},
+    ],
+    "max_tokens": 30,
+    "temperature": 0,
+}
+CASES: dict[str, dict[str, Any]] = {
+    "call": CALLING,
+    "call seeded": {**CALLING, "temperature": 0.8, "seed": 3},
+    "call required": {**CALLING, "tool_choice": "required"},
+    "call none": {**CALLING, "tool_choice": "none"},
+    "tools not called": {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [WEATHER],
+        "max_tokens": 20,
+        "temperature": 0,
+    },
+    "reasoning": REASONING,
+    "reasoning format none": {**REASONING, "reasoning_format": "none"},
+    "thinking off": {**REASONING, "chat_template_kwargs": {"enable_thinking": False}},
+    "plain": {
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 20,
+        "temperature": 0,
+    },
+}
+# every prompt computed whole: a prefix reused from an earlier request is computed in other
+# batches, whose bits can differ, and the replay computes the whole prompt
+CASES = {name: {**body, "cache_prompt": False} for name, body in CASES.items()}
+ID = re.compile(r"[0-9A-Za-z]{32}")
+
+
+@pytest.fixture(scope="module")
+def template(llama_server_bin: Path) -> Path:
+    path = support.llama_templates_dir(llama_server_bin) / TEMPLATE
+    if not path.exists():
+        pytest.skip(f"{path} is not in the llama.cpp source tree")
+    return path
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory: pytest.TempPathFactory) -> SigningKey:
+    return keygen(tmp_path_factory.mktemp("native-tools-key") / "receipt-key.pem")
+
+
+@pytest.fixture(scope="module")
+def native(
+    template: Path,
+    key: SigningKey,
+    default_model: Path,
+    default_fork: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Any:
+    server = native_process(default_model, default_fork, tmp_path_factory.mktemp("native"))
+    server.engine_args += ["--chat-template-file", str(template), "--receipt-key", str(key.path)]
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(template: Path, default_model: Path, llama_server_bin: Path) -> Any:
+    server = support.LlamaServer(
+        default_model, args=["--chat-template-file", str(template)], binary=llama_server_bin
+    )
+    with server:
+        yield server
+
+
+def _post(url: str, body: dict[str, Any]) -> bytes:
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        return bytes(answer.read())
+
+
+def _choices(raw: bytes, stream: bool) -> list[Any]:
+    """Each object's choices, the calls' ids checked for their form and set aside."""
+    if stream:
+        objects = [
+            json.loads(line[6:])
+            for line in raw.decode().split("\n")
+            if line.startswith("data: ") and line[6:] != "[DONE]"
+        ]
+    else:
+        objects = [json.loads(raw)]
+    out = []
+    for obj in objects:
+        for choice in obj.get("choices", []):
+            part = choice.get("delta" if stream else "message", {})
+            for call in part.get("tool_calls") or []:
+                if "id" in call:
+                    assert ID.fullmatch(call["id"]), call
+                    call["id"] = "drawn"
+        out.append(obj.get("choices"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exchanges(native: NativeProcess, reference: Any) -> list[tuple[str, bytes, bytes, bytes]]:
+    out = []
+    for name, body in CASES.items():
+        for stream in (False, True):
+            asked = {**body, "stream": stream}
+            out.append(
+                (
+                    f"{name}{' stream' if stream else ''}",
+                    json.dumps(asked).encode(),
+                    _post(native.engine_url, asked),
+                    _post(reference.url, asked),
+                )
+            )
+    return out
+
+
+def test_answers_are_llama_servers(exchanges: list[tuple[str, bytes, bytes, bytes]]) -> None:
+    calls = reasoned = 0
+    for name, request, ours, theirs in exchanges:
+        stream = json.loads(request)["stream"]
+        assert _choices(ours, stream) == _choices(theirs, stream), name
+        calls += b"tool_calls" in ours
+        reasoned += b"reasoning_content" in ours
+    assert calls >= 6 and reasoned >= 4, (calls, reasoned)
+    print(
+        f"\nnative chat: {len(exchanges)} answers identical, {calls} with calls, {reasoned} reasoned"
+    )
+
+
+def test_receipts_cover_calls_and_reasoning(
+    exchanges: list[tuple[str, bytes, bytes, bytes]], key: SigningKey
+) -> None:
+    refused = 0
+    for name, request, ours, _ in exchanges:
+        receipt = find_receipt(ours)[1]
+        assert check_receipt(request, ours, key.public_key_pem) == VALID, name
+        assert ("tool_calls_sha256" in receipt) == (b"tool_calls" in ours), name
+        assert ("reasoning_sha256" in receipt) == (b"reasoning_content" in ours), name
+        if "tool_calls_sha256" not in receipt:
+            continue
+        assert receipt["finish_reason"] == "tool_calls", name
+
+        def changed(objects: list[dict[str, Any]]) -> None:
+            for obj in objects:
+                for choice in obj.get("choices", []):
+                    part = choice.get("delta") or choice.get("message") or {}
+                    for call in part.get("tool_calls") or []:
+                        arguments = call.get("function", {}).get("arguments")
+                        if arguments:
+                            call["function"]["arguments"] = arguments + " "  # one byte more
+                            return
+
+        verdict = check_receipt(request, edited(ours, changed), key.public_key_pem)
+        assert verdict.startswith("refuse: tool_calls_sha256"), (name, verdict)
+        refused += 1
+    assert refused >= 6
+
+
+def test_the_answers_replay_on_the_engine_and_through_llama_server(
+    exchanges: list[tuple[str, bytes, bytes, bytes]],
+    template: Path,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+) -> None:
+    receipt = find_receipt(exchanges[0][2])[1]
+    engine = open_replay_engine(
+        str(default_model), str(default_fork), receipt, template.read_text(encoding="utf-8")
+    )
+    server = LlamaServerProcess(
+        str(llama_server_bin),
+        str(default_model),
+        receipt["n_ctx"],
+        receipt["cache_type"],
+        args=["--chat-template-file", str(template)],
+    )
+    with server:
+        for name, request, ours, _ in exchanges:
+            assert replay_in_process(request, ours, engine).startswith(IDENTICAL), name
+            outcome = replay_with_llama_server(request, ours, server)
+            assert outcome.startswith(IDENTICAL), (name, outcome)
+
+
+def test_the_openai_client_reads_the_calls(native: NativeProcess) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{native.engine_url}/v1", api_key="none", max_retries=0)
+    answer = client.chat.completions.create(model="default", **CALLING)
+    call = answer.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments) == {"city": "Rome"}  # type: ignore[union-attr]
+    assert answer.choices[0].finish_reason == "tool_calls"
+    pieces = client.chat.completions.create(model="default", **CALLING, stream=True)
+    arguments, finish = "", None
+    for chunk in pieces:
+        if chunk.choices and chunk.choices[0].delta.tool_calls:
+            arguments += chunk.choices[0].delta.tool_calls[0].function.arguments or ""  # type: ignore[union-attr]
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert json.loads(arguments) == {"city": "Rome"} and finish == "tool_calls"
