@@ -129,6 +129,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("--samplers", True, SERVE),
     _f("--sampling-seq --sampler-seq", True, SERVE),
     _f("--reasoning-budget", True, SERVE),
+    _f("--reasoning-format", True, SERVE),
+    _f("--reasoning -rea", True, SERVE, p0_default=REASONING_OFF),
+    _f("--chat-template-kwargs", True, SERVE),
     _f("--reasoning-budget-message", True, SERVE),
     # -- the server
     _f("--alias -a", True, SERVE),
@@ -287,13 +290,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("--json-schema -j", True, REFUSE, PER_REQUEST + " (json_schema)"),
     _f("--json-schema-file -jf", True, REFUSE, PER_REQUEST + " (json_schema)"),
     _f("--dry-sequence-breaker", True, REFUSE, PER_REQUEST + " (dry_sequence_breakers)"),
-    _f("--chat-template-kwargs", True, REFUSE, PER_REQUEST + " (chat_template_kwargs)"),
     _f("--sse-ping-interval", True, REFUSE, PER_REQUEST + " (sse_ping_interval)"),
     _f("--adaptive-target", True, REFUSE, "bankml's sampler has no adaptive-p"),
     _f("--adaptive-decay", True, REFUSE, "bankml's sampler has no adaptive-p"),
     _f("--backend-sampling -bs", False, REFUSE, NOT_HERE),
-    _f("--reasoning-format", True, REFUSE, NOT_HERE),
-    _f("--reasoning -rea", True, REFUSE, NOT_HERE, p0_default=REASONING_OFF),
     _f(
         "--no-jinja",
         False,

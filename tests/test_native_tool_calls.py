@@ -280,3 +280,62 @@ def test_the_openai_client_reads_the_calls(native: NativeProcess) -> None:
         if chunk.choices and chunk.choices[0].finish_reason:
             finish = chunk.choices[0].finish_reason
     assert json.loads(arguments) == {"city": "Rome"} and finish == "tool_calls"
+
+
+def test_the_chat_flags_as_llama_servers(
+    template: Path,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path: Path,
+) -> None:
+    """--reasoning-format, --reasoning and --chat-template-kwargs natively, beside llama-server
+    started with the same flags: the same answers."""
+    flags = [
+        "--chat-template-file",
+        str(template),
+        "--reasoning-format",
+        "none",
+        "--reasoning",
+        "off",
+        "--chat-template-kwargs",
+        '{"enable_thinking": true}',
+    ]
+    server = native_process(default_model, default_fork, tmp_path)
+    server.engine_args += flags
+    reference = support.LlamaServer(default_model, args=flags, binary=llama_server_bin)
+    with server, reference:
+        for name in ("call", "reasoning", "plain"):
+            body = CASES[name]
+            assert _choices(_post(server.engine_url, body), False) == _choices(
+                _post(reference.url, body), False
+            ), name
+
+
+BAD = [
+    {"tools": {"a": 1}},
+    {"tools": [{"type": "function"}]},
+    {"tools": [{"type": "code", "function": {"name": "f"}}]},
+    {"tools": [WEATHER], "tool_choice": "bogus"},
+    {"tools": [WEATHER], "grammar": 'root ::= "a"'},
+    {"reasoning_format": "bogus"},
+    {"chat_template_kwargs": {"enable_thinking": "yes"}},
+]
+
+
+def test_bad_tool_and_reasoning_fields_are_refused_as_llama_server_refuses_them(
+    native: NativeProcess, reference: Any
+) -> None:
+    """llama-server's message; its status where it is 400 (bankml answers 400 where it answers
+    500 for a body it cannot read); nothing computed: the server answers the next request as
+    before."""
+    for bad in BAD:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **bad}
+        ours = support.http_json(native.engine_url + "/v1/chat/completions", body)
+        theirs = support.http_json(reference.url + "/v1/chat/completions", body)
+        assert ours[0] == 400 and theirs[0] in (400, 500), (bad, ours, theirs)
+        assert ours[1]["error"]["message"] == theirs[1]["error"]["message"], bad
+    asked = CASES["plain"]
+    assert _choices(_post(native.engine_url, asked), False) == _choices(
+        _post(reference.url, asked), False
+    )

@@ -624,6 +624,9 @@ def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
     engine.n_predict = int(llama.get("n_predict", -1))
     engine.reasoning_budget = int(llama.get("reasoning_budget", -1))
     engine.reasoning_budget_message = str(llama.get("reasoning_budget_message", ""))
+    engine.reasoning_format = str(llama.get("reasoning_format", "auto"))
+    engine.reasoning = str(llama.get("reasoning", "auto"))
+    engine.chat_template_kwargs = dict(llama.get("chat_template_kwargs") or {})
     if llama.get("chat_template") is not None and engine.template is not None:
         engine.template = replace(engine.template, source=llama["chat_template"])
 

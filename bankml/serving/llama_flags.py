@@ -20,6 +20,7 @@ a flag bankml does not know.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -194,6 +195,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "n_predict": n_predict,
         "reasoning_budget": reasoning_budget,
         "reasoning_budget_message": str(options.get("reasoning-budget-message") or ""),
+        **chat_settings(options),
         "aliases": aliases,
         **access_settings(options),
         "chat_template": _chat_template(options),
@@ -203,6 +205,47 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "n_parallel": n_parallel,
         "kv_unified": kv_unified,
         "slot_prompt_similarity": similarity,
+    }
+
+
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+
+
+def chat_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``--reasoning-format`` (none, auto, deepseek, deepseek-legacy; default auto),
+    ``--reasoning`` (on/enabled/true/1, off/disabled/false/0, auto/-1: thinking on, off, or as
+    the template decides; on and off also set the ``enable_thinking`` kwarg, as llama-server's
+    flag does) and ``--chat-template-kwargs`` (a JSON object: the kwargs every chat request
+    starts from). llama-server applies the two in the order given; bankml applies
+    ``--chat-template-kwargs`` last, as if given after ``--reasoning``."""
+    reasoning_format = options.get("reasoning-format") or "auto"
+    if reasoning_format not in REASONING_FORMATS:
+        raise FlagError(
+            f"--reasoning-format {reasoning_format}: Unknown reasoning format: {reasoning_format}"
+        )
+    kwargs: dict[str, Any] = {}
+    value = str(options.get("reasoning") or "auto")
+    if value in ("on", "enabled", "true", "1"):
+        reasoning, kwargs["enable_thinking"] = "on", True
+    elif value in ("off", "disabled", "false", "0"):
+        reasoning, kwargs["enable_thinking"] = "off", False
+    elif value in ("auto", "-1"):
+        reasoning = "auto"
+    else:
+        raise FlagError(f"error: unknown value for --reasoning: '{value}'")
+    given = options.get("chat-template-kwargs")
+    if given is not None:
+        try:
+            parsed = json.loads(given)
+        except ValueError as err:
+            raise FlagError(f"--chat-template-kwargs: not JSON ({err})") from None
+        if not isinstance(parsed, dict):
+            raise FlagError("--chat-template-kwargs: must be a JSON object")
+        kwargs.update(parsed)
+    return {
+        "reasoning_format": reasoning_format,
+        "reasoning": reasoning,
+        "chat_template_kwargs": kwargs,
     }
 
 
