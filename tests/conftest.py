@@ -36,6 +36,17 @@ def llama_server_bin() -> Path:
 
 
 @pytest.fixture(scope="session")
+def template(llama_server_bin: Path) -> Path:
+    """Qwen3's chat template from llama.cpp's models/templates (tests/tool_chats.py)."""
+    from tests.tool_chats import TEMPLATE
+
+    path = support.llama_templates_dir(llama_server_bin) / TEMPLATE
+    if not path.exists():
+        pytest.skip(f"{path} is not in the llama.cpp source tree")
+    return path
+
+
+@pytest.fixture(scope="session")
 def default_model() -> Path:
     return support.default_model()
 

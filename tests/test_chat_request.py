@@ -31,7 +31,7 @@ def test_tools_are_normalised_as_llama_server_does() -> None:
             "function": {
                 "name": "f",
                 "description": "",
-                "parameters": {"type": "object", "properties": {}},
+                "parameters": {},
             },
         }
     ]

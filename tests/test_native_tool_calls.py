@@ -38,53 +38,11 @@ from bankml.receipts.replay import (
 from tests import support
 from tests.native_server import NativeProcess, native_process
 from tests.receipt_answers import edited
+from tests.tool_chats import CALLING, REASONING, WEATHER
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
 
-TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 
-
-def _call(call_id: str, city: str) -> dict[str, Any]:
-    function = {"name": "get_weather", "arguments": json.dumps({"city": city})}
-    return {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"id": call_id, "type": "function", "function": function}],
-    }
-
-
-CALLING = {
-    "messages": [
-        {"role": "user", "content": "What is the weather in Paris?"},
-        _call("a1", "Paris"),
-        {"role": "user", "content": "What is the weather in London?"},
-        _call("a2", "London"),
-        {"role": "user", "content": "What is the weather in Rome?"},
-    ],
-    "tools": [WEATHER],
-    "max_tokens": 40,
-    "temperature": 0,
-}
-REASONING = {
-    "messages": [
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": "", "reasoning_content": "The user wants"},
-    ],
-    "max_tokens": 30,
-    "temperature": 0,
-}
 CASES: dict[str, dict[str, Any]] = {
     "call": CALLING,
     "call seeded": {**CALLING, "temperature": 0.8, "seed": 3},
@@ -109,14 +67,6 @@ CASES: dict[str, dict[str, Any]] = {
 # batches, whose bits can differ, and the replay computes the whole prompt
 CASES = {name: {**body, "cache_prompt": False} for name, body in CASES.items()}
 ID = re.compile(r"[0-9A-Za-z]{32}")
-
-
-@pytest.fixture(scope="module")
-def template(llama_server_bin: Path) -> Path:
-    path = support.llama_templates_dir(llama_server_bin) / TEMPLATE
-    if not path.exists():
-        pytest.skip(f"{path} is not in the llama.cpp source tree")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +289,24 @@ def test_bad_tool_and_reasoning_fields_are_refused_as_llama_server_refuses_them(
     assert _choices(_post(native.engine_url, asked), False) == _choices(
         _post(reference.url, asked), False
     )
+
+
+def test_parallel_slots_give_the_same_answers(
+    template: Path,
+    default_model: Path,
+    default_fork: Path,
+    exchanges: list[tuple[str, bytes, bytes, bytes]],
+    tmp_path: Path,
+) -> None:
+    """On a server with two slots, the calls and the reasoning asked at once: each answer is
+    the one a one-slot server gave alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    alone = {name: ours for name, _, ours, _ in exchanges}
+    names = ["call", "reasoning", "call seeded", "reasoning format none"]
+    server = native_process(default_model, default_fork, tmp_path)
+    server.engine_args += ["--chat-template-file", str(template), "--parallel", "2"]
+    with server, ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda n: _post(server.engine_url, CASES[n]), names))
+    for name, answer in zip(names, answers):
+        assert _choices(answer, False) == _choices(alone[name], False), name

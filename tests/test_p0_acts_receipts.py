@@ -29,61 +29,14 @@ from bankml.receipts.replay import IDENTICAL, LlamaServerProcess, replay_with_ll
 from tests import support
 from tests.bankml_process import BankmlProcess, check_receipt_cli, post, spawned_p0
 from tests.receipt_answers import Exchange, edited
+from tests.tool_chats import CALLING as CHAT_CALLING
+from tests.tool_chats import REASONING, WEATHER
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
 
-TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-
-
-def _call(call_id: str, city: str) -> dict[str, Any]:
-    return {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
-            }
-        ],
-    }
-
-
-CALLING = {
-    "messages": [
-        {"role": "user", "content": "What is the weather in Paris?"},
-        _call("a1", "Paris"),
-        {"role": "user", "content": "What is the weather in London?"},
-        _call("a2", "London"),
-        {"role": "user", "content": "What is the weather in Rome?"},
-    ],
-    "tools": [WEATHER],
-    "max_tokens": 40,
-    "temperature": 0,
-    # P0 starts llama-server with --reasoning off; Qwen3's template then closes an empty
-    # reasoning block in the prompt, and the tiny model no longer calls
-    "chat_template_kwargs": {"enable_thinking": True},
-}
-REASONING = {
-    "messages": [
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": "", "reasoning_content": "The user wants"},
-    ],
-    "max_tokens": 30,
-    "temperature": 0,
-}
+# P0 starts llama-server with --reasoning off; Qwen3's template then closes an empty reasoning
+# block in the prompt, and the tiny model no longer calls
+CALLING = {**CHAT_CALLING, "chat_template_kwargs": {"enable_thinking": True}}
 EXCHANGES: list[tuple[str, dict[str, Any]]] = [
     ("tool call", CALLING),
     ("tool call stream", {**CALLING, "stream": True}),
@@ -160,14 +113,6 @@ TYPED_EXCHANGES: list[tuple[str, str, dict[str, Any]]] = [
     ("messages reasoning", "/v1/messages", MESSAGES_REASONING),
     ("messages reasoning stream", "/v1/messages", {**MESSAGES_REASONING, "stream": True}),
 ]
-
-
-@pytest.fixture(scope="module")
-def template(llama_server_bin: Path) -> Path:
-    path = support.llama_templates_dir(llama_server_bin) / TEMPLATE
-    if not path.exists():
-        pytest.skip(f"{path} is not in the llama.cpp source tree")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +308,7 @@ def test_the_replay_through_llama_server_reproduces_calls_and_reasoning(
         receipt["n_ctx"],
         receipt["cache_type"],
         args=["--chat-template-file", str(template)],
+        reasoning_off=True,  # P0's default, as check-receipt starts it for a P0 receipt
     )
     with server:
         for ex in exchanges:

@@ -110,6 +110,7 @@ def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
                 ["--chat-template-file", args.chat_template_file]
                 if args.chat_template_file
                 else [],
+                reasoning_off=rp.is_p0(receipt),
             )
             with server:
                 return rp.replay_with_llama_server(request, response, server)

@@ -31,11 +31,11 @@ given to the template as the ``reasoning_effort`` kwarg. Pure Python, no Twisted
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bankml.engine_cupy.chat_template import TemplateError, normalize_tools
 from bankml.engine_cupy.request import RequestError
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
@@ -74,54 +74,15 @@ class ChatFields:
         return bool(self.tools) and self.tool_choice != "none"
 
 
-def _dump(value: Any, indent: int | None = None) -> str:
-    """nlohmann's ``dump()`` / ``dump(2)`` of a JSON value (non-ASCII kept)."""
-    if indent is None:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
 def parse_tools(tools: Any) -> list[dict[str, Any]]:
-    """``common_chat_tools_parse_oaicompat`` then ``common_chat_tools_to_json_oaicompat``."""
-
-    def refuse(reason: str) -> RequestError:
-        return RequestError(f"Failed to parse tools: {reason}; tools = {_dump(tools, 2)}")
-
+    """``common_chat_tools_parse_oaicompat`` then ``common_chat_tools_to_json_oaicompat``
+    (chat_template.normalize_tools), null read as none; its refusals as RequestError."""
     if tools is None:
         return []
-    if not isinstance(tools, list):
-        raise refuse(f"Expected 'tools' to be an array, got {_dump(tools)}")
-    out = []
-    for tool in tools:
-        if not isinstance(tool, dict) or "type" not in tool:
-            raise refuse(f"Missing tool type: {_dump(tool)}")
-        if tool["type"] != "function":
-            raise refuse(f"Unsupported tool type: {_dump(tool)}")
-        if "function" not in tool:
-            raise refuse(f"Missing tool function: {_dump(tool)}")
-        function = tool["function"]
-        if not isinstance(function, dict) or "name" not in function:
-            raise refuse("[json.exception.out_of_range.403] key 'name' not found")
-        name = function["name"]
-        if not isinstance(name, str):
-            raise refuse(
-                f"[json.exception.type_error.302] type must be string, but is {_type(name)}"
-            )
-        description = function.get("description", "")
-        parameters = function.get("parameters", {})
-        if parameters is None or parameters == {}:
-            parameters = {"type": "object", "properties": {}}
-        out.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": name,
-                    "description": description if isinstance(description, str) else "",
-                    "parameters": parameters,
-                },
-            }
-        )
-    return out
+    try:
+        return normalize_tools(tools)
+    except TemplateError as err:
+        raise RequestError(str(err)) from None
 
 
 def _type(value: Any) -> str:

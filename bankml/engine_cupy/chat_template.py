@@ -730,9 +730,8 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
     """common_chat_tools_parse_oaicompat + common_chat_tools_to_json_oaicompat."""
 
     def refuse(reason: str) -> TemplateError:
-        return TemplateError(
-            f"Failed to parse tools: {reason}; tools = {json.dumps(tools, indent=2)}"
-        )
+        listed = json.dumps(tools, indent=2, ensure_ascii=False)
+        return TemplateError(f"Failed to parse tools: {reason}; tools = {listed}")
 
     if not isinstance(tools, list):
         raise refuse(f"Expected 'tools' to be an array, got {_dump(tools)}")
@@ -742,15 +741,18 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
             raise refuse(f"Missing tool type: {_dump(tool)}")
         if tool["type"] != "function":
             raise refuse(f"Unsupported tool type: {_dump(tool)}")
-        function = tool.get("function")
-        if not isinstance(function, dict) or "name" not in function:
+        if "function" not in tool:
             raise refuse(f"Missing tool function: {_dump(tool)}")
+        function = tool["function"]
+        if not isinstance(function, dict) or "name" not in function:
+            raise refuse("[json.exception.out_of_range.403] key 'name' not found")
+        description = function.get("description", "")
         out.append(
             {
                 "type": "function",
                 "function": {
                     "name": function["name"],
-                    "description": function.get("description", ""),
+                    "description": description if isinstance(description, str) else "",
                     "parameters": function.get("parameters", {}),
                 },
             }

@@ -562,7 +562,8 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
 class LlamaServerProcess:
     """llama-server on a free loopback port with a receipt's n_ctx and cache type; ``args``:
     more of llama-server's flags, as the answer's llama-server ran with them (a P0 started with
-    ``--chat-template-file F``: the same here)."""
+    ``--chat-template-file F``: the same here); ``reasoning_off``: bankml's ``--reasoning off``,
+    the default P0 starts llama-server with (``is_p0``)."""
 
     def __init__(
         self,
@@ -572,6 +573,7 @@ class LlamaServerProcess:
         cache_type: str = "f16",
         threads: int = 2,
         args: Sequence[str] = (),
+        reasoning_off: bool = False,
     ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -585,8 +587,9 @@ class LlamaServerProcess:
             self.port,
             threads,
             n_ctx,
-            # thinking as llama-server decides it from the template, as bankml's engine does
-            reasoning_off=False,
+            # thinking as llama-server decides it from the template, as bankml's engine does;
+            # a P0 answer's llama-server ran with bankml's --reasoning off
+            reasoning_off=reasoning_off,
             give_way_to=args,
             after=[*cache, *args],
         )
