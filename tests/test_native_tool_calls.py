@@ -310,3 +310,37 @@ def test_parallel_slots_give_the_same_answers(
         answers = list(pool.map(lambda n: _post(server.engine_url, CASES[n]), names))
     for name, answer in zip(names, answers):
         assert _choices(answer, False) == _choices(alone[name], False), name
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        # JSON calls without a section marker (the call is the whole answer)
+        "meta-llama-Llama-3.2-3B-Instruct.jinja",
+        # tagged calls: the name and each argument between tags
+        "GLM-4.6.jinja",
+        # JSON calls between <tool_call> tags, no reasoning block
+        "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+    ],
+)
+def test_other_template_families_as_llama_servers(
+    family: str,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path: Path,
+) -> None:
+    path = support.llama_templates_dir(llama_server_bin) / family
+    if not path.exists():
+        pytest.skip(f"{path} is not in the llama.cpp source tree")
+    server = native_process(default_model, default_fork, tmp_path)
+    server.engine_args += ["--chat-template-file", str(path)]
+    reference = support.LlamaServer(
+        default_model, args=["--chat-template-file", str(path)], binary=llama_server_bin
+    )
+    with server, reference:
+        for name in ("call", "call required", "tools not called", "reasoning"):
+            for stream in (False, True):
+                body = {**CASES[name], "stream": stream}
+                ours = _choices(_post(server.engine_url, body), stream)
+                assert ours == _choices(_post(reference.url, body), stream), (family, name, stream)

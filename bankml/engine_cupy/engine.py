@@ -441,8 +441,10 @@ class Engine:
             )
             # common_sampler_init makes a budget sampler only on these conditions
             budget = budget_fields if budget_fields.active(guidance.lazy) else None
-            if kind == "completion":
-                task.update(guidance.echoed())
+            echoed = guidance.echoed()  # a chat's: what its template set
+            if chat is not None and chat.params is None:
+                echoed.pop("generation_prompt")  # a template not followed: shown as before
+            task.update(echoed)
             params = self._with_biases(body, params)
             stop = parse_stop(body) + (chat.additional_stops if chat is not None else ())
             if constraint is not None or budget is not None or params.dry_multiplier:
