@@ -23,7 +23,13 @@ thinking tags) and returns a ``ChatTask``:
 Templates llama-server reads with a dedicated parser of its own (GPT-OSS, Kimi K2, Qwen3-Coder,
 Gemma 4 and the others ``autoparser.apply.SPECIALIZED`` names) are not followed yet: such a
 template renders as before and its answer is its text; a request with tools on one is refused
-(``RequestError``) rather than answered without its calls. Pure Python, no Twisted.
+(``RequestError``) rather than answered without its calls.
+
+``builtin_chat_task`` is the same without Jinja (llama-server's ``--no-jinja``): tools and a
+``tool_choice`` other than auto refused with llama-server's messages
+(``refuse_tools_without_jinja``), the prompt written by llama.cpp's built-in template the
+template's text is recognised as (builtin_templates.py), the answer read as content only.
+Pure Python, no Twisted.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ from bankml.engine_cupy.autoparser.generator import (
     ReasoningFormat,
     ToolChoice,
 )
+from bankml.engine_cupy.builtin_templates import BuiltinTemplateError, render_legacy
 from bankml.engine_cupy.chat_request import ChatDefaults, ChatFields, chat_fields
-from bankml.engine_cupy.chat_template import ChatTemplate
+from bankml.engine_cupy.chat_template import ChatTemplate, normalize_messages
 from bankml.engine_cupy.grammar import GRAMMAR_TOOL_CALLS
 from bankml.engine_cupy.grammar_triggers import (
     TRIGGER_PATTERN,
@@ -183,3 +190,44 @@ def chat_task(
             ) from None
         return ChatTask(render(), fields, None)
     return ChatTask(params.prompt, fields, params)
+
+
+# oaicompat_chat_params_parse's refusals without Jinja
+NO_JINJA_TOOLS = "tools param requires --jinja flag"
+NO_JINJA_TOOL_CHOICE = "tool_choice param requires --jinja flag"
+
+
+def refuse_tools_without_jinja(body: Mapping[str, Any]) -> None:
+    """Without Jinja, a non-empty ``tools`` array or a ``tool_choice`` string other than auto is
+    refused (anything else in ``tool_choice`` reads as auto, as json_value reads it)."""
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        raise RequestError(NO_JINJA_TOOLS)
+    choice = body.get("tool_choice")
+    if isinstance(choice, str) and choice != "auto":
+        raise RequestError(NO_JINJA_TOOL_CHOICE)
+
+
+def builtin_chat_task(
+    template: ChatTemplate,
+    body: Mapping[str, Any],
+    defaults: ChatDefaults,
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: str | None,
+) -> ChatTask:
+    """The task of a checked chat body without Jinja (common_chat_templates_apply_legacy): the
+    messages parsed as llama-server parses them, then written by the built-in template the
+    template's text is recognised as; a continued last message is written closed, without the
+    assistant's turn. No parser: the answer is its text."""
+    fields = chat_fields(body, defaults, False, template.caps.supports_parallel_tool_calls)
+    messages = list(body["messages"])
+    normalize_messages(messages, template.caps, object_arguments=False)  # its refusals
+    continuation = _continuation(body, messages, continue_final_message)
+    try:
+        prompt = render_legacy(
+            template.source, messages, add_generation_prompt and continuation == Continuation.NONE
+        )
+    except BuiltinTemplateError as err:
+        raise RequestError(str(err)) from None
+    return ChatTask(prompt, fields, None)

@@ -25,7 +25,12 @@ import numpy as np
 
 from bankml.engine_cupy import checkpoints as _checkpoints
 from bankml.engine_cupy.chat_request import ChatDefaults
-from bankml.engine_cupy.chat_task import ChatTask, chat_task
+from bankml.engine_cupy.chat_task import (
+    ChatTask,
+    builtin_chat_task,
+    chat_task,
+    refuse_tools_without_jinja,
+)
 from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
 from bankml.engine_cupy.grammar import (
@@ -35,6 +40,7 @@ from bankml.engine_cupy.grammar import (
     GrammarStackError,
     build_llg_tokenizer,
     resolve_constraint,
+    schema_to_constraint_text,
 )
 from bankml.engine_cupy.kv_cache import pad_cells
 from bankml.engine_cupy.model import Model
@@ -198,6 +204,8 @@ class Engine:
         self.reasoning_format = "auto"
         self.reasoning = "auto"
         self.chat_template_kwargs: dict[str, Any] = {}
+        # False with the server's --no-jinja: chats written by llama.cpp's built-in templates
+        self.jinja = True
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -421,6 +429,11 @@ class Engine:
             post_sampling = bool_field(body, "post_sampling_probs", False)
             task["lora"] = lora_field(body)
             constraint = resolve_constraint(body, kind)
+            if constraint is not None and constraint.kind == "chat_schema" and not self.jinja:
+                # without Jinja the schema is plain json_schema_to_grammar's GBNF
+                constraint = ConstraintSpec(
+                    "gbnf", schema_to_constraint_text(json.loads(constraint.source))
+                )
             if constraint is not None and constraint.kind == "chat_schema":
                 constraint = constraint.with_generation_prompt(self._generation_prompt(body))
             # a chat task's fields are what llama-server's chat parsing sets (the template's)
@@ -553,6 +566,8 @@ class Engine:
         /completion body may give its own ``message_delimiters`` ([{role, delimiter}])."""
         if self.slots[0].checkpoints is None:  # not a sliding-window model
             return []
+        if kind == "chat" and not self.jinja:  # the built-in templates give none
+            return []
         if kind == "chat":
             with self._lazy_lock:
                 if self._chat_delimiters is None:
@@ -593,6 +608,10 @@ class Engine:
         as a chat's, nothing else; no context check): POST /chat/completions/input_tokens."""
         return self._chat_prompt(dict(body))[1]
 
+    def chat_prompt_text(self, body: Mapping[str, Any]) -> str:
+        """The prompt of a chat body, checked as a chat's (/apply-template without Jinja)."""
+        return self._chat_task(dict(body)).prompt
+
     def _chat_prompt(self, body: dict[str, Any]) -> tuple[str, list[int]]:
         text = self._chat_task(body).prompt
         return text, self._chat_tokens(text)
@@ -603,6 +622,8 @@ class Engine:
     def _chat_task(self, body: dict[str, Any]) -> ChatTask:
         """The body's chat task (chat_task.py): its messages and fields checked, the template
         applied as llama-server applies it."""
+        if not self.jinja:
+            return self._builtin_chat_task(body)
         messages = check_chat_messages(body)
         chat_logprobs(body)
         if self.template is None:
@@ -628,6 +649,24 @@ class Engine:
             ),
         )
 
+    def _builtin_chat_task(self, body: dict[str, Any]) -> ChatTask:
+        """The chat task without Jinja (--no-jinja): tools refused, the template's text read as
+        one of llama.cpp's built-in templates (chat_task.builtin_chat_task)."""
+        refuse_tools_without_jinja(body)
+        check_chat_messages(body)
+        chat_logprobs(body)
+        if self.template is None:
+            raise RequestError("this model has no chat template")
+        options = chat_render_options(body)
+        resolve_constraint(body, "chat")  # its refusals, in llama-server's order
+        return builtin_chat_task(
+            self.template,
+            body,
+            self.chat_defaults,
+            add_generation_prompt=options["add_generation_prompt"],
+            continue_final_message=options["continue_final_message"],
+        )
+
     def _continuation(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """What a continued last message does to a chat's answer: its content starts the
         answer's (``prefill``); a stream sends it with the first piece unless
@@ -636,13 +675,17 @@ class Engine:
         assert self.template is not None  # _chat_prompt rendered the messages
         continuation = chat_render_options(body)["continue_final_message"]
         return {
-            "prefill": self.template.continued_content(body["messages"], continuation),
+            "prefill": self.template.continued_content(body["messages"], continuation)
+            if self.jinja
+            else "",  # without Jinja the answer is the generated text alone
             "prefill_streamed": continuation is None or body.get("echo") is True,
         }
 
     def _generation_prompt(self, body: Mapping[str, Any]) -> str:
         """The assistant-turn text a chat schema's grammar starts with (checked by _chat_prompt)."""
         assert self.template is not None
+        if not self.jinja:  # the built-in templates give the chat parser none
+            return ""
         kwargs = body.get("chat_template_kwargs") or {}
         return self.template.generation_prompt(body["messages"], body.get("tools"), **kwargs)
 

@@ -618,7 +618,8 @@ def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
     """llama-server's server-wide settings (``serving.llama_flags.native_settings``) on an
     opened engine: the sampling defaults over the file's own ``general.sampling.*`` (as
     llama-server lets its flags win over the header's), ``-n``, ``--reasoning-budget`` and
-    ``--reasoning-budget-message``, and a chat template."""
+    ``--reasoning-budget-message``, a chat template, and whether it runs as Jinja
+    (``--no-jinja``: llama.cpp's built-in templates, builtin_templates.py)."""
     if llama.get("sampling"):
         engine.defaults = SamplerParams.from_request(llama["sampling"], engine.defaults)
     engine.n_predict = int(llama.get("n_predict", -1))
@@ -627,6 +628,7 @@ def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
     engine.reasoning_format = str(llama.get("reasoning_format", "auto"))
     engine.reasoning = str(llama.get("reasoning", "auto"))
     engine.chat_template_kwargs = dict(llama.get("chat_template_kwargs") or {})
+    engine.jinja = bool(llama.get("jinja", True))  # --no-jinja: llama.cpp's built-in templates
     if llama.get("chat_template") is not None and engine.template is not None:
         engine.template = replace(engine.template, source=llama["chat_template"])
 

@@ -66,7 +66,10 @@ def detokenize_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_template_answer(engine: Any, body: dict[str, Any]) -> dict[str, Any]:
-    """oaicompat_chat_params_parse's prompt, as /apply-template returns it."""
+    """oaicompat_chat_params_parse's prompt, as /apply-template returns it (without Jinja, the
+    chat's own preparation: its refusals, then the built-in template's prompt)."""
+    if not getattr(engine, "jinja", True):
+        return {"prompt": engine.chat_prompt_text(body)}
     messages = check_chat_messages(body)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):

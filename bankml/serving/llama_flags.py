@@ -93,6 +93,9 @@ ACCESS_OPTION_NAMES = frozenset(
     }
 )
 
+# switches of which llama-server keeps the last given: each one drops the others before it
+_LAST_WINS = {"jinja": ("--no-jinja",), "no-jinja": ("--jinja",)}
+
 DEFAULT_PORT = 8080  # llama-server's
 AUTO_PARALLEL = 4  # llama-server's -np -1 (auto): 4 slots, with a unified KV cache
 DEFAULT_PARALLEL = 1  # bankml's default: one slot (llama-server's is auto)
@@ -132,6 +135,8 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             elif flag.action == MODEL:
                 model = value
             elif flag.action == SERVE:
+                if flag.name in _LAST_WINS:  # --jinja / --no-jinja: the last one given
+                    out = [a for a in out if a not in _LAST_WINS[flag.name]]
                 out += [f"--{flag.name}"] + ([str(value)] if takes_value else [])
             elif flag.action == IGNORE:
                 notes.append(f"ignoring {spelling}: {flag.reason}")
@@ -198,6 +203,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         **chat_settings(options),
         "aliases": aliases,
         **access_settings(options),
+        "jinja": not options.get("no-jinja"),
         "chat_template": _chat_template(options),
         "cache_type": _cache_type(options),
         "metrics": bool(options.get("metrics")),
@@ -304,7 +310,10 @@ def _api_keys(options: Mapping[str, Any]) -> list[str]:
 def _chat_template(options: Mapping[str, Any]) -> str | None:
     """The template source --chat-template or --chat-template-file gives (llama-server takes
     the value as Jinja source, ``chatml`` as its ChatML template), compiled now so a template
-    that cannot run is refused before anything listens."""
+    that cannot run is refused before anything listens; with --no-jinja, a template none of
+    llama.cpp's built-in ones (builtin_templates.py: a name such as ``llama3``, or a text it
+    recognises) is refused with llama-server's message."""
+    from bankml.engine_cupy import builtin_templates
     from bankml.engine_cupy.chat_template import (
         CHATML_TEMPLATE,
         TemplateError,
@@ -321,6 +330,12 @@ def _chat_template(options: Mapping[str, Any]) -> str | None:
             raise FlagError(f"--chat-template-file {path}: {err.strerror or err}") from None
     if source is None:
         return None
+    if options.get("no-jinja") and not builtin_templates.supported(source):
+        # common_chat_verify_template without Jinja: only llama.cpp's built-in templates
+        raise FlagError(
+            f"error: the supplied chat template is not supported: {source}\nnote: llama.cpp was "
+            "started without --jinja, we only support commonly used templates"
+        )
     if source == "chatml":
         return CHATML_TEMPLATE
     try:
