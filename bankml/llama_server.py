@@ -142,6 +142,9 @@ FLAGS: tuple[Flag, ...] = (
     # the last of the two wins, as in llama-server; without Jinja: llama.cpp's built-in templates
     _f("--jinja", False, SERVE, p0_default=JINJA),
     _f("--no-jinja", False, SERVE, p0_default=JINJA),
+    # the server-wide default of a request's "verbose" (__verbose on answers): -v, or -lv above 9
+    _f("--verbose -v --log-verbose", False, SERVE),
+    _f("--verbosity -lv --log-verbosity", True, SERVE),
     _f("--parallel -np", True, SERVE, p0_default=PARALLEL_1),
     _f("--metrics", False, SERVE),
     _f("--slots", False, SERVE),
@@ -220,14 +223,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--no-log-prefix", False, IGNORE, LOGS),
     _f("--log-timestamps", False, IGNORE, LOGS),
     _f("--no-log-timestamps", False, IGNORE, LOGS),
-    _f("--verbosity -lv --log-verbosity", True, IGNORE, LOGS),
     # -- refused natively, with the reason
-    _f(
-        "--verbose -v --log-verbose",
-        False,
-        REFUSE,
-        'a request asks for __verbose with "verbose": true; bankml has no server-wide default for it',
-    ),
     _f("--log-jsonl", False, REFUSE, "bankml writes its own log format"),
     _f("--model-url -mu", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
     _f("--hf-repo -hf -hfr", True, REFUSE, PINNED, p0_refuse=P0_MODEL),

@@ -206,6 +206,8 @@ class Engine:
         self.chat_template_kwargs: dict[str, Any] = {}
         # False with the server's --no-jinja: chats written by llama.cpp's built-in templates
         self.jinja = True
+        # the server's -v (or -lv above 9): a request's default "verbose" (__verbose on answers)
+        self.verbose = False
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -413,6 +415,8 @@ class Engine:
             else:
                 raise ValueError(f"unknown request kind {kind!r}")
             task = parse_task_fields(body, self.n_slots)
+            if body.get("verbose") is None:  # the server's -v where the request says nothing
+                task["verbose"] = self.verbose
             if kind == "chat":
                 task.update(self._continuation(body))
                 if task["verbose"]:  # __verbose shows the chat parser's generation prompt

@@ -629,6 +629,7 @@ def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
     engine.reasoning = str(llama.get("reasoning", "auto"))
     engine.chat_template_kwargs = dict(llama.get("chat_template_kwargs") or {})
     engine.jinja = bool(llama.get("jinja", True))  # --no-jinja: llama.cpp's built-in templates
+    engine.verbose = bool(llama.get("verbose", False))  # -v: a request's default "verbose"
     if llama.get("chat_template") is not None and engine.template is not None:
         engine.template = replace(engine.template, source=llama["chat_template"])
 

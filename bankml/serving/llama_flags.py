@@ -93,8 +93,25 @@ ACCESS_OPTION_NAMES = frozenset(
     }
 )
 
-# switches of which llama-server keeps the last given: each one drops the others before it
-_LAST_WINS = {"jinja": ("--no-jinja",), "no-jinja": ("--jinja",)}
+# flags of which llama-server keeps the last given: each drops those before it (with a value)
+_JINJA = {"--jinja": False, "--no-jinja": False}
+_VERBOSITY = {"--verbose": False, "--verbosity": True}
+_LAST_WINS = {"jinja": _JINJA, "no-jinja": _JINJA, "verbose": _VERBOSITY, "verbosity": _VERBOSITY}
+
+
+def _dropped(args: list[str], options: Mapping[str, bool]) -> list[str]:
+    """``args`` without any of ``options`` (each with its value when it takes one)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = options[arg]
+        else:
+            out.append(arg)
+    return out
+
 
 DEFAULT_PORT = 8080  # llama-server's
 AUTO_PARALLEL = 4  # llama-server's -np -1 (auto): 4 slots, with a unified KV cache
@@ -135,8 +152,8 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             elif flag.action == MODEL:
                 model = value
             elif flag.action == SERVE:
-                if flag.name in _LAST_WINS:  # --jinja / --no-jinja: the last one given
-                    out = [a for a in out if a not in _LAST_WINS[flag.name]]
+                if flag.name in _LAST_WINS:  # of these llama-server keeps the last given
+                    out = _dropped(out, _LAST_WINS[flag.name])
                 out += [f"--{flag.name}"] + ([str(value)] if takes_value else [])
             elif flag.action == IGNORE:
                 notes.append(f"ignoring {spelling}: {flag.reason}")
@@ -204,6 +221,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "aliases": aliases,
         **access_settings(options),
         "jinja": not options.get("no-jinja"),
+        "verbose": _verbose(options),
         "chat_template": _chat_template(options),
         "cache_type": _cache_type(options),
         "metrics": bool(options.get("metrics")),
@@ -212,6 +230,16 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "kv_unified": kv_unified,
         "slot_prompt_similarity": similarity,
     }
+
+
+def _verbose(options: Mapping[str, Any]) -> bool:
+    """The server-wide default of a request's ``verbose`` (llama-server's ``verbosity > 9``):
+    on with ``-v`` (verbosity without limit) or ``-lv N`` above 9."""
+    if options.get("verbose"):
+        return True
+    if options.get("verbosity") is None:
+        return False
+    return bool(_number("verbosity", options["verbosity"], int) > 9)
 
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")

@@ -1,0 +1,91 @@
+"""``-v``/``--verbose`` (and ``-lv`` above 9) on the drop-in: llama-server's server-wide default
+of a request's ``verbose``, side by side with llama-server started with ``-v``, over real HTTP.
+
+A request that says nothing gets ``__verbose`` on its answer, one that says ``"verbose": false``
+does not, in both; the object has llama-server's keys and settings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bankml.serving.llama_flags import FlagError, dropin_argv, native_settings
+from tests import support
+from tests.native_support import assert_same_keys
+from tests.support import free_port
+from tests.test_llama_dropin import call, start_dropin
+
+FLAGS = ["-lv", "3", "-v", "--temp", "0"]  # the last wins: verbose
+
+
+@pytest.fixture(scope="module")
+def ports(
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[int, int]]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("verbose") / "bankml.log"
+    args = [
+        *("--fork", str(default_fork), "-m", str(default_model)),
+        *("--host", "127.0.0.1", "-t", "2", "-c", "2048", "-np", "1", "--no-webui"),
+        *("--listen", f"127.0.0.1:{free_port()}"),
+        *FLAGS,
+    ]
+    with support.LlamaServer(default_model, args=FLAGS, binary=llama_server_bin) as ref:
+        proc = start_dropin(args, port, log)
+        try:
+            yield port, ref.port
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+CHAT: dict[str, Any] = {
+    "messages": [{"role": "user", "content": "Name a colour."}],
+    "max_tokens": 4,
+    "cache_prompt": False,
+}
+
+
+def test_a_request_without_verbose_gets_llama_servers_verbose_object(
+    ports: tuple[int, int],
+) -> None:
+    answers = [json.loads(call(port, "POST", "/v1/chat/completions", CHAT)[2]) for port in ports]
+    ours, theirs = (a["__verbose"] for a in answers)
+    assert_same_keys(ours, theirs)
+    for key in ("content", "generation_settings", "prompt", "tokens_evaluated", "stop_type"):
+        assert ours.get(key) == theirs.get(key), key
+
+
+def test_a_request_may_still_turn_it_off(ports: tuple[int, int]) -> None:
+    for path, body in (
+        ("/v1/chat/completions", {**CHAT, "verbose": False}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "verbose": False}),
+    ):
+        answers = [json.loads(call(port, "POST", path, body)[2]) for port in ports]
+        assert ["__verbose" in a for a in answers] == [False, False], path
+
+
+def test_verbose_and_verbosity_read_as_llama_server_reads_them() -> None:
+    def verbose(*flags: str) -> bool:
+        argv, notes = dropin_argv(["-m", "m.gguf", *flags])
+        assert notes == []
+        names = [a for a in argv if a.startswith("--verbos")]
+        options = {
+            "verbose": "--verbose" in names,
+            "verbosity": argv[argv.index("--verbosity") + 1] if "--verbosity" in names else None,
+        }
+        return bool(native_settings(options)["verbose"])
+
+    assert verbose("-v") and verbose("--log-verbose") and verbose("-lv", "10")
+    assert not verbose() and not verbose("-lv", "9") and not verbose("-v", "-lv", "3")
+    assert verbose("--verbosity", "3", "--verbose")
+    with pytest.raises(FlagError, match="not a number"):
+        native_settings({"verbosity": "loud"})
