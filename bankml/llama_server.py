@@ -6,8 +6,10 @@ all its spellings, whether it takes a value, and a verdict per mode:
 
 - the native drop-in (``bankml llama-server`` and ``bankml serve --native``, read by
   serving/llama_flags.py): ``action`` is ``SERVE`` (it becomes a ``bankml serve`` option),
-  ``IGNORE`` (it cannot change an answer), ``REFUSE`` (with ``reason``), ``MODEL`` (``-m``), or
-  ``UNKNOWN`` (not among the drop-in's flags: refused there as any flag it does not know);
+  ``IGNORE`` (it cannot change an answer), ``REFUSE`` (with ``reason``), ``MODEL`` (``-m``),
+  ``OWN`` (``bankml llama-server`` answers it itself: its usage, its version) or ``UNKNOWN``
+  (not among the drop-in's flags: refused there as any flag it does not know). Every flag of
+  llama-server's ``--help`` has a row with a verdict (tests/test_llama_help.py checks it);
 - P0's pass-through (``bankml serve --spawn BIN -- ARGS``, read by p0/llama_args.py):
   ``p0_action`` is ``PASS`` (appended to llama-server's command line as given), ``REFUSE``
   (with ``p0_reason``: it would defeat the verification or the supervision) or ``DEFAULT``
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 # the native drop-in's verdicts
 SERVE, IGNORE, REFUSE, MODEL, UNKNOWN = "serve", "ignore", "refuse", "model", "unknown"
+OWN = "own"  # bankml llama-server answers it itself and exits
 # P0's verdicts (REFUSE as above)
 PASS, DEFAULT = "pass", "default"
 
@@ -39,7 +42,7 @@ NO_WEBUI = ("--no-webui",)
 class Flag:
     spellings: tuple[str, ...]  # llama-server's, the long name bankml serve takes first
     takes_value: bool
-    action: str  # the native drop-in's: SERVE, IGNORE, REFUSE, MODEL or UNKNOWN
+    action: str  # the native drop-in's: SERVE, IGNORE, REFUSE, MODEL, OWN or UNKNOWN
     reason: str = ""  # why the drop-in ignores or refuses it
     serve_name: str | None = None  # the bankml serve option, when not the first spelling
     p0_reason: str = ""  # why P0 refuses it ("": not refused)
@@ -79,6 +82,11 @@ CHANGES_MODEL = "it changes the model's computation; bankml serves the pinned mo
 PER_REQUEST = "bankml takes it per request only: send the field in the request body"
 NOT_HERE = "bankml's native engine does not have this feature"
 LOOPBACK = "bankml listens on loopback in plain HTTP only"
+SPECULATIVE = NOT_HERE + " (speculative decoding)"
+NO_MEDIA = "bankml reads no images, audio or video"
+DEFAULT = "it is the default"
+REMOVED = "llama-server 11434 refuses it too: it was removed"
+HELP = "bankml llama-server answers it itself (its usage, its version) and exits"
 
 # --- why P0 refuses a flag: it would defeat the verification or the supervision ---------------
 P0_MODEL = "it loads a model other than the verified file"
@@ -184,9 +192,6 @@ FLAGS: tuple[Flag, ...] = (
     _f("--numa", True, IGNORE, SAME_BITS),
     _f("--load-mode -lm", True, IGNORE, SAME_BITS),
     _f("--lazy-mode -lzm", True, IGNORE, SAME_BITS),
-    _f("--mlock", False, IGNORE, SAME_BITS),
-    _f("--no-mmap", False, IGNORE, SAME_BITS),
-    _f("--mmap", False, IGNORE, SAME_BITS),
     _f("--repack", False, IGNORE, SAME_BITS),
     _f("--no-repack -nr", False, IGNORE, SAME_BITS),
     _f("--no-host", False, IGNORE, SAME_BITS),
@@ -224,7 +229,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--log-timestamps", False, IGNORE, LOGS),
     _f("--no-log-timestamps", False, IGNORE, LOGS),
     # -- refused natively, with the reason
-    _f("--log-jsonl", False, REFUSE, "bankml writes its own log format"),
+    _f("--log-jsonl", False, IGNORE, LOGS),
     _f("--model-url -mu", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
     _f("--hf-repo -hf -hfr", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
     _f("--hf-file -hff", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
@@ -253,10 +258,10 @@ FLAGS: tuple[Flag, ...] = (
         "--model-draft -md --spec-draft-model",
         True,
         REFUSE,
-        NOT_HERE + " (speculative decoding)",
+        SPECULATIVE,
         p0_refuse=P0_DRAFT,
     ),
-    _f("--spec-type", True, REFUSE, NOT_HERE + " (speculative decoding)"),
+    _f("--spec-type", True, REFUSE, SPECULATIVE),
     _f("--embedding --embeddings", False, REFUSE, NOT_HERE + " (embeddings)"),
     _f("--rerank --reranking", False, REFUSE, NOT_HERE + " (reranking)"),
     _f("--pooling", True, REFUSE, NOT_HERE + " (embeddings)"),
@@ -291,23 +296,118 @@ FLAGS: tuple[Flag, ...] = (
     _f("--swa-full", False, REFUSE, NOT_HERE),
     _f("--no-context-shift", False, IGNORE, "it is the default"),
     _f("--list-devices", False, REFUSE, "bankml serve --device picks the device"),
-    # -- refused by P0, not among the drop-in's flags (refused there as unknown)
-    _f("--models-autoload", False, UNKNOWN, p0_refuse=P0_MODEL),
-    _f("--embd-gemma-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--fim-qwen-1.5b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--fim-qwen-3b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--fim-qwen-7b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--fim-qwen-7b-spec", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--fim-qwen-14b-spec", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--fim-qwen-30b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--gpt-oss-20b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--gpt-oss-120b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--vision-gemma-4b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--vision-gemma-12b-default", False, UNKNOWN, p0_refuse=P0_PRESET),
-    _f("--lora-init-without-apply", False, UNKNOWN, p0_refuse=P0_ADAPTER),
-    _f("--control-vector-layer-range", True, UNKNOWN, p0_refuse=P0_ADAPTER),  # START END
-    _f("--mmproj-url -mmu", True, UNKNOWN, p0_refuse=P0_PROJECTOR),
-    _f("--spec-draft-hf -hfd -hfrd --hf-repo-draft", True, UNKNOWN, p0_refuse=P0_DRAFT),
+    # -- refused in both modes
+    _f("--models-autoload", False, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--embd-gemma-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-1.5b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-3b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-7b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-7b-spec", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-14b-spec", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--fim-qwen-30b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--gpt-oss-20b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--gpt-oss-120b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--vision-gemma-4b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--vision-gemma-12b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
+    _f("--lora-init-without-apply", False, REFUSE, CHANGES_MODEL, p0_refuse=P0_ADAPTER),
+    _f(
+        "--control-vector-layer-range", True, REFUSE, CHANGES_MODEL, p0_refuse=P0_ADAPTER
+    ),  # START END
+    _f("--mmproj-url -mmu", True, REFUSE, PINNED, p0_refuse=P0_PROJECTOR),
+    _f("--spec-draft-hf -hfd -hfrd --hf-repo-draft", True, REFUSE, PINNED, p0_refuse=P0_DRAFT),
+    # -- llama-server's other flags (each of its --help has a row)
+    _f("--help -h --usage", False, OWN, HELP),
+    _f("--version", False, OWN, HELP),
+    _f("--cache-list -cl", False, REFUSE, PINNED),
+    _f("--completion-bash", False, REFUSE, "bankml's command line has no completion script"),
+    _f("--tags", True, SERVE),
+    _f("--reasoning-effort", True, SERVE),
+    _f("--reasoning-preserve", False, SERVE),
+    _f("--no-reasoning-preserve", False, SERVE),
+    _f("--escape -e", False, IGNORE, "it only changes -r and --dry-sequence-breaker, refused here"),
+    _f("--no-escape", False, IGNORE, "it only changes -r and --dry-sequence-breaker, refused here"),
+    _f("--defrag-thold -dt", True, IGNORE, SAME_BITS + " (llama-server ignores it too)"),
+    _f("--rpc", True, IGNORE, SAME_BITS),
+    _f("--cpu-moe -cmoe", False, IGNORE, SAME_BITS),
+    _f("--n-cpu-moe -ncmoe", True, IGNORE, SAME_BITS),
+    _f("--n-cpu-ffn -ncffn", True, IGNORE, SAME_BITS),
+    _f("--no-log-jsonl", False, IGNORE, DEFAULT),
+    _f("--log-prompts-dir", True, IGNORE, LOGS),
+    _f("--no-mmproj --no-mmproj-auto", False, IGNORE, DEFAULT),
+    _f("--mmproj-offload", False, IGNORE, NO_MEDIA),
+    _f("--no-mmproj-offload", False, IGNORE, NO_MEDIA),
+    _f("--mmproj-device -mmdev", True, IGNORE, NO_MEDIA),
+    _f("--image-min-tokens", True, IGNORE, NO_MEDIA),
+    _f("--image-max-tokens", True, IGNORE, NO_MEDIA),
+    _f("--mtmd-batch-max-tokens", True, IGNORE, NO_MEDIA),
+    _f("--video-fps", True, IGNORE, NO_MEDIA),
+    _f("--video-timestamp-interval", True, IGNORE, NO_MEDIA),
+    _f("--video-ffmpeg-dir", True, IGNORE, NO_MEDIA),
+    _f("--embd-normalize", True, IGNORE, "bankml serves no embeddings"),
+    _f("--ui-config --webui-config", True, IGNORE, NO_UI),
+    _f("--ui-config-file --webui-config-file", True, IGNORE, NO_UI),
+    _f("--no-ui-mcp-proxy --no-webui-mcp-proxy", False, IGNORE, DEFAULT),
+    _f("--no-agent -no-ag", False, IGNORE, DEFAULT),
+    _f("--no-models-autoload", False, IGNORE, PINNED),
+    _f("--no-skip-chat-parsing", False, IGNORE, DEFAULT),
+    _f("--mmproj-auto", False, REFUSE, NOT_HERE + " (images, audio)"),
+    _f("--special -sp", False, REFUSE, NOT_HERE + " (special tokens in the answer's text)"),
+    _f("--reverse-prompt -r", True, REFUSE, PER_REQUEST + " (stop)"),
+    _f("--spm-infill", False, REFUSE, NOT_HERE + " (/infill)"),
+    _f("--kv-unified-per-slot", True, REFUSE, NOT_HERE + " (a per-slot context limit)"),
+    _f("--tools-runtime", True, REFUSE, NOT_HERE),
+    _f("--lookup-cache-static -lcs", True, REFUSE, SPECULATIVE),
+    _f("--lookup-cache-dynamic -lcd", True, REFUSE, SPECULATIVE),
+    _f("--spec-default", False, REFUSE, SPECULATIVE),
+    _f("--spec-draft-type-k -ctkd --cache-type-k-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-type-v -ctvd --cache-type-v-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-n-max", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-n-min", True, REFUSE, SPECULATIVE),
+    _f("--spec-synth-len", True, REFUSE, SPECULATIVE),
+    _f("--spec-synth-rates", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-p-split --draft-p-split", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-p-min --draft-p-min", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-backend-sampling", False, REFUSE, SPECULATIVE),
+    _f("--no-spec-draft-backend-sampling", False, REFUSE, SPECULATIVE),
+    _f("--spec-draft-sampling", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-threads -td --threads-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-threads-batch -tbd --threads-batch-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-cpu-mask -Cd --cpu-mask-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-cpu-range -Crd --cpu-range-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-cpu-strict --cpu-strict-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-prio --prio-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-poll --poll-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-cpu-mask-batch -Cbd --cpu-mask-batch-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-cpu-strict-batch --cpu-strict-batch-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-prio-batch --prio-batch-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-poll-batch --poll-batch-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-override-tensor -otd --override-tensor-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-cpu-moe -cmoed --cpu-moe-draft", False, REFUSE, SPECULATIVE),
+    _f(
+        "--spec-draft-n-cpu-moe --spec-draft-ncmoe -ncmoed --n-cpu-moe-draft",
+        True,
+        REFUSE,
+        SPECULATIVE,
+    ),
+    _f("--spec-draft-device -devd --device-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-mod-n-min", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-mod-n-max", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-mod-n-match", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-simple-size-n", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-simple-size-m", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-simple-min-hits", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-map-k-size-n", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-map-k-size-m", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-map-k-min-hits", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-map-k4v-size-n", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-map-k4v-size-m", True, REFUSE, SPECULATIVE),
+    _f("--spec-ngram-map-k4v-min-hits", True, REFUSE, SPECULATIVE),
+    _f("--draft --draft-n --draft-max", True, REFUSE, REMOVED),
+    _f("--draft-min --draft-n-min", True, REFUSE, REMOVED),
+    _f("--spec-ngram-size-n", True, REFUSE, REMOVED),
+    _f("--spec-ngram-size-m", True, REFUSE, REMOVED),
+    _f("--spec-ngram-min-hits", True, REFUSE, REMOVED),
 )
 
 # bankml's defaults, each with every spelling that sets the same thing (P0: the user's wins)

@@ -2,7 +2,8 @@
 of a request's ``verbose``, side by side with llama-server started with ``-v``, over real HTTP.
 
 A request that says nothing gets ``__verbose`` on its answer, one that says ``"verbose": false``
-does not, in both; the object has llama-server's keys and settings.
+does not, in both; the object has llama-server's keys and settings. The same pair, started with
+``--tags``, lists the model's tags in /v1/models as llama-server does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.native_support import assert_same_keys
 from tests.support import free_port
 from tests.test_llama_dropin import call, start_dropin
 
-FLAGS = ["-lv", "3", "-v", "--temp", "0"]  # the last wins: verbose
+FLAGS = ["-lv", "3", "-v", "--temp", "0", "--tags", "b, a,b"]  # the last wins: verbose
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,11 @@ def test_a_request_may_still_turn_it_off(ports: tuple[int, int]) -> None:
     ):
         answers = [json.loads(call(port, "POST", path, body)[2]) for port in ports]
         assert ["__verbose" in a for a in answers] == [False, False], path
+
+
+def test_tags_are_listed_as_llama_servers(ports: tuple[int, int]) -> None:
+    models = [json.loads(call(port, "GET", "/v1/models")[2])["data"][0] for port in ports]
+    assert models[0]["tags"] == models[1]["tags"] == ["a", "b"]
 
 
 def test_verbose_and_verbosity_read_as_llama_server_reads_them() -> None:

@@ -129,6 +129,7 @@ class ModelFacts:
     n_embd: int | None = None
     n_params: int | None = None  # the tensors' parameters (llama_model_n_params)
     size: int | None = None  # the tensors' bytes (llama_model_size)
+    tags: Sequence[str] = ()  # --tags (informational), in sorted order
 
 
 def model_info(model: ModelFacts) -> dict[str, Any]:
@@ -138,7 +139,7 @@ def model_info(model: ModelFacts) -> dict[str, Any]:
     return {
         "id": model.id,
         "aliases": list(model.aliases) or [model.id],
-        "tags": [],
+        "tags": list(model.tags),
         "object": "model",
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
         "created": int(time.time()),

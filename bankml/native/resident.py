@@ -86,6 +86,7 @@ class NativeEngine:
         reactor: Any = None,
         receipt_key: SigningKey | None = None,
         aliases: Sequence[str] = (),
+        tags: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.receipt_key = receipt_key  # signs every receipt; None: unsigned (the Python API)
@@ -98,6 +99,7 @@ class NativeEngine:
         self.reactor = reactor
         # llama-server's model name: the first of its --alias names, else the file's name
         self.model_aliases = list(aliases)
+        self.model_tags = list(tags)  # --tags, listed in /v1/models
         self.model_id = self.model_aliases[0] if aliases else os.path.basename(verified.path)
         # llama-server's name for the file's type (general.file_type), read once from the header
         self.model_ftype = file_ftype_name(verified.path)
@@ -339,6 +341,7 @@ class NativeEngine:
         return ModelFacts(
             id=self.model_id,
             aliases=list(self.model_aliases),
+            tags=list(getattr(self, "model_tags", ())),
             n_ctx=self.n_ctx,
             ftype=self.model_ftype,
             tokenizer=getattr(getattr(engine, "tokenizer", None), "model", ""),
@@ -602,6 +605,7 @@ def open_served(
         reactor=reactor,
         receipt_key=receipt_key,
         aliases=llama.get("aliases") or (),
+        tags=llama.get("tags") or (),
     )
 
 

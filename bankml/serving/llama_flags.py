@@ -96,7 +96,15 @@ ACCESS_OPTION_NAMES = frozenset(
 # flags of which llama-server keeps the last given: each drops those before it (with a value)
 _JINJA = {"--jinja": False, "--no-jinja": False}
 _VERBOSITY = {"--verbose": False, "--verbosity": True}
-_LAST_WINS = {"jinja": _JINJA, "no-jinja": _JINJA, "verbose": _VERBOSITY, "verbosity": _VERBOSITY}
+_PRESERVE = {"--reasoning-preserve": False, "--no-reasoning-preserve": False}
+_LAST_WINS = {
+    "jinja": _JINJA,
+    "no-jinja": _JINJA,
+    "verbose": _VERBOSITY,
+    "verbosity": _VERBOSITY,
+    "reasoning-preserve": _PRESERVE,
+    "no-reasoning-preserve": _PRESERVE,
+}
 
 
 def _dropped(args: list[str], options: Mapping[str, bool]) -> list[str]:
@@ -212,6 +220,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
     aliases = sorted(
         {a.strip() for a in (options.get("alias") or "").split(",") if a.strip()}
     )  # llama-server keeps them in a std::set: the first in order names the model
+    tags = sorted({t.strip() for t in (options.get("tags") or "").split(",") if t.strip()})
     return {
         "sampling": sampling,
         "n_predict": n_predict,
@@ -219,6 +228,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "reasoning_budget_message": str(options.get("reasoning-budget-message") or ""),
         **chat_settings(options),
         "aliases": aliases,
+        "tags": tags,  # --tags: listed in /v1/models (informational)
         **access_settings(options),
         "jinja": not options.get("no-jinja"),
         "verbose": _verbose(options),
@@ -249,9 +259,11 @@ def chat_settings(options: Mapping[str, Any]) -> dict[str, Any]:
     """``--reasoning-format`` (none, auto, deepseek, deepseek-legacy; default auto),
     ``--reasoning`` (on/enabled/true/1, off/disabled/false/0, auto/-1: thinking on, off, or as
     the template decides; on and off also set the ``enable_thinking`` kwarg, as llama-server's
-    flag does) and ``--chat-template-kwargs`` (a JSON object: the kwargs every chat request
-    starts from). llama-server applies the two in the order given; bankml applies
-    ``--chat-template-kwargs`` last, as if given after ``--reasoning``."""
+    flag does), ``--reasoning-effort LEVEL`` (the ``reasoning_effort`` kwarg; ``default``: none),
+    ``--reasoning-preserve``/``--no-reasoning-preserve`` (the ``preserve_reasoning`` kwarg, true
+    unless said otherwise, as llama-server's) and ``--chat-template-kwargs`` (a JSON object: the
+    kwargs every chat request starts from). llama-server applies them in the order given; bankml
+    applies them in this order, ``--chat-template-kwargs`` last."""
     reasoning_format = options.get("reasoning-format") or "auto"
     if reasoning_format not in REASONING_FORMATS:
         raise FlagError(
@@ -267,6 +279,11 @@ def chat_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         reasoning = "auto"
     else:
         raise FlagError(f"error: unknown value for --reasoning: '{value}'")
+    effort = options.get("reasoning-effort")
+    if effort is not None and effort != "default":  # "default": the template's own
+        kwargs["reasoning_effort"] = str(effort)
+    if options.get("reasoning-preserve") or options.get("no-reasoning-preserve"):
+        kwargs["preserve_reasoning"] = not options.get("no-reasoning-preserve")
     given = options.get("chat-template-kwargs")
     if given is not None:
         try:
@@ -276,6 +293,7 @@ def chat_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(parsed, dict):
             raise FlagError("--chat-template-kwargs: must be a JSON object")
         kwargs.update(parsed)
+    kwargs.setdefault("preserve_reasoning", True)  # llama-server's default when none says
     return {
         "reasoning_format": reasoning_format,
         "reasoning": reasoning,

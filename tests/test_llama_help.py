@@ -1,0 +1,116 @@
+"""Every flag llama-server lists in its ``--help`` has a verdict in bankml's table.
+
+The reference binary's ``--help`` is read line by line (each flag line names all its spellings,
+then a value's placeholder when it takes one): each spelling must be a row of
+``bankml.llama_server.FLAGS`` with a verdict (served, ignored with a note on stderr, refused with
+its reason, or answered by ``bankml llama-server`` itself), taking a value exactly when
+llama-server's does; every row's spellings must be in the help (a flag llama-server dropped is
+not kept). Each verdict then acts as it says through ``dropin_argv``. A flag added upstream fails
+here until it is given a verdict.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from bankml.llama_server import FLAGS, IGNORE, MODEL, OWN, REFUSE, SERVE, Flag
+from bankml.serving.llama_flags import FlagError, dropin_argv, native_settings
+
+BY_SPELLING = {s: flag for flag in FLAGS for s in flag.spellings}
+
+
+@lru_cache(maxsize=1)
+def help_entries(binary: Path) -> tuple[tuple[tuple[str, ...], bool], ...]:
+    """(spellings, takes a value) of each flag line of ``BINARY --help``."""
+    text = subprocess.run(
+        [str(binary), "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    out = []
+    for line in text.splitlines():
+        if not line.startswith("-") or line.startswith("-----"):
+            continue  # a description's continuation, or a section's title
+        head = re.split(r"\s{2,}", re.sub(r",\s+", ", ", line.strip()), maxsplit=1)[0]
+        spellings, value = [], False
+        for part in head.split(", "):
+            words = part.split(" ", 1)
+            if words[0].startswith("-"):
+                spellings.append(words[0])
+                value = value or len(words) > 1
+        out.append((tuple(spellings), value))
+    return tuple(out)
+
+
+@pytest.fixture(scope="module")
+def entries(llama_server_bin: Path) -> tuple[tuple[tuple[str, ...], bool], ...]:
+    found = help_entries(llama_server_bin)
+    assert len(found) > 250  # the whole help was read
+    return found
+
+
+def test_every_flag_of_llama_servers_help_has_a_verdict(entries) -> None:
+    missing, wrong_value = [], []
+    for spellings, takes_value in entries:
+        for spelling in spellings:
+            flag = BY_SPELLING.get(spelling)
+            if flag is None or flag.action not in (SERVE, IGNORE, REFUSE, MODEL, OWN):
+                missing.append(spelling)
+            elif flag.takes_value != takes_value:
+                wrong_value.append(spelling)
+    assert missing == [], "flags of llama-server's --help without a verdict"
+    assert wrong_value == [], "flags that take a value in one table and not the other"
+
+
+def test_every_row_is_a_flag_of_llama_servers_help(entries) -> None:
+    listed = {s for spellings, _ in entries for s in spellings}
+    assert sorted(s for s in BY_SPELLING if s not in listed) == []
+
+
+def test_every_ignored_or_refused_flag_says_why() -> None:
+    assert all(flag.reason for flag in FLAGS if flag.action in (IGNORE, REFUSE, OWN))
+    spellings = [s for flag in FLAGS for s in flag.spellings]
+    assert len(spellings) == len(set(spellings))
+
+
+def _run(flag: Flag, spelling: str) -> tuple[list[str], list[str]]:
+    return dropin_argv(["-m", "m.gguf", spelling, *(["1"] if flag.takes_value else [])])
+
+
+@pytest.mark.parametrize("flag", [f for f in FLAGS if f.action in (SERVE, IGNORE, REFUSE)])
+def test_each_verdict_acts_as_it_says(flag: Flag) -> None:
+    for spelling in flag.spellings:
+        if flag.action == REFUSE:
+            with pytest.raises(FlagError) as err:
+                _run(flag, spelling)
+            assert str(err.value) == f"{spelling}: {flag.reason}"
+        elif flag.action == IGNORE:
+            argv, notes = _run(flag, spelling)
+            assert notes == [f"ignoring {spelling}: {flag.reason}"]
+            assert spelling not in argv
+        else:
+            argv, notes = _run(flag, spelling)
+            assert notes == [] and f"--{flag.name}" in argv
+
+
+def test_speculative_decoding_and_context_shift_stay_refused() -> None:
+    for spelling in ("--spec-type", "-md", "--spec-draft-n-max", "--spec-default", "-lcs"):
+        assert BY_SPELLING[spelling].action == REFUSE
+        assert "speculative decoding" in BY_SPELLING[spelling].reason
+    assert BY_SPELLING["--context-shift"].action == REFUSE
+
+
+def test_the_chat_template_kwargs_flags_read_as_llama_servers() -> None:
+    def kwargs(**options: str | bool) -> dict:
+        return dict(native_settings(options)["chat_template_kwargs"])
+
+    assert kwargs() == {"preserve_reasoning": True}  # llama-server's default
+    assert kwargs(**{"no-reasoning-preserve": True}) == {"preserve_reasoning": False}
+    assert kwargs(**{"reasoning-effort": "high"})["reasoning_effort"] == "high"
+    assert "reasoning_effort" not in kwargs(**{"reasoning-effort": "default"})
+    given = kwargs(**{"reasoning-effort": "low", "chat-template-kwargs": '{"reasoning_effort": 1}'})
+    assert given["reasoning_effort"] == 1  # --chat-template-kwargs last
+    assert native_settings({"tags": " b,a, b ,"})["tags"] == ["a", "b"]
