@@ -36,7 +36,7 @@ from bankml.resources import llama
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.description import ApiDescription
 from bankml.resources.ollama import put_ollama_routes
-from bankml.resources.openai import ChatCompletions, Completions, Models
+from bankml.resources.openai import ChatCompletions, Completions, Messages, Models, Responses
 from bankml.serving.access import AccessControl, CorsPolicy
 from bankml.serving.routes import Branch, LlamaRoute
 from bankml.serving.site import LoopbackSite
@@ -102,6 +102,9 @@ def _put_llama_endpoints(
     root.putChild(b"chat", root_chat)
     for parent in (chat, root_chat):
         put(parent, b"completions", ChatCompletions(native))
+    for parent in (root, v1):
+        put(parent, b"responses", Responses(native))
+    put(v1, b"messages", Messages(native))
     if slots:
         # GET /slots is the slot monitor, POST /slots/{id} the actions (POST /slots itself: 404)
         refusals = {"POST": (404, "File Not Found", "not_found_error")}

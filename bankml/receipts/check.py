@@ -40,7 +40,7 @@ from bankml.receipts.convert import chat_fields, n_cmpl_of
 from bankml.receipts.digest import canonical_logprobs, sha256_hex, text_sha256
 from bankml.receipts.keys import ALG, keyid_of, load_public_key, verifies
 from bankml.receipts.kinds import APIS, CONVERTED, MESSAGES
-from bankml.receipts.sign import RECEIPT_VERSION
+from bankml.receipts.sign import RECEIPT_VERSION, is_p0
 
 VALID = "valid"
 # request fields that are not sampler settings though the sampler's table reads them
@@ -293,7 +293,7 @@ def _check_request_fields(
             raise Refused(
                 f"the request's {name} is {value!r}, the receipt's {getattr(settings, name)!r}"
             )
-    if api == MESSAGES:
+    if api == MESSAGES and is_p0(receipt):
         if settings.seed is not None:  # llama-server drops a Messages request's seed
             raise Refused("a Messages receipt names a seed, which llama-server never reads")
     elif settings.seed == DEFAULT_SEED or not isinstance(settings.seed, int):

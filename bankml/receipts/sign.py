@@ -185,6 +185,17 @@ def _drawn_seed() -> int:
     return seed
 
 
+P0_ENGINE = "llama-server"  # a P0 receipt's engine: llama-server, on a device bankml does not see
+
+
+def is_p0(receipt: Mapping[str, Any]) -> bool:
+    """A receipt of P0's (llama-server's answer) rather than of bankml's own engine."""
+    engine = receipt.get("engine")
+    return (
+        receipt.get("device") is None and isinstance(engine, str) and engine.startswith(P0_ENGINE)
+    )
+
+
 def forward_request(body: bytes, api: str) -> ForwardedRequest:
     """P0: the request to forward. A JSON object without a seed (or with llama-server's "draw
     one", -1 or 4294967295) gets ``"seed": N`` appended, N drawn here: a repeated key's last
