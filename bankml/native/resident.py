@@ -36,6 +36,7 @@ from bankml.native.run import prompt_steps
 from bankml.receipts.convert import ConversionError, to_chat
 from bankml.receipts.keys import SigningKey
 from bankml.receipts.kinds import CHAT, CONVERTED, ENGINE_KIND, MESSAGES
+from bankml.receipts.log import ReceiptLog
 from bankml.receipts.sign import native_facts, pin_seed
 from bankml.receipts.tally import Tally
 from bankml.receipts.vouch import identity_problem, issue_receipt
@@ -90,6 +91,7 @@ class NativeEngine:
     ) -> None:
         self.engine = engine
         self.receipt_key = receipt_key  # signs every receipt; None: unsigned (the Python API)
+        self.receipt_log: ReceiptLog | None = None  # --receipt-log: every receipt appended
         self.bridge = bridge
         self.verified = verified
         self.slot_dir = slot_dir
@@ -221,9 +223,12 @@ class NativeEngine:
                 device=self.device,
                 finish_reason=tally.finish_reason,
             )
-        return issue_receipt(
+        out = issue_receipt(
             tally, self.verified, self.engine_name, facts=facts, key=self.receipt_key
         )
+        if self.receipt_log is not None:
+            self.receipt_log.append(out)
+        return out
 
     # --- the jobs the resources hand to the bridge (refusals raise ApiError) ------------------
 

@@ -45,6 +45,7 @@ from bankml.serving.startup import (
     DEFAULT_UPSTREAM,
     ServingService,
     receipt_key_before_listening,
+    receipt_log_before_listening,
     verify_before_listening,
 )
 from bankml.usage import UsageSampler
@@ -230,6 +231,7 @@ class NativeService(ServingService):
             return
         if not self.running:
             return
+        self.native.receipt_log = self.receipt_log
         llama_options = self.options.get("llama") or {}
         ollama = serve_ollama(self, self.native)
         listen_root, engine_root = build_native_roots(
@@ -348,7 +350,7 @@ def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeServi
         for outcome in compiling:
             outcome.addErrback(lambda _: None)  # nobody waits for it now
         raise
-    return NativeService(
+    served = NativeService(
         options,
         verified,
         reactor,
@@ -356,3 +358,5 @@ def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeServi
         compiling=compiling[0] if compiling else None,
         receipt_key=receipt_key,
     )
+    served.receipt_log = receipt_log_before_listening(options.get("receipt-log"))
+    return served

@@ -38,7 +38,7 @@ BY_SPELLING: dict[str, Flag] = {
 }
 
 # bankml serve's own options that the drop-in form passes through as they are
-BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key", "--max-queue")
+BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key", "--receipt-log", "--max-queue")
 
 # the sampling flags: bankml serve's option -> (the request field it defaults, its reader)
 SAMPLING: dict[str, tuple[str, Callable[[str], Any]]] = {
