@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ollama._types import (
@@ -862,6 +863,62 @@ def test_an_answer_without_logprobs() -> None:
     final = answer.final(summary, engine="native", model_sha256="ab" * 32, context=[1, 2])
     assert "logprobs" not in final and "logprobs_sha256" not in final["bankml_receipt"]
     assert GenerateResponse.model_validate(final).context == [1, 2]
+
+
+def _toy_parse(text: str, partial: bool) -> Any:
+    """A chat format's parse in miniature: reasoning up to "|", then content up to the first
+    "@", then one call per "@name" (arguments {"n": <its position>})."""
+    from bankml.formats.chat_message import ChatMessage, ToolCallMsg
+
+    if "|" not in text:
+        return ChatMessage(reasoning_content=text)
+    reasoning, _, rest = text.partition("|")
+    content, *names = rest.split("@")
+    calls = tuple(
+        ToolCallMsg(name=name, arguments=json.dumps({"n": i, "é": [1.5, None]}))
+        for i, name in enumerate(names)
+    )
+    return ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_parsed_answer_carries_thinking_and_whole_tool_calls(stream: bool) -> None:
+    import re
+
+    from bankml.engine_cupy.schedule import Chunk, Summary
+    from bankml.receipts.answer import read_answer
+
+    pieces = ["Let ", "me|", "Hi", "!", "@f", "@g"]
+    summary = Summary(finish_reason="stop", text="".join(pieces), prompt_tokens=5)
+    summary.completion_tokens = len(pieces)
+    answer = fmt.OllamaAnswer(
+        CHAT, "m:latest", b"{}", stream=stream, clock_ns=_Clock(), parser=_toy_parse
+    )
+    lines = [line for p in pieces for line in answer.on_chunk(Chunk(p, None, False, 1))]
+    lines += answer.last_pieces()
+    final = answer.final(summary, engine="native", model_sha256="ab" * 32)
+    messages = [line["message"] for line in [*lines, final]]
+    calls = [call for m in messages for call in m.get("tool_calls", [])]
+    assert "".join(m.get("thinking", "") for m in messages) == "Let me"
+    assert "".join(m["content"] for m in messages) == "Hi!"
+    assert [c["function"] for c in calls] == [
+        {"index": 0, "name": "f", "arguments": {"n": 0, "é": [1.5, None]}},
+        {"index": 1, "name": "g", "arguments": {"n": 1, "é": [1.5, None]}},
+    ]
+    assert all(re.fullmatch(r"call_[a-z0-9]{8}", c["id"]) for c in calls)
+    if stream:  # thinking and content as they grow; f once g began, g on the last piece line
+        assert [m.get("thinking", "") for m in messages[:2]] == ["Let ", "me"]
+        assert [len(m.get("tool_calls", [])) for m in messages[-3:]] == [1, 1, 0]
+    else:
+        assert lines == []
+    for obj in [*lines, final]:
+        ChatResponse.model_validate(obj)
+    body = b"".join(fmt.ndjson_line(obj) for obj in [*lines, final]) if stream else fmt.dumps(final)
+    receipt = final["bankml_receipt"]
+    view = read_answer(body, "ollama_chat")
+    assert view.acts.receipt_fields() == {
+        k: receipt[k] for k in ("reasoning_sha256", "tool_calls_sha256")
+    }
 
 
 # -- the engine takes what the pipeline prepares --------------------------------------------------
