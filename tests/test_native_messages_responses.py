@@ -348,3 +348,19 @@ def test_the_official_clients_read_the_answers(native: NativeProcess) -> None:
     events = list(client.responses.create(model="default", **as_responses(CALLING), stream=True))
     assert events[-1].type == "response.completed"
     assert events[-1].response.output[-1].type == "function_call"
+
+
+def test_the_default_models_own_template_as_llama_servers(
+    default_model: Path, default_fork: Path, llama_server_bin: Path, tmp_path: Path
+) -> None:
+    """Without a template file: the model's own chat template, a plain chat in both APIs."""
+    server = native_process(default_model, default_fork, tmp_path)
+    reference = support.LlamaServer(default_model, binary=llama_server_bin)
+    with server, reference:
+        for route, body in [(MESSAGES, PLAIN_MESSAGES), (RESPONSES, PLAIN_RESPONSES)]:
+            for stream in (False, True):
+                asked = {**body, "stream": stream}
+                ours = post(server.engine_url + route, asked)
+                theirs = post(reference.url + route, asked)
+                assert ours[0] == theirs[0] == 200, (route, ours, theirs)
+                assert objects(ours[1]) == objects(theirs[1]), (route, stream)

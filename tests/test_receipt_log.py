@@ -4,7 +4,7 @@ On signed receipts: the chain checks across rotated files; a changed receipt, a 
 lines swapped, a line from another log are each refused at the line that breaks it; a last line
 cut short by a crash is not counted and is cut off when the log is opened again, and the chain
 goes on from the line before it. On a real ``bankml serve --native``: killed with SIGKILL under
-load three times and started again on the same log, the log still checks (``bankml check-receipt
+load twice and started again on the same log, the log still checks (``bankml check-receipt
 --log``) and holds no more lines than answers were given.
 """
 
@@ -119,6 +119,9 @@ def test_a_line_cut_short_by_a_crash_is_not_counted_and_is_cut_off(
     assert check_receipt_log(str(path), key.public_key_pem) == f"{VALID}: 6 receipts"
 
 
+ROUNDS = 2  # kills under load, each followed by a start on the same log
+
+
 def _load(url: str, stop: threading.Event, done: list[int], once: bool = False) -> None:
     """Short completions, one after the other, until ``stop`` or the server is gone."""
     body = json.dumps({"prompt": "Once upon a time", "n_predict": 4}).encode()
@@ -142,7 +145,7 @@ def test_kill_9_under_load_never_breaks_the_log(
 ) -> None:
     log = tmp_path / "receipts.jsonl"
     answered = 0
-    for round_ in range(3):
+    for round_ in range(ROUNDS):
         server = native_process(default_model, default_fork, tmp_path / f"round{round_}")
         server.engine_args += ["--receipt-key", str(key.path), "--receipt-log", str(log)]
         server.start()
@@ -154,7 +157,7 @@ def test_kill_9_under_load_never_breaks_the_log(
         workers = [threading.Thread(target=_load, args=(server.url, stop, done)) for _ in range(3)]
         for worker in workers:
             worker.start()
-        time.sleep(3.0)  # past a sync or two
+        time.sleep(2.5)  # past a sync or two
         server.stop(signal.SIGKILL)
         stop.set()
         for worker in workers:
@@ -172,5 +175,7 @@ def test_kill_9_under_load_never_breaks_the_log(
     kept = int(check.stdout.split()[1])
     # a kill loses at most the lines written since the last sync; a line can precede an answer
     # the kill cut off (three clients: at most three a round)
-    assert 0 < kept <= answered + 9, (kept, answered)
-    print(f"\nreceipt log after 3 kills under load: {kept} lines checked, {answered} answers")
+    assert 0 < kept <= answered + 3 * ROUNDS, (kept, answered)
+    print(
+        f"\nreceipt log after {ROUNDS} kills under load: {kept} lines checked, {answered} answers"
+    )

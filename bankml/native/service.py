@@ -38,7 +38,7 @@ from bankml.resources.description import ApiDescription
 from bankml.resources.ollama import put_ollama_routes
 from bankml.resources.openai import ChatCompletions, Completions, Messages, Models, Responses
 from bankml.serving.access import AccessControl, CorsPolicy
-from bankml.serving.routes import Branch, LlamaRoute
+from bankml.serving.routes import Branch, LlamaRoute, Loading
 from bankml.serving.site import LoopbackSite
 from bankml.serving.startup import (
     DEFAULT_LISTEN,
@@ -213,8 +213,34 @@ class NativeService(ServingService):
         super().startService()
         self.ready = self._bring_up()
 
+    def _addresses(self) -> list[str]:
+        out = [
+            self.options.get("listen") or DEFAULT_LISTEN,
+            self.options.get("upstream") or DEFAULT_UPSTREAM,
+        ]
+        if self.options.get("ollama-listen"):
+            out.append(self.options["ollama-listen"])
+        return out
+
+    def _access(self, root: Resource) -> Resource:
+        """CORS and the API key, once for each address, before any endpoint."""
+        llama_options = self.options.get("llama") or {}
+        cors = CorsPolicy(**llama_options["cors"]) if "cors" in llama_options else CorsPolicy()
+        return AccessControl(root, llama_options.get("api_keys") or (), cors)
+
     @inlineCallbacks
     def _bring_up(self) -> Any:
+        # listen at once, answering llama-server's 503 "Loading model" until the engine is up
+        # (the file is verified already; the kernels may take minutes to compile)
+        sites = []
+        try:
+            for address in self._addresses():
+                site = LoopbackSite(self._access(Loading()))
+                self.listen(site, address)
+                sites.append(site)
+        except Exception as err:
+            self.fatal(f"cannot listen: {err}")
+            return
         try:
             if self.compiling is not None:
                 yield self.compiling  # an error here is the open's too: it reports it
@@ -240,21 +266,11 @@ class NativeService(ServingService):
             metrics=bool(llama_options.get("metrics")),
             slots_list=llama_options.get("slots_endpoint", True),
         )
-        addresses = [
-            (self.options.get("listen") or DEFAULT_LISTEN, listen_root),
-            (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root),
-        ]
+        roots = [listen_root, engine_root]
         if self.options.get("ollama-listen"):
-            addresses.append((self.options["ollama-listen"], ollama_root(ollama)))
-        cors = CorsPolicy(**llama_options["cors"]) if "cors" in llama_options else CorsPolicy()
-        keys = llama_options.get("api_keys") or ()
-        try:
-            for address, root in addresses:
-                # CORS and the API key once for each address, before any endpoint
-                self.listen(LoopbackSite(AccessControl(root, keys, cors)), address)
-        except Exception as err:
-            self.fatal(f"cannot listen: {err}")
-            return
+            roots.append(ollama_root(ollama))
+        for site, root in zip(sites, roots):  # the loaded model answers from now on
+            site.resource = self._access(root)
         if heap.can_release():
             # off the reactor thread: a trim of a fragmented heap can take tens of milliseconds
             self.heap_trimmer = task.LoopingCall(deferToThread, heap.release_free_heap)
