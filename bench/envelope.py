@@ -32,18 +32,9 @@ from bankml import api  # noqa: E402
 from bankml.receipts.envelope import envelope_of, matches, opened  # noqa: E402
 from bankml.receipts.keys import keygen, load_public_key  # noqa: E402
 from bankml.receipts.log import ReceiptLog  # noqa: E402
+from bench.sampler import cpu_model  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Say hello."}]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def per_call_us(fn: object, rounds: int) -> float:

@@ -29,7 +29,7 @@ import pytest
 
 from bankml.receipts.answer import find_receipt
 from bankml.receipts.check import VALID, check_receipt
-from bankml.receipts.keys import SigningKey, keygen
+from bankml.receipts.keys import SigningKey
 from bankml.receipts.replay import (
     IDENTICAL,
     LlamaServerProcess,
@@ -142,31 +142,18 @@ UNCOMPARED = {"timings", "bankml_receipt", "model", "created_at", "completed_at"
 
 
 @pytest.fixture(scope="module")
-def key(tmp_path_factory: pytest.TempPathFactory) -> SigningKey:
-    return keygen(tmp_path_factory.mktemp("native-typed-key") / "receipt-key.pem")
+def key(signing_key: SigningKey) -> SigningKey:
+    return signing_key
 
 
 @pytest.fixture(scope="module")
-def native(
-    template: Path,
-    key: SigningKey,
-    default_model: Path,
-    default_fork: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Any:
-    server = native_process(default_model, default_fork, tmp_path_factory.mktemp("native"))
-    server.engine_args += ["--chat-template-file", str(template), "--receipt-key", str(key.path)]
-    with server:
-        yield server
+def native(template_pair: tuple[NativeProcess, Any]) -> NativeProcess:
+    return template_pair[0]
 
 
 @pytest.fixture(scope="module")
-def reference(template: Path, default_model: Path, llama_server_bin: Path) -> Any:
-    server = support.LlamaServer(
-        default_model, args=["--chat-template-file", str(template)], binary=llama_server_bin
-    )
-    with server:
-        yield server
+def reference(template_pair: tuple[NativeProcess, Any]) -> Any:
+    return template_pair[1]
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:

@@ -50,8 +50,8 @@ ASKED = [
 
 
 @pytest.fixture(scope="module")
-def key(tmp_path_factory: pytest.TempPathFactory) -> SigningKey:
-    return keygen(tmp_path_factory.mktemp("envelope-key") / "receipt-key.pem")
+def key(signing_key: SigningKey) -> SigningKey:
+    return signing_key
 
 
 @pytest.fixture(scope="module")

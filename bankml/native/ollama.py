@@ -35,7 +35,7 @@ from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.errors import ApiError
 from bankml.formats.ollama import OllamaError
 from bankml.gate import verify
-from bankml.native.resident import open_engine
+from bankml.native.resident import apply_server_defaults, open_engine
 from bankml.native.run import Step, relay_forwards
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OLLAMA_KIND
 from bankml.receipts.vouch import identity_problem
@@ -475,6 +475,12 @@ class OllamaHost:
             n_slots=self.native.n_slots,
             kv_unified=True,  # n_ctx is already each slot's
         )
+        # llama-server's server-wide flags hold for every load, as at start-up; its chat
+        # template (--chat-template-file) is the startup model's
+        llama = dict(self.options.get("llama") or {})
+        if verified.sha256 != self.catalog.registry.pins[0].sha256:
+            llama.pop("chat_template", None)
+        apply_server_defaults(engine, llama)
         engine.warm_up(self.log)
         self.native.swap(engine, verified)
         return engine
