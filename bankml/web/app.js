@@ -845,6 +845,23 @@ async function importFile(file) {
 
 // --- start ---
 
+// What the page reads of the server: the model's name, the receipt key, the defaults (again
+// when an API key is given).
+async function connect() {
+  const [models, key] = await Promise.allSettled([
+    getJson("/v1/models"),
+    getJson("/bankml/key").then((k) => importReceiptKey(k.public_key)),
+    applyDefaults(false),
+  ]);
+  state.model = models.status === "fulfilled" ? str(models.value?.data?.[0]?.id) : "";
+  $("model-name").textContent = state.model || "unknown";
+  state.receiptKey = key.status === "fulfilled" ? key.value : null;
+  $("key-id").textContent = state.receiptKey
+    ? state.receiptKey.keyid
+    : `none (${key.reason.message})`;
+  refreshUsage();
+}
+
 async function start() {
   load();
   $("api-key").value = settings.apiKey;
@@ -860,6 +877,7 @@ async function start() {
   $("api-key").addEventListener("change", () => {
     settings.apiKey = $("api-key").value;
     sessionStorage.setItem("bankml.apiKey", settings.apiKey);
+    connect().then(renderConversation);
   });
   $("reset-settings").addEventListener("click", () => applyDefaults(true));
   $("conversation").addEventListener("change", () => {
@@ -875,6 +893,7 @@ async function start() {
     $("prompt").focus();
   });
   $("delete-conversation").addEventListener("click", () => {
+    if (!window.confirm("Delete this conversation from this browser?")) return;
     state.conversations = state.conversations.filter((c) => c.id !== state.current);
     if (!state.conversations.length) state.conversations.push(cleanConversation({ messages: [] }));
     state.current = state.conversations[0].id;
@@ -891,21 +910,8 @@ async function start() {
   document.addEventListener("visibilitychange", refreshUsage);
   setInterval(refreshUsage, 3000);
 
-  const [models, key] = await Promise.allSettled([
-    getJson("/v1/models"),
-    getJson("/bankml/key").then((k) => importReceiptKey(k.public_key)),
-    applyDefaults(false),
-  ]);
-  state.model = models.status === "fulfilled" ? str(models.value?.data?.[0]?.id) : "";
-  $("model-name").textContent = state.model || "unknown";
-  if (key.status === "fulfilled") {
-    state.receiptKey = key.value;
-    $("key-id").textContent = key.value.keyid;
-  } else {
-    $("key-id").textContent = `none (${key.reason.message})`;
-  }
+  await connect();
   renderConversation();
-  refreshUsage();
   document.body.dataset.ready = "true";
 }
 
