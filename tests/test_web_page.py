@@ -4,7 +4,7 @@ by Playwright against a real `bankml serve --native` signing with a key of the t
 The page chats (streamed, greedy, a few tokens), checks the answer's receipt in the browser
 (``data-receipt="verified"``), and the files it offers pass ``bankml check-receipt``; an answer
 changed on the way (one byte of its text, or one field of its receipt) is ``failed``, an answer
-without a receipt ``unsigned``; model text is shown as text, never run; the page asks nothing
+without a receipt or stopped (Escape) ``unsigned``; model text is shown as text, never run; the page asks nothing
 of any other address. Its canonical JSON is compared with bankml's own on awkward values.
 Screenshots at desktop and phone width go to the test's tmp_path (their paths are printed).
 """
@@ -15,6 +15,7 @@ import hashlib
 import http.client
 import json
 import random
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,6 +306,37 @@ def test_model_text_is_shown_never_run_and_an_answer_without_receipt_is_unsigned
     assert answer.locator("ol.calls").inner_text().strip() == 'lookup({"q":"<x>"})'
 
 
+def test_escape_stops_an_answer_which_is_then_unsigned(visit: Visit) -> None:
+    """A long answer (the request made to ignore end of text on the way) stopped from the
+    keyboard once it has begun: what came is kept, with no receipt."""
+    page = visit.page
+
+    def longer(route: Any) -> None:
+        body = json.loads(route.request.post_data)
+        route.continue_(post_data=json.dumps({**body, "max_tokens": 512, "ignore_eos": True}))
+
+    page.route("**/v1/chat/completions", longer)
+    try:
+        before = page.locator("li.assistant").count()
+        page.fill("#prompt", "Count to ten.")
+        page.press("#prompt", "Enter")
+        page.wait_for_function(
+            "n => (document.querySelectorAll('li.assistant')[n]?.querySelector('.text')"
+            "?.textContent || '').length > 0",
+            arg=before,
+        )
+        assert page.is_enabled("#stop")
+        page.keyboard.press("Escape")
+        answer = page.locator("li.assistant").nth(before)
+        page.wait_for_function("e => e.dataset.receipt !== 'checking'", arg=answer.element_handle())
+    finally:
+        page.unroute("**/v1/chat/completions")
+    assert answer.get_attribute("data-receipt") == "unsigned"
+    assert "stopped before the end" in answer.locator("details.receipt").text_content()
+    assert page.text_content("#status") == "Stopped." and not page.is_enabled("#stop")
+    assert visit.stored_answers()[-1]["stopped"] is True
+
+
 def test_export_and_import_check_the_receipts_again(
     visit: Visit, answered: tuple[Any, str, str], tmp_path: Path
 ) -> None:
@@ -330,14 +362,13 @@ def test_the_usage_plot_shows_the_engines_records(
     visit: Visit, answered: tuple[Any, str, str], server: NativeProcess
 ) -> None:
     page = visit.page
-    kept = server.get("/bankml/metrics")[1]["kept"]
-    assert kept >= 1
     page.wait_for_function(
-        "n => document.getElementById('usage-text').textContent.includes(`(${n} completions`)",
-        arg=kept,
+        "() => document.getElementById('usage-text').textContent.includes('completions kept')",
         timeout=20_000,
     )
-    assert "tokens/s" in page.text_content("#usage-text")
+    text = page.text_content("#usage-text")
+    shown = int(re.search(r"\((\d+) completions kept\)", text).group(1))
+    assert "tokens/s" in text and 1 <= shown <= server.get("/bankml/metrics")[1]["kept"]
     drawn = page.evaluate(
         "() => { const c = document.getElementById('usage-plot');"
         " const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
