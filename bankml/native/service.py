@@ -33,10 +33,11 @@ from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
 from bankml.native.ollama import make_host
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
-from bankml.resources.bankml import BankmlResource
+from bankml.resources.bankml import BankmlResource, KeyResource, MetricsResource
 from bankml.resources.description import ApiDescription
 from bankml.resources.ollama import put_ollama_routes
 from bankml.resources.openai import ChatCompletions, Completions, Messages, Models, Responses
+from bankml.resources.web import WebRoot, put_web_page
 from bankml.serving.access import AccessControl, CorsPolicy
 from bankml.serving.routes import Branch, LlamaRoute, Loading
 from bankml.serving.site import LoopbackSite
@@ -121,11 +122,17 @@ def build_native_roots(
     *,
     metrics: bool = True,
     slots_list: bool = True,
+    webui: bool = True,
 ) -> tuple[Resource, Resource]:
     """(listen_root, engine_root): bankml's address with /bankml (and Ollama's routes, given
     ``ollama``), and the engine address with /slots; both answer the OpenAI and llama-server
     endpoints (/metrics only with ``metrics``, else llama-server's 501; ``GET /slots`` unless
-    ``slots_list`` is False, --no-slots)."""
+    ``slots_list`` is False, --no-slots). The engine address also answers ``GET /bankml/key``
+    (with a receipt key) and ``GET /bankml/metrics``, which its web page reads.
+
+    ``webui`` (llama-server's ``--no-webui`` makes it False): the web page
+    (resources/web.py) at ``/`` of the engine address, where llama-server serves its own, and
+    at ``/ui`` of both; without it ``/`` is llama-server's JSON 404 and ``/ui`` is not routed."""
     if sampler is None:
         sampler = UsageSampler(
             native.reactor,
@@ -137,8 +144,16 @@ def build_native_roots(
     if ollama is not None:
         put_ollama_routes(listen_root, ollama)
     _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics)
-    engine_root = Branch()
+    engine_root = WebRoot() if webui else Branch()
     _put_llama_endpoints(engine_root, native, slots=True, metrics=metrics, slots_list=slots_list)
+    engine_bankml = Branch()  # what the page on / reads: the key and the completions' records
+    if native.receipt_key is not None:
+        engine_bankml.putChild(b"key", KeyResource(native.receipt_key))
+    engine_bankml.putChild(b"metrics", MetricsResource(native.metrics))
+    engine_root.putChild(b"bankml", engine_bankml)
+    if webui:
+        put_web_page(listen_root)
+        put_web_page(engine_root)
     return listen_root, engine_root
 
 
