@@ -24,7 +24,7 @@ venv: $(BIN)/bankml
 # the web page's tests drive Debian's chromium through Playwright (nothing downloaded at run time)
 $(VENV)/.test-deps: $(BIN)/bankml setup.cfg
 	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $@
 
 test-deps: $(VENV)/.test-deps
