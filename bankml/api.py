@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
-from bankml.formats.answer import ChatAnswer, answers_for, merged
+from bankml.formats.answer import ChatAnswer
+from bankml.formats.answers import answers_for, merged
 from bankml.formats.errors import ApiError
 from bankml.formats.nlohmann import check_unicode, loads_json
 from bankml.gate.verify import Refused, verify

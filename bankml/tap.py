@@ -103,6 +103,13 @@ class Options(usage.Options):
             "the Ed25519 key that signs every receipt (default $BANKML_RECEIPT_KEY, else "
             "~/.local/share/bankml/receipt-key.pem; created 0600 at the first start)",
         ],
+        [
+            "receipt-log",
+            None,
+            None,
+            "append every receipt to this file, each line chained to the one before by hash "
+            "(fsynced every second, rotated at 64 MiB; bankml check-receipt --log FILE checks it)",
+        ],
         # -- Ollama's API (--native): the registry, keep-alive, residency, its own address
         [
             "registry",

@@ -85,6 +85,43 @@ def reference_server(default_model: Path, llama_server_bin: Path):
         yield server
 
 
+@pytest.fixture(scope="session")
+def signing_key(tmp_path_factory: pytest.TempPathFactory):
+    """One receipt signing key for the servers the tests start and the receipts they check."""
+    from bankml.receipts.keys import keygen
+
+    return keygen(tmp_path_factory.mktemp("signing-key") / "receipt-key.pem")
+
+
+@pytest.fixture(scope="session")
+def template_pair(
+    template: Path,
+    signing_key,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """(``bankml serve --native`` signing with ``signing_key``, llama-server), both given Qwen3's
+    chat template (``--chat-template-file``): the side-by-side pair of the tool-call, Messages and
+    Responses tests. Both get the same requests in the same order, so their prompt caches hold
+    the same prefixes."""
+    from tests.native_server import native_process
+
+    native = native_process(default_model, default_fork, tmp_path_factory.mktemp("template-pair"))
+    native.engine_args += [
+        "--chat-template-file",
+        str(template),
+        "--receipt-key",
+        str(signing_key.path),
+    ]
+    reference = support.LlamaServer(
+        default_model, args=["--chat-template-file", str(template)], binary=llama_server_bin
+    )
+    with native, reference:
+        yield native, reference
+
+
 # The fixtures below import what they use when they run: a test run that needs none of them
 # loads nothing more for them.
 

@@ -7,13 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from bankml.engine_cupy.sampler import SamplerParams
-from bankml.formats.answer import (
-    ChatAnswer,
-    CompletionAnswer,
-    LlamaCompletionAnswer,
-    answers_for,
-    merged,
-)
+from bankml.formats.answer import ChatAnswer, CompletionAnswer, LlamaCompletionAnswer
+from bankml.formats.answers import answers_for, merged
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OAI_COMPLETION
 from bankml.receipts.tally import Tally
 

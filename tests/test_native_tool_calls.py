@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import pytest
 
 from bankml.receipts.answer import find_receipt
 from bankml.receipts.check import VALID, check_receipt
-from bankml.receipts.keys import SigningKey, keygen
+from bankml.receipts.keys import SigningKey
 from bankml.receipts.replay import (
     IDENTICAL,
     LlamaServerProcess,
@@ -70,31 +71,18 @@ ID = re.compile(r"[0-9A-Za-z]{32}")
 
 
 @pytest.fixture(scope="module")
-def key(tmp_path_factory: pytest.TempPathFactory) -> SigningKey:
-    return keygen(tmp_path_factory.mktemp("native-tools-key") / "receipt-key.pem")
+def key(signing_key: SigningKey) -> SigningKey:
+    return signing_key
 
 
 @pytest.fixture(scope="module")
-def native(
-    template: Path,
-    key: SigningKey,
-    default_model: Path,
-    default_fork: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Any:
-    server = native_process(default_model, default_fork, tmp_path_factory.mktemp("native"))
-    server.engine_args += ["--chat-template-file", str(template), "--receipt-key", str(key.path)]
-    with server:
-        yield server
+def native(template_pair: tuple[NativeProcess, Any]) -> NativeProcess:
+    return template_pair[0]
 
 
 @pytest.fixture(scope="module")
-def reference(template: Path, default_model: Path, llama_server_bin: Path) -> Any:
-    server = support.LlamaServer(
-        default_model, args=["--chat-template-file", str(template)], binary=llama_server_bin
-    )
-    with server:
-        yield server
+def reference(template_pair: tuple[NativeProcess, Any]) -> Any:
+    return template_pair[1]
 
 
 def _post(url: str, body: dict[str, Any]) -> bytes:
@@ -240,7 +228,8 @@ def test_the_chat_flags_as_llama_servers(
     tmp_path: Path,
 ) -> None:
     """--reasoning-format, --reasoning and --chat-template-kwargs natively, beside llama-server
-    started with the same flags: the same answers."""
+    started with the same flags: the same answers, also after the model was unloaded (its
+    keep-alive ran out) and loaded again."""
     flags = [
         "--chat-template-file",
         str(template),
@@ -252,14 +241,20 @@ def test_the_chat_flags_as_llama_servers(
         '{"enable_thinking": true}',
     ]
     server = native_process(default_model, default_fork, tmp_path)
-    server.engine_args += flags
+    # a keep-alive that runs out between the two rounds: the model is loaded again, with the
+    # same flags
+    server.engine_args += [*flags, "--keep-alive", "1s"]
     reference = support.LlamaServer(default_model, args=flags, binary=llama_server_bin)
     with server, reference:
-        for name in ("call", "reasoning", "plain"):
-            body = CASES[name]
-            assert _choices(_post(server.engine_url, body), False) == _choices(
-                _post(reference.url, body), False
-            ), name
+        for round_ in range(2):
+            for name in ("call", "reasoning", "plain"):
+                body = CASES[name]
+                assert _choices(_post(server.engine_url, body), False) == _choices(
+                    _post(reference.url, body), False
+                ), (name, round_)
+            if round_ == 0:
+                time.sleep(2.5)
+                assert b"expires_at" not in urllib.request.urlopen(server.url + "/api/ps").read()
 
 
 BAD = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ollama._types import (
@@ -20,6 +21,7 @@ from bankml.formats import ollama as fmt
 from bankml.formats.ollama_request import (
     CHAT,
     GENERATE,
+    Prepared,
     fit_chat,
     parse_body,
     prepare,
@@ -395,8 +397,45 @@ HELLO = [{"role": "user", "content": "hello"}]
             CHAT,
             {"messages": HELLO, "tools": [{"type": "function"}]},
             400,
-            "tools: tool calling needs a tool-call grammar and parser, which bankml's Ollama API "
-            "does not have; send plain messages",
+            "tools: tools[0].function must be an object",
+        ),
+        (CHAT, {"messages": HELLO, "tools": {"a": 1}}, 400, "tools: an array of tools"),
+        (
+            CHAT,
+            {"messages": HELLO, "tools": [{"type": "function", "function": {"name": 5}}]},
+            400,
+            "tools: tools[0].function.name must be a non-empty string",
+        ),
+        (
+            CHAT,
+            {"model": "tiny-f16", "messages": HELLO, "tools": [{"function": {"name": "f"}}]},
+            400,
+            "tiny-f16 does not support tools",  # the pin's template (ChatML) has no tool calls
+        ),
+        (
+            GENERATE,
+            {"prompt": "x", "tools": [{"function": {"name": "f"}}]},
+            400,
+            "tools: /api/generate takes no tools; send them to /api/chat",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
+            400,
+            "messages[0]: only an assistant message calls tools",
+        ),
+        (
+            CHAT,
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+                    }
+                ]
+            },
+            400,
+            "messages[0].tool_calls[0].function.arguments must be an object",
         ),
         (
             GENERATE,
@@ -418,12 +457,31 @@ HELLO = [{"role": "user", "content": "hello"}]
         ),
         (
             CHAT,
-            {"messages": HELLO, "think": "high"},
+            {"model": "tiny-f16", "messages": HELLO, "think": "high"},
             400,
-            "think: bankml's models answer without a separate thinking channel; send think: "
-            "false or leave it out",
+            '"tiny-f16" does not support thinking',  # Ollama's message: the name as asked
         ),
         (CHAT, {"messages": HELLO, "think": True}, 400, None),
+        (
+            CHAT,
+            {"messages": HELLO, "think": "extreme"},
+            400,
+            'invalid think value: "extreme" (must be "high", "medium", "low", "max", true, or '
+            "false)",
+        ),
+        (
+            GENERATE,
+            {"prompt": "x", "think": 3},
+            400,
+            'think must be a boolean or string ("high", "medium", "low", "max", true, or false)',
+        ),
+        (
+            GENERATE,
+            {"prompt": "x", "raw": True, "think": False},
+            400,
+            "think: raw mode and a context take the prompt as given; thinking is set through the "
+            "chat template (send think without raw or context, or leave it out)",
+        ),
         (
             GENERATE,
             {"prompt": "x", "context": [1, "two"]},
@@ -511,9 +569,9 @@ HELLO = [{"role": "user", "content": "hello"}]
         (CHAT, {"messages": [{"content": "x"}]}, 400, "a message without a role"),
         (
             CHAT,
-            {"messages": [{"role": "tool", "content": "x"}]},
+            {"messages": [{"role": "function", "content": "x"}]},
             400,
-            'a message with role "tool": roles are system, user and assistant',
+            'a message with role "function": roles are system, user, assistant and tool',
         ),
         (
             CHAT,
@@ -807,6 +865,62 @@ def test_an_answer_without_logprobs() -> None:
     assert GenerateResponse.model_validate(final).context == [1, 2]
 
 
+def _toy_parse(text: str, partial: bool) -> Any:
+    """A chat format's parse in miniature: reasoning up to "|", then content up to the first
+    "@", then one call per "@name" (arguments {"n": <its position>})."""
+    from bankml.formats.chat_message import ChatMessage, ToolCallMsg
+
+    if "|" not in text:
+        return ChatMessage(reasoning_content=text)
+    reasoning, _, rest = text.partition("|")
+    content, *names = rest.split("@")
+    calls = tuple(
+        ToolCallMsg(name=name, arguments=json.dumps({"n": i, "é": [1.5, None]}))
+        for i, name in enumerate(names)
+    )
+    return ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_parsed_answer_carries_thinking_and_whole_tool_calls(stream: bool) -> None:
+    import re
+
+    from bankml.engine_cupy.schedule import Chunk, Summary
+    from bankml.receipts.answer import read_answer
+
+    pieces = ["Let ", "me|", "Hi", "!", "@f", "@g"]
+    summary = Summary(finish_reason="stop", text="".join(pieces), prompt_tokens=5)
+    summary.completion_tokens = len(pieces)
+    answer = fmt.OllamaAnswer(
+        CHAT, "m:latest", b"{}", stream=stream, clock_ns=_Clock(), parser=_toy_parse
+    )
+    lines = [line for p in pieces for line in answer.on_chunk(Chunk(p, None, False, 1))]
+    lines += answer.last_pieces()
+    final = answer.final(summary, engine="native", model_sha256="ab" * 32)
+    messages = [line["message"] for line in [*lines, final]]
+    calls = [call for m in messages for call in m.get("tool_calls", [])]
+    assert "".join(m.get("thinking", "") for m in messages) == "Let me"
+    assert "".join(m["content"] for m in messages) == "Hi!"
+    assert [c["function"] for c in calls] == [
+        {"index": 0, "name": "f", "arguments": {"n": 0, "é": [1.5, None]}},
+        {"index": 1, "name": "g", "arguments": {"n": 1, "é": [1.5, None]}},
+    ]
+    assert all(re.fullmatch(r"call_[a-z0-9]{8}", c["id"]) for c in calls)
+    if stream:  # thinking and content as they grow; f once g began, g on the last piece line
+        assert [m.get("thinking", "") for m in messages[:2]] == ["Let ", "me"]
+        assert [len(m.get("tool_calls", [])) for m in messages[-3:]] == [1, 1, 0]
+    else:
+        assert lines == []
+    for obj in [*lines, final]:
+        ChatResponse.model_validate(obj)
+    body = b"".join(fmt.ndjson_line(obj) for obj in [*lines, final]) if stream else fmt.dumps(final)
+    receipt = final["bankml_receipt"]
+    view = read_answer(body, "ollama_chat")
+    assert view.acts.receipt_fields() == {
+        k: receipt[k] for k in ("reasoning_sha256", "tool_calls_sha256")
+    }
+
+
 # -- the engine takes what the pipeline prepares --------------------------------------------------
 
 
@@ -872,3 +986,47 @@ def test_fit_chat_with_the_model_s_template(served) -> None:
     assert kept[0]["role"] == "system" and kept[-1]["content"] == "last"
     assert count(kept) <= whole - 1 < count(long) and len(kept) < len(long)
     assert fit_chat(long, count, whole) == long
+
+
+def test_tools_think_and_tool_messages_become_the_chat_body(catalog: Catalog) -> None:
+    """Ollama's tool calls (object arguments), tool results and thinking as the chat body the
+    engine reads as /v1/chat/completions; think's levels as reasoning_effort."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "thinking": "hmm",
+            "tool_calls": [{"function": {"index": 0, "name": "f", "arguments": {"a": "é"}}}],
+        },
+        {"role": "TOOL", "content": "42", "tool_name": "f"},
+    ]
+
+    def chat(body: dict) -> Prepared:
+        caps = lambda target: ("tools", "thinking")  # noqa: E731
+        return prepare(
+            CHAT, {"messages": messages, **body}, catalog, n_ctx=N_CTX, capabilities=caps
+        )
+
+    got = chat({"tools": [tool], "think": "low"})
+    assert got.body["tools"] == [tool] and got.parse_message and got.think == "low"
+    assert got.body["chat_template_kwargs"] == {"enable_thinking": True}
+    assert got.body["reasoning_effort"] == "low"
+    assert got.body["messages"][1:] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "hmm",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": '{"a":"é"}'}}
+            ],
+        },
+        {"role": "tool", "content": "42", "name": "f"},
+    ]
+    off = chat({"think": False})
+    assert off.body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "reasoning_effort" not in off.body and "tools" not in off.body
+    plain = _prep(CHAT, {"model": "tiny-f16", "messages": HELLO, "think": False}, catalog)
+    assert plain.body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert not _prep(CHAT, {"model": "tiny-f16", "messages": HELLO}, catalog).parse_message

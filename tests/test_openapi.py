@@ -31,6 +31,7 @@ LLAMA_SERVER_ROUTES = [
     ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/tokenize"),
     ("POST", "/detokenize"), ("POST", "/apply-template"),
     ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/responses/input_tokens"), ("POST", "/responses/input_tokens"),
     ("GET", "/lora-adapters"), ("POST", "/lora-adapters"), ("GET", "/slots"),
     ("POST", "/slots/0"), ("GET", "/v1/stream"), ("GET", "/cors-proxy"), ("GET", "/tools"),
     ("GET", "/api/tags"), ("POST", "/api/chat"), ("POST", "/api/generate"),

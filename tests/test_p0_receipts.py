@@ -418,3 +418,22 @@ def test_the_openai_client_parses_signed_responses(p0: BankmlProcess, key: Signi
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == answer.output_text
     assert events[-1].model_extra["bankml_receipt"]["api"] == "responses"
+
+
+def test_the_anthropic_client_parses_signed_messages(p0: BankmlProcess, key: SigningKey) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=p0.url, api_key="none", max_retries=0)
+    asked = {
+        "model": "default",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": COLOUR}],
+        "extra_body": {"temperature": 0},
+    }
+    raw = client.messages.with_raw_response.create(**asked)  # type: ignore[call-overload]
+    answer = raw.parse()
+    assert answer.content[0].type == "text" and answer.content[0].text
+    assert check_receipt(raw.http_request.content, raw.content, key.public_key_pem) == VALID
+    with client.messages.stream(**asked) as events:  # type: ignore[arg-type]
+        streamed = events.get_final_message()
+    assert streamed.content[0].text == answer.content[0].text  # type: ignore[union-attr]

@@ -480,3 +480,17 @@ async def test_p0_serves_the_api_description_without_asking_the_engine(front: Fr
     assert response.code == 200
     assert body == (Path(__file__).parent.parent / "bankml" / "openapi.json").read_bytes()
     assert front.mock.requests == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_web_page_is_at_ui_of_the_listen_address(front: Front) -> None:
+    """P0 serves bankml's web page at /ui (docs/modules/web.md); another method there is 404."""
+    for path, kind in (("/ui", "text/html"), ("/ui/app.js", "text/javascript")):
+        resp = await treq.get(front.url + path)
+        body = await resp.content()
+        assert resp.code == 200, path
+        assert resp.headers.getRawHeaders("content-type") == [f"{kind}; charset=utf-8"]
+        policy = resp.headers.getRawHeaders("content-security-policy")[0]
+        assert "default-src 'self'" in policy and b"bankml" in body
+    resp = await treq.post(front.url + "/ui", b"{}", headers={"Content-Type": "application/json"})
+    assert resp.code == 404 and (await resp.json())["error"]["message"] == "File Not Found"

@@ -198,7 +198,7 @@ def test_canonical_bytes_are_what_jq_writes(exchanges: list[Exchange]) -> None:
     for ex in exchanges:
         r = find_receipt(ex.response)[1]
         jq = subprocess.run(
-            ["jq", "-cjS", "del(.signature)"],
+            ["jq", "-cjS", "del(.signature, .envelope)"],
             input=json.dumps(r).encode(),
             capture_output=True,
             check=True,
@@ -229,7 +229,7 @@ def test_openssl_alone_verifies(
     (tmp_path / "pub.pem").write_text(receipt_key.public_key_pem)
     script = (
         "jq -r .bankml_receipt.signature obj.json | base64 -d > sig.bin && "
-        "{ printf 'bankml-receipt-v2\\n'; jq -cjS '.bankml_receipt | del(.signature)' obj.json; } > signed.bin && "
+        "{ printf 'bankml-receipt-v2\\n'; jq -cjS '.bankml_receipt | del(.signature, .envelope)' obj.json; } > signed.bin && "
         "openssl pkeyutl -verify -pubin -inkey pub.pem -rawin -in signed.bin -sigfile sig.bin"
     )
     for ex in exchanges:

@@ -57,3 +57,71 @@ REASONING: dict[str, Any] = {
     "max_tokens": 30,
     "temperature": 0,
 }
+
+
+def as_messages(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat request of this module as the Anthropic Messages request that says the same: an
+    assistant call as a ``tool_use`` block, a reasoning turn as a ``thinking`` block."""
+    messages: list[dict[str, Any]] = []
+    for message in chat["messages"]:
+        if message.get("tool_calls"):
+            blocks = [
+                {
+                    "type": "tool_use",
+                    "id": call["id"],
+                    "name": call["function"]["name"],
+                    "input": json.loads(call["function"]["arguments"]),
+                }
+                for call in message["tool_calls"]
+            ]
+            messages.append({"role": "assistant", "content": blocks})
+        elif message.get("reasoning_content"):
+            block = {"type": "thinking", "thinking": message["reasoning_content"]}
+            messages.append({"role": "assistant", "content": [block]})
+        else:
+            messages.append(message)
+    out: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": chat["max_tokens"],
+        "temperature": chat["temperature"],
+    }
+    if "tools" in chat:
+        out["tools"] = [
+            {
+                "name": tool["function"]["name"],
+                "description": tool["function"]["description"],
+                "input_schema": tool["function"]["parameters"],
+            }
+            for tool in chat["tools"]
+        ]
+    return out
+
+
+def as_responses(chat: dict[str, Any]) -> dict[str, Any]:
+    """The same as an OpenAI Responses request: a call as a ``function_call`` item, a reasoning
+    turn as a ``reasoning`` item."""
+    items: list[dict[str, Any]] = []
+    for message in chat["messages"]:
+        if message.get("tool_calls"):
+            items += [
+                {
+                    "type": "function_call",
+                    "call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "arguments": call["function"]["arguments"],
+                }
+                for call in message["tool_calls"]
+            ]
+        elif message.get("reasoning_content"):
+            text = {"type": "reasoning_text", "text": message["reasoning_content"]}
+            items.append({"type": "reasoning", "summary": [], "content": [text]})
+        else:
+            items.append(message)
+    out: dict[str, Any] = {
+        "input": items,
+        "max_output_tokens": chat["max_tokens"],
+        "temperature": chat["temperature"],
+    }
+    if "tools" in chat:
+        out["tools"] = [{"type": "function", **tool["function"]} for tool in chat["tools"]]
+    return out

@@ -1,13 +1,19 @@
 """``bankml check-receipt`` and ``bankml keygen``, as functions of their arguments.
 
     bankml check-receipt --request REQUEST --response RESPONSE --key PUBKEY
-                         [--model-sha256 HEX] [--replay MODEL --fork F
+                         [--model-sha256 HEX] [--envelope FILE] [--replay MODEL --fork F
                           [--replay-with-llama-server BIN] [--chat-template-file F]]
-    bankml keygen [--key FILE]
+    bankml check-receipt --log FILE --key PUBKEY
+    bankml keygen [--key FILE] [--rotate | --revoke KEYID --reason TEXT]
 
 check-receipt prints ``valid`` (exit 0) or ``refuse: <reason>`` (exit 2); with a replay, the
 replay's verdict follows on a second line and a replay that does not pass (``refuse`` or
-``cannot replay``) exits 2 too. A usage error (or an unreadable file) exits 1. keygen prints the key's path and id.
+``cannot replay``) exits 2 too. ``--envelope FILE`` checks a DSSE envelope kept apart from the
+answer (its ``bankml_receipt.envelope``, stored on its own) instead of the receipt in the
+answer. ``--log FILE`` checks a ``--receipt-log`` (its rotated files too): ``valid: N receipts``,
+or ``refuse:`` naming the first line that breaks it. A usage error (or an unreadable file) exits 1. keygen prints the key's path and id;
+``--rotate`` retires the key in FILE into ``FILE.keyring.json`` and makes a new one in its
+place, ``--revoke KEYID --reason TEXT`` marks a retired key revoked (receipts/keyring.py).
 """
 
 from __future__ import annotations
@@ -39,10 +45,14 @@ def _read(path: str, what: str) -> bytes:
 
 def check_receipt_main(argv: Sequence[str] | None = None) -> int:
     parser = _parser("bankml check-receipt", "check a bankml answer's receipt")
-    parser.add_argument("--request", required=True, help="the request body as sent")
-    parser.add_argument("--response", required=True, help="the response body as received")
+    parser.add_argument("--request", help="the request body as sent")
+    parser.add_argument("--response", help="the response body as received")
+    parser.add_argument("--log", metavar="FILE", help="check this receipt log (--receipt-log)")
     parser.add_argument("--key", required=True, help="the PEM public key (GET /bankml/key)")
     parser.add_argument("--model-sha256", help="the model file's pinned sha256")
+    parser.add_argument(
+        "--envelope", metavar="FILE", help="check this DSSE envelope of the answer's receipt"
+    )
     parser.add_argument("--replay", metavar="MODEL", help="replay the request on this file")
     parser.add_argument("--fork", help="MODEL's FORK.json (its pin)")
     parser.add_argument(
@@ -54,6 +64,16 @@ def check_receipt_main(argv: Sequence[str] | None = None) -> int:
         "--replay-with-llama-server", metavar="BIN", help="replay through this llama-server"
     )
     args = parser.parse_args(argv)
+    if args.log:
+        if args.request or args.response or args.replay or args.envelope:
+            parser.error("--log FILE goes with --key alone")
+        from bankml.receipts.check import check_receipt_log
+
+        verdict = check_receipt_log(args.log, _read(args.key, "--key"))
+        print(verdict, flush=True)
+        return EXIT_VALID if verdict.startswith("valid") else EXIT_REFUSED
+    if not args.request or not args.response:
+        parser.error("--request and --response are required (or --log FILE)")
     if (args.replay is None) != (args.fork is None):
         parser.error("--replay MODEL and --fork F go together")
     if args.replay_with_llama_server and not args.replay:
@@ -64,9 +84,13 @@ def check_receipt_main(argv: Sequence[str] | None = None) -> int:
     response = _read(args.response, "--response")
     key = _read(args.key, "--key")
 
-    from bankml.receipts.check import check_receipt
+    from bankml.receipts.check import check_envelope, check_receipt
 
-    verdict = check_receipt(request, response, key, model_sha256=args.model_sha256)
+    if args.envelope:
+        envelope = _read(args.envelope, "--envelope")
+        verdict = check_envelope(request, response, envelope, key, model_sha256=args.model_sha256)
+    else:
+        verdict = check_receipt(request, response, key, model_sha256=args.model_sha256)
     print(verdict, flush=True)
     if verdict != "valid":
         return EXIT_REFUSED
@@ -132,14 +156,28 @@ def keygen_main(argv: Sequence[str] | None = None, home: str | None = None) -> i
         "--key",
         help="where to write it (default $BANKML_RECEIPT_KEY, else under ~/.local/share/bankml/)",
     )
+    parser.add_argument(
+        "--rotate", action="store_true", help="retire the key into its keyring, make a new one"
+    )
+    parser.add_argument("--revoke", metavar="KEYID", help="mark this retired key revoked")
+    parser.add_argument("--reason", help="why the key is revoked (with --revoke)")
     args = parser.parse_args(argv)
+    if args.rotate and args.revoke:
+        parser.error("--rotate and --revoke are separate steps")
+    if bool(args.revoke) != bool(args.reason):
+        parser.error("--revoke KEYID and --reason TEXT go together")
 
+    from bankml.receipts.keyring import revoke, rotate
     from bankml.receipts.keys import KEY_ENV, KeyRefused, key_path, keygen
 
     environ = {k: v for k, v in os.environ.items() if not (home and k == KEY_ENV)}
     path = key_path(args.key, environ, home)
     try:
-        key = keygen(path)
+        if args.revoke:
+            revoke(path, args.revoke, args.reason)
+            print(json.dumps({"path": str(path), "revoked": args.revoke}))
+            return EXIT_VALID
+        key = rotate(path) if args.rotate else keygen(path)
     except KeyRefused as err:
         print(f"refuse: {err.reason}", file=sys.stderr)
         return EXIT_REFUSED

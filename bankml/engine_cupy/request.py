@@ -261,7 +261,33 @@ def check_chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         content = msg.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError("Expected 'content' to be a string or an array")
+        for part in content if isinstance(content, list) else []:
+            check_content_part(part)
     return messages
+
+
+# a media part's kind, in llama-server's refusal of it when no projector is loaded (bankml
+# loads none)
+MEDIA_PARTS = {
+    "image_url": "image",
+    "input_audio": "audio",
+    "input_video": "video",
+    "video_url": "video",
+}
+
+
+def check_content_part(part: Any) -> None:
+    """oaicompat_content_load_media's checks of one content part: text, else a media part
+    (refused: no projector), else its refusal of the type."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    kind = kind if isinstance(kind, str) else ""
+    if kind in MEDIA_PARTS:
+        raise RequestError(
+            f"{MEDIA_PARTS[kind]} input is not supported - hint: if this is unexpected, "
+            "you may need to provide the mmproj"
+        )
+    if kind != "text":
+        raise RequestError("unsupported content[].type")
 
 
 def chat_render_options(body: Mapping[str, Any]) -> dict[str, Any]:

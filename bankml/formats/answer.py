@@ -6,7 +6,8 @@ bankml/native/run.py's ``Step``s) and returns what to send, built by the wire fo
 llama-server's shapes. It holds the answer's ``Tally``; the receipt rides in the whole object, or
 inside the last event of a stream. One subclass per endpoint family: ``ChatAnswer``
 (/v1/chat/completions), ``CompletionAnswer`` (/v1/completions), ``LlamaCompletionAnswer``
-(llama-server's /completion).
+(llama-server's /completion); the Responses and Messages answers build on ``ChatAnswer``
+(bankml/formats/converted.py), and bankml/formats/answers.py names the class of each API kind.
 
 What it asks of the engine that answers is ``AnswerSource``: the served model's name and build,
 the number of tokens of a stop word, and the receipt of a finished answer (bankml/native's
@@ -28,6 +29,7 @@ from bankml.formats import llama as llama_format
 from bankml.formats import openai as openai_format
 from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.chat_message import (
+    MessageDiff,
     MessageStream,
     delta_object,
     finish_reason,
@@ -289,10 +291,14 @@ class ChatAnswer(Answer):
             self.tally.take_chat(message_object(self.messages.message))
 
     def _message_events(self, added: str, partial: bool) -> list[dict[str, Any]]:
-        """The deltas the parse finds after ``added`` (tallied as sent)."""
+        """The events of what the parse finds after ``added``."""
         assert self.messages is not None
+        return self.diff_events(self.messages.update(added, partial))
+
+    def diff_events(self, diffs: list[MessageDiff]) -> list[dict[str, Any]]:
+        """One parse's changes as this API streams them: OpenAI's deltas (tallied as sent)."""
         events = []
-        for diff in self.messages.update(added, partial):
+        for diff in diffs:
             delta = delta_object(diff)
             self.tally.take_chat(delta)
             events.append(openai_format.chat_chunk(self.envelope(), delta, index=self.index))
@@ -463,41 +469,3 @@ class LlamaCompletionAnswer(Answer):
     def shaped(self, obj: dict[str, Any]) -> dict[str, Any]:
         paths = self.options.get("response_fields") or []
         return llama_format.only_fields(obj, paths) if paths else obj
-
-
-ANSWERS: dict[str, type[Answer]] = {
-    CHAT: ChatAnswer,
-    OAI_COMPLETION: CompletionAnswer,
-    LLAMA_COMPLETION: LlamaCompletionAnswer,
-}
-
-
-def answers_for(
-    source: AnswerSource,
-    kind: str,
-    body: bytes,
-    request: dict[str, Any],
-    parsed: list[Any],
-    stream: bool | None = None,
-) -> list[Answer]:
-    """The Answer of each of a request's parsed answers (its prompts and ``n`` completions, in
-    index order), all with the first one's id and creation time, as llama-server's answers to
-    one request share them."""
-    answers = [
-        ANSWERS[kind](source, kind, body, request, one, index=index, stream=stream)
-        for index, one in enumerate(parsed)
-    ]
-    for answer in answers[1:]:
-        answer.id, answer.created = answers[0].id, answers[0].created
-    return answers
-
-
-def merged(kind: str, results: list[dict[str, Any]]) -> Any:
-    """The non-streamed answer to a request's prompts and completions (``results`` in index
-    order): one object for one; for several, llama-server's array on /completion, one object
-    with every choice on the OpenAI endpoints."""
-    if len(results) == 1:
-        return results[0]
-    if kind == LLAMA_COMPLETION:
-        return results
-    return openai_format.merged_completions(results)

@@ -22,8 +22,13 @@ receipt.
 **Errors** are ``{"error": "<message>"}`` and nothing else; during a stream the status stays 200
 and the error is the last line.
 
-Where this differs from Ollama on purpose: no ``thinking`` (bankml's models answer without a
-separate thinking channel), ``bankml_cache_n`` and ``bankml_receipt`` on the final object,
+**Thinking and tool calls** (``OllamaAnswer`` with the chat format's parse): ``message.thinking``
+(generate: ``thinking``) and ``message.tool_calls`` (``{"id", "function": {"index", "name",
+"arguments": {...}}}``, each call whole), as the engine's parse reads the answer for
+/v1/chat/completions; ``capabilities`` lists ``tools`` and ``thinking`` where the template can
+(``template_capabilities``).
+
+Where this differs from Ollama on purpose: ``bankml_cache_n`` and ``bankml_receipt`` on the final object,
 ``bankml`` objects in ``/api/version``, ``/api/tags`` and ``/api/show``, ``size_vram`` 0 (the
 engine runs on the CPU), and ``/api/show``'s ``parameters`` without a ``stop`` line for a pin
 (a pin stops at its own end-of-generation tokens).
@@ -31,12 +36,16 @@ engine runs on the CPU), and ``/api/show``'s ``parameters`` without a ``stop`` l
 
 from __future__ import annotations
 
+import functools
 import json
+import secrets
+import string
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from bankml.engine_cupy.sampler import SamplerParams
+from bankml.formats.chat_message import MessageStream, Parse, ToolCallMsg
 from bankml.formats.ollama_wire import OllamaError as OllamaError
 from bankml.formats.ollama_wire import dumps as dumps
 from bankml.formats.ollama_wire import error_body as error_body
@@ -216,6 +225,51 @@ def ps_body(
     }
 
 
+@functools.lru_cache(maxsize=32)
+def template_capabilities(source: str) -> tuple[str, ...]:
+    """What a chat template can do beyond completion, as Ollama lists it: ``tools`` where the
+    template's analysis finds how it writes tool calls (bankml then parses them, as
+    llama-server does), ``thinking`` where it has a reasoning block. A template llama-server
+    reads with a parser of its own (``autoparser.apply.SPECIALIZED``), or one that cannot be
+    analysed, lists neither: its answer is its text."""
+    from bankml.engine_cupy.autoparser.analysis import ToolFormat
+    from bankml.engine_cupy.autoparser.apply import specialized_template
+    from bankml.engine_cupy.chat_template import ChatTemplate
+
+    if specialized_template(source) is not None:
+        return ()
+    out = []
+    try:
+        template = ChatTemplate(source=source)
+        if (
+            template.caps.supports_tool_calls
+            and template.analysis.tools.format.mode is not ToolFormat.NONE
+        ):
+            out.append("tools")
+    except Exception:  # noqa: BLE001 - a template the analysis cannot read lists nothing more
+        return ()
+    try:
+        if template.reasoning.supported:
+            out.append("thinking")
+    except Exception:  # noqa: BLE001
+        pass
+    return tuple(out)
+
+
+def pin_template(pin: Pin) -> str:
+    """The chat template a pin is answered with when it is loaded: its GGUF's (ChatML where it
+    has none, as the engine reads it)."""
+    from bankml.engine_cupy.chat_template import CHATML_TEMPLATE
+
+    text = pin.header.chat_template if pin.header else None
+    return CHATML_TEMPLATE if not text or text == "chatml" else text
+
+
+def pin_capabilities(target: Target) -> tuple[str, ...]:
+    """``template_capabilities`` of the target's pin's own template."""
+    return template_capabilities(pin_template(pin_of(target)))
+
+
 def _sampling_defaults(pin: Pin) -> SamplerParams:
     metadata = pin.header.sampling_metadata() if pin.header else {}
     return SamplerParams.from_gguf_metadata(metadata)
@@ -286,9 +340,13 @@ def modelfile_text(target: Target) -> str:
     return "\n".join(lines) + "\n"
 
 
-def show_body(target: Target, n_ctx: int) -> dict[str, Any]:
+def show_body(
+    target: Target, n_ctx: int, capabilities: Sequence[str] | None = None
+) -> dict[str, Any]:
     """``POST /api/show`` for a pin or a derived model (a derived model: its base's answer with
-    its own Modelfile, parameters, system, licence, messages, parent and layer)."""
+    its own Modelfile, parameters, system, licence, messages, parent and layer);
+    ``capabilities``: what its template can do beyond completion (None: ``pin_capabilities``),
+    listed after ``completion`` in Ollama's order (tools, then thinking)."""
     pin = pin_of(target)
     layer = target.layer if isinstance(target, Derived) else None
     header = pin.header
@@ -304,7 +362,10 @@ def show_body(target: Target, n_ctx: int) -> dict[str, Any]:
     if layer is not None and layer.messages:
         out["messages"] = [{"role": r, "content": c} for r, c in layer.messages]
     out["model_info"] = header.scalar_keys() if header else {}
-    out["capabilities"] = ["completion"] if pin.native else []
+    extra = pin_capabilities(target) if capabilities is None else capabilities
+    out["capabilities"] = (
+        ["completion"] + [c for c in ("tools", "thinking") if c in extra] if pin.native else []
+    )
     out["modified_at"] = _modified_at(target)
     bankml: dict[str, Any] = {"sha256": pin.sha256, "native": pin_status(pin), "n_ctx": n_ctx}
     if isinstance(target, Derived):
@@ -321,18 +382,36 @@ def show_body(target: Target, n_ctx: int) -> dict[str, Any]:
 # -- answers ------------------------------------------------------------------------------------
 
 
-def _text_field(kind: str, text: str) -> dict[str, Any]:
+def _text_field(
+    kind: str, text: str, thinking: str = "", tool_calls: Sequence[Mapping[str, Any]] = ()
+) -> dict[str, Any]:
+    """/api/chat's ``message`` (``role``, ``content``, then ``thinking`` and ``tool_calls`` where
+    the answer has them), /api/generate's ``response`` and ``thinking``, in Ollama's order."""
     if kind == "chat":
-        return {"message": {"role": "assistant", "content": text}}
-    return {"response": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        if tool_calls:
+            message["tool_calls"] = [dict(call) for call in tool_calls]
+        return {"message": message}
+    out: dict[str, Any] = {"response": text}
+    if thinking:
+        out["thinking"] = thinking
+    return out
 
 
 def piece_line(
-    kind: str, model: str, created_at: str, text: str, logprobs: list[dict] | None = None
+    kind: str,
+    model: str,
+    created_at: str,
+    text: str,
+    logprobs: list[dict] | None = None,
+    thinking: str = "",
+    tool_calls: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """One streamed piece (``kind`` "chat" or "generate"); ``model`` is ``<name>:latest``."""
     out: dict[str, Any] = {"model": model, "created_at": created_at}
-    out.update(_text_field(kind, text))
+    out.update(_text_field(kind, text, thinking, tool_calls))
     out["done"] = False
     if logprobs is not None:
         out["logprobs"] = logprobs
@@ -356,10 +435,13 @@ def final_object(
     receipt: Mapping[str, Any],
     logprobs: list[dict] | None = None,
     context: Sequence[int] | None = None,
+    thinking: str = "",
+    tool_calls: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The last object (``text`` is "" when the pieces were streamed, the whole answer if not)."""
+    """The last object (``text`` is "" when the pieces were streamed, the whole answer if not;
+    a parsed answer's last parse puts its own pieces here, thinking and tool calls among them)."""
     out: dict[str, Any] = {"model": model, "created_at": created_at}
-    out.update(_text_field(kind, text))
+    out.update(_text_field(kind, text, thinking, tool_calls))
     out["done"] = True
     out["done_reason"] = done_reason
     if context is not None:
@@ -379,6 +461,31 @@ def final_object(
         out["logprobs"] = logprobs
     out["bankml_receipt"] = dict(receipt)
     return out
+
+
+_CALL_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def ollama_call_id() -> str:
+    """A tool call id as Ollama draws one: ``call_`` and 8 lowercase letters and digits."""
+    return "call_" + "".join(secrets.choice(_CALL_ID_ALPHABET) for _ in range(8))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
+def ollama_tool_call(call: ToolCallMsg, index: int) -> dict[str, Any]:
+    """One parsed tool call in Ollama's shape: ``{"id", "function": {"index", "name",
+    "arguments"}}``, the arguments the JSON object the model wrote (its text, should it not be
+    JSON)."""
+    arguments: Any = {}
+    if call.arguments:
+        try:
+            arguments = json.loads(call.arguments, parse_constant=_no_constant)
+        except ValueError:
+            arguments = call.arguments
+    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": arguments}}
 
 
 def load_object(
@@ -423,6 +530,13 @@ class OllamaAnswer:
     not streamed, it only collects. ``final`` gives the last object, receipt included (the same
     ``bankml.receipts.tally`` /v1 carries: the answer's text, the raw request body, the counts and the
     logprob entries). Times: ``started_ns`` is when the request arrived (``time.time_ns``).
+
+    With ``parser`` (the chat format's parse, as /v1/chat/completions reads the answer) the
+    generated text is parsed after every token (streamed) or once at the end (not): the pieces
+    carry the content and the ``thinking`` the parse adds, and each tool call whole, once the
+    parse has moved past it (a later call began) or at the end, as Ollama sends them. A
+    continued last turn's own text is held, not sent again. The receipt hashes the thinking and
+    the calls as sent (``receipts.acts``).
     """
 
     def __init__(
@@ -436,6 +550,7 @@ class OllamaAnswer:
         started_ns: int | None = None,
         load_ns: int = 0,
         clock_ns: Callable[[], int] = time.time_ns,
+        parser: Parse | None = None,
     ) -> None:
         self.kind = kind
         self.model = model
@@ -447,20 +562,66 @@ class OllamaAnswer:
         self.tally = Tally(request_body=request_body, clock=lambda: self.clock_ns() / 1e9)
         self.tally.started = self.started_ns / 1e9
         self.entries: list[dict[str, Any]] = []
+        self.messages = None if parser is None else MessageStream(parser, ollama_call_id)
+        if self.messages is not None:
+            self.messages.update("", partial=True)  # a continued turn's text: held, not sent
+        self.calls_sent = 0
+        self.closed = False  # the last parse done (streamed: its pieces sent on their own line)
 
     def _now(self) -> str:
         return rfc3339_ns(self.clock_ns())
 
+    def _parsed(self, added: str, partial: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        """(content, thinking, whole tool calls) the parse adds after ``added``, tallied."""
+        assert self.messages is not None
+        diffs = self.messages.update(added, partial)
+        content = "".join(d.content_delta for d in diffs)
+        thinking = "".join(d.reasoning_content_delta for d in diffs)
+        calls = self.messages.message.tool_calls
+        done = len(calls) - 1 if partial else len(calls)
+        new = [ollama_tool_call(calls[i], i) for i in range(self.calls_sent, max(done, 0))]
+        self.calls_sent = max(self.calls_sent, done)
+        self.tally.add_text(content)
+        if self.tally.acts.take_ollama({"thinking": thinking, "tool_calls": new}):
+            self.tally.note_piece()
+        return content, thinking, new
+
+    def _entry(self, chunk: Any) -> list[dict[str, Any]] | None:
+        if self.top is None or chunk.entry is None:
+            return None
+        mine = ollama_logprobs([chunk.entry], self.top)
+        self.entries.extend(mine)
+        return mine
+
     def on_chunk(self, chunk: Any) -> list[dict[str, Any]]:
         text = chunk.text or ""
+        if self.messages is not None:
+            mine = self._entry(chunk)
+            if not self.stream:
+                if text:
+                    self.tally.note_piece()  # parsed once at the end; the first token came now
+                return []
+            content, thinking, calls = self._parsed(text, True)
+            if not (content or thinking or calls or mine):
+                return []
+            return [piece_line(self.kind, self.model, self._now(), content, mine, thinking, calls)]
         self.tally.add_text(text)
-        mine: list[dict[str, Any]] | None = None
-        if self.top is not None and chunk.entry is not None:
-            mine = ollama_logprobs([chunk.entry], self.top)
-            self.entries.extend(mine)
+        mine = self._entry(chunk)
         if not self.stream or (not text and not mine):
             return []
         return [piece_line(self.kind, self.model, self._now(), text, mine)]
+
+    def last_pieces(self) -> list[dict[str, Any]]:
+        """Streamed with a parser, before ``final``: the last parse's pieces (the last tool
+        call, what a stop word held back) on a line of their own, as Ollama sends a call
+        before its final object; nothing otherwise."""
+        if self.messages is None or not self.stream or self.closed:
+            return []
+        self.closed = True
+        content, thinking, calls = self._parsed("", False)
+        if not (content or thinking or calls):
+            return []
+        return [piece_line(self.kind, self.model, self._now(), content, None, thinking, calls)]
 
     def final(
         self,
@@ -481,6 +642,15 @@ class OllamaAnswer:
         if not self.stream and drop_last_entries:
             entries = entries[: max(len(entries) - drop_last_entries, 0)]
         logprobs = entries if self.top is not None else None
+        thinking, calls = "", list[dict[str, Any]]()
+        if self.messages is not None and not self.closed:
+            # the last parse's pieces (a whole answer's: all of them)
+            self.closed = True
+            text, thinking, calls = self._parsed("" if self.stream else str(summary.text), False)
+        elif self.messages is not None:
+            text = ""
+        else:
+            text = "" if self.stream else self.tally.text
         self.tally.set_counts(summary.prompt_tokens, summary.completion_tokens)
         if logprobs is not None:
             self.tally.add_logprobs(logprobs)
@@ -493,7 +663,7 @@ class OllamaAnswer:
             self.kind,
             self.model,
             self._now(),
-            "" if self.stream else self.tally.text,
+            text,
             done_reason=summary.finish_reason,
             total_ns=self.clock_ns() - self.started_ns,
             load_ns=self.load_ns,
@@ -505,4 +675,6 @@ class OllamaAnswer:
             receipt=signed,
             logprobs=logprobs,
             context=context,
+            thinking=thinking,
+            tool_calls=calls,
         )

@@ -10,9 +10,12 @@ request (the engine's body among it) or raises ``OllamaError`` with the status a
 5. ``stream`` (default true);
 6. an empty request (chat without ``messages``, generate without ``prompt``) only loads or
    unloads, and stops here;
-7. fields bankml refuses: ``format`` with ``raw``, ``tools``, ``images``, ``suffix``,
-   ``template``, ``think`` (a field is present unless null, false, ``""``, ``[]`` or ``{}``);
-   ``context`` must be token ids, and not with ``raw``;
+7. fields bankml refuses: ``format`` with ``raw``, ``tools`` on generate, ``images``,
+   ``suffix``, ``template`` (a field is present unless null, false, ``""``, ``[]`` or ``{}``);
+   ``context`` must be token ids, and not with ``raw``; ``think`` (``read_think``: a boolean
+   or a level, not with ``raw`` or ``context``) and ``tools`` (``read_tools``); then the
+   template's capabilities, Ollama's refusals in its order: ``"<model>" does not support
+   thinking``, ``<model> does not support tools``;
 8. ``logprobs`` and ``top_logprobs``;
 9. ``format``: ``"json"``, ``{}`` and ``{"type": "object"}`` are JSON mode, another object a
    JSON schema, ``""`` none;
@@ -29,6 +32,13 @@ the conversation; ``stop`` a string or strings (empty ones dropped). Neutral: mi
 1, mirostat_eta, mirostat_tau, penalize_newline. Ignored (how to run, not what to answer):
 num_thread, num_gpu, main_gpu, num_batch, use_mmap, use_mlock, low_vram, numa, f16_kv,
 vocab_only, logits_all, num_keep. Anything else is refused rather than ignored.
+
+**Tools and thinking** go to the chat body the engine reads as /v1/chat/completions: ``tools``
+as given; ``think`` true/false as ``chat_template_kwargs.enable_thinking``, a level ("high",
+"medium", "low", "max") as thinking on plus ``reasoning_effort``; no ``think``, the server's
+own setting. An assistant message's ``thinking`` is its ``reasoning_content``, its
+``tool_calls`` (object arguments) the chat body's (arguments as compact JSON); a ``tool``
+message's ``tool_name`` is its ``name``.
 
 **Prompts.** Chat: a derived model's MESSAGEs come before the request's messages, its SYSTEM first
 unless the request starts with a system message. Generate (not raw): the request's ``system``,
@@ -53,6 +63,7 @@ from typing import Any
 
 from bankml.engine_cupy.sampler import SamplerError, SamplerParams
 from bankml.formats.ollama import OllamaError
+from bankml.formats.ollama import pin_capabilities as default_capabilities
 from bankml.registry.catalog import Catalog, Target, layer_of, pin_of
 from bankml.registry.keepalive import DEFAULT, UNLOAD, BadKeepAlive, KeepAlive, parse_keep_alive
 from bankml.registry.layer import Layer
@@ -92,12 +103,10 @@ IGNORED = frozenset(
     }
 )
 CLAMPED = {"temperature": (0.0, None), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0)}
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 RAW_CONFLICT = "raw mode does not support template, system, or context"
-TOOLS_REFUSED = (
-    "tools: tool calling needs a tool-call grammar and parser, which bankml's Ollama API does "
-    "not have; send plain messages"
-)
+THINK_LEVELS = ("high", "medium", "low", "max")
+TOOLS, THINKING = "tools", "thinking"  # /api/show's capabilities beyond "completion"
 IMAGES_REFUSED = "images: bankML's models are text-only; vision is out of scope"
 
 
@@ -125,6 +134,10 @@ class Prepared:
     top_logprobs: int = 0
     context: list[int] | None = None  # generate's token ids from an earlier answer
     returns_context: bool = False  # generate, not raw: the final object carries context
+    think: bool | str | None = None  # the request's think (None: not given)
+    # the answer is read by the chat format's parse into content, thinking and tool calls
+    # (the template has tools or thinking, or the request asks for either)
+    parse_message: bool = False
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -182,8 +195,8 @@ def _refusals(kind: str, obj: Mapping[str, Any]) -> None:
             "format: a JSON answer is constrained through the chat template; raw mode takes no "
             "format",
         )
-    if present(obj.get("tools")):
-        raise OllamaError(400, TOOLS_REFUSED)
+    if kind == GENERATE and present(obj.get("tools")):
+        raise OllamaError(400, "tools: /api/generate takes no tools; send them to /api/chat")
     if present(obj.get("images")):
         raise OllamaError(400, IMAGES_REFUSED)
     if present(obj.get("suffix")):
@@ -195,13 +208,76 @@ def _refusals(kind: str, obj: Mapping[str, Any]) -> None:
             400,
             "template: the model's own chat template is used; a replacement template is not taken",
         )
-    think = obj.get("think")
-    if think is not None and think is not False:
+
+
+def read_think(value: Any) -> bool | str | None:
+    """``think``: None (not given), true, false or a level (``THINK_LEVELS``); anything else is
+    refused with Ollama's message."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if value in THINK_LEVELS:
+            return value
         raise OllamaError(
             400,
-            "think: bankml's models answer without a separate thinking channel; send think: "
-            "false or leave it out",
+            f'invalid think value: "{value}" (must be "high", "medium", "low", "max", true, or '
+            "false)",
         )
+    raise OllamaError(
+        400, 'think must be a boolean or string ("high", "medium", "low", "max", true, or false)'
+    )
+
+
+def think_fields(think: bool | str | None) -> dict[str, Any]:
+    """The chat body's fields for ``think``: true or a level turns the template's thinking on
+    (``chat_template_kwargs.enable_thinking``), a level is also the ``reasoning_effort`` the
+    template is given, false turns it off; not given, the server's own setting stands."""
+    if think is None:
+        return {}
+    out: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": think is not False}}
+    if isinstance(think, str):
+        out["reasoning_effort"] = think
+    return out
+
+
+def read_tools(tools: Any) -> list[dict[str, Any]]:
+    """``tools`` as Ollama takes them: an array of ``{"type": "function", "function": {"name",
+    "description", "parameters"}}``; the first fault refused (400, ``tools: ...``)."""
+    if tools is None or tools == []:
+        return []
+    if not isinstance(tools, list):
+        raise OllamaError(400, "tools: an array of tools")
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise OllamaError(400, f"tools: {where} is not an object")
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise OllamaError(400, f'tools: {where}.type is {json.dumps(kind)}, not "function"')
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise OllamaError(400, f"tools: {where}.function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise OllamaError(400, f"tools: {where}.function.name must be a non-empty string")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise OllamaError(400, f"tools: {where}.function.description must be a string")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise OllamaError(400, f"tools: {where}.function.parameters must be an object")
+    return [{**tool, "type": "function"} for tool in tools]
+
+
+def check_capabilities(
+    model: str, think: bool | str | None, tools: list[dict[str, Any]], capabilities: Sequence[str]
+) -> None:
+    """Ollama's refusals, in its order: thinking asked of a template that cannot think (``model``
+    as the request named it), then tools given to a template without tool calls."""
+    if think not in (None, False) and THINKING not in capabilities:
+        raise OllamaError(400, f'"{model}" does not support thinking')
+    if tools and TOOLS not in capabilities:
+        raise OllamaError(400, f"{model} does not support tools")
 
 
 def _context(kind: str, obj: Mapping[str, Any]) -> list[int] | None:
@@ -307,32 +383,78 @@ def read_options(options: Any, n_ctx: int) -> tuple[dict[str, Any], int | None]:
     return body, num_ctx
 
 
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's Ollama ``tool_calls`` as the chat body's: each ``{"id"?,
+    "function": {"name", "arguments": {...}}}`` as ``{"type": "function", "function": {"name",
+    "arguments": <compact JSON>}, "id"?}``."""
+    if not isinstance(calls, list):
+        raise OllamaError(400, f"{where}.tool_calls must be an array")
+    out = []
+    for index, call in enumerate(calls):
+        at = f"{where}.tool_calls[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise OllamaError(400, f"{at}.function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise OllamaError(400, f"{at}.function.name must be a non-empty string")
+        arguments = function.get("arguments")
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise OllamaError(400, f"{at}.function.arguments must be an object")
+        entry: dict[str, Any] = {
+            "type": "function",
+            "function": {
+                "name": name,
+                "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":")),
+            },
+        }
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise OllamaError(400, f"{at}.id must be a string")
+        if call_id:
+            entry["id"] = call_id
+        out.append(entry)
+    return out
+
+
 def _chat_messages(messages: Any) -> list[dict[str, Any]]:
-    """Step 12 for chat: text messages with a role; ``thinking`` becomes the turn's reasoning."""
+    """Step 12 for chat: text messages with a role; ``thinking`` becomes the turn's reasoning,
+    an assistant's ``tool_calls`` the chat body's, a tool message's ``tool_name`` its ``name``."""
     if not isinstance(messages, list):
         raise OllamaError(400, "messages must be an array")
     out = []
-    for m in messages:
+    for index, m in enumerate(messages):
         if not isinstance(m, dict):
             raise OllamaError(400, "messages must be an array of objects")
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise OllamaError(400, "a message without a role")
+        role = role.lower()  # as Ollama reads it
         if role not in ROLES:
             raise OllamaError(
-                400, f'a message with role "{role}": roles are system, user and assistant'
+                400, f'a message with role "{role}": roles are system, user, assistant and tool'
             )
         content = m.get("content")
         if content is not None and not isinstance(content, str):
             raise OllamaError(400, "only text content is in scope")
         if present(m.get("images")):
             raise OllamaError(400, IMAGES_REFUSED)
-        if present(m.get("tool_calls")):
-            raise OllamaError(400, TOOLS_REFUSED.replace("tools:", "tool_calls:", 1))
         msg: dict[str, Any] = {"role": role, "content": content or ""}
         reasoning = m.get("thinking") or m.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:
             msg["reasoning_content"] = reasoning
+        if present(m.get("tool_calls")):
+            if role != "assistant":
+                raise OllamaError(400, f"messages[{index}]: only an assistant message calls tools")
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{index}]")
+        for key, name in (("tool_name", "name"), ("tool_call_id", "tool_call_id")):
+            value = m.get(key)
+            if value is not None and not isinstance(value, str):
+                raise OllamaError(400, f"messages[{index}].{key} must be a string")
+            if value:
+                msg[name] = value
         out.append(msg)
     return out
 
@@ -365,8 +487,11 @@ def prepare(
     *,
     n_ctx: int,
     default_keep_alive: KeepAlive = DEFAULT,
+    capabilities: Callable[[Target], Sequence[str]] | None = None,
 ) -> Prepared:
-    """Steps 2-12 over a parsed body (``parse_body`` is step 1); OllamaError when refused."""
+    """Steps 2-12 over a parsed body (``parse_body`` is step 1); OllamaError when refused.
+    ``capabilities``: what the target's chat template can do beyond completion (``TOOLS``,
+    ``THINKING``); by default read from the pin's own template."""
     target = _resolve(obj, catalog)
     layer = layer_of(target)
     options = merged_options(obj.get("options"), layer)
@@ -394,6 +519,19 @@ def prepare(
         return prepared
     _refusals(kind, obj)
     prepared.context = _context(kind, obj)
+    think = prepared.think = read_think(obj.get("think"))
+    tools = read_tools(obj.get("tools")) if kind == CHAT else []
+    if think is not None and kind == GENERATE and (obj.get("raw") is True or prepared.context):
+        raise OllamaError(
+            400,
+            "think: raw mode and a context take the prompt as given; thinking is set through the "
+            "chat template (send think without raw or context, or leave it out)",
+        )
+    caps = (capabilities or default_capabilities)(target)
+    check_capabilities(
+        obj["model"] if isinstance(obj.get("model"), str) else prepared.model, think, tools, caps
+    )
+    prepared.parse_message = bool(tools) or think is not None or TOOLS in caps or THINKING in caps
     prepared.logprobs, prepared.top_logprobs = _logprobs(obj)
     fmt = response_format(obj.get("format"))
     body, prepared.num_ctx = read_options(options, n_ctx)
@@ -410,6 +548,9 @@ def prepare(
         SamplerParams.from_request(body, defaults)
     except SamplerError as err:
         raise OllamaError(400, str(err)) from None
+    body.update(think_fields(think))
+    if tools:
+        body["tools"] = tools
     if kind == CHAT:
         body["messages"] = layered_messages(_chat_messages(obj.get("messages")), layer)
     else:

@@ -35,7 +35,7 @@ from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.errors import ApiError
 from bankml.formats.ollama import OllamaError
 from bankml.gate import verify
-from bankml.native.resident import open_engine
+from bankml.native.resident import apply_server_defaults, open_engine
 from bankml.native.run import Step, relay_forwards
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OLLAMA_KIND
 from bankml.receipts.vouch import identity_problem
@@ -78,6 +78,7 @@ class Ready:
     stage: ClassVar[str] = "ready"  # how the resource tells the items apart (a Step has none)
     load_ns: int
     schema_answer: bool  # a chat schema: the content is the JSON value without its fence
+    parser: Any = None  # the chat format's parse of the answer (content, thinking, tool calls)
 
 
 @dataclass(frozen=True)
@@ -119,11 +120,12 @@ class OllamaRun:
             top_logprobs=p.top_logprobs if p.logprobs else None,
             started_ns=self.job.started_ns,
             load_ns=item.load_ns,
+            parser=item.parser,
         )
 
     def on_chunk(self, chunk: Any) -> list[dict[str, Any]]:
         assert self.answer is not None
-        if self.schema_answer and chunk.text:
+        if self.schema_answer and chunk.text and self.answer.messages is None:
             # as /v1 sends it: the JSON value alone, as it grows
             self.generated += chunk.text
             content = chat_schema_content(self.generated)
@@ -131,6 +133,11 @@ class OllamaRun:
             self.content_sent += new
             chunk = _Piece(new, chunk.entry)
         return self.answer.on_chunk(chunk)
+
+    def last_lines(self) -> list[dict[str, Any]]:
+        """Streamed, before the final object: the last parse's pieces on their own line."""
+        assert self.answer is not None
+        return self.answer.last_pieces()
 
     def final(self, item: Finished) -> dict[str, Any]:
         assert self.answer is not None
@@ -241,7 +248,17 @@ class OllamaHost:
 
     def show(self, raw: bytes) -> dict[str, Any]:
         target = req.show_target(req.parse_body(raw), self.catalog)
-        return wire.show_body(target, self.native.n_ctx)
+        return wire.show_body(target, self.native.n_ctx, self.capabilities(target))
+
+    def capabilities(self, target: Target) -> tuple[str, ...]:
+        """What the target's chat template can do beyond completion (``tools``, ``thinking``):
+        the resident engine's template where the target's pin is resident (the server's
+        ``--chat-template-file`` among it), else the pin's own."""
+        engine = self.native.engine
+        template = getattr(engine, "template", None) if engine is not None else None
+        if template is not None and pin_of(target).sha256 == self.native.verified.sha256:
+            return wire.template_capabilities(template.source)
+        return wire.pin_capabilities(target)
 
     # -- derived models (the prepare thread: create verifies its base in full) -----------------
 
@@ -328,7 +345,12 @@ class OllamaHost:
         refused (400, its reason), one made again is read anew."""
         body = req.parse_body(raw)
         prepared = req.prepare(
-            kind, body, self.catalog, n_ctx=self.native.n_ctx, default_keep_alive=self.keep_alive
+            kind,
+            body,
+            self.catalog,
+            n_ctx=self.native.n_ctx,
+            default_keep_alive=self.keep_alive,
+            capabilities=self.capabilities,
         )
         problem = manifest_problem(prepared.target)
         if problem == MANIFEST_CHANGED:
@@ -368,7 +390,8 @@ class OllamaHost:
                 raise _refusal(err) from None
             parsed = prompts[0]
             constraint = getattr(parsed, "constraint", None)
-            yield Ready(load_ns, getattr(constraint, "kind", "") == "chat_schema")
+            parser = getattr(parsed, "chat_parser", None) if p.parse_message else None
+            yield Ready(load_ns, getattr(constraint, "kind", "") == "chat_schema", parser)
             try:
                 run = self.native.steps(prompts, keep_alive=False)(cancelled, forwards)
                 # the scheduler's logits go on into the run (prompt_steps' forwards)
@@ -452,6 +475,12 @@ class OllamaHost:
             n_slots=self.native.n_slots,
             kv_unified=True,  # n_ctx is already each slot's
         )
+        # llama-server's server-wide flags hold for every load, as at start-up; its chat
+        # template (--chat-template-file) is the startup model's
+        llama = dict(self.options.get("llama") or {})
+        if verified.sha256 != self.catalog.registry.pins[0].sha256:
+            llama.pop("chat_template", None)
+        apply_server_defaults(engine, llama)
         engine.warm_up(self.log)
         self.native.swap(engine, verified)
         return engine

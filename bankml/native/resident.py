@@ -33,8 +33,10 @@ from bankml.formats.openai import ModelFacts
 from bankml.formats.slot_view import SlotView
 from bankml.native import text
 from bankml.native.run import prompt_steps
+from bankml.receipts.convert import ConversionError, to_chat
 from bankml.receipts.keys import SigningKey
-from bankml.receipts.kinds import CHAT, ENGINE_KIND
+from bankml.receipts.kinds import CHAT, CONVERTED, ENGINE_KIND, MESSAGES
+from bankml.receipts.log import ReceiptLog
 from bankml.receipts.sign import native_facts, pin_seed
 from bankml.receipts.tally import Tally
 from bankml.receipts.vouch import identity_problem, issue_receipt
@@ -90,6 +92,7 @@ class NativeEngine:
     ) -> None:
         self.engine = engine
         self.receipt_key = receipt_key  # signs every receipt; None: unsigned (the Python API)
+        self.receipt_log: ReceiptLog | None = None  # --receipt-log: every receipt appended
         self.bridge = bridge
         self.verified = verified
         self.slot_dir = slot_dir
@@ -222,9 +225,12 @@ class NativeEngine:
                 device=self.device,
                 finish_reason=tally.finish_reason,
             )
-        return issue_receipt(
+        out = issue_receipt(
             tally, self.verified, self.engine_name, facts=facts, key=self.receipt_key
         )
+        if self.receipt_log is not None:
+            self.receipt_log.append(out)
+        return out
 
     # --- the jobs the resources hand to the bridge (refusals raise ApiError) ------------------
 
@@ -236,6 +242,8 @@ class NativeEngine:
         self._awake()
         if self.rewrite is not None:
             body = self.rewrite(body, kind)
+        if kind in CONVERTED:  # llama-server runs a Responses or Messages request as a chat
+            body, kind = chat_of(kind, body), CHAT
         try:
             if kind == CHAT:
                 prompts = [self.engine.parse_request(body, ENGINE_KIND[kind])]
@@ -285,8 +293,13 @@ class NativeEngine:
         self._awake()
         return _refusing(text.apply_template_answer, self.engine, body)
 
-    def input_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
-        return _refusing(text.input_tokens_answer, self.engine, body)
+    def input_tokens(self, body: dict[str, Any], kind: str = CHAT) -> dict[str, Any]:
+        """llama-server's token count of a chat, Responses or Messages request's prompt."""
+        chat = chat_of(kind, body) if kind in CONVERTED else body
+        out = _refusing(text.input_tokens_answer, self.engine, chat)
+        if kind == MESSAGES:  # Anthropic's count names no object
+            del out["object"]
+        return out
 
     def slots(self, views: Sequence[SlotView]) -> list[dict[str, Any]]:
         """On the prepare thread: GET /slots for copies of the slots' views, one entry per slot
@@ -298,6 +311,8 @@ class NativeEngine:
             if view.parsed is not None:
                 if view.kind == CHAT:
                     prompt = _refusing(self._generation_prompt, view.body)
+                elif view.kind in CONVERTED:
+                    prompt = _refusing(self._generation_prompt, chat_of(view.kind, view.body))
                 n_prompt_tokens = (
                     len(engine_slots[id_slot].tokens)
                     if engine_slots is not None
@@ -503,6 +518,18 @@ class NativeEngine:
             "models": [self.model_id],
             "file_unchanged": self.identity_problem() is None,
         }
+
+
+def chat_of(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The chat completion llama-server runs for a Responses or Messages request; its refusal
+    as a 400 (llama-server answers a Messages body without ``messages`` with a 500: bankml
+    answers bad input with a 4xx)."""
+    try:
+        return to_chat(kind, body)
+    except ConversionError as err:
+        raise ApiError.of(400, str(err)) from None
+    except RecursionError:
+        raise ApiError.of(400, "the request is nested too deeply") from None
 
 
 def completions(parsed: Any) -> list[Any]:

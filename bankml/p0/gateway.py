@@ -34,6 +34,7 @@ from zope.interface import implementer
 
 from bankml.gate.verify import Verified
 from bankml.receipts.keys import SigningKey
+from bankml.receipts.log import ReceiptLog
 from bankml.receipts.sign import forwarded_facts
 from bankml.receipts.tally import Tally
 from bankml.receipts.vouch import identity_problem, issue_receipt
@@ -164,6 +165,7 @@ class Gateway:
     cache_type: str | None = None  # the KV cache type llama-server was started with, if known
     engine_digest: str | None = None  # sha256 of the llama-server executable bankml launched
     engine_n_ctx: int | None = None  # /props default_generation_settings.n_ctx
+    receipt_log: ReceiptLog | None = None  # --receipt-log: every receipt appended
 
     @property
     def upstream_url(self) -> str:
@@ -203,7 +205,7 @@ class Gateway:
                 engine_version=self.engine_build,
                 engine_digest=self.engine_digest,
             )
-        return issue_receipt(
+        out = issue_receipt(
             tally,
             self.verified,
             self.engine_name,
@@ -211,6 +213,9 @@ class Gateway:
             key=self.receipt_key,
             ttft_measured=ttft_measured,
         )
+        if self.receipt_log is not None:
+            self.receipt_log.append(out)
+        return out
 
     def availability_problem(self) -> tuple[str, int | None] | None:
         """(message, Retry-After seconds or None) when no answer may be given now, else None."""

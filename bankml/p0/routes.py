@@ -3,6 +3,7 @@
 ```
 /bankml, /bankml/usage, /bankml/metrics   resources/bankml.py
 /openapi.json                             resources/description.py (the API's description)
+/ui, /ui/app.js, /ui/style.css            resources/web.py (the web page)
 COMPLETIONS                               CompletionProxy (receipt added)
 FORWARDED, POST /slots/ID                 Forward (passed through)
 NO_RECEIPT_YET                            501: answers bankml cannot vouch for yet
@@ -26,6 +27,7 @@ from bankml.proxy_resource import CompletionProxy, Forward
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, MESSAGES, OAI_COMPLETION, RESPONSES
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.description import ApiDescription
+from bankml.resources.web import put_web_page
 from bankml.serving.routes import Branch, LlamaRoute, not_found
 from bankml.serving.writers import JsonResource, write_error
 from bankml.usage import UsageSampler
@@ -134,8 +136,11 @@ class P0Root(Branch):
         return self.routes.render(request)
 
 
-def p0_root(gateway: Gateway, sampler: UsageSampler) -> Resource:
+def p0_root(gateway: Gateway, sampler: UsageSampler, *, webui: bool = True) -> Resource:
+    """The listen address's tree; ``webui`` adds the web page at ``/ui`` (resources/web.py)."""
     root = P0Root(LlamaServerRoutes(gateway))
     root.putChild(b"bankml", BankmlResource(gateway, sampler))
     root.putChild(b"openapi.json", LlamaRoute(ApiDescription()))
+    if webui:
+        put_web_page(root)
     return root

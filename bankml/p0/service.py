@@ -29,6 +29,7 @@ from bankml.serving.site import LoopbackSite
 from bankml.serving.startup import (
     ServingService,
     receipt_key_before_listening,
+    receipt_log_before_listening,
     verify_before_listening,
 )
 from bankml.usage import EngineFinder, UsageSampler
@@ -135,6 +136,7 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
         if spawned
         else None,
         engine_digest=sha256_file(options["spawn"], progress=False) if spawned else None,
+        receipt_log=receipt_log_before_listening(options["receipt-log"]),
     )
     engine = None
     if options["mode"] == "spawn":
@@ -154,4 +156,6 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
     site = LoopbackSite(
         AccessControl(p0_root(gateway, sampler), access["api_keys"], CorsPolicy(**access["cors"]))
     )
-    return P0Service(options, gateway, site, engine)
+    served = P0Service(options, gateway, site, engine)
+    served.receipt_log = gateway.receipt_log  # synced and closed by the service
+    return served

@@ -11,7 +11,9 @@ the gateway's tally and the receipt checker read the same way, so the hashes agr
 The same for the Responses API (``reasoning`` and ``function_call`` output items; a stream's
 are its ``response.completed`` answer's) and for Anthropic Messages (``thinking`` and
 ``tool_use`` blocks, the input as compact JSON; streamed, a block's start names the call and its
-``input_json_delta`` pieces, joined, are the arguments).
+``input_json_delta`` pieces, joined, are the arguments), and for Ollama's /api/chat and
+/api/generate (``thinking`` pieces joined in order; each ``tool_calls`` entry a whole call, its
+object ``arguments`` as compact JSON: ``Acts.take_ollama``).
 
 The receipt's fields (only where the answer carries something):
 
@@ -162,6 +164,37 @@ class Acts:
                     len(self.calls),
                 )
         return False
+
+    def take_ollama(self, part: Any) -> bool:
+        """An Ollama answer's ``message`` (/api/chat) or object (/api/generate): its
+        ``thinking`` piece, and each ``tool_calls`` entry as a whole call (Ollama sends each
+        once, whole): its ``id``, ``type`` ``function``, ``function.name``, and
+        ``function.arguments`` (a JSON object) as compact JSON, keys in the order received;
+        True when it carried any."""
+        if not isinstance(part, dict):
+            return False
+        took = self.add_reasoning(part.get("thinking"))
+        calls = part.get("tool_calls")
+        for entry in calls if isinstance(calls, list) else []:
+            if not isinstance(entry, dict):
+                continue
+            function = entry.get("function")
+            function = function if isinstance(function, dict) else {}
+            arguments = json.dumps(
+                function.get("arguments"), separators=(",", ":"), ensure_ascii=False
+            )
+            took = (
+                self.add_call(
+                    {
+                        "id": entry.get("id"),
+                        "type": "function",
+                        "function": {"name": function.get("name"), "arguments": arguments},
+                    },
+                    len(self.calls),
+                )
+                or took
+            )
+        return took
 
     @property
     def reasoning_text(self) -> str:

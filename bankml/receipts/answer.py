@@ -8,7 +8,7 @@ or llama-server's ``content``, or Ollama's ``message.content`` / ``response``, o
 Anthropic Messages answer; streamed pieces joined in order: ``delta.content``,
 ``response.output_text.delta``'s ``delta``, a ``content_block_delta``'s ``text_delta``), an
 answer's reasoning and tool calls (``acts``, read as bankml.receipts.acts reads them: chat,
-Responses and Messages), the
+Responses, Messages and Ollama's ``thinking`` and ``tool_calls``), the
 logprobs entries, the token counts and finish reason the answer reports.
 A stream carries its receipt as a ``bankml_receipt`` field of its last regular event (that event
 may hold nothing else). Anything that is not such an answer raises ``Unreadable``.
@@ -295,6 +295,7 @@ def _add_piece(
         content = message.get("content") if isinstance(message, dict) else obj.get("response")
         if isinstance(content, str):
             view.add_text(content)
+        view.acts.take_ollama(message if isinstance(message, dict) else obj)
         # the final object lists every entry again (piece lines carry them as they come): the
         # receipt hashes that list
         if obj.get("done") is True and isinstance(obj.get("logprobs"), list):

@@ -1,11 +1,12 @@
 """The bytes a version-2 receipt's signature covers.
 
-``signed_bytes(receipt)`` is ``CONTEXT`` followed by the receipt without its ``signature`` field
+``signed_bytes(receipt)`` is ``CONTEXT`` followed by the receipt without its ``signature`` and
+``envelope`` fields
 in bankml's canonical JSON: keys sorted, no whitespace (``,`` and ``:``), UTF-8, strings escaped
 as JSON requires plus DEL as ``\\u007f``, an integral number written as an integer and any other
 number as the shortest decimal that reads back as the same double (Python's ``repr``). NaN and
 the infinities are not JSON and are refused. For receipts that is byte for byte what
-``jq -cjS 'del(.signature)'`` writes, so a shell with jq and openssl checks one
+``jq -cjS 'del(.signature, .envelope)'`` writes, so a shell with jq and openssl checks one
 (docs/modules/receipts.md). A receipt is sent with its numbers already in this form
 (``normalized``), so that jq versions that keep a number's text as written (1.7) agree too.
 """
@@ -13,6 +14,8 @@ the infinities are not JSON and are refused. For receipts that is byte for byte 
 from __future__ import annotations
 
 import json
+import time
+from datetime import datetime, timezone
 from typing import Any
 
 CONTEXT = b"bankml-receipt-v2\n"  # keeps a receipt signature from meaning anything else
@@ -42,4 +45,14 @@ def canonical_json(value: Any) -> bytes:
 
 
 def signed_bytes(receipt: dict[str, Any]) -> bytes:
-    return CONTEXT + canonical_json({k: v for k, v in receipt.items() if k != "signature"})
+    """What the receipt's ``signature`` covers: every field but itself and the DSSE ``envelope``
+    (envelope.py, signed on its own)."""
+    return CONTEXT + canonical_json(
+        {k: v for k, v in receipt.items() if k not in ("signature", "envelope")}
+    )
+
+
+def timestamp(now: float | None = None) -> str:
+    """A receipt's time: UTC, RFC 3339 with milliseconds (such strings sort by time)."""
+    moment = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -7,7 +7,9 @@ The checks run in this order and the first that fails is the answer, ``refuse: <
    a request's prompts or ``n`` completions, has every receipt checked against its own choice,
    as ``verified_receipts`` says);
 2. its ``keyid`` is the given public key's, and the signature verifies over the receipt's
-   canonical bytes (canonical.py), so no field was changed after signing;
+   canonical bytes (canonical.py), so no field was changed after signing; its DSSE ``envelope``
+   (envelope.py), where it has one, is signed by the same key and its Statement's subjects and
+   predicate are the receipt's;
 3. ``request_sha256`` is the sha256 of the request bytes as sent;
 4. with a pin, ``model_sha256`` is the pinned file's;
 5. the answer's form (one object or a stream) is the receipt's ``stream``; ``response_sha256``
@@ -20,6 +22,9 @@ The checks run in this order and the first that fails is the answer, ``refuse: <
    A Responses or Messages request is read as the chat completion llama-server converts it to
    (convert.py): a Messages request's fields that llama-server drops (its ``seed`` among them)
    are not settings, and its receipt names the seed as unknown (null).
+
+``check_envelope`` checks an envelope kept apart from its answer the same way;
+``check_receipt_log`` a log of receipts (log.py): its chain and every receipt's signature.
 
 ``valid`` means a holder of the key signed this receipt for this request and this answer. Whether
 the answer is what the pinned model computes for the request is the replay's question (replay.py).
@@ -38,9 +43,12 @@ from bankml.receipts.answer import JSON, Unreadable, answer_of, answer_parts, re
 from bankml.receipts.canonical import signed_bytes
 from bankml.receipts.convert import chat_fields, n_cmpl_of
 from bankml.receipts.digest import canonical_logprobs, sha256_hex, text_sha256
-from bankml.receipts.keys import ALG, keyid_of, load_public_key, verifies
+from bankml.receipts.envelope import EnvelopeRefused, claimed_predicate, matches, opened
+from bankml.receipts.keyring import KeyNotTrusted, TrustedKeys
+from bankml.receipts.keys import ALG, verifies
 from bankml.receipts.kinds import APIS, CONVERTED, MESSAGES
-from bankml.receipts.sign import RECEIPT_VERSION
+from bankml.receipts.log import LogBroken, check_log, log_files
+from bankml.receipts.sign import RECEIPT_VERSION, is_p0
 
 VALID = "valid"
 # request fields that are not sampler settings though the sampler's table reads them
@@ -102,7 +110,7 @@ def verified_receipts(
             )
         ]
     try:
-        public = load_public_key(public_key_pem)
+        public = TrustedKeys.of(public_key_pem)
     except ValueError as err:
         raise Refused(f"the public key: {err}") from None
     request = _request_object(request_bytes)
@@ -127,6 +135,84 @@ def verified_receipts(
             raise Refused(f"answer {part.index}: {err.reason}") from None
         out.append(receipt)
     return out
+
+
+def check_envelope(
+    request_bytes: bytes,
+    response_bytes: bytes,
+    envelope_bytes: bytes,
+    public_key_pem: str | bytes,
+    *,
+    model_sha256: str | None = None,
+) -> str:
+    """``valid`` or ``refuse: <reason>`` for a DSSE envelope kept apart from its answer: the
+    envelope is signed by the key, its Statement is a bankml receipt (the predicate) whose
+    subjects are its own digests, and that receipt holds for the request and the answer as
+    ``check_receipt`` checks one (an answer with one receipt)."""
+    try:
+        try:
+            keys = TrustedKeys.of(public_key_pem)
+        except ValueError as err:
+            raise Refused(f"the public key: {err}") from None
+        try:
+            envelope = json.loads(envelope_bytes)
+        except (ValueError, RecursionError):
+            raise Refused("the envelope is not JSON") from None
+        claimed = claimed_predicate(envelope)  # which key it says signed it, and when
+        try:
+            public = keys.for_receipt(claimed) if claimed else keys.current
+            found = opened(envelope, public)
+        except KeyNotTrusted as err:
+            raise Refused(err.reason) from None
+        except EnvelopeRefused as err:
+            raise Refused(err.reason) from None
+        receipt = found["predicate"]
+        if receipt.get("receipt_version") != RECEIPT_VERSION or receipt.get("api") not in APIS:
+            raise Refused("the Statement's predicate is not a bankml receipt")
+        disagreement = matches(found, receipt)
+        if disagreement is not None:
+            raise Refused(disagreement)
+        _check_origin(receipt, request_bytes, model_sha256)
+        try:
+            if answer_parts(response_bytes) is not None:
+                raise Refused(
+                    "the answer holds several answers: check each one's envelope in the answer"
+                )
+            view = read_answer(response_bytes, receipt["api"])
+        except Unreadable as err:
+            raise Refused(str(err)) from None
+        _check_answer(receipt, view)
+        _check_request_fields(receipt, _request_object(request_bytes))
+    except Refused as err:
+        return f"refuse: {err.reason}"
+    return VALID
+
+
+def check_receipt_log(path: str, public_key_pem: str | bytes) -> str:
+    """``valid: N receipts`` or ``refuse: <where the log breaks>`` for the log at ``path`` (its
+    rotated files too, oldest first: log.py): the chain holds and every receipt is signed by
+    the key (its envelope too)."""
+    try:
+        public = TrustedKeys.of(public_key_pem)
+    except ValueError as err:
+        return f"refuse: the public key: {err}"
+
+    def verify(receipt: Any) -> None:
+        try:
+            _checked_signature(receipt, public)
+        except Refused as err:
+            raise LogBroken(err.reason) from None
+
+    files = log_files(path)
+    if not files:
+        return f"refuse: no log at {path}"
+    try:
+        count = check_log(files, verify)
+    except LogBroken as err:
+        return f"refuse: {err.reason}"
+    except OSError as err:
+        return f"refuse: {err.strerror or err}"
+    return f"{VALID}: {count} receipts"
 
 
 def _request_object(request_bytes: bytes) -> dict[str, Any]:
@@ -160,7 +246,7 @@ def verified_receipt(
 ) -> dict[str, Any]:
     """The receipt, once every check passed; Refused with the first reason otherwise."""
     try:
-        public = load_public_key(public_key_pem)
+        public = TrustedKeys.of(public_key_pem)
     except ValueError as err:
         raise Refused(f"the public key: {err}") from None
     receipt = _signed_receipt(response_bytes, public)
@@ -175,7 +261,7 @@ def verified_receipt(
     return receipt
 
 
-def _signed_receipt(response_bytes: bytes, public: Any) -> dict[str, Any]:
+def _signed_receipt(response_bytes: bytes, public: TrustedKeys) -> dict[str, Any]:
     from bankml.receipts.answer import find_receipt
 
     try:
@@ -185,7 +271,7 @@ def _signed_receipt(response_bytes: bytes, public: Any) -> dict[str, Any]:
     return _checked_signature(receipt, public)
 
 
-def _checked_signature(receipt: Any, public: Any) -> dict[str, Any]:
+def _checked_signature(receipt: Any, keys: TrustedKeys) -> dict[str, Any]:
     """``receipt`` itself, once it is a signed receipt of this key, unchanged since signing."""
     if not isinstance(receipt, dict):
         raise Refused("bankml_receipt is not one JSON object")
@@ -199,9 +285,10 @@ def _checked_signature(receipt: Any, public: Any) -> dict[str, Any]:
         )
     if receipt.get("alg") != ALG:
         raise Refused(f"alg {receipt.get('alg')!r}, not {ALG}")
-    keyid = keyid_of(public)
-    if receipt.get("keyid") != keyid:
-        raise Refused(f"signed by key {receipt.get('keyid')}, not by the key given ({keyid})")
+    try:
+        public = keys.for_receipt(receipt)
+    except KeyNotTrusted as err:
+        raise Refused(err.reason) from None
     signature = receipt.get("signature")
     try:
         raw_sig = base64.b64decode(signature, validate=True) if isinstance(signature, str) else b""
@@ -213,6 +300,14 @@ def _checked_signature(receipt: Any, public: Any) -> dict[str, Any]:
         raise Refused(f"the receipt cannot be encoded canonically ({err})") from None
     if len(raw_sig) != 64 or not verifies(public, raw_sig, message):
         raise Refused("the signature does not verify: the receipt was changed after signing")
+    if "envelope" in receipt:  # signed on its own: its Statement must be this receipt's
+        try:
+            found = opened(receipt["envelope"], public)
+        except EnvelopeRefused as err:
+            raise Refused(err.reason) from None
+        disagreement = matches(found, receipt)
+        if disagreement is not None:
+            raise Refused(f"the envelope: {disagreement}")
     if receipt.get("signed") is not True:
         raise Refused("the receipt says it is not signed")
     if receipt.get("api") not in APIS:
@@ -293,7 +388,7 @@ def _check_request_fields(
             raise Refused(
                 f"the request's {name} is {value!r}, the receipt's {getattr(settings, name)!r}"
             )
-    if api == MESSAGES:
+    if api == MESSAGES and is_p0(receipt):
         if settings.seed is not None:  # llama-server drops a Messages request's seed
             raise Refused("a Messages receipt names a seed, which llama-server never reads")
     elif settings.seed == DEFAULT_SEED or not isinstance(settings.seed, int):

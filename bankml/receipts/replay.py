@@ -11,9 +11,11 @@ A Responses or Messages request is replayed as the chat completion llama-server 
 (convert.py): on the engine as a chat request, through llama-server on its chat endpoint; the
 answer compared is its text, token count and (Messages) finish reason, the shapes' answers
 carrying no logprobs. A P0 receipt (llama-server's answer, ``device`` null) is replayed too: its
-prompt is compared by its token count (llama-server lists no ids). A Messages receipt names no
-seed (llama-server drops the request's and draws one it does not show), so only a seed-free
-answer (temperature 0: ``seed_free``) is replayed; any other is ``cannot replay``.
+prompt is compared by its token count (llama-server lists no ids). A P0 Messages receipt names
+no seed (llama-server drops the request's and draws one it does not show), so only a seed-free
+answer (temperature 0: ``seed_free``) is replayed; any other is ``cannot replay``. A native
+Messages receipt names the seed bankml drew for it (the request's own is dropped, as
+llama-server drops it), and replays like any other.
 
 A replay answers ``identical: ...``, ``refuse: ...`` (the answer is not what the model computes
 for the request, or the request does not resolve to the receipt's settings) or
@@ -46,10 +48,11 @@ from bankml.receipts.answer import (
     read_plain_answer,
 )
 from bankml.receipts.canonical import canonical_json
-from bankml.receipts.convert import NotConverted, n_cmpl_of, to_chat
+from bankml.receipts.convert import ConversionError, n_cmpl_of, to_chat
 from bankml.receipts.kinds import CONVERTED, ENGINE_KIND
 from bankml.receipts.sign import (
     engine_source_digest,
+    is_p0,
     sampler_settings,
     token_ids_sha256,
 )
@@ -61,7 +64,6 @@ IDENTICAL = "identical"
 # text, token ids, token text or bytes.
 LLAMA_SERVER_LOGPROB_TOLERANCE = 1e-4
 REPLAYABLE_DEVICES = ("cpu",)  # where the engine computes llama-server's own bits
-P0_ENGINE = "llama-server"  # a P0 receipt's engine: llama-server, on a device bankml does not see
 ENDPOINTS = {
     "chat": "/v1/chat/completions",
     "oai_completion": "/v1/completions",
@@ -102,13 +104,6 @@ def seed_free(settings: Mapping[str, Any]) -> bool:
     )
 
 
-def is_p0(receipt: Mapping[str, Any]) -> bool:
-    engine = receipt.get("engine")
-    return (
-        receipt.get("device") is None and isinstance(engine, str) and engine.startswith(P0_ENGINE)
-    )
-
-
 def replayable(receipt: Mapping[str, Any]) -> None:
     """CannotReplay when no replay can reproduce the receipt's run. A P0 receipt (llama-server's
     answer, no device named) is replayed: an ``identical`` proves the answer is the pinned
@@ -136,7 +131,7 @@ def replayable(receipt: Mapping[str, Any]) -> None:
 
 def _chat_request(request_bytes: bytes, receipt: Mapping[str, Any]) -> dict[str, Any]:
     """The request as the engine reads it: a Responses or Messages request converted to the
-    chat completion llama-server runs for it (CannotReplay where it is not converted here)."""
+    chat completion llama-server runs for it (CannotReplay where llama-server refuses it)."""
     body = json.loads(request_bytes)
     if not isinstance(body, dict):
         raise ValueError("the request is not a JSON object")
@@ -145,10 +140,8 @@ def _chat_request(request_bytes: bytes, receipt: Mapping[str, Any]) -> dict[str,
             return to_chat(receipt["api"], body)
         except RecursionError:
             raise CannotReplay("the request is nested too deep to convert") from None
-        except NotConverted as err:
-            raise CannotReplay(
-                f"the request holds what the replay does not convert: {err}"
-            ) from None
+        except ConversionError as err:
+            raise CannotReplay(f"llama-server does not convert the request: {err}") from None
     return body
 
 
@@ -319,7 +312,7 @@ def _replay_answer(
         return "refuse: the request's prompt tokens on this model are not the receipt's"
     replayed = _run(engine, parsed, receipt)
     if replayed.acts is not None:
-        acts = acts_difference(original.acts, replayed.acts)
+        acts = acts_difference(original.acts, replayed.acts, receipt["api"] in CONVERTED)
         if acts is not None:
             return f"refuse: {acts}"
     # llama-server's logprobs (a P0 answer's) are a few ulps from the engine's: the tolerance of
@@ -370,7 +363,7 @@ def _run(engine: Any, parsed: Any, receipt: Mapping[str, Any]) -> Replayed:
     wants = int(getattr(parsed, "n_probs", 0) or 0) > 0
     finish, acts = summary.finish_reason, None
     parse = getattr(parsed, "chat_parser", None)
-    if parse is not None and receipt["api"] == "chat":
+    if parse is not None and (receipt["api"] == "chat" or receipt["api"] in CONVERTED):
         # the answer split by the chat format's parse, as the server wrote it (a continued
         # message's text starts its content; streamed without echo, what it held already is
         # not sent again)
@@ -628,7 +621,7 @@ class LlamaServerProcess:
 
 
 def replay_request_body(request_bytes: bytes, receipt: Mapping[str, Any]) -> bytes:
-    """The request as a replay sends it: the receipt's seed where the request named none (a
+    """The request as a replay sends it: the receipt's seed where the request named none (a P0
     Messages receipt names none: its answer is seed-free), the receipt's stream form, and the
     whole prompt evaluated; a Responses or Messages request as the chat completion llama-server
     converts it to, sent to its chat endpoint (where ``cache_prompt`` is read)."""

@@ -11,10 +11,8 @@ from __future__ import annotations
 import base64
 import json
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -26,9 +24,10 @@ from bankml.engine_cupy.sampler import (
     SamplerParams,
     resolve_seed,
 )
-from bankml.receipts.canonical import normalized, signed_bytes
+from bankml.receipts.canonical import normalized, signed_bytes, timestamp
 from bankml.receipts.convert import chat_fields, n_cmpl_of
 from bankml.receipts.digest import sha256_hex
+from bankml.receipts.envelope import envelope_of, model_name
 from bankml.receipts.keys import ALG, SigningKey
 from bankml.receipts.kinds import APIS, CONVERTED, MESSAGES
 from bankml.version import __version__
@@ -185,6 +184,17 @@ def _drawn_seed() -> int:
     return seed
 
 
+P0_ENGINE = "llama-server"  # a P0 receipt's engine: llama-server, on a device bankml does not see
+
+
+def is_p0(receipt: Mapping[str, Any]) -> bool:
+    """A receipt of P0's (llama-server's answer) rather than of bankml's own engine."""
+    engine = receipt.get("engine")
+    return (
+        receipt.get("device") is None and isinstance(engine, str) and engine.startswith(P0_ENGINE)
+    )
+
+
 def forward_request(body: bytes, api: str) -> ForwardedRequest:
     """P0: the request to forward. A JSON object without a seed (or with llama-server's "draw
     one", -1 or 4294967295) gets ``"seed": N`` appended, N drawn here: a repeated key's last
@@ -262,11 +272,6 @@ def forwarded_facts(
     )
 
 
-def timestamp(now: float | None = None) -> str:
-    moment = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
 def build_receipt_v2(
     base: Mapping[str, Any], facts: ReplayFacts, key: SigningKey, *, now: float | None = None
 ) -> dict[str, Any]:
@@ -305,10 +310,12 @@ def build_receipt_v2(
 
 def sign_receipt(receipt: dict[str, Any], key: SigningKey) -> dict[str, Any]:
     """``receipt`` with ``keyid`` set to the key's and ``signature`` (base64) over its
-    canonical bytes; anything signed before is replaced."""
-    out = normalized({k: v for k, v in receipt.items() if k != "signature"})
+    canonical bytes; anything signed before is replaced (an envelope made again)."""
+    out = normalized({k: v for k, v in receipt.items() if k not in ("signature", "envelope")})
     out["keyid"] = key.keyid
     out["signature"] = base64.b64encode(key.sign(signed_bytes(out))).decode("ascii")
+    if "envelope" in receipt:  # signed again too, for the same model file
+        out["envelope"] = envelope_of(out, model_name(receipt["envelope"]), key)
     return out
 
 

@@ -4,7 +4,8 @@
   hashed (``FileIdent``: device, inode, size, mtime; one ``stat``, microseconds);
 - ``issue_receipt(tally, verified, engine_name, facts=..., key=...)``: after it, the answer's
   ``bankml_receipt``: today's fields from the tally, then, with a key, the replay facts added and
-  the whole signed (version 2, bankml/receipts/sign.py). The one place a receipt is built and
+  the whole signed (version 2, bankml/receipts/sign.py) and put in a DSSE envelope
+  (envelope.py). The one place a receipt is built and
   signed: native answers reach it through ``NativeEngine.receipt``, P0's through
   ``Gateway.receipt``;
 
@@ -13,9 +14,11 @@ Pure Python: no Twisted (``bankml.chat`` uses it too).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from bankml.gate.fileident import FileIdent
+from bankml.receipts.envelope import envelope_of
 from bankml.receipts.keys import SigningKey
 from bankml.receipts.sign import ReplayFacts, build_receipt_v2
 from bankml.receipts.tally import Tally, receipt
@@ -56,4 +59,6 @@ def issue_receipt(
     )
     if key is None or facts is None:
         return base
-    return build_receipt_v2(base, facts, key)
+    signed = build_receipt_v2(base, facts, key)
+    signed["envelope"] = envelope_of(signed, os.path.basename(str(verified.path)), key)
+    return signed

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.receipts.keys import SigningKey, key_document
+from bankml.receipts.keyring import published
+from bankml.receipts.keys import SigningKey
 from bankml.serving.routes import NotFound
 from bankml.serving.writers import JsonResource, write_error, write_json
 from bankml.usage import UsageSampler
@@ -79,7 +80,7 @@ class KeyResource(JsonResource):
 
     def __init__(self, key: SigningKey) -> None:
         super().__init__()
-        self.body = _json(key_document(key))
+        self.body = _json(published(key))
 
     def render_GET(self, request: Request) -> Any:
         write_json(request, 200, self.body)

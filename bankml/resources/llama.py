@@ -30,7 +30,7 @@ from bankml.formats.errors import ApiError, error_body
 from bankml.formats.llama import prometheus_text, props_object
 from bankml.formats.nlohmann import dumps, type_error
 from bankml.formats.slot_actions import NOT_SUPPORTED_SLOTS, filename_ok, stoi
-from bankml.receipts.kinds import LLAMA_COMPLETION
+from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION
 from bankml.resources.interfaces import Bridge, ResidentEngine
 from bankml.resources.runs import AnswerResource, read_json_object
 from bankml.serving.writers import JsonResource, write_error, write_json
@@ -106,10 +106,16 @@ class ApplyTemplate(_TextJob):
 
 
 class ChatInputTokens(_TextJob):
-    """``POST /chat/completions/input_tokens`` (and under /v1): a chat body's prompt tokens."""
+    """``POST /chat/completions/input_tokens`` (and under /v1): a chat body's prompt tokens;
+    ``kind`` ``responses`` (``/v1/responses/input_tokens``) or ``messages``
+    (``/v1/messages/count_tokens``): that API's body, converted as llama-server converts it."""
+
+    def __init__(self, native: ResidentEngine, kind: str = CHAT) -> None:
+        super().__init__(native)
+        self.kind = kind
 
     def job(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.native.input_tokens(body)
+        return self.native.input_tokens(body, self.kind)
 
 
 class Health(_Native):

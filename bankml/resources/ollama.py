@@ -264,11 +264,10 @@ class LineWriter:
         if item.problem is not None:  # the file changed: no receipt
             self.problem = item.problem
             return
-        final = self.run.final(item)
         if self.run.stream:
-            self.events.write([final])
+            self.events.write([*self.run.last_lines(), self.run.final(item)])
         else:
-            self.result = final
+            self.result = self.run.final(item)
         self.host.record(self.run, summary)
 
     def end(self, _: Any = None) -> None:

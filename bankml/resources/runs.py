@@ -29,16 +29,30 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.formats.answer import ANSWERS, Answer, answers_for, merged
+from bankml.formats.answer import Answer
+from bankml.formats.answers import ANSWERS, answers_for, merged
 from bankml.formats.errors import ApiError, error_body
 from bankml.formats.nlohmann import dumps, loads_json
 from bankml.formats.slot_view import SlotView
-from bankml.receipts.kinds import LLAMA_COMPLETION
+from bankml.receipts.kinds import LLAMA_COMPLETION, MESSAGES, RESPONSES
 from bankml.resources.interfaces import Bridge, ResidentEngine
 from bankml.serving.run_control import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
-from bankml.serving.writers import EventStream, JsonResource, gone, write_error, write_json
+from bankml.serving.writers import (
+    EventStream,
+    JsonResource,
+    anthropic_sse_event,
+    gone,
+    sse_event,
+    typed_sse_event,
+    write_error,
+    write_json,
+)
 
 _log = Logger(namespace="bankml.native")
+
+# the streams that are not OpenAI's data-only events, and those that end without [DONE]
+FRAMES = {RESPONSES: typed_sse_event, MESSAGES: anthropic_sse_event}
+NO_DONE = (LLAMA_COMPLETION, RESPONSES, MESSAGES)
 
 
 def read_json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
@@ -172,7 +186,11 @@ class RunWriter:
         self.native = native
         self.kind = answers[0].kind
         self.stream = answers[0].stream
-        self.events = EventStream(request, producer=control if self.stream else None)
+        self.events = EventStream(
+            request,
+            frame=FRAMES.get(self.kind, sse_event),
+            producer=control if self.stream else None,
+        )
         self.results: dict[int, dict[str, Any]] = {}
         self.cancelled = False
         self.problem: str | None = None  # the file changed during the run
@@ -253,8 +271,8 @@ class RunWriter:
         if self.cancelled or gone(self.request):
             return
         if self.stream:
-            # llama-server ends its own /completion stream without [DONE]; the OpenAI ones with it
-            self.events.finish(b"" if self.kind == LLAMA_COMPLETION else b"data: [DONE]\n\n")
+            # llama-server ends its /completion, Responses and Messages streams without [DONE]
+            self.events.finish(b"" if self.kind in NO_DONE else b"data: [DONE]\n\n")
         else:
             results = [self.results[i] for i in sorted(self.results)]
             write_json(self.request, 200, dumps(merged(self.kind, results)))

@@ -9,8 +9,10 @@ sees it, in llama-server's order (its pre-routing handler):
    ::1 and sets nothing for any other; any other value is sent as it is.
 2. ``OPTIONS`` (a browser's preflight, which carries no key) is answered at once: 200, an empty
    ``text/html`` body, ``Access-Control-Allow-Credentials``, ``-Methods`` and ``-Headers``.
-3. With API keys, every path but ``/health``, ``/v1/health`` and ``/`` needs one of them in
-   ``Authorization`` (an exact ``Bearer `` prefix is dropped) or, when that header is absent,
+3. With API keys, every path but ``/health``, ``/v1/health``, ``/`` and the web page's files
+   (``/ui``, ``/ui/app.js``, ``/ui/style.css``: no data; the page sends the key it is given)
+   needs one of them in ``Authorization`` (an exact ``Bearer `` prefix is dropped) or, when
+   that header is absent,
    ``X-Api-Key``; anything else is 401 with llama-server's body. Keys are compared in constant
    time and never logged.
 """
@@ -32,7 +34,9 @@ from bankml.serving.writers import write_json
 INVALID_API_KEY = (
     b'{"error":{"message":"Invalid API Key","type":"authentication_error","code":401}}'
 )
-PUBLIC_PATHS = frozenset({b"/health", b"/v1/health", b"/"})
+PUBLIC_PATHS = frozenset(
+    {b"/health", b"/v1/health", b"/", b"/ui", b"/ui/", b"/ui/app.js", b"/ui/style.css"}
+)
 BEARER = b"Bearer "
 LOCALHOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 

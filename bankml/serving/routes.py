@@ -1,6 +1,8 @@
 """Route branching shared by both modes: ``Branch``, ``NotFound`` and ``LlamaRoute``.
 
 - ``Branch``: a path segment with children only; anything else under it is a JSON 404.
+- ``Loading``: every path while the model loads: llama-server's 503 ``Loading model`` (its
+  key order: message, type, code), as its server-state middleware answers before it is ready.
 - ``LlamaRoute``: one llama-server route around its endpoint resource. llama-server dispatches
   on method and exact path, so a method the endpoint does not answer, or anything after its
   path, is its 404 ``File Not Found`` rather than HTTP's 405 (a client written for llama-server
@@ -16,7 +18,7 @@ from typing import Any
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.serving.writers import JsonResource, write_error
+from bankml.serving.writers import JsonResource, write_error, write_json
 
 NOT_FOUND = "File Not Found"
 
@@ -30,6 +32,22 @@ class NotFound(JsonResource):
 
     def render(self, request: Request) -> Any:
         not_found(request)
+        return NOT_DONE_YET
+
+
+LOADING = b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
+
+
+class Loading(JsonResource):
+    """Every method and path, while the model loads (see the module doc)."""
+
+    isLeaf = True
+
+    def getChild(self, path: bytes, request: Request) -> Any:
+        return self  # below a wrapper (AccessControl) that looks a child up
+
+    def render(self, request: Request) -> Any:
+        write_json(request, 503, LOADING)
         return NOT_DONE_YET
 
 

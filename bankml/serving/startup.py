@@ -10,6 +10,9 @@ signals.
   ``~/.local/share/bankml/receipt-key.pem``); a key file others may
   read or change, or that does not parse, is ``refuse: <reason>``, exit 2. The log says where
   the key is and its id.
+- ``receipt_log_before_listening(path)``: ``--receipt-log FILE`` opened (bankml/receipts/log.py)
+  to go on with its chain; the service appends every receipt to it and fsyncs it every second
+  (``LOG_SYNC_S``) off the reactor thread, and closes it on stop.
 - ``ServingService``: the base of both modes' services. ``fatal(reason)`` is the one refusal
   after the reactor started (an engine that cannot be brought up, an address that cannot be
   bound): ``refuse: <reason>`` on stderr and in the log, exit status 2 (``EXIT_REFUSED``).
@@ -28,13 +31,16 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.application import service
+from twisted.internet import task
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IListeningPort
+from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.web.server import Site
 
 from bankml.gate.verify import Refused, Verified, verify
 from bankml.receipts.keys import KeyRefused, SigningKey, ensure_key, key_path
+from bankml.receipts.log import LogBroken, ReceiptLog
 from bankml.serving.site import listen_loopback
 
 _log = Logger(namespace="bankml.serve")
@@ -42,6 +48,7 @@ _log = Logger(namespace="bankml.serve")
 DEFAULT_LISTEN = "127.0.0.1:18093"
 DEFAULT_UPSTREAM = "127.0.0.1:18092"
 EXIT_REFUSED = 2
+LOG_SYNC_S = 1.0  # --receipt-log: a crash loses at most this much of the log
 
 
 def refuse(reason: str, code: int = EXIT_REFUSED) -> SystemExit:
@@ -84,6 +91,21 @@ def receipt_key_before_listening(path: str | None) -> SigningKey:
     return key
 
 
+def receipt_log_before_listening(path: str | None) -> ReceiptLog | None:
+    """``--receipt-log FILE`` opened to go on with its chain (a last line cut short by a crash
+    cut off first); a file that cannot be read or written is a refusal, exit 2."""
+    if not path:
+        return None
+    try:
+        log = ReceiptLog.open(path)
+    except OSError as err:
+        raise refuse(f"--receipt-log {path}: {err.strerror or err}") from None
+    except LogBroken as err:
+        raise refuse(f"--receipt-log {err.reason}") from None
+    _log.info("receipt log {path}, next line {seq}", path=path, seq=log.seq)
+    return log
+
+
 def stop_on_sighup(reactor: Any) -> None:
     """SIGHUP stops bankml like SIGTERM, exiting by the signal."""
 
@@ -110,10 +132,20 @@ class ServingService(service.MultiService):
         self.ports: list[IListeningPort] = []
         self.exit_code = 0
         self.exit_at_interpreter_end = True  # under twistd; serve_command reads exit_code itself
+        self.receipt_log: ReceiptLog | None = None  # --receipt-log, synced every second
+        self.log_syncer: task.LoopingCall | None = None
 
     def startService(self) -> None:
         super().startService()
         stop_on_sighup(self.reactor)
+        if self.receipt_log is not None:
+            log = self.receipt_log
+            # fsync off the reactor thread: appends go on while the disk catches up
+            self.log_syncer = task.LoopingCall(lambda: deferToThread(log.sync))
+            self.log_syncer.clock = self.reactor
+            self.log_syncer.start(LOG_SYNC_S, now=False).addErrback(
+                lambda failure: _log.failure("receipt log sync failed", failure)
+            )
 
     def listen(self, site: Site, address: str) -> IListeningPort:
         port = listen_loopback(site, address, self.reactor)
@@ -143,4 +175,8 @@ class ServingService(service.MultiService):
         for port in self.ports:
             port.stopListening()
         self.ports = []
+        if self.log_syncer is not None and self.log_syncer.running:
+            self.log_syncer.stop()
+        if self.receipt_log is not None:
+            self.receipt_log.close()
         return super().stopService()

@@ -83,6 +83,22 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
+def typed_sse_event(obj: Any) -> bytes:
+    """One event of a Responses stream: ``{"event": NAME, "data": OBJECT}`` as an ``event:``
+    line and a ``data:`` line; anything else (an error object) as ``sse_event``."""
+    if isinstance(obj, dict) and obj.keys() == {"event", "data"}:
+        return b"event: " + obj["event"].encode() + b"\ndata: " + dumps(obj["data"]) + b"\n\n"
+    return sse_event(obj)
+
+
+def anthropic_sse_event(obj: Any) -> bytes:
+    """One event of a Messages stream, as ``typed_sse_event``; an error object is Anthropic's
+    ``error`` event, as llama-server writes it."""
+    if isinstance(obj, dict) and obj.keys() == {"error"}:
+        return typed_sse_event({"event": "error", "data": obj["error"]})
+    return typed_sse_event(obj)
+
+
 def ndjson_line(obj: Any) -> bytes:
     return dumps(obj) + b"\n"
 

@@ -1,0 +1,919 @@
+// bankml's web page: a chat with the served model that checks every answer's signed receipt in
+// the browser (docs/modules/web.md). Nothing is fetched but this address; model text is only
+// ever put into the page as text (textContent), never parsed as HTML nor run.
+
+// --- canonical JSON: the bytes a receipt's signature covers (bankml/receipts/canonical.py) ---
+
+export const CONTEXT = "bankml-receipt-v2\n";
+const EXACT_INT_LIMIT = 2 ** 53;
+
+// A JSON number kept as the text it was written as, so that an integer beyond 2**53 stays exact.
+export class RawNumber {
+  constructor(text) {
+    this.text = text;
+  }
+}
+
+const WS = /[ \t\n\r]*/y;
+const NUMBER = /-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/y;
+const STRING = /"(?:[^"\\\u0000-\u001f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*"/y;
+
+// JSON.parse, but numbers are RawNumber and objects have no prototype (a "__proto__" key is
+// an ordinary key); a repeated key keeps its last value, as Python's json.loads does.
+export function parseLossless(text) {
+  let i = 0;
+  const fail = (what) => {
+    throw new SyntaxError(`JSON: ${what} at offset ${i}`);
+  };
+  const skip = () => {
+    WS.lastIndex = i;
+    WS.exec(text);
+    i = WS.lastIndex;
+  };
+  const token = (re) => {
+    re.lastIndex = i;
+    const m = re.exec(text);
+    if (!m) return null;
+    i = re.lastIndex;
+    return m[0];
+  };
+  const value = (depth) => {
+    if (depth > 512) fail("nested too deep");
+    skip();
+    const c = text[i];
+    if (c === "{") {
+      i++;
+      const obj = Object.create(null);
+      skip();
+      if (text[i] === "}") {
+        i++;
+        return obj;
+      }
+      for (;;) {
+        skip();
+        const key = token(STRING);
+        if (key === null) fail("a key expected");
+        skip();
+        if (text[i] !== ":") fail("':' expected");
+        i++;
+        obj[JSON.parse(key)] = value(depth + 1);
+        skip();
+        if (text[i] === ",") {
+          i++;
+        } else if (text[i] === "}") {
+          i++;
+          return obj;
+        } else {
+          fail("',' or '}' expected");
+        }
+      }
+    }
+    if (c === "[") {
+      i++;
+      const list = [];
+      skip();
+      if (text[i] === "]") {
+        i++;
+        return list;
+      }
+      for (;;) {
+        list.push(value(depth + 1));
+        skip();
+        if (text[i] === ",") {
+          i++;
+        } else if (text[i] === "]") {
+          i++;
+          return list;
+        } else {
+          fail("',' or ']' expected");
+        }
+      }
+    }
+    if (c === '"') return JSON.parse(token(STRING) ?? fail("a bad string"));
+    for (const [word, literal] of [["true", true], ["false", false], ["null", null]]) {
+      if (text.startsWith(word, i)) {
+        i += word.length;
+        return literal;
+      }
+    }
+    const number = token(NUMBER);
+    if (number === null) fail("a value expected");
+    return new RawNumber(number);
+  };
+  const out = value(0);
+  skip();
+  if (i !== text.length) fail("text after the value");
+  return out;
+}
+
+// The shortest decimal that reads back as x, written as Python's repr(float) writes it.
+export function pyFloatRepr(x) {
+  if (!Number.isFinite(x)) throw new RangeError("NaN and the infinities are not JSON");
+  const sign = x < 0 || Object.is(x, -0) ? "-" : "";
+  // Number's own shortest round-trip digits (ECMA-262 Number::toString), in any of its forms
+  const m = /^(\d+)(?:\.(\d+))?(?:e([+-]\d+))?$/.exec(String(Math.abs(x)));
+  const all = m[1] + (m[2] ?? "");
+  const point = m[1].length + Number(m[3] ?? 0); // where the decimal point falls in `all`
+  const lead = all.length - all.replace(/^0+/, "").length;
+  const digits = all.slice(lead).replace(/0+$/, "") || "0";
+  const exp = digits === "0" ? 0 : point - lead - 1; // the first digit's power of ten
+  let out;
+  if (exp < -4 || exp >= 16) {
+    const mantissa = digits.length > 1 ? `${digits[0]}.${digits.slice(1)}` : digits;
+    out = `${mantissa}e${exp < 0 ? "-" : "+"}${String(Math.abs(exp)).padStart(2, "0")}`;
+  } else if (exp >= 0) {
+    out = `${digits.slice(0, exp + 1).padEnd(exp + 1, "0")}.${digits.slice(exp + 1) || "0"}`;
+  } else {
+    out = `0.${"0".repeat(-exp - 1)}${digits}`;
+  }
+  return sign + out;
+}
+
+function canonicalDouble(x) {
+  if (!Number.isFinite(x)) throw new RangeError("NaN and the infinities are not JSON");
+  if (Number.isInteger(x) && Math.abs(x) < EXACT_INT_LIMIT) return String(x); // -0 too: "0"
+  return pyFloatRepr(x);
+}
+
+function canonicalNumber(text) {
+  if (/^-?[0-9]+$/.test(text)) return BigInt(text).toString(); // an integer, any size
+  return canonicalDouble(Number(text));
+}
+
+// Python sorts str keys by code point; JavaScript's default sort compares UTF-16 units.
+function compareCodePoints(a, b) {
+  const A = Array.from(a, (c) => c.codePointAt(0));
+  const B = Array.from(b, (c) => c.codePointAt(0));
+  for (let k = 0; k < Math.min(A.length, B.length); k++) {
+    if (A[k] !== B[k]) return A[k] - B[k];
+  }
+  return A.length - B.length;
+}
+
+const jsonString = (s) => JSON.stringify(s).replace(/\u007f/g, "\\u007f");
+
+// bankml's canonical JSON: keys sorted, no whitespace, an integral number as an integer, any
+// other as the shortest repr, strings as JSON writes them plus DEL as \u007f.
+export function canonicalJson(v) {
+  if (v === null) return "null";
+  if (v === true) return "true";
+  if (v === false) return "false";
+  if (v instanceof RawNumber) return canonicalNumber(v.text);
+  if (typeof v === "number") return canonicalDouble(v);
+  if (typeof v === "string") return jsonString(v);
+  if (Array.isArray(v)) return `[${v.map(canonicalJson).join(",")}]`;
+  if (typeof v === "object") {
+    const keys = Object.keys(v).sort(compareCodePoints);
+    return `{${keys.map((k) => `${jsonString(k)}:${canonicalJson(v[k])}`).join(",")}}`;
+  }
+  throw new TypeError(`not JSON: ${typeof v}`);
+}
+
+export const canonicalFromText = (text) => canonicalJson(parseLossless(text));
+
+// The bytes the signature covers: the context line, then the receipt without its signature
+// and envelope.
+export function signedText(receipt) {
+  const rest = Object.create(null);
+  for (const k of Object.keys(receipt)) {
+    if (k !== "signature" && k !== "envelope") rest[k] = receipt[k];
+  }
+  return CONTEXT + canonicalJson(rest);
+}
+
+// --- hashes, the key, and checking one answer ---
+
+const utf8 = new TextEncoder();
+
+function hex(buffer) {
+  return Array.from(new Uint8Array(buffer), (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+export async function sha256Hex(text) {
+  const bytes = typeof text === "string" ? utf8.encode(text) : text;
+  return hex(await crypto.subtle.digest("SHA-256", bytes));
+}
+
+function base64Bytes(text) {
+  const binary = atob(text);
+  return Uint8Array.from(binary, (c) => c.charCodeAt(0));
+}
+
+function pemBytes(pem) {
+  const m = /-----BEGIN PUBLIC KEY-----([A-Za-z0-9+/=\s]+)-----END PUBLIC KEY-----/.exec(pem);
+  if (!m) throw new Error("not a PEM public key");
+  return base64Bytes(m[1].replace(/\s+/g, ""));
+}
+
+// The receipt key from its PEM: the WebCrypto key, and its id (the sha256 of the raw 32-byte
+// public key, the last 32 bytes of the SubjectPublicKeyInfo).
+export async function importReceiptKey(pem) {
+  const der = pemBytes(pem);
+  const key = await crypto.subtle.importKey("spki", der, { name: "Ed25519" }, false, ["verify"]);
+  return { key, keyid: await sha256Hex(der.slice(-32)), pem };
+}
+
+// Each tool call as the receipt hashes it: {"id", "type", "name", "arguments"} in call order.
+export const toolCallsJson = (calls) =>
+  JSON.stringify(
+    calls.map((c) => ({ id: c.id, type: c.type, name: c.name, arguments: c.arguments })),
+  );
+
+// The receipt of a stream as it came: the bankml_receipt of its last event that carries one
+// (numbers as written), or null.
+export function receiptOf(raw) {
+  let found = null;
+  for (const line of (raw || "").split("\n")) {
+    if (line.startsWith("data: {") && line.includes('"bankml_receipt"')) {
+      const event = parseLossless(line.slice(6));
+      if (event.bankml_receipt && typeof event.bankml_receipt === "object") {
+        found = event.bankml_receipt;
+      }
+    }
+  }
+  return found;
+}
+
+// One answer against its receipt: "verified", "failed" (with every reason) or "unsigned".
+// `answer` holds what the page shows and sent: content, reasoning, toolCalls, request (the
+// exact body) and raw (the stream as received).
+export async function checkAnswer(answer, receiptKey) {
+  let receipt;
+  try {
+    receipt = receiptOf(answer.raw);
+  } catch (err) {
+    return { status: "failed", reasons: [`the receipt is not JSON: ${err.message}`], receipt: null };
+  }
+  if (receipt === null) {
+    const why = answer.stopped ? "stopped before the end" : "the answer carries no receipt";
+    return { status: "unsigned", reasons: [why], receipt: null };
+  }
+  if (typeof receipt.signature !== "string" || receipt.signed !== true) {
+    return { status: "unsigned", reasons: ["the receipt is not signed"], receipt };
+  }
+  const reasons = [];
+  const expect = async (field, text, what) => {
+    if (receipt[field] === undefined && !text) return;
+    if (receipt[field] !== (await sha256Hex(text || ""))) {
+      reasons.push(`${field} is not the sha256 of ${what}`);
+    }
+  };
+  if (!receiptKey) {
+    reasons.push("no public key to check the signature with (GET /bankml/key)");
+  } else {
+    if (receipt.alg !== "ed25519") reasons.push(`alg is ${JSON.stringify(receipt.alg)}`);
+    if (receipt.keyid !== receiptKey.keyid) reasons.push("keyid is not the served key's id");
+    let good = false;
+    try {
+      const signed = utf8.encode(signedText(receipt));
+      const sig = base64Bytes(receipt.signature);
+      good = await crypto.subtle.verify({ name: "Ed25519" }, receiptKey.key, sig, signed);
+    } catch (err) {
+      reasons.push(`the signature cannot be checked: ${err.message}`);
+    }
+    if (!good) reasons.push("the signature does not verify");
+  }
+  if (receipt.request_sha256 !== (await sha256Hex(answer.request || ""))) {
+    reasons.push("request_sha256 is not the sha256 of the request sent");
+  }
+  if (receipt.response_sha256 !== (await sha256Hex(answer.content || ""))) {
+    reasons.push("response_sha256 is not the sha256 of the answer's text");
+  }
+  await expect("reasoning_sha256", answer.reasoning, "the reasoning shown");
+  const calls = answer.toolCalls || [];
+  await expect("tool_calls_sha256", calls.length ? toolCallsJson(calls) : "", "the tool calls");
+  return { status: reasons.length ? "failed" : "verified", reasons, receipt };
+}
+
+// --- safe rendering: model text goes in as text nodes only ---
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    if (name === "class") node.className = value;
+    else node.setAttribute(name, value);
+  }
+  for (const child of children) {
+    if (child !== null && child !== undefined) {
+      node.append(typeof child === "string" ? document.createTextNode(child) : child);
+    }
+  }
+  return node;
+}
+
+// A small Markdown subset: ``` fenced code blocks and `inline code` (shown as text), paragraphs
+// split on blank lines; everything else is the text as written.
+export function renderText(container, text) {
+  const blocks = [];
+  let paragraph = [];
+  let code = null;
+  const flush = () => {
+    if (paragraph.length) blocks.push(el("p", {}, ...inlineCode(paragraph.join("\n"))));
+    paragraph = [];
+  };
+  for (const line of text.split("\n")) {
+    if (line.startsWith("```")) {
+      if (code === null) {
+        flush();
+        code = [];
+      } else {
+        blocks.push(el("pre", {}, el("code", {}, code.join("\n"))));
+        code = null;
+      }
+    } else if (code !== null) {
+      code.push(line);
+    } else if (line.trim() === "") {
+      flush();
+    } else {
+      paragraph.push(line);
+    }
+  }
+  if (code !== null) blocks.push(el("pre", {}, el("code", {}, code.join("\n"))));
+  flush();
+  container.replaceChildren(...blocks);
+}
+
+function inlineCode(text) {
+  return text.split("`").map((part, k) => (k % 2 ? el("code", {}, part) : part));
+}
+
+// --- the server ---
+
+const settings = { apiKey: sessionStorage.getItem("bankml.apiKey") || "" };
+
+function headers(extra = {}) {
+  return settings.apiKey ? { ...extra, Authorization: `Bearer ${settings.apiKey}` } : extra;
+}
+
+async function getJson(path) {
+  const res = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (!res.ok) throw new Error(`${path}: HTTP ${res.status}`);
+  return res.json();
+}
+
+function errorText(status, body) {
+  try {
+    const message = JSON.parse(body)?.error?.message;
+    if (message) return `HTTP ${status}: ${message}`;
+  } catch {
+    // not JSON: the status says it
+  }
+  return `HTTP ${status}`;
+}
+
+// One streamed chat completion: calls onUpdate(answer) as it grows; resolves with the answer.
+async function streamChat(answer, signal, onUpdate) {
+  const res = await fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: headers({ "Content-Type": "application/json" }),
+    body: utf8.encode(answer.request),
+    signal,
+    cache: "no-store",
+  });
+  if (!res.ok) throw new Error(errorText(res.status, await res.text()));
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  const calls = new Map();
+  let pending = "";
+  const take = (line) => {
+    if (!line.startsWith("data: ") || line === "data: [DONE]") return;
+    const event = JSON.parse(line.slice(6));
+    if (event.error) throw new Error(event.error.message || "the server stopped the answer");
+    const delta = event.choices?.[0]?.delta;
+    if (!delta) return;
+    if (typeof delta.content === "string") answer.content += delta.content;
+    if (typeof delta.reasoning_content === "string") answer.reasoning += delta.reasoning_content;
+    for (const [position, entry] of (delta.tool_calls || []).entries()) {
+      const index = Number.isInteger(entry.index) ? entry.index : position;
+      if (!calls.has(index)) calls.set(index, { id: "", type: "", name: "", arguments: "" });
+      const call = calls.get(index);
+      call.id ||= typeof entry.id === "string" ? entry.id : "";
+      call.type ||= typeof entry.type === "string" ? entry.type : "";
+      if (typeof entry.function?.name === "string") call.name += entry.function.name;
+      if (typeof entry.function?.arguments === "string") call.arguments += entry.function.arguments;
+    }
+    answer.toolCalls = [...calls.keys()].sort((a, b) => a - b).map((k) => calls.get(k));
+  };
+  for (;;) {
+    const { value, done } = await reader.read();
+    const text = done ? decoder.decode() : decoder.decode(value, { stream: true });
+    answer.raw += text;
+    pending += text;
+    const lines = pending.split("\n");
+    pending = done ? "" : lines.pop();
+    for (const line of lines) take(line.replace(/\r$/, ""));
+    onUpdate(answer);
+    if (done) return answer;
+  }
+}
+
+// --- conversations, kept in this browser (localStorage) ---
+
+const STORE = "bankml.conversations.v1";
+const SETTINGS = "bankml.settings.v1";
+const MARKS = { verified: "✓", failed: "✗", unsigned: "–", checking: "…" };
+const SAYS = {
+  verified: "Receipt verified",
+  failed: "Receipt check failed",
+  unsigned: "No signed receipt",
+  checking: "Checking the receipt…",
+};
+
+const state = { conversations: [], current: null, receiptKey: null, model: "", busy: null };
+const $ = (id) => document.getElementById(id);
+const newId = () => `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
+const str = (v) => (typeof v === "string" ? v : "");
+
+function say(text, isError = false) {
+  $("status").textContent = text;
+  $("status").classList.toggle("error", isError);
+}
+
+// A stored or imported message, keeping only the fields the page knows, each of its type.
+function cleanMessage(m) {
+  if (!m || (m.role !== "user" && m.role !== "assistant")) return null;
+  const out = { role: m.role, content: str(m.content) };
+  if (m.role === "assistant") {
+    Object.assign(out, {
+      reasoning: str(m.reasoning),
+      request: str(m.request),
+      raw: str(m.raw),
+      error: str(m.error),
+      stopped: m.stopped === true,
+      toolCalls: (Array.isArray(m.toolCalls) ? m.toolCalls : []).map((c) => ({
+        id: str(c?.id),
+        type: str(c?.type),
+        name: str(c?.name),
+        arguments: str(c?.arguments),
+      })),
+    });
+  }
+  return out;
+}
+
+function cleanConversation(c) {
+  if (!c || !Array.isArray(c.messages)) return null;
+  return {
+    id: newId(),
+    title: str(c.title).slice(0, 80) || "Conversation",
+    created: str(c.created) || new Date().toISOString(),
+    messages: c.messages.map(cleanMessage).filter(Boolean),
+  };
+}
+
+function load() {
+  try {
+    const saved = JSON.parse(localStorage.getItem(STORE) || "[]");
+    state.conversations = (Array.isArray(saved) ? saved : []).map(cleanConversation).filter(Boolean);
+  } catch {
+    state.conversations = [];
+  }
+  if (!state.conversations.length) state.conversations.push(cleanConversation({ messages: [] }));
+  state.current = state.conversations[0].id;
+}
+
+function save() {
+  try {
+    localStorage.setItem(STORE, JSON.stringify(state.conversations));
+  } catch (err) {
+    say(`The conversations could not be kept: ${err.message}`, true);
+  }
+}
+
+const current = () => state.conversations.find((c) => c.id === state.current);
+
+function fillConversationList() {
+  const list = $("conversation");
+  list.replaceChildren(
+    ...state.conversations.map((c) => {
+      const option = el("option", { value: c.id }, c.title);
+      option.selected = c.id === state.current;
+      return option;
+    }),
+  );
+}
+
+function download(name, text, type) {
+  const url = URL.createObjectURL(new Blob([text], { type }));
+  const link = el("a", { href: url, download: name });
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
+}
+
+function renderUser(message) {
+  const text = el("div", { class: "text" });
+  renderText(text, message.content);
+  return el("li", { class: "message user" }, el("p", { class: "who" }, "You"), text);
+}
+
+function renderAnswer(message) {
+  const item = el("li", { class: "message assistant", "data-receipt": "checking" });
+  item.append(el("p", { class: "who" }, state.model ? `Answer · ${state.model}` : "Answer"));
+  fillAnswer(item, message);
+  return item;
+}
+
+// The answer's parts as they stand (called again while it streams).
+function fillAnswer(item, message) {
+  const who = item.firstChild;
+  const keep = item.querySelector(":scope > details.reasoning");
+  const open = keep ? keep.open : false;
+  const parts = [who];
+  if (message.reasoning) {
+    const reasoning = el("details", { class: "reasoning" }, el("summary", {}, "Reasoning"));
+    reasoning.open = open;
+    reasoning.append(el("div", {}, message.reasoning));
+    parts.push(reasoning);
+  }
+  const text = el("div", { class: "text" });
+  renderText(text, message.content);
+  parts.push(text);
+  if (message.toolCalls?.length) {
+    const calls = el("ol", { class: "calls", "aria-label": "Tool calls" });
+    for (const call of message.toolCalls) {
+      calls.append(el("li", {}, el("code", {}, `${call.name}(${call.arguments})`)));
+    }
+    parts.push(el("p", { class: "who" }, "Tool calls"), calls);
+  }
+  if (message.error) parts.push(el("p", { class: "error" }, `Error: ${message.error}`));
+  const receipt = item.querySelector(":scope > details.receipt");
+  if (receipt) parts.push(receipt);
+  item.replaceChildren(...parts);
+}
+
+function showCheck(item, message, check) {
+  item.dataset.receipt = check.status;
+  const summary = el(
+    "summary",
+    {},
+    el("span", { class: "mark", "aria-hidden": "true" }, MARKS[check.status]),
+    ` ${SAYS[check.status]}`,
+  );
+  const details = el("details", { class: "receipt" }, summary);
+  if (check.status !== "verified" && check.reasons?.length) {
+    details.append(el("ul", {}, ...check.reasons.map((r) => el("li", {}, r))));
+  }
+  if (check.receipt) {
+    const fields = el("dl");
+    for (const key of Object.keys(check.receipt).sort()) {
+      if (key === "envelope") continue;
+      const value = check.receipt[key];
+      const shown = value instanceof RawNumber ? value.text : JSON.stringify(value, plainNumbers);
+      fields.append(el("dt", {}, key), el("dd", {}, shown));
+    }
+    details.append(fields);
+  }
+  if (message.request || message.raw) {
+    const buttons = el("div", { class: "buttons" });
+    const add = (label, name, text, type) => {
+      const button = el("button", { type: "button" }, label);
+      button.addEventListener("click", () => download(name, text, type));
+      buttons.append(button);
+    };
+    add("Download request", "request.json", message.request, "application/json");
+    add("Download answer", "answer.sse", message.raw, "text/event-stream");
+    if (state.receiptKey) add("Download key", "key.pem", state.receiptKey.pem, "application/x-pem-file");
+    details.append(
+      el("p", {}, "bankml check-receipt --request request.json --response answer.sse --key key.pem"),
+      buttons,
+    );
+  }
+  item.querySelector(":scope > details.receipt")?.remove();
+  item.append(details);
+}
+
+function plainNumbers(_key, value) {
+  return value instanceof RawNumber ? Number(value.text) : value;
+}
+
+async function check(item, message) {
+  showCheck(item, message, await checkAnswer(message, state.receiptKey));
+}
+
+function renderConversation() {
+  fillConversationList();
+  const list = $("messages");
+  list.replaceChildren();
+  for (const message of current().messages) {
+    if (message.role === "user") {
+      list.append(renderUser(message));
+    } else {
+      const item = renderAnswer(message);
+      list.append(item);
+      check(item, message);
+    }
+  }
+}
+
+// --- sending ---
+
+function numberSetting(id) {
+  const value = Number($(id).value);
+  return $(id).value.trim() !== "" && Number.isFinite(value) ? value : null;
+}
+
+function requestBody(conversation) {
+  const messages = [];
+  const system = $("system-prompt").value;
+  if (system.trim()) messages.push({ role: "system", content: system });
+  for (const m of conversation.messages) {
+    if (m.role === "user") messages.push({ role: "user", content: m.content });
+    else if (!m.error && (m.content || m.toolCalls?.length)) {
+      const said = { role: "assistant", content: m.content };
+      if (m.toolCalls?.length) {
+        said.tool_calls = m.toolCalls.map((c) => ({
+          id: c.id,
+          type: c.type || "function",
+          function: { name: c.name, arguments: c.arguments },
+        }));
+      }
+      messages.push(said);
+    }
+  }
+  const body = { messages, stream: true };
+  const temperature = numberSetting("temperature");
+  if (temperature !== null) body.temperature = temperature;
+  const maxTokens = numberSetting("max-tokens");
+  if (maxTokens !== null && maxTokens >= 0) body.max_tokens = Math.floor(maxTokens);
+  const tools = $("tools").value.trim();
+  if (tools) {
+    const parsed = JSON.parse(tools);
+    if (!Array.isArray(parsed)) throw new Error("Tools must be a JSON list");
+    body.tools = parsed;
+  }
+  return JSON.stringify(body);
+}
+
+async function send(event) {
+  event?.preventDefault();
+  if (state.busy) return;
+  const prompt = $("prompt").value;
+  if (!prompt.trim()) return;
+  const conversation = current();
+  conversation.messages.push({ role: "user", content: prompt });
+  let request;
+  try {
+    request = requestBody(conversation);
+  } catch (err) {
+    conversation.messages.pop();
+    say(`Not sent: ${err.message}`, true);
+    return;
+  }
+  if (conversation.messages.length === 1) conversation.title = prompt.slice(0, 60);
+  $("prompt").value = "";
+  const answer = cleanMessage({ role: "assistant", request });
+  conversation.messages.push(answer);
+  const list = $("messages");
+  list.append(renderUser(conversation.messages.at(-2)));
+  const item = renderAnswer(answer);
+  list.append(item);
+  item.scrollIntoView({ block: "end" });
+  fillConversationList();
+  const control = new AbortController();
+  state.busy = control;
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  say("Answering…");
+  let drawn = 0;
+  try {
+    await streamChat(answer, control.signal, () => {
+      if (!drawn) {
+        drawn = requestAnimationFrame(() => {
+          drawn = 0;
+          fillAnswer(item, answer);
+        });
+      }
+    });
+    say("");
+  } catch (err) {
+    if (control.signal.aborted) {
+      answer.stopped = true;
+      say("Stopped.");
+    } else {
+      answer.error = err.message;
+      say(err.message, true);
+    }
+  } finally {
+    cancelAnimationFrame(drawn);
+    state.busy = null;
+    $("send").disabled = false;
+    $("stop").disabled = true;
+    fillAnswer(item, answer);
+    save();
+    await check(item, answer);
+    refreshUsage();
+  }
+}
+
+function stop() {
+  state.busy?.abort();
+}
+
+// --- settings: the server's defaults (GET /props) unless changed here ---
+
+const SETTING_FIELDS = ["system-prompt", "temperature", "max-tokens", "tools"];
+
+function keepSettings() {
+  const kept = Object.fromEntries(SETTING_FIELDS.map((id) => [id, $(id).value]));
+  localStorage.setItem(SETTINGS, JSON.stringify(kept));
+}
+
+async function applyDefaults(forget) {
+  if (forget) localStorage.removeItem(SETTINGS);
+  let kept = {};
+  try {
+    kept = JSON.parse(localStorage.getItem(SETTINGS) || "{}") || {};
+  } catch {
+    kept = {};
+  }
+  let params = {};
+  try {
+    const props = await getJson("/props");
+    params = props?.default_generation_settings?.params || {};
+  } catch (err) {
+    say(`Server defaults not read: ${err.message}`, true);
+  }
+  const defaults = {
+    "system-prompt": "",
+    temperature: typeof params.temperature === "number" ? String(params.temperature) : "",
+    "max-tokens": typeof params.n_predict === "number" ? String(params.n_predict) : "",
+    tools: "",
+  };
+  for (const id of SETTING_FIELDS) {
+    $(id).value = typeof kept[id] === "string" ? kept[id] : defaults[id];
+  }
+}
+
+// --- usage: tokens per second and time to first token (GET /bankml/metrics) ---
+
+const usage = { records: [], note: "No completions yet." };
+
+async function refreshUsage() {
+  if (document.visibilityState === "hidden") return;
+  try {
+    const metrics = await getJson("/bankml/metrics");
+    usage.records = (metrics.records || []).slice(-60);
+    const last = usage.records.at(-1);
+    usage.note = last
+      ? `Last: ${fmt(last.predicted_per_second)} tokens/s, first token after ` +
+        `${fmt(last.ttft_ms)} ms (${metrics.kept} completions kept).`
+      : "No completions measured yet.";
+  } catch (err) {
+    usage.records = [];
+    usage.note = `No metrics here (${err.message}).`;
+  }
+  $("usage-text").textContent = usage.note;
+  drawUsage();
+}
+
+const fmt = (v) => (typeof v === "number" ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) : "–");
+
+function drawUsage() {
+  const canvas = $("usage-plot");
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || 320;
+  const height = Math.round(width / 2);
+  canvas.width = Math.round(width * ratio);
+  canvas.height = Math.round(height * ratio);
+  const g = canvas.getContext("2d");
+  g.setTransform(ratio, 0, 0, ratio, 0, 0);
+  g.clearRect(0, 0, width, height);
+  const style = getComputedStyle(document.documentElement);
+  const colour = (name) => style.getPropertyValue(name).trim();
+  const panels = [
+    ["tokens/s", "predicted_per_second", colour("--plot-a")],
+    ["first token, ms", "ttft_ms", colour("--plot-b")],
+  ];
+  const half = height / 2;
+  g.font = "11px system-ui, sans-serif";
+  g.lineWidth = 2;
+  panels.forEach(([label, field, stroke], k) => {
+    const top = k * half + 14;
+    const bottom = (k + 1) * half - 4;
+    const values = usage.records.map((r) => (typeof r[field] === "number" ? r[field] : null));
+    const max = Math.max(1e-9, ...values.filter((v) => v !== null));
+    g.fillStyle = colour("--muted");
+    g.fillText(`${label} (max ${fmt(values.some((v) => v !== null) ? max : null)})`, 6, top - 3);
+    g.strokeStyle = colour("--border");
+    g.beginPath();
+    g.moveTo(4, bottom + 0.5);
+    g.lineTo(width - 4, bottom + 0.5);
+    g.stroke();
+    g.strokeStyle = stroke;
+    g.fillStyle = stroke;
+    g.beginPath();
+    const step = (width - 16) / Math.max(1, values.length - 1);
+    let started = false;
+    values.forEach((v, n) => {
+      if (v === null) return;
+      const x = 8 + n * step;
+      const y = bottom - (v / max) * (bottom - top - 4);
+      if (started) g.lineTo(x, y);
+      else g.moveTo(x, y);
+      started = true;
+      g.fillRect(x - 2, y - 2, 4, 4);
+    });
+    g.stroke();
+  });
+}
+
+// --- export and import (JSON) ---
+
+function exportAll() {
+  const doc = { format: "bankml-conversations", version: 1, conversations: state.conversations };
+  download("bankml-conversations.json", JSON.stringify(doc, null, 1), "application/json");
+}
+
+async function importFile(file) {
+  try {
+    const doc = JSON.parse(await file.text());
+    const list = Array.isArray(doc) ? doc : doc?.conversations;
+    if (!Array.isArray(list)) throw new Error("no conversations in it");
+    const added = list.map(cleanConversation).filter(Boolean);
+    if (!added.length) throw new Error("no conversations in it");
+    state.conversations.push(...added);
+    state.current = added[0].id;
+    save();
+    renderConversation();
+    say(`Imported ${added.length} conversation(s); their receipts are checked again here.`);
+  } catch (err) {
+    say(`Not imported: ${err.message}`, true);
+  }
+}
+
+// --- start ---
+
+// What the page reads of the server: the model's name, the receipt key, the defaults (again
+// when an API key is given).
+async function connect() {
+  const [models, key] = await Promise.allSettled([
+    getJson("/v1/models"),
+    getJson("/bankml/key").then((k) => importReceiptKey(k.public_key)),
+    applyDefaults(false),
+  ]);
+  state.model = models.status === "fulfilled" ? str(models.value?.data?.[0]?.id) : "";
+  $("model-name").textContent = state.model || "unknown";
+  state.receiptKey = key.status === "fulfilled" ? key.value : null;
+  $("key-id").textContent = state.receiptKey
+    ? state.receiptKey.keyid
+    : `none (${key.reason.message})`;
+  refreshUsage();
+}
+
+async function start() {
+  load();
+  $("api-key").value = settings.apiKey;
+  $("composer").addEventListener("submit", send);
+  $("stop").addEventListener("click", stop);
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) send(e);
+  });
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && state.busy) stop();
+  });
+  for (const id of SETTING_FIELDS) $(id).addEventListener("change", keepSettings);
+  $("api-key").addEventListener("change", () => {
+    settings.apiKey = $("api-key").value;
+    sessionStorage.setItem("bankml.apiKey", settings.apiKey);
+    connect().then(renderConversation);
+  });
+  $("reset-settings").addEventListener("click", () => applyDefaults(true));
+  $("conversation").addEventListener("change", () => {
+    state.current = $("conversation").value;
+    renderConversation();
+  });
+  $("new-conversation").addEventListener("click", () => {
+    const fresh = cleanConversation({ messages: [] });
+    state.conversations.unshift(fresh);
+    state.current = fresh.id;
+    save();
+    renderConversation();
+    $("prompt").focus();
+  });
+  $("delete-conversation").addEventListener("click", () => {
+    if (!window.confirm("Delete this conversation from this browser?")) return;
+    state.conversations = state.conversations.filter((c) => c.id !== state.current);
+    if (!state.conversations.length) state.conversations.push(cleanConversation({ messages: [] }));
+    state.current = state.conversations[0].id;
+    save();
+    renderConversation();
+  });
+  $("export").addEventListener("click", exportAll);
+  $("import").addEventListener("change", () => {
+    const file = $("import").files[0];
+    if (file) importFile(file);
+    $("import").value = "";
+  });
+  window.addEventListener("resize", drawUsage);
+  document.addEventListener("visibilitychange", refreshUsage);
+  setInterval(refreshUsage, 3000);
+
+  await connect();
+  renderConversation();
+  document.body.dataset.ready = "true";
+}
+
+globalThis.bankmlPage = { parseLossless, canonicalJson, canonicalFromText, pyFloatRepr, signedText };
+start();
