@@ -21,8 +21,10 @@ $(BIN)/bankml: setup.cfg pyproject.toml
 
 venv: $(BIN)/bankml
 
+# the web page's tests drive Debian's chromium through Playwright (nothing downloaded at run time)
 $(VENV)/.test-deps: $(BIN)/bankml setup.cfg
 	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $@
 
 test-deps: $(VENV)/.test-deps
@@ -35,6 +37,7 @@ llama-server:
 
 # Native: no llama-server needed. SLOT_DIR=D enables /slots on the engine address.
 serve: venv model
+	@echo "bankml: the web page: http://$(UPSTREAM)/ (and http://$(LISTEN)/ui), once the model is verified"
 	$(BIN)/bankml serve $(MODEL) --fork $(FORK) --native --metrics --listen $(LISTEN) --upstream $(UPSTREAM) \
 	    $(if $(SLOT_DIR),--slot-dir $(SLOT_DIR))
 

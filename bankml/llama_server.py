@@ -76,7 +76,7 @@ def _f(
 # --- why the native drop-in ignores or refuses a flag -----------------------------------------
 SAME_BITS = "bankml computes the same answer whatever this is set to"
 LOGS = "it only changes llama-server's logging"
-NO_UI = "bankml has no web UI"
+NO_UI = "bankml's web page is its own (no llama-server UI files or settings)"
 PINNED = "bankml serves only the local file pinned in FORK.json"
 CHANGES_MODEL = "it changes the model's computation; bankml serves the pinned model as it is"
 PER_REQUEST = "bankml takes it per request only: send the field in the request body"
@@ -219,8 +219,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--prefill-assistant", False, IGNORE, "it is the default"),
     _f("--cache-prompt", False, IGNORE, "it is the default"),
     _f("--offline", False, IGNORE, PINNED),
-    _f("--ui --webui", False, IGNORE, NO_UI, p0_default=NO_WEBUI),
-    _f("--no-ui --no-webui", False, IGNORE, NO_UI, p0_default=NO_WEBUI),
+    _f("--ui --webui", False, SERVE, p0_default=NO_WEBUI),
+    _f("--no-ui --no-webui", False, SERVE, p0_default=NO_WEBUI),
     _f("--log-disable", False, IGNORE, LOGS),
     _f("--log-file", True, IGNORE, LOGS),
     _f("--log-colors", True, IGNORE, LOGS),

@@ -458,3 +458,12 @@ def test_the_cache_type_flags_win_over_the_environment(
     options = Options()
     options.parseOptions(base + ["--cache-type-k", "f16", "--cache-type-v", "f16"])
     assert options["cache_type"] == "f16"
+
+
+def test_no_webui_leaves_the_web_page_out(dropin: DropIn) -> None:
+    """The drop-in was started with --no-webui: / of the engine address is llama-server's JSON
+    404 and /ui is not routed on either address (without it both serve bankml's page)."""
+    for port, path in [(dropin.port, "/"), (dropin.port, "/ui"), (dropin.listen_port, "/ui")]:
+        status, headers, body = call(port, "GET", path)
+        assert status == 404 and headers["content-type"].startswith("application/json"), path
+        assert json.loads(body)["error"]["message"] == "File Not Found", path

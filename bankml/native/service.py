@@ -33,18 +33,20 @@ from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
 from bankml.native.ollama import make_host
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
-from bankml.resources.bankml import BankmlResource
+from bankml.resources.bankml import BankmlResource, KeyResource, MetricsResource
 from bankml.resources.description import ApiDescription
 from bankml.resources.ollama import put_ollama_routes
-from bankml.resources.openai import ChatCompletions, Completions, Models
+from bankml.resources.openai import ChatCompletions, Completions, Messages, Models, Responses
+from bankml.resources.web import WebRoot, put_web_page
 from bankml.serving.access import AccessControl, CorsPolicy
-from bankml.serving.routes import Branch, LlamaRoute
+from bankml.serving.routes import Branch, LlamaRoute, Loading
 from bankml.serving.site import LoopbackSite
 from bankml.serving.startup import (
     DEFAULT_LISTEN,
     DEFAULT_UPSTREAM,
     ServingService,
     receipt_key_before_listening,
+    receipt_log_before_listening,
     verify_before_listening,
 )
 from bankml.usage import UsageSampler
@@ -102,6 +104,9 @@ def _put_llama_endpoints(
     root.putChild(b"chat", root_chat)
     for parent in (chat, root_chat):
         put(parent, b"completions", ChatCompletions(native))
+    for parent in (root, v1):
+        put(parent, b"responses", Responses(native))
+    put(v1, b"messages", Messages(native))
     if slots:
         # GET /slots is the slot monitor, POST /slots/{id} the actions (POST /slots itself: 404)
         refusals = {"POST": (404, "File Not Found", "not_found_error")}
@@ -117,11 +122,17 @@ def build_native_roots(
     *,
     metrics: bool = True,
     slots_list: bool = True,
+    webui: bool = True,
 ) -> tuple[Resource, Resource]:
     """(listen_root, engine_root): bankml's address with /bankml (and Ollama's routes, given
     ``ollama``), and the engine address with /slots; both answer the OpenAI and llama-server
     endpoints (/metrics only with ``metrics``, else llama-server's 501; ``GET /slots`` unless
-    ``slots_list`` is False, --no-slots)."""
+    ``slots_list`` is False, --no-slots). The engine address also answers ``GET /bankml/key``
+    (with a receipt key) and ``GET /bankml/metrics``, which its web page reads.
+
+    ``webui`` (llama-server's ``--no-webui`` makes it False): the web page
+    (resources/web.py) at ``/`` of the engine address, where llama-server serves its own, and
+    at ``/ui`` of both; without it ``/`` is llama-server's JSON 404 and ``/ui`` is not routed."""
     if sampler is None:
         sampler = UsageSampler(
             native.reactor,
@@ -133,8 +144,16 @@ def build_native_roots(
     if ollama is not None:
         put_ollama_routes(listen_root, ollama)
     _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics)
-    engine_root = Branch()
+    engine_root = WebRoot() if webui else Branch()
     _put_llama_endpoints(engine_root, native, slots=True, metrics=metrics, slots_list=slots_list)
+    engine_bankml = Branch()  # what the page on / reads: the key and the completions' records
+    if native.receipt_key is not None:
+        engine_bankml.putChild(b"key", KeyResource(native.receipt_key))
+    engine_bankml.putChild(b"metrics", MetricsResource(native.metrics))
+    engine_root.putChild(b"bankml", engine_bankml)
+    if webui:
+        put_web_page(listen_root)
+        put_web_page(engine_root)
     return listen_root, engine_root
 
 
@@ -209,8 +228,34 @@ class NativeService(ServingService):
         super().startService()
         self.ready = self._bring_up()
 
+    def _addresses(self) -> list[str]:
+        out = [
+            self.options.get("listen") or DEFAULT_LISTEN,
+            self.options.get("upstream") or DEFAULT_UPSTREAM,
+        ]
+        if self.options.get("ollama-listen"):
+            out.append(self.options["ollama-listen"])
+        return out
+
+    def _access(self, root: Resource) -> Resource:
+        """CORS and the API key, once for each address, before any endpoint."""
+        llama_options = self.options.get("llama") or {}
+        cors = CorsPolicy(**llama_options["cors"]) if "cors" in llama_options else CorsPolicy()
+        return AccessControl(root, llama_options.get("api_keys") or (), cors)
+
     @inlineCallbacks
     def _bring_up(self) -> Any:
+        # listen at once, answering llama-server's 503 "Loading model" until the engine is up
+        # (the file is verified already; the kernels may take minutes to compile)
+        sites = []
+        try:
+            for address in self._addresses():
+                site = LoopbackSite(self._access(Loading()))
+                self.listen(site, address)
+                sites.append(site)
+        except Exception as err:
+            self.fatal(f"cannot listen: {err}")
+            return
         try:
             if self.compiling is not None:
                 yield self.compiling  # an error here is the open's too: it reports it
@@ -227,6 +272,7 @@ class NativeService(ServingService):
             return
         if not self.running:
             return
+        self.native.receipt_log = self.receipt_log
         llama_options = self.options.get("llama") or {}
         ollama = serve_ollama(self, self.native)
         listen_root, engine_root = build_native_roots(
@@ -234,22 +280,13 @@ class NativeService(ServingService):
             ollama=ollama,
             metrics=bool(llama_options.get("metrics")),
             slots_list=llama_options.get("slots_endpoint", True),
+            webui=llama_options.get("webui", True),
         )
-        addresses = [
-            (self.options.get("listen") or DEFAULT_LISTEN, listen_root),
-            (self.options.get("upstream") or DEFAULT_UPSTREAM, engine_root),
-        ]
+        roots = [listen_root, engine_root]
         if self.options.get("ollama-listen"):
-            addresses.append((self.options["ollama-listen"], ollama_root(ollama)))
-        cors = CorsPolicy(**llama_options["cors"]) if "cors" in llama_options else CorsPolicy()
-        keys = llama_options.get("api_keys") or ()
-        try:
-            for address, root in addresses:
-                # CORS and the API key once for each address, before any endpoint
-                self.listen(LoopbackSite(AccessControl(root, keys, cors)), address)
-        except Exception as err:
-            self.fatal(f"cannot listen: {err}")
-            return
+            roots.append(ollama_root(ollama))
+        for site, root in zip(sites, roots):  # the loaded model answers from now on
+            site.resource = self._access(root)
         if heap.can_release():
             # off the reactor thread: a trim of a fragmented heap can take tens of milliseconds
             self.heap_trimmer = task.LoopingCall(deferToThread, heap.release_free_heap)
@@ -345,7 +382,7 @@ def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeServi
         for outcome in compiling:
             outcome.addErrback(lambda _: None)  # nobody waits for it now
         raise
-    return NativeService(
+    served = NativeService(
         options,
         verified,
         reactor,
@@ -353,3 +390,5 @@ def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeServi
         compiling=compiling[0] if compiling else None,
         receipt_key=receipt_key,
     )
+    served.receipt_log = receipt_log_before_listening(options.get("receipt-log"))
+    return served

@@ -38,7 +38,7 @@ BY_SPELLING: dict[str, Flag] = {
 }
 
 # bankml serve's own options that the drop-in form passes through as they are
-BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key", "--max-queue")
+BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key", "--receipt-log", "--max-queue")
 
 # the sampling flags: bankml serve's option -> (the request field it defaults, its reader)
 SAMPLING: dict[str, tuple[str, Callable[[str], Any]]] = {
@@ -97,6 +97,7 @@ ACCESS_OPTION_NAMES = frozenset(
 _JINJA = {"--jinja": False, "--no-jinja": False}
 _VERBOSITY = {"--verbose": False, "--verbosity": True}
 _PRESERVE = {"--reasoning-preserve": False, "--no-reasoning-preserve": False}
+_UI = {"--ui": False, "--webui": False, "--no-ui": False, "--no-webui": False}
 _LAST_WINS = {
     "jinja": _JINJA,
     "no-jinja": _JINJA,
@@ -104,6 +105,8 @@ _LAST_WINS = {
     "verbosity": _VERBOSITY,
     "reasoning-preserve": _PRESERVE,
     "no-reasoning-preserve": _PRESERVE,
+    "ui": _UI,
+    "no-ui": _UI,
 }
 
 
@@ -236,6 +239,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "cache_type": _cache_type(options),
         "metrics": bool(options.get("metrics")),
         "slots_endpoint": not options.get("no-slots"),
+        "webui": not options.get("no-ui"),  # --no-ui / --no-webui: bankml's page left out
         "n_parallel": n_parallel,
         "kv_unified": kv_unified,
         "slot_prompt_similarity": similarity,
