@@ -93,7 +93,7 @@ def signing_key(tmp_path_factory: pytest.TempPathFactory):
     return keygen(tmp_path_factory.mktemp("signing-key") / "receipt-key.pem")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def template_pair(
     template: Path,
     signing_key,
@@ -104,8 +104,8 @@ def template_pair(
 ):
     """(``bankml serve --native`` signing with ``signing_key``, llama-server), both given Qwen3's
     chat template (``--chat-template-file``): the side-by-side pair of the tool-call, Messages and
-    Responses tests. Both get the same requests in the same order, so their prompt caches hold
-    the same prefixes."""
+    Responses tests, one pair for each test module, so that both servers of a pair get the same
+    requests in the same order and their prompt caches hold the same prefixes."""
     from tests.native_server import native_process
 
     native = native_process(default_model, default_fork, tmp_path_factory.mktemp("template-pair"))
