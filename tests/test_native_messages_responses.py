@@ -282,7 +282,8 @@ def test_the_answers_replay_on_the_engine_and_through_llama_server(
     llama_server_bin: Path,
 ) -> None:
     """The Responses answers (computed without the prompt cache, as a replay computes them) and
-    the first Messages answer of each conversation (nothing in the cache to reuse)."""
+    the first Messages answer of each conversation (nothing in the cache to reuse), on the
+    engine; the calls and the reasoning through llama-server too."""
     receipt = find_receipt(exchanges[0][3])[1]
     engine = open_replay_engine(
         str(default_model), str(default_fork), receipt, template.read_text(encoding="utf-8")
@@ -300,9 +301,10 @@ def test_the_answers_replay_on_the_engine_and_through_llama_server(
             if find_receipt(ours)[1].get("cache_n"):
                 continue
             assert replay_in_process(request, ours, engine).startswith(IDENTICAL), name
-            outcome = replay_with_llama_server(request, ours, server)
-            assert outcome.startswith(IDENTICAL), (name, outcome)
             replayed += 1
+            if name.split(" ")[1] in ("call", "reasoning"):
+                outcome = replay_with_llama_server(request, ours, server)
+                assert outcome.startswith(IDENTICAL), (name, outcome)
     assert replayed >= 12, replayed
 
 

@@ -433,7 +433,8 @@ def test_the_anthropic_client_parses_signed_messages(p0: BankmlProcess, key: Sig
     raw = client.messages.with_raw_response.create(**asked)  # type: ignore[call-overload]
     answer = raw.parse()
     assert answer.content[0].type == "text" and answer.content[0].text
-    assert check_receipt(raw.http_request.content, raw.content, key.public_key_pem) == VALID
+    sent, received = raw.http_request.content, raw.http_response.content
+    assert check_receipt(sent, received, key.public_key_pem) == VALID
     with client.messages.stream(**asked) as events:  # type: ignore[arg-type]
         streamed = events.get_final_message()
     assert streamed.content[0].text == answer.content[0].text  # type: ignore[union-attr]
