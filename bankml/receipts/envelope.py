@@ -129,24 +129,30 @@ def opened(envelope: Any, public: Any) -> dict[str, Any]:
     return found
 
 
+def _unchecked_statement(envelope: Any) -> dict[str, Any]:
+    """An envelope's payload read as JSON, its signature not checked ({} when unreadable)."""
+    try:
+        found = json.loads(base64.b64decode(envelope["payload"], validate=True))
+    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def claimed_predicate(envelope: Any) -> dict[str, Any]:
     """The predicate an envelope's payload holds, unchecked ({} when it has none): which key it
     names and when, to choose the key that must have signed it."""
-    try:
-        found = json.loads(base64.b64decode(envelope["payload"], validate=True))
-        predicate = found["predicate"]
-    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
-        return {}
+    predicate = _unchecked_statement(envelope).get("predicate")
     return predicate if isinstance(predicate, dict) else {}
 
 
 def model_name(envelope: Any) -> str:
     """The model file's name an envelope's Statement gives (``model`` when it gives none)."""
-    try:
-        found = json.loads(base64.b64decode(envelope["payload"], validate=True))
-        names = [s.get("name") for s in found["subject"] if isinstance(s, dict)]
-    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
-        return "model"
+    subjects = _unchecked_statement(envelope).get("subject")
+    names = (
+        [s.get("name") for s in subjects if isinstance(s, dict)]
+        if isinstance(subjects, list)
+        else []
+    )
     others = dict(DIGESTS)
     return next((n for n in names if isinstance(n, str) and n not in others), "model")
 
