@@ -152,6 +152,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("--no-jinja", False, SERVE, p0_default=JINJA),
     # the server-wide default of a request's "verbose" (__verbose on answers): -v, or -lv above 9
     _f("--verbose -v --log-verbose", False, SERVE),
+    # a generation that fills its slot shifts the context and goes on (off: it stops there);
+    # --keep: a request's default n_keep (the tokens a shift keeps)
+    _f("--context-shift", False, SERVE),
+    _f("--no-context-shift", False, SERVE),
+    _f("--keep", True, SERVE),
     _f("--verbosity -lv --log-verbosity", True, SERVE),
     _f("--parallel -np", True, SERVE, p0_default=PARALLEL_1),
     _f("--metrics", False, SERVE),
@@ -276,8 +281,6 @@ FLAGS: tuple[Flag, ...] = (
     _f("--mcp-servers-config", True, REFUSE, NOT_HERE),
     _f("--mcp-servers-json", True, REFUSE, NOT_HERE),
     _f("--media-path", True, REFUSE, NOT_HERE),
-    _f("--context-shift", False, REFUSE, NOT_HERE),
-    _f("--keep", True, REFUSE, PER_REQUEST + " (n_keep)"),
     _f("--cache-reuse", True, REFUSE, PER_REQUEST + " (n_cache_reuse)"),
     _f("--no-cache-prompt", False, REFUSE, PER_REQUEST + " (cache_prompt)"),
     _f("--ignore-eos", False, REFUSE, PER_REQUEST + " (ignore_eos)"),
@@ -294,7 +297,6 @@ FLAGS: tuple[Flag, ...] = (
     _f("--no-prefill-assistant", False, REFUSE, NOT_HERE),
     _f("--skip-chat-parsing", False, REFUSE, NOT_HERE),
     _f("--swa-full", False, REFUSE, NOT_HERE),
-    _f("--no-context-shift", False, IGNORE, "it is the default"),
     _f("--list-devices", False, REFUSE, "bankml serve --device picks the device"),
     # -- refused in both modes
     _f("--models-autoload", False, REFUSE, PINNED, p0_refuse=P0_MODEL),

@@ -202,7 +202,7 @@ def test_ring_size_as_llama_kv_cache_iswa() -> None:
 
 
 def test_cells_reused_as_find_slot() -> None:
-    cells = kv_cache.SlidingCells(768, 8)
+    cells = kv_cache.Cells(768, 8)
     placed = [cells.place(numpy.arange(a, b)) for a, b in server_prompt_batches(900)]
     assert list(placed[1][-128:]) == list(range(128))  # positions 768..895 wrap to cells 0..127
     assert cells.head == 132 and cells.n_kv() == 768 and cells.used_max_p1 == 768

@@ -96,11 +96,28 @@ def test_each_verdict_acts_as_it_says(flag: Flag) -> None:
             assert notes == [] and f"--{flag.name}" in argv
 
 
-def test_speculative_decoding_and_context_shift_stay_refused() -> None:
+def test_speculative_decoding_stays_refused() -> None:
     for spelling in ("--spec-type", "-md", "--spec-draft-n-max", "--spec-default", "-lcs"):
         assert BY_SPELLING[spelling].action == REFUSE
         assert "speculative decoding" in BY_SPELLING[spelling].reason
-    assert BY_SPELLING["--context-shift"].action == REFUSE
+
+
+def test_the_context_shift_flags_are_read_the_last_one_winning() -> None:
+    def shift(*args: str) -> tuple[bool, int]:
+        argv, notes = dropin_argv(["-m", "m.gguf", "--fork", "f.json", *args])
+        assert notes == []
+        options = {a.lstrip("-"): True for a in argv if a.endswith("context-shift")}
+        if "--keep" in argv:
+            options["keep"] = argv[argv.index("--keep") + 1]
+        settings = native_settings(options)
+        return settings["context_shift"], settings["n_keep"]
+
+    assert shift() == (False, 0)  # llama-server's default: off
+    assert shift("--context-shift", "--keep", "12") == (True, 12)
+    assert shift("--context-shift", "--no-context-shift") == (False, 0)
+    assert shift("--no-context-shift", "--context-shift") == (True, 0)
+    with pytest.raises(FlagError):
+        native_settings({"keep": "many"})
 
 
 def test_the_chat_template_kwargs_flags_read_as_llama_servers() -> None:

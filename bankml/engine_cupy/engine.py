@@ -208,6 +208,10 @@ class Engine:
         self.jinja = True
         # the server's -v (or -lv above 9): a request's default "verbose" (__verbose on answers)
         self.verbose = False
+        # the server's --context-shift: a generation that fills its slot drops half of what
+        # follows the kept tokens and goes on (``_shift_context``); off, it stops there
+        self.context_shift = False
+        self.n_keep = 0  # the server's --keep: a request's default n_keep
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -417,6 +421,8 @@ class Engine:
             task = parse_task_fields(body, self.n_slots)
             if body.get("verbose") is None:  # the server's -v where the request says nothing
                 task["verbose"] = self.verbose
+            if body.get("n_keep") is None:  # the server's --keep
+                task["n_keep"] = self.n_keep
             if kind == "chat":
                 task.update(self._continuation(body))
                 if task["verbose"]:  # __verbose shows the chat parser's generation prompt
@@ -964,7 +970,12 @@ class Engine:
                 finish = "stop" if token in eog else "length"
             if finish:
                 summary.finish_reason = finish
+                if finish == "length" and not self.context_shift and self._context_full(slot):
+                    summary.truncated = True  # stopped by the context, not by n_predict
                 break
+            if self.context_shift and self._context_full(slot):
+                summary.n_discarded += self._shift_context(slot, req)
+                summary.truncated = True
             logits = yield Forward(self.model, [token], slot.cache)
             slot.tokens.append(token)
         summary.text = release.text.decode("utf-8", "replace")
@@ -1004,13 +1015,40 @@ class Engine:
             shared.publish(slot, cache_n, logits, clock.t_start)
         return cache_n, logits
 
+    @staticmethod
+    def _context_full(slot: Slot) -> bool:
+        """No room for the next token (llama-server: prompt.n_tokens() + 1 >= n_ctx)."""
+        return len(slot.tokens) + 1 >= slot.n_ctx
+
+    def _shift_context(self, slot: Slot, req: Request) -> int:
+        """llama-server's context shift (pre_decode, --context-shift): keep the request's
+        ``n_keep`` first tokens (-1: the whole prompt; one more where the vocabulary adds BOS;
+        at most n_ctx - 4), drop ``n_discard`` after them (0: half of the rest; at most all of
+        it but one), move the rest down. Returns the number dropped."""
+        if req.shared is not None:  # llama-server refuses it for a prompt computed once for all
+            raise RequestError("context shift cannot be used for shared prompt", status=500)
+        n_keep = int(req.options.get("n_keep", 0))
+        n_keep = len(req.prompt_tokens) if n_keep < 0 else n_keep
+        if self.tokenizer.add_bos:
+            n_keep += 1
+        n_keep = min(slot.n_ctx - 4, n_keep)
+        n_left = len(slot.tokens) - n_keep
+        n_discard = int(req.options.get("n_discard", 0)) or n_left // 2
+        n_discard = min(max(n_discard, 0), max(0, n_left - 1))
+        if n_discard:
+            self.model.shift_context(slot.cache, n_keep, n_discard)
+            slot.tokens = slot.tokens[:n_keep] + slot.tokens[n_keep + n_discard :]
+        return n_discard
+
     def _finish(
         self, slot: Slot, req: Request, token: int, n_gen: int, hit_stop: bool, eog: frozenset[int]
     ) -> str | None:
-        """process_token's order: stop word, context full, n_predict, then EOG."""
+        """process_token's order: stop word, context full (unless the context shifts), n_predict,
+        then EOG."""
         finish = "stop" if hit_stop else None
         if (
-            len(slot.tokens) + 1 >= slot.n_ctx
+            not self.context_shift
+            and self._context_full(slot)
             or finish is None
             and req.n_predict != -1
             and n_gen >= req.n_predict

@@ -27,12 +27,13 @@ cells are reused once their positions fall out of the window, so past that many 
 cells are not in position order, and ggml's flash attention sums over cells in cell order. On
 the exact path (``ring=True``) the cache keeps, besides the position-ordered store every layer
 has (read by slot files, snapshots and truncation), a copy of each sliding layer in llama.cpp's
-cell layout: ``SlidingCells`` places each micro-batch as ``llama_kv_cache::find_slot`` and
+cell layout: ``Cells`` places each micro-batch as ``llama_kv_cache::find_slot`` and
 ``apply_ubatch`` do, and attention reads those cells, with their mask and ``n_kv``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -61,19 +62,29 @@ def ring_size(n_ctx: int, window: int, n_ubatch: int = N_UBATCH) -> int:
     return pad_cells(min(pad_cells(n_ctx), int(window) + ubatch))
 
 
-class SlidingCells:
-    """Which position each cell of llama.cpp's SWA cache holds, for one sequence.
+class Cells:
+    """Which position each cell of one of llama.cpp's KV caches holds, for one sequence: the
+    SWA cache of gemma3's sliding layers (``window``: cells whose position left the window of
+    the next one are reused), or the whole cache once a context shift has made cell order
+    differ from position order (``window`` None: a cell is reused only once emptied).
 
     ``place`` is llama_kv_cache::find_slot (not contiguous: cells tested one by one from the
-    head) then apply_ubatch; ``remove_from`` is seq_rm(p0, -1). A cell is reusable when empty
-    or when its position is out of the window of the next position (is_masked_swa against the
-    sequence's largest position + 1).
+    head) then apply_ubatch; ``remove`` is seq_rm(p0, p1), ``add`` seq_add.
     """
 
-    def __init__(self, size: int, window: int):
-        self.size, self.window = int(size), int(window)
+    def __init__(self, size: int, window: int | None):
+        self.size, self.window = int(size), window
         self.pos = numpy.full(self.size, -1, numpy.int64)  # -1: empty
         self.head = 0
+
+    @classmethod
+    def in_order(cls, size: int, n: int) -> Cells:
+        """A windowless cache whose first n cells hold positions 0..n-1, as a sequence placed
+        from an empty cache leaves it."""
+        cells = cls(size, None)
+        cells.pos[:n] = numpy.arange(n)
+        cells.head = n
+        return cells
 
     @property
     def used_max_p1(self) -> int:
@@ -84,6 +95,9 @@ class SlidingCells:
     def n_kv(self) -> int:
         """llama_kv_cache::get_n_kv: the cells ggml attends over (occupied ones, padded)."""
         return kv_length(self.used_max_p1, self.size)
+
+    def _reusable(self, cell_pos: int, next_pos: int) -> bool:
+        return cell_pos < 0 or self.window is not None and next_pos - cell_pos >= self.window
 
     def place(self, positions: numpy.ndarray) -> numpy.ndarray:
         """Cells for one micro-batch of consecutive positions; updates the bookkeeping."""
@@ -98,12 +112,12 @@ class SlidingCells:
         tested = 0
         while len(cells) < n:
             if tested >= self.size:
-                raise ValueError("no free cell in the sliding-window cache")
+                raise ValueError("no free cell in the KV cache")
             if head >= self.size:
                 tested += self.size - head
                 head = 0
                 continue
-            if pos[head] < 0 or next_pos - pos[head] >= self.window:
+            if self._reusable(int(pos[head]), next_pos):
                 cells.append(head)
             head += 1
             tested += 1
@@ -117,20 +131,40 @@ class SlidingCells:
         self.head = cells[-1] + 1
         return idx
 
-    def remove_from(self, p0: int) -> None:
-        """seq_rm(seq, p0, -1): empty the cells of positions p0..; the head moves back to the
-        first freed cell if that is before it."""
-        freed = numpy.flatnonzero(self.pos >= p0)
+    def remove(self, p0: int, p1: int | None = None) -> None:
+        """seq_rm(seq, p0, p1): empty the cells of positions p0..p1-1 (p1 None: all from p0);
+        the head moves back to the first freed cell if that is before it."""
+        held = self.pos >= p0
+        if p1 is not None:
+            held &= self.pos < p1
+        freed = numpy.flatnonzero(held)
         self.pos[freed] = -1
         if freed.size and freed[0] < self.head:
             self.head = int(freed[0])
+
+    def remove_from(self, p0: int) -> None:
+        """seq_rm(seq, p0, -1)."""
+        self.remove(p0)
+
+    def add(self, p0: int, p1: int, delta: int) -> numpy.ndarray:
+        """seq_add(seq, p0, p1, delta): the cells of positions p0..p1-1 now hold position +
+        delta (a cell pushed below 0 is emptied); returns the cells still held, in cell order."""
+        moved = numpy.flatnonzero((self.pos >= p0) & (self.pos < p1))
+        self.pos[moved] += delta
+        gone = moved[self.pos[moved] < 0]
+        self.pos[gone] = -1
+        if gone.size and gone[0] < self.head:
+            self.head = int(gone[0])
+        return moved[self.pos[moved] >= 0]
 
     def held(self) -> numpy.ndarray:
         """What llama_state_seq_get_data writes of this cache (a context checkpoint, a prompt
         cache entry, a slot file): the occupied cells not masked for the largest position
         (is_masked_swa against seq_pos_max, so the last ``window`` positions), in cell order."""
-        pos_max = int(self.pos.max())
-        return self.pos[(self.pos >= 0) & (pos_max - self.pos < self.window)].copy()
+        occupied = self.pos >= 0
+        if self.window is not None:
+            occupied &= int(self.pos.max()) - self.pos < self.window
+        return self.pos[occupied].copy()
 
     def load(self, positions: numpy.ndarray) -> numpy.ndarray:
         """llama_state_seq_set_data of a checkpoint (state_read_meta): seq_rm the whole
@@ -148,7 +182,9 @@ class SlidingCells:
         later than q, or ``window`` or more before it (llama_kv_cache::set_input_kq_mask)."""
         p = self.pos[None, : self.used_max_p1]
         q = numpy.asarray(q_pos, numpy.int64)[:, None]
-        hidden = (p < 0) | (p > q) | (q - p >= self.window)
+        hidden = (p < 0) | (p > q)
+        if self.window is not None:
+            hidden |= q - p >= self.window
         return numpy.where(hidden, numpy.float32(-numpy.inf), numpy.float32(0))
 
 
@@ -249,18 +285,25 @@ class KVCache:
         # llama.cpp's SWA cache bookkeeping, kept for every sliding-window model (its pos_min and
         # saved cells decide llama-server's prefix reuse); ``cells`` is the same object when the
         # ring's cells are also stored and attended over (the exact path, size < n_ctx)
-        self.swa = SlidingCells(size, window) if window and any(sliding) else None
+        self.swa = Cells(size, window) if window and any(sliding) else None
         if ring and self.swa is not None and size < self.n_ctx:
             for il, is_sliding in enumerate(sliding):
                 if is_sliding:
                     self._ring_k[il] = self._empty_like(self._k[il], size)
                     self._ring_v[il] = self._empty_like(self._v[il], size)
         self._batch_cells: numpy.ndarray | None = None  # cells of the micro-batch being run
+        # after a context shift (``shift``) on the exact path: the whole cache's cell layout,
+        # every layer's cells stored and attended over in cell order (None: position order)
+        self._cells_kept = bool(ring) and self.exact
+        self.shifted: Cells | None = None
 
     @property
-    def cells(self) -> SlidingCells | None:
-        """The SWA cache's layout when its cells are also stored and attended over (the ring;
-        ``swa`` itself), else None."""
+    def cells(self) -> Cells | None:
+        """The layout whose cells are also stored and attended over: the whole cache's after a
+        context shift (``shifted``), else the SWA cache's when it is a ring (``swa``), else
+        None."""
+        if self.shifted is not None:
+            return self.shifted
         return self.swa if self._ring_k else None
 
     def _empty_like(self, entry: Any, cells: int) -> Any:
@@ -280,6 +323,7 @@ class KVCache:
         """Positions 0..n-1 now hold what the store was given from outside (a slot restore
         writes the position store, then sets this): the ring is laid out afresh from them."""
         self._n_tokens = int(n)
+        self._unshift()
         self._relay_ring()
 
     def advance(self, n_tokens: int) -> None:
@@ -304,9 +348,11 @@ class KVCache:
         return self._n_tokens - 1
 
     def ring_positions(self) -> numpy.ndarray | None:
-        """What a saved state of the SWA cache holds (``SlidingCells.held``: the window's
-        positions in cell order; their values are the position store's, which keeps them);
-        None without sliding-window layers."""
+        """What a saved state of the cell layout holds (``Cells.held``, in cell order: the
+        SWA cache's window, or every position after a context shift; their values are the
+        position store's, which keeps them); None when cells are in position order."""
+        if self.shifted is not None:
+            return self.shifted.held()
         return None if self.swa is None else self.swa.held()
 
     def load_ring(self, positions: numpy.ndarray | None) -> None:
@@ -314,7 +360,18 @@ class KVCache:
         positions again, laid out as llama.cpp reads a saved sequence back, with their values
         from the position store (positions before the checkpoint are never recomputed while it
         is kept: llama-server erases a checkpoint once the slot is cut before its pos_max)."""
-        if self.swa is None or positions is None:
+        if positions is None:
+            return
+        if self.swa is None:  # a shifted cache's cells, put back in their saved order
+            if not self._cells_kept or numpy.array_equal(positions, numpy.arange(len(positions))):
+                return
+            if self.shifted is None:
+                self._lay_out_cells()
+            assert self.shifted is not None
+            cells = self.shifted.load(positions)
+            for il in self._ring_k:
+                self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
+                self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
             return
         cells = self.swa.load(positions)
         for il in self._ring_k:  # none unless the ring's cells are stored
@@ -368,10 +425,89 @@ class KVCache:
         if not 0 <= n <= self.n_tokens:
             raise ValueError(f"cannot truncate a cache of {self.n_tokens} tokens to {n}")
         self._n_tokens = int(n)
+        if self.shifted is not None:
+            self.shifted.remove_from(n)
+            if n == 0:  # an empty cache fills in position order again
+                self._unshift()
         if self.swa is not None:
             self.swa.remove_from(n)
             if not self.swa.holds(max(0, n - self.swa.window + 1), n):  # the window of position n
                 self._relay_ring()
+
+    # --- context shift ------------------------------------------------------------------------
+
+    def shift(self, n_keep: int, n_discard: int, turn: Callable[[Any], Any]) -> None:
+        """llama-server's context shift on this sequence: seq_rm(n_keep, n_keep + n_discard),
+        seq_add(n_keep + n_discard, n_tokens, -n_discard), then llama.cpp's K-shift
+        (build_rope_shift): the keys of the moved positions go through ``turn`` (RoPE by
+        -n_discard, f32 [n, n_head_kv, head_dim] in and out) and back to the cache's type; a
+        q8_0 key is dequantized and turned back from its Hadamard rotation first, and rotated
+        again after. Values only move.
+
+        On the exact path the cells then stay where llama.cpp leaves them: the freed ones are
+        filled by the next tokens, so cell order is no longer position order, and attention
+        reads every layer's cells in cell order from here on (``cells``)."""
+        if self.swa is not None:
+            raise ValueError("a context shift needs a cache without a sliding window")
+        n = self._n_tokens
+        if n_keep < 0 or n_discard < 1 or n_keep + n_discard > n:
+            raise ValueError(
+                f"cannot shift {n} positions by keeping {n_keep}, dropping {n_discard}"
+            )
+        if self._cells_kept and self.shifted is None:
+            self._lay_out_cells()
+        moved, kept_to = slice(n_keep + n_discard, n), slice(n_keep, n - n_discard)
+        for il in range(len(self._k)):
+            self._shift_keys(self._k[il], moved, kept_to, turn)
+            self._copy_cells(self._v[il], self._v[il], moved, kept_to)
+        self._n_tokens = n - n_discard
+        if self.shifted is not None:
+            self.shifted.remove(n_keep, n_keep + n_discard)
+            cells = self.shifted.add(n_keep + n_discard, n, -n_discard)
+            positions = self.shifted.pos[cells]
+            for il in self._ring_k:  # the moved cells' keys turned; their values stay
+                self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
+
+    def _shift_keys(self, entry: Any, src: slice, dst: slice, turn: Callable[[Any], Any]) -> None:
+        """entry[:, dst] = the keys of entry[:, src] turned, in the cache's rounding."""
+        xp = self.xp
+        if isinstance(entry, tuple):  # q8_0: dequantize, unrotate, turn, rotate, quantize
+            keys = self._dq8(entry[0][:, src], entry[1][:, src]).transpose(1, 0, 2)
+            q, d = self._q8(self.rotate_k(turn(self.rotate_k(xp.ascontiguousarray(keys)))))
+            entry[0][:, dst] = q.transpose(1, 0, 2)
+            entry[1][:, dst] = d.transpose(1, 0, 2)
+            return
+        keys = xp.ascontiguousarray(entry[:, src].transpose(1, 0, 2))
+        turned = turn(keys).astype(xp.float16).astype(xp.float32)  # ggml's f16 cells
+        entry[:, dst] = turned.transpose(1, 0, 2)
+
+    def _lay_out_cells(self) -> None:
+        """Keep the whole cache's cells from here on: as a sequence placed from an empty cache
+        leaves them (positions 0..n_tokens-1 in cells 0..), every layer copied into them."""
+        n = self._n_tokens
+        self.shifted = Cells.in_order(self.kv_size, n)
+        for il in range(len(self._k)):
+            self._ring_k[il] = self._empty_like(self._k[il], self.kv_size)
+            self._ring_v[il] = self._empty_like(self._v[il], self.kv_size)
+            self._copy_cells(self._k[il], self._ring_k[il], slice(0, n), slice(0, n))
+            self._copy_cells(self._v[il], self._ring_v[il], slice(0, n), slice(0, n))
+
+    def copy_layout(self, source: KVCache) -> None:
+        """Take ``source``'s context-shift cell layout (or none); the caller copies the values
+        (slots.copy_slot)."""
+        self._unshift()
+        if source.shifted is not None:
+            self._lay_out_cells()
+            assert self.shifted is not None
+            self.shifted.pos[:] = source.shifted.pos
+            self.shifted.head = source.shifted.head
+
+    def _unshift(self) -> None:
+        """Back to position order (an empty cache, or one laid anew from the position store)."""
+        if self.shifted is not None:
+            self.shifted = None
+            self._ring_k.clear()
+            self._ring_v.clear()
 
     def snapshot(self) -> list[Any]:
         """Copies of positions 0..n_tokens-1 of every layer's K and V (the host prompt cache)."""

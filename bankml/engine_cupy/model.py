@@ -99,7 +99,7 @@ class Step:
         return self.masks[window]
 
     def ring_mask(self, cells: Any) -> Any:
-        """The sliding-window ring's mask (kv_cache.SlidingCells.mask), read-only."""
+        """The sliding-window ring's mask (kv_cache.Cells.mask), read-only."""
         if "ring" not in self.masks:
             mask = cells.mask(self.positions)
             mask.flags.writeable = False
@@ -384,6 +384,22 @@ class Model:
             ring=self.exact,
             exact=self.exact,
         )
+
+    def shift_context(self, cache: KVCache, n_keep: int, n_discard: int) -> None:
+        """llama-server's context shift on ``cache`` (KVCache.shift): positions
+        n_keep..n_keep+n_discard-1 dropped, the later ones moved down, their keys turned by RoPE
+        at position -n_discard (llama.cpp's K-shift: the model's own RoPE, its frequency
+        factors too)."""
+        xp = self.xp
+        cos, sin = self.ops.ropes(xp.asarray([-int(n_discard)]), self.weights.rope_freqs)[False]
+
+        def turn(keys: Any) -> Any:
+            n = keys.shape[0]
+            return self.ops.rope(
+                keys, xp.repeat(cos, n, axis=0), xp.repeat(sin, n, axis=0), self.hp.spec.rope_neox
+            )
+
+        cache.shift(n_keep, n_discard, turn)
 
     # --- the forward pass ----------------------------------------------------------------------
 

@@ -48,6 +48,8 @@ class Summary:
     stopping_word: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
     slot: int = -1  # the slot the run ran in
+    truncated: bool = False  # the context filled: it stopped there, or shifted (--context-shift)
+    n_discarded: int = 0  # tokens the context shifts dropped
 
 
 @dataclass

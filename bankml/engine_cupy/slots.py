@@ -183,6 +183,7 @@ def copy_slot(src: Any, dst: Any) -> int:
     source, target = src.cache, dst.cache
     n = source.n_tokens
     everything = slice(None)
+    target.copy_layout(source)  # a context shift's cell layout, when the source has one
     for mine, theirs in zip(target._k + target._v, source._k + source._v):
         target._copy_cells(theirs, mine, slice(0, n), slice(0, n))
     for rings, src_rings in ((target._ring_k, source._ring_k), (target._ring_v, source._ring_v)):

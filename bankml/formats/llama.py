@@ -93,11 +93,16 @@ def completion_final(
         "tokens_evaluated": summary.prompt_tokens,
         "generation_settings": settings,
         "prompt": prompt,
-        "has_new_line": "\n" in text,
-        "truncated": False,
+        # a stream's last event carries no text: the run's whole text says it
+        "has_new_line": "\n" in (text or getattr(summary, "text", "")),
+        "truncated": bool(getattr(summary, "truncated", False)),
         "stop_type": stop_type(summary),
         "stopping_word": getattr(summary, "stopping_word", ""),
-        "tokens_cached": summary.prompt_tokens + summary.completion_tokens - 1
+        # the slot's tokens: the prompt and all but the last token generated, less any shifted out
+        "tokens_cached": summary.prompt_tokens
+        + summary.completion_tokens
+        - 1
+        - getattr(summary, "n_discarded", 0)
         if summary.completion_tokens
         else timings.get("cache_n", 0),
     }

@@ -14,6 +14,7 @@ No Twisted. It imports the engine, so in a server it is first imported on the en
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -661,6 +662,17 @@ def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
     engine.chat_template_kwargs = dict(llama.get("chat_template_kwargs") or {})
     engine.jinja = bool(llama.get("jinja", True))  # --no-jinja: llama.cpp's built-in templates
     engine.verbose = bool(llama.get("verbose", False))  # -v: a request's default "verbose"
+    engine.context_shift = bool(llama.get("context_shift", False))  # --context-shift
+    if engine.context_shift and getattr(engine.model, "has_sliding_window", False):
+        # llama-server turns it off where its cache cannot shift (a sliding-window cache
+        # smaller than the context); bankml turns it off for every sliding-window model
+        print(
+            "ctx_shift is not supported by this context, it will be disabled",
+            file=sys.stderr,
+            flush=True,
+        )
+        engine.context_shift = False
+    engine.n_keep = int(llama.get("n_keep", 0))  # --keep: a request's default n_keep
     if llama.get("chat_template") is not None and engine.template is not None:
         engine.template = replace(engine.template, source=llama["chat_template"])
 

@@ -98,6 +98,7 @@ _JINJA = {"--jinja": False, "--no-jinja": False}
 _VERBOSITY = {"--verbose": False, "--verbosity": True}
 _PRESERVE = {"--reasoning-preserve": False, "--no-reasoning-preserve": False}
 _UI = {"--ui": False, "--webui": False, "--no-ui": False, "--no-webui": False}
+_SHIFT = {"--context-shift": False, "--no-context-shift": False}
 _LAST_WINS = {
     "jinja": _JINJA,
     "no-jinja": _JINJA,
@@ -107,6 +108,8 @@ _LAST_WINS = {
     "no-reasoning-preserve": _PRESERVE,
     "ui": _UI,
     "no-ui": _UI,
+    "context-shift": _SHIFT,
+    "no-context-shift": _SHIFT,
 }
 
 
@@ -235,6 +238,8 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         **access_settings(options),
         "jinja": not options.get("no-jinja"),
         "verbose": _verbose(options),
+        "context_shift": bool(options.get("context-shift")),
+        "n_keep": _number("keep", options["keep"], int) if options.get("keep") is not None else 0,
         "chat_template": _chat_template(options),
         "cache_type": _cache_type(options),
         "metrics": bool(options.get("metrics")),
