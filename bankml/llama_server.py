@@ -82,7 +82,9 @@ CHANGES_MODEL = "it changes the model's computation; bankml serves the pinned mo
 PER_REQUEST = "bankml takes it per request only: send the field in the request body"
 NOT_HERE = "bankml's native engine does not have this feature"
 LOOPBACK = "bankml listens on loopback in plain HTTP only"
-SPECULATIVE = NOT_HERE + " (speculative decoding)"
+SPECULATIVE = (
+    "bankml's native engine drafts only as --spec-type ngram-simple (speculative decoding)"
+)
 NO_MEDIA = "bankml reads no images, audio or video"
 DEFAULT = "it is the default"
 REMOVED = "llama-server 11434 refuses it too: it was removed"
@@ -266,7 +268,11 @@ FLAGS: tuple[Flag, ...] = (
         SPECULATIVE,
         p0_refuse=P0_DRAFT,
     ),
-    _f("--spec-type", True, REFUSE, SPECULATIVE),
+    # speculative decoding: llama-server's ngram-simple drafts (engine_cupy/speculative.py)
+    _f("--spec-type", True, SERVE),
+    _f("--spec-ngram-simple-size-n", True, SERVE),
+    _f("--spec-ngram-simple-size-m", True, SERVE),
+    _f("--spec-ngram-simple-min-hits", True, SERVE),
     _f("--embedding --embeddings", False, REFUSE, NOT_HERE + " (embeddings)"),
     _f("--rerank --reranking", False, REFUSE, NOT_HERE + " (reranking)"),
     _f("--pooling", True, REFUSE, NOT_HERE + " (embeddings)"),
@@ -396,9 +402,6 @@ FLAGS: tuple[Flag, ...] = (
     _f("--spec-ngram-mod-n-min", True, REFUSE, SPECULATIVE),
     _f("--spec-ngram-mod-n-max", True, REFUSE, SPECULATIVE),
     _f("--spec-ngram-mod-n-match", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-simple-size-n", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-simple-size-m", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-simple-min-hits", True, REFUSE, SPECULATIVE),
     _f("--spec-ngram-map-k-size-n", True, REFUSE, SPECULATIVE),
     _f("--spec-ngram-map-k-size-m", True, REFUSE, SPECULATIVE),
     _f("--spec-ngram-map-k-min-hits", True, REFUSE, SPECULATIVE),

@@ -96,8 +96,9 @@ def test_each_verdict_acts_as_it_says(flag: Flag) -> None:
             assert notes == [] and f"--{flag.name}" in argv
 
 
-def test_speculative_decoding_stays_refused() -> None:
-    for spelling in ("--spec-type", "-md", "--spec-draft-n-max", "--spec-default", "-lcs"):
+def test_speculative_decoding_other_than_ngram_simple_stays_refused() -> None:
+    assert BY_SPELLING["--spec-type"].action == SERVE  # ngram-simple: speculative.py
+    for spelling in ("-md", "--spec-draft-n-max", "--spec-default", "-lcs"):
         assert BY_SPELLING[spelling].action == REFUSE
         assert "speculative decoding" in BY_SPELLING[spelling].reason
 

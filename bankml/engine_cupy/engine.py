@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -91,6 +92,13 @@ from bankml.engine_cupy.schedule import (
     Summary,
     Waiting,
     prompt_progress,
+)
+from bankml.engine_cupy.speculative import (
+    DraftStats,
+    NgramSimple,
+    accept_draft,
+    draft_limit,
+    ngram_simple_draft,
 )
 from bankml.engine_cupy.stops import LineLimits, TextRelease, utf8_prefix_text
 from bankml.engine_cupy.tokenizer import Tokenizer
@@ -212,6 +220,8 @@ class Engine:
         # follows the kept tokens and goes on (``_shift_context``); off, it stops there
         self.context_shift = False
         self.n_keep = 0  # the server's --keep: a request's default n_keep
+        # the server's --spec-type ngram-simple (speculative.py): drafts from the slot's history
+        self.speculative: NgramSimple | None = None
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -925,15 +935,24 @@ class Engine:
         eog = self.tokenizer.eog_ids
         n_gen = 0
         raw = b""
+        drafts = DraftStats()
+        # tokens drawn while checking a draft, not yet answered: all but the last are in the
+        # cache already (speculative decoding)
+        drawn: deque[int] = deque()
+
+        def timings(n: int) -> dict[str, Any]:
+            return drafts.added_to(clock.timings(cache_n, prompt_n, n))
+
         while True:
             if cancelled():
                 summary.cancelled = True
                 break
-            token = sampler.sample(logits)
-            try:
-                sampler.accept(token)
-            except GrammarStackError as err:  # a lazy grammar that cannot take its trigger
-                raise RequestError(f"got exception: {err}", status=500) from None
+            spec_token = bool(drawn)
+            if drawn:
+                token = drawn.popleft()
+            else:
+                token = sampler.sample(logits)
+                self._accept(sampler, token)
             n_gen += 1
             now = time.perf_counter()
             if n_gen == 1:
@@ -947,7 +966,10 @@ class Engine:
             raw += piece
             released, hit_stop = release.push(piece, token in eog)
             entry = None
-            if released is not None and req.n_probs > 0:
+            if released is not None and req.n_probs > 0 and spec_token:
+                # llama-server gives a drafted answer's tokens probability 1 and no candidates
+                entry = self._entry(TokenProbs([], 1.0), token, released, req.post_sampling_probs)
+            elif released is not None and req.n_probs > 0:
                 probs = (
                     post_sampling_probs(sampler.last, req.n_probs, token)
                     if req.post_sampling_probs and sampler.last is not None
@@ -959,7 +981,7 @@ class Engine:
                 entry,
                 n_gen == 1,
                 token,
-                clock.timings(cache_n, prompt_n, n_gen),
+                timings(n_gen),
                 slot.id,
             )
             finish = self._finish(slot, req, token, n_gen, hit_stop, eog)
@@ -973,15 +995,30 @@ class Engine:
                 if finish == "length" and not self.context_shift and self._context_full(slot):
                     summary.truncated = True  # stopped by the context, not by n_predict
                 break
+            if drawn:  # drafted tokens the pass took: the next is answered without a pass
+                continue
             if self.context_shift and self._context_full(slot):
                 summary.n_discarded += self._shift_context(slot, req)
                 summary.truncated = True
-            logits = yield Forward(self.model, [token], slot.cache)
-            slot.tokens.append(token)
+            draft = self._draft(slot, req, token, n_gen)
+            if not draft:
+                logits = yield Forward(self.model, [token], slot.cache)
+                slot.tokens.append(token)
+                continue
+            # the sampled token and the draft in one pass, every row's logits
+            n_before = len(slot.tokens)
+            rows = yield Forward(self.model, [token, *draft], slot.cache, all_logits=True)
+            taken = accept_draft(
+                sampler.sample, lambda t: self._accept(sampler, t), rows, draft, eog.__contains__
+            )
+            slot.cache.truncate(n_before + len(taken))  # the rejected draft's cells emptied
+            slot.tokens += [token, *taken[:-1]]
+            drafts.record(len(draft), len(taken) - 1)
+            drawn.extend(taken)
         summary.text = release.text.decode("utf-8", "replace")
         summary.stopping_word = release.stopping_word
         summary.completion_tokens = n_gen
-        summary.timings = clock.timings(cache_n, prompt_n, n_gen)
+        summary.timings = timings(n_gen)
 
     def _prompt(
         self,
@@ -1014,6 +1051,23 @@ class Engine:
         if shared is not None and not req.shared_child:
             shared.publish(slot, cache_n, logits, clock.t_start)
         return cache_n, logits
+
+    @staticmethod
+    def _accept(sampler: GuidedSampler, token: int) -> None:
+        try:
+            sampler.accept(token)
+        except GrammarStackError as err:  # a lazy grammar that cannot take its trigger
+            raise RequestError(f"got exception: {err}", status=500) from None
+
+    def _draft(self, slot: Slot, req: Request, sampled: int, n_gen: int) -> list[int]:
+        """llama-server's draft for the next pass (--spec-type ngram-simple), within
+        get_n_draft_max; none without speculative decoding."""
+        if self.speculative is None:
+            return []
+        limit = draft_limit(slot.n_ctx, len(slot.tokens), req.n_predict, n_gen)
+        if limit <= 0:
+            return []
+        return ngram_simple_draft(self.speculative, slot.tokens, sampled)[:limit]
 
     @staticmethod
     def _context_full(slot: Slot) -> bool:

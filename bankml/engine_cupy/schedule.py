@@ -128,6 +128,7 @@ class Forward:
     tokens: list[int]
     cache: Any
     prompt: bool = False  # a prompt micro-batch (the scheduler counts their tokens)
+    all_logits: bool = False  # every row's logits (a speculative draft's check), not the last's
 
     is_forward = True  # what the serving layer recognises it by (it imports no NumPy)
 
@@ -137,7 +138,7 @@ class Forward:
         return len(self.tokens) == 1
 
     def compute(self) -> Any:
-        return self.model.forward(self.tokens, self.cache)
+        return self.model.forward(self.tokens, self.cache, all_logits=self.all_logits)
 
 
 class Steps:

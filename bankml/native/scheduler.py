@@ -71,7 +71,13 @@ def forward_rows(forwards: Sequence[Any]) -> tuple[list[Any], list[list[int]]]:
     model = forwards[0].model
     batch = getattr(model, "forward_batch", None)
     in_turn = pass_groups([len(f.tokens) for f in forwards], shares=False)
-    if len(forwards) > 1 and batch is not None and all(f.model is model for f in forwards):
+    together = not any(getattr(f, "all_logits", False) for f in forwards)  # a draft's check
+    if (
+        len(forwards) > 1
+        and together
+        and batch is not None
+        and all(f.model is model for f in forwards)
+    ):
         logits = batch([f.tokens for f in forwards], [f.cache for f in forwards])
         return list(logits), getattr(logits, "passes", in_turn)
     return [f.compute() for f in forwards], in_turn

@@ -239,6 +239,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "jinja": not options.get("no-jinja"),
         "verbose": _verbose(options),
         "context_shift": bool(options.get("context-shift")),
+        "speculative": _speculative(options),
         "n_keep": _number("keep", options["keep"], int) if options.get("keep") is not None else 0,
         "chat_template": _chat_template(options),
         "cache_type": _cache_type(options),
@@ -249,6 +250,35 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "kv_unified": kv_unified,
         "slot_prompt_similarity": similarity,
     }
+
+
+def _speculative(options: Mapping[str, Any]) -> dict[str, int] | None:
+    """``--spec-type`` (a comma-separated list, as llama-server's: ``none`` and ``ngram-simple``
+    are what bankml follows) and the ngram-simple sizes, checked as llama-server checks them:
+    {size_n, size_m} for ngram-simple drafts, None without them."""
+    kinds = [k.strip() for k in str(options.get("spec-type") or "none").split(",")]
+    for kind in kinds:
+        if kind not in ("none", "ngram-simple"):
+            raise FlagError(
+                f"--spec-type {kind}: bankml's native engine drafts only as ngram-simple"
+            )
+    sizes = {"size_n": 12, "size_m": 48}  # llama-server's defaults
+    for name, key in (
+        ("spec-ngram-simple-size-n", "size_n"),
+        ("spec-ngram-simple-size-m", "size_m"),
+    ):
+        if options.get(name) is not None:
+            value = _number(name, options[name], int)
+            if not 1 <= value <= 1024:
+                letter = key[-1].upper()
+                raise FlagError(
+                    f"--{name} {value}: ngram size {letter} must be between 1 and 1024 inclusive"
+                )
+            sizes[key] = value
+    if options.get("spec-ngram-simple-min-hits") is not None:  # read, no effect on ngram-simple
+        if _number("spec-ngram-simple-min-hits", options["spec-ngram-simple-min-hits"], int) < 1:
+            raise FlagError("--spec-ngram-simple-min-hits: ngram min hits must be at least 1")
+    return sizes if "ngram-simple" in kinds else None
 
 
 def _verbose(options: Mapping[str, Any]) -> bool:

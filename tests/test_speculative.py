@@ -1,0 +1,146 @@
+"""Speculative decoding (``--spec-type ngram-simple``) on the drop-in, side by side with
+llama-server started with the same flags, over real HTTP on loopback.
+
+The prompt asks for a file to be copied, so the answer repeats the prompt and the slot's
+history holds drafts. Every token, the drafted and accepted counts (``draft_n``,
+``draft_n_accepted``), the logprob entries (a drafted token's probability 1 with no
+candidates, as llama-server's) and the stream must be llama-server's, greedy and seeded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bankml.engine_cupy.speculative import NgramSimple, accept_draft, ngram_simple_draft
+from bankml.serving.llama_flags import FlagError, native_settings
+from tests.test_context_shift import start_pair, streamed
+from tests.test_llama_dropin import call
+
+FLAGS = ["-c", "2048", "--temp", "0", "--spec-type", "ngram-simple"]
+CODE = (
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    "def mul(a, b):\n    return a * b\n"
+)
+PROMPT = (
+    f"Here is a Python file:\n```python\n{CODE}```\nThe same file again, unchanged:\n```python\n"
+)
+DRAFT_KEYS = ("draft_n", "draft_n_accepted")
+
+
+@pytest.fixture(scope="module")
+def pair(
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Any]:
+    log = tmp_path_factory.mktemp("speculative") / "bankml.log"
+    yield from start_pair(FLAGS, default_model, default_fork, llama_server_bin, log)
+
+
+def both(pair: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    answers = []
+    for port in pair.ports:
+        status, _, raw = call(port, "POST", "/completion", body)
+        assert status == 200
+        answers.append(json.loads(raw))
+    return answers
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {
+        "prompt": PROMPT,
+        "n_predict": 100,
+        "cache_prompt": False,
+        "return_tokens": True,
+        **fields,
+    }
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 3}])
+def test_a_drafted_answer_is_llama_servers(pair: Any, sampling: dict[str, Any]) -> None:
+    ours, theirs = both(pair, completion(**sampling))
+    assert ours["tokens"] == theirs["tokens"]
+    assert ours["content"] == theirs["content"]
+    drafted = {k: ours["timings"][k] for k in DRAFT_KEYS}
+    assert drafted == {k: theirs["timings"][k] for k in DRAFT_KEYS}
+    assert drafted["draft_n_accepted"] > 0  # drafts were checked and some taken
+
+
+def test_drafted_tokens_logprob_entries(pair: Any) -> None:
+    ours, theirs = both(pair, completion(n_predict=60, n_probs=2))
+    mine, reference = ours["completion_probabilities"], theirs["completion_probabilities"]
+    assert [(e["id"], [t["id"] for t in e["top_logprobs"]]) for e in mine] == [
+        (e["id"], [t["id"] for t in e["top_logprobs"]]) for e in reference
+    ]
+    assert any(not e["top_logprobs"] and e["logprob"] == 0.0 for e in mine)  # drafted ones
+    # the softmax is summed in another order than llama-server's: a few float32 ulps
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(mine, reference)) < 1e-4
+
+
+def test_a_drafted_stream_is_llama_servers(pair: Any) -> None:
+    body = completion(stream=True)
+    ours, theirs = (call(port, "POST", "/completion", body)[2] for port in pair.ports)
+    assert streamed(ours) == streamed(theirs)
+
+
+def test_the_openai_client_reads_a_drafted_chat(pair: Any) -> None:
+    import openai
+
+    question = [{"role": "user", "content": f"Copy this code exactly:\n{CODE}"}]
+    answers = []
+    for port in pair.ports:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        answer = client.chat.completions.create(
+            model="default", messages=question, max_tokens=80, temperature=0
+        )
+        answers.append(answer.choices[0].message.content)
+    assert answers[0] == answers[1]
+
+
+# --- the parts, without a server --------------------------------------------------------------
+
+
+def test_the_draft_is_what_followed_the_last_occurrence() -> None:
+    config = NgramSimple(size_n=2, size_m=3)
+    history = [9, 1, 2, 3, 4, 5, 6, 7, 1]
+    assert ngram_simple_draft(config, history, 2) == [3, 4, 5]  # [1, 2] seen at 1
+    assert ngram_simple_draft(config, history, 8) == []  # [1, 8] never seen
+    assert ngram_simple_draft(config, [1, 2, 3, 4, 5], 2) == []  # too short a history
+    # the match at position 0 never counts
+    assert ngram_simple_draft(config, [1, 2, 3, 4, 5, 6, 7, 1], 2) == []
+
+
+def test_a_draft_is_taken_until_a_draw_differs() -> None:
+    def run(draws: list[int], draft: list[int]) -> tuple[list[int], list[int]]:
+        rows = list(range(len(draft) + 1))
+        seen: list[int] = []
+        taken = accept_draft(lambda row: draws[row], seen.append, rows, draft, lambda t: t == 0)
+        return taken, seen
+
+    assert run([5, 6, 9], [5, 6]) == ([5, 6, 9], [5, 6, 9])  # all taken, one more drawn
+    assert run([5, 7, 9], [5, 6]) == ([5, 7], [5, 7])  # the second differs
+    assert run([0, 6, 9], [0, 6]) == ([0], [0])  # an end of generation ends the draft
+    assert run([5, 0, 9], [5, 0]) == ([5, 0, 9], [5, 0, 9])  # unless it is the last drafted
+
+
+def test_the_spec_flags_read_as_llama_servers() -> None:
+    assert native_settings({})["speculative"] is None
+    assert native_settings({"spec-type": "ngram-simple"})["speculative"] == {
+        "size_n": 12,
+        "size_m": 48,
+    }
+    sizes = {"spec-type": "none,ngram-simple", "spec-ngram-simple-size-n": "4"}
+    assert native_settings(sizes)["speculative"] == {"size_n": 4, "size_m": 48}
+    for refused in (
+        {"spec-type": "ngram-mod"},
+        {"spec-type": "ngram-simple", "spec-ngram-simple-size-m": "0"},
+        {"spec-type": "ngram-simple", "spec-ngram-simple-min-hits": "0"},
+    ):
+        with pytest.raises(FlagError):
+            native_settings(refused)
