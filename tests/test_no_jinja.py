@@ -138,6 +138,16 @@ def test_a_streamed_chat_is_llama_servers(pair: Pair) -> None:
     assert _streamed(ours) == _streamed(theirs) != ""
 
 
+def test_a_verbose_chat_names_llama_servers_content_only_parser(pair: Pair) -> None:
+    body = {**CHATS[0], "verbose": True}
+    (s1, ours), (s2, theirs) = pair.both("POST", "/v1/chat/completions", body)
+    assert s1 == s2 == 200
+    settings = [json.loads(raw)["__verbose"]["generation_settings"] for raw in (ours, theirs)]
+    keys = ("chat_format", "generation_prompt", "reasoning_format")
+    assert [{k: g[k] for k in keys} for g in settings] == [{k: settings[1][k] for k in keys}] * 2
+    assert settings[0]["chat_format"] == "Content-only"
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 

@@ -103,6 +103,12 @@ def test_the_openai_client_reads_a_drafted_chat(pair: Any) -> None:
     assert answers[0] == answers[1]
 
 
+def test_the_slots_say_they_speculate(pair: Any) -> None:
+    for port in pair.ports:
+        status, _, raw = call(port, "GET", "/slots")
+        assert status == 200 and json.loads(raw)[0]["speculative"] is True
+
+
 # --- the parts, without a server --------------------------------------------------------------
 
 

@@ -435,6 +435,8 @@ class Engine:
                 task["n_keep"] = self.n_keep
             if kind == "chat":
                 task.update(self._continuation(body))
+                # the chat parser's name, as llama-server shows it (none without Jinja)
+                task["chat_format"] = "peg-native" if self.jinja else "Content-only"
                 if task["verbose"]:  # __verbose shows the chat parser's generation prompt
                     assert chat is not None
                     task["generation_prompt"] = (

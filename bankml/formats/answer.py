@@ -151,7 +151,7 @@ class Answer:
         task (its raw generated text; a chat task's settings name the chat parser)."""
         settings = llama_format.generation_settings(self.parsed)
         if self.kind == CHAT:
-            settings["chat_format"] = "peg-native"
+            settings["chat_format"] = str(self.options.get("chat_format", "peg-native"))
             settings["generation_prompt"] = str(self.options.get("generation_prompt", ""))
         out = llama_format.completion_final(
             summary,

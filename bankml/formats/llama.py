@@ -345,6 +345,7 @@ def slot_object(
     n_ctx: int,
     n_prompt_tokens: int = 0,
     generation_prompt: str = "",
+    speculative: bool = False,
 ) -> dict[str, Any]:
     """One slot of ``GET /slots``: llama-server's ``server_slot::to_json(only_metrics=true)``
     (``view`` is a copy of the slot's ``SlotView``; ``n_prompt_tokens`` the tokens its cache
@@ -354,7 +355,7 @@ def slot_object(
     slot: dict[str, Any] = {
         "id": id_slot,
         "n_ctx": n_ctx,
-        "speculative": False,
+        "speculative": speculative,  # --spec-type ngram-simple
         "is_processing": view.processing,
     }
     if view.parsed is None:
@@ -362,7 +363,8 @@ def slot_object(
     params = generation_settings(view.parsed, only_metrics=True)
     params["reasoning_format"] = "deepseek"  # the server's --reasoning-format (auto) in a task
     if view.kind == CHAT:
-        params["chat_format"] = "peg-native"  # the chat parser llama.cpp generates for a template
+        # the chat parser llama.cpp generates for a template ("Content-only" without Jinja)
+        params["chat_format"] = view.parsed.options.get("chat_format", "peg-native")
         params["generation_prompt"] = generation_prompt
     slot.update(
         {

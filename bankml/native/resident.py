@@ -327,6 +327,7 @@ class NativeEngine:
                     n_ctx=self.n_ctx,
                     n_prompt_tokens=n_prompt_tokens,
                     generation_prompt=prompt,
+                    speculative=self.engine.speculative is not None,
                 )
             )
         return out
