@@ -83,7 +83,8 @@ PER_REQUEST = "bankml takes it per request only: send the field in the request b
 NOT_HERE = "bankml's native engine does not have this feature"
 LOOPBACK = "bankml listens on loopback in plain HTTP only"
 SPECULATIVE = (
-    "bankml's native engine drafts only as --spec-type ngram-simple (speculative decoding)"
+    "bankml's native engine drafts only as --spec-type ngram-simple or ngram-mod "
+    "(speculative decoding)"
 )
 NO_MEDIA = "bankml reads no images, audio or video"
 DEFAULT = "it is the default"
@@ -182,8 +183,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("--fit -fit", True, IGNORE, SAME_BITS),
     _f("--fit-target -fitt", True, IGNORE, SAME_BITS),
     _f("--fit-ctx -fitc", True, IGNORE, SAME_BITS),
-    _f("--batch-size -b", True, IGNORE, SAME_BITS),
-    _f("--ubatch-size -ub", True, IGNORE, SAME_BITS),
+    # how a prompt is cut into passes: the kernels a row meets, so the bits (Engine.set_batch_sizes)
+    _f("--batch-size -b", True, SERVE),
+    _f("--ubatch-size -ub", True, SERVE),
     _f("--threads-batch -tb", True, IGNORE, SAME_BITS),
     _f("--threads-http", True, IGNORE, SAME_BITS),
     _f("--cpu-mask -C", True, IGNORE, SAME_BITS),
@@ -268,11 +270,14 @@ FLAGS: tuple[Flag, ...] = (
         SPECULATIVE,
         p0_refuse=P0_DRAFT,
     ),
-    # speculative decoding: llama-server's ngram-simple drafts (engine_cupy/speculative.py)
+    # speculative decoding: llama-server's ngram-simple and ngram-mod drafts (speculative.py)
     _f("--spec-type", True, SERVE),
     _f("--spec-ngram-simple-size-n", True, SERVE),
     _f("--spec-ngram-simple-size-m", True, SERVE),
     _f("--spec-ngram-simple-min-hits", True, SERVE),
+    _f("--spec-ngram-mod-n-min", True, SERVE),
+    _f("--spec-ngram-mod-n-max", True, SERVE),
+    _f("--spec-ngram-mod-n-match", True, SERVE),
     _f("--embedding --embeddings", False, REFUSE, NOT_HERE + " (embeddings)"),
     _f("--rerank --reranking", False, REFUSE, NOT_HERE + " (reranking)"),
     _f("--pooling", True, REFUSE, NOT_HERE + " (embeddings)"),
@@ -399,9 +404,6 @@ FLAGS: tuple[Flag, ...] = (
     ),
     _f("--spec-draft-device -devd --device-draft", True, REFUSE, SPECULATIVE),
     _f("--spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-mod-n-min", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-mod-n-max", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-mod-n-match", True, REFUSE, SPECULATIVE),
     _f("--spec-ngram-map-k-size-n", True, REFUSE, SPECULATIVE),
     _f("--spec-ngram-map-k-size-m", True, REFUSE, SPECULATIVE),
     _f("--spec-ngram-map-k-min-hits", True, REFUSE, SPECULATIVE),

@@ -1,5 +1,6 @@
-"""Speculative decoding (``--spec-type ngram-simple``) on the drop-in, side by side with
-llama-server started with the same flags, over real HTTP on loopback.
+"""Speculative decoding (``--spec-type ngram-simple`` with its default sizes, and
+``ngram-mod`` with small ones so that this short answer drafts) on the drop-in, side by side
+with llama-server started with the same flags, over real HTTP on loopback.
 
 The prompt asks for a file to be copied, so the answer repeats the prompt and the slot's
 history holds drafts. Every token, the drafted and accepted counts (``draft_n``,
@@ -16,12 +17,24 @@ from typing import Any
 
 import pytest
 
-from bankml.engine_cupy.speculative import NgramSimple, accept_draft, ngram_simple_draft
+from bankml.engine_cupy.speculative import (
+    NgramMod,
+    NgramSimple,
+    accept_draft,
+    ngram_simple_draft,
+)
 from bankml.serving.llama_flags import FlagError, native_settings
 from tests.test_context_shift import start_pair, streamed
 from tests.test_llama_dropin import call
 
-FLAGS = ["-c", "2048", "--temp", "0", "--spec-type", "ngram-simple"]
+FLAGS = {
+    "ngram-simple": ["-c", "2048", "--temp", "0", "--spec-type", "ngram-simple"],
+    "ngram-mod": [
+        *("-c", "2048", "--temp", "0", "--spec-type", "ngram-mod"),
+        *("--spec-ngram-mod-n-match", "8", "--spec-ngram-mod-n-min", "4"),
+        *("--spec-ngram-mod-n-max", "16"),
+    ],
+}
 CODE = (
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
     "def mul(a, b):\n    return a * b\n"
@@ -32,15 +45,16 @@ PROMPT = (
 DRAFT_KEYS = ("draft_n", "draft_n_accepted")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=sorted(FLAGS))
 def pair(
+    request: pytest.FixtureRequest,
     default_model: Path,
     default_fork: Path,
     llama_server_bin: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Any]:
     log = tmp_path_factory.mktemp("speculative") / "bankml.log"
-    yield from start_pair(FLAGS, default_model, default_fork, llama_server_bin, log)
+    yield from start_pair(FLAGS[request.param], default_model, default_fork, llama_server_bin, log)
 
 
 def both(pair: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -103,6 +117,16 @@ def test_the_openai_client_reads_a_drafted_chat(pair: Any) -> None:
     assert answers[0] == answers[1]
 
 
+def test_the_drafts_of_a_second_request_as_llama_servers(pair: Any) -> None:
+    """ngram-mod's table outlives a request (one for the server); ngram-simple keeps nothing."""
+    body = completion(prompt=PROMPT + CODE[:40], n_predict=48)
+    ours, theirs = both(pair, body)
+    assert ours["tokens"] == theirs["tokens"]
+    assert {k: ours["timings"].get(k) for k in DRAFT_KEYS} == {
+        k: theirs["timings"].get(k) for k in DRAFT_KEYS
+    }
+
+
 def test_the_slots_say_they_speculate(pair: Any) -> None:
     for port in pair.ports:
         status, _, raw = call(port, "GET", "/slots")
@@ -138,15 +162,30 @@ def test_a_draft_is_taken_until_a_draw_differs() -> None:
 def test_the_spec_flags_read_as_llama_servers() -> None:
     assert native_settings({})["speculative"] is None
     assert native_settings({"spec-type": "ngram-simple"})["speculative"] == {
-        "size_n": 12,
-        "size_m": 48,
+        "ngram-simple": {"size_n": 12, "size_m": 48}
     }
-    sizes = {"spec-type": "none,ngram-simple", "spec-ngram-simple-size-n": "4"}
-    assert native_settings(sizes)["speculative"] == {"size_n": 4, "size_m": 48}
+    sizes = {"spec-type": "none,ngram-simple,ngram-mod", "spec-ngram-simple-size-n": "4"}
+    assert native_settings(sizes)["speculative"] == {
+        "ngram-simple": {"size_n": 4, "size_m": 48},
+        "ngram-mod": {"n_match": 24, "n_max": 64, "n_min": 48},
+    }
     for refused in (
-        {"spec-type": "ngram-mod"},
+        {"spec-type": "ngram-map-k"},
+        {"spec-type": "ngram-mod", "spec-ngram-mod-n-match": "0"},
+        {"spec-type": "ngram-mod", "spec-ngram-mod-n-max": "1025"},
         {"spec-type": "ngram-simple", "spec-ngram-simple-size-m": "0"},
         {"spec-type": "ngram-simple", "spec-ngram-simple-min-hits": "0"},
     ):
         with pytest.raises(FlagError):
             native_settings(refused)
+
+
+def test_ngram_mod_follows_its_table_and_empties_after_five_poor_checks() -> None:
+    mod = NgramMod(n_match=2, n_max=4, n_min=2, size=1 << 12)
+    mod.begin(0, [5, 6, 7, 8, 9, 5, 6])  # 5 6 -> 7, 6 7 -> 8, 7 8 -> 9, 8 9 -> 5, 9 5 -> 6
+    assert mod.draft(0, [1, 5], 6) == [7, 8, 9, 5]  # from [5, 6], four at most
+    assert mod.draft(0, [1, 2], 3) == []  # [2, 3] never seen
+    for _ in range(5):  # a quarter accepted or less, five times in a row
+        assert mod.draft(0, [1, 5], 6)
+        mod.accept(0, 0, is_other=False)
+    assert mod.used == 0 and mod.draft(0, [1, 5], 6) == []

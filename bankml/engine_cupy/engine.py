@@ -95,10 +95,9 @@ from bankml.engine_cupy.schedule import (
 )
 from bankml.engine_cupy.speculative import (
     DraftStats,
-    NgramSimple,
+    Speculative,
     accept_draft,
     draft_limit,
-    ngram_simple_draft,
 )
 from bankml.engine_cupy.stops import LineLimits, TextRelease, utf8_prefix_text
 from bankml.engine_cupy.tokenizer import Tokenizer
@@ -108,6 +107,7 @@ __all__ = [
     "MICRO_BATCH",
     "Engine",
     "compile_kernels",
+    "micro_batches",
     "prompt_batches",
     "slot_context",
 ]
@@ -115,9 +115,16 @@ __all__ = [
 MICRO_BATCH = _checkpoints.N_UBATCH
 
 
-def prompt_batches(start: int, end: int, checkpoints: bool) -> list[tuple[int, int]]:
+def prompt_batches(
+    start: int,
+    end: int,
+    checkpoints: bool,
+    n_batch: int = _checkpoints.N_BATCH,
+    n_ubatch: int = MICRO_BATCH,
+) -> list[tuple[int, int]]:
     """The micro-batches [a, b) llama-server evaluates prompt positions start..end-1 in when no
-    message starts are known (plain prompts): 512 at a time from start, and, with
+    message starts are known (plain prompts): batches of ``n_batch`` (-b) cut into micro-batches
+    of ``n_ubatch`` (-ub: 512) from start, and, with
     ``checkpoints`` (sliding-window models), its batches also end 516 and 4 tokens before the
     end. The cuts decide which attention kernel (tiled or one-row) each token sees; the engine's
     own loop (``Engine._batch_end``) also follows user-message starts and the slot's checkpoints."""
@@ -127,16 +134,16 @@ def prompt_batches(start: int, end: int, checkpoints: bool) -> list[tuple[int, i
         b = (
             _checkpoints.batch_end(a, end, MessageSpans(), [])
             if checkpoints
-            else min(a + _checkpoints.N_BATCH, end)
+            else min(a + n_batch, end)
         )
-        out += _micro_batches(a, b)
+        out += micro_batches(a, b, n_ubatch)
         a = b
     return out
 
 
-def _micro_batches(a: int, b: int) -> list[tuple[int, int]]:
-    """llama_decode's split of one batch [a, b) into ubatches of 512."""
-    return [(i, min(i + MICRO_BATCH, b)) for i in range(a, b, MICRO_BATCH)]
+def micro_batches(a: int, b: int, n_ubatch: int = MICRO_BATCH) -> list[tuple[int, int]]:
+    """llama_decode's split of one batch [a, b) into ubatches of ``n_ubatch`` (-ub: 512)."""
+    return [(i, min(i + n_ubatch, b)) for i in range(a, b, n_ubatch)]
 
 
 DEFAULT_SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity
@@ -220,8 +227,13 @@ class Engine:
         # follows the kept tokens and goes on (``_shift_context``); off, it stops there
         self.context_shift = False
         self.n_keep = 0  # the server's --keep: a request's default n_keep
-        # the server's --spec-type ngram-simple (speculative.py): drafts from the slot's history
-        self.speculative: NgramSimple | None = None
+        # the server's --spec-type (speculative.py): drafts from the slot's history
+        self.speculative: Speculative | None = None
+        # the server's -b and -ub: a prompt is evaluated in batches of n_batch tokens, each cut
+        # into micro-batches of n_ubatch (they decide which kernels a row meets, so the bits);
+        # set_batch_sizes
+        self.n_batch = _checkpoints.N_BATCH
+        self.n_ubatch = MICRO_BATCH
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -840,7 +852,7 @@ class Engine:
         start = n_past
         while start < len(tokens):
             end = self._batch_end(slot, start, len(tokens), spans or MessageSpans())
-            for a, b in _micro_batches(start, end):
+            for a, b in micro_batches(start, end, self.n_ubatch):
                 if cancelled():
                     return n_past, None
                 batch = tokens[a:b]
@@ -856,7 +868,7 @@ class Engine:
         checkpoint it takes before decoding that batch is recorded here."""
         ckpts = slot.checkpoints
         if ckpts is None:
-            return min(start + _checkpoints.N_BATCH, n_prompt)
+            return min(start + self.n_batch, n_prompt)
         end = _checkpoints.batch_end(start, n_prompt, spans, ckpts.items, ckpts.min_step)
         cache = slot.cache
         pos_min = cache.pos_min
@@ -932,6 +944,8 @@ class Engine:
             return
         for t in tokens:
             sampler.accept(t, generated=False)
+        if self.speculative is not None:  # the prompt is evaluated: the drafters see it
+            self.speculative.begin(slot.id, slot.tokens)
         release = TextRelease(req.stop)
         lines = LineLimits(req.n_indent, req.t_max_predict_ms)
         eog = self.tokenizer.eog_ids
@@ -1016,6 +1030,8 @@ class Engine:
             slot.cache.truncate(n_before + len(taken))  # the rejected draft's cells emptied
             slot.tokens += [token, *taken[:-1]]
             drafts.record(len(draft), len(taken) - 1)
+            assert self.speculative is not None
+            self.speculative.accept(slot.id, len(taken) - 1)
             drawn.extend(taken)
         summary.text = release.text.decode("utf-8", "replace")
         summary.stopping_word = release.stopping_word
@@ -1054,6 +1070,16 @@ class Engine:
             shared.publish(slot, cache_n, logits, clock.t_start)
         return cache_n, logits
 
+    def set_batch_sizes(self, n_batch: int, n_ubatch: int) -> bool:
+        """llama-server's -b and -ub (llama_context caps the micro-batch by the batch). A
+        sliding-window model keeps the defaults (its prompt cuts and its SWA cache are sized by
+        them): False when it was asked for others."""
+        n_ubatch = min(n_ubatch, n_batch)
+        if self.slots[0].checkpoints is not None:
+            return (n_batch, n_ubatch) == (_checkpoints.N_BATCH, MICRO_BATCH)
+        self.n_batch, self.n_ubatch = int(n_batch), int(n_ubatch)
+        return True
+
     @staticmethod
     def _accept(sampler: GuidedSampler, token: int) -> None:
         try:
@@ -1062,14 +1088,14 @@ class Engine:
             raise RequestError(f"got exception: {err}", status=500) from None
 
     def _draft(self, slot: Slot, req: Request, sampled: int, n_gen: int) -> list[int]:
-        """llama-server's draft for the next pass (--spec-type ngram-simple), within
-        get_n_draft_max; none without speculative decoding."""
+        """llama-server's draft for the next pass (--spec-type), within get_n_draft_max; none
+        without speculative decoding."""
         if self.speculative is None:
             return []
         limit = draft_limit(slot.n_ctx, len(slot.tokens), req.n_predict, n_gen)
         if limit <= 0:
             return []
-        return ngram_simple_draft(self.speculative, slot.tokens, sampled)[:limit]
+        return self.speculative.draft(slot.id, slot.tokens, sampled, limit)
 
     @staticmethod
     def _context_full(slot: Slot) -> bool:

@@ -17,10 +17,14 @@ accepted and the pass costs less than as many one-token steps.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-SPEC_TYPES = ("ngram-simple",)  # the kinds bankml follows (llama-server has more)
+import numpy
+
+# the kinds bankml follows, in llama-server's order of preference (common_speculative_init):
+# the first that drafts something for a step is the one its check is accounted to
+SPEC_TYPES = ("ngram-simple", "ngram-mod")
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,15 @@ class NgramSimple:
 
     size_n: int = 12  # the n-gram looked up in the history
     size_m: int = 48  # the most tokens drafted after a match
+
+    def begin(self, slot: int, prompt: Sequence[int]) -> None:
+        pass
+
+    def draft(self, slot: int, tokens: Sequence[int], sampled: int) -> list[int]:
+        return ngram_simple_draft(self, tokens, sampled)
+
+    def accept(self, slot: int, n_accepted: int, is_other: bool) -> None:
+        pass
 
 
 def ngram_simple_draft(config: NgramSimple, tokens: Sequence[int], sampled: int) -> list[int]:
@@ -108,3 +121,160 @@ class DraftStats:
             timings["draft_n"] = self.drafted
             timings["draft_n_accepted"] = self.accepted
         return timings
+
+
+# --- ngram-mod ----------------------------------------------------------------------------------
+
+_MIX = numpy.uint64(6364136223846793005)  # common_ngram_mod::idx's multiplier
+MOD_ENTRIES = 4 * 1024 * 1024  # llama-server's table: 4Mi tokens, shared by every slot
+EMPTY = -1
+
+
+@dataclass
+class NgramMod:
+    """llama-server's ``--spec-type ngram-mod`` (common_speculative_impl_ngram_mod): one table
+    for the whole server, kept across requests, from the hash of ``n_match`` tokens to the token
+    that last followed them. A slot's prompt is added when it is evaluated (``begin``), its
+    answer in chunks of 32 as it grows; a draft follows the table from the last ``n_match``
+    tokens for up to ``n_max`` tokens, and is none if it stops before ``n_min``. Five checks in
+    a row that accept under a quarter of their draft empty the table."""
+
+    n_match: int = 24
+    n_max: int = 64
+    n_min: int = 48
+    size: int = MOD_ENTRIES
+    entries: numpy.ndarray = field(init=False, repr=False)
+    used: int = field(init=False, default=0)
+    # per slot: where the table's additions stopped, the last draft's length, the low streak
+    slots: dict[int, list[int]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.entries = numpy.full(self.size, EMPTY, numpy.int32)
+
+    def _state(self, slot: int) -> list[int]:
+        return self.slots.setdefault(slot, [0, 0, 0])  # i_last, n_draft_last, n_low
+
+    def _indices(self, tokens: numpy.ndarray) -> numpy.ndarray:
+        """common_ngram_mod::idx of every n_match-token window of ``tokens`` (uint64, wrapping)."""
+        n = self.n_match
+        windows = len(tokens) - n + 1
+        res = numpy.zeros(windows, numpy.uint64)
+        with numpy.errstate(over="ignore"):
+            for k in range(n):
+                res = res * _MIX + tokens[k : k + windows].astype(numpy.uint64)
+        return (res % numpy.uint64(self.size)).astype(numpy.int64)
+
+    def _add(self, tokens: Sequence[int], start: int, stop: int) -> None:
+        """add() for the windows starting at start..stop-1: each maps to the token after it,
+        in order (a later window overwrites an earlier one in the same entry)."""
+        if stop <= start:
+            return
+        window = numpy.asarray(tokens[start : stop + self.n_match], numpy.int64)
+        idx = self._indices(window[:-1])
+        fresh = numpy.unique(idx[self.entries[idx] == EMPTY])
+        self.used += int(fresh.size)
+        self.entries[idx] = window[self.n_match :].astype(numpy.int32)  # the last one wins
+
+    def reset(self) -> None:
+        self.entries.fill(EMPTY)
+        self.used = 0
+
+    def begin(self, slot: int, prompt: Sequence[int]) -> None:
+        state = self._state(slot)
+        state[0] = state[1] = 0
+        n = self.n_match
+        if len(prompt) < n:
+            return
+        self._add(prompt, 0, len(prompt) - n)
+        state[0] = len(prompt) - n
+        if self.used / self.size > 0.25:  # too full to be told apart: start again
+            self.reset()
+
+    def draft(self, slot: int, tokens: Sequence[int], sampled: int) -> list[int]:
+        state = self._state(slot)
+        state[1] = 0
+        n, cur_len = self.n_match, len(tokens)
+        if cur_len < n:
+            return []
+        if state[0] + 32 < cur_len:  # the answer's n-grams, in chunks
+            self._add(tokens, state[0], cur_len - n)
+            state[0] = cur_len - n
+        key = [*tokens[cur_len - n + 1 :], sampled]
+        out: list[int] = []
+        for i in range(self.n_max):
+            window = numpy.asarray(key[i : i + n], numpy.int64)
+            token = int(self.entries[int(self._indices(window)[0])])
+            if token == EMPTY:
+                if i < self.n_min:
+                    return []
+                break
+            key.append(token)
+            out.append(token)
+        state[1] = len(out)
+        return out
+
+    def accept(self, slot: int, n_accepted: int, is_other: bool) -> None:
+        if is_other:
+            return
+        state = self._state(slot)
+        if state[1] > 0:
+            if n_accepted / state[1] < 0.25:
+                state[2] += 1
+                if state[2] >= 5:
+                    self.reset()
+                    state[0] = state[2] = 0
+            else:
+                state[2] = 0
+
+
+class Drafter(Protocol):
+    def begin(self, slot: int, prompt: Sequence[int]) -> None: ...
+
+    def draft(self, slot: int, tokens: Sequence[int], sampled: int) -> list[int]: ...
+
+    def accept(self, slot: int, n_accepted: int, is_other: bool) -> None: ...
+
+
+class Speculative:
+    """The server's drafters (common_speculative): in llama-server's order of preference, the
+    first that drafts for a step gives its draft, cut to ``draft_limit``; the check's accepted
+    count goes to that drafter (``accept``), the others hear of it as ``is_other``."""
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        self.drafters = list(drafters)
+        self._last: dict[int, Drafter] = {}  # per slot: the drafter of its last draft
+
+    def begin(self, slot: int, prompt: Sequence[int]) -> None:
+        """The slot's prompt is evaluated (common_speculative_begin)."""
+        for drafter in self.drafters:
+            drafter.begin(slot, prompt)
+
+    def draft(self, slot: int, tokens: Sequence[int], sampled: int, limit: int) -> list[int]:
+        for drafter in self.drafters:
+            found = drafter.draft(slot, tokens, sampled)
+            if found:
+                self._last[slot] = drafter
+                return found[:limit]
+        return []
+
+    def accept(self, slot: int, n_accepted: int) -> None:
+        last = self._last.get(slot)
+        if last is None:
+            return
+        last.accept(slot, n_accepted, False)
+        for drafter in self.drafters:
+            if drafter is not last:
+                drafter.accept(slot, n_accepted, True)
+
+
+def drafters(kinds: dict[str, dict[str, int]] | None) -> Speculative | None:
+    """The server's drafters from its flags ({kind: sizes}, serving.llama_flags), in
+    llama-server's order of preference; None without speculative decoding."""
+    if not kinds:
+        return None
+    made: list[Drafter] = []
+    if "ngram-simple" in kinds:
+        made.append(NgramSimple(**kinds["ngram-simple"]))
+    if "ngram-mod" in kinds:
+        made.append(NgramMod(**kinds["ngram-mod"]))
+    return Speculative(made)

@@ -28,7 +28,7 @@ from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.engine_cupy.request import RequestError
 from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
-from bankml.engine_cupy.speculative import NgramSimple
+from bankml.engine_cupy.speculative import drafters
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.formats.llama import MetricsScrape, Props, slot_object
 from bankml.formats.openai import ModelFacts
@@ -675,8 +675,14 @@ def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
         )
         engine.context_shift = False
     engine.n_keep = int(llama.get("n_keep", 0))  # --keep: a request's default n_keep
-    spec = llama.get("speculative")  # --spec-type ngram-simple: drafts from the slot's history
-    engine.speculative = NgramSimple(**spec) if spec else None
+    sizes = (int(llama.get("n_batch", 2048)), int(llama.get("n_ubatch", 512)))  # -b, -ub
+    if not engine.set_batch_sizes(*sizes):
+        print(
+            "ignoring -b/-ub: a sliding-window model keeps the batch sizes 2048 and 512",
+            file=sys.stderr,
+            flush=True,
+        )
+    engine.speculative = drafters(llama.get("speculative"))  # --spec-type
     if llama.get("chat_template") is not None and engine.template is not None:
         engine.template = replace(engine.template, source=llama["chat_template"])
 

@@ -240,6 +240,8 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "verbose": _verbose(options),
         "context_shift": bool(options.get("context-shift")),
         "speculative": _speculative(options),
+        "n_batch": _batch_size(options, "batch-size", 2048),
+        "n_ubatch": _batch_size(options, "ubatch-size", 512),
         "n_keep": _number("keep", options["keep"], int) if options.get("keep") is not None else 0,
         "chat_template": _chat_template(options),
         "cache_type": _cache_type(options),
@@ -252,33 +254,86 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _speculative(options: Mapping[str, Any]) -> dict[str, int] | None:
-    """``--spec-type`` (a comma-separated list, as llama-server's: ``none`` and ``ngram-simple``
-    are what bankml follows) and the ngram-simple sizes, checked as llama-server checks them:
-    {size_n, size_m} for ngram-simple drafts, None without them."""
+def _batch_size(options: Mapping[str, Any], name: str, default: int) -> int:
+    """``-b`` / ``-ub`` (llama-server's defaults 2048 and 512), at least 1."""
+    if options.get(name) is None:
+        return default
+    value = _number(name, options[name], int)
+    if value < 1:
+        raise FlagError(f"--{name} {value}: a batch holds at least one token")
+    return int(value)
+
+
+# the speculative flags llama-server checks, with its ranges and messages: (flag, kind, key,
+# default, low, high, message)
+_SPEC_SIZES = (
+    (
+        "spec-ngram-simple-size-n",
+        "ngram-simple",
+        "size_n",
+        12,
+        1,
+        "ngram size N must be between 1 and 1024 inclusive",
+    ),
+    (
+        "spec-ngram-simple-size-m",
+        "ngram-simple",
+        "size_m",
+        48,
+        1,
+        "ngram size M must be between 1 and 1024 inclusive",
+    ),
+    (
+        "spec-ngram-mod-n-match",
+        "ngram-mod",
+        "n_match",
+        24,
+        1,
+        "ngram size N must be between 1 and 1024 inclusive",
+    ),
+    (
+        "spec-ngram-mod-n-max",
+        "ngram-mod",
+        "n_max",
+        64,
+        0,
+        "ngram n-max must be between 0 and 1024 inclusive",
+    ),
+    (
+        "spec-ngram-mod-n-min",
+        "ngram-mod",
+        "n_min",
+        48,
+        0,
+        "ngram n-min must be between 0 and 1024 inclusive",
+    ),
+)
+
+
+def _speculative(options: Mapping[str, Any]) -> dict[str, dict[str, int]] | None:
+    """``--spec-type`` (a comma-separated list, as llama-server's: ``none``, ``ngram-simple``
+    and ``ngram-mod`` are what bankml follows) and their sizes, checked as llama-server checks
+    them: {kind: {size: value}} for each kind named, None without any."""
     kinds = [k.strip() for k in str(options.get("spec-type") or "none").split(",")]
     for kind in kinds:
-        if kind not in ("none", "ngram-simple"):
+        if kind not in ("none", "ngram-simple", "ngram-mod"):
             raise FlagError(
-                f"--spec-type {kind}: bankml's native engine drafts only as ngram-simple"
+                f"--spec-type {kind}: bankml's native engine drafts only as ngram-simple or "
+                "ngram-mod"
             )
-    sizes = {"size_n": 12, "size_m": 48}  # llama-server's defaults
-    for name, key in (
-        ("spec-ngram-simple-size-n", "size_n"),
-        ("spec-ngram-simple-size-m", "size_m"),
-    ):
+    sizes: dict[str, dict[str, int]] = {"ngram-simple": {}, "ngram-mod": {}}
+    for name, kind, key, default, low, message in _SPEC_SIZES:
+        value = default
         if options.get(name) is not None:
             value = _number(name, options[name], int)
-            if not 1 <= value <= 1024:
-                letter = key[-1].upper()
-                raise FlagError(
-                    f"--{name} {value}: ngram size {letter} must be between 1 and 1024 inclusive"
-                )
-            sizes[key] = value
+            if not low <= value <= 1024:
+                raise FlagError(f"--{name} {value}: {message}")
+        sizes[kind][key] = value
     if options.get("spec-ngram-simple-min-hits") is not None:  # read, no effect on ngram-simple
         if _number("spec-ngram-simple-min-hits", options["spec-ngram-simple-min-hits"], int) < 1:
             raise FlagError("--spec-ngram-simple-min-hits: ngram min hits must be at least 1")
-    return sizes if "ngram-simple" in kinds else None
+    chosen: dict[str, dict[str, int]] = {k: sizes[k] for k in sizes if k in kinds}
+    return chosen or None
 
 
 def _verbose(options: Mapping[str, Any]) -> bool:
