@@ -315,3 +315,61 @@ def test_an_existing_output_is_not_overwritten(tiny: Path, tmp_path: Path) -> No
     )
     assert result.returncode == 2 and "already exists" in result.stdout
     assert (tmp_path / "out.gguf").read_bytes() == b"mine"
+
+
+# --- bankml create FROM a directory ----------------------------------------------------------------
+
+
+def test_create_from_a_directory_converts_pins_and_derives(
+    default_model: Path, tmp_path: Path
+) -> None:
+    tiny = hf_dirs.tiny_dir(default_model, tmp_path / "checkout" / "Tiny-qwen3", "qwen3", seed=7)
+    registry = tmp_path / "forks"
+    modelfile = tmp_path / "checkout" / "Modelfile"
+    modelfile.write_text("FROM ./Tiny-qwen3\nSYSTEM You are terse.\n")
+
+    def create() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bankml",
+                "create",
+                "terse",
+                "-f",
+                str(modelfile),
+                "--registry",
+                str(registry),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=support.ROOT,
+        )
+
+    result = create()
+    assert result.returncode == 0, result.stdout + result.stderr
+    out, fork = registry / "terse-F16.gguf", registry / "terse-F16.gguf.FORK.json"
+    sha = sha256(out)
+    lines = result.stdout.splitlines()
+    assert lines[:4] == [
+        "parsing modelfile",
+        f"converting {tiny} (safetensors) to terse-F16.gguf",
+        f"pinned terse-F16.gguf sha256:{sha} in terse-F16.gguf.FORK.json",
+        "verifying terse-F16.gguf (the guard, then its sha256 against terse-F16.gguf.FORK.json)",
+    ]
+    assert lines[-1] == "success"
+    doc = json.loads(fork.read_text())
+    assert doc["source"] == str(tiny) and doc["files"][0]["sha256"] == sha
+    assert [i["path"] for i in doc["inputs"]] == sorted(p.name for p in tiny.iterdir())
+    manifest = json.loads((registry / "terse.MODEL.json").read_text())
+    assert manifest["base"]["file"] == "terse-F16.gguf" and manifest["base"]["sha256"] == sha
+    assert (
+        convert(str(tiny), str(tmp_path / "again.gguf"), str(tmp_path / "again.json")).sha256 == sha
+    )
+    # a second create of the name would overwrite the converted file: refused, nothing changed
+    again = create()
+    assert again.returncode == 2
+    assert (
+        "bankml create: refuse: FROM ./Tiny-qwen3: terse-F16.gguf already exists in" in again.stderr
+    )
+    assert sha256(out) == sha
