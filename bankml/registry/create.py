@@ -106,7 +106,9 @@ def _convert_into(value: str, source: str, name: str, directory: str, status: St
     fork = out + ".FORK.json"
     for path in (out, fork):
         if os.path.lexists(path):
-            raise CreateError(f"FROM {value}: {os.path.basename(path)} already exists in {directory}")
+            raise CreateError(
+                f"FROM {value}: {os.path.basename(path)} already exists in {directory}"
+            )
     status(f"converting {source} (safetensors) to {file}")
     try:
         done = convert(source, out, fork)
