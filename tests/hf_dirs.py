@@ -320,3 +320,68 @@ def reference_python() -> str | None:
 def reference_script() -> str:
     cache = os.environ.get("BANKML_CACHE", os.path.expanduser("~/.cache/bankml"))
     return os.path.join(cache, "llama-server", "11434", "src", "llama.cpp", "convert_hf_to_gguf.py")
+
+
+def tiny_gemma3_dir(gguf_path: Path, directory: Path, *, seed: int = 0) -> Path:
+    """A small random Gemma 3 text model (tied embeddings, q/k norms, four norms a layer)."""
+    reader = gguf.GGUFReader(gguf_path)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    n_vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+    hidden, n_head, n_kv, head_dim, n_ff, n_layer = 64, 4, 1, 16, 96, 2
+    t: dict[str, tuple[str, np.ndarray]] = {}
+    k = 0
+
+    def tensor(shape: tuple[int, ...]) -> tuple[str, np.ndarray]:
+        nonlocal k
+        k += 1
+        a = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        dtype = ("BF16", "F16", "F32")[k % 3]
+        if dtype == "BF16":
+            return dtype, bf16_bits(a)
+        return dtype, a.astype("<f2" if dtype == "F16" else "<f4")
+
+    t["model.embed_tokens.weight"] = tensor((n_vocab, hidden))
+    t["model.norm.weight"] = tensor((hidden,))
+    for b in range(n_layer):
+        p = f"model.layers.{b}."
+        for name, shape in {
+            "self_attn.q_proj.weight": (n_head * head_dim, hidden),
+            "self_attn.k_proj.weight": (n_kv * head_dim, hidden),
+            "self_attn.v_proj.weight": (n_kv * head_dim, hidden),
+            "self_attn.o_proj.weight": (hidden, n_head * head_dim),
+            "self_attn.q_norm.weight": (head_dim,),
+            "self_attn.k_norm.weight": (head_dim,),
+            "mlp.gate_proj.weight": (n_ff, hidden),
+            "mlp.up_proj.weight": (n_ff, hidden),
+            "mlp.down_proj.weight": (hidden, n_ff),
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "pre_feedforward_layernorm.weight": (hidden,),
+            "post_feedforward_layernorm.weight": (hidden,),
+        }.items():
+            t[p + name] = tensor(shape)
+    write_safetensors(directory / "model.safetensors", dict(sorted(t.items())))
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "intermediate_size": n_ff,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "num_hidden_layers": n_layer,
+        "max_position_embeddings": 8192,
+        "query_pre_attn_scalar": head_dim,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "final_logit_softcapping": None,
+        "vocab_size": n_vocab,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_tokenizer(directory, reader)
+    return directory

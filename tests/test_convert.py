@@ -1,8 +1,8 @@
 """``bankml convert`` against llama.cpp build 11434's own ``convert_hf_to_gguf.py``, byte for byte.
 
 The directories are made here (tests/hf_dirs.py): the default model turned back into a Hugging
-Face checkout (BF16 weights, its tokenizer as tokenizer.json), and small random llama, qwen2 and
-qwen3 models (F32, F16 and BF16 weights, one of them in two shards with an index). The reference
+Face checkout (BF16 weights, its tokenizer as tokenizer.json), and small random llama, qwen2,
+qwen3 and gemma3 models (F32, F16 and BF16 weights, one of them in two shards with an index). The reference
 runs in its own venv with torch's CPU build (scripts/convert-reference-venv.sh, made by ``make
 test-deps``). Then the converted default model is served by ``bankml serve --native`` and by
 llama-server and must give the same greedy completion, a round trip (GGUF F16 → safetensors F16
@@ -138,14 +138,18 @@ def test_the_fork_pins_the_output_and_records_the_inputs(
         ("qwen2", 1, "bf16"),
         ("qwen3", 2, "f16"),
         ("qwen3", 1, "f32"),
+        ("gemma3", 1, "f16"),
     ],
 )
 def test_tiny_models_convert_byte_identical_to_the_reference(
     arch: str, shards: int, outtype: str, default_model: Path, reference_python: str, tmp_path: Path
 ) -> None:
-    d = hf_dirs.tiny_dir(
-        default_model, tmp_path / f"Tiny-{arch}", arch, shards=shards, seed=len(arch)
-    )
+    if arch == "gemma3":
+        d = hf_dirs.tiny_gemma3_dir(default_model, tmp_path / "Tiny-gemma3")
+    else:
+        d = hf_dirs.tiny_dir(
+            default_model, tmp_path / f"Tiny-{arch}", arch, shards=shards, seed=len(arch)
+        )
     ref = run_reference(reference_python, d, tmp_path / "ref.gguf", outtype)
     done = convert(
         str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"), outtype=outtype

@@ -10,7 +10,9 @@ mtime and inode, none added or removed); then its pin and provenance go into the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import sys
 import tempfile
@@ -38,6 +40,18 @@ OUTTYPES = {
     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
 }
+
+
+@contextlib.contextmanager
+def _quiet_writer() -> Any:
+    """gguf's writer logs each key written twice; the reference writes some twice on purpose."""
+    log = logging.getLogger("gguf.gguf_writer")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 @dataclass(frozen=True)
@@ -182,10 +196,18 @@ def convert(
         raise ConvertError("a Qwen3 reranker is not converted yet")
     shards = _shards(directory, files)
     reader = ShardReader()
-    try:
+    with _quiet_writer(), contextlib.closing(reader):
         named = model.index_tensors(directory, hp, arch, hf, shards)
-        items = model.plan_tensors(hp, arch, hf, ftype, named, reader.array)
         vocab = load_vocab(directory, hp.get("vocab_size"), arch.space_prefix_key)
+        items = model.plan_tensors(
+            hp,
+            arch,
+            hf,
+            ftype,
+            named,
+            reader.array,
+            vocab.n_real if arch.name == "gemma3" else None,
+        )
         writer = gguf.GGUFWriter(path=None, arch=arch.name)
         for item in items:
             writer.add_tensor_info(
@@ -196,8 +218,6 @@ def convert(
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         model.add_vocab(writer, vocab, hp, arch)
         sha, size = _write(writer, items, out_abs, directory, files, progress)
-    finally:
-        reader.close()
 
     record = {
         "kind": KIND.format(outtype=outtype.upper()),

@@ -80,6 +80,31 @@ for _hf, _arch in (
         )
 
 
+ARCHES["Gemma3ForCausalLM"] = Arch(
+    "gemma3",
+    gguf.MODEL_ARCH.GEMMA3,
+    {
+        **_BASE,
+        "rope_theta": 1000000.0,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "query_pre_attn_scalar": 256,
+    },
+    256,
+    False,
+    False,
+)
+
+
 def load_config(directory: str) -> tuple[dict[str, Any], str, Arch]:
     """(hparams with the defaults filled in, the Hugging Face architecture, its Arch)."""
     path = os.path.join(directory, "config.json")
@@ -155,7 +180,7 @@ def rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
             ),
         )
         if local is not None:
-            raise ConvertError("config.json: sliding-window RoPE is not converted for this model")
+            params["sliding_attention"] = {"rope_theta": local}
     else:
         raise ConvertError("config.json: per-layer-type RoPE parameters are not converted")
     return params
@@ -250,6 +275,7 @@ def plan_tensors(
     ftype: gguf.LlamaFileType,
     named: list[tuple[str, Shard, TensorSpec]],
     read: Callable[[Shard, TensorSpec], np.ndarray],
+    n_vocab_real: int | None = None,
 ) -> list[Item]:
     n_blocks = hp["num_hidden_layers"]
     tmap = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
@@ -276,6 +302,11 @@ def plan_tensors(
             raise ConvertError(f"tensor {new_name} would be written twice")
         seen.add(new_name)
         shape = spec.shape
+        rows: int | None = None
+        shift = arch.name == "gemma3" and name.endswith("norm.weight")
+        if arch.name == "gemma3" and "embed_tokens.weight" in name and n_vocab_real is not None:
+            rows = n_vocab_real  # out-of-vocabulary rows dropped, as the reference drops them
+            shape = (min(shape[0], rows), *shape[1:])
         if arch.permute_qk and name.endswith(
             ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
         ):
@@ -307,8 +338,14 @@ def plan_tensors(
             name: str = name,
             qtype: gguf.GGMLQuantizationType = qtype,
             stored_f16: bool = stored_f16,
+            rows: int | None = rows,
+            shift: bool = shift,
         ) -> np.ndarray:
             data = read(shard, spec)
+            if rows is not None:
+                data = data[:rows]
+            if shift:
+                data = data + data.dtype.type(1.0)  # Gemma3RMSNorm's (1 + weight), in its dtype
             if arch.permute_qk:
                 if name.endswith(("q_proj.weight", "q_proj.bias")):
                     data = permute(data, n_head, n_head)
@@ -390,6 +427,8 @@ def add_parameters(
         raise ConvertError("config.json: multimodal RoPE sections are not converted")
     if (theta := rope.get("rope_theta")) is not None:
         w.add_rope_freq_base(theta)
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
     if (eps := find(hp, ("rms_norm_eps", "norm_eps"))) is not None:
         w.add_layer_norm_rms_eps(eps)
     if (eps := find(hp, ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"))) is not None:
@@ -404,7 +443,22 @@ def add_parameters(
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_file_type(ftype)
-    if arch.name == "llama":
+    if arch.name == "gemma3":
+        # Gemma3's own keys; some repeat TextModel's (overwritten in place, as the reference does)
+        w.add_context_length(hp.get("max_position_embeddings", 131072))
+        w.add_head_count(hp.get("num_attention_heads", 8))
+        w.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-6))
+        w.add_key_length(hp.get("head_dim", 256))
+        w.add_value_length(hp.get("head_dim", 256))
+        w.add_rope_freq_base(rope.get("rope_theta", 1_000_000.0))
+        if hp.get("attn_logit_softcapping") is not None:
+            raise ConvertError("config.json: attn_logit_softcapping is not a Gemma 3 setting")
+        if softcap := hp.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(softcap)
+        if hp.get("sliding_window_pattern") != 1:
+            w.add_sliding_window(hp["sliding_window"])
+        w.add_head_count_kv(hp.get("num_key_value_heads", 4))
+    elif arch.name == "llama":
         w.add_vocab_size(hp["vocab_size"])
         rope_dim = hp.get("head_dim")
         if rope_dim is None:
@@ -443,11 +497,7 @@ def add_vocab(w: gguf.GGUFWriter, v: Vocab, hp: dict[str, Any], arch: Arch) -> N
         if vocab_size == 32016:
             raise ConvertError("a CodeLlama vocabulary (32016 tokens) is not converted")
         if vocab_size == 49152:  # the reference's rule for Granite-sized vocabularies
-            key = gguf.Keys.Tokenizer.ADD_BOS
-            if key in w.kv_data[0]:  # overwritten in place, as the reference's writer does
-                w.kv_data[0][key] = gguf.gguf_writer.GGUFValue(False, gguf.GGUFValueType.BOOL)
-            else:
-                w.add_add_bos_token(False)
+            w.add_add_bos_token(False)  # overwritten in place when already written
 
 
 def qwen3_reranker(directory: str, hp: dict[str, Any], hf_raw: str | None) -> bool:

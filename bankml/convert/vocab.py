@@ -49,6 +49,7 @@ class Vocab:
     lowercase: bool | None = None
     strip_accents: bool | None = None
     add_space_prefix: bool | None = None
+    n_real: int = 0  # tokenizer.json's vocabulary plus its added tokens (Gemma 3 trims to it)
 
 
 def _looks_special(token: str) -> bool:
@@ -195,7 +196,7 @@ def load_vocab(directory: str, vocab_size: int | None, add_space_prefix_key: boo
         tokens.append(token)
     merges = _merges(model)
     pre = _pre_name(tokens, types, merges, tokenizer)
-    out = Vocab(tokens=tokens, types=types, pre=pre, merges=merges)
+    out = Vocab(tokens=tokens, types=types, pre=pre, merges=merges, n_real=len(vocab) + len(added))
     if add_space_prefix_key and tok_config is not None:
         flag = tok_config.get("add_prefix_space")
         if flag is not None:
