@@ -213,17 +213,24 @@ def smollm2_dir(gguf_path: Path, directory: Path) -> Path:
 
 
 def tiny_dir(
-    gguf_path: Path, directory: Path, arch: str, *, seed: int = 0, shards: int = 1
+    gguf_path: Path,
+    directory: Path,
+    arch: str,
+    *,
+    seed: int = 0,
+    shards: int = 1,
+    spm: bytes | None = None,
 ) -> Path:
     """A small random ``arch`` ("llama", "qwen2", "qwen3") model with the default model's tokenizer.
 
     Weights are stored in a mix of F32, F16 and BF16; ``shards`` > 1 splits them over several
-    files with a ``model.safetensors.index.json``.
+    files with a ``model.safetensors.index.json``. ``spm``: a SentencePiece ``tokenizer.model``
+    to use instead (its vocabulary padded to 512).
     """
     reader = gguf.GGUFReader(gguf_path)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    n_vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+    n_vocab = 512 if spm is not None else len(_field(reader, "tokenizer.ggml.tokens"))
     hidden, n_head, n_kv, n_ff, n_layer = 64, 4, 2, 96, 2
     head_dim = hidden // n_head
     dtypes = ["BF16", "F16", "F32"]
@@ -302,7 +309,10 @@ def tiny_dir(
     if arch == "qwen3":
         config["head_dim"] = head_dim
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    write_tokenizer(directory, reader)
+    if spm is not None:
+        write_spm_tokenizer(directory, spm)
+    else:
+        write_tokenizer(directory, reader)
     return directory
 
 
@@ -322,12 +332,14 @@ def reference_script() -> str:
     return os.path.join(cache, "llama-server", "11434", "src", "llama.cpp", "convert_hf_to_gguf.py")
 
 
-def tiny_gemma3_dir(gguf_path: Path, directory: Path, *, seed: int = 0) -> Path:
+def tiny_gemma3_dir(
+    gguf_path: Path, directory: Path, *, seed: int = 0, spm: bytes | None = None
+) -> Path:
     """A small random Gemma 3 text model (tied embeddings, q/k norms, four norms a layer)."""
     reader = gguf.GGUFReader(gguf_path)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    n_vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+    n_vocab = 512 if spm is not None else len(_field(reader, "tokenizer.ggml.tokens"))
     hidden, n_head, n_kv, head_dim, n_ff, n_layer = 64, 4, 1, 16, 96, 2
     t: dict[str, tuple[str, np.ndarray]] = {}
     k = 0
@@ -383,5 +395,53 @@ def tiny_gemma3_dir(gguf_path: Path, directory: Path, *, seed: int = 0) -> Path:
         "eos_token_id": 2,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    write_tokenizer(directory, reader)
+    if spm is not None:
+        write_spm_tokenizer(directory, spm)
+    else:
+        write_tokenizer(directory, reader)
     return directory
+
+
+SPM_TRAIN = """
+import io, random, sys
+import sentencepiece as spm
+random.seed(0)
+words = "the quick brown fox jumps over a lazy dog while the model answers and signs".split()
+lines = [" ".join(random.choice(words) for _ in range(12)) for _ in range(2000)]
+out = io.BytesIO()
+spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(lines), model_writer=out, vocab_size=400, model_type="bpe",
+    byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+    user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], minloglevel=2)
+sys.stdout.buffer.write(out.getvalue())
+"""
+
+
+def train_sentencepiece(python: str) -> bytes:
+    """A small BPE SentencePiece model (Gemma's special ids), trained by ``python``'s
+    sentencepiece (the reference converter's venv has it) on generated text."""
+    import subprocess
+
+    return subprocess.run([python, "-c", SPM_TRAIN], check=True, capture_output=True).stdout
+
+
+def write_spm_tokenizer(directory: Path, model: bytes) -> None:
+    """``tokenizer.model`` and a ``tokenizer_config.json`` as Gemma and Llama 2 checkouts have them."""
+    (directory / "tokenizer.model").write_bytes(model)
+    config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": {
+            "0": {"content": "<pad>", "special": True},
+            "4": {"content": "<start_of_turn>", "special": True},
+            "5": {"content": "<end_of_turn>", "special": True},
+            "401": {"content": "<extra_0>", "special": False},
+        },
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}",
+        "tokenizer_class": "GemmaTokenizer",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")

@@ -158,6 +158,35 @@ def test_tiny_models_convert_byte_identical_to_the_reference(
     assert done.architecture == arch
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_model(reference_python: str) -> bytes:
+    return hf_dirs.train_sentencepiece(reference_python)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_sentencepiece_tokenizers_convert_byte_identical_to_the_reference(
+    arch: str,
+    sentencepiece_model: bytes,
+    default_model: Path,
+    reference_python: str,
+    tmp_path: Path,
+) -> None:
+    """tokenizer.model (a BPE SentencePiece model trained here, Gemma's ids, padded to the model's
+    512 tokens, with tokenizer_config.json's added tokens): its pieces read from the protobuf."""
+    if arch == "gemma3":
+        d = hf_dirs.tiny_gemma3_dir(
+            default_model, tmp_path / "Tiny-gemma3", spm=sentencepiece_model
+        )
+    else:
+        d = hf_dirs.tiny_dir(default_model, tmp_path / "Tiny-llama", arch, spm=sentencepiece_model)
+    ref = run_reference(reference_python, d, tmp_path / "ref.gguf")
+    done = convert(str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"))
+    assert done.sha256 == sha256(ref)
+    reader = gguf.GGUFReader(done.path)
+    assert reader.get_field("tokenizer.ggml.model").contents() == "llama"
+    assert len(reader.get_field("tokenizer.ggml.tokens").contents()) == 512
+
+
 def test_a_converted_f16_model_converts_back_to_the_same_bytes(
     default_model: Path, tmp_path: Path
 ) -> None:
@@ -242,8 +271,13 @@ def test_an_unknown_tokenizer_is_refused(tiny: Path, tmp_path: Path) -> None:
     tok["model"]["merges"] = tok["model"]["merges"][::2]  # another pre-tokenizer hash
     (tiny / "tokenizer.json").write_text(json.dumps(tok))
     refused(tiny, tmp_path, "pre-tokenizer is not one llama.cpp build 11434 knows")
-    (tiny / "tokenizer.model").write_bytes(b"\x0a\x00")
-    refused(tiny, tmp_path, "SentencePiece")
+    (tiny / "tokenizer.model").write_bytes(b"\x0a\x05\x0a\x03")  # a piece cut short
+    refused(tiny, tmp_path, "tokenizer.model: a truncated protobuf")
+    (tiny / "tokenizer.model").unlink()
+    tok = json.loads((tiny / "tokenizer.json").read_text())
+    tok["model"]["byte_fallback"] = True
+    (tiny / "tokenizer.json").write_text(json.dumps(tok))
+    refused(tiny, tmp_path, "byte-fallback BPE")
 
 
 def test_a_missing_or_truncated_shard_is_refused(default_model: Path, tmp_path: Path) -> None:

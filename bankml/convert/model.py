@@ -474,9 +474,11 @@ def add_parameters(
 def add_vocab(w: gguf.GGUFWriter, v: Vocab, hp: dict[str, Any], arch: Arch) -> None:
     if v.add_space_prefix is not None:
         w.add_add_space_prefix(v.add_space_prefix)
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(v.model)
     w.add_tokenizer_pre(v.pre)
     w.add_token_list(v.tokens)
+    if v.scores is not None:
+        w.add_token_scores(v.scores)
     w.add_token_types(v.types)
     if v.merges:
         w.add_token_merges(v.merges)
@@ -492,6 +494,8 @@ def add_vocab(w: gguf.GGUFWriter, v: Vocab, hp: dict[str, Any], arch: Arch) -> N
         w.add_bool("tokenizer.ggml.normalizer.lowercase", v.lowercase)
     if v.strip_accents is not None:
         w.add_bool("tokenizer.ggml.normalizer.strip_accents", v.strip_accents)
+    if arch.name == "gemma3" and v.model == "llama":
+        w.add_add_space_prefix(False)
     if arch.name == "llama":
         vocab_size = hp.get("vocab_size", 32000)
         if vocab_size == 32016:

@@ -1,13 +1,16 @@
-"""A Hugging Face byte-level BPE tokenizer (``tokenizer.json``) as llama.cpp's converter writes it.
+"""A model's tokenizer as llama.cpp's converter writes it: SentencePiece or byte-level BPE.
 
-The token list and types come from ``tokenizer.json``'s vocabulary and added tokens; the
+A directory with ``tokenizer.model`` is SentencePiece: its pieces, scores and types are read from
+the ``ModelProto`` protobuf directly, then ``added_tokens.json`` and ``tokenizer_config.json``'s
+``added_tokens_decoder`` laid over them, as the reference does. Otherwise ``tokenizer.json`` must
+be a byte-level BPE: the token list and types come from its vocabulary and added tokens; the
 pre-tokenizer name is found as the reference finds it, by hashing the ids the tokenizer gives a
 fixed check text (bankml's own llama.cpp tokenizer stands in for Hugging Face's: each
 pre-tokenizer it knows is tried, and a hash the reference's table knows names the
-pre-tokenizer); the merges, special token ids, add-BOS/EOS flags and chat template follow the
-reference's rules for ``tokenizer.json``, ``tokenizer_config.json`` and ``config.json``.
-A SentencePiece tokenizer (``tokenizer.model``), a byte-fallback BPE, or a pre-tokenizer whose
-hash the table does not hold is refused.
+pre-tokenizer). The merges, special token ids, add-BOS/EOS flags and chat template follow the
+reference's rules for ``tokenizer.json``, ``tokenizer_config.json`` and ``config.json``. A
+byte-fallback BPE (Llama 2 style ``tokenizer.json`` without ``tokenizer.model``), or a
+pre-tokenizer whose hash the table does not hold, is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from bankml.convert.errors import ConvertError
 from bankml.convert.prehash import CHECK_TEXT, PRE_BY_HASH
@@ -39,10 +44,12 @@ def read_json(path: str, what: str) -> Any:
 
 @dataclass
 class Vocab:
-    tokens: list[str]
+    tokens: list[str] | list[bytes]
     types: list[int]
     pre: str
     merges: list[str]
+    model: str = "gpt2"  # "llama": SentencePiece, with scores
+    scores: list[float] | None = None
     special_ids: dict[str, int] = field(default_factory=dict)
     add_special: dict[str, bool] = field(default_factory=dict)
     chat_template: str | list[dict[str, str]] | None = None
@@ -134,12 +141,130 @@ def _pre_name(tokens: list[str], types: list[int], merges: list[str], tokenizer:
     )
 
 
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise ConvertError("tokenizer.model: a truncated or malformed protobuf")
+        b = data[at]
+        at += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, at
+
+
+def _fields(data: bytes) -> list[tuple[int, int, Any]]:
+    """A protobuf message's (field number, wire type, value) in order."""
+    out: list[tuple[int, int, Any]] = []
+    at = 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        number, wire = key >> 3, key & 7
+        value: int | bytes
+        if wire == 0:
+            value, at = _varint(data, at)
+        elif wire == 1:
+            value, at = data[at : at + 8], at + 8
+        elif wire == 2:
+            n, at = _varint(data, at)
+            value, at = data[at : at + n], at + n
+        elif wire == 5:
+            value, at = data[at : at + 4], at + 4
+        else:
+            raise ConvertError(f"tokenizer.model: protobuf wire type {wire} is not SentencePiece's")
+        if at > len(data):
+            raise ConvertError("tokenizer.model: a truncated protobuf")
+        out.append((number, wire, value))
+    return out
+
+
+SPM_NORMAL, SPM_UNKNOWN, SPM_CONTROL, SPM_USER_DEFINED, SPM_UNUSED, SPM_BYTE = 1, 2, 3, 4, 5, 6
+
+
+def read_sentencepiece(path: str) -> list[tuple[bytes, float, int]]:
+    """(piece, score, type) of each piece of a SentencePiece ``ModelProto``, by id."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise ConvertError(f"cannot read tokenizer.model: {err.strerror or err}") from None
+    pieces: list[tuple[bytes, float, int]] = []
+    for number, wire, value in _fields(data):
+        if number != 1 or wire != 2:
+            continue
+        piece, score, kind = b"", 0.0, SPM_NORMAL
+        for n, w, v in _fields(value):
+            if n == 1 and w == 2:
+                piece = v
+            elif n == 2 and w == 5:
+                score = float(np.frombuffer(v, dtype="<f4")[0])
+            elif n == 3 and w == 0:
+                kind = v
+        pieces.append((piece, score, kind))
+    if not pieces:
+        raise ConvertError("tokenizer.model: no pieces (not a SentencePiece model)")
+    return pieces
+
+
+def load_spm_vocab(directory: str, vocab_size: int | None) -> Vocab:
+    """The reference's SentencePiece vocabulary (tokens as bytes, scores, types)."""
+    pieces = read_sentencepiece(os.path.join(directory, "tokenizer.model"))
+    n = vocab_size or len(pieces)
+    tokens: list[bytes] = [f"[PAD{i}]".encode() for i in range(n)]
+    scores = [-10000.0] * n
+    types = [SPM_UNUSED] * n
+    for i, (piece, score, kind) in enumerate(pieces[:n]):
+        tokens[i] = piece
+        scores[i] = score
+        types[i] = kind if kind in (SPM_UNKNOWN, SPM_CONTROL, SPM_UNUSED, SPM_BYTE) else SPM_NORMAL
+    added_path = os.path.join(directory, "added_tokens.json")
+    if os.path.isfile(added_path):
+        added = read_json(added_path, "added_tokens.json")
+        for key, tid in added.items() if isinstance(added, dict) else []:
+            if isinstance(tid, int) and 0 <= tid < n:
+                tokens[tid] = key.encode("utf-8")
+                scores[tid] = -1000.0
+                types[tid] = SPM_USER_DEFINED
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    tok_config = (
+        read_json(config_path, "tokenizer_config.json") if os.path.isfile(config_path) else None
+    )
+    if isinstance(tok_config, dict):
+        for key, data in (tok_config.get("added_tokens_decoder") or {}).items():
+            tid = int(key)
+            if tid >= n or not isinstance(data, dict):
+                continue
+            token = str(data["content"])
+            if data.get("special") or _looks_special(token):
+                types[tid] = SPM_CONTROL
+            else:
+                token = token.replace("\u2581", " ")
+                types[tid] = SPM_USER_DEFINED
+            scores[tid] = -1000.0
+            tokens[tid] = token.encode("utf-8")
+    out = Vocab(tokens=tokens, types=types, pre="default", merges=[], model="llama", scores=scores)
+    out.n_real = len(tokens)
+    tok_path = os.path.join(directory, "tokenizer.json")
+    tokenizer = read_json(tok_path, "tokenizer.json") if os.path.isfile(tok_path) else {}
+    _special_vocab(
+        out,
+        directory,
+        tokenizer if isinstance(tokenizer, dict) else {},
+        tok_config if isinstance(tok_config, dict) else None,
+        len(tokens),
+    )
+    return out
+
+
 def load_vocab(directory: str, vocab_size: int | None, add_space_prefix_key: bool) -> Vocab:
-    """The vocabulary of a GPT-2-style BPE tokenizer in ``directory``; ConvertError otherwise."""
+    """The vocabulary in ``directory``: SentencePiece when it has ``tokenizer.model``, else a
+    GPT-2-style BPE ``tokenizer.json``; ConvertError otherwise."""
     if os.path.isfile(os.path.join(directory, "tokenizer.model")):
-        raise ConvertError(
-            "tokenizer: a SentencePiece tokenizer (tokenizer.model) is not converted by bankml"
-        )
+        out = load_spm_vocab(directory, vocab_size)
+        if add_space_prefix_key:
+            out.add_space_prefix = _space_prefix(directory)
+        return out
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
         raise ConvertError("tokenizer: no tokenizer.json in the directory")
@@ -197,20 +322,29 @@ def load_vocab(directory: str, vocab_size: int | None, add_space_prefix_key: boo
     merges = _merges(model)
     pre = _pre_name(tokens, types, merges, tokenizer)
     out = Vocab(tokens=tokens, types=types, pre=pre, merges=merges, n_real=len(vocab) + len(added))
-    if add_space_prefix_key and tok_config is not None:
-        flag = tok_config.get("add_prefix_space")
-        if flag is not None:
-            out.add_space_prefix = bool(flag)
+    if add_space_prefix_key:
+        out.add_space_prefix = _space_prefix(directory)
     _special_vocab(out, directory, tokenizer, tok_config)
     return out
 
 
-def _set_special(out: Vocab, typ: str, tid: Any) -> None:
+def _space_prefix(directory: str) -> bool | None:
+    """tokenizer_config.json's add_prefix_space, which the reference's Llama writes first."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    config = read_json(path, "tokenizer_config.json")
+    flag = config.get("add_prefix_space") if isinstance(config, dict) else None
+    return None if flag is None else bool(flag)
+
+
+def _set_special(out: Vocab, typ: str, tid: Any, n_vocab: int | None) -> None:
     if not isinstance(tid, int) or isinstance(tid, bool):
         return
     if tid < 0:
         raise ConvertError(f"invalid value for special token type {typ}: {tid}")
-    out.special_ids.setdefault(typ, tid)
+    if n_vocab is None or tid < n_vocab:  # an id past the vocabulary is skipped
+        out.special_ids.setdefault(typ, tid)
 
 
 def _normalizer(out: Vocab, normalizer: dict[str, Any]) -> None:
@@ -230,7 +364,11 @@ def _normalizer(out: Vocab, normalizer: dict[str, Any]) -> None:
 
 
 def _special_vocab(
-    out: Vocab, directory: str, tokenizer: dict[str, Any], tok_config: dict[str, Any] | None
+    out: Vocab,
+    directory: str,
+    tokenizer: dict[str, Any],
+    tok_config: dict[str, Any] | None,
+    n_vocab: int | None = None,
 ) -> None:
     """The reference's special-token rules (its SpecialVocab, merges loaded)."""
     types: list[str] = list(SPECIAL_TYPES)
@@ -338,7 +476,7 @@ def _special_vocab(
             if not isinstance(entry, str):
                 continue
             tid = next((a.get("id") for a in added if a.get("content") == entry), None)
-            _set_special(out, typ, tid)
+            _set_special(out, typ, tid, n_vocab)
     config_json = os.path.join(directory, "config.json")
     if os.path.isfile(config_json):
         hf = read_json(config_json, "config.json")
@@ -346,4 +484,4 @@ def _special_vocab(
             tid = hf.get(f"{typ}_token_id")
             if tid is None and isinstance(hf.get("text_config"), dict):
                 tid = hf["text_config"].get(f"{typ}_token_id")
-            _set_special(out, typ, tid)
+            _set_special(out, typ, tid, n_vocab)
