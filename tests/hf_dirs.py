@@ -316,6 +316,21 @@ def tiny_dir(
     return directory
 
 
+# runs llama.cpp's convert_hf_to_gguf.py's main() once per job in one process:
+# argv: the script, then JSON [[directory, outtype, outfile], ...]
+REFERENCE_DRIVER = """
+import importlib.util, json, os, sys
+script, jobs = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, os.path.dirname(script))
+spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", script)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+for directory, outtype, out in jobs:
+    sys.argv = [script, directory, "--outtype", outtype, "--outfile", out]
+    module.main()
+"""
+
+
 def reference_python() -> str | None:
     """The reference converter's Python (scripts/convert-reference-venv.sh), when it is set up."""
     cache = os.environ.get("BANKML_CACHE", os.path.expanduser("~/.cache/bankml"))

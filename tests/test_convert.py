@@ -24,8 +24,7 @@ import gguf
 import numpy as np
 import pytest
 
-from bankml.convert import ConvertError, convert
-from bankml.gate.verify import verify
+from bankml.convert import OUTTYPES, ConvertError, convert
 from tests import hf_dirs, support
 from tests.native_server import native_process
 
@@ -52,22 +51,68 @@ def reference_python() -> str:
     return py
 
 
-def run_reference(py: str, directory: Path, out: Path, outtype: str = "f16") -> Path:
+# the cases compared with the reference: (architecture, shards, outtype, SentencePiece?)
+CASES = [
+    ("llama", 1, "q8_0", False),
+    ("qwen2", 1, "f16", False),
+    ("qwen2", 1, "bf16", False),
+    ("qwen3", 2, "f16", False),
+    ("qwen3", 1, "f32", False),
+    ("gemma3", 1, "f16", False),
+    ("gemma3", 1, "f16", True),
+    ("llama", 1, "f16", True),
+]
+
+
+def case_id(case: tuple[str, int, str, bool]) -> str:
+    arch, shards, outtype, spm = case
+    return (
+        f"{arch}-{outtype}" + (f"-{shards}shards" if shards > 1 else "") + ("-spm" if spm else "")
+    )
+
+
+@pytest.fixture(scope="module")
+def references(
+    reference_python: str,
+    smollm2: Path,
+    default_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Path, Path]]:
+    """Every directory of the module and the reference's GGUF of it: one reference process
+    converts them all (torch and transformers load once)."""
+    root = tmp_path_factory.mktemp("reference")
+    spm = hf_dirs.train_sentencepiece(reference_python)
+    dirs: dict[str, tuple[Path, str]] = {"smollm2": (smollm2, "f16")}
+    for case in CASES:
+        arch, shards, outtype, with_spm = case
+        name = case_id(case)
+        where = root / name / f"Tiny-{arch}"
+        if arch == "gemma3":
+            d = hf_dirs.tiny_gemma3_dir(default_model, where, spm=spm if with_spm else None)
+        else:
+            d = hf_dirs.tiny_dir(
+                default_model,
+                where,
+                arch,
+                shards=shards,
+                seed=len(name),
+                spm=spm if with_spm else None,
+            )
+        dirs[name] = (d, outtype)
+    jobs = [[str(d), outtype, str(root / f"{name}.gguf")] for name, (d, outtype) in dirs.items()]
     result = subprocess.run(
         [
-            py,
+            reference_python,
+            "-c",
+            hf_dirs.REFERENCE_DRIVER,
             hf_dirs.reference_script(),
-            str(directory),
-            "--outtype",
-            outtype,
-            "--outfile",
-            str(out),
+            json.dumps(jobs),
         ],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return {name: (d, root / f"{name}.gguf") for name, (d, _) in dirs.items()}
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -104,87 +149,31 @@ def converted(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
 
 def test_the_default_model_converts_byte_identical_to_the_reference(
-    converted: tuple[Path, Path, str], smollm2: Path, reference_python: str, tmp_path: Path
+    converted: tuple[Path, Path, str], references: dict[str, tuple[Path, Path]]
 ) -> None:
     out, fork, sha = converted
-    ref = run_reference(reference_python, smollm2, tmp_path / "ref.gguf")
+    ref = references["smollm2"][1]
     assert sha256(ref) == sha == sha256(out)
     assert out.stat().st_size == ref.stat().st_size
 
 
-def test_the_fork_pins_the_output_and_records_the_inputs(
-    converted: tuple[Path, Path, str], smollm2: Path
-) -> None:
-    out, fork, sha = converted
-    doc = json.loads(fork.read_text())
-    assert doc["files"] == [{"path": out.name, "bytes": out.stat().st_size, "sha256": sha}]
-    assert doc["source"] == "made by tests/hf_dirs.py"
-    assert doc["kind"].startswith("bankml convert (safetensors → GGUF F16")
-    assert "--outtype f16" in doc["converter"] and "b11434" in doc["converter"]
-    assert len(doc["converted_at_utc"]) == 20 and doc["converted_at_utc"].endswith("Z")
-    names = sorted(p.name for p in smollm2.iterdir())
-    assert [i["path"] for i in doc["inputs"]] == names
-    for entry in doc["inputs"]:
-        assert entry["bytes"] == (smollm2 / entry["path"]).stat().st_size
-        assert entry["sha256"] == sha256(smollm2 / entry["path"])
-    assert verify(str(out), str(fork)).sha256 == sha
-
-
-@pytest.mark.parametrize(
-    ("arch", "shards", "outtype"),
-    [
-        ("llama", 1, "q8_0"),
-        ("qwen2", 1, "f16"),
-        ("qwen2", 1, "bf16"),
-        ("qwen3", 2, "f16"),
-        ("qwen3", 1, "f32"),
-        ("gemma3", 1, "f16"),
-    ],
-)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_tiny_models_convert_byte_identical_to_the_reference(
-    arch: str, shards: int, outtype: str, default_model: Path, reference_python: str, tmp_path: Path
+    case: tuple[str, int, str, bool], references: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
-    if arch == "gemma3":
-        d = hf_dirs.tiny_gemma3_dir(default_model, tmp_path / "Tiny-gemma3")
-    else:
-        d = hf_dirs.tiny_dir(
-            default_model, tmp_path / f"Tiny-{arch}", arch, shards=shards, seed=len(arch)
-        )
-    ref = run_reference(reference_python, d, tmp_path / "ref.gguf", outtype)
+    """Tiny random models (F32, F16 and BF16 weights); the SentencePiece ones use a BPE
+    tokenizer.model trained here (Gemma's ids, padded to the model's 512 tokens, with
+    tokenizer_config.json's added tokens), its pieces read from the protobuf."""
+    arch, _, outtype, spm = case
+    d, ref = references[case_id(case)]
     done = convert(
         str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"), outtype=outtype
     )
     assert done.sha256 == sha256(ref) == sha256(tmp_path / "ours.gguf")
     assert done.architecture == arch
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_model(reference_python: str) -> bytes:
-    return hf_dirs.train_sentencepiece(reference_python)
-
-
-@pytest.mark.parametrize("arch", ["gemma3", "llama"])
-def test_sentencepiece_tokenizers_convert_byte_identical_to_the_reference(
-    arch: str,
-    sentencepiece_model: bytes,
-    default_model: Path,
-    reference_python: str,
-    tmp_path: Path,
-) -> None:
-    """tokenizer.model (a BPE SentencePiece model trained here, Gemma's ids, padded to the model's
-    512 tokens, with tokenizer_config.json's added tokens): its pieces read from the protobuf."""
-    if arch == "gemma3":
-        d = hf_dirs.tiny_gemma3_dir(
-            default_model, tmp_path / "Tiny-gemma3", spm=sentencepiece_model
-        )
-    else:
-        d = hf_dirs.tiny_dir(default_model, tmp_path / "Tiny-llama", arch, spm=sentencepiece_model)
-    ref = run_reference(reference_python, d, tmp_path / "ref.gguf")
-    done = convert(str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"))
-    assert done.sha256 == sha256(ref)
     reader = gguf.GGUFReader(done.path)
-    assert reader.get_field("tokenizer.ggml.model").contents() == "llama"
-    assert len(reader.get_field("tokenizer.ggml.tokens").contents()) == 512
+    assert reader.get_field("tokenizer.ggml.model").contents() == ("llama" if spm else "gpt2")
+    assert reader.get_field("general.file_type").contents() == int(OUTTYPES[outtype])
 
 
 def test_a_converted_f16_model_converts_back_to_the_same_bytes(
@@ -411,3 +400,23 @@ def test_create_from_a_directory_converts_pins_and_derives(
         "bankml create: refuse: FROM ./Tiny-qwen3: terse-F16.gguf already exists in" in again.stderr
     )
     assert sha256(out) == sha
+
+
+def test_a_fork_that_is_not_a_fork_leaves_no_output(tiny: Path, tmp_path: Path) -> None:
+    (tmp_path / "f.json").write_text("not json")
+    result = run_cli(
+        str(tiny), "-o", str(tmp_path / "out.gguf"), "--fork", str(tmp_path / "f.json")
+    )
+    assert result.returncode == 2 and "is not JSON" in result.stdout
+    assert not (tmp_path / "out.gguf").exists() and (tmp_path / "f.json").read_text() == "not json"
+
+
+def test_progress_is_shown_when_asked(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a terminal (progress=None and a tty) or when asked: the hashing and the writing."""
+    convert(str(tiny), str(tmp_path / "o.gguf"), str(tmp_path / "o.json"), progress=True)
+    err = capsys.readouterr().err
+    assert "sha256 model.safetensors" in err and "convert:" in err
+    convert(str(tiny), str(tmp_path / "p.gguf"), str(tmp_path / "p.json"), progress=False)
+    assert capsys.readouterr().err == ""

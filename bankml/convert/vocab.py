@@ -115,19 +115,23 @@ def _pre_name(tokens: list[str], types: list[int], merges: list[str], tokenizer:
 
     before, after = _post_ids(tokenizer)
     tried: list[str] = []
-    for kind in _KINDS:
-        for ignore in (False, True):
+    first = bool((tokenizer.get("model") or {}).get("ignore_merges"))
+    for ignore in (first, not first):  # tokenizer.json's own setting first
+        try:
+            t = Tokenizer(
+                model="gpt2",
+                tokens=list(tokens),
+                token_types=list(types),
+                scores=[0.0] * len(tokens),
+                merges=merges,
+                special={role: None for _, role in _SPECIAL_KEYS},
+                ignore_merges=ignore,
+            )
+        except (TokenizerError, KeyError, IndexError):
+            continue
+        for kind in _KINDS:
+            t.pre = kind  # a word's merges do not depend on the pre-tokenizer: one vocabulary
             try:
-                t = Tokenizer(
-                    model="gpt2",
-                    tokens=list(tokens),
-                    token_types=list(types),
-                    scores=[0.0] * len(tokens),
-                    merges=merges,
-                    pre=kind,
-                    special={role: None for _, role in _SPECIAL_KEYS},
-                    ignore_merges=ignore,
-                )
                 ids = before + t.tokenize(CHECK_TEXT) + after
             except (TokenizerError, KeyError, IndexError):
                 continue
