@@ -309,6 +309,7 @@ def tiny_dir(
     if arch == "qwen3":
         config["head_dim"] = head_dim
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_model_card(directory, arch)
     if spm is not None:
         write_spm_tokenizer(directory, spm)
     else:
@@ -329,6 +330,19 @@ for directory, outtype, out in jobs:
     sys.argv = [script, directory, "--outtype", outtype, "--outfile", out]
     module.main()
 """
+
+
+def write_model_card(directory: Path, arch: str) -> None:
+    """generation_config.json's sampling defaults and a README.md model card, which the
+    reference reads into general.* and sampling keys."""
+    generation = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    generation["repetition_penalty"] = 1.05
+    (directory / "generation_config.json").write_text(json.dumps(generation), encoding="utf-8")
+    (directory / "README.md").write_text(
+        "---\nlicense: apache-2.0\nlanguage:\n- en\ntags:\n- tiny\n- " + arch + "\n"
+        "pipeline_tag: text-generation\n---\n\n# A tiny random model\n\nMade by bankml's tests.\n",
+        encoding="utf-8",
+    )
 
 
 def reference_python() -> str | None:
@@ -410,6 +424,7 @@ def tiny_gemma3_dir(
         "eos_token_id": 2,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_model_card(directory, "gemma3")
     if spm is not None:
         write_spm_tokenizer(directory, spm)
     else:
