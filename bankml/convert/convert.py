@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import gguf
@@ -178,7 +179,8 @@ def convert(
     if os.path.exists(out_abs):
         raise ConvertError(f"{out} already exists: not overwritten")
     files = _listing(directory)
-    files.pop(os.path.basename(out_abs), None) if os.path.dirname(out_abs) == directory else None
+    if os.path.dirname(out_abs) == directory:  # the output is no input
+        files.pop(os.path.basename(out_abs), None)
 
     # hash the inputs first: what the fork records is what was read
     inputs: list[dict[str, Any]] = []
@@ -197,7 +199,7 @@ def convert(
     shards = _shards(directory, files)
     reader = ShardReader()
     with _quiet_writer(), contextlib.closing(reader):
-        named = model.index_tensors(directory, hp, arch, hf, shards)
+        named = model.index_tensors(arch, shards)
         vocab = load_vocab(directory, hp.get("vocab_size"), arch.space_prefix_key)
         items = model.plan_tensors(
             hp,
@@ -242,7 +244,7 @@ def _metadata(
     ftype: gguf.LlamaFileType,
 ) -> None:
     total, shared, expert, count = w.get_total_parameter_count()
-    meta = gguf.Metadata.load(None, __import__("pathlib").Path(directory), None, total)
+    meta = gguf.Metadata.load(None, Path(directory), None, total)
     penalty = model.generation_repeat_penalty(directory)
     if penalty is not None:
         meta.sampling_penalty_repeat = penalty

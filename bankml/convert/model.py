@@ -235,9 +235,7 @@ class Item:
     load: Callable[[], np.ndarray]
 
 
-def index_tensors(
-    directory: str, hp: dict[str, Any], arch: Arch, hf: str, shards: list[Shard]
-) -> list[tuple[str, Shard, TensorSpec]]:
+def index_tensors(arch: Arch, shards: list[Shard]) -> list[tuple[str, Shard, TensorSpec]]:
     """The tensors in the reference's order: shard by shard, by name within a shard."""
     out: dict[str, tuple[Shard, TensorSpec]] = {}
     for shard in shards:
@@ -311,9 +309,9 @@ def plan_tensors(
             ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
         ):
             heads = n_head if "q_proj" in name else n_kv
-            if not shape or shape[0] % ((heads if heads != n_head else n_head) * 2):
+            if not shape or shape[0] % (2 * heads):
                 raise ConvertError(
-                    f"tensor {spec.name!r}: shape {list(shape)} does not split into heads"
+                    f"tensor {spec.name!r}: shape {list(shape)} does not split into {heads} heads"
                 )
         if (
             len(shape) <= 1

@@ -9,8 +9,8 @@ count must be its shape times its dtype's size, and the file must end where the 
 
 from __future__ import annotations
 
+import io
 import json
-import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -150,42 +150,46 @@ class Shard:
 
 
 class ShardReader:
-    """Read-only mmaps of the shards, closed together."""
+    """Reads tensors with plain reads (not mmap: a shard cut short while it is read must be a
+    refusal, not a SIGBUS); one open file per shard, closed together."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, mmap.mmap] = {}
+        self._files: dict[str, io.BufferedReader] = {}
 
     def array(self, shard: Shard, spec: TensorSpec) -> np.ndarray:
         """The tensor as float32, or float16 when stored so (what the reference keeps)."""
-        m = self._maps.get(shard.path)
-        if m is None:
+        f = self._files.get(shard.path)
+        if f is None:
             try:
-                with open(shard.path, "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as err:
-                raise ConvertError(f"cannot read {shard.name}: {err}") from None
-            self._maps[shard.path] = m
-        if len(m) < spec.end:
+                f = open(shard.path, "rb")  # noqa: SIM115 (closed by close())
+            except OSError as err:
+                raise ConvertError(f"cannot read {shard.name}: {err.strerror or err}") from None
+            self._files[shard.path] = f
+        size = spec.end - spec.begin
+        buf = bytearray(size)
+        try:
+            f.seek(spec.begin)
+            got = f.readinto(buf)
+        except OSError as err:
+            raise ConvertError(f"cannot read {shard.name}: {err.strerror or err}") from None
+        if got != size:
             raise ConvertError(f"{shard.name}: changed while it was read (now shorter)")
-        count = (spec.end - spec.begin) // DTYPE_BYTES[spec.dtype]
+        count = size // DTYPE_BYTES[spec.dtype]
         if spec.dtype == "BF16":
-            bits = np.frombuffer(m, dtype="<u2", count=count, offset=spec.begin)
+            bits = np.frombuffer(buf, dtype="<u2", count=count)
             data = (bits.astype(np.uint32) << 16).view(np.float32)
         elif spec.dtype == "F16":
-            data = np.frombuffer(m, dtype="<f2", count=count, offset=spec.begin)
+            data = np.frombuffer(buf, dtype="<f2", count=count)
         elif spec.dtype == "F32":
-            data = np.frombuffer(m, dtype="<f4", count=count, offset=spec.begin)
+            data = np.frombuffer(buf, dtype="<f4", count=count)
         else:
-            data = np.frombuffer(m, dtype="<f8", count=count, offset=spec.begin).astype(np.float32)
+            data = np.frombuffer(buf, dtype="<f8", count=count).astype(np.float32)
         return data.reshape(spec.shape)
 
     def close(self) -> None:
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # an array still views it; it closes when that array goes
-                pass
-        self._maps.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 def iter_tensors(shards: list[Shard]) -> Iterator[tuple[Shard, TensorSpec]]:
