@@ -30,7 +30,7 @@ from bankml.convert.errors import ConvertError
 from bankml.convert.safetensors import Shard, ShardReader
 from bankml.convert.vocab import load_vocab, read_json
 from bankml.gate.fileident import FileIdent
-from bankml.gate.verify import Refused, record_pin, sha256_file
+from bankml.gate.verify import Refused, check_fork, record_pin, sha256_file
 from bankml.version import __version__
 
 REFERENCE = "llama.cpp b11434's convert_hf_to_gguf.py"
@@ -178,6 +178,10 @@ def convert(
     out_abs = os.path.abspath(out)
     if os.path.exists(out_abs):
         raise ConvertError(f"{out} already exists: not overwritten")
+    try:
+        check_fork(fork)  # before the work, not after it
+    except Refused as err:
+        raise ConvertError(err.reason) from None
     files = _listing(directory)
     if os.path.dirname(out_abs) == directory:  # the output is no input
         files.pop(os.path.basename(out_abs), None)

@@ -275,6 +275,11 @@ def _record(fork: str, doc: dict[str, Any], name: str, size: int, sha: str) -> N
     _write_atomically(fork, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
 
 
+def check_fork(fork_path: str | os.PathLike[str]) -> None:
+    """Refused when ``fork_path`` exists but could not take a pin (not JSON, no files list)."""
+    _load_fork_for_update(os.fspath(fork_path))
+
+
 def record_pin(
     fork_path: str | os.PathLike[str], name: str, size: int, sha: str, provenance: dict[str, Any]
 ) -> None:
