@@ -27,7 +27,10 @@ $(VENV)/.test-deps: $(BIN)/bankml setup.cfg
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $@
 
+# llama.cpp's own converter (with torch's CPU build) in a separate venv under ~/.cache/bankml, for
+# tests/test_convert.py to compare `bankml convert` with byte for byte; never in bankml's .venv
 test-deps: $(VENV)/.test-deps
+	scripts/convert-reference-venv.sh >/dev/null
 
 model: $(BIN)/bankml
 	PYTHON=$(BIN)/python scripts/fetch-model.sh

@@ -414,7 +414,9 @@ def test_create_refusals(forks: Path, tmp_path: Path) -> None:
     assert str(err.value).startswith(f"FROM {elsewhere / 'Loose.gguf'}: no *.FORK.json in ")
     with pytest.raises(CreateError) as err:
         create("x", spec_from_modelfile(f"FROM {elsewhere}/\n"), catalog)
-    assert "would need converting to GGUF" in str(err.value)
+    # a directory is converted: this one holds no Hugging Face checkout, and nothing is written
+    assert str(err.value) == f"FROM {elsewhere}/: refuse: no config.json in the directory"
+    assert not list(forks.glob("x-F16*"))
     (forks / "Tiny-F16.gguf").write_bytes((forks / "Tiny-F16.gguf").read_bytes() + b"\0")
     with pytest.raises(CreateError) as err:
         create("x", spec_from_modelfile("FROM tiny-f16\n"), _catalog(forks))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bankml.cli import gate, generate, text, usage
+from bankml.cli import convert, gate, generate, text, usage
 from bankml.cli.parsing import CommandParser, add_command
 from bankml.version import __version__
 
@@ -54,6 +54,7 @@ def build_parser() -> CommandParser:
         add_help=False,  # its arguments are llama-server's, read by serving.llama_flags
     )
     text.add_commands(commands)
+    convert.add_commands(commands)
     generate.add_commands(commands)
     usage.add_commands(commands)
     add_command(

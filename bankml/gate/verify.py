@@ -260,12 +260,37 @@ def pin(path: str | os.PathLike[str], fork_path: str | os.PathLike[str]) -> str:
     except OSError as err:
         raise Refused(f"cannot hash {name}: {_os_error(err)}") from None
     sha = _hash_unchanged(os.fspath(path), name, before)
+    _record(fork, doc, name, before.size, sha)
+    return sha
+
+
+def _record(fork: str, doc: dict[str, Any], name: str, size: int, sha: str) -> None:
     files: list[Any] = doc["files"]
     mine = [i for i, e in enumerate(files) if isinstance(e, dict) and e.get("path") == name]
     if mine:
-        files[mine[0]].update({"bytes": before.size, "sha256": sha})
+        files[mine[0]].update({"bytes": size, "sha256": sha})
         doc["files"] = [e for i, e in enumerate(files) if i not in mine[1:]]
     else:
-        files.append({"path": name, "bytes": before.size, "sha256": sha})
+        files.append({"path": name, "bytes": size, "sha256": sha})
     _write_atomically(fork, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-    return sha
+
+
+def check_fork(fork_path: str | os.PathLike[str]) -> None:
+    """Refused when ``fork_path`` exists but could not take a pin (not JSON, no files list)."""
+    _load_fork_for_update(os.fspath(fork_path))
+
+
+def record_pin(
+    fork_path: str | os.PathLike[str], name: str, size: int, sha: str, provenance: dict[str, Any]
+) -> None:
+    """Record a pin for ``name`` hashed elsewhere (as it was written), with its provenance keys.
+
+    The provenance keys replace those of the same name; ``files`` goes last; other entries and
+    keys are kept. Refused when the fork exists but is not a FORK.json.
+    """
+    fork = os.fspath(fork_path)
+    doc = _load_fork_for_update(fork)
+    files = doc.pop("files")
+    doc.update(provenance)
+    doc["files"] = files
+    _record(fork, doc, name, size, sha)

@@ -5,6 +5,8 @@ verifies the base in full (the guard, then its sha256 against its fork), merges 
 derived parent, and writes ``<name>.MODEL.json``. Status lines, in order::
 
     parsing modelfile                                   (when a Modelfile was given)
+    converting <dir> (safetensors) to <name>-F16.gguf   (FROM a directory)
+    pinned <name>-F16.gguf sha256:<sha256> in <name>-F16.gguf.FORK.json
     verifying <file> (the guard, then its sha256 against <fork>)
     using existing layer sha256:<base sha256>
     creating system layer / parameters / license / messages layer   (as the layer has them)
@@ -12,10 +14,12 @@ derived parent, and writes ``<name>.MODEL.json``. Status lines, in order::
     success
 
 **FROM**, first match wins: a path-like value (has ``/``, starts with ``.``, or ends ``.gguf``)
-naming a file, whose basename must be pinned by a ``*.FORK.json`` of the directory (the first in
-sorted order); a pin's name; a derived model (it becomes the parent and its layer is inherited);
-a unique suffix-less alias. A directory (a safetensors checkout) is refused: this build does not
-convert. The base's fork must be in the registry directory.
+naming a directory, a Hugging Face safetensors checkout: ``bankml convert`` writes it into the
+registry directory as ``<name>-F16.gguf`` and pins it in ``<name>-F16.gguf.FORK.json`` with its
+provenance (refused when either file exists); a path-like value naming a file, whose basename must
+be pinned by a ``*.FORK.json`` of the directory (the first in sorted order); a pin's name; a
+derived model (it becomes the parent and its layer is inherited); a unique suffix-less alias. The
+base's fork must be in the registry directory.
 """
 
 from __future__ import annotations
@@ -93,17 +97,44 @@ class _From:
     parent: Derived | None
 
 
-def resolve_from(value: str, catalog: Catalog, directory: str, relative_to: str | None) -> _From:
-    """FROM's model, first match wins (see the module's doc)."""
+def _convert_into(value: str, source: str, name: str, directory: str, status: StatusFn) -> str:
+    """Convert the checkout ``source`` to ``<name>-F16.gguf`` in the registry; its path."""
+    from bankml.convert import ConvertError, convert
+
+    file = f"{name}-F16.gguf"
+    out = os.path.join(directory, file)
+    fork = out + ".FORK.json"
+    for path in (out, fork):
+        if os.path.lexists(path):
+            raise CreateError(
+                f"FROM {value}: {os.path.basename(path)} already exists in {directory}"
+            )
+    status(f"converting {source} (safetensors) to {file}")
+    try:
+        done = convert(source, out, fork)
+    except ConvertError as err:
+        raise CreateError(f"FROM {value}: refuse: {err.reason}") from None
+    status(f"pinned {file} sha256:{done.sha256} in {os.path.basename(fork)}")
+    return done.path
+
+
+def resolve_from(
+    value: str,
+    catalog: Catalog,
+    directory: str,
+    relative_to: str | None,
+    name: str | None = None,
+    status: StatusFn = lambda line: None,
+) -> _From:
+    """FROM's model, first match wins (see the module's doc); ``name`` names a conversion."""
     if _path_like(value):
         candidate = os.path.expanduser(value)
         if not os.path.isabs(candidate) and relative_to is not None:
             candidate = os.path.join(relative_to, candidate)
         if os.path.isdir(candidate):
-            raise CreateError(
-                f"FROM {value}: a directory (a safetensors checkout) would need converting to "
-                "GGUF, which this build of bankml does not do; convert and pin it first"
-            )
+            if name is None:
+                raise CreateError(f"FROM {value}: a directory is converted only by create")
+            candidate = _convert_into(value, os.path.realpath(candidate), name, directory, status)
         if os.path.isfile(candidate):
             canonical = os.path.realpath(candidate)
             file = os.path.basename(canonical)
@@ -188,7 +219,7 @@ def create(
             say("parsing modelfile")
         spec.check()
         assert spec.base is not None
-        found = resolve_from(spec.base, catalog, directory, relative_to)
+        found = resolve_from(spec.base, catalog, directory, relative_to, name, say)
         verified = _verify_base(spec.base, found.pin, directory, say)
         if found.parent is not None and found.parent.layer.base_sha256 != verified.sha256:
             raise CreateError(

@@ -1,0 +1,535 @@
+"""What llama.cpp build 11434's converter writes for the architectures bankml converts.
+
+``hparams`` reads ``config.json`` as the reference reads it through Hugging Face's config
+classes (their defaults filled in: a Llama config always carries ``head_dim``, a Qwen3 one
+defaults it to 128); ``Plan`` maps each safetensors tensor to its GGUF name and type, in the
+reference's order, and writes the metadata keys in the reference's order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+
+from bankml.convert.errors import ConvertError
+from bankml.convert.safetensors import Shard, TensorSpec
+from bankml.convert.vocab import Vocab, read_json
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # general.architecture
+    model_arch: gguf.MODEL_ARCH
+    defaults: dict[str, Any]
+    head_dim_default: int | None  # None: hidden_size // heads (Llama), 0: no head_dim (Qwen2)
+    permute_qk: bool
+    space_prefix_key: bool  # Llama reads tokenizer_config's add_prefix_space
+
+
+_BASE = {"rope_scaling": None, "rms_norm_eps": 1e-06, "rope_theta": 10000.0}
+ARCHES: dict[str, Arch] = {}
+for _hf, _arch in (
+    ("LlamaForCausalLM", "llama"),
+    ("LLaMAForCausalLM", "llama"),
+    ("LlamaModel", "llama"),
+    ("Qwen2ForCausalLM", "qwen2"),
+    ("Qwen2Model", "qwen2"),
+    ("Qwen3ForCausalLM", "qwen3"),
+    ("Qwen3Model", "qwen3"),
+):
+    if _arch == "llama":
+        ARCHES[_hf] = Arch(
+            "llama",
+            gguf.MODEL_ARCH.LLAMA,
+            {
+                **_BASE,
+                "vocab_size": 32000,
+                "max_position_embeddings": 2048,
+                "hidden_size": 4096,
+                "intermediate_size": 11008,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+            },
+            None,
+            True,
+            True,
+        )
+    else:
+        ARCHES[_hf] = Arch(
+            _arch,
+            gguf.MODEL_ARCH.QWEN2 if _arch == "qwen2" else gguf.MODEL_ARCH.QWEN3,
+            {
+                **_BASE,
+                "vocab_size": 151936,
+                "max_position_embeddings": 32768,
+                "hidden_size": 4096,
+                "intermediate_size": 22016,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 32,
+            },
+            128 if _arch == "qwen3" else 0,
+            False,
+            False,
+        )
+
+
+ARCHES["Gemma3ForCausalLM"] = Arch(
+    "gemma3",
+    gguf.MODEL_ARCH.GEMMA3,
+    {
+        **_BASE,
+        "rope_theta": 1000000.0,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "query_pre_attn_scalar": 256,
+    },
+    256,
+    False,
+    False,
+)
+
+
+def load_config(directory: str) -> tuple[dict[str, Any], str, Arch]:
+    """(hparams with the defaults filled in, the Hugging Face architecture, its Arch)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ConvertError("no config.json in the directory")
+    raw = read_json(path, "config.json")
+    if not isinstance(raw, dict):
+        raise ConvertError("config.json is not a JSON object")
+    arches = raw.get("architectures")
+    hf = arches[0] if isinstance(arches, list) and arches else None
+    if isinstance(raw.get("text_config"), dict):
+        raise ConvertError("config.json: a multimodal model (text_config) is not converted")
+    if not isinstance(hf, str) or hf not in ARCHES:
+        known = sorted({a for a in ARCHES})
+        raise ConvertError(
+            f"config.json: architecture {hf!r} is not converted by bankml (it converts "
+            f"{', '.join(known)})"
+        )
+    arch = ARCHES[hf]
+    hp = dict(raw)
+    for key, value in arch.defaults.items():
+        hp.setdefault(key, value)
+    if hp.get("num_key_value_heads") is None:
+        hp["num_key_value_heads"] = hp["num_attention_heads"]
+    if arch.head_dim_default is None:
+        if hp.get("head_dim") is None:
+            hp["head_dim"] = hp["hidden_size"] // hp["num_attention_heads"]
+    elif arch.head_dim_default:
+        hp.setdefault("head_dim", arch.head_dim_default)
+    rope = hp.get("rope_scaling")
+    if isinstance(rope, dict) and "type" in rope:
+        rope.setdefault("rope_type", rope["type"])
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if key in hp:
+            raise ConvertError(f"config.json: a mixture-of-experts model ({key}) is not converted")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"):
+        if not isinstance(hp.get(key), int) or isinstance(hp.get(key), bool) or hp[key] <= 0:
+            raise ConvertError(f"config.json: {key} {hp.get(key)!r} is not a positive integer")
+    if "draft_vocab_size" in hp:
+        raise ConvertError("config.json: a speculative draft model is not converted")
+    return hp, hf, arch
+
+
+def find(hp: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    return next((hp[k] for k in keys if k in hp), None)
+
+
+def rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
+    params = dict(hp.get("rope_parameters", hp.get("rope_scaling")) or {})
+    theta = find(
+        hp,
+        (
+            "global_rope_theta",
+            "rope_global_theta",
+            "rope_theta_global",
+            "rope_theta",
+            "rotary_emb_base",
+        ),
+    )
+    if "full_attention" not in params and "sliding_attention" not in params:
+        if "rope_theta" not in params and theta is not None:
+            params["rope_theta"] = theta
+        if "rope_type" not in params and params.get("type") is not None:
+            params["rope_type"] = params["type"]
+        local = find(
+            hp,
+            (
+                "local_rope_theta",
+                "rope_local_theta",
+                "rope_theta_local",
+                "swa_rope_theta",
+                "rope_local_base_freq",
+            ),
+        )
+        if local is not None:
+            params["sliding_attention"] = {"rope_theta": local}
+    else:
+        raise ConvertError("config.json: per-layer-type RoPE parameters are not converted")
+    return params
+
+
+def _skip_multimodal(name: str) -> bool:
+    return name.startswith(
+        (
+            "mlp",
+            "vit.",
+            "vpm.",
+            "siglip2.",
+            "conformer.",
+            "merger.",
+            "resampler.",
+            "sound_encoder.",
+            "sound_projection.",
+            "speech_embeddings.",
+        )
+    ) or any(
+        s in name
+        for s in (
+            "visual.",
+            "vision.",
+            "audio.",
+            "talker.",
+            "vision_",
+            "audio_",
+            "token2wav.",
+            "code2wav.",
+            "projector.",
+            "pre_mm_projector_norm",
+            "image_newline",
+            "view_seperator",
+            "patch_embed",
+            "patch_embedding",
+            "patch_merger.",
+            "patch_merge_mlp.",
+            "model.connector.",
+        )
+    )
+
+
+@dataclass
+class Item:
+    """One output tensor: its GGUF name and type, and how to compute its data."""
+
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    nbytes: int
+    load: Callable[[], np.ndarray]
+
+
+def index_tensors(arch: Arch, shards: list[Shard]) -> list[tuple[str, Shard, TensorSpec]]:
+    """The tensors in the reference's order: shard by shard, by name within a shard."""
+    out: dict[str, tuple[Shard, TensorSpec]] = {}
+    for shard in shards:
+        for spec in shard.tensors.values():
+            name = spec.name.replace("e_score_correction_bias", "e_score_correction.bias")
+            if _skip_multimodal(name):
+                continue
+            if arch.name == "llama" and "text_model." in name:
+                name = name.replace("text_model.", "")
+            name = name.replace("language_model.", "")
+            out[name] = (shard, spec)
+    return [(n, s, t) for n, (s, t) in out.items()]
+
+
+def permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def tensor_bytes(qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape, dtype=np.int64))
+    return n // block * size
+
+
+def plan_tensors(
+    hp: dict[str, Any],
+    arch: Arch,
+    hf: str,
+    ftype: gguf.LlamaFileType,
+    named: list[tuple[str, Shard, TensorSpec]],
+    read: Callable[[Shard, TensorSpec], np.ndarray],
+    n_vocab_real: int | None = None,
+) -> list[Item]:
+    n_blocks = hp["num_hidden_layers"]
+    tmap = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
+    n_head, n_kv = hp["num_attention_heads"], hp["num_key_value_heads"]
+    want = {
+        gguf.LlamaFileType.ALL_F32: gguf.GGMLQuantizationType.F32,
+        gguf.LlamaFileType.MOSTLY_F16: gguf.GGMLQuantizationType.F16,
+        gguf.LlamaFileType.MOSTLY_BF16: gguf.GGMLQuantizationType.BF16,
+        gguf.LlamaFileType.MOSTLY_Q8_0: gguf.GGMLQuantizationType.Q8_0,
+    }[ftype]
+    items: list[Item] = []
+    seen: set[str] = set()
+    for name, shard, spec in named:
+        if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
+            continue
+        if hf in ("LlamaModel", "Qwen2Model", "Qwen3Model"):
+            name = "model." + name
+        new_name = tmap.get_name(key=name, try_suffixes=(".weight", ".bias"))
+        if new_name is None:
+            raise ConvertError(
+                f"tensor {spec.name!r} ({shard.name}) has no GGUF name for {arch.name}"
+            )
+        if new_name in seen:
+            raise ConvertError(f"tensor {new_name} would be written twice")
+        seen.add(new_name)
+        shape = spec.shape
+        rows: int | None = None
+        shift = arch.name == "gemma3" and name.endswith("norm.weight")
+        if arch.name == "gemma3" and "embed_tokens.weight" in name and n_vocab_real is not None:
+            rows = n_vocab_real  # out-of-vocabulary rows dropped, as the reference drops them
+            shape = (min(shape[0], rows), *shape[1:])
+        if arch.permute_qk and name.endswith(
+            ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+        ):
+            heads = n_head if "q_proj" in name else n_kv
+            if not shape or shape[0] % (2 * heads):
+                raise ConvertError(
+                    f"tensor {spec.name!r}: shape {list(shape)} does not split into {heads} heads"
+                )
+        if (
+            len(shape) <= 1
+            or new_name.endswith("_norm.weight")
+            or new_name[-7:]
+            not in (
+                ".weight",
+                ".lora_a",
+                ".lora_b",
+            )
+        ):
+            qtype = gguf.GGMLQuantizationType.F32
+        else:
+            qtype = want
+            if qtype == gguf.GGMLQuantizationType.Q8_0 and shape[-1] % 32:
+                qtype = gguf.GGMLQuantizationType.F16  # the reference's fallback
+        stored_f16 = spec.dtype == "F16"
+
+        def load(
+            shard: Shard = shard,
+            spec: TensorSpec = spec,
+            name: str = name,
+            qtype: gguf.GGMLQuantizationType = qtype,
+            stored_f16: bool = stored_f16,
+            rows: int | None = rows,
+            shift: bool = shift,
+        ) -> np.ndarray:
+            data = read(shard, spec)
+            if rows is not None:
+                data = data[:rows]
+            if shift:
+                data = data + data.dtype.type(1.0)  # Gemma3RMSNorm's (1 + weight), in its dtype
+            if arch.permute_qk:
+                if name.endswith(("q_proj.weight", "q_proj.bias")):
+                    data = permute(data, n_head, n_head)
+                elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                    data = permute(data, n_head, n_kv)
+            if qtype == gguf.GGMLQuantizationType.F32:
+                return np.ascontiguousarray(data, dtype=np.float32)
+            if qtype == gguf.GGMLQuantizationType.F16:
+                return np.ascontiguousarray(data, dtype=np.float16)
+            if not stored_f16:
+                data = np.asarray(data, dtype=np.float32)
+            return np.ascontiguousarray(gguf.quants.quantize(np.ascontiguousarray(data), qtype))
+
+        items.append(Item(new_name, qtype, shape, tensor_bytes(qtype, shape), load))
+    return items
+
+
+def add_parameters(
+    w: gguf.GGUFWriter, hp: dict[str, Any], arch: Arch, ftype: gguf.LlamaFileType, directory: str
+) -> None:
+    """TextModel's keys, then the architecture's own (the reference's order)."""
+    w.add_block_count(hp["num_hidden_layers"])
+    n_ctx = find(
+        hp,
+        (
+            "max_position_embeddings",
+            "n_ctx",
+            "n_positions",
+            "max_length",
+            "max_sequence_length",
+            "model_max_length",
+        ),
+    )
+    if n_ctx is not None:
+        w.add_context_length(n_ctx)
+    if (n_embd := find(hp, ("hidden_size", "n_embd", "dim"))) is not None:
+        w.add_embedding_length(n_embd)
+    n_ff = find(
+        hp,
+        (
+            "prefix_dense_intermediate_size",
+            "dense_intermediate_size",
+            "intermediate_size",
+            "n_inner",
+            "hidden_dim",
+        ),
+    )
+    if n_ff is not None:
+        w.add_feed_forward_length(n_ff)
+    if (n_head := find(hp, ("num_attention_heads", "n_head", "n_heads"))) is not None:
+        w.add_head_count(n_head)
+    if (n_kv := find(hp, ("num_key_value_heads", "n_kv_heads"))) is not None:
+        w.add_head_count_kv(n_kv)
+    if hp.get("is_causal") is False:
+        w.add_causal_attention(False)
+    rope = rope_parameters(hp)
+    if (rope_type := rope.get("rope_type")) is not None:
+        factor = rope.get("factor")
+        if rope_type == "linear" and factor is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(factor)
+        elif rope_type == "yarn" and factor is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(factor)
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            if (v := rope.get("extrapolation_factor")) is not None:
+                w.add_rope_scaling_yarn_ext_factor(v)
+            if (v := rope.get("attention_factor", rope.get("attn_factor"))) is not None:
+                w.add_rope_scaling_yarn_attn_factor(v)
+            if (v := rope.get("beta_fast")) is not None:
+                w.add_rope_scaling_yarn_beta_fast(v)
+            if (v := rope.get("beta_slow")) is not None:
+                w.add_rope_scaling_yarn_beta_slow(v)
+        elif rope_type != "default":
+            raise ConvertError(
+                f"config.json: RoPE scaling {rope_type!r} is not converted by bankml"
+            )
+    if "mrope_section" in rope:
+        raise ConvertError("config.json: multimodal RoPE sections are not converted")
+    if (theta := rope.get("rope_theta")) is not None:
+        w.add_rope_freq_base(theta)
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
+    if (eps := find(hp, ("rms_norm_eps", "norm_eps"))) is not None:
+        w.add_layer_norm_rms_eps(eps)
+    if (eps := find(hp, ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"))) is not None:
+        w.add_layer_norm_eps(eps)
+    if (
+        used := find(hp, ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"))
+    ) is not None:
+        raise ConvertError(f"config.json: experts per token ({used}) are not converted")
+    if hp.get("n_group") is not None or hp.get("topk_group") is not None:
+        raise ConvertError("config.json: expert groups are not converted")
+    if (head_dim := hp.get("head_dim")) is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_file_type(ftype)
+    if arch.name == "gemma3":
+        # Gemma3's own keys; some repeat TextModel's (overwritten in place, as the reference does)
+        w.add_context_length(hp.get("max_position_embeddings", 131072))
+        w.add_head_count(hp.get("num_attention_heads", 8))
+        w.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-6))
+        w.add_key_length(hp.get("head_dim", 256))
+        w.add_value_length(hp.get("head_dim", 256))
+        w.add_rope_freq_base(rope.get("rope_theta", 1_000_000.0))
+        if hp.get("attn_logit_softcapping") is not None:
+            raise ConvertError("config.json: attn_logit_softcapping is not a Gemma 3 setting")
+        if softcap := hp.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(softcap)
+        if hp.get("sliding_window_pattern") != 1:
+            w.add_sliding_window(hp["sliding_window"])
+        w.add_head_count_kv(hp.get("num_key_value_heads", 4))
+    elif arch.name == "llama":
+        w.add_vocab_size(hp["vocab_size"])
+        rope_dim = hp.get("head_dim")
+        if rope_dim is None:
+            rope_dim = hp["hidden_size"] // hp["num_attention_heads"]
+        w.add_rope_dimension_count(rope_dim)
+    else:
+        if os.path.isfile(os.path.join(directory, "modules.json")):
+            raise ConvertError("a sentence-transformers model (modules.json) is not converted yet")
+        if hp.get("classifier_pooling") is not None:
+            raise ConvertError("config.json: a classifier head is not converted")
+
+
+def add_vocab(w: gguf.GGUFWriter, v: Vocab, hp: dict[str, Any], arch: Arch) -> None:
+    if v.add_space_prefix is not None:
+        w.add_add_space_prefix(v.add_space_prefix)
+    w.add_tokenizer_model(v.model)
+    w.add_tokenizer_pre(v.pre)
+    w.add_token_list(v.tokens)
+    if v.scores is not None:
+        w.add_token_scores(v.scores)
+    w.add_token_types(v.types)
+    if v.merges:
+        w.add_token_merges(v.merges)
+    for typ, tid in v.special_ids.items():
+        getattr(w, f"add_{typ}_token_id")(tid)
+    for typ, flag in v.add_special.items():
+        adder = getattr(w, f"add_add_{typ}_token", None)
+        if adder is not None:
+            adder(flag)
+    if v.chat_template is not None:
+        w.add_chat_template(v.chat_template)
+    if v.lowercase is not None:
+        w.add_bool("tokenizer.ggml.normalizer.lowercase", v.lowercase)
+    if v.strip_accents is not None:
+        w.add_bool("tokenizer.ggml.normalizer.strip_accents", v.strip_accents)
+    if arch.name == "gemma3" and v.model == "llama":
+        w.add_add_space_prefix(False)
+    if arch.name == "llama":
+        vocab_size = hp.get("vocab_size", 32000)
+        if vocab_size == 32016:
+            raise ConvertError("a CodeLlama vocabulary (32016 tokens) is not converted")
+        if vocab_size == 49152:  # the reference's rule for Granite-sized vocabularies
+            w.add_add_bos_token(False)  # overwritten in place when already written
+
+
+def qwen3_reranker(directory: str, hp: dict[str, Any], hf_raw: str | None) -> bool:
+    readme = os.path.join(directory, "README.md")
+    text = ""
+    if os.path.isfile(readme):
+        with open(readme, encoding="utf-8", errors="replace") as f:
+            text = f.read().lower()
+    if "# qwen3-reranker" in text or "# qwen3-vl-reranker" in text:
+        return True
+    hints = [
+        os.path.basename(os.path.normpath(directory)),
+        str(hp.get("_name_or_path", "")),
+        str(hp.get("model_type", "")),
+        str(hf_raw or ""),
+    ]
+    if any("qwen3-reranker" in h.lower() or "qwen3-vl-reranker" in h.lower() for h in hints if h):
+        return True
+    return "sequenceclassification" in (hf_raw or "").lower()
+
+
+def generation_repeat_penalty(directory: str) -> Any:
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or "penalty_repeat" in cfg:
+        return None
+    return cfg.get("repetition_penalty")

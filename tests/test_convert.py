@@ -1,0 +1,422 @@
+"""``bankml convert`` against llama.cpp build 11434's own ``convert_hf_to_gguf.py``, byte for byte.
+
+The directories are made here (tests/hf_dirs.py): the default model turned back into a Hugging
+Face checkout (BF16 weights, its tokenizer as tokenizer.json), and small random llama, qwen2,
+qwen3 and gemma3 models (F32, F16 and BF16 weights, one of them in two shards with an index). The reference
+runs in its own venv with torch's CPU build (scripts/convert-reference-venv.sh, made by ``make
+test-deps``). Then the converted default model is served by ``bankml serve --native`` and by
+llama-server and must give the same greedy completion, a round trip (GGUF F16 → safetensors F16
+→ GGUF) must give the same bytes back, and each refusal is checked: it says why, exits 2 and
+leaves no output file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from bankml.convert import OUTTYPES, ConvertError, convert
+from tests import hf_dirs, support
+from tests.native_server import native_process
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def reference_python() -> str:
+    py = hf_dirs.reference_python()
+    if py is None:
+        out = subprocess.run(
+            [str(support.ROOT / "scripts" / "convert-reference-venv.sh")],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        py = out.stdout.strip().splitlines()[-1]
+    return py
+
+
+# the cases compared with the reference: (architecture, shards, outtype, SentencePiece?)
+CASES = [
+    ("llama", 1, "q8_0", False),
+    ("qwen2", 1, "f16", False),
+    ("qwen2", 1, "bf16", False),
+    ("qwen3", 2, "f16", False),
+    ("qwen3", 1, "f32", False),
+    ("gemma3", 1, "f16", False),
+    ("gemma3", 1, "f16", True),
+    ("llama", 1, "f16", True),
+]
+
+
+def case_id(case: tuple[str, int, str, bool]) -> str:
+    arch, shards, outtype, spm = case
+    return (
+        f"{arch}-{outtype}" + (f"-{shards}shards" if shards > 1 else "") + ("-spm" if spm else "")
+    )
+
+
+@pytest.fixture(scope="module")
+def references(
+    reference_python: str,
+    smollm2: Path,
+    default_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Path, Path]]:
+    """Every directory of the module and the reference's GGUF of it: one reference process
+    converts them all (torch and transformers load once)."""
+    root = tmp_path_factory.mktemp("reference")
+    spm = hf_dirs.train_sentencepiece(reference_python)
+    dirs: dict[str, tuple[Path, str]] = {"smollm2": (smollm2, "f16")}
+    for case in CASES:
+        arch, shards, outtype, with_spm = case
+        name = case_id(case)
+        where = root / name / f"Tiny-{arch}"
+        if arch == "gemma3":
+            d = hf_dirs.tiny_gemma3_dir(default_model, where, spm=spm if with_spm else None)
+        else:
+            d = hf_dirs.tiny_dir(
+                default_model,
+                where,
+                arch,
+                shards=shards,
+                seed=len(name),
+                spm=spm if with_spm else None,
+            )
+        dirs[name] = (d, outtype)
+    jobs = [[str(d), outtype, str(root / f"{name}.gguf")] for name, (d, outtype) in dirs.items()]
+    result = subprocess.run(
+        [
+            reference_python,
+            "-c",
+            hf_dirs.REFERENCE_DRIVER,
+            hf_dirs.reference_script(),
+            json.dumps(jobs),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {name: (d, root / f"{name}.gguf") for name, (d, _) in dirs.items()}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bankml", "convert", *args],
+        capture_output=True,
+        text=True,
+        cwd=support.ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    return hf_dirs.smollm2_dir(
+        default_model, tmp_path_factory.mktemp("hf") / "SmolLM2-135M-Instruct"
+    )
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """The default model's directory through `bankml convert` (the command line)."""
+    out_dir = tmp_path_factory.mktemp("out")
+    out, fork = (
+        out_dir / "SmolLM2-135M-Instruct-F16.gguf",
+        out_dir / "SmolLM2-135M-Instruct-F16.gguf.FORK.json",
+    )
+    result = run_cli(
+        str(smollm2), "-o", str(out), "--fork", str(fork), "--source", "made by tests/hf_dirs.py"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("pinned ")
+    return out, fork, line.removeprefix("pinned ")
+
+
+def test_the_default_model_converts_byte_identical_to_the_reference(
+    converted: tuple[Path, Path, str], references: dict[str, tuple[Path, Path]]
+) -> None:
+    out, fork, sha = converted
+    ref = references["smollm2"][1]
+    assert sha256(ref) == sha == sha256(out)
+    assert out.stat().st_size == ref.stat().st_size
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_tiny_models_convert_byte_identical_to_the_reference(
+    case: tuple[str, int, str, bool], references: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """Tiny random models (F32, F16 and BF16 weights); the SentencePiece ones use a BPE
+    tokenizer.model trained here (Gemma's ids, padded to the model's 512 tokens, with
+    tokenizer_config.json's added tokens), its pieces read from the protobuf."""
+    arch, _, outtype, spm = case
+    d, ref = references[case_id(case)]
+    done = convert(
+        str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"), outtype=outtype
+    )
+    assert done.sha256 == sha256(ref) == sha256(tmp_path / "ours.gguf")
+    assert done.architecture == arch
+    reader = gguf.GGUFReader(done.path)
+    assert reader.get_field("tokenizer.ggml.model").contents() == ("llama" if spm else "gpt2")
+    assert reader.get_field("general.file_type").contents() == int(OUTTYPES[outtype])
+
+
+def test_a_converted_f16_model_converts_back_to_the_same_bytes(
+    default_model: Path, tmp_path: Path
+) -> None:
+    """GGUF F16 → safetensors F16 (its weights exact) → GGUF: the same file again."""
+    first_dir = hf_dirs.tiny_dir(default_model, tmp_path / "a" / "Tiny-llama", "llama", seed=3)
+    first = convert(str(first_dir), str(tmp_path / "first.gguf"), str(tmp_path / "f.FORK.json"))
+    reader = gguf.GGUFReader(first.path)
+    heads = int(reader.get_field("llama.attention.head_count").contents())
+    kv = int(reader.get_field("llama.attention.head_count_kv").contents())
+    tensors = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        data = np.array(t.data)
+        if parts[0] == "blk":
+            if parts[2] in ("attn_q", "attn_k"):
+                data = hf_dirs.unpermute(data, heads if parts[2] == "attn_q" else kv)
+            name = f"model.layers.{parts[1]}.{hf_dirs.HF_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            name = f"{hf_dirs.HF_NAMES[parts[0]]}.{parts[1]}"
+        tensors[name] = ("F16" if data.dtype == np.float16 else "F32", data)
+    second_dir = tmp_path / "b" / "Tiny-llama"
+    shutil.copytree(first_dir, second_dir)
+    (second_dir / "model.safetensors").unlink()
+    hf_dirs.write_safetensors(second_dir / "model.safetensors", dict(sorted(tensors.items())))
+    second = convert(str(second_dir), str(tmp_path / "second.gguf"), str(tmp_path / "s.FORK.json"))
+    assert second.sha256 == first.sha256
+
+
+def test_the_converted_model_is_served_as_llama_server_serves_it(
+    converted: tuple[Path, Path, str], llama_server_bin: Path, tmp_path: Path
+) -> None:
+    out, fork, _ = converted
+    body = {
+        "prompt": "The capital of France is",
+        "n_predict": 8,
+        "temperature": 0,
+        "cache_prompt": False,
+    }
+    with support.LlamaServer(out, binary=llama_server_bin) as ref:
+        ref_status, ref_answer = support.http_json(ref.url + "/completion", body)
+    with native_process(out, fork, tmp_path / "native") as served:
+        status, answer = support.http_json(served.engine_url + "/completion", body)
+    assert status == ref_status == 200
+    assert answer["content"] == ref_answer["content"] and answer["content"]
+    assert answer["tokens_predicted"] == ref_answer["tokens_predicted"] == 8
+
+
+# --- refusals: the reason, exit 2, no output file ------------------------------------------------
+
+
+@pytest.fixture
+def tiny(default_model: Path, tmp_path: Path) -> Path:
+    return hf_dirs.tiny_dir(default_model, tmp_path / "src" / "Tiny-llama", "llama", seed=5)
+
+
+def refused(directory: Path, tmp_path: Path, *words: str) -> str:
+    out, fork = tmp_path / "out.gguf", tmp_path / "out.FORK.json"
+    result = run_cli(str(directory), "-o", str(out), "--fork", str(fork))
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = result.stdout.strip()
+    assert line.startswith("refuse: ")
+    for word in words:
+        assert word in line
+    assert not out.exists() and not fork.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.gguf")]
+    return line
+
+
+def _edit_json(path: Path, **changes: object) -> None:
+    doc = json.loads(path.read_text())
+    doc.update(changes)
+    path.write_text(json.dumps(doc))
+
+
+def test_an_unknown_architecture_is_refused(tiny: Path, tmp_path: Path) -> None:
+    _edit_json(tiny / "config.json", architectures=["MambaForCausalLM"])
+    refused(tiny, tmp_path, "architecture 'MambaForCausalLM' is not converted")
+
+
+def test_an_unknown_tokenizer_is_refused(tiny: Path, tmp_path: Path) -> None:
+    tok = json.loads((tiny / "tokenizer.json").read_text())
+    tok["model"]["merges"] = tok["model"]["merges"][::2]  # another pre-tokenizer hash
+    (tiny / "tokenizer.json").write_text(json.dumps(tok))
+    refused(tiny, tmp_path, "pre-tokenizer is not one llama.cpp build 11434 knows")
+    (tiny / "tokenizer.model").write_bytes(b"\x0a\x05\x0a\x03")  # a piece cut short
+    refused(tiny, tmp_path, "tokenizer.model: a truncated protobuf")
+    (tiny / "tokenizer.model").unlink()
+    tok = json.loads((tiny / "tokenizer.json").read_text())
+    tok["model"]["byte_fallback"] = True
+    (tiny / "tokenizer.json").write_text(json.dumps(tok))
+    refused(tiny, tmp_path, "byte-fallback BPE")
+
+
+def test_a_missing_or_truncated_shard_is_refused(default_model: Path, tmp_path: Path) -> None:
+    d = hf_dirs.tiny_dir(default_model, tmp_path / "src" / "Tiny-qwen3", "qwen3", shards=2)
+    second = d / "model-00002-of-00002.safetensors"
+    data = second.read_bytes()
+    second.write_bytes(data[:-100])
+    refused(d, tmp_path, "model-00002-of-00002.safetensors: truncated")
+    second.unlink()
+    refused(d, tmp_path, "missing shard: model-00002-of-00002.safetensors")
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _rewrite(path: Path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def test_a_header_that_lies_about_sizes_or_offsets_is_refused(tiny: Path, tmp_path: Path) -> None:
+    st = tiny / "model.safetensors"
+    header, data = _header(st)
+    name = "model.norm.weight"
+    lying = json.loads(json.dumps(header))
+    lying[name]["shape"] = [lying[name]["shape"][0] * 2]
+    _rewrite(st, lying, data)
+    refused(tiny, tmp_path, name, "lies about its sizes")
+    lying = json.loads(json.dumps(header))
+    first = min(
+        (v for k, v in lying.items() if k != "__metadata__"), key=lambda v: v["data_offsets"][0]
+    )
+    second = sorted(
+        (v for k, v in lying.items() if k != "__metadata__"), key=lambda v: v["data_offsets"][0]
+    )[1]
+    second["data_offsets"] = [
+        first["data_offsets"][0],
+        first["data_offsets"][0] + second["data_offsets"][1] - second["data_offsets"][0],
+    ]
+    _rewrite(st, lying, data)
+    refused(tiny, tmp_path, "lies about its offsets")
+
+
+def test_a_dtype_it_cannot_convert_is_refused(tiny: Path, tmp_path: Path) -> None:
+    st = tiny / "model.safetensors"
+    header, data = _header(st)
+    entry = header["model.norm.weight"]
+    entry["dtype"] = "F8_E4M3"
+    entry["shape"] = [entry["shape"][0] * 4]  # the same bytes, one byte an element
+    _rewrite(st, header, data)
+    refused(tiny, tmp_path, "model.norm.weight", "dtype F8_E4M3 is not converted")
+
+
+def test_a_directory_changing_while_read_is_refused(tiny: Path, tmp_path: Path) -> None:
+    def touch() -> None:
+        (tiny / "config.json").write_text((tiny / "config.json").read_text() + " ")
+
+    with pytest.raises(ConvertError, match=r"changed while it was read \(config.json\)"):
+        convert(
+            str(tiny), str(tmp_path / "out.gguf"), str(tmp_path / "f.json"), after_hashing=touch
+        )
+    assert not (tmp_path / "out.gguf").exists() and not (tmp_path / "f.json").exists()
+    assert os.listdir(tmp_path) == ["src"]
+
+
+def test_an_existing_output_is_not_overwritten(tiny: Path, tmp_path: Path) -> None:
+    (tmp_path / "out.gguf").write_bytes(b"mine")
+    result = run_cli(
+        str(tiny), "-o", str(tmp_path / "out.gguf"), "--fork", str(tmp_path / "f.json")
+    )
+    assert result.returncode == 2 and "already exists" in result.stdout
+    assert (tmp_path / "out.gguf").read_bytes() == b"mine"
+
+
+# --- bankml create FROM a directory ----------------------------------------------------------------
+
+
+def test_create_from_a_directory_converts_pins_and_derives(
+    default_model: Path, tmp_path: Path
+) -> None:
+    tiny = hf_dirs.tiny_dir(default_model, tmp_path / "checkout" / "Tiny-qwen3", "qwen3", seed=7)
+    registry = tmp_path / "forks"
+    modelfile = tmp_path / "checkout" / "Modelfile"
+    modelfile.write_text("FROM ./Tiny-qwen3\nSYSTEM You are terse.\n")
+
+    def create() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bankml",
+                "create",
+                "terse",
+                "-f",
+                str(modelfile),
+                "--registry",
+                str(registry),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=support.ROOT,
+        )
+
+    result = create()
+    assert result.returncode == 0, result.stdout + result.stderr
+    out, fork = registry / "terse-F16.gguf", registry / "terse-F16.gguf.FORK.json"
+    sha = sha256(out)
+    lines = result.stdout.splitlines()
+    assert lines[:4] == [
+        "parsing modelfile",
+        f"converting {tiny} (safetensors) to terse-F16.gguf",
+        f"pinned terse-F16.gguf sha256:{sha} in terse-F16.gguf.FORK.json",
+        "verifying terse-F16.gguf (the guard, then its sha256 against terse-F16.gguf.FORK.json)",
+    ]
+    assert lines[-1] == "success"
+    doc = json.loads(fork.read_text())
+    assert doc["source"] == str(tiny) and doc["files"][0]["sha256"] == sha
+    assert [i["path"] for i in doc["inputs"]] == sorted(p.name for p in tiny.iterdir())
+    manifest = json.loads((registry / "terse.MODEL.json").read_text())
+    assert manifest["base"]["file"] == "terse-F16.gguf" and manifest["base"]["sha256"] == sha
+    assert (
+        convert(str(tiny), str(tmp_path / "again.gguf"), str(tmp_path / "again.json")).sha256 == sha
+    )
+    # a second create of the name would overwrite the converted file: refused, nothing changed
+    again = create()
+    assert again.returncode == 2
+    assert (
+        "bankml create: refuse: FROM ./Tiny-qwen3: terse-F16.gguf already exists in" in again.stderr
+    )
+    assert sha256(out) == sha
+
+
+def test_a_fork_that_is_not_a_fork_leaves_no_output(tiny: Path, tmp_path: Path) -> None:
+    (tmp_path / "f.json").write_text("not json")
+    result = run_cli(
+        str(tiny), "-o", str(tmp_path / "out.gguf"), "--fork", str(tmp_path / "f.json")
+    )
+    assert result.returncode == 2 and "is not JSON" in result.stdout
+    assert not (tmp_path / "out.gguf").exists() and (tmp_path / "f.json").read_text() == "not json"
+
+
+def test_progress_is_shown_when_asked(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a terminal (progress=None and a tty) or when asked: the hashing and the writing."""
+    convert(str(tiny), str(tmp_path / "o.gguf"), str(tmp_path / "o.json"), progress=True)
+    err = capsys.readouterr().err
+    assert "sha256 model.safetensors" in err and "convert:" in err
+    convert(str(tiny), str(tmp_path / "p.gguf"), str(tmp_path / "p.json"), progress=False)
+    assert capsys.readouterr().err == ""
