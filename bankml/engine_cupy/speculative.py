@@ -1,4 +1,5 @@
-"""Speculative decoding without a draft model, as llama-server's ``--spec-type ngram-simple``.
+"""Speculative decoding without a draft model, as llama-server's ``--spec-type ngram-simple``
+and ``ngram-mod`` (the latter: ``NgramMod``, one table for the server).
 
 After each sampled token the slot looks for the last ``size_n`` tokens (the sampled one
 included) earlier in its own history and, where they occurred before, proposes the ``size_m``
@@ -21,10 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy
-
-# the kinds bankml follows, in llama-server's order of preference (common_speculative_init):
-# the first that drafts something for a step is the one its check is accounted to
-SPEC_TYPES = ("ngram-simple", "ngram-mod")
 
 
 @dataclass(frozen=True)
