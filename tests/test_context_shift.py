@@ -18,42 +18,13 @@ from typing import Any
 
 import pytest
 
-from tests import support
-from tests.support import free_port
-from tests.test_llama_dropin import call, start_dropin
+from tests.dropin import Pair, dropin_pair
 
 N_CTX = 256
 FLAGS = ["-c", str(N_CTX), "--temp", "0", "--context-shift"]
 PROMPT = "Write a long list of fruits, one per line, with a short note on each:\n1."
 # what must be equal between the two answers (timings and the model's path differ)
 COMPARED = ("content", "tokens", "truncated", "stop_type", "tokens_predicted", "tokens_cached")
-
-
-class Pair:
-    def __init__(self, ours: int, theirs: int) -> None:
-        self.ports = (ours, theirs)
-
-    def both(self, path: str, body: Any) -> list[tuple[int, bytes]]:
-        return [call(port, "POST", path, body)[::2] for port in self.ports]  # type: ignore[misc]
-
-
-def start_pair(
-    flags: list[str], model: Path, fork: Path, binary: Path, log: Path
-) -> Iterator[Pair]:
-    port = free_port()
-    args = [
-        *("--fork", str(fork), "-m", str(model)),
-        *("--host", "127.0.0.1", "-t", "2", "-np", "1", "--no-webui"),
-        *("--listen", f"127.0.0.1:{free_port()}"),
-        *flags,
-    ]
-    with support.LlamaServer(model, args=flags, binary=binary) as ref:
-        proc = start_dropin(args, port, log)
-        try:
-            yield Pair(port, ref.port)
-        finally:
-            proc.terminate()
-            proc.wait(30)
 
 
 def pair_fixture(flags: list[str]) -> Any:
@@ -65,7 +36,7 @@ def pair_fixture(flags: list[str]) -> Any:
         tmp_path_factory: pytest.TempPathFactory,
     ) -> Iterator[Pair]:
         log = tmp_path_factory.mktemp("shift") / "bankml.log"
-        yield from start_pair(flags, default_model, default_fork, llama_server_bin, log)
+        yield from dropin_pair(flags, default_model, default_fork, llama_server_bin, log)
 
     return fixture
 
@@ -125,7 +96,7 @@ def completion(n_predict: int, **fields: Any) -> dict[str, Any]:
 
 def test_a_generation_past_the_context_is_llama_servers(pair: Pair) -> None:
     """Past three shifts (half of what follows the prompt's first token dropped each time)."""
-    ours, theirs = pair.both("/completion", completion(500, cache_prompt=False))
+    ours, theirs = pair.both("POST", "/completion", completion(500, cache_prompt=False))
     assert ours[0] == theirs[0] == 200
     mine = json.loads(ours[1])
     assert mine["truncated"] is True and mine["tokens_predicted"] == 500
@@ -136,35 +107,35 @@ def test_a_generation_past_the_context_is_llama_servers(pair: Pair) -> None:
 def test_the_next_request_reuses_the_shifted_slot_as_llama_server(pair: Pair) -> None:
     """The slot's cells are out of position order after a shift: a request that continues its
     tokens reuses them, and its new tokens fill the freed cells, as llama.cpp's do."""
-    first = pair.both("/completion", completion(300))
+    first = pair.both("POST", "/completion", completion(300))
     assert_same(first[0][1], first[1][1])
-    again = pair.both("/completion", completion(60))
+    again = pair.both("POST", "/completion", completion(60))
     assert_same(again[0][1], again[1][1])
 
 
 def test_given_n_keep_and_n_discard_streamed(pair: Pair) -> None:
     body = completion(300, n_keep=-1, n_discard=17, stream=True, cache_prompt=False, n_probs=0)
-    ours, theirs = pair.both("/completion", body)
+    ours, theirs = pair.both("POST", "/completion", body)
     assert ours[0] == theirs[0] == 200
     assert streamed(ours[1]) == streamed(theirs[1])
 
 
 def test_a_seeded_sampled_generation_past_the_context(pair: Pair) -> None:
     body = completion(400, temperature=0.8, seed=42, n_keep=5, cache_prompt=False)
-    ours, theirs = pair.both("/completion", body)
+    ours, theirs = pair.both("POST", "/completion", body)
     assert_same(ours[1], theirs[1])
 
 
 def test_a_q8_0_cache_shifts_as_llama_servers(q8_pair: Pair) -> None:
     """The q8_0 keys are dequantized, turned back from their Hadamard rotation, turned by RoPE,
     rotated and quantized again, as llama.cpp's K-shift does."""
-    ours, theirs = q8_pair.both("/completion", completion(400, cache_prompt=False))
+    ours, theirs = q8_pair.both("POST", "/completion", completion(400, cache_prompt=False))
     assert json.loads(ours[1])["tokens_cached"] < N_CTX
     assert_same(ours[1], theirs[1])
 
 
 def test_without_the_flag_the_context_stops_the_answer(unshifted_pair: Pair) -> None:
-    ours, theirs = unshifted_pair.both("/completion", completion(500, cache_prompt=False))
+    ours, theirs = unshifted_pair.both("POST", "/completion", completion(500, cache_prompt=False))
     mine = json.loads(ours[1])
     assert mine["truncated"] is True and mine["tokens_predicted"] < 500
     assert_same(ours[1], theirs[1])

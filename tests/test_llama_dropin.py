@@ -12,15 +12,10 @@ started with that flag. Refused flags exit 1 before anything listens.
 
 from __future__ import annotations
 
-import http.client
 import json
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_twisted
@@ -34,6 +29,7 @@ from bankml.serving.routes import Branch, LlamaRoute
 from bankml.serving.site import LoopbackSite, listen_loopback
 from bankml.tap import Options
 from tests import support
+from tests.dropin import bankml, call, listening, start_dropin
 from tests.support import ROOT, free_port
 
 KEY = "k-3f9a1c"
@@ -46,29 +42,6 @@ CHAT = {
     "messages": [{"role": "user", "content": "Name three colours."}],
     "max_tokens": 24,
 }
-
-
-def call(
-    port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
-) -> tuple[int, dict[str, str], bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        head = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, path, data, {**head, **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def bankml(*args: str) -> list[str]:
-    return [sys.executable, "-m", "bankml", *args]
 
 
 @pytest.fixture(scope="module")
@@ -104,28 +77,6 @@ def dropin(
         proc.wait(30)
     # the key never reaches the log
     assert KEY not in log.read_text()
-
-
-def start_dropin(args: list[str], port: int, log: Path) -> subprocess.Popen:
-    """`bankml llama-server ARGS --port PORT`, healthy (a first engine load compiles kernels)."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            bankml("llama-server", *args, "--port", str(port)),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-    deadline = time.monotonic() + 900
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if call(port, "GET", "/health")[0] == 200:
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    proc.wait()
-    raise AssertionError(f"bankml llama-server did not come up:\n{log.read_text()}")
 
 
 # --- the argument list ----------------------------------------------------------------------

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_context_shift import Pair, start_pair
-from tests.test_llama_dropin import call
+from tests.dropin import Pair, call, dropin_pair
 
 # ServerPreset.tinyllama2() as ServerProcess.start() writes it, the model aside
 PRESET = [
@@ -38,7 +37,7 @@ def pair(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pair]:
     log = tmp_path_factory.mktemp("preset") / "bankml.log"
-    yield from start_pair(PRESET, default_model, default_fork, llama_server_bin, log)
+    yield from dropin_pair(PRESET, default_model, default_fork, llama_server_bin, log)
 
 
 def completions(pair: Pair, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -17,9 +17,9 @@ import pytest
 
 from bankml.serving.llama_flags import FlagError, dropin_argv, native_settings
 from tests import support
+from tests.dropin import call, start_dropin
 from tests.native_support import assert_same_keys
 from tests.support import free_port
-from tests.test_llama_dropin import call, start_dropin
 
 FLAGS = ["-lv", "3", "-v", "--temp", "0", "--tags", "b, a,b"]  # the last wins: verbose
 

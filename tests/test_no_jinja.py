@@ -20,22 +20,13 @@ from typing import Any
 import pytest
 
 from bankml.serving.llama_flags import dropin_argv
-from tests import support
+from tests.dropin import Pair, bankml, dropin_pair, listening
 from tests.support import free_port
-from tests.test_llama_dropin import bankml, call, listening, start_dropin
 
 FLAGS = {
     "own": ["--jinja", "--no-jinja", "--temp", "0"],
     "llama3": ["--no-jinja", "--chat-template", "llama3", "--temp", "0"],
 }
-
-
-class Pair:
-    def __init__(self, ours: int, theirs: int) -> None:
-        self.ports = (ours, theirs)
-
-    def both(self, method: str, path: str, body: Any = None) -> list[tuple[int, bytes]]:
-        return [call(port, method, path, body)[::2] for port in self.ports]  # type: ignore[misc]
 
 
 @pytest.fixture(scope="module", params=sorted(FLAGS))
@@ -46,22 +37,9 @@ def pair(
     llama_server_bin: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pair]:
-    flags = FLAGS[request.param]
-    port = free_port()
     log = tmp_path_factory.mktemp("nojinja") / "bankml.log"
-    args = [
-        *("--fork", str(default_fork), "-m", str(default_model)),
-        *("--host", "127.0.0.1", "-t", "2", "-c", "2048", "-np", "1", "--no-webui"),
-        *("--listen", f"127.0.0.1:{free_port()}"),
-        *flags,
-    ]
-    with support.LlamaServer(default_model, args=flags, binary=llama_server_bin) as ref:
-        proc = start_dropin(args, port, log)
-        try:
-            yield Pair(port, ref.port)
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    flags = ["-c", "2048", *FLAGS[request.param]]
+    yield from dropin_pair(flags, default_model, default_fork, llama_server_bin, log)
 
 
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]

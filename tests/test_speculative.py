@@ -24,8 +24,8 @@ from bankml.engine_cupy.speculative import (
     ngram_simple_draft,
 )
 from bankml.serving.llama_flags import FlagError, native_settings
-from tests.test_context_shift import start_pair, streamed
-from tests.test_llama_dropin import call
+from tests.dropin import call, dropin_pair
+from tests.test_context_shift import streamed
 
 FLAGS = {
     "ngram-simple": ["-c", "2048", "--temp", "0", "--spec-type", "ngram-simple"],
@@ -54,7 +54,7 @@ def pair(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Any]:
     log = tmp_path_factory.mktemp("speculative") / "bankml.log"
-    yield from start_pair(FLAGS[request.param], default_model, default_fork, llama_server_bin, log)
+    yield from dropin_pair(FLAGS[request.param], default_model, default_fork, llama_server_bin, log)
 
 
 def both(pair: Any, body: dict[str, Any]) -> list[dict[str, Any]]:

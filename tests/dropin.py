@@ -1,0 +1,96 @@
+"""The drop-in side by side with llama-server: ``bankml llama-server`` started as a process,
+plain HTTP calls to it, and a pair of both servers started with the same llama-server flags
+(the tests of the drop-in's flags: context shift, speculative decoding, presets, --no-jinja,
+verbose)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tests import support
+from tests.support import ROOT, free_port
+
+
+def call(
+    port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        head = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, data, {**head, **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def bankml(*args: str) -> list[str]:
+    return [sys.executable, "-m", "bankml", *args]
+
+
+def start_dropin(args: list[str], port: int, log: Path) -> subprocess.Popen:
+    """`bankml llama-server ARGS --port PORT`, healthy (a first engine load compiles kernels)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            bankml("llama-server", *args, "--port", str(port)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    deadline = time.monotonic() + 900
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if call(port, "GET", "/health")[0] == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"bankml llama-server did not come up:\n{log.read_text()}")
+
+
+class Pair:
+    """The drop-in and llama-server, started with the same flags."""
+
+    def __init__(self, ours: int, theirs: int) -> None:
+        self.ports = (ours, theirs)
+
+    def both(self, method: str, path: str, body: Any = None) -> list[tuple[int, bytes]]:
+        """(status, body) of the same request to each, the drop-in first."""
+        return [call(port, method, path, body)[::2] for port in self.ports]  # type: ignore[misc]
+
+
+def dropin_pair(
+    flags: list[str], model: Path, fork: Path, binary: Path, log: Path
+) -> Iterator[Pair]:
+    """Both servers with llama-server's ``flags`` over the tests' defaults (two threads, one
+    slot, no llama-server UI), the drop-in logging to ``log``; stopped when the iterator is."""
+    port = free_port()
+    args = [
+        *("--fork", str(fork), "-m", str(model)),
+        *("--host", "127.0.0.1", "-t", "2", "-np", "1", "--no-webui"),
+        *("--listen", f"127.0.0.1:{free_port()}"),
+        *flags,
+    ]
+    with support.LlamaServer(model, args=flags, binary=binary) as ref:
+        proc = start_dropin(args, port, log)
+        try:
+            yield Pair(port, ref.port)
+        finally:
+            proc.terminate()
+            proc.wait(30)
