@@ -205,6 +205,35 @@ def test_an_answer_streams_and_its_receipt_verifies(
     assert status == 0, out
 
 
+def test_regenerate_replaces_the_last_answer_with_one_of_its_own_receipt(
+    visit: Visit, answered: tuple[Any, str, str]
+) -> None:
+    page = visit.page
+    before = visit.stored_answers()
+    count = page.locator("li.assistant").count()
+    page.locator("li.assistant").last.evaluate("e => { e.dataset.old = 'yes'; }")
+    page.focus("#regenerate")
+    page.keyboard.press("Enter")
+    page.wait_for_function(
+        "() => { const a = [...document.querySelectorAll('li.assistant')].at(-1);"
+        " return !a.dataset.old && a.dataset.receipt !== 'checking'; }",
+        timeout=120_000,
+    )
+    after = visit.stored_answers()
+    assert page.locator("li.assistant").count() == count and len(after) == len(before)
+    assert page.locator("li.assistant").last.get_attribute("data-receipt") == "verified"
+    old, new = before[-1], after[-1]
+    assert json.loads(new["request"])["messages"] == json.loads(old["request"])["messages"]
+    receipts = [
+        json.loads([x for x in a["raw"].split("\n") if '"bankml_receipt"' in x][-1][6:])[
+            "bankml_receipt"
+        ]
+        for a in (old, new)
+    ]
+    assert receipts[0]["signature"] != receipts[1]["signature"]
+    assert receipts[1]["response_sha256"] == hashlib.sha256(new["content"].encode()).hexdigest()
+
+
 def alter(route: Any, change: Any) -> None:
     """Fetch the real answer, change it with ``change(events)``, and hand that to the page."""
     response = route.fetch()

@@ -605,6 +605,7 @@ function renderConversation() {
       check(item, message);
     }
   }
+  setBusy(Boolean(state.busy));
 }
 
 // --- sending ---
@@ -663,18 +664,42 @@ async function send(event) {
   }
   if (conversation.messages.length === 1) conversation.title = prompt.slice(0, 60);
   $("prompt").value = "";
+  $("messages").append(renderUser(conversation.messages.at(-1)));
+  fillConversationList();
+  await answerTurn(conversation, request);
+}
+
+// Regenerate: the last user turn asked again; its answer replaces the last one, with a receipt
+// of its own (checked as any other).
+async function regenerate() {
+  if (state.busy) return;
+  const conversation = current();
+  if (conversation.messages.at(-1)?.role === "assistant") {
+    conversation.messages.pop();
+    const items = $("messages").querySelectorAll(":scope > li.assistant");
+    items[items.length - 1]?.remove();
+  }
+  if (conversation.messages.at(-1)?.role !== "user") return;
+  let request;
+  try {
+    request = requestBody(conversation);
+  } catch (err) {
+    say(`Not sent: ${err.message}`, true);
+    return;
+  }
+  await answerTurn(conversation, request);
+}
+
+// One answer to the conversation's last user turn, streamed into the page, kept and checked.
+async function answerTurn(conversation, request) {
   const answer = cleanMessage({ role: "assistant", request });
   conversation.messages.push(answer);
-  const list = $("messages");
-  list.append(renderUser(conversation.messages.at(-2)));
   const item = renderAnswer(answer);
-  list.append(item);
+  $("messages").append(item);
   item.scrollIntoView({ block: "end" });
-  fillConversationList();
   const control = new AbortController();
   state.busy = control;
-  $("send").disabled = true;
-  $("stop").disabled = false;
+  setBusy(true);
   say("Answering…");
   let drawn = 0;
   try {
@@ -698,13 +723,18 @@ async function send(event) {
   } finally {
     cancelAnimationFrame(drawn);
     state.busy = null;
-    $("send").disabled = false;
-    $("stop").disabled = true;
+    setBusy(false);
     fillAnswer(item, answer);
     save();
     await check(item, answer);
     refreshUsage();
   }
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+  $("regenerate").disabled = busy || !current()?.messages.some((m) => m.role === "user");
 }
 
 function stop() {
@@ -867,6 +897,7 @@ async function start() {
   $("api-key").value = settings.apiKey;
   $("composer").addEventListener("submit", send);
   $("stop").addEventListener("click", stop);
+  $("regenerate").addEventListener("click", regenerate);
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) send(e);
   });
