@@ -41,6 +41,21 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 ANSWERED = 'li.assistant:not([data-receipt="checking"])'
+READ_CONVERSATIONS = """async () => {
+  await bankmlPage.saved();
+  const db = await new Promise((ok, no) => {
+    const r = indexedDB.open("bankml");
+    r.onsuccess = () => ok(r.result);
+    r.onerror = () => no(r.error);
+  });
+  const all = await new Promise((ok, no) => {
+    const r = db.transaction("conversations").objectStore("conversations").getAll();
+    r.onsuccess = () => ok(r.result);
+    r.onerror = () => no(r.error);
+  });
+  db.close();
+  return all.sort((a, b) => a.position - b.position);
+}"""
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(), reason="needs Debian's chromium (make test-deps installs it)"
@@ -100,9 +115,13 @@ class Visit:
         )
         return self.page.locator(ANSWERED).last
 
+    def stored(self) -> list[dict[str, Any]]:
+        """The conversations as the page keeps them in IndexedDB, in their order."""
+        kept: list[dict[str, Any]] = self.page.evaluate(READ_CONVERSATIONS)
+        return kept
+
     def stored_answers(self) -> list[dict[str, Any]]:
-        kept = json.loads(self.page.evaluate("localStorage.getItem('bankml.conversations.v1')"))
-        return [m for c in kept for m in c["messages"] if m["role"] == "assistant"]
+        return [m for c in self.stored() for m in c["messages"] if m["role"] == "assistant"]
 
     def close(self) -> None:
         self.context.close()
@@ -385,6 +404,38 @@ def test_export_and_import_check_the_receipts_again(
         arg=len(marks),
     )
     assert [a.get_attribute("data-receipt") for a in page.locator(ANSWERED).all()] == marks
+
+
+def test_conversations_in_localstorage_move_to_indexeddb_once(
+    browser: Any, visit: Visit, answered: tuple[Any, str, str], server: NativeProcess
+) -> None:
+    """What a page kept in localStorage (its format: a JSON list of conversations) is moved to
+    IndexedDB on the next load, and its answers are checked again there."""
+    kept = [c for c in visit.stored() if any(m["role"] == "assistant" for m in c["messages"])][:1]
+    kept = [{k: v for k, v in c.items() if k != "position"} for c in kept]
+    v = Visit(browser, server.engine_url + "/")  # a browser context of its own
+    try:
+        page = v.page
+        page.evaluate("t => localStorage.setItem('bankml.conversations.v1', t)", json.dumps(kept))
+        page.reload()
+        page.wait_for_selector("body[data-ready=true]", timeout=60_000)
+        assert page.evaluate("localStorage.getItem('bankml.conversations.v1')") is None
+        assert "moved from localStorage to IndexedDB" in page.text_content("#status")
+        moved = v.stored()[-1]
+        assert [m.get("raw") for m in moved["messages"]] == [
+            m.get("raw") for m in kept[0]["messages"]
+        ]
+        page.select_option("#conversation", moved["id"])
+        n = sum(m["role"] == "assistant" for m in moved["messages"])
+        page.wait_for_function(f"n => document.querySelectorAll('{ANSWERED}').length === n", arg=n)
+        marks = {a.get_attribute("data-receipt") for a in page.locator(ANSWERED).all()}
+        assert "verified" in marks
+        page.reload()  # once: nothing moves again, nothing doubles
+        page.wait_for_selector("body[data-ready=true]", timeout=60_000)
+        assert len(v.stored()) == 1 and "moved" not in page.text_content("#status")
+        assert v.errors == []
+    finally:
+        v.close()
 
 
 def test_the_usage_plot_shows_the_engines_records(

@@ -407,7 +407,7 @@ async function streamChat(answer, signal, onUpdate) {
   }
 }
 
-// --- conversations, kept in this browser (localStorage) ---
+// --- conversations, kept in this browser (IndexedDB) ---
 
 const STORE = "bankml.conversations.v1";
 const SETTINGS = "bankml.settings.v1";
@@ -419,7 +419,14 @@ const SAYS = {
   checking: "Checking the receipt…",
 };
 
-const state = { conversations: [], current: null, receiptKey: null, model: "", busy: null };
+const state = {
+  conversations: [],
+  current: null,
+  receiptKey: null,
+  model: "",
+  busy: null,
+  db: null,
+};
 const $ = (id) => document.getElementById(id);
 const newId = () => `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
 const str = (v) => (typeof v === "string" ? v : "");
@@ -461,23 +468,86 @@ function cleanConversation(c) {
   };
 }
 
-function load() {
+// IndexedDB "bankml", store "conversations": one record per conversation (keyPath "id", its
+// place in the list as "position"). What an older page kept in localStorage moves here once.
+const DB_NAME = "bankml";
+const DB_STORE = "conversations";
+
+function openDb() {
+  return new Promise((resolve, reject) => {
+    const opening = indexedDB.open(DB_NAME, 1);
+    opening.onupgradeneeded = () => opening.result.createObjectStore(DB_STORE, { keyPath: "id" });
+    opening.onsuccess = () => resolve(opening.result);
+    opening.onerror = () => reject(opening.error);
+  });
+}
+
+const finished = (tx) =>
+  new Promise((resolve, reject) => {
+    tx.oncomplete = () => resolve();
+    tx.onerror = () => reject(tx.error);
+    tx.onabort = () => reject(tx.error || new Error("the write was aborted"));
+  });
+
+async function readConversations(db) {
+  const tx = db.transaction(DB_STORE, "readonly");
+  const all = tx.objectStore(DB_STORE).getAll();
+  await finished(tx);
+  return all.result.sort((a, b) => (a.position ?? 0) - (b.position ?? 0));
+}
+
+async function writeConversations(db, list) {
+  const tx = db.transaction(DB_STORE, "readwrite");
+  const store = tx.objectStore(DB_STORE);
+  store.clear();
+  list.forEach((c, position) => store.put({ ...c, position }));
+  await finished(tx);
+}
+
+function parseStored(text) {
   try {
-    const saved = JSON.parse(localStorage.getItem(STORE) || "[]");
-    state.conversations = (Array.isArray(saved) ? saved : []).map(cleanConversation).filter(Boolean);
+    const saved = JSON.parse(text || "[]");
+    return (Array.isArray(saved) ? saved : []).map(cleanConversation).filter(Boolean);
   } catch {
-    state.conversations = [];
+    return [];
+  }
+}
+
+async function load() {
+  try {
+    state.db = await openDb();
+    state.conversations = (await readConversations(state.db))
+      .map(cleanConversation)
+      .filter(Boolean);
+    const old = localStorage.getItem(STORE);
+    if (old !== null) {
+      const moved = parseStored(old);
+      state.conversations.push(...moved);
+      await writeConversations(state.db, state.conversations);
+      localStorage.removeItem(STORE);
+      if (moved.length) say(`${moved.length} conversation(s) moved from localStorage to IndexedDB.`);
+    }
+  } catch (err) {
+    state.db = null;
+    state.conversations = parseStored(localStorage.getItem(STORE));
+    say(`IndexedDB is not available (${err.message}); conversations kept in localStorage.`, true);
   }
   if (!state.conversations.length) state.conversations.push(cleanConversation({ messages: [] }));
   state.current = state.conversations[0].id;
 }
 
+// Writes go one after another, each the list as it stands when it is asked for.
+let saving = Promise.resolve();
+
 function save() {
-  try {
-    localStorage.setItem(STORE, JSON.stringify(state.conversations));
-  } catch (err) {
-    say(`The conversations could not be kept: ${err.message}`, true);
-  }
+  const list = structuredClone(state.conversations);
+  saving = saving
+    .then(() => {
+      if (state.db) return writeConversations(state.db, list);
+      localStorage.setItem(STORE, JSON.stringify(list));
+    })
+    .catch((err) => say(`The conversations could not be kept: ${err.message}`, true));
+  return saving;
 }
 
 const current = () => state.conversations.find((c) => c.id === state.current);
@@ -893,7 +963,7 @@ async function connect() {
 }
 
 async function start() {
-  load();
+  await load();
   $("api-key").value = settings.apiKey;
   $("composer").addEventListener("submit", send);
   $("stop").addEventListener("click", stop);
@@ -946,5 +1016,12 @@ async function start() {
   document.body.dataset.ready = "true";
 }
 
-globalThis.bankmlPage = { parseLossless, canonicalJson, canonicalFromText, pyFloatRepr, signedText };
+globalThis.bankmlPage = {
+  parseLossless,
+  canonicalJson,
+  canonicalFromText,
+  pyFloatRepr,
+  signedText,
+  saved: () => saving, // settles once every write asked for so far is done
+};
 start();
