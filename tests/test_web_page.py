@@ -16,6 +16,7 @@ import http.client
 import json
 import random
 import re
+import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from bankml.receipts.canonical import canonical_json, signed_bytes
 from bankml.receipts.keys import keygen
 from tests.bankml_process import check_receipt_cli
 from tests.native_server import NativeProcess, native_process
+from tests.registry_support import pin_into
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -68,8 +70,15 @@ def server(
 ) -> Iterator[NativeProcess]:
     directory = tmp_path_factory.mktemp("web")
     key = keygen(directory / "key" / "receipt-key.pem")
+    # a registry with the default model's pin and a second model to pick: a copy of it under
+    # another name (one model is resident at a time; the picker loads the one chosen)
+    registry = directory / "forks"
+    registry.mkdir()
+    (registry / default_fork.name).write_bytes(default_fork.read_bytes())
+    shutil.copyfile(default_model, registry / "Smol-Copy.gguf")
+    pin_into(registry, registry / "Smol-Copy.gguf")
     proc = native_process(default_model, default_fork, directory)
-    proc.engine_args += ["--receipt-key", str(key.path)]
+    proc.engine_args += ["--receipt-key", str(key.path), "--registry", str(registry)]
     with proc:
         yield proc
 
@@ -438,6 +447,56 @@ def test_conversations_in_localstorage_move_to_indexeddb_once(
         v.close()
 
 
+def test_the_model_picker_lists_v1_and_the_registry_and_switches(
+    browser: Any, server: NativeProcess
+) -> None:
+    """At /ui of the listen address the picker lists /v1/models and the registry (/api/tags);
+    a registry model that is not resident is loaded when chosen, and its name goes in the
+    request; the answer is verified as any other. The engine address has no registry: it
+    lists /v1/models only."""
+    v1 = [m["id"] for m in server.get("/v1/models")[1]["data"]]
+    tags = [m["name"] for m in server.get("/api/tags")[1]["models"]]
+    assert "smol-copy:latest" in tags and len(tags) == 2
+    v = Visit(browser, server.url + "/ui")
+    try:
+        page = v.page
+        v.settings("0", "4")
+        listed = page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+        assert listed == v1 + tags and page.input_value("#model") == v1[0]
+        page.select_option("#model", "smol-copy:latest")
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent.includes('loaded')",
+            timeout=120_000,
+        )
+        assert page.text_content("#status") == "smol-copy:latest loaded."
+        resident = [m["name"] for m in server.get("/api/ps")[1]["models"]]
+        assert resident == ["smol-copy:latest"]
+        label = page.eval_on_selector("#model", "s => s.selectedOptions[0].textContent")
+        assert label.startswith("smol-copy:latest (registry, loaded")
+        answer = v.ask("Name a colour.")
+        assert answer.get_attribute("data-receipt") == "verified", answer.inner_text()
+        sent = json.loads(v.stored_answers()[-1]["request"])
+        assert sent["model"] == "smol-copy:latest"
+        assert "Answer · smol-copy:latest" in answer.inner_text()
+        # back to the startup model, by its registry name, for the tests after this one
+        startup = next(t for t in tags if t != "smol-copy:latest")
+        page.select_option("#model", startup)
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent.endsWith('loaded.')",
+            timeout=120_000,
+        )
+        assert [m["name"] for m in server.get("/api/ps")[1]["models"]] == [startup]
+        assert v.errors == []
+    finally:
+        v.close()
+    engine = Visit(browser, server.engine_url + "/")
+    try:
+        listed = engine.page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+        assert listed == v1
+    finally:
+        engine.close()
+
+
 def test_the_usage_plot_shows_the_engines_records(
     visit: Visit, answered: tuple[Any, str, str], server: NativeProcess
 ) -> None:
@@ -479,7 +538,7 @@ def test_the_listen_address_serves_it_at_ui_accessible_at_phone_width_and_in_the
     try:
         page = v.page
         assert page.text_content("#key-id") == server.get("/bankml/key")[1]["keyid"]
-        assert page.text_content("#model-name") not in ("", "unknown", "…")
+        assert page.input_value("#model") not in ("", "unknown")
         unlabelled = page.evaluate(
             "() => [...document.querySelectorAll('input, select, textarea, canvas')]"
             ".filter(e => !(e.labels?.length || e.getAttribute('aria-label'))).map(e => e.id)"

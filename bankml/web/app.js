@@ -426,6 +426,8 @@ const state = {
   model: "",
   busy: null,
   db: null,
+  models: [],
+  loading: false,
 };
 const $ = (id) => document.getElementById(id);
 const newId = () => `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
@@ -578,9 +580,18 @@ function renderUser(message) {
   return el("li", { class: "message user" }, el("p", { class: "who" }, "You"), text);
 }
 
+function modelOf(message) {
+  try {
+    return str(JSON.parse(message.request || "{}")?.model);
+  } catch {
+    return "";
+  }
+}
+
 function renderAnswer(message) {
   const item = el("li", { class: "message assistant", "data-receipt": "checking" });
-  item.append(el("p", { class: "who" }, state.model ? `Answer · ${state.model}` : "Answer"));
+  const model = modelOf(message) || state.model;
+  item.append(el("p", { class: "who" }, model ? `Answer · ${model}` : "Answer"));
   fillAnswer(item, message);
   return item;
 }
@@ -704,6 +715,7 @@ function requestBody(conversation) {
     }
   }
   const body = { messages, stream: true };
+  if (state.model) body.model = state.model;
   const temperature = numberSetting("temperature");
   if (temperature !== null) body.temperature = temperature;
   const maxTokens = numberSetting("max-tokens");
@@ -719,7 +731,7 @@ function requestBody(conversation) {
 
 async function send(event) {
   event?.preventDefault();
-  if (state.busy) return;
+  if (state.busy || state.loading) return;
   const prompt = $("prompt").value;
   if (!prompt.trim()) return;
   const conversation = current();
@@ -742,7 +754,7 @@ async function send(event) {
 // Regenerate: the last user turn asked again; its answer replaces the last one, with a receipt
 // of its own (checked as any other).
 async function regenerate() {
-  if (state.busy) return;
+  if (state.busy || state.loading) return;
   const conversation = current();
   if (conversation.messages.at(-1)?.role === "assistant") {
     conversation.messages.pop();
@@ -802,13 +814,96 @@ async function answerTurn(conversation, request) {
 }
 
 function setBusy(busy) {
-  $("send").disabled = busy;
+  $("send").disabled = busy || state.loading;
   $("stop").disabled = !busy;
-  $("regenerate").disabled = busy || !current()?.messages.some((m) => m.role === "user");
+  $("regenerate").disabled = busy || state.loading || !current()?.messages.some((m) => m.role === "user");
 }
 
 function stop() {
   state.busy?.abort();
+}
+
+// --- the model picker: what /v1/models serves, and the Ollama registry where there is one ---
+
+const MODEL = "bankml.model.v1";
+
+// The registry's models (GET /api/tags) and which of them is resident (GET /api/ps), or null
+// where this address has no Ollama API (the engine address, P0).
+async function registry() {
+  try {
+    const [tags, ps] = await Promise.all([getJson("/api/tags"), getJson("/api/ps")]);
+    const resident = new Set((ps?.models || []).map((m) => str(m?.name)));
+    return (tags?.models || [])
+      .filter((m) => str(m?.name))
+      .map((m) => ({ name: m.name, resident: resident.has(m.name), file: str(m.bankml?.file) }));
+  } catch {
+    return null;
+  }
+}
+
+function fillModels(v1, tags) {
+  const entries = [];
+  const capabilities = new Map(
+    (v1?.models || []).map((m) => [str(m?.model), (m?.capabilities || []).join(", ")]),
+  );
+  for (const m of v1?.data || []) {
+    const id = str(m?.id);
+    if (!id) continue;
+    const can = capabilities.get(id);
+    entries.push({ name: id, label: `${id} (serving${can ? `: ${can}` : ""})`, load: false });
+  }
+  for (const m of tags || []) {
+    const where = m.resident ? "registry, loaded" : "registry, not loaded";
+    const label = `${m.name} (${where}${m.file ? `: ${m.file}` : ""})`;
+    entries.push({ name: m.name, label, load: !m.resident });
+  }
+  state.models = entries;
+  const kept = localStorage.getItem(MODEL);
+  const names = entries.map((e) => e.name);
+  state.model = names.includes(state.model)
+    ? state.model
+    : names.includes(kept)
+      ? kept
+      : names[0] || "";
+  $("model").replaceChildren(
+    ...entries.map((e) => {
+      const option = el("option", { value: e.name }, e.label);
+      option.selected = e.name === state.model;
+      return option;
+    }),
+  );
+  if (!entries.length) $("model").append(el("option", { value: "" }, "unknown"));
+}
+
+// A model chosen: its name goes in every request from now on; a registry model that is not
+// resident is loaded first with Ollama's load request (POST /api/generate with only the model),
+// as an Ollama client does, so that /v1 answers with it.
+async function chooseModel() {
+  const name = $("model").value;
+  const entry = state.models.find((e) => e.name === name);
+  state.model = name;
+  localStorage.setItem(MODEL, name);
+  if (!entry?.load) return;
+  state.loading = true;
+  setBusy(false);
+  say(`Loading ${name}…`);
+  try {
+    const res = await fetch("/api/generate", {
+      method: "POST",
+      headers: headers({ "Content-Type": "application/json" }),
+      body: JSON.stringify({ model: name }),
+      cache: "no-store",
+    });
+    const text = await res.text();
+    if (!res.ok) throw new Error(errorText(res.status, text));
+    say(`${name} loaded.`);
+  } catch (err) {
+    say(`${name} not loaded: ${err.message}`, true);
+  } finally {
+    state.loading = false;
+    fillModels(await getJson("/v1/models").catch(() => null), await registry());
+    setBusy(false);
+  }
 }
 
 // --- settings: the server's defaults (GET /props) unless changed here ---
@@ -953,8 +1048,7 @@ async function connect() {
     getJson("/bankml/key").then((k) => importReceiptKey(k.public_key)),
     applyDefaults(false),
   ]);
-  state.model = models.status === "fulfilled" ? str(models.value?.data?.[0]?.id) : "";
-  $("model-name").textContent = state.model || "unknown";
+  fillModels(models.status === "fulfilled" ? models.value : null, await registry());
   state.receiptKey = key.status === "fulfilled" ? key.value : null;
   $("key-id").textContent = state.receiptKey
     ? state.receiptKey.keyid
@@ -968,6 +1062,7 @@ async function start() {
   $("composer").addEventListener("submit", send);
   $("stop").addEventListener("click", stop);
   $("regenerate").addEventListener("click", regenerate);
+  $("model").addEventListener("change", chooseModel);
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) send(e);
   });
