@@ -27,6 +27,7 @@ import pytest
 
 from bankml.receipts.canonical import canonical_json, signed_bytes
 from bankml.receipts.keys import keygen
+from bankml.resources.bankml import P0_METRICS_SOURCE, empty_metrics
 from tests.bankml_process import check_receipt_cli
 from tests.native_server import NativeProcess, native_process
 from tests.registry_support import pin_into
@@ -516,6 +517,63 @@ def test_the_usage_plot_shows_the_engines_records(
     assert drawn > 0
 
 
+LOAD_SERIES = ["slots", "queue", "memory", "cpu"]
+
+
+def test_the_load_plot_draws_slots_queue_memory_and_cpu(
+    visit: Visit, answered: tuple[Any, str, str], server: NativeProcess
+) -> None:
+    """From /slots, /metrics and /bankml/usage of the engine address, one sample a poll."""
+    page = visit.page
+    page.wait_for_function(
+        "() => { const ls = [...document.querySelectorAll('#load-plot polyline')];"
+        " return ls.length === 4 && ls.every(l => l.points.numberOfItems >= 2); }",
+        timeout=30_000,
+    )
+    panels = page.eval_on_selector_all(
+        "#load-plot g.panel",
+        "gs => gs.map(g => [g.dataset.series, g.dataset.last, g.textContent])",
+    )
+    assert [p[0] for p in panels] == LOAD_SERIES
+    last = {series: float(value) for series, value, _ in panels}
+    text = {series: said for series, _, said in panels}
+    status, _, body = get(server.engine_port, "/slots")
+    slots = json.loads(body)
+    assert status == 200 and 0 <= last["slots"] <= len(slots)
+    assert f"of {len(slots)}" in text["slots"] and last["queue"] >= 0
+    rss = server.get("/bankml/usage")[1]["rss_bytes"] / 2**20
+    assert rss / 2 < last["memory"] < rss * 2 and "MiB" in text["memory"]
+    assert last["cpu"] >= 0 and "% of a core" in text["cpu"]
+    assert server.get("/bankml/metrics")[1]["measured"] is True
+
+
+def test_in_p0_the_page_says_its_completion_plot_is_not_available(
+    browser: Any, server: NativeProcess
+) -> None:
+    """P0's /bankml/metrics (measured: false, no records; its document handed to the page
+    here) makes the page say the figure is not available in P0 mode; the load plot reads what
+    P0 serves as it does natively, and says which series an address does not publish."""
+    p0 = json.dumps(empty_metrics(P0_METRICS_SOURCE))
+    v = Visit(browser, server.url + "/ui")
+    try:
+        page = v.page
+        page.route(
+            "**/bankml/metrics", lambda r: r.fulfill(body=p0, content_type="application/json")
+        )
+        page.route("**/bankml/usage", lambda r: r.fulfill(status=404, body="{}"))
+        page.wait_for_function(
+            "() => document.getElementById('usage-text').textContent.includes('P0')"
+            " && document.querySelector('#load-plot g[data-series=memory]')"
+            "?.textContent.includes('not published here')",
+            timeout=20_000,
+        )
+        said = page.text_content("#usage-text")
+        assert "not available in P0 mode" in said
+        assert page.locator("#load-plot g[data-series=queue] polyline").count() == 1
+    finally:
+        v.close()
+
+
 def test_the_page_asks_nothing_of_another_address(visit: Visit, server: NativeProcess) -> None:
     assert visit.requests
     origin = urlsplit(server.engine_url).netloc
@@ -544,6 +602,7 @@ def test_the_listen_address_serves_it_at_ui_accessible_at_phone_width_and_in_the
             ".filter(e => !(e.labels?.length || e.getAttribute('aria-label'))).map(e => e.id)"
         )
         assert unlabelled == []
+        page.wait_for_selector("#load-plot g.panel")  # a first sample drawn, for the screenshots
         shots = []
         for name, size in (("desktop", (1280, 900)), ("phone", (390, 844))):
             page.set_viewport_size({"width": size[0], "height": size[1]})

@@ -426,6 +426,7 @@ const state = {
   model: "",
   busy: null,
   db: null,
+  totalSlots: null,
   models: [],
   loading: false,
 };
@@ -927,6 +928,7 @@ async function applyDefaults(forget) {
   try {
     const props = await getJson("/props");
     params = props?.default_generation_settings?.params || {};
+    if (Number.isInteger(props?.total_slots)) state.totalSlots = props.total_slots;
   } catch (err) {
     say(`Server defaults not read: ${err.message}`, true);
   }
@@ -951,7 +953,10 @@ async function refreshUsage() {
     const metrics = await getJson("/bankml/metrics");
     usage.records = (metrics.records || []).slice(-60);
     const last = usage.records.at(-1);
-    usage.note = last
+    usage.note = metrics.measured === false
+      ? "Tokens per second and time to first token are not available in P0 mode: bankml " +
+        "forwards to llama-server and does not measure its completions."
+      : last
       ? `Last: ${fmt(last.predicted_per_second)} tokens/s, first token after ` +
         `${fmt(last.ttft_ms)} ms (${metrics.kept} completions kept).`
       : "No completions measured yet.";
@@ -961,6 +966,7 @@ async function refreshUsage() {
   }
   $("usage-text").textContent = usage.note;
   drawUsage();
+  await refreshLoad();
 }
 
 const fmt = (v) => (typeof v === "number" ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) : "–");
@@ -1012,6 +1018,119 @@ function drawUsage() {
     });
     g.stroke();
   });
+}
+
+// --- load: slots busy, queue, memory and CPU over time (GET /slots, /metrics, /bankml/usage) ---
+
+const LOAD_KEEP = 100; // samples, one per poll (3 s): the last five minutes
+const loadPlot = { samples: [], notes: {} };
+
+async function getText(path) {
+  const res = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (!res.ok) throw new Error(`${path}: HTTP ${res.status}`);
+  return res.text();
+}
+
+// One sample of Prometheus text: the value of `name` (no labels), or null.
+export function promValue(text, name) {
+  for (const line of text.split("\n")) {
+    if (line.startsWith(`${name} `)) {
+      const value = Number(line.slice(name.length + 1));
+      return Number.isFinite(value) ? value : null;
+    }
+  }
+  return null;
+}
+
+async function refreshLoad() {
+  const [slots, metrics, sampled] = await Promise.allSettled([
+    getJson("/slots"),
+    getText("/metrics"),
+    getJson("/bankml/usage"),
+  ]);
+  const sample = { busy: null, slots: null, queue: null, memory: null, cpu: null };
+  const notes = {};
+  const prom = metrics.status === "fulfilled" ? metrics.value : "";
+  if (slots.status === "fulfilled" && Array.isArray(slots.value)) {
+    sample.busy = slots.value.filter((s) => s?.is_processing === true).length;
+    sample.slots = slots.value.length;
+  } else {
+    sample.busy = promValue(prom, "llamacpp:requests_processing");
+    sample.slots = state.totalSlots ?? null;
+  }
+  sample.queue = promValue(prom, "llamacpp:requests_deferred");
+  if (sample.busy === null) notes.slots = "not published here (/slots and /metrics answer no)";
+  if (sample.queue === null) notes.queue = "not published here (/metrics: start with --metrics)";
+  if (sampled.status === "fulfilled") {
+    const u = sampled.value;
+    if (typeof u?.rss_bytes === "number") sample.memory = u.rss_bytes / 2 ** 20;
+    if (typeof u?.cpu_percent === "number") sample.cpu = u.cpu_percent;
+  } else {
+    notes.memory = notes.cpu = `not published here (${sampled.reason.message})`;
+  }
+  loadPlot.samples.push(sample);
+  if (loadPlot.samples.length > LOAD_KEEP) loadPlot.samples.shift();
+  loadPlot.notes = notes;
+  drawLoad();
+}
+
+// The SVG namespace, as the HTML parser gave it to the page's own <svg>.
+function svg(tag, attrs = {}, text = null) {
+  const node = document.createElementNS($("load-plot").namespaceURI, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, String(value));
+  if (text !== null) node.textContent = text;
+  return node;
+}
+
+const LOAD_PANELS = [
+  ["slots", "busy", "Slots busy", (v, s) => `${v} of ${s.slots ?? "?"}`],
+  ["queue", "queue", "Queue", (v) => `${v} waiting`],
+  ["memory", "memory", "Memory (RSS)", (v) => `${fmt(v)} MiB`],
+  ["cpu", "cpu", "CPU", (v) => `${fmt(v)} % of a core`],
+];
+
+// Four small line plots in one inline SVG, drawn from the samples kept; a series this address
+// does not publish says so in its panel.
+function drawLoad() {
+  const width = 320;
+  const high = 56;
+  const plot = $("load-plot");
+  const parts = [];
+  LOAD_PANELS.forEach(([series, field, title, says], k) => {
+    const top = k * high;
+    const values = loadPlot.samples.map((s) => s[field]);
+    const known = values.filter((v) => v !== null);
+    const last = loadPlot.samples.at(-1);
+    const group = svg("g", { class: "panel", "data-series": series });
+    if (known.length) group.setAttribute("data-last", String(values.at(-1) ?? ""));
+    const max = Math.max(
+      series === "slots" ? (last?.slots ?? 1) : 0,
+      series === "cpu" ? 100 : 0,
+      ...known,
+      1e-9,
+    );
+    const shown = values.at(-1) === null || values.at(-1) === undefined
+      ? loadPlot.notes[series] || "no sample yet"
+      : says(values.at(-1), last);
+    group.append(svg("text", { x: 4, y: top + 12, class: "plot-label" }, `${title}: ${shown}`));
+    const bottom = top + high - 6;
+    const y0 = top + 18;
+    group.append(svg("line", { x1: 4, x2: width - 4, y1: bottom, y2: bottom, class: "plot-axis" }));
+    const step = (width - 16) / Math.max(1, LOAD_KEEP - 1);
+    const offset = LOAD_KEEP - values.length;
+    const points = [];
+    values.forEach((v, n) => {
+      if (v === null) return;
+      const x = 8 + (offset + n) * step;
+      const y = bottom - (v / max) * (bottom - y0);
+      points.push(`${x.toFixed(1)},${y.toFixed(1)}`);
+    });
+    if (points.length) {
+      group.append(svg("polyline", { points: points.join(" "), class: `plot-line p${k}` }));
+    }
+    parts.push(group);
+  });
+  plot.replaceChildren(...parts);
 }
 
 // --- export and import (JSON) ---
@@ -1117,6 +1236,7 @@ globalThis.bankmlPage = {
   canonicalFromText,
   pyFloatRepr,
   signedText,
+  promValue,
   saved: () => saving, // settles once every write asked for so far is done
 };
 start();
