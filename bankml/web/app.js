@@ -859,13 +859,10 @@ function fillModels(v1, tags) {
     entries.push({ name: m.name, label, load: !m.resident });
   }
   state.models = entries;
-  const kept = localStorage.getItem(MODEL);
+  // the last choice again on a new visit, unless it must be loaded first (choose it again)
+  const kept = entries.find((e) => e.name === localStorage.getItem(MODEL) && !e.load);
   const names = entries.map((e) => e.name);
-  state.model = names.includes(state.model)
-    ? state.model
-    : names.includes(kept)
-      ? kept
-      : names[0] || "";
+  state.model = names.includes(state.model) ? state.model : kept?.name || names[0] || "";
   $("model").replaceChildren(
     ...entries.map((e) => {
       const option = el("option", { value: e.name }, e.label);
