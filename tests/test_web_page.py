@@ -5,7 +5,12 @@ The page chats (streamed, greedy, a few tokens), checks the answer's receipt in 
 (``data-receipt="verified"``), and the files it offers pass ``bankml check-receipt``; an answer
 changed on the way (one byte of its text, or one field of its receipt) is ``failed``, an answer
 without a receipt or stopped (Escape) ``unsigned``; model text is shown as text, never run; the page asks nothing
-of any other address. Its canonical JSON is compared with bankml's own on awkward values.
+of any other address. Regenerate replaces the last answer with one of its own receipt; the
+conversations are kept in IndexedDB (what localStorage held moves there once); the model picker
+lists /v1/models and the registry and loads the model chosen (the server has a second one to
+pick: a copy of the default model pinned under another name); the load plot draws slots, queue,
+memory and CPU, and with P0's /bankml/metrics the page says its completion figure is not
+available. Its canonical JSON is compared with bankml's own on awkward values.
 Screenshots at desktop and phone width go to the test's tmp_path (their paths are printed).
 """
 
