@@ -5,7 +5,12 @@ The page chats (streamed, greedy, a few tokens), checks the answer's receipt in 
 (``data-receipt="verified"``), and the files it offers pass ``bankml check-receipt``; an answer
 changed on the way (one byte of its text, or one field of its receipt) is ``failed``, an answer
 without a receipt or stopped (Escape) ``unsigned``; model text is shown as text, never run; the page asks nothing
-of any other address. Its canonical JSON is compared with bankml's own on awkward values.
+of any other address. Regenerate replaces the last answer with one of its own receipt; the
+conversations are kept in IndexedDB (what localStorage held moves there once); the model picker
+lists /v1/models and the registry and loads the model chosen (the server has a second one to
+pick: a copy of the default model pinned under another name); the load plot draws slots, queue,
+memory and CPU, and with P0's /bankml/metrics the page says its completion figure is not
+available. Its canonical JSON is compared with bankml's own on awkward values.
 Screenshots at desktop and phone width go to the test's tmp_path (their paths are printed).
 """
 
@@ -16,6 +21,7 @@ import http.client
 import json
 import random
 import re
+import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +32,10 @@ import pytest
 
 from bankml.receipts.canonical import canonical_json, signed_bytes
 from bankml.receipts.keys import keygen
+from bankml.resources.bankml import P0_METRICS_SOURCE, empty_metrics
 from tests.bankml_process import check_receipt_cli
 from tests.native_server import NativeProcess, native_process
+from tests.registry_support import pin_into
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -41,6 +49,21 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 ANSWERED = 'li.assistant:not([data-receipt="checking"])'
+READ_CONVERSATIONS = """async () => {
+  await bankmlPage.saved();
+  const db = await new Promise((ok, no) => {
+    const r = indexedDB.open("bankml");
+    r.onsuccess = () => ok(r.result);
+    r.onerror = () => no(r.error);
+  });
+  const all = await new Promise((ok, no) => {
+    const r = db.transaction("conversations").objectStore("conversations").getAll();
+    r.onsuccess = () => ok(r.result);
+    r.onerror = () => no(r.error);
+  });
+  db.close();
+  return all.sort((a, b) => a.position - b.position);
+}"""
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(), reason="needs Debian's chromium (make test-deps installs it)"
@@ -53,8 +76,15 @@ def server(
 ) -> Iterator[NativeProcess]:
     directory = tmp_path_factory.mktemp("web")
     key = keygen(directory / "key" / "receipt-key.pem")
+    # a registry with the default model's pin and a second model to pick: a copy of it under
+    # another name (one model is resident at a time; the picker loads the one chosen)
+    registry = directory / "forks"
+    registry.mkdir()
+    (registry / default_fork.name).write_bytes(default_fork.read_bytes())
+    shutil.copyfile(default_model, registry / "Smol-Copy.gguf")
+    pin_into(registry, registry / "Smol-Copy.gguf")
     proc = native_process(default_model, default_fork, directory)
-    proc.engine_args += ["--receipt-key", str(key.path)]
+    proc.engine_args += ["--receipt-key", str(key.path), "--registry", str(registry)]
     with proc:
         yield proc
 
@@ -100,9 +130,13 @@ class Visit:
         )
         return self.page.locator(ANSWERED).last
 
+    def stored(self) -> list[dict[str, Any]]:
+        """The conversations as the page keeps them in IndexedDB, in their order."""
+        kept: list[dict[str, Any]] = self.page.evaluate(READ_CONVERSATIONS)
+        return kept
+
     def stored_answers(self) -> list[dict[str, Any]]:
-        kept = json.loads(self.page.evaluate("localStorage.getItem('bankml.conversations.v1')"))
-        return [m for c in kept for m in c["messages"] if m["role"] == "assistant"]
+        return [m for c in self.stored() for m in c["messages"] if m["role"] == "assistant"]
 
     def close(self) -> None:
         self.context.close()
@@ -203,6 +237,35 @@ def test_an_answer_streams_and_its_receipt_verifies(
         tmp_path, files["request"], files["answer"], files["key"].decode()
     )
     assert status == 0, out
+
+
+def test_regenerate_replaces_the_last_answer_with_one_of_its_own_receipt(
+    visit: Visit, answered: tuple[Any, str, str]
+) -> None:
+    page = visit.page
+    before = visit.stored_answers()
+    count = page.locator("li.assistant").count()
+    page.locator("li.assistant").last.evaluate("e => { e.dataset.old = 'yes'; }")
+    page.focus("#regenerate")
+    page.keyboard.press("Enter")
+    page.wait_for_function(
+        "() => { const a = [...document.querySelectorAll('li.assistant')].at(-1);"
+        " return !a.dataset.old && a.dataset.receipt !== 'checking'; }",
+        timeout=120_000,
+    )
+    after = visit.stored_answers()
+    assert page.locator("li.assistant").count() == count and len(after) == len(before)
+    assert page.locator("li.assistant").last.get_attribute("data-receipt") == "verified"
+    old, new = before[-1], after[-1]
+    assert json.loads(new["request"])["messages"] == json.loads(old["request"])["messages"]
+    receipts = [
+        json.loads([x for x in a["raw"].split("\n") if '"bankml_receipt"' in x][-1][6:])[
+            "bankml_receipt"
+        ]
+        for a in (old, new)
+    ]
+    assert receipts[0]["signature"] != receipts[1]["signature"]
+    assert receipts[1]["response_sha256"] == hashlib.sha256(new["content"].encode()).hexdigest()
 
 
 def alter(route: Any, change: Any) -> None:
@@ -358,6 +421,88 @@ def test_export_and_import_check_the_receipts_again(
     assert [a.get_attribute("data-receipt") for a in page.locator(ANSWERED).all()] == marks
 
 
+def test_conversations_in_localstorage_move_to_indexeddb_once(
+    browser: Any, visit: Visit, answered: tuple[Any, str, str], server: NativeProcess
+) -> None:
+    """What a page kept in localStorage (its format: a JSON list of conversations) is moved to
+    IndexedDB on the next load, and its answers are checked again there."""
+    kept = [c for c in visit.stored() if any(m["role"] == "assistant" for m in c["messages"])][:1]
+    kept = [{k: v for k, v in c.items() if k != "position"} for c in kept]
+    v = Visit(browser, server.engine_url + "/")  # a browser context of its own
+    try:
+        page = v.page
+        page.evaluate("t => localStorage.setItem('bankml.conversations.v1', t)", json.dumps(kept))
+        page.reload()
+        page.wait_for_selector("body[data-ready=true]", timeout=60_000)
+        assert page.evaluate("localStorage.getItem('bankml.conversations.v1')") is None
+        assert "moved from localStorage to IndexedDB" in page.text_content("#status")
+        moved = v.stored()[-1]
+        assert [m.get("raw") for m in moved["messages"]] == [
+            m.get("raw") for m in kept[0]["messages"]
+        ]
+        page.select_option("#conversation", moved["id"])
+        n = sum(m["role"] == "assistant" for m in moved["messages"])
+        page.wait_for_function(f"n => document.querySelectorAll('{ANSWERED}').length === n", arg=n)
+        marks = {a.get_attribute("data-receipt") for a in page.locator(ANSWERED).all()}
+        assert "verified" in marks
+        page.reload()  # once: nothing moves again, nothing doubles
+        page.wait_for_selector("body[data-ready=true]", timeout=60_000)
+        assert len(v.stored()) == 1 and "moved" not in page.text_content("#status")
+        assert v.errors == []
+    finally:
+        v.close()
+
+
+def test_the_model_picker_lists_v1_and_the_registry_and_switches(
+    browser: Any, server: NativeProcess
+) -> None:
+    """At /ui of the listen address the picker lists /v1/models and the registry (/api/tags);
+    a registry model that is not resident is loaded when chosen, and its name goes in the
+    request; the answer is verified as any other. The engine address has no registry: it
+    lists /v1/models only."""
+    v1 = [m["id"] for m in server.get("/v1/models")[1]["data"]]
+    tags = [m["name"] for m in server.get("/api/tags")[1]["models"]]
+    assert "smol-copy:latest" in tags and len(tags) == 2
+    v = Visit(browser, server.url + "/ui")
+    try:
+        page = v.page
+        v.settings("0", "4")
+        listed = page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+        assert listed == v1 + tags and page.input_value("#model") == v1[0]
+        page.select_option("#model", "smol-copy:latest")
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent.includes('loaded')",
+            timeout=120_000,
+        )
+        assert page.text_content("#status") == "smol-copy:latest loaded."
+        resident = [m["name"] for m in server.get("/api/ps")[1]["models"]]
+        assert resident == ["smol-copy:latest"]
+        label = page.eval_on_selector("#model", "s => s.selectedOptions[0].textContent")
+        assert label.startswith("smol-copy:latest (registry, loaded")
+        answer = v.ask("Name a colour.")
+        assert answer.get_attribute("data-receipt") == "verified", answer.inner_text()
+        sent = json.loads(v.stored_answers()[-1]["request"])
+        assert sent["model"] == "smol-copy:latest"
+        assert "Answer · smol-copy:latest" in answer.inner_text()
+        # back to the startup model, by its registry name, for the tests after this one
+        startup = next(t for t in tags if t != "smol-copy:latest")
+        page.select_option("#model", startup)
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent.endsWith('loaded.')",
+            timeout=120_000,
+        )
+        assert [m["name"] for m in server.get("/api/ps")[1]["models"]] == [startup]
+        assert v.errors == []
+    finally:
+        v.close()
+    engine = Visit(browser, server.engine_url + "/")
+    try:
+        listed = engine.page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+        assert listed == v1
+    finally:
+        engine.close()
+
+
 def test_the_usage_plot_shows_the_engines_records(
     visit: Visit, answered: tuple[Any, str, str], server: NativeProcess
 ) -> None:
@@ -375,6 +520,62 @@ def test_the_usage_plot_shows_the_engines_records(
         " let n = 0; for (let k = 3; k < d.length; k += 4) n += d[k] > 0; return n; }"
     )
     assert drawn > 0
+
+
+LOAD_SERIES = ["slots", "queue", "memory", "cpu"]
+
+
+def test_the_load_plot_draws_slots_queue_memory_and_cpu(
+    visit: Visit, answered: tuple[Any, str, str], server: NativeProcess
+) -> None:
+    """From /slots, /metrics and /bankml/usage of the engine address, one sample a poll."""
+    page = visit.page
+    # the panels once each series has two points and a last value (read in the same turn)
+    panels = page.wait_for_function(
+        "() => { const gs = [...document.querySelectorAll('#load-plot g.panel')];"
+        " const ok = gs.length === 4 && gs.every(g => g.dataset.last"
+        " && g.querySelector('polyline')?.points.numberOfItems >= 2);"
+        " return ok && gs.map(g => [g.dataset.series, g.dataset.last, g.textContent]); }",
+        timeout=30_000,
+    ).json_value()
+    assert [p[0] for p in panels] == LOAD_SERIES, panels
+    last = {series: float(value) for series, value, _ in panels}
+    text = {series: said for series, _, said in panels}
+    status, _, body = get(server.engine_port, "/slots")
+    slots = json.loads(body)
+    assert status == 200 and 0 <= last["slots"] <= len(slots)
+    assert f"of {len(slots)}" in text["slots"] and last["queue"] >= 0
+    total = server.get("/bankml/usage")[1]["mem_total_bytes"] / 2**20
+    assert 0 < last["memory"] < total and "MiB" in text["memory"]
+    assert last["cpu"] >= 0 and "% of a core" in text["cpu"]
+    assert server.get("/bankml/metrics")[1]["measured"] is True
+
+
+def test_in_p0_the_page_says_its_completion_plot_is_not_available(
+    browser: Any, server: NativeProcess
+) -> None:
+    """P0's /bankml/metrics (measured: false, no records; its document handed to the page
+    here) makes the page say the figure is not available in P0 mode; the load plot reads what
+    P0 serves as it does natively, and says which series an address does not publish."""
+    p0 = json.dumps(empty_metrics(P0_METRICS_SOURCE))
+    v = Visit(browser, server.url + "/ui")
+    try:
+        page = v.page
+        page.route(
+            "**/bankml/metrics", lambda r: r.fulfill(body=p0, content_type="application/json")
+        )
+        page.route("**/bankml/usage", lambda r: r.fulfill(status=404, body="{}"))
+        page.wait_for_function(
+            "() => document.getElementById('usage-text').textContent.includes('P0')"
+            " && document.querySelector('#load-plot g[data-series=memory]')"
+            "?.textContent.includes('not published here')",
+            timeout=20_000,
+        )
+        said = page.text_content("#usage-text")
+        assert "not available in P0 mode" in said
+        assert page.locator("#load-plot g[data-series=queue] polyline").count() == 1
+    finally:
+        v.close()
 
 
 def test_the_page_asks_nothing_of_another_address(visit: Visit, server: NativeProcess) -> None:
@@ -399,12 +600,13 @@ def test_the_listen_address_serves_it_at_ui_accessible_at_phone_width_and_in_the
     try:
         page = v.page
         assert page.text_content("#key-id") == server.get("/bankml/key")[1]["keyid"]
-        assert page.text_content("#model-name") not in ("", "unknown", "…")
+        assert page.input_value("#model") not in ("", "unknown")
         unlabelled = page.evaluate(
             "() => [...document.querySelectorAll('input, select, textarea, canvas')]"
             ".filter(e => !(e.labels?.length || e.getAttribute('aria-label'))).map(e => e.id)"
         )
         assert unlabelled == []
+        page.wait_for_selector("#load-plot g.panel")  # a first sample drawn, for the screenshots
         shots = []
         for name, size in (("desktop", (1280, 900)), ("phone", (390, 844))):
             page.set_viewport_size({"width": size[0], "height": size[1]})

@@ -438,6 +438,7 @@ class NativeEngine:
             records = list(self.records)
         return {
             "source": self.engine_name,
+            "measured": True,
             "kept": len(records),
             "keep": self.METRICS_KEEP,
             "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in records),

@@ -33,7 +33,12 @@ from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
 from bankml.native.ollama import make_host
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
-from bankml.resources.bankml import BankmlResource, KeyResource, MetricsResource
+from bankml.resources.bankml import (
+    BankmlResource,
+    KeyResource,
+    MetricsResource,
+    UsageResource,
+)
 from bankml.resources.description import ApiDescription
 from bankml.resources.ollama import put_ollama_routes
 from bankml.resources.openai import ChatCompletions, Completions, Messages, Models, Responses
@@ -128,7 +133,8 @@ def build_native_roots(
     ``ollama``), and the engine address with /slots; both answer the OpenAI and llama-server
     endpoints (/metrics only with ``metrics``, else llama-server's 501; ``GET /slots`` unless
     ``slots_list`` is False, --no-slots). The engine address also answers ``GET /bankml/key``
-    (with a receipt key) and ``GET /bankml/metrics``, which its web page reads.
+    (with a receipt key), ``GET /bankml/metrics`` and ``GET /bankml/usage`` (the same sampler
+    as the listen address's), which its web page reads.
 
     ``webui`` (llama-server's ``--no-webui`` makes it False): the web page
     (resources/web.py) at ``/`` of the engine address, where llama-server serves its own, and
@@ -146,10 +152,11 @@ def build_native_roots(
     _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics)
     engine_root = WebRoot() if webui else Branch()
     _put_llama_endpoints(engine_root, native, slots=True, metrics=metrics, slots_list=slots_list)
-    engine_bankml = Branch()  # what the page on / reads: the key and the completions' records
+    engine_bankml = Branch()  # what the page on / reads: the key, the records, the usage
     if native.receipt_key is not None:
         engine_bankml.putChild(b"key", KeyResource(native.receipt_key))
     engine_bankml.putChild(b"metrics", MetricsResource(native.metrics))
+    engine_bankml.putChild(b"usage", UsageResource(sampler))
     engine_root.putChild(b"bankml", engine_bankml)
     if webui:
         put_web_page(listen_root)

@@ -8,8 +8,8 @@ key its receipts are signed with, what it costs, and the engine's per-completion
   `bankml check-receipt --key` takes (404 when no key signs the receipts).
 - `/bankml/usage`: one shared `UsageSampler` sample (at most once a second, see usage.py).
 - `/bankml/metrics`: the metrics ring. In P0 the tokens come from llama-server, which bankml
-  does not measure, so the ring is empty: `{"source", "kept": 0, "keep": 256, ..., "records": []}`;
-  natively it is the engine's per-completion records.
+  does not measure, so the ring is empty: `{"source", "measured": false, "kept": 0, "keep": 256,
+  ..., "records": []}`; natively it is the engine's per-completion records, `"measured": true`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,14 @@ from bankml.usage import UsageSampler
 METRICS_KEEP = 256
 
 
+P0_METRICS_SOURCE = "bankml P0: llama-server's completions are not measured"
+
+
 def empty_metrics(source: str) -> dict[str, Any]:
     """The metrics document with no records."""
     return {
         "source": source,
+        "measured": False,
         "kept": 0,
         "keep": METRICS_KEEP,
         "prompt_tokens": 0,
@@ -112,10 +116,7 @@ class BankmlResource(JsonResource):
         self.putChild(b"usage", UsageResource(sampler))
         self.putChild(
             b"metrics",
-            MetricsResource(
-                metrics
-                or (lambda: empty_metrics("bankml P0: llama-server's completions are not measured"))
-            ),
+            MetricsResource(metrics or (lambda: empty_metrics(P0_METRICS_SOURCE))),
         )
 
     def getChild(self, path: bytes, request: Request) -> Any:

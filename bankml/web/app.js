@@ -407,7 +407,7 @@ async function streamChat(answer, signal, onUpdate) {
   }
 }
 
-// --- conversations, kept in this browser (localStorage) ---
+// --- conversations, kept in this browser (IndexedDB) ---
 
 const STORE = "bankml.conversations.v1";
 const SETTINGS = "bankml.settings.v1";
@@ -419,7 +419,17 @@ const SAYS = {
   checking: "Checking the receipt…",
 };
 
-const state = { conversations: [], current: null, receiptKey: null, model: "", busy: null };
+const state = {
+  conversations: [],
+  current: null,
+  receiptKey: null,
+  model: "",
+  busy: null,
+  db: null,
+  totalSlots: null,
+  models: [],
+  loading: false,
+};
 const $ = (id) => document.getElementById(id);
 const newId = () => `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
 const str = (v) => (typeof v === "string" ? v : "");
@@ -461,23 +471,86 @@ function cleanConversation(c) {
   };
 }
 
-function load() {
+// IndexedDB "bankml", store "conversations": one record per conversation (keyPath "id", its
+// place in the list as "position"). What an older page kept in localStorage moves here once.
+const DB_NAME = "bankml";
+const DB_STORE = "conversations";
+
+function openDb() {
+  return new Promise((resolve, reject) => {
+    const opening = indexedDB.open(DB_NAME, 1);
+    opening.onupgradeneeded = () => opening.result.createObjectStore(DB_STORE, { keyPath: "id" });
+    opening.onsuccess = () => resolve(opening.result);
+    opening.onerror = () => reject(opening.error);
+  });
+}
+
+const finished = (tx) =>
+  new Promise((resolve, reject) => {
+    tx.oncomplete = () => resolve();
+    tx.onerror = () => reject(tx.error);
+    tx.onabort = () => reject(tx.error || new Error("the write was aborted"));
+  });
+
+async function readConversations(db) {
+  const tx = db.transaction(DB_STORE, "readonly");
+  const all = tx.objectStore(DB_STORE).getAll();
+  await finished(tx);
+  return all.result.sort((a, b) => (a.position ?? 0) - (b.position ?? 0));
+}
+
+async function writeConversations(db, list) {
+  const tx = db.transaction(DB_STORE, "readwrite");
+  const store = tx.objectStore(DB_STORE);
+  store.clear();
+  list.forEach((c, position) => store.put({ ...c, position }));
+  await finished(tx);
+}
+
+function parseStored(text) {
   try {
-    const saved = JSON.parse(localStorage.getItem(STORE) || "[]");
-    state.conversations = (Array.isArray(saved) ? saved : []).map(cleanConversation).filter(Boolean);
+    const saved = JSON.parse(text || "[]");
+    return (Array.isArray(saved) ? saved : []).map(cleanConversation).filter(Boolean);
   } catch {
-    state.conversations = [];
+    return [];
+  }
+}
+
+async function load() {
+  try {
+    state.db = await openDb();
+    state.conversations = (await readConversations(state.db))
+      .map(cleanConversation)
+      .filter(Boolean);
+    const old = localStorage.getItem(STORE);
+    if (old !== null) {
+      const moved = parseStored(old);
+      state.conversations.push(...moved);
+      await writeConversations(state.db, state.conversations);
+      localStorage.removeItem(STORE);
+      if (moved.length) say(`${moved.length} conversation(s) moved from localStorage to IndexedDB.`);
+    }
+  } catch (err) {
+    state.db = null;
+    state.conversations = parseStored(localStorage.getItem(STORE));
+    say(`IndexedDB is not available (${err.message}); conversations kept in localStorage.`, true);
   }
   if (!state.conversations.length) state.conversations.push(cleanConversation({ messages: [] }));
   state.current = state.conversations[0].id;
 }
 
+// Writes go one after another, each the list as it stands when it is asked for.
+let saving = Promise.resolve();
+
 function save() {
-  try {
-    localStorage.setItem(STORE, JSON.stringify(state.conversations));
-  } catch (err) {
-    say(`The conversations could not be kept: ${err.message}`, true);
-  }
+  const list = structuredClone(state.conversations);
+  saving = saving
+    .then(() => {
+      if (state.db) return writeConversations(state.db, list);
+      localStorage.setItem(STORE, JSON.stringify(list));
+    })
+    .catch((err) => say(`The conversations could not be kept: ${err.message}`, true));
+  return saving;
 }
 
 const current = () => state.conversations.find((c) => c.id === state.current);
@@ -508,9 +581,18 @@ function renderUser(message) {
   return el("li", { class: "message user" }, el("p", { class: "who" }, "You"), text);
 }
 
+function modelOf(message) {
+  try {
+    return str(JSON.parse(message.request || "{}")?.model);
+  } catch {
+    return "";
+  }
+}
+
 function renderAnswer(message) {
   const item = el("li", { class: "message assistant", "data-receipt": "checking" });
-  item.append(el("p", { class: "who" }, state.model ? `Answer · ${state.model}` : "Answer"));
+  const model = modelOf(message) || state.model;
+  item.append(el("p", { class: "who" }, model ? `Answer · ${model}` : "Answer"));
   fillAnswer(item, message);
   return item;
 }
@@ -605,6 +687,7 @@ function renderConversation() {
       check(item, message);
     }
   }
+  setBusy(Boolean(state.busy));
 }
 
 // --- sending ---
@@ -633,6 +716,7 @@ function requestBody(conversation) {
     }
   }
   const body = { messages, stream: true };
+  if (state.model) body.model = state.model;
   const temperature = numberSetting("temperature");
   if (temperature !== null) body.temperature = temperature;
   const maxTokens = numberSetting("max-tokens");
@@ -648,7 +732,7 @@ function requestBody(conversation) {
 
 async function send(event) {
   event?.preventDefault();
-  if (state.busy) return;
+  if (state.busy || state.loading) return;
   const prompt = $("prompt").value;
   if (!prompt.trim()) return;
   const conversation = current();
@@ -663,18 +747,42 @@ async function send(event) {
   }
   if (conversation.messages.length === 1) conversation.title = prompt.slice(0, 60);
   $("prompt").value = "";
+  $("messages").append(renderUser(conversation.messages.at(-1)));
+  fillConversationList();
+  await answerTurn(conversation, request);
+}
+
+// Regenerate: the last user turn asked again; its answer replaces the last one, with a receipt
+// of its own (checked as any other).
+async function regenerate() {
+  if (state.busy || state.loading) return;
+  const conversation = current();
+  if (conversation.messages.at(-1)?.role === "assistant") {
+    conversation.messages.pop();
+    const items = $("messages").querySelectorAll(":scope > li.assistant");
+    items[items.length - 1]?.remove();
+  }
+  if (conversation.messages.at(-1)?.role !== "user") return;
+  let request;
+  try {
+    request = requestBody(conversation);
+  } catch (err) {
+    say(`Not sent: ${err.message}`, true);
+    return;
+  }
+  await answerTurn(conversation, request);
+}
+
+// One answer to the conversation's last user turn, streamed into the page, kept and checked.
+async function answerTurn(conversation, request) {
   const answer = cleanMessage({ role: "assistant", request });
   conversation.messages.push(answer);
-  const list = $("messages");
-  list.append(renderUser(conversation.messages.at(-2)));
   const item = renderAnswer(answer);
-  list.append(item);
+  $("messages").append(item);
   item.scrollIntoView({ block: "end" });
-  fillConversationList();
   const control = new AbortController();
   state.busy = control;
-  $("send").disabled = true;
-  $("stop").disabled = false;
+  setBusy(true);
   say("Answering…");
   let drawn = 0;
   try {
@@ -698,8 +806,7 @@ async function send(event) {
   } finally {
     cancelAnimationFrame(drawn);
     state.busy = null;
-    $("send").disabled = false;
-    $("stop").disabled = true;
+    setBusy(false);
     fillAnswer(item, answer);
     save();
     await check(item, answer);
@@ -707,8 +814,94 @@ async function send(event) {
   }
 }
 
+function setBusy(busy) {
+  $("send").disabled = busy || state.loading;
+  $("stop").disabled = !busy;
+  $("regenerate").disabled = busy || state.loading || !current()?.messages.some((m) => m.role === "user");
+}
+
 function stop() {
   state.busy?.abort();
+}
+
+// --- the model picker: what /v1/models serves, and the Ollama registry where there is one ---
+
+const MODEL = "bankml.model.v1";
+
+// The registry's models (GET /api/tags) and which of them is resident (GET /api/ps), or null
+// where this address has no Ollama API (the engine address, P0).
+async function registry() {
+  try {
+    const [tags, ps] = await Promise.all([getJson("/api/tags"), getJson("/api/ps")]);
+    const resident = new Set((ps?.models || []).map((m) => str(m?.name)));
+    return (tags?.models || [])
+      .filter((m) => str(m?.name))
+      .map((m) => ({ name: m.name, resident: resident.has(m.name), file: str(m.bankml?.file) }));
+  } catch {
+    return null;
+  }
+}
+
+function fillModels(v1, tags) {
+  const entries = [];
+  const capabilities = new Map(
+    (v1?.models || []).map((m) => [str(m?.model), (m?.capabilities || []).join(", ")]),
+  );
+  for (const m of v1?.data || []) {
+    const id = str(m?.id);
+    if (!id) continue;
+    const can = capabilities.get(id);
+    entries.push({ name: id, label: `${id} (serving${can ? `: ${can}` : ""})`, load: false });
+  }
+  for (const m of tags || []) {
+    const where = m.resident ? "registry, loaded" : "registry, not loaded";
+    const label = `${m.name} (${where}${m.file ? `: ${m.file}` : ""})`;
+    entries.push({ name: m.name, label, load: !m.resident });
+  }
+  state.models = entries;
+  // the last choice again on a new visit, unless it must be loaded first (choose it again)
+  const kept = entries.find((e) => e.name === localStorage.getItem(MODEL) && !e.load);
+  const names = entries.map((e) => e.name);
+  state.model = names.includes(state.model) ? state.model : kept?.name || names[0] || "";
+  $("model").replaceChildren(
+    ...entries.map((e) => {
+      const option = el("option", { value: e.name }, e.label);
+      option.selected = e.name === state.model;
+      return option;
+    }),
+  );
+  if (!entries.length) $("model").append(el("option", { value: "" }, "unknown"));
+}
+
+// A model chosen: its name goes in every request from now on; a registry model that is not
+// resident is loaded first with Ollama's load request (POST /api/generate with only the model),
+// as an Ollama client does, so that /v1 answers with it.
+async function chooseModel() {
+  const name = $("model").value;
+  const entry = state.models.find((e) => e.name === name);
+  state.model = name;
+  localStorage.setItem(MODEL, name);
+  if (!entry?.load) return;
+  state.loading = true;
+  setBusy(false);
+  say(`Loading ${name}…`);
+  try {
+    const res = await fetch("/api/generate", {
+      method: "POST",
+      headers: headers({ "Content-Type": "application/json" }),
+      body: JSON.stringify({ model: name }),
+      cache: "no-store",
+    });
+    const text = await res.text();
+    if (!res.ok) throw new Error(errorText(res.status, text));
+    say(`${name} loaded.`);
+  } catch (err) {
+    say(`${name} not loaded: ${err.message}`, true);
+  } finally {
+    state.loading = false;
+    fillModels(await getJson("/v1/models").catch(() => null), await registry());
+    setBusy(false);
+  }
 }
 
 // --- settings: the server's defaults (GET /props) unless changed here ---
@@ -732,6 +925,7 @@ async function applyDefaults(forget) {
   try {
     const props = await getJson("/props");
     params = props?.default_generation_settings?.params || {};
+    if (Number.isInteger(props?.total_slots)) state.totalSlots = props.total_slots;
   } catch (err) {
     say(`Server defaults not read: ${err.message}`, true);
   }
@@ -756,7 +950,10 @@ async function refreshUsage() {
     const metrics = await getJson("/bankml/metrics");
     usage.records = (metrics.records || []).slice(-60);
     const last = usage.records.at(-1);
-    usage.note = last
+    usage.note = metrics.measured === false
+      ? "Tokens per second and time to first token are not available in P0 mode: bankml " +
+        "forwards to llama-server and does not measure its completions."
+      : last
       ? `Last: ${fmt(last.predicted_per_second)} tokens/s, first token after ` +
         `${fmt(last.ttft_ms)} ms (${metrics.kept} completions kept).`
       : "No completions measured yet.";
@@ -766,6 +963,7 @@ async function refreshUsage() {
   }
   $("usage-text").textContent = usage.note;
   drawUsage();
+  await refreshLoad();
 }
 
 const fmt = (v) => (typeof v === "number" ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) : "–");
@@ -819,6 +1017,119 @@ function drawUsage() {
   });
 }
 
+// --- load: slots busy, queue, memory and CPU over time (GET /slots, /metrics, /bankml/usage) ---
+
+const LOAD_KEEP = 100; // samples, one per poll (3 s): the last five minutes
+const loadPlot = { samples: [], notes: {} };
+
+async function getText(path) {
+  const res = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (!res.ok) throw new Error(`${path}: HTTP ${res.status}`);
+  return res.text();
+}
+
+// One sample of Prometheus text: the value of `name` (no labels), or null.
+export function promValue(text, name) {
+  for (const line of text.split("\n")) {
+    if (line.startsWith(`${name} `)) {
+      const value = Number(line.slice(name.length + 1));
+      return Number.isFinite(value) ? value : null;
+    }
+  }
+  return null;
+}
+
+async function refreshLoad() {
+  const [slots, metrics, sampled] = await Promise.allSettled([
+    getJson("/slots"),
+    getText("/metrics"),
+    getJson("/bankml/usage"),
+  ]);
+  const sample = { busy: null, slots: null, queue: null, memory: null, cpu: null };
+  const notes = {};
+  const prom = metrics.status === "fulfilled" ? metrics.value : "";
+  if (slots.status === "fulfilled" && Array.isArray(slots.value)) {
+    sample.busy = slots.value.filter((s) => s?.is_processing === true).length;
+    sample.slots = slots.value.length;
+  } else {
+    sample.busy = promValue(prom, "llamacpp:requests_processing");
+    sample.slots = state.totalSlots ?? null;
+  }
+  sample.queue = promValue(prom, "llamacpp:requests_deferred");
+  if (sample.busy === null) notes.slots = "not published here (/slots and /metrics answer no)";
+  if (sample.queue === null) notes.queue = "not published here (/metrics: start with --metrics)";
+  if (sampled.status === "fulfilled") {
+    const u = sampled.value;
+    if (typeof u?.rss_bytes === "number") sample.memory = u.rss_bytes / 2 ** 20;
+    if (typeof u?.cpu_percent === "number") sample.cpu = u.cpu_percent;
+  } else {
+    notes.memory = notes.cpu = `not published here (${sampled.reason.message})`;
+  }
+  loadPlot.samples.push(sample);
+  if (loadPlot.samples.length > LOAD_KEEP) loadPlot.samples.shift();
+  loadPlot.notes = notes;
+  drawLoad();
+}
+
+// The SVG namespace, as the HTML parser gave it to the page's own <svg>.
+function svg(tag, attrs = {}, text = null) {
+  const node = document.createElementNS($("load-plot").namespaceURI, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, String(value));
+  if (text !== null) node.textContent = text;
+  return node;
+}
+
+const LOAD_PANELS = [
+  ["slots", "busy", "Slots busy", (v, s) => `${v} of ${s.slots ?? "?"}`],
+  ["queue", "queue", "Queue", (v) => `${v} waiting`],
+  ["memory", "memory", "Memory (RSS)", (v) => `${fmt(v)} MiB`],
+  ["cpu", "cpu", "CPU", (v) => `${fmt(v)} % of a core`],
+];
+
+// Four small line plots in one inline SVG, drawn from the samples kept; a series this address
+// does not publish says so in its panel.
+function drawLoad() {
+  const width = 320;
+  const high = 56;
+  const plot = $("load-plot");
+  const parts = [];
+  LOAD_PANELS.forEach(([series, field, title, says], k) => {
+    const top = k * high;
+    const values = loadPlot.samples.map((s) => s[field]);
+    const known = values.filter((v) => v !== null);
+    const last = loadPlot.samples.at(-1);
+    const group = svg("g", { class: "panel", "data-series": series });
+    if (known.length) group.setAttribute("data-last", String(values.at(-1) ?? ""));
+    const max = Math.max(
+      series === "slots" ? (last?.slots ?? 1) : 0,
+      series === "cpu" ? 100 : 0,
+      ...known,
+      1e-9,
+    );
+    const shown = values.at(-1) === null || values.at(-1) === undefined
+      ? loadPlot.notes[series] || "no sample yet"
+      : says(values.at(-1), last);
+    group.append(svg("text", { x: 4, y: top + 12, class: "plot-label" }, `${title}: ${shown}`));
+    const bottom = top + high - 6;
+    const y0 = top + 18;
+    group.append(svg("line", { x1: 4, x2: width - 4, y1: bottom, y2: bottom, class: "plot-axis" }));
+    const step = (width - 16) / Math.max(1, LOAD_KEEP - 1);
+    const offset = LOAD_KEEP - values.length;
+    const points = [];
+    values.forEach((v, n) => {
+      if (v === null) return;
+      const x = 8 + (offset + n) * step;
+      const y = bottom - (v / max) * (bottom - y0);
+      points.push(`${x.toFixed(1)},${y.toFixed(1)}`);
+    });
+    if (points.length) {
+      group.append(svg("polyline", { points: points.join(" "), class: `plot-line p${k}` }));
+    }
+    parts.push(group);
+  });
+  plot.replaceChildren(...parts);
+}
+
 // --- export and import (JSON) ---
 
 function exportAll() {
@@ -853,8 +1164,7 @@ async function connect() {
     getJson("/bankml/key").then((k) => importReceiptKey(k.public_key)),
     applyDefaults(false),
   ]);
-  state.model = models.status === "fulfilled" ? str(models.value?.data?.[0]?.id) : "";
-  $("model-name").textContent = state.model || "unknown";
+  fillModels(models.status === "fulfilled" ? models.value : null, await registry());
   state.receiptKey = key.status === "fulfilled" ? key.value : null;
   $("key-id").textContent = state.receiptKey
     ? state.receiptKey.keyid
@@ -863,10 +1173,12 @@ async function connect() {
 }
 
 async function start() {
-  load();
+  await load();
   $("api-key").value = settings.apiKey;
   $("composer").addEventListener("submit", send);
   $("stop").addEventListener("click", stop);
+  $("regenerate").addEventListener("click", regenerate);
+  $("model").addEventListener("change", chooseModel);
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) send(e);
   });
@@ -915,5 +1227,13 @@ async function start() {
   document.body.dataset.ready = "true";
 }
 
-globalThis.bankmlPage = { parseLossless, canonicalJson, canonicalFromText, pyFloatRepr, signedText };
+globalThis.bankmlPage = {
+  parseLossless,
+  canonicalJson,
+  canonicalFromText,
+  pyFloatRepr,
+  signedText,
+  promValue,
+  saved: () => saving, // settles once every write asked for so far is done
+};
 start();
