@@ -1,0 +1,392 @@
+"""The chat templates llama-server reads with a handler of its own instead of the autoparser
+(llama.cpp's common/parsers/): the prompt, generation prompt, PEG parser, grammar with its
+triggers, preserved tokens and thinking tags of a request on one, as that handler makes them.
+
+``HANDLERS`` maps the name :data:`.apply.SPECIALIZED` detects a template as to its handler,
+``handler(tmpl, inputs) -> ChatParams`` (inputs as the generator takes them: messages already in
+the template's form). The templates named there without a handler here are refused by the
+caller (:class:`.apply.SpecializedTemplateError`).
+
+As in :mod:`.generator`, parsers are allocated in llama-server's order (their ids name GBNF
+rules): where C++ writes ``a + b`` this module writes ``p.cat(a, b)`` with the operands that
+allocate passed as functions (GCC builds the right operand of ``+`` and ``|`` first).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from bankml.engine_cupy.autoparser.generator import (
+    ChatParams,
+    Continuation,
+    GenerationParams,
+    GrammarTrigger,
+    ReasoningFormat,
+    ToolChoice,
+    TriggerType,
+    _functions,
+    _parameters,
+    generation_prompt,
+    render_prompt,
+)
+from bankml.engine_cupy.chat_template import render_content
+from bankml.engine_cupy.peg.chat import ChatPegBuilder, build_chat_peg_parser, tool_parameters
+from bankml.engine_cupy.peg.gbnf import build_grammar
+from bankml.engine_cupy.peg.parser import Arena, Parser
+from bankml.engine_cupy.peg.schema import (
+    TYPE_ARRAY,
+    TYPE_BOOLEAN,
+    TYPE_INTEGER,
+    TYPE_NULL,
+    TYPE_NUMBER,
+    TYPE_OBJECT,
+    TYPE_STRING,
+    value_types,
+)
+
+if TYPE_CHECKING:
+    from bankml.engine_cupy.chat_template import ChatTemplate
+
+Handler = Callable[["ChatTemplate", GenerationParams], ChatParams]
+
+
+def _has_continuation(inputs: GenerationParams) -> bool:
+    """generation_params::has_continuation: a continued last message that is not empty."""
+    msg = inputs.continue_msg
+    return (
+        inputs.continue_final_message is not Continuation.NONE
+        and msg is not None
+        and any(
+            msg.get(key)
+            for key in ("content", "reasoning_content", "tool_calls", "name", "tool_call_id")
+        )
+    )
+
+
+def _calls_tools(inputs: GenerationParams) -> bool:
+    return inputs.has_tools and inputs.tool_choice is not ToolChoice.NONE
+
+
+def _grammar(parser: Arena, lazy: bool) -> str:
+    return build_grammar(lambda builder: parser.build_grammar(builder, lazy))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-OSS (common/parsers/gpt-oss.cpp)
+# ---------------------------------------------------------------------------------------------
+
+_GPT_OSS_TRIGGERS = (
+    r"^\s+to$",
+    r"^<\|channel\|>(?:commentary|analysis)\s+to=functions$",
+    r"<\|start\|>assistant(\s+to)",
+    r"<\|start\|>assistant(<\|channel\|>(?:commentary|analysis)\s+to)",
+)
+
+
+def gpt_oss(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """Harmony channels: analysis (reasoning), commentary (preambles and tool calls, the
+    recipient in the role or the channel header), final (content)."""
+    adjusted = []
+    for message in inputs.messages:
+        m = copy.deepcopy(dict(message))
+        if isinstance(m.get("reasoning_content"), str):
+            m["thinking"] = m["reasoning_content"]
+            if isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
+                m.pop("content", None)
+        adjusted.append(m)
+    over = replace(inputs, messages=adjusted)
+    prompt = render_prompt(tmpl, over, over.add_generation_prompt)
+    if not inputs.add_generation_prompt:  # an inference render ends its last turn with <|end|>
+        at = prompt.rfind("<|return|>")
+        if at >= 0:
+            prompt = prompt[:at] + "<|end|>" + prompt[at + len("<|return|>") :]
+    gen_prompt = generation_prompt(tmpl, over)
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = "<|start|>assistant<|channel|>analysis<|message|>" + (
+            msg.get("reasoning_content") or ""
+        )
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "<|end|><|start|>assistant<|channel|>final<|message|>" + render_content(
+                msg
+            )
+        prompt += gen_prompt
+    has_tools = inputs.has_tools
+    has_format = inputs.json_schema is not None and isinstance(inputs.json_schema, Mapping)
+    include_grammar = has_format or _calls_tools(inputs)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+
+    def build(p: ChatPegBuilder) -> Parser:
+        start = p.rule("start", p.literal("<|start|>assistant"))
+        end = p.rule("end", p.literal("<|end|>"))
+        content = p.rule("message-content", p.until("<|end|>"))
+        channel = p.cat(
+            lambda: p.literal("<|channel|>"),
+            lambda: p.alt(lambda: p.literal("commentary"), lambda: p.literal("analysis")),
+        )
+        constrain_type = p.chars("[A-Za-z0-9_-]", 1, -1)
+        stray = p.optional(
+            p.cat(
+                lambda: p.literal("<|channel|>commentary"),
+                lambda: p.optional(p.literal(" to=assistant")),
+            )
+        )
+        start_analysis = stray + p.literal("<|channel|>analysis<|message|>")
+        if extract:
+            p.rule("analysis", p.cat(start_analysis, lambda: p.reasoning(content), end))
+        else:
+            p.rule("analysis", p.content(start_analysis + content + end))
+        analysis = p.ref("analysis")
+        preamble = p.rule(
+            "preamble",
+            p.cat(
+                lambda: p.literal("<|channel|>commentary<|message|>"),
+                lambda: p.content(content),
+                end,
+            ),
+        )
+        final_msg = p.rule(
+            "final",
+            p.cat(
+                stray,
+                lambda: p.literal("<|channel|>final<|message|>"),
+                lambda: p.content(content),
+            ),
+        )
+        unsolicited = p.rule(
+            "unsolicited",
+            p.atomic(p.cat(lambda: p.optional(channel), lambda: p.literal(" to="), content, end)),
+        )
+        any_msg = p.rule("any", preamble | analysis)
+
+        def constraint() -> Parser:
+            return p.optional(
+                p.cat(
+                    p.space,
+                    lambda: p.optional(p.literal("<|constrain|>")),
+                    constrain_type,
+                )
+            )
+
+        if has_format:
+            made = constraint()
+            response_format = p.rule(
+                "response-format",
+                p.cat(
+                    lambda: p.literal("<|channel|>final"),
+                    made,
+                    lambda: p.literal("<|message|>"),
+                    lambda: p.content(
+                        p.schema(p.json(), "response-format-schema", inputs.json_schema)
+                    ),
+                ),
+            )
+            return p.cat(lambda: p.zero_or_more(start + analysis), start, response_format)
+        if _calls_tools(inputs):
+            tool_choice = p.choice()
+            for function in _functions(inputs.tools):
+                name = function["name"]
+                params = tool_parameters(function)
+                tool_name = p.tool_name(p.literal(name))
+                func_name = p.literal(" to=functions.") + tool_name
+                made = constraint()
+                args = p.tool_args(p.schema(p.json(), f"tool-{name}-schema", params))
+                in_role = p.tool(
+                    p.tool_open(p.cat(func_name, channel, made, lambda: p.literal("<|message|>")))
+                    + args
+                )
+                in_channel = p.tool(
+                    p.tool_open(p.cat(channel, func_name, made, lambda: p.literal("<|message|>")))
+                    + args
+                )
+                tool_choice |= p.rule(f"tool-{name}", in_role | in_channel)
+            tool_call = p.trigger_rule("tool-call", tool_choice)
+            if inputs.tool_choice is ToolChoice.REQUIRED:
+                return p.cat(lambda: p.zero_or_more(start + any_msg), start, tool_call)
+            return p.cat(
+                lambda: p.zero_or_more(start + any_msg), start, lambda: tool_call | final_msg
+            )
+        return p.cat(
+            lambda: p.zero_or_more(start + any_msg), start, lambda: final_msg | unsolicited
+        )
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = not (has_format or (has_tools and inputs.tool_choice is ToolChoice.REQUIRED))
+        grammar = _grammar(parser, lazy)
+        triggers = tuple(GrammarTrigger(TriggerType.PATTERN, t) for t in _GPT_OSS_TRIGGERS)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=("<|channel|>", "<|constrain|>", "<|message|>", "<|start|>", "<|end|>"),
+        supports_thinking=True,
+        thinking_start_tag="<|channel|>analysis<|message|>",
+        thinking_end_tags=("<|end|>",),
+        user_start="<|start|>user",
+        assistant_start="<|start|>assistant",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-Coder XML tool calls (common/parsers/qwen3-coder.cpp), also Qwen3.5, Nemotron Nano 3
+# and StepFun 3.5 Flash
+# ---------------------------------------------------------------------------------------------
+
+
+def _typed_value(p: ChatPegBuilder, types: frozenset[str]) -> Parser:
+    """The JSON alternatives tried before a raw string, for an argument that may be either."""
+    json_value = p.choice()
+    if TYPE_OBJECT in types:
+        json_value |= p.json_object()
+    if TYPE_ARRAY in types:
+        json_value |= p.json_array()
+    if TYPE_NUMBER in types or TYPE_INTEGER in types:
+        json_value |= p.json_number()
+    if TYPE_BOOLEAN in types:
+        json_value |= p.json_bool()
+    if TYPE_NULL in types:
+        json_value |= p.json_null()
+    return json_value
+
+
+def qwen3_coder(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n...``: string
+    values raw, others JSON; reasoning in ``<think>`` where the template has it."""
+    gen_prefix = "<|im_start|>assistant\n"
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    thinks = "<think>" in tmpl.source
+    preserved: tuple[str, ...] = ("<tool_call>", "</tool_call>")
+    start_tag, end_tags = "", ()
+    if thinks:
+        start_tag = "<think>"
+        end_tags = ("\n</think>", "</think>", "<tool_call>")
+        preserved += ("<think>", "</think>")
+    has_tools = inputs.has_tools
+    has_format = bool(inputs.json_schema) and isinstance(inputs.json_schema, Mapping)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    include_grammar = has_format or _calls_tools(inputs)
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = gen_prefix
+        if thinks:
+            gen_prompt += "<think>\n" + (msg.get("reasoning_content") or "")
+            if inputs.continue_final_message is Continuation.CONTENT:
+                gen_prompt += "\n</think>\n\n"
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += render_content(msg)
+        prompt += gen_prompt
+    starts = ["<tool_call>"]
+    if not thinks:  # Qwen3-Coder itself: a call may come without its <tool_call>
+        starts += [f"<function={f['name']}>" for f in _functions(inputs.tools)]
+
+    def build(p: ChatPegBuilder) -> Parser:
+        generation = p.literal(gen_prefix)
+        reasoning = p.eps()
+        if thinks and extract:
+            reasoning = p.optional(
+                p.cat(
+                    "<think>",
+                    p.space,
+                    lambda: p.reasoning(p.until_one_of(["</think>", "<tool_call>"])),
+                    lambda: p.alt(
+                        lambda: p.literal("</think>"),
+                        lambda: p.peek(p.literal("<tool_call>")),
+                    ),
+                )
+            )
+        if has_format:
+            return generation + (
+                reasoning << p.content(p.schema(p.json(), "response-format", inputs.json_schema))
+            )
+        if _calls_tools(inputs):
+            arg_close = p.tool_arg_close(p.literal("\n</parameter>\n"))
+            arg_string = p.rule(
+                "xml-arg-string",
+                p.ac(
+                    p.tool_arg_string_value(p.until("\n</parameter>\n")) + arg_close,
+                    "\n</parameter>\n",
+                ),
+            )
+            tool_choice = p.choice()
+            for function in _functions(inputs.tools):
+                name = function["name"]
+                required: list[Parser] = []
+                optional: list[Parser] = []
+                for param in _parameters(function):
+                    rule_name = f"tool-{name}-arg-{param.name}"
+                    arg_name = p.tool_arg_name(p.literal(param.name))
+                    arg_open = p.tool_arg_open("<parameter=" + arg_name + ">\n")
+                    types = value_types(param.schema)
+                    value = p.eps()
+                    if TYPE_STRING not in types:
+                        value = (
+                            p.tool_arg_json_value(
+                                p.schema(p.json(), f"{rule_name}-schema", param.schema)
+                            )
+                            + arg_close
+                        )
+                    elif types == {TYPE_STRING}:
+                        value = arg_string
+                    else:
+                        json_value = _typed_value(p, types)
+                        value = p.gbnf(
+                            p.atomic(p.tool_arg_json_value(json_value) + arg_close) | arg_string,
+                            "xml-arg-string",
+                        )
+                    arg_rule = p.rule(rule_name, p.tool_arg(arg_open + value))
+                    (required if param.required else optional).append(arg_rule)
+                args = p.permute(f"tool-{name}-args", required)
+                if optional:
+                    args = args + p.zero_or_more(p.choice(optional))
+                close = p.tool_close(p.literal("</function>\n"))
+                tool_args = p.tool_args(args)
+                tool_name = p.tool_name(p.literal(name))
+                func = p.tool(p.tool_open("<function=" + tool_name + ">\n") + tool_args + close)
+                tool_choice |= p.rule(f"tool-{name}", func)
+            min_calls = 1 if inputs.tool_choice is ToolChoice.REQUIRED else 0
+            body = p.cat(tool_choice, "</tool_call>", p.space)
+            tool_call = p.rule("tool-call", "<tool_call>\n" + body)
+            first = tool_call
+            if not thinks:
+                first = p.rule("tool-call-first", p.optional(p.literal("<tool_call>\n")) + body)
+            calls = first + p.zero_or_more(tool_call) if inputs.parallel_tool_calls else first
+            tool_calls = p.trigger_rule("tool-call-root", p.repeat(calls, min_calls, 1))
+            return generation + (reasoning << p.content(p.until_one_of(starts)) << tool_calls)
+        return generation + (reasoning << p.content(p.rest()))
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = has_tools and inputs.tool_choice is ToolChoice.AUTO
+        grammar = _grammar(parser, lazy)
+        if lazy:
+            triggers = tuple(GrammarTrigger(TriggerType.WORD, s) for s in starts)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=preserved,
+        supports_thinking=thinks,
+        thinking_start_tag=start_tag,
+        thinking_end_tags=end_tags,
+        user_start="<|im_start|>user",
+        assistant_start="<|im_start|>assistant",
+    )
+
+
+HANDLERS: dict[str, Handler] = {
+    "GPT-OSS": gpt_oss,
+    "Qwen3-Coder": qwen3_coder,
+}

@@ -1,0 +1,137 @@
+"""The chat templates llama-server reads with a handler of its own (bankml.engine_cupy.autoparser
+.dedicated) against llama.cpp's own, as test_autoparser_generator.py checks the autoparser's.
+
+Side by side with ``tests/oracle/chat_params.cpp`` (llama.cpp's ``common_chat_templates_apply``
+and ``common_chat_parse``, linked from the reference build): for every template of llama.cpp's
+models/templates that a handler bankml follows reads, and every request of the generator's test
+(no tools, reasoning on or off, a tool with tool_choice auto/required/none, parallel calls, a
+response format, continued messages, force_pure_content), the prompt, generation prompt, GBNF
+grammar, lazy flag and triggers, preserved tokens, thinking tags and PEG parser must be
+identical, and so must the messages parsed from model outputs: generic ones, the handler's own
+samples (reasoning, content and calls as its model writes them) and the template's rendering of
+a tool call, whole and cut short, and every 7th prefix of a call parsed as a stream.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bankml.engine_cupy.autoparser.apply import chat_params, specialized_template
+from bankml.engine_cupy.autoparser.dedicated import HANDLERS
+from bankml.engine_cupy.chat_template import ChatTemplate
+from bankml.engine_cupy.peg.chat import chat_peg_parse
+from tests.test_autoparser_analysis import templates_dir  # noqa: F401
+from tests.test_autoparser_generator import (  # noqa: F401
+    OUTPUTS,
+    VARIANTS,
+    chat_params_oracle,
+    message,
+    ours,
+    own_tool_call,
+    streamed,
+    their_message,
+)
+
+# outputs as each handler's models write them (beside the template's own rendering of a call)
+SAMPLES: dict[str, list[str]] = {
+    "GPT-OSS": [
+        "<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>It is sunny.",
+        "<|channel|>analysis<|message|>Weather.<|end|><|start|>assistant to=functions.get_weather"
+        '<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}',
+        "<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>"
+        '{"city": "Paris", "days": 2}',
+        "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Done.",
+        '<|channel|>final<|message|>{"a": 1}',
+        "<|channel|>commentary to=python<|message|>print(1)<|end|>",
+    ],
+    "Qwen3-Coder": [
+        "<think>\nHmm.\n</think>\n\nIt is sunny.",
+        "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+        "<think>\nCall it.\n<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n"
+        "</parameter>\n<parameter=city>\nNew York\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n"
+        "</function>\n</tool_call>",
+    ],
+}
+
+
+def followed(templates_dir: Path) -> list[tuple[str, str]]:  # noqa: F811
+    """(file, handler) for each template a handler bankml follows reads."""
+    out = []
+    for path in sorted(templates_dir.glob("*.jinja")):
+        name = specialized_template(path.read_text(encoding="utf-8"))
+        if name in HANDLERS:
+            out.append((path.name, name))
+    return out
+
+
+def test_dedicated_params_as_llama_cpp(
+    templates_dir: Path,  # noqa: F811
+    chat_params_oracle: Path,  # noqa: F811
+) -> None:
+    files = followed(templates_dir)
+    assert {name for _, name in files} == set(HANDLERS)
+    requests, cases = [], []
+    for file, handler in files:
+        template = ChatTemplate((templates_dir / file).read_text(encoding="utf-8"))
+        own = own_tool_call(template)
+        outputs = OUTPUTS + SAMPLES.get(handler, []) + own
+        partial = [p for o in (own[:1] or SAMPLES[handler][1:2]) for p in streamed(o)]
+        for fields, request in VARIANTS:
+            body = {
+                "template": str(templates_dir / file),
+                "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "outputs": outputs,
+                "partial_outputs": partial,
+                **fields,
+            }
+            requests.append(json.dumps(body))
+            cases.append((file, template, request, outputs, partial, fields))
+    answers = subprocess.run(
+        [str(chat_params_oracle)],
+        input="\n".join(requests) + "\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert len(answers) == len(cases)
+    differing: list[Any] = []
+    calls, partial_calls = 0, 0
+    for (file, template, request, outputs, partial, fields), line in zip(
+        cases, answers, strict=True
+    ):
+        theirs = json.loads(line)
+        assert "error" not in theirs, (file, fields, theirs)
+        params = chat_params(template, request)
+        for key, value in ours(params).items():
+            if value != theirs[key]:
+                differing.append((file, fields, key))
+        assert params.parser is not None
+        for is_partial, texts, parsed in (
+            (False, outputs, theirs["parsed"]),
+            (True, partial, theirs["partial"]),
+        ):
+            for output, their_msg in zip(texts, parsed, strict=True):
+                try:
+                    got = message(
+                        chat_peg_parse(params.parser, output, is_partial, params.generation_prompt)
+                    )
+                except Exception:  # noqa: BLE001 - a refused output is compared as such
+                    got = {"error": True}
+                want = their_message(their_msg)
+                if is_partial:
+                    partial_calls += bool(want.get("tool_calls"))
+                else:
+                    calls += bool(want.get("tool_calls"))
+                if got != want:
+                    differing.append((file, fields, is_partial, output[:60], got, want))
+    assert differing == []
+    assert calls >= 5 * len(files)  # the outputs exercise each handler's tool-call parser
+    assert partial_calls >= 10 * len(files)
