@@ -59,6 +59,15 @@ SAMPLES: dict[str, list[str]] = {
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n"
         "</function>\n</tool_call>",
     ],
+    "Kimi K2 Thinking": [
+        "<think>Weather.</think>Checking.<|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>"
+        '{"city": "Lyon", "days": 2}<|tool_call_end|><|tool_calls_section_end|>',
+        "<think>Straight to it<|tool_call_begin|>functions.get_weather:3"
+        '<|tool_call_argument_begin|>{"city": "Rome"}',
+        "<think>Hmm.</think>It is sunny.",
+    ],
 }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bankml.engine_cupy.autoparser.generator import (
     ChatParams,
@@ -386,7 +386,118 @@ def qwen3_coder(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Kimi K2 (common/parsers/kimi-k2.cpp): calls ``functions.NAME:N`` (the call id) in a section
+# ---------------------------------------------------------------------------------------------
+
+_K2_SECTION_BEGIN = "<|tool_calls_section_begin|>"
+_K2_SECTION_END = "<|tool_calls_section_end|>"
+_K2_CALL_BEGIN = "<|tool_call_begin|>"
+_K2_ARGS_BEGIN = "<|tool_call_argument_begin|>"
+_K2_CALL_END = "<|tool_call_end|>"
+_K2_GEN_PROMPT = "<|im_assistant|>assistant<|im_middle|>"
+
+
+def _kimi_k2_call(p: ChatPegBuilder, name: str, schema: Any) -> Parser:
+    tool_id = p.tool_id(
+        p.cat(
+            lambda: p.literal("functions."),
+            lambda: p.tool_name(p.literal(name)),
+            lambda: p.literal(":"),
+            lambda: p.chars("[0-9]", 1, -1),
+        )
+    )
+    return p.tool(
+        p.cat(
+            lambda: p.tool_open(tool_id + p.literal(_K2_ARGS_BEGIN)),
+            lambda: p.tool_args(p.schema(p.json(), f"tool-{name}-schema", schema)),
+            lambda: p.tool_close(p.optional(p.literal(_K2_CALL_END))),
+        )
+    )
+
+
+def kimi_k2(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``<think>`` reasoning, content, then a section of calls whose id is
+    ``functions.NAME:INDEX``."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = _K2_GEN_PROMPT + "<think>" + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "</think>" + render_content(msg)
+        prompt += gen_prompt
+
+    def build(p: ChatPegBuilder) -> Parser:
+        end = p.end()
+        if not extract:
+            reasoning = p.eps()
+        else:
+            reasoning = p.optional(
+                p.cat(
+                    "<think>",
+                    lambda: p.reasoning(
+                        p.until_one_of(["</think>", _K2_SECTION_BEGIN, _K2_CALL_BEGIN])
+                    ),
+                    lambda: p.optional(p.literal("</think>")),
+                )
+            )
+        generation = p.literal(_K2_GEN_PROMPT)
+        if not _calls_tools(inputs):
+            return p.cat(generation, reasoning, lambda: p.content(p.rest()), end)
+        tool_choice = p.choice()
+        for function in _functions(inputs.tools):
+            name = function["name"]
+            tool_choice |= p.rule(f"tool-{name}", _kimi_k2_call(p, name, tool_parameters(function)))
+        min_calls = 1 if inputs.tool_choice is ToolChoice.REQUIRED else 0
+        max_calls = -1 if inputs.parallel_tool_calls else 1
+        tool_calls = p.rule(
+            "tool-calls",
+            p.cat(
+                lambda: p.optional(p.literal(_K2_SECTION_BEGIN)),
+                lambda: p.trigger_rule(
+                    "tool-call",
+                    p.cat(
+                        lambda: p.repeat(_K2_CALL_BEGIN + tool_choice, min_calls, max_calls),
+                        lambda: p.optional(p.literal(_K2_SECTION_END)),
+                    ),
+                ),
+            ),
+        )
+        before = p.content(p.until_one_of([_K2_SECTION_BEGIN, _K2_CALL_BEGIN]))
+        return generation + reasoning + before + tool_calls + end
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if _calls_tools(inputs):
+        lazy = inputs.tool_choice is ToolChoice.AUTO
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, _K2_CALL_BEGIN),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=(
+            _K2_SECTION_BEGIN,
+            _K2_SECTION_END,
+            _K2_CALL_BEGIN,
+            _K2_ARGS_BEGIN,
+            _K2_CALL_END,
+            "<think>",
+            "</think>",
+        ),
+        supports_thinking=True,
+        thinking_start_tag="<think>",
+        thinking_end_tags=("</think>",),
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
+    "Kimi K2 Thinking": kimi_k2,
 }
