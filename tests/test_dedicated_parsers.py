@@ -68,7 +68,27 @@ SAMPLES: dict[str, list[str]] = {
         '<|tool_call_argument_begin|>{"city": "Rome"}',
         "<think>Hmm.</think>It is sunny.",
     ],
+    "DeepSeek V3.2/V4": [
+        "<think>Weather.</think>Checking.\n\n<DSML_function_calls>\n<DSML_invoke "
+        'name="get_weather">\n<DSML_parameter name="city" string="true">Paris</DSML_parameter>\n'
+        '<DSML_parameter name="days" string="false">2</DSML_parameter>\n</DSML_invoke>\n'
+        "</DSML_function_calls>",
+        "<think>Straight to it\n\n<DSML_tool_calls>\n<DSML_invoke "
+        'name="get_weather">\n<DSML_parameter name="city" string="true">Rome</DSML_parameter>\n'
+        "</DSML_invoke>\n</DSML_tool_calls>",
+        "<think>Hmm.</think>It is sunny.",
+        '</think>```json\n{"a": 1}\n```',
+    ],
 }
+
+
+def _samples(handler: str) -> list[str]:
+    """The handler's samples, DeepSeek's DSML marker spelled out (``<DSML_`` is
+    ``<｜DSML｜`` in them)."""
+    return [
+        o.replace("<DSML_", "<\uff5cDSML\uff5c").replace("</DSML_", "</\uff5cDSML\uff5c")
+        for o in SAMPLES.get(handler, [])
+    ]
 
 
 def followed(templates_dir: Path) -> list[tuple[str, str]]:  # noqa: F811
@@ -91,8 +111,9 @@ def test_dedicated_params_as_llama_cpp(
     for file, handler in files:
         template = ChatTemplate((templates_dir / file).read_text(encoding="utf-8"))
         own = own_tool_call(template)
-        outputs = OUTPUTS + SAMPLES.get(handler, []) + own
-        partial = [p for o in (own[:1] or SAMPLES[handler][1:2]) for p in streamed(o)]
+        samples = _samples(handler)
+        outputs = OUTPUTS + samples + own
+        partial = [p for o in (own[:1] or samples[:1]) for p in streamed(o)]
         for fields, request in VARIANTS:
             body = {
                 "template": str(templates_dir / file),

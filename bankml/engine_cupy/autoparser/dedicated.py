@@ -15,7 +15,7 @@ allocate passed as functions (GCC builds the right operand of ``+`` and ``|`` fi
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from bankml.engine_cupy.peg.schema import (
     TYPE_NUMBER,
     TYPE_OBJECT,
     TYPE_STRING,
+    may_be_string,
     value_types,
 )
 
@@ -496,8 +497,264 @@ def kimi_k2(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# DeepSeek V3.2 and V4 (common/parsers/deepseek.cpp): DSML invoke/parameter markup
+# ---------------------------------------------------------------------------------------------
+
+_DSML = "\uff5cDSML\uff5c"
+_DS_GEN_PROMPT = "<\uff5cAssistant\uff5c>"
+_DS_PARAM_START = "<" + _DSML + "parameter"
+_DS_PARAM_END = "</" + _DSML + "parameter>"
+_DS_INVOKE_START = "<" + _DSML + "invoke"
+_DS_INVOKE_END = "</" + _DSML + "invoke>"
+
+
+def _deepseek_v4_sort_tool_results(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """V4 renders a run of tool results in the order of the calls they answer (by call id)."""
+    adjusted = [dict(m) for m in messages]
+    order: dict[str, int] = {}
+    i = 0
+    while i < len(adjusted):
+        msg = adjusted[i]
+        role = msg.get("role", "")
+        calls = msg.get("tool_calls")
+        if role == "assistant" and isinstance(calls, list) and calls:
+            order = {}
+            for idx, call in enumerate(calls):
+                call_id = call.get("id", "") if isinstance(call, Mapping) else ""
+                if call_id:
+                    order[call_id] = idx
+            i += 1
+            continue
+        if role not in ("user", "tool"):
+            i += 1
+            continue
+        positions = []
+        run_end = i
+        while run_end < len(adjusted):
+            r = adjusted[run_end].get("role", "")
+            if r == "tool":
+                positions.append(run_end)
+            elif r != "user":
+                break
+            run_end += 1
+        if len(positions) > 1 and order:
+            results = sorted(
+                (adjusted[k] for k in positions),
+                key=lambda m: order.get(m.get("tool_call_id", ""), 0),
+            )
+            for k, result in zip(positions, results, strict=True):
+                adjusted[k] = result
+        i = run_end
+    return adjusted
+
+
+def _dsml_arg(p: ChatPegBuilder, name: str, param: Any) -> Parser:
+    is_string = may_be_string(param.schema)
+    flag = "true" if is_string else "false"
+
+    def value() -> Parser:
+        if is_string:
+            return p.tool_arg_string_value(p.until(_DS_PARAM_END))
+        return p.tool_arg_json_value(
+            p.schema(p.json(), f"tool-{name}-arg-{param.name}-schema", param.schema)
+        )
+
+    arg = p.tool_arg(
+        p.cat(
+            lambda: p.tool_arg_open(
+                p.cat(
+                    lambda: p.literal(_DS_PARAM_START + ' name="'),
+                    lambda: p.tool_arg_name(p.literal(param.name)),
+                    lambda: p.literal(f'" string="{flag}">'),
+                )
+            ),
+            value,
+            lambda: p.tool_arg_close(p.literal(_DS_PARAM_END)),
+        )
+    )
+    return p.rule(f"tool-{name}-arg-{param.name}", arg)
+
+
+def _dsml_invoke(p: ChatPegBuilder, function: Mapping[str, Any]) -> Parser:
+    name = function["name"]
+    required: list[Parser] = []
+    optional: list[Parser] = []
+    for param in _parameters(function):
+        (required if param.required else optional).append(_dsml_arg(p, name, param))
+    args = p.eps()
+    for i, named in enumerate(required):
+        if i > 0:
+            args = args + p.space()
+        args = args + named
+    if optional:
+        any_optional = p.choice()
+        for named in optional:
+            any_optional |= named
+        args = args + p.repeat(p.space() + any_optional, 0, -1)
+
+    def opener() -> Parser:
+        return p.tool_open(
+            p.cat(
+                lambda: p.literal(_DS_INVOKE_START + ' name="'),
+                lambda: p.tool_name(p.literal(name)),
+                lambda: p.literal('">\n'),
+            )
+        )
+
+    return p.tool(
+        p.cat(
+            opener,
+            args,
+            p.space,
+            lambda: p.tool_close(p.literal(_DS_INVOKE_END)),
+        )
+    )
+
+
+def deepseek_v3_2(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``<think>`` reasoning, then DSML calls: ``<｜DSML｜function_calls>`` (V4: ``tool_calls``)
+    around ``invoke`` elements whose ``parameter`` elements say whether they are strings."""
+    is_v4 = "function_calls" not in tmpl.source
+    over = inputs
+    if is_v4:
+        over = replace(over, messages=_deepseek_v4_sort_tool_results(inputs.messages))
+    has_tools = inputs.has_tools
+    has_format = inputs.json_schema is not None and isinstance(inputs.json_schema, Mapping)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    include_grammar = has_format or _calls_tools(inputs)
+    if is_v4 and has_format:
+        over = replace(
+            over, extra_context={**over.extra_context, "response_format": inputs.json_schema}
+        )
+    block = "tool_calls" if is_v4 else "function_calls"
+    fc_start = "<" + _DSML + block + ">"
+    fc_end = "</" + _DSML + block + ">"
+    prompt = render_prompt(tmpl, over, over.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, over)
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        reasoning_text = msg.get("reasoning_content") or ""
+        content = inputs.continue_final_message is Continuation.CONTENT
+        if is_v4 and not reasoning_text:
+            gen_prompt = _DS_GEN_PROMPT + "</think>" + (render_content(msg) if content else "")
+        else:
+            gen_prompt = _DS_GEN_PROMPT + "<think>" + reasoning_text
+            if content:
+                gen_prompt += "</think>" + render_content(msg)
+        prompt += gen_prompt
+    require = inputs.tool_choice is ToolChoice.REQUIRED
+    calls_tools = _calls_tools(inputs)
+
+    def build(p: ChatPegBuilder) -> Parser:
+        generation = p.literal(_DS_GEN_PROMPT)
+        end = p.end()
+        tool_choice = p.choice()
+        if calls_tools:
+            for function in _functions(inputs.tools):
+                tool_choice |= p.rule(f"tool-{function['name']}", _dsml_invoke(p, function))
+        tool_calls = p.eps()
+        if inputs.parallel_tool_calls:
+            tool_calls = p.trigger_rule(
+                "tool-call",
+                p.cat(
+                    lambda: p.literal(fc_start),
+                    p.space,
+                    tool_choice,
+                    lambda: p.zero_or_more(p.space() + tool_choice),
+                    p.space,
+                    lambda: p.literal(fc_end),
+                ),
+            )
+        else:
+            tool_calls = p.trigger_rule(
+                "tool-call",
+                p.cat(
+                    lambda: p.literal(fc_start),
+                    p.space,
+                    tool_choice,
+                    p.space,
+                    lambda: p.literal(fc_end),
+                ),
+            )
+        reasoning = p.eps()
+        reasoning_with_tc = p.eps()
+        obligatory = tool_calls
+        with_tc = False
+        if not require:
+            tool_calls = p.optional(tool_calls)
+        if extract and inputs.enable_thinking:
+            reasoning = p.optional(
+                p.cat("<think>", lambda: p.reasoning(p.until("</think>")), "</think>")
+            )
+            reasoning_with_tc = p.cat(
+                "<think>",
+                lambda: p.reasoning(p.until_one_of(["\n\n" + fc_start, fc_start, "</think>"])),
+                p.space,
+                obligatory,
+            )
+            with_tc = True
+        elif extract:
+            if is_v4:
+                reasoning = p.optional(p.literal("</think>"))
+            else:
+                reasoning = p.optional(
+                    p.cat(
+                        lambda: p.literal("<think>"),
+                        lambda: p.until("</think>"),
+                        lambda: p.literal("</think>"),
+                    )
+                )
+        if has_format:
+            response_format = p.rule(
+                "response-format",
+                p.cat(
+                    lambda: p.literal("```json"),
+                    p.space,
+                    lambda: p.content(
+                        p.schema(p.json(), "response-format-schema", inputs.json_schema)
+                    ),
+                    p.space,
+                    lambda: p.literal("```"),
+                ),
+            )
+            return generation + reasoning + response_format + end
+        if not calls_tools:
+            return p.cat(generation, reasoning, lambda: p.content(p.rest()), end)
+        before = p.cat(
+            lambda: p.negate(p.literal("<think>")),
+            lambda: p.content(p.until_one_of(["\n\n" + fc_start, fc_start])),
+            p.space,
+        )
+        if with_tc:
+            return generation + (reasoning_with_tc | (reasoning + before + tool_calls)) + end
+        return generation + reasoning + before + tool_calls + end
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = has_tools and not require
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, fc_start),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=(_DSML, "<think>", "</think>"),
+        supports_thinking=True,
+        thinking_start_tag="<think>",
+        thinking_end_tags=("</think>", fc_start),
+        user_start="<\uff5cUser\uff5c>",
+        assistant_start=_DS_GEN_PROMPT,
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
     "Kimi K2 Thinking": kimi_k2,
+    "DeepSeek V3.2/V4": deepseek_v3_2,
 }
