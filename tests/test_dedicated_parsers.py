@@ -35,24 +35,25 @@ from tests.test_autoparser_generator import (  # noqa: F401
     their_message,
 )
 
-# outputs as each handler's models write them (beside the template's own rendering of a call)
+# outputs as each handler's models write them (beside the template's own rendering of a call),
+# the first one with a call
 SAMPLES: dict[str, list[str]] = {
     "GPT-OSS": [
-        "<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final"
-        "<|message|>It is sunny.",
         "<|channel|>analysis<|message|>Weather.<|end|><|start|>assistant to=functions.get_weather"
         '<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}',
         "<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>"
         '{"city": "Paris", "days": 2}',
+        "<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>It is sunny.",
         "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final"
         "<|message|>Done.",
         '<|channel|>final<|message|>{"a": 1}',
         "<|channel|>commentary to=python<|message|>print(1)<|end|>",
     ],
     "Qwen3-Coder": [
-        "<think>\nHmm.\n</think>\n\nIt is sunny.",
         "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        "<think>\nHmm.\n</think>\n\nIt is sunny.",
         "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
         "<think>\nCall it.\n<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n"
         "</parameter>\n<parameter=city>\nNew York\n</parameter>\n</function>\n</tool_call>\n"
@@ -79,7 +80,20 @@ SAMPLES: dict[str, list[str]] = {
         "<think>Hmm.</think>It is sunny.",
         '</think>```json\n{"a": 1}\n```',
     ],
+    "LFM2": [
+        '<think>Weather.</think>Checking.<|tool_call_start|>[get_weather(city="Paris", days=2)]'
+        "<|tool_call_end|>",
+        "<|tool_call_start|>[get_weather(city='Rome'), get_weather(city=\"Lyon\")]"
+        "<|tool_call_end|>",
+        "<think>Hmm.</think>It is sunny.",
+    ],
+    "GigaChatV3": [
+        'Checking.<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris", "days": 2}}',
+        'function call<|role_sep|>\n{"name": "get_weather", "arguments": {"city": "Rome"}}',
+    ],
 }
+SAMPLES["LFM2.5"] = SAMPLES["LFM2"]
 
 
 def _samples(handler: str) -> list[str]:
@@ -112,8 +126,10 @@ def test_dedicated_params_as_llama_cpp(
         template = ChatTemplate((templates_dir / file).read_text(encoding="utf-8"))
         own = own_tool_call(template)
         samples = _samples(handler)
+        if "DSML" in template.source and "function_calls" not in template.source:  # V4
+            samples = [o.replace("function_calls>", "tool_calls>") for o in samples]
         outputs = OUTPUTS + samples + own
-        partial = [p for o in (own[:1] or samples[:1]) for p in streamed(o)]
+        partial = streamed(samples[0])  # each handler's first sample holds a call
         for fields, request in VARIANTS:
             body = {
                 "template": str(templates_dir / file),
@@ -133,7 +149,8 @@ def test_dedicated_params_as_llama_cpp(
     ).stdout.splitlines()
     assert len(answers) == len(cases)
     differing: list[Any] = []
-    calls, partial_calls = 0, 0
+    calls: dict[str, int] = dict.fromkeys((f for f, _ in files), 0)
+    partial_calls = dict(calls)
     for (file, template, request, outputs, partial, fields), line in zip(
         cases, answers, strict=True
     ):
@@ -156,12 +173,11 @@ def test_dedicated_params_as_llama_cpp(
                 except Exception:  # noqa: BLE001 - a refused output is compared as such
                     got = {"error": True}
                 want = their_message(their_msg)
-                if is_partial:
-                    partial_calls += bool(want.get("tool_calls"))
-                else:
-                    calls += bool(want.get("tool_calls"))
+                counts = partial_calls if is_partial else calls
+                counts[file] += bool(want.get("tool_calls"))
                 if got != want:
                     differing.append((file, fields, is_partial, output[:60], got, want))
     assert differing == []
-    assert calls >= 5 * len(files)  # the outputs exercise each handler's tool-call parser
-    assert partial_calls >= 10 * len(files)
+    # the outputs exercise each template's tool-call parser, whole and streamed
+    assert min(calls.values()) >= 3, calls
+    assert min(partial_calls.values()) >= 3, partial_calls

@@ -752,9 +752,157 @@ def deepseek_v3_2(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# LFM2 and LFM2.5 (common/parsers/lfm2.cpp): Python-style calls in <|tool_call_start|>
+# ---------------------------------------------------------------------------------------------
+
+_LFM2_CALL_START = "<|tool_call_start|>"
+_LFM2_CALL_END = "<|tool_call_end|>"
+
+
+def _lfm2(tool_list_tokens: bool) -> Handler:
+    def handler(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+        """``<think>`` reasoning where the template has it, then
+        ``<|tool_call_start|>[name(arg=value, ...)]<|tool_call_end|>``."""
+        adjusted = []
+        for message in inputs.messages:
+            m = copy.deepcopy(dict(message))
+            if isinstance(m.get("reasoning_content"), str):
+                m["thinking"] = m["reasoning_content"]
+            adjusted.append(m)
+        over = replace(inputs, messages=adjusted)
+        prompt = render_prompt(tmpl, over, over.add_generation_prompt)
+        gen_prompt = generation_prompt(tmpl, over)
+        preserved: tuple[str, ...] = (_LFM2_CALL_START, _LFM2_CALL_END, "<think>", "</think>")
+        if tool_list_tokens:
+            preserved += ("<|tool_list_start|>", "<|tool_list_end|>")
+        has_tools = inputs.has_tools
+        has_format = inputs.json_schema is not None and isinstance(inputs.json_schema, Mapping)
+        extract = inputs.reasoning_format is not ReasoningFormat.NONE and "<think>" in tmpl.source
+        include_grammar = has_format or _calls_tools(inputs)
+        if _has_continuation(inputs):
+            msg = inputs.continue_msg or {}
+            gen_prompt = "<|im_start|>assistant\n<think>" + (msg.get("reasoning_content") or "")
+            if inputs.continue_final_message is Continuation.CONTENT:
+                gen_prompt += "</think>" + render_content(msg)
+            prompt += gen_prompt
+
+        def build(p: ChatPegBuilder) -> Parser:
+            generation = p.literal("<|im_start|>assistant\n")
+            end = p.end()
+            reasoning = p.eps()
+            if extract:
+                reasoning = p.optional(
+                    p.cat("<think>", lambda: p.reasoning(p.until("</think>")), "</think>")
+                )
+            if not _calls_tools(inputs):
+                if has_format:
+                    response_format = p.content(
+                        p.schema(p.json(), "response-format-schema", inputs.json_schema)
+                    )
+                    return generation + reasoning + response_format + end
+                return p.cat(generation, reasoning, lambda: p.content(p.rest()), end)
+            tool_calls = p.rule(
+                "tool-calls",
+                p.trigger_rule(
+                    "tool-call",
+                    p.cat(
+                        lambda: p.literal(_LFM2_CALL_START),
+                        lambda: p.python_style_tool_calls(
+                            list(inputs.tools or ()), inputs.parallel_tool_calls, True
+                        ),
+                        lambda: p.literal(_LFM2_CALL_END),
+                    ),
+                ),
+            )
+            content = p.content(p.until(_LFM2_CALL_START))
+            return generation + reasoning + content + tool_calls + end
+
+        parser = build_chat_peg_parser(build)
+        grammar, lazy, triggers = "", False, ()
+        if include_grammar:
+            lazy = not (has_format or (has_tools and inputs.tool_choice is ToolChoice.REQUIRED))
+            grammar = _grammar(parser, lazy)
+            triggers = (GrammarTrigger(TriggerType.WORD, _LFM2_CALL_START),)
+        return ChatParams(
+            prompt=prompt,
+            generation_prompt=gen_prompt,
+            parser=parser,
+            grammar=grammar,
+            grammar_lazy=lazy,
+            grammar_triggers=triggers,
+            preserved_tokens=preserved,
+            supports_thinking=True,
+            thinking_start_tag="<think>",
+            thinking_end_tags=("</think>",),
+        )
+
+    return handler
+
+
+# ---------------------------------------------------------------------------------------------
+# GigaChat V3 (common/parsers/gigachat-v3.cpp): one JSON call after a "function call" turn
+# ---------------------------------------------------------------------------------------------
+
+_GIGACHAT_CALL_PREFIX = "<|message_sep|>\n\nfunction call<|role_sep|>\n"
+
+
+def _gigachat_call(p: ChatPegBuilder, name: str, schema: Any) -> Parser:
+    tool_name = p.json_member("name", p.cat('"', lambda: p.tool_name(p.literal(name)), '"'))
+    tool_args = p.json_member(
+        "arguments", p.tool_args(p.schema(p.json(), f"tool-{name}-schema", schema))
+    )
+    tool_open = p.tool_open(p.literal("{") << tool_name)
+    return p.rule(f"tool-{name}", tool_open << "," << tool_args << "}")
+
+
+def gigachat_v3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """Content, then at most one ``{"name": ..., "arguments": ...}`` call in a turn of its own."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    if _has_continuation(inputs):
+        gen_prompt = "assistant<|role_sep|>\n" + render_content(inputs.continue_msg or {})
+        prompt += gen_prompt
+    include_grammar = _calls_tools(inputs)
+
+    def build(p: ChatPegBuilder) -> Parser:
+        ret = p.eps()
+        if _calls_tools(inputs):
+            tool_choice = p.choice()
+            for tool in inputs.tools or ():
+                function = tool["function"]
+                tool_choice |= _gigachat_call(p, function["name"], tool_parameters(function))
+            min_calls = 1 if inputs.tool_choice is ToolChoice.REQUIRED else 0
+            tool_call = p.rule("tool-call", p.literal(_GIGACHAT_CALL_PREFIX) + tool_choice)
+            tool_calls = p.trigger_rule("tool-call-root", p.repeat(tool_call, min_calls, 1))
+            ret = p.content(p.until("<|message_sep|>\n\n")) << tool_calls
+        else:
+            ret = p.content(p.rest())
+        return p.literal("assistant<|role_sep|>\n") + ret
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = inputs.tool_choice is ToolChoice.AUTO
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, _GIGACHAT_CALL_PREFIX),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=("<|message_sep|>\n\n", "<|role_sep|>\n"),
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
     "Kimi K2 Thinking": kimi_k2,
     "DeepSeek V3.2/V4": deepseek_v3_2,
+    "LFM2": _lfm2(tool_list_tokens=True),
+    "LFM2.5": _lfm2(tool_list_tokens=False),
+    "GigaChatV3": gigachat_v3,
 }
