@@ -92,6 +92,18 @@ SAMPLES: dict[str, list[str]] = {
         '"arguments": {"city": "Paris", "days": 2}}',
         'function call<|role_sep|>\n{"name": "get_weather", "arguments": {"city": "Rome"}}',
     ],
+    "Functionary v3.2": [
+        'get_weather\n{"city": "Rome", "days": 2}',
+        'all\nChecking.>>>get_weather\n{"city": "Paris", "days": 2}',  # content, as llama-server
+        'get_weather\n{"city": "Rome"}>>>get_weather\n{"city": "Lyon"}',
+        "all\nIt is sunny.",
+    ],
+    "Ministral/Magistral Large 3": [
+        '[THINK]Weather.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon", "days": 2}',
+        "[THINK]Hmm.[/THINK]It is sunny.",
+        '```json\n{"a": 1}\n```',
+    ],
 }
 SAMPLES["LFM2.5"] = SAMPLES["LFM2"]
 

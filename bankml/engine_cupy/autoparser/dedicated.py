@@ -897,6 +897,180 @@ def gigachat_v3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Functionary v3.2 (common/parsers/functionary-v3-2.cpp): ``>>>all`` content, ``>>>NAME`` calls
+# ---------------------------------------------------------------------------------------------
+
+_FUNCTIONARY_PROMPT = "<|start_header_id|>assistant<|end_header_id|>\n\n>>>"
+
+
+def _functionary_call(p: ChatPegBuilder, name: str, schema: Any) -> Parser:
+    return p.tool(
+        p.cat(
+            lambda: p.tool_open(
+                p.cat(lambda: p.tool_name(p.literal(name)), lambda: p.literal("\n"))
+            ),
+            lambda: p.tool_args(p.schema(p.json(), f"tool-{name}-schema", schema)),
+        )
+    )
+
+
+def functionary_v3_2(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """After the ``>>>`` of the generation prompt, ``all\\n`` then content, or a function's name,
+    a newline and its JSON arguments."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    if _has_continuation(inputs):
+        gen_prompt = _FUNCTIONARY_PROMPT + "all\n" + render_content(inputs.continue_msg or {})
+        prompt += gen_prompt
+
+    def build(p: ChatPegBuilder) -> Parser:
+        until_tool = p.cat(lambda: p.literal("all\n"), lambda: p.content(p.until(">>>")))
+        until_end = p.cat(lambda: p.literal("all\n"), lambda: p.content(p.rest()))
+        generation = p.literal(_FUNCTIONARY_PROMPT)
+        if not _calls_tools(inputs):
+            return p.cat(generation, until_end, p.end)
+        tool_choice = p.choice()
+        for function in _functions(inputs.tools):
+            name = function["name"]
+            tool_choice |= p.rule(
+                f"tool-{name}", _functionary_call(p, name, tool_parameters(function))
+            )
+        tools_only = p.trigger_rule("tools", p.one_or_more(tool_choice))
+        content_and_tools = until_tool + tools_only
+        ret = p.eps()
+        if inputs.tool_choice is ToolChoice.REQUIRED:
+            if inputs.parallel_tool_calls:
+                ret = p.cat(lambda: p.choice([content_and_tools, tools_only]), p.end)
+            else:
+                ret = p.cat(lambda: p.choice([until_tool + tool_choice, tools_only]), p.end)
+        elif inputs.parallel_tool_calls:
+            ret = p.cat(lambda: p.choice([content_and_tools, until_end, tools_only]), p.end)
+        else:
+            content_and_tool = until_tool + tool_choice
+            ret = p.cat(lambda: p.choice([content_and_tool, until_end, tool_choice]), p.end)
+        return generation + ret
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if _calls_tools(inputs):
+        lazy = inputs.tool_choice is ToolChoice.AUTO
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.PATTERN, ">>>(?!all)"),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=(">>>all",),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ministral 3 / Magistral / Devstral (common/parsers/ministral3.cpp): [THINK] and [TOOL_CALLS]
+# ---------------------------------------------------------------------------------------------
+
+
+def _ministral_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """System and assistant messages as content blocks: the reasoning a ``thinking`` block,
+    then the text."""
+    out = []
+    for message in messages:
+        if message.get("role", "") not in ("system", "assistant"):
+            out.append(copy.deepcopy(dict(message)))
+            continue
+        blocks: list[Any] = []
+        if isinstance(message.get("reasoning_content"), str):
+            blocks.append({"type": "thinking", "thinking": message["reasoning_content"]})
+        if "content" in message:
+            content = message["content"]
+            if isinstance(content, str):
+                blocks.append({"type": "text", "text": content})
+            elif isinstance(content, list):
+                blocks.extend(copy.deepcopy(content))
+        adjusted = copy.deepcopy(dict(message))
+        adjusted["content"] = blocks
+        adjusted.pop("reasoning_content", None)
+        out.append(adjusted)
+    return out
+
+
+def _ministral_call(p: ChatPegBuilder, name: str, schema: Any) -> Parser:
+    return p.rule(
+        f"tool-{name}",
+        p.cat(
+            lambda: p.tool_open(p.tool_name(p.literal(name)) + "[ARGS]"),
+            lambda: p.tool_args(p.schema(p.json(), f"tool-{name}-schema", schema)),
+        ),
+    )
+
+
+def ministral_3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``[THINK]`` reasoning ``[/THINK]``, content, then ``[TOOL_CALLS]NAME[ARGS]{...}`` calls."""
+    over = replace(inputs, messages=_ministral_messages(inputs.messages))
+    prompt = render_prompt(tmpl, over, over.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, over)
+    has_tools = inputs.has_tools
+    has_format = bool(inputs.json_schema) and isinstance(inputs.json_schema, Mapping)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = "[THINK]" + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "[/THINK]" + render_content(msg)
+        prompt += gen_prompt
+    include_grammar = has_format or _calls_tools(inputs)
+
+    def build(p: ChatPegBuilder) -> Parser:
+        generation = p.eps()
+        if extract:
+            reasoning = p.optional(
+                p.cat("[THINK]", lambda: p.reasoning(p.until("[/THINK]")), "[/THINK]")
+            )
+        else:
+            reasoning = p.eps()
+        if has_format:
+            schema = inputs.json_schema
+            return generation + (
+                reasoning
+                << "```json"
+                << p.content(p.schema(p.json(), "response-format", schema))
+                << "```"
+            )
+        if _calls_tools(inputs):
+            tool_choice = p.choice()
+            for function in _functions(inputs.tools):
+                tool_choice |= _ministral_call(p, function["name"], tool_parameters(function))
+            min_calls = 1 if inputs.tool_choice is ToolChoice.REQUIRED else 0
+            max_calls = -1 if inputs.parallel_tool_calls else 1
+            tool_calls = p.trigger_rule(
+                "tool-call", p.repeat("[TOOL_CALLS]" + tool_choice, min_calls, max_calls)
+            )
+            return generation + (reasoning << p.content(p.until("[TOOL_CALLS]")) << tool_calls)
+        return generation + (reasoning << p.content(p.rest()))
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = has_tools and inputs.tool_choice is ToolChoice.AUTO
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, "[TOOL_CALLS]"),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]"),
+        supports_thinking=True,
+        thinking_start_tag="[THINK]",
+        thinking_end_tags=("[/THINK]",),
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
@@ -905,4 +1079,6 @@ HANDLERS: dict[str, Handler] = {
     "LFM2": _lfm2(tool_list_tokens=True),
     "LFM2.5": _lfm2(tool_list_tokens=False),
     "GigaChatV3": gigachat_v3,
+    "Functionary v3.2": functionary_v3_2,
+    "Ministral/Magistral Large 3": ministral_3,
 }
