@@ -1071,6 +1071,258 @@ def ministral_3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# MiniCPM5 (common/parsers/minicpm5.cpp): <function name="..."><param name="...">
+# ---------------------------------------------------------------------------------------------
+
+
+def _minicpm5_string_value(p: ChatPegBuilder) -> Parser:
+    """A string value: raw up to ``</param>``, or inside CDATA (its markers left out)."""
+    cdata = p.cat(
+        lambda: p.literal("<![CDATA["),
+        lambda: p.ac(
+            p.cat(lambda: p.tool_arg_string_value(p.until("]]>")), lambda: p.literal("]]>")),
+            "]]>",
+        ),
+        lambda: p.tool_arg_close(p.literal("</param>")),
+    )
+    raw = p.cat(
+        lambda: p.negate(p.literal("<![CDATA[")),
+        lambda: p.ac(
+            p.cat(
+                lambda: p.tool_arg_string_value(p.until("</param>")),
+                lambda: p.tool_arg_close(p.literal("</param>")),
+            ),
+            "</param>",
+        ),
+    )
+    return p.choice([cdata, raw])
+
+
+def _minicpm5_call(p: ChatPegBuilder, function: Mapping[str, Any], string_value: Parser) -> Parser:
+    name = function["name"]
+    arg_rules = []
+    for param in _parameters(function):
+        value = p.eps()
+        if may_be_string(param.schema):
+            value = string_value
+        else:
+            value = p.cat(
+                lambda param=param: p.tool_arg_json_value(
+                    p.schema(p.json(), f"tool-{name}-arg-{param.name}-schema", param.schema)
+                ),
+                lambda: p.tool_arg_close(p.literal("</param>")),
+            )
+        opener = p.tool_arg_open(
+            p.cat(
+                lambda: p.literal('<param name="'),
+                lambda param=param: p.tool_arg_name(p.literal(param.name)),
+                lambda: p.literal('">'),
+            )
+        )
+        arg_rules.append(p.tool_arg(opener + value))
+    args = p.eps()
+    if arg_rules:
+        args = p.zero_or_more(p.cat(lambda: p.choice(arg_rules), p.space))
+    opener = p.tool_open(
+        p.cat(
+            lambda: p.literal('<function name="'),
+            lambda: p.tool_name(p.literal(name)),
+            lambda: p.literal('">'),
+        )
+    )
+    return p.tool(opener << p.tool_args(args) << p.tool_close(p.literal("</function>")))
+
+
+def minicpm5(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``<think>`` reasoning, content, then one or more
+    ``<function name="F"><param name="A">value</param></function>`` calls."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    has_tools = inputs.has_tools
+    has_format = bool(inputs.json_schema) and isinstance(inputs.json_schema, Mapping)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    include_grammar = has_format or _calls_tools(inputs)
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = "<|im_start|>assistant\n<think>\n" + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "\n</think>\n\n" + render_content(msg)
+        prompt += gen_prompt
+
+    def build(p: ChatPegBuilder) -> Parser:
+        generation = p.literal("<|im_start|>assistant\n")
+        reasoning = p.eps()
+        if extract:
+            reasoning = p.cat(
+                lambda: "<think>" << p.reasoning(p.until("</think>")) << "</think>", p.space
+            )
+        if has_format:
+            schema = inputs.json_schema
+            return p.cat(
+                generation,
+                reasoning,
+                lambda: p.content(p.schema(p.json(), "response-format", schema)),
+            )
+        if _calls_tools(inputs):
+            string_value = _minicpm5_string_value(p)
+            tool_choice = p.choice()
+            for function in _functions(inputs.tools):
+                call = _minicpm5_call(p, function, string_value)
+                tool_choice |= p.rule(f"tool-{function['name']}", call)
+            max_calls = -1 if inputs.parallel_tool_calls else 1
+            tool_calls = p.trigger_rule(
+                "tool-call", p.repeat(tool_choice + p.space(), 1, max_calls)
+            )
+            content = p.content(p.until("<function"))
+            return p.cat(generation, reasoning, content, tool_calls, p.end)
+        return p.cat(generation, reasoning, lambda: p.content(p.rest()), p.end)
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = not (has_format or (has_tools and inputs.tool_choice is ToolChoice.REQUIRED))
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, "<function"),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=("<function", "<param", "</function>", "</param>", "<think>", "</think>"),
+        supports_thinking=True,
+        thinking_start_tag="<think>",
+        thinking_end_tags=("</think>",),
+        user_start="<|im_start|>user",
+        assistant_start="<|im_start|>assistant",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Cohere2 MoE (common/parsers/cohere2moe.cpp): marker-wrapped thinking, text or a JSON action
+# ---------------------------------------------------------------------------------------------
+
+_C2_TURN_START = "<|START_OF_TURN_TOKEN|>"
+_C2_TURN_END = "<|END_OF_TURN_TOKEN|>"
+_C2_THINK_START = "<|START_THINKING|>"
+_C2_THINK_END = "<|END_THINKING|>"
+_C2_TEXT_START = "<|START_TEXT|>"
+_C2_TEXT_END = "<|END_TEXT|>"
+_C2_ACTION_START = "<|START_ACTION|>"
+_C2_ACTION_END = "<|END_ACTION|>"
+_C2_GEN_PREFIX = _C2_TURN_START + "<|CHATBOT_TOKEN|>"
+
+
+def cohere2moe(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``<|START_THINKING|>`` reasoning, then either ``<|START_TEXT|>`` content or a
+    ``<|START_ACTION|>[{"tool_call_id", "tool_name", "parameters"}, ...]`` action."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    has_format = bool(inputs.json_schema) and isinstance(inputs.json_schema, Mapping)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    include_grammar = has_format or _calls_tools(inputs)
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = _C2_GEN_PREFIX + _C2_THINK_START + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += _C2_THINK_END + _C2_TEXT_START + render_content(msg)
+        prompt += gen_prompt
+    ends = [_C2_THINK_END, _C2_TEXT_START, _C2_ACTION_START]
+
+    def build(p: ChatPegBuilder) -> Parser:
+        generation = p.literal(_C2_GEN_PREFIX)
+        end = p.end()
+        reasoning = p.eps()
+        if extract:
+            reasoning = p.optional(
+                p.cat(
+                    lambda: p.literal(_C2_THINK_START),
+                    lambda: p.reasoning(p.until_one_of(ends)),
+                    lambda: p.optional(p.literal(_C2_THINK_END)),
+                )
+            )
+        else:
+            reasoning = p.optional(
+                p.content(
+                    p.cat(
+                        lambda: p.literal(_C2_THINK_START),
+                        lambda: p.until_one_of(ends),
+                        lambda: p.optional(p.literal(_C2_THINK_END)),
+                    )
+                )
+            )
+        if has_format:
+            schema = inputs.json_schema
+            text = p.cat(
+                lambda: p.literal(_C2_TEXT_START),
+                lambda: p.content(p.schema(p.json(), "response-format-schema", schema)),
+                lambda: p.optional(p.literal(_C2_TEXT_END)),
+            )
+        else:
+            text = p.cat(
+                lambda: p.literal(_C2_TEXT_START),
+                lambda: p.content(p.until(_C2_TEXT_END)),
+                lambda: p.optional(p.literal(_C2_TEXT_END)),
+            )
+        turn_end = lambda: p.optional(p.literal(_C2_TURN_END))  # noqa: E731
+        if not _calls_tools(inputs):
+            return p.cat(generation, reasoning, text, turn_end, end)
+        tool_calls = p.standard_json_tools(
+            _C2_ACTION_START,
+            _C2_ACTION_END,
+            list(inputs.tools or ()),
+            inputs.parallel_tool_calls,
+            True,
+            "tool_name",
+            "parameters",
+            True,
+            False,
+            "",
+            "tool_call_id",
+            ("tool_call_id", "tool_name", "parameters"),
+        )
+        required = inputs.tool_choice is ToolChoice.REQUIRED
+        body = tool_calls if required else p.choice([tool_calls, text])
+        return p.cat(generation, reasoning, body, turn_end, end)
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = not has_format and inputs.tool_choice is ToolChoice.AUTO
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, _C2_ACTION_START),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=(
+            _C2_TURN_START,
+            _C2_TURN_END,
+            "<|CHATBOT_TOKEN|>",
+            "<|USER_TOKEN|>",
+            "<|SYSTEM_TOKEN|>",
+            _C2_THINK_START,
+            _C2_THINK_END,
+            _C2_TEXT_START,
+            _C2_TEXT_END,
+            _C2_ACTION_START,
+            _C2_ACTION_END,
+            "<|START_TOOL_RESULT|>",
+            "<|END_TOOL_RESULT|>",
+        ),
+        supports_thinking=True,
+        thinking_start_tag=_C2_THINK_START,
+        thinking_end_tags=(_C2_THINK_END,),
+        user_start=_C2_TURN_START + "<|USER_TOKEN|>",
+        assistant_start=_C2_GEN_PREFIX,
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
@@ -1081,4 +1333,6 @@ HANDLERS: dict[str, Handler] = {
     "GigaChatV3": gigachat_v3,
     "Functionary v3.2": functionary_v3_2,
     "Ministral/Magistral Large 3": ministral_3,
+    "MiniCPM5": minicpm5,
+    "Cohere2 MoE": cohere2moe,
 }
