@@ -116,6 +116,21 @@ SAMPLES: dict[str, list[str]] = {
         '"tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>',
         "<|START_THINKING|>Hmm.<|END_THINKING|><|START_TEXT|>It is sunny.<|END_TEXT|>",
     ],
+    "LLM-jp Harmony v1": [
+        "<|channel|> analysis<|message|> Weather.<|end|><|start|> assistant to=functions.get_weather"
+        '<|channel|> commentary <|constrain|> json<|message|> {"city": "Paris"}<|end|>'
+        "<|start|> assistant to=functions.get_weather<|channel|> commentary<|message|> "
+        '{"city": "Lyon"}',
+        "<|channel|> analysis<|message|> Hmm.<|end|><|start|> assistant<|channel|> final"
+        "<|message|> It is sunny.",
+    ],
+    "Muse Glimmer": [
+        " to=self<|message|>Weather.<|eom|><|start|>assistant to=get_weather<|message|>"
+        '<atem:function_calls>\n<atem:invoke name="get_weather">\n<atem:parameter name="city">'
+        'Paris</atem:parameter>\n<atem:parameter name="days">2</atem:parameter>\n</atem:invoke>'
+        "\n</atem:function_calls>",
+        " to=self<|message|>Hmm.<|eom|><|start|>assistant to=user<|message|>It is sunny.<|eot|>",
+    ],
 }
 SAMPLES["LFM2.5"] = SAMPLES["LFM2"]
 

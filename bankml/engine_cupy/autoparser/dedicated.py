@@ -1323,6 +1323,344 @@ def cohere2moe(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# LLM-jp Harmony v1 (common/parsers/llm-jp-harmony.cpp): GPT-OSS's channels with a space after
+# each special token, parallel calls as consecutive messages
+# ---------------------------------------------------------------------------------------------
+
+_LLM_JP_TRIGGERS = (
+    r"^\s+to$",
+    r"^<\|channel\|>\s*(?:commentary|analysis)\s+to=functions$",
+    r"<\|start\|>\s*assistant(\s+to)",
+    r"<\|start\|>\s*assistant(<\|channel\|>\s*(?:commentary|analysis)\s+to)",
+)
+
+
+def _harmony_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Reasoning as the template's ``thinking``; a call's content left out beside it."""
+    adjusted = []
+    for message in messages:
+        m = copy.deepcopy(dict(message))
+        if isinstance(m.get("reasoning_content"), str):
+            m["thinking"] = m["reasoning_content"]
+            if isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
+                m.pop("content", None)
+        adjusted.append(m)
+    return adjusted
+
+
+def _harmony_prompts(tmpl: ChatTemplate, inputs: GenerationParams) -> tuple[str, str]:
+    over = replace(inputs, messages=_harmony_messages(inputs.messages))
+    prompt = render_prompt(tmpl, over, over.add_generation_prompt)
+    if not inputs.add_generation_prompt:  # an inference render ends its last turn with <|end|>
+        at = prompt.rfind("<|return|>")
+        if at >= 0:
+            prompt = prompt[:at] + "<|end|>" + prompt[at + len("<|return|>") :]
+    gen_prompt = generation_prompt(tmpl, over)
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = "<|start|>assistant<|channel|>analysis<|message|>" + (
+            msg.get("reasoning_content") or ""
+        )
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "<|end|><|start|>assistant<|channel|>final<|message|>" + render_content(
+                msg
+            )
+        prompt += gen_prompt
+    return prompt, gen_prompt
+
+
+def _llm_jp_tool(
+    p: ChatPegBuilder, name: str, params: Any, channel: Parser, constraint: Parser, message: Parser
+) -> Parser:
+    tool_name = p.tool_name(p.literal(name))
+    func_name = p.literal(" to=functions.") + tool_name
+    args = p.tool_args(p.schema(p.json(), f"tool-{name}-schema", params))
+    in_role = p.tool(p.tool_open(func_name + channel + constraint + message) + args)
+    in_channel = p.tool(p.tool_open(channel + func_name + constraint + message) + args)
+    return p.rule(f"tool-{name}", in_role | in_channel)
+
+
+def llm_jp_harmony(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """GPT-OSS's channels as LLM-jp 4.1 writes them (blanks after the special tokens)."""
+    prompt, gen_prompt = _harmony_prompts(tmpl, inputs)
+    has_tools = inputs.has_tools
+    has_format = inputs.json_schema is not None and isinstance(inputs.json_schema, Mapping)
+    include_grammar = has_format or _calls_tools(inputs)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+
+    def build(p: ChatPegBuilder) -> Parser:
+        sp = p.chars("[ ]", 0, -1)
+        channel_tag = p.literal("<|channel|>") + sp
+        message = p.cat(lambda: p.literal("<|message|>"), lambda: p.optional(p.literal(" ")))
+        start = p.rule(
+            "start",
+            p.cat(lambda: p.literal("<|start|>"), sp, lambda: p.literal("assistant")),
+        )
+        end = p.rule("end", p.literal("<|end|>"))
+        content = p.rule("message-content", p.until("<|end|>"))
+        channel = p.cat(
+            channel_tag,
+            lambda: p.alt(lambda: p.literal("commentary"), lambda: p.literal("analysis")),
+        )
+        constrain_type = p.chars("[A-Za-z0-9_-]", 1, -1)
+        constraint = p.optional(
+            p.cat(
+                p.space,
+                lambda: p.optional(p.literal("<|constrain|>") + sp),
+                constrain_type,
+            )
+        )
+        start_analysis = p.cat(channel_tag, lambda: p.literal("analysis"), message)
+        if extract:
+            p.rule("analysis", p.cat(start_analysis, lambda: p.reasoning(content), end))
+        else:
+            p.rule("analysis", p.content(start_analysis + content + end))
+        analysis = p.ref("analysis")
+        preamble = p.rule(
+            "preamble",
+            p.cat(
+                channel_tag,
+                lambda: p.literal("commentary"),
+                message,
+                lambda: p.content(content),
+                end,
+            ),
+        )
+        final_msg = p.rule(
+            "final",
+            p.cat(channel_tag, lambda: p.literal("final"), message, lambda: p.content(content)),
+        )
+        any_msg = p.rule("any", preamble | analysis)
+        if has_format:
+            schema = inputs.json_schema
+            response_format = p.rule(
+                "response-format",
+                p.cat(
+                    channel_tag,
+                    lambda: p.literal("final"),
+                    constraint,
+                    message,
+                    lambda: p.content(p.schema(p.json(), "response-format-schema", schema)),
+                ),
+            )
+            return p.cat(lambda: p.zero_or_more(start + analysis), start, response_format)
+        if _calls_tools(inputs):
+            tool_choice = p.choice()
+            for function in _functions(inputs.tools):
+                tool_choice |= _llm_jp_tool(
+                    p, function["name"], tool_parameters(function), channel, constraint, message
+                )
+            calls = tool_choice
+            if inputs.parallel_tool_calls:
+                calls = tool_choice + p.zero_or_more(end + start + tool_choice)
+            tool_call = p.trigger_rule("tool-call", calls)
+            if inputs.tool_choice is ToolChoice.REQUIRED:
+                return p.cat(lambda: p.zero_or_more(start + any_msg), start, tool_call)
+            return p.cat(
+                lambda: p.zero_or_more(start + any_msg), start, lambda: tool_call | final_msg
+            )
+        return p.cat(lambda: p.zero_or_more(start + any_msg), start, final_msg)
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = not (has_format or (has_tools and inputs.tool_choice is ToolChoice.REQUIRED))
+        grammar = _grammar(parser, lazy)
+        triggers = tuple(GrammarTrigger(TriggerType.PATTERN, t) for t in _LLM_JP_TRIGGERS)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=("<|channel|>", "<|constrain|>", "<|message|>", "<|start|>", "<|end|>"),
+        supports_thinking=True,
+        thinking_start_tag="<|channel|>analysis<|message|>",
+        thinking_end_tags=("<|end|>",),
+        user_start="<|start|>user",
+        assistant_start="<|start|>assistant",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Muse Glimmer (common/parsers/muse-glimmer.cpp): " to=RECIPIENT" messages, ATEM call markup
+# ---------------------------------------------------------------------------------------------
+
+_MUSE_TRIGGER = (
+    r"(?:^|<\|start\|>assistant)( to=(?!self<\|message\|>)(?!user<\|message\|>)[^<]*?<\|message\|>)"
+)
+
+
+def _muse_call(p: ChatPegBuilder, function: Mapping[str, Any], string_value: Parser) -> Parser:
+    name = function["name"]
+    arg_rules = []
+    for param in _parameters(function):
+        value = p.eps()
+        if may_be_string(param.schema):
+            value = string_value
+        else:
+            value = p.cat(
+                lambda param=param: p.tool_arg_json_value(
+                    p.schema(p.json(), f"tool-{name}-arg-{param.name}-schema", param.schema)
+                ),
+                lambda: p.tool_arg_close(p.literal("</atem:parameter>")),
+            )
+        opener = p.tool_arg_open(
+            p.cat(
+                lambda: p.literal('<atem:parameter name="'),
+                lambda param=param: p.tool_arg_name(p.literal(param.name)),
+                lambda: p.literal('">'),
+            )
+        )
+        arg_rules.append(p.tool_arg(opener + value))
+    args = p.eps()
+    if arg_rules:
+        args = p.zero_or_more(p.cat(lambda: p.choice(arg_rules), p.space))
+    opener = p.tool_open(
+        p.cat(
+            lambda: p.literal(" to="),
+            lambda: p.until("<|message|>"),
+            lambda: p.literal("<|message|><atem:function_calls>"),
+            p.space,
+            lambda: p.literal('<atem:invoke name="'),
+            lambda: p.tool_name(p.literal(name)),
+            lambda: p.literal('">'),
+            p.space,
+        )
+    )
+    return p.tool(
+        opener
+        << p.tool_args(args)
+        << p.tool_close(
+            p.cat(
+                lambda: p.literal("</atem:invoke>"),
+                p.space,
+                lambda: p.literal("</atem:function_calls>"),
+            )
+        )
+    )
+
+
+def muse_glimmer(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """Messages ``<|start|>assistant to=RECIPIENT<|message|>...``: ``self`` reasoning ended by
+    ``<|eom|>``, ``user`` content, any other recipient an ATEM function call."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = "<|start|>assistant"
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = "<|start|>assistant to=self<|message|>" + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "<|eom|><|start|>assistant to=user<|message|>" + render_content(msg)
+        prompt += gen_prompt
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    has_tools = inputs.has_tools
+    has_format = inputs.json_schema is not None and isinstance(inputs.json_schema, Mapping)
+    include_grammar = has_format or _calls_tools(inputs)
+
+    def build(p: ChatPegBuilder) -> Parser:
+        start = p.rule("start", p.literal("<|start|>assistant"))
+        if not extract and not include_grammar:
+            return start + p.content(p.rest())
+        tag = p.reasoning if extract else p.content
+        p.rule(
+            "analysis",
+            p.cat(
+                lambda: p.literal(" to=self<|message|>"),
+                lambda: tag(p.until("<|eom|>")),
+                lambda: p.literal("<|eom|>"),
+            ),
+        )
+        analysis = p.ref("analysis")
+        recipient = p.optional(p.literal(" to=user"))
+        final_msg = p.rule(
+            "final",
+            p.cat(
+                recipient,
+                lambda: p.literal("<|message|>"),
+                lambda: p.content(p.until_one_of(["<|eot|>", "<|eom|>"])),
+            ),
+        )
+        if has_format:
+            schema = inputs.json_schema
+            response_json = p.content(p.schema(p.json(), "response-format-schema", schema))
+            fenced = lambda: p.cat(  # noqa: E731
+                lambda: p.literal("```json"),
+                p.space,
+                response_json,
+                p.space,
+                lambda: p.literal("```"),
+            )
+            response_format = p.rule(
+                "response-format",
+                p.cat(
+                    recipient,
+                    lambda: p.literal("<|message|>"),
+                    lambda: p.alt(fenced, response_json),
+                ),
+            )
+            return p.cat(lambda: p.zero_or_more(start + analysis), start, response_format)
+        if _calls_tools(inputs):
+            string_value = p.ac(
+                p.cat(
+                    lambda: p.tool_arg_string_value(p.until("</atem:parameter>")),
+                    lambda: p.tool_arg_close(p.literal("</atem:parameter>")),
+                ),
+                "</atem:parameter>",
+            )
+            tool_choice = p.choice()
+            for function in _functions(inputs.tools):
+                call = _muse_call(p, function, string_value)
+                tool_choice |= p.rule(f"tool-{function['name']}", call)
+            if inputs.parallel_tool_calls:
+                tool_calls = p.trigger_rule(
+                    "tool-call",
+                    tool_choice + p.zero_or_more(p.literal("<|eom|>") + start + tool_choice),
+                )
+            else:
+                tool_calls = p.trigger_rule("tool-call", tool_choice)
+            if inputs.tool_choice is ToolChoice.REQUIRED:
+                return p.cat(lambda: p.zero_or_more(start + analysis), start, tool_calls)
+            trailing = p.optional(p.literal("<|eom|>") + start + tool_calls)
+            return p.cat(
+                lambda: p.zero_or_more(start + analysis),
+                start,
+                lambda: tool_calls | (final_msg + trailing),
+            )
+        return p.cat(lambda: p.zero_or_more(start + analysis), start, final_msg)
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = not (has_format or (has_tools and inputs.tool_choice is ToolChoice.REQUIRED))
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.PATTERN, _MUSE_TRIGGER),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=(
+            "<|start|>",
+            "<|message|>",
+            "<|eom|>",
+            "<|eot|>",
+            "<atem:function_calls>",
+            "<atem:invoke",
+            "<atem:parameter",
+            "</atem:parameter>",
+            "</atem:invoke>",
+            "</atem:function_calls>",
+        ),
+        supports_thinking=True,
+        user_start="<|start|>user",
+        assistant_start="<|start|>assistant",
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
@@ -1335,4 +1673,6 @@ HANDLERS: dict[str, Handler] = {
     "Ministral/Magistral Large 3": ministral_3,
     "MiniCPM5": minicpm5,
     "Cohere2 MoE": cohere2moe,
+    "LLM-jp Harmony v1": llm_jp_harmony,
+    "Muse Glimmer": muse_glimmer,
 }
