@@ -131,6 +131,23 @@ SAMPLES: dict[str, list[str]] = {
         "\n</atem:function_calls>",
         " to=self<|message|>Hmm.<|eom|><|start|>assistant to=user<|message|>It is sunny.<|eot|>",
     ],
+    "Kimi K3": [
+        "Weather.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
+        '<|open|>tools<|sep|><|open|>call tool="get_weather" index="0"<|sep|>'
+        '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+        '<|open|>argument key="days" type="integer"<|sep|>2<|close|>argument<|sep|>'
+        "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>",
+        "Hmm.<|close|>think<|sep|><|open|>response<|sep|>It is sunny.<|close|>response<|sep|>"
+        "<|close|>message<|sep|><|end_of_msg|>",
+    ],
+    "Ling 3.0 (Bailing V3)": [
+        "Weather.</think>Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n"
+        "</tool_call><|role_end|>",
+        "Straight to it<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome"
+        "</arg_value></tool_call>",
+        "Hmm.</think>It is sunny.<|role_end|>",
+    ],
 }
 SAMPLES["LFM2.5"] = SAMPLES["LFM2"]
 

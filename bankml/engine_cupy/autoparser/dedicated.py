@@ -1661,6 +1661,316 @@ def muse_glimmer(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Kimi K3 (common/parsers/kimi-k3.cpp): <|open|>TAG attrs<|sep|> ... <|close|>TAG<|sep|> sections
+# ---------------------------------------------------------------------------------------------
+
+_K3_SEP = "<|sep|>"
+_K3_MSG_START = '<|open|>message role="assistant"<|sep|>'
+_K3_THINK_START = "<|open|>think<|sep|>"
+_K3_THINK_END = "<|close|>think<|sep|>"
+_K3_RESP_START = "<|open|>response<|sep|>"
+_K3_RESP_END = "<|close|>response<|sep|>"
+_K3_TOOLS_START = "<|open|>tools<|sep|>"
+_K3_TOOLS_END = "<|close|>tools<|sep|>"
+_K3_CALL_START = '<|open|>call tool="'
+_K3_CALL_END = "<|close|>call<|sep|>"
+_K3_ARG_START = '<|open|>argument key="'
+_K3_ARG_END = "<|close|>argument<|sep|>"
+_K3_MSG_END = "<|close|>message<|sep|>"
+_K3_EOM = "<|end_of_msg|>"
+
+
+def _kimi_k3_arg(p: ChatPegBuilder, name: str, key: str, prop: Any) -> Parser:
+    kind = "string"
+    if isinstance(prop, Mapping) and isinstance(prop.get("type"), str):
+        kind = prop["type"]
+    if kind == "string":
+        value = p.tool_arg_string_value(p.until(_K3_ARG_END))
+    else:
+        value = p.tool_arg_value(p.until(_K3_ARG_END))
+    return p.rule(
+        f"kimi-k3-arg-{name}-{key}",
+        p.tool_arg(
+            p.cat(
+                lambda: p.tool_arg_open(p.literal(_K3_ARG_START)),
+                lambda: p.tool_arg_name(p.literal(key)),
+                lambda: p.literal('"'),
+                lambda: p.until(_K3_SEP),
+                lambda: p.literal(_K3_SEP),
+                value,
+                lambda: p.tool_arg_close(p.literal(_K3_ARG_END)),
+            )
+        ),
+    )
+
+
+def _kimi_k3_call(p: ChatPegBuilder, function: Mapping[str, Any]) -> Parser:
+    name = function["name"]
+    schema = tool_parameters(function)
+    args = p.eps()
+    props = schema.get("properties") if isinstance(schema, Mapping) else None
+    if props:
+        arg_choices = p.choice()
+        for key, prop in props.items():
+            arg_choices |= _kimi_k3_arg(p, name, key, prop)
+        args = p.zero_or_more(arg_choices)
+    opener = lambda: p.tool_open(  # noqa: E731
+        p.cat(
+            lambda: p.literal(_K3_CALL_START),
+            lambda: p.tool_name(p.literal(name)),
+            lambda: p.literal('"'),
+            lambda: p.until(_K3_SEP),
+            lambda: p.literal(_K3_SEP),
+        )
+    )
+    call = p.tool(
+        p.cat(
+            opener,
+            lambda: p.tool_args(args),
+            lambda: p.tool_close(p.literal(_K3_CALL_END)),
+        )
+    )
+    return p.rule(f"kimi-k3-tool-{name}", call)
+
+
+def kimi_k3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """A think section, a response section, a tools section of calls with one tag per argument,
+    then the message's closer."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = _K3_MSG_START + _K3_THINK_START + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += _K3_THINK_END + _K3_RESP_START + render_content(msg)
+        prompt += gen_prompt
+
+    def build(p: ChatPegBuilder) -> Parser:
+        end = p.end()
+        start = p.optional(p.literal(_K3_MSG_START))
+        tag = p.reasoning if extract else p.content
+        think_body = tag(p.until_one_of([_K3_THINK_END, _K3_RESP_START]))
+        reasoning = p.optional(
+            p.cat(
+                lambda: p.optional(p.literal(_K3_THINK_START)),
+                think_body,
+                lambda: p.optional(p.literal(_K3_THINK_END)),
+            )
+        )
+        response = p.cat(
+            lambda: p.optional(p.literal(_K3_RESP_START)),
+            lambda: p.content(p.until_one_of([_K3_RESP_END, _K3_TOOLS_START, _K3_MSG_END])),
+            lambda: p.optional(p.literal(_K3_RESP_END)),
+        )
+        trailer = p.cat(
+            lambda: p.optional(p.literal(_K3_MSG_END)), lambda: p.optional(p.literal(_K3_EOM))
+        )
+        if not _calls_tools(inputs):
+            return start + reasoning + response + trailer + end
+        tool_choices = p.choice()
+        for function in _functions(inputs.tools):
+            tool_choices |= _kimi_k3_call(p, function)
+        section = p.trigger_rule(
+            "kimi-k3-tool-call",
+            p.cat(
+                lambda: p.literal(_K3_TOOLS_START),
+                lambda: p.one_or_more(tool_choices),
+                lambda: p.literal(_K3_TOOLS_END),
+                lambda: p.optional(p.literal(_K3_MSG_END)),
+                lambda: p.optional(p.literal(_K3_EOM)),
+            ),
+        )
+        tools = section if inputs.tool_choice is ToolChoice.REQUIRED else p.optional(section)
+        return start + reasoning + response + tools + trailer + end
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if _calls_tools(inputs):
+        lazy = inputs.tool_choice is not ToolChoice.REQUIRED
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, _K3_TOOLS_START),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"),
+        supports_thinking=True,
+        thinking_start_tag=_K3_THINK_START,
+        thinking_end_tags=(_K3_THINK_END,),
+        user_start='<|open|>message role="user"<|sep|>',
+        assistant_start=_K3_MSG_START,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ling 3.0 / Bailing V3 (common/parsers/ling3.cpp): <role> sections, <arg_key>/<arg_value> calls
+# ---------------------------------------------------------------------------------------------
+
+_LING3_ROLE = "<role>ASSISTANT</role>"
+_LING3_ROLE_END = "<|role_end|>"
+
+
+def _ling3_arg(
+    p: ChatPegBuilder, name: str, param: Any, arg_close: Parser, arg_string: Parser
+) -> Parser:
+    rule_name = f"ling3-arg-{name}-{param.name}"
+    types = value_types(param.schema)
+    value = p.eps()
+    if TYPE_STRING not in types:
+        value = p.cat(
+            lambda: p.tool_arg_json_value(p.schema(p.json(), f"{rule_name}-schema", param.schema)),
+            arg_close,
+        )
+    elif types == {TYPE_STRING}:
+        value = arg_string
+    else:
+        typed = p.tool_arg_json_value(p.schema(p.json(), f"{rule_name}-schema", param.schema))
+        value = p.gbnf(p.atomic(typed + arg_close) | arg_string, "ling3-arg-string")
+    arg = p.tool_arg(
+        p.cat(
+            lambda: p.tool_arg_open(
+                p.cat(
+                    lambda: p.literal("<arg_key>"),
+                    lambda: p.tool_arg_name(p.literal(param.name)),
+                    lambda: p.literal("</arg_key>"),
+                )
+            ),
+            lambda: p.optional(p.space()),
+            lambda: p.literal("<arg_value>"),
+            value,
+        )
+    )
+    return p.rule(rule_name, p.optional(p.space()) + arg)
+
+
+def _ling3_call(
+    p: ChatPegBuilder, function: Mapping[str, Any], arg_close: Parser, arg_string: Parser
+) -> Parser:
+    name = function["name"]
+    required: list[Parser] = []
+    optional: list[Parser] = []
+    for param in _parameters(function):
+        arg = _ling3_arg(p, name, param, arg_close, arg_string)
+        (required if param.required else optional).append(arg)
+    args = p.permute(f"ling3-{name}-args", required)
+    if optional:
+        args = args + p.zero_or_more(p.choice(optional))
+    close = p.tool_close(p.cat(lambda: p.optional(p.space()), lambda: p.literal("</tool_call>")))
+    tool_args = p.tool_args(args)
+    opener = p.tool_open(
+        p.cat(
+            lambda: p.literal("<tool_call>"),
+            lambda: p.tool_name(p.literal(name)),
+            lambda: p.optional(p.space()),
+        )
+    )
+    return p.rule(f"ling3-tool-{name}", p.tool(opener + tool_args + close))
+
+
+def ling3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``<think>`` reasoning (opened by the generation prompt), content, then
+    ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`` calls."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = _LING3_ROLE + "\n<think>" + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "</think>" + render_content(msg)
+        prompt += gen_prompt
+        think_open = inputs.continue_final_message is not Continuation.CONTENT
+    else:
+        last_open, last_close = gen_prompt.rfind("<think>"), gen_prompt.rfind("</think>")
+        think_open = last_open >= 0 and (last_close < 0 or last_open > last_close)
+    has_format = bool(inputs.json_schema) and isinstance(inputs.json_schema, Mapping)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    include_grammar = has_format or _calls_tools(inputs)
+
+    def build(p: ChatPegBuilder) -> Parser:
+        end = p.end()
+        opener = p.optional(p.cat(lambda: p.literal(_LING3_ROLE), lambda: p.optional(p.space())))
+        ends = ["</think>", "<tool_call>"] if think_open else ["</think>"]
+        body_end = p.until_one_of(ends)
+        think_body = p.reasoning(body_end) if extract else p.content(body_end)
+        reasoning = p.optional(
+            p.cat(
+                lambda: p.optional(p.literal("<think>")),
+                think_body,
+                lambda: p.optional(p.literal("</think>")),
+            )
+        )
+        content = p.optional(p.content(p.until_one_of(["<tool_call>"])))
+        tail = p.cat(
+            lambda: p.optional(p.content(p.until(_LING3_ROLE_END))),
+            lambda: p.optional(p.literal(_LING3_ROLE_END)),
+        )
+        if has_format:
+            closed = p.cat(lambda: p.literal("<think>"), think_body, lambda: p.literal("</think>"))
+            schema = inputs.json_schema
+            response_format = p.content(p.schema(p.json(), "response-format", schema))
+            return opener + (closed << response_format) + end
+        if not _calls_tools(inputs):
+            return opener + reasoning + tail + end
+        tool_choices = p.choice()
+        arg_close = p.tool_arg_close(p.literal("</arg_value>"))
+        arg_string = p.rule(
+            "ling3-arg-string", p.tool_arg_string_value(p.until("</arg_value>")) + arg_close
+        )
+        for function in _functions(inputs.tools):
+            tool_choices |= _ling3_call(p, function, arg_close, arg_string)
+        calls = tool_choices
+        if inputs.parallel_tool_calls:
+            calls = tool_choices + p.zero_or_more(p.space() + tool_choices)
+        section = p.trigger_rule(
+            "ling3-tool-call",
+            p.cat(
+                calls,
+                p.space,
+                lambda: p.optional(p.content(p.until(_LING3_ROLE_END))),
+                lambda: p.optional(p.literal(_LING3_ROLE_END)),
+            ),
+        )
+        tools = section if inputs.tool_choice is ToolChoice.REQUIRED else p.optional(section)
+        return opener + reasoning + content + tools + tail + end
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = not has_format and inputs.tool_choice is not ToolChoice.REQUIRED
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, "<tool_call>"),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=(
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            _LING3_ROLE_END,
+        ),
+        additional_stops=(_LING3_ROLE_END,),
+        supports_thinking=True,
+        thinking_start_tag="<think>",
+        thinking_end_tags=("</think>", "<tool_call>"),
+        user_start="<role>HUMAN</role>",
+        assistant_start=_LING3_ROLE,
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
@@ -1675,4 +1985,6 @@ HANDLERS: dict[str, Handler] = {
     "Cohere2 MoE": cohere2moe,
     "LLM-jp Harmony v1": llm_jp_harmony,
     "Muse Glimmer": muse_glimmer,
+    "Kimi K3": kimi_k3,
+    "Ling 3.0 (Bailing V3)": ling3,
 }
