@@ -22,7 +22,7 @@ from typing import Any
 from bankml.engine_cupy.autoparser.apply import chat_params, specialized_template
 from bankml.engine_cupy.autoparser.dedicated import HANDLERS
 from bankml.engine_cupy.chat_template import ChatTemplate
-from bankml.engine_cupy.peg.chat import chat_peg_parse
+from bankml.engine_cupy.peg.chat import ChatFormat, chat_peg_parse
 from tests.test_autoparser_analysis import templates_dir  # noqa: F401
 from tests.test_autoparser_generator import (  # noqa: F401
     OUTPUTS,
@@ -148,6 +148,13 @@ SAMPLES: dict[str, list[str]] = {
         "</arg_value></tool_call>",
         "Hmm.</think>It is sunny.<|role_end|>",
     ],
+    "MiniMax-M3": [
+        "<mm:think>Weather.</mm:think>Checking.]<]minimax[>[<tool_call>\n"
+        ']<]minimax[>[<invoke name="get_weather">\n]<]minimax[>[<city>Paris]<]minimax[>[</city>\n'
+        "]<]minimax[>[<days>2]<]minimax[>[</days>\n]<]minimax[>[</invoke>\n"
+        "]<]minimax[>[</tool_call>",
+        "<mm:think>Hmm.</mm:think>It is sunny.",
+    ],
 }
 SAMPLES["LFM2.5"] = SAMPLES["LFM2"]
 
@@ -224,7 +231,13 @@ def test_dedicated_params_as_llama_cpp(
             for output, their_msg in zip(texts, parsed, strict=True):
                 try:
                     got = message(
-                        chat_peg_parse(params.parser, output, is_partial, params.generation_prompt)
+                        chat_peg_parse(
+                            params.parser,
+                            output,
+                            is_partial,
+                            params.generation_prompt,
+                            ChatFormat(params.format),
+                        )
                     )
                 except Exception:  # noqa: BLE001 - a refused output is compared as such
                     got = {"error": True}

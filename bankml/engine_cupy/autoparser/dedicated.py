@@ -33,7 +33,16 @@ from bankml.engine_cupy.autoparser.generator import (
     render_prompt,
 )
 from bankml.engine_cupy.chat_template import render_content
-from bankml.engine_cupy.peg.chat import ChatPegBuilder, build_chat_peg_parser, tool_parameters
+from bankml.engine_cupy.json_schema_grammar import Alternatives, Array, Node, Object, parse_schema
+from bankml.engine_cupy.peg.chat import (
+    TOOL_ARG_ARRAY,
+    TOOL_ARG_ITEM,
+    TOOL_ARG_OBJECT,
+    ChatFormat,
+    ChatPegBuilder,
+    build_chat_peg_parser,
+    tool_parameters,
+)
 from bankml.engine_cupy.peg.gbnf import build_grammar
 from bankml.engine_cupy.peg.parser import Arena, Parser
 from bankml.engine_cupy.peg.schema import (
@@ -1971,6 +1980,230 @@ def ling3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# MiniMax-M3 (common/parsers/minimax-m3.cpp): namespaced XML calls, arguments as nested elements
+# ---------------------------------------------------------------------------------------------
+
+_MM3_NS = "]<]minimax[>["
+_MM3_FC_START = _MM3_NS + "<tool_call>"
+_MM3_FC_END = _MM3_NS + "</tool_call>"
+
+
+class _Mm3Args:
+    """The argument elements of one function, its schema expanded as the template writes it."""
+
+    def __init__(self, p: ChatPegBuilder):
+        self.p = p
+
+    def element(self, tag: str, schema: Node, rule_name: str) -> Parser:
+        p = self.p
+        close = _MM3_NS + "</" + tag + ">"
+        return p.rule(
+            rule_name,
+            p.tool_arg(
+                p.cat(
+                    lambda: p.tool_arg_open(
+                        p.cat(
+                            lambda: p.literal(_MM3_NS + "<"),
+                            lambda: p.tool_arg_name(p.literal(tag)),
+                            lambda: p.literal(">"),
+                        )
+                    ),
+                    lambda: self.value(schema, rule_name, close),
+                )
+            ),
+        )
+
+    def value(self, schema: Node, rule_name: str, close: str) -> Parser:
+        p = self.p
+        close_tag = p.tool_arg_close(p.literal(close))
+        if may_be_string(schema):
+            return p.ac(p.tool_arg_string_value(p.until(close)) + close_tag, close)
+        if isinstance(schema, Alternatives) and schema.kind == "any_of":
+            return p.choice(
+                [
+                    self.value(alt, f"{rule_name}-{i}", close)
+                    for i, alt in enumerate(schema.children)
+                ]
+            )
+        if isinstance(schema, Object) and schema.properties:
+            return p.cat(
+                lambda: p.tag(TOOL_ARG_OBJECT, self.members(schema, rule_name)), p.space, close_tag
+            )
+        if isinstance(schema, Array) and schema.kind == "array":
+            item_close = _MM3_NS + "</item>"
+            item = p.rule(
+                f"{rule_name}-item",
+                p.tag(
+                    TOOL_ARG_ITEM,
+                    p.cat(
+                        lambda: p.literal(_MM3_NS + "<item>"),
+                        lambda: self.value(schema.items, f"{rule_name}-item", item_close),
+                    ),
+                ),
+            )
+            return p.cat(
+                lambda: p.tag(TOOL_ARG_ARRAY, p.repeat(p.space() + item, 0, -1)),
+                p.space,
+                close_tag,
+            )
+        return p.tool_arg_json_value(p.schema(p.json(), f"{rule_name}-schema", schema)) + close_tag
+
+    def members(self, obj: Object, prefix: str) -> Parser:
+        """Required properties in schema order, then optional ones in any order and number."""
+        p = self.p
+        required: list[Parser] = []
+        optional: list[Parser] = []
+        for prop in obj.properties:
+            element = self.element(prop.name, prop.schema, f"{prefix}-{prop.name}")
+            (required if prop.required else optional).append(element)
+        members = p.eps()
+        for i, element in enumerate(required):
+            if i > 0:
+                members = members + p.space()
+            members = members + element
+        if optional:
+            any_optional = p.choice()
+            for element in optional:
+                any_optional |= element
+            members = members + p.repeat(p.space() + any_optional, 0, -1)
+        return members
+
+
+def _mm3_invoke(p: ChatPegBuilder, function: Mapping[str, Any]) -> Parser:
+    name = function["name"]
+    root = parse_schema(tool_parameters(function))
+    body = p.eps()
+    if isinstance(root, Object):
+        body = _Mm3Args(p).members(root, f"tool-{name}-arg")
+    return p.tool(
+        p.cat(
+            lambda: p.tool_open(
+                p.cat(
+                    lambda: p.literal(_MM3_NS + '<invoke name="'),
+                    lambda: p.tool_name(p.literal(name)),
+                    lambda: p.literal('">'),
+                )
+            ),
+            p.space,
+            body,
+            p.space,
+            lambda: p.tool_close(p.literal(_MM3_NS + "</invoke>")),
+        )
+    )
+
+
+def minimax_m3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``<mm:think>`` reasoning, content, then ``]<]minimax[>[<tool_call>`` around invokes
+    whose arguments are elements named after them (objects and arrays nested)."""
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    template_gen_prompt = gen_prompt = generation_prompt(tmpl, inputs)
+    has_tools = inputs.has_tools
+    has_format = inputs.json_schema is not None and isinstance(inputs.json_schema, Mapping)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+    include_grammar = has_format or _calls_tools(inputs)
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = template_gen_prompt + "<mm:think>" + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "</mm:think>" + render_content(msg)
+        prompt += gen_prompt
+    think_end = "</mm:think>"
+
+    def build(p: ChatPegBuilder) -> Parser:
+        generation = p.prefix(template_gen_prompt, "<mm:think>")
+        end = p.end()
+        reasoning = p.eps()
+        if extract:
+            if inputs.enable_thinking:
+                block = p.cat(
+                    lambda: p.literal("<mm:think>"),
+                    p.space,
+                    lambda: p.ac(
+                        p.cat(
+                            lambda: p.reasoning(p.until(think_end)), lambda: p.literal(think_end)
+                        ),
+                        think_end,
+                    ),
+                )
+            else:
+                block = p.cat(
+                    lambda: p.literal("<mm:think>"),
+                    lambda: p.ac(
+                        p.cat(lambda: p.until(think_end), lambda: p.literal(think_end)), think_end
+                    ),
+                )
+            reasoning = p.optional(p.choice([block, p.literal(think_end)]))
+        if has_format:
+            schema = inputs.json_schema
+            response_format = p.rule(
+                "response-format",
+                p.cat(
+                    lambda: p.literal("```json"),
+                    p.space,
+                    lambda: p.content(p.schema(p.json(), "response-format-schema", schema)),
+                    p.space,
+                    lambda: p.literal("```"),
+                ),
+            )
+            return generation + reasoning + response_format + end
+        if not _calls_tools(inputs):
+            return p.cat(generation, reasoning, lambda: p.content(p.rest()), end)
+        tool_choice = p.choice()
+        for function in _functions(inputs.tools):
+            tool_choice |= p.rule(f"tool-{function['name']}", _mm3_invoke(p, function))
+        tool_calls = p.eps()
+        if inputs.parallel_tool_calls:
+            tool_calls = p.trigger_rule(
+                "tool-call",
+                p.cat(
+                    lambda: p.literal(_MM3_FC_START),
+                    p.space,
+                    tool_choice,
+                    lambda: p.zero_or_more(p.space() + tool_choice),
+                    p.space,
+                    lambda: p.literal(_MM3_FC_END),
+                ),
+            )
+        else:
+            tool_calls = p.trigger_rule(
+                "tool-call",
+                p.cat(
+                    lambda: p.literal(_MM3_FC_START),
+                    p.space,
+                    tool_choice,
+                    p.space,
+                    lambda: p.literal(_MM3_FC_END),
+                ),
+            )
+        if inputs.tool_choice is not ToolChoice.REQUIRED:
+            tool_calls = p.optional(tool_calls)
+        before = p.content(p.until(_MM3_FC_START))
+        return generation + reasoning + before + tool_calls + end
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = not (has_format or (has_tools and inputs.tool_choice is ToolChoice.REQUIRED))
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, _MM3_FC_START),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        format=ChatFormat.PEG_MINIMAX_M3.value,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=(_MM3_NS, "<tool_call>", "</tool_call>", "<mm:think>", "</mm:think>"),
+        supports_thinking=True,
+        thinking_start_tag="<mm:think>",
+        thinking_end_tags=("</mm:think>",),
+        user_start="]~b]user",
+        assistant_start="]~b]ai",
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
@@ -1987,4 +2220,5 @@ HANDLERS: dict[str, Handler] = {
     "Muse Glimmer": muse_glimmer,
     "Kimi K3": kimi_k3,
     "Ling 3.0 (Bailing V3)": ling3,
+    "MiniMax-M3": minimax_m3,
 }
