@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bankml.engine_cupy.autoparser.apply import chat_params, specialized_template
+from bankml.engine_cupy.autoparser.apply import ChatRequest, chat_params, specialized_template
 from bankml.engine_cupy.autoparser.dedicated import HANDLERS
 from bankml.engine_cupy.chat_template import ChatTemplate
 from bankml.engine_cupy.peg.chat import ChatFormat, chat_peg_parse
@@ -155,8 +155,42 @@ SAMPLES: dict[str, list[str]] = {
         "]<]minimax[>[</tool_call>",
         "<mm:think>Hmm.</mm:think>It is sunny.",
     ],
+    "Gemma4": [
+        "<|channel>thought\nWeather.<channel|>Checking.<|tool_call>call:get_weather"
+        '{city:<|"|>Paris<|"|>,days:2}<tool_call|>',
+        "<|channel>thought\nHmm.<channel|>It is sunny.",
+        '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|>',
+    ],
 }
 SAMPLES["LFM2.5"] = SAMPLES["LFM2"]
+
+
+WEATHER = VARIANTS[3][0]["tools"][0]
+
+
+def _call(call_id: str, city: str) -> dict[str, Any]:
+    arguments = json.dumps({"city": city})
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+
+
+# calls answered out of order, then the answer (DeepSeek V4 sorts the results, the older Gemma 4
+# template reads them from the calling message)
+ANSWERED = [
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": "", "tool_calls": [_call("c1", "Paris"), _call("c2", "Rome")]},
+    {"role": "tool", "tool_call_id": "c2", "content": '{"temp": 20}'},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny in Paris, 20 in Rome."},
+    {"role": "user", "content": "Thanks"},
+]
+REQUESTS = [
+    *VARIANTS,
+    ({"messages": ANSWERED, "tools": [WEATHER]}, ChatRequest(ANSWERED, tools=[WEATHER])),
+]
 
 
 def _samples(handler: str) -> list[str]:
@@ -193,7 +227,7 @@ def test_dedicated_params_as_llama_cpp(
             samples = [o.replace("function_calls>", "tool_calls>") for o in samples]
         outputs = OUTPUTS + samples + own
         partial = streamed(samples[0])  # each handler's first sample holds a call
-        for fields, request in VARIANTS:
+        for fields, request in REQUESTS:
             body = {
                 "template": str(templates_dir / file),
                 "messages": [{"role": "user", "content": "What is the weather in Paris?"}],

@@ -15,6 +15,7 @@ allocate passed as functions (GCC builds the right operand of ``+`` and ``|`` fi
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -2204,6 +2205,261 @@ def minimax_m3(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Gemma 4 (common/parsers/gemma4.cpp): <|channel>thought reasoning, <|tool_call>call:NAME{...}
+# ---------------------------------------------------------------------------------------------
+
+
+def _gemma4_has_content(msg: Mapping[str, Any]) -> bool:
+    content = msg.get("content")
+    return (isinstance(content, str) and content != "") or (
+        isinstance(content, list) and bool(content)
+    )
+
+
+def _gemma4_has_calls(msg: Mapping[str, Any]) -> bool:
+    calls = msg.get("tool_calls")
+    return isinstance(calls, list) and bool(calls)
+
+
+def convert_tool_responses_gemma4(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The older Gemma 4 templates read tool results from the calling assistant message: an
+    assistant turn with calls, the tool messages after it and a final assistant answer become
+    one assistant message with ``tool_calls``, ``tool_responses`` (name, response parsed as JSON
+    where it is JSON) and the answer's ``content``."""
+    result: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        msg = messages[i]
+        if msg.get("role", "") != "assistant" or not _gemma4_has_calls(msg):
+            result.append(copy.deepcopy(dict(msg)))
+            i += 1
+            continue
+        reasoning = msg.get("reasoning_content")
+        calls = copy.deepcopy(list(msg["tool_calls"]))
+        responses: list[dict[str, Any]] = []
+        i += 1
+        while i < len(messages) and messages[i].get("role", "") == "tool":
+            tool = messages[i]
+            response: Any = None
+            if "content" in tool:
+                content = tool["content"]
+                if isinstance(content, str):
+                    try:
+                        response = json.loads(content)
+                    except ValueError:
+                        response = content
+                else:
+                    response = copy.deepcopy(content)
+            name = ""
+            if len(responses) < len(calls):
+                call = calls[len(responses)]
+                if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
+                    name = call["function"].get("name", "")
+            if not name:
+                name = tool.get("tool_call_id", "")
+            responses.append({"name": name, "response": response})
+            i += 1
+        content: Any = None
+        if i < len(messages) and messages[i].get("role", "") == "assistant":
+            after = messages[i]
+            if not _gemma4_has_calls(after) and _gemma4_has_content(after):
+                content = copy.deepcopy(after["content"])
+                i += 1
+        built: dict[str, Any] = {"role": "assistant", "tool_calls": calls}
+        if responses:
+            built["tool_responses"] = responses
+        if content is not None:
+            built["content"] = content
+        if isinstance(reasoning, str):
+            built["reasoning_content"] = reasoning
+        result.append(built)
+    return result
+
+
+def _gemma4_value_rules(p: ChatPegBuilder) -> None:
+    """The rules of Gemma 4's argument syntax (``<|"|>`` strings, bare keys)."""
+    p.rule("gemma4-string-content", p.until('<|"|>'))
+    p.rule(
+        "gemma4-string",
+        p.cat(
+            lambda: p.literal('<|"|>'),
+            lambda: p.ref("gemma4-string-content"),
+            lambda: p.literal('<|"|>'),
+        ),
+    )
+    p.rule("gemma4-bool", p.json_bool())
+    p.rule("gemma4-null", p.json_null())
+    p.rule("gemma4-number", p.json_number())
+    p.rule(
+        "gemma4-dict-key",
+        p.cat(
+            lambda: p.rule("gemma4-dict-key-name", p.chars("[^:}]", 1, -1)),
+            lambda: p.literal(":"),
+        ),
+    )
+    p.rule(
+        "gemma4-dict-kv",
+        p.cat(lambda: p.ref("gemma4-dict-key"), p.space, lambda: p.ref("gemma4-value")),
+    )
+
+    def container(open_: str, close: str, item: str) -> Callable[[], Parser]:
+        def build() -> Parser:
+            ws = p.space()
+            element = p.ref(item)
+            elements = p.sequence(
+                [element, p.zero_or_more(p.sequence([p.literal(","), ws, element]))]
+            )
+            return p.sequence(
+                [
+                    p.literal(open_),
+                    ws,
+                    p.choice([p.literal(close), p.sequence([elements, ws, p.literal(close)])]),
+                ]
+            )
+
+        return build
+
+    p.rule("gemma4-dict", container("{", "}", "gemma4-dict-kv"))
+    p.rule("gemma4-array", container("[", "]", "gemma4-value"))
+    p.rule(
+        "gemma4-value",
+        lambda: p.choice(
+            [
+                p.ref("gemma4-string"),
+                p.ref("gemma4-dict"),
+                p.ref("gemma4-array"),
+                p.ref("gemma4-number"),
+                p.ref("gemma4-bool"),
+                p.ref("gemma4-null"),
+            ]
+        ),
+    )
+
+
+def gemma4(tmpl: ChatTemplate, inputs: GenerationParams) -> ChatParams:
+    """``<|channel>thought`` reasoning ``<channel|>``, content, and
+    ``<|tool_call>call:NAME{key:value,...}<tool_call|>`` calls in Gemma's own value syntax."""
+    if "{#- OpenAI Chat Completions:" not in tmpl.source:  # an older Gemma 4 template
+        inputs = replace(inputs, messages=convert_tool_responses_gemma4(inputs.messages))
+    prompt = render_prompt(tmpl, inputs, inputs.add_generation_prompt)
+    gen_prompt = generation_prompt(tmpl, inputs)
+    if inputs.add_generation_prompt and prompt.endswith("<turn|>\n"):
+        gen_prompt = "<|turn>model\n"
+        prompt += gen_prompt
+    if _has_continuation(inputs):
+        msg = inputs.continue_msg or {}
+        gen_prompt = "<|turn>model\n" if prompt.endswith("<turn|>\n") else ""
+        gen_prompt += "<|channel>thought\n" + (msg.get("reasoning_content") or "")
+        if inputs.continue_final_message is Continuation.CONTENT:
+            gen_prompt += "<channel|>" + render_content(msg)
+        prompt += gen_prompt
+    has_tools = inputs.has_tools
+    has_format = inputs.json_schema is not None and isinstance(inputs.json_schema, Mapping)
+    include_grammar = has_format or _calls_tools(inputs)
+    extract = inputs.reasoning_format is not ReasoningFormat.NONE
+
+    def build(p: ChatPegBuilder) -> Parser:
+        start = p.rule("start", p.optional(p.literal("<|turn>model\n")))
+        if extract:
+            p.rule(
+                "thought",
+                p.cat(
+                    lambda: p.literal("<|channel>thought"),
+                    p.space,
+                    lambda: p.reasoning(p.until("<channel|>")),
+                    lambda: p.literal("<channel|>"),
+                ),
+            )
+        else:
+            p.rule(
+                "thought",
+                p.content(
+                    p.cat(
+                        lambda: p.literal("<|channel>thought"),
+                        p.space,
+                        lambda: p.until("<channel|>"),
+                        lambda: p.literal("<channel|>"),
+                    )
+                ),
+            )
+        consume_empty = p.gbnf(
+            p.zero_or_more(
+                p.cat(lambda: p.literal("<|channel>"), lambda: p.negate(p.literal("thought")))
+            ),
+            "",
+        )
+        thought = p.alt(
+            lambda: p.cat(
+                lambda: p.peek(p.literal("<|channel>")), consume_empty, lambda: p.ref("thought")
+            ),
+            lambda: p.negate(p.literal("<|channel>")),
+        )
+        if has_format:
+            schema = inputs.json_schema
+            response_format = (
+                p.literal("```json")
+                << p.content(p.schema(p.json(), "response-format-schema", schema))
+                << p.literal("```")
+            )
+            return start + p.optional(thought) + response_format
+        if _calls_tools(inputs):
+            _gemma4_value_rules(p)
+            tool_choice = p.choice()
+            for function in _functions(inputs.tools):
+                name = function["name"]
+                opener = p.tool_open(
+                    p.cat(
+                        lambda name=name: p.tool_name(p.literal(name)),
+                        lambda: p.peek(p.literal("{")),
+                    )
+                )
+                call = p.tool(p.sequence([opener, p.tool_args(p.ref("gemma4-dict"))]))
+                tool_choice |= p.rule(f"tool-{name}", call)
+            tool_call = p.trigger_rule(
+                "tool-call",
+                p.repeat(
+                    "<|tool_call>call:" + tool_choice + "<tool_call|>",
+                    1 if inputs.tool_choice is ToolChoice.REQUIRED else 0,
+                    -1 if inputs.parallel_tool_calls else 1,
+                ),
+            )
+            if inputs.tool_choice is ToolChoice.REQUIRED:
+                return start + thought + tool_call
+            scan = p.rule("scan-to-toolcall", p.until("<|tool_call>"))
+            content = p.rule(
+                "content",
+                p.content(p.until_one_of(["<|channel>", "<channel|>", "<|tool_call>"])),
+            )
+            message = p.rule("message", thought + content)
+            return start + p.zero_or_more(message) + scan + tool_call
+        content = p.rule("content", p.content(p.until_one_of(["<|channel>", "<channel|>"])))
+        message = p.rule("message", thought + content)
+        return start + p.one_or_more(message)
+
+    parser = build_chat_peg_parser(build)
+    grammar, lazy, triggers = "", False, ()
+    if include_grammar:
+        lazy = not (has_format or (has_tools and inputs.tool_choice is ToolChoice.REQUIRED))
+        grammar = _grammar(parser, lazy)
+        triggers = (GrammarTrigger(TriggerType.WORD, "<|tool_call>"),)
+    return ChatParams(
+        prompt=prompt,
+        generation_prompt=gen_prompt,
+        parser=parser,
+        format=ChatFormat.PEG_GEMMA4.value,
+        grammar=grammar,
+        grammar_lazy=lazy,
+        grammar_triggers=triggers,
+        preserved_tokens=("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|turn>"),
+        supports_thinking=True,
+        thinking_start_tag="<|channel>thought",
+        thinking_end_tags=("<channel|>",),
+        user_start="<|turn>user",
+        assistant_start="<|turn>model",
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "GPT-OSS": gpt_oss,
     "Qwen3-Coder": qwen3_coder,
@@ -2221,4 +2477,5 @@ HANDLERS: dict[str, Handler] = {
     "Kimi K3": kimi_k3,
     "Ling 3.0 (Bailing V3)": ling3,
     "MiniMax-M3": minimax_m3,
+    "Gemma4": gemma4,
 }
