@@ -3,8 +3,8 @@
 Which template (the tool-use one when tools are given and the model has one), the message
 workarounds (StepFun's whitespace trim, roles and content as the template takes them), the
 continuation of the last message, ``chat_template_kwargs``, the checks, ``force_pure_content``,
-then either one of llama.cpp's specialised handlers — detected here and refused with
-:class:`SpecializedTemplateError` naming it, since bankml does not follow them yet — or the
+then either one of llama.cpp's specialised handlers — detected here and run as ported in
+:mod:`.dedicated` (:class:`SpecializedTemplateError` names one without a port) — or the
 differential autoparser (:mod:`.analysis` then :mod:`.generator`).
 """
 
