@@ -20,10 +20,10 @@ thinking tags) and returns a ``ChatTask``:
   match the format reads the whole text as content (llama-server answers that case with an
   error).
 
-Templates llama-server reads with a dedicated parser of its own (GPT-OSS, Kimi K2, Qwen3-Coder,
-Gemma 4 and the others ``autoparser.apply.SPECIALIZED`` names) are not followed yet: such a
-template renders as before and its answer is its text; a request with tools on one is refused
-(``RequestError``) rather than answered without its calls.
+Templates llama-server reads with a dedicated parser of its own go through that handler's port
+(``autoparser.dedicated``); those ``autoparser.apply.SPECIALIZED`` names without one are not
+followed yet: such a template renders as before and its answer is its text; a request with tools
+on one is refused (``RequestError``) rather than answered without its calls.
 
 ``builtin_chat_task`` is the same without Jinja (llama-server's ``--no-jinja``): tools and a
 ``tool_choice`` other than auto refused with llama-server's messages
@@ -42,6 +42,7 @@ from bankml.engine_cupy.autoparser.apply import (
     ChatRequest,
     SpecializedTemplateError,
     chat_params,
+    supports_thinking,
 )
 from bankml.engine_cupy.autoparser.generator import (
     ChatParams,
@@ -162,7 +163,7 @@ def chat_task(
 ) -> ChatTask:
     """The task of a checked chat body (its messages checked, its render options read):
     ``render`` renders it the way a template with a dedicated parser is rendered."""
-    thinks = template.reasoning.supported
+    thinks = supports_thinking(template)
     fields = chat_fields(body, defaults, thinks, template.caps.supports_parallel_tool_calls)
     messages = list(body["messages"])
     request = ChatRequest(

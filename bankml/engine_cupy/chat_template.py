@@ -691,14 +691,18 @@ def normalize_content(messages: list[dict[str, Any]], caps: Caps) -> list[dict[s
 
 
 def normalize_messages(
-    messages: Any, caps: Caps, object_arguments: bool | None = None
+    messages: Any,
+    caps: Caps,
+    object_arguments: bool | None = None,
+    developer_as_system: bool = True,
 ) -> list[dict[str, Any]]:
-    """llama-server's messages as the template sees them (without the trailing-prefill split)."""
+    """llama-server's messages as the template sees them (without the trailing-prefill split);
+    ``developer_as_system`` False keeps the developer role (GPT-OSS's template reads it)."""
     if not isinstance(messages, list):
         raise TemplateError("Expected 'messages' to be an array")
     parsed = normalize_content([_parse_message(m) for m in messages], caps)
     for message in parsed:
-        if message["role"] == "developer":
+        if message["role"] == "developer" and developer_as_system:
             message["role"] = "system"
     if not caps.supports_system_role and parsed and parsed[0]["role"] == "system":
         first = parsed.pop(0)

@@ -3,8 +3,8 @@
 Which template (the tool-use one when tools are given and the model has one), the message
 workarounds (StepFun's whitespace trim, roles and content as the template takes them), the
 continuation of the last message, ``chat_template_kwargs``, the checks, ``force_pure_content``,
-then either one of llama.cpp's specialised handlers — detected here and refused with
-:class:`SpecializedTemplateError` naming it, since bankml does not follow them yet — or the
+then either one of llama.cpp's specialised handlers — detected here and run as ported in
+:mod:`.dedicated` (:class:`SpecializedTemplateError` names one without a port) — or the
 differential autoparser (:mod:`.analysis` then :mod:`.generator`).
 """
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bankml.engine_cupy.autoparser.analysis import AnalysisError
+from bankml.engine_cupy.autoparser.dedicated import HANDLERS
 from bankml.engine_cupy.autoparser.generator import (
     ChatParams,
     Continuation,
@@ -118,6 +119,19 @@ def specialized_template(source: str) -> str | None:
     return None
 
 
+def supports_thinking(template: ChatTemplate) -> bool:
+    """Whether llama-server enables thinking on this template by default
+    (common_chat_templates_support_enable_thinking): the supports_thinking of a one-message
+    request, its dedicated handler's where it has one, else the analysis's reasoning."""
+    name = specialized_template(template.source)
+    if name in HANDLERS:
+        probe = ChatRequest(
+            [{"role": "user", "content": "test"}], reasoning_format=ReasoningFormat.DEEPSEEK
+        )
+        return chat_params(template, probe).supports_thinking
+    return template.reasoning.supported
+
+
 def _trim_all_content(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """StepFun: content, reasoning and text parts trimmed before rendering."""
     out = []
@@ -147,7 +161,10 @@ def chat_params(
     messages: Sequence[Mapping[str, Any]] = request.messages
     if "You have access to the following functions in JSONSchema format" in src:
         messages = _trim_all_content(messages)
-    parsed = normalize_messages(list(messages), tmpl.caps)
+    # developer messages are system ones, except for GPT-OSS's template (it has both)
+    parsed = normalize_messages(
+        list(messages), tmpl.caps, developer_as_system="<|channel|>" not in src
+    )
     params = GenerationParams(
         messages=parsed,
         tools=tools,
@@ -184,7 +201,10 @@ def chat_params(
         return ChatParams(prompt=prompt, generation_prompt=gen_prompt, parser=parser)
     name = specialized_template(src)
     if name is not None:
-        raise SpecializedTemplateError(name)
+        handler = HANDLERS.get(name)
+        if handler is None:
+            raise SpecializedTemplateError(name)
+        return handler(tmpl, params)
     try:
         analysis = tmpl.analysis
         return generate_parser(tmpl, params, analysis)
