@@ -9,8 +9,8 @@ of any other address. Regenerate replaces the last answer with one of its own re
 conversations are kept in IndexedDB (what localStorage held moves there once); the model picker
 lists /v1/models and the registry and loads the model chosen (the server has a second one to
 pick: a copy of the default model pinned under another name); the load plot draws slots, queue,
-memory and CPU, and with P0's /bankml/metrics the page says its completion figure is not
-available. Its canonical JSON is compared with bankml's own on awkward values.
+memory and CPU; in front of a real P0 the page chats, verifies its receipts and says its
+completion figure is not available there. Its canonical JSON is compared with bankml's own on awkward values.
 Screenshots at desktop and phone width go to the test's tmp_path (their paths are printed).
 """
 
@@ -32,8 +32,7 @@ import pytest
 
 from bankml.receipts.canonical import canonical_json, signed_bytes
 from bankml.receipts.keys import keygen
-from bankml.resources.bankml import P0_METRICS_SOURCE, empty_metrics
-from tests.bankml_process import check_receipt_cli
+from tests.bankml_process import check_receipt_cli, spawned_p0
 from tests.native_server import NativeProcess, native_process
 from tests.registry_support import pin_into
 
@@ -551,31 +550,35 @@ def test_the_load_plot_draws_slots_queue_memory_and_cpu(
     assert server.get("/bankml/metrics")[1]["measured"] is True
 
 
-def test_in_p0_the_page_says_its_completion_plot_is_not_available(
-    browser: Any, server: NativeProcess
+def test_in_front_of_p0_the_page_chats_and_verifies_its_receipts(
+    browser: Any,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path: Path,
 ) -> None:
-    """P0's /bankml/metrics (measured: false, no records; its document handed to the page
-    here) makes the page say the figure is not available in P0 mode; the load plot reads what
-    P0 serves as it does natively, and says which series an address does not publish."""
-    p0 = json.dumps(empty_metrics(P0_METRICS_SOURCE))
-    v = Visit(browser, server.url + "/ui")
-    try:
-        page = v.page
-        page.route(
-            "**/bankml/metrics", lambda r: r.fulfill(body=p0, content_type="application/json")
-        )
-        page.route("**/bankml/usage", lambda r: r.fulfill(status=404, body="{}"))
-        page.wait_for_function(
-            "() => document.getElementById('usage-text').textContent.includes('P0')"
-            " && document.querySelector('#load-plot g[data-series=memory]')"
-            "?.textContent.includes('not published here')",
-            timeout=20_000,
-        )
-        said = page.text_content("#usage-text")
-        assert "not available in P0 mode" in said
-        assert page.locator("#load-plot g[data-series=queue] polyline").count() == 1
-    finally:
-        v.close()
+    """The page at /ui of a real P0 (bankml in front of the llama-server it spawned, signing):
+    an answer streams through P0 and its receipt verifies in the browser; the page says its
+    completion figure is not available in P0 mode (P0 keeps no records for it) and asks
+    nothing of another address."""
+    key = keygen(tmp_path / "key" / "receipt-key.pem")
+    log = tmp_path / "p0.log"
+    with spawned_p0(key, default_model, default_fork, llama_server_bin, log, ["--metrics"]) as p0:
+        v = Visit(browser, p0.url + "/ui")
+        try:
+            v.settings("0", "8")
+            answer = v.ask("Name a colour.")
+            assert answer.get_attribute("data-receipt") == "verified", answer.inner_text()
+            v.page.wait_for_function(
+                "() => document.getElementById('usage-text').textContent.includes('P0')",
+                timeout=20_000,
+            )
+            assert "not available in P0 mode" in v.page.text_content("#usage-text")
+            origin = urlsplit(p0.url).netloc
+            assert v.requests and all(urlsplit(u).netloc == origin for u in v.requests)
+            assert not v.errors
+        finally:
+            v.close()
 
 
 def test_the_page_asks_nothing_of_another_address(visit: Visit, server: NativeProcess) -> None:
