@@ -14,10 +14,13 @@ a tool call, whole and cut short, and every 7th prefix of a call parsed as a str
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from bankml.engine_cupy.autoparser.apply import ChatRequest, chat_params, specialized_template
 from bankml.engine_cupy.autoparser.dedicated import HANDLERS
@@ -284,3 +287,29 @@ def test_dedicated_params_as_llama_cpp(
     # the outputs exercise each template's tool-call parser, whole and streamed
     assert min(calls.values()) >= 2, calls
     assert min(partial_calls.values()) >= 3, partial_calls
+
+
+@pytest.mark.parametrize(
+    "template, parser",
+    [
+        ("google-gemma-4-31B-it.jinja", "peg-gemma4"),
+        ("MiniMax-M3.jinja", "peg-minimax-m3"),
+        ("Qwen3-Coder.jinja", "peg-native"),
+    ],
+)
+def test_a_chat_task_names_its_handlers_parser(
+    engines: Any,
+    templates_dir: Path,  # noqa: F811
+    template: str,
+    parser: str,
+) -> None:
+    """The chat parser's name as llama-server shows it (``__verbose``, ``/slots``): the
+    handler's own format where it has one."""
+    engine = engines[0]
+    saved = engine.template
+    engine.template = dataclasses.replace(saved, source=(templates_dir / template).read_text())
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "verbose": True}
+        assert engine.parse_request(body, "chat").options["chat_format"] == parser
+    finally:
+        engine.template = saved

@@ -448,7 +448,14 @@ class Engine:
             if kind == "chat":
                 task.update(self._continuation(body))
                 # the chat parser's name, as llama-server shows it (none without Jinja)
-                task["chat_format"] = "peg-native" if self.jinja else "Content-only"
+                assert chat is not None
+                task["chat_format"] = (
+                    "Content-only"
+                    if not self.jinja
+                    else chat.params.format
+                    if chat.params is not None
+                    else "peg-native"
+                )
                 if task["verbose"]:  # __verbose shows the chat parser's generation prompt
                     assert chat is not None
                     task["generation_prompt"] = (
