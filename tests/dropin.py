@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests import support
 from tests.support import ROOT, free_port
 
@@ -94,3 +96,19 @@ def dropin_pair(
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+def pair_fixture(flags: list[str]) -> Any:
+    """A module-scoped fixture: the drop-in and llama-server, both started with ``flags``."""
+
+    @pytest.fixture(scope="module")
+    def fixture(
+        default_model: Path,
+        default_fork: Path,
+        llama_server_bin: Path,
+        tmp_path_factory: pytest.TempPathFactory,
+    ) -> Iterator[Pair]:
+        log = tmp_path_factory.mktemp("pair") / "bankml.log"
+        yield from dropin_pair(flags, default_model, default_fork, llama_server_bin, log)
+
+    return fixture

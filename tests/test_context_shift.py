@@ -12,33 +12,15 @@ order). Without the flag the same request stops at the context with ``truncated`
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.dropin import Pair, dropin_pair
+from tests.dropin import Pair, pair_fixture
 
 N_CTX = 256
 FLAGS = ["-c", str(N_CTX), "--temp", "0", "--context-shift"]
 PROMPT = "Write a long list of fruits, one per line, with a short note on each:\n1."
 # what must be equal between the two answers (timings and the model's path differ)
 COMPARED = ("content", "tokens", "truncated", "stop_type", "tokens_predicted", "tokens_cached")
-
-
-def pair_fixture(flags: list[str]) -> Any:
-    @pytest.fixture(scope="module")
-    def fixture(
-        default_model: Path,
-        default_fork: Path,
-        llama_server_bin: Path,
-        tmp_path_factory: pytest.TempPathFactory,
-    ) -> Iterator[Pair]:
-        log = tmp_path_factory.mktemp("shift") / "bankml.log"
-        yield from dropin_pair(flags, default_model, default_fork, llama_server_bin, log)
-
-    return fixture
 
 
 pair = pair_fixture(FLAGS)

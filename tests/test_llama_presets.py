@@ -12,13 +12,9 @@ kernels, other bits than the default 2048/512), ``--alias``, ``--ctx-size 512`` 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.dropin import Pair, call, dropin_pair
+from tests.dropin import Pair, call, pair_fixture
 
 # ServerPreset.tinyllama2() as ServerProcess.start() writes it, the model aside
 PRESET = [
@@ -29,15 +25,7 @@ PRESET = [
 LONG = "The history of the city begins in the early medieval period, when a small settlement grew. "
 
 
-@pytest.fixture(scope="module")
-def pair(
-    default_model: Path,
-    default_fork: Path,
-    llama_server_bin: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Pair]:
-    log = tmp_path_factory.mktemp("preset") / "bankml.log"
-    yield from dropin_pair(PRESET, default_model, default_fork, llama_server_bin, log)
+pair = pair_fixture(PRESET)
 
 
 def completions(pair: Pair, body: dict[str, Any]) -> list[dict[str, Any]]:

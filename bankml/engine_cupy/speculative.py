@@ -122,7 +122,9 @@ class DraftStats:
 
 # --- ngram-mod ----------------------------------------------------------------------------------
 
-_MIX = numpy.uint64(6364136223846793005)  # common_ngram_mod::idx's multiplier
+_MIX_INT = 6364136223846793005  # common_ngram_mod::idx's multiplier, on size_t (64 bits)
+_MIX = numpy.uint64(_MIX_INT)
+_U64 = (1 << 64) - 1
 MOD_ENTRIES = 4 * 1024 * 1024  # llama-server's table: 4Mi tokens, shared by every slot
 EMPTY = -1
 
@@ -160,6 +162,14 @@ class NgramMod:
             for k in range(n):
                 res = res * _MIX + tokens[k : k + windows].astype(numpy.uint64)
         return (res % numpy.uint64(self.size)).astype(numpy.int64)
+
+    def _index(self, window: Sequence[int]) -> int:
+        """common_ngram_mod::idx of one window, in plain integers (a draft asks up to n_max
+        of them, one at a time)."""
+        res = 0
+        for token in window:
+            res = (res * _MIX_INT + token) & _U64
+        return res % self.size
 
     def _add(self, tokens: Sequence[int], start: int, stop: int) -> None:
         """add() for the windows starting at start..stop-1: each maps to the token after it,
@@ -199,8 +209,7 @@ class NgramMod:
         key = [*tokens[cur_len - n + 1 :], sampled]
         out: list[int] = []
         for i in range(self.n_max):
-            window = numpy.asarray(key[i : i + n], numpy.int64)
-            token = int(self.entries[int(self._indices(window)[0])])
+            token = int(self.entries[self._index(key[i : i + n])])
             if token == EMPTY:
                 if i < self.n_min:
                     return []
