@@ -83,7 +83,8 @@ PER_REQUEST = "bankml takes it per request only: send the field in the request b
 NOT_HERE = "bankml's native engine does not have this feature"
 LOOPBACK = "bankml listens on loopback in plain HTTP only"
 SPECULATIVE = (
-    "bankml's native engine drafts only as --spec-type ngram-simple or ngram-mod "
+    "bankml's native engine drafts only as --spec-type ngram-simple, ngram-map-k, "
+    "ngram-map-k4v or ngram-mod "
     "(speculative decoding)"
 )
 NO_MEDIA = "bankml reads no images, audio or video"
@@ -270,7 +271,7 @@ FLAGS: tuple[Flag, ...] = (
         SPECULATIVE,
         p0_refuse=P0_DRAFT,
     ),
-    # speculative decoding: llama-server's ngram-simple and ngram-mod drafts (speculative.py)
+    # speculative decoding: llama-server's draftless n-gram drafts (speculative.py)
     _f("--spec-type", True, SERVE),
     _f("--spec-ngram-simple-size-n", True, SERVE),
     _f("--spec-ngram-simple-size-m", True, SERVE),
@@ -278,6 +279,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("--spec-ngram-mod-n-min", True, SERVE),
     _f("--spec-ngram-mod-n-max", True, SERVE),
     _f("--spec-ngram-mod-n-match", True, SERVE),
+    _f("--spec-ngram-map-k-size-n", True, SERVE),
+    _f("--spec-ngram-map-k-size-m", True, SERVE),
+    _f("--spec-ngram-map-k-min-hits", True, SERVE),
+    _f("--spec-ngram-map-k4v-size-n", True, SERVE),
+    _f("--spec-ngram-map-k4v-size-m", True, SERVE),
+    _f("--spec-ngram-map-k4v-min-hits", True, SERVE),
     _f("--embedding --embeddings", False, REFUSE, NOT_HERE + " (embeddings)"),
     _f("--rerank --reranking", False, REFUSE, NOT_HERE + " (reranking)"),
     _f("--pooling", True, REFUSE, NOT_HERE + " (embeddings)"),
@@ -404,12 +411,6 @@ FLAGS: tuple[Flag, ...] = (
     ),
     _f("--spec-draft-device -devd --device-draft", True, REFUSE, SPECULATIVE),
     _f("--spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-map-k-size-n", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-map-k-size-m", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-map-k-min-hits", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-map-k4v-size-n", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-map-k4v-size-m", True, REFUSE, SPECULATIVE),
-    _f("--spec-ngram-map-k4v-min-hits", True, REFUSE, SPECULATIVE),
     _f("--draft --draft-n --draft-max", True, REFUSE, REMOVED),
     _f("--draft-min --draft-n-min", True, REFUSE, REMOVED),
     _f("--spec-ngram-size-n", True, REFUSE, REMOVED),

@@ -1,6 +1,7 @@
-"""Speculative decoding (``--spec-type ngram-simple`` with its default sizes, and
-``ngram-mod`` with small ones so that this short answer drafts) on the drop-in, side by side
-with llama-server started with the same flags, over real HTTP on loopback.
+"""Speculative decoding (``--spec-type ngram-simple`` with its default sizes; ``ngram-map-k``,
+``ngram-map-k4v`` and ``ngram-mod`` with small ones so that this short answer drafts) on the
+drop-in, side by side with llama-server started with the same flags, over real HTTP on
+loopback. The second request's shorter prompt makes the map kinds drop what the first left.
 
 The prompt asks for a file to be copied, so the answer repeats the prompt and the slot's
 history holds drafts. Every token, the drafted and accepted counts (``draft_n``,
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from bankml.engine_cupy.speculative import (
+    NgramMap,
     NgramMod,
     NgramSimple,
     accept_draft,
@@ -33,6 +35,14 @@ FLAGS = {
         *("-c", "2048", "--temp", "0", "--spec-type", "ngram-mod"),
         *("--spec-ngram-mod-n-match", "8", "--spec-ngram-mod-n-min", "4"),
         *("--spec-ngram-mod-n-max", "16"),
+    ],
+    "ngram-map-k": [
+        *("-c", "2048", "--temp", "0", "--spec-type", "ngram-map-k"),
+        *("--spec-ngram-map-k-size-n", "4", "--spec-ngram-map-k-size-m", "12"),
+    ],
+    "ngram-map-k4v": [
+        *("-c", "2048", "--temp", "0", "--spec-type", "ngram-map-k4v"),
+        *("--spec-ngram-map-k4v-size-n", "4", "--spec-ngram-map-k4v-size-m", "8"),
     ],
 }
 CODE = (
@@ -55,6 +65,13 @@ def pair(
 ) -> Iterator[Any]:
     log = tmp_path_factory.mktemp("speculative") / "bankml.log"
     yield from dropin_pair(FLAGS[request.param], default_model, default_fork, llama_server_bin, log)
+
+
+def drafter_independent(request: pytest.FixtureRequest) -> None:
+    """How drafted tokens are streamed, listed and reported does not depend on which drafter
+    drafted them: checked with ngram-simple and ngram-mod, not again for the map kinds."""
+    if request.node.callspec.params["pair"].startswith("ngram-map"):
+        pytest.skip("drafter-independent: checked with ngram-simple and ngram-mod")
 
 
 def both(pair: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -86,7 +103,8 @@ def test_a_drafted_answer_is_llama_servers(pair: Any, sampling: dict[str, Any]) 
     assert drafted["draft_n_accepted"] > 0  # drafts were checked and some taken
 
 
-def test_drafted_tokens_logprob_entries(pair: Any) -> None:
+def test_drafted_tokens_logprob_entries(pair: Any, request: pytest.FixtureRequest) -> None:
+    drafter_independent(request)
     ours, theirs = both(pair, completion(n_predict=60, n_probs=2))
     mine, reference = ours["completion_probabilities"], theirs["completion_probabilities"]
     assert [(e["id"], [t["id"] for t in e["top_logprobs"]]) for e in mine] == [
@@ -97,13 +115,15 @@ def test_drafted_tokens_logprob_entries(pair: Any) -> None:
     assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(mine, reference)) < 1e-4
 
 
-def test_a_drafted_stream_is_llama_servers(pair: Any) -> None:
+def test_a_drafted_stream_is_llama_servers(pair: Any, request: pytest.FixtureRequest) -> None:
+    drafter_independent(request)
     body = completion(stream=True)
     ours, theirs = (call(port, "POST", "/completion", body)[2] for port in pair.ports)
     assert streamed(ours) == streamed(theirs)
 
 
-def test_the_openai_client_reads_a_drafted_chat(pair: Any) -> None:
+def test_the_openai_client_reads_a_drafted_chat(pair: Any, request: pytest.FixtureRequest) -> None:
+    drafter_independent(request)
     import openai
 
     question = [{"role": "user", "content": f"Copy this code exactly:\n{CODE}"}]
@@ -127,7 +147,8 @@ def test_the_drafts_of_a_second_request_as_llama_servers(pair: Any) -> None:
     }
 
 
-def test_the_slots_say_they_speculate(pair: Any) -> None:
+def test_the_slots_say_they_speculate(pair: Any, request: pytest.FixtureRequest) -> None:
+    drafter_independent(request)
     for port in pair.ports:
         status, _, raw = call(port, "GET", "/slots")
         assert status == 200 and json.loads(raw)[0]["speculative"] is True
@@ -169,8 +190,13 @@ def test_the_spec_flags_read_as_llama_servers() -> None:
         "ngram-simple": {"size_n": 4, "size_m": 48},
         "ngram-mod": {"n_match": 24, "n_max": 64, "n_min": 48},
     }
+    assert native_settings({"spec-type": "ngram-map-k4v", "spec-ngram-map-k4v-min-hits": "3"})[
+        "speculative"
+    ] == {"ngram-map-k4v": {"size_n": 12, "size_m": 48, "min_hits": 3}}
     for refused in (
-        {"spec-type": "ngram-map-k"},
+        {"spec-type": "ngram-cache"},
+        {"spec-type": "ngram-map-k", "spec-ngram-map-k-size-n": "0"},
+        {"spec-type": "ngram-map-k4v", "spec-ngram-map-k4v-min-hits": "0"},
         {"spec-type": "ngram-mod", "spec-ngram-mod-n-match": "0"},
         {"spec-type": "ngram-mod", "spec-ngram-mod-n-max": "1025"},
         {"spec-type": "ngram-simple", "spec-ngram-simple-size-m": "0"},
@@ -189,3 +215,33 @@ def test_ngram_mod_follows_its_table_and_empties_after_five_poor_checks() -> Non
         assert mod.draft(0, [1, 5], 6)
         mod.accept(0, 0, is_other=False)
     assert mod.used == 0 and mod.draft(0, [1, 5], 6) == []
+
+
+def test_ngram_map_k_drafts_as_much_as_its_key_last_had_accepted() -> None:
+    keys = NgramMap(key_only=True, size_n=2, size_m=3)
+    history = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1]
+    keys.begin(0, history)
+    assert keys.draft(0, history, 2) == [3, 4, 5]  # [1, 2] seen at 1
+    keys.accept(0, 1, is_other=False)
+    assert keys.draft(0, history, 2) == [3]  # one accepted last time: one drafted
+    keys.accept(0, 0, is_other=False)
+    assert keys.draft(0, history, 2) == []
+    assert keys.draft(0, history, 7) == []  # [1, 7] never seen
+
+
+def test_ngram_map_k4v_drafts_the_clearly_most_frequent_continuation() -> None:
+    # after [1, 2]: [3, 3] twice, [4, 4] once; the key must be hit twice first
+    history = [9, 1, 2, 3, 3, 1, 2, 4, 4, 1, 2, 3, 3, 0, 0, 0, 0, 0, 1]
+    values = NgramMap(key_only=False, size_n=2, size_m=2, min_hits=2)
+    values.begin(0, history)
+    assert values.draft(0, history, 2) == []  # first hit of the key: under min_hits
+    # second hit: [3, 3] twice, [4, 4] once: twice the others, so drafted
+    assert values.draft(0, history, 2) == [3, 3]
+    tied = NgramMap(key_only=False, size_n=2, size_m=2)
+    tie = [9, 1, 2, 3, 3, 1, 2, 4, 4, 0, 0, 0, 0, 0, 1]
+    tied.begin(0, tie)
+    assert tied.draft(0, tie, 2) == []  # two continuations, once each
+    clear = [9, 1, 2, 3, 3, 1, 2, 3, 3, 1, 2, 3, 3, 1, 2, 4, 4, 0, 0, 0, 0, 0, 1]
+    dominant = NgramMap(key_only=False, size_n=2, size_m=2)
+    dominant.begin(0, clear)
+    assert dominant.draft(0, clear, 2) == [4, 4]  # drafts what followed the match found

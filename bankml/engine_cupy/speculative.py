@@ -1,5 +1,6 @@
-"""Speculative decoding without a draft model, as llama-server's ``--spec-type ngram-simple``
-and ``ngram-mod`` (the latter: ``NgramMod``, one table for the server).
+"""Speculative decoding without a draft model, as llama-server's ``--spec-type ngram-simple``,
+``ngram-map-k``, ``ngram-map-k4v`` (``NgramMap``, a table per slot) and ``ngram-mod``
+(``NgramMod``, one table for the server).
 
 After each sampled token the slot looks for the last ``size_n`` tokens (the sampled one
 included) earlier in its own history and, where they occurred before, proposes the ``size_m``
@@ -118,6 +119,210 @@ class DraftStats:
             timings["draft_n"] = self.drafted
             timings["draft_n_accepted"] = self.accepted
         return timings
+
+
+# --- ngram-map-k, ngram-map-k4v -------------------------------------------------------------
+
+_LCG = 2654435761  # common_ngram_map_hash's factor; the hash wraps at 32 bits
+KEY_MAP_ENTRIES = 262144  # a slot's table from an n-gram's hash to where it occurs
+MAX_VALUES = 4  # m-grams remembered after each key
+MAX_COUNT = 16380  # a key's or a value's count saturates here
+
+
+def _lcg_hash(tokens: Sequence[int], start: int, length: int) -> int:
+    value = 0
+    for token in tokens[start : start + length]:
+        value = (value * _LCG + token) & 0xFFFFFFFF
+    return value
+
+
+def _same(tokens: Sequence[int], at: int, other: Sequence[int], other_at: int, length: int) -> bool:
+    return all(tokens[at + k] == other[other_at + k] for k in range(length))
+
+
+@dataclass
+class _Value:
+    """An m-gram seen after a key: where it starts, how often, the last draft's acceptance."""
+
+    index: int = 0  # 0: an unused place
+    count: int = 0
+    n_accepted: int = -1
+
+
+@dataclass
+class _Key:
+    index: int  # where the key n-gram occurs in the history
+    counted_to: int = 0  # the values are counted up to here
+    count: int = 0
+    values: list[_Value] = field(default_factory=lambda: [_Value() for _ in range(MAX_VALUES)])
+
+
+@dataclass
+class _SlotMap:
+    """One slot's common_ngram_map: it lives as long as the server, across requests."""
+
+    keys: list[_Key] = field(default_factory=list)
+    key_map: list[int] = field(default_factory=lambda: [0] * KEY_MAP_ENTRIES)
+    key_map_last: int = 0
+    size_last_begin: int = 0
+    last_check: int = 0
+    last_draft: tuple[int, int] | None = None  # (key, value) of the last draft
+
+
+@dataclass
+class NgramMap:
+    """llama-server's ``--spec-type ngram-map-k`` (``key_only``) and ``ngram-map-k4v``
+    (common_ngram_map): each slot keeps a table from the hash of ``size_n`` tokens to where
+    they occurred, and a list of keys seen again. ``ngram-map-k`` drafts the ``size_m`` tokens
+    that followed the key's first remembered occurrence, as many as the last draft from that
+    key had accepted; ``ngram-map-k4v`` counts up to four different m-grams after the key and
+    drafts the most frequent once the key was hit ``min_hits`` times and that m-gram is at least
+    twice as frequent as the others together."""
+
+    key_only: bool
+    size_n: int = 12
+    size_m: int = 48
+    min_hits: int = 1
+    slots: dict[int, _SlotMap] = field(init=False, default_factory=dict)
+
+    def _map(self, slot: int) -> _SlotMap:
+        return self.slots.setdefault(slot, _SlotMap())
+
+    def begin(self, slot: int, prompt: Sequence[int]) -> None:
+        """common_ngram_map_begin: a history shorter than the last one checked drops the keys,
+        values and hashes from where the previous prompt ended (or the new one's last key)."""
+        state, n, m = self._map(slot), self.size_n, self.size_m
+        size_begin = len(prompt)
+        cleanup = state.size_last_begin
+        if cleanup > size_begin:
+            cleanup = size_begin - n - m if size_begin > n + m else 0
+        if size_begin < state.last_check:
+            key_map = state.key_map
+            for i, index in enumerate(key_map):
+                if index != 0 and index >= cleanup:
+                    key_map[i] = 0
+            state.key_map_last = cleanup - 1 if cleanup > 0 else 0
+            for i in range(len(state.keys) - 1, -1, -1):
+                key = state.keys[i]
+                if key.index >= cleanup:
+                    del state.keys[i]
+                    continue
+                if self.key_only:
+                    continue
+                for j in range(MAX_VALUES - 1, -1, -1):
+                    if key.values[j].index != 0 and key.values[j].index >= cleanup:
+                        # the later ones move left; the last place is cleared but for its
+                        # n_accepted, as llama.cpp leaves it
+                        last = key.values[-1].n_accepted
+                        del key.values[j]
+                        key.values.append(_Value(n_accepted=last))
+                if key.values[0].index == 0:
+                    del state.keys[i]
+        state.last_check = size_begin
+        state.size_last_begin = size_begin
+
+    def _find(self, state: _SlotMap, tokens: Sequence[int], key: Sequence[int]) -> int:
+        """Where ``key`` occurred before (0: nowhere): its hash's entry when it matches, else
+        a search down the prompt, then down the answer, above what the table holds."""
+        n, m, cur_len = self.size_n, self.size_m, len(tokens)
+        at = state.key_map[_lcg_hash(key, 0, n) % KEY_MAP_ENTRIES]
+        if at != 0 and at < cur_len - n - m - 1 and _same(tokens, at, key, 0, n):
+            return at
+        if state.size_last_begin > n + m + 1:
+            for j in range(state.size_last_begin - n - m - 1, state.key_map_last, -1):
+                if _same(tokens, j, key, 0, n):
+                    return j
+        j = cur_len - n - m - 1
+        while j > state.size_last_begin and j > state.key_map_last:
+            if _same(tokens, j, key, 0, n):
+                return j
+            j -= 1
+        return 0
+
+    def _remember(self, state: _SlotMap, tokens: Sequence[int]) -> None:
+        """The hashes of the n-grams not yet in the table (a taken entry keeps its first)."""
+        n, m, cur_len = self.size_n, self.size_m, len(tokens)
+        key_map = state.key_map
+        starts: list[int] = []
+        if state.size_last_begin > n + m + 1:
+            starts.extend(range(state.size_last_begin - n - m - 1, state.key_map_last, -1))
+        j = cur_len - n - m - 1
+        while j > state.size_last_begin and j > state.key_map_last:
+            starts.append(j)
+            j -= 1
+        for j in starts:
+            entry = _lcg_hash(tokens, j, n) % KEY_MAP_ENTRIES
+            if key_map[entry] == 0:
+                key_map[entry] = j
+        state.key_map_last = max(cur_len - n - m - 1, state.key_map_last)
+
+    def draft(self, slot: int, tokens: Sequence[int], sampled: int) -> list[int]:
+        """common_ngram_map_draft over the slot's history and the token just sampled."""
+        state, n, m = self._map(slot), self.size_n, self.size_m
+        state.last_draft = None
+        cur_len = len(tokens)
+        if cur_len < 2 * n + m:
+            return []
+        state.last_check = cur_len
+        key_tokens = [*tokens[cur_len - n + 1 :], sampled]
+        match_pos = self._find(state, tokens, key_tokens)
+        self._remember(state, tokens)
+        if match_pos == 0:
+            return []
+        offset = next(
+            (i for i, k in enumerate(state.keys) if _same(tokens, k.index, key_tokens, 0, n)),
+            len(state.keys),
+        )
+        if offset == len(state.keys):
+            fresh = _Key(index=match_pos)
+            for value in fresh.values:
+                value.n_accepted = m
+            state.keys.append(fresh)
+        key = state.keys[offset]
+        key.count = min(key.count + 1, MAX_COUNT)
+        if self.key_only:
+            state.last_draft = (offset, 0)
+            return self._copy(tokens, match_pos, key.values[0])
+        if key.count < self.min_hits:
+            return []
+        self._count_values(tokens, key, key_tokens, match_pos)
+        counts = [value.count for value in key.values]
+        best = max(range(MAX_VALUES), key=lambda v: (counts[v], -v))  # the first of the most
+        others = sum(counts) - counts[best]
+        if others > 0 and counts[best] < 2 * others:
+            return []  # no m-gram clearly the most frequent
+        state.last_draft = (offset, best)
+        return self._copy(tokens, match_pos, key.values[best])
+
+    def _count_values(
+        self, tokens: Sequence[int], key: _Key, key_tokens: Sequence[int], match_pos: int
+    ) -> None:
+        """The m-grams after each occurrence of the key from where counting stopped up to
+        ``match_pos``: a known one counted again, a new one in the first unused place."""
+        n, m = self.size_n, self.size_m
+        for i in range(key.counted_to, match_pos + 1):
+            if not _same(tokens, i, key_tokens, 0, n):
+                continue
+            begin = i + n
+            for value in key.values:
+                if value.index == 0:
+                    value.index, value.count, value.n_accepted = begin, 0, m
+                elif not _same(tokens, begin, tokens, value.index, m):
+                    continue
+                value.count = min(value.count + 1, MAX_COUNT)
+                break
+        key.counted_to = match_pos
+
+    def _copy(self, tokens: Sequence[int], match_pos: int, value: _Value) -> list[int]:
+        start = match_pos + self.size_n
+        return list(tokens[start : start + min(self.size_m, value.n_accepted)])
+
+    def accept(self, slot: int, n_accepted: int, is_other: bool) -> None:
+        state = self._map(slot)
+        if is_other or state.last_draft is None:
+            return
+        key, value = state.last_draft
+        state.keys[key].values[value].n_accepted = n_accepted
 
 
 # --- ngram-mod ----------------------------------------------------------------------------------
@@ -281,6 +486,10 @@ def drafters(kinds: dict[str, dict[str, int]] | None) -> Speculative | None:
     made: list[Drafter] = []
     if "ngram-simple" in kinds:
         made.append(NgramSimple(**kinds["ngram-simple"]))
+    if "ngram-map-k" in kinds:
+        made.append(NgramMap(key_only=True, **kinds["ngram-map-k"]))
+    if "ngram-map-k4v" in kinds:
+        made.append(NgramMap(key_only=False, **kinds["ngram-map-k4v"]))
     if "ngram-mod" in kinds:
         made.append(NgramMod(**kinds["ngram-mod"]))
     return Speculative(made)

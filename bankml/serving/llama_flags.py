@@ -264,6 +264,9 @@ def _batch_size(options: Mapping[str, Any], name: str, default: int) -> int:
     return int(value)
 
 
+# the draftless kinds of --spec-type bankml follows, in llama-server's order of preference
+SPEC_KINDS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
+
 # the speculative flags llama-server checks, with its ranges and messages: (flag, kind, key,
 # default, low, high, message)
 _SPEC_SIZES = (
@@ -282,6 +285,18 @@ _SPEC_SIZES = (
         48,
         1,
         "ngram size M must be between 1 and 1024 inclusive",
+    ),
+    *(
+        (
+            f"spec-{kind}-size-{letter.lower()}",
+            kind,
+            f"size_{letter.lower()}",
+            default,
+            1,
+            f"ngram size {letter} must be between 1 and 1024 inclusive",
+        )
+        for kind in ("ngram-map-k", "ngram-map-k4v")
+        for letter, default in (("N", 12), ("M", 48))
     ),
     (
         "spec-ngram-mod-n-match",
@@ -311,17 +326,17 @@ _SPEC_SIZES = (
 
 
 def _speculative(options: Mapping[str, Any]) -> dict[str, dict[str, int]] | None:
-    """``--spec-type`` (a comma-separated list, as llama-server's: ``none``, ``ngram-simple``
-    and ``ngram-mod`` are what bankml follows) and their sizes, checked as llama-server checks
+    """``--spec-type`` (a comma-separated list, as llama-server's: ``none`` and the kinds of
+    ``SPEC_KINDS`` are what bankml follows) and their sizes, checked as llama-server checks
     them: {kind: {size: value}} for each kind named, None without any."""
     kinds = [k.strip() for k in str(options.get("spec-type") or "none").split(",")]
     for kind in kinds:
-        if kind not in ("none", "ngram-simple", "ngram-mod"):
+        if kind != "none" and kind not in SPEC_KINDS:
             raise FlagError(
-                f"--spec-type {kind}: bankml's native engine drafts only as ngram-simple or "
-                "ngram-mod"
+                f"--spec-type {kind}: bankml's native engine drafts only as "
+                + ", ".join(SPEC_KINDS)
             )
-    sizes: dict[str, dict[str, int]] = {"ngram-simple": {}, "ngram-mod": {}}
+    sizes: dict[str, dict[str, int]] = {kind: {} for kind in SPEC_KINDS}
     for name, kind, key, default, low, message in _SPEC_SIZES:
         value = default
         if options.get(name) is not None:
@@ -329,9 +344,13 @@ def _speculative(options: Mapping[str, Any]) -> dict[str, dict[str, int]] | None
             if not low <= value <= 1024:
                 raise FlagError(f"--{name} {value}: {message}")
         sizes[kind][key] = value
-    if options.get("spec-ngram-simple-min-hits") is not None:  # read, no effect on ngram-simple
-        if _number("spec-ngram-simple-min-hits", options["spec-ngram-simple-min-hits"], int) < 1:
-            raise FlagError("--spec-ngram-simple-min-hits: ngram min hits must be at least 1")
+    for kind in ("ngram-simple", "ngram-map-k", "ngram-map-k4v"):
+        name = f"spec-{kind}-min-hits"  # read for every kind; only ngram-map-k4v uses it
+        hits = 1 if options.get(name) is None else _number(name, options[name], int)
+        if hits < 1:
+            raise FlagError(f"--{name} {hits}: ngram min hits must be at least 1")
+        if kind != "ngram-simple":
+            sizes[kind]["min_hits"] = int(hits)
     chosen: dict[str, dict[str, int]] = {k: sizes[k] for k in sizes if k in kinds}
     return chosen or None
 
