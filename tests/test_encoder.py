@@ -12,7 +12,7 @@ llama-server's /tokenize gives with its special tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -38,25 +38,43 @@ def minilm() -> Path:
     return hf_dirs.minilm_dir()
 
 
+@pytest.fixture(scope="module")
+def models(
+    minilm: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[Encoder, Path]]:
+    """MODELS[i] -> (the encoder on the verified file, the file), each converted once."""
+    done: dict[str, tuple[Encoder, Path]] = {}
+
+    def get(model: str) -> tuple[Encoder, Path]:
+        if model not in done:
+            name, outtype = model.rsplit("-", 1)
+            root = tmp_path_factory.mktemp(name)
+            source = (
+                minilm if name == "minilm" else hf_dirs.tiny_bert_dir(minilm, root / "Tiny-bert")
+            )
+            out, fork = root / f"{model}.gguf", root / f"{model}.gguf.FORK.json"
+            made = convert(str(source), str(out), str(fork), outtype=outtype, progress=False)
+            assert made.architecture == "bert"
+            verified = verify(out, fork)
+            assert verified.guard.verdict == "play" and verified.guard.arch == "bert"
+            done[model] = (Encoder(verified.path), out)
+        return done[model]
+
+    return get
+
+
+ARGS = ["--embeddings", "--pooling", "none", "-c", "512"]
+
+
 @pytest.fixture(scope="module", params=MODELS)
 def served(
     request: pytest.FixtureRequest,
-    minilm: Path,
+    models: Callable[[str], tuple[Encoder, Path]],
     llama_server_bin: Path,
-    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Encoder, str, Path]]:
     """(the encoder on the verified file, llama-server's URL on the same file, the file)."""
-    name, outtype = request.param.rsplit("-", 1)
-    root = tmp_path_factory.mktemp(name)
-    source = minilm if name == "minilm" else hf_dirs.tiny_bert_dir(minilm, root / "Tiny-bert")
-    out, fork = root / f"{name}-{outtype}.gguf", root / f"{name}-{outtype}.gguf.FORK.json"
-    done = convert(str(source), str(out), str(fork), outtype=outtype, progress=False)
-    assert done.architecture == "bert"
-    verified = verify(out, fork)
-    assert verified.guard.verdict == "play" and verified.guard.arch == "bert"
-    encoder = Encoder(verified.path)
-    args = ["--embeddings", "--pooling", "none", "-c", "512"]
-    with support.LlamaServer(out, args=args, binary=llama_server_bin) as server:
+    encoder, out = models(request.param)
+    with support.LlamaServer(out, args=ARGS, binary=llama_server_bin) as server:
         yield encoder, server.url, out
 
 
@@ -106,3 +124,25 @@ def test_the_contract_reads_the_gguf(served: tuple[Encoder, str, Path]) -> None:
         encoder.hidden_states([101] * (encoder.n_ctx_train + 1))
     with pytest.raises(ValueError, match="vocabulary"):
         encoder.hidden_states([101, 30522, 102])
+
+
+def test_texts_sharing_a_batch_are_llama_servers_bits(
+    models: Callable[[str], tuple[Encoder, Path]], llama_server_bin: Path
+) -> None:
+    """With four slots llama-server embeds four texts in one micro-batch (here 71 tokens, so the
+    tiled attention runs over all of them, each text masked from the others), in the order of
+    its slots: on a fresh server each task takes the least recently used free slot, the last of
+    equals (server-context.cpp get_available_slot), so text i lands in slot 3 - i and the batch
+    holds them reversed. ``hidden_states_batch`` of the four in that order gives its bits."""
+    encoder, out = models("minilm-f16")
+    texts = [TEXTS[0], TEXTS[1], " ".join(["The lazy dog sleeps."] * 8), "Short."]
+    seqs = [encoder.tokenize(t) for t in texts]
+    assert sum(map(len, seqs)) >= 64
+    with support.LlamaServer(out, args=[*ARGS, "-np", "4"], binary=llama_server_bin) as server:
+        status, answer = support.http_json(server.url + "/embedding", {"content": texts})
+    assert status == 200
+    refs = [np.array(a["embedding"], np.float32) for a in sorted(answer, key=lambda a: a["index"])]
+    batch = encoder.hidden_states_batch(seqs[::-1])[::-1]
+    for ids, ours, ref in zip(seqs, batch, refs):
+        assert ours.shape == ref.shape == (len(ids), encoder.n_embd)
+        assert np.array_equal(ours, ref)

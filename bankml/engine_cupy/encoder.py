@@ -23,9 +23,10 @@ The graph is llama.cpp's (src/models/bert.cpp, llm_graph_context::build_attn wit
 * The products are the weights' own exact kernels (kernels.exact_matmul: F16 and Q8_0, the F32
   and BF16 of those files too).
 
-The whole sequence is one micro-batch holding nothing else: llama-server gives these bits when
-the text is alone in its batch (its tiled attention's tiles start at the batch's first cell, so
-sharing a batch with other inputs can change the last bits).
+``hidden_states`` is the sequence alone in its micro-batch; ``hidden_states_batch`` several
+sequences sharing one, as llama-server batches its slots' prompts (each sequence masked from the
+others, yet the attention's kernel and tiles follow the whole batch, so a text's last bits depend
+on what shares its batch).
 
 ``tokenize(text)`` is the GGUF's WordPiece tokenizer (engine_cupy.tokenizer) with the special
 tokens llama-server adds for embeddings: [CLS] first, [SEP] last, special texts parsed.
@@ -216,23 +217,39 @@ class Encoder:
     def hidden_states(self, tokens: Sequence[int]) -> numpy.ndarray:
         """llama.cpp's t_embd for ``tokens`` as one sequence alone in one batch: float32
         [n_tokens, n_embd], bit for bit."""
-        ids = numpy.asarray(list(tokens), dtype=numpy.int64)
-        n = len(ids)
-        if n == 0:
+        return self.hidden_states_batch([tokens])[0]
+
+    def hidden_states_batch(self, sequences: Sequence[Sequence[int]]) -> list[numpy.ndarray]:
+        """llama.cpp's t_embd for several sequences sharing one micro-batch, in that order (as
+        llama-server batches the prompts of several slots): each float32 [n_i, n_embd], bit for
+        bit. Each sequence has its own positions from 0 and attends to itself only (the mask
+        hides the others), yet the attention's tiling runs over the whole batch, so a sequence's
+        last bits may differ from ``hidden_states`` of it alone once the batch has 64 tokens."""
+        seqs = [numpy.asarray(list(s), dtype=numpy.int64) for s in sequences]
+        if not seqs or any(len(s) == 0 for s in seqs):
             raise ValueError("no tokens to encode")
-        if n > self.n_ctx_train:
-            raise ValueError(f"{n} tokens: more than the model's {self.n_ctx_train} positions")
+        longest = max(len(s) for s in seqs)
+        if longest > self.n_ctx_train:
+            raise ValueError(
+                f"{longest} tokens: more than the model's {self.n_ctx_train} positions"
+            )
+        ids = numpy.concatenate(seqs)
         if ids.min() < 0 or ids.max() >= self.tokenizer.n_vocab:
             raise ValueError(f"a token id outside the vocabulary [0, {self.tokenizer.n_vocab})")
+        positions = numpy.concatenate([numpy.arange(len(s)) for s in seqs])
+        which = numpy.repeat(numpy.arange(len(seqs)), [len(s) for s in seqs])
+        # llm_graph_input_attn_no_cache: 0 within a sequence, -inf across sequences
+        mask = numpy.where(which[:, None] == which[None, :], F32(0.0), F32(-numpy.inf))
         x = self.token_embd[ids]
         if self.token_type0 is not None:
             x = x + self.token_type0
-        x = self.position[:n] + x
+        x = self.position[positions] + x
         x = layer_norm(x, *self.embd_norm, self.eps)
-        mask = numpy.zeros((n, n), F32)  # one sequence: every cell visible
         for layer in self.layers:
-            x = self._layer_forward(layer, x, mask)
-        return numpy.ascontiguousarray(x, dtype=F32)
+            x = self._layer_forward(layer, x, mask.astype(F32))
+        x = numpy.ascontiguousarray(x, dtype=F32)
+        bounds = numpy.cumsum([len(s) for s in seqs])[:-1]
+        return [numpy.ascontiguousarray(part) for part in numpy.split(x, bounds)]
 
     def _layer_forward(self, layer: dict[str, Any], x: numpy.ndarray, mask: Any) -> Any:
         n, h, hkv, hd = x.shape[0], self.n_head, self.n_head_kv, self.head_dim
