@@ -30,6 +30,16 @@ TEXTS = [
     " ".join(["The quick brown fox jumps over the lazy dog; it was 3.14 metres, wasn't it?"] * 5),
 ]
 
+# tokenized only (cheap): case and accents (İ, Σ, a combining mark, a ligature), controls and
+# tabs, a 120-letter word (cut into pieces: llama.cpp has no 100-character limit), a word the
+# vocabulary cannot cover (the unknown token), special texts, CJK and Thai, symbols, no text
+TOKENIZED = [
+    *TEXTS,
+    "İSTANBUL ΣΟΦΙΑ e\u0301te\u0301 ﬁne\tdone\x07ok \u200b zero-width",
+    "x" * 120 + " snow☃man [UNK] [CLS][MASK]y ｆｕｌｌ สวัสดี 你好世界 ^_^ $5 ~a~ `b` @c #d",
+    "",
+]
+
 MODELS = ["minilm-f16", "minilm-q8_0", "tiny-bert-f16"]
 
 
@@ -80,7 +90,7 @@ def served(
 
 def test_tokens_are_the_ones_llama_server_embeds(served: tuple[Encoder, str, Path]) -> None:
     encoder, url, _ = served
-    for text in TEXTS:
+    for text in TOKENIZED:
         status, answer = support.http_json(
             url + "/tokenize", {"content": text, "add_special": True}
         )
@@ -88,6 +98,8 @@ def test_tokens_are_the_ones_llama_server_embeds(served: tuple[Encoder, str, Pat
         ids = encoder.tokenize(text)
         assert ids == answer["tokens"]
         assert ids[0] == 101 and ids[-1] == 102  # [CLS] … [SEP]
+    assert encoder.tokenize("snow☃man") == [101, 100, 102]  # [CLS] [UNK] [SEP]
+    assert len(encoder.tokenize("x" * 120)) > 3
     assert 100 < len(encoder.tokenize(TEXTS[-1])) < 128  # the tiled attention kernel's size
 
 
