@@ -28,9 +28,12 @@ $(VENV)/.test-deps: $(BIN)/bankml setup.cfg
 	touch $@
 
 # llama.cpp's own converter (with torch's CPU build) in a separate venv under ~/.cache/bankml, for
-# tests/test_convert.py to compare `bankml convert` with byte for byte; never in bankml's .venv
+# tests/test_convert.py to compare `bankml convert` with byte for byte; never in bankml's .venv;
+# and all-MiniLM-L6-v2 (a sentence-transformers BERT directory) for the converter's and the
+# encoder's tests
 test-deps: $(VENV)/.test-deps
 	scripts/convert-reference-venv.sh >/dev/null
+	PYTHON=$(BIN)/python scripts/fetch-minilm.sh >/dev/null
 
 model: $(BIN)/bankml
 	PYTHON=$(BIN)/python scripts/fetch-model.sh

@@ -5,6 +5,8 @@ the weights dequantized into one BF16 ``model.safetensors`` (the query and key p
 un-permuted into Hugging Face's layout), ``config.json`` from its metadata, and a
 ``tokenizer.json`` / ``tokenizer_config.json`` from its vocabulary, merges and chat template.
 ``tiny_dir`` writes a small random model of another architecture with the same tokenizer.
+``minilm_dir`` is all-MiniLM-L6-v2, a real sentence-transformers BERT directory
+(scripts/fetch-minilm.sh), and ``tiny_bert_dir`` a small random BERT with its WordPiece tokenizer.
 ``write_safetensors`` is the file format itself (8-byte header length, JSON header, data).
 """
 
@@ -343,6 +345,104 @@ def write_model_card(directory: Path, arch: str) -> None:
         "pipeline_tag: text-generation\n---\n\n# A tiny random model\n\nMade by bankml's tests.\n",
         encoding="utf-8",
     )
+
+
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 unpacked under the cache (scripts/fetch-minilm.sh, run by ``make
+    test-deps``; run here when it has not been)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [str(root / "scripts" / "fetch-minilm.sh")],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def tiny_bert_dir(minilm: Path, directory: Path, *, seed: int = 0) -> Path:
+    """A small random BERT checkpoint in the original BERT naming ("bert."
+    prefix, LayerNorm ``gamma``/``beta``, a pooler and an MLM head the converter drops; BF16, F16
+    and F32 weights) with MiniLM's tokenizer and CLS pooling (modules.json, 1_Pooling)."""
+    import shutil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    n_vocab, hidden, n_head, n_ff, n_layer, n_pos = 30522, 64, 4, 128, 2, 128
+    k = 0
+
+    def tensor(shape: tuple[int, ...], scale: float = 0.05) -> tuple[str, np.ndarray]:
+        nonlocal k
+        k += 1
+        a = (rng.standard_normal(shape) * scale).astype(np.float32)
+        dtype = ("BF16", "F16", "F32")[k % 3]
+        if dtype == "BF16":
+            return dtype, bf16_bits(a)
+        return dtype, a.astype("<f2" if dtype == "F16" else "<f4")
+
+    def norm(prefix: str) -> dict[str, tuple[str, np.ndarray]]:
+        return {
+            prefix + ".gamma": ("F32", (1 + rng.standard_normal(hidden) * 0.1).astype("<f4")),
+            prefix + ".beta": ("F32", (rng.standard_normal(hidden) * 0.1).astype("<f4")),
+        }
+
+    t: dict[str, tuple[str, np.ndarray]] = {
+        "bert.embeddings.word_embeddings.weight": tensor((n_vocab, hidden), 0.5),
+        "bert.embeddings.position_embeddings.weight": tensor((n_pos, hidden), 0.5),
+        "bert.embeddings.token_type_embeddings.weight": tensor((2, hidden), 0.5),
+        "bert.embeddings.position_ids": ("I64", np.arange(n_pos, dtype="<i8")[None, :]),
+        **norm("bert.embeddings.LayerNorm"),
+        "bert.pooler.dense.weight": tensor((hidden, hidden)),
+        "bert.pooler.dense.bias": tensor((hidden,)),
+        "cls.predictions.bias": tensor((n_vocab,)),
+        "cls.predictions.transform.dense.weight": tensor((hidden, hidden)),
+    }
+    for b in range(n_layer):
+        p = f"bert.encoder.layer.{b}."
+        for name, shape in {
+            "attention.self.query": (hidden, hidden),
+            "attention.self.key": (hidden, hidden),
+            "attention.self.value": (hidden, hidden),
+            "attention.output.dense": (hidden, hidden),
+            "intermediate.dense": (n_ff, hidden),
+            "output.dense": (hidden, n_ff),
+        }.items():
+            t[p + name + ".weight"] = tensor(shape, 0.2)
+            t[p + name + ".bias"] = tensor(shape[:1], 0.1)
+        t.update(norm(p + "attention.output.LayerNorm"))
+        t.update(norm(p + "output.LayerNorm"))
+    write_safetensors(directory / "model.safetensors", dict(sorted(t.items())))
+    config = {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "hidden_size": hidden,
+        "intermediate_size": n_ff,
+        "num_attention_heads": n_head,
+        "num_hidden_layers": n_layer,
+        "max_position_embeddings": n_pos,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-05,
+        "vocab_size": n_vocab,
+        "pad_token_id": 0,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm / name, directory / name)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pool", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (directory / "modules.json").write_text(json.dumps(modules), encoding="utf-8")
+    (directory / "1_Pool").mkdir(exist_ok=True)
+    (directory / "1_Pool" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": hidden, "pooling_mode_cls_token": True}),
+        encoding="utf-8",
+    )
+    return directory
 
 
 def reference_python() -> str | None:

@@ -2,7 +2,9 @@
 
 The directories are made here (tests/hf_dirs.py): the default model turned back into a Hugging
 Face checkout (BF16 weights, its tokenizer as tokenizer.json), and small random llama, qwen2,
-qwen3 and gemma3 models (F32, F16 and BF16 weights, one of them in two shards with an index). The reference
+qwen3, gemma3 and BERT models (F32, F16 and BF16 weights, one of them in two shards with an
+index); and one real sentence-transformers BERT directory, all-MiniLM-L6-v2
+(scripts/fetch-minilm.sh), in every output type. The reference
 runs in its own venv with torch's CPU build (scripts/convert-reference-venv.sh, made by ``make
 test-deps``). Then the converted default model is served by ``bankml serve --native`` and by
 llama-server and must give the same greedy completion, a round trip (GGUF F16 → safetensors F16
@@ -25,6 +27,7 @@ import numpy as np
 import pytest
 
 from bankml.convert import OUTTYPES, ConvertError, convert
+from bankml.engine_cupy.gguf_file import read_metadata
 from tests import hf_dirs, support
 from tests.native_server import native_process
 
@@ -64,6 +67,10 @@ CASES = [
 ]
 
 
+# all-MiniLM-L6-v2 (a sentence-transformers BERT directory) in every output type
+MINILM_OUTTYPES = ["f16", "q8_0", "bf16", "f32"]
+
+
 def case_id(case: tuple[str, int, str, bool]) -> str:
     arch, shards, outtype, spm = case
     return (
@@ -99,6 +106,10 @@ def references(
                 spm=spm if with_spm else None,
             )
         dirs[name] = (d, outtype)
+    minilm = hf_dirs.minilm_dir()
+    for outtype in MINILM_OUTTYPES:
+        dirs[f"minilm-{outtype}"] = (minilm, outtype)
+    dirs["tiny-bert"] = (hf_dirs.tiny_bert_dir(minilm, root / "tiny-bert" / "Tiny-bert"), "f16")
     jobs = [[str(d), outtype, str(root / f"{name}.gguf")] for name, (d, outtype) in dirs.items()]
     result = subprocess.run(
         [
@@ -174,6 +185,47 @@ def test_tiny_models_convert_byte_identical_to_the_reference(
     reader = gguf.GGUFReader(done.path)
     assert reader.get_field("tokenizer.ggml.model").contents() == ("llama" if spm else "gpt2")
     assert reader.get_field("general.file_type").contents() == int(OUTTYPES[outtype])
+
+
+@pytest.mark.parametrize("outtype", MINILM_OUTTYPES)
+def test_a_sentence_transformers_bert_converts_byte_identical_to_the_reference(
+    outtype: str, references: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """all-MiniLM-L6-v2: WordPiece vocabulary (phantom-space tokens, jina-v2-en by its
+    check-text hash), position and token-type embeddings kept in F32, mean pooling read from
+    modules.json and 1_Pooling/config.json, an I64 position_ids tensor left out."""
+    d, ref = references[f"minilm-{outtype}"]
+    done = convert(
+        str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"), outtype=outtype
+    )
+    assert done.sha256 == sha256(ref) == sha256(tmp_path / "ours.gguf")
+    assert done.architecture == "bert"
+    assert "1_Pooling/config.json" in [i["path"] for i in done.inputs]
+    fields = read_metadata(done.path, ("tokenizer.ggml.model", "bert.pooling_type"))
+    assert fields == {"tokenizer.ggml.model": "bert", "bert.pooling_type": 1}
+
+
+def test_a_bert_checkpoint_in_its_original_naming_converts_byte_identical(
+    references: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """BERT's own names: "bert." prefixes, LayerNorm gamma/beta, a pooler and an MLM head
+    dropped, BF16/F16/F32 weights, CLS pooling from a Pooling module elsewhere than 1_Pooling."""
+    d, ref = references["tiny-bert"]
+    done = convert(str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"))
+    assert done.sha256 == sha256(ref) == sha256(tmp_path / "ours.gguf")
+    assert read_metadata(done.path, ("bert.pooling_type",)) == {"bert.pooling_type": 2}
+
+
+def test_bert_settings_it_cannot_convert_are_refused(tmp_path: Path) -> None:
+    d = hf_dirs.tiny_bert_dir(hf_dirs.minilm_dir(), tmp_path / "src" / "Tiny-bert")
+    pooling = d / "1_Pool" / "config.json"
+    pooling.write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    refused(d, tmp_path, "1_Pool/config.json: only mean, CLS and last-token pooling")
+    pooling.write_text(json.dumps({"pooling_mode": "cls"}))
+    _edit_json(d / "config.json", position_embedding_type="relative_key")
+    refused(d, tmp_path, "position_embedding_type 'relative_key' is not converted")
+    _edit_json(d / "config.json", position_embedding_type="absolute", id2label={"0": "spam"})
+    refused(d, tmp_path, "a classifier head (id2label) is not converted")
 
 
 def test_a_converted_f16_model_converts_back_to_the_same_bytes(

@@ -1,8 +1,9 @@
 """``convert(directory, out, fork)``: a Hugging Face safetensors directory to a pinned GGUF.
 
 The output is byte for byte what llama.cpp build 11434's ``convert_hf_to_gguf.py`` writes for the
-same directory and ``--outtype``. Every regular file at the top of the directory is hashed into
-the fork's ``inputs``; the GGUF is hashed as it is written, to a temporary name beside ``out``,
+same directory and ``--outtype``. Every regular file at the top of the directory (and, in a
+sentence-transformers directory, its modules' ``config.json``) is hashed into the fork's
+``inputs``; the GGUF is hashed as it is written, to a temporary name beside ``out``,
 and renamed into place only when the directory's files are still the ones hashed (same size,
 mtime and inode, none added or removed); then its pin and provenance go into the fork. A refusal
 (:class:`ConvertError`) leaves no output file.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -76,7 +78,21 @@ def _listing(directory: str) -> dict[str, FileIdent]:
         path = os.path.join(directory, name)
         if os.path.isfile(path):
             out[name] = FileIdent.of(path)
-    return out
+    # a sentence-transformers directory: its modules' config.json files (the pooling one is read)
+    if "modules.json" in out:
+        try:
+            with open(os.path.join(directory, "modules.json"), encoding="utf-8") as f:
+                modules = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            modules = None  # read again, and refused, where it is used
+        for module in modules if isinstance(modules, list) else []:
+            sub = module.get("path") if isinstance(module, dict) else None
+            if not isinstance(sub, str) or not sub or os.path.isabs(sub) or ".." in sub.split("/"):
+                continue
+            name = f"{sub}/config.json"
+            if os.path.isfile(os.path.join(directory, name)):
+                out[name] = FileIdent.of(os.path.join(directory, name))
+    return dict(sorted(out.items()))
 
 
 def _shards(directory: str, files: dict[str, FileIdent]) -> list[Shard]:
@@ -204,7 +220,9 @@ def convert(
     reader = ShardReader()
     with _quiet_writer(), contextlib.closing(reader):
         named = model.index_tensors(arch, shards)
-        vocab = load_vocab(directory, hp.get("vocab_size"), arch.space_prefix_key)
+        vocab = load_vocab(
+            directory, hp.get("vocab_size"), arch.space_prefix_key, wordpiece=arch.name == "bert"
+        )
         items = model.plan_tensors(
             hp,
             arch,

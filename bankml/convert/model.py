@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 
 from bankml.convert.errors import ConvertError
-from bankml.convert.safetensors import Shard, TensorSpec
+from bankml.convert.safetensors import DTYPE_BYTES, Shard, TensorSpec, not_converted
 from bankml.convert.vocab import Vocab, read_json
 
 
@@ -105,6 +105,26 @@ ARCHES["Gemma3ForCausalLM"] = Arch(
 )
 
 
+# BertConfig's defaults; BERT has no RoPE, RMSNorm, key/value heads or head_dim
+ARCHES["BertModel"] = Arch(
+    "bert",
+    gguf.MODEL_ARCH.BERT,
+    {
+        "vocab_size": 30522,
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+    },
+    0,
+    False,
+    False,
+)
+
+
 def load_config(directory: str) -> tuple[dict[str, Any], str, Arch]:
     """(hparams with the defaults filled in, the Hugging Face architecture, its Arch)."""
     path = os.path.join(directory, "config.json")
@@ -127,7 +147,7 @@ def load_config(directory: str) -> tuple[dict[str, Any], str, Arch]:
     hp = dict(raw)
     for key, value in arch.defaults.items():
         hp.setdefault(key, value)
-    if hp.get("num_key_value_heads") is None:
+    if hp.get("num_key_value_heads") is None and arch.name != "bert":
         hp["num_key_value_heads"] = hp["num_attention_heads"]
     if arch.head_dim_default is None:
         if hp.get("head_dim") is None:
@@ -141,10 +161,23 @@ def load_config(directory: str) -> tuple[dict[str, Any], str, Arch]:
         if key in hp:
             raise ConvertError(f"config.json: a mixture-of-experts model ({key}) is not converted")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"):
+        if key == "num_key_value_heads" and arch.name == "bert":
+            continue
         if not isinstance(hp.get(key), int) or isinstance(hp.get(key), bool) or hp[key] <= 0:
             raise ConvertError(f"config.json: {key} {hp.get(key)!r} is not a positive integer")
     if "draft_vocab_size" in hp:
         raise ConvertError("config.json: a speculative draft model is not converted")
+    if arch.name == "bert":
+        labels = hp.get("id2label")
+        if isinstance(labels, dict) and not (
+            len(labels) == 2 and labels.get("0", labels.get(0)) == "LABEL_0"
+        ):
+            raise ConvertError("config.json: a classifier head (id2label) is not converted")
+        if hp.get("position_embedding_type", "absolute") != "absolute":
+            raise ConvertError(
+                f"config.json: position_embedding_type {hp['position_embedding_type']!r} is not "
+                "converted (absolute only)"
+            )
     return hp, hf, arch
 
 
@@ -243,6 +276,18 @@ def index_tensors(arch: Arch, shards: list[Shard]) -> list[tuple[str, Shard, Ten
             name = spec.name.replace("e_score_correction_bias", "e_score_correction.bias")
             if _skip_multimodal(name):
                 continue
+            if arch.name == "bert":  # BertModel.filter_tensors
+                name = name.removeprefix("bert.")
+                if name.endswith(".gamma"):
+                    name = name[:-6] + ".weight"
+                if name.endswith(".beta"):
+                    name = name[:-5] + ".bias"
+                if name in (
+                    "embeddings.position_ids",
+                    "pooler.dense.weight",
+                    "pooler.dense.bias",
+                ) or name.startswith(("cls.predictions", "cls.seq_relationship")):
+                    continue
             if arch.name == "llama" and "text_model." in name:
                 name = name.replace("text_model.", "")
             name = name.replace("language_model.", "")
@@ -277,7 +322,8 @@ def plan_tensors(
 ) -> list[Item]:
     n_blocks = hp["num_hidden_layers"]
     tmap = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
-    n_head, n_kv = hp["num_attention_heads"], hp["num_key_value_heads"]
+    n_head = hp["num_attention_heads"]
+    n_kv = hp.get("num_key_value_heads", n_head)
     want = {
         gguf.LlamaFileType.ALL_F32: gguf.GGMLQuantizationType.F32,
         gguf.LlamaFileType.MOSTLY_F16: gguf.GGMLQuantizationType.F16,
@@ -289,6 +335,8 @@ def plan_tensors(
     for name, shard, spec in named:
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
+        if spec.dtype not in DTYPE_BYTES:
+            raise ConvertError(not_converted(f"{shard.name}: tensor {spec.name!r}", spec.dtype))
         if hf in ("LlamaModel", "Qwen2Model", "Qwen3Model"):
             name = "model." + name
         new_name = tmap.get_name(key=name, try_suffixes=(".weight", ".bias"))
@@ -316,6 +364,7 @@ def plan_tensors(
         if (
             len(shape) <= 1
             or new_name.endswith("_norm.weight")
+            or new_name in ("position_embd.weight", "token_types.weight")  # kept in F32
             or new_name[-7:]
             not in (
                 ".weight",
@@ -456,6 +505,13 @@ def add_parameters(
         if hp.get("sliding_window_pattern") != 1:
             w.add_sliding_window(hp["sliding_window"])
         w.add_head_count_kv(hp.get("num_key_value_heads", 4))
+    elif arch.name == "bert":
+        w.add_causal_attention(False)
+        pooling = pooling_type(directory)
+        if pooling is not None:
+            w.add_pooling_type(pooling)
+        if hp.get("classifier_pooling") is not None:
+            raise ConvertError("config.json: a classifier head is not converted")
     elif arch.name == "llama":
         w.add_vocab_size(hp["vocab_size"])
         rope_dim = hp.get("head_dim")
@@ -469,7 +525,46 @@ def add_parameters(
             raise ConvertError("config.json: a classifier head is not converted")
 
 
+def pooling_type(directory: str) -> gguf.PoolingType | None:
+    """The sentence-transformers pooling the reference writes as ``bert.pooling_type``: from
+    the Pooling module that modules.json names (its config.json), else none."""
+    path = os.path.join(directory, "modules.json")
+    if not os.path.isfile(path):
+        return None
+    modules = read_json(path, "modules.json")
+    where = next(
+        (
+            m.get("path")
+            for m in (modules if isinstance(modules, list) else [])
+            if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling")
+        ),
+        None,
+    )
+    if where is None:
+        return None
+    name = os.path.join(str(where), "config.json")
+    pooling = read_json(os.path.join(directory, name), name)
+    if not isinstance(pooling, dict):
+        raise ConvertError(f"{name} is not a JSON object")
+    modes = {
+        "mean": gguf.PoolingType.MEAN,
+        "cls": gguf.PoolingType.CLS,
+        "lasttoken": gguf.PoolingType.LAST,
+    }
+    if pooling.get("pooling_mode_mean_tokens"):
+        return gguf.PoolingType.MEAN
+    if pooling.get("pooling_mode_cls_token"):
+        return gguf.PoolingType.CLS
+    if pooling.get("pooling_mode_lasttoken"):
+        return gguf.PoolingType.LAST
+    if (mode := pooling.get("pooling_mode")) in modes:
+        return modes[mode]
+    raise ConvertError(f"{name}: only mean, CLS and last-token pooling are converted")
+
+
 def add_vocab(w: gguf.GGUFWriter, v: Vocab, hp: dict[str, Any], arch: Arch) -> None:
+    if arch.name == "bert":
+        w.add_token_type_count(hp.get("type_vocab_size", 1))
     if v.add_space_prefix is not None:
         w.add_add_space_prefix(v.add_space_prefix)
     w.add_tokenizer_model(v.model)
@@ -481,7 +576,9 @@ def add_vocab(w: gguf.GGUFWriter, v: Vocab, hp: dict[str, Any], arch: Arch) -> N
     if v.merges:
         w.add_token_merges(v.merges)
     for typ, tid in v.special_ids.items():
-        getattr(w, f"add_{typ}_token_id")(tid)
+        adder = getattr(w, f"add_{typ}_token_id", None)
+        if adder is not None:  # no key for a CLS token: skipped, as the reference skips it
+            adder(tid)
     for typ, flag in v.add_special.items():
         adder = getattr(w, f"add_add_{typ}_token", None)
         if adder is not None:

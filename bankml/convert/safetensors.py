@@ -22,6 +22,9 @@ from bankml.convert.errors import ConvertError
 
 # the dtypes bankml converts (to F32 first, as the reference converter does), and their sizes
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+# integer tensors a checkpoint may carry beside its weights (BERT's embeddings.position_ids):
+# their sizes are checked like any tensor's, and a tensor the conversion keeps must be a weight
+INDEX_BYTES = {"I64": 8, "I32": 4}
 # dtypes a safetensors file may hold that bankml refuses (quantized checkpoints, integers)
 KNOWN_DTYPES = {
     *DTYPE_BYTES,
@@ -43,6 +46,12 @@ KNOWN_DTYPES = {
     "C64",
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def not_converted(where: str, dtype: str) -> str:
+    return (
+        f"{where}: dtype {dtype} is not converted (bankml converts F32, F16, BF16 and F64 weights)"
+    )
 
 
 @dataclass(frozen=True)
@@ -98,11 +107,8 @@ class Shard:
             dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
             if dtype not in KNOWN_DTYPES:
                 raise ConvertError(f"{where}: unknown dtype {dtype!r}")
-            if dtype not in DTYPE_BYTES:
-                raise ConvertError(
-                    f"{where}: dtype {dtype} is not converted (bankml converts F32, F16, BF16 "
-                    "and F64 weights)"
-                )
+            if dtype not in DTYPE_BYTES and dtype not in INDEX_BYTES:
+                raise ConvertError(not_converted(where, dtype))
             if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
             ):
@@ -114,7 +120,7 @@ class Shard:
                 or not 0 <= offsets[0] <= offsets[1]
             ):
                 raise ConvertError(f"{where}: data_offsets {offsets!r} are not a byte range")
-            want = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
+            want = int(np.prod(shape, dtype=np.int64)) * {**DTYPE_BYTES, **INDEX_BYTES}[dtype]
             if offsets[1] - offsets[0] != want:
                 raise ConvertError(
                     f"{where}: the header gives it {offsets[1] - offsets[0]} bytes but "

@@ -261,10 +261,13 @@ def load_spm_vocab(directory: str, vocab_size: int | None) -> Vocab:
     return out
 
 
-def load_vocab(directory: str, vocab_size: int | None, add_space_prefix_key: bool) -> Vocab:
+def load_vocab(
+    directory: str, vocab_size: int | None, add_space_prefix_key: bool, wordpiece: bool = False
+) -> Vocab:
     """The vocabulary in ``directory``: SentencePiece when it has ``tokenizer.model``, else a
-    GPT-2-style BPE ``tokenizer.json``; ConvertError otherwise."""
-    if os.path.isfile(os.path.join(directory, "tokenizer.model")):
+    GPT-2-style BPE ``tokenizer.json``, or for BERT (``wordpiece``) a WordPiece
+    ``tokenizer.json``; ConvertError otherwise."""
+    if not wordpiece and os.path.isfile(os.path.join(directory, "tokenizer.model")):
         out = load_spm_vocab(directory, vocab_size)
         if add_space_prefix_key:
             out.add_space_prefix = _space_prefix(directory)
@@ -274,10 +277,11 @@ def load_vocab(directory: str, vocab_size: int | None, add_space_prefix_key: boo
         raise ConvertError("tokenizer: no tokenizer.json in the directory")
     tokenizer = read_json(path, "tokenizer.json")
     model = tokenizer.get("model") if isinstance(tokenizer, dict) else None
-    if not isinstance(model, dict) or model.get("type") != "BPE":
-        kind = model.get("type") if isinstance(model, dict) else None
+    kind = model.get("type") if isinstance(model, dict) else None
+    if not isinstance(model, dict) or kind != ("WordPiece" if wordpiece else "BPE"):
         raise ConvertError(
             f"tokenizer: a {kind or 'unknown'} tokenizer.json model is not converted"
+            + (" for this architecture" if kind in ("BPE", "WordPiece") else "")
         )
     if model.get("byte_fallback"):
         raise ConvertError("tokenizer: a byte-fallback BPE (Llama 2 style) is not converted")
@@ -323,12 +327,61 @@ def load_vocab(directory: str, vocab_size: int | None, add_space_prefix_key: boo
         else:
             types.append(TOKEN_NORMAL)
         tokens.append(token)
+    if wordpiece:
+        return _wordpiece_vocab(tokens, types, directory, tokenizer, tok_config)
     merges = _merges(model)
     pre = _pre_name(tokens, types, merges, tokenizer)
     out = Vocab(tokens=tokens, types=types, pre=pre, merges=merges, n_real=len(vocab) + len(added))
     if add_space_prefix_key:
         out.add_space_prefix = _space_prefix(directory)
     _special_vocab(out, directory, tokenizer, tok_config)
+    return out
+
+
+def _wordpiece_vocab(
+    tokens: list[str],
+    types: list[int],
+    directory: str,
+    tokenizer: dict[str, Any],
+    tok_config: dict[str, Any] | None,
+) -> Vocab:
+    """BERT's vocabulary as the reference writes it: every token but the control ones in
+    llama.cpp's phantom-space form ("##x" -> "x", else U+2581 in front), its special tokens and
+    normalizer flags, and the pre-tokenizer named by the check-text hash of llama.cpp's own
+    WordPiece tokenizer (which must give the ids Hugging Face's gives)."""
+    from bankml.engine_cupy.tokenizer import _SPECIAL_KEYS, Tokenizer, TokenizerError
+
+    phantom = [
+        t if ty == TOKEN_CONTROL else (t[2:] if t.startswith("##") else "\u2581" + t)
+        for t, ty in zip(tokens, types)
+    ]
+    out = Vocab(tokens=phantom, types=types, pre="", merges=[], model="bert", n_real=len(tokens))
+    _special_vocab(out, directory, tokenizer, tok_config, len(tokens))
+    before, after = _post_ids(tokenizer)
+    unk = ((tokenizer.get("model") or {}).get("unk_token")) or "[UNK]"
+    special: dict[str, int | None] = {role: None for _, role in _SPECIAL_KEYS}
+    special["unk"] = next((i for i, t in enumerate(tokens) if t == unk), None)
+    try:
+        t = Tokenizer(
+            model="bert",
+            tokens=list(phantom),
+            token_types=list(types),
+            scores=[0.0] * len(phantom),
+            merges=[],
+            special=special,
+            lowercase=bool(out.lowercase),
+            strip_accents=bool(out.lowercase if out.strip_accents is None else out.strip_accents),
+        )
+        ids = before + t.tokenize(CHECK_TEXT) + after
+    except (TokenizerError, KeyError, IndexError, ValueError) as err:
+        raise ConvertError(f"tokenizer: the WordPiece vocabulary cannot be read ({err})") from None
+    digest = hashlib.sha256(str(ids).encode()).hexdigest()
+    if digest not in PRE_BY_HASH:
+        raise ConvertError(
+            "tokenizer: its pre-tokenizer is not one llama.cpp build 11434 knows (check-text hash "
+            f"{digest}): not converted"
+        )
+    out.pre = PRE_BY_HASH[digest]
     return out
 
 

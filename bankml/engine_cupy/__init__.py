@@ -18,6 +18,7 @@ What is inside, from the request down:
   kernels; vectorised NumPy/CuPy), one chosen at load;
 - ``weights``, ``arch``: reading GGUF tensors and hyperparameters, what differs per architecture;
 - ``kv_cache``: the f16 or q8_0 K/V cache (and gemma3's sliding-window ring);
+- ``encoder``: BERT's hidden states (``Encoder``), llama-server's bits, for embeddings;
 - ``backend``: NumPy or CuPy, and the CPU BLAS thread count;
 - ``kernels``: the exact CPU kernels, compiled by Numba (products, attention, element-wise
   steps, the fused decode step), and compile progress reporting.

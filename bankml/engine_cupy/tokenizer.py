@@ -1,6 +1,6 @@
 """A GGUF's tokenizer, computed as llama.cpp's llama-vocab.cpp computes it.
 
-Two vocabulary kinds are supported:
+Three vocabulary kinds are supported:
 
 * byte-level BPE (``tokenizer.ggml.model == "gpt2"``): special tokens are cut out first, the rest
   is split by the pre-tokenizer named in ``tokenizer.ggml.pre`` (llama.cpp's hand-written
@@ -8,6 +8,13 @@ Two vocabulary kinds are supported:
   merged by rank (lowest rank first, leftmost on ties).
 * SentencePiece (``tokenizer.ggml.model == "llama"``): spaces become U+2581, an optional space
   prefix, pairs merged by score (highest first, leftmost on ties), byte fallback ``<0xNN>``.
+* WordPiece (``tokenizer.ggml.model == "bert"``, llama.cpp's WPM): the text lowercased and its
+  accents stripped as the GGUF's normalizer keys say (each code point's simple lowercase and the
+  first code point of its NFD), split at whitespace and around punctuation, ASCII symbols and
+  CJK ideographs, control characters dropped; each word, with the U+2581 phantom space in front,
+  is cut into the longest vocabulary entries from the left (bytes), a word that cannot be cut
+  whole becoming the unknown token. With special tokens added: the BOS ([CLS]) first and the
+  separator ([SEP]) last, whatever the add_bos/add_eos flags say.
 
 Everything comes from the GGUF's metadata, read with ``gguf_file``.
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +53,7 @@ SPM_SPACE = "\u2581"
 # Per-code-point class indices (see unicode_classes.CLASS_CODES) and llama.cpp's \s set.
 _CLASS = build_class_table()
 _NUMBER, _LETTER, _PUNCT = (CLASS_CODES.index(c) for c in "NLP")
+_MARK, _SYMBOL, _OTHER = (CLASS_CODES.index(c) for c in "MSC")
 _WHITESPACE = frozenset(
     [chr(c) for c in range(0x09, 0x0E)]
     + [chr(c) for c in range(0x2000, 0x200B)]
@@ -552,7 +561,7 @@ def _read_fields(source: str | os.PathLike[str] | object, keys: Iterable[str]) -
 class Tokenizer:
     """llama.cpp's tokenizer for one GGUF vocabulary (BPE or SentencePiece)."""
 
-    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    model: str  # "gpt2" (byte-level BPE), "llama" (SentencePiece) or "bert" (WordPiece)
     tokens: list[str] = field(repr=False)
     token_types: list[int] = field(repr=False)
     scores: list[float] = field(repr=False)
@@ -564,6 +573,8 @@ class Tokenizer:
     add_space_prefix: bool = False
     clean_spaces: bool = False
     ignore_merges: bool = False  # llama3: a word that is a token is taken whole
+    lowercase: bool = False  # WordPiece: tokenizer.ggml.normalizer.lowercase
+    strip_accents: bool = False  # WordPiece: .strip_accents (default: as lowercase)
 
     def __post_init__(self) -> None:
         self._build_vocab()
@@ -587,14 +598,17 @@ class Tokenizer:
                 "add_bos_token",
                 "add_eos_token",
                 "add_space_prefix",
+                "normalizer.lowercase",
+                "normalizer.strip_accents",
             )
         ]
         keys += [prefix + k for k, _ in _SPECIAL_KEYS]
         values = _read_fields(source, keys)
         model = values.get(prefix + "model")
-        if model not in ("gpt2", "llama"):
+        if model not in ("gpt2", "llama", "bert"):
             raise TokenizerError(
-                f"unsupported tokenizer model {model!r} (supported: 'gpt2' BPE, 'llama' SentencePiece)"
+                f"unsupported tokenizer model {model!r} (supported: 'gpt2' BPE, 'llama' "
+                "SentencePiece, 'bert' WordPiece)"
             )
         tokens = values.get(prefix + "tokens")
         if not isinstance(tokens, list) or not tokens:
@@ -615,6 +629,10 @@ class Tokenizer:
                 raise TokenizerError(f"unknown pre-tokenizer type: '{pre_name}'")
             defaults = {"bos": 11, "eos": 11}
             add_bos, clean_spaces, add_space_prefix = pre.add_bos, pre.clean_spaces, False
+        elif model == "bert":  # llama-vocab's WPM defaults
+            pre = _PreTokenizer("default", clean_spaces=True)
+            defaults = {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103}
+            add_bos, clean_spaces, add_space_prefix = True, True, False
         else:
             pre = _PreTokenizer("default", clean_spaces=False)
             defaults = {"bos": 1, "eos": 2, "unk": 0}
@@ -632,6 +650,9 @@ class Tokenizer:
         add_eos = bool(flag) if flag is not None else False
         flag = values.get(prefix + "add_space_prefix")
         add_space_prefix = bool(flag) if flag is not None else add_space_prefix
+        lowercase = bool(values.get(prefix + "normalizer.lowercase") or False)
+        flag = values.get(prefix + "normalizer.strip_accents")
+        strip_accents = bool(flag) if flag is not None else lowercase
         return cls(
             model=model,
             tokens=tokens,
@@ -645,6 +666,8 @@ class Tokenizer:
             add_space_prefix=add_space_prefix,
             clean_spaces=clean_spaces,
             ignore_merges=pre.ignore_merges,
+            lowercase=lowercase,
+            strip_accents=strip_accents,
         )
 
     def _build_vocab(self) -> None:
@@ -668,6 +691,9 @@ class Tokenizer:
             key=lambda i: -len(self.tokens[i].encode("utf-8")),
         )
         self._pieces_special = [self._piece(i) for i in range(len(self.tokens))]
+        if self.model == "bert":
+            self._wpm_ids = {t.encode("utf-8"): i for t, i in self._token_to_id.items()}
+            self._max_token_len = max(len(t.encode("utf-8")) for t in self.tokens)
 
     def _find_special_by_text(self) -> None:
         """llama-vocab's text-based fix-ups: EOT/EOM/FIM ids, EOG set, control overrides."""
@@ -744,6 +770,23 @@ class Tokenizer:
             if self.bos_id is None:
                 raise TokenizerError("the model adds BOS but has no BOS token")
             out.append(self.bos_id)
+        if self.model == "bert":
+            if add_special and not self.add_bos:  # WPM adds [CLS] whatever add_bos says
+                if self.bos_id is None:
+                    raise TokenizerError("the model adds BOS but has no BOS token")
+                out.append(self.bos_id)
+            for fragment in fragments:
+                if isinstance(fragment, int):
+                    out.append(fragment)
+                else:
+                    for word in wpm_words(fragment, self.lowercase, self.strip_accents):
+                        out.extend(self._wpm_word(word))
+            if add_special:  # and [SEP] last, whatever add_eos says
+                sep = self.special.get("sep")
+                if sep is None:
+                    raise TokenizerError("the model adds a separator but has none")
+                out.append(sep)
+            return out
         if self.model == "llama":
             self._tokenize_spm(fragments, out)
         else:
@@ -810,6 +853,37 @@ class Tokenizer:
         self._word_cache[word] = ids
         return ids
 
+    def _wpm_word(self, word: str) -> tuple[int, ...]:
+        """llm_tokenizer_wpm_session: the longest entries from the left over the bytes of
+        U+2581 + word; the unknown token when some byte cannot be covered."""
+        cached = self._word_cache.get(word)
+        if cached is not None:
+            return cached
+        data = (SPM_SPACE + word).encode("utf-8")
+        n, vocab, longest = len(data), self._wpm_ids, self._max_token_len
+        ids: list[int] = []
+        i = 0
+        while i < n:
+            for j in range(min(n, i + longest + 1), i, -1):
+                token_id = vocab.get(data[i:j])
+                if token_id is not None:
+                    ids.append(token_id)
+                    i = j
+                    break
+            else:
+                ids = []
+                break
+        if not ids:
+            unk = self.special.get("unk")
+            if unk is None:
+                raise TokenizerError("a word outside the vocabulary and no unknown token")
+            ids = [unk]
+        result = tuple(ids)
+        if len(self._word_cache) > 200_000:
+            self._word_cache.clear()
+        self._word_cache[word] = result
+        return result
+
     def _tokenize_spm(self, fragments: list[str | int], out: list[int]) -> None:
         prev_special = True
         for fragment in fragments:
@@ -854,7 +928,7 @@ class Tokenizer:
         if attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
             return text.encode("utf-8")
         if attr & ATTR_NORMAL:
-            if self.model == "llama":
+            if self.model in ("llama", "bert"):
                 return text.replace(SPM_SPACE, " ").encode("utf-8")
             return self._decode_bpe_text(text)
         if attr & ATTR_BYTE:
@@ -925,6 +999,67 @@ class Tokenizer:
     def vocab_bytes(self) -> list[bytes]:
         """Every token's bytes (token_to_piece with special=true), for the grammar engine."""
         return list(self._pieces_special)
+
+
+# llm_tokenizer_wpm_session::is_chinese_char (0x2B920: the Hugging Face value, not 0x2B820)
+_CJK = (
+    (0x04E00, 0x09FFF),
+    (0x03400, 0x04DBF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F),
+    (0x2B920, 0x2CEAF),
+    (0x0F900, 0x0FAFF),
+    (0x2F800, 0x2FA1F),
+)
+
+
+def _simple_lower(ch: str) -> str:
+    """unicode_tolower: UnicodeData's one-code-point lowercase mapping."""
+    low = ch.lower()
+    if len(low) == 1:
+        return low
+    return "i" if ch == "\u0130" else ch  # the one full mapping longer than its simple one
+
+
+def _nfd_first(ch: str) -> str:
+    """unicode_cpts_normalize_nfd: each code point becomes the first of its NFD."""
+    return unicodedata.normalize("NFD", ch)[0]
+
+
+def wpm_words(text: str, lowercase: bool, strip_accents: bool) -> list[str]:
+    """llm_tokenizer_wpm_session::preprocess: the words of ``text``."""
+    words: list[str] = []
+    word: list[str] = []
+    for ch in text:
+        if strip_accents:
+            ch = _nfd_first(ch)
+        cpt = ord(ch)
+        if ch in _WHITESPACE:
+            if word:
+                words.append("".join(word))
+                word = []
+            continue
+        cls = _CLASS[cpt]
+        if cpt == 0 or cpt == 0xFFFD or cls == _OTHER:
+            continue
+        if strip_accents and cls == _MARK:
+            continue
+        s = _simple_lower(ch) if lowercase else ch
+        if (
+            cls == _PUNCT
+            or (cpt < 0x7F and cls == _SYMBOL)
+            or any(lo <= cpt <= hi for lo, hi in _CJK)
+        ):
+            if word:
+                words.append("".join(word))
+                word = []
+            words.append(s)
+        else:
+            word.append(s)
+    if word:
+        words.append("".join(word))
+    return words
 
 
 def _clean_spaces(text: bytes) -> bytes:
