@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from bankml.engine_cupy.speculative import (
     ngram_simple_draft,
 )
 from bankml.serving.llama_flags import FlagError, native_settings
-from tests.dropin import call, dropin_pair
+from tests.dropin import Pair, call, dropin_pair, pair_fixture
 from tests.test_context_shift import streamed
 
 FLAGS = {
@@ -152,6 +153,31 @@ def test_the_slots_say_they_speculate(pair: Any, request: pytest.FixtureRequest)
     for port in pair.ports:
         status, _, raw = call(port, "GET", "/slots")
         assert status == 200 and json.loads(raw)[0]["speculative"] is True
+
+
+two_slots = pair_fixture(["-c", "2048", "-np", "2", "--temp", "0", "--spec-type", "ngram-simple"])
+
+
+def test_two_slots_drafting_at_once_answer_as_llama_server(two_slots: Pair) -> None:
+    """Two requests at once on two slots, each drafting from its own history: the check passes
+    run beside the other slot's steps, and each answer is still llama-server's."""
+    bodies = [
+        completion(n_predict=60),
+        completion(prompt=PROMPT.replace("Python", "small Python"), n_predict=60),
+    ]
+    answers = []
+    for port in two_slots.ports:
+        with ThreadPoolExecutor(2) as pool:
+            done = list(pool.map(call, [port] * 2, ["POST"] * 2, ["/completion"] * 2, bodies))
+        assert all(status == 200 for status, _, _ in done)
+        answers.append([json.loads(raw) for _, _, raw in done])
+    ours, theirs = answers
+    for mine, reference in zip(ours, theirs):
+        assert mine["tokens"] == reference["tokens"]
+        assert mine["timings"].get("draft_n_accepted") == reference["timings"].get(
+            "draft_n_accepted"
+        )
+    assert {a["id_slot"] for a in ours} == {0, 1}  # both slots ran
 
 
 # --- the parts, without a server --------------------------------------------------------------

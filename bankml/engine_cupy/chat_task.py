@@ -129,10 +129,15 @@ class ChatTask:
         arena, prompt, form = params.parser, params.generation_prompt, ChatFormat(params.format)
 
         def parse(text: str, partial: bool) -> ChatMsg:
+            """The message in ``text``. A final output the format does not match is
+            llama-server's 500 (the engine checks it before the answer ends); a partial one
+            that fails from its first byte is read as content as it grows."""
             try:
                 return chat_peg_parse(arena, text, partial, prompt, form)
-            except ChatParseError:
-                return ChatMsg(role="assistant", content=text)
+            except ChatParseError as err:
+                if partial:
+                    return ChatMsg(role="assistant", content=text)
+                raise RequestError(str(err), status=500) from None
 
         return parse
 

@@ -925,6 +925,10 @@ class Engine:
         finally:
             if shared is not None and not req.shared_child:
                 shared.abandon()  # a parent that ended before its prompt did: children compute
+        if req.chat_parser is not None and not summary.cancelled:
+            # llama-server parses the finished answer as its chat format: an output the format
+            # does not match ends the request with its 500 (the slot has finished as usual)
+            req.chat_parser(summary.text, False)
 
     def _generate(
         self,

@@ -157,7 +157,7 @@ class AnswerResource(JsonResource):
         err = failure.value
         if isinstance(err, ApiError):
             if writer is not None and writer.events.started:
-                writer.events.error(err.status, str(err))
+                writer.events.fail(err.status, err.body)
             else:
                 write_json(request, err.status, err.as_bytes())
             return

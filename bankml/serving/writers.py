@@ -154,12 +154,16 @@ class EventStream:
             self.request.finish()
 
     def error(self, status: int, message: str) -> None:
-        """End with llama-server's error object: an event once the stream has begun, else the
-        whole JSON answer with its status."""
+        """End with llama-server's error object around ``message`` (``fail``)."""
+        self.fail(status, error_object(status, message))
+
+    def fail(self, status: int, body: dict[str, Any]) -> None:
+        """End with the error ``body``: an event once the stream has begun, else the whole JSON
+        answer with its status."""
         self.release()
         if gone(self.request):
             return
         if not self.started:
-            write_json(self.request, status, error_body(status, message))
+            write_json(self.request, status, dumps(body))
             return
-        self.finish(self.frame(error_object(status, message)))
+        self.finish(self.frame(body))
