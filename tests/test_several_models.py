@@ -8,6 +8,7 @@ and the memory of twenty loads and unloads."""
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def server(
             str(registry),
             "--max-loaded",
             "2",
+            "--metrics",
         ],
         home / "bankml.log",
     )
@@ -142,6 +144,16 @@ def test_models_switched_by_name_answer_as_each_alone(
     for name in (startup, first):
         assert per_model[name]["resident"] and per_model[name]["need_bytes"] > 0
     assert {r.get("model") for r in metrics["records"]} == {startup, first, second}
+    # /bankml/usage: the same per-model view beside the process's memory
+    status, usage, _ = server.get("/bankml/usage")
+    assert status == 200 and usage["models"][first]["need_bytes"] > 0
+    # /metrics: llama-server's series, then one line per model for each of bankml's own
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
+        text = reply.read().decode()
+    assert f'bankml:model_requests_total{{model="{second}"}} 1\n' in text
+    assert f'bankml:model_resident_bytes{{model="{second}"}} 0\n' in text
+    resident_bytes = f'bankml:model_resident_bytes{{model="{first}"}} '
+    assert int(text.split(resident_bytes)[1].split("\n")[0]) == per_model[first]["need_bytes"]
 
 
 def test_keep_alive_zero_unloads_only_its_model(server: NativeProcess) -> None:

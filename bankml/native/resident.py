@@ -483,7 +483,6 @@ class NativeEngine:
         """/bankml/metrics: the ring of the last 256 completions with totals."""
         with self._lock:
             records = list(self.records)
-            per_model = {name: dict(counts) for name, counts in self.per_model.items()}
         out = {
             "source": self.engine_name,
             "measured": True,
@@ -496,14 +495,26 @@ class NativeEngine:
             "prompt_cache": self.prompt_cache_state(),
             "records": records,
         }
-        if self.residents is not None:  # several models: each one's memory and counts
-            models = {name: {"resident": False, **c} for name, c in per_model.items()}
-            for name, view in self.residents().items():
-                models.setdefault(
-                    name, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
-                ).update({"resident": True, **view})
+        models = self.models_state()
+        if models is not None:  # several models: each one's memory and counts
             out["models"] = models
         return out
+
+    def models_state(self) -> dict[str, Any] | None:
+        """With several models resident (None otherwise): each model's requests and tokens
+        answered, whether it is resident, and a resident one's memory reckoned and use."""
+        if self.residents is None:
+            return None
+        with self._lock:
+            per_model = {name: dict(counts) for name, counts in self.per_model.items()}
+        models: dict[str, dict[str, Any]] = {
+            name: {"resident": False, **c} for name, c in per_model.items()
+        }
+        for name, view in self.residents().items():
+            models.setdefault(
+                name, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+            ).update({"resident": True, **view})
+        return models
 
     def prompt_cache_state(self) -> dict[str, Any]:
         """The host prompt cache (llama-server's --cache-ram): what it holds and its bound
@@ -537,6 +548,7 @@ class NativeEngine:
             processing=bridge.processing if bridge else 0,  # runs holding a slot
             deferred=bridge.queued if bridge else 0,
             busy_slots_per_decode=self._busy_slots_per_decode(totals["decode_calls"]),
+            models=self.models_state() or {},
         )
 
     def _busy_slots_per_decode(self, decode_calls: int) -> float:

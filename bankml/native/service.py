@@ -144,6 +144,7 @@ def build_native_roots(
             native.reactor,
             lambda: [("bankml serve", os.getpid())],
             prompt_cache=native.prompt_cache_state,
+            models=native.models_state,
         )
     listen_root = Branch()
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
