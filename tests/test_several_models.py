@@ -7,6 +7,7 @@ and the memory of twenty loads and unloads."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import urllib.request
 from collections.abc import Iterator
@@ -154,6 +155,29 @@ def test_models_switched_by_name_answer_as_each_alone(
     assert f'bankml:model_resident_bytes{{model="{second}"}} 0\n' in text
     resident_bytes = f'bankml:model_resident_bytes{{model="{first}"}} '
     assert int(text.split(resident_bytes)[1].split("\n")[0]) == per_model[first]["need_bytes"]
+
+
+def test_three_models_asked_at_once_each_answer_as_alone(
+    server: NativeProcess, reference: dict[str, str], default_model: Path
+) -> None:
+    """Three requests sent together, each naming another model, at --max-loaded 2: whatever
+    the order they are parsed and run in (a model parsed for may be unloaded before its turn,
+    and is then loaded again), each answer is its own model's, as the real llama-server's."""
+    startup = default_model.name[: -len(".gguf")].lower()
+    body = {"prompt": PROMPT, "max_tokens": N_PREDICT, "temperature": 0}
+    names = [startup, *TINY]
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        replies = list(
+            pool.map(
+                lambda name: http_json(server.url + "/v1/completions", {**body, "model": name}),
+                names,
+            )
+        )
+    for name, (status, answer) in zip(names, replies):
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == reference[name if name != startup else ""]
+        # the answer names the file of the model that computed it
+        assert answer["model"] == (default_model.name if name == startup else f"{name}.gguf")
 
 
 def test_keep_alive_zero_unloads_only_its_model(server: NativeProcess) -> None:
