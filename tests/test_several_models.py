@@ -293,3 +293,19 @@ def test_a_load_that_fails_leaves_nothing_resident(registry: Path) -> None:
         res.acquire(b, now=1.0)
     assert err.value.status == 500
     assert list(res.residents) == [a.name]
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+def test_the_kv_cache_reckoned_is_the_engines(default_model: Path, cache_type: str) -> None:
+    """What --models-memory counts for a model's KV cache is what the engine allocates."""
+    from bankml.native.ollama import kv_bytes
+    from bankml.native.resident import open_engine
+
+    engine, _ = open_engine(str(default_model), n_ctx=512, device="cpu", cache_type=cache_type)
+    arrays = [
+        a
+        for s in engine.slots
+        for layer in s.cache._k + s.cache._v
+        for a in (layer if isinstance(layer, tuple) else (layer,))
+    ]
+    assert sum(a.nbytes for a in arrays) == kv_bytes(str(default_model), 512, cache_type)

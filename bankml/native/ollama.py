@@ -177,10 +177,10 @@ class Choice:
 
 
 def kv_bytes(path: str, n_ctx: int, cache_type: str | None = None) -> int:
-    """The KV cache a model of ``path`` needs for ``n_ctx`` cells (every slot's together): two
-    rows (K and V) of ``head_count_kv * key_length`` per layer and cell, f16 (2 bytes) unless
-    the cache type is f32 (4) or q8_0 (34 bytes per 32 values); 0 where the header does not
-    say."""
+    """The KV cache a model of ``path`` needs for ``n_ctx`` cells (every slot's together), as
+    the engine holds it: per layer and cell ``head_count_kv * (key_length + value_length)``
+    values, 4 bytes each for f16 and f32 (the engine keeps f16 values, rounded, in float32),
+    34 bytes per 32 for q8_0; 0 where the header does not say."""
     arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
     if not isinstance(arch, str):
         return 0
@@ -206,7 +206,7 @@ def kv_bytes(path: str, n_ctx: int, cache_type: str | None = None) -> int:
         return 0
     k_len = count(keys[4]) or n_embd // n_head
     v_len = count(keys[5]) or k_len
-    per_value = {"f32": 4.0, "q8_0": 34 / 32}.get(cache_type or "f16", 2.0)
+    per_value = 34 / 32 if cache_type == "q8_0" else 4.0
     return int(n_layer * n_ctx * n_head_kv * (k_len + v_len) * per_value)
 
 
