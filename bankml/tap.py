@@ -277,6 +277,28 @@ class Options(usage.Options):
         address = llama_flags.engine_address(self)
         if address is not None:
             self["upstream"] = address
+        self._router()
+
+    def _router(self) -> None:
+        """llama-server's router mode (``--models-dir DIR``, ``--models-max N``): every model
+        DIR pins served (DIR is the registry), up to N resident (llama-server's default 4; 0:
+        no bound), and its ``/models`` routes (``router``)."""
+        self["router"] = bool(self["models-dir"])
+        if self["models-max"] is not None and not self["models-dir"]:
+            raise usage.UsageError("--models-max bounds router mode: it needs --models-dir")
+        if not self["router"]:
+            return
+        if not os.path.isdir(self["models-dir"]):
+            raise usage.UsageError(f"--models-dir {self['models-dir']}: not a directory")
+        self["registry"] = self["registry"] or self["models-dir"]
+        try:
+            bound = int(self["models-max"] if self["models-max"] is not None else 4)
+        except ValueError:
+            raise usage.UsageError(f"--models-max {self['models-max']}: not a number") from None
+        if bound < 0:
+            raise usage.UsageError(f"--models-max {bound}: 0 (no bound) or a number of models")
+        if self["max-loaded"] == 1:  # bankml serve's own --max-loaded wins where given
+            self["max-loaded"] = bound or 2**31 - 1
 
     def _restart_delay(self, spawn: str | None) -> None:
         """--restart-delay MIN[:MAX] into ``self["restart_delay"]``; it needs --spawn."""

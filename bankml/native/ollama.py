@@ -37,8 +37,9 @@ from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.formats import ollama as wire
 from bankml.formats import ollama_request as req
 from bankml.formats.chat_content import chat_schema_content
-from bankml.formats.errors import ApiError
+from bankml.formats.errors import ApiError, error_object
 from bankml.formats.ollama import OllamaError
+from bankml.formats.openai import model_info
 from bankml.gate import verify
 from bankml.native.resident import apply_server_defaults, open_engine
 from bankml.native.run import Step, relay_forwards
@@ -685,6 +686,115 @@ class OllamaHost:
     def reap(self) -> None:
         """The reaper's step, on the engine thread (so after any running request)."""
         self.residency.reap(self.clock())
+
+
+# -- llama-server's router mode: GET /models, POST /models/load, POST /models/unload ---------------
+
+
+class RouterModels:
+    """What ``bankml llama-server --models-dir DIR`` answers on llama-server's router routes,
+    over an Ollama host's catalog and residency (resources/router.py writes it)."""
+
+    def __init__(self, host: OllamaHost, directory: str) -> None:
+        self.host = host
+        self.directory = directory
+
+    @property
+    def bridge(self) -> Any:
+        return self.host.bridge
+
+    def listing(self) -> dict[str, Any]:
+        """``GET /models``: every model of the directory as llama-server's router lists it
+        (``status.value`` ``loaded`` or ``unloaded``; a loaded one's ``meta``), sorted by id;
+        a GGUF no fork pins listed as failed, with bankml's reason (``bankml_refused``)."""
+        host = self.host
+        created = int(host.clock())
+        entries: dict[str, dict[str, Any]] = {}
+        pinned = set()
+        for pin in host.catalog.registry.pins:
+            if pin.path is not None:
+                pinned.add(os.path.realpath(pin.path))
+            here = host.residency.get(pin.name)
+            entry = _router_entry(_router_id(pin.file), created, here is not None)
+            if here is not None:
+                entry["meta"] = model_info(host.native.facts_of(here.handle, here.verified))["meta"]
+            entries[entry["id"]] = entry
+        for file in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, file)
+            if not file.lower().endswith(".gguf") or os.path.realpath(path) in pinned:
+                continue
+            entry = _router_entry(_router_id(file), created, False)
+            entry["status"]["failed"] = True
+            entry["status"]["bankml_refused"] = (
+                f"{file} is not pinned: no *.FORK.json of {self.directory} has its sha256"
+            )
+            entries.setdefault(entry["id"], entry)
+        return {"data": [entries[k] for k in sorted(entries)], "object": "list"}
+
+    def _unpinned(self, body: Any) -> str | None:
+        """Why a file of the directory that the listing shows as failed may not load."""
+        name = body.get("model") if isinstance(body, dict) else None
+        for entry in self.listing()["data"]:
+            if entry["id"] == name and entry["status"].get("bankml_refused"):
+                return str(entry["status"]["bankml_refused"])
+        return None
+
+    def _pin(self, body: Any) -> Pin | None:
+        name = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            return None
+        try:
+            return self.host.catalog.registry.resolve(name)
+        except LookupError:
+            return None
+
+    def load(self, body: Any) -> tuple[int, dict[str, Any]]:
+        """On the engine thread: ``POST /models/load``; (status, body)."""
+        pin = self._pin(body)
+        if pin is None:
+            refused = self._unpinned(body)
+            if refused is not None:
+                return 400, error_object(400, refused, "invalid_request_error")
+            return 404, error_object(404, "model is not found", "not_found_error")
+        if self.host.residency.get(pin.name) is not None:
+            return 400, error_object(400, "model is already running", "invalid_request_error")
+        try:
+            self.host._acquire(pin)
+        except OllamaError as err:
+            return err.status, error_object(err.status, err.message)
+        self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
+        return 200, {"success": True}
+
+    def unload(self, body: Any) -> tuple[int, dict[str, Any]]:
+        """On the engine thread: ``POST /models/unload``; (status, body)."""
+        pin = self._pin(body)
+        if pin is None:
+            return 400, error_object(400, "model is not found", "invalid_request_error")
+        if not self.host.residency.unload(pin.name):
+            return 400, error_object(400, "model is not running", "invalid_request_error")
+        return 200, {"success": True}
+
+
+def _router_id(file: str) -> str:
+    """llama-server's router names a model of its directory by its file name without .gguf."""
+    return file[: -len(".gguf")] if file.lower().endswith(".gguf") else file
+
+
+def _router_entry(model_id: str, created: int, loaded: bool) -> dict[str, Any]:
+    """One model of ``GET /models`` in router mode, in llama-server's key order (``args``:
+    bankml starts no child process)."""
+    return {
+        "id": model_id,
+        "aliases": [],
+        "tags": [],
+        "object": "model",
+        "owned_by": "llamacpp",
+        "created": created,
+        "status": {"value": "loaded" if loaded else "unloaded", "args": []},
+        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+        "source": "models_dir",
+        "can_remove": False,
+    }
 
 
 def _api_error(err: OllamaError) -> ApiError:

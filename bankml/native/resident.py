@@ -389,15 +389,32 @@ class NativeEngine:
 
     def model_facts(self) -> ModelFacts:
         """What ``GET /v1/models`` lists of the resident model."""
-        engine = self.engine
+        return self.facts_of(self.engine, self.verified, self.tensor_totals())
+
+    def facts_of(
+        self,
+        engine: Any,
+        verified: Any,
+        totals: tuple[int | None, int | None] | None = None,
+    ) -> ModelFacts:
+        """``model_facts`` of any resident model's engine (the router's ``GET /models``)."""
         hp = getattr(getattr(engine, "model", None), "hp", None)
-        n_params, size = self.tensor_totals()
+        if totals is None:
+            reader = getattr(getattr(engine, "model", None), "reader", None)
+            tensors = list(getattr(reader, "tensors", None) or [])
+            totals = (
+                (sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors))
+                if tensors
+                else (None, None)
+            )
+        n_params, size = totals
+        current = engine is self.engine
         return ModelFacts(
-            id=self.model_id,
-            aliases=list(self.model_aliases),
+            id=self.model_id if current else os.path.basename(verified.path),
+            aliases=list(self.model_aliases) if current else [],
             tags=list(getattr(self, "model_tags", ())),
             n_ctx=self.n_ctx,
-            ftype=self.model_ftype,
+            ftype=self.model_ftype if current else file_ftype_name(verified.path),
             tokenizer=getattr(getattr(engine, "tokenizer", None), "model", ""),
             n_vocab=getattr(engine, "n_vocab", None),
             n_ctx_train=getattr(hp, "n_ctx_train", None),
