@@ -118,12 +118,14 @@ def test_load_unload_and_answers_as_llama_server(pair: Pair) -> None:
     again = pair.both("POST", "/models/load", {"model": SECOND})
     assert again[0] == again[1]
     # the same answer from the same file
-    texts = []
+    answers = []
     for port in pair.ports:
         status, _, raw = call(port, "POST", "/v1/completions", {**BODY, "model": SECOND})
         assert status == 200, raw
-        texts.append(json.loads(raw)["choices"][0]["text"])
-    assert texts[0] == texts[1]
+        answers.append(json.loads(raw))
+    assert answers[0]["choices"] == answers[1]["choices"]
+    assert answers[0]["model"] == answers[1]["model"]
+    assert answers[0]["usage"] == answers[1]["usage"]
     # unloading, and the refusals of an unload
     for port in pair.ports:
         status, _, raw = call(port, "POST", "/models/unload", {"model": SECOND})
@@ -140,6 +142,9 @@ def test_load_unload_and_answers_as_llama_server(pair: Pair) -> None:
     assert unknown[0] == unknown[1]
     assert call(ours, "POST", "/models/load", {"model": "nope"})[0] == 404
     assert call(theirs, "POST", "/models/load", {"model": "nope"})[0] == 404
+    # a request naming an unknown model: the router's refusal on both
+    unknown_model = pair.both("POST", "/v1/completions", {**BODY, "model": "nope"})
+    assert unknown_model[0] == unknown_model[1]
     # the unpinned file: llama-server would load it; bankml refuses it with the reason
     status, _, raw = call(ours, "POST", "/models/load", {"model": "unpinned"})
     assert status == 400 and "not pinned" in json.loads(raw)["error"]["message"]

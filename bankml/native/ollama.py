@@ -489,7 +489,7 @@ class OllamaHost:
             verified = self.native.verified
             resident = self.residency.get(pin_of(p.target).name)
             kind, body = self._engine_body(engine, p)
-            choice = Choice(pin_of(p.target).name, verified, os.path.basename(verified.path))
+            choice = Choice(pin_of(p.target).name, verified, self.answer_name(verified.path))
             try:
                 prompts = self.native.parse(body, kind, choice=(choice, engine))
             except ApiError as err:
@@ -584,11 +584,16 @@ class OllamaHost:
     def select(self, body: Mapping[str, Any]) -> tuple[Choice, Any]:
         """On the prepare thread: the model a /v1 body names (blank: the startup model) made
         resident on the engine thread (in turn with the runs), and its engine, to parse with.
-        Unknown: 404; refused: its status."""
+        Unknown: 404 (in router mode llama-server's router's 400); refused: its status. A
+        --alias name is the startup model's."""
         name = body.get("model")
+        if isinstance(name, str) and name in self.native.model_aliases:
+            name = None
         try:
             target = self.catalog.resolve(name if isinstance(name, str) else None)
         except LookupError as err:
+            if self.options.get("router"):
+                raise ApiError.of(400, f"model '{name}' not found") from None
             raise ApiError.of(404, str(getattr(err, "message", None) or err)) from None
         pin = pin_of(target)
 
@@ -601,12 +606,18 @@ class OllamaHost:
             assert here is not None
             self.residency.touch(pin.name, self.keep_alive, self.clock())
             v = here.verified
-            return Choice(pin.name, v, os.path.basename(v.path)), here.handle
+            return Choice(pin.name, v, self.answer_name(v.path)), here.handle
 
         bridge = self.bridge
         if bridge is not None and bridge.can_wait_on():
             return bridge.call_and_wait(load)
         return load()
+
+    def answer_name(self, path: str) -> str:
+        """The model an answer names: its file's name (llama-server's router: without .gguf,
+        the alias it starts each model's child with)."""
+        file = os.path.basename(path)
+        return _router_id(file) if self.options.get("router") else file
 
     def hold(self, choice: Choice) -> tuple[Any, Callable[[], None]]:
         """On the engine thread, as a run parsed for ``choice`` starts: its model's engine
