@@ -241,6 +241,33 @@ def test_loading_and_unloading_twenty_times_keeps_memory(server: NativeProcess) 
     assert abs(end - start) <= 0.02 * start, (start, end)
 
 
+def test_a_model_over_the_memory_budget_is_a_503_and_the_resident_one_stays(
+    registry: Path, tmp_path: Path
+) -> None:
+    """A server whose --models-memory (1 MiB) is less than any model needs: its startup model
+    is loaded whatever the budget; another model is refused with 503 and the reason, on both
+    APIs, and nothing is unloaded."""
+    first, second = TINY
+    startup = registry / f"{first}.gguf"
+    proc = NativeProcess(
+        startup,
+        registry / f"{first}.gguf.FORK.json",
+        ["--native", "--upstream", f"127.0.0.1:{free_port()}", "--registry", str(registry)]
+        + ["--max-loaded", "2", "--models-memory", "1M"],
+        tmp_path / "bankml.log",
+    )
+    with proc:
+        oll = ollama.Client(host=proc.url, timeout=120)
+        with pytest.raises(ollama.ResponseError) as err:
+            oll.generate(model=second, prompt=PROMPT, raw=True)
+        assert err.value.status_code == 503 and "--models-memory budget of 1 MiB" in str(err.value)
+        oai = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as over:
+            completion(oai, second)
+        assert over.value.status_code == 503
+        assert ps_names(oll) == [f"{first}:latest"]
+
+
 # -- the residency's bounds, without a server --------------------------------------------------
 
 
