@@ -582,10 +582,10 @@ class OllamaHost:
     # -- the /v1 model field, with more than one model resident ----------------------------------
 
     def select(self, body: Mapping[str, Any]) -> tuple[Choice, Any]:
-        """On the prepare thread: the model a /v1 body names (blank: the startup model) made
-        resident on the engine thread (in turn with the runs), and its engine, to parse with.
-        Unknown: 404 (in router mode llama-server's router's 400); refused: its status. A
-        --alias name is the startup model's."""
+        """On the prepare thread: the model a /v1 body names (blank: the startup model) and its
+        engine, to parse with: a resident one at once, another made resident on the engine
+        thread (in turn with the runs). Unknown: 404 (in router mode llama-server's router's
+        400); refused: its status. An --alias name is the startup model's."""
         name = body.get("model")
         if isinstance(name, str) and name in self.native.model_aliases:
             name = None
@@ -596,6 +596,14 @@ class OllamaHost:
                 raise ApiError.of(400, f"model '{name}' not found") from None
             raise ApiError.of(404, str(getattr(err, "message", None) or err)) from None
         pin = pin_of(target)
+        here = self.residency.get(pin.name)
+        if here is not None and self.residency.unchanged(here):
+            # resident: parsed at once, not behind the runs (the run holds it, hold)
+            stale = stale_layer(target, here.verified.sha256)
+            if stale is not None:
+                raise ApiError.of(400, f"{tag(target.name)}: {stale}")
+            v = here.verified
+            return Choice(pin.name, v, self.answer_name(v.path)), here.handle
 
         def load() -> tuple[Choice, Any]:
             try:

@@ -115,6 +115,10 @@ class Residency:
     def get(self, name: str) -> Resident | None:
         return self.residents.get(name)
 
+    def unchanged(self, resident: Resident) -> bool:
+        """Whether a resident model's file still has the identity it was verified with."""
+        return self._current_ident(resident.verified.path) == resident.ident
+
     def in_use_bytes(self) -> int:
         """The bytes the resident models were reckoned to need."""
         return sum(r.need for r in self.residents.values())
