@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import getopt
 import os
+import re
 import signal
 import sys
+from typing import Any
 
 from twisted.application import service
 from twisted.logger import (
@@ -119,7 +121,21 @@ class Options(usage.Options):
             "--registry: $BANKML_FORKS, else ~/.local/share/bankml/forks)",
         ],
         ["keep-alive", None, "5m", "with --native: how long a model stays loaded (Go duration)"],
-        ["max-loaded", None, 1, "with --native: models resident at once (1)", int],
+        [
+            "max-loaded",
+            None,
+            1,
+            "with --native: models resident at once, each with its own engine; past it the "
+            "least recently used idle one is unloaded (1)",
+            int,
+        ],
+        [
+            "models-memory",
+            None,
+            None,
+            "with --native: the most the resident models may need together, each its file "
+            "and KV cache (bytes, or with K, M, G, T; default: half of the RAM)",
+        ],
         [
             "max-queue",
             None,
@@ -261,6 +277,28 @@ class Options(usage.Options):
         address = llama_flags.engine_address(self)
         if address is not None:
             self["upstream"] = address
+        self._router()
+
+    def _router(self) -> None:
+        """llama-server's router mode (``--models-dir DIR``, ``--models-max N``): every model
+        DIR pins served (DIR is the registry), up to N resident (llama-server's default 4; 0:
+        no bound), and its ``/models`` routes (``router``)."""
+        self["router"] = bool(self["models-dir"])
+        if self["models-max"] is not None and not self["models-dir"]:
+            raise usage.UsageError("--models-max bounds router mode: it needs --models-dir")
+        if not self["router"]:
+            return
+        if not os.path.isdir(self["models-dir"]):
+            raise usage.UsageError(f"--models-dir {self['models-dir']}: not a directory")
+        self["registry"] = self["registry"] or self["models-dir"]
+        try:
+            bound = int(self["models-max"] if self["models-max"] is not None else 4)
+        except ValueError:
+            raise usage.UsageError(f"--models-max {self['models-max']}: not a number") from None
+        if bound < 0:
+            raise usage.UsageError(f"--models-max {bound}: 0 (no bound) or a number of models")
+        if self["max-loaded"] == 1:  # bankml serve's own --max-loaded wins where given
+            self["max-loaded"] = bound or 2**31 - 1
 
     def _restart_delay(self, spawn: str | None) -> None:
         """--restart-delay MIN[:MAX] into ``self["restart_delay"]``; it needs --spawn."""
@@ -281,8 +319,15 @@ class Options(usage.Options):
             parse_keep_alive(self["keep-alive"])
         except BadKeepAlive as err:
             raise usage.UsageError(f"--keep-alive: {err}") from None
-        if self["max-loaded"] != 1:
-            raise usage.UsageError("--max-loaded: one model is resident at a time (1)")
+        if self["max-loaded"] < 1:
+            raise usage.UsageError("--max-loaded: at least 1")
+        if self["max-loaded"] != 1 and not self["native"]:
+            raise usage.UsageError("--max-loaded serves several models natively: it needs --native")
+        if self["models-memory"] is not None:
+            try:
+                self["models-memory"] = parse_size(self["models-memory"])
+            except ValueError as err:
+                raise usage.UsageError(f"--models-memory: {err}") from None
         if (
             self["registry"]
             and os.path.exists(self["registry"])
@@ -294,6 +339,18 @@ class Options(usage.Options):
                 parse_listen(self["ollama-listen"])
             except (NotLoopbackError, ValueError) as err:
                 raise usage.UsageError(f"--ollama-listen: {err}") from None
+
+
+def parse_size(text: Any) -> int:
+    """A size in bytes: a whole number, or one with K, M, G or T (powers of 1024, an optional
+    ``iB`` or ``B`` after it); ValueError otherwise."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"{text!r}: not a size (bytes, or a number with K, M, G or T)")
+    power = " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * 1024**power)
 
 
 def default_registry() -> str:

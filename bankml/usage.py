@@ -179,10 +179,13 @@ class UsageSampler:
         interval: float = SAMPLE_SECONDS,
         keep: float = KEEP_SECONDS,
         prompt_cache: Callable[[], dict[str, Any]] | None = None,
+        models: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.reactor = reactor
         self.processes = processes
         self.prompt_cache = prompt_cache  # native: the host prompt cache's size and bound
+        # native with several models resident: each one's memory and counts (None: one model)
+        self.models = models
         self.interval = interval
         self.keep = keep
         self.samples_taken = 0
@@ -269,7 +272,7 @@ class UsageSampler:
                 }
             )
         mem, swap = psutil.virtual_memory(), psutil.swap_memory()
-        return {
+        out = {
             "source": "bankml usage.py (psutil)",
             "cores": psutil.cpu_count(),
             "mem_total_bytes": mem.total,
@@ -286,3 +289,7 @@ class UsageSampler:
             "prompt_cache": self.prompt_cache() if self.prompt_cache else None,
             "sampled_at": round(time.time(), 3),
         }
+        models = self.models() if self.models is not None else None
+        if models is not None:  # only with several models: one model's document is unchanged
+            out["models"] = models
+        return out

@@ -443,10 +443,14 @@ def test_ollama_options_on_the_command_line(tmp_path: Path) -> None:
     assert parsed("--native", "--registry", str(tmp_path))["registry"] == str(tmp_path)
     assert parsed("--native", "--registry")["registry"] == default_registry()
     assert parsed("--native")["keep-alive"] == "5m"
+    assert parsed("--native", "--max-loaded", "3")["max-loaded"] == 3
+    assert parsed("--native", "--models-memory", "1.5G")["models-memory"] == 3 * 2**29
     for args, words in (
         (["--registry", str(tmp_path)], "needs --native"),
         (["--native", "--keep-alive", "soon"], "--keep-alive"),
-        (["--native", "--max-loaded", "2"], "--max-loaded"),
+        (["--max-loaded", "2"], "--max-loaded"),
+        (["--native", "--max-loaded", "0"], "--max-loaded"),
+        (["--native", "--models-memory", "lots"], "--models-memory"),
         (["--native", "--ollama-listen", "0.0.0.0:11434"], "--ollama-listen"),
     ):
         with pytest.raises(usage.UsageError) as err:

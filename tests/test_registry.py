@@ -353,7 +353,7 @@ def test_a_file_changed_while_resident_is_unloaded_and_refused(registry_dir: Pat
         res.acquire(pin, now=3.0)
     with pytest.raises(LoadError) as err:
         res.acquire(pin, now=4.0)
-    assert err.value.status == 400 and err.value.message.startswith(
+    assert err.value.status == 503 and err.value.message.startswith(
         "refuse: Other-Q4_0.gguf sha256 "
     )
     assert err.value.message.endswith(f"!= pinned {pin.sha256}: refused")

@@ -103,7 +103,9 @@ class FakeEngine:
     def view_for(self, item: Any) -> SlotView | None:
         return self.slot_views[0]
 
-    def record(self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str) -> None:
+    def record(
+        self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str, model: str = ""
+    ) -> None:
         self.recorded.append(kind)
 
     # the text and slot jobs

@@ -89,8 +89,9 @@ class Answer:
         self.index = index
         self.stream = request.get("stream") is True if stream is None else stream
         self.tally = Tally(request_body=body, clock=clock)
-        # the server's model name whatever the request names (llama-server's oaicompat_model)
-        self.model = source.model_id
+        # the server's model name whatever the request names (llama-server's oaicompat_model);
+        # with several models resident, the one the request was parsed for
+        self.model = str(getattr(getattr(parsed, "served_by", None), "model_id", source.model_id))
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.options: dict[str, Any] = getattr(parsed, "options", {}) or {}

@@ -49,6 +49,7 @@ class ApiError(Exception):
         super().__init__(f"{status}: {message}")
         self.status = status
         self.body = body
+        self.retry_after: int | None = None  # seconds, sent as Retry-After (a busy server)
 
     @classmethod
     def of(cls, status: int, message: str, kind: str | None = None) -> ApiError:

@@ -199,9 +199,22 @@ def tags_body(catalog: Catalog) -> dict[str, Any]:
 def ps_body(
     resident: Resident | None, catalog: Catalog, expires_at: float | None
 ) -> dict[str, Any]:
-    """``GET /api/ps``: the resident model, named after the model whose request loaded it."""
+    """``GET /api/ps`` with one model resident (or none)."""
     if resident is None or expires_at is None:
         return {"models": []}
+    return ps_models_body([(resident, expires_at)], catalog)
+
+
+def ps_models_body(residents: Sequence[tuple[Resident, float]], catalog: Catalog) -> dict[str, Any]:
+    """``GET /api/ps``: every resident model with its ``expires_at``, each named after the model
+    whose request loaded it, the longest time left first (as Ollama sorts them, by the second;
+    ``residents`` in the order ties keep)."""
+    models = [_ps_entry(resident, catalog, expires_at) for resident, expires_at in residents]
+    order = sorted(range(len(models)), key=lambda i: -int(residents[i][1]))
+    return {"models": [models[i] for i in order]}
+
+
+def _ps_entry(resident: Resident, catalog: Catalog, expires_at: float) -> dict[str, Any]:
     try:
         shown: Target = catalog.resolve(resident.shown_as or resident.pin.name)
     except LookupError:
@@ -210,18 +223,14 @@ def ps_body(
         shown = resident.pin  # a stale name (a derived model deleted or rebased since)
     name = tag(shown.name)
     return {
-        "models": [
-            {
-                "name": name,
-                "model": name,
-                "size": resident.pin.bytes,
-                "digest": _digest(shown),
-                "details": details(resident.pin, _parent(shown)),
-                "expires_at": rfc3339(expires_at),
-                "size_vram": 0,
-                "context_length": resident.context_length,
-            }
-        ]
+        "name": name,
+        "model": name,
+        "size": resident.pin.bytes,
+        "digest": _digest(shown),
+        "details": details(resident.pin, _parent(shown)),
+        "expires_at": rfc3339(expires_at),
+        "size_vram": 0,
+        "context_length": resident.context_length,
     }
 
 

@@ -20,6 +20,7 @@ class OllamaError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after: int | None = None  # seconds, sent as Retry-After (a busy server)
 
     def body(self) -> dict[str, str]:
         return error_body(self.message)

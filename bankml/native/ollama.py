@@ -13,9 +13,13 @@ The resources (bankml/resources/ollama.py) read bodies and write bytes; everythi
   ``num_ctx``, lets the engine parse the body as /v1/chat/completions does (so ``format`` is
   constrained exactly as ``response_format`` is), runs it, and applies ``keep_alive``.
   ``OllamaRun`` turns its items into NDJSON lines and the final object with the receipt.
-- **Residency**: one model resident (``--max-loaded`` 1). The resident model's engine is the one
-  ``NativeEngine`` (and so /v1) answers with; ``wake`` loads the startup model again for a /v1
-  request after an unload. ``reap`` is the reaper's step (a ``LoopingCall`` every second in
+- **Residency**: up to ``--max-loaded`` models resident (1 by default), each with its own
+  engine (slots, KV cache, prompt cache), within ``--models-memory``. The engine of the model
+  used last is the one ``NativeEngine`` reads outside a run; a run holds its own model's
+  (``hold``), which is never unloaded under it. With more than one, a /v1 request's ``model``
+  chooses its model too (``select``, on the prepare thread); with one, /v1 answers with the
+  resident model whatever it names (llama-server's rule), and ``wake`` loads the startup model
+  again for a /v1 request after an unload. ``reap`` is the reaper's step (a ``LoopingCall`` every second in
   native/service.py, queued behind any running request, so it never interrupts one).
 
 No Twisted here: the bridge's Deferreds stay in the resources and the service.
@@ -29,11 +33,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.formats import ollama as wire
 from bankml.formats import ollama_request as req
 from bankml.formats.chat_content import chat_schema_content
-from bankml.formats.errors import ApiError
+from bankml.formats.errors import ApiError, error_object
 from bankml.formats.ollama import OllamaError
+from bankml.formats.openai import model_info
 from bankml.gate import verify
 from bankml.native.resident import apply_server_defaults, open_engine
 from bankml.native.run import Step, relay_forwards
@@ -53,6 +59,7 @@ from bankml.registry.keepalive import DEFAULT, KeepAlive, parse_keep_alive
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, discover
 from bankml.registry.residency import LoadError, Residency, Resident
+from bankml.serving.run_control import RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
@@ -160,6 +167,58 @@ class _Piece:
     entry: Any
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The model a request was parsed for (``NativeEngine.parse`` tags its prompts with it):
+    its pin's name, and what was verified of it."""
+
+    name: str
+    verified: Any
+    model_id: str
+
+
+def kv_bytes(path: str, n_ctx: int, cache_type: str | None = None) -> int:
+    """The KV cache a model of ``path`` needs for ``n_ctx`` cells (every slot's together), as
+    the engine holds it: per layer and cell ``head_count_kv * (key_length + value_length)``
+    values, 4 bytes each for f16 and f32 (the engine keeps f16 values, rounded, in float32),
+    34 bytes per 32 for q8_0; 0 where the header does not say."""
+    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
+    if not isinstance(arch, str):
+        return 0
+    keys = [
+        f"{arch}.block_count",
+        f"{arch}.attention.head_count_kv",
+        f"{arch}.attention.head_count",
+        f"{arch}.embedding_length",
+        f"{arch}.attention.key_length",
+        f"{arch}.attention.value_length",
+    ]
+    meta = read_metadata(path, keys)
+
+    def count(key: str, default: int = 0) -> int:
+        value = meta.get(key, default)
+        if isinstance(value, list):  # per-layer counts: the largest
+            value = max((v for v in value if isinstance(v, int)), default=default)
+        return value if isinstance(value, int) and value > 0 else 0
+
+    n_layer, n_head, n_embd = count(keys[0]), count(keys[2]), count(keys[3])
+    n_head_kv = count(keys[1], n_head)
+    if not (n_layer and n_head and n_embd and n_head_kv):
+        return 0
+    k_len = count(keys[4]) or n_embd // n_head
+    v_len = count(keys[5]) or k_len
+    per_value = 34 / 32 if cache_type == "q8_0" else 4.0
+    return int(n_layer * n_ctx * n_head_kv * (k_len + v_len) * per_value)
+
+
+def default_models_memory() -> int | None:
+    """``--models-memory``'s default: half of the machine's RAM (None where it cannot be read)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 2
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _refusal(err: ApiError) -> OllamaError:
     body = err.body.get("error") if isinstance(err.body, dict) else None
     message = body.get("message") if isinstance(body, dict) else None
@@ -197,7 +256,16 @@ class OllamaHost:
         self.options = dict(options or {})
         self.clock = clock
         self.log = log
-        self.residency = Residency(self._open_model, self._unloaded, log)
+        max_loaded = int(self.options.get("max-loaded") or 1)
+        memory = self.options.get("models-memory")
+        self.residency = Residency(
+            self._open_model,
+            self._unloaded,
+            log,
+            max_loaded=max_loaded,
+            budget=default_models_memory() if memory is None else int(memory),
+            need=self.need,
+        )
         startup = catalog.registry.pins[0]
         now = clock()
         self.residency.resident = Resident(
@@ -208,10 +276,15 @@ class OllamaHost:
             expires_at=keep_alive.expires_at(now),
             shown_as=startup.name,
             context_length=native.n_ctx,
+            need=self.need(startup),
         )
         native.waker = self.wake
         native.used = self.used
         native.rewrite = self.layered_v1
+        if max_loaded > 1:  # the /v1 model field chooses among the catalog's models
+            native.select = self.select
+            native.hold = self.hold
+            native.residents = self.residents
 
     @property
     def bridge(self) -> Any:
@@ -235,16 +308,47 @@ class OllamaHost:
         if run.answer is not None:
             tally = run.answer.tally
             kind = run.job.prepared.kind
-            self.native.record(summary, tally.ttft_ms(), tally.wall_ms(), OLLAMA_KIND[kind])
+            model = pin_of(run.job.prepared.target).name if self.native.select else ""
+            self.native.record(summary, tally.ttft_ms(), tally.wall_ms(), OLLAMA_KIND[kind], model)
 
     def tags(self) -> dict[str, Any]:
         return wire.tags_body(self.catalog)
 
     def ps(self) -> dict[str, Any]:
+        """Every resident model, the most recently used first among equal expiries."""
         now = self.clock()
-        return wire.ps_body(
-            self.residency.resident, self.catalog, self.residency.ps_expires_at(now)
-        )
+        residents = list(reversed(self.residency.residents.values()))
+        entries = []
+        for resident in residents:
+            expires_at = self.residency.ps_expires_at(now, resident)
+            if expires_at is not None:
+                entries.append((resident, expires_at))
+        return wire.ps_models_body(entries, self.catalog)
+
+    def residents(self) -> dict[str, Any]:
+        """/bankml/metrics' and /bankml/usage's view of each resident model (reactor thread):
+        the bytes it was reckoned to need, the requests running on it, when it expires."""
+        return {
+            name: {
+                "need_bytes": r.need,
+                "in_use": r.in_use,
+                "loaded_at": r.loaded_at,
+                "expires_at": r.expires_at,
+            }
+            for name, r in list(self.residency.residents.items())
+        }
+
+    def need(self, pin: Pin) -> int:
+        """The bytes ``pin`` needs resident: its file (the weights are read from it) and the KV
+        cache of this server's context (``kv_bytes``)."""
+        if pin.path is None:
+            return int(pin.bytes or 0)
+        try:
+            size = os.path.getsize(pin.path)
+            kv = kv_bytes(pin.path, int(self.native.n_ctx), self.options.get("cache_type"))
+        except (OSError, ValueError):
+            return int(pin.bytes or 0)
+        return size + kv
 
     def show(self, raw: bytes) -> dict[str, Any]:
         target = req.show_target(req.parse_body(raw), self.catalog)
@@ -316,7 +420,7 @@ class OllamaHost:
         layer = layer_of(target)
         if layer is None:
             return body
-        if pin_of(target).sha256 != self.native.verified.sha256:
+        if self.native.select is None and pin_of(target).sha256 != self.native.verified.sha256:
             raise ApiError.of(
                 400,
                 f"{tag(target.name)} is a layer over {pin_of(target).file}, which is not the "
@@ -383,15 +487,19 @@ class OllamaHost:
             load_ns = self._acquire(p.target)
             engine = self.native.engine
             verified = self.native.verified
+            resident = self.residency.get(pin_of(p.target).name)
             kind, body = self._engine_body(engine, p)
+            choice = Choice(pin_of(p.target).name, verified, self.answer_name(verified.path))
             try:
-                prompts = self.native.parse(body, kind)
+                prompts = self.native.parse(body, kind, choice=(choice, engine))
             except ApiError as err:
                 raise _refusal(err) from None
             parsed = prompts[0]
             constraint = getattr(parsed, "constraint", None)
             parser = getattr(parsed, "chat_parser", None) if p.parse_message else None
             yield Ready(load_ns, getattr(constraint, "kind", "") == "chat_schema", parser)
+            if resident is not None:
+                resident.in_use += 1  # never unloaded under this run (steps hold it too)
             try:
                 run = self.native.steps(prompts, keep_alive=False)(cancelled, forwards)
                 # the scheduler's logits go on into the run (prompt_steps' forwards)
@@ -406,6 +514,8 @@ class OllamaHost:
             except ApiError as err:
                 raise _refusal(err) from None
             finally:
+                if resident is not None:
+                    resident.in_use -= 1
                 self.residency.touch(pin_of(p.target).name, p.keep_alive, self.clock())
 
         steps.yields_forwards = True  # type: ignore[attr-defined]
@@ -457,11 +567,88 @@ class OllamaHost:
         try:
             acquired = self.residency.acquire(pin, self.clock(), target.name, self.native.n_ctx)
         except LoadError as err:
-            raise OllamaError(err.status, err.message) from None
-        stale = stale_layer(target, acquired.resident.verified.sha256)
+            refused = OllamaError(err.status, err.message)
+            if err.busy:
+                refused.retry_after = RETRY_AFTER_S
+            raise refused from None
+        here = acquired.resident
+        if self.native.engine is not here.handle:
+            self.native.swap(here.handle, here.verified)
+        stale = stale_layer(target, here.verified.sha256)
         if stale is not None:
             raise OllamaError(400, f"{tag(target.name)}: {stale}")
         return acquired.load_ns
+
+    # -- the /v1 model field, with more than one model resident ----------------------------------
+
+    def select(self, body: Mapping[str, Any]) -> tuple[Choice, Any]:
+        """On the prepare thread: the model a /v1 body names (blank: the startup model) and its
+        engine, to parse with: a resident one at once, another made resident on the engine
+        thread (in turn with the runs). Unknown: 404 (in router mode llama-server's router's
+        400); refused: its status. An --alias name is the startup model's."""
+        name = body.get("model")
+        if isinstance(name, str) and name in self.native.model_aliases:
+            name = None
+        try:
+            target = self.catalog.resolve(name if isinstance(name, str) else None)
+        except LookupError as err:
+            if self.options.get("router"):
+                raise ApiError.of(400, f"model '{name}' not found") from None
+            raise ApiError.of(404, str(getattr(err, "message", None) or err)) from None
+        pin = pin_of(target)
+        here = self.residency.get(pin.name)
+        if here is not None and self.residency.unchanged(here):
+            # resident: parsed at once, not behind the runs (the run holds it, hold)
+            stale = stale_layer(target, here.verified.sha256)
+            if stale is not None:
+                raise ApiError.of(400, f"{tag(target.name)}: {stale}")
+            v = here.verified
+            return Choice(pin.name, v, self.answer_name(v.path)), here.handle
+
+        def load() -> tuple[Choice, Any]:
+            try:
+                self._acquire(pin)
+            except OllamaError as err:
+                raise _api_error(err) from None
+            here = self.residency.get(pin.name)
+            assert here is not None
+            self.residency.touch(pin.name, self.keep_alive, self.clock())
+            v = here.verified
+            return Choice(pin.name, v, self.answer_name(v.path)), here.handle
+
+        bridge = self.bridge
+        if bridge is not None and bridge.can_wait_on():
+            return bridge.call_and_wait(load)
+        return load()
+
+    def answer_name(self, path: str) -> str:
+        """The model an answer names: its file's name (llama-server's router: without .gguf,
+        the alias it starts each model's child with)."""
+        file = os.path.basename(path)
+        return _router_id(file) if self.options.get("router") else file
+
+    def hold(self, choice: Choice) -> tuple[Any, Callable[[], None]]:
+        """On the engine thread, as a run parsed for ``choice`` starts: its model's engine
+        (loaded again, verified again, if it was unloaded while the run waited), held until the
+        returned release is called (never unloaded under the run)."""
+        pin = self.catalog.registry.by_name(choice.name)
+        if pin is None:
+            raise ApiError.of(404, f"{choice.name}: no longer in the registry")
+        try:
+            self._acquire(pin)
+        except OllamaError as err:
+            raise _api_error(err) from None
+        here = self.residency.get(pin.name)
+        assert here is not None
+        if here.verified.sha256 != choice.verified.sha256:
+            raise ApiError.of(503, f"{pin.file} is not the file this request was checked against")
+        here.in_use += 1
+
+        def release() -> None:
+            here.in_use -= 1
+            self.residency.touch(pin.name, self.keep_alive, self.clock())
+
+        return here.handle, release
 
     def _open_model(self, verified: Any) -> Any:
         """Residency's loader: the verified file's engine, swapped into the NativeEngine (as
@@ -482,12 +669,16 @@ class OllamaHost:
             llama.pop("chat_template", None)
         apply_server_defaults(engine, llama)
         engine.warm_up(self.log)
-        self.native.swap(engine, verified)
         return engine
 
     def _unloaded(self, resident: Resident, why: str) -> None:
+        """The engine NativeEngine reads: the most recently used model left, else none."""
         if self.native.engine is resident.handle:
-            self.native.swap(None, self.native.verified)
+            here = self.residency.resident
+            if here is not None:
+                self.native.swap(here.handle, here.verified)
+            else:
+                self.native.swap(None, self.native.verified)
 
     def wake(self) -> None:
         """On the engine thread, before a /v1 request: the startup model loaded again when
@@ -501,8 +692,8 @@ class OllamaHost:
             self.residency.touch(startup.name, self.keep_alive, self.clock())
 
     def used(self) -> None:
-        """On the engine thread, after a /v1 or llama-server run: the resident model's
-        keep-alive starts again with the server's default, as after any Ollama request (so a
+        """On the engine thread, after a /v1 or llama-server run: the model used last gets its
+        keep-alive started again with the server's default, as after any Ollama request (so a
         server answering /v1 without pause never unloads its model)."""
         resident = self.residency.resident
         if resident is not None:
@@ -514,6 +705,122 @@ class OllamaHost:
     def reap(self) -> None:
         """The reaper's step, on the engine thread (so after any running request)."""
         self.residency.reap(self.clock())
+
+
+# -- llama-server's router mode: GET /models, POST /models/load, POST /models/unload ---------------
+
+
+class RouterModels:
+    """What ``bankml llama-server --models-dir DIR`` answers on llama-server's router routes,
+    over an Ollama host's catalog and residency (resources/router.py writes it)."""
+
+    def __init__(self, host: OllamaHost, directory: str) -> None:
+        self.host = host
+        self.directory = directory
+
+    @property
+    def bridge(self) -> Any:
+        return self.host.bridge
+
+    def listing(self) -> dict[str, Any]:
+        """``GET /models``: every model of the directory as llama-server's router lists it
+        (``status.value`` ``loaded`` or ``unloaded``; a loaded one's ``meta``), sorted by id;
+        a GGUF no fork pins listed as failed, with bankml's reason (``bankml_refused``)."""
+        host = self.host
+        created = int(host.clock())
+        entries: dict[str, dict[str, Any]] = {}
+        pinned = set()
+        for pin in host.catalog.registry.pins:
+            if pin.path is not None:
+                pinned.add(os.path.realpath(pin.path))
+            here = host.residency.get(pin.name)
+            entry = _router_entry(_router_id(pin.file), created, here is not None)
+            if here is not None:
+                entry["meta"] = model_info(host.native.facts_of(here.handle, here.verified))["meta"]
+            entries[entry["id"]] = entry
+        for file in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, file)
+            if not file.lower().endswith(".gguf") or os.path.realpath(path) in pinned:
+                continue
+            entry = _router_entry(_router_id(file), created, False)
+            entry["status"]["failed"] = True
+            entry["status"]["bankml_refused"] = (
+                f"{file} is not pinned: no *.FORK.json of {self.directory} has its sha256"
+            )
+            entries.setdefault(entry["id"], entry)
+        return {"data": [entries[k] for k in sorted(entries)], "object": "list"}
+
+    def _unpinned(self, body: Any) -> str | None:
+        """Why a file of the directory that the listing shows as failed may not load."""
+        name = body.get("model") if isinstance(body, dict) else None
+        for entry in self.listing()["data"]:
+            if entry["id"] == name and entry["status"].get("bankml_refused"):
+                return str(entry["status"]["bankml_refused"])
+        return None
+
+    def _pin(self, body: Any) -> Pin | None:
+        name = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            return None
+        try:
+            return self.host.catalog.registry.resolve(name)
+        except LookupError:
+            return None
+
+    def load(self, body: Any) -> tuple[int, dict[str, Any]]:
+        """On the engine thread: ``POST /models/load``; (status, body)."""
+        pin = self._pin(body)
+        if pin is None:
+            refused = self._unpinned(body)
+            if refused is not None:
+                return 400, error_object(400, refused, "invalid_request_error")
+            return 404, error_object(404, "model is not found", "not_found_error")
+        if self.host.residency.get(pin.name) is not None:
+            return 400, error_object(400, "model is already running", "invalid_request_error")
+        try:
+            self.host._acquire(pin)
+        except OllamaError as err:
+            return err.status, error_object(err.status, err.message)
+        self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
+        return 200, {"success": True}
+
+    def unload(self, body: Any) -> tuple[int, dict[str, Any]]:
+        """On the engine thread: ``POST /models/unload``; (status, body)."""
+        pin = self._pin(body)
+        if pin is None:
+            return 400, error_object(400, "model is not found", "invalid_request_error")
+        if not self.host.residency.unload(pin.name):
+            return 400, error_object(400, "model is not running", "invalid_request_error")
+        return 200, {"success": True}
+
+
+def _router_id(file: str) -> str:
+    """llama-server's router names a model of its directory by its file name without .gguf."""
+    return file[: -len(".gguf")] if file.lower().endswith(".gguf") else file
+
+
+def _router_entry(model_id: str, created: int, loaded: bool) -> dict[str, Any]:
+    """One model of ``GET /models`` in router mode, in llama-server's key order (``args``:
+    bankml starts no child process)."""
+    return {
+        "id": model_id,
+        "aliases": [],
+        "tags": [],
+        "object": "model",
+        "owned_by": "llamacpp",
+        "created": created,
+        "status": {"value": "loaded" if loaded else "unloaded", "args": []},
+        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+        "source": "models_dir",
+        "can_remove": False,
+    }
+
+
+def _api_error(err: OllamaError) -> ApiError:
+    """An Ollama refusal as /v1 answers it (llama-server's error object, the same status)."""
+    out = ApiError.of(err.status, err.message)
+    out.retry_after = err.retry_after
+    return out
 
 
 def make_host(

@@ -137,6 +137,16 @@ class NativeEngine:
         self.used: Callable[[], None] | None = None
         # set by the Ollama host too: a /v1 chat naming a derived model gets its layer
         self.rewrite: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+        # set by the Ollama host with --max-loaded above 1: on the prepare thread, the model a
+        # /v1 body names made resident, (its Choice, its engine) to parse with ...
+        self.select: Callable[[dict[str, Any]], tuple[Any, Any]] | None = None
+        # ... and on the engine thread, as a run parsed for a Choice starts: (its model's
+        # engine, the release to call when the run ends); never unloaded in between
+        self.hold: Callable[[Any], tuple[Any, Callable[[], None]]] | None = None
+        # ... and the resident models as /bankml/metrics lists them (their memory, their use)
+        self.residents: Callable[[], dict[str, Any]] | None = None
+        # with several models: each model's own requests and tokens (pin name -> counts)
+        self.per_model: dict[str, dict[str, int]] = {}
 
     @property
     def slot(self) -> SlotView:
@@ -215,6 +225,8 @@ class NativeEngine:
     ) -> dict[str, Any]:
         """The receipt of one finished answer of this engine: ``parsed`` is the prompt's engine
         Request (seed pinned by ``parse``), ``summary`` its run's Summary."""
+        chosen = served_by(parsed)
+        verified = self.verified if chosen is None else chosen.verified
         facts = None
         if self.receipt_key is not None:
             facts = native_facts(
@@ -227,33 +239,49 @@ class NativeEngine:
                 device=self.device,
                 finish_reason=tally.finish_reason,
             )
-        out = issue_receipt(
-            tally, self.verified, self.engine_name, facts=facts, key=self.receipt_key
-        )
+        out = issue_receipt(tally, verified, self.engine_name, facts=facts, key=self.receipt_key)
         if self.receipt_log is not None:
             self.receipt_log.append(out)
         return out
 
     # --- the jobs the resources hand to the bridge (refusals raise ApiError) ------------------
 
-    def parse(self, body: dict[str, Any], kind: str) -> list[Any]:
+    def parse(
+        self, body: dict[str, Any], kind: str, choice: tuple[Any, Any] | None = None
+    ) -> list[Any]:
         """The engine's validation of a body, before a token is computed: the request's answers
         in llama-server's task order (each prompt, a chat's one or a completion's several, then
         its ``n_cmpl - 1`` more completions: ``completions``), each with the seed it will run
-        with (a request that named none gets one drawn now, so that its receipt can name it)."""
-        self._awake()
+        with (a request that named none gets one drawn now, so that its receipt can name it).
+
+        With several models resident, each answer is tagged with the model it was parsed for
+        (``served_by``: ``choice``, an Ollama run's, else the model the body names, made
+        resident by ``select``); ``steps`` runs it on that model's engine, its receipt names
+        that model's file."""
+        if choice is None and self.select is not None and kind not in CONVERTED:
+            choice = self.select(body)
+        if choice is None:
+            self._awake()
+        engine = self.engine if choice is None else choice[1]
         if self.rewrite is not None:
             body = self.rewrite(body, kind)
         if kind in CONVERTED:  # llama-server runs a Responses or Messages request as a chat
             body, kind = chat_of(kind, body), CHAT
+            if self.select is not None and choice is None:
+                choice = self.select(body)
+                engine = choice[1]
         try:
             if kind == CHAT:
-                prompts = [self.engine.parse_request(body, ENGINE_KIND[kind])]
+                prompts = [engine.parse_request(body, ENGINE_KIND[kind])]
             else:
-                prompts = self.engine.parse_batch(body, ENGINE_KIND[kind])
+                prompts = engine.parse_batch(body, ENGINE_KIND[kind])
         except RequestError as err:
             raise refusal_of(err) from None
-        return [pin_seed(c) for p in prompts for c in completions(p)]
+        out = [pin_seed(c) for p in prompts for c in completions(p)]
+        if choice is not None and self.hold is not None:
+            for parsed in out:
+                parsed.served_by = choice[0]
+        return out
 
     def steps(
         self, prompts: list[Any], keep_alive: bool = True, first_index: int = 0
@@ -263,21 +291,29 @@ class NativeEngine:
         during the run raised as ApiError. After the run the model's keep-alive starts again
         (``used``), unless ``keep_alive`` is False (Ollama's routes apply the request's own)."""
         engine = self.engine
-        run = prompt_steps(engine, prompts, first_index)
+        chosen = served_by(prompts[0]) if prompts else None
 
         def steps(
             cancelled: Callable[[], bool], forwards: bool = False
         ) -> Generator[Any, Any, None]:
-            if self.engine is not engine:  # Ollama loaded another model while this one waited
+            release: Callable[[], None] | None = None
+            if chosen is not None and self.hold is not None:
+                # its own model's engine, loaded again if it was unloaded while this waited
+                run_on, release = self.hold(chosen)
+            elif self.engine is not engine:  # Ollama loaded another model while this waited
                 raise ApiError.of(
                     503, "the model was switched while this request waited; send it again"
                 )
+            else:
+                run_on = engine
             try:
-                yield from run(cancelled, forwards)
+                yield from prompt_steps(run_on, prompts, first_index)(cancelled, forwards)
             except RequestError as err:
                 raise refusal_of(err) from None
             finally:
-                if keep_alive and self.used is not None:
+                if release is not None:
+                    release()
+                elif keep_alive and self.used is not None:
                     self.used()
 
         steps.yields_forwards = True  # type: ignore[attr-defined]
@@ -353,15 +389,32 @@ class NativeEngine:
 
     def model_facts(self) -> ModelFacts:
         """What ``GET /v1/models`` lists of the resident model."""
-        engine = self.engine
+        return self.facts_of(self.engine, self.verified, self.tensor_totals())
+
+    def facts_of(
+        self,
+        engine: Any,
+        verified: Any,
+        totals: tuple[int | None, int | None] | None = None,
+    ) -> ModelFacts:
+        """``model_facts`` of any resident model's engine (the router's ``GET /models``)."""
         hp = getattr(getattr(engine, "model", None), "hp", None)
-        n_params, size = self.tensor_totals()
+        if totals is None:
+            reader = getattr(getattr(engine, "model", None), "reader", None)
+            tensors = list(getattr(reader, "tensors", None) or [])
+            totals = (
+                (sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors))
+                if tensors
+                else (None, None)
+            )
+        n_params, size = totals
+        current = engine is self.engine
         return ModelFacts(
-            id=self.model_id,
-            aliases=list(self.model_aliases),
+            id=self.model_id if current else os.path.basename(verified.path),
+            aliases=list(self.model_aliases) if current else [],
             tags=list(getattr(self, "model_tags", ())),
             n_ctx=self.n_ctx,
-            ftype=self.model_ftype,
+            ftype=self.model_ftype if current else file_ftype_name(verified.path),
             tokenizer=getattr(getattr(engine, "tokenizer", None), "model", ""),
             n_vocab=getattr(engine, "n_vocab", None),
             n_ctx_train=getattr(hp, "n_ctx_train", None),
@@ -394,8 +447,11 @@ class NativeEngine:
 
     # --- records --------------------------------------------------------------------------
 
-    def record(self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str) -> None:
-        """One finished completion into the ring and the totals (/bankml/metrics, /metrics)."""
+    def record(
+        self, summary: Any, ttft_ms: int | None, wall_ms: int, kind: str, model: str = ""
+    ) -> None:
+        """One finished completion into the ring and the totals (/bankml/metrics, /metrics);
+        with several models resident, ``model`` (its pin's name) counts it for that model too."""
         t = dict(getattr(summary, "timings", {}) or {})
         rec: dict[str, Any] = {
             "at": time.time(),
@@ -431,12 +487,20 @@ class NativeEngine:
             tot["n_tokens_max"] = max(tot["n_tokens_max"], rec["prompt_tokens"] + steps)
             for key, value in zip(WINDOW_KEYS, (prompt_n, prompt_s, steps, predicted_s)):
                 self.window[key] += value
+            if model:
+                rec["model"] = model
+                own = self.per_model.setdefault(
+                    model, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+                )
+                own["requests"] += 1
+                own["prompt_tokens"] += int(rec["prompt_tokens"] or 0)
+                own["completion_tokens"] += int(rec["completion_tokens"] or 0)
 
     def metrics(self) -> dict[str, Any]:
         """/bankml/metrics: the ring of the last 256 completions with totals."""
         with self._lock:
             records = list(self.records)
-        return {
+        out = {
             "source": self.engine_name,
             "measured": True,
             "kept": len(records),
@@ -448,6 +512,26 @@ class NativeEngine:
             "prompt_cache": self.prompt_cache_state(),
             "records": records,
         }
+        models = self.models_state()
+        if models is not None:  # several models: each one's memory and counts
+            out["models"] = models
+        return out
+
+    def models_state(self) -> dict[str, Any] | None:
+        """With several models resident (None otherwise): each model's requests and tokens
+        answered, whether it is resident, and a resident one's memory reckoned and use."""
+        if self.residents is None:
+            return None
+        with self._lock:
+            per_model = {name: dict(counts) for name, counts in self.per_model.items()}
+        models: dict[str, dict[str, Any]] = {
+            name: {"resident": False, **c} for name, c in per_model.items()
+        }
+        for name, view in self.residents().items():
+            models.setdefault(
+                name, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+            ).update({"resident": True, **view})
+        return models
 
     def prompt_cache_state(self) -> dict[str, Any]:
         """The host prompt cache (llama-server's --cache-ram): what it holds and its bound
@@ -481,6 +565,7 @@ class NativeEngine:
             processing=bridge.processing if bridge else 0,  # runs holding a slot
             deferred=bridge.queued if bridge else 0,
             busy_slots_per_decode=self._busy_slots_per_decode(totals["decode_calls"]),
+            models=self.models_state() or {},
         )
 
     def _busy_slots_per_decode(self, decode_calls: int) -> float:
@@ -522,6 +607,11 @@ class NativeEngine:
             "models": [self.model_id],
             "file_unchanged": self.identity_problem() is None,
         }
+
+
+def served_by(parsed: Any) -> Any:
+    """The model (an Ollama host's ``Choice``) a parsed answer was tagged with, None if none."""
+    return getattr(parsed, "served_by", None)
 
 
 def chat_of(kind: str, body: dict[str, Any]) -> dict[str, Any]:

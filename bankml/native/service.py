@@ -30,9 +30,10 @@ from twisted.web.resource import Resource
 
 from bankml.native import heap
 from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
-from bankml.native.ollama import make_host
+from bankml.native.ollama import RouterModels, make_host
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
+from bankml.resources import router as router_routes
 from bankml.resources.bankml import (
     BankmlResource,
     KeyResource,
@@ -128,6 +129,7 @@ def build_native_roots(
     metrics: bool = True,
     slots_list: bool = True,
     webui: bool = True,
+    router: Any = None,
 ) -> tuple[Resource, Resource]:
     """(listen_root, engine_root): bankml's address with /bankml (and Ollama's routes, given
     ``ollama``), and the engine address with /slots; both answer the OpenAI and llama-server
@@ -144,6 +146,7 @@ def build_native_roots(
             native.reactor,
             lambda: [("bankml serve", os.getpid())],
             prompt_cache=native.prompt_cache_state,
+            models=native.models_state,
         )
     listen_root = Branch()
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
@@ -158,6 +161,11 @@ def build_native_roots(
     engine_bankml.putChild(b"metrics", MetricsResource(native.metrics))
     engine_bankml.putChild(b"usage", UsageResource(sampler))
     engine_root.putChild(b"bankml", engine_bankml)
+    if router is not None:  # llama-server's router mode: its /models routes on both addresses
+        for root in (listen_root, engine_root):
+            root.putChild(b"models", LlamaRoute(router_routes.RouterModels(router)))
+            v1 = root.children[b"v1"]
+            v1.putChild(b"models", LlamaRoute(router_routes.RouterListing(router)))
     if webui:
         put_web_page(listen_root)
         put_web_page(engine_root)
@@ -282,12 +290,16 @@ class NativeService(ServingService):
         self.native.receipt_log = self.receipt_log
         llama_options = self.options.get("llama") or {}
         ollama = serve_ollama(self, self.native)
+        router = (
+            RouterModels(ollama, self.options["models-dir"]) if self.options.get("router") else None
+        )
         listen_root, engine_root = build_native_roots(
             self.native,
             ollama=ollama,
             metrics=bool(llama_options.get("metrics")),
             slots_list=llama_options.get("slots_endpoint", True),
             webui=llama_options.get("webui", True),
+            router=router,
         )
         roots = [listen_root, engine_root]
         if self.options.get("ollama-listen"):

@@ -1,23 +1,32 @@
-"""Residency: which model is loaded, until when, and the re-verification of every load.
+"""Residency: which models are loaded, until when, and the re-verification of every load.
 
-A pure state object; the server drives it on the thread that holds the run lock (every
+Up to ``max_loaded`` models resident at once (``--max-loaded``), and at most ``budget`` bytes of
+them (``--models-memory``: each model's file size plus the KV cache it will need, as ``need``
+reckons it). A pure state object; the server drives it on the thread that holds the run lock (every
 completion, load and unload), and its reaper calls ``reap`` once a second when that lock is free.
 Times are wall-clock seconds given by the caller (``/api/ps`` shows them as ``expires_at``).
 
 ``acquire(pin)``:
 
-- the same pin resident with the same file identity: reused, no hash, ``load_ns`` 0;
+- the same pin resident with the same file identity: reused, no hash, ``load_ns`` 0, and it
+  becomes the most recently used;
 - the same pin, another identity: dropped, and 503 ``<file> changed since bankml verified it``;
 - a pin whose file is absent: 404; one the forward pass does not play: 400 with the reason;
-- otherwise the resident model is dropped first, then the file is verified in full (the guard,
-  then its sha256 against the fork) before ``open_model`` reads a weight, and its identity must be
-  the same after the hash as before it.
+- a file whose bytes no longer match its pin (changed since it was pinned): 503, not loaded;
+- one that alone needs more than the budget: 503, nothing unloaded;
+- otherwise, while the models resident are ``max_loaded`` or the budget has no room for it, the
+  least recently used model that no request is using (``in_use`` 0) is dropped; when every one
+  left is in use: 503 (``busy``: the caller answers with Retry-After), nothing loaded. Then the
+  file is verified in full (the guard, then its sha256 against the fork) before ``open_model``
+  reads a weight, and its identity must be the same after the hash as before it. A load that
+  fails leaves nothing of it resident.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +42,11 @@ PS_FOREVER_SECONDS = 292 * 365.25 * 24 * 3600  # Ollama shows "kept for good" as
 class LoadError(Exception):
     """A model that may not be loaded now: HTTP ``status`` and the message."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, busy: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.busy = busy  # every resident model is answering: try again shortly
 
 
 @dataclass
@@ -48,6 +58,8 @@ class Resident:
     expires_at: float | None = None  # None: kept for good
     shown_as: str = ""  # the model whose request loaded the weights (Ollama names its runner so)
     context_length: int = 0
+    in_use: int = 0  # requests running on it now: it is never unloaded under them
+    need: int = 0  # the bytes it was reckoned to need (file and KV cache) when it was loaded
 
     @property
     def ident(self) -> FileIdent:
@@ -61,7 +73,7 @@ class Acquired:
 
 
 class Residency:
-    """One model resident at a time (the default ``max_loaded``)."""
+    """Up to ``max_loaded`` models resident (1 by default), least recently used first."""
 
     def __init__(
         self,
@@ -71,6 +83,9 @@ class Residency:
         verify_model: Callable[[str, str], verify.Verified] | None = None,
         ident_of: Callable[[str], FileIdent] = FileIdent.of,
         clock_ns: Callable[[], int] = time.monotonic_ns,
+        max_loaded: int = 1,
+        budget: int | None = None,
+        need: Callable[[Pin], int] = lambda pin: 0,
     ) -> None:
         self.open_model = open_model
         self.on_unload = on_unload
@@ -79,17 +94,51 @@ class Residency:
         self.verify_model = verify_model or (lambda path, fork: verify.verify(path, fork))
         self.ident_of = ident_of
         self.clock_ns = clock_ns
-        self.resident: Resident | None = None
+        self.max_loaded = max(1, int(max_loaded))
+        self.budget = budget  # bytes; None: no bound but max_loaded
+        self.need = need
+        # pin name -> Resident, least recently used first
+        self.residents: OrderedDict[str, Resident] = OrderedDict()
+
+    @property
+    def resident(self) -> Resident | None:
+        """The most recently used resident model (None when none is loaded)."""
+        return next(reversed(self.residents.values()), None)
+
+    @resident.setter
+    def resident(self, value: Resident | None) -> None:
+        """Every model dropped from the books (none told), and ``value`` the only one."""
+        self.residents = OrderedDict()
+        if value is not None:
+            self.residents[value.pin.name] = value
+
+    def get(self, name: str) -> Resident | None:
+        return self.residents.get(name)
+
+    def unchanged(self, resident: Resident) -> bool:
+        """Whether a resident model's file still has the identity it was verified with."""
+        return self._current_ident(resident.verified.path) == resident.ident
+
+    def in_use_bytes(self) -> int:
+        """The bytes the resident models were reckoned to need."""
+        return sum(r.need for r in self.residents.values())
 
     # -- loading -------------------------------------------------------------------------------
 
-    def drop(self, why: str) -> Resident | None:
-        """Unload the resident model (if any), telling ``on_unload`` why."""
-        gone, self.resident = self.resident, None
+    def drop(self, why: str, name: str | None = None) -> Resident | None:
+        """Unload ``name`` (the most recently used model when None), telling ``on_unload`` why."""
+        if name is None:
+            here = self.resident
+            name = here.pin.name if here is not None else None
+        gone = self.residents.pop(name, None) if name is not None else None
         if gone is not None:
             self.log(f"{gone.pin.name} unloaded ({why})")
             self.on_unload(gone, why)
         return gone
+
+    def drop_all(self, why: str) -> None:
+        for name in list(self.residents):
+            self.drop(why, name)
 
     def _current_ident(self, path: str) -> FileIdent | None:
         try:
@@ -101,12 +150,14 @@ class Residency:
         self, pin: Pin, now: float, shown_as: str = "", context_length: int = 0
     ) -> Acquired:
         """The resident model for ``pin``: reused when unchanged, else verified and loaded."""
-        here = self.resident
-        if here is not None and here.pin.name == pin.name:
+        here = self.residents.get(pin.name)
+        if here is not None:
             if self._current_ident(here.verified.path) == here.ident:
+                self.residents.move_to_end(pin.name)
                 self._record(here, shown_as, context_length)
                 return Acquired(here, 0)
-            self.drop("its file changed")
+            if here.in_use == 0:
+                self.drop("its file changed", pin.name)
             raise LoadError(
                 503,
                 f"{pin.file} changed since bankml verified it: unloaded, and refused; "
@@ -119,7 +170,8 @@ class Residency:
                 400,
                 f"{pin.name}: bankML's native forward pass does not play it: {pin.native_reason}",
             )
-        self.drop("another model was asked for")
+        need = int(self.need(pin))
+        self._make_room(pin, need)
         started = self.clock_ns()
         verified = self._verify(pin)
         try:
@@ -129,10 +181,43 @@ class Residency:
         self.log(
             f"bankml serve --native: {pin.name} verified (sha256 {verified.sha256}); loading it"
         )
-        resident = Resident(pin, verified, handle, loaded_at=now)
+        resident = Resident(pin, verified, handle, loaded_at=now, need=need)
         self._record(resident, shown_as, context_length)
-        self.resident = resident
+        self.residents[pin.name] = resident
         return Acquired(resident, max(self.clock_ns() - started, 1))
+
+    def _make_room(self, pin: Pin, need: int) -> None:
+        """Unload idle models, least recently used first, until ``pin`` may load: fewer than
+        ``max_loaded`` resident and ``need`` within what the budget leaves."""
+        budget = self.budget
+        if budget is not None and need > budget:
+            raise LoadError(
+                503,
+                f"{pin.name} needs {_mib(need)} (its file and KV cache), more than the "
+                f"--models-memory budget of {_mib(budget)}: not loaded",
+            )
+
+        def full() -> bool:
+            over = budget is not None and self.in_use_bytes() + need > budget
+            return len(self.residents) >= self.max_loaded or over
+
+        while full():
+            idle = next((r for r in self.residents.values() if r.in_use == 0), None)
+            if idle is None:
+                why = (
+                    f"{self.max_loaded} models are resident (--max-loaded)"
+                    if len(self.residents) >= self.max_loaded
+                    else f"the --models-memory budget of {_mib(budget or 0)} is in use"
+                )
+                raise LoadError(
+                    503,
+                    f"{pin.name} cannot be loaded now: {why} and each is answering a request; "
+                    "try again when one is done",
+                    busy=True,
+                )
+            counted = len(self.residents) >= self.max_loaded
+            why = "another model was asked for" if counted else "--models-memory needed room"
+            self.drop(why, idle.pin.name)  # the least recently used idle one
 
     def _verify(self, pin: Pin) -> verify.Verified:
         assert pin.path is not None
@@ -142,6 +227,9 @@ class Residency:
         except verify.Refused as err:
             if err.reason.endswith("changed while it was being hashed: refused"):
                 raise LoadError(503, err.reason) from None
+            if f" != pinned {pin.sha256}: " in err.reason:
+                # the file changed since it was pinned: the server's state, not the request's
+                raise LoadError(503, f"refuse: {err.reason}") from None
             raise LoadError(400, f"refuse: {err.reason}") from None
         if before is not None and verified.ident != before:
             raise LoadError(503, f"{pin.file} changed while it was being hashed: refused")
@@ -160,35 +248,59 @@ class Residency:
     # -- after a request, and the reaper --------------------------------------------------------
 
     def touch(self, name: str, keep_alive: KeepAlive, now: float) -> None:
-        """Apply a request's keep-alive to the pin ``name`` when it is the resident model."""
-        here = self.resident
-        if here is None or here.pin.name != name:
+        """Apply a request's keep-alive to the pin ``name`` when it is resident (keep_alive 0
+        unloads it once no other request uses it)."""
+        here = self.residents.get(name)
+        if here is None:
             return
         if keep_alive.kind == UNLOAD:
-            self.drop("keep_alive 0")
+            if here.in_use == 0:
+                self.drop("keep_alive 0", name)
+            else:
+                here.expires_at = now  # the reaper unloads it once its requests are done
         elif keep_alive.kind == FOREVER:
             here.expires_at = None
         else:
             here.expires_at = keep_alive.expires_at(now)
 
     def unload(self, name: str) -> bool:
-        """Drop ``name`` now (an empty request with keep_alive 0); False when it was not resident."""
-        if self.resident is None or self.resident.pin.name != name:
+        """Drop ``name`` now (an empty request with keep_alive 0); False when it was not
+        resident. One that a request is using is unloaded when that request is done."""
+        here = self.residents.get(name)
+        if here is None:
             return False
-        self.drop("keep_alive 0")
+        if here.in_use:
+            here.expires_at = 0.0
+            return True
+        self.drop("keep_alive 0", name)
         return True
 
+    def _expired(self, now: float) -> list[Resident]:
+        return [
+            r
+            for r in self.residents.values()
+            if r.expires_at is not None and r.expires_at <= now and r.in_use == 0
+        ]
+
     def expired(self, now: float) -> bool:
-        here = self.resident
-        return here is not None and here.expires_at is not None and here.expires_at <= now
+        return bool(self._expired(now))
 
     def reap(self, now: float) -> Resident | None:
-        """Drop the resident model when its keep-alive has run out (the reaper's one step)."""
-        return self.drop("keep_alive expired") if self.expired(now) else None
+        """Drop every idle model whose keep-alive has run out (the reaper's one step); the
+        last one dropped, None when none was."""
+        gone = None
+        for here in self._expired(now):
+            gone = self.drop("keep_alive expired", here.pin.name)
+        return gone
 
-    def ps_expires_at(self, now: float) -> float | None:
-        """``expires_at`` for /api/ps (kept for good: now + 292 years); None when none is loaded."""
-        here = self.resident
+    def ps_expires_at(self, now: float, resident: Resident | None = None) -> float | None:
+        """``expires_at`` for /api/ps (kept for good: now + 292 years) of ``resident`` (the
+        most recently used one when None); None when none is loaded."""
+        here = resident if resident is not None else self.resident
         if here is None:
             return None
         return now + PS_FOREVER_SECONDS if here.expires_at is None else here.expires_at
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"

@@ -40,6 +40,8 @@ def write_object(request: Request, status: int, obj: Any) -> None:
 
 
 def write_refusal(request: Request, err: OllamaError) -> None:
+    if err.retry_after is not None:
+        request.setHeader(b"retry-after", str(err.retry_after).encode())
     write_object(request, err.status, err.body())
 
 

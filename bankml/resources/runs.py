@@ -159,6 +159,8 @@ class AnswerResource(JsonResource):
             if writer is not None and writer.events.started:
                 writer.events.fail(err.status, err.body)
             else:
+                if err.retry_after is not None:
+                    request.setHeader(b"retry-after", str(err.retry_after).encode())
                 write_json(request, err.status, err.as_bytes())
             return
         _log.failure("native run failed", failure)
@@ -259,7 +261,10 @@ class RunWriter:
             self.events.write(answer.final_events(summary))
         else:
             self.results[step.index] = answer.whole(summary)
-        self.native.record(summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), answer.kind)
+        model = getattr(getattr(answer.parsed, "served_by", None), "name", "")
+        self.native.record(
+            summary, answer.tally.ttft_ms(), answer.tally.wall_ms(), answer.kind, model
+        )
 
     def end(self, _: Any = None) -> None:
         """The run is over (its Deferred fired): end the stream, or write the object(s)."""

@@ -177,11 +177,32 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             raise FlagError(f"{arg}: not a llama-server (build 11434) flag bankml knows")
         else:
             raise FlagError(f"{arg}: llama-server takes no positional argument (use -m FILE)")
+    if model is None and "--models-dir" in out:
+        model = _router_startup(out)
     if model is None:
-        raise FlagError("-m FILE is required: the model to serve")
+        raise FlagError("-m FILE is required: the model to serve (or --models-dir DIR)")
     if "--ctx" not in out:  # llama-server's default -c 0: the model's training context
         out += ["--ctx", "0"]
     return [model, *out], notes
+
+
+def _router_startup(out: list[str]) -> str:
+    """llama-server's router mode (``--models-dir DIR`` without ``-m``): bankml starts with the
+    first model DIR pins (its ``*.FORK.json``; ``--fork`` is that fork unless given) and serves
+    every other pinned model of DIR beside it (serve's ``--models-dir``: tap.py)."""
+    from bankml.registry.pins import discover
+
+    directory = out[len(out) - 1 - out[::-1].index("--models-dir") + 1]
+    if not os.path.isdir(directory):
+        raise FlagError(f"--models-dir {directory}: not a directory")
+    pins = [p for p in discover(directory).pins if p.path is not None and p.sha256]
+    if not pins:
+        raise FlagError(
+            f"--models-dir {directory}: no model there is pinned (a <file>.FORK.json beside it)"
+        )
+    if "--fork" not in out:
+        out += ["--fork", pins[0].fork_path]
+    return str(pins[0].path)
 
 
 # --- checking bankml serve's llama-server options ---------------------------------------------

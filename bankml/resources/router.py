@@ -1,0 +1,76 @@
+"""llama-server's router routes (``bankml llama-server --models-dir DIR``): ``GET /models``
+(and ``/v1/models``), ``POST /models/load``, ``POST /models/unload``.
+
+Thin: the listing and the actions are the router's (native/ollama.py ``RouterModels``, read
+through the ``Router`` Protocol here); a load or an unload runs on the engine thread, in turn
+with the answers, so it never lands in the middle of one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from twisted.web.server import NOT_DONE_YET, Request
+
+from bankml.formats.errors import ApiError
+from bankml.formats.nlohmann import dumps
+from bankml.resources.llama import _write_failure
+from bankml.resources.runs import read_json_object
+from bankml.serving.writers import JsonResource, write_json
+
+
+class Router(Protocol):
+    """What the router routes ask (native/ollama.py ``RouterModels``)."""
+
+    @property
+    def bridge(self) -> Any: ...
+
+    def listing(self) -> dict[str, Any]: ...
+
+    def load(self, body: Any) -> tuple[int, dict[str, Any]]: ...
+
+    def unload(self, body: Any) -> tuple[int, dict[str, Any]]: ...
+
+
+class RouterModels(JsonResource):
+    """``GET /models``: every model of the directory, loaded or not; its children ``load``
+    and ``unload``."""
+
+    def __init__(self, router: Router) -> None:
+        super().__init__()
+        self.router = router
+        self.putChild(b"load", RouterAction(router, "load"))
+        self.putChild(b"unload", RouterAction(router, "unload"))
+
+    def render_GET(self, request: Request) -> Any:
+        write_json(request, 200, dumps(self.router.listing()))
+        return NOT_DONE_YET
+
+
+class RouterListing(RouterModels):
+    """``GET /v1/models`` in router mode: the same listing, nothing below it."""
+
+    isLeaf = True
+
+
+class RouterAction(JsonResource):
+    """``POST /models/load`` or ``/models/unload`` with ``{"model": NAME}``."""
+
+    isLeaf = True
+
+    def __init__(self, router: Router, action: str) -> None:
+        super().__init__()
+        self.router = router
+        self.action = action
+
+    def render_POST(self, request: Request) -> Any:
+        try:
+            _, body = read_json_object(request)
+        except ApiError as err:
+            write_json(request, err.status, err.as_bytes())
+            return NOT_DONE_YET
+        job = self.router.load if self.action == "load" else self.router.unload
+        d = self.router.bridge.call(job, body)
+        d.addCallback(lambda answer: write_json(request, answer[0], dumps(answer[1])))
+        d.addErrback(_write_failure(request))
+        return NOT_DONE_YET

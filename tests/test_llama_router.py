@@ -1,0 +1,150 @@
+"""llama-server's router mode in the drop-in (``bankml llama-server --models-dir DIR`` without
+``-m``), side by side with the real llama-server in router mode on the same directory: two
+pinned tiny models and a GGUF no fork pins. ``GET /models`` lists the same models with the same
+fields (a loaded model's ``meta`` equal), ``POST /models/load`` and ``/models/unload`` answer as
+llama-server's, a completion naming a model is the same text on both; the unpinned file is
+listed as failed with bankml's reason and refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from tests.dropin import Pair, call, start_dropin
+from tests.registry_support import pin_into
+from tests.support import free_port
+from tests.tiny_models import TinySpec, write_tiny_model
+
+TINY = {
+    "tiny-llama-f16": (TinySpec("llama", T.F16), 1),
+    "tiny-qwen3-q4_0": (TinySpec("qwen3", T.Q4_0), 2),
+}
+FIRST, SECOND = TINY
+BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tmp_path_factory: pytest.TempPathFactory, default_model: Path, llama_server_bin: Path
+) -> Iterator[Pair]:
+    directory = tmp_path_factory.mktemp("router") / "models"
+    directory.mkdir()
+    for name, (spec, seed) in TINY.items():
+        pin_into(directory, write_tiny_model(directory / f"{name}.gguf", spec, default_model, seed))
+    shutil.copyfile(directory / f"{FIRST}.gguf", directory / "unpinned.gguf")
+    theirs = free_port()
+    ref = subprocess.Popen(
+        [str(llama_server_bin), "--models-dir", str(directory), "--host", "127.0.0.1"]
+        + ["--port", str(theirs), "-c", "2048", "-t", "2", "--no-webui"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ours = free_port()
+    args = ["--models-dir", str(directory), "--host", "127.0.0.1", "-c", "2048", "-t", "2"]
+    args += ["--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
+    proc = start_dropin(args, ours, directory.parent / "bankml.log")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if call(theirs, "GET", "/models")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        yield Pair(ours, theirs)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        ref.terminate()
+        ref.wait(30)
+
+
+def models(port: int) -> dict[str, dict]:
+    status, _, raw = call(port, "GET", "/models")
+    assert status == 200
+    listing = json.loads(raw)
+    assert listing["object"] == "list"
+    return {m["id"]: m for m in listing["data"]}
+
+
+def loaded(port: int, name: str) -> dict:
+    """The model's entry once it is loaded (llama-server loads in the background)."""
+    for _ in range(600):
+        entry = models(port)[name]
+        if entry["status"]["value"] == "loaded":
+            return entry
+        time.sleep(0.2)
+    raise AssertionError(f"{name} did not load")
+
+
+def test_the_directory_is_listed_as_llama_server_lists_it(pair: Pair) -> None:
+    ours, theirs = (models(port) for port in pair.ports)
+    assert sorted(ours) == sorted(theirs) == [FIRST, SECOND, "unpinned"]
+    for name in ours:
+        # the same fields in the same order (a loaded model adds its meta: see below)
+        assert [k for k in ours[name] if k != "meta"] == list(theirs[name])
+        for key in ("aliases", "tags", "object", "owned_by", "architecture", "source"):
+            assert ours[name][key] == theirs[name][key], (name, key)
+        assert ours[name]["can_remove"] is theirs[name]["can_remove"] is False
+    # bankml starts with the first pinned model loaded; llama-server with none
+    assert [n for n in ours if ours[n]["status"]["value"] == "loaded"] == [FIRST]
+    refused = ours["unpinned"]["status"]
+    assert refused["failed"] is True and "not pinned" in refused["bankml_refused"]
+    # /v1/models is the same listing, as llama-server's router answers it
+    for port in pair.ports:
+        v1 = json.loads(call(port, "GET", "/v1/models")[2])
+        assert [m["id"] for m in v1["data"]] == list(models(port))
+
+
+def test_load_unload_and_answers_as_llama_server(pair: Pair) -> None:
+    ours, theirs = pair.ports
+    # loading: both load the second model; a second load is refused alike
+    for port in pair.ports:
+        status, _, raw = call(port, "POST", "/models/load", {"model": SECOND})
+        assert (status, json.loads(raw)) == (200, {"success": True})
+    mine, reference = loaded(ours, SECOND), loaded(theirs, SECOND)
+    assert mine["meta"] == reference["meta"]
+    assert pair.both("POST", "/models/load", {"model": SECOND})[0] == (
+        400,
+        b'{"error":{"code":400,"message":"model is already running","type":"invalid_request_error"}}',
+    )
+    again = pair.both("POST", "/models/load", {"model": SECOND})
+    assert again[0] == again[1]
+    # the same answer from the same file
+    answers = []
+    for port in pair.ports:
+        status, _, raw = call(port, "POST", "/v1/completions", {**BODY, "model": SECOND})
+        assert status == 200, raw
+        answers.append(json.loads(raw))
+    assert answers[0]["choices"] == answers[1]["choices"]
+    assert answers[0]["model"] == answers[1]["model"]
+    assert answers[0]["usage"] == answers[1]["usage"]
+    # unloading, and the refusals of an unload
+    for port in pair.ports:
+        status, _, raw = call(port, "POST", "/models/unload", {"model": SECOND})
+        assert (status, json.loads(raw)) == (200, {"success": True})
+    for port in pair.ports:
+        for _ in range(600):
+            if models(port)[SECOND]["status"]["value"] == "unloaded":
+                break
+            time.sleep(0.2)
+    not_running, unknown = (
+        pair.both("POST", "/models/unload", {"model": name}) for name in (SECOND, "nope")
+    )
+    assert not_running[0] == not_running[1]
+    assert unknown[0] == unknown[1]
+    assert call(ours, "POST", "/models/load", {"model": "nope"})[0] == 404
+    assert call(theirs, "POST", "/models/load", {"model": "nope"})[0] == 404
+    # a request naming an unknown model: the router's refusal on both
+    unknown_model = pair.both("POST", "/v1/completions", {**BODY, "model": "nope"})
+    assert unknown_model[0] == unknown_model[1]
+    # the unpinned file: llama-server would load it; bankml refuses it with the reason
+    status, _, raw = call(ours, "POST", "/models/load", {"model": "unpinned"})
+    assert status == 400 and "not pinned" in json.loads(raw)["error"]["message"]
