@@ -256,9 +256,15 @@ class OllamaHost:
         ``--chat-template-file`` among it), else the pin's own."""
         engine = self.native.engine
         template = getattr(engine, "template", None) if engine is not None else None
-        if template is not None and pin_of(target).sha256 == self.native.verified.sha256:
-            return wire.template_capabilities(template.source)
-        return wire.pin_capabilities(target)
+        resident = pin_of(target).sha256 == self.native.verified.sha256
+        if template is not None and resident:
+            found = wire.template_capabilities(template.source)
+        else:
+            found = wire.pin_capabilities(target)
+        llama = (getattr(self, "options", None) or {}).get("llama") or {}
+        if resident and (llama.get("embedding") or {}).get("enabled"):  # --embeddings
+            found = (*found, "embedding")
+        return found
 
     # -- derived models (the prepare thread: create verifies its base in full) -----------------
 
