@@ -181,3 +181,44 @@ def test_none_pooling_gives_every_tokens_vector(none_pair: Pair, tmp_path: Path)
         post(p, "/v1/embeddings", {"input": "hi"}) for p in none_pair.ports
     )
     assert s1 == s2 == 400 and ours == theirs  # pooling none is not OpenAI's shape
+
+
+@pytest.fixture(scope="module")
+def p0_embeddings(
+    signing_key: Any,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Any:
+    from tests.bankml_process import spawned_p0
+
+    log = tmp_path_factory.mktemp("p0") / "p0.log"
+    flags = ["--embeddings", "--pooling", "mean"]
+    with spawned_p0(signing_key, default_model, default_fork, llama_server_bin, log, flags) as p0:
+        yield p0
+
+
+def test_p0_passes_the_flags_and_its_receipts_cover_the_vectors(
+    p0_embeddings: Any, mean_pair: Pair, tmp_path: Path
+) -> None:
+    cmdline = Path(f"/proc/{p0_embeddings.engine_pid()}/cmdline").read_bytes().split(b"\0")
+    assert b"--embeddings" in cmdline and cmdline[cmdline.index(b"--pooling") + 1] == b"mean"
+    body = {"input": TEXTS}
+    status, answer, raw = post(p0_embeddings.port, "/v1/embeddings", body)
+    assert status == 200
+    _, direct, _ = post(mean_pair.ports[0], "/v1/embeddings", body)  # bankml's own engine
+    for a, b in zip(answer["data"], direct["data"], strict=True):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    receipt = answer["bankml_receipt"]
+    assert receipt["api"] == "embeddings" and receipt["engine"].startswith("llama-server")
+    key = p0_embeddings.get("/bankml/key")[1]["public_key"]
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+    assert code == 0, out
+    body = {"content": "Hello"}
+    status, results, raw = post(p0_embeddings.port, "/embedding", body)
+    assert status == 200 and "bankml_receipt" in results[0]
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+    assert code == 0, out
+    status, refused, _ = post(p0_embeddings.port, "/v1/embeddings", {"input": ""})
+    assert status == 400 and "bankml_receipt" not in refused  # llama-server's refusal as it is
