@@ -84,13 +84,20 @@ def test_raw_http_base64_and_tokens_and_receipt(mean_pair: Pair, tmp_path: Path)
     assert code != 0 and "vector 1" in out
 
 
-def test_llama_shape_content_and_completions_still_answer(mean_pair: Pair, tmp_path: Path) -> None:
-    body = {"content": TEXTS[1]}
+def test_llama_shape_content_replay_and_completions_still_answer(
+    mean_pair: Pair, tmp_path: Path, default_model: Path, default_fork: Path
+) -> None:
+    body = {"content": TEXTS, "embd_normalize": 1}  # taxicab
     (s1, ours, raw), (s2, theirs, _) = (post(p, "/embedding", body) for p in mean_pair.ports)
     assert s1 == s2 == 200
-    assert len(ours) == len(theirs) == 1 and ours[0]["index"] == 0
-    assert numpy.array_equal(f32(ours[0]["embedding"]), f32(theirs[0]["embedding"]))
-    assert_receipt_holds(mean_pair, tmp_path, body, raw)
+    assert len(ours) == len(theirs) == 2 and [r["index"] for r in ours] == [0, 1]
+    for a, b in zip(ours, theirs):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    replay = ("--replay", str(default_model), "--fork", str(default_fork))
+    code, out = check_receipt_cli(
+        tmp_path, json.dumps(body).encode(), raw, public_key(mean_pair), *replay
+    )
+    assert code == 0 and "replay: identical: 2 vectors" in out, out
     # llama-server with --embeddings still completes (its prompt cut in batches of -ub)
     req = {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0}
     (c1, one, _), (c2, two, _) = (post(p, "/completion", req) for p in mean_pair.ports)

@@ -816,6 +816,20 @@ class Engine:
         mixed with strings, {"prompt_string": ...}); RequestError with its messages."""
         return self._subprompt(prompt)
 
+    def embedding_inputs(self, prompt: Any) -> list[list[int]]:
+        """An embedding body's ``input`` (or ``content``) tokenized as llama-server's
+        handle_embeddings_impl reads it: an array holding no number is several inputs, anything
+        else one; each as ``prompt_tokens``. An empty array is refused with its message."""
+        if isinstance(prompt, list) and not any(
+            isinstance(p, (int, float)) and not isinstance(p, bool) for p in prompt
+        ):
+            parts = [self._subprompt(p) for p in prompt]
+        else:
+            parts = [self._subprompt(prompt)]
+        if not parts:
+            raise RequestError('"input" must not be empty')
+        return parts
+
     def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
         """llama.cpp's ``t_embd`` of every token of one input (Model.hidden_states), computed
         in the slot llama-server would choose for it, in micro-batches of -ub. An embedding is

@@ -105,6 +105,17 @@ def pool(hidden: numpy.ndarray, pooling: str) -> numpy.ndarray:
     raise ValueError(f"pooling {pooling!r} is not served")
 
 
+def _c_pow(x: float, y: float) -> float:
+    """C's ``pow`` where Python's raises: an overflow is infinity, zero to a negative power
+    infinity, anything else undefined NaN (a sum of NaN or infinity then scales by 0)."""
+    try:
+        return math.pow(x, y)
+    except OverflowError:
+        return math.inf
+    except ValueError:
+        return math.inf if x == 0.0 and y < 0 else math.nan
+
+
 def normalize(vec: numpy.ndarray, embd_normalize: int) -> numpy.ndarray:
     """common_embd_normalize of one float32 vector (see the module doc)."""
     v = numpy.asarray(vec, dtype=F32)
@@ -125,7 +136,7 @@ def normalize(vec: numpy.ndarray, embd_normalize: int) -> numpy.ndarray:
         total = 0.0
         p = float(embd_normalize)
         for a in numpy.abs(v).tolist():
-            total += math.pow(a, p)
-        total = math.pow(total, 1.0 / p)
+            total += _c_pow(a, p)
+        total = _c_pow(total, 1.0 / p)
     norm = F32(1.0 / total) if total > 0.0 else F32(0.0)
     return v * norm

@@ -40,16 +40,16 @@ NOT_SUPPORTED = "This server does not support embeddings. Start it with `--embed
 NOT_OAI = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
 NO_INPUT = '"input" or "content" must be provided'
 BAD_FORMAT = "The format to return the embeddings in. Can be either float or base64"
-EMPTY_LIST = '"input" must not be empty'
 EMPTY_INPUT = "Input content cannot be empty"
 
 
 @dataclass(frozen=True)
 class EmbeddingRequest:
-    """What llama-server reads of an embedding request: the inputs (each as its body gave it,
-    to be tokenized), whether the answer is OpenAI's object, base64, and the normalisation."""
+    """What llama-server reads of an embedding request: its ``input`` (or ``content``) as the
+    body gave it (the engine splits and tokenizes it: Engine.embedding_inputs), whether the
+    answer is OpenAI's object, base64, and the normalisation."""
 
-    inputs: list[Any]
+    prompt: Any
     oai: bool
     base64: bool
     embd_normalize: int
@@ -63,7 +63,8 @@ def read_request(
     body: dict[str, Any], *, oai: bool, pooling: str, enabled: bool, embd_normalize: int
 ) -> EmbeddingRequest:
     """llama-server's reading of an embedding body, its refusals in its order (ApiError). The
-    inputs are not tokenized here: an empty one is refused after tokenizing (``check_tokens``)."""
+    inputs are not split nor tokenized here (an empty array, an empty input: refused after,
+    ``check_tokens``)."""
     if not enabled:
         raise ApiError.of(501, NOT_SUPPORTED, "not_supported_error")
     if oai and pooling == "none":
@@ -86,12 +87,6 @@ def read_request(
             use_base64 = True
         elif fmt != "float":
             raise ApiError.of(400, BAD_FORMAT)
-    if isinstance(prompt, list) and not any(is_number(p) for p in prompt):
-        inputs = list(prompt)  # several inputs (an array holding a number is one mixed input)
-    else:
-        inputs = [prompt]
-    if not inputs:
-        raise ApiError.of(400, EMPTY_LIST)
     normalize = embd_normalize
     if "embd_normalize" in body:
         value = body["embd_normalize"]
@@ -101,7 +96,7 @@ def read_request(
                 f"[json.exception.type_error.302] type must be number, but is {json_type(value)}",
             )
         normalize = int(value)
-    return EmbeddingRequest(inputs, oai, use_base64, normalize)
+    return EmbeddingRequest(prompt, oai, use_base64, normalize)
 
 
 def check_tokens(tokenized: Sequence[Sequence[int]]) -> None:

@@ -108,7 +108,12 @@ class Embedder:
             enabled=self.settings.enabled,
             embd_normalize=self.settings.embd_normalize,
         )
-        tokens = [self._tokens(p) for p in req.inputs]
+        from bankml.engine_cupy.request import RequestError
+
+        try:
+            tokens = self.engine.embedding_inputs(req.prompt)
+        except RequestError as err:
+            raise refusal_of(err) from None
         fmt.check_tokens(tokens)
         for toks in tokens:
             self._check_limits(len(toks), pooling)

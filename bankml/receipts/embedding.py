@@ -26,13 +26,15 @@ does not see llama-server's) and ``inputs_tokens_sha256`` (each input's token id
 JSON, ``token_ids_sha256``; null in P0).
 
 ``p0_receipts(api, answer, issue)``: P0's receipts of llama-server's
-answer, put in it as the native answers carry them. Pure Python.
+answer, put in it as the native answers carry them. ``replay_embeddings``: a native answer's
+vectors computed again on bankml's engine (``bankml check-receipt --replay``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -217,3 +219,48 @@ def p0_receipts(api: str, answer: Any, issue: Any) -> bool:
         return True
     except EmbeddingMismatch:
         return False
+
+
+def replay_embeddings(
+    request_bytes: bytes, receipts: Sequence[Mapping[str, Any]], engine: Any
+) -> str:
+    """A native embedding answer computed again on ``engine`` (bankml's exact engine on the
+    pinned file, the receipt's context and cache type): every input of the request tokenized,
+    embedded, pooled and normalised as the receipt says, each vector's digest compared with the
+    receipt's. ``receipts``: the answer's (one, or one per result of llama-server's array).
+    ``identical: ...``, ``refuse: ...`` or ``cannot replay: ...``."""
+    from bankml.engine_cupy.pooling import normalize, pool
+    from bankml.engine_cupy.request import RequestError
+
+    api = receipts[0].get("api")
+    if api not in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
+        return f"cannot replay: the {api} API is not replayed"
+    pooling = receipts[0].get("pooling")
+    if pooling not in ("none", "mean", "cls", "last"):
+        return "cannot replay: the receipt names no pooling (llama-server's answer does not say)"
+    try:
+        body = json.loads(request_bytes)
+        prompt = body["input"] if "input" in body else body["content"]
+        tokens = engine.embedding_inputs(prompt)
+    except (ValueError, TypeError, KeyError, RequestError) as err:
+        return f"refuse: the request does not read as an embedding request ({err})"
+    if api == LLAMA_EMBEDDING and len(receipts) != len(tokens):
+        return f"refuse: {len(receipts)} receipts for {len(tokens)} inputs"
+    norm = receipts[0].get("embd_normalize")
+    vectors = []
+    for toks in tokens:
+        rows = list(pool(engine.hidden_states(toks), pooling))
+        if pooling != "none" and isinstance(norm, int):
+            rows = [normalize(row, norm) for row in rows]
+        vectors.append([vector_sha256(row.tolist()) for row in rows])
+    hashed = [r.get("embeddings_sha256") for r in receipts]
+    if api == OAI_EMBEDDINGS:
+        got, hashed = [[v[0] for v in vectors]], [hashed[0]]
+    else:
+        got = vectors
+    for i, (mine, theirs) in enumerate(zip(got, hashed)):
+        if mine != theirs:
+            where = next((j for j, (a, b) in enumerate(zip(mine, theirs or [])) if a != b), 0)
+            return f"refuse: vector {where} of answer {i} is not what the model computes"
+    n = sum(len(v) for v in got)
+    return f"identical: {n} vectors, {sum(len(t) for t in tokens)} tokens"
