@@ -114,6 +114,9 @@ def test_llama_shape_content_replay_and_completions_still_answer(
         ("/v1/embeddings", {"input": "hi", "encoding_format": "b"}),
         ("/v1/embeddings", {"input": "hi", "encoding_format": 5}),
         ("/v1/embeddings", {"input": 5}),
+        ("/v1/embeddings", {"input": [[]]}),
+        ("/v1/embeddings", {"input": ["a", ""]}),
+        ("/v1/embeddings", {"input": "hi", "embd_normalize": "2"}),
     ],
 )
 def test_bad_input_is_llama_servers_refusal(mean_pair: Pair, path: str, body: Any) -> None:

@@ -90,7 +90,7 @@ def read_request(
     normalize = embd_normalize
     if "embd_normalize" in body:
         value = body["embd_normalize"]
-        if not is_number(value):
+        if not is_number(value) and not isinstance(value, bool):  # nlohmann reads true as 1
             raise ApiError.of(
                 400,
                 f"[json.exception.type_error.302] type must be number, but is {json_type(value)}",
