@@ -139,7 +139,9 @@ def test_ollama_client_embed_and_legacy_embeddings(mean_pair: Pair, tmp_path: Pa
     import ollama
 
     client = ollama.Client(host=f"http://127.0.0.1:{mean_pair.listen_port}")
-    out = client.embed(model="SmolLM2-135M-Instruct.Q4_1.gguf", input=TEXTS)
+    model = next(m.model for m in client.list().models if m.model.startswith("smollm2"))
+    assert "embedding" in (client.show(model).capabilities or [])
+    out = client.embed(model=model, input=TEXTS)
     assert len(out.embeddings) == 2 and len(out.embeddings[0]) == 576
     # Ollama's normalisation of llama-server's mean vector (taken raw: embd_normalize -1)
     _, raw_mean, _ = post(
@@ -152,14 +154,14 @@ def test_ollama_client_embed_and_legacy_embeddings(mean_pair: Pair, tmp_path: Pa
             total = numpy.float32(total + numpy.float32(x * x))
         norm = numpy.float32(1.0 / numpy.sqrt(numpy.float64(total)))
         assert numpy.array_equal(f32(got), v * norm)
-    cut = client.embed(model="SmolLM2-135M-Instruct.Q4_1.gguf", input="Hello", dimensions=8)
+    cut = client.embed(model=model, input="Hello", dimensions=8)
     assert len(cut.embeddings[0]) == 8
     assert abs(float(numpy.linalg.norm(f32(cut.embeddings[0]))) - 1.0) < 1e-5
-    body = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "input": "Hello"}
+    body = {"model": model, "input": "Hello"}
     status, _, raw = call(mean_pair.listen_port, "POST", "/api/embed", body)
     assert status == 200
     assert_receipt_holds(mean_pair, tmp_path, body, raw)
-    legacy = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "prompt": "Hello"}
+    legacy = {"model": model, "prompt": "Hello"}
     status, _, raw = call(mean_pair.listen_port, "POST", "/api/embeddings", legacy)
     assert status == 200 and len(json.loads(raw)["embedding"]) == 576
     assert_receipt_holds(mean_pair, tmp_path, legacy, raw)
@@ -167,6 +169,9 @@ def test_ollama_client_embed_and_legacy_embeddings(mean_pair: Pair, tmp_path: Pa
         mean_pair.listen_port, "POST", "/api/embed", {"model": "m", "input": ["a", 5]}
     )
     assert status == 400 and json.loads(raw) == {"error": "invalid input type"}
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model="no-such-model", input="a")
+    assert refused.value.status_code == 404 and "not found" in refused.value.error
 
 
 def test_last_pooling_and_p_norm_several_inputs(last_pair: Pair, tmp_path: Path) -> None:

@@ -358,7 +358,9 @@ def show_body(
     out["model_info"] = header.scalar_keys() if header else {}
     extra = pin_capabilities(target) if capabilities is None else capabilities
     out["capabilities"] = (
-        ["completion"] + [c for c in ("tools", "thinking") if c in extra] if pin.native else []
+        ["completion"] + [c for c in ("tools", "thinking", "embedding") if c in extra]
+        if pin.native
+        else []
     )
     out["modified_at"] = _modified_at(target)
     bankml: dict[str, Any] = {"sha256": pin.sha256, "native": pin_status(pin), "n_ctx": n_ctx}

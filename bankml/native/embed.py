@@ -25,7 +25,7 @@ The model is read through the contract every embedding model gives: ``hidden_sta
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,9 +79,17 @@ class EmbedJob:
 class Embedder:
     """Embeddings over a NativeEngine (see the module doc)."""
 
-    def __init__(self, native: Any, settings: EmbedSettings) -> None:
+    def __init__(
+        self,
+        native: Any,
+        settings: EmbedSettings,
+        check_model: Callable[[Any], None] | None = None,
+    ) -> None:
         self.native = native
         self.settings = settings
+        # Ollama's routes: the request's model name checked (the host's ``embedding_model``:
+        # an OllamaError for an unknown one or another than the resident)
+        self.check_model = check_model
 
     @property
     def engine(self) -> Any:
@@ -138,13 +146,10 @@ class Embedder:
         the model has none: the last token's hidden state) and no normalisation of
         llama-server's; the route normalises."""
         self.native._awake()
-        if not self.settings.enabled:  # served without --embeddings
+        if legacy:  # Ollama's checks in its order: the body, the model, then the inputs
             name = body.get("model") if isinstance(body.get("model"), str) else ""
-            raise fmt.ollama_error(400, f'"{name}" does not support embeddings')
-        pooling = self.settings.pooling or self.pooling()
-        if pooling == "none":
-            pooling = "last"
-        if legacy:
+            if not name:
+                raise fmt.ollama_error(400, "model is required")
             prompt = body.get("prompt", "")
             if not isinstance(prompt, str):
                 raise fmt.ollama_error(400, "prompt must be a string")
@@ -152,7 +157,20 @@ class Embedder:
             request = None
         else:
             request = fmt.read_ollama_embed(body)
-            texts = request.inputs
+            name, texts = request.model, request.inputs
+        if self.check_model is not None:
+            try:
+                self.check_model(name)
+            except Exception as err:  # the host's OllamaError: its status and message
+                status = getattr(err, "status", None)
+                if not isinstance(status, int):
+                    raise
+                raise fmt.ollama_error(status, str(getattr(err, "message", err))) from None
+        if not self.settings.enabled:  # served without --embeddings
+            raise fmt.ollama_error(400, f'"{name}" does not support embeddings')
+        pooling = self.settings.pooling or self.pooling()
+        if pooling == "none":
+            pooling = "last"
         tokens = []
         limit = min(self.native.n_ctx, self._micro_batch(pooling))
         for text in texts:

@@ -266,6 +266,20 @@ class OllamaHost:
             found = (*found, "embedding")
         return found
 
+    def embedding_model(self, name: Any) -> None:
+        """On the prepare thread, for /api/embed and /api/embeddings: ``name`` resolves as a
+        chat's model does (Ollama's 404 otherwise) and to the resident file, which alone
+        embeds (OllamaError 400 for another)."""
+        if not isinstance(name, str) or not name:
+            raise OllamaError(400, "model is required")
+        target = req._resolve({"model": name}, self.catalog)
+        if pin_of(target).sha256 != self.native.verified.sha256:
+            raise OllamaError(
+                400,
+                f"model {name!r} is not the one bankml serves embeddings with "
+                f"({os.path.basename(self.native.verified.path)}, started with --embeddings)",
+            )
+
     # -- derived models (the prepare thread: create verifies its base in full) -----------------
 
     def create(self, raw: bytes) -> tuple[bool, list[str]]:

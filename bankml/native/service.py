@@ -163,7 +163,7 @@ def build_native_roots(
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
     if ollama is not None:
         put_ollama_routes(listen_root, ollama)
-        put_ollama_embed_routes(listen_root, ollama, embedder)
+        put_ollama_embed_routes(listen_root, ollama, embedding)
     _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics, embedder=embedder)
     engine_root = WebRoot() if webui else Branch()
     _put_llama_endpoints(
@@ -375,13 +375,17 @@ def ollama_root(host: OllamaHost, embedding: Mapping[str, Any] | None = None) ->
     """``--ollama-listen``'s tree: Ollama's routes only."""
     root = Branch()
     put_ollama_routes(root, host)
-    embedder = Embedder(host.native, EmbedSettings.of({"embedding": embedding}))
-    put_ollama_embed_routes(root, host, embedder)
+    put_ollama_embed_routes(root, host, embedding)
     return root
 
 
-def put_ollama_embed_routes(root: Resource, host: OllamaHost, embedder: Embedder) -> None:
-    """Ollama's /api/embed and /api/embeddings under ``root``'s /api (put_ollama_routes')."""
+def put_ollama_embed_routes(
+    root: Resource, host: OllamaHost, embedding: Mapping[str, Any] | None
+) -> None:
+    """Ollama's /api/embed and /api/embeddings under ``root``'s /api (put_ollama_routes'),
+    the request's model checked by the host."""
+    settings = EmbedSettings.of({"embedding": embedding})
+    embedder = Embedder(host.native, settings, check_model=host.embedding_model)
     api = root.children[b"api"]
     api.putChild(b"embed", OllamaEmbed(embedder, legacy=False, host=host))
     api.putChild(b"embeddings", OllamaEmbed(embedder, legacy=True, host=host))
