@@ -172,6 +172,11 @@ def test_ollama_client_embed_and_legacy_embeddings(mean_pair: Pair, tmp_path: Pa
     with pytest.raises(ollama.ResponseError) as refused:
         client.embed(model="no-such-model", input="a")
     assert refused.value.status_code == 404 and "not found" in refused.value.error
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=model, input="a", keep_alive="soon")
+    assert refused.value.status_code == 400
+    assert client.embed(model=model, input="a", keep_alive=0).embeddings
+    assert client.ps().models == []  # keep_alive 0: unloaded after the answer
 
 
 def test_last_pooling_and_p_norm_several_inputs(last_pair: Pair, tmp_path: Path) -> None:

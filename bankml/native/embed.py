@@ -74,6 +74,7 @@ class EmbedJob:
     started_ns: int = 0  # time.time_ns() when the request came (Ollama's durations)
     loaded_ns: int = 0  # time.time_ns() when the model was there to compute it
     vectors: list[list[Any]] = field(default_factory=list)  # per input, its vectors
+    after: Callable[[], None] | None = None  # on the engine thread after it (Ollama's keep_alive)
 
 
 class Embedder:
@@ -83,12 +84,13 @@ class Embedder:
         self,
         native: Any,
         settings: EmbedSettings,
-        check_model: Callable[[Any], None] | None = None,
+        check_model: Callable[[Any, Any], Callable[[], None]] | None = None,
     ) -> None:
         self.native = native
         self.settings = settings
-        # Ollama's routes: the request's model name checked (the host's ``embedding_model``:
-        # an OllamaError for an unknown one or another than the resident)
+        # Ollama's routes: the request's model name and keep_alive checked (the host's
+        # ``embedding_model``: an OllamaError for an unknown model or another than the
+        # resident; else what to run after the embedding: the keep-alive applied)
         self.check_model = check_model
 
     @property
@@ -158,9 +160,10 @@ class Embedder:
         else:
             request = fmt.read_ollama_embed(body)
             name, texts = request.model, request.inputs
+        after = None
         if self.check_model is not None:
             try:
-                self.check_model(name)
+                after = self.check_model(name, body.get("keep_alive"))
             except Exception as err:  # the host's OllamaError: its status and message
                 status = getattr(err, "status", None)
                 if not isinstance(status, int):
@@ -193,6 +196,7 @@ class Embedder:
             model=model,
             ollama=request,
             started_ns=started_ns,
+            after=after,
         )
 
     def _tokens(self, prompt: Any) -> list[int]:
@@ -251,7 +255,9 @@ class Embedder:
                 rows = [normalize(row, job.embd_normalize) for row in rows]
             out.append(rows)
         job.vectors = out
-        if self.native.used is not None:  # the resident model's keep-alive starts again
+        if job.after is not None:  # Ollama's routes: the request's keep_alive
+            job.after()
+        elif self.native.used is not None:  # the resident model's keep-alive starts again
             self.native.used()
         return job
 
