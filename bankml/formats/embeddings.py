@@ -19,7 +19,7 @@ Ollama (server/routes.go ``EmbedHandler``, ``EmbeddingsHandler``): ``/api/embed`
 ``{"model", "embeddings", "total_duration", "load_duration", "prompt_eval_count"}``; every
 vector is normalised to unit length in float32 as Ollama's ``normalize`` does. The legacy
 ``/api/embeddings`` reads ``prompt`` and answers ``{"embedding"}`` with the vector as the
-runner gives it (llama-server's own normalisation), in float64 JSON numbers.
+runner gives it (pooled, not normalised), in float64 JSON numbers.
 
 Pure data: vectors come in as lists of floats (or anything with ``tolist``), no NumPy here.
 """
@@ -228,17 +228,23 @@ def ollama_error(status: int, message: str) -> ApiError:
 
 def ollama_normalize(vector: Sequence[float]) -> list[float]:
     """Ollama's ``normalize``: float32 sum of squares in order, ``norm = float32(1 /
-    sqrt(float32 sum))``, each element times it in float32."""
+    max(sqrt(sum), 1e-12))``, each element times it in float32; a NaN or infinity is its 400."""
     total = 0.0
     f32 = _float32
     for v in vector:
+        if not math.isfinite(v):
+            raise ollama_error(400, "embedding contains NaN or Inf values")
         total = f32(total + f32(v * v))
-    norm = f32(1.0 / math.sqrt(total)) if total > 0 else 0.0
+    norm = f32(1.0 / max(math.sqrt(total), 1e-12))
     return [f32(v * norm) for v in vector]
 
 
 def _float32(x: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", x))[0]
+    """``x`` rounded to float32 (beyond its range: an infinity, as the hardware rounds)."""
+    try:
+        return float(struct.unpack("<f", struct.pack("<f", x))[0])
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def ollama_embed_object(

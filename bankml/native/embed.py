@@ -12,14 +12,15 @@
    each input alone, one after the other, its hidden states (``hidden_states``: the prompt
    pass's kernels, in a slot left empty afterwards), pooled and normalised as llama-server
    does (engine_cupy/pooling.py). One input at a time is what llama-server computes with one
-   slot (bankml's default ``-np 1``); several inputs batched into one micro-batch would round
-   the mean differently;
+   slot (bankml's default ``-np 1``); with several slots llama-server puts a request's inputs
+   in one micro-batch, and its vectors move (docs/llama-server.md), which bankml does not
+   follow;
 3. the answer (the reactor thread): the body (formats/embeddings.py) and its receipt
    (receipts/embedding.py).
 
 The model is read through the contract every embedding model gives: ``hidden_states(tokens)``
 (float32 [n_tokens, n_embd]), ``n_embd``, ``pooling_type`` (the GGUF's), and the engine's
-``prompt_tokens`` for the tokenization.
+``embedding_inputs`` / ``prompt_tokens`` for the tokenization.
 """
 
 from __future__ import annotations
