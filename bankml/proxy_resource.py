@@ -31,6 +31,7 @@ connection at once, even while llama-server is still silent (prompt processing).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,7 @@ from bankml.p0.answers import (
     request_object,
 )
 from bankml.p0.gateway import Gateway, UpstreamTooLarge, check_length
+from bankml.receipts.embedding import embedding_receipt, p0_receipts
 from bankml.receipts.kinds import OAI_COMPLETION
 from bankml.receipts.tally import Tally
 from bankml.serving.writers import (
@@ -239,6 +241,87 @@ class Forward(JsonResource):
             write_failure(request, self.gateway, Failure())
             return
         pass_through(request, response, raw)
+
+
+class EmbeddingProxy(JsonResource):
+    """An embedding endpoint through to llama-server, its receipts added: the sha256 of each
+    vector it sent (bankml/receipts/embedding.py). An answer other than 200 JSON of its shape
+    passes as it came (llama-server's refusals: no vector, no receipt)."""
+
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway, kind: str) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self.kind = kind
+
+    def render_POST(self, request: Request) -> Any:
+        body = request.content.read()
+        if not refuse_unavailable(self.gateway, request):
+            self._answer(request, body)
+        return NOT_DONE_YET
+
+    @inlineCallbacks
+    def _answer(self, request: Request, body: bytes) -> Any:
+        started = time.monotonic()
+        try:
+            problem = yield self.gateway.check_engine_path()
+            if problem is not None:
+                write_error(request, 503, problem)
+                return
+            response = yield self.gateway.request(
+                b"POST", upstream_path(request), body=body, headers=forwarded_headers(request)
+            )
+            reader, body_d = read_bounded(response)
+            request.notifyFinish().addErrback(lambda _: reader.abort())
+            raw = yield body_d
+        except Exception:
+            write_failure(request, self.gateway, Failure())
+            return
+        if gone(request):
+            return
+        try:
+            answer = json.loads(raw) if response.code == 200 else None
+        except ValueError:
+            answer = None
+        if answer is None:
+            pass_through(request, response, raw)
+            return
+        problem = self.gateway.identity_problem()
+        if problem is not None:
+            write_error(request, 503, problem)
+            return
+        asked = request_object(body)
+        normalize = asked.get("embd_normalize")
+        gateway = self.gateway
+
+        def issue(vectors: list[list[float]], prompt_tokens: int | None) -> dict[str, Any]:
+            out = embedding_receipt(
+                api=self.kind,
+                request_body=body,
+                started=started,
+                vectors=vectors,
+                inputs_tokens=None,
+                prompt_tokens=prompt_tokens,
+                pooling=None,
+                embd_normalize=normalize if isinstance(normalize, int) else None,
+                verified=gateway.verified,
+                engine_name=gateway.engine_name,
+                device=None,
+                n_ctx=gateway.engine_n_ctx,
+                cache_type=gateway.cache_type,
+                key=gateway.receipt_key,
+                engine_version=gateway.engine_build,
+                engine_digest=gateway.engine_digest,
+            )
+            if gateway.receipt_log is not None:
+                gateway.receipt_log.append(out)
+            return out
+
+        if not p0_receipts(self.kind, answer, issue):
+            pass_through(request, response, raw)
+            return
+        write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
 
 
 # --- completion endpoints ------------------------------------------------------------------------

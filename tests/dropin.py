@@ -69,8 +69,9 @@ def start_dropin(args: list[str], port: int, log: Path) -> subprocess.Popen:
 class Pair:
     """The drop-in and llama-server, started with the same flags."""
 
-    def __init__(self, ours: int, theirs: int) -> None:
+    def __init__(self, ours: int, theirs: int, listen: int = 0) -> None:
         self.ports = (ours, theirs)
+        self.listen_port = listen  # the drop-in's --listen: /bankml and Ollama's routes
 
     def both(self, method: str, path: str, body: Any = None) -> list[tuple[int, bytes]]:
         """(status, body) of the same request to each, the drop-in first."""
@@ -82,17 +83,17 @@ def dropin_pair(
 ) -> Iterator[Pair]:
     """Both servers with llama-server's ``flags`` over the tests' defaults (two threads, one
     slot, no llama-server UI), the drop-in logging to ``log``; stopped when the iterator is."""
-    port = free_port()
+    port, listen = free_port(), free_port()
     args = [
         *("--fork", str(fork), "-m", str(model)),
         *("--host", "127.0.0.1", "-t", "2", "-np", "1", "--no-webui"),
-        *("--listen", f"127.0.0.1:{free_port()}"),
+        *("--listen", f"127.0.0.1:{listen}"),
         *flags,
     ]
     with support.LlamaServer(model, args=flags, binary=binary) as ref:
         proc = start_dropin(args, port, log)
         try:
-            yield Pair(port, ref.port)
+            yield Pair(port, ref.port, listen)
         finally:
             proc.terminate()
             proc.wait(30)

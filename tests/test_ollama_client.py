@@ -248,8 +248,8 @@ def test_ps_and_keep_alive_zero_unloads(
     [
         ("POST", "/api/pull", {"model": "x"}, 400, "does not pull"),
         ("POST", "/api/push", {"model": "x"}, 400, "publishes nothing"),
-        ("POST", "/api/embed", {"model": "x", "input": "a"}, 400, "embeddings"),
-        ("POST", "/api/embeddings", {"model": "x", "prompt": "a"}, 400, "embeddings"),
+        ("POST", "/api/embed", {"model": "x", "input": "a"}, 404, "not found"),
+        ("POST", "/api/embeddings", {"model": "x", "prompt": "a"}, 404, "not found"),
         ("POST", "/api/nothing", {}, 404, "POST /api/chat"),
         ("GET", "/api/chat", None, 404, "POST /api/chat"),
         ("GET", "/api/pull", None, 404, "POST /api/chat"),

@@ -71,7 +71,7 @@ def test_encoding_and_errors() -> None:
     assert err.status == 404 and err.message.startswith(
         "bankml serve --native (Ollama API): GET /, HEAD /, GET /api/version"
     )
-    assert err.message.endswith("DELETE /api/delete")
+    assert err.message.endswith("DELETE /api/delete, POST /api/embed, POST /api/embeddings")
     assert fmt.not_offered("/api/tags") is None
     assert fmt.not_offered("/api/pull").message.startswith(
         "bankml does not pull: models are imported sha256-pinned with open licences only"
@@ -79,8 +79,8 @@ def test_encoding_and_errors() -> None:
     assert fmt.not_offered("/api/push").message.startswith(
         "not offered: bankml publishes nothing; "
     )
-    assert fmt.not_offered("/api/embed").message.endswith("; keep Ollama for embeddings")
-    assert fmt.not_offered("/api/embeddings").status == 400
+    assert fmt.not_offered("/api/embed") is None  # served (with --embeddings)
+    assert fmt.not_offered("/api/embeddings") is None
 
 
 # -- listings -------------------------------------------------------------------------------------

@@ -391,9 +391,7 @@ def test_a_completion_refused_by_llama_server_passes_through(
         ("POST", "/tokenize", {"content": 3}),
         ("POST", "/detokenize", {"tokens": [19556, 905]}),
         ("POST", "/apply-template", {"messages": CHAT_MESSAGES}),
-        ("POST", "/embedding", {"content": "Hello world"}),
-        ("POST", "/embeddings", {"content": "Hello world"}),
-        ("POST", "/v1/embeddings", {"input": ["Hello", "world"]}),
+        ("POST", "/v1/embeddings", {"input": ["Hello", "world"]}),  # pooling none: refused
         ("POST", "/rerank", {"query": "a", "documents": ["b"]}),
         ("POST", "/v1/chat/completions/input_tokens", {"messages": CHAT_MESSAGES}),
         ("POST", "/v1/chat/completions/control", {}),
@@ -413,6 +411,18 @@ def test_every_other_endpoint_answers_as_llama_server(
     assert h1["content-type"] == h2["content-type"]
     assert stable(json.loads(mine)) == stable(json.loads(theirs))
     assert b"bankml_receipt" not in mine
+
+
+@pytest.mark.parametrize("path", ["/embedding", "/embeddings"])
+def test_embeddings_answer_as_llama_server_with_a_receipt_in_each_result(
+    p0: BankmlProcess, path: str
+) -> None:
+    (s1, mine, _), (s2, theirs, _) = both(p0, "POST", path, {"content": "Hello world"})
+    assert s1 == s2 == 200
+    results = json.loads(mine)
+    receipts = [result.pop("bankml_receipt") for result in results]
+    assert results == json.loads(theirs)
+    assert [r["api"] for r in receipts] == ["llama_embedding"] * len(results)
 
 
 def test_slots_and_metrics_answer_as_llama_server(p0: BankmlProcess) -> None:

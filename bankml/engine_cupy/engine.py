@@ -809,6 +809,44 @@ class Engine:
                 },
             )
 
+    # --- embeddings -----------------------------------------------------------------------------------------
+
+    def prompt_tokens(self, prompt: Any) -> list[int]:
+        """One input as llama-server's tokenize_input_subprompt reads it (a string, ids, ids
+        mixed with strings, {"prompt_string": ...}); RequestError with its messages."""
+        return self._subprompt(prompt)
+
+    def embedding_inputs(self, prompt: Any) -> list[list[int]]:
+        """An embedding body's ``input`` (or ``content``) tokenized as llama-server's
+        handle_embeddings_impl reads it: an array holding no number is several inputs, anything
+        else one; each as ``prompt_tokens``. An empty array is refused with its message."""
+        if isinstance(prompt, list) and not any(
+            isinstance(p, (int, float)) and not isinstance(p, bool) for p in prompt
+        ):
+            parts = [self._subprompt(p) for p in prompt]
+        else:
+            parts = [self._subprompt(prompt)]
+        if not parts:
+            raise RequestError('"input" must not be empty')
+        return parts
+
+    def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
+        """llama.cpp's ``t_embd`` of every token of one input (Model.hidden_states), computed
+        in the slot llama-server would choose for it, in micro-batches of -ub. An embedding is
+        stateless there (its prompt is evaluated from position 0); the slot is left empty
+        afterwards, so no later prompt reuses what it held."""
+        slot, _ = self.choose_slot(tokens)
+        self._acquire(slot)
+        try:
+            slot.tokens = []
+            return self.model.hidden_states(tokens, slot.cache, self.n_ubatch)
+        finally:
+            slot.cache.truncate(0)
+            slot.tokens = []
+            if slot.checkpoints is not None:
+                slot.checkpoints = Checkpoints(slot.checkpoints.window)
+            self._release(slot)
+
     # --- running --------------------------------------------------------------------------------------------
 
     def _new_sampler(self, params: SamplerParams) -> Sampler:

@@ -241,10 +241,23 @@ def stack(
 ) -> Any:
     """Every layer, the output norm and the logits product: x [n, d] → [n or one per segment,
     V]."""
+    return weights.output(ops.xp, hidden(ops, hp, weights, x, segments, all_logits))["logits"]
+
+
+def hidden(
+    ops: Ops,
+    hp: HParams,
+    weights: Weights,
+    x: Any,
+    segments: Sequence[Segment | DecodeRows],
+    all_rows: bool,
+) -> Any:
+    """Every layer and the output norm: x [n, d] → [n or one per segment, d], llama.cpp's
+    ``t_embd`` (the rows the logits product reads)."""
     for il, layer in enumerate(weights.layers):
-        only_last = il == hp.n_layer - 1 and not all_logits
+        only_last = il == hp.n_layer - 1 and not all_rows
         x = block(ops, hp, il, layer, x, segments, only_last)
-    return weights.output(ops.xp, ops.norm(x, weights.output_norm))["logits"]
+    return ops.norm(x, weights.output_norm)
 
 
 def split_heads(hp: HParams, parts: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
@@ -344,6 +357,15 @@ class Model:
         return cls(hp, weights, xp, os.fspath(path), reader, exact)
 
     @property
+    def pooling_type(self) -> int:
+        """The GGUF's ``<arch>.pooling_type`` (llama.cpp's enum: 0 none, 1 mean, 2 cls, 3 last,
+        4 rank); 0 where the header has none, as llama.cpp's default for a decoder."""
+        field = self.reader.fields.get(f"{self.arch}.pooling_type")
+        if field is None:
+            return 0
+        return int(field.parts[field.data[0]][0])
+
+    @property
     def has_sliding_window(self) -> bool:
         """Whether some layers attend through a sliding window (gemma3): llama-server then cuts
         prompts for its context checkpoints (engine.prompt_batches)."""
@@ -419,6 +441,32 @@ class Model:
             logits = stack(self.ops, self.hp, self.weights, x, [seg], all_logits)
         cache.advance(seg.step.end)
         return self._final_logits(logits, all_logits)
+
+    def hidden_states(
+        self, tokens: Sequence[int], cache: KVCache | None = None, n_ubatch: int = 512
+    ) -> numpy.ndarray:
+        """llama.cpp's ``t_embd`` of every token of ``tokens``: the hidden states after the
+        output norm, before the logits product, float32 [n_tokens, n_embd] on the host.
+
+        The tokens go into ``cache`` (a new one of exactly their length when None; a given one
+        is cleared first: an embedding is stateless, as llama-server's embedding task) in
+        micro-batches of ``n_ubatch`` through the prompt pass's own kernels, every row kept
+        after the last layer (llama-server asks an output for every token of an embedding), so
+        each row is the bits llama-server's ``llama_get_embeddings_ith`` reads."""
+        if cache is None:
+            cache = self.new_cache(max(len(tokens), 1))
+        else:
+            cache.truncate(0)
+        self._check_rows(tokens, cache)
+        self._blas.set(self.threads)
+        out = []
+        for a in range(0, len(tokens), n_ubatch):
+            chunk = tokens[a : a + n_ubatch]
+            seg = self._segment(0, chunk, cache)
+            rows = hidden(self.ops, self.hp, self.weights, self._embed(chunk), [seg], True)
+            cache.advance(seg.step.end)
+            out.append(numpy.asarray(backend.to_host(rows), dtype=F32))
+        return numpy.ascontiguousarray(numpy.concatenate(out) if len(out) > 1 else out[0])
 
     @property
     def shares_passes(self) -> bool:

@@ -75,16 +75,10 @@ ROUTES = (
     ("POST", "/api/create"),
     ("POST", "/api/copy"),
     ("DELETE", "/api/delete"),
+    ("POST", "/api/embed"),
+    ("POST", "/api/embeddings"),
 )
 NOT_OFFERED = {
-    "/api/embed": (
-        "embeddings need an encoder graph, which bankml's forward pass does not have "
-        "(it plays decoder-only chat models); keep Ollama for embeddings"
-    ),
-    "/api/embeddings": (
-        "embeddings need an encoder graph, which bankml's forward pass does not have "
-        "(it plays decoder-only chat models); keep Ollama for embeddings"
-    ),
     "/api/pull": (
         "bankml does not pull: models are imported sha256-pinned with open licences only; pin a "
         "GGUF in the registry directory (bankml pin FILE --fork F) instead"
@@ -123,7 +117,7 @@ def unknown_route(method: str, path: str) -> OllamaError:
 
 
 def not_offered(path: str) -> OllamaError | None:
-    """400 for Ollama's routes bankml refuses (embeddings, pull, push); None for the others."""
+    """400 for Ollama's routes bankml refuses (pull, push); None for the others."""
     message = NOT_OFFERED.get(path)
     return OllamaError(400, message) if message is not None else None
 
@@ -373,7 +367,9 @@ def show_body(
     out["model_info"] = header.scalar_keys() if header else {}
     extra = pin_capabilities(target) if capabilities is None else capabilities
     out["capabilities"] = (
-        ["completion"] + [c for c in ("tools", "thinking") if c in extra] if pin.native else []
+        ["completion"] + [c for c in ("tools", "thinking", "embedding") if c in extra]
+        if pin.native
+        else []
     )
     out["modified_at"] = _modified_at(target)
     bankml: dict[str, Any] = {"sha256": pin.sha256, "native": pin_status(pin), "n_ctx": n_ctx}

@@ -55,7 +55,7 @@ from bankml.registry.catalog import (
     pin_of,
     stale_layer,
 )
-from bankml.registry.keepalive import DEFAULT, KeepAlive, parse_keep_alive
+from bankml.registry.keepalive import DEFAULT, BadKeepAlive, KeepAlive, parse_keep_alive
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, discover
 from bankml.registry.residency import LoadError, Residency, Resident
@@ -360,9 +360,36 @@ class OllamaHost:
         ``--chat-template-file`` among it), else the pin's own."""
         engine = self.native.engine
         template = getattr(engine, "template", None) if engine is not None else None
-        if template is not None and pin_of(target).sha256 == self.native.verified.sha256:
-            return wire.template_capabilities(template.source)
-        return wire.pin_capabilities(target)
+        resident = pin_of(target).sha256 == self.native.verified.sha256
+        if template is not None and resident:
+            found = wire.template_capabilities(template.source)
+        else:
+            found = wire.pin_capabilities(target)
+        llama = (getattr(self, "options", None) or {}).get("llama") or {}
+        if resident and (llama.get("embedding") or {}).get("enabled"):  # --embeddings
+            found = (*found, "embedding")
+        return found
+
+    def embedding_model(self, name: Any, keep_alive: Any = None) -> Callable[[], None]:
+        """On the prepare thread, for /api/embed and /api/embeddings: ``name`` resolves as a
+        chat's model does (Ollama's 404 otherwise) and to the resident file, which alone
+        embeds (OllamaError 400 for another); ``keep_alive`` is read as a chat's. Returns what
+        the engine thread runs after the embedding: the request's keep-alive applied."""
+        if not isinstance(name, str) or not name:
+            raise OllamaError(400, "model is required")
+        target = req._resolve({"model": name}, self.catalog)
+        if pin_of(target).sha256 != self.native.verified.sha256:
+            raise OllamaError(
+                400,
+                f"model {name!r} is not the one bankml serves embeddings with "
+                f"({os.path.basename(self.native.verified.path)}, started with --embeddings)",
+            )
+        try:
+            kept = parse_keep_alive(keep_alive, self.keep_alive)
+        except BadKeepAlive as err:
+            raise OllamaError(400, str(err)) from None
+        pin_name = pin_of(target).name
+        return lambda: self.residency.touch(pin_name, kept, self.clock())
 
     # -- derived models (the prepare thread: create verifies its base in full) -----------------
 

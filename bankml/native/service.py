@@ -30,6 +30,7 @@ from twisted.web.resource import Resource
 
 from bankml.native import heap
 from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
+from bankml.native.embed import Embedder, EmbedSettings
 from bankml.native.ollama import RouterModels, make_host
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
@@ -41,6 +42,7 @@ from bankml.resources.bankml import (
     UsageResource,
 )
 from bankml.resources.description import ApiDescription
+from bankml.resources.embeddings import Embeddings, OllamaEmbed
 from bankml.resources.ollama import put_ollama_routes
 from bankml.resources.openai import ChatCompletions, Completions, Messages, Models, Responses
 from bankml.resources.web import WebRoot, put_web_page
@@ -72,10 +74,16 @@ NOT_SUPPORTED_METRICS = "This server does not support metrics endpoint. Start it
 
 
 def _put_llama_endpoints(
-    root: Resource, native: NativeEngine, slots: bool, metrics: bool, slots_list: bool = True
+    root: Resource,
+    native: NativeEngine,
+    slots: bool,
+    metrics: bool,
+    slots_list: bool = True,
+    embedder: Embedder | None = None,
 ) -> None:
     """llama-server's endpoints and the OpenAI ones, on one tree, under llama-server's paths
-    (its aliases included: /v1/health, /completions, /chat/completions, /models)."""
+    (its aliases included: /v1/health, /completions, /chat/completions, /models); the
+    embedding endpoints answer llama-server's 501 unless ``embedder`` is enabled."""
 
     def put(
         parent: Resource, name: bytes, endpoint: Resource, **refusals: tuple[int, str, str]
@@ -113,6 +121,10 @@ def _put_llama_endpoints(
     for parent in (root, v1):
         put(parent, b"responses", Responses(native))
     put(v1, b"messages", Messages(native))
+    embedder = embedder or Embedder(native, EmbedSettings())
+    for name in (b"embedding", b"embeddings"):  # llama-server's own shape
+        put(root, name, Embeddings(embedder, oai=False))
+    put(v1, b"embeddings", Embeddings(embedder, oai=True))
     if slots:
         # GET /slots is the slot monitor, POST /slots/{id} the actions (POST /slots itself: 404)
         refusals = {"POST": (404, "File Not Found", "not_found_error")}
@@ -130,6 +142,7 @@ def build_native_roots(
     slots_list: bool = True,
     webui: bool = True,
     router: Any = None,
+    embedding: Mapping[str, Any] | None = None,
 ) -> tuple[Resource, Resource]:
     """(listen_root, engine_root): bankml's address with /bankml (and Ollama's routes, given
     ``ollama``), and the engine address with /slots; both answer the OpenAI and llama-server
@@ -148,13 +161,22 @@ def build_native_roots(
             prompt_cache=native.prompt_cache_state,
             models=native.models_state,
         )
+    embedder = Embedder(native, EmbedSettings.of({"embedding": embedding}))
     listen_root = Branch()
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
     if ollama is not None:
         put_ollama_routes(listen_root, ollama)
-    _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics)
+        put_ollama_embed_routes(listen_root, ollama, embedding)
+    _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics, embedder=embedder)
     engine_root = WebRoot() if webui else Branch()
-    _put_llama_endpoints(engine_root, native, slots=True, metrics=metrics, slots_list=slots_list)
+    _put_llama_endpoints(
+        engine_root,
+        native,
+        slots=True,
+        metrics=metrics,
+        slots_list=slots_list,
+        embedder=embedder,
+    )
     engine_bankml = Branch()  # what the page on / reads: the key, the records, the usage
     if native.receipt_key is not None:
         engine_bankml.putChild(b"key", KeyResource(native.receipt_key))
@@ -300,10 +322,11 @@ class NativeService(ServingService):
             slots_list=llama_options.get("slots_endpoint", True),
             webui=llama_options.get("webui", True),
             router=router,
+            embedding=llama_options.get("embedding"),
         )
         roots = [listen_root, engine_root]
         if self.options.get("ollama-listen"):
-            roots.append(ollama_root(ollama))
+            roots.append(ollama_root(ollama, llama_options.get("embedding")))
         for site, root in zip(sites, roots):  # the loaded model answers from now on
             site.resource = self._access(root)
         if heap.can_release():
@@ -360,11 +383,24 @@ def serve_ollama(svc: NativeService, native: NativeEngine) -> OllamaHost:
     return host
 
 
-def ollama_root(host: OllamaHost) -> Resource:
+def ollama_root(host: OllamaHost, embedding: Mapping[str, Any] | None = None) -> Resource:
     """``--ollama-listen``'s tree: Ollama's routes only."""
     root = Branch()
     put_ollama_routes(root, host)
+    put_ollama_embed_routes(root, host, embedding)
     return root
+
+
+def put_ollama_embed_routes(
+    root: Resource, host: OllamaHost, embedding: Mapping[str, Any] | None
+) -> None:
+    """Ollama's /api/embed and /api/embeddings under ``root``'s /api (put_ollama_routes'),
+    the request's model checked by the host."""
+    settings = EmbedSettings.of({"embedding": embedding})
+    embedder = Embedder(host.native, settings, check_model=host.embedding_model)
+    api = root.children[b"api"]
+    api.putChild(b"embed", OllamaEmbed(embedder, legacy=False, host=host))
+    api.putChild(b"embeddings", OllamaEmbed(embedder, legacy=True, host=host))
 
 
 def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeService:

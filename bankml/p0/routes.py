@@ -5,6 +5,7 @@
 /openapi.json                             resources/description.py (the API's description)
 /ui, /ui/app.js, /ui/style.css            resources/web.py (the web page)
 COMPLETIONS                               CompletionProxy (receipt added)
+EMBEDDINGS                                EmbeddingProxy (receipts of the vectors added)
 FORWARDED, POST /slots/ID                 Forward (passed through)
 NO_RECEIPT_YET                            501: answers bankml cannot vouch for yet
 anything else                             404 {"error": {"code": 404, "message": "File Not Found", ...}}
@@ -23,8 +24,16 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.p0.gateway import Gateway
-from bankml.proxy_resource import CompletionProxy, Forward
-from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, MESSAGES, OAI_COMPLETION, RESPONSES
+from bankml.proxy_resource import CompletionProxy, EmbeddingProxy, Forward
+from bankml.receipts.kinds import (
+    CHAT,
+    LLAMA_COMPLETION,
+    LLAMA_EMBEDDING,
+    MESSAGES,
+    OAI_COMPLETION,
+    OAI_EMBEDDINGS,
+    RESPONSES,
+)
 from bankml.resources.bankml import BankmlResource
 from bankml.resources.description import ApiDescription
 from bankml.resources.web import put_web_page
@@ -44,6 +53,12 @@ COMPLETIONS: dict[str, str] = {  # POST path -> how its answers are read for the
     "/v1/messages": MESSAGES,
 }
 
+EMBEDDINGS: dict[str, str] = {  # POST path -> its shape (receipts hash each vector)
+    "/embedding": LLAMA_EMBEDDING,
+    "/embeddings": LLAMA_EMBEDDING,
+    "/v1/embeddings": OAI_EMBEDDINGS,
+}
+
 FORWARDED: dict[str, frozenset[str]] = {  # path -> the methods llama-server answers on it
     **dict.fromkeys(
         ["/health", "/v1/health", "/metrics", "/models", "/v1/models", "/slots"],
@@ -57,9 +72,6 @@ FORWARDED: dict[str, frozenset[str]] = {  # path -> the methods llama-server ans
             "/tokenize",
             "/detokenize",
             "/apply-template",
-            "/embedding",
-            "/embeddings",
-            "/v1/embeddings",
             "/rerank",
             "/reranking",
             "/v1/rerank",
@@ -99,12 +111,15 @@ class LlamaServerRoutes(JsonResource):
         self.completions = {
             kind: CompletionProxy(gateway, kind) for kind in set(COMPLETIONS.values())
         }
+        self.embeddings = {kind: EmbeddingProxy(gateway, kind) for kind in set(EMBEDDINGS.values())}
 
     def render(self, request: Request) -> Any:
         path = request.path.decode("utf-8", "replace")
         method = "GET" if request.method == b"HEAD" else request.method.decode("latin-1")
         if path in COMPLETIONS and method == "POST":
             return self.completions[COMPLETIONS[path]].render(request)
+        if path in EMBEDDINGS and method == "POST":
+            return self.embeddings[EMBEDDINGS[path]].render(request)
         if method in FORWARDED.get(path, ()) or (
             method == "POST" and path.startswith("/slots/") and path.count("/") == 2
         ):

@@ -43,10 +43,11 @@ from bankml.receipts.answer import JSON, Unreadable, answer_of, answer_parts, re
 from bankml.receipts.canonical import signed_bytes
 from bankml.receipts.convert import chat_fields, n_cmpl_of
 from bankml.receipts.digest import canonical_logprobs, sha256_hex, text_sha256
+from bankml.receipts.embedding import EmbeddingMismatch, check_vectors
 from bankml.receipts.envelope import EnvelopeRefused, claimed_predicate, matches, opened
 from bankml.receipts.keyring import KeyNotTrusted, TrustedKeys
 from bankml.receipts.keys import ALG, verifies
-from bankml.receipts.kinds import APIS, CONVERTED, MESSAGES
+from bankml.receipts.kinds import APIS, CONVERTED, EMBEDDING_APIS, MESSAGES
 from bankml.receipts.log import LogBroken, check_log, log_files
 from bankml.receipts.sign import RECEIPT_VERSION, is_p0
 
@@ -322,6 +323,12 @@ def _check_answer(receipt: Mapping[str, Any], view: Any) -> None:
             f"the receipt is for a {'streamed' if receipt.get('stream') else 'whole'} answer, "
             f"this one is {'streamed' if streamed else 'whole'}"
         )
+    if receipt.get("api") in EMBEDDING_APIS:  # vectors, not text (receipts/embedding.py)
+        try:
+            check_vectors(receipt, view.objects[0] if view.objects else None)
+        except EmbeddingMismatch as err:
+            raise Refused(str(err)) from None
+        return
     if text_sha256(view.text) != receipt.get("response_sha256"):
         raise Refused("response_sha256 is not the sha256 of this answer's text: another answer")
     carried = view.acts.receipt_fields()
@@ -365,8 +372,8 @@ def _check_request_fields(
     from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerError, SamplerParams
     from bankml.receipts.sign import params_from_settings
 
-    if receipt["api"].startswith("ollama"):
-        return  # Ollama's options are read by its own resource; compared on replay
+    if receipt["api"].startswith("ollama") or receipt["api"] in EMBEDDING_APIS:
+        return  # Ollama's options are read by its own resource; an embedding samples nothing
     try:
         settings = params_from_settings(receipt.get("sampler") or {})
     except (ValueError, TypeError, AttributeError) as err:

@@ -14,11 +14,26 @@ RESPONSES = "responses"  # OpenAI Responses, converted to a chat completion as l
 MESSAGES = "messages"  # Anthropic Messages, converted the same way
 OLLAMA_CHAT = "ollama_chat"
 OLLAMA_GENERATE = "ollama_generate"
+# embeddings (bankml/receipts/embedding.py): vectors, not text
+OAI_EMBEDDINGS = "embeddings"  # OpenAI /v1/embeddings
+LLAMA_EMBEDDING = "llama_embedding"  # llama-server's /embedding, /embeddings
+OLLAMA_EMBED = "ollama_embed"  # Ollama's /api/embed
+OLLAMA_EMBEDDINGS = "ollama_embeddings"  # Ollama's legacy /api/embeddings
+EMBEDDING_APIS = (OAI_EMBEDDINGS, LLAMA_EMBEDDING, OLLAMA_EMBED, OLLAMA_EMBEDDINGS)
 
 # an Ollama request's kind (``formats.ollama_request``'s chat / generate) -> its API kind
 OLLAMA_KIND = {"chat": OLLAMA_CHAT, "generate": OLLAMA_GENERATE}
 
-APIS = (CHAT, OAI_COMPLETION, LLAMA_COMPLETION, RESPONSES, MESSAGES, OLLAMA_CHAT, OLLAMA_GENERATE)
+APIS = (
+    CHAT,
+    OAI_COMPLETION,
+    LLAMA_COMPLETION,
+    RESPONSES,
+    MESSAGES,
+    OLLAMA_CHAT,
+    OLLAMA_GENERATE,
+    *EMBEDDING_APIS,
+)
 
 # the kinds the engine runs itself, and the request shape it parses for each
 ENGINE_KIND = {CHAT: "chat", OAI_COMPLETION: "completion", LLAMA_COMPLETION: "completion"}

@@ -49,7 +49,14 @@ from bankml.receipts.answer import (
 )
 from bankml.receipts.canonical import canonical_json
 from bankml.receipts.convert import ConversionError, n_cmpl_of, to_chat
-from bankml.receipts.kinds import CONVERTED, ENGINE_KIND
+from bankml.receipts.embedding import replay_embeddings
+from bankml.receipts.kinds import (
+    CONVERTED,
+    EMBEDDING_APIS,
+    ENGINE_KIND,
+    LLAMA_EMBEDDING,
+    OAI_EMBEDDINGS,
+)
 from bankml.receipts.sign import (
     engine_source_digest,
     is_p0,
@@ -109,6 +116,9 @@ def replayable(receipt: Mapping[str, Any]) -> None:
     answer, no device named) is replayed: an ``identical`` proves the answer is the pinned
     model's on the CPU path, whatever llama-server ran on."""
     api = receipt.get("api")
+    if api in EMBEDDING_APIS:
+        _embedding_replayable(receipt)
+        return
     if api not in ENGINE_KIND and api not in CONVERTED:
         raise CannotReplay(f"the {api} API is not replayed")
     if receipt.get("device") not in REPLAYABLE_DEVICES and not is_p0(receipt):
@@ -228,6 +238,8 @@ def replay_in_process(request_bytes: bytes, response_bytes: bytes, replay: Repla
     ``i // n`` run alone with its receipt's seed."""
     try:
         answers = receipts_and_answers(response_bytes)
+        if answers and answers[0][0].get("api") in EMBEDDING_APIS:
+            return _replay_embeddings(request_bytes, [r for r, _ in answers], replay)
         for receipt, _ in answers:
             replayable(receipt)
     except Unreadable as err:
@@ -245,6 +257,27 @@ def replay_in_process(request_bytes: bytes, response_bytes: bytes, replay: Repla
         verdicts.append(verdict)
     each = "; ".join(f"{i}: {v.partition(': ')[2]}" for i, v in enumerate(verdicts))
     return f"{IDENTICAL}: {len(answers)} answers ({each})"
+
+
+def _embedding_replayable(receipt: Mapping[str, Any]) -> None:
+    """An embedding answer is replayed on bankml's engine: a CPU answer of its own with its
+    pooling named (llama-server's through P0 does not say its pooling)."""
+    if receipt.get("api") not in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
+        raise CannotReplay(f"the {receipt.get('api')} API is not replayed")
+    if receipt.get("device") not in REPLAYABLE_DEVICES:
+        raise CannotReplay(
+            f"answered on {receipt.get('device')!r}: only bankml's own CPU embeddings are "
+            "replayed (a P0 receipt does not name llama-server's pooling)"
+        )
+
+
+def _replay_embeddings(
+    request_bytes: bytes, receipts: Sequence[Mapping[str, Any]], replay: ReplayEngine
+) -> str:
+    """An embedding answer's replay (receipts/embedding.py): CPU answers of bankml's engine."""
+    for receipt in receipts:
+        _embedding_replayable(receipt)
+    return replay_embeddings(request_bytes, receipts, replay.engine)
 
 
 def _replay_answer(

@@ -6,7 +6,8 @@ which native/ollama.py's ``OllamaHost`` satisfies.
 - ``POST /api/chat``, ``POST /api/generate``: validated on the bridge's prepare thread, run on
   its engine thread; streamed as NDJSON (one object a line, the last with ``done: true``, the
   counts, ``bankml_cache_n`` and the receipt) unless ``stream: false``, then one object;
-- ``/api/embed``, ``/api/embeddings``, ``/api/pull``, ``/api/push``: 400 with the reason;
+- ``/api/pull``, ``/api/push``: 400 with the reason (``/api/embed`` and ``/api/embeddings``:
+  resources/embeddings.py);
   another ``/api`` path, or a route's other methods: 404 listing the routes.
 
 Every refusal is Ollama's ``{"error": "..."}`` with its status; after a stream began, the error

@@ -261,8 +261,8 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "verbose": _verbose(options),
         "context_shift": bool(options.get("context-shift")),
         "speculative": _speculative(options),
-        "n_batch": _batch_size(options, "batch-size", 2048),
-        "n_ubatch": _batch_size(options, "ubatch-size", 512),
+        **_batch_sizes(options),
+        "embedding": embedding_settings(options),
         "n_keep": _number("keep", options["keep"], int) if options.get("keep") is not None else 0,
         "chat_template": _chat_template(options),
         "cache_type": _cache_type(options),
@@ -272,6 +272,38 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "n_parallel": n_parallel,
         "kv_unified": kv_unified,
         "slot_prompt_similarity": similarity,
+    }
+
+
+def _batch_sizes(options: Mapping[str, Any]) -> dict[str, int]:
+    """-b and -ub; with --embeddings llama-server lowers -b to -ub (an embedding is evaluated
+    in one micro-batch), which cuts every prompt, a completion's too, in batches of -ub."""
+    n_batch = _batch_size(options, "batch-size", 2048)
+    n_ubatch = _batch_size(options, "ubatch-size", 512)
+    if options.get("embeddings") and n_batch > n_ubatch:
+        n_batch = n_ubatch
+    return {"n_batch": n_batch, "n_ubatch": n_ubatch}
+
+
+POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
+
+
+def embedding_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """--embeddings, --pooling (none, mean, cls, last; rank is refused: bankml does not
+    rerank; absent: the model's own) and --embd-normalize (llama-server's default 2)."""
+    pooling = options.get("pooling")
+    if pooling is not None:
+        if pooling not in POOLING_TYPES:
+            raise FlagError(f"error: invalid parameter for argument: --pooling {pooling}")
+        if pooling == "rank":
+            raise FlagError("--pooling rank: bankml's native engine does not rerank")
+    normalize = 2
+    if options.get("embd-normalize") is not None:
+        normalize = _number("embd-normalize", options["embd-normalize"], int)
+    return {
+        "enabled": bool(options.get("embeddings")),
+        "pooling": pooling,
+        "embd_normalize": int(normalize),
     }
 
 

@@ -1,0 +1,330 @@
+"""Embeddings on the native engine: llama-server's ``--embeddings``, ``--pooling``,
+``--embd-normalize``, and Ollama's embed routes, over one resident model.
+
+``Embedder(native, settings)`` does the work in three steps, each on its thread:
+
+1. ``parse`` (the bridge's prepare thread): the body read as llama-server reads it
+   (formats/embeddings.py), each input tokenized as its ``tokenize_input_subprompt``, then its
+   limits: an input that must fit one micro-batch (every pooling but ``last``: llama-server
+   evaluates it in one ubatch) and does not, or one over the slot's context, is refused with
+   llama-server's message, before anything is computed;
+2. ``compute`` (the engine thread, ``bridge.call``: in turn with the runs, never beside one):
+   each input alone, one after the other, its hidden states (``hidden_states``: the prompt
+   pass's kernels, in a slot left empty afterwards), pooled and normalised as llama-server
+   does (engine_cupy/pooling.py). One input at a time is what llama-server computes with one
+   slot (bankml's default ``-np 1``); with several slots llama-server puts a request's inputs
+   in one micro-batch, and its vectors move (docs/llama-server.md), which bankml does not
+   follow;
+3. the answer (the reactor thread): the body (formats/embeddings.py) and its receipt
+   (receipts/embedding.py).
+
+The model is read through the contract every embedding model gives: ``hidden_states(tokens)``
+(float32 [n_tokens, n_embd]), ``n_embd``, ``pooling_type`` (the GGUF's), and the engine's
+``embedding_inputs`` / ``prompt_tokens`` for the tokenization.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bankml.formats import embeddings as fmt
+from bankml.formats.errors import ApiError, refusal_of
+from bankml.receipts.embedding import embedding_receipt
+from bankml.receipts.kinds import LLAMA_EMBEDDING, OAI_EMBEDDINGS, OLLAMA_EMBED, OLLAMA_EMBEDDINGS
+
+DEFAULT_NORMALIZE = 2  # llama-server's --embd-normalize: euclidean
+
+
+@dataclass(frozen=True)
+class EmbedSettings:
+    """llama-server's flags: ``--embeddings`` (``enabled``), ``--pooling`` (None: the
+    model's own), ``--embd-normalize``."""
+
+    enabled: bool = False
+    pooling: str | None = None
+    embd_normalize: int = DEFAULT_NORMALIZE
+
+    @classmethod
+    def of(cls, llama: Any) -> EmbedSettings:
+        """From serving.llama_flags.native_settings' ``embedding`` entry (absent: off)."""
+        given = (llama or {}).get("embedding") or {}
+        return cls(
+            bool(given.get("enabled", False)),
+            given.get("pooling"),
+            int(given.get("embd_normalize", DEFAULT_NORMALIZE)),
+        )
+
+
+@dataclass
+class EmbedJob:
+    """One request, parsed: what to compute and how to answer it."""
+
+    api: str
+    raw: bytes
+    started: float  # time.monotonic() when the request came
+    tokens: list[list[int]]
+    pooling: str
+    embd_normalize: int | None  # None: no llama-server normalisation (Ollama's routes)
+    oai: bool = False
+    base64: bool = False
+    model: str = ""
+    ollama: Any = None  # formats.embeddings.OllamaEmbedRequest, on /api/embed
+    started_ns: int = 0  # time.time_ns() when the request came (Ollama's durations)
+    loaded_ns: int = 0  # time.time_ns() when the model was there to compute it
+    vectors: list[list[Any]] = field(default_factory=list)  # per input, its vectors
+    after: Callable[[], None] | None = None  # on the engine thread after it (Ollama's keep_alive)
+
+
+class Embedder:
+    """Embeddings over a NativeEngine (see the module doc)."""
+
+    def __init__(
+        self,
+        native: Any,
+        settings: EmbedSettings,
+        check_model: Callable[[Any, Any], Callable[[], None]] | None = None,
+    ) -> None:
+        self.native = native
+        self.settings = settings
+        # Ollama's routes: the request's model name and keep_alive checked (the host's
+        # ``embedding_model``: an OllamaError for an unknown model or another than the
+        # resident; else what to run after the embedding: the keep-alive applied)
+        self.check_model = check_model
+
+    @property
+    def engine(self) -> Any:
+        return self.native.engine
+
+    def pooling(self) -> str:
+        """--pooling, else the model's own (llama.cpp: the GGUF's, ``none`` for a decoder)."""
+        from bankml.engine_cupy.pooling import pooling_name
+
+        if self.settings.pooling is not None:
+            return self.settings.pooling
+        return pooling_name(getattr(self.engine.model, "pooling_type", 0))
+
+    # --- the prepare thread ----------------------------------------------------------------
+
+    def parse(self, body: dict[str, Any], raw: bytes, oai: bool, started: float) -> EmbedJob:
+        """llama-server's /v1/embeddings (``oai``), /embedding and /embeddings body."""
+        self.native._awake()
+        pooling = self.pooling()
+        req = fmt.read_request(
+            body,
+            oai=oai,
+            pooling=pooling,
+            enabled=self.settings.enabled,
+            embd_normalize=self.settings.embd_normalize,
+        )
+        from bankml.engine_cupy.request import RequestError
+
+        try:
+            tokens = self.engine.embedding_inputs(req.prompt)
+        except RequestError as err:
+            raise refusal_of(err) from None
+        fmt.check_tokens(tokens)
+        for toks in tokens:
+            self._check_limits(len(toks), pooling)
+        return EmbedJob(
+            OAI_EMBEDDINGS if req.oai else LLAMA_EMBEDDING,
+            raw,
+            started,
+            tokens,
+            pooling,
+            req.embd_normalize,
+            oai=req.oai,
+            base64=req.base64,
+            model=_model_name(body, self.native.model_id) if req.oai else "",
+        )
+
+    def parse_ollama(
+        self, body: dict[str, Any], raw: bytes, legacy: bool, started: float, started_ns: int
+    ) -> EmbedJob:
+        """Ollama's /api/embed (or, ``legacy``, /api/embeddings): its inputs tokenized, too
+        long ones cut to the context as Ollama cuts them (``truncate``, its default) or
+        refused with its message. Ollama's runner takes the model's pooling (``last`` where
+        the model has none: the last token's hidden state) and no normalisation of
+        llama-server's; the route normalises."""
+        self.native._awake()
+        if legacy:  # Ollama's checks in its order: the body, the model, then the inputs
+            name = body.get("model") if isinstance(body.get("model"), str) else ""
+            if not name:
+                raise fmt.ollama_error(400, "model is required")
+            prompt = body.get("prompt", "")
+            if not isinstance(prompt, str):
+                raise fmt.ollama_error(400, "prompt must be a string")
+            texts = [prompt] if prompt else []
+            request = None
+        else:
+            request = fmt.read_ollama_embed(body)
+            name, texts = request.model, request.inputs
+        after = None
+        if self.check_model is not None:
+            try:
+                after = self.check_model(name, body.get("keep_alive"))
+            except Exception as err:  # the host's OllamaError: its status and message
+                status = getattr(err, "status", None)
+                if not isinstance(status, int):
+                    raise
+                raise fmt.ollama_error(status, str(getattr(err, "message", err))) from None
+        if not self.settings.enabled:  # served without --embeddings
+            raise fmt.ollama_error(400, f'"{name}" does not support embeddings')
+        pooling = self.settings.pooling or self.pooling()
+        if pooling == "none":
+            pooling = "last"
+        tokens = []
+        limit = min(self.native.n_ctx, self._micro_batch(pooling))
+        for text in texts:
+            toks = self._tokens(text)
+            if len(toks) > limit:
+                if request is not None and not request.truncate:
+                    raise fmt.ollama_error(400, "the input length exceeds the context length")
+                toks = toks[:limit]
+            if not toks:
+                raise fmt.ollama_error(400, "input after truncation exceeds maximum context length")
+            tokens.append(toks)
+        model = str(body.get("model") or "")
+        return EmbedJob(
+            OLLAMA_EMBEDDINGS if legacy else OLLAMA_EMBED,
+            raw,
+            started,
+            tokens,
+            pooling,
+            None,
+            model=model,
+            ollama=request,
+            started_ns=started_ns,
+            after=after,
+        )
+
+    def _tokens(self, prompt: Any) -> list[int]:
+        from bankml.engine_cupy.request import RequestError
+
+        try:
+            return list(self.engine.prompt_tokens(prompt))
+        except RequestError as err:
+            raise refusal_of(err) from None
+
+    def _micro_batch(self, pooling: str) -> int:
+        """The most tokens one input may have: one micro-batch (-ub) unless pooled ``last``
+        (llama-server splits only those), the context otherwise."""
+        return self.native.n_ctx if pooling == "last" else int(self.engine.n_ubatch)
+
+    def _check_limits(self, n: int, pooling: str) -> None:
+        """llama-server's checks, in its order: one micro-batch unless pooled ``last``, then
+        the slot's context (``last``: the context less one, as a completion's prompt)."""
+        n_ctx = int(self.native.n_ctx)
+        if pooling != "last":
+            if n > int(self.engine.n_ubatch):
+                raise fmt.too_large(n, int(self.engine.n_ubatch))
+            if n > n_ctx:
+                raise fmt.over_context(n, n_ctx)
+        elif n >= n_ctx:
+            message = (
+                f"request ({n} tokens) exceeds the available context size ({n_ctx} tokens), "
+                "try increasing it"
+            )
+            raise ApiError(
+                400,
+                {
+                    "error": {
+                        "code": 400,
+                        "message": message,
+                        "type": "exceed_context_size_error",
+                        "n_prompt_tokens": n,
+                        "n_ctx": n_ctx,
+                    }
+                },
+            )
+
+    # --- the engine thread -----------------------------------------------------------------
+
+    def compute(self, job: EmbedJob) -> EmbedJob:
+        """Every input's vectors, one input after the other (see the module doc)."""
+        from bankml.engine_cupy.pooling import normalize, pool
+
+        self.native.wake()
+        job.loaded_ns = time.time_ns()
+        engine = self.engine
+        out = []
+        for tokens in job.tokens:
+            rows = list(pool(engine.hidden_states(tokens), job.pooling))
+            if job.pooling != "none" and job.embd_normalize is not None:
+                rows = [normalize(row, job.embd_normalize) for row in rows]
+            out.append(rows)
+        job.vectors = out
+        if job.after is not None:  # Ollama's routes: the request's keep_alive
+            job.after()
+        elif self.native.used is not None:  # the resident model's keep-alive starts again
+            self.native.used()
+        return job
+
+    # --- the reactor thread ----------------------------------------------------------------
+
+    def answer(self, job: EmbedJob) -> Any:
+        """The answer's JSON value, its receipt in it (see receipts/embedding.py)."""
+        if job.api == OAI_EMBEDDINGS:
+            vectors = [vs[0] for vs in job.vectors]
+            body: Any = fmt.oai_object(job.model, vectors, [len(t) for t in job.tokens], job.base64)
+            body["bankml_receipt"] = self._receipt(job, vectors, job.tokens)
+            return body
+        if job.api == LLAMA_EMBEDDING:
+            results = fmt.llama_results(job.vectors)
+            for result, vs, toks in zip(results, job.vectors, job.tokens):
+                result["bankml_receipt"] = self._receipt(job, vs, [toks])
+            return results
+        if job.api == OLLAMA_EMBEDDINGS:
+            vector = fmt.floats(job.vectors[0][0]) if job.vectors else []
+            body = {"embedding": vector}
+            body["bankml_receipt"] = self._receipt(job, [vector] if job.vectors else [], job.tokens)
+            return body
+        req = job.ollama
+        vectors = []
+        for vs in job.vectors:
+            vector = fmt.ollama_normalize(fmt.floats(vs[0]))
+            if req is not None and 0 < req.dimensions < len(vector):
+                vector = fmt.ollama_normalize(vector[: req.dimensions])
+            vectors.append(vector)
+        now_ns = time.time_ns()
+        body = fmt.ollama_embed_object(
+            job.model,
+            vectors,
+            sum(len(t) for t in job.tokens),
+            now_ns - job.started_ns,
+            max(0, job.loaded_ns - job.started_ns),
+        )
+        body["bankml_receipt"] = self._receipt(job, vectors, job.tokens)
+        return body
+
+    def _receipt(
+        self, job: EmbedJob, vectors: Sequence[Any], tokens: Sequence[Sequence[int]]
+    ) -> dict[str, Any]:
+        native = self.native
+        out = embedding_receipt(
+            api=job.api,
+            request_body=job.raw,
+            started=job.started,
+            vectors=[fmt.floats(v) for v in vectors],
+            inputs_tokens=tokens,
+            pooling=job.pooling,
+            embd_normalize=job.embd_normalize,
+            verified=native.verified,
+            engine_name=native.engine_name,
+            device=native.device,
+            n_ctx=native.n_ctx,
+            cache_type=native.cache_type,
+            key=native.receipt_key,
+        )
+        if native.receipt_log is not None:
+            native.receipt_log.append(out)
+        return out
+
+
+def _model_name(body: dict[str, Any], default: str) -> str:
+    """llama-server's ``json_value(body, "model", model_name)``: the body's string, else its
+    name."""
+    model = body.get("model")
+    return model if isinstance(model, str) else default

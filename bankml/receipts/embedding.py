@@ -1,0 +1,266 @@
+"""Receipts of embedding answers: which vectors were sent, for which request and model.
+
+An embedding answer carries no text; its receipt says what it sent in ``embeddings_sha256``:
+one lowercase hex sha256 per vector, in the order the answer lists them, each of the vector's
+**float32 values as little-endian bytes** (4 bytes an element). Both of llama-server's
+encodings give those bytes back exactly: a JSON number is the float32 value written as a double
+(read it as a double, round to float32), and ``encoding_format: base64`` is those very bytes.
+So a client checks a vector with ``hashlib.sha256(numpy.asarray(v, "<f4").tobytes())`` (or the
+base64 decoded), whatever encoding it asked for.
+
+The vectors, in order, for each API (``api`` field):
+
+- ``embeddings`` (OpenAI's ``/v1/embeddings``): ``data[i].embedding`` in ``data`` order;
+- ``llama_embedding`` (llama-server's ``/embedding``, ``/embeddings``: an array of results, one
+  receipt in each): that result's ``embedding`` rows (every token's with pooling none);
+- ``ollama_embed`` (``/api/embed``): ``embeddings`` in order, after Ollama's normalisation and
+  ``dimensions``;
+- ``ollama_embeddings`` (``/api/embeddings``): ``embedding`` (JSON doubles holding float32
+  values).
+
+The other fields are a chat receipt's (docs/receipts.md): ``prompt_tokens`` the tokens embedded,
+``completion_tokens`` 0, ``response_sha256`` the sha256 of the empty text, ``sampler``
+``{"seed": null}``, ``n_predict`` 0, ``finish_reason`` null; and ``pooling``, ``embd_normalize``
+(null on Ollama's routes, which normalise themselves; in P0 the request's, pooling null: bankml
+does not see llama-server's) and ``inputs_tokens_sha256`` (each input's token ids as compact
+JSON, ``token_ids_sha256``; null in P0).
+
+``p0_receipts(api, answer, issue)``: P0's receipts of llama-server's
+answer, put in it as the native answers carry them. ``replay_embeddings``: a native answer's
+vectors computed again on bankml's engine (``bankml check-receipt --replay``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bankml.receipts.digest import sha256_hex
+from bankml.receipts.envelope import envelope_of
+from bankml.receipts.keys import SigningKey
+from bankml.receipts.kinds import EMBEDDING_APIS, LLAMA_EMBEDDING, OAI_EMBEDDINGS, OLLAMA_EMBED
+from bankml.receipts.sign import (
+    ReplayFacts,
+    build_receipt_v2,
+    engine_source_digest,
+    token_ids_sha256,
+)
+from bankml.receipts.tally import Tally, receipt
+from bankml.version import __version__
+
+
+class EmbeddingMismatch(Exception):
+    """The answer's vectors are not the ones the receipt hashes; the message says where."""
+
+
+def vector_sha256(values: Sequence[float]) -> str:
+    """sha256 of the vector's float32 values as little-endian bytes."""
+    return sha256_hex(struct.pack(f"<{len(values)}f", *[float(v) for v in values]))
+
+
+def _vector_values(item: Any) -> list[float]:
+    """A vector as an answer lists it: JSON numbers, or base64 of float32 bytes."""
+    if isinstance(item, str):
+        try:
+            raw = base64.b64decode(item, validate=True)
+        except (binascii.Error, ValueError):
+            raise EmbeddingMismatch("a base64 embedding does not decode") from None
+        if len(raw) % 4:
+            raise EmbeddingMismatch("a base64 embedding is not whole float32 values")
+        return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    if not isinstance(item, list) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in item
+    ):
+        raise EmbeddingMismatch("an embedding is not a list of numbers")
+    return [float(v) for v in item]
+
+
+def answer_vectors(obj: Any, api: str) -> list[list[float]]:
+    """The vectors one answer object sends, in the order ``embeddings_sha256`` lists them."""
+    if not isinstance(obj, dict):
+        raise EmbeddingMismatch("the answer is not a JSON object")
+    if api == OAI_EMBEDDINGS:
+        data = obj.get("data")
+        if not isinstance(data, list):
+            raise EmbeddingMismatch("the answer has no data list")
+        return [_vector_values(d.get("embedding") if isinstance(d, dict) else None) for d in data]
+    if api == LLAMA_EMBEDDING:
+        rows = obj.get("embedding")
+        if not isinstance(rows, list):
+            raise EmbeddingMismatch("the result has no embedding rows")
+        return [_vector_values(r) for r in rows]
+    if api == OLLAMA_EMBED:
+        rows = obj.get("embeddings")
+        if not isinstance(rows, list):
+            raise EmbeddingMismatch("the answer has no embeddings list")
+        return [_vector_values(r) for r in rows]
+    return [_vector_values(obj.get("embedding"))]
+
+
+def answer_prompt_tokens(obj: Any, api: str) -> int | None:
+    """The token count an answer shows, where its shape has one."""
+    if not isinstance(obj, dict):
+        return None
+    if api == OAI_EMBEDDINGS and isinstance(obj.get("usage"), dict):
+        value = obj["usage"].get("prompt_tokens")
+    elif api == OLLAMA_EMBED:
+        value = obj.get("prompt_eval_count", 0)  # Ollama leaves a zero count out
+    else:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_vectors(receipt: Mapping[str, Any], obj: Any) -> None:
+    """EmbeddingMismatch unless ``obj`` sends exactly the vectors the receipt hashes."""
+    api = str(receipt.get("api"))
+    if api not in EMBEDDING_APIS:
+        raise EmbeddingMismatch(f"api {api!r} is not an embedding API")
+    hashed = receipt.get("embeddings_sha256")
+    if not isinstance(hashed, list):
+        raise EmbeddingMismatch("the receipt hashes no embeddings (embeddings_sha256)")
+    vectors = answer_vectors(obj, api)
+    if len(vectors) != len(hashed):
+        raise EmbeddingMismatch(
+            f"the answer sends {len(vectors)} vectors, the receipt hashes {len(hashed)}"
+        )
+    for i, (vector, digest) in enumerate(zip(vectors, hashed)):
+        if vector_sha256(vector) != digest:
+            raise EmbeddingMismatch(f"vector {i} is not the one the receipt hashes")
+    shown = answer_prompt_tokens(obj, api)
+    if shown is not None and shown != receipt.get("prompt_tokens"):
+        raise EmbeddingMismatch(
+            f"the answer reports {shown} prompt tokens, the receipt {receipt.get('prompt_tokens')}"
+        )
+
+
+def embedding_receipt(
+    *,
+    api: str,
+    request_body: bytes,
+    started: float,
+    vectors: Sequence[Sequence[float]],
+    inputs_tokens: Sequence[Sequence[int]] | None,
+    pooling: str | None,
+    embd_normalize: int | None,
+    prompt_tokens: int | None = None,
+    verified: Any,
+    engine_name: str,
+    device: str | None,
+    n_ctx: int | None,
+    cache_type: str | None,
+    key: SigningKey | None,
+    engine_version: str | None = __version__,
+    engine_digest: str | None = None,
+) -> dict[str, Any]:
+    """The receipt of one embedding answer (see the module doc); signed with ``key`` (a
+    version-2 receipt and its envelope), else today's unsigned receipt with the same fields.
+    ``inputs_tokens`` None (P0: llama-server's answer lists no ids): ``inputs_tokens_sha256``
+    null and ``prompt_tokens`` as the answer reports it (None: unknown)."""
+    if api not in EMBEDDING_APIS:
+        raise ValueError(f"unknown embedding api {api!r}")
+    tally = Tally(request_body=request_body, started=started)
+    if inputs_tokens is not None:
+        prompt_tokens = int(sum(len(t) for t in inputs_tokens))
+    tally.set_counts(prompt_tokens, 0)
+    base = receipt(tally, engine=engine_name, model_sha256=verified.sha256, ttft_measured=False)
+    signed_flag = base.pop("signed")
+    base["embeddings_sha256"] = [vector_sha256(v) for v in vectors]
+    base["inputs_tokens_sha256"] = (
+        None if inputs_tokens is None else [token_ids_sha256(t) for t in inputs_tokens]
+    )
+    base["pooling"] = pooling
+    base["embd_normalize"] = embd_normalize
+    base["signed"] = signed_flag
+    if key is None:
+        return base
+    facts = ReplayFacts(
+        api=api,
+        stream=False,
+        sampler={"seed": None},  # nothing is sampled
+        n_predict=0,
+        n_ctx=n_ctx,
+        cache_type=cache_type,
+        device=device,
+        engine_version=engine_version,
+        engine_digest=engine_digest if engine_digest is not None else engine_source_digest(),
+        prompt_token_ids=None,
+        completion_token_ids=None,
+        cache_n=0,
+        finish_reason=None,
+    )
+    signed = build_receipt_v2(base, facts, key)
+    signed["envelope"] = envelope_of(signed, os.path.basename(str(verified.path)), key)
+    return signed
+
+
+def p0_receipts(api: str, answer: Any, issue: Any) -> bool:
+    """P0: llama-server's whole embedding answer with its receipts put in (``issue(vectors,
+    prompt_tokens)`` makes one): one ``bankml_receipt`` on the OpenAI object, one in each
+    result of llama-server's array. False (nothing changed) where the answer is not of that
+    shape."""
+    try:
+        if api == LLAMA_EMBEDDING:
+            if not isinstance(answer, list) or not all(isinstance(r, dict) for r in answer):
+                return False
+            receipts = [issue(answer_vectors(r, api), None) for r in answer]
+            for result, out in zip(answer, receipts):
+                result["bankml_receipt"] = out
+            return True
+        if not isinstance(answer, dict):
+            return False
+        answer["bankml_receipt"] = issue(
+            answer_vectors(answer, api), answer_prompt_tokens(answer, api)
+        )
+        return True
+    except EmbeddingMismatch:
+        return False
+
+
+def replay_embeddings(
+    request_bytes: bytes, receipts: Sequence[Mapping[str, Any]], engine: Any
+) -> str:
+    """A native embedding answer computed again on ``engine`` (bankml's exact engine on the
+    pinned file, the receipt's context and cache type): every input of the request tokenized,
+    embedded, pooled and normalised as the receipt says, each vector's digest compared with the
+    receipt's. ``receipts``: the answer's (one, or one per result of llama-server's array).
+    ``identical: ...``, ``refuse: ...`` or ``cannot replay: ...``."""
+    from bankml.engine_cupy.pooling import normalize, pool
+    from bankml.engine_cupy.request import RequestError
+
+    api = receipts[0].get("api")
+    if api not in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
+        return f"cannot replay: the {api} API is not replayed"
+    pooling = receipts[0].get("pooling")
+    if pooling not in ("none", "mean", "cls", "last"):
+        return "cannot replay: the receipt names no pooling (llama-server's answer does not say)"
+    try:
+        body = json.loads(request_bytes)
+        prompt = body["input"] if "input" in body else body["content"]
+        tokens = engine.embedding_inputs(prompt)
+    except (ValueError, TypeError, KeyError, RequestError) as err:
+        return f"refuse: the request does not read as an embedding request ({err})"
+    if api == LLAMA_EMBEDDING and len(receipts) != len(tokens):
+        return f"refuse: {len(receipts)} receipts for {len(tokens)} inputs"
+    norm = receipts[0].get("embd_normalize")
+    vectors = []
+    for toks in tokens:
+        rows = list(pool(engine.hidden_states(toks), pooling))
+        if pooling != "none" and isinstance(norm, int):
+            rows = [normalize(row, norm) for row in rows]
+        vectors.append([vector_sha256(row.tolist()) for row in rows])
+    hashed = [r.get("embeddings_sha256") for r in receipts]
+    if api == OAI_EMBEDDINGS:
+        got, hashed = [[v[0] for v in vectors]], [hashed[0]]
+    else:
+        got = vectors
+    for i, (mine, theirs) in enumerate(zip(got, hashed)):
+        if mine != theirs:
+            where = next((j for j, (a, b) in enumerate(zip(mine, theirs or [])) if a != b), 0)
+            return f"refuse: vector {where} of answer {i} is not what the model computes"
+    n = sum(len(v) for v in got)
+    return f"identical: {n} vectors, {sum(len(t) for t in tokens)} tokens"

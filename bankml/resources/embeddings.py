@@ -1,0 +1,156 @@
+"""The embedding endpoints on the native engine: llama-server's ``POST /v1/embeddings``,
+``/embedding``, ``/embeddings`` (``Embeddings``) and Ollama's ``POST /api/embed``,
+``/api/embeddings`` (``OllamaEmbed``).
+
+Each request is read and tokenized on the bridge's prepare thread (a refusal is llama-server's
+or Ollama's status and error object, nothing computed), computed on the engine thread (in turn
+with the runs), and answered on the reactor thread with its receipt
+(bankml/native/embed.py). The model file's identity is checked before and after: changed, the
+answer is a 503 and no receipt.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from twisted.python.failure import Failure
+from twisted.web.server import NOT_DONE_YET, Request
+
+from bankml.formats.embeddings import ollama_error
+from bankml.formats.errors import ApiError, error_body
+from bankml.formats.nlohmann import dumps, loads_json
+from bankml.formats.ollama_wire import dumps as ollama_dumps
+from bankml.resources.ollama import Unknown
+from bankml.resources.runs import read_json_object
+from bankml.serving.writers import JsonResource, gone, write_json
+
+
+class EmbeddingSource(Protocol):
+    """What the endpoints ask (bankml/native/embed.py's ``Embedder``)."""
+
+    native: Any
+
+    def parse(self, body: dict[str, Any], raw: bytes, oai: bool, started: float) -> Any: ...
+
+    def parse_ollama(
+        self, body: dict[str, Any], raw: bytes, legacy: bool, started: float, started_ns: int
+    ) -> Any: ...
+
+    def compute(self, job: Any) -> Any: ...
+
+    def answer(self, job: Any) -> Any: ...
+
+
+class _EmbeddingResource(JsonResource):
+    isLeaf = True
+
+    def __init__(self, embedder: EmbeddingSource) -> None:
+        super().__init__()
+        self.embedder = embedder
+
+    def _refuse(self, request: Request, err: ApiError) -> None:
+        write_json(request, err.status, err.as_bytes())
+
+    def _run(self, request: Request, parse: Any, *args: Any) -> None:
+        native = self.embedder.native
+        problem = native.identity_problem()
+        if problem is not None:
+            write_json(request, 503, error_body(503, problem))
+            return
+        bridge = native.bridge
+        d = bridge.prepare(parse, *args)
+        d.addCallback(lambda job: bridge.call(self.embedder.compute, job))
+        d.addCallback(self._answer, request)
+        d.addErrback(self._failed, request)
+
+    def _answer(self, job: Any, request: Request) -> None:
+        if gone(request):
+            return
+        problem = self.embedder.native.identity_problem()
+        if problem is not None:
+            write_json(request, 503, error_body(503, problem))
+            return
+        self._write(request, self.embedder.answer(job))
+
+    def _write(self, request: Request, body: Any) -> None:
+        write_json(request, 200, dumps(body))
+
+    def _failed(self, failure: Failure, request: Request) -> None:
+        if gone(request):
+            return
+        err = failure.value
+        if isinstance(err, ApiError):
+            self._refuse(request, err)
+        else:
+            write_json(request, 500, error_body(500, failure.getErrorMessage()))
+
+
+class Embeddings(_EmbeddingResource):
+    """``POST /v1/embeddings`` (``oai``: OpenAI's object) or ``/embedding``, ``/embeddings``
+    (llama-server's array)."""
+
+    def __init__(self, embedder: EmbeddingSource, oai: bool) -> None:
+        super().__init__(embedder)
+        self.oai = oai
+
+    def render_POST(self, request: Request) -> Any:
+        started = time.monotonic()
+        try:
+            raw, body = read_json_object(request)
+        except ApiError as err:
+            self._refuse(request, err)
+            return NOT_DONE_YET
+        self._run(request, self.embedder.parse, body, raw, self.oai, started)
+        return NOT_DONE_YET
+
+
+class OllamaEmbed(_EmbeddingResource):
+    """``POST /api/embed`` or (``legacy``) ``/api/embeddings``, Ollama's error shape; another
+    method, or a longer path, is the 404 of Ollama's routes (``host``: their OllamaRoutes)."""
+
+    def __init__(self, embedder: EmbeddingSource, legacy: bool, host: Any = None) -> None:
+        super().__init__(embedder)
+        self.legacy = legacy
+        self.host = host
+
+    def render(self, request: Request) -> Any:
+        extra = request.postpath and request.postpath != [b""]
+        if self.host is not None and (request.method != b"POST" or extra):
+            return Unknown(self.host).render(request)
+        return super().render(request)
+
+    def render_POST(self, request: Request) -> Any:
+        started, started_ns = time.monotonic(), time.time_ns()
+        raw = request.content.read() if request.content is not None else b""
+        if not raw.strip():
+            self._refuse(request, ollama_error(400, "missing request body"))
+            return NOT_DONE_YET
+        try:
+            body = loads_json(raw)
+        except ValueError as err:
+            self._refuse(request, ollama_error(400, str(err)))
+            return NOT_DONE_YET
+        if not isinstance(body, dict):
+            self._refuse(request, ollama_error(400, "the request body must be an object"))
+            return NOT_DONE_YET
+        self._run(request, self.embedder.parse_ollama, body, raw, self.legacy, started, started_ns)
+        return NOT_DONE_YET
+
+    def _refuse(self, request: Request, err: ApiError) -> None:
+        body = err.body
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            body = {"error": body["error"].get("message", "")}  # Ollama's shape
+        write_json(request, err.status, ollama_dumps(body))
+
+    def _write(self, request: Request, body: Any) -> None:
+        write_json(request, 200, ollama_dumps(body))
+
+    def _failed(self, failure: Failure, request: Request) -> None:
+        if gone(request):
+            return
+        err = failure.value
+        if isinstance(err, ApiError):
+            self._refuse(request, err)
+        else:
+            write_json(request, 500, ollama_dumps({"error": failure.getErrorMessage()}))

@@ -1,0 +1,244 @@
+"""Embeddings side by side: ``bankml llama-server`` and the real llama-server started with the
+same ``--embeddings --pooling ...`` flags on the default model, the vectors compared bit for
+bit as float32 (the official ``openai`` client and raw HTTP), the receipts checked by
+``bankml check-receipt``, Ollama's /api/embed through the official ``ollama`` client, and the
+refusals of bad input."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+
+from tests.bankml_process import check_receipt_cli
+from tests.dropin import Pair, call, pair_fixture
+
+mean_pair = pair_fixture(["--embeddings", "--pooling", "mean"])
+last_pair = pair_fixture(["--embeddings", "--pooling", "last", "--embd-normalize", "3"])
+none_pair = pair_fixture(["--embeddings", "--pooling", "none"])
+
+TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4]
+
+
+def f32(values: Any) -> numpy.ndarray:
+    return numpy.asarray(values, dtype=numpy.float64).astype(numpy.float32)
+
+
+def post(port: int, path: str, body: Any) -> tuple[int, Any, bytes]:
+    status, _, raw = call(port, "POST", path, body)
+    return status, json.loads(raw), raw
+
+
+def public_key(pair: Pair) -> str:
+    status, _, raw = call(pair.ports[0], "GET", "/bankml/key")
+    assert status == 200
+    return str(json.loads(raw)["public_key"])
+
+
+def assert_receipt_holds(pair: Pair, tmp_path: Path, body: Any, raw: bytes) -> None:
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, public_key(pair))
+    assert code == 0, out
+
+
+def test_openai_client_mean_pooling_is_llama_servers_bits(mean_pair: Pair) -> None:
+    from openai import OpenAI
+
+    got = []
+    for port in mean_pair.ports:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        got.append(client.embeddings.create(model="m", input=TEXTS))
+    ours, theirs = got
+    assert len(ours.data) == len(theirs.data) == 2
+    for a, b in zip(ours.data, theirs.data):
+        assert a.index == b.index
+        assert numpy.array_equal(f32(a.embedding), f32(b.embedding))
+    assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
+
+
+def test_raw_http_base64_and_tokens_and_receipt(mean_pair: Pair, tmp_path: Path) -> None:
+    body = {"input": [[1, 2, 3, 4, 5], "a b c"], "encoding_format": "base64", "embd_normalize": 0}
+    (s1, ours, raw), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in mean_pair.ports)
+    assert s1 == s2 == 200
+    assert [list(d) for d in ours["data"]] == [list(d) for d in theirs["data"]]
+    for a, b in zip(ours["data"], theirs["data"]):
+        assert base64.b64decode(a["embedding"]) == base64.b64decode(b["embedding"])
+    receipt = ours["bankml_receipt"]
+    assert receipt["api"] == "embeddings" and receipt["embd_normalize"] == 0
+    assert receipt["embeddings_sha256"] == [
+        hashlib.sha256(base64.b64decode(d["embedding"])).hexdigest() for d in ours["data"]
+    ]
+    assert_receipt_holds(mean_pair, tmp_path, body, raw)
+    # a vector changed by one bit is refused
+    changed = json.loads(raw)
+    vec = bytearray(base64.b64decode(changed["data"][1]["embedding"]))
+    vec[0] ^= 1
+    changed["data"][1]["embedding"] = base64.b64encode(bytes(vec)).decode()
+    code, out = check_receipt_cli(
+        tmp_path, json.dumps(body).encode(), json.dumps(changed).encode(), public_key(mean_pair)
+    )
+    assert code != 0 and "vector 1" in out
+
+
+def test_llama_shape_content_replay_and_completions_still_answer(
+    mean_pair: Pair, tmp_path: Path, default_model: Path, default_fork: Path
+) -> None:
+    body = {"content": TEXTS, "embd_normalize": 1}  # taxicab
+    (s1, ours, raw), (s2, theirs, _) = (post(p, "/embedding", body) for p in mean_pair.ports)
+    assert s1 == s2 == 200
+    assert len(ours) == len(theirs) == 2 and [r["index"] for r in ours] == [0, 1]
+    for a, b in zip(ours, theirs):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    replay = ("--replay", str(default_model), "--fork", str(default_fork))
+    code, out = check_receipt_cli(
+        tmp_path, json.dumps(body).encode(), raw, public_key(mean_pair), *replay
+    )
+    assert code == 0 and "replay: identical: 2 vectors" in out, out
+    # llama-server with --embeddings still completes (its prompt cut in batches of -ub)
+    req = {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0}
+    (c1, one, _), (c2, two, _) = (post(p, "/completion", req) for p in mean_pair.ports)
+    assert c1 == c2 == 200 and one["content"] == two["content"]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/embeddings", {}),
+        ("/v1/embeddings", {"input": []}),
+        ("/v1/embeddings", {"input": ""}),
+        ("/v1/embeddings", {"input": [99999999]}),
+        ("/v1/embeddings", {"input": "hi", "encoding_format": "b"}),
+        ("/v1/embeddings", {"input": "hi", "encoding_format": 5}),
+        ("/v1/embeddings", {"input": 5}),
+        ("/v1/embeddings", {"input": [[]]}),
+        ("/v1/embeddings", {"input": ["a", ""]}),
+        ("/v1/embeddings", {"input": "hi", "embd_normalize": "2"}),
+    ],
+)
+def test_bad_input_is_llama_servers_refusal(mean_pair: Pair, path: str, body: Any) -> None:
+    (s1, ours, _), (s2, theirs, _) = (post(p, path, body) for p in mean_pair.ports)
+    assert s1 == s2 == 400
+    assert ours == theirs
+
+
+def test_an_input_over_the_micro_batch_is_a_400_with_llama_servers_message(
+    mean_pair: Pair,
+) -> None:
+    body = {"input": "hi " * 600}
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in mean_pair.ports)
+    assert s2 == 500  # llama-server answers it as its own error
+    assert s1 == 400 and ours["error"]["message"] == theirs["error"]["message"]
+    assert "too large to process" in ours["error"]["message"]
+
+
+def test_ollama_client_embed_and_legacy_embeddings(mean_pair: Pair, tmp_path: Path) -> None:
+    import ollama
+
+    client = ollama.Client(host=f"http://127.0.0.1:{mean_pair.listen_port}")
+    model = next(m.model for m in client.list().models if m.model.startswith("smollm2"))
+    assert "embedding" in (client.show(model).capabilities or [])
+    out = client.embed(model=model, input=TEXTS)
+    assert len(out.embeddings) == 2 and len(out.embeddings[0]) == 576
+    # Ollama's normalisation of llama-server's mean vector (taken raw: embd_normalize -1)
+    _, raw_mean, _ = post(
+        mean_pair.ports[1], "/v1/embeddings", {"input": TEXTS, "embd_normalize": -1}
+    )
+    for got, ref in zip(out.embeddings, raw_mean["data"]):
+        v = f32(ref["embedding"])
+        total = numpy.float32(0)
+        for x in v:
+            total = numpy.float32(total + numpy.float32(x * x))
+        norm = numpy.float32(1.0 / numpy.sqrt(numpy.float64(total)))
+        assert numpy.array_equal(f32(got), v * norm)
+    cut = client.embed(model=model, input="Hello", dimensions=8)
+    assert len(cut.embeddings[0]) == 8
+    assert abs(float(numpy.linalg.norm(f32(cut.embeddings[0]))) - 1.0) < 1e-5
+    body = {"model": model, "input": "Hello"}
+    status, _, raw = call(mean_pair.listen_port, "POST", "/api/embed", body)
+    assert status == 200
+    assert_receipt_holds(mean_pair, tmp_path, body, raw)
+    legacy = {"model": model, "prompt": "Hello"}
+    status, _, raw = call(mean_pair.listen_port, "POST", "/api/embeddings", legacy)
+    assert status == 200 and len(json.loads(raw)["embedding"]) == 576
+    assert_receipt_holds(mean_pair, tmp_path, legacy, raw)
+    status, _, raw = call(
+        mean_pair.listen_port, "POST", "/api/embed", {"model": "m", "input": ["a", 5]}
+    )
+    assert status == 400 and json.loads(raw) == {"error": "invalid input type"}
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model="no-such-model", input="a")
+    assert refused.value.status_code == 404 and "not found" in refused.value.error
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=model, input="a", keep_alive="soon")
+    assert refused.value.status_code == 400
+    assert client.embed(model=model, input="a", keep_alive=0).embeddings
+    assert client.ps().models == []  # keep_alive 0: unloaded after the answer
+
+
+def test_last_pooling_and_p_norm_several_inputs(last_pair: Pair, tmp_path: Path) -> None:
+    body = {"input": TEXTS + ["x"]}
+    (s1, ours, raw), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in last_pair.ports)
+    assert s1 == s2 == 200
+    for a, b in zip(ours["data"], theirs["data"], strict=True):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    assert ours["usage"] == theirs["usage"]
+    assert_receipt_holds(last_pair, tmp_path, body, raw)
+
+
+def test_none_pooling_gives_every_tokens_vector(none_pair: Pair, tmp_path: Path) -> None:
+    body = {"content": TEXTS}
+    (s1, ours, raw), (s2, theirs, _) = (post(p, "/embeddings", body) for p in none_pair.ports)
+    assert s1 == s2 == 200
+    for a, b in zip(ours, theirs, strict=True):
+        assert len(a["embedding"]) > 1
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    assert_receipt_holds(none_pair, tmp_path, body, raw)
+    (s1, ours, _), (s2, theirs, _) = (
+        post(p, "/v1/embeddings", {"input": "hi"}) for p in none_pair.ports
+    )
+    assert s1 == s2 == 400 and ours == theirs  # pooling none is not OpenAI's shape
+
+
+@pytest.fixture(scope="module")
+def p0_embeddings(
+    signing_key: Any,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Any:
+    from tests.bankml_process import spawned_p0
+
+    log = tmp_path_factory.mktemp("p0") / "p0.log"
+    flags = ["--embeddings", "--pooling", "mean"]
+    with spawned_p0(signing_key, default_model, default_fork, llama_server_bin, log, flags) as p0:
+        yield p0
+
+
+def test_p0_passes_the_flags_and_its_receipts_cover_the_vectors(
+    p0_embeddings: Any, mean_pair: Pair, tmp_path: Path
+) -> None:
+    cmdline = Path(f"/proc/{p0_embeddings.engine_pid()}/cmdline").read_bytes().split(b"\0")
+    assert b"--embeddings" in cmdline and cmdline[cmdline.index(b"--pooling") + 1] == b"mean"
+    body = {"input": TEXTS}
+    status, answer, raw = post(p0_embeddings.port, "/v1/embeddings", body)
+    assert status == 200
+    _, direct, _ = post(mean_pair.ports[0], "/v1/embeddings", body)  # bankml's own engine
+    for a, b in zip(answer["data"], direct["data"], strict=True):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    receipt = answer["bankml_receipt"]
+    assert receipt["api"] == "embeddings" and receipt["engine"].startswith("llama-server")
+    key = p0_embeddings.get("/bankml/key")[1]["public_key"]
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+    assert code == 0, out
+    body = {"content": "Hello"}
+    status, results, raw = post(p0_embeddings.port, "/embedding", body)
+    assert status == 200 and "bankml_receipt" in results[0]
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+    assert code == 0, out
+    status, refused, _ = post(p0_embeddings.port, "/v1/embeddings", {"input": ""})
+    assert status == 400 and "bankml_receipt" not in refused  # llama-server's refusal as it is
