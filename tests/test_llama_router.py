@@ -148,3 +148,34 @@ def test_load_unload_and_answers_as_llama_server(pair: Pair) -> None:
     # the unpinned file: llama-server would load it; bankml refuses it with the reason
     status, _, raw = call(ours, "POST", "/models/load", {"model": "unpinned"})
     assert status == 400 and "not pinned" in json.loads(raw)["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[int]:
+    """The drop-in in router mode with ``--models-max 1``: its port."""
+    directory = tmp_path_factory.mktemp("router-one") / "models"
+    directory.mkdir()
+    for name, (spec, seed) in TINY.items():
+        pin_into(directory, write_tiny_model(directory / f"{name}.gguf", spec, default_model, seed))
+    port = free_port()
+    args = ["--models-dir", str(directory), "--models-max", "1", "--host", "127.0.0.1"]
+    args += ["-c", "2048", "-t", "2", "--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
+    proc = start_dropin(args, port, directory.parent / "bankml.log")
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_with_one_model_at_most_each_request_loads_the_model_it_names(
+    one_at_a_time: int,
+) -> None:
+    """At ``--models-max 1`` a request naming the model that is not loaded puts the other away
+    and is answered by the one it names, as llama-server's router does."""
+    for name in (SECOND, FIRST, SECOND):
+        status, _, raw = call(one_at_a_time, "POST", "/v1/completions", {**BODY, "model": name})
+        assert status == 200, raw
+        assert json.loads(raw)["model"] == name
+        states = {n: m["status"]["value"] for n, m in models(one_at_a_time).items()}
+        assert states == {name: "loaded", **{n: "unloaded" for n in TINY if n != name}}

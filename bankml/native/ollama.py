@@ -281,7 +281,9 @@ class OllamaHost:
         native.waker = self.wake
         native.used = self.used
         native.rewrite = self.layered_v1
-        if max_loaded > 1:  # the /v1 model field chooses among the catalog's models
+        if max_loaded > 1 or self.options.get("router"):
+            # the /v1 model field chooses among the catalog's models (in router mode even with
+            # one resident at most: each request loads the model it names, as llama-server's)
             native.select = self.select
             native.hold = self.hold
             native.residents = self.residents
