@@ -217,8 +217,8 @@ class SpawnedModels:
             retry = self.startup.retry_after_s if err.busy else None
             write_error(request, err.status, err.message, retry)
         else:
-            _log.failure("verifying a model failed", failure)
-            write_error(request, 500, f"bankml could not verify the model: {err}")
+            _log.failure("loading a model failed", failure)
+            write_error(request, 500, f"bankml could not load the model: {err}")
 
     def _acquire(self, request: Request, pin: Pin, verified: Verified | None = None) -> None:
         if gone(request):
@@ -228,7 +228,7 @@ class SpawnedModels:
             self._hashed[verified.path] = verified
         try:
             acquired = self.residency.acquire(pin, self.startup.reactor.seconds())
-        except LoadError:
+        except Exception:  # LoadError: its status; anything else logged, 500
             self._refuse(request, Failure())
             return
         finally:
