@@ -117,16 +117,17 @@ class Options(usage.Options):
             "registry",
             None,
             None,
-            "with --native: also serve every *.FORK.json model of this directory (a bare "
-            "--registry: $BANKML_FORKS, else ~/.local/share/bankml/forks)",
+            "with --native or --spawn: also serve every *.FORK.json model of this directory "
+            "(a bare --registry: $BANKML_FORKS, else ~/.local/share/bankml/forks)",
         ],
         ["keep-alive", None, "5m", "with --native: how long a model stays loaded (Go duration)"],
         [
             "max-loaded",
             None,
             1,
-            "with --native: models resident at once, each with its own engine; past it the "
-            "least recently used idle one is unloaded (1)",
+            "with --native or --spawn: models resident at once, each with its own engine "
+            "(--spawn: its own llama-server); past it the least recently used idle one is "
+            "unloaded (1)",
             int,
         ],
         [
@@ -134,7 +135,8 @@ class Options(usage.Options):
             None,
             None,
             "with --native: the most the resident models may need together, each its file "
-            "and KV cache (bytes, or with K, M, G, T; default: half of the RAM)",
+            "and KV cache (bytes, or with K, M, G, T; default: half of the RAM); with "
+            "--spawn: their files together (default: no bound)",
         ],
         [
             "max-queue",
@@ -313,6 +315,8 @@ class Options(usage.Options):
     def check_ollama(self) -> None:
         """The Ollama options: --native only, a readable keep-alive, loopback addresses."""
         given = [n for n in ("registry", "ollama-listen") if self[n]]
+        if self["spawn"] and given == ["registry"]:  # --spawn runs a llama-server per model
+            given = []
         if given and not self["native"]:
             raise usage.UsageError(f"--{given[0]} serves Ollama's API: it needs --native")
         try:
@@ -321,8 +325,10 @@ class Options(usage.Options):
             raise usage.UsageError(f"--keep-alive: {err}") from None
         if self["max-loaded"] < 1:
             raise usage.UsageError("--max-loaded: at least 1")
-        if self["max-loaded"] != 1 and not self["native"]:
-            raise usage.UsageError("--max-loaded serves several models natively: it needs --native")
+        if self["max-loaded"] != 1 and not (self["native"] or self["spawn"]):
+            raise usage.UsageError(
+                "--max-loaded serves several models: it needs --native or --spawn"
+            )
         if self["models-memory"] is not None:
             try:
                 self["models-memory"] = parse_size(self["models-memory"])

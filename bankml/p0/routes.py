@@ -140,7 +140,7 @@ class LlamaServerRoutes(JsonResource):
 class P0Root(Branch):
     """/bankml and /openapi.json are bankml's; every other path is llama-server's."""
 
-    def __init__(self, routes: LlamaServerRoutes) -> None:
+    def __init__(self, routes: Resource) -> None:
         super().__init__()
         self.routes = routes
 
@@ -151,9 +151,12 @@ class P0Root(Branch):
         return self.routes.render(request)
 
 
-def p0_root(gateway: Gateway, sampler: UsageSampler, *, webui: bool = True) -> Resource:
-    """The listen address's tree; ``webui`` adds the web page at ``/ui`` (resources/web.py)."""
-    root = P0Root(LlamaServerRoutes(gateway))
+def p0_root(
+    gateway: Gateway, sampler: UsageSampler, *, webui: bool = True, routes: Resource | None = None
+) -> Resource:
+    """The listen address's tree; ``webui`` adds the web page at ``/ui`` (resources/web.py);
+    ``routes`` answers llama-server's paths (default: ``LlamaServerRoutes`` on ``gateway``)."""
+    root = P0Root(routes if routes is not None else LlamaServerRoutes(gateway))
     root.putChild(b"bankml", BankmlResource(gateway, sampler))
     root.putChild(b"openapi.json", LlamaRoute(ApiDescription()))
     if webui:

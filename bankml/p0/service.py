@@ -22,6 +22,7 @@ from bankml.gate.verify import sha256_file
 from bankml.p0 import gateway as gw
 from bankml.p0 import llama_args
 from bankml.p0.gateway import Gateway, make_agent
+from bankml.p0.models import ModelRoutes, SpawnedModels, several_models, spawned_registry
 from bankml.p0.routes import p0_root
 from bankml.process_protocol import EngineFailed, EngineProcess
 from bankml.serving.access import AccessControl, CorsPolicy
@@ -138,10 +139,10 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
         engine_digest=sha256_file(options["spawn"], progress=False) if spawned else None,
         receipt_log=receipt_log_before_listening(options["receipt-log"]),
     )
-    engine = None
-    if options["mode"] == "spawn":
-        engine = EngineProcess(
-            gateway,
+
+    def make_engine(on: Gateway) -> EngineProcess:
+        return EngineProcess(
+            on,
             options["spawn"],
             threads=options["threads"],
             ctx=options["ctx"],
@@ -150,12 +151,32 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
             extra_args=options["engine_args"],
             restart_delay=options["restart_delay"],
         )
+
+    engine = make_engine(gateway) if options["mode"] == "spawn" else None
+    models = None
+    if engine is not None and several_models(options):  # one llama-server per resident model
+        models = SpawnedModels(
+            spawned_registry(options, verified),
+            gateway,
+            None,
+            make_engine,
+            max_loaded=int(options["max-loaded"]),
+            budget=options["models-memory"],
+        )
+        models.adopt_startup(engine)
     sampler = UsageSampler(reactor, EngineFinder(gateway))
     access = options["llama"]
+    routes = ModelRoutes(models) if models is not None else None
     # CORS and the API key before any endpoint, as natively (llama-server's own checks)
     site = LoopbackSite(
-        AccessControl(p0_root(gateway, sampler), access["api_keys"], CorsPolicy(**access["cors"]))
+        AccessControl(
+            p0_root(gateway, sampler, routes=routes),
+            access["api_keys"],
+            CorsPolicy(**access["cors"]),
+        )
     )
     served = P0Service(options, gateway, site, engine)
+    if models is not None:
+        models.parent = served  # each model's llama-server is stopped with the service
     served.receipt_log = gateway.receipt_log  # synced and closed by the service
     return served

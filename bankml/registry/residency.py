@@ -219,6 +219,11 @@ class Residency:
             why = "another model was asked for" if counted else "--models-memory needed room"
             self.drop(why, idle.pin.name)  # the least recently used idle one
 
+    def verify_pin(self, pin: Pin) -> verify.Verified:
+        """``pin``'s file verified in full as a load verifies it (LoadError when refused),
+        changing nothing here: a caller may run it on another thread before ``acquire``."""
+        return self._verify(pin)
+
     def _verify(self, pin: Pin) -> verify.Verified:
         assert pin.path is not None
         before = self._current_ident(os.path.realpath(pin.path))

@@ -1,0 +1,216 @@
+"""P0 with several models (``bankml serve --spawn BIN --registry DIR --max-loaded 2``): the
+default model and two tiny generated pinned ones, each run by its own supervised llama-server
+and chosen by the request's ``model`` through the official ``openai`` client. Each answer equals
+the real llama-server's on that file alone, its receipt names that file's sha256 and checks
+valid; at the bound the least recently used llama-server is stopped; an unknown model is 404, a
+file changed since it was pinned 503; a killed llama-server is restarted on its own while the
+other model keeps answering."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from bankml.gate.verify import sha256_file
+from bankml.receipts.keys import SigningKey
+from tests.bankml_process import BankmlProcess, check_receipt_cli, process_gone
+from tests.registry_support import pin_into
+from tests.support import DEFAULT_SHA256, LlamaServer, free_port, http_json
+from tests.tiny_models import TinySpec, write_tiny_model
+
+PROMPT = "The capital of France is"
+N_PREDICT = 8
+TINY = {"tiny-a": 1, "tiny-b": 2}  # name -> the generator's seed
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
+    """Two tiny models pinned, and a third pinned then changed."""
+    directory = tmp_path_factory.mktemp("p0-several") / "forks"
+    directory.mkdir()
+    for name, seed in [*TINY.items(), ("tiny-changed", 3)]:
+        path = write_tiny_model(
+            directory / f"{name}.gguf", TinySpec("llama", T.F16), default_model, seed
+        )
+        pin_into(directory, path)
+    with open(directory / "tiny-changed.gguf", "r+b") as f:  # same size, its last byte flipped
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0x01]))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory,
+    registry: Path,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    signing_key: SigningKey,
+) -> Iterator[BankmlProcess]:
+    log = tmp_path_factory.mktemp("p0-several-log") / "bankml.log"
+    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{free_port()}"]
+    engine += ["--receipt-key", str(signing_key.path), "--registry", str(registry)]
+    engine += ["--max-loaded", "2", "--restart-delay", "0.5"]
+    with BankmlProcess(default_model, default_fork, engine, log) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def reference(
+    registry: Path, reference_server: LlamaServer, llama_server_bin: Path
+) -> dict[str, str]:
+    """Each model's greedy answer from a plain llama-server on its file alone."""
+    body = {"prompt": PROMPT, "max_tokens": N_PREDICT, "temperature": 0}
+    out = {"": http_json(reference_server.url + "/v1/completions", body)[1]["choices"][0]["text"]}
+    for name in TINY:
+        with LlamaServer(registry / f"{name}.gguf", binary=llama_server_bin) as alone:
+            status, answer = http_json(alone.url + "/v1/completions", body)
+            assert status == 200, answer
+            out[name] = answer["choices"][0]["text"]
+    return out
+
+
+def client(server: BankmlProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def complete(server: BankmlProcess, model: str) -> tuple[str, bytes, bytes]:
+    """(text, request bytes, response bytes) of a greedy completion naming ``model``."""
+    raw = client(server).completions.with_raw_response.create(
+        model=model, prompt=PROMPT, max_tokens=N_PREDICT, temperature=0
+    )
+    return raw.parse().choices[0].text, raw.http_request.content, raw.http_response.content
+
+
+def engines(server: BankmlProcess) -> dict[str, int]:
+    """The running llama-servers bankml started: model file name -> pid."""
+    assert server.proc is not None
+    out = {}
+    for child in psutil.Process(server.proc.pid).children():
+        try:
+            argv = child.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if child.status() != psutil.STATUS_ZOMBIE and "-m" in argv:
+            out[Path(argv[argv.index("-m") + 1]).name] = child.pid
+    return out
+
+
+def test_each_model_answers_as_alone_with_its_receipt(
+    server: BankmlProcess,
+    reference: dict[str, str],
+    registry: Path,
+    default_model: Path,
+    signing_key: SigningKey,
+    tmp_path: Path,
+) -> None:
+    """Three models in turn at --max-loaded 2: each answer is the plain llama-server's on that
+    file, its receipt names that file's sha256 and checks valid; the third stops the least
+    recently used llama-server."""
+    startup = default_model.name[: -len(".gguf")].lower()
+    first, second = TINY
+    text, _, resp = complete(server, startup)
+    assert text == reference[""]
+    assert json.loads(resp)["bankml_receipt"]["model_sha256"] == DEFAULT_SHA256
+    assert set(engines(server)) == {default_model.name}
+    text, req, resp = complete(server, first)
+    assert text == reference[first]
+    sha = sha256_file(registry / f"{first}.gguf", progress=False)
+    assert json.loads(resp)["bankml_receipt"]["model_sha256"] == sha
+    assert (
+        check_receipt_cli(tmp_path, req, resp, signing_key.public_key_pem, "--model-sha256", sha)[0]
+        == 0
+    )
+    assert set(engines(server)) == {default_model.name, f"{first}.gguf"}
+    old = engines(server)[default_model.name]
+    text, _, resp = complete(server, second)  # the bound: the startup model's is stopped
+    assert text == reference[second]
+    assert json.loads(resp)["bankml_receipt"]["model_sha256"] == sha256_file(
+        registry / f"{second}.gguf", progress=False
+    )
+    assert process_gone(old)
+    assert set(engines(server)) == {f"{first}.gguf", f"{second}.gguf"}
+    text, _, resp = complete(server, startup)  # started again, verified again
+    assert text == reference[""]
+    assert json.loads(resp)["bankml_receipt"]["model_sha256"] == DEFAULT_SHA256
+    assert set(engines(server)) == {default_model.name, f"{second}.gguf"}
+
+
+def test_unknown_model_404_changed_file_503(
+    server: BankmlProcess, reference: dict[str, str]
+) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        complete(server, "no-such-model")
+    assert "no-such-model" in str(err.value)
+    with pytest.raises(openai.InternalServerError) as changed:
+        complete(server, "tiny-changed")
+    assert changed.value.status_code == 503
+    running = engines(server)
+    assert "tiny-changed.gguf" not in running
+    second = list(TINY)[1]
+    assert complete(server, second)[0] == reference[second]
+    assert engines(server) == running
+
+
+def test_killed_llama_server_restarted_alone(
+    server: BankmlProcess, reference: dict[str, str], default_model: Path
+) -> None:
+    startup = default_model.name[: -len(".gguf")].lower()
+    second = list(TINY)[1]
+    assert complete(server, second)[0] == reference[second]
+    assert complete(server, startup)[0] == reference[""]
+    before = engines(server)
+    killed = before[f"{second}.gguf"]
+    os.kill(killed, signal.SIGKILL)
+    assert process_gone(killed)
+    assert complete(server, startup)[0] == reference[""]
+    assert engines(server)[default_model.name] == before[default_model.name]
+    deadline = time.monotonic() + 120
+    while True:  # 503 with Retry-After while it restarts
+        try:
+            text = complete(server, second)[0]
+            break
+        except openai.InternalServerError as err:
+            assert err.status_code == 503
+            assert time.monotonic() < deadline, "not restarted"
+            time.sleep(0.2)
+    assert text == reference[second]
+    after = engines(server)
+    assert after[f"{second}.gguf"] != killed
+    assert after[default_model.name] == before[default_model.name]
+
+
+def test_several_models_need_spawn_or_native(llama_server_bin: Path, tmp_path: Path) -> None:
+    """--registry and --max-loaded take --spawn (or --native); with --upstream they are refused."""
+    from twisted.python import usage
+
+    from bankml.tap import Options
+
+    def parsed(*args: str) -> Options:
+        options = Options()
+        options.parseOptions(["m.gguf", "--fork", "f.json", *args])
+        return options
+
+    spawn = ["--spawn", str(llama_server_bin)]
+    got = parsed(*spawn, "--registry", str(tmp_path), "--max-loaded", "3")
+    assert (got["registry"], got["max-loaded"], got["mode"]) == (str(tmp_path), 3, "spawn")
+    for args, words in (
+        (["--max-loaded", "2"], "it needs --native or --spawn"),
+        (["--registry", str(tmp_path)], "needs --native"),
+        ([*spawn, "--max-loaded", "0"], "--max-loaded: at least 1"),
+    ):
+        with pytest.raises(usage.UsageError) as err:
+            parsed(*args)
+        assert words in str(err.value)
