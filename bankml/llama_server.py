@@ -86,8 +86,12 @@ NOT_HERE = "bankml's native engine does not have this feature"
 LOOPBACK = "bankml listens on loopback in plain HTTP only"
 SPECULATIVE = (
     "bankml's native engine drafts only as --spec-type ngram-simple, ngram-map-k, "
-    "ngram-map-k4v or ngram-mod "
+    "ngram-map-k4v, ngram-mod or ngram-cache "
     "(speculative decoding)"
+)
+LOOKUP_FILES = (
+    "bankml reads no n-gram lookup files (they are not pinned); --spec-type ngram-cache "
+    "drafts from each slot's own history"
 )
 NO_MEDIA = "bankml reads no images, audio or video"
 DEFAULT = "it is the default"
@@ -379,8 +383,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--spm-infill", False, REFUSE, NOT_HERE + " (/infill)"),
     _f("--kv-unified-per-slot", True, REFUSE, NOT_HERE + " (a per-slot context limit)"),
     _f("--tools-runtime", True, REFUSE, NOT_HERE),
-    _f("--lookup-cache-static -lcs", True, REFUSE, SPECULATIVE),
-    _f("--lookup-cache-dynamic -lcd", True, REFUSE, SPECULATIVE),
+    _f("--lookup-cache-static -lcs", True, REFUSE, LOOKUP_FILES),
+    _f("--lookup-cache-dynamic -lcd", True, REFUSE, LOOKUP_FILES),
     _f("--spec-default", False, REFUSE, SPECULATIVE),
     _f("--spec-draft-type-k -ctkd --cache-type-k-draft", True, REFUSE, SPECULATIVE),
     _f("--spec-draft-type-v -ctvd --cache-type-v-draft", True, REFUSE, SPECULATIVE),

@@ -96,11 +96,14 @@ def test_each_verdict_acts_as_it_says(flag: Flag) -> None:
             assert notes == [] and f"--{flag.name}" in argv
 
 
-def test_speculative_decoding_other_than_ngram_simple_stays_refused() -> None:
-    assert BY_SPELLING["--spec-type"].action == SERVE  # ngram-simple: speculative.py
-    for spelling in ("-md", "--spec-draft-n-max", "--spec-default", "-lcs"):
+def test_speculative_decoding_with_a_draft_model_or_lookup_files_stays_refused() -> None:
+    assert BY_SPELLING["--spec-type"].action == SERVE  # the n-gram kinds: speculative.py
+    for spelling in ("-md", "--spec-draft-n-max", "--spec-default"):
         assert BY_SPELLING[spelling].action == REFUSE
         assert "speculative decoding" in BY_SPELLING[spelling].reason
+    for spelling in ("-lcs", "-lcd"):
+        assert BY_SPELLING[spelling].action == REFUSE
+        assert "not pinned" in BY_SPELLING[spelling].reason
 
 
 def test_the_context_shift_flags_are_read_the_last_one_winning() -> None:

@@ -12,6 +12,8 @@ candidates, as llama-server's) and the stream must be llama-server's, greedy and
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +22,8 @@ from typing import Any
 import pytest
 
 from bankml.engine_cupy.speculative import (
+    Followers,
+    NgramCache,
     NgramMap,
     NgramMod,
     NgramSimple,
@@ -37,6 +41,7 @@ FLAGS = {
         *("--spec-ngram-mod-n-match", "8", "--spec-ngram-mod-n-min", "4"),
         *("--spec-ngram-mod-n-max", "16"),
     ],
+    "ngram-cache": ["-c", "2048", "--temp", "0", "--spec-type", "ngram-cache"],
     "ngram-map-k": [
         *("-c", "2048", "--temp", "0", "--spec-type", "ngram-map-k"),
         *("--spec-ngram-map-k-size-n", "4", "--spec-ngram-map-k-size-m", "12"),
@@ -70,8 +75,8 @@ def pair(
 
 def drafter_independent(request: pytest.FixtureRequest) -> None:
     """How drafted tokens are streamed, listed and reported does not depend on which drafter
-    drafted them: checked with ngram-simple and ngram-mod, not again for the map kinds."""
-    if request.node.callspec.params["pair"].startswith("ngram-map"):
+    drafted them: checked with ngram-simple and ngram-mod, not again for the other kinds."""
+    if request.node.callspec.params["pair"] in ("ngram-map-k", "ngram-map-k4v", "ngram-cache"):
         pytest.skip("drafter-independent: checked with ngram-simple and ngram-mod")
 
 
@@ -220,7 +225,7 @@ def test_the_spec_flags_read_as_llama_servers() -> None:
         "speculative"
     ] == {"ngram-map-k4v": {"size_n": 12, "size_m": 48, "min_hits": 3}}
     for refused in (
-        {"spec-type": "ngram-cache"},
+        {"spec-type": "ngram-lookup"},
         {"spec-type": "ngram-map-k", "spec-ngram-map-k-size-n": "0"},
         {"spec-type": "ngram-map-k4v", "spec-ngram-map-k4v-min-hits": "0"},
         {"spec-type": "ngram-mod", "spec-ngram-mod-n-match": "0"},
@@ -271,3 +276,62 @@ def test_ngram_map_k4v_drafts_the_clearly_most_frequent_continuation() -> None:
     dominant = NgramMap(key_only=False, size_n=2, size_m=2)
     dominant.begin(0, clear)
     assert dominant.draft(0, clear, 2) == [4, 4]  # drafts what followed the match found
+
+
+ORDER_PROBE = r"""
+#include <cstdio>
+#include <unordered_map>
+int main() {
+    int n;
+    while (scanf("%d", &n) == 1) {
+        std::unordered_map<int, int> followers;
+        for (int i = 0; i < n; i++) {
+            int token;
+            scanf("%d", &token);
+            auto it = followers.find(token);
+            if (it == followers.end()) followers.emplace(token, 1); else it->second++;
+        }
+        std::unordered_map<int, int> copy = followers;
+        for (auto & p : copy) printf("%d ", p.first);
+        printf("| %zu\n", copy.bucket_count());
+    }
+}
+"""
+
+
+def test_ngram_cache_followers_are_in_the_standard_librarys_order(tmp_path: Path) -> None:
+    """A tie between two followers goes to the first in the C++ map's iteration order: the
+    order kept here is the one the system's C++ standard library gives (the one llama-server
+    is built with), through its rehashes, compared with a program compiled here."""
+    import random
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    (tmp_path / "probe.cpp").write_text(ORDER_PROBE)
+    subprocess.run(
+        [compiler, "-O1", "-o", str(tmp_path / "probe"), str(tmp_path / "probe.cpp")], check=True
+    )
+    rng = random.Random(7)
+    runs = [[rng.randrange(60000) for _ in range(rng.randrange(1, 150))] for _ in range(20)]
+    runs += [[rng.randrange(40) for _ in range(200)] for _ in range(5)]
+    given = "\n".join(f"{len(r)} " + " ".join(map(str, r)) for r in runs)
+    lines = subprocess.run(
+        [str(tmp_path / "probe")], input=given, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert len(lines) == len(runs)
+    for run, line in zip(runs, lines):
+        followers = Followers()
+        for token in run:
+            followers.add(token)
+        order, buckets = line.split("|")
+        assert followers.order == [int(t) for t in order.split()]
+        assert followers.buckets == int(buckets)
+
+
+def test_ngram_cache_drafts_the_clear_followers() -> None:
+    cache = NgramCache()
+    history = [5, 1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2]
+    # after [.., 1, 2] the sampled 3: 3 -> 4 -> 9 -> 1 -> 2 -> 3 ... each seen twice
+    assert cache.draft(0, history, 3) == [4, 9, 1, 2, 3, 4, 9, 1]
+    assert NgramCache().draft(0, [7], 8) == []  # nothing seen twice

@@ -1,6 +1,7 @@
 """Speculative decoding without a draft model, as llama-server's ``--spec-type ngram-simple``,
-``ngram-map-k``, ``ngram-map-k4v`` (``NgramMap``, a table per slot) and ``ngram-mod``
-(``NgramMod``, one table for the server).
+``ngram-map-k``, ``ngram-map-k4v`` (``NgramMap``, a table per slot), ``ngram-mod``
+(``NgramMod``, one table for the server) and ``ngram-cache`` (``NgramCache``, without lookup
+files).
 
 After each sampled token the slot looks for the last ``size_n`` tokens (the sampled one
 included) earlier in its own history and, where they occurred before, proposes the ``size_m``
@@ -325,6 +326,157 @@ class NgramMap:
         state.keys[key].values[value].n_accepted = n_accepted
 
 
+# --- ngram-cache ----------------------------------------------------------------------------
+
+NGRAM_MIN, NGRAM_MAX = 1, 4  # LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX
+CACHE_DRAFT = 8  # the tokens an ngram-cache draft holds at most (llama-server's n_draft)
+LAX_MIN_SAMPLES = (2, 2, 1, 1)  # draft_min_sample_size_lax, per n-gram size 1..4
+LAX_MIN_PERCENT = (66, 50, 50, 50)  # draft_min_percent_lax
+# libstdc++'s unordered_map sizes its buckets from these (the first 14 sizes from a table, then
+# the first prime of its list not below the size asked for): its iteration order, which breaks
+# a tie between two followers, follows from them
+_FAST_BUCKETS = (2, 2, 2, 3, 5, 5, 7, 7, 11, 11, 11, 11, 13, 13)
+_PRIMES = (
+    *(17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 103, 109, 113),
+    *(127, 137, 139, 149, 157, 167, 179, 193, 199, 211, 227, 241, 257, 277, 293, 313, 337, 359),
+    *(383, 409, 439, 467, 503, 541, 577, 619, 661, 709, 761, 823, 887, 953, 1031, 1109, 1193),
+    *(1289, 1381, 1493, 1613, 1741, 1879, 2029, 2179, 2357, 2549, 2753, 2971, 3209, 3469, 3739),
+    *(4027, 4349, 4703, 5087, 5503, 5953, 6427, 6949, 7517, 8123, 8783, 9497, 10273, 11113),
+    *(12011, 12983, 14033, 15173, 16411, 17749, 19183, 20753, 22447, 24281, 26267, 28411),
+    *(30727, 33223, 35933, 38873, 42043, 45481, 49201, 53201, 57557, 62233, 67307, 72817),
+    *(78779, 85229, 92203, 99733, 107897, 116731, 126271, 136607, 147793, 159871, 172933),
+    *(187091, 202409, 218971, 236897, 256279, 277261, 299951, 324503, 351061, 379787, 410857),
+    *(444487, 480881, 520241, 562841, 608903, 658753, 712697, 771049, 834181, 902483, 976369),
+)
+
+
+class Followers:
+    """The tokens seen after one n-gram and how often (common_ngram_cache_part, a libstdc++
+    ``unordered_map<llama_token, int32_t>``), kept in that map's iteration order: a new key goes
+    before the first key of its bucket (``key % buckets``), or first of all when its bucket is
+    empty; a rehash re-inserts every key in the old order by the same rule."""
+
+    __slots__ = ("order", "counts", "buckets", "next_resize")
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self.counts: dict[int, int] = {}
+        self.buckets = 1
+        self.next_resize = 0
+
+    def add(self, token: int) -> None:
+        if token in self.counts:
+            self.counts[token] += 1
+            return
+        n = len(self.order)
+        if n + 1 > self.next_resize:  # _Prime_rehash_policy::_M_need_rehash (load factor 1)
+            least = max(n + 1, 0 if self.next_resize else 11)
+            if least >= self.buckets:
+                self._rehash(self._next_buckets(max(least + 1, self.buckets * 2)))
+            else:
+                self.next_resize = self.buckets
+        self._insert(self.order, token)
+        self.counts[token] = 1
+
+    def _next_buckets(self, n: int) -> int:
+        if n < len(_FAST_BUCKETS):
+            self.next_resize = _FAST_BUCKETS[n]
+            return _FAST_BUCKETS[n]
+        size = next(p for p in _PRIMES if p >= n)
+        self.next_resize = size
+        return size
+
+    def _insert(self, order: list[int], token: int) -> None:
+        bucket = token % self.buckets
+        for i, key in enumerate(order):
+            if key % self.buckets == bucket:
+                order.insert(i, token)
+                return
+        order.insert(0, token)
+
+    def _rehash(self, buckets: int) -> None:
+        self.buckets = buckets
+        old, self.order = self.order, []
+        for key in old:
+            self._insert(self.order, key)
+
+
+def _cache_update(cache: dict[tuple[int, ...], Followers], tokens: Sequence[int]) -> None:
+    """common_ngram_cache_update over ``tokens`` alone: each n-gram of 1..4 of them, the token
+    after it counted."""
+    for size in range(NGRAM_MIN, NGRAM_MAX + 1):
+        for i in range(size, len(tokens)):
+            gram = tuple(tokens[i - size : i])
+            followers = cache.get(gram)
+            if followers is None:
+                followers = cache[gram] = Followers()
+            followers.add(tokens[i])
+
+
+def _cache_try(cache: dict[tuple[int, ...], Followers], grams: list[tuple[int, ...]]) -> int:
+    """try_draft over the context cache (no static cache: every follower weighs the same):
+    the longest n-gram first, its most frequent follower (the first in the map's order among
+    equals) if it was seen often enough and holds its share; -1 when none does."""
+    for i in range(len(grams) - 1, -1, -1):
+        followers = cache.get(grams[i])
+        if followers is None:
+            continue
+        best, best_count, total = -1, 0, 0
+        for token in followers.order:
+            count = followers.counts[token]
+            if count > best_count:
+                best, best_count = token, count
+            total += count
+        if total < LAX_MIN_SAMPLES[i] or 100 * best_count < LAX_MIN_PERCENT[i] * total:
+            continue
+        return best
+    return -1
+
+
+@dataclass
+class NgramCache:
+    """llama-server's ``--spec-type ngram-cache`` without lookup files (common_speculative_impl_
+    ngram_cache): per slot, a cache from each n-gram of 1..4 tokens to the tokens that followed
+    it, grown from the history's new tokens at each draft (an n-gram across the previous edge is
+    not added; a history shorter than what was added adds nothing until it is longer again),
+    kept across requests. A draft of up to 8 tokens takes, token by token, the most frequent
+    follower of the longest n-gram that has a clear one."""
+
+    n_draft: int = CACHE_DRAFT
+    slots: dict[int, tuple[list[int], dict[tuple[int, ...], Followers]]] = field(
+        init=False, default_factory=dict
+    )
+
+    def begin(self, slot: int, prompt: Sequence[int]) -> None:
+        pass
+
+    def draft(self, slot: int, tokens: Sequence[int], sampled: int) -> list[int]:
+        size, cache = self.slots.setdefault(slot, ([0], {}))
+        if size[0] < len(tokens) + 1:
+            _cache_update(cache, [*tokens[size[0] :], sampled])
+            size[0] = len(tokens) + 1
+        history = [*tokens, sampled]
+        n = len(history)
+        if n < 2:  # LLAMA_NGRAM_STATIC
+            return []
+        draft: list[int] = []
+        while len(draft) < self.n_draft:
+            joined, end = history + draft, n + len(draft)
+            # an n-gram longer than the history (a prompt of one token) matches nothing
+            grams = [
+                tuple(joined[end - k : end]) if end >= k else (-1,) * k
+                for k in range(NGRAM_MIN, NGRAM_MAX + 1)
+            ]
+            token = _cache_try(cache, grams)
+            if token < 0:
+                break
+            draft.append(token)
+        return draft
+
+    def accept(self, slot: int, n_accepted: int, is_other: bool) -> None:
+        pass
+
+
 # --- ngram-mod ----------------------------------------------------------------------------------
 
 _MIX_INT = 6364136223846793005  # common_ngram_mod::idx's multiplier, on size_t (64 bits)
@@ -492,4 +644,6 @@ def drafters(kinds: dict[str, dict[str, int]] | None) -> Speculative | None:
         made.append(NgramMap(key_only=False, **kinds["ngram-map-k4v"]))
     if "ngram-mod" in kinds:
         made.append(NgramMod(**kinds["ngram-mod"]))
+    if "ngram-cache" in kinds:
+        made.append(NgramCache())
     return Speculative(made)

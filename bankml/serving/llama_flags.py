@@ -318,7 +318,7 @@ def _batch_size(options: Mapping[str, Any], name: str, default: int) -> int:
 
 
 # the draftless kinds of --spec-type bankml follows, in llama-server's order of preference
-SPEC_KINDS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
+SPEC_KINDS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
 # the speculative flags llama-server checks, with its ranges and messages: (flag, kind, key,
 # default, low, high, message)
