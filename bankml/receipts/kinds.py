@@ -20,8 +20,17 @@ OLLAMA_KIND = {"chat": OLLAMA_CHAT, "generate": OLLAMA_GENERATE}
 
 APIS = (CHAT, OAI_COMPLETION, LLAMA_COMPLETION, RESPONSES, MESSAGES, OLLAMA_CHAT, OLLAMA_GENERATE)
 
+# /infill's body: parsed as llama-server's fill-in-the-middle fields, answered (and receipted)
+# as LLAMA_COMPLETION; not an API kind of its own
+INFILL = "infill"
+
 # the kinds the engine runs itself, and the request shape it parses for each
-ENGINE_KIND = {CHAT: "chat", OAI_COMPLETION: "completion", LLAMA_COMPLETION: "completion"}
+ENGINE_KIND = {
+    CHAT: "chat",
+    OAI_COMPLETION: "completion",
+    LLAMA_COMPLETION: "completion",
+    INFILL: "infill",
+}
 
 # the kinds llama-server answers by converting the request to a chat completion first
 CONVERTED = (RESPONSES, MESSAGES)

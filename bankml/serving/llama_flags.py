@@ -239,6 +239,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "jinja": not options.get("no-jinja"),
         "verbose": _verbose(options),
         "context_shift": bool(options.get("context-shift")),
+        "spm_infill": bool(options.get("spm-infill")),  # /infill: the suffix before the prefix
         "speculative": _speculative(options),
         "n_batch": _batch_size(options, "batch-size", 2048),
         "n_ubatch": _batch_size(options, "ubatch-size", 512),
