@@ -8,7 +8,8 @@ separator (``tokenizer.ggml.fim_*_token_id``) is the model the answers are compa
 small context and batch (``-c 256 -b 64``) so that the prefix, the suffix and the extra context
 are cut as llama-server cuts them. Every answer's tokens, text and prompt must be llama-server's,
 streamed and not, greedy and seeded; bad bodies get llama-server's status and message; the
-answer's receipt verifies with ``bankml check-receipt``; ``--spm-infill`` puts the suffix first.
+answer's receipt verifies with ``bankml check-receipt``; ``--spm-infill`` puts the suffix first
+(on a copy without the file separator, whose extra files follow ``--- snippet ---`` lines).
 """
 
 from __future__ import annotations
@@ -47,31 +48,32 @@ EXTRA = [
 LONG_EXTRA = [{"filename": f"m{i}.py", "text": LONG_PREFIX} for i in range(2)] + [{"text": CODE}]
 
 
-def fim_model(directory: Path, default_model: Path) -> tuple[Path, Path]:
+def fim_model(directory: Path, default_model: Path, ids: dict[str, int]) -> tuple[Path, Path]:
     """The default model with FIM token ids in its metadata, pinned in its own FORK.json."""
     directory.mkdir(parents=True, exist_ok=True)
     model = directory / "fim.gguf"
-    extra = [kv_u32(f"tokenizer.ggml.{role}_token_id", i) for role, i in FIM_IDS.items()]
+    extra = [kv_u32(f"tokenizer.ggml.{role}_token_id", i) for role, i in ids.items()]
     model.write_bytes(with_kvs(default_model, extra))
     fork = directory / "fim.gguf.FORK.json"
     pin(model, fork)
     return model, fork
 
 
-def fim_pair(flags: list[str]) -> Any:
+def fim_pair(flags: list[str], ids: dict[str, int]) -> Any:
     @pytest.fixture(scope="module")
     def fixture(
         default_model: Path, llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
     ) -> Iterator[Pair]:
         work = tmp_path_factory.mktemp("infill")
-        model, fork = fim_model(work / "model", default_model)
+        model, fork = fim_model(work / "model", default_model, ids)
         yield from dropin_pair(flags, model, fork, llama_server_bin, work / "bankml.log")
 
     return fixture
 
 
-pair = fim_pair(FLAGS)
-spm_pair = fim_pair([*FLAGS, "--spm-infill"])
+pair = fim_pair(FLAGS, FIM_IDS)
+# without a file separator token: each extra file after a "--- snippet ---" line
+spm_pair = fim_pair([*FLAGS, "--spm-infill"], {k: v for k, v in FIM_IDS.items() if k != "fim_sep"})
 plain_pair = pair_fixture(FLAGS)  # the default model: no FIM tokens
 
 
@@ -110,6 +112,9 @@ BODIES = {
     ),
     "prefix, suffix and extra cut to the batch and context": infill(
         input_prefix=LONG_PREFIX, input_suffix=LONG_SUFFIX, input_extra=LONG_EXTRA
+    ),
+    "a prompt that is not a string (none, as llama-server reads it)": infill(
+        input_prefix=CODE, input_suffix="\n", prompt=5
     ),
     "token ids among the prefix": infill(input_prefix=["x = ", 16, "1"], input_suffix=[198]),
     "seeded sampling": infill(
@@ -187,11 +192,13 @@ def test_a_model_without_fim_tokens_is_refused_as_llama_server_refuses_it(
 
 
 def test_spm_infill_puts_the_suffix_first_as_llama_server(spm_pair: Pair) -> None:
+    """With --spm-infill, on a model without a file separator token."""
     body = BODIES["two files of extra context"]
     (_, ours), (_, theirs) = spm_pair.both("POST", "/infill", body)
     assert_same(ours, theirs)
     prompt = json.loads(ours)["prompt"]
     assert prompt.index("<jupyter_text>") < prompt.index("<jupyter_start>")
+    assert prompt.count("--- snippet ---") == 2 and "<file_sep>" not in prompt
 
 
 def test_an_infill_answer_has_a_receipt_that_verifies(pair: Pair, tmp_path: Path) -> None:
