@@ -165,6 +165,7 @@ FLAGS: tuple[Flag, ...] = (
     # a generation that fills its slot shifts the context and goes on (off: it stops there);
     # --keep: a request's default n_keep (the tokens a shift keeps)
     _f("--context-shift", False, SERVE),
+    _f("--spm-infill", False, SERVE),
     _f("--no-context-shift", False, SERVE),
     _f("--keep", True, SERVE),
     _f("--verbosity -lv --log-verbosity", True, SERVE),
@@ -380,7 +381,6 @@ FLAGS: tuple[Flag, ...] = (
     _f("--mmproj-auto", False, REFUSE, NOT_HERE + " (images, audio)"),
     _f("--special -sp", False, REFUSE, NOT_HERE + " (special tokens in the answer's text)"),
     _f("--reverse-prompt -r", True, REFUSE, PER_REQUEST + " (stop)"),
-    _f("--spm-infill", False, REFUSE, NOT_HERE + " (/infill)"),
     _f("--kv-unified-per-slot", True, REFUSE, NOT_HERE + " (a per-slot context limit)"),
     _f("--tools-runtime", True, REFUSE, NOT_HERE),
     _f("--lookup-cache-static -lcs", True, REFUSE, LOOKUP_FILES),

@@ -8,7 +8,9 @@ together; ``LLAMA_KVS`` are a minimal header's key/values (a llama architecture 
 
 from __future__ import annotations
 
+import os
 import struct
+from pathlib import Path
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
@@ -76,3 +78,25 @@ def build(
 
 
 LLAMA_KVS = [kv_str("general.architecture", "llama"), kv_str("general.name", "tiny")]
+
+
+def with_kvs(path: str | os.PathLike[str], extra: list[bytes]) -> bytes:
+    """The GGUF file at ``path`` (version 3, default alignment) with the key/values ``extra``
+    appended to its own: the tensor infos and data as they were, the data realigned."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    source = Path(path).read_bytes()
+    last = list(reader.fields.values())[-1]
+    kv_end = last.offset + sum(int(p.nbytes) for p in last.parts)
+    pos = kv_end
+    for _ in range(len(reader.tensors)):  # name, n_dims, dims, type, offset
+        (n,) = struct.unpack_from("<Q", source, pos)
+        pos += 8 + n
+        (n_dims,) = struct.unpack_from("<I", source, pos)
+        pos += 4 + 8 * n_dims + 4 + 8
+    n_tensors, n_kv = struct.unpack_from("<QQ", source, 8)
+    out = source[:8] + struct.pack("<QQ", n_tensors, n_kv + len(extra))
+    out += source[24:kv_end] + b"".join(extra) + source[kv_end:pos]
+    out += b"\0" * (-len(out) % 32)
+    return out + source[reader.data_offset :]

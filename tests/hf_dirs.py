@@ -364,10 +364,14 @@ def minilm_dir() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def tiny_bert_dir(minilm: Path, directory: Path, *, seed: int = 0) -> Path:
+def tiny_bert_dir(
+    minilm: Path, directory: Path, *, seed: int = 0, labels: list[str] | None = None
+) -> Path:
     """A small random BERT checkpoint in the original BERT naming ("bert."
     prefix, LayerNorm ``gamma``/``beta``, a pooler and an MLM head the converter drops; BF16, F16
-    and F32 weights) with MiniLM's tokenizer and CLS pooling (modules.json, 1_Pooling)."""
+    and F32 weights) with MiniLM's tokenizer and CLS pooling (modules.json, 1_Pooling). With
+    ``labels``: a ``BertForSequenceClassification`` (a reranker, a cross-encoder) instead, its
+    ``classifier`` one row per label, ``id2label`` naming them, no sentence-transformers files."""
     import shutil
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -415,9 +419,12 @@ def tiny_bert_dir(minilm: Path, directory: Path, *, seed: int = 0) -> Path:
             t[p + name + ".bias"] = tensor(shape[:1], 0.1)
         t.update(norm(p + "attention.output.LayerNorm"))
         t.update(norm(p + "output.LayerNorm"))
+    if labels is not None:  # the classifier reads the [CLS] row (scaled up: scores spread)
+        t["classifier.weight"] = tensor((len(labels), hidden), 2.0)
+        t["classifier.bias"] = tensor((len(labels),), 0.5)
     write_safetensors(directory / "model.safetensors", dict(sorted(t.items())))
-    config = {
-        "architectures": ["BertModel"],
+    config: dict[str, Any] = {
+        "architectures": ["BertModel" if labels is None else "BertForSequenceClassification"],
         "model_type": "bert",
         "hidden_size": hidden,
         "intermediate_size": n_ff,
@@ -429,9 +436,14 @@ def tiny_bert_dir(minilm: Path, directory: Path, *, seed: int = 0) -> Path:
         "vocab_size": n_vocab,
         "pad_token_id": 0,
     }
+    if labels is not None:
+        config["id2label"] = {str(i): label for i, label in enumerate(labels)}
+        config["label2id"] = {label: i for i, label in enumerate(labels)}
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(minilm / name, directory / name)
+    if labels is not None:
+        return directory
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pool", "type": "sentence_transformers.models.Pooling"},

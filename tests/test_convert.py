@@ -71,6 +71,13 @@ CASES = [
 MINILM_OUTTYPES = ["f16", "q8_0", "bf16", "f32"]
 
 
+# BertForSequenceClassification checkpoints (rerankers): their labels, the output type
+RERANKERS = {
+    "reranker-one-label": (["LABEL_0"], "f16"),
+    "reranker-two-labels": (["irrelevant", "relevant"], "q8_0"),
+}
+
+
 def case_id(case: tuple[str, int, str, bool]) -> str:
     arch, shards, outtype, spm = case
     return (
@@ -110,6 +117,9 @@ def references(
     for outtype in MINILM_OUTTYPES:
         dirs[f"minilm-{outtype}"] = (minilm, outtype)
     dirs["tiny-bert"] = (hf_dirs.tiny_bert_dir(minilm, root / "tiny-bert" / "Tiny-bert"), "f16")
+    for name, (labels, outtype) in RERANKERS.items():
+        where = root / name / "Tiny-reranker"
+        dirs[name] = (hf_dirs.tiny_bert_dir(minilm, where, labels=labels), outtype)
     jobs = [[str(d), outtype, str(root / f"{name}.gguf")] for name, (d, outtype) in dirs.items()]
     result = subprocess.run(
         [
@@ -216,6 +226,24 @@ def test_a_bert_checkpoint_in_its_original_naming_converts_byte_identical(
     assert read_metadata(done.path, ("bert.pooling_type",)) == {"bert.pooling_type": 2}
 
 
+@pytest.mark.parametrize("name", RERANKERS)
+def test_a_bert_reranker_converts_byte_identical_to_the_reference(
+    name: str, references: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """A BertForSequenceClassification: its classifier written as cls.output (weight and bias),
+    its labels as bert.classifier.output_labels, the pooler left out."""
+    d, ref = references[name]
+    labels, outtype = RERANKERS[name]
+    done = convert(
+        str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"), outtype=outtype
+    )
+    assert done.sha256 == sha256(ref) == sha256(tmp_path / "ours.gguf")
+    reader = gguf.GGUFReader(done.path)
+    assert reader.get_field("bert.classifier.output_labels").contents() == labels
+    names = {t.name for t in reader.tensors}
+    assert {"cls.output.weight", "cls.output.bias"} <= names and "cls.weight" not in names
+
+
 def test_bert_settings_it_cannot_convert_are_refused(tmp_path: Path) -> None:
     d = hf_dirs.tiny_bert_dir(hf_dirs.minilm_dir(), tmp_path / "src" / "Tiny-bert")
     pooling = d / "1_Pool" / "config.json"
@@ -224,8 +252,12 @@ def test_bert_settings_it_cannot_convert_are_refused(tmp_path: Path) -> None:
     pooling.write_text(json.dumps({"pooling_mode": "cls"}))
     _edit_json(d / "config.json", position_embedding_type="relative_key")
     refused(d, tmp_path, "position_embedding_type 'relative_key' is not converted")
-    _edit_json(d / "config.json", position_embedding_type="absolute", id2label={"0": "spam"})
-    refused(d, tmp_path, "a classifier head (id2label) is not converted")
+    reranker = hf_dirs.tiny_bert_dir(
+        hf_dirs.minilm_dir(), tmp_path / "rr" / "Tiny-reranker", labels=["LABEL_0", "LABEL_1"]
+    )
+    refused(reranker, tmp_path, "AutoConfig's placeholder labels (LABEL_0, LABEL_1)")
+    _edit_json(reranker / "config.json", id2label={"a": "x"})
+    refused(reranker, tmp_path, "id2label's keys are not label numbers")
 
 
 def test_a_converted_f16_model_converts_back_to_the_same_bytes(

@@ -125,6 +125,25 @@ ARCHES["BertModel"] = Arch(
 )
 
 
+# a BERT with a classifier (a reranker): the same conversion, its labels and cls.output tensors
+ARCHES["BertForSequenceClassification"] = ARCHES["BertModel"]
+
+
+def classifier_labels(hp: dict[str, Any]) -> list[str] | None:
+    """A BERT's ``id2label`` values in label order, as the reference writes them in
+    ``bert.classifier.output_labels``; None for none, or for AutoConfig's two placeholders."""
+    labels = hp.get("id2label")
+    if not isinstance(labels, dict) or not labels:
+        return None
+    if len(labels) == 2 and labels.get("0", labels.get(0)) == "LABEL_0":
+        return None
+    try:
+        ordered = sorted(labels.items(), key=lambda kv: int(kv[0]))
+    except (TypeError, ValueError):
+        raise ConvertError("config.json: id2label's keys are not label numbers") from None
+    return [str(v) for _, v in ordered]
+
+
 def load_config(directory: str) -> tuple[dict[str, Any], str, Arch]:
     """(hparams with the defaults filled in, the Hugging Face architecture, its Arch)."""
     path = os.path.join(directory, "config.json")
@@ -168,11 +187,12 @@ def load_config(directory: str) -> tuple[dict[str, Any], str, Arch]:
     if "draft_vocab_size" in hp:
         raise ConvertError("config.json: a speculative draft model is not converted")
     if arch.name == "bert":
-        labels = hp.get("id2label")
-        if isinstance(labels, dict) and not (
-            len(labels) == 2 and labels.get("0", labels.get(0)) == "LABEL_0"
-        ):
-            raise ConvertError("config.json: a classifier head (id2label) is not converted")
+        if hf == "BertForSequenceClassification" and classifier_labels(hp) is None:
+            raise ConvertError(
+                "config.json: a classifier with no id2label or AutoConfig's placeholder labels "
+                "(LABEL_0, LABEL_1) is not converted (llama.cpp's converter writes it as a "
+                "layer llama.cpp cannot load)"
+            )
         if hp.get("position_embedding_type", "absolute") != "absolute":
             raise ConvertError(
                 f"config.json: position_embedding_type {hp['position_embedding_type']!r} is not "
@@ -339,6 +359,9 @@ def plan_tensors(
             raise ConvertError(not_converted(f"{shard.name}: tensor {spec.name!r}", spec.dtype))
         if hf in ("LlamaModel", "Qwen2Model", "Qwen3Model"):
             name = "model." + name
+        if arch.name == "bert" and name in ("classifier.weight", "classifier.bias"):
+            if classifier_labels(hp) is not None:  # BertModel.modify_tensors: cls.output
+                name = name.replace("classifier.", "classifier.out_proj.")
         new_name = tmap.get_name(key=name, try_suffixes=(".weight", ".bias"))
         if new_name is None:
             raise ConvertError(
@@ -512,6 +535,8 @@ def add_parameters(
             w.add_pooling_type(pooling)
         if hp.get("classifier_pooling") is not None:
             raise ConvertError("config.json: a classifier head is not converted")
+        if labels := classifier_labels(hp):
+            w.add_classifier_output_labels(labels)
     elif arch.name == "llama":
         w.add_vocab_size(hp["vocab_size"])
         rope_dim = hp.get("head_dim")

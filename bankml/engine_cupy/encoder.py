@@ -28,12 +28,19 @@ sequences sharing one, as llama-server batches its slots' prompts (each sequence
 others, yet the attention's kernel and tiles follow the whole batch, so a text's last bits depend
 on what shares its batch).
 
+``rank_scores(tokens)`` is llama.cpp's rank pooling (llama-server ``--rerank``) on a BERT with a
+classifier head: the [CLS] row of t_embd through ``cls`` (product, bias, libm's tanhf) and
+``cls.output`` (product, bias); ``rank_score`` its first value, /rerank's ``relevance_score``;
+``rerank_tokens(query, document)`` the pair as llama-server's format_prompt_rerank builds it.
+
 ``tokenize(text)`` is the GGUF's WordPiece tokenizer (engine_cupy.tokenizer) with the special
 tokens llama-server adds for embeddings: [CLS] first, [SEP] last, special texts parsed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +57,8 @@ __all__ = ["Encoder", "layer_norm", "gelu"]
 
 F32 = numpy.float32
 F64 = numpy.float64
+# llama.cpp's classifier head of a BERT (LLM_TENSOR_CLS, LLM_TENSOR_CLS_OUT), run by rank_scores
+_CLASSIFIER = ("cls.weight", "cls.bias", "cls.output.weight", "cls.output.bias")
 
 _GELU_TABLE: numpy.ndarray | None = None
 
@@ -127,8 +136,13 @@ class Encoder:
         infos = {t.name: t for t in reader.tensors}
         self._infos = infos
         for name in infos:
-            if name.split(".")[0] in ("cls", "cls_out", "output", "output_norm"):
+            head = name.split(".")[0] in ("cls", "cls_out", "output", "output_norm")
+            if head and name not in _CLASSIFIER:
                 raise UnsupportedModel(f"tensor {name}: a classifier or output head is not run")
+        if _value(reader, "bert.classifier.pooling_type") not in (None, 2):
+            raise UnsupportedModel("bert.classifier.pooling_type: only a CLS classifier is run")
+        labels = _value(reader, "bert.classifier.output_labels")
+        self.n_cls_out = len(labels) if labels else 1  # llama.cpp's hparams.n_cls_out
         self.token_embd = EmbeddingRows(self._need("token_embd.weight"))
         self.position = self._vector("position_embd.weight").reshape(-1, self.n_embd)
         self.token_type0 = (
@@ -141,12 +155,17 @@ class Encoder:
             self._vector("token_embd_norm.bias"),
         )
         self.layers = [self._layer(il) for il in range(self.n_layer)]
+        self.cls = self._head("cls", self.n_embd)
+        self.cls_out = self._head("cls.output", self.n_cls_out)
         self.scale = exact_ops.attn_scale(self.head_dim)
         self.tokenizer = Tokenizer.from_gguf(reader)
         if self.tokenizer.model != "bert":
             raise UnsupportedModel(
                 f"tokenizer.ggml.model {self.tokenizer.model!r}: BERT needs a WordPiece vocabulary"
             )
+        add_sep = _value(reader, "tokenizer.ggml.add_sep_token")
+        self.add_sep = True if add_sep is None else bool(add_sep)  # llama-vocab's WPM default
+        self.rerank_template = _value(reader, "tokenizer.chat_template.rerank")
         self._reader: GGUFFile | None = reader
 
     # -- loading -----------------------------------------------------------------------------
@@ -177,6 +196,17 @@ class Encoder:
             "exact_iquants": "IQuantMatrix",
         }[family.__name__.rsplit(".", 1)[-1]]
         return getattr(family, cls)(info.data, info.tensor_type, n_out, n_in, repacked=repacked)
+
+    def _head(self, name: str, n_out: int) -> tuple[Any, numpy.ndarray | None] | None:
+        """A classifier layer (its weight [n_out, n_embd] and bias), None when the file has none."""
+        if name + ".weight" not in self._infos:
+            if name + ".bias" in self._infos:
+                raise UnsupportedModel(f"tensor {name}.bias without {name}.weight")
+            return None
+        bias = self._vector(name + ".bias") if name + ".bias" in self._infos else None
+        if bias is not None and bias.shape != (n_out,):
+            raise UnsupportedModel(f"tensor {name}.bias: {bias.size} values, not {n_out}")
+        return self._matrix(name + ".weight", n_out, self.n_embd), bias
 
     def _layer(self, il: int) -> dict[str, Any]:
         p, d, kv, ff = f"blk.{il}.", self.n_embd, self.n_head_kv * self.head_dim, self.n_ff
@@ -213,6 +243,48 @@ class Encoder:
     def tokenize(self, text: str) -> list[int]:
         """The ids llama-server embeds for ``text``: [CLS] … [SEP], special texts parsed."""
         return self.tokenizer.tokenize(text, add_special=True, parse_special=True)
+
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """The ids llama-server ranks for a (query, document) pair (format_prompt_rerank): the
+        GGUF's rerank template with both put in, special texts parsed; else [CLS] query
+        ([EOS] if the vocabulary adds it) [SEP] document ([EOS]), each text without special
+        tokens and special texts not parsed (BERT: [CLS] query [SEP] document, no token types)."""
+        tok = self.tokenizer
+        if self.rerank_template is not None:
+            prompt = str(self.rerank_template).replace("{query}", query)
+            prompt = prompt.replace("{document}", document)
+            return tok.tokenize(prompt, add_special=False, parse_special=True)
+        eos = tok.special.get("eos")
+        if eos is None:
+            eos = tok.special.get("sep")
+        out: list[int] = []
+        if tok.add_bos and tok.special.get("bos") is not None:
+            out.append(int(tok.special["bos"]))  # type: ignore[arg-type]
+        out += tok.tokenize(query, add_special=False, parse_special=False)
+        if tok.add_eos and eos is not None:
+            out.append(int(eos))
+        if self.add_sep and tok.special.get("sep") is not None:
+            out.append(int(tok.special["sep"]))  # type: ignore[arg-type]
+        out += tok.tokenize(document, add_special=False, parse_special=False)
+        if tok.add_eos and eos is not None:
+            out.append(int(eos))
+        return out
+
+    def rank_scores(self, tokens: Sequence[int]) -> numpy.ndarray:
+        """llama.cpp's rank pooling (LLAMA_POOLING_TYPE_RANK) of ``tokens`` alone in a batch: the
+        [CLS] row of t_embd, through ``cls`` (product, bias, tanh) and ``cls.output`` (product,
+        bias) where the file has them: float32 [n_cls_out] (without a classifier, the row)."""
+        x = self.hidden_states(tokens)[:1]  # build_inp_cls: the sequence's first position
+        if self.cls is not None:
+            x = _tanh(_affine(self.cls, x))
+        if self.cls_out is not None:
+            x = _affine(self.cls_out, x)
+        return numpy.ascontiguousarray(x[0], dtype=F32)
+
+    def rank_score(self, tokens: Sequence[int]) -> float:
+        """What llama-server's /rerank reports for ``tokens`` (send_rerank: the first class's
+        value, not normalised), a float32's value."""
+        return float(self.rank_scores(tokens)[0])
 
     def hidden_states(self, tokens: Sequence[int]) -> numpy.ndarray:
         """llama.cpp's t_embd for ``tokens`` as one sequence alone in one batch: float32
@@ -269,6 +341,28 @@ class Encoder:
         ffn_inp = cur
         cur = linear("down", "bdown", gelu(linear("up", "bup", cur)))
         return layer_norm(cur + ffn_inp, *layer["out_norm"], self.eps)
+
+
+def _affine(head: tuple[Any, numpy.ndarray | None], x: numpy.ndarray) -> numpy.ndarray:
+    """ggml_mul_mat(w, x), then ggml_add of the bias (each an f32 operation)."""
+    weight, bias = head
+    out = numpy.asarray(weight.matmul(numpy.ascontiguousarray(x, dtype=F32)), dtype=F32)
+    return out + bias if bias is not None else out
+
+
+_TANHF: Any = None
+
+
+def _tanh(x: numpy.ndarray) -> numpy.ndarray:
+    """ggml_vec_tanh_f32: libm's tanhf of each value (numpy's float32 tanh rounds its own way)."""
+    global _TANHF
+    if _TANHF is None:
+        libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        libm.tanhf.restype, libm.tanhf.argtypes = ctypes.c_float, [ctypes.c_float]
+        _TANHF = libm.tanhf
+    flat = numpy.ascontiguousarray(x, dtype=F32).reshape(-1)
+    out = numpy.array([_TANHF(float(v)) for v in flat], dtype=F32)
+    return out.reshape(x.shape)
 
 
 def _value(reader: GGUFFile, key: str, required: bool = False) -> Any:

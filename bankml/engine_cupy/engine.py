@@ -43,6 +43,7 @@ from bankml.engine_cupy.grammar import (
     resolve_constraint,
     schema_to_constraint_text,
 )
+from bankml.engine_cupy.infill import infill_tokens
 from bankml.engine_cupy.kv_cache import pad_cells
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
@@ -234,6 +235,8 @@ class Engine:
         # set_batch_sizes
         self.n_batch = _checkpoints.N_BATCH
         self.n_ubatch = MICRO_BATCH
+        self.n_batch_flag = self.n_batch  # -b as given (an /infill prompt is cut by it)
+        self.spm_infill = False  # the server's --spm-infill: an /infill suffix before its prefix
         self._pieces = tokenizer.vocab_bytes()
         self._text_pieces = [tokenizer.token_to_piece(i, False) for i in range(tokenizer.n_vocab)]
         # built on first use, by the prepare thread (parsing) or the engine thread alike
@@ -438,6 +441,9 @@ class Engine:
                 prompts = [(chat.prompt, self._chat_tokens(chat.prompt))]
             elif kind == "completion":
                 prompts = self._completion_prompts(body)
+            elif kind == "infill":
+                prompts = [self._infill_prompt(body)]
+                kind = "completion"  # the same run as /completion's from here
             else:
                 raise ValueError(f"unknown request kind {kind!r}")
             task = parse_task_fields(body, self.n_slots)
@@ -745,6 +751,22 @@ class Engine:
         return [
             (self.tokenizer.detokenize(tokens, unparse_special=True), tokens) for tokens in parts
         ]
+
+    def _infill_prompt(self, body: Mapping[str, Any]) -> tuple[str, list[int]]:
+        """llama-server's /infill prompt (infill.py), with the server's -b, -n, a slot's
+        context and --spm-infill."""
+        tokens = infill_tokens(
+            body,
+            self.tokenizer.special,
+            lambda text, add, parse: self.tokenize(text, add_special=add, parse_special=parse),
+            self.tokenizer.add_bos,
+            self.n_batch_flag,
+            self.n_predict,
+            self.n_ctx,
+            self.spm_infill,
+        )
+        tokens = self._valid_ids(tokens)
+        return self.tokenizer.detokenize(tokens, unparse_special=True), tokens
 
     def _subprompt(self, prompt: Any) -> list[int]:
         """tokenize_input_subprompt: a string, ids, ids mixed with strings, or {"prompt_string": ...}."""
@@ -1124,6 +1146,7 @@ class Engine:
         sliding-window model keeps the defaults (its prompt cuts and its SWA cache are sized by
         them): False when it was asked for others."""
         n_ubatch = min(n_ubatch, n_batch)
+        self.n_batch_flag = int(n_batch)
         if self.slots[0].checkpoints is not None:
             return (n_batch, n_ubatch) == (_checkpoints.N_BATCH, MICRO_BATCH)
         self.n_batch, self.n_ubatch = int(n_batch), int(n_ubatch)

@@ -113,6 +113,7 @@ def _put_llama_endpoints(
     put(root, b"apply-template", llama.ApplyTemplate(native))
     for name in (b"completion", b"completions"):  # one prompt or several (llama-server's array)
         put(root, name, llama.Completion(native))
+    put(root, b"infill", llama.Infill(native))
     put(v1, b"completions", Completions(native))
     root_chat = Branch()
     root.putChild(b"chat", root_chat)

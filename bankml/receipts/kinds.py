@@ -35,8 +35,17 @@ APIS = (
     *EMBEDDING_APIS,
 )
 
+# /infill's body: parsed as llama-server's fill-in-the-middle fields, answered (and receipted)
+# as LLAMA_COMPLETION; not an API kind of its own
+INFILL = "infill"
+
 # the kinds the engine runs itself, and the request shape it parses for each
-ENGINE_KIND = {CHAT: "chat", OAI_COMPLETION: "completion", LLAMA_COMPLETION: "completion"}
+ENGINE_KIND = {
+    CHAT: "chat",
+    OAI_COMPLETION: "completion",
+    LLAMA_COMPLETION: "completion",
+    INFILL: "infill",
+}
 
 # the kinds llama-server answers by converting the request to a chat completion first
 CONVERTED = (RESPONSES, MESSAGES)

@@ -1,7 +1,8 @@
 """llama-server's own endpoints, answered by the native engine (the engine address in --native).
 
 ``POST /completion`` (``Completion``: one prompt or several, llama-server's array of results,
-run by ``AnswerResource``), ``/tokenize``, ``/detokenize``, ``/apply-template``,
+run by ``AnswerResource``), ``POST /infill`` (``Infill``: the fill-in-the-middle prompt, then the
+same run), ``/tokenize``, ``/detokenize``, ``/apply-template``,
 ``/chat/completions/input_tokens`` (``ChatInputTokens``, a child of the chat endpoint), ``GET
 /health``, ``/props``, ``/metrics`` (Prometheus text as llama-server's ``--metrics``), ``GET
 /slots`` (the slot monitor: bankml/formats/slot_view.py), and
@@ -30,7 +31,7 @@ from bankml.formats.errors import ApiError, error_body
 from bankml.formats.llama import prometheus_text, props_object
 from bankml.formats.nlohmann import dumps, type_error
 from bankml.formats.slot_actions import NOT_SUPPORTED_SLOTS, filename_ok, stoi
-from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION
+from bankml.receipts.kinds import CHAT, INFILL, LLAMA_COMPLETION
 from bankml.resources.interfaces import Bridge, ResidentEngine
 from bankml.resources.runs import AnswerResource, read_json_object
 from bankml.serving.writers import JsonResource, write_error, write_json
@@ -88,6 +89,15 @@ class Completion(AnswerResource):
 
     def __init__(self, native: ResidentEngine) -> None:
         super().__init__(native, LLAMA_COMPLETION)
+
+
+class Infill(AnswerResource):
+    """``POST /infill``: llama-server's fill-in-the-middle prompt (engine_cupy/infill.py), then
+    the /completion run, answer and receipt."""
+
+    def __init__(self, native: ResidentEngine) -> None:
+        super().__init__(native, LLAMA_COMPLETION)
+        self.parse_kind = INFILL
 
 
 class Tokenize(_TextJob):

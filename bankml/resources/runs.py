@@ -81,6 +81,7 @@ class AnswerResource(JsonResource):
         self.native = native
         self.bridge: Bridge = native.bridge
         self.kind = kind
+        self.parse_kind = kind  # the body's shape for native.parse (/infill's: INFILL)
 
     def render_POST(self, request: Request) -> Any:
         try:
@@ -94,7 +95,7 @@ class AnswerResource(JsonResource):
             return NOT_DONE_YET
         control = self.bridge.new_control()
         request.notifyFinish().addErrback(lambda _: control.cancel())
-        d = self.bridge.prepare(self.native.parse, obj, self.kind)
+        d = self.bridge.prepare(self.native.parse, obj, self.parse_kind)
         d.addCallback(self._run, request, raw, obj, control)
         d.addErrback(self._failed, request, None)
         return NOT_DONE_YET

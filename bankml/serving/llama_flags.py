@@ -260,6 +260,7 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "jinja": not options.get("no-jinja"),
         "verbose": _verbose(options),
         "context_shift": bool(options.get("context-shift")),
+        "spm_infill": bool(options.get("spm-infill")),  # /infill: the suffix before the prefix
         "speculative": _speculative(options),
         **_batch_sizes(options),
         "embedding": embedding_settings(options),
