@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from bankml.gate import verify
+from tests.support import LlamaServer, http_json
 
 TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -66,3 +67,19 @@ def write_fork(path: Path, files: list[dict], **provenance) -> Path:
     """A FORK.json written by hand: ``files`` after any provenance fields given."""
     path.write_text(json.dumps({**provenance, "files": files}), encoding="utf-8")
     return path
+
+
+def answers_alone(
+    files: dict[str, Path], reference_url: str, binary: Path, prompt: str, n_predict: int
+) -> dict[str, str]:
+    """Each model's greedy completion of ``prompt`` from the real llama-server on its file
+    alone: ``""`` the default model (already served at ``reference_url``), then each of
+    ``files`` (name -> GGUF) in a llama-server of its own."""
+    body = {"prompt": prompt, "max_tokens": n_predict, "temperature": 0}
+    out = {"": http_json(reference_url + "/v1/completions", body)[1]["choices"][0]["text"]}
+    for name, path in files.items():
+        with LlamaServer(path, binary=binary) as alone:
+            status, answer = http_json(alone.url + "/v1/completions", body)
+            assert status == 200, answer
+            out[name] = answer["choices"][0]["text"]
+    return out

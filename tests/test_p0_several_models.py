@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType as T
 from bankml.gate.verify import sha256_file
 from bankml.receipts.keys import SigningKey
 from tests.bankml_process import BankmlProcess, check_receipt_cli, process_gone
-from tests.registry_support import pin_into
-from tests.support import DEFAULT_SHA256, LlamaServer, free_port, http_json
+from tests.registry_support import answers_alone, pin_into
+from tests.support import DEFAULT_SHA256, LlamaServer, free_port
 from tests.tiny_models import TinySpec, write_tiny_model
 
 PROMPT = "The capital of France is"
@@ -72,14 +72,8 @@ def reference(
     registry: Path, reference_server: LlamaServer, llama_server_bin: Path
 ) -> dict[str, str]:
     """Each model's greedy answer from a plain llama-server on its file alone."""
-    body = {"prompt": PROMPT, "max_tokens": N_PREDICT, "temperature": 0}
-    out = {"": http_json(reference_server.url + "/v1/completions", body)[1]["choices"][0]["text"]}
-    for name in TINY:
-        with LlamaServer(registry / f"{name}.gguf", binary=llama_server_bin) as alone:
-            status, answer = http_json(alone.url + "/v1/completions", body)
-            assert status == 200, answer
-            out[name] = answer["choices"][0]["text"]
-    return out
+    files = {name: registry / f"{name}.gguf" for name in TINY}
+    return answers_alone(files, reference_server.url, llama_server_bin, PROMPT, N_PREDICT)
 
 
 def client(server: BankmlProcess) -> openai.OpenAI:

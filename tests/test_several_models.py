@@ -22,7 +22,7 @@ from bankml.gate import verify
 from bankml.registry.pins import discover
 from bankml.registry.residency import LoadError, Residency
 from tests.native_server import NativeProcess
-from tests.registry_support import pin_into
+from tests.registry_support import answers_alone, pin_into
 from tests.support import LlamaServer, free_port, http_json
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -85,14 +85,8 @@ def reference(
     registry: Path, reference_server: LlamaServer, llama_server_bin: Path
 ) -> dict[str, str]:
     """Each model's answer from the real llama-server on the same file, each model alone."""
-    body = {"prompt": PROMPT, "max_tokens": N_PREDICT, "temperature": 0}
-    out = {"": http_json(reference_server.url + "/v1/completions", body)[1]["choices"][0]["text"]}
-    for name in TINY:
-        with LlamaServer(registry / f"{name}.gguf", binary=llama_server_bin) as alone:
-            status, answer = http_json(alone.url + "/v1/completions", body)
-            assert status == 200, answer
-            out[name] = answer["choices"][0]["text"]
-    return out
+    files = {name: registry / f"{name}.gguf" for name in TINY}
+    return answers_alone(files, reference_server.url, llama_server_bin, PROMPT, N_PREDICT)
 
 
 def ps_names(client: ollama.Client) -> list[str]:

@@ -80,10 +80,9 @@ class _EmbeddingResource(JsonResource):
         if gone(request):
             return
         err = failure.value
-        if isinstance(err, ApiError):
-            self._refuse(request, err)
-        else:
-            write_json(request, 500, error_body(500, failure.getErrorMessage()))
+        if not isinstance(err, ApiError):
+            err = ApiError.of(500, failure.getErrorMessage())
+        self._refuse(request, err)
 
 
 class Embeddings(_EmbeddingResource):
@@ -145,12 +144,3 @@ class OllamaEmbed(_EmbeddingResource):
 
     def _write(self, request: Request, body: Any) -> None:
         write_json(request, 200, ollama_dumps(body))
-
-    def _failed(self, failure: Failure, request: Request) -> None:
-        if gone(request):
-            return
-        err = failure.value
-        if isinstance(err, ApiError):
-            self._refuse(request, err)
-        else:
-            write_json(request, 500, ollama_dumps({"error": failure.getErrorMessage()}))
