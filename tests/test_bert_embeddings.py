@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 from bankml.convert import convert
 from tests import hf_dirs, support
 from tests.bankml_process import check_receipt_cli
-from tests.dropin import Pair, bankml, call, dropin_pair
+from tests.dropin import Pair, bankml, call, dropin_pair, listening
 
 TEXTS = ["Hello, World!", "Café naïve — 東京 🦙 [SEP] ok", "The quick brown fox. " * 20]
 
@@ -192,3 +193,37 @@ def test_without_embeddings_it_serves_and_refuses_as_llama_server(bert_plain_pai
         (s1, ours), (s2, theirs) = bert_plain_pair.both("POST", path, body)
         assert s1 == s2 and s1 in (500, 501)
         assert json.loads(ours) == json.loads(theirs)
+
+
+def test_bankml_serve_native_embeddings(
+    bert_pair: Pair, minilm_f16: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``bankml serve FILE --fork F --native --embeddings``: the same vector as llama-server's."""
+    model, fork = minilm_f16
+    port = support.free_port()
+    args = ["serve", str(model), "--fork", str(fork), "--native", "--embeddings"]
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen(
+            bankml(*args, f"--listen=127.0.0.1:{port}"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=support.ROOT,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while not listening(port) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        body = {"input": TEXTS[1]}
+        status, ours, _ = post(port, "/v1/embeddings", body)
+        while status == 503 and time.monotonic() < deadline:  # loading
+            time.sleep(0.2)
+            status, ours, _ = post(port, "/v1/embeddings", body)
+        _, theirs, _ = post(bert_pair.ports[1], "/v1/embeddings", body)
+        assert status == 200, ours
+        assert numpy.array_equal(
+            f32(ours["data"][0]["embedding"]), f32(theirs["data"][0]["embedding"])
+        )
+        assert "bankml_receipt" in ours
+    finally:
+        proc.terminate()
+        proc.wait(30)
