@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bankml.engine_cupy import backend, slots
 from bankml.engine_cupy.checkpoints import N_BATCH
+from bankml.engine_cupy.encoder_engine import EncoderEngine, is_encoder
 from bankml.engine_cupy.engine import DEFAULT_SLOT_PROMPT_SIMILARITY, Engine, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.engine_cupy.gguf_file import read_metadata
@@ -656,8 +657,10 @@ def open_engine(
     """The engine opened on a verified path, and the name of the device it computes on.
     ``cache_type`` (f16 when None) and ``cache_ram`` (the host prompt cache's bound in MiB; the
     default when None) come from the caller, which reads the environment; ``n_slots``,
-    ``kv_unified`` and ``slot_prompt_similarity`` are llama-server's -np, -kvu and -sps."""
-    engine = Engine.open(
+    ``kv_unified`` and ``slot_prompt_similarity`` are llama-server's -np, -kvu and -sps. An
+    encoder-only model (BERT) opens as an EncoderEngine: embeddings only, on the CPU."""
+    opener = EncoderEngine.open if is_encoder(path) else Engine.open
+    engine = opener(
         path,
         n_ctx=n_ctx,
         device=device,
@@ -679,7 +682,7 @@ def compile_served(
     open after the pin takes seconds. Answers nothing; returns the CompileStats, or None on a
     GPU (the array backend compiles nothing, and the weights are not worth loading twice)."""
     device = options.get("device") or "auto"
-    if backend.get_xp(device).__name__ != "numpy":
+    if backend.get_xp(device).__name__ != "numpy" or is_encoder(path):
         return None
     return compile_kernels(
         path,
@@ -715,6 +718,8 @@ def open_served(
         ),
     )
     apply_server_defaults(engine, llama)
+    if isinstance(engine, EncoderEngine):
+        engine.check_outputs(outputs_max(llama))
     engine.warm_up(report)  # ``report`` is told what compiles, and how long it took
     return NativeEngine(
         engine,
@@ -728,6 +733,20 @@ def open_served(
         aliases=llama.get("aliases") or (),
         tags=llama.get("tags") or (),
     )
+
+
+def outputs_max(llama: Mapping[str, Any]) -> int:
+    """How many rows llama-server's context may output per batch (``server_output_limits``):
+    -b with --embeddings or a pooling other than none, else -np times one plus the most drafts
+    of --spec-type (``common_speculative_n_max``: the ngram kinds' size M, ngram-mod's n-max),
+    at most -b, at least one."""
+    n_batch = int(llama.get("n_batch", N_BATCH))
+    embedding = llama.get("embedding") or {}
+    if embedding.get("enabled") or embedding.get("pooling") not in (None, "none"):
+        return n_batch
+    kinds = (llama.get("speculative") or {}).values()
+    drafts = max((int(k.get("size_m", k.get("n_max", 0))) for k in kinds), default=0)
+    return max(1, min(n_batch, int(llama.get("n_parallel", 1)) * (1 + drafts)))
 
 
 def training_context(path: str) -> int:

@@ -206,8 +206,10 @@ def open_replay_engine(
     model: str, fork: str, receipt: Mapping[str, Any], chat_template: str | None = None
 ) -> ReplayEngine:
     """The engine a receipt's replay runs on: the pinned file (verified first, and it must be
-    the receipt's model), the receipt's n_ctx and cache type, on the CPU; ``chat_template``: the
-    template source the answer's server was given (``--chat-template-file``) over the file's."""
+    the receipt's model), the receipt's n_ctx and cache type, on the CPU (an EncoderEngine for
+    a BERT file); ``chat_template``: the template source the answer's server was given
+    (``--chat-template-file``) over the file's."""
+    from bankml.engine_cupy.encoder_engine import EncoderEngine, is_encoder
     from bankml.engine_cupy.engine import Engine
     from bankml.gate.verify import Refused, verify
 
@@ -220,7 +222,8 @@ def open_replay_engine(
             f"the model file's sha256 is {verified.sha256}, the receipt names "
             f"{receipt.get('model_sha256')}"
         )
-    engine = Engine.open(
+    opener = EncoderEngine.open if is_encoder(verified.path) else Engine.open  # BERT
+    engine = opener(
         verified.path, n_ctx=receipt["n_ctx"], device="cpu", cache_type=receipt["cache_type"]
     )
     if chat_template is not None and engine.template is not None:
