@@ -8,6 +8,7 @@ architecture, a name, a chat template and a few small tensors. Their weights are
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +84,12 @@ def answers_alone(
             assert status == 200, answer
             out[name] = answer["choices"][0]["text"]
     return out
+
+
+def flip_last_byte(path: Path) -> None:
+    """Change a pinned file in place: its last byte flipped, the size kept (no longer its pin)."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0x01]))

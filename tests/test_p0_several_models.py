@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 from bankml.gate.verify import sha256_file
 from bankml.receipts.keys import SigningKey
 from tests.bankml_process import BankmlProcess, check_receipt_cli, process_gone
-from tests.registry_support import answers_alone, pin_into
+from tests.registry_support import answers_alone, flip_last_byte, pin_into
 from tests.support import DEFAULT_SHA256, LlamaServer, free_port
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -42,11 +42,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> P
             directory / f"{name}.gguf", TinySpec("llama", T.F16), default_model, seed
         )
         pin_into(directory, path)
-    with open(directory / "tiny-changed.gguf", "r+b") as f:  # same size, its last byte flipped
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0x01]))
+    flip_last_byte(directory / "tiny-changed.gguf")  # same size, other bytes
     return directory
 
 

@@ -8,7 +8,6 @@ and the memory of twenty loads and unloads."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from bankml.gate import verify
 from bankml.registry.pins import discover
 from bankml.registry.residency import LoadError, Residency
 from tests.native_server import NativeProcess
-from tests.registry_support import answers_alone, pin_into
+from tests.registry_support import answers_alone, flip_last_byte, pin_into
 from tests.support import LlamaServer, free_port, http_json
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -45,11 +44,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> P
         directory / "tiny-changed.gguf", TinySpec("llama", T.F16), default_model, 3
     )
     pin_into(directory, changed)
-    with open(changed, "r+b") as f:  # the last byte of the weights: same size, other bytes
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0x01]))
+    flip_last_byte(changed)  # same size, other bytes
     return directory
 
 

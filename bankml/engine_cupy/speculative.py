@@ -455,16 +455,16 @@ class NgramCache:
         if size[0] < len(tokens) + 1:
             _cache_update(cache, [*tokens[size[0] :], sampled])
             size[0] = len(tokens) + 1
-        history = [*tokens, sampled]
-        n = len(history)
+        n = len(tokens) + 1  # the history with the sampled token
         if n < 2:  # LLAMA_NGRAM_STATIC
             return []
+        recent = [*tokens[-(NGRAM_MAX - 1) :], sampled]  # all an n-gram reaches back to
         draft: list[int] = []
         while len(draft) < self.n_draft:
-            joined, end = history + draft, n + len(draft)
+            tail = recent + draft
             # an n-gram longer than the history (a prompt of one token) matches nothing
             grams = [
-                tuple(joined[end - k : end]) if end >= k else (-1,) * k
+                tuple(tail[len(tail) - k :]) if n + len(draft) >= k else (-1,) * k
                 for k in range(NGRAM_MIN, NGRAM_MAX + 1)
             ]
             token = _cache_try(cache, grams)
