@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +30,34 @@ def receipt_key_outside_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("receipt-key") / "receipt-key.pem"
     os.environ["BANKML_RECEIPT_KEY"] = str(path)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernels_compiled_ahead(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """When the run includes tests on tiny models: tests/precompile.py in the background at
+    nice 10, filling Numba's cache with their kernels ahead of them; ended with the run."""
+    if not any("tiny_dir" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield
+        return
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.precompile",
+            str(tmp_path_factory.mktemp("precompile")),
+            str(support.default_model()),
+        ],
+        cwd=support.ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: os.nice(10),
+    )
+    yield
+    process.kill()
+    process.wait()
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,10 @@
-"""The fused and batched decode steps compile only the products of the model's weight families.
+"""A first start compiles only the products of the model's weight families, on two processes.
 
 Each run is a fresh process with its own Numba cache (NUMBA_CACHE_DIR in a temporary
-directory), which runs one fused decode step and one batched step of a model, then says which
-products Numba compiled: a kernel compiled inside its caller is listed in its own dispatcher's
-``signatures`` too. The one-row products of exact_matmul (Q4_0..Q8_0, the float types),
+directory), which runs the model's warm-up with two processes (compile_jobs: this one runs the
+fused decode step, a compile job the rest, which this one then loads), then says which
+products the cache holds: a kernel compiled inside its caller is cached (and listed in the
+index of its own dispatcher's cache) too, whichever process compiled it. The one-row products of exact_matmul (Q4_0..Q8_0, the float types),
 exact_kquants and exact_iquants (IQ4, the grid and TQ types), and the batched step's two
 kinds (exact_matmul's tiles, the K-quant/IQ4 dots) are watched, and within exact_matmul's
 family the type codes its per-type loops were compiled for (each loop is compiled with the code
@@ -27,15 +28,12 @@ from bankml.engine_cupy.kernels import exact_matmul
 RUN = """\
 import json, sys
 from bankml.engine_cupy.kernels import exact_batch, exact_iquants, exact_kquants, exact_matmul
-from bankml.engine_cupy.kernels import progress
 from bankml.engine_cupy.model import Model
 
 model = Model.load(sys.argv[1], device="cpu", progress=False)
 assert model.ops.plan is not None, "the fused step does not take this model"
-with progress.reporting() as stats:
-    cache = model.new_cache(8)
-    model.forward([0], cache)  # one token: the fused step
-    model.decode_batch([1, 2], [cache, model.new_cache(8)])  # two f16 rows: the batched step
+lines = []
+stats = model.warm_up(report=lines.append, jobs=2)
 products = {
     "matmul": exact_matmul.row_product,
     "kquant": exact_kquants.row_product,
@@ -49,11 +47,24 @@ per_type = [  # exact_matmul's loops compiled per weight type: the quantized, th
     exact_matmul._one_row_parallel, exact_batch._q_serial, exact_batch._q_parallel,
     exact_matmul._float_serial, exact_matmul._float_parallel,
 ]
-codes = sorted({sig[0].literal_value for kernel in per_type for sig in kernel.signatures})
+loaded = {  # the batched step's kernels, which the job compiles
+    "exact_batch.attention_inputs": exact_batch.attention_inputs,
+    "exact_batch.layer_rest": exact_batch.layer_rest,
+}
+
+
+def on_disk(kernel):  # the signatures in the cache's index, whichever process compiled them
+    return [key[0] for key in kernel._cache._cache_file._load_index()]
+
+
+codes = sorted({sig[0].literal_value for kernel in per_type for sig in on_disk(kernel)})
 print(json.dumps({
-    "compiled": sorted(name for name, kernel in products.items() if kernel.signatures),
+    "compiled": sorted(name for name, kernel in products.items() if on_disk(kernel)),
     "kernels": [name for name, _ in stats.kernels],
+    "loaded": [name for name, kernel in loaded.items() if kernel.signatures],
+    "cached": [name for name, kernel in loaded.items() if on_disk(kernel)],
     "matmul codes": codes,
+    "report": lines,
 }))
 """
 
@@ -77,13 +88,18 @@ def test_default_model_compiles_no_kquant_or_iq_product(
     default_model: Path, tmp_path: Path
 ) -> None:
     """Q4_1 and Q8_0 matrices: exact_matmul's products only, for those two types only (not
-    Q4_0, Q5_0, Q5_1, repacked Q4_0 or the float types); then all from the cache."""
+    Q4_0, Q5_0, Q5_1, repacked Q4_0 or the float types), the batched step's compiled by the
+    compile job and loaded here; then all from the cache."""
     cold = run(default_model, tmp_path / "numba-cache")
     assert cold["compiled"] == ["batch tiles", "matmul"]
     q4_1, q8_0 = exact_matmul._LAYOUT[T.Q4_1][0], exact_matmul._LAYOUT[T.Q8_0][0]
     assert cold["matmul codes"] == sorted([q4_1, q8_0])
     assert "exact_decode.decode_stack" in cold["kernels"]  # decode_layer compiles within it
-    assert "exact_batch.layer_rest" in cold["kernels"]
+    assert any(line.startswith("compiling on 2 processes") for line in cold["report"])
+    assert not any("compile job" in line and "ended with status" in line for line in cold["report"])
+    for kernel in ("exact_batch.attention_inputs", "exact_batch.layer_rest"):
+        assert kernel in cold["loaded"] and kernel not in cold["kernels"], cold
+        assert kernel in cold["cached"]
 
     warm = run(default_model, tmp_path / "numba-cache")
     assert warm["kernels"] == []

@@ -10,6 +10,7 @@ equal (tests/test_forward.py measures how close).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -143,5 +144,5 @@ class ArrayOps:
     def decode(self, x: Any, step: Any, cache: KVCache) -> Any | None:
         return None
 
-    def warm_up(self, model: Any, cache_type: str | None) -> None:
+    def warm_up(self, model: Any, cache_type: str | None, steps: Sequence[str] = ()) -> None:
         """Nothing to compile ahead."""

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from bankml.engine_cupy import checkpoints as _checkpoints
+from bankml.engine_cupy import compile_jobs
 from bankml.engine_cupy.chat_request import ChatDefaults
 from bankml.engine_cupy.chat_task import (
     ChatTask,
@@ -165,9 +166,11 @@ def compile_kernels(
     device: str = "auto",
     cache_type: str | None = None,
     report: Callable[[str], None] | None = None,
+    jobs: int | None = None,
 ) -> Any:
-    """Compile (or load from Numba's cache) the kernels the model at ``path`` reaches, then
-    let the model go; returns kernels.progress.CompileStats.
+    """Compile (or load from Numba's cache) the kernels the model at ``path`` reaches, on up
+    to ``jobs`` processes (compile_jobs), then let the model go; returns
+    kernels.progress.CompileStats.
 
     For a start-up that compiles while it hashes the file: once the file's header has passed
     the guard, call this on the thread that will run the engine (it starts the kernels' worker
@@ -175,14 +178,20 @@ def compile_kernels(
     the process, so the Engine.open and warm_up that follow the pin take seconds. Nothing is
     answered from the model loaded here."""
     model = Model.load(path, device=device, progress=False)
-    return _warm_up(model, cache_type, report)
+    return _warm_up(model, cache_type, report, jobs)
 
 
-def _warm_up(model: Any, cache_type: str | None, report: Callable[[str], None] | None) -> Any:
-    """The model's kernels, then the sampler's top-k (else the first draw compiles it)."""
-    stats = model.warm_up(cache_type, report)
-    warm_up_sampler()
-    return stats
+def _warm_up(
+    model: Any, cache_type: str | None, report: Callable[[str], None] | None, jobs: int | None
+) -> Any:
+    """The model's kernels, on up to ``jobs`` processes (default: compile_jobs.default_jobs),
+    then the sampler's top-k (else the first draw compiles it), while the jobs compile."""
+    return model.warm_up(
+        cache_type,
+        report,
+        jobs=compile_jobs.default_jobs() if jobs is None else jobs,
+        alongside=warm_up_sampler,
+    )
 
 
 class Engine:
@@ -382,10 +391,11 @@ class Engine:
         slot.processing = False
         slot.t_last_used = self._uses
 
-    def warm_up(self, report: Callable[[str], None] | None = None) -> Any:
-        """Run each kernel a request can reach once (Model.warm_up), for this cache's type;
-        ``report`` is told what compiles (kernels.progress). Returns its CompileStats."""
-        return _warm_up(self.model, self.cache.cache_type, report)
+    def warm_up(self, report: Callable[[str], None] | None = None, jobs: int | None = None) -> Any:
+        """Run each kernel a request can reach once (Model.warm_up), for this cache's type, on
+        up to ``jobs`` processes (compile_jobs); ``report`` is told what compiles
+        (kernels.progress). Returns its CompileStats."""
+        return _warm_up(self.model, self.cache.cache_type, report, jobs)
 
     # --- text ---------------------------------------------------------------------------------------------
 

@@ -24,6 +24,11 @@ from bankml.engine_cupy.weights import HParams, Weights
 
 F32 = numpy.float32
 
+# The warm-up's steps, each a kind of forward a request reaches: the attention kernels on
+# their own, a prompt past the tiled attention's rows, one token, two tokens, and the batched
+# step of two sequences.
+WARM_UP_STEPS = ("attention", "prompt", "decode", "pair", "batch")
+
 
 class ExactOps:
     """norm, rope, glu and attend by the exact kernels, for one model on the CPU."""
@@ -150,14 +155,22 @@ class ExactOps:
         ropes = self.ropes(numpy.asarray(positions, dtype=numpy.int64), self.weights.rope_freqs)
         return exact_batch.BatchStep(plan).run(x, positions, ropes, caches, n_threads)
 
-    def warm_up(self, model: Any, cache_type: str | None) -> None:
+    def warm_up(
+        self, model: Any, cache_type: str | None, steps: Sequence[str] = WARM_UP_STEPS
+    ) -> None:
         """Run every kernel a request can reach once, on a scratch cache: Numba compiles them
-        (or loads its on-disk cache) here rather than during the first answer."""
+        (or loads its on-disk cache) here rather than during the first answer. ``steps``:
+        some of WARM_UP_STEPS, in any order (a compile job runs some, the start-up the
+        others: compile_jobs)."""
         n = exact_attention.FA_TILE_Q + 1  # the tiled attention kernel, then the one-row one
-        cache = model.new_cache(n + 4, cache_type)
-        exact_attention.warm_up(q8_0=cache.cache_type == "q8_0")
-        model.forward([0] * n, cache)
-        model.forward([0], cache)
-        model.forward([0, 0], cache)
-        # the batched step beside a second sequence (several slots' steps: exact_batch)
-        model.decode_batch([0, 0], [cache, model.new_cache(4, cache_type)])
+        cache = model.new_cache(n + 4, cache_type)  # room for every step, whatever the order
+        runs: dict[str, Callable[[], Any]] = {
+            "attention": lambda: exact_attention.warm_up(q8_0=cache.cache_type == "q8_0"),
+            "prompt": lambda: model.forward([0] * n, cache),
+            "decode": lambda: model.forward([0], cache),
+            "pair": lambda: model.forward([0, 0], cache),
+            # the batched step beside a second sequence (several slots' steps: exact_batch)
+            "batch": lambda: model.decode_batch([0, 0], [cache, model.new_cache(4, cache_type)]),
+        }
+        for step in steps:
+            runs[step]()

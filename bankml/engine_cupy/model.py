@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy
 
-from bankml.engine_cupy import backend
+from bankml.engine_cupy import backend, compile_jobs
 from bankml.engine_cupy.array_backend import ArrayOps
 from bankml.engine_cupy.exact_backend import ExactOps
 from bankml.engine_cupy.kernels import exact_ops, jit, progress
@@ -63,7 +63,7 @@ class Ops(Protocol):
     def glu(self, gate: Any, up: Any) -> Any: ...
     def attend(self, il: int, q: Any, step: Step, cache: KVCache, scale: Any) -> Any: ...
     def decode(self, x: Any, step: Step, cache: KVCache) -> Any | None: ...
-    def warm_up(self, model: Model, cache_type: str | None) -> None: ...
+    def warm_up(self, model: Model, cache_type: str | None, steps: Sequence[str] = ...) -> None: ...
 
 
 @dataclass
@@ -372,18 +372,36 @@ class Model:
         return bool(self.hp.swa_window and any(self.hp.swa_layers))
 
     def warm_up(
-        self, cache_type: str | None = None, report: Callable[[str], None] | None = None
+        self,
+        cache_type: str | None = None,
+        report: Callable[[str], None] | None = None,
+        jobs: int = 1,
+        alongside: Callable[[], None] | None = None,
     ) -> CompileStats:
         """Run every kernel a request can reach once, for a cache of ``cache_type``: Numba
         compiles them (or loads its on-disk cache) here rather than during the first answer.
         ``report`` is told what is compiling and how long it took (kernels.progress). Only
         the kernels of this model's weight types and cache type run, so only they compile.
-        Nothing to compile on the array backend."""
+        Up to ``jobs`` processes compile once a kernel misses the cache (compile_jobs);
+        ``alongside`` runs here while the jobs compile. Nothing to compile on the array
+        backend."""
         if not self.exact:
+            if alongside is not None:
+                alongside()
             return CompileStats()
         what = f"{os.path.basename(self.path)} ({', '.join(self.weight_types())} weights)"
-        with progress.reporting(report, what) as stats:
-            self.ops.warm_up(self, cache_type)
+        first, *rest = compile_jobs.parts_for(jobs)
+        helpers = compile_jobs.Jobs(self.path, cache_type, rest, report)
+        with progress.reporting(report, what, on_compile=helpers.start) as stats:
+            try:
+                self.ops.warm_up(self, cache_type, first)
+                if alongside is not None:
+                    alongside()
+                if rest:
+                    helpers.wait()  # a part whose job failed compiles here, below
+                    self.ops.warm_up(self, cache_type, [s for part in rest for s in part])
+            finally:
+                helpers.stop()
         return stats
 
     def weight_types(self) -> list[str]:

@@ -58,8 +58,15 @@ def kernel_name(dispatcher: object) -> str:
 class _Listener(event.Listener):
     """Numba's compile events, nested ones counted inside the top-level kernel that needs them."""
 
-    def __init__(self, report: Report | None, what: str, stats: CompileStats) -> None:
+    def __init__(
+        self,
+        report: Report | None,
+        what: str,
+        stats: CompileStats,
+        on_compile: Callable[[], None] | None = None,
+    ) -> None:
         self.report, self.what, self.stats = report, what, stats
+        self.on_compile = on_compile
         self.started = time.perf_counter()
         self._depth: dict[int, int] = {}  # per thread: compiles under way
         self._begun: dict[int, float] = {}  # per thread: when its top-level compile began
@@ -79,6 +86,8 @@ class _Listener(event.Listener):
                 self._begun[thread] = time.perf_counter()
         if depth == 0 and first:
             self._say(FIRST_START.format(what=self.what))
+            if self.on_compile is not None:
+                self.on_compile()
 
     def on_end(self, ev: event.Event) -> None:
         thread = threading.get_ident()
@@ -96,11 +105,17 @@ class _Listener(event.Listener):
 
 
 @contextmanager
-def reporting(report: Report | None = None, what: str = "this model") -> Iterator[CompileStats]:
+def reporting(
+    report: Report | None = None,
+    what: str = "this model",
+    on_compile: Callable[[], None] | None = None,
+) -> Iterator[CompileStats]:
     """Tell ``report`` about every kernel Numba compiles inside the block (any thread), and at
-    its end how it went; the CompileStats it yields are filled as it goes."""
+    its end how it went; the CompileStats it yields are filled as it goes. ``on_compile`` is
+    called once, as the first kernel begins to compile (a cache miss): compile_jobs starts
+    its jobs then."""
     stats = CompileStats()
-    listener = _Listener(report, what, stats)
+    listener = _Listener(report, what, stats, on_compile)
     try:
         with event.install_listener("numba:compile", listener):
             yield stats
