@@ -204,3 +204,31 @@ def test_a_key_named_like_a_gguf_count_is_refused_as_gguf_refuses_it(tmp_path: P
     expected = gguf_refusal(path)
     assert expected[0] == "KeyError"
     assert outcome(lambda: weights.open_reader(path)) == expected
+
+
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping holding ``address`` in this process (/proc/self/smaps), in KiB."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(a, 16) for a in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_dropped_pages_leave_the_process_and_read_back_the_same(default_model: Path) -> None:
+    """drop_pages takes a tensor's whole pages out of the process's resident memory (the
+    engine does so for the tensors it copied); read again, they are the file's bytes."""
+    reader = GGUFFile(default_model)
+    tensor = max(reader.tensors, key=lambda t: t.data.nbytes)
+    address = reader._map.__array_interface__["data"][0]
+    before = tensor.data.tobytes()  # every page of it resident
+    resident = _resident_kib(address)
+    reader.drop_pages(tensor.data)
+    dropped = resident - _resident_kib(address)
+    assert dropped >= tensor.data.nbytes // 1024 - 8  # all but the two partial end pages
+    assert tensor.data.tobytes() == before
+    reader.drop_pages(numpy.zeros(1 << 20, numpy.uint8))  # not of this file: nothing

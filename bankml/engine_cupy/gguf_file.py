@@ -204,13 +204,29 @@ class GGUFFile:
 
         self.path = os.fspath(path)
         # a plain ndarray view: slices of a numpy.memmap pay a Python-level hook each
-        self._map = numpy.memmap(self.path, mode="r").view(numpy.ndarray)
+        self._memmap = numpy.memmap(self.path, mode="r")
+        self._map = self._memmap.view(numpy.ndarray)
         try:
             self._read_header()
         except GGUFError:
             raise
         except (struct.error, ValueError, OverflowError) as err:  # a short or garbled header
             raise GGUFError(f"{self.path}: {err}") from err
+
+    def drop_pages(self, data: Any) -> None:
+        """Take the file's pages under ``data`` (a tensor's bytes, a view of the map) out of this
+        process's memory: for a tensor the engine copied (Q/K/V and gate/up concatenated) and
+        never reads here again, so that it is not counted twice (the copy, and the file's pages
+        its reading made resident). Whole pages inside ``data`` only; a later read of them
+        faults them in from the file again, so nothing can read other bytes."""
+        start = data.__array_interface__["data"][0] - self._map.__array_interface__["data"][0]
+        end = start + data.nbytes
+        if not (start >= 0 and end <= self._map.nbytes):
+            return  # not a view of this map
+        page = mmap.PAGESIZE
+        first, last = -(-start // page) * page, end // page * page
+        if last > first:
+            self._memmap._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def _read_header(self) -> None:
         buf = memoryview(self._map)  # struct and str read it without copies

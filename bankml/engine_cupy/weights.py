@@ -457,6 +457,7 @@ class _Loader:
     def __init__(
         self, reader: GGUFFile, xp: ModuleType, tick: Callable[[int], None], exact: bool = True
     ):
+        self.reader = reader
         self.infos = _tensor_infos(reader)
         self.xp = xp
         self.tick = tick
@@ -515,6 +516,9 @@ class _Loader:
         # one vec_dot kind per group (fused): the first part's concat stacks rows or products,
         # also across modules of that kind (IQ4_NL beside Q4_0: q8_0; IQ4_XS beside Q6_K: q8_K)
         exact = type(mats[0]).concat(mats) if len(mats) > 1 else mats[0]
+        if len(mats) > 1 and getattr(exact, "raw", None) is not None:  # the parts' bytes copied
+            for w, _ in group:
+                self.reader.drop_pages(self.infos[w].data)
         return Linear(
             None,
             self._bias(group, [m.n_out for m in mats]),
