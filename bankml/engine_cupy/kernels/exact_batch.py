@@ -42,6 +42,11 @@ from bankml.engine_cupy.kernels.exact_decode import (
     PARALLEL_MIN_VISITS,
     DecodePlan,
     _CellViews,
+    _glu,
+    _head_norm,
+    _heads,
+    _norm,
+    _rope,
 )
 from bankml.engine_cupy.kernels.exact_iquants import _XS_T, _XS_VD
 from bankml.engine_cupy.kernels.exact_iquants import _dot as _iq4_dot
@@ -66,11 +71,7 @@ from bankml.engine_cupy.kernels.exact_matmul import (
 )
 from bankml.engine_cupy.kernels.exact_matmul import _quantize_serial as _quantize_q8_0
 from bankml.engine_cupy.kernels.exact_ops import (
-    _geglu_rows,
     _norm_fused_pairs,
-    _rms_norm_rows,
-    _rope_rows,
-    _swiglu_rows,
 )
 from bankml.engine_cupy.kernels.jit import njit, present_in
 from bankml.engine_cupy.kv_cache import _store_f16
@@ -356,32 +357,6 @@ def _linear(matrix, x, table, families):  # pragma: no cover - compiled
 
 
 @njit
-def _norm(x, weight, eps):  # pragma: no cover - compiled
-    out = np.empty_like(x)
-    _rms_norm_rows(x, weight, eps, out)
-    return out
-
-
-@njit
-def _heads(y, start, n_heads, head_dim):  # pragma: no cover - compiled
-    m = y.shape[0]
-    return y[:, start : start + n_heads * head_dim].copy().reshape(m, n_heads, head_dim)
-
-
-@njit
-def _head_norm(x, weight, eps):  # pragma: no cover - compiled
-    m, n_heads, head_dim = x.shape
-    return _norm(x.reshape(m * n_heads, head_dim), weight, eps).reshape(m, n_heads, head_dim)
-
-
-@njit
-def _rope(x, cos, sin, neox, fused_pairs):  # pragma: no cover - compiled
-    out = np.empty_like(x)
-    _rope_rows(x, cos, sin, neox, fused_pairs, out)
-    return out
-
-
-@njit
 def attention_inputs(
     x, attn_norm, qkv, q_norm, k_norm, shape, cos, sin, neox, q_scale, eps, table, families
 ):  # pragma: no cover - compiled
@@ -437,19 +412,6 @@ def store_attend(q, k, v, row, pos, cells, scale, n_threads, out):  # pragma: no
         o,
     )
     out[row] = o.reshape(n_head * head_dim)
-
-
-@njit
-def _glu(gu, n_ff, gelu):  # pragma: no cover - compiled
-    m = gu.shape[0]
-    gate = gu[:, :n_ff].copy()
-    up = gu[:, n_ff : 2 * n_ff].copy()
-    out = np.empty((m, n_ff), np.float32)
-    if gelu.shape[0]:
-        _geglu_rows(gate, up, gelu, out)
-    else:
-        _swiglu_rows(gate.reshape(-1), n_ff, up.reshape(-1), n_ff, out)
-    return out
 
 
 @njit

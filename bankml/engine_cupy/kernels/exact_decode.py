@@ -135,15 +135,19 @@ def _linear(matrix: Any, x: Any, table: Any, families: Any) -> Any:
 
 @njit
 def _heads(y: Any, start: int, n_heads: int, head_dim: int) -> Any:
-    """y[0, start : start + n_heads*head_dim] as a [1, n_heads, head_dim] copy."""
-    return y[0, start : start + n_heads * head_dim].copy().reshape(1, n_heads, head_dim)
+    """y[:, start : start + n_heads*head_dim] as a [rows, n_heads, head_dim] copy."""
+    m, n = y.shape[0], n_heads * head_dim
+    out = np.empty((m, n), np.float32)
+    for t in range(m):  # row by row: each a contiguous copy (a 2-D slice's is element-wise)
+        out[t] = y[t, start : start + n]
+    return out.reshape(m, n_heads, head_dim)
 
 
 @njit
 def _head_norm(x: Any, weight: Any, eps: float) -> Any:
-    """qwen3/gemma3's Q or K norm: RMSNorm of each head's row."""
-    _, n_heads, head_dim = x.shape
-    return _norm(x.reshape(n_heads, head_dim), weight, eps).reshape(1, n_heads, head_dim)
+    """qwen3/gemma3's Q or K norm: RMSNorm of each head's row, for each row."""
+    m, n_heads, head_dim = x.shape
+    return _norm(x.reshape(m * n_heads, head_dim), weight, eps).reshape(m, n_heads, head_dim)
 
 
 @njit
@@ -217,10 +221,12 @@ def _attention(
 
 @njit
 def _glu(gu: Any, n_ff: int, gelu: Any) -> Any:
-    """ExactOps.glu: SwiGLU, or GeGLU through ggml's f16 GELU table when one is given."""
+    """ExactOps.glu of each row: SwiGLU, or GeGLU through ggml's f16 GELU table when one is
+    given."""
+    m = gu.shape[0]
     gate = gu[:, :n_ff].copy()
     up = gu[:, n_ff : 2 * n_ff].copy()
-    out = np.empty((1, n_ff), np.float32)
+    out = np.empty((m, n_ff), np.float32)
     if gelu.shape[0]:
         _geglu_rows(gate, up, gelu, out)
     else:
