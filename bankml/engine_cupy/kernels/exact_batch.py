@@ -43,10 +43,8 @@ from bankml.engine_cupy.kernels.exact_decode import (
     DecodePlan,
     _CellViews,
     _glu,
-    _head_norm,
-    _heads,
     _norm,
-    _rope,
+    _qkv_heads,
 )
 from bankml.engine_cupy.kernels.exact_iquants import _XS_T, _XS_VD
 from bankml.engine_cupy.kernels.exact_iquants import _dot as _iq4_dot
@@ -70,9 +68,6 @@ from bankml.engine_cupy.kernels.exact_matmul import (
     row_product,
 )
 from bankml.engine_cupy.kernels.exact_matmul import _quantize_serial as _quantize_q8_0
-from bankml.engine_cupy.kernels.exact_ops import (
-    _norm_fused_pairs,
-)
 from bankml.engine_cupy.kernels.jit import njit, present_in
 from bankml.engine_cupy.kv_cache import _store_f16
 
@@ -363,22 +358,9 @@ def attention_inputs(
     """exact_decode._attention up to the store, for each row of x [B, n_embd] (cos/sin [B,
     hd/2]: each row's position): Q [B, n_head, hd] (RoPE'd, gemma3's scale), K and V [B,
     n_head_kv, hd]."""
-    n_head, n_head_kv, head_dim = shape
     h = _norm(x, attn_norm, eps)
     y = _linear(qkv, h, table, families)
-    nq, nk = n_head * head_dim, n_head_kv * head_dim
-    q = _heads(y, 0, n_head, head_dim)
-    k = _heads(y, nq, n_head_kv, head_dim)
-    v = _heads(y, nq + nk, n_head_kv, head_dim)
-    if q_norm.shape[0]:
-        q = _head_norm(q, q_norm, eps)
-        k = _head_norm(k, k_norm, eps)
-    fused_pairs = cos.shape[1] if neox else _norm_fused_pairs(cos.shape[1])
-    q = _rope(q, cos, sin, neox, fused_pairs)
-    k = _rope(k, cos, sin, neox, fused_pairs)
-    if q_scale != 1:
-        q = q * np.float32(q_scale)
-    return q, k, v
+    return _qkv_heads(y, q_norm, k_norm, shape, cos, sin, neox, q_scale, eps)
 
 
 @njit

@@ -159,6 +159,37 @@ def _rope(x: Any, cos: Any, sin: Any, neox: bool, fused_pairs: int) -> Any:
 
 
 @njit
+def _qkv_heads(
+    y: Any,
+    q_norm: Any,
+    k_norm: Any,
+    shape: Any,
+    cos: Any,
+    sin: Any,
+    neox: bool,
+    q_scale: float,
+    eps: float,
+) -> Any:
+    """Q [rows, n_head, hd], K and V [rows, n_head_kv, hd] of the Q/K/V product's rows y: the
+    heads split, Q/K norms (qwen3, gemma3), RoPE at each row's position (cos/sin [rows,
+    hd/2]), gemma3's Q scale (it then attends with scale 1)."""
+    n_head, n_head_kv, head_dim = shape
+    nq, nk = n_head * head_dim, n_head_kv * head_dim
+    q = _heads(y, 0, n_head, head_dim)
+    k = _heads(y, nq, n_head_kv, head_dim)
+    v = _heads(y, nq + nk, n_head_kv, head_dim)
+    if q_norm.shape[0]:
+        q = _head_norm(q, q_norm, eps)
+        k = _head_norm(k, k_norm, eps)
+    fused_pairs = cos.shape[1] if neox else _norm_fused_pairs(cos.shape[1])
+    q = _rope(q, cos, sin, neox, fused_pairs)
+    k = _rope(k, cos, sin, neox, fused_pairs)
+    if q_scale != 1:
+        q = q * np.float32(q_scale)
+    return q, k, v
+
+
+@njit
 def _attention(
     h: Any,
     qkv: Any,
@@ -183,18 +214,7 @@ def _attention(
     k_store, v_store, k_att, v_att, cell, n_cells, n_kv, mask, has_mask = cells
     n_head, n_head_kv, head_dim = shape
     y = _linear(qkv, h, table, families)
-    nq, nk = n_head * head_dim, n_head_kv * head_dim
-    q = _heads(y, 0, n_head, head_dim)
-    k = _heads(y, nq, n_head_kv, head_dim)
-    v = _heads(y, nq + nk, n_head_kv, head_dim)
-    if q_norm.shape[0]:
-        q = _head_norm(q, q_norm, eps)
-        k = _head_norm(k, k_norm, eps)
-    fused_pairs = cos.shape[1] if neox else _norm_fused_pairs(cos.shape[1])
-    q = _rope(q, cos, sin, neox, fused_pairs)
-    k = _rope(k, cos, sin, neox, fused_pairs)
-    if q_scale != 1:  # gemma3 scales Q and attends with scale 1
-        q = q * np.float32(q_scale)
+    q, k, v = _qkv_heads(y, q_norm, k_norm, shape, cos, sin, neox, q_scale, eps)
     _store_f16(k_store, pos, k)
     _store_f16(v_store, pos, v)
     if cell >= 0:  # the same rounded values into the sliding-window ring's cell
