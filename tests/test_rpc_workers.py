@@ -297,3 +297,69 @@ def test_a_worker_killed_mid_answer_ends_the_stream_cleanly_then_503_then_answer
         status, raw, _ = bankml.post(body)
         assert status == 200, raw
         assert check_whole_receipt(raw, body, support.DEFAULT_SHA256)["rpc"] == [worker.address]
+
+
+# --- across network namespaces -------------------------------------------------------------------
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def worker_namespace() -> Iterator[tuple[str, str, str]]:
+    """(namespace, its address, this namespace's address): a network namespace joined to this
+    one by a veth pair on 10.231.0.0/24; skipped where `ip netns` cannot make one (not root)."""
+    name = f"bkrpc{os.getpid()}"
+    try:
+        ip("netns", "add", name)
+    except (OSError, subprocess.CalledProcessError) as err:
+        pytest.skip(f"ip netns is not available here: {err}")
+    here, there = f"{name}h", f"{name}w"
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there)
+        ip("link", "set", there, "netns", name)
+        ip("addr", "add", "10.231.0.2/24", "dev", here)
+        ip("link", "set", here, "up")
+        ip("-n", name, "addr", "add", "10.231.0.1/24", "dev", there)
+        ip("-n", name, "link", "set", there, "up")
+        ip("-n", name, "link", "set", "lo", "up")
+        yield name, "10.231.0.1", "10.231.0.2"
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=30)
+        ip("netns", "del", name)
+
+
+def test_a_worker_in_another_network_namespace_serves_p0_over_the_veth(
+    worker_namespace: tuple[str, str, str],
+    rpc_server_bin: Path,
+    model_copy: tuple[Path, Path],
+    llama_server_bin: Path,
+    tmp_path: Path,
+) -> None:
+    """`bankml rpc-worker --host ADDR --allow-network` in its own namespace (with the warning);
+    `bankml serve --spawn --rpc ADDR:PORT` here answers over it, the receipt naming it."""
+    name, address, _ = worker_namespace
+    port = support.free_port()
+    worker_log = tmp_path / "worker.log"
+    cmd = ["ip", "netns", "exec", name, str(BIN / "bankml"), "rpc-worker", "--host", address]
+    cmd += ["--port", str(port), "--allow-network", "--threads", "1"]
+    cmd += ["--rpc-server", str(rpc_server_bin)]
+    with open(worker_log, "wb") as out:
+        worker = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        target = f"{address}:{port}"
+        deadline = time.monotonic() + 60
+        while rpc.worker_problem(target, 2) is not None:
+            assert worker.poll() is None and time.monotonic() < deadline, worker_log.read_text()
+            time.sleep(0.1)
+        assert "has no authentication" in worker_log.read_text()
+        bankml = over(target, model_copy, llama_server_bin, tmp_path / "log", after=False)
+        with bankml:
+            body = chat_body(False)
+            status, raw, _ = bankml.post(body)
+        assert status == 200, raw
+        assert check_whole_receipt(raw, body, support.DEFAULT_SHA256)["rpc"] == [target]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 128 + signal.SIGTERM
