@@ -416,6 +416,15 @@ class EngineProcess(Supervised):
         self.restart_call = None
         if self.stopping:
             return
+        if self.rpc_workers:  # a worker still down: wait for it before hashing the file again
+            problem = yield deferToThread(rpc.workers_problem, self.rpc_workers)
+            if problem is not None:
+                if self.stopping:
+                    return
+                _log.warn("not restarting yet: {problem}", problem=problem)
+                self.gateway.set_state(gw.DOWN, f"waiting for the RPC workers: {problem}")
+                self._schedule_restart()
+                return
         v = self.gateway.verified
         try:
             again = yield deferToThread(self.reverify, v.path, v.fork_path)

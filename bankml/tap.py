@@ -324,6 +324,11 @@ class Options(usage.Options):
             raise usage.UsageError("--rpc is llama-server's: it needs --spawn")
         if given is not None and after is not None:
             raise usage.UsageError("--rpc is given twice (here and after --): give it once")
+        if self["registry"] or self["max-loaded"] > 1:
+            raise usage.UsageError(
+                "--rpc serves one model: an RPC worker serves one llama-server at a time "
+                "(--registry and --max-loaded above 1 start one per model)"
+            )
         try:
             self["rpc_workers"] = rpc.parse_workers(given if given is not None else after or "")
         except ValueError as err:

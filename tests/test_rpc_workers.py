@@ -3,8 +3,7 @@ llama-server by scripts/build-llama-server.sh) on loopback, and `bankml serve --
 spreading the model over them.
 
 One worker pair is shared by the module; each `bankml serve` here is a subprocess. The greedy
-answers over one and two workers are compared with the reference llama-server's (one process,
-no RPC): on this CPU build they are the same text, byte for byte (the tests say so by asserting
+answers over one and two workers are compared with one llama-server's (one process, no RPC): on this CPU build they are the same text, byte for byte (the tests say so by asserting
 it). One kill test: an rpc-server SIGKILLed mid-answer.
 """
 
@@ -169,20 +168,36 @@ def test_an_unreachable_worker_is_refused_with_the_reason(
         (["--rpc", "127.0.0.1"], "expected HOST:PORT"),
         (["--rpc", "127.0.0.1:1,127.0.0.1:1"], "named twice"),
         (["--rpc", "127.0.0.1:1", "--", "--rpc", "127.0.0.1:2"], "given twice"),
+        (["--max-loaded", "2", "--", "--rpc", "127.0.0.1:1"], "serves one model"),
     ],
 )
 def test_bad_rpc_arguments_are_usage_errors(
     model_copy: tuple[Path, Path], llama_server_bin: Path, args: list[str], message: str
 ) -> None:
+    from twisted.python import usage
+
+    from bankml.tap import Options
+
     model, fork = model_copy
-    done = subprocess.run(
-        [str(BIN / "bankml"), "serve", str(model), "--fork", str(fork)]
-        + ["--spawn", str(llama_server_bin), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    with pytest.raises(usage.UsageError, match=message):
+        Options().parseOptions(
+            [str(model), "--fork", str(fork), "--spawn", str(llama_server_bin), *args]
+        )
+
+
+def test_rpc_given_to_bankml_goes_to_llama_server_after_its_other_arguments(
+    model_copy: tuple[Path, Path], llama_server_bin: Path
+) -> None:
+    from bankml.tap import Options
+
+    model, fork = model_copy
+    options = Options()
+    options.parseOptions(
+        [str(model), "--fork", str(fork), "--spawn", str(llama_server_bin)]
+        + ["--rpc", "127.0.0.1:50052,localhost:50053", "--", "-fa", "on"]
     )
-    assert done.returncode == 1 and message in done.stderr, done.stderr
+    assert options["engine_args"] == ["-fa", "on", "--rpc", "127.0.0.1:50052,localhost:50053"]
+    assert options["rpc_workers"] == ("127.0.0.1:50052", "localhost:50053")
 
 
 def test_rpc_worker_binds_another_address_only_when_told_to(rpc_server_bin: Path) -> None:
@@ -205,10 +220,16 @@ def test_rpc_worker_binds_another_address_only_when_told_to(rpc_server_bin: Path
 # --- answers over workers ------------------------------------------------------------------------
 
 
-def reference_text(reference_server: support.LlamaServer, body: bytes) -> str:
-    status, answer = support.http_json(
-        reference_server.url + "/v1/chat/completions", json.loads(body)
-    )
+@pytest.fixture(scope="module")
+def single(default_model: Path, llama_server_bin: Path) -> Iterator[support.LlamaServer]:
+    """One llama-server without RPC, one thread as the workers' (two threads on two shared
+    cores spin at every barrier)."""
+    with support.LlamaServer(default_model, binary=llama_server_bin, args=["-t", "1"]) as server:
+        yield server
+
+
+def reference_text(single: support.LlamaServer, body: bytes) -> str:
+    status, answer = support.http_json(single.url + "/v1/chat/completions", json.loads(body))
     assert status == 200, answer
     return answer["choices"][0]["message"]["content"]
 
@@ -218,7 +239,7 @@ def test_greedy_answers_over_workers_are_the_single_process_answers_with_the_wor
     workers: list[Worker],
     model_copy: tuple[Path, Path],
     llama_server_bin: Path,
-    reference_server: support.LlamaServer,
+    single: support.LlamaServer,
     signing_key: Any,
     tmp_path: Path,
     count: int,
@@ -242,7 +263,7 @@ def test_greedy_answers_over_workers_are_the_single_process_answers_with_the_wor
     # signed as every receipt: bankml check-receipt says valid
     assert check_receipt_cli(tmp_path, body, raw, public_key["public_key"]) == (0, "valid")
     # bit-identical to one llama-server without RPC, on this CPU build
-    assert read_answer(raw, "chat").text == reference_text(reference_server, body)
+    assert read_answer(raw, "chat").text == reference_text(single, body)
 
 
 # --- faults ---------------------------------------------------------------------------------------
