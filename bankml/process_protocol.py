@@ -23,6 +23,12 @@
   before exec'ing llama-server, so even a SIGKILL of bankml itself (which runs no shutdown
   trigger) leaves no llama-server behind. spawnProcess has no preexec_fn; the shim is
   `python -I -S -c SHIM parent_pid llama-server args...`, costing ~30 ms once per start.
+- With llama.cpp RPC workers (`rpc_workers`, llama-server's `--rpc`), every start and restart
+  first checks that each worker answers RPC's hello with build 11434's protocol (bankml/rpc.py);
+  a restart checks them before hashing the file again.
+
+The launching, output, backoff and stopping are `Supervised`'s, shared with
+bankml/rpc_worker.py's `WorkerProcess` (llama.cpp's rpc-server under `bankml rpc-worker`).
 """
 
 from __future__ import annotations

@@ -103,6 +103,15 @@ def hello(address: str, timeout: float = HELLO_TIMEOUT_S) -> tuple[int, int, int
     return major, minor, patch
 
 
+def reachable(address: str, timeout: float = 1.0) -> bool:
+    """Whether anything accepts a TCP connection at ``address`` (nothing is sent)."""
+    try:
+        with socket.create_connection(parse_worker(address), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def version_text(version: Sequence[int]) -> str:
     return ".".join(str(v) for v in version)
 

@@ -5,7 +5,7 @@ over with ``--rpc``), launched and kept up by bankml.
 llama-server: the parent-death shim, output logged by line, restarts after the backoff of
 ``--restart-delay MIN[:MAX]``, SIGTERM then SIGKILL at the end):
 
-- ``start()`` refuses if something already answers on the worker's address, launches
+- ``start()`` refuses if something already listens on the worker's address, launches
   ``rpc-server -H HOST -p PORT [-t N]``, and waits (up to 60 s) until the worker answers RPC's
   hello with build 11434's protocol (bankml/rpc.py); it fails at once if the process exits
   first. The first start failing is fatal.
@@ -13,8 +13,8 @@ llama-server: the parent-death shim, output logged by line, restarts after the b
   that fails is retried after the next delay.
 - The worker binds loopback (127.0.0.1) unless the command line says otherwise and also gives
   ``--allow-network``: llama.cpp's RPC protocol has no authentication and no encryption, so
-  anyone who can reach the port can run code-sized work on the machine and read the weights
-  sent to it. bankml warns each time it binds elsewhere (docs/rpc.md: across machines, keep
+  anyone who can reach the port can allocate memory and run computations on the
+  machine, and read the weights sent to it. bankml warns each time it binds elsewhere (docs/rpc.md: across machines, keep
   the port on a private network, an SSH tunnel or WireGuard).
 """
 
@@ -49,12 +49,6 @@ NETWORK_WARNING = (
 
 class WorkerFailed(Exception):
     """rpc-server could not be brought up (the message says why)."""
-
-
-def rpc_server_beside(llama_server: str) -> str:
-    """The rpc-server built beside a llama-server binary (scripts/build-llama-server.sh puts
-    both in one bin/ directory)."""
-    return os.path.join(os.path.dirname(os.path.abspath(llama_server)), "rpc-server")
 
 
 def rpc_server_args(
@@ -105,10 +99,9 @@ class WorkerProcess(Supervised):
         """Bring rpc-server up; WorkerFailed when it cannot be."""
         if self.host not in LOOPBACK:
             _log.warn(NETWORK_WARNING, host=self.host, port=self.port)
-        answered = yield deferToThread(rpc.worker_problem, self.address, 1.0)
-        if answered is None or "cannot be reached" not in answered:
+        if (yield deferToThread(rpc.reachable, self.address)):
             raise WorkerFailed(
-                f"something already answers on {self.address}: refusing to start a second "
+                f"something already listens on {self.address}: refusing to start a second "
                 "worker there"
             )
         args = self.command()
@@ -132,13 +125,18 @@ class WorkerProcess(Supervised):
         while True:
             if proto is None or proto.ended.called or self.stopping:
                 raise WorkerFailed(f"rpc-server exited before it answered ({last})")
-            problem = yield deferToThread(rpc.worker_problem, self.address, 2.0)
-            if problem is None:
-                return
-            if "cannot be reached" not in problem:  # it answers, but not as this build's worker
-                self._kill_quietly()
-                raise WorkerFailed(problem)
-            last = problem
+            try:
+                version = yield deferToThread(rpc.hello, self.address, 2.0)
+            except rpc.WorkerRefused as err:
+                last = str(err)  # not listening yet
+            else:
+                if version == rpc.PROTOCOL:
+                    return
+                self._kill_quietly()  # it answers, but not as this build's worker
+                raise WorkerFailed(
+                    f"{self.binary} answers RPC protocol {rpc.version_text(version)}, not "
+                    f"{rpc.version_text(rpc.PROTOCOL)}: not an rpc-server of build 11434"
+                )
             if self.reactor.seconds() > deadline:
                 self._kill_quietly()
                 raise WorkerFailed(

@@ -200,6 +200,20 @@ def test_rpc_given_to_bankml_goes_to_llama_server_after_its_other_arguments(
     assert options["rpc_workers"] == ("127.0.0.1:50052", "localhost:50053")
 
 
+def test_a_second_worker_on_an_address_in_use_is_refused(
+    workers: list[Worker], rpc_server_bin: Path
+) -> None:
+    done = subprocess.run(
+        [str(BIN / "bankml"), "rpc-worker", "--port", str(workers[0].port)]
+        + ["--rpc-server", str(rpc_server_bin)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    assert f"something already listens on {workers[0].address}" in done.stderr
+
+
 def test_rpc_worker_binds_another_address_only_when_told_to(rpc_server_bin: Path) -> None:
     done = subprocess.run(
         [
