@@ -3,20 +3,23 @@
 one llama-server process, same run.
 
     bench/rpc.py [--llama-server BIN] [--model FILE] [--workers 1,2] [--rounds 3]
-                 [--tokens 64] [--threads 1] [--delay-ms 0]
+                 [--tokens 64] [--threads 1] [--delay-ms 0] [--rate-mbit 0]
 
 Starts rpc-server (beside the llama-server binary, as scripts/build-llama-server.sh builds it)
 on free loopback ports, and llama-server (``-t N -c 2048 -np 1``) once alone and once over each
 count of workers given. Each setup answers the same greedy streamed chat (``--tokens`` tokens,
 ``ignore_eos``) ``--rounds`` times after one warm-up; the figures are the medians of the time to
 the first streamed token (client side, over HTTP) and of llama-server's own decode tokens per
-second (``timings.predicted_per_second``). The answers are compared with the single process's.
+second (``timings.predicted_per_second``), and the time llama-server took to be healthy (it
+sends each worker its share of the weights then). The answers are compared with the single
+process's.
 
 ``--delay-ms D`` adds a network's latency between llama-server and its workers: every byte each
 way waits D ms. With ``tc netem`` (kernel module sch_netem) the workers run in a network
 namespace joined by a veth pair whose both ends get ``netem delay Dms``; where the kernel has no
 netem, a loopback relay in this process holds each chunk D ms before passing it on (the same
-latency, none of a link's bandwidth limit or jitter). The line says which was used.
+latency, no jitter). ``--rate-mbit R`` limits the link to R Mbit/s each way (netem ``rate``; the
+relay holds each chunk for its size at that rate too). The line says which was used.
 
 Prints one line per setup and ends with one JSON line.
 """
@@ -57,10 +60,11 @@ def wait_worker(address: str, proc: subprocess.Popen, timeout: float = 60) -> No
 
 
 class Relay:
-    """A loopback TCP relay to ``target`` holding every chunk ``delay`` seconds each way."""
+    """A loopback TCP relay to ``target`` holding every chunk ``delay`` seconds each way, after
+    its time on a link of ``rate`` bits per second (0: unlimited)."""
 
-    def __init__(self, target: tuple[str, int], delay: float) -> None:
-        self.target, self.delay = target, delay
+    def __init__(self, target: tuple[str, int], delay: float, rate: float = 0.0) -> None:
+        self.target, self.delay, self.rate = target, delay, rate
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
@@ -93,8 +97,12 @@ class Relay:
             writer.close()
 
         sender = asyncio.ensure_future(send())
+        free_at = 0.0  # when the emulated link has sent everything queued so far
         while data := await reader.read(1 << 20):
-            queue.put_nowait((self.loop.time() + self.delay, data))
+            free_at = max(self.loop.time(), free_at)
+            if self.rate:
+                free_at += len(data) * 8 / self.rate
+            queue.put_nowait((free_at + self.delay, data))
         queue.put_nowait((0, None))
         await sender
 
@@ -105,9 +113,10 @@ class Relay:
         await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
 
 
-def netem_namespace(delay_ms: float) -> str | None:
-    """A namespace joined by veth (10.232.0.1 there, .2 here) with netem delay on both ends;
-    None (nothing left behind) where the kernel has no netem."""
+def netem_namespace(delay_ms: float, rate_mbit: float) -> str | None:
+    """A namespace joined by veth (10.232.0.1 there, .2 here) with netem delay (and rate) on
+    both ends; None (nothing left behind) where the kernel has no netem."""
+    rate = ["rate", f"{rate_mbit:g}mbit"] if rate_mbit else []
 
     def ip(*args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True)
@@ -126,7 +135,7 @@ def netem_namespace(delay_ms: float) -> str | None:
         for ns_args, dev in (([], f"{NS}h"), (["-n", NS], f"{NS}w")):
             subprocess.run(
                 ["tc", *ns_args, "qdisc", "add", "dev", dev, "root", "netem", "delay"]
-                + [f"{delay_ms}ms"],
+                + [f"{delay_ms:g}ms", *rate],
                 check=True,
                 capture_output=True,
             )
@@ -178,9 +187,13 @@ def stream_once(url: str, tokens: int) -> tuple[float, float, str]:
 
 
 def measure(server: support.LlamaServer, rounds: int, tokens: int) -> dict[str, Any]:
-    stream_once(server.url, tokens)  # warm-up
-    runs = [stream_once(server.url, tokens) for _ in range(rounds)]
+    started = time.perf_counter()
+    with server:
+        load_s = time.perf_counter() - started
+        stream_once(server.url, tokens)  # warm-up
+        runs = [stream_once(server.url, tokens) for _ in range(rounds)]
     return {
+        "load_s": round(load_s, 2),
         "ttft_ms": round(statistics.median(r[0] for r in runs), 1),
         "tokens_per_s": round(statistics.median(r[1] for r in runs), 2),
         "text": runs[0][2],
@@ -196,6 +209,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--rate-mbit", type=float, default=0.0)
     args = parser.parse_args()
     binary = args.llama_server or support.llama_server_binary()
     model = args.model or support.default_model()
@@ -203,17 +217,17 @@ def main() -> int:
     counts = [int(c) for c in args.workers.split(",")]
     procs: list[subprocess.Popen] = []
     results: dict[str, Any] = {}
-    namespace = netem_namespace(args.delay_ms) if args.delay_ms else None
+    shaped = bool(args.delay_ms or args.rate_mbit)
+    namespace = netem_namespace(args.delay_ms, args.rate_mbit) if shaped else None
     how = "loopback"
-    if args.delay_ms:
-        how = (
-            f"netem {args.delay_ms:g} ms each way"
-            if namespace
-            else (f"relay {args.delay_ms:g} ms each way (no netem in this kernel)")
+    if shaped:
+        link = f"{args.delay_ms:g} ms each way" + (
+            f", {args.rate_mbit:g} Mbit/s" if args.rate_mbit else ""
         )
+        how = f"netem {link}" if namespace else f"relay {link} (no netem in this kernel)"
     try:
-        with support.LlamaServer(model, binary=binary, args=["-t", str(args.threads)]) as one:
-            results["one process"] = measure(one, args.rounds, args.tokens)
+        one = support.LlamaServer(model, binary=binary, args=["-t", str(args.threads)])
+        results["one process"] = measure(one, args.rounds, args.tokens)
         addresses = []
         relays = []
         for _ in range(max(counts)):
@@ -225,17 +239,15 @@ def main() -> int:
                 subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             )
             wait_worker(f"{host}:{port}", procs[-1])
-            if args.delay_ms and not namespace:
-                relays.append(Relay((host, port), args.delay_ms / 1000))
+            if shaped and not namespace:
+                relays.append(Relay((host, port), args.delay_ms / 1000, args.rate_mbit * 1e6))
                 addresses.append(f"127.0.0.1:{relays[-1].port}")
             else:
                 addresses.append(f"{host}:{port}")
         for count in counts:
             extra = ["-t", str(args.threads), "--rpc", ",".join(addresses[:count])]
-            with support.LlamaServer(model, binary=binary, args=extra) as over:
-                results[f"{count} worker{'s' * (count > 1)}"] = measure(
-                    over, args.rounds, args.tokens
-                )
+            over = support.LlamaServer(model, binary=binary, args=extra)
+            results[f"{count} worker{'s' * (count > 1)}"] = measure(over, args.rounds, args.tokens)
     finally:
         for proc in procs:
             proc.terminate()
@@ -246,8 +258,8 @@ def main() -> int:
     for name, r in results.items():
         r["same_text"] = r.pop("text") == single
         print(
-            f"{name:12s} ttft {r['ttft_ms']:8.1f} ms  decode {r['tokens_per_s']:7.2f} tok/s  "
-            f"same text as one process: {r['same_text']}"
+            f"{name:12s} load {r['load_s']:6.2f} s  ttft {r['ttft_ms']:8.1f} ms  "
+            f"decode {r['tokens_per_s']:7.2f} tok/s  same text as one process: {r['same_text']}"
         )
     print(
         json.dumps(
