@@ -101,12 +101,17 @@ def model_copy(tmp_path_factory: pytest.TempPathFactory, default_model: Path) ->
 
 
 def over(
-    workers_given: str, model_copy: tuple[Path, Path], llama_bin: Path, log: Path, after: bool
+    workers_given: str,
+    model_copy: tuple[Path, Path],
+    llama_bin: Path,
+    log: Path,
+    after: bool,
+    restart_delay: str = "0.2",
 ) -> BankmlProcess:
     """`bankml serve --spawn` over the workers, given as bankml's --rpc or after --."""
     model, fork = model_copy
     engine = ["--spawn", str(llama_bin), "--upstream", f"127.0.0.1:{support.free_port()}"]
-    engine += ["--restart-delay", "0.2"]
+    engine += ["--restart-delay", restart_delay]
     if after:
         return BankmlProcess(
             model, fork, engine, log, threads=1, llama_args=["--rpc", workers_given]
@@ -290,7 +295,9 @@ def test_a_worker_killed_mid_answer_ends_the_stream_cleanly_then_503_then_answer
     tmp_path: Path,
 ) -> None:
     worker = workers[1]
-    bankml = over(worker.address, model_copy, llama_server_bin, tmp_path / "log", after=False)
+    # llama-server restarts 2 s after its end: the 503 is read well within that
+    log = tmp_path / "log"
+    bankml = over(worker.address, model_copy, llama_server_bin, log, False, restart_delay="2")
     with bankml:
         first_engine = bankml.engine_pid()
         killed = worker.rpc_server_pid()
@@ -320,7 +327,7 @@ def test_a_worker_killed_mid_answer_ends_the_stream_cleanly_then_503_then_answer
             assert time.monotonic() < deadline, "bankml did not notice llama-server's end"
             time.sleep(0.05)
         status, _, headers = bankml.get("/health")
-        assert status == 503 and int(headers["Retry-After"]) >= 1
+        assert status == 503 and int(headers["Retry-After"]) == 2
         # rpc-worker restarts its rpc-server, then bankml restarts llama-server on it
         deadline = time.monotonic() + 180
         while bankml.get("/health")[0] != 200:
@@ -352,13 +359,16 @@ def worker_namespace() -> Iterator[tuple[str, str, str]]:
         pytest.skip(f"ip netns is not available here: {err}")
     here, there = f"{name}h", f"{name}w"
     try:
-        ip("link", "add", here, "type", "veth", "peer", "name", there)
-        ip("link", "set", there, "netns", name)
-        ip("addr", "add", "10.231.0.2/24", "dev", here)
-        ip("link", "set", here, "up")
-        ip("-n", name, "addr", "add", "10.231.0.1/24", "dev", there)
-        ip("-n", name, "link", "set", there, "up")
-        ip("-n", name, "link", "set", "lo", "up")
+        try:
+            ip("link", "add", here, "type", "veth", "peer", "name", there)
+            ip("link", "set", there, "netns", name)
+            ip("addr", "add", "10.231.0.2/24", "dev", here)
+            ip("link", "set", here, "up")
+            ip("-n", name, "addr", "add", "10.231.0.1/24", "dev", there)
+            ip("-n", name, "link", "set", there, "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as err:
+            pytest.skip(f"no veth pair into a network namespace here: {err.stderr!r}")
         yield name, "10.231.0.1", "10.231.0.2"
     finally:
         subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=30)
