@@ -328,6 +328,7 @@ def test_a_worker_killed_mid_answer_ends_the_stream_cleanly_then_503_then_answer
             time.sleep(0.05)
         status, _, headers = bankml.get("/health")
         assert status == 503 and int(headers["Retry-After"]) == 2
+        assert bankml.get("/bankml")[1]["engine"]["rpc"] == [worker.address]
         # rpc-worker restarts its rpc-server, then bankml restarts llama-server on it
         deadline = time.monotonic() + 180
         while bankml.get("/health")[0] != 200:

@@ -335,6 +335,7 @@ class Gateway:
                 "pid": self.pid,
                 "restarts": self.restarts,
                 "spawned": self.mode == "spawn",
+                "rpc": list(self.rpc_workers),  # llama.cpp RPC workers it computes on
             },
             "file_unchanged": self.identity_problem() is None,
         }
