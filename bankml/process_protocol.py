@@ -23,6 +23,12 @@
   before exec'ing llama-server, so even a SIGKILL of bankml itself (which runs no shutdown
   trigger) leaves no llama-server behind. spawnProcess has no preexec_fn; the shim is
   `python -I -S -c SHIM parent_pid llama-server args...`, costing ~30 ms once per start.
+- With llama.cpp RPC workers (`rpc_workers`, llama-server's `--rpc`), every start and restart
+  first checks that each worker answers RPC's hello with build 11434's protocol (bankml/rpc.py);
+  a restart checks them before hashing the file again.
+
+The launching, output, backoff and stopping are `Supervised`'s, shared with
+bankml/rpc_worker.py's `WorkerProcess` (llama.cpp's rpc-server under `bankml rpc-worker`).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from bankml import rpc
 from bankml.gate.verify import Refused, Verified, verify
 from bankml.llama_server import command_line
 from bankml.p0 import gateway as gw
@@ -149,10 +156,13 @@ def with_deathsig(args: list[str]) -> tuple[str, list[str]]:
 
 
 class _EngineProtocol(protocol.ProcessProtocol):
-    """Logs the engine's output by line and reports its end to the supervisor."""
+    """Logs the child's output by line and reports its end to the supervisor."""
 
-    def __init__(self, on_end: Callable[[_EngineProtocol, Failure], None]) -> None:
+    def __init__(
+        self, on_end: Callable[[_EngineProtocol, Failure], None], log: Logger = _engine_log
+    ) -> None:
         self.on_end = on_end
+        self.log = log
         self.partial = {1: b"", 2: b""}
         self.ended: Deferred[None] = Deferred()
 
@@ -160,13 +170,13 @@ class _EngineProtocol(protocol.ProcessProtocol):
         buf = self.partial.get(fd, b"") + data
         *lines, rest = buf.split(b"\n")
         for line in lines:
-            _engine_log.info("{line}", line=line[:MAX_LOG_LINE].decode("utf-8", "replace").rstrip())
+            self.log.info("{line}", line=line[:MAX_LOG_LINE].decode("utf-8", "replace").rstrip())
         self.partial[fd] = rest[-MAX_LOG_LINE:]
 
     def processEnded(self, reason: Failure) -> None:
         for rest in self.partial.values():
             if rest:
-                _engine_log.info("{line}", line=rest.decode("utf-8", "replace"))
+                self.log.info("{line}", line=rest.decode("utf-8", "replace"))
         self.on_end(self, reason)
         self.ended.callback(None)
 
@@ -180,10 +190,109 @@ def exit_text(reason: Failure) -> str:
     return reason.getErrorMessage()
 
 
-class EngineProcess(service.Service):
-    """llama-server, launched on the verified file and kept up until bankml stops."""
+class Supervised(service.Service):
+    """A child process bankml launches and keeps up until it stops: started through the
+    parent-death shim, its output logged by line (``output_log``), restarted after a backoff
+    (``RestartDelay``, back to its first delay once the child stayed up for 60 s), stopped with
+    SIGTERM, then SIGKILL after a grace period. `EngineProcess` (llama-server) and
+    `bankml.rpc_worker.WorkerProcess` (llama.cpp's rpc-server) are its two kinds; each says
+    what "up" means, what an unexpected end does, and what a restart checks first."""
+
+    what = "child"  # its name in the log
+    output_log = _engine_log
+
+    def __init__(self, reactor: Any, restart_delay: RestartDelay) -> None:
+        self.reactor = reactor
+        self.restart_delay = restart_delay
+        self.proto: _EngineProtocol | None = None
+        self.transport: Any = None
+        self.stopping = False
+        self.backoff = restart_delay.first
+        self.ready_at: float | None = None
+        self.restart_call: Any = None
+        self.starts = 0
+        self.pid: int | None = None
+
+    def _launch(self, args: list[str], env: dict[str, str]) -> None:
+        executable, argv = with_deathsig(args)
+        self.starts += 1
+        self.proto = _EngineProtocol(self._ended, self.output_log)
+        self.transport = self.reactor.spawnProcess(self.proto, executable, argv, env=env)
+        self.pid = (
+            self.transport.pid
+        )  # kept: Twisted clears transport.pid once the process is reaped
+
+    def _ended(self, proto: _EngineProtocol, reason: Failure) -> None:
+        raise NotImplementedError
+
+    def _restart(self) -> Any:
+        raise NotImplementedError
+
+    def _schedule_restart(self) -> float:
+        """Call `_restart` after the next delay of the backoff; returns that delay."""
+        if (
+            self.ready_at is not None
+            and time.monotonic() - self.ready_at >= HEALTHY_RESETS_BACKOFF_S
+        ):
+            self.backoff = self.restart_delay.first
+        delay, self.backoff = self.backoff, self.restart_delay.after(self.backoff)
+        self.restart_call = self.reactor.callLater(delay, self._restart)
+        return delay
+
+    def _signal(self, sig: int) -> None:
+        if self.transport is not None:
+            try:
+                self.transport.signalProcess(sig)
+            except error.ProcessExitedAlready:
+                pass
+
+    def _kill_quietly(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()
+        return self.stop()
+
+    def stop(self, grace: float = STOP_GRACE_S) -> Deferred[None]:
+        """SIGTERM, then SIGKILL after `grace` seconds; fires when the child is gone."""
+        self.stopping = True
+        if self.restart_call is not None and self.restart_call.active():
+            self.restart_call.cancel()
+        proto = self.proto
+        if self.transport is None or proto is None or proto.ended.called:
+            return succeed(None)
+        pid, what = self.pid, self.what
+        _log.info("stopping {what} (pid {pid}): SIGTERM", what=what, pid=pid)
+        self._signal(signal.SIGTERM)
+
+        def kill() -> None:
+            _log.warn(
+                "{what} (pid {pid}) still running after {g:.0f} s: SIGKILL",
+                what=what,
+                pid=pid,
+                g=grace,
+            )
+            self._signal(signal.SIGKILL)
+
+        killer = self.reactor.callLater(grace, kill)
+        done: Deferred[None] = Deferred()
+
+        def ended(_: Any) -> None:
+            if killer.active():
+                killer.cancel()
+            done.callback(None)
+
+        proto.ended.addBoth(ended)
+        return done
+
+
+class EngineProcess(Supervised):
+    """llama-server, launched on the verified file and kept up until bankml stops; with
+    ``rpc_workers`` (llama-server's ``--rpc``), every start first checks that each worker
+    answers RPC's hello with build 11434's protocol (bankml/rpc.py)."""
 
     name = "engine"
+    what = "llama-server"
 
     def __init__(
         self,
@@ -198,7 +307,9 @@ class EngineProcess(service.Service):
         health_timeout: float = HEALTH_TIMEOUT_S,
         reverify: Callable[[str, str], Verified] = verify,
         restart_delay: RestartDelay = RestartDelay(),
+        rpc_workers: Sequence[str] = (),
     ) -> None:
+        super().__init__(gateway.reactor, restart_delay)
         self.gateway = gateway
         self.binary = binary
         self.threads, self.ctx = threads, ctx
@@ -206,16 +317,7 @@ class EngineProcess(service.Service):
         self.extra_args = list(extra_args)
         self.health_timeout = health_timeout
         self.reverify = reverify
-        self.restart_delay = restart_delay
-        self.reactor = gateway.reactor
-        self.proto: _EngineProtocol | None = None
-        self.transport: Any = None
-        self.stopping = False
-        self.backoff = restart_delay.first
-        self.ready_at: float | None = None
-        self.restart_call: Any = None
-        self.starts = 0
-        self.pid: int | None = None
+        self.rpc_workers = tuple(rpc_workers)
 
     # --- starting ----------------------------------------------------------------------------
 
@@ -241,6 +343,10 @@ class EngineProcess(service.Service):
                 f"something already answers on {self.gateway.upstream_text}: "
                 "refusing to spawn a second engine there"
             )
+        if self.rpc_workers:
+            problem = yield deferToThread(rpc.workers_problem, self.rpc_workers)
+            if problem is not None:
+                raise EngineFailed(problem)
         self._spawn()
         yield self._wait_healthy()
         props = yield self.gateway.fetch_props()
@@ -261,14 +367,7 @@ class EngineProcess(service.Service):
 
     def _spawn(self) -> None:
         args = self.command()
-        executable, argv = with_deathsig(args)
-        self.starts += 1
-        self.proto = _EngineProtocol(self._ended)
-        env = llama_args.engine_environment(os.environ)
-        self.transport = self.reactor.spawnProcess(self.proto, executable, argv, env=env)
-        self.pid = (
-            self.transport.pid
-        )  # kept: Twisted clears transport.pid once the process is reaped
+        self._launch(args, llama_args.engine_environment(os.environ))
         self.gateway.set_state(gw.STARTING, "launched: " + " ".join(args), self.pid)
 
     @inlineCallbacks
@@ -310,24 +409,28 @@ class EngineProcess(service.Service):
         if was_ready:
             self._schedule_restart()
 
-    def _schedule_restart(self) -> None:
-        if (
-            self.ready_at is not None
-            and time.monotonic() - self.ready_at >= HEALTHY_RESETS_BACKOFF_S
-        ):
-            self.backoff = self.restart_delay.first
-        delay, self.backoff = self.backoff, self.restart_delay.after(self.backoff)
+    def _schedule_restart(self) -> float:
+        delay = super()._schedule_restart()
         self.gateway.retry_after_s = max(1, math.ceil(delay))
         _log.warn(
             "restarting llama-server in {delay:g} s after verifying the file again", delay=delay
         )
-        self.restart_call = self.reactor.callLater(delay, self._restart)
+        return delay
 
     @inlineCallbacks
     def _restart(self) -> Any:
         self.restart_call = None
         if self.stopping:
             return
+        if self.rpc_workers:  # a worker still down: wait for it before hashing the file again
+            problem = yield deferToThread(rpc.workers_problem, self.rpc_workers)
+            if problem is not None:
+                if self.stopping:
+                    return
+                _log.warn("not restarting yet: {problem}", problem=problem)
+                self.gateway.set_state(gw.DOWN, f"waiting for the RPC workers: {problem}")
+                self._schedule_restart()
+                return
         v = self.gateway.verified
         try:
             again = yield deferToThread(self.reverify, v.path, v.fork_path)
@@ -353,48 +456,3 @@ class EngineProcess(service.Service):
             self._kill_quietly()
             self.gateway.set_state(gw.DOWN, f"restart failed: {err}")
             self._schedule_restart()
-
-    # --- stopping ----------------------------------------------------------------------------
-
-    def _signal(self, sig: int) -> None:
-        if self.transport is not None:
-            try:
-                self.transport.signalProcess(sig)
-            except error.ProcessExitedAlready:
-                pass
-
-    def _kill_quietly(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()
-        return self.stop()
-
-    def stop(self, grace: float = STOP_GRACE_S) -> Deferred[None]:
-        """SIGTERM, then SIGKILL after `grace` seconds; fires when llama-server is gone."""
-        self.stopping = True
-        if self.restart_call is not None and self.restart_call.active():
-            self.restart_call.cancel()
-        proto = self.proto
-        if self.transport is None or proto is None or proto.ended.called:
-            return succeed(None)
-        pid = self.pid
-        _log.info("stopping llama-server (pid {pid}): SIGTERM", pid=pid)
-        self._signal(signal.SIGTERM)
-
-        def kill() -> None:
-            _log.warn(
-                "llama-server (pid {pid}) still running after {g:.0f} s: SIGKILL", pid=pid, g=grace
-            )
-            self._signal(signal.SIGKILL)
-
-        killer = self.reactor.callLater(grace, kill)
-        done: Deferred[None] = Deferred()
-
-        def ended(_: Any) -> None:
-            if killer.active():
-                killer.cancel()
-            done.callback(None)
-
-        proto.ended.addBoth(ended)
-        return done

@@ -2,7 +2,7 @@
 
     bankml serve FILE --fork FORK.json (--spawn BIN | --upstream HOST:PORT) [--listen 127.0.0.1:18093]
                  [--threads 3] [--ctx 4096] [--slot-dir D] [--spec-ngram] [--restart-delay 1:60]
-                 [-- LLAMA-SERVER ARGS]
+                 [--rpc HOST:PORT,...] [-- LLAMA-SERVER ARGS]
     twistd -n bankml --fork FORK.json FILE ...      # the same options, in the foreground
     twistd --pidfile P --logfile L bankml ...       # the same, as a daemon
 
@@ -47,6 +47,7 @@ from twisted.logger import (
 )
 from twisted.python import usage
 
+from bankml import rpc
 from bankml.native.service import make_native_service
 from bankml.p0 import gateway as gw
 from bankml.p0 import llama_args
@@ -71,6 +72,7 @@ class Options(usage.Options):
     synopsis = (
         "FILE --fork FORK.json (--spawn BIN | --upstream HOST:PORT) [--listen ADDR] "
         "[--threads N] [--ctx N] [--slot-dir D] [--spec-ngram] [--restart-delay MIN[:MAX]] "
+        "[--rpc HOST:PORT,...] "
         "[-- LLAMA-SERVER ARGS (--spawn)]"
     )
     longdesc = (
@@ -92,6 +94,13 @@ class Options(usage.Options):
         ["ctx", None, 4096, "llama-server context size (-c) with --spawn", int],
         ["slot-dir", None, None, "with --spawn: llama-server's --slot-save-path (a directory)"],
         ["restart-delay", None, None, "with --spawn: seconds before a restart, MIN[:MAX] (1:60)"],
+        [
+            "rpc",
+            None,
+            None,
+            "with --spawn: llama-server's --rpc HOST:PORT,... (llama.cpp RPC workers, e.g. "
+            "bankml rpc-worker), each checked before every start and named in every receipt",
+        ],
         [
             "device",
             None,
@@ -252,6 +261,7 @@ class Options(usage.Options):
         refused = llama_args.refusal(self["engine_args"])
         if refused is not None:
             raise usage.UsageError(refused)
+        self._rpc_workers()
         # the engine's cache settings: the flags, else the environment (here, and only here)
         self["cache_type"] = self["llama"].get("cache_type", os.environ.get("BANKML_CACHE_TYPE"))
         self["cache_ram"] = self["cache-ram"] or os.environ.get("BANKML_CACHE_RAM")
@@ -301,6 +311,30 @@ class Options(usage.Options):
             raise usage.UsageError(f"--models-max {bound}: 0 (no bound) or a number of models")
         if self["max-loaded"] == 1:  # bankml serve's own --max-loaded wins where given
             self["max-loaded"] = bound or 2**31 - 1
+
+    def _rpc_workers(self) -> None:
+        """The RPC workers (``self["rpc_workers"]``): ``--rpc A,B`` here or after ``--`` (one of
+        the two), each HOST:PORT; here, it is passed on to llama-server after ``--``."""
+        given = self["rpc"]
+        after = llama_args.value_of(self["engine_args"], llama_args.RPC)
+        self["rpc_workers"] = ()
+        if given is None and after is None:
+            return
+        if self["mode"] != "spawn":
+            raise usage.UsageError("--rpc is llama-server's: it needs --spawn")
+        if given is not None and after is not None:
+            raise usage.UsageError("--rpc is given twice (here and after --): give it once")
+        if self["registry"] or self["max-loaded"] > 1:
+            raise usage.UsageError(
+                "--rpc serves one model: an RPC worker serves one llama-server at a time "
+                "(--registry and --max-loaded above 1 start one per model)"
+            )
+        try:
+            self["rpc_workers"] = rpc.parse_workers(given if given is not None else after or "")
+        except ValueError as err:
+            raise usage.UsageError(str(err)) from None
+        if given is not None:
+            self["engine_args"] = [*self["engine_args"], "--rpc", ",".join(self["rpc_workers"])]
 
     def _restart_delay(self, spawn: str | None) -> None:
         """--restart-delay MIN[:MAX] into ``self["restart_delay"]``; it needs --spawn."""

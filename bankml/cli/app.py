@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bankml.cli import convert, gate, generate, text, usage
+from bankml.cli import convert, gate, generate, rpc_worker, text, usage
 from bankml.cli.parsing import CommandParser, add_command
 from bankml.version import __version__
 
@@ -57,6 +57,7 @@ def build_parser() -> CommandParser:
     convert.add_commands(commands)
     generate.add_commands(commands)
     usage.add_commands(commands)
+    rpc_worker.add_commands(commands)
     add_command(
         commands,
         "create",

@@ -166,6 +166,7 @@ class Gateway:
     engine_digest: str | None = None  # sha256 of the llama-server executable bankml launched
     engine_n_ctx: int | None = None  # /props default_generation_settings.n_ctx
     receipt_log: ReceiptLog | None = None  # --receipt-log: every receipt appended
+    rpc_workers: tuple[str, ...] = ()  # llama-server's --rpc workers: every receipt names them
 
     @property
     def upstream_url(self) -> str:
@@ -204,6 +205,7 @@ class Gateway:
                 cache_type=self.cache_type,
                 engine_version=self.engine_build,
                 engine_digest=self.engine_digest,
+                rpc=self.rpc_workers or None,
             )
         out = issue_receipt(
             tally,
@@ -333,6 +335,7 @@ class Gateway:
                 "pid": self.pid,
                 "restarts": self.restarts,
                 "spawned": self.mode == "spawn",
+                "rpc": list(self.rpc_workers),  # llama.cpp RPC workers it computes on
             },
             "file_unchanged": self.identity_problem() is None,
         }

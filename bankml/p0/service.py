@@ -138,6 +138,7 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
         else None,
         engine_digest=sha256_file(options["spawn"], progress=False) if spawned else None,
         receipt_log=receipt_log_before_listening(options["receipt-log"]),
+        rpc_workers=tuple(options.get("rpc_workers", ())) if spawned else (),
     )
 
     def make_engine(on: Gateway) -> EngineProcess:
@@ -150,6 +151,7 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
             spec_ngram=bool(options["spec-ngram"]),
             extra_args=options["engine_args"],
             restart_delay=options["restart_delay"],
+            rpc_workers=on.rpc_workers,
         )
 
     engine = make_engine(gateway) if options["mode"] == "spawn" else None

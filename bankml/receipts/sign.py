@@ -70,6 +70,8 @@ class ReplayFacts:
     completion_token_ids: Sequence[int] | None  # None where the engine does not say (P0 chat)
     cache_n: int  # prompt tokens reused from the slot, not computed for this request
     finish_reason: str | None
+    # P0 over llama.cpp RPC workers: their HOST:PORT addresses, where the layers were computed
+    rpc: Sequence[str] | None = None
 
 
 def sampler_settings(params: Any) -> dict[str, Any]:
@@ -251,10 +253,12 @@ def forwarded_facts(
     cache_type: str | None,
     engine_version: str | None,
     engine_digest: str | None,
+    rpc: Sequence[str] | None = None,
 ) -> ReplayFacts:
     """The facts of one answer llama-server gave through P0: what bankml forwarded, and what
     the answer said of its end (``tally.finish_reason``, ``tally.cache_n``). llama-server's chat
-    answer lists no token ids, and bankml does not see where it computed."""
+    answer lists no token ids, and bankml does not see on which device it computed; ``rpc``
+    names the RPC workers llama-server was started with, where it has any."""
     return ReplayFacts(
         api=forwarded.api,
         stream=forwarded.stream,
@@ -269,6 +273,7 @@ def forwarded_facts(
         completion_token_ids=None,
         cache_n=int(tally.cache_n or 0),
         finish_reason=tally.finish_reason,
+        rpc=rpc,
     )
 
 
@@ -305,6 +310,8 @@ def build_receipt_v2(
             "keyid": key.keyid,
         }
     )
+    if facts.rpc:
+        out["rpc"] = list(facts.rpc)
     return sign_receipt(out, key)
 
 
