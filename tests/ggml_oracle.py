@@ -96,6 +96,9 @@ def compile_against_ggml(source: Path, name: str) -> Path:
         ),
         *(build / "ggml" / "src" / lib for lib in ("libggml.a", "libggml-cpu.a", "libggml-base.a")),
     ]
+    rpc = build / "ggml" / "src" / "ggml-rpc" / "libggml-rpc.a"  # libggml registers RPC's backend
+    if rpc.exists():
+        libs.insert(libs.index(build / "ggml" / "src" / "libggml.a") + 1, rpc)
     missing = [str(p) for p in libs if not p.exists()]
     if missing:
         raise RuntimeError(
