@@ -4,7 +4,7 @@ spreading the model over them.
 
 One worker pair is shared by the module; each `bankml serve` here is a subprocess. The greedy
 answers over one and two workers are compared with one llama-server's (one process, no RPC): on this CPU build they are the same text, byte for byte (the tests say so by asserting
-it). One kill test: an rpc-server SIGKILLed mid-answer.
+it). The faults: an rpc-server SIGKILLed mid-answer, and ten killed in a row while idle.
 """
 
 from __future__ import annotations
@@ -340,6 +340,42 @@ def test_a_worker_killed_mid_answer_ends_the_stream_cleanly_then_503_then_answer
         status, raw, _ = bankml.post(body)
         assert status == 200, raw
         assert check_whole_receipt(raw, body, support.DEFAULT_SHA256)["rpc"] == [worker.address]
+
+
+def test_ten_worker_kills_in_a_row_each_give_a_clean_refusal_then_answers(
+    workers: list[Worker],
+    model_copy: tuple[Path, Path],
+    llama_server_bin: Path,
+    tmp_path: Path,
+) -> None:
+    """An rpc-server killed while llama-server idles, ten times: each time the next request is
+    refused cleanly (no receipt, never a 200 without one) and, once rpc-worker and bankml have
+    restarted their processes, answers again with a valid receipt; bankml's SIGTERM then leaves
+    no llama-server (the module's workers leave no rpc-server)."""
+    worker = workers[0]
+    bankml = over(worker.address, model_copy, llama_server_bin, tmp_path / "log", False)
+    engines = []
+    body = chat_body(False, max_tokens=2)
+    with bankml:
+        for _ in range(10):
+            engines.append(bankml.engine_pid())
+            killed = worker.rpc_server_pid()
+            os.kill(killed, signal.SIGKILL)
+            status, raw, _ = bankml.post(body)
+            assert status != 200 or b"bankml_receipt" in raw, raw
+            deadline = time.monotonic() + 120  # a hang guard only
+            while True:
+                status, raw, _ = bankml.post(body)
+                if status == 200:
+                    break
+                assert status in (502, 503), raw
+                assert time.monotonic() < deadline, bankml.output()[-3000:]
+                time.sleep(0.2)
+            assert check_whole_receipt(raw, body, support.DEFAULT_SHA256)["rpc"] == [worker.address]
+            assert process_gone(killed)
+        engines.append(bankml.engine_pid())
+    assert len(set(engines)) == 11  # a new llama-server after each kill
+    assert all(process_gone(pid) for pid in engines)
 
 
 # --- across network namespaces -------------------------------------------------------------------
