@@ -40,7 +40,23 @@ class Kernel:
     qtype: str | None
 
     def code(self) -> str:
-        return (SOURCE_DIR / self.source).read_text()
+        """The source with its local headers (``#include "x.cuh"`` of SOURCE_DIR) written in, so
+        that the text compiled, and CuPy's cache key, holds everything the kernel is made of."""
+        return _inline(self.source, set())
+
+
+def _inline(name: str, seen: set[str]) -> str:
+    out = []
+    for line in (SOURCE_DIR / name).read_text().splitlines(keepends=True):
+        words = line.split()
+        if len(words) == 2 and words[0] == "#include" and words[1].startswith('"'):
+            header = words[1].strip('"')
+            if header not in seen:
+                seen.add(header)
+                out.append(_inline(header, seen))
+            continue
+        out.append(line)
+    return "".join(out)
 
 
 KERNELS = (
@@ -54,7 +70,7 @@ KERNELS = (
 
 def options(arch: str | None = None) -> list[str]:
     """NVRTC options for every kernel (CuPy's RawModule takes the same, less the architecture)."""
-    opts = ["--std=c++17", "--fmad=false", f"-DMMVQ_NWARPS={MMVQ_NWARPS}", f"-I{SOURCE_DIR}"]
+    opts = ["--std=c++17", "--fmad=false", f"-DMMVQ_NWARPS={MMVQ_NWARPS}"]
     return opts + ([f"--gpu-architecture={arch}"] if arch else [])
 
 
