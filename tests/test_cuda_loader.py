@@ -40,7 +40,8 @@ class FakeKernel:
         w, y, dst, ncols = args
         assert block == (32, tw.NWARPS) and grid == (w.shape[0],)  # one row per thread block
         assert w.dtype == numpy.uint8 and w.flags.c_contiguous
-        assert w.shape[1] == ncols // 32 * tw.BLOCK_TYPES[qtype].block_bytes
+        bt = tw.BLOCK_TYPES[qtype]
+        assert w.shape[1] == ncols // bt.values * bt.block_bytes
         assert dst.dtype == numpy.float32 and dst.shape == (w.shape[0],)
         raw = y.reshape(-1, 36)
         q8 = tw.Q8_1(
@@ -103,6 +104,6 @@ def test_wrong_shapes_are_refused_before_a_launch() -> None:
         kernels.mmvq("Q4_1", w, y, 128)
     with pytest.raises(ValueError, match="q8_1 blocks"):
         kernels.mmvq("Q4_0", w, y[:36], 128)
-    with pytest.raises(ValueError, match="no one-row product kernel for Q6_K"):
-        kernels.mmvq("Q6_K", w, y, 128)
+    with pytest.raises(ValueError, match="no one-row product kernel for Q5_K"):
+        kernels.mmvq("Q5_K", w, y, 128)
     assert fake.launches == [] and fake.modules == []

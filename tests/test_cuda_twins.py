@@ -22,6 +22,7 @@ from bankml.engine_cupy.weights import dequantize
 from tests.tiny_models import _matrix
 
 TYPES = tuple(tw.BLOCK_TYPES)
+LEGACY = tuple(q for q in TYPES if q not in tw.K_QUANTS)
 F32 = numpy.float32
 
 
@@ -89,6 +90,86 @@ def _direct_sumi(qtype: str, w: numpy.ndarray, y: tw.Q8_1) -> numpy.ndarray:
     return numpy.stack([prod[..., slots == s].sum(-1) for s in range(bt.slots)], axis=-1)
 
 
+def _q4_k_scales(b: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """ggml's get_scale_min_k4 for j = 0..7, one sub-block at a time."""
+    q = b[..., 4:16].astype(numpy.int32)
+    sc, m = [], []
+    for j in range(8):
+        if j < 4:
+            sc.append(q[..., j] & 63)
+            m.append(q[..., j + 4] & 63)
+        else:
+            sc.append((q[..., j + 4] & 0xF) | ((q[..., j - 4] >> 6) << 4))
+            m.append((q[..., j + 4] >> 4) | ((q[..., j] >> 6) << 4))
+    return numpy.stack(sc, -1), numpy.stack(m, -1)
+
+
+def _kquant_values(qtype: str, b: numpy.ndarray) -> numpy.ndarray:
+    """The 256 quants of every super-block in value order (ggml's dequantize_row_*)."""
+    if qtype == "Q4_K":
+        qs = b[..., 16:144].astype(numpy.int32).reshape(*b.shape[:2], 4, 32)
+        return numpy.concatenate([qs & 15, qs >> 4], axis=-1).reshape(*b.shape[:2], 256)
+    ql, qh = b[..., 0:128].astype(numpy.int32), b[..., 128:192].astype(numpy.int32)
+    out = numpy.empty((*b.shape[:2], 256), numpy.int32)
+    for h in range(2):
+        lo, hi = ql[..., 64 * h : 64 * h + 64], qh[..., 32 * h : 32 * h + 32]
+        base = 128 * h
+        out[..., base : base + 32] = (lo[..., :32] & 15) | ((hi & 3) << 4)
+        out[..., base + 32 : base + 64] = (lo[..., 32:] & 15) | (((hi >> 2) & 3) << 4)
+        out[..., base + 64 : base + 96] = (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
+        out[..., base + 96 : base + 128] = (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
+    return out - 32
+
+
+def _kquant_terms(qtype: str) -> list[list[numpy.ndarray]]:
+    """For each thread slot and each of its two terms, the values (indices in the super-block)
+    it multiplies: Q4_K's two words of a sub-block pair's bytes, Q6_K's four low-bit bytes."""
+    terms = []
+    if qtype == "Q4_K":
+        for s in range(16):
+            group, word = s // 4, s % 4  # bytes 32*group + 4*word (+16): low nibbles, then high
+            at = numpy.r_[4 * word : 4 * word + 4, 16 + 4 * word : 20 + 4 * word]
+            terms.append([64 * group + 32 * i + at for i in range(2)])
+        return terms
+    for s in range(32):
+        byte = 4 * s + numpy.arange(4)  # of ql: values byte % 64 (+32 past 32) of its half
+        h, within = byte // 64, byte % 64
+        low = 128 * h + within % 32 + 32 * (within >= 32)
+        terms.append([low, low + 64])
+    return terms
+
+
+def _direct_kquant_ints(
+    qtype: str, w: numpy.ndarray, y: tw.Q8_1
+) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """[rows, blocks, slots, 2, P] as kquant_ints, and the q8_1 block (in the super-block) of
+    each term [slots, 2]."""
+    bt = tw.BLOCK_TYPES[qtype]
+    b = w.reshape(w.shape[0], -1, bt.block_bytes)
+    q = _kquant_values(qtype, b)
+    y8 = y.qs.astype(numpy.int32).reshape(b.shape[1], 256)
+    terms = _kquant_terms(qtype)
+    p = 2 if qtype == "Q4_K" else 1
+    out = numpy.empty((*b.shape[:2], len(terms), 2, p), numpy.int32)
+    q8_block = numpy.empty((len(terms), 2), int)
+    if qtype == "Q4_K":
+        sc, mn = _q4_k_scales(b)
+    else:
+        scales = b[..., 192:208].view(numpy.int8).astype(numpy.int32)
+    for s, pair in enumerate(terms):
+        for i, at in enumerate(pair):
+            assert len(set(at // 32)) == 1  # one q8_1 block per term
+            q8_block[s, i] = at[0] // 32
+            dot = (q[..., at] * y8[None][..., at]).sum(-1)
+            if qtype == "Q4_K":
+                out[..., s, i, 0] = dot * sc[..., at[0] // 32]
+                out[..., s, i, 1] = y8[None][..., at].sum(-1) * mn[..., at[0] // 32]
+            else:
+                assert len(set(at // 16)) == 1  # one scale per term
+                out[..., s, i, 0] = dot * scales[..., at[0] // 16]
+    return out, q8_block
+
+
 # --- the activation ----------------------------------------------------------------------------
 
 
@@ -135,7 +216,7 @@ def test_butterfly_sum_order() -> None:
 # --- the integer parts --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", LEGACY)
 def test_integer_dot_products_generated(qtype: str) -> None:
     w = _generated(qtype)
     y = tw.quantize_q8_1(_activation(512))
@@ -143,6 +224,16 @@ def test_integer_dot_products_generated(qtype: str) -> None:
     assert sumi.shape == (96, 16, tw.BLOCK_TYPES[qtype].slots)
     assert numpy.abs(sumi).max() > 1000
     assert numpy.array_equal(sumi, _direct_sumi(qtype, w, y))
+
+
+@pytest.mark.parametrize("qtype", tw.K_QUANTS)
+def test_kquant_integer_terms_generated(qtype: str) -> None:
+    w = _generated(qtype, rows=64, cols=1024)
+    y = tw.quantize_q8_1(_activation(1024))
+    ints = tw.kquant_ints(qtype, w, y)
+    direct, _ = _direct_kquant_ints(qtype, w, y)
+    assert ints.shape == direct.shape and numpy.abs(ints).max() > 1000
+    assert numpy.array_equal(ints, direct)
 
 
 def test_integer_dot_products_default_model(model_matrices) -> None:
@@ -173,7 +264,8 @@ def _reduce_by_threads(contrib: numpy.ndarray, bt: tw.BlockType, nwarps: int) ->
 
 
 @pytest.mark.parametrize(
-    ("qtype", "blocks", "nwarps"), [("Q4_1", 150, 4), ("Q8_0", 70, 4), ("Q5_0", 40, 2)]
+    ("qtype", "blocks", "nwarps"),
+    [("Q4_1", 150, 4), ("Q8_0", 70, 4), ("Q5_0", 40, 2), ("Q4_K", 20, 4), ("Q6_K", 9, 4)],
 )
 def test_reduction_order(qtype: str, blocks: int, nwarps: int) -> None:
     bt = tw.BLOCK_TYPES[qtype]
@@ -191,7 +283,10 @@ def test_reduction_order(qtype: str, blocks: int, nwarps: int) -> None:
 def _error_bound(qtype: str, w: numpy.ndarray, x: numpy.ndarray, y: tw.Q8_1) -> numpy.ndarray:
     """What separates the kernel's product from the f32 one, term by term, per row: each
     value's q8_1 rounding times its weight's quant part, the f16 rounding of the block sums the
-    offsets multiply, Q4_1/Q5_1's f16 products, and f32 rounding."""
+    offsets multiply, Q4_1/Q5_1's f16 products, and f32 rounding. The K-quants' offsets (Q4_K's
+    mins, Q6_K's 32) multiply the q8 quants too, so their whole weight meets the rounding."""
+    if qtype in tw.K_QUANTS:
+        return _kquant_error_bound(qtype, w, x, y)
     bt = tw.BLOCK_TYPES[qtype]
     b = w.reshape(w.shape[0], -1, bt.block_bytes)
     d = b[..., 0:2].copy().view("<f2")[..., 0].astype(numpy.float64)
@@ -216,10 +311,48 @@ def _error_bound(qtype: str, w: numpy.ndarray, x: numpy.ndarray, y: tw.Q8_1) -> 
     return bound + 2**-18 * magnitude + 1e-30
 
 
+def _kquant_error_bound(
+    qtype: str, w: numpy.ndarray, x: numpy.ndarray, y: tw.Q8_1
+) -> numpy.ndarray:
+    weights = numpy.abs(dequantize(w, T[qtype]).astype(numpy.float64))  # [rows, cols]
+    x64 = x.astype(numpy.float64)
+    x_err = numpy.abs(
+        x64 - (y.qs.astype(numpy.float64) * y.d.astype(numpy.float64)[:, None]).reshape(-1)
+    )
+    bt = tw.BLOCK_TYPES[qtype]
+    b = w.reshape(w.shape[0], -1, bt.block_bytes)
+    if qtype == "Q4_K":  # the two parts apart: d*scale*q and dmin*min, before they cancel
+        d = b[..., 0:2].copy().view("<f2")[..., 0].astype(numpy.float64)
+        dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(numpy.float64)
+        sc, mn = _q4_k_scales(b)
+        q = _kquant_values(qtype, b).reshape(*b.shape[:2], 8, 32)
+        parts = numpy.abs(d[..., None, None] * sc[..., None] * q) + numpy.abs(
+            dmin[..., None, None] * mn[..., None]
+        )
+        magnitude = parts.reshape(w.shape[0], -1) @ numpy.abs(x64)
+    else:
+        magnitude = weights @ numpy.abs(x64)
+    return weights @ x_err + 2**-18 * magnitude + 1e-30
+
+
 def _same_operands(qtype: str, w: numpy.ndarray, y: tw.Q8_1) -> tuple[numpy.ndarray, numpy.ndarray]:
     """The kernel's formula per block in float64, on the operands it reads (f16 scales, f16
     products for Q4_1/Q5_1, the direct integer sums): the value and the sum of |terms|."""
     bt = tw.BLOCK_TYPES[qtype]
+    if qtype in tw.K_QUANTS:
+        ints, q8_block = _direct_kquant_ints(qtype, w, y)
+        b = w.reshape(w.shape[0], -1, bt.block_bytes)
+        d8 = y.d.astype(numpy.float64).reshape(-1, 8)[:, q8_block][None]  # [1, blocks, slots, 2]
+        if qtype == "Q4_K":
+            d = b[..., 0:2].copy().view("<f2")[..., 0].astype(numpy.float64)[..., None, None]
+            dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(numpy.float64)[..., None, None]
+            terms = (d * d8 * ints[..., 0], -dmin * d8 * ints[..., 1])
+        else:
+            d = b[..., 208:210].copy().view("<f2")[..., 0].astype(numpy.float64)[..., None, None]
+            terms = (d * d8 * ints[..., 0], numpy.zeros(ints.shape[:-1]))
+        return (terms[0] + terms[1]).sum(axis=(1, 2, 3)), (
+            numpy.abs(terms[0]) + numpy.abs(terms[1])
+        ).sum(axis=(1, 2, 3))
     b = w.reshape(w.shape[0], -1, bt.block_bytes)
     dh = b[..., 0:2].copy().view("<f2")[..., 0]
     d = dh.astype(numpy.float64)
@@ -248,7 +381,7 @@ def _check_product(qtype: str, w: numpy.ndarray, x: numpy.ndarray) -> float:
     # against the same operands: only f32 rounding apart, a few ulps of the terms per addition
     value, magnitude = _same_operands(qtype, w, y)
     bt = tw.BLOCK_TYPES[qtype]
-    levels = -(-y.qs.shape[0] // bt.blocks_per_iter()) + tw.NWARPS + 5 + 4
+    levels = -(-(w.shape[1] // bt.block_bytes) // bt.blocks_per_iter()) + tw.NWARPS + 5 + 6
     assert (numpy.abs(got - value) <= levels * 2**-24 * magnitude + 1e-30).all(), qtype
     reference = dequantize(w, T[qtype]).astype(numpy.float64) @ x.astype(numpy.float64)
     err = numpy.abs(got - reference)

@@ -1,11 +1,11 @@
 """The engine's CUDA kernels: their source files, entry points and compile options.
 
 The sources live in ``bankml/engine_cupy/cuda/`` (package data): ``quantize_q8_1.cu`` (an f32
-activation row to q8_1 blocks) and ``mmvq_<type>.cu`` for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (one
-row of weights kept in their GGUF blocks times the q8_1 activation, ggml's ``mul_mat_vec_q``
-arithmetic), with the shared ``mmvq_common.cuh``. ``cuda_twins`` computes each one's result
-with NumPy. ``OPTIONS`` are the same for every compiler: ``--fmad=false`` keeps each rounding
-where the source (and the twin) puts it.
+activation row to q8_1 blocks) and ``mmvq_<type>.cu`` for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
+and Q6_K (one row of weights kept in their GGUF blocks times the q8_1 activation, ggml's
+``mul_mat_vec_q`` arithmetic), with the shared ``mmvq_common.cuh``. ``cuda_twins`` computes
+each one's result with NumPy. ``options()`` are the same for every compiler: ``--fmad=false``
+keeps each rounding where the source (and the twin) puts it.
 
 ``python -m bankml.engine_cupy.cuda_kernels`` (``scripts/gpu-check.sh --compile-only``)
 compiles every kernel with NVRTC (``bankml.engine_cupy.nvrtc``, no GPU needed) for each of
@@ -63,7 +63,7 @@ KERNELS = (
     Kernel("quantize_q8_1", "quantize_q8_1.cu", None),
     *(
         Kernel(f"mmvq_{q.lower()}", f"mmvq_{q.lower()}.cu", q)
-        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
     ),
 )
 

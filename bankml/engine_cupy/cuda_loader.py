@@ -64,7 +64,7 @@ class CudaKernels:
             raise ValueError(f"no one-row product kernel for {qtype}")
         bt = BLOCK_TYPES[qtype]
         rows, row_bytes = (int(s) for s in w.shape)
-        if ncols % QK or row_bytes != ncols // QK * bt.block_bytes:
+        if ncols % bt.values or row_bytes != ncols // bt.values * bt.block_bytes:
             raise ValueError(f"{qtype} rows of {row_bytes} bytes do not hold {ncols} values")
         if int(y.shape[0]) != ncols // QK * Q8_1_BYTES:
             raise ValueError(f"{y.shape[0]} bytes of q8_1 blocks for {ncols} values")

@@ -48,6 +48,7 @@ class BlockType:
     block_bytes: int
     qi: int  # 32-bit words of quants per block, as ggml counts them (QI4_0, ...)
     vdr: int  # words each thread takes per block
+    values: int = 32  # per block (256 for the K-quants' super-blocks)
 
     @property
     def slots(self) -> int:
@@ -64,7 +65,10 @@ BLOCK_TYPES = {
     "Q5_0": BlockType("Q5_0", 22, 4, 2),
     "Q5_1": BlockType("Q5_1", 24, 4, 2),
     "Q8_0": BlockType("Q8_0", 34, 8, 2),
+    "Q4_K": BlockType("Q4_K", 144, 32, 2, 256),
+    "Q6_K": BlockType("Q6_K", 210, 32, 1, 256),
 }
+K_QUANTS = ("Q4_K", "Q6_K")
 
 
 # --- the activation -----------------------------------------------------------------------------
@@ -158,13 +162,22 @@ def _blocks(qtype: str, w: numpy.ndarray) -> tuple[BlockType, numpy.ndarray]:
     return bt, w.reshape(w.shape[0], -1, bt.block_bytes)
 
 
+def _q8_words(bt: BlockType, b: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
+    """The activation's words, [q8_1 blocks, 8], checked against the weight's blocks."""
+    yw = numpy.ascontiguousarray(y.qs).view("<u4")
+    if yw.shape[0] * QK != b.shape[1] * bt.values:
+        raise ValueError(f"{b.shape[1]} weight blocks per row against {yw.shape[0]} q8_1 blocks")
+    return yw
+
+
 def mmvq_sumi(qtype: str, w: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
     """The kernel's integer dot products: int32 [rows, blocks, slots], slot k covering the
-    weight words VDR*k .. VDR*k+VDR-1 (and, for the 4-bit types, their high nibbles' words)."""
+    weight words VDR*k .. VDR*k+VDR-1 (and, for the 4-bit types, their high nibbles' words).
+    Not for the K-quants: ``kquant_ints``."""
     bt, b = _blocks(qtype, w)
-    yw = numpy.ascontiguousarray(y.qs).view("<u4")  # [blocks, 8]
-    if yw.shape[0] != b.shape[1]:
-        raise ValueError(f"{b.shape[1]} weight blocks per row against {yw.shape[0]} q8_1 blocks")
+    if qtype in K_QUANTS:
+        raise ValueError(f"{qtype}: kquant_ints")
+    yw = _q8_words(bt, b, y)  # [blocks, 8]
     m = numpy.uint32
     if qtype == "Q8_0":
         per_word = _dp4a(_words(b, 2, 34), yw[None])  # [rows, blocks, 8]
@@ -183,6 +196,84 @@ def mmvq_sumi(qtype: str, w: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
     return per_word.reshape(rows, blocks, bt.slots, bt.vdr).sum(axis=-1, dtype=numpy.int32)
 
 
+# --- the K-quants' integer parts ------------------------------------------------------------
+
+
+def scale_min_k4(scales: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """Q4_K's 6-bit scales and mins of the 8 sub-blocks from its 12 bytes [..., 12]: int32
+    [..., 8] each (ggml's get_scale_min_k4)."""
+    q = scales.astype(numpy.int32)
+    sc = numpy.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)
+    m = numpy.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    return sc, m
+
+
+def _kquant_layout(qtype: str) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """Per thread slot: the q8_1 block (within the super-block) of each of its two terms, and
+    the word of that q8_1 block it starts at. [slots, 2] and [slots]."""
+    if qtype == "Q4_K":
+        s = numpy.arange(16)  # iqs / 2
+        first = 2 * (s // 4)
+        return numpy.stack([first, first + 1], -1), s % 4
+    s = numpy.arange(32)  # Q6_K: iqs
+    first = 4 * (s // 16) + (s % 16) // 8
+    return numpy.stack([first, first + 2], -1), s % 8
+
+
+def kquant_ints(qtype: str, w: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
+    """The K-quant kernels' integer terms, int32 [rows, blocks, slots, 2, P]: per slot, for each
+    of its two sub-blocks, Q4_K's dot * scale and (sum of q8) * min (P = 2), Q6_K's
+    dot * scale (P = 1)."""
+    bt, b = _blocks(qtype, w)
+    yw = _q8_words(bt, b, y).reshape(b.shape[1], 8, 8)  # [blocks, q8_1 block, word]
+    sub, word = _kquant_layout(qtype)
+    m = numpy.uint32
+    nib = m(0x0F0F0F0F)
+    if qtype == "Q4_K":
+        qs = _words(b, 16, 144)  # [rows, blocks, 32]
+        w0 = 8 * (numpy.arange(16) // 4) + numpy.arange(16) % 4
+        v0, v1 = qs[..., w0], qs[..., w0 + 4]  # [rows, blocks, 16]
+        sc, mn = scale_min_k4(b[..., 4:16])  # [rows, blocks, 8]
+        out = numpy.empty((*v0.shape, 2, 2), numpy.int32)
+        for i in range(2):
+            u0 = yw[:, sub[:, i], word][None]  # [1, blocks, 16]
+            u1 = yw[:, sub[:, i], word + 4][None]
+            dot1 = _dp4a((v0 >> m(4 * i)) & nib, u0) + _dp4a((v1 >> m(4 * i)) & nib, u1)
+            ones = numpy.full(u0.shape, 0x01010101, m)
+            dot2 = _dp4a(ones, u0) + _dp4a(ones, u1)
+            out[..., i, 0] = dot1 * sc[..., sub[:, i]]
+            out[..., i, 1] = dot2 * mn[..., sub[:, i]]
+        return out
+    s = numpy.arange(32)
+    vl = _words(b, 0, 128)  # [rows, blocks, 32]
+    vh = _words(b, 128, 192)[..., 8 * (s // 16) + s % 8] >> (m(2) * ((s % 16) // 8)).astype(m)
+    scales = b[..., 192:208].view(numpy.int8).astype(numpy.int32)
+    scale_at = 8 * (s // 16) + (s % 16) // 4
+    out = numpy.empty((*vl.shape, 2, 1), numpy.int32)
+    for i in range(2):
+        vil = (vl >> m(4 * i)) & nib
+        vih = ((vh >> m(4 * i)) << m(4)) & m(0x30303030)
+        # __vsub4(vil | vih, 0x20202020): byte by byte, each 0..63 less 32
+        vi = (numpy.ascontiguousarray(vil | vih).view(numpy.uint8) - numpy.uint8(32)).view(m)
+        dot = _dp4a(vi, yw[:, sub[:, i], word][None])
+        out[..., i, 0] = dot * scales[..., scale_at + 4 * i]
+    return out
+
+
+def _kquant_contributions(qtype: str, b: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
+    ints = kquant_ints(qtype, b.reshape(b.shape[0], -1), y).astype(_F32)  # exact: < 2**24
+    sub, _ = _kquant_layout(qtype)
+    blocks = b.shape[1]
+    d8 = y.d.astype(_F32).reshape(blocks, 8)[:, sub][None]  # [1, blocks, slots, 2]
+    parts = [d8[..., 0] * ints[..., 0, p] for p in range(ints.shape[-1])]
+    # 0.0 + first term is the first term: the kernel's f32 sums start at 0
+    sums = [part + d8[..., 1] * ints[..., 1, p] for p, part in enumerate(parts)]
+    if qtype == "Q4_K":
+        d, dmin = _f16(b, 0).astype(_F32)[..., None], _f16(b, 2).astype(_F32)[..., None]
+        return d * sums[0] - dmin * sums[1]
+    return _f16(b, 208).astype(_F32)[..., None] * sums[0]
+
+
 # --- the float parts ----------------------------------------------------------------------------
 
 
@@ -193,6 +284,8 @@ def _f16(b: numpy.ndarray, at: int) -> numpy.ndarray:
 def mmvq_contributions(qtype: str, w: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
     """Each thread slot's f32 value, [rows, blocks, slots], rounded as the kernel rounds."""
     bt, b = _blocks(qtype, w)
+    if qtype in K_QUANTS:
+        return _kquant_contributions(qtype, b, y)
     sumi = mmvq_sumi(qtype, w, y).astype(_F32)  # exact: |sumi| < 2**24
     d8, s8 = y.d[None, :, None], y.s[None, :, None]
     d = _f16(b, 0)[..., None]

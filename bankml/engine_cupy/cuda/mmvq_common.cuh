@@ -13,7 +13,7 @@ typedef unsigned short u16;
 #define MMVQ_NWARPS 4  // warps per output row (one row per thread block), as ggml's generic table
 #endif
 #define WARP 32
-#define QK 32  // quants per block of every type here, and per q8_1 block
+#define QK 32  // values per q8_1 block (and per block of the non-K types)
 
 // the activation: 32 int8 quants, f16 d (scale) and f16 s (d times the sum of the f32 values)
 struct block_q8_1 {
@@ -57,7 +57,8 @@ static __device__ __forceinline__ int int_q8(const block_q8_1 *y, int i) {
 // weight blocks t / (QI/VDR), + BLOCKS_PER_ITER, ..., and in each the VDR words from
 // VDR * (t % (QI/VDR)); its partial sum is a float accumulated in that order. Warps 1.. hand
 // their partials to warp 0 through shared memory, which adds them in warp order, lane by lane;
-// then a butterfly over the 32 lanes (xor 16, 8, 4, 2, 1) and lane 0 writes the row.
+// then a butterfly over the 32 lanes (xor 16, 8, 4, 2, 1) and lane 0 writes the row. A weight
+// block holds Q::QKW values (32, or 256 for the K-quants): QKW/32 q8_1 blocks of the activation.
 template <class Q>
 static __device__ __forceinline__ void mmvq_row(const u8 *__restrict__ w,
                                                 const block_q8_1 *__restrict__ y,
@@ -66,13 +67,13 @@ static __device__ __forceinline__ void mmvq_row(const u8 *__restrict__ w,
     constexpr int blocks_per_iter = Q::VDR * MMVQ_NWARPS * WARP / Q::QI;
     const int row = blockIdx.x;
     const int tid = WARP * threadIdx.y + threadIdx.x;
-    const int blocks_per_row = ncols / QK;
+    const int blocks_per_row = ncols / Q::QKW;
     const u8 *wrow = w + (size_t)row * blocks_per_row * Q::BS;
     const int kqs = Q::VDR * (tid % per_block);
 
     float tmp = 0.0f;
     for (int kbx = tid / per_block; kbx < blocks_per_row; kbx += blocks_per_iter) {
-        tmp = __fadd_rn(tmp, Q::vec_dot(wrow + (size_t)kbx * Q::BS, y + kbx, kqs));
+        tmp = __fadd_rn(tmp, Q::vec_dot(wrow + (size_t)kbx * Q::BS, y + kbx * (Q::QKW / QK), kqs));
     }
 
     __shared__ float partial[MMVQ_NWARPS > 1 ? MMVQ_NWARPS - 1 : 1][WARP];

@@ -4,7 +4,7 @@
 #include "mmvq_common.cuh"
 
 struct Q4_1 {
-    static constexpr int QI = 4, VDR = 2, BS = 20;
+    static constexpr int QI = 4, VDR = 2, BS = 20, QKW = 32;
     static __device__ __forceinline__ float vec_dot(const u8 *b, const block_q8_1 *y, int iqs) {
         int sumi = 0;
 #pragma unroll

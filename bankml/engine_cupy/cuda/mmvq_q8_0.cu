@@ -3,7 +3,7 @@
 #include "mmvq_common.cuh"
 
 struct Q8_0 {
-    static constexpr int QI = 8, VDR = 2, BS = 34;
+    static constexpr int QI = 8, VDR = 2, BS = 34, QKW = 32;
     static __device__ __forceinline__ float vec_dot(const u8 *b, const block_q8_1 *y, int iqs) {
         int sumi = 0;
 #pragma unroll
