@@ -70,6 +70,12 @@ class FakeCupy(types.SimpleNamespace):
     def empty(self, shape: Any, dtype: Any) -> numpy.ndarray:
         return numpy.full(shape, 0xAB if dtype == numpy.uint8 else numpy.nan, dtype)
 
+    def asarray(self, a: Any) -> numpy.ndarray:  # host to "device": a copy
+        return numpy.array(a)
+
+    def asnumpy(self, a: numpy.ndarray) -> numpy.ndarray:
+        return numpy.array(a)
+
 
 @pytest.mark.parametrize("qtype", tuple(tw.BLOCK_TYPES))
 def test_matvec_launches_the_twins_arithmetic(qtype: str) -> None:
