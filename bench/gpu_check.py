@@ -546,6 +546,23 @@ def chosen_models(args: argparse.Namespace) -> tuple[list[TinySpec], bool]:
     return list(QUICK_SPECS if args.quick else TINY_SPECS), not args.quick
 
 
+def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The CUDA kernels against their NumPy twins (bench/kernel_check.py) on a CUDA device."""
+    if args.device != "cuda":
+        return {"skipped": f"the CUDA kernels need CuPy and a GPU (device {args.device})"}
+    from bankml.engine_cupy.backend import get_xp
+    from bench.kernel_check import kernels_vs_twins
+
+    result: dict[str, Any] = {}
+    model = args.model if args.model is not None and Path(args.model).exists() else None
+    ok, value = attempt(result, "kernels", lambda: kernels_vs_twins(get_xp("cuda"), model))
+    if ok:
+        print(f"CUDA kernels identical to their twins: {value['identical']}/{value['checked']}")
+        return value
+    print("CUDA kernels against their twins: failed (the report has the traceback)")
+    return result
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     deadline = started + args.budget_s
@@ -559,6 +576,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         "models": [],
         "default_model": None,
     }
+    report["kernels"] = kernel_report(args)
     save(report, out)
     specs, with_default = chosen_models(args)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

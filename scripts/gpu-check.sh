@@ -2,6 +2,7 @@
 # Check bankml's GPU path (CuPy) against its exact CPU path on this machine (docs/gpu.md).
 #
 #   scripts/gpu-check.sh [--cuda|--rocm] [--with-llama-server] [bench/gpu_check.py ARGS...]
+#   scripts/gpu-check.sh --compile-only
 #
 # From a clean clone, with Python 3.10+ and a CUDA or a ROCm GPU: creates .venv (the one `make`
 # uses), installs bankml with CuPy (`.[cuda]` or `.[rocm]`, guessed from nvidia-smi / rocm-smi
@@ -12,21 +13,37 @@
 # --with-llama-server also compares both paths with llama-server, built once by
 # scripts/build-llama-server.sh (needs CMake and a C++ compiler; about 10 minutes on 2 cores,
 # seconds once built). $BANKML_LLAMA_SERVER names a llama-server binary instead.
+#
+# --compile-only needs no GPU: it compiles every CUDA kernel of bankml/engine_cupy/cuda with NVRTC
+# (the nvidia-cuda-nvrtc wheel, installed into $VENV unless that venv already finds libnvrtc)
+# for sm_80 and sm_90 and prints one JSON line {"kernels": N, "compiled": N, ...}; its exit
+# status is 0 only when every kernel compiled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 OUT=${OUT:-bench/out}
-extra="" with_server="" args=()
+extra="" with_server="" compile_only="" args=()
 for arg in "$@"; do
   case $arg in
+    --compile-only) compile_only=1 ;;
     --cuda) extra=cuda ;;
     --rocm) extra=rocm ;;
     --with-llama-server) with_server=1 ;;
     *) args+=("$arg") ;;
   esac
 done
+if [ -n "$compile_only" ]; then
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  # the compiler module needs nothing but the standard library and libnvrtc
+  if ! PYTHONPATH=. "$VENV/bin/python" -c 'import sys; from bankml.engine_cupy import nvrtc
+sys.exit(nvrtc.find_library() is None)'; then
+    echo "gpu-check: installing nvidia-cuda-nvrtc into $VENV" >&2
+    "$VENV/bin/python" -m pip install -q "nvidia-cuda-nvrtc>=13" >&2
+  fi
+  PYTHONPATH=. exec "$VENV/bin/python" -m bankml.engine_cupy.cuda_kernels
+fi
 if [ -z "$extra" ]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     extra=cuda

@@ -1,0 +1,105 @@
+// bankml's one-row decode products: shared definitions (docs/modules/cuda_kernels.md).
+//
+// Every float operation is written with an explicit rounding (__fadd_rn, __fmul_rn, __fdiv_rn,
+// PTX mul.rn.f16) so that no compiler contracts two of them into one fused multiply-add: the
+// NumPy twins (bankml/engine_cupy/cuda_twins.py) round at exactly these points. Needs no
+// header: the f16 conversions are PTX instructions, the integer dot products __dp4a.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+#ifndef MMVQ_NWARPS
+#define MMVQ_NWARPS 4  // warps per output row (one row per thread block), as ggml's generic table
+#endif
+#define WARP 32
+#define QK 32  // values per q8_1 block (and per block of the non-K types)
+
+// the activation: 32 int8 quants, f16 d (scale) and f16 s (d times the sum of the f32 values)
+struct block_q8_1 {
+    u16 d;
+    u16 s;
+    signed char qs[QK];
+};
+
+static __device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+static __device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// f16 product, rounded to f16 (ggml's __hmul2 where fast f16 arithmetic is available)
+static __device__ __forceinline__ float hmul_f(u16 a, u16 b) {
+    u16 r;
+    asm("mul.rn.f16 %0, %1, %2;" : "=h"(r) : "h"(a), "h"(b));
+    return h2f(r);
+}
+
+// the i-th 32-bit word of a 2-byte aligned buffer, and of a 4-byte aligned one
+static __device__ __forceinline__ int int_b2(const u8 *x, int i) {
+    const u16 *x16 = (const u16 *)x;
+    return (int)((unsigned)x16[2 * i] | ((unsigned)x16[2 * i + 1] << 16));
+}
+
+static __device__ __forceinline__ int int_b4(const u8 *x, int i) { return ((const int *)x)[i]; }
+
+static __device__ __forceinline__ int int_q8(const block_q8_1 *y, int i) {
+    return ((const int *)y->qs)[i];
+}
+
+// One output row per thread block of MMVQ_NWARPS warps. Thread t (= 32*warp + lane) takes the
+// weight blocks t / (QI/VDR), + BLOCKS_PER_ITER, ..., and in each the VDR words from
+// VDR * (t % (QI/VDR)); its partial sum is a float accumulated in that order. Warps 1.. hand
+// their partials to warp 0 through shared memory, which adds them in warp order, lane by lane;
+// then a butterfly over the 32 lanes (xor 16, 8, 4, 2, 1) and lane 0 writes the row. A weight
+// block holds Q::QKW values (32, or 256 for the K-quants): QKW/32 q8_1 blocks of the activation.
+template <class Q>
+static __device__ __forceinline__ void mmvq_row(const u8 *__restrict__ w,
+                                                const block_q8_1 *__restrict__ y,
+                                                float *__restrict__ dst, int ncols) {
+    constexpr int per_block = Q::QI / Q::VDR;
+    constexpr int blocks_per_iter = Q::VDR * MMVQ_NWARPS * WARP / Q::QI;
+    const int row = blockIdx.x;
+    const int tid = WARP * threadIdx.y + threadIdx.x;
+    const int blocks_per_row = ncols / Q::QKW;
+    const u8 *wrow = w + (size_t)row * blocks_per_row * Q::BS;
+    const int kqs = Q::VDR * (tid % per_block);
+
+    float tmp = 0.0f;
+    for (int kbx = tid / per_block; kbx < blocks_per_row; kbx += blocks_per_iter) {
+        tmp = __fadd_rn(tmp, Q::vec_dot(wrow + (size_t)kbx * Q::BS, y + kbx * (Q::QKW / QK), kqs));
+    }
+
+    __shared__ float partial[MMVQ_NWARPS > 1 ? MMVQ_NWARPS - 1 : 1][WARP];
+    if (threadIdx.y > 0) {
+        partial[threadIdx.y - 1][threadIdx.x] = tmp;
+    }
+    __syncthreads();
+    if (threadIdx.y > 0) {
+        return;
+    }
+#pragma unroll
+    for (int l = 0; l < MMVQ_NWARPS - 1; ++l) {
+        tmp = __fadd_rn(tmp, partial[l][threadIdx.x]);
+    }
+#pragma unroll
+    for (int offset = WARP / 2; offset > 0; offset >>= 1) {
+        tmp = __fadd_rn(tmp, __shfl_xor_sync(0xffffffffu, tmp, offset, WARP));
+    }
+    if (threadIdx.x == 0) {
+        dst[row] = tmp;
+    }
+}
+
+#define MMVQ_KERNEL(NAME, Q)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MMVQ_NWARPS * WARP, 1)                        \
+        NAME(const u8 *__restrict__ w, const block_q8_1 *__restrict__ y,                       \
+             float *__restrict__ dst, int ncols) {                                             \
+        mmvq_row<Q>(w, y, dst, ncols);                                                         \
+    }

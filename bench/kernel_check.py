@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Each CUDA kernel against its NumPy twin, on this machine's GPU.
+
+    bench/kernel_check.py [--model FILE] [--rows N] [--cols N]
+
+``kernels_vs_twins(cupy, model)`` runs every kernel of ``bankml/engine_cupy/cuda`` through
+``cuda_loader.CudaKernels`` and compares its output with ``cuda_twins``: the q8_1 bytes of one
+activation row, and for each weight type a generated matrix (``--rows`` x ``--cols``) and, with
+a model, the first matrix of each of its types. Each comparison says whether the bits are
+identical, how many rows differ and by how much; with CuPy's events it also times one product
+(microseconds per launch pair, quantization included). bench/gpu_check.py adds this report to
+its own on a CUDA machine (docs/gpu.md); it prints one JSON line when run alone. Figures to
+read, not a verdict: a kernel that differs from its twin in a bit differs from the arithmetic
+the twin documents, and one of the two has a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy
+from gguf import GGMLQuantizationType as T
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bankml.engine_cupy import cuda_twins as tw  # noqa: E402
+from bankml.engine_cupy.cuda_loader import CudaKernels  # noqa: E402
+from bankml.engine_cupy.gguf_file import open_file  # noqa: E402
+from tests.tiny_models import _matrix  # noqa: E402
+
+
+def compare(got: numpy.ndarray, want: numpy.ndarray) -> dict[str, Any]:
+    """Bits identical, how many values (rows, or q8_1 bytes) differ, the largest difference
+    (absolute, and over max |want|)."""
+    same = got.tobytes() == want.tobytes()
+    out: dict[str, Any] = {"identical": same, "n": int(want.shape[0])}
+    if not same:
+        g, w = got.astype(numpy.float64), want.astype(numpy.float64)
+        diff = numpy.abs(g - w)
+        out.update(
+            differing=int((got != want).sum()),
+            max_abs_diff=float(numpy.nanmax(diff)) if diff.size else 0.0,
+            max_rel_diff=float(numpy.nanmax(diff) / max(numpy.abs(w).max(), 1e-30)),
+        )
+    return out
+
+
+def _time_us(cp: ModuleType, run: Any, repeats: int = 50) -> float | None:
+    """Microseconds per call on the device (CuPy's events), or None without them."""
+    cuda = getattr(cp, "cuda", None)
+    if cuda is None:
+        return None
+    run()
+    start, stop = cuda.Event(), cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        run()
+    stop.record()
+    stop.synchronize()
+    return round(cuda.get_elapsed_time(start, stop) * 1000 / repeats, 2)
+
+
+def _product(
+    cp: ModuleType, kernels: CudaKernels, qtype: str, w: numpy.ndarray, x: numpy.ndarray
+) -> dict[str, Any]:
+    w_dev, x_dev = cp.asarray(numpy.ascontiguousarray(w)), cp.asarray(x)
+    got = cp.asnumpy(kernels.matvec(qtype, w_dev, x_dev))
+    out = compare(got, tw.mmvq(qtype, w, x))
+    out["us_per_product"] = _time_us(cp, lambda: kernels.matvec(qtype, w_dev, x_dev))
+    return out
+
+
+def _activation(rng: numpy.random.Generator, cols: int) -> numpy.ndarray:
+    x = rng.normal(size=cols).astype(numpy.float32)
+    x[:32] *= numpy.float32(40)  # blocks of different scales
+    return x
+
+
+def kernels_vs_twins(
+    cp: ModuleType, model: Path | None = None, rows: int = 2048, cols: int = 4096, seed: int = 0
+) -> dict[str, Any]:
+    rng = numpy.random.default_rng(seed)
+    started = time.monotonic()
+    kernels = CudaKernels(cp)
+    x = _activation(rng, cols)
+    got = cp.asnumpy(kernels.quantize_q8_1(cp.asarray(x)))
+    report: dict[str, Any] = {"quantize_q8_1": compare(got, tw.quantize_q8_1(x).to_bytes())}
+    generated: dict[str, Any] = {}
+    for qtype in tw.BLOCK_TYPES:
+        w, _ = _matrix(rng, rows, cols, T[qtype], 0.05)
+        generated[qtype] = _product(cp, kernels, qtype, w, x)
+    report["generated"] = generated
+    if model is not None:
+        seen: dict[str, Any] = {}
+        for t in open_file(model).tensors:
+            qtype = t.tensor_type.name
+            if qtype in tw.BLOCK_TYPES and qtype not in seen:
+                width = t.data.shape[1] // tw.BLOCK_TYPES[qtype].block_bytes
+                xm = _activation(rng, width * tw.BLOCK_TYPES[qtype].values)
+                seen[qtype] = {"tensor": t.name, **_product(cp, kernels, qtype, t.data, xm)}
+        report["model"] = seen
+    checked = [report["quantize_q8_1"], *generated.values(), *report.get("model", {}).values()]
+    report["identical"] = sum(c["identical"] for c in checked)
+    report["checked"] = len(checked)
+    report["elapsed_s"] = round(time.monotonic() - started, 2)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--cols", type=int, default=4096)
+    args = parser.parse_args(argv)
+    import cupy  # type: ignore[import-not-found]
+
+    print(json.dumps(kernels_vs_twins(cupy, args.model, args.rows, args.cols)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
