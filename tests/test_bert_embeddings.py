@@ -117,6 +117,7 @@ def test_receipt_holds_and_replays_on_the_encoder(
         ("/v1/chat/completions", {"messages": "hi"}),
         ("/tokenize", {"content": "Hello [SEP] world", "add_special": True, "with_pieces": True}),
         ("/detokenize", {"tokens": [101, 7592, 2088, 102]}),
+        ("/v1/rerank", {"query": "a", "documents": ["b"]}),  # not --rerank: the 501
     ],
 )
 def test_other_routes_answer_as_llama_server(bert_pair: Pair, path: str, body: Any) -> None:
