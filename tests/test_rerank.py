@@ -9,6 +9,7 @@ answers the same way."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from bankml.openapi import load_description
 from bankml.receipts.rerank import answer_results
 from tests import hf_dirs
 from tests.bankml_process import check_receipt_cli
-from tests.dropin import Pair, call, dropin_pair
+from tests.dropin import Pair, bankml, call, dropin_pair, start_serve
+from tests.support import free_port
 
 QUERY = "What is a giant panda?"
 DOCUMENTS = [
@@ -176,8 +178,49 @@ def test_p0_passes_rerank_and_signs_the_ranking(
 
 
 def test_rerank_flag_is_embeddings_with_rank_pooling() -> None:
-    from bankml.serving.llama_flags import embedding_settings
+    """llama-server's --rerank sets --embeddings and pooling rank where it stands: a --pooling
+    after it wins (the drop-in keeps the order; bankml serve's own --rerank always ranks)."""
+    from bankml.serving.llama_flags import dropin_argv, embedding_settings
 
     got = embedding_settings({"rerank": True, "pooling": "mean"})
     assert got == {"enabled": True, "pooling": "rank", "embd_normalize": 2}
     assert embedding_settings({"embeddings": True, "pooling": "rank"})["pooling"] == "rank"
+    for argv, pooling in (
+        (["--pooling", "mean", "--reranking"], "rank"),
+        (["--rerank", "--pooling", "mean"], "mean"),
+    ):
+        args = dropin_argv(["-m", "x", *argv])[0]
+        assert "--embeddings" in args and args[len(args) - args[::-1].index("--pooling")] == pooling
+
+
+def test_bankml_serve_native_rerank(
+    pair: Pair,
+    reranker: tuple[Path, Path],
+    default_model: Path,
+    default_fork: Path,
+    tmp_path: Path,
+) -> None:
+    """``bankml serve FILE --fork F --native --rerank``: llama-server's answer; on a model that
+    is not a BERT reranker it does not start, saying why."""
+    model, fork = reranker
+    port = free_port()
+    proc = start_serve(
+        [str(model), "--fork", str(fork), "--native", "--rerank"], port, tmp_path / "log"
+    )
+    try:
+        body = {"query": QUERY, "documents": DOCUMENTS, "model": "m"}
+        status, ours, _ = post(port, "/v1/rerank", body)
+        assert status == 200 and ours.pop("bankml_receipt")["api"] == "rerank"
+        assert ours == post(pair.ports[1], "/v1/rerank", body)[1]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    args = [str(default_model), "--fork", str(default_fork), "--native", "--rerank"]
+    done = subprocess.run(
+        bankml("serve", *args, f"--listen=127.0.0.1:{free_port()}"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "reranks with a BERT reranker only" in done.stdout + done.stderr

@@ -165,6 +165,10 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
                 out += [spelling, str(value)]
             elif flag.action == MODEL:
                 model = value
+            elif flag.action == SERVE and flag.name == "rerank":
+                # llama-server's --rerank is --embeddings with pooling rank, in its place: a
+                # --pooling after it wins, one before it does not
+                out = _dropped(out, {"--pooling": True}) + ["--embeddings", "--pooling", "rank"]
             elif flag.action == SERVE:
                 if flag.name in _LAST_WINS:  # of these llama-server keeps the last given
                     out = _dropped(out, _LAST_WINS[flag.name])
