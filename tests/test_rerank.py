@@ -68,7 +68,7 @@ def key_of(port: int) -> str:
     "path, body",
     [
         ("/rerank", {"query": QUERY, "documents": DOCUMENTS * 4}),  # past 16: introsort's ties
-        ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2, "model": "m"}),
+        ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2.9, "model": "m"}),
         ("/reranking", {"query": "", "documents": DOCUMENTS[:2], "top_n": 0}),
         ("/v1/reranking", {"query": QUERY, "documents": "x", "texts": [1], "top_n": 9.7}),
     ],
@@ -84,7 +84,7 @@ def test_answers_are_llama_servers(pair: Pair, path: str, body: Any, tmp_path: P
         assert ours["model"] == Path(theirs["model"]).name
         theirs["model"] = ours["model"]
     assert ours == theirs  # the scores as doubles of float32s, bit for bit, in llama-server's order
-    assert len(ours["results"]) == min(body.get("top_n", 20), len(body["documents"]))
+    assert len(ours["results"]) == min(int(body.get("top_n", 20)), len(body["documents"]))
     assert receipt["api"] == "rerank" and receipt["pooling"] == "rank"
     assert receipt["prompt_tokens"] == ours["usage"]["prompt_tokens"] > 0
     schema = {"$ref": "#/components/schemas/RerankList", **load_description()}
@@ -119,6 +119,7 @@ def test_receipt_replays_and_refuses_another_ranking(
         {"query": "q"},
         {"query": "q", "documents": []},
         {"query": "q", "documents": ["a", 2]},
+        {"query": "q", "documents": ["a", "word " * 200]},  # a pair over the context (128)
     ],
 )
 def test_bad_input_is_llama_servers_refusal(pair: Pair, body: Any) -> None:
