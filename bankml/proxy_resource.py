@@ -45,7 +45,7 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.errors import error_object
-from bankml.formats.rerank import TEI_FORM
+from bankml.formats.rerank import EMPTY_TEI
 from bankml.p0 import gateway as gw
 from bankml.p0.answers import (
     StreamReading,
@@ -253,10 +253,10 @@ class Forward(JsonResource):
 class EmbeddingProxy(JsonResource):
     """An embedding or rerank (``kind`` RERANK) endpoint through to llama-server, its receipts
     added: the sha256 of each vector it sent (bankml/receipts/embedding.py), of the results it
-    ranked (bankml/receipts/rerank.py). An answer other than 200 JSON of its shape passes as it
-    came (llama-server's refusals: no vector, no receipt), but a 200 rerank answer that is not
-    the Jina form's object (the TEI form's bare array, for a body with ``texts``) is not
-    passed: no receipt fits it (formats/rerank.py's 501)."""
+    ranked (bankml/receipts/rerank.py: on Jina's object, or on the first result of TEI's
+    array). An answer other than 200 JSON of its shape passes as it came (llama-server's
+    refusals: no vector, no receipt), but a 200 rerank answer with no result to carry the
+    receipt (TEI's empty array) is not passed (formats/rerank.py's 501)."""
 
     isLeaf = True
 
@@ -342,8 +342,15 @@ class EmbeddingProxy(JsonResource):
         """llama-server's rerank answer with its receipt (receipts/rerank.py)."""
         try:
             results = answer_results(answer)
-        except RerankMismatch:
-            write_error(request, 501, TEI_FORM, kind="not_supported_error")
+        except RerankMismatch as err:
+            write_error(request, 502, f"bankml gateway error: llama-server's rerank answer: {err}")
+            return
+        if isinstance(answer, dict):  # Jina's object
+            holder = answer
+        elif results:  # TEI's array: the first result carries the receipt
+            holder = answer[0]
+        else:  # TEI's empty array: no result to carry it
+            write_error(request, 501, EMPTY_TEI, kind="not_supported_error")
             return
         gateway = self.gateway
         out = rerank_receipt(
@@ -363,7 +370,7 @@ class EmbeddingProxy(JsonResource):
         )
         if gateway.receipt_log is not None:
             gateway.receipt_log.append(out)
-        answer["bankml_receipt"] = out
+        holder["bankml_receipt"] = out
         write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
 
 

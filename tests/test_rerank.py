@@ -71,14 +71,23 @@ def key_of(port: int) -> str:
         ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2.9, "model": "m"}),
         ("/reranking", {"query": "", "documents": DOCUMENTS[:2], "top_n": 0}),
         ("/v1/reranking", {"query": QUERY, "documents": "x", "texts": [1], "top_n": 9.7}),
+        # TEI's form: a bare array, the documents' texts; the receipt in its first result
+        ("/rerank", {"query": QUERY, "texts": DOCUMENTS, "return_text": True, "top_n": 3}),
     ],
 )
 def test_answers_are_llama_servers(pair: Pair, path: str, body: Any, tmp_path: Path) -> None:
     (s1, ours, raw), (s2, theirs, _) = (post(p, path, body) for p in pair.ports)
-    if "texts" in body:  # documents not an array, texts not strings: none; both refuse alike
+    key = key_of(pair.ports[0])
+    if body.get("texts") == [1]:  # documents not an array, texts not strings: both refuse
         assert s1 == s2 == 400 and ours == theirs
         return
     assert s1 == s2 == 200
+    if "texts" in body:
+        receipt = ours[0].pop("bankml_receipt")
+        assert ours == theirs and len(ours) == 3 and ours[0]["text"] in DOCUMENTS
+        code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+        assert code == 0 and receipt["api"] == "rerank", out
+        return
     receipt = ours.pop("bankml_receipt")
     if "model" not in body:  # the model's name: the file's, where llama-server says its path
         assert ours["model"] == Path(theirs["model"]).name
@@ -89,7 +98,6 @@ def test_answers_are_llama_servers(pair: Pair, path: str, body: Any, tmp_path: P
     assert receipt["prompt_tokens"] == ours["usage"]["prompt_tokens"] > 0
     schema = {"$ref": "#/components/schemas/RerankList", **load_description()}
     jsonschema.Draft202012Validator(schema).validate({**ours, "bankml_receipt": receipt})
-    key = key_of(pair.ports[0])
     code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
     assert code == 0, out
 
@@ -128,9 +136,10 @@ def test_bad_input_is_llama_servers_refusal(pair: Pair, body: Any) -> None:
 
 
 def test_refusals_of_bankml_own(pair: Pair) -> None:
-    """The TEI form (an answer without a place for a receipt) and a negative top_n (which
-    fails inside llama-server) are refused with a 4xx or 501, never computed."""
-    status, answer, _ = post(pair.ports[0], "/rerank", {"query": "q", "texts": ["a", "b"]})
+    """TEI's form with top_n 0 (an empty array, no result to carry the receipt) and a negative
+    top_n (which fails inside llama-server) are refused with a 501 or 400, never computed."""
+    body = {"query": "q", "texts": ["a", "b"], "top_n": 0}
+    status, answer, _ = post(pair.ports[0], "/rerank", body)
     assert status == 501 and answer["error"]["type"] == "not_supported_error"
     status, answer, _ = post(
         pair.ports[0], "/rerank", {"query": "q", "documents": ["a"], "top_n": -1}
@@ -174,8 +183,11 @@ def test_p0_passes_rerank_and_signs_the_ranking(
     assert code == 0 and "replay: identical: 4 results of 5 documents" in out, out
     status, refused, _ = post(p0_rerank.port, "/rerank", {"query": "q", "documents": []})
     assert status == 400 and "bankml_receipt" not in refused  # llama-server's refusal as it is
-    status, refused, _ = post(p0_rerank.port, "/rerank", {"query": "q", "texts": ["a"]})
-    assert status == 501 and refused["error"]["type"] == "not_supported_error"
+    body = {"query": QUERY, "texts": DOCUMENTS}
+    status, tei, raw = post(p0_rerank.port, "/rerank", body)
+    assert status == 200 and tei[0]["bankml_receipt"]["api"] == "rerank"
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+    assert code == 0, out
 
 
 def test_rerank_flag_is_embeddings_with_rank_pooling() -> None:

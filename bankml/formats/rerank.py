@@ -13,17 +13,22 @@ Its checks, in its order:
 - ``top_n``: a number (a double truncated, a boolean 0 or 1), else the number of documents.
 
 The answer: each document's score (its float32 as a double), sorted by score, highest first,
-cut to ``top_n``, as ``{"model", "object": "list", "usage": {"prompt_tokens", "total_tokens"},
-"results": [{"index", "relevance_score"}, ...]}``; ``model`` is the body's string, else the
-model's name; the tokens are every pair's. llama-server sorts with libstdc++'s ``std::sort``,
-which bankml follows step for step (receipts/rerank.py's ``ranked``), so equal scores come in
-llama-server's order too.
+cut to ``top_n``. llama-server sorts with libstdc++'s ``std::sort``, which bankml follows step
+for step (receipts/rerank.py's ``ranked``), so equal scores come in llama-server's order too.
+Two forms, as llama-server writes them:
+
+- Jina's (``documents``): ``{"model", "object": "list", "usage": {"prompt_tokens",
+  "total_tokens"}, "results": [{"index", "relevance_score"}, ...]}``; ``model`` is the body's
+  string, else the model's name; the tokens are every pair's;
+- TEI's (a body with ``texts``, whatever else it has): the bare array ``[{"index", "score"},
+  ...]``, each result with ``"text"`` (its document) where the body's ``return_text`` is true.
+  bankml puts the receipt in the first result (receipts/rerank.py).
 
 bankml's own refusals, where llama-server answers without a receipt's place or fails:
 
-- a body with ``texts`` (the TEI form): llama-server answers a bare array, where no receipt
-  fits; 501 ``not_supported_error``;
-- a negative ``top_n``: llama-server's resize to it fails with a 500; bankml answers 400.
+- a negative ``top_n``: llama-server's resize to it fails with a 500; bankml answers 400;
+- ``top_n`` 0 in the TEI form: its answer is an empty array, with no result to carry the
+  receipt: 501 ``not_supported_error``.
 
 Pure data: scores come in as floats, no NumPy here.
 """
@@ -42,11 +47,11 @@ NOT_SUPPORTED = "This server does not support reranking. Start it with `--rerank
 QUERY_NOT_STRING = '"query" must be a string'
 NO_QUERY = '"query" must be provided'
 NO_DOCUMENTS = '"documents" must be a non-empty string array'
-TEI_FORM = (
-    'bankml does not answer the TEI form of rerank (a body with "texts"): its answer is a bare '
-    'array, where no receipt fits; send the documents as "documents"'
-)
 NEGATIVE_TOP_N = '"top_n" must not be negative'
+EMPTY_TEI = (
+    'bankml does not answer "top_n" 0 in the TEI form (a body with "texts"): its empty array '
+    "has no result to carry the receipt"
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class RerankRequest:
     query: str
     documents: list[str]
     top_n: int
+    tei: bool = False  # the TEI form: a body with "texts"
+    return_text: bool = False  # TEI's return_text: each result with its document
 
 
 def read_request(body: dict[str, Any], *, enabled: bool) -> RerankRequest:
@@ -72,11 +79,13 @@ def read_request(body: dict[str, Any], *, enabled: bool) -> RerankRequest:
     if not documents:
         raise ApiError.of(400, NO_DOCUMENTS)
     top_n = top_n_of(body, len(documents))
-    if "texts" in body:
-        raise ApiError.of(501, TEI_FORM, "not_supported_error")
+    tei = "texts" in body
     if top_n < 0:
         raise ApiError.of(400, NEGATIVE_TOP_N)
-    return RerankRequest(query, documents, top_n)
+    if tei and top_n == 0:
+        raise ApiError.of(501, EMPTY_TEI, "not_supported_error")
+    return_text = tei and body.get("return_text") is True  # json_value: a boolean, else false
+    return RerankRequest(query, documents, top_n, tei, return_text)
 
 
 def rerank_object(
@@ -90,6 +99,19 @@ def rerank_object(
         "usage": {"prompt_tokens": int(n_tokens), "total_tokens": int(n_tokens)},
         "results": [{"index": i, "relevance_score": c_float(score)} for i, score in results],
     }
+
+
+def tei_results(
+    results: Sequence[tuple[int, float]], documents: Sequence[str], return_text: bool
+) -> list[dict[str, Any]]:
+    """format_response_rerank's TEI form: the bare array of results."""
+    out: list[dict[str, Any]] = []
+    for i, score in results:
+        result: dict[str, Any] = {"index": i, "score": c_float(score)}
+        if return_text:
+            result["text"] = documents[i]
+        out.append(result)
+    return out
 
 
 def model_name(body: dict[str, Any], default: str) -> str:

@@ -13,7 +13,8 @@ native/embed.py's Embedder does:
    its micro-batch, one after the other (llama-server with one slot), its score the
    classifier's first value (``Encoder.rank_score``: llama-server's bits);
 3. the answer (the reactor thread): the scores ranked and cut to ``top_n``, the body
-   (formats/rerank.py) and its receipt (receipts/rerank.py).
+   (formats/rerank.py: Jina's object, or TEI's array for a body with ``texts``) and its
+   receipt (receipts/rerank.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class RerankJob:
     pairs: list[list[int]]
     top_n: int
     model: str
+    request: fmt.RerankRequest
     scores: list[float] = field(default_factory=list)
 
 
@@ -60,7 +62,8 @@ class Reranker:
         pairs = [encoder.rerank_tokens(req.query, d) for d in req.documents]
         for tokens in pairs:
             check_limits(self.native, len(tokens), "rank")
-        return RerankJob(raw, started, pairs, req.top_n, fmt.model_name(body, self.native.model_id))
+        model = fmt.model_name(body, self.native.model_id)
+        return RerankJob(raw, started, pairs, req.top_n, model, req)
 
     # --- the engine thread -----------------------------------------------------------------
 
@@ -75,11 +78,11 @@ class Reranker:
 
     # --- the reactor thread ----------------------------------------------------------------
 
-    def answer(self, job: RerankJob) -> dict[str, Any]:
-        """The answer's JSON object, its receipt in it (see receipts/rerank.py)."""
+    def answer(self, job: RerankJob) -> Any:
+        """The answer's JSON value, its receipt in it (see receipts/rerank.py): Jina's object,
+        or TEI's array with the receipt in its first result."""
         results = ranked(job.scores, job.top_n)
         n_tokens = sum(len(t) for t in job.pairs)
-        body = fmt.rerank_object(job.model, results, n_tokens)
         native = self.native
         out = rerank_receipt(
             request_body=job.raw,
@@ -95,5 +98,11 @@ class Reranker:
         )
         if native.receipt_log is not None:
             native.receipt_log.append(out)
+        req = job.request
+        if req.tei:  # never empty: top_n 0 is refused in this form
+            array = fmt.tei_results(results, req.documents, req.return_text)
+            array[0]["bankml_receipt"] = out
+            return array
+        body = fmt.rerank_object(job.model, results, n_tokens)
         body["bankml_receipt"] = out
         return body

@@ -19,6 +19,11 @@ ids); ``pooling`` is ``rank``. The other fields are an embedding receipt's (rece
 
 ``check_results`` is ``bankml check-receipt``'s check of an answer against its receipt;
 ``replay_rerank`` computes a native answer's scores again on bankml's engine (``--replay``).
+
+TEI's form (a body with ``texts``) is a bare array of ``{"index", "score"[, "text"]}``: its
+first result carries the receipt (receipts/answer.py's ``tei_receipt`` finds it), which hashes the whole array's ``index`` and
+``score`` as above (a ``text`` is the request's document, covered by ``request_sha256``); it
+shows no token count.
 """
 
 from __future__ import annotations
@@ -195,17 +200,25 @@ def results_sha256(results: Sequence[tuple[int, float]]) -> str:
 
 
 def answer_results(obj: Any) -> list[tuple[int, float]]:
-    """The (index, score) pairs an answer sends, in its order."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("results"), list):
+    """The (index, score) pairs an answer sends, in its order: Jina's object (``results`` of
+    ``relevance_score``) or TEI's bare array (of ``score``; check-receipt reads it as
+    ``{"results": array}``)."""
+    if isinstance(obj, list):
+        results = obj
+    elif isinstance(obj, dict) and isinstance(obj.get("results"), list):
+        results = obj["results"]
+    else:
         raise RerankMismatch("the answer has no results list")
     out = []
-    for position, result in enumerate(obj["results"]):
+    for position, result in enumerate(results):
         index = result.get("index") if isinstance(result, dict) else None
-        score = result.get("relevance_score") if isinstance(result, dict) else None
+        tei = isinstance(result, dict) and "relevance_score" not in result
+        label = "score" if tei else "relevance_score"
+        score = result.get(label) if isinstance(result, dict) else None
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 2**32:
             raise RerankMismatch(f"result {position} has no document index")
         if not isinstance(score, (int, float)) or isinstance(score, bool):
-            raise RerankMismatch(f"result {position} has no relevance_score number")
+            raise RerankMismatch(f"result {position} has no {label} number")
         out.append((index, float(score)))
     return out
 
