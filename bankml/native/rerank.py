@@ -37,9 +37,8 @@ class RerankJob:
     raw: bytes
     started: float  # time.monotonic() when the request came
     pairs: list[list[int]]
-    top_n: int
     model: str
-    request: fmt.RerankRequest
+    request: fmt.RerankRequest  # the query, the documents, top_n, the form
     scores: list[float] = field(default_factory=list)
 
 
@@ -63,7 +62,7 @@ class Reranker:
         for tokens in pairs:
             check_limits(self.native, len(tokens), "rank")
         model = fmt.model_name(body, self.native.model_id)
-        return RerankJob(raw, started, pairs, req.top_n, model, req)
+        return RerankJob(raw, started, pairs, model, req)
 
     # --- the engine thread -----------------------------------------------------------------
 
@@ -81,7 +80,7 @@ class Reranker:
     def answer(self, job: RerankJob) -> Any:
         """The answer's JSON value, its receipt in it (see receipts/rerank.py): Jina's object,
         or TEI's array with the receipt in its first result."""
-        results = ranked(job.scores, job.top_n)
+        results = ranked(job.scores, job.request.top_n)
         n_tokens = sum(len(t) for t in job.pairs)
         native = self.native
         out = rerank_receipt(

@@ -17,13 +17,16 @@ ids); ``pooling`` is ``rank``. The other fields are an embedding receipt's (rece
 ``completion_tokens`` 0, ``response_sha256`` the sha256 of the empty text, ``sampler``
 ``{"seed": null}``, ``n_predict`` 0, ``finish_reason`` null.
 
-``check_results`` is ``bankml check-receipt``'s check of an answer against its receipt;
-``replay_rerank`` computes a native answer's scores again on bankml's engine (``--replay``).
-
 TEI's form (a body with ``texts``) is a bare array of ``{"index", "score"[, "text"]}``: its
-first result carries the receipt (receipts/answer.py's ``tei_receipt`` finds it), which hashes the whole array's ``index`` and
-``score`` as above (a ``text`` is the request's document, covered by ``request_sha256``); it
-shows no token count.
+first result carries the receipt (receipts/answer.py's ``tei_receipt`` finds it), which hashes
+the whole array's ``index`` and ``score`` as above (a ``text`` is the request's document,
+covered by ``request_sha256``); it shows no token count.
+
+``ranked`` is llama-server's ranking (libstdc++'s ``std::sort``, ``std_sort``, step for step:
+equal scores come in its order); ``documents_of`` and ``top_n_of`` its reading of the body;
+``check_results`` is ``bankml check-receipt``'s check of an answer against its receipt;
+``replay_rerank`` computes an answer's scores again on bankml's encoder (``--replay``; a P0
+answer too).
 """
 
 from __future__ import annotations
