@@ -194,16 +194,21 @@ def test_rerank_flag_is_embeddings_with_rank_pooling() -> None:
     """llama-server's --rerank sets --embeddings and pooling rank where it stands: a --pooling
     after it wins (the drop-in keeps the order; bankml serve's own --rerank always ranks)."""
     from bankml.serving.llama_flags import dropin_argv, embedding_settings
+    from bankml.tap import Options
 
-    got = embedding_settings({"rerank": True, "pooling": "mean"})
-    assert got == {"enabled": True, "pooling": "rank", "embd_normalize": 2}
-    assert embedding_settings({"embeddings": True, "pooling": "rank"})["pooling"] == "rank"
-    for argv, pooling in (
-        (["--pooling", "mean", "--reranking"], "rank"),
-        (["--rerank", "--pooling", "mean"], "mean"),
-    ):
-        args = dropin_argv(["-m", "x", *argv])[0]
-        assert "--embeddings" in args and args[len(args) - args[::-1].index("--pooling")] == pooling
+    def settings(*flags: str) -> dict[str, Any]:
+        options = Options()
+        options.parseOptions(dropin_argv(["-m", "x.gguf", "--fork", "f", *flags])[0])
+        return embedding_settings(options)
+
+    assert settings("--pooling", "mean", "--reranking")["pooling"] == "rank"
+    assert settings("--rerank", "--pooling", "mean") == {
+        "enabled": True,
+        "pooling": "mean",
+        "embd_normalize": 2,
+    }
+    assert settings("--embeddings", "--pooling", "rank")["pooling"] == "rank"
+    assert embedding_settings({"rerank": True, "pooling": "mean"})["pooling"] == "rank"
 
 
 def test_bankml_serve_native_rerank(

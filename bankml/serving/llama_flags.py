@@ -165,10 +165,15 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
                 out += [spelling, str(value)]
             elif flag.action == MODEL:
                 model = value
-            elif flag.action == SERVE and flag.name == "rerank":
+            elif flag.action == SERVE and flag.name in ("rerank", "pooling"):
                 # llama-server's --rerank is --embeddings with pooling rank, in its place: a
-                # --pooling after it wins, one before it does not
-                out = _dropped(out, {"--pooling": True}) + ["--embeddings", "--pooling", "rank"]
+                # --pooling after it wins (--embeddings stays), one before it does not
+                if flag.name == "rerank":
+                    out = _dropped(out, {"--pooling": True}) + ["--rerank"]
+                else:
+                    if "--rerank" in out:
+                        out = _dropped(out, {"--rerank": False}) + ["--embeddings"]
+                    out = _dropped(out, {"--pooling": True}) + ["--pooling", str(value)]
             elif flag.action == SERVE:
                 if flag.name in _LAST_WINS:  # of these llama-server keeps the last given
                     out = _dropped(out, _LAST_WINS[flag.name])
