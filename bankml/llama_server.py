@@ -294,7 +294,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("--spec-ngram-map-k4v-min-hits", True, SERVE),
     # embeddings: /v1/embeddings, /embedding(s) and Ollama's /api/embed (native/embed.py)
     _f("--embedding --embeddings", False, SERVE, serve="embeddings"),
-    _f("--rerank --reranking", False, REFUSE, NOT_HERE + " (reranking)"),
+    # rerank: /rerank, /v1/rerank on a BERT reranker (native/rerank.py)
+    _f("--rerank --reranking", False, SERVE, serve="rerank"),
     _f("--pooling", True, SERVE),
     _f("--props", False, REFUSE, "bankml does not change global properties while serving"),
     _f("--api-prefix", True, REFUSE, NOT_HERE, p0_refuse=P0_ROUTES),

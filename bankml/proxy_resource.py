@@ -45,6 +45,7 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.errors import error_object
+from bankml.formats.rerank import EMPTY_TEI
 from bankml.p0 import gateway as gw
 from bankml.p0.answers import (
     StreamReading,
@@ -55,7 +56,13 @@ from bankml.p0.answers import (
 )
 from bankml.p0.gateway import Gateway, UpstreamTooLarge, check_length
 from bankml.receipts.embedding import embedding_receipt, p0_receipts
-from bankml.receipts.kinds import OAI_COMPLETION
+from bankml.receipts.kinds import OAI_COMPLETION, RERANK
+from bankml.receipts.rerank import (
+    RerankMismatch,
+    answer_prompt_tokens,
+    answer_results,
+    rerank_receipt,
+)
 from bankml.receipts.tally import Tally
 from bankml.serving.writers import (
     SSE,
@@ -244,9 +251,12 @@ class Forward(JsonResource):
 
 
 class EmbeddingProxy(JsonResource):
-    """An embedding endpoint through to llama-server, its receipts added: the sha256 of each
-    vector it sent (bankml/receipts/embedding.py). An answer other than 200 JSON of its shape
-    passes as it came (llama-server's refusals: no vector, no receipt)."""
+    """An embedding or rerank (``kind`` RERANK) endpoint through to llama-server, its receipts
+    added: the sha256 of each vector it sent (bankml/receipts/embedding.py), of the results it
+    ranked (bankml/receipts/rerank.py: on Jina's object, or on the first result of TEI's
+    array). An answer other than 200 JSON of its shape passes as it came (llama-server's
+    refusals: no vector, no receipt), but a 200 rerank answer with no result to carry the
+    receipt (TEI's empty array) is not passed (formats/rerank.py's 501)."""
 
     isLeaf = True
 
@@ -291,6 +301,9 @@ class EmbeddingProxy(JsonResource):
         if problem is not None:
             write_error(request, 503, problem)
             return
+        if self.kind == RERANK:
+            self._rerank(request, response, raw, body, answer, started)
+            return
         asked = request_object(body)
         normalize = asked.get("embd_normalize")
         gateway = self.gateway
@@ -321,6 +334,43 @@ class EmbeddingProxy(JsonResource):
         if not p0_receipts(self.kind, answer, issue):
             pass_through(request, response, raw)
             return
+        write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
+
+    def _rerank(
+        self, request: Request, response: Any, raw: bytes, body: bytes, answer: Any, started: float
+    ) -> None:
+        """llama-server's rerank answer with its receipt (receipts/rerank.py)."""
+        try:
+            results = answer_results(answer)
+        except RerankMismatch as err:
+            write_error(request, 502, f"bankml gateway error: llama-server's rerank answer: {err}")
+            return
+        if isinstance(answer, dict):  # Jina's object
+            holder = answer
+        elif results:  # TEI's array: the first result carries the receipt
+            holder = answer[0]
+        else:  # TEI's empty array: no result to carry it
+            write_error(request, 501, EMPTY_TEI, kind="not_supported_error")
+            return
+        gateway = self.gateway
+        out = rerank_receipt(
+            request_body=body,
+            started=started,
+            results=results,
+            pairs_tokens=None,
+            prompt_tokens=answer_prompt_tokens(answer),
+            verified=gateway.verified,
+            engine_name=gateway.engine_name,
+            device=None,
+            n_ctx=gateway.engine_n_ctx,
+            cache_type=gateway.cache_type,
+            key=gateway.receipt_key,
+            engine_version=gateway.engine_build,
+            engine_digest=gateway.engine_digest,
+        )
+        if gateway.receipt_log is not None:
+            gateway.receipt_log.append(out)
+        holder["bankml_receipt"] = out
         write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
 
 

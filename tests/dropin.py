@@ -46,13 +46,17 @@ def bankml(*args: str) -> list[str]:
 
 def start_dropin(args: list[str], port: int, log: Path) -> subprocess.Popen:
     """`bankml llama-server ARGS --port PORT`, healthy (a first engine load compiles kernels)."""
+    return _healthy(bankml("llama-server", *args, "--port", str(port)), port, log)
+
+
+def start_serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
+    """`bankml serve ARGS --listen 127.0.0.1:PORT`, healthy (its model loaded)."""
+    return _healthy(bankml("serve", *args, f"--listen=127.0.0.1:{port}"), port, log)
+
+
+def _healthy(argv: list[str], port: int, log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            bankml("llama-server", *args, "--port", str(port)),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     deadline = time.monotonic() + 900
     while proc.poll() is None and time.monotonic() < deadline:
         try:
@@ -63,7 +67,7 @@ def start_dropin(args: list[str], port: int, log: Path) -> subprocess.Popen:
         time.sleep(0.2)
     proc.kill()
     proc.wait()
-    raise AssertionError(f"bankml llama-server did not come up:\n{log.read_text()}")
+    raise AssertionError(f"{' '.join(argv[2:4])} did not come up:\n{log.read_text()}")
 
 
 class Pair:

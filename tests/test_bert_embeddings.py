@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import pytest
 from bankml.convert import convert
 from tests import hf_dirs, support
 from tests.bankml_process import check_receipt_cli
-from tests.dropin import Pair, bankml, call, dropin_pair, listening
+from tests.dropin import Pair, bankml, call, dropin_pair, start_serve
 
 TEXTS = ["Hello, World!", "Café naïve — 東京 🦙 [SEP] ok", "The quick brown fox. " * 20]
 
@@ -117,6 +116,7 @@ def test_receipt_holds_and_replays_on_the_encoder(
         ("/v1/chat/completions", {"messages": "hi"}),
         ("/tokenize", {"content": "Hello [SEP] world", "add_special": True, "with_pieces": True}),
         ("/detokenize", {"tokens": [101, 7592, 2088, 102]}),
+        ("/v1/rerank", {"query": "a", "documents": ["b"]}),  # not --rerank: the 501
     ],
 )
 def test_other_routes_answer_as_llama_server(bert_pair: Pair, path: str, body: Any) -> None:
@@ -201,23 +201,11 @@ def test_bankml_serve_native_embeddings(
     """``bankml serve FILE --fork F --native --embeddings``: the same vector as llama-server's."""
     model, fork = minilm_f16
     port = support.free_port()
-    args = ["serve", str(model), "--fork", str(fork), "--native", "--embeddings"]
-    with open(tmp_path / "serve.log", "wb") as log:
-        proc = subprocess.Popen(
-            bankml(*args, f"--listen=127.0.0.1:{port}"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=support.ROOT,
-        )
+    args = [str(model), "--fork", str(fork), "--native", "--embeddings"]
+    proc = start_serve(args, port, tmp_path / "serve.log")
     try:
-        deadline = time.monotonic() + 300
-        while not listening(port) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
         body = {"input": TEXTS[1]}
         status, ours, _ = post(port, "/v1/embeddings", body)
-        while status == 503 and time.monotonic() < deadline:  # loading
-            time.sleep(0.2)
-            status, ours, _ = post(port, "/v1/embeddings", body)
         _, theirs, _ = post(bert_pair.ports[1], "/v1/embeddings", body)
         assert status == 200, ours
         assert numpy.array_equal(

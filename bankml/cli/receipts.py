@@ -104,7 +104,7 @@ def check_receipt_main(argv: Sequence[str] | None = None) -> int:
 def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
     from bankml.receipts import replay as rp
     from bankml.receipts.answer import Unreadable, answer_parts
-    from bankml.receipts.kinds import EMBEDDING_APIS
+    from bankml.receipts.kinds import EMBEDDING_APIS, RERANK
 
     try:
         receipt = rp.first_receipt(response)
@@ -114,6 +114,8 @@ def _replay(args: argparse.Namespace, request: bytes, response: bytes) -> str:
         rp.replayable(receipt)
         if args.replay_with_llama_server and receipt.get("api") in EMBEDDING_APIS:
             return "cannot replay: an embedding answer is replayed on bankml's engine (--replay)"
+        if args.replay_with_llama_server and receipt.get("api") == RERANK:
+            return "cannot replay: a rerank answer is replayed on bankml's engine (--replay)"
         if args.replay_with_llama_server:
             if answer_parts(response) is not None:
                 return (

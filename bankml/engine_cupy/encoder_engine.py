@@ -14,6 +14,9 @@ What llama-server build 11434 does with such a model, and so this engine:
   skipping" (server-context.cpp). An empty prompt is answered, empty, as for any model;
 * llama-server sets ``n_batch = n_ubatch`` with ``--embeddings``; both stay at 512 here, the
   micro-batch an input must fit;
+* a slot's context is capped at the model's training context (``n_ctx_slot``: -c 512 on a
+  model of 128 positions gives slots of 128), so an input past it is llama-server's 400
+  ``exceed_context_size_error``, never computed;
 * without ``--embeddings`` (and without a ``--pooling`` other than none) its context may output
   one row per slot (``server_output_limits``: -np times one plus the drafts), yet an encoder
   outputs every row, and its warm-up evaluates BOS and EOS: with one slot it aborts at startup
@@ -113,7 +116,9 @@ class EncoderEngine(Engine):
         model = EncoderModel(encoder)
         tokenizer = encoder.tokenizer
         template = ChatTemplate.from_gguf(encoder._reader, tokenizer)
-        n_ctx = slot_context(n_ctx, n_slots, kv_unified)
+        # llama-server's n_ctx_slot(): the slot's context capped at the training context (an
+        # encoder has no positions past it)
+        n_ctx = min(slot_context(n_ctx, n_slots, kv_unified), encoder.n_ctx_train)
         return cls(
             model,
             tokenizer,

@@ -41,6 +41,9 @@ NOT_OAI = "Pooling type 'none' is not OAI compatible. Please use a different poo
 NO_INPUT = '"input" or "content" must be provided'
 BAD_FORMAT = "The format to return the embeddings in. Can be either float or base64"
 EMPTY_INPUT = "Input content cannot be empty"
+# bankml's own refusal: a reranker's rank pooling is its classifier's scores, not a vector
+# (llama-server answers garbage there: the scores read as a whole embedding row)
+RANK_POOLING = "This server reranks (pooling rank): it answers /rerank, not embeddings"
 
 
 @dataclass(frozen=True)

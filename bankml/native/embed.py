@@ -119,6 +119,8 @@ class Embedder:
             enabled=self.settings.enabled,
             embd_normalize=self.settings.embd_normalize,
         )
+        if pooling == "rank":
+            raise ApiError.of(501, fmt.RANK_POOLING, "not_supported_error")
         from bankml.engine_cupy.request import RequestError
 
         try:
@@ -127,7 +129,7 @@ class Embedder:
             raise refusal_of(err) from None
         fmt.check_tokens(tokens)
         for toks in tokens:
-            self._check_limits(len(toks), pooling)
+            check_limits(self.native, len(toks), pooling)
         return EmbedJob(
             OAI_EMBEDDINGS if req.oai else LLAMA_EMBEDDING,
             raw,
@@ -173,6 +175,8 @@ class Embedder:
         if not self.settings.enabled:  # served without --embeddings
             raise fmt.ollama_error(400, f'"{name}" does not support embeddings')
         pooling = self.settings.pooling or self.pooling()
+        if pooling == "rank":
+            raise fmt.ollama_error(501, fmt.RANK_POOLING)
         if pooling == "none":
             pooling = "last"
         tokens = []
@@ -212,33 +216,6 @@ class Embedder:
         """The most tokens one input may have: one micro-batch (-ub) unless pooled ``last``
         (llama-server splits only those), the context otherwise."""
         return self.native.n_ctx if pooling == "last" else int(self.engine.n_ubatch)
-
-    def _check_limits(self, n: int, pooling: str) -> None:
-        """llama-server's checks, in its order: one micro-batch unless pooled ``last``, then
-        the slot's context (``last``: the context less one, as a completion's prompt)."""
-        n_ctx = int(self.native.n_ctx)
-        if pooling != "last":
-            if n > int(self.engine.n_ubatch):
-                raise fmt.too_large(n, int(self.engine.n_ubatch))
-            if n > n_ctx:
-                raise fmt.over_context(n, n_ctx)
-        elif n >= n_ctx:
-            message = (
-                f"request ({n} tokens) exceeds the available context size ({n_ctx} tokens), "
-                "try increasing it"
-            )
-            raise ApiError(
-                400,
-                {
-                    "error": {
-                        "code": 400,
-                        "message": message,
-                        "type": "exceed_context_size_error",
-                        "n_prompt_tokens": n,
-                        "n_ctx": n_ctx,
-                    }
-                },
-            )
 
     # --- the engine thread -----------------------------------------------------------------
 
@@ -321,6 +298,36 @@ class Embedder:
         if native.receipt_log is not None:
             native.receipt_log.append(out)
         return out
+
+
+def check_limits(native: Any, n: int, pooling: str) -> None:
+    """llama-server's checks of one input of ``n`` tokens (an embedding's, a rerank pair's), in
+    its order: one micro-batch unless pooled ``last``, then the slot's context (``last``: the
+    context less one, as a completion's prompt)."""
+    n_ctx = int(native.n_ctx)
+    n_ubatch = int(native.engine.n_ubatch)
+    if pooling != "last":
+        if n > n_ubatch:
+            raise fmt.too_large(n, n_ubatch)
+        if n > n_ctx:
+            raise fmt.over_context(n, n_ctx)
+    elif n >= n_ctx:
+        message = (
+            f"request ({n} tokens) exceeds the available context size ({n_ctx} tokens), "
+            "try increasing it"
+        )
+        raise ApiError(
+            400,
+            {
+                "error": {
+                    "code": 400,
+                    "message": message,
+                    "type": "exceed_context_size_error",
+                    "n_prompt_tokens": n,
+                    "n_ctx": n_ctx,
+                }
+            },
+        )
 
 
 def _model_name(body: dict[str, Any], default: str) -> str:

@@ -368,7 +368,8 @@ class OllamaHost:
         else:
             found = wire.pin_capabilities(target)
         llama = (getattr(self, "options", None) or {}).get("llama") or {}
-        if resident and (llama.get("embedding") or {}).get("enabled"):  # --embeddings
+        embedding = llama.get("embedding") or {}
+        if resident and embedding.get("enabled") and embedding.get("pooling") != "rank":
             found = (*found, "embedding")
         return found
 

@@ -30,6 +30,7 @@ from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.engine_cupy.request import RequestError
 from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
 from bankml.engine_cupy.speculative import drafters
+from bankml.engine_cupy.weights import UnsupportedModel
 from bankml.formats.errors import ApiError, error_object, refusal_of
 from bankml.formats.llama import MetricsScrape, Props, slot_object
 from bankml.formats.openai import ModelFacts
@@ -718,6 +719,13 @@ def open_served(
         ),
     )
     apply_server_defaults(engine, llama)
+    if (llama.get("embedding") or {}).get("pooling") == "rank" and not isinstance(
+        engine, EncoderEngine
+    ):
+        raise UnsupportedModel(
+            "--rerank (pooling rank): bankml's native engine reranks with a BERT reranker only "
+            "(a BERT GGUF with a classifier head)"
+        )
     if isinstance(engine, EncoderEngine):
         engine.check_outputs(outputs_max(llama))
     engine.warm_up(report)  # ``report`` is told what compiles, and how long it took

@@ -32,6 +32,7 @@ from bankml.native import heap
 from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
 from bankml.native.embed import Embedder, EmbedSettings
 from bankml.native.ollama import RouterModels, make_host
+from bankml.native.rerank import Reranker
 from bankml.native.resident import compile_served, open_served
 from bankml.resources import llama
 from bankml.resources import router as router_routes
@@ -42,7 +43,7 @@ from bankml.resources.bankml import (
     UsageResource,
 )
 from bankml.resources.description import ApiDescription
-from bankml.resources.embeddings import Embeddings, OllamaEmbed
+from bankml.resources.embeddings import Embeddings, OllamaEmbed, Rerank
 from bankml.resources.ollama import put_ollama_routes
 from bankml.resources.openai import ChatCompletions, Completions, Messages, Models, Responses
 from bankml.resources.web import WebRoot, put_web_page
@@ -80,10 +81,12 @@ def _put_llama_endpoints(
     metrics: bool,
     slots_list: bool = True,
     embedder: Embedder | None = None,
+    reranker: Reranker | None = None,
 ) -> None:
     """llama-server's endpoints and the OpenAI ones, on one tree, under llama-server's paths
     (its aliases included: /v1/health, /completions, /chat/completions, /models); the
-    embedding endpoints answer llama-server's 501 unless ``embedder`` is enabled."""
+    embedding endpoints answer llama-server's 501 unless ``embedder`` is enabled, the rerank
+    ones unless ``reranker`` is."""
 
     def put(
         parent: Resource, name: bytes, endpoint: Resource, **refusals: tuple[int, str, str]
@@ -126,6 +129,10 @@ def _put_llama_endpoints(
     for name in (b"embedding", b"embeddings"):  # llama-server's own shape
         put(root, name, Embeddings(embedder, oai=False))
     put(v1, b"embeddings", Embeddings(embedder, oai=True))
+    rerank = Rerank(reranker or Reranker(native, False))
+    for parent in (root, v1):
+        for name in (b"rerank", b"reranking"):
+            put(parent, name, rerank)
     if slots:
         # GET /slots is the slot monitor, POST /slots/{id} the actions (POST /slots itself: 404)
         refusals = {"POST": (404, "File Not Found", "not_found_error")}
@@ -162,13 +169,17 @@ def build_native_roots(
             prompt_cache=native.prompt_cache_state,
             models=native.models_state,
         )
-    embedder = Embedder(native, EmbedSettings.of({"embedding": embedding}))
+    settings = EmbedSettings.of({"embedding": embedding})
+    embedder = Embedder(native, settings)
+    reranker = Reranker(native, settings.enabled and settings.pooling == "rank")
     listen_root = Branch()
     listen_root.putChild(b"bankml", BankmlResource(native, sampler, native.metrics))
     if ollama is not None:
         put_ollama_routes(listen_root, ollama)
         put_ollama_embed_routes(listen_root, ollama, embedding)
-    _put_llama_endpoints(listen_root, native, slots=False, metrics=metrics, embedder=embedder)
+    _put_llama_endpoints(
+        listen_root, native, slots=False, metrics=metrics, embedder=embedder, reranker=reranker
+    )
     engine_root = WebRoot() if webui else Branch()
     _put_llama_endpoints(
         engine_root,
@@ -177,6 +188,7 @@ def build_native_roots(
         metrics=metrics,
         slots_list=slots_list,
         embedder=embedder,
+        reranker=reranker,
     )
     engine_bankml = Branch()  # what the page on / reads: the key, the records, the usage
     if native.receipt_key is not None:

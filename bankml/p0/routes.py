@@ -5,7 +5,7 @@
 /openapi.json                             resources/description.py (the API's description)
 /ui, /ui/app.js, /ui/style.css            resources/web.py (the web page)
 COMPLETIONS                               CompletionProxy (receipt added)
-EMBEDDINGS                                EmbeddingProxy (receipts of the vectors added)
+EMBEDDINGS                                EmbeddingProxy (receipts of the vectors, the ranking added)
 FORWARDED, POST /slots/ID                 Forward (passed through)
 NO_RECEIPT_YET                            501: answers bankml cannot vouch for yet
 anything else                             404 {"error": {"code": 404, "message": "File Not Found", ...}}
@@ -32,6 +32,7 @@ from bankml.receipts.kinds import (
     MESSAGES,
     OAI_COMPLETION,
     OAI_EMBEDDINGS,
+    RERANK,
     RESPONSES,
 )
 from bankml.resources.bankml import BankmlResource
@@ -53,10 +54,11 @@ COMPLETIONS: dict[str, str] = {  # POST path -> how its answers are read for the
     "/v1/messages": MESSAGES,
 }
 
-EMBEDDINGS: dict[str, str] = {  # POST path -> its shape (receipts hash each vector)
+EMBEDDINGS: dict[str, str] = {  # POST path -> its shape (receipts hash each vector, the ranking)
     "/embedding": LLAMA_EMBEDDING,
     "/embeddings": LLAMA_EMBEDDING,
     "/v1/embeddings": OAI_EMBEDDINGS,
+    **dict.fromkeys(["/rerank", "/reranking", "/v1/rerank", "/v1/reranking"], RERANK),
 }
 
 FORWARDED: dict[str, frozenset[str]] = {  # path -> the methods llama-server answers on it
@@ -72,10 +74,6 @@ FORWARDED: dict[str, frozenset[str]] = {  # path -> the methods llama-server ans
             "/tokenize",
             "/detokenize",
             "/apply-template",
-            "/rerank",
-            "/reranking",
-            "/v1/rerank",
-            "/v1/reranking",
             "/chat/completions/input_tokens",
             "/v1/chat/completions/input_tokens",
             "/responses/input_tokens",

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bankml.receipts.acts import Acts
+from bankml.receipts.kinds import RERANK
 
 JSON, SSE, NDJSON = "json", "sse", "ndjson"
 
@@ -304,11 +305,27 @@ def _add_piece(
             view.finish_reason = obj["done_reason"]
 
 
+def tei_receipt(obj: Any) -> dict[str, Any] | None:
+    """The receipt of a TEI rerank answer (a JSON array whose first result carries a rerank
+    receipt, and no other one a receipt), else None."""
+    if not isinstance(obj, list) or not obj or not isinstance(obj[0], dict):
+        return None
+    found = obj[0].get("bankml_receipt")
+    if not isinstance(found, dict) or found.get("api") != RERANK:
+        return None
+    if any(isinstance(r, dict) and "bankml_receipt" in r for r in obj[1:]):
+        return None
+    return found
+
+
 def find_receipt(body: bytes) -> tuple[str, Any, list[dict[str, Any]]]:
     """(form, the receipt, the objects) of a response body."""
     form = response_form(body)
     if form == JSON:
         obj = _loads(body, "the response")
+        tei = tei_receipt(obj)
+        if tei is not None:  # a rerank answer in TEI's form: one receipt, on its first result
+            return form, tei, [{"results": obj}]
         if isinstance(obj, list):
             raise Unreadable("the answer holds several prompts' results; check one at a time")
         if not isinstance(obj, dict):
@@ -390,7 +407,7 @@ def answer_parts(body: bytes) -> list[Part] | None:
     if form == JSON:
         obj = _loads(body, "the response")
         if isinstance(obj, list):
-            return _array_parts(obj)
+            return None if tei_receipt(obj) is not None else _array_parts(obj)
         if not isinstance(obj, dict) or not isinstance(obj.get("bankml_receipt"), list):
             return None
         return _choice_parts(obj)

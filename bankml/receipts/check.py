@@ -47,8 +47,9 @@ from bankml.receipts.embedding import EmbeddingMismatch, check_vectors
 from bankml.receipts.envelope import EnvelopeRefused, claimed_predicate, matches, opened
 from bankml.receipts.keyring import KeyNotTrusted, TrustedKeys
 from bankml.receipts.keys import ALG, verifies
-from bankml.receipts.kinds import APIS, CONVERTED, EMBEDDING_APIS, MESSAGES
+from bankml.receipts.kinds import APIS, CONVERTED, EMBEDDING_APIS, MESSAGES, RERANK
 from bankml.receipts.log import LogBroken, check_log, log_files
+from bankml.receipts.rerank import RerankMismatch, check_results
 from bankml.receipts.sign import RECEIPT_VERSION, is_p0
 
 VALID = "valid"
@@ -329,6 +330,12 @@ def _check_answer(receipt: Mapping[str, Any], view: Any) -> None:
         except EmbeddingMismatch as err:
             raise Refused(str(err)) from None
         return
+    if receipt.get("api") == RERANK:  # scores, not text (receipts/rerank.py)
+        try:
+            check_results(receipt, view.objects[0] if view.objects else None)
+        except RerankMismatch as err:
+            raise Refused(str(err)) from None
+        return
     if text_sha256(view.text) != receipt.get("response_sha256"):
         raise Refused("response_sha256 is not the sha256 of this answer's text: another answer")
     carried = view.acts.receipt_fields()
@@ -372,8 +379,8 @@ def _check_request_fields(
     from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerError, SamplerParams
     from bankml.receipts.sign import params_from_settings
 
-    if receipt["api"].startswith("ollama") or receipt["api"] in EMBEDDING_APIS:
-        return  # Ollama's options are read by its own resource; an embedding samples nothing
+    if receipt["api"].startswith("ollama") or receipt["api"] in (*EMBEDDING_APIS, RERANK):
+        return  # Ollama's options are read by its own resource; these sample nothing
     try:
         settings = params_from_settings(receipt.get("sampler") or {})
     except (ValueError, TypeError, AttributeError) as err:

@@ -176,6 +176,33 @@ def embedding_receipt(
     base["pooling"] = pooling
     base["embd_normalize"] = embd_normalize
     base["signed"] = signed_flag
+    return sign_unsampled(
+        base,
+        api=api,
+        verified=verified,
+        device=device,
+        n_ctx=n_ctx,
+        cache_type=cache_type,
+        key=key,
+        engine_version=engine_version,
+        engine_digest=engine_digest,
+    )
+
+
+def sign_unsampled(
+    base: dict[str, Any],
+    *,
+    api: str,
+    verified: Any,
+    device: str | None,
+    n_ctx: int | None,
+    cache_type: str | None,
+    key: SigningKey | None,
+    engine_version: str | None,
+    engine_digest: str | None,
+) -> dict[str, Any]:
+    """An answer that samples nothing (embeddings, rerank scores): its receipt ``base`` signed
+    with ``key`` (a version-2 receipt and its envelope), else ``base`` as it is."""
     if key is None:
         return base
     facts = ReplayFacts(

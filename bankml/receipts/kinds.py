@@ -20,6 +20,8 @@ LLAMA_EMBEDDING = "llama_embedding"  # llama-server's /embedding, /embeddings
 OLLAMA_EMBED = "ollama_embed"  # Ollama's /api/embed
 OLLAMA_EMBEDDINGS = "ollama_embeddings"  # Ollama's legacy /api/embeddings
 EMBEDDING_APIS = (OAI_EMBEDDINGS, LLAMA_EMBEDDING, OLLAMA_EMBED, OLLAMA_EMBEDDINGS)
+# rerank (bankml/receipts/rerank.py): llama-server's /rerank, /v1/rerank: scores, not text
+RERANK = "rerank"
 
 # an Ollama request's kind (``formats.ollama_request``'s chat / generate) -> its API kind
 OLLAMA_KIND = {"chat": OLLAMA_CHAT, "generate": OLLAMA_GENERATE}
@@ -33,6 +35,7 @@ APIS = (
     OLLAMA_CHAT,
     OLLAMA_GENERATE,
     *EMBEDDING_APIS,
+    RERANK,
 )
 
 # /infill's body: parsed as llama-server's fill-in-the-middle fields, answered (and receipted)

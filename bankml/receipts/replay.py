@@ -56,7 +56,9 @@ from bankml.receipts.kinds import (
     ENGINE_KIND,
     LLAMA_EMBEDDING,
     OAI_EMBEDDINGS,
+    RERANK,
 )
+from bankml.receipts.rerank import replay_rerank
 from bankml.receipts.sign import (
     engine_source_digest,
     is_p0,
@@ -118,6 +120,13 @@ def replayable(receipt: Mapping[str, Any]) -> None:
     api = receipt.get("api")
     if api in EMBEDDING_APIS:
         _embedding_replayable(receipt)
+        return
+    if api == RERANK:
+        if receipt.get("device") not in REPLAYABLE_DEVICES and not is_p0(receipt):
+            raise CannotReplay(
+                f"answered on {receipt.get('device')!r}, whose bits are not llama-server's: "
+                "only a CPU answer is reproduced exactly"
+            )
         return
     if api not in ENGINE_KIND and api not in CONVERTED:
         raise CannotReplay(f"the {api} API is not replayed")
@@ -243,6 +252,9 @@ def replay_in_process(request_bytes: bytes, response_bytes: bytes, replay: Repla
         answers = receipts_and_answers(response_bytes)
         if answers and answers[0][0].get("api") in EMBEDDING_APIS:
             return _replay_embeddings(request_bytes, [r for r, _ in answers], replay)
+        if answers and answers[0][0].get("api") == RERANK:
+            replayable(answers[0][0])
+            return _replay_rerank(request_bytes, answers[0][0], replay)
         for receipt, _ in answers:
             replayable(receipt)
     except Unreadable as err:
@@ -281,6 +293,16 @@ def _replay_embeddings(
     for receipt in receipts:
         _embedding_replayable(receipt)
     return replay_embeddings(request_bytes, receipts, replay.engine)
+
+
+def _replay_rerank(request_bytes: bytes, receipt: Mapping[str, Any], replay: ReplayEngine) -> str:
+    """A rerank answer's replay (receipts/rerank.py): the scores on bankml's encoder."""
+    if receipt.get("model_sha256") != replay.model_sha256:
+        return (
+            f"refuse: the model file's sha256 is {replay.model_sha256}, the receipt names "
+            f"{receipt.get('model_sha256')}"
+        )
+    return replay_rerank(request_bytes, receipt, replay.engine)
 
 
 def _replay_answer(

@@ -1,11 +1,12 @@
 """The embedding endpoints on the native engine: llama-server's ``POST /v1/embeddings``,
-``/embedding``, ``/embeddings`` (``Embeddings``) and Ollama's ``POST /api/embed``,
+``/embedding``, ``/embeddings`` (``Embeddings``), its ``POST /rerank``, ``/reranking``,
+``/v1/rerank``, ``/v1/reranking`` (``Rerank``) and Ollama's ``POST /api/embed``,
 ``/api/embeddings`` (``OllamaEmbed``).
 
 Each request is read and tokenized on the bridge's prepare thread (a refusal is llama-server's
 or Ollama's status and error object, nothing computed), computed on the engine thread (in turn
 with the runs), and answered on the reactor thread with its receipt
-(bankml/native/embed.py). The model file's identity is checked before and after: changed, the
+(bankml/native/embed.py, bankml/native/rerank.py). The model file's identity is checked before and after: changed, the
 answer is a 503 and no receipt.
 """
 
@@ -42,10 +43,22 @@ class EmbeddingSource(Protocol):
     def answer(self, job: Any) -> Any: ...
 
 
+class RerankSource(Protocol):
+    """What the rerank endpoint asks (bankml/native/rerank.py's ``Reranker``)."""
+
+    native: Any
+
+    def parse(self, body: dict[str, Any], raw: bytes, started: float) -> Any: ...
+
+    def compute(self, job: Any) -> Any: ...
+
+    def answer(self, job: Any) -> Any: ...
+
+
 class _EmbeddingResource(JsonResource):
     isLeaf = True
 
-    def __init__(self, embedder: EmbeddingSource) -> None:
+    def __init__(self, embedder: EmbeddingSource | RerankSource) -> None:
         super().__init__()
         self.embedder = embedder
 
@@ -104,12 +117,31 @@ class Embeddings(_EmbeddingResource):
         return NOT_DONE_YET
 
 
+class Rerank(_EmbeddingResource):
+    """``POST /rerank``, ``/reranking``, ``/v1/rerank``, ``/v1/reranking``."""
+
+    def __init__(self, reranker: RerankSource) -> None:
+        super().__init__(reranker)
+        self.reranker = reranker
+
+    def render_POST(self, request: Request) -> Any:
+        started = time.monotonic()
+        try:
+            raw, body = read_json_object(request)
+        except ApiError as err:
+            self._refuse(request, err)
+            return NOT_DONE_YET
+        self._run(request, self.reranker.parse, body, raw, started)
+        return NOT_DONE_YET
+
+
 class OllamaEmbed(_EmbeddingResource):
     """``POST /api/embed`` or (``legacy``) ``/api/embeddings``, Ollama's error shape; another
     method, or a longer path, is the 404 of Ollama's routes (``host``: their OllamaRoutes)."""
 
     def __init__(self, embedder: EmbeddingSource, legacy: bool, host: Any = None) -> None:
         super().__init__(embedder)
+        self.source = embedder
         self.legacy = legacy
         self.host = host
 
@@ -133,7 +165,7 @@ class OllamaEmbed(_EmbeddingResource):
         if not isinstance(body, dict):
             self._refuse(request, ollama_error(400, "the request body must be an object"))
             return NOT_DONE_YET
-        self._run(request, self.embedder.parse_ollama, body, raw, self.legacy, started, started_ns)
+        self._run(request, self.source.parse_ollama, body, raw, self.legacy, started, started_ns)
         return NOT_DONE_YET
 
     def _refuse(self, request: Request, err: ApiError) -> None:

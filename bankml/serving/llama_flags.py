@@ -165,6 +165,15 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
                 out += [spelling, str(value)]
             elif flag.action == MODEL:
                 model = value
+            elif flag.action == SERVE and flag.name in ("rerank", "pooling"):
+                # llama-server's --rerank is --embeddings with pooling rank, in its place: a
+                # --pooling after it wins (--embeddings stays), one before it does not
+                if flag.name == "rerank":
+                    out = _dropped(out, {"--pooling": True}) + ["--rerank"]
+                else:
+                    if "--rerank" in out:
+                        out = _dropped(out, {"--rerank": False}) + ["--embeddings"]
+                    out = _dropped(out, {"--pooling": True}) + ["--pooling", str(value)]
             elif flag.action == SERVE:
                 if flag.name in _LAST_WINS:  # of these llama-server keeps the last given
                     out = _dropped(out, _LAST_WINS[flag.name])
@@ -277,11 +286,11 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _batch_sizes(options: Mapping[str, Any]) -> dict[str, int]:
-    """-b and -ub; with --embeddings llama-server lowers -b to -ub (an embedding is evaluated
+    """-b and -ub; with --embeddings (or --rerank) llama-server lowers -b to -ub (an embedding is evaluated
     in one micro-batch), which cuts every prompt, a completion's too, in batches of -ub."""
     n_batch = _batch_size(options, "batch-size", 2048)
     n_ubatch = _batch_size(options, "ubatch-size", 512)
-    if options.get("embeddings") and n_batch > n_ubatch:
+    if (options.get("embeddings") or options.get("rerank")) and n_batch > n_ubatch:
         n_batch = n_ubatch
     return {"n_batch": n_batch, "n_ubatch": n_ubatch}
 
@@ -290,19 +299,19 @@ POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
 
 
 def embedding_settings(options: Mapping[str, Any]) -> dict[str, Any]:
-    """--embeddings, --pooling (none, mean, cls, last; rank is refused: bankml does not
-    rerank; absent: the model's own) and --embd-normalize (llama-server's default 2)."""
+    """--embeddings, --pooling (none, mean, cls, last, rank; absent: the model's own),
+    --embd-normalize (llama-server's default 2) and --rerank (alias --reranking: llama-server's
+    --embeddings with pooling rank, whatever --pooling says: native/rerank.py)."""
     pooling = options.get("pooling")
-    if pooling is not None:
-        if pooling not in POOLING_TYPES:
-            raise FlagError(f"error: invalid parameter for argument: --pooling {pooling}")
-        if pooling == "rank":
-            raise FlagError("--pooling rank: bankml's native engine does not rerank")
+    if pooling is not None and pooling not in POOLING_TYPES:
+        raise FlagError(f"error: invalid parameter for argument: --pooling {pooling}")
+    if options.get("rerank"):
+        pooling = "rank"
     normalize = 2
     if options.get("embd-normalize") is not None:
         normalize = _number("embd-normalize", options["embd-normalize"], int)
     return {
-        "enabled": bool(options.get("embeddings")),
+        "enabled": bool(options.get("embeddings") or options.get("rerank")),
         "pooling": pooling,
         "embd_normalize": int(normalize),
     }

@@ -1,0 +1,107 @@
+"""Rerank on the native engine: llama-server's ``--rerank`` (``--reranking``; or
+``--embeddings --pooling rank``) over a resident BERT reranker (a BERT GGUF with a classifier
+head, served as an EncoderEngine).
+
+``Reranker(native, enabled)`` does the work in three steps, each on its thread, as
+native/embed.py's Embedder does:
+
+1. ``parse`` (the bridge's prepare thread): the body read as llama-server reads it
+   (formats/rerank.py), each document paired with the query as its ``format_prompt_rerank``
+   pairs them (``Encoder.rerank_tokens``), each pair's limits checked as an embedding input's
+   (one micro-batch, the slot's context: ``embed.check_limits``), before anything is computed;
+2. ``compute`` (the engine thread, ``bridge.call``: in turn with the runs): each pair alone in
+   its micro-batch, one after the other (llama-server with one slot), its score the
+   classifier's first value (``Encoder.rank_score``: llama-server's bits);
+3. the answer (the reactor thread): the scores ranked and cut to ``top_n``, the body
+   (formats/rerank.py: Jina's object, or TEI's array for a body with ``texts``) and its
+   receipt (receipts/rerank.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bankml.formats import rerank as fmt
+from bankml.formats.errors import ApiError
+from bankml.native.embed import check_limits
+from bankml.receipts.rerank import ranked, rerank_receipt
+
+NOT_AN_ENCODER = "bankml reranks with a BERT reranker only (a BERT GGUF with a classifier head)"
+
+
+@dataclass
+class RerankJob:
+    """One request, parsed: its pairs, and what the answer needs."""
+
+    raw: bytes
+    started: float  # time.monotonic() when the request came
+    pairs: list[list[int]]
+    model: str
+    request: fmt.RerankRequest  # the query, the documents, top_n, the form
+    scores: list[float] = field(default_factory=list)
+
+
+class Reranker:
+    """Rerank over a NativeEngine (see the module doc); ``enabled``: served with --rerank."""
+
+    def __init__(self, native: Any, enabled: bool) -> None:
+        self.native = native
+        self.enabled = enabled
+
+    # --- the prepare thread ----------------------------------------------------------------
+
+    def parse(self, body: dict[str, Any], raw: bytes, started: float) -> RerankJob:
+        """llama-server's /rerank body, its refusals in its order."""
+        self.native._awake()
+        req = fmt.read_request(body, enabled=self.enabled)
+        encoder = getattr(self.native.engine.model, "encoder", None)
+        if encoder is None:  # open_served refuses --rerank on another model; kept as a guard
+            raise ApiError.of(501, NOT_AN_ENCODER, "not_supported_error")
+        pairs = [encoder.rerank_tokens(req.query, d) for d in req.documents]
+        for tokens in pairs:
+            check_limits(self.native, len(tokens), "rank")
+        model = fmt.model_name(body, self.native.model_id)
+        return RerankJob(raw, started, pairs, model, req)
+
+    # --- the engine thread -----------------------------------------------------------------
+
+    def compute(self, job: RerankJob) -> RerankJob:
+        """Every pair's score, one pair after the other."""
+        self.native.wake()
+        encoder = self.native.engine.model.encoder
+        job.scores = [encoder.rank_score(tokens) for tokens in job.pairs]
+        if self.native.used is not None:  # the resident model's keep-alive starts again
+            self.native.used()
+        return job
+
+    # --- the reactor thread ----------------------------------------------------------------
+
+    def answer(self, job: RerankJob) -> Any:
+        """The answer's JSON value, its receipt in it (see receipts/rerank.py): Jina's object,
+        or TEI's array with the receipt in its first result."""
+        results = ranked(job.scores, job.request.top_n)
+        n_tokens = sum(len(t) for t in job.pairs)
+        native = self.native
+        out = rerank_receipt(
+            request_body=job.raw,
+            started=job.started,
+            results=results,
+            pairs_tokens=job.pairs,
+            verified=native.verified,
+            engine_name=native.engine_name,
+            device=native.device,
+            n_ctx=native.n_ctx,
+            cache_type=native.cache_type,
+            key=native.receipt_key,
+        )
+        if native.receipt_log is not None:
+            native.receipt_log.append(out)
+        req = job.request
+        if req.tei:  # never empty: top_n 0 is refused in this form
+            array = fmt.tei_results(results, req.documents, req.return_text)
+            array[0]["bankml_receipt"] = out
+            return array
+        body = fmt.rerank_object(job.model, results, n_tokens)
+        body["bankml_receipt"] = out
+        return body

@@ -1,0 +1,244 @@
+"""Rerank side by side: a small random ``BertForSequenceClassification`` (tests/hf_dirs.py)
+converted by ``bankml convert``, served by ``bankml llama-server --rerank`` and by the real
+llama-server with the same flags. The answers of /rerank and its aliases must be llama-server's
+JSON (the scores bit for bit, their order, ``top_n``, ``usage``, ``model``), bad input its
+refusals; each answer's receipt holds under ``bankml check-receipt`` and replays on bankml's
+encoder; P0 (``bankml serve --spawn``) passes ``--rerank`` to llama-server and signs its
+answers the same way."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from bankml.convert import convert
+from bankml.openapi import load_description
+from bankml.receipts.rerank import answer_results
+from tests import hf_dirs
+from tests.bankml_process import check_receipt_cli
+from tests.dropin import Pair, bankml, call, dropin_pair, start_serve
+from tests.support import free_port
+
+QUERY = "What is a giant panda?"
+DOCUMENTS = [
+    "hi",
+    "The giant panda is a bear species endemic to China.",
+    "Café naïve — 東京 [SEP] [CLS] İstanbul",
+    "hi",  # the same score twice: equal scores keep the documents' order
+    "Bamboo makes up almost all of the panda's diet.",
+]
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the converted reranker, its FORK.json)."""
+    root = tmp_path_factory.mktemp("reranker")
+    source = hf_dirs.tiny_bert_dir(hf_dirs.minilm_dir(), root / "Tiny-reranker", labels=["yes"])
+    out, fork = root / "reranker.gguf", root / "FORK.json"
+    made = convert(str(source), str(out), str(fork), outtype="f16", progress=False)
+    assert made.architecture == "bert"
+    return out, fork
+
+
+@pytest.fixture(scope="module")
+def pair(
+    reranker: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
+    log = tmp_path_factory.mktemp("pair") / "bankml.log"
+    flags = ["--rerank", "-c", "128"]  # the tiny model's positions: 128
+    yield from dropin_pair(flags, reranker[0], reranker[1], llama_server_bin, log)
+
+
+def post(port: int, path: str, body: Any) -> tuple[int, Any, bytes]:
+    status, _, raw = call(port, "POST", path, body)
+    return status, json.loads(raw), raw
+
+
+def key_of(port: int) -> str:
+    return str(json.loads(call(port, "GET", "/bankml/key")[2])["public_key"])
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/rerank", {"query": QUERY, "documents": DOCUMENTS * 4}),  # past 16: introsort's ties
+        ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2.9, "model": "m"}),
+        ("/reranking", {"query": "", "documents": DOCUMENTS[:2], "top_n": 0}),
+        ("/v1/reranking", {"query": QUERY, "documents": "x", "texts": [1], "top_n": 9.7}),
+        # TEI's form: a bare array, the documents' texts; the receipt in its first result
+        ("/rerank", {"query": QUERY, "texts": DOCUMENTS, "return_text": True, "top_n": 3}),
+    ],
+)
+def test_answers_are_llama_servers(pair: Pair, path: str, body: Any, tmp_path: Path) -> None:
+    (s1, ours, raw), (s2, theirs, _) = (post(p, path, body) for p in pair.ports)
+    key = key_of(pair.ports[0])
+    if body.get("texts") == [1]:  # documents not an array, texts not strings: both refuse
+        assert s1 == s2 == 400 and ours == theirs
+        return
+    assert s1 == s2 == 200
+    if "texts" in body:
+        receipt = ours[0].pop("bankml_receipt")
+        assert ours == theirs and len(ours) == 3 and ours[0]["text"] in DOCUMENTS
+        code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+        assert code == 0 and receipt["api"] == "rerank", out
+        return
+    receipt = ours.pop("bankml_receipt")
+    if "model" not in body:  # the model's name: the file's, where llama-server says its path
+        assert ours["model"] == Path(theirs["model"]).name
+        theirs["model"] = ours["model"]
+    assert ours == theirs  # the scores as doubles of float32s, bit for bit, in llama-server's order
+    assert len(ours["results"]) == min(int(body.get("top_n", 20)), len(body["documents"]))
+    assert receipt["api"] == "rerank" and receipt["pooling"] == "rank"
+    assert receipt["prompt_tokens"] == ours["usage"]["prompt_tokens"] > 0
+    schema = {"$ref": "#/components/schemas/RerankList", **load_description()}
+    jsonschema.Draft202012Validator(schema).validate({**ours, "bankml_receipt": receipt})
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+    assert code == 0, out
+
+
+def test_receipt_replays_and_refuses_another_ranking(
+    pair: Pair, reranker: tuple[Path, Path], tmp_path: Path
+) -> None:
+    body = {"query": QUERY, "documents": DOCUMENTS, "top_n": 3}
+    status, answer, raw = post(pair.ports[0], "/rerank", body)
+    assert status == 200 and len(answer_results(answer)) == 3
+    request, key = json.dumps(body).encode(), key_of(pair.ports[0])
+    replay = ("--replay", str(reranker[0]), "--fork", str(reranker[1]))
+    code, out = check_receipt_cli(tmp_path, request, raw, key, *replay)
+    assert code == 0 and "replay: identical: 3 results of 5 documents" in out, out
+    swapped = dict(answer)
+    swapped["results"] = [answer["results"][1], answer["results"][0], answer["results"][2]]
+    code, out = check_receipt_cli(tmp_path, request, json.dumps(swapped).encode(), key)
+    assert code != 0 and "rerank_sha256" in out, out
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"documents": ["a"]},
+        {"query": None, "documents": ["a"]},
+        {"query": 3, "documents": ["a"]},
+        {"query": "q"},
+        {"query": "q", "documents": []},
+        {"query": "q", "documents": ["a", 2]},
+        {"query": "q", "documents": ["a", "word " * 200]},  # a pair over the context (128)
+    ],
+)
+def test_bad_input_is_llama_servers_refusal(pair: Pair, body: Any) -> None:
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/rerank", body) for p in pair.ports)
+    assert s1 == s2 == 400 and ours == theirs
+
+
+def test_refusals_of_bankml_own(pair: Pair) -> None:
+    """TEI's form with top_n 0 (an empty array, no result to carry the receipt) and a negative
+    top_n (which fails inside llama-server) are refused with a 501 or 400, never computed."""
+    body = {"query": "q", "texts": ["a", "b"], "top_n": 0}
+    status, answer, _ = post(pair.ports[0], "/rerank", body)
+    assert status == 501 and answer["error"]["type"] == "not_supported_error"
+    status, answer, _ = post(
+        pair.ports[0], "/rerank", {"query": "q", "documents": ["a"], "top_n": -1}
+    )
+    assert status == 400 and "top_n" in answer["error"]["message"]
+    status, answer, _ = post(pair.ports[0], "/v1/embeddings", {"input": "a"})
+    assert status == 501 and "rerank" in answer["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def p0_rerank(
+    signing_key: Any,
+    reranker: tuple[Path, Path],
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Any:
+    from tests.bankml_process import spawned_p0
+
+    log = tmp_path_factory.mktemp("p0") / "p0.log"
+    model, fork = reranker
+    with spawned_p0(signing_key, model, fork, llama_server_bin, log, ["--rerank"]) as p0:
+        yield p0
+
+
+def test_p0_passes_rerank_and_signs_the_ranking(
+    p0_rerank: Any, pair: Pair, reranker: tuple[Path, Path], tmp_path: Path
+) -> None:
+    cmdline = Path(f"/proc/{p0_rerank.engine_pid()}/cmdline").read_bytes().split(b"\0")
+    assert b"--rerank" in cmdline
+    body = {"query": QUERY, "documents": DOCUMENTS, "top_n": 4, "model": "m"}
+    status, answer, raw = post(p0_rerank.port, "/v1/rerank", body)
+    assert status == 200
+    receipt = answer.pop("bankml_receipt")
+    _, direct, _ = post(pair.ports[0], "/v1/rerank", body)  # bankml's own engine
+    direct.pop("bankml_receipt")
+    assert answer == direct
+    assert receipt["api"] == "rerank" and receipt["engine"].startswith("llama-server")
+    key = p0_rerank.get("/bankml/key")[1]["public_key"]
+    replay = ("--replay", str(reranker[0]), "--fork", str(reranker[1]))
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and "replay: identical: 4 results of 5 documents" in out, out
+    status, refused, _ = post(p0_rerank.port, "/rerank", {"query": "q", "documents": []})
+    assert status == 400 and "bankml_receipt" not in refused  # llama-server's refusal as it is
+    body = {"query": QUERY, "texts": DOCUMENTS}
+    status, tei, raw = post(p0_rerank.port, "/rerank", body)
+    assert status == 200 and tei[0]["bankml_receipt"]["api"] == "rerank"
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+    assert code == 0, out
+
+
+def test_rerank_flag_is_embeddings_with_rank_pooling() -> None:
+    """llama-server's --rerank sets --embeddings and pooling rank where it stands: a --pooling
+    after it wins (the drop-in keeps the order; bankml serve's own --rerank always ranks)."""
+    from bankml.serving.llama_flags import dropin_argv, embedding_settings
+    from bankml.tap import Options
+
+    def settings(*flags: str) -> dict[str, Any]:
+        options = Options()
+        options.parseOptions(dropin_argv(["-m", "x.gguf", "--fork", "f", *flags])[0])
+        return embedding_settings(options)
+
+    assert settings("--pooling", "mean", "--reranking")["pooling"] == "rank"
+    assert settings("--rerank", "--pooling", "mean") == {
+        "enabled": True,
+        "pooling": "mean",
+        "embd_normalize": 2,
+    }
+    assert settings("--embeddings", "--pooling", "rank")["pooling"] == "rank"
+    assert embedding_settings({"rerank": True, "pooling": "mean"})["pooling"] == "rank"
+
+
+def test_bankml_serve_native_rerank(
+    pair: Pair,
+    reranker: tuple[Path, Path],
+    default_model: Path,
+    default_fork: Path,
+    tmp_path: Path,
+) -> None:
+    """``bankml serve FILE --fork F --native --rerank``: llama-server's answer; on a model that
+    is not a BERT reranker it does not start, saying why."""
+    model, fork = reranker
+    port = free_port()
+    proc = start_serve(
+        [str(model), "--fork", str(fork), "--native", "--rerank"], port, tmp_path / "log"
+    )
+    try:
+        body = {"query": QUERY, "documents": DOCUMENTS, "model": "m"}
+        status, ours, _ = post(port, "/v1/rerank", body)
+        assert status == 200 and ours.pop("bankml_receipt")["api"] == "rerank"
+        assert ours == post(pair.ports[1], "/v1/rerank", body)[1]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    args = [str(default_model), "--fork", str(default_fork), "--native", "--rerank"]
+    done = subprocess.run(
+        bankml("serve", *args, f"--listen=127.0.0.1:{free_port()}"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "reranks with a BERT reranker only" in done.stdout + done.stderr
