@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +155,8 @@ def test_without_autoload_a_model_not_loaded_is_refused_as_llama_server_refuses_
         ours, "POST", "/v1/completions", {**BODY, "model": LLAMA, "max_tokens": 2}
     )
     assert status == 200, raw
+    for port in pair.ports:
+        assert call(port, "POST", "/models/unload", {"model": LLAMA})[0] == 200
     # the unpinned file named by a section: refused with the reason
     status, _, raw = call(ours, "POST", "/models/load", {"model": "copy"})
     assert status == 400 and "not pinned" in json.loads(raw)["error"]["message"]
@@ -183,3 +187,72 @@ def test_a_preset_option_bankml_cannot_serve_is_refused_before_anything_listens(
     )
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
+
+
+def _events(port: int, into: list[dict]) -> socket.socket:
+    """``GET /models/sse`` read on a thread, as it arrives: each ``data:`` event appended to
+    ``into`` (each event is one chunk of the answer on both servers)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    sock.sendall(b"GET /models/sse HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head.lower()
+
+    def read() -> None:
+        pending = b""
+        try:
+            while chunk := sock.recv(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                into.extend(json.loads(x[6:]) for x in lines if x.startswith(b"data: "))
+        except (OSError, ValueError):
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    return sock
+
+
+def test_models_sse_streams_the_router_s_load_and_unload_events(pair: Pair) -> None:
+    streams: list[list[dict]] = [[], []]
+    conns = []
+    for port, into in zip(pair.ports, streams):
+        conns.append(_events(port, into))
+    try:
+        for port in pair.ports:
+            for action, state in (("load", "loaded"), ("unload", "unloaded")):
+                assert call(port, "POST", f"/models/{action}", {"model": LLAMA})[0] == 200
+                for _ in range(300):  # llama-server loads and unloads in the background
+                    if models(port)[LLAMA]["status"]["value"] == state:
+                        break
+                    time.sleep(0.2)
+        for into in streams:
+            for _ in range(300):
+                if any(e["data"]["status"] == "unloaded" for e in into):
+                    break
+                time.sleep(0.2)
+    finally:
+        for conn in conns:
+            conn.close()
+    shown = []
+    for into in streams:
+        # llama-server's load progress (status_change while loading) has no bankml equivalent
+        kept = [
+            e for e in into if e["event"] != "status_change" or e["data"]["status"] != "loading"
+        ]
+        assert all(e["model"] == LLAMA for e in kept)
+        shown.append([(e["event"], e["data"]["status"]) for e in kept])
+    assert (
+        shown[0]
+        == shown[1]
+        == [
+            ("model_status", "loading"),
+            ("status_change", "loaded"),
+            ("status_change", "unloaded"),
+        ]
+    )
+    loaded = [
+        next(e["data"]["info"] for e in into if e["data"]["status"] == "loaded") for into in streams
+    ]
+    assert list(loaded[0]) == list(loaded[1])
+    assert loaded[0]["meta"] == loaded[1]["meta"]

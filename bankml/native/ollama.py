@@ -293,6 +293,7 @@ class OllamaHost:
                 self.router_names.update({alias: name for alias in model.aliases})
                 self.router_names[name] = name
         self.router_ids = {pin.name: name for name, pin in self.router_pins.items()}
+        self.router_events: RouterModels | None = None  # GET /models/sse's source
         if max_loaded > 1 or self.options.get("router"):
             # the /v1 model field chooses among the catalog's models (in router mode even with
             # one resident at most: each request loads the model it names, as llama-server's)
@@ -718,6 +719,9 @@ class OllamaHost:
         """Residency's loader: the verified file's engine, swapped into the NativeEngine (as
         many slots as the server has, each of the context its slots have)."""
         own = self._router_options(verified)
+        name = self.answer_name(verified.path)
+        if self.router_events is not None:
+            self.router_events.notify(name, "model_status", {"status": "loading"})
         if own is None:
             n_ctx, kv_unified = int(self.native.n_ctx), True  # n_ctx is already each slot's
             # llama-server's server-wide flags hold for every load, as at start-up; its chat
@@ -740,6 +744,9 @@ class OllamaHost:
         )
         apply_server_defaults(engine, llama)
         engine.warm_up(self.log)
+        if self.router_events is not None:
+            info = self.router_events.info(name, engine, verified)
+            self.router_events.notify(name, "status_change", {"status": "loaded", "info": info})
         return engine
 
     def _router_options(self, verified: Any) -> dict[str, Any] | None:
@@ -752,6 +759,9 @@ class OllamaHost:
 
     def _unloaded(self, resident: Resident, why: str) -> None:
         """The engine NativeEngine reads: the most recently used model left, else none."""
+        if self.router_events is not None and resident.verified is not None:
+            name = self.answer_name(resident.verified.path)
+            self.router_events.notify(name, "status_change", {"status": "unloaded", "exit_code": 0})
         if self.native.engine is resident.handle:
             here = self.residency.resident
             if here is not None:
@@ -796,6 +806,36 @@ class RouterModels:
     def __init__(self, host: OllamaHost, directory: str) -> None:
         self.host = host
         self.directory = directory
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        host.router_events = self
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """``GET /models/sse``'s: ``listener`` is called with each event (on the thread that
+        loads or unloads); the returned function ends it."""
+        self.listeners.append(listener)
+        return lambda: self.listeners.remove(listener) if listener in self.listeners else None
+
+    def notify(self, name: str, event: str, data: dict[str, Any]) -> None:
+        """One router event, as llama-server's ``notify_sse``: ``model_status`` (loading),
+        ``status_change`` (loaded, with the model's ``info``; unloaded, with ``exit_code``)."""
+        for listener in list(self.listeners):
+            listener({"model": name, "event": event, "data": data})
+
+    def info(self, name: str, engine: Any, verified: Any) -> dict[str, Any]:
+        """A loaded model's ``info`` in a ``status_change`` event (its child's /v1/models
+        entry in llama-server: the id its alias)."""
+        facts = model_info(self.host.native.facts_of(engine, verified))
+        model = self.host.router.models.get(name) if self.host.router is not None else None
+        return {
+            "id": name,
+            "aliases": [name],
+            "tags": model.tags if model is not None else [],
+            "object": "model",
+            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+            "created": int(self.host.clock()),
+            "owned_by": "llamacpp",
+            "meta": facts["meta"],
+        }
 
     @property
     def bridge(self) -> Any:
