@@ -145,7 +145,7 @@ class Options(usage.Options):
             None,
             "with --native: the most the resident models may need together, each its file "
             "and KV cache (bytes, or with K, M, G, T; default: half of the RAM); with "
-            "--spawn: their files together (default: no bound)",
+            "--spawn: each its file and the KV cache its llama-server allocates (default: no bound)",
         ],
         [
             "max-queue",

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.formats import ollama as wire
 from bankml.formats import ollama_request as req
 from bankml.formats.chat_content import chat_schema_content
@@ -58,7 +57,7 @@ from bankml.registry.catalog import (
 from bankml.registry.keepalive import DEFAULT, BadKeepAlive, KeepAlive, parse_keep_alive
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, Registry, discover
-from bankml.registry.residency import LoadError, Residency, Resident
+from bankml.registry.residency import LoadError, Residency, Resident, kv_shape
 from bankml.serving import llama_flags
 from bankml.serving.run_control import RETRY_AFTER_S
 
@@ -183,31 +182,10 @@ def kv_bytes(path: str, n_ctx: int, cache_type: str | None = None) -> int:
     the engine holds it: per layer and cell ``head_count_kv * (key_length + value_length)``
     values, 4 bytes each for f16 and f32 (the engine keeps f16 values, rounded, in float32),
     34 bytes per 32 for q8_0; 0 where the header does not say."""
-    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
-    if not isinstance(arch, str):
+    shape = kv_shape(path)
+    if shape is None:
         return 0
-    keys = [
-        f"{arch}.block_count",
-        f"{arch}.attention.head_count_kv",
-        f"{arch}.attention.head_count",
-        f"{arch}.embedding_length",
-        f"{arch}.attention.key_length",
-        f"{arch}.attention.value_length",
-    ]
-    meta = read_metadata(path, keys)
-
-    def count(key: str, default: int = 0) -> int:
-        value = meta.get(key, default)
-        if isinstance(value, list):  # per-layer counts: the largest
-            value = max((v for v in value if isinstance(v, int)), default=default)
-        return value if isinstance(value, int) and value > 0 else 0
-
-    n_layer, n_head, n_embd = count(keys[0]), count(keys[2]), count(keys[3])
-    n_head_kv = count(keys[1], n_head)
-    if not (n_layer and n_head and n_embd and n_head_kv):
-        return 0
-    k_len = count(keys[4]) or n_embd // n_head
-    v_len = count(keys[5]) or k_len
+    n_layer, n_head_kv, k_len, v_len = shape
     per_value = 34 / 32 if cache_type == "q8_0" else 4.0
     return int(n_layer * n_ctx * n_head_kv * (k_len + v_len) * per_value)
 

@@ -43,11 +43,12 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.gate.verify import Verified, verify
 from bankml.p0 import gateway as gw
+from bankml.p0 import llama_args
 from bankml.p0.gateway import Gateway
 from bankml.p0.routes import LlamaServerRoutes
 from bankml.process_protocol import EngineProcess
 from bankml.registry.pins import NotFound, Pin, Registry, discover
-from bankml.registry.residency import LoadError, Residency, Resident
+from bankml.registry.residency import LoadError, Residency, Resident, llama_server_kv_bytes
 from bankml.serving.writers import JsonResource, gone, write_error
 
 _log = Logger(namespace="bankml.models")
@@ -106,6 +107,7 @@ class SpawnedModels:
         make_engine: Callable[[Gateway], EngineProcess],
         max_loaded: int,
         budget: int | None,
+        need: Callable[[Pin], int] | None = None,
     ) -> None:
         self.registry = registry
         self.startup = startup
@@ -121,8 +123,9 @@ class SpawnedModels:
             max_loaded=max_loaded,
             budget=budget,
             verify_model=self._verified_before,
-            need=lambda pin: int(pin.bytes or 0),
+            need=need or (lambda pin: int(pin.bytes or 0)),
         )
+        self.need = self.residency.need
         self._hashed: dict[str, Verified] = {}  # path -> verified off the reactor thread
 
     def adopt_startup(self, engine: EngineProcess) -> None:
@@ -133,7 +136,7 @@ class SpawnedModels:
         self.gateways[pin.name] = self.startup
         now = self.startup.reactor.seconds()
         self.residency.resident = Resident(
-            pin, self.startup.verified, running, loaded_at=now, need=int(pin.bytes or 0)
+            pin, self.startup.verified, running, loaded_at=now, need=self.need(pin)
         )
 
     @staticmethod
@@ -294,3 +297,19 @@ def spawned_registry(options: Any, verified: Verified) -> Registry:
     return discover(
         options["registry"], [os.path.dirname(verified.path)], (verified.path, options["fork"])
     )
+
+
+def llama_server_need(options: Any) -> Callable[[Pin], int]:
+    """``--models-memory``'s reckoning of a model in P0: its file, and the KV cache its
+    llama-server allocates (registry/residency.py ``llama_server_kv_bytes``: bankml's ``--ctx``,
+    and ``-ctk``/``-ctv`` after ``--``, f16 without them)."""
+    extra = options.get("engine_args") or []
+    type_k = llama_args.value_of(extra, llama_args.CACHE_TYPE_K)
+    type_v = llama_args.value_of(extra, llama_args.CACHE_TYPE_V)
+    ctx = int(options.get("ctx") or 0)
+
+    def need(pin: Pin) -> int:
+        kv = llama_server_kv_bytes(pin.path, ctx, type_k, type_v) if pin.path else 0
+        return int(pin.bytes or 0) + kv
+
+    return need
