@@ -173,13 +173,22 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
             need=llama_server_need(options),
         )
         models.adopt_startup(engine)
-    sampler = UsageSampler(reactor, EngineFinder(gateway))
+    if models is not None:  # /bankml/usage: every resident model's llama-server, each model
+        sampler = UsageSampler(reactor, models.processes, models=models.models_state)
+    else:
+        sampler = UsageSampler(reactor, EngineFinder(gateway))
     access = options["llama"]
     routes = ModelRoutes(models) if models is not None else None
     # CORS and the API key before any endpoint, as natively (llama-server's own checks)
     site = LoopbackSite(
         AccessControl(
-            p0_root(gateway, sampler, routes=routes),
+            p0_root(
+                gateway,
+                sampler,
+                routes=routes,
+                described=models,
+                metrics=models.metrics if models is not None else None,
+            ),
             access["api_keys"],
             CorsPolicy(**access["cors"]),
         )
