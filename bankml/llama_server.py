@@ -78,8 +78,6 @@ SAME_BITS = "bankml computes the same answer whatever this is set to"
 LOGS = "it only changes llama-server's logging"
 NO_UI = "bankml's web page is its own (no llama-server UI files or settings)"
 PINNED = "bankml serves only the local file pinned in FORK.json"
-AUTOLOAD = "bankml's behaviour already: a request naming a model loads it"
-AUTOLOAD_ALWAYS = "bankml loads a model when a request names it (after verifying it again)"
 CHANGES_MODEL = "it changes the model's computation; bankml serves the pinned model as it is"
 PER_REQUEST = "bankml takes it per request only: send the field in the request body"
 NOT_HERE = "bankml's native engine does not have this feature"
@@ -253,7 +251,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--hf-token -hft", True, REFUSE, PINNED),
     _f("--docker-repo -dr", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
     _f("--models-dir", True, SERVE, p0_refuse=P0_MODEL),
-    _f("--models-preset", True, REFUSE, PINNED, p0_refuse=P0_MODEL),
+    _f("--models-preset", True, SERVE, p0_refuse=P0_MODEL),
     _f("--models-max", True, SERVE, p0_refuse=P0_MODEL),
     _f("--lora", True, REFUSE, CHANGES_MODEL, p0_refuse=P0_ADAPTER),
     _f("--lora-scaled", True, REFUSE, CHANGES_MODEL, p0_refuse=P0_ADAPTER),
@@ -326,7 +324,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--swa-full", False, REFUSE, NOT_HERE),
     _f("--list-devices", False, REFUSE, "bankml serve --device picks the device"),
     # -- refused in both modes
-    _f("--models-autoload", False, IGNORE, AUTOLOAD, p0_refuse=P0_MODEL),
+    _f("--models-autoload", False, SERVE, p0_refuse=P0_MODEL),
     _f("--embd-gemma-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
     _f("--fim-qwen-1.5b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
     _f("--fim-qwen-3b-default", False, REFUSE, PINNED, p0_refuse=P0_PRESET),
@@ -377,7 +375,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--ui-config-file --webui-config-file", True, IGNORE, NO_UI),
     _f("--no-ui-mcp-proxy --no-webui-mcp-proxy", False, IGNORE, DEFAULT),
     _f("--no-agent -no-ag", False, IGNORE, DEFAULT),
-    _f("--no-models-autoload", False, REFUSE, AUTOLOAD_ALWAYS),
+    _f("--no-models-autoload", False, SERVE),
     _f("--no-skip-chat-parsing", False, IGNORE, DEFAULT),
     _f("--mmproj-auto", False, REFUSE, NOT_HERE + " (images, audio)"),
     _f("--special -sp", False, REFUSE, NOT_HERE + " (special tokens in the answer's text)"),

@@ -57,7 +57,7 @@ from bankml.process_protocol import (
     parse_restart_delay,
 )
 from bankml.registry.keepalive import BadKeepAlive, parse_keep_alive
-from bankml.serving import llama_flags
+from bankml.serving import llama_flags, presets
 from bankml.serving.site import NotLoopbackError, parse_listen
 from bankml.serving.startup import (
     DEFAULT_LISTEN,
@@ -145,7 +145,7 @@ class Options(usage.Options):
             None,
             "with --native: the most the resident models may need together, each its file "
             "and KV cache (bytes, or with K, M, G, T; default: half of the RAM); with "
-            "--spawn: their files together (default: no bound)",
+            "--spawn: each its file and the KV cache its llama-server allocates (default: no bound)",
         ],
         [
             "max-queue",
@@ -311,6 +311,39 @@ class Options(usage.Options):
             raise usage.UsageError(f"--models-max {bound}: 0 (no bound) or a number of models")
         if self["max-loaded"] == 1:  # bankml serve's own --max-loaded wins where given
             self["max-loaded"] = bound or 2**31 - 1
+        # --no-models-autoload: a request naming a model not loaded is refused (the drop-in
+        # passes on the last of it and --models-autoload, as llama-server keeps the last given)
+        self["autoload"] = not self["no-models-autoload"]
+        self._presets(bound)
+
+    def _presets(self, bound: int) -> None:
+        """The router's models and their own options (``presets``: serving/presets.py): DIR's
+        files, ``--models-preset``'s sections over them, each model's settings checked now; the
+        startup model (FILE) served with its own."""
+        cli = {name: self.get(name) for name in presets.PER_MODEL if name != "ctx"}
+        cli["ctx"] = self["ctx"] or None  # -c 0 (or none): each model's own, else its preset's
+        if self["models-preset"] and not os.path.isfile(self["models-preset"]):
+            raise usage.UsageError(f"preset file does not exist: {self['models-preset']}")
+        try:
+            found = presets.load_presets(self["models-preset"], self["models-dir"], cli)
+        except presets.PresetError as err:
+            raise usage.UsageError(str(err)) from None
+        startup = found.startup()
+        if bound and len(startup) > bound:
+            raise usage.UsageError(
+                f"number of models to load on startup ({len(startup)}) exceeds models_max ({bound})"
+            )
+        for name in found.models:
+            try:
+                llama_flags.native_settings({**self, **found.options_for(name)})
+            except llama_flags.FlagError as err:
+                raise usage.UsageError(f"preset '{name}': {err}") from None
+        self["presets"] = found
+        mine = found.model_of(self["file"])
+        if mine is not None:  # FILE's own options: its context, its sampling defaults ...
+            own = found.options_for(mine)
+            self["llama"] = llama_flags.native_settings({**self, **own})
+            self["ctx"] = int(own.get("ctx") or self["ctx"])
 
     def _rpc_workers(self) -> None:
         """The RPC workers (``self["rpc_workers"]``): ``--rpc A,B`` here or after ``--`` (one of

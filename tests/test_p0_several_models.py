@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,6 +181,50 @@ def test_killed_llama_server_restarted_alone(
     after = engines(server)
     assert after[f"{second}.gguf"] != killed
     assert after[default_model.name] == before[default_model.name]
+
+
+def get_json(server: BankmlProcess, path: str) -> dict:
+    with urllib.request.urlopen(server.url + path, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_bankml_usage_metrics_and_v1_models_cover_every_model(
+    server: BankmlProcess, registry: Path, default_model: Path
+) -> None:
+    """/bankml describes every served model, /bankml/metrics and /bankml/usage count each
+    model's answers and show a resident one's memory, /v1/models lists every model."""
+    second = list(TINY)[1]
+    before = get_json(server, "/bankml/metrics")["models"][second]
+    _, _, raw = complete(server, second)  # resident now
+    usage_of = json.loads(raw)["usage"]
+    described = get_json(server, "/bankml")
+    assert described["model_sha256"] == DEFAULT_SHA256  # the startup model's, as with one
+    shown = described["models"][second]
+    assert shown["resident"] is True
+    assert shown["model_sha256"] == sha256_file(registry / f"{second}.gguf", progress=False)
+    assert shown["engine"]["pid"] == engines(server)[f"{second}.gguf"]
+    metrics = get_json(server, "/bankml/metrics")["models"]
+    mine = metrics[second]
+    assert mine["resident"] is True and mine["requests"] == before["requests"] + 1
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert mine[key] == before[key] + usage_of[key]
+    assert mine["rss_bytes"] > 0 and mine["pid"] == engines(server)[f"{second}.gguf"]
+    assert mine["need_bytes"] > (registry / f"{second}.gguf").stat().st_size  # and its KV cache
+    assert metrics["tiny-changed"] == {
+        "resident": False,
+        "requests": 0,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+    }
+    usage = get_json(server, "/bankml/usage")
+    assert set(usage["models"]) == set(metrics)
+    names = {row["name"] for row in usage["processes"]}
+    assert f"llama-server {second}" in names and "bankml serve" in names
+    listed = get_json(server, "/v1/models")
+    files = {Path(entry["id"]).name for entry in listed["data"]}
+    assert files == {default_model.name, *(f"{n}.gguf" for n in [*TINY, "tiny-changed"])}
+    resident = [e for e in listed["data"] if Path(e["id"]).name == f"{second}.gguf"]
+    assert "meta" in resident[0]  # its llama-server's own entry
 
 
 def test_several_models_need_spawn_or_native(llama_server_bin: Path, tmp_path: Path) -> None:

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.formats import ollama as wire
 from bankml.formats import ollama_request as req
 from bankml.formats.chat_content import chat_schema_content
@@ -41,7 +40,7 @@ from bankml.formats.errors import ApiError, error_object
 from bankml.formats.ollama import OllamaError
 from bankml.formats.openai import model_info
 from bankml.gate import verify
-from bankml.native.resident import apply_server_defaults, open_engine
+from bankml.native.resident import apply_server_defaults, open_engine, training_context
 from bankml.native.run import Step, relay_forwards
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OLLAMA_KIND
 from bankml.receipts.vouch import identity_problem
@@ -57,8 +56,9 @@ from bankml.registry.catalog import (
 )
 from bankml.registry.keepalive import DEFAULT, BadKeepAlive, KeepAlive, parse_keep_alive
 from bankml.registry.names import tag
-from bankml.registry.pins import Pin, discover
-from bankml.registry.residency import LoadError, Residency, Resident
+from bankml.registry.pins import Pin, Registry, discover
+from bankml.registry.residency import LoadError, Residency, Resident, kv_shape
+from bankml.serving import llama_flags
 from bankml.serving.run_control import RETRY_AFTER_S
 
 if TYPE_CHECKING:
@@ -182,31 +182,10 @@ def kv_bytes(path: str, n_ctx: int, cache_type: str | None = None) -> int:
     the engine holds it: per layer and cell ``head_count_kv * (key_length + value_length)``
     values, 4 bytes each for f16 and f32 (the engine keeps f16 values, rounded, in float32),
     34 bytes per 32 for q8_0; 0 where the header does not say."""
-    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
-    if not isinstance(arch, str):
+    shape = kv_shape(path)
+    if shape is None:
         return 0
-    keys = [
-        f"{arch}.block_count",
-        f"{arch}.attention.head_count_kv",
-        f"{arch}.attention.head_count",
-        f"{arch}.embedding_length",
-        f"{arch}.attention.key_length",
-        f"{arch}.attention.value_length",
-    ]
-    meta = read_metadata(path, keys)
-
-    def count(key: str, default: int = 0) -> int:
-        value = meta.get(key, default)
-        if isinstance(value, list):  # per-layer counts: the largest
-            value = max((v for v in value if isinstance(v, int)), default=default)
-        return value if isinstance(value, int) and value > 0 else 0
-
-    n_layer, n_head, n_embd = count(keys[0]), count(keys[2]), count(keys[3])
-    n_head_kv = count(keys[1], n_head)
-    if not (n_layer and n_head and n_embd and n_head_kv):
-        return 0
-    k_len = count(keys[4]) or n_embd // n_head
-    v_len = count(keys[5]) or k_len
+    n_layer, n_head_kv, k_len, v_len = shape
     per_value = 34 / 32 if cache_type == "q8_0" else 4.0
     return int(n_layer * n_ctx * n_head_kv * (k_len + v_len) * per_value)
 
@@ -281,6 +260,18 @@ class OllamaHost:
         native.waker = self.wake
         native.used = self.used
         native.rewrite = self.layered_v1
+        # llama-server's router: each model by its id (and aliases), its pin, or why refused
+        self.router = self.options.get("presets")
+        self.router_pins: dict[str, Pin] = {}
+        self.router_refused: dict[str, str] = {}
+        self.router_names: dict[str, str] = {}  # an id or alias -> the model's id
+        if self.router is not None:
+            self.router_pins, self.router_refused = self.router.assign(catalog.registry.pins)
+            for name, model in self.router.models.items():
+                self.router_names.update({alias: name for alias in model.aliases})
+                self.router_names[name] = name
+        self.router_ids = {pin.name: name for name, pin in self.router_pins.items()}
+        self.router_events: RouterModels | None = None  # GET /models/sse's source
         if max_loaded > 1 or self.options.get("router"):
             # the /v1 model field chooses among the catalog's models (in router mode even with
             # one resident at most: each request loads the model it names, as llama-server's)
@@ -611,7 +602,14 @@ class OllamaHost:
 
     # -- the /v1 model field, with more than one model resident ----------------------------------
 
-    def select(self, body: Mapping[str, Any]) -> tuple[Choice, Any]:
+    def _autoload(self, asked: bool | None) -> bool:
+        """Whether a request may load the model it names: its ``?autoload=`` (true or 1; any
+        other value false), else the server's (``--no-models-autoload``: no)."""
+        if asked is not None:
+            return asked
+        return bool(self.options.get("autoload", True))
+
+    def select(self, body: Mapping[str, Any], autoload: bool | None = None) -> tuple[Choice, Any]:
         """On the prepare thread: the model a /v1 body names (blank: the startup model) and its
         engine, to parse with: a resident one at once, another made resident on the engine
         thread (in turn with the runs). Unknown: 404 (in router mode llama-server's router's
@@ -619,14 +617,23 @@ class OllamaHost:
         name = body.get("model")
         if isinstance(name, str) and name in self.native.model_aliases:
             name = None
+        routed = self.router_names.get(name) if isinstance(name, str) else None
         try:
-            target = self.catalog.resolve(name if isinstance(name, str) else None)
+            if routed is not None and routed in self.router_refused:
+                raise ApiError.of(400, self.router_refused[routed])
+            if routed is not None:
+                target: Target = self.router_pins[routed]
+            else:
+                target = self.catalog.resolve(name if isinstance(name, str) else None)
         except LookupError as err:
             if self.options.get("router"):
                 raise ApiError.of(400, f"model '{name}' not found") from None
             raise ApiError.of(404, str(getattr(err, "message", None) or err)) from None
         pin = pin_of(target)
         here = self.residency.get(pin.name)
+        if here is None and not self._autoload(autoload):
+            # llama-server's router with --no-models-autoload (or ?autoload=false)
+            raise ApiError.of(400, "model is not loaded")
         if here is not None and self.residency.unchanged(here):
             # resident: parsed at once, not behind the runs (the run holds it, hold)
             stale = stale_layer(target, here.verified.sha256)
@@ -655,7 +662,13 @@ class OllamaHost:
         """The model an answer names: its file's name (llama-server's router: without .gguf,
         the alias it starts each model's child with)."""
         file = os.path.basename(path)
-        return _router_id(file) if self.options.get("router") else file
+        if not self.options.get("router"):
+            return file
+        real = os.path.realpath(path)
+        for name, pin in self.router_pins.items():
+            if pin.path is not None and os.path.realpath(pin.path) == real:
+                return name
+        return _router_id(file)
 
     def hold(self, choice: Choice) -> tuple[Any, Callable[[], None]]:
         """On the engine thread, as a run parsed for ``choice`` starts: its model's engine
@@ -683,26 +696,50 @@ class OllamaHost:
     def _open_model(self, verified: Any) -> Any:
         """Residency's loader: the verified file's engine, swapped into the NativeEngine (as
         many slots as the server has, each of the context its slots have)."""
+        own = self._router_options(verified)
+        name = self.answer_name(verified.path)
+        if self.router_events is not None:
+            self.router_events.notify(name, "model_status", {"status": "loading"})
+        if own is None:
+            n_ctx, kv_unified = int(self.native.n_ctx), True  # n_ctx is already each slot's
+            # llama-server's server-wide flags hold for every load, as at start-up; its chat
+            # template (--chat-template-file) is the startup model's
+            llama = dict(self.options.get("llama") or {})
+            if verified.sha256 != self.catalog.registry.pins[0].sha256:
+                llama.pop("chat_template", None)
+        else:  # router mode: the model's own options (its preset's, the command line's over)
+            llama = llama_flags.native_settings({**self.options, **own})
+            n_ctx = int(own.get("ctx") or 0) or training_context(verified.path)
+            kv_unified = bool(llama.get("kv_unified", False))
         engine, _device = open_engine(
             verified.path,
-            n_ctx=int(self.native.n_ctx),
+            n_ctx=n_ctx,
             device=self.options.get("device") or "auto",
             cache_type=self.options.get("cache_type"),
             cache_ram=self.options.get("cache_ram"),
             n_slots=self.native.n_slots,
-            kv_unified=True,  # n_ctx is already each slot's
+            kv_unified=kv_unified,
         )
-        # llama-server's server-wide flags hold for every load, as at start-up; its chat
-        # template (--chat-template-file) is the startup model's
-        llama = dict(self.options.get("llama") or {})
-        if verified.sha256 != self.catalog.registry.pins[0].sha256:
-            llama.pop("chat_template", None)
         apply_server_defaults(engine, llama)
         engine.warm_up(self.log)
+        if self.router_events is not None:
+            info = self.router_events.info(name, engine, verified)
+            self.router_events.notify(name, "status_change", {"status": "loaded", "info": info})
         return engine
+
+    def _router_options(self, verified: Any) -> dict[str, Any] | None:
+        """In router mode, ``bankml serve``'s options of the model served from ``verified``
+        (serving/presets.py ``options_for``); None otherwise."""
+        if self.router is None:
+            return None
+        name = self.answer_name(verified.path)
+        return self.router.options_for(name) if name in self.router_pins else None
 
     def _unloaded(self, resident: Resident, why: str) -> None:
         """The engine NativeEngine reads: the most recently used model left, else none."""
+        if self.router_events is not None and resident.verified is not None:
+            name = self.answer_name(resident.verified.path)
+            self.router_events.notify(name, "status_change", {"status": "unloaded", "exit_code": 0})
         if self.native.engine is resident.handle:
             here = self.residency.resident
             if here is not None:
@@ -747,64 +784,80 @@ class RouterModels:
     def __init__(self, host: OllamaHost, directory: str) -> None:
         self.host = host
         self.directory = directory
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        host.router_events = self
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """``GET /models/sse``'s: ``listener`` is called with each event (on the thread that
+        loads or unloads); the returned function ends it."""
+        self.listeners.append(listener)
+        return lambda: self.listeners.remove(listener) if listener in self.listeners else None
+
+    def notify(self, name: str, event: str, data: dict[str, Any]) -> None:
+        """One router event, as llama-server's ``notify_sse``: ``model_status`` (loading),
+        ``status_change`` (loaded, with the model's ``info``; unloaded, with ``exit_code``)."""
+        for listener in list(self.listeners):
+            listener({"model": name, "event": event, "data": data})
+
+    def info(self, name: str, engine: Any, verified: Any) -> dict[str, Any]:
+        """A loaded model's ``info`` in a ``status_change`` event (its child's /v1/models
+        entry in llama-server: the id its alias)."""
+        facts = model_info(self.host.native.facts_of(engine, verified))
+        model = self.host.router.models.get(name) if self.host.router is not None else None
+        return {
+            "id": name,
+            "aliases": [name],
+            "tags": model.tags if model is not None else [],
+            "object": "model",
+            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+            "created": int(self.host.clock()),
+            "owned_by": "llamacpp",
+            "meta": facts["meta"],
+        }
 
     @property
     def bridge(self) -> Any:
         return self.host.bridge
 
     def listing(self) -> dict[str, Any]:
-        """``GET /models``: every model of the directory as llama-server's router lists it
-        (``status.value`` ``loaded`` or ``unloaded``; a loaded one's ``meta``), sorted by id;
-        a GGUF no fork pins listed as failed, with bankml's reason (``bankml_refused``)."""
+        """``GET /models``: every model of the router (serving/presets.py: DIR's files and the
+        preset's sections) as llama-server's router lists it, sorted by id: ``status.value``
+        ``loaded`` or ``unloaded``, ``status.preset`` (its section), a loaded one's ``meta``;
+        a model whose file no fork pins listed as failed, with bankml's reason
+        (``bankml_refused``)."""
         host = self.host
         created = int(host.clock())
-        entries: dict[str, dict[str, Any]] = {}
-        pinned = set()
-        for pin in host.catalog.registry.pins:
-            if pin.path is not None:
-                pinned.add(os.path.realpath(pin.path))
-            here = host.residency.get(pin.name)
-            entry = _router_entry(_router_id(pin.file), created, here is not None)
+        out = []
+        router = host.router
+        assert router is not None
+        for name in sorted(router.models):
+            model = router.models[name]
+            pin = host.router_pins.get(name)
+            here = host.residency.get(pin.name) if pin is not None else None
+            entry = _router_entry(name, created, here is not None, model.source)
+            entry["aliases"], entry["tags"] = model.aliases, model.tags
+            entry["status"]["preset"] = model.ini()
+            if name in host.router_refused:
+                entry["status"]["failed"] = True
+                entry["status"]["bankml_refused"] = host.router_refused[name]
             if here is not None:
                 entry["meta"] = model_info(host.native.facts_of(here.handle, here.verified))["meta"]
-            entries[entry["id"]] = entry
-        for file in sorted(os.listdir(self.directory)):
-            path = os.path.join(self.directory, file)
-            if not file.lower().endswith(".gguf") or os.path.realpath(path) in pinned:
-                continue
-            entry = _router_entry(_router_id(file), created, False)
-            entry["status"]["failed"] = True
-            entry["status"]["bankml_refused"] = (
-                f"{file} is not pinned: no *.FORK.json of {self.directory} has its sha256"
-            )
-            entries.setdefault(entry["id"], entry)
-        return {"data": [entries[k] for k in sorted(entries)], "object": "list"}
+            out.append(entry)
+        return {"data": out, "object": "list"}
 
-    def _unpinned(self, body: Any) -> str | None:
-        """Why a file of the directory that the listing shows as failed may not load."""
+    def _named(self, body: Any) -> str | None:
+        """The model id a body names (by its id or an alias), None when none."""
         name = body.get("model") if isinstance(body, dict) else None
-        for entry in self.listing()["data"]:
-            if entry["id"] == name and entry["status"].get("bankml_refused"):
-                return str(entry["status"]["bankml_refused"])
-        return None
-
-    def _pin(self, body: Any) -> Pin | None:
-        name = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(name, str) or not name.strip():
-            return None
-        try:
-            return self.host.catalog.registry.resolve(name)
-        except LookupError:
-            return None
+        return self.host.router_names.get(name) if isinstance(name, str) else None
 
     def load(self, body: Any) -> tuple[int, dict[str, Any]]:
         """On the engine thread: ``POST /models/load``; (status, body)."""
-        pin = self._pin(body)
-        if pin is None:
-            refused = self._unpinned(body)
-            if refused is not None:
-                return 400, error_object(400, refused, "invalid_request_error")
+        name = self._named(body)
+        if name is None:
             return 404, error_object(404, "model is not found", "not_found_error")
+        if name in self.host.router_refused:
+            return 400, error_object(400, self.host.router_refused[name], "invalid_request_error")
+        pin = self.host.router_pins[name]
         if self.host.residency.get(pin.name) is not None:
             return 400, error_object(400, "model is already running", "invalid_request_error")
         try:
@@ -814,12 +867,24 @@ class RouterModels:
         self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
         return 200, {"success": True}
 
+    def load_on_startup(self) -> list[str]:
+        """On the engine thread, before the server answers: each ``load-on-startup`` model
+        loaded (verified again); the lines that say which could not be."""
+        router = self.host.router
+        problems = []
+        for name in router.startup() if router is not None else []:
+            status, body = self.load({"model": name})
+            if status not in (200,) and "already running" not in str(body):
+                problems.append(f"{name}: not loaded at start: {body['error']['message']}")
+        return problems
+
     def unload(self, body: Any) -> tuple[int, dict[str, Any]]:
         """On the engine thread: ``POST /models/unload``; (status, body)."""
-        pin = self._pin(body)
-        if pin is None:
+        name = self._named(body)
+        pin = self.host.router_pins.get(name) if name is not None else None
+        if name is None:
             return 400, error_object(400, "model is not found", "invalid_request_error")
-        if not self.host.residency.unload(pin.name):
+        if pin is None or not self.host.residency.unload(pin.name):
             return 400, error_object(400, "model is not running", "invalid_request_error")
         return 200, {"success": True}
 
@@ -829,7 +894,9 @@ def _router_id(file: str) -> str:
     return file[: -len(".gguf")] if file.lower().endswith(".gguf") else file
 
 
-def _router_entry(model_id: str, created: int, loaded: bool) -> dict[str, Any]:
+def _router_entry(
+    model_id: str, created: int, loaded: bool, source: str = "models_dir"
+) -> dict[str, Any]:
     """One model of ``GET /models`` in router mode, in llama-server's key order (``args``:
     bankml starts no child process)."""
     return {
@@ -841,7 +908,7 @@ def _router_entry(model_id: str, created: int, loaded: bool) -> dict[str, Any]:
         "created": created,
         "status": {"value": "loaded" if loaded else "unloaded", "args": []},
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-        "source": "models_dir",
+        "source": source,
         "can_remove": False,
     }
 
@@ -872,6 +939,9 @@ def make_host(
         ):
             fork_path = found[0]
     registry = discover(directory, [os.path.dirname(v.path)], (v.path, fork_path))
+    router = options.get("presets")
+    if router is not None:  # a preset's model pinned beside its file, outside the directory
+        registry = Registry(registry.pins + router.outside_pins(registry.pins))
     catalog = Catalog.load(registry, directory, log)
     keep_alive = parse_keep_alive(options.get("keep-alive"))
     return OllamaHost(native, catalog, keep_alive=keep_alive, options=options, log=log)

@@ -141,7 +141,8 @@ class NativeEngine:
         self.rewrite: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
         # set by the Ollama host with --max-loaded above 1: on the prepare thread, the model a
         # /v1 body names made resident, (its Choice, its engine) to parse with ...
-        self.select: Callable[[dict[str, Any]], tuple[Any, Any]] | None = None
+        # the model a body names, and its engine (``autoload``: a request's ?autoload=)
+        self.select: Callable[[dict[str, Any], bool | None], tuple[Any, Any]] | None = None
         # ... and on the engine thread, as a run parsed for a Choice starts: (its model's
         # engine, the release to call when the run ends); never unloaded in between
         self.hold: Callable[[Any], tuple[Any, Callable[[], None]]] | None = None
@@ -249,7 +250,11 @@ class NativeEngine:
     # --- the jobs the resources hand to the bridge (refusals raise ApiError) ------------------
 
     def parse(
-        self, body: dict[str, Any], kind: str, choice: tuple[Any, Any] | None = None
+        self,
+        body: dict[str, Any],
+        kind: str,
+        choice: tuple[Any, Any] | None = None,
+        autoload: bool | None = None,
     ) -> list[Any]:
         """The engine's validation of a body, before a token is computed: the request's answers
         in llama-server's task order (each prompt, a chat's one or a completion's several, then
@@ -261,7 +266,7 @@ class NativeEngine:
         resident by ``select``); ``steps`` runs it on that model's engine, its receipt names
         that model's file."""
         if choice is None and self.select is not None and kind not in CONVERTED:
-            choice = self.select(body)
+            choice = self.select(body, autoload)
         if choice is None:
             self._awake()
         engine = self.engine if choice is None else choice[1]
@@ -270,7 +275,7 @@ class NativeEngine:
         if kind in CONVERTED:  # llama-server runs a Responses or Messages request as a chat
             body, kind = chat_of(kind, body), CHAT
             if self.select is not None and choice is None:
-                choice = self.select(body)
+                choice = self.select(body, autoload)
                 engine = choice[1]
         try:
             if kind == CHAT:
@@ -415,7 +420,7 @@ class NativeEngine:
             id=self.model_id if current else os.path.basename(verified.path),
             aliases=list(self.model_aliases) if current else [],
             tags=list(getattr(self, "model_tags", ())),
-            n_ctx=self.n_ctx,
+            n_ctx=int(getattr(engine, "n_ctx", self.n_ctx)),
             ftype=self.model_ftype if current else file_ftype_name(verified.path),
             tokenizer=getattr(getattr(engine, "tokenizer", None), "model", ""),
             n_vocab=getattr(engine, "n_vocab", None),

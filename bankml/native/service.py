@@ -328,6 +328,10 @@ class NativeService(ServingService):
         router = (
             RouterModels(ollama, self.options["models-dir"]) if self.options.get("router") else None
         )
+        if router is not None:  # the preset's load-on-startup models, verified, before answering
+            problems = yield ollama.bridge.call(router.load_on_startup)
+            for line in problems:
+                _log.warn("{line}", line=line)
         listen_root, engine_root = build_native_roots(
             self.native,
             ollama=ollama,

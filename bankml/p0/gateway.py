@@ -167,6 +167,10 @@ class Gateway:
     engine_n_ctx: int | None = None  # /props default_generation_settings.n_ctx
     receipt_log: ReceiptLog | None = None  # --receipt-log: every receipt appended
     rpc_workers: tuple[str, ...] = ()  # llama-server's --rpc workers: every receipt names them
+    # the answers this gateway issued a completion receipt on, and their tokens (/bankml/metrics)
+    answered: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
     @property
     def upstream_url(self) -> str:
@@ -217,6 +221,9 @@ class Gateway:
         )
         if self.receipt_log is not None:
             self.receipt_log.append(out)
+        self.answered += 1
+        self.prompt_tokens += int(tally.prompt_tokens or 0)
+        self.completion_tokens += int(tally.completion_tokens or 0)
         return out
 
     def availability_problem(self) -> tuple[str, int | None] | None:

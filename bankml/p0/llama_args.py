@@ -93,6 +93,7 @@ def value_of(extra: Sequence[str], spellings: frozenset[str]) -> str | None:
 
 
 CACHE_TYPE_K = frozenset(next(f.spellings for f in FLAGS if "-ctk" in f.spellings))
+CACHE_TYPE_V = frozenset(next(f.spellings for f in FLAGS if "-ctv" in f.spellings))
 RPC = frozenset(next(f.spellings for f in FLAGS if "--rpc" in f.spellings))
 
 

@@ -34,8 +34,9 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 from twisted.application import service
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -43,11 +44,13 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.gate.verify import Verified, verify
 from bankml.p0 import gateway as gw
+from bankml.p0 import llama_args
 from bankml.p0.gateway import Gateway
 from bankml.p0.routes import LlamaServerRoutes
 from bankml.process_protocol import EngineProcess
 from bankml.registry.pins import NotFound, Pin, Registry, discover
-from bankml.registry.residency import LoadError, Residency, Resident
+from bankml.registry.residency import LoadError, Residency, Resident, llama_server_kv_bytes
+from bankml.resources.bankml import P0_METRICS_SOURCE, empty_metrics
 from bankml.serving.writers import JsonResource, gone, write_error
 
 _log = Logger(namespace="bankml.models")
@@ -106,9 +109,11 @@ class SpawnedModels:
         make_engine: Callable[[Gateway], EngineProcess],
         max_loaded: int,
         budget: int | None,
+        need: Callable[[Pin], int] | None = None,
     ) -> None:
         self.registry = registry
         self.startup = startup
+        self.receipt_key = startup.receipt_key  # /bankml's receipt_keyid: every model's key
         self.parent = parent
         self.make_engine = make_engine
         self.gateways: dict[str, Gateway] = {}
@@ -121,8 +126,9 @@ class SpawnedModels:
             max_loaded=max_loaded,
             budget=budget,
             verify_model=self._verified_before,
-            need=lambda pin: int(pin.bytes or 0),
+            need=need or (lambda pin: int(pin.bytes or 0)),
         )
+        self.need = self.residency.need
         self._hashed: dict[str, Verified] = {}  # path -> verified off the reactor thread
 
     def adopt_startup(self, engine: EngineProcess) -> None:
@@ -133,7 +139,7 @@ class SpawnedModels:
         self.gateways[pin.name] = self.startup
         now = self.startup.reactor.seconds()
         self.residency.resident = Resident(
-            pin, self.startup.verified, running, loaded_at=now, need=int(pin.bytes or 0)
+            pin, self.startup.verified, running, loaded_at=now, need=self.need(pin)
         )
 
     @staticmethod
@@ -167,6 +173,9 @@ class SpawnedModels:
                 engine_build=None,
                 restarts=0,
                 engine_n_ctx=None,
+                answered=0,
+                prompt_tokens=0,
+                completion_tokens=0,
             )
             self.gateways[name] = gateway
         gateway.verified = verified
@@ -185,10 +194,107 @@ class SpawnedModels:
         else:
             running.engine.stop()
 
+    # -- /bankml, /bankml/usage, /bankml/metrics: every model --------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """``GET /bankml``: the startup model's description, and under ``models`` each served
+        model's (its own verified file, llama-server and state; ``resident``), by name."""
+        models: dict[str, Any] = {}
+        for pin in self.registry.pins:
+            gateway = self.gateways.get(pin.name)
+            here = self.residency.get(pin.name)
+            described = gateway.describe() if gateway is not None else {"file": pin.file}
+            models[pin.name] = {"resident": here is not None, **described}
+        return {**self.startup.describe(), "models": models}
+
+    def models_state(self) -> dict[str, Any]:
+        """Each served model's answers (``requests``: those with a completion receipt, and
+        their tokens as llama-server reported them), whether it is resident, and a resident
+        one's memory: ``need_bytes`` (``--models-memory``'s reckoning), ``rss_bytes`` (its
+        llama-server's resident set), ``pid``, ``in_use``, ``loaded_at``."""
+        out: dict[str, Any] = {}
+        for pin in self.registry.pins:
+            gateway = self.gateways.get(pin.name)
+            entry: dict[str, Any] = {
+                "resident": False,
+                "requests": gateway.answered if gateway is not None else 0,
+                "prompt_tokens": gateway.prompt_tokens if gateway is not None else 0,
+                "completion_tokens": gateway.completion_tokens if gateway is not None else 0,
+            }
+            here = self.residency.get(pin.name)
+            if here is not None:
+                pid = here.handle.gateway.pid
+                entry.update(
+                    resident=True,
+                    need_bytes=here.need,
+                    rss_bytes=_rss_of(pid),
+                    pid=pid,
+                    in_use=here.in_use,
+                    loaded_at=here.loaded_at,
+                )
+            out[pin.name] = entry
+        return out
+
+    def processes(self) -> list[tuple[str, int]]:
+        """/bankml/usage's processes: bankml, and each resident model's llama-server."""
+        named = [("bankml serve", os.getpid())]
+        for name, here in list(self.residency.residents.items()):
+            pid = here.handle.gateway.pid
+            if pid:
+                named.append((f"llama-server {name}", pid))
+        return named
+
+    def metrics(self) -> dict[str, Any]:
+        """``GET /bankml/metrics``: P0's document (llama-server's completions are not
+        measured) with each model's counts and memory (``models``)."""
+        return {**empty_metrics(P0_METRICS_SOURCE), "models": self.models_state()}
+
+    @inlineCallbacks
+    def _listing(self, request: Request) -> Any:
+        """``GET /v1/models`` (and ``/models``): every served model, in the registry's order,
+        as llama-server lists its one: a resident model's entries are its llama-server's own
+        (``models`` and ``data``), another's its id (the path its llama-server is started
+        with) with ``"bankml_resident": false`` and no ``meta``."""
+        listed: dict[str, list[Any]] = {"models": [], "data": []}
+        now = int(self.startup.reactor.seconds())
+        for pin in self.registry.pins:
+            here = self.residency.get(pin.name)
+            answer = None
+            if here is not None and here.handle.ready:
+                try:
+                    response = yield here.handle.gateway.request(b"GET", "/v1/models", timeout=10)
+                    raw = yield gw.bounded_collect(response)
+                    answer = json.loads(raw) if response.code == 200 else None
+                except Exception:  # listed as not resident below
+                    answer = None
+            if isinstance(answer, dict):
+                listed["models"] += answer.get("models") or []
+                listed["data"] += answer.get("data") or []
+            elif pin.path is not None:
+                listed["data"].append(
+                    {
+                        "id": pin.path,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "llamacpp",
+                        "bankml_resident": False,
+                    }
+                )
+        if not gone(request):
+            body = json.dumps({**listed, "object": "list"}).encode()
+            request.setResponseCode(200)
+            request.setHeader(b"content-type", b"application/json; charset=utf-8")
+            request.setHeader(b"content-length", str(len(body)).encode())
+            request.write(body)
+            request.finish()
+
     # -- routing --------------------------------------------------------------------------------
 
     def render(self, request: Request) -> Any:
         """Route ``request`` to its model's llama-server (started first when it is not running)."""
+        if request.method == b"GET" and request.path in (b"/v1/models", b"/models"):
+            self._listing(request)
+            return NOT_DONE_YET
         content = request.content
         assert content is not None
         body = content.read()
@@ -257,6 +363,14 @@ class SpawnedModels:
         running.routes.render(request)
 
 
+def _rss_of(pid: int | None) -> int | None:
+    """The resident set of a process, None when it cannot be read."""
+    try:
+        return int(psutil.Process(pid).memory_info().rss) if pid else None
+    except psutil.Error:
+        return None
+
+
 def requested_model(method: bytes, body: bytes) -> str | None:
     """The ``model`` a request's JSON body names (None: none, or not a JSON object)."""
     if method != b"POST" or not body:
@@ -294,3 +408,19 @@ def spawned_registry(options: Any, verified: Verified) -> Registry:
     return discover(
         options["registry"], [os.path.dirname(verified.path)], (verified.path, options["fork"])
     )
+
+
+def llama_server_need(options: Any) -> Callable[[Pin], int]:
+    """``--models-memory``'s reckoning of a model in P0: its file, and the KV cache its
+    llama-server allocates (registry/residency.py ``llama_server_kv_bytes``: bankml's ``--ctx``,
+    and ``-ctk``/``-ctv`` after ``--``, f16 without them)."""
+    extra = options.get("engine_args") or []
+    type_k = llama_args.value_of(extra, llama_args.CACHE_TYPE_K)
+    type_v = llama_args.value_of(extra, llama_args.CACHE_TYPE_V)
+    ctx = int(options.get("ctx") or 0)
+
+    def need(pin: Pin) -> int:
+        kv = llama_server_kv_bytes(pin.path, ctx, type_k, type_v) if pin.path else 0
+        return int(pin.bytes or 0) + kv
+
+    return need

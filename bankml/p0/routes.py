@@ -18,6 +18,7 @@ asked with another method is its 404 too (HEAD is GET without the body).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twisted.web.resource import Resource
@@ -35,7 +36,7 @@ from bankml.receipts.kinds import (
     RERANK,
     RESPONSES,
 )
-from bankml.resources.bankml import BankmlResource
+from bankml.resources.bankml import BankmlResource, Describes
 from bankml.resources.description import ApiDescription
 from bankml.resources.web import put_web_page
 from bankml.serving.routes import Branch, LlamaRoute, not_found
@@ -150,12 +151,20 @@ class P0Root(Branch):
 
 
 def p0_root(
-    gateway: Gateway, sampler: UsageSampler, *, webui: bool = True, routes: Resource | None = None
+    gateway: Gateway,
+    sampler: UsageSampler,
+    *,
+    webui: bool = True,
+    routes: Resource | None = None,
+    described: Describes | None = None,
+    metrics: Callable[[], dict[str, Any]] | None = None,
 ) -> Resource:
     """The listen address's tree; ``webui`` adds the web page at ``/ui`` (resources/web.py);
-    ``routes`` answers llama-server's paths (default: ``LlamaServerRoutes`` on ``gateway``)."""
+    ``routes`` answers llama-server's paths (default: ``LlamaServerRoutes`` on ``gateway``);
+    ``described`` and ``metrics``: what /bankml and /bankml/metrics show (default: ``gateway``'s
+    model; with several models, every model's)."""
     root = P0Root(routes if routes is not None else LlamaServerRoutes(gateway))
-    root.putChild(b"bankml", BankmlResource(gateway, sampler))
+    root.putChild(b"bankml", BankmlResource(described or gateway, sampler, metrics))
     root.putChild(b"openapi.json", LlamaRoute(ApiDescription()))
     if webui:
         put_web_page(root)

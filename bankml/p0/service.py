@@ -22,7 +22,13 @@ from bankml.gate.verify import sha256_file
 from bankml.p0 import gateway as gw
 from bankml.p0 import llama_args
 from bankml.p0.gateway import Gateway, make_agent
-from bankml.p0.models import ModelRoutes, SpawnedModels, several_models, spawned_registry
+from bankml.p0.models import (
+    ModelRoutes,
+    SpawnedModels,
+    llama_server_need,
+    several_models,
+    spawned_registry,
+)
 from bankml.p0.routes import p0_root
 from bankml.process_protocol import EngineFailed, EngineProcess
 from bankml.serving.access import AccessControl, CorsPolicy
@@ -164,15 +170,25 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
             make_engine,
             max_loaded=int(options["max-loaded"]),
             budget=options["models-memory"],
+            need=llama_server_need(options),
         )
         models.adopt_startup(engine)
-    sampler = UsageSampler(reactor, EngineFinder(gateway))
+    if models is not None:  # /bankml/usage: every resident model's llama-server, each model
+        sampler = UsageSampler(reactor, models.processes, models=models.models_state)
+    else:
+        sampler = UsageSampler(reactor, EngineFinder(gateway))
     access = options["llama"]
     routes = ModelRoutes(models) if models is not None else None
     # CORS and the API key before any endpoint, as natively (llama-server's own checks)
     site = LoopbackSite(
         AccessControl(
-            p0_root(gateway, sampler, routes=routes),
+            p0_root(
+                gateway,
+                sampler,
+                routes=routes,
+                described=models,
+                metrics=models.metrics if models is not None else None,
+            ),
             access["api_keys"],
             CorsPolicy(**access["cors"]),
         )

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bankml.engine_cupy.gguf_file import read_metadata
 from bankml.gate import verify
 from bankml.gate.fileident import FileIdent
 from bankml.registry.keepalive import FOREVER, UNLOAD, KeepAlive
@@ -309,3 +310,76 @@ class Residency:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
+
+
+# -- what a model needs resident: its KV cache, reckoned from its GGUF header -----------------
+
+# bytes per value of llama-server's KV cache types (-ctk, -ctv): ggml's block sizes
+LLAMA_CACHE_BYTES = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
+    "iq4_nl": 18 / 32,
+    "q5_0": 22 / 32,
+    "q5_1": 24 / 32,
+}
+LLAMA_CTX_PAD = 256  # llama.cpp rounds a context up to a multiple of 256 cells
+
+
+def kv_shape(path: str) -> tuple[int, int, int, int] | None:
+    """(layers, KV heads, key length, value length) of a model's attention, from its GGUF
+    header (a per-layer count: the largest); None where the header does not say."""
+    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
+    if not isinstance(arch, str):
+        return None
+    keys = [
+        f"{arch}.block_count",
+        f"{arch}.attention.head_count_kv",
+        f"{arch}.attention.head_count",
+        f"{arch}.embedding_length",
+        f"{arch}.attention.key_length",
+        f"{arch}.attention.value_length",
+    ]
+    meta = read_metadata(path, keys)
+
+    def count(key: str, default: int = 0) -> int:
+        value = meta.get(key, default)
+        if isinstance(value, list):  # per-layer counts: the largest
+            value = max((v for v in value if isinstance(v, int)), default=default)
+        return value if isinstance(value, int) and value > 0 else 0
+
+    n_layer, n_head, n_embd = count(keys[0]), count(keys[2]), count(keys[3])
+    n_head_kv = count(keys[1], n_head)
+    if not (n_layer and n_head and n_embd and n_head_kv):
+        return None
+    k_len = count(keys[4]) or n_embd // n_head
+    return n_layer, n_head_kv, k_len, count(keys[5]) or k_len
+
+
+def training_context_of(path: str) -> int:
+    """``<arch>.context_length`` of a GGUF (0 where it does not say): llama-server's ``-c 0``."""
+    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
+    key = f"{arch}.context_length"
+    value = read_metadata(path, [key]).get(key) if isinstance(arch, str) else None
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def llama_server_kv_bytes(
+    path: str, n_ctx: int, type_k: str | None = None, type_v: str | None = None
+) -> int:
+    """The KV cache llama-server allocates for a model with ``-c n_ctx`` (0: the model's
+    training context), ``-ctk``, ``-ctv`` (f16 by default): ``n_ctx`` rounded up to 256 cells,
+    times the layers, the KV heads and each head's key and value length, times the bytes per
+    value of each type. 0 where the header does not say."""
+    shape = kv_shape(path)
+    cells = n_ctx or training_context_of(path)
+    if shape is None or cells <= 0:
+        return 0
+    cells = -(-cells // LLAMA_CTX_PAD) * LLAMA_CTX_PAD
+    n_layer, n_head_kv, k_len, v_len = shape
+    per_k = LLAMA_CACHE_BYTES.get(type_k or "f16", 2.0)
+    per_v = LLAMA_CACHE_BYTES.get(type_v or "f16", 2.0)
+    return int(cells * n_layer * n_head_kv * (k_len * per_k + v_len * per_v))

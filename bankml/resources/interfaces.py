@@ -87,7 +87,13 @@ class ResidentEngine(AnswerSource, Protocol):
 
     def identity_problem(self) -> str | None: ...
 
-    def parse(self, body: dict[str, Any], kind: str) -> list[Any]: ...
+    def parse(
+        self,
+        body: dict[str, Any],
+        kind: str,
+        choice: tuple[Any, Any] | None = None,
+        autoload: bool | None = None,
+    ) -> list[Any]: ...
 
     def steps(
         self, prompts: list[Any], keep_alive: bool = True, first_index: int = 0

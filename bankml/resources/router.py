@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.errors import ApiError
 from bankml.formats.nlohmann import dumps
 from bankml.resources.llama import _write_failure
 from bankml.resources.runs import read_json_object
-from bankml.serving.writers import JsonResource, write_json
+from bankml.serving.writers import JsonResource, gone, write_json
 
 
 class Router(Protocol):
@@ -31,6 +32,8 @@ class Router(Protocol):
 
     def unload(self, body: Any) -> tuple[int, dict[str, Any]]: ...
 
+    def subscribe(self, listener: Any) -> Any: ...
+
 
 class RouterModels(JsonResource):
     """``GET /models``: every model of the directory, loaded or not; its children ``load``
@@ -41,6 +44,7 @@ class RouterModels(JsonResource):
         self.router = router
         self.putChild(b"load", RouterAction(router, "load"))
         self.putChild(b"unload", RouterAction(router, "unload"))
+        self.putChild(b"sse", RouterEvents(router))
 
     def render_GET(self, request: Request) -> Any:
         write_json(request, 200, dumps(self.router.listing()))
@@ -73,4 +77,34 @@ class RouterAction(JsonResource):
         d = self.router.bridge.call(job, body)
         d.addCallback(lambda answer: write_json(request, answer[0], dumps(answer[1])))
         d.addErrback(_write_failure(request))
+        return NOT_DONE_YET
+
+
+class RouterEvents(Resource):
+    """``GET /models/sse``: llama-server's stream of the router's events, one ``data:`` line
+    each (``{"model", "event", "data"}``), until the client leaves."""
+
+    isLeaf = True
+
+    def __init__(self, router: Router) -> None:
+        super().__init__()
+        self.router = router
+
+    def render_GET(self, request: Request) -> Any:
+        from twisted.internet import reactor
+
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"x-accel-buffering", b"no")
+        request.write(b"")  # the head goes now: the client sees the stream open
+
+        def write(event: dict[str, Any]) -> None:
+            if not gone(request):
+                request.write(b"data: " + dumps(event) + b"\n\n")
+
+        def listener(event: dict[str, Any]) -> None:  # on the engine thread
+            reactor.callFromThread(write, event)  # type: ignore[attr-defined]
+
+        unsubscribe = self.router.subscribe(listener)
+        request.notifyFinish().addBoth(lambda _: unsubscribe())
         return NOT_DONE_YET

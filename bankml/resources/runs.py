@@ -95,7 +95,9 @@ class AnswerResource(JsonResource):
             return NOT_DONE_YET
         control = self.bridge.new_control()
         request.notifyFinish().addErrback(lambda _: control.cancel())
-        d = self.bridge.prepare(self.native.parse, obj, self.parse_kind)
+        asked = (request.args or {}).get(b"autoload")  # llama-server's router: ?autoload=
+        extra = {} if not asked else {"autoload": asked[-1] in (b"true", b"1")}
+        d = self.bridge.prepare(self.native.parse, obj, self.parse_kind, **extra)
         d.addCallback(self._run, request, raw, obj, control)
         d.addErrback(self._failed, request, None)
         return NOT_DONE_YET

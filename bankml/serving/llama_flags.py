@@ -99,6 +99,7 @@ _VERBOSITY = {"--verbose": False, "--verbosity": True}
 _PRESERVE = {"--reasoning-preserve": False, "--no-reasoning-preserve": False}
 _UI = {"--ui": False, "--webui": False, "--no-ui": False, "--no-webui": False}
 _SHIFT = {"--context-shift": False, "--no-context-shift": False}
+_AUTOLOAD = {"--models-autoload": False, "--no-models-autoload": False}
 _LAST_WINS = {
     "jinja": _JINJA,
     "no-jinja": _JINJA,
@@ -110,6 +111,8 @@ _LAST_WINS = {
     "no-ui": _UI,
     "context-shift": _SHIFT,
     "no-context-shift": _SHIFT,
+    "models-autoload": _AUTOLOAD,
+    "no-models-autoload": _AUTOLOAD,
 }
 
 
@@ -205,6 +208,18 @@ def _router_startup(out: list[str]) -> str:
     if not os.path.isdir(directory):
         raise FlagError(f"--models-dir {directory}: not a directory")
     pins = [p for p in discover(directory).pins if p.path is not None and p.sha256]
+    if "--models-preset" in out:  # a pinned load-on-startup model first, if any
+        from bankml.serving.presets import PresetError, load_presets
+
+        preset = out[len(out) - 1 - out[::-1].index("--models-preset") + 1]
+        try:
+            found = load_presets(preset, directory, {})
+        except PresetError as err:
+            raise FlagError(str(err)) from None
+        pins += found.outside_pins(pins)
+        served, _ = found.assign(pins)
+        first = [served[name] for name in found.startup() if name in served]
+        pins = first + [p for p in pins if p not in first]
     if not pins:
         raise FlagError(
             f"--models-dir {directory}: no model there is pinned (a <file>.FORK.json beside it)"
