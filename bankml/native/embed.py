@@ -32,7 +32,7 @@ from typing import Any
 
 from bankml.formats import embeddings as fmt
 from bankml.formats.errors import ApiError, refusal_of
-from bankml.receipts.embedding import embedding_receipt
+from bankml.receipts.embedding import embedding_receipt, native_issuer
 from bankml.receipts.kinds import LLAMA_EMBEDDING, OAI_EMBEDDINGS, OLLAMA_EMBED, OLLAMA_EMBEDDINGS
 
 DEFAULT_NORMALIZE = 2  # llama-server's --embd-normalize: euclidean
@@ -279,8 +279,8 @@ class Embedder:
     def _receipt(
         self, job: EmbedJob, vectors: Sequence[Any], tokens: Sequence[Sequence[int]]
     ) -> dict[str, Any]:
-        native = self.native
-        out = embedding_receipt(
+        return embedding_receipt(
+            native_issuer(self.native),
             api=job.api,
             request_body=job.raw,
             started=job.started,
@@ -288,16 +288,7 @@ class Embedder:
             inputs_tokens=tokens,
             pooling=job.pooling,
             embd_normalize=job.embd_normalize,
-            verified=native.verified,
-            engine_name=native.engine_name,
-            device=native.device,
-            n_ctx=native.n_ctx,
-            cache_type=native.cache_type,
-            key=native.receipt_key,
         )
-        if native.receipt_log is not None:
-            native.receipt_log.append(out)
-        return out
 
 
 def check_limits(native: Any, n: int, pooling: str) -> None:

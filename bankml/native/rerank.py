@@ -25,6 +25,7 @@ from typing import Any
 from bankml.formats import rerank as fmt
 from bankml.formats.errors import ApiError
 from bankml.native.embed import check_limits
+from bankml.receipts.embedding import native_issuer
 from bankml.receipts.rerank import ranked, rerank_receipt
 
 NOT_AN_ENCODER = "bankml reranks with a BERT reranker only (a BERT GGUF with a classifier head)"
@@ -82,21 +83,13 @@ class Reranker:
         or TEI's array with the receipt in its first result."""
         results = ranked(job.scores, job.request.top_n)
         n_tokens = sum(len(t) for t in job.pairs)
-        native = self.native
         out = rerank_receipt(
+            native_issuer(self.native),
             request_body=job.raw,
             started=job.started,
             results=results,
             pairs_tokens=job.pairs,
-            verified=native.verified,
-            engine_name=native.engine_name,
-            device=native.device,
-            n_ctx=native.n_ctx,
-            cache_type=native.cache_type,
-            key=native.receipt_key,
         )
-        if native.receipt_log is not None:
-            native.receipt_log.append(out)
         req = job.request
         if req.tei:  # never empty: top_n 0 is refused in this form
             array = fmt.tei_results(results, req.documents, req.return_text)
