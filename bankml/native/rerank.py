@@ -78,6 +78,10 @@ class Reranker:
 
     # --- the reactor thread ----------------------------------------------------------------
 
+    def job_problem(self, job: RerankJob) -> str | None:
+        """None while the model's file is the one that was hashed."""
+        return self.native.identity_problem()
+
     def answer(self, job: RerankJob) -> Any:
         """The answer's JSON value, its receipt in it (see receipts/rerank.py): Jina's object,
         or TEI's array with the receipt in its first result."""
