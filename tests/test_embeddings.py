@@ -16,9 +16,9 @@ import numpy
 import pytest
 
 from tests.bankml_process import check_receipt_cli
-from tests.dropin import Pair, call, pair_fixture
+from tests.dropin import Pair, assert_tasks_counted_alike, call, pair_fixture
 
-mean_pair = pair_fixture(["--embeddings", "--pooling", "mean"])
+mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-c", "2048", "--metrics"])
 last_pair = pair_fixture(["--embeddings", "--pooling", "last", "--embd-normalize", "3"])
 none_pair = pair_fixture(["--embeddings", "--pooling", "none"])
 
@@ -133,6 +133,14 @@ def test_an_input_over_the_micro_batch_is_a_400_with_llama_servers_message(
     assert s2 == 500  # llama-server answers it as its own error
     assert s1 == 400 and ours["error"]["message"] == theirs["error"]["message"]
     assert "too large to process" in ours["error"]["message"]
+
+
+def test_metrics_and_slots_count_embedding_tasks_as_llama_server(mean_pair: Pair) -> None:
+    """Every input a task of its own: its tokens as prompt tokens, one decode, nothing
+    predicted; the slot shows the last input's task."""
+    requests = [("/v1/embeddings", {"input": TEXTS}), ("/embedding", {"content": "a b c"})]
+    moved = assert_tasks_counted_alike(mean_pair, requests)
+    assert moved["llamacpp:n_decode_total"] == 3 and moved["llamacpp:prompt_tokens_total"] > 3
 
 
 def test_ollama_client_embed_and_legacy_embeddings(mean_pair: Pair, tmp_path: Path) -> None:

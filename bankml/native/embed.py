@@ -92,6 +92,7 @@ class EmbedJob:
     load: Callable[[], Any] | None = None  # Ollama's: the named model made resident first
     texts: list[str] | None = None  # Ollama's inputs, tokenized by that model once resident
     issuer: Issuer | None = None  # who issued the vectors (the model that computed them)
+    seconds: float = 0.0  # the computation's time (/metrics' prompt seconds)
 
 
 class Embedder:
@@ -247,12 +248,14 @@ class Embedder:
             self._ollama_inputs(job)
         engine = self.engine
         out = []
+        began = time.perf_counter()
         for tokens in job.tokens:
             rows = list(pool(engine.hidden_states(tokens), job.pooling))
             if job.pooling != "none" and job.embd_normalize is not None:
                 rows = [normalize(row, job.embd_normalize) for row in rows]
             out.append(rows)
         job.vectors = out
+        job.seconds = time.perf_counter() - began
         job.issuer = native_issuer(self.native)  # the model that computed them, on this thread
         if job.after is not None:  # Ollama's routes: the request's keep_alive
             job.after()
@@ -269,7 +272,9 @@ class Embedder:
         return identity_problem(job.issuer.verified)
 
     def answer(self, job: EmbedJob) -> Any:
-        """The answer's JSON value, its receipt in it (see receipts/embedding.py)."""
+        """The answer's JSON value, its receipt in it (see receipts/embedding.py); its inputs
+        counted in /metrics and /slots as llama-server's tasks (NativeEngine.record_pooled)."""
+        self.native.record_pooled(job.api, [len(t) for t in job.tokens], job.seconds)
         if job.api == OAI_EMBEDDINGS:
             vectors = [vs[0] for vs in job.vectors]
             body: Any = fmt.oai_object(job.model, vectors, [len(t) for t in job.tokens], job.base64)

@@ -19,6 +19,7 @@ native/embed.py's Embedder does:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from bankml.formats import rerank as fmt
 from bankml.formats.errors import ApiError
 from bankml.native.embed import check_limits
 from bankml.receipts.embedding import native_issuer
+from bankml.receipts.kinds import RERANK
 from bankml.receipts.rerank import ranked, rerank_receipt
 
 NOT_AN_ENCODER = "bankml reranks with a BERT reranker only (a BERT GGUF with a classifier head)"
@@ -41,6 +43,7 @@ class RerankJob:
     model: str
     request: fmt.RerankRequest  # the query, the documents, top_n, the form
     scores: list[float] = field(default_factory=list)
+    seconds: float = 0.0  # the scoring's time (/metrics' prompt seconds)
 
 
 class Reranker:
@@ -71,7 +74,9 @@ class Reranker:
         """Every pair's score, one pair after the other."""
         self.native.wake()
         encoder = self.native.engine.model.encoder
+        began = time.perf_counter()
         job.scores = [encoder.rank_score(tokens) for tokens in job.pairs]
+        job.seconds = time.perf_counter() - began
         if self.native.used is not None:  # the resident model's keep-alive starts again
             self.native.used()
         return job
@@ -84,7 +89,9 @@ class Reranker:
 
     def answer(self, job: RerankJob) -> Any:
         """The answer's JSON value, its receipt in it (see receipts/rerank.py): Jina's object,
-        or TEI's array with the receipt in its first result."""
+        or TEI's array with the receipt in its first result. Its pairs are counted in /metrics
+        and /slots as llama-server's tasks (NativeEngine.record_pooled)."""
+        self.native.record_pooled(RERANK, [len(t) for t in job.pairs], job.seconds)
         results = ranked(job.scores, job.request.top_n)
         n_tokens = sum(len(t) for t in job.pairs)
         out = rerank_receipt(
