@@ -21,6 +21,9 @@ from tests.dropin import Pair, assert_tasks_counted_alike, call, pair_fixture
 mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-c", "2048", "--metrics"])
 last_pair = pair_fixture(["--embeddings", "--pooling", "last", "--embd-normalize", "3"])
 none_pair = pair_fixture(["--embeddings", "--pooling", "none"])
+# four slots, one cache: llama-server batches a request's inputs, and its cls vectors stay each
+# input's own (docs/modules/embeddings.md)
+slots_pair = pair_fixture(["--embeddings", "--pooling", "cls", "-np", "4", "-kvu"])
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4]
 
@@ -195,6 +198,16 @@ def test_last_pooling_and_p_norm_several_inputs(last_pair: Pair, tmp_path: Path)
         assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
     assert ours["usage"] == theirs["usage"]
     assert_receipt_holds(last_pair, tmp_path, body, raw)
+
+
+def test_several_slots_batched_inputs_with_cls_pooling_are_llama_servers_bits(
+    slots_pair: Pair,
+) -> None:
+    body = {"input": [*TEXTS, "a b c"], "embd_normalize": -1}
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in slots_pair.ports)
+    assert s1 == s2 == 200 and len(ours["data"]) == 3
+    for a, b in zip(ours["data"], theirs["data"]):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
 
 
 def test_none_pooling_gives_every_tokens_vector(none_pair: Pair, tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ request names (made resident first, on the engine thread, where its inputs are t
    pass's kernels, in a slot left empty afterwards), pooled and normalised as llama-server
    does (engine_cupy/pooling.py). One input at a time is what llama-server computes with one
    slot (bankml's default ``-np 1``); with several slots llama-server puts a request's inputs
-   in one micro-batch, and its vectors move (docs/llama-server.md), which bankml does not
-   follow;
+   together, and its ``mean`` vectors (and ``cls`` ones without ``-kvu``) move
+   (docs/modules/embeddings.md has when and by how much), which bankml does not follow;
 3. the answer (the reactor thread): the body (formats/embeddings.py) and its receipt
    (receipts/embedding.py).
 
