@@ -55,7 +55,7 @@ from bankml.p0.answers import (
     request_object,
 )
 from bankml.p0.gateway import Gateway, UpstreamTooLarge, check_length
-from bankml.receipts.embedding import embedding_receipt, p0_receipts
+from bankml.receipts.embedding import Issuer, embedding_receipt, p0_receipts
 from bankml.receipts.kinds import OAI_COMPLETION, RERANK
 from bankml.receipts.rerank import (
     RerankMismatch,
@@ -250,6 +250,21 @@ class Forward(JsonResource):
         pass_through(request, response, raw)
 
 
+def gateway_issuer(gateway: Gateway) -> Issuer:
+    """The Issuer of P0's embedding and rerank receipts: llama-server as the gateway knows it."""
+    return Issuer(
+        verified=gateway.verified,
+        engine_name=gateway.engine_name,
+        device=None,
+        n_ctx=gateway.engine_n_ctx,
+        cache_type=gateway.cache_type,
+        key=gateway.receipt_key,
+        engine_version=gateway.engine_build,
+        engine_digest=gateway.engine_digest,
+        log=gateway.receipt_log,
+    )
+
+
 class EmbeddingProxy(JsonResource):
     """An embedding or rerank (``kind`` RERANK) endpoint through to llama-server, its receipts
     added: the sha256 of each vector it sent (bankml/receipts/embedding.py), of the results it
@@ -306,10 +321,11 @@ class EmbeddingProxy(JsonResource):
             return
         asked = request_object(body)
         normalize = asked.get("embd_normalize")
-        gateway = self.gateway
+        issuer = gateway_issuer(self.gateway)
 
         def issue(vectors: list[list[float]], prompt_tokens: int | None) -> dict[str, Any]:
-            out = embedding_receipt(
+            return embedding_receipt(
+                issuer,
                 api=self.kind,
                 request_body=body,
                 started=started,
@@ -318,18 +334,7 @@ class EmbeddingProxy(JsonResource):
                 prompt_tokens=prompt_tokens,
                 pooling=None,
                 embd_normalize=normalize if isinstance(normalize, int) else None,
-                verified=gateway.verified,
-                engine_name=gateway.engine_name,
-                device=None,
-                n_ctx=gateway.engine_n_ctx,
-                cache_type=gateway.cache_type,
-                key=gateway.receipt_key,
-                engine_version=gateway.engine_build,
-                engine_digest=gateway.engine_digest,
             )
-            if gateway.receipt_log is not None:
-                gateway.receipt_log.append(out)
-            return out
 
         if not p0_receipts(self.kind, answer, issue):
             pass_through(request, response, raw)
@@ -352,24 +357,14 @@ class EmbeddingProxy(JsonResource):
         else:  # TEI's empty array: no result to carry it
             write_error(request, 501, EMPTY_TEI, kind="not_supported_error")
             return
-        gateway = self.gateway
         out = rerank_receipt(
+            gateway_issuer(self.gateway),
             request_body=body,
             started=started,
             results=results,
             pairs_tokens=None,
             prompt_tokens=answer_prompt_tokens(answer),
-            verified=gateway.verified,
-            engine_name=gateway.engine_name,
-            device=None,
-            n_ctx=gateway.engine_n_ctx,
-            cache_type=gateway.cache_type,
-            key=gateway.receipt_key,
-            engine_version=gateway.engine_build,
-            engine_digest=gateway.engine_digest,
         )
-        if gateway.receipt_log is not None:
-            gateway.receipt_log.append(out)
         holder["bankml_receipt"] = out
         write_json(request, 200, json.dumps(answer, ensure_ascii=False).encode("utf-8"))
 

@@ -82,6 +82,47 @@ class Pair:
         return [call(port, method, path, body)[::2] for port in self.ports]  # type: ignore[misc]
 
 
+# the /metrics counters a task moves (the rest are gauges, maxima or times)
+TASK_COUNTERS = (
+    "llamacpp:prompt_tokens_total",
+    "llamacpp:prompt_tokens_cached_total",
+    "llamacpp:tokens_predicted_total",
+    "llamacpp:n_decode_total",
+)
+
+
+def metrics_values(port: int) -> dict[str, float]:
+    """GET /metrics' series as numbers (llama-server needs --metrics)."""
+    status, _, raw = call(port, "GET", "/metrics")
+    assert status == 200, raw
+    out = {}
+    for line in raw.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split()[:2]
+            out[name] = float(value)
+    return out
+
+
+def assert_tasks_counted_alike(pair: Pair, requests: list[tuple[str, Any]]) -> dict[str, float]:
+    """The same POSTs to both: each counter of TASK_COUNTERS moves by as much on each side, and
+    ``GET /slots`` afterwards is the same but for ``id_task`` (llama-server numbers its other
+    tasks too). Returns the drop-in's moves."""
+    before = [metrics_values(port) for port in pair.ports]
+    for path, body in requests:
+        for port in pair.ports:
+            status, _, raw = call(port, "POST", path, body)
+            assert status == 200, raw
+    after = [metrics_values(port) for port in pair.ports]
+    moved = [{k: a[k] - b[k] for k in TASK_COUNTERS} for a, b in zip(after, before)]
+    assert moved[0] == moved[1]
+    slots = [json.loads(raw) for _, raw in pair.both("GET", "/slots")]
+    for listing in slots:
+        for slot in listing:
+            slot.pop("id_task", None)
+    assert slots[0] == slots[1]
+    return moved[0]
+
+
 def dropin_pair(
     flags: list[str], model: Path, fork: Path, binary: Path, log: Path
 ) -> Iterator[Pair]:

@@ -16,11 +16,14 @@ import numpy
 import pytest
 
 from tests.bankml_process import check_receipt_cli
-from tests.dropin import Pair, call, pair_fixture
+from tests.dropin import Pair, assert_tasks_counted_alike, call, pair_fixture
 
-mean_pair = pair_fixture(["--embeddings", "--pooling", "mean"])
+mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-c", "2048", "--metrics"])
 last_pair = pair_fixture(["--embeddings", "--pooling", "last", "--embd-normalize", "3"])
 none_pair = pair_fixture(["--embeddings", "--pooling", "none"])
+# four slots, one cache: llama-server batches a request's inputs, and its cls vectors stay each
+# input's own (docs/modules/embeddings.md)
+slots_pair = pair_fixture(["--embeddings", "--pooling", "cls", "-np", "4", "-kvu"])
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4]
 
@@ -135,6 +138,14 @@ def test_an_input_over_the_micro_batch_is_a_400_with_llama_servers_message(
     assert "too large to process" in ours["error"]["message"]
 
 
+def test_metrics_and_slots_count_embedding_tasks_as_llama_server(mean_pair: Pair) -> None:
+    """Every input a task of its own: its tokens as prompt tokens, one decode, nothing
+    predicted; the slot shows the last input's task."""
+    requests = [("/v1/embeddings", {"input": TEXTS}), ("/embedding", {"content": "a b c"})]
+    moved = assert_tasks_counted_alike(mean_pair, requests)
+    assert moved["llamacpp:n_decode_total"] == 3 and moved["llamacpp:prompt_tokens_total"] > 3
+
+
 def test_ollama_client_embed_and_legacy_embeddings(mean_pair: Pair, tmp_path: Path) -> None:
     import ollama
 
@@ -187,6 +198,16 @@ def test_last_pooling_and_p_norm_several_inputs(last_pair: Pair, tmp_path: Path)
         assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
     assert ours["usage"] == theirs["usage"]
     assert_receipt_holds(last_pair, tmp_path, body, raw)
+
+
+def test_several_slots_batched_inputs_with_cls_pooling_are_llama_servers_bits(
+    slots_pair: Pair,
+) -> None:
+    body = {"input": [*TEXTS, "a b c"], "embd_normalize": -1}
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in slots_pair.ports)
+    assert s1 == s2 == 200 and len(ours["data"]) == 3
+    for a, b in zip(ours["data"], theirs["data"]):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
 
 
 def test_none_pooling_gives_every_tokens_vector(none_pair: Pair, tmp_path: Path) -> None:

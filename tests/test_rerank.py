@@ -22,7 +22,7 @@ from bankml.openapi import load_description
 from bankml.receipts.rerank import answer_results
 from tests import hf_dirs
 from tests.bankml_process import check_receipt_cli
-from tests.dropin import Pair, bankml, call, dropin_pair, start_serve
+from tests.dropin import Pair, assert_tasks_counted_alike, bankml, call, dropin_pair, start_serve
 from tests.support import free_port
 
 QUERY = "What is a giant panda?"
@@ -51,7 +51,7 @@ def pair(
     reranker: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     log = tmp_path_factory.mktemp("pair") / "bankml.log"
-    flags = ["--rerank", "-c", "128"]  # the tiny model's positions: 128
+    flags = ["--rerank", "-c", "128", "--metrics"]  # the tiny model's positions: 128
     yield from dropin_pair(flags, reranker[0], reranker[1], llama_server_bin, log)
 
 
@@ -116,6 +116,14 @@ def test_receipt_replays_and_refuses_another_ranking(
     swapped["results"] = [answer["results"][1], answer["results"][0], answer["results"][2]]
     code, out = check_receipt_cli(tmp_path, request, json.dumps(swapped).encode(), key)
     assert code != 0 and "rerank_sha256" in out, out
+
+
+def test_metrics_and_slots_count_rerank_tasks_as_llama_server(pair: Pair) -> None:
+    """Every pair a task of its own, counted as llama-server counts it; the slot shows the
+    last pair's task."""
+    body = {"query": "a fox", "documents": ["the quick brown fox", "a lazy dog", "fox"]}
+    moved = assert_tasks_counted_alike(pair, [("/rerank", body)])
+    assert moved["llamacpp:n_decode_total"] == 3 and moved["llamacpp:tokens_predicted_total"] == 0
 
 
 @pytest.mark.parametrize(

@@ -305,16 +305,22 @@ class Props:
     eos_token: str = ""
 
 
+class DefaultTask:
+    """A task with the server's default parameters (``defaults``: its SamplerParams), read by
+    ``generation_settings`` as a parsed request: /props' defaults, an embedding or rerank
+    task's parameters."""
+
+    n_predict, stop, n_probs, cache_prompt = -1, (), 0, True
+
+    def __init__(self, defaults: Any) -> None:
+        self.sampler = defaults
+
+
 def props_object(props: Props) -> dict[str, Any]:
     """llama-server's /props keys."""
-    defaults = props.defaults
-
-    class _Defaults:  # generation_settings reads a parsed request's fields
-        sampler, n_predict, stop, n_probs, cache_prompt = defaults, -1, (), 0, True
-
     return {
         "default_generation_settings": {
-            "params": generation_settings(_Defaults, only_metrics=True),
+            "params": generation_settings(DefaultTask(props.defaults), only_metrics=True),
             "n_ctx": props.n_ctx,
         },
         "total_slots": props.total_slots,
@@ -361,8 +367,11 @@ def slot_object(
     if view.parsed is None:
         return slot
     params = generation_settings(view.parsed, only_metrics=True)
-    params["reasoning_format"] = "deepseek"  # the server's --reasoning-format (auto) in a task
-    if view.kind == CHAT:
+    if view.pooled:  # an embedding or rerank task: the defaults as they are (/props')
+        n_prompt_tokens = view.slot_tokens
+    else:
+        params["reasoning_format"] = "deepseek"  # the server's --reasoning-format (auto)
+    if view.kind == CHAT and not view.pooled:
         # the chat parser llama.cpp generates for a template ("Content-only" without Jinja)
         params["chat_format"] = view.parsed.options.get("chat_format", "peg-native")
         params["generation_prompt"] = generation_prompt
@@ -375,7 +384,7 @@ def slot_object(
             "params": params,
             "next_token": [
                 {
-                    "has_next_token": view.processing,
+                    "has_next_token": view.processing or (view.pooled and view.next_token_left),
                     "has_new_line": view.has_new_line,
                     "n_remain": view.n_remain(),
                     "n_decoded": view.n_decoded,

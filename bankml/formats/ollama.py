@@ -268,9 +268,21 @@ def pin_template(pin: Pin) -> str:
     return CHATML_TEMPLATE if not text or text == "chatml" else text
 
 
+def pin_completes(pin: Pin) -> bool:
+    """Ollama's reading of a GGUF: a model whose header has ``<arch>.pooling_type`` embeds
+    (``embedding``) and does not complete; any other completes (``completion``)."""
+    header = pin.header
+    if header is None:
+        return True
+    return f"{header.arch}.pooling_type" not in header.kv
+
+
 def pin_capabilities(target: Target) -> tuple[str, ...]:
-    """``template_capabilities`` of the target's pin's own template."""
-    return template_capabilities(pin_template(pin_of(target)))
+    """``template_capabilities`` of the target's pin's own template, and ``embedding`` for a
+    model that does not complete (``pin_completes``)."""
+    pin = pin_of(target)
+    found = template_capabilities(pin_template(pin))
+    return found if pin_completes(pin) else (*found, "embedding")
 
 
 def _sampling_defaults(pin: Pin) -> SamplerParams:
@@ -348,8 +360,9 @@ def show_body(
 ) -> dict[str, Any]:
     """``POST /api/show`` for a pin or a derived model (a derived model: its base's answer with
     its own Modelfile, parameters, system, licence, messages, parent and layer);
-    ``capabilities``: what its template can do beyond completion (None: ``pin_capabilities``),
-    listed after ``completion`` in Ollama's order (tools, then thinking)."""
+    ``capabilities``: what its template can do beyond completion, and ``embedding`` (None:
+    ``pin_capabilities``), listed after ``completion`` (a model that completes:
+    ``pin_completes``) in Ollama's order (tools, then thinking)."""
     pin = pin_of(target)
     layer = target.layer if isinstance(target, Derived) else None
     header = pin.header
@@ -366,8 +379,9 @@ def show_body(
         out["messages"] = [{"role": r, "content": c} for r, c in layer.messages]
     out["model_info"] = header.scalar_keys() if header else {}
     extra = pin_capabilities(target) if capabilities is None else capabilities
+    completes = ["completion"] if pin_completes(pin) else []
     out["capabilities"] = (
-        ["completion"] + [c for c in ("tools", "thinking", "embedding") if c in extra]
+        completes + [c for c in ("tools", "thinking", "embedding") if c in extra]
         if pin.native
         else []
     )

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bankml.engine_cupy.sampler import SamplerError, SamplerParams
-from bankml.formats.ollama import OllamaError
+from bankml.formats.ollama import OllamaError, pin_completes
 from bankml.formats.ollama import pin_capabilities as default_capabilities
 from bankml.registry.catalog import Catalog, Target, layer_of, pin_of
 from bankml.registry.keepalive import DEFAULT, UNLOAD, BadKeepAlive, KeepAlive, parse_keep_alive
@@ -269,13 +269,27 @@ def read_tools(tools: Any) -> list[dict[str, Any]]:
     return [{**tool, "type": "function"} for tool in tools]
 
 
+def cannot_complete(kind: str, model: str) -> OllamaError:
+    """Ollama's refusal of a generate or chat on a model that only embeds."""
+    return OllamaError(400, f'"{model}" does not support {"chat" if kind == CHAT else "generate"}')
+
+
 def check_capabilities(
-    model: str, think: bool | str | None, tools: list[dict[str, Any]], capabilities: Sequence[str]
+    model: str,
+    think: bool | str | None,
+    tools: list[dict[str, Any]],
+    capabilities: Sequence[str],
+    *,
+    kind: str = GENERATE,
+    completes: bool = True,
 ) -> None:
     """Ollama's refusals, in its order: thinking asked of a template that cannot think (``model``
-    as the request named it), then tools given to a template without tool calls."""
+    as the request named it), a model that does not complete (``cannot_complete``), then tools
+    given to a template without tool calls."""
     if think not in (None, False) and THINKING not in capabilities:
         raise OllamaError(400, f'"{model}" does not support thinking')
+    if not completes:
+        raise cannot_complete(kind, model)
     if tools and TOOLS not in capabilities:
         raise OllamaError(400, f"{model} does not support tools")
 
@@ -513,9 +527,13 @@ def prepare(
         empty = obj.get("messages") is None or obj.get("messages") == []
     else:
         empty = obj.get("prompt") is None or obj.get("prompt") == ""
+    model = obj["model"] if isinstance(obj.get("model"), str) else prepared.model
+    completes = pin_completes(pin_of(target))
     if empty:
         prepared.empty = True
         prepared.unload = keep_alive.kind == UNLOAD
+        if not (prepared.unload or completes):  # Ollama loads only a model that completes
+            raise cannot_complete(kind, model)
         return prepared
     _refusals(kind, obj)
     prepared.context = _context(kind, obj)
@@ -528,9 +546,7 @@ def prepare(
             "chat template (send think without raw or context, or leave it out)",
         )
     caps = (capabilities or default_capabilities)(target)
-    check_capabilities(
-        obj["model"] if isinstance(obj.get("model"), str) else prepared.model, think, tools, caps
-    )
+    check_capabilities(model, think, tools, caps, kind=kind, completes=completes)
     prepared.parse_message = bool(tools) or think is not None or TOOLS in caps or THINKING in caps
     prepared.logprobs, prepared.top_logprobs = _logprobs(obj)
     fmt = response_format(obj.get("format"))

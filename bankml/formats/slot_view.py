@@ -30,12 +30,21 @@ class SlotView:
     cache_n: int = 0
     prompt_n: int = 0
     has_new_line: bool = False
+    # an embedding or rerank request's tasks (``pooled``): each input a task of its own with
+    # the server's default parameters (``parsed``: an object with them), the slot left holding
+    # the last input's tokens (``slot_tokens``)
+    pooled: bool = False
+    slot_tokens: int = 0
+    # llama-server's slot.has_next_token: true until a completion ends on the slot; an
+    # embedding or rerank task leaves it as it was
+    next_token_left: bool = True
 
     def begin(self, kind: str, body: dict[str, Any], parsed: Any) -> None:
         """A prompt's run starts (each prompt of a request is a task of its own, as there)."""
         self.id_task = self.tasks_begun
         self.tasks_begun += 1
         self.kind, self.body, self.parsed = kind, body, parsed
+        self.pooled, self.slot_tokens = False, 0
         self.processing = True
         self.n_decoded = self.cache_n = self.prompt_n = 0
         self.has_new_line = False
@@ -49,6 +58,22 @@ class SlotView:
 
     def end(self) -> None:
         """The task is over: llama-server's reset keeps its parameters and zeroes the rest."""
+        self.processing = False
+        self.next_token_left = False
+        self.n_decoded = self.cache_n = self.prompt_n = 0
+        self.has_new_line = False
+
+    def pooled_tasks(self, kind: str, defaults: Any, inputs_tokens: list[int]) -> None:
+        """An embedding or rerank request ran, one task per input (``inputs_tokens``: each
+        one's token count, in order), as llama-server runs them on one slot: the slot shows the
+        last task, its default parameters, its tokens, zero counts, and ``has_next_token`` as
+        the slot's last completion left it (true before any)."""
+        if not inputs_tokens:
+            return
+        self.tasks_begun += len(inputs_tokens)
+        self.id_task = self.tasks_begun - 1
+        self.kind, self.body, self.parsed = kind, {}, defaults
+        self.pooled, self.slot_tokens = True, inputs_tokens[-1]
         self.processing = False
         self.n_decoded = self.cache_n = self.prompt_n = 0
         self.has_new_line = False

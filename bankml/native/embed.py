@@ -1,5 +1,6 @@
 """Embeddings on the native engine: llama-server's ``--embeddings``, ``--pooling``,
-``--embd-normalize``, and Ollama's embed routes, over one resident model.
+``--embd-normalize``, over the resident model, and Ollama's embed routes, over the model the
+request names (made resident first, on the engine thread, where its inputs are tokenized).
 
 ``Embedder(native, settings)`` does the work in three steps, each on its thread:
 
@@ -13,8 +14,8 @@
    pass's kernels, in a slot left empty afterwards), pooled and normalised as llama-server
    does (engine_cupy/pooling.py). One input at a time is what llama-server computes with one
    slot (bankml's default ``-np 1``); with several slots llama-server puts a request's inputs
-   in one micro-batch, and its vectors move (docs/llama-server.md), which bankml does not
-   follow;
+   together, and its ``mean`` vectors (and ``cls`` ones without ``-kvu``) move
+   (docs/modules/embeddings.md has when and by how much), which bankml does not follow;
 3. the answer (the reactor thread): the body (formats/embeddings.py) and its receipt
    (receipts/embedding.py).
 
@@ -32,8 +33,9 @@ from typing import Any
 
 from bankml.formats import embeddings as fmt
 from bankml.formats.errors import ApiError, refusal_of
-from bankml.receipts.embedding import embedding_receipt
+from bankml.receipts.embedding import Issuer, embedding_receipt, native_issuer
 from bankml.receipts.kinds import LLAMA_EMBEDDING, OAI_EMBEDDINGS, OLLAMA_EMBED, OLLAMA_EMBEDDINGS
+from bankml.receipts.vouch import identity_problem
 
 DEFAULT_NORMALIZE = 2  # llama-server's --embd-normalize: euclidean
 
@@ -58,6 +60,17 @@ class EmbedSettings:
         )
 
 
+@dataclass(frozen=True)
+class EmbedModel:
+    """The model an Ollama embedding names (the host's ``embedding_model``): whether it embeds
+    here, ``load`` (engine thread: made resident as for a chat, verified again when it is
+    loaded; an OllamaError when refused) and ``after`` (the request's keep-alive applied)."""
+
+    embeds: bool
+    load: Callable[[], Any]
+    after: Callable[[], None]
+
+
 @dataclass
 class EmbedJob:
     """One request, parsed: what to compute and how to answer it."""
@@ -76,6 +89,10 @@ class EmbedJob:
     loaded_ns: int = 0  # time.time_ns() when the model was there to compute it
     vectors: list[list[Any]] = field(default_factory=list)  # per input, its vectors
     after: Callable[[], None] | None = None  # on the engine thread after it (Ollama's keep_alive)
+    load: Callable[[], Any] | None = None  # Ollama's: the named model made resident first
+    texts: list[str] | None = None  # Ollama's inputs, tokenized by that model once resident
+    issuer: Issuer | None = None  # who issued the vectors (the model that computed them)
+    seconds: float = 0.0  # the computation's time (/metrics' prompt seconds)
 
 
 class Embedder:
@@ -85,13 +102,12 @@ class Embedder:
         self,
         native: Any,
         settings: EmbedSettings,
-        check_model: Callable[[Any, Any], Callable[[], None]] | None = None,
+        check_model: Callable[[Any, Any], EmbedModel] | None = None,
     ) -> None:
         self.native = native
         self.settings = settings
         # Ollama's routes: the request's model name and keep_alive checked (the host's
-        # ``embedding_model``: an OllamaError for an unknown model or another than the
-        # resident; else what to run after the embedding: the keep-alive applied)
+        # ``embedding_model``: an OllamaError for an unknown model; else an EmbedModel)
         self.check_model = check_model
 
     @property
@@ -150,7 +166,6 @@ class Embedder:
         refused with its message. Ollama's runner takes the model's pooling (``last`` where
         the model has none: the last token's hidden state) and no normalisation of
         llama-server's; the route normalises."""
-        self.native._awake()
         if legacy:  # Ollama's checks in its order: the body, the model, then the inputs
             name = body.get("model") if isinstance(body.get("model"), str) else ""
             if not name:
@@ -163,46 +178,52 @@ class Embedder:
         else:
             request = fmt.read_ollama_embed(body)
             name, texts = request.model, request.inputs
-        after = None
+        named = None
         if self.check_model is not None:
-            try:
-                after = self.check_model(name, body.get("keep_alive"))
-            except Exception as err:  # the host's OllamaError: its status and message
-                status = getattr(err, "status", None)
-                if not isinstance(status, int):
-                    raise
-                raise fmt.ollama_error(status, str(getattr(err, "message", err))) from None
-        if not self.settings.enabled:  # served without --embeddings
+            named = _ollama_refusal(self.check_model, name, body.get("keep_alive"))
+        else:
+            self.native._awake()
+        embeds = named.embeds if named is not None else self.settings.enabled
+        if not embeds:  # a model that completes, served without --embeddings
             raise fmt.ollama_error(400, f'"{name}" does not support embeddings')
-        pooling = self.settings.pooling or self.pooling()
+        return EmbedJob(
+            OLLAMA_EMBEDDINGS if legacy else OLLAMA_EMBED,
+            raw,
+            started,
+            [],
+            "",
+            None,
+            model=str(body.get("model") or ""),
+            ollama=request,
+            started_ns=started_ns,
+            after=None if named is None else named.after,
+            load=None if named is None else named.load,
+            texts=list(texts),
+        )
+
+    def _ollama_inputs(self, job: EmbedJob) -> None:
+        """On the engine thread, the named model resident: the pooling (the server's
+        ``--pooling``, else the model's; ``last`` where that is none) and each input's tokens,
+        too long ones cut to the context as Ollama cuts them (``truncate``, its default) or
+        refused with its message."""
+        pooling = self.pooling()
         if pooling == "rank":
             raise fmt.ollama_error(501, fmt.RANK_POOLING)
         if pooling == "none":
             pooling = "last"
+        n_ctx = int(self.engine.n_ctx)
+        limit = min(n_ctx, n_ctx if pooling == "last" else int(self.engine.n_ubatch))
         tokens = []
-        limit = min(self.native.n_ctx, self._micro_batch(pooling))
-        for text in texts:
+        for text in job.texts or []:
             toks = self._tokens(text)
             if len(toks) > limit:
-                if request is not None and not request.truncate:
+                if job.ollama is not None and not job.ollama.truncate:
                     raise fmt.ollama_error(400, "the input length exceeds the context length")
                 toks = toks[:limit]
             if not toks:
                 raise fmt.ollama_error(400, "input after truncation exceeds maximum context length")
             tokens.append(toks)
-        model = str(body.get("model") or "")
-        return EmbedJob(
-            OLLAMA_EMBEDDINGS if legacy else OLLAMA_EMBED,
-            raw,
-            started,
-            tokens,
-            pooling,
-            None,
-            model=model,
-            ollama=request,
-            started_ns=started_ns,
-            after=after,
-        )
+        job.pooling, job.tokens = pooling, tokens
 
     def _tokens(self, prompt: Any) -> list[int]:
         from bankml.engine_cupy.request import RequestError
@@ -212,27 +233,30 @@ class Embedder:
         except RequestError as err:
             raise refusal_of(err) from None
 
-    def _micro_batch(self, pooling: str) -> int:
-        """The most tokens one input may have: one micro-batch (-ub) unless pooled ``last``
-        (llama-server splits only those), the context otherwise."""
-        return self.native.n_ctx if pooling == "last" else int(self.engine.n_ubatch)
-
     # --- the engine thread -----------------------------------------------------------------
 
     def compute(self, job: EmbedJob) -> EmbedJob:
         """Every input's vectors, one input after the other (see the module doc)."""
         from bankml.engine_cupy.pooling import normalize, pool
 
-        self.native.wake()
+        if job.load is not None:
+            _ollama_refusal(job.load)
+        else:
+            self.native.wake()
         job.loaded_ns = time.time_ns()
+        if job.texts is not None:
+            self._ollama_inputs(job)
         engine = self.engine
         out = []
+        began = time.perf_counter()
         for tokens in job.tokens:
             rows = list(pool(engine.hidden_states(tokens), job.pooling))
             if job.pooling != "none" and job.embd_normalize is not None:
                 rows = [normalize(row, job.embd_normalize) for row in rows]
             out.append(rows)
         job.vectors = out
+        job.seconds = time.perf_counter() - began
+        job.issuer = native_issuer(self.native)  # the model that computed them, on this thread
         if job.after is not None:  # Ollama's routes: the request's keep_alive
             job.after()
         elif self.native.used is not None:  # the resident model's keep-alive starts again
@@ -241,8 +265,16 @@ class Embedder:
 
     # --- the reactor thread ----------------------------------------------------------------
 
+    def job_problem(self, job: EmbedJob) -> str | None:
+        """None while the file of the model that computed ``job`` is the one that was hashed."""
+        if job.issuer is None:
+            return self.native.identity_problem()
+        return identity_problem(job.issuer.verified)
+
     def answer(self, job: EmbedJob) -> Any:
-        """The answer's JSON value, its receipt in it (see receipts/embedding.py)."""
+        """The answer's JSON value, its receipt in it (see receipts/embedding.py); its inputs
+        counted in /metrics and /slots as llama-server's tasks (NativeEngine.record_pooled)."""
+        self.native.record_pooled(job.api, [len(t) for t in job.tokens], job.seconds)
         if job.api == OAI_EMBEDDINGS:
             vectors = [vs[0] for vs in job.vectors]
             body: Any = fmt.oai_object(job.model, vectors, [len(t) for t in job.tokens], job.base64)
@@ -279,8 +311,8 @@ class Embedder:
     def _receipt(
         self, job: EmbedJob, vectors: Sequence[Any], tokens: Sequence[Sequence[int]]
     ) -> dict[str, Any]:
-        native = self.native
-        out = embedding_receipt(
+        return embedding_receipt(
+            job.issuer or native_issuer(self.native),
             api=job.api,
             request_body=job.raw,
             started=job.started,
@@ -288,16 +320,19 @@ class Embedder:
             inputs_tokens=tokens,
             pooling=job.pooling,
             embd_normalize=job.embd_normalize,
-            verified=native.verified,
-            engine_name=native.engine_name,
-            device=native.device,
-            n_ctx=native.n_ctx,
-            cache_type=native.cache_type,
-            key=native.receipt_key,
         )
-        if native.receipt_log is not None:
-            native.receipt_log.append(out)
-        return out
+
+
+def _ollama_refusal(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` with the host's OllamaError made Ollama's refusal (its status and
+    message)."""
+    try:
+        return call(*args)
+    except Exception as err:  # the host's OllamaError: its status and message
+        status = getattr(err, "status", None)
+        if not isinstance(status, int):
+            raise
+        raise fmt.ollama_error(status, str(getattr(err, "message", err))) from None
 
 
 def check_limits(native: Any, n: int, pooling: str) -> None:

@@ -40,6 +40,7 @@ from bankml.formats.errors import ApiError, error_object
 from bankml.formats.ollama import OllamaError
 from bankml.formats.openai import model_info
 from bankml.gate import verify
+from bankml.native.embed import EmbedModel
 from bankml.native.resident import apply_server_defaults, open_engine, training_context
 from bankml.native.run import Step, relay_forwards
 from bankml.receipts.kinds import CHAT, LLAMA_COMPLETION, OLLAMA_KIND
@@ -232,6 +233,9 @@ class OllamaHost:
         self.native = native
         self.catalog = catalog
         self.keep_alive = keep_alive
+        # the server's context: every model is opened with it (an encoder caps its own at its
+        # training context, and NativeEngine.n_ctx follows the model used last)
+        self.n_ctx = int(native.n_ctx)
         self.options = dict(options or {})
         self.clock = clock
         self.log = log
@@ -338,14 +342,14 @@ class OllamaHost:
             return int(pin.bytes or 0)
         try:
             size = os.path.getsize(pin.path)
-            kv = kv_bytes(pin.path, int(self.native.n_ctx), self.options.get("cache_type"))
+            kv = kv_bytes(pin.path, self.n_ctx, self.options.get("cache_type"))
         except (OSError, ValueError):
             return int(pin.bytes or 0)
         return size + kv
 
     def show(self, raw: bytes) -> dict[str, Any]:
         target = req.show_target(req.parse_body(raw), self.catalog)
-        return wire.show_body(target, self.native.n_ctx, self.capabilities(target))
+        return wire.show_body(target, self.n_ctx, self.capabilities(target))
 
     def capabilities(self, target: Target) -> tuple[str, ...]:
         """What the target's chat template can do beyond completion (``tools``, ``thinking``):
@@ -353,37 +357,44 @@ class OllamaHost:
         ``--chat-template-file`` among it), else the pin's own."""
         engine = self.native.engine
         template = getattr(engine, "template", None) if engine is not None else None
-        resident = pin_of(target).sha256 == self.native.verified.sha256
+        pin = pin_of(target)
+        resident = pin.sha256 == self.native.verified.sha256
         if template is not None and resident:
             found = wire.template_capabilities(template.source)
         else:
-            found = wire.pin_capabilities(target)
-        llama = (getattr(self, "options", None) or {}).get("llama") or {}
-        embedding = llama.get("embedding") or {}
-        if resident and embedding.get("enabled") and embedding.get("pooling") != "rank":
+            found = tuple(c for c in wire.pin_capabilities(target) if c != "embedding")
+        if self.embeds(pin):
             found = (*found, "embedding")
         return found
 
-    def embedding_model(self, name: Any, keep_alive: Any = None) -> Callable[[], None]:
+    def embeds(self, pin: Pin) -> bool:
+        """Whether /api/embed answers with ``pin``: a model that does not complete (Ollama's
+        reading, ``pin_completes``: an encoder) always, another with --embeddings; neither
+        with --rerank's pooling."""
+        llama = (getattr(self, "options", None) or {}).get("llama") or {}
+        embedding = llama.get("embedding") or {}
+        if embedding.get("pooling") == "rank":
+            return False
+        return bool(embedding.get("enabled")) or not wire.pin_completes(pin)
+
+    def embedding_model(self, name: Any, keep_alive: Any = None) -> EmbedModel:
         """On the prepare thread, for /api/embed and /api/embeddings: ``name`` resolves as a
-        chat's model does (Ollama's 404 otherwise) and to the resident file, which alone
-        embeds (OllamaError 400 for another); ``keep_alive`` is read as a chat's. Returns what
-        the engine thread runs after the embedding: the request's keep-alive applied."""
+        chat's model does (Ollama's 404 otherwise), ``keep_alive`` is read as a chat's. Returns
+        what the engine thread runs: the model made resident as for a chat (verified again
+        when it is loaded), and after the embedding the request's keep-alive applied."""
         if not isinstance(name, str) or not name:
             raise OllamaError(400, "model is required")
         target = req._resolve({"model": name}, self.catalog)
-        if pin_of(target).sha256 != self.native.verified.sha256:
-            raise OllamaError(
-                400,
-                f"model {name!r} is not the one bankml serves embeddings with "
-                f"({os.path.basename(self.native.verified.path)}, started with --embeddings)",
-            )
         try:
             kept = parse_keep_alive(keep_alive, self.keep_alive)
         except BadKeepAlive as err:
             raise OllamaError(400, str(err)) from None
-        pin_name = pin_of(target).name
-        return lambda: self.residency.touch(pin_name, kept, self.clock())
+        pin = pin_of(target)
+        return EmbedModel(
+            embeds=self.embeds(pin),
+            load=lambda: self._acquire(target),
+            after=lambda: self.residency.touch(pin.name, kept, self.clock()),
+        )
 
     # -- derived models (the prepare thread: create verifies its base in full) -----------------
 
@@ -396,7 +407,7 @@ class OllamaHost:
                 asked.spec,
                 self.catalog,
                 parsed_modelfile=asked.parsed_modelfile,
-                n_ctx=self.native.n_ctx,
+                n_ctx=self.n_ctx,
             )
         except registry_create.CreateError as err:
             raise OllamaError(err.status, err.message) from None
@@ -409,7 +420,7 @@ class OllamaHost:
         """``/api/copy``: the destination as a layer over the source (nothing added)."""
         try:
             source, destination = registry_create.copy_request(req.parse_body(raw))
-            registry_create.copy(source, destination, self.catalog, n_ctx=self.native.n_ctx)
+            registry_create.copy(source, destination, self.catalog, n_ctx=self.n_ctx)
         except registry_create.CreateError as err:
             raise OllamaError(err.status, err.message) from None
         self._reload()
@@ -473,7 +484,7 @@ class OllamaHost:
             kind,
             body,
             self.catalog,
-            n_ctx=self.native.n_ctx,
+            n_ctx=self.n_ctx,
             default_keep_alive=self.keep_alive,
             capabilities=self.capabilities,
         )
@@ -586,7 +597,7 @@ class OllamaHost:
         """Make ``target``'s pin resident (verified again when it is loaded); its load_ns."""
         pin = pin_of(target)
         try:
-            acquired = self.residency.acquire(pin, self.clock(), target.name, self.native.n_ctx)
+            acquired = self.residency.acquire(pin, self.clock(), target.name, self.n_ctx)
         except LoadError as err:
             refused = OllamaError(err.status, err.message)
             if err.busy:
@@ -701,7 +712,7 @@ class OllamaHost:
         if self.router_events is not None:
             self.router_events.notify(name, "model_status", {"status": "loading"})
         if own is None:
-            n_ctx, kv_unified = int(self.native.n_ctx), True  # n_ctx is already each slot's
+            n_ctx, kv_unified = self.n_ctx, True  # n_ctx is already each slot's
             # llama-server's server-wide flags hold for every load, as at start-up; its chat
             # template (--chat-template-file) is the startup model's
             llama = dict(self.options.get("llama") or {})

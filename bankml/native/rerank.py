@@ -19,12 +19,15 @@ native/embed.py's Embedder does:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bankml.formats import rerank as fmt
 from bankml.formats.errors import ApiError
 from bankml.native.embed import check_limits
+from bankml.receipts.embedding import native_issuer
+from bankml.receipts.kinds import RERANK
 from bankml.receipts.rerank import ranked, rerank_receipt
 
 NOT_AN_ENCODER = "bankml reranks with a BERT reranker only (a BERT GGUF with a classifier head)"
@@ -40,6 +43,7 @@ class RerankJob:
     model: str
     request: fmt.RerankRequest  # the query, the documents, top_n, the form
     scores: list[float] = field(default_factory=list)
+    seconds: float = 0.0  # the scoring's time (/metrics' prompt seconds)
 
 
 class Reranker:
@@ -70,33 +74,33 @@ class Reranker:
         """Every pair's score, one pair after the other."""
         self.native.wake()
         encoder = self.native.engine.model.encoder
+        began = time.perf_counter()
         job.scores = [encoder.rank_score(tokens) for tokens in job.pairs]
+        job.seconds = time.perf_counter() - began
         if self.native.used is not None:  # the resident model's keep-alive starts again
             self.native.used()
         return job
 
     # --- the reactor thread ----------------------------------------------------------------
 
+    def job_problem(self, job: RerankJob) -> str | None:
+        """None while the model's file is the one that was hashed."""
+        return self.native.identity_problem()
+
     def answer(self, job: RerankJob) -> Any:
         """The answer's JSON value, its receipt in it (see receipts/rerank.py): Jina's object,
-        or TEI's array with the receipt in its first result."""
+        or TEI's array with the receipt in its first result. Its pairs are counted in /metrics
+        and /slots as llama-server's tasks (NativeEngine.record_pooled)."""
+        self.native.record_pooled(RERANK, [len(t) for t in job.pairs], job.seconds)
         results = ranked(job.scores, job.request.top_n)
         n_tokens = sum(len(t) for t in job.pairs)
-        native = self.native
         out = rerank_receipt(
+            native_issuer(self.native),
             request_body=job.raw,
             started=job.started,
             results=results,
             pairs_tokens=job.pairs,
-            verified=native.verified,
-            engine_name=native.engine_name,
-            device=native.device,
-            n_ctx=native.n_ctx,
-            cache_type=native.cache_type,
-            key=native.receipt_key,
         )
-        if native.receipt_log is not None:
-            native.receipt_log.append(out)
         req = job.request
         if req.tei:  # never empty: top_n 0 is refused in this form
             array = fmt.tei_results(results, req.documents, req.return_text)

@@ -32,7 +32,7 @@ from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
 from bankml.engine_cupy.speculative import drafters
 from bankml.engine_cupy.weights import UnsupportedModel
 from bankml.formats.errors import ApiError, error_object, refusal_of
-from bankml.formats.llama import MetricsScrape, Props, slot_object
+from bankml.formats.llama import DefaultTask, MetricsScrape, Props, slot_object
 from bankml.formats.openai import ModelFacts
 from bankml.formats.slot_view import SlotView
 from bankml.native import text
@@ -502,6 +502,30 @@ class NativeEngine:
                 own["requests"] += 1
                 own["prompt_tokens"] += int(rec["prompt_tokens"] or 0)
                 own["completion_tokens"] += int(rec["completion_tokens"] or 0)
+
+    def record_pooled(self, kind: str, inputs_tokens: Sequence[int], seconds: float) -> None:
+        """On the reactor thread: an embedding or rerank request answered, counted as
+        llama-server build 11434 counts its tasks (one per input, each alone on the slot, its
+        cache never reused): every input's tokens processed as prompt in ``seconds`` together,
+        one llama_decode per micro-batch of an input, the longest input as the slot's longest
+        sequence; nothing predicted, no record in /bankml/metrics' ring. An idle slot's view
+        shows the last task (SlotView.pooled_tasks)."""
+        counts = [int(n) for n in inputs_tokens]
+        if not counts:
+            return
+        n_ubatch = max(1, int(getattr(self.engine, "n_ubatch", N_BATCH) or N_BATCH))
+        with self._lock:
+            tot = self.totals
+            tot["prompt_tokens"] += sum(counts)
+            tot["prompt_seconds"] += seconds
+            tot["decode_calls"] += sum(-(-n // n_ubatch) for n in counts)
+            tot["n_tokens_max"] = max(tot["n_tokens_max"], *counts)
+            self.window["prompt_tokens"] += sum(counts)
+            self.window["prompt_seconds"] += seconds
+        defaults = getattr(self.engine, "defaults", None)
+        view = next((v for v in self.slot_views if not v.processing), None)
+        if view is not None and defaults is not None:
+            view.pooled_tasks(kind, DefaultTask(defaults), counts)
 
     def metrics(self) -> dict[str, Any]:
         """/bankml/metrics: the ring of the last 256 completions with totals."""

@@ -38,12 +38,14 @@ import json
 import os
 import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bankml.receipts.digest import sha256_hex
 from bankml.receipts.envelope import envelope_of
 from bankml.receipts.keys import SigningKey
 from bankml.receipts.kinds import EMBEDDING_APIS, LLAMA_EMBEDDING, OAI_EMBEDDINGS, OLLAMA_EMBED
+from bankml.receipts.log import ReceiptLog
 from bankml.receipts.sign import (
     ReplayFacts,
     build_receipt_v2,
@@ -138,7 +140,73 @@ def check_vectors(receipt: Mapping[str, Any], obj: Any) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Issuer:
+    """Who issues the receipts of answers that sample nothing (embeddings, rerank scores): the
+    pinned file, the engine and what a signed receipt says of it, the key, and the log every
+    receipt is appended to (``--receipt-log``)."""
+
+    verified: Any
+    engine_name: str
+    device: str | None
+    n_ctx: int | None
+    cache_type: str | None
+    key: SigningKey | None
+    engine_version: str | None = __version__
+    engine_digest: str | None = None
+    log: ReceiptLog | None = None
+
+
+def native_issuer(native: Any) -> Issuer:
+    """The native engine's Issuer (``native``: the resident engine's state)."""
+    return Issuer(
+        verified=native.verified,
+        engine_name=native.engine_name,
+        device=native.device,
+        n_ctx=native.n_ctx,
+        cache_type=native.cache_type,
+        key=native.receipt_key,
+        log=native.receipt_log,
+    )
+
+
+def unsampled_receipt(
+    issuer: Issuer,
+    *,
+    api: str,
+    request_body: bytes,
+    started: float,
+    prompt_tokens: int | None,
+    fields: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A receipt of an answer that samples nothing: a chat receipt's fields, then ``fields``
+    (what this answer sent), signed with the issuer's key; appended to its log."""
+    tally = Tally(request_body=request_body, started=started)
+    tally.set_counts(prompt_tokens, 0)
+    base = receipt(
+        tally, engine=issuer.engine_name, model_sha256=issuer.verified.sha256, ttft_measured=False
+    )
+    signed_flag = base.pop("signed")
+    base.update(fields)
+    base["signed"] = signed_flag
+    out = sign_unsampled(
+        base,
+        api=api,
+        verified=issuer.verified,
+        device=issuer.device,
+        n_ctx=issuer.n_ctx,
+        cache_type=issuer.cache_type,
+        key=issuer.key,
+        engine_version=issuer.engine_version,
+        engine_digest=issuer.engine_digest,
+    )
+    if issuer.log is not None:
+        issuer.log.append(out)
+    return out
+
+
 def embedding_receipt(
+    issuer: Issuer,
     *,
     api: str,
     request_body: bytes,
@@ -148,44 +216,30 @@ def embedding_receipt(
     pooling: str | None,
     embd_normalize: int | None,
     prompt_tokens: int | None = None,
-    verified: Any,
-    engine_name: str,
-    device: str | None,
-    n_ctx: int | None,
-    cache_type: str | None,
-    key: SigningKey | None,
-    engine_version: str | None = __version__,
-    engine_digest: str | None = None,
 ) -> dict[str, Any]:
-    """The receipt of one embedding answer (see the module doc); signed with ``key`` (a
-    version-2 receipt and its envelope), else today's unsigned receipt with the same fields.
-    ``inputs_tokens`` None (P0: llama-server's answer lists no ids): ``inputs_tokens_sha256``
-    null and ``prompt_tokens`` as the answer reports it (None: unknown)."""
+    """The receipt of one embedding answer (see the module doc); signed with the issuer's key
+    (a version-2 receipt and its envelope), else today's unsigned receipt with the same
+    fields. ``inputs_tokens`` None (P0: llama-server's answer lists no ids):
+    ``inputs_tokens_sha256`` null and ``prompt_tokens`` as the answer reports it (None:
+    unknown)."""
     if api not in EMBEDDING_APIS:
         raise ValueError(f"unknown embedding api {api!r}")
-    tally = Tally(request_body=request_body, started=started)
     if inputs_tokens is not None:
         prompt_tokens = int(sum(len(t) for t in inputs_tokens))
-    tally.set_counts(prompt_tokens, 0)
-    base = receipt(tally, engine=engine_name, model_sha256=verified.sha256, ttft_measured=False)
-    signed_flag = base.pop("signed")
-    base["embeddings_sha256"] = [vector_sha256(v) for v in vectors]
-    base["inputs_tokens_sha256"] = (
-        None if inputs_tokens is None else [token_ids_sha256(t) for t in inputs_tokens]
-    )
-    base["pooling"] = pooling
-    base["embd_normalize"] = embd_normalize
-    base["signed"] = signed_flag
-    return sign_unsampled(
-        base,
+    return unsampled_receipt(
+        issuer,
         api=api,
-        verified=verified,
-        device=device,
-        n_ctx=n_ctx,
-        cache_type=cache_type,
-        key=key,
-        engine_version=engine_version,
-        engine_digest=engine_digest,
+        request_body=request_body,
+        started=started,
+        prompt_tokens=prompt_tokens,
+        fields={
+            "embeddings_sha256": [vector_sha256(v) for v in vectors],
+            "inputs_tokens_sha256": (
+                None if inputs_tokens is None else [token_ids_sha256(t) for t in inputs_tokens]
+            ),
+            "pooling": pooling,
+            "embd_normalize": embd_normalize,
+        },
     )
 
 

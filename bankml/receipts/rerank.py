@@ -38,12 +38,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bankml.receipts.digest import sha256_hex
-from bankml.receipts.embedding import sign_unsampled
-from bankml.receipts.keys import SigningKey
+from bankml.receipts.embedding import Issuer, unsampled_receipt
 from bankml.receipts.kinds import RERANK
 from bankml.receipts.sign import token_ids_sha256
-from bankml.receipts.tally import Tally, receipt
-from bankml.version import __version__
 
 
 def documents_of(body: Mapping[str, Any]) -> list[str]:
@@ -251,46 +248,32 @@ def check_results(receipt: Mapping[str, Any], obj: Any) -> None:
 
 
 def rerank_receipt(
+    issuer: Issuer,
     *,
     request_body: bytes,
     started: float,
     results: Sequence[tuple[int, float]],
     pairs_tokens: Sequence[Sequence[int]] | None,
     prompt_tokens: int | None = None,
-    verified: Any,
-    engine_name: str,
-    device: str | None,
-    n_ctx: int | None,
-    cache_type: str | None,
-    key: SigningKey | None,
-    engine_version: str | None = __version__,
-    engine_digest: str | None = None,
 ) -> dict[str, Any]:
-    """The receipt of one rerank answer (the module doc); signed with ``key``, else today's
-    unsigned receipt with the same fields. ``pairs_tokens`` None (P0): ``inputs_tokens_sha256``
-    null and ``prompt_tokens`` as the answer reports it."""
-    tally = Tally(request_body=request_body, started=started)
+    """The receipt of one rerank answer (the module doc); signed with the issuer's key, else
+    today's unsigned receipt with the same fields. ``pairs_tokens`` None (P0):
+    ``inputs_tokens_sha256`` null and ``prompt_tokens`` as the answer reports it."""
     if pairs_tokens is not None:
         prompt_tokens = int(sum(len(t) for t in pairs_tokens))
-    tally.set_counts(prompt_tokens, 0)
-    base = receipt(tally, engine=engine_name, model_sha256=verified.sha256, ttft_measured=False)
-    signed_flag = base.pop("signed")
-    base["rerank_sha256"] = results_sha256(results)
-    base["inputs_tokens_sha256"] = (
-        None if pairs_tokens is None else [token_ids_sha256(t) for t in pairs_tokens]
-    )
-    base["pooling"] = "rank"
-    base["signed"] = signed_flag
-    return sign_unsampled(
-        base,
+    return unsampled_receipt(
+        issuer,
         api=RERANK,
-        verified=verified,
-        device=device,
-        n_ctx=n_ctx,
-        cache_type=cache_type,
-        key=key,
-        engine_version=engine_version,
-        engine_digest=engine_digest,
+        request_body=request_body,
+        started=started,
+        prompt_tokens=prompt_tokens,
+        fields={
+            "rerank_sha256": results_sha256(results),
+            "inputs_tokens_sha256": (
+                None if pairs_tokens is None else [token_ids_sha256(t) for t in pairs_tokens]
+            ),
+            "pooling": "rank",
+        },
     )
 
 

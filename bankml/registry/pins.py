@@ -25,6 +25,10 @@ from bankml.gate import verify
 from bankml.registry.header import HeaderError, HeaderInfo, read_header
 from bankml.registry.names import base_name, model_name, request_name
 
+# encoder-only architectures: served by the encoder engine (engine_cupy/encoder_engine.py's
+# ``is_encoder``), embeddings only
+ENCODER_ARCHITECTURES = ("bert",)
+
 FORK_GLOB = "*.FORK.json"
 NOT_HERE = "pinned, but the file is not on this machine"
 
@@ -79,7 +83,7 @@ def _native_reason(path: str | None, header: HeaderInfo | None, header_error: st
         return NOT_HERE
     if header is None:
         return f"its header is refused: {header_error}"
-    if header.arch not in ARCHITECTURES:
+    if header.arch not in ARCHITECTURES and header.arch not in ENCODER_ARCHITECTURES:
         return f"architecture {header.arch}: the forward pass plays {supported_names()}"
     return None
 

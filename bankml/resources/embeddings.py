@@ -40,6 +40,8 @@ class EmbeddingSource(Protocol):
 
     def compute(self, job: Any) -> Any: ...
 
+    def job_problem(self, job: Any) -> str | None: ...
+
     def answer(self, job: Any) -> Any: ...
 
 
@@ -51,6 +53,8 @@ class RerankSource(Protocol):
     def parse(self, body: dict[str, Any], raw: bytes, started: float) -> Any: ...
 
     def compute(self, job: Any) -> Any: ...
+
+    def job_problem(self, job: Any) -> str | None: ...
 
     def answer(self, job: Any) -> Any: ...
 
@@ -80,7 +84,7 @@ class _EmbeddingResource(JsonResource):
     def _answer(self, job: Any, request: Request) -> None:
         if gone(request):
             return
-        problem = self.embedder.native.identity_problem()
+        problem = self.embedder.job_problem(job)  # the file of the model that computed it
         if problem is not None:
             write_json(request, 503, error_body(503, problem))
             return
