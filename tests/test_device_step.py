@@ -273,3 +273,13 @@ def test_a_model_too_big_for_the_device_is_refused_with_the_figures(
     cp.free = 1 << 10
     with pytest.raises(ds.DeviceMemory, match="needs"):
         step.new_sequence(32)
+
+
+def test_the_gpu_checks_device_step_report(tiny_models: dict[str, Path]) -> None:
+    """bench/kernel_check.py's device-step part (what a GPU run reports: the step on the device
+    against the same step through the twins), here with the stand-in on both sides."""
+    from bench import kernel_check
+
+    report = kernel_check.device_step_vs_twins(KernelCupy(), tiny_models["qwen2-Q8_0"], steps=2)  # type: ignore[arg-type]
+    assert report["same_tokens"] and report["identical_steps"] == 2 == len(report["tokens"])
+    assert report["launches_per_step"] == 12 * 2 + 4 and report["us_per_step"] is None
