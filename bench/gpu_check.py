@@ -556,6 +556,18 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
     model = args.model if args.model is not None and Path(args.model).exists() else None
     ok, value = attempt(result, "kernels", lambda: kernels_vs_twins(get_xp("cuda"), model))
+    if ok and model is not None:
+        from bench.kernel_check import device_step_vs_twins
+
+        step_ok, step = attempt(
+            value, "device_step", lambda: device_step_vs_twins(get_xp("cuda"), model)
+        )
+        if step_ok:
+            value["device_step"] = step
+            print(
+                f"decode step on the device: same greedy tokens {step['same_tokens']}, "
+                f"steps identical to the twins {step['identical_steps']}/{len(step['steps'])}"
+            )
     if ok:
         print(f"CUDA kernels identical to their twins: {value['identical']}/{value['checked']}")
         return value

@@ -35,6 +35,8 @@ from bankml.engine_cupy.cuda_loader import CudaKernels  # noqa: E402
 from bankml.engine_cupy.gguf_file import open_file  # noqa: E402
 from tests.tiny_models import _matrix  # noqa: E402
 
+STEP_PROMPT = [1, 504, 3458, 282, 4649, 314, 28, 11, 2029]
+
 
 def compare(got: numpy.ndarray, want: numpy.ndarray) -> dict[str, Any]:
     """Bits identical, how many values (rows, or q8_1 bytes) differ, the largest difference
@@ -55,7 +57,7 @@ def compare(got: numpy.ndarray, want: numpy.ndarray) -> dict[str, Any]:
 def _time_us(cp: ModuleType, run: Any, repeats: int = 50) -> float | None:
     """Microseconds per call on the device (CuPy's events), or None without them."""
     cuda = getattr(cp, "cuda", None)
-    if cuda is None:
+    if cuda is None or not hasattr(cuda, "Event"):
         return None
     run()
     start, stop = cuda.Event(), cuda.Event()
@@ -113,15 +115,70 @@ def kernels_vs_twins(
     return report
 
 
+def _run_step(cp: ModuleType, model: Path, steps: int) -> tuple[list[int], list[Any], Any]:
+    """The prompt, then ``steps`` greedy tokens chosen on the device: the chosen ids, the
+    logits after each step (host copies), and the DeviceStep."""
+    from bankml.engine_cupy import device_step as ds
+    from bankml.engine_cupy.weights import read_hparams
+
+    reader = open_file(model)
+    step = ds.DeviceStep(cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)))
+    seq = step.new_sequence(len(STEP_PROMPT) + steps + 1)
+    for token in STEP_PROMPT:
+        step.set_token(seq, token)
+        step.step(seq)
+    chosen, logits = [], []
+    for _ in range(steps):
+        chosen.append(step.chosen(seq))
+        logits.append(step.host_logits())
+        step.step(seq)
+    return chosen, logits, (step, seq)
+
+
+def device_step_vs_twins(cp: ModuleType, model: Path, steps: int = 8) -> dict[str, Any]:
+    """The whole decode step (engine_cupy/device_step.py) on the device against the same step
+    through the twins (tests/fake_cupy_kernels.py): greedy ids, logits bits per step, launches
+    per step, and microseconds per step on the device."""
+    from tests.fake_cupy_kernels import KernelCupy
+
+    started = time.monotonic()
+    got_ids, got_logits, (step, seq) = _run_step(cp, model, steps)
+    want_ids, want_logits, _ = _run_step(KernelCupy(), model, steps)
+    per_step = [compare(g, w) for g, w in zip(got_logits, want_logits)]
+    out: dict[str, Any] = {
+        "tokens": got_ids,
+        "same_tokens": got_ids == want_ids,
+        "identical_steps": sum(c["identical"] for c in per_step),
+        "steps": per_step,
+        "launches_per_step": 12 * step.hp.n_layer + 4,
+    }
+
+    def one() -> None:  # position 0 again each time (its cache row overwritten in place)
+        seq.pos.fill(0)
+        seq.n_tokens = 0
+        step.step(seq)
+
+    out["us_per_step"] = _time_us(cp, one, repeats=20)
+    out["elapsed_s"] = round(time.monotonic() - started, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path)
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--step-tokens", type=int, default=8, help="device step check (0: none)")
     args = parser.parse_args(argv)
     import cupy  # type: ignore[import-not-found]
 
-    print(json.dumps(kernels_vs_twins(cupy, args.model, args.rows, args.cols)))
+    report = kernels_vs_twins(cupy, args.model, args.rows, args.cols)
+    if args.model is not None and args.step_tokens:
+        try:
+            report["device_step"] = device_step_vs_twins(cupy, args.model, args.step_tokens)
+        except Exception as err:  # a model the step does not play, or a kernel that fails
+            report["device_step"] = {"error": f"{type(err).__name__}: {err}"}
+    print(json.dumps(report))
     return 0
 
 

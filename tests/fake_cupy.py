@@ -29,12 +29,17 @@ To refresh the name list after a CuPy release (no GPU needed, the wheel imports 
 
 from __future__ import annotations
 
+import collections
 import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy
+
+# every read of a device value on the host (.get(), asnumpy, int/float/bool of a device array,
+# a synchronize): what a GPU would wait for; tests/fake_cupy_kernels.py counts them per step
+READS: collections.Counter[str] = collections.Counter()
 
 IMPLICIT = (
     "Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
@@ -127,6 +132,7 @@ class DeviceArray:
 
     def get(self) -> numpy.ndarray:
         """The host copy, as cupy.ndarray.get."""
+        READS["get"] += 1
         return self.host_view.copy()
 
     def set(self, host: numpy.ndarray) -> None:
@@ -162,12 +168,15 @@ class DeviceArray:
         return (_on_device(row) for row in self.host_view)
 
     def __bool__(self) -> bool:
+        READS["bool"] += 1
         return bool(self.host_view)
 
     def __float__(self) -> float:
+        READS["float"] += 1
         return float(self.host_view)
 
     def __int__(self) -> int:
+        READS["int"] += 1
         return int(self.host_view)
 
     def __repr__(self) -> str:
@@ -239,7 +248,8 @@ class FakeCupy(types.ModuleType):
     @staticmethod
     def asnumpy(value: Any) -> numpy.ndarray:
         if isinstance(value, DeviceArray):
-            return value.get()
+            READS["asnumpy"] += 1
+            return value.host_view.copy()
         return numpy.asarray(value)
 
     @staticmethod

@@ -65,6 +65,14 @@ KERNELS = (
         Kernel(f"mmvq_{q.lower()}", f"mmvq_{q.lower()}.cu", q)
         for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
     ),
+    # the decode step's (device_step.py): norm, RoPE and cache, attention, GLU, choice, embedding
+    Kernel("rms_norm_q8_1", "rms_norm_q8_1.cu", None),
+    Kernel("rope_kv_f16", "rope_kv_f16.cu", None),
+    Kernel("attn_decode_f16", "attn_decode_f16.cu", None),
+    Kernel("swiglu_q8_1", "swiglu_q8_1.cu", None),
+    Kernel("argmax_f32", "argmax_f32.cu", None),
+    Kernel("get_rows_q8_0", "get_rows.cu", None),
+    Kernel("get_rows_f32", "get_rows.cu", None),
 )
 
 

@@ -1,0 +1,410 @@
+"""The decode step on a GPU: the weights in their GGUF blocks on the device, a handful of
+kernel launches per layer, and no read back to the host inside the step.
+
+``DeviceWeights.upload(cupy, reader, hp)`` checks that the model is one the step plays
+(``unsupported``: llama and qwen2, every layer matrix of a type with a one-row product kernel)
+and that it fits the device's free memory (``cupy.cuda.runtime.memGetInfo``; refused with the
+figures otherwise), then copies each matrix's bytes to the device as they are in the file
+(uint8 [rows, row bytes]), the norms as f32, and the RoPE table (cos, sin [n_ctx, hd/2],
+ggml's angles computed once on the host).
+
+``DeviceStep(cupy, weights)`` runs one decode step of one sequence (``DeviceSequence``: its f16
+K/V cache [layers, n_head_kv, n_ctx, hd], its position and its next token, both int32 on the
+device) with the kernels of ``cuda/`` (``cuda_loader.CudaKernels``):
+
+    get_rows                         the token's embedding row into x            1
+    per layer:                                                                   12
+      rms_norm_q8_1                  x += delta (the last product), RMSNorm, q8_1
+      mmvq q, k, v                   the three products
+      rope_kv_f16                    bias, RoPE of Q and K, K and V into the cache at pos
+      attn_decode_f16                softmax(q Kᵀ scale) V over 0..pos, GQA, q8_1 out
+      mmvq o                         → delta
+      rms_norm_q8_1                  x += delta, RMSNorm, q8_1
+      mmvq gate, up
+      swiglu_q8_1                    silu(gate) · up, q8_1
+      mmvq down                      → delta
+    rms_norm_q8_1, mmvq output       x += delta, output norm; the logits
+    argmax_f32                       the greedy token into the sequence's token; pos += 1  3
+
+``LAUNCHES_PER_LAYER`` and ``launches_per_step(n_layer)`` say it. The chosen token stays on the
+device for the next step; ``chosen(seq)`` is the step's one read back (4 bytes), and the logits
+stay on the device (``logits``) unless a request needs them. Each kernel has a NumPy twin
+(cuda_twins, device_twins); tests/fake_cupy_kernels.py runs this module through them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy
+
+from bankml.engine_cupy.array_backend import rope_angles
+from bankml.engine_cupy.cuda_loader import CudaKernels
+from bankml.engine_cupy.cuda_twins import BLOCK_TYPES, NWARPS, QK, WARP
+from bankml.engine_cupy.weights import HParams, UnsupportedModel, dequantize
+
+F32 = numpy.float32
+I32 = numpy.int32
+Q8_1_BYTES = 36
+THREADS = 256  # per thread block of the one-thread-per-value kernels
+NORM_THREADS = 256  # cuda/rms_norm_q8_1.cu
+ATTN_THREADS = 128  # cuda/attn_decode_f16.cu: ATTN_WARPS * 32
+ARGMAX_THREADS = 1024  # cuda/argmax_f32.cu
+ATTN_MAX_HD = 256
+LAUNCHES_PER_LAYER = 12
+LAUNCHES_OUTSIDE_LAYERS = 4  # embedding row, output norm, output product, argmax
+ARCHS = ("llama", "qwen2")
+MEMORY_SHARE = 0.9  # of the device's free memory the weights and one cache may take
+_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def launches_per_step(n_layer: int) -> int:
+    return LAUNCHES_PER_LAYER * n_layer + LAUNCHES_OUTSIDE_LAYERS
+
+
+class DeviceMemory(UnsupportedModel):
+    """The model does not fit the device's free memory; the message gives the figures."""
+
+
+@dataclass
+class Matrix:
+    """A weight matrix in its GGUF blocks on the device: uint8 [rows, row bytes]."""
+
+    qtype: str
+    w: Any
+    rows: int
+    cols: int
+
+
+@dataclass
+class DeviceLayer:
+    attn_norm: Any
+    ffn_norm: Any
+    q: Matrix
+    k: Matrix
+    v: Matrix
+    o: Matrix
+    gate: Matrix
+    up: Matrix
+    down: Matrix
+    bias: Any | None  # q, k and v biases concatenated (qwen2), f32
+
+
+def _infos(reader: Any) -> dict[str, Any]:
+    return {t.name: t for t in reader.tensors}
+
+
+def unsupported(reader: Any, hp: HParams) -> str | None:
+    """Why the decode step cannot play this model (None: it can)."""
+    spec = hp.spec
+    if hp.arch not in ARCHS:
+        return f"architecture {hp.arch} (the device step plays {', '.join(ARCHS)})"
+    if spec.qk_norm or spec.post_norms or spec.ffn_activation != "silu":
+        return f"{hp.arch}'s Q/K norms, post-norms or GeGLU"
+    if hp.final_softcap or hp.embd_scale != 1.0 or any(hp.swa_layers):
+        return "soft-capping, an embedding scale or sliding-window layers"
+    if spec.attention_scales(hp.attn_scale)[0] != 1:
+        return "a Q scale"
+    if hp.head_dim % QK or hp.head_dim > ATTN_MAX_HD or hp.n_embd % QK or hp.n_ff % QK:
+        return f"widths not multiples of {QK} (or heads wider than {ATTN_MAX_HD})"
+    infos = _infos(reader)
+    if "output.bias" in infos:
+        return "an output bias"
+    out = "token_embd.weight" if hp.tied_output else "output.weight"
+    names = [out] + [f"blk.{il}.{m}.weight" for il in range(hp.n_layer) for m in _MATRICES]
+    for name in names:
+        info = infos.get(name)
+        if info is None:
+            return f"no tensor {name} (a fused QKV?)"
+        if info.tensor_type.name not in BLOCK_TYPES:
+            return f"{name} is {info.tensor_type.name}: no one-row product kernel for it"
+    return None
+
+
+def upload_bytes(reader: Any, hp: HParams) -> int:
+    """What the step's weights take on the device: the GGUF bytes, plus an f32 embedding table
+    where the embedding has no row kernel (only Q8_0 has one), plus the RoPE table."""
+    total = sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight")
+    embd = _infos(reader)["token_embd.weight"]
+    if embd.tensor_type.name == "Q8_0" or hp.tied_output:
+        total += int(embd.n_bytes)
+    if embd.tensor_type.name != "Q8_0":
+        total += int(embd.n_elements) * 4
+    return total + 2 * hp.n_ctx_train * hp.head_dim // 2 * 4
+
+
+def cache_bytes(hp: HParams, n_ctx: int) -> int:
+    """One sequence's f16 K and V and its attention scores."""
+    return 2 * 2 * hp.n_layer * hp.n_head_kv * n_ctx * hp.head_dim + 4 * hp.n_head * n_ctx
+
+
+def check_device_memory(cupy: ModuleType, need: int) -> None:
+    """Refuse, with the figures, what would not fit the device's free memory."""
+    free, total = (int(v) for v in cupy.cuda.runtime.memGetInfo())
+    if need > MEMORY_SHARE * free:
+        raise DeviceMemory(
+            f"the model needs {need / 2**20:.1f} MiB on the device, more than {MEMORY_SHARE:.0%}"
+            f" of its {free / 2**20:.1f} MiB free ({total / 2**20:.1f} MiB in all)"
+        )
+
+
+@dataclass
+class DeviceWeights:
+    hp: HParams
+    embd_qtype: str  # "Q8_0" (rows from its blocks) or "F32" (a dequantized table)
+    embd: Any
+    output_norm: Any
+    output: Matrix
+    layers: list[DeviceLayer]
+    cos: Any  # [n_ctx_train, hd/2] f32
+    sin: Any
+    nbytes: int
+
+    @classmethod
+    def upload(cls, cupy: ModuleType, reader: Any, hp: HParams) -> DeviceWeights:
+        why = unsupported(reader, hp)
+        if why is not None:
+            raise UnsupportedModel(f"the device step does not play {why}")
+        check_device_memory(cupy, upload_bytes(reader, hp))
+        infos = _infos(reader)
+        nbytes = 0
+
+        def up(host: numpy.ndarray) -> Any:
+            nonlocal nbytes
+            nbytes += host.nbytes
+            return cupy.asarray(numpy.ascontiguousarray(host))
+
+        def matrix(name: str) -> Matrix:
+            info = infos[name]
+            qtype = info.tensor_type.name
+            data = numpy.asarray(info.data)  # [rows, row bytes], as the file holds it
+            w = data.reshape(data.shape[0], -1).view(numpy.uint8)
+            cols = w.shape[1] // BLOCK_TYPES[qtype].block_bytes * BLOCK_TYPES[qtype].values
+            return Matrix(qtype, up(w), w.shape[0], cols)
+
+        def vector(name: str) -> Any:
+            return up(numpy.asarray(infos[name].data, F32).reshape(-1))
+
+        def bias(p: str) -> Any | None:
+            names = [f"{p}attn_{x}.bias" for x in ("q", "k", "v")]
+            if not any(n in infos for n in names):
+                return None
+            widths = (hp.n_head, hp.n_head_kv, hp.n_head_kv)
+            parts = [
+                numpy.asarray(infos[n].data, F32).reshape(-1)
+                if n in infos
+                else numpy.zeros(w * hp.head_dim, F32)
+                for n, w in zip(names, widths)
+            ]
+            return up(numpy.concatenate(parts))
+
+        layers = []
+        for il in range(hp.n_layer):
+            p = f"blk.{il}."
+            m = {name: matrix(f"{p}{name}.weight") for name in _MATRICES}
+            layers.append(
+                DeviceLayer(
+                    vector(p + "attn_norm.weight"),
+                    vector(p + "ffn_norm.weight"),
+                    m["attn_q"],
+                    m["attn_k"],
+                    m["attn_v"],
+                    m["attn_output"],
+                    m["ffn_gate"],
+                    m["ffn_up"],
+                    m["ffn_down"],
+                    bias(p),
+                )
+            )
+        embd_info = infos["token_embd.weight"]
+        embd_qtype = "Q8_0" if embd_info.tensor_type.name == "Q8_0" else "F32"
+        output = matrix("token_embd.weight" if hp.tied_output else "output.weight")
+        if embd_qtype == "Q8_0":
+            embd = output.w if hp.tied_output else matrix("token_embd.weight").w
+        else:
+            table = dequantize(numpy.asarray(embd_info.data), embd_info.tensor_type)
+            embd = up(numpy.asarray(table, F32).reshape(hp.n_vocab, hp.n_embd))
+        freqs = infos.get("rope_freqs.weight")
+        cos, sin = rope_angles(
+            numpy,
+            numpy.arange(hp.n_ctx_train),
+            hp.head_dim,
+            hp.rope_base,
+            hp.rope_freq_scale,
+            None if freqs is None else numpy.asarray(freqs.data, F32).reshape(-1),
+        )
+        return cls(
+            hp,
+            embd_qtype,
+            embd,
+            vector("output_norm.weight"),
+            output,
+            layers,
+            up(numpy.asarray(cos, F32)),
+            up(numpy.asarray(sin, F32)),
+            nbytes,
+        )
+
+
+class DeviceSequence:
+    """One sequence's state on the device: K/V cache (f16 bits, uint16
+    [layers, n_head_kv, n_ctx, hd]), the attention scores' scratch, its position and its next
+    token (int32 [1] each). ``n_tokens`` is the host's own count of the positions filled."""
+
+    def __init__(self, cupy: ModuleType, hp: HParams, n_ctx: int) -> None:
+        if n_ctx > hp.n_ctx_train:
+            raise ValueError(f"{n_ctx} positions: the RoPE table holds {hp.n_ctx_train}")
+        shape = (hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim)
+        self.n_ctx = n_ctx
+        self.k = cupy.zeros(shape, dtype=numpy.uint16)
+        self.v = cupy.zeros(shape, dtype=numpy.uint16)
+        self.scores = cupy.empty((hp.n_head, n_ctx), dtype=F32)
+        self.pos = cupy.zeros(1, dtype=I32)
+        self.token = cupy.zeros(1, dtype=I32)
+        self.n_tokens = 0
+
+
+class DeviceStep:
+    """One decode step of a ``DeviceSequence``, launches only (module doc)."""
+
+    def __init__(self, cupy: ModuleType, weights: DeviceWeights, kernels: Any = None) -> None:
+        self.cp, self.w, self.hp = cupy, weights, weights.hp
+        self.kernels = kernels if kernels is not None else CudaKernels(cupy)
+        hp = self.hp
+        nq, nkv = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+
+        def f32(n: int) -> Any:
+            return cupy.empty(n, dtype=F32)
+
+        def q8(n: int) -> Any:
+            return cupy.empty(n // QK * Q8_1_BYTES, dtype=numpy.uint8)
+
+        self.x, self.delta_attn, self.delta_ffn = f32(hp.n_embd), f32(hp.n_embd), f32(hp.n_embd)
+        self.h8 = q8(hp.n_embd)
+        self.q, self.k, self.v, self.q_rot = f32(nq), f32(nkv), f32(nkv), f32(nq)
+        self.attn8 = q8(nq)
+        self.gate, self.up = f32(hp.n_ff), f32(hp.n_ff)
+        self.ff8 = q8(hp.n_ff)
+        self.logits = f32(self.w.output.rows)
+        self.none = f32(1)  # the pointer a kernel gets where it has nothing to read
+        _, scale = hp.spec.attention_scales(hp.attn_scale)
+        self.scale = F32(scale)
+
+    def new_sequence(self, n_ctx: int) -> DeviceSequence:
+        check_device_memory(self.cp, cache_bytes(self.hp, n_ctx))
+        return DeviceSequence(self.cp, self.hp, n_ctx)
+
+    def _launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: Any) -> None:
+        self.kernels.function(name)(grid, block, args)
+
+    def _mmvq(self, m: Matrix, y: Any, dst: Any) -> None:
+        name = f"mmvq_{m.qtype.lower()}"
+        self._launch(name, (m.rows,), (WARP, NWARPS), (m.w, y, dst, I32(m.cols)))
+
+    def _norm(self, weight: Any, delta: Any | None) -> None:
+        hp = self.hp
+        args = (
+            self.x,
+            self.none if delta is None else delta,
+            I32(delta is not None),
+            weight,
+            self.h8,
+            I32(hp.n_embd),
+            F32(hp.rms_eps),
+        )
+        self._launch("rms_norm_q8_1", (1,), (NORM_THREADS,), args)
+
+    def set_token(self, seq: DeviceSequence, token: int) -> None:
+        """The next step's token chosen on the host (a prompt's, or a sampler's): 4 bytes up."""
+        seq.token.set(numpy.asarray([token], dtype=I32))
+
+    def step(self, seq: DeviceSequence) -> None:
+        """Append ``seq.token`` at ``seq.pos``: every layer, the logits into ``self.logits``,
+        the greedy choice into ``seq.token`` and pos + 1. Launches only: nothing comes back."""
+        hp, w = self.hp, self.w
+        if seq.n_tokens >= seq.n_ctx:
+            raise ValueError(f"the sequence holds {seq.n_ctx} positions")
+        d = hp.n_embd
+        grid_d = (-(-d // THREADS),)
+        get_rows = "get_rows_q8_0" if w.embd_qtype == "Q8_0" else "get_rows_f32"
+        self._launch(get_rows, grid_d, (THREADS,), (w.embd, seq.token, self.x, I32(d)))
+        nq, nkv = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+        rope_threads = (nq + nkv) // 2 + nkv
+        delta = None
+        for il, layer in enumerate(w.layers):
+            self._norm(layer.attn_norm, delta)
+            self._mmvq(layer.q, self.h8, self.q)
+            self._mmvq(layer.k, self.h8, self.k)
+            self._mmvq(layer.v, self.h8, self.v)
+            self._launch(
+                "rope_kv_f16",
+                (-(-rope_threads // THREADS),),
+                (THREADS,),
+                (
+                    self.q,
+                    self.k,
+                    self.v,
+                    self.none if layer.bias is None else layer.bias,
+                    I32(layer.bias is not None),
+                    seq.pos,
+                    w.cos,
+                    w.sin,
+                    self.q_rot,
+                    seq.k[il],
+                    seq.v[il],
+                    I32(hp.n_head),
+                    I32(hp.n_head_kv),
+                    I32(hp.head_dim),
+                    I32(seq.n_ctx),
+                    I32(hp.spec.rope_neox),
+                ),
+            )
+            self._launch(
+                "attn_decode_f16",
+                (hp.n_head,),
+                (ATTN_THREADS,),
+                (
+                    self.q_rot,
+                    seq.k[il],
+                    seq.v[il],
+                    seq.pos,
+                    seq.scores,
+                    self.attn8,
+                    I32(hp.n_head),
+                    I32(hp.n_head_kv),
+                    I32(hp.head_dim),
+                    I32(seq.n_ctx),
+                    self.scale,
+                ),
+            )
+            self._mmvq(layer.o, self.attn8, self.delta_attn)
+            self._norm(layer.ffn_norm, self.delta_attn)
+            self._mmvq(layer.gate, self.h8, self.gate)
+            self._mmvq(layer.up, self.h8, self.up)
+            self._launch(
+                "swiglu_q8_1",
+                (-(-hp.n_ff // THREADS),),
+                (THREADS,),
+                (self.gate, self.up, self.ff8, I32(hp.n_ff)),
+            )
+            self._mmvq(layer.down, self.ff8, self.delta_ffn)
+            delta = self.delta_ffn
+        self._norm(w.output_norm, delta)
+        self._mmvq(w.output, self.h8, self.logits)
+        self._launch(
+            "argmax_f32",
+            (1,),
+            (ARGMAX_THREADS,),
+            (self.logits, I32(w.output.rows), seq.token, seq.pos),
+        )
+        seq.n_tokens += 1
+
+    def chosen(self, seq: DeviceSequence) -> int:
+        """The greedy token of the last step: the step's one read back (4 bytes)."""
+        return int(seq.token.get()[0])
+
+    def host_logits(self) -> numpy.ndarray:
+        """The last step's logits on the host, for a request that needs them (V floats)."""
+        return numpy.asarray(self.logits.get(), dtype=F32)

@@ -1,0 +1,199 @@
+"""The strict CuPy stand-in (tests/fake_cupy.py) with the engine's CUDA kernels: a
+``RawModule`` whose kernels are the NumPy twins, and the counts a decode step is held to.
+
+``KernelCupy`` is ``fake_cupy.FakeCupy`` (CuPy's rules at the host boundary: no implicit
+conversion, no host operand in a device operation) plus:
+
+- ``RawModule(code=..., options=...)``: each ``get_function(name)`` parses the entry point's
+  parameter list out of the CUDA source it was given and checks every launch against it (the
+  count, a device array of the pointer's element type for each pointer, numpy.int32 or
+  numpy.float32 for each int or float), checks the geometry each kernel expects, then computes
+  the twin's result into the output arrays (cuda_twins, device_twins);
+- ``launches``: every launch, (name, grid, block), in order;
+- ``cuda.runtime.memGetInfo`` (``free``/``total`` set by the test), ``getDeviceCount``, and
+  ``cuda.Device().synchronize()``, counted with the reads in ``fake_cupy.READS``.
+
+So a test can run the device step through the twins, compare it with the CPU's exact path,
+and count per step the launches and every host read of a device value.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from typing import Any
+
+import numpy
+
+from bankml.engine_cupy import cuda_twins as tw
+from bankml.engine_cupy import device_twins as dt
+from tests.fake_cupy import READS, DeviceArray, FakeCupy
+
+_POINTER_TYPES = {
+    "float": numpy.float32,
+    "int": numpy.int32,
+    "u16": numpy.uint16,
+    "u8": numpy.uint8,
+    "block_q8_1": numpy.uint8,
+}
+
+
+def signature(code: str, name: str) -> list[tuple[str, bool]]:
+    """The entry point's parameters as (base type, is a pointer), from its source (the
+    product kernels' through their macro, MMVQ_KERNEL(name, type))."""
+    macro = re.search(rf"\b(\w+)\(\s*{name}\s*,", code)
+    if macro:
+        code, name = code.replace("\\\n", " "), "NAME"
+    match = re.search(rf"\b{name}\s*\(([^)]*)\)\s*{{", code)
+    assert match and 'extern "C"' in code, f"no entry point {name} in the source"
+    params = []
+    for param in match.group(1).split(","):
+        words = param.replace("*", " * ").replace("__restrict__", "").replace("const", "").split()
+        params.append((words[0], "*" in words))
+    return params
+
+
+def q8_of(raw: numpy.ndarray) -> tw.Q8_1:
+    """q8_1 blocks read back from their bytes (36 each: f16 d, f16 s, 32 int8)."""
+    b = raw.reshape(-1, 36)
+    d = numpy.ascontiguousarray(b[:, 0:2]).view("<f2")[:, 0]
+    s = numpy.ascontiguousarray(b[:, 2:4]).view("<f2")[:, 0]
+    return tw.Q8_1(numpy.ascontiguousarray(b[:, 4:]).view(numpy.int8), d, s)
+
+
+def _covers(grid: tuple, block: tuple, n: int) -> None:
+    assert len(grid) == 1 and len(block) == 1 and block[0] % 32 == 0
+    assert grid[0] * block[0] >= n > (grid[0] - 1) * block[0], (grid, block, n)
+
+
+def _run(name: str, grid: tuple, block: tuple, a: list[Any]) -> None:  # noqa: C901
+    """The twin of kernel ``name`` on the launch's (unwrapped) arguments."""
+    if name == "quantize_q8_1":
+        x, y, n = a
+        _covers(grid, block, int(n))
+        y[:] = tw.quantize_q8_1(x[: int(n)]).to_bytes()
+    elif name.startswith("mmvq_"):
+        w, y, dst, ncols = a
+        qtype = name.removeprefix("mmvq_").upper()
+        bt = tw.BLOCK_TYPES[qtype]
+        assert block == (32, tw.NWARPS) and grid == (w.shape[0],)
+        assert w.flags.c_contiguous and w.shape[1] == int(ncols) // bt.values * bt.block_bytes
+        assert dst.shape == (w.shape[0],) and y.size == int(ncols) // 32 * 36
+        dst[:] = tw.mmvq(qtype, w, q8_of(y))
+    elif name == "rms_norm_q8_1":
+        x, delta, has_delta, weight, y, n, eps = a
+        assert grid == (1,) and block == (dt.NORM_THREADS,)
+        assert x.size == weight.size == int(n) and y.size == int(n) // 32 * 36
+        new_x, q8 = dt.rms_norm_q8_1(x, delta if has_delta else None, weight, float(eps))
+        x[:] = new_x
+        y[:] = q8.to_bytes()
+    elif name == "rope_kv_f16":
+        q, k, v, bias, has_bias, pos, cos, sin, q_out, kc, vc, nh, nkv, hd, n_ctx, neox = a
+        nq, nk = int(nh) * int(hd), int(nkv) * int(hd)
+        _covers(grid, block, (nq + nk) // 2 + nk)
+        assert q.size == q_out.size == nq and k.size == v.size == nk
+        assert kc.shape == vc.shape == (int(nkv), int(n_ctx), int(hd))
+        assert not has_bias or bias.size == nq + 2 * nk
+        q_out[:] = dt.rope_kv_f16(
+            q,
+            k,
+            v,
+            bias if has_bias else None,
+            int(pos[0]),
+            cos,
+            sin,
+            kc.view(numpy.float16),
+            vc.view(numpy.float16),
+            int(hd),
+            bool(neox),
+        )
+    elif name == "attn_decode_f16":
+        q, kc, vc, pos, scores, out, nh, nkv, hd, n_ctx, scale = a
+        assert grid == (int(nh),) and block == (dt.ATTN_WARPS * 32,)
+        assert int(hd) % 32 == 0 and int(hd) <= dt.ATTN_MAX_HD and int(nh) % int(nkv) == 0
+        assert scores.size >= int(nh) * int(n_ctx) and out.size == int(nh) * int(hd) // 32 * 36
+        p = int(pos[0])
+        assert 0 <= p < int(n_ctx)
+        scores.reshape(int(nh), int(n_ctx))[:, : p + 1] = numpy.nan  # scratch: not kept
+        out[:] = dt.attn_decode_q8_1(
+            q, kc.view(numpy.float16), vc.view(numpy.float16), p, int(nh), float(scale)
+        ).to_bytes()
+    elif name == "swiglu_q8_1":
+        gate, up, y, n = a
+        _covers(grid, block, int(n))
+        y[:] = dt.swiglu_q8_1(gate[: int(n)], up[: int(n)]).to_bytes()
+    elif name == "argmax_f32":
+        x, n, ident, pos = a
+        assert grid == (1,) and block == (dt.ARGMAX_THREADS,)
+        ident[0] = dt.argmax_f32(x[: int(n)])
+        pos[0] += 1
+    elif name == "get_rows_q8_0":
+        w, ident, dst, ncols = a
+        _covers(grid, block, int(ncols))
+        dst[:] = dt.get_rows_q8_0(w, int(ident[0]), int(ncols))
+    elif name == "get_rows_f32":
+        w, ident, dst, ncols = a
+        _covers(grid, block, int(ncols))
+        dst[:] = w.reshape(-1, int(ncols))[int(ident[0])]
+    else:
+        raise AssertionError(f"no twin for kernel {name}")
+
+
+class FakeKernel:
+    def __init__(self, fake: KernelCupy, name: str, code: str) -> None:
+        self.fake, self.name = fake, name
+        self.params = signature(code, name)
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple) -> None:
+        self.fake.launches.append((self.name, tuple(grid), tuple(block)))
+        assert len(args) == len(self.params), (self.name, len(args), self.params)
+        unwrapped = []
+        for arg, (base, pointer) in zip(args, self.params):
+            if pointer:
+                assert isinstance(arg, DeviceArray), f"{self.name}: a host {type(arg)} for {base} *"
+                assert arg.host_view.dtype == _POINTER_TYPES[base], (self.name, base, arg.dtype)
+                assert arg.host_view.flags.c_contiguous
+                unwrapped.append(arg.host_view)
+            else:
+                want = {"int": numpy.int32, "float": numpy.float32}[base]
+                assert type(arg) is want, f"{self.name}: {type(arg)} for {base}"
+                unwrapped.append(arg)
+        _run(self.name, tuple(grid), tuple(block), unwrapped)
+
+
+class _Runtime:
+    def __init__(self, fake: KernelCupy) -> None:
+        self.fake = fake
+
+    def memGetInfo(self) -> tuple[int, int]:  # noqa: N802 (CuPy's name)
+        return self.fake.free, self.fake.total
+
+    @staticmethod
+    def getDeviceCount() -> int:  # noqa: N802
+        return 1
+
+
+class _Device:
+    def synchronize(self) -> None:
+        READS["synchronize"] += 1
+
+
+class KernelCupy(FakeCupy):
+    """The strict stand-in with kernels (module doc)."""
+
+    def __init__(self, free: int = 80 << 30, total: int = 80 << 30) -> None:
+        super().__init__()
+        self.launches: list[tuple[str, tuple, tuple]] = []
+        self.modules: list[tuple[str, tuple]] = []
+        self.free, self.total = free, total
+        self.cuda = types.SimpleNamespace(runtime=_Runtime(self), Device=_Device)
+
+    def RawModule(self, code: str, options: tuple = ()) -> Any:  # noqa: N802 (CuPy's name)
+        self.modules.append((code, tuple(options)))
+        fake = self
+
+        class Module:
+            def get_function(self, name: str) -> FakeKernel:
+                return FakeKernel(fake, name, code)
+
+        return Module()
