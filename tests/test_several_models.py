@@ -213,9 +213,10 @@ def vm_rss(pid: int) -> int:
 
 
 def test_loading_and_unloading_twenty_times_keeps_memory(server: NativeProcess) -> None:
-    """RSS after a tiny model was loaded and unloaded 20 times: within 2 % of where it started
-    (measured after ten warm-up loads and unloads: the first loads grow the heap and the
-    kernels' caches to where they stay)."""
+    """RSS after a tiny model was loaded and unloaded 20 times: at most 2 % above where it
+    started (measured after ten warm-up loads and unloads: the first loads grow the heap and the
+    kernels' caches to where they stay). RSS may fall below the start: pages of the file and
+    freed arenas given back are no leak."""
     oll = ollama.Client(host=server.url, timeout=120)
     first = next(iter(TINY))
     assert server.proc is not None
@@ -227,7 +228,7 @@ def test_loading_and_unloading_twenty_times_keeps_memory(server: NativeProcess) 
         oll.generate(model=first)
         oll.generate(model=first, keep_alive=0)
     end = vm_rss(server.proc.pid)
-    assert abs(end - start) <= 0.02 * start, (start, end)
+    assert end - start <= 0.02 * start, (start, end)
 
 
 def test_a_model_over_the_memory_budget_is_a_503_and_the_resident_one_stays(
