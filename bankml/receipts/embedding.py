@@ -189,17 +189,7 @@ def unsampled_receipt(
     signed_flag = base.pop("signed")
     base.update(fields)
     base["signed"] = signed_flag
-    out = sign_unsampled(
-        base,
-        api=api,
-        verified=issuer.verified,
-        device=issuer.device,
-        n_ctx=issuer.n_ctx,
-        cache_type=issuer.cache_type,
-        key=issuer.key,
-        engine_version=issuer.engine_version,
-        engine_digest=issuer.engine_digest,
-    )
+    out = _signed(base, api, issuer)
     if issuer.log is not None:
         issuer.log.append(out)
     return out
@@ -243,20 +233,10 @@ def embedding_receipt(
     )
 
 
-def sign_unsampled(
-    base: dict[str, Any],
-    *,
-    api: str,
-    verified: Any,
-    device: str | None,
-    n_ctx: int | None,
-    cache_type: str | None,
-    key: SigningKey | None,
-    engine_version: str | None,
-    engine_digest: str | None,
-) -> dict[str, Any]:
+def _signed(base: dict[str, Any], api: str, issuer: Issuer) -> dict[str, Any]:
     """An answer that samples nothing (embeddings, rerank scores): its receipt ``base`` signed
-    with ``key`` (a version-2 receipt and its envelope), else ``base`` as it is."""
+    with the issuer's key (a version-2 receipt and its envelope), else ``base`` as it is."""
+    key = issuer.key
     if key is None:
         return base
     facts = ReplayFacts(
@@ -264,18 +244,20 @@ def sign_unsampled(
         stream=False,
         sampler={"seed": None},  # nothing is sampled
         n_predict=0,
-        n_ctx=n_ctx,
-        cache_type=cache_type,
-        device=device,
-        engine_version=engine_version,
-        engine_digest=engine_digest if engine_digest is not None else engine_source_digest(),
+        n_ctx=issuer.n_ctx,
+        cache_type=issuer.cache_type,
+        device=issuer.device,
+        engine_version=issuer.engine_version,
+        engine_digest=issuer.engine_digest
+        if issuer.engine_digest is not None
+        else engine_source_digest(),
         prompt_token_ids=None,
         completion_token_ids=None,
         cache_n=0,
         finish_reason=None,
     )
     signed = build_receipt_v2(base, facts, key)
-    signed["envelope"] = envelope_of(signed, os.path.basename(str(verified.path)), key)
+    signed["envelope"] = envelope_of(signed, os.path.basename(str(issuer.verified.path)), key)
     return signed
 
 
