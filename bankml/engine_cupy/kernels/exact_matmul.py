@@ -390,11 +390,18 @@ def _nibbles(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Valu
 
 
 def _fifth_bits(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
-    """qh (little-endian uint32): bit k -> 16 in byte k, else 0."""
-    qh = _splat(builder, _load(builder, base, offset, _I32), ir.VectorType(_I32, 32))
-    shifted = builder.lshr(qh, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-    bit = builder.and_(shifted, ir.Constant(ir.VectorType(_I32, 32), [1] * 32))
-    return builder.shl(builder.trunc(bit, _V32I8), ir.Constant(_V32I8, [4] * 32))
+    """qh (little-endian uint32): whether bit k is set, in byte k (an <32 x i1>). As ggml's
+    bytes_from_bits_32: the word's byte k // 8 spread to byte k by one shuffle (vpshufb), then
+    its bit k % 8 tested (vpand, vpcmpeqb); the 32 shifts of a per-bit lshr it replaced made
+    Q5_0/Q5_1's one-row products twice Q4_1's time."""
+    word = _splat(builder, _load(builder, base, offset, _I32), ir.VectorType(_I32, 8))
+    spread = builder.shuffle_vector(
+        builder.bitcast(word, _V32I8),
+        ir.Constant(_V32I8, ir.Undefined),
+        ir.Constant(ir.VectorType(_I32, 32), [k // 8 for k in range(32)]),
+    )
+    mask = ir.Constant(_V32I8, [(1 << (k % 8)) - (256 if k % 8 == 7 else 0) for k in range(32)])
+    return builder.icmp_unsigned("==", builder.and_(spread, mask), mask)
 
 
 def _weight_bytes(builder: ir.IRBuilder, code: int, base: ir.Value, blk: ir.Value) -> ir.Value:
@@ -409,8 +416,15 @@ def _weight_bytes(builder: ir.IRBuilder, code: int, base: ir.Value, blk: ir.Valu
         q = _nibbles(builder, base, at(2 if code == _Q4_0 else 4))
         return builder.sub(q, ir.Constant(_V32I8, [8] * 32)) if code == _Q4_0 else q
     hoff = 2 if code == _Q5_0 else 4
-    q = builder.or_(_nibbles(builder, base, at(hoff + 4)), _fifth_bits(builder, base, at(hoff)))
-    return builder.sub(q, ir.Constant(_V32I8, [16] * 32)) if code == _Q5_0 else q
+    bit = _fifth_bits(builder, base, at(hoff))
+    # Q5_0: nibble | (bit ? 0 : 0xF0) is the signed value nibble + 16·bit − 16 (ggml's andnot);
+    # Q5_1: nibble | (bit ? 16 : 0), unsigned
+    high = (
+        builder.select(bit, ir.Constant(_V32I8, [0] * 32), ir.Constant(_V32I8, [-16] * 32))
+        if code == _Q5_0
+        else builder.select(bit, ir.Constant(_V32I8, [16] * 32), ir.Constant(_V32I8, [0] * 32))
+    )
+    return builder.or_(_nibbles(builder, base, at(hoff + 4)), high)
 
 
 def _hsum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
