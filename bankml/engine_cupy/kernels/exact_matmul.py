@@ -806,9 +806,17 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                             lane_sum = (
                                 None
                                 if has_min
-                                else builder.sub(
-                                    ir.Constant(_V8I32, [0] * 8),
-                                    _dpbusd(builder, ir.Constant(_V8I32, [0] * 8), bias, wl),
+                                else _splat(
+                                    builder,
+                                    _load(
+                                        builder,
+                                        ubase,
+                                        # lane L's bytes are at 4L of the block, its
+                                        # correction at 4L of the block's int32 eight
+                                        builder.add(wat, builder.mul(nblocks, const(QK))),
+                                        _I32,
+                                    ),
+                                    _V8I32,
                                 )
                             )
                             for g in range(2):
@@ -922,9 +930,11 @@ _WIDE_TILES = {
 }
 
 
-def _make_unpack(code: int, block_bytes: int):
+def _make_unpack(code: int, block_bytes: int, corrections: bool = False):
     """unpack(w, w_off, nb, dst, d_off): the nb blocks of the weight row at byte w_off of w as
-    32 signed int8 values each (_weight_bytes), to dst[d_off:d_off + 32*nb]."""
+    32 signed int8 values each (_weight_bytes), to dst[d_off:d_off + 32*nb]. ``corrections``
+    (signed weights, VNNI lane tiles): also each block's eight int32 −128·Σw of its lanes, to
+    dst[d_off + 32*nb:][32*b:32*b + 32] (the row's slot in dst is 64*nb bytes)."""
 
     @intrinsic
     def unpack(typingctx, w, w_off, nb, dst, d_off):
@@ -944,6 +954,16 @@ def _make_unpack(code: int, block_bytes: int):
                 builder.store(
                     wv, builder.bitcast(builder.gep(dbase, [at]), _V32I8.as_pointer()), align=1
                 )
+                if corrections:
+                    zero = ir.Constant(_V8I32, [0] * 8)
+                    bias = ir.Constant(_V32I8, [-128] * 32)  # 0x80, unsigned 128
+                    lane_sum = builder.sub(zero, _dpbusd(builder, zero, bias, wv))
+                    cat = builder.add(at, builder.mul(nblocks, ir.Constant(ity, QK)))
+                    builder.store(
+                        lane_sum,
+                        builder.bitcast(builder.gep(dbase, [cat]), _V8I32.as_pointer()),
+                        align=1,
+                    )
             return context.get_dummy_value()
 
         return sig, codegen
@@ -952,7 +972,7 @@ def _make_unpack(code: int, block_bytes: int):
 
 
 _UNPACKS = {
-    code: _make_unpack(layout, size)
+    code: _make_unpack(layout, size, HOST_HAS_VNNI and not has_min)
     for code, (layout, size, has_min, whole) in _CODES.items()
     if not whole
 }
@@ -1114,9 +1134,11 @@ def _rows(
     t = 0
     if code != _Q4_0R:
         if m >= LANE_ROWS:
-            wu = numpy.empty((r1 - r0) * n_in, numpy.int8)
+            # per weight row its values, then (signed weights on a VNNI host) the lanes'
+            # corrections (_make_unpack)
+            wu = numpy.empty((r1 - r0) * 2 * n_in, numpy.int8)
             for r in range(r0, r1):
-                _unpack_at(code, raw, r * row_bytes, nb, wu, (r - r0) * n_in)
+                _unpack_at(code, raw, r * row_bytes, nb, wu, (r - r0) * 2 * n_in)
         while t + LANE_ROWS <= m:
             for r in range(r0, r1):
                 _lanes_at(
@@ -1124,7 +1146,7 @@ def _rows(
                     raw,
                     r * row_bytes,
                     wu,
-                    (r - r0) * n_in,
+                    (r - r0) * 2 * n_in,
                     xl,
                     (t // 8) * nb * 256,
                     xd_by_block,
