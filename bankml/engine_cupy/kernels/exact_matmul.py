@@ -458,6 +458,19 @@ def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, u: ir.Value, v: ir.Value) -> i
     return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [acc, *v8])
 
 
+# 1.5·2^23 as f32 bits: for an int32 |i| < 2^22, the float whose bits are _MAGIC + i is exactly
+# 1.5·2^23 + i, so subtracting 1.5·2^23 gives float(i) exactly (as cvtdq2ps does): an integer
+# add (folded into vpdpbusd's accumulator) and an f32 subtract on the add pipes instead of a
+# conversion on the pipes the fmas and vpdpbusd share. ggml's lanes are at most 4·128·128.
+_MAGIC = 0x4B400000
+_MAGIC_F = 12582912.0
+
+
+def _magic_float(builder: ir.IRBuilder, biased: ir.Value) -> ir.Value:
+    """float(i) of int32 lanes holding _MAGIC + i (|i| < 2^22), exactly."""
+    return builder.fsub(builder.bitcast(biased, _V8F), ir.Constant(_V8F, [_MAGIC_F] * 8))
+
+
 def _pair_quads(builder: ir.IRBuilder, aw: ir.Value, sx: ir.Value, vnni: bool) -> ir.Value:
     """ggml's lanes of a 32-value dot, Σ of four u8 (aw) · s8 (sx) products each: pmaddubsw
     then pmaddwd by ones, or one vpdpbusd (``vnni``: the host has it). The pairs cannot
@@ -831,7 +844,7 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                 )
                                 xv = _load(builder, xbase, at, _V32I8)
                                 quads = (
-                                    _dpbusd(builder, ir.Constant(_V8I32, [0] * 8), wl, xv)
+                                    _dpbusd(builder, ir.Constant(_V8I32, [_MAGIC] * 8), wl, xv)
                                     if has_min
                                     else _dpbusd(builder, lane_sum, builder.xor(xv, bias), wl)
                                 )
@@ -842,7 +855,7 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                         _V8F,
                                         [
                                             scales[g],
-                                            builder.sitofp(quads, _V8F),
+                                            _magic_float(builder, quads),
                                             builder.load(acc[g][k]),
                                         ],
                                     ),
@@ -957,7 +970,9 @@ def _make_unpack(code: int, block_bytes: int, corrections: bool = False):
                 if corrections:
                     zero = ir.Constant(_V8I32, [0] * 8)
                     bias = ir.Constant(_V32I8, [-128] * 32)  # 0x80, unsigned 128
-                    lane_sum = builder.sub(zero, _dpbusd(builder, zero, bias, wv))
+                    lane_sum = builder.sub(
+                        ir.Constant(_V8I32, [_MAGIC] * 8), _dpbusd(builder, zero, bias, wv)
+                    )
                     cat = builder.add(at, builder.mul(nblocks, ir.Constant(ity, QK)))
                     builder.store(
                         lane_sum,
