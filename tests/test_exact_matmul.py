@@ -118,6 +118,35 @@ def test_edge_shapes_match_ggml() -> None:
     assert empty.shape == (0, 9)
 
 
+# bytes of each block's quants (after d, and m / qh) for the extreme-value test
+_QUANT_BYTES = {T.Q4_0: (2, 18), T.Q4_1: (4, 20), T.Q5_0: (6, 22), T.Q5_1: (8, 24), T.Q8_0: (2, 34)}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_extreme_quants_match_ggml(qtype: T) -> None:
+    """Every weight quant at an end of its range (Q8_0's bytes -128 and 127, nibbles 0 and 15,
+    fifth bits all set or clear) against activations that round to +-127: the largest integer
+    lanes the one-row tiles and the lane tiles (vpdpbusd on a VNNI host: the activation + 128
+    against the signed weight, less 128 times the weights' sum) can meet, at m = 1, 16, 17."""
+    rng = np.random.default_rng(13)
+    n_out, n_in = 40, 256
+    raw = quants.quantize((rng.standard_normal((n_out, n_in)) * 0.05).astype(F32), qtype)
+    blocks = raw.reshape(n_out * n_in // 32, -1)
+    start, end = _QUANT_BYTES[qtype]
+    ends = [0x80, 0x7F, 0x81] if qtype == T.Q8_0 else [0x00, 0xFF, 0x0F, 0xF0]
+    blocks[:, start:end] = rng.choice(np.array(ends, np.uint8), (blocks.shape[0], end - start))
+    if qtype in (T.Q5_0, T.Q5_1):  # qh: all set, all clear, or random
+        qh = rng.choice(np.array([0x00, 0xFF], np.uint8), (blocks.shape[0], 1))
+        blocks[:, start - 4 : start] = np.where(
+            rng.random((blocks.shape[0], 1)) < 0.2,
+            rng.integers(0, 256, (blocks.shape[0], 4), dtype=np.uint8),
+            qh,
+        )
+    for m in (1, 16, 17):
+        x = rng.choice(np.array([-1.0, 1.0], F32), (m, n_in))  # quants +-127
+        check_product(f"{qtype.name} extremes, m = {m}", raw, qtype, n_out, n_in, x)
+
+
 def test_parallel_and_serial_kernels_agree_with_ggml() -> None:
     """A product big enough for the threaded kernel, with a row count that leaves a short task."""
     rng = np.random.default_rng(4)
