@@ -10,8 +10,12 @@ anonymous and file-backed parts (RssAnon, RssFile: the model's mapped pages and 
 libraries). bankml's host prompt cache is given apart (``prompt_cache.bytes`` of
 /bankml/metrics): memory llama-server keeps too (its --cache-ram), not the runtime's.
 
+A bankml start before the rounds, not measured, fills Numba's cache if the kernels' sources
+changed, so that each round measures a server loading its kernels (a start that compiles
+holds the compiler's memory too).
+
 Prints the medians in MiB and the ratio bankml / llama-server of the RSS (the goal: at most
-1.5), then one JSON line.
+1.5), also without bankml's prompt cache, then one JSON line.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ def main() -> None:
         raise SystemExit("give --llama-server (scripts/build-llama-server.sh prints its path)")
     fork = f"{args.model}.FORK.json"
     runs: dict[str, list[dict]] = {"bankml": [], "llama-server": []}
+    port, listen = free_port(), free_port()
+    command = bankml("llama-server", "-m", args.model, "--fork", fork, *FLAGS)
+    measure(command + ["--port", str(port), "--listen", f"127.0.0.1:{listen}"], port, 1, None)
     for round_ in range(args.rounds):
         order = ["bankml", "llama-server"] if round_ % 2 == 0 else ["llama-server", "bankml"]
         for name in order:
@@ -101,8 +108,12 @@ def main() -> None:
     for name, figures in med.items():
         print(f"{name:13s} " + ", ".join(f"{k} {v:.1f} MiB" for k, v in figures.items()))
     ratio = med["bankml"]["VmRSS"] / med["llama-server"]["VmRSS"]
-    print(f"RSS bankml / llama-server: x{ratio:.2f} (load {os.getloadavg()[0]:.2f})")
-    print(json.dumps({"runs": runs, "medians": med, "ratio": ratio}))
+    own = (med["bankml"]["VmRSS"] - med["bankml"]["prompt_cache"]) / med["llama-server"]["VmRSS"]
+    print(
+        f"RSS bankml / llama-server: x{ratio:.2f}, x{own:.2f} without bankml's prompt cache "
+        f"(load {os.getloadavg()[0]:.2f})"
+    )
+    print(json.dumps({"runs": runs, "medians": med, "ratio": ratio, "without_prompt_cache": own}))
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ def write_package(root: Path, factor: float, offset: float = 1.0) -> None:
     (package / "other.py").write_text(OTHER.format(offset=offset))
 
 
-def run_kernel(root: Path) -> dict:
-    """kernel(3.0) in a fresh process, with Numba's cache statistics of that process."""
+def run_kernel(root: Path, script: str = RUN) -> dict:
+    """kernel(3.0) (or ``script``) in a fresh process, with Numba's cache statistics of that
+    process."""
     repo = Path(bankml.__file__).resolve().parent.parent
     env = dict(
         os.environ,
@@ -73,7 +74,12 @@ def run_kernel(root: Path) -> dict:
         PYTHONPATH=os.pathsep.join([str(root), str(repo)]),
     )
     done = subprocess.run(
-        [sys.executable, "-c", RUN], env=env, cwd=root, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -111,6 +117,36 @@ def test_cached_kernel_follows_an_edited_helper_module(tmp_path: Path) -> None:
 
     # The recompiled kernel is cached in turn.
     assert run_kernel(tmp_path) == {"value": third["value"], "hits": 1, "misses": 0}
+
+
+RELEASE = """\
+import json
+from bankml.engine_cupy.kernels.jit import njit, release_compile_memory
+from stalepkg.helper import scaled
+before = scaled(3.0)
+released = release_compile_memory()
+
+@njit(cache=False)
+def doubled(x):
+    return scaled(x) * 2.0
+
+print(json.dumps({"before": before, "linked": doubled(3.0), "again": scaled(3.0),
+                  "released": released, "hits": sum(scaled.stats.cache_hits.values())}))
+"""
+
+
+def test_released_kernels_still_run_and_link(tmp_path: Path) -> None:
+    """release_compile_memory keeps a kernel's module as bitcode only and drops LLVM's code
+    pages: the kernel still runs, and a kernel compiled afterwards still links it in, whether
+    it was compiled here (first run) or loaded from the cache (second)."""
+    write_package(tmp_path, 2.0)
+    for hits in (0, 1):
+        out = run_kernel(tmp_path, RELEASE)
+        assert out["hits"] == hits
+        assert out["before"] == out["again"] == 6.0 and out["linked"] == 12.0
+        assert out["released"]["linking_bitcode"] > 0
+        if sys.platform == "linux":
+            assert out["released"]["llvm_pages"] > 0
 
 
 KERNELS = Path(jit.__file__).resolve().parent

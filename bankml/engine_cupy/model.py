@@ -402,6 +402,7 @@ class Model:
                     self.ops.warm_up(self, cache_type, [s for part in rest for s in part])
             finally:
                 helpers.stop()
+        jit.release_compile_memory()  # the kernels are loaded: what only compiling needs goes
         return stats
 
     def weight_types(self) -> list[str]:

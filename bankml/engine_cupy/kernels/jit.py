@@ -36,7 +36,15 @@ from numba.core.caching import CompileResultCacheImpl, FunctionCache, NullCache
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
-__all__ = ["njit", "fma32", "f16_round", "f16_bits", "start_worker_threads", "present_in"]
+__all__ = [
+    "njit",
+    "fma32",
+    "f16_round",
+    "f16_bits",
+    "start_worker_threads",
+    "present_in",
+    "release_compile_memory",
+]
 
 
 # libgomp's wait: spin this many iterations after a parallel region, then sleep. Measured on a
@@ -214,6 +222,7 @@ def njit(*args: Any, **kwargs: Any) -> Callable:
 
     def compile_kernel(py_func: Callable) -> Dispatcher:
         dispatcher = _numba_njit(**options)(py_func)
+        _KERNELS.append(dispatcher)
         if cached:
             _use_kernel_cache(dispatcher)
         for signature in [signatures] if isinstance(signatures, str) else signatures:
@@ -221,6 +230,100 @@ def njit(*args: Any, **kwargs: Any) -> Callable:
         return dispatcher
 
     return compile_kernel(function) if function is not None else compile_kernel
+
+
+# --- What only compiling needs, given back once the kernels are loaded ---------------------------
+
+_KERNELS: list[Dispatcher] = []  # every njit kernel, for release_compile_memory
+
+
+def _module_for_linking(bitcode: bytes) -> Any:
+    """A kernel's module for another kernel to link in, parsed again from its bitcode."""
+    from llvmlite import binding
+
+    return binding.parse_bitcode(bitcode)
+
+
+def release_compile_memory() -> dict[str, int]:
+    """Give back what the process holds only for compiling, once the kernels it runs are loaded
+    (Model.warm_up); nothing a loaded kernel runs is touched. Returns the bytes of each part.
+
+    - ``linking``: Numba keeps with every compiled or cache-loaded kernel its whole LLVM module
+      (parsed IR, ~8x its bitcode) in case a later compile links it in. It is kept as bitcode
+      instead and parsed again by such a compile (``_get_module_for_linking``, the one method
+      that reads it; numba 0.68, tests/test_jit.py).
+    - glibc's free memory (``malloc_trim``): the compiler's and the loader's scratch.
+    - ``llvm_pages``: LLVM's code and read-only data, libllvmlite's clean file pages, which
+      only compiling runs: dropped from this process's page tables (``MADV_DONTNEED`` on its
+      read-only mappings without private pages), read again from the page cache by the next
+      compile. Linux only.
+    """
+    from numba.core.compiler_lock import global_compiler_lock
+
+    linking = 0
+    with global_compiler_lock:  # no compile (of another thread) links a library meanwhile
+        for dispatcher in _KERNELS:
+            for result in list(dispatcher.overloads.values()):
+                library = result.library
+                module = getattr(library, "_shared_module", None)
+                if module is None:
+                    continue
+                bitcode = module.as_bitcode()
+                linking += len(bitcode)
+                library._get_module_for_linking = functools.partial(_module_for_linking, bitcode)
+                library._shared_module = None
+        _malloc_trim()
+        return {"linking_bitcode": linking, "llvm_pages": _drop_llvm_pages()}
+
+
+def _malloc_trim() -> None:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return
+    if trim is not None:  # glibc
+        trim(0)
+
+
+def _drop_llvm_pages() -> int:
+    """Drop libllvmlite's clean file pages from this process's memory (see
+    release_compile_memory); the bytes dropped. Only read-only mappings whose pages are all
+    clean file pages (no ``Anonymous`` ones: relocated data stays)."""
+    import ctypes
+    import mmap
+
+    from llvmlite.binding import ffi
+
+    smaps = Path("/proc/self/smaps")
+    advise = getattr(mmap, "MADV_DONTNEED", None)
+    if not smaps.exists() or advise is None:
+        return 0
+    path = os.path.realpath(ffi.lib._name)
+    ranges: list[tuple[int, int, int]] = []  # start, length, resident bytes
+    current: list[Any] | None = None
+    for line in smaps.read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping: range perms offset dev inode path
+            fields = rest.split(None, 4)
+            current = None
+            if len(fields) == 5 and "w" not in fields[0] and fields[4] == path:
+                start, end = (int(x, 16) for x in head.split("-"))
+                current = [start, end - start, 0, 0]
+        elif current is not None and head in ("Rss:", "Anonymous:"):
+            current[2 if head == "Rss:" else 3] = int(rest.split()[0]) * 1024
+            if head == "Anonymous:" and current[3] == 0:
+                ranges.append((current[0], current[1], current[2]))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    for start, length, resident in ranges:
+        if libc.madvise(start, length, advise) == 0:
+            dropped += resident
+    return dropped
 
 
 def present_in(flags: Any) -> tuple[bool, ...]:
