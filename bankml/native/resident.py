@@ -270,6 +270,7 @@ class NativeEngine:
         if choice is None:
             self._awake()
         engine = self.engine if choice is None else choice[1]
+        asked, asked_kind = body, kind  # as the slot monitor shows a task
         if self.rewrite is not None:
             body = self.rewrite(body, kind)
         if kind in CONVERTED:  # llama-server runs a Responses or Messages request as a chat
@@ -283,6 +284,8 @@ class NativeEngine:
             else:
                 prompts = engine.parse_batch(body, ENGINE_KIND[kind])
         except RequestError as err:
+            if err.refused:  # tasks started, then refused on the slot: /slots shows them
+                self._on_reactor(self.refused_tasks, asked_kind, asked, err.refused)
             raise refusal_of(err) from None
         out = [pin_seed(c) for p in prompts for c in completions(p)]
         if choice is not None and self.hold is not None:
@@ -502,6 +505,22 @@ class NativeEngine:
                 own["requests"] += 1
                 own["prompt_tokens"] += int(rec["prompt_tokens"] or 0)
                 own["completion_tokens"] += int(rec["completion_tokens"] or 0)
+
+    def _on_reactor(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` on the reactor thread (at once without a reactor: ``bankml.api``)."""
+        if self.reactor is None:
+            fn(*args)
+        else:
+            self.reactor.callFromThread(fn, *args)
+
+    def refused_tasks(self, kind: str, body: dict[str, Any], parsed: list[Any]) -> None:
+        """On the reactor thread: a request whose tasks llama-server starts and then refuses
+        on the slot (a completion on an encoder, its 500): no counter of /metrics moves (none
+        of llama-server's does: nothing was decoded), and an idle slot shows the last task
+        (SlotView.refused_tasks), as llama-server's slot monitor does."""
+        view = next((v for v in self.slot_views if not v.processing), None)
+        if view is not None:
+            view.refused_tasks(kind, body, parsed)
 
     def record_pooled(self, kind: str, inputs_tokens: Sequence[int], seconds: float) -> None:
         """On the reactor thread: an embedding or rerank request answered, counted as
