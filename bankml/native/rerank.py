@@ -30,7 +30,27 @@ from bankml.receipts.embedding import native_issuer
 from bankml.receipts.kinds import RERANK
 from bankml.receipts.rerank import ranked, rerank_receipt
 
-NOT_AN_ENCODER = "bankml reranks with a BERT reranker only (a BERT GGUF with a classifier head)"
+NOT_A_RERANKER = (
+    "bankml reranks with a BERT reranker (a BERT GGUF with a classifier head) or a qwen3 "
+    "reranker (cls.output)"
+)
+
+
+def ranker_of(engine: Any) -> Any:
+    """What scores a pair on ``engine``: a BERT's ``Encoder`` (its classifier), a decoder's
+    ``RankHead`` (set by open_served with --rerank; found here for an engine opened again after
+    an unload), else None. Each gives ``rerank_tokens`` and ``rank_score``."""
+    encoder = getattr(getattr(engine, "model", None), "encoder", None)
+    if encoder is not None:
+        return encoder
+    if getattr(engine, "rank_head", None) is None and engine is not None:
+        from bankml.engine_cupy.rank_head import rank_head
+
+        try:
+            engine.rank_head = rank_head(engine)
+        except ValueError:  # UnsupportedModel: a head llama.cpp would not load
+            return None
+    return getattr(engine, "rank_head", None)
 
 
 @dataclass
@@ -59,12 +79,15 @@ class Reranker:
         """llama-server's /rerank body, its refusals in its order."""
         self.native._awake()
         req = fmt.read_request(body, enabled=self.enabled)
-        encoder = getattr(self.native.engine.model, "encoder", None)
-        if encoder is None:  # open_served refuses --rerank on another model; kept as a guard
-            raise ApiError.of(501, NOT_AN_ENCODER, "not_supported_error")
-        pairs = [encoder.rerank_tokens(req.query, d) for d in req.documents]
+        ranker = ranker_of(self.native.engine)
+        if ranker is None:  # open_served refuses --rerank on another model; kept as a guard
+            raise ApiError.of(501, NOT_A_RERANKER, "not_supported_error")
+        pairs = [ranker.rerank_tokens(req.query, d) for d in req.documents]
+        # a causal reranker reads its last token: its input may span micro-batches (llama-server's
+        # can_split), as pooling last
+        pooling = "rank" if ranker is getattr(self.native.engine.model, "encoder", None) else "last"
         for tokens in pairs:
-            check_limits(self.native, len(tokens), "rank")
+            check_limits(self.native, len(tokens), pooling)
         model = fmt.model_name(body, self.native.model_id)
         return RerankJob(raw, started, pairs, model, req)
 
@@ -73,9 +96,11 @@ class Reranker:
     def compute(self, job: RerankJob) -> RerankJob:
         """Every pair's score, one pair after the other."""
         self.native.wake()
-        encoder = self.native.engine.model.encoder
+        ranker = ranker_of(self.native.engine)
+        if ranker is None:
+            raise ApiError.of(501, NOT_A_RERANKER, "not_supported_error")
         began = time.perf_counter()
-        job.scores = [encoder.rank_score(tokens) for tokens in job.pairs]
+        job.scores = [ranker.rank_score(tokens) for tokens in job.pairs]
         job.seconds = time.perf_counter() - began
         if self.native.used is not None:  # the resident model's keep-alive starts again
             self.native.used()

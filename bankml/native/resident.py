@@ -27,6 +27,7 @@ from bankml.engine_cupy.encoder_engine import EncoderEngine, is_encoder
 from bankml.engine_cupy.engine import DEFAULT_SLOT_PROMPT_SIMILARITY, Engine, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.engine_cupy.gguf_file import read_metadata
+from bankml.engine_cupy.rank_head import rank_head
 from bankml.engine_cupy.request import RequestError
 from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
 from bankml.engine_cupy.speculative import drafters
@@ -770,10 +771,12 @@ def open_served(
     if (llama.get("embedding") or {}).get("pooling") == "rank" and not isinstance(
         engine, EncoderEngine
     ):
-        raise UnsupportedModel(
-            "--rerank (pooling rank): bankml's native engine reranks with a BERT reranker only "
-            "(a BERT GGUF with a classifier head)"
-        )
+        engine.rank_head = rank_head(engine)  # a causal reranker's head (qwen3's cls.output)
+        if engine.rank_head is None:
+            raise UnsupportedModel(
+                "--rerank (pooling rank): bankml's native engine reranks with a BERT reranker "
+                "(a BERT GGUF with a classifier head) or a qwen3 reranker (cls.output)"
+            )
     if isinstance(engine, EncoderEngine):
         engine.check_outputs(outputs_max(llama))
     engine.warm_up(report)  # ``report`` is told what compiles, and how long it took
