@@ -253,19 +253,21 @@ class Embedder:
         from bankml.engine_cupy.pooling import normalize, pool
 
         release: Callable[[], None] | None = None
+        held = None
         if job.load is not None:
             _ollama_refusal(job.load)
         elif job.choice is not None and self.native.hold is not None:
             # the chosen model, made resident again if it was unloaded while this waited
-            # (verified again; the same file it was parsed for), held while it computes
-            _engine, release = self.native.hold(job.choice)
+            # (verified again; the same file it was parsed for), held while it computes; the
+            # NativeEngine is swapped to it, so the receipt's issuer is it too
+            held, release = self.native.hold(job.choice)
         else:
             self.native.wake()
         try:
             job.loaded_ns = time.time_ns()
             if job.texts is not None:
                 self._ollama_inputs(job)
-            engine = self.engine  # the model made resident (the NativeEngine swapped to it)
+            engine = self.engine if held is None else held  # the model made resident
             out = []
             began = time.perf_counter()
             for tokens in job.tokens:
