@@ -9,6 +9,7 @@ rerank template), the layout of Qwen3's rerankers, is ranked as llama-server ran
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from collections.abc import Iterator
@@ -304,3 +305,39 @@ def test_a_qwen3_reranker_ranks_as_llama_server(
         qwen3_pair, [("/rerank", {"query": "a", "documents": ["b", "c"]})]
     )
     assert moved["llamacpp:n_decode_total"] == 2
+
+
+def test_with_several_models_the_body_model_chooses_the_reranker(
+    pair: Pair,
+    qwen3_pair: Pair,
+    reranker: tuple[Path, Path],
+    qwen3_reranker: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    """``bankml serve BERT --native --rerank --registry DIR --max-loaded 2`` (DIR pins the qwen3
+    reranker): each /rerank answer is llama-server's on the model its ``model`` names, its
+    receipt naming that file; an unknown model is the chat's 404."""
+    model, fork = reranker
+    registry = qwen3_reranker[0].parent
+    port = free_port()
+    args = [str(model), "--fork", str(fork), "--native", "--rerank"]
+    args += ["--registry", str(registry), "--max-loaded", "2"]
+    proc = start_serve(args, port, tmp_path / "log")
+    try:
+        for name, file, ref in [
+            ("qwen3-rank", qwen3_reranker[0], qwen3_pair),
+            ("reranker", model, pair),
+        ]:
+            body = {"query": QUERY, "documents": DOCUMENTS, "top_n": 3, "model": name}
+            status, ours, _ = post(port, "/rerank", body)
+            assert status == 200, ours
+            receipt = ours.pop("bankml_receipt")
+            assert receipt["model_sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+            assert ours == post(ref.ports[1], "/rerank", body)[1], name
+        unknown = post(port, "/rerank", {"query": "a", "documents": ["b"], "model": "nope"})
+        chat = {"model": "nope", "messages": [{"role": "user", "content": "a"}]}
+        assert unknown[:2] == post(port, "/v1/chat/completions", chat)[:2]
+        assert unknown[0] == 404
+    finally:
+        proc.terminate()
+        proc.wait(30)
