@@ -103,15 +103,18 @@ def metrics_values(port: int) -> dict[str, float]:
     return out
 
 
-def assert_tasks_counted_alike(pair: Pair, requests: list[tuple[str, Any]]) -> dict[str, float]:
-    """The same POSTs to both: each counter of TASK_COUNTERS moves by as much on each side, and
-    ``GET /slots`` afterwards is the same but for ``id_task`` (llama-server numbers its other
-    tasks too). Returns the drop-in's moves."""
+def assert_tasks_counted_alike(
+    pair: Pair, requests: list[tuple[str, Any]], statuses: list[int] | None = None
+) -> dict[str, float]:
+    """The same POSTs to both, each answered with its status of ``statuses`` (200 when not
+    given): each counter of TASK_COUNTERS moves by as much on each side, and ``GET /slots``
+    afterwards is the same but for ``id_task`` (llama-server numbers its other tasks too).
+    Returns the drop-in's moves."""
     before = [metrics_values(port) for port in pair.ports]
-    for path, body in requests:
+    for i, (path, body) in enumerate(requests):
         for port in pair.ports:
             status, _, raw = call(port, "POST", path, body)
-            assert status == 200, raw
+            assert status == (200 if statuses is None else statuses[i]), raw
     after = [metrics_values(port) for port in pair.ports]
     moved = [{k: a[k] - b[k] for k in TASK_COUNTERS} for a, b in zip(after, before)]
     assert moved[0] == moved[1]
@@ -119,7 +122,7 @@ def assert_tasks_counted_alike(pair: Pair, requests: list[tuple[str, Any]]) -> d
     for listing in slots:
         for slot in listing:
             slot.pop("id_task", None)
-    assert slots[0] == slots[1]
+    assert slots[0] == slots[1], slots
     return moved[0]
 
 

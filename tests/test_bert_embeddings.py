@@ -20,7 +20,14 @@ import pytest
 from bankml.convert import convert
 from tests import hf_dirs, support
 from tests.bankml_process import check_receipt_cli
-from tests.dropin import Pair, bankml, call, dropin_pair, start_serve
+from tests.dropin import (
+    Pair,
+    assert_tasks_counted_alike,
+    bankml,
+    call,
+    dropin_pair,
+    start_serve,
+)
 
 TEXTS = ["Hello, World!", "Café naïve — 東京 🦙 [SEP] ok", "The quick brown fox. " * 20]
 
@@ -47,7 +54,8 @@ def _pair(
 def bert_pair(
     minilm_f16: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
-    yield from _pair(["--embeddings"], minilm_f16, llama_server_bin, tmp_path_factory)
+    flags = ["--embeddings", "--metrics"]
+    yield from _pair(flags, minilm_f16, llama_server_bin, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +144,24 @@ def test_props_models_and_slots_are_llama_servers(bert_pair: Pair) -> None:
     ours, theirs = (json.loads(b) for _, b in bert_pair.both("GET", "/props"))
     for key in ("default_generation_settings", "total_slots", "chat_template", "modalities"):
         assert ours[key] == theirs[key], key
+
+
+def test_a_refused_completion_is_a_task_as_llama_servers(bert_pair: Pair) -> None:
+    """llama-server starts a completion's task on the encoder's slot, then refuses it (500):
+    no counter of /metrics moves, and /slots shows the refused task (its parameters, zero
+    counts, the tokens of the embedding before it); a refused chat likewise. The refused
+    prompt is one never embedded: llama-server would first load a like prompt from its prompt
+    cache into the slot (docs/llama-server.md)."""
+    fresh = "Zebras quietly graze near seven tall acacia trees at dawn on the plain"
+    requests = [
+        ("/v1/embeddings", {"input": TEXTS[0]}),
+        ("/completion", {"prompt": fresh, "n_predict": 3}),
+    ]
+    moved = assert_tasks_counted_alike(bert_pair, requests, [200, 500])
+    assert moved["llamacpp:n_decode_total"] == 1 and moved["llamacpp:tokens_predicted_total"] == 0
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    moved = assert_tasks_counted_alike(bert_pair, [("/v1/chat/completions", chat)], [500])
+    assert set(moved.values()) == {0}
 
 
 def test_pooling_none_gives_every_tokens_vector(bert_none_pair: Pair) -> None:

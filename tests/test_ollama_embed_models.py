@@ -4,11 +4,18 @@ served by the encoder engine) and a tiny generated decoder pinned beside the sta
 loaded by the request that names it (verified again), its vectors the real llama-server's on
 that file, normalised as Ollama normalises; the startup model loaded again afterwards answers as
 before; ``/api/show``'s capabilities as Ollama reads a GGUF; generate and chat on the encoder
-refused with Ollama's messages; every receipt names the file that computed it."""
+refused with Ollama's messages; every receipt names the file that computed it.
+
+A second server over the same registry at ``--max-loaded 2 --parallel 2 --max-queue 1``: the
+``model`` of ``/v1/embeddings`` (the official ``openai`` client) and of ``/embedding`` chooses
+the model as a chat's does, each answer llama-server's on that file alone with a receipt naming
+it; an unknown model is the chat's 404; ``/api/ps`` shows the BERT's own context (512); past the
+queue's bound an embedding is 503 with Retry-After on both APIs."""
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -18,6 +25,7 @@ from typing import Any
 
 import numpy
 import ollama
+import openai
 import pytest
 from gguf import GGMLQuantizationType as T
 
@@ -27,6 +35,7 @@ from bankml.receipts.keys import SigningKey, keygen
 from bankml.registry.header import read_header
 from tests import hf_dirs
 from tests.native_server import NativeProcess, native_process
+from tests.native_support import wait_for
 from tests.registry_support import pin_into
 from tests.support import LlamaServer
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -189,3 +198,124 @@ def test_a_decoder_of_the_registry_embeds_and_the_startup_model_answers_again(
     assert answer.response == ref["choices"][0]["text"]
     (resident,) = client.ps().models
     assert resident.model == f"{startup}:latest" and resident.context_length == 2048
+
+
+# --- several models: the body's model chooses (--max-loaded 2) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def several(
+    registry: Path,
+    key: SigningKey,
+    default_model: Path,
+    default_fork: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[NativeProcess]:
+    proc = native_process(default_model, default_fork, tmp_path_factory.mktemp("embed-several"))
+    proc.engine_args += [
+        *("--registry", str(registry)),
+        *("--receipt-key", str(key.path)),
+        *("--max-loaded", "2", "--parallel", "2", "--max-queue", "1"),
+        "--embeddings",
+    ]
+    with proc:
+        yield proc
+
+
+def sha256_of(file: Path) -> str:
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+def test_the_body_model_chooses_the_embedding_model(
+    several: NativeProcess, key: SigningKey, registry: Path, llama_server_bin: Path
+) -> None:
+    encoder, decoder = registry / f"{ENCODER}.gguf", registry / f"{DECODER}.gguf"
+    client = openai.OpenAI(base_url=several.url + "/v1", api_key="none", timeout=600)
+    got = client.embeddings.create(model=ENCODER, input=TEXTS)
+    body = {"model": ENCODER, "input": TEXTS}
+    status, raw = post_raw(several.url, "/v1/embeddings", body)
+    assert status == 200
+    assert check_receipt(json.dumps(body).encode(), raw, key.public_key_pem) == VALID
+    assert json.loads(raw)["bankml_receipt"]["model_sha256"] == sha256_of(encoder)
+    with LlamaServer(encoder, args=["--embeddings", "-c", "512"], binary=llama_server_bin) as ref:
+        _, theirs = post(ref.url, "/v1/embeddings", {"input": TEXTS})
+    for ours, want in zip(got.data, theirs["data"], strict=True):
+        assert numpy.array_equal(
+            numpy.asarray(ours.embedding, numpy.float32),
+            numpy.asarray(want["embedding"], numpy.float64).astype(numpy.float32),
+        )
+    # /api/ps: the encoder's own context (its training context caps the server's)
+    listed = {m.model: m.context_length for m in ollama.Client(host=several.url).ps().models}
+    assert listed[f"{ENCODER}:latest"] == 512
+    # llama-server's /embedding takes the model too: the decoder, every token's vector
+    body = {"model": DECODER, "content": TEXTS[0]}
+    status, raw = post_raw(several.url, "/embedding", body)
+    assert status == 200
+    ours_rows = json.loads(raw)[0]
+    assert ours_rows["bankml_receipt"]["model_sha256"] == sha256_of(decoder)
+    with LlamaServer(decoder, args=["--embeddings"], binary=llama_server_bin) as ref:
+        _, theirs_rows = post(ref.url, "/embedding", {"content": TEXTS[0]})
+    assert numpy.array_equal(
+        numpy.asarray(ours_rows["embedding"], numpy.float64).astype(numpy.float32),
+        numpy.asarray(theirs_rows[0]["embedding"], numpy.float64).astype(numpy.float32),
+    )
+    # an unknown model: the chat's 404, the same body
+    unknown = post(several.url, "/v1/embeddings", {"model": "no-such-model", "input": "a"})
+    chat = {"model": "no-such-model", "messages": [{"role": "user", "content": "a"}]}
+    assert unknown == post(several.url, "/v1/chat/completions", chat)
+    assert unknown[0] == 404
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no-such-model", input="a")
+
+
+def post_raw(url: str, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def metric(url: str, name: str) -> float:
+    """One series of GET /metrics (llama-server's ``llamacpp:`` prefix)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as answer:
+        lines = answer.read().decode().splitlines()
+    values = dict(line.split()[:2] for line in lines if line and not line.startswith("#"))
+    return float(values[f"llamacpp:{name}"])
+
+
+def test_past_the_queue_bound_an_embedding_is_503_with_retry_after(
+    several: NativeProcess, default_model: Path
+) -> None:
+    startup = default_model.name[: -len(".gguf")].lower()
+    body = {"prompt": "Count:", "n_predict": 1500, "ignore_eos": True, "stream": True}
+    host, port = several.url.removeprefix("http://").split(":")
+    streams = []
+    for _ in range(3):  # two on the slots, one waiting: the queue's bound
+        conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        streams.append(conn)
+        if len(streams) == 2:
+            wait_for(lambda: metric(several.url, "requests_processing") == 2, "both slots busy")
+    wait_for(lambda: metric(several.url, "requests_deferred") == 1, "the third to wait")
+    refusals = [
+        ("/embedding", {"model": startup, "content": "hi"}),
+        ("/api/embed", {"model": startup, "input": "hi"}),
+    ]
+    for path, asked in refusals:
+        request = urllib.request.Request(
+            several.url + path, json.dumps(asked).encode(), {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=600)
+        assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "1", path
+        error = json.loads(refused.value.read())["error"]
+        assert "busy" in (error if isinstance(error, str) else error["message"])
+    for conn in streams:  # the clients leave: their runs end within a token
+        conn.close()
+    wait_for(lambda: metric(several.url, "requests_processing") == 0, "the runs to end")
+    status, answer = post(several.url, "/embedding", {"model": startup, "content": "hi"})
+    assert status == 200 and answer[0]["embedding"]  # pooling none: a vector per token

@@ -4,10 +4,12 @@ llama-server with the same flags. The answers of /rerank and its aliases must be
 JSON (the scores bit for bit, their order, ``top_n``, ``usage``, ``model``), bad input its
 refusals; each answer's receipt holds under ``bankml check-receipt`` and replays on bankml's
 encoder; P0 (``bankml serve --spawn``) passes ``--rerank`` to llama-server and signs its
-answers the same way."""
+answers the same way. A tiny generated qwen3 with a rank head (``cls.output``, two labels, a
+rerank template), the layout of Qwen3's rerankers, is ranked as llama-server ranks it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from bankml.convert import convert
 from bankml.openapi import load_description
@@ -23,7 +26,9 @@ from bankml.receipts.rerank import answer_results
 from tests import hf_dirs
 from tests.bankml_process import check_receipt_cli
 from tests.dropin import Pair, assert_tasks_counted_alike, bankml, call, dropin_pair, start_serve
+from tests.registry_support import pin_into
 from tests.support import free_port
+from tests.tiny_models import TinySpec, write_tiny_model
 
 QUERY = "What is a giant panda?"
 DOCUMENTS = [
@@ -249,4 +254,90 @@ def test_bankml_serve_native_rerank(
         timeout=300,
     )
     assert done.returncode != 0
-    assert "reranks with a BERT reranker only" in done.stdout + done.stderr
+    assert "reranks with a BERT reranker" in done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def qwen3_reranker(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """A tiny qwen3 reranker (its head F16, labels yes and no) and its FORK.json."""
+    root = tmp_path_factory.mktemp("qwen3-reranker")
+    model = root / "qwen3-rank.gguf"
+    spec = TinySpec("qwen3", T.F16, rank_labels=("yes", "no"))
+    return model, pin_into(root, write_tiny_model(model, spec, default_model, 3))
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(
+    qwen3_reranker: tuple[Path, Path],
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Pair]:
+    """The tiny qwen3 reranker under both servers."""
+    model, fork = qwen3_reranker
+    log = tmp_path_factory.mktemp("qwen3-pair") / "bankml.log"
+    yield from dropin_pair(
+        ["--rerank", "-c", "512", "--metrics"], model, fork, llama_server_bin, log
+    )
+
+
+def test_a_qwen3_reranker_ranks_as_llama_server(
+    qwen3_pair: Pair, qwen3_reranker: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The last token's normed hidden state through cls.output and the soft max: llama-server's
+    scores bit for bit, its order (the tie of the two "hi"), top_n, usage; counted as its tasks;
+    the receipt holds."""
+    body = {"query": QUERY, "documents": DOCUMENTS, "top_n": 4}
+    (s1, ours, raw), (s2, theirs, _) = (post(p, "/rerank", body) for p in qwen3_pair.ports)
+    assert s1 == s2 == 200
+    receipt = ours.pop("bankml_receipt")
+    theirs["model"] = Path(theirs["model"]).name
+    assert ours == theirs and len(ours["results"]) == 4
+    assert 0.0 < ours["results"][0]["relevance_score"] < 1.0  # a probability: the soft max
+    key = key_of(qwen3_pair.ports[0])
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key)
+    assert code == 0 and receipt["pooling"] == "rank", out
+    replay = ("--replay", str(qwen3_reranker[0]), "--fork", str(qwen3_reranker[1]))
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and "replay: identical: 4 results of 5 documents" in out, out
+    moved = assert_tasks_counted_alike(
+        qwen3_pair, [("/rerank", {"query": "a", "documents": ["b", "c"]})]
+    )
+    assert moved["llamacpp:n_decode_total"] == 2
+
+
+def test_with_several_models_the_body_model_chooses_the_reranker(
+    pair: Pair,
+    qwen3_pair: Pair,
+    reranker: tuple[Path, Path],
+    qwen3_reranker: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    """``bankml serve BERT --native --rerank --registry DIR --max-loaded 2`` (DIR pins the qwen3
+    reranker): each /rerank answer is llama-server's on the model its ``model`` names, its
+    receipt naming that file; an unknown model is the chat's 404."""
+    model, fork = reranker
+    registry = qwen3_reranker[0].parent
+    port = free_port()
+    args = [str(model), "--fork", str(fork), "--native", "--rerank"]
+    args += ["--registry", str(registry), "--max-loaded", "2"]
+    proc = start_serve(args, port, tmp_path / "log")
+    try:
+        for name, file, ref in [
+            ("qwen3-rank", qwen3_reranker[0], qwen3_pair),
+            ("reranker", model, pair),
+        ]:
+            body = {"query": QUERY, "documents": DOCUMENTS, "top_n": 3, "model": name}
+            status, ours, _ = post(port, "/rerank", body)
+            assert status == 200, ours
+            receipt = ours.pop("bankml_receipt")
+            assert receipt["model_sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+            assert ours == post(ref.ports[1], "/rerank", body)[1], name
+        unknown = post(port, "/rerank", {"query": "a", "documents": ["b"], "model": "nope"})
+        chat = {"model": "nope", "messages": [{"role": "user", "content": "a"}]}
+        assert unknown[:2] == post(port, "/v1/chat/completions", chat)[:2]
+        assert unknown[0] == 404
+    finally:
+        proc.terminate()
+        proc.wait(30)

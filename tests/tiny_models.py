@@ -24,9 +24,16 @@ from pathlib import Path
 
 import numpy
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter, quants
+from gguf import GGUFWriter, PoolingType, quants
 
 from bankml.engine_cupy.weights import dequantize, open_reader
+
+# a reranker's prompt as Qwen3's converter writes it (shortened): the query and the document
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document answers the Query: yes or no.<|im_end|>\n"
+    "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ class TinySpec:
     n_head: int = 4
     n_head_kv: int = 2
     head_dim: int = 64
+    # a rank head (qwen3's reranker layout): ``cls.output.weight`` F32 of one row per label,
+    # pooling rank, the labels, and a rerank template with {query} and {document}
+    rank_labels: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -226,6 +236,12 @@ def write_tiny_model(path: Path, spec: TinySpec, vocab_model: Path, seed: int = 
         if spec.arch == "gemma3":
             vector(p + "post_attention_norm.weight", norm())
             vector(p + "post_ffw_norm.weight", norm())
+    if spec.rank_labels:
+        w.add_pooling_type(PoolingType.RANK)
+        w.add_classifier_output_labels(list(spec.rank_labels))
+        w.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
+        head = rng.standard_normal((len(spec.rank_labels), spec.n_embd)) * spec.n_embd**-0.5
+        vector("cls.output.weight", head)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -68,6 +68,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         name="qwen3",
         rope_neox=True,
         required_layer=("attn_q_norm.weight", "attn_k_norm.weight"),
+        # a reranker's head (engine_cupy/rank_head.py), not part of the causal graph
+        optional_global=("cls.output.weight",),
         qk_norm=True,
     ),
     "gemma3": ArchSpec(

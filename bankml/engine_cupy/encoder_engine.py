@@ -153,9 +153,11 @@ class EncoderEngine(Engine):
         needs logits (module doc)."""
         requests = super().parse_batch(request, kind)
         if any(r.prompt_tokens for r in requests):
-            raise RequestError(
+            refused = RequestError(
                 NO_LOGITS,
                 500,
                 {"error": {"code": 500, "message": NO_LOGITS, "type": "server_error"}},
             )
+            refused.refused = list(requests)  # tasks llama-server starts, then refuses
+            raise refused
         return requests

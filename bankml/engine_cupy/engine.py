@@ -199,6 +199,9 @@ class Engine:
     tokens it holds), one host prompt cache for all of them. ``cache``, ``slot_tokens`` and
     ``checkpoints`` are slot 0's (a one-slot engine's only slot)."""
 
+    # a causal reranker's head (rank_head.py), set where the server ranks with this model
+    rank_head: Any = None
+
     def __init__(
         self,
         model: Any,

@@ -40,6 +40,9 @@ class RequestError(ValueError):
         self.status = status
         self.body = body if body is not None else message
         self.reason = reason  # what bankml found wrong, where llama-server's message says less
+        # requests read in full, then refused on their slot (an encoder's completion): tasks
+        # llama-server started, so its slot monitor shows the last of them
+        self.refused: list[Any] = []
 
 
 @dataclass

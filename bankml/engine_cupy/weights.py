@@ -433,6 +433,18 @@ _MATRIX_CLASS: dict[ModuleType, type] = {
 }
 
 
+def exact_matrix_of(info: Any, token_embd: bool = False) -> Any:
+    """A GGUF tensor [n_in, n_out] kept in its blocks for ggml's exact product (its type must
+    have an exact family); as llama-server holds it (some layer matrices repacked)."""
+    n_in, n_out = (int(d) for d in info.shape)
+    family = exact_family(info.tensor_type)
+    if family is None:
+        raise UnsupportedModel(f"tensor {info.name}: no exact kernel for its type")
+    # llama-server repacks some layer matrices (Q4_0, Q4_K on AVX2): other kernels, other roundings
+    repacked = family.repacked_by_llama_server(info.tensor_type, n_out, token_embd=token_embd)
+    return _MATRIX_CLASS[family](info.data, info.tensor_type, n_out, n_in, repacked=repacked)
+
+
 class EmbeddingRows:
     """A token embedding left in its GGUF blocks; ``rows[ids]`` dequantizes just those rows.
 
@@ -498,15 +510,9 @@ class _Loader:
     def exact_matrix(self, name: str) -> Any:
         """The weight kept in its blocks for ggml's exact product (``exact_matrix_possible``)."""
         info = self.infos[name]
-        n_in, n_out = (int(d) for d in info.shape)
         self.tick(int(info.n_bytes))
         self.nbytes += int(info.n_bytes)
-        family = exact_family(info.tensor_type)
-        # llama-server repacks some layer matrices (Q4_0, Q4_K on AVX2): other kernels, other roundings
-        repacked = family.repacked_by_llama_server(
-            info.tensor_type, n_out, token_embd=name == "token_embd.weight"
-        )
-        return _MATRIX_CLASS[family](info.data, info.tensor_type, n_out, n_in, repacked=repacked)
+        return exact_matrix_of(info, token_embd=name == "token_embd.weight")
 
     def _exact_linear(self, group: list[tuple[str, str]]) -> Linear | None:
         if not all(self.exact_matrix_possible(w) for w, _ in group):

@@ -367,9 +367,9 @@ def slot_object(
     if view.parsed is None:
         return slot
     params = generation_settings(view.parsed, only_metrics=True)
-    if view.pooled:  # an embedding or rerank task: the defaults as they are (/props')
+    if view.pooled or view.refused:  # the slot holds the last embedding's tokens
         n_prompt_tokens = view.slot_tokens
-    else:
+    if not view.pooled:  # an embedding or rerank task: the defaults as they are (/props')
         params["reasoning_format"] = "deepseek"  # the server's --reasoning-format (auto)
     if view.kind == CHAT and not view.pooled:
         # the chat parser llama.cpp generates for a template ("Content-only" without Jinja)
@@ -384,7 +384,8 @@ def slot_object(
             "params": params,
             "next_token": [
                 {
-                    "has_next_token": view.processing or (view.pooled and view.next_token_left),
+                    "has_next_token": view.processing
+                    or ((view.pooled or view.refused) and view.next_token_left),
                     "has_new_line": view.has_new_line,
                     "n_remain": view.n_remain(),
                     "n_decoded": view.n_decoded,

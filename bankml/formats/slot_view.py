@@ -38,13 +38,16 @@ class SlotView:
     # llama-server's slot.has_next_token: true until a completion ends on the slot; an
     # embedding or rerank task leaves it as it was
     next_token_left: bool = True
+    # the last task was refused on the slot before anything was computed (a completion on an
+    # encoder): its parameters shown, the slot's tokens and has_next_token left as they were
+    refused: bool = False
 
     def begin(self, kind: str, body: dict[str, Any], parsed: Any) -> None:
         """A prompt's run starts (each prompt of a request is a task of its own, as there)."""
         self.id_task = self.tasks_begun
         self.tasks_begun += 1
         self.kind, self.body, self.parsed = kind, body, parsed
-        self.pooled, self.slot_tokens = False, 0
+        self.pooled, self.slot_tokens, self.refused = False, 0, False
         self.processing = True
         self.n_decoded = self.cache_n = self.prompt_n = 0
         self.has_new_line = False
@@ -73,7 +76,22 @@ class SlotView:
         self.tasks_begun += len(inputs_tokens)
         self.id_task = self.tasks_begun - 1
         self.kind, self.body, self.parsed = kind, {}, defaults
-        self.pooled, self.slot_tokens = True, inputs_tokens[-1]
+        self.pooled, self.slot_tokens, self.refused = True, inputs_tokens[-1], False
+        self.processing = False
+        self.n_decoded = self.cache_n = self.prompt_n = 0
+        self.has_new_line = False
+
+    def refused_tasks(self, kind: str, body: dict[str, Any], parsed: list[Any]) -> None:
+        """A request's tasks refused on the slot before a token was computed (llama-server's
+        500 for a completion on a context without memory: an encoder's): each a task, the slot
+        shows the last one's parameters with zero counts; its tokens (the last embedding's) and
+        ``has_next_token`` stay as they were."""
+        if not parsed:
+            return
+        self.tasks_begun += len(parsed)
+        self.id_task = self.tasks_begun - 1
+        self.kind, self.body, self.parsed = kind, body, parsed[-1]
+        self.pooled, self.refused = False, True
         self.processing = False
         self.n_decoded = self.cache_n = self.prompt_n = 0
         self.has_new_line = False

@@ -93,6 +93,7 @@ class EmbedJob:
     texts: list[str] | None = None  # Ollama's inputs, tokenized by that model once resident
     issuer: Issuer | None = None  # who issued the vectors (the model that computed them)
     seconds: float = 0.0  # the computation's time (/metrics' prompt seconds)
+    choice: Any = None  # with several models: the model the body chose (the host's Choice)
 
 
 class Embedder:
@@ -114,20 +115,31 @@ class Embedder:
     def engine(self) -> Any:
         return self.native.engine
 
-    def pooling(self) -> str:
-        """--pooling, else the model's own (llama.cpp: the GGUF's, ``none`` for a decoder)."""
+    def pooling(self, engine: Any = None) -> str:
+        """--pooling, else the model's own (llama.cpp: the GGUF's, ``none`` for a decoder);
+        ``engine``: the model's (None: the resident one)."""
         from bankml.engine_cupy.pooling import pooling_name
 
         if self.settings.pooling is not None:
             return self.settings.pooling
-        return pooling_name(getattr(self.engine.model, "pooling_type", 0))
+        engine = self.engine if engine is None else engine
+        return pooling_name(getattr(engine.model, "pooling_type", 0))
 
     # --- the prepare thread ----------------------------------------------------------------
 
     def parse(self, body: dict[str, Any], raw: bytes, oai: bool, started: float) -> EmbedJob:
-        """llama-server's /v1/embeddings (``oai``), /embedding and /embeddings body."""
-        self.native._awake()
-        pooling = self.pooling()
+        """llama-server's /v1/embeddings (``oai``), /embedding and /embeddings body. With
+        several models (``NativeEngine.select`` set: ``--max-loaded`` above 1) the body's
+        ``model`` chooses the model as a chat's does (made resident first, verified again when
+        loaded; unknown: the chat's 404); else the resident model answers (llama-server's
+        rule: the field does not choose)."""
+        choice = None
+        if self.native.select is not None:
+            choice = self.native.select(body, None)
+        else:
+            self.native._awake()
+        engine = self.engine if choice is None else choice[1]
+        pooling = self.pooling(engine)
         req = fmt.read_request(
             body,
             oai=oai,
@@ -140,12 +152,12 @@ class Embedder:
         from bankml.engine_cupy.request import RequestError
 
         try:
-            tokens = self.engine.embedding_inputs(req.prompt)
+            tokens = engine.embedding_inputs(req.prompt)
         except RequestError as err:
             raise refusal_of(err) from None
         fmt.check_tokens(tokens)
         for toks in tokens:
-            check_limits(self.native, len(toks), pooling)
+            check_limits(self.native, len(toks), pooling, engine if choice is not None else None)
         return EmbedJob(
             OAI_EMBEDDINGS if req.oai else LLAMA_EMBEDDING,
             raw,
@@ -156,6 +168,7 @@ class Embedder:
             oai=req.oai,
             base64=req.base64,
             model=_model_name(body, self.native.model_id) if req.oai else "",
+            choice=None if choice is None else choice[0],
         )
 
     def parse_ollama(
@@ -239,28 +252,40 @@ class Embedder:
         """Every input's vectors, one input after the other (see the module doc)."""
         from bankml.engine_cupy.pooling import normalize, pool
 
+        release: Callable[[], None] | None = None
+        held = None
         if job.load is not None:
             _ollama_refusal(job.load)
+        elif job.choice is not None and self.native.hold is not None:
+            # the chosen model, made resident again if it was unloaded while this waited
+            # (verified again; the same file it was parsed for), held while it computes; the
+            # NativeEngine is swapped to it, so the receipt's issuer is it too
+            held, release = self.native.hold(job.choice)
         else:
             self.native.wake()
-        job.loaded_ns = time.time_ns()
-        if job.texts is not None:
-            self._ollama_inputs(job)
-        engine = self.engine
-        out = []
-        began = time.perf_counter()
-        for tokens in job.tokens:
-            rows = list(pool(engine.hidden_states(tokens), job.pooling))
-            if job.pooling != "none" and job.embd_normalize is not None:
-                rows = [normalize(row, job.embd_normalize) for row in rows]
-            out.append(rows)
-        job.vectors = out
-        job.seconds = time.perf_counter() - began
-        job.issuer = native_issuer(self.native)  # the model that computed them, on this thread
+        try:
+            job.loaded_ns = time.time_ns()
+            if job.texts is not None:
+                self._ollama_inputs(job)
+            engine = self.engine if held is None else held  # the model made resident
+            out = []
+            began = time.perf_counter()
+            for tokens in job.tokens:
+                rows = list(pool(engine.hidden_states(tokens), job.pooling))
+                if job.pooling != "none" and job.embd_normalize is not None:
+                    rows = [normalize(row, job.embd_normalize) for row in rows]
+                out.append(rows)
+            job.vectors = out
+            job.seconds = time.perf_counter() - began
+            # the model that computed them, read on this thread
+            job.issuer = native_issuer(self.native)
+        finally:
+            if release is not None:  # the chosen model's keep-alive starts again
+                release()
         if job.after is not None:  # Ollama's routes: the request's keep_alive
             job.after()
-        elif self.native.used is not None:  # the resident model's keep-alive starts again
-            self.native.used()
+        elif release is None and self.native.used is not None:
+            self.native.used()  # the resident model's keep-alive starts again
         return job
 
     # --- the reactor thread ----------------------------------------------------------------
@@ -324,23 +349,28 @@ class Embedder:
 
 
 def _ollama_refusal(call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)`` with the host's OllamaError made Ollama's refusal (its status and
-    message)."""
+    """``call(*args)`` with the host's OllamaError made Ollama's refusal (its status, message
+    and Retry-After)."""
     try:
         return call(*args)
     except Exception as err:  # the host's OllamaError: its status and message
         status = getattr(err, "status", None)
         if not isinstance(status, int):
             raise
-        raise fmt.ollama_error(status, str(getattr(err, "message", err))) from None
+        refused = fmt.ollama_error(status, str(getattr(err, "message", err)))
+        refused.retry_after = getattr(err, "retry_after", None)
+        raise refused from None
 
 
-def check_limits(native: Any, n: int, pooling: str) -> None:
+def check_limits(native: Any, n: int, pooling: str, engine: Any = None) -> None:
     """llama-server's checks of one input of ``n`` tokens (an embedding's, a rerank pair's), in
     its order: one micro-batch unless pooled ``last``, then the slot's context (``last``: the
-    context less one, as a completion's prompt)."""
-    n_ctx = int(native.n_ctx)
-    n_ubatch = int(native.engine.n_ubatch)
+    context less one, as a completion's prompt). ``engine``: the model's (None: the resident
+    one's, whose context the NativeEngine holds)."""
+    if engine is None:
+        n_ctx, n_ubatch = int(native.n_ctx), int(native.engine.n_ubatch)
+    else:
+        n_ctx, n_ubatch = int(engine.n_ctx), int(engine.n_ubatch)
     if pooling != "last":
         if n > n_ubatch:
             raise fmt.too_large(n, n_ubatch)

@@ -596,14 +596,20 @@ class OllamaHost:
     def _acquire(self, target: Target) -> int:
         """Make ``target``'s pin resident (verified again when it is loaded); its load_ns."""
         pin = pin_of(target)
+        # /api/ps's context: the one the model's engine holds (an encoder's is capped at its
+        # training context); a model not resident yet gets its engine's once it is loaded
+        was = self.residency.get(pin.name)
+        context = int(getattr(was.handle, "n_ctx", 0) or 0) if was is not None else 0
         try:
-            acquired = self.residency.acquire(pin, self.clock(), target.name, self.n_ctx)
+            acquired = self.residency.acquire(pin, self.clock(), target.name, context)
         except LoadError as err:
             refused = OllamaError(err.status, err.message)
             if err.busy:
                 refused.retry_after = RETRY_AFTER_S
             raise refused from None
         here = acquired.resident
+        if here.context_length == 0:
+            here.context_length = int(getattr(here.handle, "n_ctx", 0) or self.n_ctx)
         if self.native.engine is not here.handle:
             self.native.swap(here.handle, here.verified)
         stale = stale_layer(target, here.verified.sha256)

@@ -29,8 +29,29 @@ from bankml.native.embed import check_limits
 from bankml.receipts.embedding import native_issuer
 from bankml.receipts.kinds import RERANK
 from bankml.receipts.rerank import ranked, rerank_receipt
+from bankml.receipts.vouch import identity_problem
 
-NOT_AN_ENCODER = "bankml reranks with a BERT reranker only (a BERT GGUF with a classifier head)"
+NOT_A_RERANKER = (
+    "bankml reranks with a BERT reranker (a BERT GGUF with a classifier head) or a qwen3 "
+    "reranker (cls.output)"
+)
+
+
+def ranker_of(engine: Any) -> Any:
+    """What scores a pair on ``engine``: a BERT's ``Encoder`` (its classifier), a decoder's
+    ``RankHead`` (set by open_served with --rerank; found here for an engine opened again after
+    an unload), else None. Each gives ``rerank_tokens`` and ``rank_score``."""
+    encoder = getattr(getattr(engine, "model", None), "encoder", None)
+    if encoder is not None:
+        return encoder
+    if getattr(engine, "rank_head", None) is None and engine is not None:
+        from bankml.engine_cupy.rank_head import rank_head
+
+        try:
+            engine.rank_head = rank_head(engine)
+        except ValueError:  # UnsupportedModel: a head llama.cpp would not load
+            return None
+    return getattr(engine, "rank_head", None)
 
 
 @dataclass
@@ -44,6 +65,8 @@ class RerankJob:
     request: fmt.RerankRequest  # the query, the documents, top_n, the form
     scores: list[float] = field(default_factory=list)
     seconds: float = 0.0  # the scoring's time (/metrics' prompt seconds)
+    choice: Any = None  # with several models: the model the body chose (the host's Choice)
+    issuer: Any = None  # who scored it (the model that computed the scores)
 
 
 class Reranker:
@@ -56,36 +79,63 @@ class Reranker:
     # --- the prepare thread ----------------------------------------------------------------
 
     def parse(self, body: dict[str, Any], raw: bytes, started: float) -> RerankJob:
-        """llama-server's /rerank body, its refusals in its order."""
-        self.native._awake()
+        """llama-server's /rerank body, its refusals in its order. With several models
+        (``NativeEngine.select`` set) the body's ``model`` then chooses the model as a chat's
+        does (made resident, verified again when loaded; unknown: the chat's 404); a model
+        that does not rank is the 501 below."""
+        choice = None
+        if self.native.select is None:
+            self.native._awake()
         req = fmt.read_request(body, enabled=self.enabled)
-        encoder = getattr(self.native.engine.model, "encoder", None)
-        if encoder is None:  # open_served refuses --rerank on another model; kept as a guard
-            raise ApiError.of(501, NOT_AN_ENCODER, "not_supported_error")
-        pairs = [encoder.rerank_tokens(req.query, d) for d in req.documents]
+        if self.native.select is not None:
+            choice = self.native.select(body, None)
+        engine = self.native.engine if choice is None else choice[1]
+        ranker = ranker_of(engine)
+        if ranker is None:  # open_served refuses --rerank on another startup model
+            raise ApiError.of(501, NOT_A_RERANKER, "not_supported_error")
+        pairs = [ranker.rerank_tokens(req.query, d) for d in req.documents]
+        # a causal reranker reads its last token: its input may span micro-batches (llama-server's
+        # can_split), as pooling last
+        pooling = "rank" if ranker is getattr(engine.model, "encoder", None) else "last"
         for tokens in pairs:
-            check_limits(self.native, len(tokens), "rank")
+            check_limits(self.native, len(tokens), pooling, None if choice is None else engine)
         model = fmt.model_name(body, self.native.model_id)
-        return RerankJob(raw, started, pairs, model, req)
+        job = RerankJob(raw, started, pairs, model, req)
+        job.choice = None if choice is None else choice[0]
+        return job
 
     # --- the engine thread -----------------------------------------------------------------
 
     def compute(self, job: RerankJob) -> RerankJob:
         """Every pair's score, one pair after the other."""
-        self.native.wake()
-        encoder = self.native.engine.model.encoder
-        began = time.perf_counter()
-        job.scores = [encoder.rank_score(tokens) for tokens in job.pairs]
-        job.seconds = time.perf_counter() - began
-        if self.native.used is not None:  # the resident model's keep-alive starts again
-            self.native.used()
+        held, release = None, None
+        if job.choice is not None and self.native.hold is not None:
+            # the chosen model (loaded and verified again if it was unloaded meanwhile), held
+            held, release = self.native.hold(job.choice)
+        else:
+            self.native.wake()
+        try:
+            ranker = ranker_of(self.native.engine if held is None else held)
+            if ranker is None:
+                raise ApiError.of(501, NOT_A_RERANKER, "not_supported_error")
+            began = time.perf_counter()
+            job.scores = [ranker.rank_score(tokens) for tokens in job.pairs]
+            job.seconds = time.perf_counter() - began
+            job.issuer = native_issuer(self.native)  # swapped to the chosen model by hold
+        finally:
+            if release is not None:  # the chosen model's keep-alive starts again
+                release()
+        if release is None and self.native.used is not None:
+            self.native.used()  # the resident model's keep-alive starts again
         return job
 
     # --- the reactor thread ----------------------------------------------------------------
 
     def job_problem(self, job: RerankJob) -> str | None:
-        """None while the model's file is the one that was hashed."""
-        return self.native.identity_problem()
+        """None while the file of the model that scored ``job`` is the one that was hashed."""
+        if job.issuer is None:
+            return self.native.identity_problem()
+        return identity_problem(job.issuer.verified)
 
     def answer(self, job: RerankJob) -> Any:
         """The answer's JSON value, its receipt in it (see receipts/rerank.py): Jina's object,
@@ -95,7 +145,7 @@ class Reranker:
         results = ranked(job.scores, job.request.top_n)
         n_tokens = sum(len(t) for t in job.pairs)
         out = rerank_receipt(
-            native_issuer(self.native),
+            job.issuer or native_issuer(self.native),
             request_body=job.raw,
             started=job.started,
             results=results,

@@ -27,6 +27,7 @@ from bankml.engine_cupy.encoder_engine import EncoderEngine, is_encoder
 from bankml.engine_cupy.engine import DEFAULT_SLOT_PROMPT_SIMILARITY, Engine, compile_kernels
 from bankml.engine_cupy.file_type import file_ftype_name
 from bankml.engine_cupy.gguf_file import read_metadata
+from bankml.engine_cupy.rank_head import rank_head
 from bankml.engine_cupy.request import RequestError
 from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
 from bankml.engine_cupy.speculative import drafters
@@ -270,6 +271,7 @@ class NativeEngine:
         if choice is None:
             self._awake()
         engine = self.engine if choice is None else choice[1]
+        asked, asked_kind = body, kind  # as the slot monitor shows a task
         if self.rewrite is not None:
             body = self.rewrite(body, kind)
         if kind in CONVERTED:  # llama-server runs a Responses or Messages request as a chat
@@ -283,6 +285,8 @@ class NativeEngine:
             else:
                 prompts = engine.parse_batch(body, ENGINE_KIND[kind])
         except RequestError as err:
+            if err.refused:  # tasks started, then refused on the slot: /slots shows them
+                self._on_reactor(self.refused_tasks, asked_kind, asked, err.refused)
             raise refusal_of(err) from None
         out = [pin_seed(c) for p in prompts for c in completions(p)]
         if choice is not None and self.hold is not None:
@@ -502,6 +506,22 @@ class NativeEngine:
                 own["requests"] += 1
                 own["prompt_tokens"] += int(rec["prompt_tokens"] or 0)
                 own["completion_tokens"] += int(rec["completion_tokens"] or 0)
+
+    def _on_reactor(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` on the reactor thread (at once without a reactor: ``bankml.api``)."""
+        if self.reactor is None:
+            fn(*args)
+        else:
+            self.reactor.callFromThread(fn, *args)
+
+    def refused_tasks(self, kind: str, body: dict[str, Any], parsed: list[Any]) -> None:
+        """On the reactor thread: a request whose tasks llama-server starts and then refuses
+        on the slot (a completion on an encoder, its 500): no counter of /metrics moves (none
+        of llama-server's does: nothing was decoded), and an idle slot shows the last task
+        (SlotView.refused_tasks), as llama-server's slot monitor does."""
+        view = next((v for v in self.slot_views if not v.processing), None)
+        if view is not None:
+            view.refused_tasks(kind, body, parsed)
 
     def record_pooled(self, kind: str, inputs_tokens: Sequence[int], seconds: float) -> None:
         """On the reactor thread: an embedding or rerank request answered, counted as
@@ -751,10 +771,12 @@ def open_served(
     if (llama.get("embedding") or {}).get("pooling") == "rank" and not isinstance(
         engine, EncoderEngine
     ):
-        raise UnsupportedModel(
-            "--rerank (pooling rank): bankml's native engine reranks with a BERT reranker only "
-            "(a BERT GGUF with a classifier head)"
-        )
+        engine.rank_head = rank_head(engine)  # a causal reranker's head (qwen3's cls.output)
+        if engine.rank_head is None:
+            raise UnsupportedModel(
+                "--rerank (pooling rank): bankml's native engine reranks with a BERT reranker "
+                "(a BERT GGUF with a classifier head) or a qwen3 reranker (cls.output)"
+            )
     if isinstance(engine, EncoderEngine):
         engine.check_outputs(outputs_max(llama))
     engine.warm_up(report)  # ``report`` is told what compiles, and how long it took

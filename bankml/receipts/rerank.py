@@ -278,13 +278,21 @@ def rerank_receipt(
 
 
 def replay_rerank(request_bytes: bytes, receipt: Mapping[str, Any], engine: Any) -> str:
-    """A native rerank answer computed again on ``engine`` (an EncoderEngine on the pinned
-    file): every document paired with the query as llama-server pairs them, scored, ranked
-    and cut to ``top_n`` as the request says, the digest compared with the receipt's.
+    """A native rerank answer computed again on ``engine`` (the pinned file's: an
+    EncoderEngine's classifier, or a decoder's rank head, engine_cupy/rank_head.py): every
+    document paired with the query as llama-server pairs them, scored, ranked and cut to
+    ``top_n`` as the request says, the digest compared with the receipt's.
     ``identical: ...``, ``refuse: ...`` or ``cannot replay: ...``."""
     encoder = getattr(getattr(engine, "model", None), "encoder", None)
     if encoder is None:
-        return "cannot replay: the model is not an encoder (bankml reranks with a BERT)"
+        from bankml.engine_cupy.rank_head import rank_head
+
+        try:
+            encoder = rank_head(engine)
+        except ValueError as err:  # UnsupportedModel
+            return f"cannot replay: {err}"
+    if encoder is None:
+        return "cannot replay: the model has no rank head (a BERT reranker, or qwen3's cls.output)"
     try:
         body = json.loads(request_bytes)
     except ValueError as err:

@@ -24,6 +24,7 @@ from bankml.formats.nlohmann import dumps, loads_json
 from bankml.formats.ollama_wire import dumps as ollama_dumps
 from bankml.resources.ollama import Unknown
 from bankml.resources.runs import read_json_object
+from bankml.serving.run_control import RETRY_AFTER_S, Overloaded
 from bankml.serving.writers import JsonResource, gone, write_json
 
 
@@ -77,9 +78,17 @@ class _EmbeddingResource(JsonResource):
             return
         bridge = native.bridge
         d = bridge.prepare(parse, *args)
-        d.addCallback(lambda job: bridge.call(self.embedder.compute, job))
+        d.addCallback(self._queue, bridge)
         d.addCallback(self._answer, request)
         d.addErrback(self._failed, request)
+
+    def _queue(self, job: Any, bridge: Any) -> Any:
+        """The job computed in turn with the runs; refused past the queue's bound as a run is
+        (``--max-queue`` runs waiting and every slot busy: 503 with Retry-After)."""
+        overloaded = getattr(bridge, "overloaded", None)
+        if overloaded is not None and overloaded():
+            raise Overloaded(bridge.max_queue)
+        return bridge.call(self.embedder.compute, job)
 
     def _answer(self, job: Any, request: Request) -> None:
         if gone(request):
@@ -97,8 +106,13 @@ class _EmbeddingResource(JsonResource):
         if gone(request):
             return
         err = failure.value
-        if not isinstance(err, ApiError):
+        if isinstance(err, Overloaded):  # never queued: nothing computed
+            err = ApiError.of(503, str(err))
+            err.retry_after = RETRY_AFTER_S
+        elif not isinstance(err, ApiError):
             err = ApiError.of(500, failure.getErrorMessage())
+        if err.retry_after is not None:  # a busy server: when to ask again
+            request.setHeader(b"retry-after", str(err.retry_after).encode())
         self._refuse(request, err)
 
 

@@ -1,0 +1,123 @@
+"""A decoder reranker's head, as llama.cpp build 11434 scores a pair with pooling rank.
+
+Of the decoder architectures bankml serves, only ``qwen3`` loads a rank head
+(src/models/qwen3.cpp: ``cls.output.weight``, one row per ``qwen3.classifier.output_labels``;
+the Qwen3 reranker's converter takes the output head's rows of ``yes`` and ``no``).
+``build_pooling`` (src/llama-graph.cpp) with pooling rank on a causal model:
+
+1. the **last** token's row of ``t_embd`` (the hidden state after the output norm:
+   ``llm_graph_input_cls`` picks the last position for rank with causal attention);
+2. ``ggml_mul_mat(cls_out, row)`` (no ``cls`` layer, no bias for qwen3), ggml's product for the
+   weight's type (engine_cupy's exact matrices);
+3. for qwen3, ``ggml_soft_max`` over the labels: for a row shorter than 8 (AVX2) ggml's scalar
+   loop, ``expf(x - max)`` of each value (glibc's), summed in double, each then multiplied by
+   ``(float)(1.0 / sum)``;
+
+and llama-server's score is element 0 (send_rerank: ``embd[0]``). The pair's tokens are
+``format_prompt_rerank``'s: the GGUF's ``tokenizer.chat_template.rerank`` with ``{query}`` and
+``{document}`` put in, special texts parsed, nothing added; without it BOS (when the vocabulary
+adds it), the query, EOS, SEP (when added), the document, EOS.
+
+``rank_head(engine)`` gives the head of an opened decoder ``Engine`` (None where the file has
+none); ``score(tokens)`` computes one pair alone (``Engine.hidden_states``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy
+
+from bankml.engine_cupy.kernels.exact_ops import expf
+from bankml.engine_cupy.weights import UnsupportedModel, exact_matrix_of
+
+F32 = numpy.float32
+
+HEAD = "cls.output.weight"
+RANK_ARCHS = ("qwen3",)  # the decoders whose graph loads cls.output (and soft-maxes it)
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+class RankHead:
+    """A causal reranker's head over an opened decoder engine (see the module doc)."""
+
+    def __init__(self, engine: Any, weight: Any, n_labels: int) -> None:
+        self.engine = engine
+        self.weight = weight  # exact matrix [n_labels, n_embd]
+        self.n_labels = n_labels
+        reader = engine.model.reader
+        self.template = _field(reader, "tokenizer.chat_template.rerank")
+        add_sep = _field(reader, "tokenizer.ggml.add_sep_token")
+        self.add_sep = bool(add_sep) if add_sep is not None else False
+
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """format_prompt_rerank's ids for the pair (see the module doc)."""
+        tok = self.engine.tokenizer
+        if self.template is not None:
+            prompt = str(self.template).replace("{query}", query).replace("{document}", document)
+            return list(tok.tokenize(prompt, add_special=False, parse_special=True))
+        eos = tok.special.get("eos")
+        if eos is None:
+            eos = tok.special.get("sep")
+        out: list[int] = []
+        if tok.add_bos and tok.special.get("bos") is not None:
+            out.append(int(tok.special["bos"]))
+        out += tok.tokenize(query, add_special=False, parse_special=False)
+        if tok.add_eos and eos is not None:
+            out.append(int(eos))
+        if self.add_sep and tok.special.get("sep") is not None:
+            out.append(int(tok.special["sep"]))
+        out += tok.tokenize(document, add_special=False, parse_special=False)
+        if tok.add_eos and eos is not None:
+            out.append(int(eos))
+        return out
+
+    def scores(self, tokens: Sequence[int]) -> numpy.ndarray:
+        """The head's output for one pair alone: the labels' soft-maxed values, float32."""
+        row = numpy.ascontiguousarray(self.engine.hidden_states(tokens)[-1:], dtype=F32)
+        logits = numpy.asarray(self.weight.matmul(row), dtype=F32).reshape(-1)
+        return soft_max(logits)
+
+    def rank_score(self, tokens: Sequence[int]) -> float:
+        """llama-server's /rerank score of the pair: the first label's value."""
+        return float(self.scores(tokens)[0])
+
+
+def soft_max(x: numpy.ndarray) -> numpy.ndarray:
+    """ggml_soft_max of one row shorter than 8 values, scale 1, no mask (module doc)."""
+    x = numpy.asarray(x, dtype=F32)
+    if x.size >= 8:
+        raise UnsupportedModel(f"a rank head of {x.size} labels (bankml scores fewer than 8)")
+    top = F32(max(float(v) for v in x))
+    y = expf(x - top)
+    total = 0.0
+    for v in y.tolist():
+        total += v
+    return (y * F32(1.0 / total)).astype(F32)
+
+
+def rank_head(engine: Any) -> RankHead | None:
+    """The rank head of an opened decoder engine; None where its file has no ``cls.output``.
+    A head llama.cpp would not load (another architecture) or of an unplayable type refuses."""
+    model = getattr(engine, "model", None)
+    reader = getattr(model, "reader", None)
+    if reader is None:
+        return None
+    infos = {t.name: t for t in reader.tensors}
+    info = infos.get(HEAD)
+    if info is None:
+        return None
+    arch = _field(reader, "general.architecture")
+    if arch not in RANK_ARCHS:
+        raise UnsupportedModel(f"{HEAD} on {arch}: llama.cpp loads a rank head on qwen3 only")
+    labels = _field(reader, f"{arch}.classifier.output_labels") or []
+    n_embd, n_out = (int(d) for d in info.shape)
+    if n_out != len(labels):
+        raise UnsupportedModel(f"{HEAD}: {n_out} rows, {len(labels)} classifier labels")
+    weight = exact_matrix_of(info)
+    return RankHead(engine, weight, n_out)
