@@ -31,7 +31,7 @@ PRESET = """version = 1
 ; every model
 [*]
 c = 1024
-n-predict = 6
+LLAMA_ARG_N_PREDICT = 6
 
 [tiny-qwen3-q4_0]
 load-on-startup = true
@@ -41,7 +41,7 @@ temp = 0
 [custom]
 model = {outside}
 tags = b,a
-c = 512
+LLAMA_ARG_CTX_SIZE = 512
 
 [copy]
 model = {unpinned}

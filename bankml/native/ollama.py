@@ -878,12 +878,19 @@ class RouterModels:
         self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
         return 200, {"success": True}
 
-    def load_on_startup(self) -> list[str]:
+    def load_on_startup(self, put_away_startup: bool = False) -> list[str]:
         """On the engine thread, before the server answers: each ``load-on-startup`` model
-        loaded (verified again); the lines that say which could not be."""
+        loaded (verified again); the lines that say which could not be. ``put_away_startup``:
+        the startup model (the one the engine was brought up with) unloaded first unless a
+        preset loads it on startup, as llama-server's router starts with no model loaded."""
         router = self.host.router
+        startup = router.startup() if router is not None else []
+        if put_away_startup:
+            first = self.host.answer_name(self.host.native.verified.path)
+            if first not in startup:
+                self.unload({"model": first})
         problems = []
-        for name in router.startup() if router is not None else []:
+        for name in startup:
             status, body = self.load({"model": name})
             if status not in (200,) and "already running" not in str(body):
                 problems.append(f"{name}: not loaded at start: {body['error']['message']}")

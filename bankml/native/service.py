@@ -329,7 +329,8 @@ class NativeService(ServingService):
             RouterModels(ollama, self.options["models-dir"]) if self.options.get("router") else None
         )
         if router is not None:  # the preset's load-on-startup models, verified, before answering
-            problems = yield ollama.bridge.call(router.load_on_startup)
+            # (the startup model, opened to bring the engine up, is put away unless one of them)
+            problems = yield ollama.bridge.call(router.load_on_startup, True)
             for line in problems:
                 _log.warn("{line}", line=line)
         listen_root, engine_root = build_native_roots(

@@ -193,8 +193,9 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         model = _router_startup(out)
     if model is None:
         raise FlagError("-m FILE is required: the model to serve (or --models-dir DIR)")
-    if "--ctx" not in out:  # llama-server's default -c 0: the model's training context
-        out += ["--ctx", "0"]
+    if "--ctx" not in out and "--models-dir" not in out:
+        out += ["--ctx", "0"]  # llama-server's default -c 0: the model's training context
+    # (in router mode a -c not given is no -c: each model's preset says its own, tap.py)
     return [model, *out], notes
 
 

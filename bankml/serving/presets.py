@@ -38,13 +38,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bankml.llama_server import FLAGS, IGNORE, MODEL, REFUSE, SERVE, UNKNOWN, Flag
+from bankml.llama_server import ENV_NAMES, FLAGS, IGNORE, MODEL, REFUSE, SERVE, UNKNOWN, Flag
 from bankml.registry.pins import Pin
 
 TRUTHY = ("on", "enabled", "true", "1")
 FALSEY = ("off", "disabled", "false", "0")
 GLOBAL = "*"
 PRESET_ONLY = ("load-on-startup", "stop-timeout", "dedup-cache-models")
+# the preset's own keys spelled as llama-server's variables for them
+_PRESET_ONLY_ENV = {f"__PRESET_{k.upper().replace('-', '_')}": k for k in PRESET_ONLY}
 
 # the serve options each model keeps for itself (its engine's): the rest are server-wide
 PER_MODEL = frozenset(
@@ -100,6 +102,22 @@ PER_MODEL = frozenset(
 
 # every spelling of llama-server's flags, without its dashes (the preset's keys)
 _BY_KEY: dict[str, Flag] = {s.lstrip("-"): f for f in FLAGS for s in f.spellings}
+
+_BY_SPELLING: dict[str, Flag] = {s: f for f in FLAGS for s in f.spellings}
+
+
+def _flag_of(key: str) -> Flag | None:
+    """The llama-server flag a preset key names: a spelling without its dashes, or the flag's
+    environment variable (``LLAMA_ARG_CTX_SIZE``; a switch's ``LLAMA_ARG_NO_`` variable names the
+    switch itself, its value taken as given, as llama-server takes it)."""
+    if key in _BY_KEY:
+        return _BY_KEY[key]
+    env = ENV_NAMES.get(key)
+    if env is None and key.startswith("LLAMA_ARG_NO_"):
+        positive = ENV_NAMES.get("LLAMA_ARG_" + key[len("LLAMA_ARG_NO_") :])
+        env = positive if positive is not None and positive[1] else None
+    return _BY_SPELLING[env[0]] if env is not None else None
+
 
 _SECTION = re.compile(r"^[ \t]*\[[ \t]*([^\]]+?)[ \t]*\][ \t]*(?:[;#].*)?$")
 _KEY_VALUE = re.compile(r"^([a-zA-Z_][a-zA-Z0-9_.-]*)[ \t]*=[ \t]*(.*?)[ \t]*(?:[;#].*)?$")
@@ -285,15 +303,17 @@ def _negation(flag: Flag) -> str | None:
 
 def _read_section(section: str, keys: Mapping[str, str], into: ModelPreset) -> None:
     """The keys of one section read into ``into`` (bankml serve's names), checked."""
-    for key, value in keys.items():
+    # llama-server keeps a section's keys sorted: of two spellings of one flag the later wins
+    for key, value in sorted(keys.items()):
         if key == "version":
             continue
+        key = _PRESET_ONLY_ENV.get(key, key)
         if key in PRESET_ONLY:
             into.given[key] = value
             if key == "load-on-startup":
                 into.load_on_startup = _truthy(section, key, value)
             continue
-        flag = _BY_KEY.get(key)
+        flag = _flag_of(key)
         if flag is None:
             raise PresetError(f"option '{key}' not recognized in preset '{section}'")
         into.given[key] = value
