@@ -256,3 +256,23 @@ def test_models_sse_streams_the_router_s_load_and_unload_events(pair: Pair) -> N
     ]
     assert list(loaded[0]) == list(loaded[1])
     assert loaded[0]["meta"] == loaded[1]["meta"]
+
+
+def test_props_answers_the_router_s_properties_as_llama_server(pair: Pair) -> None:
+    ours, theirs = (json.loads(call(port, "GET", "/props")[2]) for port in pair.ports)
+    assert list(ours) == list(theirs)
+    assert {k: v for k, v in ours.items() if k != "build_info"} == {
+        k: v for k, v in theirs.items() if k != "build_info"
+    }
+    assert ours["role"] == "router" and ours["models_autoload"] is False
+    # ?model=: the model's own properties (an alias names it), refused alike when it is not
+    # loaded or not known
+    for name in ("custom", "nope"):
+        refused = pair.both("GET", f"/props?model={name}")
+        assert refused[0] == refused[1] and refused[0][0] == 400
+    mine, reference = (json.loads(call(port, "GET", "/props?model=qw")[2]) for port in pair.ports)
+    for key in ("model_alias", "model_path"):
+        assert mine[key] == reference[key] == (QWEN if key == "model_alias" else mine[key])
+    n_ctx = [p["default_generation_settings"]["n_ctx"] for p in (mine, reference)]
+    assert n_ctx == [1024, 1024]
+    assert set(mine) <= set(reference), "keys llama-server's child does not answer"

@@ -201,6 +201,13 @@ def build_native_roots(
             root.putChild(b"models", LlamaRoute(router_routes.RouterModels(router)))
             v1 = root.children[b"v1"]
             v1.putChild(b"models", LlamaRoute(router_routes.RouterListing(router)))
+            root.putChild(
+                b"props",
+                LlamaRoute(
+                    router_routes.RouterProps(router),
+                    {"POST": (501, NOT_SUPPORTED_PROPS, "not_supported_error")},
+                ),
+            )
     if webui:
         put_web_page(listen_root)
         put_web_page(engine_root)
