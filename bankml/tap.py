@@ -297,12 +297,14 @@ class Options(usage.Options):
         """llama-server's router mode (``--models-dir DIR``, ``--models-max N``): every model
         DIR pins served (DIR is the registry), up to N resident (llama-server's default 4; 0:
         no bound), and its ``/models`` routes (``router``)."""
-        self["router"] = bool(self["models-dir"])
-        if self["models-max"] is not None and not self["models-dir"]:
-            raise usage.UsageError("--models-max bounds router mode: it needs --models-dir")
+        self["router"] = bool(self["models-dir"] or self["models-preset"])
+        if self["models-max"] is not None and not self["router"]:
+            raise usage.UsageError(
+                "--models-max bounds router mode: it needs --models-dir or --models-preset"
+            )
         if not self["router"]:
             return
-        if not os.path.isdir(self["models-dir"]):
+        if self["models-dir"] and not os.path.isdir(self["models-dir"]):
             raise usage.UsageError(f"--models-dir {self['models-dir']}: not a directory")
         self["registry"] = self["registry"] or self["models-dir"]
         try:

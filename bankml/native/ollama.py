@@ -793,7 +793,7 @@ class RouterModels:
     """What ``bankml llama-server --models-dir DIR`` answers on llama-server's router routes,
     over an Ollama host's catalog and residency (resources/router.py writes it)."""
 
-    def __init__(self, host: OllamaHost, directory: str) -> None:
+    def __init__(self, host: OllamaHost, directory: str | None) -> None:
         self.host = host
         self.directory = directory
         self.listeners: list[Callable[[dict[str, Any]], None]] = []

@@ -333,7 +333,9 @@ class NativeService(ServingService):
         llama_options = self.options.get("llama") or {}
         ollama = serve_ollama(self, self.native)
         router = (
-            RouterModels(ollama, self.options["models-dir"]) if self.options.get("router") else None
+            RouterModels(ollama, self.options.get("models-dir"))
+            if self.options.get("router")
+            else None
         )
         if router is not None:  # the preset's load-on-startup models, verified, before answering
             # (the startup model, opened to bring the engine up, is put away unless one of them)

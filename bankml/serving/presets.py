@@ -349,18 +349,19 @@ def _read_section(section: str, keys: Mapping[str, str], into: ModelPreset) -> N
             raise PresetError(f"{where}: not an option of a model")
 
 
-def load_presets(path: str | None, directory: str, cli: Mapping[str, Any]) -> RouterPresets:
+def load_presets(path: str | None, directory: str | None, cli: Mapping[str, Any]) -> RouterPresets:
     """The router's models: each GGUF of ``directory`` (by its name without ``.gguf``), then
     the preset file's sections over them and ``[*]`` under every one. ``cli``: the command
-    line's per-model options (``PER_MODEL`` names), which win. ``path`` None: DIR alone."""
+    line's per-model options (``PER_MODEL`` names), which win. ``path`` None: DIR alone;
+    ``directory`` None: the sections alone."""
     ini = read_ini(path) if path is not None else {}
     glob = ModelPreset(GLOBAL, "preset", None)
     _read_section(GLOBAL, ini.get(GLOBAL, {}), glob)
     if glob.path is not None:
         raise PresetError(f"preset '{GLOBAL}': option 'model': a model names its own file")
     models: dict[str, ModelPreset] = {}
-    for file in sorted(os.listdir(directory)):
-        full = os.path.join(directory, file)
+    for file in sorted(os.listdir(directory)) if directory is not None else []:
+        full = os.path.join(directory or "", file)
         if file.lower().endswith(".gguf") and os.path.isfile(full):
             name = file[: -len(".gguf")]
             models[name] = ModelPreset(name, "models_dir", full)
