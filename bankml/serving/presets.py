@@ -13,14 +13,14 @@ belongs to no model (``version`` is skipped everywhere). ``[*]`` holds the optio
 model. Each other section is a model: a section named as a file of DIR (its name without
 ``.gguf``) adds options to that file, any other names a model of its own, whose ``model`` key
 says its file. A key is a llama-server flag without its dashes, any spelling (``c``,
-``ctx-size``); a flag without a value takes a boolean (``on``/``true``/``1``/``enabled`` or
+``ctx-size``), or its environment variable (``LLAMA_ARG_CTX_SIZE``: ``ENV_NAMES``); a flag without a value takes a boolean (``on``/``true``/``1``/``enabled`` or
 their opposites; ``no-jinja = false`` is ``jinja``). Three keys are the preset's own:
 ``load-on-startup`` (the model is loaded, verified, at start), ``stop-timeout`` (read, and
 without effect: bankml stops no child process) and ``dedup-cache-models`` (no effect: bankml
 lists no cache).
 
-As llama-server's router, a model's options are ``[*]``'s, then its section's, then the
-command line's over both. bankml applies per model what its native engine keeps per model
+As llama-server's router, a model's options are ``[*]``'s, then its section's, then those the
+command line gives over both (``-c 0`` too). Without DIR the sections are the models. bankml applies per model what its native engine keeps per model
 (``PER_MODEL``: the context size, sampling defaults, ``-n``, the reasoning and chat-template
 settings, ``--keep``, ``-b``/``-ub``, ``--context-shift``, ``--alias``, ``--tags``); any other
 flag bankml serves holds for the whole server and is refused in a preset (give it on the
