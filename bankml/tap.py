@@ -195,6 +195,8 @@ class Options(usage.Options):
             "-" + c for c, nxt in zip(self.shortOpt, self.shortOpt[1:] + " ") if nxt == ":"
         }
         ordered: list[str] = []
+        # the options the command line gives (a router model's preset yields to them)
+        self["given"] = {flag.lstrip("-") for flag, _ in opts}
         for flag, value in opts:
             ordered += [flag, value] if flag in takes_value else [flag]
         super().parseOptions(ordered + ["--"] + positional)
@@ -295,12 +297,14 @@ class Options(usage.Options):
         """llama-server's router mode (``--models-dir DIR``, ``--models-max N``): every model
         DIR pins served (DIR is the registry), up to N resident (llama-server's default 4; 0:
         no bound), and its ``/models`` routes (``router``)."""
-        self["router"] = bool(self["models-dir"])
-        if self["models-max"] is not None and not self["models-dir"]:
-            raise usage.UsageError("--models-max bounds router mode: it needs --models-dir")
+        self["router"] = bool(self["models-dir"] or self["models-preset"])
+        if self["models-max"] is not None and not self["router"]:
+            raise usage.UsageError(
+                "--models-max bounds router mode: it needs --models-dir or --models-preset"
+            )
         if not self["router"]:
             return
-        if not os.path.isdir(self["models-dir"]):
+        if self["models-dir"] and not os.path.isdir(self["models-dir"]):
             raise usage.UsageError(f"--models-dir {self['models-dir']}: not a directory")
         self["registry"] = self["registry"] or self["models-dir"]
         try:
@@ -321,7 +325,11 @@ class Options(usage.Options):
         files, ``--models-preset``'s sections over them, each model's settings checked now; the
         startup model (FILE) served with its own."""
         cli = {name: self.get(name) for name in presets.PER_MODEL if name != "ctx"}
-        cli["ctx"] = self["ctx"] or None  # -c 0 (or none): each model's own, else its preset's
+        given = self.get("given") or set()
+        if not given & {"ctx", "ctx-size"}:  # llama-server's -c 0: each model's preset's, else own
+            self["ctx"] = 0
+        # a context size given on the command line wins over every preset's, -c 0 too
+        cli["ctx"] = str(self["ctx"]) if given & {"ctx", "ctx-size"} else None
         if self["models-preset"] and not os.path.isfile(self["models-preset"]):
             raise usage.UsageError(f"preset file does not exist: {self['models-preset']}")
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bankml.llama_server import FLAGS, IGNORE, MODEL, OWN, REFUSE, SERVE, Flag
+from bankml.llama_server import ENV_NAMES, FLAGS, IGNORE, MODEL, OWN, REFUSE, SERVE, Flag
 from bankml.serving.llama_flags import FlagError, dropin_argv, native_settings
 
 BY_SPELLING = {s: flag for flag in FLAGS for s in flag.spellings}
@@ -63,6 +63,27 @@ def test_every_flag_of_llama_servers_help_has_a_verdict(entries) -> None:
                 wrong_value.append(spelling)
     assert missing == [], "flags of llama-server's --help without a verdict"
     assert wrong_value == [], "flags that take a value in one table and not the other"
+
+
+def test_each_flags_environment_variable_is_llama_servers(llama_server_bin: Path) -> None:
+    """``ENV_NAMES`` (a preset's keys spelled as variables) is the help's ``(env: NAME)`` of each
+    flag line, with whether that line has a negation (``--no-...`` after the first spelling)."""
+    text = subprocess.run(
+        [str(llama_server_bin), "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    found: dict[str, tuple[str, bool]] = {}
+    spellings: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("-") and not line.startswith("-----"):
+            head = re.split(r"\s{2,}", re.sub(r",\s+", ", ", line.strip()), maxsplit=1)[0]
+            spellings = [p.split(" ", 1)[0] for p in head.split(", ") if p.startswith("-")]
+        env = re.search(r"\(env: (\w+)\)", line)
+        if env and spellings:
+            negated = any(s.lstrip("-").startswith("no") for s in spellings[1:])
+            first = BY_SPELLING[spellings[0]].spellings[0]
+            found[env.group(1)] = (first, negated and not spellings[0].startswith("--no-"))
+    assert len(found) > 100
+    assert found == ENV_NAMES
 
 
 def test_every_row_is_a_flag_of_llama_servers_help(entries) -> None:

@@ -39,16 +39,19 @@ def pair(
     for name, (spec, seed) in TINY.items():
         pin_into(directory, write_tiny_model(directory / f"{name}.gguf", spec, default_model, seed))
     shutil.copyfile(directory / f"{FIRST}.gguf", directory / "unpinned.gguf")
+    # every model's context in the preset (as its environment variable), -c 0 over it
+    preset = directory.parent / "preset.ini"
+    preset.write_text("[*]\nLLAMA_ARG_CTX_SIZE = 512\n")
+    common = ["--models-dir", str(directory), "--models-preset", str(preset)]
+    common += ["--host", "127.0.0.1", "-c", "0", "-t", "2", "--no-webui"]
     theirs = free_port()
     ref = subprocess.Popen(
-        [str(llama_server_bin), "--models-dir", str(directory), "--host", "127.0.0.1"]
-        + ["--port", str(theirs), "-c", "2048", "-t", "2", "--no-webui"],
+        [str(llama_server_bin), *common, "--port", str(theirs)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     ours = free_port()
-    args = ["--models-dir", str(directory), "--host", "127.0.0.1", "-c", "2048", "-t", "2"]
-    args += ["--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
+    args = [*common, "--listen", f"127.0.0.1:{free_port()}"]
     proc = start_dropin(args, ours, directory.parent / "bankml.log")
     try:
         deadline = time.monotonic() + 120
@@ -93,8 +96,9 @@ def test_the_directory_is_listed_as_llama_server_lists_it(pair: Pair) -> None:
         for key in ("aliases", "tags", "object", "owned_by", "architecture", "source"):
             assert ours[name][key] == theirs[name][key], (name, key)
         assert ours[name]["can_remove"] is theirs[name]["can_remove"] is False
-    # bankml starts with the first pinned model loaded; llama-server with none
-    assert [n for n in ours if ours[n]["status"]["value"] == "loaded"] == [FIRST]
+    # no preset loads a model on startup: none is loaded on either
+    for name in ours:
+        assert ours[name]["status"]["value"] == theirs[name]["status"]["value"] == "unloaded"
     refused = ours["unpinned"]["status"]
     assert refused["failed"] is True and "not pinned" in refused["bankml_refused"]
     # /v1/models is the same listing, as llama-server's router answers it
@@ -111,6 +115,7 @@ def test_load_unload_and_answers_as_llama_server(pair: Pair) -> None:
         assert (status, json.loads(raw)) == (200, {"success": True})
     mine, reference = loaded(ours, SECOND), loaded(theirs, SECOND)
     assert mine["meta"] == reference["meta"]
+    assert mine["meta"]["n_ctx"] == 4096  # -c 0: the model's own, not the preset's 512
     assert pair.both("POST", "/models/load", {"model": SECOND})[0] == (
         400,
         b'{"error":{"code":400,"message":"model is already running","type":"invalid_request_error"}}',

@@ -10,6 +10,7 @@ listens."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -31,7 +32,7 @@ PRESET = """version = 1
 ; every model
 [*]
 c = 1024
-n-predict = 6
+LLAMA_ARG_N_PREDICT = 6
 
 [tiny-qwen3-q4_0]
 load-on-startup = true
@@ -41,7 +42,7 @@ temp = 0
 [custom]
 model = {outside}
 tags = b,a
-c = 512
+LLAMA_ARG_CTX_SIZE = 512
 
 [copy]
 model = {unpinned}
@@ -256,3 +257,75 @@ def test_models_sse_streams_the_router_s_load_and_unload_events(pair: Pair) -> N
     ]
     assert list(loaded[0]) == list(loaded[1])
     assert loaded[0]["meta"] == loaded[1]["meta"]
+
+
+def test_props_answers_the_router_s_properties_as_llama_server(pair: Pair) -> None:
+    ours, theirs = (json.loads(call(port, "GET", "/props")[2]) for port in pair.ports)
+    assert list(ours) == list(theirs)
+    assert {k: v for k, v in ours.items() if k != "build_info"} == {
+        k: v for k, v in theirs.items() if k != "build_info"
+    }
+    assert ours["role"] == "router" and ours["models_autoload"] is False
+    # ?model=: the model's own properties (an alias names it), refused alike when it is not
+    # loaded or not known
+    for name in (LLAMA, "nope"):  # LLAMA: unloaded by the tests before
+        refused = pair.both("GET", f"/props?model={name}")
+        assert refused[0] == refused[1] and refused[0][0] == 400
+    mine, reference = (json.loads(call(port, "GET", "/props?model=qw")[2]) for port in pair.ports)
+    for key in ("model_alias", "model_path"):
+        assert mine[key] == reference[key] == (QWEN if key == "model_alias" else mine[key])
+    n_ctx = [p["default_generation_settings"]["n_ctx"] for p in (mine, reference)]
+    assert n_ctx == [1024, 1024]
+    assert set(mine) <= set(reference), "keys llama-server's child does not answer"
+
+
+def test_a_router_from_a_preset_alone_serves_its_sections_as_llama_server(
+    tmp_path: Path, default_model: Path, llama_server_bin: Path
+) -> None:
+    """No ``--models-dir``: the models are the preset's sections (llama-server also lists its
+    download cache, kept empty here)."""
+    models_at = tmp_path / "files"
+    models_at.mkdir()
+    first = write_tiny_model(models_at / "a.gguf", TinySpec("llama", T.F16), default_model, 4)
+    pin_into(models_at, first)
+    preset = tmp_path / "preset.ini"
+    preset.write_text(f"[one]\nmodel = {first}\nLLAMA_ARG_N_PREDICT = 3\nc = 256\n")
+    common = ["--models-preset", str(preset), "--host", "127.0.0.1", "-t", "2", "--no-webui"]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {**os.environ, "LLAMA_CACHE": str(cache), "HF_HOME": str(cache)}
+    theirs = free_port()
+    ref = subprocess.Popen(
+        [str(llama_server_bin), *common, "--port", str(theirs)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    ours = free_port()
+    proc = start_dropin([*common, "--listen", f"127.0.0.1:{free_port()}"], ours, tmp_path / "b.log")
+    try:
+        for _ in range(600):
+            try:
+                if call(theirs, "GET", "/models")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        mine, reference = models(ours), models(theirs)
+        assert list(mine) == list(reference) == ["one"]
+        for key in ("aliases", "tags", "object", "owned_by", "architecture", "source"):
+            assert mine["one"][key] == reference["one"][key], key
+        assert mine["one"]["status"]["value"] == reference["one"]["status"]["value"] == "unloaded"
+        answers = []
+        for port in (ours, theirs):
+            status, _, raw = call(port, "POST", "/v1/completions", {**BODY, "model": "one"})
+            assert status == 200, raw
+            answers.append(json.loads(raw))
+        assert answers[0]["choices"] == answers[1]["choices"]
+        assert answers[0]["usage"] == answers[1]["usage"]
+        assert answers[0]["usage"]["completion_tokens"] == 3
+        assert models(ours)["one"]["meta"] == models(theirs)["one"]["meta"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        ref.terminate()
+        ref.wait(30)

@@ -37,6 +37,7 @@ from bankml.formats import ollama as wire
 from bankml.formats import ollama_request as req
 from bankml.formats.chat_content import chat_schema_content
 from bankml.formats.errors import ApiError, error_object
+from bankml.formats.llama import props_object
 from bankml.formats.ollama import OllamaError
 from bankml.formats.openai import model_info
 from bankml.gate import verify
@@ -798,7 +799,7 @@ class RouterModels:
     """What ``bankml llama-server --models-dir DIR`` answers on llama-server's router routes,
     over an Ollama host's catalog and residency (resources/router.py writes it)."""
 
-    def __init__(self, host: OllamaHost, directory: str) -> None:
+    def __init__(self, host: OllamaHost, directory: str | None) -> None:
         self.host = host
         self.directory = directory
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -862,6 +863,46 @@ class RouterModels:
             out.append(entry)
         return {"data": out, "object": "list"}
 
+    def props(self) -> dict[str, Any]:
+        """``GET /props`` without ``?model=``: llama-server's router properties (its web page's
+        placeholders for a model: ``model_path`` ``none``, no generation settings)."""
+        options = self.host.options
+        bound = options.get("models-max")
+        return {
+            "role": "router",
+            "max_instances": int(bound) if bound is not None else 4,
+            "models_autoload": bool(options.get("autoload", True)),
+            "model_alias": "llama-server",
+            "model_path": "none",
+            "default_generation_settings": {"params": None, "n_ctx": 0},
+            "ui_settings": {},
+            "build_info": self.host.native.build_info,
+            "cors_proxy_enabled": False,
+        }
+
+    def model_props(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]]:
+        """On the engine thread: ``GET /props?model=NAME`` (an id or an alias): that model's
+        own ``/props`` (its child's in llama-server: ``model_alias`` its id), loaded first when
+        autoload allows (the request's ``?autoload=``, else the server's); refused as
+        llama-server's router refuses a request naming a model."""
+        host = self.host
+        routed = host.router_names.get(name)
+        if routed is None:
+            return 400, error_object(400, f"model '{name}' not found", "invalid_request_error")
+        if routed in host.router_refused:
+            return 400, error_object(400, host.router_refused[routed], "invalid_request_error")
+        pin = host.router_pins[routed]
+        if host.residency.get(pin.name) is None and not host._autoload(autoload):
+            return 400, error_object(400, "model is not loaded", "invalid_request_error")
+        try:
+            host._acquire(pin)
+        except OllamaError as err:
+            return err.status, error_object(err.status, err.message)
+        host.residency.touch(pin.name, host.keep_alive, host.clock())
+        out = props_object(host.native.props())
+        out["model_alias"] = routed
+        return 200, out
+
     def _named(self, body: Any) -> str | None:
         """The model id a body names (by its id or an alias), None when none."""
         name = body.get("model") if isinstance(body, dict) else None
@@ -884,12 +925,19 @@ class RouterModels:
         self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
         return 200, {"success": True}
 
-    def load_on_startup(self) -> list[str]:
+    def load_on_startup(self, put_away_startup: bool = False) -> list[str]:
         """On the engine thread, before the server answers: each ``load-on-startup`` model
-        loaded (verified again); the lines that say which could not be."""
+        loaded (verified again); the lines that say which could not be. ``put_away_startup``:
+        the startup model (the one the engine was brought up with) unloaded first unless a
+        preset loads it on startup, as llama-server's router starts with no model loaded."""
         router = self.host.router
+        startup = router.startup() if router is not None else []
+        if put_away_startup:
+            first = self.host.answer_name(self.host.native.verified.path)
+            if first not in startup:
+                self.unload({"model": first})
         problems = []
-        for name in router.startup() if router is not None else []:
+        for name in startup:
             status, body = self.load({"model": name})
             if status not in (200,) and "already running" not in str(body):
                 problems.append(f"{name}: not loaded at start: {body['error']['message']}")

@@ -201,6 +201,13 @@ def build_native_roots(
             root.putChild(b"models", LlamaRoute(router_routes.RouterModels(router)))
             v1 = root.children[b"v1"]
             v1.putChild(b"models", LlamaRoute(router_routes.RouterListing(router)))
+            root.putChild(
+                b"props",
+                LlamaRoute(
+                    router_routes.RouterProps(router),
+                    {"POST": (501, NOT_SUPPORTED_PROPS, "not_supported_error")},
+                ),
+            )
     if webui:
         put_web_page(listen_root)
         put_web_page(engine_root)
@@ -326,10 +333,13 @@ class NativeService(ServingService):
         llama_options = self.options.get("llama") or {}
         ollama = serve_ollama(self, self.native)
         router = (
-            RouterModels(ollama, self.options["models-dir"]) if self.options.get("router") else None
+            RouterModels(ollama, self.options.get("models-dir"))
+            if self.options.get("router")
+            else None
         )
         if router is not None:  # the preset's load-on-startup models, verified, before answering
-            problems = yield ollama.bridge.call(router.load_on_startup)
+            # (the startup model, opened to bring the engine up, is put away unless one of them)
+            problems = yield ollama.bridge.call(router.load_on_startup, True)
             for line in problems:
                 _log.warn("{line}", line=line)
         listen_root, engine_root = build_native_roots(

@@ -1,5 +1,6 @@
 """llama-server's router routes (``bankml llama-server --models-dir DIR``): ``GET /models``
-(and ``/v1/models``), ``POST /models/load``, ``POST /models/unload``.
+(and ``/v1/models``), ``POST /models/load``, ``POST /models/unload``, ``GET /models/sse``,
+``GET /props`` (the router's, or ``?model=``'s).
 
 Thin: the listing and the actions are the router's (native/ollama.py ``RouterModels``, read
 through the ``Router`` Protocol here); a load or an unload runs on the engine thread, in turn
@@ -34,6 +35,10 @@ class Router(Protocol):
 
     def subscribe(self, listener: Any) -> Any: ...
 
+    def props(self) -> dict[str, Any]: ...
+
+    def model_props(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]]: ...
+
 
 class RouterModels(JsonResource):
     """``GET /models``: every model of the directory, loaded or not; its children ``load``
@@ -55,6 +60,29 @@ class RouterListing(RouterModels):
     """``GET /v1/models`` in router mode: the same listing, nothing below it."""
 
     isLeaf = True
+
+
+class RouterProps(JsonResource):
+    """``GET /props`` in router mode: the router's properties; ``?model=NAME`` that model's own
+    (``?autoload=`` as on the answer routes)."""
+
+    isLeaf = True
+
+    def __init__(self, router: Router) -> None:
+        super().__init__()
+        self.router = router
+
+    def render_GET(self, request: Request) -> Any:
+        name = request.args.get(b"model", [b""])[-1].decode("utf-8", "replace")
+        if not name:
+            write_json(request, 200, dumps(self.router.props()))
+            return NOT_DONE_YET
+        asked = request.args.get(b"autoload")
+        autoload = None if not asked else asked[-1] in (b"true", b"1")
+        d = self.router.bridge.call(self.router.model_props, name, autoload)
+        d.addCallback(lambda answer: write_json(request, answer[0], dumps(answer[1])))
+        d.addErrback(_write_failure(request))
+        return NOT_DONE_YET
 
 
 class RouterAction(JsonResource):

@@ -189,25 +189,36 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             raise FlagError(f"{arg}: not a llama-server (build 11434) flag bankml knows")
         else:
             raise FlagError(f"{arg}: llama-server takes no positional argument (use -m FILE)")
-    if model is None and "--models-dir" in out:
+    router = model is None and ("--models-dir" in out or "--models-preset" in out)
+    if router:
         model = _router_startup(out)
+    elif "--models-preset" in out and "--models-dir" not in out:
+        # llama-server's single-model mode (-m) does not read a preset
+        out = _dropped(out, {"--models-preset": True})
     if model is None:
-        raise FlagError("-m FILE is required: the model to serve (or --models-dir DIR)")
-    if "--ctx" not in out:  # llama-server's default -c 0: the model's training context
-        out += ["--ctx", "0"]
+        raise FlagError(
+            "-m FILE is required: the model to serve (or --models-dir DIR, --models-preset FILE)"
+        )
+    if "--ctx" not in out and not router:
+        out += ["--ctx", "0"]  # llama-server's default -c 0: the model's training context
+    # (in router mode a -c not given is no -c: each model's preset says its own, tap.py)
     return [model, *out], notes
 
 
 def _router_startup(out: list[str]) -> str:
-    """llama-server's router mode (``--models-dir DIR`` without ``-m``): bankml starts with the
-    first model DIR pins (its ``*.FORK.json``; ``--fork`` is that fork unless given) and serves
-    every other pinned model of DIR beside it (serve's ``--models-dir``: tap.py)."""
+    """llama-server's router mode (``--models-dir DIR`` or ``--models-preset FILE`` without
+    ``-m``): bankml starts with a pinned load-on-startup model of the preset, else the first
+    model DIR pins (its ``*.FORK.json``; ``--fork`` is that fork unless given), else the first
+    pinned model a preset section names, and serves every other model beside it (tap.py)."""
     from bankml.registry.pins import discover
 
-    directory = out[len(out) - 1 - out[::-1].index("--models-dir") + 1]
-    if not os.path.isdir(directory):
-        raise FlagError(f"--models-dir {directory}: not a directory")
-    pins = [p for p in discover(directory).pins if p.path is not None and p.sha256]
+    directory: str | None = None
+    pins: list[Any] = []
+    if "--models-dir" in out:
+        directory = out[len(out) - 1 - out[::-1].index("--models-dir") + 1]
+        if not os.path.isdir(directory):
+            raise FlagError(f"--models-dir {directory}: not a directory")
+        pins = [p for p in discover(directory).pins if p.path is not None and p.sha256]
     if "--models-preset" in out:  # a pinned load-on-startup model first, if any
         from bankml.serving.presets import PresetError, load_presets
 
@@ -221,9 +232,10 @@ def _router_startup(out: list[str]) -> str:
         first = [served[name] for name in found.startup() if name in served]
         pins = first + [p for p in pins if p not in first]
     if not pins:
-        raise FlagError(
-            f"--models-dir {directory}: no model there is pinned (a <file>.FORK.json beside it)"
+        where = (
+            f"--models-dir {directory}: no model there" if directory else "no model of the preset"
         )
+        raise FlagError(f"{where} is pinned (a <file>.FORK.json beside it)")
     if "--fork" not in out:
         out += ["--fork", pins[0].fork_path]
     return str(pins[0].path)

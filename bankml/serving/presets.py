@@ -13,14 +13,14 @@ belongs to no model (``version`` is skipped everywhere). ``[*]`` holds the optio
 model. Each other section is a model: a section named as a file of DIR (its name without
 ``.gguf``) adds options to that file, any other names a model of its own, whose ``model`` key
 says its file. A key is a llama-server flag without its dashes, any spelling (``c``,
-``ctx-size``); a flag without a value takes a boolean (``on``/``true``/``1``/``enabled`` or
+``ctx-size``), or its environment variable (``LLAMA_ARG_CTX_SIZE``: ``ENV_NAMES``); a flag without a value takes a boolean (``on``/``true``/``1``/``enabled`` or
 their opposites; ``no-jinja = false`` is ``jinja``). Three keys are the preset's own:
 ``load-on-startup`` (the model is loaded, verified, at start), ``stop-timeout`` (read, and
 without effect: bankml stops no child process) and ``dedup-cache-models`` (no effect: bankml
 lists no cache).
 
-As llama-server's router, a model's options are ``[*]``'s, then its section's, then the
-command line's over both. bankml applies per model what its native engine keeps per model
+As llama-server's router, a model's options are ``[*]``'s, then its section's, then those the
+command line gives over both (``-c 0`` too). Without DIR the sections are the models. bankml applies per model what its native engine keeps per model
 (``PER_MODEL``: the context size, sampling defaults, ``-n``, the reasoning and chat-template
 settings, ``--keep``, ``-b``/``-ub``, ``--context-shift``, ``--alias``, ``--tags``); any other
 flag bankml serves holds for the whole server and is refused in a preset (give it on the
@@ -38,13 +38,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bankml.llama_server import FLAGS, IGNORE, MODEL, REFUSE, SERVE, UNKNOWN, Flag
+from bankml.llama_server import ENV_NAMES, FLAGS, IGNORE, MODEL, REFUSE, SERVE, UNKNOWN, Flag
 from bankml.registry.pins import Pin
 
 TRUTHY = ("on", "enabled", "true", "1")
 FALSEY = ("off", "disabled", "false", "0")
 GLOBAL = "*"
 PRESET_ONLY = ("load-on-startup", "stop-timeout", "dedup-cache-models")
+# the preset's own keys spelled as llama-server's variables for them
+_PRESET_ONLY_ENV = {f"__PRESET_{k.upper().replace('-', '_')}": k for k in PRESET_ONLY}
 
 # the serve options each model keeps for itself (its engine's): the rest are server-wide
 PER_MODEL = frozenset(
@@ -100,6 +102,22 @@ PER_MODEL = frozenset(
 
 # every spelling of llama-server's flags, without its dashes (the preset's keys)
 _BY_KEY: dict[str, Flag] = {s.lstrip("-"): f for f in FLAGS for s in f.spellings}
+
+_BY_SPELLING: dict[str, Flag] = {s: f for f in FLAGS for s in f.spellings}
+
+
+def _flag_of(key: str) -> Flag | None:
+    """The llama-server flag a preset key names: a spelling without its dashes, or the flag's
+    environment variable (``LLAMA_ARG_CTX_SIZE``; a switch's ``LLAMA_ARG_NO_`` variable names the
+    switch itself, its value taken as given, as llama-server takes it)."""
+    if key in _BY_KEY:
+        return _BY_KEY[key]
+    env = ENV_NAMES.get(key)
+    if env is None and key.startswith("LLAMA_ARG_NO_"):
+        positive = ENV_NAMES.get("LLAMA_ARG_" + key[len("LLAMA_ARG_NO_") :])
+        env = positive if positive is not None and positive[1] else None
+    return _BY_SPELLING[env[0]] if env is not None else None
+
 
 _SECTION = re.compile(r"^[ \t]*\[[ \t]*([^\]]+?)[ \t]*\][ \t]*(?:[;#].*)?$")
 _KEY_VALUE = re.compile(r"^([a-zA-Z_][a-zA-Z0-9_.-]*)[ \t]*=[ \t]*(.*?)[ \t]*(?:[;#].*)?$")
@@ -285,15 +303,17 @@ def _negation(flag: Flag) -> str | None:
 
 def _read_section(section: str, keys: Mapping[str, str], into: ModelPreset) -> None:
     """The keys of one section read into ``into`` (bankml serve's names), checked."""
-    for key, value in keys.items():
+    # llama-server keeps a section's keys sorted: of two spellings of one flag the later wins
+    for key, value in sorted(keys.items()):
         if key == "version":
             continue
+        key = _PRESET_ONLY_ENV.get(key, key)
         if key in PRESET_ONLY:
             into.given[key] = value
             if key == "load-on-startup":
                 into.load_on_startup = _truthy(section, key, value)
             continue
-        flag = _BY_KEY.get(key)
+        flag = _flag_of(key)
         if flag is None:
             raise PresetError(f"option '{key}' not recognized in preset '{section}'")
         into.given[key] = value
@@ -329,18 +349,19 @@ def _read_section(section: str, keys: Mapping[str, str], into: ModelPreset) -> N
             raise PresetError(f"{where}: not an option of a model")
 
 
-def load_presets(path: str | None, directory: str, cli: Mapping[str, Any]) -> RouterPresets:
+def load_presets(path: str | None, directory: str | None, cli: Mapping[str, Any]) -> RouterPresets:
     """The router's models: each GGUF of ``directory`` (by its name without ``.gguf``), then
     the preset file's sections over them and ``[*]`` under every one. ``cli``: the command
-    line's per-model options (``PER_MODEL`` names), which win. ``path`` None: DIR alone."""
+    line's per-model options (``PER_MODEL`` names), which win. ``path`` None: DIR alone;
+    ``directory`` None: the sections alone."""
     ini = read_ini(path) if path is not None else {}
     glob = ModelPreset(GLOBAL, "preset", None)
     _read_section(GLOBAL, ini.get(GLOBAL, {}), glob)
     if glob.path is not None:
         raise PresetError(f"preset '{GLOBAL}': option 'model': a model names its own file")
     models: dict[str, ModelPreset] = {}
-    for file in sorted(os.listdir(directory)):
-        full = os.path.join(directory, file)
+    for file in sorted(os.listdir(directory)) if directory is not None else []:
+        full = os.path.join(directory or "", file)
         if file.lower().endswith(".gguf") and os.path.isfile(full):
             name = file[: -len(".gguf")]
             models[name] = ModelPreset(name, "models_dir", full)
