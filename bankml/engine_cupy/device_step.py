@@ -52,6 +52,8 @@ THREADS = 256  # per thread block of the one-thread-per-value kernels
 NORM_THREADS = 256  # cuda/rms_norm_q8_1.cu
 ATTN_THREADS = 128  # cuda/attn_decode_f16.cu: ATTN_WARPS * 32
 ARGMAX_THREADS = 1024  # cuda/argmax_f32.cu
+TOPK_THREADS = 1024  # cuda/top_k_f32.cu
+TOP_K_MAX = 128  # the largest k ``top_k`` hands back (sampler_kernels.MAX_K, the host's bound)
 ATTN_MAX_HD = 256
 LAUNCHES_PER_LAYER = 12
 LAUNCHES_OUTSIDE_LAYERS = 4  # embedding row, output norm, output product, argmax
@@ -136,8 +138,9 @@ def upload_bytes(reader: Any, hp: HParams) -> int:
 
 
 def cache_bytes(hp: HParams, n_ctx: int) -> int:
-    """One sequence's f16 K and V and its attention scores."""
-    return 2 * 2 * hp.n_layer * hp.n_head_kv * n_ctx * hp.head_dim + 4 * hp.n_head * n_ctx
+    """One sequence's f16 K and V, its attention scores, its logits and top-k pairs."""
+    kv = 2 * 2 * hp.n_layer * hp.n_head_kv * n_ctx * hp.head_dim
+    return kv + 4 * hp.n_head * n_ctx + 4 * hp.n_vocab + 4 * (2 * TOP_K_MAX + 1)
 
 
 def check_device_memory(cupy: ModuleType, need: int) -> None:
@@ -251,9 +254,11 @@ class DeviceWeights:
 class DeviceSequence:
     """One sequence's state on the device: K/V cache (f16 bits, uint16
     [layers, n_head_kv, n_ctx, hd]), the attention scores' scratch, its position and its next
-    token (int32 [1] each). ``n_tokens`` is the host's own count of the positions filled."""
+    token (int32 [1] each), its last step's logits (f32 [n_out]) and the top-k pairs' buffer
+    (int32 [2 TOP_K_MAX + 1]). ``n_tokens`` is the host's own count of the positions filled.
+    Each sequence has its own logits, so several slots' steps can run before any samples."""
 
-    def __init__(self, cupy: ModuleType, hp: HParams, n_ctx: int) -> None:
+    def __init__(self, cupy: ModuleType, hp: HParams, n_ctx: int, n_out: int = 0) -> None:
         if n_ctx > hp.n_ctx_train:
             raise ValueError(f"{n_ctx} positions: the RoPE table holds {hp.n_ctx_train}")
         shape = (hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim)
@@ -263,6 +268,8 @@ class DeviceSequence:
         self.scores = cupy.empty((hp.n_head, n_ctx), dtype=F32)
         self.pos = cupy.zeros(1, dtype=I32)
         self.token = cupy.zeros(1, dtype=I32)
+        self.logits = cupy.empty(n_out or hp.n_vocab, dtype=F32)
+        self.pairs = cupy.empty(2 * TOP_K_MAX + 1, dtype=I32)
         self.n_tokens = 0
 
 
@@ -287,14 +294,14 @@ class DeviceStep:
         self.attn8 = q8(nq)
         self.gate, self.up = f32(hp.n_ff), f32(hp.n_ff)
         self.ff8 = q8(hp.n_ff)
-        self.logits = f32(self.w.output.rows)
+        self.logits = f32(self.w.output.rows)  # the last stepped sequence's (host_logits())
         self.none = f32(1)  # the pointer a kernel gets where it has nothing to read
         _, scale = hp.spec.attention_scales(hp.attn_scale)
         self.scale = F32(scale)
 
     def new_sequence(self, n_ctx: int) -> DeviceSequence:
         check_device_memory(self.cp, cache_bytes(self.hp, n_ctx))
-        return DeviceSequence(self.cp, self.hp, n_ctx)
+        return DeviceSequence(self.cp, self.hp, n_ctx, self.w.output.rows)
 
     def _launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: Any) -> None:
         self.kernels.function(name)(grid, block, args)
@@ -321,7 +328,7 @@ class DeviceStep:
         seq.token.set(numpy.asarray([token], dtype=I32))
 
     def step(self, seq: DeviceSequence) -> None:
-        """Append ``seq.token`` at ``seq.pos``: every layer, the logits into ``self.logits``,
+        """Append ``seq.token`` at ``seq.pos``: every layer, the logits into ``seq.logits``,
         the greedy choice into ``seq.token`` and pos + 1. Launches only: nothing comes back."""
         hp, w = self.hp, self.w
         if seq.n_tokens >= seq.n_ctx:
@@ -392,19 +399,58 @@ class DeviceStep:
             self._mmvq(layer.down, self.ff8, self.delta_ffn)
             delta = self.delta_ffn
         self._norm(w.output_norm, delta)
-        self._mmvq(w.output, self.h8, self.logits)
+        self._mmvq(w.output, self.h8, seq.logits)
         self._launch(
             "argmax_f32",
             (1,),
             (ARGMAX_THREADS,),
-            (self.logits, I32(w.output.rows), seq.token, seq.pos),
+            (seq.logits, I32(w.output.rows), seq.token, seq.pos),
         )
         seq.n_tokens += 1
+        self.logits = seq.logits
 
     def chosen(self, seq: DeviceSequence) -> int:
         """The greedy token of the last step: the step's one read back (4 bytes)."""
         return int(seq.token.get()[0])
 
-    def host_logits(self) -> numpy.ndarray:
-        """The last step's logits on the host, for a request that needs them (V floats)."""
-        return numpy.asarray(self.logits.get(), dtype=F32)
+    def host_logits(self, seq: DeviceSequence | None = None) -> numpy.ndarray:
+        """The logits of ``seq``'s last step (default: the last step's) on the host, for a
+        request that needs them: V floats, one read."""
+        logits = self.logits if seq is None else seq.logits
+        return numpy.asarray(logits.get(), dtype=F32)
+
+    def top_k(self, seq: DeviceSequence, k: int) -> tuple[numpy.ndarray, numpy.ndarray] | None:
+        """The k largest of ``seq``'s last logits, largest first, equal ones in id order (the
+        host sampler's stable top-k): (ids int32 [k], logits f32 [k]), one launch and one read
+        of 2k + 1 ints. None where a logit is NaN (the host's own top-k takes the whole row
+        then). 0 < k <= min(TOP_K_MAX, V)."""
+        n = self.w.output.rows
+        if not 0 < k <= min(TOP_K_MAX, n):
+            raise ValueError(f"top-k of {k} on the device (1..{min(TOP_K_MAX, n)})")
+        self._launch("top_k_f32", (1,), (TOPK_THREADS,), (seq.logits, I32(n), I32(k), seq.pairs))
+        raw = numpy.asarray(seq.pairs[: 2 * k + 1].get(), dtype=I32)
+        if raw[2 * k]:
+            return None
+        return raw[:k], raw[k : 2 * k].view(F32)
+
+    def truncate(self, seq: DeviceSequence, n: int) -> None:
+        """Keep ``seq``'s first ``n`` positions: the next step writes position n (4 bytes up;
+        the cells after it are not read again before they are written)."""
+        if not 0 <= n <= seq.n_tokens:
+            raise ValueError(f"cannot keep {n} of {seq.n_tokens} positions")
+        if n != seq.n_tokens:
+            seq.pos.set(numpy.asarray([n], dtype=I32))
+            seq.n_tokens = n
+
+    def copy_sequence(self, src: DeviceSequence, dst: DeviceSequence) -> None:
+        """``dst`` becomes a copy of ``src``'s positions, its position and its token: device
+        copies only, nothing read back."""
+        if dst.n_ctx < src.n_tokens:
+            raise ValueError(f"{src.n_tokens} positions do not fit a sequence of {dst.n_ctx}")
+        n = src.n_tokens
+        dst.k[:, :, :n] = src.k[:, :, :n]
+        dst.v[:, :, :n] = src.v[:, :, :n]
+        dst.pos[...] = src.pos
+        dst.token[...] = src.token
+        dst.logits[...] = src.logits
+        dst.n_tokens = n

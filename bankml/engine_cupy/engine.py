@@ -35,6 +35,8 @@ from bankml.engine_cupy.chat_task import (
 )
 from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
+from bankml.engine_cupy.device_model import DeviceLogits
+from bankml.engine_cupy.device_sampling import GREEDY, TOP_K, choice, draw_from_top_k
 from bankml.engine_cupy.grammar import (
     Constraint,
     ConstraintError,
@@ -263,6 +265,8 @@ class Engine:
             )
             for i in range(n_slots)
         ]
+        if not getattr(self.slots[0].cache, "host_snapshots", True):
+            self.host_cache = HostPromptCache(0)  # a cache on the GPU: no host copies of it
         self.slot_prompt_similarity = float(slot_prompt_similarity)
         self._task_id = 0  # the last task's id, counted over all slots (as llama-server's)
         self._uses = 0  # a clock for the slots' t_last_used
@@ -1048,7 +1052,7 @@ class Engine:
             if drawn:
                 token = drawn.popleft()
             else:
-                token = sampler.sample(logits)
+                token, logits = self._draw(sampler, logits, req)
                 self._accept(sampler, token)
             n_gen += 1
             now = time.perf_counter()
@@ -1161,6 +1165,22 @@ class Engine:
             return (n_batch, n_ubatch) == (_checkpoints.N_BATCH, MICRO_BATCH)
         self.n_batch, self.n_ubatch = int(n_batch), int(n_ubatch)
         return True
+
+    def _draw(self, sampler: GuidedSampler, logits: Any, req: Request) -> tuple[int, Any]:
+        """The next token, and the logits as the rest of the step reads them. Logits left on
+        the GPU by the decode step (``DeviceLogits``) are read only as far as the draw needs
+        (device_sampling.choice): the device's greedy choice, the top-k pairs, or the row."""
+        if not isinstance(logits, DeviceLogits):
+            return sampler.sample(logits), logits
+        mode, k = choice(sampler, req.n_probs, self.n_vocab)
+        if mode == GREEDY:
+            return logits.greedy(), logits
+        if mode == TOP_K:
+            pairs = logits.top_k(k)
+            if pairs is not None:
+                return draw_from_top_k(sampler.sampler, *pairs), logits
+        row = logits.host()
+        return sampler.sample(row), row
 
     @staticmethod
     def _accept(sampler: GuidedSampler, token: int) -> None:

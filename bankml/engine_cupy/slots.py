@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from bankml.engine_cupy.backend import to_host
+from bankml.engine_cupy.device_model import DeviceCache
 
 MAGIC = b"bankML slot v1\n"
 Q8_FLAG = 1 << 63
@@ -182,6 +183,10 @@ def copy_slot(src: Any, dst: Any) -> int:
     both slots belong to one engine (the same cache geometry). The number of positions."""
     source, target = src.cache, dst.cache
     n = source.n_tokens
+    if isinstance(target, DeviceCache):  # on the GPU: the sequence copied on the device
+        target.copy_from(source)
+        dst.tokens = list(src.tokens)
+        return n
     everything = slice(None)
     target.copy_layout(source)  # a context shift's cell layout, when the source has one
     for mine, theirs in zip(target._k + target._v, source._k + source._v):

@@ -1,0 +1,190 @@
+"""The engine on a GPU through the decode step (device_model.py, device_sampling.py) without a
+GPU: ``cupy`` is the strict stand-in whose kernels are the NumPy twins
+(tests/fake_cupy_kernels.py), and requests go through the engine's own request path
+(parse_request, run_steps). Greedy tokens against the CPU's exact path; a seeded top-k draw
+from the device's k pairs against the same draw from the whole row; the launches, host reads
+and token writes of every generated token counted.
+
+What this cannot show: the kernels' bits and speed on a device (scripts/gpu-check.sh).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+
+from bankml.engine_cupy import device_sampling as dsm
+from bankml.engine_cupy import device_step as ds
+from bankml.engine_cupy import device_twins as dt
+from bankml.engine_cupy import sampler as smp
+from bankml.engine_cupy.device_model import DeviceCache, DeviceModel
+from bankml.engine_cupy.engine import Engine
+from bankml.engine_cupy.model import Model
+from tests.fake_cupy import READS
+from tests.fake_cupy_kernels import KernelCupy
+
+PROMPT = "The capital of France is"
+N_PREDICT = 3
+PER_STEP = ds.launches_per_step(30)  # the default model's 30 layers
+
+
+@pytest.fixture(scope="module")
+def device(default_model: Path) -> Iterator[tuple[KernelCupy, Engine]]:
+    cp = KernelCupy()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", cp)
+        engine = Engine.open(default_model, n_ctx=32, device="cuda")
+        yield cp, engine
+
+
+@pytest.fixture(scope="module")
+def writes(device: tuple[KernelCupy, Engine]) -> Iterator[list[int]]:
+    """Every token the host writes to a device sequence (DeviceStep.set_token)."""
+    _, engine = device
+    step = engine.model.step
+    seen: list[int] = []
+    original = step.set_token
+
+    def set_token(seq: Any, token: int) -> None:
+        seen.append(token)
+        original(seq, token)
+
+    step.set_token = set_token
+    yield seen
+    step.set_token = original
+
+
+def _run(
+    cp: KernelCupy, engine: Engine, body: dict[str, Any], writes: list[int]
+) -> tuple[list[int], list[dict[str, Any]], Any]:
+    """The request's tokens, and per chunk after the first: launches by name, host reads and
+    token writes since the chunk before (one decode step and one draw)."""
+    req = engine.parse_request({"prompt": PROMPT, "n_predict": N_PREDICT, **body}, "completion")
+    steps = engine.run_steps(req)
+    tokens, per_token = [], []
+    last = None
+    for chunk in steps:
+        mark = (len(cp.launches), dict(READS), len(writes))
+        if last is not None:
+            names = [n for n, _, _ in cp.launches[last[0] : mark[0]]]
+            reads = {k: v - last[1].get(k, 0) for k, v in READS.items() if v != last[1].get(k, 0)}
+            per_token.append(
+                {
+                    "launches": len(names),
+                    "top_k": names.count("top_k_f32"),
+                    "reads": reads,
+                    "writes": mark[2] - last[2],
+                }
+            )
+        last = mark
+        tokens.append(chunk.token)
+    return tokens, per_token, steps.summary
+
+
+@pytest.fixture(scope="module")
+def exact(default_model: Path) -> Engine:
+    return Engine.open(default_model, n_ctx=32, device="cpu")
+
+
+def test_the_engine_runs_the_device_step(device: tuple[KernelCupy, Engine]) -> None:
+    _, engine = device
+    assert isinstance(engine.model, DeviceModel) and engine.model.array_path_reason is None
+    assert all(isinstance(slot.cache, DeviceCache) for slot in engine.slots)
+    assert not engine.host_cache.enabled  # the caches live on the device
+
+
+def test_greedy_tokens_chosen_on_the_device_equal_the_exact_paths(
+    device: tuple[KernelCupy, Engine], writes: list[int], exact: Engine
+) -> None:
+    cp, engine = device
+    got, per_token, summary = _run(cp, engine, {"temperature": 0}, writes)
+    want = [
+        c.token
+        for c in exact.run_steps(
+            exact.parse_request(
+                {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0}, "completion"
+            )
+        )
+    ]
+    assert got == want and len(got) == N_PREDICT
+    assert summary.timings["prompt_n"] == len(engine.tokenize(PROMPT, add_special=True))
+    # each later token: one decode step, the greedy id read back (4 bytes), nothing written
+    assert per_token == [{"launches": PER_STEP, "top_k": 0, "reads": {"get": 1}, "writes": 0}] * (
+        N_PREDICT - 1
+    )
+
+
+def test_a_seeded_top_k_draw_from_the_device_pairs_equals_the_draw_from_the_row(
+    device: tuple[KernelCupy, Engine], writes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cp, engine = device
+    body = {"temperature": 1.5, "top_k": 20, "top_p": 0.95, "seed": 7}
+    got, per_token, summary = _run(cp, engine, body, writes)
+    # the slot held the prompt: only its last token is evaluated again
+    assert summary.timings["prompt_n"] == 1
+    # each later token: a step and the top-k kernel, one read of 2k + 1 ints, the drawn id up
+    assert per_token == [
+        {"launches": PER_STEP + 1, "top_k": 1, "reads": {"get": 1}, "writes": 1}
+    ] * (N_PREDICT - 1)
+    # the same request drawing from the whole row (n_probs asks for it), and with the chain's
+    # NumPy stages in place of the compiled tail: the same tokens
+    full, per_full, _ = _run(cp, engine, {**body, "n_probs": 1}, writes)
+    assert all(t["top_k"] == 0 for t in per_full)
+    monkeypatch.setattr(smp, "FAST_CHAIN", False)
+    stages, _, _ = _run(cp, engine, body, writes)
+    assert got == full == stages, (got, full, stages)
+
+
+def test_the_draw_reads_only_what_the_request_needs(device: tuple[KernelCupy, Engine]) -> None:
+    _, engine = device
+
+    def mode(**body: Any) -> tuple[str, int]:
+        req = engine.parse_request({"prompt": PROMPT, **body}, "completion")
+        sampler = engine._guided_sampler(req.sampler, req.constraint, req.reasoning_budget, "")
+        return dsm.choice(sampler, req.n_probs, engine.n_vocab)
+
+    assert mode(temperature=0) == (dsm.GREEDY, 0)
+    assert mode() == (dsm.TOP_K, 40)  # llama-server's default chain starts with its top-k
+    assert mode(top_k=200) == (dsm.FULL, 0)  # more pairs than the kernel hands back
+    assert mode(top_k=0) == (dsm.FULL, 0)
+    assert mode(n_probs=2) == (dsm.FULL, 0)
+    assert mode(repeat_penalty=1.1) == (dsm.FULL, 0)  # penalties act before the top-k
+    assert mode(logit_bias=[[11, 1.0]]) == (dsm.FULL, 0)
+    assert mode(grammar='root ::= "a"') == (dsm.FULL, 0)
+    assert mode(samplers=["top_p", "top_k", "temperature"]) == (dsm.FULL, 0)
+    assert mode(mirostat=2) == (dsm.FULL, 0)
+
+
+def test_the_top_k_kernel_twin_is_the_hosts_stable_top_k() -> None:
+    rng = numpy.random.default_rng(3)
+    x = rng.normal(size=5000).astype(numpy.float32).round(1)  # many equal values
+    x[[7, 9]] = -numpy.inf
+    for k in (1, 40, 128):
+        out = dt.top_k_f32(x, k)
+        order = smp.top_k_order(x, k)
+        assert out[:k].tolist() == order.tolist() and out[2 * k] == 0
+        assert out[k : 2 * k].view(numpy.float32).tobytes() == x[order].tobytes()
+    x[11] = numpy.nan
+    assert dt.top_k_f32(x, 4)[8] == 1
+    short = dt.top_k_f32(numpy.asarray([1, numpy.nan, 2], numpy.float32), 3)
+    assert short[:3].tolist() == [2, 0, -1] and short[6] == 1
+
+
+def test_a_model_the_step_does_not_play_keeps_the_array_path(
+    tmp_path: Path, default_model: Path
+) -> None:
+    from gguf import GGMLQuantizationType as T
+
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "qwen3.gguf", TinySpec("qwen3", T.Q4_0), default_model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", KernelCupy())
+        model = Model.load(path, device="cuda", progress=False)
+    assert not isinstance(model, DeviceModel)
+    assert model.array_path_reason is not None and "qwen3" in model.array_path_reason
