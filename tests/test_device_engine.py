@@ -188,3 +188,44 @@ def test_a_model_the_step_does_not_play_keeps_the_array_path(
         model = Model.load(path, device="cuda", progress=False)
     assert not isinstance(model, DeviceModel)
     assert model.array_path_reason is not None and "qwen3" in model.array_path_reason
+
+
+def test_two_slots_step_in_turn_each_with_its_own_logits(default_model: Path) -> None:
+    """Two runs advanced side by side as the scheduler advances them (forward_rows: both slots'
+    steps, then both draws): each slot's sequence keeps its own logits on the device, so each
+    run's top-k draws are those it gets alone."""
+    from bankml.native.scheduler import forward_rows
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", KernelCupy())
+        engine = Engine.open(default_model, n_ctx=32, device="cuda", n_slots=2)
+    sampling = {"n_predict": 2, "top_k": 10, "temperature": 0.7, "seed": 3}
+    bodies = [{"prompt": p, **sampling} for p in ("Hi", "Paris is")]
+    runs = [engine.run_steps(engine.parse_request(b, "completion")).coroutine for b in bodies]
+    tokens: list[list[int]] = [[], []]
+    replies: list[Any] = [None, None]
+    live = [True, True]
+    while any(live):
+        asked = []
+        for i, run in enumerate(runs):
+            if not live[i]:
+                continue
+            try:
+                item = run.send(replies[i])
+                while not getattr(item, "is_forward", False):
+                    if hasattr(item, "token"):
+                        tokens[i].append(item.token)
+                    item = run.send(None)
+                asked.append((i, item))
+            except StopIteration:
+                live[i] = False
+        if asked:
+            rows, _ = forward_rows([f for _, f in asked])
+            for (i, _), row in zip(asked, rows):
+                replies[i] = row
+    slots = {s.id: s.tokens for s in engine.slots}
+    assert slots[0] != slots[1]  # a slot each
+    alone = [
+        [c.token for c in engine.run_steps(engine.parse_request(b, "completion"))] for b in bodies
+    ]
+    assert tokens == alone and all(len(t) == 2 for t in tokens)
