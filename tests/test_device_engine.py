@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy
 import pytest
+import pytest_twisted
+from twisted.internet import reactor
 
 from bankml.engine_cupy import device_sampling as dsm
 from bankml.engine_cupy import device_step as ds
@@ -25,8 +27,10 @@ from bankml.engine_cupy import sampler as smp
 from bankml.engine_cupy.device_model import DeviceCache, DeviceModel
 from bankml.engine_cupy.engine import Engine
 from bankml.engine_cupy.model import Model
+from bankml.native.service import make_native_service
 from tests.fake_cupy import READS
 from tests.fake_cupy_kernels import KernelCupy
+from tests.native_support import apost
 
 PROMPT = "The capital of France is"
 N_PREDICT = 3
@@ -229,3 +233,51 @@ def test_two_slots_step_in_turn_each_with_its_own_logits(default_model: Path) ->
         [c.token for c in engine.run_steps(engine.parse_request(b, "completion"))] for b in bodies
     ]
     assert tokens == alone and all(len(t) == 2 for t in tokens)
+
+
+@pytest.fixture(scope="module")
+def served_cuda(
+    default_model: Path, default_fork: Path, tmp_path_factory: Any
+) -> Iterator[tuple[str, Any]]:
+    """``bankml serve --native --device cuda`` in this process (NativeService as the tap
+    starts it), ``cupy`` the stand-in: bankml's own address and its NativeEngine."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", KernelCupy())
+        svc = make_native_service(
+            {
+                "file": str(default_model),
+                "fork": str(default_fork),
+                "ctx": 32,
+                "device": "cuda",
+                "listen": "127.0.0.1:0",
+                "upstream": "127.0.0.1:0",
+                "slot-dir": str(tmp_path_factory.mktemp("device-slots")),
+            },
+            reactor,
+        )
+        svc.exit_at_interpreter_end = False
+        svc.startService()
+        pytest_twisted.blockon(svc.ready)
+        assert svc.native is not None and len(svc.ports) == 2
+        try:
+            yield f"http://127.0.0.1:{svc.port_of(0)}", svc.native
+        finally:
+            pytest_twisted.blockon(svc.stopService())
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_completion_over_http_on_the_device_path(
+    served_cuda: tuple[str, Any], device: tuple[KernelCupy, Engine]
+) -> None:
+    """One greedy /completion through the real HTTP path of a --device cuda server: the engine's
+    own greedy text on the device path, and its receipt."""
+    url, native = served_cuda
+    assert isinstance(native.engine.model, DeviceModel)
+    body = {"prompt": PROMPT, "n_predict": 2, "temperature": 0}
+    status, answer = await apost(url + "/completion", body)
+    assert status == 200, answer
+    _, engine = device
+    want = list(engine.run_steps(engine.parse_request(body, "completion")))
+    assert answer["content"] == "".join(c.text for c in want)
+    assert answer["tokens_predicted"] == 2 and "bankml_receipt" in answer
+    assert answer["bankml_receipt"]["engine"].endswith("native (cuda)")
