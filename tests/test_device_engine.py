@@ -281,3 +281,36 @@ async def test_a_completion_over_http_on_the_device_path(
     assert answer["content"] == "".join(c.text for c in want)
     assert answer["tokens_predicted"] == 2 and "bankml_receipt" in answer
     assert answer["bankml_receipt"]["engine"].endswith("native (cuda)")
+
+
+def test_a_context_shift_on_the_device_follows_the_exact_paths(
+    device: tuple[KernelCupy, Engine], exact: Engine
+) -> None:
+    """llama-server's context shift (keep 1, drop 2, the rest moved down and their keys turned
+    by RoPE at -2) on a device sequence, then one step: near the exact path's logits after the
+    same shift, and nearer than without the shift."""
+    _, engine = device
+    tokens = engine.tokenize(PROMPT, add_special=True) + [11]
+    dev, cpu = engine.model, exact.model
+    shifted, kept = dev.new_cache(16), dev.new_cache(16)
+    dev.forward(tokens[:-1], shifted)
+    kept.copy_from(shifted)  # a device copy of the sequence (a shared prompt's child's)
+    dev.shift_context(shifted, 1, 2)
+    assert shifted.n_tokens == len(tokens) - 3
+    got = numpy.asarray(dev.forward(tokens[-1:], shifted))
+    unshifted = numpy.asarray(dev.forward(tokens[-1:], kept))
+    ref = cpu.new_cache(16)
+    cpu.forward(tokens[:-1], ref)
+    cpu.shift_context(ref, 1, 2)
+    want = cpu.forward(tokens[-1:], ref)
+    assert int(numpy.argmax(got)) == int(numpy.argmax(want))
+    assert _top10_diff(got, want) < 1.0 < _top10_diff(unshifted, want)
+
+
+def _top10_diff(got: numpy.ndarray, want: numpy.ndarray) -> float:
+    def logprobs(x: numpy.ndarray) -> numpy.ndarray:
+        x = x.astype(numpy.float64)
+        return x - x.max() - numpy.log(numpy.exp(x - x.max()).sum())
+
+    top = numpy.argsort(-want)[:10]
+    return float(numpy.abs(logprobs(got)[top] - logprobs(want)[top]).max())

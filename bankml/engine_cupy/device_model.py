@@ -14,8 +14,8 @@ step writes nothing and reads 4 bytes.
 A slot's prompt reuses its common prefix with what the sequence holds, as on the CPU: the
 engine truncates the cache to the prefix (``DeviceCache.truncate`` moves the position on the
 device) and steps the rest. Not on this path: the host prompt cache (--cache-ram: the engine
-turns it off), slot save/restore files, the context shift, hidden states (embeddings), and a
-q8_0 K/V cache; ``Model.load`` keeps the array path for a model the step does not play.
+turns it off), slot save/restore files, hidden states (embeddings), and a q8_0 K/V cache;
+``Model.load`` keeps the array path for a model the step does not play.
 """
 
 from __future__ import annotations
@@ -164,8 +164,9 @@ class DeviceModel(Model):
     ) -> numpy.ndarray:
         raise UnsupportedModel("the GPU decode step gives no hidden states (embeddings)")
 
-    def shift_context(self, cache: Any, n_keep: int, n_discard: int) -> None:
-        raise UnsupportedModel("the GPU decode step has no context shift")
+    def shift_context(self, cache: DeviceCache, n_keep: int, n_discard: int) -> None:
+        """llama-server's context shift (DeviceStep.shift)."""
+        self.step.shift(cache.seq, n_keep, n_discard)
 
     def warm_up(
         self,

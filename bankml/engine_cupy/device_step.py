@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy
 
-from bankml.engine_cupy.array_backend import rope_angles
+from bankml.engine_cupy.array_backend import apply_rope, rope_angles
 from bankml.engine_cupy.cuda_loader import CudaKernels
 from bankml.engine_cupy.cuda_twins import BLOCK_TYPES, NWARPS, QK, WARP
 from bankml.engine_cupy.weights import HParams, UnsupportedModel, dequantize
@@ -164,6 +164,7 @@ class DeviceWeights:
     cos: Any  # [n_ctx_train, hd/2] f32
     sin: Any
     nbytes: int
+    rope_freqs: numpy.ndarray | None = None  # Llama 3's frequency factors, on the host
 
     @classmethod
     def upload(cls, cupy: ModuleType, reader: Any, hp: HParams) -> DeviceWeights:
@@ -248,6 +249,7 @@ class DeviceWeights:
             up(numpy.asarray(cos, F32)),
             up(numpy.asarray(sin, F32)),
             nbytes,
+            None if freqs is None else numpy.asarray(freqs.data, F32).reshape(-1),
         )
 
 
@@ -441,6 +443,38 @@ class DeviceStep:
         if n != seq.n_tokens:
             seq.pos.set(numpy.asarray([n], dtype=I32))
             seq.n_tokens = n
+
+    def shift(self, seq: DeviceSequence, n_keep: int, n_discard: int) -> None:
+        """llama-server's context shift on ``seq``: positions n_keep..n_keep+n_discard-1
+        dropped, the later ones moved down, their keys turned by RoPE at -n_discard (the
+        model's own RoPE, frequency factors too: llama.cpp's K-shift). The moved keys go to the
+        host and back (a rare step: the context is full); values move on the device."""
+        hp, n = self.hp, seq.n_tokens
+        if n_keep < 0 or n_discard < 1 or n_keep + n_discard > n:
+            raise ValueError(
+                f"cannot shift {n} positions by keeping {n_keep}, dropping {n_discard}"
+            )
+        a, m = n_keep + n_discard, n - n_keep - n_discard
+        if m:
+            keys = seq.k[:, :, a:n].get().view(numpy.float16).astype(F32)  # [L, kv, m, hd]
+            cos, sin = rope_angles(
+                numpy,
+                numpy.asarray([-n_discard]),
+                hp.head_dim,
+                hp.rope_base,
+                hp.rope_freq_scale,
+                self.w.rope_freqs,
+            )
+            rows = keys.transpose(2, 0, 1, 3).reshape(m, -1, hp.head_dim)
+            turned = apply_rope(
+                rows, numpy.repeat(cos, m, axis=0), numpy.repeat(sin, m, axis=0), hp.spec.rope_neox
+            )
+            out = turned.reshape(m, hp.n_layer, hp.n_head_kv, hp.head_dim).transpose(1, 2, 0, 3)
+            bits = numpy.ascontiguousarray(out.astype(numpy.float16)).view(numpy.uint16)
+            seq.k[:, :, n_keep : n_keep + m] = self.cp.asarray(bits)
+            seq.v[:, :, n_keep : n_keep + m] = seq.v[:, :, a:n].copy()
+        seq.pos.set(numpy.asarray([n - n_discard], dtype=I32))
+        seq.n_tokens = n - n_discard
 
     def copy_sequence(self, src: DeviceSequence, dst: DeviceSequence) -> None:
         """``dst`` becomes a copy of ``src``'s positions, its position and its token: device
