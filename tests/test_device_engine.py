@@ -314,3 +314,26 @@ def _top10_diff(got: numpy.ndarray, want: numpy.ndarray) -> float:
 
     top = numpy.argsort(-want)[:10]
     return float(numpy.abs(logprobs(got)[top] - logprobs(want)[top]).max())
+
+
+def test_a_device_slot_saved_erased_and_restored_answers_as_before(
+    device: tuple[KernelCupy, Engine], writes: list[int], tmp_path: Path
+) -> None:
+    """/slots save, erase and restore on the device path (slots.py): the file holds the
+    sequence's f16 K/V bits (saved again after the restore: the same bytes), and the restored
+    slot serves the prompt from its cells (only the last prompt token evaluated again)."""
+    from bankml.engine_cupy import slots
+
+    cp, engine = device
+    body = {"temperature": 0}
+    before, _, _ = _run(cp, engine, body, writes)
+    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
+    sha = "0" * 64
+    saved = slots.save_slot(engine, str(first), sha)
+    assert saved.n_tokens == len(engine.slots[0].tokens) > 0
+    assert slots.erase_slot(engine) == saved.n_tokens and engine.cache.n_tokens == 0
+    assert slots.restore_slot(engine, str(first), sha).n_tokens == saved.n_tokens
+    slots.save_slot(engine, str(second), sha)
+    assert first.read_bytes() == second.read_bytes()
+    after, _, summary = _run(cp, engine, body, writes)
+    assert summary.timings["prompt_n"] == 1 and after == before

@@ -14,7 +14,7 @@ step writes nothing and reads 4 bytes.
 A slot's prompt reuses its common prefix with what the sequence holds, as on the CPU: the
 engine truncates the cache to the prefix (``DeviceCache.truncate`` moves the position on the
 device) and steps the rest. Not on this path: the host prompt cache (--cache-ram: the engine
-turns it off), slot save/restore files, hidden states (embeddings), and a q8_0 K/V cache;
+turns it off), hidden states (embeddings), and a q8_0 K/V cache;
 ``Model.load`` keeps the array path for a model the step does not play.
 """
 
@@ -53,6 +53,38 @@ class DeviceCache:
     @property
     def n_tokens(self) -> int:
         return self.seq.n_tokens
+
+    @n_tokens.setter
+    def n_tokens(self, n: int) -> None:
+        """The sequence's length after its cells were written from outside (a slot restored):
+        the position set on the device; the next token is written by the next step."""
+        if not 0 <= n <= self.n_ctx:
+            raise ValueError(f"{n} positions in a sequence of {self.n_ctx}")
+        self.seq.pos.set(numpy.asarray([n], dtype=numpy.int32))
+        self.seq.n_tokens = n
+        self.known_token = None
+        self.steps += 1
+
+    # what slots.py's save and restore read: the layers' K and V (f16 bits [kv, n_ctx, hd])
+    @property
+    def n_head_kv(self) -> int:
+        return self.step.hp.n_head_kv
+
+    @property
+    def head_dim(self) -> int:
+        return self.step.hp.head_dim
+
+    @property
+    def xp(self) -> ModuleType:
+        return self.step.cp
+
+    @property
+    def _k(self) -> list[Any]:
+        return [self.seq.k[il] for il in range(self.step.hp.n_layer)]
+
+    @property
+    def _v(self) -> list[Any]:
+        return [self.seq.v[il] for il in range(self.step.hp.n_layer)]
 
     def truncate(self, n: int) -> None:
         self.step.truncate(self.seq, n)
