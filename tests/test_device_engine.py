@@ -10,6 +10,7 @@ What this cannot show: the kernels' bits and speed on a device (scripts/gpu-chec
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -252,6 +253,7 @@ def served_cuda(
                 "listen": "127.0.0.1:0",
                 "upstream": "127.0.0.1:0",
                 "slot-dir": str(tmp_path_factory.mktemp("device-slots")),
+                "llama": {"embedding": {"enabled": True}},  # --embeddings
             },
             reactor,
         )
@@ -281,6 +283,9 @@ async def test_a_completion_over_http_on_the_device_path(
     assert answer["content"] == "".join(c.text for c in want)
     assert answer["tokens_predicted"] == 2 and "bankml_receipt" in answer
     assert answer["bankml_receipt"]["engine"].endswith("native (cuda)")
+    # embeddings need the hidden states this path does not keep: a clear 501, not a 500
+    status, refusal = await apost(url + "/embedding", {"content": "Paris"})
+    assert status == 501 and "GPU decode step" in json.dumps(refusal), refusal
 
 
 def test_a_context_shift_on_the_device_follows_the_exact_paths(

@@ -144,6 +144,8 @@ def host_logits(logits: Any) -> Any:
 class DeviceModel(Model):
     """A Model run by the GPU decode step (module doc)."""
 
+    has_hidden_states = False  # the step keeps no f32 hidden state: embeddings answer 501
+
     def __init__(self, hp: HParams, xp: ModuleType, path: str, reader: Any, step: DeviceStep):
         super().__init__(hp, None, xp, path, reader, exact=False)  # type: ignore[arg-type]
         self.step = step
