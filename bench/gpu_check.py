@@ -8,8 +8,8 @@
 scripts/gpu-check.sh sets up a clean clone and runs this (docs/gpu.md). For each tiny model
 (every architecture and weight type of ``TINY_SPECS``, built with tests/tiny_models.py from the
 default model's vocabulary) and for the default model itself, it loads the model twice,
-``Model.load(device=DEVICE, exact=False)`` (the array path: CuPy on ``cuda``, NumPy on ``cpu``)
-and ``Model.load(device="cpu")`` (the exact path), and reports (a) the largest top-10
+``Model.load(device=DEVICE, exact=False, device_step=False)`` (the array path: CuPy on
+``cuda``, NumPy on ``cpu``) and ``Model.load(device="cpu")`` (the exact path), and reports (a) the largest top-10
 log-probability difference and the same top-1 over the prompts, (b) identical greedy answers,
 (c) with a llama-server given, both paths against it, (d) prefill and decode tokens/s of both
 paths (and llama-server) on the default model, (e) every exception with its traceback. A model
@@ -157,7 +157,9 @@ def load_models(
 ) -> tuple[Model | None, Model | None]:
     """The array-path model on ``device`` and the exact-path model on the CPU (None: failed)."""
     _, array_model = attempt(
-        result, "load_array", lambda: Model.load(path, device=device, progress=False, exact=False)
+        result,
+        "load_array",
+        lambda: Model.load(path, device=device, progress=False, exact=False, device_step=False),
     )
     _, exact_model = attempt(
         result, "load_exact", lambda: Model.load(path, device="cpu", progress=False)

@@ -326,6 +326,7 @@ class Model:
         device: str = "auto",
         progress: bool | None = None,
         exact: bool = True,
+        device_step: bool = True,
     ) -> Model:
         """Read the header, refuse what is not played, then load the weights (tqdm bar).
 
@@ -334,24 +335,27 @@ class Model:
 
         On a GPU, a model the decode step plays (device_step.unsupported) is a
         ``device_model.DeviceModel``: its weights in their GGUF blocks on the device, each
-        token one step of fused kernels. Any other (or with BANKML_DEVICE_STEP=0) takes the
-        array path, the reason logged and kept in ``array_path_reason``."""
+        token one step of fused kernels. Any other takes the array path, the reason logged and
+        kept in ``array_path_reason``; ``device_step=False`` or BANKML_DEVICE_STEP=0 asks for
+        the array path."""
         xp = backend.get_xp(device)
         reader = open_reader(path)
         hp = read_hparams(reader)
         reason = None
+        use_step = device_step
         if xp is not numpy:
             from bankml.engine_cupy import device_step
 
-            reason = device_step.unsupported(reader, hp)
-            if reason is None and os.environ.get("BANKML_DEVICE_STEP", "1") == "0":
-                reason = "BANKML_DEVICE_STEP=0"
+            why = device_step.unsupported(reader, hp)
+            reason = None if why is None else f"the decode step does not play {why}"
+            if not use_step or os.environ.get("BANKML_DEVICE_STEP", "1") == "0":
+                reason = "asked for (device_step=False or BANKML_DEVICE_STEP=0)"
             if reason is None:
                 from bankml.engine_cupy.device_model import DeviceModel
 
                 return DeviceModel.upload(xp, os.fspath(path), reader, hp)
             log.warning(
-                "%s: the array path on the GPU: the decode step does not play %s",
+                "%s runs the GPU's array path: %s",
                 os.path.basename(os.fspath(path)),
                 reason,
             )
