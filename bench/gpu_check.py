@@ -570,6 +570,18 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
                 f"decode step on the device: same greedy tokens {step['same_tokens']}, "
                 f"steps identical to the twins {step['identical_steps']}/{len(step['steps'])}"
             )
+        from bench.kernel_check import device_engine_vs_twins
+
+        engine_ok, served = attempt(
+            value, "device_engine", lambda: device_engine_vs_twins(get_xp("cuda"), model)
+        )
+        if engine_ok:
+            value["device_engine"] = served
+            print(
+                "engine on the decode step: same tokens as through the twins, greedy "
+                f"{served['greedy']['same_tokens']}, top-k {served['top_k']['same_tokens']}; "
+                f"{served['greedy']['decode_tokens_per_s']} tokens/s greedy"
+            )
     if ok:
         print(f"CUDA kernels identical to their twins: {value['identical']}/{value['checked']}")
         return value

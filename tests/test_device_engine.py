@@ -342,3 +342,20 @@ def test_a_device_slot_saved_erased_and_restored_answers_as_before(
     assert first.read_bytes() == second.read_bytes()
     after, _, summary = _run(cp, engine, body, writes)
     assert summary.timings["prompt_n"] == 1 and after == before
+
+
+def test_the_gpu_checks_device_engine_report(tmp_path: Path, default_model: Path) -> None:
+    """bench/kernel_check.py's device-engine part (what a GPU run reports: the engine on the
+    decode step on the device against the same engine through the twins), here with the
+    stand-in on both sides and a tiny qwen2 model."""
+    from gguf import GGMLQuantizationType as T
+
+    from bench import kernel_check
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "qwen2.gguf", TinySpec("qwen2", T.Q8_0), default_model)
+    report = kernel_check.device_engine_vs_twins(KernelCupy(), path, n_predict=2)  # type: ignore[arg-type]
+    for part in ("greedy", "top_k"):
+        assert report[part]["same_tokens"] and len(report[part]["tokens"]) == 2, report
+        assert isinstance(report[part]["decode_tokens_per_s"], float)  # a figure, not a bound
+    assert "cupy" not in sys.modules or not isinstance(sys.modules["cupy"], KernelCupy)
