@@ -359,3 +359,19 @@ def test_the_gpu_checks_device_engine_report(tmp_path: Path, default_model: Path
         assert report[part]["same_tokens"] and len(report[part]["tokens"]) == 2, report
         assert isinstance(report[part]["decode_tokens_per_s"], float)  # a figure, not a bound
     assert "cupy" not in sys.modules or not isinstance(sys.modules["cupy"], KernelCupy)
+
+
+def test_rocm_keeps_the_array_path(tmp_path: Path, default_model: Path) -> None:
+    """CuPy on ROCm (``cuda.runtime.is_hip``): the step's kernels are CUDA PTX, so the model
+    the step plays takes the array path there."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "qwen2.gguf", TinySpec("qwen2", T.Q8_0), default_model)
+    hip = KernelCupy()
+    hip.cuda.runtime.is_hip = True  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", hip)
+        model = Model.load(path, device="cuda", progress=False)
+    assert not isinstance(model, DeviceModel) and "ROCm" in str(model.array_path_reason)

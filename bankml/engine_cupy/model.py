@@ -348,6 +348,8 @@ class Model:
 
             why = device_step.unsupported(reader, hp)
             reason = None if why is None else f"the decode step does not play {why}"
+            if getattr(getattr(getattr(xp, "cuda", None), "runtime", None), "is_hip", False):
+                reason = "ROCm: the decode step's kernels are CUDA (PTX) only"
             if not use_step or os.environ.get("BANKML_DEVICE_STEP", "1") == "0":
                 reason = "asked for (device_step=False or BANKML_DEVICE_STEP=0)"
             if reason is None:
