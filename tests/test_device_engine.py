@@ -375,3 +375,31 @@ def test_rocm_keeps_the_array_path(tmp_path: Path, default_model: Path) -> None:
         mp.setitem(sys.modules, "cupy", hip)
         model = Model.load(path, device="cuda", progress=False)
     assert not isinstance(model, DeviceModel) and "ROCm" in str(model.array_path_reason)
+
+
+def test_a_context_past_the_training_one_grows_the_rope_table(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """A slot's context longer than the model's training context (llama-server allows it): the
+    RoPE table grows, its earlier rows the same bits, and a step past the training context
+    writes its position."""
+    from gguf import GGMLQuantizationType as T
+
+    from bankml.engine_cupy.weights import open_reader, read_hparams
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "qwen2.gguf", TinySpec("qwen2", T.Q8_0), default_model)
+    reader = open_reader(path)
+    hp = read_hparams(reader)
+    cp = KernelCupy()
+    step = ds.DeviceStep(cp, ds.DeviceWeights.upload(cp, reader, hp))  # type: ignore[arg-type]
+    before = step.w.cos.host_view.copy()
+    seq = step.new_sequence(hp.n_ctx_train + 16)
+    assert step.w.cos.shape == (hp.n_ctx_train + 16, hp.head_dim // 2)
+    assert step.w.cos.host_view[: hp.n_ctx_train].tobytes() == before.tobytes()
+    past = hp.n_ctx_train + 5
+    seq.pos.set(numpy.asarray([past], numpy.int32))
+    seq.n_tokens = past
+    step.set_token(seq, 11)
+    step.step(seq)
+    assert seq.k.host_view[:, :, past].any() and int(seq.pos.get()[0]) == past + 1

@@ -161,10 +161,23 @@ class DeviceWeights:
     output_norm: Any
     output: Matrix
     layers: list[DeviceLayer]
-    cos: Any  # [n_ctx_train, hd/2] f32
+    cos: Any  # [n_ctx_train (or the longest sequence's context), hd/2] f32
     sin: Any
     nbytes: int
     rope_freqs: numpy.ndarray | None = None  # Llama 3's frequency factors, on the host
+
+    def rope_rows(self, cupy: ModuleType, n: int) -> None:
+        """The RoPE table grown to ``n`` positions where a sequence's context is longer than the
+        training context (llama.cpp allows it): row p is the same whatever the table's size."""
+        if n <= int(self.cos.shape[0]):
+            return
+        hp = self.hp
+        cos, sin = rope_angles(
+            numpy, numpy.arange(n), hp.head_dim, hp.rope_base, hp.rope_freq_scale, self.rope_freqs
+        )
+        check_device_memory(cupy, 2 * n * hp.head_dim // 2 * 4)
+        self.cos = cupy.asarray(numpy.ascontiguousarray(cos, dtype=F32))
+        self.sin = cupy.asarray(numpy.ascontiguousarray(sin, dtype=F32))
 
     @classmethod
     def upload(cls, cupy: ModuleType, reader: Any, hp: HParams) -> DeviceWeights:
@@ -261,8 +274,6 @@ class DeviceSequence:
     Each sequence has its own logits, so several slots' steps can run before any samples."""
 
     def __init__(self, cupy: ModuleType, hp: HParams, n_ctx: int, n_out: int = 0) -> None:
-        if n_ctx > hp.n_ctx_train:
-            raise ValueError(f"{n_ctx} positions: the RoPE table holds {hp.n_ctx_train}")
         shape = (hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim)
         self.n_ctx = n_ctx
         self.k = cupy.zeros(shape, dtype=numpy.uint16)
@@ -303,6 +314,7 @@ class DeviceStep:
 
     def new_sequence(self, n_ctx: int) -> DeviceSequence:
         check_device_memory(self.cp, cache_bytes(self.hp, n_ctx))
+        self.w.rope_rows(self.cp, n_ctx)
         return DeviceSequence(self.cp, self.hp, n_ctx, self.w.output.rows)
 
     def _launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: Any) -> None:
