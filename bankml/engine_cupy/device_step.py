@@ -5,12 +5,12 @@ kernel launches per layer, and no read back to the host inside the step.
 (``unsupported``: llama and qwen2, every layer matrix of a type with a one-row product kernel)
 and that it fits the device's free memory (``cupy.cuda.runtime.memGetInfo``; refused with the
 figures otherwise), then copies each matrix's bytes to the device as they are in the file
-(uint8 [rows, row bytes]), the norms as f32, and the RoPE table (cos, sin [n_ctx, hd/2],
-ggml's angles computed once on the host).
+(uint8 [rows, row bytes]), the norms as f32, and the RoPE table (cos, sin [n_ctx_train, hd/2],
+ggml's angles computed once on the host; grown for a longer context).
 
 ``DeviceStep(cupy, weights)`` runs one decode step of one sequence (``DeviceSequence``: its f16
 K/V cache [layers, n_head_kv, n_ctx, hd], its position and its next token, both int32 on the
-device) with the kernels of ``cuda/`` (``cuda_loader.CudaKernels``):
+device, its logits) with the kernels of ``cuda/`` (``cuda_loader.CudaKernels``):
 
     get_rows                         the token's embedding row into x            1
     per layer:                                                                   12
@@ -28,8 +28,12 @@ device) with the kernels of ``cuda/`` (``cuda_loader.CudaKernels``):
 
 ``LAUNCHES_PER_LAYER`` and ``launches_per_step(n_layer)`` say it. The chosen token stays on the
 device for the next step; ``chosen(seq)`` is the step's one read back (4 bytes), and the logits
-stay on the device (``logits``) unless a request needs them. Each kernel has a NumPy twin
-(cuda_twins, device_twins); tests/fake_cupy_kernels.py runs this module through them.
+stay on the device (the sequence's ``logits``) unless a request needs them: ``top_k(seq, k)``
+hands back only the k largest (id, logit) pairs (``top_k_f32``), ``host_logits(seq)`` the row.
+``truncate``, ``shift`` and ``copy_sequence`` are the slot operations the engine needs (a
+reused prefix, llama-server's context shift, a shared prompt's child). Each kernel has a NumPy
+twin (cuda_twins, device_twins); tests/fake_cupy_kernels.py runs this module through them;
+device_model.py serves it through the engine.
 """
 
 from __future__ import annotations
