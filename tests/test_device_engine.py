@@ -145,6 +145,27 @@ def test_a_seeded_top_k_draw_from_the_device_pairs_equals_the_draw_from_the_row(
     assert got == full == stages, (got, full, stages)
 
 
+def test_a_logit_bias_is_added_on_the_device_before_the_top_k(
+    device: tuple[KernelCupy, Engine], writes: list[int]
+) -> None:
+    """ignore_eos and a logit bias (added to a copy of the row on the device, then the top-k
+    pairs): the same tokens as the request drawing from the whole row; greedy with a bias that
+    makes a token the largest: that token first, from the biased row's top-1 pair (the step's
+    own argmax, unbiased, would not give it)."""
+    cp, engine = device
+    eog = sorted(engine.tokenizer.eog_ids)
+    sampled = {"top_k": 20, "seed": 5, "ignore_eos": True, "logit_bias": [[11, 3.0]]}
+    sampled["n_predict"] = 2
+    got, per_token, _ = _run(cp, engine, sampled, writes)
+    full, _, _ = _run(cp, engine, {**sampled, "n_probs": 1}, writes)
+    assert got == full and not set(got) & set(eog)
+    assert all(t["top_k"] == 1 and t["reads"] == {"get": 1} for t in per_token)
+    forced = {"temperature": 0, "logit_bias": [[11, 100.0]], "n_predict": 2}
+    greedy, per_greedy, _ = _run(cp, engine, forced, writes)
+    assert greedy[0] == 11
+    assert all(t["top_k"] == 1 and t["reads"] == {"get": 1} for t in per_greedy)
+
+
 def test_the_draw_reads_only_what_the_request_needs(device: tuple[KernelCupy, Engine]) -> None:
     _, engine = device
 
@@ -159,7 +180,8 @@ def test_the_draw_reads_only_what_the_request_needs(device: tuple[KernelCupy, En
     assert mode(top_k=0) == (dsm.FULL, 0)
     assert mode(n_probs=2) == (dsm.FULL, 0)
     assert mode(repeat_penalty=1.1) == (dsm.FULL, 0)  # penalties act before the top-k
-    assert mode(logit_bias=[[11, 1.0]]) == (dsm.FULL, 0)
+    assert mode(logit_bias=[[11, 1.0]]) == (dsm.TOP_K, 40)  # added on the device
+    assert mode(logit_bias=[[11, 1.0], [11, 2.0]]) == (dsm.FULL, 0)  # added in turn: the host
     assert mode(grammar='root ::= "a"') == (dsm.FULL, 0)
     assert mode(samplers=["top_p", "top_k", "temperature"]) == (dsm.FULL, 0)
     assert mode(mirostat=2) == (dsm.FULL, 0)

@@ -116,10 +116,13 @@ class DeviceLogits:
         self.cache.known_token = token
         return token
 
-    def top_k(self, k: int) -> tuple[numpy.ndarray, numpy.ndarray] | None:
-        """The k largest (ids, logits), largest first (DeviceStep.top_k); None on a NaN."""
+    def top_k(
+        self, k: int, bias: tuple[numpy.ndarray, numpy.ndarray] | None = None
+    ) -> tuple[numpy.ndarray, numpy.ndarray] | None:
+        """The k largest (ids, logits), largest first, ``bias`` added first (DeviceStep.top_k);
+        None on a NaN."""
         self._check()
-        return self.cache.step.top_k(self.cache.seq, k)
+        return self.cache.step.top_k(self.cache.seq, k, bias)
 
     def host(self) -> numpy.ndarray:
         """The whole row on the host (V floats, read once)."""

@@ -5,18 +5,23 @@ A request's draw (``GuidedSampler.sample``) reads the logits in one of three way
 
 - ``GREEDY``: the token is the first largest logit, which the step's own ``argmax_f32`` already
   chose on the device (4 bytes back). That is the chain's answer where nothing before it
-  changes a logit (no logit bias, grammar, reasoning budget, mirostat; penalties, DRY, XTC,
-  typical-p, top-n-sigma and dynamic temperature do not act), the temperature is <= 0 (its
-  stage keeps the first largest logit only) and the other stages that act keep the largest
-  (top-k, top-p, min-p).
+  changes a logit (no grammar, reasoning budget, mirostat; penalties, DRY, XTC, typical-p,
+  top-n-sigma and dynamic temperature do not act), the temperature is <= 0 (its stage keeps
+  the first largest logit only) and the other stages that act keep the largest (top-k, top-p,
+  min-p). With a logit bias, the first of the biased row's top-1 pair instead.
 - ``TOP_K``: the chain's first stage that acts is top-k (llama-server's default chain:
-  penalties, DRY and top-n-sigma come before it and do not act by default), with no logit bias,
-  grammar, reasoning budget or mirostat, and k <= ``device_step.TOP_K_MAX``: the chain's
-  candidates after its top-k are exactly the k (id, logit) pairs ``top_k_f32`` hands back, in
-  the same order, so ``draw_from_top_k`` runs the rest of the chain (the compiled tail, or the
-  NumPy stages) and its one random draw on those and picks the token the whole row gives.
-- ``FULL``: anything else (log-probabilities, a grammar, a bias, a chain that starts otherwise,
-  mirostat, a larger k): the row comes back (V floats) and the host sampler runs as usual.
+  penalties, DRY and top-n-sigma come before it and do not act by default), with no grammar,
+  reasoning budget or mirostat, and k <= ``device_step.TOP_K_MAX``: the chain's candidates
+  after its top-k are exactly the k (id, logit) pairs ``top_k_f32`` hands back, in the same
+  order, so ``draw_from_top_k`` runs the rest of the chain (the compiled tail, or the NumPy
+  stages) and its one random draw on those and picks the token the whole row gives.
+- ``FULL``: anything else (log-probabilities, a grammar, a chain that starts otherwise,
+  mirostat, a larger k, a logit bias naming a token twice): the row comes back (V floats) and
+  the host sampler runs as usual.
+
+A logit bias (``ignore_eos`` is one) is added on the device, to a copy of the row, before the
+top-k (``bias``): one f32 addition per token as ``apply_logit_bias`` makes when no token is
+named twice.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def choice(guided: smp.GuidedSampler, n_probs: int, n_vocab: int) -> tuple[str, 
     p = guided.sampler.params
     if n_probs > 0 or guided.grammar is not None or guided.budget is not None:
         return FULL, 0
-    if p.mirostat != 0 or p.logit_bias:
+    if p.mirostat != 0 or bias(p) is False:
         return FULL, 0
     acting = [name for name in p.samplers if stage_acts(name, p)]
     if (
@@ -73,6 +78,17 @@ def choice(guided: smp.GuidedSampler, n_probs: int, n_vocab: int) -> tuple[str, 
     if acting and acting[0] == "top_k" and min(p.top_k, n_vocab) <= TOP_K_MAX:
         return TOP_K, min(p.top_k, n_vocab)
     return FULL, 0
+
+
+def bias(p: smp.SamplerParams) -> tuple[numpy.ndarray, numpy.ndarray] | None | bool:
+    """The request's logit bias as (ids, f32 values) for the device; None without one; False
+    where a token is named twice (the host adds those in turn)."""
+    if not p.logit_bias:
+        return None
+    ids = numpy.asarray([b.token for b in p.logit_bias], dtype=numpy.int64)
+    if len(numpy.unique(ids)) != len(ids):
+        return False
+    return ids, numpy.asarray([b.bias for b in p.logit_bias], dtype=smp.F32)
 
 
 def draw_from_top_k(sampler: smp.Sampler, ids: numpy.ndarray, logits: numpy.ndarray) -> int:

@@ -437,15 +437,27 @@ class DeviceStep:
         logits = self.logits if seq is None else seq.logits
         return numpy.asarray(logits.get(), dtype=F32)
 
-    def top_k(self, seq: DeviceSequence, k: int) -> tuple[numpy.ndarray, numpy.ndarray] | None:
+    def top_k(
+        self,
+        seq: DeviceSequence,
+        k: int,
+        bias: tuple[numpy.ndarray, numpy.ndarray] | None = None,
+    ) -> tuple[numpy.ndarray, numpy.ndarray] | None:
         """The k largest of ``seq``'s last logits, largest first, equal ones in id order (the
         host sampler's stable top-k): (ids int32 [k], logits f32 [k]), one launch and one read
         of 2k + 1 ints. None where a logit is NaN (the host's own top-k takes the whole row
-        then). 0 < k <= min(TOP_K_MAX, V)."""
+        then). 0 < k <= min(TOP_K_MAX, V). ``bias``: (distinct ids, f32 values) added first,
+        one f32 addition each, to a device copy of the row (the sequence's logits stay as the
+        step left them)."""
         n = self.w.output.rows
         if not 0 < k <= min(TOP_K_MAX, n):
             raise ValueError(f"top-k of {k} on the device (1..{min(TOP_K_MAX, n)})")
-        self._launch("top_k_f32", (1,), (TOPK_THREADS,), (seq.logits, I32(n), I32(k), seq.pairs))
+        logits = seq.logits
+        if bias is not None:
+            logits = seq.logits.copy()
+            ids = self.cp.asarray(numpy.asarray(bias[0], dtype=numpy.int64))
+            logits[ids] = logits[ids] + self.cp.asarray(numpy.asarray(bias[1], dtype=F32))
+        self._launch("top_k_f32", (1,), (TOPK_THREADS,), (logits, I32(n), I32(k), seq.pairs))
         raw = numpy.asarray(seq.pairs[: 2 * k + 1].get(), dtype=I32)
         if raw[2 * k]:
             return None

@@ -36,7 +36,14 @@ from bankml.engine_cupy.chat_task import (
 from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
 from bankml.engine_cupy.device_model import DeviceLogits
-from bankml.engine_cupy.device_sampling import GREEDY, TOP_K, choice, draw_from_top_k
+from bankml.engine_cupy.device_sampling import (
+    FULL,
+    GREEDY,
+    TOP_K,
+    bias,
+    choice,
+    draw_from_top_k,
+)
 from bankml.engine_cupy.grammar import (
     Constraint,
     ConstraintError,
@@ -1173,11 +1180,15 @@ class Engine:
         if not isinstance(logits, DeviceLogits):
             return sampler.sample(logits), logits
         mode, k = choice(sampler, req.n_probs, self.n_vocab)
-        if mode == GREEDY:
+        biases = bias(sampler.sampler.params) if mode != FULL else None
+        assert biases is not False  # choice says FULL then
+        if mode == GREEDY and biases is None:
             return logits.greedy(), logits
-        if mode == TOP_K:
-            pairs = logits.top_k(k)
+        if mode in (GREEDY, TOP_K):
+            pairs = logits.top_k(1 if mode == GREEDY else k, biases)
             if pairs is not None:
+                if mode == GREEDY:  # the biased row's first largest
+                    return int(pairs[0][0]), logits
                 return draw_from_top_k(sampler.sampler, *pairs), logits
         row = logits.host()
         return sampler.sample(row), row
