@@ -100,7 +100,7 @@ def test_the_engine_runs_the_device_step(device: tuple[KernelCupy, Engine]) -> N
     _, engine = device
     assert isinstance(engine.model, DeviceModel) and engine.model.array_path_reason is None
     assert all(isinstance(slot.cache, DeviceCache) for slot in engine.slots)
-    assert not engine.host_cache.enabled  # the caches live on the device
+    assert engine.host_cache.enabled  # --cache-ram's default: entries copied on the device
 
 
 def test_greedy_tokens_chosen_on_the_device_equal_the_exact_paths(
@@ -426,3 +426,37 @@ def test_a_context_past_the_training_one_grows_the_rope_table(
     step.set_token(seq, 11)
     step.step(seq)
     assert seq.k.host_view[:, :, past].any() and int(seq.pos.get()[0]) == past + 1
+
+
+def test_a_prompt_cache_entry_is_a_device_copy_put_back_bit_for_bit(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """The prompt cache (--cache-ram) on the device path: ``snapshot`` copies a sequence's
+    positions on the device (no host read), and ``restore`` puts them back after the cells were
+    written over, the same bits, the position set."""
+    from gguf import GGMLQuantizationType as T
+
+    from bankml.engine_cupy.prompt_cache import HostPromptCache
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "qwen2.gguf", TinySpec("qwen2", T.Q8_0), default_model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", KernelCupy())
+        model = Model.load(path, device="cuda", progress=False)
+    assert isinstance(model, DeviceModel)
+    cache = model.new_cache(16)
+    model.forward([1, 504, 3458], cache)
+    k, v = cache.seq.k.host_view[:, :, :3].copy(), cache.seq.v.host_view[:, :, :3].copy()
+    store = HostPromptCache(None)
+    reads = dict(READS)
+    store.save([1, 504, 3458], cache)
+    assert dict(READS) == reads and store.nbytes == k.nbytes + v.nbytes
+    cache.truncate(0)
+    model.forward([7, 8, 9, 10], cache)
+    assert cache.seq.k.host_view[:, :, :3].tobytes() != k.tobytes()
+    entry = store.take_better([7], [1, 504, 3458, 11])
+    assert entry is not None
+    cache.restore(entry.kv, len(entry.tokens))
+    assert cache.n_tokens == 3 and int(cache.seq.pos.get()[0]) == 3
+    assert cache.seq.k.host_view[:, :, :3].tobytes() == k.tobytes()
+    assert cache.seq.v.host_view[:, :, :3].tobytes() == v.tobytes()

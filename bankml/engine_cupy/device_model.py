@@ -13,8 +13,8 @@ step writes nothing and reads 4 bytes.
 
 A slot's prompt reuses its common prefix with what the sequence holds, as on the CPU: the
 engine truncates the cache to the prefix (``DeviceCache.truncate`` moves the position on the
-device) and steps the rest. Not on this path: the host prompt cache (--cache-ram: the engine
-turns it off), hidden states (embeddings), and a q8_0 K/V cache;
+device) and steps the rest; the prompt cache (--cache-ram) keeps its entries as device copies,
+as the array path's do. Not on this path: hidden states (embeddings), and a q8_0 K/V cache;
 ``Model.load`` keeps the array path for a model the step does not play.
 """
 
@@ -40,7 +40,6 @@ class DeviceCache:
 
     cache_type = "f16"
     fused_decode = False
-    host_snapshots = False  # the host prompt cache does not copy it (Engine turns it off)
     pos_min = 0
 
     def __init__(self, step: DeviceStep, n_ctx: int) -> None:
@@ -88,6 +87,19 @@ class DeviceCache:
 
     def truncate(self, n: int) -> None:
         self.step.truncate(self.seq, n)
+
+    def snapshot(self) -> list[Any]:
+        """Copies of positions 0..n_tokens-1 of K and V, on the device (the prompt cache's
+        entries, as the array path's KVCache.snapshot keeps them in its array module)."""
+        n = self.n_tokens
+        return [self.seq.k[:, :, :n].copy(), self.seq.v[:, :, :n].copy()]
+
+    def restore(self, snapshot: list[Any], n_tokens: int) -> None:
+        """Put back what ``snapshot`` copied: positions 0..n_tokens-1."""
+        k, v = snapshot
+        self.seq.k[:, :, :n_tokens] = k
+        self.seq.v[:, :, :n_tokens] = v
+        self.n_tokens = int(n_tokens)
 
     def copy_from(self, source: DeviceCache) -> None:
         """This slot's sequence becomes a copy of ``source``'s (a shared prompt's child)."""

@@ -272,8 +272,6 @@ class Engine:
             )
             for i in range(n_slots)
         ]
-        if not getattr(self.slots[0].cache, "host_snapshots", True):
-            self.host_cache = HostPromptCache(0)  # a cache on the GPU: no host copies of it
         self.slot_prompt_similarity = float(slot_prompt_similarity)
         self._task_id = 0  # the last task's id, counted over all slots (as llama-server's)
         self._uses = 0  # a clock for the slots' t_last_used
