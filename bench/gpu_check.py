@@ -8,8 +8,8 @@
 scripts/gpu-check.sh sets up a clean clone and runs this (docs/gpu.md). For each tiny model
 (every architecture and weight type of ``TINY_SPECS``, built with tests/tiny_models.py from the
 default model's vocabulary) and for the default model itself, it loads the model twice,
-``Model.load(device=DEVICE, exact=False)`` (the array path: CuPy on ``cuda``, NumPy on ``cpu``)
-and ``Model.load(device="cpu")`` (the exact path), and reports (a) the largest top-10
+``Model.load(device=DEVICE, exact=False, device_step=False)`` (the array path: CuPy on
+``cuda``, NumPy on ``cpu``) and ``Model.load(device="cpu")`` (the exact path), and reports (a) the largest top-10
 log-probability difference and the same top-1 over the prompts, (b) identical greedy answers,
 (c) with a llama-server given, both paths against it, (d) prefill and decode tokens/s of both
 paths (and llama-server) on the default model, (e) every exception with its traceback. A model
@@ -157,7 +157,9 @@ def load_models(
 ) -> tuple[Model | None, Model | None]:
     """The array-path model on ``device`` and the exact-path model on the CPU (None: failed)."""
     _, array_model = attempt(
-        result, "load_array", lambda: Model.load(path, device=device, progress=False, exact=False)
+        result,
+        "load_array",
+        lambda: Model.load(path, device=device, progress=False, exact=False, device_step=False),
     )
     _, exact_model = attempt(
         result, "load_exact", lambda: Model.load(path, device="cpu", progress=False)
@@ -567,6 +569,18 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"decode step on the device: same greedy tokens {step['same_tokens']}, "
                 f"steps identical to the twins {step['identical_steps']}/{len(step['steps'])}"
+            )
+        from bench.kernel_check import device_engine_vs_twins
+
+        engine_ok, served = attempt(
+            value, "device_engine", lambda: device_engine_vs_twins(get_xp("cuda"), model)
+        )
+        if engine_ok:
+            value["device_engine"] = served
+            print(
+                "engine on the decode step: same tokens as through the twins, greedy "
+                f"{served['greedy']['same_tokens']}, top-k {served['top_k']['same_tokens']}; "
+                f"{served['greedy']['decode_tokens_per_s']} tokens/s greedy"
             )
     if ok:
         print(f"CUDA kernels identical to their twins: {value['identical']}/{value['checked']}")

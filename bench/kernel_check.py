@@ -163,6 +163,53 @@ def device_step_vs_twins(cp: ModuleType, model: Path, steps: int = 8) -> dict[st
     return out
 
 
+ENGINE_PROMPT = "The capital of France is"
+
+
+def _engine_answers(cp: ModuleType, model: Path, n_predict: int) -> list[dict[str, Any]]:
+    """A greedy and a seeded top-k /completion through the engine on ``cp`` (the decode step:
+    Engine.open with device cuda): the tokens, and the engine's own timings."""
+    from bankml.engine_cupy.engine import Engine
+
+    saved = sys.modules.get("cupy")
+    sys.modules["cupy"] = cp  # type: ignore[assignment]
+    try:
+        engine = Engine.open(model, n_ctx=256, device="cuda")
+    finally:
+        if saved is None:
+            del sys.modules["cupy"]
+        else:
+            sys.modules["cupy"] = saved
+    out = []
+    for sampling in ({"temperature": 0}, {"top_k": 40, "temperature": 0.8, "seed": 1}):
+        body = {"prompt": ENGINE_PROMPT, "n_predict": n_predict, **sampling}
+        steps = engine.run_steps(engine.parse_request(body, "completion"))
+        tokens = [chunk.token for chunk in steps]
+        out.append({"tokens": tokens, "timings": steps.summary.timings})
+    return out
+
+
+def device_engine_vs_twins(cp: ModuleType, model: Path, n_predict: int = 8) -> dict[str, Any]:
+    """The engine on the decode step (engine_cupy/device_model.py), on the device against the
+    same engine through the twins: greedy tokens (argmax on the device) and seeded top-k tokens
+    (the top_k_f32 pairs, the host finishing the chain), and the device's decode tokens/s as
+    the engine reports them (predicted_per_second)."""
+    from tests.fake_cupy_kernels import KernelCupy
+
+    started = time.monotonic()
+    got = _engine_answers(cp, model, n_predict)
+    want = _engine_answers(KernelCupy(), model, n_predict)  # type: ignore[arg-type]
+    out: dict[str, Any] = {}
+    for name, g, w in zip(("greedy", "top_k"), got, want):
+        out[name] = {
+            "tokens": g["tokens"],
+            "same_tokens": g["tokens"] == w["tokens"],
+            "decode_tokens_per_s": round(g["timings"]["predicted_per_second"], 1),
+        }
+    out["elapsed_s"] = round(time.monotonic() - started, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path)
@@ -178,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             report["device_step"] = device_step_vs_twins(cupy, args.model, args.step_tokens)
         except Exception as err:  # a model the step does not play, or a kernel that fails
             report["device_step"] = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            report["device_engine"] = device_engine_vs_twins(cupy, args.model, args.step_tokens)
+        except Exception as err:
+            report["device_engine"] = {"error": f"{type(err).__name__}: {err}"}
     print(json.dumps(report))
     return 0
 

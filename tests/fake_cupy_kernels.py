@@ -127,6 +127,11 @@ def _run(name: str, grid: tuple, block: tuple, a: list[Any]) -> None:  # noqa: C
         assert grid == (1,) and block == (dt.ARGMAX_THREADS,)
         ident[0] = dt.argmax_f32(x[: int(n)])
         pos[0] += 1
+    elif name == "top_k_f32":
+        x, n, k, out = a
+        assert grid == (1,) and block == (dt.TOPK_THREADS,)
+        assert 0 < int(k) <= int(n) <= x.size and out.size >= 2 * int(k) + 1
+        out[: 2 * int(k) + 1] = dt.top_k_f32(x[: int(n)], int(k))
     elif name == "get_rows_q8_0":
         w, ident, dst, ncols = a
         _covers(grid, block, int(ncols))

@@ -32,8 +32,10 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 28, 11, 2029, 9, 1213, 30, 87, 59, 1030]
 
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> fake_cupy.FakeCupy:
-    """CuPy "imports and sees a GPU": the stand-in."""
+    """CuPy "imports and sees a GPU": the stand-in; the array path (the decode step is
+    tests/test_device_engine.py's)."""
     monkeypatch.setattr(backend, "_cupy_with_gpu", lambda: (FAKE, ""))
+    monkeypatch.setenv("BANKML_DEVICE_STEP", "0")
     return FAKE
 
 

@@ -71,6 +71,7 @@ KERNELS = (
     Kernel("attn_decode_f16", "attn_decode_f16.cu", None),
     Kernel("swiglu_q8_1", "swiglu_q8_1.cu", None),
     Kernel("argmax_f32", "argmax_f32.cu", None),
+    Kernel("top_k_f32", "top_k_f32.cu", None),  # a sampling request's k (id, logit) pairs
     Kernel("get_rows_q8_0", "get_rows.cu", None),
     Kernel("get_rows_f32", "get_rows.cu", None),
 )

@@ -13,7 +13,8 @@ Then, with device arrays:
 - ``matvec(qtype, w, x)``: both.
 
 Each launch computes what ``cuda_twins`` computes on the CPU (docs/modules/cuda_twins.md);
-nothing here reads a device value back to the host. Nothing in the engine calls it yet.
+nothing here reads a device value back to the host. The engine's decode step
+(device_step.py, served by device_model.py) launches its kernels through ``function``.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ kernel launches per layer, and no read back to the host inside the step.
 (``unsupported``: llama and qwen2, every layer matrix of a type with a one-row product kernel)
 and that it fits the device's free memory (``cupy.cuda.runtime.memGetInfo``; refused with the
 figures otherwise), then copies each matrix's bytes to the device as they are in the file
-(uint8 [rows, row bytes]), the norms as f32, and the RoPE table (cos, sin [n_ctx, hd/2],
-ggml's angles computed once on the host).
+(uint8 [rows, row bytes]), the norms as f32, and the RoPE table (cos, sin [n_ctx_train, hd/2],
+ggml's angles computed once on the host; grown for a longer context).
 
 ``DeviceStep(cupy, weights)`` runs one decode step of one sequence (``DeviceSequence``: its f16
 K/V cache [layers, n_head_kv, n_ctx, hd], its position and its next token, both int32 on the
-device) with the kernels of ``cuda/`` (``cuda_loader.CudaKernels``):
+device, its logits) with the kernels of ``cuda/`` (``cuda_loader.CudaKernels``):
 
     get_rows                         the token's embedding row into x            1
     per layer:                                                                   12
@@ -28,8 +28,12 @@ device) with the kernels of ``cuda/`` (``cuda_loader.CudaKernels``):
 
 ``LAUNCHES_PER_LAYER`` and ``launches_per_step(n_layer)`` say it. The chosen token stays on the
 device for the next step; ``chosen(seq)`` is the step's one read back (4 bytes), and the logits
-stay on the device (``logits``) unless a request needs them. Each kernel has a NumPy twin
-(cuda_twins, device_twins); tests/fake_cupy_kernels.py runs this module through them.
+stay on the device (the sequence's ``logits``) unless a request needs them: ``top_k(seq, k)``
+hands back only the k largest (id, logit) pairs (``top_k_f32``), ``host_logits(seq)`` the row.
+``truncate``, ``shift`` and ``copy_sequence`` are the slot operations the engine needs (a
+reused prefix, llama-server's context shift, a shared prompt's child). Each kernel has a NumPy
+twin (cuda_twins, device_twins); tests/fake_cupy_kernels.py runs this module through them;
+device_model.py serves it through the engine.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any
 
 import numpy
 
-from bankml.engine_cupy.array_backend import rope_angles
+from bankml.engine_cupy.array_backend import apply_rope, rope_angles
 from bankml.engine_cupy.cuda_loader import CudaKernels
 from bankml.engine_cupy.cuda_twins import BLOCK_TYPES, NWARPS, QK, WARP
 from bankml.engine_cupy.weights import HParams, UnsupportedModel, dequantize
@@ -52,6 +56,8 @@ THREADS = 256  # per thread block of the one-thread-per-value kernels
 NORM_THREADS = 256  # cuda/rms_norm_q8_1.cu
 ATTN_THREADS = 128  # cuda/attn_decode_f16.cu: ATTN_WARPS * 32
 ARGMAX_THREADS = 1024  # cuda/argmax_f32.cu
+TOPK_THREADS = 1024  # cuda/top_k_f32.cu
+TOP_K_MAX = 128  # the largest k ``top_k`` hands back (sampler_kernels.MAX_K, the host's bound)
 ATTN_MAX_HD = 256
 LAUNCHES_PER_LAYER = 12
 LAUNCHES_OUTSIDE_LAYERS = 4  # embedding row, output norm, output product, argmax
@@ -136,8 +142,9 @@ def upload_bytes(reader: Any, hp: HParams) -> int:
 
 
 def cache_bytes(hp: HParams, n_ctx: int) -> int:
-    """One sequence's f16 K and V and its attention scores."""
-    return 2 * 2 * hp.n_layer * hp.n_head_kv * n_ctx * hp.head_dim + 4 * hp.n_head * n_ctx
+    """One sequence's f16 K and V, its attention scores, its logits and top-k pairs."""
+    kv = 2 * 2 * hp.n_layer * hp.n_head_kv * n_ctx * hp.head_dim
+    return kv + 4 * hp.n_head * n_ctx + 4 * hp.n_vocab + 4 * (2 * TOP_K_MAX + 1)
 
 
 def check_device_memory(cupy: ModuleType, need: int) -> None:
@@ -158,9 +165,23 @@ class DeviceWeights:
     output_norm: Any
     output: Matrix
     layers: list[DeviceLayer]
-    cos: Any  # [n_ctx_train, hd/2] f32
+    cos: Any  # [n_ctx_train (or the longest sequence's context), hd/2] f32
     sin: Any
     nbytes: int
+    rope_freqs: numpy.ndarray | None = None  # Llama 3's frequency factors, on the host
+
+    def rope_rows(self, cupy: ModuleType, n: int) -> None:
+        """The RoPE table grown to ``n`` positions where a sequence's context is longer than the
+        training context (llama.cpp allows it): row p is the same whatever the table's size."""
+        if n <= int(self.cos.shape[0]):
+            return
+        hp = self.hp
+        cos, sin = rope_angles(
+            numpy, numpy.arange(n), hp.head_dim, hp.rope_base, hp.rope_freq_scale, self.rope_freqs
+        )
+        check_device_memory(cupy, 2 * n * hp.head_dim // 2 * 4)
+        self.cos = cupy.asarray(numpy.ascontiguousarray(cos, dtype=F32))
+        self.sin = cupy.asarray(numpy.ascontiguousarray(sin, dtype=F32))
 
     @classmethod
     def upload(cls, cupy: ModuleType, reader: Any, hp: HParams) -> DeviceWeights:
@@ -245,17 +266,18 @@ class DeviceWeights:
             up(numpy.asarray(cos, F32)),
             up(numpy.asarray(sin, F32)),
             nbytes,
+            None if freqs is None else numpy.asarray(freqs.data, F32).reshape(-1),
         )
 
 
 class DeviceSequence:
     """One sequence's state on the device: K/V cache (f16 bits, uint16
     [layers, n_head_kv, n_ctx, hd]), the attention scores' scratch, its position and its next
-    token (int32 [1] each). ``n_tokens`` is the host's own count of the positions filled."""
+    token (int32 [1] each), its last step's logits (f32 [n_out]) and the top-k pairs' buffer
+    (int32 [2 TOP_K_MAX + 1]). ``n_tokens`` is the host's own count of the positions filled.
+    Each sequence has its own logits, so several slots' steps can run before any samples."""
 
-    def __init__(self, cupy: ModuleType, hp: HParams, n_ctx: int) -> None:
-        if n_ctx > hp.n_ctx_train:
-            raise ValueError(f"{n_ctx} positions: the RoPE table holds {hp.n_ctx_train}")
+    def __init__(self, cupy: ModuleType, hp: HParams, n_ctx: int, n_out: int = 0) -> None:
         shape = (hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim)
         self.n_ctx = n_ctx
         self.k = cupy.zeros(shape, dtype=numpy.uint16)
@@ -263,6 +285,8 @@ class DeviceSequence:
         self.scores = cupy.empty((hp.n_head, n_ctx), dtype=F32)
         self.pos = cupy.zeros(1, dtype=I32)
         self.token = cupy.zeros(1, dtype=I32)
+        self.logits = cupy.empty(n_out or hp.n_vocab, dtype=F32)
+        self.pairs = cupy.empty(2 * TOP_K_MAX + 1, dtype=I32)
         self.n_tokens = 0
 
 
@@ -287,14 +311,15 @@ class DeviceStep:
         self.attn8 = q8(nq)
         self.gate, self.up = f32(hp.n_ff), f32(hp.n_ff)
         self.ff8 = q8(hp.n_ff)
-        self.logits = f32(self.w.output.rows)
+        self.logits = f32(self.w.output.rows)  # the last stepped sequence's (host_logits())
         self.none = f32(1)  # the pointer a kernel gets where it has nothing to read
         _, scale = hp.spec.attention_scales(hp.attn_scale)
         self.scale = F32(scale)
 
     def new_sequence(self, n_ctx: int) -> DeviceSequence:
         check_device_memory(self.cp, cache_bytes(self.hp, n_ctx))
-        return DeviceSequence(self.cp, self.hp, n_ctx)
+        self.w.rope_rows(self.cp, n_ctx)
+        return DeviceSequence(self.cp, self.hp, n_ctx, self.w.output.rows)
 
     def _launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: Any) -> None:
         self.kernels.function(name)(grid, block, args)
@@ -321,7 +346,7 @@ class DeviceStep:
         seq.token.set(numpy.asarray([token], dtype=I32))
 
     def step(self, seq: DeviceSequence) -> None:
-        """Append ``seq.token`` at ``seq.pos``: every layer, the logits into ``self.logits``,
+        """Append ``seq.token`` at ``seq.pos``: every layer, the logits into ``seq.logits``,
         the greedy choice into ``seq.token`` and pos + 1. Launches only: nothing comes back."""
         hp, w = self.hp, self.w
         if seq.n_tokens >= seq.n_ctx:
@@ -392,19 +417,102 @@ class DeviceStep:
             self._mmvq(layer.down, self.ff8, self.delta_ffn)
             delta = self.delta_ffn
         self._norm(w.output_norm, delta)
-        self._mmvq(w.output, self.h8, self.logits)
+        self._mmvq(w.output, self.h8, seq.logits)
         self._launch(
             "argmax_f32",
             (1,),
             (ARGMAX_THREADS,),
-            (self.logits, I32(w.output.rows), seq.token, seq.pos),
+            (seq.logits, I32(w.output.rows), seq.token, seq.pos),
         )
         seq.n_tokens += 1
+        self.logits = seq.logits
 
     def chosen(self, seq: DeviceSequence) -> int:
         """The greedy token of the last step: the step's one read back (4 bytes)."""
         return int(seq.token.get()[0])
 
-    def host_logits(self) -> numpy.ndarray:
-        """The last step's logits on the host, for a request that needs them (V floats)."""
-        return numpy.asarray(self.logits.get(), dtype=F32)
+    def host_logits(self, seq: DeviceSequence | None = None) -> numpy.ndarray:
+        """The logits of ``seq``'s last step (default: the last step's) on the host, for a
+        request that needs them: V floats, one read."""
+        logits = self.logits if seq is None else seq.logits
+        return numpy.asarray(logits.get(), dtype=F32)
+
+    def top_k(
+        self,
+        seq: DeviceSequence,
+        k: int,
+        bias: tuple[numpy.ndarray, numpy.ndarray] | None = None,
+    ) -> tuple[numpy.ndarray, numpy.ndarray] | None:
+        """The k largest of ``seq``'s last logits, largest first, equal ones in id order (the
+        host sampler's stable top-k): (ids int32 [k], logits f32 [k]), one launch and one read
+        of 2k + 1 ints. None where a logit is NaN (the host's own top-k takes the whole row
+        then). 0 < k <= min(TOP_K_MAX, V). ``bias``: (distinct ids, f32 values) added first,
+        one f32 addition each, to a device copy of the row (the sequence's logits stay as the
+        step left them)."""
+        n = self.w.output.rows
+        if not 0 < k <= min(TOP_K_MAX, n):
+            raise ValueError(f"top-k of {k} on the device (1..{min(TOP_K_MAX, n)})")
+        logits = seq.logits
+        if bias is not None:
+            logits = seq.logits.copy()
+            ids = self.cp.asarray(numpy.asarray(bias[0], dtype=numpy.int64))
+            logits[ids] = logits[ids] + self.cp.asarray(numpy.asarray(bias[1], dtype=F32))
+        self._launch("top_k_f32", (1,), (TOPK_THREADS,), (logits, I32(n), I32(k), seq.pairs))
+        raw = numpy.asarray(seq.pairs[: 2 * k + 1].get(), dtype=I32)
+        if raw[2 * k]:
+            return None
+        return raw[:k], raw[k : 2 * k].view(F32)
+
+    def truncate(self, seq: DeviceSequence, n: int) -> None:
+        """Keep ``seq``'s first ``n`` positions: the next step writes position n (4 bytes up;
+        the cells after it are not read again before they are written)."""
+        if not 0 <= n <= seq.n_tokens:
+            raise ValueError(f"cannot keep {n} of {seq.n_tokens} positions")
+        if n != seq.n_tokens:
+            seq.pos.set(numpy.asarray([n], dtype=I32))
+            seq.n_tokens = n
+
+    def shift(self, seq: DeviceSequence, n_keep: int, n_discard: int) -> None:
+        """llama-server's context shift on ``seq``: positions n_keep..n_keep+n_discard-1
+        dropped, the later ones moved down, their keys turned by RoPE at -n_discard (the
+        model's own RoPE, frequency factors too: llama.cpp's K-shift). The moved keys go to the
+        host and back (a rare step: the context is full); values move on the device."""
+        hp, n = self.hp, seq.n_tokens
+        if n_keep < 0 or n_discard < 1 or n_keep + n_discard > n:
+            raise ValueError(
+                f"cannot shift {n} positions by keeping {n_keep}, dropping {n_discard}"
+            )
+        a, m = n_keep + n_discard, n - n_keep - n_discard
+        if m:
+            keys = seq.k[:, :, a:n].get().view(numpy.float16).astype(F32)  # [L, kv, m, hd]
+            cos, sin = rope_angles(
+                numpy,
+                numpy.asarray([-n_discard]),
+                hp.head_dim,
+                hp.rope_base,
+                hp.rope_freq_scale,
+                self.w.rope_freqs,
+            )
+            rows = keys.transpose(2, 0, 1, 3).reshape(m, -1, hp.head_dim)
+            turned = apply_rope(
+                rows, numpy.repeat(cos, m, axis=0), numpy.repeat(sin, m, axis=0), hp.spec.rope_neox
+            )
+            out = turned.reshape(m, hp.n_layer, hp.n_head_kv, hp.head_dim).transpose(1, 2, 0, 3)
+            bits = numpy.ascontiguousarray(out.astype(numpy.float16)).view(numpy.uint16)
+            seq.k[:, :, n_keep : n_keep + m] = self.cp.asarray(bits)
+            seq.v[:, :, n_keep : n_keep + m] = seq.v[:, :, a:n].copy()
+        seq.pos.set(numpy.asarray([n - n_discard], dtype=I32))
+        seq.n_tokens = n - n_discard
+
+    def copy_sequence(self, src: DeviceSequence, dst: DeviceSequence) -> None:
+        """``dst`` becomes a copy of ``src``'s positions, its position and its token: device
+        copies only, nothing read back."""
+        if dst.n_ctx < src.n_tokens:
+            raise ValueError(f"{src.n_tokens} positions do not fit a sequence of {dst.n_ctx}")
+        n = src.n_tokens
+        dst.k[:, :, :n] = src.k[:, :, :n]
+        dst.v[:, :, :n] = src.v[:, :, :n]
+        dst.pos[...] = src.pos
+        dst.token[...] = src.token
+        dst.logits[...] = src.logits
+        dst.n_tokens = n

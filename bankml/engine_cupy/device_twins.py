@@ -20,6 +20,7 @@ NORM_THREADS = 256  # rms_norm_q8_1.cu
 ATTN_WARPS = 4  # attn_decode_f16.cu
 ATTN_MAX_HD = 256
 ARGMAX_THREADS = 1024  # argmax_f32.cu
+TOPK_THREADS = 1024  # top_k_f32.cu
 
 _LOG2E = F32(1.44269504)
 _LN2_HI = F32(0.693145751953125)
@@ -183,6 +184,20 @@ def attn_decode_q8_1(
 def argmax_f32(x: numpy.ndarray) -> int:
     """The twin of argmax_f32.cu: the lowest index of the largest value (no NaN)."""
     return int(numpy.argmax(numpy.asarray(x, F32)))
+
+
+def top_k_f32(x: numpy.ndarray, k: int) -> numpy.ndarray:
+    """The twin of top_k_f32.cu: int32 [2k + 1], the ids of the k largest values (largest
+    first, equal values in index order, NaN never chosen), their f32 bits, then 1 where a value
+    is NaN; a slot no value fills holds -1 and -inf."""
+    x = numpy.asarray(x, F32)
+    valid = numpy.flatnonzero(~numpy.isnan(x))
+    order = valid[numpy.argsort(-x[valid], kind="stable")][:k]
+    ids = numpy.full(k, -1, numpy.int32)
+    vals = numpy.full(k, -numpy.inf, F32)
+    ids[: len(order)], vals[: len(order)] = order, x[order]
+    nan = numpy.asarray([len(valid) < len(x)], numpy.int32)
+    return numpy.concatenate([ids, vals.view(numpy.int32), nan])
 
 
 def get_rows_q8_0(w: numpy.ndarray, token: int, ncols: int) -> numpy.ndarray:

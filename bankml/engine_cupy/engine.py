@@ -35,6 +35,15 @@ from bankml.engine_cupy.chat_task import (
 )
 from bankml.engine_cupy.chat_template import ChatTemplate, TemplateError
 from bankml.engine_cupy.checkpoints import Checkpoints, MessageSpans, find_spans
+from bankml.engine_cupy.device_model import DeviceLogits
+from bankml.engine_cupy.device_sampling import (
+    FULL,
+    GREEDY,
+    TOP_K,
+    bias,
+    choice,
+    draw_from_top_k,
+)
 from bankml.engine_cupy.grammar import (
     Constraint,
     ConstraintError,
@@ -1051,7 +1060,7 @@ class Engine:
             if drawn:
                 token = drawn.popleft()
             else:
-                token = sampler.sample(logits)
+                token, logits = self._draw(sampler, logits, req)
                 self._accept(sampler, token)
             n_gen += 1
             now = time.perf_counter()
@@ -1164,6 +1173,26 @@ class Engine:
             return (n_batch, n_ubatch) == (_checkpoints.N_BATCH, MICRO_BATCH)
         self.n_batch, self.n_ubatch = int(n_batch), int(n_ubatch)
         return True
+
+    def _draw(self, sampler: GuidedSampler, logits: Any, req: Request) -> tuple[int, Any]:
+        """The next token, and the logits as the rest of the step reads them. Logits left on
+        the GPU by the decode step (``DeviceLogits``) are read only as far as the draw needs
+        (device_sampling.choice): the device's greedy choice, the top-k pairs, or the row."""
+        if not isinstance(logits, DeviceLogits):
+            return sampler.sample(logits), logits
+        mode, k = choice(sampler, req.n_probs, self.n_vocab)
+        biases = bias(sampler.sampler.params) if mode != FULL else None
+        assert biases is not False  # choice says FULL then
+        if mode == GREEDY and biases is None:
+            return logits.greedy(), logits
+        if mode in (GREEDY, TOP_K):
+            pairs = logits.top_k(1 if mode == GREEDY else k, biases)
+            if pairs is not None:
+                if mode == GREEDY:  # the biased row's first largest
+                    return int(pairs[0][0]), logits
+                return draw_from_top_k(sampler.sampler, *pairs), logits
+        row = logits.host()
+        return sampler.sample(row), row
 
     @staticmethod
     def _accept(sampler: GuidedSampler, token: int) -> None:

@@ -16,6 +16,7 @@ token) come back as a host NumPy array. What differs between the architectures i
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -49,6 +50,7 @@ from bankml.engine_cupy.weights import (
 __all__ = ["Model", "KVCache", "UnsupportedModel"]
 
 F32 = numpy.float32
+log = logging.getLogger(__name__)
 
 
 class Ops(Protocol):
@@ -313,6 +315,9 @@ class Model:
         # one-token steps through the backend's fused step where it has one (False: never)
         self.fused_decode = True
         self._shares_passes: bool | None = None
+        # on a GPU: why the decode step (device_model.py) does not run this model (None: it
+        # does, or the model is on the CPU)
+        self.array_path_reason: str | None = None
 
     @classmethod
     def load(
@@ -321,14 +326,41 @@ class Model:
         device: str = "auto",
         progress: bool | None = None,
         exact: bool = True,
+        device_step: bool = True,
     ) -> Model:
         """Read the header, refuse what is not played, then load the weights (tqdm bar).
 
         ``exact=False`` runs the array-module path (the one CuPy takes) on the CPU too, so that
-        path is tested on machines without a GPU."""
+        path is tested on machines without a GPU.
+
+        On a GPU, a model the decode step plays (device_step.unsupported) is a
+        ``device_model.DeviceModel``: its weights in their GGUF blocks on the device, each
+        token one step of fused kernels. Any other takes the array path, the reason logged and
+        kept in ``array_path_reason``; ``device_step=False`` or BANKML_DEVICE_STEP=0 asks for
+        the array path."""
         xp = backend.get_xp(device)
         reader = open_reader(path)
         hp = read_hparams(reader)
+        reason = None
+        use_step = device_step
+        if xp is not numpy:
+            from bankml.engine_cupy import device_step
+
+            why = device_step.unsupported(reader, hp)
+            reason = None if why is None else f"the decode step does not play {why}"
+            if getattr(getattr(getattr(xp, "cuda", None), "runtime", None), "is_hip", False):
+                reason = "ROCm: the decode step's kernels are CUDA (PTX) only"
+            if not use_step or os.environ.get("BANKML_DEVICE_STEP", "1") == "0":
+                reason = "asked for (device_step=False or BANKML_DEVICE_STEP=0)"
+            if reason is None:
+                from bankml.engine_cupy.device_model import DeviceModel
+
+                return DeviceModel.upload(xp, os.fspath(path), reader, hp)
+            log.warning(
+                "%s runs the GPU's array path: %s",
+                os.path.basename(os.fspath(path)),
+                reason,
+            )
         exact = exact and xp is numpy
         if xp is numpy:
             check_memory(reader, exact=exact)
@@ -354,7 +386,9 @@ class Model:
         finally:
             if bar is not None:
                 bar.close()
-        return cls(hp, weights, xp, os.fspath(path), reader, exact)
+        model = cls(hp, weights, xp, os.fspath(path), reader, exact)
+        model.array_path_reason = reason
+        return model
 
     @property
     def pooling_type(self) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from bankml.engine_cupy.backend import to_host
+from bankml.engine_cupy.device_model import DeviceCache
 
 MAGIC = b"bankML slot v1\n"
 Q8_FLAG = 1 << 63
@@ -98,6 +99,9 @@ def _geometry(cache: Any) -> tuple[int, int, str]:
 
 def _layer_bytes(cache: Any, store: Any, n: int) -> bytes:
     """One layer's K or V for positions 0..n-1, position-major, in the file's encoding."""
+    if isinstance(cache, DeviceCache):  # f16 bits on the device: the file's bytes already
+        bits = to_host(store[:, :n]).transpose(1, 0, 2)
+        return np.ascontiguousarray(bits).astype("<u2").tobytes()
     if cache.cache_type == "f16":
         values = store[:, :n].transpose(1, 0, 2)  # [n, kv, hd]
         return np.ascontiguousarray(to_host(values).astype("<f2")).tobytes()
@@ -182,6 +186,10 @@ def copy_slot(src: Any, dst: Any) -> int:
     both slots belong to one engine (the same cache geometry). The number of positions."""
     source, target = src.cache, dst.cache
     n = source.n_tokens
+    if isinstance(target, DeviceCache):  # on the GPU: the sequence copied on the device
+        target.copy_from(source)
+        dst.tokens = list(src.tokens)
+        return n
     everything = slice(None)
     target.copy_layout(source)  # a context shift's cell layout, when the source has one
     for mine, theirs in zip(target._k + target._v, source._k + source._v):
@@ -301,6 +309,10 @@ def _restore(slot: Any, n_vocab: int, path: str, model_sha256: str) -> tuple[int
 def _load_layer(cache: Any, stores: list[Any], layer: int, raw: memoryview, n: int) -> None:
     xp = cache.xp
     kv, hd = cache.n_head_kv, cache.head_dim
+    if isinstance(cache, DeviceCache):  # f16 bits on the device
+        bits = np.frombuffer(raw, dtype="<u2").reshape(n, kv, hd).transpose(1, 0, 2)
+        stores[layer][:, :n] = xp.asarray(np.ascontiguousarray(bits, dtype=np.uint16))
+        return
     if cache.cache_type == "f16":
         values = np.frombuffer(raw, dtype="<f2").reshape(n, kv, hd).transpose(1, 0, 2)
         stores[layer][:, :n] = xp.asarray(values.astype(np.float32))

@@ -1,0 +1,240 @@
+"""The engine's model on a GPU through the decode step (device_step.py): what ``Model.load``
+returns for ``device="cuda"`` when ``device_step.unsupported`` finds nothing against the model.
+
+``DeviceModel`` is a ``Model`` whose weights are ``DeviceWeights`` (the GGUF blocks on the
+device) and whose caches are ``DeviceCache``s, each a ``DeviceSequence`` (a slot's K/V,
+position, next token and logits on the device). ``forward(tokens, cache)`` runs one decode step
+per token (a prompt too, one step each: there is no prefill kernel yet) and returns a
+``DeviceLogits``: a handle on the sequence's last logits, still on the device, that the
+engine's draw reads only as far as the request needs (device_sampling.py): the greedy token the
+step chose (4 bytes), the top-k pairs (2k + 1 ints), or the whole row (V floats). A token the
+device already holds (the greedy choice read back) is not written again, so a greedy decode
+step writes nothing and reads 4 bytes.
+
+A slot's prompt reuses its common prefix with what the sequence holds, as on the CPU: the
+engine truncates the cache to the prefix (``DeviceCache.truncate`` moves the position on the
+device) and steps the rest; the prompt cache (--cache-ram) keeps its entries as device copies,
+as the array path's do. Not on this path: hidden states (embeddings), and a q8_0 K/V cache;
+``Model.load`` keeps the array path for a model the step does not play.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy
+
+from bankml.engine_cupy.device_step import DeviceSequence, DeviceStep, DeviceWeights
+from bankml.engine_cupy.kernels.progress import CompileStats
+from bankml.engine_cupy.model import Model
+from bankml.engine_cupy.passes import PassLogits, pass_groups
+from bankml.engine_cupy.weights import HParams, UnsupportedModel
+
+F32 = numpy.float32
+
+
+class DeviceCache:
+    """A slot's cache on the device: its ``DeviceSequence`` and what the host knows of it."""
+
+    cache_type = "f16"
+    fused_decode = False
+    pos_min = 0
+
+    def __init__(self, step: DeviceStep, n_ctx: int) -> None:
+        self.step = step
+        self.seq: DeviceSequence = step.new_sequence(n_ctx)
+        self.n_ctx = n_ctx
+        self.known_token: int | None = 0  # the id seq.token holds, where the host knows it
+        self.steps = 0  # steps run: a DeviceLogits is of one step
+
+    @property
+    def n_tokens(self) -> int:
+        return self.seq.n_tokens
+
+    @n_tokens.setter
+    def n_tokens(self, n: int) -> None:
+        """The sequence's length after its cells were written from outside (a slot restored):
+        the position set on the device; the next token is written by the next step."""
+        if not 0 <= n <= self.n_ctx:
+            raise ValueError(f"{n} positions in a sequence of {self.n_ctx}")
+        self.seq.pos.set(numpy.asarray([n], dtype=numpy.int32))
+        self.seq.n_tokens = n
+        self.known_token = None
+        self.steps += 1
+
+    # what slots.py's save and restore read: the layers' K and V (f16 bits [kv, n_ctx, hd])
+    @property
+    def n_head_kv(self) -> int:
+        return self.step.hp.n_head_kv
+
+    @property
+    def head_dim(self) -> int:
+        return self.step.hp.head_dim
+
+    @property
+    def xp(self) -> ModuleType:
+        return self.step.cp
+
+    @property
+    def _k(self) -> list[Any]:
+        return [self.seq.k[il] for il in range(self.step.hp.n_layer)]
+
+    @property
+    def _v(self) -> list[Any]:
+        return [self.seq.v[il] for il in range(self.step.hp.n_layer)]
+
+    def truncate(self, n: int) -> None:
+        self.step.truncate(self.seq, n)
+
+    def snapshot(self) -> list[Any]:
+        """Copies of positions 0..n_tokens-1 of K and V, on the device (the prompt cache's
+        entries, as the array path's KVCache.snapshot keeps them in its array module)."""
+        n = self.n_tokens
+        return [self.seq.k[:, :, :n].copy(), self.seq.v[:, :, :n].copy()]
+
+    def restore(self, snapshot: list[Any], n_tokens: int) -> None:
+        """Put back what ``snapshot`` copied: positions 0..n_tokens-1."""
+        k, v = snapshot
+        self.seq.k[:, :, :n_tokens] = k
+        self.seq.v[:, :, :n_tokens] = v
+        self.n_tokens = int(n_tokens)
+
+    def copy_from(self, source: DeviceCache) -> None:
+        """This slot's sequence becomes a copy of ``source``'s (a shared prompt's child)."""
+        self.step.copy_sequence(source.seq, self.seq)
+        self.known_token = source.known_token
+        self.steps += 1
+
+
+class DeviceLogits:
+    """The last logits of one sequence, on the device until asked for (module doc). Valid
+    until that sequence's next step."""
+
+    def __init__(self, cache: DeviceCache) -> None:
+        self.cache = cache
+        self.stamp = cache.steps
+        self._host: numpy.ndarray | None = None
+
+    def _check(self) -> None:
+        if self.cache.steps != self.stamp:
+            raise RuntimeError("these logits were overwritten by a later step of the sequence")
+
+    def greedy(self) -> int:
+        """The first largest logit's id, chosen on the device by the step: 4 bytes back."""
+        self._check()
+        token = self.cache.step.chosen(self.cache.seq)
+        self.cache.known_token = token
+        return token
+
+    def top_k(
+        self, k: int, bias: tuple[numpy.ndarray, numpy.ndarray] | None = None
+    ) -> tuple[numpy.ndarray, numpy.ndarray] | None:
+        """The k largest (ids, logits), largest first, ``bias`` added first (DeviceStep.top_k);
+        None on a NaN."""
+        self._check()
+        return self.cache.step.top_k(self.cache.seq, k, bias)
+
+    def host(self) -> numpy.ndarray:
+        """The whole row on the host (V floats, read once)."""
+        if self._host is None:
+            self._check()
+            self._host = self.cache.step.host_logits(self.cache.seq)
+        return self._host
+
+    def copy(self) -> numpy.ndarray:
+        return self.host().copy()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> numpy.ndarray:
+        host = self.host()
+        return host if dtype is None else host.astype(dtype)
+
+
+def host_logits(logits: Any) -> Any:
+    """A host row for whatever a forward pass returned (a DeviceLogits or host logits)."""
+    return logits.host() if isinstance(logits, DeviceLogits) else logits
+
+
+class DeviceModel(Model):
+    """A Model run by the GPU decode step (module doc)."""
+
+    has_hidden_states = False  # the step keeps no f32 hidden state: embeddings answer 501
+
+    def __init__(self, hp: HParams, xp: ModuleType, path: str, reader: Any, step: DeviceStep):
+        super().__init__(hp, None, xp, path, reader, exact=False)  # type: ignore[arg-type]
+        self.step = step
+        self._shares_passes = False
+
+    @classmethod
+    def upload(cls, xp: ModuleType, path: str, reader: Any, hp: HParams) -> DeviceModel:
+        step = DeviceStep(xp, DeviceWeights.upload(xp, reader, hp))
+        return cls(hp, xp, path, reader, step)
+
+    def new_cache(self, n_ctx: int, cache_type: str | None = None) -> Any:
+        if cache_type not in (None, "f16"):
+            raise UnsupportedModel(
+                f"the GPU decode step keeps an f16 K/V cache, not {cache_type}"
+                " (BANKML_DEVICE_STEP=0 runs the array path, which has it)"
+            )
+        return DeviceCache(self.step, n_ctx)
+
+    def forward(self, tokens: Sequence[int], cache: DeviceCache, all_logits: bool = False) -> Any:
+        """One decode step per token; the last step's logits as a ``DeviceLogits`` (every
+        step's, on the host, with ``all_logits``)."""
+        self._check_rows(tokens, cache)
+        rows = []
+        for token in tokens:
+            if cache.known_token != int(token):
+                self.step.set_token(cache.seq, int(token))
+            self.step.step(cache.seq)
+            cache.known_token = None  # the step's argmax wrote it; not read yet
+            cache.steps += 1
+            if all_logits:
+                rows.append(self.step.host_logits(cache.seq))
+        if all_logits:
+            return numpy.stack(rows)
+        return DeviceLogits(cache)
+
+    def forward_batch(self, tokens: Sequence[Sequence[int]], caches: Sequence[Any]) -> PassLogits:
+        """Each sequence's steps in turn (no shared pass on this path)."""
+        if len(tokens) != len(caches):
+            raise ValueError(f"{len(tokens)} micro-batches for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each sequence needs a cache of its own")
+        out = [self.forward(toks, cache) for toks, cache in zip(tokens, caches)]
+        return PassLogits(out, pass_groups([len(t) for t in tokens], shares=False))
+
+    def decode_batch(self, tokens: Sequence[int], caches: Sequence[Any]) -> numpy.ndarray:
+        return numpy.stack([self.forward([t], c).host() for t, c in zip(tokens, caches)])
+
+    def hidden_states(
+        self, tokens: Sequence[int], cache: Any = None, n_ubatch: int = 512
+    ) -> numpy.ndarray:
+        raise UnsupportedModel("the GPU decode step gives no hidden states (embeddings)")
+
+    def shift_context(self, cache: DeviceCache, n_keep: int, n_discard: int) -> None:
+        """llama-server's context shift (DeviceStep.shift)."""
+        self.step.shift(cache.seq, n_keep, n_discard)
+
+    def warm_up(
+        self,
+        cache_type: str | None = None,
+        report: Callable[[str], None] | None = None,
+        jobs: int = 1,
+        alongside: Callable[[], None] | None = None,
+    ) -> CompileStats:
+        """Build each kernel the step launches (CuPy compiles it, or loads its cache)."""
+        names = {"rms_norm_q8_1", "rope_kv_f16", "attn_decode_f16", "swiglu_q8_1"}
+        names |= {"argmax_f32", "top_k_f32", f"get_rows_{self.step.w.embd_qtype.lower()}"}
+        w = self.step.w
+        for m in [w.output] + [getattr(layer, a) for layer in w.layers for a in _MATS]:
+            names.add(f"mmvq_{m.qtype.lower()}")
+        for name in sorted(names):
+            self.step.kernels.function(name)
+        if alongside is not None:
+            alongside()
+        return CompileStats()
+
+
+_MATS = ("q", "k", "v", "o", "gate", "up", "down")
