@@ -109,6 +109,13 @@ def _kquant_values(qtype: str, b: numpy.ndarray) -> numpy.ndarray:
     if qtype == "Q4_K":
         qs = b[..., 16:144].astype(numpy.int32).reshape(*b.shape[:2], 4, 32)
         return numpy.concatenate([qs & 15, qs >> 4], axis=-1).reshape(*b.shape[:2], 256)
+    if qtype == "Q5_K":  # group j: low nibbles + bit 2j of qh, then high nibbles + bit 2j + 1
+        qs = b[..., 48:176].astype(numpy.int32).reshape(*b.shape[:2], 4, 32)
+        qh = b[..., 16:48].astype(numpy.int32)[..., None, :]  # [rows, blocks, 1, 32]
+        j = numpy.arange(4)[:, None]
+        lo = (qs & 15) | (((qh >> (2 * j)) & 1) << 4)
+        hi = (qs >> 4) | (((qh >> (2 * j + 1)) & 1) << 4)
+        return numpy.concatenate([lo, hi], axis=-1).reshape(*b.shape[:2], 256)
     ql, qh = b[..., 0:128].astype(numpy.int32), b[..., 128:192].astype(numpy.int32)
     out = numpy.empty((*b.shape[:2], 256), numpy.int32)
     for h in range(2):
@@ -125,7 +132,7 @@ def _kquant_terms(qtype: str) -> list[list[numpy.ndarray]]:
     """For each thread slot and each of its two terms, the values (indices in the super-block)
     it multiplies: Q4_K's two words of a sub-block pair's bytes, Q6_K's four low-bit bytes."""
     terms = []
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):
         for s in range(16):
             group, word = s // 4, s % 4  # bytes 32*group + 4*word (+16): low nibbles, then high
             at = numpy.r_[4 * word : 4 * word + 4, 16 + 4 * word : 20 + 4 * word]
@@ -149,10 +156,11 @@ def _direct_kquant_ints(
     q = _kquant_values(qtype, b)
     y8 = y.qs.astype(numpy.int32).reshape(b.shape[1], 256)
     terms = _kquant_terms(qtype)
-    p = 2 if qtype == "Q4_K" else 1
+    mins = qtype in ("Q4_K", "Q5_K")
+    p = 2 if mins else 1
     out = numpy.empty((*b.shape[:2], len(terms), 2, p), numpy.int32)
     q8_block = numpy.empty((len(terms), 2), int)
-    if qtype == "Q4_K":
+    if mins:
         sc, mn = _q4_k_scales(b)
     else:
         scales = b[..., 192:208].view(numpy.int8).astype(numpy.int32)
@@ -161,7 +169,7 @@ def _direct_kquant_ints(
             assert len(set(at // 32)) == 1  # one q8_1 block per term
             q8_block[s, i] = at[0] // 32
             dot = (q[..., at] * y8[None][..., at]).sum(-1)
-            if qtype == "Q4_K":
+            if mins:
                 out[..., s, i, 0] = dot * sc[..., at[0] // 32]
                 out[..., s, i, 1] = y8[None][..., at].sum(-1) * mn[..., at[0] // 32]
             else:
@@ -321,7 +329,7 @@ def _kquant_error_bound(
     )
     bt = tw.BLOCK_TYPES[qtype]
     b = w.reshape(w.shape[0], -1, bt.block_bytes)
-    if qtype == "Q4_K":  # the two parts apart: d*scale*q and dmin*min, before they cancel
+    if qtype in ("Q4_K", "Q5_K"):  # the two parts apart: d*scale*q and dmin*min, before they cancel
         d = b[..., 0:2].copy().view("<f2")[..., 0].astype(numpy.float64)
         dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(numpy.float64)
         sc, mn = _q4_k_scales(b)
@@ -343,7 +351,7 @@ def _same_operands(qtype: str, w: numpy.ndarray, y: tw.Q8_1) -> tuple[numpy.ndar
         ints, q8_block = _direct_kquant_ints(qtype, w, y)
         b = w.reshape(w.shape[0], -1, bt.block_bytes)
         d8 = y.d.astype(numpy.float64).reshape(-1, 8)[:, q8_block][None]  # [1, blocks, slots, 2]
-        if qtype == "Q4_K":
+        if qtype in ("Q4_K", "Q5_K"):
             d = b[..., 0:2].copy().view("<f2")[..., 0].astype(numpy.float64)[..., None, None]
             dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(numpy.float64)[..., None, None]
             terms = (d * d8 * ints[..., 0], -dmin * d8 * ints[..., 1])

@@ -63,7 +63,7 @@ KERNELS = (
     Kernel("quantize_q8_1", "quantize_q8_1.cu", None),
     *(
         Kernel(f"mmvq_{q.lower()}", f"mmvq_{q.lower()}.cu", q)
-        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
+        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
     ),
     # the decode step's (device_step.py): norm, RoPE and cache, attention, GLU, choice, embedding
     Kernel("rms_norm_q8_1", "rms_norm_q8_1.cu", None),

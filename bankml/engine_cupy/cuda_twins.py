@@ -66,9 +66,10 @@ BLOCK_TYPES = {
     "Q5_1": BlockType("Q5_1", 24, 4, 2),
     "Q8_0": BlockType("Q8_0", 34, 8, 2),
     "Q4_K": BlockType("Q4_K", 144, 32, 2, 256),
+    "Q5_K": BlockType("Q5_K", 176, 32, 2, 256),
     "Q6_K": BlockType("Q6_K", 210, 32, 1, 256),
 }
-K_QUANTS = ("Q4_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 # --- the activation -----------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def scale_min_k4(scales: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
 def _kquant_layout(qtype: str) -> tuple[numpy.ndarray, numpy.ndarray]:
     """Per thread slot: the q8_1 block (within the super-block) of each of its two terms, and
     the word of that q8_1 block it starts at. [slots, 2] and [slots]."""
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):
         s = numpy.arange(16)  # iqs / 2
         first = 2 * (s // 4)
         return numpy.stack([first, first + 1], -1), s % 4
@@ -229,16 +230,25 @@ def kquant_ints(qtype: str, w: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
     sub, word = _kquant_layout(qtype)
     m = numpy.uint32
     nib = m(0x0F0F0F0F)
-    if qtype == "Q4_K":
-        qs = _words(b, 16, 144)  # [rows, blocks, 32]
+    if qtype in ("Q4_K", "Q5_K"):
+        five = qtype == "Q5_K"
+        qs = _words(b, 48, 176) if five else _words(b, 16, 144)  # [rows, blocks, 32]
         w0 = 8 * (numpy.arange(16) // 4) + numpy.arange(16) % 4
         v0, v1 = qs[..., w0], qs[..., w0 + 4]  # [rows, blocks, 16]
+        if five:  # each value's fifth bit: bit (sub-block) of its byte in qh
+            qh = _words(b, 16, 48)  # [rows, blocks, 8]
+            shift = m(2) * (numpy.arange(16, dtype=m) // 4)  # bq8_offset
+            h0, h1 = qh[..., word] >> shift, qh[..., word + 4] >> shift
         sc, mn = scale_min_k4(b[..., 4:16])  # [rows, blocks, 8]
         out = numpy.empty((*v0.shape, 2, 2), numpy.int32)
         for i in range(2):
             u0 = yw[:, sub[:, i], word][None]  # [1, blocks, 16]
             u1 = yw[:, sub[:, i], word + 4][None]
-            dot1 = _dp4a((v0 >> m(4 * i)) & nib, u0) + _dp4a((v1 >> m(4 * i)) & nib, u1)
+            x0, x1 = (v0 >> m(4 * i)) & nib, (v1 >> m(4 * i)) & nib
+            if five:
+                x0 |= ((h0 >> m(i)) << m(4)) & m(0x10101010)
+                x1 |= ((h1 >> m(i)) << m(4)) & m(0x10101010)
+            dot1 = _dp4a(x0, u0) + _dp4a(x1, u1)
             ones = numpy.full(u0.shape, 0x01010101, m)
             dot2 = _dp4a(ones, u0) + _dp4a(ones, u1)
             out[..., i, 0] = dot1 * sc[..., sub[:, i]]
@@ -268,7 +278,7 @@ def _kquant_contributions(qtype: str, b: numpy.ndarray, y: Q8_1) -> numpy.ndarra
     parts = [d8[..., 0] * ints[..., 0, p] for p in range(ints.shape[-1])]
     # 0.0 + first term is the first term: the kernel's f32 sums start at 0
     sums = [part + d8[..., 1] * ints[..., 1, p] for p, part in enumerate(parts)]
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b, 0).astype(_F32)[..., None], _f16(b, 2).astype(_F32)[..., None]
         return d * sums[0] - dmin * sums[1]
     return _f16(b, 208).astype(_F32)[..., None] * sums[0]
