@@ -73,6 +73,18 @@ KERNELS = (
     Kernel("argmax_f32", "argmax_f32.cu", None),
     Kernel("get_rows_q8_0", "get_rows.cu", None),
     Kernel("get_rows_f32", "get_rows.cu", None),
+    # the prefill's (device_prefill.py): GGUF blocks to f16 rows for cuBLAS, and n rows at once
+    *(
+        Kernel(f"dequantize_f16_{q.lower()}", "dequantize_f16.cu", None)
+        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    ),
+    Kernel("get_rows_q8_0_n", "prefill_f16.cu", None),
+    Kernel("get_rows_f32_n", "prefill_f16.cu", None),
+    Kernel("add_rms_norm_f16", "prefill_f16.cu", None),
+    Kernel("rope_kv_f16_n", "prefill_f16.cu", None),
+    Kernel("attn_prefill_f16", "prefill_f16.cu", None),
+    Kernel("swiglu_f16", "prefill_f16.cu", None),
+    Kernel("advance_pos", "prefill_f16.cu", None),
 )
 
 
