@@ -9,7 +9,9 @@ conversion, no host operand in a device operation) plus:
   count, a device array of the pointer's element type for each pointer, numpy.int32 or
   numpy.float32 for each int or float), checks the geometry each kernel expects, then computes
   the twin's result into the output arrays (cuda_twins, device_twins);
-- ``launches``: every launch, (name, grid, block), in order;
+- ``matmul``: the prefill's cuBLAS product (f16 operands, f16 out) through its twin
+  (tests/fake_cupy_prefill.py, which also runs the prefill's kernels' twins);
+- ``launches``: every launch, (name, grid, block), in order, the products as ("gemm", ...);
 - ``cuda.runtime.memGetInfo`` (``free``/``total`` set by the test), ``getDeviceCount``, and
   ``cuda.Device().synchronize()``, counted with the reads in ``fake_cupy.READS``.
 

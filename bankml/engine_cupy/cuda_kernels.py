@@ -1,10 +1,12 @@
 """The engine's CUDA kernels: their source files, entry points and compile options.
 
 The sources live in ``bankml/engine_cupy/cuda/`` (package data): ``quantize_q8_1.cu`` (an f32
-activation row to q8_1 blocks) and ``mmvq_<type>.cu`` for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
-and Q6_K (one row of weights kept in their GGUF blocks times the q8_1 activation, ggml's
+activation row to q8_1 blocks) and ``mmvq_<type>.cu`` for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K and Q6_K (one row of weights kept in their GGUF blocks times the q8_1 activation, ggml's
 ``mul_mat_vec_q`` arithmetic), with the shared ``mmvq_common.cuh``. ``cuda_twins`` computes
-each one's result with NumPy. ``options()`` are the same for every compiler: ``--fmad=false``
+each one's result with NumPy. The decode step's other kernels, and the prefill's
+(``dequantize_f16.cu``: GGUF blocks to f16 rows for cuBLAS; ``prefill_f16.cu``: n rows at once),
+have their twins in ``device_twins`` and ``device_prefill_twins``. ``options()`` are the same for every compiler: ``--fmad=false``
 keeps each rounding where the source (and the twin) puts it.
 
 ``python -m bankml.engine_cupy.cuda_kernels`` (``scripts/gpu-check.sh --compile-only``)
