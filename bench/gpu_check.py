@@ -568,6 +568,17 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
                 f"decode step on the device: same greedy tokens {step['same_tokens']}, "
                 f"steps identical to the twins {step['identical_steps']}/{len(step['steps'])}"
             )
+        from bench.kernel_check import device_prefill_vs_twins
+
+        pre_ok, pre = attempt(
+            value, "device_prefill", lambda: device_prefill_vs_twins(get_xp("cuda"), model)
+        )
+        if pre_ok:
+            value["device_prefill"] = pre
+            print(
+                f"prefill on the device: same greedy tokens {pre['same_tokens']}, logits "
+                f"{pre['logits'].get('max_rel_diff', 0.0):.2e} from the twins' (largest, relative)"
+            )
     if ok:
         print(f"CUDA kernels identical to their twins: {value['identical']}/{value['checked']}")
         return value

@@ -19,6 +19,7 @@ from bankml.engine_cupy import device_prefill_twins as pt
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.weights import dequantize
 from tests.fake_cupy import READS
+from tests.fake_cupy_kernels import KernelCupy
 from tests.test_device_step import PROMPT, _device_step, _top10_diff
 from tests.tiny_models import TinySpec, _matrix, write_tiny_model
 
@@ -224,3 +225,14 @@ def test_prefill_refuses_what_does_not_fit(tiny_models: dict[str, Path]) -> None
     with pytest.raises(dp.DeviceMemory, match="needs"):
         prefill.prefill(seq, PROMPT)
     assert seq.n_tokens == 0 and not any(n.startswith("get_rows") for n, _, _ in cp.launches)
+
+
+def test_the_gpu_checks_device_prefill_report(tiny_models: dict[str, Path]) -> None:
+    """bench/kernel_check.py's prefill part (what a GPU run reports: the prefill on the device
+    against the same through the twins), here with the stand-in on both sides."""
+    from bench import kernel_check
+
+    report = kernel_check.device_prefill_vs_twins(KernelCupy(), tiny_models["qwen2-Q8_0"], steps=2)  # type: ignore[arg-type]
+    assert report["same_tokens"] and len(report["tokens"]) == 2
+    assert report["logits"]["identical"] and report["k_cache"]["identical"]
+    assert report["launches_per_prefill"] == 19 * 2 + 6 and report["us_per_prefill"] is None
