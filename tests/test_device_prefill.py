@@ -24,7 +24,7 @@ from tests.test_device_step import PROMPT, _device_step, _top10_diff
 from tests.tiny_models import TinySpec, _matrix, write_tiny_model
 
 F32 = numpy.float32
-QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +35,31 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -
         TinySpec("llama", T.Q4_0),  # tied Q4_0 output: its embedding through the f32 table
         TinySpec("qwen2", T.Q8_0),  # biases, NEOX RoPE, Q8_0 embedding rows from their blocks
         TinySpec("llama", T.Q4_K, tied=False, llama3_rope=True, out_type=T.Q6_K),
+        TinySpec("llama", T.Q3_K, tied=False, out_type=T.Q2_K),  # as Q3_K_M/Q2_K files pair them
     ]
     return {s.name: write_tiny_model(out / f"{s.name}.gguf", s, default_model) for s in specs}
 
 
-def test_q5_k_decode_step_against_the_exact_path(tiny_models: dict[str, Path]) -> None:
-    """Q5_K layers (mmvq_q5_k) and a Q6_K output, one decode step per prompt token: the top-1
-    token the exact path's, the top-10 log-probabilities within test_device_step's bound."""
-    path = tiny_models["llama-Q5_K-untied"]
+@pytest.mark.parametrize(
+    "name, kernels",
+    [
+        ("llama-Q5_K-untied", {"mmvq_q5_k", "mmvq_q6_k"}),
+        ("llama-Q3_K-untied", {"mmvq_q3_k", "mmvq_q2_k"}),
+    ],
+)
+def test_kquant_decode_step_against_the_exact_path(
+    tiny_models: dict[str, Path], name: str, kernels: set[str]
+) -> None:
+    """Q5_K layers with a Q6_K output, Q3_K layers with a Q2_K output, one decode step per
+    prompt token: the top-1 token the exact path's, the top-10 log-probabilities within
+    test_device_step's bound."""
+    path = tiny_models[name]
     cp, step = _device_step(path)
-    assert {m.qtype for m in (step.w.layers[0].q, step.w.layers[1].down)} == {"Q5_K"}
     seq = step.new_sequence(32)
     for token in PROMPT:
         step.set_token(seq, token)
         step.step(seq)
-    assert "mmvq_q5_k" in {name for name, _, _ in cp.launches}
+    assert {n for n, _, _ in cp.launches if n.startswith("mmvq_")} == kernels
     model = Model.load(path, device="cpu", progress=False)
     want = model.forward(PROMPT, model.new_cache(32))
     got = step.host_logits()
@@ -104,6 +114,7 @@ def _f16(a: object) -> numpy.ndarray:
         ("qwen2-Q8_0", 1.0),
         ("llama-Q4_K-untied-rope3", 1.0),
         ("llama-Q5_K-untied", 1.0),
+        ("llama-Q3_K-untied", 1.0),
     ],
 )
 def test_prefill_against_the_exact_path_and_the_step(

@@ -57,6 +57,21 @@ def dequantize_values(qtype: str, w: numpy.ndarray) -> numpy.ndarray:
                 out = q.astype(F32) * d + _f16_at(b, 2)[..., None]
         return out.reshape(rows, -1)
     j = numpy.arange(256)
+    if qtype in ("Q2_K", "Q3_K"):
+        h, k, l = j // 128, (j % 128) // 32, j % 32
+        at = 16 if qtype == "Q2_K" else 32
+        q = (b[..., at + 32 * h + l].astype(numpy.int32) >> (2 * k)) & 3
+        if qtype == "Q2_K":
+            sc = b[..., j // 16].astype(numpy.int32)
+            dl = _f16_at(b, 80)[..., None] * (sc & 0xF).astype(F32)
+            ml = _f16_at(b, 82)[..., None] * (sc >> 4).astype(F32)
+            return (dl * q.astype(F32) - ml).reshape(rows, -1)
+        q = q - numpy.where((b[..., l].astype(numpy.int32) >> (4 * h + k)) & 1, 0, 4)
+        i = j // 16
+        low = (b[..., 96 + i % 8].astype(numpy.int32) >> (4 * (i // 8))) & 0xF
+        high = ((b[..., 104 + i % 4].astype(numpy.int32) >> (2 * (i // 4))) & 3) << 4
+        dl = _f16_at(b, 108)[..., None] * ((low | high) - 32).astype(F32)
+        return (dl * q.astype(F32)).reshape(rows, -1)
     if qtype in ("Q4_K", "Q5_K"):
         five = qtype == "Q5_K"
         g, l = j // 64, j % 64

@@ -3,7 +3,8 @@
 // put them. Each value is ggml's CPU dequantization (dequantize_row_<type>), one f32 operation
 // at a time in its order, then rounded to f16 once:
 //   Q4_0 (q - 8) * d   Q5_0 (q - 16) * d   Q8_0 q * d   Q4_1, Q5_1 q * d + m
-//   Q4_K, Q5_K (d * scale) * q - dmin * min   Q6_K (d * scale) * (q - 32)
+//   Q2_K, Q4_K, Q5_K (d * scale) * q - dmin * min   Q3_K (d * (scale - 32)) * q
+//   Q6_K (d * scale) * (q - 32)
 // n (rows times columns) must be a whole number of blocks.
 #include "mmvq_common.cuh"
 
@@ -83,6 +84,28 @@ static __device__ __forceinline__ float value_q6_k(const u8 *b, int j) {
     return __fmul_rn(__fmul_rn(f16_at(b, 208), (float)sc), (float)((lo | (hi << 4)) - 32));
 }
 
+// Q2_K and Q3_K: value j of 256 is in half h = j / 128, bit pair k = (j % 128) / 32 of quant
+// byte 32h + j % 32, sub-block (16 values) j / 16; Q2_K (d * (sc & 15)) * q - dmin * (sc >> 4),
+// Q3_K (d * (scale - 32)) * (q - 4 where bit 4h + k of hmask[j % 32] is clear)
+static __device__ __forceinline__ float value_q2_k(const u8 *b, int j) {
+    const int h = j / 128, k = (j % 128) / 32, l = j % 32;
+    const int q = (b[16 + 32 * h + l] >> (2 * k)) & 3;
+    const int sc = b[j / 16];
+    const float dl = __fmul_rn(f16_at(b, 80), (float)(sc & 0xF));
+    const float ml = __fmul_rn(f16_at(b, 82), (float)(sc >> 4));
+    return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+}
+
+static __device__ __forceinline__ float value_q3_k(const u8 *b, int j) {
+    const int h = j / 128, k = (j % 128) / 32, l = j % 32, is = j / 16;
+    const int low = (b[32 + 32 * h + l] >> (2 * k)) & 3;
+    const int q = low - (((b[l] >> (4 * h + k)) & 1) ? 0 : 4);
+    const int sc_low = (b[96 + is % 8] >> (4 * (is / 8))) & 0xF;
+    const int sc_high = ((b[96 + 8 + is % 4] >> (2 * (is / 4))) & 3) << 4;
+    const float dl = __fmul_rn(f16_at(b, 108), (float)((sc_low | sc_high) - 32));
+    return __fmul_rn(dl, (float)q);
+}
+
 #define DEQUANTIZE_KERNEL(NAME, VALUES, BYTES, VALUE)                                          \
     extern "C" __global__ void NAME(const u8 *__restrict__ w, u16 *__restrict__ dst, int n) {  \
         const int i = blockDim.x * blockIdx.x + threadIdx.x;                                   \
@@ -96,6 +119,8 @@ DEQUANTIZE_KERNEL(dequantize_f16_q4_1, 32, 20, value_q4_1)
 DEQUANTIZE_KERNEL(dequantize_f16_q5_0, 32, 22, value_q5_0)
 DEQUANTIZE_KERNEL(dequantize_f16_q5_1, 32, 24, value_q5_1)
 DEQUANTIZE_KERNEL(dequantize_f16_q8_0, 32, 34, value_q8_0)
+DEQUANTIZE_KERNEL(dequantize_f16_q2_k, 256, 84, value_q2_k)
+DEQUANTIZE_KERNEL(dequantize_f16_q3_k, 256, 110, value_q3_k)
 DEQUANTIZE_KERNEL(dequantize_f16_q4_k, 256, 144, value_k45<false>)
 DEQUANTIZE_KERNEL(dequantize_f16_q5_k, 256, 176, value_k45<true>)
 DEQUANTIZE_KERNEL(dequantize_f16_q6_k, 256, 210, value_q6_k)
