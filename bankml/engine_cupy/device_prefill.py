@@ -5,7 +5,8 @@ row's logits and greedy token left where ``DeviceStep.step`` takes over. No host
 The layer matrices stay in their GGUF blocks (``DeviceWeights``); each product first turns one
 matrix into f16 rows (``dequantize_f16_<type>``, into one scratch buffer the size of the largest
 matrix) and multiplies the prompt's f16 rows by it with cuBLAS (``cupy.matmul`` on f16 arrays:
-f32 products and sums, CuPy's compute type for f16, the result rounded to f16), as ggml's CUDA
+``cublasGemmEx`` with f32 products and sums, CuPy's default compute type, the result rounded to
+f16), as ggml's CUDA
 backend does for a batch of rows where it has no MMQ kernel. The residual stream stays f32.
 
     get_rows_*_n                     the n embedding rows into x [n, d]                 1
