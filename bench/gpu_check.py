@@ -582,6 +582,17 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
                 f"{served['greedy']['same_tokens']}, top-k {served['top_k']['same_tokens']}; "
                 f"{served['greedy']['decode_tokens_per_s']} tokens/s greedy"
             )
+        from bench.kernel_check import device_prefill_vs_twins
+
+        pre_ok, pre = attempt(
+            value, "device_prefill", lambda: device_prefill_vs_twins(get_xp("cuda"), model)
+        )
+        if pre_ok:
+            value["device_prefill"] = pre
+            print(
+                f"prefill on the device: same greedy tokens {pre['same_tokens']}, logits "
+                f"{pre['logits'].get('max_rel_diff', 0.0):.2e} from the twins' (largest, relative)"
+            )
     if ok:
         print(f"CUDA kernels identical to their twins: {value['identical']}/{value['checked']}")
         return value

@@ -11,7 +11,9 @@ identical, how many rows differ and by how much; with CuPy's events it also time
 (microseconds per launch pair, quantization included). bench/gpu_check.py adds this report to
 its own on a CUDA machine (docs/gpu.md); it prints one JSON line when run alone. Figures to
 read, not a verdict: a kernel that differs from its twin in a bit differs from the arithmetic
-the twin documents, and one of the two has a bug.
+the twin documents, and one of the two has a bug. With a model it also runs the decode step
+(``device_step_vs_twins``) and the prefill (``device_prefill_vs_twins``) on the device against
+the same through the twins.
 """
 
 from __future__ import annotations
@@ -210,6 +212,61 @@ def device_engine_vs_twins(cp: ModuleType, model: Path, n_predict: int = 8) -> d
     return out
 
 
+def _run_prefill(cp: ModuleType, model: Path, steps: int) -> tuple[list[int], Any, Any]:
+    """The prompt in one prefill, then ``steps`` greedy tokens by the decode step: the chosen
+    ids (the prefill's first), the prefill's logits (a host copy), and (prefill, step, seq)."""
+    from bankml.engine_cupy import device_prefill as dp
+    from bankml.engine_cupy import device_step as ds
+    from bankml.engine_cupy.weights import read_hparams
+
+    reader = open_file(model)
+    step = ds.DeviceStep(cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)))
+    prefill = dp.DevicePrefill(cp, step.w, step.kernels)
+    seq = step.new_sequence(len(STEP_PROMPT) + steps + 1)
+    prefill.prefill(seq, STEP_PROMPT)
+    logits = prefill.host_logits()
+    chosen = []
+    for _ in range(steps):
+        chosen.append(step.chosen(seq))
+        step.step(seq)
+    return chosen, logits, (prefill, step, seq)
+
+
+def device_prefill_vs_twins(cp: ModuleType, model: Path, steps: int = 4) -> dict[str, Any]:
+    """The prefill (engine_cupy/device_prefill.py) on the device against the same prefill
+    through the twins: the greedy ids after it, the last row's logits and the K/V cache (cuBLAS
+    adds in its own order, so these are near, not identical), launches, and microseconds per
+    prefill of the prompt on the device."""
+    from bankml.engine_cupy import device_prefill as dp
+    from tests.fake_cupy_kernels import KernelCupy
+
+    started = time.monotonic()
+    got_ids, got_logits, (prefill, step, seq) = _run_prefill(cp, model, steps)
+    fake = KernelCupy()
+    want_ids, want_logits, (_, _, want_seq) = _run_prefill(fake, model, steps)  # type: ignore[arg-type]
+    n = len(STEP_PROMPT)
+    out: dict[str, Any] = {
+        "tokens": got_ids,
+        "same_tokens": got_ids == want_ids,
+        "logits": compare(got_logits, want_logits),
+        "k_cache": compare(
+            cp.asnumpy(seq.k[:, :, :n]).view(numpy.float16).reshape(-1),
+            want_seq.k.host_view[:, :, :n].view(numpy.float16).reshape(-1),
+        ),
+        "launches_per_prefill": dp.launches_per_prefill(step.hp.n_layer),
+        "prompt_tokens": n,
+    }
+
+    def one() -> None:  # position 0 again each time (the cache rows overwritten in place)
+        seq.pos.fill(0)
+        seq.n_tokens = 0
+        prefill.prefill(seq, STEP_PROMPT)
+
+    out["us_per_prefill"] = _time_us(cp, one, repeats=10)
+    out["elapsed_s"] = round(time.monotonic() - started, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path)
@@ -229,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             report["device_engine"] = device_engine_vs_twins(cupy, args.model, args.step_tokens)
         except Exception as err:
             report["device_engine"] = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            report["device_prefill"] = device_prefill_vs_twins(cupy, args.model)
+        except Exception as err:  # a model the prefill does not play, or a kernel that fails
+            report["device_prefill"] = {"error": f"{type(err).__name__}: {err}"}
     print(json.dumps(report))
     return 0
 

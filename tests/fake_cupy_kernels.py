@@ -9,7 +9,9 @@ conversion, no host operand in a device operation) plus:
   count, a device array of the pointer's element type for each pointer, numpy.int32 or
   numpy.float32 for each int or float), checks the geometry each kernel expects, then computes
   the twin's result into the output arrays (cuda_twins, device_twins);
-- ``launches``: every launch, (name, grid, block), in order;
+- ``matmul``: the prefill's cuBLAS product (f16 operands, f16 out) through its twin
+  (tests/fake_cupy_prefill.py, which also runs the prefill's kernels' twins);
+- ``launches``: every launch, (name, grid, block), in order, the products as ("gemm", ...);
 - ``cuda.runtime.memGetInfo`` (``free``/``total`` set by the test), ``getDeviceCount``, and
   ``cuda.Device().synchronize()``, counted with the reads in ``fake_cupy.READS``.
 
@@ -27,6 +29,7 @@ import numpy
 
 from bankml.engine_cupy import cuda_twins as tw
 from bankml.engine_cupy import device_twins as dt
+from tests import fake_cupy_prefill
 from tests.fake_cupy import READS, DeviceArray, FakeCupy
 
 _POINTER_TYPES = {
@@ -40,10 +43,13 @@ _POINTER_TYPES = {
 
 def signature(code: str, name: str) -> list[tuple[str, bool]]:
     """The entry point's parameters as (base type, is a pointer), from its source (the
-    product kernels' through their macro, MMVQ_KERNEL(name, type))."""
+    product and dequantization kernels' through their macro's definition)."""
     macro = re.search(rf"\b(\w+)\(\s*{name}\s*,", code)
-    if macro:
-        code, name = code.replace("\\\n", " "), "NAME"
+    if macro:  # the macro's own definition, its first parameter the entry point's name
+        lines = code.replace("\\\n", " ")
+        define = re.search(rf"#define {macro.group(1)}\((\w+)[^)]*\)(.*)", lines)
+        assert define, f"no definition of {macro.group(1)}"
+        code, name = define.group(2), define.group(1)
     match = re.search(rf"\b{name}\s*\(([^)]*)\)\s*{{", code)
     assert match and 'extern "C"' in code, f"no entry point {name} in the source"
     params = []
@@ -140,7 +146,7 @@ def _run(name: str, grid: tuple, block: tuple, a: list[Any]) -> None:  # noqa: C
         w, ident, dst, ncols = a
         _covers(grid, block, int(ncols))
         dst[:] = w.reshape(-1, int(ncols))[int(ident[0])]
-    else:
+    elif not fake_cupy_prefill.run(name, grid, block, a):
         raise AssertionError(f"no twin for kernel {name}")
 
 
@@ -192,6 +198,10 @@ class KernelCupy(FakeCupy):
         self.modules: list[tuple[str, tuple]] = []
         self.free, self.total = free, total
         self.cuda = types.SimpleNamespace(runtime=_Runtime(self), Device=_Device)
+
+    def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
+        """cuBLAS's f16 product as the prefill calls it (tests/fake_cupy_prefill.py)."""
+        return fake_cupy_prefill.matmul(self, a, b, out)
 
     def RawModule(self, code: str, options: tuple = ()) -> Any:  # noqa: N802 (CuPy's name)
         self.modules.append((code, tuple(options)))

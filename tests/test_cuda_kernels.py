@@ -44,8 +44,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90(compiler: nvrtc.Compiler) -> No
     ptx = compiler.ptx(kernel.code(), kernel.source, cuda_kernels.options("sm_90"))
     assert ".target sm_90" in ptx and f".visible .entry {kernel.name}(" in ptx
     assert "dp4a.s32.s32" in ptx  # the integer dot products
-    # the decode step's e^x is exp_rn's IEEE operations, not the hardware's approximation
-    for name in ("attn_decode_f16", "swiglu_q8_1"):
+    # the decode step's and the prefill's e^x is exp_rn's IEEE operations, not the hardware's
+    for name in ("attn_decode_f16", "swiglu_q8_1", "attn_prefill_f16", "swiglu_f16"):
         kernel = next(k for k in cuda_kernels.KERNELS if k.name == name)
         ptx = compiler.ptx(kernel.code(), kernel.source, cuda_kernels.options("sm_80"))
         assert f".visible .entry {name}(" in ptx and "ex2.approx" not in ptx

@@ -104,11 +104,44 @@ def _q4_k_scales(b: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
     return numpy.stack(sc, -1), numpy.stack(m, -1)
 
 
+def _q3_k_scales(b: numpy.ndarray) -> numpy.ndarray:
+    """Q3_K's 16 signed 6-bit scales as ggml's dequantize_row_q3_K unpacks them (its aux words
+    and masks), int32 [rows, blocks, 16]."""
+    aux = numpy.ascontiguousarray(b[..., 96:108]).view("<u4").copy()  # [rows, blocks, 3]
+    k1, k2 = numpy.uint32(0x03030303), numpy.uint32(0x0F0F0F0F)
+    tmp = aux[..., 2]
+    words = [
+        (aux[..., 0] & k2) | (((tmp >> 0) & k1) << 4),
+        (aux[..., 1] & k2) | (((tmp >> 2) & k1) << 4),
+        ((aux[..., 0] >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+        ((aux[..., 1] >> 4) & k2) | (((tmp >> 6) & k1) << 4),
+    ]
+    packed = numpy.ascontiguousarray(numpy.stack(words, -1).astype("<u4"))
+    return packed.view(numpy.int8).astype(numpy.int32) - 32
+
+
 def _kquant_values(qtype: str, b: numpy.ndarray) -> numpy.ndarray:
     """The 256 quants of every super-block in value order (ggml's dequantize_row_*)."""
+    if qtype in ("Q2_K", "Q3_K"):  # half h, bit pair j, l = 0..31: value 128h + 32j + l
+        at = 16 if qtype == "Q2_K" else 32
+        qs = b[..., at : at + 64].astype(numpy.int32).reshape(*b.shape[:2], 2, 1, 32)
+        j = numpy.arange(4)[:, None]
+        q = (qs >> (2 * j)) & 3  # [rows, blocks, 2, 4, 32]
+        if qtype == "Q3_K":  # hmask bit 4h + j of byte l clear: minus 4
+            hm = b[..., 0:32].astype(numpy.int32)[..., None, None, :]
+            bit = 4 * numpy.arange(2)[:, None, None] + j[None]
+            q = q - 4 * (1 - ((hm >> bit) & 1))
+        return q.reshape(*b.shape[:2], 256)
     if qtype == "Q4_K":
         qs = b[..., 16:144].astype(numpy.int32).reshape(*b.shape[:2], 4, 32)
         return numpy.concatenate([qs & 15, qs >> 4], axis=-1).reshape(*b.shape[:2], 256)
+    if qtype == "Q5_K":  # group j: low nibbles + bit 2j of qh, then high nibbles + bit 2j + 1
+        qs = b[..., 48:176].astype(numpy.int32).reshape(*b.shape[:2], 4, 32)
+        qh = b[..., 16:48].astype(numpy.int32)[..., None, :]  # [rows, blocks, 1, 32]
+        j = numpy.arange(4)[:, None]
+        lo = (qs & 15) | (((qh >> (2 * j)) & 1) << 4)
+        hi = (qs >> 4) | (((qh >> (2 * j + 1)) & 1) << 4)
+        return numpy.concatenate([lo, hi], axis=-1).reshape(*b.shape[:2], 256)
     ql, qh = b[..., 0:128].astype(numpy.int32), b[..., 128:192].astype(numpy.int32)
     out = numpy.empty((*b.shape[:2], 256), numpy.int32)
     for h in range(2):
@@ -125,7 +158,12 @@ def _kquant_terms(qtype: str) -> list[list[numpy.ndarray]]:
     """For each thread slot and each of its two terms, the values (indices in the super-block)
     it multiplies: Q4_K's two words of a sub-block pair's bytes, Q6_K's four low-bit bytes."""
     terms = []
-    if qtype == "Q4_K":
+    if qtype in ("Q2_K", "Q3_K"):
+        for s in range(16):  # bytes 32 (s // 8) + 4 (s % 8).. of qs, bit pairs 0..3
+            at = 4 * (s % 8) + numpy.arange(4)
+            terms.append([128 * (s // 8) + 32 * i + at for i in range(4)])
+        return terms
+    if qtype in ("Q4_K", "Q5_K"):
         for s in range(16):
             group, word = s // 4, s % 4  # bytes 32*group + 4*word (+16): low nibbles, then high
             at = numpy.r_[4 * word : 4 * word + 4, 16 + 4 * word : 20 + 4 * word]
@@ -149,10 +187,16 @@ def _direct_kquant_ints(
     q = _kquant_values(qtype, b)
     y8 = y.qs.astype(numpy.int32).reshape(b.shape[1], 256)
     terms = _kquant_terms(qtype)
-    p = 2 if qtype == "Q4_K" else 1
-    out = numpy.empty((*b.shape[:2], len(terms), 2, p), numpy.int32)
-    q8_block = numpy.empty((len(terms), 2), int)
-    if qtype == "Q4_K":
+    mins = qtype in ("Q2_K", "Q4_K", "Q5_K")
+    p = 2 if mins else 1
+    out = numpy.empty((*b.shape[:2], len(terms), len(terms[0]), p), numpy.int32)
+    q8_block = numpy.empty((len(terms), len(terms[0])), int)
+    if qtype == "Q2_K":  # per 16 values: scale in the low nibble, min in the high
+        raw = b[..., 0:16].astype(numpy.int32)
+        sc16, mn16 = raw & 0xF, raw >> 4
+    elif qtype == "Q3_K":
+        sc16 = _q3_k_scales(b)
+    elif mins:
         sc, mn = _q4_k_scales(b)
     else:
         scales = b[..., 192:208].view(numpy.int8).astype(numpy.int32)
@@ -161,7 +205,12 @@ def _direct_kquant_ints(
             assert len(set(at // 32)) == 1  # one q8_1 block per term
             q8_block[s, i] = at[0] // 32
             dot = (q[..., at] * y8[None][..., at]).sum(-1)
-            if qtype == "Q4_K":
+            if qtype in ("Q2_K", "Q3_K"):
+                assert len(set(at // 16)) == 1  # one scale per term
+                out[..., s, i, 0] = dot * sc16[..., at[0] // 16]
+                if qtype == "Q2_K":
+                    out[..., s, i, 1] = y8[None][..., at].sum(-1) * mn16[..., at[0] // 16]
+            elif mins:
                 out[..., s, i, 0] = dot * sc[..., at[0] // 32]
                 out[..., s, i, 1] = y8[None][..., at].sum(-1) * mn[..., at[0] // 32]
             else:
@@ -265,7 +314,14 @@ def _reduce_by_threads(contrib: numpy.ndarray, bt: tw.BlockType, nwarps: int) ->
 
 @pytest.mark.parametrize(
     ("qtype", "blocks", "nwarps"),
-    [("Q4_1", 150, 4), ("Q8_0", 70, 4), ("Q5_0", 40, 2), ("Q4_K", 20, 4), ("Q6_K", 9, 4)],
+    [
+        ("Q4_1", 150, 4),
+        ("Q8_0", 70, 4),
+        ("Q5_0", 40, 2),
+        ("Q4_K", 20, 4),
+        ("Q6_K", 9, 4),
+        ("Q2_K", 11, 4),
+    ],
 )
 def test_reduction_order(qtype: str, blocks: int, nwarps: int) -> None:
     bt = tw.BLOCK_TYPES[qtype]
@@ -321,7 +377,19 @@ def _kquant_error_bound(
     )
     bt = tw.BLOCK_TYPES[qtype]
     b = w.reshape(w.shape[0], -1, bt.block_bytes)
-    if qtype == "Q4_K":  # the two parts apart: d*scale*q and dmin*min, before they cancel
+    if qtype == "Q2_K":  # the two parts apart, as Q4_K's
+        d = b[..., 80:82].copy().view("<f2")[..., 0].astype(numpy.float64)
+        dmin = b[..., 82:84].copy().view("<f2")[..., 0].astype(numpy.float64)
+        raw = b[..., 0:16].astype(numpy.float64)
+        q = _kquant_values(qtype, b).reshape(*b.shape[:2], 16, 16)
+        parts = numpy.abs(d[..., None, None] * (raw % 16)[..., None] * q) + numpy.abs(
+            dmin[..., None, None] * (raw // 16)[..., None]
+        )
+        magnitude = parts.reshape(w.shape[0], -1) @ numpy.abs(x64)
+    elif qtype in (
+        "Q4_K",
+        "Q5_K",
+    ):  # the two parts apart: d*scale*q and dmin*min, before they cancel
         d = b[..., 0:2].copy().view("<f2")[..., 0].astype(numpy.float64)
         dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(numpy.float64)
         sc, mn = _q4_k_scales(b)
@@ -343,12 +411,29 @@ def _same_operands(qtype: str, w: numpy.ndarray, y: tw.Q8_1) -> tuple[numpy.ndar
         ints, q8_block = _direct_kquant_ints(qtype, w, y)
         b = w.reshape(w.shape[0], -1, bt.block_bytes)
         d8 = y.d.astype(numpy.float64).reshape(-1, 8)[:, q8_block][None]  # [1, blocks, slots, 2]
-        if qtype == "Q4_K":
-            d = b[..., 0:2].copy().view("<f2")[..., 0].astype(numpy.float64)[..., None, None]
-            dmin = b[..., 2:4].copy().view("<f2")[..., 0].astype(numpy.float64)[..., None, None]
+        if qtype in ("Q2_K", "Q4_K", "Q5_K"):
+            at = 80 if qtype == "Q2_K" else 0
+            d = (
+                b[..., at : at + 2]
+                .copy()
+                .view("<f2")[..., 0]
+                .astype(numpy.float64)[..., None, None]
+            )
+            dmin = (
+                b[..., at + 2 : at + 4]
+                .copy()
+                .view("<f2")[..., 0]
+                .astype(numpy.float64)[..., None, None]
+            )
             terms = (d * d8 * ints[..., 0], -dmin * d8 * ints[..., 1])
         else:
-            d = b[..., 208:210].copy().view("<f2")[..., 0].astype(numpy.float64)[..., None, None]
+            at = 108 if qtype == "Q3_K" else 208
+            d = (
+                b[..., at : at + 2]
+                .copy()
+                .view("<f2")[..., 0]
+                .astype(numpy.float64)[..., None, None]
+            )
             terms = (d * d8 * ints[..., 0], numpy.zeros(ints.shape[:-1]))
         return (terms[0] + terms[1]).sum(axis=(1, 2, 3)), (
             numpy.abs(terms[0]) + numpy.abs(terms[1])

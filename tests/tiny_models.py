@@ -5,7 +5,7 @@ random weights in the chosen ggml type and the default model's GPT-2 vocabulary 
 merges), which llama.cpp accepts for any architecture. The weights are scaled so the logits are
 peaked (a standard deviation near 8), so greedy choices are not coin flips between near-ties.
 
-K-quant types (Q2_K, Q3_K, Q4_K, Q6_K) have no quantizer in gguf.quants, so their blocks are random bytes
+K-quant types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) have no quantizer in gguf.quants, so their blocks are random bytes
 with the f16 scales set to keep the weights at the intended size; both engines dequantize the
 same bytes.
 IQ4_NL and IQ4_XS (no quantizer in gguf.quants either) are made the same way: random 4-bit indices
@@ -123,7 +123,7 @@ def _kquant_bytes(rng: numpy.random.Generator, rows: int, cols: int, qtype: T) -
     block, size = quants.GGML_QUANT_SIZES[qtype]
     nblk = rows * cols // block
     raw = rng.integers(0, 256, size=(nblk, size), dtype=numpy.uint8)
-    if qtype == T.Q4_K:  # d, dmin (f16) first, then 12 bytes of 6-bit scales/mins
+    if qtype in (T.Q4_K, T.Q5_K):  # d, dmin (f16) first, then 12 bytes of 6-bit scales/mins
         raw[:, 0:4] = numpy.array([1.0, 0.5], numpy.float16).view(numpy.uint8)
     elif qtype == T.Q6_K:  # int8 scales at 192..207, d (f16) last
         raw[:, 192:208] = (
@@ -150,6 +150,7 @@ def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndar
         T.Q2_K: slice(80, 84),
         T.Q3_K: slice(108, 110),
         T.Q4_K: slice(0, 4),
+        T.Q5_K: slice(0, 4),
         T.Q6_K: slice(208, 210),
         **{q: slice(0, 2) for q in _D_FIRST},
     }[qtype]
@@ -160,7 +161,7 @@ def _scale_kquant(raw: numpy.ndarray, qtype: T, target_std: float) -> numpy.ndar
 
 def _matrix(rng: numpy.random.Generator, rows: int, cols: int, qtype: T, std: float):
     """(data to write, raw_dtype) for an [rows, cols] matrix of the given type."""
-    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, *_D_FIRST):
+    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, *_D_FIRST):
         return _scale_kquant(_kquant_bytes(rng, rows, cols, qtype), qtype, std), qtype
     w = rng.normal(0.0, std, size=(rows, cols)).astype(numpy.float32)
     if qtype == T.F32:

@@ -1,10 +1,12 @@
 """The engine's CUDA kernels: their source files, entry points and compile options.
 
 The sources live in ``bankml/engine_cupy/cuda/`` (package data): ``quantize_q8_1.cu`` (an f32
-activation row to q8_1 blocks) and ``mmvq_<type>.cu`` for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
-and Q6_K (one row of weights kept in their GGUF blocks times the q8_1 activation, ggml's
+activation row to q8_1 blocks) and ``mmvq_<type>.cu`` for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
+Q3_K, Q4_K, Q5_K and Q6_K (one row of weights kept in their GGUF blocks times the q8_1 activation, ggml's
 ``mul_mat_vec_q`` arithmetic), with the shared ``mmvq_common.cuh``. ``cuda_twins`` computes
-each one's result with NumPy. ``options()`` are the same for every compiler: ``--fmad=false``
+each one's result with NumPy. The decode step's other kernels, and the prefill's
+(``dequantize_f16.cu``: GGUF blocks to f16 rows for cuBLAS; ``prefill_f16.cu``: n rows at once),
+have their twins in ``device_twins`` and ``device_prefill_twins``. ``options()`` are the same for every compiler: ``--fmad=false``
 keeps each rounding where the source (and the twin) puts it.
 
 ``python -m bankml.engine_cupy.cuda_kernels`` (``scripts/gpu-check.sh --compile-only``)
@@ -63,7 +65,7 @@ KERNELS = (
     Kernel("quantize_q8_1", "quantize_q8_1.cu", None),
     *(
         Kernel(f"mmvq_{q.lower()}", f"mmvq_{q.lower()}.cu", q)
-        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
+        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
     ),
     # the decode step's (device_step.py): norm, RoPE and cache, attention, GLU, choice, embedding
     Kernel("rms_norm_q8_1", "rms_norm_q8_1.cu", None),
@@ -74,6 +76,18 @@ KERNELS = (
     Kernel("top_k_f32", "top_k_f32.cu", None),  # a sampling request's k (id, logit) pairs
     Kernel("get_rows_q8_0", "get_rows.cu", None),
     Kernel("get_rows_f32", "get_rows.cu", None),
+    # the prefill's (device_prefill.py): GGUF blocks to f16 rows for cuBLAS, and n rows at once
+    *(
+        Kernel(f"dequantize_f16_{q.lower()}", "dequantize_f16.cu", None)
+        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    ),
+    Kernel("get_rows_q8_0_n", "prefill_f16.cu", None),
+    Kernel("get_rows_f32_n", "prefill_f16.cu", None),
+    Kernel("add_rms_norm_f16", "prefill_f16.cu", None),
+    Kernel("rope_kv_f16_n", "prefill_f16.cu", None),
+    Kernel("attn_prefill_f16", "prefill_f16.cu", None),
+    Kernel("swiglu_f16", "prefill_f16.cu", None),
+    Kernel("advance_pos", "prefill_f16.cu", None),
 )
 
 

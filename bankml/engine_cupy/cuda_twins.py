@@ -65,10 +65,13 @@ BLOCK_TYPES = {
     "Q5_0": BlockType("Q5_0", 22, 4, 2),
     "Q5_1": BlockType("Q5_1", 24, 4, 2),
     "Q8_0": BlockType("Q8_0", 34, 8, 2),
+    "Q2_K": BlockType("Q2_K", 84, 16, 1, 256),
+    "Q3_K": BlockType("Q3_K", 110, 16, 1, 256),
     "Q4_K": BlockType("Q4_K", 144, 32, 2, 256),
+    "Q5_K": BlockType("Q5_K", 176, 32, 2, 256),
     "Q6_K": BlockType("Q6_K", 210, 32, 1, 256),
 }
-K_QUANTS = ("Q4_K", "Q6_K")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 # --- the activation -----------------------------------------------------------------------------
@@ -209,9 +212,13 @@ def scale_min_k4(scales: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
 
 
 def _kquant_layout(qtype: str) -> tuple[numpy.ndarray, numpy.ndarray]:
-    """Per thread slot: the q8_1 block (within the super-block) of each of its two terms, and
-    the word of that q8_1 block it starts at. [slots, 2] and [slots]."""
-    if qtype == "Q4_K":
+    """Per thread slot: the q8_1 block (within the super-block) of each of its terms (two, or
+    four for Q2_K and Q3_K), and the word of that q8_1 block it starts at. [slots, terms] and
+    [slots]."""
+    if qtype in ("Q2_K", "Q3_K"):
+        s = numpy.arange(16)  # iqs
+        return 4 * (s // 8)[:, None] + numpy.arange(4), s % 8
+    if qtype in ("Q4_K", "Q5_K"):
         s = numpy.arange(16)  # iqs / 2
         first = 2 * (s // 4)
         return numpy.stack([first, first + 1], -1), s % 4
@@ -221,24 +228,35 @@ def _kquant_layout(qtype: str) -> tuple[numpy.ndarray, numpy.ndarray]:
 
 
 def kquant_ints(qtype: str, w: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
-    """The K-quant kernels' integer terms, int32 [rows, blocks, slots, 2, P]: per slot, for each
-    of its two sub-blocks, Q4_K's dot * scale and (sum of q8) * min (P = 2), Q6_K's
-    dot * scale (P = 1)."""
+    """The K-quant kernels' integer terms, int32 [rows, blocks, slots, terms, P]: per slot, for
+    each of its sub-blocks (terms: 2, or 4 for Q2_K and Q3_K), Q2_K's, Q4_K's and Q5_K's
+    dot * scale and (sum of q8) * min (P = 2), Q3_K's and Q6_K's dot * scale (P = 1)."""
     bt, b = _blocks(qtype, w)
     yw = _q8_words(bt, b, y).reshape(b.shape[1], 8, 8)  # [blocks, q8_1 block, word]
     sub, word = _kquant_layout(qtype)
     m = numpy.uint32
     nib = m(0x0F0F0F0F)
-    if qtype == "Q4_K":
-        qs = _words(b, 16, 144)  # [rows, blocks, 32]
+    if qtype in ("Q2_K", "Q3_K"):
+        return _low_kquant_ints(qtype, b, yw, sub, word)
+    if qtype in ("Q4_K", "Q5_K"):
+        five = qtype == "Q5_K"
+        qs = _words(b, 48, 176) if five else _words(b, 16, 144)  # [rows, blocks, 32]
         w0 = 8 * (numpy.arange(16) // 4) + numpy.arange(16) % 4
         v0, v1 = qs[..., w0], qs[..., w0 + 4]  # [rows, blocks, 16]
+        if five:  # each value's fifth bit: bit (sub-block) of its byte in qh
+            qh = _words(b, 16, 48)  # [rows, blocks, 8]
+            shift = m(2) * (numpy.arange(16, dtype=m) // 4)  # bq8_offset
+            h0, h1 = qh[..., word] >> shift, qh[..., word + 4] >> shift
         sc, mn = scale_min_k4(b[..., 4:16])  # [rows, blocks, 8]
         out = numpy.empty((*v0.shape, 2, 2), numpy.int32)
         for i in range(2):
             u0 = yw[:, sub[:, i], word][None]  # [1, blocks, 16]
             u1 = yw[:, sub[:, i], word + 4][None]
-            dot1 = _dp4a((v0 >> m(4 * i)) & nib, u0) + _dp4a((v1 >> m(4 * i)) & nib, u1)
+            x0, x1 = (v0 >> m(4 * i)) & nib, (v1 >> m(4 * i)) & nib
+            if five:
+                x0 |= ((h0 >> m(i)) << m(4)) & m(0x10101010)
+                x1 |= ((h1 >> m(i)) << m(4)) & m(0x10101010)
+            dot1 = _dp4a(x0, u0) + _dp4a(x1, u1)
             ones = numpy.full(u0.shape, 0x01010101, m)
             dot2 = _dp4a(ones, u0) + _dp4a(ones, u1)
             out[..., i, 0] = dot1 * sc[..., sub[:, i]]
@@ -260,18 +278,60 @@ def kquant_ints(qtype: str, w: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
     return out
 
 
+def _low_kquant_ints(
+    qtype: str, b: numpy.ndarray, yw: numpy.ndarray, sub: numpy.ndarray, word: numpy.ndarray
+) -> numpy.ndarray:
+    """Q2_K's and Q3_K's integer terms: slot s (one word of 2-bit quants) times word s % 8 of
+    q8_1 blocks 4 (s // 8) + i, i = 0..3 (the bit pairs 2i); scale_offset + 2i the sub-block."""
+    m = numpy.uint32
+    s = numpy.arange(16)
+    scale_at = 8 * (s // 8) + (s % 8) // 4  # [16]
+    if qtype == "Q2_K":
+        v = _words(b, 16, 80)  # [rows, blocks, 16]
+        out = numpy.empty((*v.shape, 4, 2), numpy.int32)
+        for i in range(4):
+            u = yw[:, sub[:, i], word][None]  # [1, blocks, 16]
+            sc = b[..., scale_at + 2 * i].astype(numpy.int32)
+            dot = _dp4a((v >> m(2 * i)) & m(0x03030303), u)
+            total = _dp4a(numpy.full(u.shape, 0x01010101, m), u)
+            out[..., i, 0] = dot * (sc & 0xF)
+            out[..., i, 1] = total * (sc >> 4)  # dp4a of the min in every byte
+        return out
+    vl = _words(b, 32, 96)  # [rows, blocks, 16]
+    shift = (m(4) * (s // 8)).astype(m)
+    vh = ~_words(b, 0, 32)[..., s % 8] >> shift  # the high bits inverted: clear subtracts 4
+    scales = b[..., 96:108].astype(numpy.int32)
+    out = numpy.empty((*vl.shape, 4, 1), numpy.int32)
+    for i in range(4):
+        isc = scale_at + 2 * i
+        low = (scales[..., isc % 8] >> (4 * (isc // 8))) & 0xF
+        high = ((scales[..., 8 + isc % 4] >> (2 * (isc // 4))) & 3) << 4
+        vil = (vl >> m(2 * i)) & m(0x03030303)
+        vih = ((vh >> m(i)) << m(2)) & m(0x04040404)
+        # __vsub4(vil, vih): byte by byte
+        vi = (
+            numpy.ascontiguousarray(vil).view(numpy.uint8)
+            - numpy.ascontiguousarray(vih).view(numpy.uint8)
+        ).view(m)
+        dot = _dp4a(vi, yw[:, sub[:, i], word][None])
+        out[..., i, 0] = dot * ((low | high) - 32)
+    return out
+
+
 def _kquant_contributions(qtype: str, b: numpy.ndarray, y: Q8_1) -> numpy.ndarray:
     ints = kquant_ints(qtype, b.reshape(b.shape[0], -1), y).astype(_F32)  # exact: < 2**24
     sub, _ = _kquant_layout(qtype)
     blocks = b.shape[1]
-    d8 = y.d.astype(_F32).reshape(blocks, 8)[:, sub][None]  # [1, blocks, slots, 2]
-    parts = [d8[..., 0] * ints[..., 0, p] for p in range(ints.shape[-1])]
+    d8 = y.d.astype(_F32).reshape(blocks, 8)[:, sub][None]  # [1, blocks, slots, terms]
     # 0.0 + first term is the first term: the kernel's f32 sums start at 0
-    sums = [part + d8[..., 1] * ints[..., 1, p] for p, part in enumerate(parts)]
-    if qtype == "Q4_K":
-        d, dmin = _f16(b, 0).astype(_F32)[..., None], _f16(b, 2).astype(_F32)[..., None]
+    sums = [d8[..., 0] * ints[..., 0, p] for p in range(ints.shape[-1])]
+    for i in range(1, ints.shape[-2]):
+        sums = [acc + d8[..., i] * ints[..., i, p] for p, acc in enumerate(sums)]
+    if qtype in ("Q2_K", "Q4_K", "Q5_K"):
+        at = 80 if qtype == "Q2_K" else 0
+        d, dmin = _f16(b, at).astype(_F32)[..., None], _f16(b, at + 2).astype(_F32)[..., None]
         return d * sums[0] - dmin * sums[1]
-    return _f16(b, 208).astype(_F32)[..., None] * sums[0]
+    return _f16(b, 108 if qtype == "Q3_K" else 208).astype(_F32)[..., None] * sums[0]
 
 
 # --- the float parts ----------------------------------------------------------------------------
