@@ -3,7 +3,9 @@
 pinned tiny models and a GGUF no fork pins. ``GET /models`` lists the same models with the same
 fields (a loaded model's ``meta`` equal), ``POST /models/load`` and ``/models/unload`` answer as
 llama-server's, a completion naming a model is the same text on both; the unpinned file is
-listed as failed with bankml's reason and refused."""
+listed as failed with bankml's reason and refused. A request naming no model on a route the
+router forwards to a model is refused with the same bytes; ``POST``/``DELETE /models`` (its
+download cache) refused with its messages."""
 
 from __future__ import annotations
 
@@ -153,6 +155,44 @@ def test_load_unload_and_answers_as_llama_server(pair: Pair) -> None:
     # the unpinned file: llama-server would load it; bankml refuses it with the reason
     status, _, raw = call(ours, "POST", "/models/load", {"model": "unpinned"})
     assert status == 400 and "not pinned" in json.loads(raw)["error"]["message"]
+
+
+# routes llama-server's router forwards to the child of the model a request names
+FORWARDED = [
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/completion", {"prompt": "hi", "model": ""}),
+    ("POST", "/v1/embeddings", {"input": "hi", "model": 3}),
+    ("POST", "/tokenize", {"content": "hi"}),
+    ("POST", "/apply-template", {"messages": []}),
+    ("POST", "/slots/0?action=erase", {}),
+    ("GET", "/slots", None),
+    ("GET", "/metrics", None),
+]
+
+
+def test_a_request_naming_no_model_is_refused_as_llama_server_refuses_it(pair: Pair) -> None:
+    for method, path, body in FORWARDED:
+        ours, theirs = pair.both(method, path, body)
+        assert ours == theirs, (method, path)
+        assert ours[0] == 400 and b"model name is missing" in ours[1]
+    # a route that reads the engine answers with the model it names (loaded first), an unknown
+    # one is the router's refusal
+    content = {"content": "The capital of France"}
+    named = pair.both("POST", "/tokenize", {**content, "model": FIRST})
+    assert named[0] == named[1] and named[0][0] == 200
+    unknown = pair.both("POST", "/detokenize", {"tokens": [1], "model": "nope"})
+    assert unknown[0] == unknown[1] and unknown[0][0] == 400
+    # llama-server's cache management: a name is required on both; bankml downloads and removes
+    # nothing (llama-server answers a model that is not from its cache with a 500)
+    assert pair.both("POST", "/models", {})[0] == pair.both("POST", "/models", {})[1]
+    missing = pair.both("DELETE", "/models")
+    assert missing[0] == missing[1] and missing[0][0] == 400
+    status, _, raw = call(pair.ports[0], "POST", "/models", {"model": "someone/model"})
+    assert status == 501 and b"downloads no model" in raw
+    for name in (FIRST, "nope"):
+        (status, raw), (_, reference) = pair.both("DELETE", f"/models?model={name}")
+        assert status in (400, 404)
+        assert json.loads(raw)["error"]["message"] == json.loads(reference)["error"]["message"]
 
 
 @pytest.fixture(scope="module")

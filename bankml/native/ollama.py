@@ -885,7 +885,22 @@ class RouterModels:
         own ``/props`` (its child's in llama-server: ``model_alias`` its id), loaded first when
         autoload allows (the request's ``?autoload=``, else the server's); refused as
         llama-server's router refuses a request naming a model."""
+        refused = self.ready(name, autoload)
+        if refused is not None:
+            return refused
+        out = props_object(self.host.native.props())
+        out["model_alias"] = self.host.router_names[name]
+        return 200, out
+
+    def check(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None:
+        """The refusal of a request naming ``name`` (an id or an alias) as llama-server's
+        router refuses it before it forwards the request (``router_validate_model``): none
+        named, an unknown one, a refused one, one not loaded without autoload; None when it
+        may go on."""
         host = self.host
+        if not name:
+            message = "model name is missing from the request"
+            return 400, error_object(400, message, "invalid_request_error")
         routed = host.router_names.get(name)
         if routed is None:
             return 400, error_object(400, f"model '{name}' not found", "invalid_request_error")
@@ -894,14 +909,42 @@ class RouterModels:
         pin = host.router_pins[routed]
         if host.residency.get(pin.name) is None and not host._autoload(autoload):
             return 400, error_object(400, "model is not loaded", "invalid_request_error")
+        return None
+
+    def current(self, name: str) -> bool:
+        """Whether ``name`` (an id or an alias) is the model the engine answers with now (its
+        routes that read the engine need nothing loaded nor swapped)."""
+        host = self.host
+        routed = host.router_names.get(name)
+        pin = host.router_pins.get(routed) if routed is not None else None
+        here = host.residency.get(pin.name) if pin is not None else None
+        return here is not None and host.native.engine is here.handle
+
+    def ready(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None:
+        """On the engine thread: ``check``, then the model made the engine's (loaded first,
+        verified again, when it is not resident), as llama-server's router makes the model's
+        child ready before it forwards a request; the refusal, or None."""
+        refused = self.check(name, autoload)
+        if refused is not None:
+            return refused
+        host = self.host
+        pin = host.router_pins[host.router_names[name]]
         try:
             host._acquire(pin)
         except OllamaError as err:
             return err.status, error_object(err.status, err.message)
         host.residency.touch(pin.name, host.keep_alive, host.clock())
-        out = props_object(host.native.props())
-        out["model_alias"] = routed
-        return 200, out
+        return None
+
+    def removable(self, name: str) -> tuple[int, dict[str, Any]]:
+        """``DELETE /models?model=NAME`` (an id, as llama-server looks it up): llama-server
+        removes only a model of its download cache, bankml has none; its messages, a 400 (not
+        removable) or a 404 (no such model) where llama-server answers 500."""
+        router = self.host.router
+        if router is None or name not in router.models:
+            return 404, error_object(404, f"model name={name} is not found", "not_found_error")
+        message = f"model name={name} is not removable (not from cache)"
+        return 400, error_object(400, message, "invalid_request_error")
 
     def _named(self, body: Any) -> str | None:
         """The model id a body names (by its id or an alias), None when none."""

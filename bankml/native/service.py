@@ -211,6 +211,10 @@ def build_native_roots(
     if webui:
         put_web_page(listen_root)
         put_web_page(engine_root)
+    if router is not None:  # the routes llama-server's router forwards to a model's child
+        return router_routes.RouterGate(listen_root, router), router_routes.RouterGate(
+            engine_root, router
+        )
     return listen_root, engine_root
 
 

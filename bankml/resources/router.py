@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from twisted.web.resource import Resource
+from twisted.web.resource import Resource, getChildForRequest
 from twisted.web.server import NOT_DONE_YET, Request
 
-from bankml.formats.errors import ApiError
-from bankml.formats.nlohmann import dumps
+from bankml.formats.errors import ApiError, error_body
+from bankml.formats.nlohmann import dumps, loads_json
 from bankml.resources.llama import _write_failure
 from bankml.resources.runs import read_json_object
+from bankml.serving.routes import NotFound
 from bankml.serving.writers import JsonResource, gone, write_json
 
 
@@ -39,6 +40,14 @@ class Router(Protocol):
 
     def model_props(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]]: ...
 
+    def check(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None: ...
+
+    def current(self, name: str) -> bool: ...
+
+    def ready(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None: ...
+
+    def removable(self, name: str) -> tuple[int, dict[str, Any]]: ...
+
 
 class RouterModels(JsonResource):
     """``GET /models``: every model of the directory, loaded or not; its children ``load``
@@ -55,11 +64,51 @@ class RouterModels(JsonResource):
         write_json(request, 200, dumps(self.router.listing()))
         return NOT_DONE_YET
 
+    def render_POST(self, request: Request) -> Any:
+        """``POST /models {"model": NAME}``: llama-server downloads NAME from its hub into its
+        cache; bankml downloads nothing (it serves the pinned files it is given): 501."""
+        try:
+            _, body = read_json_object(request)
+        except ApiError as err:
+            write_json(request, err.status, err.as_bytes())
+            return NOT_DONE_YET
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            write_json(request, 400, error_body(400, NAME_REQUIRED))
+            return NOT_DONE_YET
+        write_json(request, 501, error_body(501, NO_DOWNLOADS, "not_supported_error"))
+        return NOT_DONE_YET
+
+    def render_DELETE(self, request: Request) -> Any:
+        """``DELETE /models?model=NAME``: llama-server removes a model of its download cache;
+        bankml's models are the directory's and the preset's, none removable."""
+        name = request.args.get(b"model", [b""])[-1].decode("utf-8", "replace")
+        if not name:
+            write_json(request, 400, error_body(400, NAME_REQUIRED))
+            return NOT_DONE_YET
+        status, answer = self.router.removable(name)
+        write_json(request, status, dumps(answer))
+        return NOT_DONE_YET
+
+
+NAME_REQUIRED = "model must be a non-empty string"
+NO_DOWNLOADS = (
+    "bankml downloads no model: put the GGUF file and its pin (FILE.FORK.json) in --models-dir,"
+    " or name it in a --models-preset section"
+)
+
 
 class RouterListing(RouterModels):
-    """``GET /v1/models`` in router mode: the same listing, nothing below it."""
+    """``GET /v1/models`` in router mode: the same listing, nothing below it (no POST or
+    DELETE: llama-server has them at ``/models`` only)."""
 
     isLeaf = True
+
+    def render_POST(self, request: Request) -> Any:
+        return NotFound().render(request)
+
+    def render_DELETE(self, request: Request) -> Any:
+        return NotFound().render(request)
 
 
 class RouterProps(JsonResource):
@@ -135,4 +184,173 @@ class RouterEvents(Resource):
 
         unsubscribe = self.router.subscribe(listener)
         request.notifyFinish().addBoth(lambda _: unsubscribe())
+        return NOT_DONE_YET
+
+
+# llama-server's router forwards these routes to the child of the model the request names (the
+# body's "model" for a POST, ``?model=`` for a GET), refusing one that names none
+# (server.cpp's proxy_post, proxy_get). SELF_ROUTED: bankml's answer chooses the model it names
+# itself (NativeEngine.select, with the same refusals); the others read the engine, which
+# RouterGate makes the named model's first.
+SELF_ROUTED = frozenset(
+    (b"POST", path)
+    for path in (
+        b"/completion",
+        b"/completions",
+        b"/v1/completions",
+        b"/chat/completions",
+        b"/v1/chat/completions",
+        b"/responses",
+        b"/v1/responses",
+        b"/v1/messages",
+        b"/infill",
+        b"/embedding",
+        b"/embeddings",
+        b"/v1/embeddings",
+        b"/rerank",
+        b"/reranking",
+        b"/v1/rerank",
+        b"/v1/reranking",
+    )
+)
+ENGINE_ROUTED = frozenset(
+    [
+        *(
+            (b"POST", path)
+            for path in (
+                b"/props",
+                b"/tokenize",
+                b"/detokenize",
+                b"/apply-template",
+                b"/lora-adapters",
+                b"/v1/chat/completions/control",
+                b"/v1/audio/transcriptions",
+                b"/audio/transcriptions",
+                b"/v1/messages/count_tokens",
+                b"/v1/systemone",
+                b"/chat/completions/input_tokens",
+                b"/v1/chat/completions/input_tokens",
+                b"/responses/input_tokens",
+                b"/v1/responses/input_tokens",
+            )
+        ),
+        *((b"GET", path) for path in (b"/metrics", b"/lora-adapters", b"/slots")),
+    ]
+)
+
+
+def routed_name(request: Request) -> str | None:
+    """The model a request on a forwarded route names ("" when none, as llama-server reads a
+    missing, empty or non-string one); None for a POST body that is not JSON (the route's own
+    answer refuses it)."""
+    if request.method != b"POST":
+        return request.args.get(b"model", [b""])[-1].decode("utf-8", "replace")
+    content = request.content
+    if content is None:
+        return ""
+    content.seek(0)
+    raw = content.read()
+    content.seek(0)
+    try:
+        body = loads_json(raw)
+    except ValueError:
+        return None
+    name = body.get("model") if isinstance(body, dict) else None
+    return name if isinstance(name, str) else ""
+
+
+def forwarded(request: Request) -> bytes | None:
+    """Which kind of forwarded route ``request`` is on: b"self", b"engine", or None."""
+    key = (request.method, request.path.rstrip(b"/") or b"/")
+    if key in SELF_ROUTED:
+        return b"self"
+    if key in ENGINE_ROUTED or (key[0] == b"POST" and key[1].startswith(b"/slots/")):
+        return b"engine"
+    return None
+
+
+def autoload_of(request: Request) -> bool | None:
+    """A request's ``?autoload=`` (true or 1 loads; any other value does not), None when
+    absent (the server's --models-autoload), as llama-server's ``is_autoload``."""
+    asked = request.args.get(b"autoload")
+    return None if not asked else asked[-1] in (b"true", b"1")
+
+
+class RouterGate(Resource):
+    """A root in router mode: a request on a route llama-server's router forwards to a model's
+    child is refused as the router refuses it (no model named: 400 ``model name is missing from
+    the request``; unknown, refused, not loaded without autoload), and on a route that reads the
+    engine the named model is made the engine's before the route answers. Anything else goes
+    to ``root`` as it is."""
+
+    def __init__(self, root: Resource, router: Router) -> None:
+        super().__init__()
+        self.root = root
+        self.router = router
+
+    def putChild(self, path: bytes, child: Any) -> None:  # noqa: N802 (twisted's name)
+        self.root.putChild(path, child)
+
+    def render(self, request: Request) -> Any:
+        return self.root.render(request)
+
+    def getChildWithDefault(self, path: bytes, request: Request) -> Any:  # noqa: N802
+        child = self.root.getChildWithDefault(path, request)
+        kind = forwarded(request)
+        if kind is None:
+            return child
+        name = routed_name(request)
+        if name is None:
+            return child
+        autoload = autoload_of(request)
+        refused = self.router.check(name, autoload)
+        if refused is not None:
+            return _Answer(*refused)
+        if kind == b"self" or self.router.current(name):
+            return child
+        return _WhenReady(self.router, child, name, autoload)
+
+
+class _Answer(Resource):
+    """A refusal written as it is, whatever lies below."""
+
+    isLeaf = True
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__()
+        self.status = status
+        self.body = body
+
+    def render(self, request: Request) -> Any:
+        write_json(request, self.status, dumps(self.body))
+        return NOT_DONE_YET
+
+
+class _WhenReady(Resource):
+    """The named model made the engine's (on the engine thread), then the route below answers."""
+
+    isLeaf = True
+
+    def __init__(self, router: Router, child: Any, name: str, autoload: bool | None) -> None:
+        super().__init__()
+        self.router = router
+        self.child = child
+        self.name = name
+        self.autoload = autoload
+
+    def render(self, request: Request) -> Any:
+        d = self.router.bridge.call(self.router.ready, self.name, self.autoload)
+
+        def go_on(refused: tuple[int, dict[str, Any]] | None) -> None:
+            if refused is not None:
+                write_json(request, refused[0], dumps(refused[1]))
+                return
+            target = getChildForRequest(self.child, request)
+            out = target.render(request)
+            if out is not NOT_DONE_YET and not gone(request):
+                request.write(out)
+                request.finish()
+
+        d.addCallback(go_on)
+        d.addErrback(_write_failure(request))
         return NOT_DONE_YET
