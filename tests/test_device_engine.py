@@ -124,6 +124,26 @@ def test_greedy_tokens_chosen_on_the_device_equal_the_exact_paths(
     )
 
 
+def test_a_prompt_is_one_prefill_and_its_greedy_tokens_the_exact_paths(
+    device: tuple[KernelCupy, Engine], exact: Engine
+) -> None:
+    """A prompt the slot does not hold goes through the prefill (device_prefill.py): its
+    launches up to the first token are one prefill's, no decode step among them."""
+    from bankml.engine_cupy.device_prefill import launches_per_prefill
+
+    cp, engine = device
+    body = {"prompt": "Paris is a city in", "n_predict": 2, "temperature": 0}
+    start = len(cp.launches)
+    steps = engine.run_steps(engine.parse_request(dict(body), "completion"))
+    first = next(iter(steps))
+    names = [n for n, _, _ in cp.launches[start:]]
+    got = [first.token] + [c.token for c in steps]
+    want = [c.token for c in exact.run_steps(exact.parse_request(dict(body), "completion"))]
+    assert got == want
+    assert names.count("attn_prefill_f16") == 30 and "attn_decode_f16" not in names
+    assert len(names) == launches_per_prefill(30)  # the stand-in lists cuBLAS calls as "gemm"
+
+
 def test_a_seeded_top_k_draw_from_the_device_pairs_equals_the_draw_from_the_row(
     device: tuple[KernelCupy, Engine], writes: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -113,8 +113,9 @@ class DevicePrefill:
 
     def prefill(self, seq: DeviceSequence, token_ids: list[int]) -> None:
         """Append ``token_ids`` at ``seq.pos``: every layer for all of them at once, the cache
-        filled, the last row's logits into ``self.logits``, its greedy choice into
-        ``seq.token`` and pos + n. The ids go up once (4 bytes each); nothing comes back."""
+        filled, the last row's logits into ``seq.logits`` (``self.logits`` then names them, as
+        the decode step's last logits), its greedy choice into ``seq.token`` and pos + n. The
+        ids go up once (4 bytes each); nothing comes back."""
         hp, w, cp = self.hp, self.w, self.cp
         n = len(token_ids)
         if n == 0:
@@ -174,6 +175,7 @@ class DevicePrefill:
         norm_args = (x[last], self.none, I32(0), w.output_norm, self.h8, I32(d), F32(hp.rms_eps))
         self._launch("rms_norm_q8_1", (1,), (NORM_THREADS,), norm_args)
         out = w.output
+        self.logits = seq.logits  # each sequence its own, as the decode step's
         name = f"mmvq_{out.qtype.lower()}"
         self._launch(name, (out.rows,), (WARP, NWARPS), (out.w, self.h8, self.logits, I32(d)))
         self._launch("advance_pos", (1,), (WARP,), (seq.pos, I32(n - 1)))
