@@ -559,40 +559,40 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model if args.model is not None and Path(args.model).exists() else None
     ok, value = attempt(result, "kernels", lambda: kernels_vs_twins(get_xp("cuda"), model))
     if ok and model is not None:
-        from bench.kernel_check import device_step_vs_twins
+        from bench import kernel_check as kc
 
-        step_ok, step = attempt(
-            value, "device_step", lambda: device_step_vs_twins(get_xp("cuda"), model)
-        )
-        if step_ok:
-            value["device_step"] = step
-            print(
-                f"decode step on the device: same greedy tokens {step['same_tokens']}, "
-                f"steps identical to the twins {step['identical_steps']}/{len(step['steps'])}"
-            )
-        from bench.kernel_check import device_engine_vs_twins
-
-        engine_ok, served = attempt(
-            value, "device_engine", lambda: device_engine_vs_twins(get_xp("cuda"), model)
-        )
-        if engine_ok:
-            value["device_engine"] = served
-            print(
-                "engine on the decode step: same tokens as through the twins, greedy "
-                f"{served['greedy']['same_tokens']}, top-k {served['top_k']['same_tokens']}; "
-                f"{served['greedy']['decode_tokens_per_s']} tokens/s greedy"
-            )
-        from bench.kernel_check import device_prefill_vs_twins
-
-        pre_ok, pre = attempt(
-            value, "device_prefill", lambda: device_prefill_vs_twins(get_xp("cuda"), model)
-        )
-        if pre_ok:
-            value["device_prefill"] = pre
-            print(
-                f"prefill on the device: same greedy tokens {pre['same_tokens']}, logits "
-                f"{pre['logits'].get('max_rel_diff', 0.0):.2e} from the twins' (largest, relative)"
-            )
+        parts: list[tuple[str, Callable[..., Any], Callable[[Any], str]]] = [
+            (
+                "device_step",
+                kc.device_step_vs_twins,
+                lambda r: (
+                    f"decode step on the device: same greedy tokens {r['same_tokens']}, "
+                    f"steps identical to the twins {r['identical_steps']}/{len(r['steps'])}"
+                ),
+            ),
+            (
+                "device_engine",
+                kc.device_engine_vs_twins,
+                lambda r: (
+                    "engine on the decode step: same tokens as through the twins, greedy "
+                    f"{r['greedy']['same_tokens']}, top-k {r['top_k']['same_tokens']}; "
+                    f"{r['greedy']['decode_tokens_per_s']} tokens/s greedy"
+                ),
+            ),
+            (
+                "device_prefill",
+                kc.device_prefill_vs_twins,
+                lambda r: (
+                    f"prefill on the device: same greedy tokens {r['same_tokens']}, logits "
+                    f"{r['logits'].get('max_rel_diff', 0.0):.2e} from the twins' (largest, relative)"
+                ),
+            ),
+        ]
+        for name, check, summary in parts:
+            part_ok, got = attempt(value, name, lambda check=check: check(get_xp("cuda"), model))
+            if part_ok:
+                value[name] = got
+                print(summary(got))
     if ok:
         print(f"CUDA kernels identical to their twins: {value['identical']}/{value['checked']}")
         return value

@@ -112,6 +112,12 @@ def test_each_verdict_acts_as_it_says(flag: Flag) -> None:
             argv, notes = _run(flag, spelling)
             assert notes == [f"ignoring {spelling}: {flag.reason}"]
             assert spelling not in argv
+        elif flag.name == "models-preset":  # with -m, llama-server's single-model mode
+            argv, notes = _run(flag, spelling)
+            assert notes == [
+                "ignoring --models-preset: with -m one model is served and no preset read"
+            ]
+            assert spelling not in argv
         else:
             argv, notes = _run(flag, spelling)
             assert notes == [] and f"--{flag.name}" in argv

@@ -69,6 +69,20 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> SigningKey:
     return keygen(tmp_path_factory.mktemp("embed-models-key") / "receipt-key.pem")
 
 
+def _embedding_server(
+    registry: Path, key: SigningKey, model: Path, fork: Path, home: Path, flags: list[str]
+) -> NativeProcess:
+    """A native server of the registry with --embeddings, signing receipts, and ``flags``."""
+    proc = native_process(model, fork, home)
+    proc.engine_args += [
+        *("--registry", str(registry)),
+        *("--receipt-key", str(key.path)),
+        *flags,
+        "--embeddings",
+    ]
+    return proc
+
+
 @pytest.fixture(scope="module")
 def server(
     registry: Path,
@@ -77,13 +91,8 @@ def server(
     default_fork: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[NativeProcess]:
-    proc = native_process(default_model, default_fork, tmp_path_factory.mktemp("embed-home"))
-    proc.engine_args += [
-        *("--registry", str(registry)),
-        *("--receipt-key", str(key.path)),
-        "--embeddings",
-    ]
-    with proc:
+    home = tmp_path_factory.mktemp("embed-home")
+    with _embedding_server(registry, key, default_model, default_fork, home, []) as proc:
         yield proc
 
 
@@ -211,14 +220,9 @@ def several(
     default_fork: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[NativeProcess]:
-    proc = native_process(default_model, default_fork, tmp_path_factory.mktemp("embed-several"))
-    proc.engine_args += [
-        *("--registry", str(registry)),
-        *("--receipt-key", str(key.path)),
-        *("--max-loaded", "2", "--parallel", "2", "--max-queue", "1"),
-        "--embeddings",
-    ]
-    with proc:
+    home = tmp_path_factory.mktemp("embed-several")
+    flags = ["--max-loaded", "2", "--parallel", "2", "--max-queue", "1"]
+    with _embedding_server(registry, key, default_model, default_fork, home, flags) as proc:
         yield proc
 
 

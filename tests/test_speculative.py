@@ -163,13 +163,24 @@ def test_the_slots_say_they_speculate(pair: Any, request: pytest.FixtureRequest)
 two_slots = pair_fixture(["-c", "2048", "-np", "2", "--temp", "0", "--spec-type", "ngram-simple"])
 
 
+# Two prompts of one length (89 tokens): llama-server, with a KV stream per slot, cuts a batch
+# into micro-batches with as many rows of each slot (split_equal). Prompts of unequal lengths sent
+# at once would leave the longer one's last rows to a micro-batch of their own, under 64 rows, so
+# on its one-row attention path: an answer that depends on the requests' arrival. Of equal
+# lengths, both run whole on the tiled path (and a prompt that arrives a step late loses only its
+# first row to a micro-batch beside the other slot's token, where attention over one cell is
+# exact on either path), as each would alone.
+LONGER_CODE = CODE + "\n\ndef div(a, b):\n    return a / b\n\n\ndef neg(a):\n    return -a\n"
+TWO_PROMPTS = [
+    PROMPT.replace(CODE, LONGER_CODE),
+    PROMPT.replace(CODE, LONGER_CODE).replace("Python", "Ruby"),
+]
+
+
 def test_two_slots_drafting_at_once_answer_as_llama_server(two_slots: Pair) -> None:
     """Two requests at once on two slots, each drafting from its own history: the check passes
     run beside the other slot's steps, and each answer is still llama-server's."""
-    bodies = [
-        completion(n_predict=60),
-        completion(prompt=PROMPT.replace("Python", "small Python"), n_predict=60),
-    ]
+    bodies = [completion(prompt=prompt, n_predict=60) for prompt in TWO_PROMPTS]
     answers = []
     for port in two_slots.ports:
         with ThreadPoolExecutor(2) as pool:
@@ -183,6 +194,7 @@ def test_two_slots_drafting_at_once_answer_as_llama_server(two_slots: Pair) -> N
             "draft_n_accepted"
         )
     assert {a["id_slot"] for a in ours} == {0, 1}  # both slots ran
+    assert all(a["timings"]["draft_n_accepted"] > 0 for a in ours)  # and both drafted
 
 
 # --- the parts, without a server --------------------------------------------------------------

@@ -193,8 +193,9 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     if router:
         model = _router_startup(out)
     elif "--models-preset" in out and "--models-dir" not in out:
-        # llama-server's single-model mode (-m) does not read a preset
+        # llama-server's single-model mode (-m) does not read a preset: say so, as for a flag
         out = _dropped(out, {"--models-preset": True})
+        notes.append("ignoring --models-preset: with -m one model is served and no preset read")
     if model is None:
         raise FlagError(
             "-m FILE is required: the model to serve (or --models-dir DIR, --models-preset FILE)"
