@@ -3,10 +3,13 @@ returns for ``device="cuda"`` when ``device_step.unsupported`` finds nothing aga
 
 ``DeviceModel`` is a ``Model`` whose weights are ``DeviceWeights`` (the GGUF blocks on the
 device) and whose caches are ``DeviceCache``s, each a ``DeviceSequence`` (a slot's K/V,
-position, next token and logits on the device). ``forward(tokens, cache)`` runs a prompt of
-several tokens through the prefill (device_prefill.py: all its rows at once, in chunks of
-``PREFILL_ROWS`` as llama-server's micro-batches, so the attention scratch stays bounded) and
-a single token through one decode step, and returns a ``DeviceLogits``: a handle on the sequence's last logits, still on the device, that the
+position, next token and logits on the device). ``forward(tokens, cache)`` runs a pass's tokens
+before its last through the prefill without its head (device_prefill.py: the cache only, all
+rows at once, in chunks of ``PREFILL_ROWS`` as llama-server's micro-batches, so the attention
+scratch stays bounded) and its last token through one decode step, so the logits a draw reads
+are always a step's, whether the prompt was evaluated afresh or its last token re-evaluated
+over held cells (docs/modules/device_model.md has the rule). It returns a ``DeviceLogits``: a
+handle on the sequence's last logits, still on the device, that the
 engine's draw reads only as far as the request needs (device_sampling.py): the greedy token the
 step chose (4 bytes), the top-k pairs (2k + 1 ints), or the whole row (V floats). A token the
 device already holds (the greedy choice read back) is not written again, so a greedy decode
@@ -184,16 +187,16 @@ class DeviceModel(Model):
         return DeviceCache(self.step, n_ctx)
 
     def forward(self, tokens: Sequence[int], cache: DeviceCache, all_logits: bool = False) -> Any:
-        """The prefill for several tokens, one decode step for one; the last row's logits as a
-        ``DeviceLogits`` (with ``all_logits``, every token's on the host: one step each)."""
+        """The tokens before the last through the prefill (the cache only), the last through
+        one decode step: the logits sampling reads are always a step's (module doc). The last
+        row's logits as a ``DeviceLogits`` (with ``all_logits``, every token's on the host: one
+        step each)."""
         self._check_rows(tokens, cache)
         if len(tokens) > 1 and not all_logits:
-            for start in range(0, len(tokens), PREFILL_ROWS):
-                chunk = [int(t) for t in tokens[start : start + PREFILL_ROWS]]
-                self.prefill.prefill(cache.seq, chunk)
-            cache.known_token = None  # the prefill's argmax wrote it; not read yet
-            cache.steps += 1
-            return DeviceLogits(cache)
+            before = [int(t) for t in tokens[:-1]]
+            for start in range(0, len(before), PREFILL_ROWS):
+                self.prefill.prefill(cache.seq, before[start : start + PREFILL_ROWS], logits=False)
+            tokens = tokens[-1:]
         rows = []
         for token in tokens:
             if cache.known_token != int(token):
