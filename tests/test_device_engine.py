@@ -501,3 +501,38 @@ def test_a_prompt_cache_entry_is_a_device_copy_put_back_bit_for_bit(
     assert cache.n_tokens == 3 and int(cache.seq.pos.get()[0]) == 3
     assert cache.seq.k.host_view[:, :, :3].tobytes() == k.tobytes()
     assert cache.seq.v.host_view[:, :, :3].tobytes() == v.tobytes()
+
+
+def test_a_pass_longer_than_a_prefill_is_prefilled_in_chunks_then_one_step(
+    tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass of more rows than ``PREFILL_ROWS`` (set to 2 here): its rows before the last in
+    prefills of at most that many, then one step for the last, the position after all of
+    them; the same greedy token as one prefill of the same rows. A speculative check
+    (all_logits) is one step a token, no prefill."""
+    from gguf import GGMLQuantizationType as T
+
+    from bankml.engine_cupy import device_model as dm
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "qwen2.gguf", TinySpec("qwen2", T.Q8_0), default_model)
+    cp = KernelCupy()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", cp)
+        model = Model.load(path, device="cuda", progress=False)
+    assert isinstance(model, DeviceModel)
+    ids = [1, 504, 3458, 11, 7, 9]
+    whole = model.new_cache(16)
+    want = model.forward(ids, whole).greedy()
+    monkeypatch.setattr(dm, "PREFILL_ROWS", 2)
+    cache = model.new_cache(16)
+    start = len(cp.launches)
+    got = model.forward(ids, cache)
+    names = [n for n, _, _ in cp.launches[start:]]
+    assert names.count("advance_pos") == 3 and names.count("argmax_f32") == 1  # 2 + 2 + 1, 1
+    assert names[-1] == "argmax_f32" and cache.n_tokens == len(ids) == int(cache.seq.pos.get()[0])
+    assert got.greedy() == want
+    start = len(cp.launches)
+    rows = model.forward([5, 6, 8], cache, all_logits=True)
+    names = [n for n, _, _ in cp.launches[start:]]
+    assert rows.shape[0] == 3 and names.count("argmax_f32") == 3 and "advance_pos" not in names
