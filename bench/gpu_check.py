@@ -548,6 +548,12 @@ def chosen_models(args: argparse.Namespace) -> tuple[list[TinySpec], bool]:
     return list(QUICK_SPECS if args.quick else TINY_SPECS), not args.quick
 
 
+def _passes(part: dict[str, Any]) -> str:
+    """A request's prompt passes through the twins (kernel_check.device_engine_vs_twins)."""
+    p = part["prompt_passes_on_twins"]
+    return f"{part['prompt_n']} tokens: {p['prefills']} prefill(s) + {p['steps']} step(s)"
+
+
 def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
     """The CUDA kernels against their NumPy twins (bench/kernel_check.py) on a CUDA device."""
     if args.device != "cuda":
@@ -576,7 +582,8 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
                 lambda r: (
                     "engine on the decode step: same tokens as through the twins, greedy "
                     f"{r['greedy']['same_tokens']}, top-k {r['top_k']['same_tokens']}; "
-                    f"{r['greedy']['decode_tokens_per_s']} tokens/s greedy"
+                    f"{r['greedy']['decode_tokens_per_s']} tokens/s greedy; prompt "
+                    f"{_passes(r['greedy'])}, held prompt {_passes(r['top_k'])}"
                 ),
             ),
             (

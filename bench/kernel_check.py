@@ -183,11 +183,21 @@ def _engine_answers(cp: ModuleType, model: Path, n_predict: int) -> list[dict[st
         else:
             sys.modules["cupy"] = saved
     out = []
+    launches = getattr(cp, "launches", None)  # the stand-in lists its launches; a device not
     for sampling in ({"temperature": 0}, {"top_k": 40, "temperature": 0.8, "seed": 1}):
         body = {"prompt": ENGINE_PROMPT, "n_predict": n_predict, **sampling}
         steps = engine.run_steps(engine.parse_request(body, "completion"))
-        tokens = [chunk.token for chunk in steps]
-        out.append({"tokens": tokens, "timings": steps.summary.timings})
+        mark = len(launches) if launches is not None else 0
+        tokens, prompt = [], None
+        for chunk in steps:
+            if launches is not None and prompt is None:  # the prompt's passes, to its 1st token
+                names = [name for name, _, _ in launches[mark:]]
+                # a prefill ends in advance_pos, a step in argmax_f32 (device_model.md's rule)
+                prefills, passes = names.count("advance_pos"), names.count("argmax_f32")
+                prompt = {"prefills": prefills, "steps": passes, "launches": len(names)}
+            tokens.append(chunk.token)
+        timings = steps.summary.timings
+        out.append({"tokens": tokens, "timings": timings, "prompt_passes": prompt})
     return out
 
 
@@ -195,7 +205,9 @@ def device_engine_vs_twins(cp: ModuleType, model: Path, n_predict: int = 8) -> d
     """The engine on the decode step (engine_cupy/device_model.py), on the device against the
     same engine through the twins: greedy tokens (argmax on the device) and seeded top-k tokens
     (the top_k_f32 pairs, the host finishing the chain), and the device's decode tokens/s as
-    the engine reports them (predicted_per_second)."""
+    the engine reports them (predicted_per_second); through the twins, each request's prompt
+    passes (prefills and steps up to its first token: the greedy request's prompt is new to the
+    slot, the top-k request's found whole in it) and the prompt's tokens and tokens/s."""
     from tests.fake_cupy_kernels import KernelCupy
 
     started = time.monotonic()
@@ -207,6 +219,9 @@ def device_engine_vs_twins(cp: ModuleType, model: Path, n_predict: int = 8) -> d
             "tokens": g["tokens"],
             "same_tokens": g["tokens"] == w["tokens"],
             "decode_tokens_per_s": round(g["timings"]["predicted_per_second"], 1),
+            "prompt_n": g["timings"]["prompt_n"],
+            "prompt_tokens_per_s": round(g["timings"]["prompt_per_second"], 1),
+            "prompt_passes_on_twins": w["prompt_passes"],
         }
     out["elapsed_s"] = round(time.monotonic() - started, 2)
     return out

@@ -124,6 +124,31 @@ def test_greedy_tokens_chosen_on_the_device_equal_the_exact_paths(
     )
 
 
+def test_a_prompt_is_one_prefill_then_one_step_and_its_greedy_tokens_the_exact_paths(
+    device: tuple[KernelCupy, Engine], exact: Engine
+) -> None:
+    """A prompt the slot does not hold: its tokens before the last through the prefill
+    (device_prefill.py, the cache only, no output head), its last token through one decode
+    step, whose logits the first draw reads; the greedy tokens are the exact path's."""
+    from bankml.engine_cupy.device_prefill import launches_per_prefill
+
+    cp, engine = device
+    body = {"prompt": "Paris is a city in", "n_predict": 2, "temperature": 0}
+    start = len(cp.launches)
+    steps = engine.run_steps(engine.parse_request(dict(body), "completion"))
+    first = next(iter(steps))
+    names = [n for n, _, _ in cp.launches[start:]]
+    got = [first.token] + [c.token for c in steps]
+    want = [c.token for c in exact.run_steps(exact.parse_request(dict(body), "completion"))]
+    assert got == want
+    assert steps.summary.timings["prompt_n"] == len(engine.tokenize(body["prompt"], True)) > 2
+    prefill, step = names[:-PER_STEP], names[-PER_STEP:]
+    assert len(prefill) == launches_per_prefill(30, logits=False)  # cuBLAS calls: "gemm"
+    assert prefill.count("attn_prefill_f16") == 30 and "attn_decode_f16" not in prefill
+    assert "argmax_f32" not in prefill and step.count("attn_decode_f16") == 30
+    assert step[-1] == "argmax_f32"
+
+
 def test_a_seeded_top_k_draw_from_the_device_pairs_equals_the_draw_from_the_row(
     device: tuple[KernelCupy, Engine], writes: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -219,15 +244,18 @@ def test_a_model_the_step_does_not_play_keeps_the_array_path(
 
 def test_two_slots_step_in_turn_each_with_its_own_logits(default_model: Path) -> None:
     """Two runs advanced side by side as the scheduler advances them (forward_rows: both slots'
-    steps, then both draws): each slot's sequence keeps its own logits on the device, so each
-    run's top-k draws are those it gets alone."""
+    passes, then both draws): each slot's sequence keeps its own logits on the device, so each
+    run's top-k draws are those it gets alone, with its prompt found whole in its slot (the
+    last prompt token one step again) and evaluated afresh (cache_prompt false). Each prompt's
+    pass is a prefill then one step, whose logits the draw reads (device_model.md), so the
+    three give the same bits."""
     from bankml.native.scheduler import forward_rows
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "cupy", KernelCupy())
         engine = Engine.open(default_model, n_ctx=32, device="cuda", n_slots=2)
     sampling = {"n_predict": 2, "top_k": 10, "temperature": 0.7, "seed": 3}
-    bodies = [{"prompt": p, **sampling} for p in ("Hi", "Paris is")]
+    bodies = [{"prompt": p, **sampling} for p in ("Hi there, my", "Paris is the capital")]
     runs = [engine.run_steps(engine.parse_request(b, "completion")).coroutine for b in bodies]
     tokens: list[list[int]] = [[], []]
     replies: list[Any] = [None, None]
@@ -252,10 +280,15 @@ def test_two_slots_step_in_turn_each_with_its_own_logits(default_model: Path) ->
                 replies[i] = row
     slots = {s.id: s.tokens for s in engine.slots}
     assert slots[0] != slots[1]  # a slot each
-    alone = [
-        [c.token for c in engine.run_steps(engine.parse_request(b, "completion"))] for b in bodies
-    ]
-    assert tokens == alone and all(len(t) == 2 for t in tokens)
+    assert tokens[0] != tokens[1] and all(len(t) == 2 for t in tokens)
+    for body, side_by_side in zip(bodies, tokens):
+        held = engine.run_steps(engine.parse_request(body, "completion"))
+        assert [c.token for c in held] == side_by_side
+        assert held.summary.timings["prompt_n"] == 1  # found whole in its slot
+        fresh_body = {**body, "cache_prompt": False}
+        fresh = engine.run_steps(engine.parse_request(fresh_body, "completion"))
+        assert [c.token for c in fresh] == side_by_side
+        assert fresh.summary.timings["prompt_n"] == len(engine.tokenize(body["prompt"], True)) > 2
 
 
 @pytest.fixture(scope="module")
@@ -381,6 +414,14 @@ def test_the_gpu_checks_device_engine_report(tmp_path: Path, default_model: Path
     for part in ("greedy", "top_k"):
         assert report[part]["same_tokens"] and len(report[part]["tokens"]) == 2, report
         assert isinstance(report[part]["decode_tokens_per_s"], float)  # a figure, not a bound
+    # the greedy request's prompt is new to the slot: a prefill then a step; the top-k
+    # request finds it whole: its last token one step again
+    n_prompt = report["greedy"]["prompt_n"]
+    assert n_prompt > 2 and report["top_k"]["prompt_n"] == 1
+    assert report["greedy"]["prompt_passes_on_twins"]["prefills"] == 1
+    assert report["greedy"]["prompt_passes_on_twins"]["steps"] == 1
+    assert report["top_k"]["prompt_passes_on_twins"]["prefills"] == 0
+    assert report["top_k"]["prompt_passes_on_twins"]["steps"] == 1
     assert sys.modules.get("cupy") is before  # the check puts back the module it found
 
 
@@ -460,3 +501,38 @@ def test_a_prompt_cache_entry_is_a_device_copy_put_back_bit_for_bit(
     assert cache.n_tokens == 3 and int(cache.seq.pos.get()[0]) == 3
     assert cache.seq.k.host_view[:, :, :3].tobytes() == k.tobytes()
     assert cache.seq.v.host_view[:, :, :3].tobytes() == v.tobytes()
+
+
+def test_a_pass_longer_than_a_prefill_is_prefilled_in_chunks_then_one_step(
+    tmp_path: Path, default_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass of more rows than ``PREFILL_ROWS`` (set to 2 here): its rows before the last in
+    prefills of at most that many, then one step for the last, the position after all of
+    them; the same greedy token as one prefill of the same rows. A speculative check
+    (all_logits) is one step a token, no prefill."""
+    from gguf import GGMLQuantizationType as T
+
+    from bankml.engine_cupy import device_model as dm
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "qwen2.gguf", TinySpec("qwen2", T.Q8_0), default_model)
+    cp = KernelCupy()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", cp)
+        model = Model.load(path, device="cuda", progress=False)
+    assert isinstance(model, DeviceModel)
+    ids = [1, 504, 3458, 11, 7, 9]
+    whole = model.new_cache(16)
+    want = model.forward(ids, whole).greedy()
+    monkeypatch.setattr(dm, "PREFILL_ROWS", 2)
+    cache = model.new_cache(16)
+    start = len(cp.launches)
+    got = model.forward(ids, cache)
+    names = [n for n, _, _ in cp.launches[start:]]
+    assert names.count("advance_pos") == 3 and names.count("argmax_f32") == 1  # 2 + 2 + 1, 1
+    assert names[-1] == "argmax_f32" and cache.n_tokens == len(ids) == int(cache.seq.pos.get()[0])
+    assert got.greedy() == want
+    start = len(cp.launches)
+    rows = model.forward([5, 6, 8], cache, all_logits=True)
+    names = [n for n, _, _ in cp.launches[start:]]
+    assert rows.shape[0] == 3 and names.count("argmax_f32") == 3 and "advance_pos" not in names

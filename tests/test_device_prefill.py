@@ -175,7 +175,8 @@ def test_prefill_against_the_exact_path_and_the_step(
 
 def test_prefill_in_two_parts_and_its_limits(tiny_models: dict[str, Path]) -> None:
     """A prompt in two prefills (the second from position 5, the first's cache read back by
-    its attention) ends where one prefill ends; too many tokens or none are refused first."""
+    its attention) ends where one prefill ends; without logits the same cells, no head; too
+    many tokens or none are refused first."""
     path = tiny_models["qwen2-Q8_0"]
     cp, step = _device_step(path)
     prefill = dp.DevicePrefill(cp, step.w, step.kernels)
@@ -190,6 +191,20 @@ def test_prefill_in_two_parts_and_its_limits(tiny_models: dict[str, Path]) -> No
     assert step.chosen(parts) == step.chosen(whole)
     assert numpy.abs(prefill.host_logits() - logits).max() < 1e-2 * numpy.abs(logits).max()
     assert numpy.abs(_f16(parts.k) - _f16(whole.k)).max() < 1e-2 * numpy.abs(_f16(whole.k)).max()
+    # the cache only (logits=False, the engine's rows before a pass's last): the same cells
+    # and position, no output head, the sequence's logits and next token left as they were
+    cells = step.new_sequence(16)
+    token, row = cells.token.get().copy(), cells.logits.get().copy()
+    start = len(cp.launches)
+    prefill.prefill(cells, PROMPT, logits=False)
+    names = [n for n, _, _ in cp.launches[start:]]
+    assert len(names) == dp.launches_per_prefill(step.hp.n_layer, logits=False) == 19 * 2 + 2
+    assert names[-1] == "advance_pos" and "argmax_f32" not in names
+    assert int(cells.pos.get()[0]) == len(PROMPT) == cells.n_tokens
+    assert _f16(cells.k).tobytes() == _f16(whole.k).tobytes()
+    assert _f16(cells.v).tobytes() == _f16(whole.v).tobytes()
+    assert cells.token.get().tobytes() == token.tobytes()
+    assert cells.logits.get().tobytes() == row.tobytes()
     launches = len(cp.launches)
     with pytest.raises(ValueError, match="holds 16"):
         prefill.prefill(parts, list(range(8)))

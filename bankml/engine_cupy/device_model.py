@@ -3,9 +3,13 @@ returns for ``device="cuda"`` when ``device_step.unsupported`` finds nothing aga
 
 ``DeviceModel`` is a ``Model`` whose weights are ``DeviceWeights`` (the GGUF blocks on the
 device) and whose caches are ``DeviceCache``s, each a ``DeviceSequence`` (a slot's K/V,
-position, next token and logits on the device). ``forward(tokens, cache)`` runs one decode step
-per token (a prompt too, one step each: there is no prefill kernel yet) and returns a
-``DeviceLogits``: a handle on the sequence's last logits, still on the device, that the
+position, next token and logits on the device). ``forward(tokens, cache)`` runs a pass's tokens
+before its last through the prefill without its head (device_prefill.py: the cache only, all
+rows at once, in chunks of ``PREFILL_ROWS`` as llama-server's micro-batches, so the attention
+scratch stays bounded) and its last token through one decode step, so the logits a draw reads
+are always a step's, whether the prompt was evaluated afresh or its last token re-evaluated
+over held cells (docs/modules/device_model.md has the rule). It returns a ``DeviceLogits``: a
+handle on the sequence's last logits, still on the device, that the
 engine's draw reads only as far as the request needs (device_sampling.py): the greedy token the
 step chose (4 bytes), the top-k pairs (2k + 1 ints), or the whole row (V floats). A token the
 device already holds (the greedy choice read back) is not written again, so a greedy decode
@@ -26,6 +30,7 @@ from typing import Any
 
 import numpy
 
+from bankml.engine_cupy.device_prefill import DevicePrefill
 from bankml.engine_cupy.device_step import DeviceSequence, DeviceStep, DeviceWeights
 from bankml.engine_cupy.kernels.progress import CompileStats
 from bankml.engine_cupy.model import Model
@@ -33,6 +38,7 @@ from bankml.engine_cupy.passes import PassLogits, pass_groups
 from bankml.engine_cupy.weights import HParams, UnsupportedModel
 
 F32 = numpy.float32
+PREFILL_ROWS = 512  # a prompt's rows per prefill: llama-server's default micro-batch
 
 
 class DeviceCache:
@@ -164,6 +170,7 @@ class DeviceModel(Model):
     def __init__(self, hp: HParams, xp: ModuleType, path: str, reader: Any, step: DeviceStep):
         super().__init__(hp, None, xp, path, reader, exact=False)  # type: ignore[arg-type]
         self.step = step
+        self.prefill = DevicePrefill(xp, step.w, step.kernels)
         self._shares_passes = False
 
     @classmethod
@@ -180,9 +187,16 @@ class DeviceModel(Model):
         return DeviceCache(self.step, n_ctx)
 
     def forward(self, tokens: Sequence[int], cache: DeviceCache, all_logits: bool = False) -> Any:
-        """One decode step per token; the last step's logits as a ``DeviceLogits`` (every
-        step's, on the host, with ``all_logits``)."""
+        """The tokens before the last through the prefill (the cache only), the last through
+        one decode step: the logits sampling reads are always a step's (module doc). The last
+        row's logits as a ``DeviceLogits`` (with ``all_logits``, every token's on the host: one
+        step each)."""
         self._check_rows(tokens, cache)
+        if len(tokens) > 1 and not all_logits:
+            before = [int(t) for t in tokens[:-1]]
+            for start in range(0, len(before), PREFILL_ROWS):
+                self.prefill.prefill(cache.seq, before[start : start + PREFILL_ROWS], logits=False)
+            tokens = tokens[-1:]
         rows = []
         for token in tokens:
             if cache.known_token != int(token):
@@ -226,10 +240,13 @@ class DeviceModel(Model):
     ) -> CompileStats:
         """Build each kernel the step launches (CuPy compiles it, or loads its cache)."""
         names = {"rms_norm_q8_1", "rope_kv_f16", "attn_decode_f16", "swiglu_q8_1"}
-        names |= {"argmax_f32", "top_k_f32", f"get_rows_{self.step.w.embd_qtype.lower()}"}
+        embd = f"get_rows_{self.step.w.embd_qtype.lower()}"
+        names |= {"argmax_f32", "top_k_f32", embd, f"{embd}_n", "rope_kv_f16_n"}
+        names |= {"add_rms_norm_f16", "attn_prefill_f16", "swiglu_f16", "advance_pos"}
         w = self.step.w
         for m in [w.output] + [getattr(layer, a) for layer in w.layers for a in _MATS]:
             names.add(f"mmvq_{m.qtype.lower()}")
+            names.add(f"dequantize_f16_{m.qtype.lower()}")
         for name in sorted(names):
             self.step.kernels.function(name)
         if alongside is not None:

@@ -24,6 +24,10 @@ backend does for a batch of rows where it has no MMQ kernel. The residual stream
     rms_norm_q8_1, mmvq output       the last row's logits, as the decode step's
     advance_pos, argmax_f32          pos + n, the greedy token into the sequence
 
+``prefill(seq, ids, logits=False)`` (the engine's prompt rows before their last one, which a
+decode step then evaluates: device_model.py) leaves the head's four launches out; its
+``advance_pos`` moves the position by n.
+
 Each kernel has a NumPy twin (device_prefill_twins); tests/fake_cupy_prefill.py runs this
 module through them.
 """
@@ -58,11 +62,14 @@ U16 = numpy.uint16
 KERNELS_PER_LAYER = 12  # 2 norms, 7 dequantizations, RoPE, attention, SwiGLU
 GEMMS_PER_LAYER = 7
 KERNELS_OUTSIDE_LAYERS = 6  # embedding rows; last add, output norm, product; position; argmax
+KERNELS_OF_THE_HEAD = 4  # last add, output norm, product, argmax: left out without logits
 
 
-def launches_per_prefill(n_layer: int) -> int:
-    """Kernel launches and cuBLAS calls of one prefill, whatever the prompt's length."""
-    return (KERNELS_PER_LAYER + GEMMS_PER_LAYER) * n_layer + KERNELS_OUTSIDE_LAYERS
+def launches_per_prefill(n_layer: int, logits: bool = True) -> int:
+    """Kernel launches and cuBLAS calls of one prefill, whatever the prompt's length (without
+    ``logits``, the cache only: no output head)."""
+    outside = KERNELS_OUTSIDE_LAYERS - (0 if logits else KERNELS_OF_THE_HEAD)
+    return (KERNELS_PER_LAYER + GEMMS_PER_LAYER) * n_layer + outside
 
 
 def _blocks(n: int) -> int:
@@ -111,10 +118,13 @@ class DevicePrefill:
         args = (x, delta, I32(has_delta), weight, y, I32(self.hp.n_embd), F32(self.hp.rms_eps))
         self._launch("add_rms_norm_f16", (rows,), (NORM_THREADS,), args)
 
-    def prefill(self, seq: DeviceSequence, token_ids: list[int]) -> None:
+    def prefill(self, seq: DeviceSequence, token_ids: list[int], logits: bool = True) -> None:
         """Append ``token_ids`` at ``seq.pos``: every layer for all of them at once, the cache
-        filled, the last row's logits into ``self.logits``, its greedy choice into
-        ``seq.token`` and pos + n. The ids go up once (4 bytes each); nothing comes back."""
+        filled, the last row's logits into ``seq.logits`` (``self.logits`` then names them, as
+        the decode step's last logits), its greedy choice into ``seq.token`` and pos + n. The
+        ids go up once (4 bytes each); nothing comes back. Without ``logits`` the cache only
+        (no output head; ``seq.logits`` and ``seq.token`` untouched): the engine's prompt
+        rows before the last, whose last row a decode step then evaluates (device_model.py)."""
         hp, w, cp = self.hp, self.w, self.cp
         n = len(token_ids)
         if n == 0:
@@ -169,11 +179,16 @@ class DevicePrefill:
             values = n * hp.n_ff
             self._launch("swiglu_f16", (_blocks(values),), (THREADS,), (gate, up, ff, I32(values)))
             self._product(layer.down, ff, delta)
+        if not logits:
+            self._launch("advance_pos", (1,), (WARP,), (seq.pos, I32(n)))
+            seq.n_tokens += n
+            return
         last = n - 1
         self._norm(x[last:], delta[last:], True, w.output_norm, h16[last:], 1)
         norm_args = (x[last], self.none, I32(0), w.output_norm, self.h8, I32(d), F32(hp.rms_eps))
         self._launch("rms_norm_q8_1", (1,), (NORM_THREADS,), norm_args)
         out = w.output
+        self.logits = seq.logits  # each sequence its own, as the decode step's
         name = f"mmvq_{out.qtype.lower()}"
         self._launch(name, (out.rows,), (WARP, NWARPS), (out.w, self.h8, self.logits, I32(d)))
         self._launch("advance_pos", (1,), (WARP,), (seq.pos, I32(n - 1)))
