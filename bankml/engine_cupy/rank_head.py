@@ -19,7 +19,8 @@ and llama-server's score is element 0 (send_rerank: ``embd[0]``). The pair's tok
 adds it), the query, EOS, SEP (when added), the document, EOS.
 
 ``rank_head(engine)`` gives the head of an opened decoder ``Engine`` (None where the file has
-none); ``score(tokens)`` computes one pair alone (``Engine.hidden_states``).
+none); ``score(tokens)`` computes one pair alone (``Engine.hidden_states``),
+``rank_score_each(pairs)`` several, each the same bits (``Engine.hidden_states_batch``).
 """
 
 from __future__ import annotations
@@ -79,9 +80,19 @@ class RankHead:
 
     def scores(self, tokens: Sequence[int]) -> numpy.ndarray:
         """The head's output for one pair alone: the labels' soft-maxed values, float32."""
-        row = numpy.ascontiguousarray(self.engine.hidden_states(tokens)[-1:], dtype=F32)
+        return self._head(self.engine.hidden_states(tokens))
+
+    def _head(self, hidden: numpy.ndarray) -> numpy.ndarray:
+        """The last row of one pair's hidden states through the head (one row, as alone)."""
+        row = numpy.ascontiguousarray(hidden[-1:], dtype=F32)
         logits = numpy.asarray(self.weight.matmul(row), dtype=F32).reshape(-1)
         return soft_max(logits)
+
+    def rank_score_each(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        """``rank_score`` of each pair, bit for bit: the pairs' hidden states through the
+        engine's ``hidden_states_batch`` (shared passes where the model allows), the head on
+        each pair's last row alone."""
+        return [float(self._head(h)[0]) for h in self.engine.hidden_states_batch(pairs)]
 
     def rank_score(self, tokens: Sequence[int]) -> float:
         """llama-server's /rerank score of the pair: the first label's value."""
