@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bankml.engine_cupy.engine import Engine
-from bankml.engine_cupy.passes import SHARED_PASS_ROWS, hidden_passes
+from bankml.engine_cupy.passes import SHARED_INPUT_ROWS, hidden_passes
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +22,12 @@ def engine(default_model: Path) -> Engine:
     return Engine.open(default_model, n_ctx=1024, device="cpu")
 
 
-def test_hidden_passes_group_inputs_in_order_within_the_rows() -> None:
-    assert hidden_passes([2, 1, 41, 3], 512, True) == [[0, 1, 2, 3]]
-    assert hidden_passes([100, 20, 10, 600, 5], 512, True) == [[0, 1], [2], [3], [4]]
-    assert hidden_passes([SHARED_PASS_ROWS + 1, 3, 4], 512, True) == [[0], [1, 2]]
-    assert hidden_passes([60, 60, 60], 40, True) == [[0], [1], [2]]  # over one micro-batch
+def test_hidden_passes_group_short_inputs_in_order_within_the_rows() -> None:
+    assert hidden_passes([2, 1, 41, 3], 512, True) == [[0, 1], [2], [3]]
+    assert hidden_passes([30] * 5, 512, True) == [[0, 1, 2, 3], [4]]  # 120 rows, then 30
+    assert hidden_passes([100, 20, 10, 600, 5], 512, True) == [[0], [1, 2], [3], [4]]
+    assert hidden_passes([SHARED_INPUT_ROWS + 1, 3, 4], 512, True) == [[0], [1, 2]]
+    assert hidden_passes([20, 20, 20], 16, True) == [[0], [1], [2]]  # over one micro-batch
     assert hidden_passes([2, 3], 512, False) == [[0], [1]]
 
 
@@ -35,7 +36,7 @@ def test_inputs_sharing_passes_are_each_alone_bits(
 ) -> None:
     model = engine.model
     assert model.shares_passes  # Q4_1 and Q8_0 products: a row's bits do not depend on others
-    texts = ["Hello world", "x", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
+    texts = ["Hello world", "x", "The quick brown fox jumps over the lazy dog. " * 2, "a b c"]
     inputs = [engine.prompt_tokens(t) for t in texts]
     inputs.append(list(range(100, 700)))  # over -ub 512: two micro-batches of its own
     assert min(map(len, inputs)) == 1
@@ -49,7 +50,9 @@ def test_inputs_sharing_passes_are_each_alone_bits(
 
     monkeypatch.setattr(model, "hidden_states", counted)
     both = engine.hidden_states_batch(inputs)
-    assert singles == [600]  # the four short inputs in one pass, the long one alone
+    assert singles == [
+        600
+    ]  # the four short inputs (1 to 21 tokens) in one pass, the long one alone
     for a, b in zip(alone, both, strict=True):
         assert a.dtype == b.dtype == np.float32
         assert np.array_equal(a, b)

@@ -343,8 +343,8 @@ class Encoder:
     def hidden_states_each(self, sequences: Sequence[Sequence[int]]) -> list[numpy.ndarray]:
         """``hidden_states`` of each sequence alone in its micro-batch, bit for bit, computed
         together: where the products allow it (``shares_rows`` at the shortest sequence's
-        length), as many sequences as fit ``passes.SHARED_PASS_ROWS`` rows a pass (a longer
-        one alone), every product multiplies all the pass's rows at once, LayerNorm, GELU and
+        length), the sequences of at most ``passes.SHARED_INPUT_ROWS`` tokens as many as fit
+        ``passes.SHARED_PASS_ROWS`` rows a pass (a longer one alone), every product multiplies all the pass's rows at once, LayerNorm, GELU and
         the adds are row by row, and the attention is each sequence's own, over its rows alone
         (its own kernel, tiles and mask of zeros, as alone). Otherwise one after the other."""
         seqs = [numpy.asarray(list(s), dtype=numpy.int64) for s in sequences]

@@ -530,8 +530,8 @@ class Model:
         """``hidden_states(tokens[i], caches[i], n_ubatch)`` of several inputs, each bit for
         bit its own call's (every cache cleared first, each its own).
 
-        Where the model ``shares_passes`` and an input fits one micro-batch, the inputs go
-        through the layers together (``hidden_passes``: up to ``n_ubatch`` rows a pass): every
+        Where the model ``shares_passes``, the short inputs go through the layers together
+        (passes.py ``hidden_passes``: inputs of at most 32 tokens, up to 128 rows a pass): every
         product multiplies all their rows at once (a row's bits do not depend on the rows
         beside it: weights.rows_independent), the norms, GLU and adds are row by row, and RoPE,
         the K/V store and the attention are each input's own over its own cache, from position
