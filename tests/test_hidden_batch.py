@@ -58,3 +58,24 @@ def test_inputs_sharing_passes_are_each_alone_bits(
         assert np.array_equal(a, b)
     # the slot is left empty, as after one hidden_states call per input
     assert all(slot.tokens == [] and slot.cache.n_tokens == 0 for slot in engine.slots)
+
+
+def test_a_model_that_does_not_share_passes_embeds_each_input_in_its_slot(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a product's rows would change bits beside others (here said so by
+    ``shares_passes``), each input is the engine's own ``hidden_states``."""
+    inputs = [[1, 2, 3], [4, 5], [6]]
+    alone = [engine.hidden_states(tokens) for tokens in inputs]
+    monkeypatch.setattr(type(engine.model), "shares_passes", property(lambda self: False))
+    calls: list[int] = []
+    own = engine.hidden_states
+
+    def counted(tokens: Any) -> Any:
+        calls.append(len(tokens))
+        return own(tokens)
+
+    monkeypatch.setattr(engine, "hidden_states", counted)
+    for a, b in zip(alone, engine.hidden_states_batch(inputs), strict=True):
+        assert np.array_equal(a, b)
+    assert calls == [3, 2, 1]

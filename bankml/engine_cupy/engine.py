@@ -895,10 +895,12 @@ class Engine:
         """``hidden_states`` of each input, as many calls one after the other would give them:
         the same bits, and the slots as those calls leave them (each input's slot chosen,
         used and emptied in turn). Where the model computes several inputs together
-        (``Model.hidden_states_batch``), they share its passes, each over a cache of its own
-        of its slot's size and type; otherwise each is its own ``hidden_states``."""
+        (``Model.hidden_states_batch`` where it ``shares_passes``; an encoder's), they share
+        its passes, each over a cache of its own of its slot's type and attended cells;
+        otherwise each is its own ``hidden_states`` in its slot."""
         batch = getattr(self.model, "hidden_states_batch", None)
-        if batch is None or len(inputs) < 2:
+        shares = getattr(self.model, "shares_passes", True)  # an encoder decides per pass
+        if batch is None or not shares or len(inputs) < 2:
             return [self.hidden_states(tokens) for tokens in inputs]
         caches = []
         for tokens in inputs:
