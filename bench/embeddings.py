@@ -2,12 +2,12 @@
 """Embeddings per second: bankml's drop-in against llama-server with the same flags, same run.
 
     bench/embeddings.py [--llama-server BIN] [--model FILE] [--fork FORK.json] [--rounds 3]
-                        [--pooling mean]
+                        [--pooling mean] [--tokens 64]
 
 Starts ``bankml llama-server`` and llama-server (``-t 2 -c 2048 -np 1 --embeddings --pooling
 mean``) on free loopback ports, then sends each the same ``/v1/embeddings`` requests of 1, 16 and
-64 inputs of 64 tokens each (token ids, so both embed exactly 64 tokens an input), the first
-server alternating each round. The figure is inputs per second over the request's wall time,
+64 inputs of ``--tokens`` tokens each (token ids, so both embed exactly that many tokens an
+input), the first server alternating each round. The figure is inputs per second over the request's wall time,
 the median over rounds; the vectors of the two servers are checked equal as float32.
 
 Prints one line per batch size and ends with one JSON line.
@@ -37,9 +37,10 @@ SIZES = (1, 16, 64)
 N_TOKENS = 64
 
 
-def inputs(n: int) -> list[list[int]]:
-    """``n`` inputs of N_TOKENS token ids each, all different (ids well inside the vocabulary)."""
-    return [[100 + (i * 37 + j * 11) % 40000 for j in range(N_TOKENS)] for i in range(n)]
+def inputs(n: int, tokens: int = N_TOKENS) -> list[list[int]]:
+    """``n`` inputs of ``tokens`` token ids each, all different (ids well inside the
+    vocabulary)."""
+    return [[100 + (i * 37 + j * 11) % 40000 for j in range(tokens)] for i in range(n)]
 
 
 def vectors(raw: bytes) -> numpy.ndarray:
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--fork", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pooling", default="mean")
+    parser.add_argument("--tokens", type=int, default=N_TOKENS, help="tokens an input")
     args = parser.parse_args()
     fork = args.fork or Path(f"{args.model}.FORK.json")
     flags = ["-c", "2048", "--embeddings", "--pooling", args.pooling]
@@ -73,10 +75,10 @@ def main() -> None:
         try:
             servers = {"bankml": port, "llama-server": ref.port}
             for who in servers:  # one warm-up request each
-                call(servers[who], "POST", "/v1/embeddings", {"input": inputs(1)})
+                call(servers[who], "POST", "/v1/embeddings", {"input": inputs(1, args.tokens)})
             print(f"{'inputs':>6} {'bankml/s':>10} {'llama-server/s':>15} {'ratio':>7}")
             for n in SIZES:
-                body = {"input": inputs(n)}
+                body = {"input": inputs(n, args.tokens)}
                 rates: dict[str, list[float]] = {who: [] for who in servers}
                 for r in range(args.rounds):
                     order = list(servers) if r % 2 == 0 else list(reversed(servers))
@@ -100,7 +102,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-    print(json.dumps({"tokens_per_input": N_TOKENS, "pooling": args.pooling, **report}))
+    print(json.dumps({"tokens_per_input": args.tokens, "pooling": args.pooling, **report}))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,20 @@ def test_openai_client_mean_pooling_is_llama_servers_bits(mean_pair: Pair) -> No
     assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
 
 
+def test_many_inputs_of_one_request_are_each_llama_servers_bits(mean_pair: Pair) -> None:
+    """Inputs of 1 to 150 tokens in one request: bankml computes them in shared passes,
+    llama-server (one slot) one after the other; every vector equal."""
+    body = {
+        "input": ["x", "Hello world", [1, 2, 3], "z " * 150, "a b c", TEXTS[1], "ok"],
+        "embd_normalize": -1,
+    }
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in mean_pair.ports)
+    assert s1 == s2 == 200 and len(ours["data"]) == 7
+    for a, b in zip(ours["data"], theirs["data"], strict=True):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    assert ours["usage"] == theirs["usage"]
+
+
 def test_raw_http_base64_and_tokens_and_receipt(mean_pair: Pair, tmp_path: Path) -> None:
     body = {"input": [[1, 2, 3, 4, 5], "a b c"], "encoding_format": "base64", "embd_normalize": 0}
     (s1, ours, raw), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in mean_pair.ports)

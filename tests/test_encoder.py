@@ -117,6 +117,22 @@ def test_hidden_states_are_llama_servers_bits(served: tuple[Encoder, str, Path])
         assert np.array_equal(ours, ref), f"{int((ours != ref).sum())} values differ for {text!r}"
 
 
+def test_texts_computed_together_are_each_llama_servers_alone(
+    served: tuple[Encoder, str, Path],
+) -> None:
+    """``hidden_states_each``: the texts' products shared (F16 with two rows or more a text,
+    Q8_0 always), each text's attention its own; every text the bits llama-server gives it
+    alone (one slot: one text at a time)."""
+    encoder, url, _ = served
+    texts = [*TEXTS, "a", "ok then"]
+    status, answer = support.http_json(url + "/embedding", {"content": texts})
+    assert status == 200
+    assert encoder.shares_rows(2)
+    together = encoder.hidden_states_each([encoder.tokenize(t) for t in texts])
+    for ours, item in zip(together, sorted(answer, key=lambda a: a["index"]), strict=True):
+        assert np.array_equal(ours, np.array(item["embedding"], dtype=np.float32))
+
+
 def test_the_contract_reads_the_gguf(served: tuple[Encoder, str, Path]) -> None:
     encoder, _, path = served
     keys = ("bert.embedding_length", "bert.context_length", "bert.pooling_type")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy
 import pytest
 from gguf import GGMLQuantizationType as T
 
@@ -305,6 +306,37 @@ def test_a_qwen3_reranker_ranks_as_llama_server(
         qwen3_pair, [("/rerank", {"query": "a", "documents": ["b", "c"]})]
     )
     assert moved["llamacpp:n_decode_total"] == 2
+
+
+def test_a_qwen3_head_of_many_labels_is_llama_servers_soft_max(
+    default_model: Path, llama_server_bin: Path, tmp_path: Path
+) -> None:
+    """A head of 19 labels: ggml's soft max takes two groups of 8 through its vector exp and 3
+    through glibc's expf; every document's score (the first label's value, soft-maxed over all
+    19) is llama-server's, the pairs computed together as each alone."""
+    from bankml.engine_cupy.engine import Engine
+    from bankml.engine_cupy.rank_head import rank_head
+    from tests import support
+
+    model = tmp_path / "qwen3-rank19.gguf"
+    labels = tuple(f"label{i}" for i in range(19))
+    write_tiny_model(model, TinySpec("qwen3", T.F16, rank_labels=labels), default_model, 5)
+    with support.LlamaServer(
+        model, args=["--rerank", "-c", "512"], binary=llama_server_bin
+    ) as server:
+        status, answer = support.http_json(
+            server.url + "/rerank", {"query": QUERY, "documents": DOCUMENTS}
+        )
+    assert status == 200
+    head = rank_head(Engine.open(model, n_ctx=512, device="cpu"))
+    assert head is not None and head.n_labels == 19
+    pairs = [head.rerank_tokens(QUERY, doc) for doc in DOCUMENTS]
+    ours = head.rank_score_each(pairs)
+    theirs = {r["index"]: r["relevance_score"] for r in answer["results"]}
+    assert len(theirs) == len(DOCUMENTS)
+    for i, score in enumerate(ours):
+        assert score == head.rank_score(pairs[i])
+        assert numpy.float32(score) == numpy.float32(theirs[i]), i
 
 
 def test_with_several_models_the_body_model_chooses_the_reranker(

@@ -50,8 +50,15 @@ from gguf import GGMLQuantizationType as T
 
 from bankml.engine_cupy.gguf_file import GGUFFile, open_file
 from bankml.engine_cupy.kernels import exact_attention, exact_ops
+from bankml.engine_cupy.passes import hidden_passes
 from bankml.engine_cupy.tokenizer import Tokenizer
-from bankml.engine_cupy.weights import EmbeddingRows, UnsupportedModel, dequantize, exact_family
+from bankml.engine_cupy.weights import (
+    EmbeddingRows,
+    UnsupportedModel,
+    dequantize,
+    exact_family,
+    rows_alone,
+)
 
 __all__ = ["Encoder", "layer_norm", "gelu"]
 
@@ -274,12 +281,25 @@ class Encoder:
         """llama.cpp's rank pooling (LLAMA_POOLING_TYPE_RANK) of ``tokens`` alone in a batch: the
         [CLS] row of t_embd, through ``cls`` (product, bias, tanh) and ``cls.output`` (product,
         bias) where the file has them: float32 [n_cls_out] (without a classifier, the row)."""
-        x = self.hidden_states(tokens)[:1]  # build_inp_cls: the sequence's first position
+        return self._rank_head(self.hidden_states(tokens)[:1])  # build_inp_cls: position 0
+
+    def _rank_head(self, x: numpy.ndarray) -> numpy.ndarray:
+        """The classifier head on one [CLS] row [1, n_embd]: float32 [n_cls_out]."""
         if self.cls is not None:
             x = _tanh(_affine(self.cls, x))
         if self.cls_out is not None:
             x = _affine(self.cls_out, x)
         return numpy.ascontiguousarray(x[0], dtype=F32)
+
+    def rank_scores_each(self, pairs: Sequence[Sequence[int]]) -> list[numpy.ndarray]:
+        """``rank_scores`` of each pair, bit for bit: their hidden states computed together
+        (``hidden_states_each``), the head applied to each [CLS] row alone (one row, as
+        llama-server's pass of the pair alone gives the head)."""
+        return [self._rank_head(hidden[:1]) for hidden in self.hidden_states_each(pairs)]
+
+    def rank_score_each(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        """``rank_score`` of each pair (``rank_scores_each``)."""
+        return [float(scores[0]) for scores in self.rank_scores_each(pairs)]
 
     def rank_score(self, tokens: Sequence[int]) -> float:
         """What llama-server's /rerank reports for ``tokens`` (send_rerank: the first class's
@@ -300,6 +320,59 @@ class Encoder:
         seqs = [numpy.asarray(list(s), dtype=numpy.int64) for s in sequences]
         if not seqs or any(len(s) == 0 for s in seqs):
             raise ValueError("no tokens to encode")
+        x = self._input_rows(seqs)
+        which = numpy.repeat(numpy.arange(len(seqs)), [len(s) for s in seqs])
+        # llm_graph_input_attn_no_cache: 0 within a sequence, -inf across sequences
+        mask = numpy.where(which[:, None] == which[None, :], F32(0.0), F32(-numpy.inf))
+        for layer in self.layers:
+            x = self._layer_forward(layer, x, mask.astype(F32))
+        x = numpy.ascontiguousarray(x, dtype=F32)
+        bounds = numpy.cumsum([len(s) for s in seqs])[:-1]
+        return [numpy.ascontiguousarray(part) for part in numpy.split(x, bounds)]
+
+    def shares_rows(self, min_rows: int) -> bool:
+        """Whether every product of the layers multiplies a row of a sequence of at least
+        ``min_rows`` tokens as that sequence alone would (weights.rows_alone), so that
+        ``hidden_states_each`` may put several sequences' rows in one product."""
+        return all(
+            rows_alone(layer[name], min_rows)
+            for layer in self.layers
+            for name in ("q", "k", "v", "o", "up", "down")
+        )
+
+    def hidden_states_each(self, sequences: Sequence[Sequence[int]]) -> list[numpy.ndarray]:
+        """``hidden_states`` of each sequence alone in its micro-batch, bit for bit, computed
+        together: where the products allow it (``shares_rows`` at the shortest sequence's
+        length), the sequences of at most ``passes.SHARED_INPUT_ROWS`` tokens as many as fit
+        ``passes.SHARED_PASS_ROWS`` rows a pass (a longer one alone), every product multiplies all the pass's rows at once, LayerNorm, GELU and
+        the adds are row by row, and the attention is each sequence's own, over its rows alone
+        (its own kernel, tiles and mask of zeros, as alone). Otherwise one after the other."""
+        seqs = [numpy.asarray(list(s), dtype=numpy.int64) for s in sequences]
+        if not seqs or any(len(s) == 0 for s in seqs):
+            raise ValueError("no tokens to encode")
+        if len(seqs) == 1 or not self.shares_rows(min(len(s) for s in seqs)):
+            return [self.hidden_states(s) for s in seqs]
+        out: list[Any] = [None] * len(seqs)
+        for group in hidden_passes([len(s) for s in seqs], self.n_ctx_train, True):
+            for i, rows in zip(group, self._shared_pass([seqs[i] for i in group])):
+                out[i] = rows
+        return out
+
+    def _shared_pass(self, seqs: list[numpy.ndarray]) -> list[numpy.ndarray]:
+        """The sequences' rows through the layers as one pass (``hidden_states_each``)."""
+        sizes = [len(s) for s in seqs]
+        x = self._input_rows(seqs)
+        bounds = numpy.cumsum([0, *sizes])
+        parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        masks = {n: numpy.zeros((n, n), F32) for n in set(sizes)}
+        for layer in self.layers:
+            x = self._layer_forward(layer, x, parts=parts, masks=masks)
+        x = numpy.ascontiguousarray(x, dtype=F32)
+        return [numpy.ascontiguousarray(x[a:b]) for a, b in parts]
+
+    def _input_rows(self, seqs: list[numpy.ndarray]) -> numpy.ndarray:
+        """The first LayerNorm's output for the sequences' tokens side by side, each from
+        position 0 (checked: within the position table and the vocabulary)."""
         longest = max(len(s) for s in seqs)
         if longest > self.n_ctx_train:
             raise ValueError(
@@ -309,21 +382,22 @@ class Encoder:
         if ids.min() < 0 or ids.max() >= self.tokenizer.n_vocab:
             raise ValueError(f"a token id outside the vocabulary [0, {self.tokenizer.n_vocab})")
         positions = numpy.concatenate([numpy.arange(len(s)) for s in seqs])
-        which = numpy.repeat(numpy.arange(len(seqs)), [len(s) for s in seqs])
-        # llm_graph_input_attn_no_cache: 0 within a sequence, -inf across sequences
-        mask = numpy.where(which[:, None] == which[None, :], F32(0.0), F32(-numpy.inf))
         x = self.token_embd[ids]
         if self.token_type0 is not None:
             x = x + self.token_type0
         x = self.position[positions] + x
-        x = layer_norm(x, *self.embd_norm, self.eps)
-        for layer in self.layers:
-            x = self._layer_forward(layer, x, mask.astype(F32))
-        x = numpy.ascontiguousarray(x, dtype=F32)
-        bounds = numpy.cumsum([len(s) for s in seqs])[:-1]
-        return [numpy.ascontiguousarray(part) for part in numpy.split(x, bounds)]
+        return layer_norm(x, *self.embd_norm, self.eps)
 
-    def _layer_forward(self, layer: dict[str, Any], x: numpy.ndarray, mask: Any) -> Any:
+    def _layer_forward(
+        self,
+        layer: dict[str, Any],
+        x: numpy.ndarray,
+        mask: Any = None,
+        parts: list[tuple[int, int]] | None = None,
+        masks: dict[int, numpy.ndarray] | None = None,
+    ) -> Any:
+        """One layer over x's rows: attending under ``mask`` as one batch, or (``parts``:
+        row ranges) each part over its own rows alone, under its ``masks`` entry."""
         n, h, hkv, hd = x.shape[0], self.n_head, self.n_head_kv, self.head_dim
 
         def linear(w: str, b: str, inp: numpy.ndarray) -> numpy.ndarray:
@@ -335,7 +409,23 @@ class Encoder:
         v = linear("v", "bv", x).reshape(n, hkv, hd).transpose(1, 0, 2)
         k16 = numpy.ascontiguousarray(k.astype(numpy.float16))  # ggml_cast to F16
         v16 = numpy.ascontiguousarray(v.astype(numpy.float16))
-        att = exact_attention.flash_attn_f16(q, k16, v16, mask, self.scale, n_kv=n)
+        if parts is None:
+            att = exact_attention.flash_attn_f16(q, k16, v16, mask, self.scale, n_kv=n)
+        else:
+            assert masks is not None
+            att = numpy.concatenate(
+                [
+                    exact_attention.flash_attn_f16(
+                        numpy.ascontiguousarray(q[a:b]),
+                        numpy.ascontiguousarray(k16[:, a:b]),
+                        numpy.ascontiguousarray(v16[:, a:b]),
+                        masks[b - a],
+                        self.scale,
+                        n_kv=b - a,
+                    )
+                    for a, b in parts
+                ]
+            )
         cur = linear("o", "bo", att.reshape(n, h * hd))
         cur = layer_norm(cur + x, *layer["attn_norm"], self.eps)
         ffn_inp = cur

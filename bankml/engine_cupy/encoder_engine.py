@@ -95,6 +95,13 @@ class EncoderModel:
         """The input alone in one micro-batch (an embedding input must fit one)."""
         return self.encoder.hidden_states(tokens)
 
+    def hidden_states_batch(
+        self, inputs: Sequence[Sequence[int]], caches: Sequence[Any], n_ubatch: int
+    ) -> list[numpy.ndarray]:
+        """Each input alone in its micro-batch, computed together where the products allow
+        (``Encoder.hidden_states_each``): the same bits as ``hidden_states`` of each."""
+        return self.encoder.hidden_states_each(inputs)
+
 
 class EncoderEngine(Engine):
     """The Engine over an encoder: embeddings computed, generation refused (module doc)."""

@@ -891,6 +891,39 @@ class Engine:
                 slot.checkpoints = Checkpoints(slot.checkpoints.window)
             self._release(slot)
 
+    def hidden_states_batch(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """``hidden_states`` of each input, as many calls one after the other would give them:
+        the same bits, and the slots as those calls leave them (each input's slot chosen,
+        used and emptied in turn). Where the model computes several inputs together
+        (``Model.hidden_states_batch`` where it ``shares_passes``; an encoder's), they share
+        its passes, each over a cache of its own of its slot's type and attended cells;
+        otherwise each is its own ``hidden_states`` in its slot."""
+        batch = getattr(self.model, "hidden_states_batch", None)
+        shares = getattr(self.model, "shares_passes", True)  # an encoder decides per pass
+        if batch is None or not shares or len(inputs) < 2:
+            return [self.hidden_states(tokens) for tokens in inputs]
+        caches = []
+        for tokens in inputs:
+            slot, _ = self.choose_slot(tokens)
+            self._acquire(slot)
+            slot.cache.truncate(0)
+            slot.tokens = []
+            if slot.checkpoints is not None:
+                slot.checkpoints = Checkpoints(slot.checkpoints.window)
+            self._release(slot)
+            caches.append(self._embedding_cache(slot.cache, len(tokens)))
+        return list(batch(inputs, caches, self.n_ubatch))
+
+    def _embedding_cache(self, cache: Any, n: int) -> Any:
+        """A cache for one input of ``n`` tokens that attends as ``cache`` would: its type,
+        and the cells ggml attends over (kernels.exact_attention.kv_length: the used cells
+        padded to 256, at most the cache's), so as few cells as that allows; a model with a
+        sliding window gets the slot's size whole (its ring's cells follow it)."""
+        n_ctx = int(getattr(cache, "n_ctx", n))  # an encoder's NoCache: no size
+        if not getattr(self.model, "has_sliding_window", False):
+            n_ctx = min(n_ctx, pad_cells(max(n, 1)))
+        return self.model.new_cache(n_ctx, cache.cache_type)
+
     # --- running --------------------------------------------------------------------------------------------
 
     def _new_sampler(self, params: SamplerParams) -> Sampler:

@@ -32,7 +32,7 @@ from bankml.engine_cupy.exact_backend import ExactOps
 from bankml.engine_cupy.kernels import exact_ops, jit, progress
 from bankml.engine_cupy.kernels.progress import CompileStats
 from bankml.engine_cupy.kv_cache import KVCache
-from bankml.engine_cupy.passes import PassLogits, pass_groups
+from bankml.engine_cupy.passes import PassLogits, hidden_passes, pass_groups
 from bankml.engine_cupy.weights import (
     HParams,
     Layer,
@@ -520,6 +520,50 @@ class Model:
             cache.advance(seg.step.end)
             out.append(numpy.asarray(backend.to_host(rows), dtype=F32))
         return numpy.ascontiguousarray(numpy.concatenate(out) if len(out) > 1 else out[0])
+
+    def hidden_states_batch(
+        self,
+        tokens: Sequence[Sequence[int]],
+        caches: Sequence[KVCache],
+        n_ubatch: int = 512,
+    ) -> list[numpy.ndarray]:
+        """``hidden_states(tokens[i], caches[i], n_ubatch)`` of several inputs, each bit for
+        bit its own call's (every cache cleared first, each its own).
+
+        Where the model ``shares_passes``, the short inputs go through the layers together
+        (passes.py ``hidden_passes``: inputs of at most 32 tokens, up to 128 rows a pass): every
+        product multiplies all their rows at once (a row's bits do not depend on the rows
+        beside it: weights.rows_independent), the norms, GLU and adds are row by row, and RoPE,
+        the K/V store and the attention are each input's own over its own cache, from position
+        0, as alone. Any other input is its own ``hidden_states``."""
+        if len(tokens) != len(caches):
+            raise ValueError(f"{len(tokens)} inputs for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each input needs a cache of its own")
+        for toks, cache in zip(tokens, caches):
+            cache.truncate(0)
+            self._check_rows(toks, cache)
+        out: list[Any] = [None] * len(tokens)
+        for group in hidden_passes([len(t) for t in tokens], n_ubatch, self.shares_passes):
+            if len(group) == 1:
+                i = group[0]
+                out[i] = self.hidden_states(tokens[i], caches[i], n_ubatch)
+                continue
+            self._blas.set(self.threads)
+            x = self._embed([t for i in group for t in tokens[i]])
+            segments: list[Segment | DecodeRows] = []
+            row = 0
+            for i in group:
+                segments.append(self._segment(row, tokens[i], caches[i]))
+                row += len(tokens[i])
+            rows = numpy.asarray(
+                backend.to_host(hidden(self.ops, self.hp, self.weights, x, segments, True)),
+                dtype=F32,
+            )
+            for i, seg in zip(group, segments):
+                seg.advance()
+                out[i] = numpy.ascontiguousarray(rows[seg.rows])
+        return out
 
     @property
     def shares_passes(self) -> bool:

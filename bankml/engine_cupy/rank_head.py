@@ -9,9 +9,11 @@ the Qwen3 reranker's converter takes the output head's rows of ``yes`` and ``no`
    ``llm_graph_input_cls`` picks the last position for rank with causal attention);
 2. ``ggml_mul_mat(cls_out, row)`` (no ``cls`` layer, no bias for qwen3), ggml's product for the
    weight's type (engine_cupy's exact matrices);
-3. for qwen3, ``ggml_soft_max`` over the labels: for a row shorter than 8 (AVX2) ggml's scalar
-   loop, ``expf(x - max)`` of each value (glibc's), summed in double, each then multiplied by
-   ``(float)(1.0 / sum)``;
+3. for qwen3, ``ggml_soft_max`` over the labels (``ggml_vec_soft_max_f32``, AVX2): each whole
+   group of 8 labels through ``ggml_v_expf`` of ``x - max``, the group's values reduced in
+   float as ``((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))`` and added to a double; the last
+   ``n % 8`` by the scalar loop, ``expf(x - max)`` (glibc's) each added to the double; each
+   value then multiplied by ``(float)(1.0 / sum)``;
 
 and llama-server's score is element 0 (send_rerank: ``embd[0]``). The pair's tokens are
 ``format_prompt_rerank``'s: the GGUF's ``tokenizer.chat_template.rerank`` with ``{query}`` and
@@ -19,7 +21,8 @@ and llama-server's score is element 0 (send_rerank: ``embd[0]``). The pair's tok
 adds it), the query, EOS, SEP (when added), the document, EOS.
 
 ``rank_head(engine)`` gives the head of an opened decoder ``Engine`` (None where the file has
-none); ``score(tokens)`` computes one pair alone (``Engine.hidden_states``).
+none); ``score(tokens)`` computes one pair alone (``Engine.hidden_states``),
+``rank_score_each(pairs)`` several, each the same bits (``Engine.hidden_states_batch``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy
 
-from bankml.engine_cupy.kernels.exact_ops import expf
+from bankml.engine_cupy.kernels.exact_ops import expf, ggml_v_expf
 from bankml.engine_cupy.weights import UnsupportedModel, exact_matrix_of
 
 F32 = numpy.float32
@@ -79,9 +82,19 @@ class RankHead:
 
     def scores(self, tokens: Sequence[int]) -> numpy.ndarray:
         """The head's output for one pair alone: the labels' soft-maxed values, float32."""
-        row = numpy.ascontiguousarray(self.engine.hidden_states(tokens)[-1:], dtype=F32)
+        return self._head(self.engine.hidden_states(tokens))
+
+    def _head(self, hidden: numpy.ndarray) -> numpy.ndarray:
+        """The last row of one pair's hidden states through the head (one row, as alone)."""
+        row = numpy.ascontiguousarray(hidden[-1:], dtype=F32)
         logits = numpy.asarray(self.weight.matmul(row), dtype=F32).reshape(-1)
         return soft_max(logits)
+
+    def rank_score_each(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        """``rank_score`` of each pair, bit for bit: the pairs' hidden states through the
+        engine's ``hidden_states_batch`` (shared passes where the model allows), the head on
+        each pair's last row alone."""
+        return [float(self._head(h)[0]) for h in self.engine.hidden_states_batch(pairs)]
 
     def rank_score(self, tokens: Sequence[int]) -> float:
         """llama-server's /rerank score of the pair: the first label's value."""
@@ -89,15 +102,20 @@ class RankHead:
 
 
 def soft_max(x: numpy.ndarray) -> numpy.ndarray:
-    """ggml_soft_max of one row shorter than 8 values, scale 1, no mask (module doc)."""
-    x = numpy.asarray(x, dtype=F32)
-    if x.size >= 8:
-        raise UnsupportedModel(f"a rank head of {x.size} labels (bankml scores fewer than 8)")
+    """ggml_soft_max of one row, scale 1, no mask (module doc)."""
+    x = numpy.asarray(x, dtype=F32).reshape(-1)
     top = F32(max(float(v) for v in x))
-    y = expf(x - top)
+    y = numpy.empty_like(x)
     total = 0.0
-    for v in y.tolist():
-        total += v
+    whole = x.size - x.size % 8
+    for i in range(0, whole, 8):  # ggml_v_expf over eight lanes, reduced as the SSE adds
+        v = [F32(ggml_v_expf(F32(x[i + k] - top))) for k in range(8)]
+        y[i : i + 8] = v
+        total += float(((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])))
+    if whole < x.size:  # the scalar tail: glibc's expf, each added in double
+        y[whole:] = expf(x[whole:] - top)
+        for v in y[whole:].tolist():
+            total += v
     return (y * F32(1.0 / total)).astype(F32)
 
 

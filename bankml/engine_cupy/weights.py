@@ -381,16 +381,25 @@ def rows_independent(linear: Linear) -> bool:
     """Whether ``linear`` multiplies each row as it would alone, for any number of rows (so
     several sequences' rows may share one product): an exact product of those types, not
     repacked, every part of a stacked one."""
-    matrix = linear.exact
-    if matrix is None:
-        return False
+    return linear.exact is not None and rows_alone(linear.exact)
+
+
+def rows_alone(matrix: Any, min_rows: int = 1) -> bool:
+    """Whether the exact ``matrix`` multiplies each row of sequences of at least ``min_rows``
+    rows each, put side by side, as it multiplies them in a product of that sequence alone:
+    the ``ROW_INDEPENDENT_TYPES`` (not repacked) always; F16, BF16 and F32 where each sequence
+    has two rows or more (tinyBLAS's tiles for every such product; one row is vec_dot's) or
+    the weight rows do not come in fours (vec_dot for any rows); every part of a stack."""
     parts = getattr(matrix, "parts", [matrix])
-    return all(
-        isinstance(p, exact_matmul.QuantMatrix)
-        and p.qtype in ROW_INDEPENDENT_TYPES
-        and not p.repacked
-        for p in parts
-    )
+    for p in parts:
+        if not isinstance(p, exact_matmul.QuantMatrix) or p.repacked:
+            return False
+        if p.qtype in ROW_INDEPENDENT_TYPES:
+            continue
+        if p.qtype in (T.F16, T.BF16, T.F32) and (min_rows >= 2 or p.n_out % 4 != 0):
+            continue
+        return False
+    return True
 
 
 @dataclass

@@ -10,12 +10,14 @@ request names (made resident first, on the engine thread, where its inputs are t
    evaluates it in one ubatch) and does not, or one over the slot's context, is refused with
    llama-server's message, before anything is computed;
 2. ``compute`` (the engine thread, ``bridge.call``: in turn with the runs, never beside one):
-   each input alone, one after the other, its hidden states (``hidden_states``: the prompt
-   pass's kernels, in a slot left empty afterwards), pooled and normalised as llama-server
-   does (engine_cupy/pooling.py). One input at a time is what llama-server computes with one
-   slot (bankml's default ``-np 1``); with several slots llama-server puts a request's inputs
-   together, and its ``mean`` vectors (and ``cls`` ones without ``-kvu``) move
-   (docs/modules/embeddings.md has when and by how much), which bankml does not follow;
+   every input's hidden states as that input alone gives them (``hidden_states_of``: the
+   engine's ``hidden_states_batch``, which puts several inputs in one pass where the model's
+   products give a row the same bits beside other rows, each input's attention its own; else
+   one after the other), pooled and normalised as llama-server does (engine_cupy/pooling.py).
+   Each input alone is what llama-server computes with one slot (bankml's default ``-np 1``);
+   with several slots llama-server puts a request's inputs together, and its ``mean`` vectors
+   (and ``cls`` ones without ``-kvu``) move (docs/modules/embeddings.md has when and by how
+   much), which bankml does not follow;
 3. the answer (the reactor thread): the body (formats/embeddings.py) and its receipt
    (receipts/embedding.py).
 
@@ -257,7 +259,7 @@ class Embedder:
     # --- the engine thread -----------------------------------------------------------------
 
     def compute(self, job: EmbedJob) -> EmbedJob:
-        """Every input's vectors, one input after the other (see the module doc)."""
+        """Every input's vectors, each the input's alone (see the module doc)."""
         from bankml.engine_cupy.pooling import normalize, pool
 
         release: Callable[[], None] | None = None
@@ -278,8 +280,8 @@ class Embedder:
             engine = self.engine if held is None else held  # the model made resident
             out = []
             began = time.perf_counter()
-            for tokens in job.tokens:
-                rows = list(pool(engine.hidden_states(tokens), job.pooling))
+            for hidden in hidden_states_of(engine, job.tokens):
+                rows = list(pool(hidden, job.pooling))
                 if job.pooling != "none" and job.embd_normalize is not None:
                     rows = [normalize(row, job.embd_normalize) for row in rows]
                 out.append(rows)
@@ -368,6 +370,16 @@ def _ollama_refusal(call: Callable[..., Any], *args: Any) -> Any:
         refused = fmt.ollama_error(status, str(getattr(err, "message", err)))
         refused.retry_after = getattr(err, "retry_after", None)
         raise refused from None
+
+
+def hidden_states_of(engine: Any, inputs: Sequence[Sequence[int]]) -> list[Any]:
+    """Each input's hidden states, as one ``engine.hidden_states`` call after the other would
+    give them: through the engine's ``hidden_states_batch`` where it has one (several inputs
+    in the model's shared passes, the same bits), else one at a time."""
+    batch = getattr(engine, "hidden_states_batch", None)
+    if batch is None:
+        return [engine.hidden_states(tokens) for tokens in inputs]
+    return list(batch(inputs))
 
 
 def check_limits(native: Any, n: int, pooling: str, engine: Any = None) -> None:

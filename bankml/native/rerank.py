@@ -40,7 +40,7 @@ NOT_A_RERANKER = (
 def ranker_of(engine: Any) -> Any:
     """What scores a pair on ``engine``: a BERT's ``Encoder`` (its classifier), a decoder's
     ``RankHead`` (set by open_served with --rerank; found here for an engine opened again after
-    an unload), else None. Each gives ``rerank_tokens`` and ``rank_score``."""
+    an unload), else None. Each gives ``rerank_tokens``, ``rank_score`` and ``rank_score_each``."""
     encoder = getattr(getattr(engine, "model", None), "encoder", None)
     if encoder is not None:
         return encoder
@@ -107,7 +107,8 @@ class Reranker:
     # --- the engine thread -----------------------------------------------------------------
 
     def compute(self, job: RerankJob) -> RerankJob:
-        """Every pair's score, one pair after the other."""
+        """Every pair's score, each the pair's alone (``rank_score_each``: the pairs in the
+        model's shared passes where it allows)."""
         held, release = None, None
         if job.choice is not None and self.native.hold is not None:
             # the chosen model (loaded and verified again if it was unloaded meanwhile), held
@@ -119,7 +120,7 @@ class Reranker:
             if ranker is None:
                 raise ApiError.of(501, NOT_A_RERANKER, "not_supported_error")
             began = time.perf_counter()
-            job.scores = [ranker.rank_score(tokens) for tokens in job.pairs]
+            job.scores = ranker.rank_score_each(job.pairs)
             job.seconds = time.perf_counter() - began
             job.issuer = native_issuer(self.native)  # swapped to the chosen model by hold
         finally:

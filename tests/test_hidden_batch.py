@@ -1,0 +1,81 @@
+"""Several embedding inputs computed together (``Engine.hidden_states_batch``,
+``Encoder.hidden_states_each``): each input's hidden states must be the bits of that input
+computed alone (``hidden_states``), which tests/test_embeddings.py, test_encoder.py and
+test_rerank.py compare with llama-server's; here the passes themselves: which inputs share a
+pass, and the inputs that must stay alone (over a micro-batch, a product whose arithmetic
+changes with the rows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bankml.engine_cupy.engine import Engine
+from bankml.engine_cupy.passes import SHARED_INPUT_ROWS, hidden_passes
+
+
+@pytest.fixture(scope="module")
+def engine(default_model: Path) -> Engine:
+    return Engine.open(default_model, n_ctx=1024, device="cpu")
+
+
+def test_hidden_passes_group_short_inputs_in_order_within_the_rows() -> None:
+    assert hidden_passes([2, 1, 41, 3], 512, True) == [[0, 1], [2], [3]]
+    assert hidden_passes([30] * 5, 512, True) == [[0, 1, 2, 3], [4]]  # 120 rows, then 30
+    assert hidden_passes([100, 20, 10, 600, 5], 512, True) == [[0], [1, 2], [3], [4]]
+    assert hidden_passes([SHARED_INPUT_ROWS + 1, 3, 4], 512, True) == [[0], [1, 2]]
+    assert hidden_passes([20, 20, 20], 16, True) == [[0], [1], [2]]  # over one micro-batch
+    assert hidden_passes([2, 3], 512, False) == [[0], [1]]
+
+
+def test_inputs_sharing_passes_are_each_alone_bits(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = engine.model
+    assert model.shares_passes  # Q4_1 and Q8_0 products: a row's bits do not depend on others
+    texts = ["Hello world", "x", "The quick brown fox jumps over the lazy dog. " * 2, "a b c"]
+    inputs = [engine.prompt_tokens(t) for t in texts]
+    inputs.append(list(range(100, 700)))  # over -ub 512: two micro-batches of its own
+    assert min(map(len, inputs)) == 1
+    alone = [engine.hidden_states(tokens) for tokens in inputs]
+    singles: list[int] = []
+    own = model.hidden_states
+
+    def counted(tokens: Any, *args: Any) -> Any:
+        singles.append(len(tokens))
+        return own(tokens, *args)
+
+    monkeypatch.setattr(model, "hidden_states", counted)
+    both = engine.hidden_states_batch(inputs)
+    assert singles == [
+        600
+    ]  # the four short inputs (1 to 21 tokens) in one pass, the long one alone
+    for a, b in zip(alone, both, strict=True):
+        assert a.dtype == b.dtype == np.float32
+        assert np.array_equal(a, b)
+    # the slot is left empty, as after one hidden_states call per input
+    assert all(slot.tokens == [] and slot.cache.n_tokens == 0 for slot in engine.slots)
+
+
+def test_a_model_that_does_not_share_passes_embeds_each_input_in_its_slot(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a product's rows would change bits beside others (here said so by
+    ``shares_passes``), each input is the engine's own ``hidden_states``."""
+    inputs = [[1, 2, 3], [4, 5], [6]]
+    alone = [engine.hidden_states(tokens) for tokens in inputs]
+    monkeypatch.setattr(type(engine.model), "shares_passes", property(lambda self: False))
+    calls: list[int] = []
+    own = engine.hidden_states
+
+    def counted(tokens: Any) -> Any:
+        calls.append(len(tokens))
+        return own(tokens)
+
+    monkeypatch.setattr(engine, "hidden_states", counted)
+    for a, b in zip(alone, engine.hidden_states_batch(inputs), strict=True):
+        assert np.array_equal(a, b)
+    assert calls == [3, 2, 1]
