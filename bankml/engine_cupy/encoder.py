@@ -291,15 +291,11 @@ class Encoder:
             x = _affine(self.cls_out, x)
         return numpy.ascontiguousarray(x[0], dtype=F32)
 
-    def rank_scores_each(self, pairs: Sequence[Sequence[int]]) -> list[numpy.ndarray]:
-        """``rank_scores`` of each pair, bit for bit: their hidden states computed together
+    def rank_score_each(self, pairs: Sequence[Sequence[int]]) -> list[float]:
+        """``rank_score`` of each pair, bit for bit: their hidden states computed together
         (``hidden_states_each``), the head applied to each [CLS] row alone (one row, as
         llama-server's pass of the pair alone gives the head)."""
-        return [self._rank_head(hidden[:1]) for hidden in self.hidden_states_each(pairs)]
-
-    def rank_score_each(self, pairs: Sequence[Sequence[int]]) -> list[float]:
-        """``rank_score`` of each pair (``rank_scores_each``)."""
-        return [float(scores[0]) for scores in self.rank_scores_each(pairs)]
+        return [float(self._rank_head(hidden[:1])[0]) for hidden in self.hidden_states_each(pairs)]
 
     def rank_score(self, tokens: Sequence[int]) -> float:
         """What llama-server's /rerank reports for ``tokens`` (send_rerank: the first class's

@@ -885,11 +885,16 @@ class Engine:
             slot.tokens = []
             return self.model.hidden_states(tokens, slot.cache, self.n_ubatch)
         finally:
-            slot.cache.truncate(0)
-            slot.tokens = []
-            if slot.checkpoints is not None:
-                slot.checkpoints = Checkpoints(slot.checkpoints.window)
-            self._release(slot)
+            self._empty_and_release(slot)
+
+    def _empty_and_release(self, slot: Any) -> None:
+        """An embedding's slot afterwards: empty (cache, tokens, checkpoints), so that no later
+        prompt reuses it, and free."""
+        slot.cache.truncate(0)
+        slot.tokens = []
+        if slot.checkpoints is not None:
+            slot.checkpoints = Checkpoints(slot.checkpoints.window)
+        self._release(slot)
 
     def hidden_states_batch(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """``hidden_states`` of each input, as many calls one after the other would give them:
@@ -906,11 +911,7 @@ class Engine:
         for tokens in inputs:
             slot, _ = self.choose_slot(tokens)
             self._acquire(slot)
-            slot.cache.truncate(0)
-            slot.tokens = []
-            if slot.checkpoints is not None:
-                slot.checkpoints = Checkpoints(slot.checkpoints.window)
-            self._release(slot)
+            self._empty_and_release(slot)
             caches.append(self._embedding_cache(slot.cache, len(tokens)))
         return list(batch(inputs, caches, self.n_ubatch))
 

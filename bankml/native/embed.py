@@ -10,8 +10,8 @@ request names (made resident first, on the engine thread, where its inputs are t
    evaluates it in one ubatch) and does not, or one over the slot's context, is refused with
    llama-server's message, before anything is computed;
 2. ``compute`` (the engine thread, ``bridge.call``: in turn with the runs, never beside one):
-   every input's hidden states as that input alone gives them (``hidden_states_of``: the
-   engine's ``hidden_states_batch``, which puts several inputs in one pass where the model's
+   every input's hidden states as that input alone gives them (the engine's
+   ``hidden_states_batch``, which puts several inputs in one pass where the model's
    products give a row the same bits beside other rows, each input's attention its own; else
    one after the other), pooled and normalised as llama-server does (engine_cupy/pooling.py).
    Each input alone is what llama-server computes with one slot (bankml's default ``-np 1``);
@@ -280,7 +280,7 @@ class Embedder:
             engine = self.engine if held is None else held  # the model made resident
             out = []
             began = time.perf_counter()
-            for hidden in hidden_states_of(engine, job.tokens):
+            for hidden in engine.hidden_states_batch(job.tokens):
                 rows = list(pool(hidden, job.pooling))
                 if job.pooling != "none" and job.embd_normalize is not None:
                     rows = [normalize(row, job.embd_normalize) for row in rows]
@@ -370,16 +370,6 @@ def _ollama_refusal(call: Callable[..., Any], *args: Any) -> Any:
         refused = fmt.ollama_error(status, str(getattr(err, "message", err)))
         refused.retry_after = getattr(err, "retry_after", None)
         raise refused from None
-
-
-def hidden_states_of(engine: Any, inputs: Sequence[Sequence[int]]) -> list[Any]:
-    """Each input's hidden states, as one ``engine.hidden_states`` call after the other would
-    give them: through the engine's ``hidden_states_batch`` where it has one (several inputs
-    in the model's shared passes, the same bits), else one at a time."""
-    batch = getattr(engine, "hidden_states_batch", None)
-    if batch is None:
-        return [engine.hidden_states(tokens) for tokens in inputs]
-    return list(batch(inputs))
 
 
 def check_limits(native: Any, n: int, pooling: str, engine: Any = None) -> None:
