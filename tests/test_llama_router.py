@@ -30,6 +30,7 @@ TINY = {
 }
 FIRST, SECOND = TINY
 BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+LOGS: dict[int, Path] = {}  # the drop-in's log, by its port
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,9 @@ def pair(
     )
     ours = free_port()
     args = [*common, "--listen", f"127.0.0.1:{free_port()}"]
-    proc = start_dropin(args, ours, directory.parent / "bankml.log")
+    log = directory.parent / "bankml.log"
+    proc = start_dropin(args, ours, log)
+    LOGS[ours] = log
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -98,9 +101,12 @@ def test_the_directory_is_listed_as_llama_server_lists_it(pair: Pair) -> None:
         for key in ("aliases", "tags", "object", "owned_by", "architecture", "source"):
             assert ours[name][key] == theirs[name][key], (name, key)
         assert ours[name]["can_remove"] is theirs[name]["can_remove"] is False
-    # no preset loads a model on startup: none is loaded on either
+    # no preset loads a model on startup: none is loaded on either, and bankml opened none
+    # (no model's weights read, no kernel compiled: each model is opened as it is loaded)
     for name in ours:
         assert ours[name]["status"]["value"] == theirs[name]["status"]["value"] == "unloaded"
+    log = LOGS[pair.ports[0]].read_text()
+    assert "loading it" not in log and "compiling" not in log
     refused = ours["unpinned"]["status"]
     assert refused["failed"] is True and "not pinned" in refused["bankml_refused"]
     # /v1/models is the same listing, as llama-server's router answers it

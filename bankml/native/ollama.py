@@ -252,16 +252,17 @@ class OllamaHost:
         )
         startup = catalog.registry.pins[0]
         now = clock()
-        self.residency.resident = Resident(
-            startup,
-            native.verified,
-            native.engine,
-            loaded_at=now,
-            expires_at=keep_alive.expires_at(now),
-            shown_as=startup.name,
-            context_length=native.n_ctx,
-            need=self.need(startup),
-        )
+        if native.engine is not None:  # llama-server's router mode starts with none open
+            self.residency.resident = Resident(
+                startup,
+                native.verified,
+                native.engine,
+                loaded_at=now,
+                expires_at=keep_alive.expires_at(now),
+                shown_as=startup.name,
+                context_length=native.n_ctx,
+                need=self.need(startup),
+            )
         native.waker = self.wake
         native.used = self.used
         native.rewrite = self.layered_v1
@@ -968,17 +969,12 @@ class RouterModels:
         self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
         return 200, {"success": True}
 
-    def load_on_startup(self, put_away_startup: bool = False) -> list[str]:
+    def load_on_startup(self) -> list[str]:
         """On the engine thread, before the server answers: each ``load-on-startup`` model
-        loaded (verified again); the lines that say which could not be. ``put_away_startup``:
-        the startup model (the one the engine was brought up with) unloaded first unless a
-        preset loads it on startup, as llama-server's router starts with no model loaded."""
+        loaded (verified again); the lines that say which could not be. No other model is
+        loaded: the router starts with none open (``resident.idle_served``), as llama-server's."""
         router = self.host.router
         startup = router.startup() if router is not None else []
-        if put_away_startup:
-            first = self.host.answer_name(self.host.native.verified.path)
-            if first not in startup:
-                self.unload({"model": first})
         problems = []
         for name in startup:
             status, body = self.load({"model": name})
