@@ -912,14 +912,24 @@ class RouterModels:
             return 400, error_object(400, "model is not loaded", "invalid_request_error")
         return None
 
-    def current(self, name: str) -> bool:
-        """Whether ``name`` (an id or an alias) is the model the engine answers with now (its
-        routes that read the engine need nothing loaded nor swapped)."""
+    def engine_view(self, name: str) -> Any:
+        """The engine a route reads for a request naming ``name`` (an id or an alias): the
+        NativeEngine pinned to that model's engine (``NativeEngine.pinned``) while it is
+        resident, None when it is not (the gate loads it first, ``ready``). Read on the reactor
+        thread (a dictionary look-up) or on the engine thread after ``ready``."""
         host = self.host
         routed = host.router_names.get(name)
         pin = host.router_pins.get(routed) if routed is not None else None
         here = host.residency.get(pin.name) if pin is not None else None
-        return here is not None and host.native.engine is here.handle
+        if here is None or here.handle is None:
+            return None
+        return host.native.pinned(here.handle, here.verified)
+
+    def ready_view(self, name: str, autoload: bool | None) -> tuple[Any, Any]:
+        """On the engine thread: ``ready``, then the model's ``engine_view``: (the refusal or
+        None, the view or None)."""
+        refused = self.ready(name, autoload)
+        return refused, (self.engine_view(name) if refused is None else None)
 
     def ready(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None:
         """On the engine thread: ``check``, then the model made the engine's (loaded first,

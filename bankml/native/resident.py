@@ -13,6 +13,7 @@ No Twisted. It imports the engine, so in a server it is first imported on the en
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import threading
@@ -202,6 +203,20 @@ class NativeEngine:
             self.cache_type = _cache_type_of(engine)
             self.model_id = os.path.basename(verified.path)
             self.model_ftype = file_ftype_name(verified.path)
+
+    def pinned(self, engine: Any, verified: Any) -> NativeEngine:
+        """A view of this NativeEngine that reads ``engine`` (opened on ``verified``) whatever
+        model the server swaps in later: what a router-mode route reads once the gate resolved
+        the model its request names (resources/router.py ``RouterGate``), so a request for
+        another model made current meanwhile (``--models-max`` above 1) cannot change the
+        engine it reads. The records, totals, slot views and bridge are this one's (shared);
+        the metrics scrape is this one's too (its rate window restarts here); it never wakes
+        another model."""
+        view = copy.copy(self)
+        NativeEngine.swap(view, engine, verified)
+        view.waker = None
+        view.scrape = self.scrape  # type: ignore[method-assign]
+        return view
 
     def token_count(self, text: str) -> int:
         """How many tokens the resident model's tokenizer makes of ``text`` (a stop word)."""
