@@ -106,6 +106,16 @@ def test_the_directory_is_listed_as_llama_server_lists_it(pair: Pair) -> None:
     # (no model's weights read, no kernel compiled: each model is opened as it is loaded)
     for name in ours:
         assert ours[name]["status"]["value"] == theirs[name]["status"]["value"] == "unloaded"
+    # status.args (the command that serves the model: bankml's own before the options) and
+    # status.preset rendered as llama-server renders them: the model's file, the preset's
+    # [*] context, the command line's -c 0 over it, -t, --no-webui (its host, port and
+    # alias in args only)
+    for name in ours:
+        mine, reference = ours[name]["status"], theirs[name]["status"]
+        assert mine["args"][-len(reference["args"]) + 1 :] == reference["args"][1:], name
+        assert mine["args"][1:4] == ["-m", "bankml", "llama-server"]
+        assert len(mine["args"]) == len(reference["args"]) + 3
+        assert mine["preset"] == reference["preset"], name
     log = LOGS[pair.ports[0]].read_text()
     assert "loading it" not in log and "compiling" not in log
     refused = ours["unpinned"]["status"]

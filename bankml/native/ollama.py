@@ -28,6 +28,7 @@ No Twisted here: the bridge's Deferreds stay in the resources and the service.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from bankml.registry.keepalive import DEFAULT, BadKeepAlive, KeepAlive, parse_ke
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, Registry, discover
 from bankml.registry.residency import LoadError, Residency, Resident, kv_shape
-from bankml.serving import llama_flags
+from bankml.serving import llama_flags, router_status
 from bankml.serving.run_control import RETRY_AFTER_S
 
 if TYPE_CHECKING:
@@ -805,6 +806,16 @@ class RouterModels:
         self.directory = directory
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         host.router_events = self
+        # status.args and status.preset (serving/router_status.py): the router's command line
+        # (the drop-in's llama-server flags), the command that serves a model (bankml's own, as
+        # llama-server's unified binary renders its subcommand after it), and where a loaded
+        # model answers (the router's own port: bankml starts no child)
+        self.cli = router_status.cli_options(host.options.get("router-argv") or [])
+        self.binary = [sys.executable, "-m", "bankml", "llama-server"]
+        given_port = self.cli.get(router_status.BY_ENV["LLAMA_ARG_PORT"])
+        self.port = (
+            int(given_port) if given_port and given_port.isdigit() else llama_flags.DEFAULT_PORT
+        )
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
         """``GET /models/sse``'s: ``listener`` is called with each event (on the thread that
@@ -855,7 +866,10 @@ class RouterModels:
             here = host.residency.get(pin.name) if pin is not None else None
             entry = _router_entry(name, created, here is not None, model.source)
             entry["aliases"], entry["tags"] = model.aliases, model.tags
-            entry["status"]["preset"] = model.ini()
+            port = self.port if here is not None else 0  # llama-server's child's: 0 until loaded
+            entry["status"]["args"], entry["status"]["preset"] = model.status(
+                self.cli, port, self.binary
+            )
             if name in host.router_refused:
                 entry["status"]["failed"] = True
                 entry["status"]["bankml_refused"] = host.router_refused[name]
@@ -1011,8 +1025,8 @@ def _router_id(file: str) -> str:
 def _router_entry(
     model_id: str, created: int, loaded: bool, source: str = "models_dir"
 ) -> dict[str, Any]:
-    """One model of ``GET /models`` in router mode, in llama-server's key order (``args``:
-    bankml starts no child process)."""
+    """One model of ``GET /models`` in router mode, in llama-server's key order (``args`` and
+    the ``preset`` after it: ``RouterModels.listing``)."""
     return {
         "id": model_id,
         "aliases": [],

@@ -192,6 +192,7 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     router = model is None and ("--models-dir" in out or "--models-preset" in out)
     if router:
         model = _router_startup(out)
+        out += ["--router-argv", json.dumps(list(argv))]  # GET /models renders each model's
     elif "--models-preset" in out and "--models-dir" not in out:
         # llama-server's single-model mode (-m) does not read a preset: say so, as for a flag
         out = _dropped(out, {"--models-preset": True})
