@@ -927,10 +927,21 @@ class RouterModels:
         return None
 
     def engine_view(self, name: str) -> Any:
-        """The engine a route reads for a request naming ``name`` (an id or an alias): the
-        NativeEngine pinned to that model's engine (``NativeEngine.pinned``) while it is
-        resident, None when it is not (the gate loads it first, ``ready``). Read on the reactor
-        thread (a dictionary look-up) or on the engine thread after ``ready``."""
+        """On the reactor thread: the engine a route reads for a request naming ``name`` (an
+        id or an alias) when that model is the engine's current one (nothing to load, swap or
+        mark as used): the NativeEngine pinned to it (``NativeEngine.pinned``), so a run for
+        another model swapped in meanwhile cannot change it; None otherwise (the gate makes
+        it ready first, ``ready_view``)."""
+        view = self._view(name)
+        return view if view is not None and view.engine is self.host.native.engine else None
+
+    def ready_view(self, name: str, autoload: bool | None) -> tuple[Any, Any]:
+        """On the engine thread: ``ready`` (loaded if need be, made the engine's, marked as
+        used), then the model's pinned view: (the refusal or None, the view or None)."""
+        refused = self.ready(name, autoload)
+        return refused, (self._view(name) if refused is None else None)
+
+    def _view(self, name: str) -> Any:
         host = self.host
         routed = host.router_names.get(name)
         pin = host.router_pins.get(routed) if routed is not None else None
@@ -938,12 +949,6 @@ class RouterModels:
         if here is None or here.handle is None:
             return None
         return host.native.pinned(here.handle, here.verified)
-
-    def ready_view(self, name: str, autoload: bool | None) -> tuple[Any, Any]:
-        """On the engine thread: ``ready``, then the model's ``engine_view``: (the refusal or
-        None, the view or None)."""
-        refused = self.ready(name, autoload)
-        return refused, (self.engine_view(name) if refused is None else None)
 
     def ready(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None:
         """On the engine thread: ``check``, then the model made the engine's (loaded first,

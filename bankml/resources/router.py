@@ -312,7 +312,7 @@ class RouterGate(Resource):
         if kind == b"self":
             return child
         view = self.router.engine_view(name)
-        if view is not None:  # resident: the route reads its engine, whatever is swapped in
+        if view is not None:  # the current model: the route reads its engine, whatever comes
             return _Pinned(child, view)
         return _WhenReady(self.router, child, name, autoload)
 
@@ -355,7 +355,8 @@ def _render(target: Any, request: Request) -> None:
 
 
 class _Pinned(Resource):
-    """The route below answered with the engine of the model its request names (resident)."""
+    """The route below answered with the engine of the model its request names (the
+    engine's current one when the request came)."""
 
     isLeaf = True
 
@@ -371,8 +372,8 @@ class _Pinned(Resource):
 
 
 class _WhenReady(Resource):
-    """The named model loaded (on the engine thread), then the route below answers with its
-    engine."""
+    """The named model made ready (on the engine thread: loaded if need be, made the
+    engine's, marked as used), then the route below answers with its engine."""
 
     isLeaf = True
 
