@@ -30,6 +30,7 @@ same way.
 from __future__ import annotations
 
 import getopt
+import json
 import os
 import re
 import signal
@@ -138,6 +139,13 @@ class Options(usage.Options):
             "(--spawn: its own llama-server); past it the least recently used idle one is "
             "unloaded (1)",
             int,
+        ],
+        [
+            "router-argv",
+            None,
+            None,
+            "llama-server's router mode: its command line as JSON (bankml llama-server passes "
+            "its own on; GET /models renders each model's status.args and status.preset from it)",
         ],
         [
             "models-memory",
@@ -318,6 +326,13 @@ class Options(usage.Options):
         # --no-models-autoload: a request naming a model not loaded is refused (the drop-in
         # passes on the last of it and --models-autoload, as llama-server keeps the last given)
         self["autoload"] = not self["no-models-autoload"]
+        try:
+            argv = json.loads(self["router-argv"]) if self["router-argv"] else []
+        except ValueError:
+            argv = None
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise usage.UsageError("--router-argv: a JSON list of strings")
+        self["router-argv"] = argv
         self._presets(bound)
 
     def _presets(self, bound: int) -> None:

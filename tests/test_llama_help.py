@@ -162,3 +162,16 @@ def test_the_chat_template_kwargs_flags_read_as_llama_servers() -> None:
     given = kwargs(**{"reasoning-effort": "low", "chat-template-kwargs": '{"reasoning_effort": 1}'})
     assert given["reasoning_effort"] == 1  # --chat-template-kwargs last
     assert native_settings({"tags": " b,a, b ,"})["tags"] == ["a", "b"]
+
+
+def test_the_router_s_option_table_is_llama_servers(entries) -> None:
+    """bankml/llama_options.py (written from llama.cpp's common/arg.cpp; the router renders a
+    model's options by it): the same options as ``--help`` lists, each with its spellings in
+    llama-server's order (its negations after them) and whether it takes a value."""
+    from bankml.llama_options import OPTIONS
+
+    listed = {spellings: takes_value for spellings, takes_value in entries}
+    table = {
+        args + negations: takes_value for args, negations, takes_value, _, own in OPTIONS if not own
+    }
+    assert table == listed

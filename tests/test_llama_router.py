@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ TINY = {
 }
 FIRST, SECOND = TINY
 BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+LOGS: dict[int, Path] = {}  # the drop-in's log, by its port
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,9 @@ def pair(
     )
     ours = free_port()
     args = [*common, "--listen", f"127.0.0.1:{free_port()}"]
-    proc = start_dropin(args, ours, directory.parent / "bankml.log")
+    log = directory.parent / "bankml.log"
+    proc = start_dropin(args, ours, log)
+    LOGS[ours] = log
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -98,9 +102,22 @@ def test_the_directory_is_listed_as_llama_server_lists_it(pair: Pair) -> None:
         for key in ("aliases", "tags", "object", "owned_by", "architecture", "source"):
             assert ours[name][key] == theirs[name][key], (name, key)
         assert ours[name]["can_remove"] is theirs[name]["can_remove"] is False
-    # no preset loads a model on startup: none is loaded on either
+    # no preset loads a model on startup: none is loaded on either, and bankml opened none
+    # (no model's weights read, no kernel compiled: each model is opened as it is loaded)
     for name in ours:
         assert ours[name]["status"]["value"] == theirs[name]["status"]["value"] == "unloaded"
+    # status.args (the command that serves the model: bankml's own before the options) and
+    # status.preset rendered as llama-server renders them: the model's file, the preset's
+    # [*] context, the command line's -c 0 over it, -t, --no-webui (its host, port and
+    # alias in args only)
+    for name in ours:
+        mine, reference = ours[name]["status"], theirs[name]["status"]
+        assert mine["args"][-len(reference["args"]) + 1 :] == reference["args"][1:], name
+        assert mine["args"][1:4] == ["-m", "bankml", "llama-server"]
+        assert len(mine["args"]) == len(reference["args"]) + 3
+        assert mine["preset"] == reference["preset"], name
+    log = LOGS[pair.ports[0]].read_text()
+    assert "loading it" not in log and "compiling" not in log
     refused = ours["unpinned"]["status"]
     assert refused["failed"] is True and "not pinned" in refused["bankml_refused"]
     # /v1/models is the same listing, as llama-server's router answers it
@@ -224,3 +241,62 @@ def test_with_one_model_at_most_each_request_loads_the_model_it_names(
         assert json.loads(raw)["model"] == name
         states = {n: m["status"]["value"] for n, m in models(one_at_a_time).items()}
         assert states == {name: "loaded", **{n: "unloaded" for n in TINY if n != name}}
+
+
+@pytest.fixture(scope="module")
+def two_resident(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[int]:
+    """The drop-in in router mode with ``--models-max 2`` and each model its own context (the
+    preset's): its port."""
+    directory = tmp_path_factory.mktemp("router-two") / "models"
+    directory.mkdir()
+    for name, (spec, seed) in TINY.items():
+        pin_into(directory, write_tiny_model(directory / f"{name}.gguf", spec, default_model, seed))
+    preset = directory.parent / "preset.ini"
+    preset.write_text(f"[{FIRST}]\nc = 256\n\n[{SECOND}]\nc = 512\n")
+    port = free_port()
+    args = ["--models-dir", str(directory), "--models-preset", str(preset), "--models-max", "2"]
+    args += ["--host", "127.0.0.1", "-t", "2", "--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
+    proc = start_dropin(args, port, directory.parent / "bankml.log")
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_route_reads_the_engine_of_the_model_its_request_names(two_resident: int) -> None:
+    """With two models resident, ``/slots`` and ``/tokenize`` naming one model answer from that
+    model's engine while completions for the other (which make its engine the current one) run
+    between them, as llama-server's router forwards each to its model's child."""
+    port = two_resident
+    contexts = {FIRST: 256, SECOND: 512}
+    for name in TINY:
+        assert call(port, "POST", "/models/load", {"model": name})[0] == 200
+    assert {m["status"]["value"] for m in models(port).values()} == {"loaded"}
+
+    def slots_of(name: str) -> int:
+        status, _, raw = call(port, "GET", f"/slots?model={name}")
+        assert status == 200, raw
+        return json.loads(raw)[0]["n_ctx"]
+
+    def completion(name: str) -> str:
+        body = {**BODY, "max_tokens": 24, "model": name}
+        status, _, raw = call(port, "POST", "/v1/completions", body)
+        assert status == 200, raw
+        return json.loads(raw)["model"]
+
+    def tokens(name: str) -> list[int]:
+        status, _, raw = call(port, "POST", "/tokenize", {"model": name, "content": "Paris"})
+        assert status == 200, raw
+        return json.loads(raw)["tokens"]
+
+    alone = {name: tokens(name) for name in TINY}
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        jobs = []
+        for _ in range(4):  # each route's request queued between the other model's runs
+            for name, other in ((FIRST, SECOND), (SECOND, FIRST)):
+                jobs.append((other, pool.submit(completion, other)))
+                jobs.append((contexts[name], pool.submit(slots_of, name)))
+                jobs.append((alone[name], pool.submit(tokens, name)))
+        for expected, job in jobs:
+            assert job.result() == expected

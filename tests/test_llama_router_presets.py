@@ -109,7 +109,18 @@ def test_the_preset_is_listed_as_llama_server_lists_it(pair: Pair) -> None:
             assert ours[name][key] == theirs[name][key], (name, key)
         assert ours[name]["status"]["value"] == theirs[name]["status"]["value"], name
         assert list(ours[name]["status"])[:2] == ["value", "args"]
-        assert f"[{name}]" in ours[name]["status"]["preset"]
+        # status.preset as llama-server renders it ([*]'s and the section's keys, the file's
+        # path, the command line's options; a key by its last spelling, sorted by its first);
+        # status.args the same options as a command line after bankml's own command, the
+        # port a loaded model answers on (llama-server's child's, bankml's own), 0 otherwise
+        mine, reference = ours[name]["status"], theirs[name]["status"]
+        assert mine["preset"] == reference["preset"], name
+        assert mine["args"][1:4] == ["-m", "bankml", "llama-server"]
+        assert len(mine["args"]) == len(reference["args"]) + 3
+        port = mine["args"].index("--port") + 1
+        assert mine["args"][port] == (str(pair.ports[0]) if name == QWEN else "0")
+        del mine["args"][port], reference["args"][port - 3]
+        assert mine["args"][4:] == reference["args"][1:], name
     assert ours[QWEN]["aliases"] == ["qw"] and ours["custom"]["tags"] == ["a", "b"]
     assert ours["custom"]["source"] == "preset" and ours[LLAMA]["source"] == "models_dir"
     # the load-on-startup model is loaded, with its own options (the [*] context)

@@ -28,6 +28,7 @@ No Twisted here: the bridge's Deferreds stay in the resources and the service.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from bankml.registry.keepalive import DEFAULT, BadKeepAlive, KeepAlive, parse_ke
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, Registry, discover
 from bankml.registry.residency import LoadError, Residency, Resident, kv_shape
-from bankml.serving import llama_flags
+from bankml.serving import llama_flags, router_status
 from bankml.serving.run_control import RETRY_AFTER_S
 
 if TYPE_CHECKING:
@@ -252,16 +253,17 @@ class OllamaHost:
         )
         startup = catalog.registry.pins[0]
         now = clock()
-        self.residency.resident = Resident(
-            startup,
-            native.verified,
-            native.engine,
-            loaded_at=now,
-            expires_at=keep_alive.expires_at(now),
-            shown_as=startup.name,
-            context_length=native.n_ctx,
-            need=self.need(startup),
-        )
+        if native.engine is not None:  # llama-server's router mode starts with none open
+            self.residency.resident = Resident(
+                startup,
+                native.verified,
+                native.engine,
+                loaded_at=now,
+                expires_at=keep_alive.expires_at(now),
+                shown_as=startup.name,
+                context_length=native.n_ctx,
+                need=self.need(startup),
+            )
         native.waker = self.wake
         native.used = self.used
         native.rewrite = self.layered_v1
@@ -804,6 +806,16 @@ class RouterModels:
         self.directory = directory
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         host.router_events = self
+        # status.args and status.preset (serving/router_status.py): the router's command line
+        # (the drop-in's llama-server flags), the command that serves a model (bankml's own, as
+        # llama-server's unified binary renders its subcommand after it), and where a loaded
+        # model answers (the router's own port: bankml starts no child)
+        self.cli = router_status.cli_options(host.options.get("router-argv") or [])
+        self.binary = [sys.executable, "-m", "bankml", "llama-server"]
+        given_port = self.cli.get(router_status.BY_ENV["LLAMA_ARG_PORT"])
+        self.port = (
+            int(given_port) if given_port and given_port.isdigit() else llama_flags.DEFAULT_PORT
+        )
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
         """``GET /models/sse``'s: ``listener`` is called with each event (on the thread that
@@ -854,7 +866,10 @@ class RouterModels:
             here = host.residency.get(pin.name) if pin is not None else None
             entry = _router_entry(name, created, here is not None, model.source)
             entry["aliases"], entry["tags"] = model.aliases, model.tags
-            entry["status"]["preset"] = model.ini()
+            port = self.port if here is not None else 0  # llama-server's child's: 0 until loaded
+            entry["status"]["args"], entry["status"]["preset"] = model.status(
+                self.cli, port, self.binary
+            )
             if name in host.router_refused:
                 entry["status"]["failed"] = True
                 entry["status"]["bankml_refused"] = host.router_refused[name]
@@ -911,14 +926,29 @@ class RouterModels:
             return 400, error_object(400, "model is not loaded", "invalid_request_error")
         return None
 
-    def current(self, name: str) -> bool:
-        """Whether ``name`` (an id or an alias) is the model the engine answers with now (its
-        routes that read the engine need nothing loaded nor swapped)."""
+    def engine_view(self, name: str) -> Any:
+        """On the reactor thread: the engine a route reads for a request naming ``name`` (an
+        id or an alias) when that model is the engine's current one (nothing to load, swap or
+        mark as used): the NativeEngine pinned to it (``NativeEngine.pinned``), so a run for
+        another model swapped in meanwhile cannot change it; None otherwise (the gate makes
+        it ready first, ``ready_view``)."""
+        view = self._view(name)
+        return view if view is not None and view.engine is self.host.native.engine else None
+
+    def ready_view(self, name: str, autoload: bool | None) -> tuple[Any, Any]:
+        """On the engine thread: ``ready`` (loaded if need be, made the engine's, marked as
+        used), then the model's pinned view: (the refusal or None, the view or None)."""
+        refused = self.ready(name, autoload)
+        return refused, (self._view(name) if refused is None else None)
+
+    def _view(self, name: str) -> Any:
         host = self.host
         routed = host.router_names.get(name)
         pin = host.router_pins.get(routed) if routed is not None else None
         here = host.residency.get(pin.name) if pin is not None else None
-        return here is not None and host.native.engine is here.handle
+        if here is None or here.handle is None:
+            return None
+        return host.native.pinned(here.handle, here.verified)
 
     def ready(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None:
         """On the engine thread: ``check``, then the model made the engine's (loaded first,
@@ -968,17 +998,12 @@ class RouterModels:
         self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
         return 200, {"success": True}
 
-    def load_on_startup(self, put_away_startup: bool = False) -> list[str]:
+    def load_on_startup(self) -> list[str]:
         """On the engine thread, before the server answers: each ``load-on-startup`` model
-        loaded (verified again); the lines that say which could not be. ``put_away_startup``:
-        the startup model (the one the engine was brought up with) unloaded first unless a
-        preset loads it on startup, as llama-server's router starts with no model loaded."""
+        loaded (verified again); the lines that say which could not be. No other model is
+        loaded: the router starts with none open (``resident.idle_served``), as llama-server's."""
         router = self.host.router
         startup = router.startup() if router is not None else []
-        if put_away_startup:
-            first = self.host.answer_name(self.host.native.verified.path)
-            if first not in startup:
-                self.unload({"model": first})
         problems = []
         for name in startup:
             status, body = self.load({"model": name})
@@ -1005,8 +1030,8 @@ def _router_id(file: str) -> str:
 def _router_entry(
     model_id: str, created: int, loaded: bool, source: str = "models_dir"
 ) -> dict[str, Any]:
-    """One model of ``GET /models`` in router mode, in llama-server's key order (``args``:
-    bankml starts no child process)."""
+    """One model of ``GET /models`` in router mode, in llama-server's key order (``args`` and
+    the ``preset`` after it: ``RouterModels.listing``)."""
     return {
         "id": model_id,
         "aliases": [],

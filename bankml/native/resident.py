@@ -13,6 +13,7 @@ No Twisted. It imports the engine, so in a server it is first imported on the en
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import threading
@@ -94,6 +95,7 @@ class NativeEngine:
         receipt_key: SigningKey | None = None,
         aliases: Sequence[str] = (),
         tags: Sequence[str] = (),
+        n_slots: int | None = None,
     ) -> None:
         self.engine = engine
         self.receipt_key = receipt_key  # signs every receipt; None: unsigned (the Python API)
@@ -129,7 +131,8 @@ class NativeEngine:
         # the last scrape (prompt tokens and seconds, generation decode steps and seconds)
         self.window = dict.fromkeys(WINDOW_KEYS, 0.0)
         # what GET /slots shows of each slot (updated on the reactor thread)
-        self.slot_views = [SlotView() for _ in range(int(getattr(engine, "n_slots", 1)))]
+        slots_of = n_slots if n_slots is not None else getattr(engine, "n_slots", 1)
+        self.slot_views = [SlotView() for _ in range(int(slots_of))]
         self._lock = threading.Lock()
         self._tensor_totals: tuple[int | None, int | None] | None = None
         # set by the Ollama host (native/ollama.py): on the engine thread, loads the startup
@@ -200,6 +203,20 @@ class NativeEngine:
             self.cache_type = _cache_type_of(engine)
             self.model_id = os.path.basename(verified.path)
             self.model_ftype = file_ftype_name(verified.path)
+
+    def pinned(self, engine: Any, verified: Any) -> NativeEngine:
+        """A view of this NativeEngine that reads ``engine`` (opened on ``verified``) whatever
+        model the server swaps in later: what a router-mode route reads once the gate resolved
+        the model its request names (resources/router.py ``RouterGate``), so a request for
+        another model made current meanwhile (``--models-max`` above 1) cannot change the
+        engine it reads. The records, totals, slot views and bridge are this one's (shared);
+        the metrics scrape is this one's too (its rate window restarts here); it never wakes
+        another model."""
+        view = copy.copy(self)
+        NativeEngine.swap(view, engine, verified)
+        view.waker = None
+        view.scrape = self.scrape  # type: ignore[method-assign]
+        return view
 
     def token_count(self, text: str) -> int:
         """How many tokens the resident model's tokenizer makes of ``text`` (a stop word)."""
@@ -791,6 +808,35 @@ def open_served(
         receipt_key=receipt_key,
         aliases=llama.get("aliases") or (),
         tags=llama.get("tags") or (),
+    )
+
+
+def idle_served(
+    verified: Any,
+    options: Mapping[str, Any],
+    bridge: EngineBridge,
+    reactor: Any,
+    receipt_key: SigningKey | None = None,
+) -> NativeEngine:
+    """For llama-server's router mode, on the engine thread: the NativeEngine with no engine
+    open (``asleep``), as llama-server's router starts with no model loaded; no weight is read.
+    Its slots are the server's (``-np``); each model is opened, verified again, when it is
+    loaded (native/ollama.py ``OllamaHost._open_model``)."""
+    llama = options.get("llama") or {}
+    ctx = options.get("ctx")
+    xp = backend.get_xp(options.get("device") or "auto")
+    return NativeEngine(
+        None,
+        bridge,
+        verified,
+        slot_dir=options.get("slot-dir") or options.get("slot_dir"),
+        n_ctx=DEFAULT_CTX if ctx is None else int(ctx) or training_context(verified.path),
+        device=backend.device_name(xp),
+        reactor=reactor,
+        receipt_key=receipt_key,
+        aliases=llama.get("aliases") or (),
+        tags=llama.get("tags") or (),
+        n_slots=int(llama.get("n_parallel", 1)),
     )
 
 

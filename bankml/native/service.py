@@ -33,7 +33,7 @@ from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
 from bankml.native.embed import Embedder, EmbedSettings
 from bankml.native.ollama import RouterModels, make_host
 from bankml.native.rerank import Reranker
-from bankml.native.resident import compile_served, open_served
+from bankml.native.resident import compile_served, idle_served, open_served
 from bankml.resources import llama
 from bankml.resources import router as router_routes
 from bankml.resources.bankml import (
@@ -237,6 +237,26 @@ def _open_on_engine_thread(
     )
 
 
+def idle_native(
+    verified: Any,
+    options: Mapping[str, Any],
+    reactor: Any,
+    bridge: EngineBridge | None = None,
+    receipt_key: SigningKey | None = None,
+) -> Deferred[NativeEngine]:
+    """llama-server's router mode: the NativeEngine with no model open (on the engine thread,
+    which imports the engine), as llama-server's router starts with none loaded."""
+    if bridge is None:
+        bridge = EngineBridge(reactor)
+
+    def failed(reason: Any) -> Any:
+        bridge.stop()
+        return reason
+
+    opened = bridge.call(idle_served, verified, options, bridge, reactor, receipt_key)
+    return opened.addErrback(failed)
+
+
 def open_native(
     verified: Any,
     options: Mapping[str, Any],
@@ -320,7 +340,8 @@ class NativeService(ServingService):
         try:
             if self.compiling is not None:
                 yield self.compiling  # an error here is the open's too: it reports it
-            self.native = yield open_native(
+            opener = idle_native if self.options.get("router") else open_native
+            self.native = yield opener(
                 self.verified,
                 self.options,
                 self.reactor,
@@ -342,8 +363,8 @@ class NativeService(ServingService):
             else None
         )
         if router is not None:  # the preset's load-on-startup models, verified, before answering
-            # (the startup model, opened to bring the engine up, is put away unless one of them)
-            problems = yield ollama.bridge.call(router.load_on_startup, True)
+            # (nothing else is loaded: the router starts with no model open, as llama-server's)
+            problems = yield ollama.bridge.call(router.load_on_startup)
             for line in problems:
                 _log.warn("{line}", line=line)
         listen_root, engine_root = build_native_roots(
@@ -366,6 +387,16 @@ class NativeService(ServingService):
             self.heap_trimmer.clock = self.reactor
             self.heap_trimmer.start(heap.TRIM_INTERVAL_S, now=False)
         v = self.verified
+        if router is not None:
+            _log.info(
+                "bankml native router on {listen}, engine address {up}, {device}: {n} models, "
+                "none loaded but a preset's load-on-startup ones",
+                listen=self.options.get("listen"),
+                up=self.options.get("upstream"),
+                device=self.native.device,
+                n=len(router.listing()["data"]),
+            )
+            return
         _log.info(
             "bankml native serving {path} (sha256 {sha}) on {listen}, engine address {up}, "
             "{device}, n_ctx {ctx}",
@@ -459,10 +490,11 @@ def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeServi
     def start_compiling(path: str) -> None:
         compiling.append(bridge.call(compile_served, path, options, report))
 
+    # llama-server's router mode loads no model at start: nothing compiles now (each model's
+    # kernels compile, or load from Numba's cache, as it is loaded)
+    hashing = None if options.get("router") else start_compiling
     try:
-        verified = verify_before_listening(
-            options["file"], options["fork"], while_hashing=start_compiling
-        )
+        verified = verify_before_listening(options["file"], options["fork"], while_hashing=hashing)
     except SystemExit:
         bridge.stop(wait=False)  # a refusal does not wait for the compiler
         for outcome in compiling:

@@ -9,6 +9,7 @@ with the answers, so it never lands in the middle of one.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol
 
 from twisted.web.resource import Resource, getChildForRequest
@@ -18,7 +19,7 @@ from bankml.formats.errors import ApiError, error_body
 from bankml.formats.nlohmann import dumps, loads_json
 from bankml.resources.llama import _write_failure
 from bankml.resources.runs import read_json_object
-from bankml.serving.routes import NotFound
+from bankml.serving.routes import LlamaRoute, NotFound
 from bankml.serving.writers import JsonResource, gone, write_json
 
 
@@ -42,9 +43,11 @@ class Router(Protocol):
 
     def check(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None: ...
 
-    def current(self, name: str) -> bool: ...
+    def engine_view(self, name: str) -> Any: ...
 
-    def ready(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None: ...
+    def ready_view(
+        self, name: str, autoload: bool | None
+    ) -> tuple[tuple[int, dict[str, Any]] | None, Any]: ...
 
     def removable(self, name: str) -> tuple[int, dict[str, Any]]: ...
 
@@ -306,8 +309,11 @@ class RouterGate(Resource):
         refused = self.router.check(name, autoload)
         if refused is not None:
             return _Answer(*refused)
-        if kind == b"self" or self.router.current(name):
+        if kind == b"self":
             return child
+        view = self.router.engine_view(name)
+        if view is not None:  # the current model: the route reads its engine, whatever comes
+            return _Pinned(child, view)
         return _WhenReady(self.router, child, name, autoload)
 
 
@@ -326,8 +332,48 @@ class _Answer(Resource):
         return NOT_DONE_YET
 
 
+def with_engine(target: Any, view: Any) -> Any:
+    """``target`` (a route's leaf, or the LlamaRoute around it) copied to read ``view`` (the
+    engine the gate resolved for this request) in place of the server's current one: the
+    copy's jobs, run later on the prepare or engine thread, read that engine alone."""
+    if isinstance(target, LlamaRoute):
+        out = copy.copy(target)
+        out.endpoint = with_engine(target.endpoint, view)
+        return out
+    if hasattr(target, "native"):
+        out = copy.copy(target)
+        out.native = view
+        return out
+    return target
+
+
+def _render(target: Any, request: Request) -> None:
+    out = target.render(request)
+    if out is not NOT_DONE_YET and not gone(request):
+        request.write(out)
+        request.finish()
+
+
+class _Pinned(Resource):
+    """The route below answered with the engine of the model its request names (the
+    engine's current one when the request came)."""
+
+    isLeaf = True
+
+    def __init__(self, child: Any, view: Any) -> None:
+        super().__init__()
+        self.child = child
+        self.view = view
+
+    def render(self, request: Request) -> Any:
+        target = with_engine(getChildForRequest(self.child, request), self.view)
+        _render(target, request)
+        return NOT_DONE_YET
+
+
 class _WhenReady(Resource):
-    """The named model made the engine's (on the engine thread), then the route below answers."""
+    """The named model made ready (on the engine thread: loaded if need be, made the
+    engine's, marked as used), then the route below answers with its engine."""
 
     isLeaf = True
 
@@ -339,17 +385,15 @@ class _WhenReady(Resource):
         self.autoload = autoload
 
     def render(self, request: Request) -> Any:
-        d = self.router.bridge.call(self.router.ready, self.name, self.autoload)
+        d = self.router.bridge.call(self.router.ready_view, self.name, self.autoload)
 
-        def go_on(refused: tuple[int, dict[str, Any]] | None) -> None:
+        def go_on(answer: tuple[tuple[int, dict[str, Any]] | None, Any]) -> None:
+            refused, view = answer
             if refused is not None:
                 write_json(request, refused[0], dumps(refused[1]))
                 return
             target = getChildForRequest(self.child, request)
-            out = target.render(request)
-            if out is not NOT_DONE_YET and not gone(request):
-                request.write(out)
-                request.finish()
+            _render(with_engine(target, view) if view is not None else target, request)
 
         d.addCallback(go_on)
         d.addErrback(_write_failure(request))

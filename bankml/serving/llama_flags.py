@@ -192,6 +192,7 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     router = model is None and ("--models-dir" in out or "--models-preset" in out)
     if router:
         model = _router_startup(out)
+        out += ["--router-argv", json.dumps(list(argv))]  # GET /models renders each model's
     elif "--models-preset" in out and "--models-dir" not in out:
         # llama-server's single-model mode (-m) does not read a preset: say so, as for a flag
         out = _dropped(out, {"--models-preset": True})
@@ -208,9 +209,12 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def _router_startup(out: list[str]) -> str:
     """llama-server's router mode (``--models-dir DIR`` or ``--models-preset FILE`` without
-    ``-m``): bankml starts with a pinned load-on-startup model of the preset, else the first
-    model DIR pins (its ``*.FORK.json``; ``--fork`` is that fork unless given), else the first
-    pinned model a preset section names, and serves every other model beside it (tap.py)."""
+    ``-m``): the server's nominal model (its file verified before anything listens, nothing of
+    it opened: the router starts with no model loaded, native/service.py), a pinned
+    load-on-startup model of the preset, else the first model DIR pins (its ``*.FORK.json``;
+    ``--fork`` is that fork unless given), else the first pinned model a preset section names;
+    every model is served beside it (tap.py). None pinned: refused (llama-server would start
+    with an empty listing; bankml's server is built around a pinned model)."""
     from bankml.registry.pins import discover
 
     directory: str | None = None

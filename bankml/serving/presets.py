@@ -40,6 +40,7 @@ from typing import Any
 
 from bankml.llama_server import ENV_NAMES, FLAGS, IGNORE, MODEL, REFUSE, SERVE, UNKNOWN, Flag
 from bankml.registry.pins import Pin
+from bankml.serving import router_status
 
 TRUTHY = ("on", "enabled", "true", "1")
 FALSEY = ("off", "disabled", "false", "0")
@@ -178,6 +179,7 @@ class ModelPreset:
     given: dict[str, str] = field(default_factory=dict)  # the keys as the file gave them
     load_on_startup: bool = False
     notes: list[str] = field(default_factory=list)
+    dir_path: str | None = None  # its file in DIR, when it has one (llama-server's ``model``)
 
     @property
     def aliases(self) -> list[str]:
@@ -187,12 +189,16 @@ class ModelPreset:
     def tags(self) -> list[str]:
         return sorted({t.strip() for t in str(self.options.get("tags") or "").split(",")} - {""})
 
-    def ini(self) -> str:
-        """The model's preset as ``status.preset`` shows it: its section with the keys the file
-        gave it (``[*]``'s then its own)."""
-        lines = [f"[{self.name}]"]
-        lines += [f"{key} = {value}" for key, value in self.given.items()]
-        return "\n".join(lines) + "\n\n"
+    def status(
+        self, cli: Mapping[Any, str], port: int, binary: Sequence[str]
+    ) -> tuple[list[str], str]:
+        """``status.args`` and ``status.preset`` of the model in ``GET /models``, as
+        llama-server's router renders them (serving/router_status.py) from its file in DIR,
+        the keys the preset gave it (``[*]``'s then its own) and the router's command line
+        (``cli``: ``router_status.cli_options``)."""
+        options = router_status.model_options(self.dir_path, self.given, cli)
+        args = router_status.status_args(options, self.name, port, binary)
+        return args, router_status.status_preset(self.name, options, self.name)
 
 
 @dataclass
@@ -364,7 +370,7 @@ def load_presets(path: str | None, directory: str | None, cli: Mapping[str, Any]
         full = os.path.join(directory or "", file)
         if file.lower().endswith(".gguf") and os.path.isfile(full):
             name = file[: -len(".gguf")]
-            models[name] = ModelPreset(name, "models_dir", full)
+            models[name] = ModelPreset(name, "models_dir", full, dir_path=full)
     for raw, keys in ini.items():
         if raw in (GLOBAL, ""):
             continue
@@ -372,7 +378,12 @@ def load_presets(path: str | None, directory: str | None, cli: Mapping[str, Any]
         own = ModelPreset(name, "preset", None)
         _read_section(name, keys, own)
         base = models.get(name)
-        merged = ModelPreset(name, "preset", own.path or (base.path if base else None))
+        merged = ModelPreset(
+            name,
+            "preset",
+            own.path or (base.path if base else None),
+            dir_path=base.dir_path if base else None,
+        )
         for source in (glob, own):
             merged.options.update(source.options)
             merged.given.update(source.given)
