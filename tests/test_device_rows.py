@@ -172,3 +172,13 @@ def test_device_model_steps_the_slots_together(tiny_models: dict[str, Path]) -> 
     assert [g.host().tobytes() for g in got] == [w.host().tobytes() for w in want]
     rows = model.decode_batch([1, 2, 3, 4], together)
     assert rows.shape == (4, hp.n_vocab)
+
+
+def test_the_gpu_checks_rows_report(tiny_models: dict[str, Path]) -> None:
+    """bench/kernel_check.py's batched-step part (what a GPU run reports: each slot of the
+    batched step against its own step on the same device), here on the stand-in."""
+    from bench import kernel_check
+
+    report = kernel_check.device_rows_vs_steps(KernelCupy(), tiny_models["qwen2-Q8_0"], rows=3)  # type: ignore[arg-type]
+    assert report["identical_rows"] == 9 and report["differing_rows"] == 0
+    assert report["same_tokens"] and report["us_rows_step"] is None
