@@ -577,6 +577,16 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
                 ),
             ),
             (
+                "device_rows",
+                kc.device_rows_vs_steps,
+                lambda r: (
+                    f"batched decode step of {r['rows']} slots on the device: rows identical to "
+                    f"their own steps {r['identical_rows']}/"
+                    f"{r['identical_rows'] + r['differing_rows']}; {r['us_rows_step']} us "
+                    f"against {r['us_one_row_steps']} us one by one"
+                ),
+            ),
+            (
                 "device_engine",
                 kc.device_engine_vs_twins,
                 lambda r: (

@@ -12,7 +12,8 @@ identical, how many rows differ and by how much; with CuPy's events it also time
 its own on a CUDA machine (docs/gpu.md); it prints one JSON line when run alone. Figures to
 read, not a verdict: a kernel that differs from its twin in a bit differs from the arithmetic
 the twin documents, and one of the two has a bug. With a model it also runs the decode step
-(``device_step_vs_twins``) and the prefill (``device_prefill_vs_twins``) on the device against
+(``device_step_vs_twins``), the batched step against each slot's own step
+(``device_rows_vs_steps``) and the prefill (``device_prefill_vs_twins``) on the device against
 the same through the twins.
 """
 
@@ -165,6 +166,60 @@ def device_step_vs_twins(cp: ModuleType, model: Path, steps: int = 8) -> dict[st
     return out
 
 
+def device_rows_vs_steps(cp: ModuleType, model: Path, rows: int = 4) -> dict[str, Any]:
+    """The batched decode step (DeviceStep.step_rows) on the device against each slot's own
+    one-row step on the same device: ``rows`` slots at different positions (prompt prefixes of
+    1.. ``rows`` tokens), stepped together then alone for 3 rounds, each slot's logits bits
+    compared; microseconds for one batched step of the ``rows`` slots and for their ``rows``
+    one-row steps."""
+    from bankml.engine_cupy import device_step as ds
+    from bankml.engine_cupy.weights import read_hparams
+
+    started = time.monotonic()
+    reader = open_file(model)
+    step = ds.DeviceStep(cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)))
+    n_ctx = len(STEP_PROMPT) + 8
+    together, alone = step.new_sequences(rows, n_ctx), step.new_sequences(rows, n_ctx)
+    for seqs in (together, alone):
+        for i, seq in enumerate(seqs):
+            for token in STEP_PROMPT[: i % len(STEP_PROMPT) + 1]:
+                step.set_token(seq, token)
+                step.step(seq)
+    identical, differing = 0, 0
+    for _ in range(3):
+        step.step_rows(together)
+        for seq in alone:
+            step.step(seq)
+        for a, b in zip(together, alone):
+            same = step.host_logits(a).tobytes() == step.host_logits(b).tobytes()
+            identical, differing = identical + same, differing + (not same)
+    out: dict[str, Any] = {
+        "rows": rows,
+        "identical_rows": identical,
+        "differing_rows": differing,
+        "same_tokens": [step.chosen(s) for s in together] == [step.chosen(s) for s in alone],
+    }
+
+    def rewind(seqs: list[Any]) -> None:  # the same positions again each time
+        for i, seq in enumerate(seqs):
+            seq.pos.fill(i % len(STEP_PROMPT) + 1)
+            seq.n_tokens = i % len(STEP_PROMPT) + 1
+
+    def batched() -> None:
+        rewind(together)
+        step.step_rows(together)
+
+    def one_by_one() -> None:
+        rewind(alone)
+        for seq in alone:
+            step.step(seq)
+
+    out["us_rows_step"] = _time_us(cp, batched, repeats=20)
+    out["us_one_row_steps"] = _time_us(cp, one_by_one, repeats=20)
+    out["elapsed_s"] = round(time.monotonic() - started, 2)
+    return out
+
+
 ENGINE_PROMPT = "The capital of France is"
 
 
@@ -297,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             report["device_step"] = device_step_vs_twins(cupy, args.model, args.step_tokens)
         except Exception as err:  # a model the step does not play, or a kernel that fails
             report["device_step"] = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            report["device_rows"] = device_rows_vs_steps(cupy, args.model)
+        except Exception as err:
+            report["device_rows"] = {"error": f"{type(err).__name__}: {err}"}
         try:
             report["device_engine"] = device_engine_vs_twins(cupy, args.model, args.step_tokens)
         except Exception as err:

@@ -72,8 +72,112 @@ def _covers(grid: tuple, block: tuple, n: int) -> None:
     assert grid[0] * block[0] >= n > (grid[0] - 1) * block[0], (grid, block, n)
 
 
+def _run_rows(name: str, grid: tuple, block: tuple, a: list[Any]) -> bool:  # noqa: C901
+    """The batched step's kernels (``*_rows``): each row through its one-row twin, on the
+    row's slices and its slot's state, as the kernel's row r does. False: not one of them."""
+    if name.startswith("mmvq_") and name.endswith("_rows"):
+        w, y, dst, ncols, nrows_y = a
+        qtype = name.removeprefix("mmvq_").removesuffix("_rows").upper()
+        bt, n, rows = tw.BLOCK_TYPES[qtype], int(nrows_y), w.shape[0]
+        assert block == (32, tw.NWARPS) and grid == (rows,) and 1 <= n <= 8
+        assert w.flags.c_contiguous and w.shape[1] == int(ncols) // bt.values * bt.block_bytes
+        per_row = int(ncols) // 32 * 36
+        assert y.size >= n * per_row and dst.size >= n * rows
+        ys = [q8_of(y[j * per_row : (j + 1) * per_row]) for j in range(n)]
+        dst[: n * rows] = tw.mmvq_rows(qtype, w, ys).reshape(-1)
+    elif name == "rms_norm_q8_1_rows":
+        x, delta, has_delta, weight, y, n, eps = a
+        m = int(n)
+        assert len(grid) == 1 and block == (dt.NORM_THREADS,) and weight.size == m
+        for r in range(grid[0]):
+            xr = x[r * m : (r + 1) * m]
+            new_x, q8 = dt.rms_norm_q8_1(
+                xr, delta[r * m : (r + 1) * m] if has_delta else None, weight, float(eps)
+            )
+            xr[:] = new_x
+            y[r * (m // 32) * 36 : (r + 1) * (m // 32) * 36] = q8.to_bytes()
+    elif name == "rope_kv_f16_rows":
+        q, k, v, bias, has_bias, slots, pos, cos, sin, q_out, kp, vp = a[:12]
+        il, n_layer, nh, nkv, hd, n_ctx, neox = (int(x) for x in a[12:])
+        nq, nk = nh * hd, nkv * hd
+        assert len(grid) == 2 and len(block) == 1
+        _covers(grid[:1], block, (nq + nk) // 2 + nk)
+        assert kp.shape == vp.shape and kp.shape[1:] == (n_layer, nkv, n_ctx, hd)
+        assert not has_bias or bias.size == nq + 2 * nk
+        for r in range(grid[1]):
+            s = int(slots[r])
+            q_out[r * nq : (r + 1) * nq] = dt.rope_kv_f16(
+                q[r * nq : (r + 1) * nq],
+                k[r * nk : (r + 1) * nk],
+                v[r * nk : (r + 1) * nk],
+                bias if has_bias else None,
+                int(pos[s]),
+                cos,
+                sin,
+                kp[s, il].view(numpy.float16),
+                vp[s, il].view(numpy.float16),
+                hd,
+                bool(neox),
+            )
+    elif name == "attn_decode_f16_rows":
+        q, kp, vp, slots, pos, scores, out = a[:7]
+        il, n_layer, nh, nkv, hd, n_ctx = (int(x) for x in a[7:13])
+        scale = a[13]
+        assert len(grid) == 2 and grid[0] == nh and block == (dt.ATTN_WARPS * 32,)
+        assert hd % 32 == 0 and hd <= dt.ATTN_MAX_HD and nh % nkv == 0
+        assert scores.shape[1:] == (nh, n_ctx) and kp.shape[1:] == (n_layer, nkv, n_ctx, hd)
+        per_row = nh * hd // 32 * 36
+        for r in range(grid[1]):
+            s = int(slots[r])
+            p = int(pos[s])
+            assert 0 <= p < n_ctx
+            scores[s, :, : p + 1] = numpy.nan  # scratch: not kept
+            out[r * per_row : (r + 1) * per_row] = dt.attn_decode_q8_1(
+                q[r * nh * hd : (r + 1) * nh * hd],
+                kp[s, il].view(numpy.float16),
+                vp[s, il].view(numpy.float16),
+                p,
+                nh,
+                float(scale),
+            ).to_bytes()
+    elif name == "swiglu_q8_1_rows":
+        gate, up, y, n = a
+        m = int(n)
+        assert len(grid) == 2
+        _covers(grid[:1], block, m)
+        for r in range(grid[1]):
+            y[r * (m // 32) * 36 : (r + 1) * (m // 32) * 36] = dt.swiglu_q8_1(
+                gate[r * m : (r + 1) * m], up[r * m : (r + 1) * m]
+            ).to_bytes()
+    elif name == "argmax_f32_rows":
+        x, n, slots, logits, token, pos = a
+        m = int(n)
+        assert len(grid) == 1 and block == (dt.ARGMAX_THREADS,) and logits.shape[1] == m
+        for r in range(grid[0]):
+            s = int(slots[r])
+            logits[s] = x[r * m : (r + 1) * m]
+            token[s] = dt.argmax_f32(x[r * m : (r + 1) * m])
+            pos[s] += 1
+    elif name in ("get_rows_q8_0_rows", "get_rows_f32_rows"):
+        w, token, slots, dst, ncols = a
+        m = int(ncols)
+        assert len(grid) == 2
+        _covers(grid[:1], block, m)
+        for r in range(grid[1]):
+            ident = int(token[int(slots[r])])
+            if name == "get_rows_q8_0_rows":
+                dst[r * m : (r + 1) * m] = dt.get_rows_q8_0(w, ident, m)
+            else:
+                dst[r * m : (r + 1) * m] = w.reshape(-1, m)[ident]
+    else:
+        return False
+    return True
+
+
 def _run(name: str, grid: tuple, block: tuple, a: list[Any]) -> None:  # noqa: C901
     """The twin of kernel ``name`` on the launch's (unwrapped) arguments."""
+    if _run_rows(name, grid, block, a):
+        return
     if name == "quantize_q8_1":
         x, y, n = a
         _covers(grid, block, int(n))

@@ -248,11 +248,13 @@ def test_two_slots_step_in_turn_each_with_its_own_logits(default_model: Path) ->
     run's top-k draws are those it gets alone, with its prompt found whole in its slot (the
     last prompt token one step again) and evaluated afresh (cache_prompt false). Each prompt's
     pass is a prefill then one step, whose logits the draw reads (device_model.md), so the
-    three give the same bits."""
+    three give the same bits; the side-by-side decode steps are one batched step of both
+    slots (DeviceStep.step_rows), each row its own step's bits."""
     from bankml.native.scheduler import forward_rows
 
+    cp = KernelCupy()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "cupy", KernelCupy())
+        mp.setitem(sys.modules, "cupy", cp)
         engine = Engine.open(default_model, n_ctx=32, device="cuda", n_slots=2)
     sampling = {"n_predict": 2, "top_k": 10, "temperature": 0.7, "seed": 3}
     bodies = [{"prompt": p, **sampling} for p in ("Hi there, my", "Paris is the capital")]
@@ -281,6 +283,8 @@ def test_two_slots_step_in_turn_each_with_its_own_logits(default_model: Path) ->
     slots = {s.id: s.tokens for s in engine.slots}
     assert slots[0] != slots[1]  # a slot each
     assert tokens[0] != tokens[1] and all(len(t) == 2 for t in tokens)
+    # the second tokens' decode steps, both slots', went through one batched step
+    assert [name for name, _, _ in cp.launches].count("argmax_f32_rows") == 1
     for body, side_by_side in zip(bodies, tokens):
         held = engine.run_steps(engine.parse_request(body, "completion"))
         assert [c.token for c in held] == side_by_side

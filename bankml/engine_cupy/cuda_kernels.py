@@ -88,6 +88,18 @@ KERNELS = (
     Kernel("attn_prefill_f16", "prefill_f16.cu", None),
     Kernel("swiglu_f16", "prefill_f16.cu", None),
     Kernel("advance_pos", "prefill_f16.cu", None),
+    # the batched decode step's (device_step.DeviceStep.step_rows): up to 8 slots' rows at once
+    *(
+        Kernel(f"mmvq_{q.lower()}_rows", f"mmvq_{q.lower()}.cu", None)
+        for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    ),
+    Kernel("rms_norm_q8_1_rows", "rms_norm_q8_1.cu", None),
+    Kernel("rope_kv_f16_rows", "rope_kv_f16.cu", None),
+    Kernel("attn_decode_f16_rows", "attn_decode_f16.cu", None),
+    Kernel("swiglu_q8_1_rows", "swiglu_q8_1.cu", None),
+    Kernel("argmax_f32_rows", "argmax_f32.cu", None),
+    Kernel("get_rows_q8_0_rows", "get_rows.cu", None),
+    Kernel("get_rows_f32_rows", "get_rows.cu", None),
 )
 
 

@@ -395,3 +395,15 @@ def mmvq(
         for i in range(0, w2.shape[0], 4096)
     ]
     return numpy.concatenate(out)
+
+
+def mmvq_rows(
+    qtype: str, w: numpy.ndarray, xs: list[numpy.ndarray | Q8_1], nwarps: int = NWARPS
+) -> numpy.ndarray:
+    """The twin of ``mmvq_<type>_rows`` (mmvq_common.cuh's ``mmvq_rows``): the rows of ``w``
+    times each of up to 8 activation rows, f32 [len(xs), rows]. The kernel keeps one partial
+    sum per activation row and adds into it exactly what the one-row kernel adds, in the same
+    order, so row j is ``mmvq(qtype, w, xs[j])``."""
+    if not 1 <= len(xs) <= 8:
+        raise ValueError(f"the batched product takes 1..8 activation rows, not {len(xs)}")
+    return numpy.stack([mmvq(qtype, w, x, nwarps) for x in xs])

@@ -31,7 +31,7 @@ from typing import Any
 import numpy
 
 from bankml.engine_cupy.device_prefill import DevicePrefill
-from bankml.engine_cupy.device_step import DeviceSequence, DeviceStep, DeviceWeights
+from bankml.engine_cupy.device_step import MAX_ROWS, DeviceSequence, DeviceStep, DeviceWeights
 from bankml.engine_cupy.kernels.progress import CompileStats
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.passes import PassLogits, pass_groups
@@ -48,9 +48,9 @@ class DeviceCache:
     fused_decode = False
     pos_min = 0
 
-    def __init__(self, step: DeviceStep, n_ctx: int) -> None:
+    def __init__(self, step: DeviceStep, n_ctx: int, seq: DeviceSequence | None = None) -> None:
         self.step = step
-        self.seq: DeviceSequence = step.new_sequence(n_ctx)
+        self.seq: DeviceSequence = step.new_sequence(n_ctx) if seq is None else seq
         self.n_ctx = n_ctx
         self.known_token: int | None = 0  # the id seq.token holds, where the host knows it
         self.steps = 0  # steps run: a DeviceLogits is of one step
@@ -178,13 +178,23 @@ class DeviceModel(Model):
         step = DeviceStep(xp, DeviceWeights.upload(xp, reader, hp))
         return cls(hp, xp, path, reader, step)
 
-    def new_cache(self, n_ctx: int, cache_type: str | None = None) -> Any:
+    @staticmethod
+    def _check_cache_type(cache_type: str | None) -> None:
         if cache_type not in (None, "f16"):
             raise UnsupportedModel(
                 f"the GPU decode step keeps an f16 K/V cache, not {cache_type}"
                 " (BANKML_DEVICE_STEP=0 runs the array path, which has it)"
             )
+
+    def new_cache(self, n_ctx: int, cache_type: str | None = None) -> Any:
+        self._check_cache_type(cache_type)
         return DeviceCache(self.step, n_ctx)
+
+    def new_caches(self, n: int, n_ctx: int, cache_type: str | None = None) -> list[Any]:
+        """``n`` slots' caches in one ``SequencePool``: the engine's slots, whose decode steps
+        ``forward_batch`` runs up to ``MAX_ROWS`` at a time in one batched step."""
+        self._check_cache_type(cache_type)
+        return [DeviceCache(self.step, n_ctx, seq) for seq in self.step.new_sequences(n, n_ctx)]
 
     def forward(self, tokens: Sequence[int], cache: DeviceCache, all_logits: bool = False) -> Any:
         """The tokens before the last through the prefill (the cache only), the last through
@@ -211,16 +221,48 @@ class DeviceModel(Model):
         return DeviceLogits(cache)
 
     def forward_batch(self, tokens: Sequence[Sequence[int]], caches: Sequence[Any]) -> PassLogits:
-        """Each sequence's steps in turn (no shared pass on this path)."""
+        """One micro-batch for each of several sequences. The decode steps (one token each) of
+        caches of one pool (``new_caches``: the engine's slots) go ``MAX_ROWS`` at a time
+        through one batched step (``DeviceStep.step_rows``: each row's bits its own step's);
+        the others (prompt chunks, a lone step) through ``forward`` in turn. Every sequence is
+        checked before any cache changes."""
         if len(tokens) != len(caches):
             raise ValueError(f"{len(tokens)} micro-batches for {len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each sequence needs a cache of its own")
-        out = [self.forward(toks, cache) for toks, cache in zip(tokens, caches)]
+        for toks, cache in zip(tokens, caches):
+            self._check_rows(toks, cache)
+        out: list[Any] = [None] * len(tokens)
+        pools: dict[int, list[int]] = {}
+        for i, (toks, cache) in enumerate(zip(tokens, caches)):
+            if len(toks) == 1:
+                pools.setdefault(id(cache.seq.pool), []).append(i)
+        for group in pools.values():
+            for start in range(0, len(group), MAX_ROWS):
+                rows = group[start : start + MAX_ROWS]
+                if len(rows) > 1:
+                    self._step_rows([int(tokens[i][0]) for i in rows], [caches[i] for i in rows])
+                    for i in rows:
+                        out[i] = DeviceLogits(caches[i])
+        for i, (toks, cache) in enumerate(zip(tokens, caches)):
+            if out[i] is None:
+                out[i] = self.forward(toks, cache)
         return PassLogits(out, pass_groups([len(t) for t in tokens], shares=False))
 
+    def _step_rows(self, tokens: list[int], caches: list[DeviceCache]) -> None:
+        """One decode step of each cache, all in one batched step (a token the device already
+        holds is not written again)."""
+        for token, cache in zip(tokens, caches):
+            if cache.known_token != token:
+                self.step.set_token(cache.seq, token)
+        self.step.step_rows([cache.seq for cache in caches])
+        for cache in caches:
+            cache.known_token = None  # the step's argmax wrote it; not read yet
+            cache.steps += 1
+
     def decode_batch(self, tokens: Sequence[int], caches: Sequence[Any]) -> numpy.ndarray:
-        return numpy.stack([self.forward([t], c).host() for t, c in zip(tokens, caches)])
+        out = self.forward_batch([[int(t)] for t in tokens], caches)
+        return numpy.stack([logits.host() for logits in out])
 
     def hidden_states(
         self, tokens: Sequence[int], cache: Any = None, n_ubatch: int = 512
@@ -243,9 +285,12 @@ class DeviceModel(Model):
         embd = f"get_rows_{self.step.w.embd_qtype.lower()}"
         names |= {"argmax_f32", "top_k_f32", embd, f"{embd}_n", "rope_kv_f16_n"}
         names |= {"add_rms_norm_f16", "attn_prefill_f16", "swiglu_f16", "advance_pos"}
+        names |= {f"{n}_rows" for n in ("rms_norm_q8_1", "rope_kv_f16", "attn_decode_f16")}
+        names |= {"swiglu_q8_1_rows", "argmax_f32_rows", f"{embd}_rows"}
         w = self.step.w
         for m in [w.output] + [getattr(layer, a) for layer in w.layers for a in _MATS]:
             names.add(f"mmvq_{m.qtype.lower()}")
+            names.add(f"mmvq_{m.qtype.lower()}_rows")
             names.add(f"dequantize_f16_{m.qtype.lower()}")
         for name in sorted(names):
             self.step.kernels.function(name)

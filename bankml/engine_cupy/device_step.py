@@ -26,7 +26,11 @@ device, its logits) with the kernels of ``cuda/`` (``cuda_loader.CudaKernels``):
     rms_norm_q8_1, mmvq output       x += delta, output norm; the logits
     argmax_f32                       the greedy token into the sequence's token; pos += 1  3
 
-``LAUNCHES_PER_LAYER`` and ``launches_per_step(n_layer)`` say it. The chosen token stays on the
+``LAUNCHES_PER_LAYER`` and ``launches_per_step(n_layer)`` say it. ``step_rows(seqs)`` is one
+step of up to ``MAX_ROWS`` sequences of one ``SequencePool`` (``new_sequences``: the engine's
+slots) with the same launches, each kernel's ``_rows`` form taking every row (the products one
+launch for all of them, ggml's several-column mul_mat_vec_q), each row the bits of its own
+``step``. The chosen token stays on the
 device for the next step; ``chosen(seq)`` is the step's one read back (4 bytes), and the logits
 stay on the device (the sequence's ``logits``) unless a request needs them: ``top_k(seq, k)``
 hands back only the k largest (id, logit) pairs (``top_k_f32``), ``host_logits(seq)`` the row.
@@ -61,6 +65,8 @@ TOP_K_MAX = 128  # the largest k ``top_k`` hands back (sampler_kernels.MAX_K, th
 ATTN_MAX_HD = 256
 LAUNCHES_PER_LAYER = 12
 LAUNCHES_OUTSIDE_LAYERS = 4  # embedding row, output norm, output product, argmax
+MAX_ROWS = 8  # the most slots one batched step (step_rows) takes: ggml's mmvq ncols_dst bound
+SLOT_LISTS_KEPT = 256  # sets of slots whose device index list a pool keeps
 ARCHS = ("llama", "qwen2")
 MEMORY_SHARE = 0.9  # of the device's free memory the weights and one cache may take
 _MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -270,23 +276,43 @@ class DeviceWeights:
         )
 
 
-class DeviceSequence:
-    """One sequence's state on the device: K/V cache (f16 bits, uint16
-    [layers, n_head_kv, n_ctx, hd]), the attention scores' scratch, its position and its next
-    token (int32 [1] each), its last step's logits (f32 [n_out]) and the top-k pairs' buffer
-    (int32 [2 TOP_K_MAX + 1]). ``n_tokens`` is the host's own count of the positions filled.
-    Each sequence has its own logits, so several slots' steps can run before any samples."""
+class SequencePool:
+    """Several sequences' device state in one allocation each, so that one launch can reach
+    every slot of a batched step (``DeviceStep.step_rows``): K/V (f16 bits, uint16
+    [n, layers, n_head_kv, n_ctx, hd]), the attention scores' scratch [n, n_head, n_ctx], the
+    positions and next tokens (int32 [n]), the logits [n, n_out] and the top-k buffers."""
 
-    def __init__(self, cupy: ModuleType, hp: HParams, n_ctx: int, n_out: int = 0) -> None:
-        shape = (hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim)
-        self.n_ctx = n_ctx
+    def __init__(self, cupy: ModuleType, hp: HParams, n: int, n_ctx: int, n_out: int) -> None:
+        shape = (n, hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim)
+        self.n, self.n_ctx = n, n_ctx
         self.k = cupy.zeros(shape, dtype=numpy.uint16)
         self.v = cupy.zeros(shape, dtype=numpy.uint16)
-        self.scores = cupy.empty((hp.n_head, n_ctx), dtype=F32)
-        self.pos = cupy.zeros(1, dtype=I32)
-        self.token = cupy.zeros(1, dtype=I32)
-        self.logits = cupy.empty(n_out or hp.n_vocab, dtype=F32)
-        self.pairs = cupy.empty(2 * TOP_K_MAX + 1, dtype=I32)
+        self.scores = cupy.empty((n, hp.n_head, n_ctx), dtype=F32)
+        self.pos = cupy.zeros(n, dtype=I32)
+        self.token = cupy.zeros(n, dtype=I32)
+        self.logits = cupy.empty((n, n_out), dtype=F32)
+        self.pairs = cupy.empty((n, 2 * TOP_K_MAX + 1), dtype=I32)
+        self.slot_lists: dict[tuple[int, ...], Any] = {}  # step_rows' slot indices, uploaded
+
+
+class DeviceSequence:
+    """One sequence's state on the device, slot ``index`` of a ``SequencePool``: K/V cache
+    (f16 bits, uint16 [layers, n_head_kv, n_ctx, hd]), the attention scores' scratch, its
+    position and its next token (int32 [1] each), its last step's logits (f32 [n_out]) and the
+    top-k pairs' buffer (int32 [2 TOP_K_MAX + 1]), each a view of the pool's. ``n_tokens`` is
+    the host's own count of the positions filled. Each sequence has its own logits, so several
+    slots' steps can run before any samples."""
+
+    def __init__(self, pool: SequencePool, index: int) -> None:
+        self.pool, self.index = pool, index
+        self.n_ctx = pool.n_ctx
+        self.k = pool.k[index]
+        self.v = pool.v[index]
+        self.scores = pool.scores[index]
+        self.pos = pool.pos[index : index + 1]
+        self.token = pool.token[index : index + 1]
+        self.logits = pool.logits[index]
+        self.pairs = pool.pairs[index]
         self.n_tokens = 0
 
 
@@ -313,13 +339,20 @@ class DeviceStep:
         self.ff8 = q8(hp.n_ff)
         self.logits = f32(self.w.output.rows)  # the last stepped sequence's (host_logits())
         self.none = f32(1)  # the pointer a kernel gets where it has nothing to read
+        self._rows: dict[str, Any] | None = None  # step_rows' buffers
         _, scale = hp.spec.attention_scales(hp.attn_scale)
         self.scale = F32(scale)
 
     def new_sequence(self, n_ctx: int) -> DeviceSequence:
-        check_device_memory(self.cp, cache_bytes(self.hp, n_ctx))
+        return self.new_sequences(1, n_ctx)[0]
+
+    def new_sequences(self, n: int, n_ctx: int) -> list[DeviceSequence]:
+        """``n`` sequences of ``n_ctx`` positions in one ``SequencePool``: the slots that
+        ``step_rows`` can step together."""
+        check_device_memory(self.cp, n * cache_bytes(self.hp, n_ctx))
         self.w.rope_rows(self.cp, n_ctx)
-        return DeviceSequence(self.cp, self.hp, n_ctx, self.w.output.rows)
+        pool = SequencePool(self.cp, self.hp, n, n_ctx, self.w.output.rows)
+        return [DeviceSequence(pool, i) for i in range(n)]
 
     def _launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: Any) -> None:
         self.kernels.function(name)(grid, block, args)
@@ -426,6 +459,162 @@ class DeviceStep:
         )
         seq.n_tokens += 1
         self.logits = seq.logits
+
+    def _row_buffers(self) -> dict[str, Any]:
+        """The batched step's activations, ``MAX_ROWS`` rows each (allocated on first use)."""
+        if self._rows is None:
+            hp, cp, n = self.hp, self.cp, MAX_ROWS
+            nq, nkv = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+
+            def f32(m: int) -> Any:
+                return cp.empty(n * m, dtype=F32)
+
+            def q8(m: int) -> Any:
+                return cp.empty(n * (m // QK) * Q8_1_BYTES, dtype=numpy.uint8)
+
+            self._rows = {
+                "x": f32(hp.n_embd),
+                "delta_attn": f32(hp.n_embd),
+                "delta_ffn": f32(hp.n_embd),
+                "h8": q8(hp.n_embd),
+                "q": f32(nq),
+                "k": f32(nkv),
+                "v": f32(nkv),
+                "q_rot": f32(nq),
+                "attn8": q8(nq),
+                "gate": f32(hp.n_ff),
+                "up": f32(hp.n_ff),
+                "ff8": q8(hp.n_ff),
+                "logits": f32(self.w.output.rows),
+            }
+        return self._rows
+
+    def _slot_list(self, pool: SequencePool, indices: tuple[int, ...]) -> Any:
+        """The slots' indices on the device (int32 [rows]): uploaded once per set of slots."""
+        slots = pool.slot_lists.get(indices)
+        if slots is None:
+            if len(pool.slot_lists) >= SLOT_LISTS_KEPT:
+                pool.slot_lists.clear()
+            slots = pool.slot_lists[indices] = self.cp.asarray(numpy.asarray(indices, dtype=I32))
+        return slots
+
+    def step_rows(self, seqs: list[DeviceSequence]) -> None:
+        """One decode step of each of ``seqs`` (1..MAX_ROWS sequences of one ``SequencePool``,
+        each at its own position) with the launches of one ``step``: every kernel takes all the
+        rows (the products each weight block against every row's activation, ggml's
+        ncols_dst), and each row's logits, token and position come out with the bits its own
+        ``step`` gives. Launches only: nothing comes back."""
+        n = len(seqs)
+        if not 1 <= n <= MAX_ROWS:
+            raise ValueError(f"a batched step takes 1..{MAX_ROWS} sequences, not {n}")
+        pool = seqs[0].pool
+        if any(s.pool is not pool for s in seqs) or len({s.index for s in seqs}) != n:
+            raise ValueError("a batched step takes distinct sequences of one pool")
+        for seq in seqs:
+            if seq.n_tokens >= seq.n_ctx:
+                raise ValueError(f"the sequence holds {seq.n_ctx} positions")
+        hp, w, b = self.hp, self.w, self._row_buffers()
+        slots = self._slot_list(pool, tuple(s.index for s in seqs))
+        rows = I32(n)
+        d = hp.n_embd
+        get_rows = "get_rows_q8_0_rows" if w.embd_qtype == "Q8_0" else "get_rows_f32_rows"
+        grid_d = (-(-d // THREADS), n)
+        self._launch(get_rows, grid_d, (THREADS,), (w.embd, pool.token, slots, b["x"], I32(d)))
+        nq, nkv = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+        rope_threads = (nq + nkv) // 2 + nkv
+
+        def mmvq(m: Matrix, y: Any, dst: Any) -> None:
+            name = f"mmvq_{m.qtype.lower()}_rows"
+            self._launch(name, (m.rows,), (WARP, NWARPS), (m.w, y, dst, I32(m.cols), rows))
+
+        def norm(weight: Any, delta: Any | None) -> None:
+            args = (
+                b["x"],
+                self.none if delta is None else delta,
+                I32(delta is not None),
+                weight,
+                b["h8"],
+                I32(d),
+                F32(hp.rms_eps),
+            )
+            self._launch("rms_norm_q8_1_rows", (n,), (NORM_THREADS,), args)
+
+        delta = None
+        for il, layer in enumerate(w.layers):
+            norm(layer.attn_norm, delta)
+            mmvq(layer.q, b["h8"], b["q"])
+            mmvq(layer.k, b["h8"], b["k"])
+            mmvq(layer.v, b["h8"], b["v"])
+            self._launch(
+                "rope_kv_f16_rows",
+                (-(-rope_threads // THREADS), n),
+                (THREADS,),
+                (
+                    b["q"],
+                    b["k"],
+                    b["v"],
+                    self.none if layer.bias is None else layer.bias,
+                    I32(layer.bias is not None),
+                    slots,
+                    pool.pos,
+                    w.cos,
+                    w.sin,
+                    b["q_rot"],
+                    pool.k,
+                    pool.v,
+                    I32(il),
+                    I32(hp.n_layer),
+                    I32(hp.n_head),
+                    I32(hp.n_head_kv),
+                    I32(hp.head_dim),
+                    I32(pool.n_ctx),
+                    I32(hp.spec.rope_neox),
+                ),
+            )
+            self._launch(
+                "attn_decode_f16_rows",
+                (hp.n_head, n),
+                (ATTN_THREADS,),
+                (
+                    b["q_rot"],
+                    pool.k,
+                    pool.v,
+                    slots,
+                    pool.pos,
+                    pool.scores,
+                    b["attn8"],
+                    I32(il),
+                    I32(hp.n_layer),
+                    I32(hp.n_head),
+                    I32(hp.n_head_kv),
+                    I32(hp.head_dim),
+                    I32(pool.n_ctx),
+                    self.scale,
+                ),
+            )
+            mmvq(layer.o, b["attn8"], b["delta_attn"])
+            norm(layer.ffn_norm, b["delta_attn"])
+            mmvq(layer.gate, b["h8"], b["gate"])
+            mmvq(layer.up, b["h8"], b["up"])
+            self._launch(
+                "swiglu_q8_1_rows",
+                (-(-hp.n_ff // THREADS), n),
+                (THREADS,),
+                (b["gate"], b["up"], b["ff8"], I32(hp.n_ff)),
+            )
+            mmvq(layer.down, b["ff8"], b["delta_ffn"])
+            delta = b["delta_ffn"]
+        norm(w.output_norm, delta)
+        mmvq(w.output, b["h8"], b["logits"])
+        self._launch(
+            "argmax_f32_rows",
+            (n,),
+            (ARGMAX_THREADS,),
+            (b["logits"], I32(w.output.rows), slots, pool.logits, pool.token, pool.pos),
+        )
+        for seq in seqs:
+            seq.n_tokens += 1
+        self.logits = seqs[-1].logits
 
     def chosen(self, seq: DeviceSequence) -> int:
         """The greedy token of the last step: the step's one read back (4 bytes)."""

@@ -203,6 +203,15 @@ def _warm_up(
     )
 
 
+def _slot_caches(model: Any, n: int, n_ctx: int, cache_type: str | None) -> list[Any]:
+    """The slots' caches: in one pool where the model keeps one (the device model, whose
+    slots' decode steps then run as one batched step), else one ``new_cache`` each."""
+    new_caches = getattr(model, "new_caches", None)
+    if new_caches is not None:
+        return list(new_caches(n, n_ctx, cache_type))
+    return [model.new_cache(n_ctx, cache_type) for _ in range(n)]
+
+
 class Engine:
     """One resident model with ``n_slots`` slots (each a KV cache of ``n_ctx`` positions and the
     tokens it holds), one host prompt cache for all of them. ``cache``, ``slot_tokens`` and
@@ -269,11 +278,11 @@ class Engine:
         self.slots = [
             Slot(
                 i,
-                model.new_cache(n_ctx, cache_type),
+                cache,
                 n_ctx,
                 checkpoints=Checkpoints(model.hp.swa_window) if swa else None,
             )
-            for i in range(n_slots)
+            for i, cache in enumerate(_slot_caches(model, n_slots, n_ctx, cache_type))
         ]
         self.slot_prompt_similarity = float(slot_prompt_similarity)
         self._task_id = 0  # the last task's id, counted over all slots (as llama-server's)

@@ -443,6 +443,11 @@ class Model:
         """The GGUF types of this model's tensors (Q4_1, Q8_0, F32, ...), sorted."""
         return sorted({t.tensor_type.name for t in self.reader.tensors})
 
+    def new_caches(self, n: int, n_ctx: int, cache_type: str | None = None) -> list[KVCache]:
+        """``n`` caches, one per slot (the device model keeps them in one pool so that their
+        decode steps can run as one)."""
+        return [self.new_cache(n_ctx, cache_type) for _ in range(n)]
+
     def new_cache(self, n_ctx: int, cache_type: str | None = None) -> KVCache:
         """A cache for n_ctx positions (llama-server's -c); on the exact path gemma3's
         sliding-window layers also get llama.cpp's SWA cell layout (kv_cache.md)."""

@@ -5,8 +5,8 @@
 
 #define ARGMAX_THREADS 1024
 
-extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS, 1)
-    argmax_f32(const float *__restrict__ x, int n, int *__restrict__ id, int *__restrict__ pos) {
+static __device__ __forceinline__ void argmax_row(const float *__restrict__ x, int n,
+                                                  int *__restrict__ id, int *__restrict__ pos) {
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     float best = -__int_as_float(0x7f800000);
     int at = 0x7fffffff;
@@ -42,4 +42,23 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS, 1)
         id[0] = at;
         pos[0] += 1;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS, 1)
+    argmax_f32(const float *__restrict__ x, int n, int *__restrict__ id, int *__restrict__ pos) {
+    argmax_row(x, n, id, pos);
+}
+
+// The batched step's: thread block r takes row r of x ([rows, n]) for slot s = slots[r]: the
+// row copied to the slot's logits (logits [slots, n]), its greedy choice into token[s], pos[s]
+// moved on by one.
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS, 1)
+    argmax_f32_rows(const float *__restrict__ x, int n, const int *__restrict__ slots,
+                    float *__restrict__ logits, int *__restrict__ token, int *__restrict__ pos) {
+    const int s = slots[blockIdx.x];
+    const float *row = x + (size_t)blockIdx.x * n;
+    for (int i = threadIdx.x; i < n; i += ARGMAX_THREADS) {
+        logits[(size_t)s * n + i] = row[i];
+    }
+    argmax_row(row, n, token + s, pos + s);
 }

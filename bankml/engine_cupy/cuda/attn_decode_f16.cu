@@ -14,14 +14,12 @@
 #define ATTN_WARPS 4
 #define ATTN_MAX_HD 256
 
-extern "C" __global__ void __launch_bounds__(ATTN_WARPS *WARP, 1)
-    attn_decode_f16(const float *__restrict__ q, const u16 *__restrict__ k_cache,
-                    const u16 *__restrict__ v_cache, const int *__restrict__ pos,
-                    float *__restrict__ scores, block_q8_1 *__restrict__ out, int n_head,
-                    int n_head_kv, int hd, int n_ctx, float scale) {
-    const int h = blockIdx.x, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+static __device__ __forceinline__ void attn_decode_head(
+    int h, const float *__restrict__ q, const u16 *__restrict__ k_cache,
+    const u16 *__restrict__ v_cache, int T, float *__restrict__ scores,
+    block_q8_1 *__restrict__ out, int n_head, int n_head_kv, int hd, int n_ctx, float scale) {
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int kvh = h / (n_head / n_head_kv);
-    const int T = pos[0] + 1;
     const float *qh = q + (size_t)h * hd;
     const u16 *K = k_cache + (size_t)kvh * n_ctx * hd;
     const u16 *V = v_cache + (size_t)kvh * n_ctx * hd;
@@ -82,4 +80,30 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS *WARP, 1)
     for (int b = warp; b < hd / QK; b += ATTN_WARPS) {
         quantize_lane(o[QK * b + lane], lane, out + (size_t)h * (hd / QK) + b);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS *WARP, 1)
+    attn_decode_f16(const float *__restrict__ q, const u16 *__restrict__ k_cache,
+                    const u16 *__restrict__ v_cache, const int *__restrict__ pos,
+                    float *__restrict__ scores, block_q8_1 *__restrict__ out, int n_head,
+                    int n_head_kv, int hd, int n_ctx, float scale) {
+    attn_decode_head(blockIdx.x, q, k_cache, v_cache, pos[0] + 1, scores, out, n_head, n_head_kv,
+                     hd, n_ctx, scale);
+}
+
+// The batched step's: grid (n_head, rows). Row r is slot s = slots[r]'s: its query
+// (q [rows, n_head * hd]), layer il of its caches in the pool ([slots, n_layer, n_head_kv,
+// n_ctx, hd]) over 0..pos[s], its scores' scratch ([slots, n_head, n_ctx]); out [rows, ...].
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS *WARP, 1)
+    attn_decode_f16_rows(const float *__restrict__ q, const u16 *__restrict__ k_pool,
+                         const u16 *__restrict__ v_pool, const int *__restrict__ slots,
+                         const int *__restrict__ pos, float *__restrict__ scores,
+                         block_q8_1 *__restrict__ out, int il, int n_layer, int n_head,
+                         int n_head_kv, int hd, int n_ctx, float scale) {
+    const size_t r = blockIdx.y;
+    const int s = slots[r];
+    const size_t cache = ((size_t)s * n_layer + il) * n_head_kv * (size_t)n_ctx * hd;
+    attn_decode_head(blockIdx.x, q + r * n_head * hd, k_pool + cache, v_pool + cache, pos[s] + 1,
+                     scores + (size_t)s * n_head * n_ctx, out + r * (n_head * hd / QK), n_head,
+                     n_head_kv, hd, n_ctx, scale);
 }

@@ -97,9 +97,84 @@ static __device__ __forceinline__ void mmvq_row(const u8 *__restrict__ w,
     }
 }
 
+// Several rows of the activation (up to MMVQ_MAX_ROWS: the slots of one batched decode step,
+// ggml's ncols_dst) against the same weights in one launch: each weight block a thread takes is
+// dotted with every row's q8_1 blocks in turn, and each row's partial sum goes through exactly
+// the additions of mmvq_row (same blocks, same order, same reduction), so row j's outputs have
+// the bits its one-row product has. y: nrows_y activations of ncols / 32 q8_1 blocks each;
+// dst: [nrows_y, gridDim.x].
+#define MMVQ_MAX_ROWS 8
+
+template <class Q>
+static __device__ __forceinline__ void mmvq_rows(const u8 *__restrict__ w,
+                                                 const block_q8_1 *__restrict__ y,
+                                                 float *__restrict__ dst, int ncols,
+                                                 int nrows_y) {
+    constexpr int per_block = Q::QI / Q::VDR;
+    constexpr int blocks_per_iter = Q::VDR * MMVQ_NWARPS * WARP / Q::QI;
+    const int row = blockIdx.x;
+    const int tid = WARP * threadIdx.y + threadIdx.x;
+    const int blocks_per_row = ncols / Q::QKW;
+    const int y_stride = ncols / QK;
+    const u8 *wrow = w + (size_t)row * blocks_per_row * Q::BS;
+    const int kqs = Q::VDR * (tid % per_block);
+
+    float tmp[MMVQ_MAX_ROWS];
+#pragma unroll
+    for (int j = 0; j < MMVQ_MAX_ROWS; ++j) {
+        tmp[j] = 0.0f;
+    }
+    for (int kbx = tid / per_block; kbx < blocks_per_row; kbx += blocks_per_iter) {
+        const u8 *b = wrow + (size_t)kbx * Q::BS;
+#pragma unroll
+        for (int j = 0; j < MMVQ_MAX_ROWS; ++j) {
+            if (j < nrows_y) {
+                const block_q8_1 *yj = y + j * y_stride + kbx * (Q::QKW / QK);
+                tmp[j] = __fadd_rn(tmp[j], Q::vec_dot(b, yj, kqs));
+            }
+        }
+    }
+
+    __shared__ float partial[MMVQ_NWARPS > 1 ? MMVQ_NWARPS - 1 : 1][MMVQ_MAX_ROWS][WARP];
+    if (threadIdx.y > 0) {
+#pragma unroll
+        for (int j = 0; j < MMVQ_MAX_ROWS; ++j) {
+            partial[threadIdx.y - 1][j][threadIdx.x] = tmp[j];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.y > 0) {
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < MMVQ_MAX_ROWS; ++j) {
+        if (j < nrows_y) {
+            float t = tmp[j];
+#pragma unroll
+            for (int l = 0; l < MMVQ_NWARPS - 1; ++l) {
+                t = __fadd_rn(t, partial[l][j][threadIdx.x]);
+            }
+#pragma unroll
+            for (int offset = WARP / 2; offset > 0; offset >>= 1) {
+                t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, offset, WARP));
+            }
+            if (threadIdx.x == 0) {
+                dst[(size_t)j * gridDim.x + row] = t;
+            }
+        }
+    }
+}
+
 #define MMVQ_KERNEL(NAME, Q)                                                                   \
     extern "C" __global__ void __launch_bounds__(MMVQ_NWARPS * WARP, 1)                        \
         NAME(const u8 *__restrict__ w, const block_q8_1 *__restrict__ y,                       \
              float *__restrict__ dst, int ncols) {                                             \
         mmvq_row<Q>(w, y, dst, ncols);                                                         \
+    }
+
+#define MMVQ_ROWS_KERNEL(NAME, Q)                                                              \
+    extern "C" __global__ void __launch_bounds__(MMVQ_NWARPS * WARP, 1)                        \
+        NAME(const u8 *__restrict__ w, const block_q8_1 *__restrict__ y,                       \
+             float *__restrict__ dst, int ncols, int nrows_y) {                                \
+        mmvq_rows<Q>(w, y, dst, ncols, nrows_y);                                               \
     }

@@ -33,3 +33,4 @@ struct Q2_K {
 };
 
 MMVQ_KERNEL(mmvq_q2_k, Q2_K)
+MMVQ_ROWS_KERNEL(mmvq_q2_k_rows, Q2_K)

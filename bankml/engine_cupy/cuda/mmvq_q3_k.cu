@@ -33,3 +33,4 @@ struct Q3_K {
 };
 
 MMVQ_KERNEL(mmvq_q3_k, Q3_K)
+MMVQ_ROWS_KERNEL(mmvq_q3_k_rows, Q3_K)

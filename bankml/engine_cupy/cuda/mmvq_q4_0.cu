@@ -21,3 +21,4 @@ struct Q4_0 {
 };
 
 MMVQ_KERNEL(mmvq_q4_0, Q4_0)
+MMVQ_ROWS_KERNEL(mmvq_q4_0_rows, Q4_0)

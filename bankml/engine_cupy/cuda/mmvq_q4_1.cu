@@ -21,3 +21,4 @@ struct Q4_1 {
 };
 
 MMVQ_KERNEL(mmvq_q4_1, Q4_1)
+MMVQ_ROWS_KERNEL(mmvq_q4_1_rows, Q4_1)

@@ -46,3 +46,4 @@ struct Q4_K {
 };
 
 MMVQ_KERNEL(mmvq_q4_k, Q4_K)
+MMVQ_ROWS_KERNEL(mmvq_q4_k_rows, Q4_K)

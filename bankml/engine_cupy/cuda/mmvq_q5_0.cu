@@ -32,3 +32,4 @@ struct Q5_0 {
 };
 
 MMVQ_KERNEL(mmvq_q5_0, Q5_0)
+MMVQ_ROWS_KERNEL(mmvq_q5_0_rows, Q5_0)

@@ -32,3 +32,4 @@ struct Q5_1 {
 };
 
 MMVQ_KERNEL(mmvq_q5_1, Q5_1)
+MMVQ_ROWS_KERNEL(mmvq_q5_1_rows, Q5_1)

@@ -52,3 +52,4 @@ struct Q5_K {
 };
 
 MMVQ_KERNEL(mmvq_q5_k, Q5_K)
+MMVQ_ROWS_KERNEL(mmvq_q5_k_rows, Q5_K)

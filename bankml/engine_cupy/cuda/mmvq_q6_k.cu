@@ -30,3 +30,4 @@ struct Q6_K {
 };
 
 MMVQ_KERNEL(mmvq_q6_k, Q6_K)
+MMVQ_ROWS_KERNEL(mmvq_q6_k_rows, Q6_K)

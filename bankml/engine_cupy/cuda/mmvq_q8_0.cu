@@ -16,3 +16,4 @@ struct Q8_0 {
 };
 
 MMVQ_KERNEL(mmvq_q8_0, Q8_0)
+MMVQ_ROWS_KERNEL(mmvq_q8_0_rows, Q8_0)

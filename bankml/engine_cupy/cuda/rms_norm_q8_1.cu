@@ -10,9 +10,12 @@
 
 #define NORM_THREADS 256
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS, 1)
-    rms_norm_q8_1(float *__restrict__ x, const float *__restrict__ delta, int has_delta,
-                  const float *__restrict__ weight, block_q8_1 *__restrict__ y, int n, float eps) {
+static __device__ __forceinline__ void rms_norm_row(float *__restrict__ x,
+                                                    const float *__restrict__ delta,
+                                                    int has_delta,
+                                                    const float *__restrict__ weight,
+                                                    block_q8_1 *__restrict__ y, int n,
+                                                    float eps) {
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     constexpr int nwarps = NORM_THREADS / WARP;
     float ss = 0.0f;
@@ -41,4 +44,20 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS, 1)
         const int i = QK * b + lane;
         quantize_lane(__fmul_rn(__fmul_rn(x[i], scale), weight[i]), lane, y + b);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS, 1)
+    rms_norm_q8_1(float *__restrict__ x, const float *__restrict__ delta, int has_delta,
+                  const float *__restrict__ weight, block_q8_1 *__restrict__ y, int n, float eps) {
+    rms_norm_row(x, delta, has_delta, weight, y, n, eps);
+}
+
+// The batched step's: thread block r takes row r of x, delta ([rows, n]) and y ([rows, n/32]).
+extern "C" __global__ void __launch_bounds__(NORM_THREADS, 1)
+    rms_norm_q8_1_rows(float *__restrict__ x, const float *__restrict__ delta, int has_delta,
+                       const float *__restrict__ weight, block_q8_1 *__restrict__ y, int n,
+                       float eps) {
+    const size_t r = blockIdx.x;
+    rms_norm_row(x + r * n, delta + (has_delta ? r * n : 0), has_delta, weight, y + r * (n / QK),
+                 n, eps);
 }

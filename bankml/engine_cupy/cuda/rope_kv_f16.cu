@@ -7,19 +7,13 @@
 // [pos, i] (computed once on the host, ggml's angles). Cache layout: [n_head_kv, n_ctx, hd].
 #include "step_common.cuh"
 
-extern "C" __global__ void rope_kv_f16(const float *__restrict__ q, const float *__restrict__ k,
-                                       const float *__restrict__ v,
-                                       const float *__restrict__ bias, int has_bias,
-                                       const int *__restrict__ pos,
-                                       const float *__restrict__ cos_table,
-                                       const float *__restrict__ sin_table,
-                                       float *__restrict__ q_out, u16 *__restrict__ k_cache,
-                                       u16 *__restrict__ v_cache, int n_head, int n_head_kv,
-                                       int hd, int n_ctx, int neox) {
-    const int i = blockDim.x * blockIdx.x + threadIdx.x;
+static __device__ __forceinline__ void rope_kv_one(
+    int i, const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+    const float *__restrict__ bias, int has_bias, int p, const float *__restrict__ cos_table,
+    const float *__restrict__ sin_table, float *__restrict__ q_out, u16 *__restrict__ k_cache,
+    u16 *__restrict__ v_cache, int n_head, int n_head_kv, int hd, int n_ctx, int neox) {
     const int half = hd / 2;
     const int nq = n_head * half, nk = n_head_kv * half, nv = n_head_kv * hd;
-    const int p = pos[0];
     if (i < nq + nk) {
         const bool is_q = i < nq;
         const int j = is_q ? i : i - nq;
@@ -51,4 +45,42 @@ extern "C" __global__ void rope_kv_f16(const float *__restrict__ q, const float 
         }
         v_cache[((size_t)(j / hd) * n_ctx + p) * hd + j % hd] = f2h(val);
     }
+}
+
+extern "C" __global__ void rope_kv_f16(const float *__restrict__ q, const float *__restrict__ k,
+                                       const float *__restrict__ v,
+                                       const float *__restrict__ bias, int has_bias,
+                                       const int *__restrict__ pos,
+                                       const float *__restrict__ cos_table,
+                                       const float *__restrict__ sin_table,
+                                       float *__restrict__ q_out, u16 *__restrict__ k_cache,
+                                       u16 *__restrict__ v_cache, int n_head, int n_head_kv,
+                                       int hd, int n_ctx, int neox) {
+    rope_kv_one(blockDim.x * blockIdx.x + threadIdx.x, q, k, v, bias, has_bias, pos[0],
+                cos_table, sin_table, q_out, k_cache, v_cache, n_head, n_head_kv, hd, n_ctx,
+                neox);
+}
+
+// The batched step's: grid (blocks of a row, rows). Row r of q, k, v and q_out ([rows, ...])
+// is slot s = slots[r]'s: its position pos[s], its layer il of the pool's caches
+// ([slots, n_layer, n_head_kv, n_ctx, hd]).
+extern "C" __global__ void rope_kv_f16_rows(const float *__restrict__ q,
+                                            const float *__restrict__ k,
+                                            const float *__restrict__ v,
+                                            const float *__restrict__ bias, int has_bias,
+                                            const int *__restrict__ slots,
+                                            const int *__restrict__ pos,
+                                            const float *__restrict__ cos_table,
+                                            const float *__restrict__ sin_table,
+                                            float *__restrict__ q_out, u16 *__restrict__ k_pool,
+                                            u16 *__restrict__ v_pool, int il, int n_layer,
+                                            int n_head, int n_head_kv, int hd, int n_ctx,
+                                            int neox) {
+    const size_t r = blockIdx.y;
+    const int s = slots[r];
+    const size_t nq = (size_t)n_head * hd, nkv = (size_t)n_head_kv * hd;
+    const size_t cache = ((size_t)s * n_layer + il) * nkv * n_ctx;
+    rope_kv_one(blockDim.x * blockIdx.x + threadIdx.x, q + r * nq, k + r * nkv, v + r * nkv, bias,
+                has_bias, pos[s], cos_table, sin_table, q_out + r * nq, k_pool + cache,
+                v_pool + cache, n_head, n_head_kv, hd, n_ctx, neox);
 }
