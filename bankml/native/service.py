@@ -19,7 +19,7 @@ Order of events (nothing listens until the file is verified and the engine is op
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet import task
@@ -246,6 +246,19 @@ def idle_native(
 ) -> Deferred[NativeEngine]:
     """llama-server's router mode: the NativeEngine with no model open (on the engine thread,
     which imports the engine), as llama-server's router starts with none loaded."""
+    return _on_engine_thread(idle_served, verified, options, reactor, bridge, receipt_key)
+
+
+def _on_engine_thread(
+    make: Callable[..., NativeEngine],
+    verified: Any,
+    options: Mapping[str, Any],
+    reactor: Any,
+    bridge: EngineBridge | None,
+    receipt_key: SigningKey | None,
+) -> Deferred[NativeEngine]:
+    """``make(verified, options, bridge, reactor, receipt_key)`` on the bridge's engine thread (a
+    new bridge unless one is given); the bridge is stopped if it fails."""
     if bridge is None:
         bridge = EngineBridge(reactor)
 
@@ -253,8 +266,7 @@ def idle_native(
         bridge.stop()
         return reason
 
-    opened = bridge.call(idle_served, verified, options, bridge, reactor, receipt_key)
-    return opened.addErrback(failed)
+    return bridge.call(make, verified, options, bridge, reactor, receipt_key).addErrback(failed)
 
 
 def open_native(
@@ -270,16 +282,9 @@ def open_native(
     Loading there, not on a pool thread, matters for speed: the thread that first runs the
     kernels' parallel loops owns OpenMP's warm worker team, and a decode step run from any other
     thread took twice as long (25-28 against 53-58 tok/s on the default model)."""
-    if bridge is None:
-        bridge = EngineBridge(reactor)
-
-    def failed(reason: Any) -> Any:
-        bridge.stop()
-        return reason
-
-    return bridge.call(
-        _open_on_engine_thread, verified, options, bridge, reactor, receipt_key
-    ).addErrback(failed)
+    return _on_engine_thread(
+        _open_on_engine_thread, verified, options, reactor, bridge, receipt_key
+    )
 
 
 class NativeService(ServingService):
