@@ -111,7 +111,6 @@ OPTIONS: tuple[tuple[tuple[str, ...], tuple[str, ...], bool, str, bool], ...] = 
     (("-ctv", "--cache-type-v"), (), True, "LLAMA_ARG_CACHE_TYPE_V", False),
     (("-dt", "--defrag-thold"), (), True, "LLAMA_ARG_DEFRAG_THOLD", False),
     (("-np", "--parallel"), (), True, "LLAMA_ARG_N_PARALLEL", False),
-    (("-np", "--parallel"), (), True, "LLAMA_ARG_N_PARALLEL", False),
     (
         ("-cb", "--cont-batching"),
         ("-nocb", "--no-cont-batching"),

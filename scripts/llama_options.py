@@ -115,7 +115,11 @@ def options(source: str) -> list[tuple[tuple[str, ...], tuple[str, ...], bool, s
             continue
         if excludes and "LLAMA_EXAMPLE_SERVER" in excludes.group(1):
             continue
-        found.append((args, neg, takes_value, env, ".set_preset_only()" in chain))
+        row = (args, neg, takes_value, env, ".set_preset_only()" in chain)
+        # an option defined in both branches of an ``if (ex == LLAMA_EXAMPLE_SERVER)`` (-np) is
+        # one option of the server's: its first definition
+        if row not in found:
+            found.append(row)
     return found
 
 

@@ -97,6 +97,29 @@ def test_every_ignored_or_refused_flag_says_why() -> None:
     assert len(spellings) == len(set(spellings))
 
 
+def test_each_side_of_each_option_has_one_row() -> None:
+    """FLAGS keys bankml's verdicts to llama-server's options (bankml/llama_options.py): each
+    option and each negation it has is one row's spellings, all of them, in llama-server's order
+    after the one bankml puts first; a preset's own options have none. (No binary needed: an
+    option a regenerated table adds fails here.)"""
+    from bankml.llama_options import OPTIONS
+
+    sides = [
+        side
+        for args, negations, _, _, preset_only in OPTIONS
+        if not preset_only
+        for side in (args, negations)
+        if side
+    ]
+    rows = [f.spellings for f in FLAGS]
+    assert sorted(sorted(s) for s in sides) == sorted(sorted(r) for r in rows)
+    by_side = {frozenset(side): side for side in sides}
+    for row in rows:
+        assert row[1:] == tuple(s for s in by_side[frozenset(row)] if s != row[0])
+    assert ENV_NAMES["LLAMA_ARG_CTX_SIZE"] == ("--ctx-size", False)
+    assert ENV_NAMES["LLAMA_ARG_JINJA"] == ("--jinja", True)
+
+
 def _run(flag: Flag, spelling: str) -> tuple[list[str], list[str]]:
     return dropin_argv(["-m", "m.gguf", spelling, *(["1"] if flag.takes_value else [])])
 
