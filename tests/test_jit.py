@@ -203,3 +203,111 @@ def test_cache_hook_fails_loudly_without_numbas_attribute() -> None:
 
     with pytest.raises(RuntimeError, match="Dispatcher._cache"):
         jit._use_kernel_cache(NotADispatcher())  # type: ignore[arg-type]
+
+
+RACE_KERNEL = """\
+from bankml.engine_cupy.kernels.jit import njit
+
+
+@njit
+def plus_one(x):
+    return x + 1
+"""
+
+# Two writers save different signatures of one function into one cache at once, in the order
+# that broke Numba's own IndexDataCacheFile (numbering a new data file by the count of the
+# index's entries): both read the index empty, both write it, then both their data; the first
+# to write its index is the last to write its data. Each step waits for the steps before it,
+# up to 0.5 s (a writer that holds a lock the other waits on goes on after that).
+RACE_WRITE = """\
+import threading
+from numba import types
+from bankml.engine_cupy.kernels.jit import KernelCache
+from racepkg.kernel import plus_one
+
+SIGNATURES = {"int": (types.int64,), "float": (types.float64,)}
+ORDER = [("int", "_load_index"), ("float", "_load_index"), ("int", "_save_index"),
+         ("float", "_save_index"), ("float", "_save_data"), ("int", "_save_data")]
+done, turn = set(), threading.Condition()
+
+plus_one._cache.disable()  # compiled in memory only: the writers below save
+results = {}
+for name, signature in SIGNATURES.items():
+    plus_one.compile(signature)
+    results[name] = plus_one.overloads[signature]
+
+
+def gated(step, original):
+    def run(*args):
+        with turn:
+            if step not in done:
+                before = ORDER[: ORDER.index(step)]
+                turn.wait_for(lambda: all(s in done for s in before), timeout=0.5)
+        try:
+            return original(*args)
+        finally:
+            with turn:
+                done.add(step)
+                turn.notify_all()
+
+    return run
+
+
+writers = []
+for name, signature in SIGNATURES.items():
+    cache = KernelCache(plus_one.py_func)
+    for method in ("_load_index", "_save_index", "_save_data"):
+        original = getattr(cache._cache_file, method)
+        setattr(cache._cache_file, method, gated((name, method), original))
+    writers.append(threading.Thread(target=cache.save_overload, args=(signature, results[name])))
+for writer in writers:
+    writer.start()
+for writer in writers:
+    writer.join()
+print("{}")
+"""
+
+RACE_LOAD = """\
+import json, shutil
+from pathlib import Path
+from numba import types
+from bankml.engine_cupy.kernels.jit import KernelCache
+from racepkg.kernel import plus_one
+
+SIGNATURES = {"int": (types.int64,), "float": (types.float64,)}
+
+
+def loaded():
+    out = {}
+    for name, signature in SIGNATURES.items():
+        result = KernelCache(plus_one.py_func).load_overload(signature, plus_one.targetctx)
+        out[name] = None if result is None else [str(t) for t in result.signature.args]
+    return out
+
+
+first = loaded()
+values = [plus_one(3), plus_one(2.5)]
+hits = sum(plus_one.stats.cache_hits.values())
+# A data file overwritten by another signature's: the index still names it for int64.
+cache = KernelCache(plus_one.py_func)
+files = cache._cache_file._load_index()
+paths = {name: Path(cache.cache_path) / files[key] for key in files
+         for name, signature in SIGNATURES.items() if key[0] == signature}
+shutil.copyfile(paths["float"], paths["int"])
+print(json.dumps({"first": first, "values": values, "hits": hits, "swapped": loaded()}))
+"""
+
+
+def test_concurrent_writers_keep_each_signature_its_own_code(tmp_path: Path) -> None:
+    """Processes that fill one cache at once (compile jobs beside a start, servers and tests
+    sharing a cache directory) never leave a signature mapped to another's machine code, and
+    a data file that is not the entry it is read for is a miss, never run."""
+    package = tmp_path / "racepkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "kernel.py").write_text(RACE_KERNEL)
+    run_kernel(tmp_path, RACE_WRITE)
+    out = run_kernel(tmp_path, RACE_LOAD)
+    assert out["first"] == {"int": ["int64"], "float": ["float64"]}  # both kept, each its own
+    assert out["values"] == [4, 3.5] and out["hits"] == 2
+    assert out["swapped"] == {"int": None, "float": ["float64"]}

@@ -13,18 +13,28 @@ Numba keys a cached function on its own source file only, yet a kernel inlines t
 intrinsics it calls from other modules: ``njit`` therefore keys every kernel's cache on the
 sources of all the compiled modules too (``KernelCache``), so that editing (or upgrading) any of
 them recompiles what may depend on it, instead of running the old machine code.
+
+Several processes fill one cache at once (compile jobs beside a start, servers and the tests
+sharing a cache directory). Numba's own files numbered a new specialization's data file by the
+count of the index's entries, so two writers of different signatures could both choose
+``.1.nbc`` and leave one signature mapped to the other's machine code (a crash when run):
+``KernelCache`` names each data file by its signature, updates the index under a lock, and
+loads an entry only if the data file holds that very entry.
 """
 
 from __future__ import annotations
 
 import ast
+import fcntl
 import functools
 import hashlib
 import inspect
 import os
+import pickle
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +42,12 @@ import numba
 from llvmlite import ir
 from numba import njit as _numba_njit
 from numba import types
-from numba.core.caching import CompileResultCacheImpl, FunctionCache, NullCache
+from numba.core.caching import (
+    CompileResultCacheImpl,
+    FunctionCache,
+    IndexDataCacheFile,
+    NullCache,
+)
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
@@ -43,6 +58,7 @@ __all__ = [
     "f16_bits",
     "start_worker_threads",
     "present_in",
+    "every_type_compiled",
     "release_compile_memory",
 ]
 
@@ -190,11 +206,87 @@ class _KernelCacheImpl(CompileResultCacheImpl):
         return _StampedLocator(super().locator, self._sources_digest)
 
 
+class _KernelCacheFile(IndexDataCacheFile):
+    """Numba's index and data files of a function, safe for writers in several processes.
+
+    Numba's ``save`` reads the index, names a new data file ``<base>.<N>.nbc`` by the count of
+    its entries, writes the index, then the data: two processes saving different signatures at
+    once both choose the same N, and the index written last can name a file whose bytes are
+    the other signature's machine code. Here:
+
+    - a data file is named by a digest of its entry's key (signature, target, bytecode), so
+      two signatures never share one, and one signature's writers write the same code;
+    - it holds the key and the source stamp beside Numba's data, and ``load`` returns it only
+      for that key and stamp (anything else, an earlier format included, is a miss: compiled
+      and saved again);
+    - the data is written first, then the index is read, changed and written under an
+      exclusive ``fcntl`` lock on ``<base>.nbi.lock``, so that no writer drops another's entry.
+    """
+
+    def __init__(self, cache_path: str, filename_base: str, source_stamp: Any) -> None:
+        super().__init__(cache_path, filename_base, source_stamp)
+        self._filename_base = filename_base
+        self._lock_path = self._index_path + ".lock"
+
+    def _key_data_name(self, key: Any) -> str:
+        # repr covers the signature's types, the target (magic tuple) and the bytecode digests;
+        # a name two keys might share would only be a miss (load checks the key)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:20]
+        return f"{self._filename_base}.{digest}.nbc"
+
+    @contextmanager
+    def _index_lock(self) -> Iterator[None]:
+        with open(self._lock_path, "ab") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def save(self, key: Any, data: Any) -> None:
+        data_name = self._key_data_name(key)
+        self._save_data(data_name, (key, self._source_stamp, data))  # replaced atomically
+        with self._index_lock():
+            overloads = self._load_index()
+            if overloads.get(key) != data_name:
+                overloads[key] = data_name
+                self._save_index(overloads)
+
+    def load(self, key: Any) -> Any:
+        data_name = self._load_index().get(key)
+        if data_name is None:
+            return None
+        try:
+            stored = self._load_data(data_name)
+        except (OSError, EOFError, pickle.UnpicklingError):  # removed, or not a data file
+            return None
+        if not (isinstance(stored, tuple) and len(stored) == 3):
+            return None
+        stored_key, stamp, data = stored
+        if stamp != self._source_stamp or stored_key != key:
+            return None  # another entry's code, or another source's: never run it
+        return data
+
+
 class KernelCache(FunctionCache):
-    """Numba's on-disk function cache (same files, same places), fresh only while neither the
-    function's source nor any compiled module's has changed."""
+    """Numba's on-disk function cache (same places, same index), fresh only while neither the
+    function's source nor any compiled module's has changed, and safe for several processes
+    writing at once (``_KernelCacheFile``)."""
 
     _impl_class = _KernelCacheImpl
+
+    def __init__(self, py_func: Callable) -> None:
+        super().__init__(py_func)
+        if type(getattr(self, "_cache_file", None)) is not IndexDataCacheFile:
+            raise RuntimeError(
+                f"numba {numba.__version__}: Cache._cache_file is gone, "
+                "bankml.engine_cupy.jit cannot make its kernels' cache safe for several writers"
+            )
+        self._cache_file = _KernelCacheFile(
+            cache_path=self._cache_path,
+            filename_base=self._impl.filename_base,
+            source_stamp=self._impl.locator.get_source_stamp(),
+        )
 
 
 def _use_kernel_cache(dispatcher: Dispatcher) -> Dispatcher:
@@ -324,6 +416,20 @@ def _drop_llvm_pages() -> int:
         if libc.madvise(start, length, advise) == 0:
             dropped += resident
     return dropped
+
+
+# BANKML_KERNEL_TYPES=all: compile each kernel once for every weight type and family, instead of
+# once per set of types a file has. A file's first start then compiles more, but every later file,
+# of any types, finds its kernels cached (a machine serving files of many types; the test suite's
+# tiny models of every type). The same source either way, so the same bits.
+KERNEL_TYPES_ENV = "BANKML_KERNEL_TYPES"
+
+
+def every_type_compiled() -> bool:
+    """Whether the kernels are compiled for every weight type (``BANKML_KERNEL_TYPES=all``)
+    rather than for the types of the file at hand: the type sets (``present_in``'s flags) are
+    then all set."""
+    return os.environ.get(KERNEL_TYPES_ENV, "") == "all"
 
 
 def present_in(flags: Any) -> tuple[bool, ...]:
