@@ -224,13 +224,15 @@ def tiny_dir(
     spm: bytes | None = None,
     head_dim: int | None = None,
     rope_scaling: dict[str, Any] | None = None,
+    qk_scale: float = 1.0,
 ) -> Path:
     """A small random ``arch`` ("llama", "qwen2", "qwen3") model with the default model's tokenizer.
 
     Weights are stored in a mix of F32, F16 and BF16; ``shards`` > 1 splits them over several
     files with a ``model.safetensors.index.json``. ``spm``: a SentencePiece ``tokenizer.model``
     to use instead (its vocabulary padded to 512). ``head_dim`` (default hidden // heads) and
-    ``rope_scaling`` (with rope_theta 500000, as Llama 3's) go into config.json when given.
+    ``rope_scaling`` (with rope_theta 500000, as Llama 3's) go into config.json when given;
+    ``qk_scale`` scales the Q and K projections (sharper attention, where RoPE shows).
     """
     reader = gguf.GGUFReader(gguf_path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -241,8 +243,8 @@ def tiny_dir(
     head_dim = head_dim or hidden // n_head
     dtypes = ["BF16", "F16", "F32"]
 
-    def tensor(shape: tuple[int, ...], k: int) -> tuple[str, np.ndarray]:
-        a = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    def tensor(shape: tuple[int, ...], k: int, scale: float = 1.0) -> tuple[str, np.ndarray]:
+        a = (rng.standard_normal(shape) * 0.05 * scale).astype(np.float32)
         dtype = dtypes[k % 3]
         if dtype == "BF16":
             return dtype, bf16_bits(a)
@@ -280,7 +282,8 @@ def tiny_dir(
             )
         for name, shape in shapes.items():
             k += 1
-            t[p + name] = tensor(shape, k)
+            qk = name.startswith(("self_attn.q_proj", "self_attn.k_proj"))
+            t[p + name] = tensor(shape, k, qk_scale if qk else 1.0)
     names = sorted(t)
     if shards <= 1:
         write_safetensors(directory / "model.safetensors", {n: t[n] for n in names})

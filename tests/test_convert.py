@@ -136,7 +136,13 @@ def references(
         name = f"llama3-{head_dim}"
         where = root / name / "Tiny-llama3"
         d = hf_dirs.tiny_dir(
-            default_model, where, "llama", seed=head_dim, head_dim=head_dim, rope_scaling=rope
+            default_model,
+            where,
+            "llama",
+            seed=head_dim,
+            head_dim=head_dim,
+            rope_scaling=rope,
+            qk_scale=40.0 if head_dim == 64 else 1.0,  # served below: RoPE shows in its logits
         )
         dirs[name] = (d, "f16")
     minilm = hf_dirs.minilm_dir()
@@ -244,20 +250,36 @@ def test_llama3_rope_scaling_converts_byte_identical_to_the_reference(
 def test_a_llama3_model_is_served_as_llama_server_serves_it(
     references: dict[str, tuple[Path, Path]], llama_server_bin: Path, tmp_path: Path
 ) -> None:
-    """The converted head_dim-64 model: llama-server divides its RoPE frequencies by
-    rope_freqs.weight, and so must bankml, for the same greedy completion."""
+    """The converted head_dim-64 model (Q and K scaled up so that RoPE moves the logits):
+    llama-server divides its RoPE frequencies by rope_freqs.weight, and so does bankml: the
+    same greedy completion and the same log-probabilities, which the factors change (the same
+    file with every factor 1 gives other ones)."""
     d, _ = references["llama3-64"]
     done = convert(str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"))
     out, fork = Path(done.path), Path(done.fork)
+    unscaled = tmp_path / "unscaled.gguf"
+    shutil.copy(out, unscaled)
+    reader = gguf.GGUFReader(unscaled, "r+")
+    next(t for t in reader.tensors if t.name == "rope_freqs.weight").data[:] = 1.0
+    reader.data.flush()
+    del reader
     body = {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0}
-    body["cache_prompt"] = False
+    body.update(cache_prompt=False, n_probs=1)
+
+    def logprobs(answer: dict) -> list[float]:
+        return [p["top_logprobs"][0]["logprob"] for p in answer["completion_probabilities"]]
+
     with support.LlamaServer(out, binary=llama_server_bin) as ref:
         ref_status, ref_answer = support.http_json(ref.url + "/completion", body)
+    with support.LlamaServer(unscaled, binary=llama_server_bin) as ref:
+        _, unscaled_answer = support.http_json(ref.url + "/completion", body)
+    assert logprobs(unscaled_answer) != logprobs(ref_answer)
     with native_process(out, fork, tmp_path / "native") as served:
         status, answer = support.http_json(served.engine_url + "/completion", body)
     assert status == ref_status == 200
     assert answer["content"] == ref_answer["content"] and answer["content"]
     assert answer["tokens_predicted"] == ref_answer["tokens_predicted"] == 8
+    assert logprobs(answer) == logprobs(ref_answer)
 
 
 def test_the_confirmed_llama3_powers_are_torchs(reference_python: str) -> None:
