@@ -222,23 +222,29 @@ def tiny_dir(
     seed: int = 0,
     shards: int = 1,
     spm: bytes | None = None,
+    head_dim: int | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+    qk_scale: float = 1.0,
 ) -> Path:
     """A small random ``arch`` ("llama", "qwen2", "qwen3") model with the default model's tokenizer.
 
     Weights are stored in a mix of F32, F16 and BF16; ``shards`` > 1 splits them over several
     files with a ``model.safetensors.index.json``. ``spm``: a SentencePiece ``tokenizer.model``
-    to use instead (its vocabulary padded to 512).
+    to use instead (its vocabulary padded to 512). ``head_dim`` (default hidden // heads) and
+    ``rope_scaling`` (with rope_theta 500000, as Llama 3's) go into config.json when given;
+    ``qk_scale`` scales the Q and K projections (sharper attention, where RoPE shows).
     """
     reader = gguf.GGUFReader(gguf_path)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     n_vocab = 512 if spm is not None else len(_field(reader, "tokenizer.ggml.tokens"))
     hidden, n_head, n_kv, n_ff, n_layer = 64, 4, 2, 96, 2
-    head_dim = hidden // n_head
+    explicit_head_dim = head_dim is not None
+    head_dim = head_dim or hidden // n_head
     dtypes = ["BF16", "F16", "F32"]
 
-    def tensor(shape: tuple[int, ...], k: int) -> tuple[str, np.ndarray]:
-        a = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    def tensor(shape: tuple[int, ...], k: int, scale: float = 1.0) -> tuple[str, np.ndarray]:
+        a = (rng.standard_normal(shape) * 0.05 * scale).astype(np.float32)
         dtype = dtypes[k % 3]
         if dtype == "BF16":
             return dtype, bf16_bits(a)
@@ -276,7 +282,8 @@ def tiny_dir(
             )
         for name, shape in shapes.items():
             k += 1
-            t[p + name] = tensor(shape, k)
+            qk = name.startswith(("self_attn.q_proj", "self_attn.k_proj"))
+            t[p + name] = tensor(shape, k, qk_scale if qk else 1.0)
     names = sorted(t)
     if shards <= 1:
         write_safetensors(directory / "model.safetensors", {n: t[n] for n in names})
@@ -308,8 +315,11 @@ def tiny_dir(
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    if arch == "qwen3":
+    if arch == "qwen3" or explicit_head_dim:
         config["head_dim"] = head_dim
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+        config["rope_theta"] = 500000.0
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     write_model_card(directory, arch)
     if spm is not None:

@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 import pytest
 
-from bankml.convert import OUTTYPES, ConvertError, convert
+from bankml.convert import OUTTYPES, ConvertError, convert, model
 from bankml.engine_cupy.gguf_file import read_metadata
 from tests import hf_dirs, support
 from tests.native_server import native_process
@@ -78,6 +78,25 @@ RERANKERS = {
 }
 
 
+# Llama 3 RoPE scaling (rope_freqs.weight): head_dim -> rope_scaling, Llama 3.2's and 3.1's
+LLAMA3 = {
+    64: {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    128: {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+
+
 def case_id(case: tuple[str, int, str, bool]) -> str:
     arch, shards, outtype, spm = case
     return (
@@ -113,6 +132,19 @@ def references(
                 spm=spm if with_spm else None,
             )
         dirs[name] = (d, outtype)
+    for head_dim, rope in LLAMA3.items():
+        name = f"llama3-{head_dim}"
+        where = root / name / "Tiny-llama3"
+        d = hf_dirs.tiny_dir(
+            default_model,
+            where,
+            "llama",
+            seed=head_dim,
+            head_dim=head_dim,
+            rope_scaling=rope,
+            qk_scale=40.0 if head_dim == 64 else 1.0,  # served below: RoPE shows in its logits
+        )
+        dirs[name] = (d, "f16")
     minilm = hf_dirs.minilm_dir()
     for outtype in MINILM_OUTTYPES:
         dirs[f"minilm-{outtype}"] = (minilm, outtype)
@@ -195,6 +227,102 @@ def test_tiny_models_convert_byte_identical_to_the_reference(
     reader = gguf.GGUFReader(done.path)
     assert reader.get_field("tokenizer.ggml.model").contents() == ("llama" if spm else "gpt2")
     assert reader.get_field("general.file_type").contents() == int(OUTTYPES[outtype])
+
+
+@pytest.mark.parametrize("head_dim", LLAMA3)
+def test_llama3_rope_scaling_converts_byte_identical_to_the_reference(
+    head_dim: int, references: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """Llama 3.2's (head_dim 64, factor 32) and 3.1's (128, factor 8) RoPE scaling: the
+    reference's rope_freqs.weight (F32, head_dim / 2 factors, first of the tensors)."""
+    d, ref = references[f"llama3-{head_dim}"]
+    done = convert(str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"))
+    assert done.sha256 == sha256(ref) == sha256(tmp_path / "ours.gguf")
+    reader = gguf.GGUFReader(done.path)
+    first = reader.tensors[0]
+    assert first.name == "rope_freqs.weight" and first.tensor_type == gguf.GGMLQuantizationType.F32
+    factors = np.array(first.data)
+    assert factors.shape == (head_dim // 2,)
+    assert factors[0] == 1.0 and factors[-1] == LLAMA3[head_dim]["factor"]
+    assert ((factors > 1) & (factors < LLAMA3[head_dim]["factor"])).any()  # the smooth band
+
+
+def test_a_llama3_model_is_served_as_llama_server_serves_it(
+    references: dict[str, tuple[Path, Path]], llama_server_bin: Path, tmp_path: Path
+) -> None:
+    """The converted head_dim-64 model (Q and K scaled up so that RoPE moves the logits):
+    llama-server divides its RoPE frequencies by rope_freqs.weight, and so does bankml: the
+    same greedy completion and the same log-probabilities, which the factors change (the same
+    file with every factor 1 gives other ones)."""
+    d, _ = references["llama3-64"]
+    done = convert(str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"))
+    out, fork = Path(done.path), Path(done.fork)
+    unscaled = tmp_path / "unscaled.gguf"
+    shutil.copy(out, unscaled)
+    reader = gguf.GGUFReader(unscaled, "r+")
+    next(t for t in reader.tensors if t.name == "rope_freqs.weight").data[:] = 1.0
+    reader.data.flush()
+    del reader
+    body = {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0}
+    body.update(cache_prompt=False, n_probs=1)
+
+    def logprobs(answer: dict) -> list[float]:
+        return [p["top_logprobs"][0]["logprob"] for p in answer["completion_probabilities"]]
+
+    with support.LlamaServer(out, binary=llama_server_bin) as ref:
+        ref_status, ref_answer = support.http_json(ref.url + "/completion", body)
+    with support.LlamaServer(unscaled, binary=llama_server_bin) as ref:
+        _, unscaled_answer = support.http_json(ref.url + "/completion", body)
+    assert logprobs(unscaled_answer) != logprobs(ref_answer)
+    with native_process(out, fork, tmp_path / "native") as served:
+        status, answer = support.http_json(served.engine_url + "/completion", body)
+    assert status == ref_status == 200
+    assert answer["content"] == ref_answer["content"] and answer["content"]
+    assert answer["tokens_predicted"] == ref_answer["tokens_predicted"] == 8
+    assert logprobs(answer) == logprobs(ref_answer)
+
+
+def test_the_confirmed_llama3_powers_are_torchs(reference_python: str) -> None:
+    """CONFIRMED_POWERS, where no power is guarded: each is the reference's torch power."""
+    code = (
+        "import json, sys, torch\n"
+        "out = {}\n"
+        "for base, dim in json.loads(sys.argv[1]):\n"
+        "    p = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)\n"
+        "    out[f'{base} {dim}'] = p.view(torch.int32).tolist()\n"
+        "print(json.dumps(out))\n"
+    )
+    cases = sorted(model.CONFIRMED_POWERS)
+    result = subprocess.run(
+        [reference_python, "-c", code, json.dumps(cases)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    theirs = json.loads(result.stdout)
+    for base, dim in cases:
+        ours, _ = model.llama3_powers(base, dim)
+        assert ours.view(np.int32).tolist() == theirs[f"{base} {dim}"]
+
+
+def test_llama3_factors_that_hang_on_a_last_bit_are_refused(
+    default_model: Path, tmp_path: Path
+) -> None:
+    """A power near a rounding midpoint whose factor changes one ULP away: refused, no file.
+    rope_theta 500000 at head_dim 96 has such a power in its smooth band."""
+    powed, unsure = model.llama3_powers(500000.0, 96)
+    assert unsure.any()
+    factors = model._llama3_factors(powed, 8.0, 1.0, 4.0, 8192)
+    assert not model.llama3_guard(powed, unsure, 8.0, 1.0, 4.0, 8192, factors)
+    assert model.llama3_guard(powed, np.zeros_like(unsure), 8.0, 1.0, 4.0, 8192, factors)
+    d = hf_dirs.tiny_dir(
+        default_model,
+        tmp_path / "src" / "Tiny-llama3",
+        "llama",
+        head_dim=96,
+        rope_scaling=LLAMA3[128],
+    )
+    refused(d, tmp_path, "llama3 RoPE factors (rope_theta 500000.0, head_dim 96)", "last bit")
+    _edit_json(d / "config.json", rope_scaling={**LLAMA3[128], "low_freq_factor": 4.0})
+    refused(d, tmp_path, "low_freq_factor == high_freq_factor")
 
 
 @pytest.mark.parametrize("outtype", MINILM_OUTTYPES)

@@ -9,6 +9,7 @@ reference's order, and writes the metadata keys in the reference's order.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -239,6 +240,112 @@ def rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+_F32 = np.float32
+
+
+def _llama3_factors(powed: np.ndarray, factor: float, low: float, high: float, old: float) -> bytes:
+    """The reference's loop over ``freqs = 1.0 / powed``, each step as torch does it in float32:
+    ``scalar / tensor`` is ``tensor.reciprocal() * scalar``, a Python float meeting a float32
+    tensor (a comparison, ``-``, ``/``) is rounded to float32 first."""
+    freqs = np.reciprocal(powed) * _F32(1.0)
+    low_wavelen, high_wavelen = _F32(old / low), _F32(old / high)
+    out = np.empty(len(freqs), dtype=_F32)
+    for i, freq in enumerate(freqs):
+        wavelen = np.reciprocal(freq) * _F32(2 * math.pi)
+        if wavelen < high_wavelen:
+            out[i] = 1.0
+        elif wavelen > low_wavelen:
+            out[i] = _F32(factor)
+        else:
+            smooth = (np.reciprocal(wavelen) * _F32(old) - _F32(low)) / _F32(high - low)
+            out[i] = np.reciprocal((_F32(1.0) - smooth) / _F32(factor) + smooth)
+    return out.tobytes()
+
+
+# (rope_theta, head_dim) whose every power ``rope_theta ** (2i / head_dim)`` was compared with
+# torch 2.13's float32 power (the reference's) and found to be the correctly rounded one: Llama
+# 3.1, 3.2 and 3.3 (tests/test_convert.py checks them again against the reference's torch)
+CONFIRMED_POWERS = {(500000.0, 64), (500000.0, 128)}
+# torch's power was seen to differ from the correctly rounded float32 only where the exact power
+# lies within 0.08 ULP of a rounding midpoint (41,600 powers); nearer than this it is not trusted
+_NEAR_MIDPOINT = 0.4
+
+
+def llama3_powers(base: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``base ** (arange(0, dim, 2) / dim)`` in float32 (the float64 power, correctly rounded),
+    and which of them torch's float32 power might round the other way."""
+    exps = np.arange(0, dim, 2, dtype=_F32) / _F32(dim)
+    exact = np.power(np.float64(_F32(base)), exps.astype(np.float64))
+    powed = exact.astype(_F32)
+    frac = (exact - powed.astype(np.float64)) / np.spacing(powed).astype(np.float64)
+    unsure = np.abs(frac) > _NEAR_MIDPOINT
+    if (float(_F32(base)), dim) in CONFIRMED_POWERS:
+        unsure[:] = False
+    return powed, unsure
+
+
+def llama3_rope_factors(hp: dict[str, Any]) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` the reference writes for ``rope_type: llama3`` (LlamaModel's
+    ``generate_extra_tensors``), None for another RoPE.
+
+    Its ``base ** (arange(0, dim, 2) / dim)`` is torch's vectorised float32 power, documented
+    within one ULP of the exact power; here it is the float64 power correctly rounded to
+    float32, the value torch was seen to give except near a rounding midpoint. Every later step
+    is reproduced exactly. A power near a midpoint (outside ``CONFIRMED_POWERS``) is tried one
+    ULP lower and higher: when that changes a factor, the model is refused."""
+    rope = rope_parameters(hp)
+    if str(rope.get("rope_type", "")).lower() != "llama3":
+        return None
+    names = {
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    values: dict[str, float] = {}
+    for key, default in names.items():
+        v = rope.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ConvertError(f"config.json: llama3 RoPE {key} {v!r} is not a positive number")
+        values[key] = v
+    base, factor = values["rope_theta"], values["factor"]
+    low, high = values["low_freq_factor"], values["high_freq_factor"]
+    old = values["original_max_position_embeddings"]
+    if low == high:
+        raise ConvertError("config.json: llama3 RoPE with low_freq_factor == high_freq_factor")
+    dim = hp["head_dim"]
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+        raise ConvertError(f"config.json: head_dim {dim!r} is not a positive integer")
+    powed, unsure = llama3_powers(base, dim)
+    factors = _llama3_factors(powed, factor, low, high, old)
+    if unsure.any() and not llama3_guard(powed, unsure, factor, low, high, old, factors):
+        raise ConvertError(
+            f"config.json: llama3 RoPE factors (rope_theta {base}, head_dim {dim}) that "
+            "depend on the last bit of torch's float32 power are not converted: bankml cannot "
+            "promise the reference's bytes for them"
+        )
+    return np.frombuffer(factors, dtype=_F32).copy()
+
+
+def llama3_guard(
+    powed: np.ndarray,
+    unsure: np.ndarray,
+    factor: float,
+    low: float,
+    high: float,
+    old: float,
+    factors: bytes,
+) -> bool:
+    """True when the factors stay ``factors`` with the ``unsure`` powers one ULP lower or
+    higher (each factor depends on its own power only)."""
+    for side in (-np.inf, np.inf):
+        moved = np.where(unsure, np.nextafter(powed, _F32(side)), powed)
+        if _llama3_factors(moved, factor, low, high, old) != factors:
+            return False
+    return True
+
+
 def _skip_multimodal(name: str) -> bool:
     return name.startswith(
         (
@@ -352,6 +459,16 @@ def plan_tensors(
     }[ftype]
     items: list[Item] = []
     seen: set[str] = set()
+    if arch.name == "llama" and (factors := llama3_rope_factors(hp)) is not None:
+        # the reference's extra tensors come before the checkpoint's
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        seen.add(name)
+
+        def rope_freqs(factors: np.ndarray = factors) -> np.ndarray:
+            return factors
+
+        f32 = gguf.GGMLQuantizationType.F32
+        items.append(Item(name, f32, factors.shape, factors.nbytes, rope_freqs))
     for name, shard, spec in named:
         if name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")):
             continue
@@ -489,6 +606,8 @@ def add_parameters(
                 w.add_rope_scaling_yarn_beta_fast(v)
             if (v := rope.get("beta_slow")) is not None:
                 w.add_rope_scaling_yarn_beta_slow(v)
+        elif str(rope_type).lower() == "llama3" and arch.name == "llama":
+            pass  # no keys: its factors are the rope_freqs.weight tensor (llama3_rope_factors)
         elif rope_type != "default":
             raise ConvertError(
                 f"config.json: RoPE scaling {rope_type!r} is not converted by bankml"
