@@ -130,6 +130,17 @@ def _host_has_vnni() -> bool:
 HOST_HAS_VNNI = _host_has_vnni()
 
 
+def _host_has_avx512vl() -> bool:
+    """Whether LLVM may use 32 vector registers for 256-bit vectors (AVX512VL): the batch lane
+    tiles then keep all eight of ggml's lanes of 16 rows in registers in one pass."""
+    if not HOST_HAS_AVX2 or numba.config.CPU_FEATURES is not None:
+        return False
+    return bool(llvm_binding.get_host_cpu_features().get("avx512vl", False))
+
+
+HOST_HAS_AVX512VL = _host_has_avx512vl()
+
+
 def code_set(codes: object) -> tuple[bool | None, ...]:
     """The kernel codes a compiled product may meet (an iterable of them), as a tuple whose
     Numba *type* tells them apart: True at each code present, None elsewhere. The products
@@ -735,7 +746,9 @@ def _make_wide_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int
     return tile
 
 
-def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = False):
+def _make_lane_tile(
+    code: int, block_bytes: int, has_min: bool, vnni: bool = False, one_pass: bool = False
+):
     """One weight row by LANE_ROWS activation rows, vectorised across the rows instead of across
     ggml's eight lanes: vector g, lane j holds lane L of the dot with activation row t+8g+j.
 
@@ -748,7 +761,9 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
     and a broadcast per dot (those, on the FMA pipes, were a third of a batch product's time).
     hsum_float_8's adds become vertical adds across the lane vectors. Every element is the same
     sequence of float operations as ggml's. Lanes 0-3 (the block's first 16 elements) and 4-7
-    are two passes over the blocks, to keep the accumulators in registers.
+    are two passes over the blocks, to keep the accumulators in the 16 vector registers of AVX2;
+    ``one_pass`` (AVX512VL: 32 of them) takes all eight lanes in one pass, so that d_w, the
+    rows' scales and their products are loaded and computed once per block, not twice.
 
     tile(w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out): the weight
     row's block bytes at w_off of w (for d_w, m_w) and its 32 signed values per block at wu_off
@@ -783,9 +798,11 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
             lanes = [[cgutils.alloca_once_value(builder, zero) for _ in range(8)] for _ in range(2)]
             summs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
             ones = ir.Constant(_V16I16, [1] * 16)
-            for half in range(2):
+            n_lanes = 8 if one_pass else 4  # ggml lanes per pass over the blocks
+            for half in range(8 // n_lanes):
                 acc = [
-                    [cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in range(2)
+                    [cgutils.alloca_once_value(builder, zero) for _ in range(n_lanes)]
+                    for _ in range(2)
                 ]
                 with cgutils.for_range(builder, nblocks) as loop:
                     b = loop.index
@@ -806,9 +823,10 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                 ),
                                 summs[g],
                             )
-                    for k in range(4):
+                    for k in range(n_lanes):
+                        lane = n_lanes * half + k
                         wat = builder.add(
-                            builder.add(wu_off, builder.mul(b, const(QK))), const(16 * half + 4 * k)
+                            builder.add(wu_off, builder.mul(b, const(QK))), const(4 * lane)
                         )
                         wl = builder.bitcast(
                             _splat(builder, _load(builder, ubase, wat, _I32), _V8I32), _V32I8
@@ -838,9 +856,7 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                         xl_off,
                                         builder.mul(const(g), builder.mul(nblocks, const(256))),
                                     ),
-                                    builder.add(
-                                        builder.mul(b, const(256)), const(32 * (4 * half + k))
-                                    ),
+                                    builder.add(builder.mul(b, const(256)), const(32 * lane)),
                                 )
                                 xv = _load(builder, xbase, at, _V32I8)
                                 quads = (
@@ -873,7 +889,7 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                 builder.add(
                                     xl_off, builder.mul(const(g), builder.mul(nblocks, const(256)))
                                 ),
-                                builder.add(builder.mul(b, const(256)), const(32 * (4 * half + k))),
+                                builder.add(builder.mul(b, const(256)), const(32 * lane)),
                             )
                             xv = _load(builder, xbase, at, _V32I8)
                             sx = (
@@ -897,8 +913,8 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                 acc[g][k],
                             )
                 for g in range(2):
-                    for k in range(4):
-                        builder.store(builder.load(acc[g][k]), lanes[g][4 * half + k])
+                    for k in range(n_lanes):
+                        builder.store(builder.load(acc[g][k]), lanes[g][n_lanes * half + k])
             for g in range(2):
                 a = [builder.load(lane) for lane in lanes[g]]
                 low = builder.fadd(builder.fadd(a[0], a[4]), builder.fadd(a[2], a[6]))
@@ -1012,7 +1028,7 @@ def _unpack_at(typingctx, code, w, w_off, nb, dst, d_off):
 
 
 _LANE_TILES = {
-    code: _make_lane_tile(layout, size, has_min, HOST_HAS_VNNI)
+    code: _make_lane_tile(layout, size, has_min, HOST_HAS_VNNI, HOST_HAS_AVX512VL)
     for code, (layout, size, has_min, whole) in _CODES.items()
     if not whole
 }
