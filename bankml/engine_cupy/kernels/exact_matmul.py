@@ -298,27 +298,34 @@ PARALLEL_MIN_ELEMENTS = 1 << 16  # activations smaller than this are rounded on 
 _NO_LANES = numpy.zeros(0, numpy.int8)
 
 
-def _interleave_lanes(q: numpy.ndarray) -> numpy.ndarray:
+def _interleave_lanes(q: numpy.ndarray, biased: bool = False) -> numpy.ndarray:
     """The quants of each whole group of 8 rows as the lane tiles read them, flat:
-    [group, block, lane L, row j, 4 bytes] = row 8·group+j's elements 32·block+4L..+3."""
+    [group, block, lane L, row j, 4 bytes] = row 8·group+j's elements 32·block+4L..+3.
+    ``biased``: each byte x stored as x + 128 (x xor 0x80, an unsigned byte), vpdpbusd's u8
+    operand for the signed weight types on a VNNI host, biased once here rather than once per
+    weight row in the tiles."""
     m, n = q.shape
     groups = m // 8
     out = numpy.empty(groups * 8 * n + 64, numpy.int8)
     start = -out.ctypes.data % 64  # 64-byte aligned: no lane load splits a cache line
     out = out[start : start + groups * 8 * n]
     # moved as int32 words (one lane of one row): a quarter of the elements to shuffle
-    _interleave_words(q[: groups * 8].view(numpy.int32), out.view(numpy.int32))
+    flip = numpy.int32(_BIAS_WORD if biased else 0)
+    _interleave_words(q[: groups * 8].view(numpy.int32), out.view(numpy.int32), flip)
     return out
 
 
+_BIAS_WORD = -0x7F7F7F80  # 0x80808080 as an int32: each byte's sign bit flipped
+
+
 @njit
-def _interleave_words(words, out):  # pragma: no cover - compiled
+def _interleave_words(words, out, flip):  # pragma: no cover - compiled
     rows, n_words = words.shape
     at = 0
     for g in range(rows // 8):
         for w in range(n_words):
             for j in range(8):
-                out[at] = words[8 * g + j, w]
+                out[at] = words[8 * g + j, w] ^ flip
                 at += 1
 
 
@@ -342,6 +349,14 @@ class Activation:
         """The quants interleaved for the lane tiles (16 rows or more), made on first use: the
         repacked Q4_0 kernel and the K-quants never read them."""
         return _interleave_lanes(self.q) if self.q.shape[0] >= LANE_ROWS else _NO_LANES
+
+    @functools.cached_property
+    def biased_lanes(self) -> numpy.ndarray:
+        """``lanes`` with every byte + 128 (unsigned): what the VNNI lane tiles of the signed
+        weight types (Q4_0, Q5_0, Q8_0) read, made on first use."""
+        if self.q.shape[0] < LANE_ROWS:
+            return _NO_LANES
+        return _interleave_lanes(self.q, biased=True)
 
     def blocks(self, with_sum: bool) -> numpy.ndarray:
         """ggml's block_q8_0 (d, qs[32]) or block_q8_1 (d, s, qs[32]) bytes, [m, n/32 * size]."""
@@ -794,7 +809,6 @@ def _make_lane_tile(
                 )
 
             zero = ir.Constant(_V8F, [0.0] * 8)
-            bias = ir.Constant(_V32I8, [-128] * 32)  # 0x80: x ^ 0x80 is x + 128 as a u8
             lanes = [[cgutils.alloca_once_value(builder, zero) for _ in range(8)] for _ in range(2)]
             summs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
             ones = ir.Constant(_V16I16, [1] * 16)
@@ -832,8 +846,10 @@ def _make_lane_tile(
                             _splat(builder, _load(builder, ubase, wat, _I32), _V8I32), _V32I8
                         )
                         if vnni:
-                            # signed weights: the activation's bytes + 128 (unsigned) times w,
-                            # less 128·Σw of the lane (one vpdpbusd for the 8 rows), exactly
+                            # signed weights: the activation's bytes + 128 (unsigned, biased
+                            # once in Activation.biased_lanes) times w, less 128·Σw of the lane
+                            # (one vpdpbusd for the 8 rows), exactly; Q4_1/Q5_1: the unsigned
+                            # weight times the activation as it is
                             lane_sum = (
                                 None
                                 if has_min
@@ -862,7 +878,7 @@ def _make_lane_tile(
                                 quads = (
                                     _dpbusd(builder, ir.Constant(_V8I32, [_MAGIC] * 8), wl, xv)
                                     if has_min
-                                    else _dpbusd(builder, lane_sum, builder.xor(xv, bias), wl)
+                                    else _dpbusd(builder, lane_sum, xv, wl)
                                 )
                                 builder.store(
                                     _call(
@@ -2019,7 +2035,10 @@ class QuantMatrix(BlockRows):
         m = act.q.shape[0]
         out = numpy.empty((m, self.n_out), numpy.float32)
         parallel = m * self.n_out * self.n_in >= PARALLEL_MIN_MACS
-        lanes = act.lanes if m >= LANE_ROWS and self._kind != _Q4_0R else _NO_LANES
+        lanes = _NO_LANES
+        if m >= LANE_ROWS and self._kind != _Q4_0R:
+            biased = HOST_HAS_VNNI and self._kind not in (_Q4_1, _Q5_1)
+            lanes = act.biased_lanes if biased else act.lanes
         _matmul(
             self._codes,
             self._kind,
