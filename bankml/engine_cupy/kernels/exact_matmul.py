@@ -12,9 +12,9 @@ blocks in order, and finally ``hsum_float_8``: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+
 Q5_1 add ``summs``, a scalar ``fma(m_w, s_x, summs)`` chain over the blocks (GCC contracts the
 C ``summs += m*s`` into vfmadd231ss: checked in the build's object code), after the sum.
 
-Batches of 16 rows or more go through lane tiles (``_make_lane_tile``), which vectorise over
-activation rows instead of over ggml's eight lanes: each output is still the same sequence of
-float operations, ~40 % faster.
+Batches of 16 rows or more go through lane tiles (``_make_lane_tile``; ``_make_zmm_lane_tile``
+on AVX512-VNNI hosts), which vectorise over activation rows instead of over ggml's eight lanes:
+each output is still the same sequence of float operations, ~40 % faster.
 
 Two other arithmetics: llama-server repacks Q4_0 layer matrices (CPU_REPACK buffer, q4_0_8x8
 kernels: one integer sum per block, a scalar fma chain, no horizontal sum), and F16/F32/BF16
@@ -139,6 +139,20 @@ def _host_has_avx512vl() -> bool:
 
 
 HOST_HAS_AVX512VL = _host_has_avx512vl()
+
+
+def _host_has_zmm_vnni() -> bool:
+    """Whether the lane tiles may use 512-bit vectors with vpdpbusd (AVX512F/BW/VNNI): 16
+    activation rows in one vector."""
+    if not HOST_HAS_VNNI:
+        return False
+    features = llvm_binding.get_host_cpu_features()
+    return all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
+
+
+HOST_HAS_ZMM_VNNI = _host_has_zmm_vnni()
+# rows side by side in Activation.lanes: 16 where a lane tile is one 512-bit vector, else 8
+LANE_GROUP = 16 if HOST_HAS_ZMM_VNNI else 8
 
 
 def code_set(codes: object) -> tuple[bool | None, ...]:
@@ -305,13 +319,13 @@ def _interleave_lanes(q: numpy.ndarray, biased: bool = False) -> numpy.ndarray:
     operand for the signed weight types on a VNNI host, biased once here rather than once per
     weight row in the tiles."""
     m, n = q.shape
-    groups = m // 8
-    out = numpy.empty(groups * 8 * n + 64, numpy.int8)
+    rows = m // LANE_GROUP * LANE_GROUP
+    out = numpy.empty(rows * n + 64, numpy.int8)
     start = -out.ctypes.data % 64  # 64-byte aligned: no lane load splits a cache line
-    out = out[start : start + groups * 8 * n]
+    out = out[start : start + rows * n]
     # moved as int32 words (one lane of one row): a quarter of the elements to shuffle
     flip = numpy.int32(_BIAS_WORD if biased else 0)
-    _interleave_words(q[: groups * 8].view(numpy.int32), out.view(numpy.int32), flip)
+    _interleave_words(q[:rows].view(numpy.int32), out.view(numpy.int32), flip, LANE_GROUP)
     return out
 
 
@@ -319,13 +333,13 @@ _BIAS_WORD = -0x7F7F7F80  # 0x80808080 as an int32: each byte's sign bit flipped
 
 
 @njit
-def _interleave_words(words, out, flip):  # pragma: no cover - compiled
+def _interleave_words(words, out, flip, group):  # pragma: no cover - compiled
     rows, n_words = words.shape
     at = 0
-    for g in range(rows // 8):
+    for g in range(rows // group):
         for w in range(n_words):
-            for j in range(8):
-                out[at] = words[8 * g + j, w] ^ flip
+            for j in range(group):
+                out[at] = words[group * g + j, w] ^ flip
                 at += 1
 
 
@@ -951,6 +965,122 @@ def _make_lane_tile(
     return tile
 
 
+_V16F, _V16I32, _V64I8 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
+
+
+def _make_zmm_lane_tile(code: int, block_bytes: int, has_min: bool):
+    """_make_lane_tile's VNNI tile with 512-bit vectors (AVX512F/BW/VNNI): lane j of each
+    vector is activation row t+j of the 16, whose quants ``Activation.lanes`` then holds in
+    groups of 16 rows ([group, block, lane L, row j, 4 bytes]: one 64-byte load per ggml lane and
+    block). All eight lanes in one pass (8 accumulators), the rows' 16 scales one load; per
+    element the same integers (vpdpbusd, the −128·Σw corrections of the signed types), the same
+    1.5·2^23 conversion and the same float operations as the 256-bit tile: the bits do not
+    change, with half the instructions per product.
+
+    Same signature as _make_lane_tile's tile; xl_off is the 16-row group's start."""
+
+    @intrinsic
+    def tile(typingctx, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out):
+        sig = types.void(w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out)
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            (_, w_off, _, wu_off, _, xl_off, _, _, s_off, m, nblocks, _, o_off, n_out) = args
+            wbase = _byte_ptr(context, builder, aty[0], args[0])
+            ubase = _byte_ptr(context, builder, aty[2], args[2])
+            xbase = _byte_ptr(context, builder, aty[4], args[4])
+            dbase, sbase, obase = (_data(context, builder, aty[i], args[i]) for i in (6, 7, 11))
+            ity = w_off.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+
+            def row_scales(base: ir.Value, b: ir.Value) -> ir.Value:
+                at = builder.add(s_off, builder.mul(b, m))
+                return builder.load(
+                    builder.bitcast(builder.gep(base, [at]), _V16F.as_pointer()), align=4
+                )
+
+            def dpbusd(acc: ir.Value, u: ir.Value, v: ir.Value) -> ir.Value:
+                v16 = [builder.bitcast(a, _V16I32) for a in (u, v)]
+                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [acc, *v16])
+
+            zero = ir.Constant(_V16F, [0.0] * 16)
+            magic = ir.Constant(_V16I32, [_MAGIC] * 16)
+            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(8)]
+            summs = cgutils.alloca_once_value(builder, zero)
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
+                d_w = _splat(builder, _half(builder, wbase, blk), _V16F)
+                scales = builder.fmul(d_w, row_scales(dbase, b))
+                if has_min:
+                    m_w = _splat(builder, _half(builder, wbase, builder.add(blk, const(2))), _V16F)
+                    builder.store(
+                        _call(
+                            builder,
+                            "llvm.fma.v16f32",
+                            _V16F,
+                            [m_w, row_scales(sbase, b), builder.load(summs)],
+                        ),
+                        summs,
+                    )
+                for lane in range(8):
+                    wat = builder.add(
+                        builder.add(wu_off, builder.mul(b, const(QK))), const(4 * lane)
+                    )
+                    wl = builder.bitcast(
+                        _splat(builder, _load(builder, ubase, wat, _I32), _V16I32), _V64I8
+                    )
+                    at = builder.add(
+                        builder.add(xl_off, builder.mul(b, const(512))), const(64 * lane)
+                    )
+                    xv = _load(builder, xbase, at, _V64I8)
+                    if has_min:  # unsigned weight against the activation as it is
+                        quads = dpbusd(magic, wl, xv)
+                    else:  # the activation + 128 (biased_lanes) against w, less 128·Σw
+                        corr = _splat(
+                            builder,
+                            _load(
+                                builder,
+                                ubase,
+                                builder.add(wat, builder.mul(nblocks, const(QK))),
+                                _I32,
+                            ),
+                            _V16I32,
+                        )
+                        quads = dpbusd(corr, xv, wl)
+                    lanef = builder.fsub(
+                        builder.bitcast(quads, _V16F), ir.Constant(_V16F, [_MAGIC_F] * 16)
+                    )
+                    builder.store(
+                        _call(
+                            builder,
+                            "llvm.fma.v16f32",
+                            _V16F,
+                            [scales, lanef, builder.load(acc[lane])],
+                        ),
+                        acc[lane],
+                    )
+            a = [builder.load(x) for x in acc]
+            low = builder.fadd(builder.fadd(a[0], a[4]), builder.fadd(a[2], a[6]))
+            high = builder.fadd(builder.fadd(a[1], a[5]), builder.fadd(a[3], a[7]))
+            total = builder.fadd(low, high)
+            if has_min:
+                total = builder.fadd(total, builder.load(summs))
+            for j in range(16):
+                index = builder.add(o_off, builder.mul(const(j), n_out))
+                builder.store(
+                    builder.extract_element(total, ir.Constant(_I32, j)),
+                    builder.gep(obase, [index]),
+                )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
 # kernel code -> (weight layout, bytes per block, has the min term, repacked arithmetic)
 _CODES = {
     _Q4_0: (_Q4_0, 18, False, False),
@@ -1044,7 +1174,11 @@ def _unpack_at(typingctx, code, w, w_off, nb, dst, d_off):
 
 
 _LANE_TILES = {
-    code: _make_lane_tile(layout, size, has_min, HOST_HAS_VNNI, HOST_HAS_AVX512VL)
+    code: (
+        _make_zmm_lane_tile(layout, size, has_min)
+        if HOST_HAS_ZMM_VNNI
+        else _make_lane_tile(layout, size, has_min, HOST_HAS_VNNI, HOST_HAS_AVX512VL)
+    )
     for code, (layout, size, has_min, whole) in _CODES.items()
     if not whole
 }
