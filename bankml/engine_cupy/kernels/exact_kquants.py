@@ -40,6 +40,7 @@ from numba.extending import intrinsic
 
 from bankml.engine_cupy.kernels.exact_matmul import (
     HOST_HAS_AVX2,
+    HOST_HAS_VNNI,
     PARALLEL_MIN_ELEMENTS,
     PARALLEL_MIN_MACS,
     BlockRows,
@@ -47,6 +48,7 @@ from bankml.engine_cupy.kernels.exact_matmul import (
     _byte_ptr,
     _call,
     _data,
+    _dpbusd,
     _half,
     _hsum,
     _load,
@@ -1016,9 +1018,11 @@ def _transpose8(builder: ir.IRBuilder, rows: list) -> list:
     ]
 
 
-def _make_unpack8(qtype: T):
+def _make_unpack8(qtype: T, dpbusd: bool = False):
     """unpack8(w, w_off, row_bytes, nb, dst): the nb blocks of the eight weight rows at byte
-    w_off of w (rows row_bytes apart) into dst's block groups (see the section comment)."""
+    w_off of w (rows row_bytes apart) into dst's block groups (see the section comment).
+    ``dpbusd``: each row's sub-block scale as one int32 (vpmulld's multiplier) instead of the
+    int16 scale twice."""
     unpack = {
         T.Q2_K: _q2_k_chunks,
         T.Q3_K: _q3_k_chunks,
@@ -1084,6 +1088,9 @@ def _make_unpack8(qtype: T):
 
                 for sub in range(subs):  # pmaddwd multipliers: the row's scale twice
                     at = builder.add(group, const(2048 + 32 * sub))
+                    if dpbusd:
+                        _store(builder, dbase, at, builder.sext(lane(scales, sub), _I32))
+                        continue
                     _store(builder, dbase, at, lane(scales, sub))
                     _store(builder, dbase, builder.add(at, const(2)), lane(scales, sub))
                 # pair vectors: biased types' scales, Q2_K's mins (per 16), Q4_K/Q5_K's (per 32)
@@ -1109,7 +1116,7 @@ def _fma8(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Va
     return _call(builder, "llvm.fma.v8f32", ir.VectorType(_F32, 8), [a, b, c])
 
 
-def _make_wtile(code: int, rn: int):
+def _make_wtile(code: int, rn: int, dpbusd: bool = False):
     """wtile(u, xq, x_off, n_in, xd, s_off, pr, p_off, p_stride, nb, out, o_off, n_out): the
     eight weight rows unpacked in u by rn activation rows, in arithmetic ``code``. Activation row
     j: its quants at x_off + j·n_in of xq, its block scales at s_off + j·nb of xd, its bsums
@@ -1164,6 +1171,29 @@ def _make_wtile(code: int, rn: int):
                     mult_at = builder.add(
                         builder.mul(index, const(32 * subs // 4)), const(2048 + 32 * sub)
                     )
+                    if dpbusd:
+                        # VNNI: the sub-block's quads by vpdpbusd (u8 weight · s8 activation,
+                        # four products into an int32 lane), in two chains, then one vpmulld
+                        # by the rows' int32 scales: the same exact integer
+                        mult32 = _load(builder, ubase, builder.add(group, mult_at), _V8I32)
+                        part = [[None, None] for _ in range(rn)]
+                        for i, q in enumerate(range(sub * quads, (sub + 1) * quads)):
+                            wq = _load(builder, ubase, builder.add(at, const(32 * q)), _V32I8)
+                            for j in range(rn):
+                                x_at = builder.add(
+                                    builder.add(xo[j], builder.mul(index, const(64))), const(4 * q)
+                                )
+                                xv = builder.bitcast(
+                                    _splat(builder, _load(builder, xbase, x_at, _I32), _V8I32),
+                                    _V32I8,
+                                )
+                                prior = part[j][i % 2] or ir.Constant(_V8I32, [0] * 8)
+                                part[j][i % 2] = _dpbusd(builder, prior, wq, xv)
+                        for j in range(rn):
+                            sums[j].append(
+                                builder.mul(total([p for p in part[j] if p is not None]), mult32)
+                            )
+                        continue
                     mult = _load(builder, ubase, builder.add(group, mult_at), _V16I16)
                     for first in range(sub * quads, (sub + 1) * quads, run):
                         short = [[] for _ in range(rn)]
@@ -1279,12 +1309,13 @@ def _make_wtile(code: int, rn: int):
     return wtile
 
 
-_UNPACK8 = {qtype: _make_unpack8(qtype) for qtype in _PLAIN_CODES}
+# VNNI hosts: the batch tiles sum each sub-block by vpdpbusd and scale it by vpmulld
+_UNPACK8 = {qtype: _make_unpack8(qtype, HOST_HAS_VNNI) for qtype in _PLAIN_CODES}
 _unpack8_q2, _unpack8_q3, _unpack8_q4, _unpack8_q5, _unpack8_q6 = (
     _UNPACK8[q] for q in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 )
 _WTILES = {
-    code: _make_wtile(code, 4) for code in _WIDE_CODES
+    code: _make_wtile(code, 4, HOST_HAS_VNNI) for code in _WIDE_CODES
 }  # 4 activation rows (the rest: one-row dots)
 _wtile_t2, _wtile_t3, _wtile_t4, _wtile_t5, _wtile_t6, _wtile_gm4 = (
     _WTILES[c] for c in (_T2, _T3, _T4, _T5, _T6, _GM4)

@@ -12,9 +12,9 @@ blocks in order, and finally ``hsum_float_8``: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+
 Q5_1 add ``summs``, a scalar ``fma(m_w, s_x, summs)`` chain over the blocks (GCC contracts the
 C ``summs += m*s`` into vfmadd231ss: checked in the build's object code), after the sum.
 
-Batches of 16 rows or more go through lane tiles (``_make_lane_tile``), which vectorise over
-activation rows instead of over ggml's eight lanes: each output is still the same sequence of
-float operations, ~40 % faster.
+Batches of 16 rows or more go through lane tiles (``_make_lane_tile``; ``_make_zmm_lane_tile``
+on AVX512-VNNI hosts), which vectorise over activation rows instead of over ggml's eight lanes:
+each output is still the same sequence of float operations, ~40 % faster.
 
 Two other arithmetics: llama-server repacks Q4_0 layer matrices (CPU_REPACK buffer, q4_0_8x8
 kernels: one integer sum per block, a scalar fma chain, no horizontal sum), and F16/F32/BF16
@@ -134,6 +134,31 @@ def _host_has_vnni() -> bool:
 
 
 HOST_HAS_VNNI = _host_has_vnni()
+
+
+def _host_has_avx512vl() -> bool:
+    """Whether LLVM may use 32 vector registers for 256-bit vectors (AVX512VL): the batch lane
+    tiles then keep all eight of ggml's lanes of 16 rows in registers in one pass."""
+    if not HOST_HAS_AVX2 or numba.config.CPU_FEATURES is not None:
+        return False
+    return bool(llvm_binding.get_host_cpu_features().get("avx512vl", False))
+
+
+HOST_HAS_AVX512VL = _host_has_avx512vl()
+
+
+def _host_has_zmm_vnni() -> bool:
+    """Whether the lane tiles may use 512-bit vectors with vpdpbusd (AVX512F/BW/VNNI): 16
+    activation rows in one vector."""
+    if not HOST_HAS_VNNI:
+        return False
+    features = llvm_binding.get_host_cpu_features()
+    return all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
+
+
+HOST_HAS_ZMM_VNNI = _host_has_zmm_vnni()
+# rows side by side in Activation.lanes: 16 where a lane tile is one 512-bit vector, else 8
+LANE_GROUP = 16 if HOST_HAS_ZMM_VNNI else 8
 
 
 def code_set(codes: object) -> tuple[bool | None, ...]:
@@ -293,27 +318,34 @@ PARALLEL_MIN_ELEMENTS = 1 << 16  # activations smaller than this are rounded on 
 _NO_LANES = numpy.zeros(0, numpy.int8)
 
 
-def _interleave_lanes(q: numpy.ndarray) -> numpy.ndarray:
+def _interleave_lanes(q: numpy.ndarray, biased: bool = False) -> numpy.ndarray:
     """The quants of each whole group of 8 rows as the lane tiles read them, flat:
-    [group, block, lane L, row j, 4 bytes] = row 8·group+j's elements 32·block+4L..+3."""
+    [group, block, lane L, row j, 4 bytes] = row 8·group+j's elements 32·block+4L..+3.
+    ``biased``: each byte x stored as x + 128 (x xor 0x80, an unsigned byte), vpdpbusd's u8
+    operand for the signed weight types on a VNNI host, biased once here rather than once per
+    weight row in the tiles."""
     m, n = q.shape
-    groups = m // 8
-    out = numpy.empty(groups * 8 * n + 64, numpy.int8)
+    rows = m // LANE_GROUP * LANE_GROUP
+    out = numpy.empty(rows * n + 64, numpy.int8)
     start = -out.ctypes.data % 64  # 64-byte aligned: no lane load splits a cache line
-    out = out[start : start + groups * 8 * n]
+    out = out[start : start + rows * n]
     # moved as int32 words (one lane of one row): a quarter of the elements to shuffle
-    _interleave_words(q[: groups * 8].view(numpy.int32), out.view(numpy.int32))
+    flip = numpy.int32(_BIAS_WORD if biased else 0)
+    _interleave_words(q[:rows].view(numpy.int32), out.view(numpy.int32), flip, LANE_GROUP)
     return out
 
 
+_BIAS_WORD = -0x7F7F7F80  # 0x80808080 as an int32: each byte's sign bit flipped
+
+
 @njit
-def _interleave_words(words, out):  # pragma: no cover - compiled
+def _interleave_words(words, out, flip, group):  # pragma: no cover - compiled
     rows, n_words = words.shape
     at = 0
-    for g in range(rows // 8):
+    for g in range(rows // group):
         for w in range(n_words):
-            for j in range(8):
-                out[at] = words[8 * g + j, w]
+            for j in range(group):
+                out[at] = words[group * g + j, w] ^ flip
                 at += 1
 
 
@@ -337,6 +369,14 @@ class Activation:
         """The quants interleaved for the lane tiles (16 rows or more), made on first use: the
         repacked Q4_0 kernel and the K-quants never read them."""
         return _interleave_lanes(self.q) if self.q.shape[0] >= LANE_ROWS else _NO_LANES
+
+    @functools.cached_property
+    def biased_lanes(self) -> numpy.ndarray:
+        """``lanes`` with every byte + 128 (unsigned): what the VNNI lane tiles of the signed
+        weight types (Q4_0, Q5_0, Q8_0) read, made on first use."""
+        if self.q.shape[0] < LANE_ROWS:
+            return _NO_LANES
+        return _interleave_lanes(self.q, biased=True)
 
     def blocks(self, with_sum: bool) -> numpy.ndarray:
         """ggml's block_q8_0 (d, qs[32]) or block_q8_1 (d, s, qs[32]) bytes, [m, n/32 * size]."""
@@ -741,7 +781,9 @@ def _make_wide_tile(code: int, block_bytes: int, has_min: bool, rm: int, rn: int
     return tile
 
 
-def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = False):
+def _make_lane_tile(
+    code: int, block_bytes: int, has_min: bool, vnni: bool = False, one_pass: bool = False
+):
     """One weight row by LANE_ROWS activation rows, vectorised across the rows instead of across
     ggml's eight lanes: vector g, lane j holds lane L of the dot with activation row t+8g+j.
 
@@ -754,7 +796,9 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
     and a broadcast per dot (those, on the FMA pipes, were a third of a batch product's time).
     hsum_float_8's adds become vertical adds across the lane vectors. Every element is the same
     sequence of float operations as ggml's. Lanes 0-3 (the block's first 16 elements) and 4-7
-    are two passes over the blocks, to keep the accumulators in registers.
+    are two passes over the blocks, to keep the accumulators in the 16 vector registers of AVX2;
+    ``one_pass`` (AVX512VL: 32 of them) takes all eight lanes in one pass, so that d_w, the
+    rows' scales and their products are loaded and computed once per block, not twice.
 
     tile(w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out): the weight
     row's block bytes at w_off of w (for d_w, m_w) and its 32 signed values per block at wu_off
@@ -785,13 +829,14 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                 )
 
             zero = ir.Constant(_V8F, [0.0] * 8)
-            bias = ir.Constant(_V32I8, [-128] * 32)  # 0x80: x ^ 0x80 is x + 128 as a u8
             lanes = [[cgutils.alloca_once_value(builder, zero) for _ in range(8)] for _ in range(2)]
             summs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
             ones = ir.Constant(_V16I16, [1] * 16)
-            for half in range(2):
+            n_lanes = 8 if one_pass else 4  # ggml lanes per pass over the blocks
+            for half in range(8 // n_lanes):
                 acc = [
-                    [cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in range(2)
+                    [cgutils.alloca_once_value(builder, zero) for _ in range(n_lanes)]
+                    for _ in range(2)
                 ]
                 with cgutils.for_range(builder, nblocks) as loop:
                     b = loop.index
@@ -812,16 +857,19 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                 ),
                                 summs[g],
                             )
-                    for k in range(4):
+                    for k in range(n_lanes):
+                        lane = n_lanes * half + k
                         wat = builder.add(
-                            builder.add(wu_off, builder.mul(b, const(QK))), const(16 * half + 4 * k)
+                            builder.add(wu_off, builder.mul(b, const(QK))), const(4 * lane)
                         )
                         wl = builder.bitcast(
                             _splat(builder, _load(builder, ubase, wat, _I32), _V8I32), _V32I8
                         )
                         if vnni:
-                            # signed weights: the activation's bytes + 128 (unsigned) times w,
-                            # less 128·Σw of the lane (one vpdpbusd for the 8 rows), exactly
+                            # signed weights: the activation's bytes + 128 (unsigned, biased
+                            # once in Activation.biased_lanes) times w, less 128·Σw of the lane
+                            # (one vpdpbusd for the 8 rows), exactly; Q4_1/Q5_1: the unsigned
+                            # weight times the activation as it is
                             lane_sum = (
                                 None
                                 if has_min
@@ -844,15 +892,13 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                         xl_off,
                                         builder.mul(const(g), builder.mul(nblocks, const(256))),
                                     ),
-                                    builder.add(
-                                        builder.mul(b, const(256)), const(32 * (4 * half + k))
-                                    ),
+                                    builder.add(builder.mul(b, const(256)), const(32 * lane)),
                                 )
                                 xv = _load(builder, xbase, at, _V32I8)
                                 quads = (
                                     _dpbusd(builder, ir.Constant(_V8I32, [_MAGIC] * 8), wl, xv)
                                     if has_min
-                                    else _dpbusd(builder, lane_sum, builder.xor(xv, bias), wl)
+                                    else _dpbusd(builder, lane_sum, xv, wl)
                                 )
                                 builder.store(
                                     _call(
@@ -879,7 +925,7 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                 builder.add(
                                     xl_off, builder.mul(const(g), builder.mul(nblocks, const(256)))
                                 ),
-                                builder.add(builder.mul(b, const(256)), const(32 * (4 * half + k))),
+                                builder.add(builder.mul(b, const(256)), const(32 * lane)),
                             )
                             xv = _load(builder, xbase, at, _V32I8)
                             sx = (
@@ -903,8 +949,8 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                                 acc[g][k],
                             )
                 for g in range(2):
-                    for k in range(4):
-                        builder.store(builder.load(acc[g][k]), lanes[g][4 * half + k])
+                    for k in range(n_lanes):
+                        builder.store(builder.load(acc[g][k]), lanes[g][n_lanes * half + k])
             for g in range(2):
                 a = [builder.load(lane) for lane in lanes[g]]
                 low = builder.fadd(builder.fadd(a[0], a[4]), builder.fadd(a[2], a[6]))
@@ -918,6 +964,122 @@ def _make_lane_tile(code: int, block_bytes: int, has_min: bool, vnni: bool = Fal
                         builder.extract_element(total, ir.Constant(_I32, j)),
                         builder.gep(obase, [index]),
                     )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_V16F, _V16I32, _V64I8 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
+
+
+def _make_zmm_lane_tile(code: int, block_bytes: int, has_min: bool):
+    """_make_lane_tile's VNNI tile with 512-bit vectors (AVX512F/BW/VNNI): lane j of each
+    vector is activation row t+j of the 16, whose quants ``Activation.lanes`` then holds in
+    groups of 16 rows ([group, block, lane L, row j, 4 bytes]: one 64-byte load per ggml lane and
+    block). All eight lanes in one pass (8 accumulators), the rows' 16 scales one load; per
+    element the same integers (vpdpbusd, the −128·Σw corrections of the signed types), the same
+    1.5·2^23 conversion and the same float operations as the 256-bit tile: the bits do not
+    change, with half the instructions per product.
+
+    Same signature as _make_lane_tile's tile; xl_off is the 16-row group's start."""
+
+    @intrinsic
+    def tile(typingctx, w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out):
+        sig = types.void(w, w_off, wu, wu_off, xl, xl_off, xd, xs, s_off, m, nb, out, o_off, n_out)
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            (_, w_off, _, wu_off, _, xl_off, _, _, s_off, m, nblocks, _, o_off, n_out) = args
+            wbase = _byte_ptr(context, builder, aty[0], args[0])
+            ubase = _byte_ptr(context, builder, aty[2], args[2])
+            xbase = _byte_ptr(context, builder, aty[4], args[4])
+            dbase, sbase, obase = (_data(context, builder, aty[i], args[i]) for i in (6, 7, 11))
+            ity = w_off.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+
+            def row_scales(base: ir.Value, b: ir.Value) -> ir.Value:
+                at = builder.add(s_off, builder.mul(b, m))
+                return builder.load(
+                    builder.bitcast(builder.gep(base, [at]), _V16F.as_pointer()), align=4
+                )
+
+            def dpbusd(acc: ir.Value, u: ir.Value, v: ir.Value) -> ir.Value:
+                v16 = [builder.bitcast(a, _V16I32) for a in (u, v)]
+                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [acc, *v16])
+
+            zero = ir.Constant(_V16F, [0.0] * 16)
+            magic = ir.Constant(_V16I32, [_MAGIC] * 16)
+            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(8)]
+            summs = cgutils.alloca_once_value(builder, zero)
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
+                d_w = _splat(builder, _half(builder, wbase, blk), _V16F)
+                scales = builder.fmul(d_w, row_scales(dbase, b))
+                if has_min:
+                    m_w = _splat(builder, _half(builder, wbase, builder.add(blk, const(2))), _V16F)
+                    builder.store(
+                        _call(
+                            builder,
+                            "llvm.fma.v16f32",
+                            _V16F,
+                            [m_w, row_scales(sbase, b), builder.load(summs)],
+                        ),
+                        summs,
+                    )
+                for lane in range(8):
+                    wat = builder.add(
+                        builder.add(wu_off, builder.mul(b, const(QK))), const(4 * lane)
+                    )
+                    wl = builder.bitcast(
+                        _splat(builder, _load(builder, ubase, wat, _I32), _V16I32), _V64I8
+                    )
+                    at = builder.add(
+                        builder.add(xl_off, builder.mul(b, const(512))), const(64 * lane)
+                    )
+                    xv = _load(builder, xbase, at, _V64I8)
+                    if has_min:  # unsigned weight against the activation as it is
+                        quads = dpbusd(magic, wl, xv)
+                    else:  # the activation + 128 (biased_lanes) against w, less 128·Σw
+                        corr = _splat(
+                            builder,
+                            _load(
+                                builder,
+                                ubase,
+                                builder.add(wat, builder.mul(nblocks, const(QK))),
+                                _I32,
+                            ),
+                            _V16I32,
+                        )
+                        quads = dpbusd(corr, xv, wl)
+                    lanef = builder.fsub(
+                        builder.bitcast(quads, _V16F), ir.Constant(_V16F, [_MAGIC_F] * 16)
+                    )
+                    builder.store(
+                        _call(
+                            builder,
+                            "llvm.fma.v16f32",
+                            _V16F,
+                            [scales, lanef, builder.load(acc[lane])],
+                        ),
+                        acc[lane],
+                    )
+            a = [builder.load(x) for x in acc]
+            low = builder.fadd(builder.fadd(a[0], a[4]), builder.fadd(a[2], a[6]))
+            high = builder.fadd(builder.fadd(a[1], a[5]), builder.fadd(a[3], a[7]))
+            total = builder.fadd(low, high)
+            if has_min:
+                total = builder.fadd(total, builder.load(summs))
+            for j in range(16):
+                index = builder.add(o_off, builder.mul(const(j), n_out))
+                builder.store(
+                    builder.extract_element(total, ir.Constant(_I32, j)),
+                    builder.gep(obase, [index]),
+                )
             return context.get_dummy_value()
 
         return sig, codegen
@@ -1018,7 +1180,11 @@ def _unpack_at(typingctx, code, w, w_off, nb, dst, d_off):
 
 
 _LANE_TILES = {
-    code: _make_lane_tile(layout, size, has_min, HOST_HAS_VNNI)
+    code: (
+        _make_zmm_lane_tile(layout, size, has_min)
+        if HOST_HAS_ZMM_VNNI
+        else _make_lane_tile(layout, size, has_min, HOST_HAS_VNNI, HOST_HAS_AVX512VL)
+    )
     for code, (layout, size, has_min, whole) in _CODES.items()
     if not whole
 }
@@ -2009,7 +2175,10 @@ class QuantMatrix(BlockRows):
         m = act.q.shape[0]
         out = numpy.empty((m, self.n_out), numpy.float32)
         parallel = m * self.n_out * self.n_in >= PARALLEL_MIN_MACS
-        lanes = act.lanes if m >= LANE_ROWS and self._kind != _Q4_0R else _NO_LANES
+        lanes = _NO_LANES
+        if m >= LANE_ROWS and self._kind != _Q4_0R:
+            biased = HOST_HAS_VNNI and self._kind not in (_Q4_1, _Q5_1)
+            lanes = act.biased_lanes if biased else act.lanes
         _matmul(
             self._codes,
             self._kind,

@@ -180,12 +180,17 @@ def _swiglu_row_loop(
     gate: numpy.ndarray, g_stride: int, up: numpy.ndarray, u_stride: int, out: numpy.ndarray, r: int
 ) -> None:
     n = out.shape[1]
-    g0, u0 = r * g_stride, r * u_stride
+    # the row as contiguous 1-D slices indexed from 0: LLVM then knows each index is in range and
+    # not negative and loads 8 neighbours at once; indexed as gate[g0 + i], it kept Numba's
+    # negative-index wraparound per element and vectorised the loop with gathers (3-4x slower)
+    g = gate[r * g_stride : r * g_stride + n]
+    u = up[r * u_stride : r * u_stride + n]
+    o = out[r]
     vec = n - n % 8  # ggml_vec_swiglu_f32: 8-lane blocks from the row's start, then scalar
     for i in range(vec):
-        out[r, i] = _v_silu(gate[g0 + i]) * up[u0 + i]
+        o[i] = _v_silu(g[i]) * u[i]
     for i in range(vec, n):
-        out[r, i] = _silu_f32(gate[g0 + i]) * up[u0 + i]
+        o[i] = _silu_f32(g[i]) * u[i]
 
 
 _swiglu_row = njit(inline="always")(_swiglu_row_loop)
