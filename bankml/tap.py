@@ -29,6 +29,7 @@ same way.
 
 from __future__ import annotations
 
+import faulthandler
 import getopt
 import json
 import os
@@ -472,9 +473,24 @@ def makeService(options: Options) -> service.IService:
     verify the same way)."""
     from twisted.internet import reactor  # the reactor twistd (or serve_command) installed
 
+    _trace_crashes()
     if options["mode"] == "native":
         return make_native_service(options, reactor)
     return make_p0_service(options, reactor)
+
+
+def _trace_crashes() -> None:
+    """A crash in compiled code (a kernel, a native library) ends the process by a signal with
+    nothing in its log; with faulthandler on, each thread's Python stack goes to the process's
+    real stderr first (the terminal, the process manager's log). Left as it is where it is on
+    already (``python -X faulthandler``, pytest)."""
+    stream = sys.__stderr__
+    if faulthandler.is_enabled() or stream is None:
+        return
+    try:
+        faulthandler.enable(file=stream)
+    except (OSError, ValueError, AttributeError):  # a stderr without a file descriptor
+        pass
 
 
 def serve_command(argv: list[str]) -> int:

@@ -66,8 +66,10 @@ def _healthy(argv: list[str], port: int, log: Path) -> subprocess.Popen:
             pass
         time.sleep(0.2)
     proc.kill()
-    proc.wait()
-    raise AssertionError(f"{' '.join(argv[2:4])} did not come up:\n{log.read_text()}")
+    status = proc.wait()  # a signal (a crash) is -N
+    raise AssertionError(
+        f"{' '.join(argv[2:4])} did not come up (exit status {status}):\n{log.read_text()}"
+    )
 
 
 class Pair:

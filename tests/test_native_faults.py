@@ -1,5 +1,5 @@
 """Faults injected into a real `bankml serve --native`: the model file truncated, replaced or
-removed while serving, and SIGTERM during a stream.
+removed while serving, SIGTERM during a stream, and a crash.
 
 - A file that is no longer the one verified answers every generating endpoint 503 with
   ``FILE_CHANGED`` and no receipt, streamed or not, and nothing is computed from it; a restart
@@ -7,6 +7,8 @@ removed while serving, and SIGTERM during a stream.
   restored bytes answer again).
 - SIGTERM during a stream ends it without a receipt for the partial answer, and bankml exits by
   the signal (128 + 15).
+- A crash (SIGSEGV, as a fault in a compiled kernel raises) leaves each thread's Python stack in
+  the log before the process ends by the signal.
 - A slot save into a directory the server may not write to is 500 ``Unable to save slot:
   Permission denied``, as llama-server's 500 with the reason; the directory holds what it held
   and the slot saves, once the directory is writable again, the bytes it saved before. Run as
@@ -139,6 +141,19 @@ def test_sigterm_during_a_stream_ends_it_without_a_receipt(server: NativeProcess
     assert b"bankml_receipt" not in first + rest, "a receipt for a partial answer"
     assert b"[DONE]" not in rest
     assert server.wait_exit(60) == 128 + signal.SIGTERM
+
+
+def test_a_crash_leaves_every_threads_stack_in_the_log(
+    default_model: Path, default_fork: Path, tmp_path: Path
+) -> None:
+    """A fault in compiled code (a kernel, a native library) ends the process by its signal; the
+    log then holds Python's stack of each thread, not nothing (tap._trace_crashes)."""
+    with native_process(default_model, default_fork, tmp_path) as server:
+        server.proc.send_signal(signal.SIGSEGV)
+        assert server.wait_exit(60) == -signal.SIGSEGV
+        log = server.output()
+    assert "Fatal Python error: Segmentation fault" in log, log[-2000:]
+    assert "most recent call first" in log and "twisted" in log, log[-2000:]
 
 
 PR_CAPBSET_DROP = 24  # <linux/prctl.h>
