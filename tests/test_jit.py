@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
 import bankml
@@ -311,3 +312,84 @@ def test_concurrent_writers_keep_each_signature_its_own_code(tmp_path: Path) -> 
     assert out["first"] == {"int": ["int64"], "float": ["float64"]}  # both kept, each its own
     assert out["values"] == [4, 3.5] and out["hits"] == 2
     assert out["swapped"] == {"int": None, "float": ["float64"]}
+
+
+PARALLEL_KERNEL = """\
+import numpy
+from numba import prange
+from bankml.engine_cupy.kernels.jit import njit
+
+
+@njit
+def doubles(x, out):
+    out[:] = x * 2.0
+
+
+@njit(parallel=True)
+def spread(x, out):
+    for i in prange(x.shape[0]):
+        doubles(x[i : i + 1], out[i : i + 1])
+
+
+@njit
+def first_caller(x):
+    out = numpy.empty_like(x)
+    spread(x, out)
+    return out.sum()
+
+
+@njit
+def second_caller(x):
+    out = numpy.empty_like(x)
+    spread(x, out)
+    return out.sum() + 1.0
+"""
+
+# Each process calls kernels in its own order and never starts the threading layer itself.
+PARALLEL_RUN = """\
+import json, sys
+import numpy
+from parpkg import kernel
+x = numpy.arange(64.0)
+values = [getattr(kernel, name)(x) for name in sys.argv[1:]]
+print(json.dumps({"values": values, "hits": sum(
+    sum(getattr(kernel, name).stats.cache_hits.values()) for name in sys.argv[1:])}))
+"""
+
+
+def test_a_caller_of_a_cached_parallel_kernel_loads_and_runs(tmp_path: Path) -> None:
+    """Numba keeps what a loaded kernel must run first (its threading layer, for a parallel loop)
+    in the compiled library, but a library read back from the cache has forgotten it: a kernel
+    compiled in a process that loaded its parallel callee from the cache is saved without it,
+    and a process that then loads only that kernel calls into a threading layer never started
+    (a segmentation fault at address 0: an encoder's server, whose float products another
+    process had compiled). KernelCache starts it before loading such a kernel."""
+    package = tmp_path / "parpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "kernel.py").write_text(PARALLEL_KERNEL)
+
+    def run(*names: str) -> dict:
+        repo = Path(bankml.__file__).resolve().parent.parent
+        env = dict(
+            os.environ,
+            NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
+            PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]),
+        )
+        done = subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", PARALLEL_RUN, *names],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, (names, done.returncode, done.stderr[-3000:])
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    expected = float(numpy.arange(64.0).sum() * 2.0)
+    assert run("first_caller")["values"] == [expected]  # compiles spread and first_caller
+    # spread loaded from the cache, second_caller compiled over it and saved
+    assert run("first_caller", "second_caller")["values"] == [expected, expected + 1.0]
+    alone = run("second_caller")  # loaded alone, in a process that started nothing
+    assert alone == {"values": [expected + 1.0], "hits": 1}

@@ -45,6 +45,7 @@ from bankml.engine_cupy.engine import (
     slot_context,
 )
 from bankml.engine_cupy.gguf_file import read_metadata
+from bankml.engine_cupy.kernels import jit
 from bankml.engine_cupy.request import Request, RequestError
 from bankml.engine_cupy.weights import UnsupportedModel
 
@@ -119,6 +120,7 @@ class EncoderEngine(Engine):
         slot_prompt_similarity: float = DEFAULT_SLOT_PROMPT_SIMILARITY,
     ) -> EncoderEngine:
         """The encoder on ``path``, computed on the CPU whatever ``device`` says."""
+        jit.start_worker_threads()  # as Model.load: the loading thread runs the engine
         encoder = Encoder(path)
         model = EncoderModel(encoder)
         tokenizer = encoder.tokenizer

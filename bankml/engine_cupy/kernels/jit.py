@@ -204,6 +204,30 @@ class _KernelCacheImpl(CompileResultCacheImpl):
     def locator(self) -> Any:
         return _StampedLocator(super().locator, self._sources_digest)
 
+    def rebuild(self, target_context: Any, payload: Any) -> Any:
+        """Numba's rebuild, the threading layer started first where the kernel's code calls into
+        it. Numba records in a compiled library what must run before its code does (for a
+        parallel loop, starting the threading layer, whose functions the code calls by name) and
+        a kernel inherits it from the libraries it links; but a library read back from the cache
+        has forgotten it. A kernel compiled over a cache-loaded parallel kernel is then saved
+        without it, and a process that loads only that kernel called a threading layer never
+        started: a segmentation fault at address 0 (tests/test_jit.py)."""
+        if _calls_threading_layer(payload):
+            start_worker_threads()
+        return super().rebuild(target_context, payload)
+
+
+def _calls_threading_layer(payload: Any) -> bool:
+    """Whether a cached CompileResult's code calls Numba's threading layer (a parallel loop of
+    its own or of a kernel it links): its object code names ``numba_parallel_for``. A payload
+    of another shape counts as calling it (starting the workers is harmless)."""
+    try:
+        _name, kind, data = payload[0]
+        code = data[0] if kind == "object" else data
+        return b"numba_parallel_for" in bytes(code)
+    except (TypeError, ValueError, IndexError):
+        return True
+
 
 class _KernelCacheFile(IndexDataCacheFile):
     """Numba's index and data files of a function, safe for writers in several processes.
