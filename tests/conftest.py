@@ -17,6 +17,11 @@ pytest.register_assert_rewrite(
     "tests.bankml_process", "tests.engine_checks", "tests.native_support", "tests.receipt_answers"
 )
 
+# The suite's tiny models come in every weight type: their kernels are compiled once for all types
+# (jit.every_type_compiled) rather than once per type set, here and in every process the suite
+# starts. tests/test_decode_families.py checks a start's own type set in a fresh process.
+os.environ.setdefault("BANKML_KERNEL_TYPES", "all")
+
 if TYPE_CHECKING:
     from bankml.engine_cupy.engine import Engine
     from bankml.engine_cupy.model import Model

@@ -14,6 +14,7 @@ compiles nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -24,9 +25,11 @@ from gguf import GGMLQuantizationType as T
 
 import bankml
 from bankml.engine_cupy.kernels import exact_matmul
+from bankml.engine_cupy.kernels.jit import KERNEL_TYPES_ENV
+from bankml.engine_cupy.model import Model
 
 RUN = """\
-import json, sys
+import hashlib, json, sys
 from bankml.engine_cupy.kernels import exact_batch, exact_iquants, exact_kquants, exact_matmul
 from bankml.engine_cupy.model import Model
 
@@ -58,7 +61,10 @@ def on_disk(kernel):  # the signatures in the cache's index, whichever process c
 
 
 codes = sorted({sig[0].literal_value for kernel in per_type for sig in on_disk(kernel)})
+cache = model.new_cache(64)
+logits = [model.forward(list(range(100, 140)), cache), model.forward([7], cache)]
 print(json.dumps({
+    "logits": [hashlib.sha256(row.tobytes()).hexdigest() for row in logits],
     "compiled": sorted(name for name, kernel in products.items() if on_disk(kernel)),
     "kernels": [name for name, _ in stats.kernels],
     "loaded": [name for name, kernel in loaded.items() if kernel.signatures],
@@ -72,6 +78,7 @@ print(json.dumps({
 def run(model: Path, cache: Path) -> dict:
     repo = Path(bankml.__file__).resolve().parent.parent
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), PYTHONPATH=str(repo))
+    env.pop(KERNEL_TYPES_ENV, None)  # a start's own type set, not the suite's all-types kernels
     done = subprocess.run(
         [sys.executable, "-c", RUN, str(model)],
         env=env,
@@ -103,3 +110,13 @@ def test_default_model_compiles_no_kquant_or_iq_product(
 
     warm = run(default_model, tmp_path / "numba-cache")
     assert warm["kernels"] == []
+    # the kernels compiled for every type (this process's, BANKML_KERNEL_TYPES=all) give the
+    # same bits as the file's own type set
+    assert os.environ.get(KERNEL_TYPES_ENV) == "all"
+    model = Model.load(default_model, device="cpu", progress=False)
+    assert all(family is not None for family in model.ops.plan.families)
+    assert exact_matmul.code_set([q4_1]) == (True,) * exact_matmul.N_CODES
+    cache = model.new_cache(64)
+    logits = [model.forward(list(range(100, 140)), cache), model.forward([7], cache)]
+    assert [hashlib.sha256(row.tobytes()).hexdigest() for row in logits] == cold["logits"]
+    assert warm["logits"] == cold["logits"]

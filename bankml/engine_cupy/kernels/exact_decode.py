@@ -46,7 +46,7 @@ from bankml.engine_cupy.kernels.exact_ops import (
     _rope_rows,
     _swiglu_rows,
 )
-from bankml.engine_cupy.kernels.jit import njit, present_in
+from bankml.engine_cupy.kernels.jit import every_type_compiled, njit, present_in
 from bankml.engine_cupy.kv_cache import _store_f16
 
 __all__ = ["DecodePlan", "decode_layer", "decode_output", "decode_stack"]
@@ -494,7 +494,10 @@ def _matrix(linears: list[Any]) -> tuple | None:
 
 
 def _families(present: set[int], matmul_codes: set[int]) -> tuple[Any, ...]:
-    """DecodePlan.families: True per family present (exact_matmul's: its code_set), None."""
+    """DecodePlan.families: True per family present (exact_matmul's: its code_set), None;
+    every family with ``BANKML_KERNEL_TYPES=all`` (jit.every_type_compiled)."""
+    if every_type_compiled():
+        present = set(FAMILIES)
     return tuple(
         None if f not in present else code_set(matmul_codes) if f == _MATMUL else True
         for f in FAMILIES

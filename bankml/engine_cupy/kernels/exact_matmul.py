@@ -43,7 +43,13 @@ from numba import prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic, overload  # noqa: E402
 
-from bankml.engine_cupy.kernels.jit import f16_bits, f16_round, njit, present_in  # noqa: E402
+from bankml.engine_cupy.kernels.jit import (  # noqa: E402
+    every_type_compiled,
+    f16_bits,
+    f16_round,
+    njit,
+    present_in,
+)
 
 __all__ = [
     "BlockRows",
@@ -160,8 +166,8 @@ def code_set(codes: object) -> tuple[bool | None, ...]:
     Numba *type* tells them apart: True at each code present, None elsewhere. The products
     take it first and type only those codes' branches (``_by_code``), so a matrix or a model
     compiles the kernels of its own weight types, not all nine (one specialization per set,
-    cached)."""
-    present = set(codes)  # type: ignore[call-overload]
+    cached); all nine with ``BANKML_KERNEL_TYPES=all`` (jit.every_type_compiled)."""
+    present = set(range(N_CODES)) if every_type_compiled() else set(codes)  # type: ignore[call-overload]
     return tuple(True if code in present else None for code in range(N_CODES))
 
 

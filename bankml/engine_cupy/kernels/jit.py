@@ -58,6 +58,7 @@ __all__ = [
     "f16_bits",
     "start_worker_threads",
     "present_in",
+    "every_type_compiled",
     "release_compile_memory",
 ]
 
@@ -439,6 +440,20 @@ def _drop_llvm_pages() -> int:
         if libc.madvise(start, length, advise) == 0:
             dropped += resident
     return dropped
+
+
+# BANKML_KERNEL_TYPES=all: compile each kernel once for every weight type and family, instead of
+# once per set of types a file has. A file's first start then compiles more, but every later file,
+# of any types, finds its kernels cached (a machine serving files of many types; the test suite's
+# tiny models of every type). The same source either way, so the same bits.
+KERNEL_TYPES_ENV = "BANKML_KERNEL_TYPES"
+
+
+def every_type_compiled() -> bool:
+    """Whether the kernels are compiled for every weight type (``BANKML_KERNEL_TYPES=all``)
+    rather than for the types of the file at hand: the type sets (``present_in``'s flags) are
+    then all set."""
+    return os.environ.get(KERNEL_TYPES_ENV, "") == "all"
 
 
 def present_in(flags: Any) -> tuple[bool, ...]:
