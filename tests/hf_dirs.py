@@ -224,6 +224,7 @@ def tiny_dir(
     spm: bytes | None = None,
     head_dim: int | None = None,
     rope_scaling: dict[str, Any] | None = None,
+    rope_parameters: bool = False,
     qk_scale: float = 1.0,
 ) -> Path:
     """A small random ``arch`` ("llama", "qwen2", "qwen3") model with the default model's tokenizer.
@@ -232,7 +233,8 @@ def tiny_dir(
     files with a ``model.safetensors.index.json``. ``spm``: a SentencePiece ``tokenizer.model``
     to use instead (its vocabulary padded to 512). ``head_dim`` (default hidden // heads) and
     ``rope_scaling`` (with rope_theta 500000, as Llama 3's) go into config.json when given;
-    ``qk_scale`` scales the Q and K projections (sharper attention, where RoPE shows).
+    with ``rope_parameters`` as transformers v5 writes them (one ``rope_parameters`` object
+    holding rope_theta, no ``rope_scaling``); ``qk_scale`` scales the Q and K projections (sharper attention, where RoPE shows).
     """
     reader = gguf.GGUFReader(gguf_path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -317,7 +319,10 @@ def tiny_dir(
     }
     if arch == "qwen3" or explicit_head_dim:
         config["head_dim"] = head_dim
-    if rope_scaling is not None:
+    if rope_scaling is not None and rope_parameters:
+        del config["rope_theta"]
+        config["rope_parameters"] = {**rope_scaling, "rope_theta": 500000.0}
+    elif rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
         config["rope_theta"] = 500000.0
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")

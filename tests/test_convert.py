@@ -145,6 +145,12 @@ def references(
             qk_scale=40.0 if head_dim == 64 else 1.0,  # served below: RoPE shows in its logits
         )
         dirs[name] = (d, "f16")
+    where = root / "llama3-64-v5" / "Tiny-llama3"  # transformers v5's rope_parameters
+    d = hf_dirs.tiny_dir(
+        default_model, where, "llama", seed=5, head_dim=64, rope_scaling=LLAMA3[64],
+        rope_parameters=True,
+    )  # fmt: skip
+    dirs["llama3-64-v5"] = (d, "f16")
     minilm = hf_dirs.minilm_dir()
     for outtype in MINILM_OUTTYPES:
         dirs[f"minilm-{outtype}"] = (minilm, outtype)
@@ -245,6 +251,22 @@ def test_llama3_rope_scaling_converts_byte_identical_to_the_reference(
     assert factors.shape == (head_dim // 2,)
     assert factors[0] == 1.0 and factors[-1] == LLAMA3[head_dim]["factor"]
     assert ((factors > 1) & (factors < LLAMA3[head_dim]["factor"])).any()  # the smooth band
+
+
+def test_transformers_v5_rope_parameters_convert_byte_identical_to_the_reference(
+    references: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """transformers v5 writes Llama 3's RoPE scaling and rope_theta into one ``rope_parameters``
+    object (no ``rope_scaling``, no top-level ``rope_theta``): read as the reference reads it,
+    the same rope_freqs.weight and freq_base 500000."""
+    d, ref = references["llama3-64-v5"]
+    config = json.loads((d / "config.json").read_text())
+    assert "rope_scaling" not in config and "rope_theta" not in config
+    done = convert(str(d), str(tmp_path / "ours.gguf"), str(tmp_path / "ours.FORK.json"))
+    assert done.sha256 == sha256(ref) == sha256(tmp_path / "ours.gguf")
+    reader = gguf.GGUFReader(done.path)
+    assert reader.tensors[0].name == "rope_freqs.weight"
+    assert reader.get_field("llama.rope.freq_base").contents() == 500000.0
 
 
 def test_a_llama3_model_is_served_as_llama_server_serves_it(
