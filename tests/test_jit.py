@@ -65,9 +65,9 @@ def write_package(root: Path, factor: float, offset: float = 1.0) -> None:
     (package / "other.py").write_text(OTHER.format(offset=offset))
 
 
-def run_kernel(root: Path, script: str = RUN) -> dict:
-    """kernel(3.0) (or ``script``) in a fresh process, with Numba's cache statistics of that
-    process."""
+def run_kernel(root: Path, script: str = RUN, *args: str) -> dict:
+    """kernel(3.0) (or ``script``, given ``args``) in a fresh process, with Numba's cache
+    statistics of that process; a crash shows its Python stack."""
     repo = Path(bankml.__file__).resolve().parent.parent
     env = dict(
         os.environ,
@@ -75,14 +75,14 @@ def run_kernel(root: Path, script: str = RUN) -> dict:
         PYTHONPATH=os.pathsep.join([str(root), str(repo)]),
     )
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-X", "faulthandler", "-c", script, *args],
         env=env,
         cwd=root,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, (args, done.returncode, done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -370,22 +370,7 @@ def test_a_caller_of_a_cached_parallel_kernel_loads_and_runs(tmp_path: Path) -> 
     (package / "kernel.py").write_text(PARALLEL_KERNEL)
 
     def run(*names: str) -> dict:
-        repo = Path(bankml.__file__).resolve().parent.parent
-        env = dict(
-            os.environ,
-            NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
-            PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]),
-        )
-        done = subprocess.run(
-            [sys.executable, "-X", "faulthandler", "-c", PARALLEL_RUN, *names],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, (names, done.returncode, done.stderr[-3000:])
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return run_kernel(tmp_path, PARALLEL_RUN, *names)
 
     expected = float(numpy.arange(64.0).sum() * 2.0)
     assert run("first_caller")["values"] == [expected]  # compiles spread and first_caller
