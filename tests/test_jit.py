@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy
@@ -377,3 +378,54 @@ def test_a_caller_of_a_cached_parallel_kernel_loads_and_runs(tmp_path: Path) -> 
     assert both["values"] == [expected, expected + 1.0]
     alone = run_kernel(tmp_path, PARALLEL_RUN, "second_caller")  # a process that started nothing
     assert alone == {"values": [expected + 1.0], "hits": 1}
+
+
+# Two processes need the same kernel at the same moment (a start and its compile job, two
+# servers on one cache): each waits at a barrier of files, then calls the kernel.
+AT_ONCE = """\
+import json, sys, time
+from pathlib import Path
+from stalepkg.kernel import kernel
+here = Path(sys.argv[1])
+(here / f"ready-{sys.argv[2]}").touch()
+while not (here / "go").exists():
+    time.sleep(0.005)
+value = kernel(3.0)
+print(json.dumps({"value": value, "hits": sum(kernel.stats.cache_hits.values()),
+                  "misses": sum(kernel.stats.cache_misses.values())}))
+"""
+
+
+def test_a_kernel_two_processes_need_at_once_compiles_in_one(tmp_path: Path) -> None:
+    """The first to miss claims the compile; the other waits for it and loads the saved code
+    (on Numba's own cache both compile: two misses)."""
+    write_package(tmp_path, 2.0)
+    repo = Path(bankml.__file__).resolve().parent.parent
+    env = dict(
+        os.environ,
+        NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]),
+    )
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", AT_ONCE, str(tmp_path), str(n)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready-{n}").exists() for n in range(2)):
+        assert time.monotonic() < deadline and all(run.poll() is None for run in runs)
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    results = []
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["value"] for r in results] == [3.0 * 2.0 * 3.0 + 3.0] * 2
+    assert sorted((r["misses"], r["hits"]) for r in results) == [(0, 1), (1, 0)]

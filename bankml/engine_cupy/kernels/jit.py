@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -292,10 +293,58 @@ class _KernelCacheFile(IndexDataCacheFile):
         return data
 
 
+# How long a process waits for another to finish compiling a kernel it needs before it
+# compiles the kernel itself: longer than the largest kernel's compile on a loaded machine (the
+# fused decode step, about a minute). A holder that dies releases its claim at once (flock).
+COMPILE_WAIT_S = 300.0
+
+
+class _CompileClaims:
+    """Which process compiles a kernel signature that the cache misses: the first to claim it.
+
+    Several processes often need the same kernels at once (a start and its compile jobs, two
+    servers, the suite's precompiler beside a test's server), and Numba would compile them in
+    each. A claim is an exclusive ``flock`` on ``<data file>.compiling``, taken on a miss and
+    held until the compiled code is saved; a process that finds it taken waits for it, then
+    reads the cache again and loads what the holder saved. Locks are taken in call order (a
+    kernel's claim before its callees'), and the call graph has no cycles, so no two processes
+    wait on each other."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Any] = {}
+
+    def claim(self, path: str) -> None:
+        """Hold the claim ``path``, once no other process holds it."""
+        self.release(path)  # a claim this process left when a compile raised
+        try:
+            claim = open(path, "ab")  # noqa: SIM115 (closed by release)
+        except OSError:  # a cache this process cannot write: it compiles without a claim
+            return
+        deadline = time.monotonic() + COMPILE_WAIT_S
+        while True:
+            try:
+                fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # a holder stuck: compile it here
+                    break
+                time.sleep(0.05)
+        self._held[path] = claim
+
+    def release(self, path: str) -> None:
+        claim = self._held.pop(path, None)
+        if claim is not None:
+            claim.close()  # closing the file drops its flock
+
+
+_CLAIMS = _CompileClaims()  # one per process: a claim left by a failed compile is found again
+
+
 class KernelCache(FunctionCache):
     """Numba's on-disk function cache (same places, same index), fresh only while neither the
-    function's source nor any compiled module's has changed, and safe for several processes
-    writing at once (``_KernelCacheFile``)."""
+    function's source nor any compiled module's has changed, safe for several processes
+    writing at once (``_KernelCacheFile``), and compiling each signature in one process only
+    (``_CompileClaims``): the others wait and load it."""
 
     _impl_class = _KernelCacheImpl
 
@@ -311,6 +360,32 @@ class KernelCache(FunctionCache):
             filename_base=self._impl.filename_base,
             source_stamp=self._impl.locator.get_source_stamp(),
         )
+
+    def load_overload(self, sig: Any, target_context: Any) -> Any:
+        """The cached code; on a miss, this process's claim to compile it, taken after any
+        other process's compile of it has ended, and the cache read again then (the other may
+        have saved it: a hit; or the claim was free and another process saved it just before)."""
+        data = super().load_overload(sig, target_context)
+        if data is not None or not self._enabled:
+            return data
+        self._impl.locator.ensure_cache_path()
+        claim = self._claim_path(sig, target_context.codegen())
+        _CLAIMS.claim(claim)
+        data = super().load_overload(sig, target_context)
+        if data is not None:
+            _CLAIMS.release(claim)
+        return data
+
+    def save_overload(self, sig: Any, data: Any) -> None:
+        """Numba's save, then the claim released, whether Numba saved the code or not."""
+        try:
+            super().save_overload(sig, data)
+        finally:
+            _CLAIMS.release(self._claim_path(sig, data.codegen))
+
+    def _claim_path(self, sig: Any, codegen: Any) -> str:
+        data_name = self._cache_file._key_data_name(self._index_key(sig, codegen))
+        return os.path.join(self._cache_path, data_name + ".compiling")
 
 
 def _use_kernel_cache(dispatcher: Dispatcher) -> Dispatcher:
