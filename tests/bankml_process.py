@@ -79,7 +79,7 @@ class BankmlProcess:
             )
         return self
 
-    def wait_ready(self, timeout: float = 180) -> BankmlProcess:
+    def wait_ready(self, timeout: float = 600) -> BankmlProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -43,7 +43,9 @@ def kernels_compiled_ahead(
 ) -> Iterator[None]:
     """When the run includes tests on tiny models: tests/precompile.py in the background at
     nice 10, filling Numba's cache with their kernels ahead of them; ended with the run."""
-    if not any("tiny_dir" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" or not any(
+        "tiny_dir" in getattr(item, "fixturenames", ()) for item in request.session.items
+    ):  # one precompiler for the run, beside its first worker
         yield
         return
     process = subprocess.Popen(

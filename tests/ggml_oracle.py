@@ -19,11 +19,13 @@ NumPy order, the reverse of ggml's ``ne`` (a ggml tensor ``ne = [K, N]`` is a Nu
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import struct
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -62,12 +64,25 @@ def reference_tool(target: str) -> Path:
             raise RuntimeError(
                 f"no configured llama.cpp build in {build}: run scripts/build-llama-server.sh"
             )
-        subprocess.run(
-            ["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 1)],
-            check=True,
-            capture_output=True,
-        )
+        with _exclusive(build / f".{target}.lock"):  # the suite's workers build it once
+            if not out.exists():
+                subprocess.run(
+                    [
+                        *("cmake", "--build", str(build), "--target", target),
+                        *("-j", str(os.cpu_count() or 1)),
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
     return out
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` for the block: one process of the suite at a time."""
+    with open(path, "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @lru_cache(maxsize=1)
@@ -110,7 +125,7 @@ def compile_against_ggml(source: Path, name: str) -> Path:
     out = root / name / digest.hexdigest()[:16] / name
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")  # the suite's workers may both compile it
         src = root / "src" / "llama.cpp"
         includes = ["ggml/include", *(("common", "include", "vendor") if cxx else ())]
         subprocess.run(
