@@ -563,8 +563,11 @@ class DeviceStep:
         if self._capture_stream is None:
             self._capture_stream = self.cp.cuda.Stream(non_blocking=True)
         stream = self._capture_stream
+        # thread-local: only this thread's own unsafe calls (an allocation, a copy) during
+        # the capture invalidate it, not another thread's
+        mode = getattr(self.cp.cuda.runtime, "streamCaptureModeThreadLocal", None)
         with stream:
-            stream.begin_capture()
+            stream.begin_capture(mode)
             try:
                 self._capture_launches(pool, entry, n)
             finally:
