@@ -587,6 +587,19 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
                 ),
             ),
             (
+                "device_graphs",
+                kc.device_graphs_vs_uncaptured,
+                lambda r: (
+                    f"decode step from CUDA graphs: steps identical to the uncaptured step "
+                    f"{r['identical_steps']}/{r['identical_steps'] + r['differing_steps']} "
+                    f"({r['replayed']} replays; {r['graph_reason'] or 'captured'}); decode "
+                    f"{r['decode_tok_s']['captured']} tok/s captured, "
+                    f"{r['decode_tok_s']['uncaptured']} uncaptured; {r['rows']} slots "
+                    f"{r['rows_decode_tok_s']['captured']} against "
+                    f"{r['rows_decode_tok_s']['uncaptured']}"
+                ),
+            ),
+            (
                 "device_engine",
                 kc.device_engine_vs_twins,
                 lambda r: (

@@ -14,7 +14,8 @@ read, not a verdict: a kernel that differs from its twin in a bit differs from t
 the twin documents, and one of the two has a bug. With a model it also runs the decode step
 (``device_step_vs_twins``), the batched step against each slot's own step
 (``device_rows_vs_steps``) and the prefill (``device_prefill_vs_twins``) on the device against
-the same through the twins.
+the same through the twins, and the step replayed from CUDA graphs against the same step
+uncaptured (``device_graphs_vs_uncaptured``: bits and decode tokens per second).
 """
 
 from __future__ import annotations
@@ -125,7 +126,9 @@ def _run_step(cp: ModuleType, model: Path, steps: int) -> tuple[list[int], list[
     from bankml.engine_cupy.weights import read_hparams
 
     reader = open_file(model)
-    step = ds.DeviceStep(cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)))
+    step = ds.DeviceStep(
+        cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)), graphs=False
+    )
     seq = step.new_sequence(len(STEP_PROMPT) + steps + 1)
     for token in STEP_PROMPT:
         step.set_token(seq, token)
@@ -177,7 +180,9 @@ def device_rows_vs_steps(cp: ModuleType, model: Path, rows: int = 4) -> dict[str
 
     started = time.monotonic()
     reader = open_file(model)
-    step = ds.DeviceStep(cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)))
+    step = ds.DeviceStep(
+        cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)), graphs=False
+    )
     n_ctx = len(STEP_PROMPT) + 8
     together, alone = step.new_sequences(rows, n_ctx), step.new_sequences(rows, n_ctx)
     for seqs in (together, alone):
@@ -216,6 +221,79 @@ def device_rows_vs_steps(cp: ModuleType, model: Path, rows: int = 4) -> dict[str
 
     out["us_rows_step"] = _time_us(cp, batched, repeats=20)
     out["us_one_row_steps"] = _time_us(cp, one_by_one, repeats=20)
+    out["elapsed_s"] = round(time.monotonic() - started, 2)
+    return out
+
+
+def device_graphs_vs_uncaptured(
+    cp: ModuleType, model: Path, rows: int = 4, steps: int = 6
+) -> dict[str, Any]:
+    """The decode step replayed from CUDA graphs (DeviceStep with graphs on) against the same
+    step uncaptured on the same device: ``rows`` slots at different positions, ``steps``
+    rounds (one-row steps and batched steps of every slot by turns), each slot's logits,
+    token and position and the pools' K/V compared after each round; then decode tokens per
+    second of one sequence and of the ``rows`` slots batched, captured and uncaptured."""
+    from bankml.engine_cupy import device_step as ds
+    from bankml.engine_cupy.weights import read_hparams
+
+    started = time.monotonic()
+    reader = open_file(model)
+    weights = ds.DeviceWeights.upload(cp, reader, read_hparams(reader))
+    graphed, plain = ds.DeviceStep(cp, weights), ds.DeviceStep(cp, weights, graphs=False)
+    n_ctx = len(STEP_PROMPT) + steps + 2
+    mine, theirs = graphed.new_sequences(rows, n_ctx), plain.new_sequences(rows, n_ctx)
+    for step, seqs in ((graphed, mine), (plain, theirs)):
+        for i, seq in enumerate(seqs):
+            for token in STEP_PROMPT[: i % len(STEP_PROMPT) + 1]:
+                step.set_token(seq, token)
+                step.step(seq)
+
+    def state(step: Any, seqs: list[Any]) -> list[bytes]:
+        pool = seqs[0].pool
+        out = [pool.k.get().tobytes(), pool.v.get().tobytes(), pool.pos.get().tobytes()]
+        return out + [step.host_logits(s).tobytes() for s in seqs]
+
+    identical, differing, same_tokens = 0, 0, True
+    for r in range(steps):
+        for step, seqs in ((graphed, mine), (plain, theirs)):
+            if r % 2:
+                step.step_rows(seqs)
+            else:
+                step.step(seqs[r % rows])
+        same = state(graphed, mine) == state(plain, theirs)
+        identical, differing = identical + same, differing + (not same)
+        same_tokens &= [graphed.chosen(s) for s in mine] == [plain.chosen(s) for s in theirs]
+    out: dict[str, Any] = {
+        "rows": rows,
+        "graph_reason": graphed.graph_reason,
+        "identical_steps": identical,
+        "differing_steps": differing,
+        "same_tokens": same_tokens,
+        **graphed.graph_stats,
+    }
+
+    def tok_s(step: Any, seqs: list[Any], batched: bool) -> float | None:
+        def run() -> None:  # the same positions again each time
+            for seq in seqs:
+                seq.pos.fill(len(STEP_PROMPT))
+                seq.n_tokens = len(STEP_PROMPT)
+            if batched:
+                step.step_rows(seqs)
+            else:
+                step.step(seqs[0])
+
+        run()  # a row count's first sight, then its capture
+        us = _time_us(cp, run, repeats=50)
+        return None if us is None else round((len(seqs) if batched else 1) * 1e6 / us, 1)
+
+    out["decode_tok_s"] = {
+        "captured": tok_s(graphed, mine, False),
+        "uncaptured": tok_s(plain, theirs, False),
+    }
+    out["rows_decode_tok_s"] = {
+        "captured": tok_s(graphed, mine, True),
+        "uncaptured": tok_s(plain, theirs, True),
+    }
     out["elapsed_s"] = round(time.monotonic() - started, 2)
     return out
 

@@ -40,6 +40,18 @@ import numpy
 # every read of a device value on the host (.get(), asnumpy, int/float/bool of a device array,
 # a synchronize): what a GPU would wait for; tests/fake_cupy_kernels.py counts them per step
 READS: collections.Counter[str] = collections.Counter()
+# every host-to-device write into an existing device array (.set()): a graph's replay is held
+# to at most one (its slots' indices)
+WRITES: collections.Counter[str] = collections.Counter()
+# the stream capture under way (tests/fake_cupy_kernels.py): a copy between host and device
+# while it records is an error on a GPU (cudaErrorStreamCaptureUnsupported), and here
+CAPTURING: list[Any] = []
+
+
+def _not_capturing(what: str) -> None:
+    if CAPTURING:
+        raise RuntimeError(f"{what} while a stream capture records (capture unsupported)")
+
 
 IMPLICIT = (
     "Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
@@ -132,10 +144,13 @@ class DeviceArray:
 
     def get(self) -> numpy.ndarray:
         """The host copy, as cupy.ndarray.get."""
+        _not_capturing("a device-to-host copy")
         READS["get"] += 1
         return self.host_view.copy()
 
     def set(self, host: numpy.ndarray) -> None:
+        _not_capturing("a host-to-device copy")
+        WRITES["set"] += 1
         self.host_view[...] = host
 
     @property
@@ -240,6 +255,7 @@ class FakeCupy(types.ModuleType):
         """The host-to-device copy (CuPy's cupy.asarray of a NumPy array)."""
         if isinstance(value, DeviceArray):
             return value if dtype is None else DeviceArray(value.host_view.astype(dtype))
+        _not_capturing("a host-to-device copy")
         self.transfers += 1
         return DeviceArray(numpy.array(value, dtype=dtype, order=order or "K", copy=True))
 

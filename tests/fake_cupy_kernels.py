@@ -13,7 +13,16 @@ conversion, no host operand in a device operation) plus:
   (tests/fake_cupy_prefill.py, which also runs the prefill's kernels' twins);
 - ``launches``: every launch, (name, grid, block), in order, the products as ("gemm", ...);
 - ``cuda.runtime.memGetInfo`` (``free``/``total`` set by the test), ``getDeviceCount``, and
-  ``cuda.Device().synchronize()``, counted with the reads in ``fake_cupy.READS``.
+  ``cuda.Device().synchronize()``, counted with the reads in ``fake_cupy.READS``;
+- with ``graphs=True``, CuPy's stream capture: ``cuda.Stream`` (a context manager making it
+  the current stream; ``begin_capture``/``end_capture``), ``cuda.get_current_stream`` and the
+  ``Graph`` that ``end_capture`` returns. While a stream captures, a launch on it is checked
+  as any launch and recorded, not run (its device arrays are views of the buffers, its scalars
+  the values it was given, as a CUDA graph's kernel nodes hold them); a launch on another
+  stream, a copy between host and device or a synchronize is an error, as on a GPU.
+  ``Graph.launch`` appends one ("graph", (nodes,), ()) to ``launches`` and runs the recorded
+  launches through the twins in order, reading the buffers' values at that time. Without
+  ``graphs`` the module has no ``cuda.Stream``: a CuPy without capture.
 
 So a test can run the device step through the twins, compare it with the CPU's exact path,
 and count per step the launches and every host read of a device value.
@@ -30,7 +39,7 @@ import numpy
 from bankml.engine_cupy import cuda_twins as tw
 from bankml.engine_cupy import device_twins as dt
 from tests import fake_cupy_prefill
-from tests.fake_cupy import READS, DeviceArray, FakeCupy
+from tests.fake_cupy import CAPTURING, READS, DeviceArray, FakeCupy
 
 _POINTER_TYPES = {
     "float": numpy.float32,
@@ -260,7 +269,9 @@ class FakeKernel:
         self.params = signature(code, name)
 
     def __call__(self, grid: tuple, block: tuple, args: tuple) -> None:
-        self.fake.launches.append((self.name, tuple(grid), tuple(block)))
+        recording = self.fake.recording()
+        if recording is None:
+            self.fake.launches.append((self.name, tuple(grid), tuple(block)))
         assert len(args) == len(self.params), (self.name, len(args), self.params)
         unwrapped = []
         for arg, (base, pointer) in zip(args, self.params):
@@ -273,7 +284,54 @@ class FakeKernel:
                 want = {"int": numpy.int32, "float": numpy.float32}[base]
                 assert type(arg) is want, f"{self.name}: {type(arg)} for {base}"
                 unwrapped.append(arg)
+        if recording is not None:
+            recording.append((self.name, tuple(grid), tuple(block), unwrapped))
+            return
         _run(self.name, tuple(grid), tuple(block), unwrapped)
+
+
+class FakeGraph:
+    """``cupy.cuda.graph.Graph``: the launches a capture recorded (module doc)."""
+
+    def __init__(self, fake: KernelCupy, nodes: list[tuple[str, tuple, tuple, list[Any]]]):
+        self.fake, self.nodes = fake, nodes
+
+    def launch(self, stream: Any = None) -> None:
+        assert not CAPTURING, "a graph launched while a capture records"
+        self.fake.launches.append(("graph", (len(self.nodes),), ()))
+        for name, grid, block, args in self.nodes:
+            _run(name, grid, block, args)
+
+
+class FakeStream:
+    """``cupy.cuda.Stream``: the current stream inside ``with``; stream capture."""
+
+    def __init__(self, fake: KernelCupy, non_blocking: bool = False) -> None:
+        self.fake, self.non_blocking = fake, non_blocking
+        self.nodes: list[tuple[str, tuple, tuple, list[Any]]] | None = None
+
+    def __enter__(self) -> FakeStream:
+        self.fake.streams.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self.fake.streams.pop() is self
+
+    def begin_capture(self, mode: Any = None) -> None:
+        assert self.nodes is None and not CAPTURING, "a capture already under way"
+        self.nodes = []
+        CAPTURING.append(self)
+
+    def is_capturing(self) -> bool:
+        return self.nodes is not None
+
+    def end_capture(self) -> FakeGraph:
+        assert self.nodes is not None and len(CAPTURING) == 1 and CAPTURING[0] is self, (
+            "no capture under way here"
+        )
+        CAPTURING.clear()
+        nodes, self.nodes = self.nodes, None
+        return FakeGraph(self.fake, nodes)
 
 
 class _Runtime:
@@ -290,24 +348,50 @@ class _Runtime:
 
 class _Device:
     def synchronize(self) -> None:
+        assert not CAPTURING, "a synchronize while a capture records"
         READS["synchronize"] += 1
 
 
 class KernelCupy(FakeCupy):
     """The strict stand-in with kernels (module doc)."""
 
-    def __init__(self, free: int = 80 << 30, total: int = 80 << 30) -> None:
+    def __init__(self, free: int = 80 << 30, total: int = 80 << 30, graphs: bool = False) -> None:
         super().__init__()
         self.launches: list[tuple[str, tuple, tuple]] = []
         self.modules: list[tuple[str, tuple]] = []
         self.free, self.total = free, total
+        self.streams: list[FakeStream] = []  # the ``with`` stack; the null stream below it
         self.cuda = types.SimpleNamespace(runtime=_Runtime(self), Device=_Device)
+        if graphs:
+            fake = self
+
+            class Stream(FakeStream):
+                def __init__(self, non_blocking: bool = False) -> None:
+                    super().__init__(fake, non_blocking)
+
+            self.cuda.Stream = Stream
+            self.cuda.get_current_stream = self.current_stream
+            self.cuda.graph = types.SimpleNamespace(Graph=FakeGraph)
+
+    def current_stream(self) -> FakeStream | None:
+        return self.streams[-1] if self.streams else None
+
+    def recording(self) -> list[Any] | None:
+        """Where a launch goes while a capture records (None: it runs): the capturing stream's
+        record if it is the current stream; a launch on another stream is an error then."""
+        if not CAPTURING:
+            return None
+        stream = self.current_stream()
+        assert stream is CAPTURING[0], "a launch on another stream while a capture records"
+        assert stream is not None and stream.nodes is not None
+        return stream.nodes
 
     def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
         """cuBLAS's f16 product as the prefill calls it (tests/fake_cupy_prefill.py)."""
         return fake_cupy_prefill.matmul(self, a, b, out)
 
     def RawModule(self, code: str, options: tuple = ()) -> Any:  # noqa: N802 (CuPy's name)
+        assert not CAPTURING, "a module compiled or loaded while a capture records"
         self.modules.append((code, tuple(options)))
         fake = self
 

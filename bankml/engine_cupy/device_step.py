@@ -34,6 +34,11 @@ launch for all of them, ggml's several-column mul_mat_vec_q), each row the bits 
 device for the next step; ``chosen(seq)`` is the step's one read back (4 bytes), and the logits
 stay on the device (the sequence's ``logits``) unless a request needs them: ``top_k(seq, k)``
 hands back only the k largest (id, logit) pairs (``top_k_f32``), ``host_logits(seq)`` the row.
+With graphs on (the default where CuPy has stream capture), ``step`` and ``step_rows`` replay
+a CUDA graph of the batched step's launches, one per row count per pool, captured the second
+time that row count is seen; the kernels read the slots' indices (a buffer of the graph's,
+written before a replay where they changed), positions, tokens and cache cells from the
+device, so a replay is the uncaptured step (docs/modules/device_step.md).
 ``truncate``, ``shift`` and ``copy_sequence`` are the slot operations the engine needs (a
 reused prefix, llama-server's context shift, a shared prompt's child). Each kernel has a NumPy
 twin (cuda_twins, device_twins); tests/fake_cupy_kernels.py runs this module through them;
@@ -42,7 +47,10 @@ device_model.py serves it through the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -69,11 +77,37 @@ MAX_ROWS = 8  # the most slots one batched step (step_rows) takes: ggml's mmvq n
 SLOT_LISTS_KEPT = 256  # sets of slots whose device index list a pool keeps
 ARCHS = ("llama", "qwen2")
 MEMORY_SHARE = 0.9  # of the device's free memory the weights and one cache may take
+log = logging.getLogger(__name__)
 _MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def launches_per_step(n_layer: int) -> int:
     return LAUNCHES_PER_LAYER * n_layer + LAUNCHES_OUTSIDE_LAYERS
+
+
+def graph_unsupported(cupy: ModuleType) -> str | None:
+    """Why the decode step is not captured into CUDA graphs on ``cupy`` (None: it is)."""
+    if os.environ.get("BANKML_CUDA_GRAPHS", "1") == "0":
+        return "asked for (BANKML_CUDA_GRAPHS=0)"
+    cuda = getattr(cupy, "cuda", None)
+    if getattr(getattr(cuda, "runtime", None), "is_hip", False):
+        return "CuPy's HIP build (graph capture is not tried on ROCm)"
+    stream = getattr(cuda, "Stream", None)
+    if stream is None or not hasattr(stream, "begin_capture"):
+        return "this CuPy has no stream capture (cupy.cuda.Stream.begin_capture)"
+    return None
+
+
+@dataclass
+class StepGraph:
+    """A pool's captured step of one row count: the slots' indices it reads (int32 [rows] on
+    the device), the indices last written there, the graph (None until captured), and why
+    its capture failed (None: it did not)."""
+
+    slots: Any
+    indices: tuple[int, ...] = field(default=())
+    graph: Any = None
+    failed: str | None = None
 
 
 class DeviceMemory(UnsupportedModel):
@@ -319,7 +353,9 @@ class DeviceSequence:
 class DeviceStep:
     """One decode step of a ``DeviceSequence``, launches only (module doc)."""
 
-    def __init__(self, cupy: ModuleType, weights: DeviceWeights, kernels: Any = None) -> None:
+    def __init__(
+        self, cupy: ModuleType, weights: DeviceWeights, kernels: Any = None, graphs: bool = True
+    ) -> None:
         self.cp, self.w, self.hp = cupy, weights, weights.hp
         self.kernels = kernels if kernels is not None else CudaKernels(cupy)
         hp = self.hp
@@ -342,6 +378,20 @@ class DeviceStep:
         self._rows: dict[str, Any] | None = None  # step_rows' buffers
         _, scale = hp.spec.attention_scales(hp.attn_scale)
         self.scale = F32(scale)
+        # CUDA graphs of the step (module doc): why they are off (None: on), the graphs of each
+        # pool by row count, the stream they are captured on, and what they did
+        self.graph_reason = graph_unsupported(cupy) if graphs else "asked for (graphs=False)"
+        if self.graph_reason is not None:
+            log.info("decode step uncaptured: %s", self.graph_reason)
+        self._graphs: weakref.WeakKeyDictionary[SequencePool, dict[int, StepGraph]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._capture_stream: Any = None
+        self.graph_stats = {"captured": 0, "replayed": 0, "uncaptured": 0}
+
+    @property
+    def _graphs_on(self) -> bool:
+        return self.graph_reason is None
 
     def new_sequence(self, n_ctx: int) -> DeviceSequence:
         return self.new_sequences(1, n_ctx)[0]
@@ -350,7 +400,10 @@ class DeviceStep:
         """``n`` sequences of ``n_ctx`` positions in one ``SequencePool``: the slots that
         ``step_rows`` can step together."""
         check_device_memory(self.cp, n * cache_bytes(self.hp, n_ctx))
+        table = self.w.cos
         self.w.rope_rows(self.cp, n_ctx)
+        if self.w.cos is not table:  # a graph holds the old table's address: capture anew
+            self._graphs.clear()
         pool = SequencePool(self.cp, self.hp, n, n_ctx, self.w.output.rows)
         return [DeviceSequence(pool, i) for i in range(n)]
 
@@ -381,9 +434,16 @@ class DeviceStep:
     def step(self, seq: DeviceSequence) -> None:
         """Append ``seq.token`` at ``seq.pos``: every layer, the logits into ``seq.logits``,
         the greedy choice into ``seq.token`` and pos + 1. Launches only: nothing comes back."""
-        hp, w = self.hp, self.w
         if seq.n_tokens >= seq.n_ctx:
             raise ValueError(f"the sequence holds {seq.n_ctx} positions")
+        if not (self._graphs_on and self._graph_step(seq.pool, [seq])):
+            self._step_launches(seq)
+        seq.n_tokens += 1
+        self.logits = seq.logits
+
+    def _step_launches(self, seq: DeviceSequence) -> None:
+        """The one-row step's launches, uncaptured (``step``)."""
+        hp, w = self.hp, self.w
         d = hp.n_embd
         grid_d = (-(-d // THREADS),)
         get_rows = "get_rows_q8_0" if w.embd_qtype == "Q8_0" else "get_rows_f32"
@@ -457,8 +517,65 @@ class DeviceStep:
             (ARGMAX_THREADS,),
             (seq.logits, I32(w.output.rows), seq.token, seq.pos),
         )
-        seq.n_tokens += 1
-        self.logits = seq.logits
+
+    def _graph_step(self, pool: SequencePool, seqs: list[DeviceSequence]) -> bool:
+        """One step of ``seqs`` as a replay of the pool's graph of ``len(seqs)`` rows: the slots'
+        indices go up (4 bytes a row) where they differ from the last step's, then one graph
+        launch. A row count not seen yet runs the batched step's launches uncaptured (its
+        kernels loaded, its buffers made: nothing of that may happen inside a capture) and is
+        captured the next time. False: the caller runs the step uncaptured (the capture failed;
+        the reason logged once)."""
+        n = len(seqs)
+        graphs = self._graphs.setdefault(pool, {})
+        entry = graphs.get(n)
+        indices = tuple(s.index for s in seqs)
+        if entry is None:  # first sight: uncaptured, its kernels loaded and buffers made
+            entry = graphs[n] = StepGraph(self.cp.asarray(numpy.asarray(indices, dtype=I32)))
+            entry.indices = indices
+            self._rows_launches(pool, entry.slots, n)
+            self.graph_stats["uncaptured"] += 1
+            log.debug("decode step of %d row(s) uncaptured: a shape not seen yet", n)
+            return True
+        if entry.failed is not None:
+            self.graph_stats["uncaptured"] += 1
+            return False
+        if entry.graph is None:
+            try:
+                entry.graph = self._capture(pool, entry, n)
+            except Exception as e:  # noqa: BLE001 (any refusal of the capture: run uncaptured)
+                entry.failed = f"{type(e).__name__}: {e}"
+                log.warning("decode step of %d row(s) uncaptured: %s", n, entry.failed)
+                self.graph_stats["uncaptured"] += 1
+                return False
+            self.graph_stats["captured"] += 1
+        if indices != entry.indices:
+            entry.slots.set(numpy.asarray(indices, dtype=I32))
+            entry.indices = indices
+        entry.graph.launch(self.cp.cuda.get_current_stream())
+        self.graph_stats["replayed"] += 1
+        return True
+
+    def _capture(self, pool: SequencePool, entry: StepGraph, n: int) -> Any:
+        """The batched step's launches for ``n`` rows of ``pool`` recorded into a CUDA graph
+        on a stream of its own (nothing runs): every value that changes from token to token
+        is read by the kernels from the device (the slots' indices from ``entry.slots``, their
+        positions, tokens and cache cells from the pool), so a replay is the step."""
+        if self._capture_stream is None:
+            self._capture_stream = self.cp.cuda.Stream(non_blocking=True)
+        stream = self._capture_stream
+        # thread-local: only this thread's own unsafe calls (an allocation, a copy) during
+        # the capture invalidate it, not another thread's
+        mode = getattr(self.cp.cuda.runtime, "streamCaptureModeThreadLocal", None)
+        with stream:
+            stream.begin_capture(mode)
+            try:
+                self._capture_launches(pool, entry, n)
+            finally:
+                graph = stream.end_capture()
+        return graph
+
+    def _capture_launches(self, pool: SequencePool, entry: StepGraph, n: int) -> None:
+        self._rows_launches(pool, entry.slots, n)
 
     def _row_buffers(self) -> dict[str, Any]:
         """The batched step's activations, ``MAX_ROWS`` rows each (allocated on first use)."""
@@ -513,8 +630,16 @@ class DeviceStep:
         for seq in seqs:
             if seq.n_tokens >= seq.n_ctx:
                 raise ValueError(f"the sequence holds {seq.n_ctx} positions")
+        if not (self._graphs_on and self._graph_step(pool, seqs)):
+            self._rows_launches(pool, self._slot_list(pool, tuple(s.index for s in seqs)), n)
+        for seq in seqs:
+            seq.n_tokens += 1
+        self.logits = seqs[-1].logits
+
+    def _rows_launches(self, pool: SequencePool, slots: Any, n: int) -> None:
+        """The batched step's launches for ``n`` rows, the slots' indices read from ``slots``
+        (int32 [n] on the device) by the kernels: what a graph of ``n`` rows captures."""
         hp, w, b = self.hp, self.w, self._row_buffers()
-        slots = self._slot_list(pool, tuple(s.index for s in seqs))
         rows = I32(n)
         d = hp.n_embd
         get_rows = "get_rows_q8_0_rows" if w.embd_qtype == "Q8_0" else "get_rows_f32_rows"
@@ -612,9 +737,6 @@ class DeviceStep:
             (ARGMAX_THREADS,),
             (b["logits"], I32(w.output.rows), slots, pool.logits, pool.token, pool.pos),
         )
-        for seq in seqs:
-            seq.n_tokens += 1
-        self.logits = seqs[-1].logits
 
     def chosen(self, seq: DeviceSequence) -> int:
         """The greedy token of the last step: the step's one read back (4 bytes)."""

@@ -3,7 +3,8 @@
 // Every float operation is written with an explicit rounding (__fadd_rn, __fmul_rn, __fdiv_rn,
 // PTX mul.rn.f16) so that no compiler contracts two of them into one fused multiply-add: the
 // NumPy twins (bankml/engine_cupy/cuda_twins.py) round at exactly these points. Needs no
-// header: the f16 conversions are PTX instructions, the integer dot products __dp4a.
+// header: the f16 conversions are PTX instructions (for HIP, clang's _Float16), the integer dot
+// products __dp4a.
 #pragma once
 
 typedef unsigned char u8;
@@ -22,6 +23,21 @@ struct block_q8_1 {
     signed char qs[QK];
 };
 
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
+// HIP (ROCm): clang's _Float16, whose conversions round to nearest even, subnormals kept, as
+// PTX's cvt.f32.f16 and cvt.rn.f16.f32 do. A product of two f16 values is exact in f32 (22
+// significant bits at most, exponents well inside f32's range), so the f32 product rounded once
+// to f16 is the correctly rounded f16 product, mul.rn.f16's bits.
+static __device__ __forceinline__ float h2f(u16 h) {
+    return (float)__builtin_bit_cast(_Float16, h);
+}
+
+static __device__ __forceinline__ u16 f2h(float f) { return __builtin_bit_cast(u16, (_Float16)f); }
+
+static __device__ __forceinline__ float hmul_f(u16 a, u16 b) {
+    return h2f(f2h(__fmul_rn(h2f(a), h2f(b))));
+}
+#else
 static __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -40,6 +56,7 @@ static __device__ __forceinline__ float hmul_f(u16 a, u16 b) {
     asm("mul.rn.f16 %0, %1, %2;" : "=h"(r) : "h"(a), "h"(b));
     return h2f(r);
 }
+#endif
 
 // the i-th 32-bit word of a 2-byte aligned buffer, and of a 4-byte aligned one
 static __device__ __forceinline__ int int_b2(const u8 *x, int i) {
