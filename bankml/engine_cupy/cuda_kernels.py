@@ -150,6 +150,8 @@ def report(archs: tuple[str, ...] = ARCHS) -> tuple[dict[str, Any], int]:
         "nvrtc": f"{version[0]}.{version[1]}",
         "nvrtc_path": path,
         "seconds": round(sum(r["seconds"] for r in results), 3),
+        # fused f32 multiply-adds in the PTX: 0 (--fmad=false, the twins round each apart)
+        "fma_f32": sum(r.get("fma_f32", 0) for r in results),
         "failures": [{k: r[k] for k in ("kernel", "arch", "error")} for r in failed],
     }
     return out, 0 if compiled == len(KERNELS) else 1
