@@ -130,6 +130,7 @@ class SpawnedModels:
         )
         self.need = self.residency.need
         self._hashed: dict[str, Verified] = {}  # path -> verified off the reactor thread
+        self.forwarded: dict[str, int] = {}  # pin name -> requests routed to its llama-server
 
     def adopt_startup(self, engine: EngineProcess) -> None:
         """The startup model's llama-server (brought up by the service before it listens) is the
@@ -208,16 +209,18 @@ class SpawnedModels:
         return {**self.startup.describe(), "models": models}
 
     def models_state(self) -> dict[str, Any]:
-        """Each served model's answers (``requests``: those with a completion receipt, and
-        their tokens as llama-server reported them), whether it is resident, and a resident
-        one's memory: ``need_bytes`` (``--models-memory``'s reckoning), ``rss_bytes`` (its
-        llama-server's resident set), ``pid``, ``in_use``, ``loaded_at``."""
+        """Each served model's requests (``requests``: every request routed to its
+        llama-server, whatever its route; ``completions``: the answers with a completion
+        receipt, and their tokens as llama-server reported them), whether it is resident, and
+        a resident one's memory: ``need_bytes`` (``--models-memory``'s reckoning),
+        ``rss_bytes`` (its llama-server's resident set), ``pid``, ``in_use``, ``loaded_at``."""
         out: dict[str, Any] = {}
         for pin in self.registry.pins:
             gateway = self.gateways.get(pin.name)
             entry: dict[str, Any] = {
                 "resident": False,
-                "requests": gateway.answered if gateway is not None else 0,
+                "requests": self.forwarded.get(pin.name, 0),
+                "completions": gateway.answered if gateway is not None else 0,
                 "prompt_tokens": gateway.prompt_tokens if gateway is not None else 0,
                 "completion_tokens": gateway.completion_tokens if gateway is not None else 0,
             }
@@ -360,6 +363,8 @@ class SpawnedModels:
             return
         if gone(request):
             return
+        name = resident.pin.name
+        self.forwarded[name] = self.forwarded.get(name, 0) + 1
         running.routes.render(request)
 
 
