@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -286,6 +287,45 @@ def test_every_forwarded_request_counted_on_its_model(server: BankmlProcess) -> 
     }
 
 
+STUBBORN = """#!{python}
+# llama-server under a parent that ignores SIGTERM (a llama-server slow to stop): the child
+# dies with this process (PR_SET_PDEATHSIG), so only a SIGKILL ends both
+import ctypes, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def die_with_parent():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+child = subprocess.Popen([{real!r}, *sys.argv[1:]], preexec_fn=die_with_parent)
+sys.exit(child.wait())
+"""
+
+
+def test_stop_timeout_is_an_unloaded_llama_servers_grace(
+    tmp_path: Path,
+    registry: Path,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    reference: dict[str, str],
+) -> None:
+    """--stop-timeout 1: the llama-server of a model unloaded to make room (--max-loaded 1)
+    that does not end on SIGTERM is killed 1 s later, and the model asked for answers."""
+    stubborn = tmp_path / "stubborn-llama-server"
+    stubborn.write_text(STUBBORN.format(python=sys.executable, real=str(llama_server_bin)))
+    stubborn.chmod(0o755)
+    log = tmp_path / "bankml.log"
+    engine = ["--spawn", str(stubborn), "--upstream", f"127.0.0.1:{free_port()}"]
+    engine += ["--registry", str(registry), "--max-loaded", "1", "--stop-timeout", "1"]
+    first = list(TINY)[0]
+    with BankmlProcess(default_model, default_fork, engine, log) as proc:
+        old = engines(proc)[default_model.name]
+        assert complete(proc, first)[0] == reference[first]
+        assert process_gone(old)
+        assert set(engines(proc)) == {f"{first}.gguf"}
+    text = log.read_text()
+    assert "still running after 1 s: SIGKILL" in text, text[-3000:]
+
+
 def test_several_models_need_spawn_or_native(llama_server_bin: Path, tmp_path: Path) -> None:
     """--registry and --max-loaded take --spawn (or --native); with --upstream they are refused."""
     from twisted.python import usage
@@ -300,10 +340,16 @@ def test_several_models_need_spawn_or_native(llama_server_bin: Path, tmp_path: P
     spawn = ["--spawn", str(llama_server_bin)]
     got = parsed(*spawn, "--registry", str(tmp_path), "--max-loaded", "3")
     assert (got["registry"], got["max-loaded"], got["mode"]) == (str(tmp_path), 3, "spawn")
+    assert got["stop_timeout"] == 10  # llama-server's router's default
+    several = [*spawn, "--max-loaded", "2"]
+    assert parsed(*several, "--stop-timeout", "0")["stop_timeout"] == 0
     for args, words in (
         (["--max-loaded", "2"], "it needs --native or --spawn"),
         (["--registry", str(tmp_path)], "needs --native"),
         ([*spawn, "--max-loaded", "0"], "--max-loaded: at least 1"),
+        ([*spawn, "--stop-timeout", "5"], "--stop-timeout is the grace"),
+        ([*several, "--stop-timeout", "1.5"], "not a whole number"),
+        ([*several, "--stop-timeout", "-1"], "0 or more seconds"),
     ):
         with pytest.raises(usage.UsageError) as err:
             parsed(*args)

@@ -110,8 +110,12 @@ class SpawnedModels:
         max_loaded: int,
         budget: int | None,
         need: Callable[[Pin], int] | None = None,
+        stop_timeout: float = 10.0,
     ) -> None:
         self.registry = registry
+        # --stop-timeout: an unloaded model's llama-server gets this long from SIGTERM to
+        # SIGKILL (llama-server's router: a preset's stop-timeout, 10 s by default)
+        self.stop_timeout = stop_timeout
         self.startup = startup
         self.receipt_key = startup.receipt_key  # /bankml's receipt_keyid: every model's key
         self.parent = parent
@@ -136,6 +140,7 @@ class SpawnedModels:
         """The startup model's llama-server (brought up by the service before it listens) is the
         first resident."""
         pin = self.pins_for_llama(self.registry.pins[0])
+        engine.stop_grace = self.stop_timeout
         running = Running(self.startup, engine, succeed(None))
         self.gateways[pin.name] = self.startup
         now = self.startup.reactor.seconds()
@@ -183,6 +188,7 @@ class SpawnedModels:
         gateway.upstream = (host, free_loopback_port(host))
         engine = self.make_engine(gateway)
         engine.name = f"engine {name}"  # the service's children are named uniquely
+        engine.stop_grace = self.stop_timeout  # when unloaded, and when bankml stops
         if self.parent is not None:
             engine.setServiceParent(self.parent)
         return Running(gateway, engine, engine.start())
@@ -193,7 +199,7 @@ class SpawnedModels:
         if running.engine.parent is not None:
             running.engine.disownServiceParent()  # stops it (SIGTERM, then SIGKILL)
         else:
-            running.engine.stop()
+            running.engine.stop(self.stop_timeout)
 
     # -- /bankml, /bankml/usage, /bankml/metrics: every model --------------------------------
 
