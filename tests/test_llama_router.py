@@ -83,10 +83,12 @@ def side_by_side(llama_server_bin: Path, flags: list[str], log: Path) -> Iterato
                 time.sleep(0.2)
         yield Pair(ours, theirs)
     finally:
+        ref.terminate()  # first: the drop-in's stop may time out (a compile under way)
         proc.terminate()
-        proc.wait(30)
-        ref.terminate()
-        ref.wait(30)
+        try:
+            proc.wait(30)
+        finally:
+            ref.wait(30)
 
 
 def models(port: int) -> dict[str, dict]:
