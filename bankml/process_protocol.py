@@ -212,6 +212,7 @@ class Supervised(service.Service):
         self.restart_call: Any = None
         self.starts = 0
         self.pid: int | None = None
+        self.stop_grace = STOP_GRACE_S  # SIGTERM to SIGKILL when the service stops it
 
     def _launch(self, args: list[str], env: dict[str, str]) -> None:
         executable, argv = with_deathsig(args)
@@ -251,7 +252,7 @@ class Supervised(service.Service):
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()
-        return self.stop()
+        return self.stop(self.stop_grace)
 
     def stop(self, grace: float = STOP_GRACE_S) -> Deferred[None]:
         """SIGTERM, then SIGKILL after `grace` seconds; fires when the child is gone."""

@@ -97,6 +97,13 @@ class Options(usage.Options):
         ["slot-dir", None, None, "with --spawn: llama-server's --slot-save-path (a directory)"],
         ["restart-delay", None, None, "with --spawn: seconds before a restart, MIN[:MAX] (1:60)"],
         [
+            "stop-timeout",
+            None,
+            None,
+            "with --spawn and several models: seconds from SIGTERM to SIGKILL when a model's "
+            "llama-server is unloaded (llama-server's router preset key stop-timeout; 10)",
+        ],
+        [
             "rpc",
             None,
             None,
@@ -263,6 +270,7 @@ class Options(usage.Options):
             )
         self.check_ollama()
         self._restart_delay(spawn)
+        self._stop_timeout()
         self["mode"] = "native" if self["native"] else "spawn" if spawn else "upstream"
         if self["engine_args"] and self["mode"] != "spawn":
             raise usage.UsageError(
@@ -392,6 +400,25 @@ class Options(usage.Options):
             raise usage.UsageError(str(err)) from None
         if given is not None:
             self["engine_args"] = [*self["engine_args"], "--rpc", ",".join(self["rpc_workers"])]
+
+    def _stop_timeout(self) -> None:
+        """--stop-timeout SECONDS into ``self["stop_timeout"]`` (10 when not given, as
+        llama-server's router's default): it needs --spawn with several models."""
+        given = self["stop-timeout"]
+        self["stop_timeout"] = 10
+        if given is None:
+            return
+        if not (self["spawn"] and (self["registry"] or self["max-loaded"] > 1)):
+            raise usage.UsageError(
+                "--stop-timeout is the grace of an unloaded model's llama-server: it needs "
+                "--spawn with --registry or --max-loaded above 1"
+            )
+        try:
+            self["stop_timeout"] = int(given)
+        except ValueError:
+            raise usage.UsageError(f"--stop-timeout {given}: not a whole number") from None
+        if self["stop_timeout"] < 0:
+            raise usage.UsageError(f"--stop-timeout {given}: 0 or more seconds")
 
     def _restart_delay(self, spawn: str | None) -> None:
         """--restart-delay MIN[:MAX] into ``self["restart_delay"]``; it needs --spawn."""

@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,16 @@ def pair(
     preset = directory.parent / "preset.ini"
     preset.write_text("[*]\nLLAMA_ARG_CTX_SIZE = 512\n")
     common = ["--models-dir", str(directory), "--models-preset", str(preset)]
-    common += ["--host", "127.0.0.1", "-c", "0", "-t", "2", "--no-webui"]
+    log = directory.parent / "bankml.log"
+    with side_by_side(llama_server_bin, [*common, "-c", "0"], log) as both:
+        yield both
+
+
+@contextmanager
+def side_by_side(llama_server_bin: Path, flags: list[str], log: Path) -> Iterator[Pair]:
+    """llama-server and the drop-in started with the same router ``flags`` (on loopback, two
+    threads, no web UI), both answering ``GET /models``."""
+    common = [*flags, "--host", "127.0.0.1", "-t", "2", "--no-webui"]
     theirs = free_port()
     ref = subprocess.Popen(
         [str(llama_server_bin), *common, "--port", str(theirs)],
@@ -56,8 +66,12 @@ def pair(
     )
     ours = free_port()
     args = [*common, "--listen", f"127.0.0.1:{free_port()}"]
-    log = directory.parent / "bankml.log"
-    proc = start_dropin(args, ours, log)
+    try:
+        proc = start_dropin(args, ours, log)
+    except BaseException:
+        ref.terminate()
+        ref.wait(30)
+        raise
     LOGS[ours] = log
     try:
         deadline = time.monotonic() + 120
@@ -69,10 +83,12 @@ def pair(
                 time.sleep(0.2)
         yield Pair(ours, theirs)
     finally:
+        ref.terminate()  # first: the drop-in's stop may time out (a compile under way)
         proc.terminate()
-        proc.wait(30)
-        ref.terminate()
-        ref.wait(30)
+        try:
+            proc.wait(30)
+        finally:
+            ref.wait(30)
 
 
 def models(port: int) -> dict[str, dict]:
@@ -300,3 +316,61 @@ def test_a_route_reads_the_engine_of_the_model_its_request_names(two_resident: i
                 jobs.append((alone[name], pool.submit(tokens, name)))
         for expected, job in jobs:
             assert job.result() == expected
+
+
+@pytest.fixture(scope="module")
+def three_at_two(
+    tmp_path_factory: pytest.TempPathFactory, default_model: Path, llama_server_bin: Path
+) -> Iterator[Pair]:
+    """Both routers with ``--models-max 2`` over three pinned tiny models."""
+    directory = tmp_path_factory.mktemp("router-lru") / "models"
+    directory.mkdir()
+    specs = {**TINY, "tiny-llama-third": (TinySpec("llama", T.F16), 3)}
+    for name, (spec, seed) in specs.items():
+        pin_into(directory, write_tiny_model(directory / f"{name}.gguf", spec, default_model, seed))
+    flags = ["--models-dir", str(directory), "--models-max", "2", "-c", "256"]
+    with side_by_side(llama_server_bin, flags, directory.parent / "bankml.log") as both:
+        yield both
+
+
+def settled(port: int, expected: dict[str, str]) -> dict[str, str]:
+    """Each model's status once they are ``expected`` (llama-server loads and unloads in the
+    background), else as they are after 60 s."""
+    for _ in range(300):
+        states = {n: m["status"]["value"] for n, m in models(port).items()}
+        if states == expected:
+            break
+        time.sleep(0.2)
+    return states
+
+
+def test_every_post_forwarded_marks_its_model_used_a_get_does_not(three_at_two: Pair) -> None:
+    """The least recently used model is the one unloaded at the bound, as llama-server's
+    router reckons its use: every POST forwarded to a model marks it used, one its route
+    refuses too (it neither runs on the model nor, before, made it bankml's current one), and
+    a GET does not (``GET /slots?model=`` reads the model as it is)."""
+    first, second, third = [*TINY, "tiny-llama-third"]
+
+    def load(name: str) -> None:
+        for port in three_at_two.ports:
+            status, _, raw = call(port, "POST", "/models/load", {"model": name})
+            assert (status, json.loads(raw)) == (200, {"success": True}), port
+            loaded(port, name)
+
+    load(first)
+    load(second)  # first is the least recently used
+    # a completion with no prompt, naming the first model: refused by its route on both
+    refused = three_at_two.both("POST", "/completion", {"model": first})
+    assert refused[0][0] == refused[1][0] == 400, refused
+    load(third)  # the second is now the least recently used: unloaded
+    expected = {first: "loaded", second: "unloaded", third: "loaded"}
+    for port in three_at_two.ports:
+        assert settled(port, expected) == expected, port
+    # a GET naming the first model: answered from it, and not a use of it
+    for port in three_at_two.ports:
+        status, _, raw = call(port, "GET", f"/slots?model={first}")
+        assert status == 200 and json.loads(raw)[0]["n_ctx"] == 256, (port, raw)
+    load(second)  # the first, used before the third was loaded, is unloaded
+    expected = {first: "unloaded", second: "loaded", third: "loaded"}
+    for port in three_at_two.ports:
+        assert settled(port, expected) == expected, port

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,6 +208,7 @@ def test_bankml_usage_metrics_and_v1_models_cover_every_model(
     metrics = get_json(server, "/bankml/metrics")["models"]
     mine = metrics[second]
     assert mine["resident"] is True and mine["requests"] == before["requests"] + 1
+    assert mine["completions"] == before["completions"] + 1
     for key in ("prompt_tokens", "completion_tokens"):
         assert mine[key] == before[key] + usage_of[key]
     assert mine["rss_bytes"] > 0 and mine["pid"] == engines(server)[f"{second}.gguf"]
@@ -213,6 +216,7 @@ def test_bankml_usage_metrics_and_v1_models_cover_every_model(
     assert metrics["tiny-changed"] == {
         "resident": False,
         "requests": 0,
+        "completions": 0,
         "prompt_tokens": 0,
         "completion_tokens": 0,
     }
@@ -225,6 +229,101 @@ def test_bankml_usage_metrics_and_v1_models_cover_every_model(
     assert files == {default_model.name, *(f"{n}.gguf" for n in [*TINY, "tiny-changed"])}
     resident = [e for e in listed["data"] if Path(e["id"]).name == f"{second}.gguf"]
     assert "meta" in resident[0]  # its llama-server's own entry
+
+
+def post(server: BankmlProcess, path: str, body: dict) -> int:
+    """The status of a JSON POST (an error status too)."""
+    request = urllib.request.Request(
+        server.url + path, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        err.read()
+        return int(err.code)
+
+
+def test_every_forwarded_request_counted_on_its_model(server: BankmlProcess) -> None:
+    """/bankml/metrics' and /bankml/usage's ``requests`` of a model grow by exactly one for
+    each request of any kind routed to its llama-server (answered or refused there);
+    ``completions`` only for a completion; a request naming an unknown model counts nowhere."""
+    second = list(TINY)[1]
+    assert complete(server, second)[0]  # resident now
+    kinds = [
+        ("/tokenize", {"content": PROMPT}),
+        ("/detokenize", {"tokens": [1, 2, 3]}),
+        ("/v1/embeddings", {"input": PROMPT}),
+        ("/apply-template", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/completion", {"prompt": PROMPT, "n_predict": 1}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        ),
+    ]
+    for path, body in kinds:
+        before = get_json(server, "/bankml/metrics")["models"]
+        status = post(server, path, {**body, "model": second})
+        after = get_json(server, "/bankml/metrics")["models"]
+        assert after[second]["requests"] == before[second]["requests"] + 1, (path, status)
+        completion = path in ("/completion", "/v1/chat/completions")
+        assert after[second]["completions"] == before[second]["completions"] + completion, path
+        others = {n: m["requests"] for n, m in after.items() if n != second}
+        assert others == {n: m["requests"] for n, m in before.items() if n != second}, path
+    before = get_json(server, "/bankml/metrics")["models"]
+    assert post(server, "/tokenize", {"content": PROMPT, "model": "no-such-model"}) == 404
+    assert post(server, "/tokenize", {"content": PROMPT, "model": second}) == 200
+    sent = time.time()
+    deadline = time.monotonic() + 15
+    while True:  # /bankml/usage is a sample: one taken after the requests
+        sampled = get_json(server, "/bankml/usage")
+        if sampled["sampled_at"] > sent or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    after = sampled["models"]
+    assert {n: m["requests"] for n, m in after.items()} == {
+        n: m["requests"] + (n == second) for n, m in before.items()
+    }
+
+
+STUBBORN = """#!{python}
+# llama-server under a parent that ignores SIGTERM (a llama-server slow to stop): the child
+# dies with this process (PR_SET_PDEATHSIG), so only a SIGKILL ends both
+import ctypes, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def die_with_parent():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+child = subprocess.Popen([{real!r}, *sys.argv[1:]], preexec_fn=die_with_parent)
+sys.exit(child.wait())
+"""
+
+
+def test_stop_timeout_is_an_unloaded_llama_servers_grace(
+    tmp_path: Path,
+    registry: Path,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    reference: dict[str, str],
+) -> None:
+    """--stop-timeout 1: the llama-server of a model unloaded to make room (--max-loaded 1)
+    that does not end on SIGTERM is killed 1 s later, and the model asked for answers."""
+    stubborn = tmp_path / "stubborn-llama-server"
+    stubborn.write_text(STUBBORN.format(python=sys.executable, real=str(llama_server_bin)))
+    stubborn.chmod(0o755)
+    log = tmp_path / "bankml.log"
+    engine = ["--spawn", str(stubborn), "--upstream", f"127.0.0.1:{free_port()}"]
+    engine += ["--registry", str(registry), "--max-loaded", "1", "--stop-timeout", "1"]
+    first = list(TINY)[0]
+    with BankmlProcess(default_model, default_fork, engine, log) as proc:
+        old = engines(proc)[default_model.name]
+        assert complete(proc, first)[0] == reference[first]
+        assert process_gone(old)
+        assert set(engines(proc)) == {f"{first}.gguf"}
+    text = log.read_text()
+    assert "still running after 1 s: SIGKILL" in text, text[-3000:]
 
 
 def test_several_models_need_spawn_or_native(llama_server_bin: Path, tmp_path: Path) -> None:
@@ -241,10 +340,16 @@ def test_several_models_need_spawn_or_native(llama_server_bin: Path, tmp_path: P
     spawn = ["--spawn", str(llama_server_bin)]
     got = parsed(*spawn, "--registry", str(tmp_path), "--max-loaded", "3")
     assert (got["registry"], got["max-loaded"], got["mode"]) == (str(tmp_path), 3, "spawn")
+    assert got["stop_timeout"] == 10  # llama-server's router's default
+    several = [*spawn, "--max-loaded", "2"]
+    assert parsed(*several, "--stop-timeout", "0")["stop_timeout"] == 0
     for args, words in (
         (["--max-loaded", "2"], "it needs --native or --spawn"),
         (["--registry", str(tmp_path)], "needs --native"),
         ([*spawn, "--max-loaded", "0"], "--max-loaded: at least 1"),
+        ([*spawn, "--stop-timeout", "5"], "--stop-timeout is the grace"),
+        ([*several, "--stop-timeout", "1.5"], "not a whole number"),
+        ([*several, "--stop-timeout", "-1"], "0 or more seconds"),
     ):
         with pytest.raises(usage.UsageError) as err:
             parsed(*args)

@@ -926,14 +926,40 @@ class RouterModels:
             return 400, error_object(400, "model is not loaded", "invalid_request_error")
         return None
 
-    def engine_view(self, name: str) -> Any:
+    def engine_view(self, name: str, touch: bool = True) -> Any:
         """On the reactor thread: the engine a route reads for a request naming ``name`` (an
-        id or an alias) when that model is the engine's current one (nothing to load, swap or
-        mark as used): the NativeEngine pinned to it (``NativeEngine.pinned``), so a run for
-        another model swapped in meanwhile cannot change it; None otherwise (the gate makes
-        it ready first, ``ready_view``)."""
+        id or an alias) when nothing is to be loaded or swapped first: the NativeEngine pinned
+        to it (``NativeEngine.pinned``), so a run for another model swapped in meanwhile cannot
+        change it. A request that marks its model used (``touch``: a POST) gets it when the
+        model is the engine's current one (the most recently used: ``touch`` refreshes its
+        keep-alive); one that does not (a GET, as llama-server's router's ``proxy_get``) when
+        the model is resident and its file unchanged, read without making it current or used.
+        None otherwise (the gate makes it ready first, ``ready_view``)."""
         view = self._view(name)
-        return view if view is not None and view.engine is self.host.native.engine else None
+        if view is None:
+            return None
+        if not touch:
+            host = self.host
+            here = host.residency.get(host.router_pins[host.router_names[name]].name)
+            return view if here is not None and host.residency.unchanged(here) else None
+        return view if view.engine is self.host.native.engine else None
+
+    def touch(self, name: str) -> None:
+        """On the engine thread, for every POST the gate forwards to a model (llama-server's
+        router sets the model's last use in ``proxy_request``, whatever its child answers): a
+        resident model (an id or an alias) made the most recently used (and the engine's
+        current one) and its keep-alive started again; nothing when it is not resident (a load
+        marks it) or its file changed (the request's own answer says so)."""
+        host = self.host
+        routed = host.router_names.get(name)
+        pin = host.router_pins.get(routed) if routed is not None else None
+        if pin is None or host.residency.get(pin.name) is None:
+            return
+        try:
+            host._acquire(pin)
+        except OllamaError:
+            return
+        host.residency.touch(pin.name, host.keep_alive, host.clock())
 
     def ready_view(self, name: str, autoload: bool | None) -> tuple[Any, Any]:
         """On the engine thread: ``ready`` (loaded if need be, made the engine's, marked as

@@ -110,8 +110,12 @@ class SpawnedModels:
         max_loaded: int,
         budget: int | None,
         need: Callable[[Pin], int] | None = None,
+        stop_timeout: float = 10.0,
     ) -> None:
         self.registry = registry
+        # --stop-timeout: an unloaded model's llama-server gets this long from SIGTERM to
+        # SIGKILL (llama-server's router: a preset's stop-timeout, 10 s by default)
+        self.stop_timeout = stop_timeout
         self.startup = startup
         self.receipt_key = startup.receipt_key  # /bankml's receipt_keyid: every model's key
         self.parent = parent
@@ -130,11 +134,13 @@ class SpawnedModels:
         )
         self.need = self.residency.need
         self._hashed: dict[str, Verified] = {}  # path -> verified off the reactor thread
+        self.forwarded: dict[str, int] = {}  # pin name -> requests routed to its llama-server
 
     def adopt_startup(self, engine: EngineProcess) -> None:
         """The startup model's llama-server (brought up by the service before it listens) is the
         first resident."""
         pin = self.pins_for_llama(self.registry.pins[0])
+        engine.stop_grace = self.stop_timeout
         running = Running(self.startup, engine, succeed(None))
         self.gateways[pin.name] = self.startup
         now = self.startup.reactor.seconds()
@@ -182,6 +188,7 @@ class SpawnedModels:
         gateway.upstream = (host, free_loopback_port(host))
         engine = self.make_engine(gateway)
         engine.name = f"engine {name}"  # the service's children are named uniquely
+        engine.stop_grace = self.stop_timeout  # when unloaded, and when bankml stops
         if self.parent is not None:
             engine.setServiceParent(self.parent)
         return Running(gateway, engine, engine.start())
@@ -192,7 +199,7 @@ class SpawnedModels:
         if running.engine.parent is not None:
             running.engine.disownServiceParent()  # stops it (SIGTERM, then SIGKILL)
         else:
-            running.engine.stop()
+            running.engine.stop(self.stop_timeout)
 
     # -- /bankml, /bankml/usage, /bankml/metrics: every model --------------------------------
 
@@ -208,16 +215,18 @@ class SpawnedModels:
         return {**self.startup.describe(), "models": models}
 
     def models_state(self) -> dict[str, Any]:
-        """Each served model's answers (``requests``: those with a completion receipt, and
-        their tokens as llama-server reported them), whether it is resident, and a resident
-        one's memory: ``need_bytes`` (``--models-memory``'s reckoning), ``rss_bytes`` (its
-        llama-server's resident set), ``pid``, ``in_use``, ``loaded_at``."""
+        """Each served model's requests (``requests``: every request routed to its
+        llama-server, whatever its route; ``completions``: the answers with a completion
+        receipt, and their tokens as llama-server reported them), whether it is resident, and
+        a resident one's memory: ``need_bytes`` (``--models-memory``'s reckoning),
+        ``rss_bytes`` (its llama-server's resident set), ``pid``, ``in_use``, ``loaded_at``."""
         out: dict[str, Any] = {}
         for pin in self.registry.pins:
             gateway = self.gateways.get(pin.name)
             entry: dict[str, Any] = {
                 "resident": False,
-                "requests": gateway.answered if gateway is not None else 0,
+                "requests": self.forwarded.get(pin.name, 0),
+                "completions": gateway.answered if gateway is not None else 0,
                 "prompt_tokens": gateway.prompt_tokens if gateway is not None else 0,
                 "completion_tokens": gateway.completion_tokens if gateway is not None else 0,
             }
@@ -360,6 +369,8 @@ class SpawnedModels:
             return
         if gone(request):
             return
+        name = resident.pin.name
+        self.forwarded[name] = self.forwarded.get(name, 0) + 1
         running.routes.render(request)
 
 

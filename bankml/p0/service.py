@@ -171,6 +171,7 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
             max_loaded=int(options["max-loaded"]),
             budget=options["models-memory"],
             need=llama_server_need(options),
+            stop_timeout=float(options.get("stop_timeout", 10)),
         )
         models.adopt_startup(engine)
     if models is not None:  # /bankml/usage: every resident model's llama-server, each model

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Protocol
 
+from twisted.logger import Logger
 from twisted.web.resource import Resource, getChildForRequest
 from twisted.web.server import NOT_DONE_YET, Request
 
@@ -21,6 +22,8 @@ from bankml.resources.llama import _write_failure
 from bankml.resources.runs import read_json_object
 from bankml.serving.routes import LlamaRoute, NotFound
 from bankml.serving.writers import JsonResource, gone, write_json
+
+_log = Logger(namespace="bankml.router")
 
 
 class Router(Protocol):
@@ -43,7 +46,9 @@ class Router(Protocol):
 
     def check(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None: ...
 
-    def engine_view(self, name: str) -> Any: ...
+    def engine_view(self, name: str, touch: bool = True) -> Any: ...
+
+    def touch(self, name: str) -> None: ...
 
     def ready_view(
         self, name: str, autoload: bool | None
@@ -309,10 +314,17 @@ class RouterGate(Resource):
         refused = self.router.check(name, autoload)
         if refused is not None:
             return _Answer(*refused)
+        post = request.method == b"POST"
+        if post:
+            # llama-server's router marks a model used by every POST it forwards to it
+            # (``proxy_post``: its last use, the least recently used one unloaded first),
+            # whatever its child answers; a GET forwarded marks nothing (``proxy_get``)
+            touched = self.router.bridge.call(self.router.touch, name)
+            touched.addErrback(lambda f: _log.failure("marking {name} used", f, name=name))
         if kind == b"self":
             return child
-        view = self.router.engine_view(name)
-        if view is not None:  # the current model: the route reads its engine, whatever comes
+        view = self.router.engine_view(name, touch=post)
+        if view is not None:  # the route reads that model's engine, whatever comes
             return _Pinned(child, view)
         return _WhenReady(self.router, child, name, autoload)
 

@@ -16,8 +16,9 @@ says its file. A key is a llama-server flag without its dashes, any spelling (``
 ``ctx-size``), or its environment variable (``LLAMA_ARG_CTX_SIZE``: ``ENV_NAMES``); a flag without a value takes a boolean (``on``/``true``/``1``/``enabled`` or
 their opposites; ``no-jinja = false`` is ``jinja``). Three keys are the preset's own:
 ``load-on-startup`` (the model is loaded, verified, at start), ``stop-timeout`` (read, and
-without effect: bankml stops no child process) and ``dedup-cache-models`` (no effect: bankml
-lists no cache).
+without effect: bankml stops no child process) and ``dedup-cache-models`` (no effect:
+llama-server hides its download cache's listing of a file a section downloads with
+``hf-repo``; bankml lists no cache and refuses ``hf-repo``).
 
 As llama-server's router, a model's options are ``[*]``'s, then its section's, then those the
 command line gives over both (``-c 0`` too). Without DIR the sections are the models. bankml applies per model what its native engine keeps per model
