@@ -73,6 +73,14 @@ def bert_plain_pair(
     yield from _pair(["-np", "2"], minilm_f16, llama_server_bin, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def bert_slots_pair(
+    minilm_f16: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
+    flags = ["--embeddings", "-np", "4", "-kvu"]
+    yield from _pair(flags, minilm_f16, llama_server_bin, tmp_path_factory)
+
+
 def f32(values: Any) -> numpy.ndarray:
     return numpy.asarray(values, dtype=numpy.float64).astype(numpy.float32)
 
@@ -162,6 +170,30 @@ def test_a_refused_completion_is_a_task_as_llama_servers(bert_pair: Pair) -> Non
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     moved = assert_tasks_counted_alike(bert_pair, [("/v1/chat/completions", chat)], [500])
     assert set(moved.values()) == {0}
+
+
+def test_several_slots_mean_differs_from_llama_servers_batch_as_documented(
+    bert_slots_pair: Pair, bert_pair: Pair
+) -> None:
+    """``-np 4 -kvu`` (mean, the GGUF's pooling) on a fresh server, four inputs in one request:
+    bankml answers each input's one-slot vector (llama-server ``-np 1``'s bits), where
+    llama-server's own move with the micro-batch it builds (docs/modules/embeddings.md,
+    "Several slots"): the last input, first in the batch, by the pooling's rounding only; the
+    others' hidden states already differ (the attention over the whole micro-batch)."""
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
+    body = {"input": [*texts, "zz " * 40], "embd_normalize": -1}
+    ours, theirs = (post(p, "/v1/embeddings", body) for p in bert_slots_pair.ports)
+    alone = post(bert_pair.ports[1], "/v1/embeddings", body)  # llama-server -np 1
+    assert ours[0] == theirs[0] == alone[0] == 200
+    mine = [f32(d["embedding"]) for d in ours[1]["data"]]
+    for a, b in zip(mine, alone[1]["data"], strict=True):
+        assert numpy.array_equal(a, f32(b["embedding"]))
+    rel = [
+        float(numpy.linalg.norm(a - f32(b["embedding"])) / numpy.linalg.norm(a))
+        for a, b in zip(mine, theirs[1]["data"], strict=True)
+    ]
+    assert 0 < rel[3] < 1e-6, rel  # measured 1.3e-7
+    assert all(1e-5 < r < 1e-2 for r in rel[:3]), rel  # measured 6.8e-4, 5.9e-4, 7.3e-4
 
 
 def test_pooling_none_gives_every_tokens_vector(bert_none_pair: Pair) -> None:

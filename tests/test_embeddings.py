@@ -17,6 +17,7 @@ import pytest
 
 from tests.bankml_process import check_receipt_cli
 from tests.dropin import Pair, assert_tasks_counted_alike, call, pair_fixture
+from tests.support import LlamaServer
 
 mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-c", "2048", "--metrics"])
 last_pair = pair_fixture(["--embeddings", "--pooling", "last", "--embd-normalize", "3"])
@@ -24,6 +25,8 @@ none_pair = pair_fixture(["--embeddings", "--pooling", "none"])
 # four slots, one cache: llama-server batches a request's inputs, and its cls vectors stay each
 # input's own (docs/modules/embeddings.md)
 slots_pair = pair_fixture(["--embeddings", "--pooling", "cls", "-np", "4", "-kvu"])
+# the same with mean pooling: llama-server's vectors then depend on the batch (documented below)
+kvu_mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu"])
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4]
 
@@ -222,6 +225,71 @@ def test_several_slots_batched_inputs_with_cls_pooling_are_llama_servers_bits(
     assert s1 == s2 == 200 and len(ours["data"]) == 3
     for a, b in zip(ours["data"], theirs["data"]):
         assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+
+
+def test_several_slots_mean_pooling_differs_from_llama_servers_batch_as_documented(
+    kvu_mean_pair: Pair, mean_pair: Pair
+) -> None:
+    """``-np 4 -kvu --pooling mean`` on a fresh server, one request of four inputs: bankml
+    answers each input's one-slot vector (llama-server ``-np 1``'s, bit for bit), where
+    llama-server's own differ (docs/modules/embeddings.md, "Several slots"). llama-server puts
+    the inputs on slots 3, 2, 1, 0 and batches them in slot order: the last input, first in its
+    micro-batch, differs by the pooling's rounding only; the others' hidden states already
+    differ (its attention over the shared cache), by a relative 0.010 to 0.014 here."""
+    body = {"input": ["Hello world", TEXTS[1], "a b c", "zz " * 40], "embd_normalize": -1}
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in kvu_mean_pair.ports)
+    s3, alone, _ = post(mean_pair.ports[1], "/v1/embeddings", body)  # llama-server -np 1
+    assert s1 == s2 == s3 == 200
+    mine = [f32(d["embedding"]) for d in ours["data"]]
+    for a, b in zip(mine, alone["data"], strict=True):
+        assert numpy.array_equal(a, f32(b["embedding"]))
+    rel = [
+        float(numpy.linalg.norm(a - f32(b["embedding"])) / numpy.linalg.norm(a))
+        for a, b in zip(mine, theirs["data"], strict=True)
+    ]
+    assert 0 < rel[3] < 1e-6, rel  # measured 1.6e-7: the same rows, summed in tinyBLAS's lanes
+    assert all(1e-3 < r < 0.05 for r in rel[:3]), rel  # measured 0.0103, 0.0142, 0.0117
+    assert ours["usage"] == theirs["usage"]
+
+
+def tinyblas_mean(rows: numpy.ndarray, offset: int) -> numpy.ndarray:
+    """ggml's mean pooling of a sequence batched with others (llamafile_sgemm's f32 tinyBLAS on
+    AVX2): one 8-lane accumulator, lane = row of the micro-batch mod 8, each row one fma (here
+    in double, then rounded: exact but for a double-rounding tie), then hsum's pairs."""
+    w = numpy.float32(numpy.float32(1.0) / numpy.float32(rows.shape[0]))
+    acc = numpy.zeros((8, rows.shape[1]), numpy.float32)
+    for i, row in enumerate(rows):
+        lane = (offset + i) % 8
+        acc[lane] = (row.astype(numpy.float64) * float(w) + acc[lane]).astype(numpy.float32)
+    pairs = [acc[i + 4] + acc[i] for i in range(4)]
+    return (pairs[0] + pairs[2]) + (pairs[1] + pairs[3])
+
+
+def test_llama_servers_batched_mean_is_tinyblas_lanes_of_unchanged_states(
+    none_pair: Pair, default_model: Path, llama_server_bin: Path
+) -> None:
+    """Below 64 tokens in its micro-batch llama-server ``-np 4 -kvu`` keeps every input's hidden
+    states (bankml's, taken from ``--pooling none``) and pools each by tinyBLAS's lanes at the
+    input's row in the batch (the request's inputs on slots 3, 2, 1, 0, batched in slot order),
+    where one input alone is the vec_dot of pooling.mean_rows (docs/modules/embeddings.md)."""
+    from bankml.engine_cupy.pooling import mean_rows
+
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog.", "a b c", "zz " * 8]
+    status, states, _ = post(none_pair.ports[0], "/embedding", {"content": texts})
+    assert status == 200
+    rows = [f32(s["embedding"]) for s in sorted(states, key=lambda s: s["index"])]
+    lengths = [len(r) for r in rows]
+    assert sum(lengths) < 64
+    offsets = [sum(lengths[i + 1 :]) for i in range(len(rows))]
+    flags = ["--embeddings", "--pooling", "mean", "-np", "4", "-kvu"]
+    with LlamaServer(default_model, args=flags, binary=llama_server_bin) as ref:
+        body = {"input": texts, "embd_normalize": -1}
+        status, theirs, _ = post(ref.port, "/v1/embeddings", body)
+    assert status == 200
+    got = [f32(d["embedding"]) for d in theirs["data"]]
+    for r, o, g in zip(rows, offsets, got, strict=True):
+        assert numpy.array_equal(tinyblas_mean(r, o), g)
+    assert not all(numpy.array_equal(mean_rows(r), g) for r, g in zip(rows, got, strict=True))
 
 
 def test_none_pooling_gives_every_tokens_vector(none_pair: Pair, tmp_path: Path) -> None:
