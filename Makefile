@@ -9,9 +9,9 @@ MODEL       := models/SmolLM2-135M-Instruct.Q4_1.gguf
 FORK        := $(MODEL).FORK.json
 LISTEN      ?= 127.0.0.1:18093
 UPSTREAM    ?= 127.0.0.1:18092
-# the suite's files on two processes: most tests wait on a server, so one process leaves a core
-# idle much of the time (each file's tests stay together, on one process)
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# pytest's own arguments; `PYTEST_ARGS='-n 2 --dist loadfile'` runs two test files at a time
+# (pytest-xdist), not the default: its speed on 2 cores is not measured yet
+PYTEST_ARGS ?=
 
 .PHONY: serve serve-p0 test lint bench venv test-deps model llama-source llama-server clean
 
