@@ -25,6 +25,7 @@ from bankml.engine_cupy.device_model import DeviceModel
 from bankml.engine_cupy.weights import open_reader, read_hparams
 from tests.fake_cupy import READS, WRITES
 from tests.fake_cupy_kernels import KernelCupy
+from tests.test_device_rows import _state
 from tests.tiny_models import TinySpec, write_tiny_model
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 28, 11, 2029]
@@ -51,18 +52,6 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -
         TinySpec("qwen2", T.Q8_0),  # biases, NEOX RoPE, Q8_0 embedding rows
     ]
     return {s.name: write_tiny_model(out / f"{s.name}.gguf", s, default_model) for s in specs}
-
-
-def _state(seq: ds.DeviceSequence) -> tuple[bytes, ...]:
-    n = seq.n_tokens
-    return (
-        seq.logits.host_view.tobytes(),
-        seq.token.host_view.tobytes(),
-        seq.pos.host_view.tobytes(),
-        seq.k.host_view[:, :, :n].tobytes(),
-        seq.v.host_view[:, :, :n].tobytes(),
-        n.to_bytes(4, "little"),
-    )
 
 
 def _steps(
