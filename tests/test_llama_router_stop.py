@@ -27,7 +27,7 @@ from tests.tiny_models import TinySpec, write_tiny_model
 NAME, OTHER = "smol", "tiny-llama-q4_1"
 TINY = TinySpec("llama", T.Q4_1)
 # a generation that would last minutes on the CPU (ignore_eos: to its max_tokens)
-LONG = {"prompt": "Once upon a time", "max_tokens": 6000, "ignore_eos": True, "model": NAME}
+LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "model": NAME}
 SHORT = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "model": NAME}
 
 
@@ -83,10 +83,13 @@ def state(port: int, name: str = NAME) -> str:
 
 
 def wait_generating(port: int, running: Future) -> None:
-    """Once the long generation runs (GET /metrics answers beside it, not queued)."""
+    """Once the long generation runs (GET /metrics answers beside it, not queued; its model is
+    loaded before, so the engine thread's one job is the run), and a moment more (its run
+    holds its model from its first step)."""
     for _ in range(1200):
         assert not running.done(), running.result()
         if processing(port) > 0:
+            time.sleep(0.5)
             return
         time.sleep(0.1)
     raise AssertionError("the generation did not start")
@@ -132,6 +135,7 @@ def test_a_generation_that_ends_first_is_answered_in_full(server: int) -> None:
 def test_a_model_unloaded_to_make_room_is_stopped_after_its_stop_timeout(server: int) -> None:
     """At ``--models-max 1`` a request for the other model unloads the generating one: its
     stop-timeout runs, its generation ends with a 503, and the other model answers."""
+    assert call(server, "POST", "/models/load", {"model": NAME})[0] == 200
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(call, server, "POST", "/v1/completions", LONG)
         wait_generating(server, running)
