@@ -101,7 +101,9 @@ class Options(usage.Options):
             None,
             None,
             "with --spawn and several models: seconds from SIGTERM to SIGKILL when a model's "
-            "llama-server is unloaded (llama-server's router preset key stop-timeout; 10)",
+            "llama-server is unloaded; in native router mode: how long an unloaded model's "
+            "running generation may go on before it is stopped (llama-server's router preset "
+            "key stop-timeout; 10)",
         ],
         [
             "rpc",
@@ -403,15 +405,19 @@ class Options(usage.Options):
 
     def _stop_timeout(self) -> None:
         """--stop-timeout SECONDS into ``self["stop_timeout"]`` (10 when not given, as
-        llama-server's router's default): it needs --spawn with several models."""
+        llama-server's router's default): it needs --spawn with several models, or native
+        router mode (``--models-dir``/``--models-preset``: the grace of a generation running
+        on a model that is unloaded)."""
         given = self["stop-timeout"]
         self["stop_timeout"] = 10
         if given is None:
             return
-        if not (self["spawn"] and (self["registry"] or self["max-loaded"] > 1)):
+        several = self["spawn"] and (self["registry"] or self["max-loaded"] > 1)
+        if not (several or (self["native"] and self.get("router"))):
             raise usage.UsageError(
                 "--stop-timeout is the grace of an unloaded model's llama-server: it needs "
-                "--spawn with --registry or --max-loaded above 1"
+                "--spawn with --registry or --max-loaded above 1, or native router mode "
+                "(--models-dir or --models-preset)"
             )
         try:
             self["stop_timeout"] = int(given)

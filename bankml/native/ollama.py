@@ -68,6 +68,10 @@ if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
 
 
+# llama-server's router's DEFAULT_STOP_TIMEOUT: the seconds an unloaded model's running
+# generation may go on (a preset's stop-timeout, or --stop-timeout, says otherwise)
+DEFAULT_STOP_TIMEOUT = 10
+
 # a layer's parameters under their /v1 names ("": not a /v1 field; num_ctx is the server's)
 V1_PARAMETERS = {"num_predict": "max_tokens", "num_ctx": ""}
 
@@ -284,6 +288,7 @@ class OllamaHost:
             # one resident at most: each request loads the model it names, as llama-server's)
             native.select = self.select
             native.hold = self.hold
+            native.stopping = self.stopping
             native.residents = self.residents
 
     @property
@@ -675,6 +680,9 @@ class OllamaHost:
 
         bridge = self.bridge
         if bridge is not None and bridge.can_wait_on():
+            # a model it unloads to make room gets its stop-timeout, should it be generating
+            if self.options.get("router"):
+                self.native.reactor.callFromThread(self.arm_stop_for_room, pin)
             return bridge.call_and_wait(load)
         return load()
 
@@ -709,9 +717,72 @@ class OllamaHost:
 
         def release() -> None:
             here.in_use -= 1
+            if here.in_use == 0:  # its generations ended: an armed stop-timeout is moot
+                here.stopping = None
+                timer, here.stop_timer = here.stop_timer, None
+                reactor = self.native.reactor
+                if timer is not None and reactor is not None:
+                    reactor.callFromThread(_disarm, timer)
             self.residency.touch(pin.name, self.keep_alive, self.clock())
 
         return here.handle, release
+
+    def stopping(self, choice: Choice) -> str | None:
+        """Polled by a run on ``choice``'s model, each step: why it is being stopped (its
+        model's unload outlasted its stop-timeout: ``arm_stop``), None while it may go on."""
+        here = self.residency.get(choice.name)
+        return here.stopping if here is not None else None
+
+    def stop_timeout_of(self, pin: Pin) -> float:
+        """Router mode's stop-timeout of ``pin``'s model: its preset's ``stop-timeout`` (as
+        llama-server's router reads it: an unreadable one is the default 10), else the
+        server's ``--stop-timeout`` (10 when not given, llama-server's default)."""
+        name = self.router_ids.get(pin.name)
+        model = self.router.models.get(name) if self.router is not None and name else None
+        given = model.given.get("stop-timeout") if model is not None else None
+        if given is not None:
+            try:
+                return float(int(given))
+            except ValueError:
+                return float(DEFAULT_STOP_TIMEOUT)
+        return float(self.options.get("stop_timeout", DEFAULT_STOP_TIMEOUT))
+
+    def arm_stop(self, here: Resident, why: str) -> None:
+        """On the reactor thread, when ``here`` is to be unloaded (``why``) while it may be
+        generating: its stop-timeout armed; when it runs out with a generation still running
+        on the model, that generation ends at its next step and is answered with a 503 (the
+        unload, queued behind it, then goes on). Nothing when no reactor runs or one is armed;
+        disarmed when its last generation ends first (``hold``'s release)."""
+        reactor = self.native.reactor
+        if reactor is None or here.stop_timer is not None or here.in_use == 0:
+            return
+        timeout = self.stop_timeout_of(here.pin)
+        name = self.answer_name(here.pin.path or here.verified.path)
+
+        def fire() -> None:
+            here.stop_timer = None
+            if here.in_use > 0:
+                self.log(f"{name}: stop-timeout of {timeout:g} s ran out ({why}): stopping it")
+                here.stopping = (
+                    f"model '{name}' was unloaded ({why}) and its stop-timeout of {timeout:g} s "
+                    "ran out: this generation was stopped; send the request again"
+                )
+
+        here.stop_timer = reactor.callLater(timeout, fire)
+
+    def arm_stop_for_room(self, pin: Pin) -> None:
+        """On the reactor thread, before a load of ``pin`` is queued on a one-slot engine
+        thread (where it waits behind the running generation): when the load will have to
+        unload the least recently used model and every resident one is generating, that
+        one's stop-timeout armed (``arm_stop``), as llama-server's router stops the least
+        recently used instance to make room."""
+        bridge = self.bridge
+        if bridge is None or bridge.scheduler is not None or self.residency.get(pin.name):
+            return
+        residents = list(self.residency.residents.values())
+        if len(residents) < self.residency.max_loaded or any(r.in_use == 0 for r in residents):
+            return
+        self.arm_stop(residents[0], "another model was asked for")
 
     def _open_model(self, verified: Any) -> Any:
         """Residency's loader: the verified file's engine, swapped into the NativeEngine (as
@@ -1037,6 +1108,23 @@ class RouterModels:
                 problems.append(f"{name}: not loaded at start: {body['error']['message']}")
         return problems
 
+    def before(self, action: str, name: Any) -> None:
+        """On the reactor thread, before a ``load`` or ``unload`` of model ``name`` (an id or
+        an alias; a request's named model for a load) is queued on the engine thread: the
+        stop-timeout of the model it unloads armed when that model is generating
+        (``OllamaHost.arm_stop``), so the unload never waits on a generation longer."""
+        host = self.host
+        routed = host.router_names.get(name) if isinstance(name, str) else None
+        pin = host.router_pins.get(routed) if routed is not None else None
+        if pin is None:
+            return
+        if action == "unload":
+            here = host.residency.get(pin.name)
+            if here is not None:
+                host.arm_stop(here, "POST /models/unload")
+        else:
+            host.arm_stop_for_room(pin)
+
     def unload(self, body: Any) -> tuple[int, dict[str, Any]]:
         """On the engine thread: ``POST /models/unload``; (status, body)."""
         name = self._named(body)
@@ -1046,6 +1134,12 @@ class RouterModels:
         if pin is None or not self.host.residency.unload(pin.name):
             return 400, error_object(400, "model is not running", "invalid_request_error")
         return 200, {"success": True}
+
+
+def _disarm(timer: Any) -> None:
+    """A stop-timeout that has not run yet, cancelled (on the reactor thread)."""
+    if timer.active():
+        timer.cancel()
 
 
 def _router_id(file: str) -> str:

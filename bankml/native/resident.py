@@ -150,6 +150,9 @@ class NativeEngine:
         # ... and on the engine thread, as a run parsed for a Choice starts: (its model's
         # engine, the release to call when the run ends); never unloaded in between
         self.hold: Callable[[Any], tuple[Any, Callable[[], None]]] | None = None
+        # ... and, polled during the run: why its model's generations are being stopped (router
+        # mode's stop-timeout ran out on an unload), None while they may go on
+        self.stopping: Callable[[Any], str | None] | None = None
         # ... and the resident models as /bankml/metrics lists them (their memory, their use)
         self.residents: Callable[[], dict[str, Any]] | None = None
         # with several models: each model's own requests and tokens (pin name -> counts)
@@ -334,10 +337,21 @@ class NativeEngine:
                 )
             else:
                 run_on = engine
+            stopping = self.stopping if chosen is not None and release is not None else None
+
+            def until() -> bool:
+                # router mode's stop-timeout: the run ends at its next step once its model's
+                # unload ran out of patience, and is answered with a 503 (no receipt)
+                return cancelled() or (stopping is not None and stopping(chosen) is not None)
+
             try:
-                yield from prompt_steps(run_on, prompts, first_index)(cancelled, forwards)
-            except RequestError as err:
-                raise refusal_of(err) from None
+                try:
+                    yield from prompt_steps(run_on, prompts, first_index)(until, forwards)
+                except RequestError as err:
+                    raise refusal_of(err) from None
+                stopped = stopping(chosen) if stopping is not None else None
+                if stopped is not None and not cancelled():
+                    raise ApiError.of(503, stopped)
             finally:
                 if release is not None:
                     release()

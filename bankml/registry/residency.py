@@ -61,6 +61,10 @@ class Resident:
     context_length: int = 0
     in_use: int = 0  # requests running on it now: it is never unloaded under them
     need: int = 0  # the bytes it was reckoned to need (file and KV cache) when it was loaded
+    # router mode's stop-timeout: armed (a reactor DelayedCall) when the model is unloaded
+    # while it generates; once it fires, ``stopping`` says why its running generations end
+    stop_timer: Any = None
+    stopping: str | None = None
 
     @property
     def ident(self) -> FileIdent:

@@ -46,6 +46,8 @@ class Router(Protocol):
 
     def check(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None: ...
 
+    def before(self, action: str, name: Any) -> None: ...
+
     def engine_view(self, name: str, touch: bool = True) -> Any: ...
 
     def touch(self, name: str) -> None: ...
@@ -159,6 +161,8 @@ class RouterAction(JsonResource):
             write_json(request, err.status, err.as_bytes())
             return NOT_DONE_YET
         job = self.router.load if self.action == "load" else self.router.unload
+        # the model it unloads gets its stop-timeout, should it be generating (router mode)
+        self.router.before(self.action, body.get("model") if isinstance(body, dict) else None)
         d = self.router.bridge.call(job, body)
         d.addCallback(lambda answer: write_json(request, answer[0], dumps(answer[1])))
         d.addErrback(_write_failure(request))
@@ -397,6 +401,7 @@ class _WhenReady(Resource):
         self.autoload = autoload
 
     def render(self, request: Request) -> Any:
+        self.router.before("load", self.name)  # a model it unloads: its stop-timeout
         d = self.router.bridge.call(self.router.ready_view, self.name, self.autoload)
 
         def go_on(answer: tuple[tuple[int, dict[str, Any]] | None, Any]) -> None:

@@ -38,7 +38,14 @@ BY_SPELLING: dict[str, Flag] = {
 }
 
 # bankml serve's own options that the drop-in form passes through as they are
-BANKML_VALUE_OPTIONS = ("--fork", "--listen", "--receipt-key", "--receipt-log", "--max-queue")
+BANKML_VALUE_OPTIONS = (
+    "--fork",
+    "--listen",
+    "--receipt-key",
+    "--receipt-log",
+    "--max-queue",
+    "--stop-timeout",  # router mode: an unloaded model's running generation's grace
+)
 
 # the sampling flags: bankml serve's option -> (the request field it defaults, its reader)
 SAMPLING: dict[str, tuple[str, Callable[[str], Any]]] = {

@@ -1,0 +1,168 @@
+"""Router mode's stop-timeout in the drop-in (``bankml llama-server --models-dir DIR``): a model
+unloaded while it generates gets its stop-timeout (its preset's ``stop-timeout``, as
+llama-server's router reads it, over ``--stop-timeout``), then its generation ends at its next
+step with a 503 and the unload goes on; a generation that ends first is answered in full, with
+its receipt."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as T
+from twisted.python import usage
+
+from bankml.serving.llama_flags import dropin_argv
+from bankml.tap import Options
+from tests.dropin import call, start_dropin
+from tests.registry_support import pin_into
+from tests.support import free_port
+from tests.tiny_models import TinySpec, write_tiny_model
+
+NAME, OTHER = "smol", "tiny-llama-q4_1"
+TINY = TinySpec("llama", T.Q4_1)
+# a generation that would last minutes on the CPU (ignore_eos: to its max_tokens)
+LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "model": NAME}
+SHORT = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "model": NAME}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[int]:
+    """The drop-in in router mode (``--models-max 1``) on a directory holding the default model
+    and a tiny one (both pinned), the default one's preset stop-timeout 1 s over the command line's
+    600: its port."""
+    directory = tmp_path_factory.mktemp("router-stop") / "models"
+    directory.mkdir()
+    os.symlink(default_model, directory / f"{NAME}.gguf")
+    pin_into(directory, directory / f"{NAME}.gguf")
+    # the other model: a tiny one of the same weight types (the kernels compiled once serve both)
+    pin_into(directory, write_tiny_model(directory / f"{OTHER}.gguf", TINY, default_model))
+    preset = directory.parent / "preset.ini"
+    preset.write_text(f"[{NAME}]\nstop-timeout = 1\n")
+    port = free_port()
+    args = ["--models-dir", str(directory), "--models-preset", str(preset)]
+    args += [
+        "--models-max",
+        "1",
+        "--stop-timeout",
+        "600",
+        "-c",
+        "8192",
+        "--host",
+        "127.0.0.1",
+        "-t",
+        "2",
+    ]
+    args += ["--metrics", "--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
+    proc = start_dropin(args, port, directory.parent / "bankml.log")
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def processing(port: int) -> float:
+    status, _, raw = call(port, "GET", f"/metrics?model={NAME}")
+    assert status == 200, raw
+    for line in raw.decode().splitlines():
+        if line.startswith("llamacpp:requests_processing "):
+            return float(line.split()[1])
+    raise AssertionError(raw)
+
+
+def state(port: int, name: str = NAME) -> str:
+    status, _, raw = call(port, "GET", "/models")
+    assert status == 200, raw
+    return {m["id"]: m for m in json.loads(raw)["data"]}[name]["status"]["value"]
+
+
+def wait_generating(port: int, running: Future) -> None:
+    """Once the long generation runs (GET /metrics answers beside it, not queued; its model is
+    loaded before, so the engine thread's one job is the run), and a moment more (its run
+    holds its model from its first step)."""
+    for _ in range(1200):
+        assert not running.done(), running.result()
+        if processing(port) > 0:
+            time.sleep(0.5)
+            return
+        time.sleep(0.1)
+    raise AssertionError("the generation did not start")
+
+
+def test_an_unload_stops_a_running_generation_after_its_stop_timeout(server: int) -> None:
+    assert call(server, "POST", "/models/load", {"model": NAME})[0] == 200
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, server, "POST", "/v1/completions", LONG)
+        wait_generating(server, running)
+        unload = call(server, "POST", "/models/unload", {"model": NAME})
+        assert unload[0] == 200 and json.loads(unload[2]) == {"success": True}
+        status, _, raw = running.result(timeout=120)
+    # the stopped generation: a 503 with the reason, no answer, no receipt
+    assert status == 503, raw
+    error = json.loads(raw)["error"]
+    assert error["code"] == 503 and "stop-timeout of 1 s ran out" in error["message"]
+    assert "bankml_receipt" not in json.loads(raw)
+    assert state(server) == "unloaded"
+
+
+def test_a_generation_that_ends_first_is_answered_in_full(server: int) -> None:
+    """The tiny model's stop-timeout is the command line's (600 s): its unload waits for its
+    generation, which is answered in full with its receipt, then unloads it."""
+    body = {**SHORT, "model": OTHER, "max_tokens": 200, "ignore_eos": True}
+    assert call(server, "POST", "/models/load", {"model": OTHER})[0] == 200
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, server, "POST", "/v1/completions", body)
+        time.sleep(0.5)  # mostly while it generates; before or after, it is answered in full
+        unload = call(server, "POST", "/models/unload", {"model": OTHER})
+        status, _, raw = running.result(timeout=120)
+    assert unload[0] == 200, unload
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["usage"]["completion_tokens"] == body["max_tokens"]
+    assert answer["bankml_receipt"]
+    assert state(server, OTHER) == "unloaded"
+    # loaded again on request, nothing left stopping it: the same answer
+    status, _, raw = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == answer["choices"][0]["text"]
+
+
+def test_a_model_unloaded_to_make_room_is_stopped_after_its_stop_timeout(server: int) -> None:
+    """At ``--models-max 1`` a request for the other model unloads the generating one: its
+    stop-timeout runs, its generation ends with a 503, and the other model answers."""
+    assert call(server, "POST", "/models/load", {"model": NAME})[0] == 200
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, server, "POST", "/v1/completions", LONG)
+        wait_generating(server, running)
+        status, _, raw = call(server, "POST", "/v1/completions", {**SHORT, "model": OTHER})
+        assert status == 200, raw
+        assert json.loads(raw)["model"] == OTHER and json.loads(raw)["bankml_receipt"]
+        stopped, _, why = running.result(timeout=120)
+    assert stopped == 503 and b"another model was asked for" in why
+    assert state(server) == "unloaded"
+
+
+def test_the_dropin_passes_stop_timeout_and_serve_takes_it_in_router_mode_only(
+    tmp_path: Path, default_model: Path, default_fork: Path
+) -> None:
+    argv, _ = dropin_argv(["-m", str(default_model), "--fork", str(default_fork)])
+    assert "--stop-timeout" not in argv
+    argv, _ = dropin_argv(
+        ["-m", str(default_model), "--fork", str(default_fork), "--stop-timeout", "5"]
+    )
+    assert argv[argv.index("--stop-timeout") + 1] == "5"
+    with pytest.raises(usage.UsageError, match="or native router mode"):
+        Options().parseOptions(argv)  # one model: nothing to unload
+    directory = tmp_path / "models"
+    directory.mkdir()
+    os.symlink(default_model, directory / f"{NAME}.gguf")
+    pin_into(directory, directory / f"{NAME}.gguf")
+    argv, _ = dropin_argv(["--models-dir", str(directory), "--stop-timeout", "5"])
+    options = Options()
+    options.parseOptions(argv)
+    assert options["stop_timeout"] == 5 and options["router"]
