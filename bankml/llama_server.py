@@ -46,6 +46,8 @@ PARALLEL_1 = ("-np", "1")
 JINJA = ("--jinja",)
 REASONING_OFF = ("--reasoning", "off")
 NO_WEBUI = ("--no-webui",)
+# its router's DEFAULT_STOP_TIMEOUT: the seconds a generation may go on on a model being unloaded
+DEFAULT_STOP_TIMEOUT = 10
 
 
 # llama-server's own facts, from its option table (bankml/llama_options.py, written from

@@ -50,6 +50,7 @@ from twisted.logger import (
 from twisted.python import usage
 
 from bankml import rpc
+from bankml.llama_server import DEFAULT_STOP_TIMEOUT
 from bankml.native.service import make_native_service
 from bankml.p0 import gateway as gw
 from bankml.p0 import llama_args
@@ -409,7 +410,7 @@ class Options(usage.Options):
         router mode (``--models-dir``/``--models-preset``: the grace of a generation running
         on a model that is unloaded)."""
         given = self["stop-timeout"]
-        self["stop_timeout"] = 10
+        self["stop_timeout"] = DEFAULT_STOP_TIMEOUT
         if given is None:
             return
         several = self["spawn"] and (self["registry"] or self["max-loaded"] > 1)

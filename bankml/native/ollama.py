@@ -42,6 +42,7 @@ from bankml.formats.llama import props_object
 from bankml.formats.ollama import OllamaError
 from bankml.formats.openai import model_info
 from bankml.gate import verify
+from bankml.llama_server import DEFAULT_STOP_TIMEOUT
 from bankml.native.embed import EmbedModel
 from bankml.native.resident import apply_server_defaults, open_engine, training_context
 from bankml.native.run import Step, relay_forwards
@@ -67,10 +68,6 @@ from bankml.serving.run_control import RETRY_AFTER_S
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
 
-
-# llama-server's router's DEFAULT_STOP_TIMEOUT: the seconds an unloaded model's running
-# generation may go on (a preset's stop-timeout, or --stop-timeout, says otherwise)
-DEFAULT_STOP_TIMEOUT = 10
 
 # a layer's parameters under their /v1 names ("": not a /v1 field; num_ctx is the server's)
 V1_PARAMETERS = {"num_predict": "max_tokens", "num_ctx": ""}

@@ -43,6 +43,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.gate.verify import Verified, verify
+from bankml.llama_server import DEFAULT_STOP_TIMEOUT
 from bankml.p0 import gateway as gw
 from bankml.p0 import llama_args
 from bankml.p0.gateway import Gateway
@@ -110,7 +111,7 @@ class SpawnedModels:
         max_loaded: int,
         budget: int | None,
         need: Callable[[Pin], int] | None = None,
-        stop_timeout: float = 10.0,
+        stop_timeout: float = DEFAULT_STOP_TIMEOUT,
     ) -> None:
         self.registry = registry
         # --stop-timeout: an unloaded model's llama-server gets this long from SIGTERM to

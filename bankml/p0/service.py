@@ -19,6 +19,7 @@ from twisted.logger import Logger
 from twisted.web.server import Site
 
 from bankml.gate.verify import sha256_file
+from bankml.llama_server import DEFAULT_STOP_TIMEOUT
 from bankml.p0 import gateway as gw
 from bankml.p0 import llama_args
 from bankml.p0.gateway import Gateway, make_agent
@@ -171,7 +172,7 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
             max_loaded=int(options["max-loaded"]),
             budget=options["models-memory"],
             need=llama_server_need(options),
-            stop_timeout=float(options.get("stop_timeout", 10)),
+            stop_timeout=float(options.get("stop_timeout", DEFAULT_STOP_TIMEOUT)),
         )
         models.adopt_startup(engine)
     if models is not None:  # /bankml/usage: every resident model's llama-server, each model
