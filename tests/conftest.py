@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests import support
+from tests import compact_diff, support
 
 # The shared helpers' assertions are rewritten as the tests' own are, so that a failing one shows
 # its values. This must run before anything imports them: this file imports none of them at the top.
@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from bankml.engine_cupy.engine import Engine
     from bankml.engine_cupy.model import Model
     from tests.native_support import Served
+
+
+def pytest_assertrepr_compare(op: str, left: object, right: object) -> list[str] | None:
+    """Large values compared and found different: tests/compact_diff.py's short explanation,
+    never a full diff of their reprs (which can run for hours)."""
+    return compact_diff.explain(op, left, right)
 
 
 @pytest.fixture(scope="session", autouse=True)
