@@ -147,3 +147,23 @@ def test_serve_takes_no_file_only_in_native_router_mode(directory: Path) -> None
             Options().parseOptions(refused)
     with pytest.raises(usage.UsageError, match="--fork pins FILE"):
         Options().parseOptions(["--native", "--models-dir", str(directory), "--fork", "x.json"])
+
+
+def test_a_preset_alone_naming_only_unpinned_files_starts_empty_too(
+    directory: Path, tmp_path: Path
+) -> None:
+    preset = tmp_path / "preset.ini"
+    preset.write_text(f"[only]\nmodel = {directory / (NAME + '.gguf')}\n")
+    port = free_port()
+    args = ["--models-preset", str(preset), "--host", "127.0.0.1", "--no-webui"]
+    proc = start_dropin([*args, "--listen", f"127.0.0.1:{free_port()}"], port, tmp_path / "log")
+    try:
+        (entry,) = json.loads(call(port, "GET", "/models")[2])["data"]
+        assert entry["id"] == "only" and entry["status"]["failed"] is True
+        status, _, raw = call(port, "POST", "/v1/chat/completions", CHAT)
+        assert status == 400 and b"model name is missing from the request" in raw
+        status, _, raw = call(port, "POST", "/v1/chat/completions", {**CHAT, "model": "only"})
+        assert status == 400 and b"is not pinned" in raw
+    finally:
+        proc.terminate()
+        proc.wait(30)
