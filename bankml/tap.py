@@ -236,11 +236,13 @@ class Options(usage.Options):
         """llama-server's name for --slot-dir"""
         self["slot-dir"] = path
 
-    def parseArgs(self, file: str) -> None:
-        self["file"] = file
+    def parseArgs(self, file: str | None = None) -> None:
+        self["file"] = file  # None: native router mode with no pinned model (_router)
 
     def postOptions(self) -> None:
-        if not self["fork"]:
+        if self["file"] is None:
+            self._no_file()
+        elif not self["fork"]:
             raise usage.UsageError("--fork FORK.json is required: bankml serves only a pinned file")
         if self["device"] and not self["native"]:
             raise usage.UsageError("--device chooses the native engine's device: it needs --native")
@@ -287,6 +289,18 @@ class Options(usage.Options):
         # the engine's cache settings: the flags, else the environment (here, and only here)
         self["cache_type"] = self["llama"].get("cache_type", os.environ.get("BANKML_CACHE_TYPE"))
         self["cache_ram"] = self["cache-ram"] or os.environ.get("BANKML_CACHE_RAM")
+
+    def _no_file(self) -> None:
+        """No FILE: allowed only in native router mode (``--models-dir``/``--models-preset``
+        with ``--native``), whose router then starts with no startup model, as llama-server's
+        router starts with none loaded (``bankml llama-server`` on a directory pinning none)."""
+        if not (self["native"] and (self["models-dir"] or self["models-preset"])):
+            raise usage.UsageError(
+                "FILE is required: the pinned model to serve (only native router mode, "
+                "--native with --models-dir or --models-preset, starts without one)"
+            )
+        if self["fork"]:
+            raise usage.UsageError("--fork pins FILE: it needs FILE")
 
     def _llama_options(self) -> None:
         """llama-server's flags, checked and read into ``self["llama"]``: all of them with
@@ -374,7 +388,7 @@ class Options(usage.Options):
             except llama_flags.FlagError as err:
                 raise usage.UsageError(f"preset '{name}': {err}") from None
         self["presets"] = found
-        mine = found.model_of(self["file"])
+        mine = found.model_of(self["file"]) if self["file"] is not None else None
         if mine is not None:  # FILE's own options: its context, its sampling defaults ...
             own = found.options_for(mine)
             self["llama"] = llama_flags.native_settings({**self, **own})

@@ -252,9 +252,12 @@ class OllamaHost:
             budget=default_models_memory() if memory is None else int(memory),
             need=self.need,
         )
-        startup = catalog.registry.pins[0]
+        pins = catalog.registry.pins
+        # (no pin at all: a router started on a directory pinning none, nothing resident)
+        startup = pins[0] if pins else None
         now = clock()
-        if native.engine is not None:  # llama-server's router mode starts with none open
+        # (llama-server's router mode starts with none open)
+        if native.engine is not None and startup is not None:
             self.residency.resident = Resident(
                 startup,
                 native.verified,
@@ -793,7 +796,8 @@ class OllamaHost:
             # llama-server's server-wide flags hold for every load, as at start-up; its chat
             # template (--chat-template-file) is the startup model's
             llama = dict(self.options.get("llama") or {})
-            if verified.sha256 != self.catalog.registry.pins[0].sha256:
+            pins = self.catalog.registry.pins
+            if not pins or verified.sha256 != pins[0].sha256:
                 llama.pop("chat_template", None)
         else:  # router mode: the model's own options (its preset's, the command line's over)
             llama = llama_flags.native_settings({**self.options, **own})
@@ -838,8 +842,9 @@ class OllamaHost:
     def wake(self) -> None:
         """On the engine thread, before a /v1 request: the startup model loaded again when
         nothing is resident (an unload or an expired keep-alive)."""
-        if self.native.engine is None:
-            startup: Pin = self.catalog.registry.pins[0]
+        pins = self.catalog.registry.pins
+        if self.native.engine is None and pins:  # (none: a router with no pinned model)
+            startup: Pin = pins[0]
             try:
                 self._acquire(startup)
             except OllamaError as err:  # /v1 answers with llama-server's error object
@@ -1175,9 +1180,12 @@ def make_host(
 ) -> OllamaHost:
     """The host ``bankml serve --native`` runs: the startup model first, then every pin of
     ``options["registry"]`` (None: the startup model alone) and its derived models, kept
-    ``options["keep-alive"]`` after each answer (Ollama's 5m when absent)."""
+    ``options["keep-alive"]`` after each answer (Ollama's 5m when absent). No startup model
+    (``native.verified`` None: a router on a directory pinning none): the directory's pins."""
     directory = options.get("registry")
     v = native.verified
+    if v is None:  # a router with no pinned model: the directory's pins (none), no startup
+        return _host(native, discover(directory), directory, options, log)
     fork_path = v.fork_path
     if directory is not None:
         # the startup file pinned in the registry directory too (the same sha256): that fork
@@ -1189,6 +1197,17 @@ def make_host(
         ):
             fork_path = found[0]
     registry = discover(directory, [os.path.dirname(v.path)], (v.path, fork_path))
+    return _host(native, registry, directory, options, log)
+
+
+def _host(
+    native: NativeEngine,
+    registry: Registry,
+    directory: str | None,
+    options: Mapping[str, Any],
+    log: Callable[[str], None],
+) -> OllamaHost:
+    """make_host's host over ``registry`` (a preset's outside pins added)."""
     router = options.get("presets")
     if router is not None:  # a preset's model pinned beside its file, outside the directory
         registry = Registry(registry.pins + router.outside_pins(registry.pins))

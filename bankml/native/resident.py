@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 DEFAULT_CTX = 4096
+# a router started with no pinned model: its name and path where one model's are shown
+# (llama-server's router's /props says model_path "none" too)
+NO_MODEL = "none"
 WINDOW_KEYS = ("prompt_tokens", "prompt_seconds", "steps", "predicted_seconds")
 
 
@@ -110,9 +113,16 @@ class NativeEngine:
         # llama-server's model name: the first of its --alias names, else the file's name
         self.model_aliases = list(aliases)
         self.model_tags = list(tags)  # --tags, listed in /v1/models
-        self.model_id = self.model_aliases[0] if aliases else os.path.basename(verified.path)
+        # (None verified: a router started with no pinned model, none of its own to name)
+        self.model_id = (
+            self.model_aliases[0]
+            if aliases
+            else os.path.basename(verified.path)
+            if verified is not None
+            else NO_MODEL
+        )
         # llama-server's name for the file's type (general.file_type), read once from the header
-        self.model_ftype = file_ftype_name(verified.path)
+        self.model_ftype = file_ftype_name(verified.path) if verified is not None else ""
         self.build_info = f"bankml {__version__} native"
         self.engine_name = f"bankml {__version__} native ({device})"
         self.started = time.time()
@@ -241,8 +251,10 @@ class NativeEngine:
     # --- checks ----------------------------------------------------------------------------
 
     def identity_problem(self) -> str | None:
-        """None while the file is the one that was hashed (FileIdent: device, inode, size, mtime)."""
-        return identity_problem(self.verified)
+        """None while the file is the one that was hashed (FileIdent: device, inode, size, mtime);
+        None too with no file at all (a router started with no pinned model: each model's
+        own view, ``pinned``, checks its own file)."""
+        return identity_problem(self.verified) if self.verified is not None else None
 
     def receipt(
         self, tally: Tally, parsed: Any, summary: Any, *, api: str, stream: bool
@@ -421,7 +433,7 @@ class NativeEngine:
             total_slots=self.n_slots,
             model_alias=self.model_id,
             model_ftype=self.model_ftype,
-            model_path=self.verified.path,
+            model_path=self.verified.path if self.verified is not None else NO_MODEL,
             build_info=self.build_info,
             chat_template=getattr(template, "source", ""),
             chat_template_caps=None if caps is None else dict(vars(caps)),
@@ -618,8 +630,11 @@ class NativeEngine:
     def prompt_cache_state(self) -> dict[str, Any]:
         """The host prompt cache (llama-server's --cache-ram): what it holds and its bound
         (``limit_bytes`` null: unbounded; 0: off). Read on the reactor thread: the engine
-        thread replaces the entry list whole, so a copy of it is consistent."""
-        cache = self.engine.host_cache
+        thread replaces the entry list whole, so a copy of it is consistent. No model resident
+        (a router with none loaded): nothing held, ``limit_bytes`` null (no cache to bound)."""
+        cache = getattr(self.engine, "host_cache", None)
+        if cache is None:
+            return {"entries": 0, "bytes": 0, "limit_bytes": None}
         entries = list(cache.entries)
         return {
             "entries": len(entries),
@@ -661,6 +676,8 @@ class NativeEngine:
 
     def describe(self) -> dict[str, Any]:
         v = self.verified
+        if v is None:  # a router started with no pinned model: nothing verified at start
+            return self._describe_empty()
         resident = {
             "model": self.model_id,
             "path": v.path,
@@ -688,6 +705,29 @@ class NativeEngine:
             "resident": resident,
             "models": [self.model_id],
             "file_unchanged": self.identity_problem() is None,
+        }
+
+    def _describe_empty(self) -> dict[str, Any]:
+        """``/bankml`` of a router started with no pinned model: no startup file (``model``
+        and ``verified`` null), no model resident until one is loaded."""
+        return {
+            "bankml": __version__,
+            "mode": "native",
+            "verified": None,
+            "guard_result": None,
+            "model": None,
+            "model_sha256": None,
+            "fork": None,
+            "hashed_at_unix": None,
+            "engine": {
+                "name": self.engine_name,
+                "state": "ready",
+                "busy": bool(self.bridge and self.bridge.busy),
+                "queued": self.bridge.queued if self.bridge else 0,
+            },
+            "resident": None,
+            "models": [],
+            "file_unchanged": True,
         }
 
 
@@ -835,16 +875,18 @@ def idle_served(
     """For llama-server's router mode, on the engine thread: the NativeEngine with no engine
     open (``asleep``), as llama-server's router starts with no model loaded; no weight is read.
     Its slots are the server's (``-np``); each model is opened, verified again, when it is
-    loaded (native/ollama.py ``OllamaHost._open_model``)."""
+    loaded (native/ollama.py ``OllamaHost._open_model``). ``verified`` None: the router has no
+    startup model (no pinned file in its directory), its context DEFAULT_CTX unless given."""
     llama = options.get("llama") or {}
     ctx = options.get("ctx")
+    trained = training_context(verified.path) if verified is not None else DEFAULT_CTX
     xp = backend.get_xp(options.get("device") or "auto")
     return NativeEngine(
         None,
         bridge,
         verified,
         slot_dir=options.get("slot-dir") or options.get("slot_dir"),
-        n_ctx=DEFAULT_CTX if ctx is None else int(ctx) or training_context(verified.path),
+        n_ctx=DEFAULT_CTX if ctx is None else int(ctx) or trained,
         device=backend.device_name(xp),
         reactor=reactor,
         receipt_key=receipt_key,

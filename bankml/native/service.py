@@ -354,7 +354,7 @@ class NativeService(ServingService):
                 receipt_key=self.receipt_key,
             )
         except Exception as err:
-            name = os.path.basename(self.verified.path)
+            name = os.path.basename(self.verified.path) if self.verified else "router"
             self.fatal(f"{name}: bankml's native engine does not play it: {err}")
             return
         if not self.running:
@@ -391,7 +391,6 @@ class NativeService(ServingService):
             self.heap_trimmer = task.LoopingCall(deferToThread, heap.release_free_heap)
             self.heap_trimmer.clock = self.reactor
             self.heap_trimmer.start(heap.TRIM_INTERVAL_S, now=False)
-        v = self.verified
         if router is not None:
             _log.info(
                 "bankml native router on {listen}, engine address {up}, {device}: {n} models, "
@@ -402,6 +401,7 @@ class NativeService(ServingService):
                 n=len(router.listing()["data"]),
             )
             return
+        v = self.verified
         _log.info(
             "bankml native serving {path} (sha256 {sha}) on {listen}, engine address {up}, "
             "{device}, n_ctx {ctx}",
@@ -499,7 +499,13 @@ def make_native_service(options: Mapping[str, Any], reactor: Any) -> NativeServi
     # kernels compile, or load from Numba's cache, as it is loaded)
     hashing = None if options.get("router") else start_compiling
     try:
-        verified = verify_before_listening(options["file"], options["fork"], while_hashing=hashing)
+        # a router with no pinned model has no startup file (llama_flags._router_startup):
+        # nothing to verify now, each model is verified as it is loaded
+        verified = (
+            None
+            if options.get("file") is None
+            else verify_before_listening(options["file"], options["fork"], while_hashing=hashing)
+        )
     except SystemExit:
         bridge.stop(wait=False)  # a refusal does not wait for the compiler
         for outcome in compiling:

@@ -204,24 +204,26 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         # llama-server's single-model mode (-m) does not read a preset: say so, as for a flag
         out = _dropped(out, {"--models-preset": True})
         notes.append("ignoring --models-preset: with -m one model is served and no preset read")
-    if model is None:
+    if model is None and not router:
         raise FlagError(
             "-m FILE is required: the model to serve (or --models-dir DIR, --models-preset FILE)"
         )
     if "--ctx" not in out and not router:
         out += ["--ctx", "0"]  # llama-server's default -c 0: the model's training context
     # (in router mode a -c not given is no -c: each model's preset says its own, tap.py)
-    return [model, *out], notes
+    # (a router with no pinned model has no FILE: it starts empty, as llama-server's can)
+    return ([model] if model is not None else []) + out, notes
 
 
-def _router_startup(out: list[str]) -> str:
+def _router_startup(out: list[str]) -> str | None:
     """llama-server's router mode (``--models-dir DIR`` or ``--models-preset FILE`` without
     ``-m``): the server's nominal model (its file verified before anything listens, nothing of
     it opened: the router starts with no model loaded, native/service.py), a pinned
     load-on-startup model of the preset, else the first model DIR pins (its ``*.FORK.json``;
     ``--fork`` is that fork unless given), else the first pinned model a preset section names;
-    every model is served beside it (tap.py). None pinned: refused (llama-server would start
-    with an empty listing; bankml's server is built around a pinned model)."""
+    every model is served beside it (tap.py). None pinned: None, no FILE and no ``--fork``
+    (the router starts with no startup model, as llama-server's starts with none loaded; its
+    unpinned files are listed as refused, native/ollama.py ``RouterModels``)."""
     from bankml.registry.pins import discover
 
     directory: str | None = None
@@ -244,10 +246,7 @@ def _router_startup(out: list[str]) -> str:
         first = [served[name] for name in found.startup() if name in served]
         pins = first + [p for p in pins if p not in first]
     if not pins:
-        where = (
-            f"--models-dir {directory}: no model there" if directory else "no model of the preset"
-        )
-        raise FlagError(f"{where} is pinned (a <file>.FORK.json beside it)")
+        return None
     if "--fork" not in out:
         out += ["--fork", pins[0].fork_path]
     return str(pins[0].path)
