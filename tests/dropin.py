@@ -5,6 +5,7 @@ verbose)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -47,6 +48,17 @@ def bankml(*args: str) -> list[str]:
 def start_dropin(args: list[str], port: int, log: Path) -> subprocess.Popen:
     """`bankml llama-server ARGS --port PORT`, healthy (a first engine load compiles kernels)."""
     return _healthy(bankml("llama-server", *args, "--port", str(port)), port, log)
+
+
+@contextlib.contextmanager
+def running_dropin(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen]:
+    """``start_dropin``'s process for the block, terminated after it."""
+    proc = start_dropin(args, port, log)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def start_serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
@@ -141,12 +153,8 @@ def dropin_pair(
         *flags,
     ]
     with support.LlamaServer(model, args=flags, binary=binary) as ref:
-        proc = start_dropin(args, port, log)
-        try:
+        with running_dropin(args, port, log):
             yield Pair(port, ref.port, listen)
-        finally:
-            proc.terminate()
-            proc.wait(30)
 
 
 def pair_fixture(flags: list[str]) -> Any:

@@ -29,7 +29,7 @@ from bankml.serving.routes import Branch, LlamaRoute
 from bankml.serving.site import LoopbackSite, listen_loopback
 from bankml.tap import Options
 from tests import support
-from tests.dropin import bankml, call, listening, start_dropin
+from tests.dropin import bankml, call, listening, running_dropin, start_dropin
 from tests.support import ROOT, free_port
 
 KEY = "k-3f9a1c"
@@ -69,12 +69,8 @@ def dropin(
         *("--listen", f"127.0.0.1:{listen_port}"),
         *SHARED_FLAGS,
     ]
-    proc = start_dropin(args, port, log)
-    try:
+    with running_dropin(args, port, log) as proc:
         yield DropIn(port, listen_port, proc)
-    finally:
-        proc.terminate()
-        proc.wait(30)
     # the key never reaches the log
     assert KEY not in log.read_text()
 

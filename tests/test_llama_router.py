@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from tests.dropin import Pair, call, start_dropin
+from tests.dropin import Pair, call, running_dropin, start_dropin
 from tests.registry_support import pin_into
 from tests.support import free_port
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -238,12 +238,8 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, default_model: Path)
     port = free_port()
     args = ["--models-dir", str(directory), "--models-max", "1", "--host", "127.0.0.1"]
     args += ["-c", "2048", "-t", "2", "--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
-    proc = start_dropin(args, port, directory.parent / "bankml.log")
-    try:
+    with running_dropin(args, port, directory.parent / "bankml.log"):
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_with_one_model_at_most_each_request_loads_the_model_it_names(
@@ -272,12 +268,8 @@ def two_resident(tmp_path_factory: pytest.TempPathFactory, default_model: Path) 
     port = free_port()
     args = ["--models-dir", str(directory), "--models-preset", str(preset), "--models-max", "2"]
     args += ["--host", "127.0.0.1", "-t", "2", "--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
-    proc = start_dropin(args, port, directory.parent / "bankml.log")
-    try:
+    with running_dropin(args, port, directory.parent / "bankml.log"):
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_a_route_reads_the_engine_of_the_model_its_request_names(two_resident: int) -> None:

@@ -19,7 +19,7 @@ from twisted.python import usage
 
 from bankml.serving.llama_flags import dropin_argv
 from bankml.tap import Options
-from tests.dropin import call, start_dropin
+from tests.dropin import call, running_dropin
 from tests.registry_support import pin_into
 from tests.support import free_port
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -59,12 +59,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Ite
         "2",
     ]
     args += ["--metrics", "--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
-    proc = start_dropin(args, port, directory.parent / "bankml.log")
-    try:
+    with running_dropin(args, port, directory.parent / "bankml.log"):
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def processing(port: int) -> float:

@@ -17,7 +17,7 @@ import pytest
 
 from bankml.serving.llama_flags import FlagError, dropin_argv, native_settings
 from tests import support
-from tests.dropin import call, start_dropin
+from tests.dropin import call, running_dropin
 from tests.native_support import assert_same_keys
 from tests.support import free_port
 
@@ -40,12 +40,8 @@ def ports(
         *FLAGS,
     ]
     with support.LlamaServer(default_model, args=FLAGS, binary=llama_server_bin) as ref:
-        proc = start_dropin(args, port, log)
-        try:
+        with running_dropin(args, port, log):
             yield port, ref.port
-        finally:
-            proc.terminate()
-            proc.wait(30)
 
 
 CHAT: dict[str, Any] = {
