@@ -771,13 +771,14 @@ class OllamaHost:
         here.stop_timer = reactor.callLater(timeout, fire)
 
     def arm_stop_for_room(self, pin: Pin) -> None:
-        """On the reactor thread, before a load of ``pin`` is queued on a one-slot engine
-        thread (where it waits behind the running generation): when the load will have to
-        unload the least recently used model and every resident one is generating, that
-        one's stop-timeout armed (``arm_stop``), as llama-server's router stops the least
-        recently used instance to make room."""
-        bridge = self.bridge
-        if bridge is None or bridge.scheduler is not None or self.residency.get(pin.name):
+        """On the reactor thread, before a load of ``pin`` is queued on the engine thread
+        (where it waits behind the running generations: one slot's, or every slot's with
+        several, as the scheduler runs a job once the runs before it end): when the load will
+        have to unload the least recently used model and every resident one is generating,
+        that one's stop-timeout armed (``arm_stop``), as llama-server's router stops the least
+        recently used instance to make room. Its generations end on their own or at the
+        timeout; the load then unloads it (idle) and goes on, and its request is answered."""
+        if self.bridge is None or self.residency.get(pin.name):
             return
         residents = list(self.residency.residents.values())
         if len(residents) < self.residency.max_loaded or any(r.in_use == 0 for r in residents):

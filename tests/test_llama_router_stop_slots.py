@@ -1,0 +1,63 @@
+"""Router mode's stop-timeout with several slots (``-np 2``): at ``--models-max 1`` a request for
+another model while the one resident model generates arms that model's stop-timeout, as
+llama-server's router stops its least recently used instance to make room; its generation ends
+with a 503 once the timeout runs out, then the model is unloaded and the other one is loaded
+and answers (rather than the load waiting however long the generation runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.dropin import call, running_dropin
+from tests.registry_support import pin_into
+from tests.support import free_port
+from tests.test_llama_router_stop import LONG, NAME, OTHER, SHORT, TINY, state, wait_generating
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[int]:
+    """The drop-in in router mode with two slots (``-np 2 --models-max 1``) on a directory
+    holding the default model (its preset stop-timeout 1 s) and a tiny one: its port."""
+    directory = tmp_path_factory.mktemp("router-stop-slots") / "models"
+    directory.mkdir()
+    os.symlink(default_model, directory / f"{NAME}.gguf")
+    pin_into(directory, directory / f"{NAME}.gguf")
+    pin_into(directory, write_tiny_model(directory / f"{OTHER}.gguf", TINY, default_model))
+    preset = directory.parent / "preset.ini"
+    preset.write_text(f"[{NAME}]\nstop-timeout = 1\n")
+    port = free_port()
+    args = ["--models-dir", str(directory), "--models-preset", str(preset)]
+    args += ["--models-max", "1", "-np", "2", "--stop-timeout", "600", "-c", "8192"]
+    args += ["--host", "127.0.0.1", "-t", "2", "--metrics", "--no-webui"]
+    args += ["--listen", f"127.0.0.1:{free_port()}"]
+    with running_dropin(args, port, directory.parent / "bankml.log"):
+        yield port
+
+
+def test_with_several_slots_a_load_stops_the_generating_model_after_its_stop_timeout(
+    server: int,
+) -> None:
+    assert call(server, "POST", "/models/load", {"model": NAME})[0] == 200
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, server, "POST", "/v1/completions", LONG)
+        wait_generating(server, running)
+        # the other model's request waits for the room the stop-timeout makes, then answers
+        status, _, raw = call(server, "POST", "/v1/completions", {**SHORT, "model": OTHER})
+        assert status == 200, raw
+        answer = json.loads(raw)
+        assert answer["model"] == OTHER and answer["bankml_receipt"]
+        stopped, _, why = running.result(timeout=120)
+    assert stopped == 503, why
+    error = json.loads(why)["error"]
+    assert error["code"] == 503
+    assert "another model was asked for" in error["message"]
+    assert "stop-timeout of 1 s ran out" in error["message"]
+    assert "bankml_receipt" not in json.loads(why)
+    assert state(server) == "unloaded" and state(server, OTHER) == "loaded"
