@@ -6,6 +6,7 @@ its receipt."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -31,35 +32,31 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "m
 SHORT = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "model": NAME}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[int]:
-    """The drop-in in router mode (``--models-max 1``) on a directory holding the default model
-    and a tiny one (both pinned), the default one's preset stop-timeout 1 s over the command line's
-    600: its port."""
-    directory = tmp_path_factory.mktemp("router-stop") / "models"
+@contextlib.contextmanager
+def stop_router(root: Path, default_model: Path, slots: int) -> Iterator[int]:
+    """The drop-in in router mode (``--models-max 1``, ``-np slots``) on a directory holding the
+    default model and a tiny one (both pinned), the default one's preset stop-timeout 1 s over
+    the command line's 600: its port."""
+    directory = root / "models"
     directory.mkdir()
     os.symlink(default_model, directory / f"{NAME}.gguf")
     pin_into(directory, directory / f"{NAME}.gguf")
     # the other model: a tiny one of the same weight types (the kernels compiled once serve both)
     pin_into(directory, write_tiny_model(directory / f"{OTHER}.gguf", TINY, default_model))
-    preset = directory.parent / "preset.ini"
+    preset = root / "preset.ini"
     preset.write_text(f"[{NAME}]\nstop-timeout = 1\n")
     port = free_port()
     args = ["--models-dir", str(directory), "--models-preset", str(preset)]
-    args += [
-        "--models-max",
-        "1",
-        "--stop-timeout",
-        "600",
-        "-c",
-        "8192",
-        "--host",
-        "127.0.0.1",
-        "-t",
-        "2",
-    ]
-    args += ["--metrics", "--no-webui", "--listen", f"127.0.0.1:{free_port()}"]
-    with running_dropin(args, port, directory.parent / "bankml.log"):
+    args += ["--models-max", "1", "-np", str(slots), "--stop-timeout", "600", "-c", "8192"]
+    args += ["--host", "127.0.0.1", "-t", "2", "--metrics", "--no-webui"]
+    args += ["--listen", f"127.0.0.1:{free_port()}"]
+    with running_dropin(args, port, root / "bankml.log"):
+        yield port
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[int]:
+    with stop_router(tmp_path_factory.mktemp("router-stop"), default_model, 1) as port:
         yield port
 
 

@@ -7,37 +7,28 @@ and answers (rather than the load waiting however long the generation runs)."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.dropin import call, running_dropin
-from tests.registry_support import pin_into
-from tests.support import free_port
-from tests.test_llama_router_stop import LONG, NAME, OTHER, SHORT, TINY, state, wait_generating
-from tests.tiny_models import write_tiny_model
+from tests.dropin import call
+from tests.test_llama_router_stop import (
+    LONG,
+    NAME,
+    OTHER,
+    SHORT,
+    state,
+    stop_router,
+    wait_generating,
+)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[int]:
-    """The drop-in in router mode with two slots (``-np 2 --models-max 1``) on a directory
-    holding the default model (its preset stop-timeout 1 s) and a tiny one: its port."""
-    directory = tmp_path_factory.mktemp("router-stop-slots") / "models"
-    directory.mkdir()
-    os.symlink(default_model, directory / f"{NAME}.gguf")
-    pin_into(directory, directory / f"{NAME}.gguf")
-    pin_into(directory, write_tiny_model(directory / f"{OTHER}.gguf", TINY, default_model))
-    preset = directory.parent / "preset.ini"
-    preset.write_text(f"[{NAME}]\nstop-timeout = 1\n")
-    port = free_port()
-    args = ["--models-dir", str(directory), "--models-preset", str(preset)]
-    args += ["--models-max", "1", "-np", "2", "--stop-timeout", "600", "-c", "8192"]
-    args += ["--host", "127.0.0.1", "-t", "2", "--metrics", "--no-webui"]
-    args += ["--listen", f"127.0.0.1:{free_port()}"]
-    with running_dropin(args, port, directory.parent / "bankml.log"):
+    """test_llama_router_stop's router with two slots (``-np 2``)."""
+    with stop_router(tmp_path_factory.mktemp("router-stop-slots"), default_model, 2) as port:
         yield port
 
 
