@@ -125,17 +125,26 @@ def test_a_generation_that_ends_first_is_answered_in_full(server: int) -> None:
     assert status == 200 and json.loads(raw)["choices"][0]["text"] == answer["choices"][0]["text"]
 
 
+def stopped_for_another_model(port: int) -> tuple[int, bytes]:
+    """A long generation on the default model, then a request for the other one, which must
+    answer (200, its receipt) once the room is made: (the generation's status, its body)."""
+    assert call(port, "POST", "/models/load", {"model": NAME})[0] == 200
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, port, "POST", "/v1/completions", LONG)
+        wait_generating(port, running)
+        # the other model's request waits for the room the stop-timeout makes, then answers
+        status, _, raw = call(port, "POST", "/v1/completions", {**SHORT, "model": OTHER})
+        assert status == 200, raw
+        answer = json.loads(raw)
+        assert answer["model"] == OTHER and answer["bankml_receipt"]
+        stopped, _, why = running.result(timeout=120)
+    return stopped, why
+
+
 def test_a_model_unloaded_to_make_room_is_stopped_after_its_stop_timeout(server: int) -> None:
     """At ``--models-max 1`` a request for the other model unloads the generating one: its
     stop-timeout runs, its generation ends with a 503, and the other model answers."""
-    assert call(server, "POST", "/models/load", {"model": NAME})[0] == 200
-    with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(call, server, "POST", "/v1/completions", LONG)
-        wait_generating(server, running)
-        status, _, raw = call(server, "POST", "/v1/completions", {**SHORT, "model": OTHER})
-        assert status == 200, raw
-        assert json.loads(raw)["model"] == OTHER and json.loads(raw)["bankml_receipt"]
-        stopped, _, why = running.result(timeout=120)
+    stopped, why = stopped_for_another_model(server)
     assert stopped == 503 and b"another model was asked for" in why
     assert state(server) == "unloaded"
 

@@ -8,21 +8,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.dropin import call
-from tests.test_llama_router_stop import (
-    LONG,
-    NAME,
-    OTHER,
-    SHORT,
-    state,
-    stop_router,
-    wait_generating,
-)
+from tests.test_llama_router_stop import OTHER, state, stop_router, stopped_for_another_model
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +25,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Ite
 def test_with_several_slots_a_load_stops_the_generating_model_after_its_stop_timeout(
     server: int,
 ) -> None:
-    assert call(server, "POST", "/models/load", {"model": NAME})[0] == 200
-    with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(call, server, "POST", "/v1/completions", LONG)
-        wait_generating(server, running)
-        # the other model's request waits for the room the stop-timeout makes, then answers
-        status, _, raw = call(server, "POST", "/v1/completions", {**SHORT, "model": OTHER})
-        assert status == 200, raw
-        answer = json.loads(raw)
-        assert answer["model"] == OTHER and answer["bankml_receipt"]
-        stopped, _, why = running.result(timeout=120)
+    stopped, why = stopped_for_another_model(server)
     assert stopped == 503, why
     error = json.loads(why)["error"]
     assert error["code"] == 503

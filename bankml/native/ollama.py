@@ -1185,8 +1185,18 @@ def make_host(
     (``native.verified`` None: a router on a directory pinning none): the directory's pins."""
     directory = options.get("registry")
     v = native.verified
-    if v is None:  # a router with no pinned model: the directory's pins (none), no startup
-        return _host(native, discover(directory), directory, options, log)
+    # (no startup model: a router on a directory pinning none, the directory's pins alone)
+    registry = discover(directory) if v is None else _with_startup(v, directory)
+    router = options.get("presets")
+    if router is not None:  # a preset's model pinned beside its file, outside the directory
+        registry = Registry(registry.pins + router.outside_pins(registry.pins))
+    catalog = Catalog.load(registry, directory, log)
+    keep_alive = parse_keep_alive(options.get("keep-alive"))
+    return OllamaHost(native, catalog, keep_alive=keep_alive, options=options, log=log)
+
+
+def _with_startup(v: Any, directory: str | None) -> Registry:
+    """The registry directory's pins with the verified startup file first."""
     fork_path = v.fork_path
     if directory is not None:
         # the startup file pinned in the registry directory too (the same sha256): that fork
@@ -1197,21 +1207,4 @@ def make_host(
             and verify.pinned_sha256(found[1], os.path.basename(v.path)) == v.sha256
         ):
             fork_path = found[0]
-    registry = discover(directory, [os.path.dirname(v.path)], (v.path, fork_path))
-    return _host(native, registry, directory, options, log)
-
-
-def _host(
-    native: NativeEngine,
-    registry: Registry,
-    directory: str | None,
-    options: Mapping[str, Any],
-    log: Callable[[str], None],
-) -> OllamaHost:
-    """make_host's host over ``registry`` (a preset's outside pins added)."""
-    router = options.get("presets")
-    if router is not None:  # a preset's model pinned beside its file, outside the directory
-        registry = Registry(registry.pins + router.outside_pins(registry.pins))
-    catalog = Catalog.load(registry, directory, log)
-    keep_alive = parse_keep_alive(options.get("keep-alive"))
-    return OllamaHost(native, catalog, keep_alive=keep_alive, options=options, log=log)
+    return discover(directory, [os.path.dirname(v.path)], (v.path, fork_path))
