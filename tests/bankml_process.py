@@ -110,9 +110,19 @@ class BankmlProcess:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self._dump_stacks_and_kill()
         return self.proc.returncode
+
+    def _dump_stacks_and_kill(self) -> None:
+        """A bankml that ignored its stop signal: SIGABRT first, so faulthandler (on in `bankml
+        serve`) writes every thread's stack into the log the failing test prints; then SIGKILL
+        if that did not end it. The exit status shows which (-6 or -9)."""
+        self.proc.send_signal(signal.SIGABRT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def __enter__(self) -> BankmlProcess:
         return self.start()

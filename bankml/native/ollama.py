@@ -28,7 +28,6 @@ No Twisted here: the bridge's Deferreds stay in the resources and the service.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,10 +36,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from bankml.formats import ollama as wire
 from bankml.formats import ollama_request as req
 from bankml.formats.chat_content import chat_schema_content
-from bankml.formats.errors import ApiError, error_object
-from bankml.formats.llama import props_object
+from bankml.formats.errors import ApiError
 from bankml.formats.ollama import OllamaError
-from bankml.formats.openai import model_info
 from bankml.gate import verify
 from bankml.llama_server import DEFAULT_STOP_TIMEOUT
 from bankml.native.embed import EmbedModel
@@ -62,11 +59,12 @@ from bankml.registry.keepalive import DEFAULT, BadKeepAlive, KeepAlive, parse_ke
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, Registry, discover
 from bankml.registry.residency import LoadError, Residency, Resident, kv_shape
-from bankml.serving import llama_flags, router_status
+from bankml.serving import llama_flags, presets
 from bankml.serving.run_control import RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
+    from bankml.native.router import RouterModels
 
 
 # a layer's parameters under their /v1 names ("": not a /v1 field; num_ctx is the server's)
@@ -272,16 +270,8 @@ class OllamaHost:
         native.used = self.used
         native.rewrite = self.layered_v1
         # llama-server's router: each model by its id (and aliases), its pin, or why refused
-        self.router = self.options.get("presets")
-        self.router_pins: dict[str, Pin] = {}
-        self.router_refused: dict[str, str] = {}
-        self.router_names: dict[str, str] = {}  # an id or alias -> the model's id
-        if self.router is not None:
-            self.router_pins, self.router_refused = self.router.assign(catalog.registry.pins)
-            for name, model in self.router.models.items():
-                self.router_names.update({alias: name for alias in model.aliases})
-                self.router_names[name] = name
-        self.router_ids = {pin.name: name for name, pin in self.router_pins.items()}
+        self.router: presets.RouterPresets | None = self.options.get("presets")
+        self._route_models()
         self.router_events: RouterModels | None = None  # GET /models/sse's source
         if max_loaded > 1 or self.options.get("router"):
             # the /v1 model field chooses among the catalog's models (in router mode even with
@@ -290,6 +280,56 @@ class OllamaHost:
             native.hold = self.hold
             native.stopping = self.stopping
             native.residents = self.residents
+
+    def _route_models(self) -> None:
+        """The router's tables from its presets and the catalog's pins: each model by its id
+        (and aliases) to its id, each id to its pin or to why it is refused, each pin's name to
+        its id."""
+        self.router_pins: dict[str, Pin] = {}
+        self.router_refused: dict[str, str] = {}
+        self.router_names: dict[str, str] = {}  # an id or alias -> the model's id
+        if self.router is not None:
+            self.router_pins, self.router_refused = self.router.assign(self.catalog.registry.pins)
+            for name, model in self.router.models.items():
+                self.router_names.update({alias: name for alias in model.aliases})
+                self.router_names[name] = name
+        self.router_ids = {pin.name: name for name, pin in self.router_pins.items()}
+
+    def reload_router(self) -> list[str]:
+        """On the engine thread (after every running answer): the models directory and the
+        preset read again (native/router.py says what changes); the ids of the resident models
+        unloaded for it. ``PresetError`` when the preset no longer reads or gives a model a
+        setting bankml refuses: then nothing changes."""
+        old = self.router
+        assert old is not None
+        directory = self.options.get("registry")
+        found = presets.load_presets(
+            self.options.get("models-preset"), self.options.get("models-dir"), old.cli
+        )
+        for name in found.models:
+            try:
+                llama_flags.native_settings({**self.options, **found.options_for(name)})
+            except llama_flags.FlagError as err:
+                raise presets.PresetError(f"preset '{name}': {err}") from None
+        catalog = Catalog.load(host_registry(self.native.verified, directory, found), directory)
+        pins, _refused = found.assign(catalog.registry.pins)
+        unloaded: list[str] = []
+        for pin_name, resident in list(self.residency.residents.items()):
+            model_id = self.router_ids.get(pin_name)
+            now = pins.get(model_id) if model_id is not None else None
+            if (
+                model_id is None
+                or now is None
+                or now.sha256 != resident.pin.sha256
+                or found.options_for(model_id) != old.options_for(model_id)
+            ):
+                self.residency.unload(pin_name)
+                unloaded.append(model_id or pin_name)
+        self.catalog, self.router = catalog, found
+        self._route_models()
+        if self.router_events is not None:
+            self.router_events.notify("*", "models_reload", None)
+        return unloaded
 
     @property
     def bridge(self) -> Any:
@@ -868,277 +908,6 @@ class OllamaHost:
         self.residency.reap(self.clock())
 
 
-# -- llama-server's router mode: GET /models, POST /models/load, POST /models/unload ---------------
-
-
-class RouterModels:
-    """What ``bankml llama-server --models-dir DIR`` answers on llama-server's router routes,
-    over an Ollama host's catalog and residency (resources/router.py writes it)."""
-
-    def __init__(self, host: OllamaHost, directory: str | None) -> None:
-        self.host = host
-        self.directory = directory
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []
-        host.router_events = self
-        # status.args and status.preset (serving/router_status.py): the router's command line
-        # (the drop-in's llama-server flags), the command that serves a model (bankml's own, as
-        # llama-server's unified binary renders its subcommand after it), and where a loaded
-        # model answers (the router's own port: bankml starts no child)
-        self.cli = router_status.cli_options(host.options.get("router-argv") or [])
-        self.binary = [sys.executable, "-m", "bankml", "llama-server"]
-        given_port = self.cli.get(router_status.BY_ENV["LLAMA_ARG_PORT"])
-        self.port = (
-            int(given_port) if given_port and given_port.isdigit() else llama_flags.DEFAULT_PORT
-        )
-
-    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
-        """``GET /models/sse``'s: ``listener`` is called with each event (on the thread that
-        loads or unloads); the returned function ends it."""
-        self.listeners.append(listener)
-        return lambda: self.listeners.remove(listener) if listener in self.listeners else None
-
-    def notify(self, name: str, event: str, data: dict[str, Any]) -> None:
-        """One router event, as llama-server's ``notify_sse``: ``model_status`` (loading),
-        ``status_change`` (loaded, with the model's ``info``; unloaded, with ``exit_code``)."""
-        for listener in list(self.listeners):
-            listener({"model": name, "event": event, "data": data})
-
-    def info(self, name: str, engine: Any, verified: Any) -> dict[str, Any]:
-        """A loaded model's ``info`` in a ``status_change`` event (its child's /v1/models
-        entry in llama-server: the id its alias)."""
-        facts = model_info(self.host.native.facts_of(engine, verified))
-        model = self.host.router.models.get(name) if self.host.router is not None else None
-        return {
-            "id": name,
-            "aliases": [name],
-            "tags": model.tags if model is not None else [],
-            "object": "model",
-            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-            "created": int(self.host.clock()),
-            "owned_by": "llamacpp",
-            "meta": facts["meta"],
-        }
-
-    @property
-    def bridge(self) -> Any:
-        return self.host.bridge
-
-    def listing(self) -> dict[str, Any]:
-        """``GET /models``: every model of the router (serving/presets.py: DIR's files and the
-        preset's sections) as llama-server's router lists it, sorted by id: ``status.value``
-        ``loaded`` or ``unloaded``, ``status.preset`` (its section), a loaded one's ``meta``;
-        a model whose file no fork pins listed as failed, with bankml's reason
-        (``bankml_refused``)."""
-        host = self.host
-        created = int(host.clock())
-        out = []
-        router = host.router
-        assert router is not None
-        for name in sorted(router.models):
-            model = router.models[name]
-            pin = host.router_pins.get(name)
-            here = host.residency.get(pin.name) if pin is not None else None
-            entry = _router_entry(name, created, here is not None, model.source)
-            entry["aliases"], entry["tags"] = model.aliases, model.tags
-            port = self.port if here is not None else 0  # llama-server's child's: 0 until loaded
-            entry["status"]["args"], entry["status"]["preset"] = model.status(
-                self.cli, port, self.binary
-            )
-            if name in host.router_refused:
-                entry["status"]["failed"] = True
-                entry["status"]["bankml_refused"] = host.router_refused[name]
-            if here is not None:
-                entry["meta"] = model_info(host.native.facts_of(here.handle, here.verified))["meta"]
-            out.append(entry)
-        return {"data": out, "object": "list"}
-
-    def props(self) -> dict[str, Any]:
-        """``GET /props`` without ``?model=``: llama-server's router properties (its web page's
-        placeholders for a model: ``model_path`` ``none``, no generation settings)."""
-        options = self.host.options
-        bound = options.get("models-max")
-        return {
-            "role": "router",
-            "max_instances": int(bound) if bound is not None else 4,
-            "models_autoload": bool(options.get("autoload", True)),
-            "model_alias": "llama-server",
-            "model_path": "none",
-            "default_generation_settings": {"params": None, "n_ctx": 0},
-            "ui_settings": {},
-            "build_info": self.host.native.build_info,
-            "cors_proxy_enabled": False,
-        }
-
-    def model_props(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]]:
-        """On the engine thread: ``GET /props?model=NAME`` (an id or an alias): that model's
-        own ``/props`` (its child's in llama-server: ``model_alias`` its id), loaded first when
-        autoload allows (the request's ``?autoload=``, else the server's); refused as
-        llama-server's router refuses a request naming a model."""
-        refused = self.ready(name, autoload)
-        if refused is not None:
-            return refused
-        out = props_object(self.host.native.props())
-        out["model_alias"] = self.host.router_names[name]
-        return 200, out
-
-    def check(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None:
-        """The refusal of a request naming ``name`` (an id or an alias) as llama-server's
-        router refuses it before it forwards the request (``router_validate_model``): none
-        named, an unknown one, a refused one, one not loaded without autoload; None when it
-        may go on."""
-        host = self.host
-        if not name:
-            message = "model name is missing from the request"
-            return 400, error_object(400, message, "invalid_request_error")
-        routed = host.router_names.get(name)
-        if routed is None:
-            return 400, error_object(400, f"model '{name}' not found", "invalid_request_error")
-        if routed in host.router_refused:
-            return 400, error_object(400, host.router_refused[routed], "invalid_request_error")
-        pin = host.router_pins[routed]
-        if host.residency.get(pin.name) is None and not host._autoload(autoload):
-            return 400, error_object(400, "model is not loaded", "invalid_request_error")
-        return None
-
-    def engine_view(self, name: str, touch: bool = True) -> Any:
-        """On the reactor thread: the engine a route reads for a request naming ``name`` (an
-        id or an alias) when nothing is to be loaded or swapped first: the NativeEngine pinned
-        to it (``NativeEngine.pinned``), so a run for another model swapped in meanwhile cannot
-        change it. A request that marks its model used (``touch``: a POST) gets it when the
-        model is the engine's current one (the most recently used: ``touch`` refreshes its
-        keep-alive); one that does not (a GET, as llama-server's router's ``proxy_get``) when
-        the model is resident and its file unchanged, read without making it current or used.
-        None otherwise (the gate makes it ready first, ``ready_view``)."""
-        view = self._view(name)
-        if view is None:
-            return None
-        if not touch:
-            host = self.host
-            here = host.residency.get(host.router_pins[host.router_names[name]].name)
-            return view if here is not None and host.residency.unchanged(here) else None
-        return view if view.engine is self.host.native.engine else None
-
-    def touch(self, name: str) -> None:
-        """On the engine thread, for every POST the gate forwards to a model (llama-server's
-        router sets the model's last use in ``proxy_request``, whatever its child answers): a
-        resident model (an id or an alias) made the most recently used (and the engine's
-        current one) and its keep-alive started again; nothing when it is not resident (a load
-        marks it) or its file changed (the request's own answer says so)."""
-        host = self.host
-        routed = host.router_names.get(name)
-        pin = host.router_pins.get(routed) if routed is not None else None
-        if pin is None or host.residency.get(pin.name) is None:
-            return
-        try:
-            host._acquire(pin)
-        except OllamaError:
-            return
-        host.residency.touch(pin.name, host.keep_alive, host.clock())
-
-    def ready_view(self, name: str, autoload: bool | None) -> tuple[Any, Any]:
-        """On the engine thread: ``ready`` (loaded if need be, made the engine's, marked as
-        used), then the model's pinned view: (the refusal or None, the view or None)."""
-        refused = self.ready(name, autoload)
-        return refused, (self._view(name) if refused is None else None)
-
-    def _view(self, name: str) -> Any:
-        host = self.host
-        routed = host.router_names.get(name)
-        pin = host.router_pins.get(routed) if routed is not None else None
-        here = host.residency.get(pin.name) if pin is not None else None
-        if here is None or here.handle is None:
-            return None
-        return host.native.pinned(here.handle, here.verified)
-
-    def ready(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None:
-        """On the engine thread: ``check``, then the model made the engine's (loaded first,
-        verified again, when it is not resident), as llama-server's router makes the model's
-        child ready before it forwards a request; the refusal, or None."""
-        refused = self.check(name, autoload)
-        if refused is not None:
-            return refused
-        host = self.host
-        pin = host.router_pins[host.router_names[name]]
-        try:
-            host._acquire(pin)
-        except OllamaError as err:
-            return err.status, error_object(err.status, err.message)
-        host.residency.touch(pin.name, host.keep_alive, host.clock())
-        return None
-
-    def removable(self, name: str) -> tuple[int, dict[str, Any]]:
-        """``DELETE /models?model=NAME`` (an id, as llama-server looks it up): llama-server
-        removes only a model of its download cache, bankml has none; its messages, a 400 (not
-        removable) or a 404 (no such model) where llama-server answers 500."""
-        router = self.host.router
-        if router is None or name not in router.models:
-            return 404, error_object(404, f"model name={name} is not found", "not_found_error")
-        message = f"model name={name} is not removable (not from cache)"
-        return 400, error_object(400, message, "invalid_request_error")
-
-    def _named(self, body: Any) -> str | None:
-        """The model id a body names (by its id or an alias), None when none."""
-        name = body.get("model") if isinstance(body, dict) else None
-        return self.host.router_names.get(name) if isinstance(name, str) else None
-
-    def load(self, body: Any) -> tuple[int, dict[str, Any]]:
-        """On the engine thread: ``POST /models/load``; (status, body)."""
-        name = self._named(body)
-        if name is None:
-            return 404, error_object(404, "model is not found", "not_found_error")
-        if name in self.host.router_refused:
-            return 400, error_object(400, self.host.router_refused[name], "invalid_request_error")
-        pin = self.host.router_pins[name]
-        if self.host.residency.get(pin.name) is not None:
-            return 400, error_object(400, "model is already running", "invalid_request_error")
-        try:
-            self.host._acquire(pin)
-        except OllamaError as err:
-            return err.status, error_object(err.status, err.message)
-        self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
-        return 200, {"success": True}
-
-    def load_on_startup(self) -> list[str]:
-        """On the engine thread, before the server answers: each ``load-on-startup`` model
-        loaded (verified again); the lines that say which could not be. No other model is
-        loaded: the router starts with none open (``resident.idle_served``), as llama-server's."""
-        router = self.host.router
-        startup = router.startup() if router is not None else []
-        problems = []
-        for name in startup:
-            status, body = self.load({"model": name})
-            if status not in (200,) and "already running" not in str(body):
-                problems.append(f"{name}: not loaded at start: {body['error']['message']}")
-        return problems
-
-    def before(self, action: str, name: Any) -> None:
-        """On the reactor thread, before a ``load`` or ``unload`` of model ``name`` (an id or
-        an alias; a request's named model for a load) is queued on the engine thread: the
-        stop-timeout of the model it unloads armed when that model is generating
-        (``OllamaHost.arm_stop``), so the unload never waits on a generation longer."""
-        host = self.host
-        routed = host.router_names.get(name) if isinstance(name, str) else None
-        pin = host.router_pins.get(routed) if routed is not None else None
-        if pin is None:
-            return
-        if action == "unload":
-            here = host.residency.get(pin.name)
-            if here is not None:
-                host.arm_stop(here, "POST /models/unload")
-        else:
-            host.arm_stop_for_room(pin)
-
-    def unload(self, body: Any) -> tuple[int, dict[str, Any]]:
-        """On the engine thread: ``POST /models/unload``; (status, body)."""
-        name = self._named(body)
-        pin = self.host.router_pins.get(name) if name is not None else None
-        if name is None:
-            return 400, error_object(400, "model is not found", "invalid_request_error")
-        if pin is None or not self.host.residency.unload(pin.name):
-            return 400, error_object(400, "model is not running", "invalid_request_error")
-        return 200, {"success": True}
-
-
 def _disarm(timer: Any) -> None:
     """A stop-timeout that has not run yet, cancelled (on the reactor thread)."""
     if timer.active():
@@ -1148,25 +917,6 @@ def _disarm(timer: Any) -> None:
 def _router_id(file: str) -> str:
     """llama-server's router names a model of its directory by its file name without .gguf."""
     return file[: -len(".gguf")] if file.lower().endswith(".gguf") else file
-
-
-def _router_entry(
-    model_id: str, created: int, loaded: bool, source: str = "models_dir"
-) -> dict[str, Any]:
-    """One model of ``GET /models`` in router mode, in llama-server's key order (``args`` and
-    the ``preset`` after it: ``RouterModels.listing``)."""
-    return {
-        "id": model_id,
-        "aliases": [],
-        "tags": [],
-        "object": "model",
-        "owned_by": "llamacpp",
-        "created": created,
-        "status": {"value": "loaded" if loaded else "unloaded", "args": []},
-        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-        "source": source,
-        "can_remove": False,
-    }
 
 
 def _api_error(err: OllamaError) -> ApiError:
@@ -1184,15 +934,20 @@ def make_host(
     ``options["keep-alive"]`` after each answer (Ollama's 5m when absent). No startup model
     (``native.verified`` None: a router on a directory pinning none): the directory's pins."""
     directory = options.get("registry")
-    v = native.verified
-    # (no startup model: a router on a directory pinning none, the directory's pins alone)
-    registry = discover(directory) if v is None else _with_startup(v, directory)
-    router = options.get("presets")
-    if router is not None:  # a preset's model pinned beside its file, outside the directory
-        registry = Registry(registry.pins + router.outside_pins(registry.pins))
+    registry = host_registry(native.verified, directory, options.get("presets"))
     catalog = Catalog.load(registry, directory, log)
     keep_alive = parse_keep_alive(options.get("keep-alive"))
     return OllamaHost(native, catalog, keep_alive=keep_alive, options=options, log=log)
+
+
+def host_registry(v: Any, directory: str | None, router: presets.RouterPresets | None) -> Registry:
+    """The pins a host serves: the verified startup file ``v`` first (None: a router on a
+    directory pinning none, the directory's pins alone), the registry directory's, and in
+    router mode each preset model's pinned beside its file outside the directory."""
+    registry = discover(directory) if v is None else _with_startup(v, directory)
+    if router is not None:
+        registry = Registry(registry.pins + router.outside_pins(registry.pins))
+    return registry
 
 
 def _with_startup(v: Any, directory: str | None) -> Registry:

@@ -31,9 +31,10 @@ from twisted.web.resource import Resource
 from bankml.native import heap
 from bankml.native.bridge import DEFAULT_MAX_QUEUE, EngineBridge
 from bankml.native.embed import Embedder, EmbedSettings
-from bankml.native.ollama import RouterModels, make_host
+from bankml.native.ollama import make_host
 from bankml.native.rerank import Reranker
 from bankml.native.resident import compile_served, idle_served, open_served
+from bankml.native.router import RouterModels
 from bankml.resources import llama
 from bankml.resources import router as router_routes
 from bankml.resources.bankml import (

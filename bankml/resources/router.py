@@ -1,8 +1,8 @@
 """llama-server's router routes (``bankml llama-server --models-dir DIR``): ``GET /models``
-(and ``/v1/models``), ``POST /models/load``, ``POST /models/unload``, ``GET /models/sse``,
+(and ``/v1/models``; ``?reload=1`` reads the directory and the preset again), ``POST /models/load``, ``POST /models/unload``, ``GET /models/sse``,
 ``GET /props`` (the router's, or ``?model=``'s).
 
-Thin: the listing and the actions are the router's (native/ollama.py ``RouterModels``, read
+Thin: the listing and the actions are the router's (native/router.py ``RouterModels``, read
 through the ``Router`` Protocol here); a load or an unload runs on the engine thread, in turn
 with the answers, so it never lands in the middle of one.
 """
@@ -27,12 +27,14 @@ _log = Logger(namespace="bankml.router")
 
 
 class Router(Protocol):
-    """What the router routes ask (native/ollama.py ``RouterModels``)."""
+    """What the router routes ask (native/router.py ``RouterModels``)."""
 
     @property
     def bridge(self) -> Any: ...
 
     def listing(self) -> dict[str, Any]: ...
+
+    def reload(self) -> tuple[int, dict[str, Any]] | None: ...
 
     def load(self, body: Any) -> tuple[int, dict[str, Any]]: ...
 
@@ -71,7 +73,19 @@ class RouterModels(JsonResource):
         self.putChild(b"sse", RouterEvents(router))
 
     def render_GET(self, request: Request) -> Any:
-        write_json(request, 200, dumps(self.router.listing()))
+        """The listing; ``?reload=`` (any value, as llama-server reads it) reads the directory
+        and the preset again first, on the engine thread, after the answers running."""
+        if not request.args.get(b"reload", [b""])[-1]:
+            write_json(request, 200, dumps(self.router.listing()))
+            return NOT_DONE_YET
+
+        def listed(refused: tuple[int, dict[str, Any]] | None) -> None:
+            status, body = refused if refused is not None else (200, self.router.listing())
+            write_json(request, status, dumps(body))
+
+        d = self.router.bridge.call(self.router.reload)
+        d.addCallback(listed)
+        d.addErrback(_write_failure(request))
         return NOT_DONE_YET
 
     def render_POST(self, request: Request) -> Any:

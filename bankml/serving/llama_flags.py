@@ -223,7 +223,7 @@ def _router_startup(out: list[str]) -> str | None:
     ``--fork`` is that fork unless given), else the first pinned model a preset section names;
     every model is served beside it (tap.py). None pinned: None, no FILE and no ``--fork``
     (the router starts with no startup model, as llama-server's starts with none loaded; its
-    unpinned files are listed as refused, native/ollama.py ``RouterModels``)."""
+    unpinned files are listed as refused, native/router.py ``RouterModels``)."""
     from bankml.registry.pins import discover
 
     directory: str | None = None

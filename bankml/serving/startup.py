@@ -18,7 +18,8 @@ signals.
   bound): ``refuse: <reason>`` on stderr and in the log, exit status 2 (``EXIT_REFUSED``).
   ``listen(site, address)`` binds a loopback address and keeps the port for ``stopService``.
   SIGHUP stops bankml like SIGTERM and SIGINT (Twisted handles those two; the default action
-  of SIGHUP would kill bankml without its shutdown triggers, leaving llama-server behind).
+  of SIGHUP would kill bankml without its shutdown triggers, leaving llama-server behind). A
+  SIGINT ignored when bankml starts (a shell's background job) stays ignored, and the log says so.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def stop_on_sighup(reactor: Any) -> None:
         reactor.callFromThread(reactor.stop)
 
     signal.signal(signal.SIGHUP, on_hup)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # a background job of a shell starts so; Twisted leaves an ignored SIGINT ignored
+        _log.info("SIGINT is ignored, as this process was started; stop bankml with SIGTERM")
 
 
 def _exit_now(code: int) -> None:
