@@ -51,8 +51,11 @@ def reference(default_model: Path, llama_server_bin: Path) -> Iterator[support.L
 
 
 class DropIn:
-    def __init__(self, port: int, listen_port: int, proc: subprocess.Popen) -> None:
+    def __init__(
+        self, port: int, listen_port: int, ollama_port: int, proc: subprocess.Popen
+    ) -> None:
         self.port, self.listen_port, self.proc = port, listen_port, proc
+        self.ollama_port = ollama_port  # --ollama-listen: Ollama's API alone
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +63,18 @@ def dropin(
     default_model: Path, default_fork: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DropIn]:
     """`bankml llama-server` with llama-server's flags here (support.LlamaServer's and ours)."""
-    port, listen_port = free_port(), free_port()
+    port, listen_port, ollama_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("dropin") / "bankml.log"
     args = [
         *("--fork", str(default_fork), "-m", str(default_model)),
         *("--host", "127.0.0.1", "-t", "2", "-c", "2048", "-np", "1"),
         *("--jinja", "--no-webui", "-fa", "on", "-ngl", "99"),
         *("--listen", f"127.0.0.1:{listen_port}"),
+        *("--ollama-listen", f"127.0.0.1:{ollama_port}"),
         *SHARED_FLAGS,
     ]
     with running_dropin(args, port, log) as proc:
-        yield DropIn(port, listen_port, proc)
+        yield DropIn(port, listen_port, ollama_port, proc)
     # the key never reaches the log
     assert KEY not in log.read_text()
 
@@ -90,6 +94,16 @@ def test_the_dropin_rewrites_llama_servers_spellings_into_bankml_serve_options()
         *("--n-predict", "8", "--metrics"),
     ]
     assert notes == ["ignoring -fa: bankml computes the same answer whatever this is set to"]
+
+
+def test_bankmls_own_options_pass_through_the_dropin_as_given() -> None:
+    argv, _ = dropin_argv(
+        ["-m", "m.gguf", "--fork", "f.json", "--ollama-listen", "127.0.0.1:11434"]
+        + ["--listen=127.0.0.1:9", "--max-queue", "4"]
+    )
+    assert argv[argv.index("--ollama-listen") + 1] == "127.0.0.1:11434"
+    assert argv[argv.index("--listen") + 1] == "127.0.0.1:9"
+    assert argv[argv.index("--max-queue") + 1] == "4"
 
 
 def test_the_dropin_context_defaults_to_llama_servers_0_the_models_own() -> None:
@@ -277,6 +291,21 @@ def test_the_official_openai_client_passes_its_key_and_reads_the_401(dropin: Dro
         wrong.chat.completions.create(model="any", **CHAT)
     assert refused.value.status_code == 401
     assert "Invalid API Key" in str(refused.value)
+
+
+def test_ollama_listen_serves_ollamas_api_behind_the_same_key(dropin: DropIn) -> None:
+    import ollama
+
+    host = f"http://127.0.0.1:{dropin.ollama_port}"
+    client = ollama.Client(host=host, headers=AUTH)
+    (model,) = client.list().models
+    answer = client.chat(model=model.model, messages=CHAT["messages"], options={"num_predict": 8})
+    assert answer.message.content and answer.done
+    # Ollama's routes only on that address; the key as on the llama-server routes
+    assert call(dropin.ollama_port, "GET", "/v1/models", headers=AUTH)[0] == 404
+    with pytest.raises(ollama.ResponseError) as refused:
+        ollama.Client(host=host).list()
+    assert refused.value.status_code == 401
 
 
 def test_health_needs_no_key(dropin: DropIn, reference: support.LlamaServer) -> None:
