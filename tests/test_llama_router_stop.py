@@ -60,11 +60,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Ite
         yield port
 
 
-def processing(port: int) -> float:
+def processing(port: int, series: str = "requests_processing") -> float:
     status, _, raw = call(port, "GET", f"/metrics?model={NAME}")
     assert status == 200, raw
     for line in raw.decode().splitlines():
-        if line.startswith("llamacpp:requests_processing "):
+        if line.startswith(f"llamacpp:{series} "):
             return float(line.split()[1])
     raise AssertionError(raw)
 
@@ -101,6 +101,31 @@ def test_an_unload_stops_a_running_generation_after_its_stop_timeout(server: int
     error = json.loads(raw)["error"]
     assert error["code"] == 503 and "stop-timeout of 1 s ran out" in error["message"]
     assert "bankml_receipt" not in json.loads(raw)
+    assert state(server) == "unloaded"
+
+
+def test_a_generation_queued_before_the_unload_is_stopped_too(server: int) -> None:
+    """With one slot a second generation waits behind the first. An unload asked for then
+    stops the first after its stop-timeout; the second starts before the unload runs and gets
+    the stop-timeout as it starts (before, nothing armed it and the unload waited for its whole
+    generation). Both are answered 503 with the reason, and the model is unloaded."""
+    assert call(server, "POST", "/models/load", {"model": NAME})[0] == 200
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(call, server, "POST", "/v1/completions", LONG)
+        wait_generating(server, first)
+        second = pool.submit(call, server, "POST", "/v1/completions", LONG)
+        for _ in range(600):
+            if processing(server, "requests_deferred") > 0:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the second generation was not queued")
+        unload = call(server, "POST", "/models/unload", {"model": NAME})
+        answers = [first.result(timeout=120), second.result(timeout=120)]
+    assert unload[0] == 200, unload
+    for status, _, raw in answers:
+        assert status == 503, raw
+        assert "stop-timeout of 1 s ran out" in json.loads(raw)["error"]["message"]
     assert state(server) == "unloaded"
 
 

@@ -580,6 +580,7 @@ class OllamaHost:
             yield Ready(load_ns, getattr(constraint, "kind", "") == "chat_schema", parser)
             if resident is not None:
                 resident.in_use += 1  # never unloaded under this run (steps hold it too)
+                self._started(resident)
             try:
                 run = self.native.steps(prompts, keep_alive=False)(cancelled, forwards)
                 # the scheduler's logits go on into the run (prompt_steps' forwards)
@@ -722,7 +723,12 @@ class OllamaHost:
         if bridge is not None and bridge.can_wait_on():
             # a model it unloads to make room gets its stop-timeout, should it be generating
             if self.options.get("router"):
-                self.native.reactor.callFromThread(self.arm_stop_for_room, pin)
+                token = object()
+                self.native.reactor.callFromThread(self.arm_stop_for_room, pin, token)
+                try:
+                    return bridge.call_and_wait(load)
+                finally:
+                    self.native.reactor.callFromThread(self.settle, token)
             return bridge.call_and_wait(load)
         return load()
 
@@ -754,6 +760,7 @@ class OllamaHost:
         if here.verified.sha256 != choice.verified.sha256:
             raise ApiError.of(503, f"{pin.file} is not the file this request was checked against")
         here.in_use += 1
+        self._started(here)
 
         def release() -> None:
             here.in_use -= 1
@@ -787,12 +794,39 @@ class OllamaHost:
                 return float(DEFAULT_STOP_TIMEOUT)
         return float(self.options.get("stop_timeout", DEFAULT_STOP_TIMEOUT))
 
-    def arm_stop(self, here: Resident, why: str) -> None:
-        """On the reactor thread, when ``here`` is to be unloaded (``why``) while it may be
-        generating: its stop-timeout armed; when it runs out with a generation still running
-        on the model, that generation ends at its next step and is answered with a 503 (the
-        unload, queued behind it, then goes on). Nothing when no reactor runs or one is armed;
-        disarmed when its last generation ends first (``hold``'s release)."""
+    def arm_stop(self, here: Resident, why: str, token: object) -> None:
+        """On the reactor thread, when ``here`` is to be unloaded (``why``) by a job queued on
+        the engine thread (``token``, until ``settle(token)``): its stop-timeout armed if it
+        generates now, else as soon as a generation starts on it before that job runs (a
+        request queued before the unload: ``_started``). When the timeout runs out with a
+        generation still running on the model, that generation ends at its next step and is
+        answered with a 503 (the job, queued behind it, then goes on)."""
+        here.awaited[token] = why
+        self._arm(here, why)
+
+    def settle(self, token: object) -> None:
+        """On the reactor thread, once the job ``token`` was queued for has run: no model
+        awaits it any more, and a stop-timeout left armed for it alone is cancelled."""
+        for here in self.residency.residents.values():
+            if here.awaited.pop(token, None) is not None and not here.awaited:
+                timer, here.stop_timer = here.stop_timer, None
+                if timer is not None:
+                    _disarm(timer)
+
+    def _started(self, here: Resident) -> None:
+        """On the engine thread, as a generation starts holding ``here``: when an unload of it
+        is queued and has not run yet, its stop-timeout is armed (on the reactor thread)."""
+        reactor = self.native.reactor
+        if here.awaited and reactor is not None:
+            reactor.callFromThread(self._arm_awaited, here)
+
+    def _arm_awaited(self, here: Resident) -> None:
+        if here.awaited:
+            self._arm(here, next(iter(here.awaited.values())))
+
+    def _arm(self, here: Resident, why: str) -> None:
+        """``here``'s stop-timeout armed when it generates; nothing when no reactor runs or one
+        is armed; disarmed when its last generation ends first (``hold``'s release)."""
         reactor = self.native.reactor
         if reactor is None or here.stop_timer is not None or here.in_use == 0:
             return
@@ -810,20 +844,21 @@ class OllamaHost:
 
         here.stop_timer = reactor.callLater(timeout, fire)
 
-    def arm_stop_for_room(self, pin: Pin) -> None:
+    def arm_stop_for_room(self, pin: Pin, token: object) -> None:
         """On the reactor thread, before a load of ``pin`` is queued on the engine thread
         (where it waits behind the running generations: one slot's, or every slot's with
         several, as the scheduler runs a job once the runs before it end): when the load will
         have to unload the least recently used model and every resident one is generating,
         that one's stop-timeout armed (``arm_stop``), as llama-server's router stops the least
         recently used instance to make room. Its generations end on their own or at the
-        timeout; the load then unloads it (idle) and goes on, and its request is answered."""
+        timeout; the load then unloads it (idle) and goes on, and its request is answered
+        (``token`` is the load's, as ``arm_stop``'s)."""
         if self.bridge is None or self.residency.get(pin.name):
             return
         residents = list(self.residency.residents.values())
         if len(residents) < self.residency.max_loaded or any(r.in_use == 0 for r in residents):
             return
-        self.arm_stop(residents[0], "another model was asked for")
+        self.arm_stop(residents[0], "another model was asked for", token)
 
     def _open_model(self, verified: Any) -> Any:
         """Residency's loader: the verified file's engine, swapped into the NativeEngine (as

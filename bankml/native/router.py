@@ -284,22 +284,29 @@ class RouterModels:
                 problems.append(f"{name}: not loaded at start: {body['error']['message']}")
         return problems
 
-    def before(self, action: str, name: Any) -> None:
+    def before(self, action: str, name: Any) -> object:
         """On the reactor thread, before a ``load`` or ``unload`` of model ``name`` (an id or
         an alias; a request's named model for a load) is queued on the engine thread: the
-        stop-timeout of the model it unloads armed when that model is generating
-        (``OllamaHost.arm_stop``), so the unload never waits on a generation longer."""
+        stop-timeout of the model it unloads armed when that model is generating, or starts
+        to before the job runs (``OllamaHost.arm_stop``), so the job never waits on a
+        generation longer. The job's token: ``settle`` it once the job has run."""
+        token = object()
         host = self.host
         routed = host.router_names.get(name) if isinstance(name, str) else None
         pin = host.router_pins.get(routed) if routed is not None else None
         if pin is None:
-            return
+            return token
         if action == "unload":
             here = host.residency.get(pin.name)
             if here is not None:
-                host.arm_stop(here, "POST /models/unload")
+                host.arm_stop(here, "POST /models/unload", token)
         else:
-            host.arm_stop_for_room(pin)
+            host.arm_stop_for_room(pin, token)
+        return token
+
+    def settle(self, token: object) -> None:
+        """On the reactor thread, once the job ``before`` gave ``token`` to has run."""
+        self.host.settle(token)
 
     def unload(self, body: Any) -> tuple[int, dict[str, Any]]:
         """On the engine thread: ``POST /models/unload``; (status, body)."""

@@ -28,7 +28,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bankml.engine_cupy.gguf_file import read_metadata
@@ -65,6 +65,9 @@ class Resident:
     # while it generates; once it fires, ``stopping`` says why its running generations end
     stop_timer: Any = None
     stopping: str | None = None
+    # the unloads queued for it and not run yet (a token each -> why): a generation that
+    # starts on it before they run gets the stop-timeout too
+    awaited: dict[object, str] = field(default_factory=dict)
 
     @property
     def ident(self) -> FileIdent:

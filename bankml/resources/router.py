@@ -48,7 +48,9 @@ class Router(Protocol):
 
     def check(self, name: str, autoload: bool | None) -> tuple[int, dict[str, Any]] | None: ...
 
-    def before(self, action: str, name: Any) -> None: ...
+    def before(self, action: str, name: Any) -> object: ...
+
+    def settle(self, token: object) -> None: ...
 
     def engine_view(self, name: str, touch: bool = True) -> Any: ...
 
@@ -176,11 +178,20 @@ class RouterAction(JsonResource):
             return NOT_DONE_YET
         job = self.router.load if self.action == "load" else self.router.unload
         # the model it unloads gets its stop-timeout, should it be generating (router mode)
-        self.router.before(self.action, body.get("model") if isinstance(body, dict) else None)
+        token = self.router.before(
+            self.action, body.get("model") if isinstance(body, dict) else None
+        )
         d = self.router.bridge.call(job, body)
+        d.addBoth(_settled, self.router, token)
         d.addCallback(lambda answer: write_json(request, answer[0], dumps(answer[1])))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
+
+
+def _settled(result: Any, router: Router, token: object) -> Any:
+    """A router job's Deferred passed on, its ``before`` token settled (reactor thread)."""
+    router.settle(token)
+    return result
 
 
 class RouterEvents(Resource):
@@ -415,8 +426,9 @@ class _WhenReady(Resource):
         self.autoload = autoload
 
     def render(self, request: Request) -> Any:
-        self.router.before("load", self.name)  # a model it unloads: its stop-timeout
+        token = self.router.before("load", self.name)  # a model it unloads: its stop-timeout
         d = self.router.bridge.call(self.router.ready_view, self.name, self.autoload)
+        d.addBoth(_settled, self.router, token)
 
         def go_on(answer: tuple[tuple[int, dict[str, Any]] | None, Any]) -> None:
             refused, view = answer
