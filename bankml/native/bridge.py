@@ -172,6 +172,20 @@ class EngineBridge:
             self.engine.submit(_Job(lambda: fn(*args, **kwargs), d))
         return d
 
+    def call_beside_runs(
+        self, ready: Callable[[], bool], fn: Callable[..., T], *args: Any
+    ) -> Deferred[T]:
+        """``call``, for a job that touches no running answer's slot: with several slots it
+        runs between two of the scheduler's iterations once it is at the head of the queue and
+        ``ready()`` (asked on the engine thread) says so, without waiting for the active runs
+        to end (native/scheduler.py). With one slot, as ``call``."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return self.call(fn, *args)
+        d: Deferred = Deferred()
+        scheduler.submit_call(CallJob(lambda: fn(*args), d, beside_runs=ready))
+        return d
+
     def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred[T]:
         d: Deferred = Deferred()
         self.preparer.submit(_Job(lambda: fn(*args, **kwargs), d))
@@ -182,11 +196,16 @@ class EngineBridge:
         not on its thread (which would wait on itself)."""
         return bool(self.reactor.running) and not isInIOThread()
 
-    def call_and_wait(self, fn: Callable[[], T]) -> T:
-        """From a thread other than the reactor's: ``fn`` as an engine job, its result waited for
-        (``bankml.chat`` on a served engine queues with the HTTP requests this way)."""
+    def call_and_wait(
+        self, fn: Callable[[], T], beside_runs: Callable[[], bool] | None = None
+    ) -> T:
+        """From a thread other than the reactor's: ``fn`` as an engine job (``beside_runs``: as
+        ``call_beside_runs``), its result waited for (``bankml.chat`` on a served engine queues
+        with the HTTP requests this way)."""
 
         def start() -> Deferred[Any]:
+            if beside_runs is not None:
+                return self.call_beside_runs(beside_runs, fn)
             return self.call(fn)
 
         return cast(T, blockingCallFromThread(self.reactor, start))

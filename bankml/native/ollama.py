@@ -725,8 +725,8 @@ class OllamaHost:
             if self.options.get("router"):
                 token = object()
                 self.native.reactor.callFromThread(self.arm_stop_for_room, pin, token)
-                try:
-                    return bridge.call_and_wait(load)
+                try:  # beside the other models' runs once its room can be made
+                    return bridge.call_and_wait(load, beside_runs=self.room_ready(pin))
                 finally:
                     self.native.reactor.callFromThread(self.settle, token)
             return bridge.call_and_wait(load)
@@ -793,6 +793,22 @@ class OllamaHost:
             except ValueError:
                 return float(DEFAULT_STOP_TIMEOUT)
         return float(self.options.get("stop_timeout", DEFAULT_STOP_TIMEOUT))
+
+    def room_ready(self, pin: Pin) -> Callable[[], bool]:
+        """When a load of ``pin`` may run beside other models' runs (asked on the engine
+        thread, ``EngineBridge.call_beside_runs``): once its room can be made by unloading
+        idle models only (``Residency.room_now``)."""
+        need = self.need(pin)
+        return lambda: self.residency.room_now(pin, need)
+
+    def idle_ready(self, pin: Pin) -> Callable[[], bool]:
+        """When an unload of ``pin`` may run beside other models' runs: once no run holds it."""
+
+        def idle() -> bool:
+            here = self.residency.get(pin.name)
+            return here is None or here.in_use == 0
+
+        return idle
 
     def arm_stop(self, here: Resident, why: str, token: object) -> None:
         """On the reactor thread, when ``here`` is to be unloaded (``why``) by a job queued on

@@ -304,6 +304,19 @@ class RouterModels:
             host.arm_stop_for_room(pin, token)
         return token
 
+    def beside_runs(self, action: str, name: Any) -> Callable[[], bool]:
+        """When a router job for model ``name`` (an id or an alias) may run beside the runs
+        of the scheduler's other slots (``EngineBridge.call_beside_runs``): a ``load`` once
+        its room can be made from idle models, an ``unload`` once its model is idle, a
+        ``touch`` at once (it reorders the models, no slot is touched); an unknown model at
+        once (it is refused)."""
+        host = self.host
+        routed = host.router_names.get(name) if isinstance(name, str) else None
+        pin = host.router_pins.get(routed) if routed is not None else None
+        if pin is None or action == "touch":
+            return lambda: True
+        return host.idle_ready(pin) if action == "unload" else host.room_ready(pin)
+
     def settle(self, token: object) -> None:
         """On the reactor thread, once the job ``before`` gave ``token`` to has run."""
         self.host.settle(token)

@@ -32,7 +32,11 @@ slot (``--parallel N``). It serves the same queue of jobs, in arrival order:
   advanced whatever its window, and the engine stops it before its next token.
 - **Other jobs** (``EngineBridge.call``: slot actions, model loads, the Python API's runs) keep
   their place in the queue: one runs when every run that came before it has finished, and the
-  runs after it wait for it, so it never sees a slot half-way through a step.
+  runs after it wait for it, so it never sees a slot half-way through a step. A job that
+  touches no active run's slot may say when it can run beside them (``beside_runs``: a model's
+  load once its room can be made from idle models, an unload once its model is idle:
+  ``EngineBridge.call_beside_runs``): at the head of the queue it runs between two iterations
+  as soon as that holds, without waiting for the other models' runs to end.
 
 Every request computes exactly what it would alone: each run has its own slot (KV cache,
 tokens, checkpoints) and its own sampler; the forward passes of one iteration touch disjoint
@@ -108,6 +112,12 @@ class RunGroup:
 class CallJob:
     work: Callable[[], Any]
     deferred: Any
+    # set: the job may run between two iterations, beside the active runs, once it is at the
+    # head of the queue and this says so (asked on the engine thread before each iteration)
+    beside_runs: Callable[[], bool] | None = None
+
+    def may_run(self, runs_active: bool) -> bool:
+        return not runs_active or (self.beside_runs is not None and self.beside_runs())
 
 
 @dataclass
@@ -230,16 +240,16 @@ class Scheduler:
             call = None
             with self._cond:
                 self._admit()
-                if not self._active:
-                    if self._queue and isinstance(self._queue[0], CallJob):
-                        call = self._queue.popleft()
-                        self._calling = True
-                    elif self._stopping:
+                head = self._queue[0] if self._queue else None
+                if isinstance(head, CallJob) and head.may_run(bool(self._active)):
+                    call = self._queue.popleft()
+                    self._calling = True
+                elif not self._active:
+                    if self._stopping:
                         self._fail_queued()
                         return
-                    else:
-                        self._cond.wait(WAIT_SLICE_S)
-                        continue
+                    self._cond.wait(WAIT_SLICE_S)
+                    continue
             if call is not None:
                 self._call(call)
                 continue

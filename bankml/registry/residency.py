@@ -196,7 +196,8 @@ class Residency:
 
     def _make_room(self, pin: Pin, need: int) -> None:
         """Unload idle models, least recently used first, until ``pin`` may load: fewer than
-        ``max_loaded`` resident and ``need`` within what the budget leaves."""
+        ``max_loaded`` resident and ``need`` within what the budget leaves. When unloading
+        every idle one would not be enough, none is unloaded and the load is refused."""
         budget = self.budget
         if budget is not None and need > budget:
             raise LoadError(
@@ -204,28 +205,47 @@ class Residency:
                 f"{pin.name} needs {_mib(need)} (its file and KV cache), more than the "
                 f"--models-memory budget of {_mib(budget)}: not loaded",
             )
-
-        def full() -> bool:
-            over = budget is not None and self.in_use_bytes() + need > budget
-            return len(self.residents) >= self.max_loaded or over
-
-        while full():
-            idle = next((r for r in self.residents.values() if r.in_use == 0), None)
-            if idle is None:
-                why = (
-                    f"{self.max_loaded} models are resident (--max-loaded)"
-                    if len(self.residents) >= self.max_loaded
-                    else f"the --models-memory budget of {_mib(budget or 0)} is in use"
-                )
-                raise LoadError(
-                    503,
-                    f"{pin.name} cannot be loaded now: {why} and each is answering a request; "
-                    "try again when one is done",
-                    busy=True,
-                )
+        drops, full_by_count = self._room(need)
+        if drops is None:
+            why = (
+                f"{self.max_loaded} models are resident (--max-loaded)"
+                if full_by_count
+                else f"the --models-memory budget of {_mib(budget or 0)} is in use"
+            )
+            raise LoadError(
+                503,
+                f"{pin.name} cannot be loaded now: {why} and each is answering a request; "
+                "try again when one is done",
+                busy=True,
+            )
+        for idle in drops:
             counted = len(self.residents) >= self.max_loaded
             why = "another model was asked for" if counted else "--models-memory needed room"
-            self.drop(why, idle.pin.name)  # the least recently used idle one
+            self.drop(why, idle.pin.name)
+
+    def _room(self, need: int) -> tuple[list[Resident] | None, bool]:
+        """(the idle models, least recently used first, to unload so that a model needing
+        ``need`` bytes may load, or None when unloading every idle one is not enough; whether
+        the count (``max_loaded``) rather than the budget is what stays full then)."""
+        budget = self.budget
+        count, used = len(self.residents), self.in_use_bytes()
+        idle = [r for r in self.residents.values() if r.in_use == 0]
+        drops: list[Resident] = []
+        while count >= self.max_loaded or (budget is not None and used + need > budget):
+            if not idle:
+                return None, count >= self.max_loaded
+            gone = idle.pop(0)
+            drops.append(gone)
+            count, used = count - 1, used - gone.need
+        return drops, False
+
+    def room_now(self, pin: Pin, need: int) -> bool:
+        """Whether ``acquire(pin)`` (``need`` bytes) can go on now without waiting for a
+        request to end: ``pin`` resident, or its room made by unloading idle models only. A
+        load that can never fit says True: it is refused at once."""
+        if pin.name in self.residents or (self.budget is not None and need > self.budget):
+            return True
+        return self._room(need)[0] is not None
 
     def verify_pin(self, pin: Pin) -> verify.Verified:
         """``pin``'s file verified in full as a load verifies it (LoadError when refused),

@@ -10,6 +10,7 @@ with the answers, so it never lands in the middle of one.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from twisted.logger import Logger
@@ -51,6 +52,8 @@ class Router(Protocol):
     def before(self, action: str, name: Any) -> object: ...
 
     def settle(self, token: object) -> None: ...
+
+    def beside_runs(self, action: str, name: Any) -> Callable[[], bool]: ...
 
     def engine_view(self, name: str, touch: bool = True) -> Any: ...
 
@@ -178,10 +181,11 @@ class RouterAction(JsonResource):
             return NOT_DONE_YET
         job = self.router.load if self.action == "load" else self.router.unload
         # the model it unloads gets its stop-timeout, should it be generating (router mode)
-        token = self.router.before(
-            self.action, body.get("model") if isinstance(body, dict) else None
+        name = body.get("model") if isinstance(body, dict) else None
+        token = self.router.before(self.action, name)
+        d = self.router.bridge.call_beside_runs(
+            self.router.beside_runs(self.action, name), job, body
         )
-        d = self.router.bridge.call(job, body)
         d.addBoth(_settled, self.router, token)
         d.addCallback(lambda answer: write_json(request, answer[0], dumps(answer[1])))
         d.addErrback(_write_failure(request))
@@ -348,7 +352,9 @@ class RouterGate(Resource):
             # llama-server's router marks a model used by every POST it forwards to it
             # (``proxy_post``: its last use, the least recently used one unloaded first),
             # whatever its child answers; a GET forwarded marks nothing (``proxy_get``)
-            touched = self.router.bridge.call(self.router.touch, name)
+            touched = self.router.bridge.call_beside_runs(
+                self.router.beside_runs("touch", name), self.router.touch, name
+            )
             touched.addErrback(lambda f: _log.failure("marking {name} used", f, name=name))
         if kind == b"self":
             return child
@@ -427,7 +433,10 @@ class _WhenReady(Resource):
 
     def render(self, request: Request) -> Any:
         token = self.router.before("load", self.name)  # a model it unloads: its stop-timeout
-        d = self.router.bridge.call(self.router.ready_view, self.name, self.autoload)
+        ready = self.router.beside_runs("load", self.name)
+        d = self.router.bridge.call_beside_runs(
+            ready, self.router.ready_view, self.name, self.autoload
+        )
         d.addBoth(_settled, self.router, token)
 
         def go_on(answer: tuple[tuple[int, dict[str, Any]] | None, Any]) -> None:
