@@ -87,3 +87,32 @@ def test_a_second_request_on_the_generating_model_is_answered_beside_it(generati
     assert status == 200, raw
     assert json.loads(raw)["model"] == NAME
     assert processing(port) == 1
+
+
+def test_a_generation_beside_another_models_load_is_the_one_it_is_alone(server: int) -> None:
+    """A greedy 200-token generation streamed while the other model is loaded and answers
+    (between its steps, as above) has the text it has alone, token for token."""
+    body = {**SHORT, "max_tokens": 200, "ignore_eos": True}
+    assert call(server, "POST", "/models/load", {"model": NAME})[0] in (200, 400)
+    call(server, "POST", "/models/unload", {"model": OTHER})
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=120)
+    try:
+        raw = json.dumps({**body, "stream": True}).encode()
+        conn.request("POST", "/v1/completions", raw, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        pieces, loaded = [], False
+        for line in response:
+            if not line.startswith(b"data: {"):
+                continue
+            pieces.append(json.loads(line[6:])["choices"][0]["text"])
+            if not loaded:  # after its first token: the other model loaded and answering
+                status, _, answer = call(
+                    server, "POST", "/v1/completions", {**SHORT, "model": OTHER}
+                )
+                assert status == 200, answer
+                loaded = True
+    finally:
+        conn.close()
+    status, _, alone = call(server, "POST", "/v1/completions", body)
+    assert status == 200, alone
+    assert "".join(pieces) == json.loads(alone)["choices"][0]["text"]
