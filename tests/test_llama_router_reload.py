@@ -155,34 +155,38 @@ def test_reload_serves_what_was_pinned_added_or_removed_since_the_start(
         assert chat(port, "a")[0] == 200
 
 
-def test_a_reload_that_would_change_a_resident_models_options_unloads_it(
-    directory: Path, tmp_path: Path
-) -> None:
+@pytest.fixture
+def preset_router(directory: Path, tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """The drop-in on DIR and a preset giving ``a`` a context of 512, ``a`` resident: (its
+    port, the preset's path)."""
     preset = tmp_path / "preset.ini"
     preset.write_text("[a]\nc = 512\n")
     port, running = dropin(directory, tmp_path, "--models-preset", str(preset))
     with running:
         assert chat(port, "a")[0] == 200
-        assert statuses(port, "?reload=1")["a"]["value"] == "loaded"  # the same options
-        preset.write_text("[a]\nc = 1024\n")
-        assert statuses(port, "?reload=1")["a"]["value"] == "unloaded"
-        status, _, raw = call(port, "GET", "/props?model=a")
-        assert status == 200, raw
-        assert json.loads(raw)["default_generation_settings"]["n_ctx"] == 1024
+        yield port, preset
+
+
+def test_a_reload_that_would_change_a_resident_models_options_unloads_it(
+    preset_router: tuple[int, Path],
+) -> None:
+    port, preset = preset_router
+    assert statuses(port, "?reload=1")["a"]["value"] == "loaded"  # the same options
+    preset.write_text("[a]\nc = 1024\n")
+    assert statuses(port, "?reload=1")["a"]["value"] == "unloaded"
+    status, _, raw = call(port, "GET", "/props?model=a")
+    assert status == 200, raw
+    assert json.loads(raw)["default_generation_settings"]["n_ctx"] == 1024
 
 
 def test_a_preset_that_no_longer_reads_is_refused_and_changes_nothing(
-    directory: Path, tmp_path: Path
+    preset_router: tuple[int, Path],
 ) -> None:
-    preset = tmp_path / "preset.ini"
-    preset.write_text("[a]\nc = 512\n")
-    port, running = dropin(directory, tmp_path, "--models-preset", str(preset))
-    with running:
-        assert chat(port, "a")[0] == 200
-        before = statuses(port)
-        preset.write_text("[a]\nno-such-option = 1\n")
-        status, _, raw = call(port, "GET", "/models?reload=1")
-        assert status == 400, raw
-        assert "not recognized" in json.loads(raw)["error"]["message"]
-        assert statuses(port) == before
-        assert chat(port, "a")[0] == 200
+    port, preset = preset_router
+    before = statuses(port)
+    preset.write_text("[a]\nno-such-option = 1\n")
+    status, _, raw = call(port, "GET", "/models?reload=1")
+    assert status == 400, raw
+    assert "not recognized" in json.loads(raw)["error"]["message"]
+    assert statuses(port) == before
+    assert chat(port, "a")[0] == 200
