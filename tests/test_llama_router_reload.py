@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -112,6 +113,11 @@ class Events:
         raise AssertionError(f"no {event} event in {self.seen}")
 
     def close(self) -> None:
+        # the reader blocks in a read: shut the socket down so that it returns at once (closing
+        # the connection alone waits for that read's timeout)
+        if self.conn.sock is not None:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.thread.join(30)
         self.conn.close()
 
 
