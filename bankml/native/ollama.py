@@ -797,9 +797,18 @@ class OllamaHost:
     def room_ready(self, pin: Pin) -> Callable[[], bool]:
         """When a load of ``pin`` may run beside other models' runs (asked on the engine
         thread, ``EngineBridge.call_beside_runs``): once its room can be made by unloading
-        idle models only (``Residency.room_now``)."""
-        need = self.need(pin)
-        return lambda: self.residency.room_now(pin, need)
+        idle models only (``Residency.room_now``). Its bytes are reckoned there, once, the
+        first time the model is not resident (reading its header off the reactor thread)."""
+        need: list[int] = []
+
+        def ready() -> bool:
+            if self.residency.get(pin.name) is not None:
+                return True
+            if not need:
+                need.append(self.need(pin))
+            return self.residency.room_now(pin, need[0])
+
+        return ready
 
     def idle_ready(self, pin: Pin) -> Callable[[], bool]:
         """When an unload of ``pin`` may run beside other models' runs: once no run holds it."""
