@@ -10,7 +10,7 @@ FORK        := $(MODEL).FORK.json
 LISTEN      ?= 127.0.0.1:18093
 UPSTREAM    ?= 127.0.0.1:18092
 # pytest's own arguments; `PYTEST_ARGS='-n 2 --dist loadfile'` runs two test files at a time
-# (pytest-xdist), not the default: its speed on 2 cores is not measured yet
+# (pytest-xdist), not the default: on 2 cores it is slower than one file at a time (README)
 PYTEST_ARGS ?=
 
 .PHONY: serve serve-p0 test lint bench venv test-deps model llama-source llama-server clean
