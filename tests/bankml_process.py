@@ -36,6 +36,10 @@ def sha(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class BankmlProcess:
     model: Path
@@ -75,7 +79,13 @@ class BankmlProcess:
     def launch(self) -> BankmlProcess:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                self.command(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
+                self.command(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                # as from a terminal: a suite started as a shell's background job ignores
+                # SIGINT, bankml would inherit that, and a SIGINT test could not stop it
+                preexec_fn=_sigint_default,
             )
         return self
 
