@@ -382,11 +382,10 @@ class Options(usage.Options):
             raise usage.UsageError(
                 f"number of models to load on startup ({len(startup)}) exceeds models_max ({bound})"
             )
-        for name in found.models:
-            try:
-                llama_flags.native_settings({**self, **found.options_for(name)})
-            except llama_flags.FlagError as err:
-                raise usage.UsageError(f"preset '{name}': {err}") from None
+        try:
+            llama_flags.check_model_settings(found, self)
+        except llama_flags.FlagError as err:
+            raise usage.UsageError(str(err)) from None
         self["presets"] = found
         mine = found.model_of(self["file"]) if self["file"] is not None else None
         if mine is not None:  # FILE's own options: its context, its sampling defaults ...

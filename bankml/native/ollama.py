@@ -306,11 +306,10 @@ class OllamaHost:
         found = presets.load_presets(
             self.options.get("models-preset"), self.options.get("models-dir"), old.cli
         )
-        for name in found.models:
-            try:
-                llama_flags.native_settings({**self.options, **found.options_for(name)})
-            except llama_flags.FlagError as err:
-                raise presets.PresetError(f"preset '{name}': {err}") from None
+        try:
+            llama_flags.check_model_settings(found, self.options)
+        except llama_flags.FlagError as err:
+            raise presets.PresetError(str(err)) from None
         catalog = Catalog.load(host_registry(self.native.verified, directory, found), directory)
         pins, _refused = found.assign(catalog.registry.pins)
         unloaded: list[str] = []

@@ -27,6 +27,7 @@ from bankml.serving.presets import PresetError
 
 if TYPE_CHECKING:
     from bankml.native.ollama import OllamaHost
+    from bankml.registry.pins import Pin
 
 
 class RouterModels:
@@ -198,8 +199,7 @@ class RouterModels:
         current one) and its keep-alive started again; nothing when it is not resident (a load
         marks it) or its file changed (the request's own answer says so)."""
         host = self.host
-        routed = host.router_names.get(name)
-        pin = host.router_pins.get(routed) if routed is not None else None
+        pin = self._pin_of(name)
         if pin is None or host.residency.get(pin.name) is None:
             return
         try:
@@ -207,6 +207,12 @@ class RouterModels:
         except OllamaError:
             return
         host.residency.touch(pin.name, host.keep_alive, host.clock())
+
+    def _pin_of(self, name: Any) -> Pin | None:
+        """The pin of the model ``name`` names (an id or an alias); None: unknown, refused."""
+        host = self.host
+        routed = host.router_names.get(name) if isinstance(name, str) else None
+        return host.router_pins.get(routed) if routed is not None else None
 
     def ready_view(self, name: str, autoload: bool | None) -> tuple[Any, Any]:
         """On the engine thread: ``ready`` (loaded if need be, made the engine's, marked as
@@ -216,8 +222,7 @@ class RouterModels:
 
     def _view(self, name: str) -> Any:
         host = self.host
-        routed = host.router_names.get(name)
-        pin = host.router_pins.get(routed) if routed is not None else None
+        pin = self._pin_of(name)
         here = host.residency.get(pin.name) if pin is not None else None
         if here is None or here.handle is None:
             return None
@@ -292,8 +297,7 @@ class RouterModels:
         generation longer. The job's token: ``settle`` it once the job has run."""
         token = object()
         host = self.host
-        routed = host.router_names.get(name) if isinstance(name, str) else None
-        pin = host.router_pins.get(routed) if routed is not None else None
+        pin = self._pin_of(name)
         if pin is None:
             return token
         if action == "unload":
@@ -310,12 +314,10 @@ class RouterModels:
         its room can be made from idle models, an ``unload`` once its model is idle, a
         ``touch`` at once (it reorders the models, no slot is touched); an unknown model at
         once (it is refused)."""
-        host = self.host
-        routed = host.router_names.get(name) if isinstance(name, str) else None
-        pin = host.router_pins.get(routed) if routed is not None else None
+        pin = self._pin_of(name)
         if pin is None or action == "touch":
             return lambda: True
-        return host.idle_ready(pin) if action == "unload" else host.room_ready(pin)
+        return self.host.idle_ready(pin) if action == "unload" else self.host.room_ready(pin)
 
     def settle(self, token: object) -> None:
         """On the reactor thread, once the job ``before`` gave ``token`` to has run."""

@@ -182,14 +182,21 @@ class RouterAction(JsonResource):
         job = self.router.load if self.action == "load" else self.router.unload
         # the model it unloads gets its stop-timeout, should it be generating (router mode)
         name = body.get("model") if isinstance(body, dict) else None
-        token = self.router.before(self.action, name)
-        d = self.router.bridge.call_beside_runs(
-            self.router.beside_runs(self.action, name), job, body
-        )
-        d.addBoth(_settled, self.router, token)
+        d = _router_job(self.router, self.action, name, job, body)
         d.addCallback(lambda answer: write_json(request, answer[0], dumps(answer[1])))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
+
+
+def _router_job(router: Router, action: str, name: Any, job: Any, *args: Any) -> Any:
+    """A ``load`` or ``unload`` of model ``name`` queued on the engine thread (reactor thread):
+    the stop-timeout of the model it unloads armed first (``before``), run beside the other
+    slots' runs once it may (``beside_runs``), its token settled once it has run; its
+    Deferred."""
+    token = router.before(action, name)
+    d = router.bridge.call_beside_runs(router.beside_runs(action, name), job, *args)
+    d.addBoth(_settled, router, token)
+    return d
 
 
 def _settled(result: Any, router: Router, token: object) -> Any:
@@ -432,12 +439,9 @@ class _WhenReady(Resource):
         self.autoload = autoload
 
     def render(self, request: Request) -> Any:
-        token = self.router.before("load", self.name)  # a model it unloads: its stop-timeout
-        ready = self.router.beside_runs("load", self.name)
-        d = self.router.bridge.call_beside_runs(
-            ready, self.router.ready_view, self.name, self.autoload
+        d = _router_job(
+            self.router, "load", self.name, self.router.ready_view, self.name, self.autoload
         )
-        d.addBoth(_settled, self.router, token)
 
         def go_on(answer: tuple[tuple[int, dict[str, Any]] | None, Any]) -> None:
             refused, view = answer

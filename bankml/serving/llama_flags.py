@@ -23,9 +23,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bankml.llama_server import FLAGS, IGNORE, MODEL, SERVE, UNKNOWN, Flag
+
+if TYPE_CHECKING:
+    from bankml.serving.presets import RouterPresets
 
 
 class FlagError(ValueError):
@@ -261,6 +264,16 @@ def _number(name: str, text: str, read: Callable[[str], Any]) -> Any:
         return read(text)
     except ValueError:
         raise FlagError(f"--{name} {text}: not a number") from None
+
+
+def check_model_settings(models: RouterPresets, options: Mapping[str, Any]) -> None:
+    """Every router model's settings (``models``: serving/presets.py ``RouterPresets``) over the
+    server's ``options``, as ``native_settings`` reads them; FlagError naming the model."""
+    for name in models.models:
+        try:
+            native_settings({**options, **models.options_for(name)})
+        except FlagError as err:
+            raise FlagError(f"preset '{name}': {err}") from None
 
 
 def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
