@@ -120,6 +120,10 @@ def test_a_generation_queued_before_the_unload_is_stopped_too(server: int) -> No
             time.sleep(0.05)
         else:
             raise AssertionError("the second generation was not queued")
+        # one request waits (the mark of use its POST queued on the engine thread too is no
+        # request): the unload is queued behind its run
+        time.sleep(0.3)
+        assert processing(server, "requests_deferred") == 1
         unload = call(server, "POST", "/models/unload", {"model": NAME})
         answers = [first.result(timeout=120), second.result(timeout=120)]
     assert unload[0] == 200, unload

@@ -420,7 +420,7 @@ class MetricsScrape:
         str, float
     ]  # prompt tokens and seconds, decode steps and seconds, since the last scrape
     processing: int  # runs holding a slot (requests_processing)
-    deferred: int  # jobs waiting for the engine (requests_deferred)
+    deferred: int  # requests waiting for a slot (requests_deferred)
     busy_slots_per_decode: float  # n_busy_slots_per_decode
     # with several models resident (bankml serve --native --max-loaded): each model's counts
     # and memory (NativeEngine.models_state); empty with one model, and nothing more is written

@@ -96,6 +96,16 @@ class _Worker:
     def pending(self) -> int:
         return self.jobs.qsize()
 
+    @property
+    def waiting_runs(self) -> int:
+        """Runs waiting for the thread (a call job, a model's load or its mark of use, is no
+        request waiting)."""
+        with self.jobs.mutex:
+            return sum(
+                isinstance(job, _Job) and job.control is not None and not job.control.cancelled()
+                for job in self.jobs.queue
+            )
+
     def _serve(self) -> None:
         while True:
             job = self.jobs.get()
@@ -294,7 +304,9 @@ class EngineBridge:
 
     @property
     def queued(self) -> int:
-        return self.engine.pending
+        """Requests waiting for a slot (llama-server's requests_deferred): runs only, as the
+        engine thread's other jobs (a router's load or mark of use) answer no request."""
+        return int(self.engine.waiting_runs)
 
     def _admitted(self, control: RunControl) -> None:
         self.runs_started += 1
