@@ -64,6 +64,25 @@ from tests.tiny_models import TINY_SPECS, TinySpec, write_tiny_model  # noqa: E4
 QUICK_SPECS = (TinySpec("llama", T.Q4_1), TINY_SPECS[3])
 # The name --models gives the default model (the real one: agreement and the speed figures).
 DEFAULT_NAME = "default"
+# Models of a real model's shape, built on the spot and checked like the default model (alone,
+# with speed figures): Llama 3.2 1B's shape (16 layers, 2048 wide, 8192 feed-forward, 32 heads,
+# 8 KV heads of 64) in a Q4_K_M file's two main types (Q4_K layers, a Q6_K output), random
+# weights and the default model's vocabulary (49152 tokens where Llama 3.2 has 128256): 1.1
+# billion weights, 0.7 GB.
+SHAPED_SPECS = {
+    "llama-1b-Q4_K": TinySpec(
+        "llama",
+        T.Q4_K,
+        n_layer=16,
+        tied=False,
+        out_type=T.Q6_K,
+        n_embd=2048,
+        n_ff=8192,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=64,
+    ),
+}
 RESULT_FILE = "gpu_check.json"
 
 
@@ -74,7 +93,7 @@ def spec_by_name(name: str) -> TinySpec:
     for spec in (*TINY_SPECS, *QUICK_SPECS):
         if spec.name == name:
             return spec
-    known = ", ".join(s.name for s in (*TINY_SPECS, *QUICK_SPECS))
+    known = ", ".join([s.name for s in (*TINY_SPECS, *QUICK_SPECS)] + list(SHAPED_SPECS))
     raise SystemExit(f"unknown model {name!r}; known: {known}, {DEFAULT_NAME}")
 
 
@@ -121,12 +140,18 @@ def array_vs_exact(
 
 
 def against_server(
-    models: dict[str, Model], path: Path, binary: Path, prompts: list[list[int]], greedy_n: int
+    models: dict[str, Model],
+    path: Path,
+    binary: Path,
+    prompts: list[list[int]],
+    greedy_n: int,
+    server_args: list[str] | None = None,
 ) -> dict[str, Any]:
     """(c) each loaded path against llama-server on the same file (tests/test_forward's functions;
-    llama-server -t 2, as the oracle tests and the exact path's attention split assume)."""
+    llama-server -t 2, as the oracle tests and the exact path's attention split assume, and
+    ``server_args``: ``-ngl 99`` for a CUDA build)."""
     out: dict[str, Any] = {}
-    with support.LlamaServer(path, binary=binary) as server:
+    with support.LlamaServer(path, binary=binary, args=list(server_args or [])) as server:
         for side, model in models.items():
             worst, same_top1 = compare_next_token(model, server, prompts)
             same, notes = compare_greedy(model, server, prompts, greedy_n)
@@ -152,10 +177,11 @@ def attempt(result: dict[str, Any], part: str, fn: Callable[[], Any]) -> tuple[b
     return True, value
 
 
-def load_models(
-    result: dict[str, Any], path: Path, device: str
-) -> tuple[Model | None, Model | None]:
-    """The array-path model on ``device`` and the exact-path model on the CPU (None: failed)."""
+def load_models(result: dict[str, Any], path: Path, device: str) -> dict[str, Model]:
+    """The models of each path that loaded, by side: ``array`` (the array path on ``device``),
+    ``exact`` (the CPU), and on a CUDA device ``device_step`` (``Model.load``'s own choice
+    there: the decode step, device_model.DeviceModel, where it plays the model; where it does
+    not, the reason is ``result["device_step"]`` and the side is absent, being the array path)."""
     _, array_model = attempt(
         result,
         "load_array",
@@ -168,9 +194,44 @@ def load_models(
         # Numba compiles (or loads from its cache) the exact kernels here, not inside the figures
         warmed, _ = attempt(result, "warm_up_exact", exact_model.warm_up)
         exact_model = exact_model if warmed else None
+    models: dict[str, Model] = {}
     if array_model is not None:
         result["array_device"] = "cuda" if array_model.xp is not numpy else "cpu"
-    return array_model, exact_model
+        models["array"] = array_model
+    if exact_model is not None:
+        models["exact"] = exact_model
+    if device == "cuda":
+        from bankml.engine_cupy.device_model import DeviceModel
+
+        _, step_model = attempt(
+            result,
+            "load_device_step",
+            lambda: Model.load(path, device="cuda", progress=False),
+        )
+        if isinstance(step_model, DeviceModel):
+            models["device_step"] = step_model
+        elif step_model is not None:
+            result["device_step"] = step_model.array_path_reason or "the array path"
+    return models
+
+
+# the sides compared with the exact path, each under result[f"{side}_vs_exact"]
+APPROXIMATE_SIDES = ("array", "device_step")
+
+
+def versus_exact(
+    result: dict[str, Any], models: dict[str, Model], prompts: list[list[int]], greedy_n: int
+) -> None:
+    """(a) and (b) for each side other than the exact path, when both loaded."""
+    exact_model = models.get("exact")
+    for side in APPROXIMATE_SIDES:
+        model = models.get(side)
+        if model is not None and exact_model is not None:
+            _, result[f"{side}_vs_exact"] = attempt(
+                result,
+                f"{side}_vs_exact",
+                lambda model=model: array_vs_exact(model, exact_model, prompts, greedy_n),
+            )
 
 
 def prompt_ids(model: Model, count: int) -> list[list[int]]:
@@ -180,14 +241,13 @@ def prompt_ids(model: Model, count: int) -> list[list[int]]:
     return [tokenizer.tokenize(text, parse_special=True) for text in PROMPTS[:count]]
 
 
-def loaded(array_model: Model | None, exact_model: Model | None) -> dict[str, Model]:
-    return {
-        side: m for side, m in (("array", array_model), ("exact", exact_model)) if m is not None
-    }
-
-
 def check_model(
-    path: Path, device: str, n_prompts: int, greedy_n: int, server: Path | None
+    path: Path,
+    device: str,
+    n_prompts: int,
+    greedy_n: int,
+    server: Path | None,
+    server_args: list[str] | None = None,
 ) -> dict[str, Any]:
     """(a), (b) and (c) for one model file; each part's exception is kept, not raised."""
     result: dict[str, Any] = {
@@ -196,8 +256,7 @@ def check_model(
         "greedy_tokens": greedy_n,
         "times": {},
     }
-    array_model, exact_model = load_models(result, path, device)
-    models = loaded(array_model, exact_model)
+    models = load_models(result, path, device)
     if not models:
         return result
     ok, prompts = attempt(
@@ -205,17 +264,12 @@ def check_model(
     )
     if not ok:
         return result
-    if array_model is not None and exact_model is not None:
-        _, result["array_vs_exact"] = attempt(
-            result,
-            "array_vs_exact",
-            lambda: array_vs_exact(array_model, exact_model, prompts, greedy_n),
-        )
+    versus_exact(result, models, prompts, greedy_n)
     if server is not None:
         _, result["vs_llama_server"] = attempt(
             result,
             "vs_llama_server",
-            lambda: against_server(models, path, server, prompts, greedy_n),
+            lambda: against_server(models, path, server, prompts, greedy_n, server_args),
         )
     return {k: v for k, v in result.items() if v is not None}
 
@@ -237,9 +291,16 @@ def engine_speed(model: Model, ids: list[int], n_decode: int, rounds: int) -> di
 
 
 def server_speed(
-    binary: Path, path: Path, ids: list[int], n_decode: int, rounds: int, threads: int
+    binary: Path,
+    path: Path,
+    ids: list[int],
+    n_decode: int,
+    rounds: int,
+    threads: int,
+    server_args: list[str] | None = None,
 ) -> dict[str, float]:
-    with support.LlamaServer(path, binary=binary, args=["-t", str(threads)]) as srv:
+    args = ["-t", str(threads), *(server_args or [])]
+    with support.LlamaServer(path, binary=binary, args=args) as srv:
         bench_engine.server_round(srv, ids[:32], 4)
         return median_round(lambda: bench_engine.server_round(srv, ids, n_decode), rounds)
 
@@ -269,7 +330,9 @@ def speed(
         _, out["llama_server"] = attempt(
             result,
             "speed_llama_server",
-            lambda: server_speed(server, path, ids, args.decode, args.rounds, threads),
+            lambda: server_speed(
+                server, path, ids, args.decode, args.rounds, threads, server_args_of(args)
+            ),
         )
     return {k: v for k, v in out.items() if v is not None}
 
@@ -287,29 +350,47 @@ def default_model_checks(
         "greedy_tokens": args.greedy,
         "times": {},
     }
-    array_model, exact_model = load_models(result, path, args.device)
-    models = loaded(array_model, exact_model)
+    models = load_models(result, path, args.device)
     if not models:
         return result
-    if exact_model is not None:
-        exact_model.threads = threads  # as bench/engine.py: Numba threads for the exact kernels
+    if "exact" in models:
+        models["exact"].threads = threads  # as bench/engine.py: Numba threads for the kernels
     first = next(iter(models.values()))
     prompts = prompt_ids(first, args.default_prompts)
-    if array_model is not None and exact_model is not None:
-        _, result["array_vs_exact"] = attempt(
-            result,
-            "array_vs_exact",
-            lambda: array_vs_exact(array_model, exact_model, prompts, args.greedy),
-        )
+    versus_exact(result, models, prompts, args.greedy)
     if server is not None:
         _, result["vs_llama_server"] = attempt(
             result,
             "vs_llama_server",
-            lambda: against_server(models, path, server, prompts, args.greedy),
+            lambda: against_server(
+                models, path, server, prompts, args.greedy, server_args_of(args)
+            ),
         )
     ids = Tokenizer.from_gguf(first.reader).tokenize(bench_engine.TEXT * 40)[: args.prefill]
     result["speed"] = speed(result, models, ids, args, server, path, threads)
     return {k: v for k, v in result.items() if v is not None}
+
+
+def full_size_checks(
+    path: Path, args: argparse.Namespace, server: Path | None, deadline: float, shaped: str = ""
+) -> dict[str, Any]:
+    """``default_model_checks`` of the default model, or of the shaped model ``shaped`` written
+    to ``path`` first; skipped with a note once the time budget is spent."""
+    name = shaped or path.stem
+    if time.monotonic() > deadline - 60:
+        return {"model": name, "error": {"budget": "skipped: the time budget was spent"}}
+    if not shaped:
+        return default_model_checks(path, args, server)
+    written: dict[str, Any] = {"model": name}
+    ok, _ = attempt(
+        written, "write", lambda: write_tiny_model(path, SHAPED_SPECS[shaped], Path(args.vocab))
+    )
+    if not ok:
+        return written
+    result = default_model_checks(path, args, server)
+    result["model"] = name
+    result["times"] = {"write_s": written["times"]["write_s"], **result["times"]}
+    return result
 
 
 # --- orchestration -----------------------------------------------------------------------------
@@ -387,7 +468,13 @@ def worker_command(
         str(args.greedy),
         "--llama-server",
         str(server) if server else "none",
+        *(["--ngl", str(args.ngl)] if args.ngl is not None else []),
     ]
+
+
+def server_args_of(args: argparse.Namespace) -> list[str]:
+    """llama-server's arguments beyond the model's and the threads' (``--ngl``)."""
+    return ["-ngl", str(args.ngl)] if args.ngl is not None else []
 
 
 def run_workers(
@@ -462,7 +549,9 @@ def worker(args: argparse.Namespace) -> int:
             lambda: write_tiny_model(workdir / f"{spec.name}.gguf", spec, Path(args.vocab))
         )
         server = None if args.llama_server in (None, "none") else Path(args.llama_server)
-        result = check_model(path, args.device, args.prompts, args.greedy, server)
+        result = check_model(
+            path, args.device, args.prompts, args.greedy, server, server_args_of(args)
+        )
         result["times"] = {"write_s": seconds, **result["times"]}
     except Exception:
         result = {"model": args.worker, "error": {"worker": traceback.format_exc()}}
@@ -501,6 +590,28 @@ def table_row(m: dict[str, Any]) -> str:
     )
 
 
+def step_row(m: dict[str, Any]) -> str:
+    """One model's decode-step figures (against the exact path and llama-server), or why the
+    step does not play it."""
+    if "device_step" in m:
+        return f"{m['model']:28} not the decode step: {m['device_step']}"
+    n = m.get("prompts")
+    a = m.get("device_step_vs_exact") or {}
+    s = (m.get("vs_llama_server") or {}).get("device_step") or {}
+    cells = [
+        fmt(a.get("max_top10_logprob_diff")),
+        fmt(a.get("same_top1"), n if a else None),
+        fmt(a.get("greedy_identical"), n if a else None),
+        fmt(s.get("max_top10_logprob_diff")),
+        fmt(s.get("same_top1"), n if s else None),
+        fmt(s.get("greedy_identical"), n if s else None),
+    ]
+    return (
+        f"{m['model']:28} {cells[0]:>10} {cells[1]:>6} {cells[2]:>7} | {cells[3]:>8} "
+        f"{cells[4]:>6} {cells[5]:>7}"
+    )
+
+
 def print_table(report: dict[str, Any]) -> None:
     print(f"\narray path on {report['device']} vs exact CPU path (and each vs llama-server)")
     print(
@@ -508,30 +619,52 @@ def print_table(report: dict[str, Any]) -> None:
         f" | {'exa-srv':>8} {'greedy':>7}"
     )
     default = report.get("default_model")
-    for m in [*report["models"], *([default] if default else [])]:
+    full = [*([default] if default else []), *report.get("shaped_models", [])]
+    for m in [*report["models"], *full]:
         print(table_row(m))
-    speeds = (default or {}).get("speed") or {}
-    labels = {
-        "array": f"array ({(default or {}).get('array_device', '?')})",
-        "exact": "exact (cpu)",
-        "llama_server": "llama-server (cpu)",
-    }
-    if any(side in speeds for side in labels):
+    stepped = [m for m in [*report["models"], *full] if "device_step" in m or _has_step(m)]
+    if stepped:
+        print("\ndecode step (CUDA) vs exact CPU path, and vs llama-server")
         print(
-            f"\n{default['model']}: {speeds['prompt_tokens']}-token prefill, "
-            f"{speeds['decode_tokens']}-token decode, median of {speeds['rounds']} "
-            f"(CPU paths on {speeds['cpu_threads']} threads)"
+            f"{'model':28} {'top10 diff':>10} {'top1':>6} {'greedy':>7} | {'step-srv':>8} "
+            f"{'top1':>6} {'greedy':>7}"
         )
-        for side, label in labels.items():
-            if side in speeds:
-                print(
-                    f"  {label:22} prefill {speeds[side]['prefill_tok_s']:8.1f} tok/s   "
-                    f"decode {speeds[side]['decode_tok_s']:7.1f} tok/s"
-                )
-    elif default:
-        print(f"\n{default['model']}: no speed figures")
+        for m in stepped:
+            print(step_row(m))
+    server = " ".join(["llama-server", *report.get("llama_server_args", [])])
+    for m in full:
+        print_speeds(m, server)
     if report.get("errors"):
         print("tracebacks: the JSON's 'error' of each model, by part")
+
+
+def _has_step(m: dict[str, Any]) -> bool:
+    return "device_step_vs_exact" in m or "device_step" in (m.get("vs_llama_server") or {})
+
+
+def print_speeds(m: dict[str, Any], server: str) -> None:
+    """A full-size model's prefill and decode tokens/s, by path."""
+    speeds = m.get("speed") or {}
+    labels = {
+        "array": f"array ({m.get('array_device', '?')})",
+        "device_step": "decode step (cuda)",
+        "exact": "exact (cpu)",
+        "llama_server": server,
+    }
+    if not any(side in speeds for side in labels):
+        print(f"\n{m['model']}: no speed figures")
+        return
+    print(
+        f"\n{m['model']}: {speeds['prompt_tokens']}-token prefill, "
+        f"{speeds['decode_tokens']}-token decode, median of {speeds['rounds']} "
+        f"(CPU paths on {speeds['cpu_threads']} threads)"
+    )
+    for side, label in labels.items():
+        if side in speeds:
+            print(
+                f"  {label:22} prefill {speeds[side]['prefill_tok_s']:8.1f} tok/s   "
+                f"decode {speeds[side]['decode_tok_s']:7.1f} tok/s"
+            )
 
 
 def save(report: dict[str, Any], out: Path) -> None:
@@ -539,13 +672,16 @@ def save(report: dict[str, Any], out: Path) -> None:
     (out / RESULT_FILE).write_text(json.dumps(report, indent=1))
 
 
-def chosen_models(args: argparse.Namespace) -> tuple[list[TinySpec], bool]:
-    """The tiny specs to check and whether the default model is checked too (``--models``, else
-    all; quick: the two Q4_1 tiny ones only)."""
+def chosen_models(args: argparse.Namespace) -> tuple[list[TinySpec], bool, list[str]]:
+    """The tiny specs to check, whether the default model is checked too, and the shaped models
+    to check (``--models``, else all; quick: the two Q4_1 tiny ones only)."""
     if args.models:
         names = [n.strip() for n in args.models.split(",") if n.strip()]
-        return [spec_by_name(n) for n in names if n != DEFAULT_NAME], DEFAULT_NAME in names
-    return list(QUICK_SPECS if args.quick else TINY_SPECS), not args.quick
+        tiny = [spec_by_name(n) for n in names if n != DEFAULT_NAME and n not in SHAPED_SPECS]
+        return tiny, DEFAULT_NAME in names, [n for n in names if n in SHAPED_SPECS]
+    if args.quick:
+        return list(QUICK_SPECS), False, []
+    return list(TINY_SPECS), True, list(SHAPED_SPECS)
 
 
 def _passes(part: dict[str, Any]) -> str:
@@ -642,10 +778,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         "llama_server": server_note if server is None else "ran: " + server_note,
         "models": [],
         "default_model": None,
+        "shaped_models": [],
+        "llama_server_args": server_args_of(args),
     }
     report["kernels"] = kernel_report(args)
     save(report, out)
-    specs, with_default = chosen_models(args)
+    specs, with_default, shaped = chosen_models(args)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -668,15 +806,16 @@ def orchestrate(args: argparse.Namespace) -> int:
 
         results = run_workers(jobs, args.jobs, deadline, keep)
         report["models"] = [results[s.name] for s in specs]
-    if with_default:  # alone, after the workers: its speed figures need the machine to itself
-        if time.monotonic() > deadline - 60:
-            report["default_model"] = {
-                "model": args.model.stem,
-                "error": {"budget": "skipped: the time budget was spent"},
-            }
-        else:
-            report["default_model"] = default_model_checks(args.model, args, server)
-    checked = [*report["models"], report["default_model"] or {}]
+        # alone, after the workers: their speed figures need the machine to itself
+        if with_default:
+            report["default_model"] = full_size_checks(args.model, args, server, deadline)
+            save(report, out)
+        for name in shaped:
+            path = workdir / f"{name}.gguf"
+            report["shaped_models"].append(full_size_checks(path, args, server, deadline, name))
+            path.unlink(missing_ok=True)
+            save(report, out)
+    checked = [*report["models"], report["default_model"] or {}, *report["shaped_models"]]
     report["errors"] = sum(1 for m in checked if "error" in m)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     save(report, out)
@@ -755,6 +894,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prompts", type=int, default=None, help="prompts per tiny model (10; quick 3)"
     )
     parser.add_argument("--greedy", type=int, default=None, help="greedy tokens (32; quick 16)")
+    parser.add_argument(
+        "--ngl",
+        type=int,
+        default=None,
+        help="llama-server's -ngl (layers on the GPU) for every llama-server started: 99 for "
+        "a CUDA build (scripts/gpu-check.sh); default: not given (llama-server's own)",
+    )
     parser.add_argument("--default-prompts", type=int, default=4)
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--decode", type=int, default=64)

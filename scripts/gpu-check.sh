@@ -10,9 +10,10 @@
 # --device cuda and leaves gpu_check.json and gpu_check.log in $OUT (default bench/out). Its
 # last line of output is the report as one JSON line.
 #
-# --with-llama-server also compares both paths with llama-server, built once by
+# --with-llama-server also compares the paths with llama-server, built once by
 # scripts/build-llama-server.sh (needs CMake and a C++ compiler; about 10 minutes on 2 cores,
-# seconds once built). $BANKML_LLAMA_SERVER names a llama-server binary instead.
+# seconds once built): on CUDA its CUDA build (`--cuda`: nvcc too), run with every layer on the
+# GPU. $BANKML_LLAMA_SERVER_CUDA (on CUDA) or $BANKML_LLAMA_SERVER names a binary instead.
 #
 # --compile-only needs no GPU: it compiles every CUDA kernel of bankml/engine_cupy/cuda with NVRTC
 # (the nvidia-cuda-nvrtc wheel, installed into $VENV unless that venv already finds libnvrtc)
@@ -62,9 +63,20 @@ echo "gpu-check: installing bankml[$extra] into $VENV" >&2
 "$VENV/bin/python" -m pip install -q -e ".[$extra]" pytest >&2
 model=$(PYTHON="$VENV/bin/python" scripts/fetch-model.sh)
 
-server=${BANKML_LLAMA_SERVER:-none}
-if [ -n "$with_server" ] && [ "$server" = none ]; then
-  server=$(scripts/build-llama-server.sh | tail -n 1)
+# on CUDA the reference is llama-server's CUDA build, every layer on the GPU (-ngl 99); on ROCm
+# the CPU build (bankml's decode step is CUDA's alone)
+server=none server_args=()
+if [ "$extra" = cuda ]; then
+  server=${BANKML_LLAMA_SERVER_CUDA:-${BANKML_LLAMA_SERVER:-none}}
+  if [ -n "$with_server" ] && [ "$server" = none ]; then
+    server=$(scripts/build-llama-server.sh --cuda | tail -n 1)
+  fi
+  [ "$server" != none ] && server_args=(--ngl 99)
+else
+  server=${BANKML_LLAMA_SERVER:-none}
+  if [ -n "$with_server" ] && [ "$server" = none ]; then
+    server=$(scripts/build-llama-server.sh | tail -n 1)
+  fi
 fi
 
 mkdir -p "$OUT"
@@ -77,5 +89,6 @@ mkdir -p "$OUT"
 } >"$OUT/gpu_check.log" 2>&1
 set +e
 PYTHONUNBUFFERED=1 "$VENV/bin/python" bench/gpu_check.py --device cuda --out "$OUT" \
-  --model "$model" --llama-server "$server" "${args[@]}" 2>&1 | tee -a "$OUT/gpu_check.log"
+  --model "$model" --llama-server "$server" "${server_args[@]}" "${args[@]}" 2>&1 |
+  tee -a "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

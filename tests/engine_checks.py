@@ -182,11 +182,11 @@ def log_softmax(logits: numpy.ndarray) -> numpy.ndarray:
 def prefill(model: Model, ids: list[int], cache: Any) -> numpy.ndarray:
     """The prompt evaluated in the micro-batches llama-server uses (engine.prompt_batches: for a
     sliding-window model the last 4 and 516 tokens go apart, which changes the kernels they
-    meet); the last token's logits."""
+    meet); the last token's logits (a host row: a GPU model's logits are read back here)."""
     logits, start = None, cache.n_tokens
     for a, b in prompt_batches(start, start + len(ids), model.has_sliding_window):
         logits = model.forward(ids[a - start : b - start], cache)
-    return logits
+    return numpy.asarray(logits)
 
 
 def engine_greedy(
@@ -203,7 +203,7 @@ def engine_greedy(
             break
         out.append(token)
         if len(out) < n:
-            logits = model.forward([token], cache)
+            logits = numpy.asarray(model.forward([token], cache))
     return out
 
 

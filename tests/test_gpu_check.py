@@ -228,3 +228,50 @@ def test_the_shell_script_without_a_gpu_asks_which_kind(tmp_path: Path) -> None:
 
 def test_the_tiny_models_keep_their_shape() -> None:
     assert all((spec.n_embd, spec.n_head) == (256, 4) for spec in tiny_models.TINY_SPECS)
+
+
+@pytest.mark.llama_server
+def test_the_decode_step_is_a_side_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, llama_server_bin: Path, default_model: Path
+) -> None:
+    """On a CUDA device a full-size model is also loaded as ``Model.load`` chooses there, the
+    decode step (device_model.DeviceModel), and that side is compared with the exact path and
+    with llama-server (given ``--ngl``) and timed beside them; a shaped model is written first.
+    Run here through the CuPy stand-in whose kernels are the NumPy twins, on small shapes."""
+    from gguf import GGMLQuantizationType as T
+
+    from bankml.engine_cupy import backend
+    from tests.fake_cupy_kernels import KernelCupy
+
+    cp = KernelCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(backend, "_cupy_with_gpu", lambda: (cp, ""))
+    small = tiny_models.TinySpec("llama", T.Q4_K, tied=False, out_type=T.Q6_K)
+    monkeypatch.setattr(gpu_check, "SHAPED_SPECS", {"llama-small-Q4_K": small})
+    args = gpu_check.parse_args(
+        ["--device", "cuda", "--vocab", str(default_model), "--ngl", "99", "--threads", "2"]
+        + ["--default-prompts", "2", "--greedy", "4", "--prefill", "24", "--decode", "4"]
+        + ["--rounds", "1", "--models", "llama-small-Q4_K"]
+    )
+    assert gpu_check.chosen_models(args) == ([], False, ["llama-small-Q4_K"])
+    assert gpu_check.server_args_of(args) == ["-ngl", "99"]
+    path = tmp_path / "llama-small-Q4_K.gguf"
+    deadline = time.monotonic() + 600
+    result = gpu_check.full_size_checks(path, args, llama_server_bin, deadline, "llama-small-Q4_K")
+    assert result["model"] == "llama-small-Q4_K" and "error" not in result, result
+    assert {"write_s", "load_device_step_s", "device_step_vs_exact_s"} <= set(result["times"])
+    step = result["device_step_vs_exact"]
+    # the step's q8_1 activations are ggml CUDA's, not the CPU's: near the exact path, not its bits
+    assert 0 <= step["max_top10_logprob_diff"] < 1.0 and step["same_top1"] >= 1
+    served = result["vs_llama_server"]["device_step"]
+    assert math.isclose(
+        served["max_top10_logprob_diff"], step["max_top10_logprob_diff"], abs_tol=1e-4
+    )
+    assert {"array", "exact", "device_step", "llama_server"} <= set(result["speed"])
+    # a model the step does not play keeps the array path, with the reason, and no such side
+    qwen3 = write_tiny_model(
+        tmp_path / "qwen3.gguf", tiny_models.TinySpec("qwen3", T.Q4_0), default_model
+    )
+    noted: dict = {}
+    models = gpu_check.load_models(noted, qwen3, "cuda")
+    assert set(models) == {"array", "exact"} and "qwen3" in noted["device_step"]
