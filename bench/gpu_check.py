@@ -753,6 +753,15 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
                     f"{r['logits'].get('max_rel_diff', 0.0):.2e} from the twins' (largest, relative)"
                 ),
             ),
+            (
+                "device_hidden",
+                kc.device_hidden_vs_twins,
+                lambda r: (
+                    f"embeddings' hidden states on the device: rows' smallest cosine "
+                    f"{r['min_cosine_vs_twins']} to the twins', {r['min_cosine_vs_exact']} to "
+                    "the exact path's"
+                ),
+            ),
         ]
         for name, check, summary in parts:
             part_ok, got = attempt(value, name, lambda check=check: check(get_xp("cuda"), model))

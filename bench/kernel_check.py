@@ -15,7 +15,8 @@ the twin documents, and one of the two has a bug. With a model it also runs the 
 (``device_step_vs_twins``), the batched step against each slot's own step
 (``device_rows_vs_steps``) and the prefill (``device_prefill_vs_twins``) on the device against
 the same through the twins, and the step replayed from CUDA graphs against the same step
-uncaptured (``device_graphs_vs_uncaptured``: bits and decode tokens per second).
+uncaptured (``device_graphs_vs_uncaptured``: bits and decode tokens per second), and the
+embeddings' hidden states (``device_hidden_vs_twins``) against the twins' and the exact path's.
 """
 
 from __future__ import annotations
@@ -415,6 +416,46 @@ def device_prefill_vs_twins(cp: ModuleType, model: Path, steps: int = 4) -> dict
     return out
 
 
+def _run_hidden(cp: ModuleType, model: Path) -> numpy.ndarray:
+    """The prompt's hidden states after the output norm (DevicePrefill.hidden), on the host."""
+    from bankml.engine_cupy import device_prefill as dp
+    from bankml.engine_cupy import device_step as ds
+    from bankml.engine_cupy.weights import read_hparams
+
+    reader = open_file(model)
+    step = ds.DeviceStep(
+        cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)), graphs=False
+    )
+    prefill = dp.DevicePrefill(cp, step.w, step.kernels)
+    return prefill.hidden(step.new_sequence(len(STEP_PROMPT)), STEP_PROMPT)
+
+
+def device_hidden_vs_twins(cp: ModuleType, model: Path) -> dict[str, Any]:
+    """The embeddings' hidden states (DevicePrefill.hidden: the prefill's layers on the device,
+    the last add and output norm on the host) against the same through the twins and against
+    the exact CPU path's (Model.hidden_states): the largest difference and the smallest cosine
+    of a row (cuBLAS adds in its own order, so near, not identical)."""
+    from bankml.engine_cupy.model import Model
+    from tests.fake_cupy_kernels import KernelCupy
+
+    started = time.monotonic()
+    got = _run_hidden(cp, model)
+    twins = _run_hidden(KernelCupy(), model)  # type: ignore[arg-type]
+    exact = Model.load(model, device="cpu", progress=False).hidden_states(STEP_PROMPT)
+
+    def cosine(a: numpy.ndarray, b: numpy.ndarray) -> float:
+        dots = (a * b).sum(axis=1) / (numpy.linalg.norm(a, axis=1) * numpy.linalg.norm(b, axis=1))
+        return round(float(dots.min()), 6)
+
+    return {
+        "rows": len(STEP_PROMPT),
+        "vs_twins": compare(got, twins),
+        "min_cosine_vs_twins": cosine(got, twins),
+        "min_cosine_vs_exact": cosine(got, exact),
+        "elapsed_s": round(time.monotonic() - started, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path)
@@ -442,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
             report["device_prefill"] = device_prefill_vs_twins(cupy, args.model)
         except Exception as err:  # a model the prefill does not play, or a kernel that fails
             report["device_prefill"] = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            report["device_hidden"] = device_hidden_vs_twins(cupy, args.model)
+        except Exception as err:
+            report["device_hidden"] = {"error": f"{type(err).__name__}: {err}"}
     print(json.dumps(report))
     return 0
 

@@ -342,9 +342,17 @@ async def test_a_completion_over_http_on_the_device_path(
     assert answer["content"] == "".join(c.text for c in want)
     assert answer["tokens_predicted"] == 2 and "bankml_receipt" in answer
     assert answer["bankml_receipt"]["engine"].endswith("native (cuda)")
-    # embeddings need the hidden states this path does not keep: a clear 501, not a 500
-    status, refusal = await apost(url + "/embedding", {"content": "Paris"})
-    assert status == 501 and "GPU decode step" in json.dumps(refusal), refusal
+    # embeddings: the prefill's rows after the output norm (DeviceModel.hidden_states)
+    status, answer = await apost(url + "/embedding", {"content": "Paris"})
+    assert status == 200, answer
+    values = numpy.asarray(answer[0]["embedding"], dtype=numpy.float32)
+    assert values.shape[-1] == native.engine.model.hp.n_embd and numpy.isfinite(values).all()
+    assert "bankml_receipt" in json.dumps(answer)  # signed as on the CPU
+    # several inputs of one request (the model's pooling is none: a vector per token): each
+    # its own pass, the vectors it gets alone
+    status, two = await apost(url + "/embedding", {"content": ["Paris", "Rome"]})
+    assert status == 200 and [d["index"] for d in two] == [0, 1], two
+    assert two[0]["embedding"] == answer[0]["embedding"] != two[1]["embedding"]
 
 
 def test_a_context_shift_on_the_device_follows_the_exact_paths(

@@ -262,3 +262,54 @@ def test_the_gpu_checks_device_prefill_report(tiny_models: dict[str, Path]) -> N
     assert report["same_tokens"] and len(report["tokens"]) == 2
     assert report["logits"]["identical"] and report["k_cache"]["identical"]
     assert report["launches_per_prefill"] == 19 * 2 + 6 and report["us_per_prefill"] is None
+
+
+def test_hidden_states_on_the_device(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DeviceModel.hidden_states`` (embeddings on the GPU path): every row after the output
+    norm, f32, read back once after the layers (the last add and the norm on the host, in
+    add_rms_norm_f16's order of additions); near the exact path's rows (f16 activations
+    through cuBLAS, as for a prompt); near the same rows in chunks of 4 as in one prefill;
+    the cache filled as a prompt's, and a logits row from before refused as stale."""
+    import sys
+
+    from bankml.engine_cupy import backend
+    from bankml.engine_cupy.device_model import DeviceModel
+
+    cp = KernelCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(backend, "_cupy_with_gpu", lambda: (cp, ""))
+    path = tiny_models["llama-Q4_K-untied-rope3"]
+    model = Model.load(path, device="cuda", progress=False)
+    assert isinstance(model, DeviceModel)
+    want = Model.load(path, device="cpu", progress=False).hidden_states(PROMPT)
+    cache = model.new_cache(32)
+    before = model.forward(PROMPT[:3], cache)
+    reads = dict(READS)
+    got = model.hidden_states(PROMPT, cache)
+    # x and the last delta, once (the norm's weight too): no read inside the layers
+    assert sum(READS.values()) - sum(reads.values()) == 3, (READS, reads)
+    assert got.shape == want.shape == (len(PROMPT), model.hp.n_embd) and got.dtype == F32
+    cosine = (got * want).sum(axis=1) / (
+        numpy.linalg.norm(got, axis=1) * numpy.linalg.norm(want, axis=1)
+    )
+    assert cosine.min() > 0.99, cosine
+    assert not numpy.array_equal(got, want)  # the GPU's arithmetic, not the exact path's bits
+    assert cache.n_tokens == len(PROMPT) and int(cache.seq.pos.get()[0]) == len(PROMPT)
+    with pytest.raises(RuntimeError, match="overwritten by a later step"):
+        before.host()
+    # in chunks of 4 the products see other row counts (cuBLAS's, and its twin's, order of
+    # additions may follow them): the same rows to f16 precision
+    chunked = model.hidden_states(PROMPT, cache, n_ubatch=4)
+    assert numpy.abs(chunked - got).max() <= 2e-3 * numpy.abs(got).max()
+
+
+def test_the_gpu_checks_device_hidden_report(tiny_models: dict[str, Path]) -> None:
+    """bench/kernel_check.py's embeddings part, here with the stand-in on both sides: identical
+    to the twins, near the exact path."""
+    from bench import kernel_check
+
+    report = kernel_check.device_hidden_vs_twins(KernelCupy(), tiny_models["qwen2-Q8_0"])  # type: ignore[arg-type]
+    assert report["vs_twins"]["identical"] and report["min_cosine_vs_twins"] == 1.0
+    assert 0.99 < report["min_cosine_vs_exact"] < 1.0 and report["rows"] == len(PROMPT)

@@ -165,8 +165,6 @@ def host_logits(logits: Any) -> Any:
 class DeviceModel(Model):
     """A Model run by the GPU decode step (module doc)."""
 
-    has_hidden_states = False  # the step keeps no f32 hidden state: embeddings answer 501
-
     def __init__(self, hp: HParams, xp: ModuleType, path: str, reader: Any, step: DeviceStep):
         super().__init__(hp, None, xp, path, reader, exact=False)  # type: ignore[arg-type]
         self.step = step
@@ -265,9 +263,27 @@ class DeviceModel(Model):
         return numpy.stack([logits.host() for logits in out])
 
     def hidden_states(
-        self, tokens: Sequence[int], cache: Any = None, n_ubatch: int = 512
+        self, tokens: Sequence[int], cache: DeviceCache | None = None, n_ubatch: int = 512
     ) -> numpy.ndarray:
-        raise UnsupportedModel("the GPU decode step gives no hidden states (embeddings)")
+        """llama.cpp's ``t_embd`` of every token (``Model.hidden_states``' contract): the
+        tokens through the prefill from position 0 of ``cache`` (cleared first; a new one of
+        their length when None) in chunks of ``n_ubatch`` (at most ``PREFILL_ROWS``), each
+        chunk's rows after the output norm read back (``DevicePrefill.hidden``), f32
+        [n_tokens, n_embd] on the host. The GPU's arithmetic: near the exact path's rows, not
+        its bits (f16 activations into cuBLAS, as for a prompt)."""
+        if cache is None:
+            cache = self.new_cache(max(len(tokens), 1))
+        else:
+            cache.truncate(0)
+        self._check_rows(tokens, cache)
+        step = max(1, min(n_ubatch, PREFILL_ROWS))
+        rows = [
+            self.prefill.hidden(cache.seq, [int(t) for t in tokens[a : a + step]])
+            for a in range(0, len(tokens), step)
+        ]
+        cache.known_token = None  # the prefill leaves seq.token as it was: not read
+        cache.steps += 1  # a DeviceLogits of this cache from before is stale now
+        return numpy.ascontiguousarray(numpy.concatenate(rows) if len(rows) > 1 else rows[0])
 
     def shift_context(self, cache: DeviceCache, n_keep: int, n_discard: int) -> None:
         """llama-server's context shift (DeviceStep.shift)."""

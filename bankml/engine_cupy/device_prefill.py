@@ -28,6 +28,12 @@ backend does for a batch of rows where it has no MMQ kernel. The residual stream
 decode step then evaluates: device_model.py) leaves the head's four launches out; its
 ``advance_pos`` moves the position by n.
 
+``hidden(seq, ids)`` (embeddings: llama.cpp's ``t_embd``, every row after the output norm) runs
+the layers as ``prefill(logits=False)`` does, then reads the residual stream and the last
+delta back once (n x d f32 and f16) and makes the last add and the output norm on the host,
+in ``add_rms_norm_f16``'s arithmetic without its f16 rounding (device_prefill_twins
+``add_rms_norm_f32``), so the rows are f32 as llama.cpp's are.
+
 Each kernel has a NumPy twin (device_prefill_twins); tests/fake_cupy_prefill.py runs this
 module through them.
 """
@@ -41,6 +47,7 @@ import numpy
 
 from bankml.engine_cupy.cuda_loader import CudaKernels
 from bankml.engine_cupy.cuda_twins import NWARPS, QK, WARP
+from bankml.engine_cupy.device_prefill_twins import add_rms_norm_f32
 
 __all__ = ["DeviceMemory", "DevicePrefill", "launches_per_prefill"]
 from bankml.engine_cupy.device_step import (
@@ -125,6 +132,45 @@ class DevicePrefill:
         ids go up once (4 bytes each); nothing comes back. Without ``logits`` the cache only
         (no output head; ``seq.logits`` and ``seq.token`` untouched): the engine's prompt
         rows before the last, whose last row a decode step then evaluates (device_model.py)."""
+        x, delta, h16 = self._layers(seq, token_ids)
+        n = len(token_ids)
+        if not logits:
+            self._launch("advance_pos", (1,), (WARP,), (seq.pos, I32(n)))
+            seq.n_tokens += n
+            return
+        w, hp, d = self.w, self.hp, self.hp.n_embd
+        last = n - 1
+        self._norm(x[last:], delta[last:], True, w.output_norm, h16[last:], 1)
+        norm_args = (x[last], self.none, I32(0), w.output_norm, self.h8, I32(d), F32(hp.rms_eps))
+        self._launch("rms_norm_q8_1", (1,), (NORM_THREADS,), norm_args)
+        out = w.output
+        self.logits = seq.logits  # each sequence its own, as the decode step's
+        name = f"mmvq_{out.qtype.lower()}"
+        self._launch(name, (out.rows,), (WARP, NWARPS), (out.w, self.h8, self.logits, I32(d)))
+        self._launch("advance_pos", (1,), (WARP,), (seq.pos, I32(n - 1)))
+        self._launch(
+            "argmax_f32", (1,), (ARGMAX_THREADS,), (self.logits, I32(out.rows), seq.token, seq.pos)
+        )
+        seq.n_tokens += n
+
+    def hidden(self, seq: DeviceSequence, token_ids: list[int]) -> numpy.ndarray:
+        """Append ``token_ids`` at ``seq.pos`` as ``prefill(logits=False)`` does, and return
+        every row's hidden state after the output norm, f32 [n, n_embd] on the host (module
+        doc): one read back, after the layers."""
+        x, delta, _ = self._layers(seq, token_ids)
+        n = len(token_ids)
+        self._launch("advance_pos", (1,), (WARP,), (seq.pos, I32(n)))
+        seq.n_tokens += n
+        host_x = numpy.asarray(x.get(), dtype=F32)
+        host_delta = numpy.asarray(delta.get()).view(numpy.float16)
+        weight = numpy.asarray(self.w.output_norm.get(), dtype=F32)
+        _, rows = add_rms_norm_f32(host_x, host_delta, weight, self.hp.rms_eps)
+        return rows
+
+    def _layers(self, seq: DeviceSequence, token_ids: list[int]) -> tuple[Any, Any, Any]:
+        """Every layer for ``token_ids`` at ``seq.pos``, the cache filled: the residual stream
+        x (f32 [n, d]) and the last layer's delta (f16 [n, d]) not yet added, and the f16 rows'
+        buffer (h16), on the device."""
         hp, w, cp = self.hp, self.w, self.cp
         n = len(token_ids)
         if n == 0:
@@ -179,23 +225,7 @@ class DevicePrefill:
             values = n * hp.n_ff
             self._launch("swiglu_f16", (_blocks(values),), (THREADS,), (gate, up, ff, I32(values)))
             self._product(layer.down, ff, delta)
-        if not logits:
-            self._launch("advance_pos", (1,), (WARP,), (seq.pos, I32(n)))
-            seq.n_tokens += n
-            return
-        last = n - 1
-        self._norm(x[last:], delta[last:], True, w.output_norm, h16[last:], 1)
-        norm_args = (x[last], self.none, I32(0), w.output_norm, self.h8, I32(d), F32(hp.rms_eps))
-        self._launch("rms_norm_q8_1", (1,), (NORM_THREADS,), norm_args)
-        out = w.output
-        self.logits = seq.logits  # each sequence its own, as the decode step's
-        name = f"mmvq_{out.qtype.lower()}"
-        self._launch(name, (out.rows,), (WARP, NWARPS), (out.w, self.h8, self.logits, I32(d)))
-        self._launch("advance_pos", (1,), (WARP,), (seq.pos, I32(n - 1)))
-        self._launch(
-            "argmax_f32", (1,), (ARGMAX_THREADS,), (self.logits, I32(out.rows), seq.token, seq.pos)
-        )
-        seq.n_tokens += n
+        return x, delta, h16
 
     def host_logits(self) -> numpy.ndarray:
         """The last row's logits on the host, for a request that needs them (V floats)."""

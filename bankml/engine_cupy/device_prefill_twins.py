@@ -109,14 +109,24 @@ def add_rms_norm_f16(
     x: numpy.ndarray, delta: numpy.ndarray | None, weight: numpy.ndarray, eps: float
 ) -> tuple[numpy.ndarray, numpy.ndarray]:
     """The twin of add_rms_norm_f16 over rows x [n, d]: the new x, and f16 [n, d]."""
+    x, y = add_rms_norm_f32(x, delta, weight, eps)
+    return x, y.astype(F16)
+
+
+def add_rms_norm_f32(
+    x: numpy.ndarray, delta: numpy.ndarray | None, weight: numpy.ndarray, eps: float
+) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """add_rms_norm_f16's arithmetic (its order of additions) without the f16 rounding of its
+    result: the new x, and f32 [n, d]. The prefill's hidden states (``DevicePrefill.hidden``)
+    take their last add and output norm from it, on the host."""
     x = numpy.asarray(x, F32)
     if delta is not None:
         x = x + numpy.asarray(delta, F16).astype(F32)
-    y = numpy.empty(x.shape, F16)
+    y = numpy.empty(x.shape, F32)
     for r in range(x.shape[0]):
         total = dt._block_sum(dt._strided_sums(x[r] * x[r], dt.NORM_THREADS))
         scale = F32(1) / numpy.sqrt(total / F32(x.shape[1]) + F32(eps))
-        y[r] = ((x[r] * scale) * numpy.asarray(weight, F32)).astype(F16)
+        y[r] = (x[r] * scale) * numpy.asarray(weight, F32)
     return x, y
 
 

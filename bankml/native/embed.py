@@ -40,10 +40,6 @@ from bankml.receipts.kinds import LLAMA_EMBEDDING, OAI_EMBEDDINGS, OLLAMA_EMBED,
 from bankml.receipts.vouch import identity_problem
 
 DEFAULT_NORMALIZE = 2  # llama-server's --embd-normalize: euclidean
-NO_HIDDEN_STATES = (
-    "embeddings are not computed on the GPU decode step (BANKML_DEVICE_STEP=0 serves the model"
-    " on the GPU's array path, which computes them)"
-)
 
 
 @dataclass(frozen=True)
@@ -155,8 +151,6 @@ class Embedder:
         )
         if pooling == "rank":
             raise ApiError.of(501, fmt.RANK_POOLING, "not_supported_error")
-        if not getattr(self.engine.model, "has_hidden_states", True):
-            raise ApiError.of(501, NO_HIDDEN_STATES, "not_supported_error")
         from bankml.engine_cupy.request import RequestError
 
         try:
@@ -230,8 +224,6 @@ class Embedder:
         pooling = self.pooling()
         if pooling == "rank":
             raise fmt.ollama_error(501, fmt.RANK_POOLING)
-        if not getattr(self.engine.model, "has_hidden_states", True):
-            raise fmt.ollama_error(501, NO_HIDDEN_STATES)
         if pooling == "none":
             pooling = "last"
         n_ctx = int(self.engine.n_ctx)
