@@ -313,3 +313,40 @@ def test_the_gpu_checks_device_hidden_report(tiny_models: dict[str, Path]) -> No
     report = kernel_check.device_hidden_vs_twins(KernelCupy(), tiny_models["qwen2-Q8_0"])  # type: ignore[arg-type]
     assert report["vs_twins"]["identical"] and report["min_cosine_vs_twins"] == 1.0
     assert 0.99 < report["min_cosine_vs_exact"] < 1.0 and report["rows"] == len(PROMPT)
+
+
+def test_a_prefill_too_big_for_the_free_memory_goes_in_smaller_chunks(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt whose prefill scratch does not fit the device's free memory is prefilled in
+    chunks halved until one fits (the refusal comes before any launch, so nothing is half
+    done), for a prompt and for embeddings; the answers those of one prefill, to the products'
+    row-count rounding; at one row the refusal stands, with the figures, the cache as it was."""
+    import sys
+
+    from bankml.engine_cupy import backend
+    from bankml.engine_cupy import device_step as ds
+
+    cp = KernelCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(backend, "_cupy_with_gpu", lambda: (cp, ""))
+    model = Model.load(tiny_models["qwen2-Q8_0"], device="cuda", progress=False)
+    n_ctx = 64
+    roomy, tight, empty = (model.new_cache(n_ctx) for _ in range(3))
+    want = model.forward(PROMPT, roomy).host()
+    want_rows = model.hidden_states(PROMPT, roomy)
+    # room for a prefill of 2 rows, not of 4 (the 8 before the prompt's last token)
+    cp.free = int(model.prefill.scratch_bytes(3, n_ctx) / ds.MEMORY_SHARE)
+    start = len(cp.launches)
+    got = model.forward(PROMPT, tight).host()
+    chunks = [n for n, _, _ in cp.launches[start:]].count("advance_pos")
+    assert chunks == 4 and tight.n_tokens == len(PROMPT)  # 8 rows as 2 + 2 + 2 + 2
+    assert int(numpy.argmax(got)) == int(numpy.argmax(want))
+    assert numpy.abs(got - want).max() <= 1e-2 * numpy.abs(want).max()
+    rows = model.hidden_states(PROMPT, tight)
+    assert rows.shape == want_rows.shape
+    assert numpy.abs(rows - want_rows).max() <= 2e-3 * numpy.abs(want_rows).max()
+    cp.free = 1 << 10
+    with pytest.raises(ds.DeviceMemory, match=r"needs [\d.]+ MiB on the device"):
+        model.forward(PROMPT, empty)
+    assert empty.n_tokens == 0 and int(empty.seq.pos.get()[0]) == 0

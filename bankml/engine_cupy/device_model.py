@@ -6,7 +6,8 @@ device) and whose caches are ``DeviceCache``s, each a ``DeviceSequence`` (a slot
 position, next token and logits on the device). ``forward(tokens, cache)`` runs a pass's tokens
 before its last through the prefill without its head (device_prefill.py: the cache only, all
 rows at once, in chunks of ``PREFILL_ROWS`` as llama-server's micro-batches, so the attention
-scratch stays bounded) and its last token through one decode step, so the logits a draw reads
+scratch stays bounded; a chunk whose scratch does not fit the free memory is halved until one
+does) and its last token through one decode step, so the logits a draw reads
 are always a step's, whether the prompt was evaluated afresh or its last token re-evaluated
 over held cells (docs/modules/device_model.md has the rule). It returns a ``DeviceLogits``: a
 handle on the sequence's last logits, still on the device, that the
@@ -18,8 +19,9 @@ step writes nothing and reads 4 bytes.
 A slot's prompt reuses its common prefix with what the sequence holds, as on the CPU: the
 engine truncates the cache to the prefix (``DeviceCache.truncate`` moves the position on the
 device) and steps the rest; the prompt cache (--cache-ram) keeps its entries as device copies,
-as the array path's do. Not on this path: hidden states (embeddings), and a q8_0 K/V cache;
-``Model.load`` keeps the array path for a model the step does not play.
+as the array path's do. Embeddings (``hidden_states``) come from the prefill's rows. Not on
+this path: a q8_0 K/V cache; ``Model.load`` keeps the array path for a model the step does
+not play.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from typing import Any
 import numpy
 
 from bankml.engine_cupy.device_prefill import DevicePrefill
-from bankml.engine_cupy.device_step import MAX_ROWS, DeviceSequence, DeviceStep, DeviceWeights
+from bankml.engine_cupy.device_step import (
+    MAX_ROWS,
+    DeviceMemory,
+    DeviceSequence,
+    DeviceStep,
+    DeviceWeights,
+)
 from bankml.engine_cupy.kernels.progress import CompileStats
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.passes import PassLogits, pass_groups
@@ -202,8 +210,9 @@ class DeviceModel(Model):
         self._check_rows(tokens, cache)
         if len(tokens) > 1 and not all_logits:
             before = [int(t) for t in tokens[:-1]]
-            for start in range(0, len(before), PREFILL_ROWS):
-                self.prefill.prefill(cache.seq, before[start : start + PREFILL_ROWS], logits=False)
+            self._in_chunks(
+                before, PREFILL_ROWS, lambda ids: self.prefill.prefill(cache.seq, ids, logits=False)
+            )
             tokens = tokens[-1:]
         rows = []
         for token in tokens:
@@ -276,14 +285,32 @@ class DeviceModel(Model):
         else:
             cache.truncate(0)
         self._check_rows(tokens, cache)
+        ids = [int(t) for t in tokens]
         step = max(1, min(n_ubatch, PREFILL_ROWS))
-        rows = [
-            self.prefill.hidden(cache.seq, [int(t) for t in tokens[a : a + step]])
-            for a in range(0, len(tokens), step)
-        ]
+        rows = self._in_chunks(ids, step, lambda chunk: self.prefill.hidden(cache.seq, chunk))
         cache.known_token = None  # the prefill leaves seq.token as it was: not read
         cache.steps += 1  # a DeviceLogits of this cache from before is stale now
         return numpy.ascontiguousarray(numpy.concatenate(rows) if len(rows) > 1 else rows[0])
+
+    @staticmethod
+    def _in_chunks(ids: list[int], rows: int, run: Callable[[list[int]], Any]) -> list[Any]:
+        """``run`` over ``ids`` in chunks of ``rows``, in order: a chunk whose prefill scratch
+        does not fit the device's free memory (``DeviceMemory``, raised before any launch, so
+        nothing is half done) is tried again at half its rows, and later chunks keep the size
+        that fitted; at one row the refusal stands. A long context's attention scores are the
+        largest part of that scratch (rows x heads x context, f32)."""
+        out, start = [], 0
+        while start < len(ids):
+            size = min(rows, len(ids) - start)
+            try:
+                out.append(run(ids[start : start + size]))
+            except DeviceMemory:
+                if size == 1:
+                    raise
+                rows = (size + 1) // 2
+                continue
+            start += size
+        return out
 
     def shift_context(self, cache: DeviceCache, n_keep: int, n_discard: int) -> None:
         """llama-server's context shift (DeviceStep.shift)."""
