@@ -387,8 +387,7 @@ def full_size_checks(
     )
     if not ok:
         return written
-    result = default_model_checks(path, args, server)
-    result["model"] = name
+    result = default_model_checks(path, args, server)  # "model": the file's stem, the name
     result["times"] = {"write_s": written["times"]["write_s"], **result["times"]}
     return result
 

@@ -120,16 +120,21 @@ def kernels_vs_twins(
     return report
 
 
-def _run_step(cp: ModuleType, model: Path, steps: int) -> tuple[list[int], list[Any], Any]:
-    """The prompt, then ``steps`` greedy tokens chosen on the device: the chosen ids, the
-    logits after each step (host copies), and the DeviceStep."""
+def _weights(cp: ModuleType, model: Path) -> Any:
+    """The model's weights on ``cp``'s device, in their GGUF blocks (DeviceWeights)."""
     from bankml.engine_cupy import device_step as ds
     from bankml.engine_cupy.weights import read_hparams
 
     reader = open_file(model)
-    step = ds.DeviceStep(
-        cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)), graphs=False
-    )
+    return ds.DeviceWeights.upload(cp, reader, read_hparams(reader))
+
+
+def _run_step(cp: ModuleType, model: Path, steps: int) -> tuple[list[int], list[Any], Any]:
+    """The prompt, then ``steps`` greedy tokens chosen on the device: the chosen ids, the
+    logits after each step (host copies), and the DeviceStep."""
+    from bankml.engine_cupy import device_step as ds
+
+    step = ds.DeviceStep(cp, _weights(cp, model), graphs=False)
     seq = step.new_sequence(len(STEP_PROMPT) + steps + 1)
     for token in STEP_PROMPT:
         step.set_token(seq, token)
@@ -177,13 +182,9 @@ def device_rows_vs_steps(cp: ModuleType, model: Path, rows: int = 4) -> dict[str
     compared; microseconds for one batched step of the ``rows`` slots and for their ``rows``
     one-row steps."""
     from bankml.engine_cupy import device_step as ds
-    from bankml.engine_cupy.weights import read_hparams
 
     started = time.monotonic()
-    reader = open_file(model)
-    step = ds.DeviceStep(
-        cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)), graphs=False
-    )
+    step = ds.DeviceStep(cp, _weights(cp, model), graphs=False)
     n_ctx = len(STEP_PROMPT) + 8
     together, alone = step.new_sequences(rows, n_ctx), step.new_sequences(rows, n_ctx)
     for seqs in (together, alone):
@@ -235,11 +236,9 @@ def device_graphs_vs_uncaptured(
     token and position and the pools' K/V compared after each round; then decode tokens per
     second of one sequence and of the ``rows`` slots batched, captured and uncaptured."""
     from bankml.engine_cupy import device_step as ds
-    from bankml.engine_cupy.weights import read_hparams
 
     started = time.monotonic()
-    reader = open_file(model)
-    weights = ds.DeviceWeights.upload(cp, reader, read_hparams(reader))
+    weights = _weights(cp, model)
     graphed, plain = ds.DeviceStep(cp, weights), ds.DeviceStep(cp, weights, graphs=False)
     n_ctx = len(STEP_PROMPT) + steps + 2
     mine, theirs = graphed.new_sequences(rows, n_ctx), plain.new_sequences(rows, n_ctx)
@@ -366,10 +365,8 @@ def _run_prefill(cp: ModuleType, model: Path, steps: int) -> tuple[list[int], An
     ids (the prefill's first), the prefill's logits (a host copy), and (prefill, step, seq)."""
     from bankml.engine_cupy import device_prefill as dp
     from bankml.engine_cupy import device_step as ds
-    from bankml.engine_cupy.weights import read_hparams
 
-    reader = open_file(model)
-    step = ds.DeviceStep(cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)))
+    step = ds.DeviceStep(cp, _weights(cp, model))
     prefill = dp.DevicePrefill(cp, step.w, step.kernels)
     seq = step.new_sequence(len(STEP_PROMPT) + steps + 1)
     prefill.prefill(seq, STEP_PROMPT)
@@ -420,12 +417,8 @@ def _run_hidden(cp: ModuleType, model: Path) -> numpy.ndarray:
     """The prompt's hidden states after the output norm (DevicePrefill.hidden), on the host."""
     from bankml.engine_cupy import device_prefill as dp
     from bankml.engine_cupy import device_step as ds
-    from bankml.engine_cupy.weights import read_hparams
 
-    reader = open_file(model)
-    step = ds.DeviceStep(
-        cp, ds.DeviceWeights.upload(cp, reader, read_hparams(reader)), graphs=False
-    )
+    step = ds.DeviceStep(cp, _weights(cp, model), graphs=False)
     prefill = dp.DevicePrefill(cp, step.w, step.kernels)
     return prefill.hidden(step.new_sequence(len(STEP_PROMPT)), STEP_PROMPT)
 

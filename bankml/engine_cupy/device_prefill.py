@@ -40,6 +40,7 @@ module through them.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -163,9 +164,13 @@ class DevicePrefill:
         seq.n_tokens += n
         host_x = numpy.asarray(x.get(), dtype=F32)
         host_delta = numpy.asarray(delta.get()).view(numpy.float16)
-        weight = numpy.asarray(self.w.output_norm.get(), dtype=F32)
-        _, rows = add_rms_norm_f32(host_x, host_delta, weight, self.hp.rms_eps)
+        _, rows = add_rms_norm_f32(host_x, host_delta, self._output_norm, self.hp.rms_eps)
         return rows
+
+    @functools.cached_property
+    def _output_norm(self) -> numpy.ndarray:
+        """The output norm's weight on the host, read once (the embeddings' last norm)."""
+        return numpy.asarray(self.w.output_norm.get(), dtype=F32)
 
     def _layers(self, seq: DeviceSequence, token_ids: list[int]) -> tuple[Any, Any, Any]:
         """Every layer for ``token_ids`` at ``seq.pos``, the cache filled: the residual stream
