@@ -468,6 +468,17 @@ def test_the_model_picker_lists_v1_and_the_registry_and_switches(
         v.settings("0", "4")
         listed = page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
         assert listed == v1 + tags and page.input_value("#model") == v1[0]
+        # the picker's label as it stands when the status line first says "loaded": the
+        # picker is refreshed before the status line speaks, so the two never disagree
+        page.evaluate(
+            """() => new MutationObserver((changes, observer) => {
+                if (!document.getElementById('status').textContent.includes('loaded')) return;
+                const picker = document.getElementById('model');
+                window.labelWhenLoaded = picker.selectedOptions[0].textContent;
+                observer.disconnect();
+            }).observe(document.getElementById('status'), {childList: true, subtree: true,
+                                                          characterData: true})"""
+        )
         page.select_option("#model", "smol-copy:latest")
         page.wait_for_function(
             "() => document.getElementById('status').textContent.includes('loaded')",
@@ -476,8 +487,8 @@ def test_the_model_picker_lists_v1_and_the_registry_and_switches(
         assert page.text_content("#status") == "smol-copy:latest loaded."
         resident = [m["name"] for m in server.get("/api/ps")[1]["models"]]
         assert resident == ["smol-copy:latest"]
-        label = page.eval_on_selector("#model", "s => s.selectedOptions[0].textContent")
-        assert label.startswith("smol-copy:latest (registry, loaded")
+        label = page.evaluate("() => window.labelWhenLoaded")
+        assert label.startswith("smol-copy:latest (registry, loaded"), label
         answer = v.ask("Name a colour.")
         assert answer.get_attribute("data-receipt") == "verified", answer.inner_text()
         sent = json.loads(v.stored_answers()[-1]["request"])

@@ -885,6 +885,7 @@ async function chooseModel() {
   state.loading = true;
   setBusy(false);
   say(`Loading ${name}…`);
+  let outcome = [`${name} not loaded.`, true];
   try {
     const res = await fetch("/api/generate", {
       method: "POST",
@@ -894,12 +895,14 @@ async function chooseModel() {
     });
     const text = await res.text();
     if (!res.ok) throw new Error(errorText(res.status, text));
-    say(`${name} loaded.`);
+    outcome = [`${name} loaded.`, false];
   } catch (err) {
-    say(`${name} not loaded: ${err.message}`, true);
+    outcome = [`${name} not loaded: ${err.message}`, true];
   } finally {
     state.loading = false;
+    // the picker shows what is resident before the status line says so
     fillModels(await getJson("/v1/models").catch(() => null), await registry());
+    say(...outcome);
     setBusy(false);
   }
 }
