@@ -196,6 +196,28 @@ def test_several_slots_mean_differs_from_llama_servers_batch_as_documented(
     assert all(1e-5 < r < 1e-2 for r in rel[:3]), rel  # measured 6.8e-4, 5.9e-4, 7.3e-4
 
 
+def test_several_slots_mean_under_64_tokens_is_llama_servers_batch(
+    bert_slots_pair: Pair, minilm_f16: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``-np 4 -kvu`` on the encoder, six inputs: four in one micro-batch under 64 tokens
+    (each input's hidden states its own, the mean pooled by tinyBLAS's lanes over the batch),
+    then two more together in the next update. bankml answers llama-server's bits, and its
+    receipt names the groups, so that a replay pools them alike."""
+    texts = ["Hello world", "a b c", "The quick brown fox", "zz zz zz", "one", "two words"]
+    body = {"input": texts, "embd_normalize": -1}
+    (s1, ours, raw), (s2, theirs, _) = (
+        post(p, "/v1/embeddings", body) for p in bert_slots_pair.ports
+    )
+    assert s1 == s2 == 200
+    for a, b in zip(ours["data"], theirs["data"], strict=True):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    assert ours["bankml_receipt"]["pooled_together"] == [[0, 1, 2, 3], [4, 5]]
+    key = json.loads(call(bert_slots_pair.ports[0], "GET", "/bankml/key")[2])["public_key"]
+    replay = ("--replay", str(minilm_f16[0]), "--fork", str(minilm_f16[1]))
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and "replay: identical: 6 vectors" in out, out
+
+
 def test_pooling_none_gives_every_tokens_vector(bert_none_pair: Pair) -> None:
     body = {"content": TEXTS[1]}
     (s1, ours, _), (s2, theirs, _) = (post(p, "/embedding", body) for p in bert_none_pair.ports)

@@ -27,6 +27,8 @@ none_pair = pair_fixture(["--embeddings", "--pooling", "none"])
 slots_pair = pair_fixture(["--embeddings", "--pooling", "cls", "-np", "4", "-kvu"])
 # the same with mean pooling: llama-server's vectors then depend on the batch (documented below)
 kvu_mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu"])
+# four inputs of 31 tokens in all: one micro-batch under 64 tokens at -np 4 -kvu
+SHORT_TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "a b c", "zz " * 8]
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4]
 
@@ -252,6 +254,36 @@ def test_several_slots_mean_pooling_differs_from_llama_servers_batch_as_document
     assert ours["usage"] == theirs["usage"]
 
 
+def test_several_slots_mean_under_64_tokens_is_llama_servers_batch(
+    kvu_mean_pair: Pair, default_model: Path, default_fork: Path, tmp_path: Path
+) -> None:
+    """``-np 4 -kvu --pooling mean``, five inputs in one request: the first four go on the
+    four slots and into one micro-batch of fewer than 64 tokens, where each input's hidden
+    states are its own and only the pooling changes (tinyBLAS's lanes over the batch); the
+    fifth waits for the next update and is pooled alone. bankml answers llama-server's bits for
+    all five, on both routes, and its receipt names the group, so that a replay pools it alike
+    (after the test above: a server that has answered before)."""
+    texts = [*SHORT_TEXTS, "Name a colour."]
+    body = {"input": texts, "embd_normalize": -1}
+    (s1, ours, raw), (s2, theirs, _) = (
+        post(p, "/v1/embeddings", body) for p in kvu_mean_pair.ports
+    )
+    assert s1 == s2 == 200
+    for a, b in zip(ours["data"], theirs["data"], strict=True):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    assert ours["bankml_receipt"]["pooled_together"] == [[0, 1, 2, 3]]
+    replay = ("--replay", str(default_model), "--fork", str(default_fork))
+    key = public_key(kvu_mean_pair)
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and "replay: identical: 5 vectors" in out, out
+    content = {"content": texts[1:4]}  # three inputs, normalised (llama-server's default)
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/embedding", content) for p in kvu_mean_pair.ports)
+    assert s1 == s2 == 200
+    for a, b in zip(ours, theirs, strict=True):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+        assert a["bankml_receipt"]["pooled_together"] == [[0, 1, 2]]
+
+
 def tinyblas_mean(rows: numpy.ndarray, offset: int) -> numpy.ndarray:
     """ggml's mean pooling of a sequence batched with others (llamafile_sgemm's f32 tinyBLAS on
     AVX2): one 8-lane accumulator, lane = row of the micro-batch mod 8, each row one fma (here
@@ -274,7 +306,7 @@ def test_llama_servers_batched_mean_is_tinyblas_lanes_of_unchanged_states(
     where one input alone is the vec_dot of pooling.mean_rows (docs/modules/embeddings.md)."""
     from bankml.engine_cupy.pooling import mean_rows
 
-    texts = ["Hello world", "The quick brown fox jumps over the lazy dog.", "a b c", "zz " * 8]
+    texts = SHORT_TEXTS
     status, states, _ = post(none_pair.ports[0], "/embedding", {"content": texts})
     assert status == 200
     rows = [f32(s["embedding"]) for s in sorted(states, key=lambda s: s["index"])]
@@ -345,3 +377,47 @@ def test_p0_passes_the_flags_and_its_receipts_cover_the_vectors(
     assert code == 0, out
     status, refused, _ = post(p0_embeddings.port, "/v1/embeddings", {"input": ""})
     assert status == 400 and "bankml_receipt" not in refused  # llama-server's refusal as it is
+
+
+def test_the_lanes_pooling_is_the_oracles_at_every_row_offset() -> None:
+    """pooling's compiled tinyBLAS lanes (one real fma per row) against the double-precision
+    oracle above, for a sequence starting at any row of its micro-batch: the sum does not
+    depend on the offset; one row to more than the tiled attention's 64."""
+    from bankml.engine_cupy.pooling import mean_rows, pool
+
+    rng = numpy.random.default_rng(7)
+    for n in (1, 2, 7, 8, 9, 31, 64, 65):
+        rows = rng.standard_normal((n, 96)).astype(numpy.float32)
+        beside = mean_rows(rows, beside_others=True)
+        assert all(numpy.array_equal(beside, tinyblas_mean(rows, o)) for o in range(8))
+        assert numpy.array_equal(pool(rows, "mean", beside_others=True)[0], beside)
+        assert numpy.array_equal(pool(rows, "cls", beside_others=True), rows[:1])
+
+
+def test_the_inputs_pooled_together_follow_llama_servers_batches() -> None:
+    """Engine.pooled_together: groups of -np inputs in request order, kept where two or more
+    share one micro-batch of fewer than 64 tokens; a group of 64 or more moves the states (not
+    followed); one over -ub changes the batches after it (nothing followed from there)."""
+    from types import SimpleNamespace
+
+    from bankml.engine_cupy.engine import Engine
+
+    def groups(lengths: list[int], n_slots: int = 4, shares: bool = True, ub: int = 512) -> Any:
+        server = SimpleNamespace(n_slots=n_slots, shares_micro_batch=shares, n_ubatch=ub)
+        return Engine.pooled_together(server, lengths)  # type: ignore[arg-type]
+
+    assert groups([2, 10, 3, 16]) == [[0, 1, 2, 3]]
+    assert groups([2, 10, 3, 16, 5]) == [[0, 1, 2, 3]]  # the fifth alone: the vec_dot
+    assert groups([2, 10, 3, 16, 5, 6], n_slots=2) == [[0, 1], [2, 3], [4, 5]]
+    assert groups([40, 20, 2, 2, 1, 1]) == [[4, 5]]  # 64 tokens: the tiled attention
+    assert groups([10, 10, 10, 10, 1, 1], ub=32) == []
+    assert groups([2, 3], n_slots=1) == groups([2, 3], shares=False) == []
+
+
+def test_a_replay_refuses_groups_that_are_not_the_requests_inputs() -> None:
+    from bankml.receipts.embedding import _pooled_beside
+
+    assert _pooled_beside([[0, 1, 2], [3, 4]], 5) == {0, 1, 2, 3, 4}
+    assert _pooled_beside([], 3) == set()
+    for bad in ([[0]], [[0, 5]], [[0, 1], [1, 2]], [[0, True]], [0, 1], {"0": 1}, [[0, -1]]):
+        assert _pooled_beside(bad, 5) is None, bad

@@ -241,7 +241,11 @@ def test_the_body_model_chooses_the_embedding_model(
     assert status == 200
     assert check_receipt(json.dumps(body).encode(), raw, key.public_key_pem) == VALID
     assert json.loads(raw)["bankml_receipt"]["model_sha256"] == sha256_of(encoder)
-    with LlamaServer(encoder, args=["--embeddings", "-c", "512"], binary=llama_server_bin) as ref:
+    # two slots, as this server's: the two inputs (under 64 tokens) share one micro-batch, and
+    # their mean is pooled over it (docs/modules/embeddings.md, "Several slots")
+    assert json.loads(raw)["bankml_receipt"]["pooled_together"] == [[0, 1]]
+    flags = ["--embeddings", "-c", "512", "-np", "2"]
+    with LlamaServer(encoder, args=flags, binary=llama_server_bin) as ref:
         _, theirs = post(ref.url, "/v1/embeddings", {"input": TEXTS})
     for ours, want in zip(got.data, theirs["data"], strict=True):
         assert numpy.array_equal(

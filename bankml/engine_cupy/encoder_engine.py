@@ -138,7 +138,13 @@ class EncoderEngine(Engine):
             cache_ram,
             n_slots,
             slot_prompt_similarity,
+            kv_unified=kv_unified,
         )
+
+    @property
+    def shares_micro_batch(self) -> bool:
+        """An encoder evaluates a batch in one micro-batch, with or without ``-kvu``."""
+        return True
 
     def check_outputs(self, n_outputs_max: int) -> None:
         """Refuse to serve where llama-server's warm-up aborts (module doc): its batch (BOS and

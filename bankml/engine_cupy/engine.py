@@ -54,6 +54,7 @@ from bankml.engine_cupy.grammar import (
     schema_to_constraint_text,
 )
 from bankml.engine_cupy.infill import infill_tokens
+from bankml.engine_cupy.kernels.exact_attention import FA_TILE_Q
 from bankml.engine_cupy.kv_cache import pad_cells
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
@@ -231,10 +232,14 @@ class Engine:
         cache_ram: int | str | None = None,
         n_slots: int = 1,
         slot_prompt_similarity: float = DEFAULT_SLOT_PROMPT_SIMILARITY,
+        kv_unified: bool = False,
     ):
         if n_slots < 1:
             raise ValueError("an engine has at least one slot")
         self.model = model
+        # the server's -kvu: the slots' sequences in one cache, so one micro-batch can hold
+        # several of them whole (``pooled_together``)
+        self.kv_unified = kv_unified
         self.tokenizer = tokenizer
         self.template = template
         self.n_ctx = n_ctx
@@ -322,6 +327,7 @@ class Engine:
             cache_ram,
             n_slots,
             slot_prompt_similarity,
+            kv_unified=kv_unified,
         )
 
     # --- slots ----------------------------------------------------------------------------------------------
@@ -923,6 +929,38 @@ class Engine:
             self._empty_and_release(slot)
             caches.append(self._embedding_cache(slot.cache, len(tokens)))
         return list(batch(inputs, caches, self.n_ubatch))
+
+    def pooled_together(self, lengths: Sequence[int]) -> list[list[int]]:
+        """The groups of a request's embedding inputs (their token counts, in order) that
+        llama-server ``-np N`` evaluates in one micro-batch with every input's hidden states
+        as it alone gives them, so that only their ``mean`` pooling changes (the product over
+        the micro-batch: pooling.mean_rows_beside); each group two inputs or more.
+
+        llama-server gives a request's tasks to its idle slots in turn, N at a time (the rest
+        wait for the next update), and evaluates the busy slots' prompts in one batch. The
+        prompts share one micro-batch where the slots share one cache (``-kvu``; an encoder
+        evaluates a batch in one micro-batch whatever it is) and the batch fits ``-ub``. Below
+        ``FA_TILE_Q`` tokens in it the attention goes one row at a time, so no
+        input's states depend on the others'; from there on they do, and bankml keeps each
+        input's own vectors (docs/modules/embeddings.md). A group that does not fit ``-ub``
+        changes the grouping of the inputs after it, which is not followed either."""
+        if self.n_slots < 2 or not self.shares_micro_batch:
+            return []
+        groups = []
+        for start in range(0, len(lengths), self.n_slots):
+            group = range(start, min(start + self.n_slots, len(lengths)))
+            total = sum(lengths[i] for i in group)
+            if total > self.n_ubatch:
+                break
+            if len(group) >= 2 and total < FA_TILE_Q:
+                groups.append(list(group))
+        return groups
+
+    @property
+    def shares_micro_batch(self) -> bool:
+        """Whether prompts of several slots go in one micro-batch whole: with ``-kvu``
+        (without it llama.cpp cuts a batch into equal shares of every sequence)."""
+        return self.kv_unified
 
     def _embedding_cache(self, cache: Any, n: int) -> Any:
         """A cache for one input of ``n`` tokens that attends as ``cache`` would: its type,

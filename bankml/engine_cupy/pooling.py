@@ -13,13 +13,19 @@ steps turn them into what llama-server sends, bit for bit:
   that loop: the products of each whole group of four tail tokens rounded first (vmulps) and
   added one by one, the last ``tail % 4`` each one fma (checked against llama-server for
   inputs of 2 to 100 tokens, tails of 0, 1, 2, 4, 8, 16, 19 and 31);
-  ``rank`` (a classification head) is not pooled here.
+  ``rank`` (a classification head) is not pooled here. A sequence pooled beside others in
+  its micro-batch (llama-server ``-np N``: Engine.pooled_together) is one column of a product
+  of two or more, which ggml gives to llamafile's tinyBLAS<8> (f32, AVX2): one accumulator of
+  eight lanes, one fma per row into lane ``row mod 8`` (the other sequences' rows add
+  ``x·0``), then hsum: ((l4+l0) + (l6+l2)) + ((l5+l1) + (l7+l3)). The sum does not depend on
+  the row the sequence starts at (a shift of the lanes swaps terms of hsum's additions
+  only), so ``mean_rows(..., beside_others=True)`` counts from the sequence's first row;
 - ``normalize(vec, embd_normalize)``: common_embd_normalize (common/common.cpp): -1 none,
   0 max-abs scaled to int16 (/32760), 1 taxicab, 2 euclidean (llama-server's default), >2 the
   p-norm; sums in double (euclidean adds each float32 square), the factor ``1/sum`` rounded to
   float32, each element multiplied by it in float32.
 
-Pure NumPy, with one compiled loop (the vec_dot) through kernels.jit.
+Pure NumPy, with two compiled loops (the vec_dot and tinyBLAS's lanes) through kernels.jit.
 """
 
 from __future__ import annotations
@@ -80,24 +86,37 @@ def _vec_dot_mean(x, w, out):  # pragma: no cover - compiled
         out[e] = s
 
 
-def mean_rows(hidden: numpy.ndarray) -> numpy.ndarray:
-    """llama.cpp's mean pooling of one sequence alone in its micro-batch: [n, d] -> [d]."""
+@njit
+def _tinyblas_mean(x, w, out):  # pragma: no cover - compiled
+    """out[e] = tinyBLAS<8>'s dot of x[:, e] and a column of w (see the module doc)."""
+    n, d = x.shape
+    acc = numpy.empty(8, numpy.float32)
+    for e in range(d):
+        acc[:] = 0
+        for i in range(n):
+            acc[i & 7] = fma32(x[i, e], w, acc[i & 7])
+        out[e] = ((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))
+
+
+def mean_rows(hidden: numpy.ndarray, beside_others: bool = False) -> numpy.ndarray:
+    """llama.cpp's mean pooling of one sequence: [n, d] -> [d]; alone in its micro-batch (the
+    vec_dot), or ``beside_others`` (tinyBLAS's lanes)."""
     x = numpy.ascontiguousarray(hidden, dtype=F32)
-    n = x.shape[0]
-    w = F32(F32(1.0) / F32(n))
+    w = F32(F32(1.0) / F32(x.shape[0]))
     out = numpy.empty(x.shape[1], F32)
-    _vec_dot_mean(x, w, out)
+    (_tinyblas_mean if beside_others else _vec_dot_mean)(x, w, out)
     return out
 
 
-def pool(hidden: numpy.ndarray, pooling: str) -> numpy.ndarray:
-    """[n, d] hidden states -> [n, d] (``none``) or [1, d] (mean, cls, last)."""
+def pool(hidden: numpy.ndarray, pooling: str, beside_others: bool = False) -> numpy.ndarray:
+    """[n, d] hidden states -> [n, d] (``none``) or [1, d] (mean, cls, last); ``mean`` pooled
+    ``beside_others`` in its micro-batch or alone (``mean_rows``)."""
     if hidden.shape[0] == 0:
         raise ValueError("no token to pool")
     if pooling == "none":
         return hidden
     if pooling == "mean":
-        return mean_rows(hidden)[None, :]
+        return mean_rows(hidden, beside_others)[None, :]
     if pooling == "cls":
         return hidden[:1].copy()
     if pooling == "last":

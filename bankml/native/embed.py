@@ -17,7 +17,10 @@ request names (made resident first, on the engine thread, where its inputs are t
    Each input alone is what llama-server computes with one slot (bankml's default ``-np 1``);
    with several slots llama-server puts a request's inputs together, and its ``mean`` vectors
    (and ``cls`` ones without ``-kvu``) move (docs/modules/embeddings.md has when and by how
-   much), which bankml does not follow;
+   much). bankml follows it where the hidden states stay each input's own (a group under 64
+   tokens in one micro-batch, Engine.pooled_together: its ``mean`` is pooled by the product's
+   lanes over the batch, pooling.py) on llama-server's routes, and keeps each input's own
+   vectors elsewhere (Ollama's routes: one input at a time);
 3. the answer (the reactor thread): the body (formats/embeddings.py) and its receipt
    (receipts/embedding.py).
 
@@ -96,6 +99,9 @@ class EmbedJob:
     issuer: Issuer | None = None  # who issued the vectors (the model that computed them)
     seconds: float = 0.0  # the computation's time (/metrics' prompt seconds)
     choice: Any = None  # with several models: the model the body chose (the host's Choice)
+    # llama-server's routes, mean pooling, -np N: the inputs pooled beside each other in one
+    # micro-batch (Engine.pooled_together), which the receipt records for its replay
+    pooled_together: list[list[int]] = field(default_factory=list)
 
 
 class Embedder:
@@ -272,8 +278,11 @@ class Embedder:
             engine = self.engine if held is None else held  # the model made resident
             out = []
             began = time.perf_counter()
-            for hidden in engine.hidden_states_batch(job.tokens):
-                rows = list(pool(hidden, job.pooling))
+            if job.pooling == "mean" and job.api in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
+                job.pooled_together = engine.pooled_together([len(t) for t in job.tokens])
+            beside = {i for group in job.pooled_together for i in group}
+            for i, hidden in enumerate(engine.hidden_states_batch(job.tokens)):
+                rows = list(pool(hidden, job.pooling, beside_others=i in beside))
                 if job.pooling != "none" and job.embd_normalize is not None:
                     rows = [normalize(row, job.embd_normalize) for row in rows]
                 out.append(rows)
@@ -347,6 +356,7 @@ class Embedder:
             inputs_tokens=tokens,
             pooling=job.pooling,
             embd_normalize=job.embd_normalize,
+            pooled_together=job.pooled_together,
         )
 
 

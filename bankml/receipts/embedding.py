@@ -23,7 +23,9 @@ The other fields are a chat receipt's (docs/receipts.md): ``prompt_tokens`` the 
 ``{"seed": null}``, ``n_predict`` 0, ``finish_reason`` null; and ``pooling``, ``embd_normalize``
 (null on Ollama's routes, which normalise themselves; in P0 the request's, pooling null: bankml
 does not see llama-server's) and ``inputs_tokens_sha256`` (each input's token ids as compact
-JSON, ``token_ids_sha256``; null in P0).
+JSON, ``token_ids_sha256``; null in P0); with ``-np N``, ``pooled_together``, where a
+request's inputs were mean-pooled beside each other in one micro-batch as llama-server pools
+them (lists of input indexes; absent otherwise), so that a replay pools them the same way.
 
 ``p0_receipts(api, answer, issue)``: P0's receipts of llama-server's
 answer, put in it as the native answers carry them. ``replay_embeddings``: a native answer's
@@ -206,30 +208,36 @@ def embedding_receipt(
     pooling: str | None,
     embd_normalize: int | None,
     prompt_tokens: int | None = None,
+    pooled_together: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
     """The receipt of one embedding answer (see the module doc); signed with the issuer's key
     (a version-2 receipt and its envelope), else today's unsigned receipt with the same
     fields. ``inputs_tokens`` None (P0: llama-server's answer lists no ids):
     ``inputs_tokens_sha256`` null and ``prompt_tokens`` as the answer reports it (None:
-    unknown)."""
+    unknown). ``pooled_together``: the groups of the request's inputs whose ``mean`` was
+    pooled beside each other in one micro-batch (Engine.pooled_together); the field is there
+    only where there is one."""
     if api not in EMBEDDING_APIS:
         raise ValueError(f"unknown embedding api {api!r}")
     if inputs_tokens is not None:
         prompt_tokens = int(sum(len(t) for t in inputs_tokens))
+    fields: dict[str, Any] = {
+        "embeddings_sha256": [vector_sha256(v) for v in vectors],
+        "inputs_tokens_sha256": (
+            None if inputs_tokens is None else [token_ids_sha256(t) for t in inputs_tokens]
+        ),
+        "pooling": pooling,
+        "embd_normalize": embd_normalize,
+    }
+    if pooled_together:
+        fields["pooled_together"] = [list(group) for group in pooled_together]
     return unsampled_receipt(
         issuer,
         api=api,
         request_body=request_body,
         started=started,
         prompt_tokens=prompt_tokens,
-        fields={
-            "embeddings_sha256": [vector_sha256(v) for v in vectors],
-            "inputs_tokens_sha256": (
-                None if inputs_tokens is None else [token_ids_sha256(t) for t in inputs_tokens]
-            ),
-            "pooling": pooling,
-            "embd_normalize": embd_normalize,
-        },
+        fields=fields,
     )
 
 
@@ -310,9 +318,12 @@ def replay_embeddings(
     if api == LLAMA_EMBEDDING and len(receipts) != len(tokens):
         return f"refuse: {len(receipts)} receipts for {len(tokens)} inputs"
     norm = receipts[0].get("embd_normalize")
+    beside = _pooled_beside(receipts[0].get("pooled_together", []), len(tokens))
+    if beside is None:
+        return "refuse: the receipt's pooled_together is not groups of the request's inputs"
     vectors = []
-    for toks in tokens:
-        rows = list(pool(engine.hidden_states(toks), pooling))
+    for i, toks in enumerate(tokens):
+        rows = list(pool(engine.hidden_states(toks), pooling, beside_others=i in beside))
         if pooling != "none" and isinstance(norm, int):
             rows = [normalize(row, norm) for row in rows]
         vectors.append([vector_sha256(row.tolist()) for row in rows])
@@ -327,3 +338,16 @@ def replay_embeddings(
             return f"refuse: vector {where} of answer {i} is not what the model computes"
     n = sum(len(v) for v in got)
     return f"identical: {n} vectors, {sum(len(t) for t in tokens)} tokens"
+
+
+def _pooled_beside(groups: Any, n_inputs: int) -> set[int] | None:
+    """The inputs a receipt's ``pooled_together`` names (each group two or more of the
+    request's inputs, none in two groups); None where it is not that."""
+    if not isinstance(groups, list) or not all(
+        isinstance(g, list) and len(g) >= 2 and all(type(i) is int for i in g) for g in groups
+    ):
+        return None
+    named = [i for g in groups for i in g]
+    if len(set(named)) != len(named) or not all(0 <= i < n_inputs for i in named):
+        return None
+    return set(named)
