@@ -934,7 +934,7 @@ class Engine:
         """The groups of a request's embedding inputs (their token counts, in order) that
         llama-server ``-np N`` evaluates in one micro-batch with every input's hidden states
         as it alone gives them, so that only their ``mean`` pooling changes (the product over
-        the micro-batch: pooling.mean_rows_beside); each group two inputs or more.
+        the micro-batch: pooling.mean_rows with ``beside_others``); each group two inputs or more.
 
         llama-server gives a request's tasks to its idle slots in turn, N at a time (the rest
         wait for the next update), and evaluates the busy slots' prompts in one batch. The

@@ -885,7 +885,7 @@ async function chooseModel() {
   state.loading = true;
   setBusy(false);
   say(`Loading ${name}…`);
-  let outcome = [`${name} not loaded.`, true];
+  let outcome; // [status line, is an error], said once the picker is refilled
   try {
     const res = await fetch("/api/generate", {
       method: "POST",
