@@ -69,7 +69,9 @@ def start_serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
 def _healthy(argv: list[str], port: int, log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 900
+    # under the suite's per-test timeout, so that a start that never answers fails this test
+    # with the process's log (the timeout would end the whole run)
+    deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         try:
             if call(port, "GET", "/health")[0] == 200:

@@ -67,10 +67,20 @@ def _die_with_parent() -> None:
         pass
 
 
+_HANDED_OUT: set[int] = set()  # the ports free_port gave this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, never one this process was given before: a
+    fixture that asks for two (``--port`` and ``--listen``) gets two, and a test never binds
+    a port an earlier test's server may still hold."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:

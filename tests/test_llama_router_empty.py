@@ -5,11 +5,13 @@ on the same directory (one UNPINNED link to the default model). The file is list
 with bankml's reason; a request naming no model gets llama-server's 400, one naming the
 unpinned file the router's refusal, an unknown one llama-server's 400; ``/health``, ``/props``,
 ``/bankml``, ``/bankml/metrics`` answer; ``/metrics`` as llama-server's router answers it. And
-``bankml serve`` takes no FILE only in native router mode."""
+``bankml serve`` takes no FILE only in native router mode; a port another process holds is
+refused (exit 2)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from twisted.python import usage
 
 from bankml.serving.llama_flags import FlagError, dropin_argv
 from bankml.tap import Options
-from tests.dropin import Pair, call, start_dropin
+from tests.dropin import Pair, bankml, call, start_dropin
 from tests.support import free_port
 
 NAME = "SmolLM2-135M-Instruct.Q4_1"
@@ -167,3 +169,25 @@ def test_a_preset_alone_naming_only_unpinned_files_starts_empty_too(
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("taken", ["--port", "--listen"])
+def test_a_port_another_process_holds_is_refused_and_the_process_ends(
+    directory: Path, taken: str
+) -> None:
+    """A port it cannot listen on is a refusal: the reason on stderr and exit status 2 at
+    once, as for any other refusal, not a process left running that never answers (a process
+    manager would take it for a server)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        ports = {"--port": free_port(), "--listen": free_port(), taken: held}
+        args = ["--models-dir", str(directory), "--host", "127.0.0.1", "--no-webui"]
+        args += ["--port", str(ports["--port"]), "--listen", f"127.0.0.1:{ports['--listen']}"]
+        done = subprocess.run(
+            bankml("llama-server", *args), capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 2, done.stderr
+    assert f"refuse: cannot listen: Couldn't listen on 127.0.0.1:{held}" in done.stderr
+    assert "Address already in use" in done.stderr

@@ -174,6 +174,8 @@ class ServingService(service.MultiService):
             atexit.register(_exit_now, code)  # twistd itself would exit 0 after the reactor stops
         if self.reactor.running:
             self.reactor.stop()
+        else:  # refused in startService (a port taken): stop as soon as the reactor runs
+            self.reactor.callWhenRunning(self.reactor.stop)
 
     def stopService(self) -> Any:
         for port in self.ports:
