@@ -4,7 +4,8 @@
     bench/kquants.py [--types Q4_K Q6_K Q5_K] [--rows 512 64] [--threads 1] [--reps 7]
 
 For each weight type, shape and batch size, times ``KQuantMatrix.matmul`` (activation rounding
-included) and ggml's mul_mat of the same operands in llama-server build 11434's static libraries
+included; at one row, ``--rows 1``, the fused decode step's own one-row product from compiled
+code, ``one_row_timer``) and ggml's mul_mat of the same operands in llama-server build 11434's static libraries
 (``bench/ggml_mul_mat_timer.c``, a persistent process that times each graph compute itself),
 alternating one run of each, and prints GMAC/s and the ratio bankml/ggml (> 1: bankml faster).
 Q4_K goes in the CPU_REPACK buffer (q4_K_8x8), as llama-server loads layer weights, and through
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numba
 import numpy
@@ -113,6 +115,30 @@ def weights_for(qtype: T, n_out: int, n_in: int, rng: numpy.random.Generator) ->
     return go.cpy(w, qtype)
 
 
+@numba.njit
+def _row_products(code, parallel, raw, x, out, calls):  # pragma: no cover - compiled
+    """``calls`` one-row products as the fused decode step makes them (its activation
+    rounding included), from compiled code: no Python call or allocation in between."""
+    for _ in range(calls):
+        ek.row_product(code, parallel, raw, x, out)
+
+
+def one_row_timer(matrix: ek.KQuantMatrix, x: numpy.ndarray) -> tuple[Any, numpy.ndarray]:
+    """(a call timing ``ONE_ROW_CALLS`` products of the one row ``x``, their output): the
+    decode step's own callable (``exact_kquants.row_product``), with the arithmetic and the
+    threading it picks for one row. ``KQuantMatrix.matmul`` would add a Python call, the
+    activation's object and an output array to every product, which at one row is as much
+    time as the product itself (about 25 us of 66 on the 576x1536 Q4_K one)."""
+    raw, row = matrix.raw, numpy.ascontiguousarray(x, numpy.float32)
+    out = numpy.empty((1, matrix.n_out), numpy.float32)
+    code, parallel = matrix.row_code(), matrix.n_out * matrix.n_in >= ek.PARALLEL_MIN_MACS
+    _row_products(code, parallel, raw, row, out, 1)  # compiled before anything is timed
+    return (lambda: _row_products(code, parallel, raw, row, out, ONE_ROW_CALLS)), out
+
+
+ONE_ROW_CALLS = 100  # products per timed call at m = 1 (each call's time is divided by it)
+
+
 def timed(f) -> tuple[float, float]:
     """(wall, process CPU) seconds of one call."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -138,14 +164,19 @@ def measure(
     matrix = ek.KQuantMatrix(raw, qtype, n_out, n_in, repacked=repacked)
     ggml = GgmlProduct(raw, qtype, n_out, n_in, x, threads, repacked)
     try:
-        ours = matrix.matmul(x)
+        if m == 1:
+            ours_call, ours = one_row_timer(matrix, x)
+            calls = ONE_ROW_CALLS
+        else:
+            ours, calls = matrix.matmul(x), 1
+            ours_call = lambda: matrix.matmul(x)  # noqa: E731
         ggml.run()
         differ = int(
             numpy.count_nonzero(ours.view(numpy.uint32) != ggml.result().view(numpy.uint32))
         )
         mine, theirs = [], []
         for _ in range(reps):
-            mine.append(timed(lambda: matrix.matmul(x))[clock])
+            mine.append(timed(ours_call)[clock] / calls)
             theirs.append(ggml.run()[clock])
     finally:
         ggml.close()
