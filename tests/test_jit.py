@@ -429,3 +429,69 @@ def test_a_kernel_two_processes_need_at_once_compiles_in_one(tmp_path: Path) -> 
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert [r["value"] for r in results] == [3.0 * 2.0 * 3.0 + 3.0] * 2
     assert sorted((r["misses"], r["hits"]) for r in results) == [(0, 1), (1, 0)]
+
+
+FAILING_KERNEL = """\
+from bankml.engine_cupy.kernels.jit import njit
+
+
+@njit
+def broken(x):
+    return x.no_such_attribute
+"""
+
+FAIL_AND_STAY = """\
+import sys, time
+from pathlib import Path
+from brokenpkg.kernel import broken
+here = Path(sys.argv[1])
+try:
+    broken(1.0)
+except Exception as err:
+    (here / "failed").write_text(type(err).__name__)
+deadline = time.monotonic() + 120
+while not (here / "done").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+FAIL_TIMED = """\
+import json, time
+from brokenpkg.kernel import broken
+start = time.monotonic()
+try:
+    broken(1.0)
+except Exception as err:
+    print(json.dumps({"raised": type(err).__name__, "seconds": time.monotonic() - start}))
+"""
+
+
+def test_a_compile_that_fails_in_a_live_process_holds_no_other_up(tmp_path: Path) -> None:
+    """A kernel signature that does not compile (a typing error) releases its claim when the
+    compile raises: another process that needs the same signature meets the same error at
+    once, not after jit.COMPILE_WAIT_S (the failing process still running meanwhile, as a
+    server that fell back after such an error does)."""
+    package = tmp_path / "brokenpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "kernel.py").write_text(FAILING_KERNEL)
+    repo = Path(bankml.__file__).resolve().parent.parent
+    env = dict(
+        os.environ,
+        NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]),
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-c", FAIL_AND_STAY, str(tmp_path)], env=env, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "failed").exists():
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        assert (tmp_path / "failed").read_text() == "TypingError"
+        out = run_kernel(tmp_path, FAIL_TIMED)
+        assert out["raised"] == "TypingError"
+        assert out["seconds"] < jit.COMPILE_WAIT_S / 10
+    finally:
+        (tmp_path / "done").touch()
+        first.wait(30)

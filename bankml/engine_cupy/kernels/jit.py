@@ -49,6 +49,7 @@ from numba.core.caching import (
     IndexDataCacheFile,
     NullCache,
 )
+from numba.core.compiler_lock import global_compiler_lock
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
@@ -308,14 +309,15 @@ class _CompileClaims:
     held until the compiled code is saved; a process that finds it taken waits for it, then
     reads the cache again and loads what the holder saved. Locks are taken in call order (a
     kernel's claim before its callees'), and the call graph has no cycles, so no two processes
-    wait on each other."""
+    wait on each other. A compile that raises (a typing error, which another process meets
+    alike) releases its claims at once (``_use_kernel_cache``), so no one waits on it."""
 
     def __init__(self) -> None:
         self._held: dict[str, Any] = {}
 
     def claim(self, path: str) -> None:
         """Hold the claim ``path``, once no other process holds it."""
-        self.release(path)  # a claim this process left when a compile raised
+        self.release(path)  # one this process still holds (it is taken again, not waited on)
         try:
             claim = open(path, "ab")  # noqa: SIM115 (closed by release)
         except OSError:  # a cache this process cannot write: it compiles without a claim
@@ -337,7 +339,7 @@ class _CompileClaims:
             claim.close()  # closing the file drops its flock
 
 
-_CLAIMS = _CompileClaims()  # one per process: a claim left by a failed compile is found again
+_CLAIMS = _CompileClaims()  # one per process: a claim it still holds is found again
 
 
 class KernelCache(FunctionCache):
@@ -360,6 +362,7 @@ class KernelCache(FunctionCache):
             filename_base=self._impl.filename_base,
             source_stamp=self._impl.locator.get_source_stamp(),
         )
+        self.unsaved: list[str] = []  # claims taken on a miss, their code not saved yet
 
     def load_overload(self, sig: Any, target_context: Any) -> Any:
         """The cached code; on a miss, this process's claim to compile it, taken after any
@@ -374,14 +377,27 @@ class KernelCache(FunctionCache):
         data = super().load_overload(sig, target_context)
         if data is not None:
             _CLAIMS.release(claim)
+        else:
+            self.unsaved.append(claim)
         return data
 
     def save_overload(self, sig: Any, data: Any) -> None:
         """Numba's save, then the claim released, whether Numba saved the code or not."""
+        claim = self._claim_path(sig, data.codegen)
         try:
             super().save_overload(sig, data)
         finally:
-            _CLAIMS.release(self._claim_path(sig, data.codegen))
+            _CLAIMS.release(claim)
+            if claim in self.unsaved:
+                self.unsaved.remove(claim)
+
+    def release_unsaved(self, held: int) -> None:
+        """Release the claims taken since ``unsaved`` held ``held`` of them: their compiles
+        raised (a typing error, or Numba asking for literal arguments), so nothing will be
+        saved for them. Kept, each would hold every other process that needs the same
+        signature (and fails alike) for COMPILE_WAIT_S, for as long as this process lives."""
+        while len(self.unsaved) > held:
+            _CLAIMS.release(self.unsaved.pop())
 
     def _claim_path(self, sig: Any, codegen: Any) -> str:
         data_name = self._cache_file._key_data_name(self._index_key(sig, codegen))
@@ -398,7 +414,20 @@ def _use_kernel_cache(dispatcher: Dispatcher) -> Dispatcher:
             f"numba {numba.__version__}: Dispatcher._cache is gone, "
             "bankml.engine_cupy.jit cannot key its kernels' cache"
         )
-    dispatcher._cache = KernelCache(dispatcher.py_func)
+    cache = dispatcher._cache = KernelCache(dispatcher.py_func)
+    compile_signature = dispatcher.compile
+
+    def compile(sig: Any) -> Any:
+        """Numba's compile of one signature; if it raises, the claims it took are released."""
+        with global_compiler_lock:  # compiles are serial: ``unsaved`` is this compile's own
+            held = len(cache.unsaved)
+            try:
+                return compile_signature(sig)
+            except BaseException:
+                cache.release_unsaved(held)
+                raise
+
+    dispatcher.compile = compile  # what Numba calls, for a call from Python or from a kernel
     return dispatcher
 
 
@@ -449,8 +478,6 @@ def release_compile_memory() -> dict[str, int]:
       read-only mappings without private pages), read again from the page cache by the next
       compile. Linux only.
     """
-    from numba.core.compiler_lock import global_compiler_lock
-
     linking = 0
     with global_compiler_lock:  # no compile (of another thread) links a library meanwhile
         for dispatcher in _KERNELS:
