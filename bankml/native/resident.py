@@ -324,7 +324,30 @@ class NativeEngine:
         if choice is not None and self.hold is not None:
             for parsed in out:
                 parsed.served_by = choice[0]
+        elif choice is None:
+            for parsed in out:  # the model it was read for, should it be unloaded meanwhile
+                parsed.read_for = (engine, self.verified)
         return out
+
+    def _engine_for(self, engine: Any, read_for: tuple[Any, Any] | None) -> Any:
+        """On the engine thread, as a run starts: the engine to run prompts read by ``engine``.
+        The keep-alive may have unloaded that model after the request was read (the reaper's
+        unload queued before the run): it is loaded again first, in turn, as a request that
+        arrives after the unload loads it, and the run goes on on the same file's engine, as
+        Ollama never unloads a model a request is waiting for. Another model made current
+        meanwhile (an Ollama request) is a 503 to send again."""
+        if self.engine is None and read_for is not None:
+            self.wake()
+        same_file = (
+            read_for is not None
+            and self.engine is not None
+            and self.verified is not None
+            and read_for[1] is not None
+            and self.verified.sha256 == read_for[1].sha256
+        )
+        if self.engine is not None and (self.engine is engine or same_file):
+            return self.engine
+        raise ApiError.of(503, "the model was switched while this request waited; send it again")
 
     def steps(
         self, prompts: list[Any], keep_alive: bool = True, first_index: int = 0
@@ -335,6 +358,9 @@ class NativeEngine:
         (``used``), unless ``keep_alive`` is False (Ollama's routes apply the request's own)."""
         engine = self.engine
         chosen = served_by(prompts[0]) if prompts else None
+        read_for = getattr(prompts[0], "read_for", None) if prompts else None
+        if read_for is not None:
+            engine = read_for[0]
 
         def steps(
             cancelled: Callable[[], bool], forwards: bool = False
@@ -343,12 +369,8 @@ class NativeEngine:
             if chosen is not None and self.hold is not None:
                 # its own model's engine, loaded again if it was unloaded while this waited
                 run_on, release = self.hold(chosen)
-            elif self.engine is not engine:  # Ollama loaded another model while this waited
-                raise ApiError.of(
-                    503, "the model was switched while this request waited; send it again"
-                )
             else:
-                run_on = engine
+                run_on = self._engine_for(engine, read_for)
             stopping = self.stopping if chosen is not None and release is not None else None
 
             def until() -> bool:
