@@ -66,15 +66,21 @@ def write_package(root: Path, factor: float, offset: float = 1.0) -> None:
     (package / "other.py").write_text(OTHER.format(offset=offset))
 
 
-def run_kernel(root: Path, script: str = RUN, *args: str) -> dict:
-    """kernel(3.0) (or ``script``, given ``args``) in a fresh process, with Numba's cache
-    statistics of that process; a crash shows its Python stack."""
+def kernel_env(root: Path) -> dict[str, str]:
+    """The environment of a process that imports packages written under ``root`` and caches
+    their kernels in ``root``'s own Numba cache."""
     repo = Path(bankml.__file__).resolve().parent.parent
-    env = dict(
+    return dict(
         os.environ,
         NUMBA_CACHE_DIR=str(root / "numba-cache"),
         PYTHONPATH=os.pathsep.join([str(root), str(repo)]),
     )
+
+
+def run_kernel(root: Path, script: str = RUN, *args: str) -> dict:
+    """kernel(3.0) (or ``script``, given ``args``) in a fresh process, with Numba's cache
+    statistics of that process; a crash shows its Python stack."""
+    env = kernel_env(root)
     done = subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", script, *args],
         env=env,
@@ -400,12 +406,7 @@ def test_a_kernel_two_processes_need_at_once_compiles_in_one(tmp_path: Path) -> 
     """The first to miss claims the compile; the other waits for it and loads the saved code
     (on Numba's own cache both compile: two misses)."""
     write_package(tmp_path, 2.0)
-    repo = Path(bankml.__file__).resolve().parent.parent
-    env = dict(
-        os.environ,
-        NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
-        PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]),
-    )
+    env = kernel_env(tmp_path)
     runs = [
         subprocess.Popen(
             [sys.executable, "-c", AT_ONCE, str(tmp_path), str(n)],
@@ -474,12 +475,7 @@ def test_a_compile_that_fails_in_a_live_process_holds_no_other_up(tmp_path: Path
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "kernel.py").write_text(FAILING_KERNEL)
-    repo = Path(bankml.__file__).resolve().parent.parent
-    env = dict(
-        os.environ,
-        NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
-        PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]),
-    )
+    env = kernel_env(tmp_path)
     first = subprocess.Popen(
         [sys.executable, "-c", FAIL_AND_STAY, str(tmp_path)], env=env, cwd=tmp_path
     )
