@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from bankml.receipts.replay import (
 )
 from tests import support
 from tests.native_server import NativeProcess, native_process
+from tests.native_support import wait_for
 from tests.receipt_answers import edited
 from tests.tool_chats import CALLING, REASONING, WEATHER
 
@@ -253,10 +253,12 @@ def test_the_chat_flags_as_llama_servers(
                     _post(reference.url, body), False
                 ), (name, round_)
             if round_ == 0:  # the reaper (every second) unloads it after its keep-alive
-                deadline = time.monotonic() + 60
-                while b"expires_at" in urllib.request.urlopen(server.url + "/api/ps").read():
-                    assert time.monotonic() < deadline, "the keep-alive never unloaded the model"
-                    time.sleep(0.2)
+                wait_for(
+                    lambda: (
+                        b"expires_at" not in urllib.request.urlopen(server.url + "/api/ps").read()
+                    ),
+                    "the keep-alive's unload",
+                )
 
 
 BAD = [

@@ -338,12 +338,9 @@ class NativeEngine:
         meanwhile (an Ollama request) is a 503 to send again."""
         if self.engine is None and read_for is not None:
             self.wake()
+        read_file = read_for[1] if read_for is not None else None
         same_file = (
-            read_for is not None
-            and self.engine is not None
-            and self.verified is not None
-            and read_for[1] is not None
-            and self.verified.sha256 == read_for[1].sha256
+            read_file is not None and getattr(self.verified, "sha256", None) == read_file.sha256
         )
         if self.engine is not None and (self.engine is engine or same_file):
             return self.engine
