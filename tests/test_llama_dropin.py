@@ -99,9 +99,10 @@ def test_the_dropin_rewrites_llama_servers_spellings_into_bankml_serve_options()
 def test_bankmls_own_options_pass_through_the_dropin_as_given() -> None:
     argv, _ = dropin_argv(
         ["-m", "m.gguf", "--fork", "f.json", "--ollama-listen", "127.0.0.1:11434"]
-        + ["--listen=127.0.0.1:9", "--max-queue", "4"]
+        + ["--listen=127.0.0.1:9", "--max-queue", "4", "--models-memory", "2G"]
     )
     assert argv[argv.index("--ollama-listen") + 1] == "127.0.0.1:11434"
+    assert argv[argv.index("--models-memory") + 1] == "2G"
     assert argv[argv.index("--listen") + 1] == "127.0.0.1:9"
     assert argv[argv.index("--max-queue") + 1] == "4"
 

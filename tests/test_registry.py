@@ -22,7 +22,7 @@ from bankml.registry.keepalive import (
     parse_keep_alive,
 )
 from bankml.registry.pins import NOT_HERE, NotFound, discover
-from bankml.registry.residency import PS_FOREVER_SECONDS, LoadError, Residency
+from bankml.registry.residency import PS_FOREVER_SECONDS, LoadError, Residency, models_memory
 from tests.registry_support import pin_into, write_fork, write_gguf
 
 # -- names ----------------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def _residency(loads: Loads, log: list[str] | None = None) -> Residency:
     )
 
 
-def test_every_load_verifies_and_a_switch_drops_first(registry_dir: Path) -> None:
+def test_every_load_verifies_before_a_switch_drops(registry_dir: Path) -> None:
     reg, loads, log = _registry(registry_dir), Loads(), []
     res = _residency(loads, log)
     first = res.acquire(reg.resolve("mindx-gen39"), now=0.0, shown_as="mindx-gen39-f16")
@@ -318,17 +318,37 @@ def test_every_load_verifies_and_a_switch_drops_first(registry_dir: Path) -> Non
     assert loads.events == [
         "verify MindX-Gen39-F16.gguf",
         "open MindX-Gen39-F16.gguf",
+        "verify Other-Q4_0.gguf",  # verified before the model it replaces is dropped
         "drop mindx-gen39-f16",
-        "verify Other-Q4_0.gguf",
         "open Other-Q4_0.gguf",
-        "drop other-q4_0",
         "verify MindX-Gen39-F16.gguf",  # verified again on its next load
+        "drop other-q4_0",
         "open MindX-Gen39-F16.gguf",
     ]
     assert log[0] == "bankml serve --native: mindx-gen39-f16 verified (sha256 " + (
         reg.resolve("mindx-gen39").sha256 + "); loading it"
     )
     assert log[1] == "mindx-gen39-f16 unloaded (another model was asked for)"
+
+
+def test_a_refused_file_at_the_bound_unloads_nothing(registry_dir: Path) -> None:
+    """A load whose file no longer matches its pin is refused before any resident model is
+    dropped to make room for it: the model resident stays, and answers without a rehash."""
+    reg, loads = _registry(registry_dir), Loads()
+    res = _residency(loads)
+    res.acquire(reg.resolve("mindx-gen39"), now=0.0)
+    write_gguf(registry_dir / "forks" / "Other-Q4_0.gguf", name="Other", seed=99)
+    with pytest.raises(LoadError) as err:
+        res.acquire(reg.resolve("other"), now=1.0)
+    assert err.value.status == 503 and err.value.message.startswith("refuse: ")
+    assert loads.closed == [] and res.resident is not None
+    assert res.resident.pin.name == "mindx-gen39-f16"
+    assert res.acquire(reg.resolve("mindx-gen39"), now=2.0).load_ns == 0
+    assert loads.events == [
+        "verify MindX-Gen39-F16.gguf",
+        "open MindX-Gen39-F16.gguf",
+        "verify Other-Q4_0.gguf",
+    ]
 
 
 def test_a_file_changed_while_resident_is_unloaded_and_refused(registry_dir: Path) -> None:
@@ -424,3 +444,12 @@ def test_a_derived_model_over_a_file_verified_since_with_another_pin(registry_di
         f"its base Other-Q4_0.gguf was {helper.pin.sha256} when it was created; the pin now "
         f'says "{"0" * 64}" — create it again'
     )
+
+
+def test_the_models_memory_budget_is_the_size_given_else_half_the_ram() -> None:
+    """--models-memory (native and P0 alike): the bytes given, else half of MemTotal."""
+    with open("/proc/meminfo", encoding="ascii") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert models_memory(3 << 30) == 3 << 30
+    half = models_memory(None)
+    assert half is not None and abs(half - total // 2) <= total // 100

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bankml.formats.errors import ApiError
+from bankml.formats.errors import RETRY_AFTER_S, ApiError
 from bankml.native.resident import NativeEngine
 
 STARTUP = SimpleNamespace(sha256="a" * 64)
@@ -66,7 +66,7 @@ def test_another_model_meanwhile_is_a_503_to_send_again(resident: str) -> None:
         state = host_state(None, OTHER, reloads=(other, STARTUP))
     with pytest.raises(ApiError) as refused:
         engine_for(state, read_by, (read_by, OTHER if resident != "another model" else STARTUP))
-    assert refused.value.status == 503
+    assert (refused.value.status, refused.value.retry_after) == (503, RETRY_AFTER_S)
     assert "switched while this request waited" in refused.value.body["error"]["message"]
 
 
@@ -74,4 +74,4 @@ def test_no_model_to_load_again_is_a_503_not_a_run_on_nothing() -> None:
     state = host_state(None, STARTUP)  # unloaded, and nothing wakes it (no Ollama host)
     with pytest.raises(ApiError) as refused:
         engine_for(state, None, None)
-    assert refused.value.status == 503
+    assert (refused.value.status, refused.value.retry_after) == (503, RETRY_AFTER_S)

@@ -186,9 +186,14 @@ def test_keep_alive_zero_unloads_only_its_model(server: NativeProcess) -> None:
 def test_unknown_and_changed_models_are_refused_the_others_untouched(
     server: NativeProcess,
 ) -> None:
+    """At the bound (two resident, --max-loaded 2): an unknown model is a 404, a file changed
+    since it was pinned a 503, and neither unloads a resident model to make room."""
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
     oll = ollama.Client(host=server.url, timeout=120)
+    for name in TINY:  # an empty prompt loads it
+        oll.generate(model=name)
     before = ps_names(oll)
+    assert before == sorted(f"{name}:latest" for name in TINY)
     with pytest.raises(openai.NotFoundError) as missing:
         completion(oai, "no-such-model")
     assert "no-such-model" in str(missing.value)

@@ -13,6 +13,8 @@ from typing import Any
 
 from bankml.formats.nlohmann import dumps
 
+RETRY_AFTER_S = 1  # what a busy server's Retry-After asks (a queue full, a model switched)
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",

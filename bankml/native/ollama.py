@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from bankml.formats import ollama as wire
 from bankml.formats import ollama_request as req
 from bankml.formats.chat_content import chat_schema_content
-from bankml.formats.errors import ApiError
+from bankml.formats.errors import RETRY_AFTER_S, ApiError
 from bankml.formats.ollama import OllamaError
 from bankml.gate import verify
 from bankml.llama_server import DEFAULT_STOP_TIMEOUT
@@ -58,9 +58,8 @@ from bankml.registry.catalog import (
 from bankml.registry.keepalive import DEFAULT, BadKeepAlive, KeepAlive, parse_keep_alive
 from bankml.registry.names import tag
 from bankml.registry.pins import Pin, Registry, discover
-from bankml.registry.residency import LoadError, Residency, Resident, kv_shape
+from bankml.registry.residency import LoadError, Residency, Resident, kv_shape, models_memory
 from bankml.serving import llama_flags, presets
-from bankml.serving.run_control import RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from bankml.native.resident import NativeEngine
@@ -192,14 +191,6 @@ def kv_bytes(path: str, n_ctx: int, cache_type: str | None = None) -> int:
     return int(n_layer * n_ctx * n_head_kv * (k_len + v_len) * per_value)
 
 
-def default_models_memory() -> int | None:
-    """``--models-memory``'s default: half of the machine's RAM (None where it cannot be read)."""
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 2
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _refusal(err: ApiError) -> OllamaError:
     body = err.body.get("error") if isinstance(err.body, dict) else None
     message = body.get("message") if isinstance(body, dict) else None
@@ -241,13 +232,12 @@ class OllamaHost:
         self.clock = clock
         self.log = log
         max_loaded = int(self.options.get("max-loaded") or 1)
-        memory = self.options.get("models-memory")
         self.residency = Residency(
             self._open_model,
             self._unloaded,
             log,
             max_loaded=max_loaded,
-            budget=default_models_memory() if memory is None else int(memory),
+            budget=models_memory(self.options.get("models-memory")),
             need=self.need,
         )
         pins = catalog.registry.pins
@@ -757,7 +747,11 @@ class OllamaHost:
         here = self.residency.get(pin.name)
         assert here is not None
         if here.verified.sha256 != choice.verified.sha256:
-            raise ApiError.of(503, f"{pin.file} is not the file this request was checked against")
+            changed = ApiError.of(
+                503, f"{pin.file} is not the file this request was checked against"
+            )
+            changed.retry_after = RETRY_AFTER_S  # sent again, it is checked against this one
+            raise changed
         here.in_use += 1
         self._started(here)
 

@@ -33,7 +33,7 @@ from bankml.engine_cupy.request import RequestError
 from bankml.engine_cupy.sampler import DEFAULT_SEED, SamplerParams
 from bankml.engine_cupy.speculative import drafters
 from bankml.engine_cupy.weights import UnsupportedModel
-from bankml.formats.errors import ApiError, error_object, refusal_of
+from bankml.formats.errors import RETRY_AFTER_S, ApiError, error_object, refusal_of
 from bankml.formats.llama import DefaultTask, MetricsScrape, Props, slot_object
 from bankml.formats.openai import ModelFacts
 from bankml.formats.slot_view import SlotView
@@ -344,7 +344,11 @@ class NativeEngine:
         )
         if self.engine is not None and (self.engine is engine or same_file):
             return self.engine
-        raise ApiError.of(503, "the model was switched while this request waited; send it again")
+        switched = ApiError.of(
+            503, "the model was switched while this request waited; send it again"
+        )
+        switched.retry_after = RETRY_AFTER_S
+        raise switched
 
     def steps(
         self, prompts: list[Any], keep_alive: bool = True, first_index: int = 0

@@ -3,7 +3,9 @@
 ``bankml serve FILE --fork F --spawn BIN --registry DIR --max-loaded N`` (or ``--max-loaded N``
 alone, with N > 1): the models are the startup one and every model DIR pins
 (bankml/registry/pins.py), and which of them run is `Residency`'s, as natively: at most N
-(``--max-loaded``), at most ``--models-memory`` bytes of model files together when given.
+(``--max-loaded``), at most ``--models-memory`` bytes together (default half of the RAM, as
+natively: ``registry.residency.models_memory``), each model its file and the KV cache its
+llama-server allocates.
 
 A request is routed by the ``model`` of its JSON body (a POST); none, or a request without a
 body, goes to the startup model. Then:

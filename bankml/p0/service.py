@@ -32,6 +32,7 @@ from bankml.p0.models import (
 )
 from bankml.p0.routes import p0_root
 from bankml.process_protocol import EngineFailed, EngineProcess
+from bankml.registry.residency import models_memory
 from bankml.serving.access import AccessControl, CorsPolicy
 from bankml.serving.site import LoopbackSite
 from bankml.serving.startup import (
@@ -170,7 +171,7 @@ def make_p0_service(options: Any, reactor: Any) -> service.IService:
             None,
             make_engine,
             max_loaded=int(options["max-loaded"]),
-            budget=options["models-memory"],
+            budget=models_memory(options["models-memory"]),
             need=llama_server_need(options),
             stop_timeout=float(options.get("stop_timeout", DEFAULT_STOP_TIMEOUT)),
         )

@@ -16,10 +16,11 @@ Times are wall-clock seconds given by the caller (``/api/ps`` shows them as ``ex
 - one that alone needs more than the budget: 503, nothing unloaded;
 - otherwise, while the models resident are ``max_loaded`` or the budget has no room for it, the
   least recently used model that no request is using (``in_use`` 0) is dropped; when every one
-  left is in use: 503 (``busy``: the caller answers with Retry-After), nothing loaded. Then the
-  file is verified in full (the guard, then its sha256 against the fork) before ``open_model``
-  reads a weight, and its identity must be the same after the hash as before it. A load that
-  fails leaves nothing of it resident.
+  left is in use: 503 (``busy``: the caller answers with Retry-After), nothing loaded. The file
+  is verified in full (the guard, then its sha256 against the fork) before any model is
+  dropped for it and before ``open_model`` reads a weight, and its identity must be the same
+  after the hash as before it: a file refused leaves every resident model as it was. A load
+  that fails leaves nothing of it resident.
 """
 
 from __future__ import annotations
@@ -179,9 +180,14 @@ class Residency:
                 f"{pin.name}: bankML's native forward pass does not play it: {pin.native_reason}",
             )
         need = int(self.need(pin))
-        self._make_room(pin, need)
+        self._idle_to_drop(pin, need)  # refused at once when no room can be made
         started = self.clock_ns()
+        # verified before anything is unloaded: a file refused leaves the others resident
         verified = self._verify(pin)
+        for idle in self._idle_to_drop(pin, need):
+            counted = len(self.residents) >= self.max_loaded
+            why = "another model was asked for" if counted else "--models-memory needed room"
+            self.drop(why, idle.pin.name)
         try:
             handle = self.open_model(verified)
         except OSError as err:
@@ -194,10 +200,10 @@ class Residency:
         self.residents[pin.name] = resident
         return Acquired(resident, max(self.clock_ns() - started, 1))
 
-    def _make_room(self, pin: Pin, need: int) -> None:
-        """Unload idle models, least recently used first, until ``pin`` may load: fewer than
-        ``max_loaded`` resident and ``need`` within what the budget leaves. When unloading
-        every idle one would not be enough, none is unloaded and the load is refused."""
+    def _idle_to_drop(self, pin: Pin, need: int) -> list[Resident]:
+        """The idle models, least recently used first, to unload so that ``pin`` may load:
+        fewer than ``max_loaded`` resident and ``need`` within what the budget leaves. When
+        unloading every idle one would not be enough, LoadError: the load is refused."""
         budget = self.budget
         if budget is not None and need > budget:
             raise LoadError(
@@ -218,10 +224,7 @@ class Residency:
                 "try again when one is done",
                 busy=True,
             )
-        for idle in drops:
-            counted = len(self.residents) >= self.max_loaded
-            why = "another model was asked for" if counted else "--models-memory needed room"
-            self.drop(why, idle.pin.name)
+        return drops
 
     def _room(self, need: int) -> tuple[list[Resident] | None, bool]:
         """(the idle models, least recently used first, to unload so that a model needing
@@ -333,6 +336,17 @@ class Residency:
         if here is None:
             return None
         return now + PS_FOREVER_SECONDS if here.expires_at is None else here.expires_at
+
+
+def models_memory(given: int | None) -> int | None:
+    """The budget ``--models-memory`` sets: the bytes given, else half of the machine's RAM
+    (None, no budget, where the RAM cannot be read). Native and P0 alike."""
+    if given is not None:
+        return int(given)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 2
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _mib(n: int) -> str:

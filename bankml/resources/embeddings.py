@@ -19,12 +19,12 @@ from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.embeddings import ollama_error
-from bankml.formats.errors import ApiError, error_body
+from bankml.formats.errors import RETRY_AFTER_S, ApiError, error_body
 from bankml.formats.nlohmann import dumps, loads_json
 from bankml.formats.ollama_wire import dumps as ollama_dumps
 from bankml.resources.ollama import Unknown
 from bankml.resources.runs import read_json_object
-from bankml.serving.run_control import RETRY_AFTER_S, Overloaded
+from bankml.serving.run_control import Overloaded
 from bankml.serving.writers import JsonResource, gone, write_json
 
 

@@ -26,9 +26,10 @@ from twisted.web.error import UnsupportedMethod
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
+from bankml.formats.errors import RETRY_AFTER_S
 from bankml.formats.ollama_wire import OllamaError, dumps, ndjson_line
 from bankml.resources.interfaces import OllamaLines, OllamaRoutes
-from bankml.serving.run_control import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
+from bankml.serving.run_control import ClientGone, Overloaded, RunControl
 from bankml.serving.writers import NDJSON, EventStream, gone, write_json
 
 _log = Logger(namespace="bankml.ollama")

@@ -31,12 +31,12 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from bankml.formats.answer import Answer
 from bankml.formats.answers import ANSWERS, answers_for, merged
-from bankml.formats.errors import ApiError, error_body
+from bankml.formats.errors import RETRY_AFTER_S, ApiError, error_body
 from bankml.formats.nlohmann import dumps, loads_json
 from bankml.formats.slot_view import SlotView
 from bankml.receipts.kinds import LLAMA_COMPLETION, MESSAGES, RESPONSES
 from bankml.resources.interfaces import Bridge, ResidentEngine
-from bankml.serving.run_control import RETRY_AFTER_S, ClientGone, Overloaded, RunControl
+from bankml.serving.run_control import ClientGone, Overloaded, RunControl
 from bankml.serving.writers import (
     EventStream,
     JsonResource,

@@ -49,6 +49,7 @@ BANKML_VALUE_OPTIONS = (
     "--max-queue",
     "--stop-timeout",  # router mode: an unloaded model's running generation's grace
     "--ollama-listen",  # Ollama's API on an address of its own, beside llama-server's
+    "--models-memory",  # router mode: the resident models' memory budget
 )
 
 # the sampling flags: bankml serve's option -> (the request field it defaults, its reader)

@@ -21,10 +21,11 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
-__all__ = ["RunControl", "ClientGone", "Overloaded", "RETRY_AFTER_S", "DEFAULT_WINDOW"]
+from bankml.formats.errors import RETRY_AFTER_S
+
+__all__ = ["RunControl", "ClientGone", "Overloaded", "DEFAULT_WINDOW"]
 
 DEFAULT_WINDOW = 4  # chunks computed but not yet written: bounds memory per slow client
-RETRY_AFTER_S = 1  # what an overloaded server's Retry-After asks
 WAIT_SLICE_S = 0.5  # a blocked engine thread re-checks its flags this often (a safety net only)
 
 
