@@ -144,6 +144,10 @@ def test_models_switched_by_name_answer_as_each_alone(
     assert f'bankml:model_resident_bytes{{model="{second}"}} 0\n' in text
     resident_bytes = f'bankml:model_resident_bytes{{model="{first}"}} '
     assert int(text.split(resident_bytes)[1].split("\n")[0]) == per_model[first]["need_bytes"]
+    for series, field in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
+        for name in (startup, first, second):
+            line = f'bankml:model_{series}_tokens_total{{model="{name}"}} '
+            assert int(text.split(line)[1].split("\n")[0]) == per_model[name][field] > 0
 
 
 def test_three_models_asked_at_once_each_answer_as_alone(
