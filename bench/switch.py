@@ -10,16 +10,20 @@ FORK.json). Both servers start in router mode on it with one model resident at m
 server alternating, a one-token /v1/completions naming ``a`` then ``b``: every request makes the
 server put the other model away and load the named one (bankml: verify the file again, guard
 and sha256, then read its weights; llama-server: start a child process that loads it). A
-second request to the model just loaded gives the figure with the model resident.
+second request to the model just loaded gives the figure with the model resident. Then each
+switch is timed in its two parts: ``POST /models/load`` until ``GET /models`` lists the model
+``loaded`` (llama-server answers the load at once and loads in its child; bankml answers once
+loaded), and then a streamed one-token completion's first token.
 
-Prints each server's median switch time (request to answer, on the client's clock) and its
-resident answer time, the ratio llama-server / bankml of the switch (above 1: bankml switches
-faster), and ends with one JSON line.
+Prints each server's median switch time (request to answer, on the client's clock), its
+resident answer time, the split switch's load and first-token times, the ratio llama-server /
+bankml of the switch and of the load (above 1: bankml is faster), and ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import shutil
 import statistics
@@ -49,6 +53,40 @@ def _answer(port: int, model: str) -> float:
     took = time.perf_counter() - start
     assert status == 200, raw
     return took
+
+
+def _loaded(port: int, model: str) -> bool:
+    status, _, raw = call(port, "GET", "/models")
+    assert status == 200, raw
+    entry = next(m for m in json.loads(raw)["data"] if m["id"] == model)
+    return entry["status"]["value"] == "loaded"
+
+
+def _load_then_first_token(port: int, model: str) -> tuple[float, float]:
+    """(seconds from ``POST /models/load`` to the model listed loaded, seconds from then to a
+    streamed completion's first token)."""
+    start = time.perf_counter()
+    status, _, raw = call(port, "POST", "/models/load", {"model": model})
+    assert status == 200, raw
+    while not _loaded(port, model):
+        time.sleep(0.01)
+    loaded = time.perf_counter()
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 1}
+    body.update(temperature=0, stream=True)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        while not resp.readline().startswith(b"data: "):
+            pass
+        first = time.perf_counter()
+        resp.read()
+    finally:
+        conn.close()
+    return loaded - start, first - loaded
 
 
 def _start_llama_server(binary: str, directory: Path, port: int) -> subprocess.Popen:
@@ -92,6 +130,8 @@ def main() -> None:
         servers = {"bankml": ours, "llama-server": theirs}
         switch: dict[str, list[float]] = {who: [] for who in servers}
         resident: dict[str, list[float]] = {who: [] for who in servers}
+        load: dict[str, list[float]] = {who: [] for who in servers}
+        first_token: dict[str, list[float]] = {who: [] for who in servers}
         try:
             for port in servers.values():  # warm-up: each model loaded once
                 _answer(port, "a")
@@ -102,6 +142,13 @@ def main() -> None:
                     for model in ("a", "b"):
                         switch[who].append(_answer(servers[who], model))
                         resident[who].append(_answer(servers[who], model))
+            for r in range(args.rounds):
+                order = list(servers) if r % 2 == 0 else list(reversed(servers))
+                for who in order:
+                    for model in ("a", "b"):
+                        took = _load_then_first_token(servers[who], model)
+                        load[who].append(took[0])
+                        first_token[who].append(took[1])
         finally:
             proc.terminate()
             proc.wait(30)
@@ -112,15 +159,18 @@ def main() -> None:
         out[who] = {
             "switch_s": statistics.median(switch[who]),
             "resident_s": statistics.median(resident[who]),
+            "load_s": statistics.median(load[who]),
+            "first_token_s": statistics.median(first_token[who]),
         }
         print(
             f"{who:>13}: switch {out[who]['switch_s']:.3f} s, "
-            f"resident {out[who]['resident_s']:.3f} s (median of {len(switch[who])})"
+            f"resident {out[who]['resident_s']:.3f} s; load {out[who]['load_s']:.3f} s, "
+            f"then first token {out[who]['first_token_s']:.3f} s (medians of {len(switch[who])})"
         )
-    out["switch_ratio_llama_over_bankml"] = (
-        out["llama-server"]["switch_s"] / out["bankml"]["switch_s"]
-    )
-    print(f"switch ratio llama-server / bankml: {out['switch_ratio_llama_over_bankml']:.2f}")
+    for part in ("switch", "load"):
+        ratio = out["llama-server"][f"{part}_s"] / out["bankml"][f"{part}_s"]
+        out[f"{part}_ratio_llama_over_bankml"] = ratio
+        print(f"{part} ratio llama-server / bankml: {ratio:.2f}")
     print(json.dumps(out))
 
 

@@ -8,6 +8,7 @@ and the memory of twenty loads and unloads."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from bankml.gate import verify
+from bankml.native.ollama import kv_bytes
 from bankml.registry.pins import discover
 from bankml.registry.residency import LoadError, Residency
 from tests.native_server import NativeProcess
@@ -267,6 +269,48 @@ def test_a_model_over_the_memory_budget_is_a_503_and_the_resident_one_stays(
         assert ps_names(oll) == [f"{first}:latest"]
 
 
+def test_a_load_needing_room_waits_for_the_answer_running_then_unloads_its_model(
+    registry: Path, tmp_path: Path
+) -> None:
+    """--models-memory with room for one tiny model at a time (--max-loaded 3, two slots): a
+    request for the other model while the resident one streams an answer waits; the stream is
+    answered in full, and only then is its model unloaded for the budget and the other
+    loaded."""
+    first, second = TINY
+    paths = [registry / f"{name}.gguf" for name in TINY]
+    sizes, kvs = [p.stat().st_size for p in paths], [kv_bytes(str(p), 512) for p in paths]
+    assert min(sizes) // 2 > max(kvs)  # KV caches small beside the files: two never fit
+    budget = max(s + k for s, k in zip(sizes, kvs, strict=True)) + min(sizes) // 2
+    proc = NativeProcess(
+        registry / f"{first}.gguf",
+        registry / f"{first}.gguf.FORK.json",
+        ["--native", "--upstream", f"127.0.0.1:{free_port()}", "--registry", str(registry)]
+        + ["--max-loaded", "3", "--models-memory", str(budget), "--ctx", "512", "--parallel", "2"],
+        tmp_path / "bankml.log",
+    )
+    with proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        oai = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", timeout=300, max_retries=0)
+        stream = oai.completions.create(
+            model=first, prompt=PROMPT, max_tokens=200, temperature=0, stream=True
+        )
+        chunks = iter(stream)
+        next(chunks)  # its run has started
+
+        def answered_at() -> float:
+            completion(oai, second)
+            return time.monotonic()
+
+        other = pool.submit(answered_at)
+        finished = [c.choices[0].finish_reason for c in chunks if c.choices]
+        stream_ended = time.monotonic()
+        assert [f for f in finished if f] == ["length"]  # all 200 tokens
+        assert other.result(timeout=300) > stream_ended
+        oll = ollama.Client(host=proc.url, timeout=120)
+        assert ps_names(oll) == [f"{second}:latest"]
+    log = proc.log.read_text(errors="replace")
+    assert f"{first} unloaded (--models-memory needed room)" in log
+
+
 # -- the residency's bounds, without a server --------------------------------------------------
 
 
@@ -304,13 +348,24 @@ def test_a_model_over_the_memory_budget_is_refused_and_idle_ones_make_room(
     assert list(res.residents) == [b.name]
 
 
-def test_a_load_that_fails_leaves_nothing_resident(registry: Path) -> None:
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        (OSError(5, "Input/output error"), "cannot open {file}: Input/output error"),
+        (ValueError("tensor blk.1.attn_q.weight: bad shape"), "cannot load {file}: tensor "),
+    ],
+)
+def test_a_load_that_fails_leaves_nothing_resident(
+    registry: Path, fault: Exception, message: str
+) -> None:
+    """The loader failing (reading the file, or half way through laying out the model): a
+    500 with the reason, nothing of it resident, the other model untouched."""
     reg = discover(str(registry))
     a, b = (reg.resolve(name) for name in TINY)
 
     def open_model(v: verify.Verified) -> object:
         if v.path.endswith(f"{b.name}.gguf"):
-            raise OSError(5, "Input/output error")
+            raise fault
         return object()
 
     res = Residency(open_model, verify_model=verify.verify, max_loaded=2)
@@ -318,6 +373,7 @@ def test_a_load_that_fails_leaves_nothing_resident(registry: Path) -> None:
     with pytest.raises(LoadError) as err:
         res.acquire(b, now=1.0)
     assert err.value.status == 500
+    assert err.value.message.startswith(message.format(file=b.file))
     assert list(res.residents) == [a.name]
 
 

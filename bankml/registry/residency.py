@@ -192,6 +192,9 @@ class Residency:
             handle = self.open_model(verified)
         except OSError as err:
             raise LoadError(500, f"cannot open {pin.file}: {err.strerror or err}") from None
+        except Exception as err:  # the loader failed half way: nothing of the model stays
+            self.log(f"{pin.name}: load failed: {type(err).__name__}: {err}")
+            raise LoadError(500, f"cannot load {pin.file}: {err}") from None
         self.log(
             f"bankml serve --native: {pin.name} verified (sha256 {verified.sha256}); loading it"
         )
