@@ -62,7 +62,7 @@ def server(
     engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{free_port()}"]
     engine += ["--receipt-key", str(signing_key.path), "--registry", str(registry)]
     engine += ["--max-loaded", "2", "--restart-delay", "0.5"]
-    with BankmlProcess(default_model, default_fork, engine, log) as proc:
+    with BankmlProcess(default_model, default_fork, engine, log, llama_args=["--metrics"]) as proc:
         yield proc
 
 
@@ -229,6 +229,19 @@ def test_bankml_usage_metrics_and_v1_models_cover_every_model(
     assert files == {default_model.name, *(f"{n}.gguf" for n in [*TINY, "tiny-changed"])}
     resident = [e for e in listed["data"] if Path(e["id"]).name == f"{second}.gguf"]
     assert "meta" in resident[0]  # its llama-server's own entry
+    # /metrics: the startup model's llama-server's series, then bankml's per model
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as reply:
+        text = reply.read().decode()
+    assert "llamacpp:prompt_tokens_total " in text
+    counted = get_json(server, "/bankml/metrics")["models"]
+    for name, counts in counted.items():
+        for series, key in [("requests", "requests"), ("completion_tokens", "completion_tokens")]:
+            line = f'bankml:model_{series}_total{{model="{name}"}} {counts[key]}\n'
+            assert line in text, (line, text[-2000:])
+    assert counted[second]["completion_tokens"] > 0 and counted[second]["requests"] > 0
+    resident_bytes = f'bankml:model_resident_bytes{{model="{second}"}} '
+    assert int(text.split(resident_bytes)[1].split("\n")[0]) == counted[second]["need_bytes"]
+    assert 'bankml:model_resident_bytes{model="tiny-changed"} 0\n' in text
 
 
 def post(server: BankmlProcess, path: str, body: dict) -> int:

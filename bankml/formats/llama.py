@@ -499,7 +499,7 @@ def prometheus_text(scrape: MetricsScrape) -> str:
                 f"# TYPE llamacpp:{name} {kind}",
                 f"llamacpp:{name} {_num(value)}",
             ]
-    lines += _per_model_lines(scrape.models)
+    lines += per_model_lines(scrape.models)
     return "\n".join(lines) + "\n"
 
 
@@ -526,8 +526,9 @@ PER_MODEL = (
 )
 
 
-def _per_model_lines(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """bankml's own series, one line per model, with several models resident (none with one)."""
+def per_model_lines(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """bankml's own series, one line per model, with several models served (none with one):
+    the native /metrics' tail, and P0's after its llama-server's series."""
     lines: list[str] = []
     for name, kind, help_text, key in PER_MODEL if models else ():
         lines += [f"# HELP bankml:{name} {help_text}", f"# TYPE bankml:{name} {kind}"]

@@ -44,6 +44,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
+from bankml.formats.llama import per_model_lines
 from bankml.gate.verify import Verified, verify
 from bankml.llama_server import DEFAULT_STOP_TIMEOUT
 from bankml.p0 import gateway as gw
@@ -374,7 +375,38 @@ class SpawnedModels:
             return
         name = resident.pin.name
         self.forwarded[name] = self.forwarded.get(name, 0) + 1
+        if request.method == b"GET" and request.path == b"/metrics":
+            self._scrape(request, running)
+            return
         running.routes.render(request)
+
+    @inlineCallbacks
+    def _scrape(self, request: Request, running: Running) -> Any:
+        """``GET /metrics``: the series of the llama-server it is routed to (the startup
+        model's), then bankml's own, one line per served model (``per_model_lines``: requests
+        routed to it, prompt and completion tokens of its completions, resident memory), as the
+        native server ends its /metrics. Another status than 200 (llama-server without
+        ``--metrics``: 501) is passed as it is."""
+        try:
+            response = yield running.gateway.request(
+                b"GET", request.uri.decode("ascii"), timeout=30
+            )
+            raw = yield gw.bounded_collect(response)
+        except Exception as err:  # its llama-server went away meanwhile
+            if not gone(request):
+                write_error(request, 502, f"llama-server did not answer /metrics: {err}")
+            return
+        if gone(request):
+            return
+        if response.code == 200:
+            raw = raw.rstrip(b"\n") + b"\n"
+            raw += "".join(f"{line}\n" for line in per_model_lines(self.models_state())).encode()
+        request.setResponseCode(response.code)
+        for value in response.headers.getRawHeaders(b"content-type", []):
+            request.setHeader(b"content-type", value)
+        request.setHeader(b"content-length", str(len(raw)).encode())
+        request.write(raw)
+        request.finish()
 
 
 def _rss_of(pid: int | None) -> int | None:
