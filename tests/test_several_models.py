@@ -270,7 +270,7 @@ def test_a_model_over_the_memory_budget_is_a_503_and_the_resident_one_stays(
 
 
 def test_a_load_needing_room_waits_for_the_answer_running_then_unloads_its_model(
-    registry: Path, tmp_path: Path
+    registry: Path, reference: dict[str, str], tmp_path: Path
 ) -> None:
     """--models-memory with room for one tiny model at a time (--max-loaded 3, two slots): a
     request for the other model while the resident one streams an answer waits; the stream is
@@ -296,15 +296,16 @@ def test_a_load_needing_room_waits_for_the_answer_running_then_unloads_its_model
         chunks = iter(stream)
         next(chunks)  # its run has started
 
-        def answered_at() -> float:
-            completion(oai, second)
-            return time.monotonic()
+        def answered() -> tuple[str, float]:
+            return completion(oai, second), time.monotonic()
 
-        other = pool.submit(answered_at)
+        other = pool.submit(answered)
         finished = [c.choices[0].finish_reason for c in chunks if c.choices]
         stream_ended = time.monotonic()
         assert [f for f in finished if f] == ["length"]  # all 200 tokens
-        assert other.result(timeout=300) > stream_ended
+        text, answered_at = other.result(timeout=300)
+        assert answered_at > stream_ended
+        assert text == reference[second]  # just loaded, two slots: as llama-server's alone
         oll = ollama.Client(host=proc.url, timeout=120)
         assert ps_names(oll) == [f"{second}:latest"]
     log = proc.log.read_text(errors="replace")
