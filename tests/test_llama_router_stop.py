@@ -2,13 +2,15 @@
 unloaded while it generates gets its stop-timeout (its preset's ``stop-timeout``, as
 llama-server's router reads it, over ``--stop-timeout``), then its generation ends at its next
 step with a 503 and the unload goes on; a generation that ends first is answered in full, with
-its receipt."""
+its receipt. A load that needs a generating model's room stops nothing: it waits for that
+model's answer, as llama-server's router does (side by side)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +22,8 @@ from twisted.python import usage
 
 from bankml.serving.llama_flags import dropin_argv
 from bankml.tap import Options
-from tests.dropin import call, running_dropin
+from tests.dropin import call, listening, running_dropin
+from tests.native_support import wait_for
 from tests.registry_support import pin_into
 from tests.support import free_port
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -32,11 +35,10 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "m
 SHORT = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "model": NAME}
 
 
-@contextlib.contextmanager
-def stop_router(root: Path, default_model: Path, slots: int) -> Iterator[int]:
-    """The drop-in in router mode (``--models-max 1``, ``-np slots``) on a directory holding the
-    default model and a tiny one (both pinned), the default one's preset stop-timeout 1 s over
-    the command line's 600: its port."""
+def router_flags(root: Path, default_model: Path, slots: int) -> list[str]:
+    """Router flags both servers read (``--models-max 1``, ``-np slots``) on a directory
+    holding the default model and a tiny one (both pinned), the default one's preset
+    stop-timeout 1 s."""
     directory = root / "models"
     directory.mkdir()
     os.symlink(default_model, directory / f"{NAME}.gguf")
@@ -45,10 +47,17 @@ def stop_router(root: Path, default_model: Path, slots: int) -> Iterator[int]:
     pin_into(directory, write_tiny_model(directory / f"{OTHER}.gguf", TINY, default_model))
     preset = root / "preset.ini"
     preset.write_text(f"[{NAME}]\nstop-timeout = 1\n")
-    port = free_port()
     args = ["--models-dir", str(directory), "--models-preset", str(preset)]
-    args += ["--models-max", "1", "-np", str(slots), "--stop-timeout", "600", "-c", "8192"]
-    args += ["--host", "127.0.0.1", "-t", "2", "--metrics", "--no-webui"]
+    args += ["--models-max", "1", "-np", str(slots), "-c", "8192"]
+    return args + ["--host", "127.0.0.1", "-t", "2", "--metrics", "--no-webui"]
+
+
+@contextlib.contextmanager
+def stop_router(root: Path, default_model: Path, slots: int) -> Iterator[int]:
+    """The drop-in in router mode on ``router_flags``' directory, the preset's stop-timeout
+    over the command line's 600: its port."""
+    port = free_port()
+    args = router_flags(root, default_model, slots) + ["--stop-timeout", "600"]
     args += ["--listen", f"127.0.0.1:{free_port()}"]
     with running_dropin(args, port, root / "bankml.log"):
         yield port
@@ -58,6 +67,29 @@ def stop_router(root: Path, default_model: Path, slots: int) -> Iterator[int]:
 def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[int]:
     with stop_router(tmp_path_factory.mktemp("router-stop"), default_model, 1) as port:
         yield port
+
+
+@pytest.fixture(scope="module")
+def reference(
+    tmp_path_factory: pytest.TempPathFactory, default_model: Path, llama_server_bin: Path
+) -> Iterator[int]:
+    """llama-server's own router on the same flags and a directory alike, one slot: its port."""
+    port = free_port()
+    flags = router_flags(tmp_path_factory.mktemp("router-stop-ref"), default_model, 1)
+    ref = subprocess.Popen(
+        [str(llama_server_bin), *flags, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(
+            lambda: listening(port) and call(port, "GET", "/models")[0] == 200,
+            "llama-server's router to answer",
+        )
+        yield port
+    finally:
+        ref.terminate()
+        ref.wait(30)
 
 
 def processing(port: int, series: str = "requests_processing") -> float:
@@ -154,28 +186,42 @@ def test_a_generation_that_ends_first_is_answered_in_full(server: int) -> None:
     assert status == 200 and json.loads(raw)["choices"][0]["text"] == answer["choices"][0]["text"]
 
 
-def stopped_for_another_model(port: int) -> tuple[int, bytes]:
-    """A long generation on the default model, then a request for the other one, which must
-    answer (200, its receipt) once the room is made: (the generation's status, its body)."""
+def room_waits_for_the_generation(port: int) -> dict:
+    """A generation of 800 tokens on the default model, then a request for the other model,
+    which needs its room (``--models-max 1``): the generation is answered in full, and only
+    then is its model unloaded and the other one loaded and answering (the default model's
+    stop-timeout of 1 s stops nothing: only an unload arms it). The generation's answer."""
     assert call(port, "POST", "/models/load", {"model": NAME})[0] == 200
+    body = {**LONG, "max_tokens": 800}
+
+    def generation() -> tuple[tuple[int, dict[str, str], bytes], float]:
+        return call(port, "POST", "/v1/completions", body), time.monotonic()
+
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(call, port, "POST", "/v1/completions", LONG)
+        running = pool.submit(generation)
         wait_generating(port, running)
-        # the other model's request waits for the room the stop-timeout makes, then answers
         status, _, raw = call(port, "POST", "/v1/completions", {**SHORT, "model": OTHER})
-        assert status == 200, raw
-        answer = json.loads(raw)
-        assert answer["model"] == OTHER and answer["bankml_receipt"]
-        stopped, _, why = running.result(timeout=120)
-    return stopped, why
+        other_at = time.monotonic()
+        (generated, _, text), generated_at = running.result(timeout=300)
+    assert status == 200, raw
+    assert json.loads(raw)["model"] == OTHER
+    assert generated == 200, text
+    answer = json.loads(text)
+    assert answer["usage"]["completion_tokens"] == body["max_tokens"]
+    assert generated_at < other_at
+    assert state(port) == "unloaded" and state(port, OTHER) == "loaded"
+    return answer
 
 
-def test_a_model_unloaded_to_make_room_is_stopped_after_its_stop_timeout(server: int) -> None:
-    """At ``--models-max 1`` a request for the other model unloads the generating one: its
-    stop-timeout runs, its generation ends with a 503, and the other model answers."""
-    stopped, why = stopped_for_another_model(server)
-    assert stopped == 503 and b"another model was asked for" in why
-    assert state(server) == "unloaded"
+@pytest.mark.parametrize("who", ["bankml", "llama-server"])
+def test_a_load_needing_room_waits_for_the_generating_model(
+    who: str, server: int, reference: int
+) -> None:
+    """At ``--models-max 1`` a request for the other model waits for the generating one's
+    answer, whole, before that model is unloaded: llama-server's router evicts only an idle
+    model, and bankml's does the same."""
+    answer = room_waits_for_the_generation(server if who == "bankml" else reference)
+    assert ("bankml_receipt" in answer) == (who == "bankml")
 
 
 def test_the_dropin_passes_stop_timeout_and_serve_takes_it_in_router_mode_only(

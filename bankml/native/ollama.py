@@ -710,14 +710,11 @@ class OllamaHost:
 
         bridge = self.bridge
         if bridge is not None and bridge.can_wait_on():
-            # a model it unloads to make room gets its stop-timeout, should it be generating
+            # router mode: beside the other models' runs once its room can be made from idle
+            # models; a generating model is never stopped for room (llama-server's router
+            # waits for its request to end too)
             if self.options.get("router"):
-                token = object()
-                self.native.reactor.callFromThread(self.arm_stop_for_room, pin, token)
-                try:  # beside the other models' runs once its room can be made
-                    return bridge.call_and_wait(load, beside_runs=self.room_ready(pin))
-                finally:
-                    self.native.reactor.callFromThread(self.settle, token)
+                return bridge.call_and_wait(load, beside_runs=self.room_ready(pin))
             return bridge.call_and_wait(load)
         return load()
 
@@ -861,22 +858,6 @@ class OllamaHost:
                 )
 
         here.stop_timer = reactor.callLater(timeout, fire)
-
-    def arm_stop_for_room(self, pin: Pin, token: object) -> None:
-        """On the reactor thread, before a load of ``pin`` is queued on the engine thread
-        (where it waits behind the running generations: one slot's, or every slot's with
-        several, as the scheduler runs a job once the runs before it end): when the load will
-        have to unload the least recently used model and every resident one is generating,
-        that one's stop-timeout armed (``arm_stop``), as llama-server's router stops the least
-        recently used instance to make room. Its generations end on their own or at the
-        timeout; the load then unloads it (idle) and goes on, and its request is answered
-        (``token`` is the load's, as ``arm_stop``'s)."""
-        if self.bridge is None or self.residency.get(pin.name):
-            return
-        residents = list(self.residency.residents.values())
-        if len(residents) < self.residency.max_loaded or any(r.in_use == 0 for r in residents):
-            return
-        self.arm_stop(residents[0], "another model was asked for", token)
 
     def _open_model(self, verified: Any) -> Any:
         """Residency's loader: the verified file's engine, swapped into the NativeEngine (as

@@ -290,22 +290,18 @@ class RouterModels:
         return problems
 
     def before(self, action: str, name: Any) -> object:
-        """On the reactor thread, before a ``load`` or ``unload`` of model ``name`` (an id or
-        an alias; a request's named model for a load) is queued on the engine thread: the
-        stop-timeout of the model it unloads armed when that model is generating, or starts
-        to before the job runs (``OllamaHost.arm_stop``), so the job never waits on a
-        generation longer. The job's token: ``settle`` it once the job has run."""
+        """On the reactor thread, before an ``unload`` of model ``name`` (an id or an alias) is
+        queued on the engine thread: that model's stop-timeout armed when it is generating, or
+        starts to before the job runs (``OllamaHost.arm_stop``), so the unload never waits on
+        a generation longer. A ``load`` arms nothing: the least recently used model it puts
+        away for room is an idle one, as llama-server's router evicts only idle instances.
+        The job's token: ``settle`` it once the job has run."""
         token = object()
-        host = self.host
         pin = self._pin_of(name)
-        if pin is None:
-            return token
-        if action == "unload":
-            here = host.residency.get(pin.name)
+        if pin is not None and action == "unload":
+            here = self.host.residency.get(pin.name)
             if here is not None:
-                host.arm_stop(here, "POST /models/unload", token)
-        else:
-            host.arm_stop_for_room(pin, token)
+                self.host.arm_stop(here, "POST /models/unload", token)
         return token
 
     def beside_runs(self, action: str, name: Any) -> Callable[[], bool]:
