@@ -339,6 +339,28 @@ def test_stop_timeout_is_an_unloaded_llama_servers_grace(
     assert "still running after 1 s: SIGKILL" in text, text[-3000:]
 
 
+def test_a_model_over_the_memory_budget_is_a_503_and_no_llama_server_stops(
+    registry: Path,
+    default_model: Path,
+    default_fork: Path,
+    llama_server_bin: Path,
+    tmp_path: Path,
+) -> None:
+    """P0 at ``--models-memory 1M``: the startup model runs whatever the budget; another
+    model needs more than the whole budget (its file and its llama-server's KV cache), so it
+    is refused with 503 and the reason, its llama-server never started, the startup one's
+    untouched."""
+    engine = ["--spawn", str(llama_server_bin), "--upstream", f"127.0.0.1:{free_port()}"]
+    engine += ["--registry", str(registry), "--max-loaded", "2", "--models-memory", "1M"]
+    with BankmlProcess(default_model, default_fork, engine, tmp_path / "bankml.log") as proc:
+        running = engines(proc)
+        with pytest.raises(openai.InternalServerError) as over:
+            complete(proc, list(TINY)[0])
+        assert over.value.status_code == 503
+        assert "more than the --models-memory budget of 1 MiB" in str(over.value)
+        assert engines(proc) == running and set(running) == {default_model.name}
+
+
 def test_several_models_need_spawn_or_native(llama_server_bin: Path, tmp_path: Path) -> None:
     """--registry and --max-loaded take --spawn (or --native); with --upstream they are refused."""
     from twisted.python import usage
