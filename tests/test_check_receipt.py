@@ -73,7 +73,7 @@ def test_mutations_are_refused(
     tampered = tampered_cases(exchanges, receipt_key, other_key)
     accepted = [(name, check_receipt(req, resp, pem)) for name, req, resp in tampered]
     false_accepts = [name for name, verdict in accepted if verdict == VALID]
-    assert all(v.startswith("refuse: ") for _, v in accepted)
+    assert [(name, v) for name, v in accepted if not v.startswith("refuse: ")] == []
     print(
         f"\nchanged after signing: {len(tampered)} cases, {len(tampered) - len(false_accepts)} refused by the check, false accepts: {len(false_accepts)}"
     )
