@@ -261,6 +261,9 @@ class OllamaHost:
         native.rewrite = self.layered_v1
         # llama-server's router: each model by its id (and aliases), its pin, or why refused
         self.router: presets.RouterPresets | None = self.options.get("presets")
+        # router mode: a model whose last load failed -> the exit status llama-server's router
+        # lists for a child that died loading (1), until it loads
+        self.router_failed: dict[str, int] = {}
         self._route_models()
         self.router_events: RouterModels | None = None  # GET /models/sse's source
         if max_loaded > 1 or self.options.get("router"):
@@ -864,8 +867,24 @@ class OllamaHost:
         many slots as the server has, each of the context its slots have)."""
         own = self._router_options(verified)
         name = self.answer_name(verified.path)
-        if self.router_events is not None:
-            self.router_events.notify(name, "model_status", {"status": "loading"})
+        if self.router_events is None:
+            return self._opened(verified, own)
+        self.router_events.notify(name, "model_status", {"status": "loading"})
+        self.router_failed.pop(name, None)
+        try:
+            engine = self._opened(verified, own)
+        except Exception:
+            # as llama-server's router sees a child die while it loads: unloaded, failed
+            self.router_failed[name] = 1
+            self.router_events.notify(name, "status_change", {"status": "unloaded", "exit_code": 1})
+            raise
+        info = self.router_events.info(name, engine, verified)
+        self.router_events.notify(name, "status_change", {"status": "loaded", "info": info})
+        return engine
+
+    def _opened(self, verified: Any, own: dict[str, Any] | None) -> Any:
+        """The verified file's engine, warmed up: the server's options, or in router mode
+        the model's own (``own``)."""
         if own is None:
             n_ctx, kv_unified = self.n_ctx, True  # n_ctx is already each slot's
             # llama-server's server-wide flags hold for every load, as at start-up; its chat
@@ -889,9 +908,6 @@ class OllamaHost:
         )
         apply_server_defaults(engine, llama)
         engine.warm_up(self.log)
-        if self.router_events is not None:
-            info = self.router_events.info(name, engine, verified)
-            self.router_events.notify(name, "status_change", {"status": "loaded", "info": info})
         return engine
 
     def _router_options(self, verified: Any) -> dict[str, Any] | None:

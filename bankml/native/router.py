@@ -110,6 +110,9 @@ class RouterModels:
             if name in host.router_refused:
                 entry["status"]["failed"] = True
                 entry["status"]["bankml_refused"] = host.router_refused[name]
+            elif here is None and name in host.router_failed:  # its last load failed
+                entry["status"]["exit_code"] = host.router_failed[name]
+                entry["status"]["failed"] = True
             if here is not None:
                 entry["meta"] = model_info(host.native.facts_of(here.handle, here.verified))["meta"]
             out.append(entry)
