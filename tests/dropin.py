@@ -61,6 +61,27 @@ def running_dropin(args: list[str], port: int, log: Path) -> Iterator[subprocess
         proc.wait(30)
 
 
+@contextlib.contextmanager
+def running_llama_router(binary: Path, flags: list[str]) -> Iterator[int]:
+    """llama-server itself in router mode (``flags``: ``--models-dir`` ...) on a free port,
+    once ``GET /models`` answers: its port for the block, terminated after it."""
+    port = free_port()
+    ref = subprocess.Popen(
+        [str(binary), *flags, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (listening(port) and call(port, "GET", "/models")[0] == 200):
+            assert ref.poll() is None and time.monotonic() < deadline, "no router answered"
+            time.sleep(0.1)
+        yield port
+    finally:
+        ref.terminate()
+        ref.wait(30)
+
+
 def start_serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
     """`bankml serve ARGS --listen 127.0.0.1:PORT`, healthy (its model loaded)."""
     return _healthy(bankml("serve", *args, f"--listen=127.0.0.1:{port}"), port, log)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import psutil
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from tests.dropin import call, listening, running_dropin
+from tests.dropin import call, running_dropin, running_llama_router
 from tests.gguf_bytes import s as gguf_string
 from tests.native_support import wait_for
 from tests.registry_support import pin_into
@@ -66,21 +65,8 @@ def bankml(flags: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def reference(flags: list[str], llama_server_bin: Path) -> Iterator[int]:
-    port = free_port()
-    ref = subprocess.Popen(
-        [str(llama_server_bin), *flags, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(
-            lambda: listening(port) and call(port, "GET", "/models")[0] == 200,
-            "llama-server's router to answer",
-        )
+    with running_llama_router(llama_server_bin, flags) as port:
         yield port
-    finally:
-        ref.terminate()
-        ref.wait(30)
 
 
 def status_of(port: int, name: str) -> dict:

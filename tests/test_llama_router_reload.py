@@ -11,7 +11,6 @@ import http.client
 import json
 import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from tests.dropin import call, running_dropin
+from tests.dropin import call, running_dropin, running_llama_router
 from tests.registry_support import pin_into
 from tests.support import free_port
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -43,26 +42,9 @@ def directory(tmp_path: Path, default_model: Path) -> Path:
 @pytest.fixture
 def reference(directory: Path, llama_server_bin: Path) -> Iterator[int]:
     """The real llama-server router on DIR: its port."""
-    port = free_port()
-    args = ["--models-dir", str(directory), "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(
-        [str(llama_server_bin), *args, "-t", "1", "--no-webui"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if call(port, "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "llama-server's router did not start"
-                time.sleep(0.2)
+    flags = ["--models-dir", str(directory), "--host", "127.0.0.1", "-t", "1", "--no-webui"]
+    with running_llama_router(llama_server_bin, flags) as port:
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def dropin(directory: Path, tmp_path: Path, *extra: str) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,8 +21,7 @@ from twisted.python import usage
 
 from bankml.serving.llama_flags import dropin_argv
 from bankml.tap import Options
-from tests.dropin import call, listening, running_dropin
-from tests.native_support import wait_for
+from tests.dropin import call, running_dropin, running_llama_router
 from tests.registry_support import pin_into
 from tests.support import free_port
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -74,22 +72,9 @@ def reference(
     tmp_path_factory: pytest.TempPathFactory, default_model: Path, llama_server_bin: Path
 ) -> Iterator[int]:
     """llama-server's own router on the same flags and a directory alike, one slot: its port."""
-    port = free_port()
     flags = router_flags(tmp_path_factory.mktemp("router-stop-ref"), default_model, 1)
-    ref = subprocess.Popen(
-        [str(llama_server_bin), *flags, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(
-            lambda: listening(port) and call(port, "GET", "/models")[0] == 200,
-            "llama-server's router to answer",
-        )
+    with running_llama_router(llama_server_bin, flags) as port:
         yield port
-    finally:
-        ref.terminate()
-        ref.wait(30)
 
 
 def processing(port: int, series: str = "requests_processing") -> float:
