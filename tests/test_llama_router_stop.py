@@ -171,11 +171,18 @@ def test_a_generation_that_ends_first_is_answered_in_full(server: int) -> None:
     assert status == 200 and json.loads(raw)["choices"][0]["text"] == answer["choices"][0]["text"]
 
 
+LIMIT_REACHED = (
+    b'{"error":{"code":500,"message":"model limit reached, try again later","type":"server_error"}}'
+)
+
+
 def room_waits_for_the_generation(port: int) -> dict:
-    """A generation of 800 tokens on the default model, then a request for the other model,
-    which needs its room (``--models-max 1``): the generation is answered in full, and only
-    then is its model unloaded and the other one loaded and answering (the default model's
-    stop-timeout of 1 s stops nothing: only an unload arms it). The generation's answer."""
+    """A generation of 800 tokens on the default model, then ``POST /models/load`` of the other
+    model, refused at once with llama-server's 500 (its room is taken by a model that
+    answers), then a request for the other model, which waits for that room (``--models-max
+    1``): the generation is answered in full, and only then is its model unloaded and the
+    other one loaded and answering (the default model's stop-timeout of 1 s stops nothing:
+    only an unload arms it). The generation's answer."""
     assert call(port, "POST", "/models/load", {"model": NAME})[0] == 200
     body = {**LONG, "max_tokens": 800}
 
@@ -185,6 +192,10 @@ def room_waits_for_the_generation(port: int) -> dict:
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(generation)
         wait_generating(port, running)
+        # POST /models/load is refused at once: no idle model to replace
+        refused = call(port, "POST", "/models/load", {"model": OTHER})
+        assert (refused[0], refused[2]) == (500, LIMIT_REACHED), refused
+        assert not running.done()
         status, _, raw = call(port, "POST", "/v1/completions", {**SHORT, "model": OTHER})
         other_at = time.monotonic()
         (generated, _, text), generated_at = running.result(timeout=300)

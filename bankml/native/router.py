@@ -272,12 +272,27 @@ class RouterModels:
         pin = self.host.router_pins[name]
         if self.host.residency.get(pin.name) is not None:
             return 400, error_object(400, "model is already running", "invalid_request_error")
+        refused = self.no_room_now(body)
+        if refused is not None:
+            return refused
         try:
             self.host._acquire(pin)
         except OllamaError as err:
             return err.status, error_object(err.status, err.message)
         self.host.residency.touch(pin.name, self.host.keep_alive, self.host.clock())
         return 200, {"success": True}
+
+    def no_room_now(self, body: Any) -> tuple[int, dict[str, Any]] | None:
+        """``POST /models/load``'s refusal while every model it could replace is answering
+        (the bound reached, none idle): llama-server's router refuses such a load at once with
+        its 500 (a request naming the model waits for the room instead). Asked on the reactor
+        thread before the load is queued (with one slot the job would wait behind the running
+        answer) and again as it runs; None: the load may go on."""
+        name = self._named(body)
+        pin = self.host.router_pins.get(name) if name is not None else None
+        if pin is None or self.host.residency.room_now(pin, self.host.need(pin)):
+            return None
+        return 500, error_object(500, "model limit reached, try again later")
 
     def load_on_startup(self) -> list[str]:
         """On the engine thread, before the server answers: each ``load-on-startup`` model
@@ -309,12 +324,13 @@ class RouterModels:
 
     def beside_runs(self, action: str, name: Any) -> Callable[[], bool]:
         """When a router job for model ``name`` (an id or an alias) may run beside the runs
-        of the scheduler's other slots (``EngineBridge.call_beside_runs``): a ``load`` once
-        its room can be made from idle models, an ``unload`` once its model is idle, a
+        of the scheduler's other slots (``EngineBridge.call_beside_runs``): a request's
+        ``load`` once its room can be made from idle models, an ``unload`` once its model is
+        idle, ``POST /models/load`` (``load_at_once``: it loads or is refused then) and a
         ``touch`` at once (it reorders the models, no slot is touched); an unknown model at
         once (it is refused)."""
         pin = self._pin_of(name)
-        if pin is None or action == "touch":
+        if pin is None or action in ("touch", "load_at_once"):
             return lambda: True
         return self.host.idle_ready(pin) if action == "unload" else self.host.room_ready(pin)
 

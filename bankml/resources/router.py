@@ -39,6 +39,8 @@ class Router(Protocol):
 
     def load(self, body: Any) -> tuple[int, dict[str, Any]]: ...
 
+    def no_room_now(self, body: Any) -> tuple[int, dict[str, Any]] | None: ...
+
     def unload(self, body: Any) -> tuple[int, dict[str, Any]]: ...
 
     def subscribe(self, listener: Any) -> Any: ...
@@ -179,10 +181,16 @@ class RouterAction(JsonResource):
         except ApiError as err:
             write_json(request, err.status, err.as_bytes())
             return NOT_DONE_YET
+        refused = self.router.no_room_now(body) if self.action == "load" else None
+        if refused is not None:
+            write_json(request, refused[0], dumps(refused[1]))
+            return NOT_DONE_YET
         job = self.router.load if self.action == "load" else self.router.unload
-        # the model it unloads gets its stop-timeout, should it be generating (router mode)
+        # an unload: the model gets its stop-timeout, should it be generating; a load runs at
+        # once, between two steps of the other models' runs, and loads or is refused then
         name = body.get("model") if isinstance(body, dict) else None
-        d = _router_job(self.router, self.action, name, job, body)
+        action = "load_at_once" if self.action == "load" else self.action
+        d = _router_job(self.router, action, name, job, body)
         d.addCallback(lambda answer: write_json(request, answer[0], dumps(answer[1])))
         d.addErrback(_write_failure(request))
         return NOT_DONE_YET
