@@ -54,8 +54,12 @@ class ApiError(Exception):
         self.retry_after: int | None = None  # seconds, sent as Retry-After (a busy server)
 
     @classmethod
-    def of(cls, status: int, message: str, kind: str | None = None) -> ApiError:
-        return cls(status, error_object(status, message, kind))
+    def of(
+        cls, status: int, message: str, kind: str | None = None, retry_after: int | None = None
+    ) -> ApiError:
+        err = cls(status, error_object(status, message, kind))
+        err.retry_after = retry_after
+        return err
 
     def as_bytes(self) -> bytes:
         return dumps(self.body)

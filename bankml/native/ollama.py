@@ -747,11 +747,11 @@ class OllamaHost:
         here = self.residency.get(pin.name)
         assert here is not None
         if here.verified.sha256 != choice.verified.sha256:
-            changed = ApiError.of(
-                503, f"{pin.file} is not the file this request was checked against"
+            raise ApiError.of(  # sent again, it is checked against this one
+                503,
+                f"{pin.file} is not the file this request was checked against",
+                retry_after=RETRY_AFTER_S,
             )
-            changed.retry_after = RETRY_AFTER_S  # sent again, it is checked against this one
-            raise changed
         here.in_use += 1
         self._started(here)
 

@@ -344,11 +344,11 @@ class NativeEngine:
         )
         if self.engine is not None and (self.engine is engine or same_file):
             return self.engine
-        switched = ApiError.of(
-            503, "the model was switched while this request waited; send it again"
+        raise ApiError.of(
+            503,
+            "the model was switched while this request waited; send it again",
+            retry_after=RETRY_AFTER_S,
         )
-        switched.retry_after = RETRY_AFTER_S
-        raise switched
 
     def steps(
         self, prompts: list[Any], keep_alive: bool = True, first_index: int = 0

@@ -180,11 +180,11 @@ class Residency:
                 f"{pin.name}: bankML's native forward pass does not play it: {pin.native_reason}",
             )
         need = int(self.need(pin))
-        self._idle_to_drop(pin, need)  # refused at once when no room can be made
+        drops = self._idle_to_drop(pin, need)  # refused at once when no room can be made
         started = self.clock_ns()
         # verified before anything is unloaded: a file refused leaves the others resident
         verified = self._verify(pin)
-        for idle in self._idle_to_drop(pin, need):
+        for idle in drops:
             counted = len(self.residents) >= self.max_loaded
             why = "another model was asked for" if counted else "--models-memory needed room"
             self.drop(why, idle.pin.name)
