@@ -437,20 +437,73 @@ def test_the_gpu_checks_device_engine_report(tmp_path: Path, default_model: Path
     assert sys.modules.get("cupy") is before  # the check puts back the module it found
 
 
-def test_rocm_keeps_the_array_path(tmp_path: Path, default_model: Path) -> None:
-    """CuPy on ROCm (``cuda.runtime.is_hip``): the step's kernels are CUDA PTX, so the model
-    the step plays takes the array path there."""
+def _hip_cupy(fails: str | None = None) -> KernelCupy:
+    """The stand-in as CuPy's HIP build (``cuda.runtime.is_hip``), its compiler refusing the
+    kernel ``fails`` as hiprtc refuses a source it cannot compile."""
+
+    class HipCupy(KernelCupy):
+        def RawModule(self, code: str, options: tuple = ()) -> Any:  # noqa: N802 (CuPy's name)
+            module = super().RawModule(code, options)
+            if fails is not None and f" {fails}(" in code:
+                raise RuntimeError(f"hiprtc: error: {fails} does not compile\nmore lines")
+            return module
+
+    hip = HipCupy()
+    hip.cuda.runtime.is_hip = True  # type: ignore[attr-defined]
+    return hip
+
+
+def test_rocm_runs_the_step_with_hiprtcs_options(tmp_path: Path, default_model: Path) -> None:
+    """CuPy's HIP build: the same kernels, compiled with hiprtc's options (no --fmad=false,
+    which hiprtc does not know) as the model loads, every one the step and the prefill launch;
+    no graph capture; the greedy tokens those of the CUDA build."""
+    from gguf import GGMLQuantizationType as T
+
+    from bankml.engine_cupy import cuda_kernels
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "qwen2.gguf", TinySpec("qwen2", T.Q8_0), default_model)
+    tokens = {}
+    for kind, cp in (("hip", _hip_cupy()), ("cuda", KernelCupy())):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(sys.modules, "cupy", cp)
+            model = Model.load(path, device="cuda", progress=False)
+            assert isinstance(model, DeviceModel), model.array_path_reason
+            compiled = len(cp.modules)
+            cache = model.new_cache(64)
+            ids = [1, 2, 3]
+            for _ in range(3):
+                ids.append(int(model.forward(ids, cache).greedy()))
+            tokens[kind] = ids
+        options = {opts for _, opts in cp.modules}
+        if kind == "hip":
+            assert options == {tuple(cuda_kernels.hip_options())}
+            assert compiled == len(model.kernel_names())  # all of them at load, before a request
+            assert "HIP" in str(ds.graph_unsupported(cp))
+        else:
+            assert options == {tuple(cuda_kernels.options())}
+            assert compiled == 0  # on CUDA they compile at first use (or in the warm-up)
+    assert tokens["hip"] == tokens["cuda"]
+
+
+def test_rocm_keeps_the_array_path_where_a_kernel_does_not_compile(
+    tmp_path: Path, default_model: Path
+) -> None:
+    """hiprtc refusing one of the step's kernels: the model takes the array path, the reason
+    naming the kernel and hiprtc's first line, rather than failing at its first request."""
     from gguf import GGMLQuantizationType as T
 
     from tests.tiny_models import TinySpec, write_tiny_model
 
     path = write_tiny_model(tmp_path / "qwen2.gguf", TinySpec("qwen2", T.Q8_0), default_model)
-    hip = KernelCupy()
-    hip.cuda.runtime.is_hip = True  # type: ignore[attr-defined]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "cupy", hip)
+        mp.setitem(sys.modules, "cupy", _hip_cupy(fails="attn_decode_f16"))
         model = Model.load(path, device="cuda", progress=False)
-    assert not isinstance(model, DeviceModel) and "ROCm" in str(model.array_path_reason)
+    assert not isinstance(model, DeviceModel)
+    assert model.array_path_reason == (
+        "ROCm: kernel attn_decode_f16 does not compile here"
+        " (RuntimeError: hiprtc: error: attn_decode_f16 does not compile)"
+    )
 
 
 def test_a_context_past_the_training_one_grows_the_rope_table(

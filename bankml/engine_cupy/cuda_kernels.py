@@ -7,7 +7,9 @@ Q3_K, Q4_K, Q5_K and Q6_K (one row of weights kept in their GGUF blocks times th
 each one's result with NumPy. The decode step's other kernels, and the prefill's
 (``dequantize_f16.cu``: GGUF blocks to f16 rows for cuBLAS; ``prefill_f16.cu``: n rows at once),
 have their twins in ``device_twins`` and ``device_prefill_twins``. ``options()`` are the same for every compiler: ``--fmad=false``
-keeps each rounding where the source (and the twin) puts it.
+keeps each rounding where the source (and the twin) puts it. The same sources compile for HIP
+(ROCm, through CuPy's HIP build and hiprtc) with ``hip_options()``: ``mmvq_common.cuh`` writes
+CUDA's intrinsics in HIP's terms there (docs/modules/cuda_kernels.md).
 
 ``python -m bankml.engine_cupy.cuda_kernels`` (``scripts/gpu-check.sh --compile-only``)
 compiles every kernel with NVRTC (``bankml.engine_cupy.nvrtc``, no GPU needed) for each of
@@ -107,6 +109,19 @@ def options(arch: str | None = None) -> list[str]:
     """NVRTC options for every kernel (CuPy's RawModule takes the same, less the architecture)."""
     opts = ["--std=c++17", "--fmad=false", f"-DMMVQ_NWARPS={MMVQ_NWARPS}"]
     return opts + ([f"--gpu-architecture={arch}"] if arch else [])
+
+
+def hip_options() -> list[str]:
+    """hiprtc's (CuPy's HIP build) options for every kernel: clang's words for what
+    ``options()`` asks of NVRTC. No contraction into fused multiply-adds (the sources say so
+    too, ``mmvq_common.cuh``), and f32 division and square root correctly rounded (HIP's
+    default, said so that it cannot change under them)."""
+    return [
+        "-std=c++17",
+        "-ffp-contract=off",
+        "-fhip-fp32-correctly-rounded-divide-sqrt",
+        f"-DMMVQ_NWARPS={MMVQ_NWARPS}",
+    ]
 
 
 def compile_all(compiler: nvrtc.Compiler, archs: tuple[str, ...] = ARCHS) -> list[dict[str, Any]]:

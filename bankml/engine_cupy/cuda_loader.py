@@ -31,6 +31,11 @@ THREADS = 256  # per thread block of quantize_q8_1 (whole warps: every warp one 
 Q8_1_BYTES = 36
 
 
+def on_hip(cupy: ModuleType) -> bool:
+    """Whether ``cupy`` is CuPy's HIP build (a ROCm GPU)."""
+    return bool(getattr(getattr(getattr(cupy, "cuda", None), "runtime", None), "is_hip", False))
+
+
 class CudaKernels:
     """The kernels of one process, compiled on first use; ``cupy`` is the CuPy module."""
 
@@ -41,11 +46,13 @@ class CudaKernels:
         self._by_qtype = {k.qtype: k for k in cuda_kernels.KERNELS if k.qtype}
 
     def function(self, name: str) -> Any:
-        """The compiled entry point ``name`` (a ``cupy.RawKernel``)."""
+        """The compiled entry point ``name`` (a ``cupy.RawKernel``): NVRTC's options on CUDA,
+        hiprtc's on CuPy's HIP build."""
         fn = self._functions.get(name)
         if fn is None:
             kernel = self._by_name[name]
-            module = self._cp.RawModule(code=kernel.code(), options=tuple(cuda_kernels.options()))
+            opts = cuda_kernels.hip_options() if on_hip(self._cp) else cuda_kernels.options()
+            module = self._cp.RawModule(code=kernel.code(), options=tuple(opts))
             fn = self._functions[name] = module.get_function(name)
         return fn
 

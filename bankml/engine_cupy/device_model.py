@@ -21,7 +21,7 @@ engine truncates the cache to the prefix (``DeviceCache.truncate`` moves the pos
 device) and steps the rest; the prompt cache (--cache-ram) keeps its entries as device copies,
 as the array path's do. Embeddings (``hidden_states``) come from the prefill's rows. Not on
 this path: a q8_0 K/V cache; ``Model.load`` keeps the array path for a model the step does
-not play.
+not play, and on ROCm for one whose kernels hiprtc does not compile (``not_compiled_here``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy
 
+from bankml.engine_cupy.cuda_loader import on_hip
 from bankml.engine_cupy.device_prefill import DevicePrefill
 from bankml.engine_cupy.device_step import (
     MAX_ROWS,
@@ -324,6 +325,14 @@ class DeviceModel(Model):
         alongside: Callable[[], None] | None = None,
     ) -> CompileStats:
         """Build each kernel the step launches (CuPy compiles it, or loads its cache)."""
+        for name in self.kernel_names():
+            self.step.kernels.function(name)
+        if alongside is not None:
+            alongside()
+        return CompileStats()
+
+    def kernel_names(self) -> list[str]:
+        """The kernels the step and the prefill launch for this model, sorted."""
         names = {"rms_norm_q8_1", "rope_kv_f16", "attn_decode_f16", "swiglu_q8_1"}
         embd = f"get_rows_{self.step.w.embd_qtype.lower()}"
         names |= {"argmax_f32", "top_k_f32", embd, f"{embd}_n", "rope_kv_f16_n"}
@@ -335,11 +344,24 @@ class DeviceModel(Model):
             names.add(f"mmvq_{m.qtype.lower()}")
             names.add(f"mmvq_{m.qtype.lower()}_rows")
             names.add(f"dequantize_f16_{m.qtype.lower()}")
-        for name in sorted(names):
-            self.step.kernels.function(name)
-        if alongside is not None:
-            alongside()
-        return CompileStats()
+        return sorted(names)
+
+    def not_compiled_here(self) -> str | None:
+        """On CuPy's HIP build (ROCm), why the step cannot run: every kernel it launches is
+        compiled now (hiprtc), and the first that does not compile is the reason, so that the
+        model keeps the array path rather than failing at its first request. On CUDA, None
+        at once: the kernels compile in the warm-up or at first use, as they always have."""
+        if not on_hip(self.xp):
+            return None
+        for name in self.kernel_names():
+            try:
+                self.step.kernels.function(name)
+            except Exception as err:  # CuPy's CompileException, or no hiprtc at all
+                why = str(err).strip().splitlines()
+                return f"ROCm: kernel {name} does not compile here ({type(err).__name__}: " + (
+                    f"{why[0]})" if why else "no message)"
+                )
+        return None
 
 
 _MATS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -57,7 +57,7 @@ from typing import Any
 import numpy
 
 from bankml.engine_cupy.array_backend import apply_rope, rope_angles
-from bankml.engine_cupy.cuda_loader import CudaKernels
+from bankml.engine_cupy.cuda_loader import CudaKernels, on_hip
 from bankml.engine_cupy.cuda_twins import BLOCK_TYPES, NWARPS, QK, WARP
 from bankml.engine_cupy.weights import HParams, UnsupportedModel, dequantize
 
@@ -90,7 +90,7 @@ def graph_unsupported(cupy: ModuleType) -> str | None:
     if os.environ.get("BANKML_CUDA_GRAPHS", "1") == "0":
         return "asked for (BANKML_CUDA_GRAPHS=0)"
     cuda = getattr(cupy, "cuda", None)
-    if getattr(getattr(cuda, "runtime", None), "is_hip", False):
+    if on_hip(cupy):
         return "CuPy's HIP build (graph capture is not tried on ROCm)"
     stream = getattr(cuda, "Stream", None)
     if stream is None or not hasattr(stream, "begin_capture"):

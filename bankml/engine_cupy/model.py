@@ -348,14 +348,16 @@ class Model:
 
             why = device_step.unsupported(reader, hp)
             reason = None if why is None else f"the decode step does not play {why}"
-            if getattr(getattr(getattr(xp, "cuda", None), "runtime", None), "is_hip", False):
-                reason = "ROCm: the decode step's kernels are CUDA (PTX) only"
             if not use_step or os.environ.get("BANKML_DEVICE_STEP", "1") == "0":
                 reason = "asked for (device_step=False or BANKML_DEVICE_STEP=0)"
             if reason is None:
                 from bankml.engine_cupy.device_model import DeviceModel
 
-                return DeviceModel.upload(xp, os.fspath(path), reader, hp)
+                on_device = DeviceModel.upload(xp, os.fspath(path), reader, hp)
+                reason = on_device.not_compiled_here()
+                if reason is None:
+                    return on_device
+                del on_device  # its device arrays go before the array path uploads its own
             log.warning(
                 "%s runs the GPU's array path: %s",
                 os.path.basename(os.fspath(path)),

@@ -4,8 +4,72 @@
 // PTX mul.rn.f16) so that no compiler contracts two of them into one fused multiply-add: the
 // NumPy twins (bankml/engine_cupy/cuda_twins.py) round at exactly these points. Needs no
 // header: the f16 conversions are PTX instructions (for HIP, clang's _Float16), the integer dot
-// products __dp4a.
+// products __dp4a. The same sources compile for HIP (ROCm): the block below writes CUDA's names
+// in HIP's terms, and nothing else differs.
 #pragma once
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
+// No two operations are fused into one multiply-add, whatever the compiler's default (the
+// options say -ffp-contract=off too): the twins round after every operation.
+#pragma clang fp contract(off)
+
+// A warp is 32 threads, as on CUDA. With width 32 a shuffle stays inside its 32-lane half of a
+// 64-lane wavefront, so each butterfly, and each warp taken as threads 32w..32w+31, is CUDA's.
+#define __shfl_xor_sync(mask, var, lane_mask, width) __shfl_xor(var, lane_mask, width)
+
+// CUDA's explicitly rounded operations as plain IEEE ones: round to nearest even, no
+// contraction (above), division and square root correctly rounded (HIP's default, which the
+// options also ask for). Written here, not taken from a HIP release's headers, so that what
+// the kernels compute does not depend on how a release writes CUDA's names.
+static __device__ __forceinline__ float bankml_fadd_rn(float a, float b) { return a + b; }
+static __device__ __forceinline__ float bankml_fsub_rn(float a, float b) { return a - b; }
+static __device__ __forceinline__ float bankml_fmul_rn(float a, float b) { return a * b; }
+static __device__ __forceinline__ float bankml_fdiv_rn(float a, float b) { return a / b; }
+static __device__ __forceinline__ float bankml_fsqrt_rn(float a) { return __builtin_sqrtf(a); }
+static __device__ __forceinline__ float bankml_int2float_rn(int i) { return (float)i; }
+static __device__ __forceinline__ float bankml_int_as_float(int i) {
+    return __builtin_bit_cast(float, i);
+}
+static __device__ __forceinline__ int bankml_float_as_int(float f) {
+    return __builtin_bit_cast(int, f);
+}
+#define __fadd_rn bankml_fadd_rn
+#define __fsub_rn bankml_fsub_rn
+#define __fmul_rn bankml_fmul_rn
+#define __fdiv_rn bankml_fdiv_rn
+#define __fsqrt_rn bankml_fsqrt_rn
+#define __int2float_rn bankml_int2float_rn
+#define __int_as_float bankml_int_as_float
+#define __float_as_int bankml_float_as_int
+
+typedef signed char bankml_i8x4 __attribute__((ext_vector_type(4)));
+
+// c + the four signed byte products of a and b, as __dp4a: AMD's dot instruction where the
+// target has one (as ggml's HIP build picks it), else the same sum written out. The sum is
+// exact either way, so every target gets the same integers.
+static __device__ __forceinline__ int bankml_dp4a(int a, int b, int c) {
+#if defined(__gfx906__) || defined(__gfx908__) || defined(__gfx90a__) || defined(__gfx942__) || \
+    defined(__gfx950__) || defined(__gfx1030__) || defined(__gfx1031__) ||                      \
+    defined(__gfx1032__) || defined(__gfx1033__) || defined(__gfx1034__) ||                     \
+    defined(__gfx1035__) || defined(__gfx1036__)
+    return __builtin_amdgcn_sdot4(a, b, c, false);
+#elif defined(__GFX11__) || defined(__GFX12__)
+    return __builtin_amdgcn_sudot4(true, a, true, b, c, false);
+#else
+    const bankml_i8x4 va = __builtin_bit_cast(bankml_i8x4, a);
+    const bankml_i8x4 vb = __builtin_bit_cast(bankml_i8x4, b);
+    return c + va[0] * vb[0] + va[1] * vb[1] + va[2] * vb[2] + va[3] * vb[3];
+#endif
+}
+#define __dp4a bankml_dp4a
+
+// a - b byte by byte, each byte wrapping, as __vsub4
+static __device__ __forceinline__ int bankml_vsub4(int a, int b) {
+    return __builtin_bit_cast(int, __builtin_bit_cast(bankml_i8x4, a) -
+                                       __builtin_bit_cast(bankml_i8x4, b));
+}
+#define __vsub4 bankml_vsub4
+#endif
 
 typedef unsigned char u8;
 typedef unsigned short u16;
