@@ -16,9 +16,11 @@ import numpy
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from bankml.engine_cupy import cuda_kernels
 from bankml.engine_cupy import cuda_twins as tw
 from bankml.engine_cupy.gguf_file import open_file
 from bankml.engine_cupy.weights import dequantize
+from tests.fake_cupy_kernels import _POINTER_TYPES, KernelCupy
 from tests.tiny_models import _matrix
 
 TYPES = tuple(tw.BLOCK_TYPES)
@@ -495,3 +497,56 @@ def test_twin_takes_a_quantized_activation_and_refuses_mismatched_blocks() -> No
         tw.mmvq("Q4_0", w, _activation(1024))
     with pytest.raises(ValueError, match="whole blocks"):
         tw.mmvq("Q4_0", w[:, :-1], x)
+
+
+# --- every kernel has a twin in the stand-in ------------------------------------------------------
+
+
+def _no_twin(name: str, code: str) -> str | None:
+    """Why the strict stand-in cannot run kernel ``name`` of ``code`` (None: it can).
+
+    ``get_function`` only parses the entry point's parameters, so the kernel is launched once
+    with placeholder arguments of those types: the stand-in then either refuses a name it has
+    no twin for ("no twin for kernel ..."), or fails to look up the type of a product or
+    dequantization kernel in the twins' tables (a KeyError), or reaches the twin, which runs or
+    rejects the placeholders by its own checks."""
+    cp = KernelCupy()
+    kernel = cp.RawModule(code=code, options=tuple(cuda_kernels.options())).get_function(name)
+    scalars = {"int": numpy.int32, "float": numpy.float32}
+    args = tuple(
+        cp.asarray(numpy.zeros(256, _POINTER_TYPES[base])) if pointer else scalars[base](1)
+        for base, pointer in kernel.params
+    )
+    try:
+        kernel((1,), (32,), args)
+    except AssertionError as err:
+        if str(err).startswith("no twin for kernel"):
+            return str(err)
+    except KeyError as err:
+        return f"no twin's table holds {err} for kernel {name}"
+    except Exception:  # the twin's own refusal of the placeholders
+        pass
+    return None
+
+
+def test_every_kernel_has_a_twin_in_the_stand_in() -> None:
+    """Each entry of cuda_kernels.KERNELS: its source's entry point found by the stand-in's
+    RawModule(...).get_function and its launch reaching a twin; made-up kernels (a name, and types no
+    twin knows for a product and a dequantization) are found missing by the same check."""
+    assert len({k.name for k in cuda_kernels.KERNELS}) == len(cuda_kernels.KERNELS) > 0
+    reasons = {k.name: _no_twin(k.name, k.code()) for k in cuda_kernels.KERNELS}
+    missing = {name: why for name, why in reasons.items() if why is not None}
+    assert not missing, missing
+
+    made_up = 'extern "C" __global__ void made_up_f32(const float *x, float *y, int n) {}\n'
+    mmvq = next(k for k in cuda_kernels.KERNELS if k.name == "mmvq_q4_0").code()
+    dequant = next(k for k in cuda_kernels.KERNELS if k.name == "dequantize_f16_q4_0").code()
+    fakes = {
+        "made_up_f32": made_up,
+        "mmvq_q7_k": mmvq.replace("mmvq_q4_0", "mmvq_q7_k"),
+        "mmvq_q7_k_rows": mmvq.replace("mmvq_q4_0", "mmvq_q7_k"),
+        "dequantize_f16_q7_k": dequant.replace("dequantize_f16_q4_0", "dequantize_f16_q7_k"),
+    }
+    for name, code in fakes.items():
+        why = _no_twin(name, code)
+        assert why is not None and name in why, (name, why)

@@ -36,6 +36,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -
         TinySpec("qwen2", T.Q8_0),  # biases, NEOX RoPE, Q8_0 embedding rows from their blocks
         TinySpec("llama", T.Q4_K, tied=False, llama3_rope=True, out_type=T.Q6_K),
         TinySpec("llama", T.Q3_K, tied=False, out_type=T.Q2_K),  # as Q3_K_M/Q2_K files pair them
+        # the other layer types' dequantize_f16 kernels, each tied (its output through mmvq);
+        # Q5_0 in qwen2: llama's tiny Q5_0 model has two top logits 0.26 apart, a coin flip
+        TinySpec("qwen2", T.Q5_0),
+        TinySpec("llama", T.Q5_1),
+        TinySpec("qwen2", T.Q2_K),
+        TinySpec("llama", T.Q6_K),
     ]
     return {s.name: write_tiny_model(out / f"{s.name}.gguf", s, default_model) for s in specs}
 
@@ -115,16 +121,20 @@ def _f16(a: object) -> numpy.ndarray:
         ("llama-Q4_K-untied-rope3", 1.0),
         ("llama-Q5_K-untied", 1.0),
         ("llama-Q3_K-untied", 1.0),
+        ("qwen2-Q5_0", 1.0),
+        ("llama-Q5_1", 1.0),
+        ("qwen2-Q2_K", 1.0),
+        ("llama-Q6_K", 1.0),
     ],
 )
 def test_prefill_against_the_exact_path_and_the_step(
     tiny_models: dict[str, Path], name: str, bound: float
 ) -> None:
-    """The 9-token prompt in one prefill: a fixed list of launches (19 a layer, 6 around them),
-    no host read; the last row's top-1 token the exact path's and its top-10 log-probabilities
-    within test_device_step's bound; then the decode step goes on from the prefilled sequence
-    and chooses the same greedy tokens as after feeding the prompt one step per token; the cache
-    near the step-by-step one."""
+    """The 9-token prompt in one prefill: a fixed list of launches (19 a layer, 6 around them,
+    the layers' dequantize_f16 kernels those of the model's type), no host read; the last row's
+    top-1 token the exact path's and its top-10 log-probabilities within test_device_step's
+    bound; then the decode step goes on from the prefilled sequence and chooses the same greedy
+    tokens as after feeding the prompt one step per token; the cache near the step-by-step one."""
     path = tiny_models[name]
     cp, step = _device_step(path)
     hp = step.hp
@@ -142,6 +152,8 @@ def test_prefill_against_the_exact_path_and_the_step(
     out = f"mmvq_{step.w.output.qtype.lower()}"
     want_launches += ["add_rms_norm_f16", "rms_norm_q8_1", out, "advance_pos", "argmax_f32"]
     assert launches == want_launches
+    qtype = name.split("-")[1].lower()  # the layers' type, as the spec's name spells it
+    assert {n for n in launches if n.startswith("dequantize_f16_")} == {f"dequantize_f16_{qtype}"}
     assert int(seq.pos.get()[0]) == len(PROMPT) == seq.n_tokens
 
     model = Model.load(path, device="cpu", progress=False)
