@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -120,6 +121,72 @@ def test_q4_k_unrepacked_matches_ggml(m: int) -> None:
 def test_q4_k_repacked_matches_ggml_cpu_repack_buffer(m: int) -> None:
     """q4_K_8x8: gemm for rows in fours (4x8-packed rounding), gemv for the m % 4 others."""
     check("repacked", T.Q4_K, 576, 1536, m, seed=30 + m, repacked=True)
+
+
+def _one_row_dots(dot):
+    """A compiled loop of a one-row dot (``_make_dot``'s signature) over every weight row
+    for each activation row."""
+
+    @numba.njit
+    def run(raw, xq, xd, bsums, out):
+        m, n = xq.shape
+        nb, n_out = n // ek.QK_K, out.shape[1]
+        for t in range(m):
+            dot(
+                raw,
+                0,
+                raw.shape[1],
+                raw.shape[0],
+                xq,
+                t * n,
+                n,
+                xd,
+                bsums,
+                t * nb,
+                nb,
+                out,
+                t * n_out,
+                n_out,
+            )
+
+    return run
+
+
+ZMM = pytest.mark.skipif(not ek.HOST_HAS_ZMM_VNNI, reason="no AVX512BW/VNNI here")
+ONE_ROW_KERNELS = {  # every one-row dot a host may pick for these arithmetics
+    "gemv avx2": (T.Q4_K, lambda: ek._make_dot(ek._GV4, 1)),
+    "gemv 512-bit": (T.Q4_K, lambda: ek._make_gv4_row_zmm()),
+    "Q6_K vec_dot avx2": (T.Q6_K, lambda: ek._make_dot(ek._VD6, 1)),
+    "Q6_K vec_dot 512-bit": (T.Q6_K, lambda: ek._make_vd6_row_zmm()),
+}
+
+
+@pytest.mark.parametrize(
+    "kernel", [pytest.param(k, marks=[ZMM] if "512" in k else []) for k in ONE_ROW_KERNELS]
+)
+def test_one_row_kernels_match_ggml(kernel: str) -> None:
+    """Both one-row dots of repacked Q4_K (gemv) and of Q6_K (vec_dot), whichever the host picks
+    (the 512-bit ones where it has AVX512BW and VNNI), give ggml's bits, from the extremes
+    (every quant and 6-bit scale at its largest, every activation quant at -127) to random
+    blocks."""
+    qtype, make = ONE_ROW_KERNELS[kernel]
+    rng = np.random.default_rng(77)
+    n_out, n_in = 64, 2048
+    raw = random_blocks(rng, qtype, n_out, n_in)
+    blocks = raw.reshape(n_out, n_in // ek.QK_K, -1)
+    if qtype == T.Q4_K:
+        blocks[0, :, 4:] = 0xFF  # scales and mins 63, quants 15
+    else:
+        blocks[0, :, :192] = 0xFF  # quants 63
+        blocks[0, :, 192:208] = 0x80  # scales -128
+    x = activations(rng, 3, n_in)
+    x[0] = -np.abs(x[0]).max()  # every activation quant -127 (or -128)
+    act = ek.KActivation(x)
+    out = np.empty((3, n_out), np.float32)
+    _one_row_dots(make())(raw, act.q, act.d, act.bsums, out)
+    oracle = go.mul_mat_repacked if qtype == T.Q4_K else go.mul_mat
+    for t in range(3):  # one row at a time: a one-row product's arithmetic
+        assert differing(out[t : t + 1], oracle(raw, qtype, n_out, n_in, x[t : t + 1])) == 0
 
 
 @pytest.mark.parametrize("m", [1, 5, 8, 17])

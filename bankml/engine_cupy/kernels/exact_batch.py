@@ -49,8 +49,8 @@ from bankml.engine_cupy.kernels.exact_decode import (
 from bankml.engine_cupy.kernels.exact_iquants import _XS_T, _XS_VD
 from bankml.engine_cupy.kernels.exact_iquants import _dot as _iq4_dot
 from bankml.engine_cupy.kernels.exact_kquants import QK_K
-from bankml.engine_cupy.kernels.exact_kquants import _dot as _kquant_dot
 from bankml.engine_cupy.kernels.exact_kquants import _quantize_serial as _quantize_q8_K
+from bankml.engine_cupy.kernels.exact_kquants import _rows as _kquant_rows
 from bankml.engine_cupy.kernels.exact_matmul import (
     _CODES,
     _F16,
@@ -243,6 +243,9 @@ def _dot_rows(kquant, code, raw, r0, r1, qk, xq, xd, bsums, out):  # pragma: no 
     """out[:, r0:r1] by exact_kquants' (``kquant``) or exact_iquants' dots of the one-row
     arithmetic ``code``: each weight row against the activation rows four at a time (its
     blocks unpacked once for the four: each output the one-row dot's arithmetic), then one."""
+    if kquant:
+        _kquant_rows(code, raw, r0, r1, xq, xd, bsums, out)
+        return
     m, n = xq.shape
     nb = n // qk
     n_out = out.shape[1]
@@ -253,12 +256,7 @@ def _dot_rows(kquant, code, raw, r0, r1, qk, xq, xd, bsums, out):  # pragma: no 
         while t < m:
             rn = 4 if t + 4 <= m else 1
             o = t * n_out + r
-            if kquant:
-                if rn == 4:
-                    _kquant_dot(code, 4, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, o, n_out)
-                else:
-                    _kquant_dot(code, 1, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, o, n_out)
-            elif rn == 4:
+            if rn == 4:
                 _iq4_dot(code, 4, raw, w, xq, t * n, n, xd, t * nb, nb, out, o, n_out)
             else:
                 _iq4_dot(code, 1, raw, w, xq, t * n, n, xd, t * nb, nb, out, o, n_out)

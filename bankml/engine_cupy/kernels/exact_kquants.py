@@ -41,6 +41,7 @@ from numba.extending import intrinsic
 from bankml.engine_cupy.kernels.exact_matmul import (
     HOST_HAS_AVX2,
     HOST_HAS_VNNI,
+    HOST_HAS_ZMM_VNNI,
     PARALLEL_MIN_ELEMENTS,
     PARALLEL_MIN_MACS,
     BlockRows,
@@ -427,27 +428,30 @@ def _reduce(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return _call(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", _I32, [v])
 
 
+def _scale_min_bytes(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> ir.Value:
+    """block_q4_K/q5_K's 12 bytes of packed 6-bit scales and mins (at +4) -> <16 x i8>: the 8
+    scales, then the 8 mins, by ggml's utmp/kmask unpacking (get_scale_min_k4) done on the four
+    words at once: with u = the words at +4, +8, +12 (and +16, unused),
+    [u0 & m1, (u2 & m2) | ((u0 >> 6) & m3) << 4, u1 & m1, ((u2 >> 4) & m2) | ((u1 >> 6) & m3) << 4]."""
+    v4i = ir.VectorType(_I32, 4)
+
+    def k(values: list) -> ir.Constant:
+        return ir.Constant(v4i, values)
+
+    u = _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 4)), v4i)
+    low_words = builder.shuffle_vector(u, u, k([0, 2, 1, 2]))
+    top_words = builder.shuffle_vector(u, u, k([0, 0, 1, 1]))
+    m1, m2, m3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
+    low = builder.and_(builder.lshr(low_words, k([0, 0, 0, 4])), k([m1, m2, m1, m2]))
+    top = builder.shl(
+        builder.and_(builder.lshr(top_words, k([6] * 4)), k([0, m3, 0, m3])), k([4] * 4)
+    )
+    return builder.bitcast(builder.or_(low, top), ir.VectorType(_I8, 16))
+
+
 def _scales_and_mins(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> ir.Value:
-    """block_q4_K/q5_K's 12 bytes of packed 6-bit scales and mins (at +4) -> <16 x i16>: the 8
-    scales, then the 8 mins, by ggml's utmp/kmask unpacking (get_scale_min_k4)."""
-    u = [
-        _load(builder, wbase, builder.add(blk, ir.Constant(blk.type, 4 + 4 * i)), _I32)
-        for i in range(3)
-    ]
-
-    def k(v: int) -> ir.Constant:
-        return ir.Constant(_I32, v)
-
-    m1, m2, m3 = k(0x3F3F3F3F), k(0x0F0F0F0F), k(0x03030303)
-    u3 = builder.or_(
-        builder.and_(builder.lshr(u[2], k(4)), m2),
-        builder.shl(builder.and_(builder.lshr(u[1], k(6)), m3), k(4)),
-    )
-    u1 = builder.or_(
-        builder.and_(u[2], m2), builder.shl(builder.and_(builder.lshr(u[0], k(6)), m3), k(4))
-    )
-    words = [builder.and_(u[0], m1), u1, builder.and_(u[1], m1), u3]
-    return builder.zext(_word_bytes(builder, words), _V16I16)
+    """_scale_min_bytes as <16 x i16>."""
+    return builder.zext(_scale_min_bytes(builder, wbase, blk), _V16I16)
 
 
 def _q3_k_scales(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> ir.Value:
@@ -507,12 +511,14 @@ def _block_scales(builder: ir.IRBuilder, qtype: T, wbase: ir.Value, blk: ir.Valu
 
 
 def _make_dot(code: int, rn: int):
-    """dot(w, w_off, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out): rn outputs of
-    arithmetic ``code`` (see the module docstring) over nb super-blocks, one weight row against
-    rn activation rows. The weight row is at byte w_off of w (its scales, mins and d read from
-    the blocks), unpacked once per block for all rn rows; activation row j is at
-    x_off + j·n_in of xq (int8), its block scales at s_off + j·nb of xd and its sums at 16 times
-    that of bsums (int16); its output goes to out.flat[o_off + j·n_out]."""
+    """dot(w, w_off, row_bytes, n_rows, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out):
+    rn outputs of arithmetic ``code`` (see the module docstring) over nb super-blocks for each
+    of n_rows weight rows, one weight row at a time against rn activation rows. Weight row i is
+    at byte w_off + i·row_bytes of w (its scales, mins and d read from the blocks), unpacked
+    once per block for all rn rows; activation row j is at x_off + j·n_in of xq (int8), its
+    block scales at s_off + j·nb of xd and its sums at 16 times that of bsums (int16); their
+    output goes to out.flat[o_off + i + j·n_out]. The rows loop inside, so that a task of rows
+    is one call."""
     qtype = _CODE_TYPE[code]
     unpack = {
         T.Q2_K: _q2_k_chunks,
@@ -529,98 +535,377 @@ def _make_dot(code: int, rn: int):
     across = rn == 4 and not vector_acc  # scalar chains: four rows' in one vector
 
     @intrinsic
-    def dot(typingctx, w, w_off, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out):
-        sig = types.void(w, w_off, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out)
+    def dot(
+        typingctx,
+        w,
+        w_off,
+        row_bytes,
+        n_rows,
+        xq,
+        x_off,
+        n_in,
+        xd,
+        bsums,
+        s_off,
+        nb,
+        out,
+        o_off,
+        n_out,
+    ):
+        sig = types.void(
+            w, w_off, row_bytes, n_rows, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out
+        )
 
         def codegen(context, builder, signature, args):
             aty = signature.args
-            (_, w_off, _, x_off, n_in, _, _, s_off, nblocks, _, o_off, n_out) = args
+            (
+                _,
+                w_first,
+                row_bytes,
+                n_rows,
+                _,
+                x_off,
+                n_in,
+                _,
+                _,
+                s_off,
+                nblocks,
+                _,
+                o_first,
+                n_out,
+            ) = args
 
             def data(i: int) -> ir.Value:
                 return _data(context, builder, aty[i], args[i])
 
             wbase, xbase = (
                 _byte_ptr(context, builder, aty[0], args[0]),
-                _byte_ptr(context, builder, aty[2], args[2]),
+                _byte_ptr(context, builder, aty[4], args[4]),
             )
-            xdp, bsp, obase = data(5), data(6), data(9)
-            ity = w_off.type
+            xdp, bsp, obase = data(7), data(8), data(11)
+            ity = w_first.type
 
             def const(v: int) -> ir.Value:
                 return ir.Constant(ity, v)
 
-            zero = ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0)
-            zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
-            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
-            accm = [cgutils.alloca_once_value(builder, zero_m) for _ in range(rn)]
-            # scalar chains of four rows side by side in one <4 x float> (lane j: row j)
-            acc4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
-            accm4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
-            with cgutils.for_range(builder, nblocks) as loop:
-                b = loop.index
-                blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
-                scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
-                chunks = unpack(builder, wbase, blk)
-                chunk_scales = [
-                    builder.shuffle_vector(
-                        scales,
-                        scales,
-                        ir.Constant(v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16),
-                    )
-                    for c in range(8)
-                ]
-                rows = []
-                for j in range(rn):
-                    row = builder.add(s_off, builder.mul(const(j), nblocks))
-                    xo = builder.add(
-                        builder.add(x_off, builder.mul(const(j), n_in)), builder.mul(b, const(QK_K))
-                    )
-                    d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
-                    sums = _vec(builder, bsp, builder.mul(builder.add(row, b), const(16)), _V16I16)
-                    groups = []
-                    for g in range(4):
-                        total = None
-                        for c in (2 * g, 2 * g + 1):
-                            x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
-                            pairs = _pairs(builder, chunks[c], x)
-                            quads = _call(
-                                builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [pairs, chunk_scales[c]]
-                            )
-                            total = quads if total is None else builder.add(total, quads)
-                        groups.append(total)
-                    if across:
-                        rows.append((groups, sums, d_x))
-                    else:
-                        _block_step(
-                            builder,
-                            code,
-                            groups,
-                            sums,
+            with cgutils.for_range(builder, n_rows) as weight_rows:
+                w_off = builder.add(w_first, builder.mul(weight_rows.index, row_bytes))
+                o_off = builder.add(o_first, weight_rows.index)
+                zero = ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0)
+                zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
+                acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
+                accm = [cgutils.alloca_once_value(builder, zero_m) for _ in range(rn)]
+                # scalar chains of four rows side by side in one <4 x float> (lane j: row j)
+                acc4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
+                accm4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
+                with cgutils.for_range(builder, nblocks) as loop:
+                    b = loop.index
+                    blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
+                    scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
+                    chunks = unpack(builder, wbase, blk)
+                    chunk_scales = [
+                        builder.shuffle_vector(
                             scales,
-                            mins16,
-                            d_x,
-                            d_w,
-                            dm_w,
-                            acc[j],
-                            accm[j],
+                            scales,
+                            ir.Constant(v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16),
                         )
-                if across:
-                    _block_step_rows(builder, code, rows, scales, mins16, d_w, dm_w, acc4, accm4)
-            for j in range(rn):
-                index = builder.add(o_off, builder.mul(const(j), n_out))
-                if across:
-                    total = builder.load(acc4)
-                    if code in (_GV4, _GM4):
-                        total = builder.fsub(total, builder.load(accm4))
-                    value = builder.extract_element(total, ir.Constant(_I32, j))
-                else:
-                    value = _finish(builder, code, acc[j], accm[j])
-                builder.store(value, builder.gep(obase, [index]))
+                        for c in range(8)
+                    ]
+                    rows = []
+                    for j in range(rn):
+                        row = builder.add(s_off, builder.mul(const(j), nblocks))
+                        xo = builder.add(
+                            builder.add(x_off, builder.mul(const(j), n_in)),
+                            builder.mul(b, const(QK_K)),
+                        )
+                        d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
+                        sums = _vec(
+                            builder, bsp, builder.mul(builder.add(row, b), const(16)), _V16I16
+                        )
+                        groups = []
+                        for g in range(4):
+                            total = None
+                            for c in (2 * g, 2 * g + 1):
+                                x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
+                                pairs = _pairs(builder, chunks[c], x)
+                                quads = _call(
+                                    builder,
+                                    "llvm.x86.avx2.pmadd.wd",
+                                    _V8I32,
+                                    [pairs, chunk_scales[c]],
+                                )
+                                total = quads if total is None else builder.add(total, quads)
+                            groups.append(total)
+                        if across:
+                            rows.append((groups, sums, d_x))
+                        else:
+                            _block_step(
+                                builder,
+                                code,
+                                groups,
+                                sums,
+                                scales,
+                                mins16,
+                                d_x,
+                                d_w,
+                                dm_w,
+                                acc[j],
+                                accm[j],
+                            )
+                    if across:
+                        _block_step_rows(
+                            builder, code, rows, scales, mins16, d_w, dm_w, acc4, accm4
+                        )
+                for j in range(rn):
+                    index = builder.add(o_off, builder.mul(const(j), n_out))
+                    if across:
+                        total = builder.load(acc4)
+                        if code in (_GV4, _GM4):
+                            total = builder.fsub(total, builder.load(accm4))
+                        value = builder.extract_element(total, ir.Constant(_I32, j))
+                    else:
+                        value = _finish(builder, code, acc[j], accm[j])
+                    builder.store(value, builder.gep(obase, [index]))
             return context.get_dummy_value()
 
         return sig, codegen
 
     return dot
+
+
+# --- one-row dots on 512-bit vectors (hosts with AVX512BW and VNNI) ---------------------------
+#
+# Two 32-value chunks per vector: a super-block is four pmaddubsw and four pmaddwd (LLVM fuses
+# each with its sum into vpdpwssd), the chunks' scales spread to their int16 lanes by one
+# shuffle a pair. The integers are the AVX2 dots' (exact in any order) and the float steps the
+# same operations in the same order, so the bits are the same; a super-block takes about 70
+# instructions where the AVX2 dot takes 95 (docs/bench.md, "bench/real_size.py").
+
+_V64I8, _V32I16, _V16I32 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I32, 16)
+
+
+def _lanes(values: list) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, len(values)), values)
+
+
+def _half_of(builder: ir.IRBuilder, v: ir.Value, high: bool) -> ir.Value:
+    n = v.type.count // 2
+    return builder.shuffle_vector(v, v, _lanes(list(range(n, 2 * n) if high else range(n))))
+
+
+def _scaled_pairs(builder: ir.IRBuilder, q: ir.Value, x: ir.Value, scales: ir.Value) -> ir.Value:
+    """pmaddubsw of two chunks' unsigned quants by their activations, then pmaddwd by their
+    sub-block scales (int16 lanes): <16 x i32>, lanes 0-7 the first chunk's, 8-15 the second's."""
+    prod = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _V32I16, [q, x])
+    return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _V16I32, [prod, scales])
+
+
+class _RowBlock:
+    """What a one-row dot's super-block step reads: the weight block's byte offset ``blk``, its
+    activation block's offset ``xo`` in xq, scale ``d_x`` and 16 sums ``sums`` (<16 x i16>)."""
+
+    def __init__(self, builder, wbase, xbase, blk, xo, d_x, sums, const):
+        self.builder, self.wbase, self.xbase = builder, wbase, xbase
+        self.blk, self.xo, self.d_x, self.sums, self.const = blk, xo, d_x, sums, const
+
+    def weights(self, offset: int, ty: ir.Type) -> ir.Value:
+        return _load(self.builder, self.wbase, self.builder.add(self.blk, self.const(offset)), ty)
+
+    def activation(self, offset: int) -> ir.Value:
+        return _load(
+            self.builder, self.xbase, self.builder.add(self.xo, self.const(offset)), _V64I8
+        )
+
+    def half(self, offset: int) -> ir.Value:
+        return _half(self.builder, self.wbase, self.builder.add(self.blk, self.const(offset)))
+
+
+def _row_dot(qtype: T, zeros: list, step, finish):
+    """An intrinsic of ``dot``'s signature for one activation row: for each weight row, the
+    accumulators start at ``zeros``, ``step(block, accs)`` emits one super-block's operations
+    (a _RowBlock; accs the accumulators' allocas) and ``finish(builder, accs)`` the output."""
+    block_bytes = _BLOCK_BYTES[qtype]
+
+    @intrinsic
+    def dot(
+        typingctx,
+        w,
+        w_off,
+        row_bytes,
+        n_rows,
+        xq,
+        x_off,
+        n_in,
+        xd,
+        bsums,
+        s_off,
+        nb,
+        out,
+        o_off,
+        n_out,
+    ):
+        sig = types.void(
+            w, w_off, row_bytes, n_rows, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out
+        )
+
+        def codegen(context, builder, signature, args):
+            aty = signature.args
+            (_, w_first, row_bytes, n_rows, _, x_off, _, _, _, s_off, nblocks, _, o_first, _) = args
+            wbase = _byte_ptr(context, builder, aty[0], args[0])
+            xbase = _byte_ptr(context, builder, aty[4], args[4])
+            xdp, bsp = (
+                _data(context, builder, aty[7], args[7]),
+                _data(context, builder, aty[8], args[8]),
+            )
+            obase = _data(context, builder, aty[11], args[11])
+            ity = w_first.type
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(ity, v)
+
+            with cgutils.for_range(builder, n_rows) as weight_rows:
+                w_off = builder.add(w_first, builder.mul(weight_rows.index, row_bytes))
+                accs = [cgutils.alloca_once_value(builder, zero) for zero in zeros]
+                with cgutils.for_range(builder, nblocks) as loop:
+                    b = loop.index
+                    row = builder.add(s_off, b)
+                    block = _RowBlock(
+                        builder,
+                        wbase,
+                        xbase,
+                        builder.add(w_off, builder.mul(b, const(block_bytes))),
+                        builder.add(x_off, builder.mul(b, const(QK_K))),
+                        builder.load(builder.gep(xdp, [row])),
+                        _vec(builder, bsp, builder.mul(row, const(16)), _V16I16),
+                        const,
+                    )
+                    step(block, accs)
+                o_off = builder.add(o_first, weight_rows.index)
+                builder.store(finish(builder, accs), builder.gep(obase, [o_off]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+def _fma_into(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, chain: ir.Value) -> None:
+    """chain = fma(a, b, chain), chain an alloca of a float or float vector."""
+    ty = a.type
+    name = f"llvm.fma.v{ty.count}f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    builder.store(_call(builder, name, ty, [a, b, builder.load(chain)]), chain)
+
+
+def _make_gv4_row_zmm():
+    """The one-row repacked-Q4_K dot (``_GV4``, gemv): per super-block, the 8 sub-blocks in
+    four vectors, one horizontal sum for the block's integer and its min sum together, then
+    ``acc = fma(Σ, d_w·d_x, acc)`` and ``accm = fma(Σm, dmin·d_x, accm)``; ``acc - accm``."""
+
+    def spread(a: int, b: int) -> ir.Constant:
+        """vpshufb indices taking, in every 128-bit lane of the 16 scale and min bytes, scale a
+        to the int16 lanes of the vector's low half and scale b to its high half."""
+        return ir.Constant(_V64I8, [a, -128] * 16 + [b, -128] * 16)
+
+    scale_pairs = [spread(2 * j, 2 * j + 1) for j in range(4)]
+    min_spread = ir.Constant(_V32I8, [v for j in range(16) for v in (8 + j // 2, -128)])
+    low_nibbles, four = ir.Constant(_V64I8, [15] * 64), ir.Constant(_V64I8, [4] * 64)
+
+    def step(block: _RowBlock, accs: list) -> None:
+        builder = block.builder
+        sm16 = _scale_min_bytes(builder, block.wbase, block.blk)
+        sm64 = builder.shuffle_vector(sm16, sm16, _lanes([i % 16 for i in range(64)]))
+        total = None
+        for g in range(2):  # qs[64g:64g+64]: sub-blocks 4g..4g+3
+            raw = block.weights(16 + 64 * g, _V64I8)
+            low = builder.and_(raw, low_nibbles)  # [4g | 4g+2]
+            high = builder.and_(builder.lshr(raw, four), low_nibbles)  # [4g+1 | 4g+3]
+            for k, order in enumerate(
+                ([*range(32), *range(64, 96)], [*range(32, 64), *range(96, 128)])
+            ):
+                j = 2 * g + k  # sub-blocks 2j, 2j+1
+                q = builder.shuffle_vector(low, high, _lanes(order))
+                scales = _call(
+                    builder, "llvm.x86.avx512.pshuf.b.512", _V64I8, [sm64, scale_pairs[j]]
+                )
+                part = _scaled_pairs(
+                    builder, q, block.activation(64 * j), builder.bitcast(scales, _V32I16)
+                )
+                total = part if total is None else builder.add(total, part)
+        folded = builder.add(_half_of(builder, total, False), _half_of(builder, total, True))
+        sm32 = _half_of(builder, sm64, False)
+        mins = _call(builder, "llvm.x86.avx2.pshuf.b", _V32I8, [sm32, min_spread])
+        min_pairs = _call(
+            builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [block.sums, builder.bitcast(mins, _V16I16)]
+        )
+        # lanes 0, 1 of the sum of both halves: the block's integer and its min sum
+        h = _call(builder, "llvm.x86.avx2.phadd.d", _V8I32, [folded, min_pairs])
+        h = _call(builder, "llvm.x86.avx2.phadd.d", _V8I32, [h, h])
+        both = builder.add(_half_of(builder, h, False), _half_of(builder, h, True))
+        both = builder.sitofp(both, ir.VectorType(_F32, 4))
+        for i, (d, chain) in enumerate(((block.half(0), accs[0]), (block.half(2), accs[1]))):
+            s = builder.extract_element(both, ir.Constant(_I32, i))
+            _fma_into(builder, s, builder.fmul(d, block.d_x), chain)
+
+    def finish(builder: ir.IRBuilder, accs: list) -> ir.Value:
+        return builder.fsub(builder.load(accs[0]), builder.load(accs[1]))
+
+    zero = ir.Constant(_F32, 0.0)
+    return _row_dot(T.Q4_K, [zero, zero], step, finish)
+
+
+def _make_vd6_row_zmm():
+    """The one-row Q6_K vec_dot (``_VD6``): per super-block the eight exact integer lanes of the
+    AVX2 dot (lane L: elements 4L..4L+3 of every 32, by their scales, less 32·bsums·scales),
+    from four vectors of two chunks folded, then ``acc = fma(d_x·d_w, lanes, acc)`` (8 lanes) and
+    hsum_float_8."""
+    low_nibbles = ir.Constant(_V64I8, [15] * 64)
+    top_bits = ir.Constant(_V64I8, [0x30] * 64)
+    # qh to bits 4-5 of chunks (4j, 4j+1) and (4j+2, 4j+3): shifts 0, 2, 4, 6 of qh, by word
+    shifts = [
+        ir.Constant(_V32I16, [4] * 16 + [2] * 16),  # << 4, << 2
+        ir.Constant(_V32I16, [0] * 16 + [2] * 16),  # >> 0, >> 2
+    ]
+    # vpermw indices: chunk pair (2g, 2g+1) takes scales 4g..4g+3, 16 values (8 int16 lanes) each
+    scale_index = [ir.Constant(_V32I16, [4 * g + i // 8 for i in range(32)]) for g in range(4)]
+
+    def step(block: _RowBlock, accs: list) -> None:
+        builder = block.builder
+        scales16 = builder.sext(block.weights(192, ir.VectorType(_I8, 16)), _V16I16)
+        scales32 = builder.shuffle_vector(scales16, scales16, _lanes(list(range(32))))
+        lanes = None
+        for j in range(2):  # ql[64j:64j+64], qh[32j:32j+32]: chunks 4j..4j+3
+            raw = block.weights(64 * j, _V64I8)
+            h = block.weights(128 + 32 * j, _V32I8)
+            h64 = builder.bitcast(
+                builder.shuffle_vector(h, h, _lanes(list(range(32)) * 2)), _V32I16
+            )
+            highs = [
+                builder.shl(h64, shifts[0]),  # chunks 4j, 4j+1: bits 0-1, 2-3 of qh to 4-5
+                builder.lshr(h64, shifts[1]),  # chunks 4j+2, 4j+3: bits 4-5, 6-7
+            ]
+            lows = [
+                builder.and_(raw, low_nibbles),
+                builder.and_(builder.lshr(raw, ir.Constant(_V64I8, [4] * 64)), low_nibbles),
+            ]
+            for k in range(2):
+                g = 2 * j + k  # chunks 2g, 2g+1
+                q = builder.or_(lows[k], builder.and_(builder.bitcast(highs[k], _V64I8), top_bits))
+                scales = _call(
+                    builder, "llvm.x86.avx512.permvar.hi.512", _V32I16, [scales32, scale_index[g]]
+                )
+                part = _scaled_pairs(builder, q, block.activation(64 * g), scales)
+                lanes = part if lanes is None else builder.add(lanes, part)
+        lanes = builder.add(_half_of(builder, lanes, False), _half_of(builder, lanes, True))
+        corr = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [block.sums, scales16])
+        lanes = builder.sub(lanes, builder.shl(corr, ir.Constant(_V8I32, [5] * 8)))
+        v8f = ir.VectorType(_F32, 8)
+        scale = _splat(builder, builder.fmul(block.d_x, block.half(208)), v8f)
+        _fma_into(builder, scale, builder.sitofp(lanes, v8f), accs[0])
+
+    def finish(builder: ir.IRBuilder, accs: list) -> ir.Value:
+        return _hsum(builder, builder.load(accs[0]))
+
+    return _row_dot(T.Q6_K, [ir.Constant(ir.VectorType(_F32, 8), [0.0] * 8)], step, finish)
 
 
 def _pairs(builder: ir.IRBuilder, chunk: ir.Value | tuple, x: ir.Value) -> ir.Value:
@@ -829,6 +1114,9 @@ def _finish(builder: ir.IRBuilder, code: int, acc: ir.Value, accm: ir.Value) -> 
 
 # [code] -> (one activation row, four activation rows)
 _DOTS = {code: (_make_dot(code, 1), _make_dot(code, 4)) for code in _CODE_TYPE}
+if HOST_HAS_ZMM_VNNI:
+    _DOTS[_GV4] = (_make_gv4_row_zmm(), _DOTS[_GV4][1])
+    _DOTS[_VD6] = (_make_vd6_row_zmm(), _DOTS[_VD6][1])
 _dot1_vd6, _dot4_vd6 = _DOTS[_VD6]
 _dot1_vd4, _dot4_vd4 = _DOTS[_VD4]
 _dot1_vd5, _dot4_vd5 = _DOTS[_VD5]
@@ -845,87 +1133,121 @@ _dot1_t2, _dot4_t2 = _DOTS[_T2]
 
 @njit
 def _dot(
-    code, rn, raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out
+    code, rn, raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out
 ):  # pragma: no cover - compiled
-    """One weight row by rn (1 or 4) activation rows; the branches fold for a constant code."""
+    """``rows`` weight rows, each by rn (1 or 4) activation rows; the branches fold for a constant
+    code."""
     if code == _VD6:
         if rn == 4:
-            _dot4_vd6(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_vd6(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_vd6(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_vd6(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _VD4:
         if rn == 4:
-            _dot4_vd4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_vd4(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_vd4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_vd4(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _VD5:
         if rn == 4:
-            _dot4_vd5(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_vd5(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_vd5(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_vd5(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _T6:
         if rn == 4:
-            _dot4_t6(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_t6(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_t6(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_t6(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _T4:
         if rn == 4:
-            _dot4_t4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_t4(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_t4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_t4(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _T5:
         if rn == 4:
-            _dot4_t5(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_t5(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_t5(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_t5(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _GV4:
         if rn == 4:
-            _dot4_gv4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_gv4(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_gv4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_gv4(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _VD3:
         if rn == 4:
-            _dot4_vd3(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_vd3(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_vd3(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_vd3(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _T3:
         if rn == 4:
-            _dot4_t3(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_t3(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_t3(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_t3(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _VD2:
         if rn == 4:
-            _dot4_vd2(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_vd2(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_vd2(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_vd2(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif code == _T2:
         if rn == 4:
-            _dot4_t2(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot4_t2(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
         else:
-            _dot1_t2(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+            _dot1_t2(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     elif rn == 4:
-        _dot4_gm4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        _dot4_gm4(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
     else:
-        _dot1_gm4(raw, w, xq, x, n, xd, bsums, s, nb, out, o, n_out)
+        _dot1_gm4(raw, w, row_bytes, rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
 
 
 @njit
 def _rows(code, raw, r0, r1, xq, xd, bsums, out):  # pragma: no cover - compiled
-    """out[:, r0:r1] in the arithmetic ``code``: each weight row against the activation rows
-    four at a time (its blocks unpacked once per four), then one at a time."""
+    """out[:, r0:r1] in the arithmetic ``code``: the weight rows against the activation rows
+    four at a time (each weight block unpacked once per four), then one at a time."""
     m, n = xq.shape
     nb = n // QK_K
     n_out = out.shape[1]
     row_bytes = raw.shape[1]
-    for r in range(r0, r1):
-        w = r * row_bytes
-        t = 0
-        while t + 4 <= m:
-            _dot(code, 4, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, t * n_out + r, n_out)
-            t += 4
-        while t < m:
-            _dot(code, 1, raw, w, xq, t * n, n, xd, bsums, t * nb, nb, out, t * n_out + r, n_out)
-            t += 1
+    w, rows = r0 * row_bytes, r1 - r0
+    t = 0
+    while t + 4 <= m:
+        _dot(
+            code,
+            4,
+            raw,
+            w,
+            row_bytes,
+            rows,
+            xq,
+            t * n,
+            n,
+            xd,
+            bsums,
+            t * nb,
+            nb,
+            out,
+            t * n_out + r0,
+            n_out,
+        )
+        t += 4
+    while t < m:
+        _dot(
+            code,
+            1,
+            raw,
+            w,
+            row_bytes,
+            rows,
+            xq,
+            t * n,
+            n,
+            xd,
+            bsums,
+            t * nb,
+            nb,
+            out,
+            t * n_out + r0,
+            n_out,
+        )
+        t += 1
 
 
 @njit
@@ -1389,23 +1711,25 @@ def _wide_rows(code, gs, raw, r0, r1, xq, xd, bsums, pr, out):  # pragma: no cov
             )
             t += 4
         while t < m:  # the m % 4 last activation rows: the one-row dots
-            for k in range(r, r + 8):
-                _dot(
-                    code,
-                    1,
-                    raw,
-                    k * row_bytes,
-                    xq,
-                    t * n,
-                    n,
-                    xd,
-                    bsums,
-                    t * nb,
-                    nb,
-                    out,
-                    t * n_out + k,
-                    n_out,
-                )
+            w = r * row_bytes
+            _dot(
+                code,
+                1,
+                raw,
+                w,
+                row_bytes,
+                8,
+                xq,
+                t * n,
+                n,
+                xd,
+                bsums,
+                t * nb,
+                nb,
+                out,
+                t * n_out + r,
+                n_out,
+            )
             t += 1
         r += 8
     _rows(code, raw, r, r1, xq, xd, bsums, out)
