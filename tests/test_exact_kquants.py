@@ -152,6 +152,45 @@ def _one_row_dots(dot):
     return run
 
 
+@pytest.mark.parametrize(
+    "qtype, repacked", [(T.Q4_K, True), (T.Q6_K, False), (T.Q2_K, False)], ids=str
+)
+def test_row_groups_keep_their_own_arithmetic(qtype: T, repacked: bool) -> None:
+    """A product of several sequences' rows (a shared pass) with their groups: each group's
+    rows are the bits ggml gives that group alone (repacked: gemm for its rows in fours, gemv
+    for the rest; else tiled from 8 rows, vec_dot below), in one product; as one product of
+    all the rows some would not be. A stack of a repacked and a plain part rounds once per
+    rule and keeps each part's arithmetic too."""
+    rng = np.random.default_rng(5)
+    n_out, n_in, groups = 64, 512, [1, 6, 5, 12, 3, 1]
+    raw = random_blocks(rng, qtype, n_out, n_in)
+    x = activations(rng, sum(groups), n_in)
+    matrix = ek.KQuantMatrix(raw, qtype, n_out, n_in, repacked=repacked)
+    oracle = go.mul_mat_repacked if repacked else go.mul_mat
+    got = matrix.matmul(x, groups)
+    start = 0
+    for m in groups:
+        rows = slice(start, start + m)
+        assert differing(got[rows], oracle(raw, qtype, n_out, n_in, x[rows])) == 0
+        assert differing(got[rows], matrix.matmul(x[rows])) == 0
+        start += m
+    assert differing(matrix.matmul(x), got) > 0  # as one product of 28 rows
+    plain = ek.KQuantMatrix(random_blocks(rng, T.Q6_K, 32, n_in), T.Q6_K, 32, n_in)
+    stack = ek.KMatrixStack([matrix, plain])
+    both = stack.matmul(x, groups)
+    assert differing(both, np.concatenate([got, plain.matmul(x, groups)], axis=1)) == 0
+
+
+def test_row_groups_refused_where_they_do_not_cover_the_rows() -> None:
+    """Groups that do not add up to the rows, or an empty group: ValueError."""
+    rng = np.random.default_rng(6)
+    matrix = ek.KQuantMatrix(random_blocks(rng, T.Q4_K, 8, 256), T.Q4_K, 8, 256, repacked=True)
+    x = activations(rng, 5, 256)
+    for groups in ([2, 2], [5, 0], [6]):
+        with pytest.raises(ValueError, match="row groups"):
+            matrix.matmul(x, groups)
+
+
 ZMM = pytest.mark.skipif(not ek.HOST_HAS_ZMM_VNNI, reason="no AVX512BW/VNNI here")
 ONE_ROW_KERNELS = {  # every one-row dot a host may pick for these arithmetics
     "gemv avx2": (T.Q4_K, lambda: ek._make_dot(ek._GV4, 1)),

@@ -25,8 +25,16 @@ from tests.engine_checks import Rows, kv_bytes, tiny, token_ids
 from tests.tiny_models import FAST_SPECS, TinySpec
 
 # the tiny models whose every product is row-independent (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, not
-# repacked): their prompts and decode steps share one pass
-SHARING = {"qwen2-Q4_1-untied", "gemma3-Q5_0"}
+# repacked) or a K-quant one, which multiplies each sequence's rows in that sequence's own
+# arithmetic: their prompts and decode steps share one pass
+SHARING = {
+    "qwen2-Q4_1-untied",
+    "gemma3-Q5_0",
+    "llama-Q4_K-untied-rope3",  # repacked: gemm for each chunk's rows in fours, gemv for the rest
+    "qwen2-Q2_K",
+    "llama-Q3_K-untied",
+    "gemma3-Q6_K",  # tiled for a chunk of 8 rows or more, vec_dot below and for decode steps
+}
 
 
 class Sequences(Rows):
@@ -115,10 +123,11 @@ def test_default_model(default_engine: Model, shared_passes: list[list[int | str
 def test_tiny_models(
     spec: TinySpec, tiny_dir: Path, default_model: Path, shared_passes: list[list[int | str]]
 ) -> None:
-    """Every family the exact path plays: the row-independent ones share a pass among their
-    prompt chunks and decode steps (biases, gemma3's window of 8 crossed), the others run each
-    prompt chunk as its own pass and the decode steps as one decode_batch; the same bits
-    either way."""
+    """Every family the exact path plays: the row-independent and K-quant ones share a pass
+    among their prompt chunks and decode steps (biases, gemma3's window of 8 crossed; chunks
+    of 12, 20 and 6 rows: the K-quants' batch and one-row arithmetics side by side), the
+    others run each prompt chunk as its own pass and the decode steps as one decode_batch;
+    the same bits either way."""
     model = tiny(spec, tiny_dir, default_model)
     sharing = spec.name in SHARING
     assert model.shares_passes == sharing

@@ -43,6 +43,7 @@ from bankml.engine_cupy.weights import (
     load_weights,
     open_reader,
     read_hparams,
+    rows_grouped,
     rows_independent,
     total_tensor_bytes,
 )
@@ -167,12 +168,27 @@ class DecodeRows:
             cache.advance(pos + 1)
 
 
+def row_groups(segments: Sequence[Segment | DecodeRows]) -> list[int]:
+    """The sizes of a pass's groups of rows that llama-server multiplies each in a product of
+    their own: a segment's micro-batch, each decode step alone."""
+    return [
+        n
+        for seg in segments
+        for n in (
+            [1] * (seg.rows.stop - seg.rows.start)
+            if isinstance(seg, DecodeRows)
+            else [seg.rows.stop - seg.rows.start]
+        )
+    ]
+
+
 def attention(
     ops: Ops, hp: HParams, il: int, layer: Layer, h: Any, segments: Sequence[Segment | DecodeRows]
 ) -> Any:
     """Causal GQA self-attention of h [n, d], each segment's rows over its own cache (its
     batch's K/V stored first); the Q/K/V product is one for all the rows."""
-    parts = apply_all(ops.xp, layer.qkv, h)  # q [n, h*hd], k and v [n, kv*hd] (or fused qkv)
+    # q [n, h*hd], k and v [n, kv*hd] (or fused qkv)
+    parts = apply_all(ops.xp, layer.qkv, h, row_groups(segments))
     outs = []
     for seg in segments:
         rows = {name: part[seg.rows] for name, part in parts.items()}
@@ -196,10 +212,10 @@ def attend_segment(
     return seg.store_attend(ops, il, q, k, v, scale)  # [n, h*hd]
 
 
-def feed_forward(ops: Ops, layer: Layer, h: Any) -> Any:
-    """down(glu(gate(h), up(h))): h [n, d] → [n, d], through [n, f]."""
-    gu = apply_all(ops.xp, layer.gate_up, h)  # gate, up [n, f]
-    return layer.down(ops.xp, ops.glu(gu["gate"], gu["up"]))["down"]
+def feed_forward(ops: Ops, layer: Layer, h: Any, groups: Sequence[int] | None = None) -> Any:
+    """down(glu(gate(h), up(h))): h [n, d] → [n, d], through [n, f] (``groups``: Linear's)."""
+    gu = apply_all(ops.xp, layer.gate_up, h, groups)  # gate, up [n, f]
+    return layer.down(ops.xp, ops.glu(gu["gate"], gu["up"]), groups)["down"]
 
 
 def block(
@@ -214,7 +230,8 @@ def block(
     """One pre-norm transformer layer: x [n, d] → [n, d] (each segment's last row only if
     ``only_last``)."""
     h = ops.norm(x, layer.attn_norm)  # [n, d]
-    out = layer.wo(ops.xp, attention(ops, hp, il, layer, h, segments))["o"]  # [n, d]
+    groups = row_groups(segments)
+    out = layer.wo(ops.xp, attention(ops, hp, il, layer, h, segments), groups)["o"]  # [n, d]
     if only_last:  # llama.cpp keeps only the output row(s) after the last layer's attention
         # output product (build_attn multiplies every row by wo before get_rows): F16, BF16
         # and F32 products round differently for one row (vec_dot) and several (tinyBLAS)
@@ -223,11 +240,12 @@ def block(
             out, x = out[last[0] : last[0] + 1], x[last[0] : last[0] + 1]
         else:
             out, x = out[last], x[last]
+        groups = [1] * len(last)
     if layer.post_attn_norm is not None:  # gemma3
         out = ops.norm(out, layer.post_attn_norm)
     x = x + out
     h = ops.norm(x, layer.ffn_norm)
-    out = feed_forward(ops, layer, h)  # [n, d]
+    out = feed_forward(ops, layer, h, groups)  # [n, d]
     if layer.post_ffw_norm is not None:  # gemma3
         out = ops.norm(out, layer.post_ffw_norm)
     return x + out
@@ -243,7 +261,9 @@ def stack(
 ) -> Any:
     """Every layer, the output norm and the logits product: x [n, d] → [n or one per segment,
     V]."""
-    return weights.output(ops.xp, hidden(ops, hp, weights, x, segments, all_logits))["logits"]
+    rows = hidden(ops, hp, weights, x, segments, all_logits)
+    groups = row_groups(segments) if all_logits else [1] * rows.shape[0]
+    return weights.output(ops.xp, rows, groups)["logits"]
 
 
 def hidden(
@@ -576,7 +596,9 @@ class Model:
     def shares_passes(self) -> bool:
         """Whether ``forward_batch`` runs several sequences' prompt chunks in one pass: on the
         exact path, when every product of the model gives a row the same bits whatever rows
-        it is multiplied beside (weights.rows_independent); otherwise each is its own pass."""
+        it is multiplied beside (weights.rows_independent) or multiplies each sequence's rows
+        in that sequence's own arithmetic (weights.rows_grouped: the K-quants); otherwise each
+        is its own pass."""
         if self._shares_passes is None:
             w = self.weights
             matrices = [w.output] + [
@@ -584,7 +606,9 @@ class Model:
                 for layer in w.layers
                 for linear in (*layer.qkv, layer.wo, *layer.gate_up, layer.down)
             ]
-            self._shares_passes = self.exact and all(rows_independent(m) for m in matrices)
+            self._shares_passes = self.exact and all(
+                rows_independent(m) or rows_grouped(m) for m in matrices
+            )
         return self._shares_passes
 
     def forward_batch(

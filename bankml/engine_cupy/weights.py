@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -341,9 +341,18 @@ class Linear:
     block_mins: Any | None = None  # [out, in/32] f32: Q4_1/Q5_1 block minimums (see below)
     exact: Any | None = None  # a QuantMatrix / KQuantMatrix / IQuantMatrix (or a stack of them)
 
-    def __call__(self, xp: ModuleType, x: Any) -> dict[str, Any]:
+    def __call__(
+        self, xp: ModuleType, x: Any, groups: Sequence[int] | None = None
+    ) -> dict[str, Any]:
+        """The named outputs for the rows of x. ``groups``: the sizes of the groups of rows
+        that are each a product of their own in llama-server (several sequences' micro-batches
+        in one pass): a K-quant product (rows_grouped) multiplies each group in that group's
+        arithmetic; the others multiply the rows as one product."""
         if self.exact is not None:
-            y = self.exact.matmul(x)
+            if groups is not None and len(groups) > 1 and rows_grouped(self):
+                y = self.exact.matmul(x, groups)
+            else:
+                y = self.exact.matmul(x)
         elif self.block_mins is None:
             y = quantize_activation(xp, x, self.kind) @ self.weight.T
         else:
@@ -363,10 +372,12 @@ class Linear:
         return out
 
 
-def apply_all(xp: ModuleType, linears: Iterable[Linear], x: Any) -> dict[str, Any]:
+def apply_all(
+    xp: ModuleType, linears: Iterable[Linear], x: Any, groups: Sequence[int] | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for linear in linears:
-        out.update(linear(xp, x))
+        out.update(linear(xp, x, groups))
     return out
 
 
@@ -382,6 +393,17 @@ def rows_independent(linear: Linear) -> bool:
     several sequences' rows may share one product): an exact product of those types, not
     repacked, every part of a stacked one."""
     return linear.exact is not None and rows_alone(linear.exact)
+
+
+def rows_grouped(linear: Linear) -> bool:
+    """Whether ``linear`` multiplies several groups of rows in one product, each group in the
+    arithmetic ggml picks for its own row count (exact_kquants.KQuantMatrix.matmul's groups):
+    an exact K-quant product, every part of a stacked one. Several sequences' rows may share
+    such a product too."""
+    parts = getattr(linear.exact, "parts", [linear.exact])
+    return linear.exact is not None and all(
+        isinstance(p, exact_kquants.KQuantMatrix) for p in parts
+    )
 
 
 def rows_alone(matrix: Any, min_rows: int = 1) -> bool:

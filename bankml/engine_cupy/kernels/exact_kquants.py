@@ -31,6 +31,8 @@ per task into a scratch copy and compute in weight-row lanes (lane j = weight ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy
 from gguf import GGMLQuantizationType as T
 from llvmlite import ir
@@ -297,15 +299,32 @@ def _quantize_parallel(x, groups_of_four):  # pragma: no cover - compiled
 class KActivation:
     """Activation rows rounded to q8_K: int8 quants, f32 block scales, the 16 sums per block.
     ``packed_rows``: how many leading rows llama-server rounds with its 4-row packing (repacked
-    Q4_K: m - m % 4), which picks the scale's sign differently when both ±amax occur."""
+    Q4_K: m - m % 4), which picks the scale's sign differently when both ±amax occur.
+    ``order``: the rows of x in the order they were rounded (None: as given), so that the rows
+    of one arithmetic come first (KQuantMatrix.arithmetic_order); ``groups`` and
+    ``batch_rows``: the groups of rows that order was made for and how many rows lead."""
 
-    def __init__(self, x: numpy.ndarray, packed_rows: int = 0):
+    def __init__(
+        self,
+        x: numpy.ndarray,
+        packed_rows: int = 0,
+        order: numpy.ndarray | None = None,
+        groups: tuple[int, ...] | None = None,
+        batch_rows: int = 0,
+    ):
         x = numpy.ascontiguousarray(numpy.atleast_2d(x), dtype=numpy.float32)
         if x.ndim != 2 or x.shape[1] % QK_K:
             raise ValueError(
                 f"activation must be [m, k] with k a multiple of {QK_K}, got {x.shape}"
             )
-        self.packed_rows = packed_rows
+        if order is not None:
+            x = x[order]
+        self.packed_rows, self.order, self.groups, self.batch_rows = (
+            packed_rows,
+            order,
+            groups,
+            batch_rows,
+        )
         quantize = _quantize_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_serial
         self.q, self.d, self.bsums = quantize(x, packed_rows)
 
@@ -1801,30 +1820,57 @@ class KQuantMatrix(BlockRows):
         (one row is left over from the 4-row groups), else vec_dot."""
         return _GV4 if self.repacked else _PLAIN_CODES[self.qtype][1]
 
-    def quantize(self, x: numpy.ndarray) -> KActivation:
-        """The activation rounded as llama-server rounds it for this matrix."""
-        m = numpy.atleast_2d(x).shape[0]
-        return KActivation(x, m - m % 4 if self.repacked else 0)
+    def arithmetic_order(self, groups: Sequence[int]) -> tuple[numpy.ndarray | None, int]:
+        """For activation rows in ``groups`` (sizes, in order), each group a product of its
+        own in llama-server (a sequence's micro-batch), the rows that take the batch arithmetic
+        first, then the rest, as an order of row indices (None: as they are), and how many
+        lead. In a group of m rows ggml takes, for a repacked matrix, gemm for the first
+        m - m % 4 (rounded by the 4-row packing) and gemv for the others; else the tiled
+        kernel for all of them where m >= 8 and vec_dot below."""
+        batch, single, start = [numpy.arange(0)], [], 0
+        for m in groups:
+            k = m - m % 4 if self.repacked else (m if m >= TILED_MIN_ROWS else 0)
+            batch.append(numpy.arange(start, start + k))
+            single.append(numpy.arange(start + k, start + m))
+            start += m
+        order = numpy.concatenate(batch + single)
+        n_batch = sum(len(b) for b in batch)
+        return (None if bool((order == numpy.arange(start)).all()) else order), n_batch
 
-    def matmul(self, x: numpy.ndarray | KActivation) -> numpy.ndarray:
-        """x [m, n_in] f32 (or its KActivation) -> [m, n_out] f32, bit-identical to ggml."""
-        act = x if isinstance(x, KActivation) else self.quantize(x)
+    def quantize(self, x: numpy.ndarray, groups: Sequence[int] | None = None) -> KActivation:
+        """The activation rounded as llama-server rounds it for this matrix, for rows in
+        ``groups`` (sizes; default: one group of every row) that are each a product of its own."""
+        m = numpy.atleast_2d(x).shape[0]
+        groups = tuple(groups) if groups is not None else (m,) if m else ()
+        if sum(groups) != m or any(n < 1 for n in groups):
+            raise ValueError(f"row groups {groups} do not cover {m} rows")
+        order, n_batch = self.arithmetic_order(groups)
+        return KActivation(x, n_batch if self.repacked else 0, order, groups, n_batch)
+
+    def matmul(
+        self, x: numpy.ndarray | KActivation, groups: Sequence[int] | None = None
+    ) -> numpy.ndarray:
+        """x [m, n_in] f32 (or its KActivation) -> [m, n_out] f32, bit-identical to ggml; with
+        ``groups``, each group of rows as ggml multiplies it alone (see arithmetic_order), in
+        one product: the batch arithmetic's rows of every group unpack the weights once."""
+        act = x if isinstance(x, KActivation) else self.quantize(x, groups)
         m, n = act.q.shape
         if n != self.n_in:
             raise ValueError(f"activation width {n} != n_in {self.n_in}")
+        _, n_batch = self.arithmetic_order(act.groups or (m,))
+        ordered_elsewhere = act.groups is not None and act.batch_rows != n_batch
+        if act.packed_rows != (n_batch if self.repacked else 0) or ordered_elsewhere:
+            rule = "a repacked" if act.packed_rows else "an unrepacked"
+            raise ValueError(f"activation was rounded for {rule} matrix (use .quantize)")
+        batch_code, row_code = (_GM4, _GV4) if self.repacked else _PLAIN_CODES[self.qtype]
         out = numpy.empty((m, self.n_out), numpy.float32)
-        if self.repacked:
-            packed = m - m % 4
-            if act.packed_rows != packed:
-                raise ValueError("activation was not rounded for a repacked matrix (use .quantize)")
-            _run(_GM4, self.raw, act, slice(0, packed), out)
-            _run(_GV4, self.raw, act, slice(packed, m), out)
+        _run(batch_code, self.raw, act, slice(0, n_batch), out)
+        _run(row_code, self.raw, act, slice(n_batch, m), out)
+        if act.order is None:
             return out
-        if act.packed_rows:
-            raise ValueError("activation was rounded for a repacked matrix")
-        tiled, vec_dot = _PLAIN_CODES[self.qtype]
-        _run(tiled if m >= TILED_MIN_ROWS else vec_dot, self.raw, act, slice(0, m), out)
-        return out
+        in_order = numpy.empty_like(out)
+        in_order[act.order] = out
+        return in_order
 
 
 class KMatrixStack(MatrixStack):
@@ -1832,13 +1878,15 @@ class KMatrixStack(MatrixStack):
     gives their outputs side by side, rounding the activation once per rounding rule (plain, or
     4-row packed for repacked parts) rather than once per part."""
 
-    def matmul(self, x: numpy.ndarray) -> numpy.ndarray:
+    def matmul(self, x: numpy.ndarray, groups: Sequence[int] | None = None) -> numpy.ndarray:
         x = numpy.atleast_2d(numpy.asarray(x, dtype=numpy.float32))
         rounded: dict[bool, KActivation] = {}
         outs = []
         for part in self.parts:
             if part.repacked not in rounded:
-                rounded[part.repacked] = part.quantize(x)
+                rounded[part.repacked] = (
+                    part.quantize(x) if groups is None else part.quantize(x, groups)
+                )
             outs.append(part.matmul(rounded[part.repacked]))
         return numpy.concatenate(outs, axis=1)
 
