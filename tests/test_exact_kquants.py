@@ -123,35 +123,6 @@ def test_q4_k_repacked_matches_ggml_cpu_repack_buffer(m: int) -> None:
     check("repacked", T.Q4_K, 576, 1536, m, seed=30 + m, repacked=True)
 
 
-def _one_row_dots(dot):
-    """A compiled loop of a one-row dot (``_make_dot``'s signature) over every weight row
-    for each activation row."""
-
-    @numba.njit
-    def run(raw, xq, xd, bsums, out):
-        m, n = xq.shape
-        nb, n_out = n // ek.QK_K, out.shape[1]
-        for t in range(m):
-            dot(
-                raw,
-                0,
-                raw.shape[1],
-                raw.shape[0],
-                xq,
-                t * n,
-                n,
-                xd,
-                bsums,
-                t * nb,
-                nb,
-                out,
-                t * n_out,
-                n_out,
-            )
-
-    return run
-
-
 @pytest.mark.parametrize(
     "qtype, repacked", [(T.Q4_K, True), (T.Q6_K, False), (T.Q2_K, False)], ids=str
 )
@@ -192,25 +163,58 @@ def test_row_groups_refused_where_they_do_not_cover_the_rows() -> None:
 
 
 ZMM = pytest.mark.skipif(not ek.HOST_HAS_ZMM_VNNI, reason="no AVX512BW/VNNI here")
-ONE_ROW_KERNELS = {  # every one-row dot a host may pick for these arithmetics
-    "gemv avx2": (T.Q4_K, lambda: ek._make_dot(ek._GV4, 1)),
-    "gemv 512-bit": (T.Q4_K, lambda: ek._make_gv4_row_zmm()),
-    "Q6_K vec_dot avx2": (T.Q6_K, lambda: ek._make_dot(ek._VD6, 1)),
-    "Q6_K vec_dot 512-bit": (T.Q6_K, lambda: ek._make_vd6_row_zmm()),
+# every dot of the one-row arithmetics a host may pick: (weight type, the dot, activation rows)
+ONE_ROW_KERNELS = {
+    "gemv avx2": (T.Q4_K, lambda: ek._make_dot(ek._GV4, 1), 1),
+    "gemv avx2 x4": (T.Q4_K, lambda: ek._make_dot(ek._GV4, 4), 4),
+    "gemv 512-bit": (T.Q4_K, lambda: ek._make_gv4_zmm(1), 1),
+    "Q6_K vec_dot avx2": (T.Q6_K, lambda: ek._make_dot(ek._VD6, 1), 1),
+    "Q6_K vec_dot avx2 x4": (T.Q6_K, lambda: ek._make_dot(ek._VD6, 4), 4),
+    "Q6_K vec_dot 512-bit": (T.Q6_K, lambda: ek._make_vd6_zmm(1), 1),
+    "Q6_K vec_dot 512-bit x4": (T.Q6_K, lambda: ek._make_vd6_zmm(4), 4),
 }
+
+
+def _one_row_dots(dot, rn: int):
+    """A compiled loop of a dot of ``_make_dot``'s signature (rn activation rows a call) over
+    every weight row and the activation rows."""
+
+    @numba.njit
+    def run(raw, xq, xd, bsums, out):
+        m, n = xq.shape
+        nb, n_out = n // ek.QK_K, out.shape[1]
+        for t in range(0, m, rn):
+            dot(
+                raw,
+                0,
+                raw.shape[1],
+                raw.shape[0],
+                xq,
+                t * n,
+                n,
+                xd,
+                bsums,
+                t * nb,
+                nb,
+                out,
+                t * n_out,
+                n_out,
+            )
+
+    return run
 
 
 @pytest.mark.parametrize(
     "kernel", [pytest.param(k, marks=[ZMM] if "512" in k else []) for k in ONE_ROW_KERNELS]
 )
 def test_one_row_kernels_match_ggml(kernel: str) -> None:
-    """Both one-row dots of repacked Q4_K (gemv) and of Q6_K (vec_dot), whichever the host picks
-    (the 512-bit ones where it has AVX512BW and VNNI), give ggml's bits, from the extremes
-    (every quant and 6-bit scale at its largest, every activation quant at -127) to random
-    blocks."""
-    qtype, make = ONE_ROW_KERNELS[kernel]
+    """Every dot of repacked Q4_K's gemv and Q6_K's vec_dot, whichever the host picks (the
+    512-bit ones where it has AVX512BW and VNNI), for one activation row or four at a time (a
+    batched decode step), gives each row ggml's one-row bits, from the extremes (every quant
+    and 6-bit scale at its largest, every activation quant at -127) to random blocks."""
+    qtype, make, rn = ONE_ROW_KERNELS[kernel]
     rng = np.random.default_rng(77)
-    n_out, n_in = 64, 2048
+    n_out, n_in, m = 64, 2048, 4
     raw = random_blocks(rng, qtype, n_out, n_in)
     blocks = raw.reshape(n_out, n_in // ek.QK_K, -1)
     if qtype == T.Q4_K:
@@ -218,13 +222,13 @@ def test_one_row_kernels_match_ggml(kernel: str) -> None:
     else:
         blocks[0, :, :192] = 0xFF  # quants 63
         blocks[0, :, 192:208] = 0x80  # scales -128
-    x = activations(rng, 3, n_in)
+    x = activations(rng, m, n_in)
     x[0] = -np.abs(x[0]).max()  # every activation quant -127 (or -128)
     act = ek.KActivation(x)
-    out = np.empty((3, n_out), np.float32)
-    _one_row_dots(make())(raw, act.q, act.d, act.bsums, out)
+    out = np.empty((m, n_out), np.float32)
+    _one_row_dots(make(), rn)(raw, act.q, act.d, act.bsums, out)
     oracle = go.mul_mat_repacked if qtype == T.Q4_K else go.mul_mat
-    for t in range(3):  # one row at a time: a one-row product's arithmetic
+    for t in range(m):  # one row at a time: a one-row product's arithmetic
         assert differing(out[t : t + 1], oracle(raw, qtype, n_out, n_in, x[t : t + 1])) == 0
 
 
