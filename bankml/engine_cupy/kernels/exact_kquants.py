@@ -529,29 +529,41 @@ def _block_scales(builder: ir.IRBuilder, qtype: T, wbase: ir.Value, blk: ir.Valu
     return packed, mins, _half(builder, wbase, blk), _half(builder, wbase, at(2))
 
 
-def _make_dot(code: int, rn: int):
-    """dot(w, w_off, row_bytes, n_rows, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out):
-    rn outputs of arithmetic ``code`` (see the module docstring) over nb super-blocks for each
-    of n_rows weight rows, one weight row at a time against rn activation rows. Weight row i is
-    at byte w_off + i·row_bytes of w (its scales, mins and d read from the blocks), unpacked
-    once per block for all rn rows; activation row j is at x_off + j·n_in of xq (int8), its
-    block scales at s_off + j·nb of xd and its sums at 16 times that of bsums (int16); their
-    output goes to out.flat[o_off + i + j·n_out]. The rows loop inside, so that a task of rows
-    is one call."""
-    qtype = _CODE_TYPE[code]
-    unpack = {
-        T.Q2_K: _q2_k_chunks,
-        T.Q3_K: _q3_k_chunks,
-        T.Q4_K: _q4_k_chunks,
-        T.Q5_K: _q5_k_chunks,
-        T.Q6_K: _q6_k_chunks,
-    }[qtype]
-    block_bytes = _BLOCK_BYTES[qtype]
-    v8f, v4f = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4)
-    v16i = ir.VectorType(_I32, 16)
-    vector_acc = code in _VECTOR_CODES
-    per16 = qtype in (T.Q2_K, T.Q3_K, T.Q6_K)  # a scale per 16 values, not per 32
-    across = rn == 4 and not vector_acc  # scalar chains: four rows' in one vector
+class _DotArgs:
+    """A dot intrinsic's arguments inside its codegen (the signature ``_make_dot`` describes):
+    the arrays' data pointers (w and xq as i8*, xd, bsums and out typed by their elements), the
+    integers by name, and ``const`` for constants of their type."""
+
+    def __init__(self, context, builder, signature, args):
+        aty = signature.args
+        (
+            _,
+            self.w_first,
+            self.row_bytes,
+            self.n_rows,
+            _,
+            self.x_off,
+            self.n_in,
+            _,
+            _,
+            self.s_off,
+            self.nblocks,
+            _,
+            self.o_first,
+            self.n_out,
+        ) = args
+        self.wbase = _byte_ptr(context, builder, aty[0], args[0])
+        self.xbase = _byte_ptr(context, builder, aty[4], args[4])
+        self.xd, self.bsums, self.out = (
+            _data(context, builder, aty[i], args[i]) for i in (7, 8, 11)
+        )
+
+    def const(self, v: int) -> ir.Value:
+        return ir.Constant(self.w_first.type, v)
+
+
+def _dot_intrinsic(emit):
+    """An intrinsic of the dots' signature whose code ``emit(builder, _DotArgs)`` writes."""
 
     @intrinsic
     def dot(
@@ -576,120 +588,118 @@ def _make_dot(code: int, rn: int):
         )
 
         def codegen(context, builder, signature, args):
-            aty = signature.args
-            (
-                _,
-                w_first,
-                row_bytes,
-                n_rows,
-                _,
-                x_off,
-                n_in,
-                _,
-                _,
-                s_off,
-                nblocks,
-                _,
-                o_first,
-                n_out,
-            ) = args
-
-            def data(i: int) -> ir.Value:
-                return _data(context, builder, aty[i], args[i])
-
-            wbase, xbase = (
-                _byte_ptr(context, builder, aty[0], args[0]),
-                _byte_ptr(context, builder, aty[4], args[4]),
-            )
-            xdp, bsp, obase = data(7), data(8), data(11)
-            ity = w_first.type
-
-            def const(v: int) -> ir.Value:
-                return ir.Constant(ity, v)
-
-            with cgutils.for_range(builder, n_rows) as weight_rows:
-                w_off = builder.add(w_first, builder.mul(weight_rows.index, row_bytes))
-                o_off = builder.add(o_first, weight_rows.index)
-                zero = ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0)
-                zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
-                acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
-                accm = [cgutils.alloca_once_value(builder, zero_m) for _ in range(rn)]
-                # scalar chains of four rows side by side in one <4 x float> (lane j: row j)
-                acc4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
-                accm4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
-                with cgutils.for_range(builder, nblocks) as loop:
-                    b = loop.index
-                    blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
-                    scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
-                    chunks = unpack(builder, wbase, blk)
-                    chunk_scales = [
-                        builder.shuffle_vector(
-                            scales,
-                            scales,
-                            ir.Constant(v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16),
-                        )
-                        for c in range(8)
-                    ]
-                    rows = []
-                    for j in range(rn):
-                        row = builder.add(s_off, builder.mul(const(j), nblocks))
-                        xo = builder.add(
-                            builder.add(x_off, builder.mul(const(j), n_in)),
-                            builder.mul(b, const(QK_K)),
-                        )
-                        d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
-                        sums = _vec(
-                            builder, bsp, builder.mul(builder.add(row, b), const(16)), _V16I16
-                        )
-                        groups = []
-                        for g in range(4):
-                            total = None
-                            for c in (2 * g, 2 * g + 1):
-                                x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
-                                pairs = _pairs(builder, chunks[c], x)
-                                quads = _call(
-                                    builder,
-                                    "llvm.x86.avx2.pmadd.wd",
-                                    _V8I32,
-                                    [pairs, chunk_scales[c]],
-                                )
-                                total = quads if total is None else builder.add(total, quads)
-                            groups.append(total)
-                        if across:
-                            rows.append((groups, sums, d_x))
-                        else:
-                            _block_step(
-                                builder,
-                                code,
-                                groups,
-                                sums,
-                                scales,
-                                mins16,
-                                d_x,
-                                d_w,
-                                dm_w,
-                                acc[j],
-                                accm[j],
-                            )
-                    if across:
-                        _block_step_rows(
-                            builder, code, rows, scales, mins16, d_w, dm_w, acc4, accm4
-                        )
-                for j in range(rn):
-                    index = builder.add(o_off, builder.mul(const(j), n_out))
-                    if across:
-                        total = builder.load(acc4)
-                        if code in (_GV4, _GM4):
-                            total = builder.fsub(total, builder.load(accm4))
-                        value = builder.extract_element(total, ir.Constant(_I32, j))
-                    else:
-                        value = _finish(builder, code, acc[j], accm[j])
-                    builder.store(value, builder.gep(obase, [index]))
+            emit(builder, _DotArgs(context, builder, signature, args))
             return context.get_dummy_value()
 
         return sig, codegen
 
     return dot
+
+
+def _make_dot(code: int, rn: int):
+    """dot(w, w_off, row_bytes, n_rows, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out):
+    rn outputs of arithmetic ``code`` (see the module docstring) over nb super-blocks for each
+    of n_rows weight rows, one weight row at a time against rn activation rows. Weight row i is
+    at byte w_off + i·row_bytes of w (its scales, mins and d read from the blocks), unpacked
+    once per block for all rn rows; activation row j is at x_off + j·n_in of xq (int8), its
+    block scales at s_off + j·nb of xd and its sums at 16 times that of bsums (int16); their
+    output goes to out.flat[o_off + i + j·n_out]. The rows loop inside, so that a task of rows
+    is one call."""
+    qtype = _CODE_TYPE[code]
+    unpack = {
+        T.Q2_K: _q2_k_chunks,
+        T.Q3_K: _q3_k_chunks,
+        T.Q4_K: _q4_k_chunks,
+        T.Q5_K: _q5_k_chunks,
+        T.Q6_K: _q6_k_chunks,
+    }[qtype]
+    block_bytes = _BLOCK_BYTES[qtype]
+    v8f, v4f = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4)
+    v16i = ir.VectorType(_I32, 16)
+    vector_acc = code in _VECTOR_CODES
+    per16 = qtype in (T.Q2_K, T.Q3_K, T.Q6_K)  # a scale per 16 values, not per 32
+    across = rn == 4 and not vector_acc  # scalar chains: four rows' in one vector
+
+    def emit(builder: ir.IRBuilder, a: _DotArgs) -> None:
+        w_first, row_bytes, n_rows, x_off, n_in = a.w_first, a.row_bytes, a.n_rows, a.x_off, a.n_in
+        s_off, nblocks, o_first, n_out, const = a.s_off, a.nblocks, a.o_first, a.n_out, a.const
+        wbase, xbase, xdp, bsp, obase = a.wbase, a.xbase, a.xd, a.bsums, a.out
+        with cgutils.for_range(builder, n_rows) as weight_rows:
+            w_off = builder.add(w_first, builder.mul(weight_rows.index, row_bytes))
+            o_off = builder.add(o_first, weight_rows.index)
+            zero = ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0)
+            zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
+            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
+            accm = [cgutils.alloca_once_value(builder, zero_m) for _ in range(rn)]
+            # scalar chains of four rows side by side in one <4 x float> (lane j: row j)
+            acc4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
+            accm4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
+                scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
+                chunks = unpack(builder, wbase, blk)
+                chunk_scales = [
+                    builder.shuffle_vector(
+                        scales,
+                        scales,
+                        ir.Constant(v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16),
+                    )
+                    for c in range(8)
+                ]
+                rows = []
+                for j in range(rn):
+                    row = builder.add(s_off, builder.mul(const(j), nblocks))
+                    xo = builder.add(
+                        builder.add(x_off, builder.mul(const(j), n_in)),
+                        builder.mul(b, const(QK_K)),
+                    )
+                    d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
+                    sums = _vec(builder, bsp, builder.mul(builder.add(row, b), const(16)), _V16I16)
+                    groups = []
+                    for g in range(4):
+                        total = None
+                        for c in (2 * g, 2 * g + 1):
+                            x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
+                            pairs = _pairs(builder, chunks[c], x)
+                            quads = _call(
+                                builder,
+                                "llvm.x86.avx2.pmadd.wd",
+                                _V8I32,
+                                [pairs, chunk_scales[c]],
+                            )
+                            total = quads if total is None else builder.add(total, quads)
+                        groups.append(total)
+                    if across:
+                        rows.append((groups, sums, d_x))
+                    else:
+                        _block_step(
+                            builder,
+                            code,
+                            groups,
+                            sums,
+                            scales,
+                            mins16,
+                            d_x,
+                            d_w,
+                            dm_w,
+                            acc[j],
+                            accm[j],
+                        )
+                if across:
+                    _block_step_rows(builder, code, rows, scales, mins16, d_w, dm_w, acc4, accm4)
+            for j in range(rn):
+                index = builder.add(o_off, builder.mul(const(j), n_out))
+                if across:
+                    total = builder.load(acc4)
+                    if code in (_GV4, _GM4):
+                        total = builder.fsub(total, builder.load(accm4))
+                    value = builder.extract_element(total, ir.Constant(_I32, j))
+                else:
+                    value = _finish(builder, code, acc[j], accm[j])
+                builder.store(value, builder.gep(obase, [index]))
+
+    return _dot_intrinsic(emit)
 
 
 # --- gemv and Q6_K vec_dot on 512-bit vectors (hosts with AVX512BW and VNNI) -------------------
@@ -747,96 +757,43 @@ def _row_dot(qtype: T, rn: int, zeros: list, step, finish):
     ``finish(builder, accs[j])`` row j's output."""
     block_bytes = _BLOCK_BYTES[qtype]
 
-    @intrinsic
-    def dot(
-        typingctx,
-        w,
-        w_off,
-        row_bytes,
-        n_rows,
-        xq,
-        x_off,
-        n_in,
-        xd,
-        bsums,
-        s_off,
-        nb,
-        out,
-        o_off,
-        n_out,
-    ):
-        sig = types.void(
-            w, w_off, row_bytes, n_rows, xq, x_off, n_in, xd, bsums, s_off, nb, out, o_off, n_out
-        )
-
-        def codegen(context, builder, signature, args):
-            aty = signature.args
-            (
-                _,
-                w_first,
-                row_bytes,
-                n_rows,
-                _,
-                x_off,
-                n_in,
-                _,
-                _,
-                s_off,
-                nblocks,
-                _,
-                o_first,
-                n_out,
-            ) = args
-            wbase = _byte_ptr(context, builder, aty[0], args[0])
-            xbase = _byte_ptr(context, builder, aty[4], args[4])
-            xdp, bsp = (
-                _data(context, builder, aty[7], args[7]),
-                _data(context, builder, aty[8], args[8]),
-            )
-            obase = _data(context, builder, aty[11], args[11])
-            ity = w_first.type
-
-            def const(v: int) -> ir.Value:
-                return ir.Constant(ity, v)
-
-            with cgutils.for_range(builder, n_rows) as weight_rows:
-                w_off = builder.add(w_first, builder.mul(weight_rows.index, row_bytes))
-                accs = [
-                    [cgutils.alloca_once_value(builder, zero) for zero in zeros] for _ in range(rn)
+    def emit(builder: ir.IRBuilder, a: _DotArgs) -> None:
+        w_first, row_bytes, n_rows, x_off, n_in = a.w_first, a.row_bytes, a.n_rows, a.x_off, a.n_in
+        s_off, nblocks, o_first, n_out, const = a.s_off, a.nblocks, a.o_first, a.n_out, a.const
+        wbase, xbase, xdp, bsp, obase = a.wbase, a.xbase, a.xd, a.bsums, a.out
+        with cgutils.for_range(builder, n_rows) as weight_rows:
+            w_off = builder.add(w_first, builder.mul(weight_rows.index, row_bytes))
+            accs = [[cgutils.alloca_once_value(builder, zero) for zero in zeros] for _ in range(rn)]
+            with cgutils.for_range(builder, nblocks) as loop:
+                b = loop.index
+                at = [
+                    builder.add(builder.add(s_off, builder.mul(const(j), nblocks)), b)
+                    for j in range(rn)
                 ]
-                with cgutils.for_range(builder, nblocks) as loop:
-                    b = loop.index
-                    at = [
-                        builder.add(builder.add(s_off, builder.mul(const(j), nblocks)), b)
+                block = _RowBlock(
+                    builder,
+                    wbase,
+                    xbase,
+                    builder.add(w_off, builder.mul(b, const(block_bytes))),
+                    [
+                        builder.add(
+                            builder.add(x_off, builder.mul(const(j), n_in)),
+                            builder.mul(b, const(QK_K)),
+                        )
                         for j in range(rn)
-                    ]
-                    block = _RowBlock(
-                        builder,
-                        wbase,
-                        xbase,
-                        builder.add(w_off, builder.mul(b, const(block_bytes))),
-                        [
-                            builder.add(
-                                builder.add(x_off, builder.mul(const(j), n_in)),
-                                builder.mul(b, const(QK_K)),
-                            )
-                            for j in range(rn)
-                        ],
-                        [builder.load(builder.gep(xdp, [i])) for i in at],
-                        [_vec(builder, bsp, builder.mul(i, const(16)), _V16I16) for i in at],
-                        const,
-                    )
-                    step(block, accs)
-                for j in range(rn):
-                    o_off = builder.add(
-                        builder.add(o_first, weight_rows.index), builder.mul(const(j), n_out)
-                    )
-                    builder.store(finish(builder, accs[j]), builder.gep(obase, [o_off]))
-            return context.get_dummy_value()
+                    ],
+                    [builder.load(builder.gep(xdp, [i])) for i in at],
+                    [_vec(builder, bsp, builder.mul(i, const(16)), _V16I16) for i in at],
+                    const,
+                )
+                step(block, accs)
+            for j in range(rn):
+                o_off = builder.add(
+                    builder.add(o_first, weight_rows.index), builder.mul(const(j), n_out)
+                )
+                builder.store(finish(builder, accs[j]), builder.gep(obase, [o_off]))
 
-        return sig, codegen
-
-    return dot
+    return _dot_intrinsic(emit)
 
 
 def _fma_into(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, chain: ir.Value) -> None:
