@@ -183,23 +183,10 @@ def _one_row_dots(dot, rn: int):
     def run(raw, xq, xd, bsums, out):
         m, n = xq.shape
         nb, n_out = n // ek.QK_K, out.shape[1]
+        w_rows, row_bytes = raw.shape
         for t in range(0, m, rn):
-            dot(
-                raw,
-                0,
-                raw.shape[1],
-                raw.shape[0],
-                xq,
-                t * n,
-                n,
-                xd,
-                bsums,
-                t * nb,
-                nb,
-                out,
-                t * n_out,
-                n_out,
-            )
+            x, s, o = t * n, t * nb, t * n_out
+            dot(raw, 0, row_bytes, w_rows, xq, x, n, xd, bsums, s, nb, out, o, n_out)
 
     return run
 

@@ -563,7 +563,9 @@ class _DotArgs:
 
 
 def _dot_intrinsic(emit):
-    """An intrinsic of the dots' signature whose code ``emit(builder, _DotArgs)`` writes."""
+    """An intrinsic of the dots' signature: for each of its weight rows, ``emit(builder,
+    _DotArgs, w_off, o_off)`` writes the row's code (w_off: the row's byte offset in w, o_off:
+    its first output's index in out)."""
 
     @intrinsic
     def dot(
@@ -588,7 +590,10 @@ def _dot_intrinsic(emit):
         )
 
         def codegen(context, builder, signature, args):
-            emit(builder, _DotArgs(context, builder, signature, args))
+            a = _DotArgs(context, builder, signature, args)
+            with cgutils.for_range(builder, a.n_rows) as weight_rows:
+                w_off = builder.add(a.w_first, builder.mul(weight_rows.index, a.row_bytes))
+                emit(builder, a, w_off, builder.add(a.o_first, weight_rows.index))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -620,84 +625,81 @@ def _make_dot(code: int, rn: int):
     per16 = qtype in (T.Q2_K, T.Q3_K, T.Q6_K)  # a scale per 16 values, not per 32
     across = rn == 4 and not vector_acc  # scalar chains: four rows' in one vector
 
-    def emit(builder: ir.IRBuilder, a: _DotArgs) -> None:
-        w_first, row_bytes, n_rows, x_off, n_in = a.w_first, a.row_bytes, a.n_rows, a.x_off, a.n_in
-        s_off, nblocks, o_first, n_out, const = a.s_off, a.nblocks, a.o_first, a.n_out, a.const
+    def emit(builder: ir.IRBuilder, a: _DotArgs, w_off: ir.Value, o_off: ir.Value) -> None:
+        x_off, n_in, s_off, nblocks = a.x_off, a.n_in, a.s_off, a.nblocks
+        n_out, const = a.n_out, a.const
         wbase, xbase, xdp, bsp, obase = a.wbase, a.xbase, a.xd, a.bsums, a.out
-        with cgutils.for_range(builder, n_rows) as weight_rows:
-            w_off = builder.add(w_first, builder.mul(weight_rows.index, row_bytes))
-            o_off = builder.add(o_first, weight_rows.index)
-            zero = ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0)
-            zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
-            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
-            accm = [cgutils.alloca_once_value(builder, zero_m) for _ in range(rn)]
-            # scalar chains of four rows side by side in one <4 x float> (lane j: row j)
-            acc4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
-            accm4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
-            with cgutils.for_range(builder, nblocks) as loop:
-                b = loop.index
-                blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
-                scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
-                chunks = unpack(builder, wbase, blk)
-                chunk_scales = [
-                    builder.shuffle_vector(
-                        scales,
-                        scales,
-                        ir.Constant(v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16),
-                    )
-                    for c in range(8)
-                ]
-                rows = []
-                for j in range(rn):
-                    row = builder.add(s_off, builder.mul(const(j), nblocks))
-                    xo = builder.add(
-                        builder.add(x_off, builder.mul(const(j), n_in)),
-                        builder.mul(b, const(QK_K)),
-                    )
-                    d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
-                    sums = _vec(builder, bsp, builder.mul(builder.add(row, b), const(16)), _V16I16)
-                    groups = []
-                    for g in range(4):
-                        total = None
-                        for c in (2 * g, 2 * g + 1):
-                            x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
-                            pairs = _pairs(builder, chunks[c], x)
-                            quads = _call(
-                                builder,
-                                "llvm.x86.avx2.pmadd.wd",
-                                _V8I32,
-                                [pairs, chunk_scales[c]],
-                            )
-                            total = quads if total is None else builder.add(total, quads)
-                        groups.append(total)
-                    if across:
-                        rows.append((groups, sums, d_x))
-                    else:
-                        _block_step(
-                            builder,
-                            code,
-                            groups,
-                            sums,
-                            scales,
-                            mins16,
-                            d_x,
-                            d_w,
-                            dm_w,
-                            acc[j],
-                            accm[j],
-                        )
-                if across:
-                    _block_step_rows(builder, code, rows, scales, mins16, d_w, dm_w, acc4, accm4)
+        zero = ir.Constant(v8f, [0.0] * 8) if vector_acc else ir.Constant(_F32, 0.0)
+        zero_m = ir.Constant(v4f, [0.0] * 4) if code == _VD4 else ir.Constant(_F32, 0.0)
+        acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rn)]
+        accm = [cgutils.alloca_once_value(builder, zero_m) for _ in range(rn)]
+        # scalar chains of four rows side by side in one <4 x float> (lane j: row j)
+        acc4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
+        accm4 = cgutils.alloca_once_value(builder, ir.Constant(v4f, [0.0] * 4))
+        with cgutils.for_range(builder, nblocks) as loop:
+            b = loop.index
+            blk = builder.add(w_off, builder.mul(b, const(block_bytes)))
+            scales, mins16, d_w, dm_w = _block_scales(builder, qtype, wbase, blk)
+            chunks = unpack(builder, wbase, blk)
+            chunk_scales = [
+                builder.shuffle_vector(
+                    scales,
+                    scales,
+                    ir.Constant(v16i, [2 * c] * 8 + [2 * c + 1] * 8 if per16 else [c] * 16),
+                )
+                for c in range(8)
+            ]
+            rows = []
             for j in range(rn):
-                index = builder.add(o_off, builder.mul(const(j), n_out))
+                row = builder.add(s_off, builder.mul(const(j), nblocks))
+                xo = builder.add(
+                    builder.add(x_off, builder.mul(const(j), n_in)),
+                    builder.mul(b, const(QK_K)),
+                )
+                d_x = builder.load(builder.gep(xdp, [builder.add(row, b)]))
+                sums = _vec(builder, bsp, builder.mul(builder.add(row, b), const(16)), _V16I16)
+                groups = []
+                for g in range(4):
+                    total = None
+                    for c in (2 * g, 2 * g + 1):
+                        x = _load(builder, xbase, builder.add(xo, const(32 * c)), _V32I8)
+                        pairs = _pairs(builder, chunks[c], x)
+                        quads = _call(
+                            builder,
+                            "llvm.x86.avx2.pmadd.wd",
+                            _V8I32,
+                            [pairs, chunk_scales[c]],
+                        )
+                        total = quads if total is None else builder.add(total, quads)
+                    groups.append(total)
                 if across:
-                    total = builder.load(acc4)
-                    if code in (_GV4, _GM4):
-                        total = builder.fsub(total, builder.load(accm4))
-                    value = builder.extract_element(total, ir.Constant(_I32, j))
+                    rows.append((groups, sums, d_x))
                 else:
-                    value = _finish(builder, code, acc[j], accm[j])
-                builder.store(value, builder.gep(obase, [index]))
+                    _block_step(
+                        builder,
+                        code,
+                        groups,
+                        sums,
+                        scales,
+                        mins16,
+                        d_x,
+                        d_w,
+                        dm_w,
+                        acc[j],
+                        accm[j],
+                    )
+            if across:
+                _block_step_rows(builder, code, rows, scales, mins16, d_w, dm_w, acc4, accm4)
+        for j in range(rn):
+            index = builder.add(o_off, builder.mul(const(j), n_out))
+            if across:
+                total = builder.load(acc4)
+                if code in (_GV4, _GM4):
+                    total = builder.fsub(total, builder.load(accm4))
+                value = builder.extract_element(total, ir.Constant(_I32, j))
+            else:
+                value = _finish(builder, code, acc[j], accm[j])
+            builder.store(value, builder.gep(obase, [index]))
 
     return _dot_intrinsic(emit)
 
@@ -729,6 +731,18 @@ def _scaled_pairs(builder: ir.IRBuilder, q: ir.Value, x: ir.Value, scales: ir.Va
     return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _V16I32, [prod, scales])
 
 
+def _chunk_lanes(block: _RowBlock, r: int, pairs: list) -> ir.Value:
+    """Activation row r's eight exact int32 lanes of a super-block: the four chunk pairs'
+    (quants, scales) by its activations (pair j: values 64j..64j+63), added, then the two
+    halves of the vector (lane L: values 4L..4L+3 of every 32, by their scales)."""
+    builder = block.builder
+    total = None
+    for j, (q, scales) in enumerate(pairs):
+        part = _scaled_pairs(builder, q, block.activation(r, 64 * j), scales)
+        total = part if total is None else builder.add(total, part)
+    return builder.add(_half_of(builder, total, False), _half_of(builder, total, True))
+
+
 class _RowBlock:
     """What a dot's super-block step reads: the weight block's byte offset ``blk`` and, for
     each activation row j, its block's offset ``xo[j]`` in xq, scale ``d_x[j]`` and 16 sums
@@ -757,41 +771,35 @@ def _row_dot(qtype: T, rn: int, zeros: list, step, finish):
     ``finish(builder, accs[j])`` row j's output."""
     block_bytes = _BLOCK_BYTES[qtype]
 
-    def emit(builder: ir.IRBuilder, a: _DotArgs) -> None:
-        w_first, row_bytes, n_rows, x_off, n_in = a.w_first, a.row_bytes, a.n_rows, a.x_off, a.n_in
-        s_off, nblocks, o_first, n_out, const = a.s_off, a.nblocks, a.o_first, a.n_out, a.const
-        wbase, xbase, xdp, bsp, obase = a.wbase, a.xbase, a.xd, a.bsums, a.out
-        with cgutils.for_range(builder, n_rows) as weight_rows:
-            w_off = builder.add(w_first, builder.mul(weight_rows.index, row_bytes))
-            accs = [[cgutils.alloca_once_value(builder, zero) for zero in zeros] for _ in range(rn)]
-            with cgutils.for_range(builder, nblocks) as loop:
-                b = loop.index
-                at = [
-                    builder.add(builder.add(s_off, builder.mul(const(j), nblocks)), b)
+    def emit(builder: ir.IRBuilder, a: _DotArgs, w_off: ir.Value, o_first: ir.Value) -> None:
+        const, nblocks = a.const, a.nblocks
+        accs = [[cgutils.alloca_once_value(builder, zero) for zero in zeros] for _ in range(rn)]
+        with cgutils.for_range(builder, nblocks) as loop:
+            b = loop.index
+            at = [
+                builder.add(builder.add(a.s_off, builder.mul(const(j), nblocks)), b)
+                for j in range(rn)
+            ]
+            block = _RowBlock(
+                builder,
+                a.wbase,
+                a.xbase,
+                builder.add(w_off, builder.mul(b, const(block_bytes))),
+                [
+                    builder.add(
+                        builder.add(a.x_off, builder.mul(const(j), a.n_in)),
+                        builder.mul(b, const(QK_K)),
+                    )
                     for j in range(rn)
-                ]
-                block = _RowBlock(
-                    builder,
-                    wbase,
-                    xbase,
-                    builder.add(w_off, builder.mul(b, const(block_bytes))),
-                    [
-                        builder.add(
-                            builder.add(x_off, builder.mul(const(j), n_in)),
-                            builder.mul(b, const(QK_K)),
-                        )
-                        for j in range(rn)
-                    ],
-                    [builder.load(builder.gep(xdp, [i])) for i in at],
-                    [_vec(builder, bsp, builder.mul(i, const(16)), _V16I16) for i in at],
-                    const,
-                )
-                step(block, accs)
-            for j in range(rn):
-                o_off = builder.add(
-                    builder.add(o_first, weight_rows.index), builder.mul(const(j), n_out)
-                )
-                builder.store(finish(builder, accs[j]), builder.gep(obase, [o_off]))
+                ],
+                [builder.load(builder.gep(a.xd, [i])) for i in at],
+                [_vec(builder, a.bsums, builder.mul(i, const(16)), _V16I16) for i in at],
+                const,
+            )
+            step(block, accs)
+        for j in range(rn):
+            o_off = builder.add(o_first, builder.mul(const(j), a.n_out))
+            builder.store(finish(builder, accs[j]), builder.gep(a.out, [o_off]))
 
     return _dot_intrinsic(emit)
 
@@ -850,11 +858,7 @@ def _make_gv4_zmm(rn: int):
         )
         d_w, dm_w = block.half(0), block.half(2)
         for r in range(len(accs)):
-            total = None
-            for j, (q, scales) in enumerate(pairs):
-                part = _scaled_pairs(builder, q, block.activation(r, 64 * j), scales)
-                total = part if total is None else builder.add(total, part)
-            folded = builder.add(_half_of(builder, total, False), _half_of(builder, total, True))
+            folded = _chunk_lanes(block, r, pairs)
             min_pairs = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [block.sums[r], mins])
             # lanes 0, 1 of the sum of both halves: the block's integer and its min sum
             h = _call(builder, "llvm.x86.avx2.phadd.d", _V8I32, [folded, min_pairs])
@@ -916,11 +920,7 @@ def _make_vd6_zmm(rn: int):
         v8f = ir.VectorType(_F32, 8)
         d_w = block.half(208)
         for r in range(len(accs)):
-            lanes = None
-            for g, (q, scales) in enumerate(pairs):
-                part = _scaled_pairs(builder, q, block.activation(r, 64 * g), scales)
-                lanes = part if lanes is None else builder.add(lanes, part)
-            lanes = builder.add(_half_of(builder, lanes, False), _half_of(builder, lanes, True))
+            lanes = _chunk_lanes(block, r, pairs)
             corr = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [block.sums[r], scales16])
             lanes = builder.sub(lanes, builder.shl(corr, ir.Constant(_V8I32, [5] * 8)))
             scale = _splat(builder, builder.fmul(block.d_x[r], d_w), v8f)
@@ -1234,46 +1234,11 @@ def _rows(code, raw, r0, r1, xq, xd, bsums, out):  # pragma: no cover - compiled
     row_bytes = raw.shape[1]
     w, rows = r0 * row_bytes, r1 - r0
     t = 0
-    while t + 4 <= m:
-        _dot(
-            code,
-            4,
-            raw,
-            w,
-            row_bytes,
-            rows,
-            xq,
-            t * n,
-            n,
-            xd,
-            bsums,
-            t * nb,
-            nb,
-            out,
-            t * n_out + r0,
-            n_out,
-        )
-        t += 4
     while t < m:
-        _dot(
-            code,
-            1,
-            raw,
-            w,
-            row_bytes,
-            rows,
-            xq,
-            t * n,
-            n,
-            xd,
-            bsums,
-            t * nb,
-            nb,
-            out,
-            t * n_out + r0,
-            n_out,
-        )
-        t += 1
+        rn = 4 if t + 4 <= m else 1
+        o = t * n_out + r0
+        _dot(code, rn, raw, w, row_bytes, rows, xq, t * n, n, xd, bsums, t * nb, nb, out, o, n_out)
+        t += rn
 
 
 @njit
@@ -1737,25 +1702,8 @@ def _wide_rows(code, gs, raw, r0, r1, xq, xd, bsums, pr, out):  # pragma: no cov
             )
             t += 4
         while t < m:  # the m % 4 last activation rows: the one-row dots
-            w = r * row_bytes
-            _dot(
-                code,
-                1,
-                raw,
-                w,
-                row_bytes,
-                8,
-                xq,
-                t * n,
-                n,
-                xd,
-                bsums,
-                t * nb,
-                nb,
-                out,
-                t * n_out + r,
-                n_out,
-            )
+            w, o = r * row_bytes, t * n_out + r
+            _dot(code, 1, raw, w, row_bytes, 8, xq, t * n, n, xd, bsums, t * nb, nb, out, o, n_out)
             t += 1
         r += 8
     _rows(code, raw, r, r1, xq, xd, bsums, out)
