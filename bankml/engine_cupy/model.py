@@ -183,12 +183,18 @@ def row_groups(segments: Sequence[Segment | DecodeRows]) -> list[int]:
 
 
 def attention(
-    ops: Ops, hp: HParams, il: int, layer: Layer, h: Any, segments: Sequence[Segment | DecodeRows]
+    ops: Ops,
+    hp: HParams,
+    il: int,
+    layer: Layer,
+    h: Any,
+    segments: Sequence[Segment | DecodeRows],
+    groups: Sequence[int],
 ) -> Any:
     """Causal GQA self-attention of h [n, d], each segment's rows over its own cache (its
-    batch's K/V stored first); the Q/K/V product is one for all the rows."""
-    # q [n, h*hd], k and v [n, kv*hd] (or fused qkv)
-    parts = apply_all(ops.xp, layer.qkv, h, row_groups(segments))
+    batch's K/V stored first); the Q/K/V product is one for all the rows (``groups``: their
+    row_groups)."""
+    parts = apply_all(ops.xp, layer.qkv, h, groups)  # q [n, h*hd], k and v [n, kv*hd] (or qkv)
     outs = []
     for seg in segments:
         rows = {name: part[seg.rows] for name, part in parts.items()}
@@ -231,7 +237,7 @@ def block(
     ``only_last``)."""
     h = ops.norm(x, layer.attn_norm)  # [n, d]
     groups = row_groups(segments)
-    out = layer.wo(ops.xp, attention(ops, hp, il, layer, h, segments), groups)["o"]  # [n, d]
+    out = layer.wo(ops.xp, attention(ops, hp, il, layer, h, segments, groups), groups)["o"]
     if only_last:  # llama.cpp keeps only the output row(s) after the last layer's attention
         # output product (build_attn multiplies every row by wo before get_rows): F16, BF16
         # and F32 products round differently for one row (vec_dot) and several (tinyBLAS)

@@ -301,8 +301,8 @@ class KActivation:
     ``packed_rows``: how many leading rows llama-server rounds with its 4-row packing (repacked
     Q4_K: m - m % 4), which picks the scale's sign differently when both ±amax occur.
     ``order``: the rows of x in the order they were rounded (None: as given), so that the rows
-    of one arithmetic come first (KQuantMatrix.arithmetic_order); ``groups`` and
-    ``batch_rows``: the groups of rows that order was made for and how many rows lead."""
+    of one arithmetic come first (KQuantMatrix.arithmetic_order); ``groups``: the groups of
+    rows that order was made for (None: one group of every row)."""
 
     def __init__(
         self,
@@ -310,7 +310,6 @@ class KActivation:
         packed_rows: int = 0,
         order: numpy.ndarray | None = None,
         groups: tuple[int, ...] | None = None,
-        batch_rows: int = 0,
     ):
         x = numpy.ascontiguousarray(numpy.atleast_2d(x), dtype=numpy.float32)
         if x.ndim != 2 or x.shape[1] % QK_K:
@@ -319,12 +318,7 @@ class KActivation:
             )
         if order is not None:
             x = x[order]
-        self.packed_rows, self.order, self.groups, self.batch_rows = (
-            packed_rows,
-            order,
-            groups,
-            batch_rows,
-        )
+        self.packed_rows, self.order, self.groups = packed_rows, order, groups
         quantize = _quantize_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _quantize_serial
         self.q, self.d, self.bsums = quantize(x, packed_rows)
 
@@ -1800,7 +1794,7 @@ class KQuantMatrix(BlockRows):
         if sum(groups) != m or any(n < 1 for n in groups):
             raise ValueError(f"row groups {groups} do not cover {m} rows")
         order, n_batch = self.arithmetic_order(groups)
-        return KActivation(x, n_batch if self.repacked else 0, order, groups, n_batch)
+        return KActivation(x, n_batch if self.repacked else 0, order, groups)
 
     def matmul(
         self, x: numpy.ndarray | KActivation, groups: Sequence[int] | None = None
@@ -1812,9 +1806,10 @@ class KQuantMatrix(BlockRows):
         m, n = act.q.shape
         if n != self.n_in:
             raise ValueError(f"activation width {n} != n_in {self.n_in}")
+        # the groups give both rules' rows in the same order wherever their rounding agrees, so
+        # the 4-row packing's count tells an activation rounded for the other rule
         _, n_batch = self.arithmetic_order(act.groups or (m,))
-        ordered_elsewhere = act.groups is not None and act.batch_rows != n_batch
-        if act.packed_rows != (n_batch if self.repacked else 0) or ordered_elsewhere:
+        if act.packed_rows != (n_batch if self.repacked else 0):
             rule = "a repacked" if act.packed_rows else "an unrepacked"
             raise ValueError(f"activation was rounded for {rule} matrix (use .quantize)")
         batch_code, row_code = (_GM4, _GV4) if self.repacked else _PLAIN_CODES[self.qtype]
