@@ -42,7 +42,9 @@ BATCH_ROWS = 2048  # llama-server's -b: the most tokens of one forward_batch cal
 # The most rows a shared pass of several prompt chunks takes: on a 2-core AMD EPYC with the
 # default model four chunks in one pass ran 1.21-1.30x faster than apart at 32-128 rows in all
 # and 0.79-0.90x at 256-2048 (model.md, "The shared pass"). The decode steps join the first
-# pass whatever its rows: beside one chunk of 13-512 rows they measured even.
+# pass whatever its rows: beside one chunk of 13-512 rows they measured even. With the 1B-shaped
+# Q4_K_M model (2026-12-07) four chunks in one pass: 1.20x at 128 rows, 1.05x at 256, 0.91x at
+# 512: the same bound holds for K-quant files.
 SHARED_PASS_ROWS = 128
 # The longest embedding input that shares a pass (``hidden_passes``): with the default model
 # (2-core AMD EPYC, 2026-12-05) 16 inputs of 4, 16 and 32 tokens in shared passes took 1.7x,
