@@ -3,11 +3,12 @@
 Every store is laid out per KV head for the whole context, so a first prompt of a few tokens
 writes a little into every head's region. In 2 MiB pages that made the kernel zero (and keep
 resident) the whole store; kv_cache.zeroed maps the stores in 4 KiB pages. Read from the
-process's own /proc/self/smaps, Linux only.
+process's own /proc/self/pagemap and smaps, Linux only.
 """
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy
@@ -16,26 +17,35 @@ import pytest
 from bankml.engine_cupy.kv_cache import KVCache, zeroed
 
 pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/smaps").exists(), reason="reads the process's memory map (Linux)"
+    not Path("/proc/self/pagemap").exists(), reason="reads the process's memory map (Linux)"
 )
 
-KIB = 1024
+PAGE = mmap.PAGESIZE
 
 
-def resident(array: numpy.ndarray) -> tuple[int, int, int]:
-    """(Size, Rss, AnonHugePages) in bytes of the mappings that hold ``array``'s bytes."""
+def present_pages(array: numpy.ndarray) -> int:
+    """How many of the pages under ``array`` are in memory (/proc/self/pagemap: one 64-bit
+    entry a page, bit 63 set when present)."""
     first = array.__array_interface__["data"][0]
-    last = first + array.nbytes
-    totals = {"Size:": 0, "Rss:": 0, "AnonHugePages:": 0}
-    inside = False
+    start, end = first // PAGE, -(-(first + array.nbytes) // PAGE)
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(start * 8)
+        entries = numpy.frombuffer(pagemap.read((end - start) * 8), numpy.uint64)
+    return int(((entries >> numpy.uint64(63)) & numpy.uint64(1)).sum())
+
+
+def huge_pages(arrays: list[numpy.ndarray]) -> int:
+    """AnonHugePages, in bytes, of the mappings that hold the arrays' bytes (/proc/self/smaps)."""
+    spans = [(a.__array_interface__["data"][0], a.nbytes) for a in arrays]
+    total, inside = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             start, end = (int(x, 16) for x in head.split("-"))
-            inside = start < last and first < end
-        elif inside and head in totals:
-            totals[head] += int(line.split()[1]) * KIB
-    return totals["Size:"], totals["Rss:"], totals["AnonHugePages:"]
+            inside = any(start < first + size and first < end for first, size in spans)
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
@@ -48,12 +58,13 @@ def test_a_short_prompt_makes_resident_only_the_pages_it_writes(cache_type: str)
         k, v = (rng.standard_normal((n, n_head_kv, head_dim), numpy.float32) for _ in "kv")
         cache.store(layer, 0, k, v)
     cache.advance(n)
-    store = cache._k[0] if cache_type == "f16" else cache._k[0][0]
-    size, rss, huge = resident(store)
-    per_head = -(-n * head_dim * store.itemsize // (4 * KIB)) + 1  # pages, a boundary maybe
-    assert huge == 0
-    assert rss <= n_head_kv * per_head * 4 * KIB, (rss, store.nbytes)
-    assert size == store.nbytes >= 2 * 2**20  # a mapping of its own, the whole context's
+    # the values' stores (a q8_0 cache's f16 scales are 1/64 of them)
+    stores = [entry[0] if cache_type == "q8_0" else entry for entry in cache._k + cache._v]
+    assert huge_pages(stores) == 0
+    for store in stores:  # what 17 positions reach: a page or two of each head's region
+        per_head = -(-n * (store.nbytes // store.shape[0] // n_ctx) // PAGE) + 1
+        assert store.nbytes // store.shape[0] >= 8 * PAGE  # each head's region spans more
+        assert present_pages(store) <= store.shape[0] * per_head, store.dtype
 
 
 def test_zeroed_stores_read_as_zeros_and_write_as_arrays() -> None:

@@ -68,7 +68,9 @@ def zeroed(xp: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any:
     nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
     if nbytes == 0:
         return numpy.zeros(shape, dtype)
-    pages = mmap.mmap(-1, nbytes)  # anonymous: zero pages, freed with the last view of it
+    # private and anonymous (Python's default for -1 is shared memory): zero pages, freed with
+    # the last view of them, never shared with a forked child
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     no_huge = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if no_huge is not None:  # where the kernel backs every mapping by huge pages
         pages.madvise(no_huge)
