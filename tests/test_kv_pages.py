@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy
 import pytest
 
+from bankml.engine_cupy.kernels.exact_attention import _cell_buffer
 from bankml.engine_cupy.kv_cache import KVCache, zeroed
 
 pytestmark = pytest.mark.skipif(
@@ -74,3 +75,20 @@ def test_zeroed_stores_read_as_zeros_and_write_as_arrays() -> None:
     store[1, 5] = 2.5
     assert store.sum() == 2.5 * 64
     assert zeroed(numpy, (0, 4), numpy.int8).shape == (0, 4)
+
+
+def test_attention_reads_the_stores_in_place() -> None:
+    """The attention kernels take a view of a store's first cells and read the store itself
+    (exact_attention._cell_buffer): copying the cells would cost more than the attention."""
+    n = 17
+    rng = numpy.random.default_rng(3)
+    k, v = (rng.standard_normal((n, 2, 64), numpy.float32) for _ in "kv")
+    f16 = KVCache(numpy, 1, 2, 64, 512, "f16")
+    f16.store(0, 0, k, v)
+    assert _cell_buffer(f16.keys(0, n), numpy.float32) is f16._k[0]
+    assert _cell_buffer(f16.values(0, n), numpy.float32) is f16._v[0]
+    q8 = KVCache(numpy, 1, 2, 64, 512, "q8_0")
+    q8.store(0, 0, k, v)
+    k_q, _, v_q, _ = q8.quantized(0, n)
+    assert _cell_buffer(k_q, numpy.int8) is q8._k[0][0]
+    assert _cell_buffer(v_q, numpy.int8) is q8._v[0][0]

@@ -74,7 +74,9 @@ def zeroed(xp: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any:
     no_huge = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if no_huge is not None:  # where the kernel backs every mapping by huge pages
         pages.madvise(no_huge)
-    return numpy.frombuffer(pages, dtype).reshape(shape)
+    # the array of the store's own shape over the mapping, so that a view of its first cells
+    # has it as its base (exact_attention reads the store in place through that)
+    return numpy.ndarray(shape, dtype, buffer=pages)
 
 
 def pad_cells(n: int, pad: int = CELL_PAD) -> int:
