@@ -31,7 +31,7 @@ cell layout: ``Cells`` places each micro-batch as ``llama_kv_cache::find_slot`` 
 ``apply_ubatch`` do, and attention reads those cells, with their mask and ``n_kv``.
 
 Memory: every store is allocated for the whole context and filled as positions are written, so
-a slot holds in memory only the pages its positions reached. On the CPU the stores are
+a slot holds in memory only the pages its positions reached. On the CPU the stores are private
 anonymous mappings in 4 KiB pages (``zeroed``): NumPy asks the kernel for 2 MiB pages on arrays
 of 4 MiB and more, and a store is laid out per KV head, so a first prompt of a few tokens
 touched every head's region and made the kernel zero the whole store (a 3B model at
