@@ -431,6 +431,16 @@ def _q3_k_chunks(builder: ir.IRBuilder, wbase: ir.Value, blk: ir.Value) -> list:
     return chunks
 
 
+# each type's block unpacking into its 32-value chunks (quants, and high bits where it has them)
+_CHUNKS = {
+    T.Q2_K: _q2_k_chunks,
+    T.Q3_K: _q3_k_chunks,
+    T.Q4_K: _q4_k_chunks,
+    T.Q5_K: _q5_k_chunks,
+    T.Q6_K: _q6_k_chunks,
+}
+
+
 def _vec(builder: ir.IRBuilder, ptr: ir.Value, index: ir.Value, vty: ir.Type) -> ir.Value:
     """A vector loaded from ptr[index] (ptr typed by its elements), unaligned."""
     return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=1)
@@ -605,13 +615,7 @@ def _make_dot(code: int, rn: int):
     output goes to out.flat[o_off + i + j·n_out]. The rows loop inside, so that a task of rows
     is one call."""
     qtype = _CODE_TYPE[code]
-    unpack = {
-        T.Q2_K: _q2_k_chunks,
-        T.Q3_K: _q3_k_chunks,
-        T.Q4_K: _q4_k_chunks,
-        T.Q5_K: _q5_k_chunks,
-        T.Q6_K: _q6_k_chunks,
-    }[qtype]
+    unpack = _CHUNKS[qtype]
     block_bytes = _BLOCK_BYTES[qtype]
     v8f, v4f = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4)
     v16i = ir.VectorType(_I32, 16)
@@ -1330,13 +1334,7 @@ def _make_unpack8(qtype: T, dpbusd: bool = False):
     w_off of w (rows row_bytes apart) into dst's block groups (see the section comment).
     ``dpbusd``: each row's sub-block scale as one int32 (vpmulld's multiplier) instead of the
     int16 scale twice."""
-    unpack = {
-        T.Q2_K: _q2_k_chunks,
-        T.Q3_K: _q3_k_chunks,
-        T.Q4_K: _q4_k_chunks,
-        T.Q5_K: _q5_k_chunks,
-        T.Q6_K: _q6_k_chunks,
-    }[qtype]
+    unpack = _CHUNKS[qtype]
     block_bytes = _BLOCK_BYTES[qtype]
     subs, pairs, p_at, d_at, gs = _wide_layout(qtype)
 
