@@ -172,28 +172,49 @@ def test_a_refused_completion_is_a_task_as_llama_servers(bert_pair: Pair) -> Non
     assert set(moved.values()) == {0}
 
 
-def test_several_slots_mean_differs_from_llama_servers_batch_as_documented(
-    bert_slots_pair: Pair, bert_pair: Pair
+def test_several_slots_from_64_tokens_are_llama_servers_batch(
+    bert_slots_pair: Pair, bert_pair: Pair, minilm_f16: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """``-np 4 -kvu`` (mean, the GGUF's pooling) on a fresh server, four inputs in one request:
-    bankml answers each input's one-slot vector (llama-server ``-np 1``'s bits), where
-    llama-server's own move with the micro-batch it builds (docs/modules/embeddings.md,
-    "Several slots"): the last input, first in the batch, by the pooling's rounding only; the
-    others' hidden states already differ (the attention over the whole micro-batch)."""
+    """``-np 4 -kvu`` (mean, the GGUF's pooling) on a fresh server, four inputs of 133 tokens
+    in one request: llama-server gives them slots 3, 2, 1 and 0 and evaluates them in one
+    micro-batch in slot order, through the tiled attention over the whole of it, so every
+    vector moves from the input's alone (``-np 1``; docs/modules/embeddings.md, "Several
+    slots"). bankml evaluates that micro-batch as llama-server does: every vector equal bit
+    for bit, the receipt names the batch in its order, and a replay computes it again. In the
+    next request the first input takes slot 2, which held the same text (prompt similarity);
+    launching it clears the idle slots (``-kvu`` with --cache-idle-slots, the default), so
+    the others take slots 0 and 1, the least recently used: the batch is inputs 1, 2, 0."""
     texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
     body = {"input": [*texts, "zz " * 40], "embd_normalize": -1}
-    ours, theirs = (post(p, "/v1/embeddings", body) for p in bert_slots_pair.ports)
+    (s1, ours, raw), (s2, theirs, _) = (
+        post(p, "/v1/embeddings", body) for p in bert_slots_pair.ports
+    )
     alone = post(bert_pair.ports[1], "/v1/embeddings", body)  # llama-server -np 1
-    assert ours[0] == theirs[0] == alone[0] == 200
-    mine = [f32(d["embedding"]) for d in ours[1]["data"]]
-    for a, b in zip(mine, alone[1]["data"], strict=True):
+    assert s1 == s2 == alone[0] == 200
+    mine = [f32(d["embedding"]) for d in ours["data"]]
+    for a, b in zip(mine, theirs["data"], strict=True):
         assert numpy.array_equal(a, f32(b["embedding"]))
     rel = [
         float(numpy.linalg.norm(a - f32(b["embedding"])) / numpy.linalg.norm(a))
-        for a, b in zip(mine, theirs[1]["data"], strict=True)
+        for a, b in zip(mine, alone[1]["data"], strict=True)
     ]
-    assert 0 < rel[3] < 1e-6, rel  # measured 1.3e-7
+    assert 0 < rel[3] < 1e-6, rel  # first in the batch, its states its own: the pooling only
     assert all(1e-5 < r < 1e-2 for r in rel[:3]), rel  # measured 6.8e-4, 5.9e-4, 7.3e-4
+    receipt = ours["bankml_receipt"]
+    assert receipt["evaluated_together"] == [[3, 2, 1, 0]]
+    assert receipt["pooled_together"] == [[0, 1, 2, 3]]
+    key = json.loads(call(bert_slots_pair.ports[0], "GET", "/bankml/key")[2])["public_key"]
+    replay = ("--replay", str(minilm_f16[0]), "--fork", str(minilm_f16[1]))
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and "replay: identical: 4 vectors" in out, out
+
+    again = {"content": [texts[1], "zz " * 40, texts[0]]}  # llama-server's route, normalised
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/embedding", again) for p in bert_slots_pair.ports)
+    assert s1 == s2 == 200
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["index"] == b["index"]
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    assert ours[0]["bankml_receipt"]["evaluated_together"] == [[1, 2, 0]]
 
 
 def test_several_slots_mean_under_64_tokens_is_llama_servers_batch(

@@ -394,30 +394,77 @@ def test_the_lanes_pooling_is_the_oracles_at_every_row_offset() -> None:
         assert numpy.array_equal(pool(rows, "cls", beside_others=True), rows[:1])
 
 
-def test_the_inputs_pooled_together_follow_llama_servers_batches() -> None:
-    """Engine.pooled_together: groups of -np inputs in request order, kept where two or more
-    share one micro-batch of fewer than 64 tokens; a group of 64 or more moves the states (not
-    followed); one over -ub changes the batches after it (nothing followed from there)."""
+def _slots_engine(
+    n_slots: int = 4, shares: bool = True, ub: int = 512, follows: bool = False
+) -> Any:
+    """An Engine's slot bookkeeping alone (no model): ``follows``, a model that evaluates a
+    micro-batch of several inputs (an encoder's ``hidden_states_together``)."""
     from types import SimpleNamespace
 
+    from bankml.engine_cupy.encoder_engine import NoCache
     from bankml.engine_cupy.engine import Engine
+    from bankml.engine_cupy.schedule import Slot
 
-    def groups(lengths: list[int], n_slots: int = 4, shares: bool = True, ub: int = 512) -> Any:
-        server = SimpleNamespace(n_slots=n_slots, shares_micro_batch=shares, n_ubatch=ub)
-        return Engine.pooled_together(server, lengths)  # type: ignore[arg-type]
+    engine = Engine.__new__(Engine)
+    engine.slots = [Slot(i, NoCache(), 512) for i in range(n_slots)]
+    engine.kv_unified, engine.n_ubatch = shares, ub
+    engine.slot_prompt_similarity, engine._task_id, engine._uses = 0.1, 0, 0
+    engine.clear_idle_slots = True
+    engine.model = SimpleNamespace(**({"hidden_states_together": list} if follows else {}))
+    return engine
 
-    assert groups([2, 10, 3, 16]) == [[0, 1, 2, 3]]
-    assert groups([2, 10, 3, 16, 5]) == [[0, 1, 2, 3]]  # the fifth alone: the vec_dot
-    assert groups([2, 10, 3, 16, 5, 6], n_slots=2) == [[0, 1], [2, 3], [4, 5]]
-    assert groups([40, 20, 2, 2, 1, 1]) == [[4, 5]]  # 64 tokens: the tiled attention
-    assert groups([10, 10, 10, 10, 1, 1], ub=32) == []
-    assert groups([2, 3], n_slots=1) == groups([2, 3], shares=False) == []
+
+def test_a_requests_inputs_take_the_slots_as_llama_servers_tasks() -> None:
+    """Engine.embedding_batches: -np inputs at a time in request order, each to the least
+    recently used idle slot (the last of equals), evaluated in slot order and released in it,
+    which orders the slots for the next request."""
+    engine = _slots_engine()
+    inputs = [[1, 2], [3], [4, 5, 6], [7]]
+    assert engine.embedding_batches(inputs) == [[3, 2, 1, 0]]  # a fresh server: reversed
+    others = [[9], [10], [11], [12]]
+    assert engine.embedding_batches(others) == [[0, 1, 2, 3]]  # released 0, 1, 2, 3
+    # [10] takes slot 1, which embedded it (similarity); with -kvu its launch clears the idle
+    # slots, so the rest go by use; without -kvu every slot keeps its input
+    assert engine.embedding_batches([[10], [20], [30], [40]]) == [[1, 0, 2, 3]]
+    engine = _slots_engine(shares=False)
+    engine.embedding_batches(inputs)
+    assert engine.embedding_batches([[7], [4, 5, 6], [3], [1, 2]]) == [[0, 1, 2, 3]]
+    engine = _slots_engine()
+    assert engine.embedding_batches(inputs[:2]) == [[1, 0]]  # slots 3 and 2
+    assert engine.embedding_batches(others) == [[1, 0, 2, 3]]  # slots 1, 0, then 2, 3
+    assert _slots_engine().embedding_batches([*inputs, [8], [9]]) == [[3, 2, 1, 0], [4, 5]]
+    engine = _slots_engine(n_slots=1)
+    assert engine.embedding_batches(inputs) == [[0], [1], [2], [3]]
+    assert all(not slot.processing and slot.t_last_used > 0 for slot in engine.slots)
+
+
+def test_the_inputs_pooled_together_follow_llama_servers_batches() -> None:
+    """Engine.pooled_together: the batches of two inputs or more sharing one micro-batch of
+    fewer than 64 tokens, in request order; a batch of 64 or more moves the states, followed
+    where the model evaluates it (evaluated_together, in the batch's order); one over -ub
+    changes the batches after it (nothing followed from there)."""
+
+    def groups(lengths: list[int], follows: bool = False, **kw: Any) -> Any:
+        engine = _slots_engine(follows=follows, **kw)
+        batches = engine.embedding_batches([[0] * n for n in lengths])
+        return (
+            engine.pooled_together(batches, lengths),
+            engine.evaluated_together(batches, lengths),
+        )
+
+    assert groups([2, 10, 3, 16]) == ([[0, 1, 2, 3]], [])
+    assert groups([2, 10, 3, 16, 5]) == ([[0, 1, 2, 3]], [])  # the fifth alone: the vec_dot
+    assert groups([2, 10, 3, 16, 5, 6], n_slots=2) == ([[0, 1], [2, 3], [4, 5]], [])
+    assert groups([40, 20, 2, 2, 1, 1]) == ([[4, 5]], [])  # 64 tokens: the tiled attention
+    assert groups([40, 20, 2, 2, 1, 1], True) == ([[0, 1, 2, 3], [4, 5]], [[3, 2, 1, 0]])
+    assert groups([10, 10, 10, 10, 1, 1], True, ub=32) == ([], [])
+    assert groups([2, 3], n_slots=1) == groups([2, 3], shares=False) == ([], [])
 
 
 def test_a_replay_refuses_groups_that_are_not_the_requests_inputs() -> None:
-    from bankml.receipts.embedding import _pooled_beside
+    from bankml.receipts.embedding import _grouped
 
-    assert _pooled_beside([[0, 1, 2], [3, 4]], 5) == {0, 1, 2, 3, 4}
-    assert _pooled_beside([], 3) == set()
+    assert _grouped([[0, 1, 2], [3, 4]], 5) == {0, 1, 2, 3, 4}
+    assert _grouped([], 3) == set()
     for bad in ([[0]], [[0, 5]], [[0, 1], [1, 2]], [[0, True]], [0, 1], {"0": 1}, [[0, -1]]):
-        assert _pooled_beside(bad, 5) is None, bad
+        assert _grouped(bad, 5) is None, bad

@@ -64,18 +64,18 @@ def test_a_model_that_does_not_share_passes_embeds_each_input_in_its_slot(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where a product's rows would change bits beside others (here said so by
-    ``shares_passes``), each input is the engine's own ``hidden_states``."""
+    ``shares_passes``), each input is the model's own ``hidden_states``, one call each."""
     inputs = [[1, 2, 3], [4, 5], [6]]
     alone = [engine.hidden_states(tokens) for tokens in inputs]
     monkeypatch.setattr(type(engine.model), "shares_passes", property(lambda self: False))
     calls: list[int] = []
-    own = engine.hidden_states
+    own = engine.model.hidden_states
 
-    def counted(tokens: Any) -> Any:
+    def counted(tokens: Any, *args: Any) -> Any:
         calls.append(len(tokens))
-        return own(tokens)
+        return own(tokens, *args)
 
-    monkeypatch.setattr(engine, "hidden_states", counted)
+    monkeypatch.setattr(engine.model, "hidden_states", counted)
     for a, b in zip(alone, engine.hidden_states_batch(inputs), strict=True):
         assert np.array_equal(a, b)
     assert calls == [3, 2, 1]

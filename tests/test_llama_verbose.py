@@ -91,3 +91,23 @@ def test_verbose_and_verbosity_read_as_llama_server_reads_them() -> None:
     assert verbose("--verbosity", "3", "--verbose")
     with pytest.raises(FlagError, match="not a number"):
         native_settings({"verbosity": "loud"})
+
+
+def test_cache_idle_slots_as_llama_server_reads_it() -> None:
+    """--cache-idle-slots (on by default; --no-cache-idle-slots and -cram 0 turn it off, the
+    last of the pair given wins): with -kvu it decides which slots a request's embedding
+    inputs take (Engine.clear_idle_slots, docs/modules/embeddings.md)."""
+
+    def idle(*flags: str) -> bool:
+        argv, notes = dropin_argv(["-m", "m.gguf", *flags])
+        assert not notes
+        names = [a.lstrip("-") for a in argv if a.startswith("--")]
+        options: dict[str, Any] = {name: True for name in names}
+        if "--cache-ram" in argv:
+            options["cache-ram"] = argv[argv.index("--cache-ram") + 1]
+        return bool(native_settings(options)["cache_idle_slots"])
+
+    assert idle() and idle("--cache-idle-slots") and idle("-cram", "100")
+    assert idle("--no-cache-idle-slots", "--cache-idle-slots")
+    assert not idle("--no-cache-idle-slots") and not idle("-cram", "0")
+    assert not idle("--cache-idle-slots", "--no-cache-idle-slots")

@@ -7,7 +7,9 @@ What llama-server build 11434 does with such a model, and so this engine:
 * embeddings (``--embeddings``): each input's hidden states are the encoder's
   (``Encoder.hidden_states``: llama.cpp's ``t_embd``, bit for bit), tokenized by the GGUF's
   WordPiece tokenizer with [CLS] and [SEP] added, pooled as the GGUF's ``bert.pooling_type``
-  unless ``--pooling`` says otherwise;
+  unless ``--pooling`` says otherwise; with several slots a request's inputs that
+  llama-server evaluates in one micro-batch of 64 tokens or more are evaluated together, in
+  its slot order (``EncoderModel.hidden_states_together``, Engine.evaluated_together);
 * a completion or a chat (any prompt that is not empty): its context has no memory, so no
   logits; llama-server parses the body as usual (its 400s first), then its slot refuses the
   task with a 500 ``server_error`` "the current context does not support logits computation.
@@ -102,6 +104,11 @@ class EncoderModel:
         """Each input alone in its micro-batch, computed together where the products allow
         (``Encoder.hidden_states_each``): the same bits as ``hidden_states`` of each."""
         return self.encoder.hidden_states_each(inputs)
+
+    def hidden_states_together(self, inputs: Sequence[Sequence[int]]) -> list[numpy.ndarray]:
+        """The inputs in one micro-batch, in that order, as llama-server's slots evaluate them
+        (``Encoder.hidden_states_batch``: the attention's tiles over the whole batch)."""
+        return self.encoder.hidden_states_batch(inputs)
 
 
 class EncoderEngine(Engine):

@@ -290,6 +290,9 @@ class Engine:
             for i, cache in enumerate(_slot_caches(model, n_slots, n_ctx, cache_type))
         ]
         self.slot_prompt_similarity = float(slot_prompt_similarity)
+        # llama-server's --cache-idle-slots (its default): with -kvu each task's launch clears
+        # the idle slots' prompts; bankml follows it for the embeddings' ``Slot.embedded``
+        self.clear_idle_slots = True
         self._task_id = 0  # the last task's id, counted over all slots (as llama-server's)
         self._uses = 0  # a clock for the slots' t_last_used
         self._vocab_info = VocabInfo(self._pieces, lambda s: self.tokenize(s))
@@ -368,14 +371,15 @@ class Engine:
             best = np.float32(0.0)
             best_lcp = 0
             for slot in self.slots:
-                if slot.processing or not slot.tokens:
+                held = slot.tokens or slot.embedded
+                if slot.processing or not held:
                     continue
-                lcp = longest_common_prefix(slot.tokens, prompt)
+                lcp = longest_common_prefix(held, prompt)
                 sim = np.float32(lcp) / np.float32(len(prompt))
                 if sim > best and sim > threshold:
                     best, best_lcp, chosen = sim, lcp, slot
             if chosen is not None:
-                update_cache = best_lcp / len(chosen.tokens) < 0.5  # f_keep
+                update_cache = best_lcp / len(chosen.tokens or chosen.embedded) < 0.5  # f_keep
         if chosen is None:
             t_last = -1
             for slot in self.slots:
@@ -410,6 +414,11 @@ class Engine:
 
     def _acquire(self, slot: Slot) -> None:
         slot.processing = True
+        slot.embedded = []  # the new task's prompt replaces an embedding's tokens
+        if self.kv_unified and self.clear_idle_slots:
+            for idle in self.slots:  # saved to the host prompt cache and cleared there
+                if not idle.processing:
+                    idle.embedded = []
         self._task_id += 1
         slot.task_id = self._task_id
 
@@ -893,68 +902,141 @@ class Engine:
         """llama.cpp's ``t_embd`` of every token of one input (Model.hidden_states), computed
         in the slot llama-server would choose for it, in micro-batches of -ub. An embedding is
         stateless there (its prompt is evaluated from position 0); the slot is left empty
-        afterwards, so no later prompt reuses what it held."""
+        afterwards, so no later prompt reuses what it held (its choice by similarity still
+        sees the input, as llama-server's: ``Slot.embedded``)."""
         slot, _ = self.choose_slot(tokens)
         self._acquire(slot)
         try:
             slot.tokens = []
             return self.model.hidden_states(tokens, slot.cache, self.n_ubatch)
         finally:
-            self._empty_and_release(slot)
+            self._empty_and_release(slot, tokens)
 
-    def _empty_and_release(self, slot: Any) -> None:
+    def _empty_and_release(self, slot: Any, embedded: Sequence[int]) -> None:
         """An embedding's slot afterwards: empty (cache, tokens, checkpoints), so that no later
-        prompt reuses it, and free."""
+        prompt reuses it, and free, naming the ``embedded`` input for the slot choice."""
         slot.cache.truncate(0)
         slot.tokens = []
+        slot.embedded = list(embedded)
         if slot.checkpoints is not None:
             slot.checkpoints = Checkpoints(slot.checkpoints.window)
         self._release(slot)
 
-    def hidden_states_batch(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """``hidden_states`` of each input, as many calls one after the other would give them:
-        the same bits, and the slots as those calls leave them (each input's slot chosen,
-        used and emptied in turn). Where the model computes several inputs together
-        (``Model.hidden_states_batch`` where it ``shares_passes``; an encoder's), they share
-        its passes, each over a cache of its own of its slot's type and attended cells;
-        otherwise each is its own ``hidden_states`` in its slot."""
+    def hidden_states_batch(
+        self, inputs: Sequence[Sequence[int]], together: Sequence[Sequence[int]] = ()
+    ) -> list[np.ndarray]:
+        """``hidden_states`` of each input, as many calls one after the other would give them,
+        except the groups of ``together`` (``evaluated_together``), each evaluated as one
+        micro-batch in its order. The slots are taken and left as llama-server takes them for
+        one request's tasks (``embedding_batches``); the inputs' computation does not depend
+        on which. Where the model computes several inputs together (``Model.hidden_states_batch``
+        where it ``shares_passes``; an encoder's), the inputs alone share its passes, each over
+        a cache of its own of its slot's type and attended cells; otherwise each is its own
+        ``hidden_states``."""
+        self.embedding_batches(inputs)
+        return self.compute_hidden_states(inputs, together)
+
+    def compute_hidden_states(
+        self, inputs: Sequence[Sequence[int]], together: Sequence[Sequence[int]] = ()
+    ) -> list[np.ndarray]:
+        """The hidden states of ``hidden_states_batch`` without taking slots (a replay's)."""
+        out: list[Any] = [None] * len(inputs)
+        for group in together:
+            states = self.model.hidden_states_together([inputs[i] for i in group])
+            for i, rows in zip(group, states, strict=True):
+                out[i] = rows
+        alone = [i for i in range(len(inputs)) if out[i] is None]
         batch = getattr(self.model, "hidden_states_batch", None)
         shares = getattr(self.model, "shares_passes", True)  # an encoder decides per pass
-        if batch is None or not shares or len(inputs) < 2:
-            return [self.hidden_states(tokens) for tokens in inputs]
-        caches = []
-        for tokens in inputs:
-            slot, _ = self.choose_slot(tokens)
-            self._acquire(slot)
-            self._empty_and_release(slot)
-            caches.append(self._embedding_cache(slot.cache, len(tokens)))
-        return list(batch(inputs, caches, self.n_ubatch))
+        if batch is None or not shares or len(alone) < 2:
+            for i in alone:
+                out[i] = self._hidden_states_alone(inputs[i])
+            return out
+        caches = [self._embedding_cache(self.cache, len(inputs[i])) for i in alone]
+        for i, rows in zip(alone, batch([inputs[i] for i in alone], caches, self.n_ubatch)):
+            out[i] = rows
+        return out
 
-    def pooled_together(self, lengths: Sequence[int]) -> list[list[int]]:
-        """The groups of a request's embedding inputs (their token counts, in order) that
-        llama-server ``-np N`` evaluates in one micro-batch with every input's hidden states
-        as it alone gives them, so that only their ``mean`` pooling changes (the product over
-        the micro-batch: pooling.mean_rows with ``beside_others``); each group two inputs or more.
+    def _hidden_states_alone(self, tokens: Sequence[int]) -> np.ndarray:
+        """One input's hidden states in a cache of its own, as ``hidden_states`` gives them."""
+        return self.model.hidden_states(
+            tokens, self._embedding_cache(self.cache, len(tokens)), self.n_ubatch
+        )
 
-        llama-server gives a request's tasks to its idle slots in turn, N at a time (the rest
-        wait for the next update), and evaluates the busy slots' prompts in one batch. The
-        prompts share one micro-batch where the slots share one cache (``-kvu``; an encoder
-        evaluates a batch in one micro-batch whatever it is) and the batch fits ``-ub``. Below
-        ``FA_TILE_Q`` tokens in it the attention goes one row at a time, so no
-        input's states depend on the others'; from there on they do, and bankml keeps each
-        input's own vectors (docs/modules/embeddings.md). A group that does not fit ``-ub``
-        changes the grouping of the inputs after it, which is not followed either."""
-        if self.n_slots < 2 or not self.shares_micro_batch:
+    def embedding_batches(self, inputs: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The batches in which llama-server ``-np N`` evaluates one request's embedding
+        inputs (in request order), each listed in the batch's order, with
+        the slots taken and left as it takes and leaves them.
+
+        Its tasks go to the idle slots in request order, each to the slot ``choose_slot``
+        picks (the first time, the least recently used, the last of equals: slots N-1, N-2,
+        ...), the tasks beyond the idle slots waiting for the next update; an update evaluates
+        the busy slots' prompts in one batch in slot order, then releases them in slot order,
+        which orders their ``t_last_used`` for the next request. That holds while every group
+        fits ``-ub`` and no other request's task joins; ``evaluated_together`` and
+        ``pooled_together`` follow the batches only that far."""
+        batches = []
+        i = 0
+        while i < len(inputs):
+            taken: list[tuple[Any, int]] = []
+            while i < len(inputs) and (not taken or self.free_slots() > 0):
+                slot, _ = self.choose_slot(inputs[i])
+                self._acquire(slot)
+                taken.append((slot, i))
+                i += 1
+            taken.sort(key=lambda pair: pair[0].id)
+            for slot, index in taken:
+                self._empty_and_release(slot, inputs[index])
+            batches.append([index for _, index in taken])
+        return batches
+
+    def _followed_batches(
+        self, batches: Sequence[Sequence[int]], lengths: Sequence[int]
+    ) -> list[list[int]]:
+        """The batches of two inputs or more whose inputs share one micro-batch (with ``-kvu``;
+        an encoder always), up to the first that does not fit ``-ub`` (which changes the
+        batches after it: not followed)."""
+        if not self.shares_micro_batch:
             return []
-        groups = []
-        for start in range(0, len(lengths), self.n_slots):
-            group = range(start, min(start + self.n_slots, len(lengths)))
-            total = sum(lengths[i] for i in group)
-            if total > self.n_ubatch:
+        followed = []
+        for batch in batches:
+            if sum(lengths[i] for i in batch) > self.n_ubatch:
                 break
-            if len(group) >= 2 and total < FA_TILE_Q:
-                groups.append(list(group))
-        return groups
+            if len(batch) >= 2:
+                followed.append(list(batch))
+        return followed
+
+    def evaluated_together(
+        self, batches: Sequence[Sequence[int]], lengths: Sequence[int]
+    ) -> list[list[int]]:
+        """The batches (``embedding_batches``) whose inputs' hidden states llama-server
+        computes differently than each alone, and that bankml computes as llama-server does
+        (``hidden_states_batch``'s ``together``): from ``FA_TILE_Q`` tokens in the micro-batch
+        the attention runs ggml's tiled kernel over the whole of it, so every input's states
+        depend on where it sits (docs/modules/embeddings.md). An encoder evaluates such a batch
+        (``Encoder.hidden_states_batch``); a decoder's inputs stay each alone."""
+        if not hasattr(self.model, "hidden_states_together"):
+            return []
+        return [
+            batch
+            for batch in self._followed_batches(batches, lengths)
+            if sum(lengths[i] for i in batch) >= FA_TILE_Q
+        ]
+
+    def pooled_together(
+        self, batches: Sequence[Sequence[int]], lengths: Sequence[int]
+    ) -> list[list[int]]:
+        """The batches whose inputs' ``mean`` llama-server pools in one product over the
+        micro-batch (pooling.mean_rows with ``beside_others``), in request order: below
+        ``FA_TILE_Q`` tokens each input's states are its own and only the pooling changes;
+        from there on where the batch is ``evaluated_together``, else not followed (each
+        input's own vectors, docs/modules/embeddings.md)."""
+        together = self.evaluated_together(batches, lengths)
+        return [
+            sorted(batch)
+            for batch in self._followed_batches(batches, lengths)
+            if sum(lengths[i] for i in batch) < FA_TILE_Q or batch in together
+        ]
 
     @property
     def shares_micro_batch(self) -> bool:

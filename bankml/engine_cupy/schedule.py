@@ -228,12 +228,15 @@ class Waiting:
 class Slot:
     """One of the server's slots: its KV cache and the tokens it holds, its context
     checkpoints (sliding-window models), the task it runs or last ran, and when it was last
-    used (llama-server's least-recently-used choice)."""
+    used (llama-server's least-recently-used choice). ``embedded``: after an embedding, the
+    input's tokens, which llama-server's slot keeps until its next task (so its choice by
+    prompt similarity sees them), where this slot's cache and ``tokens`` are left empty."""
 
     id: int
     cache: Any
     n_ctx: int
     tokens: list[int] = field(default_factory=list)
+    embedded: list[int] = field(default_factory=list)
     checkpoints: Checkpoints | None = None
     task_id: int = -1
     processing: bool = False

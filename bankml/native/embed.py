@@ -15,12 +15,14 @@ request names (made resident first, on the engine thread, where its inputs are t
    products give a row the same bits beside other rows, each input's attention its own; else
    one after the other), pooled and normalised as llama-server does (engine_cupy/pooling.py).
    Each input alone is what llama-server computes with one slot (bankml's default ``-np 1``);
-   with several slots llama-server puts a request's inputs together, and its ``mean`` vectors
-   (and ``cls`` ones without ``-kvu``) move (docs/modules/embeddings.md has when and by how
-   much). bankml follows it where the hidden states stay each input's own (a group under 64
-   tokens in one micro-batch, Engine.pooled_together: its ``mean`` is pooled by the product's
-   lanes over the batch, pooling.py) on llama-server's routes, and keeps each input's own
-   vectors elsewhere (Ollama's routes: one input at a time);
+   with several slots llama-server puts a request's inputs together (Engine.embedding_batches
+   follows how), and its vectors move (docs/modules/embeddings.md has when and by how much).
+   bankml follows it on llama-server's routes where it computes the same: a batch under 64
+   tokens in one micro-batch keeps each input's hidden states, only its ``mean`` is pooled by
+   the product's lanes over the batch (Engine.pooled_together, pooling.py); from 64 tokens an
+   encoder's batch is evaluated as one micro-batch in its slots' order
+   (Engine.evaluated_together). A decoder's inputs in such a batch, and Ollama's routes (one
+   input at a time), keep each input's own vectors;
 3. the answer (the reactor thread): the body (formats/embeddings.py) and its receipt
    (receipts/embedding.py).
 
@@ -99,8 +101,10 @@ class EmbedJob:
     issuer: Issuer | None = None  # who issued the vectors (the model that computed them)
     seconds: float = 0.0  # the computation's time (/metrics' prompt seconds)
     choice: Any = None  # with several models: the model the body chose (the host's Choice)
-    # llama-server's routes, mean pooling, -np N: the inputs pooled beside each other in one
-    # micro-batch (Engine.pooled_together), which the receipt records for its replay
+    # llama-server's routes, -np N: the inputs whose hidden states are computed in one
+    # micro-batch, in its order (Engine.evaluated_together), and, mean pooling, those pooled
+    # beside each other in one (Engine.pooled_together); the receipt records both for its replay
+    evaluated_together: list[list[int]] = field(default_factory=list)
     pooled_together: list[list[int]] = field(default_factory=list)
 
 
@@ -278,10 +282,15 @@ class Embedder:
             engine = self.engine if held is None else held  # the model made resident
             out = []
             began = time.perf_counter()
-            if job.pooling == "mean" and job.api in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
-                job.pooled_together = engine.pooled_together([len(t) for t in job.tokens])
+            batches = engine.embedding_batches(job.tokens)
+            if job.api in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
+                lengths = [len(t) for t in job.tokens]
+                job.evaluated_together = engine.evaluated_together(batches, lengths)
+                if job.pooling == "mean":
+                    job.pooled_together = engine.pooled_together(batches, lengths)
             beside = {i for group in job.pooled_together for i in group}
-            for i, hidden in enumerate(engine.hidden_states_batch(job.tokens)):
+            states = engine.compute_hidden_states(job.tokens, job.evaluated_together)
+            for i, hidden in enumerate(states):
                 rows = list(pool(hidden, job.pooling, beside_others=i in beside))
                 if job.pooling != "none" and job.embd_normalize is not None:
                     rows = [normalize(row, job.embd_normalize) for row in rows]
@@ -356,6 +365,7 @@ class Embedder:
             inputs_tokens=tokens,
             pooling=job.pooling,
             embd_normalize=job.embd_normalize,
+            evaluated_together=job.evaluated_together,
             pooled_together=job.pooled_together,
         )
 

@@ -23,9 +23,11 @@ The other fields are a chat receipt's (docs/receipts.md): ``prompt_tokens`` the 
 ``{"seed": null}``, ``n_predict`` 0, ``finish_reason`` null; and ``pooling``, ``embd_normalize``
 (null on Ollama's routes, which normalise themselves; in P0 the request's, pooling null: bankml
 does not see llama-server's) and ``inputs_tokens_sha256`` (each input's token ids as compact
-JSON, ``token_ids_sha256``; null in P0); with ``-np N``, ``pooled_together``, where a
-request's inputs were mean-pooled beside each other in one micro-batch as llama-server pools
-them (lists of input indexes; absent otherwise), so that a replay pools them the same way.
+JSON, ``token_ids_sha256``; null in P0); with ``-np N``, ``evaluated_together``, where a
+request's inputs had their hidden states computed in one micro-batch as llama-server's slots
+evaluate them (lists of input indexes, each in the micro-batch's order), and
+``pooled_together``, where they were mean-pooled beside each other in one (lists of input
+indexes); each absent otherwise, so that a replay computes and pools them the same way.
 
 ``p0_receipts(api, answer, issue)``: P0's receipts of llama-server's
 answer, put in it as the native answers carry them. ``replay_embeddings``: a native answer's
@@ -208,15 +210,17 @@ def embedding_receipt(
     pooling: str | None,
     embd_normalize: int | None,
     prompt_tokens: int | None = None,
+    evaluated_together: Sequence[Sequence[int]] = (),
     pooled_together: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
     """The receipt of one embedding answer (see the module doc); signed with the issuer's key
     (a version-2 receipt and its envelope), else today's unsigned receipt with the same
     fields. ``inputs_tokens`` None (P0: llama-server's answer lists no ids):
     ``inputs_tokens_sha256`` null and ``prompt_tokens`` as the answer reports it (None:
-    unknown). ``pooled_together``: the groups of the request's inputs whose ``mean`` was
-    pooled beside each other in one micro-batch (Engine.pooled_together); the field is there
-    only where there is one."""
+    unknown). ``evaluated_together``: the groups of the request's inputs whose hidden states
+    were computed in one micro-batch, in its order (Engine.evaluated_together);
+    ``pooled_together``: those whose ``mean`` was pooled beside each other in one
+    (Engine.pooled_together); each field is there only where there is a group."""
     if api not in EMBEDDING_APIS:
         raise ValueError(f"unknown embedding api {api!r}")
     if inputs_tokens is not None:
@@ -229,6 +233,8 @@ def embedding_receipt(
         "pooling": pooling,
         "embd_normalize": embd_normalize,
     }
+    if evaluated_together:
+        fields["evaluated_together"] = [list(group) for group in evaluated_together]
     if pooled_together:
         fields["pooled_together"] = [list(group) for group in pooled_together]
     return unsampled_receipt(
@@ -318,12 +324,15 @@ def replay_embeddings(
     if api == LLAMA_EMBEDDING and len(receipts) != len(tokens):
         return f"refuse: {len(receipts)} receipts for {len(tokens)} inputs"
     norm = receipts[0].get("embd_normalize")
-    beside = _pooled_beside(receipts[0].get("pooled_together", []), len(tokens))
+    together = receipts[0].get("evaluated_together", [])
+    if _grouped(together, len(tokens)) is None:
+        return "refuse: the receipt's evaluated_together is not groups of the request's inputs"
+    beside = _grouped(receipts[0].get("pooled_together", []), len(tokens))
     if beside is None:
         return "refuse: the receipt's pooled_together is not groups of the request's inputs"
     vectors = []
-    for i, toks in enumerate(tokens):
-        rows = list(pool(engine.hidden_states(toks), pooling, beside_others=i in beside))
+    for i, hidden in enumerate(engine.compute_hidden_states(tokens, together)):
+        rows = list(pool(hidden, pooling, beside_others=i in beside))
         if pooling != "none" and isinstance(norm, int):
             rows = [normalize(row, norm) for row in rows]
         vectors.append([vector_sha256(row.tolist()) for row in rows])
@@ -340,9 +349,9 @@ def replay_embeddings(
     return f"identical: {n} vectors, {sum(len(t) for t in tokens)} tokens"
 
 
-def _pooled_beside(groups: Any, n_inputs: int) -> set[int] | None:
-    """The inputs a receipt's ``pooled_together`` names (each group two or more of the
-    request's inputs, none in two groups); None where it is not that."""
+def _grouped(groups: Any, n_inputs: int) -> set[int] | None:
+    """The inputs a receipt's ``evaluated_together`` or ``pooled_together`` names (each group
+    two or more of the request's inputs, none in two groups); None where it is not that."""
     if not isinstance(groups, list) or not all(
         isinstance(g, list) and len(g) >= 2 and all(type(i) is int for i in g) for g in groups
     ):

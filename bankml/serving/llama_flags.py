@@ -112,6 +112,7 @@ _PRESERVE = {"--reasoning-preserve": False, "--no-reasoning-preserve": False}
 _UI = {"--ui": False, "--webui": False, "--no-ui": False, "--no-webui": False}
 _SHIFT = {"--context-shift": False, "--no-context-shift": False}
 _AUTOLOAD = {"--models-autoload": False, "--no-models-autoload": False}
+_IDLE = {"--cache-idle-slots": False, "--no-cache-idle-slots": False}
 _LAST_WINS = {
     "jinja": _JINJA,
     "no-jinja": _JINJA,
@@ -125,6 +126,8 @@ _LAST_WINS = {
     "no-context-shift": _SHIFT,
     "models-autoload": _AUTOLOAD,
     "no-models-autoload": _AUTOLOAD,
+    "cache-idle-slots": _IDLE,
+    "no-cache-idle-slots": _IDLE,
 }
 
 
@@ -335,6 +338,11 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "n_parallel": n_parallel,
         "kv_unified": kv_unified,
         "slot_prompt_similarity": similarity,
+        # --cache-idle-slots (llama-server's default; it needs --cache-ram, 0 turns it off):
+        # with -kvu, every task's launch clears the idle slots, so their prompts no longer
+        # count in the next slot choice (Engine.clear_idle_slots)
+        "cache_idle_slots": not options.get("no-cache-idle-slots")
+        and str(options.get("cache-ram", "")).strip() != "0",
     }
 
 
