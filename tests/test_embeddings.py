@@ -229,29 +229,49 @@ def test_several_slots_batched_inputs_with_cls_pooling_are_llama_servers_bits(
         assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
 
 
-def test_several_slots_mean_pooling_differs_from_llama_servers_batch_as_documented(
-    kvu_mean_pair: Pair, mean_pair: Pair
+def test_several_slots_from_64_tokens_are_llama_servers_batch(
+    kvu_mean_pair: Pair, mean_pair: Pair, default_model: Path, default_fork: Path, tmp_path: Path
 ) -> None:
-    """``-np 4 -kvu --pooling mean`` on a fresh server, one request of four inputs: bankml
-    answers each input's one-slot vector (llama-server ``-np 1``'s, bit for bit), where
-    llama-server's own differ (docs/modules/embeddings.md, "Several slots"). llama-server puts
-    the inputs on slots 3, 2, 1, 0 and batches them in slot order: the last input, first in its
-    micro-batch, differs by the pooling's rounding only; the others' hidden states already
-    differ (its attention over the shared cache), by a relative 0.010 to 0.014 here."""
-    body = {"input": ["Hello world", TEXTS[1], "a b c", "zz " * 40], "embd_normalize": -1}
-    (s1, ours, _), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in kvu_mean_pair.ports)
+    """``-np 4 -kvu --pooling mean`` on a fresh server, one request of four inputs, 126 tokens:
+    llama-server puts them on slots 3, 2, 1, 0 and evaluates them in one micro-batch in slot
+    order, from cell 0 of the cache they share, through the tiled attention over its cells,
+    so every vector moves from the input's alone (``-np 1``; docs/modules/embeddings.md,
+    "Several slots"). bankml evaluates that micro-batch as llama-server does: every vector
+    equal bit for bit, the receipt names the batch in its order, and a replay computes it
+    again. In the next request the first input takes slot 2, which held the same text; its
+    launch clears the idle slots, the cache is empty again and the others take slots 0 and 1:
+    the batch is inputs 1, 2, 0, from cell 0 again."""
+    texts = ["Hello world", TEXTS[1], "a b c", "zz " * 40]
+    body = {"input": texts, "embd_normalize": -1}
+    (s1, ours, raw), (s2, theirs, _) = (
+        post(p, "/v1/embeddings", body) for p in kvu_mean_pair.ports
+    )
     s3, alone, _ = post(mean_pair.ports[1], "/v1/embeddings", body)  # llama-server -np 1
     assert s1 == s2 == s3 == 200
     mine = [f32(d["embedding"]) for d in ours["data"]]
-    for a, b in zip(mine, alone["data"], strict=True):
+    for a, b in zip(mine, theirs["data"], strict=True):
         assert numpy.array_equal(a, f32(b["embedding"]))
     rel = [
         float(numpy.linalg.norm(a - f32(b["embedding"])) / numpy.linalg.norm(a))
-        for a, b in zip(mine, theirs["data"], strict=True)
+        for a, b in zip(mine, alone["data"], strict=True)
     ]
     assert 0 < rel[3] < 1e-6, rel  # measured 1.6e-7: the same rows, summed in tinyBLAS's lanes
     assert all(1e-3 < r < 0.05 for r in rel[:3]), rel  # measured 0.0103, 0.0142, 0.0117
     assert ours["usage"] == theirs["usage"]
+    assert ours["bankml_receipt"]["evaluated_together"] == [[3, 2, 1, 0]]
+    assert ours["bankml_receipt"]["pooled_together"] == [[0, 1, 2, 3]]
+    replay = ("--replay", str(default_model), "--fork", str(default_fork))
+    key = public_key(kvu_mean_pair)
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and "replay: identical: 4 vectors" in out, out
+
+    again = {"content": [texts[1], texts[3], texts[0]]}  # llama-server's route, normalised
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/embedding", again) for p in kvu_mean_pair.ports)
+    assert s1 == s2 == 200
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["index"] == b["index"]
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    assert ours[0]["bankml_receipt"]["evaluated_together"] == [[1, 2, 0]]
 
 
 def test_several_slots_mean_under_64_tokens_is_llama_servers_batch(
@@ -410,7 +430,7 @@ def _slots_engine(
     engine.kv_unified, engine.n_ubatch = shares, ub
     engine.slot_prompt_similarity, engine._task_id, engine._uses = 0.1, 0, 0
     engine.clear_idle_slots = True
-    engine.model = SimpleNamespace(**({"hidden_states_together": list} if follows else {}))
+    engine.model = SimpleNamespace(follows_micro_batches=follows)
     return engine
 
 

@@ -79,3 +79,24 @@ def test_a_model_that_does_not_share_passes_embeds_each_input_in_its_slot(
     for a, b in zip(alone, engine.hidden_states_batch(inputs), strict=True):
         assert np.array_equal(a, b)
     assert calls == [3, 2, 1]
+
+
+def test_inputs_in_one_micro_batch_move_from_64_tokens_only(engine: Engine) -> None:
+    """``Model.hidden_states_together`` (llama-server's slots with -kvu, checked side by side
+    in tests/test_embeddings.py): below 64 tokens in the micro-batch every input is its own
+    one-row attention, as alone; from 64 the tiled kernel runs for every input, at its cells:
+    the first, at cell 0 and 64 tokens or more itself, is as alone, one after it is not."""
+    model = engine.model
+    assert model.follows_micro_batches
+    short = [engine.prompt_tokens(t) for t in ("Hello world", "a b c", "x")]
+    assert sum(map(len, short)) < 64
+    together = model.hidden_states_together(short, engine.cache.kv_size)
+    for tokens, rows in zip(short, together, strict=True):
+        assert np.array_equal(rows, model.hidden_states(tokens))
+    long, after = engine.prompt_tokens("zz " * 40), short[0]
+    assert len(long) >= 64
+    first, second = model.hidden_states_together([long, after], engine.cache.kv_size)
+    assert np.array_equal(first, model.hidden_states(long))
+    assert not np.array_equal(second, model.hidden_states(after))
+    with pytest.raises(ValueError, match="cells"):
+        model.hidden_states_together([long, long], 128)

@@ -105,9 +105,12 @@ class EncoderModel:
         (``Encoder.hidden_states_each``): the same bits as ``hidden_states`` of each."""
         return self.encoder.hidden_states_each(inputs)
 
-    def hidden_states_together(self, inputs: Sequence[Sequence[int]]) -> list[numpy.ndarray]:
+    def hidden_states_together(
+        self, inputs: Sequence[Sequence[int]], kv_size: int = 0
+    ) -> list[numpy.ndarray]:
         """The inputs in one micro-batch, in that order, as llama-server's slots evaluate them
-        (``Encoder.hidden_states_batch``: the attention's tiles over the whole batch)."""
+        (``Encoder.hidden_states_batch``: the attention's tiles over the whole batch; no
+        cache, so ``kv_size`` says nothing)."""
         return self.encoder.hidden_states_batch(inputs)
 
 
@@ -151,6 +154,11 @@ class EncoderEngine(Engine):
     @property
     def shares_micro_batch(self) -> bool:
         """An encoder evaluates a batch in one micro-batch, with or without ``-kvu``."""
+        return True
+
+    def follows_micro_batches(self, all_idle: bool) -> bool:
+        """An encoder keeps no cache: its micro-batch is the batch's rows alone, whatever the
+        other slots hold."""
         return True
 
     def check_outputs(self, n_outputs_max: int) -> None:

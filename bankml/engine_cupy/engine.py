@@ -941,8 +941,9 @@ class Engine:
     ) -> list[np.ndarray]:
         """The hidden states of ``hidden_states_batch`` without taking slots (a replay's)."""
         out: list[Any] = [None] * len(inputs)
+        kv_size = getattr(self.cache, "kv_size", 0)  # the cache the slots share (-kvu)
         for group in together:
-            states = self.model.hidden_states_together([inputs[i] for i in group])
+            states = self.model.hidden_states_together([inputs[i] for i in group], kv_size)
             for i, rows in zip(group, states, strict=True):
                 out[i] = rows
         alone = [i for i in range(len(inputs)) if out[i] is None]
@@ -1006,16 +1007,31 @@ class Engine:
                 followed.append(list(batch))
         return followed
 
+    def follows_micro_batches(self, all_idle: bool) -> bool:
+        """Whether several inputs in one micro-batch are evaluated as llama-server evaluates
+        them (``Model.hidden_states_together``): a model that ``follows_micro_batches``, an f16
+        cache, ``-kvu`` with ``--cache-idle-slots`` and every slot idle when the request came
+        (``all_idle``), so that the slots' cache is empty and the batch placed from cell 0
+        (llama_kv_cache's head is back at the first cell the cleared slots freed). Elsewhere
+        the cells the batch takes depend on what the other slots hold."""
+        return bool(
+            getattr(self.model, "follows_micro_batches", False)
+            and self.kv_unified
+            and self.clear_idle_slots
+            and all_idle
+            and self.cache.cache_type == "f16"
+        )
+
     def evaluated_together(
-        self, batches: Sequence[Sequence[int]], lengths: Sequence[int]
+        self, batches: Sequence[Sequence[int]], lengths: Sequence[int], all_idle: bool = True
     ) -> list[list[int]]:
         """The batches (``embedding_batches``) whose inputs' hidden states llama-server
         computes differently than each alone, and that bankml computes as llama-server does
         (``hidden_states_batch``'s ``together``): from ``FA_TILE_Q`` tokens in the micro-batch
         the attention runs ggml's tiled kernel over the whole of it, so every input's states
-        depend on where it sits (docs/modules/embeddings.md). An encoder evaluates such a batch
-        (``Encoder.hidden_states_batch``); a decoder's inputs stay each alone."""
-        if not hasattr(self.model, "hidden_states_together"):
+        depend on where it sits (docs/modules/embeddings.md), where the engine
+        ``follows_micro_batches``; elsewhere each input stays alone."""
+        if not self.follows_micro_batches(all_idle):
             return []
         return [
             batch
@@ -1024,14 +1040,14 @@ class Engine:
         ]
 
     def pooled_together(
-        self, batches: Sequence[Sequence[int]], lengths: Sequence[int]
+        self, batches: Sequence[Sequence[int]], lengths: Sequence[int], all_idle: bool = True
     ) -> list[list[int]]:
         """The batches whose inputs' ``mean`` llama-server pools in one product over the
         micro-batch (pooling.mean_rows with ``beside_others``), in request order: below
         ``FA_TILE_Q`` tokens each input's states are its own and only the pooling changes;
         from there on where the batch is ``evaluated_together``, else not followed (each
         input's own vectors, docs/modules/embeddings.md)."""
-        together = self.evaluated_together(batches, lengths)
+        together = self.evaluated_together(batches, lengths, all_idle)
         return [
             sorted(batch)
             for batch in self._followed_batches(batches, lengths)

@@ -29,7 +29,7 @@ import numpy
 from bankml.engine_cupy import backend, compile_jobs
 from bankml.engine_cupy.array_backend import ArrayOps
 from bankml.engine_cupy.exact_backend import ExactOps
-from bankml.engine_cupy.kernels import exact_ops, jit, progress
+from bankml.engine_cupy.kernels import exact_attention, exact_ops, jit, progress
 from bankml.engine_cupy.kernels.progress import CompileStats
 from bankml.engine_cupy.kv_cache import KVCache
 from bankml.engine_cupy.passes import PassLogits, hidden_passes, pass_groups
@@ -140,6 +140,59 @@ class Segment:
 
     def advance(self) -> None:
         self.cache.advance(self.step.end)
+
+
+@dataclass
+class BatchSegment(Segment):
+    """One of several sequences evaluated in one micro-batch over one KV cache that was empty
+    before it, the batch placed from cell 0 (llama-server's slots with ``-kvu``, their idle
+    slots cleared): its rows attend over the batch's ``n_kv`` cells with its own from
+    ``first`` on (every other cell hidden), through ggml's tiled kernel whenever the
+    micro-batch has ``FA_TILE_Q`` rows or more (``tiled``), however few its own. Its K/V are
+    stored in its own cache from position 0."""
+
+    first: int = 0
+    n_kv: int = 0
+    tiled: bool = False
+
+    def store_attend(self, ops: Ops, il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
+        """The rows' K/V into its cache, then their attention over the batch's cells (the
+        cells before ``first`` hidden, so their values do not count): [n, h*hd]."""
+        self.cache.store(il, self.step.start, k, v)
+        end = self.step.end
+        keys, values = (
+            self._at_first(a) for a in (self.cache.keys(il, end), self.cache.values(il, end))
+        )
+        out = exact_attention.flash_attn_f16(
+            q,
+            keys,
+            values,
+            self._cells_mask(),
+            scale,
+            n_kv=self.n_kv,
+            n_threads=self.step.n_threads,
+            tiled=self.tiled,
+        )
+        return out.reshape(q.shape[0], -1)
+
+    def _at_first(self, own: Any) -> numpy.ndarray:
+        """[n_head_kv, first + end, hd]: the batch's cells up to this sequence's last, its own
+        from ``first``."""
+        cells = numpy.zeros((own.shape[0], self.first + own.shape[1], own.shape[2]), F32)
+        cells[:, self.first :] = own
+        return cells
+
+    def _cells_mask(self) -> numpy.ndarray:
+        """[n, first + end], read-only: each row sees its own sequence's cells up to its
+        position (the causal mask), every other cell hidden."""
+        if "cells" not in self.step.masks:
+            n, end = self.step.positions.shape[0], self.step.end
+            mask = numpy.full((n, self.first + end), F32(-numpy.inf), F32)
+            own = self.step.mask(numpy, 0)
+            mask[:, self.first :] = 0 if own is None else own
+            mask.flags.writeable = False
+            self.step.masks["cells"] = mask
+        return self.step.masks["cells"]
 
 
 @dataclass
@@ -598,6 +651,62 @@ class Model:
                 out[i] = numpy.ascontiguousarray(rows[seg.rows])
         return out
 
+    def hidden_states_together(
+        self, tokens: Sequence[Sequence[int]], kv_size: int
+    ) -> list[numpy.ndarray]:
+        """llama.cpp's ``t_embd`` of several sequences evaluated in one micro-batch, in that
+        order, over one cache of ``kv_size`` cells that was empty before it (llama-server's
+        slots with ``-kvu``: ``BatchSegment``), each float32 [n_i, n_embd] bit for bit where
+        the model ``follows_micro_batches``. Each sequence has its positions from 0 and
+        attends to its own cells only, yet over the batch's cells and tiles, so from
+        ``FA_TILE_Q`` tokens in the batch a sequence's bits depend on where it sits."""
+        if not self.follows_micro_batches:
+            raise ValueError("this model's micro-batches of several sequences are not followed")
+        total = sum(len(t) for t in tokens)
+        if total > kv_size:
+            raise ValueError(f"{total} tokens in a micro-batch over a cache of {kv_size} cells")
+        n_kv = exact_attention.kv_length(total, kv_size)
+        self._blas.set(self.threads)
+        segments: list[Segment | DecodeRows] = []
+        row = 0
+        for toks in tokens:
+            cache = self.new_cache(max(len(toks), 1), "f16")
+            self._check_rows(toks, cache)
+            seg = self._segment(row, toks, cache)
+            segments.append(
+                BatchSegment(
+                    seg.rows, seg.step, cache, row, n_kv, total >= exact_attention.FA_TILE_Q
+                )
+            )
+            row += len(toks)
+        x = self._embed([t for toks in tokens for t in toks])
+        rows = numpy.asarray(
+            backend.to_host(hidden(self.ops, self.hp, self.weights, x, segments, True)),
+            dtype=F32,
+        )
+        return [numpy.ascontiguousarray(rows[seg.rows]) for seg in segments]
+
+    @property
+    def follows_micro_batches(self) -> bool:
+        """Whether ``hidden_states_together`` computes llama-server's bits: on the exact path,
+        with no sliding window, where every product gives a row the same bits whatever rows
+        it is multiplied beside (weights.rows_independent; a K-quant product's arithmetic
+        follows the micro-batch's row count, which is not followed here)."""
+        return (
+            self.exact
+            and not self.has_sliding_window
+            and all(rows_independent(m) for m in self._matrices())
+        )
+
+    def _matrices(self) -> list[Any]:
+        """Every matrix a pass multiplies its rows by (the output's last)."""
+        w = self.weights
+        return [
+            linear
+            for layer in w.layers
+            for linear in (*layer.qkv, layer.wo, *layer.gate_up, layer.down)
+        ] + [w.output]
+
     @property
     def shares_passes(self) -> bool:
         """Whether ``forward_batch`` runs several sequences' prompt chunks in one pass: on the
@@ -606,14 +715,8 @@ class Model:
         in that sequence's own arithmetic (weights.rows_grouped: the K-quants); otherwise each
         is its own pass."""
         if self._shares_passes is None:
-            w = self.weights
-            matrices = [w.output] + [
-                linear
-                for layer in w.layers
-                for linear in (*layer.qkv, layer.wo, *layer.gate_up, layer.down)
-            ]
             self._shares_passes = self.exact and all(
-                rows_independent(m) or rows_grouped(m) for m in matrices
+                rows_independent(m) or rows_grouped(m) for m in self._matrices()
             )
         return self._shares_passes
 

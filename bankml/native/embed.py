@@ -19,10 +19,11 @@ request names (made resident first, on the engine thread, where its inputs are t
    follows how), and its vectors move (docs/modules/embeddings.md has when and by how much).
    bankml follows it on llama-server's routes where it computes the same: a batch under 64
    tokens in one micro-batch keeps each input's hidden states, only its ``mean`` is pooled by
-   the product's lanes over the batch (Engine.pooled_together, pooling.py); from 64 tokens an
-   encoder's batch is evaluated as one micro-batch in its slots' order
-   (Engine.evaluated_together). A decoder's inputs in such a batch, and Ollama's routes (one
-   input at a time), keep each input's own vectors;
+   the product's lanes over the batch (Engine.pooled_together, pooling.py); from 64 tokens the
+   batch is evaluated as one micro-batch in its slots' order where the engine can say which
+   cells it takes (Engine.evaluated_together: an encoder; a decoder with -kvu whose slots were
+   all idle). Other batches, and Ollama's routes (one input at a time), keep each input's own
+   vectors;
 3. the answer (the reactor thread): the body (formats/embeddings.py) and its receipt
    (receipts/embedding.py).
 
@@ -282,12 +283,13 @@ class Embedder:
             engine = self.engine if held is None else held  # the model made resident
             out = []
             began = time.perf_counter()
+            all_idle = engine.free_slots() == engine.n_slots
             batches = engine.embedding_batches(job.tokens)
             if job.api in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
                 lengths = [len(t) for t in job.tokens]
-                job.evaluated_together = engine.evaluated_together(batches, lengths)
+                job.evaluated_together = engine.evaluated_together(batches, lengths, all_idle)
                 if job.pooling == "mean":
-                    job.pooled_together = engine.pooled_together(batches, lengths)
+                    job.pooled_together = engine.pooled_together(batches, lengths, all_idle)
             beside = {i for group in job.pooled_together for i in group}
             states = engine.compute_hidden_states(job.tokens, job.evaluated_together)
             for i, hidden in enumerate(states):

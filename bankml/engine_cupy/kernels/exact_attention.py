@@ -1025,6 +1025,7 @@ def flash_attn_f16(
     n_kv: int | None = None,
     n_threads: int = 2,
     parallel: bool | None = None,
+    tiled: bool | None = None,
 ) -> np.ndarray:
     """ggml_flash_attn_ext with an f16 K/V cache, as llama-server's CPU backend computes it.
 
@@ -1035,7 +1036,10 @@ def flash_attn_f16(
     default T); cells T..n_kv-1 are hidden padding, and n_kv decides the decode split.
     n_threads: llama-server's -t, on which the decode split depends. parallel: spread the
     (row, head) tasks over Numba's threads (None: when there are PARALLEL_MIN_WORK cell visits
-    or more); the result is the same either way. Returns f32 [n_rows, n_head, hd].
+    or more); the result is the same either way. tiled: ggml's kernel is chosen by the
+    micro-batch's rows, which may be more than these (several sequences in one micro-batch):
+    True runs the tiled kernel (Q kept in f32) whatever n_rows (None: from FA_TILE_Q rows).
+    Returns f32 [n_rows, n_head, hd].
     """
     q = np.ascontiguousarray(q, np.float32)
     n_rows, n_head, hd = q.shape
@@ -1054,9 +1058,9 @@ def flash_attn_f16(
         return out
     parallel = parallel if parallel is not None else n_rows * n_head * n_cells >= PARALLEL_MIN_WORK
     scale = F32(scale)
-    if n_rows >= FA_TILE_Q:
-        tiled = _tiled_parallel if parallel else _tiled_serial
-        tiled(q, _k_tiles(k_buf, n_cells), v_buf, n_cells, mask, has_mask, scale, group, out)
+    if n_rows >= FA_TILE_Q if tiled is None else tiled:
+        kernel = _tiled_parallel if parallel else _tiled_serial
+        kernel(q, _k_tiles(k_buf, n_cells), v_buf, n_cells, mask, has_mask, scale, group, out)
     elif n_rows == 1 and n_kv >= SPLIT_MIN_CELLS:
         n_threads = max(1, int(n_threads))
         chunk = -(-n_kv // n_threads)
