@@ -100,3 +100,31 @@ def test_inputs_in_one_micro_batch_move_from_64_tokens_only(engine: Engine) -> N
     assert not np.array_equal(second, model.hidden_states(after))
     with pytest.raises(ValueError, match="cells"):
         model.hidden_states_together([long, long], 128)
+
+
+def test_a_k_quant_micro_batch_is_llama_servers(
+    default_model_q4_k_m: Path, llama_server_bin: Path
+) -> None:
+    """A K-quant file's products follow the micro-batch's row count (one group for the batch's
+    sequences): four inputs of 126 tokens in one request to llama-server ``-np 4 -kvu`` on a
+    fresh server (slots 3, 2, 1, 0: the batch reversed), every token's vector equal bit for bit
+    to ``hidden_states_together`` of the four in that order, where three differ alone."""
+    from tests import support
+
+    engine = Engine.open(default_model_q4_k_m, n_ctx=4096, n_slots=4, kv_unified=True)
+    assert engine.model.follows_micro_batches
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
+    texts.append("zz " * 40)
+    inputs = [engine.embedding_inputs(t)[0] for t in texts]
+    args = ["--embeddings", "--pooling", "none", "-np", "4", "-kvu", "-c", "4096"]
+    with support.LlamaServer(default_model_q4_k_m, args=args, binary=llama_server_bin) as ref:
+        status, answer = support.http_json(ref.url + "/embedding", {"content": texts})
+    assert status == 200
+    theirs = [
+        np.array(a["embedding"], np.float32) for a in sorted(answer, key=lambda a: a["index"])
+    ]
+    ours = engine.model.hidden_states_together(inputs[::-1], engine.cache.kv_size)[::-1]
+    for mine, ref_rows in zip(ours, theirs, strict=True):
+        assert np.array_equal(mine, ref_rows)
+    alone = [engine.model.hidden_states(tokens) for tokens in inputs]
+    assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == 3

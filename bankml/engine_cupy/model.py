@@ -223,16 +223,18 @@ class DecodeRows:
 
 def row_groups(segments: Sequence[Segment | DecodeRows]) -> list[int]:
     """The sizes of a pass's groups of rows that llama-server multiplies each in a product of
-    their own: a segment's micro-batch, each decode step alone."""
-    return [
-        n
-        for seg in segments
-        for n in (
-            [1] * (seg.rows.stop - seg.rows.start)
-            if isinstance(seg, DecodeRows)
-            else [seg.rows.stop - seg.rows.start]
-        )
-    ]
+    their own: a segment's micro-batch, each decode step alone, the sequences of one
+    micro-batch (consecutive ``BatchSegment``s) together."""
+    groups: list[int] = []
+    for i, seg in enumerate(segments):
+        n = seg.rows.stop - seg.rows.start
+        if isinstance(seg, DecodeRows):
+            groups += [1] * n
+        elif isinstance(seg, BatchSegment) and i and isinstance(segments[i - 1], BatchSegment):
+            groups[-1] += n
+        else:
+            groups.append(n)
+    return groups
 
 
 def attention(
@@ -690,13 +692,10 @@ class Model:
     def follows_micro_batches(self) -> bool:
         """Whether ``hidden_states_together`` computes llama-server's bits: on the exact path,
         with no sliding window, where every product gives a row the same bits whatever rows
-        it is multiplied beside (weights.rows_independent; a K-quant product's arithmetic
-        follows the micro-batch's row count, which is not followed here)."""
-        return (
-            self.exact
-            and not self.has_sliding_window
-            and all(rows_independent(m) for m in self._matrices())
-        )
+        it is multiplied beside (weights.rows_independent) or multiplies a micro-batch's rows
+        in the arithmetic of its row count (weights.rows_grouped, the K-quants: the batch's
+        sequences are one group, ``row_groups``)."""
+        return self.exact and not self.has_sliding_window and self.shares_passes
 
     def _matrices(self) -> list[Any]:
         """Every matrix a pass multiplies its rows by (the output's last)."""
