@@ -27,6 +27,8 @@ none_pair = pair_fixture(["--embeddings", "--pooling", "none"])
 slots_pair = pair_fixture(["--embeddings", "--pooling", "cls", "-np", "4", "-kvu"])
 # the same with mean pooling: llama-server's vectors then depend on the batch (documented below)
 kvu_mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu"])
+Q8_CACHE = ["-ctk", "q8_0", "-ctv", "q8_0"]
+kvu_q8_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu", *Q8_CACHE])
 # four inputs of 31 tokens in all: one micro-batch under 64 tokens at -np 4 -kvu
 SHORT_TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "a b c", "zz " * 8]
 
@@ -272,6 +274,20 @@ def test_several_slots_from_64_tokens_are_llama_servers_batch(
         assert a["index"] == b["index"]
         assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
     assert ours[0]["bankml_receipt"]["evaluated_together"] == [[1, 2, 0]]
+
+
+def test_several_slots_over_a_q8_0_cache_keep_each_inputs_states(kvu_q8_pair: Pair) -> None:
+    """Over a q8_0 cache ggml attends one row at a time at any micro-batch size, skipping the
+    hidden cells, so a batch of 126 tokens keeps every input's hidden states and only the
+    ``mean`` moves (tinyBLAS's lanes over the batch): bankml answers llama-server's bits, the
+    batch pooled together and not evaluated together."""
+    body = {"input": ["Hello world", TEXTS[1], "a b c", "zz " * 40], "embd_normalize": -1}
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in kvu_q8_pair.ports)
+    assert s1 == s2 == 200
+    for a, b in zip(ours["data"], theirs["data"], strict=True):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
+    assert ours["bankml_receipt"]["pooled_together"] == [[0, 1, 2, 3]]
+    assert "evaluated_together" not in ours["bankml_receipt"]
 
 
 def test_several_slots_mean_under_64_tokens_is_llama_servers_batch(

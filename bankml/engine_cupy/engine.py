@@ -1044,14 +1044,18 @@ class Engine:
     ) -> list[list[int]]:
         """The batches whose inputs' ``mean`` llama-server pools in one product over the
         micro-batch (pooling.mean_rows with ``beside_others``), in request order: below
-        ``FA_TILE_Q`` tokens each input's states are its own and only the pooling changes;
-        from there on where the batch is ``evaluated_together``, else not followed (each
-        input's own vectors, docs/modules/embeddings.md)."""
+        ``FA_TILE_Q`` tokens each input's states are its own and only the pooling changes, and
+        so at any size over a q8_0 cache (ggml attends over q8_0 cells one row at a time,
+        skipping the hidden ones, whatever the micro-batch); from ``FA_TILE_Q`` tokens over an
+        f16 cache where the batch is ``evaluated_together``, else not followed (each input's
+        own vectors, docs/modules/embeddings.md)."""
         together = self.evaluated_together(batches, lengths, all_idle)
         return [
             sorted(batch)
             for batch in self._followed_batches(batches, lengths)
-            if sum(lengths[i] for i in batch) < FA_TILE_Q or batch in together
+            if sum(lengths[i] for i in batch) < FA_TILE_Q
+            or batch in together
+            or self.cache.cache_type == "q8_0"
         ]
 
     @property
