@@ -446,7 +446,7 @@ def _slots_engine(
     engine.kv_unified, engine.n_ubatch = shares, ub
     engine.slot_prompt_similarity, engine._task_id, engine._uses = 0.1, 0, 0
     engine.clear_idle_slots = True
-    engine.model = SimpleNamespace(follows_micro_batches=follows)
+    engine.model = SimpleNamespace(follows_micro_batches=follows, rows_independent=True)
     return engine
 
 
@@ -475,32 +475,42 @@ def test_a_requests_inputs_take_the_slots_as_llama_servers_tasks() -> None:
 
 
 def test_the_inputs_pooled_together_follow_llama_servers_batches() -> None:
-    """Engine.pooled_together: the batches of two inputs or more sharing one micro-batch of
-    fewer than 64 tokens, in request order; a batch of 64 or more moves the states, followed
-    where the model evaluates it (evaluated_together, in the batch's order); one over -ub
-    changes the batches after it (nothing followed from there)."""
+    """Engine.evaluated_together and pooled_together: the batches of two inputs or more sharing
+    one micro-batch, up to one over -ub (it changes the batches after it). Where the model
+    follows micro-batches, a batch is evaluated together (in its order) whenever its cells are
+    known: below 64 tokens always, from 64 only with every slot idle (the cache emptied by
+    --cache-idle-slots). A row-independent model's states are its own below 64 tokens, and at
+    any size over a q8_0 cache: pooled together there too."""
+    from types import SimpleNamespace
 
-    def groups(lengths: list[int], follows: bool = False, **kw: Any) -> Any:
+    def groups(
+        lengths: list[int], follows: bool = False, idle: bool = True, q8: bool = False, **kw: Any
+    ) -> Any:
         engine = _slots_engine(follows=follows, **kw)
+        if q8:
+            engine.slots[0].cache = SimpleNamespace(cache_type="q8_0", truncate=lambda n: None)
         batches = engine.embedding_batches([[0] * n for n in lengths])
         return (
-            engine.pooled_together(batches, lengths),
-            engine.evaluated_together(batches, lengths),
+            engine.pooled_together(batches, lengths, idle),
+            engine.evaluated_together(batches, lengths, idle),
         )
 
     assert groups([2, 10, 3, 16]) == ([[0, 1, 2, 3]], [])
     assert groups([2, 10, 3, 16, 5]) == ([[0, 1, 2, 3]], [])  # the fifth alone: the vec_dot
     assert groups([2, 10, 3, 16, 5, 6], n_slots=2) == ([[0, 1], [2, 3], [4, 5]], [])
     assert groups([40, 20, 2, 2, 1, 1]) == ([[4, 5]], [])  # 64 tokens: the tiled attention
-    assert groups([40, 20, 2, 2, 1, 1], True) == ([[0, 1, 2, 3], [4, 5]], [[3, 2, 1, 0]])
+    assert groups([40, 20, 2, 2, 1, 1], True) == ([[0, 1, 2, 3], [4, 5]], [[3, 2, 1, 0], [4, 5]])
+    assert groups([40, 20, 2, 2, 1, 1], True, idle=False) == ([[4, 5]], [[4, 5]])
+    assert groups([40, 20, 2, 2, 1, 1], True, q8=True) == ([[0, 1, 2, 3], [4, 5]], [])
+    assert groups([2, 10, 3, 16], True) == ([[0, 1, 2, 3]], [[3, 2, 1, 0]])
     assert groups([10, 10, 10, 10, 1, 1], True, ub=32) == ([], [])
     assert groups([2, 3], n_slots=1) == groups([2, 3], shares=False) == ([], [])
 
 
 def test_a_replay_refuses_groups_that_are_not_the_requests_inputs() -> None:
-    from bankml.receipts.embedding import _grouped
+    from bankml.receipts.embedding import input_groups
 
-    assert _grouped([[0, 1, 2], [3, 4]], 5) == {0, 1, 2, 3, 4}
-    assert _grouped([], 3) == set()
+    assert input_groups([[0, 1, 2], [3, 4]], 5) == {0, 1, 2, 3, 4}
+    assert input_groups([], 3) == set()
     for bad in ([[0]], [[0, 5]], [[0, 1], [1, 2]], [[0, True]], [0, 1], {"0": 1}, [[0, -1]]):
-        assert _grouped(bad, 5) is None, bad
+        assert input_groups(bad, 5) is None, bad

@@ -61,6 +61,15 @@ def pair(
     yield from dropin_pair(flags, reranker[0], reranker[1], llama_server_bin, log)
 
 
+@pytest.fixture(scope="module")
+def slots_pair(
+    reranker: tuple[Path, Path], llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
+    log = tmp_path_factory.mktemp("pair") / "bankml.log"
+    flags = ["--rerank", "-np", "4", "-kvu", "-c", "128"]
+    yield from dropin_pair(flags, reranker[0], reranker[1], llama_server_bin, log)
+
+
 def post(port: int, path: str, body: Any) -> tuple[int, Any, bytes]:
     status, _, raw = call(port, "POST", path, body)
     return status, json.loads(raw), raw
@@ -122,6 +131,35 @@ def test_receipt_replays_and_refuses_another_ranking(
     swapped["results"] = [answer["results"][1], answer["results"][0], answer["results"][2]]
     code, out = check_receipt_cli(tmp_path, request, json.dumps(swapped).encode(), key)
     assert code != 0 and "rerank_sha256" in out, out
+
+
+def test_several_slots_score_as_llama_servers_micro_batches(
+    slots_pair: Pair, pair: Pair, reranker: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``--rerank -np 4 -kvu`` on a fresh server: llama-server scores the first four pairs on
+    slots 3, 2, 1, 0 in one micro-batch of 68 tokens (the attention's tiles over all of it, the
+    head over the four [CLS] rows in one product), the fifth alone in the next update; the
+    scores move from the one-slot server's. bankml scores the same batches (Engine.embedding_
+    batches, Encoder.rank_score_batches): the answer equal, the receipt naming the batch in its
+    order, a replay identical. Then a batch of 40 tokens (the states each pair's own, the
+    head over the rows together), equal too."""
+    documents = ["hi", DOCUMENTS[1] + " It eats bamboo.", DOCUMENTS[2], "hi there friend"]
+    body = {"query": QUERY, "documents": [*documents, DOCUMENTS[4]]}
+    (s1, ours, raw), (s2, theirs, _) = (post(p, "/rerank", body) for p in slots_pair.ports)
+    s3, alone, _ = post(pair.ports[1], "/rerank", body)  # llama-server -np 1
+    assert s1 == s2 == s3 == 200
+    receipt = ours.pop("bankml_receipt")
+    assert ours["results"] == theirs["results"] and ours["usage"] == theirs["usage"]
+    assert ours["results"] != alone["results"]
+    assert receipt["evaluated_together"] == [[3, 2, 1, 0]]
+    replay = ("--replay", str(reranker[0]), "--fork", str(reranker[1]))
+    key = key_of(slots_pair.ports[0])
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and "replay: identical: 5 results of 5 documents" in out, out
+    short = {"query": "a panda?", "documents": ["hi", "bamboo", "a bear", "China"]}
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/rerank", short) for p in slots_pair.ports)
+    assert s1 == s2 == 200 and ours["results"] == theirs["results"]
+    assert len(ours["bankml_receipt"]["evaluated_together"][0]) == 4
 
 
 def test_metrics_and_slots_count_rerank_tasks_as_llama_server(pair: Pair) -> None:
@@ -306,6 +344,35 @@ def test_a_qwen3_reranker_ranks_as_llama_server(
         qwen3_pair, [("/rerank", {"query": "a", "documents": ["b", "c"]})]
     )
     assert moved["llamacpp:n_decode_total"] == 2
+
+
+def test_a_qwen3_reranker_on_several_slots_scores_as_llama_servers_micro_batch(
+    qwen3_pair: Pair,
+    qwen3_reranker: tuple[Path, Path],
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+) -> None:
+    """``--rerank -np 4 -kvu`` on a fresh server: the first four pairs (183 tokens) go on slots
+    3, 2, 1, 0 into one micro-batch from cell 0 of the emptied shared cache, through the tiled
+    attention, the F16 products over all its rows and the head over the four last rows in
+    one product; the fifth alone next. The scores move from the one-slot server's; bankml's
+    are llama-server's, its receipt names the batch in its order, and a replay is identical."""
+    model, fork = qwen3_reranker
+    log = tmp_path_factory.mktemp("qwen3-slots") / "bankml.log"
+    body = {"query": QUERY, "documents": DOCUMENTS}
+    flags = ["--rerank", "-np", "4", "-kvu", "-c", "512"]
+    for slots in dropin_pair(flags, model, fork, llama_server_bin, log):
+        (s1, ours, raw), (s2, theirs, _) = (post(p, "/rerank", body) for p in slots.ports)
+        key = key_of(slots.ports[0])
+    s3, alone, _ = post(qwen3_pair.ports[1], "/rerank", body)  # llama-server -np 1
+    assert s1 == s2 == s3 == 200
+    receipt = ours.pop("bankml_receipt")
+    assert ours["results"] == theirs["results"] != alone["results"]
+    assert receipt["evaluated_together"] == [[3, 2, 1, 0]]
+    replay = ("--replay", str(model), "--fork", str(fork))
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and "replay: identical: 5 results of 5 documents" in out, out
 
 
 def test_a_qwen3_head_of_many_labels_is_llama_servers_soft_max(

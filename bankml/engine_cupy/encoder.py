@@ -285,11 +285,37 @@ class Encoder:
 
     def _rank_head(self, x: numpy.ndarray) -> numpy.ndarray:
         """The classifier head on one [CLS] row [1, n_embd]: float32 [n_cls_out]."""
+        return self._rank_head_rows(x)[0]
+
+    def _rank_head_rows(self, x: numpy.ndarray) -> numpy.ndarray:
+        """The classifier head on [CLS] rows [n, n_embd] in one product each, as llama.cpp's
+        rank pooling takes a micro-batch's sequences: float32 [n, n_cls_out]."""
+        x = numpy.ascontiguousarray(x, dtype=F32)
         if self.cls is not None:
             x = _tanh(_affine(self.cls, x))
         if self.cls_out is not None:
             x = _affine(self.cls_out, x)
-        return numpy.ascontiguousarray(x[0], dtype=F32)
+        return numpy.ascontiguousarray(x, dtype=F32)
+
+    def rank_score_batches(
+        self, pairs: Sequence[Sequence[int]], batches: Sequence[Sequence[int]] = ()
+    ) -> list[float]:
+        """``rank_score`` of each pair, except the ``batches`` (groups of the pairs, each in
+        its micro-batch's order: llama-server's slots, Engine.evaluated_together): a batch's
+        hidden states as that micro-batch gives them (``hidden_states_batch``: from
+        ``FA_TILE_Q`` tokens the attention's tiles run over the whole batch), and the head over
+        its [CLS] rows in one product, in that order."""
+        scores: list[float | None] = [None] * len(pairs)
+        for batch in batches:
+            states = self.hidden_states_batch([pairs[i] for i in batch])
+            heads = self._rank_head_rows(numpy.stack([rows[0] for rows in states]))
+            for i, row in zip(batch, heads, strict=True):
+                scores[i] = float(row[0])
+        rest = [i for i, score in enumerate(scores) if score is None]
+        if rest:
+            for i, score in zip(rest, self.rank_score_each([pairs[i] for i in rest])):
+                scores[i] = score
+        return [float(score) for score in scores if score is not None]
 
     def rank_score_each(self, pairs: Sequence[Sequence[int]]) -> list[float]:
         """``rank_score`` of each pair, bit for bit: their hidden states computed together

@@ -83,6 +83,7 @@ class EncoderModel:
     """The model surface ``Engine`` reads, over an ``Encoder``."""
 
     has_sliding_window = False
+    follows_micro_batches = True  # hidden_states_together: Encoder.hidden_states_batch
 
     def __init__(self, encoder: Encoder) -> None:
         self.encoder = encoder
@@ -156,7 +157,7 @@ class EncoderEngine(Engine):
         """An encoder evaluates a batch in one micro-batch, with or without ``-kvu``."""
         return True
 
-    def follows_micro_batches(self, all_idle: bool) -> bool:
+    def cells_known(self, n_tokens: int, all_idle: bool) -> bool:
         """An encoder keeps no cache: its micro-batch is the batch's rows alone, whatever the
         other slots hold."""
         return True

@@ -991,7 +991,7 @@ class Engine:
             batches.append([index for _, index in taken])
         return batches
 
-    def _followed_batches(
+    def followed_batches(
         self, batches: Sequence[Sequence[int]], lengths: Sequence[int]
     ) -> list[list[int]]:
         """The batches of two inputs or more whose inputs share one micro-batch (with ``-kvu``;
@@ -1007,55 +1007,57 @@ class Engine:
                 followed.append(list(batch))
         return followed
 
-    def follows_micro_batches(self, all_idle: bool) -> bool:
-        """Whether several inputs in one micro-batch are evaluated as llama-server evaluates
-        them (``Model.hidden_states_together``): a model that ``follows_micro_batches``, an f16
-        cache, ``-kvu`` with ``--cache-idle-slots`` and every slot idle when the request came
-        (``all_idle``), so that the slots' cache is empty and the batch placed from cell 0
-        (llama_kv_cache's head is back at the first cell the cleared slots freed). Elsewhere
-        the cells the batch takes depend on what the other slots hold."""
-        return bool(
-            getattr(self.model, "follows_micro_batches", False)
-            and self.kv_unified
-            and self.clear_idle_slots
-            and all_idle
-            and self.cache.cache_type == "f16"
-        )
+    def cells_known(self, n_tokens: int, all_idle: bool) -> bool:
+        """Whether bankml knows the cells a micro-batch of ``n_tokens`` of several inputs takes
+        as far as its bits go (``Model.hidden_states_together`` over an f16 cache). Below
+        ``FA_TILE_Q`` tokens ggml attends one row at a time and skips the hidden cells, so
+        where the batch sits does not count. From there on the tiles run over the cells from
+        cell 0, and the batch must be placed from cell 0 of an empty cache: ``-kvu`` with
+        ``--cache-idle-slots`` (each task's launch clears the idle slots, each slot its own
+        sequence when its task starts, and llama_kv_cache's head goes back to the first cell
+        freed) and every slot idle when the request came (``all_idle``); elsewhere the cells
+        depend on what the other slots hold."""
+        if self.cache.cache_type != "f16":
+            return False
+        if n_tokens < FA_TILE_Q:
+            return True
+        return self.kv_unified and self.clear_idle_slots and all_idle
 
     def evaluated_together(
         self, batches: Sequence[Sequence[int]], lengths: Sequence[int], all_idle: bool = True
     ) -> list[list[int]]:
-        """The batches (``embedding_batches``) whose inputs' hidden states llama-server
-        computes differently than each alone, and that bankml computes as llama-server does
-        (``hidden_states_batch``'s ``together``): from ``FA_TILE_Q`` tokens in the micro-batch
-        the attention runs ggml's tiled kernel over the whole of it, so every input's states
-        depend on where it sits (docs/modules/embeddings.md), where the engine
-        ``follows_micro_batches``; elsewhere each input stays alone."""
-        if not self.follows_micro_batches(all_idle):
+        """The batches (``embedding_batches``, ``followed_batches``) that bankml evaluates as one
+        micro-batch, in its order, as llama-server does (``hidden_states_batch``'s
+        ``together``): where the model ``follows_micro_batches`` and the batch's cells are
+        known (``cells_known``). From ``FA_TILE_Q`` tokens in the micro-batch every input's
+        states depend on where it sits, and below it on the products' row count where they are
+        not row-independent (docs/modules/embeddings.md); elsewhere each input stays alone."""
+        if not getattr(self.model, "follows_micro_batches", False):
             return []
         return [
             batch
-            for batch in self._followed_batches(batches, lengths)
-            if sum(lengths[i] for i in batch) >= FA_TILE_Q
+            for batch in self.followed_batches(batches, lengths)
+            if self.cells_known(sum(lengths[i] for i in batch), all_idle)
         ]
 
     def pooled_together(
         self, batches: Sequence[Sequence[int]], lengths: Sequence[int], all_idle: bool = True
     ) -> list[list[int]]:
         """The batches whose inputs' ``mean`` llama-server pools in one product over the
-        micro-batch (pooling.mean_rows with ``beside_others``), in request order: below
-        ``FA_TILE_Q`` tokens each input's states are its own and only the pooling changes, and
-        so at any size over a q8_0 cache (ggml attends over q8_0 cells one row at a time,
-        skipping the hidden ones, whatever the micro-batch); from ``FA_TILE_Q`` tokens over an
-        f16 cache where the batch is ``evaluated_together``, else not followed (each input's
-        own vectors, docs/modules/embeddings.md)."""
+        micro-batch (pooling.mean_rows with ``beside_others``), in request order, where bankml
+        has its states: the batches ``evaluated_together``, and, on a model whose products are
+        row-independent (``Model.rows_independent``), the other batches whose states are each
+        input's own: below ``FA_TILE_Q`` tokens, and at any size over a q8_0 cache (ggml attends
+        over q8_0 cells one row at a time, skipping the hidden ones, whatever the micro-batch).
+        Elsewhere not followed (each input's own vectors, docs/modules/embeddings.md)."""
         together = self.evaluated_together(batches, lengths, all_idle)
+        own = bool(getattr(self.model, "rows_independent", False))
         return [
             sorted(batch)
-            for batch in self._followed_batches(batches, lengths)
-            if sum(lengths[i] for i in batch) < FA_TILE_Q
-            or batch in together
-            or self.cache.cache_type == "q8_0"
+            for batch in self.followed_batches(batches, lengths)
+            if batch in together
+            or own
+            and (sum(lengths[i] for i in batch) < FA_TILE_Q or self.cache.cache_type == "q8_0")
         ]
 
     @property

@@ -690,12 +690,18 @@ class Model:
 
     @property
     def follows_micro_batches(self) -> bool:
-        """Whether ``hidden_states_together`` computes llama-server's bits: on the exact path,
-        with no sliding window, where every product gives a row the same bits whatever rows
-        it is multiplied beside (weights.rows_independent) or multiplies a micro-batch's rows
-        in the arithmetic of its row count (weights.rows_grouped, the K-quants: the batch's
-        sequences are one group, ``row_groups``)."""
-        return self.exact and not self.has_sliding_window and self.shares_passes
+        """Whether ``hidden_states_together`` computes llama-server's bits: on the exact path
+        (every product is ggml's for the batch's rows, the batch's sequences one group of rows,
+        ``row_groups``, as one micro-batch's product in llama-server), with no sliding window
+        (its ring's cells are not followed)."""
+        return bool(self.exact) and not self.has_sliding_window
+
+    @property
+    def rows_independent(self) -> bool:
+        """Whether every product gives a row the same bits whatever rows it is multiplied
+        beside (weights.rows_independent), so that an input's states in a micro-batch below
+        ``FA_TILE_Q`` tokens are its own."""
+        return bool(self.exact) and all(rows_independent(m) for m in self._matrices())
 
     def _matrices(self) -> list[Any]:
         """Every matrix a pass multiplies its rows by (the output's last)."""

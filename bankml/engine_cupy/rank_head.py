@@ -22,7 +22,9 @@ adds it), the query, EOS, SEP (when added), the document, EOS.
 
 ``rank_head(engine)`` gives the head of an opened decoder ``Engine`` (None where the file has
 none); ``score(tokens)`` computes one pair alone (``Engine.hidden_states``),
-``rank_score_each(pairs)`` several, each the same bits (``Engine.hidden_states_batch``).
+``rank_score_each(pairs)`` several, each the same bits (``Engine.hidden_states_batch``);
+``rank_score_batches(pairs, batches)`` as llama-server's slots score them with ``-np N``
+(a micro-batch's pairs evaluated together, the head over their rows in one product).
 """
 
 from __future__ import annotations
@@ -95,6 +97,25 @@ class RankHead:
         engine's ``hidden_states_batch`` (shared passes where the model allows), the head on
         each pair's last row alone."""
         return [float(self._head(h)[0]) for h in self.engine.hidden_states_batch(pairs)]
+
+    def rank_score_batches(
+        self, pairs: Sequence[Sequence[int]], batches: Sequence[Sequence[int]] = ()
+    ) -> list[float]:
+        """``rank_score`` of each pair, except the ``batches`` (groups of the pairs, each in its
+        micro-batch's order: Engine.evaluated_together), each evaluated as that micro-batch
+        (Engine.compute_hidden_states) with the head over their last rows in one product,
+        in that order, each row soft-maxed. The slots are the caller's to take."""
+        states = self.engine.compute_hidden_states(pairs, batches)
+        scores: list[float | None] = [None] * len(pairs)
+        for batch in batches:
+            rows = numpy.ascontiguousarray(numpy.stack([states[i][-1] for i in batch]), F32)
+            logits = numpy.asarray(self.weight.matmul(rows), dtype=F32)
+            for i, row in zip(batch, logits, strict=True):
+                scores[i] = float(soft_max(row)[0])
+        return [
+            float(self._head(states[i])[0]) if score is None else score
+            for i, score in enumerate(scores)
+        ]
 
     def rank_score(self, tokens: Sequence[int]) -> float:
         """llama-server's /rerank score of the pair: the first label's value."""

@@ -67,6 +67,9 @@ class RerankJob:
     seconds: float = 0.0  # the scoring's time (/metrics' prompt seconds)
     choice: Any = None  # with several models: the model the body chose (the host's Choice)
     issuer: Any = None  # who scored it (the model that computed the scores)
+    # -np N: the pairs llama-server's slots evaluate in one micro-batch, each group in its
+    # order (Engine.evaluated_together), which the receipt records for its replay
+    evaluated_together: list[list[int]] = field(default_factory=list)
 
 
 class Reranker:
@@ -107,8 +110,9 @@ class Reranker:
     # --- the engine thread -----------------------------------------------------------------
 
     def compute(self, job: RerankJob) -> RerankJob:
-        """Every pair's score, each the pair's alone (``rank_score_each``: the pairs in the
-        model's shared passes where it allows)."""
+        """Every pair's score: the pairs on the slots as llama-server's tasks take them, the
+        pairs of a micro-batch evaluated and their head applied together where bankml follows
+        it (Engine.evaluated_together), the others each alone (``rank_score_batches``)."""
         held, release = None, None
         if job.choice is not None and self.native.hold is not None:
             # the chosen model (loaded and verified again if it was unloaded meanwhile), held
@@ -116,11 +120,16 @@ class Reranker:
         else:
             self.native.wake()
         try:
-            ranker = ranker_of(self.native.engine if held is None else held)
+            engine = self.native.engine if held is None else held
+            ranker = ranker_of(engine)
             if ranker is None:
                 raise ApiError.of(501, NOT_A_RERANKER, "not_supported_error")
             began = time.perf_counter()
-            job.scores = ranker.rank_score_each(job.pairs)
+            all_idle = engine.free_slots() == engine.n_slots
+            batches = engine.embedding_batches(job.pairs)  # the slots, as llama-server's
+            lengths = [len(pair) for pair in job.pairs]
+            job.evaluated_together = engine.evaluated_together(batches, lengths, all_idle)
+            job.scores = ranker.rank_score_batches(job.pairs, job.evaluated_together)
             job.seconds = time.perf_counter() - began
             job.issuer = native_issuer(self.native)  # swapped to the chosen model by hold
         finally:
@@ -151,6 +160,7 @@ class Reranker:
             started=job.started,
             results=results,
             pairs_tokens=job.pairs,
+            evaluated_together=job.evaluated_together,
         )
         req = job.request
         if req.tei:  # never empty: top_n 0 is refused in this form

@@ -325,9 +325,9 @@ def replay_embeddings(
         return f"refuse: {len(receipts)} receipts for {len(tokens)} inputs"
     norm = receipts[0].get("embd_normalize")
     together = receipts[0].get("evaluated_together", [])
-    if _grouped(together, len(tokens)) is None:
+    if input_groups(together, len(tokens)) is None:
         return "refuse: the receipt's evaluated_together is not groups of the request's inputs"
-    beside = _grouped(receipts[0].get("pooled_together", []), len(tokens))
+    beside = input_groups(receipts[0].get("pooled_together", []), len(tokens))
     if beside is None:
         return "refuse: the receipt's pooled_together is not groups of the request's inputs"
     vectors = []
@@ -349,7 +349,7 @@ def replay_embeddings(
     return f"identical: {n} vectors, {sum(len(t) for t in tokens)} tokens"
 
 
-def _grouped(groups: Any, n_inputs: int) -> set[int] | None:
+def input_groups(groups: Any, n_inputs: int) -> set[int] | None:
     """The inputs a receipt's ``evaluated_together`` or ``pooled_together`` names (each group
     two or more of the request's inputs, none in two groups); None where it is not that."""
     if not isinstance(groups, list) or not all(

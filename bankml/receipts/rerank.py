@@ -13,7 +13,10 @@ The order is hashed too (it is the ranking), and so is ``top_n``'s cut (the resu
 left out are not in the hash). ``prompt_tokens`` is the answer's ``usage.prompt_tokens`` (every
 pair's tokens); ``inputs_tokens_sha256`` lists, per document in request order, the sha256 of the
 pair's token ids as compact JSON (``token_ids_sha256``; null in P0, where llama-server shows no
-ids); ``pooling`` is ``rank``. The other fields are an embedding receipt's (receipts/embedding.py):
+ids); ``pooling`` is ``rank``; with ``-np N``, ``evaluated_together`` lists the
+groups of pairs llama-server's slots score in one micro-batch (document indexes, each in the
+micro-batch's order; absent where there is none), so that a replay scores them alike. The other
+fields are an embedding receipt's (receipts/embedding.py):
 ``completion_tokens`` 0, ``response_sha256`` the sha256 of the empty text, ``sampler``
 ``{"seed": null}``, ``n_predict`` 0, ``finish_reason`` null.
 
@@ -38,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bankml.receipts.digest import sha256_hex
-from bankml.receipts.embedding import Issuer, unsampled_receipt
+from bankml.receipts.embedding import Issuer, input_groups, unsampled_receipt
 from bankml.receipts.kinds import RERANK
 from bankml.receipts.sign import token_ids_sha256
 
@@ -255,25 +258,31 @@ def rerank_receipt(
     results: Sequence[tuple[int, float]],
     pairs_tokens: Sequence[Sequence[int]] | None,
     prompt_tokens: int | None = None,
+    evaluated_together: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
     """The receipt of one rerank answer (the module doc); signed with the issuer's key, else
     today's unsigned receipt with the same fields. ``pairs_tokens`` None (P0):
-    ``inputs_tokens_sha256`` null and ``prompt_tokens`` as the answer reports it."""
+    ``inputs_tokens_sha256`` null and ``prompt_tokens`` as the answer reports it.
+    ``evaluated_together``: the groups of pairs scored in one micro-batch, each in its order
+    (Encoder.rank_score_batches); the field is there only where there is a group."""
     if pairs_tokens is not None:
         prompt_tokens = int(sum(len(t) for t in pairs_tokens))
+    fields: dict[str, Any] = {
+        "rerank_sha256": results_sha256(results),
+        "inputs_tokens_sha256": (
+            None if pairs_tokens is None else [token_ids_sha256(t) for t in pairs_tokens]
+        ),
+        "pooling": "rank",
+    }
+    if evaluated_together:
+        fields["evaluated_together"] = [list(group) for group in evaluated_together]
     return unsampled_receipt(
         issuer,
         api=RERANK,
         request_body=request_body,
         started=started,
         prompt_tokens=prompt_tokens,
-        fields={
-            "rerank_sha256": results_sha256(results),
-            "inputs_tokens_sha256": (
-                None if pairs_tokens is None else [token_ids_sha256(t) for t in pairs_tokens]
-            ),
-            "pooling": "rank",
-        },
+        fields=fields,
     )
 
 
@@ -306,7 +315,14 @@ def replay_rerank(request_bytes: bytes, receipt: Mapping[str, Any], engine: Any)
     hashed = receipt.get("inputs_tokens_sha256")
     if isinstance(hashed, list) and hashed != [token_ids_sha256(t) for t in pairs]:
         return "refuse: the documents do not tokenize to the pairs the receipt hashes"
-    scores = [encoder.rank_score(t) for t in pairs]
+    together = receipt.get("evaluated_together", [])
+    if together:
+        in_batches = getattr(encoder, "rank_score_batches", None)  # an encoder's
+        if input_groups(together, len(pairs)) is None or in_batches is None:
+            return "refuse: the receipt's evaluated_together is not groups of the request's pairs"
+        scores = in_batches(pairs, together)
+    else:
+        scores = [encoder.rank_score(t) for t in pairs]
     results = ranked(scores, top_n)
     if results_sha256(results) != receipt.get("rerank_sha256"):
         return "refuse: the scores or their order are not what the model computes"
