@@ -278,16 +278,16 @@ def test_several_slots_from_64_tokens_are_llama_servers_batch(
 
 def test_several_slots_over_a_q8_0_cache_keep_each_inputs_states(kvu_q8_pair: Pair) -> None:
     """Over a q8_0 cache ggml attends one row at a time at any micro-batch size, skipping the
-    hidden cells, so a batch of 126 tokens keeps every input's hidden states and only the
-    ``mean`` moves (tinyBLAS's lanes over the batch): bankml answers llama-server's bits, the
-    batch pooled together and not evaluated together."""
+    hidden cells, so a batch of 126 tokens keeps every input's hidden states on this model
+    (its products row-independent) and only the ``mean`` moves (tinyBLAS's lanes over the
+    batch): bankml answers llama-server's bits, the batch evaluated and pooled together."""
     body = {"input": ["Hello world", TEXTS[1], "a b c", "zz " * 40], "embd_normalize": -1}
     (s1, ours, _), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in kvu_q8_pair.ports)
     assert s1 == s2 == 200
     for a, b in zip(ours["data"], theirs["data"], strict=True):
         assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"]))
     assert ours["bankml_receipt"]["pooled_together"] == [[0, 1, 2, 3]]
-    assert "evaluated_together" not in ours["bankml_receipt"]
+    assert ours["bankml_receipt"]["evaluated_together"] == [[3, 2, 1, 0]]
 
 
 def test_several_slots_mean_under_64_tokens_is_llama_servers_batch(
@@ -479,8 +479,8 @@ def test_the_inputs_pooled_together_follow_llama_servers_batches() -> None:
     one micro-batch, up to one over -ub (it changes the batches after it). Where the model
     follows micro-batches, a batch is evaluated together (in its order) whenever its cells are
     known: below 64 tokens always, from 64 only with every slot idle (the cache emptied by
-    --cache-idle-slots). A row-independent model's states are its own below 64 tokens, and at
-    any size over a q8_0 cache: pooled together there too."""
+    --cache-idle-slots), over a q8_0 cache always. A row-independent model's states are its own
+    below 64 tokens, and at any size over a q8_0 cache: pooled together there too."""
     from types import SimpleNamespace
 
     def groups(
@@ -501,7 +501,9 @@ def test_the_inputs_pooled_together_follow_llama_servers_batches() -> None:
     assert groups([40, 20, 2, 2, 1, 1]) == ([[4, 5]], [])  # 64 tokens: the tiled attention
     assert groups([40, 20, 2, 2, 1, 1], True) == ([[0, 1, 2, 3], [4, 5]], [[3, 2, 1, 0], [4, 5]])
     assert groups([40, 20, 2, 2, 1, 1], True, idle=False) == ([[4, 5]], [[4, 5]])
-    assert groups([40, 20, 2, 2, 1, 1], True, q8=True) == ([[0, 1, 2, 3], [4, 5]], [])
+    everything = ([[0, 1, 2, 3], [4, 5]], [[3, 2, 1, 0], [4, 5]])
+    assert groups([40, 20, 2, 2, 1, 1], True, idle=False, q8=True) == everything
+    assert groups([40, 20, 2, 2, 1, 1], q8=True) == (everything[0], [])  # the states own
     assert groups([2, 10, 3, 16], True) == ([[0, 1, 2, 3]], [[3, 2, 1, 0]])
     assert groups([10, 10, 10, 10, 1, 1], True, ub=32) == ([], [])
     assert groups([2, 3], n_slots=1) == groups([2, 3], shares=False) == ([], [])

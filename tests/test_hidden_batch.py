@@ -128,3 +128,33 @@ def test_a_k_quant_micro_batch_is_llama_servers(
         assert np.array_equal(mine, ref_rows)
     alone = [engine.model.hidden_states(tokens) for tokens in inputs]
     assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == 3
+
+
+def test_a_k_quant_micro_batch_over_a_q8_0_cache_is_llama_servers(
+    default_model_q4_k_m: Path, llama_server_bin: Path
+) -> None:
+    """Over a q8_0 cache ggml attends one row at a time whatever the micro-batch, so only the
+    products move: on a K-quant file (its arithmetic follows the batch's row count) the four
+    inputs of 126 tokens at ``-np 4 -kvu -ctk q8_0 -ctv q8_0`` are ``hidden_states_together``'s
+    bits, where three differ alone."""
+    from tests import support
+
+    engine = Engine.open(
+        default_model_q4_k_m, n_ctx=4096, n_slots=4, kv_unified=True, cache_type="q8_0"
+    )
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
+    texts.append("zz " * 40)
+    inputs = [engine.embedding_inputs(t)[0] for t in texts]
+    args = ["--embeddings", "--pooling", "none", "-np", "4", "-kvu", "-c", "4096"]
+    args += ["-ctk", "q8_0", "-ctv", "q8_0"]
+    with support.LlamaServer(default_model_q4_k_m, args=args, binary=llama_server_bin) as ref:
+        status, answer = support.http_json(ref.url + "/embedding", {"content": texts})
+    assert status == 200
+    theirs = [
+        np.array(a["embedding"], np.float32) for a in sorted(answer, key=lambda a: a["index"])
+    ]
+    ours = engine.compute_hidden_states(inputs, [[3, 2, 1, 0]])
+    for mine, ref_rows in zip(ours, theirs, strict=True):
+        assert np.array_equal(mine, ref_rows)
+    alone = engine.compute_hidden_states(inputs)  # the first in the batch: 80 rows, as alone
+    assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == 3

@@ -943,7 +943,8 @@ class Engine:
         out: list[Any] = [None] * len(inputs)
         kv_size = getattr(self.cache, "kv_size", 0)  # the cache the slots share (-kvu)
         for group in together:
-            states = self.model.hidden_states_together([inputs[i] for i in group], kv_size)
+            group_inputs = [inputs[i] for i in group]
+            states = self.model.hidden_states_together(group_inputs, kv_size, self.cache.cache_type)
             for i, rows in zip(group, states, strict=True):
                 out[i] = rows
         alone = [i for i in range(len(inputs)) if out[i] is None]
@@ -1016,10 +1017,9 @@ class Engine:
         ``--cache-idle-slots`` (each task's launch clears the idle slots, each slot its own
         sequence when its task starts, and llama_kv_cache's head goes back to the first cell
         freed) and every slot idle when the request came (``all_idle``); elsewhere the cells
-        depend on what the other slots hold."""
-        if self.cache.cache_type != "f16":
-            return False
-        if n_tokens < FA_TILE_Q:
+        depend on what the other slots hold. Over a q8_0 cache ggml attends one row at a time
+        at any size, so the cells never count."""
+        if n_tokens < FA_TILE_Q or self.cache.cache_type == "q8_0":
             return True
         return self.kv_unified and self.clear_idle_slots and all_idle
 

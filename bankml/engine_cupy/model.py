@@ -157,8 +157,12 @@ class BatchSegment(Segment):
 
     def store_attend(self, ops: Ops, il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
         """The rows' K/V into its cache, then their attention over the batch's cells (the
-        cells before ``first`` hidden, so their values do not count): [n, h*hd]."""
+        cells before ``first`` hidden, so their values do not count): [n, h*hd]. Over q8_0
+        cells ggml attends one row at a time whatever the micro-batch, skipping the hidden
+        cells, so there the sequence's own cells are all that counts."""
         self.cache.store(il, self.step.start, k, v)
+        if self.cache.cache_type == "q8_0":
+            return ops.attend(il, q, self.step, self.cache, scale)
         end = self.step.end
         keys, values = (
             self._at_first(a) for a in (self.cache.keys(il, end), self.cache.values(il, end))
@@ -654,14 +658,15 @@ class Model:
         return out
 
     def hidden_states_together(
-        self, tokens: Sequence[Sequence[int]], kv_size: int
+        self, tokens: Sequence[Sequence[int]], kv_size: int, cache_type: str | None = None
     ) -> list[numpy.ndarray]:
         """llama.cpp's ``t_embd`` of several sequences evaluated in one micro-batch, in that
-        order, over one cache of ``kv_size`` cells that was empty before it (llama-server's
-        slots with ``-kvu``: ``BatchSegment``), each float32 [n_i, n_embd] bit for bit where
-        the model ``follows_micro_batches``. Each sequence has its positions from 0 and
-        attends to its own cells only, yet over the batch's cells and tiles, so from
-        ``FA_TILE_Q`` tokens in the batch a sequence's bits depend on where it sits."""
+        order, over one cache of ``kv_size`` cells of ``cache_type`` that was empty before it
+        (llama-server's slots with ``-kvu``: ``BatchSegment``), each float32 [n_i, n_embd]
+        bit for bit where the model ``follows_micro_batches``. Each sequence has its positions
+        from 0 and attends to its own cells only, yet over an f16 cache through the batch's
+        cells and tiles, so from ``FA_TILE_Q`` tokens in the batch a sequence's bits depend on
+        where it sits."""
         if not self.follows_micro_batches:
             raise ValueError("this model's micro-batches of several sequences are not followed")
         total = sum(len(t) for t in tokens)
@@ -672,7 +677,7 @@ class Model:
         segments: list[Segment | DecodeRows] = []
         row = 0
         for toks in tokens:
-            cache = self.new_cache(max(len(toks), 1), "f16")
+            cache = self.new_cache(max(len(toks), 1), cache_type)
             self._check_rows(toks, cache)
             seg = self._segment(row, toks, cache)
             segments.append(
