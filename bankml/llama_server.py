@@ -132,6 +132,30 @@ LOOKUP_FILES = (
 )
 NO_MEDIA = "bankml reads no images, audio or video"
 DEFAULT = "it is the default"
+FLASH_ATTN_SAME = (
+    "bankml computes the same answer with -fa on or auto (auto is on for the CPU); -fa off "
+    "is refused"
+)
+FLASH_ATTN_OFF = (
+    "bankml's native engine computes flash attention: llama-server's bits with -fa on or auto "
+    "(auto is on for the CPU); with -fa off llama-server's attention rounds otherwise and its "
+    "answers differ. Leave -fa out, or serve llama-server itself (bankml serve --spawn)"
+)
+
+
+def value_refusal(flag: Flag, value: str | None) -> str | None:
+    """Why the native drop-in refuses an ignored flag with this value (None: it does not):
+    ``-fa off`` changes llama-server's answers where ``on`` and ``auto`` do not; a value
+    llama-server does not know, its own error."""
+    if flag.name != "flash-attn" or value is None:
+        return None
+    if value in ("off", "disabled", "false", "0"):
+        return FLASH_ATTN_OFF
+    if value not in ("on", "enabled", "true", "1", "auto", "-1"):
+        return f"unknown value for --flash-attn: '{value}'"
+    return None
+
+
 REMOVED = "llama-server 11434 refuses it too: it was removed"
 HELP = "bankml llama-server answers it itself (its usage, its version) and exits"
 
@@ -219,7 +243,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("--cache-type-v", SERVE),
     _f("--cache-ram", SERVE),
     # -- accepted and ignored: they cannot change an answer
-    _f("--flash-attn", IGNORE, SAME_BITS),
+    _f("--flash-attn", IGNORE, FLASH_ATTN_SAME),
     _f("--gpu-layers", IGNORE, SAME_BITS + " (--device picks it)"),
     _f("--device", IGNORE, SAME_BITS + " (bankml serve --device picks it)"),
     _f("--split-mode", IGNORE, SAME_BITS),

@@ -198,3 +198,24 @@ def test_the_router_s_option_table_is_llama_servers(entries) -> None:
         args + negations: takes_value for args, negations, takes_value, _, own in OPTIONS if not own
     }
     assert table == listed
+
+
+def test_flash_attention_off_is_refused_where_on_and_auto_are_ignored(tmp_path: Path) -> None:
+    """bankml computes flash attention's bits (llama-server's -fa on and auto, on for the
+    CPU): those are ignored; -fa off changes llama-server's answers (its logprobs and hidden
+    states, docs/modules/embeddings.md) and is refused with the reason, on the command line and
+    in a preset; a value llama-server does not know is its error."""
+    from bankml.serving.presets import PresetError, load_presets
+
+    for value in ("on", "auto", "1", "enabled", "-1"):
+        _, notes = dropin_argv(["-m", "m.gguf", "-fa", value])
+        assert notes == [f"ignoring -fa: {BY_SPELLING['-fa'].reason}"]
+    for value in ("off", "0", "false", "disabled"):
+        with pytest.raises(FlagError, match="computes flash attention"):
+            dropin_argv(["-m", "m.gguf", "--flash-attn", value])
+    with pytest.raises(FlagError, match="unknown value for --flash-attn: 'maybe'"):
+        dropin_argv(["-m", "m.gguf", "-fa", "maybe"])
+    preset = tmp_path / "models.ini"
+    preset.write_text("[tiny]\nmodel = tiny.gguf\nflash-attn = off\n")
+    with pytest.raises(PresetError, match="option 'flash-attn': bankml's native engine"):
+        load_presets(str(preset), None, {})

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from bankml.llama_server import FLAGS, IGNORE, MODEL, SERVE, UNKNOWN, Flag
+from bankml.llama_server import FLAGS, IGNORE, MODEL, SERVE, UNKNOWN, Flag, value_refusal
 
 if TYPE_CHECKING:
     from bankml.serving.presets import RouterPresets
@@ -197,6 +197,9 @@ def dropin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
                     out = _dropped(out, _LAST_WINS[flag.name])
                 out += [f"--{flag.name}"] + ([str(value)] if takes_value else [])
             elif flag.action == IGNORE:
+                refused = value_refusal(flag, value)
+                if refused is not None:
+                    raise FlagError(f"{spelling} {value}: {refused}")
                 notes.append(f"ignoring {spelling}: {flag.reason}")
             else:
                 raise FlagError(f"{spelling}: {flag.reason}")

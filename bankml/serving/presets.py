@@ -39,7 +39,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bankml.llama_server import ENV_NAMES, FLAGS, IGNORE, MODEL, REFUSE, SERVE, UNKNOWN, Flag
+from bankml.llama_server import (
+    ENV_NAMES,
+    FLAGS,
+    IGNORE,
+    MODEL,
+    REFUSE,
+    SERVE,
+    UNKNOWN,
+    Flag,
+    value_refusal,
+)
 from bankml.registry.pins import Pin
 from bankml.serving import router_status
 
@@ -332,6 +342,9 @@ def _read_section(section: str, keys: Mapping[str, str], into: ModelPreset) -> N
         elif flag.action == REFUSE:
             raise PresetError(f"{where}: {flag.reason}")
         elif flag.action == IGNORE:
+            refused = value_refusal(flag, value if flag.takes_value else None)
+            if refused is not None:
+                raise PresetError(f"{where}: {refused}")
             into.notes.append(f"ignoring {where}: {flag.reason}")
         elif flag.action == SERVE:
             name = "ctx" if flag.name == "ctx-size" else flag.name
