@@ -2,10 +2,11 @@
 """Embeddings per second: bankml's drop-in against llama-server with the same flags, same run.
 
     bench/embeddings.py [--llama-server BIN] [--model FILE] [--fork FORK.json] [--rounds 3]
-                        [--pooling mean] [--tokens 64]
+                        [--pooling mean] [--tokens 64] [--parallel 1]
 
 Starts ``bankml llama-server`` and llama-server (``-t 2 -c 2048 -np 1 --embeddings --pooling
-mean``) on free loopback ports, then sends each the same ``/v1/embeddings`` requests of 1, 16 and
+mean``; ``--parallel N``: ``-np N -kvu``, where both evaluate N inputs in one micro-batch) on
+free loopback ports, then sends each the same ``/v1/embeddings`` requests of 1, 16 and
 64 inputs of ``--tokens`` tokens each (token ids, so both embed exactly that many tokens an
 input), the first server alternating each round. The figure is inputs per second over the request's wall time,
 the median over rounds; the vectors of the two servers are checked equal as float32.
@@ -58,14 +59,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pooling", default="mean")
     parser.add_argument("--tokens", type=int, default=N_TOKENS, help="tokens an input")
+    parser.add_argument("--parallel", type=int, default=1, help="slots (-np N -kvu)")
     args = parser.parse_args()
     fork = args.fork or Path(f"{args.model}.FORK.json")
-    flags = ["-c", "2048", "--embeddings", "--pooling", args.pooling]
+    flags = ["-c", "2048", "--embeddings", "--pooling", args.pooling, "-np", str(args.parallel)]
+    if args.parallel > 1:
+        flags.append("-kvu")
     log = Path(tempfile.mkdtemp(prefix="bankml-bench-embed-")) / "bankml.log"
     port = free_port()
     dropin = [
         *("--fork", str(fork), "-m", str(args.model)),
-        *("--host", "127.0.0.1", "-t", "2", "-np", "1", "--no-webui"),
+        *("--host", "127.0.0.1", "-t", "2", "--no-webui"),
         *("--listen", f"127.0.0.1:{free_port()}"),
         *flags,
     ]
@@ -102,7 +106,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-    print(json.dumps({"tokens_per_input": args.tokens, "pooling": args.pooling, **report}))
+    summary = {"tokens_per_input": args.tokens, "pooling": args.pooling, "parallel": args.parallel}
+    print(json.dumps({**summary, **report}))
 
 
 if __name__ == "__main__":

@@ -158,3 +158,24 @@ def test_a_k_quant_micro_batch_over_a_q8_0_cache_is_llama_servers(
         assert np.array_equal(mine, ref_rows)
     alone = engine.compute_hidden_states(inputs)  # the first in the batch: 80 rows, as alone
     assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == 3
+
+
+def test_a_replay_refuses_a_batch_no_micro_batch_holds(engine: Engine) -> None:
+    """A receipt's ``evaluated_together`` naming a batch larger than the cache is refused with
+    the reason, not a traceback."""
+    import json
+
+    from bankml.receipts.embedding import replay_embeddings
+
+    body = json.dumps({"input": ["zz " * 300] * 4}).encode()
+    receipt = {
+        "api": "embeddings",
+        "pooling": "mean",
+        "embd_normalize": 2,
+        "evaluated_together": [[0, 1, 2, 3]],
+        "embeddings_sha256": ["0" * 64] * 4,
+    }
+    verdict = replay_embeddings(body, [receipt], engine)
+    assert verdict.startswith("refuse: the receipt's evaluated_together cannot be evaluated"), (
+        verdict
+    )

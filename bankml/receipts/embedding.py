@@ -330,8 +330,12 @@ def replay_embeddings(
     beside = input_groups(receipts[0].get("pooled_together", []), len(tokens))
     if beside is None:
         return "refuse: the receipt's pooled_together is not groups of the request's inputs"
+    try:
+        states = engine.compute_hidden_states(tokens, together)
+    except ValueError as err:  # a group no micro-batch holds
+        return f"refuse: the receipt's evaluated_together cannot be evaluated ({err})"
     vectors = []
-    for i, hidden in enumerate(engine.compute_hidden_states(tokens, together)):
+    for i, hidden in enumerate(states):
         rows = list(pool(hidden, pooling, beside_others=i in beside))
         if pooling != "none" and isinstance(norm, int):
             rows = [normalize(row, norm) for row in rows]

@@ -320,7 +320,10 @@ def replay_rerank(request_bytes: bytes, receipt: Mapping[str, Any], engine: Any)
         in_batches = getattr(encoder, "rank_score_batches", None)  # an encoder's
         if input_groups(together, len(pairs)) is None or in_batches is None:
             return "refuse: the receipt's evaluated_together is not groups of the request's pairs"
-        scores = in_batches(pairs, together)
+        try:
+            scores = in_batches(pairs, together)
+        except ValueError as err:  # a group no micro-batch holds
+            return f"refuse: the receipt's evaluated_together cannot be evaluated ({err})"
     else:
         scores = [encoder.rank_score(t) for t in pairs]
     results = ranked(scores, top_n)
