@@ -179,3 +179,39 @@ def test_a_replay_refuses_a_batch_no_micro_batch_holds(engine: Engine) -> None:
     assert verdict.startswith("refuse: the receipt's evaluated_together cannot be evaluated"), (
         verdict
     )
+
+
+def test_a_sliding_window_micro_batch_is_llama_servers(
+    default_model: Path,
+    llama_server_bin: Path,
+    tmp_path: Path,
+) -> None:
+    """gemma3's sliding layers keep their own cache, emptied and filled from cell 0 alike: a
+    tiny gemma3 (window 8, layers 0 and 2 sliding) at ``-np 4 -kvu``, four inputs of 126
+    tokens on a fresh server, every token's vector ``hidden_states_together``'s, where three
+    differ alone."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests import support
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    model = write_tiny_model(
+        tmp_path / "gemma3-swa.gguf", TinySpec("gemma3", T.F32, n_layer=4), default_model
+    )
+    engine = Engine.open(model, n_ctx=4096, n_slots=4, kv_unified=True)
+    assert engine.model.has_sliding_window and engine.model.follows_micro_batches
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
+    texts.append("zz " * 40)
+    inputs = [engine.embedding_inputs(t)[0] for t in texts]
+    args = ["--embeddings", "--pooling", "none", "-np", "4", "-kvu", "-c", "4096"]
+    with support.LlamaServer(model, args=args, binary=llama_server_bin) as ref:
+        status, answer = support.http_json(ref.url + "/embedding", {"content": texts})
+    assert status == 200
+    theirs = [
+        np.array(a["embedding"], np.float32) for a in sorted(answer, key=lambda a: a["index"])
+    ]
+    ours = engine.compute_hidden_states(inputs, [[3, 2, 1, 0]])
+    for mine, ref_rows in zip(ours, theirs, strict=True):
+        assert np.array_equal(mine, ref_rows)
+    alone = engine.compute_hidden_states(inputs)
+    assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == 3

@@ -149,11 +149,15 @@ class BatchSegment(Segment):
     slots cleared): its rows attend over the batch's ``n_kv`` cells with its own from
     ``first`` on (every other cell hidden), through ggml's tiled kernel whenever the
     micro-batch has ``FA_TILE_Q`` rows or more (``tiled``), however few its own. Its K/V are
-    stored in its own cache from position 0."""
+    stored in its own cache from position 0. ``windows``: each layer's sliding window (0: none);
+    the sliding layers' cache is emptied alike and takes the batch from its cell 0 too (a batch
+    fits its cells), their mask hiding what is out of the window as well. Neither cache's
+    ``n_kv`` changes a bit here: the cells past the batch are hidden, so skipped."""
 
     first: int = 0
     n_kv: int = 0
     tiled: bool = False
+    windows: tuple[int, ...] = ()
 
     def store_attend(self, ops: Ops, il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
         """The rows' K/V into its cache, then their attention over the batch's cells (the
@@ -171,7 +175,7 @@ class BatchSegment(Segment):
             q,
             keys,
             values,
-            self._cells_mask(),
+            self._cells_mask(self.windows[il] if self.windows else 0),
             scale,
             n_kv=self.n_kv,
             n_threads=self.step.n_threads,
@@ -186,17 +190,18 @@ class BatchSegment(Segment):
         cells[:, self.first :] = own
         return cells
 
-    def _cells_mask(self) -> numpy.ndarray:
+    def _cells_mask(self, window: int) -> numpy.ndarray:
         """[n, first + end], read-only: each row sees its own sequence's cells up to its
-        position (the causal mask), every other cell hidden."""
-        if "cells" not in self.step.masks:
+        position (the causal mask) and within ``window`` (0: none), every other cell hidden."""
+        key = f"cells {window}"
+        if key not in self.step.masks:
             n, end = self.step.positions.shape[0], self.step.end
             mask = numpy.full((n, self.first + end), F32(-numpy.inf), F32)
-            own = self.step.mask(numpy, 0)
+            own = self.step.mask(numpy, window)
             mask[:, self.first :] = 0 if own is None else own
             mask.flags.writeable = False
-            self.step.masks["cells"] = mask
-        return self.step.masks["cells"]
+            self.step.masks[key] = mask
+        return self.step.masks[key]
 
 
 @dataclass
@@ -673,6 +678,8 @@ class Model:
         if total > kv_size:
             raise ValueError(f"{total} tokens in a micro-batch over a cache of {kv_size} cells")
         n_kv = exact_attention.kv_length(total, kv_size)
+        hp = self.hp
+        windows = tuple(hp.swa_window if sliding else 0 for sliding in hp.swa_layers)
         self._blas.set(self.threads)
         segments: list[Segment | DecodeRows] = []
         row = 0
@@ -682,7 +689,13 @@ class Model:
             seg = self._segment(row, toks, cache)
             segments.append(
                 BatchSegment(
-                    seg.rows, seg.step, cache, row, n_kv, total >= exact_attention.FA_TILE_Q
+                    seg.rows,
+                    seg.step,
+                    cache,
+                    row,
+                    n_kv,
+                    total >= exact_attention.FA_TILE_Q,
+                    windows,
                 )
             )
             row += len(toks)
@@ -697,9 +710,8 @@ class Model:
     def follows_micro_batches(self) -> bool:
         """Whether ``hidden_states_together`` computes llama-server's bits: on the exact path
         (every product is ggml's for the batch's rows, the batch's sequences one group of rows,
-        ``row_groups``, as one micro-batch's product in llama-server), with no sliding window
-        (its ring's cells are not followed)."""
-        return bool(self.exact) and not self.has_sliding_window
+        ``row_groups``, as one micro-batch's product in llama-server)."""
+        return bool(self.exact)
 
     @property
     def rows_independent(self) -> bool:
