@@ -159,6 +159,31 @@ def test_an_input_over_the_micro_batch_is_a_400_with_llama_servers_message(
     assert "too large to process" in ours["error"]["message"]
 
 
+def test_a_completion_reuses_the_cells_an_embedding_left_as_llama_servers(mean_pair: Pair) -> None:
+    """llama-server's slot keeps an embedding's tokens and cells until its next task: a
+    completion whose prompt starts with the embedded text reuses them (``cache_n``) and
+    evaluates only the rest, so its logprobs are those of that split (here 51 tokens cached,
+    13 evaluated: the one-row attention, where 64 at once go through the tiled one), not of
+    the prompt computed whole. bankml's slot keeps them alike: the same counts, text and
+    logprobs."""
+    text = "The quick brown fox jumps over the lazy dog. " * 5
+    rest = " And then the dog woke up and said hello to everyone in the"
+    for port in mean_pair.ports:
+        assert post(port, "/embedding", {"content": text})[0] == 200
+    body = {"prompt": text + rest, "n_predict": 3, "temperature": 0, "n_probs": 2}
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/completion", body) for p in mean_pair.ports)
+    assert s1 == s2 == 200
+    assert ours["timings"]["cache_n"] == theirs["timings"]["cache_n"] == 51
+    assert ours["timings"]["prompt_n"] == theirs["timings"]["prompt_n"] == 13
+    assert ours["content"] == theirs["content"]
+    # the split decides the logprobs (-2.341 here, the prompt whole gives -2.228); their
+    # reported values agree to a float's summation of the vocabulary's exponentials
+    mine, ref = (
+        [p["logprob"] for p in answer["completion_probabilities"]] for answer in (ours, theirs)
+    )
+    assert max(abs(a - b) for a, b in zip(mine, ref, strict=True)) < 1e-5, (mine, ref)
+
+
 def test_metrics_and_slots_count_embedding_tasks_as_llama_server(mean_pair: Pair) -> None:
     """Every input a task of its own: its tokens as prompt tokens, one decode, nothing
     predicted; the slot shows the last input's task."""
@@ -456,21 +481,21 @@ def test_a_requests_inputs_take_the_slots_as_llama_servers_tasks() -> None:
     which orders the slots for the next request."""
     engine = _slots_engine()
     inputs = [[1, 2], [3], [4, 5, 6], [7]]
-    assert engine.embedding_batches(inputs) == [[3, 2, 1, 0]]  # a fresh server: reversed
+    assert engine.embedding_batches(inputs).batches == [[3, 2, 1, 0]]  # a fresh server: reversed
     others = [[9], [10], [11], [12]]
-    assert engine.embedding_batches(others) == [[0, 1, 2, 3]]  # released 0, 1, 2, 3
+    assert engine.embedding_batches(others).batches == [[0, 1, 2, 3]]  # released 0, 1, 2, 3
     # [10] takes slot 1, which embedded it (similarity); with -kvu its launch clears the idle
     # slots, so the rest go by use; without -kvu every slot keeps its input
-    assert engine.embedding_batches([[10], [20], [30], [40]]) == [[1, 0, 2, 3]]
+    assert engine.embedding_batches([[10], [20], [30], [40]]).batches == [[1, 0, 2, 3]]
     engine = _slots_engine(shares=False)
     engine.embedding_batches(inputs)
-    assert engine.embedding_batches([[7], [4, 5, 6], [3], [1, 2]]) == [[0, 1, 2, 3]]
+    assert engine.embedding_batches([[7], [4, 5, 6], [3], [1, 2]]).batches == [[0, 1, 2, 3]]
     engine = _slots_engine()
-    assert engine.embedding_batches(inputs[:2]) == [[1, 0]]  # slots 3 and 2
-    assert engine.embedding_batches(others) == [[1, 0, 2, 3]]  # slots 1, 0, then 2, 3
-    assert _slots_engine().embedding_batches([*inputs, [8], [9]]) == [[3, 2, 1, 0], [4, 5]]
+    assert engine.embedding_batches(inputs[:2]).batches == [[1, 0]]  # slots 3 and 2
+    assert engine.embedding_batches(others).batches == [[1, 0, 2, 3]]  # slots 1, 0, then 2, 3
+    assert _slots_engine().embedding_batches([*inputs, [8], [9]]).batches == [[3, 2, 1, 0], [4, 5]]
     engine = _slots_engine(n_slots=1)
-    assert engine.embedding_batches(inputs) == [[0], [1], [2], [3]]
+    assert engine.embedding_batches(inputs).batches == [[0], [1], [2], [3]]
     assert all(not slot.processing and slot.t_last_used > 0 for slot in engine.slots)
 
 
@@ -489,7 +514,7 @@ def test_the_inputs_pooled_together_follow_llama_servers_batches() -> None:
         engine = _slots_engine(follows=follows, **kw)
         if q8:
             engine.slots[0].cache = SimpleNamespace(cache_type="q8_0", truncate=lambda n: None)
-        batches = engine.embedding_batches([[0] * n for n in lengths])
+        batches = engine.embedding_batches([[0] * n for n in lengths]).batches
         return (
             engine.pooled_together(batches, lengths, idle),
             engine.evaluated_together(batches, lengths, idle),

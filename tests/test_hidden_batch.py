@@ -56,8 +56,10 @@ def test_inputs_sharing_passes_are_each_alone_bits(
     for a, b in zip(alone, both, strict=True):
         assert a.dtype == b.dtype == np.float32
         assert np.array_equal(a, b)
-    # the slot is left empty, as after one hidden_states call per input
-    assert all(slot.tokens == [] and slot.cache.n_tokens == 0 for slot in engine.slots)
+    # the one slot keeps the last input, its tokens and cells, as llama-server's slot does
+    (slot,) = engine.slots
+    assert slot.tokens == inputs[-1] and slot.cache.n_tokens == len(inputs[-1])
+    assert slot.embedded == []
 
 
 def test_a_model_that_does_not_share_passes_embeds_each_input_in_its_slot(
@@ -102,53 +104,31 @@ def test_inputs_in_one_micro_batch_move_from_64_tokens_only(engine: Engine) -> N
         model.hidden_states_together([long, long], 128)
 
 
-def test_a_k_quant_micro_batch_is_llama_servers(
-    default_model_q4_k_m: Path, llama_server_bin: Path
+BATCH_TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "a b c",
+    "zz " * 40,
+]
+
+
+def assert_llama_servers_batch(
+    model: Path, binary: Path, cache_type: str | None = None, changed: int = 3
 ) -> None:
-    """A K-quant file's products follow the micro-batch's row count (one group for the batch's
-    sequences): four inputs of 126 tokens in one request to llama-server ``-np 4 -kvu`` on a
-    fresh server (slots 3, 2, 1, 0: the batch reversed), every token's vector equal bit for bit
-    to ``hidden_states_together`` of the four in that order, where three differ alone."""
+    """Four inputs of 126 tokens in one request to llama-server ``-np 4 -kvu --pooling none``
+    on a fresh server (slots 3, 2, 1, 0: the batch reversed): every token's vector equal bit for
+    bit to the four evaluated together in that order (Engine.compute_hidden_states), where
+    ``changed`` of them differ alone."""
     from tests import support
 
-    engine = Engine.open(default_model_q4_k_m, n_ctx=4096, n_slots=4, kv_unified=True)
+    engine = Engine.open(model, n_ctx=4096, n_slots=4, kv_unified=True, cache_type=cache_type)
     assert engine.model.follows_micro_batches
-    texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
-    texts.append("zz " * 40)
-    inputs = [engine.embedding_inputs(t)[0] for t in texts]
+    inputs = [engine.embedding_inputs(t)[0] for t in BATCH_TEXTS]
     args = ["--embeddings", "--pooling", "none", "-np", "4", "-kvu", "-c", "4096"]
-    with support.LlamaServer(default_model_q4_k_m, args=args, binary=llama_server_bin) as ref:
-        status, answer = support.http_json(ref.url + "/embedding", {"content": texts})
-    assert status == 200
-    theirs = [
-        np.array(a["embedding"], np.float32) for a in sorted(answer, key=lambda a: a["index"])
-    ]
-    ours = engine.model.hidden_states_together(inputs[::-1], engine.cache.kv_size)[::-1]
-    for mine, ref_rows in zip(ours, theirs, strict=True):
-        assert np.array_equal(mine, ref_rows)
-    alone = [engine.model.hidden_states(tokens) for tokens in inputs]
-    assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == 3
-
-
-def test_a_k_quant_micro_batch_over_a_q8_0_cache_is_llama_servers(
-    default_model_q4_k_m: Path, llama_server_bin: Path
-) -> None:
-    """Over a q8_0 cache ggml attends one row at a time whatever the micro-batch, so only the
-    products move: on a K-quant file (its arithmetic follows the batch's row count) the four
-    inputs of 126 tokens at ``-np 4 -kvu -ctk q8_0 -ctv q8_0`` are ``hidden_states_together``'s
-    bits, where three differ alone."""
-    from tests import support
-
-    engine = Engine.open(
-        default_model_q4_k_m, n_ctx=4096, n_slots=4, kv_unified=True, cache_type="q8_0"
-    )
-    texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
-    texts.append("zz " * 40)
-    inputs = [engine.embedding_inputs(t)[0] for t in texts]
-    args = ["--embeddings", "--pooling", "none", "-np", "4", "-kvu", "-c", "4096"]
-    args += ["-ctk", "q8_0", "-ctv", "q8_0"]
-    with support.LlamaServer(default_model_q4_k_m, args=args, binary=llama_server_bin) as ref:
-        status, answer = support.http_json(ref.url + "/embedding", {"content": texts})
+    if cache_type is not None:
+        args += ["-ctk", cache_type, "-ctv", cache_type]
+    with support.LlamaServer(model, args=args, binary=binary) as ref:
+        status, answer = support.http_json(ref.url + "/embedding", {"content": BATCH_TEXTS})
     assert status == 200
     theirs = [
         np.array(a["embedding"], np.float32) for a in sorted(answer, key=lambda a: a["index"])
@@ -156,8 +136,26 @@ def test_a_k_quant_micro_batch_over_a_q8_0_cache_is_llama_servers(
     ours = engine.compute_hidden_states(inputs, [[3, 2, 1, 0]])
     for mine, ref_rows in zip(ours, theirs, strict=True):
         assert np.array_equal(mine, ref_rows)
-    alone = engine.compute_hidden_states(inputs)  # the first in the batch: 80 rows, as alone
-    assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == 3
+    alone = engine.compute_hidden_states(inputs)
+    assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == changed
+
+
+def test_a_k_quant_micro_batch_is_llama_servers(
+    default_model_q4_k_m: Path, llama_server_bin: Path
+) -> None:
+    """A K-quant file's products follow the micro-batch's row count (one group for the batch's
+    sequences): llama-server's batch, three inputs differing alone (the first, 80 rows at the
+    batch's head, multiplied as alone)."""
+    assert_llama_servers_batch(default_model_q4_k_m, llama_server_bin)
+
+
+def test_a_k_quant_micro_batch_over_a_q8_0_cache_is_llama_servers(
+    default_model_q4_k_m: Path, llama_server_bin: Path
+) -> None:
+    """Over a q8_0 cache ggml attends one row at a time whatever the micro-batch, so only the
+    products move: on a K-quant file (its arithmetic follows the batch's row count) the batch
+    at ``-ctk q8_0 -ctv q8_0`` is llama-server's too."""
+    assert_llama_servers_batch(default_model_q4_k_m, llama_server_bin, "q8_0")
 
 
 def test_a_replay_refuses_a_batch_no_micro_batch_holds(engine: Engine) -> None:
@@ -182,36 +180,15 @@ def test_a_replay_refuses_a_batch_no_micro_batch_holds(engine: Engine) -> None:
 
 
 def test_a_sliding_window_micro_batch_is_llama_servers(
-    default_model: Path,
-    llama_server_bin: Path,
-    tmp_path: Path,
+    default_model: Path, llama_server_bin: Path, tmp_path: Path
 ) -> None:
     """gemma3's sliding layers keep their own cache, emptied and filled from cell 0 alike: a
-    tiny gemma3 (window 8, layers 0 and 2 sliding) at ``-np 4 -kvu``, four inputs of 126
-    tokens on a fresh server, every token's vector ``hidden_states_together``'s, where three
-    differ alone."""
+    tiny gemma3 (window 8, layers 0 and 2 sliding) gives llama-server's batch."""
     from gguf import GGMLQuantizationType as T
 
-    from tests import support
     from tests.tiny_models import TinySpec, write_tiny_model
 
-    model = write_tiny_model(
-        tmp_path / "gemma3-swa.gguf", TinySpec("gemma3", T.F32, n_layer=4), default_model
-    )
-    engine = Engine.open(model, n_ctx=4096, n_slots=4, kv_unified=True)
-    assert engine.model.has_sliding_window and engine.model.follows_micro_batches
-    texts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "a b c"]
-    texts.append("zz " * 40)
-    inputs = [engine.embedding_inputs(t)[0] for t in texts]
-    args = ["--embeddings", "--pooling", "none", "-np", "4", "-kvu", "-c", "4096"]
-    with support.LlamaServer(model, args=args, binary=llama_server_bin) as ref:
-        status, answer = support.http_json(ref.url + "/embedding", {"content": texts})
-    assert status == 200
-    theirs = [
-        np.array(a["embedding"], np.float32) for a in sorted(answer, key=lambda a: a["index"])
-    ]
-    ours = engine.compute_hidden_states(inputs, [[3, 2, 1, 0]])
-    for mine, ref_rows in zip(ours, theirs, strict=True):
-        assert np.array_equal(mine, ref_rows)
-    alone = engine.compute_hidden_states(inputs)
-    assert sum(not np.array_equal(a, r) for a, r in zip(alone, theirs, strict=True)) == 3
+    spec = TinySpec("gemma3", T.F32, n_layer=4)
+    model = write_tiny_model(tmp_path / "gemma3-swa.gguf", spec, default_model)
+    assert Engine.open(model, n_ctx=512).model.has_sliding_window
+    assert_llama_servers_batch(model, llama_server_bin)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy
@@ -298,13 +298,17 @@ class Encoder:
         return numpy.ascontiguousarray(x, dtype=F32)
 
     def rank_score_batches(
-        self, pairs: Sequence[Sequence[int]], batches: Sequence[Sequence[int]] = ()
+        self,
+        pairs: Sequence[Sequence[int]],
+        batches: Sequence[Sequence[int]] = (),
+        keep: Mapping[int, Any] | None = None,
     ) -> list[float]:
         """``rank_score`` of each pair, except the ``batches`` (groups of the pairs, each in
         its micro-batch's order: llama-server's slots, Engine.evaluated_together): a batch's
         hidden states as that micro-batch gives them (``hidden_states_batch``: from
         ``FA_TILE_Q`` tokens the attention's tiles run over the whole batch), and the head over
-        its [CLS] rows in one product, in that order."""
+        its [CLS] rows in one product, in that order. An encoder keeps no cache: ``keep``
+        (Engine.embedding_batches') says nothing here."""
         scores: list[float | None] = [None] * len(pairs)
         for batch in batches:
             states = self.hidden_states_batch([pairs[i] for i in batch])

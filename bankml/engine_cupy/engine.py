@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -211,6 +211,15 @@ def _slot_caches(model: Any, n: int, n_ctx: int, cache_type: str | None) -> list
     if new_caches is not None:
         return list(new_caches(n, n_ctx, cache_type))
     return [model.new_cache(n_ctx, cache_type) for _ in range(n)]
+
+
+class EmbeddingPlan(NamedTuple):
+    """How llama-server's slots take one request's embedding inputs (Engine.embedding_batches):
+    the batches, each in its order, and the inputs whose slot keeps them after (input index:
+    its slot)."""
+
+    batches: list[list[int]]
+    keep: dict[int, Any]
 
 
 class Engine:
@@ -901,25 +910,45 @@ class Engine:
     def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
         """llama.cpp's ``t_embd`` of every token of one input (Model.hidden_states), computed
         in the slot llama-server would choose for it, in micro-batches of -ub. An embedding is
-        stateless there (its prompt is evaluated from position 0); the slot is left empty
-        afterwards, so no later prompt reuses what it held (its choice by similarity still
-        sees the input, as llama-server's: ``Slot.embedded``)."""
+        stateless there (its prompt is evaluated from position 0) and leaves its tokens and
+        cells in the slot until the slot's next task (``_release_embedding``)."""
         slot, _ = self.choose_slot(tokens)
         self._acquire(slot)
+        kept = False
         try:
             slot.tokens = []
-            return self.model.hidden_states(tokens, slot.cache, self.n_ubatch)
+            rows = self.model.hidden_states(tokens, slot.cache, self.n_ubatch)
+            kept = self.keeps_embeddings
+            return rows
         finally:
-            self._empty_and_release(slot, tokens)
+            self._release_embedding(slot, tokens, kept)
 
-    def _empty_and_release(self, slot: Any, embedded: Sequence[int]) -> None:
-        """An embedding's slot afterwards: empty (cache, tokens, checkpoints), so that no later
-        prompt reuses it, and free, naming the ``embedded`` input for the slot choice."""
-        slot.cache.truncate(0)
-        slot.tokens = []
-        slot.embedded = list(embedded)
-        if slot.checkpoints is not None:
-            slot.checkpoints = Checkpoints(slot.checkpoints.window)
+    @property
+    def keeps_embeddings(self) -> bool:
+        """Whether a slot keeps an embedding's tokens and K/V after it, for a later prompt to
+        reuse, as llama-server's slot does (``cache_n`` of the next completion that shares its
+        prefix): a decoder on the exact path without a sliding window, its slots' sequences in
+        caches of their own (without ``-kvu``). With ``-kvu`` the next launch may clear them
+        (``--cache-idle-slots``) and a reuse attends at the batch's cells; a sliding-window
+        model keeps its ring and checkpoints otherwise: there the slot keeps the input's tokens
+        for the choice by similarity only (``Slot.embedded``), its cache emptied."""
+        return (
+            bool(getattr(self.model, "exact", False))
+            and not getattr(self.model, "has_sliding_window", False)
+            and not self.kv_unified
+        )
+
+    def _release_embedding(self, slot: Any, tokens: Sequence[int], kept: bool) -> None:
+        """An embedding's slot afterwards, free: holding the input's tokens with its cells
+        (``kept``: the cache holds them), else empty (cache, tokens, checkpoints) and naming
+        the input for the slot choice alone."""
+        if kept:
+            slot.tokens, slot.embedded = list(tokens), []
+        else:
+            slot.cache.truncate(0)
+            slot.tokens, slot.embedded = [], list(tokens)
+            if slot.checkpoints is not None:
+                slot.checkpoints = Checkpoints(slot.checkpoints.window)
         self._release(slot)
 
     def hidden_states_batch(
@@ -933,13 +962,19 @@ class Engine:
         where it ``shares_passes``; an encoder's), the inputs alone share its passes, each over
         a cache of its own of its slot's type and attended cells; otherwise each is its own
         ``hidden_states``."""
-        self.embedding_batches(inputs)
-        return self.compute_hidden_states(inputs, together)
+        plan = self.embedding_batches(inputs)
+        return self.compute_hidden_states(inputs, together, plan.keep)
 
     def compute_hidden_states(
-        self, inputs: Sequence[Sequence[int]], together: Sequence[Sequence[int]] = ()
+        self,
+        inputs: Sequence[Sequence[int]],
+        together: Sequence[Sequence[int]] = (),
+        keep: Mapping[int, Any] | None = None,
     ) -> list[np.ndarray]:
-        """The hidden states of ``hidden_states_batch`` without taking slots (a replay's)."""
+        """The hidden states of ``hidden_states_batch``; ``keep`` (``EmbeddingPlan.keep``: the
+        inputs whose slot keeps them) computes those in their slot's cache and leaves them
+        there, as llama-server's slot holds its last embedding (none: a replay's)."""
+        keep = keep or {}
         out: list[Any] = [None] * len(inputs)
         kv_size = getattr(self.cache, "kv_size", 0)  # the cache the slots share (-kvu)
         for group in together:
@@ -948,27 +983,28 @@ class Engine:
             for i, rows in zip(group, states, strict=True):
                 out[i] = rows
         alone = [i for i in range(len(inputs)) if out[i] is None]
+        caches = [
+            keep[i].cache if i in keep else self._embedding_cache(self.cache, len(inputs[i]))
+            for i in alone
+        ]
         batch = getattr(self.model, "hidden_states_batch", None)
         shares = getattr(self.model, "shares_passes", True)  # an encoder decides per pass
         if batch is None or not shares or len(alone) < 2:
-            for i in alone:
-                out[i] = self._hidden_states_alone(inputs[i])
-            return out
-        caches = [self._embedding_cache(self.cache, len(inputs[i])) for i in alone]
-        for i, rows in zip(alone, batch([inputs[i] for i in alone], caches, self.n_ubatch)):
-            out[i] = rows
+            for i, cache in zip(alone, caches):
+                out[i] = self.model.hidden_states(inputs[i], cache, self.n_ubatch)
+        else:
+            for i, rows in zip(alone, batch([inputs[i] for i in alone], caches, self.n_ubatch)):
+                out[i] = rows
+        for i, slot in keep.items():  # the cache holds the input now
+            slot.tokens, slot.embedded = list(inputs[i]), []
         return out
 
-    def _hidden_states_alone(self, tokens: Sequence[int]) -> np.ndarray:
-        """One input's hidden states in a cache of its own, as ``hidden_states`` gives them."""
-        return self.model.hidden_states(
-            tokens, self._embedding_cache(self.cache, len(tokens)), self.n_ubatch
-        )
-
-    def embedding_batches(self, inputs: Sequence[Sequence[int]]) -> list[list[int]]:
+    def embedding_batches(self, inputs: Sequence[Sequence[int]]) -> EmbeddingPlan:
         """The batches in which llama-server ``-np N`` evaluates one request's embedding
-        inputs (in request order), each listed in the batch's order, with
-        the slots taken and left as it takes and leaves them.
+        inputs (in request order), each listed in the batch's order, with the slots taken and
+        left as it takes and leaves them; and the inputs whose slot keeps them after it (the
+        last each slot took, where the engine ``keeps_embeddings``), for
+        ``compute_hidden_states`` to compute in that slot's cache.
 
         Its tasks go to the idle slots in request order, each to the slot ``choose_slot``
         picks (the first time, the least recently used, the last of equals: slots N-1, N-2,
@@ -978,6 +1014,7 @@ class Engine:
         fits ``-ub`` and no other request's task joins; ``evaluated_together`` and
         ``pooled_together`` follow the batches only that far."""
         batches = []
+        keep: dict[int, Any] = {}
         i = 0
         while i < len(inputs):
             taken: list[tuple[Any, int]] = []
@@ -988,9 +1025,14 @@ class Engine:
                 i += 1
             taken.sort(key=lambda pair: pair[0].id)
             for slot, index in taken:
-                self._empty_and_release(slot, inputs[index])
+                # a kept input's cache is filled by compute_hidden_states (its tokens named
+                # for the choice by similarity meanwhile); a slot taken again keeps the later
+                keep = {k: kept for k, kept in keep.items() if kept is not slot}
+                if self.keeps_embeddings:
+                    keep[index] = slot
+                self._release_embedding(slot, inputs[index], False)
             batches.append([index for _, index in taken])
-        return batches
+        return EmbeddingPlan(batches, keep)
 
     def followed_batches(
         self, batches: Sequence[Sequence[int]], lengths: Sequence[int]

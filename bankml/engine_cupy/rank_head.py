@@ -29,7 +29,7 @@ none); ``score(tokens)`` computes one pair alone (``Engine.hidden_states``),
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy
@@ -99,13 +99,17 @@ class RankHead:
         return [float(self._head(h)[0]) for h in self.engine.hidden_states_batch(pairs)]
 
     def rank_score_batches(
-        self, pairs: Sequence[Sequence[int]], batches: Sequence[Sequence[int]] = ()
+        self,
+        pairs: Sequence[Sequence[int]],
+        batches: Sequence[Sequence[int]] = (),
+        keep: Mapping[int, Any] | None = None,
     ) -> list[float]:
         """``rank_score`` of each pair, except the ``batches`` (groups of the pairs, each in its
         micro-batch's order: Engine.evaluated_together), each evaluated as that micro-batch
         (Engine.compute_hidden_states) with the head over their last rows in one product,
-        in that order, each row soft-maxed. The slots are the caller's to take."""
-        states = self.engine.compute_hidden_states(pairs, batches)
+        in that order, each row soft-maxed. The slots are the caller's to take (``keep``:
+        Engine.embedding_batches' pairs that their slots keep)."""
+        states = self.engine.compute_hidden_states(pairs, batches, keep)
         scores: list[float | None] = [None] * len(pairs)
         for batch in batches:
             rows = numpy.ascontiguousarray(numpy.stack([states[i][-1] for i in batch]), F32)

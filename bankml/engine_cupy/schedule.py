@@ -228,9 +228,10 @@ class Waiting:
 class Slot:
     """One of the server's slots: its KV cache and the tokens it holds, its context
     checkpoints (sliding-window models), the task it runs or last ran, and when it was last
-    used (llama-server's least-recently-used choice). ``embedded``: after an embedding, the
-    input's tokens, which llama-server's slot keeps until its next task (so its choice by
-    prompt similarity sees them), where this slot's cache and ``tokens`` are left empty."""
+    used (llama-server's least-recently-used choice). ``embedded``: after an embedding whose
+    cells the slot does not keep (Engine.keeps_embeddings), the input's tokens, which
+    llama-server's slot keeps until its next task (so its choice by prompt similarity sees
+    them), where this slot's cache and ``tokens`` are left empty."""
 
     id: int
     cache: Any

@@ -284,14 +284,15 @@ class Embedder:
             out = []
             began = time.perf_counter()
             all_idle = engine.free_slots() == engine.n_slots
-            batches = engine.embedding_batches(job.tokens)
+            plan = engine.embedding_batches(job.tokens)
             if job.api in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
                 lengths = [len(t) for t in job.tokens]
-                job.evaluated_together = engine.evaluated_together(batches, lengths, all_idle)
+                together = engine.evaluated_together(plan.batches, lengths, all_idle)
+                job.evaluated_together = together
                 if job.pooling == "mean":
-                    job.pooled_together = engine.pooled_together(batches, lengths, all_idle)
+                    job.pooled_together = engine.pooled_together(plan.batches, lengths, all_idle)
             beside = {i for group in job.pooled_together for i in group}
-            states = engine.compute_hidden_states(job.tokens, job.evaluated_together)
+            states = engine.compute_hidden_states(job.tokens, job.evaluated_together, plan.keep)
             for i, hidden in enumerate(states):
                 rows = list(pool(hidden, job.pooling, beside_others=i in beside))
                 if job.pooling != "none" and job.embd_normalize is not None:

@@ -126,10 +126,10 @@ class Reranker:
                 raise ApiError.of(501, NOT_A_RERANKER, "not_supported_error")
             began = time.perf_counter()
             all_idle = engine.free_slots() == engine.n_slots
-            batches = engine.embedding_batches(job.pairs)  # the slots, as llama-server's
+            plan = engine.embedding_batches(job.pairs)  # the slots, as llama-server's
             lengths = [len(pair) for pair in job.pairs]
-            job.evaluated_together = engine.evaluated_together(batches, lengths, all_idle)
-            job.scores = ranker.rank_score_batches(job.pairs, job.evaluated_together)
+            job.evaluated_together = engine.evaluated_together(plan.batches, lengths, all_idle)
+            job.scores = ranker.rank_score_batches(job.pairs, job.evaluated_together, plan.keep)
             job.seconds = time.perf_counter() - began
             job.issuer = native_issuer(self.native)  # swapped to the chosen model by hold
         finally:
