@@ -93,7 +93,10 @@ def test_the_dropin_rewrites_llama_servers_spellings_into_bankml_serve_options()
         *("--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "--alias", "x"),
         *("--n-predict", "8", "--metrics"),
     ]
-    assert notes == ["ignoring -fa: bankml computes the same answer whatever this is set to"]
+    assert notes == [
+        "ignoring -fa: bankml computes the same answer with -fa on or auto (auto is on for the "
+        "CPU); -fa off is refused"
+    ]
 
 
 def test_bankmls_own_options_pass_through_the_dropin_as_given() -> None:
