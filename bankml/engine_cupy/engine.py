@@ -951,19 +951,15 @@ class Engine:
                 slot.checkpoints = Checkpoints(slot.checkpoints.window)
         self._release(slot)
 
-    def hidden_states_batch(
-        self, inputs: Sequence[Sequence[int]], together: Sequence[Sequence[int]] = ()
-    ) -> list[np.ndarray]:
-        """``hidden_states`` of each input, as many calls one after the other would give them,
-        except the groups of ``together`` (``evaluated_together``), each evaluated as one
-        micro-batch in its order. The slots are taken and left as llama-server takes them for
-        one request's tasks (``embedding_batches``); the inputs' computation does not depend
-        on which. Where the model computes several inputs together (``Model.hidden_states_batch``
-        where it ``shares_passes``; an encoder's), the inputs alone share its passes, each over
-        a cache of its own of its slot's type and attended cells; otherwise each is its own
-        ``hidden_states``."""
+    def hidden_states_batch(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """``hidden_states`` of each input, as many calls one after the other would give them.
+        The slots are taken and left as llama-server takes them for one request's tasks
+        (``embedding_batches``); the inputs' computation does not depend on which. Where the
+        model computes several inputs together (``Model.hidden_states_batch`` where it
+        ``shares_passes``; an encoder's), they share its passes, each over a cache of its own
+        of its slot's type and attended cells; otherwise each is its own ``hidden_states``."""
         plan = self.embedding_batches(inputs)
-        return self.compute_hidden_states(inputs, together, plan.keep)
+        return self.compute_hidden_states(inputs, (), plan.keep)
 
     def compute_hidden_states(
         self,
@@ -971,9 +967,11 @@ class Engine:
         together: Sequence[Sequence[int]] = (),
         keep: Mapping[int, Any] | None = None,
     ) -> list[np.ndarray]:
-        """The hidden states of ``hidden_states_batch``; ``keep`` (``EmbeddingPlan.keep``: the
-        inputs whose slot keeps them) computes those in their slot's cache and leaves them
-        there, as llama-server's slot holds its last embedding (none: a replay's)."""
+        """The hidden states of ``hidden_states_batch``, except the groups of ``together``
+        (``evaluated_together``), each evaluated as one micro-batch in its order; ``keep``
+        (``EmbeddingPlan.keep``: the inputs whose slot keeps them) computes those in their
+        slot's cache and leaves them there, as llama-server's slot holds its last embedding
+        (none: a replay's)."""
         keep = keep or {}
         out: list[Any] = [None] * len(inputs)
         kv_size = getattr(self.cache, "kv_size", 0)  # the cache the slots share (-kvu)
@@ -1014,7 +1012,7 @@ class Engine:
         fits ``-ub`` and no other request's task joins; ``evaluated_together`` and
         ``pooled_together`` follow the batches only that far."""
         batches = []
-        keep: dict[int, Any] = {}
+        last: dict[int, tuple[int, Any]] = {}  # slot id: the last input it took, and the slot
         i = 0
         while i < len(inputs):
             taken: list[tuple[Any, int]] = []
@@ -1025,13 +1023,12 @@ class Engine:
                 i += 1
             taken.sort(key=lambda pair: pair[0].id)
             for slot, index in taken:
-                # a kept input's cache is filled by compute_hidden_states (its tokens named
-                # for the choice by similarity meanwhile); a slot taken again keeps the later
-                keep = {k: kept for k, kept in keep.items() if kept is not slot}
-                if self.keeps_embeddings:
-                    keep[index] = slot
+                # a kept input's cache is filled by compute_hidden_states; meanwhile its
+                # tokens are named for the choice by similarity
                 self._release_embedding(slot, inputs[index], False)
+                last[slot.id] = (index, slot)
             batches.append([index for _, index in taken])
+        keep = dict(last.values()) if self.keeps_embeddings else {}
         return EmbeddingPlan(batches, keep)
 
     def followed_batches(

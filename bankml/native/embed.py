@@ -287,8 +287,7 @@ class Embedder:
             plan = engine.embedding_batches(job.tokens)
             if job.api in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
                 lengths = [len(t) for t in job.tokens]
-                together = engine.evaluated_together(plan.batches, lengths, all_idle)
-                job.evaluated_together = together
+                job.evaluated_together = engine.evaluated_together(plan.batches, lengths, all_idle)
                 if job.pooling == "mean":
                     job.pooled_together = engine.pooled_together(plan.batches, lengths, all_idle)
             beside = {i for group in job.pooled_together for i in group}

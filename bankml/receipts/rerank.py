@@ -317,11 +317,10 @@ def replay_rerank(request_bytes: bytes, receipt: Mapping[str, Any], engine: Any)
         return "refuse: the documents do not tokenize to the pairs the receipt hashes"
     together = receipt.get("evaluated_together", [])
     if together:
-        in_batches = getattr(encoder, "rank_score_batches", None)  # an encoder's
-        if input_groups(together, len(pairs)) is None or in_batches is None:
+        if input_groups(together, len(pairs)) is None:
             return "refuse: the receipt's evaluated_together is not groups of the request's pairs"
         try:
-            scores = in_batches(pairs, together)
+            scores = encoder.rank_score_batches(pairs, together)
         except ValueError as err:  # a group no micro-batch holds
             return f"refuse: the receipt's evaluated_together cannot be evaluated ({err})"
     else:
