@@ -1066,7 +1066,7 @@ class Engine:
         self, batches: Sequence[Sequence[int]], lengths: Sequence[int], all_idle: bool = True
     ) -> list[list[int]]:
         """The batches (``embedding_batches``, ``followed_batches``) that bankml evaluates as one
-        micro-batch, in its order, as llama-server does (``hidden_states_batch``'s
+        micro-batch, in its order, as llama-server does (``compute_hidden_states``'s
         ``together``): where the model ``follows_micro_batches`` and the batch's cells are
         known (``cells_known``). From ``FA_TILE_Q`` tokens in the micro-batch every input's
         states depend on where it sits, and below it on the products' row count where they are
