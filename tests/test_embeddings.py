@@ -27,6 +27,8 @@ none_pair = pair_fixture(["--embeddings", "--pooling", "none"])
 slots_pair = pair_fixture(["--embeddings", "--pooling", "cls", "-np", "4", "-kvu"])
 # the same with mean pooling: llama-server's vectors then depend on the batch (documented below)
 kvu_mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu"])
+# the same flags on servers of their own: a test that follows the slots' history from the start
+kvu_reuse_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu"])
 Q8_CACHE = ["-ctk", "q8_0", "-ctv", "q8_0"]
 kvu_q8_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu", *Q8_CACHE])
 # four inputs of 31 tokens in all: one micro-batch under 64 tokens at -np 4 -kvu
@@ -182,6 +184,59 @@ def test_a_completion_reuses_the_cells_an_embedding_left_as_llama_servers(mean_p
         [p["logprob"] for p in answer["completion_probabilities"]] for answer in (ours, theirs)
     )
     assert max(abs(a - b) for a, b in zip(mine, ref, strict=True)) < 1e-5, (mine, ref)
+
+
+def completions_side_by_side(pair: Pair, prompt: str) -> tuple[Any, Any]:
+    """The same greedy /completion on both, its counts compared; the two answers."""
+    body = {"prompt": prompt, "n_predict": 3, "temperature": 0, "n_probs": 2}
+    (s1, ours, _), (s2, theirs, _) = (post(p, "/completion", body) for p in pair.ports)
+    assert s1 == s2 == 200
+    for key in ("cache_n", "prompt_n"):
+        assert ours["timings"][key] == theirs["timings"][key], key
+    assert ours["content"] == theirs["content"]
+    return ours, theirs
+
+
+def logprobs(answer: Any) -> list[float]:
+    return [p["logprob"] for p in answer["completion_probabilities"]]
+
+
+def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
+    kvu_reuse_pair: Pair,
+) -> None:
+    """``-np 4 -kvu``: the slots share one cache and each task's launch clears the idle slots,
+    saving them to the host prompt cache. A completion that starts with an embedded text
+    reuses its cells in place when it comes next (``cache_n`` 51, ``prompt_n`` 13), its
+    logprobs llama-server's where the input sat from cell 0: alone on an idle server, or first
+    of its batch (there with the K/V the batch computed: the batch has 64 tokens, so the tiled
+    attention; -2.357 against -2.341 alone). Embedded before another embedding, the input goes
+    to the host prompt cache and a later completion loads it from there (the same counts; its
+    cells then lie after the other slot's, its new ones before them in llama-server: other
+    logprobs, docs/modules/embeddings.md)."""
+    pair = kvu_reuse_pair
+    tail = " And then the dog woke up and said hello to everyone in the"
+    fox = "The quick brown fox jumps over the lazy dog. " * 5
+    for port in pair.ports:
+        assert post(port, "/embedding", {"content": fox})[0] == 200
+    ours, theirs = completions_side_by_side(pair, fox + tail)
+    assert theirs["timings"]["cache_n"] == 51
+    assert max(abs(a - b) for a, b in zip(logprobs(ours), logprobs(theirs))) < 1e-5
+    # a batch of four (slot 3 holds the completion: the third input takes slot 0, the batch's
+    # first; 154 tokens in all)
+    cat = "Once upon a time a small cat sat on a warm mat. " * 4
+    batch = ["zz " * 40, "Hello world", cat, "a b c " * 30]
+    for port in pair.ports:
+        assert post(port, "/v1/embeddings", {"input": batch})[0] == 200
+    ours, theirs = completions_side_by_side(pair, cat + tail)
+    assert theirs["timings"]["cache_n"] > 40
+    assert max(abs(a - b) for a, b in zip(logprobs(ours), logprobs(theirs))) < 1e-5
+    # an input embedded, then another: the first from the host prompt cache
+    owl = "An old owl lived in an oak and saw many things. " * 4
+    for port in pair.ports:
+        for text in (owl, "Hello world"):
+            assert post(port, "/embedding", {"content": text})[0] == 200
+    ours, theirs = completions_side_by_side(pair, owl + tail)
+    assert theirs["timings"]["cache_n"] > 40
 
 
 def test_metrics_and_slots_count_embedding_tasks_as_llama_server(mean_pair: Pair) -> None:

@@ -107,11 +107,15 @@ class EncoderModel:
         return self.encoder.hidden_states_each(inputs)
 
     def hidden_states_together(
-        self, inputs: Sequence[Sequence[int]], kv_size: int = 0, cache_type: str | None = None
+        self,
+        inputs: Sequence[Sequence[int]],
+        kv_size: int = 0,
+        cache_type: str | None = None,
+        caches: Sequence[Any] = (),
     ) -> list[numpy.ndarray]:
         """The inputs in one micro-batch, in that order, as llama-server's slots evaluate them
         (``Encoder.hidden_states_batch``: the attention's tiles over the whole batch; no
-        cache, so ``kv_size`` and ``cache_type`` say nothing)."""
+        cache, so ``kv_size``, ``cache_type`` and ``caches`` say nothing)."""
         return self.encoder.hidden_states_batch(inputs)
 
 

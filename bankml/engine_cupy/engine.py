@@ -424,10 +424,15 @@ class Engine:
     def _acquire(self, slot: Slot) -> None:
         slot.processing = True
         slot.embedded = []  # the new task's prompt replaces an embedding's tokens
+        slot.holds_embedding = False
         if self.kv_unified and self.clear_idle_slots:
             for idle in self.slots:  # saved to the host prompt cache and cleared there
                 if not idle.processing:
                     idle.embedded = []
+                    if idle.holds_embedding:  # its cells too (a completion's stay: Slot)
+                        self.host_cache.save(idle.tokens, idle.cache)
+                        idle.cache.truncate(0)
+                        idle.tokens, idle.holds_embedding = [], False
         self._task_id += 1
         slot.task_id = self._task_id
 
@@ -927,15 +932,11 @@ class Engine:
     def keeps_embeddings(self) -> bool:
         """Whether a slot keeps an embedding's tokens and K/V after it, for a later prompt to
         reuse, as llama-server's slot does (``cache_n`` of the next completion that shares its
-        prefix): a decoder on the exact path without a sliding window, its slots' sequences in
-        caches of their own (without ``-kvu``). With ``-kvu`` the next launch may clear them
-        (``--cache-idle-slots``) and a reuse attends at the batch's cells; a sliding-window
-        model keeps its ring and checkpoints otherwise: there the slot keeps the input's tokens
-        for the choice by similarity only (``Slot.embedded``), its cache emptied."""
-        return (
-            bool(getattr(self.model, "exact", False))
-            and not getattr(self.model, "has_sliding_window", False)
-            and not self.kv_unified
+        prefix): a decoder on the exact path without a sliding window (which keeps its ring
+        and checkpoints otherwise). Elsewhere the slot keeps the input's tokens for the choice
+        by similarity only (``Slot.embedded``), its cache emptied."""
+        return bool(getattr(self.model, "exact", False)) and not getattr(
+            self.model, "has_sliding_window", False
         )
 
     def _release_embedding(self, slot: Any, tokens: Sequence[int], kept: bool) -> None:
@@ -944,6 +945,7 @@ class Engine:
         the input for the slot choice alone."""
         if kept:
             slot.tokens, slot.embedded = list(tokens), []
+            slot.holds_embedding = True
         else:
             slot.cache.truncate(0)
             slot.tokens, slot.embedded = [], list(tokens)
@@ -977,7 +979,10 @@ class Engine:
         kv_size = getattr(self.cache, "kv_size", 0)  # the cache the slots share (-kvu)
         for group in together:
             group_inputs = [inputs[i] for i in group]
-            states = self.model.hidden_states_together(group_inputs, kv_size, self.cache.cache_type)
+            kept = [keep[i].cache if i in keep else None for i in group]
+            states = self.model.hidden_states_together(
+                group_inputs, kv_size, self.cache.cache_type, kept
+            )
             for i, rows in zip(group, states, strict=True):
                 out[i] = rows
         alone = [i for i in range(len(inputs)) if out[i] is None]
@@ -995,6 +1000,7 @@ class Engine:
                 out[i] = rows
         for i, slot in keep.items():  # the cache holds the input now
             slot.tokens, slot.embedded = list(inputs[i]), []
+            slot.holds_embedding = True
         return out
 
     def embedding_batches(self, inputs: Sequence[Sequence[int]]) -> EmbeddingPlan:
@@ -1029,6 +1035,9 @@ class Engine:
                 last[slot.id] = (index, slot)
             batches.append([index for _, index in taken])
         keep = dict(last.values()) if self.keeps_embeddings else {}
+        if self.kv_unified and self.clear_idle_slots and batches:
+            # each launch clears the idle slots: the last batch's alone keep their inputs
+            keep = {index: slot for index, slot in keep.items() if index in batches[-1]}
         return EmbeddingPlan(batches, keep)
 
     def followed_batches(

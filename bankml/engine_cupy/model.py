@@ -663,7 +663,11 @@ class Model:
         return out
 
     def hidden_states_together(
-        self, tokens: Sequence[Sequence[int]], kv_size: int, cache_type: str | None = None
+        self,
+        tokens: Sequence[Sequence[int]],
+        kv_size: int,
+        cache_type: str | None = None,
+        caches: Sequence[KVCache | None] = (),
     ) -> list[numpy.ndarray]:
         """llama.cpp's ``t_embd`` of several sequences evaluated in one micro-batch, in that
         order, over one cache of ``kv_size`` cells of ``cache_type`` that was empty before it
@@ -671,7 +675,8 @@ class Model:
         bit for bit where the model ``follows_micro_batches``. Each sequence has its positions
         from 0 and attends to its own cells only, yet over an f16 cache through the batch's
         cells and tiles, so from ``FA_TILE_Q`` tokens in the batch a sequence's bits depend on
-        where it sits."""
+        where it sits. A sequence's K/V go to ``caches[i]`` where given (cleared first, left
+        holding them: a slot that keeps its embedding), else to a cache of its own."""
         if not self.follows_micro_batches:
             raise ValueError("this model's micro-batches of several sequences are not followed")
         total = sum(len(t) for t in tokens)
@@ -683,8 +688,13 @@ class Model:
         self._blas.set(self.threads)
         segments: list[Segment | DecodeRows] = []
         row = 0
-        for toks in tokens:
-            cache = self.new_cache(max(len(toks), 1), cache_type)
+        for j, toks in enumerate(tokens):
+            given = caches[j] if j < len(caches) else None
+            if given is None:
+                cache = self.new_cache(max(len(toks), 1), cache_type)
+            else:
+                cache = given
+                cache.truncate(0)
             self._check_rows(toks, cache)
             seg = self._segment(row, toks, cache)
             segments.append(
@@ -704,6 +714,9 @@ class Model:
             backend.to_host(hidden(self.ops, self.hp, self.weights, x, segments, True)),
             dtype=F32,
         )
+        for cache, toks in zip(caches, tokens):
+            if cache is not None:  # it holds the sequence now
+                cache.advance(len(toks))
         return [numpy.ascontiguousarray(rows[seg.rows]) for seg in segments]
 
     @property

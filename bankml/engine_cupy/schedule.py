@@ -238,6 +238,10 @@ class Slot:
     n_ctx: int
     tokens: list[int] = field(default_factory=list)
     embedded: list[int] = field(default_factory=list)
+    # ``tokens`` and the cells are an embedding's: with -kvu the next task's launch clears them
+    # (--cache-idle-slots), where a completion's stay for a later prompt to reuse (bankml's
+    # stand-in for llama-server's host prompt cache)
+    holds_embedding: bool = False
     checkpoints: Checkpoints | None = None
     task_id: int = -1
     processing: bool = False

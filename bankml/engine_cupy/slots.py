@@ -172,7 +172,7 @@ def erase_slot(engine: Any, id_slot: int = 0) -> int:
 def _erase(slot: Any) -> int:
     # an embedding's input counts as held, as llama-server's slot keeps it (Slot.embedded)
     n = len(slot.tokens) + len(getattr(slot, "embedded", ()))
-    slot.tokens, slot.embedded = [], []
+    slot.tokens, slot.embedded, slot.holds_embedding = [], [], False
     slot.cache.truncate(0)
     _forget_checkpoints(slot)
     return n
@@ -303,7 +303,7 @@ def _restore(slot: Any, n_vocab: int, path: str, model_sha256: str) -> tuple[int
         _load_layer(cache, cache._v, layer, v, n)
     cache.n_tokens = n
     _forget_checkpoints(slot)
-    slot.tokens, slot.embedded = [int(t) for t in tokens], []
+    slot.tokens, slot.embedded, slot.holds_embedding = [int(t) for t in tokens], [], False
     return n, len(data)
 
 
