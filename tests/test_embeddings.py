@@ -193,8 +193,12 @@ def completions_side_by_side(pair: Pair, prompt: str) -> tuple[Any, Any]:
     assert s1 == s2 == 200
     for key in ("cache_n", "prompt_n"):
         assert ours["timings"][key] == theirs["timings"][key], key
-    assert ours["content"] == theirs["content"]
     return ours, theirs
+
+
+def assert_same_answer(ours: Any, theirs: Any) -> None:
+    assert ours["content"] == theirs["content"]
+    assert max(abs(a - b) for a, b in zip(logprobs(ours), logprobs(theirs))) < 1e-5
 
 
 def logprobs(answer: Any) -> list[float]:
@@ -212,7 +216,8 @@ def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
     attention; -2.357 against -2.341 alone). Embedded before another embedding, the input goes
     to the host prompt cache and a later completion loads it from there (the same counts; its
     cells then lie after the other slot's, its new ones before them in llama-server: other
-    logprobs, docs/modules/embeddings.md)."""
+    logprobs, even another token, docs/modules/embeddings.md), as do a batch's inputs that a
+    later batch of the same request clears."""
     pair = kvu_reuse_pair
     tail = " And then the dog woke up and said hello to everyone in the"
     fox = "The quick brown fox jumps over the lazy dog. " * 5
@@ -220,7 +225,7 @@ def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
         assert post(port, "/embedding", {"content": fox})[0] == 200
     ours, theirs = completions_side_by_side(pair, fox + tail)
     assert theirs["timings"]["cache_n"] == 51
-    assert max(abs(a - b) for a, b in zip(logprobs(ours), logprobs(theirs))) < 1e-5
+    assert_same_answer(ours, theirs)
     # a batch of four (slot 3 holds the completion: the third input takes slot 0, the batch's
     # first; 154 tokens in all)
     cat = "Once upon a time a small cat sat on a warm mat. " * 4
@@ -229,7 +234,7 @@ def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
         assert post(port, "/v1/embeddings", {"input": batch})[0] == 200
     ours, theirs = completions_side_by_side(pair, cat + tail)
     assert theirs["timings"]["cache_n"] > 40
-    assert max(abs(a - b) for a, b in zip(logprobs(ours), logprobs(theirs))) < 1e-5
+    assert_same_answer(ours, theirs)
     # an input embedded, then another: the first from the host prompt cache
     owl = "An old owl lived in an oak and saw many things. " * 4
     for port in pair.ports:
@@ -237,6 +242,15 @@ def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
             assert post(port, "/embedding", {"content": text})[0] == 200
     ours, theirs = completions_side_by_side(pair, owl + tail)
     assert theirs["timings"]["cache_n"] > 40
+    # five inputs on four slots: the fifth's launch saves the first batch's other slots (the
+    # one it takes loses its input) to the host prompt cache, from which each comes back
+    texts = [f"Story {n}: " + "a bird flew over the hill and sang. " * 4 for n in range(4)]
+    for port in pair.ports:
+        assert post(port, "/v1/embeddings", {"input": [*texts, "zz " * 20]})[0] == 200
+    reused = [
+        completions_side_by_side(pair, text + tail)[1]["timings"]["cache_n"] for text in texts
+    ]
+    assert reused[0] == 0 and min(reused[1:]) > 30, reused
 
 
 def test_metrics_and_slots_count_embedding_tasks_as_llama_server(mean_pair: Pair) -> None:

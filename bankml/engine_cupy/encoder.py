@@ -42,7 +42,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy
@@ -301,13 +301,13 @@ class Encoder:
         self,
         pairs: Sequence[Sequence[int]],
         batches: Sequence[Sequence[int]] = (),
-        keep: Mapping[int, Any] | None = None,
+        plan: Any = None,
     ) -> list[float]:
         """``rank_score`` of each pair, except the ``batches`` (groups of the pairs, each in
         its micro-batch's order: llama-server's slots, Engine.evaluated_together): a batch's
         hidden states as that micro-batch gives them (``hidden_states_batch``: from
         ``FA_TILE_Q`` tokens the attention's tiles run over the whole batch), and the head over
-        its [CLS] rows in one product, in that order. An encoder keeps no cache: ``keep``
+        its [CLS] rows in one product, in that order. An encoder keeps no cache: ``plan``
         (Engine.embedding_batches') says nothing here."""
         scores: list[float | None] = [None] * len(pairs)
         for batch in batches:

@@ -215,11 +215,14 @@ def _slot_caches(model: Any, n: int, n_ctx: int, cache_type: str | None) -> list
 
 class EmbeddingPlan(NamedTuple):
     """How llama-server's slots take one request's embedding inputs (Engine.embedding_batches):
-    the batches, each in its order, and the inputs whose slot keeps them after (input index:
-    its slot)."""
+    the batches, each in its order, the inputs whose slot keeps them after (input index: its
+    slot), and those saved to the host prompt cache meanwhile."""
 
     batches: list[list[int]]
     keep: dict[int, Any]
+    # with -kvu and --cache-idle-slots: the inputs a later batch's launch saves to the host
+    # prompt cache (each in its slot's cells), in that order
+    saved: Sequence[int] = ()
 
 
 class Engine:
@@ -961,25 +964,29 @@ class Engine:
         ``shares_passes``; an encoder's), they share its passes, each over a cache of its own
         of its slot's type and attended cells; otherwise each is its own ``hidden_states``."""
         plan = self.embedding_batches(inputs)
-        return self.compute_hidden_states(inputs, (), plan.keep)
+        return self.compute_hidden_states(inputs, (), plan)
 
     def compute_hidden_states(
         self,
         inputs: Sequence[Sequence[int]],
         together: Sequence[Sequence[int]] = (),
-        keep: Mapping[int, Any] | None = None,
+        plan: EmbeddingPlan | None = None,
     ) -> list[np.ndarray]:
         """The hidden states of ``hidden_states_batch``, except the groups of ``together``
-        (``evaluated_together``), each evaluated as one micro-batch in its order; ``keep``
-        (``EmbeddingPlan.keep``: the inputs whose slot keeps them) computes those in their
-        slot's cache and leaves them there, as llama-server's slot holds its last embedding
-        (none: a replay's)."""
-        keep = keep or {}
+        (``evaluated_together``), each evaluated as one micro-batch in its order. ``plan``
+        (``embedding_batches``'; none: a replay's) says where the inputs' cells go after: the
+        inputs whose slot keeps them are computed in their slot's cache and left there, as
+        llama-server's slot holds its last embedding, and the saved ones are copied to the host
+        prompt cache in their order."""
+        keep = plan.keep if plan is not None else {}
+        saved = plan.saved if plan is not None else []
+        held = {i: slot.cache for i, slot in keep.items()}
+        held.update({i: self._embedding_cache(self.cache, len(inputs[i])) for i in saved})
         out: list[Any] = [None] * len(inputs)
         kv_size = getattr(self.cache, "kv_size", 0)  # the cache the slots share (-kvu)
         for group in together:
             group_inputs = [inputs[i] for i in group]
-            kept = [keep[i].cache if i in keep else None for i in group]
+            kept = [held.get(i) for i in group]
             states = self.model.hidden_states_together(
                 group_inputs, kv_size, self.cache.cache_type, kept
             )
@@ -987,7 +994,7 @@ class Engine:
                 out[i] = rows
         alone = [i for i in range(len(inputs)) if out[i] is None]
         caches = [
-            keep[i].cache if i in keep else self._embedding_cache(self.cache, len(inputs[i]))
+            held[i] if i in held else self._embedding_cache(self.cache, len(inputs[i]))
             for i in alone
         ]
         batch = getattr(self.model, "hidden_states_batch", None)
@@ -1001,6 +1008,8 @@ class Engine:
         for i, slot in keep.items():  # the cache holds the input now
             slot.tokens, slot.embedded = list(inputs[i]), []
             slot.holds_embedding = True
+        for i in saved:
+            self.host_cache.save(inputs[i], held[i])
         return out
 
     def embedding_batches(self, inputs: Sequence[Sequence[int]]) -> EmbeddingPlan:
@@ -1019,11 +1028,17 @@ class Engine:
         ``pooled_together`` follow the batches only that far."""
         batches = []
         last: dict[int, tuple[int, Any]] = {}  # slot id: the last input it took, and the slot
+        clears = self.keeps_embeddings and self.kv_unified and self.clear_idle_slots
+        saved: list[int] = []
+        taken: list[tuple[Any, int]] = []
         i = 0
         while i < len(inputs):
-            taken: list[tuple[Any, int]] = []
+            previous, taken = taken, []
             while i < len(inputs) and (not taken or self.free_slots() > 0):
                 slot, _ = self.choose_slot(inputs[i])
+                if clears and not taken:
+                    # this launch saves the previous batch's other slots, in slot order
+                    saved += [index for held, index in previous if held is not slot]
                 self._acquire(slot)
                 taken.append((slot, i))
                 i += 1
@@ -1035,10 +1050,10 @@ class Engine:
                 last[slot.id] = (index, slot)
             batches.append([index for _, index in taken])
         keep = dict(last.values()) if self.keeps_embeddings else {}
-        if self.kv_unified and self.clear_idle_slots and batches:
+        if clears and batches:
             # each launch clears the idle slots: the last batch's alone keep their inputs
             keep = {index: slot for index, slot in keep.items() if index in batches[-1]}
-        return EmbeddingPlan(batches, keep)
+        return EmbeddingPlan(batches, keep, saved)
 
     def followed_batches(
         self, batches: Sequence[Sequence[int]], lengths: Sequence[int]

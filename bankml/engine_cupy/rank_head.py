@@ -29,7 +29,7 @@ none); ``score(tokens)`` computes one pair alone (``Engine.hidden_states``),
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy
@@ -102,14 +102,14 @@ class RankHead:
         self,
         pairs: Sequence[Sequence[int]],
         batches: Sequence[Sequence[int]] = (),
-        keep: Mapping[int, Any] | None = None,
+        plan: Any = None,
     ) -> list[float]:
         """``rank_score`` of each pair, except the ``batches`` (groups of the pairs, each in its
         micro-batch's order: Engine.evaluated_together), each evaluated as that micro-batch
         (Engine.compute_hidden_states) with the head over their last rows in one product,
-        in that order, each row soft-maxed. The slots are the caller's to take (``keep``:
-        Engine.embedding_batches' pairs that their slots keep)."""
-        states = self.engine.compute_hidden_states(pairs, batches, keep)
+        in that order, each row soft-maxed. The slots are the caller's to take (``plan``:
+        Engine.embedding_batches', where the pairs' cells go after)."""
+        states = self.engine.compute_hidden_states(pairs, batches, plan)
         scores: list[float | None] = [None] * len(pairs)
         for batch in batches:
             rows = numpy.ascontiguousarray(numpy.stack([states[i][-1] for i in batch]), F32)

@@ -291,7 +291,7 @@ class Embedder:
                 if job.pooling == "mean":
                     job.pooled_together = engine.pooled_together(plan.batches, lengths, all_idle)
             beside = {i for group in job.pooled_together for i in group}
-            states = engine.compute_hidden_states(job.tokens, job.evaluated_together, plan.keep)
+            states = engine.compute_hidden_states(job.tokens, job.evaluated_together, plan)
             for i, hidden in enumerate(states):
                 rows = list(pool(hidden, job.pooling, beside_others=i in beside))
                 if job.pooling != "none" and job.embd_normalize is not None:

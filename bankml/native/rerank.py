@@ -129,7 +129,7 @@ class Reranker:
             plan = engine.embedding_batches(job.pairs)  # the slots, as llama-server's
             lengths = [len(pair) for pair in job.pairs]
             job.evaluated_together = engine.evaluated_together(plan.batches, lengths, all_idle)
-            job.scores = ranker.rank_score_batches(job.pairs, job.evaluated_together, plan.keep)
+            job.scores = ranker.rank_score_batches(job.pairs, job.evaluated_together, plan)
             job.seconds = time.perf_counter() - began
             job.issuer = native_issuer(self.native)  # swapped to the chosen model by hold
         finally:

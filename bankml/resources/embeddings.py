@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.server import NOT_DONE_YET, Request
 
@@ -26,6 +27,8 @@ from bankml.resources.ollama import Unknown
 from bankml.resources.runs import read_json_object
 from bankml.serving.run_control import Overloaded
 from bankml.serving.writers import JsonResource, gone, write_json
+
+_log = Logger(namespace="bankml.native")
 
 
 class EmbeddingSource(Protocol):
@@ -109,7 +112,8 @@ class _EmbeddingResource(JsonResource):
         if isinstance(err, Overloaded):  # never queued: nothing computed
             err = ApiError.of(503, str(err))
             err.retry_after = RETRY_AFTER_S
-        elif not isinstance(err, ApiError):
+        elif not isinstance(err, ApiError):  # a fault of bankml's own: logged with its trace
+            _log.failure("embedding request failed", failure)
             err = ApiError.of(500, failure.getErrorMessage())
         if err.retry_after is not None:  # a busy server: when to ask again
             request.setHeader(b"retry-after", str(err.retry_after).encode())
