@@ -38,7 +38,6 @@ import signal
 import sys
 from typing import Any
 
-from twisted.application import service
 from twisted.logger import (
     FilteringLogObserver,
     Logger,
@@ -65,6 +64,7 @@ from bankml.serving.site import NotLoopbackError, parse_listen
 from bankml.serving.startup import (
     DEFAULT_LISTEN,
     DEFAULT_UPSTREAM,
+    ServingService,
 )
 from bankml.version import __version__
 
@@ -514,7 +514,7 @@ def registry_with_default(args: list[str]) -> list[str]:
     return out
 
 
-def makeService(options: Options) -> service.IService:
+def makeService(options: Options) -> ServingService:
     """Verify (before anything listens), then the engine and the site: `--native` is
     bankml/native/service.py's service, `--spawn` / `--upstream` bankml/p0/service.py's (both
     verify the same way)."""

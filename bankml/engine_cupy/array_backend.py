@@ -113,9 +113,10 @@ class ArrayOps:
 
     def _gelu_lookup(self, x: Any) -> Any:
         """ggml_vec_geglu_f32: 0 below -10, x above 10, else the f16 table at f16(x)."""
-        xp = self.xp
+        xp, table = self.xp, self.gelu
+        assert table is not None  # only GeGLU models look it up
         idx = x.astype(xp.float16).view(xp.uint16)
-        y = self.gelu[idx.astype(xp.int32)]
+        y = table[idx.astype(xp.int32)]
         y = xp.where(x <= F32(-10), F32(0), y)
         return xp.where(x >= F32(10), x, y)
 

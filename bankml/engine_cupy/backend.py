@@ -21,7 +21,7 @@ class DeviceUnavailable(RuntimeError):
 def _cupy_with_gpu() -> tuple[ModuleType | None, str]:
     """CuPy if it imports and sees at least one GPU, else (None, the reason)."""
     try:
-        import cupy  # type: ignore[import-not-found]
+        import cupy
     except Exception as err:  # ImportError, or a CUDA library that fails to load
         return None, f"CuPy is not importable ({err}); install bankml[cuda]"
     try:

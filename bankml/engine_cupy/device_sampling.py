@@ -26,7 +26,7 @@ named twice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy
 
@@ -80,7 +80,7 @@ def choice(guided: smp.GuidedSampler, n_probs: int, n_vocab: int) -> tuple[str, 
     return FULL, 0
 
 
-def bias(p: smp.SamplerParams) -> tuple[numpy.ndarray, numpy.ndarray] | None | bool:
+def bias(p: smp.SamplerParams) -> tuple[numpy.ndarray, numpy.ndarray] | None | Literal[False]:
     """The request's logit bias as (ids, f32 values) for the device; None without one; False
     where a token is named twice (the host adds those in turn)."""
     if not p.logit_bias:

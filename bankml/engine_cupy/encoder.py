@@ -332,12 +332,14 @@ class Encoder:
         value, not normalised), a float32's value."""
         return float(self.rank_scores(tokens)[0])
 
-    def hidden_states(self, tokens: Sequence[int]) -> numpy.ndarray:
+    def hidden_states(self, tokens: Sequence[int] | numpy.ndarray) -> numpy.ndarray:
         """llama.cpp's t_embd for ``tokens`` as one sequence alone in one batch: float32
         [n_tokens, n_embd], bit for bit."""
         return self.hidden_states_batch([tokens])[0]
 
-    def hidden_states_batch(self, sequences: Sequence[Sequence[int]]) -> list[numpy.ndarray]:
+    def hidden_states_batch(
+        self, sequences: Sequence[Sequence[int] | numpy.ndarray]
+    ) -> list[numpy.ndarray]:
         """llama.cpp's t_embd for several sequences sharing one micro-batch, in that order (as
         llama-server batches the prompts of several slots): each float32 [n_i, n_embd], bit for
         bit. Each sequence has its own positions from 0 and attends to itself only (the mask
@@ -453,10 +455,12 @@ class Encoder:
                 ]
             )
         cur = linear("o", "bo", att.reshape(n, h * hd))
-        cur = layer_norm(cur + x, *layer["attn_norm"], self.eps)
+        weight, bias = layer["attn_norm"]
+        cur = layer_norm(cur + x, weight, bias, self.eps)
         ffn_inp = cur
         cur = linear("down", "bdown", gelu(linear("up", "bup", cur)))
-        return layer_norm(cur + ffn_inp, *layer["out_norm"], self.eps)
+        weight, bias = layer["out_norm"]
+        return layer_norm(cur + ffn_inp, weight, bias, self.eps)
 
 
 def _affine(head: tuple[Any, numpy.ndarray | None], x: numpy.ndarray) -> numpy.ndarray:

@@ -123,7 +123,7 @@ class EncoderEngine(Engine):
     """The Engine over an encoder: embeddings computed, generation refused (module doc)."""
 
     @classmethod
-    def open(  # type: ignore[override]
+    def open(
         cls,
         path: str | os.PathLike[str],
         n_ctx: int = 4096,
@@ -178,8 +178,9 @@ class EncoderEngine(Engine):
                 "(GGML_ASSERT n_outputs_max); serve it with --embeddings (or -np 2 or more)"
             )
 
-    def warm_up(self, report: Callable[[str], None] | None = None) -> Any:
-        """The encoder runs numpy and ggml's exact kernels: one short input computed once."""
+    def warm_up(self, report: Callable[[str], None] | None = None, jobs: int | None = None) -> Any:
+        """The encoder runs numpy and ggml's exact kernels: one short input computed once (no
+        kernel to compile: ``report`` and ``jobs`` say nothing)."""
         self.model.hidden_states([0], None, self.n_ubatch)
         return None
 

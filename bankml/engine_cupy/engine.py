@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -578,7 +578,7 @@ class Engine:
             raise RequestError(str(err)) from None
         except ConstraintError as err:
             raise RequestError(str(err), reason=err.reason) from None
-        extras = {
+        extras: dict[str, Any] = {
             "chat_parser": None if chat is None else chat.parser(),
             "preserved_tokens": guidance.preserved,
             "generation_prompt": guidance.generation_prompt,
@@ -695,7 +695,10 @@ class Engine:
         if not isinstance(given, list):  # json_value: anything but an array reads as none
             return []
         return [
-            (d.get("role"), self.tokenize(str(d.get("delimiter", "")), parse_special=True))
+            (  # only "user" counts (find_spans)
+                d["role"] if isinstance(d.get("role"), str) else "",
+                self.tokenize(str(d.get("delimiter", "")), parse_special=True),
+            )
             for d in given
             if isinstance(d, dict)
         ]
@@ -1165,7 +1168,7 @@ class Engine:
         cancelled: Callable[[], bool],
         spans: MessageSpans | None = None,
         clock: Clock | None = None,
-    ) -> Iterator[Progress]:
+    ) -> Generator[Progress | Forward, Any, tuple[int, Any]]:
         """Reuse the slot's common prefix (re-evaluating the last prompt token when all of it is
         cached; for a sliding-window model, as far as llama-server's checkpoints allow), then
         evaluate the rest in llama-server's batches. Yields a ``Progress`` when the prefix is
@@ -1233,7 +1236,7 @@ class Engine:
 
     def _run(
         self, req: Request, cancelled: Callable[[], bool], summary: Summary, progress: bool = False
-    ) -> Generator[Chunk | Progress | Forward, Any, None]:
+    ) -> Generator[Chunk | Progress | Forward | Waiting, Any, None]:
         clock = Clock(t_start=time.perf_counter())
         tokens = req.prompt_tokens
         summary.prompt_tokens = len(tokens)
@@ -1269,7 +1272,7 @@ class Engine:
         summary: Summary,
         clock: Clock,
         progress: bool,
-    ) -> Generator[Chunk | Progress | Forward, Any, None]:
+    ) -> Generator[Chunk | Progress | Forward | Waiting, Any, None]:
         tokens = req.prompt_tokens
         summary.slot = slot.id
         sampler = self._guided_sampler(

@@ -75,6 +75,7 @@ class ExactOps:
         hp = self.hp
         if cache.in_ring(il):
             cells = cache.cells
+            assert cells is not None  # a ring keeps its cells' positions
             end, n_kv = cells.used_max_p1, cells.n_kv()
             mask = step.ring_mask(cells)
         else:

@@ -204,8 +204,9 @@ class GGUFFile:
 
         self.path = os.fspath(path)
         # a plain ndarray view: slices of a numpy.memmap pay a Python-level hook each
-        self._memmap = numpy.memmap(self.path, mode="r")
-        self._map = self._memmap.view(numpy.ndarray)
+        # Any: its private ``_mmap`` is what madvise needs, the view a buffer numpy types omit
+        self._memmap: Any = numpy.memmap(self.path, mode="r")
+        self._map: Any = self._memmap.view(numpy.ndarray)
         try:
             self._read_header()
         except GGUFError:

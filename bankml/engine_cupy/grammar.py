@@ -18,7 +18,7 @@ are matched by their text, as llama.cpp's grammar matches them.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -235,7 +235,7 @@ class _VocabForLlg:
 
 def build_llg_tokenizer(
     pieces: Sequence[bytes],
-    eog_ids: Sequence[int],
+    eog_ids: Collection[int],
     bos_id: int | None,
     tokenize: Callable[[str], list[int]],
 ) -> llguidance.LLTokenizer:

@@ -424,7 +424,7 @@ class KVCache:
         """Lay the ring out as llama.cpp reads a saved sequence back (a slot file, or after a
         truncation that dropped positions the window still needs): its last ``window``
         positions, from the first free cell, values from the position store."""
-        if self.swa is None:
+        if self.swa is None or self.swa.window is None:
             return
         n = self._n_tokens
         self.load_ring(numpy.arange(max(0, n - self.swa.window), n))
@@ -458,7 +458,7 @@ class KVCache:
             self.shifted.remove_from(n)
             if n == 0:  # an empty cache fills in position order again
                 self._unshift()
-        if self.swa is not None:
+        if self.swa is not None and self.swa.window is not None:  # the ring always has one
             self.swa.remove_from(n)
             if not self.swa.holds(max(0, n - self.swa.window + 1), n):  # the window of position n
                 self._relay_ring()

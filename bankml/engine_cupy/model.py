@@ -57,9 +57,10 @@ log = logging.getLogger(__name__)
 class Ops(Protocol):
     """What a backend gives the definition (ExactOps, ArrayOps)."""
 
-    xp: ModuleType
     exact: bool
 
+    @property
+    def xp(self) -> ModuleType: ...
     def ropes(self, positions: Any, rope_freqs: Any | None) -> dict[bool, tuple[Any, Any]]: ...
     def norm(self, x: Any, weight: Any) -> Any: ...
     def rope(self, x: Any, cos: Any, sin: Any, neox: bool) -> Any: ...
@@ -434,9 +435,9 @@ class Model:
         reason = None
         use_step = device_step
         if xp is not numpy:
-            from bankml.engine_cupy import device_step
+            from bankml.engine_cupy import device_step as step_module
 
-            why = device_step.unsupported(reader, hp)
+            why = step_module.unsupported(reader, hp)
             reason = None if why is None else f"the decode step does not play {why}"
             if not use_step or os.environ.get("BANKML_DEVICE_STEP", "1") == "0":
                 reason = "asked for (device_step=False or BANKML_DEVICE_STEP=0)"
@@ -714,9 +715,9 @@ class Model:
             backend.to_host(hidden(self.ops, self.hp, self.weights, x, segments, True)),
             dtype=F32,
         )
-        for cache, toks in zip(caches, tokens):
-            if cache is not None:  # it holds the sequence now
-                cache.advance(len(toks))
+        for kept, toks in zip(caches, tokens):
+            if kept is not None:  # it holds the sequence now
+                kept.advance(len(toks))
         return [numpy.ascontiguousarray(rows[seg.rows]) for seg in segments]
 
     @property
@@ -895,18 +896,19 @@ class Model:
             self._check_rows([int(token)], cache)
         out = numpy.empty((len(tokens), self.hp.n_vocab), F32)
         batched = []
-        if isinstance(self.ops, ExactOps) and self.fused_decode and self.ops.plan is not None:
+        ops = self.ops
+        if isinstance(ops, ExactOps) and self.fused_decode and ops.plan is not None:
             batched = [i for i, cache in enumerate(caches) if cache.fused_decode]
         if len(batched) < 2:
             batched = []
         else:
+            assert isinstance(ops, ExactOps)  # only its fused step takes several caches
             x = self._embed([int(tokens[i]) for i in batched])
             starts = [caches[i].n_tokens for i in batched]
             for i, start in zip(batched, starts):
                 caches[i].place(start, 1)
-            logits = self.ops.decode_batch(
-                x, starts, [caches[i] for i in batched], self.ggml_threads
-            )
+            logits = ops.decode_batch(x, starts, [caches[i] for i in batched], self.ggml_threads)
+            assert logits is not None  # its plan takes this model (above)
             for row, (i, start) in enumerate(zip(batched, starts)):
                 caches[i].advance(start + 1)
                 out[i] = self._final_logits(logits[row : row + 1], False)
@@ -925,4 +927,4 @@ class Model:
     def _decode_plan(self) -> Any | None:
         """The fused decode step's layout (exact_decode.DecodePlan) the next one-token step
         takes, or None (the definition's stack runs then)."""
-        return self.ops.plan if self.fused_decode else None
+        return self.ops.plan if self.fused_decode and isinstance(self.ops, ExactOps) else None

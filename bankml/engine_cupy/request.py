@@ -139,8 +139,10 @@ def parse_task_fields(body: Mapping[str, Any], n_slots: int = N_SLOTS) -> dict[s
             out[name] = _int_field(body, (name, *aliases), default, lo, hi)
     fields_ = body.get("response_fields")
     # json_value(..., vector<string>()): anything but an array of strings reads as "all fields"
-    ok = isinstance(fields_, list) and all(isinstance(f, str) for f in fields_)
-    out["response_fields"] = list(fields_) if ok else []
+    if isinstance(fields_, list) and all(isinstance(f, str) for f in fields_):
+        out["response_fields"] = list(fields_)
+    else:
+        out["response_fields"] = []
     return out
 
 

@@ -219,9 +219,9 @@ class _Field:
                 )
             return value
         if self.lo is not None:
-            value = max(self.lo, value)  # type: ignore[assignment]
+            value = max(self.lo, value)
         if self.hi is not None:
-            value = min(self.hi, value)  # type: ignore[assignment]
+            value = min(self.hi, value)
         return value
 
 

@@ -135,9 +135,7 @@ def bounded_collect(response: Any, limit: int | None = None) -> Deferred[bytes]:
             raise UpstreamTooLarge("a body")
         parts.append(data)
 
-    d = treq.collect(response, collector)
-    d.addCallback(lambda _: b"".join(parts))
-    return d
+    return treq.collect(response, collector).addCallback(lambda _: b"".join(parts))
 
 
 def canonical(path: str) -> str:

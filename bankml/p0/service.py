@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.application import service
 from twisted.internet import task
 from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
@@ -126,7 +125,7 @@ class P0Service(ServingService):
         g.set_state(gw.READY, f"upstream {g.upstream_text} serves the verified file")
 
 
-def make_p0_service(options: Any, reactor: Any) -> service.IService:
+def make_p0_service(options: Any, reactor: Any) -> P0Service:
     """Verify (before anything listens), then the gateway, the engine and the site.
     ``options`` is `bankml.tap.Options` in a P0 mode (``--spawn`` or ``--upstream``)."""
     receipt_key = receipt_key_before_listening(options["receipt-key"])

@@ -1021,7 +1021,7 @@ def flash_attn_f16(
     k: np.ndarray,
     v: np.ndarray,
     mask: np.ndarray | None,
-    scale: float,
+    scale: float | np.float32,
     n_kv: int | None = None,
     n_threads: int = 2,
     parallel: bool | None = None,

@@ -482,7 +482,7 @@ def _matrix(linears: list[Any]) -> tuple | None:
         start = 0
         for piece in m.parts if isinstance(m, MatrixStack) else [m]:
             part = None if piece is None else _part(piece)
-            if part is None:
+            if piece is None or part is None:
                 return None
             bias = None if linear.bias is None else linear.bias[start : start + piece.n_out]
             parts.append((*part[:4], _f32(bias), part[4]))

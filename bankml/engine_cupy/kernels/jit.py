@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numba
 from llvmlite import ir
@@ -565,29 +565,40 @@ def present_in(flags: Any) -> tuple[bool, ...]:
     return tuple(not isinstance(t, types.NoneType) for t in flags)
 
 
-@intrinsic
-def fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
-    """a * b + c in float32 with one rounding (llvm.fma.f32: the FMA instruction where present)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
+if TYPE_CHECKING:  # what a compiled kernel calls (the intrinsics take the typing context first)
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32] * 3))
-        return builder.call(fn, args)
+    def fma32(a: Any, b: Any, c: Any) -> Any: ...
 
-    return sig, codegen
+    def f16_round(x: Any) -> Any: ...
 
+else:
 
-@intrinsic
-def f16_round(typingctx: Any, x: Any) -> Any:
-    """float32 x through f16 and back, round to nearest even: ggml's GGML_CPU_FP32_TO_FP16 then
-    FP16_TO_FP32 (F16C's vcvtps2ph/vcvtph2ps where present, LLVM's exact soft conversion else)."""
-    sig = types.float32(types.float32)
+    @intrinsic
+    def fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+        """a * b + c in float32 with one rounding (llvm.fma.f32: the FMA instruction where
+        present)."""
+        sig = types.float32(types.float32, types.float32, types.float32)
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            f32 = ir.FloatType()
+            fn = builder.module.declare_intrinsic(
+                "llvm.fma", [f32], ir.FunctionType(f32, [f32] * 3)
+            )
+            return builder.call(fn, args)
 
-    return sig, codegen
+        return sig, codegen
+
+    @intrinsic
+    def f16_round(typingctx: Any, x: Any) -> Any:
+        """float32 x through f16 and back, round to nearest even: ggml's GGML_CPU_FP32_TO_FP16
+        then FP16_TO_FP32 (F16C's vcvtps2ph/vcvtph2ps where present, LLVM's exact soft
+        conversion else)."""
+        sig = types.float32(types.float32)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+        return sig, codegen
 
 
 @intrinsic
