@@ -29,6 +29,10 @@ slots_pair = pair_fixture(["--embeddings", "--pooling", "cls", "-np", "4", "-kvu
 kvu_mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu"])
 # the same flags on servers of their own: a test that follows the slots' history from the start
 kvu_reuse_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu"])
+# idle slots not cleared: a batch takes the cells the other slots' inputs leave free
+kvu_kept_pair = pair_fixture(
+    ["--embeddings", "--pooling", "mean", "-np", "4", "-kvu", "--no-cache-idle-slots"]
+)
 Q8_CACHE = ["-ctk", "q8_0", "-ctv", "q8_0"]
 kvu_q8_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu", *Q8_CACHE])
 # four inputs of 31 tokens in all: one micro-batch under 64 tokens at -np 4 -kvu
@@ -370,6 +374,47 @@ def test_several_slots_from_64_tokens_are_llama_servers_batch(
     assert ours[0]["bankml_receipt"]["evaluated_together"] == [[1, 2, 0]]
 
 
+def test_batches_around_the_cells_other_slots_keep_are_llama_servers(
+    kvu_kept_pair: Pair, mean_pair: Pair, default_model: Path, default_fork: Path, tmp_path: Path
+) -> None:
+    """``-np 4 -kvu --no-cache-idle-slots``: an idle slot keeps its embedding's cells in the
+    shared cache until its own next task, so a later input takes the cells left free, from the
+    first freed (llama_kv_cache's find_slot, not contiguous), and from 64 tokens the tiled
+    attention's tiles see it there. Four inputs from cell 0 (233 tokens); one of 101 tokens on
+    slot 0, in the 81 cells it freed and 20 past the cells the others keep; one of 91 on slot 1
+    (31 cells, then 60); then two together from cell 112. Every vector is llama-server's bit
+    for bit where the inputs alone give others, the receipt names the cells, and a replay
+    computes them again."""
+    requests = [
+        ["zz " * 40, "Hello world " * 20, "a b c " * 10, TEXTS[1] * 2],
+        ["Once upon a time " * 25],
+        ["An old owl " * 30],
+        ["x y " * 40, "Hello"],
+    ]
+    replay = ("--replay", str(default_model), "--fork", str(default_fork))
+    key = public_key(kvu_kept_pair)
+    for n, texts in enumerate(requests):
+        body = {"input": texts, "embd_normalize": -1}
+        (s1, ours, raw), (s2, theirs, _) = (
+            post(p, "/v1/embeddings", body) for p in kvu_kept_pair.ports
+        )
+        s3, alone, _ = post(mean_pair.ports[1], "/v1/embeddings", body)  # llama-server -np 1
+        assert s1 == s2 == s3 == 200
+        for i, (a, b) in enumerate(zip(ours["data"], theirs["data"], strict=True)):
+            assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"])), (n, i)
+        first = f32(ours["data"][0]["embedding"])
+        moved = numpy.linalg.norm(first - f32(alone["data"][0]["embedding"]))
+        assert moved / numpy.linalg.norm(first) > 1e-4, (n, moved)
+        receipt = ours["bankml_receipt"]
+        if n == 1:
+            assert receipt["evaluated_together"] == [[0]]
+            assert receipt["evaluated_cells"] == [
+                {"group": 0, "n_kv": 256, "cells": [[[0, 81], [233, 253]]]}
+            ], receipt["evaluated_cells"]
+        code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+        assert code == 0 and f"replay: identical: {len(texts)} vectors" in out, out
+
+
 def test_several_slots_over_a_q8_0_cache_keep_each_inputs_states(kvu_q8_pair: Pair) -> None:
     """Over a q8_0 cache ggml attends one row at a time at any micro-batch size, skipping the
     hidden cells, so a batch of 126 tokens keeps every input's hidden states on this model
@@ -540,6 +585,7 @@ def _slots_engine(
     engine.kv_unified, engine.n_ubatch = shares, ub
     engine.slot_prompt_similarity, engine._task_id, engine._uses = 0.1, 0, 0
     engine.clear_idle_slots = True
+    engine._tracks_cells, engine.cells = False, None  # no cache: no cells to follow
     engine.model = SimpleNamespace(follows_micro_batches=follows, rows_independent=True)
     return engine
 

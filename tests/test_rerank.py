@@ -375,6 +375,45 @@ def test_a_qwen3_reranker_on_several_slots_scores_as_llama_servers_micro_batch(
     assert code == 0 and "replay: identical: 5 results of 5 documents" in out, out
 
 
+def test_a_qwen3_reranker_scores_around_the_cells_idle_slots_keep_as_llama_server(
+    qwen3_reranker: tuple[Path, Path],
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+) -> None:
+    """``--rerank -np 4 -kvu --no-cache-idle-slots``: the idle slots keep their pairs' cells,
+    so the next request's pairs take the cells left free (embeddings.md, "Where the other
+    slots keep their cells"). Every score is llama-server's, the receipt names the cells where
+    they are not the batch's from cell 0 (the second request's pair of 114 tokens, the third's
+    one pair of 70, each split round the cells kept), and a replay through those cells is
+    identical. (On this tiny reranker the scores at those cells are also the pairs' alone:
+    tests/test_embeddings.py shows the cells moving a vector.)"""
+    model, fork = qwen3_reranker
+    log = tmp_path_factory.mktemp("qwen3-kept") / "bankml.log"
+    flags = ["--rerank", "-np", "4", "-kvu", "-c", "512", "--no-cache-idle-slots"]
+    replay = ("--replay", str(model), "--fork", str(fork))
+    bodies = [
+        {"query": QUERY, "documents": DOCUMENTS},
+        {"query": "Where do bears live?", "documents": DOCUMENTS[1:3]},
+        {
+            "query": "Where does a giant panda live?",
+            "documents": [f"{DOCUMENTS[1]} {DOCUMENTS[4]} It sleeps."],  # 70 tokens, alone
+        },
+    ]
+    named = 0
+    for slots in dropin_pair(flags, model, fork, llama_server_bin, log):
+        key = key_of(slots.ports[0])
+        for body in bodies:
+            (s1, ours, raw), (s2, theirs, _) = (post(p, "/rerank", body) for p in slots.ports)
+            assert s1 == s2 == 200
+            receipt = ours.pop("bankml_receipt")
+            assert ours["results"] == theirs["results"], body
+            named += len(receipt.get("evaluated_cells", []))
+            code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+            assert code == 0 and "replay: identical" in out, out
+    assert named >= 2
+
+
 def test_a_qwen3_head_of_many_labels_is_llama_servers_soft_max(
     default_model: Path, llama_server_bin: Path, tmp_path: Path
 ) -> None:

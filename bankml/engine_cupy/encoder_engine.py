@@ -112,10 +112,11 @@ class EncoderModel:
         kv_size: int = 0,
         cache_type: str | None = None,
         caches: Sequence[Any] = (),
+        placed: Any = None,
     ) -> list[numpy.ndarray]:
         """The inputs in one micro-batch, in that order, as llama-server's slots evaluate them
         (``Encoder.hidden_states_batch``: the attention's tiles over the whole batch; no
-        cache, so ``kv_size``, ``cache_type`` and ``caches`` say nothing)."""
+        cache, so ``kv_size``, ``cache_type``, ``caches`` and ``placed`` say nothing)."""
         return self.encoder.hidden_states_batch(inputs)
 
 

@@ -54,9 +54,9 @@ from bankml.engine_cupy.grammar import (
     schema_to_constraint_text,
 )
 from bankml.engine_cupy.infill import infill_tokens
-from bankml.engine_cupy.kernels.exact_attention import FA_TILE_Q
-from bankml.engine_cupy.kv_cache import pad_cells
-from bankml.engine_cupy.model import Model
+from bankml.engine_cupy.kernels.exact_attention import FA_TILE_Q, kv_length
+from bankml.engine_cupy.kv_cache import SharedCells, pad_cells
+from bankml.engine_cupy.model import BatchCells, Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
 from bankml.engine_cupy.reasoning_budget import ReasoningBudget, ReasoningBudgetSpec
 from bankml.engine_cupy.request import (
@@ -223,6 +223,9 @@ class EmbeddingPlan(NamedTuple):
     # with -kvu and --cache-idle-slots: the inputs a later batch's launch saves to the host
     # prompt cache (each in its slot's cells), in that order
     saved: Sequence[int] = ()
+    # with -kvu, where the shared cache's cells are known (Engine.cells): input index: its
+    # cells and its batch's n_kv
+    placement: Mapping[int, tuple[np.ndarray, int]] | None = None
 
 
 class Engine:
@@ -305,6 +308,16 @@ class Engine:
         # llama-server's --cache-idle-slots (its default): with -kvu each task's launch clears
         # the idle slots' prompts; bankml follows it for the embeddings' ``Slot.embedded``
         self.clear_idle_slots = True
+        # with -kvu, the shared cache's cells as far as embeddings' batches tell them (None:
+        # not known, once a completion has taken cells, or not followed: an approximate or
+        # sliding-window model, one slot)
+        self._tracks_cells = (
+            kv_unified
+            and n_slots > 1
+            and bool(getattr(model, "exact", False))
+            and not getattr(model, "has_sliding_window", False)
+        )
+        self.cells: SharedCells | None = self._new_cells() if self._tracks_cells else None
         self._task_id = 0  # the last task's id, counted over all slots (as llama-server's)
         self._uses = 0  # a clock for the slots' t_last_used
         self._vocab_info = VocabInfo(self._pieces, lambda s: self.tokenize(s))
@@ -424,6 +437,13 @@ class Engine:
             replace(req, shared=shared, shared_child=j > 0) for j, req in enumerate(completions)
         ]
 
+    def _new_cells(self) -> SharedCells:
+        return SharedCells(int(getattr(self.cache, "kv_size", self.n_ctx)))
+
+    def forget_cells(self) -> None:
+        """The shared cache's cells are no longer known (a completion's, a restored slot's)."""
+        self.cells = None
+
     def _acquire(self, slot: Slot) -> None:
         slot.processing = True
         slot.embedded = []  # the new task's prompt replaces an embedding's tokens
@@ -432,6 +452,8 @@ class Engine:
             for idle in self.slots:  # saved to the host prompt cache and cleared there
                 if not idle.processing:
                     idle.embedded = []
+                    if self.cells is not None:
+                        self.cells.seq_rm(idle.id)
                     if idle.holds_embedding:  # its cells too (a completion's stay: Slot)
                         self.host_cache.save(idle.tokens, idle.cache)
                         idle.cache.truncate(0)
@@ -925,6 +947,7 @@ class Engine:
         cells in the slot until the slot's next task (``_release_embedding``)."""
         slot, _ = self.choose_slot(tokens)
         self._acquire(slot)
+        self.forget_cells()  # its cells are not placed (embedding_batches places a request's)
         kept = False
         try:
             slot.tokens = []
@@ -987,11 +1010,16 @@ class Engine:
         held.update({i: self._embedding_cache(self.cache, len(inputs[i])) for i in saved})
         out: list[Any] = [None] * len(inputs)
         kv_size = getattr(self.cache, "kv_size", 0)  # the cache the slots share (-kvu)
+        lengths = [len(tokens) for tokens in inputs]
         for group in together:
             group_inputs = [inputs[i] for i in group]
             kept = [held.get(i) for i in group]
             states = self.model.hidden_states_together(
-                group_inputs, kv_size, self.cache.cache_type, kept
+                group_inputs,
+                kv_size,
+                self.cache.cache_type,
+                kept,
+                self.batch_cells(group, plan, lengths),
             )
             for i, rows in zip(group, states, strict=True):
                 out[i] = rows
@@ -1029,7 +1057,10 @@ class Engine:
         which orders their ``t_last_used`` for the next request. That holds while every group
         fits ``-ub`` and no other request's task joins; ``evaluated_together`` and
         ``pooled_together`` follow the batches only that far."""
+        if self._tracks_cells and self.clear_idle_slots and self.free_slots() == self.n_slots:
+            self.cells = self._new_cells()  # the launch empties the cache (cells_known)
         batches = []
+        placement: dict[int, tuple[np.ndarray, int]] = {}
         last: dict[int, tuple[int, Any]] = {}  # slot id: the last input it took, and the slot
         clears = self.keeps_embeddings and self.kv_unified and self.clear_idle_slots
         saved: list[int] = []
@@ -1046,6 +1077,7 @@ class Engine:
                 taken.append((slot, i))
                 i += 1
             taken.sort(key=lambda pair: pair[0].id)
+            self._place_batch(taken, inputs, placement)
             for slot, index in taken:
                 # a kept input's cache is filled by compute_hidden_states; meanwhile its
                 # tokens are named for the choice by similarity
@@ -1056,7 +1088,55 @@ class Engine:
         if clears and batches:
             # each launch clears the idle slots: the last batch's alone keep their inputs
             keep = {index: slot for index, slot in keep.items() if index in batches[-1]}
-        return EmbeddingPlan(batches, keep, saved)
+        return EmbeddingPlan(batches, keep, saved, placement)
+
+    def _place_batch(
+        self,
+        taken: Sequence[tuple[Any, int]],
+        inputs: Sequence[Sequence[int]],
+        placement: dict[int, tuple[np.ndarray, int]],
+    ) -> None:
+        """A batch's cells in the shared cache, where they are known: each slot clears its own
+        sequence as its task starts, then the batch (in slot order) takes the cells
+        find_slot gives it; the cells stay its slots' until their next task. A batch over
+        ``-ub`` is evaluated otherwise: the cells are not known after it."""
+        cells = self.cells
+        if cells is None:
+            return
+        lengths = [len(inputs[index]) for _, index in taken]
+        if sum(lengths) > self.n_ubatch:
+            self.cells = None
+            return
+        for slot, _ in taken:
+            cells.seq_rm(slot.id)
+        try:
+            idx = cells.place(
+                np.concatenate([np.full(n, slot.id) for (slot, _), n in zip(taken, lengths)]),
+                np.concatenate([np.arange(n) for n in lengths]),
+            )
+        except ValueError:  # no room: llama-server's decode fails there
+            self.cells = None
+            return
+        n_kv = cells.n_kv()
+        for (_, index), own in zip(taken, np.split(idx, np.cumsum(lengths)[:-1])):
+            placement[index] = (own, n_kv)
+
+    def batch_cells(
+        self, group: Sequence[int], plan: EmbeddingPlan | None, lengths: Sequence[int]
+    ) -> BatchCells | None:
+        """The cells ``group`` (a batch evaluated together) took, where they are not the
+        batch's rows from cell 0 of an empty cache (None: those, or not known)."""
+        placement = plan.placement if plan is not None else None
+        if not placement or any(i not in placement for i in group):
+            return None
+        cells = [placement[i][0] for i in group]
+        n_kv = placement[group[0]][1]
+        total = sum(lengths[i] for i in group)
+        every = np.concatenate(cells)
+        kv_size = int(getattr(self.cache, "kv_size", self.n_ctx))
+        if np.array_equal(every, np.arange(total)) and n_kv == kv_length(total, kv_size):
+            return None
+        return BatchCells(cells, n_kv)
 
     def followed_batches(
         self, batches: Sequence[Sequence[int]], lengths: Sequence[int]
@@ -1090,24 +1170,51 @@ class Engine:
         return self.kv_unified and self.clear_idle_slots and all_idle
 
     def evaluated_together(
-        self, batches: Sequence[Sequence[int]], lengths: Sequence[int], all_idle: bool = True
+        self,
+        batches: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        all_idle: bool = True,
+        plan: EmbeddingPlan | None = None,
     ) -> list[list[int]]:
         """The batches (``embedding_batches``, ``followed_batches``) that bankml evaluates as one
         micro-batch, in its order, as llama-server does (``compute_hidden_states``'s
         ``together``): where the model ``follows_micro_batches`` and the batch's cells are
         known (``cells_known``). From ``FA_TILE_Q`` tokens in the micro-batch every input's
         states depend on where it sits, and below it on the products' row count where they are
-        not row-independent (docs/modules/embeddings.md); elsewhere each input stays alone."""
+        not row-independent (docs/modules/embeddings.md); elsewhere each input stays alone.
+        ``plan`` (``embedding_batches``') knows a batch's cells where the shared cache's are
+        followed (``Engine.cells``): there an input alone in its batch is a group of its own
+        too, where it sits elsewhere than from cell 0 of an empty cache."""
         if not getattr(self.model, "follows_micro_batches", False):
             return []
-        return [
-            batch
-            for batch in self.followed_batches(batches, lengths)
-            if self.cells_known(sum(lengths[i] for i in batch), all_idle)
-        ]
+        placement = (plan.placement if plan is not None else None) or {}
+        followed = self.followed_batches(batches, lengths)
+        out = []
+        for batch in batches:
+            if batch in followed:
+                if self.cells_known(sum(lengths[i] for i in batch), all_idle) or all(
+                    i in placement for i in batch
+                ):
+                    out.append(list(batch))
+            elif len(batch) == 1 and self._attends_apart(batch, plan, lengths):
+                out.append(list(batch))
+        return out
+
+    def _attends_apart(
+        self, batch: Sequence[int], plan: EmbeddingPlan | None, lengths: Sequence[int]
+    ) -> bool:
+        """Whether an input alone in its batch attends otherwise than alone in an empty cache:
+        from ``FA_TILE_Q`` tokens over an f16 cache, at cells ``plan`` knows are others."""
+        if sum(lengths[i] for i in batch) < FA_TILE_Q or self.cache.cache_type == "q8_0":
+            return False
+        return self.batch_cells(batch, plan, lengths) is not None
 
     def pooled_together(
-        self, batches: Sequence[Sequence[int]], lengths: Sequence[int], all_idle: bool = True
+        self,
+        batches: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        all_idle: bool = True,
+        plan: EmbeddingPlan | None = None,
     ) -> list[list[int]]:
         """The batches whose inputs' ``mean`` llama-server pools in one product over the
         micro-batch (pooling.mean_rows with ``beside_others``), in request order, where bankml
@@ -1116,7 +1223,7 @@ class Engine:
         input's own: below ``FA_TILE_Q`` tokens, and at any size over a q8_0 cache (ggml attends
         over q8_0 cells one row at a time, skipping the hidden ones, whatever the micro-batch).
         Elsewhere not followed (each input's own vectors, docs/modules/embeddings.md)."""
-        together = self.evaluated_together(batches, lengths, all_idle)
+        together = self.evaluated_together(batches, lengths, all_idle, plan)
         own = bool(getattr(self.model, "rows_independent", False))
         return [
             sorted(batch)
@@ -1249,6 +1356,7 @@ class Engine:
             else:
                 slot, update_cache = self.choose_slot(tokens)
             self._acquire(slot)
+            self.forget_cells()  # a run's cells are not followed
             try:
                 yield from self._generate(
                     slot, update_cache, req, cancelled, summary, clock, progress

@@ -91,7 +91,71 @@ def ring_size(n_ctx: int, window: int, n_ubatch: int = N_UBATCH) -> int:
     return pad_cells(min(pad_cells(n_ctx), int(window) + ubatch))
 
 
-class Cells:
+def find_cells(reusable: numpy.ndarray, used: int, head: int, n: int) -> numpy.ndarray:
+    """llama_kv_cache::find_slot, not contiguous: the first ``n`` cells a micro-batch may take
+    (``reusable``), tested one by one from ``head`` round the cache, from cell 0 instead when
+    more than twice ``n`` cells before the head are free (``used``: the cells occupied)."""
+    size = len(reusable)
+    start = head if head <= used + 2 * n else 0
+    order = numpy.concatenate([numpy.arange(start, size), numpy.arange(0, start)])
+    found = order[reusable[order]][:n]
+    if len(found) < n:
+        raise ValueError("no free cell in the KV cache")
+    return found.astype(numpy.int64)
+
+
+class CellBook:
+    """What llama_kv_cells keeps of a cache: the position each cell holds (-1: empty), and the
+    head find_slot searches from."""
+
+    size: int
+    pos: numpy.ndarray
+    head: int
+
+    @property
+    def used_max_p1(self) -> int:
+        """llama_kv_cells::used_max_p1: one past the last occupied cell."""
+        used = numpy.flatnonzero(self.pos >= 0)
+        return int(used[-1]) + 1 if used.size else 0
+
+    def n_kv(self) -> int:
+        """llama_kv_cache::get_n_kv: the cells ggml attends over (occupied ones, padded)."""
+        return kv_length(self.used_max_p1, self.size)
+
+
+class SharedCells(CellBook):
+    """Which sequence and position each cell of one KV cache holds when several sequences
+    share it (llama-server's slots with ``-kvu``; no sliding window): the cells a micro-batch
+    takes (``place``: find_slot, then apply_ubatch) and frees (``seq_rm``), so that a batch's
+    cells are known where the other slots' sequences stay in theirs."""
+
+    def __init__(self, size: int):
+        self.size = int(size)
+        self.seq = numpy.full(self.size, -1, numpy.int64)  # -1: empty
+        self.pos = numpy.full(self.size, -1, numpy.int64)
+        self.head = 0
+
+    def seq_rm(self, seq: int) -> None:
+        """seq_rm(seq, -1, -1): empty its cells; the head moves back to the first one freed if
+        that is before it."""
+        freed = numpy.flatnonzero(self.seq == seq)
+        self.seq[freed] = -1
+        self.pos[freed] = -1
+        if freed.size and freed[0] < self.head:
+            self.head = int(freed[0])
+
+    def place(self, seqs: numpy.ndarray, positions: numpy.ndarray) -> numpy.ndarray:
+        """The cells of one micro-batch, its tokens in batch order (each its sequence and
+        position); the head moves past the last."""
+        empty = self.seq < 0
+        idx = find_cells(empty, self.size - int(empty.sum()), self.head, len(seqs))
+        self.seq[idx] = seqs
+        self.pos[idx] = positions
+        self.head = int(idx[-1]) + 1
+        return idx
+
+
+class Cells(CellBook):
     """Which position each cell of one of llama.cpp's KV caches holds, for one sequence: the
     SWA cache of gemma3's sliding layers (``window``: cells whose position left the window of
     the next one are reused), or the whole cache once a context shift has made cell order
@@ -115,42 +179,18 @@ class Cells:
         cells.head = n
         return cells
 
-    @property
-    def used_max_p1(self) -> int:
-        """llama_kv_cells::used_max_p1: one past the last occupied cell."""
-        used = numpy.flatnonzero(self.pos >= 0)
-        return int(used[-1]) + 1 if used.size else 0
-
-    def n_kv(self) -> int:
-        """llama_kv_cache::get_n_kv: the cells ggml attends over (occupied ones, padded)."""
-        return kv_length(self.used_max_p1, self.size)
-
-    def _reusable(self, cell_pos: int, next_pos: int) -> bool:
-        return cell_pos < 0 or self.window is not None and next_pos - cell_pos >= self.window
-
     def place(self, positions: numpy.ndarray) -> numpy.ndarray:
         """Cells for one micro-batch of consecutive positions; updates the bookkeeping."""
         n = len(positions)
         if n > self.size:
             raise ValueError(f"a micro-batch of {n} tokens does not fit {self.size} cells")
         pos = self.pos
-        used = int((pos >= 0).sum())
-        head = self.head if self.head <= used + 2 * n else 0  # search from 0 if it has room
         next_pos = int(pos.max()) + 1  # the sequence's largest position + 1
-        cells: list[int] = []
-        tested = 0
-        while len(cells) < n:
-            if tested >= self.size:
-                raise ValueError("no free cell in the KV cache")
-            if head >= self.size:
-                tested += self.size - head
-                head = 0
-                continue
-            if self._reusable(int(pos[head]), next_pos):
-                cells.append(head)
-            head += 1
-            tested += 1
-        idx = numpy.asarray(cells, numpy.int64)
+        reusable = pos < 0
+        if self.window is not None:  # or out of the window of the next position
+            reusable |= next_pos - pos >= self.window
+        idx = find_cells(reusable, int((pos >= 0).sum()), self.head, n)
+        cells = idx.tolist()
         overwritten = pos[idx]
         pos[idx] = positions
         if (overwritten >= 0).any():  # keep [pos_min, pos_max] whole, as apply_ubatch purges

@@ -144,6 +144,33 @@ class Segment:
 
 
 @dataclass
+class BatchCells:
+    """Where a micro-batch of several sequences sits in a KV cache that others' cells share
+    (kv_cache.SharedCells): each sequence's cells, its positions in order, and the batch's
+    ``n_kv``."""
+
+    cells: list[numpy.ndarray]
+    n_kv: int
+
+    def check(self, tokens: Sequence[Sequence[int]], kv_size: int) -> None:
+        """ValueError unless these are cells of ``tokens``, each a cell of its own within
+        ``n_kv``, itself within the cache."""
+        if len(self.cells) != len(tokens) or any(
+            len(c) != len(t) for c, t in zip(self.cells, tokens)
+        ):
+            raise ValueError("the cells do not match the batch's sequences")
+        every = numpy.concatenate(self.cells) if self.cells else numpy.zeros(0, numpy.int64)
+        if (
+            not 0 < self.n_kv <= kv_size
+            or every.size
+            and (every.min() < 0 or every.max() >= self.n_kv)
+        ):
+            raise ValueError(f"cells outside the {self.n_kv} cells attended")
+        if len(numpy.unique(every)) != every.size:
+            raise ValueError("two tokens in one cell")
+
+
+@dataclass
 class BatchSegment(Segment):
     """One of several sequences evaluated in one micro-batch over one KV cache that was empty
     before it, the batch placed from cell 0 (llama-server's slots with ``-kvu``, their idle
@@ -153,12 +180,15 @@ class BatchSegment(Segment):
     stored in its own cache from position 0. ``windows``: each layer's sliding window (0: none);
     the sliding layers' cache is emptied alike and takes the batch from its cell 0 too (a batch
     fits its cells), their mask hiding what is out of the window as well. Neither cache's
-    ``n_kv`` changes a bit here: the cells past the batch are hidden, so skipped."""
+    ``n_kv`` changes a bit here: the cells past the batch are hidden, so skipped. ``cells``:
+    where the other slots' sequences stay in the cache (llama-server's idle slots not cleared),
+    the cell each of its positions takes (kv_cache.SharedCells), in place of ``first`` on."""
 
     first: int = 0
     n_kv: int = 0
     tiled: bool = False
     windows: tuple[int, ...] = ()
+    cells: Any = None
 
     def store_attend(self, ops: Ops, il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
         """The rows' K/V into its cache, then their attention over the batch's cells (the
@@ -184,22 +214,30 @@ class BatchSegment(Segment):
         )
         return out.reshape(q.shape[0], -1)
 
+    def _own_cells(self, end: int) -> Any:
+        """Where its positions 0..end-1 sit among the batch's cells."""
+        return slice(self.first, self.first + end) if self.cells is None else self.cells[:end]
+
+    def _width(self, end: int) -> int:
+        return self.first + end if self.cells is None else int(self.cells[:end].max()) + 1
+
     def _at_first(self, own: Any) -> numpy.ndarray:
-        """[n_head_kv, first + end, hd]: the batch's cells up to this sequence's last, its own
-        from ``first``."""
-        cells = numpy.zeros((own.shape[0], self.first + own.shape[1], own.shape[2]), F32)
-        cells[:, self.first :] = own
+        """[n_head_kv, width, hd]: the batch's cells up to this sequence's last, its own at its
+        cells (from ``first``, or ``cells``)."""
+        end = own.shape[1]
+        cells = numpy.zeros((own.shape[0], self._width(end), own.shape[2]), F32)
+        cells[:, self._own_cells(end)] = own
         return cells
 
     def _cells_mask(self, window: int) -> numpy.ndarray:
-        """[n, first + end], read-only: each row sees its own sequence's cells up to its
-        position (the causal mask) and within ``window`` (0: none), every other cell hidden."""
+        """[n, width], read-only: each row sees its own sequence's cells up to its position
+        (the causal mask) and within ``window`` (0: none), every other cell hidden."""
         key = f"cells {window}"
         if key not in self.step.masks:
             n, end = self.step.positions.shape[0], self.step.end
-            mask = numpy.full((n, self.first + end), F32(-numpy.inf), F32)
+            mask = numpy.full((n, self._width(end)), F32(-numpy.inf), F32)
             own = self.step.mask(numpy, window)
-            mask[:, self.first :] = 0 if own is None else own
+            mask[:, self._own_cells(end)] = 0 if own is None else own
             mask.flags.writeable = False
             self.step.masks[key] = mask
         return self.step.masks[key]
@@ -669,6 +707,7 @@ class Model:
         kv_size: int,
         cache_type: str | None = None,
         caches: Sequence[KVCache | None] = (),
+        placed: BatchCells | None = None,
     ) -> list[numpy.ndarray]:
         """llama.cpp's ``t_embd`` of several sequences evaluated in one micro-batch, in that
         order, over one cache of ``kv_size`` cells of ``cache_type`` that was empty before it
@@ -677,13 +716,18 @@ class Model:
         from 0 and attends to its own cells only, yet over an f16 cache through the batch's
         cells and tiles, so from ``FA_TILE_Q`` tokens in the batch a sequence's bits depend on
         where it sits. A sequence's K/V go to ``caches[i]`` where given (cleared first, left
-        holding them: a slot that keeps its embedding), else to a cache of its own."""
+        holding them: a slot that keeps its embedding), else to a cache of its own. ``placed``:
+        the batch's cells where the cache was not empty before it (each sequence's, and the
+        batch's ``n_kv``)."""
         if not self.follows_micro_batches:
             raise ValueError("this model's micro-batches of several sequences are not followed")
         total = sum(len(t) for t in tokens)
         if total > kv_size:
             raise ValueError(f"{total} tokens in a micro-batch over a cache of {kv_size} cells")
         n_kv = exact_attention.kv_length(total, kv_size)
+        if placed is not None:
+            placed.check(tokens, kv_size)
+            n_kv = placed.n_kv
         hp = self.hp
         windows = tuple(hp.swa_window if sliding else 0 for sliding in hp.swa_layers)
         self._blas.set(self.threads)
@@ -707,6 +751,7 @@ class Model:
                     n_kv,
                     total >= exact_attention.FA_TILE_Q,
                     windows,
+                    None if placed is None else placed.cells[j],
                 )
             )
             row += len(toks)

@@ -166,7 +166,15 @@ def _write_slot(slot: Any, path: str, tmp: str, model_sha256: str) -> SlotResult
 
 def erase_slot(engine: Any, id_slot: int = 0) -> int:
     """Empty the slot ``id_slot``; the number of tokens it held."""
+    _cells_unknown(engine)
     return _erase(slot_of(engine, id_slot))
+
+
+def _cells_unknown(engine: Any) -> None:
+    """The engine's record of the shared cache's cells (Engine.cells) no longer holds."""
+    forget = getattr(engine, "forget_cells", None)
+    if forget is not None:
+        forget()
 
 
 def _erase(slot: Any) -> int:
@@ -219,6 +227,7 @@ def restore_slot(engine: Any, path: str, model_sha256: str, id_slot: int = 0) ->
     empty)."""
     t0 = time.perf_counter()
     slot = slot_of(engine, id_slot)
+    _cells_unknown(engine)
     try:
         n, size = _restore(slot, int(engine.n_vocab), path, model_sha256)
     except SlotError:

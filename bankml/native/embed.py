@@ -41,7 +41,14 @@ from typing import Any
 
 from bankml.formats import embeddings as fmt
 from bankml.formats.errors import ApiError, refusal_of
-from bankml.receipts.embedding import Issuer, embedding_receipt, native_issuer
+from bankml.receipts.embedding import (
+    GroupCells,
+    Issuer,
+    embedding_receipt,
+    group_cells,
+    lengths_of,
+    native_issuer,
+)
 from bankml.receipts.kinds import LLAMA_EMBEDDING, OAI_EMBEDDINGS, OLLAMA_EMBED, OLLAMA_EMBEDDINGS
 from bankml.receipts.vouch import identity_problem
 
@@ -107,6 +114,8 @@ class EmbedJob:
     # beside each other in one (Engine.pooled_together); the receipt records both for its replay
     evaluated_together: list[list[int]] = field(default_factory=list)
     pooled_together: list[list[int]] = field(default_factory=list)
+    # where those sat in the shared cache when not from cell 0 of an empty one (Engine.cells)
+    evaluated_cells: list[GroupCells] = field(default_factory=list)
 
 
 class Embedder:
@@ -286,10 +295,15 @@ class Embedder:
             all_idle = engine.free_slots() == engine.n_slots
             plan = engine.embedding_batches(job.tokens)
             if job.api in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
-                lengths = [len(t) for t in job.tokens]
-                job.evaluated_together = engine.evaluated_together(plan.batches, lengths, all_idle)
+                lengths = lengths_of(job.tokens)
+                job.evaluated_together = engine.evaluated_together(
+                    plan.batches, lengths, all_idle, plan
+                )
+                job.evaluated_cells = group_cells(engine, job.evaluated_together, plan, lengths)
                 if job.pooling == "mean":
-                    job.pooled_together = engine.pooled_together(plan.batches, lengths, all_idle)
+                    job.pooled_together = engine.pooled_together(
+                        plan.batches, lengths, all_idle, plan
+                    )
             beside = {i for group in job.pooled_together for i in group}
             states = engine.compute_hidden_states(job.tokens, job.evaluated_together, plan)
             for i, hidden in enumerate(states):
@@ -369,6 +383,7 @@ class Embedder:
             embd_normalize=job.embd_normalize,
             evaluated_together=job.evaluated_together,
             pooled_together=job.pooled_together,
+            evaluated_cells=job.evaluated_cells,
         )
 
 

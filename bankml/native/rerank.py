@@ -26,7 +26,7 @@ from typing import Any
 from bankml.formats import rerank as fmt
 from bankml.formats.errors import ApiError
 from bankml.native.embed import check_limits
-from bankml.receipts.embedding import native_issuer
+from bankml.receipts.embedding import GroupCells, group_cells, lengths_of, native_issuer
 from bankml.receipts.kinds import RERANK
 from bankml.receipts.rerank import ranked, rerank_receipt
 from bankml.receipts.vouch import identity_problem
@@ -70,6 +70,7 @@ class RerankJob:
     # -np N: the pairs llama-server's slots evaluate in one micro-batch, each group in its
     # order (Engine.evaluated_together), which the receipt records for its replay
     evaluated_together: list[list[int]] = field(default_factory=list)
+    evaluated_cells: list[GroupCells] = field(default_factory=list)  # where not from cell 0
 
 
 class Reranker:
@@ -127,8 +128,11 @@ class Reranker:
             began = time.perf_counter()
             all_idle = engine.free_slots() == engine.n_slots
             plan = engine.embedding_batches(job.pairs)  # the slots, as llama-server's
-            lengths = [len(pair) for pair in job.pairs]
-            job.evaluated_together = engine.evaluated_together(plan.batches, lengths, all_idle)
+            lengths = lengths_of(job.pairs)
+            job.evaluated_together = engine.evaluated_together(
+                plan.batches, lengths, all_idle, plan
+            )
+            job.evaluated_cells = group_cells(engine, job.evaluated_together, plan, lengths)
             job.scores = ranker.rank_score_batches(job.pairs, job.evaluated_together, plan)
             job.seconds = time.perf_counter() - began
             job.issuer = native_issuer(self.native)  # swapped to the chosen model by hold
@@ -161,6 +165,7 @@ class Reranker:
             results=results,
             pairs_tokens=job.pairs,
             evaluated_together=job.evaluated_together,
+            evaluated_cells=job.evaluated_cells,
         )
         req = job.request
         if req.tei:  # never empty: top_n 0 is refused in this form

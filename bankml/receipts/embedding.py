@@ -43,7 +43,7 @@ import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from bankml.receipts.digest import sha256_hex
 from bankml.receipts.envelope import envelope_of
@@ -212,6 +212,7 @@ def embedding_receipt(
     prompt_tokens: int | None = None,
     evaluated_together: Sequence[Sequence[int]] = (),
     pooled_together: Sequence[Sequence[int]] = (),
+    evaluated_cells: Sequence[GroupCells] = (),
 ) -> dict[str, Any]:
     """The receipt of one embedding answer (see the module doc); signed with the issuer's key
     (a version-2 receipt and its envelope), else today's unsigned receipt with the same
@@ -220,7 +221,9 @@ def embedding_receipt(
     unknown). ``evaluated_together``: the groups of the request's inputs whose hidden states
     were computed in one micro-batch, in its order (Engine.evaluated_together);
     ``pooled_together``: those whose ``mean`` was pooled beside each other in one
-    (Engine.pooled_together); each field is there only where there is a group."""
+    (Engine.pooled_together); ``evaluated_cells``: the cells of those groups that did not sit
+    from cell 0 of an empty cache (``cells_field``); each field is there only where there is a
+    group."""
     if api not in EMBEDDING_APIS:
         raise ValueError(f"unknown embedding api {api!r}")
     if inputs_tokens is not None:
@@ -237,6 +240,8 @@ def embedding_receipt(
         fields["evaluated_together"] = [list(group) for group in evaluated_together]
     if pooled_together:
         fields["pooled_together"] = [list(group) for group in pooled_together]
+    if evaluated_cells:
+        fields["evaluated_cells"] = cells_field(evaluated_cells)
     return unsampled_receipt(
         issuer,
         api=api,
@@ -325,13 +330,16 @@ def replay_embeddings(
         return f"refuse: {len(receipts)} receipts for {len(tokens)} inputs"
     norm = receipts[0].get("embd_normalize")
     together = receipts[0].get("evaluated_together", [])
-    if input_groups(together, len(tokens)) is None:
+    if input_groups(together, len(tokens), smallest=1) is None:
         return "refuse: the receipt's evaluated_together is not groups of the request's inputs"
     beside = input_groups(receipts[0].get("pooled_together", []), len(tokens))
     if beside is None:
         return "refuse: the receipt's pooled_together is not groups of the request's inputs"
+    placed = read_cells_field(receipts[0].get("evaluated_cells", []), together, lengths_of(tokens))
+    if isinstance(placed, str):
+        return f"refuse: {placed}"
     try:
-        states = engine.compute_hidden_states(tokens, together)
+        states = engine.compute_hidden_states(tokens, together, placement_plan(placed))
     except ValueError as err:  # a group no micro-batch holds
         return f"refuse: the receipt's evaluated_together cannot be evaluated ({err})"
     vectors = []
@@ -353,11 +361,106 @@ def replay_embeddings(
     return f"identical: {n} vectors, {sum(len(t) for t in tokens)} tokens"
 
 
-def input_groups(groups: Any, n_inputs: int) -> set[int] | None:
+class GroupCells(NamedTuple):
+    """Where one group of ``evaluated_together`` sat in the shared cache: its index there, each
+    input's cells (in position order) and the batch's ``n_kv``."""
+
+    group: int
+    cells: Sequence[Sequence[int]]
+    n_kv: int
+
+
+def group_cells(
+    engine: Any, together: Sequence[Sequence[int]], plan: Any, lengths: Sequence[int]
+) -> list[GroupCells]:
+    """The groups of ``together`` that the engine's plan placed elsewhere than from cell 0 of
+    an empty cache (Engine.batch_cells), for the receipt."""
+    out = []
+    for g, group in enumerate(together):
+        placed = engine.batch_cells(group, plan, lengths)
+        if placed is not None:
+            out.append(GroupCells(g, [cells.tolist() for cells in placed.cells], placed.n_kv))
+    return out
+
+
+def cells_field(groups: Sequence[GroupCells]) -> list[dict[str, Any]]:
+    """A receipt's ``evaluated_cells``: for each group, each input's cells as runs of
+    consecutive cells, ``[first, last + 1]``."""
+    return [
+        {"group": g.group, "n_kv": g.n_kv, "cells": [_runs(cells) for cells in g.cells]}
+        for g in groups
+    ]
+
+
+def _runs(cells: Sequence[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for cell in (int(c) for c in cells):
+        if runs and runs[-1][1] == cell:
+            runs[-1][1] = cell + 1
+        else:
+            runs.append([cell, cell + 1])
+    return runs
+
+
+def read_cells_field(
+    field: Any, together: Sequence[Sequence[int]], lengths: Sequence[int]
+) -> dict[int, tuple[list[int], int]] | str:
+    """A receipt's ``evaluated_cells`` read back: input index: (its cells, its batch's n_kv);
+    or why it is not cells of the groups of ``together`` (each input its length's cells)."""
+    if not isinstance(field, list):
+        return "the receipt's evaluated_cells is not a list"
+    out: dict[int, tuple[list[int], int]] = {}
+    for entry in field:
+        if not isinstance(entry, dict) or set(entry) != {"group", "n_kv", "cells"}:
+            return "an entry of the receipt's evaluated_cells is not {group, n_kv, cells}"
+        g, n_kv, cells = entry["group"], entry["n_kv"], entry["cells"]
+        if type(g) is not int or not 0 <= g < len(together) or type(n_kv) is not int:
+            return "the receipt's evaluated_cells names no group of evaluated_together"
+        group = together[g]
+        if not isinstance(cells, list) or len(cells) != len(group):
+            return "the receipt's evaluated_cells does not give each input of its group cells"
+        for i, runs in zip(group, cells):
+            expanded = _expand(runs)
+            if expanded is None or len(expanded) != lengths[i] or i in out:
+                return "the receipt's evaluated_cells does not give each input its tokens' cells"
+            out[i] = (expanded, n_kv)
+    return out
+
+
+def _expand(runs: Any) -> list[int] | None:
+    if not isinstance(runs, list) or not all(
+        isinstance(r, list) and len(r) == 2 and all(type(c) is int for c in r) and r[0] < r[1]
+        for r in runs
+    ):
+        return None
+    return [c for first, end in runs for c in range(first, end)]
+
+
+def lengths_of(inputs: Sequence[Sequence[int]]) -> list[int]:
+    return [len(tokens) for tokens in inputs]
+
+
+def placement_plan(placed: Mapping[int, tuple[Sequence[int], int]]) -> Any:
+    """The engine's plan (Engine.compute_hidden_states) that puts each input at the cells a
+    receipt names (None: none named)."""
+    if not placed:
+        return None
+    import numpy
+
+    from bankml.engine_cupy.engine import EmbeddingPlan
+
+    placement = {i: (numpy.asarray(c, numpy.int64), n_kv) for i, (c, n_kv) in placed.items()}
+    return EmbeddingPlan([], {}, (), placement)
+
+
+def input_groups(groups: Any, n_inputs: int, smallest: int = 2) -> set[int] | None:
     """The inputs a receipt's ``evaluated_together`` or ``pooled_together`` names (each group
-    two or more of the request's inputs, none in two groups); None where it is not that."""
+    ``smallest`` or more of the request's inputs, none in two groups); None where it is not
+    that. An input evaluated alone at cells of its own is a group of one of
+    ``evaluated_together``."""
     if not isinstance(groups, list) or not all(
-        isinstance(g, list) and len(g) >= 2 and all(type(i) is int for i in g) for g in groups
+        isinstance(g, list) and len(g) >= smallest and all(type(i) is int for i in g)
+        for g in groups
     ):
         return None
     named = [i for g in groups for i in g]

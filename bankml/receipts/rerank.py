@@ -41,7 +41,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bankml.receipts.digest import sha256_hex
-from bankml.receipts.embedding import Issuer, input_groups, unsampled_receipt
+from bankml.receipts.embedding import (
+    GroupCells,
+    Issuer,
+    cells_field,
+    input_groups,
+    lengths_of,
+    placement_plan,
+    read_cells_field,
+    unsampled_receipt,
+)
 from bankml.receipts.kinds import RERANK
 from bankml.receipts.sign import token_ids_sha256
 
@@ -259,12 +268,15 @@ def rerank_receipt(
     pairs_tokens: Sequence[Sequence[int]] | None,
     prompt_tokens: int | None = None,
     evaluated_together: Sequence[Sequence[int]] = (),
+    evaluated_cells: Sequence[GroupCells] = (),
 ) -> dict[str, Any]:
     """The receipt of one rerank answer (the module doc); signed with the issuer's key, else
     today's unsigned receipt with the same fields. ``pairs_tokens`` None (P0):
     ``inputs_tokens_sha256`` null and ``prompt_tokens`` as the answer reports it.
     ``evaluated_together``: the groups of pairs scored in one micro-batch, each in its order
-    (Encoder.rank_score_batches); the field is there only where there is a group."""
+    (Encoder.rank_score_batches), and ``evaluated_cells`` their cells where not from cell 0 of
+    an empty cache (receipts/embedding.py's ``cells_field``); each field is there only where
+    there is a group."""
     if pairs_tokens is not None:
         prompt_tokens = int(sum(len(t) for t in pairs_tokens))
     fields: dict[str, Any] = {
@@ -276,6 +288,8 @@ def rerank_receipt(
     }
     if evaluated_together:
         fields["evaluated_together"] = [list(group) for group in evaluated_together]
+    if evaluated_cells:
+        fields["evaluated_cells"] = cells_field(evaluated_cells)
     return unsampled_receipt(
         issuer,
         api=RERANK,
@@ -317,10 +331,13 @@ def replay_rerank(request_bytes: bytes, receipt: Mapping[str, Any], engine: Any)
         return "refuse: the documents do not tokenize to the pairs the receipt hashes"
     together = receipt.get("evaluated_together", [])
     if together:
-        if input_groups(together, len(pairs)) is None:
+        if input_groups(together, len(pairs), smallest=1) is None:
             return "refuse: the receipt's evaluated_together is not groups of the request's pairs"
+        placed = read_cells_field(receipt.get("evaluated_cells", []), together, lengths_of(pairs))
+        if isinstance(placed, str):
+            return f"refuse: {placed}"
         try:
-            scores = encoder.rank_score_batches(pairs, together)
+            scores = encoder.rank_score_batches(pairs, together, placement_plan(placed))
         except ValueError as err:  # a group no micro-batch holds
             return f"refuse: the receipt's evaluated_together cannot be evaluated ({err})"
     else:

@@ -1,0 +1,85 @@
+"""The shared KV cache's cells as llama.cpp's llama_kv_cache keeps them for several slots
+(kv_cache.SharedCells: find_slot, apply_ubatch, seq_rm), and the receipt's ``evaluated_cells``
+read back with its refusals. The cells' effect on the vectors is tested side by side with
+llama-server in tests/test_embeddings.py."""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from bankml.engine_cupy.kv_cache import SharedCells, find_cells
+from bankml.engine_cupy.model import BatchCells
+from bankml.receipts.embedding import GroupCells, cells_field, read_cells_field
+
+
+def place(cells: SharedCells, seq: int, n: int) -> list[int]:
+    return cells.place(numpy.full(n, seq), numpy.arange(n)).tolist()
+
+
+def test_a_batch_takes_the_freed_cells_from_the_first_freed_then_past_the_kept_ones() -> None:
+    cells = SharedCells(512)
+    assert place(cells, 3, 4) == [0, 1, 2, 3]
+    assert place(cells, 2, 3) == [4, 5, 6]
+    assert cells.head == 7 and cells.used_max_p1 == 7 and cells.n_kv() == 256
+    cells.seq_rm(3)  # the head goes back to the first cell freed
+    assert cells.head == 0
+    assert place(cells, 1, 6) == [0, 1, 2, 3, 7, 8]  # around slot 2's cells
+    cells.seq_rm(9)  # a sequence with no cells frees nothing
+    assert cells.head == 9
+
+
+def test_the_search_starts_from_cell_0_when_enough_cells_before_the_head_are_free() -> None:
+    cells = SharedCells(512)
+    place(cells, 0, 10)
+    place(cells, 1, 2)
+    cells.seq_rm(1)  # each seq_rm moves the head back to the first cell it freed
+    assert cells.head == 10
+    cells.seq_rm(0)
+    assert cells.head == 0
+    reusable = numpy.ones(16, bool)
+    assert find_cells(reusable, used=0, head=9, n=4).tolist() == [0, 1, 2, 3]  # 9 > 0 + 8
+    assert find_cells(reusable, used=0, head=8, n=4).tolist() == [8, 9, 10, 11]
+    assert find_cells(reusable, used=0, head=14, n=4).tolist() == [0, 1, 2, 3]
+    reusable[:13] = False
+    assert find_cells(reusable, used=13, head=14, n=3).tolist() == [14, 15, 13]  # round
+    with pytest.raises(ValueError, match="no free cell"):
+        find_cells(reusable, used=13, head=14, n=4)
+
+
+def test_batch_cells_refuse_what_no_micro_batch_holds() -> None:
+    tokens = [[1, 2], [3]]
+    BatchCells([numpy.array([0, 5]), numpy.array([3])], 256).check(tokens, 4096)
+    for cells, n_kv, why in (
+        ([numpy.array([0, 5])], 256, "do not match"),
+        ([numpy.array([0, 5]), numpy.array([3, 4])], 256, "do not match"),
+        ([numpy.array([0, 300]), numpy.array([3])], 256, "outside"),
+        ([numpy.array([0, 5]), numpy.array([3])], 8192, "outside"),
+        ([numpy.array([0, 3]), numpy.array([3])], 256, "one cell"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            BatchCells(cells, n_kv).check(tokens, 4096)
+
+
+def test_the_receipts_cells_read_back_as_runs_and_refuse_what_is_not_cells() -> None:
+    field = cells_field([GroupCells(1, [[0, 1, 2, 7, 8], [3]], 256)])
+    assert field == [{"group": 1, "n_kv": 256, "cells": [[[0, 3], [7, 9]], [[3, 4]]]}]
+    together = [[0], [2, 1]]
+    assert read_cells_field(field, together, [4, 1, 5]) == {
+        2: ([0, 1, 2, 7, 8], 256),
+        1: ([3], 256),
+    }
+    for bad in (
+        {"group": 1},
+        [{"group": 2, "n_kv": 256, "cells": [[[0, 5]], [[5, 6]]]}],
+        [{"group": 1, "n_kv": "256", "cells": [[[0, 5]], [[5, 6]]]}],
+        [{"group": 1, "n_kv": 256, "cells": [[[0, 5]]]}],
+        [{"group": 1, "n_kv": 256, "cells": [[[0, 4]], [[5, 6]]]}],
+        [{"group": 1, "n_kv": 256, "cells": [[[5, 0]], [[5, 6]]]}],
+        [{"group": 1, "n_kv": 256, "cells": [[[0, 5]], [[5, 6]]], "more": 1}],
+        [
+            {"group": 1, "n_kv": 256, "cells": [[[0, 5]], [[5, 6]]]},
+            {"group": 1, "n_kv": 256, "cells": [[[0, 5]], [[5, 6]]]},
+        ],
+    ):
+        assert isinstance(read_cells_field(bad, together, [4, 1, 5]), str), bad
