@@ -148,8 +148,10 @@ def rope_kv_f16_n(
     n = q.shape[0]
     out = numpy.empty(q.shape, F16)
     for r in range(n):
-        f = [numpy.asarray(a[r], F16).astype(F32) for a in (q, k, v)]
-        q_r = dt.rope_kv_f16(*f, bias, pos + r, cos_table, sin_table, k_cache, v_cache, hd, neox)
+        q_f, k_f, v_f = (numpy.asarray(a[r], F16).astype(F32) for a in (q, k, v))
+        q_r = dt.rope_kv_f16(
+            q_f, k_f, v_f, bias, pos + r, cos_table, sin_table, k_cache, v_cache, hd, neox
+        )
         out[r] = q_r.astype(F16)
     return out
 

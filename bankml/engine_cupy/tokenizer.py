@@ -26,6 +26,7 @@ import os
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bankml.engine_cupy.gguf_file import GGUFError, metadata
 from bankml.engine_cupy.unicode_classes import CLASS_CODES, build_class_table
@@ -548,6 +549,11 @@ _SPECIAL_KEYS = (
 )
 
 
+def _array(value: object) -> list[Any]:
+    """A metadata array's items (none where the key is absent)."""
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
 def _read_fields(source: str | os.PathLike[str] | object, keys: Iterable[str]) -> dict[str, object]:
     """The named metadata values of a GGUF (``gguf_file.metadata``), a file it cannot read
     refused as a TokenizerError."""
@@ -614,11 +620,11 @@ class Tokenizer:
         if not isinstance(tokens, list) or not tokens:
             raise TokenizerError("the GGUF has no tokenizer.ggml.tokens")
         n_vocab = len(tokens)
-        token_types = list(values.get(prefix + "token_type") or [1] * n_vocab)
-        scores = [float(s) for s in (values.get(prefix + "scores") or [0.0] * n_vocab)]
+        token_types = list(_array(values.get(prefix + "token_type")) or [1] * n_vocab)
+        scores = [float(s) for s in (_array(values.get(prefix + "scores")) or [0.0] * n_vocab)]
         if len(token_types) < n_vocab or len(scores) < n_vocab:
             raise TokenizerError("token_type or scores shorter than the vocabulary")
-        merges = list(values.get(prefix + "merges") or [])
+        merges = list(_array(values.get(prefix + "merges")))
         if model == "gpt2" and not merges:
             raise TokenizerError("cannot find tokenizer merges in model file")
 
@@ -676,7 +682,7 @@ class Tokenizer:
         for i, text in enumerate(self.tokens):
             self._token_to_id[text] = i  # a repeated text maps to its last id, as llama.cpp
         self._attrs = [TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) for t in self.token_types]
-        self._ranks = {}
+        self._ranks: dict[tuple[str, str], int] = {}
         for rank, merge in enumerate(self.merges):
             cut = merge.find(" ", 1)
             left, right = (merge[:cut], merge[cut + 1 :]) if cut >= 0 else ("", "")
@@ -707,12 +713,13 @@ class Tokenizer:
                 continue
             found = [self._token_to_id[n] for n in names if n in self._token_to_id]
             if found:
-                sp[role] = min(found)
-                self._attrs[sp[role]] |= ATTR_CONTROL
+                first = sp[role] = min(found)
+                self._attrs[first] |= ATTR_CONTROL
         for i, text in enumerate(self.tokens):  # control tokens named "unused" are unused
             if self._attrs[i] & ATTR_CONTROL and "unused" in text:
                 self._attrs[i] |= ATTR_UNUSED
-        eog: set[int] = {sp[r] for r in ("fim_pad", "fim_rep", "fim_sep") if sp[r] is not None}
+        fims = ("fim_pad", "fim_rep", "fim_sep")
+        eog: set[int] = {tid for r in fims if (tid := sp[r]) is not None}
         for text, i in self._token_to_id.items():
             if text in _EOG_NAMES:
                 eog.add(i)
@@ -720,7 +727,7 @@ class Tokenizer:
         for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
             if text in self._token_to_id:
                 self._attrs[self._token_to_id[text]] = ATTR_USER_DEFINED
-        eog.update(sp[r] for r in ("eos", "eot", "eom") if sp[r] is not None)
+        eog.update(tid for r in ("eos", "eot", "eom") if (tid := sp[r]) is not None)
         texts = {self.tokens[i]: i for i in eog}
         if "<|end|>" in texts and (
             ("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
