@@ -437,8 +437,13 @@ class Engine:
             replace(req, shared=shared, shared_child=j > 0) for j, req in enumerate(completions)
         ]
 
+    @property
+    def kv_size(self) -> int:
+        """The cells of the cache the slots share with ``-kvu`` (0: a model that keeps none)."""
+        return int(getattr(self.cache, "kv_size", 0))
+
     def _new_cells(self) -> SharedCells:
-        return SharedCells(int(getattr(self.cache, "kv_size", self.n_ctx)))
+        return SharedCells(self.kv_size)
 
     def forget_cells(self) -> None:
         """The shared cache's cells are no longer known (a completion's, a restored slot's)."""
@@ -1009,7 +1014,7 @@ class Engine:
         held = {i: slot.cache for i, slot in keep.items()}
         held.update({i: self._embedding_cache(self.cache, len(inputs[i])) for i in saved})
         out: list[Any] = [None] * len(inputs)
-        kv_size = getattr(self.cache, "kv_size", 0)  # the cache the slots share (-kvu)
+        kv_size = self.kv_size
         lengths = [len(tokens) for tokens in inputs]
         for group in together:
             group_inputs = [inputs[i] for i in group]
@@ -1133,8 +1138,7 @@ class Engine:
         n_kv = placement[group[0]][1]
         total = sum(lengths[i] for i in group)
         every = np.concatenate(cells)
-        kv_size = int(getattr(self.cache, "kv_size", self.n_ctx))
-        if np.array_equal(every, np.arange(total)) and n_kv == kv_length(total, kv_size):
+        if np.array_equal(every, np.arange(total)) and n_kv == kv_length(total, self.kv_size):
             return None
         return BatchCells(cells, n_kv)
 

@@ -190,14 +190,13 @@ class Cells(CellBook):
         if self.window is not None:  # or out of the window of the next position
             reusable |= next_pos - pos >= self.window
         idx = find_cells(reusable, int((pos >= 0).sum()), self.head, n)
-        cells = idx.tolist()
         overwritten = pos[idx]
         pos[idx] = positions
         if (overwritten >= 0).any():  # keep [pos_min, pos_max] whole, as apply_ubatch purges
             last = int(overwritten.max())
             stale = (pos >= 0) & (pos <= last)
             pos[stale] = -1
-        self.head = cells[-1] + 1
+        self.head = int(idx[-1]) + 1
         return idx
 
     def remove(self, p0: int, p1: int | None = None) -> None:

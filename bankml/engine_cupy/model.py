@@ -174,21 +174,21 @@ class BatchCells:
 class BatchSegment(Segment):
     """One of several sequences evaluated in one micro-batch over one KV cache that was empty
     before it, the batch placed from cell 0 (llama-server's slots with ``-kvu``, their idle
-    slots cleared): its rows attend over the batch's ``n_kv`` cells with its own from
-    ``first`` on (every other cell hidden), through ggml's tiled kernel whenever the
+    slots cleared): its rows attend over the batch's ``n_kv`` cells with its own at ``cells``
+    (one per position, every other cell hidden), through ggml's tiled kernel whenever the
     micro-batch has ``FA_TILE_Q`` rows or more (``tiled``), however few its own. Its K/V are
     stored in its own cache from position 0. ``windows``: each layer's sliding window (0: none);
     the sliding layers' cache is emptied alike and takes the batch from its cell 0 too (a batch
     fits its cells), their mask hiding what is out of the window as well. Neither cache's
-    ``n_kv`` changes a bit here: the cells past the batch are hidden, so skipped. ``cells``:
-    where the other slots' sequences stay in the cache (llama-server's idle slots not cleared),
-    the cell each of its positions takes (kv_cache.SharedCells), in place of ``first`` on."""
+    ``n_kv`` changes a bit here: the cells past the batch are hidden, so skipped. Its cells
+    follow the batch's earlier sequences in an emptied cache; where the other slots' sequences
+    stay in the cache (llama-server's idle slots not cleared) they are those
+    kv_cache.SharedCells gives it."""
 
-    first: int = 0
+    cells: numpy.ndarray = field(default_factory=lambda: numpy.zeros(0, numpy.int64))
     n_kv: int = 0
     tiled: bool = False
     windows: tuple[int, ...] = ()
-    cells: Any = None
 
     def store_attend(self, ops: Ops, il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
         """The rows' K/V into its cache, then their attention over the batch's cells (the
@@ -214,19 +214,16 @@ class BatchSegment(Segment):
         )
         return out.reshape(q.shape[0], -1)
 
-    def _own_cells(self, end: int) -> Any:
-        """Where its positions 0..end-1 sit among the batch's cells."""
-        return slice(self.first, self.first + end) if self.cells is None else self.cells[:end]
-
     def _width(self, end: int) -> int:
-        return self.first + end if self.cells is None else int(self.cells[:end].max()) + 1
+        """The batch's cells up to the last of its positions 0..end-1."""
+        return int(self.cells[:end].max()) + 1
 
     def _at_first(self, own: Any) -> numpy.ndarray:
         """[n_head_kv, width, hd]: the batch's cells up to this sequence's last, its own at its
-        cells (from ``first``, or ``cells``)."""
+        cells."""
         end = own.shape[1]
         cells = numpy.zeros((own.shape[0], self._width(end), own.shape[2]), F32)
-        cells[:, self._own_cells(end)] = own
+        cells[:, self.cells[:end]] = own
         return cells
 
     def _cells_mask(self, window: int) -> numpy.ndarray:
@@ -237,7 +234,7 @@ class BatchSegment(Segment):
             n, end = self.step.positions.shape[0], self.step.end
             mask = numpy.full((n, self._width(end)), F32(-numpy.inf), F32)
             own = self.step.mask(numpy, window)
-            mask[:, self._own_cells(end)] = 0 if own is None else own
+            mask[:, self.cells[:end]] = 0 if own is None else own
             mask.flags.writeable = False
             self.step.masks[key] = mask
         return self.step.masks[key]
@@ -747,11 +744,10 @@ class Model:
                     seg.rows,
                     seg.step,
                     cache,
-                    row,
+                    numpy.arange(row, row + len(toks)) if placed is None else placed.cells[j],
                     n_kv,
                     total >= exact_attention.FA_TILE_Q,
                     windows,
-                    None if placed is None else placed.cells[j],
                 )
             )
             row += len(toks)
