@@ -33,6 +33,10 @@ kvu_reuse_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", 
 kvu_kept_pair = pair_fixture(
     ["--embeddings", "--pooling", "mean", "-np", "4", "-kvu", "--no-cache-idle-slots"]
 )
+# no host prompt cache: the idle slots keep their cells, a completion's too
+kvu_cram0_pair = pair_fixture(
+    ["--embeddings", "--pooling", "mean", "-np", "4", "-kvu", "-cram", "0"]
+)
 Q8_CACHE = ["-ctk", "q8_0", "-ctv", "q8_0"]
 kvu_q8_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-np", "4", "-kvu", *Q8_CACHE])
 # four inputs of 31 tokens in all: one micro-batch under 64 tokens at -np 4 -kvu
@@ -415,6 +419,52 @@ def test_batches_around_the_cells_other_slots_keep_are_llama_servers(
         assert code == 0 and f"replay: identical: {len(texts)} vectors" in out, out
 
 
+def test_after_a_completion_embeddings_take_the_cells_past_its_as_llama_servers(
+    kvu_cram0_pair: Pair,
+    kvu_mean_pair: Pair,
+    default_model: Path,
+    default_fork: Path,
+    tmp_path: Path,
+) -> None:
+    """``-np 4 -kvu -cram 0``: a completion's prompt and decoded tokens stay in its slot's
+    cells, the slot idle (its last token, never decoded, takes none); a batch after it takes
+    the cells past them. A completion that reuses the first one's prefix in the same slot
+    takes cells from the first one it does not reuse, then past the batch's; an input after
+    it takes the cells its slot frees, then the cells past the completion's. Every vector is
+    llama-server's bit for bit where the same inputs from cell 0 give others, the receipt
+    names the cells, and a replay computes them again."""
+    pair = kvu_cram0_pair
+    story = "Once upon a time a small cat sat on a warm mat. " * 3
+    rounds = [
+        (story, ["zz " * 40, "Hello world " * 10, "a b c " * 10]),
+        (story + "The cat looked up and", ["An old owl " * 30]),
+    ]
+    replay = ("--replay", str(default_model), "--fork", str(default_fork))
+    key = public_key(pair)
+    for n, (prompt, texts) in enumerate(rounds):
+        body = {"prompt": prompt, "n_predict": 8, "temperature": 0}
+        (s1, ours, _), (s2, theirs, _) = (post(p, "/completion", body) for p in pair.ports)
+        assert s1 == s2 == 200 and ours["content"] == theirs["content"]
+        assert ours["timings"]["cache_n"] == theirs["timings"]["cache_n"] == (0, 39)[n]
+        body = {"input": texts, "embd_normalize": -1}
+        (s1, ours, raw), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in pair.ports)
+        s3, from_zero, _ = post(kvu_mean_pair.ports[1], "/v1/embeddings", body)
+        assert s1 == s2 == s3 == 200
+        for i, (a, b) in enumerate(zip(ours["data"], theirs["data"], strict=True)):
+            assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"])), (n, i)
+        first = f32(ours["data"][0]["embedding"])
+        moved = numpy.linalg.norm(first - f32(from_zero["data"][0]["embedding"]))
+        assert moved / numpy.linalg.norm(first) > 1e-4, (n, moved)
+        cells = ours["bankml_receipt"]["evaluated_cells"]
+        expected = [
+            {"group": 0, "n_kv": 256, "cells": [[[47, 78]], [[78, 99]], [[99, 179]]]},
+            {"group": 0, "n_kv": 256, "cells": [[[47, 78], [183, 243]]]},
+        ]
+        assert cells == [expected[n]], cells
+        code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+        assert code == 0 and f"replay: identical: {len(texts)} vectors" in out, out
+
+
 def test_several_slots_over_a_q8_0_cache_keep_each_inputs_states(kvu_q8_pair: Pair) -> None:
     """Over a q8_0 cache ggml attends one row at a time at any micro-batch size, skipping the
     hidden cells, so a batch of 126 tokens keeps every input's hidden states on this model
@@ -586,6 +636,7 @@ def _slots_engine(
     engine.slot_prompt_similarity, engine._task_id, engine._uses = 0.1, 0, 0
     engine.clear_idle_slots = True
     engine._tracks_cells, engine.cells = False, None  # no cache: no cells to follow
+    engine._cell_changes = 0
     engine.model = SimpleNamespace(follows_micro_batches=follows, rows_independent=True)
     return engine
 

@@ -29,6 +29,17 @@ def test_a_batch_takes_the_freed_cells_from_the_first_freed_then_past_the_kept_o
     assert cells.head == 9
 
 
+def test_seq_rm_from_a_position_frees_the_cells_of_the_later_positions() -> None:
+    cells = SharedCells(512)
+    place(cells, 0, 6)
+    place(cells, 1, 3)
+    cells.seq_rm(0, 4)  # a prompt that reuses the first four positions of slot 0's
+    assert cells.head == 4 and cells.seq[:9].tolist() == [0, 0, 0, 0, -1, -1, 1, 1, 1]
+    taken = cells.place(numpy.zeros(3, numpy.int64), numpy.arange(4, 7))
+    assert taken.tolist() == [4, 5, 9]  # round slot 1's cells
+    assert cells.pos[[4, 5, 9]].tolist() == [4, 5, 6]
+
+
 def test_the_search_starts_from_cell_0_when_enough_cells_before_the_head_are_free() -> None:
     cells = SharedCells(512)
     place(cells, 0, 10)

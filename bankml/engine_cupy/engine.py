@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -228,6 +228,14 @@ class EmbeddingPlan(NamedTuple):
     placement: Mapping[int, tuple[np.ndarray, int]] | None = None
 
 
+class _RunCells(NamedTuple):
+    """The shared cache's book set aside while a run goes (Engine._set_cells_aside), and the
+    count of what it could not follow when it was."""
+
+    cells: SharedCells
+    changes: int
+
+
 class Engine:
     """One resident model with ``n_slots`` slots (each a KV cache of ``n_ctx`` positions and the
     tokens it holds), one host prompt cache for all of them. ``cache``, ``slot_tokens`` and
@@ -318,6 +326,9 @@ class Engine:
             and not getattr(model, "has_sliding_window", False)
         )
         self.cells: SharedCells | None = self._new_cells() if self._tracks_cells else None
+        # bumped by what a run's set-aside book cannot follow (another task's launch, a slot
+        # erased or restored, a prompt loaded from the host cache): _RunCells
+        self._cell_changes = 0
         self._task_id = 0  # the last task's id, counted over all slots (as llama-server's)
         self._uses = 0  # a clock for the slots' t_last_used
         self._vocab_info = VocabInfo(self._pieces, lambda s: self.tokenize(s))
@@ -446,8 +457,55 @@ class Engine:
         return SharedCells(self.kv_size)
 
     def forget_cells(self) -> None:
-        """The shared cache's cells are no longer known (a completion's, a restored slot's)."""
+        """The shared cache's cells are no longer known (a restored slot's, a batch beside a
+        run)."""
         self.cells = None
+        self._cell_changes += 1
+
+    def _set_cells_aside(self, req: Request) -> _RunCells | None:
+        """The book while a run goes: unknown to others meanwhile (a task beside it joins its
+        batches as they come), kept for the run's own cells where it runs alone (None: not
+        followed: drafts, a prompt shared by several runs, another slot busy)."""
+        cells, self.cells = self.cells, None
+        if (
+            cells is None
+            or self.speculative is not None
+            or req.shared is not None
+            or self.free_slots() != self.n_slots - 1
+        ):
+            return None
+        return _RunCells(cells, self._cell_changes)
+
+    def _place_run(self, held: _RunCells | None, slot: Slot, summary: Summary) -> None:
+        """The cells a run took alone, as llama-server's decodes take them: its slot's cells from
+        the first position not reused emptied, the prompt's micro-batches, then a cell for each
+        token decoded after it (the last one sampled is never decoded). A run cancelled, whose
+        context shifted, or beside which anything else happened leaves the book unknown."""
+        if (
+            held is None
+            or held.changes != self._cell_changes
+            or summary.cancelled
+            or summary.n_discarded
+        ):
+            return
+        cells = held.cells
+        cache_n = int(summary.timings["cache_n"])
+        n_prompt = summary.prompt_tokens
+        cells.seq_rm(slot.id, cache_n)
+        steps = [*self._prompt_micro_batches(cache_n, n_prompt)]
+        steps += [(p, p + 1) for p in range(n_prompt, len(slot.tokens))]
+        try:
+            for a, b in steps:
+                cells.place(np.full(b - a, slot.id), np.arange(a, b))
+        except ValueError:  # no room: llama-server's decode fails there
+            return
+        self.cells = cells
+
+    def _prompt_micro_batches(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """llama-server's micro-batches of a prompt's positions [start, end), batch by batch
+        (no sliding window: Engine._batch_end)."""
+        for a in range(start, end, self.n_batch):
+            yield from micro_batches(a, min(a + self.n_batch, end), self.n_ubatch)
 
     def _acquire(self, slot: Slot) -> None:
         slot.processing = True
@@ -464,6 +522,7 @@ class Engine:
                         idle.cache.truncate(0)
                         idle.tokens, idle.holds_embedding = [], False
         self._task_id += 1
+        self._cell_changes += 1
         slot.task_id = self._task_id
 
     def _release(self, slot: Slot) -> None:
@@ -1339,6 +1398,7 @@ class Engine:
         entry = self.host_cache.take_better(slot.tokens, prompt)
         if entry is not None:
             slot.cache.restore(entry.kv, len(entry.tokens))
+            self._cell_changes += 1  # its cells are placed as a whole: not followed
             if entry.ring is not None:
                 slot.cache.load_ring(entry.ring)  # the ring as the entry held it
             slot.tokens = list(entry.tokens)
@@ -1360,13 +1420,14 @@ class Engine:
             else:
                 slot, update_cache = self.choose_slot(tokens)
             self._acquire(slot)
-            self.forget_cells()  # a run's cells are not followed
+            held = self._set_cells_aside(req)
             try:
                 yield from self._generate(
                     slot, update_cache, req, cancelled, summary, clock, progress
                 )
             finally:
                 self._release(slot)
+            self._place_run(held, slot, summary)
         finally:
             if shared is not None and not req.shared_child:
                 shared.abandon()  # a parent that ended before its prompt did: children compute

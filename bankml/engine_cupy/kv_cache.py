@@ -135,10 +135,10 @@ class SharedCells(CellBook):
         self.pos = numpy.full(self.size, -1, numpy.int64)
         self.head = 0
 
-    def seq_rm(self, seq: int) -> None:
-        """seq_rm(seq, -1, -1): empty its cells; the head moves back to the first one freed if
-        that is before it."""
-        freed = numpy.flatnonzero(self.seq == seq)
+    def seq_rm(self, seq: int, p0: int = 0) -> None:
+        """seq_rm(seq, p0, -1): empty its cells from position ``p0`` (0: all of them); the head
+        moves back to the first one freed if that is before it."""
+        freed = numpy.flatnonzero((self.seq == seq) & (self.pos >= p0))
         self.seq[freed] = -1
         self.pos[freed] = -1
         if freed.size and freed[0] < self.head:
