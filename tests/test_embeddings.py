@@ -465,6 +465,33 @@ def test_after_a_completion_embeddings_take_the_cells_past_its_as_llama_servers(
         assert code == 0 and f"replay: identical: {len(texts)} vectors" in out, out
 
 
+def test_a_completion_attends_over_the_cells_other_slots_keep_as_llama_servers(
+    kvu_cram0_pair: Pair, kvu_mean_pair: Pair
+) -> None:
+    """``-np 4 -kvu -cram 0``: embeddings keep their cells in three slots; a completion of 109
+    tokens in the fourth takes the cells past them, and from 64 tokens the tiled attention
+    walks the cache from cell 0 in tiles, so its logprobs are llama-server's only where bankml
+    attends over those cells (the same prompt on an emptied cache gives others). A short prompt
+    after it takes the cells its slot freed, before the others'; the first prompt continued
+    takes free cells before its own, out of position order: each answer llama-server's."""
+    pair = kvu_cram0_pair
+    texts = ["zz " * 40, "Hello world " * 10, "a b c " * 10]
+    for port in pair.ports:
+        assert post(port, "/v1/embeddings", {"input": texts})[0] == 200
+    story = "Once upon a time a small cat sat on a warm mat and looked at the birds. " * 6
+    prompts = [story, "Hello there my friend, how are you today?", story + " And then"]
+    for n, prompt in enumerate(prompts):
+        ours, theirs = completions_side_by_side(pair, prompt)
+        assert_same_answer(ours, theirs)
+        assert ours["id_slot"] == theirs["id_slot"]
+        if n == 0:
+            body = {"prompt": prompt, "n_predict": 3, "temperature": 0, "n_probs": 2}
+            status, emptied, _ = post(kvu_mean_pair.ports[1], "/completion", body)
+            assert status == 200
+            assert abs(logprobs(emptied)[0] - logprobs(theirs)[0]) > 1e-4
+    assert theirs["timings"]["cache_n"] == 109
+
+
 def test_several_slots_over_a_q8_0_cache_keep_each_inputs_states(kvu_q8_pair: Pair) -> None:
     """Over a q8_0 cache ggml attends one row at a time at any micro-batch size, skipping the
     hidden cells, so a batch of 126 tokens keeps every input's hidden states on this model

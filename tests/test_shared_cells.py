@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from bankml.engine_cupy.kv_cache import SharedCells, find_cells
+from bankml.engine_cupy.kv_cache import KVCache, SequenceCells, SharedCells, find_cells
 from bankml.engine_cupy.model import BatchCells
 from bankml.receipts.embedding import GroupCells, cells_field, read_cells_field
 
@@ -94,3 +94,36 @@ def test_the_receipts_cells_read_back_as_runs_and_refuse_what_is_not_cells() -> 
         ],
     ):
         assert isinstance(read_cells_field(bad, together, [4, 1, 5]), str), bad
+
+
+def test_a_cache_follows_its_sequences_cells_in_the_shared_cache() -> None:
+    """KVCache.follow: the positions held copied into the cells the book gives them, the next
+    micro-batch stored in the cells it chooses round the other sequence's, the mask hiding
+    every cell but its own, n_kv the whole cache's; emptied, it keeps following; unfollow goes
+    back to position order."""
+    book = SharedCells(512)
+    place(book, 0, 3)  # sequence 0 (the cache's) in cells 0-2
+    place(book, 1, 4)  # another in cells 3-6
+    cache = KVCache(numpy, 1, 1, 4, 512, "f16", ring=True, exact=True)
+    rows = numpy.arange(12, dtype=numpy.float32).reshape(3, 1, 4)
+    cache.place(0, 3)
+    cache.store(0, 0, rows, rows)
+    cache.advance(3)
+    book.seq_rm(0, 1)  # positions 1.. freed: a prompt that reuses one
+    cache.truncate(1)
+    assert not cache.follow(SequenceCells(book, 1))  # the book holds other positions
+    assert cache.follow(SequenceCells(book, 0)) and cache.follows
+    cache.place(1, 3)  # cells 1, 2, then past the other sequence's
+    assert cache.cells is not None and cache._batch_cells.tolist() == [1, 2, 7]
+    more = rows + 100
+    cache.store(0, 1, more, more)
+    cache.advance(4)
+    assert cache.keys(0, 8)[0, 7].tolist() == more[2, 0].tolist()
+    assert cache.keys(0, 8)[0, 0].tolist() == rows[0, 0].tolist()
+    mask = cache.cells.mask(numpy.array([3]))
+    assert mask.shape == (1, 8) and (mask[0] == 0).tolist() == [1, 1, 1, 0, 0, 0, 0, 1]
+    assert cache.cells.n_kv() == 256
+    cache.truncate(0)  # the book frees every cell of the sequence; the layout stays
+    assert cache.follows and book.seq[[0, 1, 2, 7]].tolist() == [-1] * 4
+    cache.unfollow()
+    assert not cache.follows and cache.cells is None

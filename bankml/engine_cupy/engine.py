@@ -55,7 +55,7 @@ from bankml.engine_cupy.grammar import (
 )
 from bankml.engine_cupy.infill import infill_tokens
 from bankml.engine_cupy.kernels.exact_attention import FA_TILE_Q, kv_length
-from bankml.engine_cupy.kv_cache import SharedCells, pad_cells
+from bankml.engine_cupy.kv_cache import SequenceCells, SharedCells, pad_cells
 from bankml.engine_cupy.model import BatchCells, Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
 from bankml.engine_cupy.reasoning_budget import ReasoningBudget, ReasoningBudgetSpec
@@ -234,6 +234,9 @@ class _RunCells(NamedTuple):
 
     cells: SharedCells
     changes: int
+    # the slot's cache follows the book's cells (KVCache.follow): the book is kept as the run
+    # goes; else the run's cells are placed in it when it ends (Engine._place_run)
+    laid_out: bool
 
 
 class Engine:
@@ -462,10 +465,13 @@ class Engine:
         self.cells = None
         self._cell_changes += 1
 
-    def _set_cells_aside(self, req: Request) -> _RunCells | None:
+    def _set_cells_aside(self, req: Request, slot: Slot) -> _RunCells | None:
         """The book while a run goes: unknown to others meanwhile (a task beside it joins its
         batches as they come), kept for the run's own cells where it runs alone (None: not
-        followed: drafts, a prompt shared by several runs, another slot busy)."""
+        followed: drafts, a prompt shared by several runs, another slot busy). Where other
+        sequences hold cells, or the slot's own lie out of position order, the slot's cache
+        follows the book's cells, so that its attention walks them as llama-server's does; a
+        sequence alone in order from cell 0 keeps its own cache's order, the same cells."""
         cells, self.cells = self.cells, None
         if (
             cells is None
@@ -474,7 +480,10 @@ class Engine:
             or self.free_slots() != self.n_slots - 1
         ):
             return None
-        return _RunCells(cells, self._cell_changes)
+        laid_out = not cells.in_order_alone(slot.id)
+        if laid_out and not slot.cache.follow(SequenceCells(cells, slot.id)):
+            return None
+        return _RunCells(cells, self._cell_changes, laid_out)
 
     def _place_run(self, held: _RunCells | None, slot: Slot, summary: Summary) -> None:
         """The cells a run took alone, as llama-server's decodes take them: its slot's cells from
@@ -489,6 +498,9 @@ class Engine:
         ):
             return
         cells = held.cells
+        if held.laid_out:  # placed as the run went
+            self.cells = cells
+            return
         cache_n = int(summary.timings["cache_n"])
         n_prompt = summary.prompt_tokens
         cells.seq_rm(slot.id, cache_n)
@@ -1420,13 +1432,15 @@ class Engine:
             else:
                 slot, update_cache = self.choose_slot(tokens)
             self._acquire(slot)
-            held = self._set_cells_aside(req)
+            held = self._set_cells_aside(req, slot)
             try:
                 yield from self._generate(
                     slot, update_cache, req, cancelled, summary, clock, progress
                 )
             finally:
                 self._release(slot)
+                if held is not None and held.laid_out:
+                    slot.cache.unfollow()
             self._place_run(held, slot, summary)
         finally:
             if shared is not None and not req.shared_child:

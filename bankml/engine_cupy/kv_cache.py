@@ -144,6 +144,18 @@ class SharedCells(CellBook):
         if freed.size and freed[0] < self.head:
             self.head = int(freed[0])
 
+    def in_order_alone(self, seq: int) -> bool:
+        """Whether the cache holds ``seq`` alone, its positions 0..k-1 in cells 0..k-1, the head
+        at k: its next micro-batches then take the next cells, as in a cache of its own."""
+        held = numpy.flatnonzero(self.seq >= 0)
+        k = held.size
+        return (
+            self.head == k
+            and bool((self.seq[held] == seq).all())
+            and numpy.array_equal(held, numpy.arange(k))
+            and numpy.array_equal(self.pos[held], numpy.arange(k))
+        )
+
     def place(self, seqs: numpy.ndarray, positions: numpy.ndarray) -> numpy.ndarray:
         """The cells of one micro-batch, its tokens in batch order (each its sequence and
         position); the head moves past the last."""
@@ -248,12 +260,55 @@ class Cells(CellBook):
     def mask(self, q_pos: Any) -> numpy.ndarray:
         """f32 [n, used_max_p1]: 0 where query position q sees the cell, -inf where it is empty,
         later than q, or ``window`` or more before it (llama_kv_cache::set_input_kq_mask)."""
-        p = self.pos[None, : self.used_max_p1]
-        q = numpy.asarray(q_pos, numpy.int64)[:, None]
-        hidden = (p < 0) | (p > q)
-        if self.window is not None:
-            hidden |= q - p >= self.window
-        return numpy.where(hidden, numpy.float32(-numpy.inf), numpy.float32(0))
+        return cells_mask(self.pos[: self.used_max_p1], q_pos, self.window)
+
+
+def cells_mask(pos: numpy.ndarray, q_pos: Any, window: int | None) -> numpy.ndarray:
+    """Cells.mask over the cells' positions ``pos`` (-1: a cell the sequence does not hold)."""
+    p = pos[None, :]
+    q = numpy.asarray(q_pos, numpy.int64)[:, None]
+    hidden = (p < 0) | (p > q)
+    if window is not None:
+        hidden |= q - p >= window
+    return numpy.where(hidden, numpy.float32(-numpy.inf), numpy.float32(0))
+
+
+class SequenceCells:
+    """One sequence's cells in a cache several sequences share (``SharedCells``), as a KVCache
+    keeps a cell layout (``KVCache.follow``): ``place`` and ``remove_from`` go to the shared
+    book, so a micro-batch takes the cells find_slot gives it round the other sequences';
+    ``used_max_p1`` and ``n_kv`` are the whole cache's (what ggml attends over), and ``mask``
+    hides every cell but this sequence's own."""
+
+    window = None
+
+    def __init__(self, book: SharedCells, seq: int):
+        self.book, self.seq = book, int(seq)
+
+    @property
+    def size(self) -> int:
+        return self.book.size
+
+    @property
+    def pos(self) -> numpy.ndarray:
+        """Each cell's position in this sequence (-1: empty or another sequence's)."""
+        return numpy.where(self.book.seq == self.seq, self.book.pos, -1)
+
+    @property
+    def used_max_p1(self) -> int:
+        return self.book.used_max_p1
+
+    def n_kv(self) -> int:
+        return self.book.n_kv()
+
+    def place(self, positions: numpy.ndarray) -> numpy.ndarray:
+        return self.book.place(numpy.full(len(positions), self.seq), positions)
+
+    def remove_from(self, p0: int) -> None:
+        self.book.seq_rm(self.seq, p0)
+
+    def mask(self, q_pos: Any) -> numpy.ndarray:
+        return cells_mask(self.pos[: self.used_max_p1], q_pos, None)
 
 
 def resolve_cache_type(cache_type: str | None, head_dim: int) -> str:
@@ -361,12 +416,13 @@ class KVCache:
                     self._ring_v[il] = self._empty_like(self._v[il], size)
         self._batch_cells: numpy.ndarray | None = None  # cells of the micro-batch being run
         # after a context shift (``shift``) on the exact path: the whole cache's cell layout,
-        # every layer's cells stored and attended over in cell order (None: position order)
+        # every layer's cells stored and attended over in cell order (None: position order);
+        # or the cells of a cache other sequences share (``follow``)
         self._cells_kept = bool(ring) and self.exact
-        self.shifted: Cells | None = None
+        self.shifted: Cells | SequenceCells | None = None
 
     @property
-    def cells(self) -> Cells | None:
+    def cells(self) -> Cells | SequenceCells | None:
         """The layout whose cells are also stored and attended over: the whole cache's after a
         context shift (``shifted``), else the SWA cache's when it is a ring (``swa``), else
         None."""
@@ -419,7 +475,9 @@ class KVCache:
         """What a saved state of the cell layout holds (``Cells.held``, in cell order: the
         SWA cache's window, or every position after a context shift; their values are the
         position store's, which keeps them); None when cells are in position order."""
-        if self.shifted is not None:
+        if self.follows:  # the shared cache's cells are not this sequence's own to save
+            return None
+        if isinstance(self.shifted, Cells):
             return self.shifted.held()
         return None if self.swa is None else self.swa.held()
 
@@ -433,9 +491,10 @@ class KVCache:
         if self.swa is None:  # a shifted cache's cells, put back in their saved order
             if not self._cells_kept or numpy.array_equal(positions, numpy.arange(len(positions))):
                 return
+            self.unfollow()
             if self.shifted is None:
                 self._lay_out_cells()
-            assert self.shifted is not None
+            assert isinstance(self.shifted, Cells)
             cells = self.shifted.load(positions)
             for il in self._ring_k:
                 self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
@@ -495,7 +554,7 @@ class KVCache:
         self._n_tokens = int(n)
         if self.shifted is not None:
             self.shifted.remove_from(n)
-            if n == 0:  # an empty cache fills in position order again
+            if n == 0 and not self.follows:  # an empty cache fills in position order again
                 self._unshift()
         if self.swa is not None and self.swa.window is not None:  # the ring always has one
             self.swa.remove_from(n)
@@ -522,6 +581,7 @@ class KVCache:
             raise ValueError(
                 f"cannot shift {n} positions by keeping {n_keep}, dropping {n_discard}"
             )
+        self.unfollow()  # a shift is this sequence's own: its cells from position order
         if self._cells_kept and self.shifted is None:
             self._lay_out_cells()
         moved, kept_to = slice(n_keep + n_discard, n), slice(n_keep, n - n_discard)
@@ -529,7 +589,7 @@ class KVCache:
             self._shift_keys(self._k[il], moved, kept_to, turn)
             self._copy_cells(self._v[il], self._v[il], moved, kept_to)
         self._n_tokens = n - n_discard
-        if self.shifted is not None:
+        if isinstance(self.shifted, Cells):
             self.shifted.remove(n_keep, n_keep + n_discard)
             cells = self.shifted.add(n_keep + n_discard, n, -n_discard)
             positions = self.shifted.pos[cells]
@@ -553,20 +613,54 @@ class KVCache:
         """Keep the whole cache's cells from here on: as a sequence placed from an empty cache
         leaves them (positions 0..n_tokens-1 in cells 0..), every layer copied into them."""
         n = self._n_tokens
-        self.shifted = Cells.in_order(self.kv_size, n)
+        self._keep_cells(Cells.in_order(self.kv_size, n), slice(0, n), slice(0, n))
+
+    def _keep_cells(self, layout: Cells | SequenceCells, positions: Any, cells: Any) -> None:
+        """Attend over every layer's cells in ``layout``'s order from here on, the positions
+        held copied into their cells."""
+        self.shifted = layout
         for il in range(len(self._k)):
             self._ring_k[il] = self._empty_like(self._k[il], self.kv_size)
             self._ring_v[il] = self._empty_like(self._v[il], self.kv_size)
-            self._copy_cells(self._k[il], self._ring_k[il], slice(0, n), slice(0, n))
-            self._copy_cells(self._v[il], self._ring_v[il], slice(0, n), slice(0, n))
+            self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
+            self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
+
+    @property
+    def follows(self) -> bool:
+        """Whether the cells are those of a cache other sequences share (``follow``)."""
+        return isinstance(self.shifted, SequenceCells)
+
+    def follow(self, layout: SequenceCells) -> bool:
+        """Keep this sequence's cells where the shared cache's book places them (llama-server's
+        slots with ``-kvu``): positions 0..n_tokens-1 copied into the cells the book holds them
+        in, each later micro-batch into the cells it chooses, attention in cell order over the
+        whole cache's ``n_kv``, until ``unfollow``. False where the cache keeps no cell layout
+        (not the exact path, a sliding window, a context shift's) or the book does not hold
+        exactly its positions."""
+        if not self._cells_kept or self.swa is not None or self.shifted is not None:
+            return False
+        if layout.size > self.kv_size:
+            return False
+        pos = layout.pos
+        cells = numpy.flatnonzero(pos >= 0)
+        positions = pos[cells]
+        if not numpy.array_equal(numpy.sort(positions), numpy.arange(self._n_tokens)):
+            return False
+        self._keep_cells(layout, positions, cells)
+        return True
+
+    def unfollow(self) -> None:
+        """Back to position order after ``follow`` (the position store holds every position)."""
+        if self.follows:
+            self._unshift()
 
     def copy_layout(self, source: KVCache) -> None:
         """Take ``source``'s context-shift cell layout (or none); the caller copies the values
         (slots.copy_slot)."""
         self._unshift()
-        if source.shifted is not None:
+        if isinstance(source.shifted, Cells):
             self._lay_out_cells()
-            assert self.shifted is not None
+            assert isinstance(self.shifted, Cells)
             self.shifted.pos[:] = source.shifted.pos
             self.shifted.head = source.shifted.head
 
