@@ -513,6 +513,28 @@ class Engine:
             return
         self.cells = cells
 
+    def _save_to_host_cache(self, slot: Slot) -> None:
+        """The slot's tokens and cells (its checkpoints with them) into the host cache."""
+        held = slot.checkpoints.items if slot.checkpoints is not None else []
+        self.host_cache.save(slot.tokens, slot.cache, held)
+
+    def _place_loaded(self, slot: Slot, n: int, in_order: bool) -> None:
+        """A prompt loaded into ``slot`` from the host cache, in the book as llama.cpp reads a
+        saved sequence back (state_read: seq_rm, then find_slot for its cells in their saved
+        order, here position order); a saved cell layout of its own (a context shift's) is
+        not followed."""
+        cells = self.cells
+        if cells is None:
+            return
+        if not in_order:
+            self.forget_cells()
+            return
+        cells.seq_rm(slot.id)
+        try:
+            cells.place(np.full(n, slot.id), np.arange(n))
+        except ValueError:  # no room: llama-server's restore fails there
+            self.forget_cells()
+
     def _prompt_micro_batches(self, start: int, end: int) -> Iterator[tuple[int, int]]:
         """llama-server's micro-batches of a prompt's positions [start, end), batch by batch
         (no sliding window: Engine._batch_end)."""
@@ -529,10 +551,12 @@ class Engine:
                     idle.embedded = []
                     if self.cells is not None:
                         self.cells.seq_rm(idle.id)
-                    if idle.holds_embedding:  # its cells too (a completion's stay: Slot)
-                        self.host_cache.save(idle.tokens, idle.cache)
+                    if idle.tokens:  # a completion's or an embedding's, its cells with it
+                        self._save_to_host_cache(idle)
                         idle.cache.truncate(0)
                         idle.tokens, idle.holds_embedding = [], False
+                        if idle.checkpoints is not None:
+                            idle.checkpoints = Checkpoints(idle.checkpoints.window)
         self._task_id += 1
         self._cell_changes += 1
         slot.task_id = self._task_id
@@ -1344,7 +1368,6 @@ class Engine:
     def _prefill(
         self,
         slot: Slot,
-        update_cache: bool,
         tokens: list[int],
         cache_prompt: bool,
         cancelled: Callable[[], bool],
@@ -1356,8 +1379,6 @@ class Engine:
         evaluate the rest in llama-server's batches. Yields a ``Progress`` when the prefix is
         known and after each batch, when given the run's ``clock``; returns (cache_n, last
         logits or None if cancelled)."""
-        if cache_prompt and update_cache:
-            self._use_host_cache(slot, tokens)
         n_past = longest_common_prefix(slot.tokens, tokens) if cache_prompt else 0
         cache = slot.cache
         if slot.checkpoints is not None:
@@ -1405,12 +1426,11 @@ class Engine:
         its checkpoints) for later, bring back a better one."""
         if not self.host_cache.enabled:
             return
-        held = slot.checkpoints.items if slot.checkpoints is not None else []
-        self.host_cache.save(slot.tokens, slot.cache, held)
+        self._save_to_host_cache(slot)
         entry = self.host_cache.take_better(slot.tokens, prompt)
         if entry is not None:
             slot.cache.restore(entry.kv, len(entry.tokens))
-            self._cell_changes += 1  # its cells are placed as a whole: not followed
+            self._place_loaded(slot, len(entry.tokens), entry.ring is None)
             if entry.ring is not None:
                 slot.cache.load_ring(entry.ring)  # the ring as the entry held it
             slot.tokens = list(entry.tokens)
@@ -1431,12 +1451,13 @@ class Engine:
                 slot, update_cache = self.free_slot(), False
             else:
                 slot, update_cache = self.choose_slot(tokens)
+            if req.cache_prompt and update_cache:
+                # with the slot's choice, before the launch saves and clears the idle slots
+                self._use_host_cache(slot, tokens)
             self._acquire(slot)
             held = self._set_cells_aside(req, slot)
             try:
-                yield from self._generate(
-                    slot, update_cache, req, cancelled, summary, clock, progress
-                )
+                yield from self._generate(slot, req, cancelled, summary, clock, progress)
             finally:
                 self._release(slot)
                 if held is not None and held.laid_out:
@@ -1453,7 +1474,6 @@ class Engine:
     def _generate(
         self,
         slot: Slot,
-        update_cache: bool,
         req: Request,
         cancelled: Callable[[], bool],
         summary: Summary,
@@ -1465,9 +1485,7 @@ class Engine:
         sampler = self._guided_sampler(
             req.sampler, req.constraint, req.reasoning_budget, req.generation_prompt
         )
-        cache_n, logits = yield from self._prompt(
-            slot, update_cache, req, cancelled, clock, progress
-        )
+        cache_n, logits = yield from self._prompt(slot, req, cancelled, clock, progress)
         prompt_n = len(tokens) - cache_n
         summary.timings = clock.timings(cache_n, prompt_n, 0)
         if logits is None:
@@ -1572,7 +1590,6 @@ class Engine:
     def _prompt(
         self,
         slot: Slot,
-        update_cache: bool,
         req: Request,
         cancelled: Callable[[], bool],
         clock: Clock,
@@ -1590,7 +1607,6 @@ class Engine:
                 return 0, None
         cache_n, logits = yield from self._prefill(
             slot,
-            update_cache,
             req.prompt_tokens,
             req.cache_prompt,
             cancelled,

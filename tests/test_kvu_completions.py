@@ -1,0 +1,54 @@
+"""Completions on slots that share one cache (``-np 4 -kvu``, llama-server's own default ``-np``
+auto), side by side with the real llama-server on the default model: each task's launch saves
+the idle slots to the host prompt cache and clears them (``--cache-idle-slots``), so a
+conversation continued after another one comes back from the host cache into the least
+recently used slot, its cells after the other slot's, its new tokens in the cells the launch
+frees before them. The slot, the counts and the logprobs are compared (the logprobs within
+1e-5, as the other side-by-side completion tests)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.dropin import Pair, call, pair_fixture
+
+kvu_pair = pair_fixture(["-np", "4", "-kvu"])
+
+
+def completions(pair: Pair, prompt: str) -> tuple[Any, Any]:
+    """The same greedy /completion on both; the two answers."""
+    body = {"prompt": prompt, "n_predict": 3, "temperature": 0, "n_probs": 2}
+    answers = []
+    for port in pair.ports:
+        status, _, raw = call(port, "POST", "/completion", body)
+        assert status == 200
+        answers.append(json.loads(raw))
+    return answers[0], answers[1]
+
+
+def logprobs(answer: Any) -> list[float]:
+    return [p["logprob"] for p in answer["completion_probabilities"]]
+
+
+def test_interleaved_conversations_come_back_from_the_host_cache_as_llama_servers(
+    kvu_pair: Pair,
+) -> None:
+    """Two prompts, then each continued: the first continuation finds every slot cleared,
+    takes the least recently used one and loads its prompt from the host cache after the
+    second prompt's cells; the launch then frees those, so its new tokens sit before the loaded
+    ones and the attention walks them in that order. bankml takes the same slot and answers
+    the same logprobs (before, it kept the first prompt in its slot: slot 3 against 1, the first
+    logprob 0.03 off)."""
+    cat = "Once upon a time a small cat sat on a warm mat. " * 3 + "The cat"
+    owl = "An old owl lived in an oak and saw many things. " * 3 + "The owl liked"
+    prompts = [cat, owl, cat + " looked at the moon and", owl + " to sing at night"]
+    for n, prompt in enumerate(prompts):
+        ours, theirs = completions(kvu_pair, prompt)
+        assert ours["content"] == theirs["content"], n
+        assert ours["id_slot"] == theirs["id_slot"], n
+        for key in ("cache_n", "prompt_n"):
+            assert ours["timings"][key] == theirs["timings"][key], (n, key)
+        assert max(abs(a - b) for a, b in zip(logprobs(ours), logprobs(theirs))) < 1e-5, n
+        if n >= 2:  # the continuation reuses its prompt from the host cache
+            assert theirs["timings"]["cache_n"] >= 40, n
