@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from bankml.llama_server import command_line
 
@@ -68,6 +71,20 @@ def _die_with_parent() -> None:
 
 
 _HANDED_OUT: set[int] = set()  # the ports free_port gave this process
+
+
+def compiled_probe(tmp_path: Path, source: str) -> Path:
+    """A C++ program compiled here with the system's compiler and standard library (the ones
+    llama-server is built with), to compare an order or a rounding with; the test is skipped
+    where there is no C++ compiler."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    (tmp_path / "probe.cpp").write_text(source)
+    subprocess.run(
+        [compiler, "-O1", "-o", str(tmp_path / "probe"), str(tmp_path / "probe.cpp")], check=True
+    )
+    return tmp_path / "probe"
 
 
 def free_port() -> int:

@@ -186,12 +186,8 @@ def test_a_completion_reuses_the_cells_an_embedding_left_as_llama_servers(mean_p
     assert ours["timings"]["cache_n"] == theirs["timings"]["cache_n"] == 51
     assert ours["timings"]["prompt_n"] == theirs["timings"]["prompt_n"] == 13
     assert ours["content"] == theirs["content"]
-    # the split decides the logprobs (-2.341 here, the prompt whole gives -2.228); their
-    # reported values agree to a float's summation of the vocabulary's exponentials
-    mine, ref = (
-        [p["logprob"] for p in answer["completion_probabilities"]] for answer in (ours, theirs)
-    )
-    assert max(abs(a - b) for a, b in zip(mine, ref, strict=True)) < 1e-5, (mine, ref)
+    # the split decides the logprobs (-2.341 here, the prompt whole gives -2.228)
+    assert_same_answer(ours, theirs)
 
 
 def completions_side_by_side(pair: Pair, prompt: str) -> tuple[Any, Any]:
@@ -206,7 +202,7 @@ def completions_side_by_side(pair: Pair, prompt: str) -> tuple[Any, Any]:
 
 def assert_same_answer(ours: Any, theirs: Any) -> None:
     assert ours["content"] == theirs["content"]
-    assert max(abs(a - b) for a, b in zip(logprobs(ours), logprobs(theirs))) < 1e-5
+    assert logprobs(ours) == logprobs(theirs)
 
 
 def logprobs(answer: Any) -> list[float]:
@@ -225,8 +221,8 @@ def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
     Embedded before another embedding, the input goes to the host prompt cache and a later
     completion loads it from there, after the other slot's cells, as do a batch's inputs that
     a later batch of the same request clears. Every answer llama-server's: the counts, the
-    tokens, the logprobs within 1e-5 as the other side-by-side completion tests (the code
-    before was 0.11 off last of a batch, 0.06 loaded from the host cache)."""
+    tokens, the logprobs bit for bit (the code before was 0.11 off last of a batch, 0.06
+    loaded from the host cache)."""
     pair = kvu_reuse_pair
     tail = " And then the dog woke up and said hello to everyone in the"
     fox = "The quick brown fox jumps over the lazy dog. " * 5

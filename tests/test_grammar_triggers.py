@@ -743,14 +743,6 @@ def answer_of(answer: Any) -> tuple[Any, list[float]]:
     return same, logprobs
 
 
-# the pre-sampling log-probabilities may differ this much. They are the forward pass's, which
-# the sampler does not touch: on this machine the engine's logits for these prompts are a few
-# ulps off llama-server's with or without any of these fields (a plain /completion of FRUITS
-# with n_probs gives -1.0847539 for its first token where llama-server gives -1.0847561).
-# Everything else, post-sampling probabilities included, is compared exactly.
-LOGPROB_TOLERANCE = 1e-4
-
-
 @pytest_twisted.ensureDeferred
 async def test_lazy_grammar_and_budget_answers_are_llama_servers(
     served: Served, reference_server: Any
@@ -770,11 +762,7 @@ async def test_lazy_grammar_and_budget_answers_are_llama_servers(
             )
             assert ref_status == 200, (label, ref)
             (mine, my_logprobs), (theirs, their_logprobs) = answer_of(ours), answer_of(ref)
-            far = [
-                (i, a, b)
-                for i, (a, b) in enumerate(zip(my_logprobs, their_logprobs))
-                if abs(a - b) > LOGPROB_TOLERANCE
-            ]
+            far = [(i, a, b) for i, (a, b) in enumerate(zip(my_logprobs, their_logprobs)) if a != b]
             if (status, mine) != (ref_status, theirs) or far:
                 differ.append((label, extra, first_difference(mine, theirs) or far[:3]))
                 print("differs:", differ[-1])

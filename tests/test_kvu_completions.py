@@ -3,8 +3,8 @@ auto), side by side with the real llama-server on the default model: each task's
 the idle slots to the host prompt cache and clears them (``--cache-idle-slots``), so a
 conversation continued after another one comes back from the host cache into the least
 recently used slot, its cells after the other slot's, its new tokens in the cells the launch
-frees before them. The slot, the counts and the logprobs are compared (the logprobs within
-1e-5, as the other side-by-side completion tests)."""
+frees before them. The slot, the counts and the logprobs are compared, the logprobs bit for
+bit."""
 
 from __future__ import annotations
 
@@ -49,6 +49,6 @@ def test_interleaved_conversations_come_back_from_the_host_cache_as_llama_server
         assert ours["id_slot"] == theirs["id_slot"], n
         for key in ("cache_n", "prompt_n"):
             assert ours["timings"][key] == theirs["timings"][key], (n, key)
-        assert max(abs(a - b) for a, b in zip(logprobs(ours), logprobs(theirs))) < 1e-5, n
+        assert logprobs(ours) == logprobs(theirs), n
         if n >= 2:  # the continuation reuses its prompt from the host cache
             assert theirs["timings"]["cache_n"] >= 40, n

@@ -8,6 +8,8 @@ tests/test_engine.py, where the engine provides the logits.
 from __future__ import annotations
 
 import math
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from bankml.engine_cupy.sampler import (
     SamplerError,
     SamplerParams,
 )
+from tests.support import compiled_probe
 
 
 def candidates(probs: list[float]) -> Candidates:
@@ -420,3 +423,63 @@ def test_gguf_sampling_defaults() -> None:
         {"general.sampling.temp": 0.5, "general.sampling.top_k": 20}
     )
     assert p.temperature == 0.5 and p.top_k == 20 and p.top_p == pytest.approx(0.95)
+
+
+PARTIAL_SORT_PROBE = r"""
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+struct item { int id; float logit; };
+int main() {
+    int n, k;
+    while (scanf("%d %d", &n, &k) == 2) {
+        std::vector<item> cur(n);
+        for (int i = 0; i < n; i++) { cur[i].id = i; scanf("%f", &cur[i].logit); }
+        std::partial_sort(cur.begin(), cur.begin() + k, cur.end(),
+            [](const item & a, const item & b) { return a.logit > b.logit; });
+        for (auto & t : cur) printf("%d ", t.id);
+        printf("\n");
+    }
+}
+"""
+
+
+def test_the_logprob_sum_follows_the_standard_librarys_partial_sort(tmp_path: Path) -> None:
+    """get_token_probabilities sums the softmax in the order std::partial_sort leaves the whole
+    vocabulary (top n first, the rest as the heap selection moved them): partial_sort_order
+    gives that order, ties included, as a program compiled here with the system's C++ standard
+    library (the one llama-server is built with) gives it."""
+    probe = compiled_probe(tmp_path, PARTIAL_SORT_PROBE)
+    rng = np.random.default_rng(11)
+    cases = []
+    for n, k in [(1, 1), (2, 1), (5, 5), (40, 1), (40, 2), (300, 7), (3000, 10), (49152, 3)]:
+        cases.append((rng.normal(size=n).astype(np.float32), k))
+        cases.append((rng.integers(0, 4, size=n).astype(np.float32), k))  # many ties
+    given = "\n".join(f"{len(x)} {k} " + " ".join(repr(float(v)) for v in x) for x, k in cases)
+    lines = subprocess.run(
+        [str(probe)], input=given, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert len(lines) == len(cases)
+    for (x, k), line in zip(cases, lines):
+        assert S.partial_sort_order(x, k).tolist() == [int(t) for t in line.split()], (len(x), k)
+
+
+def test_the_samplers_exp_and_log_are_glibcs() -> None:
+    """llama.cpp's samplers and llama-server's logprobs call glibc's expf and logf; the
+    sampler's are those (NumPy's float32 log differs from logf on about a fifth of inputs, a
+    double exp or log rounded to float on about one in a thousand or a hundred)."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    for name in ("expf", "logf"):
+        getattr(libm, name).restype = ctypes.c_float
+        getattr(libm, name).argtypes = [ctypes.c_float]
+    rng = np.random.default_rng(5)
+    x = rng.random(20000).astype(np.float32)
+    want = np.array([libm.logf(float(t)) for t in x], np.float32)
+    assert np.array_equal(S._logf(x).view(np.uint32), want.view(np.uint32))
+    assert S.logarithm(float(x[0])) == float(want[0]) and S.logarithm(0.0) < -3e38
+    y = (-rng.random(20000) * 30).astype(np.float32)
+    want = np.array([libm.expf(float(t)) for t in y], np.float32)
+    assert np.array_equal(S._expf(y).view(np.uint32), want.view(np.uint32))

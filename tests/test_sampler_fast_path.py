@@ -176,12 +176,11 @@ def token_logprobs_dividing_all(logits: np.ndarray, n_probs: int, token: int) ->
     """token_logprobs as it was: every probability of the vocabulary divided, then picked."""
     logits = np.asarray(logits, dtype=np.float32)
     n = min(max(n_probs, 0), len(logits))
-    order = S._top_k_order_numpy(logits, n) if n else np.zeros(0, dtype=np.int64)
+    every = S.partial_sort_order(logits, n) if n else np.arange(len(logits))
+    order = every[:n]
     max_l = logits[order[0]] if n else logits.max()
     p = S._expf(logits - max_l)
-    rest = np.ones(len(logits), dtype=bool)
-    rest[order] = False
-    total = S._fsum(np.concatenate([p[order], p[rest]]))
+    total = S._fsum(p[every])
     probs = (p / total).astype(np.float32)
     return S.TokenProbs([(int(i), float(probs[i])) for i in order], float(probs[token]))
 

@@ -299,7 +299,7 @@ def test_chats_and_prompts_past_the_window_as_llama_server(
 
 
 def assert_as_llama_server(results: dict[str, dict[str, Any]]) -> None:
-    """Every turn: the same cache_n/prompt_n, the same answer, logprobs within 1e-5 (printed)."""
+    """Every turn: the same cache_n/prompt_n, the same answer, the same logprobs (printed)."""
     print()
     for name, r in results.items():
         print(
@@ -310,7 +310,7 @@ def assert_as_llama_server(results: dict[str, dict[str, Any]]) -> None:
         name: r["theirs"] for name, r in results.items()
     }
     assert all(r["same"] for r in results.values())
-    assert max(r["worst"] for r in results.values()) <= 1e-5
+    assert max(r["worst"] for r in results.values()) == 0.0
 
 
 @pytest.mark.llama_server

@@ -330,7 +330,7 @@ class Engine:
         )
         self.cells: SharedCells | None = self._new_cells() if self._tracks_cells else None
         # bumped by what a run's set-aside book cannot follow (another task's launch, a slot
-        # erased or restored, a prompt loaded from the host cache): _RunCells
+        # erased or restored): _RunCells
         self._cell_changes = 0
         self._task_id = 0  # the last task's id, counted over all slots (as llama-server's)
         self._uses = 0  # a clock for the slots' t_last_used

@@ -483,14 +483,18 @@ class MT19937:
 
 
 def _expf(x: np.ndarray) -> np.ndarray:
-    """expf correctly rounded (computed in double), as glibc's expf is."""
-    with np.errstate(over="ignore", under="ignore"):
-        return np.exp(x.astype(np.float64)).astype(F32)
+    """glibc's expf of each element (kernels.exact_ops.expf), as llama.cpp's samplers call it."""
+    from bankml.engine_cupy.kernels.exact_ops import expf
+
+    return expf(x)
 
 
 def _logf(x: np.ndarray | float) -> Any:
-    with np.errstate(divide="ignore"):
-        return np.log(np.asarray(x, dtype=np.float64)).astype(F32)
+    """glibc's logf (kernels.exact_ops.logf): an array for an array, a float32 for a number."""
+    from bankml.engine_cupy.kernels.exact_ops import logf
+
+    out = logf(x)
+    return out if np.ndim(x) else F32(out.reshape(-1)[0])
 
 
 def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
@@ -1310,19 +1314,75 @@ class TokenProbs:
 
 
 def token_logprobs(logits: np.ndarray, n_probs: int, token: int) -> TokenProbs:
-    """Softmax of the raw logits as llama-server reports them: partial sort for the top n, expf of
-    (logit - max), summed in float (top n first, the rest in vocabulary order), each divided."""
+    """Softmax of the raw logits as llama-server reports them (get_token_probabilities):
+    ``std::partial_sort`` for the top n, expf of (logit - max), summed in float in the order the
+    partial sort leaves the whole vocabulary (``partial_sort_order``), each divided."""
     logits = np.asarray(logits, dtype=F32)
     n = min(max(n_probs, 0), len(logits))
-    order = top_k_order(logits, n) if n else np.zeros(0, dtype=np.int64)
+    every = partial_sort_order(logits, n) if n else np.arange(len(logits))
+    order = every[:n]
     max_l = logits[order[0]] if n else logits.max()
     p = _expf(logits - max_l)
-    rest = np.ones(len(logits), dtype=bool)
-    rest[order] = False
-    total = _fsum(np.concatenate([p[order], p[rest]]))
+    total = _fsum(p[every])
     # only the reported probabilities are divided (each division is the same float32 one)
     probs = (p[np.append(order, token)] / total).astype(F32)
     return TokenProbs([(int(i), float(q)) for i, q in zip(order, probs[:-1])], float(probs[-1]))
+
+
+def partial_sort_order(logits: np.ndarray, k: int, block: int = 1024) -> np.ndarray:
+    """The vocabulary in the order libstdc++'s ``std::partial_sort(first, first + k, last)`` by
+    ``a.logit > b.logit`` leaves it: ``__heap_select`` (a heap of the first k, and each later
+    token greater than its top swapped in through ``__pop_heap``, which puts the top in that
+    token's place), then ``__sort_heap`` of the first k. The later tokens are scanned a block at
+    a time against the heap's top, which only rises, so Python sees only the tokens that may
+    enter it."""
+    key = logits.tolist()  # float32 values, compared exactly as doubles
+    n = len(key)
+    k = min(k, n)
+    heap = list(range(k))
+
+    def greater(a: int, b: int) -> bool:
+        return bool(key[a] > key[b])
+
+    def push(hole: int, top: int, value: int) -> None:
+        parent = (hole - 1) // 2
+        while hole > top and greater(heap[parent], value):
+            heap[hole] = heap[parent]
+            hole = parent
+            parent = (hole - 1) // 2
+        heap[hole] = value
+
+    def adjust(hole: int, length: int, value: int) -> None:
+        top = second = hole
+        while second < (length - 1) // 2:
+            second = 2 * (second + 1)
+            if greater(heap[second], heap[second - 1]):
+                second -= 1
+            heap[hole] = heap[second]
+            hole = second
+        if length % 2 == 0 and second == (length - 2) // 2:
+            second = 2 * (second + 1)
+            heap[hole] = heap[second - 1]
+            hole = second - 1
+        push(hole, top, value)
+
+    if k >= 2:  # __make_heap
+        for parent in range((k - 2) // 2, -1, -1):
+            adjust(parent, k, heap[parent])
+    order = np.arange(n)
+    values = np.asarray(logits, dtype=F32)
+    for start in range(k, n, block):
+        ahead = np.flatnonzero(values[start : start + block] > values[heap[0]]) + start
+        for i in ahead.tolist():
+            if k and greater(i, heap[0]):  # __pop_heap(first, middle, i)
+                order[i] = heap[0]
+                adjust(0, k, i)
+    for last in range(k - 1, 0, -1):  # __sort_heap
+        value = heap[last]
+        heap[last] = heap[0]
+        adjust(0, last, value)
+    order[:k] = heap
+    return order
 
 
 def post_sampling_probs(c: Candidates, n_probs: int, token: int) -> TokenProbs:
@@ -1343,4 +1403,4 @@ def post_sampling_probs(c: Candidates, n_probs: int, token: int) -> TokenProbs:
 
 def logarithm(p: float) -> float:
     """completion_token_output::logarithm: ln p in float, float's lowest for p = 0."""
-    return float(np.finfo(F32).min) if p == 0.0 else float(np.log(F32(p)))
+    return float(np.finfo(F32).min) if p == 0.0 else float(_logf(F32(p)))

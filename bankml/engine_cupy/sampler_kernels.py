@@ -9,8 +9,8 @@ give up (NumPy's sorts place NaN by their own rule, which the NumPy path keeps).
 
 ``chain_tail`` runs what follows the top-k in the chains most requests use (top_k again, top_p,
 min_p, temperature, then the dist draw) on the k candidates in one call, with the same float32
-operations, in the same order, as the NumPy stages in sampler.py: expf as ``exp`` in double
-rounded to float (libm's, as NumPy's float64 exp calls without AVX-512), float running sums where
+operations, in the same order, as the NumPy stages in sampler.py: glibc's ``expf`` (Numba's
+float32 ``math.exp`` calls it, as ``kernels.exact_ops.expf`` does), float running sums where
 NumPy's ``cumsum`` adds in order, the draw's cumulative sum in double and NumPy's
 ``searchsorted`` rule (NaN above everything).
 
@@ -158,7 +158,7 @@ def chain_tail(
     cum = np.empty(n, dtype=np.float64)
     total = 0.0
     for i in range(n):
-        p[i] = np.float32(math.exp(np.float64(np.float32(out_logits[i] - max_l))))
+        p[i] = math.exp(np.float32(out_logits[i] - max_l))
         total += np.float64(p[i])
         cum[i] = total
     key = total * rnd
@@ -180,7 +180,7 @@ def _softmax_sorted(logits: np.ndarray, p: np.ndarray, n: int) -> None:
     max_l = logits[0]
     total = np.float32(0.0)
     for i in range(n):
-        p[i] = np.float32(math.exp(np.float64(np.float32(logits[i] - max_l))))
+        p[i] = math.exp(np.float32(logits[i] - max_l))
         total = np.float32(total + p[i])
     for i in range(n):
         p[i] = np.float32(p[i] / total)

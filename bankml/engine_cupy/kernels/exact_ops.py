@@ -77,6 +77,7 @@ def _libm_f32(name: str) -> Any:
 
 
 _expf = _libm_f32("expf32")
+_logf = _libm_f32("logf32")
 _tanhf = _libm_f32("tanhf32")
 
 
@@ -504,6 +505,22 @@ def expf(x: Any) -> numpy.ndarray:
     a = numpy.ascontiguousarray(x, dtype=F32)
     out = numpy.empty_like(a)
     _expf_flat(a.reshape(-1), out.reshape(-1))
+    return out
+
+
+@njit
+def _logf_flat(x: numpy.ndarray, out: numpy.ndarray) -> None:
+    for i in range(x.shape[0]):
+        out[i] = _logf(x[i])
+
+
+def logf(x: Any) -> numpy.ndarray:
+    """glibc's logf of each element (llama.cpp's samplers and llama-server's logprobs). NumPy's
+    float32 log differs from it in the last bit on about a fifth of random inputs, a log in
+    double rounded to float on about one in a hundred."""
+    a = numpy.ascontiguousarray(x, dtype=F32)
+    out = numpy.empty_like(a)
+    _logf_flat(a.reshape(-1), out.reshape(-1))
     return out
 
 
