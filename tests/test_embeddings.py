@@ -382,6 +382,27 @@ def test_several_slots_from_64_tokens_are_llama_servers_batch(
     assert ours[0]["bankml_receipt"]["evaluated_together"] == [[1, 2, 0]]
 
 
+def assert_cells_vectors(
+    pair: Pair, reference: int, texts: list[str], tmp_path: Path, replay: tuple[str, ...]
+) -> Any:
+    """Embeddings of ``texts`` on both servers of ``pair``: every vector bit for bit, the first
+    moved against llama-server on port ``reference`` (where the cells are not these), the
+    receipt replayed identical. Returns bankml's receipt."""
+    body = {"input": texts, "embd_normalize": -1}
+    (s1, ours, raw), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in pair.ports)
+    s3, elsewhere, _ = post(reference, "/v1/embeddings", body)
+    assert s1 == s2 == s3 == 200
+    for i, (a, b) in enumerate(zip(ours["data"], theirs["data"], strict=True)):
+        assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"])), (texts, i)
+    first = f32(ours["data"][0]["embedding"])
+    moved = numpy.linalg.norm(first - f32(elsewhere["data"][0]["embedding"]))
+    assert moved / numpy.linalg.norm(first) > 1e-4, (texts, moved)
+    key = public_key(pair)
+    code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
+    assert code == 0 and f"replay: identical: {len(texts)} vectors" in out, out
+    return ours["bankml_receipt"]
+
+
 def test_batches_around_the_cells_other_slots_keep_are_llama_servers(
     kvu_kept_pair: Pair, mean_pair: Pair, default_model: Path, default_fork: Path, tmp_path: Path
 ) -> None:
@@ -400,27 +421,14 @@ def test_batches_around_the_cells_other_slots_keep_are_llama_servers(
         ["x y " * 40, "Hello"],
     ]
     replay = ("--replay", str(default_model), "--fork", str(default_fork))
-    key = public_key(kvu_kept_pair)
     for n, texts in enumerate(requests):
-        body = {"input": texts, "embd_normalize": -1}
-        (s1, ours, raw), (s2, theirs, _) = (
-            post(p, "/v1/embeddings", body) for p in kvu_kept_pair.ports
-        )
-        s3, alone, _ = post(mean_pair.ports[1], "/v1/embeddings", body)  # llama-server -np 1
-        assert s1 == s2 == s3 == 200
-        for i, (a, b) in enumerate(zip(ours["data"], theirs["data"], strict=True)):
-            assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"])), (n, i)
-        first = f32(ours["data"][0]["embedding"])
-        moved = numpy.linalg.norm(first - f32(alone["data"][0]["embedding"]))
-        assert moved / numpy.linalg.norm(first) > 1e-4, (n, moved)
-        receipt = ours["bankml_receipt"]
+        # beside llama-server -np 1, each input alone
+        receipt = assert_cells_vectors(kvu_kept_pair, mean_pair.ports[1], texts, tmp_path, replay)
         if n == 1:
             assert receipt["evaluated_together"] == [[0]]
             assert receipt["evaluated_cells"] == [
                 {"group": 0, "n_kv": 256, "cells": [[[0, 81], [233, 253]]]}
             ], receipt["evaluated_cells"]
-        code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
-        assert code == 0 and f"replay: identical: {len(texts)} vectors" in out, out
 
 
 def test_after_a_completion_embeddings_take_the_cells_past_its_as_llama_servers(
@@ -444,29 +452,18 @@ def test_after_a_completion_embeddings_take_the_cells_past_its_as_llama_servers(
         (story + "The cat looked up and", ["An old owl " * 30]),
     ]
     replay = ("--replay", str(default_model), "--fork", str(default_fork))
-    key = public_key(pair)
     for n, (prompt, texts) in enumerate(rounds):
         body = {"prompt": prompt, "n_predict": 8, "temperature": 0}
         (s1, ours, _), (s2, theirs, _) = (post(p, "/completion", body) for p in pair.ports)
         assert s1 == s2 == 200 and ours["content"] == theirs["content"]
         assert ours["timings"]["cache_n"] == theirs["timings"]["cache_n"] == (0, 39)[n]
-        body = {"input": texts, "embd_normalize": -1}
-        (s1, ours, raw), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in pair.ports)
-        s3, from_zero, _ = post(kvu_mean_pair.ports[1], "/v1/embeddings", body)
-        assert s1 == s2 == s3 == 200
-        for i, (a, b) in enumerate(zip(ours["data"], theirs["data"], strict=True)):
-            assert numpy.array_equal(f32(a["embedding"]), f32(b["embedding"])), (n, i)
-        first = f32(ours["data"][0]["embedding"])
-        moved = numpy.linalg.norm(first - f32(from_zero["data"][0]["embedding"]))
-        assert moved / numpy.linalg.norm(first) > 1e-4, (n, moved)
-        cells = ours["bankml_receipt"]["evaluated_cells"]
+        # beside llama-server on an emptied cache (every slot idle: the launch clears them)
+        receipt = assert_cells_vectors(pair, kvu_mean_pair.ports[1], texts, tmp_path, replay)
         expected = [
             {"group": 0, "n_kv": 256, "cells": [[[47, 78]], [[78, 99]], [[99, 179]]]},
             {"group": 0, "n_kv": 256, "cells": [[[47, 78], [183, 243]]]},
         ]
-        assert cells == [expected[n]], cells
-        code, out = check_receipt_cli(tmp_path, json.dumps(body).encode(), raw, key, *replay)
-        assert code == 0 and f"replay: identical: {len(texts)} vectors" in out, out
+        assert receipt["evaluated_cells"] == [expected[n]], receipt["evaluated_cells"]
 
 
 def test_a_completion_attends_over_the_cells_other_slots_keep_as_llama_servers(

@@ -504,7 +504,7 @@ class Engine:
         cache_n = int(summary.timings["cache_n"])
         n_prompt = summary.prompt_tokens
         cells.seq_rm(slot.id, cache_n)
-        steps = [*self._prompt_micro_batches(cache_n, n_prompt)]
+        steps = [*self._prompt_micro_batches(slot, cache_n, n_prompt)]
         steps += [(p, p + 1) for p in range(n_prompt, len(slot.tokens))]
         try:
             for a, b in steps:
@@ -535,11 +535,13 @@ class Engine:
         except ValueError:  # no room: llama-server's restore fails there
             self.forget_cells()
 
-    def _prompt_micro_batches(self, start: int, end: int) -> Iterator[tuple[int, int]]:
-        """llama-server's micro-batches of a prompt's positions [start, end), batch by batch
-        (no sliding window: Engine._batch_end)."""
-        for a in range(start, end, self.n_batch):
-            yield from micro_batches(a, min(a + self.n_batch, end), self.n_ubatch)
+    def _prompt_micro_batches(self, slot: Slot, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """The micro-batches ``_prefill`` evaluates a prompt's positions [start, end) in, for a
+        slot without context checkpoints (whose batch cuts take none)."""
+        while start < end:
+            cut = self._batch_end(slot, start, end, MessageSpans())
+            yield from micro_batches(start, cut, self.n_ubatch)
+            start = cut
 
     def _acquire(self, slot: Slot) -> None:
         slot.processing = True
