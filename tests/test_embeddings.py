@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy
 import pytest
 
 from tests.bankml_process import check_receipt_cli
-from tests.dropin import Pair, assert_tasks_counted_alike, call, pair_fixture
+from tests.dropin import Pair, assert_tasks_counted_alike, call, dropin_pair, pair_fixture
 from tests.support import LlamaServer
 
 mean_pair = pair_fixture(["--embeddings", "--pooling", "mean", "-c", "2048", "--metrics"])
@@ -205,8 +206,12 @@ def assert_same_answer(ours: Any, theirs: Any) -> None:
     assert logprobs(ours) == logprobs(theirs)
 
 
-def logprobs(answer: Any) -> list[float]:
-    return [p["logprob"] for p in answer["completion_probabilities"]]
+def logprobs(answer: Any) -> list[list[float]]:
+    """Each token's logprob, then its top logprobs."""
+    return [
+        [p["logprob"], *(t["logprob"] for t in p["top_logprobs"])]
+        for p in answer["completion_probabilities"]
+    ]
 
 
 def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
@@ -263,6 +268,68 @@ def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
         assert_same_answer(ours, theirs)
         reused.append(theirs["timings"]["cache_n"])
     assert reused.count(0) == 1 and min(n for n in reused if n) > 30, reused
+
+
+@pytest.fixture(scope="module", params=["mean", "last"])
+def gemma3_pair(
+    request: pytest.FixtureRequest,
+    default_model: Path,
+    llama_server_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Pair, str]]:
+    """A tiny gemma3 (F32, window 8, layers 0 and 2 sliding), pinned, on both servers at
+    ``--embeddings --pooling POOLING -np 4 -kvu``; and the pooling."""
+    from gguf import GGMLQuantizationType as T
+
+    from bankml.gate.verify import pin
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    root = tmp_path_factory.mktemp("gemma3")
+    spec = TinySpec("gemma3", T.F32, n_layer=4)
+    model = write_tiny_model(root / "gemma3-swa.gguf", spec, default_model)
+    pin(model, root / "FORK.json")
+    flags = ["--embeddings", "--pooling", request.param, "-np", "4", "-kvu"]
+    log = root / "bankml.log"
+    for pair in dropin_pair(flags, model, root / "FORK.json", llama_server_bin, log):
+        yield pair, request.param
+
+
+def test_a_sliding_window_slot_keeps_an_embedding_as_llama_servers(
+    gemma3_pair: tuple[Pair, str],
+) -> None:
+    """A sliding-window model's slot keeps an embedding's cells, its ring among them, so a
+    completion that starts with the embedded text reuses them where the ring still holds
+    the window of the shared prefix (51 tokens cached, 13 evaluated), and evaluates it whole
+    where it does not (a prefix of 7 within the window of 8: llama-server's ``pos_min`` rule,
+    no checkpoint). The slot's context checkpoints outlive an embedding that cannot be split
+    (pooling mean): a completion after one restores the checkpoint an earlier completion
+    left (14 tokens cached); pooling ``last`` erases them (none cached). The code before kept
+    no embedding's cells on such a model (0 cached) and every checkpoint. Each count and text
+    is llama-server's, and the logprobs where the cached cells are the prompt's own."""
+    pair, pooling = gemma3_pair
+    long_text = "The quick brown fox jumps over the lazy dog. " * 5
+    other = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 4
+    rest = " And then the dog woke up and said hello to everyone in the"
+
+    def embed_then_complete(text: str, *others: str) -> tuple[Any, Any]:
+        for content in (text, *others):
+            for port in pair.ports:
+                assert post(port, "/embedding", {"content": content})[0] == 200
+        ours, theirs = completions_side_by_side(pair, text + rest)
+        assert ours["content"] == theirs["content"]
+        return ours, theirs
+
+    ours, theirs = embed_then_complete(long_text)
+    assert (ours["timings"]["cache_n"], ours["timings"]["prompt_n"]) == (51, 13)
+    assert_same_answer(ours, theirs)
+    ours, theirs = embed_then_complete(long_text[:30], other)
+    assert (ours["timings"]["cache_n"], ours["timings"]["prompt_n"]) == (0, 19)
+    assert_same_answer(ours, theirs)
+    ours, theirs = embed_then_complete(long_text, other)
+    # mean: the checkpoint holds another prompt's cells on llama-server (embeddings.md)
+    assert ours["timings"]["cache_n"] == (14 if pooling == "mean" else 0)
+    if pooling == "last":
+        assert_same_answer(ours, theirs)
 
 
 def test_metrics_and_slots_count_embedding_tasks_as_llama_server(mean_pair: Pair) -> None:
@@ -489,7 +556,7 @@ def test_a_completion_attends_over_the_cells_other_slots_keep_as_llama_servers(
             body = {"prompt": prompt, "n_predict": 3, "temperature": 0, "n_probs": 2}
             status, emptied, _ = post(kvu_mean_pair.ports[1], "/completion", body)
             assert status == 200
-            assert abs(logprobs(emptied)[0] - logprobs(theirs)[0]) > 1e-4
+            assert abs(logprobs(emptied)[0][0] - logprobs(theirs)[0][0]) > 1e-4
     assert theirs["timings"]["cache_n"] == 109
 
 

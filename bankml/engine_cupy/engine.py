@@ -223,6 +223,9 @@ class EmbeddingPlan(NamedTuple):
     # with -kvu and --cache-idle-slots: the inputs a later batch's launch saves to the host
     # prompt cache (each in its slot's cells), in that order
     saved: Sequence[int] = ()
+    # the context checkpoints each saved input's slot held then (a sliding-window model's),
+    # saved with it
+    saved_checkpoints: Mapping[int, Sequence[Any]] = {}
     # with -kvu, where the shared cache's cells are known (Engine.cells): input index: its
     # cells and its batch's n_kv
     placement: Mapping[int, tuple[np.ndarray, int]] | None = None
@@ -557,8 +560,8 @@ class Engine:
                         self._save_to_host_cache(idle)
                         idle.cache.truncate(0)
                         idle.tokens, idle.holds_embedding = [], False
-                        if idle.checkpoints is not None:
-                            idle.checkpoints = Checkpoints(idle.checkpoints.window)
+                    if idle.checkpoints is not None:  # prompt_clear: with its tokens
+                        idle.checkpoints = Checkpoints(idle.checkpoints.window)
         self._task_id += 1
         self._cell_changes += 1
         slot.task_id = self._task_id
@@ -1063,25 +1066,29 @@ class Engine:
     def keeps_embeddings(self) -> bool:
         """Whether a slot keeps an embedding's tokens and K/V after it, for a later prompt to
         reuse, as llama-server's slot does (``cache_n`` of the next completion that shares its
-        prefix): a decoder on the exact path without a sliding window (which keeps its ring
-        and checkpoints otherwise). Elsewhere the slot keeps the input's tokens for the choice
-        by similarity only (``Slot.embedded``), its cache emptied."""
-        return bool(getattr(self.model, "exact", False)) and not getattr(
-            self.model, "has_sliding_window", False
-        )
+        prefix): a decoder on the exact path (a sliding-window model's ring with it, so the
+        reuse is decided by its ``pos_min`` as a completion's). Elsewhere the slot keeps the
+        input's tokens for the choice by similarity only (``Slot.embedded``), its cache
+        emptied."""
+        return bool(getattr(self.model, "exact", False))
 
-    def _release_embedding(self, slot: Any, tokens: Sequence[int], kept: bool) -> None:
+    def _release_embedding(
+        self, slot: Any, tokens: Sequence[int], kept: bool, splits: bool = False
+    ) -> None:
         """An embedding's slot afterwards, free: holding the input's tokens with its cells
-        (``kept``: the cache holds them), else empty (cache, tokens, checkpoints) and naming
-        the input for the slot choice alone."""
+        (``kept``: the cache holds them), else an empty cache naming the input for the slot
+        choice alone. Its context checkpoints stay, as llama-server's: an embedding that cannot
+        be split (every pooling but ``last``) skips the prompt-reuse step that erases them, so
+        the ones an earlier completion left still serve a later prompt; one that can be
+        (``splits``) starts from position 0 there and erases those past it."""
+        if splits and slot.checkpoints is not None:
+            slot.checkpoints.items = [c for c in slot.checkpoints.items if c.pos_max <= 0]
         if kept:
             slot.tokens, slot.embedded = list(tokens), []
             slot.holds_embedding = True
         else:
             slot.cache.truncate(0)
             slot.tokens, slot.embedded = [], list(tokens)
-            if slot.checkpoints is not None:
-                slot.checkpoints = Checkpoints(slot.checkpoints.window)
         self._release(slot)
 
     def hidden_states_batch(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -1108,6 +1115,7 @@ class Engine:
         prompt cache in their order."""
         keep = plan.keep if plan is not None else {}
         saved = plan.saved if plan is not None else []
+        saved_checkpoints = plan.saved_checkpoints if plan is not None else {}
         held = {i: slot.cache for i, slot in keep.items()}
         held.update({i: self._embedding_cache(self.cache, len(inputs[i])) for i in saved})
         out: list[Any] = [None] * len(inputs)
@@ -1142,15 +1150,18 @@ class Engine:
             slot.tokens, slot.embedded = list(inputs[i]), []
             slot.holds_embedding = True
         for i in saved:
-            self.host_cache.save(inputs[i], held[i])
+            self.host_cache.save(inputs[i], held[i], saved_checkpoints.get(i, ()))
         return out
 
-    def embedding_batches(self, inputs: Sequence[Sequence[int]]) -> EmbeddingPlan:
+    def embedding_batches(
+        self, inputs: Sequence[Sequence[int]], splits: bool = False
+    ) -> EmbeddingPlan:
         """The batches in which llama-server ``-np N`` evaluates one request's embedding
         inputs (in request order), each listed in the batch's order, with the slots taken and
         left as it takes and leaves them; and the inputs whose slot keeps them after it (the
         last each slot took, where the engine ``keeps_embeddings``), for
-        ``compute_hidden_states`` to compute in that slot's cache.
+        ``compute_hidden_states`` to compute in that slot's cache. ``splits``: the inputs can
+        be split (pooling ``last``), so their slots' checkpoints past position 0 go.
 
         Its tasks go to the idle slots in request order, each to the slot ``choose_slot``
         picks (the first time, the least recently used, the last of equals: slots N-1, N-2,
@@ -1166,6 +1177,7 @@ class Engine:
         last: dict[int, tuple[int, Any]] = {}  # slot id: the last input it took, and the slot
         clears = self.keeps_embeddings and self.kv_unified and self.clear_idle_slots
         saved: list[int] = []
+        saved_checkpoints: dict[int, list[Any]] = {}
         taken: list[tuple[Any, int]] = []
         i = 0
         while i < len(inputs):
@@ -1174,7 +1186,11 @@ class Engine:
                 slot, _ = self.choose_slot(inputs[i])
                 if clears and not taken:
                     # this launch saves the previous batch's other slots, in slot order
-                    saved += [index for held, index in previous if held is not slot]
+                    for held, index in previous:
+                        if held is not slot:
+                            saved.append(index)
+                            if held.checkpoints is not None:
+                                saved_checkpoints[index] = list(held.checkpoints.items)
                 self._acquire(slot)
                 taken.append((slot, i))
                 i += 1
@@ -1183,14 +1199,14 @@ class Engine:
             for slot, index in taken:
                 # a kept input's cache is filled by compute_hidden_states; meanwhile its
                 # tokens are named for the choice by similarity
-                self._release_embedding(slot, inputs[index], False)
+                self._release_embedding(slot, inputs[index], False, splits)
                 last[slot.id] = (index, slot)
             batches.append([index for _, index in taken])
         keep = dict(last.values()) if self.keeps_embeddings else {}
         if clears and batches:
             # each launch clears the idle slots: the last batch's alone keep their inputs
             keep = {index: slot for index, slot in keep.items() if index in batches[-1]}
-        return EmbeddingPlan(batches, keep, saved, placement)
+        return EmbeddingPlan(batches, keep, saved, saved_checkpoints, placement)
 
     def _place_batch(
         self,

@@ -293,7 +293,8 @@ class Embedder:
             out = []
             began = time.perf_counter()
             all_idle = engine.free_slots() == engine.n_slots
-            plan = engine.embedding_batches(job.tokens)
+            # pooling last: llama-server can split such an input (its checkpoints go)
+            plan = engine.embedding_batches(job.tokens, splits=job.pooling == "last")
             if job.api in (OAI_EMBEDDINGS, LLAMA_EMBEDDING):
                 lengths = lengths_of(job.tokens)
                 job.evaluated_together = engine.evaluated_together(

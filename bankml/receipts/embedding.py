@@ -450,7 +450,7 @@ def placement_plan(placed: Mapping[int, tuple[Sequence[int], int]]) -> Any:
     from bankml.engine_cupy.engine import EmbeddingPlan
 
     placement = {i: (numpy.asarray(c, numpy.int64), n_kv) for i, (c, n_kv) in placed.items()}
-    return EmbeddingPlan([], {}, (), placement)
+    return EmbeddingPlan([], {}, placement=placement)
 
 
 def input_groups(groups: Any, n_inputs: int, smallest: int = 2) -> set[int] | None:
