@@ -3,8 +3,9 @@ auto), side by side with the real llama-server on the default model: each task's
 the idle slots to the host prompt cache and clears them (``--cache-idle-slots``), so a
 conversation continued after another one comes back from the host cache into the least
 recently used slot, its cells after the other slot's, its new tokens in the cells the launch
-frees before them. The slot, the counts and the logprobs are compared, the logprobs bit for
-bit."""
+frees before them. Without ``-kvu`` (``-np 2``) each launch saves the idle slots to the host
+cache without clearing them, so another slot may load one later. The slot, the counts and the
+logprobs are compared, the logprobs bit for bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from tests.dropin import Pair, call, pair_fixture
 
 kvu_pair = pair_fixture(["-np", "4", "-kvu"])
+two_slots_pair = pair_fixture(["-np", "2"])
 
 
 def completions(pair: Pair, prompt: str) -> tuple[Any, Any]:
@@ -52,3 +54,24 @@ def test_interleaved_conversations_come_back_from_the_host_cache_as_llama_server
         assert logprobs(ours) == logprobs(theirs), n
         if n >= 2:  # the continuation reuses its prompt from the host cache
             assert theirs["timings"]["cache_n"] >= 40, n
+
+
+def test_without_kvu_a_launch_saves_the_idle_slots_for_another_slot_as_llama_servers(
+    two_slots_pair: Pair,
+) -> None:
+    """``-np 2``, no ``-kvu``: each task's launch saves the idle slots to the host prompt
+    cache and leaves them as they are. A prompt that starts with the first one but is too long
+    for the slot choice by similarity (14 of 194 tokens) goes to the least recently used slot,
+    which holds another prompt, and loads the first one from the host cache there: 14 cached
+    on both (the code before saved no idle slot: none cached, the first logprob 0.009 off)."""
+    lamp = "The old lighthouse keeper climbed the stairs every evening to light the lamp."
+    qubits = "Quantum computers use qubits that can exist in superpositions of states."
+    storm = " Then a storm came over the sea and the waves grew tall and grey." * 12
+    for n, prompt in enumerate([lamp, qubits, lamp + " It was", lamp + storm]):
+        ours, theirs = completions(two_slots_pair, prompt)
+        assert ours["content"] == theirs["content"], n
+        assert ours["id_slot"] == theirs["id_slot"], n
+        for key in ("cache_n", "prompt_n"):
+            assert ours["timings"][key] == theirs["timings"][key], (n, key)
+        assert logprobs(ours) == logprobs(theirs), n
+    assert (theirs["id_slot"], theirs["timings"]["cache_n"]) == (0, 14)

@@ -319,8 +319,8 @@ class Engine:
             for i, cache in enumerate(_slot_caches(model, n_slots, n_ctx, cache_type))
         ]
         self.slot_prompt_similarity = float(slot_prompt_similarity)
-        # llama-server's --cache-idle-slots (its default): with -kvu each task's launch clears
-        # the idle slots' prompts; bankml follows it for the embeddings' ``Slot.embedded``
+        # llama-server's --cache-idle-slots (its default): each task's launch saves the idle
+        # slots to the host prompt cache, and with -kvu clears them (_acquire)
         self.clear_idle_slots = True
         # with -kvu, the shared cache's cells as far as embeddings' batches tell them (None:
         # not known, once a completion has taken cells, or not followed: an approximate or
@@ -550,18 +550,24 @@ class Engine:
         slot.processing = True
         slot.embedded = []  # the new task's prompt replaces an embedding's tokens
         slot.holds_embedding = False
-        if self.kv_unified and self.clear_idle_slots:
-            for idle in self.slots:  # saved to the host prompt cache and cleared there
-                if not idle.processing:
-                    idle.embedded = []
-                    if self.cells is not None:
-                        self.cells.seq_rm(idle.id)
-                    if idle.tokens:  # a completion's or an embedding's, its cells with it
-                        self._save_to_host_cache(idle)
-                        idle.cache.truncate(0)
-                        idle.tokens, idle.holds_embedding = [], False
-                    if idle.checkpoints is not None:  # prompt_clear: with its tokens
-                        idle.checkpoints = Checkpoints(idle.checkpoints.window)
+        if self.clear_idle_slots:
+            # llama-server's --cache-idle-slots: each launch saves every idle slot to the host
+            # prompt cache, whence another slot may load it later; with -kvu it clears them
+            for idle in self.slots:
+                if idle.processing:
+                    continue
+                if idle.tokens:  # a completion's or an embedding's, its cells with it
+                    self._save_to_host_cache(idle)
+                if not self.kv_unified:
+                    continue
+                idle.embedded = []
+                if self.cells is not None:
+                    self.cells.seq_rm(idle.id)
+                if idle.tokens:
+                    idle.cache.truncate(0)
+                    idle.tokens, idle.holds_embedding = [], False
+                if idle.checkpoints is not None:  # prompt_clear: with its tokens
+                    idle.checkpoints = Checkpoints(idle.checkpoints.window)
         self._task_id += 1
         self._cell_changes += 1
         slot.task_id = self._task_id

@@ -969,7 +969,7 @@ def apply_server_defaults(engine: Engine, llama: Mapping[str, Any]) -> None:
         )
         engine.context_shift = False
     engine.n_keep = int(llama.get("n_keep", 0))  # --keep: a request's default n_keep
-    engine.clear_idle_slots = bool(llama.get("cache_idle_slots", True))  # with -kvu only
+    engine.clear_idle_slots = bool(llama.get("cache_idle_slots", True))  # cleared with -kvu
     engine.spm_infill = bool(llama.get("spm_infill"))  # --spm-infill (/infill's layout)
     sizes = (int(llama.get("n_batch", 2048)), int(llama.get("n_ubatch", 512)))  # -b, -ub
     if not engine.set_batch_sizes(*sizes):

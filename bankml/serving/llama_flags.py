@@ -342,8 +342,9 @@ def native_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         "kv_unified": kv_unified,
         "slot_prompt_similarity": similarity,
         # --cache-idle-slots (llama-server's default; it needs --cache-ram, 0 turns it off):
-        # with -kvu, every task's launch clears the idle slots, so their prompts no longer
-        # count in the next slot choice (Engine.clear_idle_slots)
+        # every task's launch saves the idle slots to the host prompt cache, and with -kvu
+        # clears them, so their prompts no longer count in the next slot choice
+        # (Engine.clear_idle_slots)
         "cache_idle_slots": not options.get("no-cache-idle-slots")
         and str(options.get("cache-ram", "")).strip() != "0",
     }
