@@ -22,6 +22,13 @@ pytest.register_assert_rewrite(
 # starts. tests/test_decode_families.py checks a start's own type set in a fresh process.
 os.environ.setdefault("BANKML_KERNEL_TYPES", "all")
 
+# The suite starts hundreds of Python processes (servers, the command line): each would compile
+# every bankml module it imports to bytecode again (about a second) where the environment says
+# not to write bytecode caches; they write them in the checkout's __pycache__ folders instead,
+# beside Numba's.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 if TYPE_CHECKING:
     from bankml.engine_cupy.engine import Engine
     from bankml.engine_cupy.model import Model

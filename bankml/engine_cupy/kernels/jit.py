@@ -135,12 +135,23 @@ def _module_file(dotted: str, roots: dict[str, Path]) -> Path | None:
     return None
 
 
+@functools.cache
+def _import_nodes(path: Path) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """The import statements of ``path``, anywhere in it (lazy ones too): parsed once per
+    process, however many kernel modules build on it."""
+    return tuple(
+        node
+        for node in ast.walk(ast.parse(path.read_bytes()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    )
+
+
 def _imported_files(path: Path, package: str) -> set[Path]:
     """The modules ``path`` imports (anywhere in it, lazily too) from its own package or from
     bankml's engine (its subpackages included), as files."""
     roots = {package: path.parent, _ENGINE_PACKAGE: _ENGINE_DIR}
     names: list[str] = []  # dotted module names, some of them names inside a module
-    for node in ast.walk(ast.parse(path.read_bytes())):
+    for node in _import_nodes(path):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the package up level - 1 parents
@@ -148,7 +159,7 @@ def _imported_files(path: Path, package: str) -> set[Path]:
                 base = f"{parent}.{node.module}" if node.module else parent
             names.append(base)  # from pkg.module import name
             names += [f"{base}.{alias.name}" for alias in node.names]  # from pkg import module
-        elif isinstance(node, ast.Import):
+        else:
             names += [alias.name for alias in node.names]
     files = {_module_file(name, roots) for name in names}
     return {f for f in files if f is not None}
