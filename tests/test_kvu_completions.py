@@ -33,6 +33,18 @@ def logprobs(answer: Any) -> list[float]:
     return [p["logprob"] for p in answer["completion_probabilities"]]
 
 
+def same_completion(pair: Pair, prompt: str) -> Any:
+    """``completions``, both answers the same: text, slot, counts and logprobs bit for bit;
+    llama-server's answer."""
+    ours, theirs = completions(pair, prompt)
+    assert ours["content"] == theirs["content"], prompt
+    assert ours["id_slot"] == theirs["id_slot"], prompt
+    for key in ("cache_n", "prompt_n"):
+        assert ours["timings"][key] == theirs["timings"][key], (prompt, key)
+    assert logprobs(ours) == logprobs(theirs), prompt
+    return theirs
+
+
 def test_interleaved_conversations_come_back_from_the_host_cache_as_llama_servers(
     kvu_pair: Pair,
 ) -> None:
@@ -46,12 +58,7 @@ def test_interleaved_conversations_come_back_from_the_host_cache_as_llama_server
     owl = "An old owl lived in an oak and saw many things. " * 3 + "The owl liked"
     prompts = [cat, owl, cat + " looked at the moon and", owl + " to sing at night"]
     for n, prompt in enumerate(prompts):
-        ours, theirs = completions(kvu_pair, prompt)
-        assert ours["content"] == theirs["content"], n
-        assert ours["id_slot"] == theirs["id_slot"], n
-        for key in ("cache_n", "prompt_n"):
-            assert ours["timings"][key] == theirs["timings"][key], (n, key)
-        assert logprobs(ours) == logprobs(theirs), n
+        theirs = same_completion(kvu_pair, prompt)
         if n >= 2:  # the continuation reuses its prompt from the host cache
             assert theirs["timings"]["cache_n"] >= 40, n
 
@@ -67,11 +74,6 @@ def test_without_kvu_a_launch_saves_the_idle_slots_for_another_slot_as_llama_ser
     lamp = "The old lighthouse keeper climbed the stairs every evening to light the lamp."
     qubits = "Quantum computers use qubits that can exist in superpositions of states."
     storm = " Then a storm came over the sea and the waves grew tall and grey." * 12
-    for n, prompt in enumerate([lamp, qubits, lamp + " It was", lamp + storm]):
-        ours, theirs = completions(two_slots_pair, prompt)
-        assert ours["content"] == theirs["content"], n
-        assert ours["id_slot"] == theirs["id_slot"], n
-        for key in ("cache_n", "prompt_n"):
-            assert ours["timings"][key] == theirs["timings"][key], (n, key)
-        assert logprobs(ours) == logprobs(theirs), n
+    for prompt in [lamp, qubits, lamp + " It was", lamp + storm]:
+        theirs = same_completion(two_slots_pair, prompt)
     assert (theirs["id_slot"], theirs["timings"]["cache_n"]) == (0, 14)

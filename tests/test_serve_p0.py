@@ -430,6 +430,22 @@ def test_a_signal_stops_bankml_and_leaves_no_llama_server(
     assert "stopping llama-server" in bankml.output()
 
 
+def engine_children(pid: int, port: int, deadline: float) -> list[psutil.Process]:
+    """The children of ``pid`` whose command line names ``port``, once there are any: a child
+    caught within its exec shows no command line for a moment."""
+    while True:
+        found = []
+        for child in psutil.Process(pid).children():
+            try:
+                if str(port) in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.Error:  # gone, or a zombie
+                pass
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
 def test_sigterm_while_the_engine_is_starting_leaves_no_llama_server(
     model_copy: tuple[Path, Path], llama_server_bin: Path, tmp_path: Path
 ) -> None:
@@ -447,9 +463,7 @@ def test_sigterm_while_the_engine_is_starting_leaves_no_llama_server(
     while "engine starting: launched" not in bankml.output():
         assert time.monotonic() < deadline and bankml.proc.poll() is None, bankml.output()
         time.sleep(0.02)
-    engines = [
-        p for p in psutil.Process(bankml.proc.pid).children() if str(port) in " ".join(p.cmdline())
-    ]
+    engines = engine_children(bankml.proc.pid, port, deadline)
     assert len(engines) == 1
     assert bankml.stop(signal.SIGTERM) == 128 + signal.SIGTERM, bankml.output()
     assert process_gone(engines[0].pid, 0) and "refuse:" not in bankml.output()
