@@ -88,8 +88,18 @@ def start_serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
 
 
 def _healthy(argv: list[str], port: int, log: Path) -> subprocess.Popen:
+    return _wait_healthy(_spawn(argv, log), argv, port, log)
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def _wait_healthy(
+    proc: subprocess.Popen, argv: list[str], port: int, log: Path
+) -> subprocess.Popen:
+    """``proc`` once /health answers 200 on ``port``; its log in the failure if it never does."""
     # under the suite's per-test timeout, so that a start that never answers fails this test
     # with the process's log (the timeout would end the whole run)
     deadline = time.monotonic() + 600
@@ -175,9 +185,15 @@ def dropin_pair(
         *("--listen", f"127.0.0.1:{listen}"),
         *flags,
     ]
-    with support.LlamaServer(model, args=flags, binary=binary) as ref:
-        with running_dropin(args, port, log):
+    argv = bankml("llama-server", *args, "--port", str(port))
+    proc = _spawn(argv, log)  # it starts while llama-server loads its model
+    try:
+        with support.LlamaServer(model, args=flags, binary=binary) as ref:
+            _wait_healthy(proc, argv, port, log)
             yield Pair(port, ref.port, listen)
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def pair_fixture(flags: list[str]) -> Any:
