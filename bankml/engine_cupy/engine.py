@@ -221,11 +221,9 @@ class EmbeddingPlan(NamedTuple):
     batches: list[list[int]]
     keep: dict[int, Any]
     # with -kvu and --cache-idle-slots: the inputs a later batch's launch saves to the host
-    # prompt cache (each in its slot's cells), in that order
-    saved: Sequence[int] = ()
-    # the context checkpoints each saved input's slot held then (a sliding-window model's),
-    # saved with it
-    saved_checkpoints: Mapping[int, Sequence[Any]] = {}
+    # prompt cache (each in its slot's cells), in that order, each with the context
+    # checkpoints its slot held then (a sliding-window model's; none otherwise)
+    saved: Sequence[tuple[int, Sequence[Any]]] = ()
     # with -kvu, where the shared cache's cells are known (Engine.cells): input index: its
     # cells and its batch's n_kv
     placement: Mapping[int, tuple[np.ndarray, int]] | None = None
@@ -1121,9 +1119,8 @@ class Engine:
         prompt cache in their order."""
         keep = plan.keep if plan is not None else {}
         saved = plan.saved if plan is not None else []
-        saved_checkpoints = plan.saved_checkpoints if plan is not None else {}
         held = {i: slot.cache for i, slot in keep.items()}
-        held.update({i: self._embedding_cache(self.cache, len(inputs[i])) for i in saved})
+        held.update({i: self._embedding_cache(self.cache, len(inputs[i])) for i, _ in saved})
         out: list[Any] = [None] * len(inputs)
         kv_size = self.kv_size
         lengths = [len(tokens) for tokens in inputs]
@@ -1155,8 +1152,8 @@ class Engine:
         for i, slot in keep.items():  # the cache holds the input now
             slot.tokens, slot.embedded = list(inputs[i]), []
             slot.holds_embedding = True
-        for i in saved:
-            self.host_cache.save(inputs[i], held[i], saved_checkpoints.get(i, ()))
+        for i, checkpoints in saved:
+            self.host_cache.save(inputs[i], held[i], checkpoints)
         return out
 
     def embedding_batches(
@@ -1182,8 +1179,7 @@ class Engine:
         placement: dict[int, tuple[np.ndarray, int]] = {}
         last: dict[int, tuple[int, Any]] = {}  # slot id: the last input it took, and the slot
         clears = self.keeps_embeddings and self.kv_unified and self.clear_idle_slots
-        saved: list[int] = []
-        saved_checkpoints: dict[int, list[Any]] = {}
+        saved: list[tuple[int, list[Any]]] = []
         taken: list[tuple[Any, int]] = []
         i = 0
         while i < len(inputs):
@@ -1192,11 +1188,11 @@ class Engine:
                 slot, _ = self.choose_slot(inputs[i])
                 if clears and not taken:
                     # this launch saves the previous batch's other slots, in slot order
-                    for held, index in previous:
-                        if held is not slot:
-                            saved.append(index)
-                            if held.checkpoints is not None:
-                                saved_checkpoints[index] = list(held.checkpoints.items)
+                    saved += [
+                        (index, [] if held.checkpoints is None else list(held.checkpoints.items))
+                        for held, index in previous
+                        if held is not slot
+                    ]
                 self._acquire(slot)
                 taken.append((slot, i))
                 i += 1
@@ -1212,7 +1208,7 @@ class Engine:
         if clears and batches:
             # each launch clears the idle slots: the last batch's alone keep their inputs
             keep = {index: slot for index, slot in keep.items() if index in batches[-1]}
-        return EmbeddingPlan(batches, keep, saved, saved_checkpoints, placement)
+        return EmbeddingPlan(batches, keep, saved, placement)
 
     def _place_batch(
         self,
