@@ -270,7 +270,7 @@ def test_with_kvu_a_completion_reuses_an_embeddings_cells_as_llama_servers(
     assert reused.count(0) == 1 and min(n for n in reused if n) > 30, reused
 
 
-@pytest.fixture(scope="module", params=["mean", "last"])
+@pytest.fixture(scope="module")
 def gemma3_pair(
     request: pytest.FixtureRequest,
     default_model: Path,
@@ -278,22 +278,35 @@ def gemma3_pair(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Pair, str]]:
     """A tiny gemma3 (F32, window 8, layers 0 and 2 sliding), pinned, on both servers at
-    ``--embeddings --pooling POOLING -np 4 -kvu``; and the pooling."""
+    ``--embeddings --pooling POOLING`` with the slot flags (the test's parameter: the
+    pooling, then the flags); and the pooling."""
     from gguf import GGMLQuantizationType as T
 
     from bankml.gate.verify import pin
     from tests.tiny_models import TinySpec, write_tiny_model
 
+    pooling, slot_flags = request.param
     root = tmp_path_factory.mktemp("gemma3")
     spec = TinySpec("gemma3", T.F32, n_layer=4)
     model = write_tiny_model(root / "gemma3-swa.gguf", spec, default_model)
     pin(model, root / "FORK.json")
-    flags = ["--embeddings", "--pooling", request.param, "-np", "4", "-kvu"]
+    flags = ["--embeddings", "--pooling", pooling, *slot_flags.split()]
     log = root / "bankml.log"
     for pair in dropin_pair(flags, model, root / "FORK.json", llama_server_bin, log):
-        yield pair, request.param
+        yield pair, pooling
 
 
+GEMMA3_TEXT = "The quick brown fox jumps over the lazy dog. " * 5
+GEMMA3_OTHER = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 4
+GEMMA3_REST = " And then the dog woke up and said hello to everyone in the"
+
+
+@pytest.mark.parametrize(
+    "gemma3_pair",
+    [("mean", "-np 4 -kvu"), ("last", "-np 4 -kvu")],
+    ids=["mean", "last"],
+    indirect=True,
+)
 def test_a_sliding_window_slot_keeps_an_embedding_as_llama_servers(
     gemma3_pair: tuple[Pair, str],
 ) -> None:
@@ -303,13 +316,10 @@ def test_a_sliding_window_slot_keeps_an_embedding_as_llama_servers(
     where it does not (a prefix of 7 within the window of 8: llama-server's ``pos_min`` rule,
     no checkpoint). The slot's context checkpoints outlive an embedding that cannot be split
     (pooling mean): a completion after one restores the checkpoint an earlier completion
-    left (14 tokens cached); pooling ``last`` erases them (none cached). The code before kept
-    no embedding's cells on such a model (0 cached) and every checkpoint. Each count and text
-    is llama-server's, and the logprobs where the cached cells are the prompt's own."""
+    left (14 tokens cached); pooling ``last`` erases them (none cached). Each count and text
+    is llama-server's, and the logprobs where the full layers' cells are laid out alike."""
     pair, pooling = gemma3_pair
-    long_text = "The quick brown fox jumps over the lazy dog. " * 5
-    other = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 4
-    rest = " And then the dog woke up and said hello to everyone in the"
+    long_text, other, rest = GEMMA3_TEXT, GEMMA3_OTHER, GEMMA3_REST
 
     def embed_then_complete(text: str, *others: str) -> tuple[Any, Any]:
         for content in (text, *others):
@@ -326,10 +336,34 @@ def test_a_sliding_window_slot_keeps_an_embedding_as_llama_servers(
     assert (ours["timings"]["cache_n"], ours["timings"]["prompt_n"]) == (0, 19)
     assert_same_answer(ours, theirs)
     ours, theirs = embed_then_complete(long_text, other)
-    # mean: the checkpoint holds another prompt's cells on llama-server (embeddings.md)
     assert ours["timings"]["cache_n"] == (14 if pooling == "mean" else 0)
     if pooling == "last":
         assert_same_answer(ours, theirs)
+    # mean: the checkpoint's own sliding K/V as llama-server's (the next test, where the
+    # cells are laid out alike); here the full layers' cells are not (embeddings.md)
+
+
+@pytest.mark.parametrize("gemma3_pair", [("mean", "-np 1")], ids=["mean"], indirect=True)
+def test_a_checkpoint_restored_after_an_embedding_holds_its_own_cells_as_llama_servers(
+    gemma3_pair: tuple[Pair, str],
+) -> None:
+    """A completion leaves a context checkpoint; an embedding in its slot overwrites the
+    positions it covers, and stays in the host prompt cache when another prompt takes the
+    slot. A completion continuing the embedded text loads it back, and since the ring no
+    longer holds the window of the shared prefix, restores that checkpoint (14 cached): the
+    sliding layers then hold the earlier completion's K/V, as llama-server's checkpoint
+    holds them, not the embedded text's. The code before read them from the slot's position
+    store, the embedding's (a top logprob -78.7816 against llama-server's -78.8516)."""
+    pair, _ = gemma3_pair
+    ours, theirs = completions_side_by_side(pair, GEMMA3_TEXT[:30] + GEMMA3_REST)
+    assert ours["timings"]["cache_n"] == 0
+    for port in pair.ports:
+        assert post(port, "/embedding", {"content": GEMMA3_TEXT})[0] == 200
+    ours, theirs = completions_side_by_side(pair, GEMMA3_OTHER)
+    assert ours["timings"]["cache_n"] == 0
+    ours, theirs = completions_side_by_side(pair, GEMMA3_TEXT + GEMMA3_REST)
+    assert (ours["timings"]["cache_n"], ours["timings"]["prompt_n"]) == (14, 50)
+    assert_same_answer(ours, theirs)
 
 
 def test_metrics_and_slots_count_embedding_tasks_as_llama_server(mean_pair: Pair) -> None:

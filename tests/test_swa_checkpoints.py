@@ -134,14 +134,18 @@ def test_eviction_and_reuse_as_create_checkpoint() -> None:
     c.create(420, 5, 419, 3, None)  # the same n_tokens supersedes (after the oldest goes)
     assert [(x.n_tokens, x.pos_min) for x in c.items] == [(400, 0), (420, 5)]
     restored: list[Any] = []
+
+    def restore(ring: Any, values: Any) -> None:
+        restored.append((ring, values))
+
     # the cache still holds the window of the prefix: kept whole, later checkpoints erased
-    assert c.reuse(410, 500, 600, 0, restored.append) == 410 and not restored
+    assert c.reuse(410, 500, 600, 0, restore) == 410 and not restored
     assert [x.n_tokens for x in c.items] == [400]
     # it does not: the newest checkpoint early enough is restored, cut to its pos_max
     c.create(420, 0, 419, 4, "ring")
-    assert c.reuse(430, 500, 600, 425, restored.append) == 419 and restored == ["ring"]
+    assert c.reuse(430, 500, 600, 425, restore) == 419 and restored == [("ring", None)]
     # none usable: evaluated from 0, every checkpoint past position 0 erased
-    assert c.reuse(300, 500, 600, 295, restored.append) == 0 and c.items == []
+    assert c.reuse(300, 500, 600, 295, restore) == 0 and c.items == []
 
 
 # --- side by side with llama-server ----------------------------------------------------------

@@ -41,6 +41,10 @@ class Checkpoint:
     pos_max: int
     task: int
     ring: Any = None  # the SWA ring's positions in cell order (None without a ring)
+    # the sliding layers' K/V at those positions (KVCache.window_values), copied only once the
+    # slot's position store is to be overwritten while this checkpoint stays (an embedding);
+    # None: the store still holds them
+    values: Any = None
 
 
 @dataclass
@@ -148,11 +152,16 @@ class Checkpoints:
         self.items = kept
 
     def reuse(
-        self, n_past: int, n_prompt: int, n_slot: int, pos_min: int, restore: Callable[[Any], None]
+        self,
+        n_past: int,
+        n_prompt: int,
+        n_slot: int,
+        pos_min: int,
+        restore: Callable[[Any, Any], None],
     ) -> int:
         """The slot's start: how many cached tokens a prompt keeps. When the cache no longer
         holds the window of the shared prefix (its pos_min is past pos_next - n_swa), the newest
-        checkpoint early enough is restored (``restore(ring)``) and the prefix is cut to it, or
+        checkpoint early enough is restored (``restore(ring, values)``) and the prefix is cut to it, or
         the prompt is evaluated from 0; checkpoints past the kept prefix are then erased."""
         pos_next = n_past
         threshold = max(0, pos_next - self.window - (0 if n_past < n_prompt else 1))
@@ -164,7 +173,7 @@ class Checkpoints:
             ]
             if usable:
                 c = usable[-1]
-                restore(c.ring)
+                restore(c.ring, c.values)
                 pos_next = min(pos_next, max(c.pos_min + 1, c.pos_max))
                 n_past = min(pos_next, c.n_tokens)
             else:

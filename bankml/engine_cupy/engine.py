@@ -1058,6 +1058,7 @@ class Engine:
         self._acquire(slot)
         self.forget_cells()  # its cells are not placed (embedding_batches places a request's)
         kept = False
+        self._keep_checkpoint_values(slot)
         try:
             slot.tokens = []
             rows = self.model.hidden_states(tokens, slot.cache, self.n_ubatch)
@@ -1094,6 +1095,19 @@ class Engine:
             slot.cache.truncate(0)
             slot.tokens, slot.embedded = [], list(tokens)
         self._release(slot)
+
+    @staticmethod
+    def _keep_checkpoint_values(slot: Any) -> None:
+        """Before an embedding is evaluated in ``slot``'s cache: its context checkpoints stay
+        (``_release_embedding``), and each now keeps the sliding layers' K/V it covers, as
+        llama-server's checkpoint holds them, since the embedding overwrites those positions
+        in the position store a restore would otherwise read."""
+        if slot.checkpoints is None:
+            return
+        slot.checkpoints.items = [
+            c if c.values is not None else replace(c, values=slot.cache.window_values(c.ring))
+            for c in slot.checkpoints.items
+        ]
 
     def hidden_states_batch(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """``hidden_states`` of each input, as many calls one after the other would give them.
@@ -1202,6 +1216,7 @@ class Engine:
                 # a kept input's cache is filled by compute_hidden_states; meanwhile its
                 # tokens are named for the choice by similarity
                 self._release_embedding(slot, inputs[index], False, splits)
+                self._keep_checkpoint_values(slot)
                 last[slot.id] = (index, slot)
             batches.append([index for _, index in taken])
         keep = dict(last.values()) if self.keeps_embeddings else {}

@@ -409,6 +409,7 @@ class KVCache:
         # saved cells decide llama-server's prefix reuse); ``cells`` is the same object when the
         # ring's cells are also stored and attended over (the exact path, size < n_ctx)
         self.swa = Cells(size, window) if window and any(sliding) else None
+        self._sliding = tuple(il for il, is_sliding in enumerate(sliding) if is_sliding)
         if ring and self.swa is not None and size < self.n_ctx:
             for il, is_sliding in enumerate(sliding):
                 if is_sliding:
@@ -481,13 +482,36 @@ class KVCache:
             return self.shifted.held()
         return None if self.swa is None else self.swa.held()
 
-    def load_ring(self, positions: numpy.ndarray | None) -> None:
+    def window_values(self, positions: numpy.ndarray | None) -> list[Any] | None:
+        """Copies of the sliding layers' K and V at ``positions`` (a checkpoint's ring): what
+        llama-server's context checkpoint holds. Needed only where the position store is
+        about to be overwritten while the checkpoint stays (an embedding evaluated in the
+        slot); None without a sliding window."""
+        if positions is None or self.swa is None or not self._sliding:
+            return None
+
+        def cut(entry: Any) -> Any:
+            if isinstance(entry, tuple):
+                return tuple(a[:, positions].copy() for a in entry)
+            return entry[:, positions].copy()
+
+        return [cut(self._k[il]) for il in self._sliding] + [
+            cut(self._v[il]) for il in self._sliding
+        ]
+
+    def load_ring(self, positions: numpy.ndarray | None, values: list[Any] | None = None) -> None:
         """Restore a context checkpoint taken by ``ring_positions``: the ring holds those
         positions again, laid out as llama.cpp reads a saved sequence back, with their values
         from the position store (positions before the checkpoint are never recomputed while it
-        is kept: llama-server erases a checkpoint once the slot is cut before its pos_max)."""
+        is kept: llama-server erases a checkpoint once the slot is cut before its pos_max), or
+        from ``values`` (``window_values``), written into the sliding layers' store first."""
         if positions is None:
             return
+        if values is not None:
+            n = len(self._sliding)
+            for il, k, v in zip(self._sliding, values[:n], values[n:], strict=True):
+                self._put_positions(self._k[il], k, positions)
+                self._put_positions(self._v[il], v, positions)
         if self.swa is None:  # a shifted cache's cells, put back in their saved order
             if not self._cells_kept or numpy.array_equal(positions, numpy.arange(len(positions))):
                 return
@@ -526,6 +550,15 @@ class KVCache:
             return
         n = self._n_tokens
         self.load_ring(numpy.arange(max(0, n - self.swa.window), n))
+
+    @staticmethod
+    def _put_positions(entry: Any, values: Any, positions: Any) -> None:
+        """entry[:, positions] = values, for an f32 array or a q8_0 (values, scales) pair."""
+        if isinstance(entry, tuple):
+            for a, b in zip(entry, values):
+                a[:, positions] = b
+        else:
+            entry[:, positions] = values
 
     def _copy_cells(self, src: Any, dst: Any, positions: Any, cells: Any) -> None:
         """dst[:, cells] = src[:, positions], for an f32 array or a q8_0 (values, scales) pair."""
