@@ -20,6 +20,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from bankml.engine_cupy.gguf_file import GGUFFile
+
 HF_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -67,8 +69,8 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) ->
             f.write(b)
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
-    f = reader.get_field(key)
+def _field(reader: GGUFFile, key: str) -> Any:
+    f = reader.fields.get(key)
     return None if f is None else f.contents()
 
 
@@ -80,7 +82,7 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_tokenizer(directory: Path, reader: gguf.GGUFReader) -> None:
+def write_tokenizer(directory: Path, reader: GGUFFile) -> None:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     types = _field(reader, "tokenizer.ggml.token_type")
     merges = _field(reader, "tokenizer.ggml.merges")
@@ -162,7 +164,7 @@ def write_tokenizer(directory: Path, reader: gguf.GGUFReader) -> None:
 
 def smollm2_dir(gguf_path: Path, directory: Path) -> Path:
     """The default model as a Hugging Face checkout (BF16 weights) in ``directory``."""
-    reader = gguf.GGUFReader(gguf_path)
+    reader = GGUFFile(gguf_path)  # gguf's reader takes seconds over the vocabulary
     directory.mkdir(parents=True, exist_ok=True)
     n_head = int(_field(reader, "llama.attention.head_count"))
     n_kv = int(_field(reader, "llama.attention.head_count_kv"))
@@ -237,7 +239,7 @@ def tiny_dir(
     holding rope_theta, no ``rope_scaling``); ``qk_scale`` scales the Q and K projections
     (sharper attention, where RoPE shows).
     """
-    reader = gguf.GGUFReader(gguf_path)
+    reader = GGUFFile(gguf_path)  # gguf's reader takes seconds over the vocabulary
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     n_vocab = 512 if spm is not None else len(_field(reader, "tokenizer.ggml.tokens"))
@@ -493,7 +495,7 @@ def tiny_gemma3_dir(
     gguf_path: Path, directory: Path, *, seed: int = 0, spm: bytes | None = None
 ) -> Path:
     """A small random Gemma 3 text model (tied embeddings, q/k norms, four norms a layer)."""
-    reader = gguf.GGUFReader(gguf_path)
+    reader = GGUFFile(gguf_path)  # gguf's reader takes seconds over the vocabulary
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     n_vocab = 512 if spm is not None else len(_field(reader, "tokenizer.ggml.tokens"))

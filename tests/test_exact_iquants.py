@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
 
 from bankml.engine_cupy import weights
+from bankml.engine_cupy.gguf_file import GGUFFile
 from bankml.engine_cupy.kernels import exact_iquants as ei
 from bankml.engine_cupy.kernels import exact_kquants as ek
 from bankml.engine_cupy.kernels import exact_matmul as em
@@ -134,7 +134,7 @@ def test_iq4_xs_row_counts_that_are_multiples_of_8() -> None:
 @pytest.fixture(scope="module")
 def ffn_down_f32(default_model: Path) -> np.ndarray:
     """The default model's blk.0.ffn_down (Q4_1, [576, 1536]) as f32."""
-    tensor = next(t for t in GGUFReader(default_model).tensors if t.name == "blk.0.ffn_down.weight")
+    tensor = next(t for t in GGUFFile(default_model).tensors if t.name == "blk.0.ffn_down.weight")
     n_in, n_out = (int(v) for v in tensor.shape)
     return weights.dequantize(tensor.data, tensor.tensor_type).reshape(n_out, n_in)
 

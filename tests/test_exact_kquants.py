@@ -15,9 +15,9 @@ import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
 
 from bankml.engine_cupy import weights
+from bankml.engine_cupy.gguf_file import GGUFFile
 from bankml.engine_cupy.kernels import exact_kquants as ek
 from tests import ggml_oracle as go
 from tests.engine_checks import activations, differing, random_blocks
@@ -347,9 +347,8 @@ def test_repacked_rounding_sign_rule_for_packed_rows() -> None:
 
 @pytest.fixture(scope="module")
 def ffn_down_f32(default_model: Path) -> np.ndarray:
-    """The default model's blk.0.ffn_down (Q4_1, [576, 1536]) as f32 (reading the GGUF's tensor
-    list takes seconds: once per module)."""
-    tensor = next(t for t in GGUFReader(default_model).tensors if t.name == "blk.0.ffn_down.weight")
+    """The default model's blk.0.ffn_down (Q4_1, [576, 1536]) as f32."""
+    tensor = next(t for t in GGUFFile(default_model).tensors if t.name == "blk.0.ffn_down.weight")
     n_in, n_out = (int(v) for v in tensor.shape)
     return weights.dequantize(tensor.data, tensor.tensor_type).reshape(n_out, n_in)
 

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, quants
+from gguf import quants
 
 from bankml.engine_cupy import weights
+from bankml.engine_cupy.gguf_file import GGUFFile
 from bankml.engine_cupy.kernels import exact_matmul as em
 from tests import ggml_oracle as go
 from tests.engine_checks import activations, differing
@@ -292,7 +293,7 @@ def test_bf16_token_embedding_rows_and_routing_match_ggml() -> None:
 
 @pytest.fixture(scope="module")
 def default_tensors(default_model: Path) -> dict[str, object]:
-    reader = GGUFReader(default_model)
+    reader = GGUFFile(default_model)
     return {t.name: t for t in reader.tensors}
 
 
