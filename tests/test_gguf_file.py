@@ -52,7 +52,8 @@ def write_all_types(path: Path, endianess: gguf.GGUFEndian = gguf.GGUFEndian.LIT
     return path
 
 
-def assert_same_as_gguf(path: Path) -> None:
+def assert_same_as_gguf(path: Path) -> gguf.GGUFReader:
+    """GGUFFile reads ``path`` as gguf's reader does; that reader."""
     theirs, ours = gguf.GGUFReader(path), GGUFFile(path)
     keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
     assert list(ours.fields) == keys
@@ -72,11 +73,11 @@ def assert_same_as_gguf(path: Path) -> None:
         assert mine.data_offset == t.data_offset
         assert mine.data.dtype == t.data.dtype and mine.data.shape == t.data.shape
         assert numpy.array_equal(mine.data, t.data)
+    return theirs
 
 
 def test_default_model_reads_as_gguf_reads_it(default_model: Path) -> None:
-    assert_same_as_gguf(default_model)
-    theirs = gguf.GGUFReader(default_model)
+    theirs = assert_same_as_gguf(default_model)
     keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
     assert read_metadata(default_model, keys) == {k: theirs.fields[k].contents() for k in keys}
 
