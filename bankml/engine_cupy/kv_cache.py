@@ -489,14 +489,8 @@ class KVCache:
         slot); None without a sliding window."""
         if positions is None or self.swa is None or not self._sliding:
             return None
-
-        def cut(entry: Any) -> Any:
-            if isinstance(entry, tuple):
-                return tuple(a[:, positions].copy() for a in entry)
-            return entry[:, positions].copy()
-
-        return [cut(self._k[il]) for il in self._sliding] + [
-            cut(self._v[il]) for il in self._sliding
+        return [self._copy_of(self._k[il], positions) for il in self._sliding] + [
+            self._copy_of(self._v[il], positions) for il in self._sliding
         ]
 
     def load_ring(self, positions: numpy.ndarray | None, values: list[Any] | None = None) -> None:
@@ -510,8 +504,8 @@ class KVCache:
         if values is not None:
             n = len(self._sliding)
             for il, k, v in zip(self._sliding, values[:n], values[n:], strict=True):
-                self._put_positions(self._k[il], k, positions)
-                self._put_positions(self._v[il], v, positions)
+                self._copy_cells(k, self._k[il], slice(None), positions)
+                self._copy_cells(v, self._v[il], slice(None), positions)
         if self.swa is None:  # a shifted cache's cells, put back in their saved order
             if not self._cells_kept or numpy.array_equal(positions, numpy.arange(len(positions))):
                 return
@@ -552,13 +546,11 @@ class KVCache:
         self.load_ring(numpy.arange(max(0, n - self.swa.window), n))
 
     @staticmethod
-    def _put_positions(entry: Any, values: Any, positions: Any) -> None:
-        """entry[:, positions] = values, for an f32 array or a q8_0 (values, scales) pair."""
+    def _copy_of(entry: Any, index: Any) -> Any:
+        """A copy of entry[:, index], for an f32 array or a q8_0 (values, scales) pair."""
         if isinstance(entry, tuple):
-            for a, b in zip(entry, values):
-                a[:, positions] = b
-        else:
-            entry[:, positions] = values
+            return tuple(a[:, index].copy() for a in entry)
+        return entry[:, index].copy()
 
     def _copy_cells(self, src: Any, dst: Any, positions: Any, cells: Any) -> None:
         """dst[:, cells] = src[:, positions], for an f32 array or a q8_0 (values, scales) pair."""
@@ -706,29 +698,15 @@ class KVCache:
 
     def snapshot(self) -> list[Any]:
         """Copies of positions 0..n_tokens-1 of every layer's K and V (the host prompt cache)."""
-        n = self.n_tokens
-
-        def cut(entry: Any) -> Any:
-            if isinstance(entry, tuple):
-                return tuple(a[:, :n].copy() for a in entry)
-            return entry[:, :n].copy()
-
-        return [cut(e) for e in self._k] + [cut(e) for e in self._v]
+        held = slice(None, self.n_tokens)
+        return [self._copy_of(e, held) for e in self._k] + [self._copy_of(e, held) for e in self._v]
 
     def restore(self, snapshot: list[Any], n_tokens: int) -> None:
         """Put back what ``snapshot`` copied: positions 0..n_tokens-1."""
-        layers = len(self._k)
-
-        def put(entry: Any, saved: Any) -> None:
-            if isinstance(entry, tuple):
-                for a, b in zip(entry, saved):
-                    a[:, :n_tokens] = b
-            else:
-                entry[:, :n_tokens] = saved
-
+        layers, held = len(self._k), slice(None, n_tokens)
         for i in range(layers):
-            put(self._k[i], snapshot[i])
-            put(self._v[i], snapshot[layers + i])
+            self._copy_cells(snapshot[i], self._k[i], slice(None), held)
+            self._copy_cells(snapshot[layers + i], self._v[i], slice(None), held)
         self.n_tokens = int(n_tokens)  # lays the ring out again
 
     # --- used by the forward pass -------------------------------------------------------------
