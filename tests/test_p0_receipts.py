@@ -32,7 +32,7 @@ from bankml.receipts.replay import (
 )
 from tests import support
 from tests.bankml_process import BankmlProcess, check_receipt_cli, post, spawned_p0
-from tests.receipt_answers import Exchange, lies_signed, tampered_cases
+from tests.receipt_answers import Exchange, lies_signed, load, tampered_cases
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
 
@@ -198,6 +198,19 @@ def replay_engine(exchanges: list[Exchange], default_model: Path, default_fork: 
     return open_replay_engine(str(default_model), str(default_fork), receipt)
 
 
+# llama-server's Messages stop reasons (a stop sequence ends the turn too) and the receipt's
+FINISH_OF_STOP_REASON = {"end_turn": "stop", "max_tokens": "length"}
+
+
+def messages_stop_reason(response: bytes) -> str:
+    """A Messages answer's ``stop_reason``: the whole message's, or its stream's message_delta."""
+    _, objects, _ = load(response)
+    for obj in objects:
+        if obj.get("type") == "message_delta":
+            return obj["delta"]["stop_reason"]
+    return objects[0]["stop_reason"]
+
+
 def replayable(ex: Exchange) -> bool:
     return not ex.name.endswith("unknown seed")
 
@@ -220,8 +233,12 @@ def test_the_receipts_are_signed_and_name_what_llama_server_used(
         else:
             assert isinstance(seed, int) and seed != 4294967295, ex.name
         assert receipt["n_predict"] == body.get("max_output_tokens", body.get("max_tokens"))
-        if ex.api == "messages":  # from stop_reason: end_turn, max_tokens
-            assert receipt["finish_reason"] == ("stop" if "stop_sequences" in body else "length")
+        if ex.api == "messages":  # from the answer's stop_reason
+            stop_reason = messages_stop_reason(ex.response)
+            assert receipt["finish_reason"] == FINISH_OF_STOP_REASON[stop_reason], ex.name
+            if body["temperature"] == 0:  # greedy: the same answer each time
+                expected = "end_turn" if "stop_sequences" in body else "max_tokens"
+                assert stop_reason == expected, ex.name
         else:
             assert receipt["finish_reason"] is None, ex.name  # a Responses answer says none
 
