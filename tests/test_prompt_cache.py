@@ -3,19 +3,29 @@
 Side by side with the real llama-server (its --cache-ram is on by default): conversations A and B
 interleaved through one slot (A1, B1, A2, B2); on the second turns both servers report how many
 prompt tokens they reused (`timings.cache_n`). Without the host cache the slot would hold the
-other conversation and only the shared system prompt could be reused.
+other conversation and only the shared system prompt could be reused. An entry counts the bytes
+of llama-server's saved state (checked against the slot files llama-server writes), so the
+entries a small ``--cache-ram`` keeps are llama-server's, and without a byte limit the cache
+holds one context's tokens, as llama-server's.
 """
 
 from __future__ import annotations
 
+import json
+import struct
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from bankml.engine_cupy.engine import Engine
+from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit
 from tests import support
+from tests.dropin import Pair, call, pair_fixture
+from tests.tiny_models import TinySpec, write_tiny_model
 
 MAX = 8
 
@@ -184,3 +194,104 @@ def test_an_entry_larger_than_the_limit_is_not_kept(engine: Engine) -> None:
     engine.model.forward([1, 2, 3], engine.cache)
     cache.save([1, 2, 3], engine.cache)
     assert cache.entries == []
+
+
+# the state sizes llama-server's slot files hold: (flags, streams its cache has, cache type)
+STATE_CASES = [
+    ("-np 1", 1, None),
+    ("-np 2", 2, None),
+    ("-np 2 -kvu", 1, None),
+    ("-ctk q8_0 -ctv q8_0", 1, "q8_0"),
+]
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def _saved_state(model: Path, flags: str, tmp_path: Path) -> tuple[int, int]:
+    """A greedy completion on llama-server started with ``flags``, its slot saved: the file's
+    state bytes (past the magic, version and tokens) and the cells of its first cache."""
+    args = [*flags.split(), "--slot-save-path", str(tmp_path)]
+    with support.LlamaServer(model, args=args) as ref:
+        body = {"prompt": PROMPT, "n_predict": 4, "temperature": 0}
+        status, answer = support.http_json(ref.url + "/completion", body)
+        assert status == 200, answer
+        status, saved = support.http_json(
+            f"{ref.url}/slots/{answer['id_slot']}?action=save", {"filename": "slot.bin"}
+        )
+        assert status == 200, saved
+    data = (tmp_path / "slot.bin").read_bytes()
+    n_tokens = struct.unpack_from("<I", data, 8)[0]
+    state = data[12 + 4 * n_tokens :]
+    n_streams = struct.unpack_from("<I", state, 0)[0]
+    cells = struct.unpack_from(f"<{n_streams}I", state, 4)
+    return len(state), max(cells)
+
+
+@pytest.mark.parametrize("flags,n_streams,cache_type", STATE_CASES)
+def test_an_entrys_bytes_are_llama_servers_saved_state(
+    engine: Engine, default_model: Path, flags: str, n_streams: int, cache_type: Any, tmp_path: Path
+) -> None:
+    """``KVCache.state_nbytes`` is llama_state_seq_get_size: the state in llama-server's slot
+    file, byte for byte, for one stream or one per slot, f16 or q8_0 cells."""
+    nbytes, cells = _saved_state(default_model, flags, tmp_path)
+    cache = engine.model.new_cache(2048, cache_type)
+    cache.n_tokens = cells
+    assert cells > 30 and cache.state_nbytes(n_streams) == nbytes
+
+
+def test_a_sliding_window_entrys_bytes_are_llama_servers(
+    default_model: Path, tmp_path: Path
+) -> None:
+    """gemma3: the full layers' cells, then the sliding layers' within the window."""
+    path = write_tiny_model(tmp_path / "gemma3.gguf", TinySpec("gemma3", T.F32, 4), default_model)
+    nbytes, cells = _saved_state(path, "-np 1", tmp_path)
+    cache = Model.load(path, device="cpu", progress=False).new_cache(2048)
+    cache.n_tokens = cells
+    window = cache.swa.window
+    assert cells > window and len(cache.swa.held()) == window
+    assert cache.state_nbytes(1) == nbytes
+    assert cache.state_nbytes(1, window_only=True) < nbytes // 4
+
+
+# one slot, a 1 MiB cache: about 45 tokens of the default model's state (23 KiB a token)
+small_cram_pair = pair_fixture(["-np", "1", "-cram", "1"])
+# no byte limit: the token limit, the context's 256 positions
+unlimited_cram_pair = pair_fixture(["-np", "1", "-cram", "-1", "-c", "256"])
+
+
+def _cache_n_side_by_side(pair: Pair, prompt: str) -> int:
+    body = {"prompt": prompt, "n_predict": 2, "temperature": 0}
+    counts = []
+    for port in pair.ports:
+        status, _, raw = call(port, "POST", "/completion", body)
+        assert status == 200, raw
+        counts.append(json.loads(raw)["timings"]["cache_n"])
+    assert counts[0] == counts[1], counts
+    return int(counts[0])
+
+
+def test_a_small_cache_ram_keeps_llama_servers_entries(small_cram_pair: Pair) -> None:
+    """Three prompts of about 15 tokens through one slot, then the second continued: the
+    entries saved on the way (about a third of a MiB each as llama-server counts them) fit
+    in 1 MiB together, so the second comes back (its cells reused); counted as bankml holds
+    them (f32, twice the bytes) saving the third would have pushed it out."""
+    prompts = [
+        "Alpha: the first conversation is about the sea and its tides.",
+        "Beta: the second conversation is about mountains and snow.",
+        "Gamma: the third conversation is about deserts and sand dunes.",
+    ]
+    assert [_cache_n_side_by_side(small_cram_pair, p) for p in prompts] == [0, 0, 0]
+    assert _cache_n_side_by_side(small_cram_pair, prompts[1] + " And rivers?") > 10
+
+
+def test_without_a_byte_limit_the_cache_holds_one_context(unlimited_cram_pair: Pair) -> None:
+    """``-cram -1 -c 256``: two prompts of about 140 tokens fill more than the context, so
+    the first entry goes when the second is saved, and is not there to come back."""
+    first = "One two three four five six seven eight nine ten. " * 12
+    second = "Red orange yellow green blue indigo violet pink. " * 14
+    third = "A short third prompt."
+    for prompt in (first, second, third):
+        assert _cache_n_side_by_side(unlimited_cram_pair, prompt) == 0
+    assert _cache_n_side_by_side(unlimited_cram_pair, first + " Eleven.") == 0
+    # the second is still there (with the third and the first continued, over the limit
+    # only once it has been taken back)
+    assert _cache_n_side_by_side(unlimited_cram_pair, second + " Black.") > 100

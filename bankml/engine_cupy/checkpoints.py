@@ -45,6 +45,7 @@ class Checkpoint:
     # slot's position store is to be overwritten while this checkpoint stays (an embedding);
     # None: the store still holds them
     values: Any = None
+    nbytes: int = 0  # what llama-server's checkpoint holds (KVCache.state_nbytes, window_only)
 
 
 @dataclass
@@ -134,7 +135,9 @@ class Checkpoints:
     min_step: int = CHECKPOINT_MIN_STEP
     items: list[Checkpoint] = field(default_factory=list)
 
-    def create(self, n_tokens: int, pos_min: int, pos_max: int, task: int, ring: Any) -> None:
+    def create(
+        self, n_tokens: int, pos_min: int, pos_max: int, task: int, ring: Any, nbytes: int = 0
+    ) -> None:
         """create_checkpoint: once the list is (nearly) full, drop other tasks' checkpoints
         within min_step of an earlier one, then the oldest; one per n_tokens."""
         kept: list[Checkpoint] = []
@@ -148,7 +151,7 @@ class Checkpoints:
         while len(kept) >= self.n_max:
             kept.pop(0)
         kept = [c for c in kept if c.n_tokens != n_tokens]
-        kept.append(Checkpoint(n_tokens, pos_min, pos_max, task, ring))
+        kept.append(Checkpoint(n_tokens, pos_min, pos_max, task, ring, nbytes=nbytes))
         self.items = kept
 
     def reuse(

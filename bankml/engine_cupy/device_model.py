@@ -42,6 +42,7 @@ from bankml.engine_cupy.device_step import (
     DeviceWeights,
 )
 from bankml.engine_cupy.kernels.progress import CompileStats
+from bankml.engine_cupy.kv_cache import sequence_state_nbytes
 from bankml.engine_cupy.model import Model
 from bankml.engine_cupy.passes import PassLogits, pass_groups
 from bankml.engine_cupy.weights import HParams, UnsupportedModel
@@ -108,6 +109,12 @@ class DeviceCache:
         entries, as the array path's KVCache.snapshot keeps them in its array module)."""
         n = self.n_tokens
         return [self.seq.k[:, :, :n].copy(), self.seq.v[:, :, :n].copy()]
+
+    def state_nbytes(self, n_streams: int) -> int:
+        """llama_state_seq_get_size of the sequence (KVCache.state_nbytes): f16 cells in every
+        layer."""
+        row = 2 * self.n_head_kv * self.head_dim
+        return sequence_state_nbytes(self.n_tokens, [2 * row] * self.step.hp.n_layer, n_streams)
 
     def restore(self, snapshot: list[Any], n_tokens: int) -> None:
         """Put back what ``snapshot`` copied: positions 0..n_tokens-1."""

@@ -271,7 +271,13 @@ class Engine:
         self.template = template
         self.n_ctx = n_ctx
         self.n_vocab = int(model.n_vocab)
-        self.host_cache = HostPromptCache(cache_ram_limit(cache_ram))  # MiB, as --cache-ram
+        # --cache-ram (MiB); its token limit is llama_n_ctx, every slot's positions, and its
+        # state sizes count one stream per slot without -kvu
+        self.host_cache = HostPromptCache(
+            cache_ram_limit(cache_ram),
+            n_ctx if kv_unified else n_ctx * n_slots,
+            1 if kv_unified else n_slots,
+        )
         self.defaults = sampling_defaults or SamplerParams()
         self.n_predict = -1  # the server's -n: where a request's n_predict is -1 or absent
         # the server's --reasoning-budget (a request's default reasoning_budget_tokens) and
@@ -514,10 +520,11 @@ class Engine:
             return
         self.cells = cells
 
-    def _save_to_host_cache(self, slot: Slot) -> None:
-        """The slot's tokens and cells (its checkpoints with them) into the host cache."""
+    def _save_to_host_cache(self, slot: Slot) -> bool:
+        """The slot's tokens and cells (its checkpoints with them) into the host cache; whether
+        they were kept."""
         held = slot.checkpoints.items if slot.checkpoints is not None else []
-        self.host_cache.save(slot.tokens, slot.cache, held)
+        return self.host_cache.save(slot.tokens, slot.cache, held)
 
     def _place_loaded(self, slot: Slot, n: int, in_order: bool) -> None:
         """A prompt loaded into ``slot`` from the host cache, in the book as llama.cpp reads a
@@ -554,8 +561,9 @@ class Engine:
             for idle in self.slots:
                 if idle.processing:
                     continue
-                if idle.tokens:  # a completion's or an embedding's, its cells with it
-                    self._save_to_host_cache(idle)
+                # a completion's or an embedding's, its cells with it
+                if idle.tokens and self._save_to_host_cache(idle):
+                    self.host_cache.update()
                 if not self.kv_unified:
                     continue
                 idle.embedded = []
@@ -1167,7 +1175,8 @@ class Engine:
             slot.tokens, slot.embedded = list(inputs[i]), []
             slot.holds_embedding = True
         for i, checkpoints in saved:
-            self.host_cache.save(inputs[i], held[i], checkpoints)
+            if self.host_cache.save(inputs[i], held[i], checkpoints):
+                self.host_cache.update()
         return out
 
     def embedding_batches(
@@ -1453,7 +1462,14 @@ class Engine:
         if _checkpoints.takes_checkpoint(
             start, end, n_prompt, pos_min, spans, ckpts.items, ckpts.min_step
         ):
-            ckpts.create(start, pos_min, cache.pos_max, slot.task_id, cache.ring_positions())
+            ckpts.create(
+                start,
+                pos_min,
+                cache.pos_max,
+                slot.task_id,
+                cache.ring_positions(),
+                cache.state_nbytes(self.host_cache.n_streams, window_only=True),
+            )
         return end
 
     def _use_host_cache(self, slot: Slot, prompt: list[int]) -> None:
@@ -1471,6 +1487,7 @@ class Engine:
             slot.tokens = list(entry.tokens)
             if slot.checkpoints is not None:
                 slot.checkpoints.items = list(entry.checkpoints)
+        self.host_cache.update()
 
     def _run(
         self, req: Request, cancelled: Callable[[], bool], summary: Summary, progress: bool = False

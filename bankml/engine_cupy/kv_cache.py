@@ -42,7 +42,7 @@ touched every head's region and made the kernel zero the whole store (a 3B model
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -102,6 +102,19 @@ def find_cells(reusable: numpy.ndarray, used: int, head: int, n: int) -> numpy.n
     if len(found) < n:
         raise ValueError("no free cell in the KV cache")
     return found.astype(numpy.int64)
+
+
+def sequence_state_nbytes(n_cells: int, layer_rows: Sequence[int], n_streams: int) -> int:
+    """The bytes llama_kv_cache::state_write gives one sequence of ``n_cells`` cells (what
+    llama_state_seq_get_size counts): the stream count and each stream's cell count; then,
+    where it holds cells, each cell's position, sequence count and sequence id, the V layout,
+    layer count and rotation sizes, and per layer K's and V's type and row size with their
+    rows (``layer_rows``: a layer's K plus V row bytes). V is never transposed here: bankml
+    attends as flash attention does."""
+    size = 4 + 4 * n_streams
+    if n_cells:
+        size += 12 * n_cells + 16 + sum(24 + n_cells * row for row in layer_rows)
+    return size
 
 
 class CellBook:
@@ -567,6 +580,24 @@ class KVCache:
 
         stores = self._k + self._v + list(self._ring_k.values()) + list(self._ring_v.values())
         return sum(size(e) for e in stores)
+
+    def state_nbytes(self, n_streams: int, window_only: bool = False) -> int:
+        """llama_state_seq_get_size of this sequence as llama-server's cache holds it, with
+        ``n_streams`` streams (1 with ``-kvu``, else one per slot): its cells in every layer; a
+        sliding-window model's full layers, then its sliding layers' cache, whose cells within
+        the window of the last position count (``Cells.held``). ``window_only``: the sliding layers'
+        part alone (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a context checkpoint)."""
+        values = self.n_head_kv * self.head_dim
+        row = 2 * values if self.cache_type == "f16" else values // 32 * 34  # ggml_row_size
+        swa = self.swa
+        sliding = set(self._sliding) if swa is not None else set()
+        full = sequence_state_nbytes(
+            self._n_tokens, [2 * row for il in range(len(self._k)) if il not in sliding], n_streams
+        )
+        if swa is None:
+            return full
+        part = sequence_state_nbytes(len(swa.held()), [2 * row] * len(sliding), n_streams)
+        return part if window_only else full + part
 
     def truncate(self, n: int) -> None:
         """Forget positions n.. (kept cells are overwritten by the next forward).

@@ -14,8 +14,13 @@ earlier entry that shares more with the prompt is moved back in. The rules are l
 
 The limit (``cache_ram_limit``, MiB as llama-server's ``--cache-ram``): None or empty →
 min(8192, a quarter of the memory available when the engine opens), at least 1; ``0`` turns the
-cache off; negative means no limit. Entries count the bytes of
-their KV copies. Twisted-free; the engine calls it on its own thread.
+cache off; negative means no byte limit. An entry counts the bytes llama-server's state of the
+sequence takes (``KVCache.state_nbytes``: f16 or q8_0 cells with their metadata, whatever
+bankml holds them in) and its context checkpoints'. After a slot's save and load, and after
+each idle slot saved, ``update`` evicts the oldest entries over the byte limit, then over the
+token limit: the server's context (all slots'), raised to what the byte limit holds at the
+entries' bytes per token. So without a byte limit the cache holds one context's tokens.
+Twisted-free; the engine calls it on its own thread.
 """
 
 from __future__ import annotations
@@ -67,15 +72,15 @@ class Entry:
     )  # the slot's context checkpoints, kept with it
 
 
-def _kv_bytes(kv: list[Any]) -> int:
-    return sum(sum(a.nbytes for a in e) if isinstance(e, tuple) else e.nbytes for e in kv)
-
-
 class HostPromptCache:
-    """Entries of (tokens, KV copy), oldest first, under a byte limit."""
+    """Entries of (tokens, KV copy), oldest first, under a byte limit and a token limit
+    (``limit_tokens``: the server's whole context; 0 none). ``n_streams``: the streams of
+    llama-server's cache (1 with ``-kvu``, else one per slot), which its state sizes count."""
 
-    def __init__(self, limit_bytes: int | None):
+    def __init__(self, limit_bytes: int | None, limit_tokens: int = 0, n_streams: int = 1):
         self.limit = limit_bytes
+        self.limit_tokens = int(limit_tokens)
+        self.n_streams = int(n_streams)
         self.entries: list[Entry] = []
 
     @property
@@ -86,20 +91,40 @@ class HostPromptCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
-    def save(self, slot: Sequence[int], cache: Any, checkpoints: Sequence[Any] = ()) -> None:
-        """Copy the slot in, as llama-server's prompt save does (its checkpoints with it)."""
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.entries)
+
+    def save(self, slot: Sequence[int], cache: Any, checkpoints: Sequence[Any] = ()) -> bool:
+        """Copy the slot in, as llama-server's prompt save does (its checkpoints with it);
+        whether it was kept."""
         tokens = list(slot)
         if not tokens or any(_holds_whole(e.tokens, tokens) for e in self.entries):
-            return
+            return False
+        nbytes = cache.state_nbytes(self.n_streams) + sum(c.nbytes for c in checkpoints)
+        if self.limit is not None and nbytes > self.limit:
+            return False
         self.entries = [e for e in self.entries if not _holds_whole(tokens, e.tokens)]
-        kv = cache.snapshot()
-        ring = cache.ring_positions() if hasattr(cache, "ring_positions") else None
-        entry = Entry(tokens, kv, _kv_bytes(kv), ring, list(checkpoints))
-        if self.limit is not None and entry.nbytes > self.limit:
-            return
-        while self.entries and self.limit is not None and self.nbytes + entry.nbytes > self.limit:
+        while self.entries and self.limit is not None and self.nbytes + nbytes > self.limit:
             self.entries.pop(0)
-        self.entries.append(entry)
+        ring = cache.ring_positions() if hasattr(cache, "ring_positions") else None
+        self.entries.append(Entry(tokens, cache.snapshot(), nbytes, ring, list(checkpoints)))
+        return True
+
+    def update(self) -> None:
+        """server_prompt_cache::update: the oldest entries out while over the byte limit, then
+        while over the token limit (raised to the byte limit over the bytes per token)."""
+        if self.limit:
+            while self.entries and self.nbytes > self.limit:
+                self.entries.pop(0)
+        # in float32, as there
+        per_token = max(np.float32(1), np.float32(self.nbytes) / np.float32(max(1, self.n_tokens)))
+        limit_tokens = self.limit_tokens
+        if self.limit:
+            limit_tokens = max(limit_tokens, int(np.float32(self.limit) / per_token))
+        if self.limit_tokens > 0:
+            while self.entries and self.n_tokens > limit_tokens:
+                self.entries.pop(0)
 
     def take_better(self, slot: Sequence[int], prompt: Sequence[int]) -> Entry | None:
         """The entry that serves ``prompt`` better than the slot, removed from the cache."""
