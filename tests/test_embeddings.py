@@ -279,7 +279,7 @@ def gemma3_pair(
 ) -> Iterator[tuple[Pair, str]]:
     """A tiny gemma3 (F32, window 8, layers 0 and 2 sliding), pinned, on both servers at
     ``--embeddings --pooling POOLING`` with the slot flags (the test's parameter: the
-    pooling, then the flags); and the pooling."""
+    pooling, then the flags); the pooling; and ``check-receipt``'s replay arguments."""
     from gguf import GGMLQuantizationType as T
 
     from bankml.gate.verify import pin
@@ -293,7 +293,7 @@ def gemma3_pair(
     flags = ["--embeddings", "--pooling", pooling, *slot_flags.split()]
     log = root / "bankml.log"
     for pair in dropin_pair(flags, model, root / "FORK.json", llama_server_bin, log):
-        yield pair, pooling
+        yield pair, pooling, ("--replay", str(model), "--fork", str(root / "FORK.json"))
 
 
 GEMMA3_TEXT = "The quick brown fox jumps over the lazy dog. " * 5
@@ -318,7 +318,7 @@ def test_a_sliding_window_slot_keeps_an_embedding_as_llama_servers(
     (pooling mean): a completion after one restores the checkpoint an earlier completion
     left (14 tokens cached); pooling ``last`` erases them (none cached). Each count and text
     is llama-server's, and the logprobs where the full layers' cells are laid out alike."""
-    pair, pooling = gemma3_pair
+    pair, pooling, _ = gemma3_pair
     long_text, other, rest = GEMMA3_TEXT, GEMMA3_OTHER, GEMMA3_REST
 
     def embed_then_complete(text: str, *others: str) -> tuple[Any, Any]:
@@ -354,7 +354,7 @@ def test_a_checkpoint_restored_after_an_embedding_holds_its_own_cells_as_llama_s
     sliding layers then hold the earlier completion's K/V, as llama-server's checkpoint
     holds them, not the embedded text's. The code before read them from the slot's position
     store, the embedding's (a top logprob -78.7816 against llama-server's -78.8516)."""
-    pair, _ = gemma3_pair
+    pair, _, _ = gemma3_pair
     ours, theirs = completions_side_by_side(pair, GEMMA3_TEXT[:30] + GEMMA3_REST)
     assert ours["timings"]["cache_n"] == 0
     for port in pair.ports:
@@ -364,6 +364,58 @@ def test_a_checkpoint_restored_after_an_embedding_holds_its_own_cells_as_llama_s
     ours, theirs = completions_side_by_side(pair, GEMMA3_TEXT + GEMMA3_REST)
     assert (ours["timings"]["cache_n"], ours["timings"]["prompt_n"]) == (14, 50)
     assert_same_answer(ours, theirs)
+
+
+GEMMA3_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over.",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor.",
+    "One two three four five six seven eight nine ten eleven twelve thirteen fourteen.",
+    "Hello there, how are you doing today? I am fine, thank you very much indeed.",
+]
+
+
+@pytest.mark.parametrize(
+    "gemma3_pair",
+    [("mean", "-np 4 -kvu --no-cache-idle-slots")],
+    ids=["mean"],
+    indirect=True,
+)
+def test_a_sliding_window_models_batches_around_other_slots_cells_are_llama_servers(
+    gemma3_pair: tuple[Pair, str, tuple[str, ...]], tmp_path: Path
+) -> None:
+    """``-np 4 -kvu --no-cache-idle-slots`` on a tiny gemma3: the idle slots keep their
+    inputs' cells in both of llama-server's caches, the full layers' and the sliding layers'
+    smaller one, where a cell out of the window of its own sequence is taken again. Five
+    requests of two to four inputs, micro-batches of 52 to about 190 tokens: bankml keeps the
+    book of both caches (kv_cache.IswaCells), so every batch is evaluated where llama-server's
+    sits (the second request: 79 tokens in cells 19-33 and 63-126 of the full layers' cache,
+    19-55 and 63-104 of the sliding layers'), and every vector is llama-server's bit for bit
+    (bankml computed each input alone before: up to 6e-5 off); the receipts name the sliding
+    layers' cells and replay identical."""
+    pair, _, replay = gemma3_pair
+    a, b, c, d = GEMMA3_SENTENCES
+    requests = [
+        [a, b, c, d],
+        [f"{a} {b}", f"{c} {d}"],
+        [f"{b} {b} {b}", a, d],
+        ["hi", f"{a} {d} {c}"],
+        [f"{c} " * 7, d, a, f"{b} {b}"],
+    ]
+    swa_apart = 0
+    for texts in requests:
+        body = {"input": texts}
+        (s1, ours, raw), (s2, theirs, _) = (post(p, "/v1/embeddings", body) for p in pair.ports)
+        assert s1 == s2 == 200
+        for i, (x, y) in enumerate(zip(ours["data"], theirs["data"], strict=True)):
+            assert numpy.array_equal(f32(x["embedding"]), f32(y["embedding"])), (texts, i)
+        receipt = ours["bankml_receipt"]
+        for entry in receipt.get("evaluated_cells", []):
+            swa_apart += entry["swa_cells"] != entry["cells"]
+        code, out = check_receipt_cli(
+            tmp_path, json.dumps(body).encode(), raw, public_key(pair), *replay
+        )
+        assert code == 0 and f"replay: identical: {len(texts)} vectors" in out, out
+    assert swa_apart >= 2
 
 
 def test_metrics_and_slots_count_embedding_tasks_as_llama_server(mean_pair: Pair) -> None:

@@ -1,6 +1,6 @@
 """The shared KV cache's cells as llama.cpp's llama_kv_cache keeps them for several slots
-(kv_cache.SharedCells: find_slot, apply_ubatch, seq_rm), and the receipt's ``evaluated_cells``
-read back with its refusals. The cells' effect on the vectors is tested side by side with
+(kv_cache.SharedCells: find_slot, apply_ubatch, seq_rm; a sliding-window model's two caches,
+kv_cache.IswaCells), and the receipt's ``evaluated_cells`` read back with its refusals. The cells' effect on the vectors is tested side by side with
 llama-server in tests/test_embeddings.py."""
 
 from __future__ import annotations
@@ -8,12 +8,18 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from bankml.engine_cupy.kv_cache import KVCache, SequenceCells, SharedCells, find_cells
+from bankml.engine_cupy.kv_cache import (
+    IswaCells,
+    KVCache,
+    SequenceCells,
+    SharedCells,
+    find_cells,
+)
 from bankml.engine_cupy.model import BatchCells
-from bankml.receipts.embedding import GroupCells, cells_field, read_cells_field
+from bankml.receipts.embedding import GroupCells, InputCells, cells_field, read_cells_field
 
 
-def place(cells: SharedCells, seq: int, n: int) -> list[int]:
+def place(cells: SharedCells | IswaCells, seq: int, n: int) -> list[int]:
     return cells.place(numpy.full(n, seq), numpy.arange(n)).tolist()
 
 
@@ -58,6 +64,49 @@ def test_the_search_starts_from_cell_0_when_enough_cells_before_the_head_are_fre
         find_cells(reusable, used=13, head=14, n=4)
 
 
+def test_a_sliding_window_cache_takes_cells_out_of_their_sequences_window_again() -> None:
+    """find_slot on the SWA cache: a cell whose position is at least the window behind its own
+    sequence's next position is taken as if empty; apply_ubatch then empties that sequence's
+    positions up to the last one overwritten, so each keeps its positions whole."""
+    cells = SharedCells(16, window=4)
+    assert place(cells, 0, 10) == list(range(10))
+    assert place(cells, 1, 4) == [10, 11, 12, 13]
+    # sequence 0 goes on from position 10: cells 14 and 15 are empty, then round the cache
+    # cell 0 (position 0, 10 behind) and cell 1 are taken
+    taken = cells.place(numpy.zeros(4, numpy.int64), numpy.arange(10, 14))
+    assert taken.tolist() == [14, 15, 0, 1]
+    assert cells.pos[[14, 15, 0, 1]].tolist() == [10, 11, 12, 13] and cells.head == 2
+    # sequence 1 goes on from position 4: from the head, sequence 0's positions 2 and 3
+    taken = cells.place(numpy.full(2, 1), numpy.arange(4, 6))
+    assert taken.tolist() == [2, 3]
+    assert cells.seq[:4].tolist() == [0, 0, 1, 1] and cells.pos[:4].tolist() == [12, 13, 4, 5]
+    # sequence 0's positions 0..3 went: those before the last overwritten (3) with them
+    assert sorted(cells.pos[cells.seq == 0].tolist()) == list(range(4, 14))
+    windowless = SharedCells(16)
+    place(windowless, 0, 14)
+    assert windowless.place(numpy.zeros(2, numpy.int64), numpy.arange(14, 16)).tolist() == [14, 15]
+    with pytest.raises(ValueError, match="no free cell"):
+        windowless.place(numpy.zeros(1, numpy.int64), numpy.arange(16, 17))
+
+
+def test_a_sliding_window_models_books_take_a_micro_batch_together() -> None:
+    """IswaCells: each micro-batch placed in both caches (the full layers' cells returned, the
+    sliding layers' kept), each removal in both; a micro-batch the sliding layers' cache
+    cannot hold changes neither."""
+    books = IswaCells(SharedCells(32), SharedCells(8, window=2))
+    assert place(books, 0, 6) == list(range(6))
+    assert books.swa_placed.tolist() == list(range(6))
+    assert place(books, 1, 4) == [6, 7, 8, 9]
+    assert books.swa_placed.tolist() == [6, 7, 0, 1]  # sequence 0's positions 0, 1: out
+    books.seq_rm(1)
+    assert (books.base.seq == 1).sum() == 0 and (books.swa.seq == 1).sum() == 0
+    before = (books.base.seq.copy(), books.swa.seq.copy(), books.swa.head)
+    with pytest.raises(ValueError, match="no free cell"):
+        place(books, 2, 9)
+    assert numpy.array_equal(books.base.seq, before[0]) and books.swa.head == before[2]
+    assert numpy.array_equal(books.swa.seq, before[1])
+
+
 def test_batch_cells_refuse_what_no_micro_batch_holds() -> None:
     tokens = [[1, 2], [3]]
     BatchCells([numpy.array([0, 5]), numpy.array([3])], 256).check(tokens, 4096)
@@ -77,9 +126,24 @@ def test_the_receipts_cells_read_back_as_runs_and_refuse_what_is_not_cells() -> 
     assert field == [{"group": 1, "n_kv": 256, "cells": [[[0, 3], [7, 9]], [[3, 4]]]}]
     together = [[0], [2, 1]]
     assert read_cells_field(field, together, [4, 1, 5]) == {
-        2: ([0, 1, 2, 7, 8], 256),
-        1: ([3], 256),
+        2: InputCells([0, 1, 2, 7, 8], 256),
+        1: InputCells([3], 256),
     }
+    # a sliding-window model's: its sliding layers' cells in their own cache as well
+    field = cells_field([GroupCells(1, [[0, 1, 2, 7, 8], [3]], 256, [[4, 5, 6, 0, 1], [2]], 256)])
+    assert field[0]["swa_cells"] == [[[4, 7], [0, 2]], [[2, 3]]] and field[0]["swa_n_kv"] == 256
+    assert read_cells_field(field, together, [4, 1, 5]) == {
+        2: InputCells([0, 1, 2, 7, 8], 256, [4, 5, 6, 0, 1], 256),
+        1: InputCells([3], 256, [2], 256),
+    }
+    cells = {"group": 1, "n_kv": 256, "cells": [[[0, 5]], [[5, 6]]]}
+    for bad in (
+        [{**cells, "swa_cells": [[[0, 5]], [[5, 6]]]}],
+        [{**cells, "swa_n_kv": "256", "swa_cells": [[[0, 5]], [[5, 6]]]}],
+        [{**cells, "swa_n_kv": 256, "swa_cells": [[[0, 5]]]}],
+        [{**cells, "swa_n_kv": 256, "swa_cells": [[[0, 4]], [[5, 6]]]}],
+    ):
+        assert isinstance(read_cells_field(bad, together, [4, 1, 5]), str), bad
     for bad in (
         {"group": 1},
         [{"group": 2, "n_kv": 256, "cells": [[[0, 5]], [[5, 6]]]}],

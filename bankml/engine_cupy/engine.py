@@ -55,8 +55,14 @@ from bankml.engine_cupy.grammar import (
 )
 from bankml.engine_cupy.infill import infill_tokens
 from bankml.engine_cupy.kernels.exact_attention import FA_TILE_Q, kv_length
-from bankml.engine_cupy.kv_cache import SequenceCells, SharedCells, pad_cells
-from bankml.engine_cupy.model import BatchCells, Model
+from bankml.engine_cupy.kv_cache import (
+    IswaCells,
+    SequenceCells,
+    SharedCells,
+    pad_cells,
+    ring_size,
+)
+from bankml.engine_cupy.model import BatchCells, Model, Placed
 from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
 from bankml.engine_cupy.reasoning_budget import ReasoningBudget, ReasoningBudgetSpec
 from bankml.engine_cupy.request import (
@@ -225,8 +231,8 @@ class EmbeddingPlan(NamedTuple):
     # checkpoints its slot held then (a sliding-window model's; none otherwise)
     saved: Sequence[tuple[int, Sequence[Any]]] = ()
     # with -kvu, where the shared cache's cells are known (Engine.cells): input index: its
-    # cells and its batch's n_kv
-    placement: Mapping[int, tuple[np.ndarray, int]] | None = None
+    # cells and its batch's n_kv (a sliding-window model's sliding layers' too)
+    placement: Mapping[int, Placed] | None = None
 
 
 class _RunCells(NamedTuple):
@@ -327,15 +333,13 @@ class Engine:
         # slots to the host prompt cache, and with -kvu clears them (_acquire)
         self.clear_idle_slots = True
         # with -kvu, the shared cache's cells as far as embeddings' batches tell them (None:
-        # not known, once a completion has taken cells, or not followed: an approximate or
-        # sliding-window model, one slot)
-        self._tracks_cells = (
-            kv_unified
-            and n_slots > 1
-            and bool(getattr(model, "exact", False))
-            and not getattr(model, "has_sliding_window", False)
+        # not known, once a completion has taken cells, or not followed: an approximate
+        # model, one slot); a sliding-window model's two caches' (IswaCells), whose book a
+        # completion gives up
+        self._tracks_cells = kv_unified and n_slots > 1 and bool(getattr(model, "exact", False))
+        self.cells: SharedCells | IswaCells | None = (
+            self._new_cells() if self._tracks_cells else None
         )
-        self.cells: SharedCells | None = self._new_cells() if self._tracks_cells else None
         # bumped by what a run's set-aside book cannot follow (another task's launch, a slot
         # erased or restored): _RunCells
         self._cell_changes = 0
@@ -463,8 +467,16 @@ class Engine:
         """The cells of the cache the slots share with ``-kvu`` (0: a model that keeps none)."""
         return int(getattr(self.cache, "kv_size", 0))
 
-    def _new_cells(self) -> SharedCells:
-        return SharedCells(self.kv_size)
+    def _new_cells(self) -> SharedCells | IswaCells:
+        """An empty book of the shared cache; a sliding-window model's sliding layers keep a
+        cache of their own, of the window for each slot and a micro-batch (as
+        llama_kv_cache_iswa sizes it with -kvu)."""
+        base = SharedCells(self.kv_size)
+        if not getattr(self.model, "has_sliding_window", False):
+            return base
+        window = int(self.model.hp.swa_window)
+        size = ring_size(self.kv_size, window * self.n_slots, MICRO_BATCH)
+        return IswaCells(base, SharedCells(size, window))
 
     def forget_cells(self) -> None:
         """The shared cache's cells are no longer known (a restored slot's, a batch beside a
@@ -481,7 +493,7 @@ class Engine:
         sequence alone in order from cell 0 keeps its own cache's order, the same cells."""
         cells, self.cells = self.cells, None
         if (
-            cells is None
+            not isinstance(cells, SharedCells)  # none, or a sliding-window model's
             or self.speculative is not None
             or req.shared is not None
             or self.free_slots() != self.n_slots - 1
@@ -534,7 +546,7 @@ class Engine:
         cells = self.cells
         if cells is None:
             return
-        if not in_order:
+        if not in_order or isinstance(cells, IswaCells):  # the saved window is not followed
             self.forget_cells()
             return
         cells.seq_rm(slot.id)
@@ -1199,7 +1211,7 @@ class Engine:
         if self._tracks_cells and self.clear_idle_slots and self.free_slots() == self.n_slots:
             self.cells = self._new_cells()  # the launch empties the cache (cells_known)
         batches = []
-        placement: dict[int, tuple[np.ndarray, int]] = {}
+        placement: dict[int, Placed] = {}
         last: dict[int, tuple[int, Any]] = {}  # slot id: the last input it took, and the slot
         clears = self.keeps_embeddings and self.kv_unified and self.clear_idle_slots
         saved: list[tuple[int, list[Any]]] = []
@@ -1238,7 +1250,7 @@ class Engine:
         self,
         taken: Sequence[tuple[Any, int]],
         inputs: Sequence[Sequence[int]],
-        placement: dict[int, tuple[np.ndarray, int]],
+        placement: dict[int, Placed],
     ) -> None:
         """A batch's cells in the shared cache, where they are known: each slot clears its own
         sequence as its task starts, then the batch (in slot order) takes the cells
@@ -1261,9 +1273,17 @@ class Engine:
         except ValueError:  # no room: llama-server's decode fails there
             self.cells = None
             return
+        cuts = np.cumsum(lengths)[:-1]
         n_kv = cells.n_kv()
-        for (_, index), own in zip(taken, np.split(idx, np.cumsum(lengths)[:-1])):
-            placement[index] = (own, n_kv)
+        if isinstance(cells, IswaCells):
+            swa_n_kv = cells.swa.n_kv()
+            for (_, index), own, swa in zip(
+                taken, np.split(idx, cuts), np.split(cells.swa_placed, cuts)
+            ):
+                placement[index] = Placed(own, n_kv, swa, swa_n_kv)
+            return
+        for (_, index), own in zip(taken, np.split(idx, cuts)):
+            placement[index] = Placed(own, n_kv)
 
     def batch_cells(
         self, group: Sequence[int], plan: EmbeddingPlan | None, lengths: Sequence[int]
@@ -1273,13 +1293,19 @@ class Engine:
         placement = plan.placement if plan is not None else None
         if not placement or any(i not in placement for i in group):
             return None
-        cells = [placement[i][0] for i in group]
-        n_kv = placement[group[0]][1]
+        first = placement[group[0]]
+        cells = [placement[i].cells for i in group]
         total = sum(lengths[i] for i in group)
         every = np.concatenate(cells)
-        if np.array_equal(every, np.arange(total)) and n_kv == kv_length(total, self.kv_size):
+        from_0 = np.array_equal(every, np.arange(total))
+        from_0 = from_0 and first.n_kv == kv_length(total, self.kv_size)
+        if first.swa_cells is None:
+            return None if from_0 else BatchCells(cells, first.n_kv)
+        swa = [np.asarray(placement[i].swa_cells, np.int64) for i in group]
+        # the sliding layers' cells past the batch are hidden, so their n_kv changes no bit
+        if from_0 and np.array_equal(np.concatenate(swa), np.arange(total)):
             return None
-        return BatchCells(cells, n_kv)
+        return BatchCells(cells, first.n_kv, swa, first.swa_n_kv)
 
     def followed_batches(
         self, batches: Sequence[Sequence[int]], lengths: Sequence[int]

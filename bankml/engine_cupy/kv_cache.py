@@ -138,12 +138,15 @@ class CellBook:
 
 class SharedCells(CellBook):
     """Which sequence and position each cell of one KV cache holds when several sequences
-    share it (llama-server's slots with ``-kvu``; no sliding window): the cells a micro-batch
-    takes (``place``: find_slot, then apply_ubatch) and frees (``seq_rm``), so that a batch's
-    cells are known where the other slots' sequences stay in theirs."""
+    share it (llama-server's slots with ``-kvu``): the cells a micro-batch takes (``place``:
+    find_slot, then apply_ubatch) and frees (``seq_rm``), so that a batch's cells are known
+    where the other slots' sequences stay in theirs. ``window``: the SWA cache of a
+    sliding-window model's sliding layers, whose cells are taken again once out of the window
+    of their own sequence's next position."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, window: int | None = None):
         self.size = int(size)
+        self.window = window
         self.seq = numpy.full(self.size, -1, numpy.int64)  # -1: empty
         self.pos = numpy.full(self.size, -1, numpy.int64)
         self.head = 0
@@ -171,12 +174,63 @@ class SharedCells(CellBook):
 
     def place(self, seqs: numpy.ndarray, positions: numpy.ndarray) -> numpy.ndarray:
         """The cells of one micro-batch, its tokens in batch order (each its sequence and
-        position); the head moves past the last."""
+        position); the head moves past the last. With a window, a cell whose position is out
+        of the window of its sequence's next one is taken too, and the positions up to the
+        last one taken from a sequence are emptied (apply_ubatch keeps each sequence's
+        positions whole from its smallest)."""
         empty = self.seq < 0
-        idx = find_cells(empty, self.size - int(empty.sum()), self.head, len(seqs))
+        reusable = empty
+        if self.window is not None:
+            reusable = empty | (self._next_positions() - self.pos >= self.window)
+        idx = find_cells(reusable, self.size - int(empty.sum()), self.head, len(seqs))
+        overwritten = numpy.stack([self.seq[idx], self.pos[idx]])
         self.seq[idx] = seqs
         self.pos[idx] = positions
+        for seq in numpy.unique(overwritten[0][overwritten[0] >= 0]):
+            last = int(overwritten[1][overwritten[0] == seq].max())
+            stale = (self.seq == seq) & (self.pos <= last)
+            self.seq[stale] = -1
+            self.pos[stale] = -1
         self.head = int(idx[-1]) + 1
+        return idx
+
+    def _next_positions(self) -> numpy.ndarray:
+        """Per cell, its sequence's largest position + 1 (0 for an empty cell)."""
+        out = numpy.zeros(self.size, numpy.int64)
+        for seq in numpy.unique(self.seq[self.seq >= 0]):
+            mine = self.seq == seq
+            out[mine] = int(self.pos[mine].max()) + 1
+        return out
+
+
+class IswaCells:
+    """The books of a sliding-window model's two caches (llama_kv_cache_iswa) when several
+    sequences share them: the full layers' (``base``) and the sliding layers' smaller one
+    (``swa``), which every micro-batch and removal reach alike. ``place`` returns the full
+    layers' cells; the sliding layers' of the same micro-batch are ``swa_placed``."""
+
+    def __init__(self, base: SharedCells, swa: SharedCells):
+        self.base, self.swa = base, swa
+        self.swa_placed = numpy.zeros(0, numpy.int64)
+
+    @property
+    def size(self) -> int:
+        return self.base.size
+
+    def n_kv(self) -> int:
+        return self.base.n_kv()
+
+    def seq_rm(self, seq: int, p0: int = 0) -> None:
+        self.base.seq_rm(seq, p0)
+        self.swa.seq_rm(seq, p0)
+
+    def place(self, seqs: numpy.ndarray, positions: numpy.ndarray) -> numpy.ndarray:
+        # both take the micro-batch, or neither does (llama_kv_cache_iswa's prepare)
+        swa = SharedCells(self.swa.size, self.swa.window)
+        swa.seq, swa.pos, swa.head = self.swa.seq.copy(), self.swa.pos.copy(), self.swa.head
+        self.swa_placed = swa.place(seqs, positions)
+        idx = self.base.place(seqs, positions)
+        self.swa = swa
         return idx
 
 

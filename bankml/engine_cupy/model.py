@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy
 
@@ -143,31 +143,47 @@ class Segment:
         self.cache.advance(self.step.end)
 
 
+class Placed(NamedTuple):
+    """One sequence's cells in a shared cache (its positions in order) and its micro-batch's
+    ``n_kv``; for a sliding-window model its sliding layers' cells and ``n_kv`` in their own
+    cache (None: those of the full layers)."""
+
+    cells: numpy.ndarray
+    n_kv: int
+    swa_cells: numpy.ndarray | None = None
+    swa_n_kv: int = 0
+
+
 @dataclass
 class BatchCells:
     """Where a micro-batch of several sequences sits in a KV cache that others' cells share
     (kv_cache.SharedCells): each sequence's cells, its positions in order, and the batch's
-    ``n_kv``."""
+    ``n_kv``; a sliding-window model's sliding layers' cells and ``n_kv`` in their own cache
+    (kv_cache.IswaCells; None: the same as the full layers')."""
 
     cells: list[numpy.ndarray]
     n_kv: int
+    swa_cells: list[numpy.ndarray] | None = None
+    swa_n_kv: int = 0
 
     def check(self, tokens: Sequence[Sequence[int]], kv_size: int) -> None:
         """ValueError unless these are cells of ``tokens``, each a cell of its own within
-        ``n_kv``, itself within the cache."""
-        if len(self.cells) != len(tokens) or any(
-            len(c) != len(t) for c, t in zip(self.cells, tokens)
-        ):
-            raise ValueError("the cells do not match the batch's sequences")
-        every = numpy.concatenate(self.cells) if self.cells else numpy.zeros(0, numpy.int64)
-        if (
-            not 0 < self.n_kv <= kv_size
-            or every.size
-            and (every.min() < 0 or every.max() >= self.n_kv)
-        ):
-            raise ValueError(f"cells outside the {self.n_kv} cells attended")
-        if len(numpy.unique(every)) != every.size:
-            raise ValueError("two tokens in one cell")
+        ``n_kv``, itself within the cache (the sliding layers' alike)."""
+        _check_cells(self.cells, self.n_kv, tokens, kv_size)
+        if self.swa_cells is not None:
+            _check_cells(self.swa_cells, self.swa_n_kv, tokens, kv_size)
+
+
+def _check_cells(
+    cells: list[numpy.ndarray], n_kv: int, tokens: Sequence[Sequence[int]], kv_size: int
+) -> None:
+    if len(cells) != len(tokens) or any(len(c) != len(t) for c, t in zip(cells, tokens)):
+        raise ValueError("the cells do not match the batch's sequences")
+    every = numpy.concatenate(cells) if cells else numpy.zeros(0, numpy.int64)
+    if not 0 < n_kv <= kv_size or every.size and (every.min() < 0 or every.max() >= n_kv):
+        raise ValueError(f"cells outside the {n_kv} cells attended")
+    if len(numpy.unique(every)) != every.size:
+        raise ValueError("two tokens in one cell")
 
 
 @dataclass
@@ -183,12 +199,15 @@ class BatchSegment(Segment):
     ``n_kv`` changes a bit here: the cells past the batch are hidden, so skipped. Its cells
     follow the batch's earlier sequences in an emptied cache; where the other slots' sequences
     stay in the cache (llama-server's idle slots not cleared) they are those
-    kv_cache.SharedCells gives it."""
+    kv_cache.SharedCells gives it; a sliding-window model's sliding layers then sit at
+    ``swa_cells`` of their own cache, attended over its ``swa_n_kv`` (kv_cache.IswaCells)."""
 
     cells: numpy.ndarray = field(default_factory=lambda: numpy.zeros(0, numpy.int64))
     n_kv: int = 0
     tiled: bool = False
     windows: tuple[int, ...] = ()
+    swa_cells: numpy.ndarray | None = None
+    swa_n_kv: int = 0
 
     def store_attend(self, ops: Ops, il: int, q: Any, k: Any, v: Any, scale: Any) -> Any:
         """The rows' K/V into its cache, then their attention over the batch's cells (the
@@ -199,45 +218,52 @@ class BatchSegment(Segment):
         if self.cache.cache_type == "q8_0":
             return ops.attend(il, q, self.step, self.cache, scale)
         end = self.step.end
+        window = self.windows[il] if self.windows else 0
+        own_cache = bool(window) and self.swa_cells is not None  # the sliding layers' cache
+        cells, n_kv = (self.swa_cells, self.swa_n_kv) if own_cache else (self.cells, self.n_kv)
+        assert cells is not None
         keys, values = (
-            self._at_first(a) for a in (self.cache.keys(il, end), self.cache.values(il, end))
+            _at_cells(a, cells) for a in (self.cache.keys(il, end), self.cache.values(il, end))
         )
         out = exact_attention.flash_attn_f16(
             q,
             keys,
             values,
-            self._cells_mask(self.windows[il] if self.windows else 0),
+            self._cells_mask(window, cells, own_cache),
             scale,
-            n_kv=self.n_kv,
+            n_kv=n_kv,
             n_threads=self.step.n_threads,
             tiled=self.tiled,
         )
         return out.reshape(q.shape[0], -1)
 
-    def _width(self, end: int) -> int:
-        """The batch's cells up to the last of its positions 0..end-1."""
-        return int(self.cells[:end].max()) + 1
-
-    def _at_first(self, own: Any) -> numpy.ndarray:
-        """[n_head_kv, width, hd]: the batch's cells up to this sequence's last, its own at its
-        cells."""
-        end = own.shape[1]
-        cells = numpy.zeros((own.shape[0], self._width(end), own.shape[2]), F32)
-        cells[:, self.cells[:end]] = own
-        return cells
-
-    def _cells_mask(self, window: int) -> numpy.ndarray:
-        """[n, width], read-only: each row sees its own sequence's cells up to its position
-        (the causal mask) and within ``window`` (0: none), every other cell hidden."""
-        key = f"cells {window}"
+    def _cells_mask(self, window: int, cells: numpy.ndarray, own_cache: bool) -> numpy.ndarray:
+        """[n, width], read-only: each row sees its own sequence's ``cells`` up to its
+        position (the causal mask) and within ``window`` (0: none), every other cell hidden;
+        ``own_cache``: the sliding layers' cells in a cache of their own."""
+        key = f"cells {window} {own_cache}"
         if key not in self.step.masks:
             n, end = self.step.positions.shape[0], self.step.end
-            mask = numpy.full((n, self._width(end)), F32(-numpy.inf), F32)
+            mask = numpy.full((n, _width(cells, end)), F32(-numpy.inf), F32)
             own = self.step.mask(numpy, window)
-            mask[:, self.cells[:end]] = 0 if own is None else own
+            mask[:, cells[:end]] = 0 if own is None else own
             mask.flags.writeable = False
             self.step.masks[key] = mask
         return self.step.masks[key]
+
+
+def _width(cells: numpy.ndarray, end: int) -> int:
+    """The batch's cells up to the last of a sequence's positions 0..end-1."""
+    return int(cells[:end].max()) + 1
+
+
+def _at_cells(own: Any, cells: numpy.ndarray) -> numpy.ndarray:
+    """[n_head_kv, width, hd]: the batch's cells up to this sequence's last, its own at its
+    ``cells``."""
+    end = own.shape[1]
+    out = numpy.zeros((own.shape[0], _width(cells, end), own.shape[2]), F32)
+    out[:, cells[:end]] = own
+    return out
 
 
 @dataclass
@@ -748,6 +774,8 @@ class Model:
                     n_kv,
                     total >= exact_attention.FA_TILE_Q,
                     windows,
+                    None if placed is None or placed.swa_cells is None else placed.swa_cells[j],
+                    0 if placed is None else placed.swa_n_kv,
                 )
             )
             row += len(toks)

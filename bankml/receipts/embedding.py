@@ -363,11 +363,14 @@ def replay_embeddings(
 
 class GroupCells(NamedTuple):
     """Where one group of ``evaluated_together`` sat in the shared cache: its index there, each
-    input's cells (in position order) and the batch's ``n_kv``."""
+    input's cells (in position order) and the batch's ``n_kv``; a sliding-window model's
+    sliding layers' cells and ``n_kv`` in their own cache (None: none named)."""
 
     group: int
     cells: Sequence[Sequence[int]]
     n_kv: int
+    swa_cells: Sequence[Sequence[int]] | None = None
+    swa_n_kv: int = 0
 
 
 def group_cells(
@@ -378,18 +381,30 @@ def group_cells(
     out = []
     for g, group in enumerate(together):
         placed = engine.batch_cells(group, plan, lengths)
-        if placed is not None:
-            out.append(GroupCells(g, [cells.tolist() for cells in placed.cells], placed.n_kv))
+        if placed is None:
+            continue
+        swa = None if placed.swa_cells is None else [c.tolist() for c in placed.swa_cells]
+        cells = [c.tolist() for c in placed.cells]
+        out.append(GroupCells(g, cells, placed.n_kv, swa, placed.swa_n_kv))
     return out
 
 
 def cells_field(groups: Sequence[GroupCells]) -> list[dict[str, Any]]:
     """A receipt's ``evaluated_cells``: for each group, each input's cells as runs of
-    consecutive cells, ``[first, last + 1]``."""
-    return [
-        {"group": g.group, "n_kv": g.n_kv, "cells": [_runs(cells) for cells in g.cells]}
-        for g in groups
-    ]
+    consecutive cells, ``[first, last + 1]``; a sliding-window model's also ``swa_n_kv`` and
+    ``swa_cells``, its sliding layers' in their own cache."""
+    out = []
+    for g in groups:
+        entry: dict[str, Any] = {
+            "group": g.group,
+            "n_kv": g.n_kv,
+            "cells": [_runs(cells) for cells in g.cells],
+        }
+        if g.swa_cells is not None:
+            entry["swa_n_kv"] = g.swa_n_kv
+            entry["swa_cells"] = [_runs(cells) for cells in g.swa_cells]
+        out.append(entry)
+    return out
 
 
 def _runs(cells: Sequence[int]) -> list[list[int]]:
@@ -402,28 +417,53 @@ def _runs(cells: Sequence[int]) -> list[list[int]]:
     return runs
 
 
+CELLS_KEYS = {"group", "n_kv", "cells"}
+SWA_CELLS_KEYS = CELLS_KEYS | {"swa_n_kv", "swa_cells"}
+
+
+class InputCells(NamedTuple):
+    """One input's cells read back from a receipt, its batch's n_kv, and a sliding-window
+    model's sliding layers' (None: none named)."""
+
+    cells: list[int]
+    n_kv: int
+    swa_cells: list[int] | None = None
+    swa_n_kv: int = 0
+
+
 def read_cells_field(
     field: Any, together: Sequence[Sequence[int]], lengths: Sequence[int]
-) -> dict[int, tuple[list[int], int]] | str:
-    """A receipt's ``evaluated_cells`` read back: input index: (its cells, its batch's n_kv);
-    or why it is not cells of the groups of ``together`` (each input its length's cells)."""
+) -> dict[int, InputCells] | str:
+    """A receipt's ``evaluated_cells`` read back: input index: its cells; or why it is not
+    cells of the groups of ``together`` (each input its length's cells, in the full layers'
+    cache and, where named, in the sliding layers')."""
     if not isinstance(field, list):
         return "the receipt's evaluated_cells is not a list"
-    out: dict[int, tuple[list[int], int]] = {}
+    out: dict[int, InputCells] = {}
     for entry in field:
-        if not isinstance(entry, dict) or set(entry) != {"group", "n_kv", "cells"}:
+        if not isinstance(entry, dict) or set(entry) not in (CELLS_KEYS, SWA_CELLS_KEYS):
             return "an entry of the receipt's evaluated_cells is not {group, n_kv, cells}"
-        g, n_kv, cells = entry["group"], entry["n_kv"], entry["cells"]
+        g, n_kv = entry["group"], entry["n_kv"]
+        swa_n_kv = entry.get("swa_n_kv", 0)
         if type(g) is not int or not 0 <= g < len(together) or type(n_kv) is not int:
             return "the receipt's evaluated_cells names no group of evaluated_together"
+        if type(swa_n_kv) is not int:
+            return "the receipt's evaluated_cells gives no number for swa_n_kv"
         group = together[g]
-        if not isinstance(cells, list) or len(cells) != len(group):
-            return "the receipt's evaluated_cells does not give each input of its group cells"
-        for i, runs in zip(group, cells):
-            expanded = _expand(runs)
-            if expanded is None or len(expanded) != lengths[i] or i in out:
+        per_layout = [entry["cells"]] + ([entry["swa_cells"]] if "swa_cells" in entry else [])
+        read = []
+        for cells in per_layout:
+            if not isinstance(cells, list) or len(cells) != len(group):
+                return "the receipt's evaluated_cells does not give each input of its group cells"
+            expanded = [_expand(runs) for runs in cells]
+            if any(e is None or len(e) != lengths[i] for i, e in zip(group, expanded)):
                 return "the receipt's evaluated_cells does not give each input its tokens' cells"
-            out[i] = (expanded, n_kv)
+            read.append(expanded)
+        for j, i in enumerate(group):
+            if i in out:
+                return "the receipt's evaluated_cells does not give each input its tokens' cells"
+            swa = read[1][j] if len(read) > 1 else None
+            out[i] = InputCells(read[0][j] or [], n_kv, swa, swa_n_kv)
     return out
 
 
@@ -440,7 +480,7 @@ def lengths_of(inputs: Sequence[Sequence[int]]) -> list[int]:
     return [len(tokens) for tokens in inputs]
 
 
-def placement_plan(placed: Mapping[int, tuple[Sequence[int], int]]) -> Any:
+def placement_plan(placed: Mapping[int, InputCells]) -> Any:
     """The engine's plan (Engine.compute_hidden_states) that puts each input at the cells a
     receipt names (None: none named)."""
     if not placed:
@@ -448,8 +488,17 @@ def placement_plan(placed: Mapping[int, tuple[Sequence[int], int]]) -> Any:
     import numpy
 
     from bankml.engine_cupy.engine import EmbeddingPlan
+    from bankml.engine_cupy.model import Placed
 
-    placement = {i: (numpy.asarray(c, numpy.int64), n_kv) for i, (c, n_kv) in placed.items()}
+    def cells(c: Sequence[int]) -> Any:
+        return numpy.asarray(c, numpy.int64)
+
+    placement = {
+        i: Placed(
+            cells(p.cells), p.n_kv, None if p.swa_cells is None else cells(p.swa_cells), p.swa_n_kv
+        )
+        for i, p in placed.items()
+    }
     return EmbeddingPlan([], {}, placement=placement)
 
 
