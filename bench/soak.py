@@ -341,8 +341,9 @@ WARM_UP_MOST_S = 300.0
 
 
 def _cache_bytes(cache: dict[str, Any] | None) -> int:
-    """The prompt cache's bytes as /bankml reports them (0 where there is none)."""
-    return int(cache.get("bytes", 0)) if cache else 0
+    """The memory the prompt cache's entries take, as /bankml reports it (0 where there is
+    none)."""
+    return int(cache.get("held_bytes", 0)) if cache else 0
 
 
 def highest_by_minute(samples: list[Sample]) -> list[float]:

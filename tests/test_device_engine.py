@@ -556,7 +556,10 @@ def test_a_prompt_cache_entry_is_a_device_copy_put_back_bit_for_bit(
     store = HostPromptCache(None)
     reads = dict(READS)
     store.save([1, 504, 3458], cache)
-    assert dict(READS) == reads and store.nbytes == k.nbytes + v.nbytes
+    # counted as llama-server's state of the sequence: its f16 rows (the copies' bytes), 12
+    # bytes a cell, 8 of streams and 16 of layout, 24 a layer (KVCache.state_nbytes)
+    metadata = 8 + 12 * 3 + 16 + 24 * cache.step.hp.n_layer
+    assert dict(READS) == reads and store.nbytes == k.nbytes + v.nbytes + metadata
     cache.truncate(0)
     model.forward([7, 8, 9, 10], cache)
     assert cache.seq.k.host_view[:, :, :3].tobytes() != k.tobytes()

@@ -1,8 +1,9 @@
 """bench/soak.py for one minute against its own `bankml serve --native` with an 8 MiB host
 prompt cache, glibc's heap sampled inside it: no errors, and fds, threads and RSS flat between the
 two quiet points (after the warm-up and after the load, each after the server's periodic heap
-trim has run). RSS is taken less the prompt cache's bytes (they fill up to their limit by design)
-and less the free bytes the C heap gained (the allocator's slack, not bytes anyone holds)."""
+trim has run). RSS is taken less the memory the prompt cache holds (it fills up to its limit
+by design) and less the free bytes the C heap gained (the allocator's slack, not bytes anyone
+holds)."""
 
 from __future__ import annotations
 

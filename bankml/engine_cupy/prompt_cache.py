@@ -65,11 +65,16 @@ def cache_ram_limit(mib: int | str | None = None) -> int | None:
 class Entry:
     tokens: list[int]
     kv: list[Any]
-    nbytes: int
+    nbytes: int  # as llama-server counts it: its state of the sequence and its checkpoints'
     ring: Any = None  # the SWA ring's positions in cell order (KVCache.ring_positions)
     checkpoints: list[Any] = field(
         default_factory=list
     )  # the slot's context checkpoints, kept with it
+
+    @property
+    def held_nbytes(self) -> int:
+        """The memory its KV copies take as bankml holds them (f32 for an f16 cache)."""
+        return sum(sum(a.nbytes for a in e) if isinstance(e, tuple) else e.nbytes for e in self.kv)
 
 
 class HostPromptCache:

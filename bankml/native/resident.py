@@ -657,11 +657,12 @@ class NativeEngine:
         (a router with none loaded): nothing held, ``limit_bytes`` null (no cache to bound)."""
         cache = getattr(self.engine, "host_cache", None)
         if cache is None:
-            return {"entries": 0, "bytes": 0, "limit_bytes": None}
+            return {"entries": 0, "bytes": 0, "held_bytes": 0, "limit_bytes": None}
         entries = list(cache.entries)
         return {
             "entries": len(entries),
-            "bytes": sum(e.nbytes for e in entries),
+            "bytes": sum(e.nbytes for e in entries),  # as llama-server counts them
+            "held_bytes": sum(e.held_nbytes for e in entries),  # the memory they take here
             "limit_bytes": cache.limit,
         }
 
