@@ -41,6 +41,7 @@ touched every head's region and made the kernel zero the whole store (a 3B model
 
 from __future__ import annotations
 
+import copy
 import mmap
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -213,10 +214,6 @@ class IswaCells:
         self.base, self.swa = base, swa
         self.swa_placed = numpy.zeros(0, numpy.int64)
 
-    @property
-    def size(self) -> int:
-        return self.base.size
-
     def n_kv(self) -> int:
         return self.base.n_kv()
 
@@ -226,8 +223,7 @@ class IswaCells:
 
     def place(self, seqs: numpy.ndarray, positions: numpy.ndarray) -> numpy.ndarray:
         # both take the micro-batch, or neither does (llama_kv_cache_iswa's prepare)
-        swa = SharedCells(self.swa.size, self.swa.window)
-        swa.seq, swa.pos, swa.head = self.swa.seq.copy(), self.swa.pos.copy(), self.swa.head
+        swa = copy.deepcopy(self.swa)
         self.swa_placed = swa.place(seqs, positions)
         idx = self.base.place(seqs, positions)
         self.swa = swa
