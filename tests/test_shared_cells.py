@@ -1,7 +1,8 @@
 """The shared KV cache's cells as llama.cpp's llama_kv_cache keeps them for several slots
 (kv_cache.SharedCells: find_slot, apply_ubatch, seq_rm; a sliding-window model's two caches,
-kv_cache.IswaCells), and the receipt's ``evaluated_cells`` read back with its refusals. The cells' effect on the vectors is tested side by side with
-llama-server in tests/test_embeddings.py."""
+kv_cache.IswaCells), a cache following its sequence's cells in them (KVCache.follow), and the
+receipt's ``evaluated_cells`` read back with its refusals. The cells' effect on the vectors and
+logprobs is tested side by side with llama-server in tests/test_embeddings.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from bankml.engine_cupy.kv_cache import (
     IswaCells,
     KVCache,
     SequenceCells,
+    SequenceIswa,
     SharedCells,
     find_cells,
 )
@@ -191,3 +193,65 @@ def test_a_cache_follows_its_sequences_cells_in_the_shared_cache() -> None:
     assert cache.follows and book.seq[[0, 1, 2, 7]].tolist() == [-1] * 4
     cache.unfollow()
     assert not cache.follows and cache.cells is None
+
+
+def test_the_sliding_layers_book_changes_in_place_even_when_the_full_layers_refuse() -> None:
+    """A micro-batch the full layers' cache cannot hold after the sliding layers' took it: the
+    sliding layers' book is put back as it was, the same object a sequence's view reads."""
+    books = IswaCells(SharedCells(4), SharedCells(8, window=2))
+    place(books, 0, 3)
+    swa, view = books.swa, SequenceIswa(books, 0)
+    before = (swa.seq.copy(), swa.pos.copy(), swa.head)
+    with pytest.raises(ValueError, match="no free cell"):
+        view.place(numpy.arange(3, 5))
+    assert books.swa is swa and view.swa.book is swa and swa.head == before[2]
+    assert numpy.array_equal(swa.seq, before[0]) and numpy.array_equal(swa.pos, before[1])
+
+
+def test_a_sliding_window_cache_follows_both_shared_books() -> None:
+    """KVCache.follow(SequenceIswa): the full layer attends over the full layers' book's cells,
+    the sliding layer over the sliding layers' book's, each micro-batch stored into the cells
+    each book gives it (the sliding one reusing another sequence's cell out of its window),
+    each layer's mask and n_kv its own book's; a checkpoint's positions are the sliding
+    book's window in its cell order; unfollow gives the sliding layer its own ring back,
+    holding what the book held of the sequence, in the book's order."""
+    books = IswaCells(SharedCells(1024), SharedCells(8, window=2))
+    place(books, 1, 4)  # another sequence in cells 0-3 of both
+    cache = KVCache(
+        numpy, 2, 1, 4, 1024, "f16", window=2, sliding=(True, False), ring=True, exact=True
+    )
+    rows = numpy.arange(12, dtype=numpy.float32).reshape(3, 1, 4)
+    cache.place(0, 3)
+    for layer in (0, 1):
+        cache.store(layer, 0, rows, rows)
+    cache.advance(3)
+    own_ring = cache.swa
+    place(books, 0, 3)  # this sequence's three positions: cells 4-6 of both
+    assert not cache.follow(SequenceCells(books.base, 0))  # a sliding window needs both
+    assert cache.follow(SequenceIswa(books, 0)) and cache.follows
+    assert cache.layout(0) is cache.swa and cache.swa.book is books.swa
+    assert cache.layout(1) is cache.cells and cache.cells.book is books.base
+    assert cache.keys(0, 8)[0, 4:7].tolist() == rows[:, 0].tolist()
+    for pos, full_cell, swa_cell in ((3, 7, 7), (4, 8, 0)):  # cell 0: position 0 of the other
+        cache.place(pos, 1)
+        assert (cache._batch_cells.tolist(), cache._swa_batch_cells.tolist()) == (
+            [full_cell],
+            [swa_cell],
+        )
+        row = rows[:1] + 100 * pos
+        for layer in (0, 1):
+            cache.store(layer, pos, row, row)
+        cache.advance(pos + 1)
+        assert cache.keys(0, 8)[0, swa_cell].tolist() == row[0, 0].tolist()
+        assert cache.keys(1, 9)[0, full_cell].tolist() == row[0, 0].tolist()
+    assert books.swa.seq[0] == 0 and books.swa.pos[0] == 4
+    sliding = cache.layout(0).mask(numpy.array([4]))[0] == 0
+    assert numpy.flatnonzero(sliding).tolist() == [0, 7]  # positions 4 and 3: the window
+    full = cache.layout(1).mask(numpy.array([4]))[0] == 0
+    assert numpy.flatnonzero(full).tolist() == [4, 5, 6, 7, 8]
+    assert cache.ring_positions().tolist() == [4, 3]
+    cache.unfollow()
+    assert not cache.follows and cache.swa is not own_ring and cache.layout(1) is None
+    assert cache.swa.pos[:5].tolist() == [4, 0, 1, 2, 3] and cache.pos_min == 0
+    assert cache.layout(0) is cache.swa  # its own ring again
+    assert cache.keys(0, 5)[0, 0].tolist() == (rows[:1] + 400)[0, 0].tolist()

@@ -58,12 +58,19 @@ from bankml.engine_cupy.kernels.exact_attention import FA_TILE_Q, kv_length
 from bankml.engine_cupy.kv_cache import (
     IswaCells,
     SequenceCells,
+    SequenceIswa,
     SharedCells,
     pad_cells,
     ring_size,
 )
 from bankml.engine_cupy.model import BatchCells, Model, Placed
-from bankml.engine_cupy.prompt_cache import HostPromptCache, cache_ram_limit, longest_common_prefix
+from bankml.engine_cupy.prompt_cache import (
+    Entry,
+    HostPromptCache,
+    SavedCells,
+    cache_ram_limit,
+    longest_common_prefix,
+)
 from bankml.engine_cupy.reasoning_budget import ReasoningBudget, ReasoningBudgetSpec
 from bankml.engine_cupy.request import (
     BUDGET_FIELDS,
@@ -239,7 +246,7 @@ class _RunCells(NamedTuple):
     """The shared cache's book set aside while a run goes (Engine._set_cells_aside), and the
     count of what it could not follow when it was."""
 
-    cells: SharedCells
+    cells: SharedCells | IswaCells
     changes: int
     # the slot's cache follows the book's cells (KVCache.follow): the book is kept as the run
     # goes; else the run's cells are placed in it when it ends (Engine._place_run)
@@ -493,22 +500,29 @@ class Engine:
         sequence alone in order from cell 0 keeps its own cache's order, the same cells."""
         cells, self.cells = self.cells, None
         if (
-            not isinstance(cells, SharedCells)  # none, or a sliding-window model's
+            cells is None
             or self.speculative is not None
             or req.shared is not None
             or self.free_slots() != self.n_slots - 1
         ):
             return None
+        if isinstance(cells, IswaCells):  # a sliding-window model's two books, always laid out
+            if not slot.cache.follow(SequenceIswa(cells, slot.id)):
+                return None
+            return _RunCells(cells, self._cell_changes, True)
         laid_out = not cells.in_order_alone(slot.id)
         if laid_out and not slot.cache.follow(SequenceCells(cells, slot.id)):
             return None
         return _RunCells(cells, self._cell_changes, laid_out)
 
-    def _place_run(self, held: _RunCells | None, slot: Slot, summary: Summary) -> None:
+    def _place_run(
+        self, held: _RunCells | None, slot: Slot, summary: Summary, followed: bool
+    ) -> None:
         """The cells a run took alone, as llama-server's decodes take them: its slot's cells from
         the first position not reused emptied, the prompt's micro-batches, then a cell for each
         token decoded after it (the last one sampled is never decoded). A run cancelled, whose
-        context shifted, or beside which anything else happened leaves the book unknown."""
+        context shifted, whose cache stopped following the book (``followed``), or beside which
+        anything else happened leaves the book unknown."""
         if (
             held is None
             or held.changes != self._cell_changes
@@ -518,8 +532,10 @@ class Engine:
             return
         cells = held.cells
         if held.laid_out:  # placed as the run went
-            self.cells = cells
+            if followed:
+                self.cells = cells
             return
+        assert isinstance(cells, SharedCells)  # a sliding-window model's are laid out
         cache_n = int(summary.timings["cache_n"])
         n_prompt = summary.prompt_tokens
         cells.seq_rm(slot.id, cache_n)
@@ -533,25 +549,60 @@ class Engine:
         self.cells = cells
 
     def _save_to_host_cache(self, slot: Slot) -> bool:
-        """The slot's tokens and cells (its checkpoints with them) into the host cache; whether
-        they were kept."""
+        """The slot's tokens and cells (its checkpoints with them, and where it sits in the
+        shared cache when the book knows) into the host cache; whether they were kept."""
         held = slot.checkpoints.items if slot.checkpoints is not None else []
-        return self.host_cache.save(slot.tokens, slot.cache, held)
+        return self.host_cache.save(slot.tokens, slot.cache, held, self._saved_cells(slot))
 
-    def _place_loaded(self, slot: Slot, n: int, in_order: bool) -> None:
+    def _saved_cells(self, slot: Slot) -> SavedCells | None:
+        """Where ``slot``'s sequence sits in the shared cache, as llama-server's state of it
+        lists its cells (None: the book does not know, or holds other positions for it)."""
+        cells = self.cells
+        if cells is None:
+            return None
+        base = cells.base if isinstance(cells, IswaCells) else cells
+        saved = SavedCells(SequenceCells(base, slot.id).held())
+        if len(saved.base) != len(slot.tokens):
+            return None
+        if isinstance(cells, IswaCells):
+            saved = saved._replace(swa=SequenceCells(cells.swa, slot.id).held())
+        return saved
+
+    @staticmethod
+    def _placed_cells(placed: Placed | None, window: int) -> SavedCells | None:
+        """``_saved_cells`` of an embedding's input from where its batch placed it."""
+        if placed is None:
+            return None
+        base = np.argsort(placed.cells, kind="stable")  # its positions in cell order
+        if placed.swa_cells is None:
+            return SavedCells(base)
+        order = np.argsort(placed.swa_cells, kind="stable")
+        return SavedCells(base, order[order >= len(order) - window])
+
+    def _place_loaded(self, slot: Slot, entry: Entry) -> None:
         """A prompt loaded into ``slot`` from the host cache, in the book as llama.cpp reads a
-        saved sequence back (state_read: seq_rm, then find_slot for its cells in their saved
-        order, here position order); a saved cell layout of its own (a context shift's) is
-        not followed."""
+        saved sequence back (state_read, the full layers' cache, then a sliding-window model's
+        sliding layers' one: seq_rm, then find_slot for its cells in their saved order). An
+        entry saved where the book did not know its cells is placed in position order, unless
+        it holds a cell layout of its own (a context shift's, a sliding window's): the book is
+        then unknown."""
         cells = self.cells
         if cells is None:
             return
-        if not in_order or isinstance(cells, IswaCells):  # the saved window is not followed
+        saved = entry.cells
+        if saved is None and entry.ring is None and not isinstance(cells, IswaCells):
+            saved = SavedCells(np.arange(len(entry.tokens)))
+        if saved is None or isinstance(cells, IswaCells) != (saved.swa is not None):
             self.forget_cells()
             return
-        cells.seq_rm(slot.id)
+        books = [(cells, saved.base)]
+        if isinstance(cells, IswaCells) and saved.swa is not None:
+            books = [(cells.base, saved.base), (cells.swa, saved.swa)]
         try:
-            cells.place(np.full(n, slot.id), np.arange(n))
+            for book, positions in books:
+                book.seq_rm(slot.id)
+                if len(positions):
+                    book.place(np.full(len(positions), slot.id), positions)
         except ValueError:  # no room: llama-server's restore fails there
             self.forget_cells()
 
@@ -1186,8 +1237,11 @@ class Engine:
         for i, slot in keep.items():  # the cache holds the input now
             slot.tokens, slot.embedded = list(inputs[i]), []
             slot.holds_embedding = True
+        placement = plan.placement if plan is not None and plan.placement else {}
+        window = int(getattr(getattr(self.model, "hp", None), "swa_window", 0) or 0)
         for i, checkpoints in saved:
-            if self.host_cache.save(inputs[i], held[i], checkpoints):
+            cells = self._placed_cells(placement.get(i), window)
+            if self.host_cache.save(inputs[i], held[i], checkpoints, cells):
                 self.host_cache.update()
         return out
 
@@ -1208,8 +1262,9 @@ class Engine:
         which orders their ``t_last_used`` for the next request. That holds while every group
         fits ``-ub`` and no other request's task joins; ``evaluated_together`` and
         ``pooled_together`` follow the batches only that far."""
-        if self._tracks_cells and self.clear_idle_slots and self.free_slots() == self.n_slots:
-            self.cells = self._new_cells()  # the launch empties the cache (cells_known)
+        # the first launch saves every slot to the host cache (where the book knows their
+        # cells, with them), then empties the cache (cells_known)
+        empties = self._tracks_cells and self.clear_idle_slots and self.free_slots() == self.n_slots
         batches = []
         placement: dict[int, Placed] = {}
         last: dict[int, tuple[int, Any]] = {}  # slot id: the last input it took, and the slot
@@ -1229,6 +1284,8 @@ class Engine:
                         if held is not slot
                     ]
                 self._acquire(slot)
+                if empties:
+                    self.cells, empties = self._new_cells(), False
                 taken.append((slot, i))
                 i += 1
             taken.sort(key=lambda pair: pair[0].id)
@@ -1507,7 +1564,7 @@ class Engine:
         entry = self.host_cache.take_better(slot.tokens, prompt)
         if entry is not None:
             slot.cache.restore(entry.kv, len(entry.tokens))
-            self._place_loaded(slot, len(entry.tokens), entry.ring is None)
+            self._place_loaded(slot, entry)
             if entry.ring is not None:
                 slot.cache.load_ring(entry.ring)  # the ring as the entry held it
             slot.tokens = list(entry.tokens)
@@ -1534,13 +1591,15 @@ class Engine:
                 self._use_host_cache(slot, tokens)
             self._acquire(slot)
             held = self._set_cells_aside(req, slot)
+            followed = False
             try:
                 yield from self._generate(slot, req, cancelled, summary, clock, progress)
             finally:
                 self._release(slot)
                 if held is not None and held.laid_out:
+                    followed = slot.cache.follows
                     slot.cache.unfollow()
-            self._place_run(held, slot, summary)
+            self._place_run(held, slot, summary, followed)
         finally:
             if shared is not None and not req.shared_child:
                 shared.abandon()  # a parent that ended before its prompt did: children compute

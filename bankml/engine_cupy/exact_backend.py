@@ -74,7 +74,7 @@ class ExactOps:
         ring's cells in cell order, with the mask of the positions they hold and its n_kv."""
         hp = self.hp
         if cache.in_ring(il):
-            cells = cache.cells
+            cells = cache.layout(il)
             assert cells is not None  # a ring keeps its cells' positions
             end, n_kv = cells.used_max_p1, cells.n_kv()
             mask = step.ring_mask(cells)

@@ -41,7 +41,6 @@ touched every head's region and made the kernel zero the whole store (a 3B model
 
 from __future__ import annotations
 
-import copy
 import mmap
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -222,11 +221,16 @@ class IswaCells:
         self.swa.seq_rm(seq, p0)
 
     def place(self, seqs: numpy.ndarray, positions: numpy.ndarray) -> numpy.ndarray:
-        # both take the micro-batch, or neither does (llama_kv_cache_iswa's prepare)
-        swa = copy.deepcopy(self.swa)
-        self.swa_placed = swa.place(seqs, positions)
-        idx = self.base.place(seqs, positions)
-        self.swa = swa
+        # both take the micro-batch, or neither does (llama_kv_cache_iswa's prepare); the
+        # sliding layers' book changes in place, as sequences' views of it (SequenceCells) hold it
+        before = (self.swa.seq.copy(), self.swa.pos.copy(), self.swa.head)
+        placed = self.swa.place(seqs, positions)
+        try:
+            idx = self.base.place(seqs, positions)
+        except ValueError:
+            self.swa.seq, self.swa.pos, self.swa.head = before
+            raise
+        self.swa_placed = placed
         return idx
 
 
@@ -304,10 +308,7 @@ class Cells(CellBook):
         """What llama_state_seq_get_data writes of this cache (a context checkpoint, a prompt
         cache entry, a slot file): the occupied cells not masked for the largest position
         (is_masked_swa against seq_pos_max, so the last ``window`` positions), in cell order."""
-        occupied = self.pos >= 0
-        if self.window is not None:
-            occupied &= int(self.pos.max()) - self.pos < self.window
-        return self.pos[occupied].copy()
+        return held_positions(self.pos, self.window)
 
     def load(self, positions: numpy.ndarray) -> numpy.ndarray:
         """llama_state_seq_set_data of a checkpoint (state_read_meta): seq_rm the whole
@@ -326,6 +327,14 @@ class Cells(CellBook):
         return cells_mask(self.pos[: self.used_max_p1], q_pos, self.window)
 
 
+def held_positions(pos: numpy.ndarray, window: int | None) -> numpy.ndarray:
+    """Cells.held over the cells' positions ``pos`` (-1: a cell the sequence does not hold)."""
+    occupied = pos >= 0
+    if window is not None and occupied.any():
+        occupied &= int(pos.max()) - pos < window
+    return pos[occupied].copy()
+
+
 def cells_mask(pos: numpy.ndarray, q_pos: Any, window: int | None) -> numpy.ndarray:
     """Cells.mask over the cells' positions ``pos`` (-1: a cell the sequence does not hold)."""
     p = pos[None, :]
@@ -341,12 +350,12 @@ class SequenceCells:
     keeps a cell layout (``KVCache.follow``): ``place`` and ``remove_from`` go to the shared
     book, so a micro-batch takes the cells find_slot gives it round the other sequences';
     ``used_max_p1`` and ``n_kv`` are the whole cache's (what ggml attends over), and ``mask``
-    hides every cell but this sequence's own."""
-
-    window = None
+    hides every cell but this sequence's own (and, in a sliding layers' book, those out of the
+    window)."""
 
     def __init__(self, book: SharedCells, seq: int):
         self.book, self.seq = book, int(seq)
+        self.window = book.window
 
     @property
     def size(self) -> int:
@@ -370,8 +379,36 @@ class SequenceCells:
     def remove_from(self, p0: int) -> None:
         self.book.seq_rm(self.seq, p0)
 
+    def held(self) -> numpy.ndarray:
+        return held_positions(self.pos, self.window)
+
+    def holds(self, start: int, end: int) -> bool:
+        return bool(numpy.isin(numpy.arange(start, end), self.pos).all())
+
+    def load(self, positions: numpy.ndarray) -> numpy.ndarray:
+        """Cells.load in the shared book: the sequence's cells emptied, then the saved ones
+        placed round the other sequences' in their saved order."""
+        self.remove_from(0)
+        if not len(positions):
+            return numpy.zeros(0, numpy.int64)
+        return self.place(numpy.asarray(positions, numpy.int64))
+
     def mask(self, q_pos: Any) -> numpy.ndarray:
-        return cells_mask(self.pos[: self.used_max_p1], q_pos, None)
+        return cells_mask(self.pos[: self.used_max_p1], q_pos, self.window)
+
+
+class SequenceIswa:
+    """One sequence's cells in both books of a sliding-window model's shared caches
+    (``IswaCells``): ``base`` the full layers', ``swa`` the sliding layers'; ``place`` puts a
+    micro-batch in both at once and returns both cell lists."""
+
+    def __init__(self, book: IswaCells, seq: int):
+        self.book, self.seq = book, int(seq)
+        self.base, self.swa = SequenceCells(book.base, seq), SequenceCells(book.swa, seq)
+
+    def place(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        idx = self.book.place(numpy.full(len(positions), self.seq), positions)
+        return idx, self.book.swa_placed
 
 
 def resolve_cache_type(cache_type: str | None, head_dim: int) -> str:
@@ -471,28 +508,56 @@ class KVCache:
         # llama.cpp's SWA cache bookkeeping, kept for every sliding-window model (its pos_min and
         # saved cells decide llama-server's prefix reuse); ``cells`` is the same object when the
         # ring's cells are also stored and attended over (the exact path, size < n_ctx)
-        self.swa = Cells(size, window) if window and any(sliding) else None
+        # while following a sliding-window model's shared caches (``follow``), the sliding
+        # layers' book of this sequence (a SequenceCells) stands in for its own ring
+        self.swa: Cells | SequenceCells | None = (
+            Cells(size, window) if window and any(sliding) else None
+        )
         self._sliding = tuple(il for il, is_sliding in enumerate(sliding) if is_sliding)
-        if ring and self.swa is not None and size < self.n_ctx:
-            for il, is_sliding in enumerate(sliding):
-                if is_sliding:
-                    self._ring_k[il] = self._empty_like(self._k[il], size)
-                    self._ring_v[il] = self._empty_like(self._v[il], size)
+        self._ring_size = size
+        # the sliding layers' cells stored and attended over in llama.cpp's SWA layout
+        self._own_ring = bool(ring) and self.swa is not None and size < self.n_ctx
+        self._make_own_ring()
         self._batch_cells: numpy.ndarray | None = None  # cells of the micro-batch being run
         # after a context shift (``shift``) on the exact path: the whole cache's cell layout,
         # every layer's cells stored and attended over in cell order (None: position order);
         # or the cells of a cache other sequences share (``follow``)
         self._cells_kept = bool(ring) and self.exact
         self.shifted: Cells | SequenceCells | None = None
+        # following both books of a sliding-window model's shared caches: the full layers'
+        # cells are ``shifted``'s, the sliding layers' ``swa``'s (their micro-batch's below)
+        self._iswa: SequenceIswa | None = None
+        self._swa_batch_cells: numpy.ndarray | None = None
 
     @property
     def cells(self) -> Cells | SequenceCells | None:
         """The layout whose cells are also stored and attended over: the whole cache's after a
-        context shift (``shifted``), else the SWA cache's when it is a ring (``swa``), else
-        None."""
+        context shift (``shifted``; the full layers' where both shared books are followed),
+        else the SWA cache's when it is a ring (``swa``), else None."""
         if self.shifted is not None:
             return self.shifted
         return self.swa if self._ring_k else None
+
+    def layout(self, layer: int) -> Cells | SequenceCells | None:
+        """The cell layout ``layer``'s attention walks (None: position order)."""
+        if layer not in self._ring_k:
+            return None
+        if self._iswa is not None and layer in self._sliding:
+            return self.swa
+        return self.cells
+
+    def _layer_batch_cells(self, layer: int) -> numpy.ndarray | None:
+        """The cells ``place`` chose for ``layer``'s layout."""
+        if self._iswa is not None and layer in self._sliding:
+            return self._swa_batch_cells
+        return self._batch_cells
+
+    def _make_own_ring(self) -> None:
+        """Storage for the sliding layers' own ring, where the cache keeps one."""
+        if self._own_ring:
+            for il in self._sliding:
+                self._ring_k[il] = self._empty_like(self._k[il], self._ring_size)
+                self._ring_v[il] = self._empty_like(self._v[il], self._ring_size)
 
     def _empty_like(self, entry: Any, cells: int) -> Any:
         """Zeroed storage of ``entry``'s kind with ``cells`` cells."""
@@ -539,8 +604,8 @@ class KVCache:
         """What a saved state of the cell layout holds (``Cells.held``, in cell order: the
         SWA cache's window, or every position after a context shift; their values are the
         position store's, which keeps them); None when cells are in position order."""
-        if self.follows:  # the shared cache's cells are not this sequence's own to save
-            return None
+        if self.follows:  # the shared cache's cells: the sliding layers' book's window
+            return None if self._iswa is None or self.swa is None else self.swa.held()
         if isinstance(self.shifted, Cells):
             return self.shifted.held()
         return None if self.swa is None else self.swa.held()
@@ -582,7 +647,9 @@ class KVCache:
                 self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
             return
         cells = self.swa.load(positions)
-        for il in self._ring_k:  # none unless the ring's cells are stored
+        for il in self._sliding:  # none unless the ring's cells are stored
+            if il not in self._ring_k:
+                continue
             self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
             self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
 
@@ -593,7 +660,10 @@ class KVCache:
 
     def place(self, start: int, n: int) -> None:
         """Before a micro-batch of positions start..start+n-1: choose its ring cells."""
-        if self.cells is not None:
+        if self._iswa is not None:  # both shared books take it, or neither
+            positions = numpy.arange(start, start + n)
+            self._batch_cells, self._swa_batch_cells = self._iswa.place(positions)
+        elif self.cells is not None:
             self._batch_cells = self.cells.place(numpy.arange(start, start + n))
         elif self.swa is not None:  # bookkeeping only: any batch, in llama_decode's ubatches
             for a in range(start, start + n, self.n_ubatch):
@@ -665,6 +735,7 @@ class KVCache:
         if self.swa is not None and self.swa.window is not None:  # the ring always has one
             self.swa.remove_from(n)
             if not self.swa.holds(max(0, n - self.swa.window + 1), n):  # the window of position n
+                self.unfollow()  # the shared books are not followed past a ring laid afresh
                 self._relay_ring()
 
     # --- context shift ------------------------------------------------------------------------
@@ -726,33 +797,60 @@ class KVCache:
         held copied into their cells."""
         self.shifted = layout
         for il in range(len(self._k)):
-            self._ring_k[il] = self._empty_like(self._k[il], self.kv_size)
-            self._ring_v[il] = self._empty_like(self._v[il], self.kv_size)
-            self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
-            self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
+            self._fill_cells(il, self.kv_size, positions, cells)
+
+    def _fill_cells(self, il: int, size: int, positions: Any, cells: Any) -> None:
+        """Layer ``il`` attended over ``size`` cells, the ``positions`` held copied into
+        ``cells`` from the position store."""
+        self._ring_k[il] = self._empty_like(self._k[il], size)
+        self._ring_v[il] = self._empty_like(self._v[il], size)
+        self._copy_cells(self._k[il], self._ring_k[il], positions, cells)
+        self._copy_cells(self._v[il], self._ring_v[il], positions, cells)
 
     @property
     def follows(self) -> bool:
         """Whether the cells are those of a cache other sequences share (``follow``)."""
         return isinstance(self.shifted, SequenceCells)
 
-    def follow(self, layout: SequenceCells) -> bool:
+    def follow(self, layout: SequenceCells | SequenceIswa) -> bool:
         """Keep this sequence's cells where the shared cache's book places them (llama-server's
         slots with ``-kvu``): positions 0..n_tokens-1 copied into the cells the book holds them
         in, each later micro-batch into the cells it chooses, attention in cell order over the
         whole cache's ``n_kv``, until ``unfollow``. False where the cache keeps no cell layout
-        (not the exact path, a sliding window, a context shift's) or the book does not hold
-        exactly its positions."""
-        if not self._cells_kept or self.swa is not None or self.shifted is not None:
+        (not the exact path, a context shift's) or the book does not hold exactly its
+        positions.
+
+        A sliding-window model follows both books (``SequenceIswa``): the full layers the full
+        layers' cache's cells, the sliding layers the smaller cache's, whose cells for this
+        sequence are any of its positions (those still in the window of the next one among
+        them)."""
+        if not self._cells_kept or self.shifted is not None:
             return False
-        if layout.size > self.kv_size:
+        base = layout.base if isinstance(layout, SequenceIswa) else layout
+        if (self.swa is not None) != isinstance(layout, SequenceIswa):
             return False
-        pos = layout.pos
+        if base.size > self.kv_size:
+            return False
+        pos = base.pos
         cells = numpy.flatnonzero(pos >= 0)
         positions = pos[cells]
         if not numpy.array_equal(numpy.sort(positions), numpy.arange(self._n_tokens)):
             return False
-        self._keep_cells(layout, positions, cells)
+        if not isinstance(layout, SequenceIswa):
+            self._keep_cells(layout, positions, cells)
+            return True
+        swa_pos = layout.swa.pos
+        swa_cells = numpy.flatnonzero(swa_pos >= 0)
+        if (swa_pos[swa_cells] >= self._n_tokens).any():
+            return False
+        self._ring_k.clear()
+        self._ring_v.clear()
+        self.shifted, self.swa, self._iswa = layout.base, layout.swa, layout
+        for il in range(len(self._k)):
+            if il in self._sliding:
+                self._fill_cells(il, layout.swa.size, swa_pos[swa_cells], swa_cells)
+            else:
+                self._fill_cells(il, self.kv_size, positions, cells)
         return True
 
     def unfollow(self) -> None:
@@ -771,11 +869,21 @@ class KVCache:
             self.shifted.head = source.shifted.head
 
     def _unshift(self) -> None:
-        """Back to position order (an empty cache, or one laid anew from the position store)."""
+        """Back to position order (an empty cache, or one laid anew from the position store);
+        after following both shared books, the sliding layers' own ring again, holding what
+        their book held of this sequence, in its cell order."""
         if self.shifted is not None:
             self.shifted = None
             self._ring_k.clear()
             self._ring_v.clear()
+        if self._iswa is not None and self.swa is not None:
+            held = self.swa.pos[self.swa.pos >= 0]
+            if len(held) > self._ring_size:
+                held = self.swa.held()
+            self._iswa, self._swa_batch_cells = None, None
+            self.swa = Cells(self._ring_size, self.swa.window)
+            self._make_own_ring()
+            self.load_ring(held)
 
     def snapshot(self) -> list[Any]:
         """Copies of positions 0..n_tokens-1 of every layer's K and V (the host prompt cache)."""
@@ -842,11 +950,12 @@ class KVCache:
             raise ValueError(f"the cache holds {self.n_ctx} positions; {end} asked")
         self._store_positions(layer, start, end, k, v)
         if layer in self._ring_k:  # the same rounded rows, into the micro-batch's ring cells
-            if self._batch_cells is None or len(self._batch_cells) != end - start:
+            cells = self._layer_batch_cells(layer)
+            if cells is None or len(cells) != end - start:
                 raise ValueError("place() chooses the ring cells before a micro-batch is stored")
             positions = slice(start, end)
-            self._copy_cells(self._k[layer], self._ring_k[layer], positions, self._batch_cells)
-            self._copy_cells(self._v[layer], self._ring_v[layer], positions, self._batch_cells)
+            self._copy_cells(self._k[layer], self._ring_k[layer], positions, cells)
+            self._copy_cells(self._v[layer], self._ring_v[layer], positions, cells)
 
     def _store_positions(self, layer: int, start: int, end: int, k: Any, v: Any) -> None:
         xp = self.xp
@@ -881,9 +990,10 @@ class KVCache:
         micro-batch (the fused decode step stores there too); None for another layer."""
         if layer not in self._ring_k:
             return None
-        if self._batch_cells is None or len(self._batch_cells) != 1:
+        cells = self._layer_batch_cells(layer)
+        if cells is None or len(cells) != 1:
             raise ValueError("place() chooses the ring cell of a one-token micro-batch first")
-        return self._ring_k[layer], self._ring_v[layer], int(self._batch_cells[0])
+        return self._ring_k[layer], self._ring_v[layer], int(cells[0])
 
     def quantized(self, layer: int, end: int) -> tuple[Any, Any, Any, Any]:
         """(k_q, k_d, v_q, v_d) of positions 0..end-1: views of the q8_0 cache, int8

@@ -103,12 +103,14 @@ class Step:
         return self.masks[window]
 
     def ring_mask(self, cells: Any) -> Any:
-        """The sliding-window ring's mask (kv_cache.Cells.mask), read-only."""
-        if "ring" not in self.masks:
+        """The mask of a cell layout (kv_cache.Cells.mask: the sliding-window ring's, or a
+        cache's cells in cell order), read-only; one per window."""
+        key = f"ring{cells.window}"
+        if key not in self.masks:
             mask = cells.mask(self.positions)
             mask.flags.writeable = False
-            self.masks["ring"] = mask
-        return self.masks["ring"]
+            self.masks[key] = mask
+        return self.masks[key]
 
 
 # --- the definition ------------------------------------------------------------------------------

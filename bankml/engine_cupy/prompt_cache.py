@@ -20,6 +20,10 @@ bankml holds them in) and its context checkpoints'. After a slot's save and load
 each idle slot saved, ``update`` evicts the oldest entries over the byte limit, then over the
 token limit: the server's context (all slots'), raised to what the byte limit holds at the
 entries' bytes per token. So without a byte limit the cache holds one context's tokens.
+
+With ``-kvu`` an entry saved while the engine knew the shared cache's cells (``SavedCells``)
+keeps where the sequence sat, as llama-server's state of it lists its cells in cell order: a
+load places them in the shared cache in that order, as llama.cpp reads a saved sequence back.
 Twisted-free; the engine calls it on its own thread.
 """
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -61,6 +65,15 @@ def cache_ram_limit(mib: int | str | None = None) -> int | None:
     return None if size < 0 else size * MIB
 
 
+class SavedCells(NamedTuple):
+    """A sequence's positions in cell order in the cache the slots share (``-kvu``), as
+    llama-server's state of it writes them: the full layers' cache's, and a sliding-window
+    model's sliding layers' cache's window (None: a model without one)."""
+
+    base: np.ndarray
+    swa: np.ndarray | None = None
+
+
 @dataclass
 class Entry:
     tokens: list[int]
@@ -70,6 +83,8 @@ class Entry:
     checkpoints: list[Any] = field(
         default_factory=list
     )  # the slot's context checkpoints, kept with it
+    # where it sat in the shared cache, when the engine knew (None: not known, or no -kvu)
+    cells: SavedCells | None = None
 
     @property
     def held_nbytes(self) -> int:
@@ -100,9 +115,15 @@ class HostPromptCache:
     def n_tokens(self) -> int:
         return sum(len(e.tokens) for e in self.entries)
 
-    def save(self, slot: Sequence[int], cache: Any, checkpoints: Sequence[Any] = ()) -> bool:
-        """Copy the slot in, as llama-server's prompt save does (its checkpoints with it);
-        whether it was kept."""
+    def save(
+        self,
+        slot: Sequence[int],
+        cache: Any,
+        checkpoints: Sequence[Any] = (),
+        cells: SavedCells | None = None,
+    ) -> bool:
+        """Copy the slot in, as llama-server's prompt save does (its checkpoints with it, and
+        where it sat in the shared cache where that is known); whether it was kept."""
         tokens = list(slot)
         if not tokens or any(_holds_whole(e.tokens, tokens) for e in self.entries):
             return False
@@ -112,8 +133,12 @@ class HostPromptCache:
         self.entries = [e for e in self.entries if not _holds_whole(tokens, e.tokens)]
         while self.entries and self.limit is not None and self.nbytes + nbytes > self.limit:
             self.entries.pop(0)
-        ring = cache.ring_positions() if hasattr(cache, "ring_positions") else None
-        self.entries.append(Entry(tokens, cache.snapshot(), nbytes, ring, list(checkpoints)))
+        ring: Any = None
+        if cells is not None and cells.swa is not None:  # the shared sliding layers' window
+            ring = cells.swa
+        else:
+            ring = cache.ring_positions() if hasattr(cache, "ring_positions") else None
+        self.entries.append(Entry(tokens, cache.snapshot(), nbytes, ring, list(checkpoints), cells))
         return True
 
     def update(self) -> None:

@@ -637,10 +637,16 @@ class _CellViews:
         self.cache, self.end = cache, pos + 1
         self.n_kv = exact_attention.kv_length(self.end, cache.kv_size)
         self._window_masks: dict[int, np.ndarray] = {}
-        self.ring: tuple[int, int, np.ndarray] | None = None  # its cells, n_kv and mask
-        ring = cache.cells
-        if ring is not None:
-            self.ring = (ring.used_max_p1, ring.n_kv(), ring.mask(np.array([pos])))
+        # per cell layout (a sliding-window model following both shared caches has two): its
+        # cells, n_kv and mask
+        self._rings: dict[int, tuple[int, int, np.ndarray]] = {}
+
+    def ring(self, layout: Any) -> tuple[int, int, np.ndarray]:
+        key = id(layout)
+        if key not in self._rings:
+            mask = layout.mask(np.array([self.end - 1]))
+            self._rings[key] = (layout.used_max_p1, layout.n_kv(), mask)
+        return self._rings[key]
 
     def window_mask(self, window: int) -> tuple[bool, np.ndarray]:
         """Model._mask for the one query: none unless a sliding window reaches back past cell 0."""
@@ -655,9 +661,9 @@ class _CellViews:
     def cells(self, il: int, window: int) -> tuple:
         k_store, v_store = self.cache.f16_cells(il)
         ring = self.cache.ring_f16_cells(il)
-        if ring is not None and self.ring is not None:
+        if ring is not None:
             k_ring, v_ring, cell = ring
-            n_cells, n_kv, mask = self.ring
+            n_cells, n_kv, mask = self.ring(self.cache.layout(il))
             return k_store, v_store, k_ring, v_ring, cell, n_cells, n_kv, mask, True
         has_mask, mask = self.window_mask(window)
         return k_store, v_store, k_store, v_store, -1, self.end, self.n_kv, mask, has_mask
