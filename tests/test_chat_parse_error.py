@@ -5,7 +5,9 @@ template from llama.cpp's models/templates. With a tool offered and a high tempe
 tiny model writes something that starts like a call and is not one: llama-server's parser then
 ends the request with a 500 (``The model produced output that does not match the expected
 peg-native format``, type ``server_error``), and a stream with that error as its last event.
-bankml answers byte for byte the same, and both go on answering the next request.
+bankml answers byte for byte the same, and both go on answering the next request. The
+template writes the day's date into the prompt; the request fixes it (``date_string`` in
+``chat_template_kwargs``), since on another day the sampled answer may parse.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ UNPARSED = {
     "seed": 5,
     "max_tokens": 60,
     "cache_prompt": False,
+    # the template writes today's date into the prompt: a fixed one keeps the answer
+    "chat_template_kwargs": {"date_string": "07 Dec 2026"},
 }
 
 
