@@ -497,7 +497,8 @@ class Engine:
         followed: drafts, a prompt shared by several runs, another slot busy). Where other
         sequences hold cells, or the slot's own lie out of position order, the slot's cache
         follows the book's cells, so that its attention walks them as llama-server's does; a
-        sequence alone in order from cell 0 keeps its own cache's order, the same cells."""
+        sequence alone in order from cell 0 keeps its own cache's order, the same cells. A
+        sliding-window model's cache always follows both books (``SequenceIswa``)."""
         cells, self.cells = self.cells, None
         if (
             cells is None
