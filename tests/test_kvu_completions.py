@@ -15,6 +15,9 @@ from typing import Any
 from tests.dropin import Pair, call, pair_fixture
 
 kvu_pair = pair_fixture(["-np", "4", "-kvu"])
+kvu_drafts_pair = pair_fixture(
+    ["-np", "4", "-kvu", "--no-cache-idle-slots", "--spec-type", "ngram-simple"]
+)
 two_slots_pair = pair_fixture(["-np", "2"])
 
 
@@ -77,3 +80,37 @@ def test_without_kvu_a_launch_saves_the_idle_slots_for_another_slot_as_llama_ser
     for prompt in [lamp, qubits, lamp + " It was", lamp + storm]:
         theirs = same_completion(two_slots_pair, prompt)
     assert (theirs["id_slot"], theirs["timings"]["cache_n"]) == (0, 14)
+
+
+def test_drafts_take_the_shared_caches_cells_as_llama_servers(kvu_drafts_pair: Pair) -> None:
+    """``-np 4 -kvu --no-cache-idle-slots --spec-type ngram-simple``: the idle slots keep their
+    cells, so each prompt sits past the others' in the shared cache, and each check of a draft
+    takes cells there that its rejected tokens give back. bankml's run follows the book as it
+    drafts (Engine._set_cells_aside), so every answer is llama-server's: its tokens, the drafts
+    accepted, and the logprobs of the tokens not drafted bit for bit (a drafted token has
+    probability 1 on both). Before, a run that drafted was not followed: its prompt attended
+    in position order, and the book was unknown after it."""
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    prompts = [
+        "Once upon a time a small cat sat on a warm mat. " * 3 + "The cat",
+        code * 3 + "def mul(a, b):\n",
+        "An old owl lived in an oak and saw many things. " * 3 + "The owl liked",
+        "Hello there, how are you doing today? I am fine, thank you.",
+        # the least recently used slot (the cat's): its cells freed, fewer of them taken
+        "The old lighthouse keeper climbed the stairs every evening to light the lamp.",
+        # the code continued: its new tokens take cells the cat's gave back, before its own
+        code * 3 + "def mul(a, b):\n    return a * b\n\n\ndef",
+    ]
+    accepted = 0
+    for prompt in prompts:
+        body = {"prompt": prompt, "n_predict": 24, "temperature": 0, "n_probs": 2}
+        ours, theirs = (
+            json.loads(call(port, "POST", "/completion", body)[2]) for port in kvu_drafts_pair.ports
+        )
+        assert ours["content"] == theirs["content"], prompt
+        assert ours["id_slot"] == theirs["id_slot"], prompt
+        for key in ("cache_n", "prompt_n", "draft_n", "draft_n_accepted"):
+            assert ours["timings"].get(key) == theirs["timings"].get(key), (prompt, key)
+        assert logprobs(ours) == logprobs(theirs), prompt
+        accepted += theirs["timings"].get("draft_n_accepted", 0)
+    assert accepted > 0

@@ -494,24 +494,21 @@ class Engine:
     def _set_cells_aside(self, req: Request, slot: Slot) -> _RunCells | None:
         """The book while a run goes: unknown to others meanwhile (a task beside it joins its
         batches as they come), kept for the run's own cells where it runs alone (None: not
-        followed: drafts, a prompt shared by several runs, another slot busy). Where other
+        followed: a prompt shared by several runs, another slot busy). Where other
         sequences hold cells, or the slot's own lie out of position order, the slot's cache
         follows the book's cells, so that its attention walks them as llama-server's does; a
         sequence alone in order from cell 0 keeps its own cache's order, the same cells. A
-        sliding-window model's cache always follows both books (``SequenceIswa``)."""
+        sliding-window model's cache always follows both books (``SequenceIswa``), and a run
+        that drafts (speculative decoding) always follows the book."""
         cells, self.cells = self.cells, None
-        if (
-            cells is None
-            or self.speculative is not None
-            or req.shared is not None
-            or self.free_slots() != self.n_slots - 1
-        ):
+        if cells is None or req.shared is not None or self.free_slots() != self.n_slots - 1:
             return None
         if isinstance(cells, IswaCells):  # a sliding-window model's two books, always laid out
             if not slot.cache.follow(SequenceIswa(cells, slot.id)):
                 return None
             return _RunCells(cells, self._cell_changes, True)
-        laid_out = not cells.in_order_alone(slot.id)
+        # a draft's rejected cells are emptied again (_place_run's replay takes one a token)
+        laid_out = self.speculative is not None or not cells.in_order_alone(slot.id)
         if laid_out and not slot.cache.follow(SequenceCells(cells, slot.id)):
             return None
         return _RunCells(cells, self._cell_changes, laid_out)
