@@ -877,7 +877,8 @@ class KVCache:
             self._ring_k.clear()
             self._ring_v.clear()
         if self._iswa is not None and self.swa is not None:
-            held = self.swa.pos[self.swa.pos >= 0]
+            pos = self.swa.pos
+            held = pos[pos >= 0]
             if len(held) > self._ring_size:
                 held = self.swa.held()
             self._iswa, self._swa_batch_cells = None, None

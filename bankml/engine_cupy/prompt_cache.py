@@ -133,9 +133,8 @@ class HostPromptCache:
         self.entries = [e for e in self.entries if not _holds_whole(tokens, e.tokens)]
         while self.entries and self.limit is not None and self.nbytes + nbytes > self.limit:
             self.entries.pop(0)
-        ring: Any = None
         if cells is not None and cells.swa is not None:  # the shared sliding layers' window
-            ring = cells.swa
+            ring: Any = cells.swa
         else:
             ring = cache.ring_positions() if hasattr(cache, "ring_positions") else None
         self.entries.append(Entry(tokens, cache.snapshot(), nbytes, ring, list(checkpoints), cells))
